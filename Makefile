@@ -1,0 +1,28 @@
+# The two commands of the README: `make demo` (the main job) and `make test` (the whole suite).
+# Both create/reuse .venv, install torch 2.13.0 first when no torch is present (a bare `torch` would pull a
+# multi-GB CUDA build), then this package with its test extra.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test lab bench
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: setup
+	$(PY) -m autopar_nb.demo
+
+test: setup
+	$(PY) -m pytest -q
+
+lab: setup
+	$(PY) -m jupyterlab notebooks/
+
+bench: setup
+	for b in bench/*.py; do $(PY) $$b || exit 1; done

@@ -1,0 +1,24 @@
+"""autopar-nb: plan, show, run and export parallel training for PyTorch models from a notebook.
+
+>>> import autopar_nb as ap
+>>> graph = ap.capture(model, example_inputs)          # model may live on the meta device
+>>> cluster = ap.Cluster.preset("h100-80gb", nodes=1)
+"""
+
+from .capture import CaptureError, capture
+from .graph import Layer, ModelGraph, OpNode, RepeatedBlock
+from .hardware import Cluster, DeviceSpec, LinkSpec
+from .plan import Cost, LayerPlan, MemoryBreakdown, MeshPlan, Plan, PlanError
+
+__all__ = [
+    "CaptureError", "Cluster", "Cost", "DeviceSpec", "Layer", "LayerPlan", "LinkSpec", "MemoryBreakdown", "MeshPlan",
+    "ModelGraph", "OpNode", "Plan", "PlanError", "RepeatedBlock", "capture", "load_ipython_extension",
+]
+
+
+def load_ipython_extension(ipython):
+    """``%load_ext autopar_nb``: registers the ``%%autoparallel`` cell magic (imported lazily, so worker processes
+    never import IPython or widgets)."""
+    from .magic import AutoparallelMagics
+
+    ipython.register_magics(AutoparallelMagics)

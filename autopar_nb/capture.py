@@ -1,0 +1,373 @@
+"""capture(model, example_inputs) -> ModelGraph: trace one forward pass on the meta device into an operator graph.
+
+``torch.export`` is the tracer. Where it cannot trace a model that still runs eagerly on meta tensors, a fallback
+records every ATen call of one eager forward pass with a ``TorchDispatchMode`` (the same machinery ``make_fx`` uses)
+and module hooks for the module path; a warning says so. Neither allocates parameter storage when the model lives
+on the meta device.
+"""
+
+from __future__ import annotations
+
+import linecache
+import traceback
+import warnings
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+import kernels_ext
+from kernels_ext import TensorMeta
+
+from .graph import Layer, ModelGraph, OpNode, ParamInfo, RepeatedBlock, TensorInfo
+
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+class CaptureError(RuntimeError):
+    """The model could not be traced; the message names the module, the source line and what to do."""
+
+
+def capture(model: nn.Module, example_inputs: Any, *, source: str | None = None) -> ModelGraph:
+    """Trace ``model`` on ``example_inputs`` into a :class:`ModelGraph`.
+
+    ``example_inputs`` is a tensor, a tuple/list of positional tensors, or a dict of keyword tensors. When the model
+    is on the meta device, inputs are moved to meta too, so nothing is allocated.
+
+    >>> with torch.device("meta"):
+    ...     m = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 512))
+    >>> capture(m, torch.randn(32, 1024)).num_params
+    1574400
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"capture() needs an nn.Module, got {type(model).__name__}")
+    args, kwargs = _split_inputs(example_inputs)
+    if any(p.is_meta for p in model.parameters()):
+        args, kwargs = tree_map(_to_meta, (args, kwargs))
+    paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+
+    was_training = model.training
+    model.train()  # trace the training graph: dropout and batch-norm statistics are part of the step
+    try:
+        try:
+            graph = _from_export(model, args, kwargs)
+        except Exception as export_error:  # noqa: BLE001 - any export failure may still trace eagerly
+            located = _locate(export_error, model, paths)
+            try:
+                graph = _from_dispatch(model, args, kwargs, paths)
+            except Exception as eager_error:  # noqa: BLE001
+                raise _capture_error(eager_error, model, paths) from eager_error
+            warnings.warn(f"torch.export could not trace {type(model).__name__} ({_first_line(export_error)}"
+                          f"{located}); captured by recording one eager forward pass instead", stacklevel=2)
+    finally:
+        model.train(was_training)
+
+    graph.source = source
+    return graph
+
+
+# ---- inputs ---------------------------------------------------------------------------------------------------------
+def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def _to_meta(x: Any) -> Any:
+    return torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) and not x.is_meta else x
+
+
+def _info(t: Any) -> TensorInfo | None:
+    if isinstance(t, torch.Tensor):
+        return TensorInfo(tuple(int(s) for s in t.shape), str(t.dtype).removeprefix("torch."), t.element_size())
+    return None
+
+
+def _meta(t: Any) -> Any:
+    """A traced value as kernels_ext sees it: tensors become TensorMeta, the rest is left alone."""
+    if isinstance(t, torch.Tensor):
+        return TensorMeta(tuple(int(s) for s in t.shape), str(t.dtype).removeprefix("torch."), t.element_size())
+    if isinstance(t, (list, tuple)):
+        return type(t)(_meta(x) for x in t)
+    return t
+
+
+# ---- tracing --------------------------------------------------------------------------------------------------------
+class _RawOp:
+    """One traced call before layer assignment."""
+
+    __slots__ = ("name", "op", "args", "kwargs", "outs", "inputs", "params", "module_path", "module_type")
+
+    def __init__(self, name, op, args, kwargs, outs, inputs, params, module_path, module_type):
+        self.name, self.op, self.args, self.kwargs, self.outs = name, op, args, kwargs, outs
+        self.inputs, self.params, self.module_path, self.module_type = inputs, params, module_path, module_type
+
+
+def _from_export(model: nn.Module, args: tuple, kwargs: dict) -> ModelGraph:
+    ep = torch.export.export(model, args, kwargs, strict=False)
+    placeholder_target = {s.arg.name: s.target for s in ep.graph_signature.input_specs
+                          if getattr(s.arg, "name", None) and s.target is not None}
+    alias: dict[str, str] = {}  # getitem node -> the multi-output node it unpacks
+    raw: list[_RawOp] = []
+    for node in ep.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target.__name__ == "getitem":
+            alias[node.name] = alias.get(node.args[0].name, node.args[0].name)
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        module_path, module_type = list(stack.values())[-1] if stack else ("", type(model).__name__)
+        inputs, params = [], []
+        for a in tree_flatten((node.args, node.kwargs))[0]:
+            if isinstance(a, torch.fx.Node):
+                if a.name in placeholder_target:
+                    params.append(placeholder_target[a.name])
+                else:
+                    inputs.append(alias.get(a.name, a.name))
+        to_val = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a  # noqa: E731
+        args_v, kwargs_v = torch.fx.node.map_aggregate((node.args, node.kwargs), to_val)
+        outs = [o for o in tree_flatten(node.meta.get("val"))[0] if isinstance(o, torch.Tensor)]
+        raw.append(_RawOp(node.name, str(node.target), args_v, kwargs_v, outs, inputs, params,
+                          _clean_path(module_path), _type_name(module_type)))
+    outs = [o for o in tree_flatten([n.meta.get("val") for n in ep.graph.nodes if n.op == "output"])[0]
+            if isinstance(o, torch.Tensor)]
+    return _build(model, args, kwargs, raw, outs, "torch.export")
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every ATen call with the module stack active at the time."""
+
+    def __init__(self, param_names: dict[int, str], stack: list[tuple[str, str]]):
+        super().__init__()
+        self.param_names, self.stack = param_names, stack
+        self.producer: dict[int, str] = {}
+        self.raw: list[_RawOp] = []
+        self.counts: dict[str, int] = defaultdict(int)
+        self.keep: list[Any] = []  # keeps outputs alive so id() stays unique
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        base = func.overloadpacket.__name__
+        name = f"{base}_{self.counts[base]}" if self.counts[base] else base
+        self.counts[base] += 1
+        inputs, params = [], []
+        for a in tree_flatten((args, kwargs))[0]:
+            if isinstance(a, torch.Tensor):
+                if id(a) in self.param_names:
+                    params.append(self.param_names[id(a)])
+                elif id(a) in self.producer:
+                    inputs.append(self.producer[id(a)])
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        for o in outs:
+            self.producer[id(o)] = name
+        self.keep.append(outs)
+        path, typ = self.stack[-1]
+        self.raw.append(_RawOp(name, str(func), args, kwargs, outs, inputs, params, path, typ))
+        return out
+
+
+def _from_dispatch(model: nn.Module, args: tuple, kwargs: dict, paths: dict[int, str]) -> ModelGraph:
+    stack: list[tuple[str, str]] = [("", type(model).__name__)]
+
+    def pre(mod, _inputs):
+        stack.append((paths.get(id(mod), ""), type(mod).__name__))
+
+    def post(mod, _inputs, _out):
+        stack.pop()
+
+    names = {id(t): n for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    h1 = nn.modules.module.register_module_forward_pre_hook(pre)
+    h2 = nn.modules.module.register_module_forward_hook(post)
+    try:
+        recorder = _Recorder(names, stack)
+        with recorder:
+            out = model(*args, **kwargs)
+    finally:
+        h1.remove()
+        h2.remove()
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    return _build(model, args, kwargs, recorder.raw, outs, "fx")
+
+
+def _clean_path(path: str) -> str:
+    # older torch.export versions spell paths as "L['self'].h[0].attn"; normalise to "h.0.attn"
+    if path.startswith("L['self']"):
+        path = path.removeprefix("L['self']").lstrip(".").replace("[", ".").replace("]", "")
+    return path
+
+
+def _type_name(t: Any) -> str:
+    return t.rsplit(".", 1)[-1] if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+# ---- layers ---------------------------------------------------------------------------------------------------------
+def _has_repeated_blocks(mod: nn.Module) -> bool:
+    """True when mod (or a descendant) is a container holding >= 2 non-leaf modules of the same class."""
+    for m in mod.modules():
+        if isinstance(m, CONTAINERS):
+            kinds = [type(c) for c in m.children() if next(c.children(), None) is not None]
+            if len(kinds) != len(set(kinds)):
+                return True
+    return False
+
+
+def find_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The planning units: children of the model, descending into containers and into modules that hold repeated
+    blocks (so ``transformer.h.3`` is a layer, but a block's own ``attn`` and ``mlp`` are not)."""
+    layers: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, mod: nn.Module) -> None:
+        for name, child in mod.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, CONTAINERS) or _has_repeated_blocks(child):
+                visit(path, child)
+            else:
+                layers.append((path, child))
+
+    visit("", model)
+    return layers or [("", model)]
+
+
+def _signature(mod: nn.Module) -> tuple:
+    return (type(mod), tuple((n, tuple(p.shape), p.dtype) for n, p in mod.named_parameters()))
+
+
+def _parent(path: str) -> str:
+    return path.rsplit(".", 1)[0] if "." in path else ""
+
+
+def _repeated_blocks(layers: list[tuple[str, nn.Module]]) -> list[RepeatedBlock]:
+    """Runs of >= 2 consecutive sibling layers with the same class and parameter shapes (non-leaf modules only)."""
+    blocks: list[RepeatedBlock] = []
+    run: list[tuple[str, nn.Module]] = []
+
+    def close():
+        if len(run) >= 2 and next(run[0][1].children(), None) is not None:
+            kind = type(run[0][1]).__name__
+            blocks.append(RepeatedBlock(_parent(run[0][0]) or kind, kind, [p for p, _ in run]))
+
+    for path, mod in layers:
+        if run and (_signature(mod) != _signature(run[-1][1]) or _parent(path) != _parent(run[-1][0])):
+            close()
+            run = []
+        run.append((path, mod))
+    close()
+    return blocks
+
+
+def _layer_of(module_path: str, layer_paths: list[str]) -> str | None:
+    best = None
+    for lp in layer_paths:
+        if lp == "" or module_path == lp or module_path.startswith(lp + "."):
+            if best is None or len(lp) > len(best):
+                best = lp
+    return best
+
+
+# ---- assembling the graph -------------------------------------------------------------------------------------------
+def _build(model: nn.Module, args: tuple, kwargs: dict, raw: list[_RawOp], outs: list, tracer: str) -> ModelGraph:
+    layer_mods = find_layers(model)
+    layer_paths = [p for p, _ in layer_mods]
+    unknown: set[str] = set()
+    nodes: list[OpNode] = []
+    pending: list[OpNode] = []  # ops before the first layer: they join it
+    last_layer: str | None = None
+    for r in raw:
+        rule = kernels_ext.lookup(r.op)
+        if rule is None:
+            unknown.add(r.op)
+            rule = kernels_ext.OpRule(r.op, "other")  # zero FLOPs, bytes still counted
+        a, k = _meta(tuple(r.args)), {key: _meta(v) for key, v in r.kwargs.items()}
+        out_meta = [_meta(o) for o in r.outs]
+        flops = rule.forward_flops(a, k, out_meta)
+        bwd, (rd, wr) = flops * rule.backward_factor, rule.bytes_moved(a, k, out_meta)
+        in_shapes = [t.shape for t in tree_flatten((a, k))[0] if isinstance(t, TensorMeta)]
+        layer = _layer_of(r.module_path, layer_paths) or last_layer
+        node = OpNode(r.name, r.op, rule.op_class, r.inputs, in_shapes, [o.shape for o in out_meta],
+                      out_meta[0].dtype if out_meta else "", flops, bwd, rd, wr, r.params, r.module_path,
+                      r.module_type, layer or "", r.op not in unknown)
+        if layer is None:
+            pending.append(node)
+        else:
+            for p in pending:
+                p.layer = layer
+            pending = []
+            last_layer = layer
+        nodes.append(node)
+    for p in pending:  # a model whose forward never enters a layer
+        p.layer = layer_paths[0]
+    if unknown:
+        warnings.warn(f"no kernels_ext rule for {', '.join(sorted(unknown))}: counted as 0 FLOPs; register one "
+                      f"with kernels_ext.register_op(...) to cost it", stacklevel=3)
+
+    params = _param_infos(model)
+    by_layer: dict[str, list[OpNode]] = defaultdict(list)
+    for n in nodes:
+        by_layer[n.layer].append(n)
+    blocks = _repeated_blocks(layer_mods)
+    member = {m: (b.name, i) for b in blocks for i, m in enumerate(b.members)}
+    layers = []
+    for path, mod in layer_mods:
+        own = [p for p in params.values() if _layer_of(p.module_path, layer_paths) == path and not p.is_buffer]
+        modules = {(f"{path}.{n}" if n and path else n or path): type(m).__name__
+                   for n, m in mod.named_modules() if next(m.parameters(recurse=False), None) is not None}
+        lnodes = by_layer.get(path, [])
+        block, index = member.get(path, (None, None))
+        layers.append(Layer(path, type(mod).__name__, sum(p.numel for p in own if p.trainable),
+                            sum(p.numel * p.itemsize for p in own), sum(n.flops for n in lnodes),
+                            sum(n.bwd_flops for n in lnodes), [n.name for n in lnodes], modules, block, index))
+    inputs = [i for i in map(_info, tree_flatten((args, kwargs))[0]) if i is not None]
+    return ModelGraph(type(model).__name__, nodes, layers, blocks, params, inputs,
+                      [i for i in map(_info, outs) if i is not None], tracer, unknown_ops=sorted(unknown))
+
+
+def _param_infos(model: nn.Module) -> dict[str, ParamInfo]:
+    modules = dict(model.named_modules())
+    out: dict[str, ParamInfo] = {}
+    # named_parameters() skips duplicates: tied weights (lm_head.weight is wte.weight) count once, under the first name
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        mpath = _parent(name)
+        is_buffer = not isinstance(t, nn.Parameter)
+        out[name] = ParamInfo(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.element_size(), mpath,
+                              type(modules[mpath]).__name__, t.requires_grad and not is_buffer, is_buffer)
+    return out
+
+
+# ---- errors ---------------------------------------------------------------------------------------------------------
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def _locate(e: BaseException, model: nn.Module, paths: dict[int, str]) -> str:
+    """' in module h.0 (Block) at file:line: `code`' for the deepest model frame in the traceback, or ''."""
+    found = None
+    for frame, lineno in traceback.walk_tb(e.__traceback__):
+        me = frame.f_locals.get("self")
+        if isinstance(me, nn.Module) and id(me) in paths:
+            found = (paths[id(me)] or "<model>", type(me).__name__, frame.f_code.co_filename, lineno)
+    if found is None:
+        return ""
+    path, typ, filename, lineno = found
+    code = linecache.getline(filename, lineno).strip()
+    return f" in module {path} ({typ}) at {filename}:{lineno}: `{code}`"
+
+
+def _capture_error(e: BaseException, model: nn.Module, paths: dict[int, str]) -> CaptureError:
+    where = _locate(e, model, paths)
+    text = str(e)
+    if any(s in text for s in ("data-dependent", "Data dependent", "data dependent", "meta tensors",
+                               "GuardOnDataDependent", ".item()", "Tensor.item")):
+        hint = ("The forward pass depends on tensor values (an `if` on a tensor, .item(), nonzero()...), which "
+                "cannot be known while tracing on the meta device. Rewrite it with torch.where/torch.cond, or "
+                "compute it from shapes instead of values.")
+    else:
+        hint = ("Check that the model runs on the example inputs; if an op is unsupported on the meta device, "
+                "pass real (small) inputs to capture() or register the op in kernels_ext.")
+    return CaptureError(f"cannot trace {type(model).__name__}{where}: {_first_line(e)}. {hint}")

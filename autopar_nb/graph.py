@@ -1,0 +1,219 @@
+"""ModelGraph: the operator graph of one forward pass, grouped into layers, as plain data.
+
+Produced by :func:`autopar_nb.capture`; read by the cost model, the planner and the widget. Holds no tensors and no
+reference to the model, so it can be pickled, shown and kept while the model is gone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TensorInfo:
+    """Shape and dtype of one tensor (an input, an output, a parameter)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    itemsize: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass
+class OpNode:
+    """One ATen call in the forward graph."""
+
+    name: str
+    """node name in the traced graph (unique)"""
+    op: str
+    """ATen overload, e.g. "aten.linear.default"""
+    op_class: str
+    """matmul | conv | attention | norm | elementwise | reduction | embedding | view | other (from kernels_ext)"""
+    inputs: list[str]
+    """names of the nodes (or graph inputs) this op reads"""
+    in_shapes: list[tuple[int, ...]]
+    out_shapes: list[tuple[int, ...]]
+    dtype: str
+    flops: float
+    """forward FLOPs"""
+    bwd_flops: float
+    """backward FLOPs this op implies"""
+    bytes_read: int
+    bytes_written: int
+    params: list[str]
+    """fully qualified names of the parameters (and buffers) it uses"""
+    module_path: str
+    """innermost module that called it ("" for the model's own forward)"""
+    module_type: str
+    layer: str
+    """path of the layer it is assigned to"""
+    known: bool = True
+    """False when kernels_ext has no rule for the op (its FLOPs count as 0)"""
+
+
+@dataclass
+class ParamInfo:
+    """One parameter or buffer of the model."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    itemsize: int
+    module_path: str
+    module_type: str
+    trainable: bool = True
+    is_buffer: bool = False
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class Layer:
+    """A unit of planning: a module the planner gives one decision (pipeline stage, recompute, FSDP unit)."""
+
+    path: str
+    type: str
+    num_params: int
+    param_bytes: int
+    flops: float
+    """forward FLOPs of every op assigned to the layer"""
+    bwd_flops: float
+    nodes: list[str]
+    modules: dict[str, str] = field(default_factory=dict)
+    """every submodule with parameters (full path -> class name), including the layer itself: what TP may split"""
+    block: str | None = None
+    """name of the repeated block this layer is an instance of (e.g. "h"), else None"""
+    index: int | None = None
+    """position inside that repeated block"""
+
+
+@dataclass
+class RepeatedBlock:
+    """Consecutive sibling layers with identical type and parameter shapes (e.g. ``h.0 ... h.11``)."""
+
+    name: str
+    """container path, e.g. "transformer.h\""""
+    type: str
+    members: list[str]
+
+    @property
+    def count(self) -> int:
+        return len(self.members)
+
+
+@dataclass
+class ModelGraph:
+    """The captured model (see module docstring)."""
+
+    model_type: str
+    nodes: list[OpNode]
+    layers: list[Layer]
+    blocks: list[RepeatedBlock]
+    params: dict[str, ParamInfo]
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    tracer: str
+    """"torch.export" or "fx" (make_fx fallback)"""
+    source: str | None = None
+    """the exact cell source the model came from, when captured by the magic"""
+    unknown_ops: list[str] = field(default_factory=list)
+    """ATen ops with no kernels_ext rule (counted with zero FLOPs); register rules for them to cost them"""
+
+    # ---- totals -------------------------------------------------------------------------------------------------
+    @property
+    def num_params(self) -> int:
+        """Trainable parameters (shared parameters counted once)."""
+        return sum(p.numel for p in self.params.values() if p.trainable and not p.is_buffer)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(p.numel * p.itemsize for p in self.params.values() if not p.is_buffer)
+
+    @property
+    def forward_flops(self) -> float:
+        return sum(n.flops for n in self.nodes)
+
+    @property
+    def backward_flops(self) -> float:
+        return sum(n.bwd_flops for n in self.nodes)
+
+    @property
+    def step_flops(self) -> float:
+        """Forward + backward FLOPs of one step on the example inputs (no recompute)."""
+        return self.forward_flops + self.backward_flops
+
+    @property
+    def batch_size(self) -> int:
+        """Leading dim of the first example input."""
+        return self.inputs[0].shape[0] if self.inputs and self.inputs[0].shape else 1
+
+    @property
+    def seq_len(self) -> int | None:
+        """Second dim of the first input when it is an integer (token) tensor of rank 2, else None."""
+        first = self.inputs[0] if self.inputs else None
+        if first and len(first.shape) == 2 and first.dtype.startswith(("int", "uint")):
+            return first.shape[1]
+        return None
+
+    # ---- lookup -------------------------------------------------------------------------------------------------
+    def layer(self, path: str) -> Layer:
+        for layer in self.layers:
+            if layer.path == path:
+                return layer
+        raise KeyError(f"no layer {path!r}; layers are: {', '.join(lay.path for lay in self.layers)}")
+
+    def node(self, name: str) -> OpNode:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"no op node {name!r}")
+
+    def layer_nodes(self, path: str) -> list[OpNode]:
+        wanted = set(self.layer(path).nodes)
+        return [n for n in self.nodes if n.name in wanted]
+
+    def block_of(self, path: str) -> RepeatedBlock | None:
+        for b in self.blocks:
+            if path in b.members:
+                return b
+        return None
+
+    def folded_layers(self) -> list[tuple[Layer, int]]:
+        """Layers in order with repeated blocks folded: (first instance, repeat count)."""
+        out: list[tuple[Layer, int]] = []
+        seen: set[str] = set()
+        for layer in self.layers:
+            b = self.block_of(layer.path)
+            if b is None:
+                out.append((layer, 1))
+            elif b.name not in seen:
+                seen.add(b.name)
+                out.append((layer, b.count))
+        return out
+
+    def summary(self) -> str:
+        """A few lines: parameters, FLOPs per step, layers with repeated blocks folded."""
+        lines = [f"{self.model_type}: {self.num_params / 1e6:,.2f} M params, "
+                 f"{self.step_flops / 1e12:,.3f} TFLOP per step (fwd+bwd) on inputs "
+                 f"{', '.join(str(tuple(i.shape)) for i in self.inputs)}; {len(self.nodes)} ops via {self.tracer}"]
+        for layer, count in self.folded_layers():
+            name = layer.path if count == 1 else f"{self.block_of(layer.path).name}.[0-{count - 1}]"
+            mult = f" x {count}" if count > 1 else ""
+            lines.append(f"  {name:<28} {layer.type:<20}{mult:>6} {layer.num_params / 1e6:>10,.3f} M "
+                         f"{layer.flops / 1e9:>12,.2f} GFLOP fwd")
+        return "\n".join(lines)

@@ -1,0 +1,139 @@
+"""The operator registry: what autopar-nb knows about each ATen op.
+
+An :class:`OpRule` gives an op's forward FLOPs and bytes from its argument shapes, how much its backward costs, its
+op class (for the efficiency the cost model applies), and the ways its main parameter can be split across
+tensor-parallel ranks together with the collective each split implies. Users add rules for their own custom ops with
+:func:`register_op`.
+
+This package never imports ``autopar_nb``: the planner and runtime import it, not the other way round.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+
+class TensorMeta(NamedTuple):
+    """Shape and dtype of a tensor argument, as the capture step hands it to a rule."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    itemsize: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+FlopFn = Callable[[tuple, dict, list[TensorMeta]], float]
+"""(args, kwargs, outputs) -> forward FLOPs. Tensor arguments arrive as TensorMeta, everything else as is."""
+
+OP_CLASSES = ("matmul", "conv", "attention", "norm", "elementwise", "reduction", "embedding", "view", "other")
+
+
+@dataclass(frozen=True)
+class Split:
+    """One way to shard an op across ``t`` tensor-parallel ranks.
+
+    ``param_dims`` maps the positional index of a parameter argument to the dim it is split on. ``forward`` and
+    ``backward`` name the collective the split needs on the activations ("all_reduce", "all_gather",
+    "reduce_scatter" or None) and ``comm_on`` which tensor it moves ("output" or "input")."""
+
+    param_dims: dict[int, int]
+    forward: str | None = None
+    backward: str | None = None
+    comm_on: str = "output"
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """What the planner and runtime know about one op (see the module docstring)."""
+
+    name: str
+    """ATen overload packet or glob, e.g. "aten.linear" or "mylib.fused_*"."""
+    op_class: str
+    flops: FlopFn | None = None
+    """forward FLOPs; None means 0 (data movement only)"""
+    backward_factor: float = 1.0
+    """backward FLOPs = factor x forward FLOPs (2 for matmuls: grad wrt input and grad wrt weight)"""
+    moves_data: bool = True
+    """False for views/metadata ops that read and write nothing"""
+    splits: dict[str, Split] = field(default_factory=dict)
+    """TP style name ("colwise", "rowwise", ...) -> Split"""
+
+    def __post_init__(self):
+        if self.op_class not in OP_CLASSES:
+            raise ValueError(f"op_class {self.op_class!r} unknown; choose one of {', '.join(OP_CLASSES)}")
+
+    def forward_flops(self, args: tuple, kwargs: dict, outputs: list[TensorMeta]) -> float:
+        return float(self.flops(args, kwargs, outputs)) if self.flops else 0.0
+
+    def bytes_moved(self, args: tuple, kwargs: dict, outputs: list[TensorMeta]) -> tuple[int, int]:
+        """(bytes read, bytes written) assuming each tensor argument is read once and each output written once."""
+        if not self.moves_data:
+            return 0, 0
+        read = sum(a.nbytes for a in _tensors(args) + _tensors(list(kwargs.values())))
+        return read, sum(o.nbytes for o in outputs)
+
+
+_RULES: dict[str, OpRule] = {}
+_GLOBS: list[OpRule] = []
+
+
+def register_op(rule: OpRule, *, replace: bool = False) -> OpRule:
+    """Teach autopar-nb about an op. Example, a custom fused MLP ``mylib.fused_mlp(x, w1, w2)``::
+
+        from kernels_ext import OpRule, Split, register_op
+
+        register_op(OpRule(
+            "mylib.fused_mlp", "matmul",
+            flops=lambda args, kwargs, outs: 2 * args[0].numel * (args[1].shape[0] + args[2].shape[0]),
+            backward_factor=2.0,
+            splits={"colwise-rowwise": Split({1: 0, 2: 1}, forward="all_reduce", backward="all_reduce")},
+        ))
+
+    Names may be globs (``"mylib.*"``); an exact name wins over a glob. Registering a name twice raises unless
+    ``replace=True``.
+    """
+    if not replace and (rule.name in _RULES or any(g.name == rule.name for g in _GLOBS)):
+        raise ValueError(f"op {rule.name!r} already has a rule; pass replace=True to override it")
+    if any(ch in rule.name for ch in "*?["):
+        _GLOBS[:] = [g for g in _GLOBS if g.name != rule.name] + [rule]
+    else:
+        _RULES[rule.name] = rule
+    return rule
+
+
+def lookup(op_name: str) -> OpRule | None:
+    """The rule for ``"aten.linear.default"`` (overload name optional), or None when the op is unknown."""
+    packet = op_name.rsplit(".", 1)[0] if op_name.count(".") >= 2 else op_name
+    for key in (op_name, packet):
+        if key in _RULES:
+            return _RULES[key]
+    for g in _GLOBS:
+        if fnmatch.fnmatchcase(op_name, g.name) or fnmatch.fnmatchcase(packet, g.name):
+            return g
+    return None
+
+
+def registered() -> list[str]:
+    """Names of every registered rule."""
+    return sorted(_RULES) + [g.name for g in _GLOBS]
+
+
+def _tensors(values: Any) -> list[TensorMeta]:
+    out: list[TensorMeta] = []
+    for v in values:
+        if isinstance(v, TensorMeta):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out += _tensors(v)
+    return out
