@@ -1,0 +1,57 @@
+"""ModelSource: the code that builds the model, kept verbatim so other processes (verify workers, the exported
+script, launched runs) can rebuild it exactly.
+
+Cell convention (documented in the README): the code binds
+
+* ``model`` — an ``nn.Module`` (another name with ``--model``),
+* ``example_inputs`` — a tensor, a tuple of positional tensors or a dict of keyword tensors (``--inputs``),
+* optionally ``loss_fn(model, batch) -> scalar tensor``, where ``batch`` has the structure of ``example_inputs``,
+* optionally ``make_batch(step, rank) -> batch``, the data for a given step on a given data-parallel rank.
+"""
+
+from __future__ import annotations
+
+import linecache
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """The model's code and the names it binds (see the module docstring)."""
+
+    code: str
+    model_var: str = "model"
+    inputs_var: str = "example_inputs"
+    loss_fn_var: str | None = None
+    """name of ``loss_fn(model, batch)`` when the code defines one"""
+    make_batch_var: str | None = None
+    """name of ``make_batch(step, rank)`` when the code defines one"""
+    filename: str = "<autoparallel-cell>"
+
+    def run(self, namespace: dict[str, Any] | None = None, *, device: Any = None, seed: int | None = 0
+            ) -> dict[str, Any]:
+        """Execute the code in ``namespace`` (a fresh dict by default) and return it.
+
+        ``device="meta"`` builds every tensor on the meta device (no storage); ``seed`` seeds torch first so every
+        process builds identical initial weights.
+        """
+        import torch
+
+        ns: dict[str, Any] = {"__name__": "__autoparallel__"} if namespace is None else namespace
+        # register the code with linecache so tracebacks and capture errors can quote the cell's lines
+        linecache.cache[self.filename] = (len(self.code), None, self.code.splitlines(True), self.filename)
+        compiled = compile(self.code, self.filename, "exec")
+        if seed is not None:
+            torch.manual_seed(seed)
+        if device is None:
+            exec(compiled, ns)
+        else:
+            with torch.device(device):
+                exec(compiled, ns)
+        return ns
+
+    def build(self, *, device: Any = None, seed: int | None = 0) -> tuple[Any, Any, dict[str, Any]]:
+        """Run the code and return ``(model, example_inputs, namespace)``."""
+        ns = self.run(device=device, seed=seed)
+        return ns[self.model_var], ns[self.inputs_var], ns
