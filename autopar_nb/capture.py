@@ -8,7 +8,9 @@ on the meta device.
 
 from __future__ import annotations
 
+import contextlib
 import linecache
+import logging
 import traceback
 import warnings
 from collections import defaultdict
@@ -108,8 +110,21 @@ class _RawOp:
         self.inputs, self.params, self.module_path, self.module_type = inputs, params, module_path, module_type
 
 
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    # a failed export logs whole graphs at WARNING from several torch loggers with their own levels; the
+    # CaptureError message says what matters
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
 def _from_export(model: nn.Module, args: tuple, kwargs: dict) -> ModelGraph:
-    ep = torch.export.export(model, args, kwargs, strict=False)
+    with _quiet_torch_logs():
+        ep = torch.export.export(model, args, kwargs, strict=False)
     placeholder_target = {s.arg.name: s.target for s in ep.graph_signature.input_specs
                           if getattr(s.arg, "name", None) and s.target is not None}
     alias: dict[str, str] = {}  # getitem node -> the multi-output node it unpacks
@@ -261,6 +276,19 @@ def _repeated_blocks(layers: list[tuple[str, nn.Module]]) -> list[RepeatedBlock]
     return blocks
 
 
+def _execution_order(layer_mods: list[tuple[str, nn.Module]], raw: list[_RawOp]) -> list[tuple[str, nn.Module]]:
+    """Layers sorted by when the forward pass first enters them (what a pipeline must follow); layers the forward
+    never calls keep their registration order, at the end."""
+    paths = [p for p, _ in layer_mods]
+    first: dict[str, int] = {}
+    for i, r in enumerate(raw):
+        lp = _layer_of(r.module_path, paths)
+        if lp is not None:
+            first.setdefault(lp, i)
+    order = {p: (first.get(p, len(raw)), k) for k, p in enumerate(paths)}
+    return sorted(layer_mods, key=lambda pm: order[pm[0]])
+
+
 def _layer_of(module_path: str, layer_paths: list[str]) -> str | None:
     best = None
     for lp in layer_paths:
@@ -274,6 +302,7 @@ def _layer_of(module_path: str, layer_paths: list[str]) -> str | None:
 def _build(model: nn.Module, args: tuple, kwargs: dict, raw: list[_RawOp], outs: list, tracer: str) -> ModelGraph:
     layer_mods = find_layers(model)
     layer_paths = [p for p, _ in layer_mods]
+    layer_mods = _execution_order(layer_mods, raw)
     unknown: set[str] = set()
     nodes: list[OpNode] = []
     pending: list[OpNode] = []  # ops before the first layer: they join it
@@ -348,15 +377,17 @@ def _first_line(e: BaseException) -> str:
 def _locate(e: BaseException, model: nn.Module, paths: dict[int, str]) -> str:
     """' in module h.0 (Block) at file:line: `code`' for the deepest model frame in the traceback, or ''."""
     found = None
+    torch_dir = torch.__file__.rsplit("/", 1)[0]
     for frame, lineno in traceback.walk_tb(e.__traceback__):
-        me = frame.f_locals.get("self")
-        if isinstance(me, nn.Module) and id(me) in paths:
+        code = frame.f_code
+        me = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        if isinstance(me, nn.Module) and id(me) in paths and not frame.f_code.co_filename.startswith(torch_dir):
             found = (paths[id(me)] or "<model>", type(me).__name__, frame.f_code.co_filename, lineno)
     if found is None:
         return ""
     path, typ, filename, lineno = found
-    code = linecache.getline(filename, lineno).strip()
-    return f" in module {path} ({typ}) at {filename}:{lineno}: `{code}`"
+    line = linecache.getline(filename, lineno).strip()
+    return f" in module {path} ({typ}) at {filename}:{lineno}: `{line}`"
 
 
 def _capture_error(e: BaseException, model: nn.Module, paths: dict[int, str]) -> CaptureError:

@@ -208,12 +208,20 @@ class ModelGraph:
 
     def summary(self) -> str:
         """A few lines: parameters, FLOPs per step, layers with repeated blocks folded."""
-        lines = [f"{self.model_type}: {self.num_params / 1e6:,.2f} M params, "
-                 f"{self.step_flops / 1e12:,.3f} TFLOP per step (fwd+bwd) on inputs "
+        lines = [f"{self.model_type}: {human(self.num_params)} params, "
+                 f"{human(self.step_flops)}FLOP per step (fwd+bwd) on inputs "
                  f"{', '.join(str(tuple(i.shape)) for i in self.inputs)}; {len(self.nodes)} ops via {self.tracer}"]
         for layer, count in self.folded_layers():
             name = layer.path if count == 1 else f"{self.block_of(layer.path).name}.[0-{count - 1}]"
             mult = f" x {count}" if count > 1 else ""
-            lines.append(f"  {name:<28} {layer.type:<20}{mult:>6} {layer.num_params / 1e6:>10,.3f} M "
-                         f"{layer.flops / 1e9:>12,.2f} GFLOP fwd")
+            lines.append(f"  {name:<28} {layer.type:<20}{mult:>6} {human(layer.num_params):>9} params "
+                         f"{human(layer.flops):>9}FLOP fwd")
         return "\n".join(lines)
+
+
+def human(x: float) -> str:
+    """1234567 -> '1.23 M', 3.2e12 -> '3.20 T' (SI prefixes, for tables)."""
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {unit}"
+    return f"{x:.0f} "

@@ -135,7 +135,8 @@ for name in ("relu", "relu_", "gelu", "silu", "silu_", "sigmoid", "tanh", "add",
 for name in ("view", "_unsafe_view", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze", "flatten",
              "unflatten", "expand", "expand_as", "split", "split_with_sizes", "chunk", "unbind", "slice", "select",
              "narrow", "alias", "detach", "lift_fresh_copy", "arange", "zeros", "ones", "full", "empty",
-             "scalar_tensor", "sym_size", "movedim", "as_strided", "view_as", "_assert_tensor_metadata",
+             "scalar_tensor", "sym_size", "triu_indices", "tril_indices", "empty_like", "new_zeros", "new_ones",
+             "new_empty", "zeros_like_", "linspace", "movedim", "as_strided", "view_as", "_assert_tensor_metadata",
              "dim", "size"):
     _BUILTIN.append(OpRule(f"aten.{name}", "view", None, 0.0, moves_data=False))
 

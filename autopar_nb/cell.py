@@ -1,0 +1,212 @@
+"""Running a model cell on the meta device and finding what it defines.
+
+Workers and exported scripts re-run the cell on their own, so the cell must be self-contained: names it uses but
+does not define are found here (with ``symtable``) before anything runs. The cell runs in a copy of the user's
+namespace; the user's namespace is updated only when everything succeeded.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import symtable
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .source import ModelSource
+
+INPUT_NAMES = ("example_inputs", "inputs", "example_input", "batch")
+# names IPython puts in every namespace: a cell may not rely on them, but we don't report them as "earlier cells"
+_IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "display", "_", "__", "___"}
+
+
+class CellError(ValueError):
+    """A problem with the user's cell; the message says what to do. The magic shows it without a traceback."""
+
+
+@dataclass
+class CellResult:
+    """What a model cell defined."""
+
+    source: ModelSource
+    model: nn.Module
+    example_inputs: Any
+    namespace: dict[str, Any]
+    bound: dict[str, Any]
+    """the names the cell bound or rebound: what to copy into the user's namespace once everything succeeded"""
+    included_cells: list[int]
+    """history indices of earlier cells prepended with --include-cells"""
+
+
+def free_names(code: str) -> set[str]:
+    """Names the code reads but never binds (at module level or as globals of its functions), minus builtins."""
+    try:
+        table = symtable.symtable(code, "<cell>", "exec")
+    except SyntaxError as e:
+        raise CellError(f"syntax error in the cell, line {e.lineno}: {e.msg}") from None
+    bound = {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
+    free: set[str] = set()
+
+    def visit(t: symtable.SymbolTable, top: bool) -> None:
+        for s in t.get_symbols():
+            if not s.is_referenced():
+                continue
+            if (top and not (s.is_assigned() or s.is_imported())) or (not top and s.is_global()):
+                free.add(s.get_name())
+        for child in t.get_children():
+            visit(child, False)
+
+    visit(table, True)
+    return {n for n in free - bound if not hasattr(builtins, n) and not (n.startswith("__") and n.endswith("__"))}
+
+
+def bound_names(code: str) -> set[str]:
+    """Names a cell binds at module level (assignments, imports, defs, classes)."""
+    try:
+        table = symtable.symtable(code, "<cell>", "exec")
+    except SyntaxError:
+        return set()
+    return {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
+
+
+def with_earlier_cells(code: str, history: list[str]) -> tuple[str, list[int]]:
+    """Prepend the latest earlier cells (from ``history``, oldest first) that define the names ``code`` lacks,
+    transitively. Returns the combined code and the history indices used. Cells containing IPython magics are
+    never included (a plain script cannot run them)."""
+    used: list[int] = []
+    combined = code
+    for _ in range(len(history)):
+        added = False
+        for name in sorted(free_names(combined) - _IPYTHON_NAMES):
+            for i in range(len(history) - 1, -1, -1):
+                cell = history[i]
+                if i not in used and "get_ipython()" not in cell and name in bound_names(cell):
+                    used.append(i)
+                    added = True
+                    break
+        if not added:
+            break
+        combined = "\n\n".join([*(history[i].rstrip() for i in sorted(used)), code])
+    return combined, sorted(used)
+
+
+def run_model_cell(code: str, user_ns: dict[str, Any], *, model_var: str | None = None,
+                   inputs_var: str | None = None, history: list[str] | None = None,
+                   include_cells: bool = False) -> CellResult:
+    """Run ``code`` on the meta device in a copy of ``user_ns``, find the model and example inputs, and return what
+    the cell bound in ``CellResult.bound`` for the caller to copy into ``user_ns`` once everything else succeeded.
+    Raises :class:`CellError` on any problem; ``user_ns`` is never modified here."""
+    included: list[int] = []
+    missing = free_names(code) - _IPYTHON_NAMES
+    if missing and include_cells:
+        code, included = with_earlier_cells(code, history or [])
+        missing = free_names(code) - _IPYTHON_NAMES
+    earlier = sorted(n for n in missing if n in user_ns)
+    if earlier:
+        raise CellError(
+            f"the cell uses {', '.join(earlier)} from earlier cells; worker processes and the exported script run "
+            f"this cell on its own, so move {'its definition' if len(earlier) == 1 else 'their definitions'} (and "
+            f"imports) into the cell, or add --include-cells to prepend the earlier cells that define them")
+
+    ns = dict(user_ns)
+    before = {k: id(v) for k, v in ns.items()}
+    source = ModelSource(code)
+    try:
+        source.run(ns, device="meta", seed=0)
+    except Exception as e:  # noqa: BLE001 - any error in user code becomes one message
+        raise CellError(_describe_user_error(e, source.filename)) from None
+    bound = {k: v for k, v in ns.items() if k != "__builtins__" and before.get(k) != id(v)}
+
+    model_var = model_var or _find_model(bound)
+    model = _require(ns, model_var, nn.Module, "--model", "an nn.Module instance")
+    inputs_var = inputs_var or _find_inputs(bound)
+    example_inputs = _require(ns, inputs_var, object, "--inputs", "example inputs")
+    loss_fn = "loss_fn" if callable(ns.get("loss_fn")) and "loss_fn" in bound else None
+    make_batch = "make_batch" if callable(ns.get("make_batch")) and "make_batch" in bound else None
+
+    return CellResult(ModelSource(code, model_var, inputs_var, loss_fn, make_batch), model, example_inputs, ns,
+                      bound, included)
+
+
+def parse_fix(text: str | None) -> dict[str, Any]:
+    """``"tp=2,zero=3,amp=bf16"`` -> ``{"tp": 2, "zero_stage": 3, "amp": "bf16"}`` (see FIX_KEYS)."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        key = FIX_ALIASES.get(key.strip(), key.strip())
+        if not sep or key not in FIX_KEYS:
+            raise CellError(f"--fix {item!r}: expected KEY=VALUE with KEY one of {', '.join(FIX_KEYS)} "
+                            f"(aliases: {', '.join(f'{a}={k}' for a, k in FIX_ALIASES.items())})")
+        value = value.strip()
+        out[key] = int(value) if value.isdigit() else value
+    return out
+
+
+FIX_KEYS = ("dp", "tp", "pp", "zero_stage", "micro_batches", "schedule", "virtual_stages", "recompute", "amp",
+            "sequence_parallel")
+FIX_ALIASES = {"zero": "zero_stage", "mb": "micro_batches", "micro": "micro_batches", "sp": "sequence_parallel"}
+
+
+# ---- helpers --------------------------------------------------------------------------------------------------------
+def _find_model(bound: dict[str, Any]) -> str:
+    mods = {k: v for k, v in bound.items() if isinstance(v, nn.Module) and not k.startswith("_")}
+    if "model" in mods:
+        return "model"
+    inner = {id(m) for v in mods.values() for m in v.modules() if m is not v}
+    top = sorted(k for k, v in mods.items() if id(v) not in inner)
+    if len(top) == 1:
+        return top[0]
+    if not top:
+        raise CellError("no model found: the cell binds no nn.Module instance; end it with e.g. "
+                        "`model = MyModel()` (or name the variable with --model NAME)")
+    raise CellError(f"the cell binds several models ({', '.join(top)}); name the one to plan with --model NAME "
+                    f"or call it `model`")
+
+
+def _is_inputs(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, (tuple, list)) and v:
+        return all(isinstance(x, torch.Tensor) for x in v)
+    if isinstance(v, dict) and v:
+        return all(isinstance(k, str) and isinstance(x, torch.Tensor) for k, x in v.items())
+    return False
+
+
+def _find_inputs(bound: dict[str, Any]) -> str:
+    for name in INPUT_NAMES:
+        if name in bound and _is_inputs(bound[name]):
+            return name
+    candidates = sorted(k for k, v in bound.items() if _is_inputs(v) and not k.startswith("_"))
+    if len(candidates) == 1:
+        return candidates[0]
+    hint = ("define `example_inputs = (torch.randint(0, vocab, (batch, seq)),)` (a tensor, tuple or dict of "
+            "tensors) in the cell, or name the variable with --inputs NAME")
+    if not candidates:
+        raise CellError(f"no example inputs found: {hint}")
+    raise CellError(f"several tensors could be the example inputs ({', '.join(candidates)}): {hint}")
+
+
+def _require(ns: dict[str, Any], name: str, kind: type, option: str, what: str) -> Any:
+    if name not in ns:
+        raise CellError(f"{option} {name}: the cell defines no variable {name!r}")
+    value = ns[name]
+    if kind is nn.Module and not isinstance(value, nn.Module):
+        raise CellError(f"{option} {name}: {name!r} is a {type(value).__name__}, not {what}")
+    if kind is object and not _is_inputs(value):
+        raise CellError(f"{option} {name}: {name!r} is a {type(value).__name__}; example inputs must be a tensor, "
+                        f"a tuple/list of tensors or a dict of tensors")
+    return value
+
+
+def _describe_user_error(e: BaseException, filename: str) -> str:
+    line = ""
+    for frame, lineno in traceback.walk_tb(e.__traceback__):
+        if frame.f_code.co_filename == filename:
+            line = f" (cell line {lineno})"
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"the cell raised {type(e).__name__}{line}: {msg}"

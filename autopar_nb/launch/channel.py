@@ -1,0 +1,151 @@
+"""The metrics channel: a loopback TCP server that receives JSON lines from the ranks of one run.
+
+Protocol (the exported script implements the client side; see ``tests/fixtures/train_fixture.py``)::
+
+    env AUTOPAR_METRICS="127.0.0.1:PORT", AUTOPAR_TOKEN=<random hex>
+    rank -> server   {"token": TOKEN, "rank": RANK}                     first line: authenticates the connection
+                     {"step": k, "loss": ..., "step_time_s": ..., ...}  one line per step
+                     {"event": "done"}  or  {"event": "error", "error": "...", "traceback": "..."}
+
+A connection whose first line is not valid JSON carrying the run's token (compared in constant time) within
+``AUTH_TIMEOUT_S`` is closed and its bytes discarded; lines longer than ``MAX_LINE`` close the connection. Messages
+are decoded with ``json.loads`` only (nothing is unpickled), and the rank of every message is the one the
+connection authenticated with, whatever a later line says. Not thread-safe: one thread (the monitor) calls ``poll``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import secrets
+import selectors
+import socket
+import time
+from dataclasses import dataclass, field
+
+AUTH_TIMEOUT_S = 10.0
+"""seconds a new connection may take to send its token line"""
+MAX_LINE = 1 << 20
+"""bytes: a longer line (or unterminated data) closes the connection"""
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    opened: float
+    buf: bytes = b""
+    rank: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One decoded JSON object from an authenticated rank; ``kind`` is "hello", "data" or "closed"."""
+
+    rank: int
+    kind: str
+    data: dict
+    time: float
+
+
+class MetricsServer:
+    """Listens on 127.0.0.1 (a free port) for the ranks of one run; ``poll()`` returns their messages."""
+
+    def __init__(self, token: str | None = None, host: str = "127.0.0.1"):
+        self.token = token or secrets.token_hex(16)
+        self._sel = selectors.DefaultSelector()
+        self._lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._lsock.bind((host, 0))
+        self._lsock.listen(64)
+        self._lsock.setblocking(False)
+        self._sel.register(self._lsock, selectors.EVENT_READ, None)
+        self.address = f"{host}:{self._lsock.getsockname()[1]}"
+        self.rejected = 0
+        """connections closed for a missing/wrong token, bad JSON or an over-long line"""
+        self._conns: dict[int, _Conn] = {}
+        self._closed = False
+
+    def poll(self, timeout: float) -> list[Message]:
+        """Wait up to ``timeout`` seconds for traffic and return the messages that arrived (possibly none)."""
+        if self._closed:
+            time.sleep(timeout)
+            return []
+        out: list[Message] = []
+        for key, _ in self._sel.select(timeout):
+            if key.data is None:
+                self._accept()
+            else:
+                self._read(key.data, out)
+        now = time.monotonic()
+        for c in [c for c in self._conns.values() if c.rank is None and now - c.opened > AUTH_TIMEOUT_S]:
+            self._drop(c, rejected=True)
+        return out
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._lsock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        sock.setblocking(False)
+        conn = _Conn(sock, time.monotonic())
+        self._conns[sock.fileno()] = conn
+        self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _read(self, c: _Conn, out: list[Message]) -> None:
+        try:
+            chunk = c.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            if c.rank is not None:
+                out.append(Message(c.rank, "closed", {}, time.time()))
+            self._drop(c, rejected=c.rank is None)
+            return
+        c.buf += chunk
+        while b"\n" in c.buf:
+            line, c.buf = c.buf.split(b"\n", 1)
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except (ValueError, UnicodeDecodeError):
+                obj = None
+            if not isinstance(obj, dict):
+                self._drop(c, rejected=True)
+                return
+            if c.rank is None:
+                token = obj.get("token")
+                rank = obj.get("rank")
+                if (not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode())
+                        or not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+                    self._drop(c, rejected=True)
+                    return
+                c.rank = rank
+                out.append(Message(rank, "hello", {k: v for k, v in obj.items() if k != "token"}, time.time()))
+            else:
+                out.append(Message(c.rank, "data", obj, time.time()))
+        if len(c.buf) > MAX_LINE:
+            self._drop(c, rejected=True)
+
+    def _drop(self, c: _Conn, *, rejected: bool) -> None:
+        self.rejected += rejected
+        try:
+            self._sel.unregister(c.sock)
+        except (KeyError, ValueError):
+            pass
+        self._conns.pop(c.sock.fileno(), None)
+        c.sock.close()
+
+    def close(self) -> None:
+        """Close the listening socket and every connection."""
+        if self._closed:
+            return
+        self._closed = True
+        for c in list(self._conns.values()):
+            self._drop(c, rejected=False)
+        self._sel.unregister(self._lsock)
+        self._lsock.close()
+        self._sel.close()

@@ -1,0 +1,110 @@
+"""The ``%%autoparallel`` cell magic: parse options, run the cell on the meta device, capture, bind the session."""
+
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from .capture import CaptureError, capture
+from .cell import CellError, parse_fix, run_model_cell
+from .hardware import Cluster
+from .session import MODES, Session
+
+DTYPES = {"auto": None, "fp32": "none", "bf16": "bf16", "fp16": "fp16"}
+
+
+def make_cluster(gpu: str, gpus: int | None, nodes: int) -> Cluster:
+    """The cluster the options describe: a named preset, or ``auto`` = this machine (its GPUs; on a CPU-only
+    machine the ``cpu`` preset with 2 processes, so the plan can be launched here)."""
+    if gpu == "auto":
+        detected = Cluster.detect()
+        per_node = gpus or (detected.gpus_per_node if detected.preset != "cpu" else 2)
+        return Cluster(detected.device, nodes, per_node, detected.intra_node, detected.inter_node, detected.preset)
+    return Cluster.preset(gpu, nodes=nodes, gpus_per_node=gpus or 8)
+
+
+@magics_class
+class AutoparallelMagics(Magics):
+    """Magics of autopar-nb."""
+
+    @magic_arguments()
+    @argument("--gpus", type=int, default=None,
+              help="GPUs per node to plan for (default: the GPUs of this machine; 8 with a named --gpu; "
+                   "2 CPU processes on a machine without GPU). Example: --gpus 8")
+    @argument("--nodes", type=int, default=1, help="number of nodes (default 1). Example: --nodes 4")
+    @argument("--gpu", default="auto",
+              help="device preset: a100-40gb, a100-80gb, h100-80gb, h200, l4, cpu, or auto = detect this machine "
+                   "(default). Example: --gpu h100-80gb")
+    @argument("--batch", type=int, default=None,
+              help="global batch size (samples per optimizer step over all GPUs; default: the example inputs' "
+                   "batch). Example: --batch 512")
+    @argument("--name", default="ap", help="variable the session is bound to (default ap). Example: --name gpt")
+    @argument("--model", default=None,
+              help="variable holding the model (default: `model`, or the only nn.Module the cell creates)")
+    @argument("--inputs", default=None,
+              help="variable holding the example inputs (default: `example_inputs`, or the only tensor/tuple of "
+                   "tensors the cell creates)")
+    @argument("--dtype", default="auto", choices=list(DTYPES),
+              help="training precision: fp32, bf16 or fp16 autocast; auto lets the planner choose (default)")
+    @argument("--mode", default="auto", choices=list(MODES),
+              help="auto: plan everything (default); semi: honour pinned layer choices made with ap.override(); "
+                   "manual: --fix gives the whole mesh, the planner only costs it")
+    @argument("--fix", default=None,
+              help="pin global choices, comma-separated KEY=VALUE with KEY in dp, tp, pp, zero (zero_stage), "
+                   "micro_batches (mb), schedule, virtual_stages, recompute, amp, sp. Example: --fix tp=2,zero=3")
+    @argument("--include-cells", action="store_true",
+              help="prepend the earlier cells that define names this cell uses (default: report those names)")
+    @cell_magic
+    def autoparallel(self, line: str, cell: str):
+        """Plan parallel training for the model this cell builds.
+
+        The cell runs with every tensor on the meta device (no weights are allocated, so a 100B model plans on a
+        laptop). It must bind the model (``model``) and example inputs (``example_inputs``: a tensor, a tuple of
+        tensors or a dict of tensors); it may define ``loss_fn(model, batch)`` and ``make_batch(step, rank)``, which
+        verify, launch and the exported script use. The cell must be self-contained (its own imports), because
+        workers and the exported script run it on their own.
+
+        The session is bound to ``ap`` (or ``--name``) and shown as the cell's output; it is also the cell's value.
+
+        Examples::
+
+            In [1]: %load_ext autopar_nb
+
+            In [2]: %%autoparallel --gpus 8 --gpu h100-80gb --batch 32
+               ...: import torch, torch.nn as nn
+               ...: model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 512))
+               ...: example_inputs = (torch.randn(32, 1024),)
+
+            In [3]: %%autoparallel --nodes 8 --gpus 8 --gpu h100-80gb --fix tp=8,zero=1 --name llama
+               ...: from autopar_nb.zoo import Llama, LlamaConfig
+               ...: model = Llama(LlamaConfig())
+               ...: example_inputs = (torch.randint(0, 128256, (1, 8192)),)
+
+            In [4]: ap.graph.summary()          # the captured operator graph, layers folded
+
+        Errors in the cell or the options are reported in one line, and the namespace is left as it was.
+        """
+        args = parse_argstring(self.autoparallel, line)
+        try:
+            if args.nodes < 1 or (args.gpus is not None and args.gpus < 1):
+                raise CellError(f"--nodes and --gpus must be >= 1 (got --nodes {args.nodes} --gpus {args.gpus})")
+            if not args.name.isidentifier():
+                raise CellError(f"--name {args.name!r} is not a valid Python variable name")
+            fix = parse_fix(args.fix)
+            if DTYPES[args.dtype] is not None:
+                fix.setdefault("amp", DTYPES[args.dtype])
+            try:
+                cluster = make_cluster(args.gpu, args.gpus, args.nodes)
+            except ValueError as e:
+                raise CellError(f"--gpu: {e}") from None
+            history = [c for c in self.shell.user_ns.get("In", [])[1:] if isinstance(c, str)]
+            result = run_model_cell(cell, self.shell.user_ns, model_var=args.model, inputs_var=args.inputs,
+                                    history=history, include_cells=args.include_cells)
+            graph = capture(result.model, result.example_inputs, source=result.source.code)
+        except (CellError, CaptureError) as e:
+            raise UsageError(f"%%autoparallel: {e}") from None
+        session = Session(graph, cluster, result.source, global_batch=args.batch, mode=args.mode, fix=fix)
+        self.shell.user_ns.update(result.bound)
+        self.shell.user_ns[args.name] = session
+        return session
