@@ -9,6 +9,7 @@ on the meta device.
 from __future__ import annotations
 
 import contextlib
+import io
 import linecache
 import logging
 import traceback
@@ -112,12 +113,13 @@ class _RawOp:
 
 @contextlib.contextmanager
 def _quiet_torch_logs():
-    # a failed export logs whole graphs at WARNING from several torch loggers with their own levels; the
-    # CaptureError message says what matters
+    # a failed export logs at WARNING from several torch loggers and prints the partial graph to stderr; the
+    # CaptureError (or fallback warning) says what matters
     previous = logging.root.manager.disable
     logging.disable(logging.WARNING)
     try:
-        yield
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
     finally:
         logging.disable(previous)
 

@@ -1,0 +1,130 @@
+"""The kernel side's one monitor thread: reads the metrics channel, samples the devices, watches the agent.
+
+Devices are sampled at about 1 Hz: through NVML (nvidia-ml-py) when the run uses GPUs — utilisation, memory
+used/total, power, temperature per GPU — else through psutil per worker process (CPU %, RSS). The thread only
+updates the :class:`~autopar_nb.launch.run.Run` (under its lock) and calls its listeners; it never touches widgets
+itself, the dashboard's listener does.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import psutil
+
+if TYPE_CHECKING:
+    from .run import Run
+
+SAMPLE_INTERVAL_S = 1.0
+"""seconds between device samples"""
+PUSH_INTERVAL_S = 0.25
+"""at most this often the listeners (the dashboard) hear about new data"""
+
+
+class DeviceSampler:
+    """Samples GPUs through NVML when ``use_gpu`` and NVML works, else each worker process through psutil."""
+
+    def __init__(self, use_gpu: bool):
+        self.nvml = None
+        if use_gpu:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self.nvml = pynvml
+            except Exception:  # no driver / no permission: fall back to per-process figures
+                self.nvml = None
+        self._procs: dict[int, psutil.Process] = {}
+
+    def gpu_index(self, local_rank: int) -> int:
+        """The NVML index of the GPU a local rank uses (``CUDA_VISIBLE_DEVICES`` given as indices is honoured)."""
+        vis = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        ids = [s.strip() for s in vis.split(",") if s.strip()]
+        if ids and all(s.isdigit() for s in ids) and local_rank < len(ids):
+            return int(ids[local_rank])
+        return local_rank
+
+    def sample(self, workers: dict[int, psutil.Process]) -> dict[int, dict]:
+        """rank -> {"cpu_percent", "rss"} for every live worker, plus GPU fields
+        ("gpu_util", "gpu_mem_used", "gpu_mem_total", "power_w", "temperature_c") when NVML is on."""
+        out: dict[int, dict] = {}
+        for rank, proc in workers.items():
+            cached = self._procs.get(proc.pid)
+            if cached is None or cached.create_time() != proc.create_time():
+                self._procs[proc.pid] = cached = proc
+                try:
+                    cached.cpu_percent(None)  # the first call only starts the interval
+                except psutil.Error:
+                    pass
+            try:
+                with cached.oneshot():
+                    out[rank] = {"cpu_percent": cached.cpu_percent(None), "rss": cached.memory_info().rss}
+            except psutil.Error:
+                continue
+        if self.nvml is not None:
+            nv = self.nvml
+            for rank in list(out) or list(workers):
+                try:
+                    h = nv.nvmlDeviceGetHandleByIndex(self.gpu_index(rank))
+                    mem = nv.nvmlDeviceGetMemoryInfo(h)
+                    d = out.setdefault(rank, {})
+                    d["gpu_util"] = float(nv.nvmlDeviceGetUtilizationRates(h).gpu)
+                    d["gpu_mem_used"], d["gpu_mem_total"] = float(mem.used), float(mem.total)
+                    d["power_w"] = nv.nvmlDeviceGetPowerUsage(h) / 1000.0  # milliwatts
+                    d["temperature_c"] = float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
+                except Exception:
+                    continue
+        return out
+
+    def close(self) -> None:
+        if self.nvml is not None:
+            try:
+                self.nvml.nvmlShutdown()
+            except Exception:
+                pass
+
+
+class Monitor(threading.Thread):
+    """Runs until the agent process has exited and the run is finalised."""
+
+    def __init__(self, run: Run, *, sample: bool = True):
+        super().__init__(daemon=True, name=f"autopar-monitor-{run.run_id[:8]}")
+        self.run_ = run
+        self.sample_devices = sample
+        self.sampler = DeviceSampler(run.backend == "nccl") if sample else None
+
+    def run(self) -> None:  # noqa: D102 (threading.Thread API)
+        r = self.run_
+        last_sample = last_push = 0.0
+        try:
+            while True:
+                msgs = r._server.poll(0.2) if r._server is not None else (time.sleep(0.2) or [])
+                changed = r._ingest(msgs)
+                now = time.monotonic()
+                if now - last_sample >= SAMPLE_INTERVAL_S:
+                    last_sample = now
+                    workers = r._refresh_workers()
+                    if self.sampler is not None:
+                        r._set_samples(self.sampler.sample(workers))
+                    r._read_log_tails()
+                    changed = True
+                r._check_hang()
+                if r._agent_exited():
+                    # the ranks' last lines may still be in flight: drain for a moment, then finalise
+                    deadline = time.monotonic() + 0.3
+                    while time.monotonic() < deadline and r._server is not None:
+                        r._ingest(r._server.poll(0.05))
+                    r._finalise()
+                    break
+                if changed and now - last_push >= PUSH_INTERVAL_S:
+                    last_push = now
+                    r._notify()
+        except Exception as e:  # the monitor must never die silently: the run would look alive forever
+            r._monitor_crashed(e)
+        finally:
+            if self.sampler is not None:
+                self.sampler.close()
+            r._notify()
