@@ -170,16 +170,24 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        rule = kernels_ext.lookup(str(func))
+        if rule is not None and rule.op_class == "view" and len(tensors) == 1 and id(tensors[0]) in self.param_names:
+            # a view of a parameter (F.linear's weight.t() under eager dispatch) stands for the parameter itself
+            for o in tree_flatten(out)[0]:
+                if isinstance(o, torch.Tensor):
+                    self.param_names[id(o)] = self.param_names[id(tensors[0])]
+                    self.keep.append(o)
+            return out
         base = func.overloadpacket.__name__
         name = f"{base}_{self.counts[base]}" if self.counts[base] else base
         self.counts[base] += 1
         inputs, params = [], []
-        for a in tree_flatten((args, kwargs))[0]:
-            if isinstance(a, torch.Tensor):
-                if id(a) in self.param_names:
-                    params.append(self.param_names[id(a)])
-                elif id(a) in self.producer:
-                    inputs.append(self.producer[id(a)])
+        for a in tensors:
+            if id(a) in self.param_names:
+                params.append(self.param_names[id(a)])
+            elif id(a) in self.producer:
+                inputs.append(self.producer[id(a)])
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         for o in outs:
             self.producer[id(o)] = name
