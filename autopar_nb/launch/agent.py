@@ -43,8 +43,8 @@ def main(config_path: str) -> int:
         cfg = json.load(f)
     threading.Thread(target=_watch_parent, args=(cfg["parent_pid"],), daemon=True, name="autopar-parent-watch").start()
 
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
@@ -68,7 +68,7 @@ def main(config_path: str) -> int:
         rc = 2
         result["state"] = "stopped"
         result["signal"] = str(e.sigval)
-    except Exception as e:  # rendezvous or agent errors: reported as they are
+    except Exception as e:  # noqa: BLE001  (rendezvous or agent errors: reported as they are)
         rc = 3
         result["state"] = "error"
         result["error"] = f"{type(e).__name__}: {e}"

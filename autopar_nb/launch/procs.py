@@ -9,6 +9,7 @@ teardown looks for that token in the whole process table.
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 
 import psutil
@@ -45,39 +46,45 @@ def workers_of(agent: psutil.Process) -> dict[int, psutil.Process]:
     return out
 
 
-def terminate(agent_pid: int | None, token: str, *, grace_s: float = 2.5) -> list[int]:
-    """End the agent and every worker of the run: SIGTERM to the agent (torch's handler forwards it to the
-    workers), SIGKILL to whatever is left after ``grace_s``, and a final sweep by token. Returns the pids that had
-    to be SIGKILLed. Takes at most about ``grace_s + 1`` seconds."""
-    known: list[psutil.Process] = []
-    agent = None
-    if agent_pid is not None:
+def terminate(agent, token: str, *, grace_s: float = 2.5) -> list[int]:
+    """End the agent (a ``subprocess.Popen``, or None) and every worker of the run: SIGTERM to the agent (torch's
+    handler forwards it to the workers), SIGKILL to whatever is left after ``grace_s``, and a final sweep by token.
+    Returns the pids that had to be SIGKILLed. Takes at most about ``grace_s + 1`` seconds."""
+    deadline = time.monotonic() + grace_s
+    known: dict[int, psutil.Process] = {}
+    if agent is not None and agent.poll() is None:
         try:
-            agent = psutil.Process(agent_pid)
-            known = [agent, *agent.children(recursive=True)]
-        except psutil.Error:
-            agent = None
-    known += [p for p in processes_with_token(token) if p.pid not in {k.pid for k in known}]
-    if agent is not None:
-        try:
-            agent.send_signal(signal.SIGTERM)
+            known = {p.pid: p for p in psutil.Process(agent.pid).children(recursive=True)}
         except psutil.Error:
             pass
+    for p in processes_with_token(token):
+        if agent is None or p.pid != agent.pid:
+            known.setdefault(p.pid, p)
+    if agent is not None and agent.poll() is None:
+        agent.send_signal(signal.SIGTERM)
     else:
-        for p in known:
+        for p in known.values():
             try:
                 p.send_signal(signal.SIGTERM)
             except psutil.Error:
                 pass
-    _, alive = psutil.wait_procs(known, timeout=grace_s)
+    killed = []
+    if agent is not None:
+        try:
+            agent.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            killed.append(agent.pid)
+            agent.wait(timeout=1.0)
+    _, alive = psutil.wait_procs(list(known.values()), timeout=max(0.0, deadline - time.monotonic()))
     # anything started meanwhile (a restart racing the stop) carries the token too
-    alive = {p.pid: p for p in alive}
+    left = {p.pid: p for p in alive}
     for p in processes_with_token(token):
-        alive.setdefault(p.pid, p)
-    for p in alive.values():
+        left.setdefault(p.pid, p)
+    for p in left.values():
         try:
             p.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(list(alive.values()), timeout=1.0)
-    return sorted(alive)
+    psutil.wait_procs(list(left.values()), timeout=1.0)
+    return killed + sorted(left)

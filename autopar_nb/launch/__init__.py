@@ -1,0 +1,10 @@
+"""Launch: run an exported training script on local worker processes from the notebook, with live metrics.
+
+>>> run = launch("train.py", nproc=2, steps=50)     # returns at once
+>>> run.wait(); run.status, run.metrics
+"""
+
+from .launcher import LaunchError, launch, live_runs
+from .run import MetricsTable, Run
+
+__all__ = ["LaunchError", "MetricsTable", "Run", "launch", "live_runs"]

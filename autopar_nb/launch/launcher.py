@@ -1,0 +1,238 @@
+"""``launch()``: run a training script on N local processes through torch's elastic launcher, without blocking.
+
+Process layout::
+
+    kernel ── monitor thread (channel server, device sampling)            autopar_nb/launch/monitor.py
+       └── agent: python agent.py  (torch.distributed.run's config + elastic_launch, c10d rendezvous on 127.0.0.1)
+              ├── worker rank 0: python -u script.py --steps N ...        env: RANK, ..., AUTOPAR_METRICS, AUTOPAR_TOKEN
+              └── worker rank 1: ...
+
+The agent is a separate process so the kernel never runs torch's signal handling or rendezvous, a crashed kernel
+takes its workers with it (the agent watches its parent), and the kernel's own CUDA state cannot leak into workers.
+Every live run is stopped when the kernel exits (``atexit``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .channel import MetricsServer
+from .monitor import Monitor
+from .procs import TOKEN_ENV
+from .run import TERMINAL, Run
+
+AGENT = Path(__file__).with_name("agent.py")
+_live: weakref.WeakSet[Run] = weakref.WeakSet()
+_live_lock = threading.Lock()
+
+
+class LaunchError(RuntimeError):
+    """A run cannot be started: the message says why and what to do."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def script_args(steps: int | None, flags: dict[str, Any]) -> list[str]:
+    """``--steps N`` and ``key=value`` pairs as command-line flags: ``ckpt_dir="d"`` -> ``--ckpt-dir d``;
+    True -> ``--flag``; False or None -> omitted; lists and tuples -> repeated values after one flag."""
+    out = [] if steps is None else ["--steps", str(steps)]
+    for key, value in flags.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, (list, tuple)):
+            out += [flag, *map(str, value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def live_runs() -> list[Run]:
+    """The runs of this process that have not ended."""
+    with _live_lock:
+        return [r for r in _live if not r.done]
+
+
+def _gpu_count() -> int:
+    """GPUs the workers could use (NVML, honouring CUDA_VISIBLE_DEVICES), without initialising CUDA here."""
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None and not vis.strip():
+        return 0
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        n = pynvml.nvmlDeviceGetCount()
+        pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001  (no NVML library or driver: no GPUs)
+        return 0
+    if vis:
+        return min(n, len([s for s in vis.split(",") if s.strip()]))
+    return n
+
+
+def _cuda_state() -> dict:
+    """What CUDA looks like in this process, without initialising it: {"initialized": bool, "compute_modes":
+    {index: "default"|"exclusive_process"|"prohibited"}} (modes only when CUDA is initialised and NVML works)."""
+    torch = sys.modules.get("torch")
+    initialized = bool(torch is not None and torch.cuda.is_initialized())
+    modes: dict[int, str] = {}
+    if initialized:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            names = {pynvml.NVML_COMPUTEMODE_DEFAULT: "default", pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS:
+                     "exclusive_process", pynvml.NVML_COMPUTEMODE_PROHIBITED: "prohibited"}
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                modes[i] = names.get(pynvml.nvmlDeviceGetComputeMode(pynvml.nvmlDeviceGetHandleByIndex(i)), "other")
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001, S110  (NVML unavailable: modes unknown, nothing to check)
+            pass
+    return {"initialized": initialized, "compute_modes": modes}
+
+
+def check_cuda(nproc: int, backend: str) -> None:
+    """Raise LaunchError when this kernel's CUDA state would break the workers: CUDA is initialised here and a GPU
+    the workers need is in exclusive-process (or prohibited) compute mode, so their contexts would be refused."""
+    if backend != "nccl":
+        return
+    state = _cuda_state()
+    if not state["initialized"]:
+        return
+    bad = {i: m for i, m in state["compute_modes"].items() if i < nproc and m in ("exclusive_process", "prohibited")}
+    if bad:
+        which = ", ".join(f"GPU {i} ({m})" for i, m in sorted(bad.items()))
+        raise LaunchError(
+            f"CUDA is already initialised in this kernel and {which} admits one process only, so the workers could "
+            "not open it. Restart the kernel and launch before any CUDA work in the notebook (capture and planning "
+            "never need CUDA), or set the GPUs to the default compute mode (`nvidia-smi -c DEFAULT`).")
+
+
+def launch(script: str | os.PathLike | Callable[[Path], Any], nproc: int | None = None, steps: int | None = 50, *,
+           plan: Any = None, max_restarts: int = 0, hang_timeout_s: float | None = 600.0,
+           run_dir: str | os.PathLike | None = None, backend: str | None = None, monitor: bool = True,
+           env: dict[str, str] | None = None, **script_flags: Any) -> Run:
+    """Start ``script`` on ``nproc`` local processes with torch's elastic launcher and return a :class:`Run` at once.
+
+    Args:
+        script: a training script path, or a callable ``export(path)`` that writes the script to ``path`` (the
+            run directory's ``train.py``); it must implement the metrics protocol in ``channel.py`` to be monitored.
+        nproc: worker processes; default one per visible GPU, else the plan's world size, else 2.
+        steps: passed as ``--steps N`` (None: not passed).
+        plan: the Plan that was launched: its predicted step time and memory are shown against the measured ones.
+        max_restarts: elastic restarts of the whole worker group after a failure (the script should resume from
+            its last checkpoint, e.g. ``ckpt_dir=..., ckpt_every=...``).
+        hang_timeout_s: a run in which some rank made no step progress for this long is reported as hung and torn
+            down (None: never).
+        run_dir: where the script copy, logs and result go (default: a new temporary directory).
+        backend: "gloo" (CPU) or "nccl" (GPUs); default nccl when GPUs are visible. Only chooses the checks, the
+            device sampling and the default nproc: the script picks its own backend.
+        monitor: False leaves out the metrics channel and device sampling (the run then reports only its end).
+        env: extra environment variables for the workers.
+        **script_flags: more flags for the script: ``ckpt_dir="/tmp/ck"`` becomes ``--ckpt-dir /tmp/ck``.
+
+    Raises:
+        LaunchError: another run of this kernel is still alive, or the kernel's CUDA state would break the workers.
+    """
+    alive = live_runs()
+    if alive:
+        r = alive[0]
+        raise LaunchError(f"a run is still {r.status} ({r.run_id[:8]}, {r.nproc} processes, started "
+                          f"{time.time() - r.started:.0f} s ago): call run.stop() or run.wait() on it first "
+                          f"(autopar_nb.launch.live_runs() lists it)")
+    gpus = _gpu_count()
+    backend = backend or ("nccl" if gpus else "gloo")
+    if nproc is None:
+        mesh = getattr(plan, "mesh", None)
+        nproc = gpus if backend == "nccl" and gpus else (mesh.world_size if mesh is not None else 2)
+    if nproc < 1:
+        raise LaunchError(f"nproc must be >= 1, got {nproc}")
+    if backend == "nccl" and gpus and nproc > gpus:
+        raise LaunchError(f"nproc={nproc} but only {gpus} GPU(s) are visible: pass nproc <= {gpus}, or "
+                          "backend='gloo' for CPU workers")
+    check_cuda(nproc, backend)
+
+    run_id = secrets.token_hex(8)
+    run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix=f"autopar-run-{run_id[:8]}-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if callable(script) and not isinstance(script, (str, os.PathLike)):
+        target = run_dir / "train.py"
+        produced = script(target)
+        script_path = Path(produced) if isinstance(produced, (str, os.PathLike)) else target
+    else:
+        script_path = Path(script)
+    script_path = script_path.resolve()
+    if not script_path.is_file():
+        raise LaunchError(f"training script {script_path} does not exist: export the plan first (ap.export(path)) "
+                          "or pass the path of an existing script")
+    if plan is not None and hasattr(plan, "to_json"):
+        (run_dir / "plan.json").write_text(plan.to_json())
+
+    server = MetricsServer() if monitor else None
+    token = server.token if server is not None else secrets.token_hex(16)
+    sargs = script_args(steps, script_flags)
+    torchrun_args = [
+        "--nnodes", "1", "--nproc-per-node", str(nproc),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id,
+        "--local-addr", "127.0.0.1",
+        "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
+        "--log-dir", str(run_dir / "logs"), "--redirects", "3",
+        "--shutdown-timeout", "1",  # SIGKILL a worker that ignores SIGTERM for 1 s: stop must finish within 5 s
+        str(script_path), *sargs,
+    ]
+    command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
+    (run_dir / "command.txt").write_text(shlex.join(command) + "\n")
+    cfg = {"parent_pid": os.getpid(), "result_path": str(run_dir / "result.json"), "torchrun_args": torchrun_args}
+    (run_dir / "agent.json").write_text(__import__("json").dumps(cfg, indent=1))
+
+    run = Run(run_id=run_id, run_dir=run_dir, script=script_path, nproc=nproc, steps=steps, token=token,
+              backend=backend, max_restarts=max_restarts, hang_timeout_s=hang_timeout_s, plan=plan, command=command)
+    worker_env = {**os.environ, **(env or {}), TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
+    if backend == "gloo":
+        worker_env.setdefault("OMP_NUM_THREADS", "1")  # one thread per CPU worker (oversubscription pitfall)
+    if server is not None:
+        worker_env["AUTOPAR_METRICS"] = server.address
+    else:
+        worker_env.pop("AUTOPAR_METRICS", None)
+    with open(run_dir / "agent.log", "wb") as log:
+        run._proc = subprocess.Popen([sys.executable, str(AGENT), str(run_dir / "agent.json")], env=worker_env,
+                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                     cwd=str(script_path.parent))
+    run._server = server
+    run._monitor = Monitor(run, sample=monitor)
+    with _live_lock:
+        _live.add(run)
+    run._monitor.start()
+    return run
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    """Kernel shutdown: end every live run's workers (runs are stopped in parallel)."""
+    runs = [r for r in list(_live) if r.status not in TERMINAL or not r.done]
+    threads = [threading.Thread(target=r.stop, args=("the kernel is shutting down",)) for r in runs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(6.0)
