@@ -57,11 +57,11 @@ def capture(model: nn.Module, example_inputs: Any, *, source: str | None = None)
     try:
         try:
             graph = _from_export(model, args, kwargs)
-        except Exception as export_error:  # noqa: BLE001 - any export failure may still trace eagerly
+        except Exception as export_error:
             located = _locate(export_error, model, paths)
             try:
                 graph = _from_dispatch(model, args, kwargs, paths)
-            except Exception as eager_error:  # noqa: BLE001
+            except Exception as eager_error:
                 raise _capture_error(eager_error, model, paths) from eager_error
             warnings.warn(f"torch.export could not trace {type(model).__name__} ({_first_line(export_error)}"
                           f"{located}); captured by recording one eager forward pass instead", stacklevel=2)
@@ -146,7 +146,7 @@ def _from_export(model: nn.Module, args: tuple, kwargs: dict) -> ModelGraph:
                     params.append(placeholder_target[a.name])
                 else:
                     inputs.append(alias.get(a.name, a.name))
-        to_val = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a  # noqa: E731
+        to_val = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a
         args_v, kwargs_v = torch.fx.node.map_aggregate((node.args, node.kwargs), to_val)
         outs = [o for o in tree_flatten(node.meta.get("val"))[0] if isinstance(o, torch.Tensor)]
         raw.append(_RawOp(node.name, str(node.target), args_v, kwargs_v, outs, inputs, params,

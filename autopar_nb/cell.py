@@ -7,7 +7,6 @@ namespace; the user's namespace is updated only when everything succeeded.
 
 from __future__ import annotations
 
-import ast
 import builtins
 import symtable
 import traceback
@@ -117,7 +116,7 @@ def run_model_cell(code: str, user_ns: dict[str, Any], *, model_var: str | None 
     source = ModelSource(code)
     try:
         source.run(ns, device="meta", seed=0)
-    except Exception as e:  # noqa: BLE001 - any error in user code becomes one message
+    except Exception as e:
         raise CellError(_describe_user_error(e, source.filename)) from None
     bound = {k: v for k, v in ns.items() if k != "__builtins__" and before.get(k) != id(v)}
 

@@ -107,7 +107,8 @@ class Cluster:
     gpus_per_node: int = 8
     intra_node: LinkSpec = NVLINK4
     inter_node: LinkSpec = IB_NDR
-    preset: str = ""
+    name: str = ""
+    """the preset this cluster was made from ("h100-80gb", "cpu", ...), "" for a custom one"""
     calibration: dict[str, float] = field(default_factory=dict)
     """measured factors that replace the cost model's defaults (see autopar_nb.cost)"""
 

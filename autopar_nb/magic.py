@@ -19,8 +19,8 @@ def make_cluster(gpu: str, gpus: int | None, nodes: int) -> Cluster:
     machine the ``cpu`` preset with 2 processes, so the plan can be launched here)."""
     if gpu == "auto":
         detected = Cluster.detect()
-        per_node = gpus or (detected.gpus_per_node if detected.preset != "cpu" else 2)
-        return Cluster(detected.device, nodes, per_node, detected.intra_node, detected.inter_node, detected.preset)
+        per_node = gpus or (detected.gpus_per_node if detected.name != "cpu" else 2)
+        return Cluster(detected.device, nodes, per_node, detected.intra_node, detected.inter_node, detected.name)
     return Cluster.preset(gpu, nodes=nodes, gpus_per_node=gpus or 8)
 
 
@@ -41,20 +41,24 @@ class AutoparallelMagics(Magics):
                    "batch). Example: --batch 512")
     @argument("--name", default="ap", help="variable the session is bound to (default ap). Example: --name gpt")
     @argument("--model", default=None,
-              help="variable holding the model (default: `model`, or the only nn.Module the cell creates)")
+              help="variable holding the model (default: `model`, or the only nn.Module the cell creates). "
+                   "Example: --model net")
     @argument("--inputs", default=None,
               help="variable holding the example inputs (default: `example_inputs`, or the only tensor/tuple of "
-                   "tensors the cell creates)")
+                   "tensors the cell creates). Example: --inputs batch")
     @argument("--dtype", default="auto", choices=list(DTYPES),
-              help="training precision: fp32, bf16 or fp16 autocast; auto lets the planner choose (default)")
+              help="training precision: fp32, bf16 or fp16 autocast; auto lets the planner choose (default). "
+                   "Example: --dtype bf16")
     @argument("--mode", default="auto", choices=list(MODES),
               help="auto: plan everything (default); semi: honour pinned layer choices made with ap.override(); "
-                   "manual: --fix gives the whole mesh, the planner only costs it")
+                   "manual: --fix gives the whole mesh, the planner only costs it. "
+                   "Example: --mode manual --fix dp=2,tp=4")
     @argument("--fix", default=None,
               help="pin global choices, comma-separated KEY=VALUE with KEY in dp, tp, pp, zero (zero_stage), "
                    "micro_batches (mb), schedule, virtual_stages, recompute, amp, sp. Example: --fix tp=2,zero=3")
     @argument("--include-cells", action="store_true",
-              help="prepend the earlier cells that define names this cell uses (default: report those names)")
+              help="prepend the earlier cells that define names this cell uses (default: report those names). "
+                   "Example: --include-cells")
     @cell_magic
     def autoparallel(self, line: str, cell: str):
         """Plan parallel training for the model this cell builds.

@@ -62,7 +62,7 @@ class Session:
         for layer, count in g.folded_layers():
             name = layer.path if count == 1 else f"{g.block_of(layer.path).name}.[0–{count - 1}]"
             rows.append(f"<tr><td><code>{html.escape(name)}</code></td><td>{html.escape(layer.type)}</td>"
-                        f"<td style='text-align:right'>{'× %d' % count if count > 1 else ''}</td>"
+                        f"<td style='text-align:right'>{f'× {count}' if count > 1 else ''}</td>"
                         f"<td style='text-align:right'>{human(layer.num_params)}</td>"
                         f"<td style='text-align:right'>{human(layer.flops)}FLOP</td></tr>")
         inputs = ", ".join(str(tuple(i.shape)) for i in g.inputs)

@@ -9,7 +9,7 @@ from autopar_nb.hardware import PRESETS, Cluster
 @pytest.mark.parametrize("name", [*PRESETS, "cpu"])
 def test_presets_have_real_figures(name):
     c = Cluster.preset(name, nodes=2, gpus_per_node=4)
-    assert c.world_size == 8 and c.preset == name
+    assert c.world_size == 8 and c.name == name
     d = c.device
     assert d.memory_bytes > 1e9 and d.hbm_bandwidth > 1e9 and d.source
     assert d.flops("float32") > 0
@@ -34,6 +34,6 @@ def test_unknown_preset_names_the_choices():
 
 def test_detect_falls_back_to_cpu_with_real_cores_and_ram():
     c = Cluster.detect()  # this machine has no GPU
-    assert c.preset == "cpu"
+    assert c.name == "cpu"
     assert str(os.cpu_count()) in c.device.source
     assert c.device.memory_bytes == psutil.virtual_memory().total
