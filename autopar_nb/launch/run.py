@@ -23,6 +23,8 @@ from . import procs
 
 TERMINAL = ("finished", "failed", "stopped", "hung")
 LOG_TAIL_LINES = 8
+STARTUP_TIMEOUT_S = 120.0
+"""seconds a rank may take to connect to the metrics channel before the hang check counts it as stalled"""
 
 
 @dataclass
@@ -183,6 +185,11 @@ class Run:
         """rank -> live worker process (psutil), as last seen by the monitor (refreshed about once a second)."""
         with self._lock:
             return dict(self._workers)
+
+    def processes(self) -> list[psutil.Process]:
+        """Every process of this run still alive (the agent and its workers, found by the run's token in their
+        environment); empty once the run has ended."""
+        return procs.processes_with_token(self._token)
 
     def logs(self, rank: int = 0, *, attempt: int | None = None, tail: int | None = None) -> str:
         """The output of one rank (stdout, then stderr) in one attempt (default: the latest), optionally only the
@@ -363,15 +370,19 @@ class Run:
 
     def _check_hang(self) -> None:
         now = time.monotonic()
-        if self.hang_timeout_s is None or self._status in TERMINAL or self._stop_reason is not None:
+        if self.hang_timeout_s is None or self._server is None or self._status in TERMINAL or self._stop_reason is not None:
             if self._error_time is not None and now - self._error_time > 3.0 and self._agent_alive():
                 # a failed rank with no restart left: torch's agent ends the others; make sure it does
                 self._stop_reason = self._stop_reason or "failure"
                 self._teardown()
             return
         with self._lock:
+            # a rank that has not connected yet is still starting (importing torch, building the model): it gets
+            # STARTUP_TIMEOUT_S at least
+            limit = {r: self.hang_timeout_s if s.last_progress else max(self.hang_timeout_s, STARTUP_TIMEOUT_S)
+                     for r, s in self._ranks.items()}
             stalled = {r: now - max(s.last_progress, self._t0) for r, s in self._ranks.items() if not s.done}
-            if not stalled or max(stalled.values()) < self.hang_timeout_s:
+            if not any(t >= limit[r] for r, t in stalled.items()):
                 return
             steps = ", ".join(f"rank {r}: {'-' if s.step is None else s.step}" for r, s in self._ranks.items())
             worst = max(stalled, key=stalled.get)

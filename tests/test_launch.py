@@ -1,0 +1,244 @@
+"""launch(): real runs of tests/fixtures/train_fixture.py on 2 local processes (gloo), and their failure modes."""
+
+from __future__ import annotations
+
+import _thread
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from autopar_nb.launch import LaunchError, launch, live_runs
+from autopar_nb.launch import launcher as launcher_mod
+from autopar_nb.launch.channel import MetricsServer
+from autopar_nb.launch.procs import processes_with_token
+
+FIXTURE = Path(__file__).parent / "fixtures" / "train_fixture.py"
+REPO = Path(__file__).parent.parent
+
+
+def wait_for(cond, timeout: float, what: str, poll: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return time.monotonic()
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def assert_no_process_left(run):
+    left = processes_with_token(run._token)
+    assert not left, f"processes of the run still alive: {left}"
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_runs():
+    yield
+    for r in live_runs():  # a failing test must not leave workers behind for the next one
+        r.stop("test cleanup")
+
+
+# ---- the channel alone (no processes) ----------------------------------------------------------------------------
+def test_channel_accepts_token_and_drops_everything_else():
+    server = MetricsServer()
+    host, port = server.address.split(":")
+    try:
+        def client(lines: list[bytes]) -> socket.socket:
+            s = socket.create_connection((host, int(port)))
+            s.sendall(b"".join(lines))
+            return s
+
+        good = client([json.dumps({"token": server.token, "rank": 1}).encode() + b"\n",
+                       b'{"step": 1, "loss": 0.5, "rank": 0}\n'])
+        wrong = client([b'{"token": "0000", "rank": 0}\n{"step": 99, "loss": 1.0}\n'])
+        pickled = client([b"\x80\x04\x95cos\nsystem\n"])  # a pickle: must be treated as garbage, not loaded
+        no_token = client([b'{"rank": 0}\n{"step": 98}\n'])
+        msgs = []
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and server.rejected < 3:
+            msgs += server.poll(0.05)
+        for s in (good, wrong, pickled, no_token):
+            s.close()
+        msgs += server.poll(0.2)
+        data = [(m.rank, m.data) for m in msgs if m.kind == "data"]
+        # the authenticated connection's rank wins over the "rank" a later line claims
+        assert data == [(1, {"step": 1, "loss": 0.5, "rank": 0})]
+        assert [m.rank for m in msgs if m.kind == "hello"] == [1]
+        assert server.rejected == 3
+    finally:
+        server.close()
+
+
+def test_script_flags_become_command_line_flags():
+    assert launcher_mod.script_args(5, {"ckpt_dir": "/x", "ckpt_every": 2, "compile": True, "amp": None,
+                                        "fast": False}) == ["--steps", "5", "--ckpt-dir", "/x", "--ckpt-every", "2",
+                                                             "--compile"]
+
+
+def test_cuda_in_kernel_that_breaks_workers_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr(launcher_mod, "_cuda_state",
+                        lambda: {"initialized": True, "compute_modes": {0: "default", 1: "exclusive_process"}})
+    launcher_mod.check_cuda(1, "nccl")  # GPU 0 only: fine
+    with pytest.raises(LaunchError, match=r"GPU 1 \(exclusive_process\).*Restart the kernel"):
+        launch(FIXTURE, nproc=2, steps=2, backend="nccl", run_dir=tmp_path)
+    assert not (tmp_path / "agent.json").exists()  # refused before anything started
+    launcher_mod.check_cuda(2, "gloo")  # CPU workers never open the GPU
+
+
+# ---- real runs -------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference_run():
+    """An uninterrupted 12-step run; a hostile client connects while it runs."""
+    run = launch(FIXTURE, nproc=2, steps=12)
+    host, port = run._server.address.split(":")
+    intruder = socket.create_connection((host, int(port)))
+    intruder.sendall(b'{"token": "not-the-token", "rank": 0}\n{"step": 1000, "loss": 123.0}\n{"event": "error"}\n')
+    assert run.wait(120) == "finished", run.message
+    intruder.close()
+    return run
+
+
+@pytest.mark.multiprocess
+def test_run_finishes_with_metrics_logs_and_no_process_left(reference_run):
+    run = reference_run
+    assert run.status == "finished" and run.error is None
+    table = run.metrics
+    assert sorted({(r["rank"], r["step"]) for r in table}) == [(r, s) for r in (0, 1) for s in range(1, 13)]
+    assert all(r["loss"] != 123.0 and r["step"] <= 12 for r in table)  # the intruder did not get in
+    assert run._server.rejected >= 1
+    assert {"loss", "step_time_s", "samples_per_s", "rss"} <= set(table.columns())
+    assert "step 12 loss" in run.logs(1)
+    assert run.first_step_time is not None and run.first_step_time < 60
+    assert "torch.distributed.run" in " ".join(run.command)
+    assert_no_process_left(run)
+    summary = run.summary()
+    assert summary["steps"] == 12 and summary["step_time_s"] > 0 and set(summary["memory_by_rank"]) == {0, 1}
+
+
+@pytest.mark.multiprocess
+def test_rank_raising_reports_rank_exception_traceback_and_ends_all(tmp_path):
+    run = launch(FIXTURE, nproc=2, steps=200, sleep=0.05, fail_rank=1, fail_step=4, run_dir=tmp_path)
+    wait_for(lambda: run.last_steps()[1] == 3, 60, "rank 1 to finish step 3")
+    t_step3 = time.monotonic()
+    t_failed = wait_for(lambda: run.status == "failed", 5, "status 'failed'")
+    assert t_failed - t_step3 < 5
+    err = run.error
+    assert err["rank"] == 1 and "injected failure on rank 1 at step 4" in err["error"]
+    assert "Traceback" in err["traceback"] and "train_fixture.py" in err["traceback"]
+    assert "rank 1" in run.message
+    wait_for(lambda: run.done, 5, "the run to end")
+    assert_no_process_left(run)
+    assert max(run.last_steps().values()) < 10  # rank 0 did not run on alone
+
+
+@pytest.mark.multiprocess
+def test_stop_and_second_launch_refused(tmp_path):
+    run = launch(FIXTURE, nproc=2, steps=10_000, sleep=0.05, run_dir=tmp_path / "a")
+    wait_for(lambda: run.status == "running", 60, "the first step")
+    with pytest.raises(LaunchError, match=r"still running .*run.stop\(\)"):
+        launch(FIXTURE, nproc=2, steps=5, run_dir=tmp_path / "b")
+    assert not (tmp_path / "b" / "agent.json").exists()
+    workers = list(run.workers().values())
+    assert len(workers) == 2
+    t0 = time.monotonic()
+    assert run.stop() == "stopped"
+    assert time.monotonic() - t0 < 5
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers)
+    assert_no_process_left(run)
+    assert live_runs() == []
+
+
+@pytest.mark.multiprocess
+def test_keyboard_interrupt_in_wait_ends_every_worker(tmp_path):
+    run = launch(FIXTURE, nproc=2, steps=10_000, sleep=0.05, run_dir=tmp_path)
+    wait_for(lambda: run.status == "running", 60, "the first step")
+    threading.Timer(0.3, _thread.interrupt_main).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run.wait()
+    assert time.monotonic() - t0 < 0.3 + 5
+    assert run.status == "stopped" and "KeyboardInterrupt" in run.message
+    assert_no_process_left(run)
+
+
+KERNEL = textwrap.dedent("""
+    import sys, time
+    from autopar_nb.launch import launch
+    run = launch(sys.argv[1], nproc=2, steps=10_000, sleep=0.05)
+    while run.status != "running":
+        time.sleep(0.05)
+    print(run._token, flush=True)
+    if sys.argv[2] == "exit":
+        sys.exit(0)          # a normal kernel shutdown: atexit stops the run
+    time.sleep(600)          # the test SIGKILLs this "kernel"
+""")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_kernel_shutdown_ends_every_worker(how):
+    """A kernel that exits (atexit) or is killed outright (the agent watches its parent) leaves no worker."""
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL, str(FIXTURE), how], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        token = kernel.stdout.readline().strip()
+        assert re.fullmatch(r"[0-9a-f]{32}", token), token
+        assert len(processes_with_token(token)) == 3  # the agent and two workers
+        t0 = time.monotonic()
+        if how == "sigkill":
+            kernel.send_signal(signal.SIGKILL)
+        kernel.wait(10)
+        wait_for(lambda: not processes_with_token(token), 5, "every worker to end")
+        assert time.monotonic() - t0 < 5
+    finally:
+        kernel.kill()
+        kernel.wait()
+
+
+@pytest.mark.multiprocess
+def test_hang_is_reported_with_last_step_per_rank_then_torn_down(tmp_path):
+    run = launch(FIXTURE, nproc=2, steps=100, fail_rank=-1, hang_rank=1, hang_step=4, hang_timeout_s=4.0,
+                 run_dir=tmp_path)
+    wait_for(lambda: run.status == "hung", 60, "the hang to be detected")
+    # rank 1 stalls before step 4; rank 0 waits for it in the all-reduce of step 4
+    assert run.last_steps() == {0: 3, 1: 3}
+    assert "rank 0: 3, rank 1: 3" in run.message and "hang_timeout_s=4.0" in run.message
+    wait_for(lambda: run.done, 5, "the teardown")
+    assert run.status == "hung"
+    assert_no_process_left(run)
+
+
+@pytest.mark.multiprocess
+def test_sigkilled_worker_restarts_from_checkpoint_and_loss_continues_exactly(tmp_path, reference_run):
+    ckpt = tmp_path / "ckpt"
+    run = launch(FIXTURE, nproc=2, steps=12, sleep=0.15, max_restarts=1, ckpt_dir=ckpt, ckpt_every=3,
+                 run_dir=tmp_path / "run")
+    wait_for(lambda: (run.last_steps()[1] or 0) >= 5, 60, "rank 1 to pass step 5")
+    run.workers()[1].send_signal(signal.SIGKILL)
+    assert run.wait(120) == "finished", run.message
+    resumed = int(re.search(r"resumed from step (\d+)", run.logs(0)).group(1))
+    assert resumed >= 3 and resumed % 3 == 0
+    rows = run.metrics
+    first = [r for r in rows if r["attempt"] == 0]
+    second = [r for r in rows if r["attempt"] == 1]
+    assert first and second, "the worker group was not restarted"
+    # nothing before the checkpoint is redone, nothing after it is lost
+    assert min(r["step"] for r in second) == resumed + 1
+    assert sorted(r["step"] for r in second if r["rank"] == 0) == list(range(resumed + 1, 13))
+    # the curve continues exactly: every step's loss equals the uninterrupted run's, per rank
+    for rank in (0, 1):
+        assert run.loss_curve(rank) == reference_run.loss_curve(rank)
+    for r in first:  # and the steps redone after the restart give the same losses as before the kill
+        redo = [s for s in second if s["rank"] == r["rank"] and s["step"] == r["step"]]
+        assert not redo or redo[0]["loss"] == r["loss"]
+    assert_no_process_left(run)
