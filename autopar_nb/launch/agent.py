@@ -68,7 +68,7 @@ def main(config_path: str) -> int:
         rc = 2
         result["state"] = "stopped"
         result["signal"] = str(e.sigval)
-    except Exception as e:  # noqa: BLE001  (rendezvous or agent errors: reported as they are)
+    except Exception as e:  # rendezvous or agent errors: reported as they are
         rc = 3
         result["state"] = "error"
         result["error"] = f"{type(e).__name__}: {e}"

@@ -84,7 +84,7 @@ def _gpu_count() -> int:
         pynvml.nvmlInit()
         n = pynvml.nvmlDeviceGetCount()
         pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001  (no NVML library or driver: no GPUs)
+    except Exception:  # no NVML library or driver: no GPUs
         return 0
     if vis:
         return min(n, len([s for s in vis.split(",") if s.strip()]))
@@ -107,7 +107,7 @@ def _cuda_state() -> dict:
             for i in range(pynvml.nvmlDeviceGetCount()):
                 modes[i] = names.get(pynvml.nvmlDeviceGetComputeMode(pynvml.nvmlDeviceGetHandleByIndex(i)), "other")
             pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001, S110  (NVML unavailable: modes unknown, nothing to check)
+        except Exception:  # NVML unavailable: modes unknown, nothing to check
             pass
     return {"initialized": initialized, "compute_modes": modes}
 

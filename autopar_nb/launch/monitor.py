@@ -35,7 +35,7 @@ class DeviceSampler:
 
                 pynvml.nvmlInit()
                 self.nvml = pynvml
-            except Exception:  # noqa: BLE001  (no driver / no permission: fall back to per-process figures)
+            except Exception:  # no driver / no permission: fall back to per-process figures
                 self.nvml = None
         self._procs: dict[int, psutil.Process] = {}
 
@@ -75,7 +75,7 @@ class DeviceSampler:
                     d["gpu_mem_used"], d["gpu_mem_total"] = float(mem.used), float(mem.total)
                     d["power_w"] = nv.nvmlDeviceGetPowerUsage(h) / 1000.0  # milliwatts
                     d["temperature_c"] = float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
-                except Exception:  # noqa: BLE001, S112  (a GPU that stops answering: skip it this round)
+                except Exception:  # a GPU that stops answering: skip it this round
                     continue
         return out
 
@@ -83,7 +83,7 @@ class DeviceSampler:
         if self.nvml is not None:
             try:
                 self.nvml.nvmlShutdown()
-            except Exception:  # noqa: BLE001, S110  (already shut down)
+            except Exception:  # already shut down
                 pass
 
 
@@ -122,7 +122,7 @@ class Monitor(threading.Thread):
                 if changed and now - last_push >= PUSH_INTERVAL_S:
                     last_push = now
                     r._notify()
-        except Exception as e:  # noqa: BLE001  (the monitor must never die silently: the run would look alive forever)
+        except Exception as e:  # the monitor must never die silently: the run would look alive forever
             r._monitor_crashed(e)
         finally:
             if self.sampler is not None:

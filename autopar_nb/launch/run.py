@@ -76,8 +76,8 @@ class MetricsTable(list):
             return "MetricsTable(empty)"
         rows = [[_fmt(r.get(c)) for c in cols] for r in self[-20:]]
         widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-        lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
-        lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+        lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]
+        lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
         more = f"... {len(self) - 20} earlier rows\n" if len(self) > 20 else ""
         return more + "\n".join(lines)
 
@@ -362,15 +362,18 @@ class Run:
         return attempts[-1] / str(rank)
 
     def _read_log_tails(self) -> None:
-        tails = {r: [line if line.startswith(f"[rank{r}]") else f"[rank{r}] {line}" for line in self.logs(r, tail=LOG_TAIL_LINES).splitlines()]
-                 for r in range(self.nproc)}
+        tails = {}
+        for r in range(self.nproc):  # torch already prefixes stderr lines with "[rankN]:"
+            lines = self.logs(r, tail=LOG_TAIL_LINES).splitlines()
+            tails[r] = [line if line.startswith(f"[rank{r}]") else f"[rank{r}] {line}" for line in lines]
         with self._lock:
             for r, t in tails.items():
                 self._ranks[r].log_tail = t
 
     def _check_hang(self) -> None:
         now = time.monotonic()
-        if self.hang_timeout_s is None or self._server is None or self._status in TERMINAL or self._stop_reason is not None:
+        off = self.hang_timeout_s is None or self._server is None
+        if off or self._status in TERMINAL or self._stop_reason is not None:
             if self._error_time is not None and now - self._error_time > 3.0 and self._agent_alive():
                 # a failed rank with no restart left: torch's agent ends the others; make sure it does
                 self._stop_reason = self._stop_reason or "failure"
@@ -476,5 +479,5 @@ class Run:
         for fn in list(self._listeners):
             try:
                 fn(self)
-            except Exception:  # noqa: BLE001, S110  (a broken listener (a closed widget) must not stop the monitor)
+            except Exception:  # a broken listener (a closed widget) must not stop the monitor
                 pass
