@@ -6,6 +6,7 @@ operations as the widget as plain Python calls.
 
 from __future__ import annotations
 
+import copy
 import html
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,10 +37,68 @@ class Session:
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     """layer-path glob -> pinned per-layer choices, e.g. {"h.*.mlp": {"tp": "colwise-rowwise"}}"""
     plan: Plan | None = None
+    _undo: list[tuple] = field(default_factory=list, repr=False)
+    _redo: list[tuple] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r} unknown; choose one of {', '.join(MODES)}")
+
+    # ---- planning -----------------------------------------------------------------------------------------------
+    def replan(self, fix: dict[str, Any] | None = None, overrides: dict[str, dict[str, Any]] | None = None,
+               *, top_k: int = 5) -> Plan:
+        """Plan again with new constraints (None keeps the current ones) and return the new plan.
+
+        Atomic: if the planner rejects the constraints (PlanError saying which one fails and by how much memory),
+        the session keeps its previous constraints and plan. The previous state can be restored with undo().
+        """
+        from .planner import plan as make_plan
+
+        fix = dict(self.fix if fix is None else fix)
+        overrides = copy.deepcopy(self.overrides if overrides is None else overrides)
+        new = make_plan(self.graph, self.cluster, global_batch=self.batch, seq_len=self.graph.seq_len, fix=fix,
+                        overrides=overrides, top_k=top_k)
+        self._undo.append(self._state())
+        self._redo.clear()
+        self.fix, self.overrides, self.plan = fix, overrides, new
+        return new
+
+    def override(self, pattern: str, **choices: Any) -> Plan:
+        """Pin per-layer choices for every layer or module matching the glob ``pattern`` and re-plan (the seed's
+        semi-auto mode). Choices: ``tp`` ("colwise", "rowwise", "colwise-rowwise", "vocab", "sequence_parallel",
+        "replicate"), ``stage`` (pipeline stage), ``recompute`` ("none", "selective", "full"), ``fsdp`` (bool).
+        ``choices`` given as None un-pin those fields.
+
+        >>> ap.override("h.*.mlp", tp="colwise-rowwise")
+        >>> ap.override("h.10", stage=2)
+        """
+        overrides = copy.deepcopy(self.overrides)
+        entry = {**overrides.get(pattern, {}), **choices}
+        entry = {k: v for k, v in entry.items() if v is not None}
+        if entry:
+            overrides[pattern] = entry
+        else:
+            overrides.pop(pattern, None)
+        return self.replan(overrides=overrides)
+
+    def undo(self) -> Plan | None:
+        """Go back to the constraints and plan before the last replan/override; returns the restored plan."""
+        if not self._undo:
+            raise IndexError("nothing to undo")
+        self._redo.append(self._state())
+        self.fix, self.overrides, self.plan = self._undo.pop()
+        return self.plan
+
+    def redo(self) -> Plan | None:
+        """Re-apply what undo() took back."""
+        if not self._redo:
+            raise IndexError("nothing to redo")
+        self._undo.append(self._state())
+        self.fix, self.overrides, self.plan = self._redo.pop()
+        return self.plan
+
+    def _state(self) -> tuple:
+        return dict(self.fix), copy.deepcopy(self.overrides), self.plan
 
     @property
     def batch(self) -> int:
