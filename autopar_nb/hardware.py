@@ -167,8 +167,9 @@ class Cluster:
 
     def describe(self) -> str:
         d = self.device
+        dtype, peak = max(d.peak_flops.items(), key=lambda kv: kv[1])
         return (f"{self.nodes} x {self.gpus_per_node} {d.name} ({d.memory_bytes / GiB:.0f} GiB, "
-                f"{d.flops('bfloat16') / TB:.0f} TFLOP/s bf16)")
+                f"{peak / TB:.3g} TFLOP/s {dtype})")
 
 
 def _match_preset(name: str, memory_bytes: float) -> str | None:
