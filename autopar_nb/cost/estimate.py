@@ -1,0 +1,244 @@
+"""Tie memory, communication and time into a :class:`~autopar_nb.plan.Cost` for one set of choices.
+
+:class:`Evaluator` holds the graph's profile and caches per-layer terms by (repeated-block representative, TP on,
+sequence parallel, AMP, micro-batch size), so evaluating a candidate is arithmetic over the layer chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..plan import Cost, MemoryBreakdown
+from .comm import collective_time, link_for
+from .factors import Factors, factors_for
+from .memory import activation_bytes, in_flight, model_states, state_bytes, with_margin
+from .profile import GraphProfile
+from .time import bubble_fraction, layer_compute_time, optimizer_time
+
+RECOMPUTE_OPTIONS = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Global choices of a candidate plan (plain values)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    amp: str = "none"
+    micro_batches: int = 1
+    """micro-batches per step on each data-parallel rank"""
+    mb_samples: float = 1.0
+    """samples per micro-batch"""
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sp: bool = False
+    """sequence parallel (TP > 1 on a sequence model)"""
+    optimizer: str = "adam"
+
+
+@dataclass
+class LayerChoice:
+    """Per-layer choices of a candidate plan."""
+
+    stage: int = 0
+    tp: bool = True
+    """apply the layer's TP styles (False: replicate it on every TP rank)"""
+    recompute: str = "none"
+    fsdp: bool = True
+
+
+@dataclass
+class LayerTerms:
+    """One layer's per-micro-batch costs on one rank for a given (TP, SP, AMP, micro-batch size)."""
+
+    fwd: float
+    bwd: float
+    sel: float
+    act: dict[str, float]
+    params_local: float
+    tp_comm: dict[str, float] = field(default_factory=dict)
+    """seconds per micro-batch (forward + backward) by collective kind"""
+    out_bytes: float = 0.0
+    work_bytes: float = 0.0
+
+
+class Evaluator:
+    """Costs candidate plans of one profiled graph on one cluster (see the module docstring)."""
+
+    def __init__(self, prof: GraphProfile, cluster, *, factors: Factors | None = None, seq_ratio: float = 1.0,
+                 megatron_sp: bool = False):
+        self.prof, self.cluster = prof, cluster
+        self.f = factors or factors_for(cluster)
+        self.seq_ratio, self.megatron_sp = seq_ratio, megatron_sp
+        self._cache: dict[tuple, LayerTerms] = {}
+
+    # ---- per layer ----------------------------------------------------------------------------------------------
+    def terms(self, i: int, *, tp: int, sp: bool, half: bool, mb_samples: float) -> LayerTerms:
+        """Per-layer terms, cached by the layer's repeated-block representative."""
+        key = (self.prof.rep[i], tp, sp, half, mb_samples)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        lp = self.prof.layers[self.prof.rep[i]]
+        scale = mb_samples / self.prof.batch * self.seq_ratio
+        qscale = mb_samples / self.prof.batch * self.seq_ratio ** 2
+        fwd, bwd, sel = layer_compute_time(lp, tp=tp, sp=sp, half=half, scale=scale, quad_scale=qscale,
+                                           device=self.cluster.device, factors=self.f)
+        act = {r: activation_bytes(lp, tp=tp, sp=sp, recompute=r, half=half, scale=scale, quad_scale=qscale,
+                                   megatron_sp=self.megatron_sp) for r in RECOMPUTE_OPTIONS}
+        comm: dict[str, float] = {}
+        if tp > 1:
+            link = link_for(self.cluster, size=tp, stride=1)
+            for c in lp.comms:
+                nbytes = (c.half_bytes if half else c.nbytes) * scale
+                kinds = ("reduce_scatter", "all_gather") if sp else ("all_reduce",)
+                for k in kinds:
+                    comm[k] = comm.get(k, 0.0) + collective_time(k, nbytes, tp, link, self.f.eff_link)
+        out = (lp.output_half if half else lp.output_bytes) * scale / (tp if sp else 1)
+        work = 2 * lp.largest_out * scale * (0.5 if half else 1.0) / (tp if tp > 1 else 1)
+        t = LayerTerms(fwd, bwd, sel, act, lp.params_split / tp + lp.params_rep, comm, out, work)
+        self._cache[key] = t
+        return t
+
+    # ---- a whole candidate --------------------------------------------------------------------------------------
+    def evaluate(self, s: Setting, choices: list[LayerChoice]) -> Cost:
+        """The predicted :class:`Cost` of one step (memory_by_rank: one entry per pipeline rank)."""
+        f, dev, prof = self.f, self.cluster.device, self.prof
+        half = s.amp != "none"
+        n_stages = s.pp * s.virtual_stages
+        rank_of = [st % s.pp for st in range(n_stages)]
+        # per pipeline rank accumulators
+        fwdbwd = [0.0] * s.pp
+        rec = [0.0] * s.pp
+        tpc = [0.0] * s.pp
+        acts = [0.0] * s.pp
+        params = [0.0] * s.pp
+        work = [0.0] * s.pp
+        unit_max = [0.0] * s.pp
+        nofsdp = [0.0] * s.pp
+        p2p = [0.0] * s.pp
+        by_kind: dict[str, float] = {}
+        model_flops = 0.0
+        hw_flops = 0.0
+        for i, ch in enumerate(choices):
+            r = rank_of[ch.stage]
+            t = s.tp if ch.tp else 1
+            lt = self.terms(i, tp=t, sp=s.sp and ch.tp, half=half, mb_samples=s.mb_samples)
+            fwdbwd[r] += lt.fwd + lt.bwd
+            extra = lt.fwd if ch.recompute == "full" else lt.sel if ch.recompute == "selective" else 0.0
+            rec[r] += extra
+            c = sum(lt.tp_comm.values())
+            tpc[r] += c * (1 - f.overlap_tp)
+            for k, v in lt.tp_comm.items():
+                by_kind[k] = by_kind.get(k, 0.0) + v * s.micro_batches
+            acts[r] += lt.act[ch.recompute]
+            if ch.recompute == "full":
+                work[r] = max(work[r], lt.act["none"] + lt.work_bytes)
+            else:
+                work[r] = max(work[r], lt.work_bytes)
+            params[r] += lt.params_local
+            unit_max[r] = max(unit_max[r], lt.params_local)
+            if not ch.fsdp:
+                nofsdp[r] += lt.params_local
+            if i + 1 < len(choices) and rank_of[choices[i + 1].stage] != r:
+                p2p[r] = max(p2p[r], lt.out_bytes)
+            lp = prof.layers[prof.rep[i]]
+            scale = s.mb_samples / prof.batch
+            fl = (sum(lp.flops_split.values()) + sum(lp.flops_rep.values()) + sum(lp.bwd_split.values())
+                  + sum(lp.bwd_rep.values())) * scale
+            model_flops += fl
+            hw_flops += fl + (sum(lp.flops_split.values()) + sum(lp.flops_rep.values())) * scale * (
+                ch.recompute == "full") + lp.quad_flops * scale * (ch.recompute == "selective")
+
+        m = s.micro_batches
+        per_mb = [fwdbwd[r] + rec[r] + tpc[r] for r in range(s.pp)]
+        bottleneck = max(range(s.pp), key=lambda r: per_mb[r])
+        T = per_mb[bottleneck]
+        bubble = bubble_fraction(s.schedule, pp=s.pp, micro_batches=m, virtual_stages=s.virtual_stages,
+                                 factors=f) * T
+        # pipeline point-to-point: fill/drain on the critical path, the rest mostly hidden
+        pp_link = link_for(self.cluster, size=s.pp, stride=s.tp * s.dp)
+        p2p_t = max((collective_time("send_recv", b, 2, pp_link, f.eff_link) for b in p2p), default=0.0)
+        p2p_total = 2 * m * p2p_t * s.virtual_stages if s.pp > 1 else 0.0
+        p2p_exposed = (2 * (s.pp - 1) * p2p_t + (1 - f.overlap_pp) * p2p_total) if s.pp > 1 else 0.0
+        if p2p_total:
+            by_kind["send_recv"] = p2p_total
+
+        # data parallel
+        dp_link = link_for(self.cluster, size=s.dp, stride=s.tp)
+        p_item = 2 if half else 4
+        g_item = 4  # gradients reduced in fp32 (FSDP2 MixedPrecisionPolicy.reduce_dtype / DDP default)
+        P = params[bottleneck]
+        dp_total = dp_exposed = 0.0
+        if s.dp > 1:
+            ct = lambda k, b: collective_time(k, b, s.dp, dp_link, f.eff_link)
+            if s.zero_stage <= 1:
+                ar = ct("all_reduce", P * g_item)
+                by_kind["all_reduce"] = by_kind.get("all_reduce", 0.0) + ar
+                ag = ct("all_gather", P * 4) if s.zero_stage == 1 else 0.0  # ZeroRedundancyOptimizer broadcast
+                if ag:
+                    by_kind["all_gather"] = by_kind.get("all_gather", 0.0) + ag
+                window = fwdbwd[bottleneck] * 2 / 3  # gradients of the last micro-batch's backward (no_sync)
+                dp_total = ar + ag
+                dp_exposed = ar - min(f.overlap_dp * ar, window) + ag
+            else:
+                rs = m * ct("reduce_scatter", P * g_item)
+                n_ag = 1 if s.zero_stage == 2 else 2 * m
+                ag = n_ag * ct("all_gather", P * p_item)
+                by_kind["reduce_scatter"] = by_kind.get("reduce_scatter", 0.0) + rs
+                by_kind["all_gather"] = by_kind.get("all_gather", 0.0) + ag
+                window = m * fwdbwd[bottleneck]
+                ov = f.overlap_fsdp if s.zero_stage == 3 else f.overlap_dp
+                dp_total = rs + ag
+                dp_exposed = dp_total - min(ov * dp_total, window)
+        opt_params = P / s.dp if s.zero_stage >= 1 else P
+        opt_t = optimizer_time(opt_params, dev, f)
+
+        compute = m * (fwdbwd[bottleneck] + rec[bottleneck])
+        tp_exposed = m * tpc[bottleneck]
+        step = compute + tp_exposed + bubble + p2p_exposed + dp_exposed + opt_t
+
+        # memory per pipeline rank
+        sb = state_bytes(s.optimizer)
+        mem: list[MemoryBreakdown] = []
+        for r in range(s.pp):
+            pb, gb, ob = model_states(params[r], dp=s.dp, zero_stage=s.zero_stage, states=sb)
+            buffers = 0.0
+            if s.zero_stage == 2:
+                pb = params[r] * sb.param / s.dp
+                buffers += params[r] * p_item  # reshard_after_forward=False keeps unsharded params fwd -> bwd
+            elif s.zero_stage == 3:
+                buffers += 2 * unit_max[r] * p_item + unit_max[r] * g_item + nofsdp[r] * p_item
+            elif half:
+                buffers += params[r] * 2  # autocast caches 16-bit copies of the weights for the step
+            flight = in_flight(s.schedule, pp=s.pp, stage=r, micro_batches=m, virtual_stages=s.virtual_stages)
+            act = flight * acts[r]
+            if r == s.pp - 1:
+                # the loss: log-softmax output (fp32) saved, then its gradient and the logits' gradient
+                lp_div = s.tp if prof.loss_parallel else 1
+                act += prof.output_numel * (s.mb_samples / prof.batch) * 4 / lp_div
+                buffers += prof.output_numel * (s.mb_samples / prof.batch) * (4 + p_item) / lp_div
+            buffers += work[r] + (2 * p2p[r] if s.pp > 1 else 0.0)
+            sub = pb + gb + ob + act + buffers
+            mem.append(MemoryBreakdown(pb, gb, ob, act, buffers, with_margin(sub, f)))
+        peak = max(x.total for x in mem)
+
+        world = s.dp * s.tp * s.pp
+        samples = s.dp * m * s.mb_samples
+        # FLOPs summed over the chain are those of one micro-batch for one replica; scale to the step
+        step_model_flops = model_flops * m * s.dp
+        step_hw_flops = hw_flops * m * s.dp
+        peak_flops = dev.flops("bfloat16" if half else "float32")
+        cost = Cost(
+            step_time_s=step, compute_s=compute, comm_exposed_s=tp_exposed + p2p_exposed + dp_exposed,
+            comm_total_s=sum(by_kind.values()), comm_by_kind=by_kind, bubble_s=bubble, optimizer_s=opt_t,
+            memory_by_rank=mem, peak_memory_bytes=peak,
+            model_tflops_per_gpu=step_model_flops / world / step / 1e12,
+            hardware_tflops_per_gpu=step_hw_flops / world / step / 1e12,
+            mfu=step_model_flops / world / step / peak_flops,
+            tokens_per_s=samples * prof.seq_len * self.seq_ratio / step if prof.seq_len else None,
+            samples_per_s=samples / step,
+        )
+        return cost

@@ -1,0 +1,74 @@
+"""Every efficiency, overlap and margin factor of the cost model, in one place.
+
+The defaults are round figures from published measurements (sources beside each). A measured run replaces any of
+them through ``Cluster.calibration`` (same names): ``factors_for(cluster)`` applies the overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Factors:
+    """Dimensionless factors (0..1 unless stated) and small constants the cost model multiplies peaks by."""
+
+    eff_matmul: float = 0.70
+    """achieved / peak FLOP/s of large GEMMs (Megatron-LM reports 0.6-0.75 of A100/H100 bf16 peak)"""
+    eff_conv: float = 0.55
+    """achieved / peak for convolutions (cuDNN, typical CNN shapes)"""
+    eff_attention: float = 0.55
+    """achieved / peak for fused attention (FlashAttention-2 paper: 50-73% of A100 peak forward, less backward)"""
+    eff_fp32_matmul: float = 0.85
+    """fp32 GEMMs run on CUDA cores (or the CPU) close to their (much lower) peak"""
+    eff_hbm: float = 0.75
+    """achieved / datasheet HBM bandwidth for memory-bound kernels (elementwise, norms, softmax, optimizer)"""
+    eff_link: float = 0.80
+    """achieved NCCL bus bandwidth / link datasheet bandwidth (nccl-tests busbw: ~80% of NVLink/IB peak)"""
+    op_overhead_s: float = 4e-6
+    """per kernel launch and framework overhead, seconds per non-view op (eager PyTorch, order of magnitude)"""
+    overlap_dp: float = 0.80
+    """fraction of DDP/ZeRO-1/2 gradient all-reduce or reduce-scatter hidden behind backward compute"""
+    overlap_fsdp: float = 0.80
+    """fraction of FSDP (ZeRO-3) all-gather/reduce-scatter hidden behind compute (prefetch of the next unit)"""
+    overlap_tp: float = 0.0
+    """fraction of TP collectives hidden (0: PyTorch's eager TP runs them on the critical path)"""
+    overlap_pp: float = 0.90
+    """fraction of pipeline send/recv hidden behind the other micro-batches' compute (steady state)"""
+    bubble_zero_bubble: float = 0.10
+    """zero-bubble schedules: remaining bubble as a fraction of the 1F1B bubble (ZB-V paper: near zero)"""
+    margin_fraction: float = 0.05
+    """allocator fragmentation: fraction of the predicted bytes reserved on top (caching allocator, typical 3-10%)"""
+    margin_fixed_bytes: float = 1.0 * 2**30
+    """CUDA context, cuBLAS/NCCL workspaces, bytes (about 0.5-1.5 GiB per GPU process)"""
+    optimizer_bytes_per_param: float = 36.0
+    """bytes moved per local parameter by a fused Adam step: read param, grad, m, v (fp32, 16) + write param, m,
+    v (12) + bf16 param copy / grad scaling reads (~8)"""
+
+    def efficiency(self, op_class: str, dtype_is_half: bool) -> float:
+        """Fraction of peak FLOP/s for a compute-bound op class."""
+        if not dtype_is_half:
+            return self.eff_fp32_matmul
+        return {"matmul": self.eff_matmul, "conv": self.eff_conv, "attention": self.eff_attention}.get(
+            op_class, self.eff_matmul)
+
+
+DEFAULT = Factors()
+
+
+def factors_for(cluster) -> Factors:
+    """The default factors with ``cluster.calibration`` applied (unknown names raise, so typos do not pass silently).
+
+    The ``cpu`` preset has no allocator workspace to speak of, so its fixed margin is 0.
+    """
+    base = DEFAULT if cluster.preset != "cpu" else dataclasses.replace(DEFAULT, margin_fixed_bytes=0.0)
+    calib = dict(getattr(cluster, "calibration", None) or {})
+    if not calib:
+        return base
+    known = {f.name for f in dataclasses.fields(Factors)}
+    unknown = set(calib) - known
+    if unknown:
+        raise ValueError(f"unknown calibration factor(s) {', '.join(sorted(unknown))}; "
+                         f"known: {', '.join(sorted(known))}")
+    return dataclasses.replace(base, **{k: float(v) for k, v in calib.items()})

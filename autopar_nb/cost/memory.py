@@ -1,0 +1,111 @@
+"""Per-rank memory: model states by ZeRO stage, TP and PP; activations from what autograd saves; micro-batches in
+flight by pipeline schedule; FSDP/TP/PP buffers; the allocator margin.
+
+Units: bytes. Sources: ZeRO (Rajbhandari et al. 2020, sec. 3-5) for model states, Korthikanti et al. 2022
+("Reducing Activation Recomputation in Large Transformer Models") for activations under TP/SP/recompute,
+Narayanan et al. 2021 (Megatron-LM PTD-P) for in-flight micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .profile import LayerProfile
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of each model state (the ZeRO paper's 2 + 2 + K accounting)."""
+
+    param: float
+    """the parameters the module holds"""
+    grad: float
+    """gradients"""
+    optimizer: float
+    """optimizer states (K in the ZeRO paper), including any fp32 master copy"""
+
+
+MIXED_ADAM = StateBytes(2, 2, 12)
+"""Megatron/DeepSpeed mixed precision: fp16 params and grads, fp32 master params + Adam m, v (ZeRO paper, K=12)"""
+TORCH_ADAM = StateBytes(4, 4, 8)
+"""PyTorch training (also under autocast / FSDP2 MixedPrecisionPolicy): fp32 params and grads, Adam m, v in fp32;
+16-bit copies of parameters are transient buffers (FSDP all-gather), not states"""
+TORCH_SGD = StateBytes(4, 4, 4)
+"""PyTorch SGD with momentum: one fp32 buffer per parameter"""
+
+
+def state_bytes(optimizer: str, layout: str = "torch") -> StateBytes:
+    """The per-parameter accounting: ``layout`` "torch" (what the runtime builds) or "mixed_adam" (ZeRO paper)."""
+    if layout == "mixed_adam":
+        return MIXED_ADAM
+    return TORCH_SGD if optimizer == "sgd" else TORCH_ADAM
+
+
+def model_states(num_params: float, *, dp: int, zero_stage: int, states: StateBytes = MIXED_ADAM
+                 ) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes on one rank for ``num_params`` parameters held by its (TP x PP) slice.
+
+    ZeRO paper sec. 5: baseline (2 + 2 + K)Psi; P_os 2Psi + 2Psi + K Psi/Nd; P_os+g 2Psi + (2 + K)Psi/Nd;
+    P_os+g+p (2 + 2 + K)Psi/Nd.
+    """
+    p = num_params * states.param
+    g = num_params * states.grad
+    o = num_params * states.optimizer
+    if zero_stage >= 1:
+        o /= dp
+    if zero_stage >= 2:
+        g /= dp
+    if zero_stage >= 3:
+        p /= dp
+    return p, g, o
+
+
+def activation_bytes(lp: LayerProfile, *, tp: int, sp: bool, recompute: str, half: bool, scale: float,
+                     quad_scale: float | None = None, megatron_sp: bool = False) -> float:
+    """Bytes one micro-batch leaves saved for backward in this layer (Korthikanti et al. 2022, sec. 4).
+
+    ``scale`` = samples per micro-batch / captured samples (times the sequence ratio); ``quad_scale`` scales the
+    attention-score terms (sequence ratio squared), default ``scale``. Inside TP regions saved tensors divide by
+    ``tp``; outside, only with sequence parallel. With SP, PyTorch's DTensor saves the all-gathered input of each
+    colwise Linear (full size); Megatron-LM saves the shard and gathers again in backward (``megatron_sp``).
+    ``recompute``: "selective" drops attention-score tensors (recomputed from Q, K, V), "full" keeps only the
+    layer's input (sequence-sharded under SP).
+    """
+    qs = scale if quad_scale is None else quad_scale
+    if recompute == "full":
+        b = lp.input_half if half else lp.input_bytes
+        return b * scale / (tp if sp else 1)
+    total = 0.0
+    for s in lp.saved:
+        if recompute == "selective" and s.quadratic:
+            continue
+        b = (s.half_bytes if half else s.nbytes) * (qs if s.quadratic else scale)
+        if s.region:
+            b /= tp
+        elif sp and (megatron_sp or not s.gathered):
+            b /= tp
+        total += b
+    return total
+
+
+def in_flight(schedule: str, *, pp: int, stage: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """Micro-batches whose activations one pipeline rank holds at its peak (in units of all its layers).
+
+    GPipe: every micro-batch; 1F1B (and zero-bubble ZB-H1/ZBV, same memory): pp - stage (Narayanan et al. 2021);
+    interleaved 1F1B: torch's warm-up of (v - 1) pp + 2 (pp - 1 - stage) chunk-forwards, plus one, each 1/v of
+    the rank's layers.
+    """
+    m = micro_batches
+    if pp == 1:
+        return 1.0
+    if schedule in ("gpipe", "looped_bfs"):
+        return float(m)
+    if schedule == "interleaved_1f1b" and virtual_stages > 1:
+        v = virtual_stages
+        return min(float(m), ((v - 1) * pp + 2 * (pp - 1 - stage) + 1) / v)
+    return float(min(m, pp - stage))
+
+
+def with_margin(subtotal: float, factors) -> float:
+    """Allocator margin: a fraction of the predicted bytes (fragmentation) plus fixed workspaces."""
+    return subtotal * factors.margin_fraction + factors.margin_fixed_bytes
