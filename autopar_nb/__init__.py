@@ -22,3 +22,8 @@ def load_ipython_extension(ipython):
     from .magic import AutoparallelMagics
 
     ipython.register_magics(AutoparallelMagics)
+
+
+from .launch import Run, launch  # noqa: E402  (launch: issue 5)
+
+__all__ += ["Run", "launch"]

@@ -150,9 +150,18 @@ def test_stop_and_second_launch_refused(tmp_path):
     assert not (tmp_path / "b" / "agent.json").exists()
     workers = list(run.workers().values())
     assert len(workers) == 2
+    # the dashboard follows the run from the monitor thread while this thread does something else
+    board = run.dashboard()
+    step_then = max(r["step"] or 0 for r in board.ranks)
+    wait_for(lambda: max(r["step"] or 0 for r in board.ranks) >= step_then + 3, 30, "the dashboard to update")
+    assert board.status == "running" and len(board.loss["0"]) >= 3 and board.ranks[0]["util_kind"] == "cpu"
+    assert board.ranks[1]["mem"] > 0 and board.ranks[1]["mem_kind"] == "rss"
     t0 = time.monotonic()
-    assert run.stop() == "stopped"
+    board._on_front_end_msg(board, {"event": "stop"}, [])  # the Stop button
+    wait_for(lambda: run.done, 5, "the Stop button to end the run")
     assert time.monotonic() - t0 < 5
+    assert run.status == "stopped" and "Stop button" in run.message
+    wait_for(lambda: board.status == "stopped", 2, "the dashboard to show the end")
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers)
     assert_no_process_left(run)
     assert live_runs() == []
@@ -242,3 +251,53 @@ def test_sigkilled_worker_restarts_from_checkpoint_and_loss_continues_exactly(tm
         redo = [s for s in second if s["rank"] == r["rank"] and s["step"] == r["step"]]
         assert not redo or redo[0]["loss"] == r["loss"]
     assert_no_process_left(run)
+
+
+@pytest.mark.multiprocess
+def test_dashboard_and_calibration_of_a_finished_run(reference_run, tmp_path, monkeypatch):
+    factors_mod = pytest.importorskip("autopar_nb.cost.factors")
+    from autopar_nb import calibration
+    from autopar_nb.hardware import Cluster
+    from autopar_nb.plan import Cost, MemoryBreakdown, Plan
+
+    board = reference_run.dashboard()
+    assert board.status == "finished" and [len(board.loss[k]) for k in ("0", "1")] == [12, 12]
+    assert board.summary["steps"] == 12 and board.summary["step_time_s"] > 0
+    assert any("[rank1]" in line for line in board.ranks[1]["log"])
+    assert "export default {render}" in board._esm  # anywidget loaded static/dashboard.js
+
+    monkeypatch.setenv("AUTOPAR_CALIBRATION", str(tmp_path / "calibration.json"))
+    measured = reference_run.summary()["step_time_s"]
+    reference_run.plan = Plan(cost=Cost(step_time_s=2 * measured, memory_by_rank=[MemoryBreakdown(params=1e6)] * 2))
+    try:
+        cluster = Cluster.preset("cpu", gpus_per_node=2)
+        factors = reference_run.calibrate(cluster)
+    finally:
+        reference_run.plan = None
+    default = factors_mod.DEFAULT
+    assert factors["eff_matmul"] == pytest.approx(default.eff_matmul * 2)  # twice as fast as predicted
+    assert factors["op_overhead_s"] == pytest.approx(default.op_overhead_s / 2)
+    assert "margin_fraction" not in factors  # RSS says nothing about the allocator margin
+    assert calibration.load("cpu") == factors and "[cpu]" in calibration.show()
+    calibrated = calibration.apply(cluster)
+    assert factors_mod.factors_for(calibrated).eff_matmul == pytest.approx(default.eff_matmul * 2)
+    calibration.reset("cpu")
+    assert calibration.load("cpu") == {} and calibration.apply(cluster).calibration == {}
+
+
+def test_calibration_memory_margin_from_cuda_peak():
+    pytest.importorskip("autopar_nb.cost.factors")
+    from autopar_nb import calibration
+
+    current = {"eff_matmul": 0.7, "op_overhead_s": 4e-6, "margin_fraction": 0.05, "margin_fixed_bytes": 1e9}
+    measured = {"step_time_s": 0.3, "predicted_step_time_s": 0.2, "memory_kind": "cuda_peak",
+                "memory_by_rank": {0: 13e9, 1: 12e9}, "predicted_memory_by_rank": {0: 11.5e9, 1: 11.5e9},
+                "predicted_breakdown_by_rank": {0: {"margin": 1.5e9}, 1: {"margin": 1.5e9}}}
+    factors, record = calibration.factors_from(measured, current=current)
+    assert factors["eff_matmul"] == pytest.approx(0.7 / 1.5)
+    assert factors["op_overhead_s"] == pytest.approx(6e-6)
+    # base = 11.5 - 1.5 = 10 GB; 13 = 10 * (1 + f) + 1  ->  f = 0.2
+    assert factors["margin_fraction"] == pytest.approx(0.2)
+    assert record["ratio"] == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="plan=<a Plan with a cost>"):
+        calibration.factors_from({"step_time_s": 0.3}, current=current)

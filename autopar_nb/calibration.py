@@ -1,0 +1,177 @@
+"""Calibration: measured factors from real runs, persisted per cluster preset, fed back into the cost model.
+
+A finished run knows its measured step time (median of the steady-state steps) and, on CUDA, its peak memory per
+rank; its plan knows the predicted ones. ``Run.calibrate()`` turns the ratios into cost-model factors — the field
+names of ``autopar_nb.cost.factors.Factors``, the names ``Cluster.calibration`` takes — and stores them under the
+cluster's preset name in a JSON file (``path()``: ``$AUTOPAR_CALIBRATION``, else
+``$XDG_CACHE_HOME/autopar_nb/calibration.json``, else ``~/.cache/autopar_nb/calibration.json``).
+
+Keys written (each replaces the cost model's default; starting values are the cluster's current factors, so
+repeated calibrations converge instead of compounding errors):
+
+* ``eff_matmul``, ``eff_conv``, ``eff_attention``, ``eff_fp32_matmul``, ``eff_hbm``, ``eff_link``: divided by
+  ``r = measured / predicted step time`` — one uniform speed correction: the whole error is attributed to achieved
+  throughput, compute and communication alike (a single run cannot tell them apart). Clamped to [1e-4, 4] (above 1
+  only where the device's peak is an estimate, as for the ``cpu`` preset).
+* ``op_overhead_s``: multiplied by ``r``.
+* ``margin_fraction``: only from CUDA runs (``mem_peak`` reported): the allocator margin that makes the predicted
+  peak equal the measured one: ``(measured - (total - margin) - margin_fixed_bytes) / (total - margin)``, >= 0.
+  CPU runs report RSS, which includes the Python and torch runtime, so they leave memory factors alone.
+
+Visible and resettable: ``show()``, ``load(preset)``, ``reset(preset)``; ``apply(cluster)`` returns the cluster with
+the stored factors in ``Cluster.calibration``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+SPEED_KEYS = ("eff_matmul", "eff_conv", "eff_attention", "eff_fp32_matmul", "eff_hbm", "eff_link")
+"""efficiencies divided by measured/predicted step time"""
+OVERHEAD_KEYS = ("op_overhead_s",)
+"""per-op constants multiplied by measured/predicted step time"""
+MEMORY_KEYS = ("margin_fraction",)
+"""set from measured CUDA peak memory"""
+EFF_RANGE = (1e-4, 4.0)
+HISTORY = 10
+"""runs kept per preset in the file (the latest one's factors are in force)"""
+
+
+def path() -> Path:
+    """The calibration file."""
+    if os.environ.get("AUTOPAR_CALIBRATION"):
+        return Path(os.environ["AUTOPAR_CALIBRATION"])
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "autopar_nb" / "calibration.json"
+
+
+def _read() -> dict:
+    try:
+        data = json.loads(path().read_text())
+    except (OSError, ValueError):
+        return {"version": 1, "presets": {}}
+    if not isinstance(data, dict) or not isinstance(data.get("presets"), dict):
+        return {"version": 1, "presets": {}}
+    return data
+
+
+def _write(data: dict) -> None:
+    p = path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, p)
+
+
+def load(preset: str) -> dict[str, float]:
+    """The stored factors of one preset ({} when it was never calibrated)."""
+    return dict(_read()["presets"].get(preset, {}).get("factors", {}))
+
+
+def reset(preset: str | None = None) -> None:
+    """Forget the stored factors of ``preset`` (of every preset when None): plans go back to the defaults."""
+    data = _read()
+    if preset is None:
+        data["presets"] = {}
+    else:
+        data["presets"].pop(preset, None)
+    _write(data)
+
+
+def show() -> str:
+    """A printable table of every stored preset: its factors and the runs they came from."""
+    data = _read()
+    if not data["presets"]:
+        return f"no calibration stored ({path()})"
+    lines = [f"calibration file: {path()}"]
+    for name, entry in sorted(data["presets"].items()):
+        lines.append(f"[{name}]")
+        for k, v in sorted(entry.get("factors", {}).items()):
+            lines.append(f"  {k:<20} {v:.6g}")
+        for h in entry.get("history", [])[-3:]:
+            lines.append(f"  run {h.get('when', '?')}: measured {h.get('measured_step_time_s', 0) * 1e3:.2f} ms/step"
+                         f" vs predicted {h.get('predicted_step_time_s', 0) * 1e3:.2f} ms (x{h.get('ratio', 0):.3g})")
+    return "\n".join(lines)
+
+
+def apply(cluster: Any) -> Any:
+    """``cluster`` with its preset's stored factors merged into ``Cluster.calibration`` (explicit entries win)."""
+    stored = load(_preset_of(cluster))
+    return dataclasses.replace(cluster, calibration={**stored, **(cluster.calibration or {})})
+
+
+def _preset_of(cluster: Any) -> str:
+    for attr in ("name", "preset"):
+        v = getattr(cluster, attr, None)
+        if isinstance(v, str) and v:
+            return v
+    return ""
+
+
+def _current_factors(cluster: Any) -> dict[str, float]:
+    try:
+        from .cost.factors import DEFAULT, factors_for
+    except ImportError as e:
+        raise RuntimeError("calibration needs the cost model (autopar_nb.cost.factors), which is not installed in "
+                           "this checkout") from e
+    if cluster is None:
+        return dataclasses.asdict(DEFAULT)
+    try:
+        return dataclasses.asdict(factors_for(cluster))
+    except (AttributeError, TypeError, ValueError):
+        return {**dataclasses.asdict(DEFAULT), **(getattr(cluster, "calibration", None) or {})}
+
+
+def factors_from(measured: dict, *, current: dict[str, float]) -> tuple[dict[str, float], dict]:
+    """Cost-model factors that make the prediction match ``measured`` (a ``Run.summary()``), starting from the
+    ``current`` factors the prediction was made with. Returns (factors, record of the figures used)."""
+    t_meas, t_pred = measured.get("step_time_s"), measured.get("predicted_step_time_s")
+    if not t_meas or not t_pred:
+        raise ValueError("calibration needs a measured step time and a predicted one: launch with plan=<a Plan with "
+                         "a cost> and let at least one step finish")
+    r = t_meas / t_pred
+    lo, hi = EFF_RANGE
+    out = {k: min(hi, max(lo, current[k] / r)) for k in SPEED_KEYS if k in current}
+    out.update({k: current[k] * r for k in OVERHEAD_KEYS if k in current})
+    record: dict[str, Any] = {"measured_step_time_s": t_meas, "predicted_step_time_s": t_pred, "ratio": r}
+    if measured.get("memory_kind") == "cuda_peak" and measured.get("predicted_memory_by_rank"):
+        pred = measured["predicted_memory_by_rank"]
+        breakdown = measured.get("predicted_breakdown_by_rank") or {}
+        worst = max(measured["memory_by_rank"], key=lambda k: measured["memory_by_rank"][k] / max(pred.get(k, 1), 1))
+        total = pred.get(worst)
+        margin = breakdown.get(worst, {}).get("margin", 0.0)
+        base = (total or 0.0) - margin
+        if base > 0 and "margin_fraction" in current:
+            fixed = current.get("margin_fixed_bytes", 0.0)
+            out["margin_fraction"] = max(0.0, (measured["memory_by_rank"][worst] - base - fixed) / base)
+            record.update(measured_peak_bytes=measured["memory_by_rank"][worst], predicted_peak_bytes=total)
+    return out, record
+
+
+def from_run(run: Any, *, cluster: Any = None, preset: str | None = None, save: bool = True) -> dict[str, float]:
+    """Factors measured by a finished ``Run`` (see the module docstring), stored under the preset when ``save``."""
+    if run.status != "finished":
+        raise ValueError(f"the run is {run.status}: calibrate from a finished run (run.wait() first)")
+    measured = run.summary()
+    cost = getattr(run.plan, "cost", None)
+    if cost is not None:
+        measured["predicted_breakdown_by_rank"] = {i: dataclasses.asdict(m) for i, m in enumerate(cost.memory_by_rank)}
+    factors, record = factors_from(measured, current=_current_factors(cluster))
+    name = preset or (_preset_of(cluster) if cluster is not None else "") or (
+        (getattr(run.plan, "cluster", None) or {}).get("preset", ""))
+    if not name:
+        raise ValueError("no cluster preset to store the calibration under: pass cluster=... or preset='h100-80gb'")
+    if save:
+        data = _read()
+        entry = data["presets"].setdefault(name, {"factors": {}, "history": []})
+        entry["factors"] = {**entry.get("factors", {}), **factors}
+        record.update(when=time.strftime("%Y-%m-%d %H:%M:%S"), run_dir=str(run.run_dir), nproc=run.nproc,
+                      factors=factors)
+        entry["history"] = (entry.get("history", []) + [record])[-HISTORY:]
+        _write(data)
+    return factors
