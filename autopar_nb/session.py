@@ -39,6 +39,9 @@ class Session:
     plan: Plan | None = None
     _undo: list[tuple] = field(default_factory=list, repr=False)
     _redo: list[tuple] = field(default_factory=list, repr=False)
+    _observers: list = field(default_factory=list, repr=False, compare=False)
+    """callables ``fn(session)`` run after every replan/undo/redo (the widget registers one)"""
+    _widget: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -61,6 +64,7 @@ class Session:
         self._undo.append(self._state())
         self._redo.clear()
         self.fix, self.overrides, self.plan = fix, overrides, new
+        self._notify()
         return new
 
     def override(self, pattern: str, **choices: Any) -> Plan:
@@ -87,6 +91,7 @@ class Session:
             raise IndexError("nothing to undo")
         self._redo.append(self._state())
         self.fix, self.overrides, self.plan = self._undo.pop()
+        self._notify()
         return self.plan
 
     def redo(self) -> Plan | None:
@@ -95,7 +100,27 @@ class Session:
             raise IndexError("nothing to redo")
         self._undo.append(self._state())
         self.fix, self.overrides, self.plan = self._redo.pop()
+        self._notify()
         return self.plan
+
+    # ---- widget (autopar_nb.widget) -------------------------------------------------------------------------------
+    def _notify(self) -> None:
+        for fn in list(self._observers):
+            fn(self)
+
+    def widget(self):
+        """The planner widget for this session (created once, then reused); it follows every replan/undo/redo."""
+        if self._widget is None:
+            from .widget import PlannerWidget
+
+            self._widget = PlannerWidget(self)
+        return self._widget
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        # the widget once there is a plan; before that IPython falls back to _repr_html_
+        if self.plan is None:
+            return None
+        return self.widget()._repr_mimebundle_(include=include, exclude=exclude)
 
     def _state(self) -> tuple:
         return dict(self.fix), copy.deepcopy(self.overrides), self.plan
