@@ -124,11 +124,36 @@ def _quiet_torch_logs():
         logging.disable(previous)
 
 
+class _TensorsOnly(nn.Module):
+    """Wraps a model so its output is the tensors it returns: outputs such as Hugging Face's cache objects are not
+    pytrees torch.export can handle, and the graph only needs the tensors."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return tuple(_tensor_leaves(self.inner(*args, **kwargs)))
+
+
+def _tensor_leaves(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _tensor_leaves(v)]
+    if isinstance(out, (list, tuple)):
+        return [t for v in out for t in _tensor_leaves(v)]
+    return []
+
+
 def _from_export(model: nn.Module, args: tuple, kwargs: dict) -> ModelGraph:
     with _quiet_torch_logs():
-        ep = torch.export.export(model, args, kwargs, strict=False)
-    placeholder_target = {s.arg.name: s.target for s in ep.graph_signature.input_specs
-                          if getattr(s.arg, "name", None) and s.target is not None}
+        ep = torch.export.export(_TensorsOnly(model), args, kwargs, strict=False)
+    # the wrapper adds "inner." to every parameter and module path: strip it; tied weights get their first name
+    canonical = _canonical_names(model)
+    placeholder_target = {s.arg.name: canonical.get(t, t) for s in ep.graph_signature.input_specs
+                          if getattr(s.arg, "name", None) and s.target is not None
+                          for t in [s.target.removeprefix("inner.")]}
     alias: dict[str, str] = {}  # getitem node -> the multi-output node it unpacks
     raw: list[_RawOp] = []
     for node in ep.graph.nodes:
@@ -137,8 +162,9 @@ def _from_export(model: nn.Module, args: tuple, kwargs: dict) -> ModelGraph:
         if node.target.__name__ == "getitem":
             alias[node.name] = alias.get(node.args[0].name, node.args[0].name)
             continue
-        stack = node.meta.get("nn_module_stack") or {}
-        module_path, module_type = list(stack.values())[-1] if stack else ("", type(model).__name__)
+        stack = [(_clean_path(p), t) for p, t in (node.meta.get("nn_module_stack") or {}).values()]
+        stack = [(p.removeprefix("inner").removeprefix("."), t) for p, t in stack if p != ""]
+        module_path, module_type = stack[-1] if stack else ("", type(model).__name__)
         inputs, params = [], []
         for a in tree_flatten((node.args, node.kwargs))[0]:
             if isinstance(a, torch.fx.Node):
@@ -149,10 +175,11 @@ def _from_export(model: nn.Module, args: tuple, kwargs: dict) -> ModelGraph:
         to_val = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a
         args_v, kwargs_v = torch.fx.node.map_aggregate((node.args, node.kwargs), to_val)
         outs = [o for o in tree_flatten(node.meta.get("val"))[0] if isinstance(o, torch.Tensor)]
-        raw.append(_RawOp(node.name, str(node.target), args_v, kwargs_v, outs, inputs, params,
-                          _clean_path(module_path), _type_name(module_type)))
-    outs = [o for o in tree_flatten([n.meta.get("val") for n in ep.graph.nodes if n.op == "output"])[0]
-            if isinstance(o, torch.Tensor)]
+        raw.append(_RawOp(node.name, str(node.target), args_v, kwargs_v, outs, inputs, params, module_path,
+                          _type_name(module_type)))
+    returned = tree_flatten(ep.graph.output_node().args)[0]
+    outs = [n.meta.get("val") for n in returned if isinstance(n, torch.fx.Node)]
+    outs = [o for o in outs if isinstance(o, torch.Tensor)]
     return _build(model, args, kwargs, raw, outs, "torch.export")
 
 
@@ -366,6 +393,15 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, raw: list[_RawOp], outs:
                       [i for i in map(_info, outs) if i is not None], tracer, unknown_ops=sorted(unknown))
 
 
+def _canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every name of every parameter/buffer -> the first name it has (how named_parameters() reports it)."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        out[name] = first.setdefault(id(t), name)
+    return out
+
+
 def _param_infos(model: nn.Module) -> dict[str, ParamInfo]:
     modules = dict(model.named_modules())
     out: dict[str, ParamInfo] = {}
@@ -397,7 +433,7 @@ def _locate(e: BaseException, model: nn.Module, paths: dict[int, str]) -> str:
         return ""
     path, typ, filename, lineno = found
     line = linecache.getline(filename, lineno).strip()
-    return f" in module {path} ({typ}) at {filename}:{lineno}: `{line}`"
+    return f" in module {path} ({typ}) at {filename}:{lineno}" + (f": `{line}`" if line else "")
 
 
 def _capture_error(e: BaseException, model: nn.Module, paths: dict[int, str]) -> CaptureError:

@@ -104,7 +104,9 @@ _BUILTIN = [
     OpRule("aten.embedding_bag", "embedding", None, 1.0, splits=_EMBEDDING_SPLITS),
     OpRule("aten._embedding_bag", "embedding", None, 1.0, splits=_EMBEDDING_SPLITS),
     OpRule("aten.layer_norm", "norm", _per_output(5), 2.0, splits=_SEQUENCE_SPLITS),
+    OpRule("aten.native_layer_norm", "norm", _per_input(5), 2.0, splits=_SEQUENCE_SPLITS),
     OpRule("aten.rms_norm", "norm", _per_output(4), 2.0, splits=_SEQUENCE_SPLITS),
+    OpRule("aten._fused_rms_norm", "norm", _per_input(4), 2.0, splits=_SEQUENCE_SPLITS),
     OpRule("aten.group_norm", "norm", _per_output(5), 2.0),
     OpRule("aten.batch_norm", "norm", _per_output(4), 2.0),
     OpRule("aten._native_batch_norm_legit_functional", "norm", _per_output(4), 2.0),
@@ -112,6 +114,7 @@ _BUILTIN = [
     OpRule("aten.dropout", "elementwise", _per_output(1), 1.0, splits=_SEQUENCE_SPLITS),
     OpRule("aten.softmax", "reduction", _per_output(5), 1.0),
     OpRule("aten._softmax", "reduction", _per_output(5), 1.0),
+    OpRule("aten._safe_softmax", "reduction", _per_output(5), 1.0),
     OpRule("aten.log_softmax", "reduction", _per_output(5), 1.0),
     OpRule("aten._log_softmax", "reduction", _per_output(5), 1.0),
     OpRule("aten.cross_entropy_loss", "reduction", _per_input(5), 1.0),
@@ -125,12 +128,17 @@ _BUILTIN = [
     OpRule("aten.adaptive_avg_pool2d", "reduction", _per_input(1), 1.0),
     OpRule("aten.adaptive_avg_pool1d", "reduction", _per_input(1), 1.0),
 ]
-for name in ("relu", "relu_", "gelu", "silu", "silu_", "sigmoid", "tanh", "add", "add_", "sub", "mul", "mul_",
-             "div", "neg", "exp", "pow", "rsqrt", "sqrt", "where", "masked_fill", "clamp", "hardtanh", "hardtanh_",
-             "leaky_relu", "elu", "softplus", "cos", "sin", "to", "_to_copy", "type_as", "copy", "copy_",
-             "clone", "contiguous", "cat", "stack", "pad", "constant_pad_nd", "tril", "triu", "cumsum", "gather",
-             "index_select", "index", "scatter", "ones_like", "zeros_like", "full_like", "rand_like",
-             "native_dropout", "bernoulli", "repeat", "repeat_interleave", "roll", "flip"):
+ELEMENTWISE = (
+    "relu", "gelu", "silu", "sigmoid", "tanh", "add", "sub", "mul", "div", "neg", "exp", "pow", "rsqrt",
+    "sqrt", "where", "masked_fill", "clamp", "hardtanh", "leaky_relu", "elu", "softplus", "cos", "sin", "to",
+    "_to_copy", "type_as", "copy", "clone", "contiguous", "cat", "stack", "pad", "constant_pad_nd", "tril",
+    "triu", "cumsum", "gather", "index_select", "index", "scatter", "ones_like", "zeros_like", "full_like",
+    "rand_like", "native_dropout", "bernoulli", "fill", "zero", "rsub", "abs", "log", "erf", "mish", "eq",
+    "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or",
+    "bitwise_not", "maximum", "minimum", "reciprocal", "sign", "floor", "ceil", "round", "sigmoid_backward",
+    "any", "all", "repeat", "repeat_interleave", "roll", "flip"
+)
+for name in ELEMENTWISE:
     _BUILTIN.append(OpRule(f"aten.{name}", "elementwise", _per_output(1), 1.0))
 for name in ("view", "_unsafe_view", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze", "flatten",
              "unflatten", "expand", "expand_as", "split", "split_with_sizes", "chunk", "unbind", "slice", "select",

@@ -116,7 +116,9 @@ def register_op(rule: OpRule, *, replace: bool = False) -> OpRule:
 def lookup(op_name: str) -> OpRule | None:
     """The rule for ``"aten.linear.default"`` (overload name optional), or None when the op is unknown."""
     packet = op_name.rsplit(".", 1)[0] if op_name.count(".") >= 2 else op_name
-    for key in (op_name, packet):
+    # an in-place variant (aten.div_) costs what its out-of-place op (aten.div) costs
+    inplace = packet[:-1] if packet.endswith("_") and not packet.endswith("__") else None
+    for key in (op_name, packet, inplace):
         if key in _RULES:
             return _RULES[key]
     for g in _GLOBS:
