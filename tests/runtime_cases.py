@@ -1,0 +1,113 @@
+"""Model cells and hand-built plans shared by the runtime, verify and export tests (the planner is not used)."""
+
+from __future__ import annotations
+
+import torch
+
+from autopar_nb.capture import capture
+from autopar_nb.plan import BatchPlan, LayerPlan, MeshPlan, OptimizerPlan, PipelinePlan, Plan, PrecisionPlan
+from autopar_nb.source import ModelSource
+
+GPT_CELL = """\
+import torch
+from autopar_nb.zoo import GPT, GPTConfig
+
+model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32))
+example_inputs = (torch.randint(0, 64, (4, 16)),)
+"""
+
+LLAMA_CELL = """\
+import torch
+from autopar_nb.zoo import Llama, LlamaConfig
+
+model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64))
+example_inputs = (torch.randint(0, 64, (4, 16)),)
+"""
+
+RECSYS_CELL = """\
+import torch
+import torch.nn.functional as F
+from autopar_nb.zoo import RecSys
+
+model = RecSys(table_sizes=(400, 200, 64), dim=16, dense_in=8)
+example_inputs = (torch.randn(8, 8), torch.randint(0, 64, (8, 3)))
+
+
+def make_batch(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    dense = torch.randn(8, 8, generator=g)
+    sparse = torch.stack([torch.randint(0, n, (8,), generator=g) for n in (400, 200, 64)], dim=1)
+    return dense, sparse, torch.rand(8, 1, generator=g)
+
+
+def loss_fn(model, batch):
+    dense, sparse, label = batch
+    return F.binary_cross_entropy_with_logits(model(dense, sparse), label)
+"""
+
+RESNET_CELL = """\
+import torch
+from autopar_nb.zoo import ResNet
+
+model = ResNet(widths=(8, 8, 16), blocks_per_stage=1, num_classes=10)
+example_inputs = (torch.randn(4, 3, 16, 16),)
+"""
+
+
+def source(cell: str) -> ModelSource:
+    """A ModelSource for ``cell``, naming loss_fn/make_batch when the cell defines them."""
+    has = "def loss_fn" in cell
+    return ModelSource(cell, loss_fn_var="loss_fn" if has else None,
+                       make_batch_var="make_batch" if "def make_batch" in cell else None)
+
+
+def make_plan(src: ModelSource, *, dp=1, tp=1, pp=1, zero=0, tp_styles=None, sp=False, stages=None,
+              recompute=None, schedule="1f1b", virtual_stages=1, micro_batches=1, amp="none", param_dtype="float32",
+              sync_batchnorm=False, loss_parallel=False, lr=1e-3) -> Plan:
+    """One LayerPlan per captured layer. ``tp_styles``: module path (fnmatch-free, exact) -> style;
+    ``stages``: layer path -> stage; ``recompute``: layer path -> mode."""
+    model, inputs, _ = src.build(device="meta")
+    graph = capture(model, inputs)
+    tp_styles, stages, recompute = tp_styles or {}, stages or {}, recompute or {}
+    layers, stage = [], 0
+    for layer in graph.layers:
+        stage = stages.get(layer.path, stage)
+        styles = {m: s for m, s in tp_styles.items() if m == layer.path or m.startswith(layer.path + ".")}
+        layers.append(LayerPlan(path=layer.path, stage=stage, tp=styles, sequence_parallel=sp,
+                                recompute=recompute.get(layer.path, "none")))
+    return Plan(mesh=MeshPlan(dp=dp, tp=tp, pp=pp, zero_stage=zero),
+                batch=BatchPlan(global_batch=1, micro_batches=micro_batches),
+                pipeline=PipelinePlan(schedule=schedule, virtual_stages=virtual_stages),
+                precision=PrecisionPlan(amp=amp, param_dtype=param_dtype),
+                optimizer=OptimizerPlan(name="adamw", lr=lr, weight_decay=0.01),
+                layers=layers, sync_batchnorm=sync_batchnorm, loss_parallel=loss_parallel,
+                model={"name": type(model).__name__})
+
+
+def gpt_mlp_tp(n_layer: int = 2) -> dict[str, str]:
+    """GPT blocks' MLPs split Megatron-style (the fused qkv projection cannot be split column-wise)."""
+    out = {}
+    for i in range(n_layer):
+        out[f"h.{i}.mlp.c_fc"] = "colwise"
+        out[f"h.{i}.mlp.c_proj"] = "rowwise"
+    return out
+
+
+def llama_tp(n_layers: int = 2, *, sp: bool = False, head: bool = True, embedding: bool = True) -> dict[str, str]:
+    out = {"tok_embeddings": "rowwise"} if embedding else {}
+    for i in range(n_layers):
+        p = f"layers.{i}"
+        out |= {f"{p}.attention.wq": "colwise", f"{p}.attention.wk": "colwise", f"{p}.attention.wv": "colwise",
+                f"{p}.attention.wo": "rowwise", f"{p}.feed_forward.w1": "colwise", f"{p}.feed_forward.w3": "colwise",
+                f"{p}.feed_forward.w2": "rowwise"}
+        if sp:
+            out |= {f"{p}.attention_norm": "sequence_parallel", f"{p}.ffn_norm": "sequence_parallel"}
+    if sp:
+        out["norm"] = "sequence_parallel"
+    if head:
+        out["output"] = "colwise"
+    return out
+
+
+__all__ = ["GPT_CELL", "LLAMA_CELL", "RECSYS_CELL", "RESNET_CELL", "gpt_mlp_tp", "llama_tp", "make_plan", "source",
+           "torch"]
