@@ -239,3 +239,19 @@ def test_unknown_op_warns_and_registered_rule_costs_it():
         g = ap.capture(_meta(Net), torch.randn(4, 8))
     node = next(n for n in g.nodes if "scale2" in n.op)
     assert node.known and node.flops == 32 and node.op_class == "elementwise"
+
+
+def test_hugging_face_gpt2_from_config():
+    import transformers  # a test dependency (pyproject's test extra)
+
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4)
+    model = _meta(lambda: transformers.GPT2LMHeadModel(cfg))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # export must work directly (no fallback), every op known
+        g = ap.capture(model, {"input_ids": torch.randint(0, cfg.vocab_size, (2, 128))})
+    assert g.tracer == "torch.export"
+    assert [b.members for b in g.blocks] == [[f"transformer.h.{i}" for i in range(4)]]
+    assert g.num_params == sum(p.numel() for p in model.parameters())  # lm_head tied to wte: counted once
+    matmul = sum(n.flops for n in g.nodes if n.op_class == "matmul")
+    linear_like = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "wpe" not in n)
+    assert matmul == 2 * 2 * 128 * linear_like  # GPT-2's Conv1D (addmm) layers + the tied head
