@@ -117,10 +117,17 @@ class Session:
         return self._widget
 
     def _repr_mimebundle_(self, include=None, exclude=None):
-        # the widget once there is a plan; before that IPython falls back to _repr_html_
-        if self.plan is None:
+        # shown as the planner widget (which plans first if no plan exists yet); without a planner IPython falls
+        # back to _repr_html_
+        try:
+            view = self.widget()
+        except ImportError:
             return None
-        return self.widget()._repr_mimebundle_(include=include, exclude=exclude)
+        bundle = view._repr_mimebundle_(include=include, exclude=exclude)
+        data = bundle[0] if isinstance(bundle, tuple) else bundle
+        if isinstance(data, dict):
+            data["text/plain"] = repr(self)
+        return bundle
 
     def _state(self) -> tuple:
         return dict(self.fix), copy.deepcopy(self.overrides), self.plan

@@ -61,7 +61,7 @@ def current_strategy(lp: LayerPlan, plan: Plan) -> str:
     styles = {s for s in lp.tp.values() if s != "replicate"}
     if plan.mesh.tp > 1 and styles:
         if {"colwise", "rowwise"} <= styles:
-            return "sequence_parallel" if lp.sequence_parallel else "colwise-rowwise"
+            return "colwise-rowwise"
         if styles == {"sequence_parallel"}:
             return "sequence_parallel"
         if len(styles) == 1:
@@ -124,7 +124,9 @@ def layer_rows(graph: ModelGraph, plan: Plan, overrides: dict[str, dict[str, Any
         pinned = sorted(set(lp.pinned) | set(pin))
         rows.append({"path": layer.path, "type": layer.type, "params": human(layer.num_params),
                      "flops": human(layer.flops), "block": layer.block, "stage": lp.stage,
-                     "strategy": value, "auto": chosen, "auto_label": STRATEGY_LABELS.get(chosen, chosen),
+                     "strategy": value, "auto": chosen,
+                     "auto_label": STRATEGY_LABELS.get(chosen, chosen) + (
+                         " + SP" if lp.sequence_parallel and chosen == "colwise-rowwise" else ""),
                      "choices": [{"value": c, "label": STRATEGY_LABELS.get(c, c)} for c in choices],
                      "recompute": lp.recompute, "recompute_pinned": "recompute" in pin,
                      "stage_pinned": "stage" in pin, "pinned": pinned, "changed": layer.path in changed,

@@ -86,7 +86,16 @@ class PlannerWidget(anywidget.AnyWidget):
         observers = getattr(session, "_observers", None)
         if observers is not None:
             observers.append(self._on_session_change)
+        error = None
+        if session.plan is None:  # a planner view needs a plan: make the first one (ImportError: no planner)
+            try:
+                session.replan()
+            except PlanError as e:
+                error = f"no plan fits the constraints: {e}. Change them (ap.replan(fix=..., overrides=...))."
+        self._shown = session.plan
         self.refresh()
+        if error:
+            self._say("error", error)
 
     # ---- session -> traits --------------------------------------------------------------------------------------
     def _on_session_change(self, session) -> None:
@@ -221,6 +230,9 @@ class PlannerWidget(anywidget.AnyWidget):
         s = self.session
         overrides = {k: dict(v) for k, v in s.overrides.items()}
         moved = [(p, n) for p, o, n in zip(paths, old, new, strict=True) if o != n]
+        if not moved:
+            raise PlanError("no layer changes stage: drop a layer on another lane, or a boundary on a layer of a "
+                            "neighbouring stage")
         for p, n in moved:
             overrides[p] = {**overrides.get(p, {}), "stage": n}
         s.replan(overrides=overrides)
@@ -254,12 +266,21 @@ class PlannerWidget(anywidget.AnyWidget):
         else:
             new = Cluster.preset(preset, nodes=nodes, gpus_per_node=gpus)
         s.cluster = new
+        code = f"ap.cluster = Cluster.preset({preset!r}, nodes={nodes}, gpus_per_node={gpus}); ap.replan()"
         try:
-            s.replan()
+            try:
+                s.replan()
+            except PlanError:
+                # fixed mesh degrees made for the old GPU count rarely fit the new one: let the planner choose them
+                mesh_free = {k: v for k, v in s.fix.items() if k not in ("dp", "tp", "pp")}
+                if mesh_free == s.fix:
+                    raise
+                s.replan(fix=mesh_free)
+                code = code.replace("ap.replan()", f"ap.replan(fix={mesh_free!r})  # dp/tp/pp un-fixed")
         except Exception:
             s.cluster = old
             raise
-        return f"ap.cluster = Cluster.preset({preset!r}, nodes={nodes}, gpus_per_node={gpus}); ap.replan()"
+        return code
 
     def _adopt(self, msg) -> str:
         plan = self._require_plan()
