@@ -9,10 +9,12 @@ from .capture import CaptureError, capture
 from .graph import Layer, ModelGraph, OpNode, RepeatedBlock
 from .hardware import Cluster, DeviceSpec, LinkSpec
 from .plan import Cost, LayerPlan, MemoryBreakdown, MeshPlan, Plan, PlanError
+from .planner import plan  # last: the function shadows the autopar_nb.plan submodule attribute
 
 __all__ = [
     "CaptureError", "Cluster", "Cost", "DeviceSpec", "Layer", "LayerPlan", "LinkSpec", "MemoryBreakdown", "MeshPlan",
     "ModelGraph", "OpNode", "Plan", "PlanError", "RepeatedBlock", "capture", "load_ipython_extension",
+    "plan",
 ]
 
 

@@ -334,6 +334,10 @@ class Plan:
                             for c in _diff_values(f"layers[{path}].{k}", mine[path][k], theirs[path][k])]
         return changes
 
+    def explain(self) -> str:
+        """Why this plan won and what limits it, in plain words (the planner's ``explanation`` lines)."""
+        return "\n".join(self.explanation)
+
     def summary(self) -> str:
         """One line: mesh, ZeRO, schedule, precision, and predicted cost when known."""
         m = self.mesh

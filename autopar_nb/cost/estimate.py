@@ -62,6 +62,10 @@ class LayerTerms:
     """seconds per micro-batch (forward + backward) by collective kind"""
     out_bytes: float = 0.0
     work_bytes: float = 0.0
+    flops: float = 0.0
+    """forward + backward FLOPs of one micro-batch (global, not per rank: model FLOPs)"""
+    fwd_flops: float = 0.0
+    quad_flops: float = 0.0
 
 
 class Evaluator:
@@ -98,64 +102,79 @@ class Evaluator:
                     comm[k] = comm.get(k, 0.0) + collective_time(k, nbytes, tp, link, self.f.eff_link)
         out = (lp.output_half if half else lp.output_bytes) * scale / (tp if sp else 1)
         work = 2 * lp.largest_out * scale * (0.5 if half else 1.0) / (tp if tp > 1 else 1)
-        t = LayerTerms(fwd, bwd, sel, act, lp.params_split / tp + lp.params_rep, comm, out, work)
+        fwd_fl = (sum(lp.flops_split.values()) + sum(lp.flops_rep.values())) * scale
+        bwd_fl = (sum(lp.bwd_split.values()) + sum(lp.bwd_rep.values())) * scale
+        t = LayerTerms(fwd, bwd, sel, act, lp.params_split / tp + lp.params_rep, comm, out, work,
+                       fwd_fl + bwd_fl, fwd_fl, lp.quad_flops * qscale)
         self._cache[key] = t
         return t
 
     # ---- a whole candidate --------------------------------------------------------------------------------------
+    def runs(self, choices: list[LayerChoice]) -> list[tuple[int, int, LayerChoice]]:
+        """Consecutive layers with the same block representative and choices, as (first index, count, choice)."""
+        rep = self.prof.rep
+        out: list[list] = []
+        prev = None
+        for i, ch in enumerate(choices):
+            key = (rep[i], ch.stage, ch.tp, ch.recompute, ch.fsdp)
+            if key == prev:
+                out[-1][1] += 1
+            else:
+                out.append([i, 1, ch])
+                prev = key
+        return [tuple(r) for r in out]
+
     def evaluate(self, s: Setting, choices: list[LayerChoice]) -> Cost:
         """The predicted :class:`Cost` of one step (memory_by_rank: one entry per pipeline rank)."""
         f, dev, prof = self.f, self.cluster.device, self.prof
         half = s.amp != "none"
-        n_stages = s.pp * s.virtual_stages
-        rank_of = [st % s.pp for st in range(n_stages)]
+        pp = s.pp
         # per pipeline rank accumulators
-        fwdbwd = [0.0] * s.pp
-        rec = [0.0] * s.pp
-        tpc = [0.0] * s.pp
-        acts = [0.0] * s.pp
-        params = [0.0] * s.pp
-        work = [0.0] * s.pp
-        unit_max = [0.0] * s.pp
-        nofsdp = [0.0] * s.pp
-        p2p = [0.0] * s.pp
-        by_kind: dict[str, float] = {}
+        fwdbwd = [0.0] * pp
+        rec = [0.0] * pp
+        tpc = [0.0] * pp
+        acts = [0.0] * pp
+        params = [0.0] * pp
+        work = [0.0] * pp
+        unit_max = [0.0] * pp
+        nofsdp = [0.0] * pp
+        p2p = [0.0] * pp
+        tp_kind = [{} for _ in range(pp)]
         model_flops = 0.0
         hw_flops = 0.0
-        for i, ch in enumerate(choices):
-            r = rank_of[ch.stage]
+        runs = self.runs(choices)
+        for k, (i, cnt, ch) in enumerate(runs):
+            r = ch.stage % pp
             t = s.tp if ch.tp else 1
             lt = self.terms(i, tp=t, sp=s.sp and ch.tp, half=half, mb_samples=s.mb_samples)
-            fwdbwd[r] += lt.fwd + lt.bwd
+            fwdbwd[r] += cnt * (lt.fwd + lt.bwd)
             extra = lt.fwd if ch.recompute == "full" else lt.sel if ch.recompute == "selective" else 0.0
-            rec[r] += extra
-            c = sum(lt.tp_comm.values())
-            tpc[r] += c * (1 - f.overlap_tp)
-            for k, v in lt.tp_comm.items():
-                by_kind[k] = by_kind.get(k, 0.0) + v * s.micro_batches
-            acts[r] += lt.act[ch.recompute]
-            if ch.recompute == "full":
-                work[r] = max(work[r], lt.act["none"] + lt.work_bytes)
-            else:
-                work[r] = max(work[r], lt.work_bytes)
-            params[r] += lt.params_local
-            unit_max[r] = max(unit_max[r], lt.params_local)
+            rec[r] += cnt * extra
+            if lt.tp_comm:
+                tpc[r] += cnt * sum(lt.tp_comm.values()) * (1 - f.overlap_tp)
+                kinds = tp_kind[r]
+                for kk, v in lt.tp_comm.items():
+                    kinds[kk] = kinds.get(kk, 0.0) + cnt * v
+            acts[r] += cnt * lt.act[ch.recompute]
+            wb = lt.act["none"] + lt.work_bytes if ch.recompute == "full" else lt.work_bytes
+            if wb > work[r]:
+                work[r] = wb
+            params[r] += cnt * lt.params_local
+            if lt.params_local > unit_max[r]:
+                unit_max[r] = lt.params_local
             if not ch.fsdp:
-                nofsdp[r] += lt.params_local
-            if i + 1 < len(choices) and rank_of[choices[i + 1].stage] != r:
+                nofsdp[r] += cnt * lt.params_local
+            if k + 1 < len(runs) and runs[k + 1][2].stage != ch.stage:
                 p2p[r] = max(p2p[r], lt.out_bytes)
-            lp = prof.layers[prof.rep[i]]
-            scale = s.mb_samples / prof.batch
-            fl = (sum(lp.flops_split.values()) + sum(lp.flops_rep.values()) + sum(lp.bwd_split.values())
-                  + sum(lp.bwd_rep.values())) * scale
-            model_flops += fl
-            hw_flops += fl + (sum(lp.flops_split.values()) + sum(lp.flops_rep.values())) * scale * (
-                ch.recompute == "full") + lp.quad_flops * scale * (ch.recompute == "selective")
+            model_flops += cnt * lt.flops
+            hw_flops += cnt * (lt.flops + (lt.fwd_flops if ch.recompute == "full" else
+                                           lt.quad_flops if ch.recompute == "selective" else 0.0))
 
         m = s.micro_batches
         per_mb = [fwdbwd[r] + rec[r] + tpc[r] for r in range(s.pp)]
         bottleneck = max(range(s.pp), key=lambda r: per_mb[r])
         T = per_mb[bottleneck]
+        by_kind = {kk: v * m for kk, v in tp_kind[bottleneck].items()}
         bubble = bubble_fraction(s.schedule, pp=s.pp, micro_batches=m, virtual_stages=s.virtual_stages,
                                  factors=f) * T
         # pipeline point-to-point: fill/drain on the critical path, the rest mostly hidden
@@ -227,7 +246,7 @@ class Evaluator:
 
         world = s.dp * s.tp * s.pp
         samples = s.dp * m * s.mb_samples
-        # FLOPs summed over the chain are those of one micro-batch for one replica; scale to the step
+        # FLOPs summed over the chain are those of one micro-batch for one model replica; scale to the step
         step_model_flops = model_flops * m * s.dp
         step_hw_flops = hw_flops * m * s.dp
         peak_flops = dev.flops("bfloat16" if half else "float32")

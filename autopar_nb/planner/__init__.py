@@ -1,0 +1,153 @@
+"""The automatic planner: ``plan(graph, cluster, ...) -> Plan``.
+
+Pipeline: :mod:`.constraints` parses ``fix``/``overrides``; :mod:`.search` enumerates and costs candidates with
+:class:`autopar_nb.cost.Evaluator`; :mod:`.explain` writes the explanation. What is exact and what is heuristic is
+stated in :mod:`.search`.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from ..cost.estimate import Evaluator
+from ..cost.profile import GraphProfile, profile
+from ..plan import (
+    BatchPlan,
+    LayerPlan,
+    MeshPlan,
+    OptimizerPlan,
+    PipelinePlan,
+    Plan,
+    PlanError,
+    PrecisionPlan,
+)
+from .constraints import Constraints, parse
+from .explain import explain
+from .search import Candidate, Search
+
+__all__ = ["plan", "profile_of"]
+
+GiB = 2**30
+_PROFILES: dict[int, tuple[weakref.ref, str, GraphProfile]] = {}
+
+
+def profile_of(graph, device_kind: str) -> GraphProfile:
+    """The graph's profile, computed once per (graph, device kind) and kept while the graph lives."""
+    hit = _PROFILES.get(id(graph))
+    if hit is not None and hit[0]() is graph and hit[1] == device_kind:
+        return hit[2]
+    prof = profile(graph, device_kind=device_kind)
+    key = id(graph)
+    try:
+        ref = weakref.ref(graph, lambda _r: _PROFILES.pop(key, None))
+    except TypeError:
+        return prof
+    _PROFILES[key] = (ref, device_kind, prof)
+    return prof
+
+
+def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None = None, fix: dict | None = None,
+         overrides: dict | None = None, top_k: int = 5) -> Plan:
+    """Choose how to train ``graph`` on ``cluster``: mesh (DP x TP x PP), ZeRO stage, per-layer TP styles, sequence
+    parallel, recompute, pipeline stages and schedule, micro-batches and mixed precision.
+
+    ``global_batch``: samples per optimizer step (default: the captured batch). ``seq_len``: tokens per sample if
+    different from the captured inputs (costs scale linearly, attention scores quadratically). ``fix``: global
+    choices to keep, e.g. ``{"tp": 1, "zero_stage": 3, "recompute": "full"}``. ``overrides``: layer/module globs to
+    per-layer choices, e.g. ``{"blocks.*.mlp": {"tp": "colwise-rowwise"}, "blocks.10": {"stage": 2}}``.
+
+    Returns the fastest plan that fits in device memory, with ``cost`` filled, up to ``top_k - 1`` next-best
+    ``alternatives`` and an ``explanation`` (``plan.explain()``). Raises :class:`PlanError` naming the failing
+    constraint (and by how much memory) when nothing satisfies the request.
+    """
+    if top_k < 1:
+        raise PlanError(f"top_k must be >= 1, got {top_k}")
+    device_kind = "cpu" if cluster.preset == "cpu" else "cuda"
+    prof = profile_of(graph, device_kind)
+    global_batch = int(global_batch or graph.batch_size)
+    if global_batch < 1:
+        raise PlanError(f"global_batch must be >= 1, got {global_batch}")
+    seq_ratio = 1.0
+    if seq_len is not None:
+        if graph.seq_len is None:
+            raise PlanError(f"seq_len={seq_len} given, but the captured inputs are not token sequences "
+                            f"(first input {graph.inputs[0].shape if graph.inputs else None})")
+        seq_ratio = seq_len / graph.seq_len
+    cons = parse(graph, prof, fix, overrides)
+    ev = Evaluator(prof, cluster, seq_ratio=seq_ratio)
+    search = Search(graph, prof, cluster, cons, ev, global_batch=global_batch)
+    cands = search.run(top_k)
+    if not cands:
+        raise PlanError(f"no candidate plan: {'; '.join(dict.fromkeys(search.rejected)) or 'check fix/overrides'}")
+    feasible = sorted((c for c in cands if c.fits),
+                      key=lambda c: (c.cost.step_time_s, c.setting.pp, c.setting.tp, c.setting.zero_stage))
+    if not feasible:
+        raise PlanError(_no_fit_message(cands, cluster, cons))
+    ranked: list[Candidate] = []
+    seen = set()
+    for c in feasible:
+        if c.key not in seen:
+            seen.add(c.key)
+            ranked.append(c)
+    best = ranked[0]
+    faster = [c for c in cands if not c.fits and c.cost.step_time_s < best.cost.step_time_s]
+    plans = [_to_plan(c, graph, prof, cluster, cons, global_batch, seq_len) for c in ranked[:top_k]]
+    chosen = plans[0]
+    chosen.alternatives = plans[1:]
+    chosen.explanation = explain(chosen, best, ranked, faster, cons, cluster, prof)
+    return chosen
+
+
+def _no_fit_message(cands: list[Candidate], cluster, cons: Constraints) -> str:
+    c = min(cands, key=lambda c: c.cost.peak_memory_bytes)
+    limit = cluster.device.memory_bytes
+    r = max(range(len(c.cost.memory_by_rank)), key=lambda j: c.cost.memory_by_rank[j].total)
+    mb = c.cost.memory_by_rank[r]
+    s = c.setting
+    fixed = f" with fix {cons.fix}" if cons.fix else ""
+    return (f"nothing fits in {limit / GiB:.1f} GiB per GPU{fixed}: the smallest candidate (dp={s.dp} tp={s.tp} "
+            f"pp={s.pp} zero={s.zero_stage}, {s.micro_batches} micro-batch(es) of {s.mb_samples:g}) needs "
+            f"{mb.total / GiB:.1f} GiB on pipeline rank {r}, {(mb.total - limit) / GiB:.1f} GiB over the memory "
+            f"limit (params {mb.params / GiB:.1f}, grads {mb.grads / GiB:.1f}, optimizer {mb.optimizer / GiB:.1f}, "
+            f"activations {mb.activations / GiB:.1f}, buffers {mb.buffers / GiB:.1f}, margin "
+            f"{mb.margin / GiB:.1f} GiB); use more GPUs, a smaller batch, or relax the fixed choices")
+
+
+def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch: int, seq_len) -> Plan:
+    s = c.setting
+    layers = []
+    for i, (lay, ch) in enumerate(zip(graph.layers, c.choices, strict=True)):
+        ov = cons.layers.get(i)
+        tp: dict[str, str] = {}
+        sp = False
+        if s.tp > 1:
+            if ch.tp:
+                tp.update(prof.layers[i].tp)
+                if s.sp:
+                    sp = True
+                    for norm in prof.layers[i].norms:
+                        tp[norm] = "sequence_parallel"
+            if ov is not None:
+                tp.update(ov.tp_styles)
+            tp = {m: st for m, st in tp.items() if st != "replicate" or (ov and m in ov.tp_styles)}
+        layers.append(LayerPlan(lay.path, ch.stage, tp, sp, ch.fsdp, ch.recompute, ov.pinned if ov else []))
+    half = s.amp != "none"
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(s.amp, "float32")
+    precision = PrecisionPlan(amp=s.amp, param_dtype=dtype if (half and s.zero_stage >= 2) else "float32",
+                              reduce_dtype="float32", dynamic_loss_scale=s.amp == "fp16")
+    head_tp = any(lp.vocab and any(st == "colwise" for st in lp.tp.values()) and ch.tp
+                  for lp, ch in zip(prof.layers, c.choices, strict=True))
+    return Plan(
+        mesh=MeshPlan(s.dp, s.tp, s.pp, s.zero_stage),
+        batch=BatchPlan(global_batch, s.micro_batches, seq_len or graph.seq_len),
+        pipeline=PipelinePlan(s.schedule, s.virtual_stages),
+        precision=precision,
+        optimizer=OptimizerPlan(name=s.optimizer),
+        layers=layers,
+        sync_batchnorm=s.dp > 1 and any(lay.type.startswith("BatchNorm") or "BatchNorm" in
+                                        " ".join(lay.modules.values()) for lay in graph.layers),
+        loss_parallel=bool(s.tp > 1 and prof.loss_parallel and head_tp),
+        model={"name": graph.model_type, "num_params": graph.num_params},
+        cluster={"preset": cluster.preset, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
+        cost=c.cost,
+    )

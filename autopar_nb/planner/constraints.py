@@ -1,0 +1,181 @@
+"""User constraints: ``fix`` (global choices) and ``overrides`` (layer-path globs -> per-layer choices).
+
+``fix`` keys: dp, tp, pp, zero_stage, amp, recompute, micro_batches, schedule, virtual_stages, sequence_parallel,
+optimizer. ``overrides`` maps a glob over layer or module paths (``fnmatch``: ``*`` also matches dots) to any of:
+
+* ``stage``: pipeline stage (layer paths only)
+* ``recompute``: none | selective | full (layer paths only)
+* ``fsdp``: bool, own FSDP unit or folded into the root (layer paths only)
+* ``tp``: a style for every module under the path (colwise | rowwise | sequence_parallel | replicate), or an alias:
+  ``"colwise-rowwise"`` (the Linear pair(s) under the path, found by dataflow: those reading the replicated input
+  colwise, the one reading the sharded result rowwise), ``"vocab"`` (Embedding rowwise = vocab-parallel, output head
+  colwise with ``loss_parallel``).
+
+A glob that names no layer or module raises :class:`PlanError`, as does a choice that cannot apply.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+from ..plan import AMP, RECOMPUTE, SCHEDULES, TP_STYLES, ZERO_STAGES, PlanError
+
+FIX_KEYS = ("dp", "tp", "pp", "zero_stage", "amp", "recompute", "micro_batches", "schedule", "virtual_stages",
+            "sequence_parallel", "optimizer")
+OVERRIDE_KEYS = ("stage", "recompute", "fsdp", "tp")
+TP_ALIASES = ("colwise-rowwise", "vocab")
+
+
+@dataclass
+class LayerOverride:
+    """What the user pinned for one layer."""
+
+    stage: int | None = None
+    recompute: str | None = None
+    fsdp: bool | None = None
+    tp_styles: dict[str, str] = field(default_factory=dict)
+    """module path -> style the user fixed (including "replicate")"""
+    needs_tp: bool = False
+    """an override asks for a split style: the mesh must have tp > 1"""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def pinned(self) -> list[str]:
+        out = [k for k in ("stage", "recompute", "fsdp") if getattr(self, k) is not None]
+        return out + (["tp"] if self.tp_styles else [])
+
+
+@dataclass
+class Constraints:
+    """Parsed ``fix`` and ``overrides``."""
+
+    fix: dict
+    layers: dict[int, LayerOverride]
+    """layer index -> its override"""
+    text: list[str]
+    """the overrides as the user wrote them, for the explanation"""
+
+    @property
+    def needs_tp(self) -> bool:
+        return any(o.needs_tp for o in self.layers.values())
+
+
+def parse(graph, prof, fix: dict | None, overrides: dict | None) -> Constraints:
+    """Check and resolve ``fix`` and ``overrides`` against the graph (module docstring)."""
+    fix = dict(fix or {})
+    if "sp" in fix:
+        fix["sequence_parallel"] = fix.pop("sp")
+    unknown = set(fix) - set(FIX_KEYS)
+    if unknown:
+        raise PlanError(f"unknown fix key(s) {', '.join(sorted(unknown))}; supported: {', '.join(FIX_KEYS)}")
+    for k in ("dp", "tp", "pp", "micro_batches", "virtual_stages"):
+        if k in fix and (not isinstance(fix[k], int) or fix[k] < 1):
+            raise PlanError(f"fix[{k!r}] must be a positive integer, got {fix[k]!r}")
+    checks = {"zero_stage": ZERO_STAGES, "amp": AMP, "recompute": RECOMPUTE, "schedule": SCHEDULES,
+              "optimizer": ("adam", "adamw", "sgd")}
+    for k, allowed in checks.items():
+        if k in fix and fix[k] not in allowed:
+            raise PlanError(f"fix[{k!r}]={fix[k]!r} is not supported; choose one of {', '.join(map(repr, allowed))}")
+
+    paths = [lay.path for lay in graph.layers]
+    layers: dict[int, LayerOverride] = {}
+    text: list[str] = []
+    for pattern, choice in (overrides or {}).items():
+        if not isinstance(choice, dict):
+            raise PlanError(f"overrides[{pattern!r}] must be a dict like {{'tp': 'colwise-rowwise'}}, got {choice!r}")
+        bad = set(choice) - set(OVERRIDE_KEYS)
+        if bad:
+            raise PlanError(f"overrides[{pattern!r}]: unknown key(s) {', '.join(sorted(bad))}; "
+                            f"supported: {', '.join(OVERRIDE_KEYS)}")
+        text.append(f"{pattern}: " + ", ".join(f"{k}={v!r}" for k, v in choice.items()))
+        whole, partial = _match(graph, pattern)
+        if not whole and not partial:
+            raise PlanError(f"override {pattern!r} names no layer or module; layers are: {_some(paths)}")
+        for key in ("stage", "recompute", "fsdp"):
+            if key not in choice:
+                continue
+            if not whole:
+                owners = sorted({paths[i] for i, _ in partial})
+                raise PlanError(f"override {pattern!r}: {key!r} applies to whole layers, but {pattern!r} matches "
+                                f"modules inside layer(s) {_some(owners)}; use the layer path")
+            val = choice[key]
+            if key == "recompute" and val not in RECOMPUTE:
+                raise PlanError(f"override {pattern!r}: recompute={val!r}; choose one of {', '.join(RECOMPUTE)}")
+            if key == "stage" and (not isinstance(val, int) or val < 0):
+                raise PlanError(f"override {pattern!r}: stage must be an integer >= 0, got {val!r}")
+            if key == "fsdp" and not isinstance(val, bool):
+                raise PlanError(f"override {pattern!r}: fsdp must be True or False, got {val!r}")
+            for i in whole:
+                setattr(layers.setdefault(i, LayerOverride()), key, val)
+        if "tp" in choice:
+            _apply_tp(graph, prof, pattern, choice["tp"], whole, partial, layers)
+    return Constraints(fix, layers, text)
+
+
+def _some(items, n: int = 8) -> str:
+    items = list(items)
+    return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
+
+
+def _match(graph, pattern: str) -> tuple[list[int], list[tuple[int, str]]]:
+    """Layers the glob names as a whole, and (layer, module prefix) pairs it names inside a layer."""
+    whole: list[int] = []
+    partial: list[tuple[int, str]] = []
+    for i, lay in enumerate(graph.layers):
+        # the layer itself, or a container above it ("h" for h.0, h.1, ...)
+        parts = lay.path.split(".")
+        if any(fnmatch.fnmatchcase(".".join(parts[:k]), pattern) for k in range(1, len(parts) + 1)):
+            whole.append(i)
+            continue
+        prefixes = set()
+        for mod in lay.modules:
+            if not mod.startswith(lay.path + ".") and lay.path:
+                continue
+            mparts = mod.split(".")
+            for k in range(len(parts) + 1, len(mparts) + 1):
+                prefixes.add(".".join(mparts[:k]))
+        for pre in sorted(prefixes):
+            if fnmatch.fnmatchcase(pre, pattern):
+                partial.append((i, pre))
+    return whole, partial
+
+
+def _apply_tp(graph, prof, pattern, style, whole, partial, layers) -> None:
+    targets: list[tuple[int, str | None]] = [(i, None) for i in whole] + list(partial)
+    if style not in TP_STYLES and style not in TP_ALIASES:
+        raise PlanError(f"override {pattern!r}: tp={style!r}; choose one of "
+                        f"{', '.join(map(repr, TP_STYLES + TP_ALIASES))}")
+    for i, prefix in targets:
+        lay = graph.layers[i]
+        lp = prof.layers[i]
+        mods = [m for m in lay.modules if prefix is None or m == prefix or m.startswith(prefix + ".")]
+        where = prefix or lay.path
+        ov = layers.setdefault(i, LayerOverride())
+        if style == "colwise-rowwise":
+            auto = {m: lp.tp[m] for m in mods if m in lp.tp and graph.layers[i].modules.get(m) == "Linear"}
+            if "colwise" not in auto.values() or "rowwise" not in auto.values():
+                raise PlanError(f"override {pattern!r}: tp='colwise-rowwise' needs a Linear pair under {where!r} "
+                                f"(one reading the replicated input, one reading its sharded result); found "
+                                f"{auto or 'no splittable Linear'}")
+            ov.tp_styles.update(auto)
+            ov.needs_tp = True
+        elif style == "vocab":
+            auto = {m: lp.tp[m] for m in mods if m in lp.tp and (
+                (lay.modules.get(m) == "Embedding" and lp.tp[m] == "rowwise") or
+                (lay.modules.get(m) == "Linear" and lp.vocab and lp.tp[m] == "colwise"))}
+            if not auto:
+                raise PlanError(f"override {pattern!r}: tp='vocab' applies to an Embedding or to the output head "
+                                f"(the Linear whose output is the model's output); {where!r} has neither")
+            ov.tp_styles.update(auto)
+            ov.needs_tp = True
+        elif style == "replicate":
+            for m in mods:
+                ov.tp_styles[m] = "replicate"
+        else:
+            if not mods:
+                raise PlanError(f"override {pattern!r}: no module with parameters under {where!r} to apply "
+                                f"tp={style!r} to")
+            for m in mods:
+                ov.tp_styles[m] = style
+            ov.needs_tp = True

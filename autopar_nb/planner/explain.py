@@ -1,0 +1,77 @@
+"""Plain-words explanation of a chosen plan: what it is, why it beat the runner-up, what limits it."""
+
+from __future__ import annotations
+
+GiB = 2**30
+
+
+def _pct(a: float, b: float) -> str:
+    return f"{100 * a / b:.0f}%" if b > 0 else "0%"
+
+
+def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[str]:
+    """Lines for ``plan.explanation`` (see the module docstring). ``best`` is the chosen Candidate, ``ranked`` the
+    feasible candidates in order, ``infeasible_faster`` faster candidates that did not fit, ``cons`` the user's
+    constraints."""
+    c, s = best.cost, best.setting
+    limit = cluster.device.memory_bytes
+    lines = [f"Chosen: {plan.summary()}; {c.model_tflops_per_gpu:.1f} model TFLOP/s per GPU "
+             f"(MFU {100 * c.mfu:.0f}%) on {cluster.world_size} x {cluster.device.name}."]
+    parts = [("compute", c.compute_s), ("exposed communication", c.comm_exposed_s), ("pipeline bubble", c.bubble_s),
+             ("optimizer step", c.optimizer_s)]
+    lines.append("Step time goes to " + ", ".join(f"{n} {_pct(v, c.step_time_s)}" for n, v in parts) + ".")
+    if c.comm_by_kind:
+        kinds = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(c.comm_by_kind.items(), key=lambda kv: -kv[1]))
+        lines.append(f"Communication per step (before overlap): {kinds}.")
+    peak_rank = max(range(len(c.memory_by_rank)), key=lambda r: c.memory_by_rank[r].total)
+    mb = c.memory_by_rank[peak_rank]
+    lines.append(f"Peak memory {c.peak_memory_bytes / GiB:.1f} GiB of {limit / GiB:.1f} GiB "
+                 f"({_pct(c.peak_memory_bytes, limit)}) on pipeline rank {peak_rank}: params "
+                 f"{mb.params / GiB:.1f}, grads {mb.grads / GiB:.1f}, optimizer {mb.optimizer / GiB:.1f}, activations "
+                 f"{mb.activations / GiB:.1f}, buffers {mb.buffers / GiB:.1f}, margin {mb.margin / GiB:.1f} GiB.")
+    if s.tp > 1:
+        heads = sorted({h for lp in prof.layers for h in lp.heads})
+        hs = f" ({', '.join(f'{h} heads -> {h // s.tp} per rank' for h in heads)})" if heads else ""
+        lines.append(f"TP={s.tp} inside a node{hs}; sequence parallel {'on' if s.sp else 'off'}; "
+                     f"loss_parallel {'on' if plan.loss_parallel else 'off'}.")
+    rec = [lp.recompute for lp in plan.layers]
+    n_rec = sum(r != "none" for r in rec)
+    if n_rec:
+        kinds = ", ".join(f"{k} on {rec.count(k)}" for k in ("selective", "full") if rec.count(k))
+        lines.append(f"Recompute: {kinds} of {len(rec)} layers, to fit memory (costs "
+                     f"{_pct(c.hardware_tflops_per_gpu - c.model_tflops_per_gpu, c.model_tflops_per_gpu)} extra "
+                     f"FLOPs).")
+    if len(ranked) > 1:
+        ru = ranked[1]
+        diff = _setting_diff(ru.setting, s)
+        lines.append(f"Runner-up: {_summary(ru)} is {_pct(ru.cost.step_time_s - c.step_time_s, c.step_time_s)} "
+                     f"slower" + (f" (differences: {'; '.join(diff)})" if diff else "") + ".")
+    if infeasible_faster:
+        f = min(infeasible_faster, key=lambda x: x.cost.step_time_s)
+        over = f.cost.peak_memory_bytes - limit
+        lines.append(f"Memory limits the plan: {len(infeasible_faster)} faster candidate(s) do not fit; the fastest, "
+                     f"{_summary(f)}, needs {f.cost.peak_memory_bytes / GiB:.1f} GiB ({over / GiB:.1f} GiB over).")
+    dominant = max(parts[1:], key=lambda kv: kv[1])
+    if dominant[1] > 0.15 * c.step_time_s:
+        lines.append(f"What limits it most besides compute: {dominant[0]} ({_pct(dominant[1], c.step_time_s)}).")
+    if cons.fix:
+        lines.append("Fixed by you: " + ", ".join(f"{k}={v!r}" for k, v in cons.fix.items()) + ".")
+    for t in cons.text:
+        lines.append(f"Override honoured: {t}.")
+    return lines
+
+
+def _summary(cand) -> str:
+    s, c = cand.setting, cand.cost
+    out = f"dp={s.dp} tp={s.tp} pp={s.pp} zero={s.zero_stage}"
+    if s.pp > 1:
+        out += f" {s.schedule}x{s.micro_batches}"
+    elif s.micro_batches > 1:
+        out += f" accum x{s.micro_batches}"
+    return out + f" ({c.step_time_s * 1e3:.1f} ms, {c.peak_memory_bytes / GiB:.1f} GiB)"
+
+
+def _setting_diff(a, b) -> list[str]:
+    """Global choices that differ between two candidates (cheap: no layer-by-layer diff)."""
+    names = ("dp", "tp", "pp", "zero_stage", "micro_batches", "schedule", "virtual_stages", "sp", "amp")
+    return [f"{n} {getattr(a, n)} -> {getattr(b, n)}" for n in names if getattr(a, n) != getattr(b, n)]

@@ -1,0 +1,431 @@
+"""The search: mesh factorisations x ZeRO stage x micro-batching x schedule, then per layer (pipeline stage,
+recompute, TP on/off) under the memory limit.
+
+What is exact and what is heuristic:
+
+* **Exact (exhaustive)**: every mesh ``dp * tp * pp = world`` with TP inside a node dividing every head count and
+  split Linear dim, PP <= layers, DP dividing the global batch; every ZeRO stage; micro-batch sizes among the
+  divisors of the per-replica batch (up to 6, largest first); 1F1B and, where it applies, interleaved 1F1B.
+* **Exact (optimal)**: pipeline stage boundaries minimise the slowest stage's time for the chosen per-layer costs:
+  bisection on the bottleneck with a greedy maximal-prefix check (optimal for contiguous min-max partitions), or,
+  when the user pins layers to stages, a dynamic programme over the layer chain.
+* **Heuristic**: stages are balanced by time before recompute is chosen; recompute is then chosen per pipeline
+  rank greedily (most activation bytes saved per second of recompute first: selective, then full) until the rank
+  fits, and the plan is costed again. Repeated blocks are costed once (identical layers share their terms).
+  The cost model itself is an analytic estimate (see ``autopar_nb.cost``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+from ..cost.estimate import Evaluator, LayerChoice, Setting
+from ..cost.memory import in_flight
+from ..cost.time import bubble_fraction
+from ..plan import Cost, PlanError
+
+
+@dataclass
+class Candidate:
+    """A costed candidate plan."""
+
+    setting: Setting
+    choices: list[LayerChoice]
+    cost: Cost
+    limit: float
+
+    @property
+    def fits(self) -> bool:
+        return self.cost.peak_memory_bytes <= self.limit
+
+    @property
+    def key(self) -> tuple:
+        s = self.setting
+        return (s.dp, s.tp, s.pp, s.zero_stage, s.micro_batches, s.schedule, s.virtual_stages)
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of n, ascending."""
+    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def tp_blockers(prof, t: int, tp_on: list[bool]) -> list[str]:
+    """Why TP degree ``t`` cannot apply: layers whose heads or split dims ``t`` does not divide."""
+    out = []
+    for i, lp in enumerate(prof.layers):
+        if not tp_on[i]:
+            continue
+        bad = sorted(d for d in lp.divisors if d % t)
+        if bad:
+            heads = sorted(h for h in lp.heads if h % t)
+            what = f"head count {heads[0]}" if heads else f"dim {bad[0]}"
+            out.append(f"tp={t} does not divide the {what} of {lp.path}")
+    return out
+
+
+def partition(times: list[float], n_stages: int, pins: dict[int, int]) -> list[int] | None:
+    """Contiguous assignment of layers to ``n_stages`` non-empty stages minimising the slowest stage (module
+    docstring); None when impossible (fewer layers than stages, or pins out of order)."""
+    n = len(times)
+    if n_stages == 1:
+        if any(s != 0 for s in pins.values()):
+            return None
+        return [0] * n
+    if n < n_stages:
+        return None
+    if pins:
+        return _partition_dp(times, n_stages, pins)
+    lo, hi = max(times), sum(times)
+    best = _greedy(times, n_stages, hi)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        a = _greedy(times, n_stages, mid)
+        if a is None:
+            lo = mid
+        else:
+            hi, best = mid, a
+        if hi - lo <= 1e-6 * hi:
+            break
+    return _fill_empty(best, n_stages)
+
+
+def partition_runs(runs: list[tuple[float, int]], n_stages: int) -> list[int] | None:
+    """:func:`partition` for a chain given as runs of identical layers ``(time, count)``: the greedy check counts
+    how many layers of a run fit at once, so the cost grows with runs and stages, not layers."""
+    n = sum(c for _, c in runs)
+    if n < n_stages:
+        return None
+    if n_stages == 1:
+        return [0] * n
+    lo, hi = max(t for t, _ in runs), sum(t * c for t, c in runs)
+    best = _greedy_runs(runs, n_stages, hi)
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        a = _greedy_runs(runs, n_stages, mid)
+        if a is None:
+            lo = mid
+        else:
+            hi, best = mid, a
+        if hi - lo <= 1e-4 * hi:
+            break
+    assign = [st for st, k in best for _ in range(k)]
+    return _fill_empty(assign, n_stages)
+
+
+def _greedy_runs(runs, n_stages, cap):
+    out: list[tuple[int, int]] = []
+    stage, acc = 0, 0.0
+    cap = cap * (1 + 1e-12)
+    for t, c in runs:
+        while c > 0:
+            k = c if t <= 0 else int((cap - acc) // t)
+            if k <= 0:
+                if acc == 0.0:
+                    k = 1
+                else:
+                    stage, acc = stage + 1, 0.0
+                    if stage >= n_stages:
+                        return None
+                    continue
+            k = min(k, c)
+            out.append((stage, k))
+            acc += k * t
+            c -= k
+    return out
+
+
+def _greedy(times, n_stages, cap):
+    out, stage, acc = [], 0, 0.0
+    for t in times:
+        if acc > 0 and acc + t > cap * (1 + 1e-12):
+            stage += 1
+            acc = 0.0
+            if stage >= n_stages:
+                return None
+        out.append(stage)
+        acc += t
+    return out
+
+
+def _fill_empty(assign, n_stages):
+    """Split stages until every stage has a layer (never raises the bottleneck)."""
+    groups: list[list[int]] = [[] for _ in range(n_stages)]
+    for i, s in enumerate(assign):
+        groups[s].append(i)
+    groups = [g for g in groups if g]
+    while len(groups) < n_stages:
+        k = max(range(len(groups)), key=lambda j: len(groups[j]))
+        g = groups[k]
+        groups[k:k + 1] = [g[:len(g) // 2], g[len(g) // 2:]]
+    out = [0] * len(assign)
+    for s, g in enumerate(groups):
+        for i in g:
+            out[i] = s
+    return out
+
+
+def _partition_dp(times, n_stages, pins):
+    n = len(times)
+    prefix = [0.0]
+    for t in times:
+        prefix.append(prefix[-1] + t)
+    inf = float("inf")
+    # f[k][i]: best bottleneck with layers [0, i) in stages [0, k)
+    f = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    arg = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    f[0][0] = 0.0
+
+    def ok(j, i, k):  # layers [j, i) on stage k
+        return all(pins.get(x, k) == k for x in range(j, i))
+
+    for k in range(1, n_stages + 1):
+        for i in range(k, n - (n_stages - k) + 1):
+            for j in range(k - 1, i):
+                if f[k - 1][j] == inf or not ok(j, i, k - 1):
+                    continue
+                v = max(f[k - 1][j], prefix[i] - prefix[j])
+                if v < f[k][i]:
+                    f[k][i], arg[k][i] = v, j
+    if f[n_stages][n] == inf:
+        return None
+    out = [0] * n
+    i = n
+    for k in range(n_stages, 0, -1):
+        j = arg[k][i]
+        for x in range(j, i):
+            out[x] = k - 1
+        i = j
+    return out
+
+
+def choose_recompute(ev: Evaluator, s: Setting, choices: list[LayerChoice], cost: Cost, limit: float,
+                     free: list[bool]) -> bool:
+    """Turn on recompute (selective, then full) in the free layers of each pipeline rank over ``limit``, most bytes
+    saved per second of recompute first, until the rank fits. Returns True when something changed. Works on runs
+    of identical layers, converting as many layers of a run as the shortfall needs."""
+    f = ev.f
+    half = s.amp != "none"
+    changed = False
+    runs = ev.runs(choices)
+    for r, mb in enumerate(cost.memory_by_rank):
+        if mb.total <= limit:
+            continue
+        # bytes to shed from the subtotal (the margin is a fraction of it plus a constant)
+        need = (mb.total - limit) / (1 + f.margin_fraction)
+        flight = in_flight(s.schedule, pp=s.pp, stage=r, micro_batches=s.micro_batches,
+                           virtual_stages=s.virtual_stages)
+        options = []
+        for first, cnt, ch in runs:
+            if ch.stage % s.pp != r or not free[first] or ch.recompute != "none":
+                continue
+            t = s.tp if ch.tp else 1
+            lt = ev.terms(first, tp=t, sp=s.sp and ch.tp, half=half, mb_samples=s.mb_samples)
+            for opt, cost_s in (("selective", lt.sel), ("full", lt.fwd)):
+                saved = (lt.act["none"] - lt.act[opt]) * flight
+                if saved > 0:
+                    options.append((saved / max(cost_s, 1e-12), first, cnt, opt, saved, lt.act["none"]))
+        options.sort(key=lambda o: -o[0])
+        extra_work = False
+        for _, first, cnt, opt, saved, act_none in options:
+            if need <= 0:
+                break
+            todo = [j for j in range(first, first + cnt) if choices[j].recompute == "none"]
+            if not todo:
+                continue
+            if opt == "full" and not extra_work:  # the recomputed layer's activations live during its backward
+                extra_work = True
+                need += act_none
+            k = min(len(todo), max(1, math.ceil(need / saved)))
+            for j in todo[len(todo) - k:]:  # the last layers of the run: their activations live longest
+                choices[j].recompute = opt
+            need -= k * saved
+            changed = True
+    return changed
+
+
+class Search:
+    """Enumerates and costs candidates (module docstring)."""
+
+    def __init__(self, graph, prof, cluster, cons, ev: Evaluator, *, global_batch: int):
+        self.graph, self.prof, self.cluster, self.cons, self.ev = graph, prof, cluster, cons, ev
+        self.global_batch = global_batch
+        self.limit = cluster.device.memory_bytes
+        self.n = len(prof.layers)
+        fix = cons.fix
+        self.tp_on = [bool(lp.tp) for lp in prof.layers]
+        for i, ov in cons.layers.items():
+            if ov.tp_styles and all(v == "replicate" for v in ov.tp_styles.values()) and \
+                    set(ov.tp_styles) >= set(prof.layers[i].tp):
+                self.tp_on[i] = False
+        self.pins = {i: ov.stage for i, ov in cons.layers.items() if ov.stage is not None}
+        self.rec_pinned = {i: ov.recompute for i, ov in cons.layers.items() if ov.recompute is not None}
+        self.fsdp = [cons.layers[i].fsdp if i in cons.layers and cons.layers[i].fsdp is not None else True
+                     for i in range(self.n)]
+        gpu = cluster.device.flops("bfloat16") > cluster.device.flops("float32")
+        self.amp = fix.get("amp", "bf16" if gpu else "none")
+        self.optimizer = fix.get("optimizer", "adam")
+        self.rejected: list[str] = []
+        self.evaluated = 0
+        self.pruned = 0
+
+    # ---- enumeration --------------------------------------------------------------------------------------------
+    def meshes(self) -> list[tuple[int, int, int]]:
+        """(dp, tp, pp) candidates after the hard constraints; raises PlanError when a fixed one fails."""
+        world, gpn, fix = self.cluster.world_size, self.cluster.gpus_per_node, self.cons.fix
+        has_tp = any(self.tp_on)
+        tps = [fix["tp"]] if "tp" in fix else [t for t in divisors(gpn) if world % t == 0 and (has_tp or t == 1)]
+        out = []
+        for t in tps:
+            if world % t:
+                raise PlanError(f"fix tp={t} does not divide the world size {world}")
+            if t > 1:
+                if not has_tp:
+                    if "tp" in fix:
+                        raise PlanError(f"fix tp={t}, but the model has no Linear/Embedding that TP can split")
+                    continue
+                blockers = tp_blockers(self.prof, t, self.tp_on)
+                if blockers:
+                    if "tp" in fix:
+                        raise PlanError("; ".join(blockers[:3]))
+                    self.rejected.append(blockers[0])
+                    continue
+                if t > gpn and "tp" not in fix:
+                    continue
+            elif self.cons.needs_tp:
+                if "tp" in fix:
+                    raise PlanError("an override asks for a tensor-parallel style, but fix tp=1")
+                continue
+            pps = [fix["pp"]] if "pp" in fix else divisors(world // t)
+            for pp in pps:
+                if (world // t) % pp:
+                    if "pp" in fix:
+                        raise PlanError(f"tp({t}) * pp({pp}) does not divide the world size {world}")
+                    continue
+                if pp > self.n:
+                    if "pp" in fix:
+                        raise PlanError(f"pp={pp} exceeds the {self.n} layers of the model")
+                    continue
+                if self.pins and max(self.pins.values()) >= pp * fix.get("virtual_stages", 1) and "pp" not in fix:
+                    continue
+                dp = world // (t * pp)
+                if "dp" in fix and fix["dp"] != dp:
+                    continue
+                if self.global_batch % dp:
+                    self.rejected.append(f"dp={dp} does not divide the global batch {self.global_batch}")
+                    continue
+                out.append((dp, t, pp))
+        if not out:
+            f = {k: fix[k] for k in ("dp", "tp", "pp") if k in fix}
+            why = "; ".join(dict.fromkeys(self.rejected)) or "no factorisation fits"
+            raise PlanError(f"no mesh dp * tp * pp = {world} satisfies {f or 'the model'}: {why}")
+        return out
+
+    def micro_batch_sizes(self, local: int, pp: int) -> list[int]:
+        fix = self.cons.fix
+        if "micro_batches" in fix:
+            m = fix["micro_batches"]
+            if local % m:
+                raise PlanError(f"micro_batches={m} does not divide the per-replica batch {local} "
+                                f"(global {self.global_batch})")
+            return [local // m]
+        ds = sorted(divisors(local), reverse=True)
+        if pp > 1:  # at least pp micro-batches keep the pipeline busy; allow fewer only if nothing else
+            ds = [d for d in ds if local // d >= pp] or ds[-1:]
+        return ds[:6]
+
+    def schedules(self, pp: int, m: int) -> list[tuple[str, int]]:
+        fix = self.cons.fix
+        if pp == 1:
+            return [(fix.get("schedule", "1f1b"), 1)]
+        if "schedule" in fix:
+            sch = fix["schedule"]
+            v = fix.get("virtual_stages", 2 if sch in ("interleaved_1f1b", "looped_bfs",
+                                                       "interleaved_zero_bubble", "zbv_zero_bubble") else 1)
+            return [(sch, v)]
+        out = [("1f1b", 1)]
+        if self.n >= 2 * pp and m % pp == 0 and not self.pins:
+            out.append(("interleaved_1f1b", 2))
+        return out
+
+    # ---- costing ------------------------------------------------------------------------------------------------
+    def run(self, top_k: int = 5) -> list[Candidate]:
+        """Costed candidates, best first by a lower bound: a configuration whose bound (compute + TP comm + bubble of
+        its slowest pipeline rank, before recompute) exceeds the ``top_k``-th best feasible step time is skipped,
+        which never drops one of the ``top_k`` best."""
+        fix = self.cons.fix
+        seq_model = self.prof.seq_len is not None
+        configs = []
+        for dp, t, pp in self.meshes():
+            zeros = [fix["zero_stage"]] if "zero_stage" in fix else ([0, 1, 2, 3] if dp > 1 else [0])
+            sp = fix.get("sequence_parallel", t > 1 and seq_model)
+            local = self.global_batch // dp
+            for mb in self.micro_batch_sizes(local, pp):
+                m = local // mb
+                for sched, v in self.schedules(pp, m):
+                    stages = pp * v
+                    if stages > self.n:
+                        continue
+                    base = Setting(dp, t, pp, 0, self.amp, m, float(mb), sched, v, sp, self.optimizer)
+                    rec0 = fix.get("recompute", "none")
+                    choices = [LayerChoice(0, self.tp_on[i], self.rec_pinned.get(i, rec0), self.fsdp[i])
+                               for i in range(self.n)]
+                    runs = self.ev.runs(choices)
+                    times = self._run_times(base, runs)
+                    if self.pins:
+                        per_layer = [t_ for (_, cnt, _), t_ in zip(runs, times, strict=True) for _ in range(cnt)]
+                        assign = partition(per_layer, stages, self.pins)
+                    else:
+                        assign = partition_runs([(t_, cnt) for (_, cnt, _), t_ in zip(runs, times, strict=True)],
+                                                stages)
+                    if assign is None:
+                        continue
+                    rank_t = [0.0] * pp
+                    k = 0
+                    for (_, cnt, _), t_ in zip(runs, times, strict=True):
+                        for j in range(k, k + cnt):
+                            rank_t[assign[j] % pp] += t_
+                        k += cnt
+                    bound = max(rank_t) * (m + bubble_fraction(sched, pp=pp, micro_batches=m, virtual_stages=v,
+                                                               factors=self.ev.f))
+                    configs.append((bound, len(configs), base, assign, zeros))
+        configs.sort(key=lambda c: (c[0], c[1]))
+        out: list[Candidate] = []
+        best: list[float] = []
+        rec0 = fix.get("recompute", "none")
+        for bound, _, base, assign, zeros in configs:
+            if len(best) >= top_k and bound > best[top_k - 1]:
+                self.pruned += 1
+                continue
+            for z in zeros:
+                s = Setting(base.dp, base.tp, base.pp, z, base.amp, base.micro_batches, base.mb_samples,
+                            base.schedule, base.virtual_stages, base.sp, base.optimizer)
+                choices = [LayerChoice(assign[i], self.tp_on[i], self.rec_pinned.get(i, rec0), self.fsdp[i])
+                           for i in range(self.n)]
+                cand = self._cost(s, choices, "recompute" not in fix)
+                out.append(cand)
+                if cand.fits:
+                    bisect.insort(best, cand.cost.step_time_s)
+        return out
+
+    def _run_times(self, s: Setting, runs) -> list[float]:
+        """Per-micro-batch time of one layer of each run (compute, recompute, TP collectives not overlapped)."""
+        half = s.amp != "none"
+        out = []
+        for i, _, ch in runs:
+            t = s.tp if ch.tp else 1
+            lt = self.ev.terms(i, tp=t, sp=s.sp and ch.tp, half=half, mb_samples=s.mb_samples)
+            rec = lt.fwd if ch.recompute == "full" else lt.sel if ch.recompute == "selective" else 0.0
+            out.append(lt.fwd + lt.bwd + rec + sum(lt.tp_comm.values()) * (1 - self.ev.f.overlap_tp))
+        return out
+
+    def _cost(self, s: Setting, choices: list[LayerChoice], auto_recompute: bool) -> Candidate:
+        self.evaluated += 1
+        cost = self.ev.evaluate(s, choices)
+        if cost.peak_memory_bytes > self.limit and auto_recompute:
+            free = [i not in self.rec_pinned for i in range(self.n)]
+            if choose_recompute(self.ev, s, choices, cost, self.limit, free):
+                cost = self.ev.evaluate(s, choices)
+        return Candidate(s, choices, cost, self.limit)
