@@ -30,7 +30,9 @@ function si(x, unit = "") {
   return `${x.toFixed(0)} ${unit}`;
 }
 const gib = (b) => `${(b / GiB).toFixed(2)} GiB`;
-const ms = (s) => `${(s * 1e3).toFixed(1)} ms`;
+const ms = (s) => (s >= 1e-2 ? `${(s * 1e3).toFixed(1)} ms` : s >= 1e-4 ? `${(s * 1e3).toFixed(2)} ms`
+  : `${(s * 1e6).toFixed(1)} µs`);
+const PIN = "●";
 
 function render({ model, el }) {
   const send = (msg) => {
@@ -84,9 +86,11 @@ function render({ model, el }) {
     if (!svg) return;
     const vw = viewport.clientWidth || 600, vh = viewport.clientHeight || 420;
     const w = svg.width.baseVal.value || 600, hgt = svg.height.baseVal.value || 400;
-    view.scale = Math.min(1.5, Math.max(0.05, Math.min(vw / w, vh / hgt) * 0.97));
+    // whole graph when it is legible that way; else fit the width (at most 0.8) and start at the top
+    const whole = Math.min(vw / w, vh / hgt) * 0.97;
+    view.scale = Math.min(1.2, Math.max(whole, Math.min(0.8, (vw / w) * 0.97)));
     view.x = (vw - w * view.scale) / 2;
-    view.y = Math.max(0, (vh - hgt * view.scale) / 2);
+    view.y = Math.max(4, (vh - hgt * view.scale) / 2);
     applyTransform();
   }
   function zoomAt(f, cx, cy) {
@@ -98,10 +102,22 @@ function render({ model, el }) {
     view.scale = s;
     applyTransform();
   }
+  // ctrl/cmd + wheel zooms at the pointer; a plain wheel scrolls the graph while it overflows, else the page
   viewport.addEventListener("wheel", (ev) => {
-    ev.preventDefault();
     const r = viewport.getBoundingClientRect();
-    zoomAt(ev.deltaY < 0 ? 1.1 : 1 / 1.1, ev.clientX - r.left, ev.clientY - r.top);
+    if (ev.ctrlKey || ev.metaKey) {
+      ev.preventDefault();
+      zoomAt(ev.deltaY < 0 ? 1.1 : 1 / 1.1, ev.clientX - r.left, ev.clientY - r.top);
+      return;
+    }
+    const svg = canvas.querySelector("svg");
+    const gh = svg ? svg.height.baseVal.value * view.scale : 0;
+    const ny = Math.min(4, Math.max(r.height - gh - 4, view.y - ev.deltaY));
+    if (gh > r.height && ny !== view.y) {
+      ev.preventDefault();
+      view.y = ny;
+      applyTransform();
+    }
   }, { passive: false });
   let drag = null;
   viewport.addEventListener("mousedown", (ev) => {
@@ -352,7 +368,8 @@ function render({ model, el }) {
     items.push(h("span", { class: "ap-ctl", title: c.device }, "device ", preset),
       h("span", { class: "ap-ctl" }, "nodes ", nodes), h("span", { class: "ap-ctl" }, "GPUs/node ", gpus));
     const names = { dp: "dp", tp: "tp", pp: "pp", zero_stage: "ZeRO", micro_batches: "micro-batches",
-      schedule: "schedule", virtual_stages: "virtual stages", amp: "AMP", sequence_parallel: "seq. parallel" };
+      schedule: "schedule", virtual_stages: "virtual stages", amp: "AMP", sequence_parallel: "seq. parallel",
+      recompute: "recompute (all layers)" };
     for (const [key, label] of Object.entries(names)) {
       const sel = choiceSelect("ap-global", key, c.values[key], c.fixed[key], c.options[key] || [],
         (v) => send({ kind: "global", key, value: v }));
@@ -385,7 +402,7 @@ function render({ model, el }) {
               send({ kind: "boundary", stage: Number(d.slice(9)), layer: p });
             }
           },
-        }, r.stage_pinned ? "📌 " : "", p);
+        }, r.stage_pinned ? h("span", { class: "ap-pin", title: "stage pinned" }, `${PIN} `) : null, p);
       });
       return h("div", {
         class: "ap-lane", dataset: { stage: lane.index },
@@ -401,7 +418,8 @@ function render({ model, el }) {
           }
         },
       }, h("span", { class: "ap-lane-label" }, `stage ${lane.index}`), handle, chips);
-    }), single ? h("div", { class: "ap-hint" }, "one pipeline stage (pp = 1): set pp above to split the model into lanes") : null);
+    }));
+    if (single) lanes.append(h("div", { class: "ap-hint" }, "one pipeline stage (pp = 1): set pp above to split the model into lanes"));
   }
 
   function renderTable() {
@@ -425,9 +443,9 @@ function render({ model, el }) {
         const pinnedAny = r.pinned.length > 0;
         return h("tr", { class: (r.changed ? "ap-changed " : "") + (r.path === sel ? "ap-selected" : ""),
           dataset: { layer: r.path }, onclick: (ev) => { if (ev.target.tagName !== "SELECT" && ev.target.tagName !== "BUTTON") selectLayer(r.path, false); } },
-        h("td", { class: "ap-path" }, pinnedAny ? h("span", { class: "ap-pin", title: `pinned: ${r.pinned.join(", ")}` }, "📌 ") : null, r.path),
+        h("td", { class: "ap-path" }, pinnedAny ? h("span", { class: "ap-pin", title: `pinned: ${r.pinned.join(", ")}` }, `${PIN} `) : null, r.path),
         h("td", {}, r.type), h("td", { class: "ap-num" }, r.params),
-        h("td", { class: "ap-num" }, nstages > 1 ? `${r.stage}${r.stage_pinned ? " 📌" : ""}` : r.stage),
+        h("td", { class: "ap-num" }, r.stage_pinned ? h("span", { class: "ap-pin", title: "stage pinned" }, `${PIN} `) : null, r.stage),
         h("td", { class: r.strategy !== "auto" ? "ap-pinned" : "" }, strat),
         h("td", { class: r.recompute_pinned ? "ap-pinned" : "" }, rec),
         h("td", {}, pinnedAny ? h("button", { class: "ap-btn ap-unpin", title: "un-pin every choice for this layer",

@@ -26,7 +26,7 @@ STRATEGY_LABELS = {
 }
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 GLOBAL_KEYS = ("dp", "tp", "pp", "zero_stage", "micro_batches", "schedule", "virtual_stages", "amp",
-               "sequence_parallel")
+               "sequence_parallel", "recompute")
 
 
 def strategy_choices(graph: ModelGraph, layer: Layer) -> list[str]:
@@ -109,7 +109,7 @@ def layer_rows(graph: ModelGraph, plan: Plan, overrides: dict[str, dict[str, Any
             lp = plan.layer(layer.path)
         except KeyError:
             continue
-        chosen = current_strategy(lp, plan)
+        chosen = current_strategy(lp, plan) if layer.num_params else "replicate"
         if chosen == "rowwise" and layer.path in emb:
             chosen = "vocab"
         pin = pinned_entry(overrides, layer.path)
@@ -125,7 +125,7 @@ def layer_rows(graph: ModelGraph, plan: Plan, overrides: dict[str, dict[str, Any
         rows.append({"path": layer.path, "type": layer.type, "params": human(layer.num_params),
                      "flops": human(layer.flops), "block": layer.block, "stage": lp.stage,
                      "strategy": value, "auto": chosen,
-                     "auto_label": STRATEGY_LABELS.get(chosen, chosen) + (
+                     "auto_label": "no parameters" if not layer.num_params else STRATEGY_LABELS.get(chosen, chosen) + (
                          " + SP" if lp.sequence_parallel and chosen == "colwise-rowwise" else ""),
                      "choices": [{"value": c, "label": STRATEGY_LABELS.get(c, c)} for c in choices],
                      "recompute": lp.recompute, "recompute_pinned": "recompute" in pin,
@@ -154,7 +154,8 @@ def global_state(cluster: Cluster, plan: Plan | None, fix: dict[str, Any]) -> di
         values = {"dp": m.dp, "tp": m.tp, "pp": m.pp, "zero_stage": m.zero_stage,
                   "micro_batches": plan.batch.micro_batches, "schedule": plan.pipeline.schedule,
                   "virtual_stages": plan.pipeline.virtual_stages, "amp": plan.precision.amp,
-                  "sequence_parallel": any(lp.sequence_parallel for lp in plan.layers)}
+                  "sequence_parallel": any(lp.sequence_parallel for lp in plan.layers),
+                  "recompute": max(RECOMPUTE_CHOICES, key=[lp.recompute for lp in plan.layers].count)}
     world = cluster.world_size
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     return {
@@ -163,7 +164,8 @@ def global_state(cluster: Cluster, plan: Plan | None, fix: dict[str, Any]) -> di
         "values": values, "fixed": {k: fix[k] for k in GLOBAL_KEYS if k in fix},
         "options": {"dp": divisors, "tp": divisors, "pp": divisors, "zero_stage": list(ZERO_STAGES),
                     "micro_batches": [1, 2, 4, 8, 16, 32, 64], "schedule": list(SCHEDULES),
-                    "virtual_stages": [1, 2, 4], "amp": list(AMP), "sequence_parallel": [False, True]},
+                    "virtual_stages": [1, 2, 4], "amp": list(AMP), "sequence_parallel": [False, True],
+                    "recompute": list(RECOMPUTE_CHOICES)},
     }
 
 

@@ -36,6 +36,8 @@ STAGE_COLORS = ["#3182bd", "#e6550d", "#31a354", "#756bb1", "#636363", "#d6616b"
 STAGE_FILLS = ["#f0f6fc", "#fdf3ec", "#eff8f0", "#f4f3fa", "#f5f5f5", "#fbf0f1", "#f8f5ee", "#eefafc"]
 CHANGED_COLOR = "#ff7f0e"
 COLLECTIVE_COLOR = "#c0392b"
+OUTPUT = "__output__"
+"""name of the graph-output pseudo node (edges from the last layer's unconsumed ops)"""
 MAX_OPS_SHOWN = 400
 """above this many visible ops the default depth collapses ops into their modules"""
 
@@ -125,7 +127,8 @@ def _shape(s: tuple[int, ...]) -> str:
 
 
 def _q(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """A DOT double-quoted string; newlines become DOT line breaks."""
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
 def _sid(prefix: str, name: str) -> str:
@@ -155,6 +158,7 @@ def comm_edges(graph: ModelGraph, plan: Plan | None) -> dict[tuple[str, str], st
         for src in n.inputs:
             consumers.setdefault(src, []).append(n.name)
     out: dict[tuple[str, str], str] = {}
+    final = {n.name for n in graph.nodes if not consumers.get(n.name) and n.layer == graph.layers[-1].path}
 
     def size(n: OpNode) -> str:
         b = sum(_nbytes(s, act_dtype or n.dtype) for s in n.out_shapes[:1]) * scale
@@ -178,7 +182,7 @@ def comm_edges(graph: ModelGraph, plan: Plan | None) -> dict[tuple[str, str], st
             continue
         if split.comm_on == "output" and split.forward:
             kind = "reduce-scatter" if sp and split.forward == "all_reduce" else split.forward.replace("_", "-")
-            for m in consumers.get(n.name, []):
+            for m in consumers.get(n.name, []) + ([OUTPUT] if n.name in final else []):
                 out[(n.name, m)] = f"{kind} {size(n)}"
         elif split.comm_on == "input" and (split.backward or split.forward):
             kind = (split.forward or split.backward).replace("_", "-")
@@ -186,8 +190,8 @@ def comm_edges(graph: ModelGraph, plan: Plan | None) -> dict[tuple[str, str], st
                 kind = "all-gather"
             for src in n.inputs:
                 s = by_name.get(src)
-                if s is not None:
-                    out[(src, n.name)] = f"{kind}{' (bwd)' if not split.forward and not sp else ''} {size(s)}"
+                label = size(s) if s is not None else _input_size(graph, src, scale, act_dtype)
+                out[(src, n.name)] = f"{kind}{' (bwd)' if not split.forward and not sp else ''} {label}"
     return out
 
 
@@ -322,12 +326,12 @@ def layout(graph: ModelGraph, plan: Plan | None = None, *, expanded: set[str] | 
                         in_shapes.append(gi)
             pbytes = sum(graph.params[p].numel * graph.params[p].itemsize for p in it["params"] if p in graph.params)
             if it["kind"] == "op":
-                label = f"{_short_op(first.op)}\\n{shapes[0] if shapes else ''}"
+                label = f"{_short_op(first.op)}\n{shapes[0] if shapes else ''}"
                 title = first.name
             else:
                 mod = it["path"]
                 mtype = layer_of[it["layer"]].modules.get(mod) or first.module_type
-                label = f"{mod.rsplit('.', 1)[-1]}\\n{mtype or ''} · {len(ops)} ops"
+                label = f"{mod.rsplit('.', 1)[-1]}\n{mtype or ''} · {len(ops)} ops"
                 title = mod
             info[vid] = {"kind": it["kind"], "label": title, "op": first.op if len(ops) == 1 else
                          ", ".join(sorted({_short_op(o.op) for o in ops})[:6]),
@@ -359,6 +363,15 @@ def layout(graph: ModelGraph, plan: Plan | None = None, *, expanded: set[str] | 
             label = comm.get((src, n.name))
             if (s, dst) not in edges or (label and not edges[(s, dst)]):
                 edges[(s, dst)] = label
+    finals = [n for n in graph.nodes if n.layer == graph.layers[-1].path and n.name in node_vis
+              and not any(n.name in m.inputs for m in graph.nodes)] if graph.layers else []
+    if finals:
+        oid = "out-output"
+        lines.append(f"  {_q(oid)} [id={_q(oid)}, label=\"output\", shape=ellipse, style=filled, "
+                     f"fillcolor=\"#ffffff\"];")
+        info[oid] = {"kind": "input", "label": "output", "layer": None}
+        for n in finals[-1:]:
+            edges.setdefault((node_vis[n.name], oid), comm.get((n.name, OUTPUT)))
     for (s, d), label in edges.items():
         if label:
             lines.append(f"  {_q(s)} -> {_q(d)} [label={_q(' ' + label)}, color={_q(COLLECTIVE_COLOR)}, "
@@ -369,6 +382,14 @@ def layout(graph: ModelGraph, plan: Plan | None = None, *, expanded: set[str] | 
     used = {i["split"] for i in info.values() if "split" in i}
     legend = [{"key": k, "label": lab, "color": c} for k, (lab, c) in SPLITS.items() if k in used or k != "activation"]
     return Layout("\n".join(lines), info, clusters, depth, max_depth, legend)
+
+
+def _input_size(graph: ModelGraph, name: str, scale: float, act_dtype: str | None) -> str:
+    if len(graph.inputs) != 1:
+        return ""
+    t = graph.inputs[0]
+    dtype = act_dtype if act_dtype and not t.dtype.startswith(("int", "uint")) else t.dtype
+    return f"{human(_nbytes(t.shape, dtype) * scale)}B"
 
 
 def _graph_input_shape(graph: ModelGraph, name: str) -> str | None:

@@ -159,7 +159,7 @@ class PlannerWidget(anywidget.AnyWidget):
         try:
             code = fn(self, msg)
         except (PlanError, ValueError, KeyError, IndexError, TypeError) as e:
-            text = str(e).strip("'\"")
+            text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
             self._say("error", f"{_describe(msg)} was not applied: {text}. The previous plan is kept; undo/redo "
                                f"and your other choices are unchanged.")
             return

@@ -19,13 +19,16 @@ MAX_BARS = 16
 
 def memory_panel(plan: Plan | None, cluster: Cluster) -> dict[str, Any]:
     """``{"limit": bytes, "parts": [{key, label, color}], "bars": [{label, ranks, total, over, <part>: bytes}],
-    "peak": bytes, "over": bool}``; bars are per rank, or per group of identical consecutive ranks when there are
-    more than MAX_BARS."""
+    "peak": bytes, "over": bool}``; bars are per rank (or per pipeline rank when the planner gives one breakdown per
+    pipeline rank), grouped when there are more than MAX_BARS."""
     limit = float(cluster.device.memory_bytes)
     parts = [{"key": k, "label": lab, "color": c} for k, lab, c in MEMORY_PARTS]
     if plan is None or plan.cost is None or not plan.cost.memory_by_rank:
         return {"limit": limit, "parts": parts, "bars": [], "peak": 0.0, "over": False}
     mem = plan.cost.memory_by_rank
+    world = plan.mesh.world_size
+    # the planner may give one breakdown per pipeline rank (every dp x tp rank of it is alike) instead of per rank
+    per_pp = len(mem) == plan.mesh.pp and len(mem) != world
     groups: list[list[int]] = []
     for r, m in enumerate(mem):
         if len(mem) > MAX_BARS and groups and _same(mem[groups[-1][0]], m):
@@ -35,7 +38,11 @@ def memory_panel(plan: Plan | None, cluster: Cluster) -> dict[str, Any]:
     bars = []
     for g in groups:
         m = mem[g[0]]
-        label = f"rank {g[0]}" if len(g) == 1 else f"ranks {g[0]}–{g[-1]}"
+        if per_pp:
+            label = f"pp rank {g[0]}" if len(g) == 1 else f"pp ranks {g[0]}–{g[-1]}"
+            label += f" (× {world // plan.mesh.pp})"
+        else:
+            label = f"rank {g[0]}" if len(g) == 1 else f"ranks {g[0]}–{g[-1]}"
         bars.append({"label": label, "ranks": g, "total": m.total, "over": m.total > limit,
                      **{k: float(getattr(m, k)) for k, _, _ in MEMORY_PARTS}})
     peak = max(m.total for m in mem)

@@ -1,0 +1,203 @@
+"""End to end in a real browser: JupyterLab (headless, offline, 127.0.0.1, random port and token, temp dirs) driven
+by Debian's chromium through Playwright. Opens notebooks/01_quickstart.ipynb, runs all, waits for the planner
+widgets, picks a layer strategy from the dropdown, clicks a graph node, drags a layer to another pipeline stage,
+and checks from the kernel (a cell that writes the sessions' state to a file) that the plans changed accordingly.
+Screenshots go to docs/img/ (the README shows docs/img/widget.png).
+
+Runs in CI (CI=true: a missing chromium is a failure; .ci/run installs it); elsewhere it skips without chromium.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK = ROOT / "notebooks" / "01_quickstart.ipynb"
+IMG = ROOT / "docs" / "img"
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--disable-dev-shm-usage"]
+
+pytestmark = pytest.mark.browser
+
+
+def _require_chromium() -> None:
+    if CHROMIUM.exists():
+        return
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail("CI=true but /usr/bin/chromium is missing: .ci/run installs it with "
+                    "`apt-get install -y chromium`; run it before `make test`")
+    pytest.skip("/usr/bin/chromium is not installed (apt-get install -y chromium); this browser test runs in CI")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """A JupyterLab server on 127.0.0.1 with its own config/runtime/settings dirs; killed (whole process group,
+    kernels included) at teardown. Yields (base url, token, root dir)."""
+    _require_chromium()
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copy(NOTEBOOK, root / NOTEBOOK.name)
+    settings = tmp_path / "settings"
+    for ext, name, value in [
+        ("@jupyterlab/apputils-extension", "notification",
+         {"fetchNews": "false", "checkForUpdates": False, "doNotDisturbMode": True}),
+        ("@jupyterlab/notebook-extension", "tracker", {"windowingMode": "none"}),
+    ]:
+        (settings / ext).mkdir(parents=True, exist_ok=True)
+        (settings / ext / f"{name}.jupyterlab-settings").write_text(json.dumps(value))
+    env = dict(os.environ)
+    for var, sub in [("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_RUNTIME_DIR", "runtime"),
+                     ("JUPYTERLAB_SETTINGS_DIR", "settings"), ("JUPYTERLAB_WORKSPACES_DIR", "ws"),
+                     ("IPYTHONDIR", "ipython")]:
+        (tmp_path / sub).mkdir(exist_ok=True)
+        env[var] = str(tmp_path / sub)
+    env["MPLBACKEND"] = "Agg"
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    port, token = _free_port(), secrets.token_hex(16)
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}", "--port-retries=0",
+           "--allow-root", f"--ServerApp.root_dir={root}", f"--IdentityProvider.token={token}",
+           "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+           "--LabApp.extension_manager=readonly", "--LabApp.expose_app_in_browser=True",
+           f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={tmp_path / 'ws'}"]
+    log = open(tmp_path / "lab.log", "w")
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"JupyterLab did not start:\n{(tmp_path / 'lab.log').read_text()[-3000:]}")
+                time.sleep(0.3)
+        yield base, token, root
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=10)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        log.close()
+
+
+STATE_CELL = """
+import json
+_seed, _gpt = ap.plan, gpt.plan
+json.dump({
+    "seed_overrides": ap.overrides, "seed_tp": {lp.path: lp.tp for lp in _seed.layers},
+    "seed_mesh": [_seed.mesh.dp, _seed.mesh.tp, _seed.mesh.pp], "selection": ap.widget().selection,
+    "gpt_overrides": gpt.overrides, "gpt_stages": {lp.path: lp.stage for lp in _gpt.layers},
+}, open(STATE_PATH, "w"))
+print("state written")
+"""
+
+
+def test_quickstart_widget_in_jupyterlab(lab, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    base, token, root = lab
+    state_path = tmp_path / "state.json"
+    IMG.mkdir(parents=True, exist_ok=True)
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        ctx = pw.chromium.launch_persistent_context(
+            str(tmp_path / "chromium"), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS,
+            viewport={"width": 1500, "height": 1100})
+        try:
+            page = ctx.new_page()
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" and "planner" in m.text else None)
+            page.goto(f"{base}/lab/tree/{NOTEBOOK.name}?token={token}")
+            page.wait_for_function(
+                "() => { const w = window.jupyterapp && jupyterapp.shell.currentWidget;"
+                " const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;"
+                " return k && k.status === 'idle'; }", timeout=60_000)
+            page.evaluate("jupyterapp.commands.execute('notebook:run-all-cells')")
+
+            # both widgets rendered with a laid-out graph
+            widgets = page.locator(".ap-root")
+            expect(widgets).to_have_count(2, timeout=60_000)
+            seed, gpt = widgets.nth(0), widgets.nth(1)
+            for w in (seed, gpt):
+                expect(w.locator(".ap-svg svg g.node").first).to_be_visible(timeout=30_000)
+            expect(seed.locator("tr[data-layer]")).to_have_count(3)
+            page.wait_for_timeout(500)
+            seed.screenshot(path=str(IMG / "widget_seed.png"))
+
+            # 1. strategy dropdown: pin the first Linear ("0") column-wise
+            strat = seed.locator('select.ap-strategy[data-layer="0"]')
+            options = strat.locator("option").all_inner_texts()
+            assert any("tp-colwise" in o for o in options), options
+            strat.select_option("colwise")
+            expect(seed.locator(".ap-msg").first).to_contain_text("strategy tp-colwise", timeout=30_000)
+            expect(seed.locator('select.ap-strategy[data-layer="0"]')).to_have_value("colwise", timeout=10_000)
+
+            # 2. click a graph node: the second Linear selects its layer ("2") in the editor
+            node = seed.locator('.ap-svg g.node[id="op-linear_1"]')
+            node.hover()
+            expect(seed.locator(".ap-tooltip")).to_contain_text("aten.linear", timeout=5_000)
+            node.click()
+            expect(seed.locator('tr.ap-selected[data-layer="2"]')).to_have_count(1, timeout=10_000)
+
+            # 3. drag a layer to another pipeline stage (GPT, pp=2): h.3 onto lane 0
+            gpt.scroll_into_view_if_needed()
+            chip = gpt.locator('.ap-chip[data-layer="h.3"]')
+            start_stage = int(gpt.locator('.ap-lane:has(.ap-chip[data-layer="h.3"])').get_attribute("data-stage"))
+            assert start_stage > 0, "the planner put h.3 on stage 0 already"
+            chip.drag_to(gpt.locator('.ap-lane[data-stage="0"]'))
+            expect(gpt.locator(".ap-msg").first).to_contain_text("h.3 -> stage 0", timeout=30_000)
+            expect(gpt.locator('.ap-lane[data-stage="0"] .ap-chip[data-layer="h.3"]')).to_have_count(1, timeout=10_000)
+            page.wait_for_timeout(300)
+            gpt.screenshot(path=str(IMG / "widget.png"))
+            page.screenshot(path=str(IMG / "jupyterlab.png"), full_page=False)
+
+            # 4. from the kernel: a cell that writes both sessions' state
+            code = f"STATE_PATH = {str(state_path)!r}\n" + STATE_CELL
+            page.evaluate("""async (code) => {
+                const panel = jupyterapp.shell.currentWidget, nb = panel.content, model = nb.model;
+                model.sharedModel.insertCell(model.cells.length, {cell_type: 'code', source: code});
+                nb.activeCellIndex = model.cells.length - 1;
+                await jupyterapp.commands.execute('notebook:run-cell');
+            }""", code)
+            deadline = time.time() + 30
+            while not state_path.exists() and time.time() < deadline:
+                time.sleep(0.2)
+            assert state_path.exists(), "the state cell did not run"
+            state = json.loads(state_path.read_text())
+        finally:
+            ctx.close()
+
+    assert state["seed_overrides"].get("0") == {"tp": "colwise"}, state
+    assert state["seed_tp"]["0"].get("0") == "colwise", state
+    assert state["seed_mesh"][1] == 2, f"a colwise layer needs tp=2: {state}"
+    assert state["selection"] == "2", state
+    assert state["gpt_stages"]["h.3"] == 0, state
+    assert state["gpt_overrides"]["h.3"] == {"stage": 0}, state
+    assert not errors, errors
