@@ -6,14 +6,18 @@
 """
 
 from .capture import CaptureError, capture
+from .export import Exported, export
 from .graph import Layer, ModelGraph, OpNode, RepeatedBlock
 from .hardware import Cluster, DeviceSpec, LinkSpec
 from .plan import Cost, LayerPlan, MemoryBreakdown, MeshPlan, Plan, PlanError
 from .planner import plan  # last: the function shadows the autopar_nb.plan submodule attribute
+from .runtime import ParallelModel, apply_plan
+from .verify import VerifyReport, verify, verify_many
 
 __all__ = [
     "CaptureError", "Cluster", "Cost", "DeviceSpec", "Layer", "LayerPlan", "LinkSpec", "MemoryBreakdown", "MeshPlan",
     "ModelGraph", "OpNode", "Plan", "PlanError", "RepeatedBlock", "capture", "load_ipython_extension",
+    "Exported", "ParallelModel", "VerifyReport", "apply_plan", "export", "verify", "verify_many",
     "plan",
 ]
 

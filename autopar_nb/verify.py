@@ -62,6 +62,9 @@ class VerifyReport:
     steps: list[StepDiff] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     """parameters of the reference with no gradient in the parallel run"""
+    per_rank: list[dict] = field(default_factory=list)
+    """what each rank held: ``local_numel`` (parameter elements stored there), ``dtensor_params`` (parameters
+    sharded/replicated as DTensors), ``checkpointed`` (checkpoint-wrapped modules), ``stages`` (pipeline stages)"""
 
     param_floor: float = 0.0
     """extra parameter tolerance per step, relative: Adam-type optimizers divide each gradient element by its running
@@ -121,10 +124,10 @@ def verify(source: ModelSource, plan: Plan, *, steps: int = 5, nproc: int | None
 
 
 def verify_many(cases: list[tuple[ModelSource, Plan]], *, steps: int = 5, nproc: int | None = None, seed: int = 0,
-                rtol: float | None = None, meta_init: bool = False, start_method: str = "spawn"
+                rtol: float | None = None, meta_init: bool | list[bool] = False, start_method: str = "spawn"
                 ) -> list[VerifyReport]:
     """:func:`verify` for several (source, plan) pairs of the same world size in ONE launch of processes
-    (starting processes costs seconds; running a small plan costs less)."""
+    (starting processes costs seconds; running a small plan costs less). ``meta_init`` may be one flag per case."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if not cases:
@@ -135,17 +138,20 @@ def verify_many(cases: list[tuple[ModelSource, Plan]], *, steps: int = 5, nproc:
         if plan.mesh.world_size != nproc:
             raise ValueError(f"plan {plan.summary()} needs {plan.mesh.world_size} processes, not nproc={nproc}; "
                              "verify plans of different world sizes in separate calls")
-    payload = [(src, plan.to_json(indent=None)) for src, plan in cases]
+    metas = meta_init if isinstance(meta_init, list) else [meta_init] * len(cases)
+    payload = [(src, plan.to_json(indent=None), meta) for (src, plan), meta in zip(cases, metas, strict=True)]
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"verify-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.05,
                           start_method=start_method)
-    results = elastic_launch(config, _worker)(payload, steps, seed, meta_init)
+    results = elastic_launch(config, _worker)(payload, steps, seed)
     reports = []
     for i, (src, plan) in enumerate(cases):
         par = _merge([results[r][i] for r in sorted(results)])
         ref = reference(src, plan, steps=steps, seed=seed)
         tol = rtol if rtol is not None else (FP32_RTOL if plan.precision.amp == "none" else LOW_PRECISION_RTOL)
-        reports.append(_compare(plan, nproc, tol, par, ref))
+        report = _compare(plan, nproc, tol, par, ref)
+        report.per_rank = [results[r][i]["info"] for r in sorted(results)]
+        reports.append(report)
     return reports
 
 
@@ -190,7 +196,7 @@ def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0) -> 
 
 
 @record
-def _worker(payload: list[tuple[ModelSource, str]], steps: int, seed: int, meta_init: bool) -> list[dict]:
+def _worker(payload: list[tuple[ModelSource, str, bool]], steps: int, seed: int) -> list[dict]:
     """One rank: run every plan in turn on one process group."""
     import torch.distributed as dist
 
@@ -204,7 +210,7 @@ def _worker(payload: list[tuple[ModelSource, str]], steps: int, seed: int, meta_
     dist.init_process_group(backend_for(device), timeout=timedelta(seconds=300))
     results = []
     try:
-        for source, plan_json in payload:
+        for source, plan_json, meta_init in payload:
             plan = Plan.from_json(plan_json)
             m = plan.mesh
             mesh = build_mesh(m.pp, m.dp, m.tp, device=device)
@@ -220,6 +226,7 @@ def _worker(payload: list[tuple[ModelSource, str]], steps: int, seed: int, meta_
                 if reporter:
                     res["grads"].append(grads)
                     res["params"].append(params)
+            res["info"] = _rank_info(trainer)
             results.append(res)
             del trainer
             gc.collect()
@@ -227,6 +234,19 @@ def _worker(payload: list[tuple[ModelSource, str]], steps: int, seed: int, meta_
         gc.collect()  # a gloo thread taking the GIL during shutdown aborts ~20% of exits otherwise
         dist.destroy_process_group()
     return results
+
+
+def _rank_info(trainer) -> dict:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.tensor import DTensor
+
+    params = [p for part in trainer.parts for p in part.parameters()]
+    return {
+        "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params),
+        "dtensor_params": sum(isinstance(p, DTensor) for p in params),
+        "checkpointed": sum(isinstance(m, CheckpointWrapper) for part in trainer.parts for m in part.modules()),
+        "stages": list(trainer.pm.stage_ids),
+    }
 
 
 def _merge(per_rank: list[dict]) -> dict:

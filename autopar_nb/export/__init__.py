@@ -132,7 +132,8 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
     if selective:
         std.add("functools")
     frm: dict[str, set[str]] = {
-        "torch.distributed.checkpoint.state_dict": {"get_state_dict", "set_state_dict"},
+        "torch.distributed.checkpoint.state_dict": {"get_state_dict", "set_state_dict"}
+        | (set() if zero1 else {"StateDictOptions"}),
         "torch.distributed.device_mesh": {"init_device_mesh"},
         "torch.distributed.elastic.multiprocessing.errors": {"record"},
     }
@@ -600,6 +601,10 @@ def init_weights(parts, skeleton, device):
 '''
 
 _CHECKPOINT = '''
+# optimizer state keyed by parameter name, so each pipeline rank's share is its own set of keys
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def latest_checkpoint(ckpt_dir):
     steps = [int(d.removeprefix("step_")) for d in os.listdir(ckpt_dir) if d.startswith("step_")] \\
         if os.path.isdir(ckpt_dir) else []
@@ -608,15 +613,15 @@ def latest_checkpoint(ckpt_dir):
 
 def save_checkpoint(path, model, optimizer, step):
     """Distributed checkpoint: every rank writes its shards; loadable at another world size or layout."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT)
     dcp.save({"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=path)
 
 
 def load_checkpoint(path, model, optimizer):
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT)
     state = {"model": model_sd, "optim": optim_sd, "step": 0}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=FLAT)
     return state["step"]
 '''
 

@@ -19,7 +19,7 @@ from ..plan import Plan
 from ..source import ModelSource
 from .amp import autocast, grad_scaler
 from .apply import ParallelModel, apply_plan
-from .data import add_default_data_loss, default_constants, model_call, split_batch
+from .data import add_default_data_loss, default_constants, model_call, split_batch, tree_map
 from .ddp import zero1_optimizer
 from .init import canonical_name, materialize
 from .pp import build_schedule
@@ -57,12 +57,14 @@ class Trainer:
         self.plan, self.mesh, self.device = plan, mesh, device
         ns = build_namespace(source, plan, seed=seed, device="meta" if meta_init else None)
         model: nn.Module = ns[source.model_var]
+        if not meta_init:
+            model = model.to(device)
         self.loss_fn, self.make_batch = ns["__loss_fn"], ns["__make_batch"]
         self.dp_rank = mesh["dp"].get_local_rank()
         self.tp_rank = mesh["tp"].get_local_rank()
         microbatch = None
         if plan.mesh.pp > 1:
-            first = split_batch(self.make_batch(0, self.dp_rank), plan.batch.micro_batches)[0]
+            first = split_batch(self._batch(0), plan.batch.micro_batches)[0]
             microbatch = model_call(self.loss_fn, first)
             if meta_init:
                 microbatch = tuple(_to_meta(x) for x in microbatch)
@@ -94,6 +96,9 @@ class Trainer:
             self.schedule = build_schedule(self.pm.stages, schedule=plan.pipeline.schedule,
                                            n_microbatches=plan.batch.micro_batches, loss_fn=self._stage_loss)
 
+    def _batch(self, step: int):
+        return tree_map(lambda t: t.to(self.device), self.make_batch(step, self.dp_rank))
+
     def _stage_loss(self, output, index):
         return self.loss_fn(lambda *a, **k: output, self._micro[int(index)])
 
@@ -107,7 +112,7 @@ class Trainer:
     def forward_backward(self, step: int) -> torch.Tensor:
         """Forward and backward of one step; returns this rank's loss (0 where it has none)."""
         M = self.plan.batch.micro_batches
-        micro = split_batch(self.make_batch(step, self.dp_rank), M)
+        micro = split_batch(self._batch(step), M)
         total = torch.zeros((), device=self.device)
         if self.schedule is not None:
             self._micro = micro
