@@ -90,7 +90,8 @@ def lab(tmp_path):
                     break
             except OSError:
                 if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"JupyterLab did not start:\n{(tmp_path / 'lab.log').read_text()[-3000:]}")
+                    tail = (tmp_path / "lab.log").read_text()[-3000:]
+                    raise RuntimeError(f"JupyterLab did not start:\n{tail}") from None
                 time.sleep(0.3)
         yield base, token, root
     finally:
@@ -129,7 +130,7 @@ def test_quickstart_widget_in_jupyterlab(lab, tmp_path):
     with sync_playwright() as pw:
         ctx = pw.chromium.launch_persistent_context(
             str(tmp_path / "chromium"), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS,
-            viewport={"width": 1500, "height": 1100})
+            viewport={"width": 1400, "height": 1700})
         try:
             page = ctx.new_page()
             page.on("pageerror", lambda e: errors.append(str(e)))
@@ -165,6 +166,23 @@ def test_quickstart_widget_in_jupyterlab(lab, tmp_path):
             expect(seed.locator(".ap-tooltip")).to_contain_text("aten.linear", timeout=5_000)
             node.click()
             expect(seed.locator('tr.ap-selected[data-layer="2"]')).to_have_count(1, timeout=10_000)
+            page.wait_for_timeout(300)
+            seed.screenshot(path=str(IMG / "widget_edit.png"))
+
+            # search (typing is not taken as notebook shortcuts: the cell count stays), expand the folded block
+            cells = page.locator(".jp-Notebook .jp-Cell").count()
+            gpt.locator(".ap-search").fill("")
+            gpt.locator(".ap-search").type("sdpa")
+            expect(gpt.locator(".ap-svg g.node.ap-match")).to_have_count(1, timeout=5_000)
+            assert page.locator(".jp-Notebook .jp-Cell").count() == cells
+            folded = gpt.locator(".ap-svg g.node").count()
+            gpt.locator("button.ap-fold", has_text="expand h").click()
+            expect(gpt.locator("button.ap-fold", has_text="fold h")).to_be_visible(timeout=30_000)
+            assert gpt.locator(".ap-svg g.node").count() > folded
+            expect(gpt.locator(".ap-svg g.node.ap-match")).to_have_count(4)
+            gpt.locator("button.ap-fold", has_text="fold h").click()
+            expect(gpt.locator("button.ap-fold", has_text="expand h")).to_be_visible(timeout=30_000)
+            gpt.locator(".ap-search").fill("")
 
             # 3. drag a layer to another pipeline stage (GPT, pp=2): h.3 onto lane 0
             gpt.scroll_into_view_if_needed()

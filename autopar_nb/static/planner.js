@@ -42,7 +42,9 @@ function render({ model, el }) {
   // view state kept across re-renders
   const view = { scale: 1, x: 0, y: 0, fitted: false, search: "", svgText: null };
 
-  const root = h("div", { class: "ap-root" });
+  // keys typed in the widget (search box, number inputs) are not notebook shortcuts
+  const root = h("div", { class: "ap-root", "data-lm-suppress-shortcuts": "true", tabindex: "-1",
+    onkeydown: (ev) => { if (ev.target.matches("input, select, textarea")) ev.stopPropagation(); } });
   el.append(root);
 
   // ---- skeleton ------------------------------------------------------------------------------------------------
@@ -197,7 +199,8 @@ function render({ model, el }) {
     const nodes = model.get("nodes");
     for (const g of canvas.querySelectorAll("g.node")) {
       const info = nodes[g.id] || {};
-      const hay = `${g.id} ${info.label || ""} ${info.op || ""} ${info.module || ""} ${info.layer || ""}`.toLowerCase();
+      const hay = `${g.id} ${g.textContent} ${info.label || ""} ${info.op || ""} ${info.module || ""} ${info.layer || ""}`
+        .toLowerCase();
       const hit = q && hay.includes(q);
       g.classList.toggle("ap-match", !!hit);
       g.classList.toggle("ap-dim", !!q && !hit);
@@ -234,7 +237,7 @@ function render({ model, el }) {
   function renderMessages() {
     const ms_ = model.get("messages") || [];
     messages.replaceChildren(...ms_.map((m) => h("div", { class: `ap-msg ap-msg-${m.level}` },
-      h("span", {}, m.text),
+      h("div", {}, h("span", {}, m.text), m.detail ? h("pre", { class: "ap-detail" }, m.detail) : null),
       h("button", { class: "ap-msg-close", title: "dismiss", onclick: (ev) => ev.target.parentElement.remove() }, "×"))));
   }
 

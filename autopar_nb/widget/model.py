@@ -81,6 +81,8 @@ class PlannerWidget(anywidget.AnyWidget):
         self._shown: Plan | None = session.plan
         self._previous: Plan | None = None
         self._depth: int | None = None
+        self.last_result: Any = None
+        """what the last Verify/Export/Launch button returned (a VerifyReport, Exported, Run)"""
         self._replan_ms: float | None = None
         self.on_msg(self._on_msg)
         observers = getattr(session, "_observers", None)
@@ -175,8 +177,8 @@ class PlannerWidget(anywidget.AnyWidget):
         self._say("info", f"{_describe(msg)}: re-planned in {self._replan_ms:.0f} ms "
                           f"({len(self.changes)} change(s)). As code: {code}")
 
-    def _say(self, level: str, text: str) -> None:
-        self.messages = [{"level": level, "text": text}]
+    def _say(self, level: str, text: str, detail: str = "") -> None:
+        self.messages = [{"level": level, "text": text, "detail": detail}]
 
     # handlers return the equivalent Python call (None for view-only messages)
     def _strategy(self, msg) -> str:
@@ -306,7 +308,8 @@ class PlannerWidget(anywidget.AnyWidget):
         except Exception as e:  # shown inline: an action failing must not break the widget
             self._say("error", f"ap.{name}() failed: {type(e).__name__}: {e}")
             return None
-        self._say("info", f"ap.{name}() -> {result!r}")
+        self.last_result = result
+        self._say("info", *_action_text(name, result))
         return None
 
     def _select(self, msg) -> None:
@@ -335,6 +338,21 @@ _HANDLERS = {
     "redo": PlannerWidget._redo, "action": PlannerWidget._action, "select": PlannerWidget._select,
     "expand": PlannerWidget._expand, "collapse": PlannerWidget._collapse, "depth": PlannerWidget._set_depth,
 }
+
+
+def _action_text(name: str, result: Any) -> tuple[str, str]:
+    """(message, detail) for the result of ``ap.<name>()``: the exported script's path and torchrun commands, the
+    verify report, or the run."""
+    script = getattr(result, "script", None)
+    if name == "export" and script is not None:
+        cmds = list(getattr(result, "commands", []) or [])
+        return (f"Exported {script} (the plan beside it: {getattr(result, 'plan_json', '')}). "
+                f"Open it in a cell with %load {script}", "\n".join(cmds))
+    if name == "launch":
+        return ("Launched; the run is widget.last_result: display it in a cell for its live dashboard "
+                "(stop it with .stop())", repr(result))
+    text = str(result)
+    return (f"ap.{name}() done", text) if "\n" in text else (f"ap.{name}() -> {text}", "")
 
 
 def _call(method: str, layer: str, choices: dict[str, Any]) -> str:
