@@ -169,6 +169,8 @@ def test_code_side_calls_are_reflected(seed_graph):
     assert w.layers[0]["strategy"] == "auto"
     s.replan(fix={"zero_stage": 3})
     assert w.controls["fixed"] == {"zero_stage": 3} and w.controls["values"]["zero_stage"] == 3
+    w.close()
+    assert s._observers == [] and s.widget() is not w
 
 
 def test_pipeline_drag_and_boundary(gpt_graph):

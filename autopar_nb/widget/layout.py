@@ -295,6 +295,9 @@ def layout(graph: ModelGraph, plan: Plan | None = None, *, expanded: set[str] | 
         if plan is not None and plan.mesh.pp * plan.pipeline.virtual_stages > 1:
             stages = sorted({stage.get(m, 0) for m in block.members}) if reps > 1 else [st]
             label += f"  ·  stage {stages[0]}" if len(stages) == 1 else f"  ·  stages {stages[0]}–{stages[-1]}"
+        grad_comm = _param_collectives(layer, plan)
+        if grad_comm:
+            label += f"\n{grad_comm}"
         cid = _sid("cl-", layer.path)
         clusters[cid] = {"layer": layer.path, "block": block.name if reps > 1 else None, "label": label,
                          "expandable": bool(reps > 1),
@@ -382,6 +385,22 @@ def layout(graph: ModelGraph, plan: Plan | None = None, *, expanded: set[str] | 
     used = {i["split"] for i in info.values() if "split" in i}
     legend = [{"key": k, "label": lab, "color": c} for k, (lab, c) in SPLITS.items() if k in used or k != "activation"]
     return Layout("\n".join(lines), info, clusters, depth, max_depth, legend)
+
+
+def _param_collectives(layer, plan: Plan | None) -> str:
+    """The data-parallel collectives on a layer's parameters and gradients per step (cluster label): FSDP all-gather
+    + reduce-scatter (ZeRO 2/3), or gradient all-reduce (DDP, ZeRO 1)."""
+    if plan is None or plan.mesh.dp <= 1 or not layer.param_bytes:
+        return ""
+    try:
+        lp = plan.layer(layer.path)
+    except KeyError:
+        return ""
+    shard = layer.param_bytes / (plan.mesh.tp if lp.tp else 1)
+    if plan.mesh.zero_stage >= 2:
+        gathers = 2 if plan.mesh.zero_stage == 3 else 1
+        return f"dp: all-gather {gathers}x + reduce-scatter {human(shard).replace(' ', ' ')}B"
+    return f"dp: all-reduce grads {human(shard).replace(' ', ' ')}B"
 
 
 def _input_size(graph: ModelGraph, name: str, scale: float, act_dtype: str | None) -> str:

@@ -99,6 +99,15 @@ class PlannerWidget(anywidget.AnyWidget):
         if error:
             self._say("error", error)
 
+    def close(self) -> None:
+        """Close the widget and stop following the session (``ap.widget()`` then makes a new one)."""
+        observers = getattr(self.session, "_observers", [])
+        if self._on_session_change in observers:
+            observers.remove(self._on_session_change)
+        if getattr(self.session, "_widget", None) is self:
+            self.session._widget = None
+        super().close()
+
     # ---- session -> traits --------------------------------------------------------------------------------------
     def _on_session_change(self, session) -> None:
         self.refresh()
