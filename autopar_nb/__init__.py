@@ -18,7 +18,7 @@ __all__ = [
     "CaptureError", "Cluster", "Cost", "DeviceSpec", "Layer", "LayerPlan", "LinkSpec", "MemoryBreakdown", "MeshPlan",
     "ModelGraph", "OpNode", "Plan", "PlanError", "RepeatedBlock", "capture", "load_ipython_extension",
     "Exported", "ParallelModel", "VerifyReport", "apply_plan", "export", "verify", "verify_many",
-    "plan",
+    "PlannerWidget", "plan",
 ]
 
 
@@ -33,3 +33,13 @@ def load_ipython_extension(ipython):
 from .launch import Run, launch  # noqa: E402  (launch: issue 5)
 
 __all__ += ["Run", "launch"]
+
+
+def __getattr__(name):
+    # PlannerWidget (issue 6) is imported on first use, so `import autopar_nb` (worker processes, exported runs)
+    # never imports ipywidgets/anywidget; autopar_nb.plan is loaded by then, so this cannot shadow `plan`.
+    if name == "PlannerWidget":
+        from .widget import PlannerWidget
+
+        return PlannerWidget
+    raise AttributeError(f"module 'autopar_nb' has no attribute {name!r}")
