@@ -94,6 +94,10 @@ class PlannerWidget(anywidget.AnyWidget):
                 session.replan()
             except PlanError as e:
                 error = f"no plan fits the constraints: {e}. Change them (ap.replan(fix=..., overrides=...))."
+            except ImportError:
+                raise
+            except Exception as e:  # shown in the widget rather than lost in a display formatter's traceback
+                error = f"the planner failed: {type(e).__name__}: {e}"
         self._shown = session.plan
         self.refresh()
         if error:
