@@ -9,6 +9,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from .capture import CaptureError, capture
 from .cell import CellError, parse_fix, run_model_cell
 from .hardware import Cluster
+from .plan import PlanError
 from .session import MODES, Session
 
 DTYPES = {"auto": None, "fp32": "none", "bf16": "bf16", "fp16": "fp16"}
@@ -50,8 +51,9 @@ class AutoparallelMagics(Magics):
               help="training precision: fp32, bf16 or fp16 autocast; auto lets the planner choose (default). "
                    "Example: --dtype bf16")
     @argument("--mode", default="auto", choices=list(MODES),
-              help="auto: plan everything (default); semi: honour pinned layer choices made with ap.override(); "
-                   "manual: --fix gives the whole mesh, the planner only costs it. "
+              help="auto (default) or semi: the planner chooses everything not pinned by --fix or ap.override() "
+                   "(semi is the seed's name for planning around pinned layer choices; pins work in both); "
+                   "manual: --fix must give dp, tp and pp, the planner fills in per-layer choices and costs. "
                    "Example: --mode manual --fix dp=2,tp=4")
     @argument("--fix", default=None,
               help="pin global choices, comma-separated KEY=VALUE with KEY in dp, tp, pp, zero (zero_stage), "
@@ -106,9 +108,10 @@ class AutoparallelMagics(Magics):
             result = run_model_cell(cell, self.shell.user_ns, model_var=args.model, inputs_var=args.inputs,
                                     history=history, include_cells=args.include_cells)
             graph = capture(result.model, result.example_inputs, source=result.source.code)
-        except (CellError, CaptureError) as e:
+            session = Session(graph, cluster, result.source, global_batch=args.batch, mode=args.mode, fix=fix)
+            session.replan()
+        except (CellError, CaptureError, PlanError) as e:
             raise UsageError(f"%%autoparallel: {e}") from None
-        session = Session(graph, cluster, result.source, global_batch=args.batch, mode=args.mode, fix=fix)
         self.shell.user_ns.update(result.bound)
         self.shell.user_ns[args.name] = session
         return session

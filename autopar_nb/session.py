@@ -13,7 +13,7 @@ from typing import Any
 
 from .graph import ModelGraph, human
 from .hardware import Cluster
-from .plan import Plan
+from .plan import Plan, PlanError
 from .source import ModelSource
 
 MODES = ("auto", "semi", "manual")
@@ -59,6 +59,10 @@ class Session:
 
         fix = dict(self.fix if fix is None else fix)
         overrides = copy.deepcopy(self.overrides if overrides is None else overrides)
+        missing = [k for k in ("dp", "tp", "pp") if k not in fix]
+        if self.mode == "manual" and missing:
+            raise PlanError(f"manual mode needs the whole mesh pinned: add {', '.join(f'{k}=N' for k in missing)} "
+                            f"to --fix (dp * tp * pp = {self.cluster.world_size} GPUs), or use --mode auto")
         new = make_plan(self.graph, self.cluster, global_batch=self.batch, seq_len=self.graph.seq_len, fix=fix,
                         overrides=overrides, top_k=top_k)
         self._undo.append(self._state())
@@ -102,6 +106,67 @@ class Session:
         self.fix, self.overrides, self.plan = self._redo.pop()
         self._notify()
         return self.plan
+
+    # ---- running the plan ---------------------------------------------------------------------------------------
+    def current_plan(self) -> Plan:
+        """The session's plan, planning first if there is none yet."""
+        return self.plan if self.plan is not None else self.replan()
+
+    def plan_for(self, nproc: int | None) -> Plan:
+        """The current plan at ``nproc`` processes: the same TP/PP layout with fewer (or more) data-parallel
+        replicas, so a plan made for 64 GPUs can be checked on 2 local processes. Raises PlanError when ``nproc``
+        cannot hold one copy of the model-parallel layout."""
+        plan = self.current_plan()
+        m = plan.mesh
+        if nproc is None or nproc == m.world_size:
+            return plan
+        model_parallel = m.tp * m.pp
+        if nproc % model_parallel:
+            raise PlanError(f"the plan needs multiples of tp({m.tp}) * pp({m.pp}) = {model_parallel} processes; "
+                            f"nproc={nproc} is not one. Pass nproc={model_parallel} (or re-plan with --gpus {nproc})")
+        dp = nproc // model_parallel
+        per_replica = plan.batch.global_batch // m.dp
+        scaled = Plan.from_dict(plan.to_dict())
+        scaled.mesh.dp = dp
+        scaled.batch.global_batch = per_replica * dp
+        scaled.cluster = {**scaled.cluster, "nodes": 1, "gpus_per_node": nproc}
+        scaled.alternatives, scaled.cost = [], None
+        scaled.explanation = [f"{plan.summary()} scaled to {nproc} processes: dp {m.dp} -> {dp}, "
+                              f"global batch {plan.batch.global_batch} -> {scaled.batch.global_batch}"]
+        return scaled
+
+    def verify(self, steps: int = 5, nproc: int | None = None, **kwargs: Any):
+        """Run the plan for real on ``nproc`` local processes (gloo on CPU, NCCL on GPUs) and a single-process
+        reference with the same seed and data; returns a VerifyReport with, per step, the loss difference and the
+        max gradient/parameter difference (seed §5.3: did parallelism change my model?).
+
+        ``nproc`` defaults to the plan's world size; a smaller count keeps the TP/PP layout and fewer data-parallel
+        replicas (see plan_for). The model is built for real in every process: use a small config of your model.
+        """
+        from .verify import verify
+
+        return verify(self.source, self.plan_for(nproc), steps=steps, nproc=nproc, **kwargs)
+
+    def export(self, path: str = "train.py", *, nproc: int | None = None, **kwargs: Any):
+        """Write the plan as a standalone torchrun script at ``path`` (plus the plan JSON beside it) and print the
+        torchrun commands for one node and several. The script needs torch only, not autopar_nb."""
+        from .export import export
+
+        return export(self.source, self.plan_for(nproc), path, **kwargs)
+
+    def launch(self, nproc: int | None = None, steps: int = 50, **script_flags: Any):
+        """Export the plan to a run directory and run that script on ``nproc`` local processes with torch's elastic
+        launcher. Returns a Run at once (the kernel stays free): ``run.wait()``, ``run.stop()``, ``run.metrics``,
+        ``run.logs(rank)``; displayed, it is a live dashboard. ``script_flags`` go to the script
+        (``ckpt_dir="ckpt", ckpt_every=10`` -> ``--ckpt-dir ckpt --ckpt-every 10``)."""
+        from .export import export
+        from .launch import launch
+
+        plan = self.plan_for(nproc)
+        run_flags = {k: script_flags.pop(k) for k in ("max_restarts", "hang_timeout_s", "run_dir", "backend",
+                                                      "monitor", "env") if k in script_flags}
+        return launch(lambda path: export(self.source, plan, path, quiet=True), plan.mesh.world_size, steps,
+                      plan=plan, **run_flags, **script_flags)
 
     # ---- widget (autopar_nb.widget) -------------------------------------------------------------------------------
     def _notify(self) -> None:

@@ -62,7 +62,7 @@ def factors_for(cluster) -> Factors:
 
     The ``cpu`` preset has no allocator workspace to speak of, so its fixed margin is 0.
     """
-    base = DEFAULT if cluster.preset != "cpu" else dataclasses.replace(DEFAULT, margin_fixed_bytes=0.0)
+    base = DEFAULT if cluster.name != "cpu" else dataclasses.replace(DEFAULT, margin_fixed_bytes=0.0)
     calib = dict(getattr(cluster, "calibration", None) or {})
     if not calib:
         return base

@@ -62,7 +62,7 @@ def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None
     """
     if top_k < 1:
         raise PlanError(f"top_k must be >= 1, got {top_k}")
-    device_kind = "cpu" if cluster.preset == "cpu" else "cuda"
+    device_kind = "cpu" if cluster.name == "cpu" else "cuda"
     prof = profile_of(graph, device_kind)
     global_batch = int(global_batch or graph.batch_size)
     if global_batch < 1:
@@ -148,6 +148,6 @@ def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch
                                         " ".join(lay.modules.values()) for lay in graph.layers),
         loss_parallel=bool(s.tp > 1 and prof.loss_parallel and head_tp),
         model={"name": graph.model_type, "num_params": graph.num_params},
-        cluster={"preset": cluster.preset, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
+        cluster={"preset": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
         cost=c.cost,
     )
