@@ -441,7 +441,10 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
     nodes = int(cmds[1].split("--nnodes ")[1].split()[0])
     cmds[1] = cmds[1].replace(" --rdzv-id", " \\\n        --rdzv-id")  # a shell line continuation
     return Template(TEMPLATE.read_text()).substitute(
-        model_name=type(model).__name__, summary=plan.summary(), plan_file=plan_file, nproc=world,
+        model_name=type(model).__name__, summary=plan.summary(), nproc=world,
+        intro=textwrap.fill(f"Exported by autopar-nb from a notebook cell. The cell is kept verbatim below; the plan "
+                            f"({plan_file} beside this file) is applied with plain torch.distributed calls; nothing "
+                            "but torch (and the cell's own imports) is needed.", width=116),
         cmd_one=cmds[0], cmd_multi=cmds[1], nnodes=nodes,
         per_node=f"{max(1, world // nodes)} process{'es' if world // nodes > 1 else ''}",
         imports="\n".join(imports), settings=settings, cell=cell, helpers=helpers, steps=steps, train=train)

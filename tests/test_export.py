@@ -1,0 +1,229 @@
+"""export(): the script runs under torchrun on CPU (gloo), its losses equal verify()'s, a resumed run equals an
+uninterrupted one, it streams the metrics protocol, and it passes ruff."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from runtime_cases import make_plan
+
+from autopar_nb.export import export, render_script
+from autopar_nb.source import ModelSource
+from autopar_nb.verify import verify_many
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# a self-contained cell, as a user would write it: no loss_fn/make_batch, so the script makes synthetic data
+CELL = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=96, d=32, n_layer=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n_layer))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+model = TinyLM()
+example_inputs = (torch.randint(0, 96, (4, 16)),)
+'''
+
+FAILING = CELL + '''
+
+def make_batch(step, rank):
+    if step == 1:
+        raise RuntimeError(f"no data for step {step}")
+    return (torch.randint(0, 96, (4, 16)),)
+
+
+def loss_fn(model, batch):
+    logits = model(batch[0])
+    return F.cross_entropy(logits.flatten(0, 1), batch[0].flatten())
+'''
+
+SRC = ModelSource(CELL)
+TP = {"embed": "rowwise", "blocks.0.up": "colwise", "blocks.0.down": "rowwise", "blocks.1.up": "colwise",
+      "blocks.1.down": "rowwise", "head": "colwise"}
+PLANS = {
+    "fsdp_recompute": make_plan(SRC, dp=2, zero=3, recompute={"blocks.0": "full", "blocks.1": "selective"}),
+    "tp_loss_parallel": make_plan(SRC, tp=2, tp_styles=TP, loss_parallel=True),
+    "pp_1f1b": make_plan(SRC, pp=2, schedule="1f1b", micro_batches=2, stages={"blocks.1": 1}),
+}
+
+
+class MetricsServer:
+    """The launcher's end of the metrics protocol: one JSON line per record, per connection."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections: list[list[dict]] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            conn, _ = self.sock.accept()
+            records: list[dict] = []
+            self.connections.append(records)
+            threading.Thread(target=self._read, args=(conn, records), daemon=True).start()
+
+    @staticmethod
+    def _read(conn, records):
+        with conn, conn.makefile() as lines:
+            for line in lines:
+                records.append(json.loads(line))
+
+    def reset(self):
+        self.connections = []
+
+
+@pytest.fixture(scope="module")
+def server():
+    return MetricsServer()
+
+
+def torchrun(script: Path, *args: str, server: MetricsServer | None = None, check: bool = True):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    if server is not None:
+        server.reset()
+        env |= {"AUTOPAR_METRICS": server.address, "AUTOPAR_TOKEN": "t0k"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                           str(script), *args], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=script.parent)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def losses_of(server: MetricsServer) -> list[float]:
+    """Rank 0's per-step losses (every rank reports the same global loss)."""
+    (rank0,) = [c for c in server.connections if c and c[0] == {"token": "t0k", "rank": 0}]
+    return [r["loss"] for r in rank0 if "step" in r]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    out = tmp_path_factory.mktemp("export")
+    scripts = {name: export(SRC, plan, out / f"train_{name}.py", steps=4, quiet=True).script
+               for name, plan in PLANS.items()}
+    return scripts
+
+
+@pytest.fixture(scope="module")
+def verified():
+    return dict(zip(PLANS, verify_many([(SRC, p) for p in PLANS.values()], steps=4), strict=True))
+
+
+def test_script_is_plain_torch_and_passes_ruff(exported):
+    for name, script in exported.items():
+        text = script.read_text()
+        assert "autopar_nb" not in text, name
+        assert "torchrun --nproc-per-node 2" in text and "--rdzv-endpoint" in text and "--nnodes 2" in text
+        assert text.count(CELL.strip().splitlines()[-1]) == 1  # the cell is embedded verbatim
+        proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--config", str(ROOT / "pyproject.toml"),
+                               str(script)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout
+    assert "parallelize_module" in exported["tp_loss_parallel"].read_text()
+    assert "loss_parallel()" in exported["tp_loss_parallel"].read_text()
+    fsdp = exported["fsdp_recompute"].read_text()
+    assert "fully_shard" in fsdp and "checkpoint_wrapper" in fsdp and "parallelize_module" not in fsdp
+    assert "Schedule1F1B" in exported["pp_1f1b"].read_text()
+
+
+def test_plan_json_round_trips(exported):
+    from autopar_nb.plan import Plan
+
+    for name, script in exported.items():
+        plan = Plan.from_json(script.with_name(script.stem + ".plan.json").read_text())
+        assert plan == PLANS[name]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(PLANS))
+def test_losses_equal_verify(exported, verified, server, name):
+    assert verified[name].ok, str(verified[name])
+    proc = torchrun(exported[name], server=server)
+    losses = losses_of(server)
+    assert len(losses) == 4
+    assert losses == pytest.approx(verified[name].losses, rel=1e-6, abs=0)
+    assert "step 3 | loss " in proc.stdout
+    # the metrics protocol: a hello line, one record per step, then done, from every rank
+    assert sorted(c[0]["rank"] for c in server.connections) == [0, 1]
+    for records in server.connections:
+        steps = [r for r in records if "step" in r]
+        assert [r["step"] for r in steps] == [0, 1, 2, 3]
+        assert all(r["step_time_s"] > 0 and r["tokens_per_s"] > 0 and r["rss"] > 0 for r in steps)
+        assert "mem_allocated" not in steps[0]  # CUDA only
+        assert records[-1] == {"event": "done"}
+
+
+@pytest.mark.multiprocess
+def test_resume_from_checkpoint_equals_uninterrupted(exported, server, tmp_path):
+    script = exported["fsdp_recompute"]
+    torchrun(script, server=server)
+    uninterrupted = losses_of(server)
+    ckpt = tmp_path / "ckpt"
+    torchrun(script, "--steps", "2", "--ckpt-dir", str(ckpt), "--ckpt-every", "2", server=server)
+    first = losses_of(server)
+    proc = torchrun(script, "--steps", "4", "--ckpt-dir", str(ckpt), "--ckpt-every", "2", server=server)
+    second = losses_of(server)
+    assert "resumed from" in proc.stdout and (ckpt / "step_4").is_dir()
+    assert first + second == pytest.approx(uninterrupted, rel=1e-6, abs=0)
+
+
+@pytest.mark.multiprocess
+def test_dry_run_prints_per_rank_parameter_counts(exported):
+    proc = torchrun(exported["fsdp_recompute"], "--dry-run")
+    counts = [int(line.split(": ")[1].split()[0].replace(",", "")) for line in proc.stdout.splitlines()
+              if line.startswith("rank ")]
+    model, _, _ = SRC.build(device="meta")
+    full = sum(p.numel() for p in model.parameters())
+    assert len(counts) == 2 and sum(counts) == full and max(counts) < full  # sharded, nothing lost
+    assert "step 0" not in proc.stdout
+
+
+@pytest.mark.multiprocess
+def test_error_is_streamed_then_raised(tmp_path, server):
+    src = ModelSource(FAILING, loss_fn_var="loss_fn", make_batch_var="make_batch")
+    script = export(src, make_plan(src, dp=2), tmp_path / "train_fail.py", steps=3, quiet=True).script
+    proc = torchrun(script, server=server, check=False)
+    assert proc.returncode != 0
+    errors = [r for c in server.connections for r in c if r.get("event") == "error"]
+    assert errors and errors[0]["error"] == "RuntimeError: no data for step 1"
+    assert "make_batch" in errors[0]["traceback"]
+    assert "no data for step 1" in proc.stderr  # @record: the rank's traceback reaches the launcher's output
+
+
+def test_render_rejects_unsupported_combinations():
+    plan = make_plan(SRC, dp=2, tp=1, zero=0)
+    plan.mesh.tp, plan.mesh.dp = 2, 2
+    with pytest.raises(NotImplementedError, match="zero_stage to 2 or 3"):
+        render_script(SRC, plan)

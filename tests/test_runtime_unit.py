@@ -1,0 +1,129 @@
+"""Runtime pieces that need no process group: TP style rules, pipeline placement, batches, recompute, meta init."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from runtime_cases import GPT_CELL, LLAMA_CELL, gpt_mlp_tp, llama_tp, make_plan, source
+
+from autopar_nb.runtime.ac import apply_ac
+from autopar_nb.runtime.data import concat_batches, model_call, split_batch
+from autopar_nb.runtime.init import canonical_name, materialize
+from autopar_nb.runtime.pp import stage_boundaries, stage_ids
+from autopar_nb.runtime.tp import build_style, tp_styles
+
+
+def test_tp_styles_gpt_mlp_and_head():
+    model, _, _ = source(GPT_CELL).build(device="meta")
+    styles = tp_styles(model, gpt_mlp_tp() | {"lm_head": "colwise", "wte": "rowwise"})
+    assert styles["h.0.mlp.c_fc"] == "ColwiseParallel(input_layouts=Replicate())"
+    assert styles["h.0.mlp.c_proj"] == "RowwiseParallel()"
+    # no rowwise Linear beside lm_head: it is an output head, its logits are gathered
+    assert styles["lm_head"] == "ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())"
+    assert styles["wte"] == "RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())"
+    assert list(styles)[0] == "wte"  # model order
+
+
+def test_tp_styles_sequence_parallel_llama():
+    src = source(LLAMA_CELL)
+    model, _, _ = src.build(device="meta")
+    plan = make_plan(src, tp=2, tp_styles=llama_tp(sp=True), sp=True, loss_parallel=True)
+    styles = tp_styles(model, plan.tp_plan, sp_layers=[lp.path for lp in plan.layers], loss_parallel=True)
+    assert styles["tok_embeddings"].endswith("output_layouts=Shard(1))")
+    assert styles["layers.0.attention_norm"] == "SequenceParallel()"
+    # the block holding the colwise Linears gathers the sequence once; the Linears themselves take replicated input
+    assert styles["layers.0.attention"].startswith("PrepareModuleInput(input_layouts=(Shard(1),)")
+    assert styles["layers.0.attention.wq"] == "ColwiseParallel()"
+    assert styles["layers.0.attention.wo"] == "RowwiseParallel(output_layouts=Shard(1))"
+    assert styles["layers.1.feed_forward.w3"] == "ColwiseParallel()"  # registered after w2, still not a head
+    assert styles["output"] == ("ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), "
+                                "use_local_output=False)")
+    for text in styles.values():
+        build_style(text)  # every text is a valid constructor
+
+
+def test_tp_styles_errors_say_what_to_do():
+    model = nn.Sequential(nn.EmbeddingBag(10, 4), nn.Conv1d(4, 4, 1))
+    with pytest.raises(NotImplementedError, match="EmbeddingBag"):
+        tp_styles(model, {"0": "rowwise"})
+    with pytest.raises(NotImplementedError, match="sequence_parallel"):
+        tp_styles(model, {"1": "colwise"})
+    with pytest.raises(ValueError, match="does not have"):
+        tp_styles(model, {"2": "colwise"})
+
+
+def test_pipeline_placement():
+    assert stage_ids(1, 2, 2, "1f1b") == [1]
+    assert stage_ids(1, 2, 4, "interleaved_1f1b") == [1, 3]
+    assert stage_ids(0, 2, 4, "zbv_zero_bubble") == [0, 3]
+    assert stage_boundaries([["wte", "h.0"], ["h.1", "lm_head"]]) == ["h.1"]
+    with pytest.raises(ValueError, match="stage 1 has no layers"):
+        stage_boundaries([["a"], []])
+
+
+def test_split_batch_and_model_call():
+    batch = (torch.arange(8).view(4, 2), {"y": torch.arange(4)})
+    parts = split_batch(batch, 2)
+    assert parts[1][0].tolist() == [[4, 5], [6, 7]] and parts[1][1]["y"].tolist() == [2, 3]
+    assert torch.equal(concat_batches(parts)[0], batch[0])
+
+    def loss_fn(model, b):
+        x, extra = b
+        return model(x * 2, scale=extra["y"]).sum()
+
+    args, kwargs = model_call(loss_fn, batch)
+    assert torch.equal(args[0], batch[0] * 2) and set(kwargs) == {"scale"}
+
+
+def test_recompute_wrappers_keep_gradients():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Sequential(nn.Linear(16, 16), nn.ReLU()), nn.Linear(16, 4))
+    wrapped = copy.deepcopy(ref)
+    apply_ac(wrapped, recompute={"0": "full", "2": "selective"})
+    assert type(wrapped[0]).__name__ == "CheckpointWrapper" and type(wrapped[2]).__name__ == "CheckpointWrapper"
+    x = torch.randn(5, 8)
+    ref(x).pow(2).sum().backward()
+    wrapped(x).pow(2).sum().backward()
+    for (n, a), (_, b) in zip(ref.named_parameters(), wrapped.named_parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, atol=1e-7), n
+    with pytest.raises(ValueError, match="choose"):
+        apply_ac(wrapped, recompute={"1": "most"})
+
+
+class NormNoReset(nn.Module):
+    """Like Hugging Face's LlamaRMSNorm: parameters set in __init__, no reset_parameters()."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+@pytest.mark.parametrize("cell", [GPT_CELL, LLAMA_CELL])
+def test_meta_init_equals_real_init(cell):
+    src = source(cell)
+    real, _, _ = src.build(seed=3)
+    meta, _, _ = src.build(device="meta", seed=3)
+    part = copy.deepcopy(meta)
+    materialize([part], meta, device="cpu", seed=3)
+    for (n, a), (m, b) in zip(real.state_dict().items(), part.state_dict().items(), strict=True):
+        assert n == canonical_name(m) and torch.equal(a, b), n
+
+
+def test_meta_init_module_without_reset_parameters():
+    def build():
+        return nn.Sequential(nn.Linear(4, 4), NormNoReset(4), nn.Linear(4, 2))
+
+    torch.manual_seed(1)
+    real = build()
+    with torch.device("meta"):
+        meta = build()
+    part = copy.deepcopy(meta)
+    materialize([part], meta, device="cpu", seed=1)
+    for a, b in zip(real.parameters(), part.parameters(), strict=True):
+        assert torch.equal(a, b)
