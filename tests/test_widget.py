@@ -279,3 +279,19 @@ def test_layout_without_plan_and_unknown_layers(seed_graph):
     assert lay.nodes["op-linear"]["split"] == "replicated" and lay.nodes["op-relu"]["split"] == "activation"
     with pytest.raises(PlanError):
         _session(seed_graph).replan(fix={"tp": 3})
+
+
+def test_export_button_writes_the_script(ip, tmp_path, monkeypatch):
+    if not callable(getattr(Session, "export", None)):
+        pytest.skip("Session.export is not wired yet")
+    monkeypatch.chdir(tmp_path)
+    s = ip.run_cell_magic("autoparallel", "--gpus 2 --gpu h100-80gb --batch 32",
+                          "import torch, torch.nn as nn\n"
+                          "model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))\n"
+                          "example_inputs = (torch.randn(32, 64),)\n")
+    w = s.widget()
+    assert "export" in w.actions
+    w.handle({"kind": "action", "name": "export"})
+    msg = w.messages[0]
+    assert msg["level"] == "info" and "train.py" in msg["text"] and "torchrun --nproc-per-node 2" in msg["detail"]
+    assert (tmp_path / "train.py").exists() and w.last_result is not None

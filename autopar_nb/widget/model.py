@@ -8,6 +8,7 @@ after every replan/undo/redo, so calls made in code (``ap.override(...)`` in ano
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 import time
 from pathlib import Path
@@ -316,8 +317,13 @@ class PlannerWidget(anywidget.AnyWidget):
         name = msg["name"]
         if name not in self.actions:
             raise ValueError(f"{name!r} is not available on this session")
+        fn = getattr(self.session, name)
+        kwargs = {}
+        takes_nproc = "nproc" in inspect.signature(fn).parameters
+        if name in ("verify", "launch") and self.session.plan is not None and takes_nproc:
+            kwargs["nproc"] = local_nproc(self.session.plan)
         try:
-            result = getattr(self.session, name)()
+            result = fn(**kwargs)
         except Exception as e:  # shown inline: an action failing must not break the widget
             self._say("error", f"ap.{name}() failed: {type(e).__name__}: {e}")
             return None
@@ -353,6 +359,18 @@ _HANDLERS = {
 }
 
 
+def local_nproc(plan: Plan) -> int:
+    """Processes for the Verify/Launch buttons on this machine: the plan's world size when this machine has that many
+    GPUs, else one model-parallel replica (tp * pp), times the data-parallel replicas that fit (2 on CPU)."""
+    import torch
+
+    avail = torch.cuda.device_count() if torch.cuda.is_available() else 2
+    world, mp = plan.mesh.world_size, plan.mesh.tp * plan.mesh.pp
+    if world <= avail:
+        return world
+    return mp * max(1, min(plan.mesh.dp, avail // mp))
+
+
 def _action_text(name: str, result: Any) -> tuple[str, str]:
     """(message, detail) for the result of ``ap.<name>()``: the exported script's path and torchrun commands, the
     verify report, or the run."""
@@ -364,8 +382,8 @@ def _action_text(name: str, result: Any) -> tuple[str, str]:
     if name == "launch":
         return ("Launched; the run is widget.last_result: display it in a cell for its live dashboard "
                 "(stop it with .stop())", repr(result))
-    text = str(result)
-    return (f"ap.{name}() done", text) if "\n" in text else (f"ap.{name}() -> {text}", "")
+    first, _, rest = str(result).partition("\n")
+    return f"ap.{name}(): {first}", rest
 
 
 def _call(method: str, layer: str, choices: dict[str, Any]) -> str:
