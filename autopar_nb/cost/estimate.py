@@ -66,6 +66,10 @@ class LayerTerms:
     """forward + backward FLOPs of one micro-batch (global, not per rank: model FLOPs)"""
     fwd_flops: float = 0.0
     quad_flops: float = 0.0
+    largest_param: float = 0.0
+    """numel of the layer's largest local parameter"""
+    embedding_params: float = 0.0
+    """full numel of vocab-parallel Embedding weights (TP on)"""
 
 
 class Evaluator:
@@ -101,11 +105,12 @@ class Evaluator:
                 for k in kinds:
                     comm[k] = comm.get(k, 0.0) + collective_time(k, nbytes, tp, link, self.f.eff_link)
         out = (lp.output_half if half else lp.output_bytes) * scale / (tp if sp else 1)
-        work = 2 * lp.largest_out * scale * (0.5 if half else 1.0) / (tp if tp > 1 else 1)
+        work = lp.largest_out * scale * (0.5 if half else 1.0) / (tp if tp > 1 else 1)
         fwd_fl = (sum(lp.flops_split.values()) + sum(lp.flops_rep.values())) * scale
         bwd_fl = (sum(lp.bwd_split.values()) + sum(lp.bwd_rep.values())) * scale
         t = LayerTerms(fwd, bwd, sel, act, lp.params_split / tp + lp.params_rep, comm, out, work,
-                       fwd_fl + bwd_fl, fwd_fl, lp.quad_flops * qscale)
+                       fwd_fl + bwd_fl, fwd_fl, lp.quad_flops * qscale, lp.largest_param / (tp if lp.tp else 1),
+                       lp.embedding_params if tp > 1 else 0.0)
         self._cache[key] = t
         return t
 
@@ -136,7 +141,11 @@ class Evaluator:
         acts = [0.0] * pp
         params = [0.0] * pp
         work = [0.0] * pp
-        unit_max = [0.0] * pp
+        unit_top = [(0.0, 0.0) for _ in range(pp)]
+        block_unit = [0.0] * pp
+        largest = [0.0] * pp
+        emb_params = [0.0] * pp
+        head_tp = False
         nofsdp = [0.0] * pp
         p2p = [0.0] * pp
         tp_kind = [{} for _ in range(pp)]
@@ -160,8 +169,17 @@ class Evaluator:
             if wb > work[r]:
                 work[r] = wb
             params[r] += cnt * lt.params_local
-            if lt.params_local > unit_max[r]:
-                unit_max[r] = lt.params_local
+            if cnt > 1 or prof.rep[i] != i:
+                block_unit[r] = max(block_unit[r], lt.params_local)
+            largest[r] = max(largest[r], lt.largest_param)
+            emb_params[r] += cnt * lt.embedding_params
+            u1, u2 = unit_top[r]
+            if lt.params_local > u1:
+                unit_top[r] = (lt.params_local, max(u1, u2) if cnt == 1 else lt.params_local)
+            elif lt.params_local > u2:
+                unit_top[r] = (u1, lt.params_local)
+            if ch.tp and t > 1 and prof.layers[i].vocab and not prof.layers[i].norms and i == len(choices) - cnt:
+                head_tp = True
             if not ch.fsdp:
                 nofsdp[r] += cnt * lt.params_local
             if k + 1 < len(runs) and runs[k + 1][2].stage != ch.stage:
@@ -219,29 +237,62 @@ class Evaluator:
         tp_exposed = m * tpc[bottleneck]
         step = compute + tp_exposed + bubble + p2p_exposed + dp_exposed + opt_t
 
-        # memory per pipeline rank
+        # memory per pipeline rank, at its peak. Two candidate moments: the start of backward (every saved activation
+        # alive, the loss's gradients, FSDP's gathered units; gradients exist only if micro-batches accumulate them,
+        # since zero_grad(set_to_none=True) frees them each step) and the optimizer step (all gradients, plus a
+        # foreach temporary of their size).
         sb = state_bytes(s.optimizer)
         mem: list[MemoryBreakdown] = []
+        accumulating = m > 1 or s.pp > 1
+        cuda = prof.device_kind == "cuda"
         for r in range(s.pp):
             pb, gb, ob = model_states(params[r], dp=s.dp, zero_stage=s.zero_stage, states=sb)
-            buffers = 0.0
+            held = 0.0  # buffers alive the whole forward/backward
+            gather = 0.0  # FSDP: the unit being computed (params + its unsharded grads) and the prefetched next one
             if s.zero_stage == 2:
                 pb = params[r] * sb.param / s.dp
-                buffers += params[r] * p_item  # reshard_after_forward=False keeps unsharded params fwd -> bwd
+                held += params[r] * p_item  # reshard_after_forward=False keeps unsharded params fwd -> bwd
             elif s.zero_stage == 3:
-                buffers += 2 * unit_max[r] * p_item + unit_max[r] * g_item + nofsdp[r] * p_item
+                u1, _ = unit_top[r]
+                gather = u1 * (p_item + g_item) + block_unit[r] * p_item
+                held += nofsdp[r] * p_item
             elif half:
-                buffers += params[r] * 2  # autocast caches 16-bit copies of the weights for the step
+                held += params[r] * 2  # autocast caches 16-bit copies of the weights for the step
             flight = in_flight(s.schedule, pp=s.pp, stage=r, micro_batches=m, virtual_stages=s.virtual_stages)
             act = flight * acts[r]
-            if r == s.pp - 1:
-                # the loss: log-softmax output (fp32) saved, then its gradient and the logits' gradient
-                lp_div = s.tp if prof.loss_parallel else 1
-                act += prof.output_numel * (s.mb_samples / prof.batch) * 4 / lp_div
-                buffers += prof.output_numel * (s.mb_samples / prof.batch) * (4 + p_item) / lp_div
-            buffers += work[r] + (2 * p2p[r] if s.pp > 1 else 0.0)
-            sub = pb + gb + ob + act + buffers
-            mem.append(MemoryBreakdown(pb, gb, ob, act, buffers, with_margin(sub, f)))
+            p2p_buf = 2 * p2p[r] if s.pp > 1 else 0.0
+            grads_bwd = gb if accumulating else 0.0
+            # moment 1: a layer's backward (its working set and FSDP's gathered units)
+            temp = work[r] + gather
+            act_at, temp_at = act, temp
+            if r == s.pp - 1 and prof.output_numel:
+                # moment 2 (last rank): the loss's backward: log-softmax output (fp32) saved, its gradient and
+                # the logits' gradient alive; FSDP units are resharded then
+                lp_div = s.tp if (prof.loss_parallel and s.tp > 1 and head_tp) else 1
+                out_numel = prof.output_numel * (s.mb_samples / prof.batch) * self.seq_ratio
+                loss_saved = out_numel * 4 / lp_div
+                # gradients of the log-softmax and of the logits; torch's loss_parallel backward still holds
+                # temporaries of the full (unsharded) logits' size (measured with MemTracker, torch 2.13: the same
+                # bytes at tp=2 and tp=4)
+                loss_temp = out_numel * (4 + p_item)
+                if act + loss_saved + loss_temp >= act + temp:
+                    act_at, temp_at = act + loss_saved, loss_temp
+            at_backward = pb + ob + grads_bwd + act_at + held + temp_at + p2p_buf
+            # moment 3: the optimizer step: every gradient, foreach temporaries (CUDA: a list the size of the
+            # gradients; CPU: one parameter at a time), and, without sequence parallel, DTensor's vocab-parallel
+            # Embedding whose weight gradient comes out replicated (full size) with full-size temporaries in Adam
+            # (measured with MemTracker, torch 2.13: 3 x full + 1 x shard)
+            step_temp = gb if cuda else largest[r] * g_item
+            emb = emb_params[r]
+            if emb and s.tp > 1 and not s.sp:
+                step_temp += emb * g_item * (1 - 1 / s.tp) + emb * g_item * (3 + 1 / s.tp)
+            at_step = pb + ob + gb + step_temp + held * (s.zero_stage != 2 and not half)
+            if at_backward >= at_step:
+                mbd = MemoryBreakdown(pb, grads_bwd, ob, act_at, held + temp_at + p2p_buf)
+            else:
+                mbd = MemoryBreakdown(pb, gb, ob, 0.0, at_step - pb - gb - ob)
+            mbd.margin = with_margin(max(at_backward, at_step), f)
+            mem.append(mbd)
         peak = max(x.total for x in mem)
 
         world = s.dp * s.tp * s.pp
@@ -261,3 +312,27 @@ class Evaluator:
             samples_per_s=samples / step,
         )
         return cost
+
+
+def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:
+    """The (Setting, per-layer choices) a :class:`~autopar_nb.plan.Plan` stands for."""
+    m = plan.mesh
+    mb = plan.batch.global_batch / (m.dp * plan.batch.micro_batches)
+    tp_on = [any(st in ("colwise", "rowwise") for st in lp.tp.values()) for lp in plan.layers]
+    sp = any(lp.sequence_parallel for lp in plan.layers)
+    s = Setting(m.dp, m.tp, m.pp, m.zero_stage, plan.precision.amp, plan.batch.micro_batches, mb,
+                plan.pipeline.schedule, plan.pipeline.virtual_stages, sp, plan.optimizer.name)
+    choices = [LayerChoice(lp.stage, on, lp.recompute, lp.fsdp) for lp, on in zip(plan.layers, tp_on, strict=True)]
+    return s, choices
+
+
+def estimate(graph, cluster, plan, *, factors: Factors | None = None) -> Cost:
+    """Cost of an existing plan (e.g. one a user edited) on ``cluster``: the planner's own model, no search."""
+    from .profile import profile
+
+    prof = profile(graph, device_kind="cpu" if cluster.name == "cpu" else "cuda")
+    if [lp.path for lp in plan.layers] != [lay.path for lay in graph.layers]:
+        raise ValueError("the plan's layers do not match the graph's; re-plan for this model")
+    seq_ratio = plan.batch.seq_len / graph.seq_len if plan.batch.seq_len and graph.seq_len else 1.0
+    s, choices = setting_of(plan)
+    return Evaluator(prof, cluster, factors=factors, seq_ratio=seq_ratio).evaluate(s, choices)

@@ -114,7 +114,7 @@ class LayerProfile:
     output_bytes: float = 0.0
     output_half: float = 0.0
     largest_out: float = 0.0
-    """bytes of the largest single op output (backward working set)"""
+    """bytes of the largest (output + activation inputs) of one op: the gradients its backward holds at once"""
     comms: list[Comm] = field(default_factory=list)
     tp: dict[str, str] = field(default_factory=dict)
     """module path -> style when TP is on"""
@@ -126,6 +126,10 @@ class LayerProfile:
     vocab: set[int] = field(default_factory=set)
     """embedding/head vocabulary sizes (uneven sharding allowed)"""
     regions: set[int] = field(default_factory=set)
+    embedding_params: int = 0
+    largest_param: int = 0
+    """numel of the largest trainable parameter"""
+    """parameters of vocab-parallel (rowwise) Embeddings in this layer"""
 
 
 @dataclass
@@ -259,7 +263,10 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
             if is_quad(n.name):
                 lp.quad_flops += n.flops
         if n.out_shapes and n.op_class != "view":
-            lp.largest_out = max(lp.largest_out, out_numel[n.name] * out_item[n.name])
+            # backward of this op holds the gradient of its output and of its activation inputs at once
+            step = out_numel[n.name] * out_item[n.name] + sum(
+                in_info(i)[0] * in_info(i)[1] for i in n.inputs if in_info(i)[2])
+            lp.largest_out = max(lp.largest_out, step)
 
         # --- what autograd saves ---
         acts = [i for i in n.inputs]
@@ -366,6 +373,8 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
                     continue
                 split_params.add(pname)
             w = params.get(n.params[0]) if n.params else None
+            if w is not None and packet(n.op) == "embedding" and st == "rowwise" and w.trainable:
+                lp.embedding_params += w.numel
             if w is not None and len(w.shape) == 2:
                 if packet(n.op) == "embedding" or n.name == loss_parallel:
                     lp.vocab.add(w.shape[0])
@@ -391,6 +400,7 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
         if lp is None:
             continue
         lp.param_itemsize = pi.itemsize
+        lp.largest_param = max(lp.largest_param, pi.numel)
         if pname in split_params:
             lp.params_split += pi.numel
         else:
