@@ -197,18 +197,17 @@ def test_quickstart_widget_in_jupyterlab(lab, tmp_path):
             page.screenshot(path=str(IMG / "jupyterlab.png"), full_page=False)
 
             # 4. from the kernel: a cell that writes both sessions' state
-            code = f"STATE_PATH = {str(state_path)!r}\n" + STATE_CELL
-            page.evaluate("""async (code) => {
-                const panel = jupyterapp.shell.currentWidget, nb = panel.content, model = nb.model;
-                model.sharedModel.insertCell(model.cells.length, {cell_type: 'code', source: code});
-                nb.activeCellIndex = model.cells.length - 1;
-                await jupyterapp.commands.execute('notebook:run-cell');
-            }""", code)
-            deadline = time.time() + 30
-            while not state_path.exists() and time.time() < deadline:
-                time.sleep(0.2)
-            assert state_path.exists(), "the state cell did not run"
-            state = json.loads(state_path.read_text())
+            state = _kernel_state(page, state_path)
+
+            # 5. drag the boundary in front of the last stage onto h.2, then undo it from the button
+            last = gpt.locator(".ap-lane").count() - 1
+            gpt.locator(f'.ap-lane[data-stage="{last}"] .ap-boundary').drag_to(
+                gpt.locator('.ap-chip[data-layer="h.2"]'))
+            expect(gpt.locator(".ap-msg").first).to_contain_text(f"stage {last} starts at h.2", timeout=30_000)
+            moved = _kernel_state(page, tmp_path / "state2.json")
+            gpt.locator("button.ap-undo").click()
+            expect(gpt.locator(".ap-msg").first).to_contain_text("ap.undo()", timeout=30_000)
+            undone = _kernel_state(page, tmp_path / "state3.json")
         finally:
             ctx.close()
 
@@ -218,4 +217,23 @@ def test_quickstart_widget_in_jupyterlab(lab, tmp_path):
     assert state["selection"] == "2", state
     assert state["gpt_stages"]["h.3"] == 0, state
     assert state["gpt_overrides"]["h.3"] == {"stage": 0}, state
+    assert moved["gpt_stages"]["h.2"] == last and moved["gpt_stages"]["h.1"] < last, moved
+    assert undone["gpt_stages"] == state["gpt_stages"] and undone["gpt_overrides"] == state["gpt_overrides"]
     assert not errors, errors
+
+
+def _kernel_state(page, path: Path) -> dict:
+    """Run a new last cell in the notebook that writes the sessions' state to ``path``; return it."""
+    code = f"STATE_PATH = {str(path)!r}\n" + STATE_CELL
+    page.evaluate("""async (code) => {
+        const panel = jupyterapp.shell.currentWidget, nb = panel.content, model = nb.model;
+        model.sharedModel.insertCell(model.cells.length, {cell_type: 'code', source: code});
+        nb.activeCellIndex = model.cells.length - 1;
+        await jupyterapp.commands.execute('notebook:run-cell');
+    }""", code)
+    deadline = time.time() + 30
+    while not path.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    assert path.exists(), "the state cell did not run"
+    time.sleep(0.2)
+    return json.loads(path.read_text())

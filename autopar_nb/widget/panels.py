@@ -38,7 +38,9 @@ def memory_panel(plan: Plan | None, cluster: Cluster) -> dict[str, Any]:
     bars = []
     for g in groups:
         m = mem[g[0]]
-        if per_pp:
+        if per_pp and plan.mesh.pp == 1:
+            label = f"each of {world} ranks"
+        elif per_pp:
             label = f"pp rank {g[0]}" if len(g) == 1 else f"pp ranks {g[0]}–{g[-1]}"
             label += f" (× {world // plan.mesh.pp})"
         else:
