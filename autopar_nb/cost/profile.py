@@ -216,6 +216,7 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
     layer_of = {n.name: n.layer for n in nodes}
     layers = {lay.path: LayerProfile(lay.path) for lay in graph.layers}
     seen_roots: set[str] = set()
+    boundary: set[tuple[str, str]] = set()
 
     def add_saved(lp: LayerProfile, key: str, numel: int, itemsize: int, is_float: bool, **kw) -> None:
         if key in seen_roots or numel == 0:
@@ -339,8 +340,9 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
                 lp.comms.append(c)
         # layer boundaries
         for i in acts:
-            if layer_of.get(i) != n.layer:
-                numel, item, is_f = in_info(i)
+            if layer_of.get(i) != n.layer and (n.layer, root.get(i, i)) not in boundary:
+                boundary.add((n.layer, root.get(i, i)))  # an input read by several ops is held once
+                numel, item, is_f = in_info(root.get(i, i))
                 lp.input_bytes += numel * item
                 lp.input_half += numel * (2 if is_f and item > 2 else item)
         if n.op_class != "view" or not consumers.get(n.name):
