@@ -188,6 +188,7 @@ KERNEL = textwrap.dedent("""
         time.sleep(0.05)
     print(run._token, flush=True)
     if sys.argv[2] == "exit":
+        sys.stdin.read()     # until the test says so
         sys.exit(0)          # a normal kernel shutdown: atexit stops the run
     time.sleep(600)          # the test SIGKILLs this "kernel"
 """)
@@ -197,7 +198,8 @@ KERNEL = textwrap.dedent("""
 @pytest.mark.parametrize("how", ["exit", "sigkill"])
 def test_kernel_shutdown_ends_every_worker(how):
     """A kernel that exits (atexit) or is killed outright (the agent watches its parent) leaves no worker."""
-    kernel = subprocess.Popen([sys.executable, "-c", KERNEL, str(FIXTURE), how], stdout=subprocess.PIPE, text=True,
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL, str(FIXTURE), how], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True,
                               cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         token = kernel.stdout.readline().strip()
@@ -206,9 +208,11 @@ def test_kernel_shutdown_ends_every_worker(how):
         t0 = time.monotonic()
         if how == "sigkill":
             kernel.send_signal(signal.SIGKILL)
-        kernel.wait(10)
+        else:
+            kernel.stdin.close()  # the "kernel" exits now
         wait_for(lambda: not processes_with_token(token), 5, "every worker to end")
         assert time.monotonic() - t0 < 5
+        kernel.wait(10)
     finally:
         kernel.kill()
         kernel.wait()
@@ -301,3 +305,24 @@ def test_calibration_memory_margin_from_cuda_peak():
     assert record["ratio"] == pytest.approx(1.5)
     with pytest.raises(ValueError, match="plan=<a Plan with a cost>"):
         calibration.factors_from({"step_time_s": 0.3}, current=current)
+
+
+# ---- the real exported script --------------------------------------------------------------------------------------
+@pytest.mark.multiprocess
+def test_exported_script_runs_under_launch_with_metrics(tmp_path):
+    export = pytest.importorskip("autopar_nb.export").export
+    from runtime_cases import GPT_CELL, make_plan, source
+
+    src = source(GPT_CELL)
+    plan = make_plan(src, dp=2)
+    run = launch(lambda path: export(src, plan, path, steps=6, quiet=True).script, nproc=2, steps=6, plan=plan,
+                 run_dir=tmp_path, ckpt_dir=tmp_path / "ckpt", ckpt_every=3)
+    assert run.wait(180) == "finished", f"{run.message}\n{run.logs(0, tail=30)}\n{run.logs(1, tail=30)}"
+    assert run.script == (tmp_path / "train.py").resolve() and (tmp_path / "plan.json").exists()
+    rows = run.metrics
+    assert sorted({(r["rank"], r["step"]) for r in rows}) == [(r, s) for r in (0, 1) for s in range(6)]
+    assert all(r["tokens_per_s"] > 0 and r["rss"] > 0 for r in rows)
+    # the script reports the global loss: every rank sees the same curve
+    assert run.loss_curve(0) == run.loss_curve(1)
+    assert (tmp_path / "ckpt" / "step_6").is_dir()
+    assert_no_process_left(run)

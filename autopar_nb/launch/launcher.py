@@ -174,7 +174,9 @@ def launch(script: str | os.PathLike | Callable[[Path], Any], nproc: int | None 
     check_cuda(nproc, backend)
 
     run_id = secrets.token_hex(8)
-    run_dir = Path(run_dir).resolve() if run_dir is not None else Path(tempfile.mkdtemp(prefix=f"autopar-run-{run_id[:8]}-"))
+    if run_dir is None:
+        run_dir = tempfile.mkdtemp(prefix=f"autopar-run-{run_id[:8]}-")
+    run_dir = Path(run_dir).resolve()  # absolute: the agent runs in the script's directory
     run_dir.mkdir(parents=True, exist_ok=True)
     if callable(script) and not isinstance(script, (str, os.PathLike)):
         target = run_dir / "train.py"

@@ -127,4 +127,5 @@ class Monitor(threading.Thread):
         finally:
             if self.sampler is not None:
                 self.sampler.close()
+            r.monitor_cpu_s = time.thread_time()  # this thread's CPU time: the monitor's cost (bench/launch.py)
             r._notify()

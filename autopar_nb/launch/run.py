@@ -135,6 +135,8 @@ class Run:
         self.first_step_time: float | None = None
         """seconds from launch to the first step's metrics (any rank)"""
         self.ended: float | None = None
+        self.monitor_cpu_s: float | None = None
+        """CPU seconds the monitor thread used (set when the run has ended)"""
         self._dashboard = None
 
     # ---- public API ---------------------------------------------------------------------------------------------
@@ -231,13 +233,20 @@ class Run:
         return self._status
 
     def summary(self) -> dict:
-        """Measured vs predicted: median steady-state step time (the first step is skipped when there are more),
-        peak memory per rank (CUDA mem_peak, else RSS), and the plan's predictions when a plan with a cost was given."""
+        """Measured vs predicted: median steady-state step time (each rank's first step per attempt is left out when
+        there are more), peak memory per rank (CUDA mem_peak, else RSS), and the plan's predictions when a plan with a
+        cost was given."""
         with self._lock:
             rows = list(self._rows)
-        out: dict[str, Any] = {"status": self._status, "steps": max((r["step"] for r in rows), default=0)}
-        times = [r["step_time_s"] for r in rows if r.get("step_time_s") is not None and r["step"] > 1]
-        times = times or [r["step_time_s"] for r in rows if r.get("step_time_s") is not None]
+        out: dict[str, Any] = {"status": self._status, "steps": len({r["step"] for r in rows})}
+        # the first step of each rank and attempt carries warm-up (allocations, first collectives): leave it out
+        first: dict[tuple, int] = {}
+        for r in rows:
+            key = (r["rank"], r["attempt"])
+            first[key] = min(first.get(key, r["step"]), r["step"])
+        timed = [r for r in rows if r.get("step_time_s") is not None]
+        times = [r["step_time_s"] for r in timed if r["step"] != first[(r["rank"], r["attempt"])]]
+        times = times or [r["step_time_s"] for r in timed]
         out["step_time_s"] = statistics.median(times) if times else None
         mem: dict[int, float] = {}
         for r in rows:
@@ -291,7 +300,8 @@ class Run:
                 st = self._ranks.setdefault(m.rank, RankState(m.rank))
                 if m.kind == "hello":
                     att = m.data.get("attempt")
-                    st.attempt = int(att) if isinstance(att, int) else st.attempt + 1
+                    latest = self._latest_attempt()
+                    st.attempt = att if isinstance(att, int) else latest if latest >= 0 else st.attempt + 1
                     st.last_progress, st.done = now, False
                     if self._status in ("starting", "restarting") and st.attempt > 0:
                         self._set_status("restarting", f"restart {st.attempt}: rank {m.rank} reconnected")
@@ -361,6 +371,11 @@ class Run:
         # local rank == global rank on one node
         return attempts[-1] / str(rank)
 
+    def _latest_attempt(self) -> int:
+        """The agent's latest restart attempt, from its per-attempt log directories (-1 before any)."""
+        found = [int(p.name.split("_")[1]) for p in (self.run_dir / "logs").glob(f"{self.run_id}_*/attempt_*")]
+        return max(found, default=-1)
+
     def _read_log_tails(self) -> None:
         tails = {}
         for r in range(self.nproc):  # torch already prefixes stderr lines with "[rankN]:"
@@ -381,7 +396,13 @@ class Run:
             return
         with self._lock:
             # a rank that has not connected yet is still starting (importing torch, building the model): it gets
-            # STARTUP_TIMEOUT_S at least
+            # STARTUP_TIMEOUT_S at least; and while no rank at all has connected, the script may simply not speak
+            # the metrics protocol: that is no hang (the status line says so instead)
+            if not any(s.last_progress for s in self._ranks.values()):
+                if now - self._t0 > STARTUP_TIMEOUT_S and self._status == "starting":
+                    self._message = (f"no rank has reported metrics after {STARTUP_TIMEOUT_S:.0f} s: does the script "
+                                     "implement the metrics protocol (AUTOPAR_METRICS)? See run.logs(0)")
+                return
             limit = {r: self.hang_timeout_s if s.last_progress else max(self.hang_timeout_s, STARTUP_TIMEOUT_S)
                      for r, s in self._ranks.items()}
             stalled = {r: now - max(s.last_progress, self._t0) for r, s in self._ranks.items() if not s.done}
