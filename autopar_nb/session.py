@@ -49,8 +49,8 @@ class Session:
 
     # ---- planning -----------------------------------------------------------------------------------------------
     def replan(self, fix: dict[str, Any] | None = None, overrides: dict[str, dict[str, Any]] | None = None,
-               *, top_k: int = 5) -> Plan:
-        """Plan again with new constraints (None keeps the current ones) and return the new plan.
+               *, cluster: Cluster | None = None, top_k: int = 5) -> Plan:
+        """Plan again with new constraints or a new cluster (None keeps the current ones); return the new plan.
 
         Atomic: if the planner rejects the constraints (PlanError saying which one fails and by how much memory),
         the session keeps its previous constraints and plan. The previous state can be restored with undo().
@@ -63,11 +63,12 @@ class Session:
         if self.mode == "manual" and missing:
             raise PlanError(f"manual mode needs the whole mesh pinned: add {', '.join(f'{k}=N' for k in missing)} "
                             f"to --fix (dp * tp * pp = {self.cluster.world_size} GPUs), or use --mode auto")
-        new = make_plan(self.graph, self.cluster, global_batch=self.batch, seq_len=self.graph.seq_len, fix=fix,
+        cluster = cluster or self.cluster
+        new = make_plan(self.graph, cluster, global_batch=self.batch, seq_len=self.graph.seq_len, fix=fix,
                         overrides=overrides, top_k=top_k)
         self._undo.append(self._state())
         self._redo.clear()
-        self.fix, self.overrides, self.plan = fix, overrides, new
+        self.fix, self.overrides, self.cluster, self.plan = fix, overrides, cluster, new
         self._notify()
         return new
 
@@ -94,7 +95,7 @@ class Session:
         if not self._undo:
             raise IndexError("nothing to undo")
         self._redo.append(self._state())
-        self.fix, self.overrides, self.plan = self._undo.pop()
+        self.fix, self.overrides, self.cluster, self.plan = self._undo.pop()
         self._notify()
         return self.plan
 
@@ -103,7 +104,7 @@ class Session:
         if not self._redo:
             raise IndexError("nothing to redo")
         self._undo.append(self._state())
-        self.fix, self.overrides, self.plan = self._redo.pop()
+        self.fix, self.overrides, self.cluster, self.plan = self._redo.pop()
         self._notify()
         return self.plan
 
@@ -195,7 +196,7 @@ class Session:
         return bundle
 
     def _state(self) -> tuple:
-        return dict(self.fix), copy.deepcopy(self.overrides), self.plan
+        return dict(self.fix), copy.deepcopy(self.overrides), self.cluster, self.plan
 
     @property
     def batch(self) -> int:

@@ -201,17 +201,18 @@ class ResNet(nn.Module):
         super().__init__()
         self.conv1 = nn.Conv2d(3, widths[0], 3, 1, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(widths[0])
-        stages, c_in = [], widths[0]
-        for i, w in enumerate(widths):
-            stages.append(nn.Sequential(*[BasicBlock(c_in if j == 0 else w, w, 2 if (j == 0 and i > 0) else 1)
-                                          for j in range(blocks_per_stage)]))
+        c_in = widths[0]
+        self.num_stages = len(widths)
+        for i, w in enumerate(widths):  # layer1, layer2, ... as torchvision names them
+            setattr(self, f"layer{i + 1}", nn.Sequential(*[
+                BasicBlock(c_in if j == 0 else w, w, 2 if (j == 0 and i > 0) else 1) for j in range(blocks_per_stage)]))
             c_in = w
-        self.layer1, self.layer2, self.layer3 = stages
         self.fc = nn.Linear(widths[-1], num_classes)
 
     def forward(self, x):
         x = F.relu(self.bn1(self.conv1(x)))
-        x = self.layer3(self.layer2(self.layer1(x)))
+        for i in range(self.num_stages):
+            x = getattr(self, f"layer{i + 1}")(x)
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 

@@ -281,21 +281,16 @@ class PlannerWidget(anywidget.AnyWidget):
             new = dataclasses.replace(old, nodes=nodes, gpus_per_node=gpus)
         else:
             new = Cluster.preset(preset, nodes=nodes, gpus_per_node=gpus)
-        s.cluster = new
-        code = f"ap.cluster = Cluster.preset({preset!r}, nodes={nodes}, gpus_per_node={gpus}); ap.replan()"
+        code = f"ap.replan(cluster=Cluster.preset({preset!r}, nodes={nodes}, gpus_per_node={gpus}))"
         try:
-            try:
-                s.replan()
-            except PlanError:
-                # fixed mesh degrees made for the old GPU count rarely fit the new one: let the planner choose them
-                mesh_free = {k: v for k, v in s.fix.items() if k not in ("dp", "tp", "pp")}
-                if mesh_free == s.fix:
-                    raise
-                s.replan(fix=mesh_free)
-                code = code.replace("ap.replan()", f"ap.replan(fix={mesh_free!r})  # dp/tp/pp un-fixed")
-        except Exception:
-            s.cluster = old
-            raise
+            s.replan(cluster=new)
+        except PlanError:
+            # fixed mesh degrees made for the old GPU count rarely fit the new one: let the planner choose them
+            mesh_free = {k: v for k, v in s.fix.items() if k not in ("dp", "tp", "pp")}
+            if mesh_free == s.fix:
+                raise
+            s.replan(fix=mesh_free, cluster=new)
+            code = code[:-1] + f", fix={mesh_free!r})  # dp/tp/pp un-fixed"
         return code
 
     def _adopt(self, msg) -> str:

@@ -1,0 +1,76 @@
+import pytest
+
+import autopar_nb as ap
+from autopar_nb.plan import PlanError
+from autopar_nb.session import Session
+from autopar_nb.source import ModelSource
+
+CELL = """
+import torch
+from autopar_nb.zoo import GPT, GPTConfig
+model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=128, vocab_size=4096))
+example_inputs = (torch.randint(0, 4096, (8, 128)),)
+"""
+
+
+@pytest.fixture
+def session():
+    source = ModelSource(CELL)
+    model, inputs, _ = source.build(device="meta")
+    return Session(ap.capture(model, inputs), ap.Cluster.preset("h100-80gb", gpus_per_node=4), source,
+                   global_batch=32)
+
+
+def test_replan_override_undo_redo(session):
+    first = session.replan()
+    assert session.plan is first and first.mesh.world_size == 4
+    pinned = session.override("h.1", stage=1)
+    assert pinned.layer("h.1").stage == 1 and "stage" in pinned.layer("h.1").pinned
+    assert session.overrides == {"h.1": {"stage": 1}}
+    assert session.undo() is first and session.overrides == {}
+    assert session.redo() is pinned
+    with pytest.raises(IndexError, match="nothing to redo"):
+        session.redo()
+
+
+def test_rejected_constraints_leave_the_session_as_it_was(session):
+    good = session.replan()
+    with pytest.raises(PlanError):
+        session.replan(fix={"tp": 3})  # 3 divides neither the 4 heads nor the 4 GPUs
+    assert session.plan is good and session.fix == {}
+    with pytest.raises(PlanError):
+        session.override("no_such_layer*", recompute="full")
+    assert session.plan is good and session.overrides == {}
+
+
+def test_cluster_change_is_undoable(session):
+    session.replan()
+    before = session.cluster
+    session.replan(cluster=ap.Cluster.preset("a100-40gb", gpus_per_node=2))
+    assert session.plan.mesh.world_size == 2 and session.cluster.name == "a100-40gb"
+    session.undo()
+    assert session.cluster is before and session.plan.mesh.world_size == 4
+
+
+def test_plan_for_fewer_processes_keeps_the_model_parallel_layout(session):
+    session.replan(fix={"dp": 2, "tp": 2, "pp": 1})
+    small = session.plan_for(2)
+    assert (small.mesh.dp, small.mesh.tp, small.mesh.pp) == (1, 2, 1)
+    assert small.batch.global_batch == 16  # per-replica batch kept: 32 / 2 replicas
+    assert small.tp_plan == session.plan.tp_plan
+    assert session.plan_for(None) is session.plan
+    with pytest.raises(PlanError, match=r"multiples of tp\(2\) \* pp\(1\) = 2"):
+        session.plan_for(3)
+
+
+def test_manual_mode_needs_the_mesh(session):
+    session.mode = "manual"
+    with pytest.raises(PlanError, match="add pp=N to --fix"):
+        session.replan(fix={"dp": 2, "tp": 2})
+    assert session.replan(fix={"dp": 2, "tp": 2, "pp": 1}).mesh.dp == 2
+
+
+def test_summary_and_html(session):
+    session.replan()
+    assert "plan: dp=" in session.summary()
+    assert "<table>" in session._repr_html_() and "h.[0–3]" in session._repr_html_()
