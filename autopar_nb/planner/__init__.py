@@ -22,7 +22,7 @@ from ..plan import (
     PrecisionPlan,
 )
 from .constraints import Constraints, parse
-from .explain import explain
+from .explain import explain, fmt_bytes
 from .search import Candidate, Search
 
 __all__ = ["plan", "profile_of"]
@@ -105,12 +105,12 @@ def _no_fit_message(cands: list[Candidate], cluster, cons: Constraints) -> str:
     mb = c.cost.memory_by_rank[r]
     s = c.setting
     fixed = f" with fix {cons.fix}" if cons.fix else ""
-    return (f"nothing fits in {limit / GiB:.1f} GiB per GPU{fixed}: the smallest candidate (dp={s.dp} tp={s.tp} "
+    return (f"nothing fits in {fmt_bytes(limit)} per GPU{fixed}: the smallest candidate (dp={s.dp} tp={s.tp} "
             f"pp={s.pp} zero={s.zero_stage}, {s.micro_batches} micro-batch(es) of {s.mb_samples:g}) needs "
-            f"{mb.total / GiB:.1f} GiB on pipeline rank {r}, {(mb.total - limit) / GiB:.1f} GiB over the memory "
-            f"limit (params {mb.params / GiB:.1f}, grads {mb.grads / GiB:.1f}, optimizer {mb.optimizer / GiB:.1f}, "
-            f"activations {mb.activations / GiB:.1f}, buffers {mb.buffers / GiB:.1f}, margin "
-            f"{mb.margin / GiB:.1f} GiB); use more GPUs, a smaller batch, or relax the fixed choices")
+            f"{fmt_bytes(mb.total)} on pipeline rank {r}, {fmt_bytes(mb.total - limit)} over the memory limit "
+            f"(params {fmt_bytes(mb.params)}, grads {fmt_bytes(mb.grads)}, optimizer {fmt_bytes(mb.optimizer)}, "
+            f"activations {fmt_bytes(mb.activations)}, buffers {fmt_bytes(mb.buffers)}, margin "
+            f"{fmt_bytes(mb.margin)}); use more GPUs, a smaller batch, or relax the fixed choices")
 
 
 def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch: int, seq_len) -> Plan:

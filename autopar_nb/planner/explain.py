@@ -5,6 +5,11 @@ from __future__ import annotations
 GiB = 2**30
 
 
+def fmt_bytes(n: float) -> str:
+    """'61.2 GiB', '850.0 MiB'."""
+    return f"{n / GiB:.1f} GiB" if abs(n) >= GiB else f"{n / 2**20:.1f} MiB"
+
+
 def _pct(a: float, b: float) -> str:
     return f"{100 * a / b:.0f}%" if b > 0 else "0%"
 
@@ -25,10 +30,10 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
         lines.append(f"Communication per step (before overlap): {kinds}.")
     peak_rank = max(range(len(c.memory_by_rank)), key=lambda r: c.memory_by_rank[r].total)
     mb = c.memory_by_rank[peak_rank]
-    lines.append(f"Peak memory {c.peak_memory_bytes / GiB:.1f} GiB of {limit / GiB:.1f} GiB "
-                 f"({_pct(c.peak_memory_bytes, limit)}) on pipeline rank {peak_rank}: params "
-                 f"{mb.params / GiB:.1f}, grads {mb.grads / GiB:.1f}, optimizer {mb.optimizer / GiB:.1f}, activations "
-                 f"{mb.activations / GiB:.1f}, buffers {mb.buffers / GiB:.1f}, margin {mb.margin / GiB:.1f} GiB.")
+    lines.append(f"Peak memory {fmt_bytes(c.peak_memory_bytes)} of {fmt_bytes(limit)} "
+                 f"({_pct(c.peak_memory_bytes, limit)}) on pipeline rank {peak_rank}: params {fmt_bytes(mb.params)}, "
+                 f"grads {fmt_bytes(mb.grads)}, optimizer {fmt_bytes(mb.optimizer)}, activations "
+                 f"{fmt_bytes(mb.activations)}, buffers {fmt_bytes(mb.buffers)}, margin {fmt_bytes(mb.margin)}.")
     if s.tp > 1:
         heads = sorted({h for lp in prof.layers for h in lp.heads})
         hs = f" ({', '.join(f'{h} heads -> {h // s.tp} per rank' for h in heads)})" if heads else ""
@@ -50,7 +55,7 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
         f = min(infeasible_faster, key=lambda x: x.cost.step_time_s)
         over = f.cost.peak_memory_bytes - limit
         lines.append(f"Memory limits the plan: {len(infeasible_faster)} faster candidate(s) do not fit; the fastest, "
-                     f"{_summary(f)}, needs {f.cost.peak_memory_bytes / GiB:.1f} GiB ({over / GiB:.1f} GiB over).")
+                     f"{_summary(f)}, needs {fmt_bytes(f.cost.peak_memory_bytes)} ({fmt_bytes(over)} over).")
     dominant = max(parts[1:], key=lambda kv: kv[1])
     if dominant[1] > 0.15 * c.step_time_s:
         lines.append(f"What limits it most besides compute: {dominant[0]} ({_pct(dominant[1], c.step_time_s)}).")
@@ -68,7 +73,7 @@ def _summary(cand) -> str:
         out += f" {s.schedule}x{s.micro_batches}"
     elif s.micro_batches > 1:
         out += f" accum x{s.micro_batches}"
-    return out + f" ({c.step_time_s * 1e3:.1f} ms, {c.peak_memory_bytes / GiB:.1f} GiB)"
+    return out + f" ({c.step_time_s * 1e3:.1f} ms, {fmt_bytes(c.peak_memory_bytes)})"
 
 
 def _setting_diff(a, b) -> list[str]:

@@ -255,7 +255,7 @@ class Search:
         self.limit = cluster.device.memory_bytes
         self.n = len(prof.layers)
         fix = cons.fix
-        self.tp_on = [bool(lp.tp) for lp in prof.layers]
+        self.tp_on = [bool(lp.tp or lp.norms) for lp in prof.layers]  # norms: sequence parallel
         for i, ov in cons.layers.items():
             if ov.tp_styles and all(v == "replicate" for v in ov.tp_styles.values()) and \
                     set(ov.tp_styles) >= set(prof.layers[i].tp):
@@ -275,7 +275,7 @@ class Search:
     def meshes(self) -> list[tuple[int, int, int]]:
         """(dp, tp, pp) candidates after the hard constraints; raises PlanError when a fixed one fails."""
         world, gpn, fix = self.cluster.world_size, self.cluster.gpus_per_node, self.cons.fix
-        has_tp = any(self.tp_on)
+        has_tp = any(self.tp_on[i] and lp.tp for i, lp in enumerate(self.prof.layers))
         tps = [fix["tp"]] if "tp" in fix else [t for t in divisors(gpn) if world % t == 0 and (has_tp or t == 1)]
         out = []
         for t in tps:

@@ -1,0 +1,187 @@
+"""The planner: TP styles from dataflow, constraints and overrides, errors, properties."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import autopar_nb as ap
+from autopar_nb import zoo
+from autopar_nb.plan import Plan, PlanError
+
+GiB = 2**30
+
+
+def capture(model_fn, inputs):
+    with torch.device("meta"):
+        model = model_fn()
+    return ap.capture(model, inputs)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    cfg = zoo.GPTConfig(n_layer=4, n_head=8, n_embd=512, vocab_size=8192, block_size=256)
+    return capture(lambda: zoo.GPT(cfg), torch.randint(0, 8192, (8, 256)))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    cfg = zoo.LlamaConfig(vocab_size=4096, dim=512, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=1024)
+    return capture(lambda: zoo.Llama(cfg), torch.randint(0, 4096, (8, 256)))
+
+
+@pytest.fixture(scope="module")
+def seed():
+    return capture(zoo.SeedMLP, torch.randn(32, 1024))
+
+
+def h100(nodes=1, gpus=8, memory=None, **calibration):
+    c = ap.Cluster.preset("h100-80gb", nodes, gpus)
+    if calibration:
+        c = dataclasses.replace(c, calibration=calibration)
+    if memory is not None:
+        c = dataclasses.replace(c, device=dataclasses.replace(c.device, memory_bytes=memory))
+    return c
+
+
+def test_seed_mlp_plan_has_cost_alternatives_explanation(seed):
+    p = ap.plan(seed, h100(1, 2))
+    assert p.mesh.world_size == 2
+    c = p.cost
+    assert c.step_time_s > 0 and c.peak_memory_bytes > 0 and c.memory_by_rank
+    assert c.step_time_s >= c.compute_s > 0
+    assert c.model_tflops_per_gpu > 0 and c.hardware_tflops_per_gpu >= c.model_tflops_per_gpu
+    assert c.tokens_per_s is None and c.samples_per_s > 0
+    times = [p.cost.step_time_s] + [a.cost.step_time_s for a in p.alternatives]
+    assert times == sorted(times) and len(p.alternatives) <= 4
+    text = p.explain()
+    assert "Chosen:" in text and "Peak memory" in text
+    again = Plan.from_json(p.to_json())
+    assert again.diff(p) == [] and again.cost.step_time_s == p.cost.step_time_s
+    assert len(again.alternatives) == len(p.alternatives)
+
+
+def test_gpt_tp_styles_from_dataflow(gpt):
+    p = ap.plan(gpt, h100(), global_batch=8, fix={"tp": 2, "pp": 1})
+    tp = p.tp_plan
+    assert tp["h.0.attn.c_attn"] == "colwise" and tp["h.0.attn.c_proj"] == "rowwise"
+    assert tp["h.3.mlp.c_fc"] == "colwise" and tp["h.3.mlp.c_proj"] == "rowwise"
+    assert tp["wte"] == "rowwise" and tp["lm_head"] == "colwise" and p.loss_parallel
+    assert tp["h.0.ln_1"] == tp["h.0.ln_2"] == tp["ln_f"] == "sequence_parallel"
+    assert p.layer("h.2").sequence_parallel
+    assert "4 per rank" in p.explain()  # 8 heads / tp 2
+
+
+def test_llama_tp_styles_gqa(llama):
+    p = ap.plan(llama, h100(), global_batch=8, fix={"tp": 4, "pp": 1})
+    tp = p.tp_plan
+    for m in ("wq", "wk", "wv"):
+        assert tp[f"layers.1.attention.{m}"] == "colwise"
+    assert tp["layers.1.attention.wo"] == "rowwise"
+    assert tp["layers.1.feed_forward.w1"] == tp["layers.1.feed_forward.w3"] == "colwise"
+    assert tp["layers.1.feed_forward.w2"] == "rowwise"
+    assert tp["tok_embeddings"] == "rowwise" and tp["output"] == "colwise" and p.loss_parallel
+
+
+def test_seed_mlp_tp_pairs_across_layers(seed):
+    p = ap.plan(seed, h100(1, 2), fix={"tp": 2})
+    assert p.tp_plan == {"linear1": "colwise", "linear2": "rowwise"} and not p.loss_parallel
+
+
+def test_tp_must_divide_heads(llama):
+    # 4 kv heads: tp=8 cannot split them
+    with pytest.raises(PlanError, match="tp=8 does not divide the head count 4"):
+        ap.plan(llama, h100(), global_batch=8, fix={"tp": 8})
+    p = ap.plan(llama, h100(), global_batch=8)
+    assert p.mesh.tp in (1, 2, 4)
+
+
+def test_unknown_override_and_fix_raise(gpt):
+    with pytest.raises(PlanError, match="names no layer"):
+        ap.plan(gpt, h100(), global_batch=8, overrides={"blocks.*": {"recompute": "full"}})
+    with pytest.raises(PlanError, match="unknown fix key"):
+        ap.plan(gpt, h100(), global_batch=8, fix={"tensor_parallel": 2})
+    with pytest.raises(PlanError, match="whole layers"):
+        ap.plan(gpt, h100(), global_batch=8, overrides={"h.0.mlp": {"stage": 1}})
+    with pytest.raises(PlanError, match="Linear pair"):
+        ap.plan(gpt, h100(), global_batch=8, overrides={"ln_f": {"tp": "colwise-rowwise"}})
+
+
+def test_infeasible_fix_says_by_how_much(gpt):
+    tiny = h100(memory=0.5 * GiB)
+    with pytest.raises(PlanError, match=r"needs 1\.4 GiB on pipeline rank 0, 935\.. MiB over the memory limit") as e:
+        ap.plan(gpt, tiny, global_batch=8, fix={"dp": 8, "tp": 1, "pp": 1, "zero_stage": 0, "recompute": "none"})
+    assert "fix" in str(e.value)
+
+
+def test_overrides_are_honoured(gpt):
+    overrides = {"h.3": {"stage": 1}, "h.0": {"recompute": "full"}, "h.*.mlp": {"tp": "colwise-rowwise"},
+                 "wte": {"tp": "vocab"}, "h.1": {"fsdp": False}}
+    p = ap.plan(gpt, h100(), global_batch=8, overrides=overrides)
+    for plan in [p, *p.alternatives]:
+        assert plan.layer("h.3").stage == 1 and "stage" in plan.layer("h.3").pinned
+        assert plan.layer("h.0").recompute == "full" and "recompute" in plan.layer("h.0").pinned
+        assert plan.layer("h.1").fsdp is False
+        assert plan.mesh.tp > 1  # a TP style was asked for
+        assert plan.tp_plan["h.2.mlp.c_fc"] == "colwise" and plan.tp_plan["h.2.mlp.c_proj"] == "rowwise"
+        assert plan.tp_plan["wte"] == "rowwise"
+        stages = [plan.layer(f"h.{i}").stage for i in range(4)]
+        assert stages == sorted(stages)
+    assert "Override honoured: h.3" in p.explain()
+
+
+def test_replicate_override_turns_tp_off_for_a_layer(gpt):
+    p = ap.plan(gpt, h100(), global_batch=8, fix={"tp": 2, "pp": 1}, overrides={"lm_head": {"tp": "replicate"}})
+    assert p.tp_plan.get("lm_head", "replicate") == "replicate" and not p.loss_parallel
+    assert p.tp_plan["h.0.attn.c_attn"] == "colwise"
+
+
+def test_tighter_memory_moves_towards_sharding_or_recompute():
+    # activations matter here (small vocabulary, longer sequence); accumulation is pinned off, so the levers left
+    # are ZeRO stage, TP x PP and recompute
+    cfg = zoo.GPTConfig(n_layer=8, n_head=8, n_embd=512, vocab_size=512, block_size=512)
+    gpt = capture(lambda: zoo.GPT(cfg), torch.randint(0, 512, (8, 512)))
+    fix = {"micro_batches": 1}
+    loose = ap.plan(gpt, h100(margin_fixed_bytes=0), global_batch=64, fix=fix)
+
+    def level(p):
+        rec = sum({"none": 0, "selective": 1, "full": 2}[lp.recompute] for lp in p.layers)
+        return p.mesh.zero_stage, p.mesh.tp * p.mesh.pp, rec
+
+    prev, steps = loose, 0
+    while True:
+        limit = 0.8 * prev.cost.peak_memory_bytes
+        try:
+            tight = ap.plan(gpt, h100(memory=limit, margin_fixed_bytes=0), global_batch=64, fix=fix)
+        except PlanError as e:
+            assert "over the memory limit" in str(e)
+            break
+        assert tight.cost.peak_memory_bytes <= limit < prev.cost.peak_memory_bytes
+        a, b = level(prev), level(tight)
+        assert any(y > x for x, y in zip(a, b, strict=True)), (prev.summary(), tight.summary())
+        prev, steps = tight, steps + 1
+    assert steps >= 3  # the search had room to move before nothing fitted
+
+
+def test_more_gpus_never_raise_per_rank_params(gpt):
+    prev = None
+    for nodes in (1, 2, 4):
+        p = ap.plan(gpt, h100(nodes), global_batch=32, fix={"tp": 1, "pp": 1, "zero_stage": 3})
+        mb = p.cost.memory_by_rank[0]
+        states = mb.params + mb.optimizer
+        if prev is not None:
+            assert states <= prev
+        prev = states
+
+
+def test_llama_7b_fits_on_8_h100():
+    cfg = zoo.LlamaConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008)
+    graph = capture(lambda: zoo.Llama(cfg), torch.randint(0, 32000, (1, 4096)))
+    c = h100()
+    p = ap.plan(graph, c, global_batch=8)
+    assert p.cost.peak_memory_bytes <= c.device.memory_bytes
+    assert 6.5e9 < graph.num_params < 7e9
+    assert p.cost.tokens_per_s == pytest.approx(8 * 4096 / p.cost.step_time_s)
+    assert 0.2 < p.cost.mfu < 0.75, p.explain()
