@@ -106,8 +106,8 @@ class Evaluator:
                     comm[k] = comm.get(k, 0.0) + collective_time(k, nbytes, tp, link, self.f.eff_link)
         out = (lp.output_half if half else lp.output_bytes) * scale / (tp if sp else 1)
         work = lp.largest_out * scale * (0.5 if half else 1.0) / (tp if tp > 1 else 1)
-        fwd_fl = (sum(lp.flops_split.values()) + sum(lp.flops_rep.values())) * scale
-        bwd_fl = (sum(lp.bwd_split.values()) + sum(lp.bwd_rep.values())) * scale
+        fwd_fl = (sum(lp.flops_split.values()) + sum(lp.flops_rep.values()) + lp.flops_other) * scale
+        bwd_fl = (sum(lp.bwd_split.values()) + sum(lp.bwd_rep.values()) + lp.bwd_other) * scale
         t = LayerTerms(fwd, bwd, sel, act, lp.params_split / tp + lp.params_rep, comm, out, work,
                        fwd_fl + bwd_fl, fwd_fl, lp.quad_flops * qscale, lp.largest_param / (tp if lp.tp else 1),
                        lp.embedding_params if tp > 1 else 0.0)

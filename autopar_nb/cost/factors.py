@@ -26,8 +26,9 @@ class Factors:
     """achieved / datasheet HBM bandwidth for memory-bound kernels (elementwise, norms, softmax, optimizer)"""
     eff_link: float = 0.80
     """achieved NCCL bus bandwidth / link datasheet bandwidth (nccl-tests busbw: ~80% of NVLink/IB peak)"""
-    op_overhead_s: float = 4e-6
-    """per kernel launch and framework overhead, seconds per non-view op (eager PyTorch, order of magnitude)"""
+    op_overhead_s: float = 2e-6
+    """seconds per non-view op of launch/framework overhead not hidden by asynchronous kernel execution (eager
+    PyTorch issues a kernel in ~5-10 us of CPU time, mostly overlapped with the previous kernels)"""
     overlap_dp: float = 0.80
     """fraction of DDP/ZeRO-1/2 gradient all-reduce or reduce-scatter hidden behind backward compute"""
     overlap_fsdp: float = 0.80

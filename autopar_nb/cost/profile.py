@@ -101,6 +101,9 @@ class LayerProfile:
     flops_rep: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     bwd_split: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     bwd_rep: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    flops_other: float = 0.0
+    """forward FLOPs of memory-bound ops (norms, elementwise, softmax): costed by bytes, counted as model FLOPs"""
+    bwd_other: float = 0.0
     quad_flops: float = 0.0
     """forward FLOPs of the attention-score ops that selective recompute runs again"""
     mem_split: float = 0.0
@@ -257,6 +260,8 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
             if is_quad(n.name):
                 lp.quad_flops += n.flops
         elif n.op_class != "view":
+            lp.flops_other += n.flops
+            lp.bwd_other += n.bwd_flops
             if in_region:
                 lp.mem_split += nbytes
             else:

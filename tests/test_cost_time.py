@@ -1,0 +1,119 @@
+"""Time model: alpha-beta collectives per link level, compute by op class, bubble, calibration, throughput."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import autopar_nb as ap
+from autopar_nb import zoo
+from autopar_nb.cost import Evaluator, LayerChoice, Setting, factors_for, profile
+from autopar_nb.cost.comm import collective_time, link_for
+from autopar_nb.cost.time import bubble_fraction, layer_compute_time
+from autopar_nb.hardware import IB_NDR, NVLINK4
+
+
+def test_ring_formulas():
+    n, bw, lat = 1e9, NVLINK4.bandwidth * 0.8, NVLINK4.latency
+    assert collective_time("all_reduce", n, 8, NVLINK4, 0.8) == pytest.approx(2 * 7 / 8 * n / bw + 14 * lat)
+    assert collective_time("all_gather", n, 8, NVLINK4, 0.8) == pytest.approx(7 / 8 * n / bw + 7 * lat)
+    assert collective_time("reduce_scatter", n, 4, NVLINK4, 0.8) == pytest.approx(3 / 4 * n / bw + 3 * lat)
+    assert collective_time("send_recv", n, 2, NVLINK4, 0.8) == pytest.approx(n / bw + lat)
+    assert collective_time("all_reduce", n, 1, NVLINK4) == 0.0
+    # beyond 8 ranks the latency term grows with log2(p) (tree), the bandwidth term stays the ring's
+    big = collective_time("all_reduce", 0.0 + 1, 1024, IB_NDR, 0.8)
+    assert big < 30 * IB_NDR.latency
+    # an all-reduce moves twice what a reduce-scatter does
+    assert collective_time("all_reduce", n, 64, IB_NDR) == pytest.approx(
+        2 * collective_time("reduce_scatter", n, 64, IB_NDR), rel=0.01)
+
+
+def test_link_levels_follow_the_mesh():
+    c = ap.Cluster.preset("h100-80gb", nodes=4, gpus_per_node=8)
+    assert link_for(c, size=8, stride=1) is c.intra_node  # TP innermost: inside a node
+    assert link_for(c, size=4, stride=8) is c.inter_node  # DP across nodes
+    assert link_for(c, size=2, stride=4) is c.intra_node  # DP=2 over TP=4 still fits in a node
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    cfg = zoo.GPTConfig(n_layer=2, n_head=8, n_embd=1024, vocab_size=4096, block_size=512)
+    with torch.device("meta"):
+        model = zoo.GPT(cfg)
+    return ap.capture(model, torch.randint(0, 4096, (4, 512)))
+
+
+def test_tp_divides_region_compute(gpt):
+    prof = profile(gpt)
+    block = prof.layer("h.0")
+    c = ap.Cluster.preset("h100-80gb")
+    f = factors_for(c)
+    kw = dict(sp=False, half=True, scale=1.0, quad_scale=1.0, device=c.device, factors=f)
+    f1, b1, _ = layer_compute_time(block, tp=1, **kw)
+    f4, b4, _ = layer_compute_time(block, tp=4, **kw)
+    # every matmul and the attention of a GPT block sit in TP regions; norms/residuals stay replicated (no SP)
+    assert sum(block.flops_rep.values()) == 0 and block.mem_rep > 0
+    peak = c.device.flops("bfloat16")
+    region = sum(v / (peak * f.efficiency(k, True)) for k, v in block.flops_split.items())
+    assert f1 - f4 == pytest.approx(0.75 * (region + block.mem_split * 0.5 / (c.device.hbm_bandwidth * f.eff_hbm)))
+    assert b4 < b1
+    # with sequence parallel the replicated memory-bound ops divide too
+    f4sp, _, _ = layer_compute_time(block, **{**kw, "sp": True}, tp=4)
+    assert f4sp < f4
+
+
+def test_bubble_by_schedule():
+    f = factors_for(ap.Cluster.preset("h100-80gb"))
+    assert bubble_fraction("1f1b", pp=8, micro_batches=32, virtual_stages=1, factors=f) == 7
+    assert bubble_fraction("gpipe", pp=8, micro_batches=32, virtual_stages=1, factors=f) == 7
+    assert bubble_fraction("interleaved_1f1b", pp=8, micro_batches=32, virtual_stages=2, factors=f) == 3.5
+    assert bubble_fraction("zbv_zero_bubble", pp=8, micro_batches=32, virtual_stages=2, factors=f) < 1
+    assert bubble_fraction("1f1b", pp=1, micro_batches=32, virtual_stages=1, factors=f) == 0
+
+
+def _cost(graph, cluster, setting, recompute="none"):
+    prof = profile(graph)
+    choices = [LayerChoice(0, True, recompute) for _ in prof.layers]
+    return Evaluator(prof, cluster).evaluate(setting, choices)
+
+
+def test_calibration_replaces_factors(gpt):
+    base = ap.Cluster.preset("h100-80gb", 1, 8)
+    f = factors_for(base)
+    half_speed = {"eff_matmul": f.eff_matmul / 2, "eff_attention": f.eff_attention / 2, "eff_conv": f.eff_conv / 2,
+                  "eff_hbm": f.eff_hbm / 2, "op_overhead_s": f.op_overhead_s * 2}
+    slow = dataclasses.replace(base, calibration=half_speed)
+    s = Setting(dp=8, amp="bf16", mb_samples=4)
+    a, b = _cost(gpt, base, s), _cost(gpt, slow, s)
+    assert b.compute_s == pytest.approx(2 * a.compute_s)
+    assert b.comm_total_s == pytest.approx(a.comm_total_s)
+    with pytest.raises(ValueError, match="unknown calibration factor"):
+        factors_for(dataclasses.replace(base, calibration={"eff_matmull": 0.5}))
+
+
+def test_throughput_fields(gpt):
+    c = ap.Cluster.preset("h100-80gb", 1, 8)
+    s = Setting(dp=8, amp="bf16", mb_samples=4, micro_batches=2)
+    none, full = _cost(gpt, c, s), _cost(gpt, c, s, "full")
+    samples = 8 * 2 * 4
+    assert none.samples_per_s == pytest.approx(samples / none.step_time_s)
+    assert none.tokens_per_s == pytest.approx(samples * 512 / none.step_time_s)
+    flops = gpt.step_flops / gpt.batch_size * samples
+    assert none.model_tflops_per_gpu == pytest.approx(flops / 8 / none.step_time_s / 1e12, rel=1e-6)
+    assert none.hardware_tflops_per_gpu == pytest.approx(none.model_tflops_per_gpu)
+    # full recompute runs the forward again: more hardware FLOPs, same model FLOPs per sample, slower step
+    assert full.step_time_s > none.step_time_s
+    assert full.hardware_tflops_per_gpu > full.model_tflops_per_gpu
+    assert full.memory_by_rank[0].activations < none.memory_by_rank[0].activations
+    parts = none.compute_s + none.comm_exposed_s + none.bubble_s + none.optimizer_s
+    assert none.step_time_s == pytest.approx(parts)
+
+
+def test_dp_comm_crosses_nodes(gpt):
+    one = ap.Cluster.preset("h100-80gb", 1, 8)
+    two = ap.Cluster.preset("h100-80gb", 2, 4)
+    s = Setting(dp=8, amp="bf16", mb_samples=4, zero_stage=0)
+    # same 8 GPUs; the all-reduce over InfiniBand (50 GB/s) is slower than over NVLink (450 GB/s)
+    assert _cost(gpt, two, s).comm_by_kind["all_reduce"] > 5 * _cost(gpt, one, s).comm_by_kind["all_reduce"]
