@@ -6,6 +6,7 @@ Same model, data and loss as the cell in bench/runtime.py; written the way one w
 """
 
 import argparse
+import gc
 import os
 import time
 
@@ -76,6 +77,7 @@ def main():
         dt = time.perf_counter() - t0
         if rank == 0:
             print(f"step {step} | loss {loss.item():.4f} | {dt * 1e3:.1f} ms", flush=True)
+    gc.collect()  # before destroy: a gloo thread taking the GIL at exit can abort the process
     dist.destroy_process_group()
 
 

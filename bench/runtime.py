@@ -93,6 +93,8 @@ def main():
 
     src = ModelSource(CELL)
     plan = make_plan(src, dp=2, zero=3)
+    for lp in plan.layers:  # one FSDP unit per block, embedding and head in the root unit: as hand-written
+        lp.fsdp = lp.path.startswith("blocks.")
     out = Path(tempfile.mkdtemp(prefix="bench_runtime_"))
     exported = export(src, plan, out / "train_tinylm.py", quiet=True).script
     handwritten = ROOT / "bench" / "handwritten_fsdp.py"

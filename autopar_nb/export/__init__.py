@@ -156,7 +156,9 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
     if selective:
         frm["torch.utils.checkpoint"] = {"CheckpointPolicy", "create_selective_checkpoint_contexts"}
     if fsdp:
-        frm["torch.distributed.fsdp"] = {"MixedPrecisionPolicy", "fully_shard"}
+        frm["torch.distributed.fsdp"] = {"fully_shard"}
+        if (pr.param_dtype, pr.reduce_dtype) != ("float32", "float32"):
+            frm["torch.distributed.fsdp"].add("MixedPrecisionPolicy")
     if ddp:
         frm["torch.nn.parallel"] = {"DistributedDataParallel as DDP"}
     if zero1:
@@ -187,7 +189,7 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
         s.append(f"NUM_STAGES = {num_stages}  # mesh.pp * pipeline.virtual_stages")
     if amp:
         s.append(f"AMP_DTYPE = {DTYPE_NAMES[pr.amp]}  # precision.amp: autocast dtype of the forward pass")
-    if fsdp:
+    if fsdp and (pr.param_dtype, pr.reduce_dtype) != ("float32", "float32"):
         s.append(f"PARAM_DTYPE, REDUCE_DTYPE = {DTYPE_NAMES[pr.param_dtype]}, {DTYPE_NAMES[pr.reduce_dtype]}"
                  "  # precision.param_dtype, .reduce_dtype")
     if scaler:
@@ -281,7 +283,8 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
     if styles:
         body += ["# tensor parallelism (plan: layers[*].tp, .sequence_parallel; loss_parallel): module -> style",
                  "tp_plan = {"] + [x for k, v in styles.items() for x in _style_entry(k, v, 4)] + ["}"]
-    if fsdp:
+    mixed = fsdp and (pr.param_dtype, pr.reduce_dtype) != ("float32", "float32")
+    if mixed:
         body += ["mp_policy = MixedPrecisionPolicy(param_dtype=PARAM_DTYPE, reduce_dtype=REDUCE_DTYPE)"]
     per: list[str] = []
     if styles:
@@ -304,9 +307,10 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
         per += [f"# 3. FSDP last (ZeRO-{m.zero_stage}): one unit per layer (plan: layers[*].fsdp), then the root",
                 f"for path in {units!r}:".replace("'", '"'),
                 "    if path in modules:",
-                "        fully_shard(part.get_submodule(path), mesh=mesh[\"dp\"], mp_policy=mp_policy,",
-                f"                    reshard_after_forward={m.zero_stage == 3})",
-                "fully_shard(part, mesh=mesh[\"dp\"], mp_policy=mp_policy, reshard_after_forward=False)"]
+                "        fully_shard(part.get_submodule(path), mesh=mesh[\"dp\"], "
+                + ("mp_policy=mp_policy, " if mixed else "") + f"reshard_after_forward={m.zero_stage == 3})",
+                "fully_shard(part, mesh=mesh[\"dp\"], " + ("mp_policy=mp_policy, " if mixed else "")
+                + "reshard_after_forward=False)"]
     if ddp:
         per += [f"# 3. data parallelism last: DDP{' (ZeRO-1 shards the optimizer below)' if zero1 else ''}",
                 "part = DDP(part, process_group=mesh[\"dp\"].get_group(),",
@@ -427,8 +431,9 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
         dt = time.perf_counter() - t0
         if rank == 0:
             print(f"step {{step}} | loss {{loss:.4f}} | {{dt * 1e3:.1f}} ms", flush=True)
-        n = first_tensor(batch).{"numel()" if tokens else "shape[0]"} * DP  # {rate[:-6]} in the global batch
-        metrics.send({{"step": step, "loss": loss, "step_time_s": dt, "{rate}": n / dt, **memory_stats(device)}})
+        if metrics.sock is not None:
+            n = first_tensor(batch).{"numel()" if tokens else "shape[0]"} * DP  # {rate[:-6]} in the global batch
+            metrics.send({{"step": step, "loss": loss, "step_time_s": dt, "{rate}": n / dt, **memory_stats(device)}})
         if args.ckpt_dir and (step + 1) % args.ckpt_every == 0:
             save_checkpoint(os.path.join(args.ckpt_dir, f"step_{{step + 1}}"), ckpt_model, optimizer, step + 1)
         ''', 4)

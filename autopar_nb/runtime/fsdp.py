@@ -16,7 +16,9 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, units: list[str], resha
     ``reshard_after_forward``: True for ZeRO-3, False for ZeRO-2. The root keeps its parameters after forward
     (they are needed first in backward anyway), as torchtitan does.
     """
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # fp32 throughout: no policy (FSDP's default), as one would write it by hand
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype) \
+        if (param_dtype, reduce_dtype) != (torch.float32, torch.float32) else MixedPrecisionPolicy()
     for path in units:
         fully_shard(model.get_submodule(path), mesh=dp_mesh, mp_policy=mp,
                     reshard_after_forward=reshard_after_forward)
