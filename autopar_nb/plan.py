@@ -213,7 +213,7 @@ class Cost:
     samples_per_s: float = 0.0
 
 
-@dataclass
+@dataclass(repr=False)
 class Plan:
     """A complete parallelisation plan for one model on one cluster."""
 
@@ -353,8 +353,11 @@ class Plan:
             s += f" | {self.cost.step_time_s * 1e3:.1f} ms/step, peak {self.cost.peak_memory_bytes / 2**30:.2f} GiB"
         return s
 
-    def __str__(self) -> str:
+    def __repr__(self) -> str:
         return f"Plan({self.summary()})"
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(repr(self))
 
 
 @dataclass(frozen=True)
