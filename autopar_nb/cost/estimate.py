@@ -68,8 +68,6 @@ class LayerTerms:
     quad_flops: float = 0.0
     largest_param: float = 0.0
     """numel of the layer's largest local parameter"""
-    embedding_params: float = 0.0
-    """full numel of vocab-parallel Embedding weights (TP on)"""
 
 
 class Evaluator:
@@ -109,8 +107,7 @@ class Evaluator:
         fwd_fl = (sum(lp.flops_split.values()) + sum(lp.flops_rep.values()) + lp.flops_other) * scale
         bwd_fl = (sum(lp.bwd_split.values()) + sum(lp.bwd_rep.values()) + lp.bwd_other) * scale
         t = LayerTerms(fwd, bwd, sel, act, lp.params_split / tp + lp.params_rep, comm, out, work,
-                       fwd_fl + bwd_fl, fwd_fl, lp.quad_flops * qscale, lp.largest_param / (tp if lp.tp else 1),
-                       lp.embedding_params if tp > 1 else 0.0)
+                       fwd_fl + bwd_fl, fwd_fl, lp.quad_flops * qscale, lp.largest_param / (tp if lp.tp else 1))
         self._cache[key] = t
         return t
 
@@ -144,7 +141,6 @@ class Evaluator:
         unit_top = [(0.0, 0.0) for _ in range(pp)]
         block_unit = [0.0] * pp
         largest = [0.0] * pp
-        emb_params = [0.0] * pp
         head_tp = False
         nofsdp = [0.0] * pp
         p2p = [0.0] * pp
@@ -172,7 +168,6 @@ class Evaluator:
             if cnt > 1 or prof.rep[i] != i:
                 block_unit[r] = max(block_unit[r], lt.params_local)
             largest[r] = max(largest[r], lt.largest_param)
-            emb_params[r] += cnt * lt.embedding_params
             u1, u2 = unit_top[r]
             if lt.params_local > u1:
                 unit_top[r] = (lt.params_local, max(u1, u2) if cnt == 1 else lt.params_local)
@@ -278,14 +273,9 @@ class Evaluator:
                 if act + loss_saved + loss_temp >= act + temp:
                     act_at, temp_at = act + loss_saved, loss_temp
             at_backward = pb + ob + grads_bwd + act_at + held + temp_at + p2p_buf
-            # moment 3: the optimizer step: every gradient, foreach temporaries (CUDA: a list the size of the
-            # gradients; CPU: one parameter at a time), and, without sequence parallel, DTensor's vocab-parallel
-            # Embedding whose weight gradient comes out replicated (full size) with full-size temporaries in Adam
-            # (measured with MemTracker, torch 2.13: 3 x full + 1 x shard)
+            # moment 3: the optimizer step: every gradient and foreach temporaries (CUDA: a list the size of the
+            # gradients; CPU: one parameter at a time)
             step_temp = gb if cuda else largest[r] * g_item
-            emb = emb_params[r]
-            if emb and s.tp > 1 and not s.sp:
-                step_temp += emb * g_item * (1 - 1 / s.tp) + emb * g_item * (3 + 1 / s.tp)
             at_step = pb + ob + gb + step_temp + held * (s.zero_stage != 2 and not half)
             if at_backward >= at_step:
                 mbd = MemoryBreakdown(pb, grads_bwd, ob, act_at, held + temp_at + p2p_buf)
