@@ -5,8 +5,8 @@ alternately in one run. Goal: exported / hand-written >= 0.97.
     python bench/runtime.py                 # prints the figures
     python bench/runtime.py --write         # and updates the "## Runtime" section of BENCHMARKS.md
 
-Steps/s of one run = (steps - warm-up) / (sum of the per-step times it prints after warm-up); each script's figure is
-the median over the rounds.
+Steps/s of one run = 1 / (median of the per-step times it prints after warm-up); each script's figure is the median
+over the rounds.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def run(script: Path, steps: int, warmup: int) -> tuple[float, list[float]]:
         raise SystemExit(f"{script} failed:\n{proc.stderr[-4000:]}")
     rows = [(int(s), float(loss), float(ms)) for s, loss, ms in STEP.findall(proc.stdout)]
     times = [ms for s, _, ms in rows if s >= warmup]
-    return len(times) / (sum(times) / 1e3), [loss for _, loss, _ in rows]
+    # the median step: robust to the other tenants of a shared machine stealing a core for a few steps
+    return 1e3 / statistics.median(times), [loss for _, loss, _ in rows]
 
 
 def main():
@@ -125,8 +126,8 @@ def write_section(args, summary, rates, med, ratio, same):
         f"`python bench/runtime.py --steps {args.steps} --warmup {args.warmup} --rounds {args.rounds} --write`",
         "",
         f"- what: steps/s of the exported script vs `bench/handwritten_fsdp.py` (same model, data, loss and "
-        f"parallelism: {summary}, FSDP2), 2 processes via torchrun, gloo, alternated in one run; steps/s = steps "
-        f"after {args.warmup} warm-up steps / their summed per-step time",
+        f"parallelism: {summary}, FSDP2), 2 processes via torchrun, gloo, alternated in one run; steps/s = 1 / "
+        f"median per-step time after {args.warmup} warm-up steps, median over rounds",
         f"- machine: {cores}-core CPU container (shared), {platform.processor() or platform.machine()}, "
         f"Python {platform.python_version()}, torch {__import__('torch').__version__}",
         f"- date: {datetime.date.today().isoformat()}",
