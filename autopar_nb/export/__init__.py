@@ -252,8 +252,11 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
     if meta_init:
         body += [f"skeleton = copy.deepcopy({mv})  # unsharded, on meta: module order and shapes for the init below"]
     if plan.sync_batchnorm and m.dp > 1:
-        body += ["# BatchNorm statistics over the whole data-parallel batch (plan: sync_batchnorm)",
-                 f"net = torch.nn.SyncBatchNorm.convert_sync_batchnorm({mv}, process_group=mesh[\"dp\"].get_group())"]
+        body += ["# BatchNorm statistics over the whole data-parallel batch (plan: sync_batchnorm); PyTorch has no CPU",
+                 "# kernel for SyncBatchNorm, so on CPU each rank normalises with its own batch",
+                 f"net = {mv}",
+                 "if device == \"cuda\":",
+                 "    net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net, process_group=mesh[\"dp\"].get_group())"]
         mv = "net"
     if pp:
         boundaries = stage_boundaries(plan.stage_layers())
@@ -433,7 +436,8 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
             print(f"step {{step}} | loss {{loss:.4f}} | {{dt * 1e3:.1f}} ms", flush=True)
         if metrics.sock is not None:
             n = first_tensor(batch).{"numel()" if tokens else "shape[0]"} * DP  # {rate[:-6]} in the global batch
-            metrics.send({{"step": step, "loss": loss, "step_time_s": dt, "{rate}": n / dt, **memory_stats(device)}})
+            metrics.send({{"step": step, "loss": loss, "step_time_s": dt, "{rate}": n / dt,
+                          **memory_stats(device)}})
         if args.ckpt_dir and (step + 1) % args.ckpt_every == 0:
             save_checkpoint(os.path.join(args.ckpt_dir, f"step_{{step + 1}}"), ckpt_model, optimizer, step + 1)
         ''', 4)
