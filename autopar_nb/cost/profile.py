@@ -10,10 +10,12 @@ Tensor parallelism is derived from dataflow, not from names (Megatron-LM's pairi
 walking the ops in order with a replicated/sharded state per tensor, a ``Linear`` that reads a replicated tensor is
 ``colwise`` (its output is sharded on the last dim), one that reads a sharded tensor is ``rowwise`` (its partial
 output is all-reduced back to replicated); an ``Embedding`` is ``rowwise`` (vocab-parallel); a colwise ``Linear``
-whose sharded output is the model's output is the vocab-parallel head (``loss_parallel``). A sharded tensor that
-reaches an op that cannot take it (a norm, a residual add with a full-size replicated tensor, a reduction) turns the
-Linears that sharded it back to ``replicate``. Head counts come from the ``view``/``reshape`` that splits a sharded
-last dim into ``(heads, head_dim)``; TP degrees must divide them and every split Linear dim.
+whose sharded output is the model's output is the vocab-parallel head (``loss_parallel``). Which ops are
+Linear-like (a "colwise" and a "rowwise" split), Embedding-like, or sequence-parallel norms, and which collective
+each style implies, comes from the op's ``kernels_ext`` rule, so a registered custom op takes part. A sharded
+tensor that reaches an op that cannot take it (a norm, a residual add with a full-size replicated tensor, a
+reduction) turns the Linears that sharded it back to ``replicate``. Head counts come from the ``view``/``reshape``
+that splits a sharded last dim into ``(heads, head_dim)``; TP degrees must divide them and every split Linear dim.
 
 What autograd saves follows ``tools/autograd/derivatives.yaml`` per op (``SAVES_*`` below), with storages
 deduplicated: views share their base's storage, a non-contiguous view that a matmul or reshape needs contiguous
@@ -25,6 +27,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+import kernels_ext
 
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
             "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8}
@@ -220,6 +224,7 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
     layers = {lay.path: LayerProfile(lay.path) for lay in graph.layers}
     seen_roots: set[str] = set()
     boundary: set[tuple[str, str]] = set()
+    comm_keys: set[tuple[str, str]] = set()
 
     def add_saved(lp: LayerProfile, key: str, numel: int, itemsize: int, is_float: bool, **kw) -> None:
         if key in seen_roots or numel == 0:
@@ -331,18 +336,25 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
             numel, _, _ = in_info(acts[-1] if p == "masked_fill" else acts[0])
             add_saved(lp, f"mask:{n.name}", numel, 1, False, region=False)
 
-        # --- TP collectives ---
+        # --- TP collectives: what the op's kernels_ext Split says its style implies ---
         st = styles.get(n.name)
-        if st == "rowwise":
-            b = out_numel[n.name] * out_item[n.name]
-            lp.comms.append(Comm("all_reduce", b, b / max(1, out_item[n.name]) * 2, "fwd"))
-        elif st == "colwise" and float_acts:
-            numel, item, _ = in_info(float_acts[0])
-            r = root.get(float_acts[0], float_acts[0])
-            if not any(c.phase == "bwd" and getattr(c, "_root", None) == r for c in lp.comms):
-                c = Comm("all_reduce", numel * item, numel * 2, "bwd")
-                c._root = r  # one collective per distinct input (q/k/v, w1/w3 share it)
-                lp.comms.append(c)
+        split = _splits(n.op).get(st) if st else None
+        if split is not None:
+            for phase, kind in (("fwd", split.forward), ("bwd", split.backward)):
+                if not kind:
+                    continue
+                if split.comm_on == "output":
+                    numel, item = out_numel[n.name], out_item[n.name]
+                    key = n.name
+                elif float_acts:
+                    numel, item, _ = in_info(float_acts[0])
+                    key = root.get(float_acts[0], float_acts[0])
+                else:
+                    continue
+                if (phase, key) in comm_keys:  # one collective per distinct input (q/k/v, w1/w3 share it)
+                    continue
+                comm_keys.add((phase, key))
+                lp.comms.append(Comm(kind, numel * item, numel * min(item, 2), phase))
         # layer boundaries
         for i in acts:
             if layer_of.get(i) != n.layer and (n.layer, root.get(i, i)) not in boundary:
@@ -380,14 +392,16 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
                     continue
                 split_params.add(pname)
             w = params.get(n.params[0]) if n.params else None
-            if w is not None and packet(n.op) == "embedding" and st == "rowwise" and w.trainable:
+            is_embedding = n.op_class == "embedding"
+            if w is not None and is_embedding and st == "rowwise" and w.trainable:
                 lp.embedding_params += w.numel
             if w is not None and len(w.shape) == 2:
-                if packet(n.op) == "embedding" or n.name == loss_parallel:
+                if is_embedding or n.name == loss_parallel:
                     lp.vocab.add(w.shape[0])
                 else:
                     lp.divisors.add(w.shape[0] if st == "colwise" else w.shape[1])
-        if packet(n.op) in NORMS and n.name not in sharded and n.module_path and n.params:
+        if n.op_class == "norm" and "sequence_parallel" in _splits(n.op) and n.name not in sharded and \
+                n.module_path and n.params:
             if n.module_path not in lp.norms:
                 lp.norms.append(n.module_path)
     for n in nodes:
@@ -463,7 +477,9 @@ def _walk_once(graph, by_name, out_numel, disabled):
     for n in graph.nodes:
         p = packet(n.op)
         s_in = [i for i in n.inputs if i in sharded]
-        if p == "linear" and n.params and n.name not in disabled:
+        splits = _splits(n.op)
+        linear_like = bool(n.params) and n.op_class == "matmul" and "colwise" in splits and "rowwise" in splits
+        if linear_like and n.name not in disabled:
             if s_in:
                 styles[n.name] = "rowwise"
                 region_of[n.name] = sharded[s_in[0]]
@@ -481,7 +497,7 @@ def _walk_once(graph, by_name, out_numel, disabled):
                 sharded[n.name] = rid
                 seeds[n.name] = frozenset([n.name])
             continue
-        if p in ("embedding",) and n.params and n.name not in disabled:
+        if n.op_class == "embedding" and "rowwise" in splits and n.params and n.name not in disabled:
             styles[n.name] = "rowwise"
             region_of[n.name] = next_region
             next_region += 1
@@ -515,8 +531,8 @@ def _walk_once(graph, by_name, out_numel, disabled):
             else:
                 conflicts |= seeds[name]
     # a colwise Linear with no rowwise partner and not the head (sharded tensor dies elsewhere) is fine only as head
-    rowwise_regions = {region_of[k] for k, v in styles.items() if v == "rowwise" and by_name[k].op != "" and
-                       packet(by_name[k].op) == "linear"}
+    rowwise_regions = {region_of[k] for k, v in styles.items() if v == "rowwise" and
+                       by_name[k].op_class != "embedding"}
     for k, v in styles.items():
         if v == "colwise" and k != head_node and region_of[k] not in rowwise_regions:
             conflicts.add(k)
@@ -526,6 +542,12 @@ def _walk_once(graph, by_name, out_numel, disabled):
     _HEADS.clear()
     _HEADS.update(heads)
     return styles, head_node, sharded, region_of
+
+
+def _splits(op: str) -> dict:
+    """The TP splits kernels_ext registers for ``op`` (style -> Split), {} when none."""
+    rule = kernels_ext.lookup(op)
+    return rule.splits if rule is not None else {}
 
 
 def _split_heads(in_shape, out_shape) -> int | None:

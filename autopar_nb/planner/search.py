@@ -5,7 +5,7 @@ What is exact and what is heuristic:
 
 * **Exact (exhaustive)**: every mesh ``dp * tp * pp = world`` with TP inside a node dividing every head count and
   split Linear dim, PP <= layers, DP dividing the global batch; every ZeRO stage; micro-batch sizes among the
-  divisors of the per-replica batch (up to 6, largest first); 1F1B and, where it applies, interleaved 1F1B.
+  divisors of the per-replica batch (all, or the 4 largest and 4 smallest); 1F1B and, where it applies, interleaved 1F1B.
 * **Exact (optimal)**: pipeline stage boundaries minimise the slowest stage's time for the chosen per-layer costs:
   bisection on the bottleneck with a greedy maximal-prefix check (optimal for contiguous min-max partitions), or,
   when the user pins layers to stages, a dynamic programme over the layer chain.
@@ -334,7 +334,8 @@ class Search:
         ds = sorted(divisors(local), reverse=True)
         if pp > 1:  # at least pp micro-batches keep the pipeline busy; allow fewer only if nothing else
             ds = [d for d in ds if local // d >= pp] or ds[-1:]
-        return ds[:6]
+        # the largest sizes (GEMM efficiency, fewest steps) and the smallest (least activation memory)
+        return ds if len(ds) <= 8 else ds[:4] + ds[-4:]
 
     def schedules(self, pp: int, m: int) -> list[tuple[str, int]]:
         fix = self.cons.fix
