@@ -44,6 +44,10 @@ def timed(graph, cluster, repeats=5, **kw):
     return first, statistics.median(times), p
 
 
+def _cell(p) -> str:
+    return p.summary().replace(" | ", "; ")
+
+
 def main() -> None:
     rows = []
 
@@ -53,7 +57,7 @@ def main() -> None:
         g = ap.capture(model, inputs)
         cap = time.perf_counter() - t0
         first, med, p = timed(g, cluster, **kw)
-        rows.append((name, f"{cluster.world_size}", f"{cap:.2f}", f"{first:.3f}", f"{med:.3f}", p.summary()))
+        rows.append((name, f"{cluster.world_size}", f"{cap:.2f}", f"{first:.3f}", f"{med:.3f}", _cell(p)))
         print(f"{name}: first {first:.3f} s, median {med:.3f} s -> {p.summary()}", file=sys.stderr)
         return g
 
@@ -75,7 +79,7 @@ def main() -> None:
     for nodes in (1, 4, 16, 64, 256):
         c = ap.Cluster.preset("h100-80gb", nodes, 8)
         first, med, p = timed(g8, c, global_batch=2048)
-        rows.append((f"LLaMA-3 8B, {nodes * 8} GPUs", f"{nodes * 8}", "-", f"{first:.3f}", f"{med:.3f}", p.summary()))
+        rows.append((f"LLaMA-3 8B, {nodes * 8} GPUs", f"{nodes * 8}", "-", f"{first:.3f}", f"{med:.3f}", _cell(p)))
         print(f"8B on {nodes * 8}: {med:.3f} s -> {p.summary()}", file=sys.stderr)
 
     print("| case | GPUs | capture s | plan s (first) | plan s (median of 5) | chosen plan |")

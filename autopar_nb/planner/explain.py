@@ -39,13 +39,16 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
         hs = f" ({', '.join(f'{h} heads -> {h // s.tp} per rank' for h in heads)})" if heads else ""
         lines.append(f"TP={s.tp} inside a node{hs}; sequence parallel {'on' if s.sp else 'off'}; "
                      f"loss_parallel {'on' if plan.loss_parallel else 'off'}.")
-    rec = [lp.recompute for lp in plan.layers]
+    rec = [lp.recompute for lp in plan.layers if "recompute" not in lp.pinned]
+    pinned = [lp.path for lp in plan.layers if "recompute" in lp.pinned and lp.recompute != "none"]
     n_rec = sum(r != "none" for r in rec)
+    extra = _pct(c.hardware_tflops_per_gpu - c.model_tflops_per_gpu, c.model_tflops_per_gpu)
     if n_rec:
         kinds = ", ".join(f"{k} on {rec.count(k)}" for k in ("selective", "full") if rec.count(k))
-        lines.append(f"Recompute: {kinds} of {len(rec)} layers, to fit memory (costs "
-                     f"{_pct(c.hardware_tflops_per_gpu - c.model_tflops_per_gpu, c.model_tflops_per_gpu)} extra "
-                     f"FLOPs).")
+        lines.append(f"Recompute chosen to fit memory: {kinds} of {len(rec)} layers (with any you pinned, "
+                     f"{extra} extra FLOPs).")
+    elif pinned:
+        lines.append(f"Recompute only where you pinned it ({', '.join(pinned[:4])}): {extra} extra FLOPs.")
     if len(ranked) > 1:
         ru = ranked[1]
         diff = _setting_diff(ru.setting, s)
@@ -57,8 +60,13 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
         lines.append(f"Memory limits the plan: {len(infeasible_faster)} faster candidate(s) do not fit; the fastest, "
                      f"{_summary(f)}, needs {fmt_bytes(f.cost.peak_memory_bytes)} ({fmt_bytes(over)} over).")
     dominant = max(parts[1:], key=lambda kv: kv[1])
+    if c.peak_memory_bytes > 0.9 * limit:
+        lines.append(f"Memory is the binding constraint: {_pct(c.peak_memory_bytes, limit)} of the device is used.")
     if dominant[1] > 0.15 * c.step_time_s:
         lines.append(f"What limits it most besides compute: {dominant[0]} ({_pct(dominant[1], c.step_time_s)}).")
+    else:
+        lines.append(f"Compute-bound ({_pct(c.compute_s, c.step_time_s)} of the step): going faster needs more GPUs "
+                     f"or better kernel efficiency, not a different split.")
     if cons.fix:
         lines.append("Fixed by you: " + ", ".join(f"{k}={v!r}" for k, v in cons.fix.items()) + ".")
     for t in cons.text:

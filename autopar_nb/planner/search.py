@@ -4,8 +4,11 @@ recompute, TP on/off) under the memory limit.
 What is exact and what is heuristic:
 
 * **Exact (exhaustive)**: every mesh ``dp * tp * pp = world`` with TP inside a node dividing every head count and
-  split Linear dim, PP <= layers, DP dividing the global batch; every ZeRO stage; micro-batch sizes among the
-  divisors of the per-replica batch (all, or the 4 largest and 4 smallest); 1F1B and, where it applies, interleaved 1F1B.
+  split Linear dim, PP <= layers, DP dividing the global batch; every ZeRO stage; 1F1B and, where it applies,
+  interleaved 1F1B (v = 2). Configurations are costed in order of a lower bound on their step time and skipped once
+  the bound exceeds the ``top_k``-th best feasible time, which never drops one of the ``top_k`` best.
+* **Heuristic (sampled)**: micro-batch sizes: every divisor of the per-replica batch when there are at most 8,
+  else the 4 largest and the 4 smallest.
 * **Exact (optimal)**: pipeline stage boundaries minimise the slowest stage's time for the chosen per-layer costs:
   bisection on the bottleneck with a greedy maximal-prefix check (optimal for contiguous min-max partitions), or,
   when the user pins layers to stages, a dynamic programme over the layer chain.
