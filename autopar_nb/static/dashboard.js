@@ -93,7 +93,8 @@ function render({model, el: root}) {
 
   function draw() {
     const st = model.get("status");
-    status.textContent = `${st}: ${model.get("message")}`;
+    const msg = model.get("message");
+    status.textContent = msg.startsWith(st) ? msg : `${st}: ${msg}`;
     status.style.color = STATUS_COLORS[st] || "#000";
     stop.disabled = ["finished", "failed", "stopped", "hung"].includes(st);
     const ranks = model.get("ranks") || [];
