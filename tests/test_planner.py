@@ -185,3 +185,51 @@ def test_llama_7b_fits_on_8_h100():
     assert 6.5e9 < graph.num_params < 7e9
     assert p.cost.tokens_per_s == pytest.approx(8 * 4096 / p.cost.step_time_s)
     assert 0.2 < p.cost.mfu < 0.75, p.explain()
+
+
+def test_seq_len_scales_tokens_and_memory(gpt):
+    fix = {"dp": 8, "zero_stage": 3, "micro_batches": 1}
+    base = ap.plan(gpt, h100(), global_batch=64, fix=fix)
+    longer = ap.plan(gpt, h100(), global_batch=64, seq_len=512, fix=fix)
+    assert longer.batch.seq_len == 512
+    assert longer.cost.tokens_per_s == pytest.approx(64 * 512 / longer.cost.step_time_s)
+    assert longer.cost.step_time_s > base.cost.step_time_s
+    assert longer.cost.memory_by_rank[0].activations > 1.9 * base.cost.memory_by_rank[0].activations
+    with pytest.raises(PlanError, match="not token sequences"):
+        ap.plan(capture(zoo.SeedMLP, torch.randn(32, 1024)), h100(1, 2), seq_len=128)
+
+
+def _brute_force(times, n_stages):
+    import itertools
+
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(times)), n_stages - 1):
+        bounds = (0, *cuts, len(times))
+        best = min(best, max(sum(times[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)))
+    return best
+
+
+def test_stage_partition_is_optimal():
+    import random
+
+    from autopar_nb.planner.search import partition, partition_runs
+
+    rng = random.Random(0)
+    for _ in range(60):
+        n = rng.randint(3, 11)
+        k = rng.randint(2, min(5, n))
+        # chains like real models: an embedding, identical blocks, a head
+        block = rng.uniform(1, 3)
+        times = [rng.uniform(0.1, 4)] + [block] * (n - 2) + [rng.uniform(0.1, 6)]
+        want = _brute_force(times, k)
+
+        def bottleneck(assign, times=times, k=k):
+            assert sorted(set(assign)) == list(range(k)) and assign == sorted(assign)
+            return max(sum(t for t, s in zip(times, assign, strict=True) if s == st) for st in range(k))
+
+        assert bottleneck(partition(times, k, {})) == pytest.approx(want, rel=1e-3)
+        runs = [(times[0], 1), (block, n - 2), (times[-1], 1)] if n > 2 else [(t, 1) for t in times]
+        assert bottleneck(partition_runs(runs, k)) == pytest.approx(want, rel=1e-3)
+        # pinning the last layer to the last stage: the dynamic programme honours it and stays optimal
+        pinned = partition(times, k, {n - 1: k - 1})
+        assert pinned[-1] == k - 1 and bottleneck(pinned) == pytest.approx(want, rel=1e-3)
