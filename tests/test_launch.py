@@ -93,6 +93,13 @@ def test_cuda_in_kernel_that_breaks_workers_is_refused(monkeypatch, tmp_path):
         launch(FIXTURE, nproc=2, steps=2, backend="nccl", run_dir=tmp_path)
     assert not (tmp_path / "agent.json").exists()  # refused before anything started
     launcher_mod.check_cuda(2, "gloo")  # CPU workers never open the GPU
+    gib = 2.0**30
+    monkeypatch.setattr(launcher_mod, "_cuda_state", lambda: {
+        "initialized": True, "compute_modes": {0: "default", 1: "default"}, "held": {0: 1 * gib, 1: 100 * gib},
+        "total": {0: 140 * gib, 1: 140 * gib}})
+    launcher_mod.check_cuda(1, "nccl")  # 1 GiB of GPU 0: the workers still fit
+    with pytest.raises(LaunchError, match=r"holds most of the memory of GPU 1 \(100.0 of 140.0 GiB\).*empty_cache"):
+        launcher_mod.check_cuda(2, "nccl")
 
 
 # ---- real runs -------------------------------------------------------------------------------------------------

@@ -93,10 +93,11 @@ def _gpu_count() -> int:
 
 def _cuda_state() -> dict:
     """What CUDA looks like in this process, without initialising it: {"initialized": bool, "compute_modes":
-    {index: "default"|"exclusive_process"|"prohibited"}} (modes only when CUDA is initialised and NVML works)."""
+    {index: "default"|"exclusive_process"|"prohibited"}, "held": {index: bytes this process holds}, "total":
+    {index: bytes}} (the per-GPU figures only when CUDA is initialised here and NVML works)."""
     torch = sys.modules.get("torch")
     initialized = bool(torch is not None and torch.cuda.is_initialized())
-    modes: dict[int, str] = {}
+    state: dict = {"initialized": initialized, "compute_modes": {}, "held": {}, "total": {}}
     if initialized:
         try:
             import pynvml
@@ -105,16 +106,25 @@ def _cuda_state() -> dict:
             names = {pynvml.NVML_COMPUTEMODE_DEFAULT: "default", pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS:
                      "exclusive_process", pynvml.NVML_COMPUTEMODE_PROHIBITED: "prohibited"}
             for i in range(pynvml.nvmlDeviceGetCount()):
-                modes[i] = names.get(pynvml.nvmlDeviceGetComputeMode(pynvml.nvmlDeviceGetHandleByIndex(i)), "other")
+                h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                state["compute_modes"][i] = names.get(pynvml.nvmlDeviceGetComputeMode(h), "other")
+                state["total"][i] = float(pynvml.nvmlDeviceGetMemoryInfo(h).total)
+                mine = [p for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h) if p.pid == os.getpid()]
+                state["held"][i] = float(sum(p.usedGpuMemory or 0 for p in mine))
             pynvml.nvmlShutdown()
-        except Exception:  # NVML unavailable: modes unknown, nothing to check
+        except Exception:  # NVML unavailable: nothing known, nothing to check
             pass
-    return {"initialized": initialized, "compute_modes": modes}
+    return state
+
+
+HELD_FRACTION = 0.5
+"""a kernel holding more than this fraction of a GPU the workers need is refused (they would run out of memory)"""
 
 
 def check_cuda(nproc: int, backend: str) -> None:
     """Raise LaunchError when this kernel's CUDA state would break the workers: CUDA is initialised here and a GPU
-    the workers need is in exclusive-process (or prohibited) compute mode, so their contexts would be refused."""
+    the workers need is in exclusive-process (or prohibited) compute mode, so their contexts would be refused, or
+    this kernel holds more than half of its memory."""
     if backend != "nccl":
         return
     state = _cuda_state()
@@ -127,6 +137,15 @@ def check_cuda(nproc: int, backend: str) -> None:
             f"CUDA is already initialised in this kernel and {which} admits one process only, so the workers could "
             "not open it. Restart the kernel and launch before any CUDA work in the notebook (capture and planning "
             "never need CUDA), or set the GPUs to the default compute mode (`nvidia-smi -c DEFAULT`).")
+    full = {i: b for i, b in state.get("held", {}).items()
+            if i < nproc and state.get("total", {}).get(i) and b > HELD_FRACTION * state["total"][i]}
+    if full:
+        which = ", ".join(f"GPU {i} ({b / 2**30:.1f} of {state['total'][i] / 2**30:.1f} GiB)"
+                          for i, b in sorted(full.items()))
+        raise LaunchError(
+            f"this kernel holds most of the memory of {which}, so the workers would run out of memory. Free it "
+            "first (`del` the CUDA tensors and models, then `torch.cuda.empty_cache()`), or restart the kernel and "
+            "launch before any CUDA work in the notebook.")
 
 
 def launch(script: str | os.PathLike | Callable[[Path], Any], nproc: int | None = None, steps: int | None = 50, *,
