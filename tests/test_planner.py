@@ -233,3 +233,12 @@ def test_stage_partition_is_optimal():
         # pinning the last layer to the last stage: the dynamic programme honours it and stays optimal
         pinned = partition(times, k, {n - 1: k - 1})
         assert pinned[-1] == k - 1 and bottleneck(pinned) == pytest.approx(want, rel=1e-3)
+
+
+def test_fixed_mesh_and_stage_pins_are_checked(gpt):
+    with pytest.raises(PlanError, match=r"dp\(2\) \* tp\(2\) \* pp\(1\) = 4 != world_size\(8\)"):
+        ap.plan(gpt, h100(), global_batch=8, fix={"dp": 2, "tp": 2, "pp": 1})
+    with pytest.raises(PlanError, match="gives 2 stage"):
+        ap.plan(gpt, h100(), global_batch=8, fix={"pp": 2}, overrides={"h.3": {"stage": 3}})
+    with pytest.raises(PlanError, match="out of order"):
+        ap.plan(gpt, h100(), global_batch=8, overrides={"h.1": {"stage": 2}, "h.3": {"stage": 1}})

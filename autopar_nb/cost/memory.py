@@ -69,7 +69,9 @@ def activation_bytes(lp: LayerProfile, *, tp: int, sp: bool, recompute: str, hal
     ``tp``; outside, only with sequence parallel. With SP, PyTorch's DTensor saves the all-gathered input of each
     colwise Linear (full size); Megatron-LM saves the shard and gathers again in backward (``megatron_sp``).
     ``recompute``: "selective" drops attention-score tensors (recomputed from Q, K, V), "full" keeps only the
-    layer's input (sequence-sharded under SP).
+    layer's input (sequence-sharded under SP). ``half``: floating activations counted at 16 bits (exact for FSDP's
+    MixedPrecisionPolicy, which runs the whole forward in bf16; under autocast, norms and softmax keep fp32 outputs,
+    so this is slightly low there); norm statistics stay fp32.
     """
     qs = scale if quad_scale is None else quad_scale
     if recompute == "full":

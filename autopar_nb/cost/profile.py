@@ -190,7 +190,7 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
         return graph_in[name]
 
     seq = graph.seq_len
-    styles, loss_parallel, regions, region_of = _tp_walk(graph, by_name, out_numel)
+    styles, loss_parallel, regions, region_of, head_counts = _tp_walk(graph, by_name, out_numel)
     sharded = regions  # node name -> region id (sharded output) ; absent = replicated
 
     # storage roots and contiguity
@@ -405,7 +405,7 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
             if n.module_path not in lp.norms:
                 lp.norms.append(n.module_path)
     for n in nodes:
-        hc = _HEADS.get(n.name)
+        hc = head_counts.get(n.name)
         if hc and n.layer in layers:
             layers[n.layer].heads.add(hc)
             layers[n.layer].divisors.add(hc)
@@ -450,12 +450,9 @@ def _owner_layer(module_path: str, owner: dict[str, str], graph) -> str | None:
     return best
 
 
-_HEADS: dict[str, int] = {}
-
-
 def _tp_walk(graph, by_name, out_numel):
     """Assign colwise/rowwise styles by dataflow (module docstring). Returns (styles by node, name of the
-    vocab-parallel head node or "", sharded node -> region id, styled node -> region id)."""
+    vocab-parallel head node or "", sharded node -> region id, styled node -> region id, view node -> head count)."""
     disabled: set[str] = set()
     for _ in range(20):
         result = _walk_once(graph, by_name, out_numel, disabled)
@@ -463,7 +460,7 @@ def _tp_walk(graph, by_name, out_numel):
             disabled |= result[1]
             continue
         return result
-    return {}, "", {}, {}
+    return {}, "", {}, {}, {}
 
 
 def _walk_once(graph, by_name, out_numel, disabled):
@@ -539,9 +536,7 @@ def _walk_once(graph, by_name, out_numel, disabled):
     if conflicts:
         return None, conflicts
     del final
-    _HEADS.clear()
-    _HEADS.update(heads)
-    return styles, head_node, sharded, region_of
+    return styles, head_node, sharded, region_of, heads
 
 
 def _splits(op: str) -> dict:

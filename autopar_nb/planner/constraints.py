@@ -110,6 +110,11 @@ def parse(graph, prof, fix: dict | None, overrides: dict | None) -> Constraints:
                 setattr(layers.setdefault(i, LayerOverride()), key, val)
         if "tp" in choice:
             _apply_tp(graph, prof, pattern, choice["tp"], whole, partial, layers)
+    pins = sorted((i, ov.stage) for i, ov in layers.items() if ov.stage is not None)
+    for (i, a), (j, b) in zip(pins, pins[1:], strict=False):
+        if b < a:
+            raise PlanError(f"stage overrides out of order: {paths[i]} is pinned to stage {a} but the later layer "
+                            f"{paths[j]} to stage {b}; pipeline stages run the layers in model order")
     return Constraints(fix, layers, text)
 
 

@@ -278,6 +278,18 @@ class Search:
     def meshes(self) -> list[tuple[int, int, int]]:
         """(dp, tp, pp) candidates after the hard constraints; raises PlanError when a fixed one fails."""
         world, gpn, fix = self.cluster.world_size, self.cluster.gpus_per_node, self.cons.fix
+        if all(k in fix for k in ("dp", "tp", "pp")) and fix["dp"] * fix["tp"] * fix["pp"] != world:
+            raise PlanError(f"dp({fix['dp']}) * tp({fix['tp']}) * pp({fix['pp']}) = "
+                            f"{fix['dp'] * fix['tp'] * fix['pp']} != world_size({world})")
+        for k in ("dp", "tp", "pp"):
+            if k in fix and world % fix[k]:
+                raise PlanError(f"fix {k}={fix[k]} does not divide the world size {world}")
+        if self.pins and "pp" in fix:
+            stages = fix["pp"] * fix.get("virtual_stages", 1)
+            bad = {self.prof.layers[i].path: st for i, st in self.pins.items() if st >= stages}
+            if bad:
+                raise PlanError(f"override pins {bad} but fix pp={fix['pp']} gives {stages} stage(s) "
+                                f"(0..{stages - 1})")
         has_tp = any(self.tp_on[i] and lp.tp for i, lp in enumerate(self.prof.layers))
         tps = [fix["tp"]] if "tp" in fix else [t for t in divisors(gpn) if world % t == 0 and (has_tp or t == 1)]
         out = []
