@@ -6,6 +6,7 @@ Used by :func:`autopar_nb.verify`; the exported script writes the same steps out
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from ..plan import Plan
 from ..source import ModelSource
 from .amp import autocast, grad_scaler
 from .apply import ParallelModel, apply_plan
-from .data import add_default_data_loss, default_constants, model_call, split_batch, tree_map
+from .data import add_default_data_loss, concat_batches, default_constants, model_call, split_batch, tree_map
 from .ddp import zero1_optimizer
 from .init import canonical_name, materialize
 from .pp import build_schedule
@@ -68,8 +69,9 @@ class Trainer:
             microbatch = model_call(self.loss_fn, first)
             if meta_init:
                 microbatch = tuple(_to_meta(x) for x in microbatch)
+        # on the meta path the plan is applied to a copy; the untouched model is the skeleton materialize() reads
         skeleton = model
-        self.pm: ParallelModel = apply_plan(model if not meta_init else _meta_copy(model), plan, mesh,
+        self.pm: ParallelModel = apply_plan(copy.deepcopy(model) if meta_init else model, plan, mesh,
                                             device=device, microbatch=microbatch)
         if meta_init:
             materialize(self.pm.parts, skeleton, device=device, seed=seed)
@@ -117,7 +119,7 @@ class Trainer:
         if self.schedule is not None:
             self._micro = micro
             losses: list[torch.Tensor] = []
-            args, kwargs = model_call(self.loss_fn, _concat(micro)) if self.pm.has_first_stage else ((), {})
+            args, kwargs = model_call(self.loss_fn, concat_batches(micro)) if self.pm.has_first_stage else ((), {})
             target = torch.arange(M) if self.pm.has_last_stage else None
             with autocast(self.plan.precision.amp, self.device):
                 self.schedule.step(*args, target=target, losses=losses, **kwargs)
@@ -171,17 +173,5 @@ class Trainer:
         return out
 
 
-def _concat(micro):
-    from .data import concat_batches
-
-    return concat_batches(micro)
-
-
 def _to_meta(x):
     return x.to("meta") if isinstance(x, torch.Tensor) else x
-
-
-def _meta_copy(model: nn.Module) -> nn.Module:
-    import copy
-
-    return copy.deepcopy(model)
