@@ -202,7 +202,7 @@ class Evaluator:
         dp_link = link_for(self.cluster, size=s.dp, stride=s.tp)
         p_item = 2 if half else 4
         g_item = 4  # gradients reduced in fp32 (FSDP2 MixedPrecisionPolicy.reduce_dtype / DDP default)
-        P = params[bottleneck]
+        P = max(params)  # the pipeline rank with the most parameters reduces last
         dp_total = dp_exposed = 0.0
         if s.dp > 1:
             ct = lambda k, b: collective_time(k, b, s.dp, dp_link, f.eff_link)

@@ -23,7 +23,7 @@ from ..plan import (
 )
 from .constraints import Constraints, parse
 from .explain import explain, fmt_bytes
-from .search import Candidate, Search
+from .search import Candidate, Search, memory_limit
 
 __all__ = ["plan", "profile_of"]
 
@@ -100,7 +100,7 @@ def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None
 
 def _no_fit_message(cands: list[Candidate], cluster, cons: Constraints) -> str:
     c = min(cands, key=lambda c: c.cost.peak_memory_bytes)
-    limit = cluster.device.memory_bytes
+    limit = memory_limit(cluster)
     r = max(range(len(c.cost.memory_by_rank)), key=lambda j: c.cost.memory_by_rank[j].total)
     mb = c.cost.memory_by_rank[r]
     s = c.setting

@@ -19,7 +19,7 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
     feasible candidates in order, ``infeasible_faster`` faster candidates that did not fit, ``cons`` the user's
     constraints."""
     c, s = best.cost, best.setting
-    limit = cluster.device.memory_bytes
+    limit = best.limit
     lines = [f"Chosen: {plan.summary()}; {c.model_tflops_per_gpu:.1f} model TFLOP/s per GPU "
              f"(MFU {100 * c.mfu:.0f}%) on {cluster.world_size} x {cluster.device.name}."]
     parts = [("compute", c.compute_s), ("exposed communication", c.comm_exposed_s), ("pipeline bubble", c.bubble_s),
@@ -39,6 +39,13 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
         hs = f" ({', '.join(f'{h} heads -> {h // s.tp} per rank' for h in heads)})" if heads else ""
         lines.append(f"TP={s.tp} inside a node{hs}; sequence parallel {'on' if s.sp else 'off'}; "
                      f"loss_parallel {'on' if plan.loss_parallel else 'off'}.")
+    if s.pp > 1:
+        per_stage = [len(x) for x in plan.stage_layers()]
+        shown = str(per_stage) if len(per_stage) <= 12 else (
+            f"{min(per_stage)}-{max(per_stage)} (first {per_stage[0]}, last {per_stage[-1]})")
+        lines.append(f"Pipeline: {s.pp} ranks x {s.virtual_stages} chunk(s), {s.micro_batches} micro-batches of "
+                     f"{s.mb_samples:g} ({s.schedule}); layers per stage {shown}, balanced by time; bubble "
+                     f"{_pct(c.bubble_s, c.step_time_s)} of the step.")
     rec = [lp.recompute for lp in plan.layers if "recompute" not in lp.pinned]
     pinned = [lp.path for lp in plan.layers if "recompute" in lp.pinned and lp.recompute != "none"]
     n_rec = sum(r != "none" for r in rec)

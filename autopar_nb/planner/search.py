@@ -249,13 +249,20 @@ def choose_recompute(ev: Evaluator, s: Setting, choices: list[LayerChoice], cost
     return changed
 
 
+def memory_limit(cluster) -> float:
+    """Bytes one rank may use: the device's memory; on the ``cpu`` preset the ranks are processes sharing the
+    host's RAM, so it is divided among the node's ranks."""
+    mem = cluster.device.memory_bytes
+    return mem / cluster.gpus_per_node if cluster.name == "cpu" else mem
+
+
 class Search:
     """Enumerates and costs candidates (module docstring)."""
 
     def __init__(self, graph, prof, cluster, cons, ev: Evaluator, *, global_batch: int):
         self.graph, self.prof, self.cluster, self.cons, self.ev = graph, prof, cluster, cons, ev
         self.global_batch = global_batch
-        self.limit = cluster.device.memory_bytes
+        self.limit = memory_limit(cluster)
         self.n = len(prof.layers)
         fix = cons.fix
         self.tp_on = [bool(lp.tp or lp.norms) for lp in prof.layers]  # norms: sequence parallel
