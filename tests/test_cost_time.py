@@ -117,3 +117,20 @@ def test_dp_comm_crosses_nodes(gpt):
     s = Setting(dp=8, amp="bf16", mb_samples=4, zero_stage=0)
     # same 8 GPUs; the all-reduce over InfiniBand (50 GB/s) is slower than over NVLink (450 GB/s)
     assert _cost(gpt, two, s).comm_by_kind["all_reduce"] > 5 * _cost(gpt, one, s).comm_by_kind["all_reduce"]
+
+
+def test_one_trillion_gpt_matches_megatron():
+    """Narayanan et al. 2021 (Megatron-LM PTD-P), Table 1: the 1T GPT (128 layers, hidden 25600, 160 heads, seq 2048,
+    global batch 1536) on 3072 A100-80GB ran at (t, p, d) = (8, 64, 6) and 163 TFLOP/s per GPU (52% of peak).
+    The planner, free to choose, must find that mesh and predict the throughput within 20%. The paper counts the
+    FLOPs it executed, recomputation included (its eq. 3 with activation recomputation), which is our
+    hardware_tflops_per_gpu."""
+    cfg = zoo.GPTConfig(vocab_size=51200, block_size=2048, n_layer=128, n_head=160, n_embd=25600)
+    with torch.device("meta"):
+        model = zoo.GPT(cfg)
+    graph = ap.capture(model, torch.randint(0, 51200, (1, 2048)))
+    p = ap.plan(graph, ap.Cluster.preset("a100-80gb", 384, 8), global_batch=1536)
+    assert (p.mesh.tp, p.mesh.pp, p.mesh.dp) == (8, 64, 6), p.summary()
+    assert p.cost.hardware_tflops_per_gpu == pytest.approx(163, rel=0.20)
+    assert p.cost.model_tflops_per_gpu < p.cost.hardware_tflops_per_gpu
+    assert p.cost.peak_memory_bytes <= 80e9
