@@ -200,6 +200,8 @@ class Cost:
     comm_total_s: float = 0.0
     comm_by_kind: dict[str, float] = field(default_factory=dict)
     """seconds per collective kind: all_reduce, all_gather, reduce_scatter, send_recv, ..."""
+    comm_exposed_by_kind: dict[str, float] = field(default_factory=dict)
+    """the part of comm_by_kind not hidden behind compute, per kind (sums to comm_exposed_s)"""
     bubble_s: float = 0.0
     optimizer_s: float = 0.0
     memory_by_rank: list[MemoryBreakdown] = field(default_factory=list)

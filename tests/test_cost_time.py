@@ -134,3 +134,16 @@ def test_one_trillion_gpt_matches_megatron():
     assert p.cost.hardware_tflops_per_gpu == pytest.approx(163, rel=0.20)
     assert p.cost.model_tflops_per_gpu < p.cost.hardware_tflops_per_gpu
     assert p.cost.peak_memory_bytes <= 80e9
+
+
+def test_exposed_comm_by_kind_sums(gpt):
+    for nodes, gpus, s in [(1, 8, Setting(dp=8, amp="bf16", mb_samples=4, zero_stage=3, micro_batches=2)),
+                           (2, 4, Setting(dp=4, tp=2, amp="bf16", mb_samples=4, zero_stage=1, sp=True)),
+                           (1, 8, Setting(dp=2, pp=2, tp=2, amp="bf16", mb_samples=1, micro_batches=4))]:
+        c = ap.Cluster.preset("h100-80gb", nodes, gpus)
+        prof = profile(gpt)
+        choices = [LayerChoice(0 if i < len(prof.layers) // 2 else 1 if s.pp > 1 else 0) for i in
+                   range(len(prof.layers))]
+        cost = Evaluator(prof, c).evaluate(s, choices)
+        assert sum(cost.comm_exposed_by_kind.values()) == pytest.approx(cost.comm_exposed_s)
+        assert all(cost.comm_exposed_by_kind[k] <= cost.comm_by_kind[k] * (1 + 1e-9) for k in cost.comm_exposed_by_kind)

@@ -204,6 +204,7 @@ class Evaluator:
         g_item = 4  # gradients reduced in fp32 (FSDP2 MixedPrecisionPolicy.reduce_dtype / DDP default)
         P = max(params)  # the pipeline rank with the most parameters reduces last
         dp_total = dp_exposed = 0.0
+        dp_exposed_kind: dict[str, float] = {}
         if s.dp > 1:
             ct = lambda k, b: collective_time(k, b, s.dp, dp_link, f.eff_link)
             if s.zero_stage <= 1:
@@ -215,6 +216,7 @@ class Evaluator:
                 window = fwdbwd[bottleneck] * 2 / 3  # gradients of the last micro-batch's backward (no_sync)
                 dp_total = ar + ag
                 dp_exposed = ar - min(f.overlap_dp * ar, window) + ag
+                dp_exposed_kind = {"all_reduce": ar - min(f.overlap_dp * ar, window), "all_gather": ag}
             else:
                 rs = m * ct("reduce_scatter", P * g_item)
                 n_ag = 1 if s.zero_stage == 2 else 2 * m
@@ -225,11 +227,19 @@ class Evaluator:
                 ov = f.overlap_fsdp if s.zero_stage == 3 else f.overlap_dp
                 dp_total = rs + ag
                 dp_exposed = dp_total - min(ov * dp_total, window)
+                dp_exposed_kind = {"reduce_scatter": dp_exposed * rs / dp_total,
+                                   "all_gather": dp_exposed * ag / dp_total}
         opt_params = P / s.dp if s.zero_stage >= 1 else P
         opt_t = optimizer_time(opt_params, dev, f)
 
         compute = m * (fwdbwd[bottleneck] + rec[bottleneck])
         tp_exposed = m * tpc[bottleneck]
+        exposed_kind = {kk: v * m * (1 - f.overlap_tp) for kk, v in tp_kind[bottleneck].items()}
+        if p2p_exposed:
+            exposed_kind["send_recv"] = p2p_exposed
+        for kk, v in dp_exposed_kind.items():
+            if v:
+                exposed_kind[kk] = exposed_kind.get(kk, 0.0) + v
         step = compute + tp_exposed + bubble + p2p_exposed + dp_exposed + opt_t
 
         # memory per pipeline rank, at its peak. Two candidate moments: the start of backward (every saved activation
@@ -293,7 +303,8 @@ class Evaluator:
         peak_flops = dev.flops("bfloat16" if half else "float32")
         cost = Cost(
             step_time_s=step, compute_s=compute, comm_exposed_s=tp_exposed + p2p_exposed + dp_exposed,
-            comm_total_s=sum(by_kind.values()), comm_by_kind=by_kind, bubble_s=bubble, optimizer_s=opt_t,
+            comm_total_s=sum(by_kind.values()), comm_by_kind=by_kind, comm_exposed_by_kind=exposed_kind,
+            bubble_s=bubble, optimizer_s=opt_t,
             memory_by_rank=mem, peak_memory_bytes=peak,
             model_tflops_per_gpu=step_model_flops / world / step / 1e12,
             hardware_tflops_per_gpu=step_hw_flops / world / step / 1e12,
