@@ -186,7 +186,7 @@ def main() -> None:
             f"{', '.join(f'{x * 1e3:.3f}' for x in overhead['on'])}; off "
             f"{', '.join(f'{x * 1e3:.3f}' for x in overhead['off'])}.",
             "",
-            "The machine is shared with other engineers' test runs (load average 3-4 on 2 cores while this ran), so "
+            "The machine is shared with other engineers' test runs (which ran while this did), so "
             "single runs vary by tens of percent: the on/off medians of separate runs cannot resolve 2 %. The counted "
             "cost is the robust figure: the kernel-side monitor thread's own CPU time (`time.thread_time()` over the "
             "run's wall time; an upper bound on what it takes from the workers) plus the worker-side cost of one "
