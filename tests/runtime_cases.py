@@ -53,6 +53,60 @@ model = ResNet(widths=(8, 8, 16), blocks_per_stage=1, num_classes=10)
 example_inputs = (torch.randn(4, 3, 16, 16),)
 """
 
+HF_LLAMA_CELL = """\
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+model = LlamaForCausalLM(config)
+example_inputs = (torch.randint(0, 128, (4, 16)),)
+
+
+def loss_fn(model, batch):
+    (tokens,) = batch
+    logits = model(tokens).logits
+    return F.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten())
+"""
+
+HF_GPT2_CELL = """\
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
+                                   eos_token_id=0))
+example_inputs = (torch.randint(0, 128, (4, 16)),)
+"""
+
+HF_BERT_CELL = """\
+import torch
+from transformers import BertConfig, BertForMaskedLM
+
+model = BertForMaskedLM(BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=64, max_position_embeddings=32))
+example_inputs = (torch.randint(0, 128, (4, 16)),)
+"""
+
+
+def hf_llama_tp(n_layers: int = 2) -> dict[str, str]:
+    """Hugging Face Llama: attention and MLP projections split Megatron-style, vocab-parallel embedding and head."""
+    out = {"model.embed_tokens": "rowwise", "lm_head": "colwise"}
+    for i in range(n_layers):
+        p = f"model.layers.{i}"
+        out |= {f"{p}.self_attn.q_proj": "colwise", f"{p}.self_attn.k_proj": "colwise",
+                f"{p}.self_attn.v_proj": "colwise", f"{p}.self_attn.o_proj": "rowwise", f"{p}.mlp.gate_proj": "colwise",
+                f"{p}.mlp.up_proj": "colwise", f"{p}.mlp.down_proj": "rowwise"}
+    return out
+
+
+def has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
 
 def source(cell: str) -> ModelSource:
     """A ModelSource for ``cell``, naming loss_fn/make_batch when the cell defines them."""
@@ -109,5 +163,5 @@ def llama_tp(n_layers: int = 2, *, sp: bool = False, head: bool = True, embeddin
     return out
 
 
-__all__ = ["GPT_CELL", "LLAMA_CELL", "RECSYS_CELL", "RESNET_CELL", "gpt_mlp_tp", "llama_tp", "make_plan", "source",
-           "torch"]
+__all__ = ["GPT_CELL", "HF_BERT_CELL", "HF_GPT2_CELL", "HF_LLAMA_CELL", "LLAMA_CELL", "RECSYS_CELL", "RESNET_CELL",
+           "gpt_mlp_tp", "has_transformers", "hf_llama_tp", "llama_tp", "make_plan", "source", "torch"]

@@ -7,7 +7,18 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from runtime_cases import GPT_CELL, LLAMA_CELL, gpt_mlp_tp, llama_tp, make_plan, source
+from runtime_cases import (
+    GPT_CELL,
+    HF_BERT_CELL,
+    HF_GPT2_CELL,
+    HF_LLAMA_CELL,
+    LLAMA_CELL,
+    gpt_mlp_tp,
+    has_transformers,
+    llama_tp,
+    make_plan,
+    source,
+)
 
 from autopar_nb.runtime.ac import apply_ac
 from autopar_nb.runtime.data import concat_batches, model_call, split_batch
@@ -104,15 +115,24 @@ class NormNoReset(nn.Module):
         return x * self.weight
 
 
-@pytest.mark.parametrize("cell", [GPT_CELL, LLAMA_CELL])
+HF = pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+
+
+@pytest.mark.parametrize("cell", [GPT_CELL, LLAMA_CELL, pytest.param(HF_LLAMA_CELL, marks=HF),
+                                  pytest.param(HF_GPT2_CELL, marks=HF), pytest.param(HF_BERT_CELL, marks=HF)])
 def test_meta_init_equals_real_init(cell):
+    """Models the user did not write included: Hugging Face's post_init (RMSNorm without reset_parameters, rotary
+    buffers, GPT-2's Conv1D and its scaled c_proj re-init) is replayed, not only reset_parameters()."""
     src = source(cell)
     real, _, _ = src.build(seed=3)
     meta, _, _ = src.build(device="meta", seed=3)
     part = copy.deepcopy(meta)
     materialize([part], meta, device="cpu", seed=3)
-    for (n, a), (m, b) in zip(real.state_dict().items(), part.state_dict().items(), strict=True):
-        assert n == canonical_name(m) and torch.equal(a, b), n
+    want = dict(real.named_parameters()) | dict(real.named_buffers())
+    got = {canonical_name(n): t for n, t in [*part.named_parameters(), *part.named_buffers()]}
+    assert set(want) == set(got)
+    for n, a in want.items():
+        assert torch.equal(a, got[n]), n
 
 
 def test_meta_init_module_without_reset_parameters():

@@ -8,8 +8,21 @@ costs seconds, running a small plan on them costs less. Each case also checks th
 from __future__ import annotations
 
 import pytest
-from runtime_cases import GPT_CELL, LLAMA_CELL, RECSYS_CELL, RESNET_CELL, gpt_mlp_tp, llama_tp, make_plan, source
+from runtime_cases import (
+    GPT_CELL,
+    HF_LLAMA_CELL,
+    LLAMA_CELL,
+    RECSYS_CELL,
+    RESNET_CELL,
+    gpt_mlp_tp,
+    has_transformers,
+    hf_llama_tp,
+    llama_tp,
+    make_plan,
+    source,
+)
 
+from autopar_nb.source import ModelSource
 from autopar_nb.verify import FP32_RTOL, StepDiff, VerifyReport, _compare, verify_many
 
 STEPS = 5
@@ -35,6 +48,10 @@ META = {  # built on the meta device, initialised shard by shard
     "meta_zero3": (G, dict(dp=2, zero=3)),
     "meta_tp": (L, dict(tp=2, tp_styles=llama_tp())),
 }
+if has_transformers():  # a model the user did not write: Hugging Face's LlamaForCausalLM, with the cell's loss_fn
+    H = ModelSource(HF_LLAMA_CELL, loss_fn_var="loss_fn")
+    TWO["hf_llama_tp"] = (H, dict(tp=2, tp_styles=hf_llama_tp()))
+    META["hf_llama_meta_zero3"] = (H, dict(dp=2, zero=3))
 FOUR = {
     "dp_tp": (G, dict(dp=2, tp=2, zero=2, tp_styles=gpt_mlp_tp())),
     "dp_tp_sp": (L, dict(dp=2, tp=2, zero=3, tp_styles=llama_tp(sp=True), sp=True)),

@@ -9,8 +9,9 @@ Two ways:
   order with the seed re-applied, each module's full weights existing only while its shard is copied out. The random
   stream is consumed exactly as the single-process constructor consumed it, so the values match.
 
-Modules are initialised by their own ``reset_parameters()``; a Hugging Face model's ``_init_weights(module)`` when
-the module has none (e.g. ``LlamaRMSNorm``); norm-like modules without either get weight 1 / bias 0.
+Modules are initialised by their own ``reset_parameters()``, and a Hugging Face model by replaying its ``post_init()``
+(``_init_weights``, which covers e.g. ``LlamaRMSNorm`` and rotary buffers); other norm-like modules without
+an init get weight 1 / bias 0.
 """
 
 from __future__ import annotations
@@ -32,19 +33,36 @@ def canonical_name(name: str) -> str:
     return name.removeprefix("module.")
 
 
-def _init_module(full: nn.Module, root: nn.Module) -> None:
-    if hasattr(full, "reset_parameters"):
-        full.reset_parameters()
-    elif hasattr(root, "_init_weights"):  # Hugging Face PreTrainedModel
-        root._init_weights(full)
-    elif any(k in type(full).__name__.lower() for k in ("norm", "scale")):
+def _is_hf(module: nn.Module) -> bool:
+    """A Hugging Face ``PreTrainedModel``: initialised by ``post_init()`` -> ``_init_weights`` after construction."""
+    return hasattr(module, "_init_weights") and hasattr(module, "post_init")
+
+
+def _fallback_init(full: nn.Module) -> None:
+    if any(k in type(full).__name__.lower() for k in ("norm", "scale")):
         for name, p in full.named_parameters(recurse=False):
             with torch.no_grad():
                 p.fill_(1.0 if name == "weight" else 0.0)
-    else:
+    elif any(True for _ in full.parameters(recurse=False)):
         raise NotImplementedError(
             f"cannot initialise {type(full).__name__} on the meta path: it has no reset_parameters(); add one "
             "(initialising the module's own parameters), or build the model for real (it fits in host memory)")
+    else:
+        warnings.warn(f"buffers of {type(full).__name__} are left as allocated (no init method)", stacklevel=3)
+
+
+def _full_copy(module: nn.Module) -> nn.Module:
+    """This module alone (no children), full size, on the host."""
+    full = copy.copy(module)
+    full._modules = {}
+    full._parameters = {n: None if p is None else nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad)
+                        for n, p in module._parameters.items()}
+    full._buffers = {n: None if b is None else torch.empty_like(b, device="cpu") for n, b in module._buffers.items()}
+    return full
+
+
+def _own(module: nn.Module) -> bool:
+    return bool(module._parameters or module._buffers)
 
 
 @torch.no_grad()
@@ -52,33 +70,29 @@ def materialize(parts: list[nn.Module], skeleton: nn.Module, *, device: str | to
     """Allocate and initialise the (sharded, meta) parameters of ``parts`` from ``skeleton``.
 
     ``parts``: the local model pieces after the plan was applied (one per pipeline stage held here, or the model);
-    ``skeleton``: the unsharded model on the meta device, in the original module structure (its order is the
-    construction order; its module paths name the parameters of ``parts``).
+    ``skeleton``: the unsharded model on the meta device, in the original module structure (its module paths name
+    the parameters of ``parts``).
+
+    The construction is replayed: modules in construction order run their ``reset_parameters()`` (what their
+    constructors did), and a Hugging Face model's ``post_init()`` is replayed where it ran, at the end of each
+    ``PreTrainedModel``'s construction: ``_init_weights`` over its modules not yet initialised, children first.
     """
     local: dict[str, torch.Tensor] = {}
     for part in parts:
+        # to_empty() gives every module its own new tensor: remember tied parameters (embedding = output head)
+        places: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in part.modules():
+            for name, p in module._parameters.items():
+                if p is not None:
+                    places.setdefault(id(p), []).append((module, name))
         part.to_empty(device=device)
+        for (owner, first), *others in (v for v in places.values() if len(v) > 1):
+            for module, name in others:
+                module._parameters[name] = owner._parameters[first]
         for name, t in [*part.named_parameters(), *part.named_buffers()]:
             local[canonical_name(name)] = t
-    torch.manual_seed(seed)
-    for path, module in skeleton.named_modules():
-        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-        if not own:
-            continue
-        # a full-size, childless copy of this module alone, on the host: its init draws the same random numbers
-        full = copy.copy(module)
-        full._modules = {}
-        full._parameters = {n: None if p is None else nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad)
-                            for n, p in module._parameters.items()}
-        full._buffers = {n: None if b is None else torch.empty_like(b, device="cpu")
-                         for n, b in module._buffers.items()}
-        try:
-            _init_module(full, skeleton)
-        except NotImplementedError:
-            if any(True for _ in module.parameters(recurse=False)):
-                raise
-            warnings.warn(f"{path}: buffers of {type(module).__name__} are left as allocated (no init method)",
-                          stacklevel=2)
+
+    def write(path: str, full: nn.Module) -> None:
         for name, value in [*full.named_parameters(recurse=False), *full.named_buffers(recurse=False)]:
             target = local.get(f"{path}.{name}" if path else name)
             if target is None:  # held by another pipeline stage
@@ -89,3 +103,69 @@ def materialize(parts: list[nn.Module], skeleton: nn.Module, *, device: str | to
                 target.to_local().copy_(shard.to_local())
             else:
                 target.copy_(value)
+
+    post_initialised: set[str] = set()
+    constructed: set[int] = set()
+
+    # some _init_weights re-initialise a child's weights from the parent (GPT-2 scales attn.c_proj); a parent whose
+    # subtree is small gets its children's current full values, kept from their own init until the parent's turn
+    numel = {path: sum(t.numel() for t in [*m.parameters(), *m.buffers()]) for path, m in skeleton.named_modules()}
+    budget = 2**28  # elements: 1 GiB in fp32; the root (the whole model) never counts as small
+    values: dict[str, torch.Tensor] = {}
+
+    def subtree_copy(module: nn.Module, path: str) -> nn.Module:
+        full = _full_copy(module)
+        for name in [*full._parameters, *full._buffers]:
+            key = f"{path}.{name}" if path else name
+            if key in values:
+                (full._parameters if name in full._parameters else full._buffers)[name].copy_(values[key])
+        for name, child in module.named_children():
+            full._modules[name] = subtree_copy(child, f"{path}.{name}" if path else name)
+        return full
+
+    def post_init(module: nn.Module, path: str, owner: nn.Module) -> None:
+        for name, child in module.named_children():
+            post_init(child, f"{path}.{name}" if path else name, child if _is_hf(child) else owner)
+        if path not in post_initialised:
+            post_initialised.add(path)
+            small = path and numel[path] <= budget
+            full = subtree_copy(module, path) if small else _full_copy(module)
+            try:
+                owner._init_weights(full)
+            except AttributeError as e:
+                raise NotImplementedError(
+                    f"{type(owner).__name__}._init_weights({path}) reads the module's children, and {path} holds "
+                    f"{numel[path]:,} elements, more than the meta path builds at once ({budget:,}); build the model "
+                    "for real, or give its modules reset_parameters()") from e
+            for sub, m in full.named_modules():
+                where = f"{path}.{sub}".strip(".") if sub else path
+                write(where, m)
+                if small:
+                    for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+                        values[f"{where}.{name}" if where else name] = t.detach()
+        parent = path.rpartition(".")[0] if path else None
+        if parent is not None and numel.get(parent, 0) > budget:  # the parent will not need this subtree
+            for key in [k for k in values if k == path or k.startswith(path + ".")]:
+                del values[key]
+
+    def construct(module: nn.Module, path: str, owner: nn.Module | None) -> None:
+        if id(module) in constructed:  # a shared module is built once
+            return
+        constructed.add(id(module))
+        owner = module if _is_hf(module) else owner
+        if _own(module):
+            full = _full_copy(module)
+            if hasattr(full, "reset_parameters"):
+                full.reset_parameters()  # draws the random numbers its constructor drew
+            elif owner is not None:
+                owner._init_weights(full)  # e.g. HF Conv1D draws normal_ in __init__, as _init_weights does
+            else:
+                _fallback_init(full)
+            write(path, full)
+        for name, child in module.named_children():
+            construct(child, f"{path}.{name}" if path else name, owner)
+        if _is_hf(module):
+            post_init(module, path, module)
+
+    torch.manual_seed(seed)
+    construct(skeleton, "", None)
