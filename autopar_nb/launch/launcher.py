@@ -232,6 +232,11 @@ def launch(script: str | os.PathLike | Callable[[Path], Any], nproc: int | None 
     worker_env = {**os.environ, **(env or {}), TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
     if backend == "gloo":
         worker_env.setdefault("OMP_NUM_THREADS", "1")  # one thread per CPU worker (oversubscription pitfall)
+    # Restarts: by default the c10d rendezvous shares the agent's TCPStore with the workers and keeps it across
+    # attempts, so a restarted group finds the failed attempt's keys (gloo: "connectFullMesh failed ... Connection
+    # refused", ../shared/notes/torch-cpu-distributed.md pitfall 3). Unshared, every attempt gets a fresh store
+    # hosted by its rank 0, and a script's plain init_process_group() restarts cleanly.
+    worker_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if server is not None:
         worker_env["AUTOPAR_METRICS"] = server.address
     else:
