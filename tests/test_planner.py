@@ -242,3 +242,18 @@ def test_fixed_mesh_and_stage_pins_are_checked(gpt):
         ap.plan(gpt, h100(), global_batch=8, fix={"pp": 2}, overrides={"h.3": {"stage": 3}})
     with pytest.raises(PlanError, match="out of order"):
         ap.plan(gpt, h100(), global_batch=8, overrides={"h.1": {"stage": 2}, "h.3": {"stage": 1}})
+
+
+def test_tp_reverts_where_a_shard_cannot_go():
+    import torch.nn as nn
+
+    # Linear -> LayerNorm: the norm needs the whole feature dim, so the first Linear stays replicated; the last
+    # Linear is a 10-way classifier (fewer outputs than inputs): not worth a vocab-parallel head either
+    graph = capture(lambda: nn.Sequential(nn.Linear(64, 256), nn.LayerNorm(256), nn.Linear(256, 512), nn.ReLU(),
+                                          nn.Linear(512, 10)), torch.randn(32, 64))
+    p = ap.plan(graph, h100(1, 2), fix={"tp": 2})
+    assert p.tp_plan.get("0", "replicate") == "replicate"
+    assert p.tp_plan["2"] == "colwise" and p.tp_plan["4"] == "rowwise" and not p.loss_parallel
+    resnet = capture(zoo.ResNet, torch.randn(8, 3, 32, 32))
+    with pytest.raises(PlanError, match="no Linear/Embedding that TP can split"):
+        ap.plan(resnet, h100(1, 2), fix={"tp": 2})

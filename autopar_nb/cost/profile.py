@@ -523,7 +523,9 @@ def _walk_once(graph, by_name, out_numel, disabled):
     used = {i for n in graph.nodes for i in n.inputs}
     for name in [n.name for n in graph.nodes if n.name in sharded]:
         if name not in used:  # a sharded model output
-            if styles.get(name) == "colwise":
+            w = graph.params.get(by_name[name].params[0]) if by_name[name].params else None
+            # a vocab-parallel head only where it pays: many outputs per input (an LM head, not a 10-way classifier)
+            if styles.get(name) == "colwise" and w is not None and len(w.shape) == 2 and w.shape[0] >= w.shape[1]:
                 head_node = name
             else:
                 conflicts |= seeds[name]
