@@ -333,3 +333,18 @@ def test_exported_script_runs_under_launch_with_metrics(tmp_path):
     assert run.loss_curve(0) == run.loss_curve(1)
     assert (tmp_path / "ckpt" / "step_6").is_dir()
     assert_no_process_left(run)
+
+
+def test_dashboard_curve_is_decimated_and_cut_back_on_redone_steps():
+    pytest.importorskip("anywidget")
+    from autopar_nb.launch.dashboard import Curve
+
+    curve = Curve(max_points=10)
+    for step in range(1, 101):
+        curve.add(step, float(step))
+    points = curve.values()
+    assert len(points) <= 11 and points[-1] == [100, 100.0] and curve.stride == 16
+    assert all(p[0] % 16 == 0 for p in points[:-1])
+    for step in range(91, 96):  # a restart resumes from step 90 and redoes 91..
+        curve.add(step, -float(step))
+    assert curve.values()[-1] == [95, -95.0] and all(p[0] < 95 for p in curve.values()[:-1])

@@ -16,14 +16,40 @@ import psutil
 import traitlets
 
 MAX_POINTS = 1000
-"""loss/throughput points sent per rank (older points are thinned out)"""
+"""loss/throughput points kept per curve: beyond it, every other point is dropped and the step stride doubles"""
 
 
-def _thin(points: list, n: int = MAX_POINTS) -> list:
-    if len(points) <= n:
-        return points
-    stride = len(points) / n
-    return [points[int(i * stride)] for i in range(n - 1)] + [points[-1]]
+class Curve:
+    """A decimated (step, value) curve, built incrementally so a refresh costs O(new rows), not O(run length).
+
+    Keeps the points whose step is a multiple of the current stride, plus the latest point; a step that is not
+    newer than the last kept one (a restart redoing steps after its checkpoint) cuts the curve back to before it.
+    """
+
+    def __init__(self, max_points: int = MAX_POINTS):
+        self.max_points = max_points
+        self.stride = 1
+        self.points: list[list[float]] = []
+        self.last: list[float] | None = None
+
+    def add(self, step: int, value: float) -> None:
+        """Append one point (see the class docstring for redone steps)."""
+        while self.points and self.points[-1][0] >= step:
+            self.points.pop()
+        if self.last is not None and self.last[0] >= step:
+            self.last = None
+        if step % self.stride == 0:
+            self.points.append([step, value])
+            if len(self.points) > self.max_points:
+                self.stride *= 2
+                self.points = [p for p in self.points if p[0] % self.stride == 0]
+        self.last = [step, value]
+
+    def values(self) -> list[list[float]]:
+        """The points to draw, the latest one included."""
+        if self.last is not None and (not self.points or self.points[-1][0] < self.last[0]):
+            return [*self.points, self.last]
+        return list(self.points)
 
 
 class Dashboard(anywidget.AnyWidget):
@@ -49,6 +75,11 @@ class Dashboard(anywidget.AnyWidget):
         super().__init__(**kwargs)
         self._run = run
         self._total_ram = float(psutil.virtual_memory().total)
+        self._seen = 0  # metrics rows already folded into the curves
+        self._loss: dict[int, Curve] = {}
+        self._rate = Curve()
+        self._unit = "samples/s"
+        self._refresh_lock = threading.Lock()
         self.on_msg(self._on_front_end_msg)
         run.add_listener(self.refresh)
         self.refresh(run)
@@ -79,17 +110,26 @@ class Dashboard(anywidget.AnyWidget):
                 "throughput": last.get("tokens_per_s", last.get("samples_per_s")),
                 "power_w": sample.get("power_w"), "temperature_c": sample.get("temperature_c"), "log": st.log_tail,
             })
-        rows = run.metrics
-        unit = "tokens/s" if any("tokens_per_s" in row for row in rows) else "samples/s"
-        key = unit.replace("/", "_per_")
-        with self.hold_sync():
-            self.status, self.message, self.error = run.status, run.message, run.error
-            self.ranks = ranks
-            self.loss = {str(r): _thin([[s, v] for s, v in run.loss_curve(r)]) for r in range(run.nproc)}
-            self.throughput = _thin([[row["step"], row[key]] for row in rows if row["rank"] == 0 and key in row])
-            self.throughput_unit = unit
-            if run.done:
-                self.summary = _summary(run)
+        with self._refresh_lock:  # the monitor thread and the constructor may both refresh
+            new = run.rows_since(self._seen)
+            self._seen += len(new)
+            for row in new:
+                if row.get("loss") is not None:
+                    self._loss.setdefault(row["rank"], Curve()).add(row["step"], row["loss"])
+                if "tokens_per_s" in row:
+                    self._unit = "tokens/s"
+                rate = row.get("tokens_per_s", row.get("samples_per_s"))
+                if row["rank"] == 0 and rate is not None:
+                    self._rate.add(row["step"], rate)
+            with self.hold_sync():
+                self.status, self.message, self.error = run.status, run.message, run.error
+                self.ranks = ranks
+                if new:
+                    self.loss = {str(r): c.values() for r, c in sorted(self._loss.items())}
+                    self.throughput = self._rate.values()
+                    self.throughput_unit = self._unit
+                if run.done:
+                    self.summary = _summary(run)
 
 
 def _summary(run) -> dict:

@@ -23,6 +23,8 @@ from . import procs
 
 TERMINAL = ("finished", "failed", "stopped", "hung")
 LOG_TAIL_LINES = 8
+TAIL_BYTES = 64 * 1024
+"""bytes read from the end of each log file for a tail"""
 STARTUP_TIMEOUT_S = 120.0
 """seconds a rank may take to connect to the metrics channel before the hang check counts it as stalled"""
 
@@ -80,6 +82,24 @@ class MetricsTable(list):
         lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
         more = f"... {len(self) - 20} earlier rows\n" if len(self) > 20 else ""
         return more + "\n".join(lines)
+
+
+def _read_end(path: Path, limit: int | None) -> str:
+    """The text of ``path`` (its last ``limit`` bytes, from a line start, when given); "" if it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            if limit is not None:
+                size = f.seek(0, 2)
+                f.seek(max(0, size - limit))
+                data = f.read()
+                if size > limit:
+                    data = data.split(b"\n", 1)[-1]
+            else:
+                data = f.read()
+    except OSError:
+        return ""
+    text = data.decode(errors="replace")
+    return text if not text or text.endswith("\n") else text + "\n"
 
 
 def _fmt(v: Any) -> str:
@@ -199,15 +219,17 @@ class Run:
         d = self._attempt_dir(rank, attempt)
         if d is None:
             return ""
-        text = ""
-        for name in ("stdout.log", "stderr.log"):
-            try:
-                text += (d / name).read_text(errors="replace")
-            except OSError:
-                pass
+        # with a tail, read only the end of each file: the monitor asks every second, and logs grow with the run
+        limit = None if tail is None else TAIL_BYTES
+        text = "".join(_read_end(d / name, limit) for name in ("stdout.log", "stderr.log"))
         if tail is not None:
             text = "\n".join(text.splitlines()[-tail:])
         return text
+
+    def rows_since(self, index: int) -> list[dict]:
+        """The metrics rows from ``index`` on (rows are only ever appended): for incremental consumers."""
+        with self._lock:
+            return [dict(r) for r in self._rows[index:]]
 
     def wait(self, timeout: float | None = None) -> str:
         """Block until the run ends (or ``timeout`` seconds pass) and return the status. Interrupting it
