@@ -59,8 +59,14 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
     if len(ranked) > 1:
         ru = ranked[1]
         diff = _setting_diff(ru.setting, s)
-        lines.append(f"Runner-up: {_summary(ru)} is {_pct(ru.cost.step_time_s - c.step_time_s, c.step_time_s)} "
-                     f"slower" + (f" (differences: {'; '.join(diff)})" if diff else "") + ".")
+        rc = ru.cost
+        deltas = [(n, getattr(rc, a) - getattr(c, a)) for n, a in (
+            ("compute", "compute_s"), ("exposed communication", "comm_exposed_s"), ("bubble", "bubble_s"),
+            ("optimizer", "optimizer_s"))]
+        why = ", ".join(f"{d * 1e3:+.1f} ms {n}" for n, d in sorted(deltas, key=lambda kv: -abs(kv[1]))
+                        if abs(d) > 0.005 * c.step_time_s)
+        lines.append(f"Runner-up: {_summary(ru)} is {_pct(rc.step_time_s - c.step_time_s, c.step_time_s)} slower"
+                     + (f" ({why})" if why else "") + (f"; it uses {', '.join(diff)}" if diff else "") + ".")
     if infeasible_faster:
         f = min(infeasible_faster, key=lambda x: x.cost.step_time_s)
         over = f.cost.peak_memory_bytes - limit
@@ -94,4 +100,4 @@ def _summary(cand) -> str:
 def _setting_diff(a, b) -> list[str]:
     """Global choices that differ between two candidates (cheap: no layer-by-layer diff)."""
     names = ("dp", "tp", "pp", "zero_stage", "micro_batches", "schedule", "virtual_stages", "sp", "amp")
-    return [f"{n} {getattr(a, n)} -> {getattr(b, n)}" for n in names if getattr(a, n) != getattr(b, n)]
+    return [f"{n}={getattr(a, n)} instead of {getattr(b, n)}" for n in names if getattr(a, n) != getattr(b, n)]
