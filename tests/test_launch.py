@@ -348,3 +348,37 @@ def test_dashboard_curve_is_decimated_and_cut_back_on_redone_steps():
     for step in range(91, 96):  # a restart resumes from step 90 and redoes 91..
         curve.add(step, -float(step))
     assert curve.values()[-1] == [95, -95.0] and all(p[0] < 95 for p in curve.values()[:-1])
+
+
+def test_nvml_sampling_maps_gpu_figures_per_rank(monkeypatch):
+    """The GPU path of the device sampler, against a stand-in for nvidia-ml-py (no GPU on the test machine)."""
+    import types
+
+    from autopar_nb.launch.monitor import DeviceSampler
+
+    class Mem:
+        used, total = 30 * 2**30, 141 * 2**30
+
+    fake = types.SimpleNamespace(
+        NVML_TEMPERATURE_GPU=0, nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetMemoryInfo=lambda h: Mem(),
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=87 + h),
+        nvmlDeviceGetPowerUsage=lambda h: 512_000, nvmlDeviceGetTemperature=lambda h, kind: 61)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    sampler = DeviceSampler(use_gpu=True)
+    me = psutil.Process()
+    out = sampler.sample({0: me, 1: me})
+    assert out[1]["gpu_util"] == 87 + 3  # local rank 1 -> the second visible GPU, NVML index 3
+    assert out[0]["power_w"] == 512.0 and out[0]["temperature_c"] == 61 and out[0]["gpu_mem_total"] == 141 * 2**30
+    assert out[0]["rss"] > 0 and "cpu_percent" in out[0]
+
+
+def test_agent_imports_only_the_standard_library_and_torch():
+    """Worker-side processes never import autopar_nb, IPython or widgets (the agent runs as a plain script)."""
+    import ast
+
+    tree = ast.parse((REPO / "autopar_nb" / "launch" / "agent.py").read_text())
+    roots = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+             for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    assert roots <= {"__future__", "json", "os", "signal", "sys", "threading", "time", "torch"}, roots
