@@ -243,6 +243,9 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group("nccl" if device == "cuda" else "gloo")
             rank = dist.get_rank()
+            if dist.get_world_size() != PP * DP * TP:
+                raise SystemExit(f"this plan runs on PP * DP * TP = {PP * DP * TP} processes, not "
+                                 f"{dist.get_world_size()}: see the torchrun commands at the top of this file")
             # ranks form a (pp, dp, tp) grid; TP innermost so a TP group stays inside a node
             mesh = init_device_mesh(device, (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
             dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
