@@ -8,8 +8,8 @@ using :mod:`.memory`, :mod:`.comm` and :mod:`.time`; every efficiency/overlap/ma
 from .estimate import Evaluator, LayerChoice, Setting, estimate, setting_of
 from .factors import Factors, factors_for
 from .memory import MIXED_ADAM, TORCH_ADAM, StateBytes, activation_bytes, in_flight, model_states
-from .profile import GraphProfile, LayerProfile, profile
+from .profile import GraphProfile, LayerProfile, profile, profile_of
 
 __all__ = ["MIXED_ADAM", "TORCH_ADAM", "Evaluator", "Factors", "GraphProfile", "LayerChoice", "LayerProfile",
            "Setting", "StateBytes", "activation_bytes", "estimate", "factors_for", "in_flight", "model_states",
-           "profile", "setting_of"]
+           "profile", "profile_of", "setting_of"]

@@ -329,9 +329,9 @@ def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:
 
 def estimate(graph, cluster, plan, *, factors: Factors | None = None) -> Cost:
     """Cost of an existing plan (e.g. one a user edited) on ``cluster``: the planner's own model, no search."""
-    from .profile import profile
+    from .profile import profile_of
 
-    prof = profile(graph, device_kind="cpu" if cluster.name == "cpu" else "cuda")
+    prof = profile_of(graph, "cpu" if cluster.name == "cpu" else "cuda")
     if [lp.path for lp in plan.layers] != [lay.path for lay in graph.layers]:
         raise ValueError("the plan's layers do not match the graph's; re-plan for this model")
     seq_ratio = plan.batch.seq_len / graph.seq_len if plan.batch.seq_len and graph.seq_len else 1.0

@@ -25,6 +25,7 @@ noise tensor of the input's dtype and RMSNorm is decomposed (input, normalised i
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -161,6 +162,24 @@ class GraphProfile:
             if lp.path == path:
                 return lp
         raise KeyError(path)
+
+
+_PROFILES: dict[int, tuple[weakref.ref, str, GraphProfile]] = {}
+
+
+def profile_of(graph, device_kind: str = "cuda") -> GraphProfile:
+    """:func:`profile`, computed once per (graph, device kind) and kept while the graph lives."""
+    hit = _PROFILES.get(id(graph))
+    if hit is not None and hit[0]() is graph and hit[1] == device_kind:
+        return hit[2]
+    prof = profile(graph, device_kind=device_kind)
+    key = id(graph)
+    try:
+        ref = weakref.ref(graph, lambda _r: _PROFILES.pop(key, None))
+    except TypeError:
+        return prof
+    _PROFILES[key] = (ref, device_kind, prof)
+    return prof
 
 
 def _numel(shape) -> int:

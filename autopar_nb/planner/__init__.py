@@ -7,10 +7,8 @@ stated in :mod:`.search`.
 
 from __future__ import annotations
 
-import weakref
-
 from ..cost.estimate import Evaluator
-from ..cost.profile import GraphProfile, profile
+from ..cost.profile import profile_of
 from ..plan import (
     BatchPlan,
     LayerPlan,
@@ -25,25 +23,9 @@ from .constraints import Constraints, parse
 from .explain import explain, fmt_bytes
 from .search import Candidate, Search, memory_limit
 
-__all__ = ["plan", "profile_of"]
+__all__ = ["plan"]
 
 GiB = 2**30
-_PROFILES: dict[int, tuple[weakref.ref, str, GraphProfile]] = {}
-
-
-def profile_of(graph, device_kind: str) -> GraphProfile:
-    """The graph's profile, computed once per (graph, device kind) and kept while the graph lives."""
-    hit = _PROFILES.get(id(graph))
-    if hit is not None and hit[0]() is graph and hit[1] == device_kind:
-        return hit[2]
-    prof = profile(graph, device_kind=device_kind)
-    key = id(graph)
-    try:
-        ref = weakref.ref(graph, lambda _r: _PROFILES.pop(key, None))
-    except TypeError:
-        return prof
-    _PROFILES[key] = (ref, device_kind, prof)
-    return prof
 
 
 def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None = None, fix: dict | None = None,
