@@ -285,55 +285,57 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
             body += [f"net = {mv}.to(device)" if mv != "net" else "net = net.to(device)"]
         else:
             body += [f"net = {mv}"]
-        body += ["parts = [net]"]
+        body += [] if (styles or full or selective or fsdp or ddp) else ["parts = [net]"]
     if styles:
         body += ["# tensor parallelism (plan: layers[*].tp, .sequence_parallel; loss_parallel): module -> style",
                  "tp_plan = {"] + [x for k, v in styles.items() for x in _style_entry(k, v, 4)] + ["}"]
     mixed = fsdp and (pr.param_dtype, pr.reduce_dtype) != ("float32", "float32")
     if mixed:
         body += ["mp_policy = MixedPrecisionPolicy(param_dtype=PARAM_DTYPE, reduce_dtype=REDUCE_DTYPE)"]
+    # per model piece: "net" without pipelining (written straight), each stage module "part" with it (in a loop,
+    # keeping the modules that stage holds)
+    v = "part" if pp else "net"
+    only = "    if path in modules:\n        " if pp else "    "
     per: list[str] = []
     if styles:
         per += ["# 1. TP first: it turns parameters into DTensors, which AC and FSDP must see",
-                "parallelize_module(part, mesh[\"tp\"], {k: v for k, v in tp_plan.items() if k in modules})"]
+                f"parallelize_module({v}, mesh[\"tp\"], "
+                + ("{k: v for k, v in tp_plan.items() if k in modules})" if pp else "tp_plan)")]
     if full or selective:
         per += ["# 2. activation checkpointing (plan: layers[*].recompute) around whole layers, before FSDP so",
                 "#    FSDP's all-gathers stay outside the recomputed region"]
         if full:
             per += [f"for path in {full!r}:  # full: keep only the layer input".replace("'", '"'),
-                    "    if path in modules:",
-                    "        wrap(part, path, lambda m: checkpoint_wrapper(m, preserve_rng_state=False))"]
+                    *(only + f"wrap({v}, path, lambda m: checkpoint_wrapper(m, preserve_rng_state=False))"
+                      ).splitlines()]
         if selective:
             per += [f"for path in {selective!r}:  # selective: keep matmul/attention outputs".replace("'", '"'),
-                    "    if path in modules:",
-                    "        wrap(part, path, lambda m: checkpoint_wrapper(",
-                    "            m, preserve_rng_state=False,",
-                    "            context_fn=functools.partial(create_selective_checkpoint_contexts, save_matmuls)))"]
+                    *(only + f"wrap({v}, path, lambda m: checkpoint_wrapper(").splitlines(),
+                    only.splitlines()[-1] + "    m, preserve_rng_state=False,",
+                    only.splitlines()[-1] + "    context_fn=functools.partial(create_selective_checkpoint_contexts, "
+                                            "save_matmuls)))"]
     if fsdp:
+        mp_arg = "mp_policy=mp_policy, " if mixed else ""
         per += [f"# 3. FSDP last (ZeRO-{m.zero_stage}): one unit per layer (plan: layers[*].fsdp), then the root",
                 f"for path in {units!r}:".replace("'", '"'),
-                "    if path in modules:",
-                "        fully_shard(part.get_submodule(path), mesh=mesh[\"dp\"], "
-                + ("mp_policy=mp_policy, " if mixed else "") + f"reshard_after_forward={m.zero_stage == 3})",
-                "fully_shard(part, mesh=mesh[\"dp\"], " + ("mp_policy=mp_policy, " if mixed else "")
-                + "reshard_after_forward=False)"]
+                *(only + f"fully_shard({v}.get_submodule(path), mesh=mesh[\"dp\"], {mp_arg}"
+                  f"reshard_after_forward={m.zero_stage == 3})").splitlines(),
+                f"fully_shard({v}, mesh=mesh[\"dp\"], {mp_arg}reshard_after_forward=False)"]
     if ddp:
         per += [f"# 3. data parallelism last: DDP{' (ZeRO-1 shards the optimizer below)' if zero1 else ''}",
-                "part = DDP(part, process_group=mesh[\"dp\"].get_group(),",
-                "           device_ids=[torch.cuda.current_device()] if device == \"cuda\" else None)",
-                "parts[i] = part"]
-    if per:
-        need_modules = any("modules" in line for line in per)
-        body += ["for i, part in enumerate(parts):" if ddp else "for part in parts:"]
-        if need_modules:
+                f"{v} = DDP({v}, process_group=mesh[\"dp\"].get_group(),",
+                f"{' ' * (len(v) + 7)}device_ids=[torch.cuda.current_device()] if device == \"cuda\" else None)"]
+    if pp and per:
+        body += ["for i, part in enumerate(parts):"]
+        if any("modules" in line for line in per):
             body += ["    modules = dict(part.named_modules())"]
         body += ["    " + line if line else "" for line in per]
-        if ddp and not pp:
-            body += ["net = parts[0]  # the DDP wrapper"]
+        if ddp:
+            body += ["    parts[i] = part"]
+    elif per:
+        body += per + ["parts = [net]"]
     if meta_init:
         body += ["init_weights(parts, skeleton, device)  # allocate the local shards, initialise module by module"]
-    elif not pp:
-        pass
     body += _block('''
         if args.dry_run:
             counts = [None] * dist.get_world_size()
