@@ -69,6 +69,21 @@ def loss_fn(model, batch):
     return F.cross_entropy(logits.flatten(0, 1), batch[0].flatten())
 '''
 
+# fails once, at step 3 of the first attempt: torchrun --max-restarts restarts the ranks, which resume from a checkpoint
+FLAKY = CELL.replace("import torch\n", "import os\n\nimport torch\n", 1) + '''
+
+def make_batch(step, rank):
+    if step == 3 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        raise RuntimeError("lost a node")
+    g = torch.Generator().manual_seed(step * 10 + rank)
+    return (torch.randint(0, 96, (4, 16), generator=g),)
+
+
+def loss_fn(model, batch):
+    logits = model(batch[0])
+    return F.cross_entropy(logits.flatten(0, 1), batch[0].roll(-1, 1).flatten())
+'''
+
 SRC = ModelSource(CELL)
 TP = {"embed": "rowwise", "blocks.0.up": "colwise", "blocks.0.down": "rowwise", "blocks.1.up": "colwise",
       "blocks.1.down": "rowwise", "head": "colwise"}
@@ -110,13 +125,14 @@ def server():
     return MetricsServer()
 
 
-def torchrun(script: Path, *args: str, server: MetricsServer | None = None, check: bool = True):
+def torchrun(script: Path, *args: str, server: MetricsServer | None = None, check: bool = True,
+             launcher_args: tuple[str, ...] = ()):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     if server is not None:
         server.reset()
         env |= {"AUTOPAR_METRICS": server.address, "AUTOPAR_TOKEN": "t0k"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                           str(script), *args], capture_output=True, text=True, timeout=300, env=env,
+                           *launcher_args, str(script), *args], capture_output=True, text=True, timeout=300, env=env,
                           cwd=script.parent)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -220,6 +236,26 @@ def test_error_is_streamed_then_raised(tmp_path, server):
     assert errors and errors[0]["error"] == "RuntimeError: no data for step 1"
     assert "make_batch" in errors[0]["traceback"]
     assert "no data for step 1" in proc.stderr  # @record: the rank's traceback reaches the launcher's output
+
+
+@pytest.mark.multiprocess
+def test_restarted_ranks_resume_from_checkpoint(tmp_path, server):
+    """A rank fails; torchrun restarts every rank (fresh rendezvous keys per attempt); they resume from the last
+    checkpoint and the run ends with the losses of a run that never failed."""
+    src = ModelSource(FLAKY, loss_fn_var="loss_fn", make_batch_var="make_batch")
+    plan = make_plan(src, dp=2, zero=3)
+    script = export(src, plan, tmp_path / "train_flaky.py", steps=5, quiet=True).script
+    ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "2"]
+    proc = torchrun(script, *ckpt, launcher_args=("--max-restarts", "1"))
+    assert "lost a node" in proc.stderr and "resumed from" in proc.stdout
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert [s.split(" |")[0] for s in steps] == ["step 0", "step 1", "step 2", "step 2", "step 3", "step 4"]
+    steady = ModelSource(FLAKY.replace('os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"', "False"),
+                         loss_fn_var="loss_fn", make_batch_var="make_batch")
+    reference = verify_many([(steady, plan)], steps=5)[0]
+    printed = [float(s.split("loss ")[1].split(" |")[0]) for s in steps]
+    expected = [reference.losses[i] for i in (0, 1, 2, 2, 3, 4)]
+    assert printed == pytest.approx(expected, abs=1e-4)  # the printed 4 decimals
 
 
 def test_render_rejects_unsupported_combinations():

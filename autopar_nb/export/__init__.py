@@ -241,7 +241,16 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
             device = "cuda" if torch.cuda.is_available() else "cpu"
             if device == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl" if device == "cuda" else "gloo")
+            backend = "nccl" if device == "cuda" else "gloo"
+            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            if attempt and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                # a restarted attempt (torchrun --max-restarts) meets in a fresh key space of the agent's store, so
+                # stale keys of the failed attempt cannot break its rendezvous
+                store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+                dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}", store),
+                                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+            else:
+                dist.init_process_group(backend)
             rank = dist.get_rank()
             if dist.get_world_size() != PP * DP * TP:
                 raise SystemExit(f"this plan runs on PP * DP * TP = {PP * DP * TP} processes, not "
