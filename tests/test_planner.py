@@ -257,3 +257,37 @@ def test_tp_reverts_where_a_shard_cannot_go():
     resnet = capture(zoo.ResNet, torch.randn(8, 3, 32, 32))
     with pytest.raises(PlanError, match="no Linear/Embedding that TP can split"):
         ap.plan(resnet, h100(1, 2), fix={"tp": 2})
+
+
+def test_pipeline_stages_move_for_memory():
+    import torch.nn as nn
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.ln, self.fc, self.proj = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            return x + self.proj(torch.nn.functional.gelu(self.fc(self.ln(x))))
+
+    class BigTable(nn.Module):  # a large embedding (memory) that costs little time, then identical blocks
+        def __init__(self, vocab=131072, d=1024, n=12):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, d)
+            self.layers = nn.ModuleList(Block(d) for _ in range(n))
+            self.head = nn.Linear(d, 8)
+
+        def forward(self, x):
+            x = self.emb(x)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    graph = capture(BigTable, torch.randint(0, 131072, (1, 2048)))
+    fix = {"pp": 4, "dp": 1, "tp": 1, "zero_stage": 0, "micro_batches": 8, "schedule": "1f1b"}
+    roomy = ap.plan(graph, h100(1, 4, memory=8e9, margin_fixed_bytes=0), global_batch=8, fix=fix)
+    tight = ap.plan(graph, h100(1, 4, memory=3.0e9, margin_fixed_bytes=0), global_batch=8, fix=fix)
+    first = lambda p: len(p.stage_layers()[0])
+    # balanced by time, the table shares stage 0 with blocks; under 3 GB it gets the stage (nearly) to itself
+    assert roomy.cost.peak_memory_bytes > 3.0e9 >= tight.cost.peak_memory_bytes
+    assert first(tight) < first(roomy)

@@ -116,6 +116,9 @@ class LayerProfile:
     mem_rep: float = 0.0
     """bytes moved by memory-bound ops outside TP regions (divided by TP only with sequence parallel)"""
     n_ops: int = 0
+    emb_bwd_split: float = 0.0
+    """bytes of dense Embedding-gradient writes in backward (tables TP splits)"""
+    emb_bwd_rep: float = 0.0
     saved: list[Saved] = field(default_factory=list)
     input_bytes: float = 0.0
     input_half: float = 0.0
@@ -276,6 +279,16 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
         if n.op_class != "view":
             lp.n_ops += 1
         nbytes = n.bytes_read + n.bytes_written
+        if n.op_class == "embedding" and n.params and n.params[0] in graph.params:
+            # a lookup reads the rows it gathers, not the table; its backward writes a dense gradient of the whole
+            # table (nn.Embedding without sparse=True: zero-fill + index_add)
+            w = graph.params[n.params[0]]
+            nbytes = 2 * n.bytes_written + sum(in_info(i)[0] * in_info(i)[1] for i in n.inputs)
+            table = w.numel * w.itemsize
+            if n.name in styles:
+                lp.emb_bwd_split += table
+            else:
+                lp.emb_bwd_rep += table
         if n.op_class in ("matmul", "conv", "attention"):
             bucket_f, bucket_b = (lp.flops_split, lp.bwd_split) if (in_region or split_op) else (lp.flops_rep,
                                                                                                  lp.bwd_rep)

@@ -30,7 +30,9 @@ def layer_compute_time(lp: LayerProfile, *, tp: int, sp: bool, half: bool, scale
     mem = (lp.mem_split / tp + lp.mem_rep / (tp if sp else 1)) * scale * byte_scale / hbm
     overhead = lp.n_ops * factors.op_overhead_s
     fwd += mem + overhead
-    bwd += 2 * mem + 2 * overhead
+    # the dense Embedding gradient (fp32, like the weights) is the table's size whatever the batch: not scaled
+    emb = (lp.emb_bwd_split / tp + lp.emb_bwd_rep) / hbm
+    bwd += 2 * mem + 2 * overhead + emb
     sel = lp.quad_flops * quad_scale / tp / (peak * factors.efficiency("attention", half))
     return fwd, bwd, sel
 

@@ -14,7 +14,10 @@ What is exact and what is heuristic:
   when the user pins layers to stages, a dynamic programme over the layer chain.
 * **Heuristic**: stages are balanced by time before recompute is chosen; recompute is then chosen per pipeline
   rank greedily (most activation bytes saved per second of recompute first: selective, then full) until the rank
-  fits, and the plan is costed again. Repeated blocks are costed once (identical layers share their terms).
+  fits, and the plan is costed again. When a rank still does not fit (1F1B, no pins), the stages are balanced
+  again by time subject to each rank's memory (the same bisection, the greedy check also capping each stage's
+  bytes with every free layer at full recompute), then recompute is chosen again. Stage balancing ignores the
+  optimizer step and point-to-point time. Repeated blocks are costed once (identical layers share their terms).
   The cost model itself is an analytic estimate (see ``autopar_nb.cost``).
 """
 
@@ -25,7 +28,7 @@ import math
 from dataclasses import dataclass
 
 from ..cost.estimate import Evaluator, LayerChoice, Setting
-from ..cost.memory import in_flight
+from ..cost.memory import in_flight, state_bytes
 from ..cost.time import bubble_fraction
 from ..plan import Cost, PlanError
 
@@ -449,6 +452,86 @@ class Search:
         cost = self.ev.evaluate(s, choices)
         if cost.peak_memory_bytes > self.limit and auto_recompute:
             free = [i not in self.rec_pinned for i in range(self.n)]
+            original = [LayerChoice(c.stage, c.tp, c.recompute, c.fsdp) for c in choices]
             if choose_recompute(self.ev, s, choices, cost, self.limit, free):
                 cost = self.ev.evaluate(s, choices)
+            if cost.peak_memory_bytes > self.limit and s.pp > 1 and s.virtual_stages == 1 and not self.pins:
+                # time-balanced stages do not fit: move layers off the fullest ranks (embedding on the first, head
+                # and loss on the last, more micro-batches in flight early in 1F1B), then recompute again
+                assign = self._memory_partition(s, original)
+                if assign is not None:
+                    retry = [LayerChoice(st, c.tp, c.recompute, c.fsdp) for st, c in zip(assign, original, strict=True)]
+                    cost2 = self.ev.evaluate(s, retry)
+                    if cost2.peak_memory_bytes > self.limit:
+                        choose_recompute(self.ev, s, retry, cost2, self.limit, free)
+                        cost2 = self.ev.evaluate(s, retry)
+                    if cost2.peak_memory_bytes < cost.peak_memory_bytes:
+                        choices, cost = retry, cost2
         return Candidate(s, choices, cost, self.limit)
+
+    def _memory_partition(self, s: Setting, choices: list[LayerChoice]) -> list[int] | None:
+        """Stages balanced by time subject to each pipeline rank's memory, with every free layer at full recompute
+        (the least memory it can take): bisection on the bottleneck time with a greedy check that also caps each
+        stage's bytes (model states + in-flight activations + a reserve for transient buffers and the loss)."""
+        f, half = self.ev.f, s.amp != "none"
+        sb = state_bytes(s.optimizer)
+        dp = s.dp
+        p_b = sb.param / (dp if s.zero_stage >= 3 else 1)
+        g_b = sb.grad / (dp if s.zero_stage >= 2 else 1)
+        o_b = sb.optimizer / (dp if s.zero_stage >= 1 else 1)
+        held = (2 if half else 4) if s.zero_stage == 2 else 2 if (s.zero_stage <= 1 and half) else 0
+        acc = 1 if (s.micro_batches > 1 or s.pp > 1) else 0
+        # per parameter at the backward moment (unsharded copies held) or at the optimizer step (foreach temporaries)
+        per_param = max(p_b + o_b + acc * g_b + held, p_b + o_b + 2 * g_b)
+        times, static, act = [], [], []
+        reserve = 0.0
+        for i, ch in enumerate(choices):
+            rec = ch.recompute if i in self.rec_pinned else "full"
+            t = s.tp if ch.tp else 1
+            lt = self.ev.terms(i, tp=t, sp=s.sp and ch.tp, half=half, mb_samples=s.mb_samples)
+            times.append(lt.fwd + lt.bwd + (lt.fwd if rec == "full" else lt.sel if rec == "selective" else 0.0)
+                         + sum(lt.tp_comm.values()) * (1 - f.overlap_tp))
+            static.append(lt.params_local * per_param)
+            act.append(lt.act[rec])
+            gather = 2 * lt.params_local * ((2 if half else 4) + 4) if s.zero_stage == 3 else 0.0
+            reserve = max(reserve, lt.act["none"] + lt.work_bytes + gather)
+        prof = self.prof
+        out_numel = prof.output_numel * s.mb_samples / prof.batch * self.ev.seq_ratio
+        loss = out_numel * (4 + 4 + (2 if half else 4))
+        cap = (self.limit - f.margin_fixed_bytes) / (1 + f.margin_fraction) - reserve
+        caps = [cap - (loss if r == s.pp - 1 else 0.0) for r in range(s.pp)]
+        flights = [in_flight(s.schedule, pp=s.pp, stage=r, micro_batches=s.micro_batches) for r in range(s.pp)]
+
+        def greedy(bound):
+            out, stage, acc_t, acc_m = [], 0, 0.0, 0.0
+            for i in range(self.n):
+                need_m = static[i] + flights[stage] * act[i]
+                if out and out[-1] == stage and (acc_t + times[i] > bound * (1 + 1e-12) or
+                                                 acc_m + need_m > caps[stage]):
+                    stage += 1
+                    if stage >= s.pp:
+                        return None
+                    acc_t, acc_m = 0.0, 0.0
+                    need_m = static[i] + flights[stage] * act[i]
+                if need_m > caps[stage] and acc_m == 0.0:
+                    return None
+                out.append(stage)
+                acc_t += times[i]
+                acc_m += need_m
+            return out
+
+        lo, hi = max(times), sum(times)
+        best = greedy(hi * 4)
+        if best is None:
+            return None
+        hi = hi * 4
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            a = greedy(mid)
+            if a is None:
+                lo = mid
+            else:
+                hi, best = mid, a
+            if hi - lo <= 1e-4 * hi:
+                break
+        return _fill_empty(best, s.pp)
