@@ -147,3 +147,39 @@ def test_meta_init_module_without_reset_parameters():
     materialize([part], meta, device="cpu", seed=1)
     for a, b in zip(real.parameters(), part.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.fixture
+def fake_world_of_two():
+    """A fake process group of 2 ranks in this process: collectives are recorded, not run."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp_collectives_are_megatrons(fake_world_of_two, sp):
+    """One forward of a 2-layer Llama with TP: Megatron's collectives, counted with CommDebugMode.
+
+    Without SP: an all-reduce per row-parallel output (vocab-parallel embedding + wo + w2 per layer = 5) and one
+    all-gather of the logits. With SP: those all-reduces become reduce-scatters, and each block gathers its sequence
+    shards once (2 per layer) plus the head's input and its logits."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from autopar_nb.runtime import apply_plan, build_mesh
+
+    src = source(LLAMA_CELL)
+    plan = make_plan(src, tp=2, tp_styles=llama_tp(sp=sp), sp=sp)
+    model, inputs, _ = src.build()
+    pm = apply_plan(model, plan, build_mesh(1, 1, 2))
+    with CommDebugMode() as comm:
+        logits = pm.parts[0](*inputs)
+    counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+    if sp:
+        assert counts == {"reduce_scatter_tensor": 5, "all_gather_into_tensor": 6}
+    else:
+        assert counts == {"all_reduce": 5, "all_gather_into_tensor": 1}
+    assert logits.shape == (4, 16, 64)
