@@ -2,6 +2,15 @@
 
 The default ``make_batch``/``loss_fn`` are kept as source text: verify executes it, and the exported script embeds
 it verbatim, so both train on exactly the same data with exactly the same loss.
+
+Conventions for a cell's own ``loss_fn(model, batch)`` and ``make_batch(step, rank)``:
+
+* ``rank`` is the data-parallel rank (TP and pipeline ranks of one replica get the same batch); tensors are split
+  along dim 0 into ``plan.batch.micro_batches`` micro-batches, so dim 0 must be the batch dimension.
+* with pipelining, ``loss_fn`` must call ``model`` exactly once: the first stage receives the arguments of that call
+  (found by calling ``loss_fn`` with a stand-in model, :func:`model_call`), and the last stage evaluates ``loss_fn``
+  with the model call answered by its output. The loss should be a mean over the micro-batch (the schedules divide
+  gradients by the number of micro-batches).
 """
 
 from __future__ import annotations
