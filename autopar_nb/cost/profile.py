@@ -6,16 +6,7 @@ Everything is measured at the captured batch and scales linearly with samples pe
 terms with the square of the sequence length). Computed once per (graph, device kind); the planner only does
 arithmetic on the result.
 
-Tensor parallelism is derived from dataflow, not from names (Megatron-LM's pairing, Shoeybi et al. 2019):
-walking the ops in order with a replicated/sharded state per tensor, a ``Linear`` that reads a replicated tensor is
-``colwise`` (its output is sharded on the last dim), one that reads a sharded tensor is ``rowwise`` (its partial
-output is all-reduced back to replicated); an ``Embedding`` is ``rowwise`` (vocab-parallel); a colwise ``Linear``
-whose sharded output is the model's output is the vocab-parallel head (``loss_parallel``). Which ops are
-Linear-like (a "colwise" and a "rowwise" split), Embedding-like, or sequence-parallel norms, and which collective
-each style implies, comes from the op's ``kernels_ext`` rule, so a registered custom op takes part. A sharded
-tensor that reaches an op that cannot take it (a norm, a residual add with a full-size replicated tensor, a
-reduction) turns the Linears that sharded it back to ``replicate``. Head counts come from the ``view``/``reshape``
-that splits a sharded last dim into ``(heads, head_dim)``; TP degrees must divide them and every split Linear dim.
+Tensor-parallel styles come from :mod:`.tp_styles`.
 
 What autograd saves follows ``tools/autograd/derivatives.yaml`` per op (``SAVES_*`` below), with storages
 deduplicated: views share their base's storage, a non-contiguous view that a matmul or reshape needs contiguous
@@ -29,12 +20,11 @@ import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import kernels_ext
+from .tp_styles import NORMS, packet, splits_of, tp_walk
 
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
             "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8}
 FLOAT = {"float64", "float32", "float16", "bfloat16"}
-HALF = {"float16", "bfloat16"}
 
 # ops by what autograd saves (packet names without "aten.")
 SAVES_MATMUL_INPUTS = {"linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "einsum", "conv1d", "conv2d", "conv3d",
@@ -51,15 +41,6 @@ ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attentio
 NONCONTIG_VIEWS = {"split", "split_with_sizes", "chunk", "unbind", "slice", "narrow", "select", "transpose",
                    "permute", "t", "expand", "expand_as", "movedim", "as_strided"}
 RESHAPES = {"reshape", "flatten", "_unsafe_view", "unflatten", "view"}
-NORMS = {"layer_norm", "rms_norm", "group_norm", "batch_norm", "_native_batch_norm_legit_functional"}
-BAD_REDUCTIONS = {"sum", "mean", "cross_entropy_loss", "nll_loss_forward", "mse_loss"}
-MODULE_OPS = {"linear": "Linear", "embedding": "Embedding"}
-
-
-def packet(op: str) -> str:
-    """'aten.linear.default' -> 'linear'."""
-    parts = op.split(".")
-    return parts[1] if len(parts) >= 2 else op
 
 
 @dataclass
@@ -212,7 +193,7 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
         return graph_in[name]
 
     seq = graph.seq_len
-    styles, loss_parallel, regions, region_of, head_counts = _tp_walk(graph, by_name, out_numel)
+    styles, loss_parallel, regions, region_of, head_counts = tp_walk(graph, by_name, out_numel)
     sharded = regions  # node name -> region id (sharded output) ; absent = replicated
 
     # storage roots and contiguity
@@ -370,7 +351,7 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
 
         # --- TP collectives: what the op's kernels_ext Split says its style implies ---
         st = styles.get(n.name)
-        split = _splits(n.op).get(st) if st else None
+        split = splits_of(n.op).get(st) if st else None
         if split is not None:
             for phase, kind in (("fwd", split.forward), ("bwd", split.backward)):
                 if not kind:
@@ -432,7 +413,7 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
                     lp.vocab.add(w.shape[0])
                 else:
                     lp.divisors.add(w.shape[0] if st == "colwise" else w.shape[1])
-        if n.op_class == "norm" and "sequence_parallel" in _splits(n.op) and n.name not in sharded and \
+        if n.op_class == "norm" and "sequence_parallel" in splits_of(n.op) and n.name not in sharded and \
                 n.module_path and n.params:
             if n.module_path not in lp.norms:
                 lp.norms.append(n.module_path)
@@ -480,113 +461,3 @@ def _owner_layer(module_path: str, owner: dict[str, str], graph) -> str | None:
             if best is None or len(lp) > len(best):
                 best = lp
     return best
-
-
-def _tp_walk(graph, by_name, out_numel):
-    """Assign colwise/rowwise styles by dataflow (module docstring). Returns (styles by node, name of the
-    vocab-parallel head node or "", sharded node -> region id, styled node -> region id, view node -> head count)."""
-    disabled: set[str] = set()
-    for _ in range(20):
-        result = _walk_once(graph, by_name, out_numel, disabled)
-        if result[0] is None:
-            disabled |= result[1]
-            continue
-        return result
-    return {}, "", {}, {}, {}
-
-
-def _walk_once(graph, by_name, out_numel, disabled):
-    styles: dict[str, str] = {}
-    sharded: dict[str, int] = {}  # node -> region id
-    seeds: dict[str, frozenset] = {}
-    region_of: dict[str, int] = {}
-    heads: dict[str, int] = {}
-    next_region = 0
-    conflicts: set[str] = set()
-    for n in graph.nodes:
-        p = packet(n.op)
-        s_in = [i for i in n.inputs if i in sharded]
-        splits = _splits(n.op)
-        linear_like = bool(n.params) and n.op_class == "matmul" and "colwise" in splits and "rowwise" in splits
-        if linear_like and n.name not in disabled:
-            if s_in:
-                styles[n.name] = "rowwise"
-                region_of[n.name] = sharded[s_in[0]]
-            else:
-                styles[n.name] = "colwise"
-                rid = next_region
-                # linears reading the same replicated input (q/k/v, w1/w3) belong to the same region
-                for other, st in styles.items():
-                    if st == "colwise" and other != n.name and by_name[other].inputs[:1] == n.inputs[:1]:
-                        rid = region_of[other]
-                        break
-                else:
-                    next_region += 1
-                region_of[n.name] = rid
-                sharded[n.name] = rid
-                seeds[n.name] = frozenset([n.name])
-            continue
-        if n.op_class == "embedding" and "rowwise" in splits and n.params and n.name not in disabled:
-            styles[n.name] = "rowwise"
-            region_of[n.name] = next_region
-            next_region += 1
-            continue
-        if not s_in:
-            continue
-        seed = frozenset().union(*(seeds[i] for i in s_in))
-        rep_in = [i for i in n.inputs if i not in sharded and i in by_name and by_name[i].op_class != "view"]
-        if p in NORMS or p in BAD_REDUCTIONS:
-            conflicts |= seed
-            continue
-        if rep_in and any(out_numel.get(i, 0) >= out_numel.get(s_in[0], 0) for i in rep_in) and \
-                n.op_class == "elementwise":
-            conflicts |= seed
-            continue
-        if n.op_class == "view" and p in ("view", "reshape", "_unsafe_view", "unflatten") and n.out_shapes:
-            src = by_name.get(s_in[0])
-            if src is not None and src.out_shapes:
-                hc = _split_heads(src.out_shapes[0], n.out_shapes[0])
-                if hc:
-                    heads[n.name] = hc
-        sharded[n.name] = sharded[s_in[0]]
-        seeds[n.name] = seed
-    final = {n.name for n in graph.nodes if n.name in sharded and n.name not in styles}
-    head_node = ""
-    used = {i for n in graph.nodes for i in n.inputs}
-    for name in [n.name for n in graph.nodes if n.name in sharded]:
-        if name not in used:  # a sharded model output
-            w = graph.params.get(by_name[name].params[0]) if by_name[name].params else None
-            # a vocab-parallel head only where it pays: many outputs per input (an LM head, not a 10-way classifier)
-            if styles.get(name) == "colwise" and w is not None and len(w.shape) == 2 and w.shape[0] >= w.shape[1]:
-                head_node = name
-            else:
-                conflicts |= seeds[name]
-    # a colwise Linear with no rowwise partner and not the head (sharded tensor dies elsewhere) is fine only as head
-    rowwise_regions = {region_of[k] for k, v in styles.items() if v == "rowwise" and
-                       by_name[k].op_class != "embedding"}
-    for k, v in styles.items():
-        if v == "colwise" and k != head_node and region_of[k] not in rowwise_regions:
-            conflicts.add(k)
-    if conflicts:
-        return None, conflicts
-    del final
-    return styles, head_node, sharded, region_of, heads
-
-
-def _splits(op: str) -> dict:
-    """The TP splits kernels_ext registers for ``op`` (style -> Split), {} when none."""
-    rule = kernels_ext.lookup(op)
-    return rule.splits if rule is not None else {}
-
-
-def _split_heads(in_shape, out_shape) -> int | None:
-    """(B, T, D) -> (B, T, nh, hd) with nh * hd = D: the head count nh (the sharded outer factor)."""
-    if len(out_shape) <= len(in_shape):
-        return None
-    k = len(in_shape) - 1
-    if tuple(out_shape[:k]) != tuple(in_shape[:k]):
-        return None
-    rest = out_shape[k:]
-    if len(rest) == 2 and rest[0] * rest[1] == in_shape[-1]:
-        return int(rest[0])
-    return None

@@ -1,0 +1,137 @@
+"""Tensor-parallel styles by dataflow, for the cost model and the planner.
+
+Tensor parallelism is derived from dataflow, not from names (Megatron-LM's pairing, Shoeybi et al. 2019):
+walking the ops in order with a replicated/sharded state per tensor, a ``Linear`` that reads a replicated tensor is
+``colwise`` (its output is sharded on the last dim), one that reads a sharded tensor is ``rowwise`` (its partial
+output is all-reduced back to replicated); an ``Embedding`` is ``rowwise`` (vocab-parallel); a colwise ``Linear``
+whose sharded output is the model's output is the vocab-parallel head (``loss_parallel``), kept only when it has at
+least as many outputs as inputs (an LM head, not a 10-way classifier). Which ops are
+Linear-like (a "colwise" and a "rowwise" split), Embedding-like, or sequence-parallel norms, and which collective
+each style implies, comes from the op's ``kernels_ext`` rule, so a registered custom op takes part. A sharded
+tensor that reaches an op that cannot take it (a norm, a residual add with a full-size replicated tensor, a
+reduction) turns the Linears that sharded it back to ``replicate``. Head counts come from the ``view``/``reshape``
+that splits a sharded last dim into ``(heads, head_dim)``; TP degrees must divide them and every split Linear dim.
+"""
+
+from __future__ import annotations
+
+import kernels_ext
+
+NORMS = {"layer_norm", "rms_norm", "group_norm", "batch_norm", "_native_batch_norm_legit_functional"}
+BAD_REDUCTIONS = {"sum", "mean", "cross_entropy_loss", "nll_loss_forward", "mse_loss"}
+
+
+def packet(op: str) -> str:
+    """'aten.linear.default' -> 'linear'."""
+    parts = op.split(".")
+    return parts[1] if len(parts) >= 2 else op
+
+
+def tp_walk(graph, by_name, out_numel):
+    """Assign colwise/rowwise styles by dataflow (module docstring). Returns (styles by node, name of the
+    vocab-parallel head node or "", sharded node -> region id, styled node -> region id, view node -> head count)."""
+    disabled: set[str] = set()
+    for _ in range(20):
+        result = _walk_once(graph, by_name, out_numel, disabled)
+        if result[0] is None:
+            disabled |= result[1]
+            continue
+        return result
+    return {}, "", {}, {}, {}
+
+
+def _walk_once(graph, by_name, out_numel, disabled):
+    styles: dict[str, str] = {}
+    sharded: dict[str, int] = {}  # node -> region id
+    seeds: dict[str, frozenset] = {}
+    region_of: dict[str, int] = {}
+    heads: dict[str, int] = {}
+    next_region = 0
+    conflicts: set[str] = set()
+    for n in graph.nodes:
+        p = packet(n.op)
+        s_in = [i for i in n.inputs if i in sharded]
+        splits = splits_of(n.op)
+        linear_like = bool(n.params) and n.op_class == "matmul" and "colwise" in splits and "rowwise" in splits
+        if linear_like and n.name not in disabled:
+            if s_in:
+                styles[n.name] = "rowwise"
+                region_of[n.name] = sharded[s_in[0]]
+            else:
+                styles[n.name] = "colwise"
+                rid = next_region
+                # linears reading the same replicated input (q/k/v, w1/w3) belong to the same region
+                for other, st in styles.items():
+                    if st == "colwise" and other != n.name and by_name[other].inputs[:1] == n.inputs[:1]:
+                        rid = region_of[other]
+                        break
+                else:
+                    next_region += 1
+                region_of[n.name] = rid
+                sharded[n.name] = rid
+                seeds[n.name] = frozenset([n.name])
+            continue
+        if n.op_class == "embedding" and "rowwise" in splits and n.params and n.name not in disabled:
+            styles[n.name] = "rowwise"
+            region_of[n.name] = next_region
+            next_region += 1
+            continue
+        if not s_in:
+            continue
+        seed = frozenset().union(*(seeds[i] for i in s_in))
+        rep_in = [i for i in n.inputs if i not in sharded and i in by_name and by_name[i].op_class != "view"]
+        if p in NORMS or p in BAD_REDUCTIONS:
+            conflicts |= seed
+            continue
+        if rep_in and any(out_numel.get(i, 0) >= out_numel.get(s_in[0], 0) for i in rep_in) and \
+                n.op_class == "elementwise":
+            conflicts |= seed
+            continue
+        if n.op_class == "view" and p in ("view", "reshape", "_unsafe_view", "unflatten") and n.out_shapes:
+            src = by_name.get(s_in[0])
+            if src is not None and src.out_shapes:
+                hc = _split_heads(src.out_shapes[0], n.out_shapes[0])
+                if hc:
+                    heads[n.name] = hc
+        sharded[n.name] = sharded[s_in[0]]
+        seeds[n.name] = seed
+    final = {n.name for n in graph.nodes if n.name in sharded and n.name not in styles}
+    head_node = ""
+    used = {i for n in graph.nodes for i in n.inputs}
+    for name in [n.name for n in graph.nodes if n.name in sharded]:
+        if name not in used:  # a sharded model output
+            w = graph.params.get(by_name[name].params[0]) if by_name[name].params else None
+            # a vocab-parallel head only where it pays: many outputs per input (an LM head, not a 10-way classifier)
+            if styles.get(name) == "colwise" and w is not None and len(w.shape) == 2 and w.shape[0] >= w.shape[1]:
+                head_node = name
+            else:
+                conflicts |= seeds[name]
+    # a colwise Linear with no rowwise partner and not the head (sharded tensor dies elsewhere) is fine only as head
+    rowwise_regions = {region_of[k] for k, v in styles.items() if v == "rowwise" and
+                       by_name[k].op_class != "embedding"}
+    for k, v in styles.items():
+        if v == "colwise" and k != head_node and region_of[k] not in rowwise_regions:
+            conflicts.add(k)
+    if conflicts:
+        return None, conflicts
+    del final
+    return styles, head_node, sharded, region_of, heads
+
+
+def splits_of(op: str) -> dict:
+    """The TP splits kernels_ext registers for ``op`` (style -> Split), {} when none."""
+    rule = kernels_ext.lookup(op)
+    return rule.splits if rule is not None else {}
+
+
+def _split_heads(in_shape, out_shape) -> int | None:
+    """(B, T, D) -> (B, T, nh, hd) with nh * hd = D: the head count nh (the sharded outer factor)."""
+    if len(out_shape) <= len(in_shape):
+        return None
+    k = len(in_shape) - 1
+    if tuple(out_shape[:k]) != tuple(in_shape[:k]):
+        return None
+    rest = out_shape[k:]
+    if len(rest) == 2 and rest[0] * rest[1] == in_shape[-1]:
+        return int(rest[0])
+    return None
