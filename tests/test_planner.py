@@ -212,7 +212,7 @@ def _brute_force(times, n_stages):
 def test_stage_partition_is_optimal():
     import random
 
-    from autopar_nb.planner.search import partition, partition_runs
+    from autopar_nb.planner.stages import partition, partition_runs
 
     rng = random.Random(0)
     for _ in range(60):

@@ -1,0 +1,55 @@
+"""Recompute choice per pipeline rank: turn on selective, then full recompute where it saves the most activation
+bytes per second of extra compute, until the rank fits in memory (greedy; exact per layer, heuristic overall)."""
+
+from __future__ import annotations
+
+import math
+
+from ..cost.estimate import Evaluator, LayerChoice, Setting
+from ..cost.memory import in_flight
+from ..plan import Cost
+
+
+def choose_recompute(ev: Evaluator, s: Setting, choices: list[LayerChoice], cost: Cost, limit: float,
+                     free: list[bool]) -> bool:
+    """Turn on recompute (selective, then full) in the free layers of each pipeline rank over ``limit``, most bytes
+    saved per second of recompute first, until the rank fits. Returns True when something changed. Works on runs
+    of identical layers, converting as many layers of a run as the shortfall needs."""
+    f = ev.f
+    half = s.amp != "none"
+    changed = False
+    runs = ev.runs(choices)
+    for r, mb in enumerate(cost.memory_by_rank):
+        if mb.total <= limit:
+            continue
+        # bytes to shed from the subtotal (the margin is a fraction of it plus a constant)
+        need = (mb.total - limit) / (1 + f.margin_fraction)
+        flight = in_flight(s.schedule, pp=s.pp, stage=r, micro_batches=s.micro_batches,
+                           virtual_stages=s.virtual_stages)
+        options = []
+        for first, cnt, ch in runs:
+            if ch.stage % s.pp != r or not free[first] or ch.recompute != "none":
+                continue
+            t = s.tp if ch.tp else 1
+            lt = ev.terms(first, tp=t, sp=s.sp and ch.tp, half=half, mb_samples=s.mb_samples)
+            for opt, cost_s in (("selective", lt.sel), ("full", lt.fwd)):
+                saved = (lt.act["none"] - lt.act[opt]) * flight
+                if saved > 0:
+                    options.append((saved / max(cost_s, 1e-12), first, cnt, opt, saved, lt.act["none"]))
+        options.sort(key=lambda o: -o[0])
+        extra_work = False
+        for _, first, cnt, opt, saved, act_none in options:
+            if need <= 0:
+                break
+            todo = [j for j in range(first, first + cnt) if choices[j].recompute == "none"]
+            if not todo:
+                continue
+            if opt == "full" and not extra_work:  # the recomputed layer's activations live during its backward
+                extra_work = True
+                need += act_none
+            k = min(len(todo), max(1, math.ceil(need / saved)))
+            for j in todo[len(todo) - k:]:  # the last layers of the run: their activations live longest
+                choices[j].recompute = opt
+            need -= k * saved
+            changed = True
+    return changed
