@@ -1,8 +1,9 @@
 """The automatic planner: ``plan(graph, cluster, ...) -> Plan``.
 
 Pipeline: :mod:`.constraints` parses ``fix``/``overrides``; :mod:`.search` enumerates and costs candidates with
-:class:`autopar_nb.cost.Evaluator`; :mod:`.explain` writes the explanation. What is exact and what is heuristic is
-stated in :mod:`.search`.
+:class:`autopar_nb.cost.Evaluator`, placing layers on pipeline stages with :mod:`.stages` and choosing recompute with
+:mod:`.recompute`; :mod:`.explain` writes the explanation. What is exact and what is heuristic is stated in
+:mod:`.search`.
 """
 
 from __future__ import annotations
