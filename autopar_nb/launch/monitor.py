@@ -106,6 +106,7 @@ class Monitor(threading.Thread):
                 now = time.monotonic()
                 if now - last_sample >= SAMPLE_INTERVAL_S:
                     last_sample = now
+                    r._check_attempt()
                     workers = r._refresh_workers()
                     if self.sampler is not None:
                         r._set_samples(self.sampler.sample(workers))

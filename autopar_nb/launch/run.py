@@ -39,7 +39,9 @@ class RankState:
     step: int | None = None
     """last step reported"""
     last_progress: float = 0.0
-    """time.monotonic() of the last hello or step"""
+    """time.monotonic() of the last hello or step, or of the restart that began its current attempt"""
+    connected: bool = False
+    """its current attempt has said hello"""
     done: bool = False
     sample: dict = field(default_factory=dict)
     """latest device sample (cpu_percent, rss; gpu_util, gpu_mem_used, ... with NVML)"""
@@ -150,6 +152,7 @@ class Run:
         self._error: dict | None = None
         self._result: dict | None = None
         self._error_time: float | None = None
+        self._attempt_seen = -1
         self.started = time.time()
         self._t0 = time.monotonic()
         self.first_step_time: float | None = None
@@ -324,7 +327,7 @@ class Run:
                     att = m.data.get("attempt")
                     latest = self._latest_attempt()
                     st.attempt = att if isinstance(att, int) else latest if latest >= 0 else st.attempt + 1
-                    st.last_progress, st.done = now, False
+                    st.last_progress, st.done, st.connected = now, False, True
                     if self._status in ("starting", "restarting") and st.attempt > 0:
                         self._set_status("restarting", f"restart {st.attempt}: rank {m.rank} reconnected")
                 elif m.kind == "data":
@@ -393,6 +396,22 @@ class Run:
         # local rank == global rank on one node
         return attempts[-1] / str(rank)
 
+    def _check_attempt(self) -> None:
+        """A new attempt directory means torch's agent restarted the worker group: every rank starts over (its
+        start-up allowance for the hang check too), and the status says so."""
+        latest = self._latest_attempt()
+        if latest <= self._attempt_seen:
+            return
+        now = time.monotonic()
+        with self._lock:
+            first = self._attempt_seen < 0
+            self._attempt_seen = latest
+            if first:
+                return
+            for st in self._ranks.values():
+                st.last_progress, st.connected, st.done = now, False, False
+            self._set_status("restarting", f"restart {latest} of {self.max_restarts}: the agent restarts every worker")
+
     def _latest_attempt(self) -> int:
         """The agent's latest restart attempt, from its per-attempt log directories (-1 before any)."""
         found = [int(p.name.split("_")[1]) for p in (self.run_dir / "logs").glob(f"{self.run_id}_*/attempt_*")]
@@ -420,12 +439,12 @@ class Run:
             # a rank that has not connected yet is still starting (importing torch, building the model): it gets
             # STARTUP_TIMEOUT_S at least; and while no rank at all has connected, the script may simply not speak
             # the metrics protocol: that is no hang (the status line says so instead)
-            if not any(s.last_progress for s in self._ranks.values()):
+            if not any(s.connected for s in self._ranks.values()):
                 if now - self._t0 > STARTUP_TIMEOUT_S and self._status == "starting":
                     self._message = (f"no rank has reported metrics after {STARTUP_TIMEOUT_S:.0f} s: does the script "
                                      "implement the metrics protocol (AUTOPAR_METRICS)? See run.logs(0)")
                 return
-            limit = {r: self.hang_timeout_s if s.last_progress else max(self.hang_timeout_s, STARTUP_TIMEOUT_S)
+            limit = {r: self.hang_timeout_s if s.connected else max(self.hang_timeout_s, STARTUP_TIMEOUT_S)
                      for r, s in self._ranks.items()}
             stalled = {r: now - max(s.last_progress, self._t0) for r, s in self._ranks.items() if not s.done}
             if not any(t >= limit[r] for r, t in stalled.items()):
