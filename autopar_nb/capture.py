@@ -85,6 +85,17 @@ def _to_meta(x: Any) -> Any:
     return torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) and not x.is_meta else x
 
 
+def _tensor_metas(value: Any) -> list[TensorMeta]:
+    """The TensorMeta leaves of nested args (tree_flatten would flatten the NamedTuple itself)."""
+    if isinstance(value, TensorMeta):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensor_metas(v)]
+    return []
+
+
 def _info(t: Any) -> TensorInfo | None:
     if isinstance(t, torch.Tensor):
         return TensorInfo(tuple(int(s) for s in t.shape), str(t.dtype).removeprefix("torch."), t.element_size())
@@ -353,7 +364,7 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, raw: list[_RawOp], outs:
         out_meta = [_meta(o) for o in r.outs]
         flops = rule.forward_flops(a, k, out_meta)
         bwd, (rd, wr) = flops * rule.backward_factor, rule.bytes_moved(a, k, out_meta)
-        in_shapes = [t.shape for t in tree_flatten((a, k))[0] if isinstance(t, TensorMeta)]
+        in_shapes = [t.shape for t in _tensor_metas((a, k))]
         layer = _layer_of(r.module_path, layer_paths) or last_layer
         node = OpNode(r.name, r.op, rule.op_class, r.inputs, in_shapes, [o.shape for o in out_meta],
                       out_meta[0].dtype if out_meta else "", flops, bwd, rd, wr, r.params, r.module_path,

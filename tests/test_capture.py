@@ -88,6 +88,7 @@ def test_cnn_with_batchnorm():
     first = next(n for n in g.nodes if n.op_class == "conv")
     assert first.flops == 2 * (8 * 16 * 32 * 32) * 3 * 3 * 3  # 2 * out_numel * Cin * kh * kw
     assert first.module_path == "conv1"
+    assert first.in_shapes == [(8, 3, 32, 32), (16, 3, 3, 3)]  # input and weight
     assert any("batch_norm" in n.op for n in g.nodes)
     assert [b.members for b in g.blocks] == [["layer1.0", "layer1.1"]]  # layer2.0/3.0 downsample: not repeats
     assert any(p.is_buffer and p.name.endswith("running_mean") for p in g.params.values())
