@@ -243,9 +243,12 @@ def test_sigkilled_worker_restarts_from_checkpoint_and_loss_continues_exactly(tm
     ckpt = tmp_path / "ckpt"
     run = launch(FIXTURE, nproc=2, steps=12, sleep=0.15, max_restarts=1, ckpt_dir=ckpt, ckpt_every=3,
                  run_dir=tmp_path / "run")
+    statuses = []
+    run.add_listener(lambda r: statuses.append(r.status))
     wait_for(lambda: (run.last_steps()[1] or 0) >= 5, 60, "rank 1 to pass step 5")
     run.workers()[1].send_signal(signal.SIGKILL)
     assert run.wait(120) == "finished", run.message
+    assert "restarting" in statuses and statuses[-1] == "finished", statuses
     resumed = int(re.search(r"resumed from step (\d+)", run.logs(0)).group(1))
     assert resumed >= 3 and resumed % 3 == 0
     rows = run.metrics

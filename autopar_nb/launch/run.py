@@ -289,7 +289,7 @@ class Run:
 
     def calibrate(self, cluster: Any = None, *, preset: str | None = None, save: bool = True) -> dict[str, float]:
         """Measured / predicted factors of this run (see :mod:`autopar_nb.calibration` for the keys), stored for
-        the cluster preset (``cluster.preset``, ``preset``, or the plan's) so the next plan uses them; returns them.
+        the cluster preset (``cluster.name``, ``preset``, or the plan's) so the next plan uses them; returns them.
         Needs a finished run with step metrics and a plan with a cost."""
         from .. import calibration
 
