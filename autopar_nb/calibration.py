@@ -161,11 +161,14 @@ def from_run(run: Any, *, cluster: Any = None, preset: str | None = None, save: 
     cost = getattr(run.plan, "cost", None)
     if cost is not None:
         measured["predicted_breakdown_by_rank"] = {i: dataclasses.asdict(m) for i, m in enumerate(cost.memory_by_rank)}
-    factors, record = factors_from(measured, current=_current_factors(cluster))
     name = preset or (_preset_of(cluster) if cluster is not None else "") or (
         (getattr(run.plan, "cluster", None) or {}).get("preset", ""))
     if not name:
         raise ValueError("no cluster preset to store the calibration under: pass cluster=... or preset='h100-80gb'")
+    # the factors the prediction was made with: the cluster's, or (no cluster given) the defaults with what is
+    # stored for the preset, which is what a plan made on apply(cluster) used
+    current = _current_factors(cluster) if cluster is not None else {**_current_factors(None), **load(name)}
+    factors, record = factors_from(measured, current=current)
     if save:
         data = _read()
         entry = data["presets"].setdefault(name, {"factors": {}, "history": []})

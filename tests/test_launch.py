@@ -286,8 +286,11 @@ def test_dashboard_and_calibration_of_a_finished_run(reference_run, tmp_path, mo
     try:
         cluster = Cluster.preset("cpu", gpus_per_node=2)
         factors = reference_run.calibrate(cluster)
+        # no cluster given: the prediction is taken to have used the stored factors, so they are the start
+        again = reference_run.calibrate(preset="cpu", save=False)
     finally:
         reference_run.plan = None
+    assert again["eff_matmul"] == pytest.approx(factors["eff_matmul"] * 2)
     default = factors_mod.DEFAULT
     assert factors["eff_matmul"] == pytest.approx(default.eff_matmul * 2)  # twice as fast as predicted
     assert factors["op_overhead_s"] == pytest.approx(default.op_overhead_s / 2)
