@@ -2,7 +2,8 @@
 by Debian's chromium through Playwright. Opens notebooks/01_quickstart.ipynb, runs all, waits for the planner
 widgets, picks a layer strategy from the dropdown, clicks a graph node, drags a layer to another pipeline stage,
 and checks from the kernel (a cell that writes the sessions' state to a file) that the plans changed accordingly.
-Screenshots go to docs/img/ (the README shows docs/img/widget.png).
+Screenshots go to $AUTOPAR_SCREENSHOTS (default: a temporary folder); `AUTOPAR_SCREENSHOTS=docs/img make test`
+refreshes the ones the README shows (docs/img/widget.png).
 
 Runs in CI (CI=true: a missing chromium is a failure; .ci/run installs it); elsewhere it skips without chromium.
 """
@@ -16,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -25,7 +27,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "01_quickstart.ipynb"
-IMG = ROOT / "docs" / "img"
+IMG = Path(os.environ.get("AUTOPAR_SCREENSHOTS") or Path(tempfile.gettempdir()) / "autopar-screenshots")
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",

@@ -1,6 +1,6 @@
 """The launch dashboard in a real browser (JupyterLab + chromium through Playwright; the ``lab`` fixture of
 test_browser.py): it renders, keeps updating while another cell runs, and its Stop button ends every worker.
-A screenshot goes to docs/img/dashboard.png."""
+A screenshot goes to $AUTOPAR_SCREENSHOTS/dashboard.png (see test_browser.py)."""
 
 from __future__ import annotations
 
