@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from . import calibration
 from .capture import CaptureError, capture
 from .cell import CellError, parse_fix, run_model_cell
 from .hardware import Cluster
@@ -17,12 +20,15 @@ DTYPES = {"auto": None, "fp32": "none", "bf16": "bf16", "fp16": "fp16"}
 
 def make_cluster(gpu: str, gpus: int | None, nodes: int) -> Cluster:
     """The cluster the options describe: a named preset, or ``auto`` = this machine (its GPUs; on a CPU-only
-    machine the ``cpu`` preset with 2 processes, so the plan can be launched here)."""
+    machine the ``cpu`` preset with 2 processes, so the plan can be launched here). Factors measured by earlier
+    runs of this preset (``run.calibrate()``) are applied."""
     if gpu == "auto":
         detected = Cluster.detect()
         per_node = gpus or (detected.gpus_per_node if detected.name != "cpu" else 2)
-        return Cluster(detected.device, nodes, per_node, detected.intra_node, detected.inter_node, detected.name)
-    return Cluster.preset(gpu, nodes=nodes, gpus_per_node=gpus or 8)
+        cluster = dataclasses.replace(detected, nodes=nodes, gpus_per_node=per_node)
+    else:
+        cluster = Cluster.preset(gpu, nodes=nodes, gpus_per_node=gpus or 8)
+    return calibration.apply(cluster)
 
 
 @magics_class

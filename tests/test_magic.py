@@ -131,3 +131,24 @@ def test_help_documents_every_option_with_an_example():
         assert option in doc, option
     assert "In [2]: %%autoparallel" in doc
     assert doc.count("Example:") >= 7
+
+
+def test_calibrated_factors_reach_the_next_plan(ip):
+    import json
+    import os
+
+    from autopar_nb import calibration
+
+    path = calibration.path()
+    assert str(path) == os.environ["AUTOPAR_CALIBRATION"]  # tests never touch the user's file
+    factors = {"eff_matmul": 0.01, "eff_fp32_matmul": 0.01}  # as run.calibrate() stores them for a slow machine
+    path.write_text(json.dumps({"version": 1, "presets": {"cpu": {"factors": factors, "history": []}}}))
+    try:
+        s = ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2", SEED_CELL)
+        assert s.cluster.calibration == factors
+        slow = s.plan.cost.compute_s
+        calibration.reset("cpu")
+        s2 = ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2", SEED_CELL)
+        assert s2.cluster.calibration == {} and s2.plan.cost.compute_s < slow
+    finally:
+        calibration.reset()
