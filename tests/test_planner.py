@@ -66,12 +66,34 @@ def test_seed_mlp_plan_has_cost_alternatives_explanation(seed):
 def test_gpt_tp_styles_from_dataflow(gpt):
     p = ap.plan(gpt, h100(), global_batch=8, fix={"tp": 2, "pp": 1})
     tp = p.tp_plan
-    assert tp["h.0.attn.c_attn"] == "colwise" and tp["h.0.attn.c_proj"] == "rowwise"
+    # fused QKV: c_attn(x).split(C, dim=2) cuts the sharded dim, so colwise shards would mix q/k/v: kept replicated
+    assert "h.0.attn.c_attn" not in tp and "h.0.attn.c_proj" not in tp
     assert tp["h.3.mlp.c_fc"] == "colwise" and tp["h.3.mlp.c_proj"] == "rowwise"
     assert tp["wte"] == "rowwise" and tp["lm_head"] == "colwise" and p.loss_parallel
-    assert tp["h.0.ln_1"] == tp["h.0.ln_2"] == tp["ln_f"] == "sequence_parallel"
-    assert p.layer("h.2").sequence_parallel
-    assert "4 per rank" in p.explain()  # 8 heads / tp 2
+    # wpe is looked up with arange(T) positions: replicated; wte(idx) + wpe(pos) rules out sequence parallelism
+    assert "wpe" not in tp and not p.layer("h.2").sequence_parallel and "h.0.ln_1" not in tp
+
+
+def test_tp_fused_qkv_split_detected():
+    """A Linear whose colwise output is split along the sharded dim is not sharded; chunk along another dim is."""
+    import torch
+    import torch.nn as nn
+
+    class Fused(nn.Module):
+        def __init__(self, dim_split: int):
+            super().__init__()
+            self.up, self.down, self.dim_split = nn.Linear(8, 16), nn.Linear(8 if dim_split == -1 else 16, 8), dim_split
+
+        def forward(self, x):
+            a, b = self.up(x).chunk(2, dim=self.dim_split)
+            return self.down(a * b)
+
+    for d, expect in ((-1, None), (0, "colwise")):
+        g = ap.capture(Fused(d).to("meta"), (torch.randn(4, 8, device="meta"),))
+        from autopar_nb.cost.profile import profile
+
+        styles = {k: v for lp in profile(g).layers for k, v in lp.tp.items()}
+        assert styles.get("up") == expect, (d, styles)
 
 
 def test_llama_tp_styles_gqa(llama):
@@ -135,7 +157,7 @@ def test_overrides_are_honoured(gpt):
 def test_replicate_override_turns_tp_off_for_a_layer(gpt):
     p = ap.plan(gpt, h100(), global_batch=8, fix={"tp": 2, "pp": 1}, overrides={"lm_head": {"tp": "replicate"}})
     assert p.tp_plan.get("lm_head", "replicate") == "replicate" and not p.loss_parallel
-    assert p.tp_plan["h.0.attn.c_attn"] == "colwise"
+    assert p.tp_plan["h.0.mlp.c_fc"] == "colwise"
 
 
 def test_tighter_memory_moves_towards_sharding_or_recompute():

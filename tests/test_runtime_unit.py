@@ -42,9 +42,14 @@ def test_tp_styles_sequence_parallel_llama():
     src = source(LLAMA_CELL)
     model, _, _ = src.build(device="meta")
     plan = make_plan(src, tp=2, tp_styles=llama_tp(sp=True), sp=True, loss_parallel=True)
-    styles = tp_styles(model, plan.tp_plan, sp_layers=[lp.path for lp in plan.layers], loss_parallel=True)
-    assert styles["tok_embeddings"].endswith("output_layouts=Shard(1))")
-    assert styles["layers.0.attention_norm"] == "SequenceParallel()"
+    styles = tp_styles(model, plan.tp_plan, sp_layers=[lp.path for lp in plan.layers],
+                       layers=[lp.path for lp in plan.layers], loss_parallel=True)
+    # embeddings stay replicated; the first block cuts the sequence (locally), the blocks keep it cut
+    assert styles["tok_embeddings"] == "RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())"
+    assert styles["layers.0"].startswith("PrepareModuleInput(input_layouts=(Replicate(),), "
+                                         "desired_input_layouts=(Shard(1),)")
+    assert "layers.1" not in styles
+    assert styles["layers.0.attention_norm"] == "SequenceParallel(use_local_output=True)"
     # the block holding the colwise Linears gathers the sequence once; the Linears themselves take replicated input
     assert styles["layers.0.attention"].startswith("PrepareModuleInput(input_layouts=(Shard(1),)")
     assert styles["layers.0.attention.wq"] == "ColwiseParallel()"
@@ -54,6 +59,26 @@ def test_tp_styles_sequence_parallel_llama():
                                 "use_local_output=False)")
     for text in styles.values():
         build_style(text)  # every text is a valid constructor
+
+
+def test_tp_styles_sequence_parallel_region():
+    """The region: blocks and final norm sequence-parallel, the head outside it takes the sequence shards; a gap in
+    the region is an error that says which layers."""
+    src = source(LLAMA_CELL)
+    model, _, _ = src.build(device="meta")
+    layers = ["tok_embeddings", "layers.0", "layers.1", "norm", "output"]
+    tp = llama_tp(sp=True)
+    styles = tp_styles(model, tp, sp_layers=["layers.0", "layers.1"], layers=layers)  # "norm" counts by its style
+    assert styles["output"] == "ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())"
+    no_head = tp_styles(model, llama_tp(sp=True, head=False), sp_layers=[], layers=layers)
+    assert no_head["output"].startswith("PrepareModuleInput(input_layouts=(Shard(1),)")  # gathered back
+    gap = {k: v for k, v in tp.items() if not (k.startswith("layers.1.") and v == "sequence_parallel")}
+    with pytest.raises(NotImplementedError, match="layers.1 between layers.0 and norm"):
+        tp_styles(model, gap, sp_layers=["layers.0", "norm"], layers=layers)
+    # a norm left whole inside the region would sum the gradient of one rank's tokens only
+    unsplit_norm = {k: v for k, v in tp.items() if k != "layers.0.ffn_norm"}
+    with pytest.raises(NotImplementedError, match="layers.0.ffn_norm .RMSNorm. has parameters and no TP style"):
+        tp_styles(model, unsplit_norm, sp_layers=["layers.0", "layers.1"], layers=layers)
 
 
 def test_tp_styles_errors_say_what_to_do():
@@ -165,8 +190,9 @@ def test_tp_collectives_are_megatrons(fake_world_of_two, sp):
     """One forward of a 2-layer Llama with TP: Megatron's collectives, counted with CommDebugMode.
 
     Without SP: an all-reduce per row-parallel output (vocab-parallel embedding + wo + w2 per layer = 5) and one
-    all-gather of the logits. With SP: those all-reduces become reduce-scatters, and each block gathers its sequence
-    shards once (2 per layer) plus the head's input and its logits."""
+    all-gather of the logits. With SP: the blocks' all-reduces become reduce-scatters (4), the embedding's stays
+    (its output is replicated), and each block gathers its sequence shards once per sub-block (2 per layer) plus the
+    head's input and its logits."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     from autopar_nb.runtime import apply_plan, build_mesh
@@ -174,12 +200,13 @@ def test_tp_collectives_are_megatrons(fake_world_of_two, sp):
     src = source(LLAMA_CELL)
     plan = make_plan(src, tp=2, tp_styles=llama_tp(sp=sp), sp=sp)
     model, inputs, _ = src.build()
+    assert [lp.sequence_parallel for lp in plan.layers] == [sp] * 5
     pm = apply_plan(model, plan, build_mesh(1, 1, 2))
     with CommDebugMode() as comm:
         logits = pm.parts[0](*inputs)
     counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
     if sp:
-        assert counts == {"reduce_scatter_tensor": 5, "all_gather_into_tensor": 6}
+        assert counts == {"all_reduce": 1, "reduce_scatter_tensor": 4, "all_gather_into_tensor": 6}
     else:
         assert counts == {"all_reduce": 5, "all_gather_into_tensor": 1}
     assert logits.shape == (4, 16, 64)

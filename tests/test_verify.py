@@ -36,6 +36,8 @@ TWO = {
     "zero3": (G, dict(dp=2, zero=3)),
     "fsdp_recompute": (G, dict(dp=2, zero=3, recompute={"h.0": "full", "h.1": "selective"})),
     "tp_sp": (L, dict(tp=2, tp_styles=llama_tp(sp=True), sp=True, loss_parallel=True)),
+    # sequence parallelism over the blocks and final norm only: the replicated head gets the sequence back
+    "tp_sp_head_outside": (L, dict(tp=2, tp_styles=llama_tp(sp=True, head=False), sp=True)),
     "embedding": (R, dict(tp=2, tp_styles={"tables.0": "rowwise", "tables.1": "colwise"})),
     "pp_gpipe": (G, dict(pp=2, schedule="gpipe", micro_batches=2, stages={"h.1": 1})),
     "pp_1f1b": (G, dict(pp=2, schedule="1f1b", micro_batches=4, stages={"h.1": 1})),

@@ -20,7 +20,7 @@ import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .tp_styles import NORMS, packet, splits_of, tp_walk
+from .tp_styles import NORMS, packet, sp_check, splits_of, tp_walk
 
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
             "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8}
@@ -140,6 +140,8 @@ class GraphProfile:
     device_kind: str
     rep: list[int] = field(default_factory=list)
     """layer index -> index of the first instance of its repeated block (identical costs: computed once)"""
+    sp_blocker: str = ""
+    """why sequence parallelism cannot apply to the TP styles ("" when it can; see ``tp_styles.sp_check``)"""
 
     def layer(self, path: str) -> LayerProfile:
         for lp in self.layers:
@@ -448,7 +450,7 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
            for i, lay in enumerate(graph.layers)]
     return GraphProfile([layers[lay.path] for lay in graph.layers], graph.batch_size, seq,
                         bool(loss_parallel), out.numel if out else 0, out.itemsize if out else 4,
-                        dict(region_modules), device_kind, rep)
+                        dict(region_modules), device_kind, rep, sp_check(graph, by_name, styles, regions))
 
 
 def _owner_layer(module_path: str, owner: dict[str, str], graph) -> str | None:

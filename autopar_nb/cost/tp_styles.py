@@ -9,8 +9,14 @@ least as many outputs as inputs (an LM head, not a 10-way classifier). Which ops
 Linear-like (a "colwise" and a "rowwise" split), Embedding-like, or sequence-parallel norms, and which collective
 each style implies, comes from the op's ``kernels_ext`` rule, so a registered custom op takes part. A sharded
 tensor that reaches an op that cannot take it (a norm, a residual add with a full-size replicated tensor, a
-reduction) turns the Linears that sharded it back to ``replicate``. Head counts come from the ``view``/``reshape``
-that splits a sharded last dim into ``(heads, head_dim)``; TP degrees must divide them and every split Linear dim.
+reduction, a Linear kept replicated, or a ``split``/``chunk``/``unbind``/``slice`` of the sharded last dim such as
+nanoGPT's fused ``c_attn(x).split(C, dim=2)``, where contiguous shards would mix q, k and v) turns the Linears that
+sharded it back to ``replicate``. Only ``nn.Linear`` and ``nn.Embedding`` modules get split styles (what PyTorch's
+``ColwiseParallel``/``RowwiseParallel`` accept); an Embedding is vocab-sharded only when its ids come from the model's
+inputs (not ``torch.arange`` positions) and the table has at least as many rows as columns (not a small table).
+:func:`sp_check` says whether sequence parallelism is valid for the resulting styles. Head counts come from the
+``view``/``reshape`` that splits a sharded last dim into ``(heads, head_dim)``; TP degrees must divide them and
+every split Linear dim.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import kernels_ext
 
 NORMS = {"layer_norm", "rms_norm", "group_norm", "batch_norm", "_native_batch_norm_legit_functional"}
 BAD_REDUCTIONS = {"sum", "mean", "cross_entropy_loss", "nll_loss_forward", "mse_loss"}
+SPLITS = {"split", "split_with_sizes", "chunk", "unbind", "slice", "narrow", "unsafe_split", "tensor_split", "select",
+          "unsafe_chunk", "unsafe_split_with_sizes"}
 
 
 def packet(op: str) -> str:
@@ -40,6 +48,38 @@ def tp_walk(graph, by_name, out_numel):
     return {}, "", {}, {}, {}
 
 
+def _from_inputs(graph, by_name) -> set[str]:
+    """Names of the graph inputs and of the nodes computed from them (not from constants such as arange)."""
+    out: set[str] = set()
+    for n in graph.nodes:
+        if any(i in out or i not in by_name for i in n.inputs):
+            out.add(n.name)
+    return out | {i for n in graph.nodes for i in n.inputs if i not in by_name}
+
+
+def _shardable_embedding(n, graph, from_input) -> bool:
+    """An Embedding worth vocab-sharding: an ``nn.Embedding`` (not a bag) looked up with ids from the inputs, whose
+    table has at least as many rows as columns."""
+    if n.module_type != "Embedding" or not n.inputs or n.inputs[0] not in from_input:
+        return False
+    w = graph.params.get(n.params[0])
+    return w is not None and len(w.shape) == 2 and w.shape[0] >= w.shape[1]
+
+
+def _splits_last_dim(n) -> bool:
+    """A split/chunk/unbind/slice/select node that cuts its input's last dim."""
+    if packet(n.op) not in SPLITS or not n.in_shapes or not n.out_shapes:
+        return False
+    src = tuple(n.in_shapes[0])
+    for out in n.out_shapes:
+        out = tuple(out)
+        if len(out) == len(src) and out[-1:] != src[-1:]:
+            return True
+        if len(out) == len(src) - 1 and out == src[:-1]:
+            return True
+    return False
+
+
 def _walk_once(graph, by_name, out_numel, disabled):
     styles: dict[str, str] = {}
     sharded: dict[str, int] = {}  # node -> region id
@@ -48,11 +88,17 @@ def _walk_once(graph, by_name, out_numel, disabled):
     heads: dict[str, int] = {}
     next_region = 0
     conflicts: set[str] = set()
+    from_input = _from_inputs(graph, by_name)
+    last: set[str] = set()  # sharded nodes whose sharded dim is still the last dim (colwise output, elementwise)
     for n in graph.nodes:
         p = packet(n.op)
         s_in = [i for i in n.inputs if i in sharded]
         splits = splits_of(n.op)
         linear_like = bool(n.params) and n.op_class == "matmul" and "colwise" in splits and "rowwise" in splits
+        if linear_like and n.module_type != "Linear":
+            if s_in:  # a Linear-like op PyTorch TP cannot shard reads a sharded tensor
+                conflicts |= frozenset().union(*(seeds[i] for i in s_in))
+            continue
         if linear_like and n.name not in disabled:
             if s_in:
                 styles[n.name] = "rowwise"
@@ -70,8 +116,13 @@ def _walk_once(graph, by_name, out_numel, disabled):
                 region_of[n.name] = rid
                 sharded[n.name] = rid
                 seeds[n.name] = frozenset([n.name])
+                last.add(n.name)
             continue
-        if n.op_class == "embedding" and "rowwise" in splits and n.params and n.name not in disabled:
+        if linear_like and s_in:  # a Linear kept replicated cannot read a sharded tensor
+            conflicts |= frozenset().union(*(seeds[i] for i in s_in))
+            continue
+        if n.op_class == "embedding" and "rowwise" in splits and n.params and n.name not in disabled and \
+                _shardable_embedding(n, graph, from_input):
             styles[n.name] = "rowwise"
             region_of[n.name] = next_region
             next_region += 1
@@ -81,6 +132,9 @@ def _walk_once(graph, by_name, out_numel, disabled):
         seed = frozenset().union(*(seeds[i] for i in s_in))
         rep_in = [i for i in n.inputs if i not in sharded and i in by_name and by_name[i].op_class != "view"]
         if p in NORMS or p in BAD_REDUCTIONS:
+            conflicts |= seed
+            continue
+        if s_in[0] in last and _splits_last_dim(n):  # fused QKV: contiguous shards would mix q, k and v
             conflicts |= seed
             continue
         if rep_in and any(out_numel.get(i, 0) >= out_numel.get(s_in[0], 0) for i in rep_in) and \
@@ -95,6 +149,10 @@ def _walk_once(graph, by_name, out_numel, disabled):
                     heads[n.name] = hc
         sharded[n.name] = sharded[s_in[0]]
         seeds[n.name] = seed
+        src = by_name.get(s_in[0])
+        if all(i in last for i in s_in) and src is not None and src.out_shapes and n.out_shapes and \
+                tuple(n.out_shapes[0])[-1:] == tuple(src.out_shapes[0])[-1:]:
+            last.add(n.name)
     final = {n.name for n in graph.nodes if n.name in sharded and n.name not in styles}
     head_node = ""
     used = {i for n in graph.nodes for i in n.inputs}
@@ -135,3 +193,53 @@ def _split_heads(in_shape, out_shape) -> int | None:
     if len(rest) == 2 and rest[0] * rest[1] == in_shape[-1]:
         return int(rest[0])
     return None
+
+
+def sp_check(graph, by_name, styles: dict[str, str], sharded: dict[str, int]) -> str:
+    """Why sequence parallelism cannot apply to these TP styles ("" when it can).
+
+    Under SP the tensors between TP regions are sequence shards (dim 1 of ``(batch, seq, ...)``): vocab-parallel
+    embeddings and rowwise Linears output them, norms run on them, colwise Linears all-gather them. Every other
+    reader must take a shard as it is: an elementwise op whose other operands are shards too or broadcast vectors
+    (not ``wte(idx) + wpe(arange(T))``, a full-sequence table), a view that keeps ``(batch, seq)``; never a replicated
+    Linear, a reduction, or the model's output.
+    """
+    if graph.seq_len is None:
+        return "the inputs are not token sequences"
+    seq: set[str] = set()
+    used = {i for n in graph.nodes for i in n.inputs}
+    for n in graph.nodes:
+        p = packet(n.op)
+        s_in = [i for i in n.inputs if i in seq]
+        style = styles.get(n.name)
+        if style == "rowwise" and n.op_class == "embedding":
+            idx = tuple(n.in_shapes[1]) if len(n.in_shapes) > 1 else ()
+            if len(idx) != 2 or idx[1] != graph.seq_len:
+                return f"{n.module_path} looks up ids of shape {idx}, not (batch, seq)"
+            seq.add(n.name)
+        elif style == "rowwise":
+            seq.add(n.name)
+        elif style == "colwise" or n.name in sharded:
+            continue  # colwise Linears gather their input; TP regions hold feature shards
+        elif p in NORMS and n.params and n.module_path:
+            if not s_in:
+                return f"norm {n.module_path} would read a full-sequence tensor where SP expects a sequence shard"
+            seq.add(n.name)
+        elif s_in:
+            out = tuple(n.out_shapes[0]) if n.out_shapes else ()
+            src = tuple(by_name[s_in[0]].out_shapes[0]) if by_name[s_in[0]].out_shapes else ()
+            if n.op_class == "elementwise":
+                others = [i for i in n.inputs if i not in seq and i in by_name and by_name[i].out_shapes and
+                          len(by_name[i].out_shapes[0]) >= 2]
+                if others:
+                    return (f"{n.name} combines a sequence shard with the full-sequence tensor {others[0]} "
+                            f"({by_name[others[0]].module_path or 'computed in forward'})")
+                seq.add(n.name)
+            elif n.op_class == "view" and len(out) >= 2 and out[:2] == src[:2]:
+                seq.add(n.name)
+            else:
+                return f"{n.name} ({p}{' in ' + n.module_path if n.module_path else ''}) reads a sequence shard"
+    outs = [name for name in seq if name not in used]
+    if outs:
+        return f"the model's output {outs[0]} would be a sequence shard"
+    return ""

@@ -107,7 +107,7 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
     if pp and (pr.amp == "fp16" or plan.loss_parallel):
         raise NotImplementedError("pipelining with fp16 loss scaling or loss_parallel is not supported")
     styles = tp_styles(model, plan.tp_plan, sp_layers=[lp.path for lp in plan.layers if lp.sequence_parallel],
-                       loss_parallel=plan.loss_parallel) if m.tp > 1 else {}
+                       layers=[lp.path for lp in plan.layers], loss_parallel=plan.loss_parallel) if m.tp > 1 else {}
     full = [lp.path for lp in plan.layers if lp.recompute == "full"]
     selective = [lp.path for lp in plan.layers if lp.recompute == "selective"]
     units = [lp.path for lp in plan.layers if lp.fsdp and lp.path in modules
@@ -139,7 +139,8 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
     }
     if styles:
         used = {name for text in styles.values() for name in
-                ("ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput") if name in text}
+                ("ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput")
+                if name + "(" in text}
         frm["torch.distributed.tensor.parallel"] = used | {"parallelize_module"}
         layouts = {name for text in styles.values() for name in ("Shard", "Replicate") if name + "(" in text}
         if lp_on:

@@ -129,7 +129,8 @@ def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch
         layers=layers,
         sync_batchnorm=s.dp > 1 and any(lay.type.startswith("BatchNorm") or "BatchNorm" in
                                         " ".join(lay.modules.values()) for lay in graph.layers),
-        loss_parallel=bool(s.tp > 1 and prof.loss_parallel and head_tp),
+        # the runtime's pipeline schedules compute the loss on plain tensors: no loss_parallel with pp > 1
+        loss_parallel=bool(s.tp > 1 and s.pp == 1 and prof.loss_parallel and head_tp),
         model={"name": graph.model_type, "num_params": graph.num_params},
         cluster={"preset": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
         cost=c.cost,

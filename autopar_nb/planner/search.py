@@ -102,6 +102,8 @@ class Search:
         gpu = cluster.device.flops("bfloat16") > cluster.device.flops("float32")
         self.amp = fix.get("amp", "bf16" if gpu else "none")
         self.optimizer = fix.get("optimizer", "adam")
+        self.has_batchnorm = any("BatchNorm" in lay.type or "BatchNorm" in " ".join(lay.modules.values())
+                                 for lay in graph.layers)
         self.rejected: list[str] = []
         self.evaluated = 0
         self.pruned = 0
@@ -148,9 +150,9 @@ class Search:
             pps = [fix["pp"]] if "pp" in fix else divisors(world // t)
             for pp in pps:
                 if (world // t) % pp:
-                    if "pp" in fix:
+                    if "pp" in fix and "tp" in fix:
                         raise PlanError(f"tp({t}) * pp({pp}) does not divide the world size {world}")
-                    continue
+                    continue  # an unfixed tp that leaves no room for the fixed pp: try the next tp
                 if pp > self.n:
                     if "pp" in fix:
                         raise PlanError(f"pp={pp} exceeds the {self.n} layers of the model")
@@ -159,6 +161,12 @@ class Search:
                     continue
                 dp = world // (t * pp)
                 if "dp" in fix and fix["dp"] != dp:
+                    continue
+                why = self.unsupported(dp, t, pp)
+                if why:
+                    if sum(k in fix for k in ("dp", "tp", "pp")) >= 2:  # the user fixed this mesh
+                        raise PlanError(why)
+                    self.rejected.append(why)
                     continue
                 if self.global_batch % dp:
                     self.rejected.append(f"dp={dp} does not divide the global batch {self.global_batch}")
@@ -169,6 +177,21 @@ class Search:
             why = "; ".join(dict.fromkeys(self.rejected)) or "no factorisation fits"
             raise PlanError(f"no mesh dp * tp * pp = {world} satisfies {f or 'the model'}: {why}")
         return out
+
+    def unsupported(self, dp: int, tp: int, pp: int) -> str:
+        """Why the runtime (``autopar_nb.runtime``, the exported script) cannot run this mesh with the fixed choices,
+        "" when it can. The runtime's restrictions: DDP does not take TP's DTensor parameters (dp x tp needs FSDP,
+        ZeRO 2/3); SyncBatchNorm is not applied under pipelining; pipelining does not take fp16 loss scaling."""
+        fix = self.cons.fix
+        if dp > 1 and tp > 1 and fix.get("zero_stage", 2) < 2:
+            return (f"dp({dp}) x tp({tp}) runs with FSDP over dp only (DDP does not take DTensor parameters), but "
+                    f"fix zero_stage={fix['zero_stage']}: fix zero_stage 2 or 3, or tp=1, or dp=1")
+        if dp > 1 and pp > 1 and self.has_batchnorm:
+            return (f"dp({dp}) x pp({pp}) with BatchNorm: SyncBatchNorm is not supported with pipelining; "
+                    "fix pp=1 (or dp=1)")
+        if pp > 1 and fix.get("amp") == "fp16":
+            return f"pp={pp} with fix amp='fp16': pipelining does not support fp16 loss scaling; use amp='bf16' or pp=1"
+        return ""
 
     def micro_batch_sizes(self, local: int, pp: int) -> list[int]:
         fix = self.cons.fix
@@ -207,8 +230,13 @@ class Search:
         seq_model = self.prof.seq_len is not None
         configs = []
         for dp, t, pp in self.meshes():
-            zeros = [fix["zero_stage"]] if "zero_stage" in fix else ([0, 1, 2, 3] if dp > 1 else [0])
-            sp = fix.get("sequence_parallel", t > 1 and seq_model)
+            # dp x tp runs with FSDP only (DDP does not take DTensor parameters): ZeRO 2/3
+            zeros = [fix["zero_stage"]] if "zero_stage" in fix else (
+                [0] if dp == 1 else [2, 3] if t > 1 else [0, 1, 2, 3])
+            sp = fix.get("sequence_parallel", t > 1 and seq_model and not self.prof.sp_blocker)
+            if sp and t > 1 and self.prof.sp_blocker:
+                raise PlanError(f"fix sequence_parallel=True, but sequence parallelism cannot apply to this model: "
+                                f"{self.prof.sp_blocker}; drop it from fix (TP then all-reduces full activations)")
             local = self.global_batch // dp
             for mb in self.micro_batch_sizes(local, pp):
                 m = local // mb

@@ -48,7 +48,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, device: str | 
     dp_mesh, tp_mesh, pp_mesh = mesh["dp"], mesh["tp"], mesh["pp"]
     # TP styles are decided on the whole model, before any pipeline split (the output head is found model-wide)
     styles = tp_styles(model, plan.tp_plan, sp_layers=[lp.path for lp in plan.layers if lp.sequence_parallel],
-                       loss_parallel=plan.loss_parallel) if m.tp > 1 else {}
+                       layers=[lp.path for lp in plan.layers], loss_parallel=plan.loss_parallel) if m.tp > 1 else {}
     if m.tp > 1 and m.dp > 1 and m.zero_stage < 2:
         raise NotImplementedError(f"dp({m.dp}) x tp({m.tp}) needs FSDP over dp: set mesh.zero_stage to 2 or 3 "
                                   "(DDP does not take DTensor parameters)")
