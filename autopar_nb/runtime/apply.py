@@ -52,11 +52,8 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, device: str | 
     if m.tp > 1 and m.dp > 1 and m.zero_stage < 2:
         raise NotImplementedError(f"dp({m.dp}) x tp({m.tp}) needs FSDP over dp: set mesh.zero_stage to 2 or 3 "
                                   "(DDP does not take DTensor parameters)")
-    if plan.sync_batchnorm and m.dp > 1:
-        if torch.device(device).type == "cpu":
-            raise NotImplementedError("SyncBatchNorm runs on GPUs only (PyTorch has no CPU kernel for it); on CPU "
-                                      "set sync_batchnorm=False: each rank then normalises with its own batch")
-        model = apply_sync_batchnorm(model, dp_mesh.get_group())
+    if plan.sync_batchnorm and m.dp > 1:  # nn.SyncBatchNorm on GPUs, CPUSyncBatchNorm on CPU
+        model = apply_sync_batchnorm(model, dp_mesh.get_group(), device=device)
 
     if m.pp > 1:
         if microbatch is None:
