@@ -140,6 +140,9 @@ class GraphProfile:
     device_kind: str
     rep: list[int] = field(default_factory=list)
     """layer index -> index of the first instance of its repeated block (identical costs: computed once)"""
+    pp_blocker: str = ""
+    """why pipeline stages cannot be cut between the layers ("" when they can): a layer reading a non-contiguous
+    view made in another layer (gloo's send/recv of stage inputs needs contiguous tensors)"""
     sp_blocker: str = ""
     """why sequence parallelism cannot apply to the TP styles ("" when it can; see ``tp_styles.sp_check``)"""
 
@@ -221,6 +224,13 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
         else:
             root[n.name], noncontig[n.name] = n.name, False
 
+    pp_blocker = ""
+    for n in nodes:
+        far = [i for i in n.inputs if i in by_name and by_name[i].layer != n.layer and noncontig.get(i, False)]
+        if far and not pp_blocker:
+            pp_blocker = (f"layer {n.layer} reads {far[0]} ({packet(by_name[far[0]].op)}), a non-contiguous view made "
+                          f"in layer {by_name[far[0]].layer}, which a pipeline stage could not receive (send/recv "
+                          "needs contiguous tensors)")
     consumers: dict[str, list[str]] = defaultdict(list)
     for n in nodes:
         for i in n.inputs:
@@ -450,7 +460,8 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
            for i, lay in enumerate(graph.layers)]
     return GraphProfile([layers[lay.path] for lay in graph.layers], graph.batch_size, seq,
                         bool(loss_parallel), out.numel if out else 0, out.itemsize if out else 4,
-                        dict(region_modules), device_kind, rep, sp_check(graph, by_name, styles, regions))
+                        dict(region_modules), device_kind, rep, pp_blocker,
+                        sp_check(graph, by_name, styles, regions))
 
 
 def _owner_layer(module_path: str, owner: dict[str, str], graph) -> str | None:

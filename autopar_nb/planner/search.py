@@ -181,7 +181,8 @@ class Search:
     def unsupported(self, dp: int, tp: int, pp: int) -> str:
         """Why the runtime (``autopar_nb.runtime``, the exported script) cannot run this mesh with the fixed choices,
         "" when it can. The runtime's restrictions: DDP does not take TP's DTensor parameters (dp x tp needs FSDP,
-        ZeRO 2/3); SyncBatchNorm is not applied under pipelining; pipelining does not take fp16 loss scaling."""
+        ZeRO 2/3); SyncBatchNorm is not applied under pipelining; pipelining does not take fp16 loss scaling, nor
+        non-contiguous stage inputs."""
         fix = self.cons.fix
         if dp > 1 and tp > 1 and fix.get("zero_stage", 2) < 2:
             return (f"dp({dp}) x tp({tp}) runs with FSDP over dp only (DDP does not take DTensor parameters), but "
@@ -189,6 +190,9 @@ class Search:
         if dp > 1 and pp > 1 and self.has_batchnorm:
             return (f"dp({dp}) x pp({pp}) with BatchNorm: SyncBatchNorm is not supported with pipelining; "
                     "fix pp=1 (or dp=1)")
+        if pp > 1 and self.prof.pp_blocker:
+            return (f"pp={pp}: {self.prof.pp_blocker}; use pp=1, or make that tensor .contiguous() in the model "
+                    "and re-capture")
         if pp > 1 and fix.get("amp") == "fp16":
             return f"pp={pp} with fix amp='fp16': pipelining does not support fp16 loss scaling; use amp='bf16' or pp=1"
         return ""
