@@ -9,12 +9,14 @@ equal those of :func:`autopar_nb.verify`. Only the parts the plan uses are writt
 
 from __future__ import annotations
 
+import inspect
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
 from ..plan import Plan
+from ..runtime.batchnorm import CPUSyncBatchNorm
 from ..runtime.data import DEFAULT_DATA_LOSS, default_constants
 from ..runtime.pp import SCHEDULES, V_SCHEDULES, stage_boundaries
 from ..runtime.tp import tp_styles
@@ -171,6 +173,8 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
         frm["torch.distributed.fsdp.sharded_grad_scaler"] = {"ShardedGradScaler"}
     imports = [f"import {s}" for s in sorted(std)] + [""]
     imports += ["import torch", "import torch.distributed as dist", "import torch.distributed.checkpoint as dcp"]
+    if plan.sync_batchnorm and m.dp > 1:
+        imports.append("import torch.distributed.nn.functional as dist_nn")
     for mod in sorted(frm):
         names = sorted(frm[mod], key=_isort_key)
         line = f"from {mod} import {', '.join(names)}"
@@ -234,6 +238,8 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
     if meta_init:
         h.append(_INIT_WEIGHTS)
     h.append(_CHECKPOINT_ZERO1 if zero1 else _CHECKPOINT)
+    if plan.sync_batchnorm and m.dp > 1:
+        h.append(inspect.getsource(CPUSyncBatchNorm))
     helpers = "\n\n".join(x.strip("\n") for x in h) + "\n"
 
     # ---- train() ----
@@ -266,10 +272,12 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
         body += [f"skeleton = copy.deepcopy({mv})  # unsharded, on meta: module order and shapes for the init below"]
     if plan.sync_batchnorm and m.dp > 1:
         body += ["# BatchNorm statistics over the whole data-parallel batch (plan: sync_batchnorm); PyTorch has no CPU",
-                 "# kernel for SyncBatchNorm, so on CPU each rank normalises with its own batch",
+                 "# kernel for SyncBatchNorm, so on CPU CPUSyncBatchNorm (above) does the same with an all_reduce",
                  f"net = {mv}",
                  "if device == \"cuda\":",
-                 "    net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net, process_group=mesh[\"dp\"].get_group())"]
+                 "    net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net, process_group=mesh[\"dp\"].get_group())",
+                 "else:",
+                 "    net = CPUSyncBatchNorm.convert(net, process_group=mesh[\"dp\"].get_group())"]
         mv = "net"
     if pp:
         boundaries = stage_boundaries(plan.stage_layers())
