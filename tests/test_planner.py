@@ -313,3 +313,28 @@ def test_pipeline_stages_move_for_memory():
     # balanced by time, the table shares stage 0 with blocks; under 3 GB it gets the stage (nearly) to itself
     assert roomy.cost.peak_memory_bytes > 3.0e9 >= tight.cost.peak_memory_bytes
     assert first(tight) < first(roomy)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"h.0.attn.c_attn": {"tp": "colwise"}}, "cut by split"),  # fused QKV: a colwise shard would mix q/k/v
+    ({"h.0.ln_1": {"tp": "sequence_parallel"}}, "wpe"),  # wte(idx) + wpe(arange): no sequence parallelism
+    ({"h.0.ln_1": {"tp": "colwise"}}, "applies to nn.Linear or nn.Embedding"),
+])
+def test_overrides_the_runtime_cannot_run_are_refused(gpt, overrides, match):
+    with pytest.raises(PlanError, match=match):
+        ap.plan(gpt, h100(), global_batch=8, fix={"tp": 2}, overrides=overrides)
+
+
+def test_fixes_the_runtime_cannot_run_are_refused_or_worked_around(llama):
+    # DDP does not take DTensor parameters: dp x tp runs with FSDP only
+    with pytest.raises(PlanError, match="fix zero_stage 2 or 3"):
+        ap.plan(llama, h100(1, 4), global_batch=8, fix={"dp": 2, "tp": 2, "zero_stage": 1})
+    p = ap.plan(llama, h100(1, 4), global_batch=8, fix={"dp": 2, "tp": 2})
+    assert p.mesh.zero_stage >= 2 and all(a.mesh.zero_stage >= 2 for a in p.alternatives if a.mesh.tp > 1 and
+                                          a.mesh.dp > 1)
+    # only pp fixed: tp and dp are chosen to fit (tp=4 leaves no room for pp=2 on 4 GPUs)
+    p = ap.plan(llama, h100(1, 4), global_batch=8, fix={"pp": 2})
+    assert p.mesh.pp == 2 and p.mesh.dp * p.mesh.tp == 2
+    # pipelining computes the loss on plain tensors: no loss_parallel with pp > 1
+    p = ap.plan(llama, h100(1, 4), global_batch=8, fix={"pp": 2, "tp": 2})
+    assert not p.loss_parallel

@@ -140,6 +140,8 @@ class GraphProfile:
     device_kind: str
     rep: list[int] = field(default_factory=list)
     """layer index -> index of the first instance of its repeated block (identical costs: computed once)"""
+    tp_refused: dict[str, str] = field(default_factory=dict)
+    """module path -> why TP must not split it, even on a user's override (see ``tp_styles.tp_walk``)"""
     pp_blocker: str = ""
     """why pipeline stages cannot be cut between the layers ("" when they can): a layer reading a non-contiguous
     view made in another layer (gloo's send/recv of stage inputs needs contiguous tensors)"""
@@ -198,7 +200,8 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
         return graph_in[name]
 
     seq = graph.seq_len
-    styles, loss_parallel, regions, region_of, head_counts = tp_walk(graph, by_name, out_numel)
+    refused: dict[str, str] = {}
+    styles, loss_parallel, regions, region_of, head_counts = tp_walk(graph, by_name, out_numel, refused)
     sharded = regions  # node name -> region id (sharded output) ; absent = replicated
 
     # storage roots and contiguity
@@ -460,7 +463,8 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
            for i, lay in enumerate(graph.layers)]
     return GraphProfile([layers[lay.path] for lay in graph.layers], graph.batch_size, seq,
                         bool(loss_parallel), out.numel if out else 0, out.itemsize if out else 4,
-                        dict(region_modules), device_kind, rep, pp_blocker,
+                        dict(region_modules), device_kind, rep,
+                        {by_name[k].module_path: why for k, why in refused.items()}, pp_blocker,
                         sp_check(graph, by_name, styles, regions))
 
 

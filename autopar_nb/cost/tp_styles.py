@@ -35,12 +35,15 @@ def packet(op: str) -> str:
     return parts[1] if len(parts) >= 2 else op
 
 
-def tp_walk(graph, by_name, out_numel):
+def tp_walk(graph, by_name, out_numel, refused: dict[str, str] | None = None):
     """Assign colwise/rowwise styles by dataflow (module docstring). Returns (styles by node, name of the
-    vocab-parallel head node or "", sharded node -> region id, styled node -> region id, view node -> head count)."""
+    vocab-parallel head node or "", sharded node -> region id, styled node -> region id, view node -> head count).
+    ``refused`` (when given) gets node -> why for Linears that must never be split (whatever a user override says):
+    their sharded output is split/chunked along the sharded dim."""
     disabled: set[str] = set()
+    refused = {} if refused is None else refused
     for _ in range(20):
-        result = _walk_once(graph, by_name, out_numel, disabled)
+        result = _walk_once(graph, by_name, out_numel, disabled, refused)
         if result[0] is None:
             disabled |= result[1]
             continue
@@ -80,7 +83,7 @@ def _splits_last_dim(n) -> bool:
     return False
 
 
-def _walk_once(graph, by_name, out_numel, disabled):
+def _walk_once(graph, by_name, out_numel, disabled, refused):
     styles: dict[str, str] = {}
     sharded: dict[str, int] = {}  # node -> region id
     seeds: dict[str, frozenset] = {}
@@ -136,6 +139,9 @@ def _walk_once(graph, by_name, out_numel, disabled):
             continue
         if s_in[0] in last and _splits_last_dim(n):  # fused QKV: contiguous shards would mix q, k and v
             conflicts |= seed
+            for k in seed:
+                refused[k] = (f"its output is cut by {p} ({n.name}) along the dim a colwise shard splits, so each "
+                              "rank's contiguous shard would mix the pieces (e.g. q/k/v of a fused QKV)")
             continue
         if rep_in and any(out_numel.get(i, 0) >= out_numel.get(s_in[0], 0) for i in rep_in) and \
                 n.op_class == "elementwise":

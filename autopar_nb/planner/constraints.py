@@ -25,6 +25,7 @@ FIX_KEYS = ("dp", "tp", "pp", "zero_stage", "amp", "recompute", "micro_batches",
             "sequence_parallel", "optimizer")
 OVERRIDE_KEYS = ("stage", "recompute", "fsdp", "tp")
 TP_ALIASES = ("colwise-rowwise", "vocab")
+NORM_TYPES = ("LayerNorm", "RMSNorm", "GroupNorm")
 
 
 @dataclass
@@ -181,6 +182,23 @@ def _apply_tp(graph, prof, pattern, style, whole, partial, layers) -> None:
             if not mods:
                 raise PlanError(f"override {pattern!r}: no module with parameters under {where!r} to apply "
                                 f"tp={style!r} to")
-            for m in mods:
+            kinds = NORM_TYPES if style == "sequence_parallel" else ("Linear", "Embedding")
+            fit = [m for m in mods if lay.modules.get(m) in kinds]
+            bags = [m for m in mods if lay.modules.get(m) == "EmbeddingBag"]
+            if bags and style != "sequence_parallel":
+                raise PlanError(f"override {pattern!r}: {bags[0]} is an nn.EmbeddingBag, which PyTorch TP does not "
+                                "shard; keep it 'replicate' (FSDP shards it with zero_stage >= 2) or use nn.Embedding")
+            if style == "sequence_parallel" and prof.sp_blocker:
+                raise PlanError(f"override {pattern!r}: sequence parallelism cannot apply to this model: "
+                                f"{prof.sp_blocker}; drop the override")
+            if not fit:
+                what = "norms (LayerNorm, RMSNorm)" if style == "sequence_parallel" else "nn.Linear or nn.Embedding"
+                raise PlanError(f"override {pattern!r}: tp={style!r} applies to {what}; {where!r} holds "
+                                f"{_some(sorted(set(lay.modules.get(m, '?') for m in mods)))}")
+            for m in fit:
+                if style == "colwise" and m in prof.tp_refused:
+                    raise PlanError(f"override {pattern!r}: {m} cannot be split with tp={style!r}: "
+                                    f"{prof.tp_refused[m]}; keep it 'replicate' (or split q, k and v into separate "
+                                    "Linears in the model)")
                 ov.tp_styles[m] = style
             ov.needs_tp = True
