@@ -39,6 +39,12 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
         hs = f" ({', '.join(f'{h} heads -> {h // s.tp} per rank' for h in heads)})" if heads else ""
         lines.append(f"TP={s.tp} inside a node{hs}; sequence parallel {'on' if s.sp else 'off'}; "
                      f"loss_parallel {'on' if plan.loss_parallel else 'off'}.")
+        if not s.sp and prof.sp_blocker and "sequence_parallel" not in cons.fix:
+            lines.append(f"Sequence parallel off because {prof.sp_blocker}.")
+        if prof.tp_refused:
+            mods = sorted(prof.tp_refused)
+            lines.append(f"Kept replicated under TP: {', '.join(mods[:3])}{', ...' if len(mods) > 3 else ''} "
+                         f"({prof.tp_refused[mods[0]]}), with the Linears that read them.")
     if s.pp > 1:
         per_stage = [len(x) for x in plan.stage_layers()]
         shown = str(per_stage) if len(per_stage) <= 12 else (
