@@ -91,7 +91,10 @@ PLANS = {
     "fsdp_recompute": make_plan(SRC, dp=2, zero=3, recompute={"blocks.0": "full", "blocks.1": "selective"}),
     "tp_loss_parallel": make_plan(SRC, tp=2, tp_styles=TP, loss_parallel=True),
     "pp_1f1b": make_plan(SRC, pp=2, schedule="1f1b", micro_batches=2, stages={"blocks.1": 1}),
+    # built on the meta device and initialised stage by stage: the same weights, so the same losses
+    "pp_meta_init": make_plan(SRC, pp=2, schedule="gpipe", micro_batches=2, stages={"blocks.1": 1}),
 }
+META_INIT = {"pp_meta_init"}
 
 
 class MetricsServer:
@@ -148,7 +151,8 @@ def losses_of(server: MetricsServer) -> list[float]:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     out = tmp_path_factory.mktemp("export")
-    scripts = {name: export(SRC, plan, out / f"train_{name}.py", steps=4, quiet=True).script
+    scripts = {name: export(SRC, plan, out / f"train_{name}.py", steps=4, quiet=True,
+                            meta_init=name in META_INIT).script
                for name, plan in PLANS.items()}
     return scripts
 
@@ -172,6 +176,8 @@ def test_script_is_plain_torch_and_passes_ruff(exported):
     fsdp = exported["fsdp_recompute"].read_text()
     assert "fully_shard" in fsdp and "checkpoint_wrapper" in fsdp and "parallelize_module" not in fsdp
     assert "Schedule1F1B" in exported["pp_1f1b"].read_text()
+    meta = exported["pp_meta_init"].read_text()
+    assert 'torch.set_default_device("meta")' in meta and "init_weights(parts, skeleton, device)" in meta
 
 
 def test_plan_json_round_trips(exported):

@@ -13,6 +13,7 @@ from runtime_cases import (
     HF_GPT2_CELL,
     HF_LLAMA_CELL,
     LLAMA_CELL,
+    RECSYS_CELL,
     gpt_mlp_tp,
     has_transformers,
     llama_tp,
@@ -98,6 +99,21 @@ def test_pipeline_placement():
     assert stage_boundaries([["wte", "h.0"], ["h.1", "lm_head"]]) == ["h.1"]
     with pytest.raises(ValueError, match="stage 1 has no layers"):
         stage_boundaries([["a"], []])
+
+
+def test_pipeline_cut_must_be_crossed_by_the_previous_stage_only():
+    """RecSys reads its sparse ids again after the tables: a cut before tables.0 would need a model input in stage 1,
+    which the schedules cannot send; a cut before the top MLP can run, with static shapes from the trace."""
+    from autopar_nb.runtime.pp import boundary_values, split_model
+
+    model, (dense, sparse), _ = source(RECSYS_CELL).build()
+    with pytest.raises(NotImplementedError, match="cut before pipeline stage 1"):
+        split_model(model, boundaries=["tables.0"], microbatch=((dense, sparse), {}))
+    model, _, _ = source(RECSYS_CELL).build()  # pipeline() marks the cut points on the model it traces: a fresh one
+    stages, whole = split_model(model, boundaries=["top.0"], microbatch=((dense, sparse), {}))
+    (ins0, outs0), (ins1, outs1) = boundary_values(whole, stages, ((dense, sparse), {}))
+    assert [t.shape for t in outs0] == [t.shape for t in ins1] and outs0[0].is_contiguous()
+    assert outs1[0].shape == (8, 1)
 
 
 def test_split_batch_and_model_call():

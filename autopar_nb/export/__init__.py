@@ -110,6 +110,8 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
         raise NotImplementedError("pipelining with fp16 loss scaling or loss_parallel is not supported")
     styles = tp_styles(model, plan.tp_plan, sp_layers=[lp.path for lp in plan.layers if lp.sequence_parallel],
                        layers=[lp.path for lp in plan.layers], loss_parallel=plan.loss_parallel) if m.tp > 1 else {}
+    # sequence-parallel activations crossing a pipeline boundary are cut: the stages infer their shapes instead
+    static_sp = any("Shard(1)" in text for text in styles.values())
     full = [lp.path for lp in plan.layers if lp.recompute == "full"]
     selective = [lp.path for lp in plan.layers if lp.recompute == "selective"]
     units = [lp.path for lp in plan.layers if lp.fsdp and lp.path in modules
@@ -231,6 +233,9 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
     if pp:
         h.append(_MODEL_INPUTS.replace("loss_fn(", f"{loss_name}("))
         h.append(_RESTORE_LEAVES)
+        h.append(_CONTIGUOUS)
+        if not static_sp:
+            h.append(_BOUNDARY)
     if full or selective:
         h.append(_WRAP)
     if selective:
@@ -294,10 +299,15 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
             example = split_batch(to_device({batch_name}(0, dp_rank), device), MICRO_BATCHES)[0]
             mb_args, mb_kwargs = model_inputs(example)
             pipe = pipeline({mv}, mb_args=mb_args, mb_kwargs=mb_kwargs or None, split_spec={{{split}}})
+            all_stages = [restore_leaf_modules(pipe.get_stage_module(i), {mv}) for i in range(NUM_STAGES)]
+            for stage in all_stages:
+                stage.register_forward_hook(contiguous_outputs)
             pp_rank = mesh["pp"].get_local_rank()
             stage_ids = {ids}
-            parts = [restore_leaf_modules(pipe.get_stage_module(i), {mv}) for i in stage_ids]
+            parts = [all_stages[i] for i in stage_ids]
             ''')
+        if not static_sp:
+            body += ["boundary = boundary_values(pipe, all_stages, mb_args, mb_kwargs)  # static stage shapes"]
     else:
         if not meta_init:
             body += [f"net = {mv}.to(device)" if mv != "net" else "net = net.to(device)"]
@@ -385,10 +395,12 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
         extra = "" if pr.dynamic_loss_scale else ", growth_factor=1.0, backoff_factor=1.0"
         body += [f"scaler = {cls}(device, init_scale=INIT_LOSS_SCALE, growth_interval=GROWTH_INTERVAL{extra})"]
     if pp:
+        shapes = "" if static_sp else \
+            ",\n" + " " * 36 + "input_args=boundary[i][0], output_args=boundary[i][1]"
         sched = "Schedule" + SCHEDULES[plan.pipeline.schedule]
         stages_arg = "stages[0]" if num_stages == m.pp and plan.pipeline.schedule in ("gpipe", "1f1b") else "stages"
         body += _block(f'''
-            stages = [PipelineStage(part, i, NUM_STAGES, torch.device(device), group=mesh["pp"].get_group())
+            stages = [PipelineStage(part, i, NUM_STAGES, torch.device(device), group=mesh["pp"].get_group(){shapes})
                       for part, i in zip(parts, stage_ids, strict=True)]
             has_first, has_last = 0 in stage_ids, NUM_STAGES - 1 in stage_ids
             micro = []  # this step's micro-batches, read by the last stage's loss
@@ -576,6 +588,34 @@ def restore_leaf_modules(stage, model):
             parent, _, name = path.rpartition(".")
             stage.get_submodule(parent).register_module(name, original)
     return stage
+'''
+
+_CONTIGUOUS = '''
+def contiguous_outputs(module, args, output):
+    """Stage outputs go to the next rank as they are, and gloo sends only contiguous tensors."""
+    if isinstance(output, torch.Tensor):
+        return output.contiguous()
+    if isinstance(output, (tuple, list)):
+        return type(output)(t.contiguous() if isinstance(t, torch.Tensor) else t for t in output)
+    return output
+'''
+
+_BOUNDARY = '''
+def boundary_values(pipe, stages, mb_args, mb_kwargs):
+    """What enters and leaves each stage, from one micro-batch through the whole traced model: the stages' static
+    shapes (no shape inference on made-up tensors: made-up ids could index out of an embedding)."""
+    def leaf(t):  # requires_grad says which gradients travel back
+        return t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+
+    seen = {}
+    hooks = [stage.register_forward_hook(
+        lambda m, args, out, i=i: seen.__setitem__(
+            i, (tuple(leaf(a) for a in args), tuple(leaf(t) for t in (out if isinstance(out, tuple) else (out,))))))
+        for i, stage in enumerate(stages)]
+    pipe(*mb_args, **mb_kwargs)
+    for h in hooks:
+        h.remove()
+    return [seen[i] for i in range(len(stages))]
 '''
 
 _WRAP = '''

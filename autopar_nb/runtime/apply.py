@@ -14,7 +14,7 @@ from .amp import DTYPES
 from .batchnorm import apply_sync_batchnorm
 from .ddp import apply_ddp
 from .fsdp import apply_fsdp
-from .pp import build_stage, split_model, stage_boundaries, stage_ids
+from .pp import boundary_values, build_stage, split_model, stage_boundaries, stage_ids
 from .tp import apply_tp, tp_styles
 
 
@@ -59,11 +59,14 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, device: str | 
         if microbatch is None:
             raise ValueError("pipelining traces the model: pass microbatch=(args, kwargs) of one micro-batch")
         num_stages = m.pp * plan.pipeline.virtual_stages
-        all_parts = split_model(model, boundaries=stage_boundaries(plan.stage_layers()), microbatch=microbatch)
+        all_parts, whole = split_model(model, boundaries=stage_boundaries(plan.stage_layers()), microbatch=microbatch)
+        # static boundary shapes, unless sequence parallelism cuts the activations crossing them
+        sp = any("Shard(1)" in text for text in styles.values())
+        values = None if sp else boundary_values(whole, all_parts, microbatch)
         ids = stage_ids(pp_mesh.get_local_rank(), m.pp, num_stages, plan.pipeline.schedule)
         parts = [all_parts[i] for i in ids]
     else:
-        num_stages, ids, parts = 1, [], [model]
+        num_stages, ids, parts, values = 1, [], [model], None
 
     recompute = {lp.path: lp.recompute for lp in plan.layers if lp.recompute != "none"}
     fsdp_units = [lp.path for lp in plan.layers if lp.fsdp]
@@ -86,6 +89,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, device: str | 
             part = apply_ddp(part, dp_mesh.get_group(), device=str(device))
         out.append(part)
 
-    stages = [build_stage(part, i, num_stages, device=torch.device(device), pp_group=pp_mesh.get_group())
+    stages = [build_stage(part, i, num_stages, device=torch.device(device), pp_group=pp_mesh.get_group(),
+                          values=values)
               for part, i in zip(out, ids, strict=True)] if m.pp > 1 else []
     return ParallelModel(parts=out, stages=stages, stage_ids=ids, num_stages=num_stages)

@@ -40,10 +40,12 @@ def stage_ids(pp_rank: int, pp: int, num_stages: int, schedule: str) -> list[int
     return list(range(pp_rank, num_stages, pp))
 
 
-def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tuple, dict]) -> list[nn.Module]:
+def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tuple, dict]
+                ) -> tuple[list[nn.Module], nn.Module]:
     """Trace ``model`` on one micro-batch of inputs and cut it before each module in ``boundaries``.
 
-    Returns one module per stage, with the original parameter names and leaf modules.
+    Returns one module per stage, with the original parameter names and leaf modules, and the traced whole that
+    calls them in order (what :func:`boundary_values` runs).
     """
     args, kwargs = microbatch
     pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None,
@@ -51,6 +53,7 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
     if pipe.num_stages != len(boundaries) + 1:
         raise ValueError(f"splitting at {boundaries} gave {pipe.num_stages} stages, not {len(boundaries) + 1}: a "
                          "boundary must be a module the forward calls, in order; check the plan's stage numbers")
+    _check_chain(pipe.split_gm)
     originals = dict(model.named_modules())
     stages = []
     for i in range(pipe.num_stages):
@@ -60,14 +63,73 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
             if path and original is not None and not list(original.children()) and module is not original:
                 parent, _, name = path.rpartition(".")
                 stage.get_submodule(parent).register_module(name, original)
+        stage.register_forward_hook(_contiguous_outputs)
         stages.append(stage)
-    return stages
+    return stages, pipe
 
 
-def build_stage(module: nn.Module, stage_id: int, num_stages: int, *, device: torch.device,
-                pp_group: ProcessGroup) -> PipelineStage:
-    """Wrap one stage module for the schedule."""
-    return PipelineStage(module, stage_id, num_stages, device, group=pp_group)
+def _check_chain(split_gm) -> None:
+    """Each stage must read exactly the previous stage's outputs, in order: the schedules send a stage's outputs
+    to the next stage as its positional inputs, and nothing else."""
+    import operator
+
+    calls = [n for n in split_gm.graph.nodes if n.op == "call_module"]
+    for prev, node in zip(calls, calls[1:], strict=False):
+        got = list(node.args)
+        if got == [prev]:
+            continue
+        if all(a.op == "call_function" and a.target is operator.getitem and a.args[0] is prev and a.args[1] == j
+               for j, a in enumerate(got)) and len(got) == len(prev.users):
+            continue
+        names = ", ".join(getattr(a, "name", str(a)) for a in got)
+        raise NotImplementedError(
+            f"the cut before pipeline stage {calls.index(node)} is crossed by values that do not all come from the "
+            f"stage before it ({names}; e.g. a model input used again later): choose a stage boundary where only "
+            "the previous stage's outputs flow on (for example at a repeated block)")
+
+
+def _contiguous_outputs(module, args, output):
+    """Stage outputs are sent to the next rank as they are, and gloo sends only contiguous tensors (a cut after a
+    transpose or an expand would fail)."""
+    if isinstance(output, torch.Tensor):
+        return output.contiguous()
+    if isinstance(output, (tuple, list)):
+        return type(output)(t.contiguous() if isinstance(t, torch.Tensor) else t for t in output)
+    return output
+
+
+def boundary_values(whole: nn.Module, stages: list[nn.Module], microbatch: tuple[tuple, dict]
+                    ) -> list[tuple[tuple, tuple]]:
+    """What enters and leaves each stage, from one micro-batch run through the traced whole (unsharded): the static
+    shapes the stages are built with, so no shape inference runs on made-up tensors (integer ids made up for it
+    could index out of an embedding)."""
+    def leaf(t):  # keeps requires_grad: it tells the stage which gradients travel back
+        return t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+
+    seen: dict[int, tuple[tuple, tuple]] = {}
+    hooks = [stage.register_forward_hook(
+        lambda m, args, out, i=i: seen.__setitem__(i, (tuple(leaf(a) for a in args),
+                                                       tuple(leaf(t) for t in (out if isinstance(out, tuple)
+                                                                               else (out,))))))
+        for i, stage in enumerate(stages)]
+    try:
+        args, kwargs = microbatch
+        whole(*args, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [seen[i] for i in range(len(stages))]
+
+
+def build_stage(module: nn.Module, stage_id: int, num_stages: int, *, device: torch.device, pp_group: ProcessGroup,
+                values: list[tuple[tuple, tuple]] | None = None) -> PipelineStage:
+    """Wrap one stage module (after TP/AC/FSDP) for the schedule; ``values`` from :func:`boundary_values` give
+    static input/output shapes (None: the stages infer them at the first step)."""
+    if values is None:
+        return PipelineStage(module, stage_id, num_stages, device, group=pp_group)
+    inputs, outputs = values[stage_id]
+    return PipelineStage(module, stage_id, num_stages, device, group=pp_group, input_args=inputs,
+                         output_args=outputs)
 
 
 def build_schedule(stages: list[PipelineStage], *, schedule: str, n_microbatches: int, loss_fn):

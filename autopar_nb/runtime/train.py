@@ -66,9 +66,8 @@ class Trainer:
         microbatch = None
         if plan.mesh.pp > 1:
             first = split_batch(self._batch(0), plan.batch.micro_batches)[0]
+            # real inputs even for a meta model: devices the trace bakes in (torch.arange(...)) are the run's
             microbatch = model_call(self.loss_fn, first)
-            if meta_init:
-                microbatch = tuple(_to_meta(x) for x in microbatch)
         # on the meta path the plan is applied to a copy; the untouched model is the skeleton materialize() reads
         skeleton = model
         self.pm: ParallelModel = apply_plan(copy.deepcopy(model) if meta_init else model, plan, mesh,
@@ -171,7 +170,3 @@ class Trainer:
                     t = t.full_tensor()
                 out[canonical_name(name)] = t.detach().float().cpu().clone()
         return out
-
-
-def _to_meta(x):
-    return x.to("meta") if isinstance(x, torch.Tensor) else x
