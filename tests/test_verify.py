@@ -44,6 +44,7 @@ TWO = {
     "pp_interleaved": (G, dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, micro_batches=2,
                                stages={"h.0": 1, "h.1": 2, "ln_f": 3})),
     "bf16": (G, dict(dp=2, zero=3, amp="bf16", param_dtype="bf16")),
+    "tp_bf16": (G, dict(tp=2, tp_styles=gpt_mlp_tp(), amp="bf16")),  # partial sums rounded to bf16 before the sum
     "batchnorm_dp": (V, dict(dp=2)),
 }
 META = {  # built on the meta device, initialised shard by shard
@@ -59,7 +60,8 @@ FOUR = {
     "dp_tp_sp": (L, dict(dp=2, tp=2, zero=3, tp_styles=llama_tp(sp=True), sp=True)),
     "tp_pp": (G, dict(tp=2, pp=2, tp_styles=gpt_mlp_tp(), stages={"h.1": 1}, micro_batches=2)),
 }
-ADAM = {"dp", "tp_sp", "bf16", "dp_tp"}  # the others use SGD, whose parameter updates are checked at 1e-5 too
+# the others use SGD, whose parameter updates are checked at 1e-5 too
+ADAM = {"dp", "tp_sp", "bf16", "tp_bf16", "dp_tp"}
 
 
 def _plans(cases):
@@ -137,3 +139,20 @@ def test_compare_flags_a_changed_model():
     assert not missing.ok and missing.missing == ["w"]
     assert StepDiff(0, 2.0, 1.0, 0, 0, 0, 0).loss_rel == 1.0
     assert isinstance(report, VerifyReport)
+
+
+def test_low_precision_rules():
+    """bf16: losses at every step, gradients at the first step (same weights), parameters within Adam's +-lr per
+    step; fp32: everything at every step."""
+    from autopar_nb.verify import LOW_PRECISION_RTOL
+
+    def report(low, *steps):
+        return VerifyReport(plan="p", nproc=2, rtol=LOW_PRECISION_RTOL if low else FP32_RTOL, low_precision=low,
+                            param_floor=0.03,
+                            steps=[StepDiff(i, 1.0, 1.0, 0, g, 0, p) for i, (g, p) in enumerate(steps)])
+
+    assert report(True, (0.01, 0.045), (0.2, 0.075)).ok  # later gradients follow the (rounded) weights
+    assert not report(True, (0.05, 0.0)).ok  # first-step gradients: same weights, same data
+    assert not report(True, (0.0, 0.09)).ok  # 0.02 + 1 x 0.03 + ...
+    assert not report(False, (0.0, 0.0), (2e-5, 0.0)).ok
+    assert "gradients judged at step 0 only" in str(report(True, (0.0, 0.0)))
