@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
+import threading
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -151,7 +153,7 @@ def verify_many(cases: list[tuple[ModelSource, Plan]], *, steps: int = 5, nproc:
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"verify-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.05,
                           start_method=start_method)
-    results = elastic_launch(config, _worker)(payload, steps, seed)
+    results = _restoring_signal_handlers(elastic_launch(config, _worker), payload, steps, seed)
     reports = []
     for i, (src, plan) in enumerate(cases):
         par = _merge([results[r][i] for r in sorted(results)])
@@ -161,6 +163,19 @@ def verify_many(cases: list[tuple[ModelSource, Plan]], *, steps: int = 5, nproc:
         report.per_rank = [results[r][i]["info"] for r in sorted(results)]
         reports.append(report)
     return reports
+
+
+def _restoring_signal_handlers(fn, *args):
+    # the elastic launcher installs SIGTERM/SIGINT/SIGHUP/SIGQUIT handlers in the calling process and leaves them;
+    # in a notebook kernel they would later turn the kernel's own shutdown into a SignalException traceback
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    saved = {n: signal.getsignal(getattr(signal, n)) for n in names if hasattr(signal, n)}
+    try:
+        return fn(*args)
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for n, handler in saved.items():
+                signal.signal(getattr(signal, n), handler)
 
 
 def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0) -> dict:
