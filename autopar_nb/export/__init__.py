@@ -675,21 +675,33 @@ def init_weights(parts, skeleton, device):
                 target.copy_(value)
 '''
 
-_CHECKPOINT = '''
+_LATEST = '''
+def latest_checkpoint(ckpt_dir):
+    """The newest step_N folder whose save finished on every rank (a run killed mid-save leaves one unmarked)."""
+    if not os.path.isdir(ckpt_dir):
+        return None
+    steps = [int(d.removeprefix("step_")) for d in os.listdir(ckpt_dir)
+             if d.startswith("step_") and os.path.exists(os.path.join(ckpt_dir, d, "COMPLETE"))]
+    return os.path.join(ckpt_dir, f"step_{max(steps)}") if steps else None
+
+
+def mark_complete(path):
+    dist.barrier()  # every rank's shards are on disk before the checkpoint counts
+    if dist.get_rank() == 0:
+        open(os.path.join(path, "COMPLETE"), "w").close()
+
+'''
+
+_CHECKPOINT = _LATEST + '''
 # optimizer state keyed by parameter name, so each pipeline rank's share is its own set of keys
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def latest_checkpoint(ckpt_dir):
-    steps = [int(d.removeprefix("step_")) for d in os.listdir(ckpt_dir) if d.startswith("step_")] \\
-        if os.path.isdir(ckpt_dir) else []
-    return os.path.join(ckpt_dir, f"step_{max(steps)}") if steps else None
 
 
 def save_checkpoint(path, model, optimizer, step):
     """Distributed checkpoint: every rank writes its shards; loadable at another world size or layout."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT)
     dcp.save({"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=path)
+    mark_complete(path)
 
 
 def load_checkpoint(path, model, optimizer):
@@ -700,18 +712,13 @@ def load_checkpoint(path, model, optimizer):
     return state["step"]
 '''
 
-_CHECKPOINT_ZERO1 = '''
-def latest_checkpoint(ckpt_dir):
-    steps = [int(d.removeprefix("step_")) for d in os.listdir(ckpt_dir) if d.startswith("step_")] \\
-        if os.path.isdir(ckpt_dir) else []
-    return os.path.join(ckpt_dir, f"step_{max(steps)}") if steps else None
-
-
+_CHECKPOINT_ZERO1 = _LATEST + '''
 def save_checkpoint(path, model, optimizer, step):
     """The model as a distributed checkpoint; ZeRO-1 optimizer shards one file per rank (resume with the same DP)."""
     model_sd, _ = get_state_dict(model, [])
     dcp.save({"model": model_sd, "step": step}, checkpoint_id=path)
     torch.save(optimizer.optim.state_dict(), os.path.join(path, f"zero1_rank{dist.get_rank()}.pt"))
+    mark_complete(path)
 
 
 def load_checkpoint(path, model, optimizer):
