@@ -2,23 +2,31 @@
 
 >>> import autopar_nb as ap
 >>> graph = ap.capture(model, example_inputs)          # model may live on the meta device
->>> cluster = ap.Cluster.preset("h100-80gb", nodes=1)
+>>> plan = ap.plan(graph, ap.Cluster.preset("h100-80gb", nodes=2), global_batch=256)
+>>> print(plan.explain())
+
+In a notebook: ``%load_ext autopar_nb`` and ``%%autoparallel`` (see ``%autoparallel?``).
 """
 
 from .capture import CaptureError, capture
 from .export import Exported, export
 from .graph import Layer, ModelGraph, OpNode, RepeatedBlock
 from .hardware import Cluster, DeviceSpec, LinkSpec
+from .launch import Run, launch
 from .plan import Cost, LayerPlan, MemoryBreakdown, MeshPlan, Plan, PlanError
-from .planner import plan  # last: the function shadows the autopar_nb.plan submodule attribute
 from .runtime import ParallelModel, apply_plan
 from .verify import VerifyReport, verify, verify_many
 
+# isort: split
+# bound last: the function `plan` shadows the attribute of the contract module autopar_nb.plan (code imports the
+# contract with `from autopar_nb.plan import Plan`, which still works)
+from .planner import plan
+
 __all__ = [
-    "CaptureError", "Cluster", "Cost", "DeviceSpec", "Layer", "LayerPlan", "LinkSpec", "MemoryBreakdown", "MeshPlan",
-    "ModelGraph", "OpNode", "Plan", "PlanError", "RepeatedBlock", "capture", "load_ipython_extension",
-    "Exported", "ParallelModel", "VerifyReport", "apply_plan", "export", "verify", "verify_many",
-    "PlannerWidget", "plan",
+    "CaptureError", "Cluster", "Cost", "DeviceSpec", "Exported", "Layer", "LayerPlan", "LinkSpec", "MemoryBreakdown",
+    "MeshPlan", "ModelGraph", "OpNode", "ParallelModel", "Plan", "PlanError", "PlannerWidget", "RepeatedBlock", "Run",
+    "VerifyReport", "apply_plan", "capture", "export", "launch", "load_ipython_extension", "plan", "verify",
+    "verify_many",
 ]
 
 
@@ -30,14 +38,8 @@ def load_ipython_extension(ipython):
     ipython.register_magics(AutoparallelMagics)
 
 
-from .launch import Run, launch  # noqa: E402  (launch: issue 5)
-
-__all__ += ["Run", "launch"]
-
-
 def __getattr__(name):
-    # PlannerWidget (issue 6) is imported on first use, so `import autopar_nb` (worker processes, exported runs)
-    # never imports ipywidgets/anywidget; autopar_nb.plan is loaded by then, so this cannot shadow `plan`.
+    # PlannerWidget is imported on first use, so `import autopar_nb` (worker processes) never imports ipywidgets
     if name == "PlannerWidget":
         from .widget import PlannerWidget
 

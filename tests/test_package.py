@@ -1,0 +1,45 @@
+import ast
+import inspect
+import pathlib
+import subprocess
+import sys
+
+import autopar_nb as ap
+
+PKG = pathlib.Path(ap.__file__).parent
+
+
+def test_public_names_resolve_and_are_documented():
+    for name in ap.__all__:
+        obj = getattr(ap, name)
+        if inspect.isfunction(obj) or inspect.isclass(obj):
+            assert inspect.getdoc(obj), f"{name} has no docstring"
+    assert callable(ap.plan)  # the planner function, not the contract module
+
+
+def test_import_in_a_worker_pulls_no_notebook_machinery():
+    code = ("import sys, autopar_nb\n"
+            "print(sorted(m for m in ('IPython', 'ipywidgets', 'anywidget') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_imports_flow_one_way():
+    """capture -> graph -> cost -> planner -> plan -> {widget, runtime, export, launch}: a module never imports one
+    from a later stage (plan.py, the contract, is imported by all; session and magic sit on top)."""
+    order = ["source", "graph", "hardware", "plan", "capture", "cell", "cost", "calibration", "planner", "runtime",
+             "verify", "export", "launch", "widget", "session", "magic", "demo"]
+    rank = {name: i for i, name in enumerate(order)}
+    checked = 0
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG).with_suffix("").parts
+        if rel[0] not in rank:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.level != len(rel):
+                continue  # absolute imports, or a sibling inside the same subpackage
+            for target in [node.module.split(".")[0]] if node.module else [a.name for a in node.names]:
+                if target in rank:
+                    checked += 1
+                    assert rank[target] <= rank[rel[0]], f"{path.relative_to(PKG)} imports {target}"
+    assert checked > 30
