@@ -185,9 +185,10 @@ class Run:
 
     @property
     def metrics(self) -> MetricsTable:
-        """Every step message received, one row per (rank, step, attempt)."""
+        """Every step message received, one row per (rank, step, attempt), in (attempt, step, rank) order."""
         with self._lock:
-            return MetricsTable(dict(r) for r in self._rows)
+            rows = [dict(r) for r in self._rows]
+        return MetricsTable(sorted(rows, key=lambda r: (r.get("attempt", 0), r.get("step", 0), r.get("rank", 0))))
 
     def loss_curve(self, rank: int = 0) -> list[tuple[int, float]]:
         """(step, loss) of one rank, in step order; a step redone after a restart counts once (its latest value)."""
