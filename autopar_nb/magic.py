@@ -77,7 +77,11 @@ class AutoparallelMagics(Magics):
         verify, launch and the exported script use. The cell must be self-contained (its own imports), because
         workers and the exported script run it on their own.
 
-        The session is bound to ``ap`` (or ``--name``) and shown as the cell's output; it is also the cell's value.
+        The session is bound to ``ap`` (or ``--name``) and shown as the cell's output (the planner widget); it is
+        also the cell's value. Everything the widget does is a call on it: ``ap.plan`` (with ``.explain()``,
+        ``.cost``, ``.alternatives``), ``ap.override(glob, tp=..., stage=..., recompute=...)``,
+        ``ap.replan(fix=...)``, ``ap.undo()``/``ap.redo()``, ``ap.verify(steps, nproc)``, ``ap.launch(nproc, steps)``
+        (a live dashboard) and ``ap.export(path)`` (a plain torchrun script).
 
         Examples::
 
