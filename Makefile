@@ -22,7 +22,7 @@ test: setup
 	$(PY) -m pytest -q
 
 lab: setup
-	$(PY) -m jupyterlab notebooks/
+	$(PY) -m jupyterlab --ServerApp.root_dir=notebooks
 
 bench: setup
 	for b in bench/*.py; do $(PY) $$b || exit 1; done
