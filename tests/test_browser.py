@@ -230,7 +230,12 @@ def test_quickstart_widget_in_jupyterlab(lab, tmp_path):
 
 def _kernel_state(page, path: Path) -> dict:
     """Run a new last cell in the notebook that writes the sessions' state to ``path``; return it."""
-    code = f"STATE_PATH = {str(path)!r}\n" + STATE_CELL
+    return run_cell_writing(page, f"STATE_PATH = {str(path)!r}\n" + STATE_CELL, path)
+
+
+def run_cell_writing(page, code: str, path: Path) -> dict:
+    """Append a code cell to the open notebook, run it, wait until it has written the JSON file ``path``; return
+    the file's content (how the browser tests read the kernel's state)."""
     page.evaluate("""async (code) => {
         const panel = jupyterapp.shell.currentWidget, nb = panel.content, model = nb.model;
         model.sharedModel.insertCell(model.cells.length, {cell_type: 'code', source: code});
@@ -241,5 +246,5 @@ def _kernel_state(page, path: Path) -> dict:
     while not path.exists() and time.time() < deadline:
         time.sleep(0.2)
     assert path.exists(), "the state cell did not run"
-    time.sleep(0.2)
+    time.sleep(0.2)  # the file may still be being written
     return json.loads(path.read_text())

@@ -4,14 +4,13 @@ A screenshot goes to $AUTOPAR_SCREENSHOTS/dashboard.png (see test_browser.py).""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import nbformat
 import pytest
 import test_browser
-from test_browser import CHROMIUM, CHROMIUM_FLAGS, IMG
+from test_browser import CHROMIUM, CHROMIUM_FLAGS, IMG, run_cell_writing
 
 jupyterlab = test_browser.lab  # registers test_browser's `lab` fixture (JupyterLab on 127.0.0.1) here
 
@@ -86,16 +85,7 @@ def test_dashboard_updates_while_a_cell_runs_and_stop_button_ends_the_run(jupyte
             page.wait_for_function(kernel % "idle", timeout=30_000)
             code = (f"json.dump({{'status': run.status, 'left': len(run.processes()), 'message': run.message, "
                     f"'busy': [t_busy, t_free], 't_cell1': t_cell1}}, open({str(state_path)!r}, 'w'))")
-            page.evaluate("""async (code) => {
-                const panel = jupyterapp.shell.currentWidget, nb = panel.content, model = nb.model;
-                model.sharedModel.insertCell(model.cells.length, {cell_type: 'code', source: code});
-                nb.activeCellIndex = model.cells.length - 1;
-                await jupyterapp.commands.execute('notebook:run-cell');
-            }""", code)
-            deadline = time.time() + 30
-            while not state_path.exists() and time.time() < deadline:
-                time.sleep(0.2)
-            state = json.loads(state_path.read_text())
+            state = run_cell_writing(page, code, state_path)
         finally:
             ctx.close()
     t_busy, t_free = state["busy"]

@@ -21,18 +21,24 @@ def partition(times: list[float], n_stages: int, pins: dict[int, int]) -> list[i
         return None
     if pins:
         return _partition_dp(times, n_stages, pins)
-    lo, hi = max(times), sum(times)
-    best = _greedy(times, n_stages, hi)
-    for _ in range(40):
+    best = _bisect(lambda cap: _greedy(times, n_stages, cap), max(times), sum(times), rtol=1e-6, steps=40)
+    return fill_empty(best, n_stages)
+
+
+def _bisect(assign_within, lo: float, hi: float, *, rtol: float, steps: int):
+    """The assignment for the smallest stage-time cap in [lo, hi] that ``assign_within(cap)`` can meet (it returns
+    None when the cap is too tight), by bisection on the cap."""
+    best = assign_within(hi)
+    for _ in range(steps):
         mid = (lo + hi) / 2
-        a = _greedy(times, n_stages, mid)
+        a = assign_within(mid)
         if a is None:
             lo = mid
         else:
             hi, best = mid, a
-        if hi - lo <= 1e-6 * hi:
+        if hi - lo <= rtol * hi:
             break
-    return fill_empty(best, n_stages)
+    return best
 
 
 def partition_runs(runs: list[tuple[float, int]], n_stages: int) -> list[int] | None:
@@ -43,17 +49,8 @@ def partition_runs(runs: list[tuple[float, int]], n_stages: int) -> list[int] | 
         return None
     if n_stages == 1:
         return [0] * n
-    lo, hi = max(t for t, _ in runs), sum(t * c for t, c in runs)
-    best = _greedy_runs(runs, n_stages, hi)
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        a = _greedy_runs(runs, n_stages, mid)
-        if a is None:
-            lo = mid
-        else:
-            hi, best = mid, a
-        if hi - lo <= 1e-4 * hi:
-            break
+    best = _bisect(lambda cap: _greedy_runs(runs, n_stages, cap), max(t for t, _ in runs),
+                   sum(t * c for t, c in runs), rtol=1e-4, steps=50)
     assign = [st for st, k in best for _ in range(k)]
     return fill_empty(assign, n_stages)
 
