@@ -29,26 +29,133 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 SCHEMA_VERSION = 1
 
+# ---- vocabularies: the values a plan may hold (the planner, widget, runtime and export import them from here) ------
 ZERO_STAGES = (0, 1, 2, 3)
 TP_STYLES = ("replicate", "colwise", "rowwise", "sequence_parallel")
 RECOMPUTE = ("none", "selective", "full")
+"""per-layer activation recompute: none | selective (drop what is cheap to recompute) | full (keep the layer input)"""
 AMP = ("none", "bf16", "fp16")
+"""autocast dtype of the forward pass; "none" = fp32"""
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
 OPTIMIZERS = ("adam", "adamw", "sgd")
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
+               "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+"""plan dtype string (an ``amp`` value other than "none", or ``precision.param_dtype``/``reduce_dtype``) -> the
+torch attribute name: ``getattr(torch, DTYPE_NAMES[s])``"""
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+            "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8,
+            "complex128": 16}
+"""bytes per element by torch dtype name (``str(dtype).removeprefix("torch.")``)"""
+FIX_KEYS = ("dp", "tp", "pp", "zero_stage", "micro_batches", "schedule", "virtual_stages", "recompute", "amp",
+            "sequence_parallel", "optimizer")
+"""global choices a user can pin (``--fix``, ``plan(fix=...)``, ``Session.replan(fix=...)``)"""
+FIX_ALIASES = {"zero": "zero_stage", "mb": "micro_batches", "micro": "micro_batches", "sp": "sequence_parallel"}
+"""short names accepted for FIX_KEYS"""
+FIX_CHOICES: dict[str, tuple] = {"zero_stage": ZERO_STAGES, "schedule": SCHEDULES, "recompute": RECOMPUTE,
+                                 "amp": AMP, "sequence_parallel": (False, True), "optimizer": OPTIMIZERS}
+"""the allowed values of the FIX_KEYS that are choices; the others (dp, tp, pp, micro_batches, virtual_stages) are
+positive integers"""
+
+MODULE_PATH = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*")
+"""a dotted module path as ``nn.Module.named_modules()`` yields it, restricted to names made of letters, digits,
+``_`` and ``-`` (attribute names, ``nn.Sequential`` indices, usual ``nn.ModuleDict`` keys); "" is the root"""
 
 
 class PlanError(ValueError):
     """A plan that cannot be valid: the message says which field and why."""
 
 
+def layer_of(path: str, layer_paths) -> str | None:
+    """The layer that contains module ``path``: the longest of ``layer_paths`` equal to it or a dotted prefix of it
+    ("" = the root contains everything); None when no layer does."""
+    best = None
+    for lp in layer_paths:
+        if (lp == "" or path == lp or path.startswith(lp + ".")) and (best is None or len(lp) > len(best)):
+            best = lp
+    return best
+
+
+def normalize_fix(fix: dict[str, Any] | None) -> dict[str, Any]:
+    """A checked copy of ``fix`` with aliases resolved (``zero`` -> ``zero_stage``, ...). PlanError names an unknown
+    key or a value of the wrong type."""
+    out: dict[str, Any] = {}
+    for key, value in (fix or {}).items():
+        k = FIX_ALIASES.get(key, key)
+        if k not in FIX_KEYS:
+            raise PlanError(f"unknown fix key(s) {key}; supported: {', '.join(FIX_KEYS)} "
+                            f"(aliases: {', '.join(f'{a}={t}' for a, t in FIX_ALIASES.items())})")
+        if k in FIX_CHOICES:
+            _check_choice(f"fix[{k!r}]", value, FIX_CHOICES[k])
+        else:
+            _check_int(f"fix[{k!r}]", value, minimum=1)
+        out[k] = value
+    return out
+
+
+# ---- field checks (each names the field) ---------------------------------------------------------------------------
 def _check_choice(what: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
+    # type first: True == 1 and 1.0 == 1, so `in` alone would take them for zero_stage 1
+    if not any(type(value) is type(a) and value == a for a in allowed):
         raise PlanError(f"{what}={value!r} is not supported; choose one of {', '.join(map(repr, allowed))}")
+
+
+def _check_int(what: str, value: Any, *, minimum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
+    if minimum is not None and value < minimum:
+        raise PlanError(f"{what} must be >= {minimum}, got {value}")
+
+
+def _check_number(what: str, value: Any, *, minimum: float | None = None, below: float | None = None,
+                  finite: bool = True) -> float:
+    """The value as a float; PlanError unless it is an int or float (not a bool or a string) in range."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PlanError(f"{what} must be a number, got {value!r} ({type(value).__name__})")
+    if finite and not math.isfinite(value):
+        raise PlanError(f"{what} must be finite, got {value!r}")
+    if (minimum is not None and value < minimum) or (below is not None and value >= below):
+        rng = f">= {minimum}" if below is None else f"in [{minimum}, {below})"
+        raise PlanError(f"{what} must be {rng}, got {value!r}")
+    return float(value)
+
+
+def _check_bool(what: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise PlanError(f"{what} must be true or false, got {value!r} ({type(value).__name__})")
+
+
+def _check_str(what: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise PlanError(f"{what} must be a string, got {value!r} ({type(value).__name__})")
+
+
+def _check_module_path(what: str, value: Any, *, root: bool) -> None:
+    _check_str(what, value)
+    if value == "" and root:
+        return
+    if not MODULE_PATH.fullmatch(value):
+        raise PlanError(f"{what}={value!r} is not a module path: dotted names of letters, digits, '_' and '-' "
+                        f"(as nn.Module.named_modules() yields them){', or the root' if root else ''}")
+
+
+def _check_list(what: str, value: Any, kind: type) -> None:
+    if not isinstance(value, list):
+        raise PlanError(f"{what} must be a list, got {value!r} ({type(value).__name__})")
+    for i, v in enumerate(value):
+        if not isinstance(v, kind):
+            raise PlanError(f"{what}[{i}] must be a {kind.__name__}, got {v!r} ({type(v).__name__})")
+
+
+def _check_numbers(obj: Any, prefix: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        _check_number(f"{prefix}.{name}", getattr(obj, name), finite=False)
 
 
 @dataclass
@@ -67,8 +174,7 @@ class MeshPlan:
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise PlanError(f"mesh.{name} must be a positive integer, got {getattr(self, name)!r}")
+            _check_int(f"mesh.{name}", getattr(self, name), minimum=1)
         _check_choice("mesh.zero_stage", self.zero_stage, ZERO_STAGES)
 
     @property
@@ -88,9 +194,10 @@ class BatchPlan:
     """tokens per sample for sequence models, else None"""
 
     def __post_init__(self):
-        if self.global_batch < 1 or self.micro_batches < 1:
-            raise PlanError(f"batch sizes must be >= 1, got global_batch={self.global_batch}, "
-                            f"micro_batches={self.micro_batches}")
+        _check_int("batch.global_batch", self.global_batch, minimum=1)
+        _check_int("batch.micro_batches", self.micro_batches, minimum=1)
+        if self.seq_len is not None:
+            _check_int("batch.seq_len", self.seq_len, minimum=1)
 
 
 @dataclass
@@ -104,8 +211,7 @@ class PipelinePlan:
 
     def __post_init__(self):
         _check_choice("pipeline.schedule", self.schedule, SCHEDULES)
-        if self.virtual_stages < 1:
-            raise PlanError(f"pipeline.virtual_stages must be >= 1, got {self.virtual_stages}")
+        _check_int("pipeline.virtual_stages", self.virtual_stages, minimum=1)
 
 
 @dataclass
@@ -127,6 +233,11 @@ class PrecisionPlan:
 
     def __post_init__(self):
         _check_choice("precision.amp", self.amp, AMP)
+        _check_choice("precision.param_dtype", self.param_dtype, tuple(DTYPE_NAMES))
+        _check_choice("precision.reduce_dtype", self.reduce_dtype, tuple(DTYPE_NAMES))
+        self.init_loss_scale = _check_number("precision.init_loss_scale", self.init_loss_scale, minimum=0.0)
+        _check_bool("precision.dynamic_loss_scale", self.dynamic_loss_scale)
+        _check_int("precision.growth_interval", self.growth_interval, minimum=1)
 
 
 @dataclass
@@ -134,13 +245,24 @@ class OptimizerPlan:
     """The optimizer the exported script builds."""
 
     name: str = "adam"
+    """adam | adamw | sgd"""
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's (beta1, beta2), each in [0, 1)"""
 
     def __post_init__(self):
         _check_choice("optimizer.name", self.name, OPTIMIZERS)
-        self.betas = tuple(self.betas)
+        self.lr = _check_number("optimizer.lr", self.lr, minimum=0.0)
+        self.weight_decay = _check_number("optimizer.weight_decay", self.weight_decay, minimum=0.0)
+        if not isinstance(self.betas, (list, tuple)) or len(self.betas) != 2:
+            raise PlanError(f"optimizer.betas must be two numbers [beta1, beta2], got {self.betas!r}")
+        self.betas = tuple(_check_number(f"optimizer.betas[{i}]", b, minimum=0.0, below=1.0)
+                           for i, b in enumerate(self.betas))
+
+
+PINNABLE = ("stage", "tp", "fsdp", "recompute")
+"""the LayerPlan fields an override can pin"""
 
 
 @dataclass
@@ -164,11 +286,21 @@ class LayerPlan:
     """the fields above that the user fixed with an override; the planner never changes them"""
 
     def __post_init__(self):
-        _check_choice(f"layers[{self.path}].recompute", self.recompute, RECOMPUTE)
+        _check_module_path("layer path", self.path, root=True)
+        where = f"layers[{self.path!r}]"
+        _check_int(f"{where}.stage", self.stage, minimum=0)
+        if not isinstance(self.tp, dict):
+            raise PlanError(f"{where}.tp must be a dict of module path -> style, got {self.tp!r}")
         for mod, style in self.tp.items():
-            _check_choice(f"layers[{self.path}].tp[{mod}]", style, TP_STYLES)
-        if self.stage < 0:
-            raise PlanError(f"layers[{self.path}].stage must be >= 0, got {self.stage}")
+            # "" (the root module) only in the root layer: a model that is a single Linear
+            _check_module_path(f"{where}.tp key", mod, root=self.path == "")
+            _check_choice(f"{where}.tp[{mod!r}]", style, TP_STYLES)
+        _check_bool(f"{where}.sequence_parallel", self.sequence_parallel)
+        _check_bool(f"{where}.fsdp", self.fsdp)
+        _check_choice(f"{where}.recompute", self.recompute, RECOMPUTE)
+        _check_list(f"{where}.pinned", self.pinned, str)
+        for name in self.pinned:
+            _check_choice(f"{where}.pinned entry", name, PINNABLE)
 
 
 @dataclass
@@ -184,9 +316,15 @@ class MemoryBreakdown:
     margin: float = 0.0
     """allocator fragmentation and workspace margin"""
 
+    def __post_init__(self):
+        _check_numbers(self, "memory", _MEMORY_FIELDS)
+
     @property
     def total(self) -> float:
         return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.margin
+
+
+_MEMORY_FIELDS = ("params", "grads", "optimizer", "activations", "buffers", "margin")
 
 
 @dataclass
@@ -214,6 +352,23 @@ class Cost:
     tokens_per_s: float | None = None
     samples_per_s: float = 0.0
 
+    def __post_init__(self):
+        _check_numbers(self, "cost", _COST_FIELDS)
+        if self.tokens_per_s is not None:
+            _check_number("cost.tokens_per_s", self.tokens_per_s, finite=False)
+        for name in ("comm_by_kind", "comm_exposed_by_kind"):
+            d = getattr(self, name)
+            if not isinstance(d, dict):
+                raise PlanError(f"cost.{name} must be a dict of collective kind -> seconds, got {d!r}")
+            for k, v in d.items():
+                _check_str(f"cost.{name} key", k)
+                _check_number(f"cost.{name}[{k!r}]", v, finite=False)
+        _check_list("cost.memory_by_rank", self.memory_by_rank, MemoryBreakdown)
+
+
+_COST_FIELDS = ("step_time_s", "compute_s", "comm_exposed_s", "comm_total_s", "bubble_s", "optimizer_s",
+                "peak_memory_bytes", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu", "samples_per_s")
+
 
 @dataclass(repr=False)
 class Plan:
@@ -238,6 +393,23 @@ class Plan:
     alternatives: list[Plan] = field(default_factory=list)
 
     def __post_init__(self):
+        for name, kind in (("mesh", MeshPlan), ("batch", BatchPlan), ("pipeline", PipelinePlan),
+                           ("precision", PrecisionPlan), ("optimizer", OptimizerPlan)):
+            if not isinstance(getattr(self, name), kind):
+                raise PlanError(f"{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
+        _check_list("layers", self.layers, LayerPlan)
+        seen: set[str] = set()
+        for lp in self.layers:
+            if lp.path in seen:
+                raise PlanError(f"layer {lp.path!r} appears twice in layers")
+            seen.add(lp.path)
+        _check_bool("sync_batchnorm", self.sync_batchnorm)
+        _check_bool("loss_parallel", self.loss_parallel)
+        self._check_info()
+        if self.cost is not None and not isinstance(self.cost, Cost):
+            raise PlanError(f"cost must be a Cost or None, got {self.cost!r}")
+        _check_list("explanation", self.explanation, str)
+        _check_list("alternatives", self.alternatives, Plan)
         gpus = self.cluster.get("nodes", 0) * self.cluster.get("gpus_per_node", 0)
         if gpus and self.mesh.world_size != gpus:
             m = self.mesh
@@ -247,6 +419,20 @@ class Plan:
             if lp.stage >= stages:
                 raise PlanError(f"layer {lp.path!r} is on stage {lp.stage}, but the plan has {stages} stage(s) "
                                 f"(pp={self.mesh.pp} x virtual_stages={self.pipeline.virtual_stages})")
+
+    def _check_info(self) -> None:
+        """``model`` and ``cluster``: dicts whose known keys have their types (other keys are kept as given)."""
+        for name, ints, strs in (("model", ("num_params",), ("name",)),
+                                 ("cluster", ("nodes", "gpus_per_node"), ("preset",))):
+            d = getattr(self, name)
+            if not isinstance(d, dict):
+                raise PlanError(f"{name} must be a dict, got {d!r}")
+            for k in ints:
+                if k in d:
+                    _check_int(f"{name}.{k}", d[k], minimum=0)
+            for k in strs:
+                if d.get(k) is not None:
+                    _check_str(f"{name}.{k}", d[k])
 
     # ---- lookup -------------------------------------------------------------------------------------------------
     def layer(self, path: str) -> LayerPlan:
@@ -287,31 +473,37 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
-        d = dict(d)
-        version = d.pop("schema_version", None)
+        """Build a plan from :meth:`to_dict`'s output (e.g. parsed JSON). Every field is checked (PlanError names the
+        first bad one); ``d`` is not modified."""
+        if not isinstance(d, dict):
+            raise PlanError(f"a plan must be a JSON object, got {type(d).__name__}")
+        version = d.get("schema_version")
         if version != SCHEMA_VERSION:
             raise PlanError(f"plan schema_version {version!r} is not supported (this autopar-nb reads "
                             f"{SCHEMA_VERSION}); re-plan with this version")
-        cost = d.pop("cost", None)
-        if cost is not None:
-            mem = [MemoryBreakdown(**{k: v for k, v in m.items() if k != "total"})
-                   for m in cost.pop("memory_by_rank", [])]
-            cost = Cost(**cost, memory_by_rank=mem)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise PlanError(f"unknown plan field(s): {', '.join(sorted(unknown))}")
-        return cls(
-            mesh=MeshPlan(**d.pop("mesh", {})),
-            batch=BatchPlan(**d.pop("batch", {})),
-            pipeline=PipelinePlan(**d.pop("pipeline", {})),
-            precision=PrecisionPlan(**d.pop("precision", {})),
-            optimizer=OptimizerPlan(**d.pop("optimizer", {})),
-            layers=[LayerPlan(**lp) for lp in d.pop("layers", [])],
-            alternatives=[cls.from_dict({"schema_version": SCHEMA_VERSION, **a}) for a in d.pop("alternatives", [])],
-            cost=cost,
-            **d,
-        )
+        d = {k: v for k, v in d.items() if k != "schema_version"}
+        _check_keys(cls, d, "plan")
+        sections = {"mesh": MeshPlan, "batch": BatchPlan, "pipeline": PipelinePlan, "precision": PrecisionPlan,
+                    "optimizer": OptimizerPlan}
+        for name, kind in sections.items():
+            if name in d:
+                d[name] = _build(kind, d[name], name)
+        if "layers" in d:
+            layers = _as_list(d["layers"], "layers")
+            d["layers"] = [_build(LayerPlan, lp, f"layers[{i}]") for i, lp in enumerate(layers)]
+        if d.get("cost") is not None:
+            d["cost"] = _cost_from_dict(d["cost"])
+        if "alternatives" in d:
+            alts = []
+            for i, a in enumerate(_as_list(d["alternatives"], "alternatives")):
+                if not isinstance(a, dict):
+                    raise PlanError(f"alternatives[{i}] must be a plan object, got {type(a).__name__}")
+                try:
+                    alts.append(cls.from_dict({**a, "schema_version": SCHEMA_VERSION}))
+                except PlanError as e:
+                    raise PlanError(f"alternatives[{i}]: {e}") from None
+            d["alternatives"] = alts
+        return cls(**d)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -360,6 +552,42 @@ class Plan:
 
     def _repr_pretty_(self, p, cycle) -> None:
         p.text(repr(self))
+
+
+def _as_list(value: Any, what: str) -> list:
+    if not isinstance(value, list):
+        raise PlanError(f"{what} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _check_keys(kind: type, data: dict, what: str, ignore: tuple[str, ...] = ()) -> None:
+    """PlanError for keys of ``data`` that are not fields of the dataclass ``kind``, or required fields missing."""
+    fields = [f for f in dataclasses.fields(kind) if f.init]
+    names = {f.name for f in fields}
+    unknown = [k for k in data if k not in names and k not in ignore]
+    if unknown:
+        raise PlanError(f"unknown field(s) in {what}: {', '.join(map(repr, unknown))}; "
+                        f"{what} has {', '.join(f.name for f in fields)}")
+    missing = [f.name for f in fields if f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING and f.name not in data]
+    if missing:
+        raise PlanError(f"{what} lacks the required field(s) {', '.join(missing)}")
+
+
+def _build(kind: type, data: Any, what: str, ignore: tuple[str, ...] = ()):
+    """``kind(**data)`` for a JSON object ``data`` (not modified), with PlanErrors naming ``what``."""
+    if not isinstance(data, dict):
+        raise PlanError(f"{what} must be a JSON object, got {data!r} ({type(data).__name__})")
+    _check_keys(kind, data, what, ignore)
+    return kind(**{k: v for k, v in data.items() if k not in ignore})
+
+
+def _cost_from_dict(data: Any) -> Cost:
+    if not isinstance(data, dict):
+        raise PlanError(f"cost must be a JSON object or null, got {data!r} ({type(data).__name__})")
+    mem = [_build(MemoryBreakdown, m, f"cost.memory_by_rank[{i}]", ignore=("total",))
+           for i, m in enumerate(_as_list(data.get("memory_by_rank", []), "cost.memory_by_rank"))]
+    return _build(Cost, {**data, "memory_by_rank": mem}, "cost")
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,22 @@
+import copy
 import json
 
 import pytest
 
-from autopar_nb.plan import SCHEMA_VERSION, Cost, LayerPlan, MemoryBreakdown, MeshPlan, PipelinePlan, Plan, PlanError
+from autopar_nb.plan import (
+    SCHEMA_VERSION,
+    Cost,
+    LayerPlan,
+    MemoryBreakdown,
+    MeshPlan,
+    OptimizerPlan,
+    PipelinePlan,
+    Plan,
+    PlanError,
+    PrecisionPlan,
+    layer_of,
+    normalize_fix,
+)
 
 
 def _plan(**kw) -> Plan:
@@ -70,3 +84,163 @@ def test_helpers():
     assert "dp=2 tp=2 pp=2 zero=3" in p.summary()
     with pytest.raises(KeyError, match="layers are: wte, h.0"):
         p.layer("nope")
+
+
+def _plan_dict() -> dict:
+    cost = Cost(step_time_s=0.5, memory_by_rank=[MemoryBreakdown(params=1e9)] * 2)
+    return _plan(cost=cost, alternatives=[_plan()]).to_dict()
+
+
+def test_from_dict_leaves_its_argument_alone():
+    d = _plan_dict()
+    before = copy.deepcopy(d)
+    Plan.from_dict(d)
+    assert d == before  # the cost's memory_by_rank and "total" keys, the sections, the layers: all still there
+
+
+def _set(d: dict, path: str, value) -> dict:
+    """A copy of the plan dict ``d`` with the dotted ``path`` (list indices as numbers) set to ``value``."""
+    d = copy.deepcopy(d)
+    *head, last = path.split(".")
+    node = d
+    for k in head:
+        node = node[int(k)] if isinstance(node, list) else node[k]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return d
+
+
+@pytest.mark.parametrize("path, value, match", [
+    ("mesh.dp", True, r"mesh\.dp must be an integer, got True \(bool\)"),
+    ("mesh.tp", "2", r"mesh\.tp must be an integer, got '2' \(str\)"),
+    ("mesh.zero_stage", True, r"mesh\.zero_stage=True is not supported"),
+    ("mesh.zero_stage", 1.0, r"mesh\.zero_stage=1\.0 is not supported"),
+    ("batch.global_batch", 8.0, r"batch\.global_batch must be an integer"),
+    ("batch.seq_len", "1024", r"batch\.seq_len must be an integer"),
+    ("pipeline.virtual_stages", False, r"pipeline\.virtual_stages must be an integer"),
+    ("precision.growth_interval", "__import__('os')", r"precision\.growth_interval must be an integer"),
+    ("precision.growth_interval", 2000.0, r"precision\.growth_interval must be an integer"),
+    ("precision.init_loss_scale", "65536", r"precision\.init_loss_scale must be a number"),
+    ("precision.init_loss_scale", float("nan"), r"precision\.init_loss_scale must be finite"),
+    ("precision.dynamic_loss_scale", "yes", r"precision\.dynamic_loss_scale must be true or false"),
+    ("precision.param_dtype", "torch.float32; import os", r"precision\.param_dtype="),
+    ("optimizer.lr", "1e-3", r"optimizer\.lr must be a number"),
+    ("optimizer.lr", True, r"optimizer\.lr must be a number"),
+    ("optimizer.weight_decay", None, r"optimizer\.weight_decay must be a number"),
+    ("optimizer.betas", [0.9], r"optimizer\.betas must be two numbers"),
+    ("optimizer.betas", [0.9, "0.99"], r"optimizer\.betas\[1\] must be a number"),
+    ("optimizer.betas", "0.9,0.99", r"optimizer\.betas must be two numbers"),
+    ("optimizer.betas", [0.9, 1.5], r"optimizer\.betas\[1\] must be in \[0\.0, 1\.0\)"),
+    ("layers.0.stage", "0", r"layers\['wte'\]\.stage must be an integer"),
+    ("layers.0.fsdp", 1, r"layers\['wte'\]\.fsdp must be true or false"),
+    ("layers.0.sequence_parallel", "false", r"layers\['wte'\]\.sequence_parallel must be true or false"),
+    ("layers.0.pinned", "recompute", r"layers\['wte'\]\.pinned must be a list"),
+    ("layers.0.pinned", ["everything"], r"layers\['wte'\]\.pinned entry='everything' is not supported"),
+    ("layers.0.tp", [], r"layers\['wte'\]\.tp must be a dict"),
+    ("layers.0.path", 3, r"layer path must be a string"),
+    ("layers.1.path", "wte", r"layer 'wte' appears twice"),
+    ("layers.0.tp", {"wte weight": "rowwise"}, r"tp key='wte weight' is not a module path"),
+    ("layers.0.tp", {"wte.*": "rowwise"}, r"tp key='wte\.\*' is not a module path"),
+    ("layers.0.tp", {"": "rowwise"}, r"tp key='' is not a module path"),  # the root module: only in the root layer
+    ("layers.0.sharding", "x", r"unknown field\(s\) in layers\[0\]: 'sharding'"),
+    ("mesh.cp", 2, r"unknown field\(s\) in mesh: 'cp'; mesh has dp, tp, pp, zero_stage"),
+    ("precision.loss_scale", 1.0, r"unknown field\(s\) in precision: 'loss_scale'"),
+    ("cost.memory_by_rank.0.weights", 1.0, r"unknown field\(s\) in cost\.memory_by_rank\[0\]: 'weights'"),
+    ("cost.step_time_s", "fast", r"cost\.step_time_s must be a number"),
+    ("cost.flops", 1.0, r"unknown field\(s\) in cost: 'flops'"),
+    ("mesh", [2, 2, 2], r"mesh must be a JSON object"),
+    ("layers", {"wte": {}}, r"layers must be a list"),
+    ("sync_batchnorm", "true", r"sync_batchnorm must be true or false"),
+    ("explanation", "why", r"explanation must be a list"),
+    ("cluster.nodes", "1", r"cluster\.nodes must be an integer"),
+    ("model.name", ["GPT"], r"model\.name must be a string"),
+    ("alternatives.0.mesh.pp", "2", r"alternatives\[0\]: mesh\.pp must be an integer"),
+])
+def test_from_dict_names_the_bad_field(path, value, match):
+    d = _set(_plan_dict(), path, value)
+    with pytest.raises(PlanError, match=match):
+        Plan.from_dict(d)
+
+
+def test_from_dict_reports_a_missing_layer_path():
+    d = _plan_dict()
+    del d["layers"][2]["path"]
+    with pytest.raises(PlanError, match=r"layers\[2\] lacks the required field\(s\) path"):
+        Plan.from_dict(d)
+
+
+@pytest.mark.parametrize("path", [
+    'h.0"]); import os; os.system("x"); ("',
+    "h.0'); import os; ('",
+    "h.0\nimport os",
+    "h.0\\",
+    "h..0",
+    ".h",
+    "h.",
+    "h.*",
+    "h.0 ",
+])
+def test_hostile_layer_paths_are_plan_errors(path):
+    d = _set(_plan_dict(), "layers.1.path", path)
+    with pytest.raises(PlanError, match="is not a module path"):
+        Plan.from_dict(d)
+    with pytest.raises(PlanError, match="is not a module path"):
+        LayerPlan(path)
+    with pytest.raises(PlanError, match="is not a module path"):
+        LayerPlan("h.0", tp={path: "colwise"})
+
+
+def test_hostile_plan_json_is_a_plan_error():
+    text = _plan().to_json().replace('"growth_interval": 2000', '"growth_interval": "__import__(\'os\').system(\'x\')"')
+    assert "__import__" in text
+    with pytest.raises(PlanError, match="growth_interval must be an integer"):
+        Plan.from_json(text)
+
+
+def test_plans_built_in_python_are_checked():
+    with pytest.raises(PlanError, match="mesh.dp must be an integer"):
+        MeshPlan(dp=True)
+    with pytest.raises(PlanError, match="growth_interval must be an integer"):
+        PrecisionPlan(growth_interval="100")
+    with pytest.raises(PlanError, match="betas must be two numbers"):
+        OptimizerPlan(betas=(0.9, 0.99, 0.999))
+    with pytest.raises(PlanError, match="layers must be a list"):
+        Plan(layers=LayerPlan("x"))
+    with pytest.raises(PlanError, match="layers\\[1\\] must be a LayerPlan"):
+        Plan(layers=[LayerPlan("x"), {"path": "y"}])
+    with pytest.raises(PlanError, match="mesh must be a MeshPlan"):
+        Plan(mesh={"dp": 1})
+    assert OptimizerPlan(lr=1, betas=[0, 0.5]) == OptimizerPlan(lr=1.0, betas=(0.0, 0.5))
+
+
+def test_valid_module_paths():
+    # the root layer of a model without children (nn.Linear as the model) and its root-module TP key
+    assert LayerPlan("", tp={"": "colwise"}).tp == {"": "colwise"}
+    # nn.Sequential indices, nn.ModuleDict keys with '-'
+    LayerPlan("blocks.0.mlp", tp={"blocks.0.mlp.c_fc": "colwise", "blocks.0.mlp.c-proj_2": "rowwise"})
+
+
+def test_layer_of_is_the_longest_prefix():
+    layers = ["wte", "h.1", "h.10", "h", ""]
+    assert layer_of("h.10.attn.c_attn", layers) == "h.10"
+    assert layer_of("h.1", layers) == "h.1"
+    assert layer_of("h.2.mlp", layers) == "h"
+    assert layer_of("lm_head", layers) == ""
+    assert layer_of("lm_head", ["wte", "h.1"]) is None
+    assert layer_of("wte_extra", ["wte"]) is None
+
+
+def test_normalize_fix():
+    assert normalize_fix({"zero": 3, "mb": 4, "sp": False, "amp": "bf16"}) == {
+        "zero_stage": 3, "micro_batches": 4, "sequence_parallel": False, "amp": "bf16"}
+    assert normalize_fix(None) == {}
+    with pytest.raises(PlanError, match="unknown fix key"):
+        normalize_fix({"cp": 2})
+    with pytest.raises(PlanError, match=r"fix\['tp'\] must be an integer"):
+        normalize_fix({"tp": "2"})
+    with pytest.raises(PlanError, match=r"fix\['sequence_parallel'\]='true' is not supported"):
+        normalize_fix({"sp": "true"})
+    with pytest.raises(PlanError, match=r"fix\['zero_stage'\]=True is not supported"):
+        normalize_fix({"zero_stage": True})
