@@ -12,10 +12,12 @@ from . import calibration
 from .capture import CaptureError, capture
 from .cell import CellError, parse_fix, run_model_cell
 from .hardware import Cluster
-from .plan import PlanError
+from .plan import AMP, FIX_ALIASES, FIX_CHOICES, FIX_KEYS, PlanError
 from .session import MODES, Session
 
-DTYPES = {"auto": None, "fp32": "none", "bf16": "bf16", "fp16": "fp16"}
+DTYPES = {"auto": None, **{("fp32" if amp == "none" else amp): amp for amp in AMP}}
+"""--dtype value -> the ``amp`` it fixes (None: the planner chooses)"""
+BOOL_WORDS = {"true": True, "on": True, "yes": True, "false": False, "off": False, "no": False}
 
 
 def make_cluster(gpu: str, gpus: int | None, nodes: int) -> Cluster:
@@ -29,6 +31,17 @@ def make_cluster(gpu: str, gpus: int | None, nodes: int) -> Cluster:
     else:
         cluster = Cluster.preset(gpu, nodes=nodes, gpus_per_node=gpus or 8)
     return calibration.apply(cluster)
+
+
+def _typed_fix(fix: dict) -> dict:
+    """``--fix sp=false`` arrives as the word "false": turn the words of true/false choices into bools."""
+    out = {}
+    for k, v in fix.items():
+        key = FIX_ALIASES.get(k, k)
+        if FIX_CHOICES.get(key) == (False, True) and isinstance(v, str) and v.lower() in BOOL_WORDS:
+            v = BOOL_WORDS[v.lower()]
+        out[key] = v
+    return out
 
 
 @magics_class
@@ -62,8 +75,8 @@ class AutoparallelMagics(Magics):
                    "manual: --fix must give dp, tp and pp, the planner fills in per-layer choices and costs. "
                    "Example: --mode manual --fix dp=2,tp=4")
     @argument("--fix", default=None,
-              help="pin global choices, comma-separated KEY=VALUE with KEY in dp, tp, pp, zero (zero_stage), "
-                   "micro_batches (mb), schedule, virtual_stages, recompute, amp, sp. Example: --fix tp=2,zero=3")
+              help=f"pin global choices, comma-separated KEY=VALUE with KEY in {', '.join(FIX_KEYS)} (aliases: "
+                   f"{', '.join(f'{a}={k}' for a, k in FIX_ALIASES.items())}). Example: --fix tp=2,zero=3")
     @argument("--include-cells", action="store_true",
               help="prepend the earlier cells that define names this cell uses (default: report those names). "
                    "Example: --include-cells")
@@ -107,7 +120,7 @@ class AutoparallelMagics(Magics):
                 raise CellError(f"--nodes and --gpus must be >= 1 (got --nodes {args.nodes} --gpus {args.gpus})")
             if not args.name.isidentifier():
                 raise CellError(f"--name {args.name!r} is not a valid Python variable name")
-            fix = parse_fix(args.fix)
+            fix = _typed_fix(parse_fix(args.fix))
             if DTYPES[args.dtype] is not None:
                 fix.setdefault("amp", DTYPES[args.dtype])
             try:

@@ -261,8 +261,8 @@ class OptimizerPlan:
                            for i, b in enumerate(self.betas))
 
 
-PINNABLE = ("stage", "tp", "fsdp", "recompute")
-"""the LayerPlan fields an override can pin"""
+PINNABLE = ("stage", "recompute", "fsdp", "tp")
+"""the LayerPlan fields an override can pin (the keys of ``Session.override`` / ``plan(overrides=...)``)"""
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Any
 
 from .graph import ModelGraph, human
 from .hardware import Cluster
-from .plan import Plan, PlanError
+from .plan import Plan, PlanError, normalize_fix
 from .source import ModelSource
 
 MODES = ("auto", "semi", "manual")
@@ -57,7 +57,7 @@ class Session:
         """
         from .planner import plan as make_plan
 
-        fix = dict(self.fix if fix is None else fix)
+        fix = normalize_fix(self.fix if fix is None else fix)
         overrides = copy.deepcopy(self.overrides if overrides is None else overrides)
         missing = [k for k in ("dp", "tp", "pp") if k not in fix]
         if self.mode == "manual" and missing:

@@ -74,3 +74,12 @@ def test_summary_and_html(session):
     session.replan()
     assert "plan: dp=" in session.summary()
     assert "<table>" in session._repr_html_() and "h.[0–3]" in session._repr_html_()
+
+
+def test_fix_aliases_are_stored_by_their_full_names(session):
+    plan = session.replan(fix={"zero": 3, "mb": 2, "tp": 1})
+    assert session.fix == {"zero_stage": 3, "micro_batches": 2, "tp": 1}
+    assert plan.mesh.zero_stage == 3 and plan.batch.micro_batches == 2
+    with pytest.raises(PlanError, match=r"fix\['sequence_parallel'\]='false' is not supported"):
+        session.replan(fix={"sp": "false"})  # a word, not a bool: refused rather than taken as true
+    assert session.fix == {"zero_stage": 3, "micro_batches": 2, "tp": 1}

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..plan import Cost, MemoryBreakdown
+from ..plan import RECOMPUTE, Cost, MemoryBreakdown
 from .comm import collective_time, link_for
 from .factors import Factors, factors_for
 from .memory import activation_bytes, in_flight, model_states, state_bytes, with_margin
 from .profile import GraphProfile
 from .time import bubble_fraction, layer_compute_time, optimizer_time
-
-RECOMPUTE_OPTIONS = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -93,7 +91,7 @@ class Evaluator:
         fwd, bwd, sel = layer_compute_time(lp, tp=tp, sp=sp, half=half, scale=scale, quad_scale=qscale,
                                            device=self.cluster.device, factors=self.f)
         act = {r: activation_bytes(lp, tp=tp, sp=sp, recompute=r, half=half, scale=scale, quad_scale=qscale,
-                                   megatron_sp=self.megatron_sp) for r in RECOMPUTE_OPTIONS}
+                                   megatron_sp=self.megatron_sp) for r in RECOMPUTE}
         comm: dict[str, float] = {}
         if tp > 1:
             link = link_for(self.cluster, size=tp, stride=1)

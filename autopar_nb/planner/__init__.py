@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..cost.estimate import Evaluator
 from ..cost.profile import profile_of
 from ..plan import (
+    DTYPE_NAMES,
     BatchPlan,
     LayerPlan,
     MeshPlan,
@@ -115,7 +116,7 @@ def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch
             tp = {m: st for m, st in tp.items() if st != "replicate" or (ov and m in ov.tp_styles)}
         layers.append(LayerPlan(lay.path, ch.stage, tp, sp, ch.fsdp, ch.recompute, ov.pinned if ov else []))
     half = s.amp != "none"
-    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(s.amp, "float32")
+    dtype = DTYPE_NAMES.get(s.amp, "float32")
     precision = PrecisionPlan(amp=s.amp, param_dtype=dtype if (half and s.zero_stage >= 2) else "float32",
                               reduce_dtype="float32", dynamic_loss_scale=s.amp == "fp16")
     head_tp = any(lp.vocab and any(st == "colwise" for st in lp.tp.values()) and ch.tp

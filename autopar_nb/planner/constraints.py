@@ -1,7 +1,8 @@
 """User constraints: ``fix`` (global choices) and ``overrides`` (layer-path globs -> per-layer choices).
 
-``fix`` keys: dp, tp, pp, zero_stage, amp, recompute, micro_batches, schedule, virtual_stages, sequence_parallel,
-optimizer. ``overrides`` maps a glob over layer or module paths (``fnmatch``: ``*`` also matches dots) to any of:
+``fix`` keys: :data:`autopar_nb.plan.FIX_KEYS` (dp, tp, pp, zero_stage, micro_batches, schedule, virtual_stages,
+recompute, amp, sequence_parallel, optimizer) or their aliases (zero, mb, sp). ``overrides`` maps a glob over layer
+or module paths (``fnmatch``: ``*`` also matches dots) to any of:
 
 * ``stage``: pipeline stage (layer paths only)
 * ``recompute``: none | selective | full (layer paths only)
@@ -19,11 +20,9 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
-from ..plan import AMP, RECOMPUTE, SCHEDULES, TP_STYLES, ZERO_STAGES, PlanError
+from ..plan import PINNABLE, RECOMPUTE, TP_STYLES, PlanError, normalize_fix
 
-FIX_KEYS = ("dp", "tp", "pp", "zero_stage", "amp", "recompute", "micro_batches", "schedule", "virtual_stages",
-            "sequence_parallel", "optimizer")
-OVERRIDE_KEYS = ("stage", "recompute", "fsdp", "tp")
+OVERRIDE_KEYS = PINNABLE
 TP_ALIASES = ("colwise-rowwise", "vocab")
 NORM_TYPES = ("LayerNorm", "RMSNorm", "GroupNorm")
 
@@ -43,8 +42,7 @@ class LayerOverride:
 
     @property
     def pinned(self) -> list[str]:
-        out = [k for k in ("stage", "recompute", "fsdp") if getattr(self, k) is not None]
-        return out + (["tp"] if self.tp_styles else [])
+        return [k for k in PINNABLE if (self.tp_styles if k == "tp" else getattr(self, k) is not None)]
 
 
 @dataclass
@@ -64,21 +62,7 @@ class Constraints:
 
 def parse(graph, prof, fix: dict | None, overrides: dict | None) -> Constraints:
     """Check and resolve ``fix`` and ``overrides`` against the graph (module docstring)."""
-    fix = dict(fix or {})
-    if "sp" in fix:
-        fix["sequence_parallel"] = fix.pop("sp")
-    unknown = set(fix) - set(FIX_KEYS)
-    if unknown:
-        raise PlanError(f"unknown fix key(s) {', '.join(sorted(unknown))}; supported: {', '.join(FIX_KEYS)}")
-    for k in ("dp", "tp", "pp", "micro_batches", "virtual_stages"):
-        if k in fix and (not isinstance(fix[k], int) or fix[k] < 1):
-            raise PlanError(f"fix[{k!r}] must be a positive integer, got {fix[k]!r}")
-    checks = {"zero_stage": ZERO_STAGES, "amp": AMP, "recompute": RECOMPUTE, "schedule": SCHEDULES,
-              "optimizer": ("adam", "adamw", "sgd")}
-    for k, allowed in checks.items():
-        if k in fix and fix[k] not in allowed:
-            raise PlanError(f"fix[{k!r}]={fix[k]!r} is not supported; choose one of {', '.join(map(repr, allowed))}")
-
+    fix = normalize_fix(fix)
     paths = [lay.path for lay in graph.layers]
     layers: dict[int, LayerOverride] = {}
     text: list[str] = []

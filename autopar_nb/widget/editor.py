@@ -12,7 +12,7 @@ from typing import Any
 
 from ..graph import Layer, ModelGraph, human
 from ..hardware import PRESETS, Cluster
-from ..plan import AMP, SCHEDULES, ZERO_STAGES, LayerPlan, Plan
+from ..plan import AMP, FIX_KEYS, RECOMPUTE, SCHEDULES, ZERO_STAGES, LayerPlan, Plan
 
 STRATEGY_LABELS = {
     "auto": "auto",
@@ -24,9 +24,8 @@ STRATEGY_LABELS = {
     "sequence_parallel": "sequence-parallel",
     "vocab": "vocab-parallel",
 }
-RECOMPUTE_CHOICES = ("none", "selective", "full")
-GLOBAL_KEYS = ("dp", "tp", "pp", "zero_stage", "micro_batches", "schedule", "virtual_stages", "amp",
-               "sequence_parallel", "recompute")
+GLOBAL_KEYS = tuple(k for k in FIX_KEYS if k != "optimizer")
+"""the fix keys the widget has a control for (the optimizer is set in Python: ``ap.replan(fix={"optimizer": ...})``)"""
 
 
 def strategy_choices(graph: ModelGraph, layer: Layer) -> list[str]:
@@ -155,7 +154,7 @@ def global_state(cluster: Cluster, plan: Plan | None, fix: dict[str, Any]) -> di
                   "micro_batches": plan.batch.micro_batches, "schedule": plan.pipeline.schedule,
                   "virtual_stages": plan.pipeline.virtual_stages, "amp": plan.precision.amp,
                   "sequence_parallel": any(lp.sequence_parallel for lp in plan.layers),
-                  "recompute": max(RECOMPUTE_CHOICES, key=[lp.recompute for lp in plan.layers].count)}
+                  "recompute": max(RECOMPUTE, key=[lp.recompute for lp in plan.layers].count)}
     world = cluster.world_size
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     return {
@@ -165,7 +164,7 @@ def global_state(cluster: Cluster, plan: Plan | None, fix: dict[str, Any]) -> di
         "options": {"dp": divisors, "tp": divisors, "pp": divisors, "zero_stage": list(ZERO_STAGES),
                     "micro_batches": [1, 2, 4, 8, 16, 32, 64], "schedule": list(SCHEDULES),
                     "virtual_stages": [1, 2, 4], "amp": list(AMP), "sequence_parallel": [False, True],
-                    "recompute": list(RECOMPUTE_CHOICES)},
+                    "recompute": list(RECOMPUTE)},
     }
 
 

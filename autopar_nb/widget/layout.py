@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..graph import ModelGraph, OpNode, human
-from ..plan import Plan
+from ..plan import DTYPE_NAMES, ITEMSIZE, Plan
 
 # split key -> (legend label, fill colour). Colour-blind-safe-ish palette (Okabe–Ito based), light fills so labels read.
 SPLITS: dict[str, tuple[str, str]] = {
@@ -40,8 +40,6 @@ OUTPUT = "__output__"
 """name of the graph-output pseudo node (edges from the last layer's unconsumed ops)"""
 MAX_OPS_SHOWN = 400
 """above this many visible ops the default depth collapses ops into their modules"""
-
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1, "bool": 1}
 
 
 @dataclass
@@ -116,7 +114,7 @@ def split_of(node: OpNode, plan: Plan | None, graph: ModelGraph) -> str:
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    n = _ITEMSIZE.get(dtype, 4)
+    n = ITEMSIZE.get(dtype, 4)
     for s in shape:
         n *= s
     return n
@@ -150,7 +148,7 @@ def comm_edges(graph: ModelGraph, plan: Plan | None) -> dict[tuple[str, str], st
     from kernels_ext import lookup
 
     scale = plan.batch.global_batch / max(1, graph.batch_size) / max(1, plan.mesh.dp)
-    act_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(plan.precision.amp)
+    act_dtype = DTYPE_NAMES.get(plan.precision.amp)  # None without autocast: the op's own dtype
     stage = {lp.path: lp.stage for lp in plan.layers}
     by_name = {n.name: n for n in graph.nodes}
     consumers: dict[str, list[str]] = {}
