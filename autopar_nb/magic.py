@@ -34,12 +34,16 @@ def make_cluster(gpu: str, gpus: int | None, nodes: int) -> Cluster:
 
 
 def _typed_fix(fix: dict) -> dict:
-    """``--fix sp=false`` arrives as the word "false": turn the words of true/false choices into bools."""
+    """``--fix sp=false`` arrives as the word "false" (``sp=1`` as the number 1): make the values of true/false
+    choices bools."""
     out = {}
     for k, v in fix.items():
         key = FIX_ALIASES.get(k, k)
-        if FIX_CHOICES.get(key) == (False, True) and isinstance(v, str) and v.lower() in BOOL_WORDS:
-            v = BOOL_WORDS[v.lower()]
+        if FIX_CHOICES.get(key) == (False, True):
+            if isinstance(v, str) and v.lower() in BOOL_WORDS:
+                v = BOOL_WORDS[v.lower()]
+            elif v in (0, 1) and not isinstance(v, bool):
+                v = bool(v)
         out[key] = v
     return out
 
