@@ -42,6 +42,51 @@ def _matmul(args, kwargs, outs):
     return 2 * outs[0].numel * k
 
 
+def _einsum(args, kwargs, outs):
+    # aten.einsum(equation, [operands]): contracted pairwise left to right as torch.einsum does (without
+    # opt_einsum); each pair that sums over a shared label is a batched matmul, 2 * batch * m * n * k
+    equation, operands = args[0], list(args[1])
+    inputs, output = _einsum_labels(equation, [t.shape for t in operands])
+    size: dict[str, int] = {}
+    for labels, t in zip(inputs, operands, strict=True):
+        for label, dim in zip(labels, t.shape, strict=True):
+            size[label] = max(size.get(label, 1), dim)
+    total, left = 0, inputs[0]
+    for i, right in enumerate(inputs[1:], start=1):
+        keep = set(output).union(*inputs[i + 1:])
+        # a label only one side has and nothing later needs is summed out first (no matmul FLOPs)
+        a = {x for x in left if x in keep or x in right}
+        b = {x for x in right if x in keep or x in left}
+        k = (a & b) - keep  # contracted labels
+        if k:  # nothing contracted: an elementwise product (torch runs mul, not bmm; no matmul FLOPs)
+            total += 2 * math.prod(size[x] for x in a | b)
+        left = tuple(sorted((a | b) & keep))
+    return total
+
+
+def _einsum_labels(equation: str, shapes: list[tuple[int, ...]]) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
+    """Per-operand dim labels and the output labels of an einsum equation; "..." becomes one label per broadcast
+    dim, counted from the right ("...0" is the last of them)."""
+    equation = equation.replace(" ", "")
+    lhs, arrow, rhs = equation.partition("->")
+    inputs = []
+    for term, shape in zip(lhs.split(","), shapes, strict=True):
+        head, dots, tail = term.partition("...")
+        n_ell = len(shape) - len(head) - len(tail) if dots else 0
+        inputs.append(tuple(head) + tuple(f"...{j}" for j in reversed(range(n_ell))) + tuple(tail))
+    if arrow:
+        head, dots, tail = rhs.partition("...")
+        n_ell = max((sum(x.startswith("...") for x in labels) for labels in inputs), default=0) if dots else 0
+        return inputs, tuple(head) + tuple(f"...{j}" for j in reversed(range(n_ell))) + tuple(tail)
+    # implicit output: broadcast dims, then the letters that appear once, in alphabetical order
+    counts: dict[str, int] = {}
+    for labels in inputs:
+        for x in labels:
+            counts[x] = counts.get(x, 0) + 1
+    dots = sorted((x for x in counts if x.startswith("...")), key=lambda x: -int(x[3:]))
+    return inputs, tuple(dots) + tuple(sorted(x for x, c in counts.items() if c == 1 and not x.startswith("...")))
+
+
 def _conv(args, kwargs, outs):
     # x: (N, Cin, ...), weight: (Cout, Cin/groups, *kernel): 2 * out_numel * (Cin/groups) * prod(kernel)
     w = args[1]
@@ -90,7 +135,7 @@ _BUILTIN = [
     OpRule("aten.bmm", "matmul", _bmm, 2.0),
     OpRule("aten.baddbmm", "matmul", _baddbmm, 2.0),
     OpRule("aten.matmul", "matmul", _matmul, 2.0),
-    OpRule("aten.einsum", "matmul", _matmul, 2.0),
+    OpRule("aten.einsum", "matmul", _einsum, 2.0),
     OpRule("aten.conv1d", "conv", _conv, 2.0),
     OpRule("aten.conv2d", "conv", _conv, 2.0),
     OpRule("aten.conv3d", "conv", _conv, 2.0),

@@ -81,6 +81,32 @@ def test_forward_flops_equal_torch_flop_counter():
         assert ours == counter.get_total_flops(), build.__name__
 
 
+def test_einsum_is_traced_and_costed_like_torch_flop_counter():
+    class Mixer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(16, 32))
+            self.ln = nn.LayerNorm(32)
+
+        def forward(self, x):
+            h = torch.einsum("btd,de->bte", x, self.w)
+            scores = torch.einsum("bte,bse->bts", h, h).softmax(-1)
+            return self.ln(torch.einsum("bts,bse->bte", scores, h))
+
+    x = torch.randn(2, 8, 16)
+    torch.manual_seed(0)
+    with FlopCounterMode(display=False) as counter:
+        Mixer()(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to the eager recorder: the einsum rule is reached and works
+        g = ap.capture(_meta(Mixer), x)
+    einsums = [n for n in g.nodes if n.op.startswith("aten.einsum")]
+    assert g.tracer == "torch.export" and len(einsums) == 3
+    assert [n.flops for n in einsums] == [2 * 2 * 8 * 16 * 32, 2 * 2 * 8 * 8 * 32, 2 * 2 * 8 * 8 * 32]
+    assert sum(n.flops for n in einsums) == counter.get_total_flops()
+    assert all(n.op_class == "matmul" and n.bwd_flops == 2 * n.flops for n in einsums)
+
+
 def test_cnn_with_batchnorm():
     model = _meta(ResNet)
     x = torch.randn(8, 3, 32, 32)

@@ -28,6 +28,27 @@ def test_conv_and_attention_formulas():
     assert sdpa.forward_flops((q, q, q), {}, [q]) == 2 * 2 * 4 * 16 * 16 * (8 + 8)
 
 
+@pytest.mark.parametrize("equation, shapes", [
+    ("btd,de->bte", [(2, 8, 16), (16, 32)]),
+    ("bhqd,bhkd->bhqk", [(2, 4, 8, 16), (2, 4, 8, 16)]),
+    ("...ij,...jk", [(2, 3, 4, 5), (3, 5, 6)]),  # broadcast dims, implicit output
+    ("ij,jk,kl->il", [(3, 4), (4, 5), (5, 6)]),  # contracted pairwise, left to right
+    ("bn,anm,bm->ba", [(2, 3), (4, 3, 5), (2, 5)]),
+    ("ij,ij->", [(3, 4), (3, 4)]),
+    ("i,j->ij", [(3,), (4,)]),  # an outer product: torch multiplies, no matmul FLOPs
+    ("ii->i", [(3, 3)]),
+])
+def test_einsum_flops_match_torch_flop_counter(equation, shapes):
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    tensors = [torch.randn(s) for s in shapes]
+    with FlopCounterMode(display=False) as counter:
+        out = torch.einsum(equation, *tensors)
+    rule = kernels_ext.lookup("aten.einsum.default")
+    assert rule.forward_flops((equation, [T(*s) for s in shapes]), {}, [T(*out.shape)]) == counter.get_total_flops()
+
+
 def test_views_move_no_data():
     rule = kernels_ext.lookup("aten.view.default")
     assert rule.bytes_moved((T(4, 4), [16]), {}, [T(16)]) == (0, 0)
