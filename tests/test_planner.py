@@ -338,3 +338,28 @@ def test_fixes_the_runtime_cannot_run_are_refused_or_worked_around(llama):
     # pipelining computes the loss on plain tensors: no loss_parallel with pp > 1
     p = ap.plan(llama, h100(1, 4), global_batch=8, fix={"pp": 2, "tp": 2})
     assert not p.loss_parallel
+
+
+def test_explain_says_whose_recompute_it_is(gpt):
+    fixed = ap.plan(gpt, h100(), global_batch=8, fix={"recompute": "full", "tp": 1, "pp": 1})
+    text = fixed.explain()
+    assert "chosen to fit memory" not in text
+    assert "Recompute full is your choice (fix recompute='full'): wte, wpe, h.0, h.1, ... (8 layers)" in text
+    pinned = ap.plan(gpt, h100(), global_batch=8, overrides={"h.0": {"recompute": "selective"}})
+    assert "chosen to fit memory" not in pinned.explain()
+    assert "Recompute selective is your choice (override): h.0; recompute costs" in pinned.explain()
+
+
+def test_recompute_fills_in_around_a_pinned_layer():
+    # h.0 pinned to no recompute must not keep the planner from recomputing h.1-h.3 (the same block, one run)
+    cfg = zoo.GPTConfig(n_layer=4, n_head=8, n_embd=512, vocab_size=512, block_size=512)
+    gpt = capture(lambda: zoo.GPT(cfg), torch.randint(0, 512, (8, 512)))
+    fix = {"tp": 1, "pp": 1, "micro_batches": 1, "zero_stage": 3}
+    loose = ap.plan(gpt, h100(margin_fixed_bytes=0), global_batch=64, fix=fix)
+    tight = h100(memory=0.9 * loose.cost.peak_memory_bytes, margin_fixed_bytes=0)
+    p = ap.plan(gpt, tight, global_batch=64, fix=fix, overrides={"h.0": {"recompute": "none"}})
+    assert p.layer("h.0").recompute == "none" and "recompute" in p.layer("h.0").pinned
+    assert any(p.layer(f"h.{i}").recompute != "none" for i in (1, 2, 3)), p.summary()
+    text = p.explain()
+    assert "Recompute chosen to fit memory: full on 2 of the 7 layers you left to the planner" in text, text
+    assert "your choice" not in text  # h.0 is pinned to "none": nothing of the user's recomputes

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..plan import RECOMPUTE
+
 GiB = 2**30
 
 
@@ -52,16 +54,7 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
         lines.append(f"Pipeline: {s.pp} ranks x {s.virtual_stages} chunk(s), {s.micro_batches} micro-batches of "
                      f"{s.mb_samples:g} ({s.schedule}); layers per stage {shown}, balanced by time; bubble "
                      f"{_pct(c.bubble_s, c.step_time_s)} of the step.")
-    rec = [lp.recompute for lp in plan.layers if "recompute" not in lp.pinned]
-    pinned = [lp.path for lp in plan.layers if "recompute" in lp.pinned and lp.recompute != "none"]
-    n_rec = sum(r != "none" for r in rec)
-    extra = _pct(c.hardware_tflops_per_gpu - c.model_tflops_per_gpu, c.model_tflops_per_gpu)
-    if n_rec:
-        kinds = ", ".join(f"{k} on {rec.count(k)}" for k in ("selective", "full") if rec.count(k))
-        lines.append(f"Recompute chosen to fit memory: {kinds} of {len(rec)} layers (with any you pinned, "
-                     f"{extra} extra FLOPs).")
-    elif pinned:
-        lines.append(f"Recompute only where you pinned it ({', '.join(pinned[:4])}): {extra} extra FLOPs.")
+    lines += _recompute_lines(plan, c, cons)
     if len(ranked) > 1:
         ru = ranked[1]
         diff = _setting_diff(ru.setting, s)
@@ -90,6 +83,29 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
         lines.append("Fixed by you: " + ", ".join(f"{k}={v!r}" for k, v in cons.fix.items()) + ".")
     for t in cons.text:
         lines.append(f"Override honoured: {t}.")
+    return lines
+
+
+def _recompute_lines(plan, c, cons) -> list[str]:
+    """Where recompute is on and whose choice it was: the planner's (to fit memory) or the user's (``fix`` for every
+    layer, or an override pinning a layer); with the extra FLOPs it costs."""
+    fixed = cons.fix.get("recompute")
+    auto = [lp.recompute for lp in plan.layers if "recompute" not in lp.pinned and fixed is None]
+    mine = [lp for lp in plan.layers if ("recompute" in lp.pinned or fixed is not None) and lp.recompute != "none"]
+    lines = []
+    if any(r != "none" for r in auto):
+        kinds = ", ".join(f"{k} on {auto.count(k)}" for k in RECOMPUTE if k != "none" and auto.count(k))
+        lines.append(f"Recompute chosen to fit memory: {kinds} of the {len(auto)} layers you left to the planner.")
+    if mine:
+        paths = [lp.path for lp in mine]
+        shown = ", ".join(paths[:4]) + (f", ... ({len(paths)} layers)" if len(paths) > 4 else "")
+        how = " and ".join(([f"fix recompute={fixed!r}"] if fixed is not None else [])
+                           + (["override"] if any("recompute" in lp.pinned for lp in mine) else []))
+        kinds = sorted({lp.recompute for lp in mine}, key=RECOMPUTE.index)
+        lines.append(f"Recompute {'/'.join(kinds)} is your choice ({how}): {shown}.")
+    if lines:
+        extra = _pct(c.hardware_tflops_per_gpu - c.model_tflops_per_gpu, c.model_tflops_per_gpu)
+        lines[-1] = lines[-1][:-1] + f"; recompute costs {extra} extra FLOPs."
     return lines
 
 

@@ -28,7 +28,8 @@ def choose_recompute(ev: Evaluator, s: Setting, choices: list[LayerChoice], cost
                            virtual_stages=s.virtual_stages)
         options = []
         for first, cnt, ch in runs:
-            if ch.stage % s.pp != r or not free[first] or ch.recompute != "none":
+            # a run of identical layers may mix free layers and layers whose recompute the user pinned
+            if ch.stage % s.pp != r or ch.recompute != "none" or not any(free[first:first + cnt]):
                 continue
             t = s.tp if ch.tp else 1
             lt = ev.terms(first, tp=t, sp=s.sp and ch.tp, half=half, mb_samples=s.mb_samples)
@@ -41,7 +42,7 @@ def choose_recompute(ev: Evaluator, s: Setting, choices: list[LayerChoice], cost
         for _, first, cnt, opt, saved, act_none in options:
             if need <= 0:
                 break
-            todo = [j for j in range(first, first + cnt) if choices[j].recompute == "none"]
+            todo = [j for j in range(first, first + cnt) if choices[j].recompute == "none" and free[j]]
             if not todo:
                 continue
             if opt == "full" and not extra_work:  # the recomputed layer's activations live during its backward
