@@ -1,103 +1,15 @@
 """Built-in rules for the ATen ops that ``torch.export`` produces for typical models.
 
-FLOP counts follow the convention of ``torch.utils.flop_counter``: a multiply-add is 2 FLOPs, bias adds and
-softmax/normalisation arithmetic are not counted as matmul FLOPs (they are memory-bound and costed by bytes).
+Matmul, convolution and attention FLOPs are ``torch.utils.flop_counter``'s (:mod:`.torch_flops`): its formula where
+torch has one for the op, else the formula of the op it runs as (linear as mm, conv2d as convolution, ...). Bias adds
+and softmax/normalisation arithmetic are not matmul FLOPs; torch counts them as 0, the hand formulas below count a
+few FLOPs per element for them (they are memory-bound: the cost model times them by bytes).
 """
 
 from __future__ import annotations
 
-import math
-
+from . import torch_flops as tf
 from .registry import OpRule, Split, TensorMeta, register_op
-
-
-def _linear(args, kwargs, outs):
-    # x: (..., k), weight: (n, k)  ->  2 * (tokens) * k * n
-    x, w = args[0], args[1]
-    return 2 * (x.numel // x.shape[-1]) * w.shape[1] * w.shape[0]
-
-
-def _mm(args, kwargs, outs):
-    a, b = args[0], args[1]
-    return 2 * a.shape[0] * a.shape[1] * b.shape[1]
-
-
-def _addmm(args, kwargs, outs):
-    return _mm(args[1:], kwargs, outs)
-
-
-def _bmm(args, kwargs, outs):
-    a, b = args[0], args[1]
-    return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
-
-
-def _baddbmm(args, kwargs, outs):
-    return _bmm(args[1:], kwargs, outs)
-
-
-def _matmul(args, kwargs, outs):
-    # general broadcasting matmul: output (..., m, n), contraction k = a.shape[-1]
-    a = args[0]
-    k = a.shape[-1]
-    return 2 * outs[0].numel * k
-
-
-def _einsum(args, kwargs, outs):
-    # aten.einsum(equation, [operands]): contracted pairwise left to right as torch.einsum does (without
-    # opt_einsum); each pair that sums over a shared label is a batched matmul, 2 * batch * m * n * k
-    equation, operands = args[0], list(args[1])
-    inputs, output = _einsum_labels(equation, [t.shape for t in operands])
-    size: dict[str, int] = {}
-    for labels, t in zip(inputs, operands, strict=True):
-        for label, dim in zip(labels, t.shape, strict=True):
-            size[label] = max(size.get(label, 1), dim)
-    total, left = 0, inputs[0]
-    for i, right in enumerate(inputs[1:], start=1):
-        keep = set(output).union(*inputs[i + 1:])
-        # a label only one side has and nothing later needs is summed out first (no matmul FLOPs)
-        a = {x for x in left if x in keep or x in right}
-        b = {x for x in right if x in keep or x in left}
-        k = (a & b) - keep  # contracted labels
-        if k:  # nothing contracted: an elementwise product (torch runs mul, not bmm; no matmul FLOPs)
-            total += 2 * math.prod(size[x] for x in a | b)
-        left = tuple(sorted((a | b) & keep))
-    return total
-
-
-def _einsum_labels(equation: str, shapes: list[tuple[int, ...]]) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
-    """Per-operand dim labels and the output labels of an einsum equation; "..." becomes one label per broadcast
-    dim, counted from the right ("...0" is the last of them)."""
-    equation = equation.replace(" ", "")
-    lhs, arrow, rhs = equation.partition("->")
-    inputs = []
-    for term, shape in zip(lhs.split(","), shapes, strict=True):
-        head, dots, tail = term.partition("...")
-        n_ell = len(shape) - len(head) - len(tail) if dots else 0
-        inputs.append(tuple(head) + tuple(f"...{j}" for j in reversed(range(n_ell))) + tuple(tail))
-    if arrow:
-        head, dots, tail = rhs.partition("...")
-        n_ell = max((sum(x.startswith("...") for x in labels) for labels in inputs), default=0) if dots else 0
-        return inputs, tuple(head) + tuple(f"...{j}" for j in reversed(range(n_ell))) + tuple(tail)
-    # implicit output: broadcast dims, then the letters that appear once, in alphabetical order
-    counts: dict[str, int] = {}
-    for labels in inputs:
-        for x in labels:
-            counts[x] = counts.get(x, 0) + 1
-    dots = sorted((x for x in counts if x.startswith("...")), key=lambda x: -int(x[3:]))
-    return inputs, tuple(dots) + tuple(sorted(x for x, c in counts.items() if c == 1 and not x.startswith("...")))
-
-
-def _conv(args, kwargs, outs):
-    # x: (N, Cin, ...), weight: (Cout, Cin/groups, *kernel): 2 * out_numel * (Cin/groups) * prod(kernel)
-    w = args[1]
-    return 2 * outs[0].numel * w.shape[1] * math.prod(w.shape[2:])
-
-
-def _sdpa(args, kwargs, outs):
-    # q: (B, H, L, E), k: (B, H, S, E), v: (B, H, S, Ev): QK^T and PV, 2*B*H*L*S*(E + Ev); causal masking not halved
-    q, k, v = args[0], args[1], args[2]
-    batch_heads = q.numel // (q.shape[-2] * q.shape[-1])
-    return 2 * batch_heads * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
 
 
 def _per_output(c):
@@ -129,22 +41,31 @@ _SEQUENCE_SPLITS = {
 }
 
 _BUILTIN = [
-    OpRule("aten.linear", "matmul", _linear, 2.0, splits=_LINEAR_SPLITS),
-    OpRule("aten.mm", "matmul", _mm, 2.0),
-    OpRule("aten.addmm", "matmul", _addmm, 2.0),
-    OpRule("aten.bmm", "matmul", _bmm, 2.0),
-    OpRule("aten.baddbmm", "matmul", _baddbmm, 2.0),
-    OpRule("aten.matmul", "matmul", _matmul, 2.0),
-    OpRule("aten.einsum", "matmul", _einsum, 2.0),
-    OpRule("aten.conv1d", "conv", _conv, 2.0),
-    OpRule("aten.conv2d", "conv", _conv, 2.0),
-    OpRule("aten.conv3d", "conv", _conv, 2.0),
-    OpRule("aten.convolution", "conv", _conv, 2.0),
+    OpRule("aten.linear", "matmul", tf.linear, 2.0, splits=_LINEAR_SPLITS),
+    OpRule("aten.mm", "matmul", tf.torch_flops("aten.mm"), 2.0),
+    OpRule("aten.addmm", "matmul", tf.torch_flops("aten.addmm"), 2.0),
+    OpRule("aten.bmm", "matmul", tf.torch_flops("aten.bmm"), 2.0),
+    OpRule("aten.baddbmm", "matmul", tf.torch_flops("aten.baddbmm"), 2.0),
+    OpRule("aten._scaled_mm", "matmul", tf.torch_flops("aten._scaled_mm"), 2.0),
+    OpRule("aten.matmul", "matmul", tf.matmul, 2.0),
+    OpRule("aten.einsum", "matmul", tf.einsum, 2.0),
+    OpRule("aten.conv1d", "conv", tf.convolution(transposed=False), 2.0),
+    OpRule("aten.conv2d", "conv", tf.convolution(transposed=False), 2.0),
+    OpRule("aten.conv3d", "conv", tf.convolution(transposed=False), 2.0),
+    OpRule("aten.conv_transpose1d", "conv", tf.convolution(transposed=True), 2.0),
+    OpRule("aten.conv_transpose2d", "conv", tf.convolution(transposed=True), 2.0),
+    OpRule("aten.conv_transpose3d", "conv", tf.convolution(transposed=True), 2.0),
+    OpRule("aten.convolution", "conv", tf.torch_flops("aten.convolution"), 2.0),
+    OpRule("aten._convolution", "conv", tf.torch_flops("aten._convolution"), 2.0),
     # backward of attention: dQ, dK, dV and dS recomputation: 5 matmuls vs 2 in forward
-    OpRule("aten.scaled_dot_product_attention", "attention", _sdpa, 2.5),
-    OpRule("aten._scaled_dot_product_flash_attention", "attention", _sdpa, 2.5),
-    OpRule("aten._scaled_dot_product_efficient_attention", "attention", _sdpa, 2.5),
-    OpRule("aten._scaled_dot_product_flash_attention_for_cpu", "attention", _sdpa, 2.5),
+    OpRule("aten.scaled_dot_product_attention", "attention", tf.attention, 2.5),
+    OpRule("aten._scaled_dot_product_flash_attention", "attention",
+           tf.torch_flops("aten._scaled_dot_product_flash_attention"), 2.5),
+    OpRule("aten._scaled_dot_product_efficient_attention", "attention",
+           tf.torch_flops("aten._scaled_dot_product_efficient_attention"), 2.5),
+    OpRule("aten._scaled_dot_product_cudnn_attention", "attention",
+           tf.torch_flops("aten._scaled_dot_product_cudnn_attention"), 2.5),
+    OpRule("aten._scaled_dot_product_flash_attention_for_cpu", "attention", tf.attention, 2.5),
     OpRule("aten.embedding", "embedding", None, 1.0, splits=_EMBEDDING_SPLITS),
     OpRule("aten.embedding_bag", "embedding", None, 1.0, splits=_EMBEDDING_SPLITS),
     OpRule("aten._embedding_bag", "embedding", None, 1.0, splits=_EMBEDDING_SPLITS),

@@ -81,6 +81,37 @@ def test_forward_flops_equal_torch_flop_counter():
         assert ours == counter.get_total_flops(), build.__name__
 
 
+def test_transposed_convolution_flops_equal_torch_flop_counter():
+    class UNetish(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.down = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+            self.up = nn.ConvTranspose2d(8, 4, 3, stride=2, padding=1, output_padding=1, groups=2)
+            self.tag = None
+
+        def forward(self, x):
+            h = self.up(torch.relu(self.down(x)))
+            if self.tag is not None:  # eager recording (dispatch-level ops: aten.convolution, transposed=True)
+                h = h if h.data_ptr() % 16 == 0 else h.contiguous()
+            return h
+
+    x = torch.randn(2, 3, 16, 16)
+    torch.manual_seed(0)
+    with FlopCounterMode(display=False) as counter:
+        UNetish()(x)
+    assert counter.get_total_flops() > 0
+    exported, recorded = {"aten.conv2d.default", "aten.conv_transpose2d.input"}, {"aten.convolution.default"}
+    for tag, ops in ((None, exported), ("eager", recorded)):
+        model = UNetish()
+        model.tag = tag
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            g = ap.capture(model, x)
+        convs = [n for n in g.nodes if n.op_class == "conv"]
+        assert {n.op for n in convs} == ops
+        assert sum(n.flops for n in convs) == counter.get_total_flops(), tag
+
+
 def test_einsum_is_traced_and_costed_like_torch_flop_counter():
     class Mixer(nn.Module):
         def __init__(self):

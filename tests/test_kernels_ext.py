@@ -49,6 +49,68 @@ def test_einsum_flops_match_torch_flop_counter(equation, shapes):
     assert rule.forward_flops((equation, [T(*s) for s in shapes]), {}, [T(*out.shape)]) == counter.get_total_flops()
 
 
+def test_flops_are_torch_flop_counter_formulas():
+    import torch
+    from torch.utils.flop_counter import flop_registry
+
+    from kernels_ext.torch_flops import torch_flops
+
+    aten = torch.ops.aten
+    # ops torch counts: its own formula, called as FlopCounterMode calls it (shapes in, out_val the output shape)
+    a, b = T(8, 16), T(16, 4)
+    assert kernels_ext.lookup("aten.mm.default").forward_flops((a, b), {}, [T(8, 4)]) == \
+        flop_registry[aten.mm]((8, 16), (16, 4), out_val=(8, 4))
+    q, kv = T(2, 8, 16, 32), T(2, 2, 16, 32)  # grouped-query attention: 8 query heads, 2 key/value heads
+    flash = kernels_ext.lookup("aten._scaled_dot_product_flash_attention.default")
+    want = flop_registry[aten._scaled_dot_product_flash_attention](q.shape, kv.shape, kv.shape, out_val=q.shape)
+    assert flash.forward_flops((q, kv, kv, 0.0, True), {}, [q]) == want == 2 * 2 * 8 * 16 * 16 * (32 + 32)
+    # composite ops torch counts after decomposing them: the formula of the op they run as
+    sdpa = kernels_ext.lookup("aten.scaled_dot_product_attention.default")
+    assert sdpa.forward_flops((q, kv, kv), {"enable_gqa": True}, [q]) == want
+    assert sdpa.forward_flops((T(16, 16, 32),) * 3, {}, [T(16, 16, 32)]) == 2 * 16 * 16 * 16 * (32 + 32)  # 3-d
+    matmul = kernels_ext.lookup("aten.matmul.default")
+    assert matmul.forward_flops((T(4, 1, 8, 16), T(3, 16, 5)), {}, [T(4, 3, 8, 5)]) == 2 * 4 * 3 * 8 * 16 * 5
+    assert matmul.forward_flops((T(16), T(16, 5)), {}, [T(5)]) == 2 * 16 * 5
+    with pytest.raises(ValueError, match="no FLOP formula for aten.relu"):
+        torch_flops("aten.relu")((T(4),), {}, [T(4)])
+
+
+def test_custom_op_takes_torch_flop_formula():
+    import torch
+    import torch.nn as nn
+    from torch.utils.flop_counter import register_flop_formula
+
+    import autopar_nb as ap
+    from kernels_ext.torch_flops import torch_flops
+
+    @torch.library.custom_op("autopar_test::fused_mm", mutates_args=())
+    def fused_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x @ w
+
+    @fused_mm.register_fake
+    def _(x, w):
+        return x.new_empty(x.shape[0], w.shape[1])
+
+    @register_flop_formula(torch.ops.autopar_test.fused_mm)
+    def _(x_shape, w_shape, *, out_shape=None, **kwargs):
+        return 3 * x_shape[0] * x_shape[1] * out_shape[1]  # a made-up count: it must reach the graph as is
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 4))
+
+        def forward(self, x):
+            return fused_mm(x, self.w)
+
+    kernels_ext.register_op(OpRule("autopar_test.fused_mm", "matmul", torch_flops("autopar_test.fused_mm"), 2.0))
+    with torch.device("meta"):
+        net = Net()
+    g = ap.capture(net, torch.randn(2, 8))
+    node = next(n for n in g.nodes if n.op.startswith("autopar_test.fused_mm"))
+    assert node.flops == 3 * 2 * 8 * 4 and node.bwd_flops == 2 * node.flops
+
+
 def test_views_move_no_data():
     rule = kernels_ext.lookup("aten.view.default")
     assert rule.bytes_moved((T(4, 4), [16]), {}, [T(16)]) == (0, 0)
