@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..plan import RECOMPUTE, Cost, MemoryBreakdown
+from ..plan import DTYPE_NAMES, ITEMSIZE, RECOMPUTE, Cost, MemoryBreakdown
 from .comm import collective_time, link_for
 from .factors import Factors, factors_for
 from .memory import activation_bytes, in_flight, model_states, state_bytes, with_margin
@@ -54,7 +54,9 @@ class LayerTerms:
     fwd: float
     bwd: float
     sel: float
+    """seconds selective recompute adds in backward (the attention scores again)"""
     act: dict[str, float]
+    """saved activation bytes by recompute mode"""
     params_local: float
     tp_comm: dict[str, float] = field(default_factory=dict)
     """seconds per micro-batch (forward + backward) by collective kind"""
@@ -66,6 +68,74 @@ class LayerTerms:
     quad_flops: float = 0.0
     largest_param: float = 0.0
     """numel of the layer's largest local parameter"""
+    tp_exposed: float = 0.0
+    """seconds of the TP collectives not hidden behind compute: sum(tp_comm) x (1 - overlap_tp)"""
+
+    def recompute_s(self, recompute: str) -> float:
+        """Seconds recompute adds in backward: the whole forward again (full) or the attention scores (selective)."""
+        return self.fwd if recompute == "full" else self.sel if recompute == "selective" else 0.0
+
+    def recompute_flops(self, recompute: str) -> float:
+        """FLOPs recompute adds (hardware FLOPs, not model FLOPs)."""
+        return self.fwd_flops if recompute == "full" else self.quad_flops if recompute == "selective" else 0.0
+
+    def time_s(self, recompute: str) -> float:
+        """The layer's time for one micro-batch on one rank: forward + backward + recompute + exposed TP comm.
+        The one per-layer time formula: stage balancing uses it, and a pipeline rank's time is its sum."""
+        return self.fwd + self.bwd + self.recompute_s(recompute) + self.tp_exposed
+
+
+@dataclass
+class RankSums:
+    """Per pipeline rank (index r), sums over its layers for one micro-batch, and the chain's FLOPs."""
+
+    fwdbwd: list[float]
+    """forward + backward seconds"""
+    rec: list[float]
+    """recompute seconds"""
+    tpc: list[float]
+    """exposed TP collective seconds"""
+    tp_kind: list[dict[str, float]]
+    """TP collective seconds (before overlap) by kind"""
+    acts: list[float]
+    """saved activation bytes"""
+    params: list[float]
+    """local parameters (numel)"""
+    work: list[float]
+    """the largest working set of one layer's backward (bytes)"""
+    unit_top: list[tuple[float, float]]
+    """the two largest FSDP units (numel)"""
+    block_unit: list[float]
+    """the largest unit of a repeated block (numel): FSDP prefetches the next one"""
+    largest: list[float]
+    """the largest local parameter (numel)"""
+    nofsdp: list[float]
+    """parameters folded into the root FSDP unit (numel)"""
+    p2p: list[float]
+    """bytes a rank sends to the next stage"""
+    head_tp: bool = False
+    """the output head is TP-split (loss_parallel can apply)"""
+    model_flops: float = 0.0
+    hw_flops: float = 0.0
+
+    @classmethod
+    def zeros(cls, pp: int) -> RankSums:
+        z = [0.0] * pp
+        return cls(list(z), list(z), list(z), [{} for _ in range(pp)], list(z), list(z), list(z),
+                   [(0.0, 0.0) for _ in range(pp)], list(z), list(z), list(z), list(z))
+
+    def per_micro_batch(self, r: int) -> float:
+        """Rank ``r``'s time for one micro-batch: the sum of its layers' :meth:`LayerTerms.time_s`."""
+        return self.fwdbwd[r] + self.rec[r] + self.tpc[r]
+
+
+@dataclass
+class CommTime:
+    """Collective seconds of one step: before overlap by kind, and the part on the critical path."""
+
+    by_kind: dict[str, float] = field(default_factory=dict)
+    exposed_by_kind: dict[str, float] = field(default_factory=dict)
+    exposed: float = 0.0
 
 
 class Evaluator:
@@ -105,9 +175,15 @@ class Evaluator:
         fwd_fl = (sum(lp.flops_split.values()) + sum(lp.flops_rep.values()) + lp.flops_other) * scale
         bwd_fl = (sum(lp.bwd_split.values()) + sum(lp.bwd_rep.values()) + lp.bwd_other) * scale
         t = LayerTerms(fwd, bwd, sel, act, lp.params_split / tp + lp.params_rep, comm, out, work,
-                       fwd_fl + bwd_fl, fwd_fl, lp.quad_flops * qscale, lp.largest_param / (tp if lp.tp else 1))
+                       fwd_fl + bwd_fl, fwd_fl, lp.quad_flops * qscale, lp.largest_param / (tp if lp.tp else 1),
+                       sum(comm.values()) * (1 - self.f.overlap_tp))
         self._cache[key] = t
         return t
+
+    def choice_terms(self, i: int, s: Setting, ch: LayerChoice) -> LayerTerms:
+        """:meth:`terms` of layer ``i`` under the candidate's setting and the layer's choice (TP on or off)."""
+        return self.terms(i, tp=s.tp if ch.tp else 1, sp=s.sp and ch.tp, half=s.amp != "none",
+                          mb_samples=s.mb_samples)
 
     # ---- a whole candidate --------------------------------------------------------------------------------------
     def runs(self, choices: list[LayerChoice]) -> list[tuple[int, int, LayerChoice]]:
@@ -125,192 +201,199 @@ class Evaluator:
         return [tuple(r) for r in out]
 
     def evaluate(self, s: Setting, choices: list[LayerChoice]) -> Cost:
-        """The predicted :class:`Cost` of one step (memory_by_rank: one entry per pipeline rank)."""
-        f, dev, prof = self.f, self.cluster.device, self.prof
-        half = s.amp != "none"
-        pp = s.pp
-        # per pipeline rank accumulators
-        fwdbwd = [0.0] * pp
-        rec = [0.0] * pp
-        tpc = [0.0] * pp
-        acts = [0.0] * pp
-        params = [0.0] * pp
-        work = [0.0] * pp
-        unit_top = [(0.0, 0.0) for _ in range(pp)]
-        block_unit = [0.0] * pp
-        largest = [0.0] * pp
-        head_tp = False
-        nofsdp = [0.0] * pp
-        p2p = [0.0] * pp
-        tp_kind = [{} for _ in range(pp)]
-        model_flops = 0.0
-        hw_flops = 0.0
+        """The predicted :class:`Cost` of one step (memory_by_rank: one entry per pipeline rank).
+
+        Step time = micro-batches x the slowest pipeline rank's (compute + recompute + exposed TP comm), plus the
+        pipeline bubble and exposed point-to-point time, the exposed data-parallel collectives and the optimizer
+        step."""
+        f, m = self.f, s.micro_batches
+        sums = self.sum_layers(s, choices)
+        bottleneck = max(range(s.pp), key=sums.per_micro_batch)
+        bubble = bubble_fraction(s.schedule, pp=s.pp, micro_batches=m, virtual_stages=s.virtual_stages,
+                                 factors=f) * sums.per_micro_batch(bottleneck)
+        comm = CommTime(by_kind={kk: v * m for kk, v in sums.tp_kind[bottleneck].items()},
+                        exposed_by_kind={kk: v * m * (1 - f.overlap_tp) for kk, v in sums.tp_kind[bottleneck].items()})
+        tp_exposed = m * sums.tpc[bottleneck]
+        p2p_exposed = self._pipeline_comm(s, sums, comm)
+        dp_exposed = self._data_parallel_comm(s, sums, bottleneck, comm)
+        opt_params = max(sums.params) / s.dp if s.zero_stage >= 1 else max(sums.params)
+        opt_t = optimizer_time(opt_params, self.cluster.device, f)
+        compute = m * (sums.fwdbwd[bottleneck] + sums.rec[bottleneck])
+        step = compute + tp_exposed + bubble + p2p_exposed + dp_exposed + opt_t
+        mem = [self._rank_memory(s, sums, r) for r in range(s.pp)]
+        cost = Cost(
+            step_time_s=step, compute_s=compute, comm_exposed_s=tp_exposed + p2p_exposed + dp_exposed,
+            comm_total_s=sum(comm.by_kind.values()), comm_by_kind=comm.by_kind,
+            comm_exposed_by_kind=comm.exposed_by_kind, bubble_s=bubble, optimizer_s=opt_t,
+            memory_by_rank=mem, peak_memory_bytes=max(x.total for x in mem),
+        )
+        self._throughput(s, sums, cost)
+        return cost
+
+    def sum_layers(self, s: Setting, choices: list[LayerChoice]) -> RankSums:
+        """One pass over the layer chain (runs of identical layers at once): per pipeline rank sums."""
+        prof, pp = self.prof, s.pp
+        sums = RankSums.zeros(pp)
         runs = self.runs(choices)
         for k, (i, cnt, ch) in enumerate(runs):
             r = ch.stage % pp
-            t = s.tp if ch.tp else 1
-            lt = self.terms(i, tp=t, sp=s.sp and ch.tp, half=half, mb_samples=s.mb_samples)
-            fwdbwd[r] += cnt * (lt.fwd + lt.bwd)
-            extra = lt.fwd if ch.recompute == "full" else lt.sel if ch.recompute == "selective" else 0.0
-            rec[r] += cnt * extra
+            lt = self.choice_terms(i, s, ch)
+            # time
+            sums.fwdbwd[r] += cnt * (lt.fwd + lt.bwd)
+            sums.rec[r] += cnt * lt.recompute_s(ch.recompute)
             if lt.tp_comm:
-                tpc[r] += cnt * sum(lt.tp_comm.values()) * (1 - f.overlap_tp)
-                kinds = tp_kind[r]
+                sums.tpc[r] += cnt * lt.tp_exposed
+                kinds = sums.tp_kind[r]
                 for kk, v in lt.tp_comm.items():
                     kinds[kk] = kinds.get(kk, 0.0) + cnt * v
-            acts[r] += cnt * lt.act[ch.recompute]
+            # memory
+            sums.acts[r] += cnt * lt.act[ch.recompute]
             wb = lt.act["none"] + lt.work_bytes if ch.recompute == "full" else lt.work_bytes
-            if wb > work[r]:
-                work[r] = wb
-            params[r] += cnt * lt.params_local
+            if wb > sums.work[r]:
+                sums.work[r] = wb
+            sums.params[r] += cnt * lt.params_local
             if cnt > 1 or prof.rep[i] != i:
-                block_unit[r] = max(block_unit[r], lt.params_local)
-            largest[r] = max(largest[r], lt.largest_param)
-            u1, u2 = unit_top[r]
+                sums.block_unit[r] = max(sums.block_unit[r], lt.params_local)
+            sums.largest[r] = max(sums.largest[r], lt.largest_param)
+            u1, u2 = sums.unit_top[r]
             if lt.params_local > u1:
-                unit_top[r] = (lt.params_local, max(u1, u2) if cnt == 1 else lt.params_local)
+                sums.unit_top[r] = (lt.params_local, max(u1, u2) if cnt == 1 else lt.params_local)
             elif lt.params_local > u2:
-                unit_top[r] = (u1, lt.params_local)
-            if ch.tp and t > 1 and prof.layers[i].vocab and not prof.layers[i].norms and i == len(choices) - cnt:
-                head_tp = True
+                sums.unit_top[r] = (u1, lt.params_local)
             if not ch.fsdp:
-                nofsdp[r] += cnt * lt.params_local
+                sums.nofsdp[r] += cnt * lt.params_local
+            # the head (last run) split by TP; the activations sent to the next stage
+            if ch.tp and s.tp > 1 and prof.layers[i].vocab and not prof.layers[i].norms and i == len(choices) - cnt:
+                sums.head_tp = True
             if k + 1 < len(runs) and runs[k + 1][2].stage != ch.stage:
-                p2p[r] = max(p2p[r], lt.out_bytes)
-            model_flops += cnt * lt.flops
-            hw_flops += cnt * (lt.flops + (lt.fwd_flops if ch.recompute == "full" else
-                                           lt.quad_flops if ch.recompute == "selective" else 0.0))
+                sums.p2p[r] = max(sums.p2p[r], lt.out_bytes)
+            sums.model_flops += cnt * lt.flops
+            sums.hw_flops += cnt * (lt.flops + lt.recompute_flops(ch.recompute))
+        return sums
 
-        m = s.micro_batches
-        per_mb = [fwdbwd[r] + rec[r] + tpc[r] for r in range(s.pp)]
-        bottleneck = max(range(s.pp), key=lambda r: per_mb[r])
-        T = per_mb[bottleneck]
-        by_kind = {kk: v * m for kk, v in tp_kind[bottleneck].items()}
-        bubble = bubble_fraction(s.schedule, pp=s.pp, micro_batches=m, virtual_stages=s.virtual_stages,
-                                 factors=f) * T
-        # pipeline point-to-point: fill/drain on the critical path, the rest mostly hidden
+    def _pipeline_comm(self, s: Setting, sums: RankSums, comm: CommTime) -> float:
+        """Point-to-point sends between stages: fill/drain on the critical path, the rest mostly hidden. Adds to
+        ``comm``; returns the exposed seconds."""
+        if s.pp <= 1:
+            return 0.0
+        f = self.f
         pp_link = link_for(self.cluster, size=s.pp, stride=s.tp * s.dp)
-        p2p_t = max((collective_time("send_recv", b, 2, pp_link, f.eff_link) for b in p2p), default=0.0)
-        p2p_total = 2 * m * p2p_t * s.virtual_stages if s.pp > 1 else 0.0
-        p2p_exposed = (2 * (s.pp - 1) * p2p_t + (1 - f.overlap_pp) * p2p_total) if s.pp > 1 else 0.0
-        if p2p_total:
-            by_kind["send_recv"] = p2p_total
+        p2p_t = max((collective_time("send_recv", b, 2, pp_link, f.eff_link) for b in sums.p2p), default=0.0)
+        total = 2 * s.micro_batches * p2p_t * s.virtual_stages
+        exposed = 2 * (s.pp - 1) * p2p_t + (1 - f.overlap_pp) * total
+        if total:
+            comm.by_kind["send_recv"] = total
+        if exposed:
+            comm.exposed_by_kind["send_recv"] = exposed
+        return exposed
 
-        # data parallel
+    def _data_parallel_comm(self, s: Setting, sums: RankSums, bottleneck: int, comm: CommTime) -> float:
+        """Gradient all-reduce (ZeRO 0/1, once per step: no_sync on earlier micro-batches) or FSDP's reduce-scatter
+        and all-gathers (ZeRO 2/3, every micro-batch), overlapped with backward up to a factor. Adds to ``comm``;
+        returns the exposed seconds."""
+        if s.dp <= 1:
+            return 0.0
+        f, m = self.f, s.micro_batches
         dp_link = link_for(self.cluster, size=s.dp, stride=s.tp)
-        p_item = 2 if half else 4
-        g_item = 4  # gradients reduced in fp32 (FSDP2 MixedPrecisionPolicy.reduce_dtype / DDP default)
-        P = max(params)  # the pipeline rank with the most parameters reduces last
-        dp_total = dp_exposed = 0.0
-        dp_exposed_kind: dict[str, float] = {}
-        if s.dp > 1:
-            ct = lambda k, b: collective_time(k, b, s.dp, dp_link, f.eff_link)
-            if s.zero_stage <= 1:
-                ar = ct("all_reduce", P * g_item)
-                by_kind["all_reduce"] = by_kind.get("all_reduce", 0.0) + ar
-                ag = ct("all_gather", P * 4) if s.zero_stage == 1 else 0.0  # ZeroRedundancyOptimizer broadcast
-                if ag:
-                    by_kind["all_gather"] = by_kind.get("all_gather", 0.0) + ag
-                window = fwdbwd[bottleneck] * 2 / 3  # gradients of the last micro-batch's backward (no_sync)
-                dp_total = ar + ag
-                dp_exposed = ar - min(f.overlap_dp * ar, window) + ag
-                dp_exposed_kind = {"all_reduce": ar - min(f.overlap_dp * ar, window), "all_gather": ag}
-            else:
-                rs = m * ct("reduce_scatter", P * g_item)
-                n_ag = 1 if s.zero_stage == 2 else 2 * m
-                ag = n_ag * ct("all_gather", P * p_item)
-                by_kind["reduce_scatter"] = by_kind.get("reduce_scatter", 0.0) + rs
-                by_kind["all_gather"] = by_kind.get("all_gather", 0.0) + ag
-                window = m * fwdbwd[bottleneck]
-                ov = f.overlap_fsdp if s.zero_stage == 3 else f.overlap_dp
-                dp_total = rs + ag
-                dp_exposed = dp_total - min(ov * dp_total, window)
-                dp_exposed_kind = {"reduce_scatter": dp_exposed * rs / dp_total,
-                                   "all_gather": dp_exposed * ag / dp_total}
-        opt_params = P / s.dp if s.zero_stage >= 1 else P
-        opt_t = optimizer_time(opt_params, dev, f)
+        p_item = ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")]  # parameters gathered in the compute dtype
+        g_item = ITEMSIZE["float32"]  # gradients reduced in fp32 (FSDP2 MixedPrecisionPolicy.reduce_dtype / DDP)
+        P = max(sums.params)  # the pipeline rank with the most parameters reduces last
 
-        compute = m * (fwdbwd[bottleneck] + rec[bottleneck])
-        tp_exposed = m * tpc[bottleneck]
-        exposed_kind = {kk: v * m * (1 - f.overlap_tp) for kk, v in tp_kind[bottleneck].items()}
-        if p2p_exposed:
-            exposed_kind["send_recv"] = p2p_exposed
-        for kk, v in dp_exposed_kind.items():
+        def ct(kind: str, nbytes: float) -> float:
+            return collective_time(kind, nbytes, s.dp, dp_link, f.eff_link)
+
+        if s.zero_stage <= 1:
+            ar = ct("all_reduce", P * g_item)
+            ag = ct("all_gather", P * 4) if s.zero_stage == 1 else 0.0  # ZeroRedundancyOptimizer broadcast
+            comm.by_kind["all_reduce"] = comm.by_kind.get("all_reduce", 0.0) + ar
+            if ag:
+                comm.by_kind["all_gather"] = comm.by_kind.get("all_gather", 0.0) + ag
+            window = sums.fwdbwd[bottleneck] * 2 / 3  # gradients of the last micro-batch's backward (no_sync)
+            exposed_kind = {"all_reduce": ar - min(f.overlap_dp * ar, window), "all_gather": ag}
+            exposed = ar - min(f.overlap_dp * ar, window) + ag
+        else:
+            rs = m * ct("reduce_scatter", P * g_item)
+            ag = (1 if s.zero_stage == 2 else 2 * m) * ct("all_gather", P * p_item)
+            comm.by_kind["reduce_scatter"] = comm.by_kind.get("reduce_scatter", 0.0) + rs
+            comm.by_kind["all_gather"] = comm.by_kind.get("all_gather", 0.0) + ag
+            window = m * sums.fwdbwd[bottleneck]
+            ov = f.overlap_fsdp if s.zero_stage == 3 else f.overlap_dp
+            total = rs + ag
+            exposed = total - min(ov * total, window)
+            exposed_kind = {"reduce_scatter": exposed * rs / total, "all_gather": exposed * ag / total}
+        for kk, v in exposed_kind.items():
             if v:
-                exposed_kind[kk] = exposed_kind.get(kk, 0.0) + v
-        step = compute + tp_exposed + bubble + p2p_exposed + dp_exposed + opt_t
+                comm.exposed_by_kind[kk] = comm.exposed_by_kind.get(kk, 0.0) + v
+        return exposed
 
-        # memory per pipeline rank, at its peak. Two candidate moments: the start of backward (every saved activation
-        # alive, the loss's gradients, FSDP's gathered units; gradients exist only if micro-batches accumulate them,
-        # since zero_grad(set_to_none=True) frees them each step) and the optimizer step (all gradients, plus a
-        # foreach temporary of their size).
+    def _rank_memory(self, s: Setting, sums: RankSums, r: int) -> MemoryBreakdown:
+        """Bytes on pipeline rank ``r`` at its peak, the larger of two moments: the start of backward (every saved
+        activation alive, the loss's gradients, FSDP's gathered units; gradients exist only if micro-batches
+        accumulate them, since zero_grad(set_to_none=True) frees them each step) and the optimizer step (all
+        gradients, plus a foreach temporary of their size)."""
+        f, prof, m = self.f, self.prof, s.micro_batches
+        half = s.amp != "none"
+        p_item = ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")]
+        g_item = ITEMSIZE["float32"]
         sb = state_bytes(s.optimizer)
-        mem: list[MemoryBreakdown] = []
-        accumulating = m > 1 or s.pp > 1
-        cuda = prof.device_kind == "cuda"
-        for r in range(s.pp):
-            pb, gb, ob = model_states(params[r], dp=s.dp, zero_stage=s.zero_stage, states=sb)
-            held = 0.0  # buffers alive the whole forward/backward
-            gather = 0.0  # FSDP: the unit being computed (params + its unsharded grads) and the prefetched next one
-            if s.zero_stage == 2:
-                pb = params[r] * sb.param / s.dp
-                held += params[r] * p_item  # reshard_after_forward=False keeps unsharded params fwd -> bwd
-            elif s.zero_stage == 3:
-                u1, _ = unit_top[r]
-                gather = u1 * (p_item + g_item) + block_unit[r] * p_item
-                held += nofsdp[r] * p_item
-            elif half:
-                held += params[r] * 2  # autocast caches 16-bit copies of the weights for the step
-            flight = in_flight(s.schedule, pp=s.pp, stage=r, micro_batches=m, virtual_stages=s.virtual_stages)
-            act = flight * acts[r]
-            p2p_buf = 2 * p2p[r] if s.pp > 1 else 0.0
-            grads_bwd = gb if accumulating else 0.0
-            # moment 1: a layer's backward (its working set and FSDP's gathered units)
-            temp = work[r] + gather
-            act_at, temp_at = act, temp
-            if r == s.pp - 1 and prof.output_numel:
-                # moment 2 (last rank): the loss's backward: log-softmax output (fp32) saved, its gradient and
-                # the logits' gradient alive; FSDP units are resharded then
-                lp_div = s.tp if (prof.loss_parallel and s.tp > 1 and head_tp) else 1
-                out_numel = prof.output_numel * (s.mb_samples / prof.batch) * self.seq_ratio
-                loss_saved = out_numel * 4 / lp_div
-                # gradients of the log-softmax and of the logits; torch's loss_parallel backward still holds
-                # temporaries of the full (unsharded) logits' size (measured with MemTracker, torch 2.13: the same
-                # bytes at tp=2 and tp=4)
-                loss_temp = out_numel * (4 + p_item)
-                if act + loss_saved + loss_temp >= act + temp:
-                    act_at, temp_at = act + loss_saved, loss_temp
-            at_backward = pb + ob + grads_bwd + act_at + held + temp_at + p2p_buf
-            # moment 3: the optimizer step: every gradient and foreach temporaries (CUDA: a list the size of the
-            # gradients; CPU: one parameter at a time)
-            step_temp = gb if cuda else largest[r] * g_item
-            at_step = pb + ob + gb + step_temp + held * (s.zero_stage != 2 and not half)
-            if at_backward >= at_step:
-                mbd = MemoryBreakdown(pb, grads_bwd, ob, act_at, held + temp_at + p2p_buf)
-            else:
-                mbd = MemoryBreakdown(pb, gb, ob, 0.0, at_step - pb - gb - ob)
-            mbd.margin = with_margin(max(at_backward, at_step), f)
-            mem.append(mbd)
-        peak = max(x.total for x in mem)
+        params = sums.params[r]
+        pb, gb, ob = model_states(params, dp=s.dp, zero_stage=s.zero_stage, states=sb)
+        held = 0.0  # buffers alive the whole forward/backward
+        gather = 0.0  # FSDP: the unit being computed (params + its unsharded grads) and the prefetched next one
+        if s.zero_stage == 2:
+            pb = params * sb.param / s.dp
+            held += params * p_item  # reshard_after_forward=False keeps unsharded params fwd -> bwd
+        elif s.zero_stage == 3:
+            u1, _ = sums.unit_top[r]
+            gather = u1 * (p_item + g_item) + sums.block_unit[r] * p_item
+            held += sums.nofsdp[r] * p_item
+        elif half:
+            held += params * 2  # autocast caches 16-bit copies of the weights for the step
+        flight = in_flight(s.schedule, pp=s.pp, stage=r, micro_batches=m, virtual_stages=s.virtual_stages)
+        act = flight * sums.acts[r]
+        p2p_buf = 2 * sums.p2p[r] if s.pp > 1 else 0.0
+        grads_bwd = gb if (m > 1 or s.pp > 1) else 0.0  # accumulated over micro-batches
+        # moment 1: a layer's backward (its working set and FSDP's gathered units)
+        temp = sums.work[r] + gather
+        act_at, temp_at = act, temp
+        if r == s.pp - 1 and prof.output_numel:
+            # moment 2 (last rank): the loss's backward: log-softmax output (fp32) saved, its gradient and the
+            # logits' gradient alive; FSDP units are resharded then
+            lp_div = s.tp if (prof.loss_parallel and s.tp > 1 and sums.head_tp) else 1
+            out_numel = prof.output_numel * (s.mb_samples / prof.batch) * self.seq_ratio
+            loss_saved = out_numel * 4 / lp_div
+            # gradients of the log-softmax and of the logits; torch's loss_parallel backward still holds temporaries
+            # of the full (unsharded) logits' size (measured with MemTracker, torch 2.13: the same bytes at tp=2
+            # and tp=4)
+            loss_temp = out_numel * (4 + p_item)
+            if act + loss_saved + loss_temp >= act + temp:
+                act_at, temp_at = act + loss_saved, loss_temp
+        at_backward = pb + ob + grads_bwd + act_at + held + temp_at + p2p_buf
+        # moment 3: the optimizer step: every gradient and foreach temporaries (CUDA: a list the size of the
+        # gradients; CPU: one parameter at a time)
+        step_temp = gb if prof.device_kind == "cuda" else sums.largest[r] * g_item
+        at_step = pb + ob + gb + step_temp + held * (s.zero_stage != 2 and not half)
+        if at_backward >= at_step:
+            mbd = MemoryBreakdown(pb, grads_bwd, ob, act_at, held + temp_at + p2p_buf)
+        else:
+            mbd = MemoryBreakdown(pb, gb, ob, 0.0, at_step - pb - gb - ob)
+        mbd.margin = with_margin(max(at_backward, at_step), f)
+        return mbd
 
+    def _throughput(self, s: Setting, sums: RankSums, cost: Cost) -> None:
+        """Fill ``cost``'s FLOP rates, MFU and samples/tokens per second from its step time."""
         world = s.dp * s.tp * s.pp
-        samples = s.dp * m * s.mb_samples
+        step = cost.step_time_s
+        samples = s.dp * s.micro_batches * s.mb_samples
         # FLOPs summed over the chain are those of one micro-batch for one model replica; scale to the step
-        step_model_flops = model_flops * m * s.dp
-        step_hw_flops = hw_flops * m * s.dp
-        peak_flops = dev.flops("bfloat16" if half else "float32")
-        cost = Cost(
-            step_time_s=step, compute_s=compute, comm_exposed_s=tp_exposed + p2p_exposed + dp_exposed,
-            comm_total_s=sum(by_kind.values()), comm_by_kind=by_kind, comm_exposed_by_kind=exposed_kind,
-            bubble_s=bubble, optimizer_s=opt_t,
-            memory_by_rank=mem, peak_memory_bytes=peak,
-            model_tflops_per_gpu=step_model_flops / world / step / 1e12,
-            hardware_tflops_per_gpu=step_hw_flops / world / step / 1e12,
-            mfu=step_model_flops / world / step / peak_flops,
-            tokens_per_s=samples * prof.seq_len * self.seq_ratio / step if prof.seq_len else None,
-            samples_per_s=samples / step,
-        )
-        return cost
+        step_model_flops = sums.model_flops * s.micro_batches * s.dp
+        step_hw_flops = sums.hw_flops * s.micro_batches * s.dp
+        peak_flops = self.cluster.device.flops("bfloat16" if s.amp != "none" else "float32")
+        cost.model_tflops_per_gpu = step_model_flops / world / step / 1e12
+        cost.hardware_tflops_per_gpu = step_hw_flops / world / step / 1e12
+        cost.mfu = step_model_flops / world / step / peak_flops
+        cost.tokens_per_s = samples * self.prof.seq_len * self.seq_ratio / step if self.prof.seq_len else None
+        cost.samples_per_s = samples / step
 
 
 def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:

@@ -16,7 +16,6 @@ def choose_recompute(ev: Evaluator, s: Setting, choices: list[LayerChoice], cost
     saved per second of recompute first, until the rank fits. Returns True when something changed. Works on runs
     of identical layers, converting as many layers of a run as the shortfall needs."""
     f = ev.f
-    half = s.amp != "none"
     changed = False
     runs = ev.runs(choices)
     for r, mb in enumerate(cost.memory_by_rank):
@@ -31,12 +30,11 @@ def choose_recompute(ev: Evaluator, s: Setting, choices: list[LayerChoice], cost
             # a run of identical layers may mix free layers and layers whose recompute the user pinned
             if ch.stage % s.pp != r or ch.recompute != "none" or not any(free[first:first + cnt]):
                 continue
-            t = s.tp if ch.tp else 1
-            lt = ev.terms(first, tp=t, sp=s.sp and ch.tp, half=half, mb_samples=s.mb_samples)
-            for opt, cost_s in (("selective", lt.sel), ("full", lt.fwd)):
+            lt = ev.choice_terms(first, s, ch)
+            for opt in ("selective", "full"):
                 saved = (lt.act["none"] - lt.act[opt]) * flight
                 if saved > 0:
-                    options.append((saved / max(cost_s, 1e-12), first, cnt, opt, saved, lt.act["none"]))
+                    options.append((saved / max(lt.recompute_s(opt), 1e-12), first, cnt, opt, saved, lt.act["none"]))
         options.sort(key=lambda o: -o[0])
         extra_work = False
         for _, first, cnt, opt, saved, act_none in options:

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from ..cost.estimate import Evaluator, LayerChoice, Setting
 from ..cost.memory import in_flight, state_bytes
 from ..cost.time import bubble_fraction
-from ..plan import Cost, PlanError
+from ..plan import DTYPE_NAMES, ITEMSIZE, Cost, PlanError
 from .recompute import choose_recompute
-from .stages import fill_empty, partition, partition_runs
+from .stages import bisect_cap, fill_empty, partition, partition_runs
 
 
 @dataclass
@@ -292,14 +292,7 @@ class Search:
 
     def _run_times(self, s: Setting, runs) -> list[float]:
         """Per-micro-batch time of one layer of each run (compute, recompute, TP collectives not overlapped)."""
-        half = s.amp != "none"
-        out = []
-        for i, _, ch in runs:
-            t = s.tp if ch.tp else 1
-            lt = self.ev.terms(i, tp=t, sp=s.sp and ch.tp, half=half, mb_samples=s.mb_samples)
-            rec = lt.fwd if ch.recompute == "full" else lt.sel if ch.recompute == "selective" else 0.0
-            out.append(lt.fwd + lt.bwd + rec + sum(lt.tp_comm.values()) * (1 - self.ev.f.overlap_tp))
-        return out
+        return [self.ev.choice_terms(i, s, ch).time_s(ch.recompute) for i, _, ch in runs]
 
     def _cost(self, s: Setting, choices: list[LayerChoice], auto_recompute: bool) -> Candidate:
         self.evaluated += 1
@@ -328,12 +321,15 @@ class Search:
         (the least memory it can take): bisection on the bottleneck time with a greedy check that also caps each
         stage's bytes (model states + in-flight activations + a reserve for transient buffers and the loss)."""
         f, half = self.ev.f, s.amp != "none"
+        p_item = ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")]  # compute dtype: unsharded/gathered parameters
+        g_item = ITEMSIZE["float32"]  # gradients, log-softmax
         sb = state_bytes(s.optimizer)
         dp = s.dp
         p_b = sb.param / (dp if s.zero_stage >= 3 else 1)
         g_b = sb.grad / (dp if s.zero_stage >= 2 else 1)
         o_b = sb.optimizer / (dp if s.zero_stage >= 1 else 1)
-        held = (2 if half else 4) if s.zero_stage == 2 else 2 if (s.zero_stage <= 1 and half) else 0
+        # ZeRO 2 keeps unsharded parameters from forward to backward; autocast caches 16-bit copies of the weights
+        held = p_item if s.zero_stage == 2 or (s.zero_stage <= 1 and half) else 0
         acc = 1 if (s.micro_batches > 1 or s.pp > 1) else 0
         # per parameter at the backward moment (unsharded copies held) or at the optimizer step (foreach temporaries)
         per_param = max(p_b + o_b + acc * g_b + held, p_b + o_b + 2 * g_b)
@@ -341,17 +337,15 @@ class Search:
         reserve = 0.0
         for i, ch in enumerate(choices):
             rec = ch.recompute if i in self.rec_pinned else "full"
-            t = s.tp if ch.tp else 1
-            lt = self.ev.terms(i, tp=t, sp=s.sp and ch.tp, half=half, mb_samples=s.mb_samples)
-            times.append(lt.fwd + lt.bwd + (lt.fwd if rec == "full" else lt.sel if rec == "selective" else 0.0)
-                         + sum(lt.tp_comm.values()) * (1 - f.overlap_tp))
+            lt = self.ev.choice_terms(i, s, ch)
+            times.append(lt.time_s(rec))
             static.append(lt.params_local * per_param)
             act.append(lt.act[rec])
-            gather = 2 * lt.params_local * ((2 if half else 4) + 4) if s.zero_stage == 3 else 0.0
+            gather = 2 * lt.params_local * (p_item + g_item) if s.zero_stage == 3 else 0.0
             reserve = max(reserve, lt.act["none"] + lt.work_bytes + gather)
         prof = self.prof
         out_numel = prof.output_numel * s.mb_samples / prof.batch * self.ev.seq_ratio
-        loss = out_numel * (4 + 4 + (2 if half else 4))
+        loss = out_numel * (g_item + g_item + p_item)  # log-softmax saved, its gradient, the logits' gradient
         cap = (self.limit - f.margin_fixed_bytes) / (1 + f.margin_fraction) - reserve
         caps = [cap - (loss if r == s.pp - 1 else 0.0) for r in range(s.pp)]
         flights = [in_flight(s.schedule, pp=s.pp, stage=r, micro_batches=s.micro_batches) for r in range(s.pp)]
@@ -374,18 +368,5 @@ class Search:
                 acc_m += need_m
             return out
 
-        lo, hi = max(times), sum(times)
-        best = greedy(hi * 4)
-        if best is None:
-            return None
-        hi = hi * 4
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            a = greedy(mid)
-            if a is None:
-                lo = mid
-            else:
-                hi, best = mid, a
-            if hi - lo <= 1e-4 * hi:
-                break
-        return fill_empty(best, s.pp)
+        best = bisect_cap(greedy, max(times), sum(times) * 4, rtol=1e-4, steps=40)
+        return None if best is None else fill_empty(best, s.pp)

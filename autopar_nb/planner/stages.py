@@ -21,13 +21,14 @@ def partition(times: list[float], n_stages: int, pins: dict[int, int]) -> list[i
         return None
     if pins:
         return _partition_dp(times, n_stages, pins)
-    best = _bisect(lambda cap: _greedy(times, n_stages, cap), max(times), sum(times), rtol=1e-6, steps=40)
+    best = bisect_cap(lambda cap: _greedy(times, n_stages, cap), max(times), sum(times), rtol=1e-6, steps=40)
     return fill_empty(best, n_stages)
 
 
-def _bisect(assign_within, lo: float, hi: float, *, rtol: float, steps: int):
+def bisect_cap(assign_within, lo: float, hi: float, *, rtol: float, steps: int):
     """The assignment for the smallest stage-time cap in [lo, hi] that ``assign_within(cap)`` can meet (it returns
-    None when the cap is too tight), by bisection on the cap."""
+    None when the cap is too tight), by bisection on the cap; None when even ``hi`` is too tight. Used by the time
+    partitions here and by the planner's memory-capped partition."""
     best = assign_within(hi)
     for _ in range(steps):
         mid = (lo + hi) / 2
@@ -49,7 +50,7 @@ def partition_runs(runs: list[tuple[float, int]], n_stages: int) -> list[int] | 
         return None
     if n_stages == 1:
         return [0] * n
-    best = _bisect(lambda cap: _greedy_runs(runs, n_stages, cap), max(t for t, _ in runs),
+    best = bisect_cap(lambda cap: _greedy_runs(runs, n_stages, cap), max(t for t, _ in runs),
                    sum(t * c for t, c in runs), rtol=1e-4, steps=50)
     assign = [st for st, k in best for _ in range(k)]
     return fill_empty(assign, n_stages)
