@@ -19,11 +19,11 @@ from __future__ import annotations
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
+from ..plan import ITEMSIZE, layer_of
 from .tp_styles import NORMS, packet, sp_check, splits_of, tp_walk
 
-ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
-            "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8}
 FLOAT = {"float64", "float32", "float16", "bfloat16"}
 
 # ops by what autograd saves (packet names without "aten.")
@@ -119,9 +119,9 @@ class LayerProfile:
     """embedding/head vocabulary sizes (uneven sharding allowed)"""
     regions: set[int] = field(default_factory=set)
     embedding_params: int = 0
+    """parameters of vocab-parallel (rowwise) Embeddings in this layer"""
     largest_param: int = 0
     """numel of the largest trainable parameter"""
-    """parameters of vocab-parallel (rowwise) Embeddings in this layer"""
 
 
 @dataclass
@@ -173,38 +173,100 @@ def profile_of(graph, device_kind: str = "cuda") -> GraphProfile:
     return prof
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
 def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
     """Walk ``graph`` once (see the module docstring). ``device_kind`` is "cuda" or "cpu" (what autograd saves for
     dropout and RMSNorm differs)."""
-    nodes = graph.nodes
-    by_name = {n.name: n for n in nodes}
-    out_numel = {n.name: (_numel(n.out_shapes[0]) if n.out_shapes else 0) for n in nodes}
-    out_item = {n.name: ITEMSIZE.get(n.dtype, 4) for n in nodes}
-    inputs = list(graph.inputs)
-    graph_in: dict[str, tuple[int, int, bool]] = {}  # placeholder name -> (numel, itemsize, is_float)
-
-    def in_info(name: str) -> tuple[int, int, bool]:
-        if name in by_name:
-            n = by_name[name]
-            return out_numel[name], out_item[name], n.dtype in FLOAT
-        if name not in graph_in:
-            ti = inputs[min(len(graph_in), len(inputs) - 1)] if inputs else None
-            graph_in[name] = (ti.numel, ti.itemsize, ti.dtype in FLOAT) if ti else (0, 4, True)
-        return graph_in[name]
-
-    seq = graph.seq_len
     refused: dict[str, str] = {}
-    styles, loss_parallel, regions, region_of, head_counts = tp_walk(graph, by_name, out_numel, refused)
-    sharded = regions  # node name -> region id (sharded output) ; absent = replicated
+    f = _facts(graph, refused)
+    layers = {lay.path: LayerProfile(lay.path) for lay in graph.layers}
+    _count_compute(layers, f)
+    _count_saved(layers, f, device_kind)
+    _count_comms(layers, f)
+    _count_boundaries(layers, f)
+    _count_params(layers, f, split_params=_count_tp(layers, f))
+    out = graph.outputs[0] if graph.outputs else None
+    region_modules: dict[int, list[str]] = defaultdict(list)
+    for name, rid in f.tp.region_of.items():
+        region_modules[rid].append(f.by_name[name].module_path)
+    index = {lay.path: i for i, lay in enumerate(graph.layers)}
+    rep = [index[graph.block_of(lay.path).members[0]] if graph.block_of(lay.path) else i
+           for i, lay in enumerate(graph.layers)]
+    return GraphProfile([layers[lay.path] for lay in graph.layers], graph.batch_size, graph.seq_len,
+                        bool(f.tp.head), out.numel if out else 0, out.itemsize if out else 4,
+                        dict(region_modules), device_kind, rep,
+                        {f.by_name[k].module_path: why for k, why in refused.items()}, _pp_blocker(f),
+                        sp_check(graph, f.by_name, f.tp.styles, f.tp.sharded))
 
-    # storage roots and contiguity
+
+# ---- what every pass reads ------------------------------------------------------------------------------------------
+class _Size(NamedTuple):
+    numel: int
+    itemsize: int
+    floating: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+class _TP(NamedTuple):
+    """The TP styles :func:`.tp_styles.tp_walk` derives from dataflow."""
+
+    styles: dict[str, str]
+    """node -> "colwise" | "rowwise" (split Linears and Embeddings)"""
+    head: str
+    """the vocab-parallel head node ("" when none: no loss parallelism)"""
+    sharded: dict[str, int]
+    """node whose output is sharded -> its TP region"""
+    region_of: dict[str, int]
+    """styled node -> its TP region"""
+    heads: dict[str, int]
+    """view node splitting a sharded dim into heads -> the head count"""
+
+
+@dataclass
+class _Facts:
+    """What the passes of :func:`profile` read about the graph's tensors, computed once."""
+
+    graph: Any
+    by_name: dict[str, Any]
+    size: dict[str, _Size]
+    """tensor (a node's first output or a graph input) -> numel, itemsize, floating point"""
+    root: dict[str, str]
+    """node -> the node whose storage it is a view of (itself when it owns one)"""
+    noncontig: dict[str, bool]
+    """node -> a non-contiguous view"""
+    scores: set[str]
+    """attention-score sized nodes (seq x seq)"""
+    tp: _TP
+
+
+def _facts(graph, refused: dict[str, str]) -> _Facts:
+    by_name = {n.name: n for n in graph.nodes}
+    size = _sizes(graph)
+    tp = _TP(*tp_walk(graph, by_name, {n.name: size[n.name].numel for n in graph.nodes}, refused))
+    root, noncontig = _storages(graph.nodes)
+    return _Facts(graph, by_name, size, root, noncontig, _attention_scores(graph.nodes), tp)
+
+
+def _sizes(graph) -> dict[str, _Size]:
+    """Sizes of every node's (first) output and of the graph inputs. A graph input is named by the nodes that read
+    it; it takes the example inputs in the order the nodes first read one."""
+    size = {n.name: _Size(_numel(n.out_shapes[0]) if n.out_shapes else 0, ITEMSIZE.get(n.dtype, 4), n.dtype in FLOAT)
+            for n in graph.nodes}
+    inputs = list(graph.inputs)
+    placeholders = 0
+    for n in graph.nodes:
+        for name in n.inputs:
+            if name not in size:
+                ti = inputs[min(placeholders, len(inputs) - 1)] if inputs else None
+                size[name] = _Size(ti.numel, ti.itemsize, ti.dtype in FLOAT) if ti else _Size(0, 4, True)
+                placeholders += 1
+    return size
+
+
+def _storages(nodes) -> tuple[dict[str, str], dict[str, bool]]:
+    """(node -> the node that owns its storage, node -> a non-contiguous view)."""
     root: dict[str, str] = {}
     noncontig: dict[str, bool] = {}
     attn_out: dict[str, bool] = {}
@@ -226,71 +288,64 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
                 root[n.name], noncontig[n.name] = root.get(src, src), base_nc
         else:
             root[n.name], noncontig[n.name] = n.name, False
+    return root, noncontig
 
-    pp_blocker = ""
-    for n in nodes:
-        far = [i for i in n.inputs if i in by_name and by_name[i].layer != n.layer and noncontig.get(i, False)]
-        if far and not pp_blocker:
-            pp_blocker = (f"layer {n.layer} reads {far[0]} ({packet(by_name[far[0]].op)}), a non-contiguous view made "
-                          f"in layer {by_name[far[0]].layer}, which a pipeline stage could not receive (send/recv "
-                          "needs contiguous tensors)")
-    consumers: dict[str, list[str]] = defaultdict(list)
-    for n in nodes:
-        for i in n.inputs:
-            consumers[i].append(n.name)
-    layer_of = {n.name: n.layer for n in nodes}
-    layers = {lay.path: LayerProfile(lay.path) for lay in graph.layers}
-    seen_roots: set[str] = set()
-    boundary: set[tuple[str, str]] = set()
-    comm_keys: set[tuple[str, str]] = set()
 
-    def add_saved(lp: LayerProfile, key: str, numel: int, itemsize: int, is_float: bool, **kw) -> None:
-        if key in seen_roots or numel == 0:
-            return
-        seen_roots.add(key)
-        hb = numel * (2 if is_float and itemsize > 2 and not kw.get("stat") else itemsize)
-        lp.saved.append(Saved(numel * itemsize, hb, **kw))
-
-    # attention scores by dataflow: the output of an activation x activation matmul (q @ k^T), carried through the
-    # ops that follow (scale, mask, softmax, dropout) until the next such matmul (scores @ v) consumes it
-    quad_nodes: set[str] = set()
+def _attention_scores(nodes) -> set[str]:
+    """Attention scores by dataflow: the output of an activation x activation matmul (q @ k^T), carried through the
+    ops that follow (scale, mask, softmax, dropout) until the next such matmul (scores @ v) consumes it."""
+    scores: set[str] = set()
     for n in nodes:
         if n.op_class == "matmul" and not n.params and len(n.inputs) >= 2:
-            if not any(i in quad_nodes for i in n.inputs) and n.out_shapes and len(n.out_shapes[0]) >= 3:
-                quad_nodes.add(n.name)
-        elif n.op_class != "attention" and any(i in quad_nodes for i in n.inputs):
-            if not (n.op_class == "matmul"):
-                quad_nodes.add(n.name)
+            if not any(i in scores for i in n.inputs) and n.out_shapes and len(n.out_shapes[0]) >= 3:
+                scores.add(n.name)
+        elif n.op_class not in ("attention", "matmul") and any(i in scores for i in n.inputs):
+            scores.add(n.name)
+    return scores
 
-    def is_quad(name: str) -> bool:
-        return name in quad_nodes
 
-    for n in nodes:
+def _pp_blocker(f: _Facts) -> str:
+    """Why pipeline stages cannot be cut between layers: the first layer that reads a non-contiguous view made in
+    another layer ("" when none does)."""
+    for n in f.graph.nodes:
+        far = [i for i in n.inputs if i in f.by_name and f.by_name[i].layer != n.layer and f.noncontig.get(i, False)]
+        if far:
+            src = f.by_name[far[0]]
+            return (f"layer {n.layer} reads {far[0]} ({packet(src.op)}), a non-contiguous view made in layer "
+                    f"{src.layer}, which a pipeline stage could not receive (send/recv needs contiguous tensors)")
+    return ""
+
+
+def _in_layers(layers: dict[str, LayerProfile], f: _Facts):
+    """(layer profile, node) for every node of a profiled layer, in graph order."""
+    for n in f.graph.nodes:
         lp = layers.get(n.layer)
-        if lp is None:
-            continue
-        p = packet(n.op)
-        in_region = n.name in sharded
-        split_op = n.name in styles
+        if lp is not None:
+            yield lp, n
+
+
+# ---- the passes -----------------------------------------------------------------------------------------------------
+def _count_compute(layers: dict[str, LayerProfile], f: _Facts) -> None:
+    """FLOPs by op class (split or replicated under TP), bytes of memory-bound ops, the largest backward step."""
+    for lp, n in _in_layers(layers, f):
+        in_region, split_op = n.name in f.tp.sharded, n.name in f.tp.styles
         if n.op_class != "view":
             lp.n_ops += 1
         nbytes = n.bytes_read + n.bytes_written
-        if n.op_class == "embedding" and n.params and n.params[0] in graph.params:
+        if n.op_class == "embedding" and n.params and n.params[0] in f.graph.params:
             # a lookup reads the rows it gathers, not the table; its backward writes a dense gradient of the whole
             # table (nn.Embedding without sparse=True: zero-fill + index_add)
-            w = graph.params[n.params[0]]
-            nbytes = 2 * n.bytes_written + sum(in_info(i)[0] * in_info(i)[1] for i in n.inputs)
-            table = w.numel * w.itemsize
-            if n.name in styles:
-                lp.emb_bwd_split += table
+            w = f.graph.params[n.params[0]]
+            nbytes = 2 * n.bytes_written + sum(f.size[i].nbytes for i in n.inputs)
+            if split_op:
+                lp.emb_bwd_split += w.numel * w.itemsize
             else:
-                lp.emb_bwd_rep += table
+                lp.emb_bwd_rep += w.numel * w.itemsize
         if n.op_class in ("matmul", "conv", "attention"):
-            bucket_f, bucket_b = (lp.flops_split, lp.bwd_split) if (in_region or split_op) else (lp.flops_rep,
-                                                                                                 lp.bwd_rep)
-            bucket_f[n.op_class] += n.flops
-            bucket_b[n.op_class] += n.bwd_flops
-            if is_quad(n.name):
+            fwd, bwd = (lp.flops_split, lp.bwd_split) if in_region or split_op else (lp.flops_rep, lp.bwd_rep)
+            fwd[n.op_class] += n.flops
+            bwd[n.op_class] += n.bwd_flops
+            if n.name in f.scores:
                 lp.quad_flops += n.flops
         elif n.op_class != "view":
             lp.flops_other += n.flops
@@ -299,153 +354,189 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
                 lp.mem_split += nbytes
             else:
                 lp.mem_rep += nbytes
-            if is_quad(n.name):
+            if n.name in f.scores:
                 lp.quad_flops += n.flops
         if n.out_shapes and n.op_class != "view":
             # backward of this op holds the gradient of its output and of its activation inputs at once
-            step = out_numel[n.name] * out_item[n.name] + sum(
-                in_info(i)[0] * in_info(i)[1] for i in n.inputs if in_info(i)[2])
+            step = f.size[n.name].nbytes + sum(f.size[i].nbytes for i in n.inputs if f.size[i].floating)
             lp.largest_out = max(lp.largest_out, step)
 
-        # --- what autograd saves ---
-        acts = [i for i in n.inputs]
-        float_acts = [i for i in acts if in_info(i)[2]]
 
-        def save_input(i: str, *, copy_if_noncontig: bool, gathered: bool = False, n=n, lp=lp) -> None:
-            if copy_if_noncontig and noncontig.get(i, False):
-                numel, item, is_f = in_info(i)  # the op makes a contiguous copy and saves that
-                key = f"copy:{n.name}:{i}"
-            else:
-                key = root.get(i, i)
-                numel, item, is_f = in_info(key)  # a view keeps its whole base storage alive
-            add_saved(lp, key, numel, item, is_f, region=i in sharded or key in sharded, gathered=gathered,
-                      quadratic=is_quad(i))
+class _Keep(NamedTuple):
+    """A tensor one op keeps for backward, before storages are deduplicated."""
 
-        if p in SAVES_MATMUL_INPUTS:
-            for i in float_acts:
-                # linear flattens (..., k) inputs and matmul flattens batch dims of >= 4-d inputs: a non-contiguous
-                # input is copied first; mm/bmm/conv take strided inputs as they are
-                nd = len(by_name[i].out_shapes[0]) if i in by_name and by_name[i].out_shapes else 2
-                copies = (p == "linear" and nd >= 3) or (p in ("matmul", "einsum") and nd >= 4)
-                save_input(i, copy_if_noncontig=copies, gathered=styles.get(n.name) == "colwise")
-        elif p in ATTENTION:
-            for i in acts[:3]:
-                save_input(i, copy_if_noncontig=False)
-            add_saved(lp, n.name, out_numel[n.name], out_item[n.name], True, region=in_region)
-            shape = n.out_shapes[0] if n.out_shapes else ()
-            add_saved(lp, f"lse:{n.name}", _numel(shape[:-1]), 4, True, region=in_region, stat=True)
-        elif p in SAVES_INPUT:
-            for i in float_acts[:1]:
-                save_input(i, copy_if_noncontig=False)
-            if p in NORMS or p == "rms_norm":
-                shape = n.out_shapes[0] if n.out_shapes else ()
-                rows = _numel(shape[:-1]) if p in ("layer_norm", "rms_norm") else (shape[1] if len(shape) > 1 else 1)
-                nstats = 1 if p == "rms_norm" else 2
-                add_saved(lp, f"stat:{n.name}", rows * nstats, 4, True, region=False, stat=True)
-                if p == "rms_norm" and device_kind == "cpu":  # decomposed: the normalised input is saved too
-                    add_saved(lp, f"norm:{n.name}", out_numel[n.name], out_item[n.name], True, region=in_region)
-        elif p in SAVES_OUTPUT:
-            add_saved(lp, n.name, out_numel[n.name], out_item[n.name], True, region=in_region,
-                      quadratic=is_quad(n.name))
-        elif p in SAVES_ALL_IF_PAIR:
-            if len(float_acts) >= 2 or (float_acts and n.params):
-                for i in float_acts:
-                    save_input(i, copy_if_noncontig=False)
-        elif p in ("dropout", "native_dropout", "feature_dropout"):
-            mask_item = 1 if device_kind == "cuda" else out_item[n.name]
-            quad = is_quad(n.name)
-            add_saved(lp, f"mask:{n.name}", out_numel[n.name], mask_item, device_kind != "cuda", region=in_region,
-                      quadratic=quad)
-        elif p in ("embedding", "embedding_bag", "_embedding_bag"):
-            for i in acts[:1]:
-                numel, item, is_f = in_info(i)
-                add_saved(lp, root.get(i, i), numel, item, False, region=False)
-        elif p in ("masked_fill", "where") and len(acts) >= 2:
-            numel, _, _ = in_info(acts[-1] if p == "masked_fill" else acts[0])
-            add_saved(lp, f"mask:{n.name}", numel, 1, False, region=False)
+    key: str
+    """the storage it keeps alive (the same key from two ops counts once)"""
+    size: _Size
+    region: bool
+    gathered: bool = False
+    quadratic: bool = False
+    stat: bool = False
 
-        # --- TP collectives: what the op's kernels_ext Split says its style implies ---
-        st = styles.get(n.name)
-        split = splits_of(n.op).get(st) if st else None
-        if split is not None:
-            for phase, kind in (("fwd", split.forward), ("bwd", split.backward)):
-                if not kind:
-                    continue
-                if split.comm_on == "output":
-                    numel, item = out_numel[n.name], out_item[n.name]
-                    key = n.name
-                elif float_acts:
-                    numel, item, _ = in_info(float_acts[0])
-                    key = root.get(float_acts[0], float_acts[0])
-                else:
-                    continue
-                if (phase, key) in comm_keys:  # one collective per distinct input (q/k/v, w1/w3 share it)
-                    continue
-                comm_keys.add((phase, key))
-                lp.comms.append(Comm(kind, numel * item, numel * min(item, 2), phase))
-        # layer boundaries
-        for i in acts:
-            if layer_of.get(i) != n.layer and (n.layer, root.get(i, i)) not in boundary:
-                boundary.add((n.layer, root.get(i, i)))  # an input read by several ops is held once
-                numel, item, is_f = in_info(root.get(i, i))
-                lp.input_bytes += numel * item
-                lp.input_half += numel * (2 if is_f and item > 2 else item)
-        if n.op_class != "view" or not consumers.get(n.name):
-            outs_elsewhere = [c for c in consumers.get(n.name, []) if layer_of.get(c) != n.layer]
-            if outs_elsewhere or not consumers.get(n.name):
-                if n.out_shapes and n.dtype in FLOAT and (outs_elsewhere or n is nodes[-1]):
-                    lp.output_bytes += out_numel[n.name] * out_item[n.name]
-                    lp.output_half += out_numel[n.name] * 2
 
-    # parameters, TP styles, head constraints per layer
-    params = graph.params
-    for lay in graph.layers:
-        lp = layers[lay.path]
-        lp.param_itemsize = 4
-    split_params: set[str] = set()
-    for n in nodes:
-        st = styles.get(n.name)
-        lp = layers.get(n.layer)
-        if lp is None:
+def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str) -> None:
+    """What autograd saves, each storage once (in the layer of the first op that saves it)."""
+    seen: set[str] = set()
+    for lp, n in _in_layers(layers, f):
+        for keep in _kept_by(n, f, device_kind):
+            if keep.key in seen or keep.size.numel == 0:
+                continue
+            seen.add(keep.key)
+            numel, item = keep.size.numel, keep.size.itemsize
+            half = numel * (2 if keep.size.floating and item > 2 and not keep.stat else item)
+            lp.saved.append(Saved(numel * item, half, keep.region, keep.gathered, keep.quadratic, keep.stat))
+
+
+def _kept_by(n, f: _Facts, device_kind: str) -> list[_Keep]:
+    """The tensors op ``n`` keeps for its backward (module docstring)."""
+    p = packet(n.op)
+    in_region = n.name in f.tp.sharded
+    acts = list(n.inputs)
+    float_acts = [i for i in acts if f.size[i].floating]
+    out = f.size[n.name]
+    shape = n.out_shapes[0] if n.out_shapes else ()
+
+    def saved_input(i: str, *, copy_if_noncontig: bool, gathered: bool = False) -> _Keep:
+        if copy_if_noncontig and f.noncontig.get(i, False):
+            key, size = f"copy:{n.name}:{i}", f.size[i]  # the op makes a contiguous copy and saves that
+        else:
+            key = f.root.get(i, i)
+            size = f.size[key]  # a view keeps its whole base storage alive
+        return _Keep(key, size, i in f.tp.sharded or key in f.tp.sharded, gathered, i in f.scores)
+
+    if p in SAVES_MATMUL_INPUTS:
+        kept = []
+        for i in float_acts:
+            # linear flattens (..., k) inputs and matmul flattens batch dims of >= 4-d inputs: a non-contiguous
+            # input is copied first; mm/bmm/conv take strided inputs as they are
+            nd = len(f.by_name[i].out_shapes[0]) if i in f.by_name and f.by_name[i].out_shapes else 2
+            copies = (p == "linear" and nd >= 3) or (p in ("matmul", "einsum") and nd >= 4)
+            kept.append(saved_input(i, copy_if_noncontig=copies, gathered=f.tp.styles.get(n.name) == "colwise"))
+        return kept
+    if p in ATTENTION:
+        return [*(saved_input(i, copy_if_noncontig=False) for i in acts[:3]),
+                _Keep(n.name, out._replace(floating=True), in_region),
+                _Keep(f"lse:{n.name}", _Size(_numel(shape[:-1]), 4, True), in_region, stat=True)]
+    if p in SAVES_INPUT:
+        kept = [saved_input(i, copy_if_noncontig=False) for i in float_acts[:1]]
+        if p in NORMS:
+            rows = _numel(shape[:-1]) if p in ("layer_norm", "rms_norm") else (shape[1] if len(shape) > 1 else 1)
+            nstats = 1 if p == "rms_norm" else 2
+            kept.append(_Keep(f"stat:{n.name}", _Size(rows * nstats, 4, True), False, stat=True))
+            if p == "rms_norm" and device_kind == "cpu":  # decomposed: the normalised input is saved too
+                kept.append(_Keep(f"norm:{n.name}", out._replace(floating=True), in_region))
+        return kept
+    if p in SAVES_OUTPUT:
+        return [_Keep(n.name, out._replace(floating=True), in_region, quadratic=n.name in f.scores)]
+    if p in SAVES_ALL_IF_PAIR:
+        if len(float_acts) >= 2 or (float_acts and n.params):
+            return [saved_input(i, copy_if_noncontig=False) for i in float_acts]
+        return []
+    if p in ("dropout", "native_dropout", "feature_dropout"):
+        mask = _Size(out.numel, 1 if device_kind == "cuda" else out.itemsize, device_kind != "cuda")
+        return [_Keep(f"mask:{n.name}", mask, in_region, quadratic=n.name in f.scores)]
+    if p in ("embedding", "embedding_bag", "_embedding_bag"):
+        return [_Keep(f.root.get(i, i), f.size[i]._replace(floating=False), False) for i in acts[:1]]
+    if p in ("masked_fill", "where") and len(acts) >= 2:
+        mask = f.size[acts[-1] if p == "masked_fill" else acts[0]]
+        return [_Keep(f"mask:{n.name}", _Size(mask.numel, 1, False), False)]
+    return []
+
+
+def _count_comms(layers: dict[str, LayerProfile], f: _Facts) -> None:
+    """TP collectives: what the kernels_ext Split of each styled op says its style implies, one per distinct
+    tensor (q/k/v, w1/w3 share their input)."""
+    done: set[tuple[str, str]] = set()
+    for lp, n in _in_layers(layers, f):
+        style = f.tp.styles.get(n.name)
+        split = splits_of(n.op).get(style) if style else None
+        if split is None:
             continue
-        if st:
-            mod = n.module_path
-            lp.tp[mod] = st
-            lp.regions.add(region_of.get(n.name, -1))
+        float_acts = [i for i in n.inputs if f.size[i].floating]
+        for phase, kind in (("fwd", split.forward), ("bwd", split.backward)):
+            if not kind:
+                continue
+            if split.comm_on == "output":
+                key, size = n.name, f.size[n.name]
+            elif float_acts:
+                key, size = f.root.get(float_acts[0], float_acts[0]), f.size[float_acts[0]]
+            else:
+                continue
+            if (phase, key) not in done:
+                done.add((phase, key))
+                lp.comms.append(Comm(kind, size.nbytes, size.numel * min(size.itemsize, 2), phase))
+
+
+def _count_boundaries(layers: dict[str, LayerProfile], f: _Facts) -> None:
+    """Bytes entering each layer (each storage once) and leaving it (read by a later layer, or the model output)."""
+    consumers: dict[str, list[str]] = defaultdict(list)
+    for n in f.graph.nodes:
+        for i in n.inputs:
+            consumers[i].append(n.name)
+    layer_of_node = {n.name: n.layer for n in f.graph.nodes}
+    last = f.graph.nodes[-1] if f.graph.nodes else None
+    entered: set[tuple[str, str]] = set()
+    for lp, n in _in_layers(layers, f):
+        for i in n.inputs:
+            key = f.root.get(i, i)
+            if layer_of_node.get(i) != n.layer and (n.layer, key) not in entered:
+                entered.add((n.layer, key))  # an input read by several ops is held once
+                size = f.size[key]
+                lp.input_bytes += size.nbytes
+                lp.input_half += size.numel * (2 if size.floating and size.itemsize > 2 else size.itemsize)
+        readers = consumers.get(n.name, [])
+        if n.op_class == "view" and readers:
+            continue
+        elsewhere = [c for c in readers if layer_of_node.get(c) != n.layer]
+        if n.out_shapes and n.dtype in FLOAT and (elsewhere or (n is last and not readers)):
+            lp.output_bytes += f.size[n.name].nbytes
+            lp.output_half += f.size[n.name].numel * 2
+
+
+def _count_tp(layers: dict[str, LayerProfile], f: _Facts) -> set[str]:
+    """Per layer: module TP styles, regions, what the TP degree must divide (split Linear dims, head counts),
+    vocabularies, vocab-parallel embedding parameters, norms outside TP regions. Returns the parameters TP splits."""
+    split_params: set[str] = set()
+    params = f.graph.params
+    for lp, n in _in_layers(layers, f):
+        style = f.tp.styles.get(n.name)
+        if style:
+            lp.tp[n.module_path] = style
+            lp.regions.add(f.tp.region_of.get(n.name, -1))
             for pname in n.params:
                 pi = params.get(pname)
-                if pi is None or pi.is_buffer:
-                    continue
-                if pname.endswith("bias") and st == "rowwise":
-                    continue
-                split_params.add(pname)
+                if pi is not None and not pi.is_buffer and not (pname.endswith("bias") and style == "rowwise"):
+                    split_params.add(pname)
             w = params.get(n.params[0]) if n.params else None
             is_embedding = n.op_class == "embedding"
-            if w is not None and is_embedding and st == "rowwise" and w.trainable:
+            if w is not None and is_embedding and style == "rowwise" and w.trainable:
                 lp.embedding_params += w.numel
             if w is not None and len(w.shape) == 2:
-                if is_embedding or n.name == loss_parallel:
+                if is_embedding or n.name == f.tp.head:
                     lp.vocab.add(w.shape[0])
                 else:
-                    lp.divisors.add(w.shape[0] if st == "colwise" else w.shape[1])
-        if n.op_class == "norm" and "sequence_parallel" in splits_of(n.op) and n.name not in sharded and \
-                n.module_path and n.params:
-            if n.module_path not in lp.norms:
-                lp.norms.append(n.module_path)
-    for n in nodes:
-        hc = head_counts.get(n.name)
-        if hc and n.layer in layers:
-            layers[n.layer].heads.add(hc)
-            layers[n.layer].divisors.add(hc)
-    owner: dict[str, str] = {}
-    for lay in graph.layers:
-        for m in lay.modules:
-            owner[m] = lay.path
-    for pname, pi in params.items():
+                    lp.divisors.add(w.shape[0] if style == "colwise" else w.shape[1])
+        if n.op_class == "norm" and "sequence_parallel" in splits_of(n.op) and n.name not in f.tp.sharded and \
+                n.module_path and n.params and n.module_path not in lp.norms:
+            lp.norms.append(n.module_path)
+    for lp, n in _in_layers(layers, f):
+        hc = f.tp.heads.get(n.name)
+        if hc:
+            lp.heads.add(hc)
+            lp.divisors.add(hc)
+    return split_params
+
+
+def _count_params(layers: dict[str, LayerProfile], f: _Facts, *, split_params: set[str]) -> None:
+    """Trainable parameters per layer, split by TP or replicated; the largest one; their item size."""
+    graph = f.graph
+    owner = {m: lay.path for lay in graph.layers for m in lay.modules}
+    layer_paths = [lay.path for lay in graph.layers]
+    for pname, pi in graph.params.items():
         if pi.is_buffer or not pi.trainable:
             continue
-        lay_path = _owner_layer(pi.module_path, owner, graph)
-        lp = layers.get(lay_path)
+        path = owner[pi.module_path] if pi.module_path in owner else layer_of(pi.module_path, layer_paths)
+        lp = layers.get(path)
         if lp is None:
             continue
         lp.param_itemsize = pi.itemsize
@@ -454,27 +545,10 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
             lp.params_split += pi.numel
         else:
             lp.params_rep += pi.numel
-    out = graph.outputs[0] if graph.outputs else None
-    region_modules: dict[int, list[str]] = defaultdict(list)
-    for name, rid in region_of.items():
-        region_modules[rid].append(by_name[name].module_path)
-    index = {lay.path: i for i, lay in enumerate(graph.layers)}
-    rep = [index[graph.block_of(lay.path).members[0]] if graph.block_of(lay.path) else i
-           for i, lay in enumerate(graph.layers)]
-    return GraphProfile([layers[lay.path] for lay in graph.layers], graph.batch_size, seq,
-                        bool(loss_parallel), out.numel if out else 0, out.itemsize if out else 4,
-                        dict(region_modules), device_kind, rep,
-                        {by_name[k].module_path: why for k, why in refused.items()}, pp_blocker,
-                        sp_check(graph, by_name, styles, regions))
 
 
-def _owner_layer(module_path: str, owner: dict[str, str], graph) -> str | None:
-    if module_path in owner:
-        return owner[module_path]
-    best = None
-    for lay in graph.layers:
-        lp = lay.path
-        if lp == "" or module_path == lp or module_path.startswith(lp + "."):
-            if best is None or len(lp) > len(best):
-                best = lp
-    return best
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
