@@ -233,3 +233,207 @@ class RecSys(nn.Module):
         inter = torch.bmm(z, z.transpose(1, 2))
         i, j = torch.triu_indices(z.shape[1], z.shape[1], offset=1)
         return self.top(torch.cat([feats[0], inter[:, i, j]], dim=1))
+
+
+# ---- Mixture of Experts ---------------------------------------------------------------------------------------------
+# A DeepSeekMoE-style decoder: each MoE layer has shared experts every token goes through plus routed experts, of
+# which a softmax top-k router picks k per token. The routed experts are stacked weights with the layout and forward
+# signature of Hugging Face's experts modules (MixtralExperts, Qwen2MoeExperts, DeepseekV3Experts in transformers 5):
+# gate_up_proj (E, 2*I, D), down_proj (E, D, I), forward(hidden (T, D), top_k_index (T, K), top_k_weights (T, K)).
+
+
+@torch.library.custom_op("autopar_zoo::grouped_linear", mutates_args=())
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows ``offs[g-1]:offs[g]`` of ``x`` (S, K) times ``weight[g].T`` (weight (G, N, K), nn.Linear layout) -> (S, N).
+
+    A loop of matmuls, the portable form of ``torch.nn.functional.grouped_mm`` (which needs bf16 on CUDA, or
+    16-byte-aligned strides on CPU); as a custom op it traces on the meta device as one node that kernels_ext costs.
+    """
+    out = x.new_zeros(x.shape[0], weight.shape[1])
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = x[start:end] @ weight[g].T
+        start = end
+    return out
+
+
+@grouped_linear.register_fake
+def _(x, weight, offs):
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+@torch.library.custom_op("autopar_zoo::grouped_linear_backward", mutates_args=())
+def grouped_linear_backward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                            grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`grouped_linear` with respect to ``x`` and ``weight``."""
+    grad_x, grad_w = torch.zeros_like(x), torch.zeros_like(weight)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            grad_x[start:end] = grad[start:end] @ weight[g]
+            grad_w[g] = grad[start:end].T @ x[start:end]
+        start = end
+    return grad_x, grad_w
+
+
+@grouped_linear_backward.register_fake
+def _(x, weight, offs, grad):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _grouped_linear_setup(ctx, inputs, output):
+    x, weight, offs = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.offs = offs
+
+
+def _grouped_linear_grad(ctx, grad):
+    x, weight = ctx.saved_tensors
+    grad_x, grad_w = grouped_linear_backward(x, weight, ctx.offs, grad.contiguous())
+    return grad_x, grad_w, None
+
+
+grouped_linear.register_autograd(_grouped_linear_grad, setup_context=_grouped_linear_setup)
+
+
+@dataclass
+class MoEConfig:
+    """DeepSeekMoE 16B by default (deepseek-ai/deepseek-moe-16b-base, config.json: 16.4B parameters, 2.8B active
+    per token); ``MIXTRAL_8X7B`` below is the same class without shared experts."""
+
+    vocab_size: int = 102400
+    dim: int = 2048
+    n_layers: int = 28
+    n_heads: int = 16
+    n_kv_heads: int = 16
+    ffn_dim: int = 10944
+    """hidden width of the dense SwiGLU feed-forward of the first ``n_dense_layers`` layers"""
+    n_dense_layers: int = 1
+    """DeepSeek's first_k_dense_replace: leading layers with a dense feed-forward instead of experts"""
+    n_routed_experts: int = 64
+    n_shared_experts: int = 2
+    """experts every token goes through, fused into one SwiGLU of width n_shared_experts * moe_ffn_dim (0: none)"""
+    top_k: int = 6
+    """routed experts per token"""
+    moe_ffn_dim: int = 1408
+    """hidden width of one expert"""
+    norm_topk_prob: bool = False
+    """renormalise the k chosen router probabilities to sum to 1 (Mixtral: yes, DeepSeekMoE: no)"""
+    route_scale: float = 1.0
+    """factor on the routing weights (DeepSeek-V3's routed_scaling_factor)"""
+    norm_eps: float = 1e-6
+
+    def _llama(self, ffn_dim: int) -> LlamaConfig:
+        return LlamaConfig(vocab_size=self.vocab_size, dim=self.dim, n_layers=0, n_heads=self.n_heads,
+                           n_kv_heads=self.n_kv_heads, ffn_dim=ffn_dim, norm_eps=self.norm_eps)
+
+
+class TopKRouter(nn.Module):
+    """Softmax over all experts (in fp32), the top k per token: returns (weights (T, K), expert ids (T, K))."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob, self.route_scale = cfg.top_k, cfg.norm_topk_prob, cfg.route_scale
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.dim))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)  # nn.Linear's default
+
+    def forward(self, x):
+        probs = F.softmax(F.linear(x, self.weight).float(), dim=-1)  # (T, E)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)  # (T, K)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights * self.route_scale).to(x.dtype), index
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as stacked weights; each token-expert pair goes through its expert once (grouped matmuls
+    over the pairs sorted by expert), so the work is that of k experts per token, not E."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.num_experts = cfg.n_routed_experts
+        e, d, i = cfg.n_routed_experts, cfg.dim, cfg.moe_ffn_dim
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))  # [w1 | w3] of each expert, (out, in)
+        self.down_proj = nn.Parameter(torch.empty(e, d, i))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        for w in (self.gate_up_proj, self.down_proj):  # nn.Linear's default per expert: U(-1/sqrt(in), 1/sqrt(in))
+            nn.init.uniform_(w, -w.shape[-1] ** -0.5, w.shape[-1] ** -0.5)
+
+    def forward(self, x, top_k_index, top_k_weights):
+        T, K = top_k_index.shape
+        flat = top_k_index.reshape(-1)  # (T*K,) expert of each token-expert pair
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+        # histc, not bincount: its output size does not depend on the data, so it traces on the meta device
+        counts = torch.histc(flat.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+        offs = torch.cumsum(counts, dim=0).to(torch.int32)
+        h = grouped_linear(x[order // K].to(self.gate_up_proj.dtype), self.gate_up_proj, offs)  # (T*K, 2I)
+        gate, up = h.chunk(2, dim=-1)
+        y = grouped_linear(F.silu(gate) * up, self.down_proj, offs)  # (T*K, D)
+        y = y[torch.argsort(order)] * top_k_weights.reshape(-1, 1)  # back to (token, k) order, weighted
+        return y.view(T, K, -1).sum(dim=1).to(x.dtype)
+
+
+class MoE(nn.Module):
+    """Shared experts (every token) + routed experts (k of E per token), DeepSeekMoE style."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.gate = TopKRouter(cfg)
+        self.experts = GroupedExperts(cfg)
+        self.shared_experts = (LlamaFeedForward(cfg._llama(cfg.n_shared_experts * cfg.moe_ffn_dim))
+                               if cfg.n_shared_experts else None)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        h = x.reshape(-1, D)  # (B*T, D): routing is per token
+        weights, index = self.gate(h)
+        out = self.experts(h, index, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(h)
+        return out.view(B, T, D)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, cfg: MoEConfig, layer_id: int):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = LlamaAttention(cfg._llama(cfg.ffn_dim))
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = (LlamaFeedForward(cfg._llama(cfg.ffn_dim)) if layer_id < cfg.n_dense_layers
+                             else MoE(cfg))
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class MoETransformer(nn.Module):
+    """DeepSeekMoE-shaped decoder (LLaMA attention, torchtitan naming); ``layers.{i}.feed_forward`` is a dense
+    SwiGLU in the first ``n_dense_layers`` layers and an :class:`MoE` after them."""
+
+    def __init__(self, cfg: MoEConfig | None = None):
+        super().__init__()
+        cfg = cfg or MoEConfig()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(MoEBlock(cfg, i) for i in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens):
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+DEEPSEEK_MOE_16B = MoEConfig()
+MIXTRAL_8X7B = MoEConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                         n_dense_layers=0, n_routed_experts=8, n_shared_experts=0, top_k=2, moe_ffn_dim=14336,
+                         norm_topk_prob=True, norm_eps=1e-5)
