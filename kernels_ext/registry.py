@@ -1,9 +1,11 @@
 """The operator registry: what autopar-nb knows about each ATen op.
 
 An :class:`OpRule` gives an op's forward FLOPs and bytes from its argument shapes, how much its backward costs, its
-op class (for the efficiency the cost model applies), and the ways its main parameter can be split across
-tensor-parallel ranks together with the collective each split implies. Users add rules for their own custom ops with
-:func:`register_op`.
+op class (for the efficiency the cost model applies), what autograd keeps of it for backward (activation memory),
+the ways its main parameter can be split across tensor-parallel ranks together with the collective each split
+implies, and its role when a tensor-parallel shard reaches it (a norm, a reduction, a split). Users add rules for
+their own custom ops with :func:`register_op`; a rule describes its op completely, nothing else in autopar-nb knows
+ops by name.
 
 This package never imports ``autopar_nb``: the planner and runtime import it, not the other way round.
 """
@@ -38,6 +40,43 @@ FlopFn = Callable[[tuple, dict, list[TensorMeta]], float]
 
 OP_CLASSES = ("matmul", "conv", "attention", "norm", "elementwise", "reduction", "embedding", "view", "other")
 
+StatsFn = Callable[[list[tuple[int, ...]], list[tuple[int, ...]]], int]
+"""(shapes of the tensor arguments in order, shapes of the outputs) -> elements of fp32 statistics saved"""
+
+SAVES = {
+    "inputs": "every floating-point activation input (x and w of x @ w; parameters are held anyway)",
+    "input": "the first floating-point activation input",
+    "qkv": "the first three activation inputs (query, key, value)",
+    "operands": "every floating-point activation input when two tensors meet (x * y keeps both; x * 2 keeps none)",
+    "output": "the output",
+    "stats": "fp32 statistics per normalised row, ``stats(...)`` elements (norm mean/rstd, attention logsumexp)",
+    "ids": "the integer ids it looks up (embeddings)",
+    "mask": "a 1-byte mask the size of the output (dropout's on CUDA)",
+    "temp": "one more tensor the size and dtype of the output (dropout's noise on CPU, a decomposed norm's "
+            "normalised input)",
+    "bool_arg": "a 1-byte copy of its boolean activation argument (masked_fill's mask, where's condition)",
+}
+"""What an op can keep for backward (``OpRule.saves``), following ``tools/autograd/derivatives.yaml``. A token
+ending in "@cuda" or "@cpu" counts on that device kind only ("temp@cpu")."""
+
+TP_ROLES = {
+    "": "none of the below: a tensor-parallel shard passes through it (elementwise ops, views)",
+    "norm": "normalises over the feature dim: a feature-sharded tensor must not reach it; under sequence "
+            "parallelism it runs on sequence shards (LayerNorm, RMSNorm)",
+    "reduction": "reduces over the feature dim: a feature-sharded tensor must not reach it (sum, mean, losses)",
+    "split": "cuts its input into pieces (split, chunk, unbind, slice): cutting a colwise shard's last dim would "
+             "mix the pieces (q, k and v of a fused QKV)",
+}
+"""How tensor parallelism treats an op that is not itself split (``OpRule.tp_role``)."""
+
+LAYOUTS = {
+    "": "its result is laid out like its input (or it is not a view)",
+    "strided": "a view that may be non-contiguous (transpose, permute, split, slice, expand)",
+    "reshape": "a reshape that copies a non-contiguous input (reshape, flatten)",
+    "view": "a reshape that never copies (aten.view)",
+}
+"""How a view op's result is laid out relative to its input (``OpRule.layout``)."""
+
 
 @dataclass(frozen=True)
 class Split:
@@ -70,10 +109,45 @@ class OpRule:
     """False for views/metadata ops that read and write nothing"""
     splits: dict[str, Split] = field(default_factory=dict)
     """TP style name ("colwise", "rowwise", ...) -> Split"""
+    saves: tuple[str, ...] = ()
+    """what autograd keeps for the op's backward: tokens of :data:`SAVES`, e.g. ("inputs",) for a matmul, ("input",
+    "stats") for a norm; () keeps nothing"""
+    stats: StatsFn | None = None
+    """elements of fp32 statistics the "stats" token saves"""
+    flattens_ndim: int = 0
+    """activation inputs of at least this many dims are flattened first (linear: 3, (..., k) to (tokens, k);
+    matmul: 4, batch dims folded), so a non-contiguous one is copied and the copy is what the op saves; 0: never"""
+    tp_role: str = ""
+    """what a tensor-parallel shard reaching the op means, a key of :data:`TP_ROLES` ("norm", "reduction", "split")"""
+    layout: str = ""
+    """for view ops: a key of :data:`LAYOUTS` ("strided", "reshape", "view")"""
 
     def __post_init__(self):
         if self.op_class not in OP_CLASSES:
             raise ValueError(f"op_class {self.op_class!r} unknown; choose one of {', '.join(OP_CLASSES)}")
+        if isinstance(self.saves, str):
+            raise ValueError(f"saves={self.saves!r} must be a tuple of tokens, e.g. saves=({self.saves!r},)")
+        object.__setattr__(self, "saves", tuple(self.saves))
+        for token in self.saves:
+            what, _, device = token.partition("@")
+            if what not in SAVES or device not in ("", "cuda", "cpu"):
+                raise ValueError(f"saves token {token!r} unknown; choose from {', '.join(SAVES)}, optionally "
+                                 "followed by @cuda or @cpu")
+            if what == "stats" and self.stats is None:
+                raise ValueError(f"{self.name}: saves 'stats' needs stats=(in_shapes, out_shapes) -> elements")
+        if self.tp_role not in TP_ROLES:
+            raise ValueError(f"tp_role {self.tp_role!r} unknown; choose one of {', '.join(map(repr, TP_ROLES))}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout {self.layout!r} unknown; choose one of {', '.join(map(repr, LAYOUTS))}")
+
+    def saves_on(self, device_kind: str) -> tuple[str, ...]:
+        """The :data:`SAVES` tokens that count on ``device_kind`` ("cuda" or "cpu"), device suffixes removed."""
+        out = []
+        for token in self.saves:
+            what, _, device = token.partition("@")
+            if device in ("", device_kind):
+                out.append(what)
+        return tuple(out)
 
     def forward_flops(self, args: tuple, kwargs: dict, outputs: list[TensorMeta]) -> float:
         return float(self.flops(args, kwargs, outputs)) if self.flops else 0.0
@@ -100,6 +174,16 @@ def register_op(rule: OpRule, *, replace: bool = False) -> OpRule:
             flops=lambda args, kwargs, outs: 2 * args[0].numel * (args[1].shape[0] + args[2].shape[0]),
             backward_factor=2.0,
             splits={"colwise-rowwise": Split({1: 0, 2: 1}, forward="all_reduce", backward="all_reduce")},
+            saves=("inputs",),  # its activation input x (the weights are parameters, held anyway)
+        ))
+
+    and a fused RMSNorm ``mylib.rms_norm(x, weight)`` that keeps its input and one fp32 rstd per row::
+
+        register_op(OpRule(
+            "mylib.rms_norm", "norm",
+            flops=lambda args, kwargs, outs: 4 * outs[0].numel, backward_factor=2.0,
+            saves=("input", "stats"), stats=lambda ins, outs: math.prod(outs[0][:-1]),
+            tp_role="norm",
         ))
 
     Names may be globs (``"mylib.*"``); an exact name wins over a glob. Registering a name twice raises unless

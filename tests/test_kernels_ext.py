@@ -1,4 +1,5 @@
 import ast
+import math
 import pathlib
 
 import pytest
@@ -125,6 +126,15 @@ def test_register_glob_and_duplicates():
         kernels_ext.register_op(OpRule("aten.linear", "matmul"))
     with pytest.raises(ValueError, match="op_class"):
         OpRule("x", "magic")
+    with pytest.raises(ValueError, match="saves token 'weights' unknown"):
+        OpRule("x", "norm", saves=("weights",))
+    with pytest.raises(ValueError, match="must be a tuple"):
+        OpRule("x", "norm", saves="input")
+    with pytest.raises(ValueError, match="needs stats="):
+        OpRule("x", "norm", saves=("input", "stats"))
+    with pytest.raises(ValueError, match="tp_role 'layernorm' unknown"):
+        OpRule("x", "norm", tp_role="layernorm")
+    assert OpRule("x", "elementwise", saves=["mask@cuda", "temp@cpu"]).saves_on("cpu") == ("temp",)
     assert kernels_ext.lookup("aten.never_heard_of.default") is None
 
 
@@ -134,3 +144,50 @@ def test_kernels_ext_never_imports_autopar_nb():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(n.startswith("autopar_nb") for n in names), path
+
+
+def test_registered_custom_op_rule_decides_what_is_saved_and_how_tp_treats_it():
+    import torch
+    import torch.nn as nn
+
+    import autopar_nb as ap
+    from autopar_nb.cost.profile import profile
+
+    @torch.library.custom_op("autopar_test::row_norm", mutates_args=())
+    def row_norm(x: torch.Tensor) -> torch.Tensor:
+        return x / x.norm(dim=-1, keepdim=True)
+
+    @row_norm.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+        def forward(self, x):
+            return self.down(row_norm(self.up(x)))
+
+    with torch.device("meta"):
+        model = Block()
+    B, T = 4, 8
+
+    def profiled():
+        prof = profile(ap.capture(model, torch.randn(B, T, 16)), device_kind="cuda")
+        styles = {m: st for lp in prof.layers for m, st in lp.tp.items()}
+        return styles, sum(s.nbytes for lp in prof.layers for s in lp.saved)
+
+    flops = lambda args, kwargs, outs: 3 * outs[0].numel
+    kernels_ext.register_op(OpRule("autopar_test.row_norm", "norm", flops, 2.0), replace=True)
+    styles, saved = profiled()
+    # a rule that says nothing else: the op keeps nothing, and a TP shard passes through it (Megatron's MLP pair)
+    assert styles == {"up": "colwise", "down": "rowwise"}
+
+    kernels_ext.register_op(OpRule("autopar_test.row_norm", "norm", flops, 2.0, saves=("input", "stats"),
+                                   stats=lambda ins, outs: math.prod(outs[0][:-1]), tp_role="norm"), replace=True)
+    styles_known, saved_known = profiled()
+    # it normalises over the feature dim: a shard must not reach it, so neither Linear is split
+    assert styles_known == {}
+    # it keeps its input (the up-projection's output, fp32) and one fp32 statistic per row
+    assert saved_known - saved == B * T * 64 * 4 + B * T * 4

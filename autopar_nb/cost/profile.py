@@ -8,10 +8,12 @@ arithmetic on the result.
 
 Tensor-parallel styles come from :mod:`.tp_styles`.
 
-What autograd saves follows ``tools/autograd/derivatives.yaml`` per op (``SAVES_*`` below), with storages
-deduplicated: views share their base's storage, a non-contiguous view that a matmul or reshape needs contiguous
-becomes a copy. On CUDA dropout saves a 1-byte mask and RMSNorm is fused (input + rstd); on CPU dropout saves a
-noise tensor of the input's dtype and RMSNorm is decomposed (input, normalised input and rstd are saved).
+What each op keeps for backward, how it splits under TP and how a view lays out its result come from its
+``kernels_ext`` rule (``OpRule.saves``, ``splits``, ``tp_role``, ``layout``), so a registered custom op is costed like
+a built-in one. Saved tensors are counted once per storage: views share their base's storage, a non-contiguous view
+that an op flattens (``OpRule.flattens_ndim``) or a reshape copies becomes a copy of its own. On CUDA dropout saves a
+1-byte mask and RMSNorm is fused (input + rstd); on CPU dropout saves a noise tensor of the input's dtype and RMSNorm
+is decomposed (input, normalised input and rstd are saved).
 """
 
 from __future__ import annotations
@@ -22,25 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..plan import ITEMSIZE, layer_of
-from .tp_styles import NORMS, packet, sp_check, splits_of, tp_walk
+from .tp_styles import packet, rule_of, sp_check, splits_of, tp_walk
 
 FLOAT = {"float64", "float32", "float16", "bfloat16"}
-
-# ops by what autograd saves (packet names without "aten.")
-SAVES_MATMUL_INPUTS = {"linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "einsum", "conv1d", "conv2d", "conv3d",
-                       "convolution", "mse_loss"}
-SAVES_INPUT = {"gelu", "silu", "silu_", "pow", "clamp", "hardtanh", "hardtanh_", "leaky_relu", "elu", "softplus",
-               "sin", "cos", "adaptive_avg_pool2d", "adaptive_avg_pool1d", "avg_pool2d", "batch_norm",
-               "_native_batch_norm_legit_functional", "group_norm", "layer_norm", "rms_norm", "max_pool2d",
-               "max_pool2d_with_indices"}
-SAVES_OUTPUT = {"relu", "relu_", "sigmoid", "tanh", "exp", "rsqrt", "sqrt", "softmax", "_softmax", "log_softmax",
-                "_log_softmax"}
-SAVES_ALL_IF_PAIR = {"mul", "mul_", "div"}
-ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu"}
-NONCONTIG_VIEWS = {"split", "split_with_sizes", "chunk", "unbind", "slice", "narrow", "select", "transpose",
-                   "permute", "t", "expand", "expand_as", "movedim", "as_strided"}
-RESHAPES = {"reshape", "flatten", "_unsafe_view", "unflatten", "view"}
 
 
 @dataclass
@@ -266,23 +252,25 @@ def _sizes(graph) -> dict[str, _Size]:
 
 
 def _storages(nodes) -> tuple[dict[str, str], dict[str, bool]]:
-    """(node -> the node that owns its storage, node -> a non-contiguous view)."""
+    """(node -> the node that owns its storage, node -> a non-contiguous view), from each view's rule layout."""
     root: dict[str, str] = {}
     noncontig: dict[str, bool] = {}
-    attn_out: dict[str, bool] = {}
+    attention_out: set[str] = set()
     for n in nodes:
-        p = packet(n.op)
-        attn_out[n.name] = p in ATTENTION
+        if n.op_class == "attention":
+            attention_out.add(n.name)
         src = n.inputs[0] if n.inputs else None
         if n.op_class == "view" and src is not None:
+            rule = rule_of(n.op)
+            layout = rule.layout if rule is not None else ""
             base_nc = noncontig.get(src, False)
-            if p == "transpose" and attn_out.get(src):
+            if packet(n.op) == "transpose" and src in attention_out:
                 # fused attention kernels return (B, nh, T, hd) as a transposed view of a (B, T, nh, hd) buffer:
                 # transposing back is contiguous, and the out-projection saves it without a copy
                 root[n.name], noncontig[n.name] = root.get(src, src), False
-            elif p in NONCONTIG_VIEWS:
+            elif layout == "strided":
                 root[n.name], noncontig[n.name] = root.get(src, src), True
-            elif p in RESHAPES and base_nc and p != "view":
+            elif layout == "reshape" and base_nc:
                 root[n.name], noncontig[n.name] = n.name, False  # reshape of a non-contiguous view copies
             else:
                 root[n.name], noncontig[n.name] = root.get(src, src), base_nc
@@ -378,7 +366,10 @@ def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str) -
     """What autograd saves, each storage once (in the layer of the first op that saves it)."""
     seen: set[str] = set()
     for lp, n in _in_layers(layers, f):
-        for keep in _kept_by(n, f, device_kind):
+        rule = rule_of(n.op)
+        if rule is None:
+            continue
+        for keep in _kept_by(n, rule, f, device_kind):
             if keep.key in seen or keep.size.numel == 0:
                 continue
             seen.add(keep.key)
@@ -387,60 +378,47 @@ def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str) -
             lp.saved.append(Saved(numel * item, half, keep.region, keep.gathered, keep.quadratic, keep.stat))
 
 
-def _kept_by(n, f: _Facts, device_kind: str) -> list[_Keep]:
-    """The tensors op ``n`` keeps for its backward (module docstring)."""
-    p = packet(n.op)
-    in_region = n.name in f.tp.sharded
+def _kept_by(n, rule, f: _Facts, device_kind: str) -> list[_Keep]:
+    """The tensors op ``n`` keeps for its backward: its rule's ``saves`` tokens (``kernels_ext.SAVES``) on this
+    device kind, resolved against the graph."""
+    in_region, scores = n.name in f.tp.sharded, n.name in f.scores
     acts = list(n.inputs)
-    float_acts = [i for i in acts if f.size[i].floating]
+    floats = [i for i in acts if f.size[i].floating]
     out = f.size[n.name]
-    shape = n.out_shapes[0] if n.out_shapes else ()
+    colwise = f.tp.styles.get(n.name) == "colwise"
 
-    def saved_input(i: str, *, copy_if_noncontig: bool, gathered: bool = False) -> _Keep:
-        if copy_if_noncontig and f.noncontig.get(i, False):
+    def kept_input(i: str) -> _Keep:
+        nd = len(f.by_name[i].out_shapes[0]) if i in f.by_name and f.by_name[i].out_shapes else 2
+        if rule.flattens_ndim and nd >= rule.flattens_ndim and f.noncontig.get(i, False):
             key, size = f"copy:{n.name}:{i}", f.size[i]  # the op makes a contiguous copy and saves that
         else:
             key = f.root.get(i, i)
             size = f.size[key]  # a view keeps its whole base storage alive
-        return _Keep(key, size, i in f.tp.sharded or key in f.tp.sharded, gathered, i in f.scores)
+        return _Keep(key, size, i in f.tp.sharded or key in f.tp.sharded, colwise, i in f.scores)
 
-    if p in SAVES_MATMUL_INPUTS:
-        kept = []
-        for i in float_acts:
-            # linear flattens (..., k) inputs and matmul flattens batch dims of >= 4-d inputs: a non-contiguous
-            # input is copied first; mm/bmm/conv take strided inputs as they are
-            nd = len(f.by_name[i].out_shapes[0]) if i in f.by_name and f.by_name[i].out_shapes else 2
-            copies = (p == "linear" and nd >= 3) or (p in ("matmul", "einsum") and nd >= 4)
-            kept.append(saved_input(i, copy_if_noncontig=copies, gathered=f.tp.styles.get(n.name) == "colwise"))
-        return kept
-    if p in ATTENTION:
-        return [*(saved_input(i, copy_if_noncontig=False) for i in acts[:3]),
-                _Keep(n.name, out._replace(floating=True), in_region),
-                _Keep(f"lse:{n.name}", _Size(_numel(shape[:-1]), 4, True), in_region, stat=True)]
-    if p in SAVES_INPUT:
-        kept = [saved_input(i, copy_if_noncontig=False) for i in float_acts[:1]]
-        if p in NORMS:
-            rows = _numel(shape[:-1]) if p in ("layer_norm", "rms_norm") else (shape[1] if len(shape) > 1 else 1)
-            nstats = 1 if p == "rms_norm" else 2
-            kept.append(_Keep(f"stat:{n.name}", _Size(rows * nstats, 4, True), False, stat=True))
-            if p == "rms_norm" and device_kind == "cpu":  # decomposed: the normalised input is saved too
-                kept.append(_Keep(f"norm:{n.name}", out._replace(floating=True), in_region))
-        return kept
-    if p in SAVES_OUTPUT:
-        return [_Keep(n.name, out._replace(floating=True), in_region, quadratic=n.name in f.scores)]
-    if p in SAVES_ALL_IF_PAIR:
-        if len(float_acts) >= 2 or (float_acts and n.params):
-            return [saved_input(i, copy_if_noncontig=False) for i in float_acts]
-        return []
-    if p in ("dropout", "native_dropout", "feature_dropout"):
-        mask = _Size(out.numel, 1 if device_kind == "cuda" else out.itemsize, device_kind != "cuda")
-        return [_Keep(f"mask:{n.name}", mask, in_region, quadratic=n.name in f.scores)]
-    if p in ("embedding", "embedding_bag", "_embedding_bag"):
-        return [_Keep(f.root.get(i, i), f.size[i]._replace(floating=False), False) for i in acts[:1]]
-    if p in ("masked_fill", "where") and len(acts) >= 2:
-        mask = f.size[acts[-1] if p == "masked_fill" else acts[0]]
-        return [_Keep(f"mask:{n.name}", _Size(mask.numel, 1, False), False)]
-    return []
+    kept: list[_Keep] = []
+    for what in rule.saves_on(device_kind):
+        if what == "inputs" or (what == "operands" and (len(floats) >= 2 or (floats and n.params))):
+            kept += [kept_input(i) for i in floats]
+        elif what == "input":
+            kept += [kept_input(i) for i in floats[:1]]
+        elif what == "qkv":
+            kept += [kept_input(i) for i in acts[:3]]
+        elif what == "output":
+            kept.append(_Keep(n.name, out._replace(floating=True), in_region, quadratic=scores))
+        elif what == "stats":
+            stats = _Size(rule.stats(n.in_shapes, n.out_shapes), 4, True)
+            kept.append(_Keep(f"stats:{n.name}", stats, in_region, stat=True))
+        elif what == "ids":
+            kept += [_Keep(f.root.get(i, i), f.size[i]._replace(floating=False), False) for i in acts[:1]]
+        elif what == "mask":
+            kept.append(_Keep(f"mask:{n.name}", _Size(out.numel, 1, False), in_region, quadratic=scores))
+        elif what == "temp":
+            kept.append(_Keep(f"temp:{n.name}", out._replace(floating=True), in_region, quadratic=scores))
+        elif what == "bool_arg":
+            kept += [_Keep(f"bool:{n.name}", _Size(f.size[i].numel, 1, False), False)
+                     for i in [i for i in acts if not f.size[i].floating][:1]]
+    return kept
 
 
 def _count_comms(layers: dict[str, LayerProfile], f: _Facts) -> None:

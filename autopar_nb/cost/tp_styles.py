@@ -6,8 +6,9 @@ walking the ops in order with a replicated/sharded state per tensor, a ``Linear`
 output is all-reduced back to replicated); an ``Embedding`` is ``rowwise`` (vocab-parallel); a colwise ``Linear``
 whose sharded output is the model's output is the vocab-parallel head (``loss_parallel``), kept only when it has at
 least as many outputs as inputs (an LM head, not a 10-way classifier). Which ops are
-Linear-like (a "colwise" and a "rowwise" split), Embedding-like, or sequence-parallel norms, and which collective
-each style implies, comes from the op's ``kernels_ext`` rule, so a registered custom op takes part. A sharded
+Linear-like (a "colwise" and a "rowwise" split), Embedding-like, norms, reductions or splits, which collective each
+style implies, and which views reshape, come from the op's ``kernels_ext`` rule (``splits``, ``tp_role``,
+``layout``), never from its name, so a registered custom op takes part. A sharded
 tensor that reaches an op that cannot take it (a norm, a residual add with a full-size replicated tensor, a
 reduction, a Linear kept replicated, or a ``split``/``chunk``/``unbind``/``slice`` of the sharded last dim such as
 nanoGPT's fused ``c_attn(x).split(C, dim=2)``, where contiguous shards would mix q, k and v) turns the Linears that
@@ -23,16 +24,22 @@ from __future__ import annotations
 
 import kernels_ext
 
-NORMS = {"layer_norm", "rms_norm", "group_norm", "batch_norm", "_native_batch_norm_legit_functional"}
-BAD_REDUCTIONS = {"sum", "mean", "cross_entropy_loss", "nll_loss_forward", "mse_loss"}
-SPLITS = {"split", "split_with_sizes", "chunk", "unbind", "slice", "narrow", "unsafe_split", "tensor_split", "select",
-          "unsafe_chunk", "unsafe_split_with_sizes"}
-
 
 def packet(op: str) -> str:
-    """'aten.linear.default' -> 'linear'."""
+    """'aten.linear.default' -> 'linear' (for messages)."""
     parts = op.split(".")
     return parts[1] if len(parts) >= 2 else op
+
+
+def rule_of(op: str) -> kernels_ext.OpRule | None:
+    """The kernels_ext rule for ``op`` (None for an op no rule covers)."""
+    return kernels_ext.lookup(op)
+
+
+def role_of(op: str) -> str:
+    """The op's ``tp_role`` ("norm", "reduction", "split"; "" for an op TP shards pass through)."""
+    rule = kernels_ext.lookup(op)
+    return rule.tp_role if rule is not None else ""
 
 
 def tp_walk(graph, by_name, out_numel, refused: dict[str, str] | None = None):
@@ -71,7 +78,7 @@ def _shardable_embedding(n, graph, from_input) -> bool:
 
 def _splits_last_dim(n) -> bool:
     """A split/chunk/unbind/slice/select node that cuts its input's last dim."""
-    if packet(n.op) not in SPLITS or not n.in_shapes or not n.out_shapes:
+    if role_of(n.op) != "split" or not n.in_shapes or not n.out_shapes:
         return False
     src = tuple(n.in_shapes[0])
     for out in n.out_shapes:
@@ -134,7 +141,7 @@ def _walk_once(graph, by_name, out_numel, disabled, refused):
             continue
         seed = frozenset().union(*(seeds[i] for i in s_in))
         rep_in = [i for i in n.inputs if i not in sharded and i in by_name and by_name[i].op_class != "view"]
-        if p in NORMS or p in BAD_REDUCTIONS:
+        if role_of(n.op) in ("norm", "reduction"):
             conflicts |= seed
             continue
         if s_in[0] in last and _splits_last_dim(n):  # fused QKV: contiguous shards would mix q, k and v
@@ -147,7 +154,8 @@ def _walk_once(graph, by_name, out_numel, disabled, refused):
                 n.op_class == "elementwise":
             conflicts |= seed
             continue
-        if n.op_class == "view" and p in ("view", "reshape", "_unsafe_view", "unflatten") and n.out_shapes:
+        rule = rule_of(n.op)
+        if n.op_class == "view" and rule is not None and rule.layout in ("view", "reshape") and n.out_shapes:
             src = by_name.get(s_in[0])
             if src is not None and src.out_shapes:
                 hc = _split_heads(src.out_shapes[0], n.out_shapes[0])
@@ -227,7 +235,7 @@ def sp_check(graph, by_name, styles: dict[str, str], sharded: dict[str, int]) ->
             seq.add(n.name)
         elif style == "colwise" or n.name in sharded:
             continue  # colwise Linears gather their input; TP regions hold feature shards
-        elif p in NORMS and n.params and n.module_path:
+        elif role_of(n.op) == "norm" and n.params and n.module_path:
             if not s_in:
                 return f"norm {n.module_path} would read a full-sequence tensor where SP expects a sequence shard"
             seq.add(n.name)
