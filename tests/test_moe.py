@@ -1,8 +1,11 @@
-"""Mixture of Experts: the zoo's DeepSeekMoE-style model and the kernels_ext rules that cost experts by active
-parameters."""
+"""Mixture of Experts: the zoo's DeepSeekMoE-style model, the kernels_ext rules that cost experts by active
+parameters, and expert parallelism (runtime/ep.py) checked on 2 gloo processes against a single-process run."""
 
 from __future__ import annotations
 
+import ast
+import pathlib
+import uuid
 import warnings
 
 import pytest
@@ -161,3 +164,158 @@ def test_mixtral_8x7b_flops_match_6_active_params_tokens():
     # and the experts are the bulk of it (costed at 0 before the grouped-matmul rules: the ratio was ~0.2)
     experts_flops = _fwd_bwd(n for n in in_layers if n.module_path.endswith(".experts")) / 4 * n_layers
     assert experts_flops == pytest.approx(6 * n_layers * experts * seq, rel=0.01)
+
+
+# ---- expert parallelism -------------------------------------------------------------------------------------------
+def test_ep_module_imports_only_stdlib_and_torch():
+    from autopar_nb.runtime import ep
+
+    tree = ast.parse(pathlib.Path(ep.__file__).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots = [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            roots = [(node.module or "").split(".")[0]] if node.level == 0 else ["<relative>"]
+        else:
+            continue
+        assert all(r in ("torch", "__future__", "contextlib", "fnmatch", "functools") for r in roots), roots
+    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef)):
+        assert ast.get_docstring(fn), f"{fn.name} has no docstring"
+
+
+def test_apply_ep_refuses_what_it_cannot_split():
+    from autopar_nb.runtime.ep import _check_experts, _match_modules
+
+    model = MoETransformer(TINY)
+    assert _match_modules(model, ["layers.*.feed_forward.experts"]) == ["layers.1.feed_forward.experts",
+                                                                        "layers.2.feed_forward.experts"]
+    with pytest.raises(ValueError, match="no module matches"):
+        _match_modules(model, ["layers.*.mlp.experts"])
+    with pytest.raises(ValueError, match=r"num_experts\(4\) % ep\(3\) = 1"):
+        _check_experts("layers.1.feed_forward.experts", model.layers[1].feed_forward.experts, ep=3)
+    with pytest.raises(TypeError, match="no int attribute num_experts"):
+        _check_experts("layers.0.feed_forward", model.layers[0].feed_forward, ep=2)
+
+
+# Adam's eps at 1e-6, not 1e-8: a gradient element near 0 (~1e-9 here) has an update of lr * g / (|g| + eps), which
+# turns fp32 rounding noise of 1e-11 in g (a different summation order) into ~1e-6 of parameter difference at 1e-8
+STEPS, LR, EPS = 3, 1e-3, 1e-6
+
+
+def _case(name: str):
+    """(model, global batch (4, 16) of token ids, experts patterns): the same on every process for a seed."""
+    torch.manual_seed(0)
+    if name.startswith("zoo"):
+        model, vocab, experts = MoETransformer(TINY), TINY.vocab_size, ["layers.*.feed_forward.experts"]
+    else:
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        cfg = MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+        model, vocab, experts = MixtralForCausalLM(cfg), cfg.vocab_size, ["model.layers.*.mlp.experts"]
+    data = torch.randint(0, vocab, (4, 16), generator=torch.Generator().manual_seed(1))
+    return model, data, experts
+
+
+def _loss(model, tokens):
+    out = model(tokens)
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _train(name: str, *, rank: int = 0, world: int = 1, ep_mesh=None) -> dict:
+    """STEPS Adam steps; with ep_mesh: experts sharded, this rank's slice of the batch, the other gradients averaged
+    by all_reduce (or by DDP, for names ending in "_ddp")."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    model, data, experts = _case(name)
+    info = {}
+    if ep_mesh is not None:
+        from autopar_nb.runtime.ep import apply_ep, expert_parameters
+
+        sharded = apply_ep(model, ep_mesh, experts=experts, grad_divide_factor=world)
+        with pytest.raises(ValueError, match="expert-parallel already"):
+            apply_ep(model, ep_mesh, experts=experts)
+        info = {"sharded": sharded, "local_experts": {n: (tuple(p.to_local().shape), p.to_local().untyped_storage()
+                                                          .nbytes()) for n, p in expert_parameters(model).items()}}
+    opt = torch.optim.Adam(model.parameters(), lr=LR, eps=EPS)
+    ddp = ep_mesh is not None and name.endswith("_ddp")
+    if ddp:  # ZeRO 0: DDP averages everything but the experts, which it must not touch (DTensors, not replicas)
+        from torch.nn.parallel import DistributedDataParallel
+
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(expert_parameters(model)))
+        model = DistributedDataParallel(model)
+    rows = data.shape[0] // world
+    losses, grads = [], {}
+    for step in range(STEPS):
+        opt.zero_grad()
+        with CommDebugMode() as comm, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # its module tracker's backward hooks warn about HF's output classes
+            loss = _loss(model, data[rank * rows:(rank + 1) * rows])
+            loss.backward()
+        if step == 0:
+            info["comm"] = {str(op): n for op, n in comm.get_comm_counts().items()}
+        if world > 1:
+            for p in model.parameters() if not ddp else ():
+                if not isinstance(p, DTensor):  # data-parallel average; the experts' came back through all-to-all
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        losses.append(loss.item())
+        if step == 0:
+            grads = {n.removeprefix("module."): _full(p.grad) for n, p in model.named_parameters()}
+        opt.step()
+    params = {n.removeprefix("module."): _full(p.detach()) for n, p in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params, **info}
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).clone()
+
+
+def _ep_worker(names: list[str]) -> dict:
+    """Entry point of each process: EP=2 over the same 2 ranks that split the batch (data parallel)."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    out = {name: _train(name, rank=rank, world=world, ep_mesh=mesh["ep"]) for name in names}
+    gc.collect()
+    dist.destroy_process_group()
+    return out if rank == 0 else {name: {"local_experts": r["local_experts"]} for name, r in out.items()}
+
+
+@pytest.mark.multiprocess
+def test_expert_parallel_matches_single_process():
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    names = ["zoo", "zoo_ddp"] + (["mixtral"] if has_transformers() else [])
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id=f"ep-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.05,
+                          start_method="spawn")
+    results = elastic_launch(config, _ep_worker)(names)
+    for name in names:
+        par, ref = results[0][name], _train(name)
+        # each rank holds only its half of the experts: 2 of 4, local storage no larger than the shard
+        assert par["sharded"] and len(par["local_experts"]) == 2 * len(par["sharded"])
+        # per MoE layer and step: counts, tokens out and back in forward; the two data all-to-alls in backward
+        assert par["comm"]["c10d_functional.all_to_all_single"] == 5 * len(par["sharded"]), par["comm"]
+        for rank in (0, 1):
+            for pname, (shape, nbytes) in results[rank][name]["local_experts"].items():
+                assert shape[0] == 2 and nbytes == 4 * torch.Size(shape).numel(), (rank, pname, shape, nbytes)
+        torch.testing.assert_close(par["losses"], ref["losses"], rtol=1e-5, atol=0)
+        for what in ("grads", "params"):
+            assert par[what].keys() == ref[what].keys()
+            for pname, r in ref[what].items():
+                label = f"{name} {what} {pname}"
+                torch.testing.assert_close(par[what][pname], r, rtol=1e-5, atol=1e-5 * r.abs().max().item(),
+                                           msg=lambda m, label=label: f"{label}: {m}")
