@@ -102,6 +102,57 @@ def test_cuda_in_kernel_that_breaks_workers_is_refused(monkeypatch, tmp_path):
         launcher_mod.check_cuda(2, "nccl")
 
 
+# ---- the run's bookkeeping alone (no processes) ------------------------------------------------------------------
+def test_summary_leaves_out_each_ranks_first_step_per_attempt():
+    from autopar_nb.launch.metrics import step_row, summarize
+
+    rows = [step_row(r, a, {"step": s, "step_time_s": t, "rss": 100.0 + s, "ok": True, "note": "x"}, 0.0)
+            for r, a, s, t in [(0, 0, 1, 9.0), (0, 0, 2, 1.0), (0, 0, 3, 3.0), (1, 0, 1, 9.0), (1, 0, 2, 2.0),
+                               (0, 1, 3, 8.0), (0, 1, 4, 4.0)]]
+    assert list(rows[0]) == ["rank", "attempt", "step", "step_time_s", "rss", "time"]  # no bools, no text
+    out = summarize(rows, status="finished")
+    assert out["steps"] == 4 and out["step_time_s"] == 2.5  # median of 1, 3, 2, 4: warm-up steps left out
+    assert out["memory_by_rank"] == {0: 104.0, 1: 102.0} and out["memory_kind"] == "rss"
+    assert summarize(rows[:1], status="running")["step_time_s"] == 9.0  # nothing else to go by
+
+
+def test_stalled_rank_gives_unconnected_ranks_the_startup_allowance():
+    from autopar_nb.launch.hang import STARTUP_TIMEOUT_S, hang_message, stalled_rank
+    from autopar_nb.launch.metrics import RankState
+
+    ranks = {0: RankState(0, step=5, last_progress=100.0, connected=True),
+             1: RankState(1, last_progress=0.0, connected=False)}
+    assert stalled_rank(ranks, now=105.0, t0=0.0, timeout=10.0) is None
+    assert stalled_rank(ranks, now=111.0, t0=0.0, timeout=10.0) == (1, 111.0)  # rank 1 longest, rank 0 over
+    ranks[0].done = True
+    assert stalled_rank(ranks, now=STARTUP_TIMEOUT_S - 1, t0=0.0, timeout=10.0) is None
+    assert stalled_rank(ranks, now=STARTUP_TIMEOUT_S, t0=0.0, timeout=10.0) == (1, STARTUP_TIMEOUT_S)
+    assert "rank 0: 5, rank 1: -" in hang_message(ranks, 1, 12.0, 10.0)
+
+
+def test_log_files_by_attempt_and_the_failed_ranks_error(tmp_path):
+    from autopar_nb.launch import logfiles
+
+    for attempt, text in ((0, "first\n"), (1, "a\nb\nc")):
+        d = tmp_path / "logs" / "rid_x1" / f"attempt_{attempt}" / "1"
+        d.mkdir(parents=True)
+        (d / "stdout.log").write_text(text)
+        (d / "stderr.log").write_text("[rank1]: err\n")
+    assert logfiles.latest_attempt(tmp_path, "rid") == 1 and logfiles.latest_attempt(tmp_path, "other") == -1
+    assert logfiles.rank_output(logfiles.rank_dir(tmp_path, "rid", 1)) == "a\nb\nc\n[rank1]: err\n"
+    assert logfiles.rank_output(logfiles.rank_dir(tmp_path, "rid", 1, 0), tail=1) == "[rank1]: err"
+    assert logfiles.rank_dir(tmp_path, "rid", 1, 5) is None
+    assert logfiles.tagged(["x", "[rank1]: y"], 1) == ["[rank1] x", "[rank1]: y"]
+    err_file = tmp_path / "error.json"
+    err_file.write_text(json.dumps({"message": {"message": "boom", "extraInfo": {"py_callstack": "Traceback"}}}))
+    result = {"failures": {"1": {"exitcode": 1, "error_file": str(err_file)}, "3": {"exitcode": -9}}}
+    assert logfiles.error_from_result(result, lambda rank: "log") == {
+        "rank": 1, "attempt": 0, "error": "exit code 1: boom", "traceback": "Traceback"}
+    killed = {"failures": {"0": {"exitcode": -9, "signal": "SIGKILL"}}}
+    assert logfiles.error_from_result(killed, lambda rank: f"log of {rank}")["traceback"] == "log of 0"
+    assert logfiles.error_from_result({}, lambda rank: "") is None
+
+
 # ---- real runs -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def reference_run():

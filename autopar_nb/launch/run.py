@@ -9,107 +9,22 @@ it. Status values::
 from __future__ import annotations
 
 import json
-import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from . import procs
+from . import logfiles, procs
+from .hang import STARTUP_TIMEOUT_S, hang_message, silent_message, stalled_rank
+from .metrics import MetricsTable, RankState, step_row, summarize
+
+__all__ = ["LOG_TAIL_LINES", "STARTUP_TIMEOUT_S", "TERMINAL", "MetricsTable", "RankState", "Run"]
 
 TERMINAL = ("finished", "failed", "stopped", "hung")
 LOG_TAIL_LINES = 8
-TAIL_BYTES = 64 * 1024
-"""bytes read from the end of each log file for a tail"""
-STARTUP_TIMEOUT_S = 120.0
-"""seconds a rank may take to connect to the metrics channel before the hang check counts it as stalled"""
-
-
-@dataclass
-class RankState:
-    """What the notebook knows about one rank."""
-
-    rank: int
-    attempt: int = -1
-    """restart attempt of the rank's current connection (0 = first start); -1 before it connected"""
-    step: int | None = None
-    """last step reported"""
-    last_progress: float = 0.0
-    """time.monotonic() of the last hello or step, or of the restart that began its current attempt"""
-    connected: bool = False
-    """its current attempt has said hello"""
-    done: bool = False
-    sample: dict = field(default_factory=dict)
-    """latest device sample (cpu_percent, rss; gpu_util, gpu_mem_used, ... with NVML)"""
-    last: dict = field(default_factory=dict)
-    """latest step message"""
-    log_tail: list[str] = field(default_factory=list)
-
-
-class MetricsTable(list):
-    """The per-step metrics of a run: a list of dicts (one per rank and step), with a table repr.
-
-    Columns: rank, attempt, step, loss, step_time_s, samples_per_s or tokens_per_s, rss / mem_* bytes, time.
-    ``to_pandas()`` gives a DataFrame when pandas is installed.
-    """
-
-    def columns(self) -> list[str]:
-        """Column names, in first-seen order."""
-        cols: dict[str, None] = {}
-        for row in self:
-            cols.update(dict.fromkeys(row))
-        return list(cols)
-
-    def column(self, name: str, rank: int | None = None) -> list:
-        """The values of one column (of one rank when ``rank`` is given)."""
-        return [r.get(name) for r in self if rank is None or r["rank"] == rank]
-
-    def to_pandas(self):
-        """A pandas DataFrame of the table (pandas is not a dependency of autopar-nb)."""
-        import pandas as pd
-
-        return pd.DataFrame(list(self), columns=self.columns())
-
-    def __repr__(self) -> str:
-        cols = [c for c in self.columns() if c != "time"]
-        if not self:
-            return "MetricsTable(empty)"
-        rows = [[_fmt(r.get(c)) for c in cols] for r in self[-20:]]
-        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-        lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]
-        lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
-        more = f"... {len(self) - 20} earlier rows\n" if len(self) > 20 else ""
-        return more + "\n".join(lines)
-
-
-def _read_end(path: Path, limit: int | None) -> str:
-    """The text of ``path`` (its last ``limit`` bytes, from a line start, when given); "" if it cannot be read."""
-    try:
-        with open(path, "rb") as f:
-            if limit is not None:
-                size = f.seek(0, 2)
-                f.seek(max(0, size - limit))
-                data = f.read()
-                if size > limit:
-                    data = data.split(b"\n", 1)[-1]
-            else:
-                data = f.read()
-    except OSError:
-        return ""
-    text = data.decode(errors="replace")
-    return text if not text or text.endswith("\n") else text + "\n"
-
-
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
 
 
 class Run:
@@ -204,8 +119,7 @@ class Run:
     def ranks(self) -> dict[int, RankState]:
         """rank -> a copy of what is known about it (step, attempt, device sample, last log lines)."""
         with self._lock:
-            return {r: RankState(**{**s.__dict__, "sample": dict(s.sample), "last": dict(s.last),
-                                    "log_tail": list(s.log_tail)}) for r, s in self._ranks.items()}
+            return {r: s.copy() for r, s in self._ranks.items()}
 
     def workers(self) -> dict[int, psutil.Process]:
         """rank -> live worker process (psutil), as last seen by the monitor (refreshed about once a second)."""
@@ -220,15 +134,7 @@ class Run:
     def logs(self, rank: int = 0, *, attempt: int | None = None, tail: int | None = None) -> str:
         """The output of one rank (stdout, then stderr) in one attempt (default: the latest), optionally only the
         last ``tail`` lines."""
-        d = self._attempt_dir(rank, attempt)
-        if d is None:
-            return ""
-        # with a tail, read only the end of each file: the monitor asks every second, and logs grow with the run
-        limit = None if tail is None else TAIL_BYTES
-        text = "".join(_read_end(d / name, limit) for name in ("stdout.log", "stderr.log"))
-        if tail is not None:
-            text = "\n".join(text.splitlines()[-tail:])
-        return text
+        return logfiles.rank_output(logfiles.rank_dir(self.run_dir, self.run_id, rank, attempt), tail)
 
     def rows_since(self, index: int) -> list[dict]:
         """The metrics rows from ``index`` on (rows are only ever appended): for incremental consumers."""
@@ -264,29 +170,7 @@ class Run:
         cost was given."""
         with self._lock:
             rows = list(self._rows)
-        out: dict[str, Any] = {"status": self._status, "steps": len({r["step"] for r in rows})}
-        # the first step of each rank and attempt carries warm-up (allocations, first collectives): leave it out
-        first: dict[tuple, int] = {}
-        for r in rows:
-            key = (r["rank"], r["attempt"])
-            first[key] = min(first.get(key, r["step"]), r["step"])
-        timed = [r for r in rows if r.get("step_time_s") is not None]
-        times = [r["step_time_s"] for r in timed if r["step"] != first[(r["rank"], r["attempt"])]]
-        times = times or [r["step_time_s"] for r in timed]
-        out["step_time_s"] = statistics.median(times) if times else None
-        mem: dict[int, float] = {}
-        for r in rows:
-            m = r.get("mem_peak") or r.get("mem_reserved") or r.get("rss")
-            if m is not None:
-                mem[r["rank"]] = max(mem.get(r["rank"], 0.0), float(m))
-        out["memory_by_rank"] = mem
-        out["memory_kind"] = "cuda_peak" if any(r.get("mem_peak") for r in rows) else "rss"
-        cost = getattr(self.plan, "cost", None)
-        if cost is not None:
-            out["predicted_step_time_s"] = cost.step_time_s or None
-            out["predicted_memory_by_rank"] = {i: m.total for i, m in enumerate(cost.memory_by_rank)}
-            out["predicted_peak_memory_bytes"] = cost.peak_memory_bytes or None
-        return out
+        return summarize(rows, status=self._status, plan=self.plan)
 
     def calibrate(self, cluster: Any = None, *, preset: str | None = None, save: bool = True) -> dict[str, float]:
         """Measured / predicted factors of this run (see :mod:`autopar_nb.calibration` for the keys), stored for
@@ -316,8 +200,9 @@ class Run:
         """Call ``fn(run)`` from the monitor thread whenever new data arrived (at most about 4 times a second)."""
         self._listeners.append(fn)
 
-    # ---- monitor side (called from the monitor thread) -----------------------------------------------------------
+    # ---- monitor side (called from the monitor thread, see monitor.py) --------------------------------------------
     def _ingest(self, msgs: list) -> bool:
+        """Take the channel's messages (hello / step / done / error); True when there were any."""
         if not msgs:
             return False
         now = time.monotonic()
@@ -325,45 +210,48 @@ class Run:
             for m in msgs:
                 st = self._ranks.setdefault(m.rank, RankState(m.rank))
                 if m.kind == "hello":
-                    att = m.data.get("attempt")
-                    latest = self._latest_attempt()
-                    st.attempt = att if isinstance(att, int) else latest if latest >= 0 else st.attempt + 1
-                    st.last_progress, st.done, st.connected = now, False, True
-                    if self._status in ("starting", "restarting") and st.attempt > 0:
-                        self._set_status("restarting", f"restart {st.attempt}: rank {m.rank} reconnected")
-                elif m.kind == "data":
-                    self._ingest_data(st, m, now)
+                    self._on_hello(st, m.data, now)
+                elif m.kind != "data":
+                    continue
+                elif isinstance(m.data.get("step"), int):
+                    self._on_step(st, m.data, m.time, now)
+                elif m.data.get("event") == "done":
+                    st.done = True
+                elif m.data.get("event") == "error":
+                    self._on_error(st, m.data, now)
         return True
 
-    def _ingest_data(self, st: RankState, m, now: float) -> None:
-        d = m.data
-        if "step" in d and isinstance(d["step"], int):
-            row = {"rank": m.rank, "attempt": max(st.attempt, 0), "step": d["step"]}
-            for k, v in d.items():
-                if k not in row and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    row[k] = v
-            row["time"] = m.time
-            self._rows.append(row)
-            st.step, st.last, st.last_progress = d["step"], row, now
-            if self.first_step_time is None:
-                self.first_step_time = now - self._t0
-            if self._status in ("starting", "restarting"):
-                self._set_status("running", "running")
+    def _on_hello(self, st: RankState, data: dict, now: float) -> None:
+        # the attempt the rank says it is in (torch's TORCHELASTIC_RESTART_COUNT), else the agent's latest
+        att = data.get("attempt")
+        latest = self._latest_attempt()
+        st.attempt = att if isinstance(att, int) else latest if latest >= 0 else st.attempt + 1
+        st.last_progress, st.done, st.connected = now, False, True
+        if self._status in ("starting", "restarting") and st.attempt > 0:
+            self._set_status("restarting", f"restart {st.attempt}: rank {st.rank} reconnected")
+
+    def _on_step(self, st: RankState, data: dict, sent: float, now: float) -> None:
+        row = step_row(st.rank, max(st.attempt, 0), data, sent)
+        self._rows.append(row)
+        st.step, st.last, st.last_progress = data["step"], row, now
+        if self.first_step_time is None:
+            self.first_step_time = now - self._t0
+        if self._status in ("starting", "restarting"):
+            self._set_status("running", "running")
+        if self._status == "running":
             total = f"/{self.steps}" if self.steps else ""
-            if self._status == "running":
-                self._message = f"running: step {max(s.step or 0 for s in self._ranks.values())}{total}"
-        elif d.get("event") == "done":
-            st.done = True
-        elif d.get("event") == "error":
-            err = {"rank": m.rank, "attempt": max(st.attempt, 0), "error": str(d.get("error", "")),
-                   "traceback": str(d.get("traceback", ""))}
-            if self._error is None or self._error.get("attempt", 0) < err["attempt"]:
-                self._error = err
-            if st.attempt >= self.max_restarts:  # no restart left: this is the run's failure
-                self._error_time = now
-                self._set_status("failed", f"rank {m.rank} failed: {err['error']}")
-            else:
-                self._set_status("restarting", f"rank {m.rank} failed ({err['error']}); restarting")
+            self._message = f"running: step {max(s.step or 0 for s in self._ranks.values())}{total}"
+
+    def _on_error(self, st: RankState, data: dict, now: float) -> None:
+        err = {"rank": st.rank, "attempt": max(st.attempt, 0), "error": str(data.get("error", "")),
+               "traceback": str(data.get("traceback", ""))}
+        if self._error is None or self._error.get("attempt", 0) < err["attempt"]:
+            self._error = err
+        if st.attempt >= self.max_restarts:  # no restart left: this is the run's failure
+            self._error_time = now
+            self._set_status("failed", f"rank {st.rank} failed: {err['error']}")
+        else:
+            self._set_status("restarting", f"rank {st.rank} failed ({err['error']}); restarting")
 
     def _set_status(self, status: str, message: str) -> None:
         if self._status in TERMINAL and status not in TERMINAL:
@@ -386,17 +274,6 @@ class Run:
             for rank, s in samples.items():
                 self._ranks.setdefault(rank, RankState(rank)).sample = s
 
-    def _attempt_dir(self, rank: int, attempt: int | None) -> Path | None:
-        # torch's DefaultLogsSpecs: <log_dir>/<run_id>_<random>/attempt_<n>/<local_rank>/{stdout,stderr}.log
-        attempts = sorted((self.run_dir / "logs").glob(f"{self.run_id}_*/attempt_*"),
-                          key=lambda p: int(p.name.split("_")[1]))
-        if attempt is not None:
-            attempts = [p for p in attempts if p.name == f"attempt_{attempt}"]
-        if not attempts:
-            return None
-        # local rank == global rank on one node
-        return attempts[-1] / str(rank)
-
     def _check_attempt(self) -> None:
         """A new attempt directory means torch's agent restarted the worker group: every rank starts over (its
         start-up allowance for the hang check too), and the status says so."""
@@ -415,46 +292,34 @@ class Run:
 
     def _latest_attempt(self) -> int:
         """The agent's latest restart attempt, from its per-attempt log directories (-1 before any)."""
-        found = [int(p.name.split("_")[1]) for p in (self.run_dir / "logs").glob(f"{self.run_id}_*/attempt_*")]
-        return max(found, default=-1)
+        return logfiles.latest_attempt(self.run_dir, self.run_id)
 
     def _read_log_tails(self) -> None:
-        tails = {}
-        for r in range(self.nproc):  # torch already prefixes stderr lines with "[rankN]:"
-            lines = self.logs(r, tail=LOG_TAIL_LINES).splitlines()
-            tails[r] = [line if line.startswith(f"[rank{r}]") else f"[rank{r}] {line}" for line in lines]
+        tails = {r: logfiles.tagged(self.logs(r, tail=LOG_TAIL_LINES).splitlines(), r) for r in range(self.nproc)}
         with self._lock:
             for r, t in tails.items():
                 self._ranks[r].log_tail = t
 
     def _check_hang(self) -> None:
+        """Tear the run down when a rank has made no step progress for ``hang_timeout_s`` (see hang.py); after a
+        failure with no restart left, make sure torch's agent really ends the other ranks."""
         now = time.monotonic()
         off = self.hang_timeout_s is None or self._server is None
         if off or self._status in TERMINAL or self._stop_reason is not None:
             if self._error_time is not None and now - self._error_time > 3.0 and self._agent_alive():
-                # a failed rank with no restart left: torch's agent ends the others; make sure it does
                 self._stop_reason = self._stop_reason or "failure"
                 self._teardown()
             return
         with self._lock:
-            # a rank that has not connected yet is still starting (importing torch, building the model): it gets
-            # STARTUP_TIMEOUT_S at least; and while no rank at all has connected, the script may simply not speak
-            # the metrics protocol: that is no hang (the status line says so instead)
             if not any(s.connected for s in self._ranks.values()):
                 if now - self._t0 > STARTUP_TIMEOUT_S and self._status == "starting":
-                    self._message = (f"no rank has reported metrics after {STARTUP_TIMEOUT_S:.0f} s: does the script "
-                                     "implement the metrics protocol (AUTOPAR_METRICS)? See run.logs(0)")
+                    self._message = silent_message()
                 return
-            limit = {r: self.hang_timeout_s if s.connected else max(self.hang_timeout_s, STARTUP_TIMEOUT_S)
-                     for r, s in self._ranks.items()}
-            stalled = {r: now - max(s.last_progress, self._t0) for r, s in self._ranks.items() if not s.done}
-            if not any(t >= limit[r] for r, t in stalled.items()):
+            found = stalled_rank(self._ranks, now=now, t0=self._t0, timeout=self.hang_timeout_s)
+            if found is None:
                 return
-            steps = ", ".join(f"rank {r}: {'-' if s.step is None else s.step}" for r, s in self._ranks.items())
-            worst = max(stalled, key=stalled.get)
             self._status = "hung"
-            self._message = (f"hung: no step progress on rank {worst} for {stalled[worst]:.1f} s "
-                             f"(hang_timeout_s={self.hang_timeout_s}); last step per rank: {steps}; tearing down")
+            self._message = hang_message(self._ranks, *found, self.hang_timeout_s)
             self._stop_reason = "hang"
         self._notify()
         self._teardown()
@@ -471,8 +336,8 @@ class Run:
             procs.terminate(self._proc, self._token)
 
     def _finalise(self) -> None:
-        # make sure nothing of the run is left, even if the agent itself was killed
-        if procs.processes_with_token(self._token):
+        """The agent has exited: make sure nothing of the run is left, read its result, set the final status."""
+        if procs.processes_with_token(self._token):  # even if the agent itself was killed
             self._teardown()
         try:
             result = json.loads((self.run_dir / "result.json").read_text())
@@ -482,21 +347,23 @@ class Run:
         with self._lock:
             self._result = result
             self.ended = time.time()
-            elapsed = f"{self.ended - self.started:.1f} s"
-            if self._status == "hung":
-                pass
-            elif self._stop_reason not in (None, "failure"):
-                self._status, self._message = "stopped", f"stopped ({self._stop_reason}) after {elapsed}"
-            elif result.get("state") == "succeeded":
-                self._status, self._message = "finished", f"finished {self.summary_line()} in {elapsed}"
-            else:
-                if self._error is None:
-                    self._error = self._error_from_result(result)
-                e = self._error
-                self._status = "failed"
-                self._message = f"failed: rank {e['rank']}: {e['error']}" if e else f"failed: {result}"
+            self._set_final_status(result, f"{self.ended - self.started:.1f} s")
         self._server_close()
         self._done.set()
+
+    def _set_final_status(self, result: dict, elapsed: str) -> None:
+        if self._status == "hung":  # the hang check said why already
+            return
+        if self._stop_reason not in (None, "failure"):
+            self._status, self._message = "stopped", f"stopped ({self._stop_reason}) after {elapsed}"
+        elif result.get("state") == "succeeded":
+            self._status, self._message = "finished", f"finished {self.summary_line()} in {elapsed}"
+        else:
+            if self._error is None:
+                self._error = self._error_from_result(result)
+            e = self._error
+            self._status = "failed"
+            self._message = f"failed: rank {e['rank']}: {e['error']}" if e else f"failed: {result}"
 
     def summary_line(self) -> str:
         """One line: steps and median step time."""
@@ -505,26 +372,7 @@ class Run:
         return f"{s['steps']} steps{t}"
 
     def _error_from_result(self, result: dict) -> dict | None:
-        failures = result.get("failures") or {}
-        if not failures:
-            err = result.get("error")
-            return {"rank": None, "attempt": 0, "error": str(err), "traceback": ""} if err else None
-        rank = min(failures, key=int)
-        f = failures[rank]
-        msg = f.get("message") or ""
-        tb = ""
-        if f.get("error_file"):
-            try:  # written by @record in the worker: {"message": {"message": ..., "extraInfo": {"py_callstack"}}}
-                data = json.loads(Path(f["error_file"]).read_text())["message"]
-                msg = data.get("message", msg) if isinstance(data, dict) else str(data)
-                tb = data.get("extraInfo", {}).get("py_callstack", "") if isinstance(data, dict) else ""
-            except (OSError, ValueError, KeyError, TypeError):
-                pass
-        if not tb:
-            tb = self.logs(int(rank), tail=30)
-        sig = f" ({f['signal']})" if f.get("signal") else ""
-        return {"rank": int(rank), "attempt": 0, "error": f"exit code {f.get('exitcode')}{sig}: {msg}".strip(),
-                "traceback": tb}
+        return logfiles.error_from_result(result, lambda rank: self.logs(rank, tail=30))
 
     def _server_close(self) -> None:
         if self._server is not None:
