@@ -44,7 +44,9 @@ _SEQUENCE_SPLITS = {
 
 # What autograd keeps for backward (tools/autograd/derivatives.yaml; tokens in registry.SAVES): a matmul its
 # operands, an activation its input or its output, a norm its input and per-row statistics, attention q, k, v, its
-# output and the logsumexp; dropout a 1-byte mask on CUDA, a noise tensor of the output's dtype on CPU.
+# output and the logsumexp; dropout a 1-byte mask on CUDA, a noise tensor of the output's dtype on CPU. The
+# dispatch-level ops the eager recorder sees (native_layer_norm, native_batch_norm, ...) keep what their composite
+# op keeps.
 _OPERANDS = {"saves": ("inputs",)}
 _DROPOUT = {"saves": ("mask@cuda", "temp@cpu")}
 
@@ -92,16 +94,22 @@ _BUILTIN = [
     OpRule("aten._embedding_bag", "embedding", None, 1.0, splits=_EMBEDDING_SPLITS, saves=("ids",)),
     OpRule("aten.layer_norm", "norm", _per_output(5), 2.0, splits=_SEQUENCE_SPLITS, saves=("input", "stats"),
            stats=_row_stats(2), tp_role="norm"),
-    OpRule("aten.native_layer_norm", "norm", _per_input(5), 2.0, splits=_SEQUENCE_SPLITS),
+    OpRule("aten.native_layer_norm", "norm", _per_input(5), 2.0, splits=_SEQUENCE_SPLITS, saves=("input", "stats"),
+           stats=_row_stats(2), tp_role="norm"),
     # on CPU RMSNorm is decomposed: the normalised input is saved too
     OpRule("aten.rms_norm", "norm", _per_output(4), 2.0, splits=_SEQUENCE_SPLITS,
            saves=("input", "stats", "temp@cpu"), stats=_row_stats(1), tp_role="norm"),
-    OpRule("aten._fused_rms_norm", "norm", _per_input(4), 2.0, splits=_SEQUENCE_SPLITS),
+    OpRule("aten._fused_rms_norm", "norm", _per_input(4), 2.0, splits=_SEQUENCE_SPLITS, saves=("input", "stats"),
+           stats=_row_stats(1), tp_role="norm"),
     OpRule("aten.group_norm", "norm", _per_output(5), 2.0, saves=("input", "stats"), stats=_channel_stats(2),
            tp_role="norm"),
     OpRule("aten.batch_norm", "norm", _per_output(4), 2.0, saves=("input", "stats"), stats=_channel_stats(2),
            tp_role="norm"),
     OpRule("aten._native_batch_norm_legit_functional", "norm", _per_output(4), 2.0, saves=("input", "stats"),
+           stats=_channel_stats(2), tp_role="norm"),
+    OpRule("aten.native_batch_norm", "norm", _per_input(4), 2.0, saves=("input", "stats"),
+           stats=_channel_stats(2), tp_role="norm"),
+    OpRule("aten._native_batch_norm_legit", "norm", _per_input(4), 2.0, saves=("input", "stats"),
            stats=_channel_stats(2), tp_role="norm"),
     OpRule("aten._native_batch_norm_legit_no_training", "norm", _per_output(2), 2.0),
     OpRule("aten.dropout", "elementwise", _per_output(1), 1.0, splits=_SEQUENCE_SPLITS, **_DROPOUT),

@@ -178,6 +178,34 @@ def test_saved_activations_match_measurement(name):
     assert predicted == pytest.approx(measured, rel=0.05), (name, predicted, measured)
 
 
+class _Eager(nn.Module):
+    """Wraps a model so torch.export fails (a data pointer) and capture records one eager forward: dispatch-level
+    ops (native_layer_norm, native_batch_norm, mm/addmm, the CPU flash-attention kernel)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        _aligned = args[0].data_ptr() % 16 == 0
+        return self.inner(*args)
+
+
+@pytest.mark.parametrize("name", ["gpt_block", "llama", "resnet_bn"])
+def test_saved_activations_match_measurement_when_recorded_eagerly(name):
+    torch.manual_seed(0)
+    model, inputs = MEASURED_CASES[name]()
+    model.train()
+    measured = measured_saved_bytes(model, inputs)
+    with pytest.warns(UserWarning, match="torch.export could not trace"):
+        graph = ap.capture(_Eager(model), inputs)
+    assert graph.tracer == "fx"
+    prof = profile(graph, device_kind="cpu")
+    predicted = sum(activation_bytes(lp, tp=1, sp=False, recompute="none", half=False, scale=1.0)
+                    for lp in prof.layers)
+    assert predicted == pytest.approx(measured, rel=0.02), (name, predicted, measured)
+
+
 # ---- micro-batches in flight (Narayanan et al. 2021) ---------------------------------------------------------------
 def test_in_flight_by_schedule():
     assert in_flight("gpipe", pp=4, stage=0, micro_batches=16) == 16
