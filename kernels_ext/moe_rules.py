@@ -57,15 +57,22 @@ def _per_output(args, kwargs, outs):
     return sum(o.numel for o in outs)
 
 
-# backward of a grouped matmul: grad wrt input and grad wrt the expert weights, like a Linear (factor 2)
+# backward of a grouped matmul: grad wrt input and grad wrt the expert weights, like a Linear (factor 2). It keeps
+# its token rows for backward ("input"), not "inputs": the weight often arrives as a transposed view of the stacked
+# expert parameter (HF's weight.transpose(-2, -1)), which the memory model would otherwise count as an activation.
+_SAVES_ROWS = ("input",)
 GROUPED_MATMULS = [
-    OpRule(name="aten._grouped_mm", op_class="matmul", flops=_grouped_mm, backward_factor=2.0),
-    OpRule(name="aten._scaled_grouped_mm", op_class="matmul", flops=_grouped_mm, backward_factor=2.0),
-    OpRule(name="aten._scaled_grouped_mm_v2", op_class="matmul", flops=_grouped_mm, backward_factor=2.0),
-    OpRule(name="transformers.grouped_mm_fallback", op_class="matmul", flops=_grouped_rows, backward_factor=2.0),
+    OpRule(name="aten._grouped_mm", op_class="matmul", flops=_grouped_mm, backward_factor=2.0, saves=_SAVES_ROWS),
+    OpRule(name="aten._scaled_grouped_mm", op_class="matmul", flops=_grouped_mm, backward_factor=2.0,
+           saves=_SAVES_ROWS),
+    OpRule(name="aten._scaled_grouped_mm_v2", op_class="matmul", flops=_grouped_mm, backward_factor=2.0,
+           saves=_SAVES_ROWS),
+    OpRule(name="transformers.grouped_mm_fallback", op_class="matmul", flops=_grouped_rows, backward_factor=2.0,
+           saves=_SAVES_ROWS),
     OpRule(name="transformers.grouped_mm_fallback_backward", op_class="matmul", flops=_fallback_backward,
            backward_factor=0.0),
-    OpRule(name="autopar_zoo.grouped_linear", op_class="matmul", flops=_grouped_rows, backward_factor=2.0),
+    OpRule(name="autopar_zoo.grouped_linear", op_class="matmul", flops=_grouped_rows, backward_factor=2.0,
+           saves=_SAVES_ROWS),
     OpRule(name="autopar_zoo.grouped_linear_backward", op_class="matmul", flops=_zoo_backward, backward_factor=0.0),
 ]
 # routing around the experts: memory-bound, costed by bytes (index bookkeeping, no matmul FLOPs)

@@ -129,6 +129,13 @@ def test_mixtral_experts_costed_by_active_parameters(impl, dtype, op):
     assert {n.op for n in experts} == {op}
     active = 3 * cfg.hidden_size * cfg.intermediate_size
     assert sum(n.flops for n in experts) == cfg.num_hidden_layers * 2 * (32 * 2) * active
+    if op != "aten.bmm.default":  # (batched_mm really saves the per-pair weights it gathered)
+        # for backward a grouped matmul keeps its token rows, not the (transposed view of the) stacked weights
+        from autopar_nb.cost.profile import profile
+
+        saved = {s.nbytes for layer in profile(graph).layers for s in layer.saved}
+        weights = {p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n}
+        assert not saved & weights, (saved, weights)
 
 
 @needs_transformers
