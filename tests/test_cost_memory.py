@@ -153,6 +153,21 @@ def _gpt_block():
     return block, (torch.randn(4, 64, 128),)
 
 
+class _StackedExperts(nn.Module):
+    """Weights used through views of the parameter, as Hugging Face MoE experts use ``weight.transpose(-2, -1)``:
+    the views are the parameters' storage, not activations."""
+
+    def __init__(self, experts: int = 4, dim: int = 64, hidden: int = 128):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(experts, hidden, dim) / dim**0.5)
+        self.down = nn.Parameter(torch.randn(experts, dim, hidden) / hidden**0.5)
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):  # (experts, tokens, dim)
+        h = torch.nn.functional.silu(torch.bmm(x, self.up.transpose(-2, -1)))
+        return torch.bmm(h, self.down.transpose(-2, -1)) * self.scale.view(1, 1, -1)
+
+
 MEASURED_CASES = {
     "mlp": lambda: (nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.GELU(),
                                   nn.Linear(512, 10)), (torch.randn(64, 256),)),
@@ -162,6 +177,7 @@ MEASURED_CASES = {
     "resnet_bn": lambda: (zoo.ResNet(), (torch.randn(8, 3, 32, 32),)),
     "recsys_embedding": lambda: (zoo.RecSys(table_sizes=(1000, 500, 100), dim=16),
                                  (torch.randn(32, 13), torch.randint(0, 100, (32, 3)))),
+    "parameter_views": lambda: (_StackedExperts(), (torch.randn(4, 32, 64),)),
 }
 
 

@@ -224,6 +224,8 @@ class _Facts:
     """node -> a non-contiguous view"""
     scores: set[str]
     """attention-score sized nodes (seq x seq)"""
+    param_views: set[str]
+    """views of parameters (an expert weight's transpose): held as parameters, never saved as activations"""
     tp: _TP
 
 
@@ -232,7 +234,8 @@ def _facts(graph, refused: dict[str, str]) -> _Facts:
     size = _sizes(graph)
     tp = _TP(*tp_walk(graph, by_name, {n.name: size[n.name].numel for n in graph.nodes}, refused))
     root, noncontig = _storages(graph.nodes)
-    return _Facts(graph, by_name, size, root, noncontig, _attention_scores(graph.nodes), tp)
+    return _Facts(graph, by_name, size, root, noncontig, _attention_scores(graph.nodes), _parameter_views(graph.nodes),
+                  tp)
 
 
 def _sizes(graph) -> dict[str, _Size]:
@@ -277,6 +280,15 @@ def _storages(nodes) -> tuple[dict[str, str], dict[str, bool]]:
         else:
             root[n.name], noncontig[n.name] = n.name, False
     return root, noncontig
+
+
+def _parameter_views(nodes) -> set[str]:
+    """View nodes of parameters only (``w.transpose(-2, -1)``, and views of those)."""
+    views: set[str] = set()
+    for n in nodes:
+        if n.op_class == "view" and (n.params or n.inputs) and all(i in views for i in n.inputs):
+            views.add(n.name)
+    return views
 
 
 def _attention_scores(nodes) -> set[str]:
@@ -382,8 +394,9 @@ def _kept_by(n, rule, f: _Facts, device_kind: str) -> list[_Keep]:
     """The tensors op ``n`` keeps for its backward: its rule's ``saves`` tokens (``kernels_ext.SAVES``) on this
     device kind, resolved against the graph."""
     in_region, scores = n.name in f.tp.sharded, n.name in f.scores
-    acts = list(n.inputs)
+    acts = [i for i in n.inputs if i not in f.param_views]  # a parameter's view is held with the parameter
     floats = [i for i in acts if f.size[i].floating]
+    reads_param = bool(n.params) or len(acts) < len(n.inputs)
     out = f.size[n.name]
     colwise = f.tp.styles.get(n.name) == "colwise"
 
@@ -398,7 +411,7 @@ def _kept_by(n, rule, f: _Facts, device_kind: str) -> list[_Keep]:
 
     kept: list[_Keep] = []
     for what in rule.saves_on(device_kind):
-        if what == "inputs" or (what == "operands" and (len(floats) >= 2 or (floats and n.params))):
+        if what == "inputs" or (what == "operands" and (len(floats) >= 2 or (floats and reads_param))):
             kept += [kept_input(i) for i in floats]
         elif what == "input":
             kept += [kept_input(i) for i in floats[:1]]
