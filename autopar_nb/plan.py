@@ -101,8 +101,9 @@ def normalize_fix(fix: dict[str, Any] | None) -> dict[str, Any]:
 
 # ---- field checks (each names the field) ---------------------------------------------------------------------------
 def _check_choice(what: str, value: Any, allowed: tuple) -> None:
-    # type first: True == 1 and 1.0 == 1, so `in` alone would take them for zero_stage 1
-    if not any(type(value) is type(a) and value == a for a in allowed):
+    # type first (each vocabulary holds values of one type): True == 1 and 1.0 == 1, so `in` alone would take them
+    # for zero_stage 1
+    if type(value) is not type(allowed[0]) or value not in allowed:
         raise PlanError(f"{what}={value!r} is not supported; choose one of {', '.join(map(repr, allowed))}")
 
 
@@ -291,10 +292,12 @@ class LayerPlan:
         _check_int(f"{where}.stage", self.stage, minimum=0)
         if not isinstance(self.tp, dict):
             raise PlanError(f"{where}.tp must be a dict of module path -> style, got {self.tp!r}")
-        for mod, style in self.tp.items():
-            # "" (the root module) only in the root layer: a model that is a single Linear
-            _check_module_path(f"{where}.tp key", mod, root=self.path == "")
-            _check_choice(f"{where}.tp[{mod!r}]", style, TP_STYLES)
+        root = self.path == ""  # "" (the root module) only in the root layer: a model that is a single Linear
+        for mod, style in self.tp.items():  # the messages are built only for a bad entry (plans have many)
+            if type(mod) is not str or not (MODULE_PATH.fullmatch(mod) or (root and mod == "")):
+                _check_module_path(f"{where}.tp key", mod, root=root)
+            if type(style) is not str or style not in TP_STYLES:
+                _check_choice(f"{where}.tp[{mod!r}]", style, TP_STYLES)
         _check_bool(f"{where}.sequence_parallel", self.sequence_parallel)
         _check_bool(f"{where}.fsdp", self.fsdp)
         _check_choice(f"{where}.recompute", self.recompute, RECOMPUTE)
