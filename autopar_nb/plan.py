@@ -72,12 +72,17 @@ class PlanError(ValueError):
     """A plan that cannot be valid: the message says which field and why."""
 
 
+def within(path: str, module: str) -> bool:
+    """Whether module ``path`` is ``module`` or lies below it ("" = the root holds every module)."""
+    return module == "" or path == module or path.startswith(module + ".")
+
+
 def layer_of(path: str, layer_paths) -> str | None:
-    """The layer that contains module ``path``: the longest of ``layer_paths`` equal to it or a dotted prefix of it
-    ("" = the root contains everything); None when no layer does."""
+    """The layer that contains module ``path``: the longest of ``layer_paths`` that it is :func:`within`; None when
+    no layer does."""
     best = None
     for lp in layer_paths:
-        if (lp == "" or path == lp or path.startswith(lp + ".")) and (best is None or len(lp) > len(best)):
+        if within(path, lp) and (best is None or len(lp) > len(best)):
             best = lp
     return best
 

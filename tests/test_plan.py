@@ -16,6 +16,7 @@ from autopar_nb.plan import (
     PrecisionPlan,
     layer_of,
     normalize_fix,
+    within,
 )
 
 
@@ -230,6 +231,8 @@ def test_layer_of_is_the_longest_prefix():
     assert layer_of("lm_head", layers) == ""
     assert layer_of("lm_head", ["wte", "h.1"]) is None
     assert layer_of("wte_extra", ["wte"]) is None
+    assert within("h.1.attn", "h.1") and within("h.1", "h.1") and within("x", "")
+    assert not within("h.10", "h.1") and not within("h", "h.1")
 
 
 def test_normalize_fix():

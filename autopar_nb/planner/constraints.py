@@ -20,7 +20,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
-from ..plan import PINNABLE, RECOMPUTE, TP_STYLES, PlanError, normalize_fix
+from ..plan import PINNABLE, RECOMPUTE, TP_STYLES, PlanError, normalize_fix, within
 
 OVERRIDE_KEYS = PINNABLE
 TP_ALIASES = ("colwise-rowwise", "vocab")
@@ -139,7 +139,7 @@ def _apply_tp(graph, prof, pattern, style, whole, partial, layers) -> None:
     for i, prefix in targets:
         lay = graph.layers[i]
         lp = prof.layers[i]
-        mods = [m for m in lay.modules if prefix is None or m == prefix or m.startswith(prefix + ".")]
+        mods = [m for m in lay.modules if prefix is None or within(m, prefix)]
         where = prefix or lay.path
         ov = layers.setdefault(i, LayerOverride())
         if style == "colwise-rowwise":
