@@ -14,7 +14,6 @@ from .graph import Layer, ModelGraph, OpNode, RepeatedBlock
 from .hardware import Cluster, DeviceSpec, LinkSpec
 from .launch import Run, launch
 from .plan import Cost, LayerPlan, MemoryBreakdown, MeshPlan, Plan, PlanError
-from .runtime import ParallelModel, apply_plan
 from .verify import VerifyReport, verify, verify_many
 
 # isort: split
@@ -24,8 +23,8 @@ from .planner import plan
 
 __all__ = [
     "CaptureError", "Cluster", "Cost", "DeviceSpec", "Exported", "Layer", "LayerPlan", "LinkSpec", "MemoryBreakdown",
-    "MeshPlan", "ModelGraph", "OpNode", "ParallelModel", "Plan", "PlanError", "PlannerWidget", "RepeatedBlock", "Run",
-    "VerifyReport", "apply_plan", "capture", "export", "launch", "load_ipython_extension", "plan", "verify",
+    "MeshPlan", "ModelGraph", "OpNode", "Plan", "PlanError", "PlannerWidget", "RepeatedBlock", "Run",
+    "VerifyReport", "capture", "export", "launch", "load_ipython_extension", "plan", "verify",
     "verify_many",
 ]
 

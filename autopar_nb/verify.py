@@ -1,8 +1,11 @@
 """verify(source, plan): did parallelism change my model? (seed §5.3)
 
-Runs the plan for real on ``nproc`` local processes (torch.distributed elastic launch; gloo on CPU, NCCL on GPUs)
-and a single-process reference with the same seed and the same data, then reports per step the loss difference and
-the largest gradient and parameter differences, relative to the largest reference value.
+Exports the plan and runs that very script on ``nproc`` local processes (torch.distributed elastic launch; gloo on
+CPU, NCCL on GPUs; each rank imports the script and calls its ``main`` with an observer that collects the loss, the
+full gradients and the full parameters of every step), then a single-process reference with the same seed, data,
+learning-rate schedule and clipping, and reports per step the loss difference and the largest gradient and parameter
+differences, relative to the largest reference value. Dropout is switched off in both runs (the ranks would draw
+other masks than the reference); the report says so.
 
 The reference reproduces the parallel run's arithmetic, not only its result: each data-parallel rank's batch
 (``make_batch(step, rank)``) and each micro-batch is a separate forward/backward whose loss is scaled by
@@ -12,17 +15,24 @@ are concatenated, since the statistics span them).
 
 from __future__ import annotations
 
-import gc
+import contextlib
+import functools
+import io
 import os
+import runpy
 import signal
+import tempfile
 import threading
 import uuid
 from dataclasses import dataclass, field
-from datetime import timedelta
+from pathlib import Path
 
 import torch
+import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from .export import export
+from .export.values import ScriptValues, script_values
 from .plan import Plan
 from .source import ModelSource
 
@@ -76,14 +86,32 @@ class VerifyReport:
     low_precision: bool = False
     """bf16/fp16: gradients are judged at the first step only, where both runs start from the same weights; after an
     update the weights differ by the rounding above and so do later gradients (the losses are still judged)"""
+    dropout_off: int = 0
+    """dropout modules (or Hugging Face dropout settings) switched off in both runs: the ranks would draw other masks
+    than the reference"""
 
-    def _step_ok(self, s: StepDiff) -> bool:
-        grad_ok = s.grad_rel <= self.rtol or (self.low_precision and s.step > 0)
-        return s.loss_rel <= self.rtol and grad_ok and s.param_rel <= self.rtol + (s.step + 1) * self.param_floor
+    def judge(self, s: StepDiff) -> tuple[bool, str]:
+        """Whether step ``s`` agrees, and the rule it was judged by:
+
+        * ``rtol``: loss, gradients and parameters within ``rtol``;
+        * ``adam``: parameters within ``rtol`` plus ``param_floor`` per step so far; gradients after the first step
+          within ``rtol`` plus the previous step's parameter difference (gradients of weights that differ by a
+          relative ``d`` differ by about ``d``: the same reasoning, one step later);
+        * ``low precision``: loss and parameters as above; gradients at step 0 only.
+        """
+        prev = self.steps[s.step - 1].param_rel if 0 < s.step <= len(self.steps) else 0.0
+        param_ok = s.param_rel <= self.rtol + (s.step + 1) * self.param_floor
+        if s.loss_rel > self.rtol or not param_ok:
+            return False, "rtol"
+        if s.grad_rel <= self.rtol and s.param_rel <= self.rtol:
+            return True, "rtol"
+        if self.low_precision:
+            return s.step > 0 or s.grad_rel <= self.rtol, "low precision"
+        return s.grad_rel <= self.rtol + (prev if self.param_floor else 0.0), "adam" if self.param_floor else "rtol"
 
     @property
     def ok(self) -> bool:
-        return not self.missing and all(self._step_ok(s) for s in self.steps)
+        return not self.missing and all(self.judge(s)[0] for s in self.steps)
 
     @property
     def max_loss_rel(self) -> float:
@@ -106,14 +134,18 @@ class VerifyReport:
         head = (f"verify {self.plan} on {self.nproc} processes: "
                 f"{'OK' if self.ok else 'MISMATCH'} (rtol {self.rtol:g})")
         rows = [f"{'step':>4} {'loss':>12} {'reference':>12} {'|Δloss|':>10} {'rel':>9} "
-                f"{'max|Δgrad|':>11} {'rel':>9} {'max|Δparam|':>12} {'rel':>9}"]
+                f"{'max|Δgrad|':>11} {'rel':>9} {'max|Δparam|':>12} {'rel':>9}  rule"]
         for s in self.steps:
+            ok, rule = self.judge(s)
             rows.append(f"{s.step:>4} {s.loss:>12.6f} {s.ref_loss:>12.6f} {s.loss_diff:>10.2e} {s.loss_rel:>9.2e} "
-                        f"{s.grad_max_diff:>11.2e} {s.grad_rel:>9.2e} {s.param_max_diff:>12.2e} {s.param_rel:>9.2e}")
+                        f"{s.grad_max_diff:>11.2e} {s.grad_rel:>9.2e} {s.param_max_diff:>12.2e} {s.param_rel:>9.2e}  "
+                        f"{rule}{'' if ok else ' FAILED'}")
         if self.param_floor:
             rows.append(f"parameters checked against rtol + {self.param_floor:.1e} per step (Adam: see param_floor)")
         if self.low_precision:
             rows.append("low precision: gradients judged at step 0 only (same weights there; see low_precision)")
+        if self.dropout_off:
+            rows.append(f"dropout switched off in both runs ({self.dropout_off} module(s)/setting(s); see dropout_off)")
         if self.missing:
             rows.append(f"no gradient in the parallel run for: {', '.join(self.missing)}")
         return "\n".join([head, *rows])
@@ -122,9 +154,12 @@ class VerifyReport:
         p.text(str(self))
 
 
+
+
 def verify(source: ModelSource, plan: Plan, *, steps: int = 5, nproc: int | None = None, seed: int = 0,
            rtol: float | None = None, meta_init: bool = False, start_method: str = "spawn") -> VerifyReport:
-    """Run ``plan`` on ``nproc`` local processes and a single-process reference; compare ``steps`` steps.
+    """Run ``plan``'s exported script on ``nproc`` local processes and a single-process reference; compare ``steps``
+    steps.
 
     ``nproc`` defaults to the plan's world size (dp * tp * pp) and must equal it. ``meta_init`` builds the parallel
     model on the meta device and initialises it shard by shard (the path for models larger than host memory).
@@ -149,18 +184,25 @@ def verify_many(cases: list[tuple[ModelSource, Plan]], *, steps: int = 5, nproc:
             raise ValueError(f"plan {plan.summary()} needs {plan.mesh.world_size} processes, not nproc={nproc}; "
                              "verify plans of different world sizes in separate calls")
     metas = meta_init if isinstance(meta_init, list) else [meta_init] * len(cases)
-    payload = [(src, plan.to_json(indent=None), meta) for (src, plan), meta in zip(cases, metas, strict=True)]
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"verify-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.05,
                           start_method=start_method)
-    results = _restoring_signal_handlers(elastic_launch(config, _worker), payload, steps, seed)
+    with tempfile.TemporaryDirectory(prefix="autopar-verify-") as tmp:
+        jobs = []
+        for i, ((src, plan), meta) in enumerate(zip(cases, metas, strict=True)):
+            script = export(src, plan, Path(tmp) / f"verify_{i}.py", steps=steps, seed=seed, meta_init=meta,
+                            quiet=True).script
+            jobs.append((str(script), src.model_var, plan.to_json(indent=None)))
+        results = _restoring_signal_handlers(elastic_launch(config, _worker), jobs, steps)
     reports = []
     for i, (src, plan) in enumerate(cases):
         par = _merge([results[r][i] for r in sorted(results)])
-        ref = reference(src, plan, steps=steps, seed=seed)
+        values = script_values(src, plan, seed=seed, meta_init=metas[i])
+        ref = reference(src, plan, steps=steps, seed=seed, values=values)
         tol = rtol if rtol is not None else (FP32_RTOL if plan.precision.amp == "none" else LOW_PRECISION_RTOL)
         report = _compare(plan, nproc, tol, par, ref)
         report.per_rank = [results[r][i]["info"] for r in sorted(results)]
+        report.dropout_off = ref["dropout_off"]
         reports.append(report)
     return reports
 
@@ -178,22 +220,55 @@ def _restoring_signal_handlers(fn, *args):
                 signal.signal(getattr(signal, n), handler)
 
 
-def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0) -> dict:
-    """The single-process run: losses, gradients and parameters at each step (see the module docstring)."""
-    from .runtime.amp import autocast, grad_scaler
-    from .runtime.data import concat_batches, split_batch
-    from .runtime.train import OPTIMIZERS, build_namespace, optimizer_kwargs
+DROPOUT_SETTINGS = ("dropout", "attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop",
+                    "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout_rate", "classifier_dropout")
 
-    ns = build_namespace(source, plan, seed=seed)
-    model, loss_fn, make_batch = ns[source.model_var], ns["__loss_fn"], ns["__make_batch"]
+
+def switch_off_dropout(model: nn.Module) -> int:
+    """Put the modules that drop out in eval mode (BatchNorm keeps training: its statistics are the model) and zero
+    Hugging Face dropout settings read in forward; returns how many there were (0: the model is left as it is)."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            module.eval()
+            count += 1
+        for name in DROPOUT_SETTINGS:
+            value = module.__dict__.get(name)
+            if isinstance(value, float) and value > 0 and not isinstance(module, nn.modules.dropout._DropoutNd):
+                setattr(module, name, 0.0)
+                count += 1
+    return count
+
+
+def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0, values: ScriptValues | None = None
+              ) -> dict:
+    """The single-process run, with the script's data, loss, learning-rate schedule and clipping: losses, gradients
+    and parameters at each step (see the module docstring)."""
+    from .runtime.amp import grad_scaler, step_context
+    from .runtime.data import concat_batches, default_loss, split_batch, synthetic_batch
+    from .runtime.optim import build_optimizer, clip_grad_norm, lr_factor
+
+    values = values or script_values(source, plan, seed=seed)
+    ns = source.run(seed=seed)
+    model = ns[source.model_var]
     model.train()
+    dropout_off = switch_off_dropout(model)
+    d = values.defaults
+    loss_fn = ns[source.loss_fn_var] if source.loss_fn_var else functools.partial(default_loss, causal=d["causal"])
+    make_batch = ns[source.make_batch_var] if source.make_batch_var else functools.partial(
+        synthetic_batch, ns[source.inputs_var], batch_size=d["batch_size"], int_high=d["int_high"])
     o, p, dp, M = plan.optimizer, plan.precision, plan.mesh.dp, plan.batch.micro_batches
-    optimizer = OPTIMIZERS[o.name](model.parameters(), **optimizer_kwargs(o.name, lr=o.lr,
-                                                                          weight_decay=o.weight_decay, betas=o.betas))
-    scaler = grad_scaler(p.amp, "cpu", init_scale=p.init_loss_scale, dynamic=p.dynamic_loss_scale,
-                         growth_interval=p.growth_interval, sharded=False)
-    out = {"losses": [], "grads": [], "params": []}
+    optimizer = build_optimizer(list(model.parameters()), o.name, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas)
+    scaler = grad_scaler("cpu", init_scale=p.init_loss_scale, dynamic=p.dynamic_loss_scale,
+                         growth_interval=p.growth_interval, sharded=False) if p.amp == "fp16" else None
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(p.amp)
+    clip = float(getattr(o, "grad_clip", 0.0) or 0.0)
+    out = {"losses": [], "grads": [], "params": [], "dropout_off": dropout_off}
     for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = o.lr * lr_factor(step, warmup=int(getattr(o, "warmup_steps", 0)), total=steps,
+                                           schedule=getattr(o, "lr_schedule", "constant"),
+                                           min_ratio=float(getattr(o, "min_lr_ratio", 0.1)))
         per_rank = [split_batch(make_batch(step, r), M) for r in range(dp)]
         if plan.sync_batchnorm and dp > 1:
             pieces = [(concat_batches([b[m] for b in per_rank]), M) for m in range(M)]
@@ -201,13 +276,17 @@ def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0) -> 
             pieces = [(mb, M * dp) for b in per_rank for mb in b]
         total = 0.0
         for mb, k in pieces:
-            with autocast(p.amp, "cpu"):
+            with step_context("cpu", amp_dtype=amp_dtype):
                 loss = loss_fn(model, mb) / k
             (scaler.scale(loss) if scaler else loss).backward()
             total += loss.item()
         out["losses"].append(total)
         out["grads"].append({n: q.grad.detach().float().clone() for n, q in model.named_parameters()
                              if q.grad is not None})
+        if scaler:
+            scaler.unscale_(optimizer)
+        if clip:
+            clip_grad_norm(list(model.parameters()), clip)
         if scaler:
             scaler.step(optimizer)
             scaler.update()
@@ -218,58 +297,97 @@ def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0) -> 
     return out
 
 
-@record
-def _worker(payload: list[tuple[ModelSource, str, bool]], steps: int, seed: int) -> list[dict]:
-    """One rank: run every plan in turn on one process group."""
-    import torch.distributed as dist
+class Recorder:
+    """The observer verify hands to the script's ``main``: after each backward the loss and the full gradients,
+    after each optimizer step the full parameters (DTensors gathered: every rank takes part). Only the ranks at
+    data-parallel and tensor-parallel index 0 keep them (one per pipeline stage)."""
 
-    from .runtime.mesh import backend_for, build_mesh, device_type
-    from .runtime.train import Trainer
+    def __init__(self, plan: Plan, rank: int):
+        m = plan.mesh
+        self.plan = plan
+        self.keeps = (rank // m.tp) % m.dp == 0 and rank % m.tp == 0
+        self.result: dict = {"losses": [], "grads": [], "params": [], "info": {}}
 
-    torch.set_num_threads(1)  # 2+ ranks on a few cores: more threads only oversubscribe
-    device = device_type()
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend_for(device), timeout=timedelta(seconds=300))
-    results = []
-    try:
-        for source, plan_json, meta_init in payload:
-            plan = Plan.from_json(plan_json)
-            m = plan.mesh
-            mesh = build_mesh(m.pp, m.dp, m.tp, device=device)
-            trainer = Trainer(source, plan, mesh, seed=seed, device=device, meta_init=meta_init)
-            reporter = trainer.dp_rank == 0 and trainer.tp_rank == 0
-            res = {"losses": [], "grads": [], "params": []}
-            for step in range(steps):
-                local = trainer.forward_backward(step)
-                res["losses"].append(trainer.global_loss(local))
-                grads = trainer.named_tensors("grad")
-                trainer.optimizer_step()
-                params = trainer.named_tensors("param")
-                if reporter:
-                    res["grads"].append(grads)
-                    res["params"].append(params)
-            res["info"] = _rank_info(trainer)
-            results.append(res)
-            del trainer
-            gc.collect()
-    finally:
-        gc.collect()  # a gloo thread taking the GIL during shutdown aborts ~20% of exits otherwise
-        dist.destroy_process_group()
-    return results
+    def after_backward(self, step: int, parts: list, loss: float) -> None:
+        self.result["losses"].append(loss)
+        grads = named_tensors(parts, "grad")
+        if self.keeps:
+            self.result["grads"].append(grads)
+
+    def after_step(self, step: int, parts: list) -> None:
+        params = named_tensors(parts, "param")
+        if self.keeps:
+            self.result["params"].append(params)
+        self.result["info"] = rank_info(parts, self.plan)
 
 
-def _rank_info(trainer) -> dict:
+def named_tensors(parts: list, what: str) -> dict[str, torch.Tensor]:
+    """Full (unsharded) parameters or gradients of this rank's parts, by the names of the single-process model.
+    Collective: every rank of the mesh calls it."""
+    from torch.distributed.tensor import DTensor
+
+    from .runtime.init import canonical_name
+
+    out = {}
+    for part in parts:
+        for name, p in part.named_parameters():
+            t = p.grad if what == "grad" else p.detach()
+            if t is None:
+                continue
+            if isinstance(t, DTensor):
+                t = t.full_tensor()
+            out[canonical_name(name)] = t.detach().float().cpu().clone()
+    return out
+
+
+def rank_info(parts: list, plan: Plan) -> dict:
+    """What this rank holds: ``local_numel`` (parameter elements stored here), ``dtensor_params`` (parameters
+    sharded/replicated as DTensors), ``checkpointed`` (checkpoint-wrapped modules), ``stages`` (the pipeline stages
+    whose first layer one of its parts holds)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.tensor import DTensor
 
-    params = [p for part in trainer.parts for p in part.parameters()]
+    from .runtime.init import canonical_name
+
+    params = [p for part in parts for p in part.parameters()]
+    names = [canonical_name(n) for part in parts for n, _ in part.named_parameters()]
+    firsts = [layers[0] for layers in plan.stage_layers()] if plan.mesh.pp > 1 else []
     return {
         "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params),
         "dtensor_params": sum(isinstance(p, DTensor) for p in params),
-        "checkpointed": sum(isinstance(m, CheckpointWrapper) for part in trainer.parts for m in part.modules()),
-        "stages": list(trainer.pm.stage_ids),
+        "checkpointed": sum(isinstance(m, CheckpointWrapper) for part in parts for m in part.modules()),
+        "stages": [i for i, first in enumerate(firsts) if any(n.startswith(first + ".") for n in names)],
     }
+
+
+@record
+def _worker(jobs: list[tuple[str, str, str]], steps: int) -> list[dict]:
+    """One rank: import each exported script, switch its model's dropout off, and run its ``main`` with a
+    :class:`Recorder`; every script shares one process group."""
+    import gc
+
+    import torch.distributed as dist
+
+    from .runtime.mesh import init_distributed
+
+    torch.set_num_threads(1)  # 2+ ranks on a few cores: more threads only oversubscribe
+    results = []
+    init_distributed(timeout_s=300)  # one group for every script (each main() finds it and leaves it open)
+    try:
+        for script, model_var, plan_json in jobs:
+            ns = runpy.run_path(script, run_name="__autopar_verify__")
+            switch_off_dropout(ns[model_var])
+            recorder = Recorder(Plan.from_json(plan_json), int(os.environ["RANK"]))
+            with contextlib.redirect_stdout(io.StringIO()):  # the script's per-step lines
+                ns["main"](["--steps", str(steps)], observer=recorder)
+            results.append(recorder.result)
+            del ns
+            gc.collect()
+    finally:
+        gc.collect()  # a gloo thread taking the GIL during shutdown aborts ~20% of exits otherwise
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return results
 
 
 def _merge(per_rank: list[dict]) -> dict:

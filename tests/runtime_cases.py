@@ -165,3 +165,14 @@ def llama_tp(n_layers: int = 2, *, sp: bool = False, head: bool = True, embeddin
 
 __all__ = ["GPT_CELL", "HF_BERT_CELL", "HF_GPT2_CELL", "HF_LLAMA_CELL", "LLAMA_CELL", "RECSYS_CELL", "RESNET_CELL",
            "gpt_mlp_tp", "has_transformers", "hf_llama_tp", "llama_tp", "make_plan", "source", "torch"]
+
+
+def script_namespace(src: ModelSource, plan: Plan, tmp_path, **export_kwargs) -> dict:
+    """The plan's exported script, imported (its cell has run; ``main`` has not): its ``model``, ``parallelize``
+    and runtime functions."""
+    import runpy
+
+    from autopar_nb.export import export
+
+    script = export(src, plan, tmp_path / "train_under_test.py", quiet=True, **export_kwargs).script
+    return runpy.run_path(str(script), run_name="under_test")

@@ -28,7 +28,7 @@ def test_imports_flow_one_way():
     """capture -> graph -> cost -> planner -> plan -> {widget, runtime, export, launch}: a module never imports one
     from a later stage (plan.py, the contract, is imported by all; session and magic sit on top)."""
     order = ["source", "graph", "hardware", "plan", "capture", "cell", "cost", "calibration", "planner", "runtime",
-             "verify", "export", "launch", "widget", "session", "magic", "demo"]
+             "export", "verify", "launch", "widget", "session", "magic", "demo"]
     rank = {name: i for i, name in enumerate(order)}
     checked = 0
     for path in PKG.rglob("*.py"):
@@ -42,4 +42,22 @@ def test_imports_flow_one_way():
                 if target in rank:
                     checked += 1
                     assert rank[target] <= rank[rel[0]], f"{path.relative_to(PKG)} imports {target}"
+    assert checked > 30
+
+
+def test_runtime_imports_only_the_standard_library_and_torch():
+    """autopar_nb/runtime is copied into exported scripts: each module imports the standard library, torch and its
+    sibling runtime modules, nothing else (not autopar_nb, not kernels_ext, not psutil at module level)."""
+    checked = 0
+    for path in sorted((PKG / "runtime").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                roots = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                roots = [node.module.split(".")[0]]
+            else:
+                continue
+            for root in roots:
+                checked += 1
+                assert root == "torch" or root in sys.stdlib_module_names, f"runtime/{path.name} imports {root}"
     assert checked > 30

@@ -106,7 +106,8 @@ def test_exported_script_syncs_batchnorm_on_cpu(reports, tmp_path):
 
     (src, plan), report = reports[("resnet", "dp2_zero0")]
     script = export(src, plan, tmp_path / "train_resnet.py", steps=STEPS, quiet=True).script
-    assert "CPUSyncBatchNorm.convert(net" in script.read_text()
+    text = script.read_text()
+    assert "apply_sync_batchnorm(net" in text and "class CPUSyncBatchNorm" in text
     server = MetricsServer()
     torchrun(script, server=server)
     assert losses_of(server) == pytest.approx(report.losses, rel=1e-6, abs=0)

@@ -1,4 +1,5 @@
-"""Runtime pieces that need no process group: TP style rules, pipeline placement, batches, recompute, meta init."""
+"""Runtime pieces that need no process group (TP style rules, pipeline placement, batches, recompute, meta init),
+and the exported script's ``parallelize`` under a fake process group."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from runtime_cases import (
     has_transformers,
     llama_tp,
     make_plan,
+    script_namespace,
     source,
 )
 
@@ -25,17 +27,18 @@ from autopar_nb.runtime.ac import apply_ac
 from autopar_nb.runtime.data import concat_batches, model_call, split_batch
 from autopar_nb.runtime.init import canonical_name, materialize
 from autopar_nb.runtime.pp import stage_boundaries, stage_ids
-from autopar_nb.runtime.tp import build_style, tp_styles
+from autopar_nb.export.styles import tp_styles
+from autopar_nb.runtime.tp import TPStyle
 
 
 def test_tp_styles_gpt_mlp_and_head():
     model, _, _ = source(GPT_CELL).build(device="meta")
     styles = tp_styles(model, gpt_mlp_tp() | {"lm_head": "colwise", "wte": "rowwise"})
-    assert styles["h.0.mlp.c_fc"] == "ColwiseParallel(input_layouts=Replicate())"
-    assert styles["h.0.mlp.c_proj"] == "RowwiseParallel()"
+    assert styles["h.0.mlp.c_fc"].source() == "ColwiseParallel(input_layouts=Replicate())"
+    assert styles["h.0.mlp.c_proj"].source() == "RowwiseParallel()"
     # no rowwise Linear beside lm_head: it is an output head, its logits are gathered
-    assert styles["lm_head"] == "ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())"
-    assert styles["wte"] == "RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())"
+    assert styles["lm_head"].source() == "ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())"
+    assert styles["wte"].source() == "RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())"
     assert list(styles)[0] == "wte"  # model order
 
 
@@ -46,20 +49,20 @@ def test_tp_styles_sequence_parallel_llama():
     styles = tp_styles(model, plan.tp_plan, sp_layers=[lp.path for lp in plan.layers],
                        layers=[lp.path for lp in plan.layers], loss_parallel=True)
     # embeddings stay replicated; the first block cuts the sequence (locally), the blocks keep it cut
-    assert styles["tok_embeddings"] == "RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())"
-    assert styles["layers.0"].startswith("PrepareModuleInput(input_layouts=(Replicate(),), "
+    assert styles["tok_embeddings"].source() == "RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())"
+    assert styles["layers.0"].source().startswith("PrepareModuleInput(input_layouts=(Replicate(),), "
                                          "desired_input_layouts=(Shard(1),)")
     assert "layers.1" not in styles
-    assert styles["layers.0.attention_norm"] == "SequenceParallel(use_local_output=True)"
+    assert styles["layers.0.attention_norm"].source() == "SequenceParallel(use_local_output=True)"
     # the block holding the colwise Linears gathers the sequence once; the Linears themselves take replicated input
-    assert styles["layers.0.attention"].startswith("PrepareModuleInput(input_layouts=(Shard(1),)")
-    assert styles["layers.0.attention.wq"] == "ColwiseParallel()"
-    assert styles["layers.0.attention.wo"] == "RowwiseParallel(output_layouts=Shard(1))"
-    assert styles["layers.1.feed_forward.w3"] == "ColwiseParallel()"  # registered after w2, still not a head
-    assert styles["output"] == ("ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), "
+    assert styles["layers.0.attention"].source().startswith("PrepareModuleInput(input_layouts=(Shard(1),)")
+    assert styles["layers.0.attention.wq"].source() == "ColwiseParallel()"
+    assert styles["layers.0.attention.wo"].source() == "RowwiseParallel(output_layouts=Shard(1))"
+    assert styles["layers.1.feed_forward.w3"].source() == "ColwiseParallel()"  # registered after w2, still not a head
+    assert styles["output"].source() == ("ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), "
                                 "use_local_output=False)")
-    for text in styles.values():
-        build_style(text)  # every text is a valid constructor
+    for style in styles.values():
+        assert type(style.build()).__name__ == style.class_name  # every style builds its ParallelStyle
 
 
 def test_tp_styles_sequence_parallel_region():
@@ -70,9 +73,9 @@ def test_tp_styles_sequence_parallel_region():
     layers = ["tok_embeddings", "layers.0", "layers.1", "norm", "output"]
     tp = llama_tp(sp=True)
     styles = tp_styles(model, tp, sp_layers=["layers.0", "layers.1"], layers=layers)  # "norm" counts by its style
-    assert styles["output"] == "ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())"
+    assert styles["output"].source() == "ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())"
     no_head = tp_styles(model, llama_tp(sp=True, head=False), sp_layers=[], layers=layers)
-    assert no_head["output"].startswith("PrepareModuleInput(input_layouts=(Shard(1),)")  # gathered back
+    assert no_head["output"].source().startswith("PrepareModuleInput(input_layouts=(Shard(1),)")  # gathered back
     gap = {k: v for k, v in tp.items() if not (k.startswith("layers.1.") and v == "sequence_parallel")}
     with pytest.raises(NotImplementedError, match="layers.1 between layers.0 and norm"):
         tp_styles(model, gap, sp_layers=["layers.0", "norm"], layers=layers)
@@ -202,7 +205,7 @@ def fake_world_of_two():
 
 
 @pytest.mark.parametrize("sp", [False, True])
-def test_tp_collectives_are_megatrons(fake_world_of_two, sp):
+def test_tp_collectives_are_megatrons(fake_world_of_two, sp, tmp_path):
     """One forward of a 2-layer Llama with TP: Megatron's collectives, counted with CommDebugMode.
 
     Without SP: an all-reduce per row-parallel output (vocab-parallel embedding + wo + w2 per layer = 5) and one
@@ -211,15 +214,14 @@ def test_tp_collectives_are_megatrons(fake_world_of_two, sp):
     head's input and its logits."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from autopar_nb.runtime import apply_plan, build_mesh
-
     src = source(LLAMA_CELL)
     plan = make_plan(src, tp=2, tp_styles=llama_tp(sp=sp), sp=sp)
-    model, inputs, _ = src.build()
+    script = script_namespace(src, plan, tmp_path)  # the exported script, imported: its model and parallelize()
     assert [lp.sequence_parallel for lp in plan.layers] == [sp] * 5
-    pm = apply_plan(model, plan, build_mesh(1, 1, 2))
+    mesh = script["build_mesh"]("cpu", 1, 1, 2)
+    (model,) = script["parallelize"](script["model"], mesh, "cpu")
     with CommDebugMode() as comm:
-        logits = pm.parts[0](*inputs)
+        logits = model(*script["example_inputs"])
     counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
     if sp:
         assert counts == {"all_reduce": 1, "reduce_scatter_tensor": 4, "all_gather_into_tensor": 6}

@@ -1,22 +1,12 @@
-"""Apply a Plan with PyTorch's own parallel APIs: one technique per module.
+"""What an exported script runs: one technique per module, standard library and torch only.
 
-``mesh`` (DeviceMesh), ``tp`` (parallelize_module), ``ac`` (checkpoint wrappers), ``fsdp`` (fully_shard),
-``ddp`` (DDP, ZeRO-1), ``pp`` (torch.distributed.pipelining), ``amp`` (autocast, grad scalers), ``batchnorm``
-(SyncBatchNorm), ``init`` (initial weights equal to single-process), ``apply`` (:func:`apply_plan`, the order),
-``train`` (a step: data, forward/backward or schedule, optimizer).
+``mesh`` (process group, DeviceMesh), ``tp`` (parallelize_module, styles as data), ``ac`` (checkpoint wrappers),
+``fsdp`` (fully_shard), ``ddp`` (DDP), ``pp`` (torch.distributed.pipelining), ``amp`` (autocast, grad scalers),
+``batchnorm`` (SyncBatchNorm), ``init`` (initial weights equal to single-process), ``data`` (batches, default loss),
+``optim`` (optimizer, LR schedule, clipping), ``checkpoint`` (DCP), ``metrics`` (the launcher's metrics stream),
+``train`` (the loop).
+
+These modules are copied into every exported script (:mod:`autopar_nb.export.kit` takes each function's source
+verbatim), so they never import ``autopar_nb``, hold only imports, functions, classes and constants, and each name
+means one thing across them. ``verify`` and ``launch`` run the exported script itself.
 """
-
-from .ac import apply_ac
-from .apply import ParallelModel, apply_plan
-from .batchnorm import apply_sync_batchnorm
-from .ddp import apply_ddp, zero1_optimizer
-from .fsdp import apply_fsdp
-from .init import materialize
-from .mesh import build_mesh, device_type
-from .pp import build_schedule, split_model
-from .tp import apply_tp, tp_styles
-
-__all__ = [
-    "ParallelModel", "apply_ac", "apply_ddp", "apply_fsdp", "apply_plan", "apply_sync_batchnorm", "apply_tp",
-    "build_mesh", "build_schedule", "device_type", "materialize", "split_model", "tp_styles", "zero1_optimizer",
-]

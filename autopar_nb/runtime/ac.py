@@ -6,12 +6,14 @@ matrix multiplies and attention (expensive to recompute) and recomputes the chea
 
 from __future__ import annotations
 
-from functools import partial
+import functools
 
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from .tp import select
 
 # ops whose outputs selective recompute keeps (recomputing them would cost as much as the forward)
 SAVE_OPS = {
@@ -25,24 +27,21 @@ SAVE_OPS = {
 }
 
 
-def save_matmuls_policy(ctx, op, *args, **kwargs):
+def save_matmuls(ctx, op, *args, **kwargs):
     """Selective-recompute policy: keep matmul/conv/attention outputs, recompute everything else."""
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_ac(model: nn.Module, *, recompute: dict[str, str]) -> None:
-    """Wrap each module named in ``recompute`` (path -> ``"full"`` | ``"selective"``) in a checkpoint wrapper."""
-    for path, mode in recompute.items():
-        if mode == "none":
-            continue
+def apply_ac(model: nn.Module, recompute: dict[str, str]) -> None:
+    """Wrap the modules matching each pattern of ``recompute`` (``"layers.*"``: every block) in a checkpoint
+    wrapper: ``"full"`` or ``"selective"``."""
+    for pattern, mode in recompute.items():
         if mode not in ("full", "selective"):
-            raise ValueError(f"recompute={mode!r} for {path!r}: choose 'none', 'selective' or 'full'")
-        parent_path, _, name = path.rpartition(".")
-        parent = model.get_submodule(parent_path)
-        module = parent.get_submodule(name)
-        if mode == "full":
-            wrapped = checkpoint_wrapper(module, preserve_rng_state=False)
-        else:
-            wrapped = checkpoint_wrapper(module, preserve_rng_state=False,
-                                         context_fn=partial(create_selective_checkpoint_contexts, save_matmuls_policy))
-        parent.register_module(name, wrapped)
+            raise ValueError(f"recompute={mode!r} for {pattern!r}: choose 'selective' or 'full'")
+        context = {} if mode == "full" else {
+            "context_fn": functools.partial(create_selective_checkpoint_contexts, save_matmuls)}
+        for path in select(model, pattern):
+            parent, _, name = path.rpartition(".")
+            module = model.get_submodule(path)
+            model.get_submodule(parent).register_module(name, checkpoint_wrapper(module, preserve_rng_state=False,
+                                                                                 **context))

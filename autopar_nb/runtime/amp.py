@@ -6,26 +6,24 @@ from __future__ import annotations
 import contextlib
 
 import torch
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16,
-          "float16": torch.float16, "fp32": torch.float32}
+from torch.distributed.tensor.parallel import loss_parallel
 
 
-def autocast(amp: str, device: str):
-    """The forward-pass context for ``amp`` ("none" | "bf16" | "fp16")."""
-    if amp == "none":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device, dtype=DTYPES[amp])
+def step_context(device: str, *, amp_dtype: torch.dtype | None = None, vocab_parallel: bool = False):
+    """What a forward and backward run under: autocast to ``amp_dtype`` (None: off) and, for a vocab-sharded head
+    (``vocab_parallel``), torch's ``loss_parallel()`` (cross-entropy on the logits' shards)."""
+    stack = contextlib.ExitStack()
+    if amp_dtype is not None:
+        stack.enter_context(torch.autocast(device, dtype=amp_dtype))
+    if vocab_parallel:
+        stack.enter_context(loss_parallel())
+    return stack
 
 
-def grad_scaler(amp: str, device: str, *, init_scale: float, dynamic: bool, growth_interval: int, sharded: bool):
-    """A GradScaler for fp16 (``ShardedGradScaler`` when gradients are FSDP-sharded); ``None`` otherwise.
-
-    A static loss scale (``dynamic=False``) is a scaler that never grows or backs off.
-    """
-    if amp != "fp16":
-        return None
-    kwargs = dict(init_scale=init_scale, growth_interval=growth_interval if dynamic else 2**31 - 1)
+def grad_scaler(device: str, *, init_scale: float, dynamic: bool, growth_interval: int, sharded: bool):
+    """The fp16 loss scaler (``ShardedGradScaler`` when FSDP shards the gradients). A static loss scale
+    (``dynamic=False``) is a scaler that never grows or backs off."""
+    kwargs = {"init_scale": init_scale, "growth_interval": growth_interval if dynamic else 2**31 - 1}
     if not dynamic:
         kwargs.update(growth_factor=1.0, backoff_factor=1.0)
     if sharded:

@@ -1,7 +1,5 @@
-"""Data and loss when the cell defines none, and the pieces of a step that depend on the batch's structure.
-
-The default ``make_batch``/``loss_fn`` are kept as source text: verify executes it, and the exported script embeds
-it verbatim, so both train on exactly the same data with exactly the same loss.
+"""Batches and the loss: synthetic data and a default loss when the cell defines none, and the pieces of a step that
+depend on a batch's structure.
 
 Conventions for a cell's own ``loss_fn(model, batch)`` and ``make_batch(step, rank)``:
 
@@ -15,65 +13,13 @@ Conventions for a cell's own ``loss_fn(model, batch)`` and ``make_batch(step, ra
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn as nn
-
-DEFAULT_DATA_LOSS = '''\
-def make_batch(step, rank):
-    """Synthetic data shaped like {inputs}: a fixed random batch for each (step, data-parallel rank)."""
-    g = torch.Generator().manual_seed(1_000_003 * step + rank)
-
-    def like(t):
-        shape = (BATCH_SIZE, *t.shape[1:])
-        if t.is_floating_point():
-            return torch.randn(shape, generator=g).to(t.dtype)
-        return torch.randint(0, INT_HIGH, shape, generator=g, dtype=t.dtype)
-
-    if isinstance({inputs}, dict):
-        return {{k: like(v) for k, v in {inputs}.items()}}
-    if isinstance({inputs}, (tuple, list)):
-        return tuple(like(v) for v in {inputs})
-    return like({inputs})
-
-
-def loss_fn(model, batch):
-    """Next-token cross-entropy for a language model (token ids in, logits out), else mean squared output."""
-    if isinstance(batch, dict):
-        out = model(**batch)
-    elif isinstance(batch, tuple):
-        out = model(*batch)
-    else:
-        out = model(batch)
-    first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0] if isinstance(batch, tuple) else batch
-    if out.dim() == 3 and first.dim() == 2 and not first.is_floating_point():
-        return F.cross_entropy(out.flatten(0, 1).float(), first.roll(-1, 1).flatten())
-    return out.float().pow(2).mean()
-'''
-
-
-def default_constants(model: nn.Module, example_inputs: Any, *, dp: int, global_batch: int) -> dict[str, int]:
-    """``BATCH_SIZE`` (per data-parallel rank) and ``INT_HIGH`` (ids drawn below the smallest embedding table)."""
-    first = example_inputs
-    while isinstance(first, (tuple, list, dict)):
-        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
-    batch = global_batch // dp if global_batch > 1 and global_batch % dp == 0 else int(first.shape[0])
-    tables = [m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
-    return {"BATCH_SIZE": batch, "INT_HIGH": min(tables) if tables else 2}
-
-
-def add_default_data_loss(ns: dict[str, Any], *, inputs_var: str, constants: dict[str, int]) -> None:
-    """Define the default ``make_batch``/``loss_fn`` in ``ns`` (the cell's namespace)."""
-    import torch.nn.functional as F
-
-    ns.setdefault("torch", torch)
-    ns.setdefault("F", F)
-    ns.update(constants)
-    exec(compile(DEFAULT_DATA_LOSS.format(inputs=inputs_var), "<autopar defaults>", "exec"), ns)
+import torch.nn.functional as F
 
 
 def tree_map(fn, batch):
+    """``fn`` applied to every tensor of a (nested) tuple/list/dict batch."""
     if isinstance(batch, dict):
         return {k: tree_map(fn, v) for k, v in batch.items()}
     if isinstance(batch, (tuple, list)):
@@ -81,17 +27,26 @@ def tree_map(fn, batch):
     return fn(batch) if isinstance(batch, torch.Tensor) else batch
 
 
-def split_batch(batch: Any, n: int) -> list[Any]:
+def to_device(batch, device):
+    """The batch with every tensor moved to ``device``."""
+    return tree_map(lambda t: t.to(device), batch)
+
+
+def first_tensor(batch):
+    """The first tensor of a batch (the token ids of a language model)."""
+    while isinstance(batch, (tuple, list, dict)):
+        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return batch
+
+
+def split_batch(batch, n: int) -> list:
     """``n`` micro-batches along dim 0 (``tensor_split``, as the pipeline schedules split their inputs)."""
     if n == 1:
         return [batch]
-    pieces = []
-    for i in range(n):
-        pieces.append(tree_map(lambda t, i=i: t.tensor_split(n)[i], batch))
-    return pieces
+    return [tree_map(lambda t, i=i: t.tensor_split(n)[i], batch) for i in range(n)]
 
 
-def concat_batches(batches: list[Any]) -> Any:
+def concat_batches(batches: list):
     """The inverse of :func:`split_batch` across data-parallel ranks (for SyncBatchNorm references)."""
     first = batches[0]
     if isinstance(first, dict):
@@ -99,6 +54,75 @@ def concat_batches(batches: list[Any]) -> Any:
     if isinstance(first, (tuple, list)):
         return type(first)(concat_batches([b[i] for b in batches]) for i in range(len(first)))
     return torch.cat(batches) if isinstance(first, torch.Tensor) else first
+
+
+def synthetic_batch(example, step: int, rank: int, *, batch_size: int, int_high: int):
+    """Data shaped like ``example`` (the cell's example inputs): a fixed random batch of ``batch_size`` samples for
+    each (step, data-parallel rank); integer tensors (token ids) drawn from ``[0, int_high)``."""
+    g = torch.Generator().manual_seed(1_000_003 * step + rank)
+
+    def like(t):
+        shape = (batch_size, *t.shape[1:])
+        if t.is_floating_point():
+            return torch.randn(shape, generator=g).to(t.dtype)
+        return torch.randint(0, int_high, shape, generator=g, dtype=t.dtype)
+
+    return tree_map(like, example)
+
+
+def call_model(model, batch):
+    """``model(*batch)``, ``model(**batch)`` or ``model(batch)``, by the batch's structure."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, tuple):
+        return model(*batch)
+    return model(batch)
+
+
+def default_loss(model, batch, *, causal: bool = True):
+    """The loss when the cell defines none. A Hugging Face output with ``.loss`` (the batch had ``labels``) is used
+    as it is; otherwise, for token ids in and ``(batch, seq, vocab)`` logits out, cross-entropy against the ids —
+    the next token's for a causal LM (``causal``), the same position's for a masked LM — else the mean squared
+    output."""
+    out = call_model(model, batch)
+    if getattr(out, "loss", None) is not None:
+        return out.loss
+    logits = out.logits if hasattr(out, "logits") else out
+    if hasattr(logits, "to_tuple"):  # another Hugging Face output (e.g. last_hidden_state first)
+        logits = logits.to_tuple()[0]
+    if isinstance(logits, (tuple, list)):
+        logits = logits[0]
+    ids = first_tensor(batch)
+    if logits.dim() == 3 and ids.dim() == 2 and not ids.is_floating_point() and logits.shape[:2] == ids.shape:
+        if causal:
+            logits, ids = logits[:, :-1], ids[:, 1:]
+        return F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
+    return logits.float().pow(2).mean()
+
+
+def default_batch_size(example, *, dp: int, global_batch: int) -> int:
+    """Samples per data-parallel rank and step for synthetic data: the plan's global batch over ``dp``, else the
+    example's own batch size."""
+    n = int(first_tensor(example).shape[0])
+    return global_batch // dp if global_batch > 1 and global_batch % dp == 0 else n
+
+
+def smallest_table(model: nn.Module) -> int:
+    """Rows of the model's smallest embedding table (synthetic ids stay below it), 2 when it has none."""
+    tables = [m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    return min(tables) if tables else 2
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether the default loss should predict the next token: not for Hugging Face encoders (masked LMs) and
+    encoder-decoders, which say so in their config."""
+    config = getattr(model, "config", None)
+    if not hasattr(config, "is_encoder_decoder"):  # not a Hugging Face model
+        return True
+    if getattr(config, "is_encoder_decoder", False):
+        return False
+    name = type(model).__name__
+    return bool(getattr(config, "is_decoder", False)) or "CausalLM" in name or "LMHead" in name
 
 
 class ModelCalled(Exception):
@@ -115,3 +139,4 @@ def model_call(loss_fn, batch) -> tuple[tuple, dict]:
     except ModelCalled as call:
         return call.args[0], call.args[1]
     raise ValueError("loss_fn(model, batch) never called model(...); pipelining needs loss_fn to call the model once")
+

@@ -1,38 +1,48 @@
-"""The device mesh: world ranks factored as (pp, dp, tp), TP innermost so a TP group stays inside a node."""
+"""The process group and the device mesh: world ranks factored as (pp, dp, tp), TP innermost so a TP group stays
+inside a node."""
 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
 
 MESH_DIMS = ("pp", "dp", "tp")
+
+
+def init_distributed(*, timeout_s: float = 600.0) -> str:
+    """Join the process group torchrun describes in the environment (NCCL on GPUs, gloo on CPU) unless one exists;
+    returns the device type, ``"cuda"`` or ``"cpu"``."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if dist.is_initialized():
+        return device
+    backend, timeout = ("nccl" if device == "cuda" else "gloo"), timedelta(seconds=timeout_s)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # a restarted attempt (torchrun --max-restarts) meets in a fresh key space of the agent's store, so stale
+        # keys of the failed attempt cannot break its rendezvous
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}", store), timeout=timeout,
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        dist.init_process_group(backend, timeout=timeout)
+    return device
+
+
+def build_mesh(device: str, pp: int, dp: int, tp: int):
+    """The 3-D mesh with dims ``("pp", "dp", "tp")`` (size-1 dims kept, so ``mesh["dp"]`` always exists)."""
+    world = dist.get_world_size()
+    if pp * dp * tp != world:
+        raise SystemExit(f"this plan runs on pp({pp}) * dp({dp}) * tp({tp}) = {pp * dp * tp} processes, not {world}: "
+                         "start it with the torchrun command at the top of the script")
+    return init_device_mesh(device, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
 
 
 def device_type() -> str:
     """``"cuda"`` when a GPU is visible, else ``"cpu"``."""
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def backend_for(device: str) -> str:
-    """The process-group backend for a device type: NCCL on GPUs, gloo on CPU."""
-    return "nccl" if device == "cuda" else "gloo"
-
-
-def build_mesh(pp: int, dp: int, tp: int, *, device: str | None = None) -> DeviceMesh:
-    """A 3-D :class:`DeviceMesh` with dims ``("pp", "dp", "tp")``; initialises the default process group if needed.
-
-    Size-1 dims are kept so ``mesh["dp"]`` etc. always exist.
-    """
-    device = device or device_type()
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    if pp * dp * tp != world:
-        raise ValueError(f"pp({pp}) * dp({dp}) * tp({tp}) = {pp * dp * tp} != world_size({world}); "
-                         f"launch {pp * dp * tp} processes or change the plan's mesh")
-    if not dist.is_initialized():
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend_for(device))
-    return init_device_mesh(device, (pp, dp, tp), mesh_dim_names=MESH_DIMS)

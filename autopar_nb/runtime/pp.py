@@ -14,6 +14,8 @@ from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+from .data import model_call, split_batch
+
 # plan schedule name -> torch.distributed.pipelining class name
 SCHEDULES = {
     "gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "looped_bfs": "LoopedBFS",
@@ -22,7 +24,7 @@ SCHEDULES = {
 V_SCHEDULES = ("zbv_zero_bubble",)  # stages placed in a V: rank r holds stages r and 2*pp-1-r
 
 
-def stage_boundaries(stage_layers: list[list[str]]) -> list[str]:
+def stage_boundaries(stage_layers: list[list[str]]) -> list[str]:  # at export time
     """The first layer of every stage but the first: where the model is cut."""
     for i, layers in enumerate(stage_layers):
         if not layers:
@@ -141,3 +143,29 @@ def build_schedule(stages: list[PipelineStage], *, schedule: str, n_microbatches
                              "interleaved/looped schedule")
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+
+
+class StageLoss:
+    """The cell's ``loss_fn(model, batch)`` on the last pipeline stage, with the model call answered by the stage's
+    output; the schedule passes the micro-batch index as the target (``micro`` holds this step's micro-batches)."""
+
+    def __init__(self, loss_fn):
+        self.loss_fn, self.micro = loss_fn, []
+
+    def __call__(self, output, index):
+        return self.loss_fn(lambda *args, **kwargs: output, self.micro[int(index)])
+
+
+def pipeline_step(schedule, stage_loss: StageLoss, batch, *, micro_batches: int, has_first: bool, has_last: bool,
+                  context, device: str) -> torch.Tensor:
+    """Forward and backward of one batch through the pipeline schedule; returns the mean micro-batch loss on the
+    last stage (0 elsewhere). ``context()``: what the stages run under (autocast)."""
+    stage_loss.micro = split_batch(batch, micro_batches)
+    args, kwargs = model_call(stage_loss.loss_fn, batch) if has_first else ((), {})
+    target = torch.arange(micro_batches) if has_last else None
+    losses: list = []
+    with context():
+        schedule.step(*args, target=target, losses=losses, **kwargs)
+    if not has_last:
+        return torch.zeros((), device=device)
+    return torch.stack([x.detach().float() for x in losses]).mean()

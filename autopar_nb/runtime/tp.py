@@ -1,28 +1,17 @@
-"""Tensor parallelism with DTensor's ``parallelize_module``, for arbitrary module names.
+"""Tensor parallelism with DTensor's ``parallelize_module``: styles as data, one relative plan per repeated block.
 
-The plan says, per module, ``colwise`` | ``rowwise`` | ``sequence_parallel`` | ``replicate``, and per layer whether
-activations between TP regions are sequence-sharded. :func:`tp_styles` turns that into the text of PyTorch
-``ParallelStyle`` constructors (``"ColwiseParallel(input_layouts=Shard(1))"``); the runtime builds the objects from
-that text and the exported script writes the same text out, so both apply exactly the same thing.
-
-Rules (Megatron-LM / torchtitan):
-
-* ``nn.Linear`` colwise shards the output features, rowwise the input features; a colwise Linear with no rowwise
-  Linear beside it in the same parent (an output head) gathers its output, or keeps it vocab-sharded for
-  ``loss_parallel``.
-* ``nn.Embedding`` rowwise = vocab-parallel (rows), colwise = embedding dim; both take replicated ids.
-* sequence parallelism covers consecutive layers (typically the blocks, the final norm and the head): the first one
-  cuts its replicated input along the sequence (``PrepareModuleInput``, no communication), norms run on sequence
-  shards (``SequenceParallel``), rowwise Linears reduce-scatter to ``Shard(1)``, the module that holds a layer's
-  colwise Linears all-gathers its input once (so code inside it sees the whole sequence), and the first layer after
-  the region gathers the sequence back (or, for an output head, its colwise Linear does). Embeddings always output
-  replicated activations: a position embedding is often added to the token embedding before the first block.
+:class:`TPStyle` describes one PyTorch ``ParallelStyle`` as plain data (which class, which layouts); ``build()`` makes
+the object and ``source()`` the constructor as it is written in the exported script's settings. Which style each
+module gets is decided at export time (:mod:`autopar_nb.export.styles`); the functions below are what the script
+runs (they are copied into it verbatim).
 """
 
 from __future__ import annotations
 
+import fnmatch
+from dataclasses import dataclass
+
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -33,161 +22,121 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-STYLE_NAMES = {
-    "ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel, "SequenceParallel": SequenceParallel,
-    "PrepareModuleInput": PrepareModuleInput, "PrepareModuleOutput": PrepareModuleOutput, "Shard": Shard,
-    "Replicate": Replicate,
-}
+REPLICATE = "replicate"
+"""a layout: the tensor is whole on every TP rank (an int ``d`` is a layout too: sharded on dim ``d``)"""
+STYLE_CLASSES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel,
+                 "prepare_input": PrepareModuleInput, "prepare_output": PrepareModuleOutput}
 
 
-def tp_styles(model: nn.Module, tp_plan: dict[str, str], *, sp_layers: list[str] = (), layers: list[str] = (),
-              loss_parallel: bool = False) -> dict[str, str]:
-    """Module path -> ParallelStyle constructor text, in model order.
+@dataclass(frozen=True)
+class TPStyle:
+    """One ``ParallelStyle`` as data. Layouts are ``REPLICATE`` or a dim to shard on; ``None`` leaves the class
+    default. ``prepare_input``/``prepare_output`` move a module's (single) input/output from ``input_layout`` /
+    ``output_layout`` to ``desired_layout``."""
 
-    ``tp_plan``: module path -> style from the plan; ``sp_layers``: layer paths whose activations are
-    sequence-sharded (a layer holding a ``sequence_parallel`` module is one too); ``layers``: every layer path in
-    model order (to find where the sequence-parallel region ends); ``loss_parallel``: the head's logits stay sharded
-    on the vocabulary for ``loss_parallel()``.
-    """
-    modules = dict(model.named_modules())
-    for path in tp_plan:
-        if path not in modules:
-            raise ValueError(f"the plan shards module {path!r}, which the model does not have; "
-                             f"re-capture the model or fix the override")
-    ordered = [p for p in modules if tp_plan.get(p, "replicate") != "replicate"]
-    # parents of rowwise Linears: a colwise Linear beside one feeds it; one without is an output head
-    row_parents = {p.rpartition(".")[0] for p in ordered
-                   if tp_plan[p] == "rowwise" and isinstance(modules[p], nn.Linear)}
-    region, after = _sp_region(modules, tp_plan, sp_layers, layers)
+    kind: str
+    """colwise | rowwise | sequence_parallel | prepare_input | prepare_output"""
+    input_layout: int | str | None = None
+    output_layout: int | str | None = None
+    desired_layout: int | str | None = None
+    use_local_output: bool | None = None
 
-    def in_sp(path: str) -> str | None:
-        """The sequence-parallel layer that contains ``path``, if any."""
-        for layer in region:
-            if path == layer or path.startswith(layer + "."):
-                return layer
-        return None
+    def __post_init__(self):
+        if self.kind not in STYLE_CLASSES:
+            raise ValueError(f"TP style kind {self.kind!r} unknown; choose one of {', '.join(STYLE_CLASSES)}")
+        for layout in (self.input_layout, self.output_layout, self.desired_layout):
+            if not (layout is None or layout == REPLICATE or (isinstance(layout, int) and
+                                                               not isinstance(layout, bool))):
+                raise ValueError(f"TP layout {layout!r} unknown: {REPLICATE!r} or a dim (int)")
 
-    def fed_sequence_shards(path: str) -> bool:
-        return in_sp(path) is not None or (after is not None and (path == after or path.startswith(after + ".")))
+    def _arguments(self) -> list[tuple[str, object, bool]]:
+        """(keyword, layout or bool, is a tuple of layouts) in constructor order."""
+        prepare = self.kind.startswith("prepare_")
+        side = "output" if self.kind == "prepare_output" else "input"
+        args = []
+        if self.input_layout is not None:
+            args.append(("input_layouts", self.input_layout, prepare))
+        if self.output_layout is not None:
+            args.append(("output_layouts", self.output_layout, prepare))
+        if self.desired_layout is not None:
+            args.append((f"desired_{side}_layouts", self.desired_layout, True))
+        if self.use_local_output is not None:
+            args.append(("use_local_output", self.use_local_output, False))
+        return args
 
-    styles: dict[str, str] = {}
-    if region and region[0] not in tp_plan:
-        # enter: the replicated activations (embeddings' outputs) are cut along the sequence, locally, no comm
-        styles[region[0]] = ("PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), "
-                             "use_local_output=True)")
-    if region and after is None and region[-1] not in tp_plan:
-        # the model's output leaves from inside the region: gather the sequence back
-        if region[-1] in styles:
-            raise NotImplementedError(f"sequence parallelism over the single layer {region[-1]} only is not "
-                                      "supported; extend it over the blocks")
-        styles[region[-1]] = ("PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), "
-                              "use_local_output=True)")
-    if after is not None and after not in tp_plan:
-        # leave: the next layer gets the whole sequence back
-        styles[after] = ("PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), "
-                         "use_local_output=True)")
-    for path in ordered:
-        module, style, sp = modules[path], tp_plan[path], in_sp(path)
-        if isinstance(module, nn.EmbeddingBag):
-            raise NotImplementedError(f"{path}: PyTorch TP does not shard nn.EmbeddingBag; keep it 'replicate' "
-                                      "and shard it with FSDP (zero_stage >= 2), or use nn.Embedding")
-        if style == "sequence_parallel":
-            if sp is None:
-                raise NotImplementedError(f"{path} is 'sequence_parallel' outside the sequence-parallel layers")
-            styles[path] = "SequenceParallel(use_local_output=True)"  # plain tensors between modules
-        elif isinstance(module, nn.Embedding):
-            # replicated output (other embeddings, e.g. positions, are often added to it); the first
-            # sequence-parallel layer cuts the sequence
-            cls = "RowwiseParallel" if style == "rowwise" else "ColwiseParallel"
-            styles[path] = f"{cls}(input_layouts=Replicate(), output_layouts=Replicate())"
-        elif not isinstance(module, nn.Linear):
-            raise NotImplementedError(f"{path} is a {type(module).__name__}: TP styles colwise/rowwise apply to "
-                                      "nn.Linear and nn.Embedding; use 'sequence_parallel' for norms or 'replicate'")
-        elif style == "rowwise":
-            styles[path] = "RowwiseParallel(output_layouts=Shard(1))" if sp else "RowwiseParallel()"
-        elif path.rpartition(".")[0] not in row_parents:  # an output head: no rowwise Linear consumes its shard
-            seq = "Shard(1)" if fed_sequence_shards(path) and styles.get(after) is None else "Replicate()"
-            if loss_parallel:
-                styles[path] = f"ColwiseParallel(input_layouts={seq}, output_layouts=Shard(-1), use_local_output=False)"
-            else:
-                styles[path] = f"ColwiseParallel(input_layouts={seq}, output_layouts=Replicate())"
-        else:
-            parent = path.rpartition(".")[0]
-            if sp and parent != sp and parent.startswith(sp + "."):
-                # gather the sequence once at the entry of the block that holds the colwise Linears
-                styles.setdefault(parent, "PrepareModuleInput(input_layouts=(Shard(1),), "
-                                          "desired_input_layouts=(Replicate(),), use_local_output=True)")
-                styles[path] = "ColwiseParallel()"
-            else:
-                styles[path] = f"ColwiseParallel(input_layouts={'Shard(1)' if sp else 'Replicate()'})"
-    _check_region_params(modules, styles, region)
-    # parents first, so the order reads top-down like a hand-written plan
-    return dict(sorted(styles.items(), key=lambda kv: list(modules).index(kv[0])))
+    @property
+    def class_name(self) -> str:
+        return STYLE_CLASSES[self.kind].__name__
+
+    def build(self):
+        """The ParallelStyle object."""
+        def value(v, many):
+            if isinstance(v, bool):
+                return v
+            placement = Replicate() if v == REPLICATE else Shard(v)
+            return (placement,) if many else placement
+
+        return STYLE_CLASSES[self.kind](**{k: value(v, many) for k, v, many in self._arguments()})
+
+    def source(self) -> str:
+        """The constructor as Python source: ``ColwiseParallel(input_layouts=Shard(1))``."""
+        def text(v, many):
+            if isinstance(v, bool):
+                return repr(v)
+            placement = "Replicate()" if v == REPLICATE else f"Shard({v})"
+            return f"({placement},)" if many else placement
+
+        return f"{self.class_name}({', '.join(f'{k}={text(v, many)}' for k, v, many in self._arguments())})"
+
+    def placements(self) -> set[str]:
+        """Names of the placement classes ``source()`` uses (for the script's imports)."""
+        return {"Replicate" if v == REPLICATE else "Shard" for _, v, _ in self._arguments() if not isinstance(v, bool)}
+
+    def __repr__(self) -> str:
+        return self.source()
 
 
-def _check_region_params(modules: dict[str, nn.Module], styles: dict[str, str], region: list[str]) -> None:
-    """Every parameter that sees sequence shards must belong to a split (TP) or sequence-parallel module; plain
-    parameters there would get the gradient of one rank's tokens only."""
-    gathered = [p for p, text in styles.items() if text.startswith("PrepareModuleInput(input_layouts=(Shard(1),)")]
-    for layer in region:
-        for path, module in modules.items():
-            if not (path == layer or path.startswith(layer + ".")) or not module._parameters:
-                continue
-            if path in styles and not styles[path].startswith("Prepare"):
-                continue
-            if any(path == g or path.startswith(g + ".") for g in gathered if g != layer):
-                continue  # inside a block that gathered the whole sequence
-            raise NotImplementedError(
-                f"{path} ({type(module).__name__}) has parameters and no TP style, but sees sequence shards in the "
-                f"sequence-parallel layer {layer}: split it (colwise/rowwise), mark it 'sequence_parallel' if it is "
-                f"a norm, or turn sequence parallelism off for {layer}")
+def select(model: nn.Module, patterns) -> list[str]:
+    """Module paths of ``model`` matching any of ``patterns`` (``*`` matches one path component, so
+    ``"layers.*"`` is every block of ``model.layers``), in model order; a pattern that matches nothing is skipped
+    (the module may live on another pipeline stage)."""
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+    out = []
+    for path, _ in model.named_modules(remove_duplicate=False):
+        depth = path.count(".")
+        if path not in out and any(p.count(".") == depth and fnmatch.fnmatchcase(path, p) for p in patterns):
+            out.append(path)
+    return out
 
 
-def _sp_region(modules: dict[str, nn.Module], tp_plan: dict[str, str], sp_layers, layers
-               ) -> tuple[list[str], str | None]:
-    """The consecutive layers whose activations are sequence-sharded, and the first layer after them.
-
-    Embedding layers and layers without parameters neither start nor end the region (embeddings output replicated
-    activations; rotary tables, activations and dropout layers carry no sharding decision)."""
-    flagged = set(sp_layers) | {layer for layer in layers for path, style in tp_plan.items()
-                                if style == "sequence_parallel" and (path == layer or path.startswith(layer + "."))}
-    if not flagged:
-        return [], None
-    layers = list(layers) or sorted(flagged, key=list(modules).index)
-
-    def counts(path: str) -> bool:
-        m = modules.get(path)
-        return m is not None and not isinstance(m, (nn.Embedding, nn.EmbeddingBag)) \
-            and any(True for _ in m.parameters())
-
-    def split(layer: str) -> bool:
-        return any(path == layer or path.startswith(layer + ".") for path, style in tp_plan.items()
-                   if style != "replicate")
-
-    candidates = [layer for layer in layers if counts(layer)]
-    # a flagged layer that TP leaves whole (e.g. a replicated head) gets the whole sequence instead: its plain
-    # parameters would otherwise see one rank's tokens and never sum their gradients over the TP ranks
-    region = [layer for layer in candidates if layer in flagged and split(layer)]
-    if not region:
-        return [], None
-    i, j = candidates.index(region[0]), candidates.index(region[-1])
-    if candidates[i:j + 1] != region:
-        gaps = [layer for layer in candidates[i:j + 1] if layer not in flagged]
-        raise NotImplementedError(f"sequence parallelism must cover consecutive layers; {', '.join(gaps)} "
-                                  f"between {region[0]} and {region[-1]} are not sequence-parallel")
-    if tp_plan.get(region[0]) == "sequence_parallel":
-        raise NotImplementedError(f"the first sequence-parallel layer {region[0]} is itself a norm: start sequence "
-                                  "parallelism at a block (a module holding the norm and the Linears)")
-    return region, candidates[j + 1] if j + 1 < len(candidates) else None
+def apply_tp(model: nn.Module, tp_mesh, plan: dict, *, layer_plans: dict | None = None) -> None:
+    """Tensor parallelism as torchtitan writes it: each of ``layer_plans`` (blocks pattern such as ``"layers.*"`` ->
+    a plan with paths relative to a block) on every matching block, then ``plan`` (paths from the root: embeddings,
+    final norm, head). Entries for modules this pipeline stage does not hold are skipped."""
+    held = dict(model.named_modules())
+    for pattern, layer_plan in (layer_plans or {}).items():
+        for path in select(model, pattern):
+            inside = dict(held[path].named_modules())
+            parallelize_module(held[path], tp_mesh, {k: v for k, v in layer_plan.items() if k in inside})
+    parallelize_module(model, tp_mesh, {k: v for k, v in plan.items() if k in held})
 
 
-def build_style(text: str):
-    """The ParallelStyle object for constructor text made by :func:`tp_styles`."""
-    return eval(text, {"__builtins__": {}}, STYLE_NAMES)  # text made by tp_styles only
-
-
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, styles: dict[str, str]) -> nn.Module:
-    """``parallelize_module`` with the styles from :func:`tp_styles` (module path -> constructor text)."""
-    if styles:
-        parallelize_module(model, tp_mesh, {path: build_style(text) for path, text in styles.items()})
-    return model
+def tie_parameters(model: nn.Module, ties: list[list[str]]) -> None:
+    """Make each group of parameter paths (e.g. ``["wte.weight", "lm_head.weight"]``) one parameter again, the
+    first one's. ``parallelize_module`` gives every module its own new DTensor, which unties weights the model
+    shares (an embedding tied to its output head); both sides must be sharded alike (vocab rows: rowwise embedding,
+    colwise head)."""
+    held = dict(model.named_parameters(remove_duplicate=False))
+    for group in ties:
+        present = [p for p in group if p in held]
+        if len(present) < 2:
+            continue  # the other side is on another pipeline stage
+        first = held[present[0]]
+        for path in present[1:]:
+            other = held[path]
+            if getattr(other, "placements", None) != getattr(first, "placements", None) or other.shape != first.shape:
+                raise ValueError(f"tied parameters {present[0]} and {path} are laid out differently "
+                                 f"({getattr(first, 'placements', 'whole')} vs {getattr(other, 'placements', 'whole')})"
+                                 ": shard both on the vocabulary (rowwise embedding, colwise head) or neither")
+            owner, _, name = path.rpartition(".")
+            model.get_submodule(owner).register_parameter(name, first)

@@ -1,0 +1,337 @@
+"""The exported script's text: settings as literals, the cell verbatim, the runtime's functions verbatim
+(:mod:`.kit`), and two short functions written for the plan, ``parallelize`` and ``main``'s body, that only call them.
+
+Every value from the plan reaches the text through ``repr`` of a checked Python value (or a ``TPStyle``'s
+constructor), never pasted as code.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import textwrap
+from pathlib import Path
+from string import Template
+
+from ..plan import Plan
+from ..source import ModelSource
+from . import kit
+from .values import ScriptValues
+
+TEMPLATE = Path(__file__).with_name("script.py.tmpl")
+TORCH_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "bfloat16": "torch.bfloat16",
+                "float16": "torch.float16", "float32": "torch.float32", "fp32": "torch.float32"}
+SCRIPT_NAMES = ("parallelize", "parse_args", "main")
+"""functions the template itself defines"""
+TEMPLATE_IMPORTS = {("argparse", None, None), ("gc", None, None), ("traceback", None, None),
+                    ("torch", None, None), ("torch.distributed", None, "dist"),
+                    ("torch.distributed.elastic.multiprocessing.errors", "record", None)}
+
+
+def literal(value, indent: int = 0, width: int = 120) -> str:
+    """``value`` (plain data: numbers, strings, bools, None, lists, tuples, dicts) as Python source with double
+    quotes, on one line when it fits ``width`` minus ``indent``, else one item per line."""
+    text = _one_line(value)
+    if indent + len(text) > width and isinstance(value, (list, tuple, dict)) and value:
+        pad = " " * (indent + 4)
+        items = ([f"{_one_line(k)}: {literal(v, indent + 4, width)}" for k, v in value.items()]
+                 if isinstance(value, dict) else [literal(v, indent + 4, width) for v in value])
+        opening, closing = {dict: "{}", list: "[]", tuple: "()"}[type(value)]
+        text = opening + "\n" + "".join(f"{pad}{item},\n" for item in items) + " " * indent + closing
+    if ast.literal_eval(text) != value:  # plain data only, never code
+        raise ValueError(f"{value!r} is not plain data")
+    return text
+
+
+def _one_line(value) -> str:
+    if isinstance(value, str):
+        text = json.dumps(value)  # a JSON string is a Python string literal (double quotes, escapes)
+        return text if ast.literal_eval(text) == value else repr(value)
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_one_line(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_one_line(k)}: {_one_line(v)}" for k, v in value.items()) + "}"
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    raise TypeError(f"{type(value).__name__} is not plain data")
+
+
+def style_dict(styles: dict, indent: int = 0) -> str:
+    """A ``{path: ParallelStyle(...)}`` literal (nested for block plans), one entry per line, wrapped at 120."""
+    pad = " " * (indent + 4)
+    lines = []
+    for path, style in styles.items():
+        if isinstance(style, dict):
+            lines.append(f"{pad}{_one_line(path)}: {style_dict(style, indent + 4)},")
+            continue
+        line = f"{pad}{_one_line(path)}: {style.source()},"
+        if len(line) > 120:
+            head, _, args = style.source().partition("(")
+            line = f"{pad}{_one_line(path)}: {head}(\n{pad}    {args},"
+        lines.append(line)
+    return "{\n" + "\n".join(lines) + "\n" + " " * indent + "}" if lines else "{}"
+
+
+def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]:
+    """The settings block (``NAME = value  # where it came from``) and the names it needs imported."""
+    m, o, pr = plan.mesh, plan.optimizer, plan.precision
+    imports: set = set()
+    s = [f"SEED = {seed!r}  # every process seeds the same before building the model",
+         f"PP, DP, TP = {m.pp!r}, {m.dp!r}, {m.tp!r}  # plan.mesh: world = PP * DP * TP = {m.world_size}",
+         f"ZERO_STAGE = {m.zero_stage!r}  # 0 DDP, 1 + sharded optimizer, 2 + sharded gradients, 3 + sharded params",
+         f"MICRO_BATCHES = {v.micro_batches!r}  # plan.batch.micro_batches: "
+         + ("pipeline micro-batches" if v.pp > 1 else "gradient accumulation steps")]
+    if v.pp > 1:
+        s += [f"NUM_STAGES = {v.num_stages!r}  # mesh.pp * pipeline.virtual_stages",
+              f"SCHEDULE = {_one_line(v.schedule)}  # plan.pipeline.schedule",
+              f"STAGE_BOUNDARIES = {literal(v.boundaries, width=64)}  # plan.layers[*].stage: each stage's first layer"]
+    if pr.amp != "none":
+        s.append(f"AMP_DTYPE = {TORCH_DTYPES[pr.amp]}  # plan.precision.amp: autocast dtype of the forward pass")
+    if v.fsdp and (pr.param_dtype, pr.reduce_dtype) != ("float32", "float32"):
+        s.append(f"PARAM_DTYPE, REDUCE_DTYPE = {TORCH_DTYPES[pr.param_dtype]}, {TORCH_DTYPES[pr.reduce_dtype]}"
+                 "  # plan.precision")
+    if pr.amp == "fp16":
+        s.append(f"INIT_LOSS_SCALE = {float(pr.init_loss_scale)!r}  # plan.precision.init_loss_scale")
+        s.append(f"DYNAMIC_LOSS_SCALE = {bool(pr.dynamic_loss_scale)!r}  # plan.precision.dynamic_loss_scale")
+        s.append(f"GROWTH_INTERVAL = {int(pr.growth_interval)!r}  # plan.precision.growth_interval")
+    s += [f"OPTIMIZER = {_one_line(o.name)}  # plan.optimizer",
+          f"LR = {float(o.lr)!r}",
+          f"WEIGHT_DECAY = {float(o.weight_decay)!r}",
+          f"BETAS = {tuple(float(b) for b in o.betas)!r}",
+          f"WARMUP = {int(getattr(o, 'warmup_steps', 0))!r}  # steps of linear learning-rate warm-up",
+          f"LR_SCHEDULE = {_one_line(getattr(o, 'lr_schedule', 'constant'))}  # cosine decay or constant after warm-up",
+          f"MIN_LR_RATIO = {float(getattr(o, 'min_lr_ratio', 0.1))!r}  # the cosine's end, relative to LR",
+          f"GRAD_CLIP = {float(getattr(o, 'grad_clip', 0.0) or 0.0)!r}  # max global gradient norm; 0: no clipping"]
+    if v.defaults:
+        s += [f"BATCH_SIZE = {v.defaults['batch_size']!r}  # samples per data-parallel rank and step (synthetic data)",
+              f"INT_HIGH = {v.defaults['int_high']!r}  # synthetic ids are drawn from [0, INT_HIGH): the smallest "
+              "embedding table",
+              f"CAUSAL = {v.defaults['causal']!r}  # the default loss predicts the next token (False: the same one)"]
+    if v.ties:
+        s.append(f"TIES = {literal(v.ties, width=40)}  # parameters the model shares (kept one parameter when sharded)")
+    if v.tp > 1:
+        s.append("# tensor parallelism (plan: layers[*].tp, .sequence_parallel, loss_parallel): one plan for the "
+                 "blocks of")
+        s.append("# each module list (paths relative to a block), one for the modules around them")
+        if v.block_tp_plans:
+            s.append(f"BLOCK_TP_PLANS = {style_dict(v.block_tp_plans)}")
+        s.append(f"TP_PLAN = {style_dict(v.tp_plan)}")
+        styles = [*v.tp_plan.values(), *(x for p in v.block_tp_plans.values() for x in p.values())]
+        imports |= {("torch.distributed.tensor.parallel", st.class_name, None) for st in styles}
+        imports |= {("torch.distributed.tensor", name, None) for st in styles for name in st.placements()}
+    if v.recompute:
+        s.append(f"RECOMPUTE = {literal(v.recompute, width=60)}  # plan.layers[*].recompute: \"*\" is every block")
+    if v.fsdp:
+        s.append(f"FSDP_UNITS = {literal(v.fsdp_units, width=60)}  # plan.layers[*].fsdp: a list is one unit")
+    return s, imports
+
+
+def parallelize_source(v: ScriptValues) -> tuple[str, list[str]]:
+    """``parallelize(model, mesh, device[, stage_ids, example])``: the runtime's technique functions called in
+    torchtitan's order, and the runtime names it calls."""
+    calls, uses = [], []
+    if v.tp > 1:
+        calls += ["# 1. TP first: it turns parameters into DTensors, which AC and FSDP must see",
+                  "apply_tp(part, mesh[\"tp\"], TP_PLAN" + (", layer_plans=BLOCK_TP_PLANS)" if v.block_tp_plans
+                                                            else ")")]
+        uses.append("apply_tp")
+        if v.ties:
+            calls.append("tie_parameters(part, TIES)  # parallelize_module gave each side its own DTensor")
+            uses.append("tie_parameters")
+    if v.recompute:
+        calls += ["# 2. activation checkpointing around whole layers, before FSDP so that FSDP's all-gathers stay",
+                  "#    outside the recomputed region", "apply_ac(part, RECOMPUTE)"]
+        uses.append("apply_ac")
+    if v.fsdp:
+        mixed = ", param_dtype=PARAM_DTYPE, reduce_dtype=REDUCE_DTYPE" if (v.param_dtype, v.reduce_dtype) != (
+            "float32", "float32") else ""
+        calls += [f"# 3. FSDP last (ZeRO-{v.zero_stage}), over the TP-sharded, checkpoint-wrapped modules",
+                  f"apply_fsdp(part, mesh[\"dp\"], units=FSDP_UNITS, reshard_after_forward={v.zero_stage == 3}{mixed})"]
+        uses.append("apply_fsdp")
+    elif v.ddp:
+        calls += ["# 3. data parallelism last: DDP" + (" (ZeRO-1 shards the optimizer)" if v.zero1 else ""),
+                  "part = apply_ddp(part, mesh[\"dp\"].get_group(), device=device)"]
+        uses.append("apply_ddp")
+    head = ['def parallelize(model, mesh, device' + (', stage_ids, example):' if v.pp > 1 else '):'),
+            '    """The plan applied to the pieces of the model this rank holds (one, or one per pipeline stage)."""']
+    if v.pp > 1:
+        head += ["    # pipeline stages: trace the model on one micro-batch, cut it before each stage's first layer",
+                 "    stages, whole = split_model(model, boundaries=STAGE_BOUNDARIES, microbatch=example)",
+                 "    shapes = boundary_values(whole, stages, example)" if v.static_shapes else
+                 "    shapes = None  # sequence shards cross a cut: the stages infer their shapes",
+                 "    parts = []", "    for part in [stages[i] for i in stage_ids]:"]
+        uses += ["split_model", "boundary_values"] if v.static_shapes else ["split_model"]
+        body = [f"        {c}" for c in calls] + ["        parts.append(part)", "    return parts, shapes"]
+    else:
+        body = ["    part = model"] + [f"    {c}" for c in calls] + ["    return [part]"]
+    return "\n".join(head + body), uses
+
+
+def call(target: str, *args: str, indent: int = 0, width: int = 120, **kwargs: str) -> str:
+    """``target(args..., key=value...)`` as source (arguments are source text) for a line where ``target`` starts at
+    column ``indent``, wrapped at ``width`` with continuation lines aligned to the opening parenthesis."""
+    items = [*args, *(f"{k}={val}" for k, val in kwargs.items())]
+    line = " " * indent + f"{target}("
+    lines, pad = [], " " * len(line)
+    for i, item in enumerate(items):
+        text = item + (")" if i == len(items) - 1 else ",")
+        sep = "" if line.endswith("(") else " "
+        if len(line) + len(sep) + len(text) > width and sep:
+            lines.append(line)
+            line, sep = pad, ""
+        line += sep + text
+    lines.append(line if items else line + ")")
+    return "\n".join(lines)[indent:]
+
+
+def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
+    """The body of ``main``'s ``try``: build, parallelize, optimizer, forward/backward, train; and the runtime names
+    it calls."""
+    uses = ["init_distributed", "build_mesh", "Metrics", "build_optimizer", "train", "print_parameter_counts"]
+    mv, ind = source.model_var, 8
+    if source.make_batch_var:
+        batches = source.make_batch_var
+    else:
+        batches = call("functools.partial", "synthetic_batch", source.inputs_var, batch_size="BATCH_SIZE",
+                       int_high="INT_HIGH", indent=len("make_batch_fn = "), width=120 - ind)
+        uses.append("synthetic_batch")
+    if source.loss_fn_var:
+        loss = source.loss_fn_var
+    else:
+        loss = "functools.partial(default_loss, causal=CAUSAL)"
+        uses.append("default_loss")
+    lines = [f"make_batch_fn = {batches}", f"loss = {loss}", "dp_rank = mesh[\"dp\"].get_local_rank()"]
+    if v.meta_init:
+        lines += [f"skeleton = copy.deepcopy({mv})  # unsharded, on meta: the initialisation below reads it",
+                  f"net = {mv}"]
+        uses.append("materialize")
+    else:
+        lines.append(f"net = {mv}.to(device)")
+    if v.sync_batchnorm:
+        lines.append("net = apply_sync_batchnorm(net, mesh[\"dp\"].get_group(), device=device)  # plan.sync_batchnorm")
+        uses.append("apply_sync_batchnorm")
+    context = call("functools.partial", "step_context", "device", **({"amp_dtype": "AMP_DTYPE"} if v.amp != "none"
+                                                                      else {}),
+                   **({"vocab_parallel": "True"} if v.vocab_parallel else {}))
+    uses.append("step_context")
+    if v.pp > 1:
+        uses += ["stage_ids", "split_batch", "to_device", "model_call", "build_stage", "StageLoss", "build_schedule",
+                 "pipeline_step"]
+        lines += ["ids = stage_ids(mesh[\"pp\"].get_local_rank(), PP, NUM_STAGES, SCHEDULE)  # the stages held here",
+                  "example = model_call(loss, split_batch(to_device(make_batch_fn(0, dp_rank), device), "
+                  "MICRO_BATCHES)[0])",
+                  "parts, shapes = parallelize(net, mesh, device, ids, example)"]
+    else:
+        lines.append("parts = parallelize(net, mesh, device)")
+    if v.meta_init:
+        lines.append("materialize(parts, skeleton, device=device, seed=SEED)  # local shards only, layer by layer")
+    lines.append("params = [p for part in parts for p in part.parameters()]")
+    lines.append("optimizer = " + call("build_optimizer", "params", "OPTIMIZER", lr="args.lr",
+                                       weight_decay="WEIGHT_DECAY", betas="BETAS", indent=12, width=120 - ind,
+                                       **({"zero1_group": "mesh[\"dp\"].get_group()"} if v.zero1 else {})))
+    scaler = "None"
+    if v.amp == "fp16":
+        uses.append("grad_scaler")
+        lines.append("scaler = " + call("grad_scaler", "device", init_scale="INIT_LOSS_SCALE",
+                                        dynamic="DYNAMIC_LOSS_SCALE", growth_interval="GROWTH_INTERVAL",
+                                        sharded=str(v.fsdp), indent=9, width=120 - ind))
+        scaler = "scaler"
+    if v.pp > 1:
+        lines += ["stages = [" + call("build_stage", "part", "i", "NUM_STAGES", device="torch.device(device)",
+                                      pp_group="mesh[\"pp\"].get_group()", values="shapes", indent=10, width=120 - ind),
+                  "          for part, i in zip(parts, ids, strict=True)]",
+                  "stage_loss = StageLoss(loss)  # the cell's loss on the last stage",
+                  "schedule = " + call("build_schedule", "stages", schedule="SCHEDULE", n_microbatches="MICRO_BATCHES",
+                                       loss_fn="stage_loss", indent=11, width=120 - ind),
+                  "forward_backward = " + call("functools.partial", "pipeline_step", "schedule", "stage_loss",
+                                               micro_batches="MICRO_BATCHES", has_first="0 in ids",
+                                               has_last="NUM_STAGES - 1 in ids", device="device", context=context,
+                                               indent=19, width=120 - ind),
+                  "counts_loss = NUM_STAGES - 1 in ids and mesh[\"tp\"].get_local_rank() == 0"]
+    else:
+        uses.append("accumulate")
+        lines += ["forward_backward = " + call("functools.partial", "accumulate", "parts[0]",
+                                               micro_batches="MICRO_BATCHES", loss_fn="loss", context=context,
+                                               scaler=scaler, zero_stage="ZERO_STAGE", indent=19, width=120 - ind),
+                  "counts_loss = mesh[\"tp\"].get_local_rank() == 0  # one loss per model replica"]
+    lines += ["if args.dry_run:", "    print_parameter_counts(parts)", "else:",
+              "    " + call("train", "args", "parts", "optimizer", forward_backward="forward_backward",
+                            make_batch="make_batch_fn", dp_rank="dp_rank", device="device", dp="DP",
+                            counts_loss="counts_loss", metrics="metrics", scaler=scaler,
+                            pp_group="mesh[\"pp\"].get_group()" if v.pp > 1 else "None", tokens=str(v.tokens),
+                            observer="observer", indent=4, width=120 - ind)]
+    return "\n".join(" " * ind + line for line in "\n".join(lines).splitlines()), uses
+
+
+def render_script(source: ModelSource, plan: Plan, v: ScriptValues, *, script_name: str, plan_file: str,
+                  steps: int, seed: int, commands: list[str], nodes: int) -> str:
+    """The whole script (see the module docstring)."""
+    setting_lines, setting_imports = settings(v, plan, seed=seed)
+    par, par_uses = parallelize_source(v)
+    body, main_uses = main_source(v, source)
+    assembly = kit.assemble([*par_uses, *main_uses])
+    std = {("functools", None, None)} | ({("copy", None, None)} if v.meta_init else set())
+    _check_names(source, assembly.names)
+    imports = _without_cell_imports(assembly.imports | TEMPLATE_IMPORTS | std, source, keep=setting_imports)
+    world = plan.mesh.world_size
+    return Template(TEMPLATE.read_text()).substitute(
+        model_name=v.model_class, summary=plan.summary(), nproc=world, plan_file=plan_file,
+        intro=textwrap.fill(f"Exported by autopar-nb from a notebook cell. The cell is kept verbatim below; the plan "
+                            f"({plan_file} beside this file) is applied by the functions of autopar_nb.runtime, "
+                            "copied below; nothing but torch (and the cell's own imports) is needed.", width=116),
+        cmd_one=commands[0], cmd_multi=commands[1].replace(" --rdzv-id", " \\\n        --rdzv-id"), nnodes=nodes,
+        per_node=f"{max(1, world // nodes)} process{'es' if world // nodes > 1 else ''}",
+        imports="\n\n".join(kit.import_lines(imports, setting_imports)),
+        settings="\n".join(setting_lines), cell=_cell(source, v), kit=assembly.source(), parallelize=par,
+        steps=int(steps), main=body)
+
+
+def _cell(source: ModelSource, v: ScriptValues) -> str:
+    cell = source.code.rstrip("\n")
+    if v.meta_init:
+        cell = ("torch.set_default_device(\"meta\")  # the model is too large to build whole: shapes only, no "
+                "storage\n" + cell + "\ntorch.set_default_device(None)")
+    return cell
+
+
+def _cell_imports(source: ModelSource) -> dict[str, tuple]:
+    """The cell's top-level imports: bound name -> (module, name or None, alias or None), as :mod:`.kit` writes them."""
+    out = {}
+    for node in ast.parse(source.code).body:
+        if isinstance(node, ast.Import):
+            out |= {a.asname or a.name.split(".")[0]: (a.name, None, a.asname) for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out |= {a.asname or a.name: (node.module, a.name, a.asname) for a in node.names}
+    return out
+
+
+def _without_cell_imports(imports: set, source: ModelSource, *, keep: set) -> set:
+    """The script's imports minus those the cell makes itself (the cell runs before the runtime code needs them; a
+    second import of the same name would be dead code). ``torch`` and what the settings use stay: they are needed
+    before the cell. A cell that binds a name the runtime uses to something else is an error."""
+    bound = {i[2] or (i[1] if i[1] else i[0].split(".")[0]): i for i in imports}
+    out = set(imports)
+    for name, what in _cell_imports(source).items():
+        if name not in bound:
+            continue
+        if bound[name] != what and not (what[1] is None and bound[name][1] is None and what[0].split(".")[0] == name):
+            raise ValueError(f"the cell imports {name!r} as {what}, but the exported script's runtime code uses "
+                             f"{name!r} for {bound[name]}: import it under another name in the cell")
+        if bound[name] == what and what not in keep and what != ("torch", None, None):
+            out.discard(what)
+    return out
+
+
+def _check_names(source: ModelSource, runtime_names: list[str]) -> None:
+    """The cell's own top-level names must not be taken by the runtime code the script carries."""
+    defined = set()
+    for node in ast.parse(source.code).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.Assign):
+            defined |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    taken = sorted(defined & (set(runtime_names) | set(SCRIPT_NAMES)))
+    if taken:
+        raise ValueError(f"the cell defines {', '.join(taken)}, which the exported script uses for its own code: "
+                         f"rename {'it' if len(taken) == 1 else 'them'} in the cell")

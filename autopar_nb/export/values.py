@@ -1,0 +1,199 @@
+"""A Plan as the plain values an exported script is written with: mesh sizes, styles per module, recompute and FSDP
+units as patterns over repeated blocks, stage boundaries, tied parameters.
+
+Everything here is decided once, at export time, from the plan and the model (built on the meta device); the
+script holds the values as literals, and the runtime functions it carries read them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.nn as nn
+
+from ..plan import Plan, PlanError
+from ..runtime.data import default_batch_size, first_tensor, is_causal_lm, smallest_table
+from ..runtime.pp import SCHEDULES, stage_boundaries
+from ..runtime.tp import TPStyle
+from ..source import ModelSource
+from .styles import tp_styles
+
+META_INIT_PARAMS = 2**30
+"""models with more parameters than this are built on the meta device and initialised shard by shard by default"""
+
+
+@dataclass
+class ScriptValues:
+    """What the script of one plan is written with (see the module docstring)."""
+
+    pp: int
+    dp: int
+    tp: int
+    zero_stage: int
+    micro_batches: int
+    num_stages: int = 1
+    schedule: str = "1f1b"
+    boundaries: list[str] = field(default_factory=list)
+    """pipeline cut points: the first layer of every stage but the first"""
+    static_shapes: bool = True
+    """pipeline stages get their boundary shapes from one traced micro-batch (False: sequence shards cross a cut)"""
+    tp_plan: dict[str, TPStyle] = field(default_factory=dict)
+    """module path -> style, for modules outside repeated blocks (and blocks' own entry/exit styles)"""
+    block_tp_plans: dict[str, dict[str, TPStyle]] = field(default_factory=dict)
+    """blocks pattern ("layers.*") -> relative path -> style: one plan applied to every block"""
+    vocab_parallel: bool = False
+    ties: list[list[str]] = field(default_factory=list)
+    """groups of parameter paths that are one parameter (an embedding tied to its output head)"""
+    recompute: dict[str, str] = field(default_factory=dict)
+    """pattern -> "full" | "selective\""""
+    fsdp_units: list[Any] = field(default_factory=list)
+    """patterns (each match its own unit) or lists of paths (one unit together)"""
+    sync_batchnorm: bool = False
+    meta_init: bool = False
+    amp: str = "none"
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    defaults: dict[str, Any] = field(default_factory=dict)
+    """synthetic data and the default loss, when the cell defines none: batch_size, int_high, causal"""
+    tokens: bool = False
+    """the inputs are token ids (throughput in tokens/s)"""
+    model_class: str = ""
+
+    @property
+    def fsdp(self) -> bool:
+        return self.dp > 1 and self.zero_stage >= 2
+
+    @property
+    def ddp(self) -> bool:
+        return self.dp > 1 and self.zero_stage < 2
+
+    @property
+    def zero1(self) -> bool:
+        return self.dp > 1 and self.zero_stage == 1
+
+
+def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: bool | None = None) -> ScriptValues:
+    """The values of ``plan``'s script for the model ``source`` builds; raises PlanError (or NotImplementedError for
+    what PyTorch cannot run) before anything is written."""
+    m, pr = plan.mesh, plan.precision
+    model, inputs, _ = source.build(device="meta", seed=seed)
+    _check_runnable(plan)
+    v = ScriptValues(pp=m.pp, dp=m.dp, tp=m.tp, zero_stage=m.zero_stage, micro_batches=plan.batch.micro_batches,
+                     sync_batchnorm=plan.sync_batchnorm and m.dp > 1, amp=pr.amp, param_dtype=pr.param_dtype,
+                     reduce_dtype=pr.reduce_dtype, model_class=type(model).__name__)
+    num_params = sum(p.numel() for p in model.parameters())
+    v.meta_init = num_params > META_INIT_PARAMS if meta_init is None else meta_init
+    first = first_tensor(inputs)
+    v.tokens = first.dim() == 2 and not first.is_floating_point()
+    if source.loss_fn_var is None or source.make_batch_var is None:
+        v.defaults = {"batch_size": default_batch_size(inputs, dp=m.dp, global_batch=plan.batch.global_batch),
+                      "int_high": smallest_table(model), "causal": is_causal_lm(model)}
+    v.ties = tied_parameters(model)
+    if m.tp > 1:
+        styles = tp_styles(model, plan.tp_plan, sp_layers=[lp.path for lp in plan.layers if lp.sequence_parallel],
+                           layers=[lp.path for lp in plan.layers], loss_parallel=plan.loss_parallel)
+        v.tp_plan, v.block_tp_plans = relative_plans(model, styles)
+        v.vocab_parallel = plan.loss_parallel
+    if m.pp > 1:
+        v.num_stages = m.pp * plan.pipeline.virtual_stages
+        v.schedule = plan.pipeline.schedule
+        v.boundaries = stage_boundaries(plan.stage_layers())
+        v.static_shapes = not any(s.output_layout == 1 for s in [*v.tp_plan.values(),
+                                                                  *(x for p in v.block_tp_plans.values()
+                                                                    for x in p.values())])
+    by_mode: dict[str, list[str]] = {}
+    for lp in plan.layers:
+        if lp.recompute != "none":
+            by_mode.setdefault(lp.recompute, []).append(lp.path)
+    v.recompute = {pattern: mode for mode, paths in by_mode.items() for pattern in compress(model, paths)}
+    if v.fsdp:
+        v.fsdp_units = fsdp_units(model, plan, v.ties)
+    return v
+
+
+def _check_runnable(plan: Plan) -> None:
+    m, pr = plan.mesh, plan.precision
+    if m.tp > 1 and m.dp > 1 and m.zero_stage < 2:
+        raise NotImplementedError(f"dp({m.dp}) x tp({m.tp}) needs FSDP over dp: set mesh.zero_stage to 2 or 3 "
+                                  "(DDP does not take DTensor parameters)")
+    if plan.sync_batchnorm and m.dp > 1 and m.pp > 1:
+        raise NotImplementedError("sync_batchnorm with pipelining is not supported")
+    if m.pp > 1 and (pr.amp == "fp16" or plan.loss_parallel):
+        raise NotImplementedError("pipelining with fp16 loss scaling or loss_parallel is not supported; use bf16 "
+                                  "and a replicated output head with pp > 1")
+    if plan.pipeline.schedule not in SCHEDULES:
+        raise PlanError(f"pipeline.schedule {plan.pipeline.schedule!r} unknown")
+
+
+def tied_parameters(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter paths that are the same tensor (by identity), in model order."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [paths for paths in groups.values() if len(paths) > 1]
+
+
+def _containers(model: nn.Module) -> dict[str, list[str]]:
+    """Paths of module lists/dicts (repeated blocks) -> their children's paths."""
+    out = {}
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > 1:
+            out[path] = [f"{path}.{name}" if path else name for name, _ in module.named_children()]
+    return out
+
+
+def compress(model: nn.Module, paths: list[str]) -> list[str]:
+    """``paths`` (in model order) with every complete set of blocks of a module list written as one pattern
+    (``"layers.*"``), where its first block was."""
+    complete = {c: f"{c}.*" if c else "*" for c, children in _containers(model).items() if set(children) <= set(paths)}
+    out: list[str] = []
+    for path in paths:
+        pattern = complete.get(path.rpartition(".")[0], path) if "." in path or "" in complete else path
+        if pattern not in out:
+            out.append(pattern)
+    return out
+
+
+def relative_plans(model: nn.Module, styles: dict[str, TPStyle]) -> tuple[dict[str, TPStyle], dict[str, dict]]:
+    """torchtitan's TP layout: one relative plan for the blocks of each module list that share it, absolute paths
+    for everything else (the modules around the blocks, blocks' own entry/exit styles, blocks that differ)."""
+    absolute = dict(styles)
+    blocks: dict[str, dict[str, TPStyle]] = {}
+    for container, children in _containers(model).items():
+        rel = {child: {p[len(child) + 1:]: s for p, s in styles.items() if p.startswith(child + ".")}
+               for child in children}
+        common, count = Counter(tuple(sorted(r.items())) for r in rel.values()).most_common(1)[0]
+        if not common or count < 2:
+            continue
+        same = [c for c in children if tuple(sorted(rel[c].items())) == common]
+        if len(same) < len(children):
+            continue  # an override made some blocks differ: keep them all absolute (explicit beats clever)
+        plan = {k: s for k, s in sorted(common, key=lambda kv: _module_order(model, f"{children[0]}.{kv[0]}"))}
+        blocks[f"{container}.*" if container else "*"] = plan
+        for child in same:
+            for k in rel[child]:
+                absolute.pop(f"{child}.{k}")
+    return absolute, blocks
+
+
+def _module_order(model: nn.Module, path: str) -> int:
+    return list(dict(model.named_modules())).index(path)
+
+
+def fsdp_units(model: nn.Module, plan: Plan, ties: list[list[str]]) -> list[Any]:
+    """FSDP units from the plan's layers: each layer with ``fsdp`` and parameters of its own; the final norm and the
+    head together (torchtitan's ``[norm, output]``); layers holding a tied parameter stay in the root unit."""
+    modules = dict(model.named_modules())
+    tied = {p.rpartition(".")[0] for group in ties for p in group}
+
+    def holds_tie(path: str) -> bool:
+        return any(t == path or t.startswith(path + ".") for t in tied)
+
+    layers = [lp.path for lp in plan.layers if lp.fsdp and lp.path in modules and not holds_tie(lp.path)
+              and any(True for _ in modules[lp.path].parameters())]
+    tail: list[Any] = []
+    if len(layers) >= 2 and layers[-1] == plan.layers[-1].path and "norm" in type(modules[layers[-2]]).__name__.lower():
+        tail, layers = [layers[-2:]], layers[:-2]
+    return [*compress(model, layers), *tail]

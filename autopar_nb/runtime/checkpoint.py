@@ -1,0 +1,61 @@
+"""Distributed checkpoints (DCP): every rank writes its shards; a checkpoint loads at another world size or layout.
+
+A checkpoint counts once every rank finished writing it (a ``COMPLETE`` marker after a barrier), so a run killed in
+the middle of a save resumes from the one before. ZeRO-1's ``ZeroRedundancyOptimizer`` has no DCP state dict: its
+shards are one file per rank (resume with the same data-parallel size).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+# optimizer state keyed by parameter name, so each pipeline rank's share is its own set of keys
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def latest_checkpoint(ckpt_dir: str | None) -> str | None:
+    """The newest ``step_N`` folder of ``ckpt_dir`` whose save finished on every rank."""
+    if not ckpt_dir or not os.path.isdir(ckpt_dir):
+        return None
+    steps = [int(d.removeprefix("step_")) for d in os.listdir(ckpt_dir)
+             if d.startswith("step_") and os.path.exists(os.path.join(ckpt_dir, d, "COMPLETE"))]
+    return os.path.join(ckpt_dir, f"step_{max(steps)}") if steps else None
+
+
+def _states(model, optimizer):
+    """(model state, optimizer state or None when ZeRO-1 keeps its own) in DCP's form."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return get_state_dict(model, [])[0], None
+    return get_state_dict(model, optimizer, options=FLAT)
+
+
+def save_checkpoint(path: str, model, optimizer, step: int) -> None:
+    """Write ``model`` (a module, or a ModuleList of this rank's pipeline stages), ``optimizer`` and ``step``."""
+    model_sd, optim_sd = _states(model, optimizer)
+    state = {"model": model_sd, "step": step} | ({"optim": optim_sd} if optim_sd is not None else {})
+    dcp.save(state, checkpoint_id=path)
+    if optim_sd is None:
+        torch.save(optimizer.optim.state_dict(), os.path.join(path, f"zero1_rank{dist.get_rank()}.pt"))
+    dist.barrier()  # every rank's shards are on disk before the checkpoint counts
+    if dist.get_rank() == 0:
+        open(os.path.join(path, "COMPLETE"), "w").close()
+
+
+def load_checkpoint(path: str, model, optimizer) -> int:
+    """Read a checkpoint written by :func:`save_checkpoint` into ``model`` and ``optimizer``; returns its step."""
+    model_sd, optim_sd = _states(model, optimizer)
+    state = {"model": model_sd, "step": 0} | ({"optim": optim_sd} if optim_sd is not None else {})
+    dcp.load(state, checkpoint_id=path)
+    if optim_sd is None:
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+        optimizer.optim.load_state_dict(torch.load(os.path.join(path, f"zero1_rank{dist.get_rank()}.pt")))
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=FLAT)
+    return state["step"]

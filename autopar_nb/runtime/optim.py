@@ -1,0 +1,65 @@
+"""The optimizer, its learning-rate schedule and gradient clipping, for sharded and replicated parameters alike."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+OPTIMIZER_CLASSES = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
+
+def optimizer_kwargs(name: str, *, lr: float, weight_decay: float, betas) -> dict:
+    """Keyword arguments of ``OPTIMIZER_CLASSES[name]`` for the plan's settings (SGD takes no betas)."""
+    if name == "sgd":
+        return {"lr": lr, "weight_decay": weight_decay}
+    return {"lr": lr, "weight_decay": weight_decay, "betas": tuple(betas)}
+
+
+def build_optimizer(params: list, name: str, *, lr: float, weight_decay: float, betas, zero1_group=None):
+    """The plan's optimizer over ``params``. ``zero1_group``: ZeRO-1, each data-parallel rank of the group keeps the
+    optimizer state of its share of the parameters (``ZeroRedundancyOptimizer``)."""
+    cls, kwargs = OPTIMIZER_CLASSES[name], optimizer_kwargs(name, lr=lr, weight_decay=weight_decay, betas=betas)
+    if zero1_group is not None:
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=zero1_group, **kwargs)
+    # the multi-tensor (foreach) kernels cannot mix DTensor and plain parameters (TP without FSDP)
+    mixed = len({isinstance(p, DTensor) for p in params}) > 1
+    return cls(params, foreach=False if mixed else None, **kwargs)
+
+
+def lr_factor(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """The learning rate at ``step`` as a fraction of the peak: linear warm-up over ``warmup`` steps, then constant
+    or cosine decay to ``min_ratio`` at step ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def clip_grad_norm(params: list, max_norm: float, *, pp_group=None) -> torch.Tensor:
+    """Scale gradients so their global 2-norm is at most ``max_norm``; returns the norm before clipping.
+
+    The norm covers every parameter of the model: DTensor gradients (TP/FSDP shards) are reduced over their mesh
+    (one group per mesh: FSDP over TP-sharded and over replicated modules gives two), plain ones are local, and with
+    pipelining each stage's squared norm is summed over ``pp_group``."""
+    groups: dict = {}
+    for p in params:
+        if p.grad is not None:
+            key = id(p.grad.device_mesh) if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p)
+    local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    total = torch.zeros((), device=local[0].device if local else None)
+    for key, group in groups.items():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=False)
+        total += (norm.full_tensor() if key is not None else norm).float() ** 2
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    norm = total.sqrt()
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=False)
+    return norm
