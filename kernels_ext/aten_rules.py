@@ -1,6 +1,6 @@
 """Built-in rules for the ATen ops that ``torch.export`` produces for typical models.
 
-Matmul, convolution and attention FLOPs are ``torch.utils.flop_counter``'s (:mod:`.torch_flops`): its formula where
+Matmul, convolution and attention FLOPs are ``torch.utils.flop_counter``'s (:mod:`.flops`): its formula where
 torch has one for the op, else the formula of the op it runs as (linear as mm, conv2d as convolution, ...). Bias adds
 and softmax/normalisation arithmetic are not matmul FLOPs; torch counts them as 0, the hand formulas below count a
 few FLOPs per element for them (they are memory-bound: the cost model times them by bytes).
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from . import torch_flops as tf
+from . import flops as tf
 from .registry import OpRule, Split, TensorMeta, register_op
 
 

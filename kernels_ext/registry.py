@@ -102,7 +102,7 @@ class OpRule:
     op_class: str
     flops: FlopFn | None = None
     """forward FLOPs; None means 0 (data movement only). For an op ``torch.utils.flop_counter`` has a formula for,
-    ``kernels_ext.torch_flops.torch_flops("mylib.op")`` uses torch's."""
+    ``kernels_ext.torch_flops("mylib.op")`` uses torch's."""
     backward_factor: float = 1.0
     """backward FLOPs = factor x forward FLOPs (2 for matmuls: grad wrt input and grad wrt weight)"""
     moves_data: bool = True

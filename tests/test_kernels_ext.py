@@ -54,7 +54,7 @@ def test_flops_are_torch_flop_counter_formulas():
     import torch
     from torch.utils.flop_counter import flop_registry
 
-    from kernels_ext.torch_flops import torch_flops
+    from kernels_ext import torch_flops
 
     aten = torch.ops.aten
     # ops torch counts: its own formula, called as FlopCounterMode calls it (shapes in, out_val the output shape)
@@ -82,7 +82,7 @@ def test_custom_op_takes_torch_flop_formula():
     from torch.utils.flop_counter import register_flop_formula
 
     import autopar_nb as ap
-    from kernels_ext.torch_flops import torch_flops
+    from kernels_ext import torch_flops
 
     @torch.library.custom_op("autopar_test::fused_mm", mutates_args=())
     def fused_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
