@@ -234,8 +234,8 @@ def _facts(graph, refused: dict[str, str]) -> _Facts:
     size = _sizes(graph)
     tp = _TP(*tp_walk(graph, by_name, {n.name: size[n.name].numel for n in graph.nodes}, refused))
     root, noncontig = _storages(graph.nodes)
-    return _Facts(graph, by_name, size, root, noncontig, _attention_scores(graph.nodes), _parameter_views(graph.nodes),
-                  tp)
+    scores, param_views = _attention_scores(graph.nodes), _parameter_views(graph.nodes)
+    return _Facts(graph, by_name, size, root, noncontig, scores, param_views, tp)
 
 
 def _sizes(graph) -> dict[str, _Size]:
@@ -429,8 +429,9 @@ def _kept_by(n, rule, f: _Facts, device_kind: str) -> list[_Keep]:
         elif what == "temp":
             kept.append(_Keep(f"temp:{n.name}", out._replace(floating=True), in_region, quadratic=scores))
         elif what == "bool_arg":
-            kept += [_Keep(f"bool:{n.name}", _Size(f.size[i].numel, 1, False), False)
-                     for i in [i for i in acts if not f.size[i].floating][:1]]
+            mask = next((i for i in acts if not f.size[i].floating), None)
+            if mask is not None:
+                kept.append(_Keep(f"bool:{n.name}", _Size(f.size[mask].numel, 1, False), False))
     return kept
 
 
