@@ -212,6 +212,17 @@ def test_ep_module_imports_only_stdlib_and_torch():
         assert ast.get_docstring(fn), f"{fn.name} has no docstring"
 
 
+def test_ep_assembles_into_a_script():
+    """The exported script carries runtime functions verbatim (export/kit.py): apply_ep and everything it uses."""
+    from autopar_nb.export import kit
+
+    assembly = kit.assemble(["apply_ep", "expert_parameters"])
+    namespace: dict = {}
+    exec(compile("\n".join(kit.import_lines(assembly.imports)) + "\n" + assembly.source(), "script", "exec"),
+         namespace)
+    assert callable(namespace["apply_ep"]) and callable(namespace["_ep_forward"])
+
+
 def test_apply_ep_refuses_what_it_cannot_split():
     from autopar_nb.runtime.ep import _check_experts, _match_modules
 
