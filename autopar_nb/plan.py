@@ -45,6 +45,7 @@ AMP = ("none", "bf16", "fp16")
 """autocast dtype of the forward pass; "none" = fp32"""
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
 OPTIMIZERS = ("adam", "adamw", "sgd")
+LR_SCHEDULES = ("cosine", "constant")
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
                "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 """plan dtype string (an ``amp`` value other than "none", or ``precision.param_dtype``/``reduce_dtype``) -> the
@@ -256,9 +257,21 @@ class OptimizerPlan:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     """Adam's (beta1, beta2), each in [0, 1)"""
+    warmup_steps: int = 0
+    """steps of linear learning-rate warm-up from lr / warmup_steps to lr"""
+    lr_schedule: str = "cosine"
+    """after warm-up: cosine decay to ``min_lr_ratio * lr`` at the run's last step, or constant"""
+    min_lr_ratio: float = 0.1
+    """the cosine's end, relative to lr"""
+    grad_clip: float = 1.0
+    """the largest global gradient 2-norm (torchtitan's and Megatron-LM's default 1.0); 0 turns clipping off"""
 
     def __post_init__(self):
         _check_choice("optimizer.name", self.name, OPTIMIZERS)
+        _check_choice("optimizer.lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _check_int("optimizer.warmup_steps", self.warmup_steps, minimum=0)
+        self.min_lr_ratio = _check_number("optimizer.min_lr_ratio", self.min_lr_ratio, minimum=0.0)
+        self.grad_clip = _check_number("optimizer.grad_clip", self.grad_clip, minimum=0.0)
         self.lr = _check_number("optimizer.lr", self.lr, minimum=0.0)
         self.weight_decay = _check_number("optimizer.weight_decay", self.weight_decay, minimum=0.0)
         if not isinstance(self.betas, (list, tuple)) or len(self.betas) != 2:

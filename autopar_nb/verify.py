@@ -33,7 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from .export import export
 from .export.values import ScriptValues, script_values
-from .plan import Plan
+from .plan import DTYPE_NAMES, Plan
 from .source import ModelSource
 
 FP32_RTOL = 1e-5
@@ -261,14 +261,12 @@ def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0, val
     optimizer = build_optimizer(list(model.parameters()), o.name, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas)
     scaler = grad_scaler("cpu", init_scale=p.init_loss_scale, dynamic=p.dynamic_loss_scale,
                          growth_interval=p.growth_interval, sharded=False) if p.amp == "fp16" else None
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(p.amp)
-    clip = float(getattr(o, "grad_clip", 0.0) or 0.0)
+    amp_dtype = getattr(torch, DTYPE_NAMES[p.amp]) if p.amp != "none" else None
     out = {"losses": [], "grads": [], "params": [], "dropout_off": dropout_off}
     for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = o.lr * lr_factor(step, warmup=int(getattr(o, "warmup_steps", 0)), total=steps,
-                                           schedule=getattr(o, "lr_schedule", "constant"),
-                                           min_ratio=float(getattr(o, "min_lr_ratio", 0.1)))
+            group["lr"] = o.lr * lr_factor(step, warmup=o.warmup_steps, total=steps, schedule=o.lr_schedule,
+                                           min_ratio=o.min_lr_ratio)
         per_rank = [split_batch(make_batch(step, r), M) for r in range(dp)]
         if plan.sync_batchnorm and dp > 1:
             pieces = [(concat_batches([b[m] for b in per_rank]), M) for m in range(M)]
@@ -285,8 +283,8 @@ def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0, val
                              if q.grad is not None})
         if scaler:
             scaler.unscale_(optimizer)
-        if clip:
-            clip_grad_norm(list(model.parameters()), clip)
+        if o.grad_clip:
+            clip_grad_norm(list(model.parameters()), o.grad_clip)
         if scaler:
             scaler.step(optimizer)
             scaler.update()

@@ -269,9 +269,9 @@ def test_restarted_ranks_resume_from_checkpoint(tmp_path, server):
 
 
 def test_render_rejects_unsupported_combinations():
-    plan = make_plan(SRC, dp=2, tp=1, zero=0)
+    plan = make_plan(SRC, dp=2, tp=1, zero=1)
     plan.mesh.tp, plan.mesh.dp = 2, 2
-    with pytest.raises(NotImplementedError, match="zero_stage to 2 or 3"):
+    with pytest.raises(NotImplementedError, match="zero_stage to 0, 2 or 3"):
         render_script(SRC, plan)
 
 

@@ -23,12 +23,11 @@ from runtime_cases import (
     source,
 )
 
+from autopar_nb.export.styles import tp_styles
 from autopar_nb.runtime.ac import apply_ac
 from autopar_nb.runtime.data import concat_batches, model_call, split_batch
 from autopar_nb.runtime.init import canonical_name, materialize
 from autopar_nb.runtime.pp import stage_boundaries, stage_ids
-from autopar_nb.export.styles import tp_styles
-from autopar_nb.runtime.tp import TPStyle
 
 
 def test_tp_styles_gpt_mlp_and_head():

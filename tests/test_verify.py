@@ -57,6 +57,8 @@ if has_transformers():  # a model the user did not write: Hugging Face's LlamaFo
     META["hf_llama_meta_zero3"] = (H, dict(dp=2, zero=3))
 FOUR = {
     "dp_tp": (G, dict(dp=2, tp=2, zero=2, tp_styles=gpt_mlp_tp())),
+    # Megatron's layout: DDP beside TP (FSDP2's replicate, since DDP takes no DTensors), gradient accumulation
+    "dp_tp_zero0": (G, dict(dp=2, tp=2, zero=0, tp_styles=gpt_mlp_tp(), micro_batches=2)),
     "dp_tp_sp": (L, dict(dp=2, tp=2, zero=3, tp_styles=llama_tp(sp=True), sp=True)),
     "tp_pp": (G, dict(tp=2, pp=2, tp_styles=gpt_mlp_tp(), stages={"h.1": 1}, micro_batches=2)),
 }
@@ -121,6 +123,8 @@ def test_plans_were_really_applied(reports):
     assert sum(i["local_numel"] for i in info["pp_gpipe"]) == full_g
     assert all(i["local_numel"] < 0.45 * full_g for i in info["dp_tp"])  # sharded over dp, and MLPs over tp too
     assert len(info["tp_pp"]) == 4 and {tuple(i["stages"]) for i in info["tp_pp"]} == {(0,), (1,)}
+    # replicated over dp (whole on each of the 2 replicas), MLPs split over tp
+    assert all(0.45 * full_g < i["local_numel"] < full_g and i["dtensor_params"] > 0 for i in info["dp_tp_zero0"])
 
 
 def test_compare_flags_a_changed_model():

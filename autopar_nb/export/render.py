@@ -13,14 +13,12 @@ import textwrap
 from pathlib import Path
 from string import Template
 
-from ..plan import Plan
+from ..plan import DTYPE_NAMES, Plan
 from ..source import ModelSource
 from . import kit
 from .values import ScriptValues
 
 TEMPLATE = Path(__file__).with_name("script.py.tmpl")
-TORCH_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "bfloat16": "torch.bfloat16",
-                "float16": "torch.float16", "float32": "torch.float32", "fp32": "torch.float32"}
 SCRIPT_NAMES = ("parallelize", "parse_args", "main")
 """functions the template itself defines"""
 TEMPLATE_IMPORTS = {("argparse", None, None), ("gc", None, None), ("traceback", None, None),
@@ -87,10 +85,10 @@ def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]
               f"SCHEDULE = {_one_line(v.schedule)}  # plan.pipeline.schedule",
               f"STAGE_BOUNDARIES = {literal(v.boundaries, width=64)}  # plan.layers[*].stage: each stage's first layer"]
     if pr.amp != "none":
-        s.append(f"AMP_DTYPE = {TORCH_DTYPES[pr.amp]}  # plan.precision.amp: autocast dtype of the forward pass")
+        s.append(f"AMP_DTYPE = torch.{DTYPE_NAMES[pr.amp]}  # plan.precision.amp: autocast dtype of the forward pass")
     if v.fsdp and (pr.param_dtype, pr.reduce_dtype) != ("float32", "float32"):
-        s.append(f"PARAM_DTYPE, REDUCE_DTYPE = {TORCH_DTYPES[pr.param_dtype]}, {TORCH_DTYPES[pr.reduce_dtype]}"
-                 "  # plan.precision")
+        param, reduce = DTYPE_NAMES[pr.param_dtype], DTYPE_NAMES[pr.reduce_dtype]
+        s.append(f"PARAM_DTYPE, REDUCE_DTYPE = torch.{param}, torch.{reduce}  # plan.precision")
     if pr.amp == "fp16":
         s.append(f"INIT_LOSS_SCALE = {float(pr.init_loss_scale)!r}  # plan.precision.init_loss_scale")
         s.append(f"DYNAMIC_LOSS_SCALE = {bool(pr.dynamic_loss_scale)!r}  # plan.precision.dynamic_loss_scale")
@@ -99,10 +97,10 @@ def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]
           f"LR = {float(o.lr)!r}",
           f"WEIGHT_DECAY = {float(o.weight_decay)!r}",
           f"BETAS = {tuple(float(b) for b in o.betas)!r}",
-          f"WARMUP = {int(getattr(o, 'warmup_steps', 0))!r}  # steps of linear learning-rate warm-up",
-          f"LR_SCHEDULE = {_one_line(getattr(o, 'lr_schedule', 'constant'))}  # cosine decay or constant after warm-up",
-          f"MIN_LR_RATIO = {float(getattr(o, 'min_lr_ratio', 0.1))!r}  # the cosine's end, relative to LR",
-          f"GRAD_CLIP = {float(getattr(o, 'grad_clip', 0.0) or 0.0)!r}  # max global gradient norm; 0: no clipping"]
+          f"WARMUP = {int(o.warmup_steps)!r}  # steps of linear learning-rate warm-up",
+          f"LR_SCHEDULE = {_one_line(o.lr_schedule)}  # cosine decay or constant after warm-up",
+          f"MIN_LR_RATIO = {float(o.min_lr_ratio)!r}  # the cosine's end, relative to LR",
+          f"GRAD_CLIP = {float(o.grad_clip)!r}  # max global gradient norm; 0: no clipping"]
     if v.defaults:
         s += [f"BATCH_SIZE = {v.defaults['batch_size']!r}  # samples per data-parallel rank and step (synthetic data)",
               f"INT_HIGH = {v.defaults['int_high']!r}  # synthetic ids are drawn from [0, INT_HIGH): the smallest "
@@ -110,31 +108,38 @@ def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]
               f"CAUSAL = {v.defaults['causal']!r}  # the default loss predicts the next token (False: the same one)"]
     if v.ties:
         s.append(f"TIES = {literal(v.ties, width=40)}  # parameters the model shares (kept one parameter when sharded)")
-    if v.tp > 1:
-        s.append("# tensor parallelism (plan: layers[*].tp, .sequence_parallel, loss_parallel): one plan for the "
-                 "blocks of")
-        s.append("# each module list (paths relative to a block), one for the modules around them")
-        if v.block_tp_plans:
-            s.append(f"BLOCK_TP_PLANS = {style_dict(v.block_tp_plans)}")
-        s.append(f"TP_PLAN = {style_dict(v.tp_plan)}")
-        styles = [*v.tp_plan.values(), *(x for p in v.block_tp_plans.values() for x in p.values())]
-        imports |= {("torch.distributed.tensor.parallel", st.class_name, None) for st in styles}
-        imports |= {("torch.distributed.tensor", name, None) for st in styles for name in st.placements()}
     if v.recompute:
         s.append(f"RECOMPUTE = {literal(v.recompute, width=60)}  # plan.layers[*].recompute: \"*\" is every block")
-    if v.fsdp:
+    if v.fsdp or v.replicate:
         s.append(f"FSDP_UNITS = {literal(v.fsdp_units, width=60)}  # plan.layers[*].fsdp: a list is one unit")
     return s, imports
 
 
-def parallelize_source(v: ScriptValues) -> tuple[str, list[str]]:
+def tp_plans(v: ScriptValues) -> tuple[list[str], set, list[str]]:
+    """The TP plans as local variables of ``parallelize`` (torchtitan writes them inline in ``apply_tp``): lines,
+    imports, and runtime names (styles defined by the runtime itself)."""
+    lines = ["# tensor parallelism (plan: layers[*].tp, .sequence_parallel, loss_parallel): one plan for the blocks of",
+             "# each module list (paths relative to a block), one for the modules around them"]
+    if v.block_tp_plans:
+        lines.append(f"layer_plans = {style_dict(v.block_tp_plans)}")
+    lines.append(f"plan = {style_dict(v.tp_plan)}")
+    styles = [*v.tp_plan.values(), *(x for p in v.block_tp_plans.values() for x in p.values())]
+    imports = {("torch.distributed.tensor", name, None) for st in styles for name in st.placements()}
+    uses = sorted({st.class_name for st in styles if st.defined_by_runtime})
+    imports |= {("torch.distributed.tensor.parallel", st.class_name, None) for st in styles
+                if not st.defined_by_runtime}
+    return lines, imports, uses
+
+
+def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
     """``parallelize(model, mesh, device[, stage_ids, example])``: the runtime's technique functions called in
-    torchtitan's order, and the runtime names it calls."""
-    calls, uses = [], []
+    torchtitan's order; the runtime names it calls and the imports it needs."""
+    calls, uses, imports, plans = [], [], set(), []
     if v.tp > 1:
+        plans, imports, uses = tp_plans(v)
         calls += ["# 1. TP first: it turns parameters into DTensors, which AC and FSDP must see",
-                  "apply_tp(part, mesh[\"tp\"], TP_PLAN" + (", layer_plans=BLOCK_TP_PLANS)" if v.block_tp_plans
-                                                            else ")")]
+                  "apply_tp(part, mesh[\"tp\"], plan" + (", layer_plans=layer_plans)" if v.block_tp_plans
+                                                          else ")")]
         uses.append("apply_tp")
         if v.ties:
             calls.append("tie_parameters(part, TIES)  # parallelize_module gave each side its own DTensor")
@@ -149,12 +154,17 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str]]:
         calls += [f"# 3. FSDP last (ZeRO-{v.zero_stage}), over the TP-sharded, checkpoint-wrapped modules",
                   f"apply_fsdp(part, mesh[\"dp\"], units=FSDP_UNITS, reshard_after_forward={v.zero_stage == 3}{mixed})"]
         uses.append("apply_fsdp")
+    elif v.replicate:
+        calls += ["# 3. data parallelism last: FSDP2's replicate (DDP takes no DTensors), one all-reduce per unit",
+                  "apply_replicate(part, mesh[\"dp\"], units=FSDP_UNITS)"]
+        uses.append("apply_replicate")
     elif v.ddp:
         calls += ["# 3. data parallelism last: DDP" + (" (ZeRO-1 shards the optimizer)" if v.zero1 else ""),
                   "part = apply_ddp(part, mesh[\"dp\"].get_group(), device=device)"]
         uses.append("apply_ddp")
     head = ['def parallelize(model, mesh, device' + (', stage_ids, example):' if v.pp > 1 else '):'),
-            '    """The plan applied to the pieces of the model this rank holds (one, or one per pipeline stage)."""']
+            '    """The plan applied to the pieces of the model this rank holds (one, or one per pipeline stage)."""',
+            *("    " + line if line else "" for line in "\n".join(plans).splitlines())]
     if v.pp > 1:
         head += ["    # pipeline stages: trace the model on one micro-batch, cut it before each stage's first layer",
                  "    stages, whole = split_model(model, boundaries=STAGE_BOUNDARIES, microbatch=example)",
@@ -165,7 +175,7 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str]]:
         body = [f"        {c}" for c in calls] + ["        parts.append(part)", "    return parts, shapes"]
     else:
         body = ["    part = model"] + [f"    {c}" for c in calls] + ["    return [part]"]
-    return "\n".join(head + body), uses
+    return "\n".join(head + body), uses, imports
 
 
 def call(target: str, *args: str, indent: int = 0, width: int = 120, **kwargs: str) -> str:
@@ -268,12 +278,13 @@ def render_script(source: ModelSource, plan: Plan, v: ScriptValues, *, script_na
                   steps: int, seed: int, commands: list[str], nodes: int) -> str:
     """The whole script (see the module docstring)."""
     setting_lines, setting_imports = settings(v, plan, seed=seed)
-    par, par_uses = parallelize_source(v)
+    par, par_uses, par_imports = parallelize_source(v)
     body, main_uses = main_source(v, source)
     assembly = kit.assemble([*par_uses, *main_uses])
     std = {("functools", None, None)} | ({("copy", None, None)} if v.meta_init else set())
     _check_names(source, assembly.names)
-    imports = _without_cell_imports(assembly.imports | TEMPLATE_IMPORTS | std, source, keep=setting_imports)
+    imports = _without_cell_imports(assembly.imports | TEMPLATE_IMPORTS | std | par_imports, source,
+                                    keep=setting_imports)
     world = plan.mesh.world_size
     return Template(TEMPLATE.read_text()).substitute(
         model_name=v.model_class, summary=plan.summary(), nproc=world, plan_file=plan_file,

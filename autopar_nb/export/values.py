@@ -67,7 +67,12 @@ class ScriptValues:
 
     @property
     def ddp(self) -> bool:
-        return self.dp > 1 and self.zero_stage < 2
+        return self.dp > 1 and self.zero_stage < 2 and self.tp == 1
+
+    @property
+    def replicate(self) -> bool:
+        """data parallelism beside TP without sharding (ZeRO-0): FSDP2's replicate (DDP takes no DTensors)"""
+        return self.dp > 1 and self.zero_stage == 0 and self.tp > 1
 
     @property
     def zero1(self) -> bool:
@@ -108,16 +113,16 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
         if lp.recompute != "none":
             by_mode.setdefault(lp.recompute, []).append(lp.path)
     v.recompute = {pattern: mode for mode, paths in by_mode.items() for pattern in compress(model, paths)}
-    if v.fsdp:
+    if v.fsdp or v.replicate:
         v.fsdp_units = fsdp_units(model, plan, v.ties)
     return v
 
 
 def _check_runnable(plan: Plan) -> None:
     m, pr = plan.mesh, plan.precision
-    if m.tp > 1 and m.dp > 1 and m.zero_stage < 2:
-        raise NotImplementedError(f"dp({m.dp}) x tp({m.tp}) needs FSDP over dp: set mesh.zero_stage to 2 or 3 "
-                                  "(DDP does not take DTensor parameters)")
+    if m.tp > 1 and m.dp > 1 and m.zero_stage == 1:
+        raise NotImplementedError(f"dp({m.dp}) x tp({m.tp}) with ZeRO-1 is not supported (ZeroRedundancyOptimizer "
+                                  "does not take DTensor parameters): set mesh.zero_stage to 0, 2 or 3")
     if plan.sync_batchnorm and m.dp > 1 and m.pp > 1:
         raise NotImplementedError("sync_batchnorm with pipelining is not supported")
     if m.pp > 1 and (pr.amp == "fp16" or plan.loss_parallel):

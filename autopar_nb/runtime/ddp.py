@@ -1,12 +1,28 @@
-"""Replicated data parallelism: DDP (ZeRO-0; ZeRO-1 adds a sharded optimizer, see ``optim.build_optimizer``)."""
+"""Replicated data parallelism: DDP (ZeRO-0; ZeRO-1 adds a sharded optimizer, see ``optim.build_optimizer``), and
+FSDP2's ``replicate`` for parameters that tensor parallelism made DTensors (DDP does not take them)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .tp import select
 
 
 def apply_ddp(model: nn.Module, dp_group, *, device: str) -> nn.Module:
     """Wrap ``model`` in DDP over ``dp_group``; returns the wrapper (parameter names gain a ``module.`` prefix)."""
     return DDP(model, process_group=dp_group, device_ids=[torch.cuda.current_device()] if device == "cuda" else None)
+
+
+def apply_replicate(model: nn.Module, dp_mesh, *, units: list) -> None:
+    """Data parallelism over TP-sharded parameters (Megatron's DDP + TP): FSDP2's ``replicate`` on every module
+    matching ``units`` (as for FSDP: each its own gradient all-reduce, overlapping the rest of backward), then the
+    root; parameters and optimizer states stay whole on every data-parallel rank."""
+    for unit in units:
+        paths = select(model, unit) if isinstance(unit, str) else [p for p in unit if p in dict(model.named_modules())]
+        for path in paths:
+            if any(True for _ in model.get_submodule(path).parameters()):
+                replicate(model.get_submodule(path), mesh=dp_mesh)
+    replicate(model, mesh=dp_mesh)

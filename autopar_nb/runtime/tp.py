@@ -68,6 +68,11 @@ class TPStyle:
     def class_name(self) -> str:
         return STYLE_CLASSES[self.kind].__name__
 
+    @property
+    def defined_by_runtime(self) -> bool:
+        """The style class is autopar_nb.runtime's own (the script carries its source), not torch's."""
+        return not STYLE_CLASSES[self.kind].__module__.startswith("torch.")
+
     def build(self):
         """The ParallelStyle object."""
         def value(v, many):

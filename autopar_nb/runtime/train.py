@@ -17,11 +17,14 @@ from .optim import clip_grad_norm, lr_factor
 
 
 def set_grad_sync(model: nn.Module, *, last: bool, zero_stage: int) -> None:
-    """Before each micro-batch of gradient accumulation: DDP (ZeRO 0/1) all-reduces only the last micro-batch's
-    gradients (``no_sync`` before it); FSDP reduce-scatters every micro-batch and, with ZeRO-2, keeps the
-    parameters gathered until the last one (one all-gather per step). The cost model counts the same."""
+    """Before each micro-batch of gradient accumulation: replicated data parallelism (ZeRO 0/1: DDP, or FSDP2's
+    replicate beside TP) all-reduces only the last micro-batch's gradients (``no_sync`` before it); FSDP
+    reduce-scatters every micro-batch and, with ZeRO-2, keeps the parameters gathered until the last one (one
+    all-gather per step). The cost model counts the same."""
     if hasattr(model, "require_backward_grad_sync"):  # DDP
         model.require_backward_grad_sync = last
+    elif zero_stage <= 1 and hasattr(model, "set_requires_gradient_sync"):  # replicate
+        model.set_requires_gradient_sync(last)
     elif zero_stage == 2 and hasattr(model, "set_reshard_after_backward"):  # FSDP2
         model.set_reshard_after_backward(last)
 
