@@ -326,12 +326,14 @@ def test_overrides_the_runtime_cannot_run_are_refused(gpt, overrides, match):
 
 
 def test_fixes_the_runtime_cannot_run_are_refused_or_worked_around(llama):
-    # DDP does not take DTensor parameters: dp x tp runs with FSDP only
-    with pytest.raises(PlanError, match="fix zero_stage 2 or 3"):
+    # ZeroRedundancyOptimizer does not take DTensor parameters: dp x tp runs ZeRO 0 (replicate), 2 or 3
+    with pytest.raises(PlanError, match="fix zero_stage 0 .replicated, Megatron's DDP . TP., 2 or 3"):
         ap.plan(llama, h100(1, 4), global_batch=8, fix={"dp": 2, "tp": 2, "zero_stage": 1})
     p = ap.plan(llama, h100(1, 4), global_batch=8, fix={"dp": 2, "tp": 2})
-    assert p.mesh.zero_stage >= 2 and all(a.mesh.zero_stage >= 2 for a in p.alternatives if a.mesh.tp > 1 and
+    assert p.mesh.zero_stage != 1 and all(a.mesh.zero_stage != 1 for a in p.alternatives if a.mesh.tp > 1 and
                                           a.mesh.dp > 1)
+    p = ap.plan(llama, h100(1, 4), global_batch=8, fix={"dp": 2, "tp": 2, "zero_stage": 0})  # Megatron's layout
+    assert (p.mesh.dp, p.mesh.tp, p.mesh.zero_stage) == (2, 2, 0)
     # only pp fixed: tp and dp are chosen to fit (tp=4 leaves no room for pp=2 on 4 GPUs)
     p = ap.plan(llama, h100(1, 4), global_batch=8, fix={"pp": 2})
     assert p.mesh.pp == 2 and p.mesh.dp * p.mesh.tp == 2

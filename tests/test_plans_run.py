@@ -77,14 +77,14 @@ def test_planned_plan_runs(reports, key):
 @pytest.mark.multiprocess
 def test_planned_plans_are_runnable_shapes(reports):
     """The plans under test exercise what they should: fused QKV kept replicated, no SP with learned positions,
-    FSDP for dp x tp, CPU SyncBatchNorm for ResNet under dp."""
+    no ZeRO-1 for dp x tp, CPU SyncBatchNorm for ResNet under dp."""
     (_, gpt), _ = reports[("gpt", "tp2")]
     assert "h.0.attn.c_attn" not in gpt.tp_plan and "wpe" not in gpt.tp_plan
     assert gpt.tp_plan["h.0.mlp.c_fc"] == "colwise" and not any(lp.sequence_parallel for lp in gpt.layers)
     (_, llama), _ = reports[("llama", "tp2")]
     assert llama.tp_plan["layers.0.attention.wq"] == "colwise" and llama.layer("layers.0").sequence_parallel
     (_, dp_tp), _ = reports[("llama", "dp2_tp2")]
-    assert dp_tp.mesh.zero_stage >= 2
+    assert dp_tp.mesh.zero_stage != 1  # ZeroRedundancyOptimizer takes no DTensors
     (_, resnet), report = reports[("resnet", "dp2_zero0")]
     assert resnet.sync_batchnorm
     # CPUSyncBatchNorm matches single-process BatchNorm over the global batch

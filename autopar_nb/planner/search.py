@@ -180,13 +180,13 @@ class Search:
 
     def unsupported(self, dp: int, tp: int, pp: int) -> str:
         """Why the runtime (``autopar_nb.runtime``, the exported script) cannot run this mesh with the fixed choices,
-        "" when it can. The runtime's restrictions: DDP does not take TP's DTensor parameters (dp x tp needs FSDP,
-        ZeRO 2/3); SyncBatchNorm is not applied under pipelining; pipelining does not take fp16 loss scaling, nor
-        non-contiguous stage inputs."""
+        "" when it can. The runtime's restrictions: ZeRO-1's ZeroRedundancyOptimizer does not take TP's DTensor
+        parameters (dp x tp runs ZeRO 0 through FSDP2's replicate, or ZeRO 2/3); SyncBatchNorm is not applied under
+        pipelining; pipelining does not take fp16 loss scaling, nor non-contiguous stage inputs."""
         fix = self.cons.fix
-        if dp > 1 and tp > 1 and fix.get("zero_stage", 2) < 2:
-            return (f"dp({dp}) x tp({tp}) runs with FSDP over dp only (DDP does not take DTensor parameters), but "
-                    f"fix zero_stage={fix['zero_stage']}: fix zero_stage 2 or 3, or tp=1, or dp=1")
+        if dp > 1 and tp > 1 and fix.get("zero_stage") == 1:
+            return (f"dp({dp}) x tp({tp}) with ZeRO-1: ZeroRedundancyOptimizer does not take DTensor parameters; fix "
+                    "zero_stage 0 (replicated, Megatron's DDP + TP), 2 or 3, or tp=1, or dp=1")
         if dp > 1 and pp > 1 and self.has_batchnorm:
             return (f"dp({dp}) x pp({pp}) with BatchNorm: SyncBatchNorm is not supported with pipelining; "
                     "fix pp=1 (or dp=1)")
@@ -234,9 +234,9 @@ class Search:
         seq_model = self.prof.seq_len is not None
         configs = []
         for dp, t, pp in self.meshes():
-            # dp x tp runs with FSDP only (DDP does not take DTensor parameters): ZeRO 2/3
+            # dp x tp: ZeRO 0 (FSDP2's replicate), 2 or 3; ZeroRedundancyOptimizer (ZeRO-1) takes no DTensors
             zeros = [fix["zero_stage"]] if "zero_stage" in fix else (
-                [0] if dp == 1 else [2, 3] if t > 1 else [0, 1, 2, 3])
+                [0] if dp == 1 else [0, 2, 3] if t > 1 else [0, 1, 2, 3])
             sp = fix.get("sequence_parallel", t > 1 and seq_model and not self.prof.sp_blocker)
             if sp and t > 1 and self.prof.sp_blocker:
                 raise PlanError(f"fix sequence_parallel=True, but sequence parallelism cannot apply to this model: "
