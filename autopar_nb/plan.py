@@ -15,8 +15,9 @@ JSON schema (``SCHEMA_VERSION`` = 1)::
       "precision": {"amp": "none"|"bf16"|"fp16", "param_dtype": str, "reduce_dtype": str,
                     "init_loss_scale": float, "dynamic_loss_scale": bool, "growth_interval": int},
       "optimizer": {"name": "adam"|"adamw"|"sgd", "lr": float, "weight_decay": float, "betas": [float, float]},
-      "layers":    [{"path": str, "stage": int, "tp": {module_path: style}, "sequence_parallel": bool,
-                     "fsdp": bool, "recompute": "none"|"selective"|"full", "pinned": [field, ...]}, ...],
+      "layers":    [{"path": str, "stage": int, "tp": {module_path: style},
+                     "tp_parts": {module_path: [int, ...]}, "sequence_parallel": bool, "fsdp": bool,
+                     "recompute": "none"|"selective"|"full", "pinned": [field, ...]}, ...],
       "sync_batchnorm": bool,
       "loss_parallel": bool,
       "cost": {...} | null,          # see Cost; filled by the planner
@@ -295,6 +296,12 @@ class LayerPlan:
     tp: dict[str, str] = field(default_factory=dict)
     """full module path -> TP style (replicate | colwise | rowwise | sequence_parallel); absent = replicate.
     An nn.Embedding that is "rowwise" is vocab-parallel (rows = vocabulary); "colwise" shards the embedding dim."""
+    tp_parts: dict[str, list[int]] = field(default_factory=dict)
+    """"colwise" module path -> the parts its output features hold, in order, counted in heads (or features for
+    parts that have none): [12] for a projection of 12 heads, [32, 8, 8] for a fused q|k|v with 32 query and 8
+    key/value heads, [11008, 11008] for a fused gate|up, [12] for T5's relative_attention_bias (an nn.Embedding with
+    one column per head, which then stays split by heads). Each rank holds slice r of every part; a part with fewer
+    heads than mesh.tp is repeated (its weight whole on every rank). Absent: one part, split evenly."""
     sequence_parallel: bool = False
     """norms/dropout of this layer run sequence-parallel (activations sharded on the sequence dim between TP regions)"""
     fsdp: bool = True
@@ -316,6 +323,17 @@ class LayerPlan:
                 _check_module_path(f"{where}.tp key", mod, root=root)
             if type(style) is not str or style not in TP_STYLES:
                 _check_choice(f"{where}.tp[{mod!r}]", style, TP_STYLES)
+        if not isinstance(self.tp_parts, dict):
+            raise PlanError(f"{where}.tp_parts must be a dict of module path -> [int, ...], got {self.tp_parts!r}")
+        for mod, parts in self.tp_parts.items():
+            if self.tp.get(mod) != "colwise":
+                raise PlanError(f"{where}.tp_parts names {mod!r}, whose tp style is {self.tp.get(mod, 'replicate')!r}"
+                                ": parts say how a 'colwise' split cuts a module's output")
+            _check_list(f"{where}.tp_parts[{mod!r}]", parts, int)
+            if not parts:
+                raise PlanError(f"{where}.tp_parts[{mod!r}] is empty: give at least one part")
+            for i, n in enumerate(parts):
+                _check_int(f"{where}.tp_parts[{mod!r}][{i}]", n, minimum=1)
         _check_bool(f"{where}.sequence_parallel", self.sequence_parallel)
         _check_bool(f"{where}.fsdp", self.fsdp)
         _check_choice(f"{where}.recompute", self.recompute, RECOMPUTE)
@@ -469,6 +487,14 @@ class Plan:
         out: dict[str, str] = {}
         for lp in self.layers:
             out.update(lp.tp)
+        return out
+
+    @property
+    def tp_parts(self) -> dict[str, list[int]]:
+        """Every colwise module's parts (``LayerPlan.tp_parts``), merged over layers."""
+        out: dict[str, list[int]] = {}
+        for lp in self.layers:
+            out.update(lp.tp_parts)
         return out
 
     def stage_layers(self) -> list[list[str]]:

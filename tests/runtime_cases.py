@@ -176,3 +176,120 @@ def script_namespace(src: ModelSource, plan: Plan, tmp_path, **export_kwargs) ->
 
     script = export(src, plan, tmp_path / "train_under_test.py", quiet=True, **export_kwargs).script
     return runpy.run_path(str(script), run_name="under_test")
+
+
+# ---- TP layouts: fused projections, Conv1D, heads beside attention, repeated key/value heads (test_tp_layouts) ----
+HF_PHI3_CELL = """\
+import torch
+from transformers import Phi3Config, Phi3ForCausalLM
+
+model = Phi3ForCausalLM(Phi3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads={kv}, max_position_embeddings=64,
+                                   pad_token_id=0, bos_token_id=0, eos_token_id=0))
+example_inputs = (torch.randint(0, 128, (4, 16)),)
+"""
+
+HF_T5_CELL = """\
+import torch
+import torch.nn.functional as F
+from transformers import T5Config, T5ForConditionalGeneration
+
+model = T5ForConditionalGeneration(T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                            decoder_start_token_id=0))
+example_inputs = {"input_ids": torch.randint(0, 128, (4, 16)), "decoder_input_ids": torch.randint(0, 128, (4, 16))}
+
+
+def loss_fn(model, batch):
+    logits = model(**batch).logits
+    return F.cross_entropy(logits.flatten(0, 1), batch["decoder_input_ids"].roll(-1, 1).flatten())
+"""
+
+HF_GEMMA_CELL = """\
+import torch
+from transformers import GemmaConfig, GemmaForCausalLM
+
+model = GemmaForCausalLM(GemmaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                                     max_position_embeddings=64, pad_token_id=0, bos_token_id=0, eos_token_id=0))
+example_inputs = (torch.randint(0, 128, (4, 16)),)
+"""
+
+
+def with_parts(plan: Plan, parts: dict[str, list[int]]) -> Plan:
+    """``plan`` with ``LayerPlan.tp_parts`` filled from ``parts`` (module path -> heads per part), re-checked."""
+    import dataclasses
+
+    from autopar_nb.plan import layer_of
+
+    paths = [lp.path for lp in plan.layers]
+    plan.layers = [dataclasses.replace(lp, tp_parts={m: p for m, p in parts.items() if layer_of(m, paths) == lp.path})
+                   for lp in plan.layers]
+    return plan
+
+
+def zoo_gpt_tp(n_layer: int = 2, heads: int = 4) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """nanoGPT-style zoo GPT: the fused [q|k|v] c_attn split part by part, Megatron MLP (styles, parts)."""
+    styles, parts = gpt_mlp_tp(n_layer), {}
+    for i in range(n_layer):
+        styles |= {f"h.{i}.attn.c_attn": "colwise", f"h.{i}.attn.c_proj": "rowwise"}
+        parts[f"h.{i}.attn.c_attn"] = [heads] * 3
+    return styles, parts
+
+
+def hf_gpt2_tp(n_layer: int = 2, heads: int = 4) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """Hugging Face GPT-2: Conv1D c_attn (fused [q|k|v]), c_proj, c_fc, c_proj (styles, parts)."""
+    styles, parts = {}, {}
+    for i in range(n_layer):
+        p = f"transformer.h.{i}"
+        styles |= {f"{p}.attn.c_attn": "colwise", f"{p}.attn.c_proj": "rowwise", f"{p}.mlp.c_fc": "colwise",
+                   f"{p}.mlp.c_proj": "rowwise"}
+        parts[f"{p}.attn.c_attn"] = [heads] * 3
+    return styles, parts
+
+
+def hf_phi3_tp(n_layer: int = 2, *, heads: int = 4, kv_heads: int = 2, ffn: int = 64
+               ) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """Phi-3: fused qkv_proj ([q|k|v] in heads) and gate_up_proj ([gate|up] in features) (styles, parts)."""
+    styles, parts = {}, {}
+    for i in range(n_layer):
+        p = f"model.layers.{i}"
+        styles |= {f"{p}.self_attn.qkv_proj": "colwise", f"{p}.self_attn.o_proj": "rowwise",
+                   f"{p}.mlp.gate_up_proj": "colwise", f"{p}.mlp.down_proj": "rowwise"}
+        parts |= {f"{p}.self_attn.qkv_proj": [heads, kv_heads, kv_heads], f"{p}.mlp.gate_up_proj": [ffn, ffn]}
+    return styles, parts
+
+
+def hf_bert_tp(n_layer: int = 2) -> dict[str, str]:
+    """BERT: q/k/v in attention.self, their rowwise partner in attention.output (a sibling module)."""
+    out = {}
+    for i in range(n_layer):
+        p = f"bert.encoder.layer.{i}"
+        out |= {f"{p}.attention.self.query": "colwise", f"{p}.attention.self.key": "colwise",
+                f"{p}.attention.self.value": "colwise", f"{p}.attention.output.dense": "rowwise",
+                f"{p}.intermediate.dense": "colwise", f"{p}.output.dense": "rowwise"}
+    return out
+
+
+def hf_t5_tp(n_layer: int = 2, heads: int = 4) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """T5: every attention and feed-forward split; the relative position bias (one column per head) by heads."""
+    styles, parts = {}, {}
+    for stack, attentions, ff in (("encoder", ["layer.0.SelfAttention"], "layer.1"),
+                                  ("decoder", ["layer.0.SelfAttention", "layer.1.EncDecAttention"], "layer.2")):
+        for i in range(n_layer):
+            p = f"{stack}.block.{i}"
+            for a in attentions:
+                styles |= {f"{p}.{a}.{x}": "colwise" for x in "qkv"} | {f"{p}.{a}.o": "rowwise"}
+            styles |= {f"{p}.{ff}.DenseReluDense.wi": "colwise", f"{p}.{ff}.DenseReluDense.wo": "rowwise"}
+        bias = f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias"
+        styles[bias], parts[bias] = "colwise", [heads]
+    return styles, parts
+
+
+def hf_gqa_tp(n_layers: int = 2, *, heads: int = 4, kv_heads: int = 1) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """Llama-family blocks (Gemma, Llama) with the head counts of q and k/v: k/v repeated when tp > kv_heads."""
+    styles = {k: v for k, v in hf_llama_tp(n_layers).items() if k.startswith("model.layers.")}
+    parts = {}
+    for i in range(n_layers):
+        p = f"model.layers.{i}.self_attn"
+        parts |= {f"{p}.q_proj": [heads], f"{p}.k_proj": [kv_heads], f"{p}.v_proj": [kv_heads]}
+    return styles, parts

@@ -123,6 +123,9 @@ def tp_plans(v: ScriptValues) -> tuple[list[str], set, list[str]]:
     if v.block_tp_plans:
         lines.append(f"layer_plans = {style_dict(v.block_tp_plans)}")
     lines.append(f"plan = {style_dict(v.tp_plan)}")
+    if v.local_sizes:
+        lines += ["# per-rank head counts and widths that the model's code reads (global / TP; plan: "
+                  "layers[*].tp_parts)", f"sizes = {literal(v.local_sizes, width=116)}"]
     styles = [*v.tp_plan.values(), *(x for p in v.block_tp_plans.values() for x in p.values())]
     imports = {("torch.distributed.tensor", name, None) for st in styles for name in st.placements()}
     uses = sorted({st.class_name for st in styles if st.defined_by_runtime})
@@ -141,6 +144,9 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
                   "apply_tp(part, mesh[\"tp\"], plan" + (", layer_plans=layer_plans)" if v.block_tp_plans
                                                           else ")")]
         uses.append("apply_tp")
+        if v.local_sizes:
+            calls.append("set_local_sizes(part, sizes)")
+            uses.append("set_local_sizes")
         if v.ties:
             calls.append("tie_parameters(part, TIES)  # parallelize_module gave each side its own DTensor")
             uses.append("tie_parameters")

@@ -12,12 +12,25 @@ Rules (Megatron-LM / torchtitan):
   colwise Linears all-gathers its input once (so code inside it sees the whole sequence), and the first layer after
   the region gathers the sequence back (or, for an output head, its colwise Linear does). Embeddings always output
   replicated activations: a position embedding is often added to the token embedding before the first block.
+* a colwise module's parts (``LayerPlan.tp_parts``, in heads): equal parts of at least ``tp`` heads are split part
+  by part (``PackedColwiseParallel``: rank r holds ``[q_r|k_r|v_r]``); a single part with fewer heads than ``tp``
+  (K/V under GQA) is repeated (``RepeatedColwiseParallel``); parts of different widths (q, k, v under GQA) have no
+  DTensor placement, so the weight is split as one block and its output gathered, and the rowwise projection beside
+  it takes the whole (replicated) attention output (transformers' own Phi-3 TP plan does the same). A colwise
+  ``nn.Embedding`` with parts (T5's relative_attention_bias: one column per head) keeps its output split by heads.
+* Hugging Face ``Conv1D`` (weight stored (in, out)) is split like ``nn.Linear`` with the dims swapped.
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
+
+import torch
 import torch.nn as nn
 
+from ..plan import layer_of
 from ..runtime.tp import REPLICATE, TPStyle
 
 SEQ = 1
@@ -27,13 +40,15 @@ GATHER = TPStyle("prepare_input", input_layout=SEQ, desired_layout=REPLICATE, us
 
 
 def tp_styles(model: nn.Module, tp_plan: dict[str, str], *, sp_layers: list[str] = (), layers: list[str] = (),
-              loss_parallel: bool = False) -> dict[str, TPStyle]:
+              loss_parallel: bool = False, parts: dict[str, list[int]] | None = None, tp: int = 2
+              ) -> dict[str, TPStyle]:
     """Module path -> :class:`TPStyle`, in model order (see the module docstring).
 
     ``tp_plan``: module path -> style from the plan; ``sp_layers``: layer paths whose activations are
     sequence-sharded (a layer holding a ``sequence_parallel`` module is one too); ``layers``: every layer path in
     model order (to find where the sequence-parallel region ends); ``loss_parallel``: the head's logits stay sharded
-    on the vocabulary for ``loss_parallel()``.
+    on the vocabulary for ``loss_parallel()``; ``parts``: colwise module path -> its output's parts in heads
+    (``LayerPlan.tp_parts``); ``tp``: the TP degree.
     """
     modules = dict(model.named_modules())
     for path in tp_plan:
@@ -41,9 +56,13 @@ def tp_styles(model: nn.Module, tp_plan: dict[str, str], *, sp_layers: list[str]
             raise ValueError(f"the plan shards module {path!r}, which the model does not have; "
                              f"re-capture the model or fix the override")
     ordered = [p for p in modules if tp_plan.get(p, "replicate") != "replicate"]
-    # parents of rowwise Linears: a colwise Linear beside one feeds it; one without is an output head
-    row_parents = {p.rpartition(".")[0] for p in ordered
-                   if tp_plan[p] == "rowwise" and isinstance(modules[p], nn.Linear)}
+    # parents (and layers) of rowwise Linears: a colwise Linear beside one feeds it (BERT keeps them in sibling
+    # modules of one layer: attention.self.query -> attention.output.dense); one without is an output head
+    rows = [p for p in ordered if tp_plan[p] == "rowwise" and is_projection(modules[p])]
+    row_parents = {p.rpartition(".")[0] for p in rows} | {layer_of(p, layers) for p in rows} - {None}
+    layouts = {p: part_layout(p, modules[p], (parts or {}).get(p), tp=tp) for p in ordered
+               if tp_plan[p] == "colwise" and (is_projection(modules[p]) or p in (parts or {}))}
+    gathered = {p.rpartition(".")[0] for p, lay in layouts.items() if lay.get("output_layout") == REPLICATE}
     region, after = _sp_region(modules, tp_plan, sp_layers, layers)
 
     def in_sp(path: str) -> str | None:
@@ -80,33 +99,91 @@ def tp_styles(model: nn.Module, tp_plan: dict[str, str], *, sp_layers: list[str]
             if sp is None:
                 raise NotImplementedError(f"{path} is 'sequence_parallel' outside the sequence-parallel layers")
             styles[path] = TPStyle("sequence_parallel", use_local_output=True)  # plain tensors between modules
+        elif isinstance(module, nn.Embedding) and path in layouts:
+            # head-indexed (T5's relative position bias): the output stays split by heads, as the scores are
+            styles[path] = TPStyle("colwise", input_layout=REPLICATE)
         elif isinstance(module, nn.Embedding):
             # replicated output (other embeddings, e.g. positions, are often added to it); the first
             # sequence-parallel layer cuts the sequence
             kind = "rowwise" if style == "rowwise" else "colwise"
             styles[path] = TPStyle(kind, input_layout=REPLICATE, output_layout=REPLICATE)
-        elif not isinstance(module, nn.Linear):
+        elif not is_projection(module):
             raise NotImplementedError(f"{path} is a {type(module).__name__}: TP styles colwise/rowwise apply to "
-                                      "nn.Linear and nn.Embedding; use 'sequence_parallel' for norms or 'replicate'")
+                                      "nn.Linear, Hugging Face Conv1D and nn.Embedding; use 'sequence_parallel' for "
+                                      "norms or 'replicate'")
         elif style == "rowwise":
-            styles[path] = TPStyle("rowwise", output_layout=SEQ) if sp else TPStyle("rowwise")
-        elif path.rpartition(".")[0] not in row_parents:  # an output head: no rowwise Linear consumes its shard
+            kind = "rowwise" if isinstance(module, nn.Linear) else "transposed_rowwise"
+            whole = REPLICATE if path.rpartition(".")[0] in gathered else None  # the gathered attention output
+            styles[path] = TPStyle(kind, input_layout=whole, output_layout=SEQ) if sp else TPStyle(kind,
+                                                                                                input_layout=whole)
+        elif path.rpartition(".")[0] not in row_parents and layer_of(path, layers) not in row_parents:
+            # an output head: no rowwise Linear consumes its shard
             seq = SEQ if fed_sequence_shards(path) and styles.get(after) is None else REPLICATE
+            lay = layouts[path] if not isinstance(module, nn.Linear) else {}  # a Conv1D head: split, not packed
             if loss_parallel:
-                styles[path] = TPStyle("colwise", input_layout=seq, output_layout=-1, use_local_output=False)
+                styles[path] = TPStyle(lay.get("kind", "colwise"), input_layout=seq, output_layout=-1,
+                                       use_local_output=False, transposed=lay.get("transposed"))
             else:
-                styles[path] = TPStyle("colwise", input_layout=seq, output_layout=REPLICATE)
+                styles[path] = TPStyle(lay.get("kind", "colwise"), input_layout=seq, output_layout=REPLICATE,
+                                       transposed=lay.get("transposed"))
         else:
             parent = path.rpartition(".")[0]
             if sp and parent != sp and parent.startswith(sp + "."):
                 # gather the sequence once at the entry of the block that holds the colwise Linears
                 styles.setdefault(parent, GATHER)
-                styles[path] = TPStyle("colwise")
+                styles[path] = TPStyle(**layouts[path])
             else:
-                styles[path] = TPStyle("colwise", input_layout=SEQ if sp else REPLICATE)
+                styles[path] = TPStyle(**layouts[path], input_layout=SEQ if sp else REPLICATE)
     _check_region_params(modules, styles, region)
     # parents first, so the order reads top-down like a hand-written plan
     return dict(sorted(styles.items(), key=lambda kv: list(modules).index(kv[0])))
+
+
+def is_projection(module: nn.Module) -> bool:
+    """An ``nn.Linear``, or a Linear-like module that stores its weight (in, out) (Hugging Face's ``Conv1D``: a
+    2-D ``weight`` of shape (``nx``, ``nf``))."""
+    if isinstance(module, nn.Linear):
+        return True
+    w = getattr(module, "weight", None)
+    return isinstance(w, torch.Tensor) and w.dim() == 2 and isinstance(getattr(module, "nf", None), int) and \
+        tuple(w.shape) == (getattr(module, "nx", None), module.nf)
+
+
+def out_features(module: nn.Module) -> int:
+    """The width of a projection's (or an embedding's) output."""
+    if isinstance(module, nn.Linear):
+        return module.out_features
+    if isinstance(module, nn.Embedding):
+        return module.embedding_dim
+    return module.nf
+
+
+def part_layout(path: str, module: nn.Module, parts: list[int] | None, *, tp: int) -> dict:
+    """How a colwise projection with ``parts`` (heads per part, ``LayerPlan.tp_parts``; None: one part) is split
+    over ``tp`` ranks, as :class:`TPStyle` fields (see the module docstring)."""
+    transposed = None if isinstance(module, (nn.Linear, nn.Embedding)) else True
+    plain = {"kind": "packed_colwise", "transposed": True} if transposed else {"kind": "colwise"}
+    if parts is None:
+        return plain
+    width = out_features(module)
+    if width % sum(parts):
+        raise ValueError(f"{path}: tp_parts {parts} do not divide its {width} output features evenly")
+    if len(parts) == 1 and parts[0] % tp and tp % parts[0] == 0 and not transposed and \
+            not isinstance(module, nn.Embedding):
+        return {"kind": "repeated_colwise", "heads": parts[0]}  # fewer heads than ranks: K/V repeated
+    uneven = [n for n in parts if n % tp]
+    if uneven:
+        raise NotImplementedError(f"{path}: a part of {uneven[0]} head(s) (tp_parts {parts}) cannot be split over "
+                                  f"tp={tp} ranks" + (" (a fused projection's parts are split together; keep it "
+                                                      "'replicate' or lower tp)" if len(parts) > 1 else
+                                                      " (nor repeated: tp must divide by, or be a multiple of, "
+                                                      "its heads)"))
+    if len(parts) == 1 or isinstance(module, nn.Embedding):
+        return plain
+    if len(set(parts)) == 1:
+        return {"kind": "packed_colwise", "parts": len(parts), "transposed": transposed}
+    # parts of different widths (q, k, v under GQA): one block split, the output gathered
+    return {**plain, "output_layout": REPLICATE}
 
 
 def _check_region_params(modules: dict[str, nn.Module], styles: dict[str, TPStyle], region: list[str]) -> None:
@@ -163,3 +240,92 @@ def _sp_region(modules: dict[str, nn.Module], tp_plan: dict[str, str], sp_layers
         raise NotImplementedError(f"the first sequence-parallel layer {region[0]} is itself a norm: start sequence "
                                   "parallelism at a block (a module holding the norm and the Linears)")
     return region, candidates[j + 1] if j + 1 < len(candidates) else None
+
+
+HEAD_COUNTS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
+"""attributes (of an attention module or its ``config``) that count query heads: tp ranks hold heads / tp each"""
+KV_HEADS = ("n_kv_heads", "num_kv_heads", "num_key_value_heads")
+"""attributes that count key/value heads: kv_heads / tp each, or 1 when they are repeated (tp > kv_heads)"""
+GROUPS = ("num_key_value_groups",)
+"""query heads per key/value head (Hugging Face's attention functions read it from the module): changes only when
+key/value heads are repeated"""
+WIDTHS = ("split_size", "n_embd", "embed_dim", "all_head_size", "inner_dim", "hidden_size")
+"""attributes that may hold the width of one part of a split projection's output (GPT-2's ``split_size``, nanoGPT's
+``n_embd``): set per rank only when the value is such a width"""
+
+
+def local_sizes(model: nn.Module, styles: dict[str, TPStyle], *, tp: int) -> dict[str, dict[str, int]]:
+    """Module path -> attribute -> per-rank value, for the modules that hold split projections (attention, MLP):
+    the attributes of :data:`HEAD_COUNTS`, :data:`KV_HEADS`, :data:`GROUPS` and :data:`WIDTHS` that the module's
+    own code reads outside ``__init__`` (``self.n_head``, ``self.config.num_attention_heads``), with the value they
+    have on one rank. A module whose split output is gathered back (parts of different widths) keeps its global
+    sizes; so does every module of a model whose code reads none of these (views with ``-1``)."""
+    modules = dict(model.named_modules())
+    children: dict[str, list[str]] = {}
+    for path, style in styles.items():
+        if style.kind in ("colwise", "packed_colwise", "repeated_colwise") and path in modules and \
+                not isinstance(modules[path], nn.Embedding) and style.output_layout is None:
+            children.setdefault(path.rpartition(".")[0], []).append(path)
+    gathered = {p.rpartition(".")[0] for p, s in styles.items() if s.kind in ("colwise", "packed_colwise")
+                and s.output_layout == REPLICATE}
+    out: dict[str, dict[str, int]] = {}
+    for parent, paths in children.items():
+        if parent in gathered or parent not in modules:
+            continue
+        module = modules[parent]
+        reads = _attributes_read(type(module))
+        widths = {out_features(modules[p]) // (styles[p].parts or 1) for p in paths}
+        repeated = [styles[p].heads for p in paths if styles[p].kind == "repeated_colwise"]
+        sizes: dict[str, int] = {}
+        for owner, name in reads:
+            holder = module if owner is None else getattr(module, owner, None)
+            value = getattr(holder, name, None) if holder is not None else None
+            if isinstance(value, bool) or not isinstance(value, int):
+                continue
+            key = name if owner is None else f"{owner}.{name}"
+            if name in HEAD_COUNTS:
+                sizes[key] = _divide(parent, key, value, tp)
+            elif name in KV_HEADS:
+                sizes[key] = 1 if value in repeated else _divide(parent, key, value, tp)
+            elif name in WIDTHS and value in widths:
+                sizes[key] = _divide(parent, key, value, tp)
+        for name in GROUPS:  # read by the attention functions, not by the module's code
+            value = module.__dict__.get(name)
+            if repeated and isinstance(value, int):
+                # local query heads / one key/value head
+                sizes[name] = _divide(parent, name, value * min(repeated), tp)
+        if sizes:
+            out[parent] = sizes
+    return out
+
+
+def _divide(path: str, name: str, value: int, tp: int) -> int:
+    if value % tp:
+        raise NotImplementedError(f"{path}.{name} = {value} does not divide by tp={tp}: the model cannot run with "
+                                  f"{value / tp:g} per rank; choose a tp that divides it")
+    return value // tp
+
+
+def _attributes_read(cls: type) -> list[tuple[str | None, str]]:
+    """(None, name) for ``self.name`` and (owner, name) for ``self.owner.name`` read in the methods of ``cls``
+    and its bases (``__init__`` excepted: it runs before sharding), from their source; [] when it cannot be read."""
+    found: dict[tuple[str | None, str], None] = {}
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name == "__init__":
+                continue
+            for n in ast.walk(fn):
+                if not (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)):
+                    continue
+                if isinstance(n.value, ast.Name) and n.value.id == "self":
+                    found.setdefault((None, n.attr), None)
+                elif isinstance(n.value, ast.Attribute) and isinstance(n.value.value, ast.Name) and \
+                        n.value.value.id == "self":
+                    found.setdefault((n.value.attr, n.attr), None)
+    return list(found)

@@ -18,7 +18,7 @@ from ..runtime.data import default_batch_size, first_tensor, is_causal_lm, small
 from ..runtime.pp import SCHEDULES, stage_boundaries
 from ..runtime.tp import TPStyle
 from ..source import ModelSource
-from .styles import tp_styles
+from .styles import local_sizes, tp_styles
 
 META_INIT_PARAMS = 2**30
 """models with more parameters than this are built on the meta device and initialised shard by shard by default"""
@@ -44,6 +44,8 @@ class ScriptValues:
     block_tp_plans: dict[str, dict[str, TPStyle]] = field(default_factory=dict)
     """blocks pattern ("layers.*") -> relative path -> style: one plan applied to every block"""
     vocab_parallel: bool = False
+    local_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
+    """module pattern -> attribute -> per-rank value: head counts and widths the model's code reads (TP)"""
     ties: list[list[str]] = field(default_factory=list)
     """groups of parameter paths that are one parameter (an embedding tied to its output head)"""
     recompute: dict[str, str] = field(default_factory=dict)
@@ -98,8 +100,10 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
     v.ties = tied_parameters(model)
     if m.tp > 1:
         styles = tp_styles(model, plan.tp_plan, sp_layers=[lp.path for lp in plan.layers if lp.sequence_parallel],
-                           layers=[lp.path for lp in plan.layers], loss_parallel=plan.loss_parallel)
+                           layers=[lp.path for lp in plan.layers], loss_parallel=plan.loss_parallel,
+                           parts=plan.tp_parts, tp=m.tp)
         v.tp_plan, v.block_tp_plans = relative_plans(model, styles)
+        v.local_sizes = block_patterns(model, local_sizes(model, styles, tp=m.tp))
         v.vocab_parallel = plan.loss_parallel
     if m.pp > 1:
         v.num_stages = m.pp * plan.pipeline.virtual_stages
@@ -181,6 +185,25 @@ def relative_plans(model: nn.Module, styles: dict[str, TPStyle]) -> tuple[dict[s
             for k in rel[child]:
                 absolute.pop(f"{child}.{k}")
     return absolute, blocks
+
+
+def block_patterns(model: nn.Module, by_path: dict[str, Any]) -> dict[str, Any]:
+    """``by_path`` with the entries that every block of a module list has alike (the same path inside the block,
+    the same value) written once, as a pattern: ``{"h.0.attn": x, "h.1.attn": x}`` -> ``{"h.*.attn": x}``."""
+    out = dict(by_path)
+    for container, children in sorted(_containers(model).items(), key=lambda kv: len(kv[0])):
+        inside: dict[str, dict[str, Any]] = {}  # path inside a block -> block -> value
+        for path, value in out.items():
+            for child in children:
+                if path.startswith(child + "."):
+                    inside.setdefault(path[len(child) + 1:], {})[child] = value
+        for rel, values in inside.items():
+            first = next(iter(values.values()))
+            if len(values) == len(children) and all(x == first for x in values.values()):
+                pattern = f"{container}.*.{rel}" if container else f"*.{rel}"
+                out = {(pattern if k == f"{children[0]}.{rel}" else k): x for k, x in out.items()
+                       if k == f"{children[0]}.{rel}" or k not in {f"{c}.{rel}" for c in children}}
+    return out
 
 
 def _module_order(model: nn.Module, path: str) -> int:

@@ -22,10 +22,16 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from .layouts import PackedColwiseParallel, RepeatedColwiseParallel, TransposedRowwiseParallel
+
 REPLICATE = "replicate"
 """a layout: the tensor is whole on every TP rank (an int ``d`` is a layout too: sharded on dim ``d``)"""
 STYLE_CLASSES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel,
-                 "prepare_input": PrepareModuleInput, "prepare_output": PrepareModuleOutput}
+                 "prepare_input": PrepareModuleInput, "prepare_output": PrepareModuleOutput,
+                 "packed_colwise": PackedColwiseParallel, "transposed_rowwise": TransposedRowwiseParallel,
+                 "repeated_colwise": RepeatedColwiseParallel}
+PLAIN_ARGUMENTS = ("use_local_output", "parts", "transposed", "heads")
+"""constructor arguments written as they are (the others are layouts)"""
 
 
 @dataclass(frozen=True)
@@ -35,11 +41,18 @@ class TPStyle:
     ``output_layout`` to ``desired_layout``."""
 
     kind: str
-    """colwise | rowwise | sequence_parallel | prepare_input | prepare_output"""
+    """colwise | rowwise | sequence_parallel | prepare_input | prepare_output | packed_colwise | transposed_rowwise |
+    repeated_colwise (the last three: :mod:`.layouts`)"""
     input_layout: int | str | None = None
     output_layout: int | str | None = None
     desired_layout: int | str | None = None
     use_local_output: bool | None = None
+    parts: int | None = None
+    """packed_colwise: the equal parts of the output ([q|k|v]: 3), each split over the ranks"""
+    transposed: bool | None = None
+    """packed_colwise: the weight is stored (in, out) (Hugging Face Conv1D)"""
+    heads: int | None = None
+    """repeated_colwise: the heads of the output, fewer than the TP ranks"""
 
     def __post_init__(self):
         if self.kind not in STYLE_CLASSES:
@@ -48,6 +61,9 @@ class TPStyle:
             if not (layout is None or layout == REPLICATE or (isinstance(layout, int) and
                                                                not isinstance(layout, bool))):
                 raise ValueError(f"TP layout {layout!r} unknown: {REPLICATE!r} or a dim (int)")
+        for name, value in (("parts", self.parts), ("heads", self.heads)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"TP style {name}={value!r}: a positive int")
 
     def _arguments(self) -> list[tuple[str, object, bool]]:
         """(keyword, layout or bool, is a tuple of layouts) in constructor order."""
@@ -62,6 +78,9 @@ class TPStyle:
             args.append((f"desired_{side}_layouts", self.desired_layout, True))
         if self.use_local_output is not None:
             args.append(("use_local_output", self.use_local_output, False))
+        for name in ("parts", "transposed", "heads"):
+            if getattr(self, name) is not None:
+                args.append((name, getattr(self, name), False))
         return args
 
     @property
@@ -75,27 +94,27 @@ class TPStyle:
 
     def build(self):
         """The ParallelStyle object."""
-        def value(v, many):
-            if isinstance(v, bool):
+        def value(k, v, many):
+            if k in PLAIN_ARGUMENTS:
                 return v
             placement = Replicate() if v == REPLICATE else Shard(v)
             return (placement,) if many else placement
 
-        return STYLE_CLASSES[self.kind](**{k: value(v, many) for k, v, many in self._arguments()})
+        return STYLE_CLASSES[self.kind](**{k: value(k, v, many) for k, v, many in self._arguments()})
 
     def source(self) -> str:
         """The constructor as Python source: ``ColwiseParallel(input_layouts=Shard(1))``."""
-        def text(v, many):
-            if isinstance(v, bool):
+        def text(k, v, many):
+            if k in PLAIN_ARGUMENTS:
                 return repr(v)
             placement = "Replicate()" if v == REPLICATE else f"Shard({v})"
             return f"({placement},)" if many else placement
 
-        return f"{self.class_name}({', '.join(f'{k}={text(v, many)}' for k, v, many in self._arguments())})"
+        return f"{self.class_name}({', '.join(f'{k}={text(k, v, many)}' for k, v, many in self._arguments())})"
 
     def placements(self) -> set[str]:
         """Names of the placement classes ``source()`` uses (for the script's imports)."""
-        return {"Replicate" if v == REPLICATE else "Shard" for _, v, _ in self._arguments() if not isinstance(v, bool)}
+        return {"Replicate" if v == REPLICATE else "Shard" for k, v, _ in self._arguments() if k not in PLAIN_ARGUMENTS}
 
     def __repr__(self) -> str:
         return self.source()

@@ -1,0 +1,173 @@
+"""ParallelStyles for projection layouts PyTorch's own styles do not take, each weight a DTensor of the original layout.
+
+* :class:`PackedColwiseParallel`: a projection whose output holds several equal parts (nanoGPT's and GPT-2's fused
+  ``[q|k|v]``, Phi-3's ``[gate|up]``) is split column-wise part by part: rank r holds slice r of every part, so its
+  local output is ``[q_r|k_r|v_r]`` and the model's own ``split``/``chunk`` cuts it right. DTensor has the placement
+  for this layout, ``_StridedShard(dim, split_factor=parts)`` (cut into ``parts`` pieces, each piece into ``tp``
+  slices, rank r holds slice r of every piece; FSDP2 + TP uses it for the same reason), so ``full_tensor()`` is the
+  original weight. It also splits weights stored (in, out), as Hugging Face's ``Conv1D`` keeps them
+  (``transposed=True``), which ``ColwiseParallel`` refuses.
+* :class:`TransposedRowwiseParallel`: ``RowwiseParallel`` for weights stored (in, out) (``Conv1D``).
+* :class:`RepeatedColwiseParallel`: a key/value projection with fewer heads than TP ranks (Gemma's single KV head,
+  GQA with tp > num_key_value_heads) cannot be split by heads; its weight stays whole (replicated) and each rank
+  keeps the head its query heads read. Each rank's slice feeds only its own query heads, so the gradient each rank
+  computes for the replicated weight is a part of the whole: the output is handed over with
+  ``to_local(grad_placements=[Partial()])`` and autograd sums the parts over the TP ranks.
+
+Parts of different widths (q, k, v under GQA: Phi-3's ``qkv_proj``) have no DTensor placement in torch 2.13: one
+placement describes each rank's rows with a single stride. :mod:`autopar_nb.export.styles` shards such a weight as
+one block and gathers its output instead.
+
+Checkpoints: DCP stores one box (offset, size) per rank and tensor, and a ``_StridedShard`` slice is several boxes,
+so :func:`dcp_layout` hands DCP those tensors as ``Shard`` on the same dim (the original layout, one all-gather) and
+:func:`restore_layout` puts what DCP loaded back into the parameters' placement.
+
+This file is copied verbatim into exported scripts: it imports only the standard library and torch.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.placement_types import _StridedShard
+
+
+def packed_placement(dim: int, parts: int):
+    """The placement of a tensor whose ``dim`` holds ``parts`` equal parts, each split over the mesh dim: rank r
+    holds slice r of every part (``Shard(dim)`` for one part)."""
+    return _StridedShard(dim, split_factor=parts) if parts > 1 else Shard(dim)
+
+
+def _distribute(module: nn.Module, mesh, placement_of, src_data_rank) -> None:
+    """Each parameter of ``module`` itself (not its children) as a DTensor with ``placement_of(name, param)``."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        dist = distribute_tensor(param, mesh, [placement_of(name, param)], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+
+class PackedColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` for a projection whose output holds ``parts`` equal parts (see the module docstring).
+
+    ``transposed``: the weight is stored (in, out) (Hugging Face ``Conv1D``): its output features are dim 1.
+    ``output_layouts``: None keeps the output as the matmul leaves it (rank r: slice r of every part).
+    """
+
+    def __init__(self, *, parts: int = 1, transposed: bool = False, input_layouts=None, output_layouts=None,
+                 use_local_output: bool = True):
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
+                         use_local_output=use_local_output)
+        if parts < 1:
+            raise ValueError(f"parts must be >= 1, got {parts}")
+        self.parts, self.transposed = parts, transposed
+        self.output_layouts = None if output_layouts is None else (output_layouts,)
+
+    def _partition_packed_fn(self, name, module, device_mesh):
+        def placement_of(pname, param):
+            return packed_placement(1 if self.transposed and param.dim() == 2 else 0, self.parts)
+
+        _distribute(module, device_mesh, placement_of, self.src_data_rank)
+
+    @staticmethod
+    def _prepare_packed_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if output_layouts is not None and outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=True)
+        return outputs.to_local() if use_local_output else outputs
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if isinstance(module, nn.Embedding) or getattr(module, "weight", None) is None:
+            raise NotImplementedError(f"PackedColwiseParallel splits projections (nn.Linear, Conv1D), not "
+                                      f"{type(module).__name__}")
+        return distribute_module(
+            module, device_mesh, self._partition_packed_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_packed_output_fn, self.output_layouts, self.use_local_output))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(parts={self.parts}, transposed={self.transposed})"
+
+
+class TransposedRowwiseParallel(RowwiseParallel):
+    """``RowwiseParallel`` for a projection whose weight is stored (in, out) (Hugging Face ``Conv1D``): the weight
+    is split on dim 0 (its input features), the bias replicated."""
+
+    def _partition_transposed_fn(self, name, module, device_mesh):
+        _distribute(module, device_mesh, lambda pname, p: Shard(0) if p.dim() == 2 else Replicate(),
+                    self.src_data_rank)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module, device_mesh, self._partition_transposed_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class RepeatedColwiseParallel(ParallelStyle):
+    """A projection with ``heads`` heads, fewer than the TP ranks (tp % heads == 0): the weight is replicated, each
+    rank computes the whole output and keeps head ``rank * heads // tp`` (the one its query heads read, as
+    ``repeat_kv`` pairs them). See the module docstring for the gradient."""
+
+    def __init__(self, *, heads: int, input_layouts=None):
+        super().__init__()
+        if heads < 1:
+            raise ValueError(f"heads must be >= 1, got {heads}")
+        self.heads = heads
+        self.input_layouts = (input_layouts or Replicate(),)
+
+    def _partition_replicated_fn(self, name, module, device_mesh):
+        _distribute(module, device_mesh, lambda pname, p: Replicate(), self.src_data_rank)
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, mod, inputs, device_mesh):
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, device_mesh, input_layouts, run_check=False)
+        return x.redistribute(placements=(Replicate(),), async_op=True) if x.placements != (Replicate(),) else x
+
+    @staticmethod
+    def _prepare_output_fn(heads, mod, outputs, device_mesh):
+        tp = device_mesh.size()
+        if tp % heads:
+            raise ValueError(f"{heads} heads cannot be repeated over {tp} TP ranks (tp % heads != 0)")
+        # the sum over ranks of the gradients of their slices is the gradient of the whole output
+        full = outputs.to_local(grad_placements=(Partial(),))
+        width = full.shape[-1] // heads
+        head = device_mesh.get_local_rank() * heads // tp
+        return full.narrow(-1, head * width, width)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._partition_replicated_fn,
+                                 partial(self._prepare_input_fn, self.input_layouts),
+                                 partial(self._prepare_output_fn, self.heads))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(heads={self.heads})"
+
+
+def dcp_layout(state):
+    """``state`` (nested dicts/lists of tensors, as ``get_state_dict`` returns them) with every ``_StridedShard``
+    DTensor redistributed to ``Shard`` on the same dim: the same values, one contiguous box per rank, which is what
+    DCP can store. Other entries are kept as they are (the same objects)."""
+    if isinstance(state, dict):
+        return {k: dcp_layout(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [dcp_layout(v) for v in state]
+    if isinstance(state, DTensor) and any(isinstance(p, _StridedShard) for p in state.placements):
+        placements = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in state.placements]
+        return state.redistribute(placements=placements)
+    return state
+
+
+def restore_layout(loaded, like):
+    """What DCP loaded into :func:`dcp_layout`'s tensors, redistributed back to the placements of ``like`` (the
+    state :func:`dcp_layout` was given), for ``set_state_dict``."""
+    if isinstance(loaded, dict):
+        return {k: restore_layout(v, like[k]) for k, v in loaded.items()}
+    if isinstance(loaded, list):
+        return [restore_layout(v, w) for v, w in zip(loaded, like, strict=True)]
+    if isinstance(loaded, DTensor) and isinstance(like, DTensor) and loaded.placements != like.placements:
+        return loaded.redistribute(placements=like.placements)
+    return loaded
