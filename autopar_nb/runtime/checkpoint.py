@@ -2,7 +2,8 @@
 
 A checkpoint counts once every rank finished writing it (a ``COMPLETE`` marker after a barrier), so a run killed in
 the middle of a save resumes from the one before. ZeRO-1's ``ZeroRedundancyOptimizer`` has no DCP state dict: its
-shards are one file per rank (resume with the same data-parallel size).
+shards are one file per rank (resume with the same data-parallel size). Tensors split part by part (fused
+projections, ``_StridedShard``) are stored in their original layout (see :func:`dcp_layout`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from .layouts import dcp_layout, restore_layout
 
 # optimizer state keyed by parameter name, so each pipeline rank's share is its own set of keys
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -39,7 +42,7 @@ def save_checkpoint(path: str, model, optimizer, step: int) -> None:
     """Write ``model`` (a module, or a ModuleList of this rank's pipeline stages), ``optimizer`` and ``step``."""
     model_sd, optim_sd = _states(model, optimizer)
     state = {"model": model_sd, "step": step} | ({"optim": optim_sd} if optim_sd is not None else {})
-    dcp.save(state, checkpoint_id=path)
+    dcp.save(dcp_layout(state), checkpoint_id=path)
     if optim_sd is None:
         torch.save(optimizer.optim.state_dict(), os.path.join(path, f"zero1_rank{dist.get_rank()}.pt"))
     dist.barrier()  # every rank's shards are on disk before the checkpoint counts
@@ -50,8 +53,10 @@ def save_checkpoint(path: str, model, optimizer, step: int) -> None:
 def load_checkpoint(path: str, model, optimizer) -> int:
     """Read a checkpoint written by :func:`save_checkpoint` into ``model`` and ``optimizer``; returns its step."""
     model_sd, optim_sd = _states(model, optimizer)
-    state = {"model": model_sd, "step": 0} | ({"optim": optim_sd} if optim_sd is not None else {})
+    like = {"model": model_sd, "step": 0} | ({"optim": optim_sd} if optim_sd is not None else {})
+    state = dcp_layout(like)
     dcp.load(state, checkpoint_id=path)
+    state = restore_layout(state, like)
     if optim_sd is None:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
         optimizer.optim.load_state_dict(torch.load(os.path.join(path, f"zero1_rank{dist.get_rank()}.pt")))
