@@ -17,6 +17,7 @@ from runtime_cases import (
     HF_BERT_CELL,
     HF_GEMMA_CELL,
     HF_GPT2_CELL,
+    HF_LLAMA_CELL,
     HF_PHI3_CELL,
     HF_T5_CELL,
     has_transformers,
@@ -64,18 +65,24 @@ def _cases() -> dict:
 
 
 CASES = _cases()
+FOUR = {}  # 4 TP ranks, 2 key/value heads: ranks 0, 1 read head 0 and ranks 2, 3 head 1
+if has_transformers():
+    FOUR["llama_kv_repeated_tp4"] = (source(HF_LLAMA_CELL), *hf_gqa_tp(heads=4, kv_heads=2))
 
 
-def _plan(src, styles, parts):
-    plan = with_parts(make_plan(src, tp=TP, tp_styles=styles), parts)
+def _plan(src, styles, parts, tp=TP):
+    plan = with_parts(make_plan(src, tp=tp, tp_styles=styles), parts)
     plan.optimizer.name, plan.optimizer.lr = "sgd", 0.05  # SGD: parameter updates checked at 1e-5 too
     return plan
 
 
 @pytest.fixture(scope="module")
 def reports():
-    plans = {name: (src, _plan(src, styles, parts)) for name, (src, styles, parts) in CASES.items()}
-    return dict(zip(plans, verify_many(list(plans.values()), steps=STEPS), strict=True))
+    out = {}
+    for cases, tp in ((CASES, TP), (FOUR, 4)):  # one launch per world size
+        plans = {name: (src, _plan(src, styles, parts, tp)) for name, (src, styles, parts) in cases.items()}
+        out |= dict(zip(plans, verify_many(list(plans.values()), steps=STEPS), strict=True))
+    return out
 
 
 def expected_local_numel(src, plan) -> tuple[int, int]:
@@ -99,15 +106,15 @@ def expected_local_numel(src, plan) -> tuple[int, int]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *FOUR])
 def test_layout_matches_single_process(reports, name):
     report = reports[name]
     print(name, report)
     assert report.rtol == FP32_RTOL
     assert report.ok, str(report)
     assert report.steps[-1].ref_loss != report.steps[0].ref_loss  # it trained
-    src, styles, parts = CASES[name]
-    local, full = expected_local_numel(src, _plan(src, styles, parts))
+    src, styles, parts = CASES[name] if name in CASES else FOUR[name]
+    local, full = expected_local_numel(src, _plan(src, styles, parts, TP if name in CASES else 4))
     print(f"{name}: max grad rel {report.max_grad_rel:.2e}, max param rel {report.max_param_rel:.2e}, "
           f"local_numel {report.per_rank[0]['local_numel']} of {full}")
     for info in report.per_rank:
