@@ -216,7 +216,7 @@ def test_resume_from_checkpoint_equals_uninterrupted(exported, server, tmp_path)
     torchrun(script, server=server)
     uninterrupted = losses_of(server)
     ckpt = tmp_path / "ckpt"
-    torchrun(script, "--steps", "2", "--ckpt-dir", str(ckpt), "--ckpt-every", "2", server=server)
+    torchrun(script, "--stop-at", "2", "--ckpt-dir", str(ckpt), "--ckpt-every", "2", server=server)
     first = losses_of(server)
     (ckpt / "step_3").mkdir()  # what a run killed in the middle of a save leaves: a folder not marked COMPLETE
     proc = torchrun(script, "--steps", "4", "--ckpt-dir", str(ckpt), "--ckpt-every", "2", server=server)

@@ -508,8 +508,9 @@ def _count_tp(layers: dict[str, LayerProfile], f: _Facts) -> set[str]:
                     lp.vocab.add(w.shape[0])
                 else:
                     lp.divisors.add(w.shape[0] if style == "colwise" else w.shape[1])
-        if n.op_class == "norm" and "sequence_parallel" in splits_of(n.op) and n.name not in f.tp.sharded and \
-                n.module_path and n.params and n.module_path not in lp.norms:
+        norm_op = n.op_class == "norm" and "sequence_parallel" in splits_of(n.op)
+        if (norm_op or _python_norm(n)) and n.name not in f.tp.sharded and n.module_path and n.params and \
+                n.module_path not in lp.norms:
             lp.norms.append(n.module_path)
     for lp, n in _in_layers(layers, f):
         hc = f.tp.heads.get(n.name)
@@ -517,6 +518,16 @@ def _count_tp(layers: dict[str, LayerProfile], f: _Facts) -> set[str]:
             lp.heads.add(hc)
             lp.divisors.add(hc)
     return split_params
+
+
+NORM_MODULES = ("LayerNorm", "RMSNorm", "GroupNorm")
+"""module class names (suffixes) of norms written in Python (e.g. Hugging Face's LlamaRMSNorm: pow, mean, rsqrt and a
+weight multiply): sequence parallelism runs them on sequence shards like torch's own norm ops"""
+
+
+def _python_norm(n) -> bool:
+    """A node of a norm module written in Python that reads its weight."""
+    return bool(n.module_type) and n.module_type.endswith(NORM_MODULES) and n.op_class == "elementwise"
 
 
 def _count_params(layers: dict[str, LayerProfile], f: _Facts, *, split_params: set[str]) -> None:

@@ -55,16 +55,16 @@ def _one_line(value) -> str:
     raise TypeError(f"{type(value).__name__} is not plain data")
 
 
-def style_dict(styles: dict, indent: int = 0) -> str:
+def style_dict(styles: dict, indent: int = 0, width: int = 120) -> str:
     """A ``{path: ParallelStyle(...)}`` literal (nested for block plans), one entry per line, wrapped at 120."""
     pad = " " * (indent + 4)
     lines = []
     for path, style in styles.items():
         if isinstance(style, dict):
-            lines.append(f"{pad}{_one_line(path)}: {style_dict(style, indent + 4)},")
+            lines.append(f"{pad}{_one_line(path)}: {style_dict(style, indent + 4, width)},")
             continue
         line = f"{pad}{_one_line(path)}: {style.source()},"
-        if len(line) > 120:
+        if len(line) > width:
             head, _, args = style.source().partition("(")
             line = f"{pad}{_one_line(path)}: {head}(\n{pad}    {args},"
         lines.append(line)
@@ -121,8 +121,8 @@ def tp_plans(v: ScriptValues) -> tuple[list[str], set, list[str]]:
     lines = ["# tensor parallelism (plan: layers[*].tp, .sequence_parallel, loss_parallel): one plan for the blocks of",
              "# each module list (paths relative to a block), one for the modules around them"]
     if v.block_tp_plans:
-        lines.append(f"layer_plans = {style_dict(v.block_tp_plans)}")
-    lines.append(f"plan = {style_dict(v.tp_plan)}")
+        lines.append(f"layer_plans = {style_dict(v.block_tp_plans, width=116)}")
+    lines.append(f"plan = {style_dict(v.tp_plan, width=116)}")  # inside parallelize: 4 more columns
     if v.local_sizes:
         lines += ["# per-rank head counts and widths that the model's code reads (global / TP; plan: "
                   "layers[*].tp_parts)", f"sizes = {literal(v.local_sizes, width=116)}"]
@@ -155,10 +155,12 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
                   "#    outside the recomputed region", "apply_ac(part, RECOMPUTE)"]
         uses.append("apply_ac")
     if v.fsdp:
-        mixed = ", param_dtype=PARAM_DTYPE, reduce_dtype=REDUCE_DTYPE" if (v.param_dtype, v.reduce_dtype) != (
-            "float32", "float32") else ""
+        mixed = {"param_dtype": "PARAM_DTYPE", "reduce_dtype": "REDUCE_DTYPE"} if (
+            v.param_dtype, v.reduce_dtype) != ("float32", "float32") else {}
+        indent = 8 if v.pp > 1 else 4
         calls += [f"# 3. FSDP last (ZeRO-{v.zero_stage}), over the TP-sharded, checkpoint-wrapped modules",
-                  f"apply_fsdp(part, mesh[\"dp\"], units=FSDP_UNITS, reshard_after_forward={v.zero_stage == 3}{mixed})"]
+                  call("apply_fsdp", "part", "mesh[\"dp\"]", units="FSDP_UNITS",
+                       reshard_after_forward=str(v.zero_stage == 3), **mixed, width=120 - indent)]
         uses.append("apply_fsdp")
     elif v.replicate:
         calls += ["# 3. data parallelism last: FSDP2's replicate (DDP takes no DTensors), one all-reduce per unit",
@@ -227,9 +229,12 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
     if v.sync_batchnorm:
         lines.append("net = apply_sync_batchnorm(net, mesh[\"dp\"].get_group(), device=device)  # plan.sync_batchnorm")
         uses.append("apply_sync_batchnorm")
-    context = call("functools.partial", "step_context", "device", **({"amp_dtype": "AMP_DTYPE"} if v.amp != "none"
-                                                                      else {}),
-                   **({"vocab_parallel": "True"} if v.vocab_parallel else {}))
+    lines.append("# what each forward and backward runs under (autocast, loss_parallel)")
+    lines.append("context = " + call("functools.partial", "step_context", "device",
+                                     **({"amp_dtype": "AMP_DTYPE"} if v.amp != "none" else {}),
+                                     **({"vocab_parallel": "True"} if v.vocab_parallel else {}),
+                                     indent=10, width=120 - ind))
+    context = "context"
     uses.append("step_context")
     if v.pp > 1:
         uses += ["stage_ids", "split_batch", "to_device", "model_call", "build_stage", "StageLoss", "build_schedule",

@@ -114,7 +114,8 @@ def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch
             if ov is not None:
                 tp.update(ov.tp_styles)
             tp = {m: st for m, st in tp.items() if st != "replicate" or (ov and m in ov.tp_styles)}
-        layers.append(LayerPlan(lay.path, ch.stage, tp, sp, ch.fsdp, ch.recompute, ov.pinned if ov else []))
+        layers.append(LayerPlan(lay.path, stage=ch.stage, tp=tp, sequence_parallel=sp, fsdp=ch.fsdp,
+                                recompute=ch.recompute, pinned=ov.pinned if ov else []))
     half = s.amp != "none"
     dtype = DTYPE_NAMES.get(s.amp, "float32")
     precision = PrecisionPlan(amp=s.amp, param_dtype=dtype if (half and s.zero_stage >= 2) else "float32",

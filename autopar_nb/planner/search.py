@@ -97,6 +97,12 @@ class Search:
                 self.tp_on[i] = False
         self.pins = {i: ov.stage for i, ov in cons.layers.items() if ov.stage is not None}
         self.rec_pinned = {i: ov.recompute for i, ov in cons.layers.items() if ov.recompute is not None}
+        # a fixed recompute mode applies to the repeated blocks (as Megatron-LM and torchtitan apply it), or to every
+        # layer of a model without any: recomputing an embedding or a head saves nothing worth a wrapper
+        if "recompute" in fix:
+            blocks = [i for i, lay in enumerate(graph.layers) if graph.block_of(lay.path) is not None]
+            for i in blocks or range(self.n):
+                self.rec_pinned.setdefault(i, fix["recompute"])
         self.fsdp = [cons.layers[i].fsdp if i in cons.layers and cons.layers[i].fsdp is not None else True
                      for i in range(self.n)]
         gpu = cluster.device.flops("bfloat16") > cluster.device.flops("float32")
@@ -249,8 +255,7 @@ class Search:
                     if stages > self.n:
                         continue
                     base = Setting(dp, t, pp, 0, self.amp, m, float(mb), sched, v, sp, self.optimizer)
-                    rec0 = fix.get("recompute", "none")
-                    choices = [LayerChoice(0, self.tp_on[i], self.rec_pinned.get(i, rec0), self.fsdp[i])
+                    choices = [LayerChoice(0, self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i])
                                for i in range(self.n)]
                     runs = self.ev.runs(choices)
                     times = self._run_times(base, runs)
@@ -274,7 +279,6 @@ class Search:
         configs.sort(key=lambda c: (c[0], c[1]))
         out: list[Candidate] = []
         best: list[float] = []
-        rec0 = fix.get("recompute", "none")
         for bound, _, base, assign, zeros in configs:
             if len(best) >= top_k and bound > best[top_k - 1]:
                 self.pruned += 1
@@ -282,7 +286,7 @@ class Search:
             for z in zeros:
                 s = Setting(base.dp, base.tp, base.pp, z, base.amp, base.micro_batches, base.mb_samples,
                             base.schedule, base.virtual_stages, base.sp, base.optimizer)
-                choices = [LayerChoice(assign[i], self.tp_on[i], self.rec_pinned.get(i, rec0), self.fsdp[i])
+                choices = [LayerChoice(assign[i], self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i])
                            for i in range(self.n)]
                 cand = self._cost(s, choices, "recompute" not in fix)
                 out.append(cand)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -30,17 +31,13 @@ class Metrics:
 
 
 def memory_stats(device: str) -> dict:
-    """Bytes: CUDA allocator figures on GPUs, and the process's resident set size."""
+    """Bytes: CUDA allocator figures on GPUs, and the process's resident set size (psutil, when installed)."""
     stats = {}
     if device == "cuda":
         stats = {"mem_allocated": torch.cuda.memory_allocated(), "mem_reserved": torch.cuda.memory_reserved(),
                  "mem_peak": torch.cuda.max_memory_allocated()}
-    try:
+    with contextlib.suppress(ImportError):
         import psutil
 
         stats["rss"] = psutil.Process().memory_info().rss
-    except ImportError:
-        import resource
-
-        stats["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     return stats

@@ -12,17 +12,11 @@ from torch.distributed.tensor import DTensor
 OPTIMIZER_CLASSES = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
 
-def optimizer_kwargs(name: str, *, lr: float, weight_decay: float, betas) -> dict:
-    """Keyword arguments of ``OPTIMIZER_CLASSES[name]`` for the plan's settings (SGD takes no betas)."""
-    if name == "sgd":
-        return {"lr": lr, "weight_decay": weight_decay}
-    return {"lr": lr, "weight_decay": weight_decay, "betas": tuple(betas)}
-
-
 def build_optimizer(params: list, name: str, *, lr: float, weight_decay: float, betas, zero1_group=None):
-    """The plan's optimizer over ``params``. ``zero1_group``: ZeRO-1, each data-parallel rank of the group keeps the
-    optimizer state of its share of the parameters (``ZeroRedundancyOptimizer``)."""
-    cls, kwargs = OPTIMIZER_CLASSES[name], optimizer_kwargs(name, lr=lr, weight_decay=weight_decay, betas=betas)
+    """The plan's optimizer over ``params`` (SGD takes no betas). ``zero1_group``: ZeRO-1, each data-parallel rank of
+    the group keeps the optimizer state of its share of the parameters (``ZeroRedundancyOptimizer``)."""
+    cls = OPTIMIZER_CLASSES[name]
+    kwargs = {"lr": lr, "weight_decay": weight_decay} | ({} if name == "sgd" else {"betas": tuple(betas)})
     if zero1_group is not None:
         return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=zero1_group, **kwargs)
     # the multi-tensor (foreach) kernels cannot mix DTensor and plain parameters (TP without FSDP)

@@ -53,7 +53,8 @@ def global_loss(local: torch.Tensor, *, counts: bool, dp: int) -> float:
 
 def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank: int, device: str, dp: int,
           counts_loss: bool, metrics, scaler=None, pp_group=None, tokens: bool = False, observer=None) -> None:
-    """Run ``args.steps`` optimizer steps (resuming from the latest checkpoint in ``args.ckpt_dir``).
+    """Run ``args.steps`` optimizer steps (resuming from the latest checkpoint in ``args.ckpt_dir``; ending early at
+    step ``args.stop_at`` when given: the learning-rate schedule still spans ``args.steps``).
 
     ``forward_backward(batch)`` returns this rank's loss with gradients accumulated; ``make_batch(step, dp_rank)``
     this data-parallel rank's share of the global batch. ``observer`` (verify's): ``after_backward(step, parts,
@@ -65,7 +66,7 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
         if dist.get_rank() == 0:
             print(f"resumed from {latest_checkpoint(args.ckpt_dir)} at step {start}")
     params = [p for part in parts for p in part.parameters()]
-    for step in range(start, args.steps):
+    for step in range(start, min(args.steps, args.stop_at or args.steps)):
         t0 = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = args.lr * lr_factor(step, warmup=args.warmup, total=args.steps, schedule=args.lr_schedule,
