@@ -61,6 +61,7 @@ def _cases() -> dict:
             "t5_relative_bias": (source(HF_T5_CELL), *hf_t5_tp()),
             "gemma_one_kv_head": (source(HF_GEMMA_CELL), *hf_gqa_tp(kv_heads=1)),
         }
+        cases["gpt2_conv1d_meta_init"] = cases["gpt2_conv1d"]  # built on meta, initialised shard by shard
     return cases
 
 
@@ -81,7 +82,8 @@ def reports():
     out = {}
     for cases, tp in ((CASES, TP), (FOUR, 4)):  # one launch per world size
         plans = {name: (src, _plan(src, styles, parts, tp)) for name, (src, styles, parts) in cases.items()}
-        out |= dict(zip(plans, verify_many(list(plans.values()), steps=STEPS), strict=True))
+        meta = [name.endswith("_meta_init") for name in plans]
+        out |= dict(zip(plans, verify_many(list(plans.values()), steps=STEPS, meta_init=meta), strict=True))
     return out
 
 
