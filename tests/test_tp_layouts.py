@@ -186,6 +186,7 @@ def test_local_sizes_and_styles_per_family():
     expected = {
         "zoo_gpt_fused_qkv": ("h.0.attn", {"n_head": 2, "n_embd": 16}),
         "gpt2_conv1d": ("transformer.h.0.attn", {"split_size": 16}),
+        "gpt2_conv1d_meta_init": ("transformer.h.0.attn", {"split_size": 16}),
         "phi3": ("model.layers.0.self_attn", {"config.num_attention_heads": 2, "num_key_value_heads": 2}),
         "phi3_gqa": ("model.layers.0.self_attn", None),  # gathered: the attention runs whole
         "bert": ("bert.encoder.layer.0.attention.self", None),  # views with -1: nothing to set
