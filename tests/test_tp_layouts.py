@@ -304,3 +304,40 @@ def test_packed_checkpoint_keeps_the_original_layout(tmp_path):
     dcp.load(plain, checkpoint_id=ckpt, no_dist=True)
     for k, v in out[0]["after"].items():
         assert torch.equal(plain["model"][k], v), k
+
+
+NANOGPT_ATTENTION_CELL = """\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class CausalSelfAttention(nn.Module):  # nanoGPT's, with the output re-assembled by view(B, T, -1)
+    def __init__(self, n_embd=32, n_head=4):
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd = n_head, n_embd
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, -1).transpose(1, 2)
+        q = q.view(B, T, self.n_head, -1).transpose(1, 2)
+        v = v.view(B, T, self.n_head, -1).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
+
+
+model = nn.Sequential(CausalSelfAttention())
+example_inputs = (torch.randn(4, 16, 32),)
+"""
+
+
+def test_local_sizes_of_a_class_defined_in_the_cell():
+    """A model class written in the notebook cell has no source file; its methods' lines come from the cell."""
+    src = source(NANOGPT_ATTENTION_CELL)
+    model, _, _ = src.build(device="meta")
+    st = tp_styles(model, {"0.c_attn": "colwise", "0.c_proj": "rowwise"}, parts={"0.c_attn": [4, 4, 4]}, tp=4)
+    assert st["0.c_attn"].source() == "PackedColwiseParallel(input_layouts=Replicate(), parts=3)"
+    assert local_sizes(model, st, tp=4) == {"0": {"n_embd": 8, "n_head": 1}}

@@ -308,19 +308,21 @@ def _divide(path: str, name: str, value: int, tp: int) -> int:
 
 def _attributes_read(cls: type) -> list[tuple[str | None, str]]:
     """(None, name) for ``self.name`` and (owner, name) for ``self.owner.name`` read in the methods of ``cls``
-    and its bases (``__init__`` excepted: it runs before sharding), from their source; [] when it cannot be read."""
+    and its bases (``__init__`` excepted: it runs before sharding), from each method's source (a class defined in
+    a notebook cell has no file, its methods have: the cell's lines); [] for methods whose source cannot be read."""
     found: dict[tuple[str | None, str], None] = {}
     for klass in cls.__mro__:
         if klass in (nn.Module, object):
             continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError):
-            continue
-        for fn in ast.walk(tree):
-            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name == "__init__":
+        for name, fn in vars(klass).items():
+            fn = inspect.unwrap(fn.__func__ if isinstance(fn, (staticmethod, classmethod)) else fn)
+            if name == "__init__" or not inspect.isfunction(fn):
                 continue
-            for n in ast.walk(fn):
+            try:
+                tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+            except (OSError, TypeError, SyntaxError):
+                continue
+            for n in ast.walk(tree):
                 if not (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)):
                     continue
                 if isinstance(n.value, ast.Name) and n.value.id == "self":
