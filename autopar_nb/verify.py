@@ -225,12 +225,13 @@ DROPOUT_SETTINGS = ("dropout", "attention_dropout", "hidden_dropout", "attn_pdro
 
 
 def switch_off_dropout(model: nn.Module) -> int:
-    """Put the modules that drop out in eval mode (BatchNorm keeps training: its statistics are the model) and zero
-    Hugging Face dropout settings read in forward; returns how many there were (0: the model is left as it is)."""
+    """Set every dropout probability to 0: ``nn.Dropout`` modules' ``p`` (which Hugging Face attention also reads for
+    SDPA's ``dropout_p``) and dropout settings modules keep as floats; returns how many there were (0: the model is
+    left as it is). Training mode stays on (BatchNorm's statistics are part of the model)."""
     count = 0
     for module in model.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            module.eval()
+            module.p = 0.0
             count += 1
         for name in DROPOUT_SETTINGS:
             value = module.__dict__.get(name)

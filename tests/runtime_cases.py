@@ -164,7 +164,55 @@ def llama_tp(n_layers: int = 2, *, sp: bool = False, head: bool = True, embeddin
 
 
 __all__ = ["GPT_CELL", "HF_BERT_CELL", "HF_GPT2_CELL", "HF_LLAMA_CELL", "LLAMA_CELL", "RECSYS_CELL", "RESNET_CELL",
+           "TIED_CELL", "script_namespace",
            "gpt_mlp_tp", "has_transformers", "hf_llama_tp", "llama_tp", "make_plan", "source", "torch"]
+
+
+TIED_CELL = """\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.ln_2 = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.ln_1(x)
+        q, k, v = (m(h).view(b, t, -1, h.shape[-1] // self.heads).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        x = x + self.o(a)
+        return x + self.down(F.gelu(self.up(self.ln_2(x))))
+
+
+class TiedGPT(nn.Module):
+    def __init__(self, vocab=96, d=32, layers=2, heads=4):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.h = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied, as GPT-2
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+model = TiedGPT()
+example_inputs = (torch.randint(0, 96, (4, 16)),)
+"""
+"""a GPT whose output head shares the embedding's weight (what GPT-2, Gemma, BERT and T5 do)"""
 
 
 def script_namespace(src: ModelSource, plan: Plan, tmp_path, **export_kwargs) -> dict:

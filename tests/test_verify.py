@@ -10,10 +10,12 @@ from __future__ import annotations
 import pytest
 from runtime_cases import (
     GPT_CELL,
+    HF_GPT2_CELL,
     HF_LLAMA_CELL,
     LLAMA_CELL,
     RECSYS_CELL,
     RESNET_CELL,
+    TIED_CELL,
     gpt_mlp_tp,
     has_transformers,
     hf_llama_tp,
@@ -47,13 +49,23 @@ TWO = {
     "tp_bf16": (G, dict(tp=2, tp_styles=gpt_mlp_tp(), amp="bf16")),  # partial sums rounded to bf16 before the sum
     "batchnorm_dp": (V, dict(dp=2)),
 }
+T = source(TIED_CELL)  # the embedding and the head share one weight
+TIED_TP = {"wte": "rowwise", "lm_head": "colwise", "h.0.up": "colwise", "h.0.down": "rowwise"}
+TWO |= {
+    "tied_pp": (T, dict(pp=2, schedule="1f1b", micro_batches=2, stages={"h.1": 1})),  # copies on 2 stages, summed
+    "tied_tp": (T, dict(tp=2, tp_styles=TIED_TP)),  # one vocab-sharded DTensor for both
+    "tied_zero3": (T, dict(dp=2, zero=3)),  # kept in the root FSDP unit
+}
 META = {  # built on the meta device, initialised shard by shard
     "meta_zero3": (G, dict(dp=2, zero=3)),
     "meta_tp": (L, dict(tp=2, tp_styles=llama_tp())),
+    "meta_tied_tp": (T, dict(tp=2, tp_styles=TIED_TP)),  # the tie is kept through materialisation
 }
 if has_transformers():  # a model the user did not write: Hugging Face's LlamaForCausalLM, with the cell's loss_fn
     H = ModelSource(HF_LLAMA_CELL, loss_fn_var="loss_fn")
     TWO["hf_llama_tp"] = (H, dict(tp=2, tp_styles=hf_llama_tp()))
+    # default configs: dropout 0.1 (switched off in both runs), a tied head, Hugging Face outputs, the default loss
+    TWO["hf_gpt2_dp"] = (source(HF_GPT2_CELL), dict(dp=2))
     META["hf_llama_meta_zero3"] = (H, dict(dp=2, zero=3))
 FOUR = {
     "dp_tp": (G, dict(dp=2, tp=2, zero=2, tp_styles=gpt_mlp_tp())),
@@ -97,6 +109,8 @@ def _full_numel(src):
 def test_plan_matches_single_process(reports, name):
     report = reports[name]
     print(report)
+    if name == "hf_gpt2_dp":
+        assert report.dropout_off > 0 and "dropout switched off" in str(report)
     assert len(report.steps) == STEPS
     if "bf16" in name:
         assert report.rtol > FP32_RTOL
@@ -125,6 +139,11 @@ def test_plans_were_really_applied(reports):
     assert len(info["tp_pp"]) == 4 and {tuple(i["stages"]) for i in info["tp_pp"]} == {(0,), (1,)}
     # replicated over dp (whole on each of the 2 replicas), MLPs split over tp
     assert all(0.45 * full_g < i["local_numel"] < full_g and i["dtensor_params"] > 0 for i in info["dp_tp_zero0"])
+    full_t = _full_numel(T)
+    assert [i["stages"] for i in info["tied_pp"]] == [[0], [1]]
+    assert sum(i["local_numel"] for i in info["tied_pp"]) > full_t  # both stages hold a copy of the tied weight
+    for name in ("tied_tp", "meta_tied_tp", "tied_zero3"):
+        assert all(i["local_numel"] < full_t for i in info[name]), name
 
 
 def test_compare_flags_a_changed_model():

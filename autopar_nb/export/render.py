@@ -269,7 +269,11 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
                                                micro_batches="MICRO_BATCHES", has_first="0 in ids",
                                                has_last="NUM_STAGES - 1 in ids", device="device", context=context,
                                                indent=19, width=120 - ind),
-                  "counts_loss = NUM_STAGES - 1 in ids and mesh[\"tp\"].get_local_rank() == 0"]
+                  "counts_loss = NUM_STAGES - 1 in ids and mesh[\"tp\"].get_local_rank() == 0",
+                  *(["tied = TiedGradients(parts, TIES, mesh)  # an embedding and its head on different stages"]
+                    if v.ties else [])]
+        if v.ties:
+            uses.append("TiedGradients")
     else:
         uses.append("accumulate")
         lines += ["forward_backward = " + call("functools.partial", "accumulate", "parts[0]",
@@ -280,7 +284,8 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
               "    " + call("train", "args", "parts", "optimizer", forward_backward="forward_backward",
                             make_batch="make_batch_fn", dp_rank="dp_rank", device="device", dp="DP",
                             counts_loss="counts_loss", metrics="metrics", scaler=scaler,
-                            pp_group="mesh[\"pp\"].get_group()" if v.pp > 1 else "None", tokens=str(v.tokens),
+                            pp_group="mesh[\"pp\"].get_group()" if v.pp > 1 else "None",
+                            **({"tied": "tied"} if v.pp > 1 and v.ties else {}), tokens=str(v.tokens),
                             observer="observer", indent=4, width=120 - ind)]
     return "\n".join(" " * ind + line for line in "\n".join(lines).splitlines()), uses
 

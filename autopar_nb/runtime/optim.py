@@ -35,12 +35,14 @@ def lr_factor(step: int, *, warmup: int, total: int, schedule: str, min_ratio: f
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def clip_grad_norm(params: list, max_norm: float, *, pp_group=None) -> torch.Tensor:
+def clip_grad_norm(params: list, max_norm: float, *, pp_group=None, repeated=()) -> torch.Tensor:
     """Scale gradients so their global 2-norm is at most ``max_norm``; returns the norm before clipping.
 
     The norm covers every parameter of the model: DTensor gradients (TP/FSDP shards) are reduced over their mesh
     (one group per mesh: FSDP over TP-sharded and over replicated modules gives two), plain ones are local, and with
-    pipelining each stage's squared norm is summed over ``pp_group``."""
+    pipelining each stage's squared norm is summed over ``pp_group``; ``repeated``: copies of a parameter another
+    stage holds too (tied across stages), clipped but counted once."""
+    skip = {id(p) for p in repeated}
     groups: dict = {}
     for p in params:
         if p.grad is not None:
@@ -49,7 +51,10 @@ def clip_grad_norm(params: list, max_norm: float, *, pp_group=None) -> torch.Ten
     local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
     total = torch.zeros((), device=local[0].device if local else None)
     for key, group in groups.items():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=False)
+        counted = [p.grad for p in group if id(p) not in skip]
+        if not counted:
+            continue
+        norm = torch.nn.utils.get_total_norm(counted, foreach=False)
         total += (norm.full_tensor() if key is not None else norm).float() ** 2
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)

@@ -9,12 +9,15 @@ parameters), so TP styles and checkpoint wrappers see real ``nn.Linear``/``nn.Em
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.tensor import DTensor
 
 from .data import model_call, split_batch
+from .init import canonical_name
 
 # plan schedule name -> torch.distributed.pipelining class name
 SCHEDULES = {
@@ -169,3 +172,42 @@ def pipeline_step(schedule, stage_loss: StageLoss, batch, *, micro_batches: int,
     if not has_last:
         return torch.zeros((), device=device)
     return torch.stack([x.detach().float() for x in losses]).mean()
+
+
+class TiedGradients:
+    """Parameters tied across pipeline stages (an embedding and its output head): every stage that uses one holds its
+    own copy, initialised alike; after each backward their gradients are summed over the stages that hold them, so
+    the copies stay equal (Megatron-LM's embedding group). Collective to build: every rank of ``mesh`` calls it."""
+
+    def __init__(self, parts: list, ties: list, mesh):
+        pp = mesh["pp"]
+        held: dict = {}
+        for part in parts:
+            for name, p in part.named_parameters(remove_duplicate=False):
+                held.setdefault(canonical_name(name), p)
+        self.groups = []  # (this rank's copy or None, process group of the holders, whether it counts in norms)
+        for ties_of_one in ties:
+            mine = next((held[p] for p in ties_of_one if p in held), None)
+            holders = [None] * pp.size()
+            dist.all_gather_object(holders, mine is not None, group=pp.get_group())
+            stages = [i for i, h in enumerate(holders) if h]
+            if len(stages) < 2:
+                continue  # one stage holds every use: autograd sums the gradient already
+            group = None
+            for column in mesh.mesh.permute(1, 2, 0).reshape(-1, pp.size()).tolist():  # every (dp, tp) position
+                ranks = [column[i] for i in stages]
+                made = dist.new_group(ranks)  # every rank takes part in creating every group
+                if dist.get_rank() in ranks:
+                    group = made
+            self.groups.append((mine, group, pp.get_local_rank() == stages[0]))
+
+    def sync(self) -> None:
+        """Sum the copies' gradients over the stages that hold them."""
+        for param, group, _ in self.groups:
+            if param is not None and param.grad is not None:
+                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                dist.all_reduce(grad, group=group)
+
+    def repeated(self) -> list:
+        """The copies a gradient norm must not count again (all but the first stage's)."""
+        return [param for param, _, first in self.groups if param is not None and not first]

@@ -52,13 +52,15 @@ def global_loss(local: torch.Tensor, *, counts: bool, dp: int) -> float:
 
 
 def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank: int, device: str, dp: int,
-          counts_loss: bool, metrics, scaler=None, pp_group=None, tokens: bool = False, observer=None) -> None:
+          counts_loss: bool, metrics, scaler=None, pp_group=None, tied=None, tokens: bool = False,
+          observer=None) -> None:
     """Run ``args.steps`` optimizer steps (resuming from the latest checkpoint in ``args.ckpt_dir``; ending early at
     step ``args.stop_at`` when given: the learning-rate schedule still spans ``args.steps``).
 
     ``forward_backward(batch)`` returns this rank's loss with gradients accumulated; ``make_batch(step, dp_rank)``
-    this data-parallel rank's share of the global batch. ``observer`` (verify's): ``after_backward(step, parts,
-    loss)`` and ``after_step(step, parts)``, called on every rank."""
+    this data-parallel rank's share of the global batch. ``tied``: parameters tied across pipeline stages
+    (:class:`TiedGradients`). ``observer`` (verify's): ``after_backward(step, parts, loss)`` and ``after_step(step,
+    parts)``, called on every rank."""
     ckpt_model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)
     start = 0
     if latest_checkpoint(args.ckpt_dir):
@@ -73,12 +75,14 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
                                               min_ratio=args.min_lr_ratio)
         batch = to_device(make_batch(step, dp_rank), device)  # this data-parallel rank's share
         loss = global_loss(forward_backward(batch), counts=counts_loss, dp=dp)
+        if tied is not None:
+            tied.sync()
         if observer is not None:
             observer.after_backward(step, parts, loss)
         if scaler is not None:
             scaler.unscale_(optimizer)
         if args.grad_clip:
-            clip_grad_norm(params, args.grad_clip, pp_group=pp_group)
+            clip_grad_norm(params, args.grad_clip, pp_group=pp_group, repeated=tied.repeated() if tied else ())
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
