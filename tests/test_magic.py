@@ -1,5 +1,6 @@
 import pytest
 from IPython.core.error import UsageError
+from test_hardware import H100_NVML_BYTES, H100_TORCH_BYTES, simulate_host
 
 from autopar_nb.magic import AutoparallelMagics
 from autopar_nb.session import Session
@@ -9,6 +10,17 @@ import torch, torch.nn as nn
 model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 512))
 example_inputs = (torch.randn(32, 1024),)
 """
+
+HOSTS = {"cpu-host": 0, "4xh100-host": 4}
+"""the machines every test here runs on, simulated whatever this one is: CPU-only, and 4 H100s (with NVML)"""
+
+
+@pytest.fixture(autouse=True, params=list(HOSTS))
+def host_gpus(request, monkeypatch) -> int:
+    """GPUs of the (simulated) machine the magic runs on: `--gpu auto`, the default, detects them."""
+    simulate_host(monkeypatch, HOSTS[request.param], "NVIDIA H100 80GB HBM3", H100_TORCH_BYTES,
+                  nvml_memory=H100_NVML_BYTES)
+    return HOSTS[request.param]
 
 
 def test_magic_binds_session_and_keeps_source(ip):
@@ -23,13 +35,28 @@ def test_magic_binds_session_and_keeps_source(ip):
     assert "1.57 M" in html and "h100-80gb" in html and "<table>" in html
 
 
-def test_options_name_fix_dtype_mode_and_cpu_default(ip):
+def test_options_name_fix_dtype_mode_and_host_default(ip, host_gpus):
     s = ip.run_cell_magic("autoparallel", "--name seed --fix tp=2,zero=3,mb=4 --dtype bf16 --mode semi",
                           SEED_CELL)
     assert ip.user_ns["seed"] is s and "ap" not in ip.user_ns
     assert s.fix == {"tp": 2, "zero_stage": 3, "micro_batches": 4, "amp": "bf16"}
     assert s.mode == "semi"
-    assert s.cluster.name == "cpu" and s.cluster.world_size == 2  # no GPU here: 2 CPU processes
+    if host_gpus:  # --gpu auto: this machine's GPUs, its memory as NVML reports it
+        assert (s.cluster.name, s.cluster.nodes, s.cluster.gpus_per_node) == ("h100-80gb", 1, host_gpus)
+        assert s.cluster.device.memory_bytes == H100_NVML_BYTES
+    else:  # no GPU: 2 CPU processes, so that the plan can be launched here
+        assert (s.cluster.name, s.cluster.nodes, s.cluster.gpus_per_node) == ("cpu", 1, 2)
+    assert s.plan.mesh.world_size == s.cluster.world_size and s.plan.mesh.tp == 2
+
+
+@pytest.mark.parametrize("line, gpus_per_node", [("--gpus 2", 2), ("--nodes 3", None), ("--nodes 2 --gpus 8", 8)])
+def test_gpus_and_nodes_scale_the_detected_machine(ip, host_gpus, line, gpus_per_node):
+    s = ip.run_cell_magic("autoparallel", line, SEED_CELL)
+    nodes = 3 if "--nodes 3" in line else 2 if "--nodes 2" in line else 1
+    expected = gpus_per_node or host_gpus or 2
+    assert (s.cluster.name, s.cluster.nodes, s.cluster.gpus_per_node) == (
+        "h100-80gb" if host_gpus else "cpu", nodes, expected)
+    assert s.plan.mesh.world_size == nodes * expected
 
 
 def test_repeated_blocks_are_folded_in_summary(ip):
