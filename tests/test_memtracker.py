@@ -2,54 +2,53 @@
 group and FakeTensorMode: one process measures one rank of a world of 2-8 without devices.
 
 The model is GPT-2 sized in width (d=768, vocab 50257/50304, seq 512, micro-batch 2) with 4 layers instead of 12 to
-keep the test short; TP uses a LLaMA-style block (separate q/k/v, 16 heads so that TP=8 divides them), because
-nanoGPT's fused c_attn split by ``split(n_embd)`` is not TP-compatible as written. The checks run in a subprocess
-(the fake process group is global state) and compare predicted peak (the cost model's total minus its allocator
-margin, which a tracker does not see) with the tracked peak of the second training step.
+keep the test short; TP uses a LLaMA-style block (separate q/k/v, 16 heads so that TP=8 divides them). The plan is
+applied by its exported script (``parallelize``: TP styles, FSDP units, in the script's order), so what is measured is
+what a user runs, not a mapping of this test's own. The checks run in a subprocess (the fake process group is global
+state) and compare predicted peak (the cost model's total minus its allocator margin, which a tracker does not see)
+with the tracked peak of the second training step.
 """
 
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 B, T, LAYERS = 2, 512, 4
 CASES = [("fsdp", 2), ("fsdp", 4), ("fsdp", 8), ("tp_sp", 2), ("tp_sp", 4), ("tp_sp", 8),
          ("tp", 2), ("tp", 4), ("tp", 8)]
+GPT_CELL = f"""\
+import torch
+from autopar_nb.zoo import GPT, GPTConfig
+
+model = GPT(GPTConfig(n_layer={LAYERS}))
+example_inputs = (torch.randint(0, 50257, ({B}, {T})),)
+"""
+LLAMA_CELL = f"""\
+import torch
+from autopar_nb.zoo import Llama, LlamaConfig
+
+model = Llama(LlamaConfig(vocab_size=50304, dim=768, n_layers={LAYERS}, n_heads=16, n_kv_heads=16, ffn_dim=3072))
+example_inputs = (torch.randint(0, 50304, ({B}, {T})),)
+"""
+_SCRIPTS: dict = {}
 
 
-def _tp_styles(plan, sp):
-    """The plan's TP styles as PyTorch ParallelStyles, torchtitan-style: the parent of colwise Linears gathers the
-    sequence-sharded input once (PrepareModuleInput)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+def _parallelize(src, plan, key):
+    """The ``parallelize(model, mesh, device)`` of ``plan``'s exported script (exported once per case)."""
+    from autopar_nb.export import export
 
-    seq = Shard(1) if sp else Replicate()
-    layers = {lp.path for lp in plan.layers}
-    styles = {}
-    for mod, st in plan.tp_plan.items():
-        parent = mod.rsplit(".", 1)[0]
-        if st == "colwise" and mod in layers:  # the vocab-parallel head: loss on sharded logits
-            styles[mod] = ColwiseParallel(input_layouts=seq, use_local_output=False)
-        elif st == "colwise":
-            styles[mod] = ColwiseParallel()
-            if sp:
-                styles[parent] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
-        elif st == "rowwise" and mod in layers:  # vocab-parallel embedding
-            styles[mod] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-        elif st == "rowwise":
-            styles[mod] = RowwiseParallel(output_layouts=seq)
-        elif st == "sequence_parallel":
-            styles[mod] = SequenceParallel()
-    return styles
+    if key not in _SCRIPTS:
+        with tempfile.TemporaryDirectory(prefix="memtracker-") as tmp:
+            script = export(src, plan, Path(tmp) / "train.py", quiet=True).script
+            _SCRIPTS[key] = runpy.run_path(str(script), run_name="under_test")  # its cell runs; main does not
+    return _SCRIPTS[key]["parallelize"]
 
 
 def _run_case(kind: str, world: int) -> dict:
@@ -59,39 +58,29 @@ def _run_case(kind: str, world: int) -> dict:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+    from torch.distributed.tensor.parallel import loss_parallel
 
     import autopar_nb as ap
-    from autopar_nb import zoo
     from autopar_nb.cost import estimate
+    from autopar_nb.source import ModelSource
 
     if kind == "fsdp":
-        cfg = zoo.GPTConfig(n_layer=LAYERS)
-        build, vocab = (lambda: zoo.GPT(cfg)), cfg.vocab_size
-        fix = {"dp": world, "tp": 1, "zero_stage": 3}
+        src, fix = ModelSource(GPT_CELL), {"dp": world, "tp": 1, "zero_stage": 3}
     else:
-        cfg = zoo.LlamaConfig(vocab_size=50304, dim=768, n_layers=LAYERS, n_heads=16, n_kv_heads=16, ffn_dim=3072)
-        build, vocab = (lambda: zoo.Llama(cfg)), cfg.vocab_size
-        fix = {"dp": 1, "tp": world, "zero_stage": 0, "sequence_parallel": kind == "tp_sp"}
-    with torch.device("meta"):
-        meta_model = build()
-    graph = ap.capture(meta_model, torch.randint(0, vocab, (B, T)))
+        src, fix = ModelSource(LLAMA_CELL), {"dp": 1, "tp": world, "zero_stage": 0,
+                                             "sequence_parallel": kind == "tp_sp"}
+    meta_model, example, _ = src.build(device="meta")
+    vocab = next(m for m in meta_model.modules() if isinstance(m, torch.nn.Embedding)).num_embeddings  # token table
+    graph = ap.capture(meta_model, example)
     cluster = ap.Cluster.preset("cpu", 1, world)
     plan = ap.plan(graph, cluster, global_batch=B * fix["dp"], fix={**fix, "pp": 1, "amp": "none",
                                                                      "micro_batches": 1, "recompute": "none"})
-    mesh = init_device_mesh("cpu", (world,))
+    parallelize = _parallelize(src, plan, (kind, world))
+    # the script's (pp, dp, tp) mesh, on `world` of the fake process group's ranks
+    mesh = init_device_mesh("cpu", (1, fix["dp"], fix["tp"]), mesh_dim_names=("pp", "dp", "tp"))
     with FakeTensorMode():
-        torch.manual_seed(0)
-        model = build()
-        if kind == "fsdp":
-            # the order matters: each layer its own unit first, then the root
-            for lp in plan.layers:
-                if lp.fsdp:
-                    fully_shard(model.get_submodule(lp.path), mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        else:
-            parallelize_module(model, mesh, _tp_styles(plan, kind == "tp_sp"))
+        model, _, _ = src.build()
+        (model,) = parallelize(model, mesh, "cpu")
         optim = torch.optim.Adam(model.parameters(), lr=1e-3)
         x, y = torch.randint(0, vocab, (B, T)), torch.randint(0, vocab, (B, T))
         tracker = FSDPMemTracker(model, optim) if kind == "fsdp" else MemTracker()
