@@ -145,7 +145,7 @@ def parse_fix(text: str | None) -> dict[str, Any]:
     return out
 
 
-FIX_KEYS = ("dp", "tp", "pp", "zero_stage", "micro_batches", "schedule", "virtual_stages", "recompute", "amp",
+FIX_KEYS = ("dp", "tp", "pp", "ep", "zero_stage", "micro_batches", "schedule", "virtual_stages", "recompute", "amp",
             "sequence_parallel")
 FIX_ALIASES = {"zero": "zero_stage", "mb": "micro_batches", "micro": "micro_batches", "sp": "sequence_parallel"}
 

@@ -9,7 +9,7 @@ JSON schema (``SCHEMA_VERSION`` = 1)::
       "schema_version": 1,
       "model":     {"name": str, "num_params": int},
       "cluster":   {"preset": str, "nodes": int, "gpus_per_node": int},
-      "mesh":      {"dp": int, "tp": int, "pp": int, "zero_stage": 0..3},
+      "mesh":      {"dp": int, "tp": int, "pp": int, "zero_stage": 0..3, "ep": int},
       "batch":     {"global_batch": int, "micro_batches": int, "seq_len": int | null},
       "pipeline":  {"schedule": str, "virtual_stages": int},
       "precision": {"amp": "none"|"bf16"|"fp16", "param_dtype": str, "reduce_dtype": str,
@@ -20,6 +20,7 @@ JSON schema (``SCHEMA_VERSION`` = 1)::
                      "recompute": "none"|"selective"|"full", "pinned": [field, ...]}, ...],
       "sync_batchnorm": bool,
       "loss_parallel": bool,
+      "experts":   [module_path_pattern, ...],   # expert modules ("model.layers.*.mlp.experts")
       "cost": {...} | null,          # see Cost; filled by the planner
       "explanation": [str, ...],
       "alternatives": [plan, ...]    # the next best plans (their own "alternatives" are empty)
@@ -55,19 +56,22 @@ ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
             "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8,
             "complex128": 16}
 """bytes per element by torch dtype name (``str(dtype).removeprefix("torch.")``)"""
-FIX_KEYS = ("dp", "tp", "pp", "zero_stage", "micro_batches", "schedule", "virtual_stages", "recompute", "amp",
+FIX_KEYS = ("dp", "tp", "pp", "ep", "zero_stage", "micro_batches", "schedule", "virtual_stages", "recompute", "amp",
             "sequence_parallel", "optimizer")
 """global choices a user can pin (``--fix``, ``plan(fix=...)``, ``Session.replan(fix=...)``)"""
 FIX_ALIASES = {"zero": "zero_stage", "mb": "micro_batches", "micro": "micro_batches", "sp": "sequence_parallel"}
 """short names accepted for FIX_KEYS"""
 FIX_CHOICES: dict[str, tuple] = {"zero_stage": ZERO_STAGES, "schedule": SCHEDULES, "recompute": RECOMPUTE,
                                  "amp": AMP, "sequence_parallel": (False, True), "optimizer": OPTIMIZERS}
-"""the allowed values of the FIX_KEYS that are choices; the others (dp, tp, pp, micro_batches, virtual_stages) are
-positive integers"""
+"""the allowed values of the FIX_KEYS that are choices; the others (dp, tp, pp, ep, micro_batches, virtual_stages)
+are positive integers"""
 
 MODULE_PATH = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*")
 """a dotted module path as ``nn.Module.named_modules()`` yields it, restricted to names made of letters, digits,
 ``_`` and ``-`` (attribute names, ``nn.Sequential`` indices, usual ``nn.ModuleDict`` keys); "" is the root"""
+MODULE_PATTERN = re.compile(r"[A-Za-z0-9_*-]+(?:\.[A-Za-z0-9_*-]+)*")
+"""a module path in which a name may be ``*`` or hold ``*`` (``fnmatch``: any characters): ``"layers.*.mlp.experts"``
+names the experts module of every block"""
 
 
 class PlanError(ValueError):
@@ -179,11 +183,18 @@ class MeshPlan:
     zero_stage: int = 0
     """0: DDP (everything replicated); 1: optimizer states sharded (ZeroRedundancyOptimizer);
     2: + gradients sharded (FSDP2, reshard_after_forward=False); 3: + parameters sharded (FSDP2, reshard=True)"""
+    ep: int = 1
+    """expert-parallel degree: the experts of every ``Plan.experts`` module split over ``ep`` consecutive
+    data-parallel ranks, tokens routed to them by all-to-all. Borrowed from dp as torchtitan does (no ranks of its
+    own: ep divides dp); each expert is then held by dp / ep ranks, which average its gradients"""
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp"):
+        for name in ("dp", "tp", "pp", "ep"):
             _check_int(f"mesh.{name}", getattr(self, name), minimum=1)
         _check_choice("mesh.zero_stage", self.zero_stage, ZERO_STAGES)
+        if self.dp % self.ep:
+            raise PlanError(f"mesh.ep({self.ep}) must divide mesh.dp({self.dp}): expert parallelism splits the "
+                            f"experts over data-parallel ranks (dp({self.dp}) % ep({self.ep}) = {self.dp % self.ep})")
 
     @property
     def world_size(self) -> int:
@@ -423,6 +434,9 @@ class Plan:
     """convert BatchNorm to SyncBatchNorm so statistics span all data-parallel ranks (seed §6.2)"""
     loss_parallel: bool = False
     """the output head is vocab-parallel and the loss is computed on sharded logits (torch loss_parallel)"""
+    experts: list[str] = field(default_factory=list)
+    """the model's expert modules (stacked-weight experts of a Mixture-of-Experts layer), as module paths or patterns
+    over repeated blocks (``"model.layers.*.mlp.experts"``); mesh.ep > 1 splits each one's experts"""
     model: dict[str, Any] = field(default_factory=dict)
     """{"name": class name, "num_params": int}"""
     cluster: dict[str, Any] = field(default_factory=dict)
@@ -444,6 +458,14 @@ class Plan:
             seen.add(lp.path)
         _check_bool("sync_batchnorm", self.sync_batchnorm)
         _check_bool("loss_parallel", self.loss_parallel)
+        _check_list("experts", self.experts, str)
+        for i, pattern in enumerate(self.experts):
+            if not MODULE_PATTERN.fullmatch(pattern):
+                raise PlanError(f"experts[{i}]={pattern!r} is not a module path or pattern: dotted names of letters, "
+                                "digits, '_', '-' and '*' (\"model.layers.*.mlp.experts\")")
+        if self.mesh.ep > 1 and not self.experts:
+            raise PlanError(f"mesh.ep={self.mesh.ep} but experts is empty: name the expert modules to split "
+                            "(\"model.layers.*.mlp.experts\"), or set mesh.ep to 1")
         self._check_info()
         if self.cost is not None and not isinstance(self.cost, Cost):
             raise PlanError(f"cost must be a Cost or None, got {self.cost!r}")
@@ -582,7 +604,7 @@ class Plan:
     def summary(self) -> str:
         """One line: mesh, ZeRO, schedule, precision, and predicted cost when known."""
         m = self.mesh
-        s = f"dp={m.dp} tp={m.tp} pp={m.pp} zero={m.zero_stage}"
+        s = f"dp={m.dp} tp={m.tp} pp={m.pp} zero={m.zero_stage}" + (f" ep={m.ep}" if m.ep > 1 else "")
         if m.pp > 1:
             s += f" {self.pipeline.schedule}x{self.batch.micro_batches}"
         rec = sorted({lp.recompute for lp in self.layers} - {"none"})

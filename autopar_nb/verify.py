@@ -299,7 +299,9 @@ def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0, val
 class Recorder:
     """The observer verify hands to the script's ``main``: after each backward the loss and the full gradients,
     after each optimizer step the full parameters (DTensors gathered: every rank takes part). Only the ranks at
-    data-parallel and tensor-parallel index 0 keep them (one per pipeline stage)."""
+    data-parallel and tensor-parallel index 0 keep them (one per pipeline stage). Expert parallelism splits the dp
+    dim into (dp_mod_ep, ep) without reordering ranks, so the dp index stays ``(rank // tp) % dp``; the experts,
+    DTensors over their ep ranks, are gathered like any other."""
 
     def __init__(self, plan: Plan, rank: int):
         m = plan.mesh

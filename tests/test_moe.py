@@ -366,3 +366,126 @@ def test_expert_parallel_matches_single_process():
             assert diff.abs().max() <= 1e-5 * r.abs().max() + 2 * LR * STEPS, f"{name} param {pname}"
             rel = (diff.norm() / r.norm()).item()
             assert rel <= 1e-4, f"{name} param {pname}: |diff| / |ref| = {rel:.2e}"
+
+
+# ---- expert parallelism as a plan: exported (the script is the implementation), verified ------------------------
+ZOO_CELL = """\
+import torch
+
+from autopar_nb.zoo import MoEConfig, MoETransformer
+
+model = MoETransformer(MoEConfig(vocab_size=128, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                                 n_dense_layers=1, n_routed_experts=4, n_shared_experts=1, top_k=2, moe_ffn_dim=16))
+example_inputs = (torch.randint(0, 128, (4, 16)),)
+"""
+
+MIXTRAL_CELL = """\
+import torch
+from transformers import MixtralConfig, MixtralForCausalLM
+
+config = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+model = MixtralForCausalLM(config)
+example_inputs = (torch.randint(0, 256, (4, 16)),)
+"""
+
+ZOO_EXPERTS, HF_EXPERTS = ["layers.*.feed_forward.experts"], ["model.layers.*.mlp.experts"]
+
+
+def _ep_plan(cell: str, experts: list[str], *, ep: int = 2, recompute: str = "none", **kw):
+    """A hand-built plan (runtime_cases.make_plan: every captured layer, no planner) with expert parallelism."""
+    import dataclasses
+
+    from runtime_cases import make_plan, source
+
+    src = source(cell)
+    plan = make_plan(src, **kw)
+    if recompute != "none":
+        plan.layers = [dataclasses.replace(lp, recompute=recompute) if lp.path.startswith(("layers.", "model.layers."))
+                       else lp for lp in plan.layers]
+    plan.mesh.ep, plan.experts = ep, experts
+    return src, plan.__class__.from_dict(plan.to_dict())  # validated as a whole, as a user's JSON would be
+
+
+def _parallelize(script: str) -> str:
+    return script[script.index("def parallelize"):script.index("def parse_args")]
+
+
+def test_ep_plans_export_in_torchtitans_order(tmp_path):
+    import subprocess
+    import sys
+
+    from autopar_nb.export import export
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for zero, dp_calls in ((0, ['replicate_experts(part, experts_mesh["dp_mod_ep"], dp=DP)', "part = apply_ddp("]),
+                           (3, ['shard_experts(part, experts_mesh["dp_mod_ep"], dp=DP, reshard_after_forward=True)',
+                                "apply_fsdp("])):
+        src, plan = _ep_plan(ZOO_CELL, ZOO_EXPERTS, dp=2, zero=zero, recompute="full")
+        text = export(src, plan, tmp_path / f"ep_z{zero}.py", quiet=True).script.read_text()
+        body = _parallelize(text)
+        # EP after TP (none here) and before activation checkpointing and data parallelism (torchtitan's order)
+        order = [body.index(s) for s in ("experts_mesh = expert_mesh(mesh, ep=EP)",
+                                         'apply_ep(part, experts_mesh["ep"], experts=EXPERTS)', "apply_ac(",
+                                         *dp_calls)]
+        assert order == sorted(order), body
+        assert 'EP = 2  # plan.mesh.ep' in text and 'EXPERTS = ["layers.*.feed_forward.experts"]' in text
+        assert "def apply_ep(" in text and "def expert_mesh(" in text  # the runtime's own functions, verbatim
+    ruff = subprocess.run([sys.executable, "-m", "ruff", "check", "--config", str(root / "pyproject.toml"),
+                           str(tmp_path)], capture_output=True, text=True)
+    assert ruff.returncode == 0, ruff.stdout + ruff.stderr
+
+
+@pytest.mark.parametrize("change, error, match", [
+    ({"tp": 2, "dp": 1, "ep": 1}, None, None),  # (a valid TP plan: the baseline of the refusals below)
+    ({"zero": 1}, NotImplementedError, r"ZeroRedundancyOptimizer \(ZeRO-1\) does not take the experts' DTensor"),
+    ({"experts": ["layers.*.mlp.experts"]}, "PlanError", r"experts: apply_ep: no module matches 'layers\.\*\.mlp"),
+    ({"experts": ["layers.*.feed_forward"]}, "PlanError", r"no int attribute num_experts"),
+    ({"dp": 8, "ep": 8}, "PlanError", r"num_experts\(4\) % ep\(8\) = 4"),
+    ({"zero": 3, "recompute": "selective"}, NotImplementedError, r"selective recompute of layers holding experts "
+                                                                  r"\(layers\.1, layers\.2\) with ep=2 and ZeRO-3"),
+])
+def test_ep_plans_the_runtime_cannot_run_are_refused_before_writing(tmp_path, change, error, match):
+    from autopar_nb.export import export
+    from autopar_nb.plan import PlanError
+
+    kw = {"dp": 2, "ep": 2, "zero": 0, "experts": ZOO_EXPERTS} | change
+    src, plan = _ep_plan(ZOO_CELL, kw.pop("experts"), **kw)
+    out = tmp_path / "ep.py"
+    if error is None:
+        export(src, plan, out, quiet=True)
+        return
+    with pytest.raises(PlanError if error == "PlanError" else error, match=match):
+        export(src, plan, out, quiet=True)
+    assert not out.exists()
+    with pytest.raises(NotImplementedError, match=r"not with tp=2, pp=1"):
+        export(*_ep_plan(ZOO_CELL, ZOO_EXPERTS, dp=2, tp=2, ep=2, tp_styles={"output": "colwise"}), out, quiet=True)
+
+
+@pytest.mark.multiprocess
+def test_exported_ep_scripts_match_single_process():
+    """verify runs each plan's exported script on 2 gloo processes (one launch for all cases) against the
+    single-process run: the zoo MoE and Hugging Face Mixtral with ep=2 (= dp), under DDP (ZeRO 0, with gradient
+    accumulation) and FSDP (ZeRO 2/3, with full recompute)."""
+    from autopar_nb.verify import verify_many
+
+    cases = [("zoo ZeRO-0 accum x2", _ep_plan(ZOO_CELL, ZOO_EXPERTS, dp=2, zero=0, micro_batches=2)),
+             ("zoo ZeRO-3 full recompute", _ep_plan(ZOO_CELL, ZOO_EXPERTS, dp=2, zero=3, recompute="full"))]
+    if has_transformers():
+        cases += [("Mixtral ZeRO-0", _ep_plan(MIXTRAL_CELL, HF_EXPERTS, dp=2, zero=0)),
+                  ("Mixtral ZeRO-2", _ep_plan(MIXTRAL_CELL, HF_EXPERTS, dp=2, zero=2))]
+    reports = verify_many([c for _, c in cases], steps=3)
+    for (name, (src, plan)), report in zip(cases, reports, strict=True):
+        print(f"\n{name}: loss {report.max_loss_rel:.1e}, grads {report.max_grad_rel:.1e}, params "
+              f"{report.max_param_rel:.1e} (relative)\n{report}")
+        assert report.ok, report
+        model = src.build(device="meta")[0]
+        total = sum(p.numel() for p in model.parameters())
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        for info in report.per_rank:  # each rank holds half of the experts (and, under FSDP, half of the rest)
+            if plan.mesh.zero_stage == 0:
+                assert info["local_numel"] == total - experts // 2, info
+            else:
+                assert info["local_numel"] <= total // 2 + 64, info
+            assert info["dtensor_params"] >= 4
+

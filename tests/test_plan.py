@@ -158,6 +158,11 @@ def _set(d: dict, path: str, value) -> dict:
     ("cluster.nodes", "1", r"cluster\.nodes must be an integer"),
     ("model.name", ["GPT"], r"model\.name must be a string"),
     ("alternatives.0.mesh.pp", "2", r"alternatives\[0\]: mesh\.pp must be an integer"),
+    ("mesh.ep", 0, r"mesh\.ep must be >= 1"),
+    ("mesh.ep", 3, r"mesh\.ep\(3\) must divide mesh\.dp\(2\).*dp\(2\) % ep\(3\) = 2"),
+    ("mesh.ep", 2, r"mesh\.ep=2 but experts is empty"),
+    ("experts", "h.*.experts", r"experts must be a list"),
+    ("experts", ["h.*.experts; import os"], r"experts\[0\]='h\.\*\.experts; import os' is not a module path"),
 ])
 def test_from_dict_names_the_bad_field(path, value, match):
     d = _set(_plan_dict(), path, value)
@@ -214,6 +219,16 @@ def test_plans_built_in_python_are_checked():
     with pytest.raises(PlanError, match="mesh must be a MeshPlan"):
         Plan(mesh={"dp": 1})
     assert OptimizerPlan(lr=1, betas=[0, 0.5]) == OptimizerPlan(lr=1.0, betas=(0.0, 0.5))
+
+
+def test_expert_parallel_fields():
+    plan = _plan(experts=["h.*.mlp.experts"])
+    plan.mesh.ep = 2
+    back = Plan.from_json(plan.to_json())
+    assert back.mesh.ep == 2 and back.experts == ["h.*.mlp.experts"] and "ep=2" in back.summary()
+    assert [str(c) for c in _plan().diff(back)] == ["mesh.ep: 1 -> 2", "experts: [] -> ['h.*.mlp.experts']"]
+    assert MeshPlan(dp=8, ep=4).world_size == 8  # borrowed from the data-parallel ranks
+    assert normalize_fix({"ep": 4}) == {"ep": 4}
 
 
 def test_valid_module_paths():

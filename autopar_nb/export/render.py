@@ -78,6 +78,9 @@ def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]
     s = [f"SEED = {seed!r}  # every process seeds the same before building the model",
          f"PP, DP, TP = {m.pp!r}, {m.dp!r}, {m.tp!r}  # plan.mesh: world = PP * DP * TP = {m.world_size}",
          f"ZERO_STAGE = {m.zero_stage!r}  # 0 DDP, 1 + sharded optimizer, 2 + sharded gradients, 3 + sharded params",
+         *([f"EP = {v.ep!r}  # plan.mesh.ep: each experts module split over EP consecutive data-parallel ranks",
+            f"EXPERTS = {literal(v.experts, width=80)}  # plan.experts: the modules whose experts EP splits"]
+           if v.ep > 1 else []),
          f"MICRO_BATCHES = {v.micro_batches!r}  # plan.batch.micro_batches: "
          + ("pipeline micro-batches" if v.pp > 1 else "gradient accumulation steps")]
     if v.pp > 1:
@@ -138,9 +141,10 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
     """``parallelize(model, mesh, device[, stage_ids, example])``: the runtime's technique functions called in
     torchtitan's order; the runtime names it calls and the imports it needs."""
     calls, uses, imports, plans = [], [], set(), []
+    steps = iter(range(1, 10))  # the techniques' order, numbered in the comments
     if v.tp > 1:
         plans, imports, uses = tp_plans(v)
-        calls += ["# 1. TP first: it turns parameters into DTensors, which AC and FSDP must see",
+        calls += [f"# {next(steps)}. TP first: it turns parameters into DTensors, which AC and FSDP must see",
                   "apply_tp(part, mesh[\"tp\"], plan" + (", layer_plans=layer_plans)" if v.block_tp_plans
                                                           else ")")]
         uses.append("apply_tp")
@@ -150,25 +154,44 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
         if v.ties:
             calls.append("tie_parameters(part, TIES)  # parallelize_module gave each side its own DTensor")
             uses.append("tie_parameters")
+    if v.ep > 1:
+        calls += [f"# {next(steps)}. expert parallelism: each experts module's experts split over EP consecutive "
+                  "data-parallel", "#    ranks, tokens sent to them by all-to-all; before AC wraps the modules and "
+                  "before data", "#    parallelism, which must leave the experts to the ranks that hold the same "
+                  "ones", "experts_mesh = expert_mesh(mesh, ep=EP)  # (pp, dp_mod_ep, ep, tp): dp split",
+                  "apply_ep(part, experts_mesh[\"ep\"], experts=EXPERTS)"]
+        uses += ["expert_mesh", "apply_ep"]
     if v.recompute:
-        calls += ["# 2. activation checkpointing around whole layers, before FSDP so that FSDP's all-gathers stay",
-                  "#    outside the recomputed region", "apply_ac(part, RECOMPUTE)"]
+        calls += [f"# {next(steps)}. activation checkpointing around whole layers, before FSDP so that FSDP's "
+                  "all-gathers stay", "#    outside the recomputed region", "apply_ac(part, RECOMPUTE)"]
         uses.append("apply_ac")
     if v.fsdp:
         mixed = {"param_dtype": "PARAM_DTYPE", "reduce_dtype": "REDUCE_DTYPE"} if (
             v.param_dtype, v.reduce_dtype) != ("float32", "float32") else {}
         indent = 8 if v.pp > 1 else 4
-        calls += [f"# 3. FSDP last (ZeRO-{v.zero_stage}), over the TP-sharded, checkpoint-wrapped modules",
-                  call("apply_fsdp", "part", "mesh[\"dp\"]", units="FSDP_UNITS",
-                       reshard_after_forward=str(v.zero_stage == 3), **mixed, width=120 - indent)]
+        calls += [f"# {next(steps)}. FSDP last (ZeRO-{v.zero_stage}), over the TP-sharded, checkpoint-wrapped modules"
+                  + ("; the experts first," if v.ep > 1 else "")]
+        if v.ep > 1:
+            calls += ["#    each its own unit over the ranks holding the same experts (the rest leave them alone)",
+                      call("shard_experts", "part", "experts_mesh[\"dp_mod_ep\"]", dp="DP",
+                           reshard_after_forward=str(v.zero_stage == 3), **mixed, width=120 - indent)]
+            uses.append("shard_experts")
+        calls.append(call("apply_fsdp", "part", "mesh[\"dp\"]", units="FSDP_UNITS",
+                          reshard_after_forward=str(v.zero_stage == 3), **mixed, width=120 - indent))
         uses.append("apply_fsdp")
     elif v.replicate:
-        calls += ["# 3. data parallelism last: FSDP2's replicate (DDP takes no DTensors), one all-reduce per unit",
+        calls += [f"# {next(steps)}. data parallelism last: FSDP2's replicate (DDP takes no DTensors), one all-reduce "
+                  "per unit",
                   "apply_replicate(part, mesh[\"dp\"], units=FSDP_UNITS)"]
         uses.append("apply_replicate")
     elif v.ddp:
-        calls += ["# 3. data parallelism last: DDP" + (" (ZeRO-1 shards the optimizer)" if v.zero1 else ""),
-                  "part = apply_ddp(part, mesh[\"dp\"].get_group(), device=device)"]
+        calls.append(f"# {next(steps)}. data parallelism last: DDP" + (" (ZeRO-1 shards the optimizer)" if v.zero1 else
+                                                                         "; the experts averaged among the ranks "
+                                                                         "holding the same ones" if v.ep > 1 else ""))
+        if v.ep > 1:
+            calls.append("replicate_experts(part, experts_mesh[\"dp_mod_ep\"], dp=DP)  # DDP leaves them alone")
+            uses.append("replicate_experts")
+        calls.append("part = apply_ddp(part, mesh[\"dp\"].get_group(), device=device)")
         uses.append("apply_ddp")
     head = ['def parallelize(model, mesh, device' + (', stage_ids, example):' if v.pp > 1 else '):'),
             '    """The plan applied to the pieces of the model this rank holds (one, or one per pipeline stage)."""',

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch.nn as nn
 
-from ..plan import Plan, PlanError
+from ..plan import Plan, PlanError, within
 from ..runtime.data import default_batch_size, first_tensor, is_causal_lm, smallest_table
+from ..runtime.ep import experts_modules_to_split
 from ..runtime.pp import SCHEDULES, stage_boundaries
 from ..runtime.tp import TPStyle
 from ..source import ModelSource
@@ -33,6 +34,10 @@ class ScriptValues:
     tp: int
     zero_stage: int
     micro_batches: int
+    ep: int = 1
+    """expert-parallel degree (plan.mesh.ep): 1, or the data-parallel ranks each experts module is split over"""
+    experts: list[str] = field(default_factory=list)
+    """expert module patterns (plan.experts), when ep > 1"""
     num_stages: int = 1
     schedule: str = "1f1b"
     boundaries: list[str] = field(default_factory=list)
@@ -98,6 +103,9 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
         v.defaults = {"batch_size": default_batch_size(inputs, dp=m.dp, global_batch=plan.batch.global_batch),
                       "int_high": smallest_table(model), "causal": is_causal_lm(model)}
     v.ties = tied_parameters(model)
+    if m.ep > 1:
+        v.ep, v.experts = m.ep, list(plan.experts)
+        _check_experts(model, plan)
     if m.tp > 1:
         styles = tp_styles(model, plan.tp_plan, sp_layers=[lp.path for lp in plan.layers if lp.sequence_parallel],
                            layers=[lp.path for lp in plan.layers], loss_parallel=plan.loss_parallel,
@@ -127,6 +135,12 @@ def _check_runnable(plan: Plan) -> None:
     if m.tp > 1 and m.dp > 1 and m.zero_stage == 1:
         raise NotImplementedError(f"dp({m.dp}) x tp({m.tp}) with ZeRO-1 is not supported (ZeroRedundancyOptimizer "
                                   "does not take DTensor parameters): set mesh.zero_stage to 0, 2 or 3")
+    if m.ep > 1 and (m.tp > 1 or m.pp > 1 or m.zero_stage == 1):
+        raise NotImplementedError(
+            f"expert parallelism (ep={m.ep}) runs beside data parallelism only (tp=1, pp=1) with ZeRO 0, 2 or 3, "
+            f"not with tp={m.tp}, pp={m.pp}, zero_stage={m.zero_stage}: the experts' all-to-all is not split by TP "
+            "(no expert-TP), pipeline stages are traced before the experts are sharded, and ZeroRedundancyOptimizer "
+            "(ZeRO-1) does not take the experts' DTensor parameters")
     if plan.sync_batchnorm and m.dp > 1 and m.pp > 1:
         raise NotImplementedError("sync_batchnorm with pipelining is not supported")
     if m.pp > 1 and (pr.amp == "fp16" or plan.loss_parallel):
@@ -134,6 +148,23 @@ def _check_runnable(plan: Plan) -> None:
                                   "and a replicated output head with pp > 1")
     if plan.pipeline.schedule not in SCHEDULES:
         raise PlanError(f"pipeline.schedule {plan.pipeline.schedule!r} unknown")
+
+
+def _check_experts(model: nn.Module, plan: Plan) -> None:
+    """PlanError unless every ``plan.experts`` pattern names experts modules that ``apply_ep`` can split over
+    ``mesh.ep`` ranks (the checks the script would make, before it is written)."""
+    try:
+        paths = experts_modules_to_split(model, plan.experts, ep=plan.mesh.ep)
+    except (TypeError, ValueError) as e:
+        raise PlanError(f"experts: {e}") from None
+    selective = [lp.path for lp in plan.layers
+                 if lp.recompute == "selective" and any(within(p, lp.path) for p in paths)]
+    if selective and plan.mesh.zero_stage >= 2:
+        raise NotImplementedError(
+            f"selective recompute of layers holding experts ({', '.join(selective[:3])}) with ep={plan.mesh.ep} and "
+            f"ZeRO-{plan.mesh.zero_stage} is not supported: the experts' own FSDP unit sits inside the selectively "
+            "checkpointed region, and torch's selective checkpointing then meets FSDP calls in recompute that the "
+            "forward did not make; use full recompute for those layers, or ZeRO 0")
 
 
 def tied_parameters(model: nn.Module) -> list[list[str]]:

@@ -1,6 +1,6 @@
 """User constraints: ``fix`` (global choices) and ``overrides`` (layer-path globs -> per-layer choices).
 
-``fix`` keys: :data:`autopar_nb.plan.FIX_KEYS` (dp, tp, pp, zero_stage, micro_batches, schedule, virtual_stages,
+``fix`` keys: :data:`autopar_nb.plan.FIX_KEYS` (dp, tp, pp, ep, zero_stage, micro_batches, schedule, virtual_stages,
 recompute, amp, sequence_parallel, optimizer) or their aliases (zero, mb, sp). ``overrides`` maps a glob over layer
 or module paths (``fnmatch``: ``*`` also matches dots) to any of:
 

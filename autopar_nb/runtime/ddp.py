@@ -8,12 +8,25 @@ import torch.nn as nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .ep import expert_modules, expert_parameters
 from .tp import select
 
 
 def apply_ddp(model: nn.Module, dp_group, *, device: str) -> nn.Module:
     """Wrap ``model`` in DDP over ``dp_group``; returns the wrapper (parameter names gain a ``module.`` prefix)."""
     return DDP(model, process_group=dp_group, device_ids=[torch.cuda.current_device()] if device == "cuda" else None)
+
+
+def replicate_experts(model: nn.Module, experts_mesh, *, dp: int) -> None:
+    """Expert parallelism beside DDP, before DDP wraps ``model``: each experts module :func:`apply_ep` split gets
+    FSDP2's ``replicate`` over ``experts_mesh`` (``expert_mesh(...)["dp_mod_ep"]``: the ranks that hold the same
+    experts), which averages its gradients there, divided by the whole data-parallel size ``dp`` as DDP divides the
+    others (the all-to-all already summed the tokens of the ep group); DDP is told to leave them alone (DTensors,
+    other experts on each rank of an ep group)."""
+    for module in expert_modules(model):
+        replicate(module, mesh=experts_mesh)
+        module.set_gradient_divide_factor(dp)  # (no force_sum_reduction: see shard_experts)
+    DDP._set_params_and_buffers_to_ignore_for_model(model, list(expert_parameters(model)))
 
 
 def apply_replicate(model: nn.Module, dp_mesh, *, units: list) -> None:

@@ -44,17 +44,24 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, experts: list[str],
 
     Call it before FSDP/DDP wrap the model: the expert parameters become DTensors on ``ep_mesh`` and must be kept out
     of DDP (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` with the names
-    :func:`expert_parameters` gives) or sharded by FSDP on the mesh dims other than ``ep``. A ``foreach`` optimizer
-    (the CUDA default) needs them in a parameter group of their own: foreach ops refuse lists mixing DTensors and
-    plain tensors.
+    :func:`expert_parameters` gives) or sharded by FSDP on the mesh dims other than ``ep`` (``replicate_experts``
+    and ``shard_experts`` do each). A ``foreach`` optimizer (the CUDA default) needs them in a parameter group of
+    their own: foreach ops refuse lists mixing DTensors and plain tensors (``build_optimizer`` groups them).
     """
     if ep_mesh.ndim != 1:
         raise ValueError(f"apply_ep needs a 1-D mesh (e.g. mesh['ep']), got {ep_mesh.ndim} dims")
+    paths = experts_modules_to_split(model, experts, ep=ep_mesh.size())
+    for path in paths:
+        _make_expert_parallel(model.get_submodule(path), ep_mesh, grad_divide_factor=grad_divide_factor)
+    return paths
+
+
+def experts_modules_to_split(model: nn.Module, experts: list[str], *, ep: int) -> list[str]:
+    """The paths of the modules ``experts`` names (paths or glob patterns), in model order; raises unless each
+    pattern names something and each module follows the experts contract with a number of experts ``ep`` divides."""
     paths = _match_modules(model, experts)
     for path in paths:
-        module = model.get_submodule(path)
-        _check_experts(path, module, ep=ep_mesh.size())
-        _make_expert_parallel(module, ep_mesh, grad_divide_factor=grad_divide_factor)
+        _check_experts(path, model.get_submodule(path), ep=ep)
     return paths
 
 
@@ -74,6 +81,12 @@ def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     the data-parallel gradient averaging."""
     return {name: p for name, p in model.named_parameters()
             if isinstance(p, DTensor) and getattr(_owner(model, name), "_ep_mesh", None) is not None}
+
+
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """The experts modules :func:`apply_ep` sharded, in model order (found by the mark it leaves, so wrappers that
+    renamed their paths since, such as activation checkpointing's, do not matter)."""
+    return [m for m in model.modules() if getattr(m, "_ep_mesh", None) is not None]
 
 
 def _owner(model: nn.Module, param_name: str) -> nn.Module:

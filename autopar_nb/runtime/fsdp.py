@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from .ep import expert_modules
 from .tp import select
 
 
@@ -28,3 +29,20 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, units: list, reshard_after_forward:
         elif modules:
             fully_shard(modules, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+
+
+def shard_experts(model: nn.Module, experts_mesh, *, dp: int, reshard_after_forward: bool,
+                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> None:
+    """Expert parallelism beside FSDP, before :func:`apply_fsdp`: each experts module :func:`apply_ep` split becomes
+    its own unit sharded over ``experts_mesh`` (``expert_mesh(...)["dp_mod_ep"]``: the ranks that hold the same
+    experts, torchtitan's ``dp_mod_ep``), so the units around it leave its parameters alone. Its gradients are divided
+    by the whole data-parallel size ``dp`` like the others (the all-to-all already summed the tokens of its ep
+    group). Other arguments as :func:`apply_fsdp`'s."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for module in expert_modules(model):
+        fully_shard(module, mesh=experts_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        module.set_gradient_divide_factor(dp)
+        if experts_mesh.size() > 1 and experts_mesh.device_type == "cpu":
+            # gloo has no PREMUL_SUM, the op a divide factor reduces with: sum, then divide (not at world size 1,
+            # where FSDP2 copies the gradient divided and would then divide it again)
+            module.set_force_sum_reduction_for_comms(True)

@@ -1,5 +1,5 @@
 """The process group and the device mesh: world ranks factored as (pp, dp, tp), TP innermost so a TP group stays
-inside a node."""
+inside a node; expert parallelism splits the dp dim into (dp_mod_ep, ep)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,19 @@ def build_mesh(device: str, pp: int, dp: int, tp: int):
         raise SystemExit(f"this plan runs on pp({pp}) * dp({dp}) * tp({tp}) = {pp * dp * tp} processes, not {world}: "
                          "start it with the torchrun command at the top of the script")
     return init_device_mesh(device, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+
+
+def expert_mesh(mesh, *, ep: int):
+    """The mesh's data-parallel dim split for expert parallelism: a 4-D view with dims ``("pp", "dp_mod_ep", "ep",
+    "tp")`` of the same ranks. ``ep`` groups consecutive data-parallel ranks (inside a node, as TP's are), which split
+    each module's experts; ``dp_mod_ep`` links the ranks of the dp / ep groups that hold the same experts (their
+    gradients are averaged there). ``mesh["dp"]`` stays the whole data-parallel group for everything else (torchtitan
+    borrows EP from the data-parallel ranks the same way)."""
+    dp = mesh["dp"].size()
+    if dp % ep:
+        raise SystemExit(f"expert parallelism over ep({ep}) ranks needs a data-parallel degree it divides, not "
+                         f"dp({dp})")
+    return mesh._unflatten("dp", (dp // ep, ep), ("dp_mod_ep", "ep"))
 
 
 def device_type() -> str:

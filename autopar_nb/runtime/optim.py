@@ -19,9 +19,12 @@ def build_optimizer(params: list, name: str, *, lr: float, weight_decay: float, 
     kwargs = {"lr": lr, "weight_decay": weight_decay} | ({} if name == "sgd" else {"betas": tuple(betas)})
     if zero1_group is not None:
         return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=zero1_group, **kwargs)
-    # the multi-tensor (foreach) kernels cannot mix DTensor and plain parameters (TP without FSDP)
-    mixed = len({isinstance(p, DTensor) for p in params}) > 1
-    return cls(params, foreach=False if mixed else None, **kwargs)
+    # the multi-tensor (foreach) kernels, the CUDA default, take lists of one kind: plain tensors or DTensors of one
+    # mesh (TP leaves norms plain, expert parallelism puts the experts on a mesh of their own): a group per kind
+    kinds: dict = {}
+    for p in params:
+        kinds.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    return cls([{"params": ps} for ps in kinds.values()] if len(kinds) > 1 else params, **kwargs)
 
 
 def lr_factor(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
