@@ -49,12 +49,12 @@ def test_tp_styles_sequence_parallel_llama():
                        layers=[lp.path for lp in plan.layers], loss_parallel=True)
     # embeddings stay replicated; the first block cuts the sequence (locally), the blocks keep it cut
     assert styles["tok_embeddings"].source() == "RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())"
-    assert styles["layers.0"].source().startswith("PrepareModuleInput(input_layouts=(Replicate(),), "
+    assert styles["layers.0"].source().startswith("PrepareFirstInput(input_layouts=(Replicate(),), "
                                          "desired_input_layouts=(Shard(1),)")
     assert "layers.1" not in styles
     assert styles["layers.0.attention_norm"].source() == "SequenceParallel(use_local_output=True)"
     # the block holding the colwise Linears gathers the sequence once; the Linears themselves take replicated input
-    assert styles["layers.0.attention"].source().startswith("PrepareModuleInput(input_layouts=(Shard(1),)")
+    assert styles["layers.0.attention"].source().startswith("PrepareFirstInput(input_layouts=(Shard(1),)")
     assert styles["layers.0.attention.wq"].source() == "ColwiseParallel()"
     assert styles["layers.0.attention.wo"].source() == "RowwiseParallel(output_layouts=Shard(1))"
     assert styles["layers.1.feed_forward.w3"].source() == "ColwiseParallel()"  # registered after w2, still not a head
@@ -74,7 +74,7 @@ def test_tp_styles_sequence_parallel_region():
     styles = tp_styles(model, tp, sp_layers=["layers.0", "layers.1"], layers=layers)  # "norm" counts by its style
     assert styles["output"].source() == "ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())"
     no_head = tp_styles(model, llama_tp(sp=True, head=False), sp_layers=[], layers=layers)
-    assert no_head["output"].source().startswith("PrepareModuleInput(input_layouts=(Shard(1),)")  # gathered back
+    assert no_head["output"].source().startswith("PrepareFirstInput(input_layouts=(Shard(1),)")  # gathered back
     gap = {k: v for k, v in tp.items() if not (k.startswith("layers.1.") and v == "sequence_parallel")}
     with pytest.raises(NotImplementedError, match="layers.1 between layers.0 and norm"):
         tp_styles(model, gap, sp_layers=["layers.0", "norm"], layers=layers)

@@ -7,7 +7,7 @@ Rules (Megatron-LM / torchtitan):
   ``loss_parallel``.
 * ``nn.Embedding`` rowwise = vocab-parallel (rows), colwise = embedding dim; both take replicated ids.
 * sequence parallelism covers consecutive layers (typically the blocks, the final norm and the head): the first one
-  cuts its replicated input along the sequence (``PrepareModuleInput``, no communication), norms run on sequence
+  cuts its replicated input along the sequence (``PrepareFirstInput``, no communication), norms run on sequence
   shards (``SequenceParallel``), rowwise Linears reduce-scatter to ``Shard(1)``, the module that holds a layer's
   colwise Linears all-gathers its input once (so code inside it sees the whole sequence), and the first layer after
   the region gathers the sequence back (or, for an output head, its colwise Linear does). Embeddings always output

@@ -8,6 +8,9 @@
   original weight. It also splits weights stored (in, out), as Hugging Face's ``Conv1D`` keeps them
   (``transposed=True``), which ``ColwiseParallel`` refuses.
 * :class:`TransposedRowwiseParallel`: ``RowwiseParallel`` for weights stored (in, out) (``Conv1D``).
+* :class:`PrepareFirstInput`: ``PrepareModuleInput`` for a module's first input whether the caller passes it by
+  position or by keyword (Hugging Face decoder layers call their attention and MLP with ``hidden_states=...``, which
+  ``PrepareModuleInput``'s positional layouts never see).
 * :class:`RepeatedColwiseParallel`: a key/value projection with fewer heads than TP ranks (Gemma's single KV head,
   GQA with tp > num_key_value_heads) cannot be split by heads; its weight stays whole (replicated) and each rank
   keeps the head its query heads read. Each rank's slice feeds only its own query heads, so the gradient each rank
@@ -27,8 +30,10 @@ This file is copied verbatim into exported scripts: it imports only the standard
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
+import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
@@ -103,6 +108,38 @@ class TransposedRowwiseParallel(RowwiseParallel):
             module, device_mesh, self._partition_transposed_fn,
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class PrepareFirstInput(ParallelStyle):
+    """The first input of a module, passed by position or by keyword, arrives laid out as ``input_layouts[0]`` and
+    is redistributed to ``desired_input_layouts[0]`` (the same arguments as ``PrepareModuleInput``); backward
+    redistributes its gradient the other way, as ``PrepareModuleInput`` does."""
+
+    def __init__(self, *, input_layouts, desired_input_layouts, use_local_output: bool = True):
+        super().__init__()
+        self.input_layout, self.desired_layout = input_layouts[0], desired_input_layouts[0]
+        self.use_local_output = use_local_output
+
+    def _prepare(self, t, mesh):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if not isinstance(t, DTensor):
+            t = DTensor.from_local(t, mesh, (self.input_layout,), run_check=False)
+        t = t.redistribute(placements=(self.desired_layout,))
+        return t.to_local() if self.use_local_output else t
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        first = next(iter(inspect.signature(module.forward).parameters), None)
+
+        def hook(_, args, kwargs):
+            if args:
+                return (self._prepare(args[0], device_mesh), *args[1:]), kwargs
+            if first in kwargs:
+                return args, {**kwargs, first: self._prepare(kwargs[first], device_mesh)}
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
 
 
 class RepeatedColwiseParallel(ParallelStyle):

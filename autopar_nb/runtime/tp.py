@@ -15,19 +15,18 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
-from .layouts import PackedColwiseParallel, RepeatedColwiseParallel, TransposedRowwiseParallel
+from .layouts import PackedColwiseParallel, PrepareFirstInput, RepeatedColwiseParallel, TransposedRowwiseParallel
 
 REPLICATE = "replicate"
 """a layout: the tensor is whole on every TP rank (an int ``d`` is a layout too: sharded on dim ``d``)"""
 STYLE_CLASSES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel,
-                 "prepare_input": PrepareModuleInput, "prepare_output": PrepareModuleOutput,
+                 "prepare_input": PrepareFirstInput, "prepare_output": PrepareModuleOutput,
                  "packed_colwise": PackedColwiseParallel, "transposed_rowwise": TransposedRowwiseParallel,
                  "repeated_colwise": RepeatedColwiseParallel}
 PLAIN_ARGUMENTS = ("use_local_output", "parts", "transposed", "heads")
@@ -146,21 +145,29 @@ def apply_tp(model: nn.Module, tp_mesh, plan: dict, *, layer_plans: dict | None 
 
 
 def tie_parameters(model: nn.Module, ties: list[list[str]]) -> None:
-    """Make each group of parameter paths (e.g. ``["wte.weight", "lm_head.weight"]``) one parameter again, the
-    first one's. ``parallelize_module`` gives every module its own new DTensor, which unties weights the model
-    shares (an embedding tied to its output head); both sides must be sharded alike (vocab rows: rowwise embedding,
-    colwise head)."""
+    """Make each group of parameter paths (e.g. ``["wte.weight", "lm_head.weight"]``) one parameter again.
+    ``parallelize_module`` gives every module it splits its own new DTensor, which unties weights the model shares
+    (an embedding tied to its output head): the sharded copy is kept and the others point to it (a module that only
+    holds it, as BERT's prediction head holds its decoder's bias); two sharded copies must be laid out alike (vocab
+    rows: rowwise embedding, colwise head), and a Linear or Embedding that computes with a whole copy cannot take a
+    shard."""
     held = dict(model.named_parameters(remove_duplicate=False))
     for group in ties:
         present = [p for p in group if p in held]
+        sharded = [p for p in present if hasattr(held[p], "placements")]
         if len(present) < 2:
             continue  # the other side is on another pipeline stage
-        first = held[present[0]]
-        for path in present[1:]:
-            other = held[path]
-            if getattr(other, "placements", None) != getattr(first, "placements", None) or other.shape != first.shape:
-                raise ValueError(f"tied parameters {present[0]} and {path} are laid out differently "
-                                 f"({getattr(first, 'placements', 'whole')} vs {getattr(other, 'placements', 'whole')})"
-                                 ": shard both on the vocabulary (rowwise embedding, colwise head) or neither")
+        keep = held[(sharded or present)[0]]
+        for path in sharded[1:]:
+            if held[path].placements != keep.placements or held[path].shape != keep.shape:
+                raise ValueError(f"tied parameters {sharded[0]} and {path} are laid out differently "
+                                 f"({keep.placements} vs {held[path].placements}): shard both on the vocabulary "
+                                 "(rowwise embedding, colwise head) or neither")
+        for path in present:
             owner, _, name = path.rpartition(".")
-            model.get_submodule(owner).register_parameter(name, first)
+            module = model.get_submodule(owner)
+            if sharded and not hasattr(held[path], "placements") and isinstance(module, (nn.Linear, nn.Embedding)):
+                raise ValueError(f"tied parameters {sharded[0]} (split) and {path} (whole, in a {type(module).__name__}"
+                                 " TP leaves whole) are one weight: split both on the vocabulary (rowwise embedding,"
+                                 " colwise head) or neither")
+            module.register_parameter(name, keep)

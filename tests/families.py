@@ -1,0 +1,200 @@
+"""The models people bring: eleven families built from Hugging Face configs with their default flags (dropout, tied
+embeddings, caches, fused projections, MoE), tiny sizes, and the steps a new user takes with each: capture and plan
+(``%%autoparallel``), verify the planner's plan, verify ``--fix tp=2`` and ``--fix dp=2,zero=3``, export and
+``torchrun``. ``run_matrix`` runs them (the verify cases of all families in ONE launch of 2 processes) and returns a
+table; ``tests/test_zoo.py`` asserts it, ``bench/zoo.py`` prints it for the README."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+LM = """\
+import torch
+from transformers import {config}, {model}
+
+config = {config}({args})
+model = {model}(config)
+example_inputs = (torch.randint(0, 128, (4, 16)),)
+"""
+
+FAMILIES = {
+    "GPT-2": LM.format(config="GPT2Config", model="GPT2LMHeadModel",
+                       args="vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4"),
+    "LLaMA": LM.format(config="LlamaConfig", model="LlamaForCausalLM",
+                       args="vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+                            "                     num_attention_heads=4, num_key_value_heads=2, "
+                            "max_position_embeddings=64"),
+    "Qwen2": LM.format(config="Qwen2Config", model="Qwen2ForCausalLM",
+                       args="vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+                            "                     num_attention_heads=4, num_key_value_heads=2, "
+                            "max_position_embeddings=64"),
+    "Phi-3": LM.format(config="Phi3Config", model="Phi3ForCausalLM",
+                       args="vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+                            "                    num_attention_heads=4, max_position_embeddings=64, pad_token_id=0"),
+    "GPT-NeoX": LM.format(config="GPTNeoXConfig", model="GPTNeoXForCausalLM",
+                          args="vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+                               "                       num_attention_heads=4, max_position_embeddings=64"),
+    "Gemma": LM.format(config="GemmaConfig", model="GemmaForCausalLM",
+                       args="vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+                            "                     num_attention_heads=4, num_key_value_heads=1, head_dim=8, "
+                            "max_position_embeddings=64"),
+    "BERT": LM.format(config="BertConfig", model="BertForMaskedLM",
+                      args="vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,\n"
+                           "                    intermediate_size=64, max_position_embeddings=64"),
+    "T5": """\
+import torch
+from transformers import T5Config, T5ForConditionalGeneration
+
+config = T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                  decoder_start_token_id=0)  # transformers 5 needs it to shift labels (t5-small's config has it)
+model = T5ForConditionalGeneration(config)
+example_inputs = {"input_ids": torch.randint(0, 128, (4, 16)), "labels": torch.randint(0, 128, (4, 8))}
+""",
+    "ViT": """\
+import torch
+from transformers import ViTConfig, ViTForImageClassification
+
+config = ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                   intermediate_size=64, num_labels=10)
+model = ViTForImageClassification(config)
+example_inputs = {"pixel_values": torch.randn(4, 3, 16, 16), "labels": torch.randint(0, 10, (4,))}
+""",
+    "Mixtral": LM.format(config="MixtralConfig", model="MixtralForCausalLM",
+                         args="vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+                              "                      num_attention_heads=4, num_key_value_heads=2, "
+                              "num_local_experts=4,\n                      num_experts_per_tok=2, "
+                              "max_position_embeddings=64"),
+    "CNN + BatchNorm": """\
+import torch
+import torch.nn as nn
+
+
+def block(cin, cout):
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
+
+
+model = nn.Sequential(block(3, 8), block(8, 16), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+example_inputs = (torch.randn(4, 3, 16, 16),)
+""",
+}
+
+STEPS = ("capture + plan", "verify auto", "verify tp=2", "verify dp=2,zero=3", "export + torchrun")
+FIXES = {"verify auto": "", "verify tp=2": "tp=2", "verify dp=2,zero=3": "dp=2,zero=3"}
+
+
+def sessions(name: str, cell: str, ip) -> dict[str, object]:
+    """``%%autoparallel --gpu cpu --gpus 2`` on the cell, once per fix: step -> Session (or the error)."""
+    out = {}
+    for step, fix in FIXES.items():
+        line = f"--gpu cpu --gpus 2 --batch 4 --name s{abs(hash((name, step)))}" + (f" --fix {fix}" if fix else "")
+        try:
+            out[step] = ip.run_cell_magic("autoparallel", line, cell)
+        except BaseException as e:  # a UsageError says why the cell or the fix cannot be planned
+            out[step] = e
+    return out
+
+
+def _short(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".splitlines()[0]
+    return text[:160]
+
+
+def run_matrix(names: list[str], workdir: Path, *, verify_steps: int = 2) -> dict[tuple[str, str], str]:
+    """(family, step) -> "ok" or the first line of why not. Verify cases share one launch of 2 processes; each
+    family's planned script also runs under torchrun (2 processes, 2 steps)."""
+    from IPython.testing.globalipapp import get_ipython
+
+    from autopar_nb.export import export
+    from autopar_nb.verify import verify_many
+
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "autopar_nb")
+    table: dict[tuple[str, str], str] = {}
+    cases, keys = [], []
+    planned = {}
+    for name in names:
+        found = sessions(name, FAMILIES[name], ip)
+        auto = found["verify auto"]
+        table[(name, "capture + plan")] = "ok" if not isinstance(auto, BaseException) else _short(auto)
+        for step, session in found.items():
+            if isinstance(session, BaseException):
+                table[(name, step)] = _short(session)
+                continue
+            try:
+                plan = session.plan_for(2)
+            except Exception as e:
+                table[(name, step)] = _short(e)
+                continue
+            cases.append((session.source, plan))
+            keys.append((name, step))
+        if not isinstance(auto, BaseException):
+            planned[name] = auto
+    reports = []
+    try:
+        reports = verify_many(cases, steps=verify_steps, nproc=2) if cases else []
+    except Exception:  # one case broke the whole launch: run them one by one to say which
+        for key, case in zip(keys, cases, strict=True):
+            try:
+                reports.append(verify_many([case], steps=verify_steps, nproc=2)[0])
+            except Exception as e:
+                reports.append(e)
+                table[key] = _short(e)
+    for key, report in zip(keys, reports, strict=True):
+        if isinstance(report, BaseException):
+            continue
+        table[key] = "ok" if report.ok else f"mismatch: {str(report).splitlines()[0]}"
+    for name, session in planned.items():
+        table[(name, "export + torchrun")] = _torchrun(session, workdir / f"train_{_slug(name)}.py", export)
+    return table
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name.lower())
+
+
+def _torchrun(session, path: Path, export) -> str:
+    try:
+        script = export(session.source, session.plan_for(2), path, steps=2, quiet=True).script
+    except Exception as e:
+        return _short(e)
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=path.parent)
+    if proc.returncode == 0 and "step 1 | loss" in proc.stdout:
+        return "ok"
+    lines = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
+    return f"torchrun failed: {(lines[-1] if lines else proc.stderr[-200:]).strip()[:160]}"
+
+
+def markdown(table: dict[tuple[str, str], str], names: list[str]) -> str:
+    """The table as Markdown: ✓ where the step works, the reason where it does not."""
+    rows = ["| family | " + " | ".join(STEPS) + " |", "|---" * (len(STEPS) + 1) + "|"]
+    for name in names:
+        cells = [("✓" if table.get((name, s)) == "ok" else "✗ " + table.get((name, s), "not run").replace("|", "/"))
+                 for s in STEPS]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    import tempfile
+
+    names = list(FAMILIES) if len(sys.argv) < 2 else sys.argv[1].split(",")
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            table = run_matrix(names, Path(tmp))
+        except Exception:
+            traceback.print_exc()
+            raise
+    print(markdown(table, names))
+    print(f"\n({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
