@@ -84,19 +84,24 @@ example_inputs = (torch.randn(4, 3, 16, 16),)
 }
 
 STEPS = ("capture + plan", "verify auto", "verify tp=2", "verify dp=2,zero=3", "export + torchrun")
-FIXES = {"verify auto": "", "verify tp=2": "tp=2", "verify dp=2,zero=3": "dp=2,zero=3"}
+FIXES = {"verify auto": {}, "verify tp=2": {"tp": 2}, "verify dp=2,zero=3": {"dp": 2, "zero_stage": 3}}
 
 
-def sessions(name: str, cell: str, ip) -> dict[str, object]:
-    """``%%autoparallel --gpu cpu --gpus 2`` on the cell, once per fix: step -> Session (or the error)."""
+def plans(cell: str, ip) -> tuple[object, dict[str, object]]:
+    """``%%autoparallel --gpu cpu --gpus 2`` on the cell (capture once), then the planner's plan for each fix:
+    (session or the error, step -> Plan or the error)."""
+    try:
+        session = ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2 --batch 4 --name zoo_session", cell)
+    except BaseException as e:  # a UsageError says why the cell cannot be captured or planned
+        return e, {}
     out = {}
     for step, fix in FIXES.items():
-        line = f"--gpu cpu --gpus 2 --batch 4 --name s{abs(hash((name, step)))}" + (f" --fix {fix}" if fix else "")
         try:
-            out[step] = ip.run_cell_magic("autoparallel", line, cell)
-        except BaseException as e:  # a UsageError says why the cell or the fix cannot be planned
+            session.replan(fix=fix)
+            out[step] = session.plan_for(2)
+        except BaseException as e:
             out[step] = e
-    return out
+    return session, out
 
 
 def _short(e: BaseException) -> str:
@@ -115,25 +120,18 @@ def run_matrix(names: list[str], workdir: Path, *, verify_steps: int = 2) -> dic
     ip = get_ipython()
     ip.run_line_magic("load_ext", "autopar_nb")
     table: dict[tuple[str, str], str] = {}
-    cases, keys = [], []
-    planned = {}
+    cases, keys, planned = [], [], {}
     for name in names:
-        found = sessions(name, FAMILIES[name], ip)
-        auto = found["verify auto"]
-        table[(name, "capture + plan")] = "ok" if not isinstance(auto, BaseException) else _short(auto)
-        for step, session in found.items():
-            if isinstance(session, BaseException):
-                table[(name, step)] = _short(session)
-                continue
-            try:
-                plan = session.plan_for(2)
-            except Exception as e:
-                table[(name, step)] = _short(e)
-                continue
-            cases.append((session.source, plan))
-            keys.append((name, step))
-        if not isinstance(auto, BaseException):
-            planned[name] = auto
+        session, found = plans(FAMILIES[name], ip)
+        table[(name, "capture + plan")] = "ok" if not isinstance(session, BaseException) else _short(session)
+        for step, plan in found.items():
+            if isinstance(plan, BaseException):
+                table[(name, step)] = _short(plan)
+            else:
+                cases.append((session.source, plan))
+                keys.append((name, step))
+        if not isinstance(found.get("verify auto", None), (BaseException, type(None))):
+            planned[name] = (session.source, found["verify auto"])
     reports = []
     try:
         reports = verify_many(cases, steps=verify_steps, nproc=2) if cases else []
@@ -148,8 +146,8 @@ def run_matrix(names: list[str], workdir: Path, *, verify_steps: int = 2) -> dic
         if isinstance(report, BaseException):
             continue
         table[key] = "ok" if report.ok else f"mismatch: {str(report).splitlines()[0]}"
-    for name, session in planned.items():
-        table[(name, "export + torchrun")] = _torchrun(session, workdir / f"train_{_slug(name)}.py", export)
+    for name, (source, plan) in planned.items():
+        table[(name, "export + torchrun")] = _torchrun(source, plan, workdir / f"train_{_slug(name)}.py", export)
     return table
 
 
@@ -157,9 +155,9 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name.lower())
 
 
-def _torchrun(session, path: Path, export) -> str:
+def _torchrun(source, plan, path: Path, export) -> str:
     try:
-        script = export(session.source, session.plan_for(2), path, steps=2, quiet=True).script
+        script = export(source, plan, path, steps=2, quiet=True).script
     except Exception as e:
         return _short(e)
     env = dict(os.environ, PYTHONWARNINGS="ignore")

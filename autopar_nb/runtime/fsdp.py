@@ -25,10 +25,19 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, units: list, reshard_after_forward:
         modules = [model.get_submodule(p) for p in paths if any(True for _ in model.get_submodule(p).parameters())]
         if isinstance(unit, str):
             for module in modules:
+                if isinstance(module, nn.Embedding):  # after TP's output hook, before the one FSDP adds
+                    module.register_forward_hook(_own_storage)
                 fully_shard(module, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         elif modules:
             fully_shard(modules, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+
+
+def _own_storage(module, args, output):
+    """A TP-split embedding hands over ``to_local()`` of its output, a view, and FSDP2 cannot hook the backward of
+    a view that the model then changes in place (it warns on every rank): an embedding unit's output is copied (one
+    activation of the embedding's width) before FSDP registers its hook."""
+    return output.clone() if isinstance(output, torch.Tensor) and output._base is not None else output
 
 
 def shard_experts(model: nn.Module, experts_mesh, *, dp: int, reshard_after_forward: bool,
