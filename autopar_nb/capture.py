@@ -26,6 +26,7 @@ import kernels_ext
 from kernels_ext import TensorMeta
 
 from .graph import Layer, ModelGraph, OpNode, ParamInfo, RepeatedBlock, TensorInfo
+from .plan import layer_of
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -330,20 +331,11 @@ def _execution_order(layer_mods: list[tuple[str, nn.Module]], raw: list[_RawOp])
     paths = [p for p, _ in layer_mods]
     first: dict[str, int] = {}
     for i, r in enumerate(raw):
-        lp = _layer_of(r.module_path, paths)
+        lp = layer_of(r.module_path, paths)
         if lp is not None:
             first.setdefault(lp, i)
     order = {p: (first.get(p, len(raw)), k) for k, p in enumerate(paths)}
     return sorted(layer_mods, key=lambda pm: order[pm[0]])
-
-
-def _layer_of(module_path: str, layer_paths: list[str]) -> str | None:
-    best = None
-    for lp in layer_paths:
-        if lp == "" or module_path == lp or module_path.startswith(lp + "."):
-            if best is None or len(lp) > len(best):
-                best = lp
-    return best
 
 
 # ---- assembling the graph -------------------------------------------------------------------------------------------
@@ -365,7 +357,7 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, raw: list[_RawOp], outs:
         flops = rule.forward_flops(a, k, out_meta)
         bwd, (rd, wr) = flops * rule.backward_factor, rule.bytes_moved(a, k, out_meta)
         in_shapes = [t.shape for t in _tensor_metas((a, k))]
-        layer = _layer_of(r.module_path, layer_paths) or last_layer
+        layer = layer_of(r.module_path, layer_paths) or last_layer
         node = OpNode(r.name, r.op, rule.op_class, r.inputs, in_shapes, [o.shape for o in out_meta],
                       out_meta[0].dtype if out_meta else "", flops, bwd, rd, wr, r.params, r.module_path,
                       r.module_type, layer or "", r.op not in unknown)
@@ -391,7 +383,7 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, raw: list[_RawOp], outs:
     member = {m: (b.name, i) for b in blocks for i, m in enumerate(b.members)}
     layers = []
     for path, mod in layer_mods:
-        own = [p for p in params.values() if _layer_of(p.module_path, layer_paths) == path and not p.is_buffer]
+        own = [p for p in params.values() if layer_of(p.module_path, layer_paths) == path and not p.is_buffer]
         modules = {(f"{path}.{n}" if n and path else n or path): type(m).__name__
                    for n, m in mod.named_modules() if next(m.parameters(recurse=False), None) is not None}
         lnodes = by_layer.get(path, [])

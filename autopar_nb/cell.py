@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .plan import FIX_ALIASES, FIX_KEYS
 from .source import ModelSource
 
 INPUT_NAMES = ("example_inputs", "inputs", "example_input", "batch")
@@ -143,11 +144,6 @@ def parse_fix(text: str | None) -> dict[str, Any]:
         value = value.strip()
         out[key] = int(value) if value.isdigit() else value
     return out
-
-
-FIX_KEYS = ("dp", "tp", "pp", "ep", "zero_stage", "micro_batches", "schedule", "virtual_stages", "recompute", "amp",
-            "sequence_parallel")
-FIX_ALIASES = {"zero": "zero_stage", "mb": "micro_batches", "micro": "micro_batches", "sp": "sequence_parallel"}
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------------

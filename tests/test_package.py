@@ -61,3 +61,11 @@ def test_runtime_imports_only_the_standard_library_and_torch():
                 checked += 1
                 assert root == "torch" or root in sys.stdlib_module_names, f"runtime/{path.name} imports {root}"
     assert checked > 30
+
+
+def test_runtime_optimizers_are_the_plans():
+    """The runtime's optimizer classes are keyed by the plan's vocabulary, no more, no less."""
+    from autopar_nb.plan import OPTIMIZERS
+    from autopar_nb.runtime.optim import OPTIMIZER_CLASSES
+
+    assert tuple(OPTIMIZER_CLASSES) == OPTIMIZERS

@@ -30,7 +30,7 @@ import textwrap
 import torch
 import torch.nn as nn
 
-from ..plan import layer_of
+from ..plan import layer_of, within
 from ..runtime.tp import REPLICATE, TPStyle
 
 SEQ = 1
@@ -68,12 +68,12 @@ def tp_styles(model: nn.Module, tp_plan: dict[str, str], *, sp_layers: list[str]
     def in_sp(path: str) -> str | None:
         """The sequence-parallel layer that contains ``path``, if any."""
         for layer in region:
-            if path == layer or path.startswith(layer + "."):
+            if within(path, layer):
                 return layer
         return None
 
     def fed_sequence_shards(path: str) -> bool:
-        return in_sp(path) is not None or (after is not None and (path == after or path.startswith(after + ".")))
+        return in_sp(path) is not None or (after is not None and within(path, after))
 
     styles: dict[str, TPStyle] = {}
     if region and region[0] not in tp_plan:
@@ -192,11 +192,11 @@ def _check_region_params(modules: dict[str, nn.Module], styles: dict[str, TPStyl
     gathered = [p for p, style in styles.items() if style == GATHER]
     for layer in region:
         for path, module in modules.items():
-            if not (path == layer or path.startswith(layer + ".")) or not module._parameters:
+            if not within(path, layer) or not module._parameters:
                 continue
             if path in styles and not styles[path].kind.startswith("prepare_"):
                 continue
-            if any(path == g or path.startswith(g + ".") for g in gathered if g != layer):
+            if any(within(path, g) for g in gathered if g != layer):
                 continue  # inside a block that gathered the whole sequence
             raise NotImplementedError(
                 f"{path} ({type(module).__name__}) has parameters and no TP style, but sees sequence shards in the "
@@ -211,7 +211,7 @@ def _sp_region(modules: dict[str, nn.Module], tp_plan: dict[str, str], sp_layers
     Embedding layers and layers without parameters neither start nor end the region (embeddings output replicated
     activations; rotary tables, activations and dropout layers carry no sharding decision)."""
     flagged = set(sp_layers) | {layer for layer in layers for path, style in tp_plan.items()
-                                if style == "sequence_parallel" and (path == layer or path.startswith(layer + "."))}
+                                if style == "sequence_parallel" and within(path, layer)}
     if not flagged:
         return [], None
     layers = list(layers) or sorted(flagged, key=list(modules).index)
@@ -222,7 +222,7 @@ def _sp_region(modules: dict[str, nn.Module], tp_plan: dict[str, str], sp_layers
             and any(True for _ in m.parameters())
 
     def split(layer: str) -> bool:
-        return any(path == layer or path.startswith(layer + ".") for path, style in tp_plan.items()
+        return any(within(path, layer) for path, style in tp_plan.items()
                    if style != "replicate")
 
     candidates = [layer for layer in layers if counts(layer)]

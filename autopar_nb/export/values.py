@@ -248,7 +248,7 @@ def fsdp_units(model: nn.Module, plan: Plan, ties: list[list[str]]) -> list[Any]
     tied = {p.rpartition(".")[0] for group in ties for p in group}
 
     def holds_tie(path: str) -> bool:
-        return any(t == path or t.startswith(path + ".") for t in tied)
+        return any(within(t, path) for t in tied)
 
     layers = [lp.path for lp in plan.layers if lp.fsdp and lp.path in modules and not holds_tie(lp.path)
               and any(True for _ in modules[lp.path].parameters())]
