@@ -294,3 +294,22 @@ def test_script_carries_the_runtime_source_verbatim(exported):
             assert kit._module(module).segment(defined) in text, f"{name}: {defined} differs from runtime/{module}.py"
             found += 1
         assert found >= 20, (name, found)
+
+
+@pytest.mark.multiprocess
+def test_tied_weights_across_pipeline_stages_resume_exactly(server, tmp_path):
+    """An embedding tied to its head, the two on different pipeline stages (each holds a copy, gradients summed):
+    a run interrupted after a DCP checkpoint and resumed ends with the losses of one that never stopped."""
+    from runtime_cases import TIED_CELL, source
+
+    src = source(TIED_CELL)
+    plan = make_plan(src, pp=2, schedule="1f1b", micro_batches=2, stages={"h.1": 1})
+    script = export(src, plan, tmp_path / "train_tied_pp.py", steps=4, quiet=True).script
+    assert "TiedGradients(parts, TIES, mesh)" in script.read_text()
+    torchrun(script, server=server)
+    uninterrupted = losses_of(server)
+    ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "2"]
+    torchrun(script, "--stop-at", "2", *ckpt, server=server)
+    first = losses_of(server)
+    torchrun(script, *ckpt, server=server)
+    assert first + losses_of(server) == pytest.approx(uninterrupted, rel=1e-6, abs=0)
