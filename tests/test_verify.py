@@ -49,6 +49,22 @@ TWO = {
     "tp_bf16": (G, dict(tp=2, tp_styles=gpt_mlp_tp(), amp="bf16")),  # partial sums rounded to bf16 before the sum
     "batchnorm_dp": (V, dict(dp=2)),
 }
+# a cell may define loss_fn alone, make_batch alone, both or neither (neither: G); the script keeps what it defines
+ONLY_LOSS = source(GPT_CELL + """
+
+def loss_fn(model, batch):
+    logits = model(batch[0])
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch[0][:, 1:].flatten())
+""")
+ONLY_BATCH = source(GPT_CELL + """
+
+def make_batch(step, rank):
+    g = torch.Generator().manual_seed(7 * step + rank)
+    return (torch.randint(0, 64, (4, 16), generator=g),)
+""")
+BOTH = source(ONLY_LOSS.code + ONLY_BATCH.code[len(GPT_CELL):])
+TWO |= {"cell_loss_fn": (ONLY_LOSS, dict(dp=2)), "cell_make_batch": (ONLY_BATCH, dict(dp=2)),
+        "cell_both": (BOTH, dict(dp=2))}
 T = source(TIED_CELL)  # the embedding and the head share one weight
 TIED_TP = {"wte": "rowwise", "lm_head": "colwise", "h.0.up": "colwise", "h.0.down": "rowwise"}
 TWO |= {
