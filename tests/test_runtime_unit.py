@@ -227,3 +227,37 @@ def test_tp_collectives_are_megatrons(fake_world_of_two, sp, tmp_path):
     else:
         assert counts == {"all_reduce": 5, "all_gather_into_tensor": 1}
     assert logits.shape == (4, 16, 64)
+
+
+def test_gradient_accumulation_all_reduces_once_per_step():
+    """The cost model counts one DDP all-reduce per step however many micro-batches accumulate (no_sync before the
+    last); the runtime's accumulate() does the same: DDP's comm hook is called once for 4 micro-batches."""
+    import functools
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from autopar_nb.runtime.amp import step_context
+    from autopar_nb.runtime.train import accumulate
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        calls = []
+
+        def count(state, bucket):
+            calls.append(bucket.index())
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
+
+        model = DDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)))
+        model.register_comm_hook(None, count)
+        loss = functools.partial(lambda m, b: m(*b).pow(2).mean())
+        accumulate(model, (torch.randn(8, 4),), micro_batches=4, loss_fn=loss,
+                   context=functools.partial(step_context, "cpu"))
+        assert calls == [0]  # one bucket, all-reduced once
+        accumulate(model, (torch.randn(8, 4),), micro_batches=1, loss_fn=loss,
+                   context=functools.partial(step_context, "cpu"))
+        assert calls == [0, 0]
+    finally:
+        dist.destroy_process_group()
