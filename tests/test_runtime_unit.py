@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from families import FAMILIES
 from runtime_cases import (
     GPT_CELL,
     HF_BERT_CELL,
@@ -161,8 +162,12 @@ class NormNoReset(nn.Module):
 HF = pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
 
 
+MIXTRAL_CELL = FAMILIES["Mixtral"]  # experts allocated with torch.empty in __init__, initialised by post_init only
+
+
 @pytest.mark.parametrize("cell", [GPT_CELL, LLAMA_CELL, pytest.param(HF_LLAMA_CELL, marks=HF),
-                                  pytest.param(HF_GPT2_CELL, marks=HF), pytest.param(HF_BERT_CELL, marks=HF)])
+                                  pytest.param(HF_GPT2_CELL, marks=HF), pytest.param(HF_BERT_CELL, marks=HF),
+                                  pytest.param(MIXTRAL_CELL, marks=HF)])
 def test_meta_init_equals_real_init(cell):
     """Models the user did not write included: Hugging Face's post_init (RMSNorm without reset_parameters, rotary
     buffers, GPT-2's Conv1D and its scaled c_proj re-init) is replayed, not only reset_parameters()."""

@@ -17,6 +17,8 @@ an init get weight 1 / bias 0.
 from __future__ import annotations
 
 import copy
+import inspect
+import re
 import warnings
 
 import torch
@@ -49,6 +51,19 @@ def _fallback_init(full: nn.Module) -> None:
             "(initialising the module's own parameters), or build the model for real (it fits in host memory)")
     else:
         warnings.warn(f"buffers of {type(full).__name__} are left as allocated (no init method)", stacklevel=3)
+
+
+INIT_DRAWS = re.compile(r"\b(normal_|uniform_|trunc_normal_|xavier_\w+|kaiming_\w+|orthogonal_|randn|rand|randint)\(")
+"""calls that draw random numbers, as a constructor's source spells them"""
+
+
+def _draws_in_init(module: nn.Module) -> bool:
+    """Whether the module's constructor draws random numbers (Hugging Face's Conv1D: ``nn.init.normal_``) rather
+    than only allocating (Mixtral's experts: ``torch.empty``), read from its source; unknown source: it draws."""
+    try:
+        return bool(INIT_DRAWS.search(inspect.getsource(type(module).__init__)))
+    except (OSError, TypeError):
+        return True
 
 
 def _full_copy(module: nn.Module) -> nn.Module:
@@ -157,11 +172,11 @@ def materialize(parts: list[nn.Module], skeleton: nn.Module, *, device: str | to
             full = _full_copy(module)
             if hasattr(full, "reset_parameters"):
                 full.reset_parameters()  # draws the random numbers its constructor drew
-            elif owner is not None:
+            elif owner is not None and _draws_in_init(module):
                 owner._init_weights(full)  # e.g. HF Conv1D draws normal_ in __init__, as _init_weights does
-            else:
+            elif owner is None:
                 _fallback_init(full)
-            write(path, full)
+            write(path, full)  # (an HF module that draws nothing in __init__ gets its values from post_init)
         for name, child in module.named_children():
             construct(child, f"{path}.{name}" if path else name, owner)
         if _is_hf(module):
