@@ -10,6 +10,7 @@ Runs in CI (CI=true: a missing chromium is a failure; .ci/run installs it); else
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -53,16 +54,24 @@ def _free_port() -> int:
 
 @pytest.fixture
 def lab(tmp_path):
-    """A JupyterLab server on 127.0.0.1 with its own config/runtime/settings dirs; killed (whole process group,
-    kernels included) at teardown. Yields (base url, token, root dir)."""
+    """A JupyterLab server (see :func:`jupyterlab_server`) whose root holds the quickstart notebook without its
+    cells that run worker processes. Yields (base url, token, root dir)."""
     _require_chromium()
+    with jupyterlab_server(tmp_path) as (base, token, root):
+        # the widget is what this test drives: cells that run worker processes (verify, launch, torchrun; tagged
+        # "runs-processes") are left out, so clicks are not queued behind them (test_notebooks runs them all)
+        nb = nbformat.read(NOTEBOOK, as_version=4)
+        nb.cells = [c for c in nb.cells if "runs-processes" not in c.metadata.get("tags", [])]
+        nbformat.write(nb, root / NOTEBOOK.name)
+        yield base, token, root
+
+
+@contextlib.contextmanager
+def jupyterlab_server(tmp_path: Path):
+    """A JupyterLab server on 127.0.0.1 with its own config/runtime/settings dirs under ``tmp_path``; killed (whole
+    process group, kernels included) on exit. Yields (base url, token, root dir)."""
     root = tmp_path / "root"
     root.mkdir()
-    # the widget is what this test drives: cells that run worker processes (verify, launch, torchrun; tagged
-    # "runs-processes") are left out, so clicks are not queued behind them (test_notebooks runs them all)
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nb.cells = [c for c in nb.cells if "runs-processes" not in c.metadata.get("tags", [])]
-    nbformat.write(nb, root / NOTEBOOK.name)
     settings = tmp_path / "settings"
     for ext, name, value in [
         ("@jupyterlab/apputils-extension", "notification",
@@ -112,6 +121,12 @@ def lab(tmp_path):
             except subprocess.TimeoutExpired:
                 continue
         log.close()
+
+
+KERNEL_IS = ("() => { const w = window.jupyterapp && jupyterapp.shell.currentWidget;"
+             " const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;"
+             " return k && k.status === '%s'; }")
+"""a page function that is true once the open notebook's kernel has the status given with ``%``"""
 
 
 STATE_CELL = """

@@ -184,6 +184,28 @@ def test_run_finishes_with_metrics_logs_and_no_process_left(reference_run):
 
 
 @pytest.mark.multiprocess
+def test_samples_cover_start_up_and_every_rank(reference_run):
+    """run.samples: a tick a second from launch, one dict per rank, start-up included, step figures joined."""
+    from autopar_nb.launch.monitor import SAMPLE_INTERVAL_S
+    from autopar_nb.launch.run import SAMPLE_FIELDS
+
+    samples = reference_run.samples
+    ticks = sorted({s["t"] for s in samples})
+    assert len(samples) == 2 * len(ticks) and {s["rank"] for s in samples} == {0, 1}
+    assert ticks[0] < SAMPLE_INTERVAL_S and all(0.5 < b - a < 2.5 for a, b in zip(ticks, ticks[1:], strict=False))
+    assert set(samples[0]) == {"t", "rank", "state", "source", *SAMPLE_FIELDS}
+    assert samples[0]["state"] == "starting" and samples[0]["step"] is None  # before the first step
+    for rank in (0, 1):
+        mine = [s for s in samples if s["rank"] == rank]
+        measured = [s for s in mine if s["source"] == "psutil"]
+        assert measured and all(s["memory_bytes"] > 0 and s["utilization_pct"] is not None for s in measured[1:])
+        stepped = [s for s in mine if s["step"] is not None]
+        assert stepped and all(s["loss"] is not None and s["samples_per_s"] > 0 for s in stepped)
+        assert [s["step"] for s in stepped] == sorted(s["step"] for s in stepped)
+    assert samples[-1]["state"] == "finished" and samples[-1]["step"] == 12
+
+
+@pytest.mark.multiprocess
 def test_rank_raising_reports_rank_exception_traceback_and_ends_all(tmp_path):
     run = launch(FIXTURE, nproc=2, steps=200, sleep=0.05, fail_rank=1, fail_step=4, run_dir=tmp_path)
     wait_for(lambda: run.last_steps()[1] == 3, 60, "rank 1 to finish step 3")
@@ -197,6 +219,67 @@ def test_rank_raising_reports_rank_exception_traceback_and_ends_all(tmp_path):
     wait_for(lambda: run.done, 5, "the run to end")
     assert_no_process_left(run)
     assert max(run.last_steps().values()) < 10  # rank 0 did not run on alone
+    assert run.error["rank"] == 1 and all(k["rank"] == 0 for k in run.error["knock_on"])  # rank 0's error follows
+    assert run.ranks()[1].state(run.status) == "failed"
+
+
+@pytest.mark.multiprocess
+def test_killed_rank_is_named_not_the_peer_that_lost_it(tmp_path):
+    """A rank killed outright leaves no Python traceback; its peer fails right after with gloo's "Connection closed
+    by peer". The dead rank is the cause; the peer is listed as a consequence."""
+    run = launch(FIXTURE, nproc=2, steps=10_000, sleep=0.05, run_dir=tmp_path)
+    wait_for(lambda: (run.last_steps()[1] or 0) >= 3, 60, "rank 1 to pass step 3")
+    run.workers()[1].send_signal(signal.SIGKILL)
+    assert run.wait(30) == "failed"
+    err = run.error
+    assert err["rank"] == 1 and "SIGKILL" in err["error"] and "no Python traceback" in err["error"], err
+    assert "step 3 loss" in err["traceback"]  # its log's last lines instead
+    assert [k["rank"] for k in err["knock_on"]] in ([], [0])
+    assert run.message.startswith("failed: rank 1")
+    assert_no_process_left(run)
+
+
+@pytest.mark.multiprocess
+def test_verify_in_the_background_marks_each_step_with_its_rule(tmp_path):
+    from runtime_cases import GPT_CELL, make_plan, source
+
+    from autopar_nb.launch.dashboard import VerifyView
+    from autopar_nb.launch.verifying import VerifyJob
+
+    src = source(GPT_CELL)
+    job = VerifyJob(src, make_plan(src, dp=2), steps=3, nproc=2, work_dir=tmp_path)
+    view = job.view()
+    phases = []
+    job.add_listener(lambda j: phases.append(j.status))
+    t0 = time.monotonic()
+    report = job.wait(240)
+    assert report is not None and report.ok, job.error or str(report)
+    assert {"parallel", "reference"} <= set(phases) and job.status == "passed"
+    assert time.monotonic() - t0 < 240
+    rows = view.rows
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["ok"] for r in rows)
+    assert [r["rule"] for r in rows] == [report.judge(s)[1] for s in report.steps]
+    assert all(r["loss"] == s.loss for r, s in zip(rows, report.steps, strict=True))
+    assert view.status == "passed" and any(n.startswith(f"{rows[0]['rule']}: ") for n in view.notes)
+    assert isinstance(view, VerifyView) and not procs_of(job)
+
+
+def procs_of(job) -> list:
+    return processes_with_token(job._token)
+
+
+@pytest.mark.multiprocess
+def test_verify_in_the_background_stops(tmp_path):
+    from runtime_cases import GPT_CELL, make_plan, source
+
+    from autopar_nb.launch.verifying import VerifyJob
+
+    src = source(GPT_CELL)
+    job = VerifyJob(src, make_plan(src, dp=2), steps=2000, nproc=2, work_dir=tmp_path)
+    wait_for(lambda: job.status == "parallel", 120, "the parallel run's first step")
+    t0 = time.monotonic()
+    assert job.stop() == "stopped" and time.monotonic() - t0 < 10
+    assert job.report is None and not procs_of(job)
 
 
 @pytest.mark.multiprocess
@@ -212,8 +295,10 @@ def test_stop_and_second_launch_refused(tmp_path):
     board = run.dashboard()
     step_then = max(r["step"] or 0 for r in board.ranks)
     wait_for(lambda: max(r["step"] or 0 for r in board.ranks) >= step_then + 3, 30, "the dashboard to update")
-    assert board.status == "running" and len(board.loss["0"]) >= 3 and board.ranks[0]["util_kind"] == "cpu"
-    assert board.ranks[1]["mem"] > 0 and board.ranks[1]["mem_kind"] == "rss"
+    wait_for(lambda: board.steps.get("n", 0) >= 3 and board.timeline.get("n", 0) >= 2, 10, "the series to be sent")
+    assert board.status == "running" and [r["state"] for r in board.ranks] == ["running", "running"]
+    assert board.ranks[1]["memory"] > 0 and board.ranks[1]["memory_source"] == "psutil"
+    assert board.info["util_label"].startswith("CPU") and board.info["nproc"] == 2
     t0 = time.monotonic()
     board._on_front_end_msg(board, {"event": "stop"}, [])  # the Stop button
     wait_for(lambda: run.done, 5, "the Stop button to end the run")
@@ -326,10 +411,16 @@ def test_dashboard_and_calibration_of_a_finished_run(reference_run, tmp_path, mo
     from autopar_nb.plan import Cost, MemoryBreakdown, Plan
 
     board = reference_run.dashboard()
-    assert board.status == "finished" and [len(board.loss[k]) for k in ("0", "1")] == [12, 12]
+    assert board.status == "finished" and board.steps["n"] == 12
+    loss = series_columns(board.steps, "loss")
+    assert [sum(v == v for v in col) for col in loss] == [12, 12]  # every step of every rank (NaN != NaN)
+    assert loss[0] == [v for _, v in reference_run.loss_curve(0)] or all(
+        abs(a - b) < 1e-6 * max(1.0, abs(b)) for a, (_, b) in zip(loss[0], reference_run.loss_curve(0), strict=True))
     assert board.summary["steps"] == 12 and board.summary["step_time_s"] > 0
+    assert board.summary["calibration"]["text"].startswith("not calibrated")  # no plan: nothing to calibrate
+    assert [r["state"] for r in board.ranks] == ["finished", "finished"]
     assert any("[rank1]" in line for line in board.ranks[1]["log"])
-    assert "export default {render}" in board._esm  # anywidget loaded static/dashboard.js
+    assert "export default { render }" in board._esm  # anywidget loaded static/dashboard.js
 
     monkeypatch.setenv("AUTOPAR_CALIBRATION", str(tmp_path / "calibration.json"))
     measured = reference_run.summary()["step_time_s"]
@@ -385,26 +476,125 @@ def test_exported_script_runs_under_launch_with_metrics(tmp_path):
     assert run.script == (tmp_path / "train.py").resolve() and (tmp_path / "plan.json").exists()
     rows = run.metrics
     assert sorted({(r["rank"], r["step"]) for r in rows}) == [(r, s) for r in (0, 1) for s in range(6)]
-    assert all(r["tokens_per_s"] > 0 and r["rss"] > 0 for r in rows)
+    assert all(r["tokens_per_s"] > 0 and r["rss"] > 0 and 0 <= r["data_wait_s"] < r["step_time_s"] for r in rows)
+    # memory is counted above what each rank held before building its model (the script's RSS_BEFORE_MODEL)
+    base = {r: st.baseline for r, st in run.ranks().items()}
+    assert all(b and b > 100 * 2**20 for b in base.values()), base  # Python + torch: hundreds of MiB
+    measured = [s for s in run.samples if s["source"] == "psutil"]
+    assert measured and all(s["memory_bytes"] == max(0, s["rss_bytes"] - base[s["rank"]]) for s in measured)
+    assert all(s["rss_baseline_bytes"] == base[s["rank"]] for s in measured)
+    assert run.summary()["memory_kind"] == "rss_above_baseline"
     # the script reports the global loss: every rank sees the same curve
     assert run.loss_curve(0) == run.loss_curve(1)
     assert (tmp_path / "ckpt" / "step_6").is_dir()
     assert_no_process_left(run)
 
 
-def test_dashboard_curve_is_decimated_and_cut_back_on_redone_steps():
-    pytest.importorskip("anywidget")
-    from autopar_nb.launch.dashboard import Curve
+def series_columns(data: dict, key: str) -> list[list[float]]:
+    """A dashboard series trait's per-rank columns (float32 bytes, rank after rank) as lists."""
+    from array import array
 
-    curve = Curve(max_points=10)
+    values = array("f", data[key]).tolist()
+    n = data["n"]
+    return [values[r * n:(r + 1) * n] for r in range(data["ranks"])]
+
+
+def test_step_series_is_decimated_and_cut_back_on_restart():
+    from autopar_nb.launch.series import StepSeries
+
+    s = StepSeries(2, ("loss",), max_points=10)
     for step in range(1, 101):
-        curve.add(step, float(step))
-    points = curve.values()
-    assert len(points) <= 11 and points[-1] == [100, 100.0] and curve.stride == 16
-    assert all(p[0] % 16 == 0 for p in points[:-1])
-    for step in range(91, 96):  # a restart resumes from step 90 and redoes 91..
-        curve.add(step, -float(step))
-    assert curve.values()[-1] == [95, -95.0] and all(p[0] < 95 for p in curve.values()[:-1])
+        s.add(0, step, 0, {"loss": float(step)})
+        if step < 100:
+            s.add(1, step, 0, {"loss": -float(step)})  # rank 1 reports one step less
+    assert len(s) <= 11 and s.stride == 16 and s.x[-1] == 100
+    assert all(x % 16 == 0 for x in s.x[:-1])
+    assert s.curve("loss", 0)[-1] == (100, 100.0) and s.curve("loss", 1)[-1] == (96, -96.0)  # 99 was not kept
+    s.add(1, 50, 0, {"loss": 1.0})  # a step whose row was decimated away: ignored
+    assert s.curve("loss", 1)[-1] == (96, -96.0)
+    for step in range(91, 96):  # restart 1 resumes from step 90 and redoes 91..
+        s.add(0, step, 1, {"loss": -float(step)})
+    assert s.curve("loss", 0)[-1] == (95, -95.0) and max(s.x[:-1]) <= 80  # 96.. cut, 91..94 not on the stride
+    s.add(0, 200, 0, {"loss": 0.0})  # a late line of attempt 0: ignored
+    assert s.x[-1] == 95
+
+
+def test_timeline_keeps_ticks_bounded_with_the_latest():
+    from autopar_nb.launch.series import Timeline
+
+    tl = Timeline(2, ("memory_bytes",), ("source",), max_points=8)
+    for k in range(50):
+        tl.add(k, k * 1.0, {0: {"memory_bytes": 10 * k, "source": "psutil"}, 1: {"memory_bytes": None}})
+    ticks = list(tl.ticks)
+    assert len(ticks) <= 9 and ticks[-1] == 49 and all(t % tl.stride == 0 for t in ticks[:-1])
+    samples = tl.samples()
+    assert len(samples) == 2 * len(ticks) and samples[-2] == {"t": 49.0, "rank": 0, "source": "psutil",
+                                                               "memory_bytes": 490}
+    assert samples[-1]["memory_bytes"] is None and samples[-1]["source"] is None
+
+
+def test_first_failure_is_the_cause_not_the_knock_on():
+    from autopar_nb.launch.failure import failure_order
+    from autopar_nb.launch.metrics import RankState
+
+    peer_gone = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1240"
+    ranks = {0: RankState(0, error={"error": peer_gone}, failed_at=10.00),
+             1: RankState(1, error={"error": "the process ended without reporting an error"}, failed_at=10.02),
+             2: RankState(2)}
+    assert failure_order(ranks) == [1, 0]  # seen together: the vanished peer is the cause
+    ranks[1].failed_at = 10.5
+    assert failure_order(ranks) == [0, 1]  # half a second apart: time decides
+    ranks[2].error, ranks[2].failed_at = {"error": "ValueError: bad batch"}, 9.0
+    assert failure_order(ranks)[0] == 2
+
+
+def test_hang_names_the_rank_that_stopped_first():
+    from autopar_nb.launch.hang import hang_message, stalled_rank
+    from autopar_nb.launch.metrics import RankState
+
+    ranks = {0: RankState(0, step=7, last_progress=50.0, connected=True),
+             1: RankState(1, step=5, last_progress=40.0, connected=True),
+             2: RankState(2, step=5, last_progress=41.0, connected=True)}
+    assert stalled_rank(ranks, now=100.0, t0=0.0, timeout=30.0) == (1, 60.0)  # lowest step, then earliest
+    assert "rank 1 stopped reporting first (after step 5" in hang_message(ranks, 1, 60.0, 30.0)
+
+
+def test_comparison_is_honest_about_the_device():
+    from autopar_nb.launch.compare import comparison
+    from autopar_nb.plan import Cost, MemoryBreakdown, MeshPlan, Plan
+
+    def plan(preset, pp=1, per_pp=False):
+        mem = [MemoryBreakdown(params=100.0 * (i + 1), margin=10.0) for i in range(pp if per_pp else 4)]
+        return Plan(mesh=MeshPlan(dp=4 // pp, pp=pp), cluster={"preset": preset}, cost=Cost(
+            step_time_s=0.5, memory_by_rank=mem))
+
+    c = comparison(plan("h100-80gb"), backend="gloo", nproc=4)
+    assert not c["compare_time"] and c["predicted_step_time_s"] is None
+    assert c["predicted_memory"] == [100.0, 200.0, 300.0, 400.0]  # the training state: no allocator margin
+    assert "made for h100-80gb" in c["notes"][0] and "not compared" in c["notes"][0]
+    c = comparison(plan("cpu", pp=2, per_pp=True), backend="gloo", nproc=4)
+    assert c["compare_time"] and c["predicted_step_time_s"] == 0.5
+    assert c["predicted_memory"] == [100.0, 100.0, 200.0, 200.0]  # each rank gets its pipeline stage's figure
+    c = comparison(plan("h100-80gb"), backend="nccl", nproc=4, gpu_name="NVIDIA H100 80GB HBM3")
+    assert c["compare_time"] and c["predicted_memory"][0] == 110.0  # on the GPU: the whole prediction
+    c = comparison(plan("h100-80gb"), backend="nccl", nproc=4, gpu_name="NVIDIA L4")
+    assert not c["compare_time"] and "NVIDIA L4" in c["notes"][0]
+
+
+def test_vendored_uplot_is_the_npm_release():
+    """static/vendor/uplot holds uPlot 1.6.32's own build files, unmodified (README.md there says how)."""
+    import hashlib
+
+    d = REPO / "autopar_nb" / "static" / "vendor" / "uplot"
+    digest = {f: hashlib.sha256((d / f).read_bytes()).hexdigest() for f in ("uPlot.iife.min.js", "uPlot.min.css")}
+    assert digest == {"uPlot.iife.min.js": "19c8d4c6ad88929a79f4ae49d6f7161566dfd0ba3d15cc495e974f787eb78f1f",
+                      "uPlot.min.css": "df630c6a8d6f8eeaff264b50f73ce5b114f646ffd9a0bb74f049b0a00135fa04"}
+    assert "MIT License" in (d / "LICENSE").read_text() and all(v in (d / "README.md").read_text()
+                                                               for v in digest.values())
+    from autopar_nb.launch.dashboard import Dashboard
+
+    assert Dashboard._esm.startswith("/*! https://github.com/leeoniya/uPlot (v1.6.32) */")
+    assert "export default { render }" in Dashboard._esm and ".uplot" in Dashboard._css
 
 
 def test_nvml_sampling_maps_gpu_figures_per_rank(monkeypatch):
@@ -439,3 +629,54 @@ def test_agent_imports_only_the_standard_library_and_torch():
     roots = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
              for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
     assert roots <= {"__future__", "json", "os", "signal", "sys", "threading", "time", "torch"}, roots
+
+
+def test_planner_launch_and_verify_buttons_show_the_live_view_below(monkeypatch):
+    """Launch/Verify read the processes/steps inputs (the run_options trait the front end writes); the run's
+    dashboard, or the background verify's progress, becomes the widget's panel (rendered below it); nothing
+    blocks the kernel (verify runs in a child process: here a stand-in records the call)."""
+    import ipywidgets
+    import torch
+    import torch.nn as nn
+
+    from autopar_nb import Cluster, capture
+    from autopar_nb.launch import verifying
+    from autopar_nb.session import Session
+    from autopar_nb.source import ModelSource
+
+    calls = []
+
+    class FakeRun:
+        def __init__(self):
+            self.board = ipywidgets.HTML("dashboard")
+
+        def dashboard(self):
+            return self.board
+
+    class FakeJob:
+        def __init__(self, source, plan, *, steps, nproc):
+            calls.append(("verify", plan.mesh.world_size, steps, nproc))
+            self.board = ipywidgets.HTML("verify progress")
+
+        def view(self):
+            return self.board
+
+    class Launching(Session):
+        def launch(self, nproc=None, steps=50, **flags):
+            calls.append(("launch", nproc, steps))
+            return FakeRun()
+
+    monkeypatch.setattr(verifying, "VerifyJob", FakeJob)
+    with torch.device("meta"):
+        graph = capture(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)), (torch.randn(32, 64),))
+    s = Launching(graph, Cluster.preset("h100-80gb", gpus_per_node=2), ModelSource("# test"))
+    w = s.widget()
+    assert w.run_defaults == {"nproc": 2} and w.panel is None
+    w.run_options = {**w.run_options, "launch_steps": 20}
+    w.handle({"kind": "action", "name": "launch"})
+    assert calls[-1] == ("launch", 2, 20) and w.panel is w.last_result.board
+    assert w.messages[0]["level"] == "info" and "ap.launch(nproc=2, steps=20)" in w.messages[0]["text"]
+    w.run_options = {"nproc": 1, "verify_steps": 3, "launch_steps": 20}
+    w.handle({"kind": "action", "name": "verify"})
+    assert calls[-1] == ("verify", 1, 3, 1) and w.panel is w.last_result.board  # plan_for(1): dp=1
+    assert "runs in the background" in w.messages[0]["text"]

@@ -1,6 +1,12 @@
-"""The launch dashboard in a real browser (JupyterLab + chromium through Playwright; the ``lab`` fixture of
-test_browser.py): it renders, keeps updating while another cell runs, and its Stop button ends every worker.
-A screenshot goes to $AUTOPAR_SCREENSHOTS/dashboard.png (see test_browser.py)."""
+"""The launch dashboard and the background verify in a real browser (JupyterLab + chromium through Playwright; a
+server from test_browser.jupyterlab_server), driven as a user would from the planner widget:
+
+1. Launch (2 processes, from the widget's inputs): the dashboard appears below the planner; while another cell keeps
+   the kernel busy, every chart gains points for every rank; screenshots (light and dark theme) go to
+   $AUTOPAR_SCREENSHOTS/dashboard.png and dashboard_dark.png (see test_browser.py); Stop ends every worker.
+2. A run whose rank 1 raises: the dashboard names rank 1 as the cause, with its traceback.
+3. Verify (3 steps): the progress view below the planner ends with one row per step, each marked pass with its rule.
+"""
 
 from __future__ import annotations
 
@@ -10,88 +16,137 @@ from pathlib import Path
 import nbformat
 import pytest
 import test_browser
-from test_browser import CHROMIUM, CHROMIUM_FLAGS, IMG, run_cell_writing
-
-jupyterlab = test_browser.lab  # registers test_browser's `lab` fixture (JupyterLab on 127.0.0.1) here
+from test_browser import CHROMIUM, CHROMIUM_FLAGS, IMG, KERNEL_IS, jupyterlab_server, run_cell_writing
 
 FIXTURE = Path(__file__).parent / "fixtures" / "train_fixture.py"
 
 pytestmark = [pytest.mark.browser, pytest.mark.multiprocess]
 
 CELLS = [
-    f"""import json, time
-import autopar_nb as ap
-run = ap.launch({str(FIXTURE)!r}, nproc=2, steps=100_000, sleep=0.05, hang_timeout_s=None)
-t_cell1 = time.time()
-run""",
-    """while run.status != "running":
-    time.sleep(0.1)
+    "%load_ext autopar_nb",
+    """%%autoparallel --gpus 2 --gpu cpu --batch 32
+import torch, torch.nn as nn
+model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 512))
+example_inputs = (torch.randn(32, 1024),)""",
+    """import time
 t_busy = time.time()
 time.sleep(12)  # a long cell: the dashboard must keep updating meanwhile
 t_free = time.time()""",
 ]
+CHARTS = ("memory", "util", "loss", "throughput", "step_time", "data_wait")
+
+# points with a value, per chart and rank series, of a dashboard (the element)
+POINTS = """(root) => {
+  const out = {};
+  for (const [key, u] of Object.entries(root.__apdCharts || {})) {
+    out[key] = u.data.slice(1, 1 + u.series.filter((s) => (s.label || '').startsWith('rank ')).length)
+      .map((col) => col.filter((v) => v !== null && v !== undefined).length);
+  }
+  return out;
+}"""
 
 
-def test_dashboard_updates_while_a_cell_runs_and_stop_button_ends_the_run(jupyterlab, tmp_path):
+def test_launch_and_verify_from_the_widget(tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
-    base, token, root = jupyterlab
+    test_browser._require_chromium()
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS], metadata={
         "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}})
-    nbformat.write(nb, root / "launch.ipynb")
-    state_path = tmp_path / "state.json"
     errors: list[str] = []
-    with sync_playwright() as pw:
+    with jupyterlab_server(tmp_path) as (base, token, root), sync_playwright() as pw:
+        nbformat.write(nb, root / "launch.ipynb")
         ctx = pw.chromium.launch_persistent_context(
             str(tmp_path / "chromium"), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS,
-            viewport={"width": 1300, "height": 1000})
+            viewport={"width": 1200, "height": 1500})
         try:
             page = ctx.new_page()
             page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.goto(f"{base}/lab/tree/launch.ipynb?token={token}")
-            kernel = ("() => { const w = window.jupyterapp && jupyterapp.shell.currentWidget;"
-                      " const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;"
-                      " return k && k.status === '%s'; }")
-            page.wait_for_function(kernel % "idle", timeout=60_000)
-            # cell 1 launches and shows the dashboard; once it runs, cell 2 keeps the kernel busy for 12 s
-            t_cmd1 = time.time()
-            page.evaluate("jupyterapp.commands.execute('notebook:run-cell-and-select-next')")
-            status = page.locator(".autopar-dashboard .apd-status")
-            expect(status).to_contain_text("running: step", timeout=90_000)
-            t_seen = time.time()
-            # not awaited: the command's promise settles only when the cell has finished
-            page.evaluate("() => { jupyterapp.commands.execute('notebook:run-cell-and-select-next'); }")
-            t_cmd2 = time.time()
-            # sample the step shown for a while; the kernel says afterwards when its sleep cell ran
+            page.wait_for_function(KERNEL_IS % "idle", timeout=60_000)
+            for _ in range(2):  # the extension, then the planner
+                page.evaluate("jupyterapp.commands.execute('notebook:run-cell-and-select-next')")
+            planner = page.locator(".ap-root")
+            expect(planner).to_have_count(1, timeout=60_000)
 
-            def shown_step() -> int:
-                text = status.inner_text()
-                return int(text.split("step ")[1].split("/")[0]) if "step " in text else -1
-
-            samples = []
-            for _ in range(12):
-                samples.append((time.time(), shown_step()))
-                time.sleep(0.5)
-            dash = page.locator(".autopar-dashboard")
+            # 1. Launch from the widget with its inputs: 2 processes, a long run
+            page.locator("input.ap-run-nproc").fill("2")
+            page.locator("input.ap-run-nproc").dispatch_event("change")
+            page.locator("input.ap-run-launch-steps").fill("100000")
+            page.locator("input.ap-run-launch-steps").dispatch_event("change")
+            page.locator("button.ap-action-launch").click()
+            dash = page.locator(".ap-run-panel .autopar-dashboard")
+            expect(dash.locator(".apd-state")).to_have_attribute("data-state", "running", timeout=90_000)
             expect(dash.locator("tr[data-rank]")).to_have_count(2)
-            expect(dash.locator("polyline[data-series='rank 0']")).to_have_count(1)
-            expect(dash.locator(".apd-logs")).to_contain_text("[rank0]")
+            deadline = time.time() + 30
+            while time.time() < deadline:  # every chart has a line with points for each rank
+                p = dash.evaluate(POINTS)
+                if len(p) == len(CHARTS) and all(len(c) == 2 and min(c) >= 2 for c in p.values()):
+                    break
+                page.wait_for_timeout(500)
+            page.wait_for_timeout(1000)
+            # another cell keeps the kernel busy for 12 s: the charts still gain points for every rank
+            page.evaluate("() => { jupyterapp.shell.currentWidget.content.activeCellIndex = 2;"  # (clicks moved it)
+                          " jupyterapp.commands.execute('notebook:run-cell'); }")
+            page.wait_for_function(KERNEL_IS % "busy", timeout=10_000)
+            before = dash.evaluate(POINTS)
+            t_before = time.time()
+            page.wait_for_timeout(6000)
+            after = dash.evaluate(POINTS)
+            t_after = time.time()
             IMG.mkdir(parents=True, exist_ok=True)
+            dash.scroll_into_view_if_needed()
             dash.screenshot(path=str(IMG / "dashboard.png"))
+            page.evaluate("jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
+            page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'", timeout=20_000)
+            page.wait_for_timeout(1500)  # a redraw in the new colours
+            dash.screenshot(path=str(IMG / "dashboard_dark.png"))
+            dark_bg = dash.evaluate("e => getComputedStyle(e).backgroundColor")
+            page.evaluate("jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
+            page.wait_for_function(KERNEL_IS % "idle", timeout=30_000)
 
-            # the Stop button (its message is handled once the sleep cell has ended)
+            # the Stop button
             dash.locator("button.apd-stop").click()
-            expect(status).to_contain_text("stopped", timeout=30_000)
-            page.wait_for_function(kernel % "idle", timeout=30_000)
-            code = (f"json.dump({{'status': run.status, 'left': len(run.processes()), 'message': run.message, "
-                    f"'busy': [t_busy, t_free], 't_cell1': t_cell1}}, open({str(state_path)!r}, 'w'))")
-            state = run_cell_writing(page, code, state_path)
+            expect(dash.locator(".apd-state")).to_have_attribute("data-state", "stopped", timeout=30_000)
+            page.wait_for_function(KERNEL_IS % "idle", timeout=30_000)
+            state = run_cell_writing(page, (
+                "import json\nrun = ap.widget().last_result\n"
+                "json.dump({'status': run.status, 'message': run.message, 'left': len(run.processes()), "
+                "'busy': [t_busy, t_free], 'samples': len(run.samples)}, "
+                f"open({str(tmp_path / 'stop.json')!r}, 'w'))"), tmp_path / "stop.json")
+
+            # 2. a rank that raises: named as the cause, with its traceback
+            run_cell_writing(page, (
+                "import autopar_nb, json\n"
+                f"bad = autopar_nb.launch({str(FIXTURE)!r}, nproc=2, steps=200, sleep=0.05, fail_rank=1, "
+                "fail_step=4)\n"
+                f"display(bad)\njson.dump({{}}, open({str(tmp_path / 'bad.json')!r}, 'w'))"), tmp_path / "bad.json")
+            bad = page.locator(".jp-OutputArea .autopar-dashboard").last
+            expect(bad.locator(".apd-state")).to_have_attribute("data-state", "failed", timeout=90_000)
+            expect(bad.locator(".apd-error-head")).to_contain_text("Rank 1 failed first")
+            expect(bad.locator(".apd-error-head")).to_contain_text("injected failure on rank 1 at step 4")
+            expect(bad.locator(".apd-traceback")).to_contain_text("Traceback (most recent call last)")
+            expect(bad.locator('tr[data-rank="1"]')).to_have_attribute("data-state", "failed")
+
+            # 3. Verify from the widget: 3 steps, in the background, each row marked with its rule
+            page.locator("input.ap-run-verify-steps").fill("3")
+            page.locator("input.ap-run-verify-steps").dispatch_event("change")
+            page.locator("button.ap-action-verify").click()
+            verify = page.locator(".ap-run-panel .apd-verify")
+            expect(verify.locator(".apd-state")).to_have_attribute("data-state", "passed", timeout=180_000)
+            expect(verify.locator("tr[data-step]")).to_have_count(3)
+            expect(verify.locator('tr[data-ok="true"] td.apd-pass')).to_have_count(3)
+            rules = verify.locator("tr[data-step] td:last-child").all_inner_texts()
+            verify.screenshot(path=str(IMG / "verify.png"))
         finally:
             ctx.close()
+
     t_busy, t_free = state["busy"]
-    during = [step for t, step in samples if t_busy < t < t_free]
-    times = {"cmd1": t_cmd1, "seen": t_seen, "cmd2": t_cmd2}
-    assert len(during) >= 4 and during[-1] > during[0] >= 0, f"no update while a cell ran: {samples} {state} {times}"
+    assert t_busy < t_before and t_after < t_free, (state, t_before, t_after)  # sampled while the cell ran
+    for key in CHARTS:
+        assert all(a > b for a, b in zip(after[key], before[key], strict=True)), (key, before, after)
     assert state["status"] == "stopped" and "Stop button" in state["message"], state
-    assert state["left"] == 0, state
-    assert not [e for e in errors if "dashboard" in e.lower()], errors
+    assert state["left"] == 0 and state["samples"] > 0, state
+    assert dark_bg not in ("rgb(255, 255, 255)", "rgba(0, 0, 0, 0)"), dark_bg  # the theme's colours
+    assert all(r in ("rtol", "adam", "low precision") for r in rules), rules
+    assert not [e for e in errors if "apd" in e or "uPlot" in e or "dashboard" in e.lower()], errors

@@ -19,8 +19,10 @@ from . import kit
 from .values import ScriptValues
 
 TEMPLATE = Path(__file__).with_name("script.py.tmpl")
-SCRIPT_NAMES = ("parallelize", "parse_args", "main")
-"""functions the template itself defines"""
+SCRIPT_NAMES = ("parallelize", "parse_args", "main", "RSS_BEFORE_MODEL")
+"""names the template itself defines"""
+PRELUDE = ("process_rss",)
+"""runtime functions the script calls before the cell"""
 TEMPLATE_IMPORTS = {("argparse", None, None), ("gc", None, None), ("traceback", None, None),
                     ("torch", None, None), ("torch.distributed", None, "dist"),
                     ("torch.distributed.elastic.multiprocessing.errors", "record", None)}
@@ -319,11 +321,13 @@ def render_script(source: ModelSource, plan: Plan, v: ScriptValues, *, script_na
     setting_lines, setting_imports = settings(v, plan, seed=seed)
     par, par_uses, par_imports = parallelize_source(v)
     body, main_uses = main_source(v, source)
+    prelude = kit.assemble(list(PRELUDE))
     assembly = kit.assemble([*par_uses, *main_uses])
+    assembly.blocks = [b for b in assembly.blocks if b[1] not in prelude.names]  # defined once, before the cell
     std = {("functools", None, None)} | ({("copy", None, None)} if v.meta_init else set())
-    _check_names(source, assembly.names)
-    imports = _without_cell_imports(assembly.imports | TEMPLATE_IMPORTS | std | par_imports, source,
-                                    keep=setting_imports)
+    _check_names(source, assembly.names + prelude.names)
+    imports = _without_cell_imports(assembly.imports | prelude.imports | TEMPLATE_IMPORTS | std | par_imports,
+                                    source, keep=setting_imports | prelude.imports)
     world = plan.mesh.world_size
     return Template(TEMPLATE.read_text()).substitute(
         model_name=v.model_class, summary=plan.summary(), nproc=world, plan_file=plan_file,
@@ -333,8 +337,8 @@ def render_script(source: ModelSource, plan: Plan, v: ScriptValues, *, script_na
         cmd_one=commands[0], cmd_multi=commands[1].replace(" --rdzv-id", " \\\n        --rdzv-id"), nnodes=nodes,
         per_node=f"{max(1, world // nodes)} process{'es' if world // nodes > 1 else ''}",
         imports="\n\n".join(kit.import_lines(imports, setting_imports)),
-        settings="\n".join(setting_lines), cell=_cell(source, v), kit=assembly.source(), parallelize=par,
-        steps=int(steps), main=body)
+        settings="\n".join(setting_lines), prelude=prelude.source(), cell=_cell(source, v), kit=assembly.source(),
+        parallelize=par, steps=int(steps), main=body)
 
 
 def _cell(source: ModelSource, v: ScriptValues) -> str:

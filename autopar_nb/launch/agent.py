@@ -63,6 +63,7 @@ def main(config_path: str) -> int:
             result["failures"][str(rank)] = {
                 "exitcode": failure.exitcode, "pid": failure.pid, "message": str(failure.message),
                 "error_file": failure.error_file, "signal": failure.signal_name() if failure.exitcode < 0 else "",
+                "timestamp": failure.timestamp,
             }
     except SignalException as e:
         rc = 2

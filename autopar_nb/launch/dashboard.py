@@ -1,143 +1,286 @@
 """The live dashboard of a Run: an anywidget whose traits the monitor thread sets (kernel side only).
 
-It declares state and holds no logic beyond turning ``Run`` figures into plain lists: ``static/dashboard.js``
-draws per-rank memory bars (measured vs the plan's prediction and the device limit), utilisation, the loss curve,
-throughput, the status line, the last log lines per rank and a Stop button; at the end, measured vs predicted step
-time and memory. Trait updates reach the browser while other cells run (see ../shared/notes/browser-testing.md).
+It declares state and holds no logic beyond turning ``Run`` figures into plain data: ``static/dashboard.js`` draws,
+with uPlot (vendored in ``static/vendor/uplot``), memory and utilisation over time (one line per rank, the plan's
+prediction dashed, the device limit), loss, throughput and step time per step (one line per rank, the predicted
+step time dashed where it compares), a per-rank table with each rank's state, the first failing rank's traceback,
+the last log lines, Stop and, at the end, measured vs predicted and calibration. Trait updates reach the browser
+while other cells run (see ../shared/notes/browser-testing.md).
+
+Cost: the table and status are sent at most ``PUSH_INTERVAL_S`` apart (monitor.py); the series at most once per
+``CHART_INTERVAL_S``, as float32 bytes (binary buffers, no JSON), decimated to ``series.MAX_POINTS`` per line.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from pathlib import Path
 
 import anywidget
 import psutil
 import traitlets
 
-MAX_POINTS = 1000
-"""loss/throughput points kept per curve: beyond it, every other point is dropped and the step stride doubles"""
+from .series import float32_bytes
+
+STATIC = Path(__file__).resolve().parent.parent / "static"
+UPLOT = STATIC / "vendor" / "uplot"
+CHART_INTERVAL_S = 1.0
+"""the series (the charts' data) are sent at most this often"""
+THROUGHPUT_LABEL = {"samples/s": "samples/s", "tokens/s": "tokens/s"}
 
 
-class Curve:
-    """A decimated (step, value) curve, built incrementally so a refresh costs O(new rows), not O(run length).
+def bundle(*files: Path) -> str:
+    """The files' text, one after the other (uPlot's IIFE build declares ``var uPlot`` for the code after it)."""
+    return "\n".join(f.read_text() for f in files)
 
-    Keeps the points whose step is a multiple of the current stride, plus the latest point; a step that is not
-    newer than the last kept one (a restart redoing steps after its checkpoint) cuts the curve back to before it.
-    """
 
-    def __init__(self, max_points: int = MAX_POINTS):
-        self.max_points = max_points
-        self.stride = 1
-        self.points: list[list[float]] = []
-        self.last: list[float] | None = None
-
-    def add(self, step: int, value: float) -> None:
-        """Append one point (see the class docstring for redone steps)."""
-        while self.points and self.points[-1][0] >= step:
-            self.points.pop()
-        if self.last is not None and self.last[0] >= step:
-            self.last = None
-        if step % self.stride == 0:
-            self.points.append([step, value])
-            if len(self.points) > self.max_points:
-                self.stride *= 2
-                self.points = [p for p in self.points if p[0] % self.stride == 0]
-        self.last = [step, value]
-
-    def values(self) -> list[list[float]]:
-        """The points to draw, the latest one included."""
-        if self.last is not None and (not self.points or self.points[-1][0] < self.last[0]):
-            return [*self.points, self.last]
-        return list(self.points)
+def _finite(values) -> list[float]:
+    return [v for v in values if not math.isnan(v)]
 
 
 class Dashboard(anywidget.AnyWidget):
     """Live view of one :class:`~autopar_nb.launch.run.Run` (``display(run)`` shows it)."""
 
-    _esm = Path(__file__).parent.parent / "static" / "dashboard.js"
+    _esm = bundle(UPLOT / "uPlot.iife.min.js", STATIC / "dashboard.js")
+    _css = bundle(UPLOT / "uPlot.min.css", STATIC / "dashboard.css")
     status = traitlets.Unicode("starting").tag(sync=True)
     message = traitlets.Unicode("").tag(sync=True)
     error = traitlets.Dict(allow_none=True, default_value=None).tag(sync=True)
-    """{"rank", "error", "traceback"} of the failed rank"""
+    """the first failing rank: {"rank", "error", "traceback", "time_s", "knock_on": [{"rank", "error", "after_s"}]}"""
     ranks = traitlets.List().tag(sync=True)
-    """per rank: {"rank", "step", "attempt", "mem", "mem_kind", "mem_pred", "mem_limit", "util", "util_kind",
-    "throughput", "power_w", "temperature_c", "log": [str]}"""
-    loss = traitlets.Dict().tag(sync=True)
-    """rank (str) -> [[step, loss], ...]"""
-    throughput = traitlets.List().tag(sync=True)
-    """[[step, value], ...] of rank 0"""
-    throughput_unit = traitlets.Unicode("samples/s").tag(sync=True)
+    """per rank: {"rank", "state", "step", "attempt", "memory", "memory_source", "memory_peak", "memory_pred",
+    "util", "throughput", "step_time", "data_wait", "power_w", "temperature_c", "log": [str]}"""
+    info = traitlets.Dict().tag(sync=True)
+    """what the charts show and what compares: labels, the plan's predictions, the limit, notes"""
+    timeline = traitlets.Dict().tag(sync=True)
+    """{"n", "ranks", "t": float32 bytes [n], "memory", "util": float32 bytes [ranks x n] (NaN: no value)}"""
+    steps = traitlets.Dict().tag(sync=True)
+    """{"n", "ranks", "x": float32 bytes [n], "loss", "throughput", "step_time", "data_wait": [ranks x n]}"""
     summary = traitlets.Dict().tag(sync=True)
-    """at the end: measured vs predicted step time and peak memory"""
+    """at the end: measured vs predicted, and what was calibrated"""
 
     def __init__(self, run, **kwargs):
         super().__init__(**kwargs)
         self._run = run
         self._total_ram = float(psutil.virtual_memory().total)
-        self._seen = 0  # metrics rows already folded into the curves
-        self._loss: dict[int, Curve] = {}
-        self._rate = Curve()
-        self._unit = "samples/s"
+        self._sent = {"timeline": -1, "steps": -1}
+        self._charts_at = 0.0
+        self._info_key = None
         self._refresh_lock = threading.Lock()
+        self.refresh_cpu_s = 0.0
+        """CPU seconds spent in refresh() (bench/dashboard.py)"""
+        self.refreshes = 0
         self.on_msg(self._on_front_end_msg)
         run.add_listener(self.refresh)
         self.refresh(run)
 
     def _on_front_end_msg(self, _widget, content, _buffers) -> None:
-        if isinstance(content, dict) and content.get("event") == "stop":
+        event = content.get("event") if isinstance(content, dict) else None
+        if event == "stop":
             # stopping takes a few seconds: do not hold the kernel's message loop meanwhile
             threading.Thread(target=self._run.stop, args=("Stop button",), daemon=True).start()
+        elif event == "calibrate":
+            try:
+                self._run.calibrate()
+            except (ValueError, RuntimeError) as e:
+                self.summary = {**self.summary, "calibration": {"done": False, "text": f"not calibrated: {e}"}}
 
     def refresh(self, run=None) -> None:
         """Copy the run's current figures into the traits (called from the monitor thread)."""
         run = run or self._run
-        cost = getattr(run.plan, "cost", None)
-        pred = [m.total for m in cost.memory_by_rank] if cost is not None else []
-        ranks = []
-        for r, st in sorted(run.ranks().items()):
-            last, sample = st.last, st.sample
-            cuda = last.get("mem_peak") is not None or last.get("mem_allocated") is not None
-            mem = last.get("mem_allocated") if cuda else (sample.get("rss") or last.get("rss"))
-            limit = sample.get("gpu_mem_total") if "gpu_mem_total" in sample else (None if cuda else self._total_ram)
-            util_kind = "gpu" if "gpu_util" in sample else "cpu"
-            ranks.append({
-                "rank": r, "step": st.step, "attempt": max(st.attempt, 0), "mem": mem,
-                "mem_peak": last.get("mem_peak"), "mem_reserved": last.get("mem_reserved"),
-                "mem_kind": "cuda" if cuda else "rss", "mem_pred": pred[r] if r < len(pred) else None,
-                "mem_limit": limit, "gpu_mem_used": sample.get("gpu_mem_used"),
-                "util": sample.get("gpu_util", sample.get("cpu_percent")), "util_kind": util_kind,
-                "throughput": last.get("tokens_per_s", last.get("samples_per_s")),
-                "power_w": sample.get("power_w"), "temperature_c": sample.get("temperature_c"), "log": st.log_tail,
-            })
+        t0 = time.thread_time()
         with self._refresh_lock:  # the monitor thread and the constructor may both refresh
-            new = run.rows_since(self._seen)
-            self._seen += len(new)
-            for row in new:
-                if row.get("loss") is not None:
-                    self._loss.setdefault(row["rank"], Curve()).add(row["step"], row["loss"])
-                if "tokens_per_s" in row:
-                    self._unit = "tokens/s"
-                rate = row.get("tokens_per_s", row.get("samples_per_s"))
-                if row["rank"] == 0 and rate is not None:
-                    self._rate.add(row["step"], rate)
+            key = (run.throughput_unit, run.gpu_name, sum(st.baseline is not None for st in run._ranks.values()),
+                   run.done)
+            info = self._info(run) if key != self._info_key else None
+            self._info_key = key
+            now = time.monotonic()
+            charts = run.done or now - self._charts_at >= CHART_INTERVAL_S
+            with run._lock:
+                timeline = self._timeline(run) if charts and run.versions["timeline"] != self._sent["timeline"] \
+                    else None
+                steps = self._steps(run) if charts and run.versions["steps"] != self._sent["steps"] else None
+                ranks = self._ranks(run)
+            if timeline is not None or steps is not None:
+                self._charts_at = now
+            summary = self._summary(run) if run.done else None
             with self.hold_sync():
                 self.status, self.message, self.error = run.status, run.message, run.error
                 self.ranks = ranks
-                if new:
-                    self.loss = {str(r): c.values() for r, c in sorted(self._loss.items())}
-                    self.throughput = self._rate.values()
-                    self.throughput_unit = self._unit
-                if run.done:
-                    self.summary = _summary(run)
+                if info is not None:
+                    self.info = info
+                if timeline is not None:
+                    self.timeline = timeline
+                if steps is not None:
+                    self.steps = steps
+                if summary is not None:
+                    self.summary = summary
+        self.refreshes += 1
+        self.refresh_cpu_s += time.thread_time() - t0
+
+    # ---- plain data for the front end (under run._lock) ---------------------------------------------------------
+    def _info(self, run) -> dict:
+        c = run.comparison()
+        gpu = run.backend == "nccl"
+        ranks = run.ranks()
+        limit = None
+        for st in ranks.values():
+            limit = st.sample.get("gpu_mem_total") or limit
+        based = sum(st.baseline is not None for st in ranks.values())
+        plan = run.plan
+        return {
+            "nproc": run.nproc, "backend": run.backend, "steps": run.steps, "run_id": run.run_id[:8],
+            "plan": plan.summary() if hasattr(plan, "summary") and getattr(plan, "mesh", None) is not None else "",
+            **c,
+            "memory_label": ("GPU memory used (NVML)" if gpu else
+                             "RSS above the RSS before the model was built" if based == run.nproc else
+                             "RSS (the script reports no RSS before its model; see Run.samples)"
+                             if run.status != "starting" or based else "RSS above the RSS before the model was built"),
+            "util_label": "GPU utilisation (NVML, %)" if gpu else "CPU (% of one core)",
+            "limit": limit if gpu else self._total_ram,
+            "limit_label": "GPU memory" if gpu else "host RAM (shared by every rank)",
+            "unit": run.throughput_unit,
+        }
+
+    def _timeline(self, run) -> dict:
+        tl = run._timeline
+        self._sent["timeline"] = run.versions["timeline"]
+        return {"n": len(tl), "ranks": tl.nranks, "t": float32_bytes(tl.t),
+                "memory": float32_bytes(*tl.cols["memory_bytes"]), "util": float32_bytes(*tl.cols["utilization_pct"])}
+
+    def _steps(self, run) -> dict:
+        ss = run._steps
+        self._sent["steps"] = run.versions["steps"]
+        out = {"n": len(ss), "ranks": ss.nranks, "x": float32_bytes(ss.x)}
+        for f in ss.fields:
+            out[f] = float32_bytes(*ss.cols[f])
+        return out
+
+    def _ranks(self, run) -> list[dict]:
+        c_pred = None
+        out = []
+        tl = run._timeline
+        for r, st in sorted(run._ranks.items()):
+            last, sample = st.last, st.sample
+            if r < tl.nranks and tl.t:
+                mem, src = tl.cols["memory_bytes"][r][-1], tl.text["source"][r][-1]
+                seen = _finite(tl.cols["memory_bytes"][r])
+            else:
+                mem, src, seen = math.nan, None, []
+            cuda_peak = last.get("mem_peak")
+            if c_pred is None:
+                c_pred = run.comparison()["predicted_memory"]
+            out.append({
+                "rank": r, "state": st.state(run.status), "step": st.step, "attempt": max(st.attempt, 0),
+                "memory": None if math.isnan(mem) else mem, "memory_source": src,
+                "memory_peak": cuda_peak if cuda_peak is not None else (max(seen) if seen else None),
+                "memory_peak_kind": "CUDA peak allocated" if cuda_peak is not None else "highest sample",
+                "memory_pred": c_pred[r] if r < len(c_pred) else None,
+                "baseline": st.baseline, "util": sample.get("gpu_util", sample.get("cpu_percent")),
+                "throughput": last.get("tokens_per_s", last.get("samples_per_s")),
+                "step_time": last.get("step_time_s"), "data_wait": last.get("data_wait_s"),
+                "power_w": sample.get("power_w"), "temperature_c": sample.get("temperature_c"),
+                "log": st.log_tail,
+            })
+        return out
+
+    def _summary(self, run) -> dict:
+        s = run.summary()
+        c = run.comparison()
+        mem = s.get("memory_by_rank") or {}
+        pred = {r: p for r, p in enumerate(c["predicted_memory"]) if p is not None}
+        out = {"steps": s.get("steps"), "step_time_s": s.get("step_time_s"),
+               "predicted_step_time_s": c["predicted_step_time_s"], "compare_time": c["compare_time"],
+               "memory_kind": s.get("memory_kind"), "memory_by_rank": {str(k): v for k, v in mem.items()},
+               "predicted_memory_by_rank": {str(k): v for k, v in pred.items()}}
+        out["calibration"] = _calibration_text(run, c)
+        return out
 
 
-def _summary(run) -> dict:
-    s = run.summary()
-    mem = s.get("memory_by_rank") or {}
-    pred = s.get("predicted_memory_by_rank") or {}
-    return {
-        "step_time_s": s.get("step_time_s"), "predicted_step_time_s": s.get("predicted_step_time_s"),
-        "peak_memory": max(mem.values()) if mem else None, "memory_kind": s.get("memory_kind"),
-        "predicted_peak_memory": max(pred.values()) if pred else None, "steps": s.get("steps"),
-    }
+def _calibration_text(run, c: dict) -> dict:
+    """What calibration did or would do, in words (``{"done", "can", "text"}``)."""
+    from .. import calibration
+
+    if run.calibration:
+        k = run.calibration
+        names = ", ".join(sorted(k["factors"]))
+        return {"done": True, "can": False,
+                "text": f"calibrated for {k['preset']}: {names} (measured / predicted step time "
+                        f"{k['ratio']:.2f}) stored in {k['path']}; the next plan for {k['preset']} uses them"}
+    if run.status != "finished":
+        return {"done": False, "can": False, "text": "not calibrated: only a finished run calibrates"}
+    if not c["compare_time"]:
+        why = (f"the plan was made for {c['plan_device']}, this run used {c['run_device']}"
+               if c["plan_device"] else "the plan has no predicted step time")
+        return {"done": False, "can": False, "text": f"not calibrated: {why}"}
+    preset = c["plan_device"] or "cpu"
+    memory = " and the allocator margin (CUDA peak)" if run.backend == "nccl" else ""
+    return {"done": False, "can": True,
+            "text": f"not calibrated yet: run.calibrate() (or the button) stores the speed factors{memory} for "
+                    f"{preset} in {calibration.path()}"}
+
+
+RULES = {
+    "rtol": "loss, gradients and parameters within rtol",
+    "adam": "parameters within rtol plus the Adam floor per step so far; gradients within rtol plus the previous "
+            "step's parameter difference (the weights differ by that much)",
+    "low precision": "loss and parameters as for fp32; gradients judged at step 0 only (bf16/fp16 rounding changes "
+                     "the weights after the first update)",
+}
+"""what each rule of ``VerifyReport.judge`` means"""
+
+
+class VerifyView(anywidget.AnyWidget):
+    """Progress and per-step verdicts of a :class:`~autopar_nb.launch.verifying.VerifyJob` (the job's thread sets
+    the traits): a bar, one row per step, each row pass/fail with the rule ``VerifyReport.judge`` used."""
+
+    _esm = STATIC / "verify.js"
+    _css = bundle(STATIC / "dashboard.css")
+    status = traitlets.Unicode("starting").tag(sync=True)
+    message = traitlets.Unicode("").tag(sync=True)
+    progress = traitlets.Dict().tag(sync=True)
+    """{"steps", "done": parallel steps reported, "plan", "nproc"}"""
+    rows = traitlets.List().tag(sync=True)
+    """per step: {"step", "loss"}, then with the report {"ref_loss", "loss_rel", "grad_rel", "param_rel", "ok",
+    "rule", "param_tol"}"""
+    notes = traitlets.List().tag(sync=True)
+    """the rules used and the tolerances, in words"""
+    error = traitlets.Unicode("").tag(sync=True)
+
+    def __init__(self, job, **kwargs):
+        super().__init__(**kwargs)
+        self._job = job
+        self.on_msg(self._on_front_end_msg)
+        job.add_listener(self.refresh)
+        self.refresh(job)
+
+    def _on_front_end_msg(self, _widget, content, _buffers) -> None:
+        if isinstance(content, dict) and content.get("event") == "stop":
+            threading.Thread(target=self._job.stop, args=("Stop button",), daemon=True).start()
+
+    def refresh(self, job=None) -> None:
+        job = job or self._job
+        with self.hold_sync():
+            self.status, self.message, self.error = job.status, job.message, job.error or ""
+            self.progress = {"steps": job.steps, "done": len(job.losses), "plan": job.plan_summary,
+                             "nproc": job.nproc}
+            self.rows = job.rows()
+            self.notes = verify_notes(job.report) if job.report is not None else []
+
+
+def verify_notes(report) -> list[str]:
+    """The rules a VerifyReport judged its steps by, and its tolerances, in words."""
+    used = sorted({report.judge(s)[1] for s in report.steps})
+    out = [f"rtol {report.rtol:g}; {'every step passes its rule' if report.ok else 'some step fails its rule'}"]
+    out += [f"{rule}: {RULES.get(rule, rule)}" for rule in used]
+    if report.param_floor:
+        out.append(f"Adam floor: {report.param_floor:.2e} per step (2 x lr / largest |parameter|: an element whose "
+                   "gradient is at rounding level moves by +-lr whichever way it rounds)")
+    if report.dropout_off:
+        out.append(f"dropout switched off in both runs ({report.dropout_off} module(s)/setting(s)): the ranks would "
+                   "draw other masks than the reference")
+    if report.missing:
+        out.append(f"no gradient in the parallel run for: {', '.join(report.missing)}")
+    return out

@@ -14,20 +14,23 @@ STARTUP_TIMEOUT_S = 120.0
 
 
 def stalled_rank(ranks: dict[int, RankState], *, now: float, t0: float, timeout: float) -> tuple[int, float] | None:
-    """(rank, seconds without progress) of the longest-stalled rank when any rank exceeds its limit, else None.
-    Call only once some rank has connected (see the module docstring)."""
+    """(rank, seconds without progress) of the rank that stopped reporting first, once any rank exceeds its limit,
+    else None: the lowest last step, then the earliest last report (a rank stuck before a collective leaves its
+    peers waiting in it, one step on at most). Call only once some rank has connected (see the module docstring)."""
     limit = {r: timeout if s.connected else max(timeout, STARTUP_TIMEOUT_S) for r, s in ranks.items()}
     stalled = {r: now - max(s.last_progress, t0) for r, s in ranks.items() if not s.done}
     if not any(t >= limit[r] for r, t in stalled.items()):
         return None
-    worst = max(stalled, key=stalled.get)
-    return worst, stalled[worst]
+    first = min(stalled, key=lambda r: (-1 if ranks[r].step is None else ranks[r].step, -stalled[r], r))
+    return first, stalled[first]
 
 
-def hang_message(ranks: dict[int, RankState], worst: int, seconds: float, timeout: float) -> str:
-    steps = ", ".join(f"rank {r}: {'-' if s.step is None else s.step}" for r, s in ranks.items())
-    return (f"hung: no step progress on rank {worst} for {seconds:.1f} s (hang_timeout_s={timeout}); last step per "
-            f"rank: {steps}; tearing down")
+def hang_message(ranks: dict[int, RankState], first: int, seconds: float, timeout: float) -> str:
+    step = ranks[first].step
+    last = "before any step" if step is None else f"after step {step}"
+    steps = ", ".join(f"rank {r}: {'-' if st.step is None else st.step}" for r, st in ranks.items())
+    return (f"hung: rank {first} stopped reporting first ({last}; no step progress for {seconds:.1f} s, "
+            f"hang_timeout_s={timeout}); last step per rank: {steps}; tearing down")
 
 
 def silent_message() -> str:

@@ -67,26 +67,34 @@ def tagged(lines: list[str], rank: int) -> list[str]:
     return [line if line.startswith(f"[rank{rank}]") else f"[rank{rank}] {line}" for line in lines]
 
 
+def failures_from_result(result: dict, logs: Callable[[int], str]) -> dict[int, dict]:
+    """rank -> {"rank", "attempt", "error", "traceback", "timestamp"} of every failed rank in the agent's
+    ``result.json``: the message and Python stack from the worker's ``@record`` error file, else the end of its log
+    (``logs(rank)``)."""
+    out = {}
+    for rank, f in (result.get("failures") or {}).items():
+        msg = f.get("message") or ""
+        tb = ""
+        if f.get("error_file"):
+            try:  # written by @record in the worker: {"message": {"message": ..., "extraInfo": {"py_callstack"}}}
+                data = json.loads(Path(f["error_file"]).read_text())["message"]
+                msg = data.get("message", msg) if isinstance(data, dict) else str(data)
+                tb = data.get("extraInfo", {}).get("py_callstack", "") if isinstance(data, dict) else ""
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        sig = f" ({f['signal']})" if f.get("signal") else ""
+        r = int(rank)
+        out[r] = {"rank": r, "attempt": 0, "error": f"exit code {f.get('exitcode')}{sig}: {msg}".strip(),
+                  "traceback": tb or logs(r), "timestamp": f.get("timestamp")}
+    return out
+
+
 def error_from_result(result: dict, logs: Callable[[int], str]) -> dict | None:
-    """{"rank", "attempt", "error", "traceback"} of the first failed rank in the agent's ``result.json``: the
-    message and Python stack from the worker's ``@record`` error file, else the end of its log (``logs(rank)``)."""
-    failures = result.get("failures") or {}
+    """{"rank", "attempt", "error", "traceback"} of the rank that failed first in the agent's ``result.json`` (the
+    earliest failure time torch recorded, then the lowest rank); see :func:`failures_from_result`."""
+    failures = failures_from_result(result, logs)
     if not failures:
         err = result.get("error")
         return {"rank": None, "attempt": 0, "error": str(err), "traceback": ""} if err else None
-    rank = min(failures, key=int)
-    f = failures[rank]
-    msg = f.get("message") or ""
-    tb = ""
-    if f.get("error_file"):
-        try:  # written by @record in the worker: {"message": {"message": ..., "extraInfo": {"py_callstack"}}}
-            data = json.loads(Path(f["error_file"]).read_text())["message"]
-            msg = data.get("message", msg) if isinstance(data, dict) else str(data)
-            tb = data.get("extraInfo", {}).get("py_callstack", "") if isinstance(data, dict) else ""
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-    if not tb:
-        tb = logs(int(rank))
-    sig = f" ({f['signal']})" if f.get("signal") else ""
-    return {"rank": int(rank), "attempt": 0, "error": f"exit code {f.get('exitcode')}{sig}: {msg}".strip(),
-            "traceback": tb}
+    first = min(failures.values(), key=lambda f: (f["timestamp"] or 0, f["rank"]))
+    return {k: first[k] for k in ("rank", "attempt", "error", "traceback")}

@@ -29,11 +29,38 @@ class RankState:
     last: dict = field(default_factory=dict)
     """latest step message"""
     log_tail: list[str] = field(default_factory=list)
+    baseline: float | None = None
+    """bytes the rank's process held before its model was built (the script's ``RSS_BEFORE_MODEL``)"""
+    error: dict | None = None
+    """its own failure in the current attempt: {"error", "traceback"} from its error message, or a note that its
+    process ended without one"""
+    failed_at: float | None = None
+    """time.time() its error message arrived, or its connection closed without a "done" or error message"""
+    closed_at: float | None = None
+    """time.time() its connection closed without a "done" or error message while the run went on"""
 
     def copy(self) -> RankState:
         """A copy whose dicts and lists are the copy's own."""
         return RankState(**{**self.__dict__, "sample": dict(self.sample), "last": dict(self.last),
-                            "log_tail": list(self.log_tail)})
+                            "log_tail": list(self.log_tail), "error": dict(self.error) if self.error else None})
+
+    def stepped(self) -> bool:
+        """It reported a step in its current attempt."""
+        return bool(self.last) and self.last.get("attempt") == max(self.attempt, 0)
+
+    def state(self, run_status: str) -> str:
+        """starting | running | restarting | failed | hung | finished | stopped, given the run's status."""
+        if self.error is not None:
+            return "failed"
+        if self.done:
+            return "finished"
+        if run_status in ("hung", "stopped"):
+            return run_status
+        if run_status in ("failed", "finished"):
+            return "stopped"  # ended by the agent after another rank's failure
+        if run_status == "restarting" and not self.connected:
+            return "restarting"
+        return "running" if self.stepped() else "starting"
 
 
 class MetricsTable(list):
@@ -91,18 +118,22 @@ def step_row(rank: int, attempt: int, data: dict, time: float) -> dict:
     return row
 
 
-def summarize(rows: list[dict], *, status: str, plan: Any = None) -> dict:
-    """Measured vs predicted (see :meth:`Run.summary`): steps, median steady-state step time, peak memory per rank,
-    and the plan's predictions when it has a cost."""
+def summarize(rows: list[dict], *, status: str, plan: Any = None, baselines: dict[int, float] | None = None) -> dict:
+    """Measured vs predicted (see :meth:`Run.summary`): steps, median steady-state step time, peak memory per rank
+    (CUDA's peak; on CPU the RSS, less each rank's RSS before its model was built when ``baselines`` has it), and
+    the plan's predictions when it has a cost."""
     out: dict[str, Any] = {"status": status, "steps": len({r["step"] for r in rows})}
     out["step_time_s"] = steady_step_time(rows)
+    cuda = any(r.get("mem_peak") for r in rows)
+    base = {} if cuda else (baselines or {})
     mem: dict[int, float] = {}
     for r in rows:
         m = r.get("mem_peak") or r.get("mem_reserved") or r.get("rss")
         if m is not None:
-            mem[r["rank"]] = max(mem.get(r["rank"], 0.0), float(m))
+            m = max(0.0, float(m) - base.get(r["rank"], 0.0))
+            mem[r["rank"]] = max(mem.get(r["rank"], 0.0), m)
     out["memory_by_rank"] = mem
-    out["memory_kind"] = "cuda_peak" if any(r.get("mem_peak") for r in rows) else "rss"
+    out["memory_kind"] = "cuda_peak" if cuda else "rss_above_baseline" if base else "rss"
     cost = getattr(plan, "cost", None)
     if cost is not None:
         out["predicted_step_time_s"] = cost.step_time_s or None

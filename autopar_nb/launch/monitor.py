@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .run import Run
 
 SAMPLE_INTERVAL_S = 1.0
-"""seconds between device samples"""
+"""seconds between device samples: tick k is taken at k * SAMPLE_INTERVAL_S after launch (``Run.samples``)"""
 PUSH_INTERVAL_S = 0.25
 """at most this often the listeners (the dashboard) hear about new data"""
 
@@ -29,14 +29,17 @@ class DeviceSampler:
 
     def __init__(self, use_gpu: bool):
         self.nvml = None
+        self.gpu_name = ""
         if use_gpu:
             try:
                 import pynvml
 
                 pynvml.nvmlInit()
                 self.nvml = pynvml
+                name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(self.gpu_index(0)))
+                self.gpu_name = name.decode() if isinstance(name, bytes) else str(name)
             except Exception:  # no driver / no permission: fall back to per-process figures
-                self.nvml = None
+                pass
         self._procs: dict[int, psutil.Process] = {}
 
     def gpu_index(self, local_rank: int) -> int:
@@ -53,15 +56,13 @@ class DeviceSampler:
         out: dict[int, dict] = {}
         for rank, proc in workers.items():
             cached = self._procs.get(proc.pid)
-            if cached is None or cached.create_time() != proc.create_time():
+            fresh = cached is None or cached.create_time() != proc.create_time()
+            if fresh:
                 self._procs[proc.pid] = cached = proc
-                try:
-                    cached.cpu_percent(None)  # the first call only starts the interval
-                except psutil.Error:
-                    pass
             try:
                 with cached.oneshot():
-                    out[rank] = {"cpu_percent": cached.cpu_percent(None), "rss": cached.memory_info().rss}
+                    cpu = cached.cpu_percent(None)  # the first call only starts the interval: no figure yet
+                    out[rank] = {"cpu_percent": None if fresh else cpu, "rss": cached.memory_info().rss}
             except psutil.Error:
                 continue
         if self.nvml is not None:
@@ -98,18 +99,23 @@ class Monitor(threading.Thread):
 
     def run(self) -> None:
         r = self.run_
-        last_sample = last_push = 0.0
+        last_push = 0.0
+        next_tick = 0
+        if self.sampler is not None:
+            r.gpu_name = self.sampler.gpu_name
         try:
             while True:
-                msgs = r._server.poll(0.2) if r._server is not None else (time.sleep(0.2) or [])
+                wait = min(0.2, max(0.0, r._t0 + next_tick * SAMPLE_INTERVAL_S - time.monotonic()))
+                msgs = r._server.poll(wait) if r._server is not None else (time.sleep(wait) or [])
                 changed = r._ingest(msgs)
                 now = time.monotonic()
-                if now - last_sample >= SAMPLE_INTERVAL_S:
-                    last_sample = now
+                tick = int((now - r._t0) / SAMPLE_INTERVAL_S)
+                if tick >= next_tick:  # a tick late by more than an interval is skipped, not made up
+                    next_tick = tick + 1
                     r._check_attempt()
                     workers = r._refresh_workers()
                     if self.sampler is not None:
-                        r._set_samples(self.sampler.sample(workers))
+                        r._record_tick(tick, self.sampler.sample(workers))
                     r._read_log_tails()
                     changed = True
                 r._check_hang()

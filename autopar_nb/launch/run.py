@@ -17,14 +17,43 @@ from typing import Any
 
 import psutil
 
-from . import logfiles, procs
+from . import compare, logfiles, procs
+from .failure import failure_order
 from .hang import STARTUP_TIMEOUT_S, hang_message, silent_message, stalled_rank
 from .metrics import MetricsTable, RankState, step_row, summarize
+from .series import StepSeries, Timeline
 
-__all__ = ["LOG_TAIL_LINES", "STARTUP_TIMEOUT_S", "TERMINAL", "MetricsTable", "RankState", "Run"]
+__all__ = ["LOG_TAIL_LINES", "SAMPLE_FIELDS", "STARTUP_TIMEOUT_S", "TERMINAL", "MetricsTable", "RankState", "Run"]
 
 TERMINAL = ("finished", "failed", "stopped", "hung")
 LOG_TAIL_LINES = 8
+ERROR_LOG_LINES = 60
+"""lines of a rank's log shown for a failure that left no Python traceback"""
+MAX_ROWS = 100_000
+"""metrics rows kept; beyond, every other step is dropped (the stride doubles), as the series are decimated"""
+SAMPLE_FIELDS = {
+    "memory_bytes": "the rank's memory: NVML's device memory used on GPUs ('nvml'), else CUDA's reserved bytes from "
+                    "its last step ('cuda'), else on CPU its RSS above rss_baseline_bytes ('psutil'; the raw RSS "
+                    "until the baseline is known)",
+    "utilization_pct": "NVML's SM utilisation on GPUs, else the process's CPU % (100 = one core)",
+    "rss_bytes": "the process's resident set size (psutil)",
+    "rss_baseline_bytes": "its RSS before the model was built (the exported script's RSS_BEFORE_MODEL)",
+    "cuda_allocated_bytes": "torch.cuda.memory_allocated() at the rank's last step",
+    "cuda_reserved_bytes": "torch.cuda.memory_reserved() at the rank's last step",
+    "cuda_peak_bytes": "torch.cuda.max_memory_allocated() at the rank's last step",
+    "nvml_used_bytes": "NVML: memory used on the rank's GPU (every process on it)",
+    "nvml_total_bytes": "NVML: the GPU's memory",
+    "power_w": "NVML: board power",
+    "temperature_c": "NVML: GPU temperature",
+    "step": "the last step the rank reported",
+    "loss": "the loss of that step",
+    "step_time_s": "its step time",
+    "samples_per_s": "its throughput (or tokens_per_s for token models)",
+    "tokens_per_s": "its throughput in tokens",
+    "data_wait_s": "the part of that step spent making and moving the batch",
+}
+"""the numeric fields of ``Run.samples`` (None where unknown), besides ``t``, ``rank``, ``state`` and ``source``"""
+STEP_FIELDS = ("loss", "step_time_s", "throughput", "data_wait_s")
 
 
 class Run:
@@ -76,6 +105,17 @@ class Run:
         self.monitor_cpu_s: float | None = None
         """CPU seconds the monitor thread used (set when the run has ended)"""
         self._dashboard = None
+        self._timeline = Timeline(nproc, tuple(SAMPLE_FIELDS), ("state", "source"))
+        self._steps = StepSeries(nproc, STEP_FIELDS)
+        self._tick = -1
+        self._rows_stride = 1
+        self.versions = {"timeline": 0, "steps": 0}
+        """incremented whenever the time series or the step series change (for incremental readers)"""
+        self.throughput_unit = "samples/s"
+        self.gpu_name = ""
+        """NVML's name of the first GPU (GPU runs only)"""
+        self.calibration: dict | None = None
+        """what ``calibrate()`` stored: {"preset", "path", "factors", "ratio"}"""
 
     # ---- public API ---------------------------------------------------------------------------------------------
     @property
@@ -104,6 +144,20 @@ class Run:
         with self._lock:
             rows = [dict(r) for r in self._rows]
         return MetricsTable(sorted(rows, key=lambda r: (r.get("attempt", 0), r.get("step", 0), r.get("rank", 0))))
+
+    @property
+    def samples(self) -> list[dict]:
+        """The run's time series: one plain dict per rank and tick, a tick every ``monitor.SAMPLE_INTERVAL_S``
+        seconds from launch (start-up included), in time order::
+
+            {"t": seconds since launch, "rank": 0, "state": "running", "source": "psutil",
+             "memory_bytes": ..., "utilization_pct": ..., "step": ..., "loss": ..., ...}
+
+        ``source`` says where ``memory_bytes`` came from: "nvml" | "cuda" | "psutil" (None before the rank's process
+        exists); the other keys are :data:`SAMPLE_FIELDS` (None where unknown). Memory stays bounded over long runs:
+        beyond 1000 ticks every other one is dropped (the interval between samples doubles), the latest kept."""
+        with self._lock:
+            return self._timeline.samples()
 
     def loss_curve(self, rank: int = 0) -> list[tuple[int, float]]:
         """(step, loss) of one rank, in step order; a step redone after a restart counts once (its latest value)."""
@@ -166,11 +220,17 @@ class Run:
 
     def summary(self) -> dict:
         """Measured vs predicted: median steady-state step time (each rank's first step per attempt is left out when
-        there are more), peak memory per rank (CUDA mem_peak, else RSS), and the plan's predictions when a plan with a
-        cost was given."""
+        there are more), peak memory per rank (CUDA mem_peak, else the RSS above each rank's RSS before its model
+        was built), and the plan's predictions when a plan with a cost was given."""
         with self._lock:
             rows = list(self._rows)
-        return summarize(rows, status=self._status, plan=self.plan)
+            baselines = {r: s.baseline for r, s in self._ranks.items() if s.baseline}
+        return summarize(rows, status=self._status, plan=self.plan, baselines=baselines)
+
+    def comparison(self) -> dict:
+        """What this run may be compared with in its plan (see :mod:`autopar_nb.launch.compare`): the devices, whether
+        step times compare, the predicted memory per rank and on what basis, and notes saying so."""
+        return compare.comparison(self.plan, backend=self.backend, nproc=self.nproc, gpu_name=self.gpu_name)
 
     def calibrate(self, cluster: Any = None, *, preset: str | None = None, save: bool = True) -> dict[str, float]:
         """Measured / predicted factors of this run (see :mod:`autopar_nb.calibration` for the keys), stored for
@@ -178,7 +238,17 @@ class Run:
         Needs a finished run with step metrics and a plan with a cost."""
         from .. import calibration
 
-        return calibration.from_run(self, cluster=cluster, preset=preset, save=save)
+        name = preset or getattr(cluster, "name", None) or compare.plan_device(self.plan)
+        if self.backend != "nccl" and name and name != "cpu":
+            raise ValueError(f"this run used CPU processes, so its step times say nothing about {name}: calibrate "
+                             "the 'cpu' preset (preset='cpu', with a plan made for it), or run on those GPUs")
+        factors = calibration.from_run(self, cluster=cluster, preset=preset, save=save)
+        if save:
+            s = self.summary()
+            self.calibration = {"preset": name, "path": str(calibration.path()), "factors": factors,
+                                "ratio": s["step_time_s"] / s["predicted_step_time_s"]}
+            self._notify()
+        return factors
 
     def dashboard(self):
         """The live dashboard widget of this run (created on first use; kernel side only)."""
@@ -207,10 +277,18 @@ class Run:
             return False
         now = time.monotonic()
         with self._lock:
+            # a connection that closes in this batch without its rank's "done" is a death seen now: known before
+            # another rank's error in the same batch is judged (that error may be its consequence)
+            finished = {m.rank for m in msgs if m.kind == "data" and m.data.get("event") == "done"}
+            for m in msgs:
+                if m.kind == "closed" and m.rank not in finished:
+                    self._on_closed(self._ranks.setdefault(m.rank, RankState(m.rank)), m.time)
             for m in msgs:
                 st = self._ranks.setdefault(m.rank, RankState(m.rank))
                 if m.kind == "hello":
                     self._on_hello(st, m.data, now)
+                elif m.kind == "closed":
+                    self._on_closed(st, m.time)
                 elif m.kind != "data":
                     continue
                 elif isinstance(m.data.get("step"), int):
@@ -218,7 +296,9 @@ class Run:
                 elif m.data.get("event") == "done":
                     st.done = True
                 elif m.data.get("event") == "error":
-                    self._on_error(st, m.data, now)
+                    self._on_error(st, m.data, m.time, now)
+                elif m.data.get("event") == "start":
+                    self._on_start(st, m.data)
         return True
 
     def _on_hello(self, st: RankState, data: dict, now: float) -> None:
@@ -230,10 +310,34 @@ class Run:
         if self._status in ("starting", "restarting") and st.attempt > 0:
             self._set_status("restarting", f"restart {st.attempt}: rank {st.rank} reconnected")
 
+    def _on_start(self, st: RankState, data: dict) -> None:
+        """The rank's RSS before it built its model: its memory is counted above it, the samples so far included."""
+        base = data.get("rss_before_model")
+        if not isinstance(base, (int, float)) or isinstance(base, bool) or base <= 0:
+            return
+        st.baseline = float(base)
+        tl = self._timeline
+        if st.rank < tl.nranks:
+            rss, src = tl.cols["rss_bytes"][st.rank], tl.text["source"][st.rank]
+            tl.set("rss_baseline_bytes", st.rank, [st.baseline] * len(tl))
+            tl.set("memory_bytes", st.rank, [max(0.0, v - st.baseline) if k == "psutil" else m for v, k, m in
+                                             zip(rss, src, tl.cols["memory_bytes"][st.rank], strict=True)])
+            self.versions["timeline"] += 1
+
     def _on_step(self, st: RankState, data: dict, sent: float, now: float) -> None:
         row = step_row(st.rank, max(st.attempt, 0), data, sent)
-        self._rows.append(row)
+        if data["step"] % self._rows_stride == 0:
+            self._rows.append(row)
+            if len(self._rows) > MAX_ROWS:
+                self._rows_stride *= 2
+                self._rows[:] = [r for r in self._rows if r["step"] % self._rows_stride == 0]
         st.step, st.last, st.last_progress = data["step"], row, now
+        if "tokens_per_s" in row:
+            self.throughput_unit = "tokens/s"
+        self._steps.add(st.rank, row["step"], row["attempt"], {
+            "loss": row.get("loss"), "step_time_s": row.get("step_time_s"), "data_wait_s": row.get("data_wait_s"),
+            "throughput": row.get("tokens_per_s", row.get("samples_per_s"))})
+        self.versions["steps"] += 1
         if self.first_step_time is None:
             self.first_step_time = now - self._t0
         if self._status in ("starting", "restarting"):
@@ -242,16 +346,42 @@ class Run:
             total = f"/{self.steps}" if self.steps else ""
             self._message = f"running: step {max(s.step or 0 for s in self._ranks.values())}{total}"
 
-    def _on_error(self, st: RankState, data: dict, now: float) -> None:
-        err = {"rank": st.rank, "attempt": max(st.attempt, 0), "error": str(data.get("error", "")),
-               "traceback": str(data.get("traceback", ""))}
-        if self._error is None or self._error.get("attempt", 0) < err["attempt"]:
-            self._error = err
+    def _on_error(self, st: RankState, data: dict, sent: float, now: float) -> None:
+        st.error = {"error": str(data.get("error", "")), "traceback": str(data.get("traceback", ""))}
+        st.failed_at = sent
+        # a peer whose connection closed without a word before this error died first (a signal, a crash in C++)
+        for other in self._ranks.values():
+            if other.error is None and other.closed_at is not None and not other.done:
+                other.error = {"error": "its process ended without reporting an error (killed by a signal, or a "
+                                        "crash outside Python): see its exit code and log", "traceback": ""}
+                other.failed_at = other.closed_at
+        self._update_error()
+        e = self._error
         if st.attempt >= self.max_restarts:  # no restart left: this is the run's failure
             self._error_time = now
-            self._set_status("failed", f"rank {st.rank} failed: {err['error']}")
+            self._set_status("failed", f"rank {e['rank']} failed: {e['error']}")
         else:
-            self._set_status("restarting", f"rank {st.rank} failed ({err['error']}); restarting")
+            self._set_status("restarting", f"rank {e['rank']} failed ({e['error']}); restarting")
+
+    def _on_closed(self, st: RankState, when: float) -> None:
+        """A rank's connection closed: normal after its "done", a sign of death otherwise (unless the run is being
+        stopped, or has ended)."""
+        st.connected = False
+        if not st.done and st.error is None and st.closed_at is None and self._stop_reason in (None, "failure") \
+                and self._status not in ("stopped", "hung"):
+            st.closed_at = when
+
+    def _update_error(self) -> None:
+        """``error`` from the ranks' failures: the first one (see failure.py), with the others as consequences."""
+        order = failure_order(self._ranks)
+        if not order:
+            return
+        cause = self._ranks[order[0]]
+        t0 = cause.failed_at or self.started
+        self._error = {"rank": cause.rank, "attempt": max(cause.attempt, 0), **cause.error,
+                       "time_s": t0 - self.started,
+                       "knock_on": [{"rank": r, "error": self._ranks[r].error["error"],
+                                     "after_s": (self._ranks[r].failed_at or t0) - t0} for r in order[1:]]}
 
     def _set_status(self, status: str, message: str) -> None:
         if self._status in TERMINAL and status not in TERMINAL:
@@ -269,10 +399,39 @@ class Run:
             self._workers = w
         return w
 
-    def _set_samples(self, samples: dict[int, dict]) -> None:
+    def _record_tick(self, tick: int, samples: dict[int, dict]) -> None:
+        """Tick ``tick`` (every SAMPLE_INTERVAL_S from launch): the device samples of each rank with what its step
+        stream said last, into the time series."""
+        t = time.monotonic() - self._t0
         with self._lock:
             for rank, s in samples.items():
                 self._ranks.setdefault(rank, RankState(rank)).sample = s
+            if tick <= self._tick:
+                return
+            self._tick = tick
+            rows = {r: self._sample_of(self._ranks[r]) for r in range(self.nproc) if r in self._ranks}
+            self._timeline.add(tick, t, rows)
+            self.versions["timeline"] += 1
+
+    def _sample_of(self, st: RankState) -> dict:
+        s, last = st.sample, st.last
+        d = {"state": st.state(self._status), "rss_bytes": s.get("rss"), "rss_baseline_bytes": st.baseline,
+             "cuda_allocated_bytes": last.get("mem_allocated"), "cuda_reserved_bytes": last.get("mem_reserved"),
+             "cuda_peak_bytes": last.get("mem_peak"), "nvml_used_bytes": s.get("gpu_mem_used"),
+             "nvml_total_bytes": s.get("gpu_mem_total"), "power_w": s.get("power_w"),
+             "temperature_c": s.get("temperature_c"), "utilization_pct": s.get("gpu_util", s.get("cpu_percent")),
+             **{k: last.get(k) for k in ("step", "loss", "step_time_s", "samples_per_s", "tokens_per_s",
+                                         "data_wait_s")}}
+        if s.get("gpu_mem_used") is not None:
+            d["source"], d["memory_bytes"] = "nvml", s["gpu_mem_used"]
+        elif last.get("mem_reserved") is not None:
+            d["source"], d["memory_bytes"] = "cuda", last["mem_reserved"]
+        elif s.get("rss") is not None:
+            d["source"] = "psutil"
+            d["memory_bytes"] = max(0.0, s["rss"] - st.baseline) if st.baseline else s["rss"]
+        else:
+            d["source"] = None
+        return d
 
     def _check_attempt(self) -> None:
         """A new attempt directory means torch's agent restarted the worker group: every rank starts over (its
@@ -288,6 +447,7 @@ class Run:
                 return
             for st in self._ranks.values():
                 st.last_progress, st.connected, st.done = now, False, False
+                st.error = st.failed_at = st.closed_at = None
             self._set_status("restarting", f"restart {latest} of {self.max_restarts}: the agent restarts every worker")
 
     def _latest_attempt(self) -> int:
@@ -359,8 +519,7 @@ class Run:
         elif result.get("state") == "succeeded":
             self._status, self._message = "finished", f"finished {self.summary_line()} in {elapsed}"
         else:
-            if self._error is None:
-                self._error = self._error_from_result(result)
+            self._errors_from_result(result)
             e = self._error
             self._status = "failed"
             self._message = f"failed: rank {e['rank']}: {e['error']}" if e else f"failed: {result}"
@@ -371,8 +530,22 @@ class Run:
         t = f", {s['step_time_s'] * 1e3:.1f} ms/step" if s["step_time_s"] else ""
         return f"{s['steps']} steps{t}"
 
-    def _error_from_result(self, result: dict) -> dict | None:
-        return logfiles.error_from_result(result, lambda rank: self.logs(rank, tail=30))
+    def _errors_from_result(self, result: dict) -> None:
+        """The agent's account of the failed ranks (exit codes, signals, @record tracebacks) joins what the channel
+        said: ranks that died without a word get their exit code and log; then ``error`` names the first."""
+        failures = logfiles.failures_from_result(result, lambda rank: self.logs(rank, tail=ERROR_LOG_LINES))
+        if not failures and self._error is None:
+            self._error = logfiles.error_from_result(result, lambda rank: "")
+            return
+        for r, f in failures.items():
+            st = self._ranks.setdefault(r, RankState(r))
+            if st.error is None:
+                when = st.closed_at or (float(f["timestamp"]) if f.get("timestamp") else None) or time.time()
+                st.error, st.failed_at = {"error": f["error"], "traceback": f["traceback"]}, when
+            elif not st.error["traceback"]:  # it closed without a word: the agent knows how it ended
+                st.error = {"error": f"{f['error']} (no Python traceback: killed, or a crash outside Python)",
+                            "traceback": f["traceback"]}
+        self._update_error()
 
     def _server_close(self) -> None:
         if self._server is not None:

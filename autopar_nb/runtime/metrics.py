@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
@@ -11,16 +10,13 @@ import torch
 
 
 class Metrics:
-    """One JSON line per record to the launcher at ``AUTOPAR_METRICS=host:port`` (after a hello line with
-    ``AUTOPAR_TOKEN``); without those variables, nothing is sent."""
+    """JSON lines to the launcher at ``AUTOPAR_METRICS`` (host:port) after a hello with ``AUTOPAR_TOKEN``; else none."""
 
-    def __init__(self, rank: int):
-        self.sock = None
+    def __init__(self, rank: int, *, rss_before_model: int | None = None):
         address, token = os.environ.get("AUTOPAR_METRICS"), os.environ.get("AUTOPAR_TOKEN")
-        if address and token:
-            host, port = address.rsplit(":", 1)
-            self.sock = socket.create_connection((host, int(port)), timeout=30)
-            self.send({"token": token, "rank": rank})
+        self.sock = socket.create_connection(address.rsplit(":", 1), timeout=30) if address and token else None
+        self.send({"token": token, "rank": rank})  # nothing is sent without a launcher
+        self.send({"event": "start", "pid": os.getpid(), "rss_before_model": rss_before_model})
 
     def send(self, record: dict) -> None:
         if self.sock is not None:
@@ -30,14 +26,21 @@ class Metrics:
                 self.sock = None
 
 
+def process_rss() -> int | None:
+    """Bytes this process holds in RAM now (Linux; else None). Runs before the cell's imports: imports ``os`` itself."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def memory_stats(device: str) -> dict:
-    """Bytes: CUDA allocator figures on GPUs, and the process's resident set size (psutil, when installed)."""
+    """Bytes: CUDA allocator figures on GPUs, and the process's resident set size (None where unknown)."""
     stats = {}
     if device == "cuda":
         stats = {"mem_allocated": torch.cuda.memory_allocated(), "mem_reserved": torch.cuda.memory_reserved(),
                  "mem_peak": torch.cuda.max_memory_allocated()}
-    with contextlib.suppress(ImportError):
-        import psutil
-
-        stats["rss"] = psutil.Process().memory_info().rss
-    return stats
+    return {**stats, "rss": process_rss()}

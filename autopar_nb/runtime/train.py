@@ -70,10 +70,11 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
     params = [p for part in parts for p in part.parameters()]
     for step in range(start, min(args.steps, args.stop_at or args.steps)):
         t0 = time.perf_counter()
+        batch = to_device(make_batch(step, dp_rank), device)  # this data-parallel rank's share
+        data_wait = time.perf_counter() - t0
         for group in optimizer.param_groups:
             group["lr"] = args.lr * lr_factor(step, warmup=args.warmup, total=args.steps, schedule=args.lr_schedule,
                                               min_ratio=args.min_lr_ratio)
-        batch = to_device(make_batch(step, dp_rank), device)  # this data-parallel rank's share
         loss = global_loss(forward_backward(batch), counts=counts_loss, dp=dp)
         if tied is not None:
             tied.sync()
@@ -91,19 +92,21 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
         optimizer.zero_grad()
         if observer is not None:
             observer.after_step(step, parts)
-        report(step, loss, time.perf_counter() - t0, batch, metrics=metrics, device=device, dp=dp, tokens=tokens)
+        report(step, loss, time.perf_counter() - t0, batch, metrics=metrics, device=device, dp=dp, tokens=tokens,
+               data_wait=data_wait)
         if args.ckpt_dir and (step + 1) % args.ckpt_every == 0:
             save_checkpoint(f"{args.ckpt_dir}/step_{step + 1}", ckpt_model, optimizer, step + 1)
 
 
-def report(step: int, loss: float, dt: float, batch, *, metrics, device: str, dp: int, tokens: bool) -> None:
-    """Print the step on rank 0 and stream it to the launcher (loss, time, throughput, memory)."""
+def report(step: int, loss: float, dt: float, batch, *, metrics, device: str, dp: int, tokens: bool,
+           data_wait: float = 0.0) -> None:
+    """Print the step on rank 0 and stream it to the launcher (loss, time, throughput, data wait, memory)."""
     if dist.get_rank() == 0:
         print(f"step {step} | loss {loss:.4f} | {dt * 1e3:.1f} ms", flush=True)
     first = first_tensor(batch)
     n = (first.numel() if tokens else first.shape[0]) * dp  # tokens (or samples) in the global batch
     metrics.send({"step": step, "loss": loss, "step_time_s": dt, ("tokens_per_s" if tokens else "samples_per_s"):
-                  n / dt, **memory_stats(device)})
+                  n / dt, "data_wait_s": data_wait, **memory_stats(device)})
 
 
 def print_parameter_counts(parts: list) -> None:

@@ -1,135 +1,352 @@
 // Live dashboard of a launched run (autopar_nb/launch/dashboard.py). Renders the model's traits; holds no logic.
-const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"];
-const STATUS_COLORS = {starting: "#888", running: "#1f77b4", restarting: "#ff7f0e", finished: "#2ca02c",
-                       failed: "#d62728", stopped: "#7f7f7f", hung: "#d62728"};
+// `uPlot` is defined by the vendored build that dashboard.py puts in front of this file (static/vendor/uplot).
+/* global uPlot */
+
+const TAB10 = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+               "#17becf"];
+const TERMINAL = ["finished", "failed", "stopped", "hung"];
+const rankColor = (r) => (r < TAB10.length ? TAB10[r] : `hsl(${(r * 137.5) % 360}, 65%, 50%)`);
 
 function fmtBytes(b) {
-  if (b === null || b === undefined) return "–";
+  if (b === null || b === undefined || Number.isNaN(b)) return "–";
+  if (b === 0) return "0";
   const u = ["B", "KiB", "MiB", "GiB", "TiB"];
   let i = 0;
-  while (b >= 1024 && i < u.length - 1) { b /= 1024; i++; }
-  return `${b.toFixed(b < 10 ? 2 : 1)} ${u[i]}`;
+  let v = Math.abs(b);
+  while (v >= 1024 && i < u.length - 1) { v /= 1024; i++; }
+  return `${b < 0 ? "-" : ""}${v.toFixed(v < 10 ? 2 : v < 100 ? 1 : 0)} ${u[i]}`;
 }
-const fmt = (v, d = 3) => (v === null || v === undefined ? "–" : Number(v).toPrecision(d));
+const fmtNum = (v, d = 3) => (v === null || v === undefined || Number.isNaN(v) ? "–" : Number(v).toPrecision(d));
+function fmtMs(s) {
+  if (s === null || s === undefined || Number.isNaN(s)) return "–";
+  const ms = s * 1e3;
+  return ms >= 1000 ? `${(ms / 1000).toFixed(2)} s` : `${ms.toPrecision(3)} ms`;
+}
+function fmtRate(v) {
+  if (v === null || v === undefined || Number.isNaN(v)) return "–";
+  if (v >= 1e6) return `${(v / 1e6).toPrecision(3)}M`;
+  if (v >= 1e3) return `${(v / 1e3).toPrecision(3)}k`;
+  return v.toPrecision(3);
+}
+function fmtSecs(s) {
+  if (s === null || s === undefined || Number.isNaN(s)) return "–";
+  if (s < 60) return `${s.toFixed(0)} s`;
+  if (s < 3600) return `${Math.floor(s / 60)}:${String(Math.floor(s % 60)).padStart(2, "0")}`;
+  return `${Math.floor(s / 3600)}:${String(Math.floor((s % 3600) / 60)).padStart(2, "0")} h`;
+}
 
-function el(tag, attrs = {}, text = "") {
+function h(tag, attrs = {}, ...children) {
   const e = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
-  if (text) e.textContent = text;
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") e.className = v;
+    else if (k.startsWith("on")) e.addEventListener(k.slice(2), v);
+    else if (v !== undefined && v !== null && v !== false) e.setAttribute(k, v === true ? "" : v);
+  }
+  for (const c of children.flat()) if (c !== null && c !== undefined) e.append(c);
   return e;
 }
 
-function svgEl(tag, attrs = {}) {
-  const e = document.createElementNS("http://www.w3.org/2000/svg", tag);
-  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
-  return e;
-}
-
-// a line chart of several series {name: [[x, y], ...]}
-function lineChart(series, title, w = 330, h = 150) {
-  const svg = svgEl("svg", {width: w, height: h, class: "apd-chart"});
-  const pad = {l: 48, r: 8, t: 16, b: 18};
-  const pts = Object.values(series).flat();
-  const t = svgEl("text", {x: pad.l, y: 11, "font-size": 11}); t.textContent = title; svg.appendChild(t);
-  if (!pts.length) return svg;
-  const xs = pts.map(p => p[0]), ys = pts.map(p => p[1]);
-  const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
-  let y0 = Math.min(...ys), y1 = Math.max(...ys);
-  if (y1 === y0) { y1 += 1; y0 -= 1; }
-  const X = x => pad.l + (x - x0) / (x1 - x0) * (w - pad.l - pad.r);
-  const Y = y => h - pad.b - (y - y0) / (y1 - y0) * (h - pad.t - pad.b);
-  svg.appendChild(svgEl("rect", {x: pad.l, y: pad.t, width: w - pad.l - pad.r, height: h - pad.t - pad.b,
-                                 fill: "none", stroke: "#ccc"}));
-  for (const [v, y] of [[y1, pad.t + 8], [y0, h - pad.b]]) {
-    const lab = svgEl("text", {x: 2, y, "font-size": 10}); lab.textContent = fmt(v); svg.appendChild(lab);
+// float32 bytes (a DataView from the kernel) -> per-rank arrays for uPlot (NaN -> null: a gap)
+function columns(dv, n, ranks) {
+  if (!dv || !n) return Array.from({ length: ranks }, () => []);
+  const all = new Float32Array(dv.buffer.slice(dv.byteOffset, dv.byteOffset + dv.byteLength));
+  const out = [];
+  for (let r = 0; r < ranks; r++) {
+    const col = new Array(n);
+    for (let i = 0; i < n; i++) { const v = all[r * n + i]; col[i] = Number.isNaN(v) ? null : v; }
+    out.push(col);
   }
-  const lx = svgEl("text", {x: w - pad.r - 40, y: h - 4, "font-size": 10}); lx.textContent = `step ${x1}`;
-  svg.appendChild(lx);
-  Object.entries(series).forEach(([name, p], i) => {
-    if (!p.length) return;
-    svg.appendChild(svgEl("polyline", {points: p.map(q => `${X(q[0])},${Y(q[1])}`).join(" "), fill: "none",
-                                       stroke: COLORS[i % COLORS.length], "stroke-width": 1.5,
-                                       "data-series": name}));
-  });
-  return svg;
+  return out;
 }
-
-// per-rank bar: measured memory, predicted tick, device limit as the full width
-function memBar(r) {
-  const w = 220, h = 14;
-  const limit = r.mem_limit || Math.max(r.mem || 0, r.mem_pred || 0) * 1.2 || 1;
-  const svg = svgEl("svg", {width: w, height: h, class: "apd-mem"});
-  svg.appendChild(svgEl("rect", {x: 0, y: 0, width: w, height: h, fill: "#eee"}));
-  const m = Math.min(1, (r.mem || 0) / limit);
-  const over = r.mem_pred && r.mem > r.mem_pred * 1.1;
-  svg.appendChild(svgEl("rect", {x: 0, y: 0, width: m * w, height: h, fill: over ? "#d62728" : "#1f77b4"}));
-  if (r.mem_pred) {
-    const px = Math.min(1, r.mem_pred / limit) * w;
-    svg.appendChild(svgEl("line", {x1: px, x2: px, y1: 0, y2: h, stroke: "#000", "stroke-width": 2,
-                                   class: "apd-pred"}));
-  }
-  return svg;
+function xs(dv, n) {
+  if (!dv || !n) return [];
+  return Array.from(new Float32Array(dv.buffer.slice(dv.byteOffset, dv.byteOffset + dv.byteLength)));
 }
+const BYTE_INCRS = [];
+for (let k = 0; k < 6; k++) for (const m of [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]) BYTE_INCRS.push(m * 1024 ** k);
+const maxOf = (arrs) => {
+  let m = -Infinity;
+  for (const a of arrs) for (const v of a) if (v !== null && v > m) m = v;
+  return m;
+};
 
-function render({model, el: root}) {
-  root.classList.add("autopar-dashboard");
-  const style = el("style");
-  style.textContent = `.autopar-dashboard{font:12px sans-serif}.apd-status{font-weight:bold;margin:4px 0}
-    .apd-row{display:flex;gap:12px;flex-wrap:wrap}.apd-table td,.apd-table th{padding:1px 6px;text-align:right}
-    .apd-logs{font:11px monospace;white-space:pre;max-height:160px;overflow:auto;background:#f7f7f7;padding:4px}
-    .apd-error{font:11px monospace;white-space:pre-wrap;color:#a00;max-height:200px;overflow:auto}`;
-  root.appendChild(style);
-  const head = el("div", {class: "apd-row"});
-  const status = el("div", {class: "apd-status"});
-  const stop = el("button", {class: "apd-stop"}, "Stop");
-  stop.onclick = () => model.send({event: "stop"});
-  head.append(status, stop);
-  const table = el("table", {class: "apd-table"});
-  const charts = el("div", {class: "apd-row"});
-  const summary = el("div", {class: "apd-summary"});
-  const error = el("div", {class: "apd-error"});
-  const logs = el("div", {class: "apd-logs"});
-  root.append(head, table, charts, summary, error, logs);
-
-  function draw() {
-    const st = model.get("status");
-    const msg = model.get("message");
-    status.textContent = msg.startsWith(st) ? msg : `${st}: ${msg}`;
-    status.style.color = STATUS_COLORS[st] || "#000";
-    stop.disabled = ["finished", "failed", "stopped", "hung"].includes(st);
-    const ranks = model.get("ranks") || [];
-    table.replaceChildren();
-    const hdr = el("tr");
-    for (const h of ["rank", "step", "attempt", "memory (measured | predicted | limit)", "", "util %",
-                     model.get("throughput_unit"), "power W", "temp °C"]) hdr.appendChild(el("th", {}, h));
-    table.appendChild(hdr);
-    for (const r of ranks) {
-      const tr = el("tr", {"data-rank": r.rank});
-      const barCell = el("td"); barCell.appendChild(memBar(r));
-      const memText = `${fmtBytes(r.mem)} ${r.mem_kind} | ${fmtBytes(r.mem_pred)} | ${fmtBytes(r.mem_limit)}`;
-      for (const c of [r.rank, r.step ?? "–", r.attempt, memText]) tr.appendChild(el("td", {}, String(c)));
-      tr.appendChild(barCell);
-      for (const c of [`${fmt(r.util)} ${r.util_kind}`, fmt(r.throughput), fmt(r.power_w), fmt(r.temperature_c)])
-        tr.appendChild(el("td", {}, c));
-      table.appendChild(tr);
+// One uPlot chart: per-rank lines (+ extra series), themed from the page's CSS variables at every redraw.
+class Chart {
+  constructor(root, card, { key, xLabel, yFmt, axisFmt, ranks, extra = [], yMin = null, syncKey, incrs }) {
+    this.root = root;
+    this.card = card;
+    this.ranks = ranks;
+    this.extra = extra;
+    const css = (name, fb) => getComputedStyle(root).getPropertyValue(name).trim() || fb;
+    const fg = () => css("--apd-fg", "#1f2328");
+    const grid = () => css("--apd-border", "#d0d7de");
+    const axis = (label, values, more = {}) => ({
+      stroke: fg, grid: { stroke: grid, width: 1 }, ticks: { stroke: grid, width: 1 }, label, labelSize: label ? 16 : 0,
+      font: "11px sans-serif", labelFont: "11px sans-serif", values, ...more,
+    });
+    const series = [{ label: xLabel, value: (u, v) => (v === null ? "–" : xLabel === "time" ? fmtSecs(v) : `${v}`) }];
+    for (let r = 0; r < ranks; r++) {
+      series.push({ label: `rank ${r}`, stroke: rankColor(r), width: 1.5, value: (u, v) => yFmt(v), spanGaps: false,
+                    points: { show: false } });
     }
-    charts.replaceChildren(
-      lineChart(Object.fromEntries(Object.entries(model.get("loss") || {}).map(([k, v]) => [`rank ${k}`, v])),
-                "loss per rank"),
-      lineChart({rank0: model.get("throughput") || []}, `throughput (${model.get("throughput_unit")}, rank 0)`));
-    const s = model.get("summary") || {};
-    summary.textContent = Object.keys(s).length
-      ? `step time: measured ${fmt((s.step_time_s ?? NaN) * 1e3)} ms vs predicted ` +
-        `${s.predicted_step_time_s ? fmt(s.predicted_step_time_s * 1e3) + " ms" : "–"}; peak memory: measured ` +
-        `${fmtBytes(s.peak_memory)} (${s.memory_kind}) vs predicted ${fmtBytes(s.predicted_peak_memory)}`
-      : "";
-    const err = model.get("error");
-    error.textContent = err ? `rank ${err.rank}: ${err.error}\n${err.traceback || ""}` : "";
-    logs.textContent = ranks.map(r => (r.log || []).join("\n")).filter(Boolean).join("\n");
+    for (const e of extra) series.push({ width: 1.25, value: (u, v) => yFmt(v), points: { show: false }, ...e });
+    const width = Math.max(240, card.clientWidth - 12);
+    this.u = new uPlot({
+      width, height: 170, series, legend: { live: true },
+      cursor: { sync: { key: syncKey }, drag: { x: true, y: false } },
+      scales: { x: { time: false }, y: { range: (u, lo, hi) => this.range(lo, hi, yMin) } },
+      axes: [axis(xLabel === "time" ? null : "step", xLabel === "time" ? (u, splits) => splits.map((v) => fmtSecs(v)) : undefined),
+             axis(null, axisFmt === null ? undefined : (u, splits) => splits.map(axisFmt || yFmt), { size: 62, incrs })],
+    }, [[], ...series.slice(1).map(() => [])], card.querySelector(".apd-chart"));
+    this.u.root.dataset.chart = key;
   }
-  for (const t of ["status", "message", "ranks", "loss", "throughput", "summary", "error"])
-    model.on(`change:${t}`, draw);
-  draw();
+
+  range(lo, hi, yMin) {
+    if (lo === null || hi === null || !Number.isFinite(lo) || !Number.isFinite(hi)) return [0, 1];
+    const low = yMin === null ? lo : Math.min(yMin, lo);
+    const pad = (hi - low) * 0.06 || Math.abs(hi) * 0.1 || 1;
+    return [yMin === 0 && low >= 0 ? 0 : low - pad, hi + pad];
+  }
+
+  set(x, perRank, extra = []) {
+    this.u.batch(() => {
+      this.u.setData([x, ...perRank, ...extra]);
+      if (this.u.cursor.left < 0 && x.length) {  // not hovering: the latest values every rank has
+        let i = x.length - 1;
+        while (i > 0 && i > x.length - 4 && perRank.some((c) => c[i] === null)) i--;
+        this.u.setLegend({ idx: i });
+      }
+    });
+    this.points = x.length;
+  }
+
+  resize() {
+    const w = Math.max(240, this.card.clientWidth - 12);
+    if (Math.abs(w - this.u.width) > 2) this.u.setSize({ width: w, height: 170 });
+  }
 }
 
-export default {render};
+function render({ model, el }) {
+  const root = h("div", { class: "apd autopar-dashboard" });
+  el.appendChild(root);
+  const timings = [];  // ms per update, read by bench/dashboard.py
+  root.__apdTimings = timings;
+  const chartTimings = [];  // ms of the updates that redrew the charts
+  root.__apdChartTimings = chartTimings;
+  root.__apdCounts = {};  // updates per kind (charts, table, ...)
+
+  const pill = h("span", { class: "apd-pill apd-state" });
+  const status = h("span", { class: "apd-status" });
+  const stop = h("button", { class: "apd-btn apd-stop", title: "run.stop(): end every worker" }, "Stop");
+  stop.addEventListener("click", () => { stop.disabled = true; stop.textContent = "Stopping…"; model.send({ event: "stop" }); });
+  const head = h("div", { class: "apd-head" }, h("span", { class: "apd-title" }, "Run"), pill, status, stop);
+  const notes = h("div", { class: "apd-notes" });
+  const error = h("div", { class: "apd-error" });
+  const tableWrap = h("div", { class: "apd-table-wrap" });
+  const charts = h("div", { class: "apd-charts" });
+  const summary = h("div", { class: "apd-summary" });
+  const logs = h("pre", { class: "apd-pre apd-log-text" });
+  const logBox = h("details", { class: "apd-logs" }, h("summary", {}, "last log lines per rank"), logs);
+  root.append(head, notes, error, tableWrap, charts, summary, logBox);
+
+  let built = null;  // {ranks, mem, util, loss, rate, time}
+  const card = (key, title) => {
+    const note = h("span", { class: "apd-card-note" });
+    const c = h("div", { class: "apd-card", "data-chart": key },
+                h("div", { class: "apd-card-title" }, h("span", {}, title), note), h("div", { class: "apd-chart" }));
+    c.note = note;
+    charts.appendChild(c);
+    return c;
+  };
+
+  function build(info) {
+    const R = info.nproc || 1;
+    charts.replaceChildren();
+    const id = info.run_id || "run";
+    const dashed = (label, color) => ({ label, stroke: color, dash: [6, 4], width: 1.25 });
+    const predicted = info.predicted_memory || [];
+    const memExtra = [];
+    for (let r = 0; r < R; r++) if (predicted[r] !== null && predicted[r] !== undefined) memExtra.push({ ...dashed(`predicted ${r}`, rankColor(r)), rank: r });
+    if (info.backend === "nccl") memExtra.push({ ...dashed(info.limit_label || "limit", "#888"), dash: [2, 3], limit: true });
+    const unit = info.unit || "samples/s";
+    const b = { ranks: R };
+    b.mem = new Chart(root, card("memory", "Memory per rank"), { key: "memory", xLabel: "time", yFmt: fmtBytes, ranks: R,
+      extra: memExtra.map(({ rank, limit, ...e }) => e), yMin: 0, syncKey: `apd-t-${id}`, incrs: BYTE_INCRS });
+    b.mem.meta = memExtra;
+    b.util = new Chart(root, card("util", info.util_label || "Utilisation"), { key: "util", xLabel: "time",
+      yFmt: (v) => (v === null ? "–" : `${v.toFixed(0)} %`), ranks: R, yMin: 0, syncKey: `apd-t-${id}` });
+    b.loss = new Chart(root, card("loss", "Loss per rank"), { key: "loss", xLabel: "step", yFmt: (v) => fmtNum(v, 4),
+      axisFmt: null, ranks: R, syncKey: `apd-s-${id}` });
+    b.rate = new Chart(root, card("throughput", `Throughput per rank (${unit})`), { key: "throughput", xLabel: "step",
+      yFmt: fmtRate, ranks: R, yMin: 0, syncKey: `apd-s-${id}` });
+    const pt = info.compare_time ? info.predicted_step_time_s : null;
+    b.time = new Chart(root, card("step_time", "Step time per rank"), { key: "step_time", xLabel: "step", yFmt: fmtMs,
+      ranks: R, extra: pt ? [dashed("predicted", "#888")] : [], yMin: 0, syncKey: `apd-s-${id}` });
+    b.wait = new Chart(root, card("data_wait", "Data wait per step"), { key: "data_wait", xLabel: "step", yFmt: fmtMs,
+      ranks: R, yMin: 0, syncKey: `apd-s-${id}` });
+    b.wait.card.note.textContent = "making and moving each batch";
+    b.predictedTime = pt;
+    b.mem.card.note.textContent = info.memory_label || "";
+    b.time.card.note.textContent = pt ? `predicted ${fmtMs(pt)} dashed` : (info.plan_device && !info.compare_time ? `not compared with ${info.plan_device}` : "");
+    b.charts = [b.mem, b.util, b.loss, b.rate, b.time, b.wait];
+    root.__apdCharts = Object.fromEntries(b.charts.map((c) => [c.u.root.dataset.chart, c.u]));  // for tests
+    built = b;
+  }
+
+  function drawCharts() {
+    if (!built) return;
+    const tl = model.get("timeline") || {};
+    const st = model.get("steps") || {};
+    const R = built.ranks;
+    const info = model.get("info") || {};
+    // memory and utilisation over time
+    const t = xs(tl.t, tl.n);
+    const mem = columns(tl.memory, tl.n, R);
+    const top = Math.max(maxOf(mem), ...built.mem.meta.filter((m) => !m.limit).map((m) => info.predicted_memory[m.rank] || 0));
+    const limit = info.limit;
+    const limitOn = limit && top > 0 && limit <= 3 * top;  // a limit far above the lines would flatten them
+    const memExtra = built.mem.meta.map((m) => t.map(() => (m.limit ? (limitOn ? limit : null) : info.predicted_memory[m.rank])));
+    built.mem.set(t, mem, memExtra);
+    built.mem.card.note.textContent = info.memory_label || "";
+    built.util.set(t, columns(tl.util, tl.n, R));
+    // per step
+    const x = xs(st.x, st.n);
+    built.loss.set(x, columns(st.loss, st.n, R));
+    built.rate.set(x, columns(st.throughput, st.n, R));
+    built.time.set(x, columns(st.step_time_s, st.n, R), built.predictedTime ? [x.map(() => built.predictedTime)] : []);
+    built.wait.set(x, columns(st.data_wait_s, st.n, R));
+  }
+
+  function drawNotes(info) {
+    const lines = [];
+    const plan = info.plan ? `plan ${info.plan}${info.plan_device ? ` for ${info.plan_device}` : ""}` : "no plan given";
+    lines.push(h("p", {}, `${plan} · running on ${info.run_device || "?"} · ${info.steps ? `${info.steps} steps` : ""}`));
+    for (const n of info.notes || []) lines.push(h("p", { class: "apd-note-warn" }, n));
+    notes.replaceChildren(...lines);
+  }
+
+  function drawTable() {
+    const ranks = model.get("ranks") || [];
+    const gpu = (model.get("info") || {}).backend === "nccl";
+    const unit = (model.get("info") || {}).unit || "samples/s";
+    const cols = ["rank", "state", "step", "memory", "peak", "predicted", gpu ? "GPU %" : "CPU %", unit, "step time",
+                  "data wait", ...(gpu ? ["power", "temp"] : [])];
+    const rows = ranks.map((r) => {
+      const over = r.memory_pred && r.memory_peak && r.memory_peak > r.memory_pred * 1.1;
+      const wait = r.data_wait !== null && r.data_wait !== undefined && r.step_time
+        ? `${fmtMs(r.data_wait)} (${((100 * r.data_wait) / r.step_time).toFixed(0)} %)` : "–";
+      return h("tr", { "data-rank": r.rank, "data-state": r.state },
+        h("td", {}, h("span", { class: "apd-swatch", style: `background:${rankColor(r.rank)}` }), `${r.rank}`),
+        h("td", { class: "apd-left" }, h("span", { class: "apd-pill", "data-state": r.state }, r.state)),
+        h("td", {}, r.step === null || r.step === undefined ? "–" : `${r.step}`),
+        h("td", { title: r.memory_source ? `source: ${r.memory_source}` : "" }, fmtBytes(r.memory)),
+        h("td", { class: over ? "apd-over" : "", title: r.memory_peak_kind || "" }, fmtBytes(r.memory_peak)),
+        h("td", {}, fmtBytes(r.memory_pred)),
+        h("td", {}, r.util === null || r.util === undefined ? "–" : `${Number(r.util).toFixed(0)}`),
+        h("td", {}, fmtRate(r.throughput)),
+        h("td", {}, fmtMs(r.step_time)),
+        h("td", {}, wait),
+        ...(gpu ? [h("td", {}, r.power_w ? `${r.power_w.toFixed(0)} W` : "–"),
+                   h("td", {}, r.temperature_c ? `${r.temperature_c.toFixed(0)} °C` : "–")] : []));
+    });
+    tableWrap.replaceChildren(h("table", { class: "apd-table" },
+      h("thead", {}, h("tr", {}, cols.map((c, i) => h("th", { class: i === 1 ? "apd-left" : "" }, c)))),
+      h("tbody", {}, rows)));
+    logs.textContent = ranks.map((r) => (r.log || []).join("\n")).filter(Boolean).join("\n") || "(no output yet)";
+  }
+
+  function drawError() {
+    const e = model.get("error");
+    const st = model.get("status");
+    if (e && e.rank !== null && e.rank !== undefined) {
+      const when = e.time_s !== undefined ? `, ${e.time_s.toFixed(1)} s after launch` : "";
+      const knock = (e.knock_on || []).map((k) => h("div", {},
+        `then rank ${k.rank} (+${k.after_s.toFixed(2)} s): ${k.error.split("\n")[0].slice(0, 200)} — a consequence`));
+      error.replaceChildren(
+        h("div", { class: "apd-error-head" }, `Rank ${e.rank} failed first${when}: ${e.error}`),
+        e.traceback ? h("pre", { class: "apd-pre apd-traceback" }, e.traceback) : null,
+        knock.length ? h("div", { class: "apd-knock" }, knock) : null);
+    } else if (e) {
+      error.replaceChildren(h("div", { class: "apd-error-head" }, e.error || "the run failed"));
+    } else if (st === "hung") {
+      error.replaceChildren(h("div", { class: "apd-error-head" }, model.get("message")));
+    } else {
+      error.replaceChildren();
+    }
+  }
+
+  function drawSummary() {
+    const s = model.get("summary") || {};
+    if (!Object.keys(s).length) { summary.replaceChildren(); return; }
+    const parts = [];
+    const t = s.step_time_s;
+    if (t) {
+      const p = s.compare_time && s.predicted_step_time_s;
+      parts.push(h("p", {}, `Step time (median, steady state): ${fmtMs(t)}` +
+        (p ? ` vs predicted ${fmtMs(p)} (measured ${(t / p).toFixed(2)}× the prediction)` :
+          " (not compared with the plan's prediction: see above)")));
+    }
+    const mem = s.memory_by_rank || {};
+    const pred = s.predicted_memory_by_rank || {};
+    const kind = { cuda_peak: "CUDA peak allocated", rss_above_baseline: "RSS above the pre-model RSS", rss: "RSS" }[s.memory_kind] || s.memory_kind;
+    const ranks = Object.keys(mem).sort((a, b) => a - b);
+    if (ranks.length) {
+      const shown = ranks.length > 8 ? [ranks.reduce((a, b) => (mem[a] >= mem[b] ? a : b))] : ranks;
+      const txt = shown.map((r) => `rank ${r} ${fmtBytes(mem[r])}${pred[r] ? ` vs ${fmtBytes(pred[r])} (${(mem[r] / pred[r]).toFixed(2)}×)` : ""}`);
+      parts.push(h("p", {}, `Peak memory (${kind}${Object.keys(pred).length ? " vs predicted" : ""}): ${txt.join("; ")}` +
+        (ranks.length > 8 ? ` (the highest of ${ranks.length} ranks)` : "")));
+    }
+    const c = s.calibration || {};
+    const btn = c.can ? h("button", { class: "apd-btn apd-calibrate", title: "run.calibrate()" }, "Calibrate") : null;
+    if (btn) btn.addEventListener("click", () => { btn.disabled = true; model.send({ event: "calibrate" }); });
+    parts.push(h("p", { class: "apd-calibration" }, c.text || "", btn ? " " : "", btn));
+    summary.replaceChildren(...parts);
+  }
+
+  function drawStatus() {
+    const st = model.get("status");
+    const msg = model.get("message") || "";
+    pill.textContent = st;
+    pill.dataset.state = st;
+    status.textContent = msg.startsWith(st) ? msg.slice(st.length).replace(/^[: ]+/, "") : msg;
+    if (TERMINAL.includes(st)) { stop.disabled = true; stop.textContent = "Stop"; }
+  }
+
+  function update(what) {
+    const t0 = performance.now();
+    for (const k of Object.keys(what)) root.__apdCounts[k] = (root.__apdCounts[k] || 0) + 1;
+    try {
+      const info = model.get("info") || {};
+      if (what.info || !built || built.ranks !== (info.nproc || 1)) { build(info); drawNotes(info); drawCharts(); }
+      else if (what.charts) drawCharts();
+      if (what.status) { drawStatus(); drawError(); }
+      if (what.table) drawTable();
+      if (what.summary) drawSummary();
+    } finally {
+      const ms = performance.now() - t0;
+      timings.push(ms);
+      if (what.charts) chartTimings.push(ms);
+      for (const a of [timings, chartTimings]) if (a.length > 2000) a.splice(0, 1000);
+    }
+  }
+
+  // coalesce the traits of one kernel message into one update
+  let pending = null;
+  const schedule = (k) => {
+    if (!pending) { pending = {}; queueMicrotask(() => { const p = pending; pending = null; update(p); }); }
+    pending[k] = true;
+  };
+  model.on("change:info", () => schedule("info"));
+  model.on("change:timeline", () => schedule("charts"));
+  model.on("change:steps", () => schedule("charts"));
+  model.on("change:ranks", () => schedule("table"));
+  for (const k of ["status", "message", "error"]) model.on(`change:${k}`, () => schedule("status"));
+  model.on("change:summary", () => schedule("summary"));
+
+  const ro = new ResizeObserver(() => { if (built) for (const c of built.charts) c.resize(); });
+  ro.observe(charts);
+  update({ info: true, status: true, table: true, summary: true, charts: true });
+  return () => { ro.disconnect(); if (built) for (const c of built.charts) c.u.destroy(); };
+}
+
+export default { render };

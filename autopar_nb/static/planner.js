@@ -37,8 +37,9 @@ const PIN = "●";
 // ---- the widget -------------------------------------------------------------------------------------------------
 // `ui` is what every function below shares: the model, the DOM parts, the view state (pan/zoom, search) and send().
 
-function render({ model, el }) {
+function render({ model, el, host }) {
   const ui = skeleton(model, el);
+  const stopPanel = runPanel(ui, el, host);
   toolbar(ui);
   const stopPanZoom = panZoom(ui);
   graphEvents(ui);
@@ -69,6 +70,7 @@ function render({ model, el }) {
     model.off("change:messages", onMessages);
     model.off("change:selection", onSelection);
     stopPanZoom();
+    stopPanel();
     ro.disconnect();
   };
 }
@@ -293,9 +295,59 @@ function renderHeader(ui) {
         onclick: () => send({ kind: "undo" }) }, "↶ undo"),
       h("button", { class: "ap-btn ap-redo", disabled: !model.get("can_redo"), title: "redo (ap.redo())",
         onclick: () => send({ kind: "redo" }) }, "↷ redo"),
-      model.get("actions").map((a) => h("button", { class: `ap-btn ap-action ap-action-${a}`, title: `ap.${a}()`,
-        onclick: () => send({ kind: "action", name: a }) }, a[0].toUpperCase() + a.slice(1))),
+      model.get("actions").flatMap((a) => [
+        h("button", { class: `ap-btn ap-action ap-action-${a}`, title: `ap.${a}()`,
+          onclick: () => send({ kind: "action", name: a }) }, a[0].toUpperCase() + a.slice(1)),
+        a === "verify" || a === "launch" ? runInput(ui, `${a}_steps`, "steps", `steps of ap.${a}()`) : null]),
+      model.get("actions").some((a) => a === "verify" || a === "launch")
+        ? runInput(ui, "nproc", "processes", "processes for Verify and Launch") : null,
       h("span", { class: "ap-timing" }, timing)));
+}
+
+// ---- Verify/Launch: their inputs (the run_options trait) and the live view below the widget ------------------
+function runInput(ui, key, label, title) {
+  const { model } = ui;
+  const opts = model.get("run_options") || {};
+  const auto = key === "nproc" ? (model.get("run_defaults") || {}).nproc : null;
+  const input = h("input", { class: `ap-run-input ap-run-${key.replace("_", "-")}`, type: "number", min: 1,
+    step: 1, value: opts[key] ?? "", placeholder: auto ? `${auto}` : "", title });
+  input.addEventListener("change", () => {
+    const v = parseInt(input.value, 10);
+    model.set("run_options", { ...model.get("run_options"), [key]: Number.isFinite(v) && v > 0 ? v : null });
+    model.save_changes();
+  });
+  return h("label", { class: "ap-run-field", title }, label, input);
+}
+
+function runPanel(ui, el, host) {
+  // the child widget (anywidget's host.getWidget) is rendered after the planner, in the same output
+  const panel = h("div", { class: "ap-run-panel" });
+  el.append(panel);
+  let ctrl = null;
+  const show = async () => {
+    const ref = ui.model.get("panel");
+    if (ctrl) ctrl.abort();
+    ctrl = null;
+    panel.replaceChildren();
+    if (!ref) return;
+    if (!host || !host.getWidget) {
+      panel.append(h("div", { class: "ap-msg ap-msg-info" }, "display(ap.widget().last_result) shows the live view"));
+      return;
+    }
+    const mine = new AbortController();
+    ctrl = mine;
+    try {
+      const child = await host.getWidget(ref);
+      if (ctrl !== mine) return;
+      await child.render({ el: panel, signal: mine.signal });
+      panel.scrollIntoView({ block: "nearest", behavior: "smooth" });
+    } catch (err) {
+      panel.append(h("div", { class: "ap-msg ap-msg-error" }, `the live view could not be shown: ${err}`));
+    }
+  };
+  ui.model.on("change:panel", show);
+  show();
+  return () => { ui.model.off("change:panel", show); if (ctrl) ctrl.abort(); };
 }
 
 function renderMessages(ui) {

@@ -73,6 +73,12 @@ class PlannerWidget(anywidget.AnyWidget):
     """the session methods offered as buttons (only those the session has)"""
     timings = t.Dict().tag(sync=True)
     """milliseconds: layout, render, replan (the last edit)"""
+    run_options = t.Dict({"nproc": None, "verify_steps": 5, "launch_steps": 50}).tag(sync=True)
+    """the Verify/Launch inputs, written by the front end: processes (None: ``run_defaults``) and steps"""
+    run_defaults = t.Dict().tag(sync=True)
+    """{"nproc": processes this machine runs the plan on (local_nproc)}"""
+    panel = anywidget.WidgetTrait().tag(sync=True)
+    """the live view below the planner: the last Launch's dashboard or the last Verify's progress"""
     revision = t.Int(0).tag(sync=True)
     """incremented on every refresh"""
 
@@ -151,6 +157,7 @@ class PlannerWidget(anywidget.AnyWidget):
             self.changed, self.changes = changed, [str(c) for c in changes]
             self.can_undo, self.can_redo = bool(getattr(s, "_undo", None)), bool(getattr(s, "_redo", None))
             self.actions = [a for a in ACTIONS if callable(getattr(s, a, None))]
+            self.run_defaults = {"nproc": local_nproc(plan)} if plan is not None else {}
             self.timings = {"layout_ms": (t1 - t0) * 1e3, "render_ms": (t2 - t1) * 1e3,
                             "replan_ms": self._replan_ms}
             self.revision += 1
@@ -314,17 +321,32 @@ class PlannerWidget(anywidget.AnyWidget):
             raise ValueError(f"{name!r} is not available on this session")
         fn = getattr(self.session, name)
         kwargs = {}
-        takes_nproc = "nproc" in inspect.signature(fn).parameters
-        if name in ("verify", "launch") and self.session.plan is not None and takes_nproc:
-            kwargs["nproc"] = local_nproc(self.session.plan)
+        params = inspect.signature(fn).parameters
+        if name in ("verify", "launch") and self.session.plan is not None and "nproc" in params:
+            kwargs["nproc"] = int(self.run_options.get("nproc") or local_nproc(self.session.plan))
+        if name in ("verify", "launch") and "steps" in params:
+            kwargs["steps"] = int(self.run_options.get(f"{name}_steps") or (5 if name == "verify" else 50))
         try:
-            result = fn(**kwargs)
+            if name == "verify" and callable(getattr(self.session, "plan_for", None)) and "nproc" in kwargs:
+                result = self._verify_in_background(**kwargs)
+            else:
+                result = fn(**kwargs)
         except Exception as e:  # shown inline: an action failing must not break the widget
             self._say("error", f"ap.{name}() failed: {type(e).__name__}: {e}")
             return None
         self.last_result = result
-        self._say("info", *_action_text(name, result))
+        if name == "launch" and callable(getattr(result, "dashboard", None)):
+            self.panel = result.dashboard()
+        self._say("info", *_action_text(name, result, kwargs))
         return None
+
+    def _verify_in_background(self, *, nproc: int, steps: int):
+        """ap.verify(steps, nproc), run in a child process so the kernel stays free; its progress view goes below."""
+        from ..launch.verifying import VerifyJob
+
+        job = VerifyJob(self.session.source, self.session.plan_for(nproc), steps=steps, nproc=nproc)
+        self.panel = job.view()
+        return job
 
     def _select(self, msg) -> None:
         self.selection = msg.get("layer") or ""
@@ -366,17 +388,21 @@ def local_nproc(plan: Plan) -> int:
     return mp * max(1, min(plan.mesh.dp, avail // mp))
 
 
-def _action_text(name: str, result: Any) -> tuple[str, str]:
+def _action_text(name: str, result: Any, kwargs: dict | None = None) -> tuple[str, str]:
     """(message, detail) for the result of ``ap.<name>()``: the exported script's path and torchrun commands, the
-    verify report, or the run."""
+    verify report or job, or the run."""
+    args = ", ".join(f"{k}={v!r}" for k, v in (kwargs or {}).items())
     script = getattr(result, "script", None)
     if name == "export" and script is not None:
         cmds = list(getattr(result, "commands", []) or [])
         return (f"Exported {script} (the plan beside it: {getattr(result, 'plan_json', '')}). "
                 f"Open it in a cell with %load {script}", "\n".join(cmds))
     if name == "launch":
-        return ("Launched; the run is widget.last_result: display it in a cell for its live dashboard "
-                "(stop it with .stop())", repr(result))
+        return (f"ap.launch({args}): the live dashboard is below; the Run is ap.widget().last_result "
+                "(.wait(), .stop(), .samples, .metrics)", repr(result))
+    if name == "verify" and hasattr(result, "view"):
+        return (f"ap.verify({args}) runs in the background: its progress is below (ap.widget().last_result.wait() "
+                "returns the VerifyReport)", "")
     first, _, rest = str(result).partition("\n")
     return f"ap.{name}(): {first}", rest
 

@@ -1,0 +1,78 @@
+"""What a run may honestly be compared with: the plan's predictions only where they describe the device it runs on.
+
+A plan made for ``h100-80gb`` and run on CPU processes (gloo) says nothing about CPU step times, so times are not
+compared; its memory per rank is, as the training state (parameters, gradients, optimizer states, activations and
+buffers, without the CUDA allocator's margin) against each rank's RSS above what the process held before it built
+its model. On GPUs the plan's whole prediction (margin included) is compared with CUDA's figures and NVML's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def plan_device(plan: Any) -> str:
+    """The cluster preset the plan was made for ("h100-80gb", "cpu", ...), "" when unknown."""
+    return str((getattr(plan, "cluster", None) or {}).get("preset") or "")
+
+
+def same_family(preset: str, gpu_name: str) -> bool:
+    """Whether an NVML device name ("NVIDIA H100 80GB HBM3") is the preset's GPU ("h100-80gb")."""
+    family = preset.split("-")[0].lower()
+    return bool(family) and family in gpu_name.lower().replace(" ", "")
+
+
+def predicted_memory(plan: Any, rank: int, *, model_state: bool) -> float | None:
+    """The plan's predicted peak bytes for ``rank`` (its pipeline stage's figure when the planner gave one breakdown
+    per pipeline rank; mesh order (pp, dp, tp), TP innermost); ``model_state`` leaves out the allocator margin."""
+    cost, mesh = getattr(plan, "cost", None), getattr(plan, "mesh", None)
+    mem = list(getattr(cost, "memory_by_rank", None) or [])
+    if not mem:
+        return None
+    world = getattr(mesh, "world_size", len(mem)) if mesh is not None else len(mem)
+    if len(mem) == world:
+        index = rank
+    elif mesh is not None and len(mem) == mesh.pp:
+        index = rank // max(1, mesh.dp * mesh.tp)
+    else:
+        index = rank if rank < len(mem) else None
+    if index is None or index >= len(mem):
+        return None
+    m = mem[index]
+    return float(m.total - m.margin) if model_state else float(m.total)
+
+
+def comparison(plan: Any, *, backend: str, nproc: int, gpu_name: str = "") -> dict:
+    """``{"plan_device", "run_device", "compare_time", "memory_basis", "predicted_memory": [bytes or None per
+    rank], "predicted_step_time_s", "notes": [str]}`` for a run of ``plan`` on ``nproc`` local processes."""
+    device = plan_device(plan)
+    cpu = backend != "nccl"
+    run_device = f"{nproc} CPU process{'es' if nproc > 1 else ''} (gloo)" if cpu else \
+        f"{nproc} GPU{'s' if nproc > 1 else ''}" + (f" ({gpu_name})" if gpu_name else "")
+    cost = getattr(plan, "cost", None)
+    out: dict[str, Any] = {"plan_device": device, "run_device": run_device, "compare_time": False,
+                           "memory_basis": "rss_above_baseline" if cpu else "cuda", "predicted_memory": [None] * nproc,
+                           "predicted_step_time_s": None, "notes": []}
+    if cost is None:
+        if plan is not None:
+            out["notes"].append("the plan has no cost: nothing to compare")
+        return out
+    out["predicted_memory"] = [predicted_memory(plan, r, model_state=cpu) for r in range(nproc)]
+    if cpu and device not in ("", "cpu"):
+        out["notes"].append(
+            f"The plan was made for {device}; this run uses {run_device}. Step times are not compared (another "
+            "device); memory per rank is: the training state the plan predicts (parameters, gradients, optimizer "
+            "states, activations, buffers; no allocator margin) against each rank's RSS above what it held before "
+            "building its model, which also counts what torch allocates on first use (tens of MiB).")
+    elif not cpu and device and device != "cpu" and gpu_name and not same_family(device, gpu_name):
+        out["notes"].append(f"The plan was made for {device}; this run uses {gpu_name}: step times are not compared.")
+    elif not cpu and device == "cpu":
+        out["notes"].append("The plan was made for CPU processes; this run uses GPUs: step times are not compared.")
+    else:
+        out["compare_time"] = bool(cost.step_time_s)
+        if cpu:
+            out["notes"].append("Memory per rank: the training state the plan predicts (no allocator margin) against "
+                                "each rank's RSS above what it held before building its model.")
+    if out["compare_time"]:
+        out["predicted_step_time_s"] = float(cost.step_time_s)
+    return out

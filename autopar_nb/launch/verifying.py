@@ -1,0 +1,243 @@
+"""``verify`` in the background: the planner widget's Verify button, without blocking the kernel.
+
+:class:`VerifyJob` runs :func:`autopar_nb.verify.verify` in a child process (``python -m
+autopar_nb.launch.verifying JOB.json``), so the kernel stays free and Stop can end it (with the worker processes
+verify starts). Its progress comes over the launcher's metrics channel: the exported script's ranks report each
+step of the parallel run there (verify runs that very script); when every rank has said "done", the single-process
+reference runs; then the report is read back (``report.json``). Displayed, a job is a :class:`VerifyView`: a
+progress bar, one row per step, each row marked pass/fail with the rule it was judged by (``VerifyReport.judge``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from . import procs
+from .channel import MetricsServer
+
+_jobs: weakref.WeakSet[VerifyJob] = weakref.WeakSet()
+
+
+class VerifyJob:
+    """``verify(source, plan, steps=..., nproc=...)`` in a child process; ``wait()`` returns the VerifyReport.
+
+    Status: starting -> parallel -> reference -> passed | mismatch | error | stopped.
+    """
+
+    def __init__(self, source: Any, plan: Any, *, steps: int = 5, nproc: int | None = None, seed: int = 0,
+                 rtol: float | None = None, work_dir: str | os.PathLike | None = None):
+        self.steps = int(steps)
+        self.nproc = int(nproc or plan.mesh.world_size)
+        self.plan_summary = plan.summary()
+        self.status = "starting"
+        self.message = f"starting verify of {self.plan_summary} on {self.nproc} processes"
+        self.losses: dict[int, float] = {}
+        """step -> the parallel run's loss (every rank reports the global loss; the first report counts)"""
+        self.report = None
+        self.error: str | None = None
+        self.started = time.time()
+        self.ended: float | None = None
+        self._done_ranks: set[int] = set()
+        self._listeners: list[Callable[[VerifyJob], None]] = []
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._view = None
+        self.dir = Path(work_dir or tempfile.mkdtemp(prefix="autopar-verify-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        job = {"source": dataclasses.asdict(source), "plan": plan.to_json(), "steps": self.steps, "nproc": self.nproc,
+               "seed": seed, "rtol": rtol, "report": str(self.dir / "report.json"), "parent_pid": os.getpid()}
+        (self.dir / "job.json").write_text(json.dumps(job))
+        self._server = MetricsServer()
+        self._token = self._server.token
+        env = {**os.environ, "AUTOPAR_METRICS": self._server.address, procs.TOKEN_ENV: self._token,
+               "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        with open(self.dir / "verify.log", "wb") as log:
+            self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(self.dir / "job.json")], env=env,
+                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        _jobs.add(self)
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="autopar-verify")
+        self._thread.start()
+
+    # ---- public ----------------------------------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.ended is not None
+
+    def wait(self, timeout: float | None = None):
+        """Block until the job ends; return the VerifyReport (None when it failed or was stopped)."""
+        self._thread.join(timeout)
+        return self.report
+
+    def stop(self, reason: str = "stopped by the user") -> str:
+        """End the verify process and every worker it started."""
+        with self._lock:
+            if self.done:
+                return self.status
+            self._stopping = True
+            self.message = f"stopping: {reason}"
+        procs.terminate(self._proc, self._token)
+        self._thread.join(10)
+        return self.status
+
+    def add_listener(self, fn: Callable[[VerifyJob], None]) -> None:
+        """Call ``fn(job)`` (from the job's thread) when something changed."""
+        self._listeners.append(fn)
+
+    def view(self):
+        """The progress widget of this job (created on first use)."""
+        if self._view is None:
+            from .dashboard import VerifyView
+
+            self._view = VerifyView(self)
+        return self._view
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.view())
+
+    def rows(self) -> list[dict]:
+        """One row per step: the parallel loss as it comes, then the report's comparison and verdict."""
+        if self.report is None:
+            return [{"step": s, "loss": v} for s, v in sorted(self.losses.items())]
+        r = self.report
+        out = []
+        for s in r.steps:
+            ok, rule = r.judge(s)
+            prev = r.steps[s.step - 1].param_rel if 0 < s.step <= len(r.steps) else 0.0
+            # the tolerances the rule applied (see VerifyReport.judge); None: gradients not judged at this step
+            grad_tol = {"rtol": r.rtol, "adam": r.rtol + prev}.get(rule, r.rtol if s.step == 0 else None)
+            out.append({"step": s.step, "loss": s.loss, "ref_loss": s.ref_loss, "loss_rel": s.loss_rel,
+                        "grad_rel": s.grad_rel, "param_rel": s.param_rel, "ok": ok, "rule": rule,
+                        "loss_tol": r.rtol, "grad_tol": grad_tol, "param_tol": r.rtol + (s.step + 1) * r.param_floor})
+        return out
+
+    def __repr__(self) -> str:
+        return f"VerifyJob({self.plan_summary}, {self.nproc} proc, {self.status}: {self.message})"
+
+    # ---- the job's thread ------------------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        try:
+            while self._proc.poll() is None:
+                if self._ingest(self._server.poll(0.2)):
+                    self._notify()
+            self._ingest(self._server.poll(0.1))
+            self._finish()
+        except Exception as e:  # never leave the job looking alive
+            self.status, self.error = "error", f"the verify monitor failed: {type(e).__name__}: {e}"
+        finally:
+            self._server.close()
+            if procs.processes_with_token(self._token):
+                procs.terminate(None, self._token)
+            self.ended = self.ended or time.time()
+            self._notify()
+
+    def _ingest(self, msgs: list) -> bool:
+        changed = False
+        for m in msgs:
+            if m.kind != "data":
+                continue
+            step = m.data.get("step")
+            if isinstance(step, int) and step not in self.losses and isinstance(m.data.get("loss"), (int, float)):
+                self.losses[step] = float(m.data["loss"])
+                changed = True
+            elif m.data.get("event") == "done":
+                self._done_ranks.add(m.rank)
+                changed = True
+        if changed and self.status in ("starting", "parallel"):
+            if len(self._done_ranks) >= self.nproc:
+                self.status, self.message = "reference", "the single-process reference runs the same steps"
+            elif self.losses:
+                self.status = "parallel"
+                self.message = f"parallel run: step {max(self.losses) + 1} of {self.steps} on {self.nproc} processes"
+        return changed
+
+    def _finish(self) -> None:
+        from ..verify import StepDiff, VerifyReport
+
+        self.ended = time.time()
+        if self._stopping:
+            self.status, self.message = "stopped", f"stopped after {self.ended - self.started:.1f} s"
+            return
+        try:
+            data = json.loads((self.dir / "report.json").read_text())
+        except (OSError, ValueError):
+            log = (self.dir / "verify.log").read_text(errors="replace")[-6000:]
+            self.status, self.message = "error", f"the verify process exited with code {self._proc.returncode}"
+            self.error = log
+            return
+        if "error" in data:
+            self.status, self.message, self.error = "error", data["error"], data.get("traceback", "")
+            return
+        fields = {f.name for f in dataclasses.fields(VerifyReport)}
+        self.report = VerifyReport(**{k: v for k, v in data.items() if k in fields and k != "steps"},
+                                   steps=[StepDiff(**s) for s in data["steps"]])
+        ok = self.report.ok
+        self.status = "passed" if ok else "mismatch"
+        self.message = (f"{'OK' if ok else 'MISMATCH'}: {self.steps} steps on {self.nproc} processes agree with the "
+                        f"single-process reference" if ok else
+                        f"MISMATCH: see the rows marked fail ({self.steps} steps on {self.nproc} processes)") + \
+            f" ({self.ended - self.started:.1f} s)"
+
+    def _notify(self) -> None:
+        for fn in list(self._listeners):
+            try:
+                fn(self)
+            except Exception:  # a closed widget must not stop the job
+                pass
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    for job in list(_jobs):
+        if not job.done:
+            job.stop("the kernel is shutting down")
+
+
+# ---- the child process --------------------------------------------------------------------------------------------
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+
+def main(job_path: str) -> int:
+    job = json.loads(Path(job_path).read_text())
+    threading.Thread(target=_watch_parent, args=(job["parent_pid"],), daemon=True).start()
+    out = Path(job["report"])
+    try:
+        from ..plan import Plan
+        from ..source import ModelSource
+        from ..verify import verify
+
+        report = verify(ModelSource(**job["source"]), Plan.from_json(job["plan"]), steps=job["steps"],
+                        nproc=job["nproc"], seed=job["seed"], rtol=job["rtol"])
+        data = dataclasses.asdict(report)
+        rc = 0
+    except BaseException as e:  # the kernel shows it: nothing is lost in a log
+        data = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        rc = 1
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, out)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
