@@ -680,3 +680,55 @@ def test_planner_launch_and_verify_buttons_show_the_live_view_below(monkeypatch)
     w.handle({"kind": "action", "name": "verify"})
     assert calls[-1] == ("verify", 1, 3, 1) and w.panel is w.last_result.board  # plan_for(1): dp=1
     assert "runs in the background" in w.messages[0]["text"]
+
+
+def _bare_run(tmp_path, nproc=2, backend="gloo", plan=None):
+    """A Run with no processes behind it: its bookkeeping fed by hand."""
+    from autopar_nb.launch.run import Run
+
+    return Run(run_id="0123456789abcdef", run_dir=tmp_path, script=tmp_path / "train.py", nproc=nproc, steps=10,
+               token="t", backend=backend, max_restarts=0, hang_timeout_s=None, plan=plan)
+
+
+def test_memory_source_is_nvml_then_cuda_then_rss_above_the_baseline(tmp_path):
+    from autopar_nb.launch.channel import Message
+
+    run = _bare_run(tmp_path, nproc=3)
+    run._ingest([Message(r, "hello", {}, 0.0) for r in range(3)])
+    run._record_tick(0, {0: {"rss": 900.0, "cpu_percent": None}})  # start-up: no baseline yet, no CPU % yet
+    assert run.samples[0]["memory_bytes"] == 900 and run.samples[0]["utilization_pct"] is None
+    run._ingest([Message(0, "data", {"event": "start", "rss_before_model": 600.0}, 0.0),
+                 Message(1, "data", {"step": 0, "loss": 1.0, "mem_allocated": 10.0, "mem_reserved": 20.0,
+                                     "mem_peak": 15.0, "rss": 5000.0, "data_wait_s": 0.01}, 0.0)])
+    run._record_tick(1, {0: {"rss": 1000.0, "cpu_percent": 50.0}, 1: {"rss": 5000.0, "cpu_percent": 99.0},
+                         2: {"rss": 7000.0, "gpu_util": 87.0, "gpu_mem_used": 3e9, "gpu_mem_total": 8e10}})
+    s = {(i >= 3, x["rank"]): x for i, x in enumerate(run.samples)}  # (second tick, rank)
+    assert s[(False, 0)]["memory_bytes"] == 300 and s[(False, 0)]["rss_baseline_bytes"] == 600  # set afterwards
+    assert (s[(True, 0)]["source"], s[(True, 0)]["memory_bytes"], s[(True, 0)]["utilization_pct"]) == ("psutil", 400,
+                                                                                                         50)
+    assert (s[(True, 1)]["source"], s[(True, 1)]["memory_bytes"], s[(True, 1)]["cuda_peak_bytes"]) == ("cuda", 20, 15)
+    assert s[(True, 1)]["data_wait_s"] == 0.01 and s[(True, 1)]["state"] == "running"
+    assert (s[(True, 2)]["source"], s[(True, 2)]["memory_bytes"], s[(True, 2)]["utilization_pct"]) == ("nvml", 3e9,
+                                                                                                         87)
+
+
+def test_calibration_is_refused_across_devices_and_the_summary_says_where_it_went(tmp_path, monkeypatch):
+    pytest.importorskip("autopar_nb.cost.factors")
+    from autopar_nb.launch.channel import Message
+    from autopar_nb.launch.dashboard import _calibration_text
+    from autopar_nb.plan import Cost, MemoryBreakdown, Plan
+
+    monkeypatch.setenv("AUTOPAR_CALIBRATION", str(tmp_path / "calibration.json"))
+    run = _bare_run(tmp_path, plan=Plan(cluster={"preset": "h100-80gb"}, cost=Cost(
+        step_time_s=0.01, memory_by_rank=[MemoryBreakdown(params=1e6)] * 2)))
+    run._ingest([Message(r, "data", {"step": s, "step_time_s": 0.02}, 0.0) for s in range(3) for r in range(2)])
+    run._status = "finished"
+    with pytest.raises(ValueError, match="say nothing about h100-80gb"):
+        run.calibrate()
+    assert "made for h100-80gb, this run used 2 CPU processes" in _calibration_text(run, run.comparison())["text"]
+    run.plan.cluster = {"preset": "cpu"}
+    text = _calibration_text(run, run.comparison())
+    assert text["can"] and str(tmp_path / "calibration.json") in text["text"]
+    run.calibrate()
+    text = _calibration_text(run, run.comparison())
+    assert text["done"] and "calibrated for cpu: eff_" in text["text"] and "2.00" in text["text"]

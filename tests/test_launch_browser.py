@@ -1,8 +1,9 @@
 """The launch dashboard and the background verify in a real browser (JupyterLab + chromium through Playwright; a
 server from test_browser.jupyterlab_server), driven as a user would from the planner widget:
 
-1. Launch (2 processes, from the widget's inputs): the dashboard appears below the planner; while another cell keeps
-   the kernel busy, every chart gains points for every rank; screenshots (light and dark theme) go to
+1. Launch (2 processes, from the widget's inputs): the dashboard appears below the planner, fits a 1024 px window;
+   while another cell keeps the kernel busy, every chart gains points for every rank; screenshots (light and dark
+   theme) go to
    $AUTOPAR_SCREENSHOTS/dashboard.png and dashboard_dark.png (see test_browser.py); Stop ends every worker.
 2. A run whose rank 1 raises: the dashboard names rank 1 as the cause, with its traceback.
 3. Verify (3 steps): the progress view below the planner ends with one row per step, each marked pass with its rule.
@@ -57,13 +58,14 @@ def test_launch_and_verify_from_the_widget(tmp_path):
         nbformat.write(nb, root / "launch.ipynb")
         ctx = pw.chromium.launch_persistent_context(
             str(tmp_path / "chromium"), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS,
-            viewport={"width": 1200, "height": 1500})
+            viewport={"width": 1024, "height": 1500})  # the issue's narrow case
         try:
             page = ctx.new_page()
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.goto(f"{base}/lab/tree/launch.ipynb?token={token}")
             page.wait_for_function(KERNEL_IS % "idle", timeout=60_000)
+            page.evaluate("jupyterapp.commands.execute('application:toggle-left-area')")  # the notebook: ~1000 px
             for _ in range(2):  # the extension, then the planner
                 page.evaluate("jupyterapp.commands.execute('notebook:run-cell-and-select-next')")
             planner = page.locator(".ap-root")
@@ -94,8 +96,11 @@ def test_launch_and_verify_from_the_widget(tmp_path):
             page.wait_for_timeout(6000)
             after = dash.evaluate(POINTS)
             t_after = time.time()
+            fits = dash.evaluate("e => e.scrollWidth <= e.clientWidth + 1")  # nothing cut at 1024 px
             IMG.mkdir(parents=True, exist_ok=True)
             dash.scroll_into_view_if_needed()
+            page.mouse.move(0, 0)  # not hovering a chart: the legends show the latest values
+            page.wait_for_timeout(1200)
             dash.screenshot(path=str(IMG / "dashboard.png"))
             page.evaluate("jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
             page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'", timeout=20_000)
@@ -147,6 +152,7 @@ def test_launch_and_verify_from_the_widget(tmp_path):
         assert all(a > b for a, b in zip(after[key], before[key], strict=True)), (key, before, after)
     assert state["status"] == "stopped" and "Stop button" in state["message"], state
     assert state["left"] == 0 and state["samples"] > 0, state
+    assert fits
     assert dark_bg not in ("rgb(255, 255, 255)", "rgba(0, 0, 0, 0)"), dark_bg  # the theme's colours
     assert all(r in ("rtol", "adam", "low precision") for r in rules), rules
     assert not [e for e in errors if "apd" in e or "uPlot" in e or "dashboard" in e.lower()], errors

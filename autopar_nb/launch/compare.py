@@ -72,7 +72,8 @@ def comparison(plan: Any, *, backend: str, nproc: int, gpu_name: str = "") -> di
         out["compare_time"] = bool(cost.step_time_s)
         if cpu:
             out["notes"].append("Memory per rank: the training state the plan predicts (no allocator margin) against "
-                                "each rank's RSS above what it held before building its model.")
+                                "each rank's RSS above what it held before building its model, which also counts "
+                                "what torch allocates on first use (tens of MiB).")
     if out["compare_time"]:
         out["predicted_step_time_s"] = float(cost.step_time_s)
     return out

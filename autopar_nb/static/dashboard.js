@@ -164,14 +164,20 @@ function render({ model, el }) {
     charts.replaceChildren();
     const id = info.run_id || "run";
     const dashed = (label, color) => ({ label, stroke: color, dash: [6, 4], width: 1.25 });
-    const predicted = info.predicted_memory || [];
-    const memExtra = [];
-    for (let r = 0; r < R; r++) if (predicted[r] !== null && predicted[r] !== undefined) memExtra.push({ ...dashed(`predicted ${r}`, rankColor(r)), rank: r });
+    // the plan's prediction: one dashed line per distinct figure (a pipeline stage's ranks share theirs)
+    const groups = new Map();
+    (info.predicted_memory || []).forEach((p, r) => {
+      if (p !== null && p !== undefined) groups.set(p, [...(groups.get(p) || []), r]);
+    });
+    const memExtra = [...groups].map(([value, rs]) => ({
+      ...dashed(groups.size === 1 ? (R > 1 ? "predicted (every rank)" : "predicted")
+        : rs.length === 1 ? `predicted ${rs[0]}` : `predicted ${rs[0]}–${rs[rs.length - 1]}`,
+      groups.size === 1 && R > 1 ? "#888" : rankColor(rs[0])), value }));
     if (info.backend === "nccl") memExtra.push({ ...dashed(info.limit_label || "limit", "#888"), dash: [2, 3], limit: true });
     const unit = info.unit || "samples/s";
     const b = { ranks: R };
     b.mem = new Chart(root, card("memory", "Memory per rank"), { key: "memory", xLabel: "time", yFmt: fmtBytes, ranks: R,
-      extra: memExtra.map(({ rank, limit, ...e }) => e), yMin: 0, syncKey: `apd-t-${id}`, incrs: BYTE_INCRS });
+      extra: memExtra.map(({ value, limit, ...e }) => e), yMin: 0, syncKey: `apd-t-${id}`, incrs: BYTE_INCRS });
     b.mem.meta = memExtra;
     b.util = new Chart(root, card("util", info.util_label || "Utilisation"), { key: "util", xLabel: "time",
       yFmt: (v) => (v === null ? "–" : `${v.toFixed(0)} %`), ranks: R, yMin: 0, syncKey: `apd-t-${id}` });
@@ -202,10 +208,10 @@ function render({ model, el }) {
     // memory and utilisation over time
     const t = xs(tl.t, tl.n);
     const mem = columns(tl.memory, tl.n, R);
-    const top = Math.max(maxOf(mem), ...built.mem.meta.filter((m) => !m.limit).map((m) => info.predicted_memory[m.rank] || 0));
+    const top = Math.max(maxOf(mem), ...built.mem.meta.filter((m) => !m.limit).map((m) => m.value));
     const limit = info.limit;
     const limitOn = limit && top > 0 && limit <= 3 * top;  // a limit far above the lines would flatten them
-    const memExtra = built.mem.meta.map((m) => t.map(() => (m.limit ? (limitOn ? limit : null) : info.predicted_memory[m.rank])));
+    const memExtra = built.mem.meta.map((m) => t.map(() => (m.limit ? (limitOn ? limit : null) : m.value)));
     built.mem.set(t, mem, memExtra);
     built.mem.card.note.textContent = info.memory_label || "";
     built.util.set(t, columns(tl.util, tl.n, R));
