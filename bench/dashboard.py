@@ -194,8 +194,8 @@ def write(results: list[dict], seconds: float, history: int, load: tuple) -> Non
         "",
         "Goal: monitoring costs at most 2 % of step time. The kernel's share of one core above is what the dashboard "
         "takes from the workers at most (when every core is busy); the worker side is one JSON line per step "
-        "(see Launch). The series are decimated at 1000 points per line, so an hour-long run costs what a "
-        "17-minute one does.",
+        "(see Launch). The series are decimated at 1000 points per line, so an hour-long run costs no more than a "
+        "17-minute one (1000 ticks of a second).",
         "",
     ])
     write_section(ROOT / "BENCHMARKS.md", "## Dashboard", section)

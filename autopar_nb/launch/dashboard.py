@@ -93,6 +93,7 @@ class Dashboard(anywidget.AnyWidget):
         t0 = time.thread_time()
         with self._refresh_lock:  # the monitor thread and the constructor may both refresh
             key = (run.throughput_unit, run.gpu_name, sum(st.baseline is not None for st in run._ranks.values()),
+                   any("gpu_mem_total" in st.sample for st in run._ranks.values()), run.status == "starting",
                    run.done)
             info = self._info(run) if key != self._info_key else None
             self._info_key = key
@@ -120,7 +121,7 @@ class Dashboard(anywidget.AnyWidget):
         self.refreshes += 1
         self.refresh_cpu_s += time.thread_time() - t0
 
-    # ---- plain data for the front end (under run._lock) ---------------------------------------------------------
+    # ---- plain data for the front end (_timeline, _steps, _ranks: under run._lock) -------------------------------
     def _info(self, run) -> dict:
         c = run.comparison()
         gpu = run.backend == "nccl"
@@ -170,6 +171,8 @@ class Dashboard(anywidget.AnyWidget):
             else:
                 mem, src, seen = math.nan, None, []
             cuda_peak = last.get("mem_peak")
+            if st.peak_rss and cuda_peak is None:  # the step stream's RSS, finer than the samples
+                seen.append(max(0.0, st.peak_rss - (st.baseline or 0.0)))
             if c_pred is None:
                 c_pred = run.comparison()["predicted_memory"]
             out.append({

@@ -68,9 +68,9 @@ def tagged(lines: list[str], rank: int) -> list[str]:
 
 
 def failures_from_result(result: dict, logs: Callable[[int], str]) -> dict[int, dict]:
-    """rank -> {"rank", "attempt", "error", "traceback", "timestamp"} of every failed rank in the agent's
-    ``result.json``: the message and Python stack from the worker's ``@record`` error file, else the end of its log
-    (``logs(rank)``)."""
+    """rank -> {"rank", "attempt", "error", "traceback", "timestamp", "python"} of every failed rank in the agent's
+    ``result.json``: the message and Python stack from the worker's ``@record`` error file ("python": True), else
+    the end of its log (``logs(rank)``)."""
     out = {}
     for rank, f in (result.get("failures") or {}).items():
         msg = f.get("message") or ""
@@ -85,7 +85,7 @@ def failures_from_result(result: dict, logs: Callable[[int], str]) -> dict[int, 
         sig = f" ({f['signal']})" if f.get("signal") else ""
         r = int(rank)
         out[r] = {"rank": r, "attempt": 0, "error": f"exit code {f.get('exitcode')}{sig}: {msg}".strip(),
-                  "traceback": tb or logs(r), "timestamp": f.get("timestamp")}
+                  "traceback": tb or logs(r), "timestamp": f.get("timestamp"), "python": bool(tb)}
     return out
 
 

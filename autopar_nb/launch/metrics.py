@@ -38,6 +38,8 @@ class RankState:
     """time.time() its error message arrived, or its connection closed without a "done" or error message"""
     closed_at: float | None = None
     """time.time() its connection closed without a "done" or error message while the run went on"""
+    peak_rss: float = 0.0
+    """the highest RSS its step messages reported"""
 
     def copy(self) -> RankState:
         """A copy whose dicts and lists are the copy's own."""

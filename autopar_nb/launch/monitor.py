@@ -22,6 +22,9 @@ SAMPLE_INTERVAL_S = 1.0
 """seconds between device samples: tick k is taken at k * SAMPLE_INTERVAL_S after launch (``Run.samples``)"""
 PUSH_INTERVAL_S = 0.25
 """at most this often the listeners (the dashboard) hear about new data"""
+BATCH_S = 0.05
+"""the thread wakes at most this often while messages flow (they wait in the sockets meanwhile): ranks stepping
+every few milliseconds would otherwise wake it, and preempt a worker, hundreds of times a second"""
 
 
 class DeviceSampler:
@@ -105,8 +108,12 @@ class Monitor(threading.Thread):
             r.gpu_name = self.sampler.gpu_name
         try:
             while True:
-                wait = min(0.2, max(0.0, r._t0 + next_tick * SAMPLE_INTERVAL_S - time.monotonic()))
+                woke = time.monotonic()
+                wait = min(0.2, max(0.0, r._t0 + next_tick * SAMPLE_INTERVAL_S - woke))
                 msgs = r._server.poll(wait) if r._server is not None else (time.sleep(wait) or [])
+                if msgs and time.monotonic() - woke < BATCH_S:  # let more arrive: one wake-up for many lines
+                    time.sleep(BATCH_S - (time.monotonic() - woke))
+                    msgs += r._server.poll(0)
                 changed = r._ingest(msgs)
                 now = time.monotonic()
                 tick = int((now - r._t0) / SAMPLE_INTERVAL_S)

@@ -332,6 +332,7 @@ class Run:
                 self._rows_stride *= 2
                 self._rows[:] = [r for r in self._rows if r["step"] % self._rows_stride == 0]
         st.step, st.last, st.last_progress = data["step"], row, now
+        st.peak_rss = max(st.peak_rss, float(row.get("rss") or 0.0))
         if "tokens_per_s" in row:
             self.throughput_unit = "tokens/s"
         self._steps.add(st.rank, row["step"], row["attempt"], {
@@ -539,12 +540,14 @@ class Run:
             return
         for r, f in failures.items():
             st = self._ranks.setdefault(r, RankState(r))
-            if st.error is None:
-                when = st.closed_at or (float(f["timestamp"]) if f.get("timestamp") else None) or time.time()
-                st.error, st.failed_at = {"error": f["error"], "traceback": f["traceback"]}, when
-            elif not st.error["traceback"]:  # it closed without a word: the agent knows how it ended
-                st.error = {"error": f"{f['error']} (no Python traceback: killed, or a crash outside Python)",
-                            "traceback": f["traceback"]}
+            said = st.error is not None and bool(st.error["traceback"])  # its own error message, with a traceback
+            if said:
+                continue
+            if st.failed_at is None:
+                st.failed_at = st.closed_at or (float(f["timestamp"]) if f.get("timestamp") else None) or time.time()
+            # the agent knows how it ended: its exit code and signal, and its Python stack or its log's end
+            note = "" if f["python"] else " (no Python traceback: killed, or a crash outside Python)"
+            st.error = {"error": f"{f['error']}{note}", "traceback": f["traceback"]}
         self._update_error()
 
     def _server_close(self) -> None:
