@@ -610,10 +610,12 @@ def test_nvml_sampling_maps_gpu_figures_per_rank(monkeypatch):
         NVML_TEMPERATURE_GPU=0, nvmlInit=lambda: None, nvmlShutdown=lambda: None,
         nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetMemoryInfo=lambda h: Mem(),
         nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=87 + h),
-        nvmlDeviceGetPowerUsage=lambda h: 512_000, nvmlDeviceGetTemperature=lambda h, kind: 61)
+        nvmlDeviceGetPowerUsage=lambda h: 512_000, nvmlDeviceGetTemperature=lambda h, kind: 61,
+        nvmlDeviceGetName=lambda h: b"NVIDIA H200" if h == 2 else b"?")
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     sampler = DeviceSampler(use_gpu=True)
+    assert sampler.gpu_name == "NVIDIA H200"  # local rank 0's GPU: the first visible one, NVML index 2
     me = psutil.Process()
     out = sampler.sample({0: me, 1: me})
     assert out[1]["gpu_util"] == 87 + 3  # local rank 1 -> the second visible GPU, NVML index 3

@@ -19,8 +19,10 @@ function fmtBytes(b) {
 const fmtNum = (v, d = 3) => (v === null || v === undefined || Number.isNaN(v) ? "–" : Number(v).toPrecision(d));
 function fmtMs(s) {
   if (s === null || s === undefined || Number.isNaN(s)) return "–";
+  if (s === 0) return "0";
   const ms = s * 1e3;
-  return ms >= 1000 ? `${(ms / 1000).toFixed(2)} s` : `${ms.toPrecision(3)} ms`;
+  if (ms >= 1000) return `${(ms / 1000).toPrecision(3)} s`;
+  return ms >= 1 ? `${ms.toPrecision(3)} ms` : `${(ms * 1e3).toPrecision(3)} µs`;
 }
 function fmtRate(v) {
   if (v === null || v === undefined || Number.isNaN(v)) return "–";
