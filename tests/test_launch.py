@@ -463,6 +463,45 @@ def test_calibration_memory_margin_from_cuda_peak():
 
 
 # ---- the real exported script --------------------------------------------------------------------------------------
+HANG_CELL = """\
+import time
+import torch, torch.nn as nn
+model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1))
+example_inputs = (torch.randn(8, 32),)
+
+
+def make_batch(step, rank):
+    if step == 3 and rank == 1:
+        time.sleep(3600)  # a data loader that never returns
+    return (torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * step + rank)),)
+"""
+
+
+@pytest.mark.multiprocess
+def test_exported_script_hang_shows_where_every_rank_waits(tmp_path):
+    """Rank 1's data loader never returns at step 3; rank 0 waits for it in the gradients' all-reduce. The run is
+    reported hung, and every rank printed its threads' stacks (faulthandler on SIGUSR1, registered by the exported
+    script's Metrics when launched): rank 1's shows the cell's make_batch asleep."""
+    export = pytest.importorskip("autopar_nb.export").export
+    from runtime_cases import make_plan, source
+
+    src = source(HANG_CELL)
+    plan = make_plan(src, dp=2)
+    run = launch(lambda path: export(src, plan, path, steps=20, quiet=True).script, nproc=2, steps=20, plan=plan,
+                 run_dir=tmp_path, hang_timeout_s=4.0)
+    wait_for(lambda: run.status == "hung", 120, "the hang to be detected")
+    wait_for(lambda: run.done, 10, "the teardown")
+    assert run.last_steps() == {0: 2, 1: 2} and run.hang["rank"] == 1  # the stacks tell who waits for whom
+    assert "rank 1 stopped reporting first (after step 2" in run.message
+    assert "it is in make_batch, while rank 0 waits inside torch" in run.message
+    stacks = run.hang["stacks"]
+    assert set(stacks) == {0, 1}, run.hang
+    assert "make_batch" in stacks[1] and "time.sleep" in HANG_CELL and "most recent call first" in stacks[1]
+    assert "in train" in stacks[0] and "make_batch" not in stacks[0]  # rank 0 got past its batch
+    board = run.dashboard()
+    assert board.status == "hung" and set(board.hang["stacks"]) == {"0", "1"}
+    assert_no_process_left(run)
+
 @pytest.mark.multiprocess
 def test_exported_script_runs_under_launch_with_metrics(tmp_path):
     export = pytest.importorskip("autopar_nb.export").export
@@ -557,6 +596,18 @@ def test_hang_names_the_rank_that_stopped_first():
              2: RankState(2, step=5, last_progress=41.0, connected=True)}
     assert stalled_rank(ranks, now=100.0, t0=0.0, timeout=30.0) == (1, 60.0)  # lowest step, then earliest
     assert "rank 1 stopped reporting first (after step 5" in hang_message(ranks, 1, 60.0, 30.0)
+    # ranks 1 and 2 stopped after the same step: their stacks say which one the other waits for
+    from autopar_nb.launch.hang import waited_for
+
+    def stack(*frames):
+        return "Current thread 0x1 (most recent call first):\n" + "".join(
+            f'  File "{f}", line 1 in {fn}\n' for f, fn in frames)
+
+    stacks = {1: stack(("/venv/torch/autograd/graph.py", "_engine_run_backward"), ("/run/train.py", "train")),
+              2: stack(("/run/train.py", "make_batch"), ("/run/train.py", "train")),
+              0: stack(("/venv/torch/distributed/distributed_c10d.py", "all_reduce"))}
+    assert waited_for(ranks, 1, stacks) == 2 and waited_for(ranks, 1, {}) == 1
+    assert "it is in make_batch, while ranks 1, 0 wait inside torch" in hang_message(ranks, 2, 60.0, 30.0, stacks)
 
 
 def test_comparison_is_honest_about_the_device():

@@ -49,6 +49,8 @@ class Dashboard(anywidget.AnyWidget):
     message = traitlets.Unicode("").tag(sync=True)
     error = traitlets.Dict(allow_none=True, default_value=None).tag(sync=True)
     """the first failing rank: {"rank", "error", "traceback", "time_s", "knock_on": [{"rank", "error", "after_s"}]}"""
+    hang = traitlets.Dict(allow_none=True, default_value=None).tag(sync=True)
+    """when the run hung: {"rank" that stopped first, "seconds", "stacks": {rank: its threads' stacks}}"""
     ranks = traitlets.List().tag(sync=True)
     """per rank: {"rank", "state", "step", "attempt", "memory", "memory_source", "memory_peak", "memory_pred",
     "util", "throughput", "step_time", "data_wait", "power_w", "temperature_c", "log": [str]}"""
@@ -109,6 +111,8 @@ class Dashboard(anywidget.AnyWidget):
             summary = self._summary(run) if run.done else None
             with self.hold_sync():
                 self.status, self.message, self.error = run.status, run.message, run.error
+                self.hang = {**run.hang, "stacks": {str(k): v for k, v in run.hang["stacks"].items()}} \
+                    if run.hang else None
                 self.ranks = ranks
                 if info is not None:
                     self.info = info

@@ -25,12 +25,41 @@ def stalled_rank(ranks: dict[int, RankState], *, now: float, t0: float, timeout:
     return first, stalled[first]
 
 
-def hang_message(ranks: dict[int, RankState], first: int, seconds: float, timeout: float) -> str:
+def innermost_frame(stack: str) -> tuple[str, str] | None:
+    """(file, function) of the innermost frame of a faulthandler dump's current thread (else its first thread)."""
+    block = stack.split("Current thread", 1)[1] if "Current thread" in stack else stack
+    for line in block.splitlines():
+        line = line.strip()
+        if line.startswith('File "') and " in " in line:
+            return line.split('"')[1].replace("\\", "/"), line.rsplit(" in ", 1)[1]
+    return None
+
+
+def waited_for(ranks: dict[int, RankState], first: int, stacks: dict[int, str]) -> int:
+    """The rank the others wait for, from their stacks: among the ranks whose last step is ``first``'s (they stopped
+    together, so time cannot tell), one whose current frame is outside torch (its data loader, the cell's code)
+    while another's is inside torch (a collective, a backward whose hooks all-reduce). Else ``first``."""
+    tied = [r for r, s in ranks.items() if not s.done and s.step == ranks[first].step and r in stacks]
+    frames = {r: innermost_frame(stacks[r]) for r in tied}
+    outside = [r for r in tied if frames[r] and "/torch/" not in frames[r][0]]
+    inside = [r for r in tied if frames[r] and "/torch/" in frames[r][0]]
+    return first if not (outside and inside) or first in outside else min(outside)
+
+
+def hang_message(ranks: dict[int, RankState], first: int, seconds: float, timeout: float,
+                 stacks: dict[int, str] | None = None) -> str:
     step = ranks[first].step
     last = "before any step" if step is None else f"after step {step}"
     steps = ", ".join(f"rank {r}: {'-' if st.step is None else st.step}" for r, st in ranks.items())
+    where = ""
+    frame = innermost_frame((stacks or {}).get(first, ""))
+    if frame and "/torch/" not in frame[0]:
+        waiting = [r for r, t in (stacks or {}).items() if "/torch/" in (innermost_frame(t) or ("/torch/",))[0]]
+        where = f"; it is in {frame[1]}" + (f", while rank{'s' if len(waiting) > 1 else ''} "
+                                            f"{', '.join(map(str, waiting))} wait{'' if len(waiting) > 1 else 's'} "
+                                            "inside torch" if waiting else "")
     return (f"hung: rank {first} stopped reporting first ({last}; no step progress for {seconds:.1f} s, "
-            f"hang_timeout_s={timeout}); last step per rank: {steps}; tearing down")
+            f"hang_timeout_s={timeout}{where}); last step per rank: {steps}; tearing down")
 
 
 def silent_message() -> str:

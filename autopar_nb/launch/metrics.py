@@ -40,6 +40,8 @@ class RankState:
     """time.time() its connection closed without a "done" or error message while the run went on"""
     peak_rss: float = 0.0
     """the highest RSS its step messages reported"""
+    dumps_stacks: bool = False
+    """its script prints every thread's stack to stderr on SIGUSR1 (its "start" message said so)"""
 
     def copy(self) -> RankState:
         """A copy whose dicts and lists are the copy's own."""

@@ -9,6 +9,7 @@ it. Status values::
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ import psutil
 
 from . import compare, logfiles, procs
 from .failure import failure_order
-from .hang import STARTUP_TIMEOUT_S, hang_message, silent_message, stalled_rank
+from .hang import STARTUP_TIMEOUT_S, hang_message, silent_message, stalled_rank, waited_for
 from .metrics import MetricsTable, RankState, step_row, summarize
 from .series import StepSeries, Timeline
 
@@ -27,6 +28,8 @@ __all__ = ["LOG_TAIL_LINES", "SAMPLE_FIELDS", "STARTUP_TIMEOUT_S", "TERMINAL", "
 
 TERMINAL = ("finished", "failed", "stopped", "hung")
 LOG_TAIL_LINES = 8
+STACK_WAIT_S = 0.5
+"""seconds the ranks get to print their stacks when a hang is found"""
 ERROR_LOG_LINES = 60
 """lines of a rank's log shown for a failure that left no Python traceback"""
 MAX_ROWS = 100_000
@@ -116,6 +119,9 @@ class Run:
         """NVML's name of the first GPU (GPU runs only)"""
         self.calibration: dict | None = None
         """what ``calibrate()`` stored: {"preset", "path", "factors", "ratio"}"""
+        self.hang: dict | None = None
+        """when the run hung: {"rank" that stopped reporting first, "seconds" without progress, "stacks": {rank:
+        every thread's Python stack, printed by the rank when the hang was found (exported scripts)}}"""
 
     # ---- public API ---------------------------------------------------------------------------------------------
     @property
@@ -311,7 +317,9 @@ class Run:
             self._set_status("restarting", f"restart {st.attempt}: rank {st.rank} reconnected")
 
     def _on_start(self, st: RankState, data: dict) -> None:
-        """The rank's RSS before it built its model: its memory is counted above it, the samples so far included."""
+        """The rank's RSS before it built its model: its memory is counted above it, the samples so far included.
+        And whether it prints its stacks on SIGUSR1."""
+        st.dumps_stacks = data.get("stacks") is True
         base = data.get("rss_before_model")
         if not isinstance(base, (int, float)) or isinstance(base, bool) or base <= 0:
             return
@@ -482,8 +490,43 @@ class Run:
             self._status = "hung"
             self._message = hang_message(self._ranks, *found, self.hang_timeout_s)
             self._stop_reason = "hang"
+            self.hang = {"rank": found[0], "seconds": found[1], "stacks": {}}
+        self._notify()
+        stacks = self._dump_stacks()
+        with self._lock:
+            first = waited_for(self._ranks, found[0], stacks)  # the stacks may tell who the others wait for
+            seconds = time.monotonic() - max(self._ranks[first].last_progress, self._t0)
+            self.hang = {"rank": first, "seconds": seconds, "stacks": stacks}
+            self._message = hang_message(self._ranks, first, seconds, self.hang_timeout_s, stacks)
         self._notify()
         self._teardown()
+
+    def _dump_stacks(self, wait_s: float = STACK_WAIT_S) -> dict[int, str]:
+        """rank -> where its threads are: each rank whose script registered faulthandler for SIGUSR1 (the exported
+        script does when launched) prints every thread's Python stack to its stderr; the new part of that log."""
+        sizes = {}
+        for r, proc in self.workers().items():
+            st = self._ranks.get(r)
+            d = logfiles.rank_dir(self.run_dir, self.run_id, r)
+            if st is None or not st.dumps_stacks or d is None:
+                continue
+            try:
+                sizes[r] = (d / "stderr.log").stat().st_size if (d / "stderr.log").exists() else 0
+                proc.send_signal(signal.SIGUSR1)
+            except (OSError, psutil.Error):
+                continue
+        if not sizes:
+            return {}
+        time.sleep(wait_s)  # faulthandler writes from a signal handler: it takes milliseconds
+        out = {}
+        for r, size in sizes.items():
+            try:
+                with open(logfiles.rank_dir(self.run_dir, self.run_id, r) / "stderr.log", "rb") as f:
+                    f.seek(size)
+                    out[r] = f.read(logfiles.TAIL_BYTES).decode(errors="replace")
+            except OSError:
+                continue
+        return out
 
     def _agent_alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import socket
 
 import torch
@@ -16,7 +18,10 @@ class Metrics:
         address, token = os.environ.get("AUTOPAR_METRICS"), os.environ.get("AUTOPAR_TOKEN")
         self.sock = socket.create_connection(address.rsplit(":", 1), timeout=30) if address and token else None
         self.send({"token": token, "rank": rank})  # nothing is sent without a launcher
-        self.send({"event": "start", "pid": os.getpid(), "rss_before_model": rss_before_model})
+        stacks = self.sock is not None and hasattr(signal, "SIGUSR1")  # so a hang shows where every thread waits
+        if stacks:
+            faulthandler.register(signal.SIGUSR1, all_threads=True)  # to stderr; the rank goes on
+        self.send({"event": "start", "pid": os.getpid(), "rss_before_model": rss_before_model, "stacks": stacks})
 
     def send(self, record: dict) -> None:
         if self.sock is not None:

@@ -277,7 +277,12 @@ function render({ model, el }) {
     } else if (e) {
       error.replaceChildren(h("div", { class: "apd-error-head" }, e.error || "the run failed"));
     } else if (st === "hung") {
-      error.replaceChildren(h("div", { class: "apd-error-head" }, model.get("message")));
+      const hang = model.get("hang") || {};
+      const stacks = Object.entries(hang.stacks || {}).sort(([a], [b]) => (a == hang.rank ? -1 : b == hang.rank ? 1 : a - b));
+      error.replaceChildren(h("div", { class: "apd-error-head" }, model.get("message")),
+        ...stacks.map(([r, text]) => h("details", { class: "apd-stack", "data-rank": r, open: r == hang.rank },
+          h("summary", {}, `rank ${r}: where its threads were`), h("pre", { class: "apd-pre" }, text))),
+        stacks.length ? null : h("div", { class: "apd-knock" }, "no stacks: the script does not print them on SIGUSR1 (exported scripts do)"));
     } else {
       error.replaceChildren();
     }
@@ -348,7 +353,7 @@ function render({ model, el }) {
   model.on("change:timeline", () => schedule("charts"));
   model.on("change:steps", () => schedule("charts"));
   model.on("change:ranks", () => schedule("table"));
-  for (const k of ["status", "message", "error"]) model.on(`change:${k}`, () => schedule("status"));
+  for (const k of ["status", "message", "error", "hang"]) model.on(`change:${k}`, () => schedule("status"));
   model.on("change:summary", () => schedule("summary"));
 
   const ro = new ResizeObserver(() => { if (built) for (const c of built.charts) c.resize(); });
