@@ -30,6 +30,14 @@ _LINEAR_SPLITS = {
     "rowwise": Split({1: 1}, forward="all_reduce", backward=None, comm_on="output",
                      note="RowwiseParallel: input sharded on the last dim, partial sums all-reduced"),
 }
+# addmm(bias, x, w) with w stored (in, out) (Hugging Face's Conv1D, a Linear traced as addmm with w = weight.t()):
+# the same two splits with the weight's dims swapped
+_ADDMM_SPLITS = {
+    "colwise": Split({0: 0, 2: 1}, forward=None, backward="all_reduce", comm_on="input",
+                     note="colwise: output sharded on the last dim (Conv1D: PackedColwiseParallel(transposed=True))"),
+    "rowwise": Split({2: 0}, forward="all_reduce", backward=None, comm_on="output",
+                     note="rowwise: input sharded on the last dim (Conv1D: TransposedRowwiseParallel)"),
+}
 # Embedding: rowwise = vocab-parallel (each rank holds a slice of the vocabulary, output partial -> all-reduce);
 # colwise shards the embedding dim (output gathered).
 _EMBEDDING_SPLITS = {
@@ -66,7 +74,7 @@ _ATTENTION = {"saves": ("qkv", "output", "stats"), "stats": _row_stats(1)}
 _BUILTIN = [
     OpRule("aten.linear", "matmul", tf.linear, 2.0, splits=_LINEAR_SPLITS, saves=("inputs",), flattens_ndim=3),
     OpRule("aten.mm", "matmul", tf.torch_flops("aten.mm"), 2.0, **_OPERANDS),
-    OpRule("aten.addmm", "matmul", tf.torch_flops("aten.addmm"), 2.0, **_OPERANDS),
+    OpRule("aten.addmm", "matmul", tf.torch_flops("aten.addmm"), 2.0, splits=_ADDMM_SPLITS, **_OPERANDS),
     OpRule("aten.bmm", "matmul", tf.torch_flops("aten.bmm"), 2.0, **_OPERANDS),
     OpRule("aten.baddbmm", "matmul", tf.torch_flops("aten.baddbmm"), 2.0, **_OPERANDS),
     OpRule("aten._scaled_mm", "matmul", tf.torch_flops("aten._scaled_mm"), 2.0, **_OPERANDS),

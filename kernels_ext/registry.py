@@ -64,8 +64,8 @@ TP_ROLES = {
     "norm": "normalises over the feature dim: a feature-sharded tensor must not reach it; under sequence "
             "parallelism it runs on sequence shards (LayerNorm, RMSNorm)",
     "reduction": "reduces over the feature dim: a feature-sharded tensor must not reach it (sum, mean, losses)",
-    "split": "cuts its input into pieces (split, chunk, unbind, slice): cutting a colwise shard's last dim would "
-             "mix the pieces (q, k and v of a fused QKV)",
+    "split": "cuts its input into pieces (split, chunk, unbind, slice): a contiguous colwise shard of the last dim "
+             "would mix the pieces (q, k and v of a fused QKV), so a projection cut this way is split part by part",
 }
 """How tensor parallelism treats an op that is not itself split (``OpRule.tp_role``)."""
 

@@ -52,7 +52,7 @@ class KorthikantiLayer(nn.Module):
         super().__init__()
         self.a = a
         self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        # separate q/k/v (Megatron's per-head fused layout; a [q | k | v] fused Linear split by TP would mix them)
+        # separate q/k/v, as the paper counts them (a fused [q | k | v] Linear is split part by part: the same)
         self.q, self.k, self.v, self.proj = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h)
         self.fc, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
         self.drop_attn, self.drop1, self.drop2 = nn.Dropout(p), nn.Dropout(p), nn.Dropout(p)

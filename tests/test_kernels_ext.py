@@ -18,6 +18,10 @@ def test_linear_flops_and_splits():
     assert rule.backward_factor == 2.0
     assert rule.splits["rowwise"].forward == "all_reduce"
     assert rule.splits["colwise"].forward is None and rule.splits["colwise"].backward == "all_reduce"
+    # addmm(bias, x, w) with w stored (in, out), as Hugging Face's Conv1D runs: the same splits, weight dims swapped
+    addmm = kernels_ext.lookup("aten.addmm.default")
+    assert addmm.splits["colwise"].param_dims == {0: 0, 2: 1} and addmm.splits["rowwise"].param_dims == {2: 0}
+    assert addmm.splits["colwise"].backward == addmm.splits["rowwise"].forward == "all_reduce"
 
 
 def test_conv_and_attention_formulas():

@@ -66,34 +66,52 @@ def test_seed_mlp_plan_has_cost_alternatives_explanation(seed):
 def test_gpt_tp_styles_from_dataflow(gpt):
     p = ap.plan(gpt, h100(), global_batch=8, fix={"tp": 2, "pp": 1})
     tp = p.tp_plan
-    # fused QKV: c_attn(x).split(C, dim=2) cuts the sharded dim, so colwise shards would mix q/k/v: kept replicated
-    assert "h.0.attn.c_attn" not in tp and "h.0.attn.c_proj" not in tp
+    # fused QKV: c_attn(x).split(C, dim=2) cuts the sharded dim into q, k, v of 8 heads each: split part by part
+    assert tp["h.0.attn.c_attn"] == "colwise" and tp["h.0.attn.c_proj"] == "rowwise"
+    assert p.tp_parts == {f"h.{i}.attn.c_attn": [8, 8, 8] for i in range(4)}
+    assert p.layer("h.1").tp_parts == {"h.1.attn.c_attn": [8, 8, 8]}
+    assert "Fused projections split part by part" in p.explain() and "h.*.attn.c_attn [8, 8, 8]" in p.explain()
     assert tp["h.3.mlp.c_fc"] == "colwise" and tp["h.3.mlp.c_proj"] == "rowwise"
     assert tp["wte"] == "rowwise" and tp["lm_head"] == "colwise" and p.loss_parallel
     # wpe is looked up with arange(T) positions: replicated; wte(idx) + wpe(pos) rules out sequence parallelism
     assert "wpe" not in tp and not p.layer("h.2").sequence_parallel and "h.0.ln_1" not in tp
 
 
-def test_tp_fused_qkv_split_detected():
-    """A Linear whose colwise output is split along the sharded dim is not sharded; chunk along another dim is."""
-    import torch
+def test_tp_fused_projection_split_part_by_part():
+    """A Linear whose colwise output is cut along the sharded dim into pieces that make up the whole is split part by
+    part (parts in features when no view splits them into heads); chunk along another dim is a plain colwise split;
+    pieces that leave part of the output unused refuse the split, even on an override."""
     import torch.nn as nn
 
+    from autopar_nb.cost.profile import profile
+
     class Fused(nn.Module):
-        def __init__(self, dim_split: int):
+        def __init__(self, cut: str):
             super().__init__()
-            self.up, self.down, self.dim_split = nn.Linear(8, 16), nn.Linear(8 if dim_split == -1 else 16, 8), dim_split
+            self.cut = cut
+            self.up, self.down = nn.Linear(8, 16), nn.Linear(16 if cut == "rows" else 8, 8)
 
         def forward(self, x):
-            a, b = self.up(x).chunk(2, dim=self.dim_split)
+            y = self.up(x)
+            if self.cut == "slice":  # half of the output never used
+                return self.down(y[..., :8])
+            a, b = y.chunk(2, dim=0 if self.cut == "rows" else -1)
             return self.down(a * b)
 
-    for d, expect in ((-1, None), (0, "colwise")):
-        g = ap.capture(Fused(d).to("meta"), (torch.randn(4, 8, device="meta"),))
-        from autopar_nb.cost.profile import profile
-
-        styles = {k: v for lp in profile(g).layers for k, v in lp.tp.items()}
-        assert styles.get("up") == expect, (d, styles)
+    for cut, style, parts in (("features", "colwise", (8, 8)), ("rows", "colwise", None), ("slice", None, None)):
+        g = ap.capture(Fused(cut).to("meta"), (torch.randn(4, 8, device="meta"),))
+        prof = profile(g)
+        lp = prof.layers[0]
+        assert lp.tp.get("up") == style, (cut, lp.tp)
+        assert (lp.parts["up"].counts if "up" in lp.parts else None) == parts and not lp.repeatable
+        if cut == "features":
+            assert lp.layout("up", 2) == "packed" and lp.layout("up", 16) == ""
+            p = ap.plan(g, h100(1, 2), fix={"tp": 2})
+            assert p.tp_parts == {"up": [8, 8]} and "up [8, 8]" in p.explain()
+        if cut == "slice":
+            assert "do not make up its 16 outputs" in prof.tp_refused["up"]
+            with pytest.raises(PlanError, match="do not make up its 16 outputs"):
+                ap.plan(g, h100(1, 2), fix={"tp": 2}, overrides={"up": {"tp": "colwise"}})
 
 
 def test_llama_tp_styles_gqa(llama):
@@ -113,11 +131,17 @@ def test_seed_mlp_tp_pairs_across_layers(seed):
 
 
 def test_tp_must_divide_heads(llama):
-    # 4 kv heads: tp=8 cannot split them
-    with pytest.raises(PlanError, match="tp=8 does not divide the head count 4"):
-        ap.plan(llama, h100(), global_batch=8, fix={"tp": 8})
-    p = ap.plan(llama, h100(), global_batch=8)
-    assert p.mesh.tp in (1, 2, 4)
+    # 8 query heads, 4 kv heads: tp=8 splits the query heads and repeats the key/value projections
+    p = ap.plan(llama, h100(), global_batch=8, fix={"tp": 8})
+    assert p.layer("layers.1").tp_parts == {"layers.1.attention.wk": [4], "layers.1.attention.wv": [4]}
+    assert p.tp_plan["layers.1.attention.wk"] == "colwise" and "Key/value projections repeated" in p.explain()
+    assert ap.plan(llama, h100(), global_batch=8, fix={"tp": 4}).tp_parts == {}  # 4 kv heads split: no parts
+    # 6 heads: tp=4 splits neither the query heads nor (6 % 4, 4 % 6) the key/value heads
+    six = capture(lambda: zoo.Llama(zoo.LlamaConfig(vocab_size=4096, dim=384, n_layers=2, n_heads=6, n_kv_heads=6,
+                                                    ffn_dim=1024)), torch.randint(0, 4096, (8, 256)))
+    with pytest.raises(PlanError, match="tp=4 does not divide the head count 6"):
+        ap.plan(six, h100(), global_batch=8, fix={"tp": 4})
+    assert ap.plan(six, h100(), global_batch=8).mesh.tp in (1, 2)
 
 
 def test_unknown_override_and_fix_raise(gpt):
@@ -316,9 +340,8 @@ def test_pipeline_stages_move_for_memory():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    ({"h.0.attn.c_attn": {"tp": "colwise"}}, "cut by split"),  # fused QKV: a colwise shard would mix q/k/v
     ({"h.0.ln_1": {"tp": "sequence_parallel"}}, "wpe"),  # wte(idx) + wpe(arange): no sequence parallelism
-    ({"h.0.ln_1": {"tp": "colwise"}}, "applies to nn.Linear or nn.Embedding"),
+    ({"h.0.ln_1": {"tp": "colwise"}}, "applies to nn.Linear, Hugging Face.s Conv1D or nn.Embedding"),
 ])
 def test_overrides_the_runtime_cannot_run_are_refused(gpt, overrides, match):
     with pytest.raises(PlanError, match=match):

@@ -323,3 +323,20 @@ def test_export_button_writes_the_script(ip, tmp_path, monkeypatch):
     msg = w.messages[0]
     assert msg["level"] == "info" and "train.py" in msg["text"] and "torchrun --nproc-per-node 2" in msg["detail"]
     assert (tmp_path / "train.py").exists() and w.last_result is not None
+
+
+def test_layer_table_says_how_projections_with_parts_split(gpt_graph):
+    """The layer table names the TP layouts beyond an even cut: nanoGPT's fused c_attn split part by part; a
+    key/value projection with fewer heads than tp repeated; parts of different widths gathered."""
+    from autopar_nb.plan import LayerPlan
+    from autopar_nb.widget.editor import layout_note
+
+    s = _session(gpt_graph)
+    s.replan(fix={"tp": 2})
+    w = s.widget()
+    row = next(r for r in w.layers if r["path"] == "h.1")
+    assert row["auto_label"] == "tp col→row (Megatron) · c_attn split part by part", row
+    layer = dataclasses.replace(gpt_graph.layer("h.1"), modules={"a.q": "Linear", "a.k": "Linear", "a.qkv": "Linear"})
+    lp = LayerPlan("h.1", tp={"a.k": "colwise", "a.qkv": "colwise"}, tp_parts={"a.k": [1], "a.qkv": [4, 2, 2]})
+    assert layout_note(layer, lp, 2) == " · k repeated · qkv gathered"
+

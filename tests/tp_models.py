@@ -1,9 +1,10 @@
 """Test models whose attention TP can shard the Megatron way: q, k and v from separate Linears.
 
 Megatron-LM's fused QKV weight is laid out per head ([q_h, k_h, v_h] for each head), so a contiguous row shard holds
-whole heads; nanoGPT's ``c_attn(x).split(C, dim=2)`` (zoo GPT) is laid out [q | k | v], which a ``ColwiseParallel``
-shard would mix, and the planner keeps it replicated. The cost tests that reproduce Megatron's numbers use this
-equivalent (same FLOPs, same saved activations) layout.
+whole heads; nanoGPT's ``c_attn(x).split(C, dim=2)`` (zoo GPT) is laid out [q | k | v], which a plain
+``ColwiseParallel`` shard would mix: the planner splits it part by part instead (``LayerPlan.tp_parts``). The cost
+tests that reproduce Megatron's numbers use this equivalent (same FLOPs, same saved activations) layout, and
+``test_cost_time`` checks that the fused one costs the same.
 """
 
 from __future__ import annotations

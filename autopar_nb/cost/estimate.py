@@ -34,6 +34,8 @@ class Setting:
     sp: bool = False
     """sequence parallel (TP > 1 on a sequence model)"""
     optimizer: str = "adam"
+    ep: int = 1
+    """expert parallelism: the experts modules split over ``ep`` of the dp ranks (1: experts whole everywhere)"""
 
 
 @dataclass
@@ -69,11 +71,21 @@ class LayerTerms:
     largest_param: float = 0.0
     """numel of the layer's largest local parameter"""
     tp_exposed: float = 0.0
-    """seconds of the TP collectives not hidden behind compute: sum(tp_comm) x (1 - overlap_tp)"""
+    """seconds of the TP collectives not hidden behind compute: sum(tp_comm) x (1 - overlap_tp), plus expert
+    parallelism's all-to-alls (in tp_comm too), which the tokens wait for"""
+    experts_local: float = 0.0
+    """numel of the layer's expert parameters on one rank under expert parallelism (ep > 1; else 0: they count as
+    any other parameter)"""
+    a2a_fwd: float = 0.0
+    """seconds of the forward all-to-alls of expert parallelism (full recompute runs them again)"""
+    tp_step: float = 0.0
+    """seconds of TP collectives run once per step, not per micro-batch: the all-reduce of the weight gradients of
+    key/value projections TP repeats (``LayerProfile.at_tp``)"""
 
     def recompute_s(self, recompute: str) -> float:
-        """Seconds recompute adds in backward: the whole forward again (full) or the attention scores (selective)."""
-        return self.fwd if recompute == "full" else self.sel if recompute == "selective" else 0.0
+        """Seconds recompute adds in backward: the whole forward again (full, with its all-to-alls) or the attention
+        scores (selective)."""
+        return self.fwd + self.a2a_fwd if recompute == "full" else self.sel if recompute == "selective" else 0.0
 
     def recompute_flops(self, recompute: str) -> float:
         """FLOPs recompute adds (hardware FLOPs, not model FLOPs)."""
@@ -113,16 +125,20 @@ class RankSums:
     """parameters folded into the root FSDP unit (numel)"""
     p2p: list[float]
     """bytes a rank sends to the next stage"""
+    experts: list[float] = field(default_factory=list)
+    """local expert parameters under expert parallelism (numel; part of ``params``)"""
     head_tp: bool = False
     """the output head is TP-split (loss_parallel can apply)"""
     model_flops: float = 0.0
     hw_flops: float = 0.0
+    tp_step: list[float] = field(default_factory=list)
+    """seconds of TP collectives run once per step (``LayerTerms.tp_step``)"""
 
     @classmethod
     def zeros(cls, pp: int) -> RankSums:
         z = [0.0] * pp
         return cls(list(z), list(z), list(z), [{} for _ in range(pp)], list(z), list(z), list(z),
-                   [(0.0, 0.0) for _ in range(pp)], list(z), list(z), list(z), list(z))
+                   [(0.0, 0.0) for _ in range(pp)], list(z), list(z), list(z), list(z), list(z), tp_step=list(z))
 
     def per_micro_batch(self, r: int) -> float:
         """Rank ``r``'s time for one micro-batch: the sum of its layers' :meth:`LayerTerms.time_s`."""
@@ -149,13 +165,13 @@ class Evaluator:
         self._cache: dict[tuple, LayerTerms] = {}
 
     # ---- per layer ----------------------------------------------------------------------------------------------
-    def terms(self, i: int, *, tp: int, sp: bool, half: bool, mb_samples: float) -> LayerTerms:
+    def terms(self, i: int, *, tp: int, sp: bool, half: bool, mb_samples: float, ep: int = 1) -> LayerTerms:
         """Per-layer terms, cached by the layer's repeated-block representative."""
-        key = (self.prof.rep[i], tp, sp, half, mb_samples)
+        key = (self.prof.rep[i], tp, sp, half, mb_samples, ep)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        lp = self.prof.layers[self.prof.rep[i]]
+        lp = self.prof.layers[self.prof.rep[i]].at_tp(tp)  # key/value projections this tp repeats: whole
         scale = mb_samples / self.prof.batch * self.seq_ratio
         qscale = mb_samples / self.prof.batch * self.seq_ratio ** 2
         fwd, bwd, sel = layer_compute_time(lp, tp=tp, sp=sp, half=half, scale=scale, quad_scale=qscale,
@@ -163,27 +179,52 @@ class Evaluator:
         act = {r: activation_bytes(lp, tp=tp, sp=sp, recompute=r, half=half, scale=scale, quad_scale=qscale,
                                    megatron_sp=self.megatron_sp) for r in RECOMPUTE}
         comm: dict[str, float] = {}
+        step_s = 0.0  # once per step, not per micro-batch
         if tp > 1:
             link = link_for(self.cluster, size=tp, stride=1)
             for c in lp.comms:
+                if c.phase == "step":
+                    step_s += collective_time(c.kind, c.nbytes, tp, link, self.f.eff_link)
+                    continue
                 nbytes = (c.half_bytes if half else c.nbytes) * scale
-                kinds = ("reduce_scatter", "all_gather") if sp else ("all_reduce",)
+                # sequence parallel turns an all-reduce into a reduce-scatter and an all-gather
+                kinds = ("reduce_scatter", "all_gather") if sp and c.kind == "all_reduce" else (c.kind,)
                 for k in kinds:
                     comm[k] = comm.get(k, 0.0) + collective_time(k, nbytes, tp, link, self.f.eff_link)
         out = (lp.output_half if half else lp.output_bytes) * scale / (tp if sp else 1)
         work = lp.largest_out * scale * (0.5 if half else 1.0) / (tp if tp > 1 else 1)
         fwd_fl = (sum(lp.flops_split.values()) + sum(lp.flops_rep.values()) + lp.flops_other) * scale
         bwd_fl = (sum(lp.bwd_split.values()) + sum(lp.bwd_rep.values()) + lp.bwd_other) * scale
-        t = LayerTerms(fwd, bwd, sel, act, lp.params_split / tp + lp.params_rep, comm, out, work,
-                       fwd_fl + bwd_fl, fwd_fl, lp.quad_flops * qscale, lp.largest_param / (tp if lp.tp else 1),
-                       sum(comm.values()) * (1 - self.f.overlap_tp))
+        experts = lp.params_experts / ep if ep > 1 and lp.experts else 0.0
+        a2a_fwd, a2a = self._all_to_alls(lp, ep=ep, tp=tp, half=half, scale=scale) if experts else (0.0, 0.0)
+        t = LayerTerms(fwd, bwd, sel, act, lp.params_split / tp + lp.params_rep - (lp.params_experts - experts
+                                                                                      if experts else 0),
+                       comm, out, work, fwd_fl + bwd_fl, fwd_fl, lp.quad_flops * qscale,
+                       lp.largest_param / (tp if lp.tp else 1), sum(comm.values()) * (1 - self.f.overlap_tp) + a2a,
+                       experts, a2a_fwd)
+        if a2a:
+            comm["all_to_all"] = a2a
+        t.tp_step = step_s
         self._cache[key] = t
         return t
+
+    def _all_to_alls(self, lp, *, ep: int, tp: int, half: bool, scale: float) -> tuple[float, float]:
+        """(forward, forward + backward) seconds of expert parallelism's all-to-alls in one layer and micro-batch
+        (``runtime/ep.py``, counted there with CommDebugMode: 5 per experts module and step): the per-expert token
+        counts (E integers), the token rows out to the experts and back in forward, the same two in backward. The
+        ep ranks are consecutive data-parallel ranks (stride tp). Balanced routing: every rank sends and receives
+        the average; a skewed router makes the busiest rank's share the time, which this does not model."""
+        link = link_for(self.cluster, size=ep, stride=tp)
+        rows = (lp.dispatch_half if half else lp.dispatch_bytes) * scale / len(lp.experts)
+        one = collective_time("all_to_all", rows, ep, link, self.f.eff_link)
+        counts = sum(collective_time("all_to_all", 8 * e, ep, link, self.f.eff_link) for e in lp.experts.values())
+        n = len(lp.experts)
+        return counts + 2 * n * one, counts + 4 * n * one
 
     def choice_terms(self, i: int, s: Setting, ch: LayerChoice) -> LayerTerms:
         """:meth:`terms` of layer ``i`` under the candidate's setting and the layer's choice (TP on or off)."""
         return self.terms(i, tp=s.tp if ch.tp else 1, sp=s.sp and ch.tp, half=s.amp != "none",
-                          mb_samples=s.mb_samples)
+                          mb_samples=s.mb_samples, ep=s.ep)
 
     # ---- a whole candidate --------------------------------------------------------------------------------------
     def runs(self, choices: list[LayerChoice]) -> list[tuple[int, int, LayerChoice]]:
@@ -212,11 +253,18 @@ class Evaluator:
         bubble = bubble_fraction(s.schedule, pp=s.pp, micro_batches=m, virtual_stages=s.virtual_stages,
                                  factors=f) * sums.per_micro_batch(bottleneck)
         comm = CommTime(by_kind={kk: v * m for kk, v in sums.tp_kind[bottleneck].items()},
-                        exposed_by_kind={kk: v * m * (1 - f.overlap_tp) for kk, v in sums.tp_kind[bottleneck].items()})
+                        exposed_by_kind={kk: v * m * (1 if kk == "all_to_all" else 1 - f.overlap_tp)
+                                         for kk, v in sums.tp_kind[bottleneck].items()})
         tp_exposed = m * sums.tpc[bottleneck]
+        tp_step = max(sums.tp_step)  # repeated key/value weight gradients, all-reduced at the step, not overlapped
+        if tp_step:
+            tp_exposed += tp_step
+            for d in (comm.by_kind, comm.exposed_by_kind):
+                d["all_reduce"] = d.get("all_reduce", 0.0) + tp_step
         p2p_exposed = self._pipeline_comm(s, sums, comm)
         dp_exposed = self._data_parallel_comm(s, sums, bottleneck, comm)
-        opt_params = max(sums.params) / s.dp if s.zero_stage >= 1 else max(sums.params)
+        opt_params = max(sums.params) if s.zero_stage < 1 else max(
+            (p - x) / s.dp + x / (s.dp // s.ep) for p, x in zip(sums.params, sums.experts, strict=True))
         opt_t = optimizer_time(opt_params, self.cluster.device, f)
         compute = m * (sums.fwdbwd[bottleneck] + sums.rec[bottleneck])
         step = compute + tp_exposed + bubble + p2p_exposed + dp_exposed + opt_t
@@ -252,6 +300,8 @@ class Evaluator:
             if wb > sums.work[r]:
                 sums.work[r] = wb
             sums.params[r] += cnt * lt.params_local
+            sums.experts[r] += cnt * lt.experts_local
+            sums.tp_step[r] += cnt * lt.tp_step
             if cnt > 1 or prof.rep[i] != i:
                 sums.block_unit[r] = max(sums.block_unit[r], lt.params_local)
             sums.largest[r] = max(sums.largest[r], lt.largest_param)
@@ -294,17 +344,22 @@ class Evaluator:
         if s.dp <= 1:
             return 0.0
         f, m = self.f, s.micro_batches
-        dp_link = link_for(self.cluster, size=s.dp, stride=s.tp)
         p_item = ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")]  # parameters gathered in the compute dtype
         g_item = ITEMSIZE["float32"]  # gradients reduced in fp32 (FSDP2 MixedPrecisionPolicy.reduce_dtype / DDP)
-        P = max(sums.params)  # the pipeline rank with the most parameters reduces last
+        r = max(range(s.pp), key=lambda j: sums.params[j])  # the pipeline rank with the most parameters reduces last
+        # expert parallelism: the experts' share is reduced among the dp / ep ranks that hold the same experts
+        # (every ep-th data-parallel rank), the rest over all dp ranks
+        groups = [(sums.params[r] - sums.experts[r], s.dp, link_for(self.cluster, size=s.dp, stride=s.tp))]
+        if sums.experts[r]:
+            edp = s.dp // s.ep
+            groups.append((sums.experts[r], edp, link_for(self.cluster, size=edp, stride=s.tp * s.ep)))
 
-        def ct(kind: str, nbytes: float) -> float:
-            return collective_time(kind, nbytes, s.dp, dp_link, f.eff_link)
+        def ct(kind: str, per_param: float) -> float:
+            return sum(collective_time(kind, n * per_param, size, link, f.eff_link) for n, size, link in groups)
 
         if s.zero_stage <= 1:
-            ar = ct("all_reduce", P * g_item)
-            ag = ct("all_gather", P * 4) if s.zero_stage == 1 else 0.0  # ZeroRedundancyOptimizer broadcast
+            ar = ct("all_reduce", g_item)
+            ag = ct("all_gather", 4) if s.zero_stage == 1 else 0.0  # ZeroRedundancyOptimizer broadcast
             comm.by_kind["all_reduce"] = comm.by_kind.get("all_reduce", 0.0) + ar
             if ag:
                 comm.by_kind["all_gather"] = comm.by_kind.get("all_gather", 0.0) + ag
@@ -312,8 +367,8 @@ class Evaluator:
             exposed_kind = {"all_reduce": ar - min(f.overlap_dp * ar, window), "all_gather": ag}
             exposed = ar - min(f.overlap_dp * ar, window) + ag
         else:
-            rs = m * ct("reduce_scatter", P * g_item)
-            ag = (1 if s.zero_stage == 2 else 2 * m) * ct("all_gather", P * p_item)
+            rs = m * ct("reduce_scatter", g_item)
+            ag = (1 if s.zero_stage == 2 else 2 * m) * ct("all_gather", p_item)
             comm.by_kind["reduce_scatter"] = comm.by_kind.get("reduce_scatter", 0.0) + rs
             comm.by_kind["all_gather"] = comm.by_kind.get("all_gather", 0.0) + ag
             window = m * sums.fwdbwd[bottleneck]
@@ -336,12 +391,15 @@ class Evaluator:
         p_item = ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")]
         g_item = ITEMSIZE["float32"]
         sb = state_bytes(s.optimizer)
-        params = sums.params[r]
-        pb, gb, ob = model_states(params, dp=s.dp, zero_stage=s.zero_stage, states=sb)
+        params, experts = sums.params[r], sums.experts[r]
+        edp = s.dp // s.ep  # expert parallelism: the ranks holding the same experts shard their states
+        pb, gb, ob = (a + b for a, b in zip(model_states(params - experts, dp=s.dp, zero_stage=s.zero_stage, states=sb),
+                                            model_states(experts, dp=edp, zero_stage=s.zero_stage, states=sb),
+                                            strict=True))
         held = 0.0  # buffers alive the whole forward/backward
         gather = 0.0  # FSDP: the unit being computed (params + its unsharded grads) and the prefetched next one
         if s.zero_stage == 2:
-            pb = params * sb.param / s.dp
+            pb = (params - experts) * sb.param / s.dp + experts * sb.param / edp
             held += params * p_item  # reshard_after_forward=False keeps unsharded params fwd -> bwd
         elif s.zero_stage == 3:
             u1, _ = sums.unit_top[r]
@@ -403,7 +461,7 @@ def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:
     tp_on = [any(st in ("colwise", "rowwise") for st in lp.tp.values()) for lp in plan.layers]
     sp = any(lp.sequence_parallel for lp in plan.layers)
     s = Setting(m.dp, m.tp, m.pp, m.zero_stage, plan.precision.amp, plan.batch.micro_batches, mb,
-                plan.pipeline.schedule, plan.pipeline.virtual_stages, sp, plan.optimizer.name)
+                plan.pipeline.schedule, plan.pipeline.virtual_stages, sp, plan.optimizer.name, m.ep)
     choices = [LayerChoice(lp.stage, on, lp.recompute, lp.fsdp) for lp, on in zip(plan.layers, tp_on, strict=True)]
     return s, choices
 

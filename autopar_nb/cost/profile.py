@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
+from kernels_ext import moe_rules
+
 from ..plan import ITEMSIZE, layer_of
-from .tp_styles import packet, rule_of, sp_check, splits_of, tp_walk
+from .tp_styles import Parts, Walk, packet, part_split, rule_of, sp_check, splits_of, tp_walk
 
 FLOAT = {"float64", "float32", "float16", "bfloat16"}
 
@@ -50,12 +52,26 @@ class Saved:
 
 @dataclass
 class Comm:
-    """A TP collective at the captured batch: kind, bytes of the full (unsharded) tensor, fwd or bwd."""
+    """A TP collective at the captured batch: kind, bytes of the full (unsharded) tensor, fwd or bwd; or "step":
+    once per optimizer step whatever the batch (the weight gradients of a repeated key/value projection)."""
 
     kind: str
     nbytes: float
     half_bytes: float
     phase: str
+
+
+class Repeatable(NamedTuple):
+    """A key/value projection's terms that change when TP repeats it (its weight whole on every rank)."""
+
+    heads: int
+    fwd: float
+    """forward matmul FLOPs"""
+    bwd: float
+    params: int
+    """trainable parameters (weight and bias)"""
+    grad_bytes: float
+    """bytes of their gradients, all-reduced over the TP ranks once per step"""
 
 
 @dataclass
@@ -108,6 +124,50 @@ class LayerProfile:
     """parameters of vocab-parallel (rowwise) Embeddings in this layer"""
     largest_param: int = 0
     """numel of the largest trainable parameter"""
+    parts: dict[str, Parts] = field(default_factory=dict)
+    """colwise module -> its output's parts (``LayerPlan.tp_parts``: heads per part, or features): projections split
+    into heads, fused projections cut into pieces, head-indexed embeddings (see :mod:`.tp_styles`)"""
+    repeatable: dict[str, Repeatable] = field(default_factory=dict)
+    """key/value projections (fewer heads than the query projection beside them): repeated, whole on every rank,
+    when the TP degree exceeds their heads (:meth:`at_tp`)"""
+    experts: dict[str, int] = field(default_factory=dict)
+    """experts module path -> number of experts (stacked per-expert weights run by a grouped matmul: what expert
+    parallelism splits, ``runtime/ep.py``'s contract)"""
+    params_experts: int = 0
+    """trainable parameters of those modules (part of ``params_rep``: TP leaves them whole)"""
+    dispatch_bytes: float = 0.0
+    """bytes of the token rows the experts modules receive (token x choice pairs x hidden width), summed over the
+    modules: what one all-to-all of expert parallelism moves each way (dispatch, combine)"""
+    dispatch_half: float = 0.0
+
+    def layout(self, module: str, tp: int) -> str:
+        """How ``tp`` ranks split the colwise ``module``: :func:`.tp_styles.part_split` of its parts ("split" for a
+        module without any)."""
+        pp = self.parts.get(module)
+        if pp is None:
+            return "split"
+        return part_split(pp.counts, tp, repeatable=module in self.repeatable, packable=not pp.table)
+
+    def at_tp(self, tp: int) -> LayerProfile:
+        """This profile as ``tp`` ranks run it: the key/value projections repeated at this degree (fewer heads than
+        ranks) compute their whole output on every rank (matmul FLOPs not divided), hold their whole weight
+        (parameters, gradients and optimizer states not divided), and all-reduce their weight gradients once per
+        step (``runtime/layouts.py``: each rank's gradient is a ``Partial`` part of the whole)."""
+        repeated = [r for m, r in self.repeatable.items() if self.layout(m, tp) == "repeated"]
+        if not repeated:
+            return self
+        out = replace(self, flops_split=defaultdict(float, self.flops_split),
+                      flops_rep=defaultdict(float, self.flops_rep), bwd_split=defaultdict(float, self.bwd_split),
+                      bwd_rep=defaultdict(float, self.bwd_rep), comms=list(self.comms))
+        for r in repeated:
+            out.flops_split["matmul"] -= r.fwd
+            out.flops_rep["matmul"] += r.fwd
+            out.bwd_split["matmul"] -= r.bwd
+            out.bwd_rep["matmul"] += r.bwd
+            out.params_split -= r.params
+            out.params_rep += r.params
+            out.comms.append(Comm("all_reduce", r.grad_bytes, r.grad_bytes, "step"))
+        return out
 
 
 @dataclass
@@ -170,6 +230,7 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
     _count_comms(layers, f)
     _count_boundaries(layers, f)
     _count_params(layers, f, split_params=_count_tp(layers, f))
+    _count_experts(layers, f)
     out = graph.outputs[0] if graph.outputs else None
     region_modules: dict[int, list[str]] = defaultdict(list)
     for name, rid in f.tp.region_of.items():
@@ -195,19 +256,8 @@ class _Size(NamedTuple):
         return self.numel * self.itemsize
 
 
-class _TP(NamedTuple):
-    """The TP styles :func:`.tp_styles.tp_walk` derives from dataflow."""
-
-    styles: dict[str, str]
-    """node -> "colwise" | "rowwise" (split Linears and Embeddings)"""
-    head: str
-    """the vocab-parallel head node ("" when none: no loss parallelism)"""
-    sharded: dict[str, int]
-    """node whose output is sharded -> its TP region"""
-    region_of: dict[str, int]
-    """styled node -> its TP region"""
-    heads: dict[str, int]
-    """view node splitting a sharded dim into heads -> the head count"""
+_TP = Walk
+"""The TP styles :func:`.tp_styles.tp_walk` derives from dataflow (styles, head, sharded, regions, heads, parts)."""
 
 
 @dataclass
@@ -437,14 +487,26 @@ def _kept_by(n, rule, f: _Facts, device_kind: str) -> list[_Keep]:
 
 def _count_comms(layers: dict[str, LayerProfile], f: _Facts) -> None:
     """TP collectives: what the kernels_ext Split of each styled op says its style implies, one per distinct
-    tensor (q/k/v, w1/w3 share their input)."""
+    tensor (q/k/v, w1/w3 share their input). A head-indexed embedding keeps its output split (no collective); a
+    projection with parts of different widths all-gathers its output in forward, and its rowwise partner, reading
+    the whole (replicated) result, all-gathers that input's gradient in backward (DTensor's Replicate -> Shard(-1)
+    and back; counted with CommDebugMode)."""
     done: set[tuple[str, str]] = set()
+    gathered = {f.tp.region_of[k] for k, pp in f.tp.parts.items() if pp.gathered}
     for lp, n in _in_layers(layers, f):
         style = f.tp.styles.get(n.name)
         split = splits_of(n.op).get(style) if style else None
-        if split is None:
+        pp = f.tp.parts.get(n.name)
+        if split is None or (pp is not None and pp.table):
             continue
+        size = f.size[n.name]
+        if pp is not None and pp.gathered:
+            lp.comms.append(Comm("all_gather", size.nbytes, size.numel * min(size.itemsize, 2), "fwd"))
         float_acts = [i for i in n.inputs if f.size[i].floating]
+        if style == "rowwise" and f.tp.region_of.get(n.name) in gathered and float_acts and \
+                float_acts[0] not in f.tp.sharded:
+            whole = f.size[float_acts[0]]
+            lp.comms.append(Comm("all_gather", whole.nbytes, whole.numel * min(whole.itemsize, 2), "bwd"))
         for phase, kind in (("fwd", split.forward), ("bwd", split.backward)):
             if not kind:
                 continue
@@ -486,10 +548,12 @@ def _count_boundaries(layers: dict[str, LayerProfile], f: _Facts) -> None:
 
 
 def _count_tp(layers: dict[str, LayerProfile], f: _Facts) -> set[str]:
-    """Per layer: module TP styles, regions, what the TP degree must divide (split Linear dims, head counts),
-    vocabularies, vocab-parallel embedding parameters, norms outside TP regions. Returns the parameters TP splits."""
+    """Per layer: module TP styles, their parts, regions, what the TP degree must divide (split Linear dims, head
+    counts, parts), the key/value projections it may repeat instead, vocabularies, vocab-parallel embedding
+    parameters, norms outside TP regions. Returns the parameters TP splits."""
     split_params: set[str] = set()
     params = f.graph.params
+    kv = _key_value_projections(f)
     for lp, n in _in_layers(layers, f):
         style = f.tp.styles.get(n.name)
         if style:
@@ -499,25 +563,55 @@ def _count_tp(layers: dict[str, LayerProfile], f: _Facts) -> set[str]:
                 pi = params.get(pname)
                 if pi is not None and not pi.is_buffer and not (pname.endswith("bias") and style == "rowwise"):
                     split_params.add(pname)
-            w = params.get(n.params[0]) if n.params else None
+            # the weight: the first 2-D parameter (addmm, Conv1D's op, reads its bias first)
+            w = next((params[q] for q in n.params if q in params and len(params[q].shape) == 2),
+                     params.get(n.params[0]) if n.params else None)
             is_embedding = n.op_class == "embedding"
             if w is not None and is_embedding and style == "rowwise" and w.trainable:
                 lp.embedding_params += w.numel
-            if w is not None and len(w.shape) == 2:
-                if is_embedding or n.name == f.tp.head:
+            pp = f.tp.parts.get(n.name)
+            if pp is not None:
+                lp.parts[n.module_path] = pp
+            if n.name in kv:  # tp divides its heads (split) or is a multiple of them (repeated): search.tp_blockers
+                ps = [params[q] for q in n.params if q in params and not params[q].is_buffer and params[q].trainable]
+                lp.repeatable[n.module_path] = Repeatable(pp.counts[0], n.flops, n.bwd_flops, sum(q.numel for q in ps),
+                                                          sum(q.numel * q.itemsize for q in ps))
+            elif w is not None and len(w.shape) == 2:
+                if (is_embedding or n.name == f.tp.head) and not (pp is not None and pp.table):
                     lp.vocab.add(w.shape[0])
-                else:
-                    lp.divisors.add(w.shape[0] if style == "colwise" else w.shape[1])
+                elif not is_embedding:
+                    out_dim = 1 if n.module_type == "Conv1D" else 0  # Conv1D stores its weight (in, out)
+                    lp.divisors.add(w.shape[out_dim] if style == "colwise" else w.shape[1 - out_dim])
+            if pp is not None and n.name not in kv:
+                lp.divisors.update(pp.counts)
+                if pp.heads:
+                    lp.heads.update(pp.counts)
         norm_op = n.op_class == "norm" and "sequence_parallel" in splits_of(n.op)
         if (norm_op or _python_norm(n)) and n.name not in f.tp.sharded and n.module_path and n.params and \
                 n.module_path not in lp.norms:
             lp.norms.append(n.module_path)
+    owner = {m: lay.path for lay in f.graph.layers for m in lay.modules}
+    for module, style in f.tp.holders.items():  # holds a shared weight without running: split with its users
+        if owner.get(module) in layers:
+            layers[owner[module]].tp[module] = style
     for lp, n in _in_layers(layers, f):
         hc = f.tp.heads.get(n.name)
         if hc:
             lp.heads.add(hc)
             lp.divisors.add(hc)
     return split_params
+
+
+def _key_value_projections(f: _Facts) -> set[str]:
+    """Colwise ``nn.Linear`` nodes split into fewer heads than the query projection of their region (GQA/MQA's key
+    and value projections): TP may repeat them (their weight whole on every rank) when it exceeds their heads."""
+    most: dict[int, int] = {}
+    single = {k: pp.counts[0] for k, pp in f.tp.parts.items() if len(pp.counts) == 1 and pp.heads and not pp.table}
+    for k, h in single.items():
+        r = f.tp.region_of[k]
+        most[r] = max(most.get(r, 0), h)
+    return {k for k, h in single.items() if f.by_name[k].module_type == "Linear" and h < most[f.tp.region_of[k]] and
+            most[f.tp.region_of[k]] % h == 0}
 
 
 NORM_MODULES = ("LayerNorm", "RMSNorm", "GroupNorm")
@@ -548,6 +642,34 @@ def _count_params(layers: dict[str, LayerProfile], f: _Facts, *, split_params: s
             lp.params_split += pi.numel
         else:
             lp.params_rep += pi.numel
+
+
+GROUPED_MATMULS = frozenset(r.name for r in moe_rules.GROUPED_MATMULS if r.backward_factor)
+"""forward grouped matmuls over stacked expert weights (``kernels_ext.moe_rules``; their backward ops excluded)"""
+
+
+def _count_experts(layers: dict[str, LayerProfile], f: _Facts) -> None:
+    """Experts modules: a module whose own trainable parameters are all stacked per expert (>= 3 dims, the same
+    first dim E >= 2) and which runs a grouped matmul. Per layer: module -> E, their parameters, and the token rows
+    the first grouped matmul of each receives ((token x choice) x hidden: what expert parallelism sends away)."""
+    owned: dict[str, list] = defaultdict(list)
+    for pi in f.graph.params.values():
+        if not pi.is_buffer and pi.trainable:
+            owned[pi.module_path].append(pi)
+    first: dict[str, Any] = {}
+    for n in f.graph.nodes:
+        if n.op.rpartition(".")[0] in GROUPED_MATMULS and n.module_path not in first and n.in_shapes:
+            first[n.module_path] = n
+    for path, n in first.items():
+        lp, ps = layers.get(n.layer), owned.get(path, [])
+        heads = {p.shape[0] for p in ps if len(p.shape) >= 3}
+        if lp is None or not ps or len(heads) != 1 or any(len(p.shape) < 3 for p in ps) or min(heads) < 2:
+            continue
+        rows, item = _numel(n.in_shapes[0]), ITEMSIZE.get(n.dtype, 4)
+        lp.experts[path] = heads.pop()
+        lp.params_experts += sum(p.numel for p in ps)
+        lp.dispatch_bytes += rows * item
+        lp.dispatch_half += rows * min(item, 2)
 
 
 def _numel(shape) -> int:

@@ -10,19 +10,40 @@ Linear-like (a "colwise" and a "rowwise" split), Embedding-like, norms, reductio
 style implies, and which views reshape, come from the op's ``kernels_ext`` rule (``splits``, ``tp_role``,
 ``layout``), never from its name, so a registered custom op takes part. A sharded
 tensor that reaches an op that cannot take it (a norm, a residual add with a full-size replicated tensor, a
-reduction, a Linear kept replicated, or a ``split``/``chunk``/``unbind``/``slice`` of the sharded last dim such as
-nanoGPT's fused ``c_attn(x).split(C, dim=2)``, where contiguous shards would mix q, k and v) turns the Linears that
-sharded it back to ``replicate``. Only ``nn.Linear`` and ``nn.Embedding`` modules get split styles (what PyTorch's
-``ColwiseParallel``/``RowwiseParallel`` accept); an Embedding is vocab-sharded only when its ids come from the model's
-inputs (not ``torch.arange`` positions) and the table has at least as many rows as columns (not a small table).
+reduction, a Linear kept replicated, an attention op whose q, k, v are not all sharded, or a Linear-like module
+PyTorch TP cannot split) turns the Linears that sharded it back to ``replicate``. ``nn.Linear`` and Hugging Face's
+``Conv1D`` (weight stored (in, out)) get split styles; an Embedding is vocab-sharded (rowwise) only when its ids come
+from the model's inputs (not ``torch.arange`` positions) and the table has at least as many rows as columns (not a
+small table).
+
+Layouts beyond one contiguous shard per projection (``LayerPlan.tp_parts``; the runtime's ``runtime/layouts.py``):
+
+* a colwise output cut by ``split``/``chunk``/``slice`` along its last dim (nanoGPT's fused
+  ``c_attn(x).split(C, dim=2)``, Phi-3's ``qkv_proj`` and ``gate_up_proj``) is split part by part: the pieces stay
+  sharded, each counted in heads (the ``view`` that follows it) or in features (no view follows). The projection is
+  refused only when its pieces do not cover its output. Equal parts are a ``_StridedShard`` (rank r holds slice r
+  of every part); parts of different widths (q, k, v under GQA) are split as one block and the output all-gathered,
+  so the attention between the projection and its rowwise partner runs whole on every rank (:attr:`Walk.sharded`
+  leaves those tensors out);
+* a colwise projection whose output is split into ``h`` heads by a view gets parts ``[h]``; a key/value projection
+  (fewer heads than the query projection of its region) with ``h < tp`` and ``tp % h == 0`` is repeated: its weight
+  whole on every rank (:func:`part_split`);
+* an ``nn.Embedding`` with one column per attention head, added to the scores (T5's ``relative_attention_bias``), is
+  colwise with parts ``[H]``: its output stays split by heads, as the scores are.
+
 :func:`sp_check` says whether sequence parallelism is valid for the resulting styles. Head counts come from the
-``view``/``reshape`` that splits a sharded last dim into ``(heads, head_dim)``; TP degrees must divide them and
-every split Linear dim.
+``view``/``reshape`` that splits a sharded last dim into ``(heads, head_dim)``; TP degrees must divide them, every
+part and every split Linear dim (a repeated key/value projection excepted).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import kernels_ext
+
+PROJECTIONS = ("Linear", "Conv1D")
+"""module classes whose Linear-like ops TP splits: ``nn.Linear`` and Hugging Face's ``Conv1D`` (weight (in, out))"""
 
 
 def packet(op: str) -> str:
@@ -42,20 +63,83 @@ def role_of(op: str) -> str:
     return rule.tp_role if rule is not None else ""
 
 
-def tp_walk(graph, by_name, out_numel, refused: dict[str, str] | None = None):
-    """Assign colwise/rowwise styles by dataflow (module docstring). Returns (styles by node, name of the
-    vocab-parallel head node or "", sharded node -> region id, styled node -> region id, view node -> head count).
-    ``refused`` (when given) gets node -> why for Linears that must never be split (whatever a user override says):
-    their sharded output is split/chunked along the sharded dim."""
+class Parts(NamedTuple):
+    """How a colwise module's output is made: its pieces in order (``LayerPlan.tp_parts``)."""
+
+    counts: tuple[int, ...]
+    """heads per piece (or features per piece when ``heads`` is False)"""
+    heads: bool
+    """the counts are heads (every piece split into heads of one width by a view), else features"""
+    width: int
+    """the output's features"""
+    table: bool = False
+    """a head-indexed embedding (one column per head): its output stays split by heads, never packed or repeated"""
+
+    @property
+    def gathered(self) -> bool:
+        """Parts of different widths: no DTensor placement holds them, the runtime splits the weight as one block and
+        all-gathers the output."""
+        return len(set(self.counts)) > 1
+
+
+class Walk(NamedTuple):
+    """What :func:`tp_walk` derives from dataflow."""
+
+    styles: dict[str, str]
+    """node -> "colwise" | "rowwise" (split Linears and Embeddings)"""
+    head: str
+    """the vocab-parallel head node ("" when none: no loss parallelism)"""
+    sharded: dict[str, int]
+    """node whose output is sharded on some rank-local dim -> its TP region (tensors a gathered projection makes whole
+    on every rank are left out)"""
+    region_of: dict[str, int]
+    """styled node -> its TP region"""
+    heads: dict[str, int]
+    """view node splitting a sharded dim into heads -> the head count (views of a projection's own output or pieces
+    are counted in its :attr:`parts` instead)"""
+    parts: dict[str, Parts]
+    """colwise node -> its output's parts (a projection split into heads, a fused projection cut into pieces, a
+    head-indexed embedding)"""
+    holders: dict[str, str]
+    """module that holds a weight other modules share without running itself (T5's ``shared``) -> the style of the
+    modules that run with it (split alike, so the runtime keeps the tie)"""
+
+
+def tp_walk(graph, by_name, out_numel, refused: dict[str, str] | None = None) -> Walk:
+    """Assign colwise/rowwise styles by dataflow (module docstring). ``refused`` (when given) gets node -> why for
+    Linears that must never be split (whatever a user override says): their sharded output is cut along the sharded
+    dim into pieces that do not make up the whole output."""
     disabled: set[str] = set()
     refused = {} if refused is None else refused
     for _ in range(20):
         result = _walk_once(graph, by_name, out_numel, disabled, refused)
-        if result[0] is None:
-            disabled |= result[1]
-            continue
-        return result
-    return {}, "", {}, {}, {}
+        if isinstance(result, Walk):
+            return result
+        disabled |= result
+    return Walk({}, "", {}, {}, {}, {}, {})
+
+
+def part_split(parts: list[int] | tuple[int, ...], tp: int, *, repeatable: bool = True, packable: bool = True
+               ) -> str:
+    """How ``tp`` ranks split a colwise module whose output holds ``parts`` (heads or features per part), following
+    the runtime (``export.styles.part_layout``): "split" (one part, each rank 1/tp of it), "packed" (equal parts,
+    split part by part), "gathered" (parts of different widths: one block, output all-gathered), "repeated" (one part
+    of fewer heads than ranks, ``tp % heads == 0``: a key/value projection whole on every rank), or "" when ``tp``
+    cannot split it. ``repeatable``: a key/value projection; ``packable``: not an embedding (whose parts are heads
+    kept split as they are)."""
+    if len(parts) == 1 and parts[0] % tp and tp % parts[0] == 0 and repeatable:
+        return "repeated"
+    if any(n % tp for n in parts):
+        return ""
+    if len(parts) == 1 or not packable:
+        return "split"
+    return "packed" if len(set(parts)) == 1 else "gathered"
+
+
+LAYOUT_WORDS = {"packed": "split part by part", "gathered": "gathered", "repeated": "repeated",
+                "split": "split by heads"}
+"""how :func:`part_split`'s answers read in ``explain()`` and the widget's layer table ("split": a module listed in
+``LayerPlan.tp_parts`` that is cut evenly, a head-indexed embedding)"""
 
 
 def _from_inputs(graph, by_name) -> set[str]:
@@ -76,6 +160,41 @@ def _shardable_embedding(n, graph, from_input) -> bool:
     return w is not None and len(w.shape) == 2 and w.shape[0] >= w.shape[1]
 
 
+def _head_biases(graph, by_name, from_input) -> dict[str, int]:
+    """Embedding node -> H for tables with one column per attention head (T5's ``relative_attention_bias``): an
+    ``nn.Embedding`` not worth vocab-sharding whose output (..., H), through views and elementwise ops, is an
+    attention op's mask or is added to attention scores (B, H, T, T)."""
+    readers: dict[str, list] = {}
+    for n in graph.nodes:
+        for i in n.inputs:
+            readers.setdefault(i, []).append(n)
+
+    def scores(name: str, heads: int) -> bool:
+        shape = tuple(by_name[name].out_shapes[0]) if name in by_name and by_name[name].out_shapes else ()
+        return len(shape) == 4 and shape[1] == heads and shape[2] == shape[3]
+
+    out: dict[str, int] = {}
+    for n in graph.nodes:
+        if n.op_class != "embedding" or n.module_type != "Embedding" or not n.params or not n.out_shapes or \
+                _shardable_embedding(n, graph, from_input):
+            continue
+        heads = int(n.out_shapes[0][-1])
+        seen, todo = {n.name}, [n.name]
+        while todo and n.name not in out:
+            x = todo.pop()
+            for r in readers.get(x, []):
+                if r.op_class == "attention" and x not in r.inputs[:3] and r.in_shapes and \
+                        len(r.in_shapes[0]) == 4 and r.in_shapes[0][1] == heads > 1:
+                    out[n.name] = heads
+                elif r.op_class == "elementwise" and heads > 1 and \
+                        any(scores(i, heads) for i in r.inputs if i != x and i not in seen):
+                    out[n.name] = heads
+                elif r.op_class in ("view", "elementwise") and r.name not in seen:
+                    seen.add(r.name)
+                    todo.append(r.name)
+    return out
+
+
 def _splits_last_dim(n) -> bool:
     """A split/chunk/unbind/slice/select node that cuts its input's last dim."""
     if role_of(n.op) != "split" or not n.in_shapes or not n.out_shapes:
@@ -90,22 +209,110 @@ def _splits_last_dim(n) -> bool:
     return False
 
 
-def _walk_once(graph, by_name, out_numel, disabled, refused):
+def _cut(n, s_in, origin, pieces, width) -> str:
+    """Record the pieces ``n`` (a split/chunk/slice of a sharded last dim) cuts from a colwise projection's output
+    (``origin``: node -> (projection, piece indices or None for the whole output); ``pieces``: projection ->
+    [[width, heads or None], ...]); "" when they can be split part by part, else why not."""
+    src = origin.get(s_in[0])
+    if len(s_in) > 1 or src is None or src[1] is not None:
+        return (f"{packet(n.op)} ({n.name}) cuts a sharded tensor that is not one projection's output along the "
+                "sharded dim")
+    proj = src[0]
+    outs = [tuple(o) for o in n.out_shapes]
+    if any(len(o) != len(n.in_shapes[0]) for o in outs):
+        return f"{packet(n.op)} ({n.name}) takes single features from its output (no part to split)"
+    have = pieces.setdefault(proj, [])
+    if len(outs) > 1 and have:
+        return f"its output is cut twice ({packet(n.op)} {n.name} after an earlier cut)"
+    start = len(have)
+    have += [[int(o[-1]), None] for o in outs]
+    if sum(w for w, _ in have) > width[proj]:
+        return (f"the pieces cut from its output ({', '.join(str(w) for w, _ in have)} features) overlap: more than "
+                f"its {width[proj]} outputs")
+    origin[n.name] = (proj, tuple(range(start, len(have))))
+    return ""
+
+
+def _name_heads(view, hc: int, src, origin, pieces, whole_heads) -> bool:
+    """Count ``hc`` heads for the projection output or piece a head-splitting ``view`` reads (False: not one)."""
+    o = origin.get(src)
+    if o is None:
+        return False
+    proj, idx = o
+    if idx is None:
+        whole_heads.setdefault(proj, hc)
+        return True
+    width = int(view.in_shapes[0][-1]) if view.in_shapes else 0
+    for i in idx:
+        if pieces[proj][i][0] == width and pieces[proj][i][1] is None:
+            pieces[proj][i][1] = hc
+            return True
+    return any(pieces[proj][i][0] == width for i in idx)  # another view of a piece already counted
+
+
+def _parts_of(proj_width: int, cut: list[list] | None, heads: int | None) -> Parts | None:
+    if cut:
+        if all(h for _, h in cut) and len({w // h for w, h in cut}) == 1 and all(w % h == 0 for w, h in cut):
+            return Parts(tuple(h for _, h in cut), True, proj_width)
+        return Parts(tuple(w for w, _ in cut), False, proj_width)
+    if heads:
+        return Parts((heads,), True, proj_width)
+    return None
+
+
+def _untied(graph, styles: dict[str, str], holders: dict[str, str]) -> set[str]:
+    """Styled nodes whose weight another module shares (an output head tied to the token embedding: one parameter)
+    when the modules sharing it are not all split on the vocabulary (rowwise embedding, colwise head): the runtime
+    keeps a tie only between such shards, so the split ones go back to replicated. A module that holds the shared
+    weight without running (T5's ``shared``) is split with them: ``holders`` gets its path -> style."""
+    users: dict[str, list] = {}
+    for n in graph.nodes:
+        w = next((q for q in n.params if q in graph.params and len(graph.params[q].shape) == 2), None)
+        if w is not None and n.op_class in ("matmul", "embedding"):
+            users.setdefault(w, []).append(n)
+    out: set[str] = set()
+    for w, nodes in users.items():
+        owner = graph.params[w]
+        idle = owner.module_path not in {n.module_path for n in nodes}
+        if len({n.module_path for n in nodes}) + idle < 2:
+            continue
+        vocab = all(styles.get(n.name) == ("rowwise" if n.op_class == "embedding" else "colwise") for n in nodes)
+        held = {"Embedding": "rowwise", "Linear": "colwise"}.get(owner.module_type)
+        if not vocab or (idle and held is None):
+            out |= {n.name for n in nodes if n.name in styles}
+        elif idle:
+            holders[owner.module_path] = held
+    return out
+
+
+def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
+    """One walk; the nodes to disable (keep replicated) when it found conflicts."""
     styles: dict[str, str] = {}
     sharded: dict[str, int] = {}  # node -> region id
     seeds: dict[str, frozenset] = {}
     region_of: dict[str, int] = {}
+    merged: dict[int, int] = {}  # region -> the region it was merged into (an op reading two regions joins them)
     heads: dict[str, int] = {}
     next_region = 0
     conflicts: set[str] = set()
     from_input = _from_inputs(graph, by_name)
+    biases = _head_biases(graph, by_name, from_input)
     last: set[str] = set()  # sharded nodes whose sharded dim is still the last dim (colwise output, elementwise)
+    origin: dict[str, tuple[str, tuple[int, ...] | None]] = {}  # see _cut
+    pieces: dict[str, list[list]] = {}
+    width: dict[str, int] = {}  # colwise node -> output features
+    whole_heads: dict[str, int] = {}  # colwise node -> heads of its whole output (a view right after it)
+
+    def find(r: int) -> int:
+        while r in merged:
+            r = merged[r]
+        return r
+
     for n in graph.nodes:
-        p = packet(n.op)
         s_in = [i for i in n.inputs if i in sharded]
         splits = splits_of(n.op)
         linear_like = bool(n.params) and n.op_class == "matmul" and "colwise" in splits and "rowwise" in splits
-        if linear_like and n.module_type != "Linear":
+        if linear_like and n.module_type not in PROJECTIONS:
             if s_in:  # a Linear-like op PyTorch TP cannot shard reads a sharded tensor
                 conflicts |= frozenset().union(*(seeds[i] for i in s_in))
             continue
@@ -127,9 +334,17 @@ def _walk_once(graph, by_name, out_numel, disabled, refused):
                 sharded[n.name] = rid
                 seeds[n.name] = frozenset([n.name])
                 last.add(n.name)
+                origin[n.name] = (n.name, None)
+                width[n.name] = int(n.out_shapes[0][-1]) if n.out_shapes else 0
             continue
         if linear_like and s_in:  # a Linear kept replicated cannot read a sharded tensor
             conflicts |= frozenset().union(*(seeds[i] for i in s_in))
+            continue
+        if n.name in biases and n.name not in disabled:  # split by heads, like the scores it is added to
+            styles[n.name] = "colwise"
+            region_of[n.name] = sharded[n.name] = next_region
+            next_region += 1
+            seeds[n.name] = frozenset([n.name])
             continue
         if n.op_class == "embedding" and "rowwise" in splits and n.params and n.name not in disabled and \
                 _shardable_embedding(n, graph, from_input):
@@ -144,30 +359,50 @@ def _walk_once(graph, by_name, out_numel, disabled, refused):
         if role_of(n.op) in ("norm", "reduction"):
             conflicts |= seed
             continue
-        if s_in[0] in last and _splits_last_dim(n):  # fused QKV: contiguous shards would mix q, k and v
-            conflicts |= seed
-            for k in seed:
-                refused[k] = (f"its output is cut by {p} ({n.name}) along the dim a colwise shard splits, so each "
-                              "rank's contiguous shard would mix the pieces (e.g. q/k/v of a fused QKV)")
+        if n.op_class == "attention" and any(i not in sharded for i in n.inputs[:3]):
+            conflicts |= seed  # q, k and v split by heads together, or not at all
+            continue
+        if s_in[0] in last and _splits_last_dim(n):  # a fused projection: split part by part, or refused
+            why = _cut(n, s_in, origin, pieces, width)
+            if why:
+                conflicts |= seed
+                for k in seed:
+                    refused.setdefault(k, why)
+                continue
+            sharded[n.name] = sharded[s_in[0]]
+            seeds[n.name] = seed
+            last.add(n.name)  # each piece is sharded on its last dim: a second cut is refused
             continue
         if rep_in and any(out_numel.get(i, 0) >= out_numel.get(s_in[0], 0) for i in rep_in) and \
                 n.op_class == "elementwise":
             conflicts |= seed
             continue
         rule = rule_of(n.op)
+        hc = None
         if n.op_class == "view" and rule is not None and rule.layout in ("view", "reshape") and n.out_shapes:
             src = by_name.get(s_in[0])
             if src is not None and src.out_shapes:
                 hc = _split_heads(src.out_shapes[0], n.out_shapes[0])
-                if hc:
+                if hc and not _name_heads(n, hc, s_in[0], origin, pieces, whole_heads):
                     heads[n.name] = hc
-        sharded[n.name] = sharded[s_in[0]]
+        regions = {find(sharded[i]) for i in s_in}
+        rid = min(regions)
+        for r in regions - {rid}:
+            merged[r] = rid  # q and k/v of different inputs (cross-attention) meet: one region
+        sharded[n.name] = rid
         seeds[n.name] = seed
         src = by_name.get(s_in[0])
-        if all(i in last for i in s_in) and src is not None and src.out_shapes and n.out_shapes and \
+        if all(i in last for i in s_in) and src is not None and src.out_shapes and n.out_shapes and not hc and \
                 tuple(n.out_shapes[0])[-1:] == tuple(src.out_shapes[0])[-1:]:
             last.add(n.name)
-    final = {n.name for n in graph.nodes if n.name in sharded and n.name not in styles}
+            if len({origin.get(i) for i in s_in}) == 1 and s_in[0] in origin:
+                origin[n.name] = origin[s_in[0]]  # still the projection's output (a bias add, a reshape back)
+    for proj, cut in pieces.items():
+        covered = sum(w for w, _ in cut)
+        if covered != width[proj]:
+            conflicts.add(proj)
+            refused.setdefault(proj, f"the pieces cut from its output ({', '.join(str(w) for w, _ in cut)} features) "
+                                     f"do not make up its {width[proj]} outputs")
     head_node = ""
     used = {i for n in graph.nodes for i in n.inputs}
     for name in [n.name for n in graph.nodes if n.name in sharded]:
@@ -178,16 +413,26 @@ def _walk_once(graph, by_name, out_numel, disabled, refused):
                 head_node = name
             else:
                 conflicts |= seeds[name]
+    holders: dict[str, str] = {}
+    conflicts |= _untied(graph, styles, holders)
     # a colwise Linear with no rowwise partner and not the head (sharded tensor dies elsewhere) is fine only as head
+    region_of = {k: find(r) for k, r in region_of.items()}
+    sharded = {k: find(r) for k, r in sharded.items()}
     rowwise_regions = {region_of[k] for k, v in styles.items() if v == "rowwise" and
                        by_name[k].op_class != "embedding"}
     for k, v in styles.items():
-        if v == "colwise" and k != head_node and region_of[k] not in rowwise_regions:
+        if v == "colwise" and k != head_node and k not in biases and region_of[k] not in rowwise_regions:
             conflicts.add(k)
     if conflicts:
-        return None, conflicts
-    del final
-    return styles, head_node, sharded, region_of, heads
+        return conflicts
+    parts = {k: pp for k in styles if styles[k] == "colwise" and k not in biases and
+             (pp := _parts_of(width[k], pieces.get(k), whole_heads.get(k))) is not None}
+    parts |= {k: Parts((h,), True, h, table=True) for k, h in biases.items() if k in styles}
+    # a projection with parts of different widths is all-gathered: what it feeds runs whole up to its rowwise partner
+    gathered = {k for k, pp in parts.items() if pp.gathered}
+    whole = {k for k in sharded if k in gathered or (k not in styles and seeds.get(k, frozenset()) & gathered)}
+    return Walk(styles, head_node, {k: r for k, r in sharded.items() if k not in whole}, region_of, heads, parts,
+                holders)
 
 
 def splits_of(op: str) -> dict:
@@ -213,7 +458,9 @@ def sp_check(graph, by_name, styles: dict[str, str], sharded: dict[str, int]) ->
     """Why sequence parallelism cannot apply to these TP styles ("" when it can).
 
     Under SP the tensors between TP regions are sequence shards (dim 1 of ``(batch, seq, ...)``): vocab-parallel
-    embeddings and rowwise Linears output them, norms run on them, colwise Linears all-gather them. Every other
+    embeddings and rowwise Linears output them, norms run on them, colwise Linears all-gather them. The runtime cuts
+    the sequence once, where the blocks start, so no embedding may be looked up after shards went through a block
+    (T5's decoder embedding after its encoder). Every other
     reader must take a shard as it is: an elementwise op whose other operands are shards too or broadcast vectors
     (not ``wte(idx) + wpe(arange(T))``, a full-sequence table), a view that keeps ``(batch, seq)``; never a replicated
     Linear, a reduction, or the model's output.
@@ -230,6 +477,10 @@ def sp_check(graph, by_name, styles: dict[str, str], sharded: dict[str, int]) ->
             idx = tuple(n.in_shapes[1]) if len(n.in_shapes) > 1 else ()
             if len(idx) != 2 or idx[1] != graph.seq_len:
                 return f"{n.module_path} looks up ids of shape {idx}, not (batch, seq)"
+            began = next((m for m in graph.nodes if m.name in seq and m.op_class != "embedding"), None)
+            if began is not None:  # the runtime cuts the sequence once, where the first block starts
+                return (f"{n.module_path} looks up tokens after sequence shards went through "
+                        f"{began.module_path or began.name} (an encoder-decoder)")
             seq.add(n.name)
         elif style == "rowwise":
             seq.add(n.name)

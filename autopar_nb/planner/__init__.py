@@ -8,6 +8,8 @@ Pipeline: :mod:`.constraints` parses ``fix``/``overrides``; :mod:`.search` enume
 
 from __future__ import annotations
 
+import fnmatch
+
 from ..cost.estimate import Evaluator
 from ..cost.profile import profile_of
 from ..plan import (
@@ -20,6 +22,7 @@ from ..plan import (
     Plan,
     PlanError,
     PrecisionPlan,
+    within,
 )
 from .constraints import Constraints, parse
 from .explain import explain, fmt_bytes
@@ -82,6 +85,22 @@ def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None
     return chosen
 
 
+def expert_patterns(graph, paths: list[str]) -> list[str]:
+    """The experts modules ``paths`` as the script names them: one pattern per position inside a repeated block
+    (``"model.layers.*.mlp.experts"``) when it names exactly those modules, else the paths themselves."""
+    modules = [m for lay in graph.layers for m in lay.modules]
+    out: list[str] = []
+    for path in paths:
+        block = next((b for lay in graph.layers if within(path, lay.path) and (b := graph.block_of(lay.path))), None)
+        layer = next((m for m in block.members if within(path, m)), None) if block else None
+        pattern = f"{block.name}.*.{path[len(layer) + 1:]}" if layer and path != layer else path
+        if pattern != path and {m for m in modules if fnmatch.fnmatchcase(m, pattern)} - set(paths):
+            pattern = path  # the pattern would name more than the experts modules
+        if pattern not in out:
+            out.append(pattern)
+    return out
+
+
 def _no_fit_message(cands: list[Candidate], cluster, cons: Constraints) -> str:
     c = min(cands, key=lambda c: c.cost.peak_memory_bytes)
     limit = memory_limit(cluster)
@@ -95,6 +114,14 @@ def _no_fit_message(cands: list[Candidate], cluster, cons: Constraints) -> str:
             f"(params {fmt_bytes(mb.params)}, grads {fmt_bytes(mb.grads)}, optimizer {fmt_bytes(mb.optimizer)}, "
             f"activations {fmt_bytes(mb.activations)}, buffers {fmt_bytes(mb.buffers)}, margin "
             f"{fmt_bytes(mb.margin)}); use more GPUs, a smaller batch, or relax the fixed choices")
+
+
+def tp_parts(lp, tp: dict[str, str], degree: int) -> dict[str, list[int]]:
+    """``LayerPlan.tp_parts`` of one layer: the parts of its colwise modules whose split is not one even cut at this
+    TP degree (fused projections split part by part or gathered, key/value projections repeated, head-indexed
+    embeddings kept split by heads; :meth:`~autopar_nb.cost.profile.LayerProfile.layout`)."""
+    return {m: list(lp.parts[m].counts) for m, st in tp.items() if st == "colwise" and m in lp.parts and
+            (lp.parts[m].table or lp.layout(m, degree) != "split")}
 
 
 def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch: int, seq_len) -> Plan:
@@ -114,8 +141,9 @@ def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch
             if ov is not None:
                 tp.update(ov.tp_styles)
             tp = {m: st for m, st in tp.items() if st != "replicate" or (ov and m in ov.tp_styles)}
-        layers.append(LayerPlan(lay.path, stage=ch.stage, tp=tp, sequence_parallel=sp, fsdp=ch.fsdp,
-                                recompute=ch.recompute, pinned=ov.pinned if ov else []))
+        layers.append(LayerPlan(lay.path, stage=ch.stage, tp=tp, tp_parts=tp_parts(prof.layers[i], tp, s.tp),
+                                sequence_parallel=sp, fsdp=ch.fsdp, recompute=ch.recompute,
+                                pinned=ov.pinned if ov else []))
     half = s.amp != "none"
     dtype = DTYPE_NAMES.get(s.amp, "float32")
     precision = PrecisionPlan(amp=s.amp, param_dtype=dtype if (half and s.zero_stage >= 2) else "float32",
@@ -123,7 +151,7 @@ def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch
     head_tp = any(lp.vocab and any(st == "colwise" for st in lp.tp.values()) and ch.tp
                   for lp, ch in zip(prof.layers, c.choices, strict=True))
     return Plan(
-        mesh=MeshPlan(s.dp, s.tp, s.pp, s.zero_stage),
+        mesh=MeshPlan(s.dp, s.tp, s.pp, s.zero_stage, ep=s.ep),
         batch=BatchPlan(global_batch, s.micro_batches, seq_len or graph.seq_len),
         pipeline=PipelinePlan(s.schedule, s.virtual_stages),
         precision=precision,
@@ -133,6 +161,7 @@ def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch
                                         " ".join(lay.modules.values()) for lay in graph.layers),
         # the runtime's pipeline schedules compute the loss on plain tensors: no loss_parallel with pp > 1
         loss_parallel=bool(s.tp > 1 and s.pp == 1 and prof.loss_parallel and head_tp),
+        experts=expert_patterns(graph, [m for lp in prof.layers for m in lp.experts]),
         model={"name": graph.model_type, "num_params": graph.num_params},
         cluster={"preset": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
         cost=c.cost,

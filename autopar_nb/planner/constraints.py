@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
+from ..cost.tp_styles import PROJECTIONS
 from ..plan import PINNABLE, RECOMPUTE, TP_STYLES, PlanError, normalize_fix, within
 
 OVERRIDE_KEYS = PINNABLE
@@ -143,7 +144,7 @@ def _apply_tp(graph, prof, pattern, style, whole, partial, layers) -> None:
         where = prefix or lay.path
         ov = layers.setdefault(i, LayerOverride())
         if style == "colwise-rowwise":
-            auto = {m: lp.tp[m] for m in mods if m in lp.tp and graph.layers[i].modules.get(m) == "Linear"}
+            auto = {m: lp.tp[m] for m in mods if m in lp.tp and graph.layers[i].modules.get(m) in PROJECTIONS}
             if "colwise" not in auto.values() or "rowwise" not in auto.values():
                 raise PlanError(f"override {pattern!r}: tp='colwise-rowwise' needs a Linear pair under {where!r} "
                                 f"(one reading the replicated input, one reading its sharded result); found "
@@ -166,7 +167,7 @@ def _apply_tp(graph, prof, pattern, style, whole, partial, layers) -> None:
             if not mods:
                 raise PlanError(f"override {pattern!r}: no module with parameters under {where!r} to apply "
                                 f"tp={style!r} to")
-            kinds = NORM_TYPES if style == "sequence_parallel" else ("Linear", "Embedding")
+            kinds = NORM_TYPES if style == "sequence_parallel" else (*PROJECTIONS, "Embedding")
             fit = [m for m in mods if lay.modules.get(m) in kinds]
             bags = [m for m in mods if lay.modules.get(m) == "EmbeddingBag"]
             if bags and style != "sequence_parallel":
@@ -176,13 +177,14 @@ def _apply_tp(graph, prof, pattern, style, whole, partial, layers) -> None:
                 raise PlanError(f"override {pattern!r}: sequence parallelism cannot apply to this model: "
                                 f"{prof.sp_blocker}; drop the override")
             if not fit:
-                what = "norms (LayerNorm, RMSNorm)" if style == "sequence_parallel" else "nn.Linear or nn.Embedding"
+                what = "norms (LayerNorm, RMSNorm)" if style == "sequence_parallel" else \
+                    "nn.Linear, Hugging Face's Conv1D or nn.Embedding"
                 raise PlanError(f"override {pattern!r}: tp={style!r} applies to {what}; {where!r} holds "
                                 f"{_some(sorted(set(lay.modules.get(m, '?') for m in mods)))}")
             for m in fit:
                 if style == "colwise" and m in prof.tp_refused:
                     raise PlanError(f"override {pattern!r}: {m} cannot be split with tp={style!r}: "
-                                    f"{prof.tp_refused[m]}; keep it 'replicate' (or split q, k and v into separate "
-                                    "Linears in the model)")
+                                    f"{prof.tp_refused[m]}; keep it 'replicate' (or cut its output into pieces "
+                                    "that make up the whole, or use separate Linears, in the model)")
                 ov.tp_styles[m] = style
             ov.needs_tp = True

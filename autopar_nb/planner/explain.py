@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+from ..cost.tp_styles import LAYOUT_WORDS
 from ..plan import RECOMPUTE
 
 GiB = 2**30
@@ -43,10 +46,14 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
                      f"loss_parallel {'on' if plan.loss_parallel else 'off'}.")
         if not s.sp and prof.sp_blocker and "sequence_parallel" not in cons.fix:
             lines.append(f"Sequence parallel off because {prof.sp_blocker}.")
+        lines += _layout_lines(plan, prof, s.tp)
         if prof.tp_refused:
             mods = sorted(prof.tp_refused)
             lines.append(f"Kept replicated under TP: {', '.join(mods[:3])}{', ...' if len(mods) > 3 else ''} "
                          f"({prof.tp_refused[mods[0]]}), with the Linears that read them.")
+    experts = {m: e for lp in prof.layers for m, e in lp.experts.items()}
+    if experts:
+        lines += _expert_lines(best, ranked, experts)
     if s.pp > 1:
         per_stage = [len(x) for x in plan.stage_layers()]
         shown = str(per_stage) if len(per_stage) <= 12 else (
@@ -86,6 +93,41 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
     return lines
 
 
+def _layout_lines(plan, prof, tp: int) -> list[str]:
+    """One line per TP layout beyond an even cut (``LayerPlan.tp_parts``): fused projections split part by part or
+    gathered, key/value projections repeated, head-indexed embeddings split by heads; modules of repeated blocks
+    named once (``h.*.attn.c_attn``)."""
+    found: dict[str, dict[str, list]] = {}
+    for lp, prof_lp in zip(plan.layers, prof.layers, strict=True):
+        block = re.sub(r"\d+$", "*", lp.path)  # h.3 -> h.*
+        for m, parts in lp.tp_parts.items():
+            name = block + m[len(lp.path):] if m.startswith(lp.path) else m
+            found.setdefault(prof_lp.layout(m, tp), {}).setdefault(name, []).append((m, parts))
+
+    def names(kind: str) -> str:
+        mods = [f"{m if len(seen) > 1 else seen[0][0]} {seen[0][1]}" for m, seen in found[kind].items()]
+        return ", ".join(mods[:3]) + (f", ... ({len(mods)} in all)" if len(mods) > 3 else "")
+
+    out = []
+    if "packed" in found:
+        out.append(f"Fused projections {LAYOUT_WORDS['packed']} (parts in heads or features): {names('packed')}; "
+                   f"rank r holds slice r of every part (a _StridedShard), so the model's own split/chunk cuts each "
+                   f"rank's pieces right, and they cost what separate projections would.")
+    if "gathered" in found:
+        out.append(f"Fused projections {LAYOUT_WORDS['gathered']} (parts of different widths, which no DTensor "
+                   f"placement holds): {names('gathered')}; the weight is split as one block and its output "
+                   f"all-gathered, so the attention runs whole on every rank (its FLOPs and activations not "
+                   f"divided) and the projection after it reads the whole result.")
+    if "repeated" in found:
+        out.append(f"Key/value projections {LAYOUT_WORDS['repeated']} (fewer heads than tp={tp}): {names('repeated')}; "
+                   f"each rank holds the whole weight and keeps the head its query heads read, their gradients "
+                   f"all-reduced once per step.")
+    if "split" in found:
+        out.append(f"Head-indexed tables {LAYOUT_WORDS['split']} like the attention scores they are added to: "
+                   f"{names('split')}.")
+    return out
+
+
 def _recompute_lines(plan, c, cons) -> list[str]:
     """Where recompute is on and whose choice it was: the planner's (to fit memory) or the user's (``fix`` for every
     layer, or an override pinning a layer); with the extra FLOPs it costs."""
@@ -109,9 +151,43 @@ def _recompute_lines(plan, c, cons) -> list[str]:
     return lines
 
 
+def _expert_lines(best, ranked, experts: dict[str, int]) -> list[str]:
+    """Whether the experts are split (expert parallelism) and what the other choice would cost: the fastest feasible
+    candidate with the other answer."""
+    s, c = best.setting, best.cost
+    counts = sorted(set(experts.values()))
+    each = "/".join(map(str, counts))
+    if s.ep > 1:
+        edp = s.dp // s.ep
+        line = (f"Expert parallelism ep={s.ep}: the {each} experts of each of the {len(experts)} experts modules are "
+                f"split over {s.ep} consecutive data-parallel ranks ({'/'.join(str(n // s.ep) for n in counts)} per "
+                f"rank; {edp} rank(s) hold each expert and average its gradients), so expert parameters, gradients "
+                f"and optimizer states are 1/{s.ep} per rank before ZeRO and their data-parallel traffic crosses "
+                f"{edp} rank(s) instead of {s.dp}; the token all-to-alls cost "
+                f"{c.comm_by_kind.get('all_to_all', 0.0) * 1e3:.1f} ms per step, not overlapped")
+        other = next((r for r in ranked if r.setting.ep == 1), None)
+    else:
+        line = f"Experts kept whole on every rank (ep=1; {len(experts)} experts modules of {each} experts)"
+        other = next((r for r in ranked if r.setting.ep > 1), None)
+    if other is None:
+        why = ("no plan without expert parallelism fits in memory" if s.ep > 1 else
+               "no expert-parallel plan fits or applies (expert parallelism runs beside data parallelism only, "
+               "tp = pp = 1, over a degree that divides the experts and dp)")
+        return [f"{line}; {why}."]
+    oc = other.cost
+    deltas = [(n, getattr(oc, a) - getattr(c, a)) for n, a in (
+        ("compute", "compute_s"), ("exposed communication", "comm_exposed_s"), ("bubble", "bubble_s"),
+        ("optimizer", "optimizer_s"))]
+    why = ", ".join(f"{d * 1e3:+.1f} ms {n}" for n, d in sorted(deltas, key=lambda kv: -abs(kv[1]))
+                    if abs(d) > 0.005 * c.step_time_s)
+    return [f"{line}; the best plan {'without expert parallelism' if s.ep > 1 else 'with expert parallelism'}, "
+            f"{_summary(other)}, is "
+            f"{_pct(oc.step_time_s - c.step_time_s, c.step_time_s)} slower" + (f" ({why})" if why else "") + "."]
+
+
 def _summary(cand) -> str:
     s, c = cand.setting, cand.cost
-    out = f"dp={s.dp} tp={s.tp} pp={s.pp} zero={s.zero_stage}"
+    out = f"dp={s.dp} tp={s.tp} pp={s.pp} zero={s.zero_stage}" + (f" ep={s.ep}" if s.ep > 1 else "")
     if s.pp > 1:
         out += f" {s.schedule}x{s.micro_batches}"
     elif s.micro_batches > 1:
@@ -121,5 +197,5 @@ def _summary(cand) -> str:
 
 def _setting_diff(a, b) -> list[str]:
     """Global choices that differ between two candidates (cheap: no layer-by-layer diff)."""
-    names = ("dp", "tp", "pp", "zero_stage", "micro_batches", "schedule", "virtual_stages", "sp", "amp")
+    names = ("dp", "tp", "pp", "ep", "zero_stage", "micro_batches", "schedule", "virtual_stages", "sp", "amp")
     return [f"{n}={getattr(a, n)} instead of {getattr(b, n)}" for n in names if getattr(a, n) != getattr(b, n)]

@@ -31,7 +31,9 @@ def choose_recompute(ev: Evaluator, s: Setting, choices: list[LayerChoice], cost
             if ch.stage % s.pp != r or ch.recompute != "none" or not any(free[first:first + cnt]):
                 continue
             lt = ev.choice_terms(first, s, ch)
-            for opt in ("selective", "full"):
+            # (the runtime refuses selective recompute around an experts module that FSDP shards for EP)
+            fsdp_experts = s.ep > 1 and s.zero_stage >= 2 and ev.prof.layers[first].experts
+            for opt in ("full",) if fsdp_experts else ("selective", "full"):
                 saved = (lt.act["none"] - lt.act[opt]) * flight
                 if saved > 0:
                     options.append((saved / max(lt.recompute_s(opt), 1e-12), first, cnt, opt, saved, lt.act["none"]))

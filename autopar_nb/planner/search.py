@@ -5,8 +5,10 @@ What is exact and what is heuristic:
 
 * **Exact (exhaustive)**: every mesh ``dp * tp * pp = world`` with TP inside a node dividing every head count and
   split Linear dim, PP <= layers, DP dividing the global batch; every ZeRO stage; 1F1B and, where it applies,
-  interleaved 1F1B (v = 2). Configurations are costed in order of a lower bound on their step time and skipped once
-  the bound exceeds the ``top_k``-th best feasible time, which never drops one of the ``top_k`` best.
+  interleaved 1F1B (v = 2); for a model with experts modules, every expert-parallel degree inside a node that
+  divides dp and each module's number of experts (tp = pp = 1: what the runtime runs). Configurations are costed
+  in order of a lower bound on their step time and skipped once the bound exceeds the ``top_k``-th best feasible
+  time, which never drops one of the ``top_k`` best.
 * **Heuristic (sampled)**: micro-batch sizes: every divisor of the per-replica batch when there are at most 8,
   else the 4 largest and the 4 smallest.
 * **Exact (optimal)**: pipeline stage boundaries minimise the slowest stage's time for the chosen per-layer costs:
@@ -24,6 +26,7 @@ What is exact and what is heuristic:
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -51,7 +54,7 @@ class Candidate:
     @property
     def key(self) -> tuple:
         s = self.setting
-        return (s.dp, s.tp, s.pp, s.zero_stage, s.micro_batches, s.schedule, s.virtual_stages)
+        return (s.dp, s.tp, s.pp, s.zero_stage, s.micro_batches, s.schedule, s.virtual_stages, s.ep)
 
 
 def divisors(n: int) -> list[int]:
@@ -61,14 +64,16 @@ def divisors(n: int) -> list[int]:
 
 
 def tp_blockers(prof, t: int, tp_on: list[bool]) -> list[str]:
-    """Why TP degree ``t`` cannot apply: layers whose heads or split dims ``t`` does not divide."""
+    """Why TP degree ``t`` cannot apply: layers whose heads, parts or split dims ``t`` does not divide. A key/value
+    projection with fewer heads than ``t`` is repeated instead when ``t`` is a multiple of its heads."""
     out = []
     for i, lp in enumerate(prof.layers):
         if not tp_on[i]:
             continue
-        bad = sorted(d for d in lp.divisors if d % t)
+        kv = sorted(r.heads for r in lp.repeatable.values() if r.heads % t and t % r.heads)
+        bad = sorted(d for d in lp.divisors if d % t) + kv
         if bad:
-            heads = sorted(h for h in lp.heads if h % t)
+            heads = sorted(h for h in lp.heads if h % t) + kv
             what = f"head count {heads[0]}" if heads else f"dim {bad[0]}"
             out.append(f"tp={t} does not divide the {what} of {lp.path}")
     return out
@@ -110,6 +115,11 @@ class Search:
         self.optimizer = fix.get("optimizer", "adam")
         self.has_batchnorm = any("BatchNorm" in lay.type or "BatchNorm" in " ".join(lay.modules.values())
                                  for lay in graph.layers)
+        self.experts = {m: e for lp in prof.layers for m, e in lp.experts.items()}
+        """the model's experts modules -> number of experts (expert parallelism may split them)"""
+        self.selective_experts = any(self.rec_pinned.get(i) == "selective" and lp.experts
+                                     for i, lp in enumerate(prof.layers))
+        """selective recompute pinned on a layer holding experts (the runtime refuses it beside EP with FSDP)"""
         self.rejected: list[str] = []
         self.evaluated = 0
         self.pruned = 0
@@ -203,6 +213,33 @@ class Search:
             return f"pp={pp} with fix amp='fp16': pipelining does not support fp16 loss scaling; use amp='bf16' or pp=1"
         return ""
 
+    def ep_degrees(self, dp: int, tp: int, pp: int) -> list[int]:
+        """Expert-parallel degrees for a mesh: 1, and for a model with experts modules every divisor of dp that
+        divides every module's number of experts, inside a node (the all-to-alls stay on the fast links). The
+        runtime runs EP beside data parallelism only (tp = pp = 1); a fixed ep that cannot apply is a PlanError."""
+        fix = self.cons.fix
+        if "ep" in fix:
+            e = fix["ep"]
+            if e == 1:
+                return [1]
+            why = ("the model has no experts modules (stacked per-expert weights run by a grouped matmul)"
+                   if not self.experts else
+                   f"ep={e} does not divide dp={dp}" if dp % e else
+                   f"ep={e} does not divide the {min(self.experts.values())} experts of "
+                   f"{min(self.experts, key=self.experts.get)}" if any(n % e for n in self.experts.values()) else
+                   f"expert parallelism runs with tp=1 and pp=1 only, not tp={tp}, pp={pp}" if tp > 1 or pp > 1 else
+                   "")
+            if why:
+                if all(k in fix for k in ("dp", "tp", "pp")) or not self.experts:
+                    raise PlanError(f"fix ep={e}: {why}")
+                self.rejected.append(f"fix ep={e}: {why}")
+                return []
+            return [e]
+        if not self.experts or tp > 1 or pp > 1:
+            return [1]
+        gpn = self.cluster.gpus_per_node
+        return [1] + [e for e in divisors(dp) if 1 < e <= gpn and all(n % e == 0 for n in self.experts.values())]
+
     def micro_batch_sizes(self, local: int, pp: int) -> list[int]:
         fix = self.cons.fix
         if "micro_batches" in fix:
@@ -239,10 +276,20 @@ class Search:
         fix = self.cons.fix
         seq_model = self.prof.seq_len is not None
         configs = []
-        for dp, t, pp in self.meshes():
-            # dp x tp: ZeRO 0 (FSDP2's replicate), 2 or 3; ZeroRedundancyOptimizer (ZeRO-1) takes no DTensors
+        for dp, t, pp, ep in [(*mesh, e) for mesh in self.meshes() for e in self.ep_degrees(*mesh)]:
+            # dp x tp: ZeRO 0 (FSDP2's replicate), 2 or 3; ZeroRedundancyOptimizer (ZeRO-1) takes no DTensors, which
+            # TP and expert parallelism make
             zeros = [fix["zero_stage"]] if "zero_stage" in fix else (
-                [0] if dp == 1 else [0, 2, 3] if t > 1 else [0, 1, 2, 3])
+                [0] if dp == 1 else [0, 2, 3] if t > 1 or ep > 1 else [0, 1, 2, 3])
+            if ep > 1:
+                zeros = [z for z in zeros if z != 1 and not (z >= 2 and self.selective_experts)]
+                if not zeros:
+                    self.rejected.append(
+                        f"ep={ep} with fix zero_stage={fix['zero_stage']}: " + (
+                            "ZeroRedundancyOptimizer (ZeRO-1) does not take the experts' DTensor parameters"
+                            if fix["zero_stage"] == 1 else "selective recompute is pinned on layers holding experts, "
+                            "which FSDP shards inside the checkpointed region (use full recompute, or ZeRO 0)"))
+                    continue
             sp = fix.get("sequence_parallel", t > 1 and seq_model and not self.prof.sp_blocker)
             if sp and t > 1 and self.prof.sp_blocker:
                 raise PlanError(f"fix sequence_parallel=True, but sequence parallelism cannot apply to this model: "
@@ -254,7 +301,7 @@ class Search:
                     stages = pp * v
                     if stages > self.n:
                         continue
-                    base = Setting(dp, t, pp, 0, self.amp, m, float(mb), sched, v, sp, self.optimizer)
+                    base = Setting(dp, t, pp, 0, self.amp, m, float(mb), sched, v, sp, self.optimizer, ep)
                     choices = [LayerChoice(0, self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i])
                                for i in range(self.n)]
                     runs = self.ev.runs(choices)
@@ -284,8 +331,7 @@ class Search:
                 self.pruned += 1
                 continue
             for z in zeros:
-                s = Setting(base.dp, base.tp, base.pp, z, base.amp, base.micro_batches, base.mb_samples,
-                            base.schedule, base.virtual_stages, base.sp, base.optimizer)
+                s = dataclasses.replace(base, zero_stage=z)
                 choices = [LayerChoice(assign[i], self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i])
                            for i in range(self.n)]
                 cand = self._cost(s, choices, "recompute" not in fix)

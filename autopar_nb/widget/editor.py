@@ -10,6 +10,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
+from ..cost.tp_styles import LAYOUT_WORDS, part_split
 from ..graph import Layer, ModelGraph, human
 from ..hardware import PRESETS, Cluster
 from ..plan import AMP, FIX_KEYS, RECOMPUTE, SCHEDULES, ZERO_STAGES, LayerPlan, Plan
@@ -125,12 +126,24 @@ def layer_rows(graph: ModelGraph, plan: Plan, overrides: dict[str, dict[str, Any
                      "flops": human(layer.flops), "block": layer.block, "stage": lp.stage,
                      "strategy": value, "auto": chosen,
                      "auto_label": "no parameters" if not layer.num_params else STRATEGY_LABELS.get(chosen, chosen) + (
-                         " + SP" if lp.sequence_parallel and chosen == "colwise-rowwise" else ""),
+                         " + SP" if lp.sequence_parallel and chosen == "colwise-rowwise" else "") +
+                     layout_note(layer, lp, plan.mesh.tp),
                      "choices": [{"value": c, "label": STRATEGY_LABELS.get(c, c)} for c in choices],
                      "recompute": lp.recompute, "recompute_pinned": "recompute" in pin,
                      "stage_pinned": "stage" in pin, "pinned": pinned, "changed": layer.path in changed,
                      "tp": lp.tp, "sequence_parallel": lp.sequence_parallel, "fsdp": lp.fsdp})
     return rows
+
+
+def layout_note(layer: Layer, lp: LayerPlan, tp: int) -> str:
+    """How the layer's colwise modules with parts (``LayerPlan.tp_parts``) are split at ``tp``, for the table:
+    " · c_attn split part by part", " · k_proj, v_proj repeated" ("" when none has parts)."""
+    notes: dict[str, list[str]] = {}
+    for m, parts in lp.tp_parts.items():
+        kind = layer.modules.get(m, "")
+        how = part_split(parts, tp, repeatable=kind == "Linear", packable=kind != "Embedding")
+        notes.setdefault(LAYOUT_WORDS.get(how, "cannot be split"), []).append(m.rsplit(".", 1)[-1])
+    return "".join(f" · {', '.join(names)} {word}" for word, names in notes.items())
 
 
 def stage_lanes(plan: Plan, memory_by_stage: list[float] | None = None) -> list[dict[str, Any]]:
