@@ -74,7 +74,10 @@ def _torch_version() -> str:
     return torch.__version__
 
 
-def write_section(title: str, body: str, path: Path = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"):
+BENCHMARKS = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+
+
+def write_section(title: str, body: str, path: Path = BENCHMARKS):
     """Replace the '## title' section of BENCHMARKS.md with body (append it if absent)."""
     text = path.read_text() if path.exists() else "# Benchmarks\n\nEach section: the command, machine, date, figures.\n"
     head = f"## {title}\n"

@@ -57,11 +57,11 @@ def clip_grad_norm(params: list, max_norm: float, *, pp_group=None, repeated=())
         counted = [p.grad for p in group if id(p) not in skip]
         if not counted:
             continue
-        norm = torch.nn.utils.get_total_norm(counted, foreach=False)
+        norm = torch.nn.utils.get_total_norm(counted)  # one kind per group: torch may use foreach kernels
         total += (norm.full_tensor() if key is not None else norm).float() ** 2
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
     norm = total.sqrt()
     for group in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=False)
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm
