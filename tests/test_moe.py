@@ -489,3 +489,133 @@ def test_exported_ep_scripts_match_single_process():
                 assert info["local_numel"] <= total // 2 + 64, info
             assert info["dtensor_params"] >= 4
 
+
+# ---- expert parallelism in the planner and the cost model --------------------------------------------------------
+MOE_64 = MoEConfig(vocab_size=32000, dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, ffn_dim=4096, n_dense_layers=1,
+                   n_routed_experts=64, n_shared_experts=2, top_k=6, moe_ffn_dim=512)
+"""a DeepSeekMoE-shaped model of 0.9B parameters, 0.8B of them in 64 experts per MoE layer"""
+
+
+@pytest.fixture(scope="module")
+def moe_graph():
+    with torch.device("meta"):
+        model = MoETransformer(MOE_64)
+    return capture(model, (torch.randint(0, MOE_64.vocab_size, (1, 2048)),))
+
+
+def test_cost_model_counts_the_all_to_alls_and_divides_the_expert_states():
+    from autopar_nb.cost.comm import collective_time, link_for
+    from autopar_nb.cost.estimate import Evaluator, LayerChoice, Setting
+    from autopar_nb.cost.profile import profile
+    from autopar_nb.hardware import Cluster
+
+    with torch.device("meta"):
+        model = MoETransformer(TINY)
+    graph = capture(model, (torch.randint(0, TINY.vocab_size, (4, 16)),))
+    prof = profile(graph)
+    moe = [lp for lp in prof.layers if lp.experts]
+    assert [list(lp.experts.items()) for lp in moe] == [[("layers.1.feed_forward.experts", 4)],
+                                                        [("layers.2.feed_forward.experts", 4)]]
+    assert all(lp.params_experts == 4 * 3 * TINY.dim * TINY.moe_ffn_dim for lp in moe)
+    assert all(lp.dispatch_bytes == 4 * 16 * TINY.top_k * TINY.dim * 4 for lp in moe)  # (tokens x k, D) fp32 rows
+    assert not any(lp.experts for lp in profile(capture(_dense(), (torch.randint(0, 128, (4, 16)),))).layers)
+
+    cluster = Cluster.preset("h100-80gb")
+    ev = Evaluator(prof, cluster)
+    choices = [LayerChoice() for _ in prof.layers]
+    one, two = (ev.evaluate(Setting(dp=8, ep=ep, mb_samples=0.5), choices) for ep in (1, 2))
+    # per MoE layer and micro-batch: the counts (E int64), then the token rows out and back, forward and backward
+    link = link_for(cluster, size=2, stride=1)
+    a2a = 2 * (collective_time("all_to_all", 4 * 8, 2, link) +
+               4 * collective_time("all_to_all", moe[0].dispatch_bytes / 8, 2, link))
+    assert "all_to_all" not in one.comm_by_kind
+    assert two.comm_by_kind["all_to_all"] == pytest.approx(a2a)
+    assert two.comm_exposed_by_kind["all_to_all"] == pytest.approx(a2a)  # the tokens wait for it: never hidden
+    # ZeRO 0: each rank keeps half of the experts' parameters, gradients and Adam states
+    experts = sum(lp.params_experts for lp in moe)
+    assert one.memory_by_rank[0].params - two.memory_by_rank[0].params == pytest.approx(experts / 2 * 4)
+    assert one.memory_by_rank[0].optimizer - two.memory_by_rank[0].optimizer == pytest.approx(experts / 2 * 8)
+    # ZeRO 3: every parameter is sharded over dp either way; the experts' data-parallel traffic is what EP divides
+    z1, z2 = (ev.evaluate(Setting(dp=8, ep=ep, zero_stage=3, mb_samples=0.5), choices) for ep in (1, 8))
+    assert z1.memory_by_rank[0].params == pytest.approx(z2.memory_by_rank[0].params)
+    assert z2.comm_by_kind["all_gather"] < z1.comm_by_kind["all_gather"]
+
+
+def _dense():
+    from autopar_nb.zoo import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        return Llama(LlamaConfig(vocab_size=128, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64))
+
+
+def test_planner_splits_experts_when_it_pays(moe_graph):
+    import autopar_nb as ap
+    from autopar_nb.plan import Plan, PlanError
+
+    cluster = ap.Cluster.preset("h100-80gb")
+    # few tokens per step: the experts' gradient traffic dominates, and EP cuts it
+    plan = ap.plan(moe_graph, cluster, global_batch=8)
+    assert plan.mesh.ep > 1 and plan.mesh.tp == plan.mesh.pp == 1, plan.summary()
+    assert plan.experts == ["layers.*.feed_forward.experts"]
+    assert plan.cost.comm_by_kind["all_to_all"] > 0
+    why = next(line for line in plan.explanation if line.startswith("Expert parallelism"))
+    assert f"ep={plan.mesh.ep}" in why and "the best plan without expert parallelism" in why and "slower" in why
+    assert Plan.from_json(plan.to_json()).mesh.ep == plan.mesh.ep
+    # many tokens per step: the all-to-alls cost more than the traffic they save
+    busy = ap.plan(moe_graph, cluster, global_batch=64)
+    assert busy.mesh.ep == 1
+    assert any(line.startswith("Experts kept whole on every rank (ep=1") and "the best plan with expert "
+               "parallelism" in line for line in busy.explanation), busy.explanation
+    # pinned: honoured, or refused with the reason
+    assert ap.plan(moe_graph, cluster, global_batch=64, fix={"ep": 4}).mesh.ep == 4
+    with pytest.raises(PlanError, match=r"fix ep=3: ep=3 does not divide dp=8"):
+        ap.plan(moe_graph, cluster, global_batch=64, fix={"ep": 3, "dp": 8})
+    with pytest.raises(PlanError, match=r"fix ep=2: expert parallelism runs with tp=1 and pp=1 only"):
+        ap.plan(moe_graph, cluster, global_batch=64, fix={"ep": 2, "dp": 4, "tp": 2, "pp": 1})
+
+
+def test_planner_never_splits_a_dense_model():
+    import autopar_nb as ap
+    from autopar_nb.plan import PlanError
+
+    graph = capture(_dense(), (torch.randint(0, 128, (8, 16)),))
+    for gb in (8, 64):
+        plan = ap.plan(graph, ap.Cluster.preset("h100-80gb"), global_batch=gb)
+        assert plan.experts == [] and all(p.mesh.ep == 1 for p in [plan, *plan.alternatives])
+        assert not any("xpert" in line for line in plan.explanation)
+    with pytest.raises(PlanError, match="fix ep=2: the model has no experts modules"):
+        ap.plan(graph, ap.Cluster.preset("h100-80gb"), global_batch=8, fix={"ep": 2})
+
+
+def test_mixtral_8x7b_real_size_plan_uses_ep_and_keeps_6nt():
+    """Mixtral-8x7B (the zoo's MIXTRAL_8X7B: transformers' MixtralConfig shapes, 46.7B parameters) planned for
+    1M-token steps (256 x 4096) on 64 H100s: expert parallelism inside each node, and the plan's model FLOPs still
+    6 x active parameters x tokens (+ attention). On 8 H100s nothing fits: fp32 Adam training needs 16 bytes per
+    parameter, 747 GB, over 8 x 80 GB."""
+    import autopar_nb as ap
+    from autopar_nb.plan import PlanError
+
+    with torch.device("meta"):
+        model = MoETransformer(MIXTRAL_8X7B)
+    seq, batch = 4096, 256
+    graph = capture(model, (torch.randint(0, MIXTRAL_8X7B.vocab_size, (1, seq)),))
+    plan = ap.plan(graph, ap.Cluster.preset("h100-80gb", nodes=8), global_batch=batch)
+    c = plan.cost
+    print(f"\nMixtral-8x7B on 64 x H100: {plan.summary()}; compute {c.compute_s:.3f} s, exposed comm "
+          f"{c.comm_exposed_s:.3f} s, all-to-all {c.comm_by_kind.get('all_to_all', 0):.3f} s, "
+          f"{c.tokens_per_s:,.0f} tokens/s, MFU {c.mfu:.2f}\n" + plan.explain())
+    assert 1 < plan.mesh.ep <= 8 and plan.experts == ["layers.*.feed_forward.experts"]
+    d, n_layers, cfg = MIXTRAL_8X7B.dim, MIXTRAL_8X7B.n_layers, MIXTRAL_8X7B
+    kv = cfg.n_kv_heads * d // cfg.n_heads
+    active = n_layers * (2 * d * d + 2 * d * kv + cfg.top_k * 3 * d * cfg.moe_ffn_dim + cfg.n_routed_experts * d) \
+        + cfg.vocab_size * d
+    tokens = batch * seq
+    predicted = c.model_tflops_per_gpu * 1e12 * c.step_time_s * 64
+    attention = 12 * n_layers * seq * seq * d * batch
+    six_nt = 6 * active * tokens
+    print(f"model FLOPs per step {predicted:.4e}; 6NT {six_nt:.4e} (ratio {predicted / six_nt:.3f}); with attention "
+          f"{predicted / (six_nt + attention):.3f}")
+    assert predicted == pytest.approx(6 * active * tokens, rel=0.15)
+    assert predicted == pytest.approx(6 * active * tokens + attention, rel=0.03)
+    with pytest.raises(PlanError, match="nothing fits"):
+        ap.plan(graph, ap.Cluster.preset("h100-80gb", nodes=1), global_batch=64)
