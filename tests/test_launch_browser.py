@@ -72,10 +72,8 @@ def test_launch_and_verify_from_the_widget(tmp_path):
             expect(planner).to_have_count(1, timeout=60_000)
 
             # 1. Launch from the widget with its inputs: 2 processes, a long run
-            page.locator("input.ap-run-nproc").fill("2")
-            page.locator("input.ap-run-nproc").dispatch_event("change")
-            page.locator("input.ap-run-launch-steps").fill("100000")
-            page.locator("input.ap-run-launch-steps").dispatch_event("change")
+            type_in(page, "input.ap-run-nproc", 2)
+            type_in(page, "input.ap-run-launch-steps", 100_000)
             page.locator("button.ap-action-launch").click()
             dash = page.locator(".ap-run-panel .autopar-dashboard")
             expect(dash.locator(".apd-state")).to_have_attribute("data-state", "running", timeout=90_000)
@@ -134,8 +132,7 @@ def test_launch_and_verify_from_the_widget(tmp_path):
             expect(bad.locator('tr[data-rank="1"]')).to_have_attribute("data-state", "failed")
 
             # 3. Verify from the widget: 3 steps, in the background, each row marked with its rule
-            page.locator("input.ap-run-verify-steps").fill("3")
-            page.locator("input.ap-run-verify-steps").dispatch_event("change")
+            type_in(page, "input.ap-run-verify-steps", 3)
             page.locator("button.ap-action-verify").click()
             verify = page.locator(".ap-run-panel .apd-verify")
             expect(verify.locator(".apd-state")).to_have_attribute("data-state", "passed", timeout=180_000)
@@ -156,3 +153,9 @@ def test_launch_and_verify_from_the_widget(tmp_path):
     assert dark_bg not in ("rgb(255, 255, 255)", "rgba(0, 0, 0, 0)"), dark_bg  # the theme's colours
     assert all(r in ("rtol", "adam", "low precision") for r in rules), rules
     assert not [e for e in errors if "apd" in e or "uPlot" in e or "dashboard" in e.lower()], errors
+
+
+def type_in(page, selector: str, value: int) -> None:
+    """Type a number into one of the widget's inputs, as a user does (the change event sends it to the kernel)."""
+    page.locator(selector).fill(str(value))
+    page.locator(selector).dispatch_event("change")

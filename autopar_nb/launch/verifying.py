@@ -14,7 +14,6 @@ import atexit
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -209,16 +208,10 @@ def _stop_all_at_exit() -> None:
 
 
 # ---- the child process --------------------------------------------------------------------------------------------
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent_pid:
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-
-
 def main(job_path: str) -> int:
     job = json.loads(Path(job_path).read_text())
+    from .agent import _watch_parent  # the same watchdog as the launch agent's: the kernel gone, so are we
+
     threading.Thread(target=_watch_parent, args=(job["parent_pid"],), daemon=True).start()
     out = Path(job["report"])
     try:
