@@ -1,0 +1,27 @@
+"""The models people bring, end to end (issue: "the models people bring"): eleven families built from Hugging Face
+configs with their default flags go through capture + plan, verify of the planner's plan, of ``tp=2`` and of
+``dp=2,zero=3``, and export + torchrun (tests/families.py; all verify cases in one launch of 2 processes)."""
+
+from __future__ import annotations
+
+import pytest
+from families import FAMILIES, STEPS, markdown, run_matrix
+from runtime_cases import has_transformers
+
+REFUSED = {("CNN + BatchNorm", "verify tp=2"): "no Linear/Embedding that TP can split"}
+"""what may be refused, and the reason the refusal must give (a CNN has nothing TP splits)"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+def test_every_family_runs_every_step(tmp_path):
+    names = list(FAMILIES)
+    table = run_matrix(names, tmp_path)
+    print(markdown(table, names))
+    for name in names:
+        for step in STEPS:
+            got = table.get((name, step), "not run")
+            if (name, step) in REFUSED:
+                assert REFUSED[(name, step)] in got, (name, step, got)
+            else:
+                assert got == "ok", (name, step, got)
