@@ -307,7 +307,7 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
                   "counts_loss = mesh[\"tp\"].get_local_rank() == 0  # one loss per model replica"]
     lines += ["if args.dry_run:", "    print_parameter_counts(parts)", "else:",
               "    " + call("train", "args", "parts", "optimizer", forward_backward="forward_backward",
-                            make_batch="make_batch_fn", dp_rank="dp_rank", device="device", dp="DP",
+                            make_batch="make_batch_fn", dp_rank="dp_rank", device="device", dp="mesh[\"dp\"].size()",
                             counts_loss="counts_loss", metrics="metrics", scaler=scaler,
                             pp_group="mesh[\"pp\"].get_group()" if v.pp > 1 else "None",
                             **({"tied": "tied"} if v.pp > 1 and v.ties else {}), tokens=str(v.tokens),
@@ -316,7 +316,7 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
 
 
 def render_script(source: ModelSource, plan: Plan, v: ScriptValues, *, script_name: str, plan_file: str,
-                  steps: int, seed: int, commands: list[str], nodes: int) -> str:
+                  steps: int, seed: int, launch: str) -> str:
     """The whole script (see the module docstring)."""
     setting_lines, setting_imports = settings(v, plan, seed=seed)
     par, par_uses, par_imports = parallelize_source(v)
@@ -328,14 +328,12 @@ def render_script(source: ModelSource, plan: Plan, v: ScriptValues, *, script_na
     _check_names(source, assembly.names + prelude.names)
     imports = _without_cell_imports(assembly.imports | prelude.imports | TEMPLATE_IMPORTS | std | par_imports,
                                     source, keep=setting_imports | prelude.imports)
-    world = plan.mesh.world_size
     return Template(TEMPLATE.read_text()).substitute(
-        model_name=v.model_class, summary=plan.summary(), nproc=world, plan_file=plan_file,
+        model_name=v.model_class, summary=plan.summary(), plan_file=plan_file,
         intro=textwrap.fill(f"Exported by autopar-nb from a notebook cell. The cell is kept verbatim below; the plan "
                             f"({plan_file} beside this file) is applied by the functions of autopar_nb.runtime, "
                             "copied below; nothing but torch (and the cell's own imports) is needed.", width=116),
-        cmd_one=commands[0], cmd_multi=commands[1].replace(" --rdzv-id", " \\\n        --rdzv-id"), nnodes=nodes,
-        per_node=f"{max(1, world // nodes)} process{'es' if world // nodes > 1 else ''}",
+        launch=launch,
         imports="\n\n".join(kit.import_lines(imports, setting_imports)),
         settings="\n".join(setting_lines), prelude=prelude.source(), cell=_cell(source, v), kit=assembly.source(),
         parallelize=par, steps=int(steps), main=body)

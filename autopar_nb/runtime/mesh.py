@@ -4,6 +4,7 @@ inside a node; expert parallelism splits the dp dim into (dp_mod_ep, ep)."""
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -18,6 +19,9 @@ def init_distributed(*, timeout_s: float = 600.0) -> str:
     returns the device type, ``"cuda"`` or ``"cpu"``."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
+        local, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+        if local > gpus:  # set_device(LOCAL_RANK) would fail on some ranks with "invalid device ordinal"
+            raise SystemExit(too_many_processes(local, gpus, int(os.environ.get("WORLD_SIZE", local)), sys.argv[0]))
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if dist.is_initialized():
         return device
@@ -34,13 +38,24 @@ def init_distributed(*, timeout_s: float = 600.0) -> str:
     return device
 
 
+def too_many_processes(local: int, gpus: int, world: int, script: str) -> str:
+    """What to run instead when torchrun started ``local`` processes on a node of ``gpus`` GPUs."""
+    n = max(d for d in range(1, gpus + 1) if world % d == 0)  # processes per node
+    return (f"torchrun started {local} processes on a node with {gpus} GPU(s). Run the {world} processes as "
+            f"{world // n} nodes x {n}, on each: torchrun --nnodes {world // n} --nproc-per-node {n} --rdzv-backend "
+            f"c10d --rdzv-endpoint HOST:29500 {script} (HOST: the first node's address)")
+
+
 def build_mesh(device: str, pp: int, dp: int, tp: int):
-    """The 3-D mesh with dims ``("pp", "dp", "tp")`` (size-1 dims kept, so ``mesh["dp"]`` always exists)."""
-    world = dist.get_world_size()
-    if pp * dp * tp != world:
-        raise SystemExit(f"this plan runs on pp({pp}) * dp({dp}) * tp({tp}) = {pp * dp * tp} processes, not {world}: "
-                         "start it with the torchrun command at the top of the script")
-    return init_device_mesh(device, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+    """The 3-D mesh with dims ``("pp", "dp", "tp")`` (size-1 dims kept, so ``mesh["dp"]`` always exists). Another
+    world size that ``pp * tp`` divides (an elastic job: ``torchrun --nnodes MIN:MAX``) changes dp only."""
+    world, replica = dist.get_world_size(), pp * tp
+    if world % replica:
+        raise SystemExit(f"this plan runs on pp({pp}) * dp({dp}) * tp({tp}) = {pp * dp * tp} processes (or a multiple "
+                         f"of pp * tp), not {world}: start it with the torchrun command at the top of the script")
+    if world != pp * dp * tp and dist.get_rank() == 0:
+        print(f"{world} processes, not the plan's {pp * dp * tp}: dp({world // replica}), not dp({dp})", flush=True)
+    return init_device_mesh(device, (pp, world // replica, tp), mesh_dim_names=MESH_DIMS)
 
 
 def expert_mesh(mesh, *, ep: int):

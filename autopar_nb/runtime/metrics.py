@@ -16,7 +16,12 @@ class Metrics:
 
     def __init__(self, rank: int, *, rss_before_model: int | None = None):
         address, token = os.environ.get("AUTOPAR_METRICS"), os.environ.get("AUTOPAR_TOKEN")
-        self.sock = socket.create_connection(address.rsplit(":", 1), timeout=30) if address and token else None
+        self.sock = None
+        if address and token:
+            try:  # a worker that cannot reach the notebook (on another host) trains on without streaming
+                self.sock = socket.create_connection(tuple(address.rsplit(":", 1)), timeout=10)
+            except (OSError, ValueError) as e:
+                print(f"metrics: cannot reach AUTOPAR_METRICS={address} ({e}); training without it", flush=True)
         self.send({"token": token, "rank": rank})  # nothing is sent without a launcher
         stacks = self.sock is not None and hasattr(signal, "SIGUSR1")  # so a hang shows where every thread waits
         if stacks:
