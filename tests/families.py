@@ -112,12 +112,12 @@ def _short(e: BaseException) -> str:
 def run_matrix(names: list[str], workdir: Path, *, verify_steps: int = 2) -> dict[tuple[str, str], str]:
     """(family, step) -> "ok" or the first line of why not. Verify cases share one launch of 2 processes; each
     family's planned script also runs under torchrun (2 processes, 2 steps)."""
-    from IPython.testing.globalipapp import get_ipython
+    from IPython.core.interactiveshell import InteractiveShell
 
     from autopar_nb.export import export
     from autopar_nb.verify import verify_many
 
-    ip = get_ipython()
+    ip = InteractiveShell.instance()  # the one the other tests share, if any
     ip.run_line_magic("load_ext", "autopar_nb")
     table: dict[tuple[str, str], str] = {}
     cases, keys, planned = [], [], {}
