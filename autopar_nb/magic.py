@@ -58,8 +58,8 @@ class AutoparallelMagics(Magics):
                    "2 CPU processes on a machine without GPU). Example: --gpus 8")
     @argument("--nodes", type=int, default=1, help="number of nodes (default 1). Example: --nodes 4")
     @argument("--gpu", default="auto",
-              help="device preset: a100-40gb, a100-80gb, h100-80gb, h200, l4, cpu, or auto = detect this machine "
-                   "(default). Example: --gpu h100-80gb")
+              help="device preset: a100-40gb, a100-80gb, h100-80gb, h100-pcie, h100-nvl, h200, gh200, h20, l4, "
+                   "l40s, a10, a10g, v100, t4, cpu, or auto = detect this machine (default). Example: --gpu h100-80gb")
     @argument("--batch", type=int, default=None,
               help="global batch size (samples per optimizer step over all GPUs; default: the example inputs' "
                    "batch). Example: --batch 512")

@@ -102,7 +102,7 @@ def make_batch(step, rank):
     ("--inputs model", SEED_CELL, "example inputs must be a tensor"),
     ("--fix tp", SEED_CELL, "expected KEY=VALUE"),
     ("--fix color=red", SEED_CELL, "KEY one of dp, tp, pp"),
-    ("--gpu v100", SEED_CELL, "--gpu: unknown GPU preset 'v100'"),
+    ("--gpu p100", SEED_CELL, "--gpu: unknown GPU preset 'p100'"),
     ("--gpus 0", SEED_CELL, "must be >= 1"),
     ("--name 1x", SEED_CELL, "not a valid Python variable name"),
 ])

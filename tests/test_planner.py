@@ -389,3 +389,14 @@ def test_recompute_fills_in_around_a_pinned_layer():
     text = p.explain()
     assert "Recompute chosen to fit memory: full on 2 of the 7 layers you left to the planner" in text, text
     assert "your choice" not in text  # h.0 is pinned to "none": nothing of the user's recomputes
+
+
+@pytest.mark.parametrize("preset, amp", [("h100-80gb", "bf16"), ("a10", "bf16"), ("v100", "fp16"), ("t4", "fp16"),
+                                         ("cpu", "none")])
+def test_precision_only_where_the_device_has_it(seed, preset, amp):
+    """bf16 needs compute capability 8.0: V100/T4 train in fp16 with loss scaling, and a fixed bf16 is refused."""
+    cluster = ap.Cluster.preset(preset, 1, 2)
+    assert ap.plan(seed, cluster).precision.amp == amp
+    if amp == "fp16":
+        with pytest.raises(PlanError, match="no bf16"):
+            ap.plan(seed, cluster, fix={"amp": "bf16"})

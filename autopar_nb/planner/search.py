@@ -86,6 +86,15 @@ def memory_limit(cluster) -> float:
     return mem / cluster.gpus_per_node if cluster.name == "cpu" else mem
 
 
+def default_amp(device) -> str:
+    """The precision the planner picks unless one is fixed: bf16 where the device has it and it is faster than fp32,
+    else fp16 where that is faster (V100, T4: loss scaling), else none (CPUs)."""
+    fp32 = device.flops("float32")
+    if device.supports("bfloat16") and device.flops("bfloat16") > fp32:
+        return "bf16"
+    return "fp16" if device.supports("float16") and device.flops("float16") > fp32 else "none"
+
+
 class Search:
     """Enumerates and costs candidates (module docstring)."""
 
@@ -110,8 +119,10 @@ class Search:
                 self.rec_pinned.setdefault(i, fix["recompute"])
         self.fsdp = [cons.layers[i].fsdp if i in cons.layers and cons.layers[i].fsdp is not None else True
                      for i in range(self.n)]
-        gpu = cluster.device.flops("bfloat16") > cluster.device.flops("float32")
-        self.amp = fix.get("amp", "bf16" if gpu else "none")
+        self.amp = fix.get("amp", default_amp(cluster.device))
+        if self.amp == "bf16" and not cluster.device.supports("bfloat16"):
+            raise PlanError(f"fix amp='bf16', but the {cluster.device.name} has no bf16 (it needs compute capability "
+                            ">= 8.0); use amp='fp16' (with loss scaling) or amp='none'")
         self.optimizer = fix.get("optimizer", "adam")
         self.has_batchnorm = any("BatchNorm" in lay.type or "BatchNorm" in " ".join(lay.modules.values())
                                  for lay in graph.layers)
@@ -209,8 +220,10 @@ class Search:
         if pp > 1 and self.prof.pp_blocker:
             return (f"pp={pp}: {self.prof.pp_blocker}; use pp=1, or make that tensor .contiguous() in the model "
                     "and re-capture")
-        if pp > 1 and fix.get("amp") == "fp16":
-            return f"pp={pp} with fix amp='fp16': pipelining does not support fp16 loss scaling; use amp='bf16' or pp=1"
+        if pp > 1 and self.amp == "fp16":
+            how = ("fix amp='fp16'" if fix.get("amp") == "fp16" else
+                   f"amp='fp16' (the {self.cluster.device.name} has no bf16)")
+            return f"pp={pp} with {how}: pipelining does not support fp16 loss scaling; use amp='bf16' or pp=1"
         return ""
 
     def ep_degrees(self, dp: int, tp: int, pp: int) -> list[int]:
