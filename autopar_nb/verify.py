@@ -245,13 +245,16 @@ def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0, val
               ) -> dict:
     """The single-process run, with the script's data, loss, learning-rate schedule and clipping: losses, gradients
     and parameters at each step (see the module docstring)."""
-    from .runtime.amp import grad_scaler, step_context
-    from .runtime.data import concat_batches, default_loss, split_batch, synthetic_batch
+    from .runtime.amp import exact_fp32, grad_scaler, step_context
+    from .runtime.data import concat_batches, default_loss, split_batch, synthetic_batch, to_device
+    from .runtime.mesh import device_type
     from .runtime.optim import build_optimizer, clip_grad_norm, lr_factor
 
     values = values or script_values(source, plan, seed=seed)
     ns = source.run(seed=seed)
-    model = ns[source.model_var]
+    device = device_type()  # the ranks' device type: CPU and GPU kernels differ by more than the tolerance
+    exact_fp32()
+    model = ns[source.model_var].to(device)  # built on the CPU with the seed, as the ranks build it, then moved
     model.train()
     dropout_off = switch_off_dropout(model)
     d = values.defaults
@@ -260,7 +263,7 @@ def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0, val
         synthetic_batch, ns[source.inputs_var], batch_size=d["batch_size"], int_high=d["int_high"])
     o, p, dp, M = plan.optimizer, plan.precision, plan.mesh.dp, plan.batch.micro_batches
     optimizer = build_optimizer(list(model.parameters()), o.name, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas)
-    scaler = grad_scaler("cpu", init_scale=p.init_loss_scale, dynamic=p.dynamic_loss_scale,
+    scaler = grad_scaler(device, init_scale=p.init_loss_scale, dynamic=p.dynamic_loss_scale,
                          growth_interval=p.growth_interval, sharded=False) if p.amp == "fp16" else None
     amp_dtype = getattr(torch, DTYPE_NAMES[p.amp]) if p.amp != "none" else None
     out = {"losses": [], "grads": [], "params": [], "dropout_off": dropout_off}
@@ -275,12 +278,12 @@ def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0, val
             pieces = [(mb, M * dp) for b in per_rank for mb in b]
         total = 0.0
         for mb, k in pieces:
-            with step_context("cpu", amp_dtype=amp_dtype):
-                loss = loss_fn(model, mb) / k
+            with step_context(device, amp_dtype=amp_dtype):
+                loss = loss_fn(model, to_device(mb, device)) / k
             (scaler.scale(loss) if scaler else loss).backward()
             total += loss.item()
         out["losses"].append(total)
-        out["grads"].append({n: q.grad.detach().float().clone() for n, q in model.named_parameters()
+        out["grads"].append({n: q.grad.detach().float().cpu().clone() for n, q in model.named_parameters()
                              if q.grad is not None})
         if scaler:
             scaler.unscale_(optimizer)
@@ -292,7 +295,7 @@ def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0, val
         else:
             optimizer.step()
         optimizer.zero_grad()
-        out["params"].append({n: q.detach().float().clone() for n, q in model.named_parameters()})
+        out["params"].append({n: q.detach().float().cpu().clone() for n, q in model.named_parameters()})
     return out
 
 
@@ -369,9 +372,11 @@ def _worker(jobs: list[tuple[str, str, str]], steps: int) -> list[dict]:
 
     import torch.distributed as dist
 
+    from .runtime.amp import exact_fp32
     from .runtime.mesh import init_distributed
 
     torch.set_num_threads(1)  # 2+ ranks on a few cores: more threads only oversubscribe
+    exact_fp32()  # as the reference: no TF32 on a GPU
     results = []
     init_distributed(timeout_s=300)  # one group for every script (each main() finds it and leaves it open)
     try:

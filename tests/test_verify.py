@@ -195,3 +195,23 @@ def test_low_precision_rules():
     assert not report(True, (0.0, 0.09)).ok  # 0.02 + 1 x 0.03 + ...
     assert not report(False, (0.0, 0.0), (2e-5, 0.0)).ok
     assert "gradients judged at step 0 only" in str(report(True, (0.0, 0.0)))
+
+
+def test_reference_runs_on_the_ranks_device_with_tf32_off(monkeypatch):
+    """The reference asks the ranks' device type (CUDA kernels on a GPU host: CPU and GPU kernels differ by more than
+    the fp32 tolerance) and switches TF32 off (cuDNN's default for convolutions); its tensors come back on the CPU."""
+    import torch
+
+    from autopar_nb.runtime import mesh
+    from autopar_nb.verify import reference
+
+    asked = []
+    monkeypatch.setattr(mesh, "device_type", lambda: asked.append(1) or "cpu")
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        out = reference(G, make_plan(G, dp=2), steps=1)
+        assert asked and not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+    assert all(t.device.type == "cpu" for t in [*out["grads"][0].values(), *out["params"][0].values()])

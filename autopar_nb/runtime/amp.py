@@ -20,6 +20,14 @@ def step_context(device: str, *, amp_dtype: torch.dtype | None = None, vocab_par
     return stack
 
 
+def exact_fp32() -> None:
+    """Compute fp32 matmuls and convolutions in full fp32 on CUDA: TF32 off for both (cuDNN convolutions use TF32 by
+    default, ~1e-3 relative error, far above verify's fp32 tolerance). Verify's ranks and its reference call it; on a
+    CPU it changes nothing."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
 def grad_scaler(device: str, *, init_scale: float, dynamic: bool, growth_interval: int, sharded: bool):
     """The fp16 loss scaler (``ShardedGradScaler`` when FSDP shards the gradients). A static loss scale
     (``dynamic=False``) is a scaler that never grows or backs off."""
