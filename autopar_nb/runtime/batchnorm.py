@@ -3,7 +3,7 @@
 On GPUs this is PyTorch's :class:`nn.SyncBatchNorm`. PyTorch has no CPU kernel for it, so on CPU (gloo) the plan's
 ``sync_batchnorm`` runs with :class:`CPUSyncBatchNorm`, written by hand here because nothing in PyTorch covers it: it
 sums each channel's sum, sum of squares and count over the group with torch's own differentiable collective
-``torch.distributed.nn.functional.all_reduce`` (whose backward all-reduces the gradients, so the statistics'
+``torch.distributed._functional_collectives.all_reduce`` (whose backward all-reduces the gradients, so the statistics'
 gradients reach every rank's inputs as with ``nn.SyncBatchNorm``), then normalises like ``nn.BatchNorm``. The exported
 script embeds this class's source (it never imports autopar_nb).
 """
@@ -11,14 +11,14 @@ script embeds this class's source (it never imports autopar_nb).
 from __future__ import annotations
 
 import torch
-import torch.distributed.nn.functional as dist_nn
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 
 class CPUSyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     """``nn.SyncBatchNorm`` for CPU: training statistics over ``process_group`` (see the module docstring; the
-    exported script holds this class's source, so it names torch's modules in full and ``dist_nn`` only)."""
+    exported script holds this class's source, so it names torch's modules in full and ``funcol`` only)."""
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
                  process_group=None):
@@ -36,7 +36,9 @@ class CPUSyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         xf, c = x.float(), x.shape[1]
         dims = [0, *range(2, x.dim())]
         count = xf.new_full((1,), x.numel() // c)
-        stats = dist_nn.all_reduce(torch.cat([xf.sum(dims), (xf * xf).sum(dims), count]), group=self.process_group)
+        # functional all_reduce has autograd (torch.distributed.nn.functional's is deprecated: a FutureWarning)
+        stats = funcol.all_reduce(torch.cat([xf.sum(dims), (xf * xf).sum(dims), count]), "sum",
+                                  self.process_group or torch.distributed.group.WORLD)
         n = stats[-1]
         mean = stats[:c] / n
         var = stats[c:2 * c] / n - mean * mean  # biased, as BatchNorm normalises
