@@ -482,12 +482,16 @@ class Plan:
                                 f"(pp={self.mesh.pp} x virtual_stages={self.pipeline.virtual_stages})")
 
     def _check_info(self) -> None:
-        """``model`` and ``cluster``: dicts whose known keys have their types (other keys are kept as given)."""
+        """``model`` and ``cluster``: dicts of known keys with their types."""
         for name, ints, strs in (("model", ("num_params",), ("name",)),
                                  ("cluster", ("nodes", "gpus_per_node"), ("preset",))):
             d = getattr(self, name)
             if not isinstance(d, dict):
                 raise PlanError(f"{name} must be a dict, got {d!r}")
+            unknown = [k for k in d if k not in ints + strs]
+            if unknown:
+                raise PlanError(f"unknown field(s) in {name}: {', '.join(map(repr, unknown))}; {name} has "
+                                f"{', '.join(strs + ints)}")
             for k in ints:
                 if k in d:
                     _check_int(f"{name}.{k}", d[k], minimum=0)
@@ -576,8 +580,16 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        """Parse a plan written by :meth:`to_json`."""
-        return cls.from_dict(json.loads(text))
+        """Parse a plan written by :meth:`to_json`; PlanError for text that is not JSON (or nested too deeply)."""
+        if not isinstance(text, str | bytes | bytearray):
+            raise PlanError(f"a plan's JSON text must be a string, got {type(text).__name__}")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"the plan is not valid JSON: {e}") from None
+        except RecursionError:
+            raise PlanError("the plan's JSON is nested too deeply to be a plan") from None
+        return cls.from_dict(data)
 
     # ---- diff ---------------------------------------------------------------------------------------------------
     def diff(self, other: Plan) -> list[Change]:
