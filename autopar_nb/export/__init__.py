@@ -12,6 +12,7 @@ Pipeline: :mod:`.values` (plan -> plain values, :mod:`.styles` for TP) -> :mod:`
 
 from __future__ import annotations
 
+import json
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,15 +183,44 @@ class Exported:
         return "\n".join(lines + [f"  {c}" for c in self.submit or self.commands])
 
 
+def written_by_export(path: Path) -> bool:
+    """Whether the file at ``path`` is an earlier output of :func:`export` (so writing over it loses nothing of the
+    user's): a script carrying the runtime's blocks, a plan JSON, or a job file whose header says autopar-nb wrote
+    it. Read as text, never executed; a file that is not UTF-8 text is not ours."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return False
+    if path.name.endswith(".plan.json"):
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError):
+            return False
+        return isinstance(data, dict) and "schema_version" in data and "mesh" in data
+    if path.suffix == ".py":
+        return text.startswith('"""Train ') and "\n# autopar_nb/runtime/" in text and "\ndef parallelize(" in text
+    return "written by autopar-nb" in text.replace("\n# ", " ")
+
+
+def _refuse_overwrite(paths: list[Path]) -> None:
+    """FileExistsError naming the first of ``paths`` that exists and is not an earlier export (nothing written)."""
+    for p in paths:
+        if p.exists() and not written_by_export(p):
+            raise FileExistsError(f"{p} exists and was not written by ap.export(): nothing was written. Pass "
+                                  "overwrite=True to replace it, or export to another path")
+
+
 def export(source: ModelSource, plan: Plan, path: str | Path, *, steps: int = 100, seed: int = 0,
-           meta_init: bool | None = None, quiet: bool = False, target: str = "torchrun", **job) -> Exported:
+           meta_init: bool | None = None, quiet: bool = False, target: str = "torchrun", overwrite: bool = False,
+           **job) -> Exported:
     """Write the training script for ``plan`` to ``path`` and the plan to ``<path stem>.plan.json`` beside it.
 
     ``meta_init``: build the model on the meta device and initialise it shard by shard (models larger than host
     memory); None decides by size (above 2**30 parameters). Nothing is written when the plan cannot be rendered.
     ``target``: ``"torchrun"`` (the script only), ``"slurm"`` (also ``<stem>.sbatch``: :func:`.slurm.sbatch_script`
     takes the ``job`` keywords) or ``"k8s"`` (also ``<stem>.pytorchjob.yaml``: :func:`.k8s.pytorchjob_manifest`).
-    Prints the commands unless ``quiet``.
+    Prints the commands unless ``quiet``. A file at one of those paths that an earlier export did not write is
+    kept (FileExistsError, nothing written) unless ``overwrite``.
     """
     path = Path(path)
     if path.suffix != ".py":
@@ -216,6 +246,8 @@ def export(source: ModelSource, plan: Plan, path: str | Path, *, steps: int = 10
         job_path = path.with_name(path.stem + ".pytorchjob.yaml")
         job_text = pytorchjob_manifest(path.name, plan, script_text=text, plan_text=plan.to_json() + "\n", **job)
         submit = [f"kubectl apply -f {job_path.name}"]
+    if not overwrite:
+        _refuse_overwrite([path, plan_path] + ([job_path] if job_path is not None else []))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     plan_path.write_text(plan.to_json() + "\n")
