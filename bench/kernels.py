@@ -1,0 +1,93 @@
+"""CPU figures of kernels_ext's fused linear + cross-entropy (issue 16): peak memory and time of one loss step
+(forward + backward of head and loss) at vocab 128256 x 2048 tokens x hidden 2048 (LLaMA-3.2 1B's head), fused vs
+``F.cross_entropy(h @ W.T)``.
+
+Each variant runs in a fresh interpreter; its peak is the process's peak RSS (``ru_maxrss``) minus its RSS once
+the inputs exist, so it counts everything the step allocates (logits, softmax, gradients of hidden and weight).
+
+    .venv/bin/python bench/kernels.py            # print
+    .venv/bin/python bench/kernels.py --write    # and replace the section of BENCHMARKS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTION = "Fused linear + cross-entropy and compile, CPU (issue 16)"
+
+CHILD = """
+import json, resource, sys, time, psutil, torch, torch.nn.functional as F
+import kernels_ext
+variant, n, h, v = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+torch.manual_seed(0)
+hidden = torch.randn(n, h).requires_grad_()
+weight = (torch.randn(v, h) / h**0.5).requires_grad_()
+target = torch.randint(0, v, (n,))
+base = psutil.Process().memory_info().rss
+t0 = time.perf_counter()
+if variant == "fused":
+    loss = kernels_ext.linear_cross_entropy(hidden, weight, target)
+else:
+    loss = F.cross_entropy(hidden @ weight.t(), target)
+loss.backward()
+dt = time.perf_counter() - t0
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"variant": variant, "loss": loss.item(), "peak_bytes": peak - base, "seconds": dt,
+                  "grad_norm": hidden.grad.norm().item()}))
+"""
+
+
+def measure_loss_step(variant: str, n: int, h: int, v: int) -> dict:
+    """One loss step in a fresh interpreter: {"variant", "loss", "peak_bytes", "seconds", "grad_norm"}."""
+    out = subprocess.run([sys.executable, "-c", CHILD, variant, str(n), str(h), str(v)], capture_output=True,
+                         text=True, check=True, cwd=ROOT)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def machine() -> str:
+    import torch
+
+    return (f"{platform.machine()} CPU, {os.cpu_count()} cores (shared with other jobs), torch {torch.__version__}, "
+            f"{datetime.date.today().isoformat()}")
+
+
+def fused_ce_table(n: int = 2048, h: int = 2048, v: int = 128_256) -> tuple[str, dict]:
+    """The markdown table of the fused vs unfused loss step, and the raw figures."""
+    rows = {name: measure_loss_step(name, n, h, v) for name in ("unfused", "fused")}
+    gib = 2**30
+    lines = [f"Loss step (forward + backward of head and loss), {n} tokens x hidden {h} x vocab {v}, fp32 "
+             f"(weight {v * h * 4 / gib:.2f} GiB, full logits {n * v * 4 / gib:.2f} GiB):", "",
+             "| variant | peak above inputs | time | loss |", "|---|---|---|---|"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['peak_bytes'] / gib:.2f} GiB | {r['seconds']:.1f} s | {r['loss']:.5f} |")
+    saved = rows["unfused"]["peak_bytes"] - rows["fused"]["peak_bytes"]
+    lines += ["", f"Saved: {saved / gib:.2f} GiB ({saved / rows['unfused']['peak_bytes']:.0%} of the unfused peak); "
+              "both peaks include the weight's gradient "
+              f"({v * h * 4 / gib:.2f} GiB) and the hidden's ({n * h * 4 / gib:.3f} GiB)."]
+    return "\n".join(lines), rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--write", action="store_true", help="replace the section of BENCHMARKS.md")
+    args = p.parse_args()
+    table, _ = fused_ce_table()
+    body = f"## {SECTION}\n\n`.venv/bin/python bench/kernels.py --write` — {machine()}.\n\n{table}\n"
+    print(body)
+    if args.write:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from capture import write_section
+
+        write_section(SECTION, body)
+
+
+if __name__ == "__main__":
+    main()

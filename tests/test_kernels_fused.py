@@ -1,0 +1,106 @@
+"""kernels_ext's fused kernels against the unfused ops, fp32 and bf16: values, gradients, the rules they register,
+and that they are seen as one op by meta-device capture and FX."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels_ext
+from kernels_ext.fused import default_chunk
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def lce_case(dtype, n=37, h=16, v=101, ignore=5):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) / h**0.5).to(dtype).requires_grad_()
+    target = torch.randint(0, v, (n,), generator=g)
+    target[:ignore] = -100
+    return hidden, weight, target
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction, chunk", [("mean", 8), ("sum", 5), ("mean", None), ("mean", 1000)])
+def test_linear_cross_entropy_matches_unfused(dtype, reduction, chunk):
+    hidden, weight, target = lce_case(dtype)
+    fused = kernels_ext.linear_cross_entropy(hidden, weight, target, reduction=reduction, chunk=chunk)
+    gh, gw = torch.autograd.grad(fused * 3.0, (hidden, weight))
+    # the unfused reference in fp32 from the same (rounded) inputs: bf16 is checked against exact arithmetic
+    h32, w32 = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    ref = F.cross_entropy(h32 @ w32.t(), target, reduction=reduction)
+    rh, rw = torch.autograd.grad(ref * 3.0, (h32, w32))
+    assert fused.dtype == torch.float32 and gh.dtype == gw.dtype == dtype
+    torch.testing.assert_close(fused, ref, **TOL[dtype])
+    torch.testing.assert_close(gh.float(), rh, **TOL[dtype])
+    torch.testing.assert_close(gw.float(), rw, **TOL[dtype])
+
+
+def test_linear_cross_entropy_takes_batch_dims_and_refuses_other_reductions():
+    hidden, weight, target = lce_case(torch.float32, n=24)
+    a = kernels_ext.linear_cross_entropy(hidden.reshape(2, 12, -1), weight, target.reshape(2, 12))
+    torch.testing.assert_close(a, kernels_ext.linear_cross_entropy(hidden, weight, target))
+    with pytest.raises(ValueError, match="'mean' or 'sum'"):
+        kernels_ext.linear_cross_entropy(hidden, weight, target, reduction="none")
+    with pytest.raises(ImportError, match="pip install liger-kernel"):
+        kernels_ext.linear_cross_entropy(hidden, weight, target, use_liger=True)
+
+
+def test_default_chunk_keeps_a_chunks_logits_near_the_hidden_size():
+    n, h, v = 2048, 4096, 128_256
+    assert default_chunk(n, h, v) == 256  # 33 by hidden size alone: too few for the weight-gradient matmul
+    assert default_chunk(16_384, 4096, 32_000) == 2048  # a chunk's logits the size of the hidden states
+    assert default_chunk(8, 64, 32) == 8  # fewer tokens than a chunk: one chunk
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_unfused(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 7, 32, generator=g).to(dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(32, generator=g)).to(dtype).requires_grad_()
+    y = kernels_ext.rms_norm(x, w, 1e-6)
+    up = torch.randn(y.shape, generator=g).to(dtype)
+    gx, gw = torch.autograd.grad((y * up).sum(), (x, w))
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    ref = F.rms_norm(x32, (32,), w32, 1e-6)
+    rx, rw = torch.autograd.grad((ref * up.float()).sum(), (x32, w32))
+    assert y.dtype == gx.dtype == gw.dtype == dtype
+    torch.testing.assert_close(y.float(), ref, **TOL[dtype])
+    torch.testing.assert_close(gx.float(), rx, **TOL[dtype])
+    torch.testing.assert_close(gw.float(), rw, **TOL[dtype] if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2))
+    m = kernels_ext.RMSNorm(32)
+    assert set(m.state_dict()) == set(torch.nn.RMSNorm(32).state_dict())
+
+
+def test_rules_are_registered_like_any_op():
+    lce = kernels_ext.lookup("kernels_ext.linear_cross_entropy.default")
+    H = kernels_ext.TensorMeta
+    args = (H((2048, 4096), "bfloat16", 2), H((128_256, 4096), "bfloat16", 2), H((2048,), "int64", 8), -100, 64)
+    assert lce.op_class == "matmul" and lce.forward_flops(args, {}, []) == 2 * 2048 * 4096 * 128_256
+    assert lce.backward_factor == 3.0 and lce.tp_role == "reduction"
+    assert lce.saves == ("input", "stats") and lce.stats([(2048, 4096)], []) == 2048
+    norm = kernels_ext.lookup("kernels_ext.rms_norm.default")
+    assert norm.tp_role == "norm" and "sequence_parallel" in norm.splits and norm.saves == ("input", "stats")
+
+
+def test_capture_sees_one_op_each():
+    """On the meta device (the fake implementations) the planner's capture records the custom ops by name."""
+    import autopar_nb as ap
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = kernels_ext.RMSNorm(64)
+            self.out = torch.nn.Linear(64, 1000, bias=False)
+
+        def forward(self, x):
+            return kernels_ext.linear_cross_entropy(self.norm(x), self.out.weight, x[..., 0].long().abs())
+
+    with torch.device("meta"):
+        model = Head()
+    graph = ap.capture(model, torch.randn(4, 16, 64, device="meta"))
+    ops = {n.op: n.op_class for n in graph.nodes}
+    assert ops["kernels_ext.rms_norm.default"] == "norm"
+    assert ops["kernels_ext.linear_cross_entropy.default"] == "matmul" and not graph.unknown_ops
