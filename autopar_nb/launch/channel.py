@@ -8,9 +8,13 @@ Protocol (the exported script implements the client side; see ``tests/fixtures/t
                      {"event": "done"}  or  {"event": "error", "error": "...", "traceback": "..."}
 
 A connection whose first line is not valid JSON carrying the run's token (compared in constant time) within
-``AUTH_TIMEOUT_S`` is closed and its bytes discarded; lines longer than ``MAX_LINE`` close the connection. Messages
-are decoded with ``json.loads`` only (nothing is unpickled), and the rank of every message is the one the
-connection authenticated with, whatever a later line says. Not thread-safe: one thread (the monitor) calls ``poll``.
+``AUTH_TIMEOUT_S`` is closed and its bytes discarded; lines longer than ``MAX_LINE`` (``MAX_AUTH_LINE`` before the
+token) close the connection. At most ``MAX_PENDING`` connections wait unauthenticated: a new one closes the oldest
+(so held-open connections cannot use up the kernel's file descriptors), and when ``accept`` itself fails for want of
+descriptors the oldest pending one is closed to make room. Whatever a peer sends, only its own connection is closed:
+nothing it sends raises out of ``poll`` (the monitor's loop). Messages are decoded with ``json.loads`` only (nothing
+is unpickled), and the rank of every message is the one the connection authenticated with, whatever a later line
+says. Not thread-safe: one thread (the monitor) calls ``poll``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ AUTH_TIMEOUT_S = 10.0
 """seconds a new connection may take to send its token line"""
 MAX_LINE = 1 << 20
 """bytes: a longer line (or unterminated data) closes the connection"""
+MAX_AUTH_LINE = 4096
+"""bytes: the longest first (token) line; a longer one closes the connection"""
+MAX_PENDING = 32
+"""connections waiting to authenticate at once; a new one closes the oldest"""
 
 
 @dataclass
@@ -85,14 +93,35 @@ class MetricsServer:
     def _accept(self) -> None:
         try:
             sock, _ = self._lsock.accept()
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             return
+        except OSError:  # EMFILE/ENFILE/ENOBUFS: free a descriptor held by a peer that never authenticated
+            pending = self._pending()
+            if pending:
+                self._drop(pending[0], rejected=True)
+            else:
+                time.sleep(0.01)  # nothing of ours to free: do not spin on a listening socket that stays readable
+            return
+        pending = self._pending()
+        if len(pending) >= MAX_PENDING:
+            self._drop(pending[0], rejected=True)
         sock.setblocking(False)
         conn = _Conn(sock, time.monotonic())
         self._conns[sock.fileno()] = conn
         self._sel.register(sock, selectors.EVENT_READ, conn)
 
+    def _pending(self) -> list[_Conn]:
+        """Connections not yet authenticated, oldest first."""
+        return sorted((c for c in self._conns.values() if c.rank is None), key=lambda c: c.opened)
+
     def _read(self, c: _Conn, out: list[Message]) -> None:
+        try:
+            self._receive(c, out)
+        except Exception:  # whatever one peer sends costs it its connection, never the monitor
+            if any(known is c for known in self._conns.values()):
+                self._drop(c, rejected=c.rank is None)
+
+    def _receive(self, c: _Conn, out: list[Message]) -> None:
         try:
             chunk = c.sock.recv(65536)
         except (BlockingIOError, InterruptedError):
@@ -111,7 +140,7 @@ class MetricsServer:
                 continue
             try:
                 obj = json.loads(line)
-            except (ValueError, UnicodeDecodeError):
+            except (ValueError, UnicodeDecodeError, RecursionError):
                 obj = None
             if not isinstance(obj, dict):
                 self._drop(c, rejected=True)
@@ -119,15 +148,16 @@ class MetricsServer:
             if c.rank is None:
                 token = obj.get("token")
                 rank = obj.get("rank")
-                if (not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode())
-                        or not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+                if (not isinstance(token, str) or not hmac.compare_digest(token.encode("utf-8", "surrogatepass"),
+                                                                          self.token.encode())
+                        or not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < 1 << 31):
                     self._drop(c, rejected=True)
                     return
                 c.rank = rank
                 out.append(Message(rank, "hello", {k: v for k, v in obj.items() if k != "token"}, time.time()))
             else:
                 out.append(Message(c.rank, "data", obj, time.time()))
-        if len(c.buf) > MAX_LINE:
+        if len(c.buf) > (MAX_LINE if c.rank is not None else MAX_AUTH_LINE):
             self._drop(c, rejected=True)
 
     def _drop(self, c: _Conn, *, rejected: bool) -> None:
@@ -136,7 +166,9 @@ class MetricsServer:
             self._sel.unregister(c.sock)
         except (KeyError, ValueError):
             pass
-        self._conns.pop(c.sock.fileno(), None)
+        for fd, known in list(self._conns.items()):
+            if known is c:
+                del self._conns[fd]
         c.sock.close()
 
     def close(self) -> None:
