@@ -82,13 +82,45 @@ class Session:
         >>> ap.override("h.10", stage=2)
         """
         overrides = copy.deepcopy(self.overrides)
-        entry = {**overrides.get(pattern, {}), **choices}
+        # the entry moves last: the planner reads overrides in order, so the latest call wins where globs overlap
+        entry = {**overrides.pop(pattern, {}), **choices}
         entry = {k: v for k, v in entry.items() if v is not None}
         if entry:
             overrides[pattern] = entry
-        else:
-            overrides.pop(pattern, None)
         return self.replan(overrides=overrides)
+
+    def adopt(self, alternative: int | Plan) -> Plan:
+        """Make one of ``plan.alternatives`` (its index, or the Plan) the current plan as it is, pinning nothing:
+        the constraints stay those the user set, so the next edit re-plans from them. The plan it replaces joins the
+        alternatives; one undo() goes back.
+
+        >>> ap.adopt(0)   # the next best plan, e.g. more micro-batches for less memory
+        """
+        if self.plan is None:
+            raise PlanError("there is no plan yet: run ap.replan() first")
+        alts = list(self.plan.alternatives)
+        if isinstance(alternative, int):
+            if not 0 <= alternative < len(alts):
+                raise IndexError(f"alternative {alternative} does not exist: the plan has {len(alts)} "
+                                 f"alternative(s) (0..{len(alts) - 1})")
+            chosen = alts[alternative]
+        else:
+            chosen = next((a for a in alts if a is alternative), None)
+            if chosen is None:
+                raise PlanError("adopt() takes one of ap.plan.alternatives (or its index)")
+        previous = copy.copy(self.plan)
+        previous.alternatives = []
+        new = copy.copy(chosen)
+        new.alternatives = sorted([previous, *(a for a in alts if a is not chosen)],
+                                  key=lambda p: p.cost.step_time_s if p.cost else 0.0)
+        new.explanation = [f"Adopted an alternative: {chosen.summary()}. The planner's choice "
+                           f"({previous.summary()}) is now among the alternatives. Nothing is pinned: the next edit "
+                           "re-plans from the same constraints."]
+        self._undo.append(self._state())
+        self._redo.clear()
+        self.plan = new
+        self._notify()
+        return new
 
     def undo(self) -> Plan | None:
         """Go back to the constraints and plan before the last replan/override; returns the restored plan."""

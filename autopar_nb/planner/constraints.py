@@ -110,7 +110,19 @@ def _some(items, n: int = 8) -> str:
 
 
 def _match(graph, pattern: str) -> tuple[list[int], list[tuple[int, str]]]:
-    """Layers the glob names as a whole, and (layer, module prefix) pairs it names inside a layer."""
+    """Layers the glob names as a whole, and (layer, module prefix) pairs it names inside a layer. Remembered per
+    graph (a captured graph does not change; the widget asks the same patterns on every edit)."""
+    cache = graph.__dict__.setdefault("_match_cache", {})
+    if pattern not in cache:
+        if len(cache) > 4096:
+            cache.clear()
+        whole, partial = _match_layers(graph, pattern)
+        cache[pattern] = (tuple(whole), tuple(partial))
+    whole, partial = cache[pattern]
+    return list(whole), list(partial)
+
+
+def _match_layers(graph, pattern: str) -> tuple[list[int], list[tuple[int, str]]]:
     whole: list[int] = []
     partial: list[tuple[int, str]] = []
     for i, lay in enumerate(graph.layers):
