@@ -1,8 +1,10 @@
 // autopar-nb planner widget front end (anywidget ES module; no build step, no network).
-// State lives in the Python model's traits; this file renders them and sends edits back as
-// {kind: ...} messages (see autopar_nb/widget/model.py, PlannerWidget.handle).
+// State lives in the Python model's traits; this file renders them and sends edits back as {kind: ...} messages
+// (see autopar_nb/widget/model.py, PlannerWidget.handle). Which split a layer can take, which global options the
+// planner can plan, how the graph is folded: all come from Python; nothing here decides them.
 
-const GiB = 2 ** 30;
+const LEGIBLE = 0.75; // view scale at which the graph's smallest label (9 pt) is 9 CSS px
+let widgetCount = 0;
 
 function h(tag, attrs = {}, ...children) {
   const e = document.createElement(tag);
@@ -21,126 +23,218 @@ function h(tag, attrs = {}, ...children) {
   return e;
 }
 
-function si(x, unit = "") {
-  if (x === null || x === undefined) return "–";
-  const a = Math.abs(x);
-  for (const [p, s] of [["P", 1e15], ["T", 1e12], ["G", 1e9], ["M", 1e6], ["k", 1e3]]) {
-    if (a >= s) return `${(x / s).toFixed(2)} ${p}${unit}`;
-  }
-  return `${x.toFixed(0)} ${unit}`;
+// ---- units: the same rules as autopar_nb/widget/units.py ---------------------------------------------------------
+const sig3 = (x) => (Math.abs(x) < 10 ? x.toFixed(2) : Math.abs(x) < 100 ? x.toFixed(1) : x.toFixed(0));
+function bytes(n) {
+  if (n === null || n === undefined) return "–";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+  let x = n, i = 0;
+  while (Math.abs(x) >= 1024 * 0.9995 && i < units.length - 1) { x /= 1024; i += 1; }
+  return i === 0 ? `${x.toFixed(0)} B` : `${sig3(x)} ${units[i]}`;
 }
-const gib = (b) => `${(b / GiB).toFixed(2)} GiB`;
-const ms = (s) => (s >= 1e-2 ? `${(s * 1e3).toFixed(1)} ms` : s >= 1e-4 ? `${(s * 1e3).toFixed(2)} ms`
-  : `${(s * 1e6).toFixed(1)} µs`);
+function secs(s) {
+  if (s === null || s === undefined) return "–";
+  if (s === 0) return "0 s";
+  for (const [scale, unit] of [[1, "s"], [1e-3, "ms"], [1e-6, "µs"], [1e-9, "ns"]]) {
+    if (Math.abs(s) >= scale * 0.9995 || unit === "ns") return `${sig3(s / scale)} ${unit}`;
+  }
+  return `${s} s`;
+}
+function count(x, unit = "") {
+  if (x === null || x === undefined) return "–";
+  for (const [scale, p] of [[1e15, "P"], [1e12, "T"], [1e9, "G"], [1e6, "M"], [1e3, "k"]]) {
+    if (Math.abs(x) >= scale * 0.9995) return `${sig3(x / scale)}${p}${unit}`;
+  }
+  return `${x.toFixed(0)}${unit}`;
+}
 const PIN = "●";
 
 // ---- the widget -------------------------------------------------------------------------------------------------
-// `ui` is what every function below shares: the model, the DOM parts, the view state (pan/zoom, search) and send().
+// `ui` is what every function below shares: the model, the DOM parts, the view state (pan/zoom, search, selection on
+// the sharding board) and send().
 
 function render({ model, el, host }) {
   const ui = skeleton(model, el);
   const stopPanel = runPanel(ui, el, host);
   toolbar(ui);
   const stopPanZoom = panZoom(ui);
-  graphEvents(ui);
+  const stopGraph = graphEvents(ui);
+  const stopBoard = boardEvents(ui);
   const renderAll = () => {
+    const t0 = performance.now();
     ui.root.classList.remove("ap-busy");
+    // a part is drawn again only when a trait it shows changed (an unchanged trait keeps its object in the model)
     renderHeader(ui);
     renderMessages(ui);
     renderGraph(ui);
-    renderSide(ui);
-    renderControls(ui);
-    renderLanes(ui);
-    renderTable(ui);
+    if (changed(ui, "side", ["memory", "time", "change_groups", "changes", "alternatives", "explanation", "view"])) {
+      renderSide(ui);
+    }
+    if (changed(ui, "controls", ["controls"])) renderControls(ui);
+    if (changed(ui, "board", ["board"])) renderBoard(ui);
+    if (changed(ui, "lanes", ["stages", "layers", "selection"])) renderLanes(ui);
+    if (changed(ui, "table", ["layers", "selection", "controls"])) renderTable(ui);
     markSelection(ui, model.get("selection"), false);
+    // the front end's own time for the last re-render (the browser tests read it)
+    ui.root.dataset.renderMs = (performance.now() - t0).toFixed(1);
   };
   renderAll();
-  const onMessages = () => { ui.root.classList.remove("ap-busy"); renderMessages(ui); };
+  // a rejected edit changes no plan trait: redraw the controls so none keeps showing the value that was refused
+  const onMessages = () => {
+    ui.root.classList.remove("ap-busy");
+    renderMessages(ui);
+    if ((model.get("messages") || []).some((m) => m.level === "error")) {
+      renderControls(ui); renderBoard(ui); renderLanes(ui); renderTable(ui);
+    }
+  };
   const onSelection = () => { markSelection(ui, model.get("selection"), false); renderGraph(ui); };
+  const onTimings = () => renderHeader(ui);
   model.on("change:revision", renderAll);
   model.on("change:messages", onMessages);
   model.on("change:selection", onSelection);
-  // the first layout needs the element in the page to know its size
-  const ro = new ResizeObserver(() => {
-    if (!ui.view.fitted && ui.viewport.clientWidth > 0) { fitView(ui); ui.view.fitted = true; }
-  });
-  ro.observe(ui.viewport);
+  model.on("change:timings", onTimings);
+  const stopSize = reportViewport(ui);
   return () => {
     model.off("change:revision", renderAll);
     model.off("change:messages", onMessages);
     model.off("change:selection", onSelection);
-    stopPanZoom();
-    stopPanel();
-    ro.disconnect();
+    model.off("change:timings", onTimings);
+    stopPanZoom(); stopGraph(); stopBoard(); stopPanel(); stopSize();
   };
+}
+
+// whether any of the traits ``keys`` holds another object than when the part ``name`` was last drawn
+function changed(ui, name, keys) {
+  const now = keys.map((k) => ui.model.get(k));
+  const before = ui.drawn[name];
+  ui.drawn[name] = now;
+  return !before || now.some((v, i) => v !== before[i]);
 }
 
 // ---- skeleton: the DOM parts, filled by the renderers ------------------------------------------------------------
 function skeleton(model, el) {
-  // keys typed in the widget (search box, number inputs) are not notebook shortcuts
+  // keys typed in the widget (search box, number inputs, the board's keys) are not notebook shortcuts
   const root = h("div", { class: "ap-root", "data-lm-suppress-shortcuts": "true", tabindex: "-1",
-    onkeydown: (ev) => { if (ev.target.matches("input, select, textarea")) ev.stopPropagation(); } });
+    onkeydown: (ev) => {
+      if (ev.target.matches("input, select, textarea, .ap-schip, .ap-board")) ev.stopPropagation();
+    } });
   el.append(root);
+  widgetCount += 1;
   const ui = {
-    model, root,
+    model, root, id: `ap${widgetCount}`,
     // view state kept across re-renders
-    view: { scale: 1, x: 0, y: 0, fitted: false, search: "", svgText: null },
+    view: { scale: 1, x: 0, y: 0, fitted: false, userMoved: false, search: "", svgText: null, hits: [], hit: -1,
+      gw: 0, gh: 0 },
     drag: null,
+    drawn: {},
+    board: { selected: new Set(), anchor: null, open: new Set(), target: null, dragging: null, focus: null },
     send: (msg) => { root.classList.add("ap-busy"); model.send(msg); },
     header: h("div", { class: "ap-header" }),
-    messages: h("div", { class: "ap-messages" }),
+    messages: h("div", { class: "ap-messages", role: "status" }),
     toolbar: h("div", { class: "ap-toolbar" }),
     legend: h("div", { class: "ap-legend" }),
     canvas: h("div", { class: "ap-svg" }),
     tooltip: h("div", { class: "ap-tooltip", style: "display:none" }),
+    menu: h("div", { class: "ap-menu", style: "display:none", role: "menu" }),
+    ghost: h("div", { class: "ap-ghost", style: "display:none" }),
+    minimap: h("div", { class: "ap-minimap", style: "display:none", title: "overview: click or drag to move the view" }),
     side: h("div", { class: "ap-side" }),
     controls: h("div", { class: "ap-controls" }),
+    boardEl: h("div", { class: "ap-board", tabindex: "-1" }),
+    boardStatus: h("div", { class: "ap-board-status", "aria-live": "polite" }),
     lanes: h("div", { class: "ap-lanes" }),
     table: h("div", { class: "ap-table-wrap" }),
   };
-  ui.viewport = h("div", { class: "ap-viewport" }, ui.canvas);
-  ui.graphPanel = h("div", { class: "ap-graph" }, ui.toolbar, ui.viewport, ui.legend, ui.tooltip);
+  ui.viewport = h("div", { class: "ap-viewport" }, ui.canvas, ui.minimap);
+  ui.graphPanel = h("div", { class: "ap-graph" }, ui.toolbar, ui.viewport, ui.legend, ui.tooltip, ui.menu);
   root.append(ui.header, ui.messages, h("div", { class: "ap-main" }, ui.graphPanel, ui.side),
     h("div", { class: "ap-section-title" }, "Global choices"), ui.controls,
+    h("div", { class: "ap-section-title" }, "Sharding ", h("span", { class: "ap-hint" },
+      "drag layers to a split (shift/ctrl-click or drag a box to select several; keys: ←→ move, space select, "
+      + "↑↓ choose a lane, Enter apply)")), ui.boardEl, ui.boardStatus,
     h("div", { class: "ap-section-title" }, "Pipeline stages ", h("span", { class: "ap-hint" },
       "drag a layer to another lane, or a lane's ⇤ handle onto a layer to move the boundary")), ui.lanes,
-    h("div", { class: "ap-section-title" }, "Layers"), ui.table);
+    h("div", { class: "ap-section-title" }, "Layers"), ui.table, ui.ghost);
   return ui;
 }
 
-// ---- toolbar: search, depth, blocks, fit -------------------------------------------------------------------------
+// the viewport's size goes to Python (the `viewport` trait), which picks the depth, folding and columns that fit it
+function reportViewport(ui) {
+  let timer = null, last = null;
+  const ro = new ResizeObserver(() => {
+    if (!ui.view.fitted && ui.viewport.clientWidth > 0 && ui.canvas.querySelector("svg")) fitView(ui, "auto");
+    clearTimeout(timer);
+    timer = setTimeout(() => {
+      const w = Math.round(ui.viewport.clientWidth), hgt = Math.round(ui.viewport.clientHeight);
+      if (w < 200 || hgt < 150) return;
+      if (last && Math.abs(w - last[0]) < 0.04 * last[0] && Math.abs(hgt - last[1]) < 0.04 * last[1]) return;
+      last = [w, hgt];
+      ui.model.set("viewport", { width: w, height: hgt });
+      ui.model.save_changes();
+    }, 200);
+  });
+  ro.observe(ui.viewport);
+  return () => { ro.disconnect(); clearTimeout(timer); };
+}
+
+// ---- toolbar: search, depth, blocks, auto view, zoom ---------------------------------------------------------------
 function toolbar(ui) {
-  const search = h("input", { class: "ap-search", type: "search", placeholder: "search ops / modules…" });
-  search.addEventListener("input", () => { ui.view.search = search.value.trim().toLowerCase(); applySearch(ui, false); });
-  search.addEventListener("keydown", (ev) => { if (ev.key === "Enter") applySearch(ui, true); });
-  ui.depth = h("input", { class: "ap-depth", type: "range", min: 0, step: 1 });
+  const search = h("input", { class: "ap-search", type: "search", placeholder: "search ops / modules…",
+    "aria-label": "search the graph" });
+  search.addEventListener("input", () => { ui.view.search = search.value.trim().toLowerCase(); applySearch(ui, 0); });
+  search.addEventListener("keydown", (ev) => { if (ev.key === "Enter") applySearch(ui, ev.shiftKey ? -1 : 1); });
+  ui.searchCount = h("span", { class: "ap-search-count", "aria-live": "polite" });
+  const prev = h("button", { class: "ap-btn ap-search-prev", title: "previous match (shift+Enter)",
+    onclick: () => applySearch(ui, -1) }, "↑");
+  const next = h("button", { class: "ap-btn ap-search-next", title: "next match (Enter)",
+    onclick: () => applySearch(ui, 1) }, "↓");
+  ui.depth = h("input", { class: "ap-depth", type: "range", min: 0, step: 1, "aria-label": "module depth" });
   ui.depthLabel = h("span", { class: "ap-depth-label" });
   ui.depth.addEventListener("change", () => ui.send({ kind: "depth", value: Number(ui.depth.value) }));
   ui.blocks = h("span", { class: "ap-blocks" });
-  const fit = h("button", { class: "ap-btn", title: "fit the graph to the view", onclick: () => fitView(ui) }, "fit");
-  const zin = h("button", { class: "ap-btn", title: "zoom in", onclick: () => zoomAt(ui, 1.25) }, "+");
-  const zout = h("button", { class: "ap-btn", title: "zoom out", onclick: () => zoomAt(ui, 0.8) }, "−");
-  ui.toolbar.append(search, h("label", { class: "ap-depth-wrap" }, "depth ", ui.depth, ui.depthLabel), ui.blocks,
-    zout, zin, fit);
+  ui.autoBtn = h("button", { class: "ap-btn ap-auto-view", title: "the view that fits this panel (depth, folding, columns)",
+    onclick: () => { ui.view.userMoved = false; ui.send({ kind: "auto_view" }); } }, "auto view");
+  const fit = h("button", { class: "ap-btn ap-fit", title: "fit the whole graph in the view",
+    onclick: () => fitView(ui, "whole") }, "fit");
+  const zin = h("button", { class: "ap-btn ap-zoom-in", title: "zoom in", onclick: () => zoomAt(ui, 1.25) }, "+");
+  const zout = h("button", { class: "ap-btn ap-zoom-out", title: "zoom out", onclick: () => zoomAt(ui, 0.8) }, "−");
+  ui.toolbar.append(h("span", { class: "ap-search-wrap" }, search, ui.searchCount, prev, next),
+    h("label", { class: "ap-depth-wrap" }, "depth ", ui.depth, ui.depthLabel), ui.blocks, ui.autoBtn, zout, zin, fit);
 }
 
-// ---- pan / zoom --------------------------------------------------------------------------------------------------
+// ---- pan / zoom / fit / minimap ------------------------------------------------------------------------------------
 function applyTransform(ui) {
   const v = ui.view;
   ui.canvas.style.transform = `translate(${v.x}px, ${v.y}px) scale(${v.scale})`;
+  updateMinimap(ui);
 }
 
-function fitView(ui) {
+function graphSize(ui) {
   const svg = ui.canvas.querySelector("svg");
-  if (!svg) return;
+  if (!svg) return null;
+  return [svg.width.baseVal.value || 600, svg.height.baseVal.value || 400];
+}
+
+// "auto": the whole graph when its labels stay legible that way, else legible size from the top with the minimap;
+// "whole": the whole graph whatever the size
+function fitView(ui, mode = "auto") {
+  const size = graphSize(ui);
+  if (!size) return;
+  const [w, hgt] = size;
   const v = ui.view;
   const vw = ui.viewport.clientWidth || 600, vh = ui.viewport.clientHeight || 420;
-  const w = svg.width.baseVal.value || 600, hgt = svg.height.baseVal.value || 400;
-  // whole graph when it is legible that way; else fit the width (at most 0.8) and start at the top
-  const whole = Math.min(vw / w, vh / hgt) * 0.97;
-  v.scale = Math.min(1.2, Math.max(whole, Math.min(0.8, (vw / w) * 0.97)));
-  v.x = (vw - w * v.scale) / 2;
-  v.y = Math.max(4, (vh - hgt * v.scale) / 2);
+  const whole = Math.min(vw / w, vh / hgt) * 0.96;
+  if (mode === "whole" || whole >= LEGIBLE) {
+    v.scale = Math.min(1.1, whole);
+    v.x = (vw - w * v.scale) / 2;
+    v.y = Math.max(4, (vh - hgt * v.scale) / 2);
+  } else {
+    v.scale = LEGIBLE;
+    v.x = w * v.scale <= vw ? (vw - w * v.scale) / 2 : 8;
+    v.y = 8;
+  }
+  v.fitted = vw > 0;
+  if (mode === "whole") v.userMoved = false;
   applyTransform(ui);
 }
 
@@ -152,11 +246,37 @@ function zoomAt(ui, f, cx, cy) {
   v.x = cx - (cx - v.x) * (s / v.scale);
   v.y = cy - (cy - v.y) * (s / v.scale);
   v.scale = s;
+  v.userMoved = true;
   applyTransform(ui);
 }
 
-// ctrl/cmd + wheel zooms at the pointer; a plain wheel scrolls the graph while it overflows, else the page; a drag
-// pans. Returns the function that removes the window listeners.
+function updateMinimap(ui) {
+  const size = graphSize(ui);
+  const mm = ui.minimap;
+  if (!size || !ui.view.svgText) { mm.style.display = "none"; return; }
+  const [w, hgt] = size;
+  const v = ui.view, vw = ui.viewport.clientWidth, vh = ui.viewport.clientHeight;
+  const overflow = w * v.scale > vw + 2 || hgt * v.scale > vh + 2;
+  mm.style.display = overflow ? "block" : "none";
+  if (!overflow) return;
+  const k = Math.min(150 / w, 120 / hgt);
+  mm.style.width = `${w * k}px`; mm.style.height = `${hgt * k}px`;
+  if (mm.dataset.src !== ui.view.svgText.length + ":" + w) {
+    mm.dataset.src = ui.view.svgText.length + ":" + w;
+    mm.replaceChildren(h("img", { alt: "", draggable: "false",
+      src: "data:image/svg+xml;charset=utf-8," + encodeURIComponent(ui.view.svgText) }),
+    h("div", { class: "ap-minimap-view" }));
+  }
+  const box = mm.querySelector(".ap-minimap-view");
+  const x0 = Math.max(0, -v.x / v.scale), y0 = Math.max(0, -v.y / v.scale);
+  box.style.left = `${x0 * k}px`; box.style.top = `${y0 * k}px`;
+  box.style.width = `${Math.min(w - x0, vw / v.scale) * k}px`;
+  box.style.height = `${Math.min(hgt - y0, vh / v.scale) * k}px`;
+  ui.minimapScale = k;
+}
+
+// ctrl/cmd + wheel zooms at the pointer; a plain wheel scrolls the graph while it overflows, else the page; a drag on
+// the background pans (a drag from a node or cluster takes it to the legend, see graphEvents). Returns a cleanup.
 function panZoom(ui) {
   const { view, viewport, canvas } = ui;
   viewport.addEventListener("wheel", (ev) => {
@@ -172,38 +292,85 @@ function panZoom(ui) {
     if (gh > r.height && ny !== view.y) {
       ev.preventDefault();
       view.y = ny;
+      view.userMoved = true;
       applyTransform(ui);
     }
   }, { passive: false });
   viewport.addEventListener("mousedown", (ev) => {
-    if (ev.button !== 0) return;
-    ui.drag = { x: ev.clientX, y: ev.clientY, vx: view.x, vy: view.y, moved: false };
+    if (ev.button !== 0 || ev.target.closest(".ap-minimap")) return;
+    const grab = ev.target.closest && ev.target.closest("g.node, g.cluster, [data-cluster]");
+    ui.drag = { x: ev.clientX, y: ev.clientY, vx: view.x, vy: view.y, moved: false, grab };
+    if (grab) startLongPress(ui, ev, grab);
   });
   const onMove = (ev) => {
     const drag = ui.drag;
     if (!drag) return;
     const dx = ev.clientX - drag.x, dy = ev.clientY - drag.y;
-    if (Math.abs(dx) + Math.abs(dy) > 3) drag.moved = true;
+    if (Math.abs(dx) + Math.abs(dy) > 4) { drag.moved = true; cancelLongPress(ui); }
+    if (drag.grab && drag.moved) { nodeDragMove(ui, ev, drag); return; }
+    if (!drag.moved) return;
     view.x = drag.vx + dx; view.y = drag.vy + dy;
-    if (drag.moved) applyTransform(ui);
+    view.userMoved = true;
+    applyTransform(ui);
   };
   // cleared after the click that ends a drag has been seen (a drag is no click)
-  const endDrag = () => { setTimeout(() => { ui.drag = null; }, 0); };
+  const endDrag = (ev) => {
+    cancelLongPress(ui);
+    if (ui.drag && ui.drag.grab && ui.drag.moved) nodeDrop(ui, ev);
+    setTimeout(() => { ui.drag = null; }, 0);
+  };
   window.addEventListener("mousemove", onMove);
   window.addEventListener("mouseup", endDrag);
+  // the minimap moves the view to where it is clicked or dragged
+  const toMinimap = (ev) => {
+    const size = graphSize(ui);
+    if (!size || !ui.minimapScale) return;
+    const r = ui.minimap.getBoundingClientRect();
+    const gx = (ev.clientX - r.left) / ui.minimapScale, gy = (ev.clientY - r.top) / ui.minimapScale;
+    view.x = viewport.clientWidth / 2 - gx * view.scale;
+    view.y = viewport.clientHeight / 2 - gy * view.scale;
+    view.userMoved = true;
+    applyTransform(ui);
+  };
+  let mmDown = false;
+  ui.minimap.addEventListener("mousedown", (ev) => { ev.preventDefault(); ev.stopPropagation(); mmDown = true; toMinimap(ev); });
+  const mmMove = (ev) => { if (mmDown) toMinimap(ev); };
+  const mmUp = () => { mmDown = false; };
+  window.addEventListener("mousemove", mmMove);
+  window.addEventListener("mouseup", mmUp);
   return () => {
     window.removeEventListener("mousemove", onMove);
     window.removeEventListener("mouseup", endDrag);
+    window.removeEventListener("mousemove", mmMove);
+    window.removeEventListener("mouseup", mmUp);
   };
 }
 
-// ---- graph: hover, click, search ---------------------------------------------------------------------------------
+// ---- graph: hover, click, search, context menu, drag to a legend swatch ----------------------------------------------
+function targetOf(ui, el) {
+  // what a node, cluster or group stands for when it is given a split: {pattern | layers, refused, name}
+  if (!el) return null;
+  const cid = el.dataset && el.dataset.cluster ? el.dataset.cluster : el.id;
+  if (el.classList.contains("node")) {
+    const info = ui.model.get("nodes")[el.id];
+    if (!info || !info.target) return null;
+    const t = info.target;
+    return { pattern: t.pattern && !(info.kind === "group") ? t.pattern : null, layers: t.layers,
+      name: info.kind === "group" ? info.group : (t.pattern || info.layer), refused: info.refused || {},
+      why: t.why, group: info.kind === "group" };
+  }
+  const c = ui.model.get("clusters")[cid];
+  if (!c) return null;
+  return { pattern: null, layers: c.layers, name: c.block ? `${c.block} (${c.layers.length} layers)` : c.layer,
+    refused: c.refused || {} };
+}
+
 function graphEvents(ui) {
   const { model, canvas, tooltip } = ui;
   canvas.addEventListener("mouseover", (ev) => {
     const g = ev.target.closest && ev.target.closest("g.node");
     const info = g && model.get("nodes")[g.id];
-    if (!info) return;
+    if (!info || (ui.drag && ui.drag.moved)) return;
     tooltip.replaceChildren(h("table", {}, tooltipRows(info).map(([k, v]) =>
       h("tr", {}, h("th", {}, k), h("td", {}, v)))));
     tooltip.style.display = "block";
@@ -219,29 +386,141 @@ function graphEvents(ui) {
   });
   canvas.addEventListener("click", (ev) => {
     if (ui.drag && ui.drag.moved) return;
-    const g = ev.target.closest && ev.target.closest("g.node, g.cluster");
+    if (ui.longPressed) { ui.longPressed = false; return; }
+    hideMenu(ui);
+    const g = ev.target.closest && ev.target.closest("g.node, g.cluster, [data-cluster]");
     if (!g) return;
     if (g.classList.contains("node")) {
       const info = model.get("nodes")[g.id];
-      if (info && info.layer) selectLayer(ui, info.layer, true);
+      if (info && info.kind === "group") ui.send({ kind: "expand_group", group: info.group });
+      else if (info && info.layer) selectLayer(ui, info.layer, true);
     } else {
-      const c = model.get("clusters")[g.id];
+      const c = model.get("clusters")[g.dataset.cluster || g.id];
       if (c && c.expandable) ui.send({ kind: "expand", block: c.block });
       else if (c && c.layer) selectLayer(ui, c.layer, true);
     }
   });
+  canvas.addEventListener("contextmenu", (ev) => {
+    const g = ev.target.closest && ev.target.closest("g.node, g.cluster, [data-cluster]");
+    const target = targetOf(ui, g);
+    if (!target) return;
+    ev.preventDefault();
+    ev.stopPropagation(); // JupyterLab's own context menu would open on top of this one
+    showMenu(ui, target, ev.clientX, ev.clientY);
+  });
+  const closeMenu = (ev) => { if (!ui.menu.contains(ev.target)) hideMenu(ui); };
+  const onKey = (ev) => { if (ev.key === "Escape") { hideMenu(ui); endNodeDrag(ui); } };
+  document.addEventListener("mousedown", closeMenu, true);
+  document.addEventListener("keydown", onKey, true);
+  return () => { document.removeEventListener("mousedown", closeMenu, true); document.removeEventListener("keydown", onKey, true); };
 }
 
 function tooltipRows(info) {
   if (info.kind === "input") return [["input", info.label]];
+  if (info.kind === "group") {
+    const rows = [["group", info.group], ["layers", `${info.layers.length}: ${info.types}`],
+      ["params", count(info.params)], ["FLOPs", count(info.flops, "FLOP")], ["split", info.splits.join(" + ")]];
+    if (info.members) rows.push(["differs", info.members]);
+    rows.push(["", "click to open; right-click or drag to a legend swatch to change its split"]);
+    return rows;
+  }
   const rows = [[info.kind === "op" ? "op" : "module", info.label], ["aten", info.op]];
   if (info.in_shapes && info.in_shapes.length) rows.push(["in", info.in_shapes.join(", ")]);
   if (info.out_shapes && info.out_shapes.length) rows.push(["out", info.out_shapes.join(", ")]);
-  rows.push(["FLOPs", si(info.flops_each, "FLOP") + (info.repeats > 1 ? ` × ${info.repeats}` : "")]);
-  rows.push(["memory", `activations ${si(info.act_bytes, "B")}, params ${si(info.param_bytes, "B")}`]);
+  rows.push(["FLOPs", count(info.flops_each, "FLOP") + (info.repeats > 1 ? ` × ${info.repeats}` : "")]);
+  rows.push(["memory", `activations ${bytes(info.act_bytes)}, params ${bytes(info.param_bytes)}`]);
   rows.push(["layer", `${info.layer} (stage ${info.stage})`]);
-  rows.push(["split", info.split]);
+  rows.push(["split", (info.splits || [info.split]).join(" + ")]);
+  if (info.members) rows.push(["members", info.members]);
   return rows;
+}
+
+function legendChoices(ui) {
+  return (ui.model.get("legend") || []).filter((l) => l.strategy);
+}
+
+function showMenu(ui, target, cx, cy) {
+  const r = ui.graphPanel.getBoundingClientRect();
+  const items = legendChoices(ui).map((l) => {
+    const why = target.why || target.refused[l.strategy];
+    return h("button", { class: "ap-menu-item" + (why ? " ap-refused" : ""), role: "menuitem",
+      disabled: !!why, title: why || `${target.name} → ${l.label}`, dataset: { strategy: l.strategy },
+      onclick: () => { hideMenu(ui); applyTarget(ui, target, l.strategy); } },
+    swatch(l), h("span", {}, l.label), why ? h("span", { class: "ap-why" }, why) : null);
+  });
+  items.push(h("button", { class: "ap-menu-item", role: "menuitem", dataset: { strategy: "auto" },
+    onclick: () => { hideMenu(ui); applyTarget(ui, target, "auto"); } }, h("span", { class: "ap-swatch" }),
+  h("span", {}, "planner's choice (un-pin)")));
+  ui.menu.replaceChildren(h("div", { class: "ap-menu-title" }, target.name), ...items);
+  ui.menu.style.display = "block";
+  // kept inside the graph panel: opened upwards when it would run past the bottom
+  const mh = ui.menu.offsetHeight;
+  ui.menu.style.left = `${Math.max(0, Math.min(cx - r.left, r.width - ui.menu.offsetWidth - 4))}px`;
+  ui.menu.style.top = `${Math.max(0, Math.min(cy - r.top, r.height - mh - 4))}px`;
+}
+
+function hideMenu(ui) { ui.menu.style.display = "none"; }
+
+function applyTarget(ui, target, strategy) {
+  if (target.pattern) ui.send({ kind: "shard", pattern: target.pattern, value: strategy });
+  else ui.send({ kind: "shard", layers: target.layers, value: strategy });
+}
+
+// long press (touch, or a held mouse button) opens the same menu as a right click
+function startLongPress(ui, ev, grab) {
+  cancelLongPress(ui);
+  const x = ev.clientX, y = ev.clientY;
+  ui.longPress = setTimeout(() => {
+    const target = targetOf(ui, grab);
+    if (target && ui.drag && !ui.drag.moved) { ui.longPressed = true; ui.drag = null; showMenu(ui, target, x, y); }
+  }, 600);
+}
+function cancelLongPress(ui) { clearTimeout(ui.longPress); }
+
+// dragging a node or cluster: the legend swatches become drop targets, greyed with the reason when refused
+function nodeDragMove(ui, ev, drag) {
+  if (!drag.target) {
+    drag.target = targetOf(ui, drag.grab);
+    if (!drag.target) { drag.grab = null; return; }
+    ui.tooltip.style.display = "none";
+    for (const item of ui.legend.querySelectorAll(".ap-legend-item[data-strategy]")) {
+      const why = drag.target.why || drag.target.refused[item.dataset.strategy];
+      item.classList.add(why ? "ap-refused" : "ap-drop-ok");
+      if (why) item.title = `refused: ${why}`;
+    }
+  }
+  const over = document.elementFromPoint(ev.clientX, ev.clientY);
+  const item = over && over.closest && over.closest(".ap-legend-item[data-strategy]");
+  for (const x of ui.legend.querySelectorAll(".ap-drop-hover")) x.classList.remove("ap-drop-hover");
+  let note = "drop on a legend swatch";
+  if (item && ui.legend.contains(item)) {
+    item.classList.add("ap-drop-hover");
+    const why = drag.target.why || drag.target.refused[item.dataset.strategy];
+    note = why ? `✗ ${why}` : `→ ${item.dataset.label}`;
+  }
+  ui.ghost.replaceChildren(h("b", {}, drag.target.name), " ", h("span", {}, note));
+  ui.ghost.style.display = "block";
+  ui.ghost.style.left = `${ev.clientX + 12}px`;
+  ui.ghost.style.top = `${ev.clientY + 12}px`;
+}
+
+function nodeDrop(ui, ev) {
+  const drag = ui.drag;
+  const over = document.elementFromPoint(ev.clientX, ev.clientY);
+  const item = over && over.closest && over.closest(".ap-legend-item[data-strategy]");
+  if (drag.target && item && ui.legend.contains(item)) {
+    const why = drag.target.why || drag.target.refused[item.dataset.strategy];
+    if (!why) applyTarget(ui, drag.target, item.dataset.strategy);
+  }
+  endNodeDrag(ui);
+}
+
+function endNodeDrag(ui) {
+  ui.ghost.style.display = "none";
+  for (const item of ui.legend.querySelectorAll(".ap-legend-item")) {
+    item.classList.remove("ap-refused", "ap-drop-ok", "ap-drop-hover");
+    item.removeAttribute("title");
+  }
 }
 
 function selectLayer(ui, path, scroll) {
@@ -258,26 +537,41 @@ function markSelection(ui, path, scroll) {
   for (const c of ui.lanes.querySelectorAll(".ap-chip")) c.classList.toggle("ap-selected", c.dataset.layer === path);
 }
 
-function applySearch(ui, jump) {
+// highlight every match; step moves to the next (1) or previous (-1) match and brings it into view
+function applySearch(ui, step) {
   const q = ui.view.search;
-  let first = null;
   const nodes = ui.model.get("nodes");
+  const hits = [];
   for (const g of ui.canvas.querySelectorAll("g.node")) {
     const info = nodes[g.id] || {};
-    const hay = `${g.id} ${g.textContent} ${info.label || ""} ${info.op || ""} ${info.module || ""} ${info.layer || ""}`
-      .toLowerCase();
-    const hit = q && hay.includes(q);
-    g.classList.toggle("ap-match", !!hit);
+    const hay = `${g.id} ${g.textContent} ${info.label || ""} ${info.op || ""} ${info.module || ""} ${info.layer || ""} `
+      + `${(info.layers || []).join(" ")}`;
+    const hit = !!q && hay.toLowerCase().includes(q);
+    g.classList.toggle("ap-match", hit);
     g.classList.toggle("ap-dim", !!q && !hit);
-    if (hit && !first) first = g;
+    g.classList.remove("ap-current");
+    if (hit) hits.push(g);
   }
-  if (jump && first) {
-    const vr = ui.viewport.getBoundingClientRect(), gr = first.getBoundingClientRect();
-    ui.view.x += vr.left + vr.width / 2 - (gr.left + gr.width / 2);
-    ui.view.y += vr.top + vr.height / 2 - (gr.top + gr.height / 2);
-    applyTransform(ui);
-    const info = nodes[first.id];
-    if (info && info.layer) selectLayer(ui, info.layer, true);
+  const v = ui.view;
+  const sameQuery = v.hitQuery === q;
+  v.hits = hits; v.hitQuery = q;
+  if (!hits.length) v.hit = -1;
+  else if (step) v.hit = sameQuery && v.hit >= 0 ? (v.hit + step + hits.length) % hits.length : 0;
+  else v.hit = sameQuery ? Math.min(v.hit, hits.length - 1) : -1;
+  ui.searchCount.textContent = q ? (hits.length ? `${v.hit >= 0 ? v.hit + 1 : "–"} of ${hits.length}` : "no match") : "";
+  if (v.hit >= 0) {
+    const cur = hits[v.hit];
+    cur.classList.add("ap-current");
+    if (step) {
+      if (v.scale < LEGIBLE) { v.scale = LEGIBLE; applyTransform(ui); }
+      const vr = ui.viewport.getBoundingClientRect(), gr = cur.getBoundingClientRect();
+      v.x += vr.left + vr.width / 2 - (gr.left + gr.width / 2);
+      v.y += vr.top + vr.height / 2 - (gr.top + gr.height / 2);
+      v.userMoved = true;
+      applyTransform(ui);
+      const info = nodes[cur.id];
+      if (info && info.layer) selectLayer(ui, info.layer, false);
+    }
   }
 }
 
@@ -285,9 +579,9 @@ function applySearch(ui, jump) {
 function renderHeader(ui) {
   const { model, send } = ui;
   const t = model.get("timings") || {};
+  ui.root.dataset.kernelMs = ((t.replan_ms || 0) + (t.refresh_ms || 0)).toFixed(1); // read by the browser tests
   const timing = [t.replan_ms != null ? `re-plan ${t.replan_ms.toFixed(0)} ms` : null,
-    t.layout_ms != null ? `layout ${(t.layout_ms + (t.render_ms || 0)).toFixed(0)} ms` : null]
-    .filter(Boolean).join(" · ");
+    t.layout_ms != null ? `layout ${t.layout_ms.toFixed(0)} ms` : null].filter(Boolean).join(" · ");
   ui.header.replaceChildren(
     h("div", { class: "ap-title" }, h("b", {}, "autopar"), " ", h("span", { class: "ap-summary" }, model.get("summary"))),
     h("div", { class: "ap-header-buttons" },
@@ -360,28 +654,71 @@ function renderMessages(ui) {
 // ---- graph -------------------------------------------------------------------------------------------------------
 function renderGraph(ui) {
   const { model, canvas } = ui;
-  if (model.get("svg") !== ui.view.svgText) loadSvg(ui);
-  const changed = new Set(model.get("changed"));
+  const fresh = model.get("svg") !== ui.view.svgText;
+  if (fresh) loadSvg(ui);
+  const changed = new Set((model.get("view") || {}).outlined === false ? [] : model.get("changed"));
   const nodes = model.get("nodes");
   for (const g of canvas.querySelectorAll("g.node")) {
     const info = nodes[g.id];
     g.classList.toggle("ap-selected-node", !!info && info.layer === model.get("selection"));
     g.classList.toggle("ap-changed-node", !!info && changed.has(info.layer));
   }
+  const view = model.get("view") || {};
   ui.depth.max = model.get("max_depth");
   ui.depth.value = model.get("depth");
-  ui.depthLabel.textContent = `${model.get("depth")}/${model.get("max_depth")}`;
+  ui.depthLabel.textContent = `${model.get("depth")}/${model.get("max_depth")}`
+    + ((view.groups || []).length ? ` · ${view.groups.length} group${view.groups.length > 1 ? "s" : ""}` : "")
+    + (view.columns > 1 ? ` · ${view.columns} columns` : "");
+  ui.autoBtn.disabled = !!view.auto && !(model.get("expanded") || []).length;
   ui.blocks.replaceChildren(...foldButtons(ui));
-  ui.legend.replaceChildren(...model.get("legend").map((l) => legendItem(l.color, l.label)),
-    legendItem(null, "communication (collective, bytes/step)", "ap-swatch-comm"),
-    legendItem(null, "changed", "ap-swatch-changed"));
+  ui.legend.replaceChildren(...model.get("legend").map((l) => legendItem(l)),
+    legendItem({ label: "communication (collective, bytes/step)" }, "ap-swatch-comm"),
+    legendItem({ label: "changed (dashed dark outline, Δ)" }, "ap-swatch-changed"));
 }
 
 function loadSvg(ui) {
   const { model, canvas, view } = ui;
   canvas.innerHTML = model.get("svg");
   view.svgText = model.get("svg");
-  if (!view.fitted) requestAnimationFrame(() => { fitView(ui); view.fitted = ui.viewport.clientWidth > 0; });
+  const svg = canvas.querySelector("svg");
+  if (svg) {
+    // gradient ids are document-wide: make this widget's own (two planners on a page would share them)
+    for (const def of svg.querySelectorAll("linearGradient[id], radialGradient[id]")) {
+      const old = def.id;
+      def.id = `${ui.id}_${old}`;
+      for (const user of svg.querySelectorAll(`[fill="url(#${old})"]`)) user.setAttribute("fill", `url(#${def.id})`);
+    }
+    // cluster labels above the edges, each on a box of its cluster's fill, so an edge never runs through a label
+    const NS = "http://www.w3.org/2000/svg";
+    const top = svg.querySelector("g.graph") || svg;
+    const layer = document.createElementNS(NS, "g");
+    layer.setAttribute("class", "ap-cluster-labels");
+    top.append(layer);
+    const labels = [];
+    for (const g of svg.querySelectorAll("g.cluster")) {
+      const shape = g.querySelector("path, polygon");
+      const fill = shape ? shape.getAttribute("fill") : null;
+      for (const t of [...g.querySelectorAll("text")]) {
+        t.dataset.cluster = g.id;
+        t.classList.add("ap-clabel");
+        layer.append(t);
+        if (fill && fill !== "none") labels.push([t, fill, g.id]);
+      }
+    }
+    // measure every label first (one layout), then put the boxes under them
+    const boxes = labels.map(([t]) => t.getBBox());
+    labels.forEach(([t, fill, id], i) => {
+      const b = boxes[i];
+      const bg = document.createElementNS(NS, "rect");
+      for (const [k, v] of [["x", b.x - 2], ["y", b.y], ["width", b.width + 4], ["height", b.height], ["fill", fill]]) {
+        bg.setAttribute(k, v);
+      }
+      bg.setAttribute("class", "ap-clabel-bg");
+      bg.dataset.cluster = id;
+      t.style.stroke = fill;
+      layer.insertBefore(bg, t);
+    });
+  }
   for (const g of canvas.querySelectorAll("g.node, g.cluster")) {
     const t = g.querySelector("title");
     if (t) t.remove(); // our tooltip replaces the browser's
@@ -389,8 +726,17 @@ function loadSvg(ui) {
   for (const [cid, c] of Object.entries(model.get("clusters"))) {
     const g = canvas.querySelector(`g[id="${CSS.escape(cid)}"]`);
     if (g && c.expandable) g.classList.add("ap-expandable");
+    if (g && c.differs) g.classList.add("ap-differs");
   }
-  applySearch(ui, false);
+  for (const [nid, info] of Object.entries(model.get("nodes"))) {
+    if (info.kind !== "group") continue;
+    const g = canvas.querySelector(`g[id="${CSS.escape(nid)}"]`);
+    if (g) g.classList.add("ap-group");
+  }
+  // re-fit after a re-plan unless the user moved the view
+  if (!view.userMoved || !view.fitted) requestAnimationFrame(() => fitView(ui, "auto"));
+  else updateMinimap(ui);
+  applySearch(ui, 0);
 }
 
 // one "expand NAME" / "fold NAME" button per repeated block
@@ -408,16 +754,23 @@ function foldButtons(ui) {
   }).filter(Boolean);
 }
 
-function legendItem(color, label, swatchClass = "") {
-  return h("span", { class: "ap-legend-item" },
-    h("span", { class: `ap-swatch ${swatchClass}`.trim(), style: color ? `background:${color}` : null }), label);
+function swatch(l, cls = "") {
+  const style = l.color2 ? `background:linear-gradient(90deg, ${l.color} 50%, ${l.color2} 50%)`
+    : l.color ? `background:${l.color}` : null;
+  return h("span", { class: `ap-swatch ${cls}`.trim(), style });
+}
+
+function legendItem(l, swatchClass = "") {
+  return h("span", { class: "ap-legend-item", dataset: l.strategy ? { strategy: l.strategy, label: l.label } : {},
+    title: l.strategy ? `drag a node or cluster here to give it this split` : null },
+  swatch(l, swatchClass), l.label);
 }
 
 // ---- side panels: memory, step time, changes, alternatives, explanation ------------------------------------------
 function renderSide(ui) {
   const { model } = ui;
   ui.side.replaceChildren(...[memoryPanel(model.get("memory")), timePanel(model.get("time")),
-    changesPanel(model.get("changes")), alternativesPanel(ui, model.get("alternatives")),
+    changesPanel(ui), alternativesPanel(ui, model.get("alternatives")),
     explanationPanel(model.get("explanation"))].filter(Boolean));
 }
 
@@ -427,51 +780,64 @@ function memoryPanel(mem) {
   const pct = (b) => `${(100 * b / scale).toFixed(2)}%`;
   return h("div", { class: "ap-panel ap-memory" },
     h("div", { class: "ap-panel-title" }, "Memory per rank ",
-      h("span", { class: mem.over ? "ap-bad" : "ap-hint" }, `peak ${gib(mem.peak)} of ${gib(mem.limit)}`)),
+      h("span", { class: mem.over ? "ap-bad" : "ap-hint" }, `peak ${bytes(mem.peak)} of ${bytes(mem.limit)}`)),
     mem.bars.map((b) => h("div", { class: "ap-bar-row" + (b.over ? " ap-over" : "") },
       h("span", { class: "ap-bar-label" }, b.label),
-      h("div", { class: "ap-bar", title: mem.parts.map((p) => `${p.label}: ${gib(b[p.key])}`).join("\n") },
+      h("div", { class: "ap-bar", title: mem.parts.map((p) => `${p.label}: ${bytes(b[p.key])}`).join("\n") },
         mem.parts.map((p) => h("span", { class: "ap-seg", style: `width:${pct(b[p.key])};background:${p.color}` })),
-        h("span", { class: "ap-limit", style: `left:${pct(mem.limit)}`, title: `device limit ${gib(mem.limit)}` })),
-      h("span", { class: "ap-bar-value" }, gib(b.total)))),
-    h("div", { class: "ap-keys" }, mem.parts.map((p) => legendItem(p.color, p.label)),
-      legendItem(null, "device limit", "ap-swatch-limit")));
+        h("span", { class: "ap-limit", style: `left:${pct(mem.limit)}`, title: `device limit ${bytes(mem.limit)}` })),
+      h("span", { class: "ap-bar-value" }, bytes(b.total)))),
+    h("div", { class: "ap-keys" }, mem.parts.map((p) => legendItem({ color: p.color, label: p.label })),
+      legendItem({ label: "device limit" }, "ap-swatch-limit")));
 }
 
 function timePanel(tm) {
   if (!tm.parts || !tm.parts.length) return null;
   const total = tm.parts.reduce((a, p) => a + p.s, 0) || 1;
   return h("div", { class: "ap-panel ap-time" },
-    h("div", { class: "ap-panel-title" }, "Step time ", h("b", {}, ms(tm.total))),
+    h("div", { class: "ap-panel-title" }, "Step time ", h("b", {}, secs(tm.total))),
     h("div", { class: "ap-bar ap-bar-time" }, tm.parts.map((p) =>
-      h("span", { class: "ap-seg", title: `${p.label}: ${ms(p.s)}`,
+      h("span", { class: "ap-seg", title: `${p.label}: ${secs(p.s)}`,
         style: `width:${(100 * p.s / total).toFixed(2)}%;background:${p.color}` }))),
-    h("div", { class: "ap-keys" }, tm.parts.map((p) => legendItem(p.color, `${p.label} ${ms(p.s)}`))),
+    h("div", { class: "ap-keys" }, tm.parts.map((p) => legendItem({ color: p.color, label: `${p.label} ${secs(p.s)}` }))),
     h("div", { class: "ap-stats" },
       h("span", {}, "MFU ", h("b", { class: "ap-mfu" }, `${(100 * tm.mfu).toFixed(1)}%`)),
       h("span", {}, `${tm.model_tflops.toFixed(1)} TFLOP/s/GPU`),
-      tm.tokens_per_s ? h("span", {}, `${si(tm.tokens_per_s)}tok/s`)
-        : h("span", {}, `${tm.samples_per_s.toFixed(1)} samples/s`)));
+      tm.tokens_per_s ? h("span", {}, `${count(tm.tokens_per_s)} tok/s`)
+        : h("span", {}, `${count(tm.samples_per_s)} samples/s`)));
 }
 
-function changesPanel(changes) {
-  if (!changes.length) return null;
+function changesPanel(ui) {
+  const groups = ui.model.get("change_groups") || [];
+  const raw = ui.model.get("changes") || [];
+  if (!raw.length) return null;
+  const view = ui.model.get("view") || {};
+  const shown = groups.slice(0, 8);
   return h("div", { class: "ap-panel ap-changes" },
-    h("div", { class: "ap-panel-title" }, `Changed against the previous plan (${changes.length})`),
-    h("ul", {}, changes.slice(0, 12).map((c) => h("li", {}, c))));
+    h("div", { class: "ap-panel-title" }, "Changed against the previous plan"),
+    h("ul", { class: "ap-change-groups" }, shown.map((g) => h("li", {}, g.text)),
+      groups.length > shown.length ? h("li", { class: "ap-hint" }, `+ ${groups.length - shown.length} more`) : null),
+    view.outlined === false ? h("div", { class: "ap-hint" }, "most layers changed: the graph outlines none") : null,
+    h("details", { class: "ap-raw-changes" }, h("summary", {}, `all ${raw.length} raw change${raw.length > 1 ? "s" : ""}`),
+      h("ul", {}, raw.slice(0, 500).map((c) => h("li", {}, c)))));
 }
 
 function alternativesPanel(ui, alts) {
   if (!alts.length) return null;
   return h("div", { class: "ap-panel ap-alternatives" },
-    h("div", { class: "ap-panel-title" }, "Alternatives"),
-    h("table", {}, alts.map((a) => h("tr", { title: a.changes.join("\n") },
-      h("td", {}, a.summary, h("div", { class: "ap-hint" },
-        a.n_changes ? `${a.changes.slice(0, 2).join("; ")}${a.n_changes > 2 ? ` (+${a.n_changes - 2})` : ""}` : "")),
-      h("td", { class: "ap-num" }, a.step_ms != null ? `${a.step_ms.toFixed(1)} ms` : ""),
-      h("td", { class: "ap-num" }, a.peak_gib != null ? `${a.peak_gib.toFixed(1)} GiB` : ""),
-      h("td", {}, h("button", { class: "ap-btn ap-adopt", onclick: () => ui.send({ kind: "adopt", index: a.index }) },
-        "adopt"))))));
+    h("div", { class: "ap-panel-title" }, "Alternatives ",
+      h("span", { class: "ap-hint" }, "adopt one as the current plan; nothing gets pinned")),
+    h("table", {}, alts.map((a) => h("tr", { class: "ap-alt", title: a.changes.join("\n") },
+      h("td", {}, h("div", { class: "ap-alt-differs" }, a.differs.join(", ")),
+        h("div", { class: "ap-hint ap-alt-trade" }, a.trade),
+        a.members.length > 1 ? h("div", { class: "ap-alt-members" }, `${a.members.length} variants by micro-batches: `,
+          a.members.map((m) => h("button", { class: "ap-btn ap-btn-small ap-adopt-member",
+            title: `${m.micro_batches} micro-batches: ${secs(m.step_s)}, ${bytes(m.peak_bytes)}; ${m.trade}; `
+              + `ap.adopt(${m.index})`, onclick: () => ui.send({ kind: "adopt", index: m.index }) },
+          `${m.micro_batches}`))) : null),
+      h("td", { class: "ap-num" }, secs(a.step_s), h("br"), bytes(a.peak_bytes)),
+      h("td", {}, h("button", { class: "ap-btn ap-adopt", title: `ap.adopt(${a.index})`,
+        onclick: () => ui.send({ kind: "adopt", index: a.index }) }, "adopt"))))));
 }
 
 function explanationPanel(expl) {
@@ -485,11 +851,19 @@ const GLOBAL_LABELS = { dp: "dp", tp: "tp", pp: "pp", zero_stage: "ZeRO", micro_
   schedule: "schedule", virtual_stages: "virtual stages", amp: "AMP", sequence_parallel: "seq. parallel",
   recompute: "recompute (all layers)" };
 
-function choiceSelect(cls, key, value, fixed, options, onchange) {
+// the options the planner cannot plan with the other choices are disabled and say why
+function choiceSelect(cls, key, value, fixed, options, disabled, onchange) {
   const cur = fixed !== undefined ? String(fixed) : "auto";
-  const sel = h("select", { class: cls, dataset: { key }, onchange: (ev) => onchange(ev.target.value) },
-    h("option", { value: "auto" }, `auto${value !== undefined && fixed === undefined ? ` (${value})` : ""}`),
-    options.map((o) => h("option", { value: String(o) }, String(o))));
+  const refused = disabled || {};
+  const short = (why) => (why.length > 64 ? `${why.slice(0, 62)}…` : why);
+  const sel = h("select", { class: cls, dataset: { key }, onchange: (ev) => onchange(ev.target.value),
+    title: Object.entries(refused).map(([o, why]) => `${o}: ${why}`).join("\n") || null },
+  h("option", { value: "auto" }, `auto${value !== undefined && fixed === undefined ? ` (${value})` : ""}`),
+  options.map((o) => {
+    const why = refused[String(o)];
+    return h("option", { value: String(o), disabled: !!why && String(o) !== cur, title: why || null },
+      why ? `${o} — ${short(why)}` : String(o));
+  }));
   sel.value = cur;
   return sel;
 }
@@ -499,7 +873,7 @@ function renderControls(ui) {
   const items = clusterControls(ui, c);
   for (const [key, label] of Object.entries(GLOBAL_LABELS)) {
     const sel = choiceSelect("ap-global", key, c.values[key], c.fixed[key], c.options[key] || [],
-      (v) => ui.send({ kind: "global", key, value: v }));
+      (c.disabled || {})[key], (v) => ui.send({ kind: "global", key, value: v }));
     items.push(h("span", { class: "ap-ctl" + (c.fixed[key] !== undefined ? " ap-pinned" : "") }, `${label} `, sel));
   }
   ui.controls.replaceChildren(...items);
@@ -519,6 +893,305 @@ function clusterControls(ui, c) {
     h("span", { class: "ap-ctl" }, "nodes ", nodes), h("span", { class: "ap-ctl" }, "GPUs/node ", gpus)];
 }
 
+// ---- sharding board: one lane per split, one chip per layer (a folded block's run of alike layers as one) ---------
+// A chip is a "unit": the layers it stands for. Selection is a set of layer paths.
+function boardUnits(ui) {
+  const b = ui.model.get("board") || {};
+  const units = [];
+  for (const c of b.chips || []) {
+    const prev = units[units.length - 1];
+    const joins = prev && c.block && !ui.board.open.has(c.block) && prev.block === c.block && prev.lane === c.lane
+      && prev.recompute === c.recompute && prev.pinned === c.pinned && prev.sp === c.sp;
+    if (joins) {
+      prev.paths.push(c.path); prev.changed = prev.changed || c.changed; prev.kinds.add(c.kind);
+    } else {
+      units.push({ ...c, paths: [c.path], kinds: new Set([c.kind]) });
+    }
+  }
+  for (const u of units) {
+    const n = u.paths.length;
+    u.key = u.paths[0];
+    u.label = n === 1 ? u.paths[0] : `${u.paths[0]}–${u.paths[n - 1].split(".").pop()}`;
+    u.count = n;
+  }
+  return units;
+}
+
+function refusalsFor(ui, kinds, lane) {
+  const refused = (ui.model.get("board") || {}).refused || {};
+  const why = [];
+  for (const k of kinds) if (refused[k] && refused[k][lane]) why.push(refused[k][lane]);
+  return [...new Set(why)];
+}
+
+function selectedUnits(ui) {
+  return ui.board.units.filter((u) => u.paths.some((p) => ui.board.selected.has(p)));
+}
+
+function renderBoard(ui) {
+  const b = ui.model.get("board") || {};
+  if (!b.lanes) { ui.boardEl.replaceChildren(); return; }
+  const units = boardUnits(ui);
+  ui.board.units = units;
+  const known = new Set(units.flatMap((u) => u.paths));
+  for (const p of [...ui.board.selected]) if (!known.has(p)) ui.board.selected.delete(p);
+  const lane = (value, label, hint, python, cls, list) => h("div", {
+    class: `ap-slane ${cls}`, dataset: { lane: value }, title: python ? `${hint}\nap.override(layers, ${python})` : hint,
+  }, h("div", { class: "ap-slane-head" }, h("span", { class: "ap-slane-label" }, label),
+    h("span", { class: "ap-slane-hint" }, hint), h("span", { class: "ap-slane-why" })),
+  h("div", { class: "ap-slane-chips" }, list.map((u) => chipUnit(ui, u))));
+  const lanes = b.lanes.map((l) => lane(l.value, l.label, l.hint, l.python, "ap-slane-split",
+    units.filter((u) => u.lane === l.value)));
+  const stray = units.filter((u) => !b.lanes.some((l) => l.value === u.lane));
+  if (stray.length) lanes.push(lane("other", "other", "splits without a lane", "", "ap-slane-other", stray));
+  const auto = h("div", { class: "ap-slane ap-slane-auto", dataset: { lane: "auto" },
+    title: "drop here to un-pin: the planner chooses the split again" },
+  h("div", { class: "ap-slane-head" }, h("span", { class: "ap-slane-label" }, "↺ planner's choice"),
+    h("span", { class: "ap-slane-hint" }, "un-pin the split")));
+  const rec = h("div", { class: "ap-rlanes" }, h("span", { class: "ap-rlanes-label" }, "recompute"),
+    [{ value: "auto", label: "↺ auto" }, ...b.recompute].map((r) => h("div", { class: "ap-rlane", dataset: { recompute: r.value },
+      title: r.value === "auto" ? "drop here to let the planner choose recompute" : `drop here: ap.override(layers, recompute='${r.value}')` },
+    r.label, h("span", { class: "ap-slane-why" }))));
+  ui.boardEl.replaceChildren(...[h("div", { class: "ap-slanes" }, lanes, auto), rec,
+    b.hidden ? h("div", { class: "ap-hint" }, `${b.hidden} layer${b.hidden > 1 ? "s" : ""} without parameters not shown`) : null,
+    h("div", { class: "ap-band", style: "display:none" })].filter(Boolean));
+  markBoard(ui);
+}
+
+function chipUnit(ui, u) {
+  const blockRun = u.block && u.count > 1;
+  const openFirst = u.block && ui.board.open.has(u.block) && (ui.model.get("board").blocks[u.block] || [])[0] === u.paths[0];
+  return h("span", {
+    class: "ap-schip" + (u.changed ? " ap-changed" : "") + (u.pinned ? " ap-pinned" : ""),
+    draggable: "true", tabindex: "0", role: "option", dataset: { paths: u.paths.join(","), key: u.key },
+    title: `${u.paths.length > 1 ? `${u.count} × ` : ""}${u.type}, ${u.params} params${u.count > 1 ? " each" : ""}`
+      + `; stage ${u.stage}; recompute ${u.recompute}${u.pinned ? "; split pinned" : ""}`,
+  }, u.pinned ? h("span", { class: "ap-pin", title: "split pinned" }, `${PIN} `) : null, u.label,
+  u.count > 1 ? h("span", { class: "ap-count" }, ` ×${u.count}`) : null,
+  u.sp && u.lane !== "sequence_parallel" ? h("span", { class: "ap-badge", title: "sequence parallel" }, "+SP") : null,
+  u.recompute !== "none" ? h("span", { class: "ap-badge ap-badge-rec", title: `recompute ${u.recompute}` },
+    `↻ ${u.recompute === "selective" ? "sel" : u.recompute}`) : null,
+  blockRun ? h("button", { class: "ap-split-apart", title: `split ${u.block} apart: one chip per layer`,
+    dataset: { block: u.block }, tabindex: "-1" }, "⋯") : null,
+  openFirst ? h("button", { class: "ap-fold-chips", title: `fold ${u.block} back into runs of alike layers`,
+    dataset: { block: u.block }, tabindex: "-1" }, "⤡") : null);
+}
+
+// selection, drag targets and keyboard targets drawn on the board
+function markBoard(ui) {
+  const st = ui.board;
+  for (const el of ui.boardEl.querySelectorAll(".ap-schip")) {
+    const paths = el.dataset.paths.split(",");
+    el.classList.toggle("ap-selected", paths.every((p) => st.selected.has(p)));
+    el.setAttribute("aria-selected", paths.every((p) => st.selected.has(p)) ? "true" : "false");
+  }
+  const moving = st.dragging || (st.target ? (selectedUnits(ui).length ? selectedUnits(ui)
+    : ui.board.units.filter((u) => u.key === st.focus)) : null);
+  for (const el of ui.boardEl.querySelectorAll(".ap-slane[data-lane], .ap-rlane")) {
+    const why = el.querySelector(".ap-slane-why");
+    el.classList.remove("ap-refused", "ap-drop-ok", "ap-kbd-target");
+    if (why) why.textContent = "";
+    if (!moving) continue;
+    let reasons = [];
+    if (el.dataset.lane && el.dataset.lane !== "auto") reasons = refusalsFor(ui, new Set(moving.flatMap((u) => [...u.kinds])), el.dataset.lane);
+    el.classList.add(reasons.length ? "ap-refused" : "ap-drop-ok");
+    if (reasons.length && why) why.textContent = `✗ ${reasons.join("; ")}`;
+    el.title = reasons.length ? `refused: ${reasons.join("; ")}` : el.title.replace(/^refused: .*$/m, "");
+    if (st.target && targetKey(el) === st.target) el.classList.add("ap-kbd-target");
+  }
+}
+
+const targetKey = (el) => (el.dataset.lane ? `lane:${el.dataset.lane}` : `rec:${el.dataset.recompute}`);
+
+function boardTargets(ui) {
+  return [...ui.boardEl.querySelectorAll(".ap-slane[data-lane], .ap-rlane")].filter((el) => el.dataset.lane !== "other");
+}
+
+// one drop = one message = one re-plan = one undo step
+function applyToTarget(ui, units, el) {
+  const paths = units.flatMap((u) => u.paths);
+  if (!paths.length || !el) return false;
+  if (el.dataset.recompute) {
+    ui.send({ kind: "recompute", layers: paths, value: el.dataset.recompute });
+    return true;
+  }
+  const lane = el.dataset.lane;
+  if (lane !== "auto" && refusalsFor(ui, new Set(units.flatMap((u) => [...u.kinds])), lane).length) return false;
+  if (lane !== "auto" && units.every((u) => u.lane === lane && u.pinned)) return false;
+  ui.send({ kind: "shard", layers: paths, value: lane });
+  return true;
+}
+
+function boardEvents(ui) {
+  const el = ui.boardEl, st = ui.board;
+  const unitOf = (chip) => ui.board.units.find((u) => u.key === chip.dataset.key);
+  const status = (text) => { ui.boardStatus.textContent = text; };
+  el.addEventListener("click", (ev) => {
+    const btn = ev.target.closest("button.ap-split-apart, button.ap-fold-chips");
+    if (btn) {
+      if (btn.classList.contains("ap-split-apart")) st.open.add(btn.dataset.block);
+      else st.open.delete(btn.dataset.block);
+      renderBoard(ui);
+      return;
+    }
+    const chip = ev.target.closest(".ap-schip");
+    if (!chip || st.banded) { st.banded = false; return; }
+    const u = unitOf(chip);
+    if (!u) return;
+    if (ev.shiftKey && st.anchor) {
+      const keys = ui.board.units.map((x) => x.key);
+      const [a, b] = [keys.indexOf(st.anchor), keys.indexOf(u.key)].sort((x, y) => x - y);
+      if (!(ev.ctrlKey || ev.metaKey)) st.selected.clear();
+      for (const x of ui.board.units.slice(a, b + 1)) x.paths.forEach((p) => st.selected.add(p));
+    } else if (ev.ctrlKey || ev.metaKey) {
+      const on = u.paths.every((p) => st.selected.has(p));
+      u.paths.forEach((p) => (on ? st.selected.delete(p) : st.selected.add(p)));
+      st.anchor = u.key;
+    } else {
+      st.selected.clear();
+      u.paths.forEach((p) => st.selected.add(p));
+      st.anchor = u.key;
+    }
+    st.focus = u.key;
+    markBoard(ui);
+    status(`${st.selected.size} layer${st.selected.size === 1 ? "" : "s"} selected`);
+  });
+  el.addEventListener("dragstart", (ev) => {
+    const chip = ev.target.closest && ev.target.closest(".ap-schip");
+    if (!chip) return;
+    const u = unitOf(chip);
+    if (!u.paths.every((p) => st.selected.has(p))) {
+      st.selected.clear(); u.paths.forEach((p) => st.selected.add(p)); st.anchor = u.key;
+    }
+    st.dragging = selectedUnits(ui);
+    ev.dataTransfer.setData("text/plain", `shard:${[...st.selected].join(",")}`);
+    ev.dataTransfer.effectAllowed = "move";
+    markBoard(ui);
+  });
+  el.addEventListener("dragend", () => { st.dragging = null; markBoard(ui); });
+  el.addEventListener("dragover", (ev) => {
+    const t = ev.target.closest && ev.target.closest(".ap-slane[data-lane], .ap-rlane");
+    for (const x of el.querySelectorAll(".ap-drop")) if (x !== t) x.classList.remove("ap-drop");
+    if (!t || !st.dragging || t.classList.contains("ap-refused")) return; // no preventDefault: the drop is refused
+    ev.preventDefault();
+    ev.dataTransfer.dropEffect = "move";
+    t.classList.add("ap-drop");
+  });
+  el.addEventListener("dragleave", (ev) => {
+    const t = ev.target.closest && ev.target.closest(".ap-slane[data-lane], .ap-rlane");
+    if (t && !t.contains(ev.relatedTarget)) t.classList.remove("ap-drop");
+  });
+  el.addEventListener("drop", (ev) => {
+    const t = ev.target.closest && ev.target.closest(".ap-slane[data-lane], .ap-rlane");
+    if (!t || !st.dragging) return;
+    ev.preventDefault();
+    t.classList.remove("ap-drop");
+    const units = st.dragging;
+    st.dragging = null;
+    applyToTarget(ui, units, t);
+    markBoard(ui);
+  });
+  // rubber band: drag on the board's background selects the chips it touches
+  el.addEventListener("mousedown", (ev) => {
+    if (ev.button !== 0 || ev.target.closest(".ap-schip, button")) return;
+    const r = el.getBoundingClientRect();
+    st.band = { x: ev.clientX, y: ev.clientY, add: ev.shiftKey || ev.ctrlKey || ev.metaKey,
+      base: new Set(st.selected), r };
+    ev.preventDefault();
+  });
+  const onMove = (ev) => {
+    const b = st.band;
+    if (!b) return;
+    const x0 = Math.min(b.x, ev.clientX), x1 = Math.max(b.x, ev.clientX);
+    const y0 = Math.min(b.y, ev.clientY), y1 = Math.max(b.y, ev.clientY);
+    if (x1 - x0 + y1 - y0 < 6) return;
+    st.banded = true;
+    const band = el.querySelector(".ap-band");
+    const r = el.getBoundingClientRect();
+    Object.assign(band.style, { display: "block", left: `${x0 - r.left}px`, top: `${y0 - r.top}px`,
+      width: `${x1 - x0}px`, height: `${y1 - y0}px` });
+    st.selected = new Set(b.add ? b.base : []);
+    for (const chip of el.querySelectorAll(".ap-schip")) {
+      const c = chip.getBoundingClientRect();
+      if (c.right >= x0 && c.left <= x1 && c.bottom >= y0 && c.top <= y1) {
+        chip.dataset.paths.split(",").forEach((p) => st.selected.add(p));
+      }
+    }
+    markBoard(ui);
+  };
+  const onUp = () => {
+    if (!st.band) return;
+    st.band = null;
+    const band = el.querySelector(".ap-band");
+    if (band) band.style.display = "none";
+    if (st.banded) status(`${st.selected.size} layer${st.selected.size === 1 ? "" : "s"} selected`);
+    setTimeout(() => { st.banded = false; }, 0);
+  };
+  window.addEventListener("mousemove", onMove);
+  window.addEventListener("mouseup", onUp);
+  // keyboard: ←/→ move between chips, space selects, ↑/↓ choose a lane, Enter applies, Escape cancels
+  el.addEventListener("keydown", (ev) => {
+    const chip = ev.target.closest && ev.target.closest(".ap-schip");
+    if (!chip) return;
+    const chips = [...el.querySelectorAll(".ap-schip")];
+    const i = chips.indexOf(chip);
+    const u = unitOf(chip);
+    st.focus = u.key;
+    if (ev.key === "ArrowRight" || ev.key === "ArrowLeft") {
+      const next = chips[Math.max(0, Math.min(chips.length - 1, i + (ev.key === "ArrowRight" ? 1 : -1)))];
+      if (ev.shiftKey) { unitOf(next).paths.forEach((p) => st.selected.add(p)); u.paths.forEach((p) => st.selected.add(p)); }
+      next.focus();
+      st.focus = next.dataset.key;
+      markBoard(ui);
+    } else if (ev.key === " ") {
+      const on = u.paths.every((p) => st.selected.has(p));
+      u.paths.forEach((p) => (on ? st.selected.delete(p) : st.selected.add(p)));
+      st.anchor = u.key;
+      markBoard(ui);
+      status(`${st.selected.size} layer${st.selected.size === 1 ? "" : "s"} selected`);
+    } else if (ev.key === "ArrowDown" || ev.key === "ArrowUp") {
+      const targets = boardTargets(ui);
+      let k = targets.findIndex((t) => targetKey(t) === st.target);
+      if (k < 0) k = targets.findIndex((t) => t.contains(chip)) ;
+      k = (k + (ev.key === "ArrowDown" ? 1 : -1) + targets.length) % targets.length;
+      st.target = targetKey(targets[k]);
+      markBoard(ui);
+      const t = targets[k];
+      const n = (selectedUnits(ui).length ? selectedUnits(ui) : [u]).reduce((a, x) => a + x.paths.length, 0);
+      const why = t.querySelector(".ap-slane-why");
+      status(`${n} layer${n === 1 ? "" : "s"} → ${t.querySelector(".ap-slane-label, .ap-rlane") ? (t.dataset.lane
+        ? t.querySelector(".ap-slane-label").textContent : `recompute ${t.dataset.recompute}`) : ""}: `
+        + (t.classList.contains("ap-refused") ? `refused (${why ? why.textContent : ""})` : "press Enter to apply"));
+    } else if (ev.key === "Enter" && st.target) {
+      const units = selectedUnits(ui).length ? selectedUnits(ui) : [u];
+      const t = boardTargets(ui).find((x) => targetKey(x) === st.target);
+      if (t && t.classList.contains("ap-refused")) { status("refused: " + (t.querySelector(".ap-slane-why") || {}).textContent); return; }
+      st.target = null;
+      if (applyToTarget(ui, units, t)) status("applied: re-planning…");
+      markBoard(ui);
+    } else if (ev.key === "Escape") {
+      st.target = null; st.selected.clear(); markBoard(ui); status("");
+    } else {
+      return;
+    }
+    ev.preventDefault();
+  });
+  // after a re-render the chip that had the keyboard focus gets it back
+  el.addEventListener("focusin", (ev) => { st.hasFocus = !!(ev.target.closest && ev.target.closest(".ap-schip")); });
+  el.addEventListener("focusout", (ev) => { if (!el.contains(ev.relatedTarget)) st.hasFocus = false; });
+  const refocus = () => {
+    if (!st.hasFocus || !st.focus || el.contains(document.activeElement)) return;
+    const chip = [...el.querySelectorAll(".ap-schip")].find((c) => c.dataset.paths.split(",").includes(st.focus));
+    if (chip) chip.focus({ preventScroll: true });
+  };
+  ui.model.on("change:revision", refocus);
+  return () => {
+    window.removeEventListener("mousemove", onMove);
+    window.removeEventListener("mouseup", onUp);
+    ui.model.off("change:revision", refocus);
+  };
+}
+
 // ---- pipeline lanes: drag a layer chip onto a lane, or a lane's boundary handle onto a chip ----------------------
 function renderLanes(ui) {
   const st = ui.model.get("stages");
@@ -536,7 +1209,7 @@ function laneElement(ui, lane, rows) {
     ondragstart: (ev) => { ev.dataTransfer.setData("text/plain", `boundary:${lane.index}`); } }, "⇤") : null;
   const sel = ui.model.get("selection");
   return h("div", {
-    class: "ap-lane", dataset: { stage: lane.index },
+    class: "ap-lane", dataset: { stage: lane.index, rank: lane.rank ?? lane.index },
     ondragover: (ev) => { ev.preventDefault(); ev.currentTarget.classList.add("ap-drop"); },
     ondragleave: (ev) => ev.currentTarget.classList.remove("ap-drop"),
     ondrop: (ev) => {
@@ -548,7 +1221,8 @@ function laneElement(ui, lane, rows) {
         if ((rows[layer] || {}).stage !== lane.index) ui.send({ kind: "stage", layer, stage: lane.index });
       }
     },
-  }, h("span", { class: "ap-lane-label" }, `stage ${lane.index}`), handle,
+  }, h("span", { class: "ap-lane-label", title: lane.chunk !== undefined ? `pipeline rank ${lane.rank} runs this stage`
+    + ` as its model chunk ${lane.chunk}` : null }, lane.label || `stage ${lane.index}`), handle,
   lane.layers.map((p) => chipElement(ui, p, rows[p] || {}, p === sel)));
 }
 

@@ -18,9 +18,9 @@ import anywidget
 import traitlets as t
 
 from ..hardware import Cluster
-from ..plan import Plan, PlanError
+from ..plan import RECOMPUTE, Plan, PlanError
 from . import editor, panels
-from .layout import layout, render_svg
+from .layout import DEFAULT_VIEWPORT, View, auto_view, child_groups, fit_ratio, layout, render_svg, svg_size
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 ACTIONS = ("verify", "export", "launch")
@@ -29,9 +29,10 @@ ACTIONS = ("verify", "export", "launch")
 class PlannerWidget(anywidget.AnyWidget):
     """The planner view of one :class:`~autopar_nb.session.Session` (``ap.widget()``; the magic's output).
 
-    Everything it does is also a Python call on the session: a strategy pick is ``ap.override(layer, tp=...)``,
-    a drag between pipeline lanes ``ap.override(layer, stage=...)``, a global control ``ap.replan(fix={...})``,
-    undo/redo ``ap.undo()``/``ap.redo()``. ``handle(msg)`` applies one front-end message (see ``_HANDLERS``).
+    Everything it does is also a Python call on the session: a strategy pick or a drag on the sharding board is
+    ``ap.override(layers, tp=...)``, a drag between pipeline lanes ``ap.override(layer, stage=...)``, a global
+    control ``ap.replan(fix={...})``, Adopt ``ap.adopt(i)``, undo/redo ``ap.undo()``/``ap.redo()``.
+    ``handle(msg)`` applies one front-end message (see ``_HANDLERS``).
     """
 
     _esm = STATIC / "planner.js"
@@ -40,39 +41,48 @@ class PlannerWidget(anywidget.AnyWidget):
     svg = t.Unicode("").tag(sync=True)
     """the graph view, laid out by graphviz"""
     nodes = t.Dict().tag(sync=True)
-    """SVG node id -> hover/click data (op, shapes, FLOPs, memory, layer, split)"""
+    """SVG node id -> hover/click/drag data (op, shapes, FLOPs, memory, layer, split, target)"""
     clusters = t.Dict().tag(sync=True)
-    """SVG cluster id -> {layer, block, label, expandable, collapsible}"""
+    """SVG cluster id -> {layer, block, label, expandable, collapsible, differs, target}"""
     legend = t.List().tag(sync=True)
     depth = t.Int(0).tag(sync=True)
     max_depth = t.Int(0).tag(sync=True)
     expanded = t.List().tag(sync=True)
     """repeated blocks shown in full"""
+    view = t.Dict().tag(sync=True)
+    """how the graph is shown: {depth, groups, breaks (columns), auto (chosen to fit), scale (fit / legible)}"""
+    viewport = t.Dict().tag(sync=True)
+    """the graph viewport's size in CSS px, written by the front end: {width, height} (the auto view fits it)"""
     layers = t.List().tag(sync=True)
     """the editor table: one row per layer (see editor.layer_rows)"""
+    board = t.Dict().tag(sync=True)
+    """the sharding board: lanes (splits the planner can run here), chips (layers), refusals (editor.sharding_board)"""
     stages = t.List().tag(sync=True)
-    """pipeline lanes: [{index, layers}]"""
+    """pipeline lanes: [{index, layers, rank, chunk, label}]"""
     memory = t.Dict().tag(sync=True)
     time = t.Dict().tag(sync=True)
     controls = t.Dict().tag(sync=True)
-    """global controls: cluster, mesh degrees (fixed or auto), micro-batches, schedule, ZeRO, AMP"""
+    """global controls: cluster, mesh degrees (fixed or auto), micro-batches, schedule, ZeRO, AMP, and the options
+    the planner cannot take with the other choices (``disabled``)"""
     summary = t.Unicode("").tag(sync=True)
     explanation = t.List().tag(sync=True)
     messages = t.List().tag(sync=True)
-    """[{level: "error"|"info", text}] shown inline; an error keeps the last valid plan"""
+    """[{level: "error"|"info", text, detail}] shown inline; an error keeps the last valid plan"""
     selection = t.Unicode("").tag(sync=True)
     """the selected layer path"""
     changed = t.List().tag(sync=True)
     """layer paths that changed against the previous plan"""
     changes = t.List().tag(sync=True)
-    """every change against the previous plan, as text"""
+    """every change against the previous plan, as text (behind a disclosure)"""
+    change_groups = t.List().tag(sync=True)
+    """the same changes grouped for a reader (editor.change_groups): [{text, count, layers}]"""
     alternatives = t.List().tag(sync=True)
     can_undo = t.Bool(False).tag(sync=True)
     can_redo = t.Bool(False).tag(sync=True)
     actions = t.List().tag(sync=True)
     """the session methods offered as buttons (only those the session has)"""
     timings = t.Dict().tag(sync=True)
-    """milliseconds: layout, render, replan (the last edit)"""
+    """milliseconds: layout, render, replan (the last edit's planner time)"""
     run_options = t.Dict({"nproc": None, "verify_steps": 5, "launch_steps": 50}).tag(sync=True)
     """the Verify/Launch inputs, written by the front end: processes (None: ``run_defaults``) and steps"""
     run_defaults = t.Dict().tag(sync=True)
@@ -87,11 +97,20 @@ class PlannerWidget(anywidget.AnyWidget):
         self.session = session
         self._shown: Plan | None = session.plan
         self._previous: Plan | None = None
-        self._depth: int | None = None
+        self._view: View | None = None
+        """the graph view in use (None: choose one to fit the viewport)"""
+        self._auto = True
+        """the view is the auto view (re-chosen when the viewport changes); False once the user set the depth"""
+        self._relayout: str | None = None
+        """"full" (choose depth, groups and columns) or "columns" (keep depth and groups) at the next refresh"""
+        self._view_size: tuple[float, float] = DEFAULT_VIEWPORT
+        self._refusal_cache: tuple[Any, dict] | None = None
+        self._refresh_ms = 0.0
         self.last_result: Any = None
         """what the last Verify/Export/Launch button returned (a VerifyReport, Exported, Run)"""
         self._replan_ms: float | None = None
         self.on_msg(self._on_msg)
+        self.observe(self._on_viewport, names="viewport")
         observers = getattr(session, "_observers", None)
         if observers is not None:
             observers.append(self._on_session_change)
@@ -123,44 +142,101 @@ class PlannerWidget(anywidget.AnyWidget):
     def _on_session_change(self, session) -> None:
         self.refresh()
 
+    def _on_viewport(self, change) -> None:
+        size = self._viewport_size()
+        old = self._view_size
+        if abs(size[0] - old[0]) > 0.06 * old[0] or abs(size[1] - old[1]) > 0.06 * old[1]:
+            self._relayout = "full" if self._auto else "columns"
+            self.refresh()
+
+    def _viewport_size(self) -> tuple[float, float]:
+        vp = self.viewport or {}
+        try:
+            w, h = float(vp.get("width") or 0), float(vp.get("height") or 0)
+        except (TypeError, ValueError):
+            w = h = 0.0
+        return (w, h) if w >= 200 and h >= 150 else DEFAULT_VIEWPORT
+
+    def _graph_view(self, plan: Plan | None, changed: set[str]):
+        """(Layout, SVG) of the view in use, choosing it (or only its columns) when asked."""
+        s = self.session
+        kw = {"expanded": set(self.expanded), "changed_layers": changed, "selected": self.selection or None}
+        size = self._viewport_size()
+        mode = "full" if self._view is None else self._relayout
+        report: dict[str, Any] = {}
+        if mode == "full":
+            view, lay, svg, report = auto_view(s.graph, plan, viewport=size, **kw)
+        elif mode == "columns":
+            view, lay, svg, report = auto_view(s.graph, plan, viewport=size, depth=self._view.depth,
+                                               groups=self._view.groups, **kw)
+        else:
+            view = self._view
+            lay = layout(s.graph, plan, depth=view.depth, groups=view.groups, breaks=view.breaks, **kw)
+            svg = render_svg(lay.dot)
+            report = {"scale": round(fit_ratio(*svg_size(svg), size), 3)}
+        self._view, self._relayout, self._view_size = view, None, size
+        return lay, svg, report
+
     def refresh(self) -> None:
         """Recompute every trait from the session (the plan shown, the previous one for highlights, the view)."""
+        t_start = time.perf_counter()
         s = self.session
         if s.plan is not self._shown:
             self._previous, self._shown = self._shown, s.plan
         plan, prev = s.plan, self._previous
         changes = prev.diff(plan) if (prev is not None and plan is not None) else []
         changed = sorted({m.group(1) for c in changes if (m := re.match(r"layers\[(.+?)\]", c.path))})
+        # outlines mark what an edit touched; when most layers changed (tp 1 -> 8) they would mark everything
+        outlined = set(changed) if len(changed) <= max(3, len(s.graph.layers) // 2) else set()
         t0 = time.perf_counter()
-        lay = layout(s.graph, plan, expanded=set(self.expanded), depth=self._depth, changed_layers=set(changed),
-                     selected=self.selection or None)
-        t1 = time.perf_counter()
         try:
-            svg = render_svg(lay.dot)
+            lay, svg, report = self._graph_view(plan, outlined)
         except Exception as e:  # no layout program: the editor and panels still work
-            svg = f"<p class='ap-error'>graph view unavailable: {e}</p>"
-        t2 = time.perf_counter()
+            lay = layout(s.graph, plan, expanded=set(self.expanded), depth=0)
+            svg, report = f"<p class='ap-error'>graph view unavailable: {e}</p>", {}
+            self._view = self._view or View(0)
+        t1 = time.perf_counter()
+        if plan is not None:
+            editor.annotate_targets(s.graph, lay.nodes, lay.clusters, plan, s.fix, s.cluster)
         with self.hold_sync():
             self.svg, self.nodes, self.clusters, self.legend = svg, lay.nodes, lay.clusters, lay.legend
             self.depth, self.max_depth = lay.depth, lay.max_depth
+            v = self._view
+            self.view = {"depth": v.depth, "groups": sorted(v.groups), "breaks": list(v.breaks),
+                         "columns": len(v.breaks) + 1, "auto": self._auto, "scale": report.get("scale"),
+                         "outlined": bool(outlined) or not changed}
             self.memory = panels.memory_panel(plan, s.cluster)
             self.time = panels.time_panel(plan)
-            self.controls = editor.global_state(s.cluster, plan, s.fix)
+            self.controls = editor.global_state(s.cluster, plan, s.fix, disabled=self._option_refusals())
             if plan is not None:
                 self.layers = editor.layer_rows(s.graph, plan, s.overrides, set(changed))
+                self.board = editor.sharding_board(s.graph, plan, s.overrides, s.fix, s.cluster, set(changed))
                 self.stages = editor.stage_lanes(plan)
                 self.alternatives = editor.alternative_rows(plan)
-                self.summary, self.explanation = plan.summary(), list(plan.explanation)
+                self.summary, self.explanation = editor.plan_summary(plan, s.cluster), list(plan.explanation)
             else:
-                self.layers, self.stages, self.alternatives = [], [], []
+                self.layers, self.stages, self.alternatives, self.board = [], [], [], {}
                 self.summary, self.explanation = "no plan yet: call ap.replan()", []
             self.changed, self.changes = changed, [str(c) for c in changes]
+            self.change_groups = editor.change_groups(s.graph, changes)
             self.can_undo, self.can_redo = bool(getattr(s, "_undo", None)), bool(getattr(s, "_redo", None))
             self.actions = [a for a in ACTIONS if callable(getattr(s, a, None))]
             self.run_defaults = {"nproc": local_nproc(plan)} if plan is not None else {}
-            self.timings = {"layout_ms": (t1 - t0) * 1e3, "render_ms": (t2 - t1) * 1e3,
+            self._refresh_ms = (time.perf_counter() - t_start) * 1e3
+            self.timings = {"layout_ms": (t1 - t0) * 1e3, "render_ms": 0.0, "refresh_ms": self._refresh_ms,
                             "replan_ms": self._replan_ms}
             self.revision += 1
+
+    def _option_refusals(self) -> dict[str, dict[str, str]]:
+        s = self.session
+        key = (s.cluster, repr(sorted(s.fix.items())), repr(s.overrides), s.batch)
+        if self._refusal_cache is None or self._refusal_cache[0] != key:
+            try:
+                found = editor.option_refusals(s.graph, s.cluster, s.fix, s.overrides, s.batch)
+            except Exception:  # the controls still work; the planner says why when an edit fails
+                found = {}
+            self._refusal_cache = (key, found)
+        return self._refusal_cache[1]
 
     # ---- front end -> session -----------------------------------------------------------------------------------
     def _on_msg(self, _widget, content, _buffers) -> None:
@@ -171,32 +247,44 @@ class PlannerWidget(anywidget.AnyWidget):
         """Apply one front-end message, e.g. ``{"kind": "strategy", "layer": "h.0", "value": "colwise-rowwise"}``.
 
         A rejected edit (PlanError: infeasible or invalid) leaves the session's constraints and plan as they were and
-        shows the planner's reason inline."""
+        shows the planner's reason inline; every control is redrawn from the plan in force."""
         kind = msg.get("kind")
         fn = _HANDLERS.get(kind)
         if fn is None:
             self._say("error", f"unknown widget message {kind!r}")
             return
-        before = self.revision
-        t0 = time.perf_counter()
-        try:
-            code = fn(self, msg)
-        except (PlanError, ValueError, KeyError, IndexError, TypeError) as e:
-            text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-            self._say("error", f"{_describe(msg)} was not applied: {text}. The previous plan is kept; undo/redo "
-                               f"and your other choices are unchanged.")
-            return
-        if code is None:  # view-only message
-            if self.revision == before:
+        with self.hold_sync():  # the new plan, its timings and the message reach the front end together
+            before, plan_before = self.revision, self.session.plan
+            t0 = time.perf_counter()
+            self._refresh_ms = 0.0
+            try:
+                code = fn(self, msg)
+            except (PlanError, ValueError, KeyError, IndexError, TypeError) as e:
+                text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+                self._say("error", f"{_describe(msg)} was not applied: {text}. The previous plan is kept; undo/redo "
+                                   f"and your other choices are unchanged.")
+                return
+            if code is None:  # view-only message
+                if self.revision == before:
+                    self.refresh()
+                return
+            elapsed = (time.perf_counter() - t0) * 1e3
+            if self.revision == before:  # a session without observers
                 self.refresh()
-            return
-        self._replan_ms = (time.perf_counter() - t0) * 1e3
-        if self.revision == before:  # a session without observers
-            self.refresh()
-        else:
+            self._replan_ms = max(0.0, elapsed - self._refresh_ms)
             self.timings = {**self.timings, "replan_ms": self._replan_ms}
-        self._say("info", f"{_describe(msg)}: re-planned in {self._replan_ms:.0f} ms "
-                          f"({len(self.changes)} change(s)). As code: {code}")
+            note = ""
+            if kind in _LAYER_EDITS and plan_before is not None and self.session.plan is not None:
+                moved = editor.global_differences(plan_before, self.session.plan)
+                if moved:
+                    note = (f" The planner also changed {', '.join(moved)} to make it work (undo restores both; "
+                            "fix them under Global choices to keep them).")
+            if isinstance(code, tuple):
+                code, extra = code
+                note = extra + note
+            n = len(self.change_groups)
+            done = "adopted, nothing re-planned" if kind == "adopt" else f"re-planned in {self._replan_ms:.0f} ms"
+            self._say("info", f"{_describe(msg)}: {done} ({n} change{'s' if n != 1 else ''}).{note} As code: {code}")
 
     def _say(self, level: str, text: str, detail: str = "") -> None:
         self.messages = [{"level": level, "text": text, "detail": detail}]
@@ -207,15 +295,56 @@ class PlannerWidget(anywidget.AnyWidget):
         self.session.override(msg["layer"], **choices)
         return _call("override", msg["layer"], choices)
 
+    def _shard(self, msg) -> str:
+        """Pin one split on several layers (a drag of chips on the sharding board) or on the layers/modules of a
+        pattern (a graph node dropped on a legend swatch): one re-plan, one undo step."""
+        s = self.session
+        value = msg["value"]
+        choices = editor.strategy_override(value)
+        if msg.get("pattern"):  # a module (or every member's module) from the graph
+            pattern = msg["pattern"]
+            choices = editor.pattern_override(s.graph, pattern, value)
+            why = editor.structural_refusal(s.graph, pattern, value) if value != "auto" else ""
+            if why:
+                raise PlanError(why)
+            s.override(pattern, **choices)
+            return _call("override", pattern, choices)
+        paths = list(dict.fromkeys(msg.get("layers") or [msg["layer"]]))
+        known = {lay.path for lay in s.graph.layers}
+        unknown = [p for p in paths if p not in known]
+        if unknown:
+            raise KeyError(f"no layer {unknown[0]!r}")
+        overrides, patterns = editor.set_layer_fields(s.graph, s.overrides, paths, choices)
+        s.replan(overrides=overrides)
+        pins = {k: v for k, v in choices.items() if v is not None}
+        if len(patterns) == 1:
+            return _call("override", patterns[0], choices)
+        if not patterns:
+            return f"ap.replan(overrides={overrides!r})  # un-pins tp/fsdp on {len(paths)} layers"
+        entries = ", ".join(f"{p!r}: {pins!r}" for p in patterns)
+        return f"ap.replan(overrides={{**ap.overrides, {entries}}})"
+
     def _recompute(self, msg) -> str:
         value = msg["value"]
         choices = {"recompute": None if value == "auto" else value}
-        self.session.override(msg["layer"], **choices)
-        return _call("override", msg["layer"], choices)
+        if value != "auto" and value not in RECOMPUTE:
+            raise ValueError(f"recompute {value!r} unknown; choose one of auto, {', '.join(RECOMPUTE)}")
+        s = self.session
+        paths = list(dict.fromkeys(msg.get("layers") or [msg["layer"]]))
+        if len(paths) == 1:
+            s.override(paths[0], **choices)
+            return _call("override", paths[0], choices)
+        overrides, patterns = editor.set_layer_fields(s.graph, s.overrides, paths, choices)
+        s.replan(overrides=overrides)
+        if len(patterns) == 1:
+            return _call("override", patterns[0], choices)
+        entries = ", ".join(f"{p!r}: {{'recompute': {value!r}}}" for p in patterns)
+        return f"ap.replan(overrides={{**ap.overrides, {entries}}})"
 
     def _unpin(self, msg) -> str:
         s = self.session
-        overrides = {k: v for k, v in s.overrides.items() if k != msg["layer"]}
+        fields = {"tp": None, "fsdp": None, "stage": None, "recompute": None}
+        overrides, _ = editor.set_layer_fields(s.graph, s.overrides, [msg["layer"]], fields)
         s.replan(overrides=overrides)
         return f"ap.override({msg['layer']!r}, tp=None, fsdp=None, stage=None, recompute=None)"
 
@@ -249,17 +378,36 @@ class PlannerWidget(anywidget.AnyWidget):
             raise PlanError("that boundary move changes no layer's stage")
         return self._apply_stages(paths, stages, new)
 
-    def _apply_stages(self, paths, old, new) -> str:
+    def _apply_stages(self, paths, old, new):
+        """Pin the moved layers' stages. The lanes are the plan's pp x virtual stages under its schedule: they are
+        fixed too (when they were the planner's), so the stages the user dragged between keep their meaning."""
         s = self.session
+        plan = self._require_plan()
         overrides = {k: dict(v) for k, v in s.overrides.items()}
         moved = [(p, n) for p, o, n in zip(paths, old, new, strict=True) if o != n]
         if not moved:
             raise PlanError("no layer changes stage: drop a layer on another lane, or a boundary on a layer of a "
                             "neighbouring stage")
         for p, n in moved:
-            overrides[p] = {**overrides.get(p, {}), "stage": n}
-        s.replan(overrides=overrides)
-        return "; ".join(f"ap.override({p!r}, stage={n})" for p, n in moved)
+            overrides[p] = {**overrides.pop(p, {}), "stage": n}
+        lanes = {"pp": plan.mesh.pp, "virtual_stages": plan.pipeline.virtual_stages,
+                 "schedule": plan.pipeline.schedule}
+        added = {k: v for k, v in lanes.items() if k not in s.fix}
+        try:
+            s.replan(fix={**s.fix, **added}, overrides=overrides)
+        except PlanError:
+            if not added:
+                raise
+            # the lanes cannot hold this move (e.g. too few layers left for the other stages): let the planner
+            # choose them; the message names what it changed
+            s.replan(overrides=overrides)
+            added = {}
+        entries = ", ".join(f"{p!r}: {overrides[p]!r}" for p, _ in moved)
+        code = f"ap.replan(fix={{**ap.fix, **{added!r}}}, overrides={{**ap.overrides, {entries}}})" if added else \
+            f"ap.replan(overrides={{**ap.overrides, {entries}}})"
+        note = (f" The lanes are kept: {', '.join(f'{editor.GLOBAL_NAMES[k]}={v}' for k, v in added.items())} "
+                "are now fixed (undo restores both)." if added else "")
+        return code, note
 
     def _global(self, msg) -> str:
         s = self.session
@@ -301,11 +449,16 @@ class PlannerWidget(anywidget.AnyWidget):
         return code
 
     def _adopt(self, msg) -> str:
-        plan = self._require_plan()
-        alt = plan.alternatives[int(msg["index"])]
-        fix = {**self.session.fix, **editor.adopt_fix(alt)}
-        self.session.replan(fix=fix)
-        return f"ap.replan(fix={fix!r})"
+        """Make an alternative the current plan without pinning anything (``Session.adopt``)."""
+        index = int(msg["index"])
+        adopt = getattr(self.session, "adopt", None)
+        if adopt is None:  # a session class without adopt(): pin its shape instead
+            alt = self._require_plan().alternatives[index]
+            fix = {**self.session.fix, **editor.adopt_fix(alt)}
+            self.session.replan(fix=fix)
+            return f"ap.replan(fix={fix!r})"
+        adopt(index)
+        return f"ap.adopt({index})"
 
     def _undo(self, msg) -> str:
         self.session.undo()
@@ -352,14 +505,38 @@ class PlannerWidget(anywidget.AnyWidget):
         self.selection = msg.get("layer") or ""
         return None
 
+    # ---- the view: fold/expand blocks and groups, depth, the auto view (no re-plan) ---------------------------
     def _expand(self, msg) -> None:
         self.expanded = sorted({*self.expanded, msg["block"]})
+        self._relayout = "columns"  # the depth stays what it was
 
     def _collapse(self, msg) -> None:
         self.expanded = [b for b in self.expanded if b != msg["block"]]
+        self._relayout = "columns"
 
     def _set_depth(self, msg) -> None:
-        self._depth = int(msg["value"])
+        depth = int(msg["value"])
+        if self._view is not None:
+            self._view = View(depth, self._view.groups, self._view.breaks)
+        else:
+            self._view = View(depth)
+        self._auto = False
+        self._relayout = "columns"
+
+    def _expand_group(self, msg) -> None:
+        """Open a collapsed container: its sub-containers of several layers stay collapsed, its other layers show."""
+        g = msg["group"]
+        view = self._view or View(0)
+        if g not in view.groups:
+            raise KeyError(f"{g!r} is not a collapsed group; collapsed: {', '.join(sorted(view.groups)) or 'none'}")
+        self._view = View(view.depth, (view.groups - {g}) | child_groups(self.session.graph, g), view.breaks)
+        self._auto = False
+        self._relayout = "columns"
+
+    def _auto_view(self, msg) -> None:
+        self.expanded = []
+        self._auto = True
+        self._relayout = "full"
 
     def _require_plan(self) -> Plan:
         if self.session.plan is None:
@@ -368,12 +545,16 @@ class PlannerWidget(anywidget.AnyWidget):
 
 
 _HANDLERS = {
-    "strategy": PlannerWidget._strategy, "recompute": PlannerWidget._recompute, "unpin": PlannerWidget._unpin,
-    "stage": PlannerWidget._stage, "boundary": PlannerWidget._boundary, "global": PlannerWidget._global,
-    "cluster": PlannerWidget._cluster, "adopt": PlannerWidget._adopt, "undo": PlannerWidget._undo,
-    "redo": PlannerWidget._redo, "action": PlannerWidget._action, "select": PlannerWidget._select,
-    "expand": PlannerWidget._expand, "collapse": PlannerWidget._collapse, "depth": PlannerWidget._set_depth,
+    "strategy": PlannerWidget._strategy, "shard": PlannerWidget._shard, "recompute": PlannerWidget._recompute,
+    "unpin": PlannerWidget._unpin, "stage": PlannerWidget._stage, "boundary": PlannerWidget._boundary,
+    "global": PlannerWidget._global, "cluster": PlannerWidget._cluster, "adopt": PlannerWidget._adopt,
+    "undo": PlannerWidget._undo, "redo": PlannerWidget._redo, "action": PlannerWidget._action,
+    "select": PlannerWidget._select, "expand": PlannerWidget._expand, "collapse": PlannerWidget._collapse,
+    "depth": PlannerWidget._set_depth, "expand_group": PlannerWidget._expand_group,
+    "auto_view": PlannerWidget._auto_view,
 }
+_LAYER_EDITS = {"strategy", "shard", "recompute", "unpin", "stage", "boundary"}
+"""edits of layers: a change of a global choice they cause is said in the message"""
 
 
 def local_nproc(plan: Plan) -> int:
@@ -414,18 +595,25 @@ def _call(method: str, layer: str, choices: dict[str, Any]) -> str:
 
 def _describe(msg: dict[str, Any]) -> str:
     kind = msg.get("kind")
+    label = editor.STRATEGY_LABELS.get(msg.get("value"), msg.get("value"))
+    layers = msg.get("layers") or ([msg["layer"]] if msg.get("layer") else [])
+    who = msg.get("pattern") or (layers[0] if len(layers) == 1 else f"{len(layers)} layers")
     if kind == "strategy":
-        return f"{msg.get('layer')}: strategy {editor.STRATEGY_LABELS.get(msg.get('value'), msg.get('value'))}"
+        return f"{msg.get('layer')}: strategy {label}"
+    if kind == "shard":
+        return f"{who} → {label}"
     if kind == "recompute":
-        return f"{msg.get('layer')}: recompute {msg.get('value')}"
+        return f"{who}: recompute {msg.get('value')}"
     if kind == "stage":
         return f"{msg.get('layer')} -> stage {msg.get('stage')}"
     if kind == "boundary":
         return f"stage {msg.get('stage')} starts at {msg.get('layer')}"
     if kind == "global":
-        return f"{msg.get('key')} = {msg.get('value')}"
+        return f"{editor.GLOBAL_NAMES.get(msg.get('key'), msg.get('key'))} = {msg.get('value')}"
     if kind == "cluster":
         return f"cluster {msg.get('preset')} {msg.get('nodes')} x {msg.get('gpus_per_node')}"
     if kind == "adopt":
         return f"adopt alternative {int(msg.get('index', 0)) + 1}"
+    if kind == "unpin":
+        return f"{msg.get('layer')}: back to the planner's choice"
     return str(kind)
