@@ -339,6 +339,19 @@ def _execution_order(layer_mods: list[tuple[str, nn.Module]], raw: list[_RawOp])
 
 
 # ---- assembling the graph -------------------------------------------------------------------------------------------
+def _dropout_p(op: str, args, kwargs) -> float | None:
+    """The drop probability of a dropout op (``aten.dropout(input, p, train)`` and its variants; 0 when it does
+    not train) or of attention (SDPA's ``dropout_p``); None for any other op."""
+    if "scaled_dot_product_attention" in op:  # (query, key, value, attn_mask, dropout_p, ...)
+        p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        return float(p) if isinstance(p, int | float) else None
+    if "dropout" not in op or "backward" in op:
+        return None
+    p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+    train = kwargs.get("train", args[2] if len(args) > 2 else True)
+    return float(p) if train and isinstance(p, int | float) else 0.0
+
+
 def _build(model: nn.Module, args: tuple, kwargs: dict, raw: list[_RawOp], outs: list, tracer: str) -> ModelGraph:
     layer_mods = find_layers(model)
     layer_paths = [p for p, _ in layer_mods]
@@ -360,7 +373,7 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, raw: list[_RawOp], outs:
         layer = layer_of(r.module_path, layer_paths) or last_layer
         node = OpNode(r.name, r.op, rule.op_class, r.inputs, in_shapes, [o.shape for o in out_meta],
                       out_meta[0].dtype if out_meta else "", flops, bwd, rd, wr, r.params, r.module_path,
-                      r.module_type, layer or "", r.op not in unknown)
+                      r.module_type, layer or "", r.op not in unknown, _dropout_p(r.op, r.args, r.kwargs))
         if layer is None:
             pending.append(node)
         else:

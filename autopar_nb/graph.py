@@ -59,6 +59,9 @@ class OpNode:
     """path of the layer it is assigned to"""
     known: bool = True
     """False when kernels_ext has no rule for the op (its FLOPs count as 0)"""
+    dropout_p: float | None = None
+    """dropout ops: the probability they drop with (0 when not training: then the op returns its input and saves
+    nothing); attention: SDPA's dropout_p; None for other ops"""
 
 
 @dataclass

@@ -47,6 +47,8 @@ class LayerChoice:
     """apply the layer's TP styles (False: replicate it on every TP rank)"""
     recompute: str = "none"
     fsdp: bool = True
+    compile: bool = False
+    """run the layer under ``torch.compile`` (its memory-bound time scaled by ``Factors.compile_memory_bound``)"""
 
 
 @dataclass
@@ -165,9 +167,10 @@ class Evaluator:
         self._cache: dict[tuple, LayerTerms] = {}
 
     # ---- per layer ----------------------------------------------------------------------------------------------
-    def terms(self, i: int, *, tp: int, sp: bool, half: bool, mb_samples: float, ep: int = 1) -> LayerTerms:
+    def terms(self, i: int, *, tp: int, sp: bool, half: bool, mb_samples: float, ep: int = 1,
+              compiled: bool = False) -> LayerTerms:
         """Per-layer terms, cached by the layer's repeated-block representative."""
-        key = (self.prof.rep[i], tp, sp, half, mb_samples, ep)
+        key = (self.prof.rep[i], tp, sp, half, mb_samples, ep, compiled)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -175,7 +178,7 @@ class Evaluator:
         scale = mb_samples / self.prof.batch * self.seq_ratio
         qscale = mb_samples / self.prof.batch * self.seq_ratio ** 2
         fwd, bwd, sel = layer_compute_time(lp, tp=tp, sp=sp, half=half, scale=scale, quad_scale=qscale,
-                                           device=self.cluster.device, factors=self.f)
+                                           device=self.cluster.device, factors=self.f, compiled=compiled)
         act = {r: activation_bytes(lp, tp=tp, sp=sp, recompute=r, half=half, scale=scale, quad_scale=qscale,
                                    megatron_sp=self.megatron_sp) for r in RECOMPUTE}
         comm: dict[str, float] = {}
@@ -224,7 +227,7 @@ class Evaluator:
     def choice_terms(self, i: int, s: Setting, ch: LayerChoice) -> LayerTerms:
         """:meth:`terms` of layer ``i`` under the candidate's setting and the layer's choice (TP on or off)."""
         return self.terms(i, tp=s.tp if ch.tp else 1, sp=s.sp and ch.tp, half=s.amp != "none",
-                          mb_samples=s.mb_samples, ep=s.ep)
+                          mb_samples=s.mb_samples, ep=s.ep, compiled=ch.compile)
 
     # ---- a whole candidate --------------------------------------------------------------------------------------
     def runs(self, choices: list[LayerChoice]) -> list[tuple[int, int, LayerChoice]]:
@@ -233,7 +236,7 @@ class Evaluator:
         out: list[list] = []
         prev = None
         for i, ch in enumerate(choices):
-            key = (rep[i], ch.stage, ch.tp, ch.recompute, ch.fsdp)
+            key = (rep[i], ch.stage, ch.tp, ch.recompute, ch.fsdp, ch.compile)
             if key == prev:
                 out[-1][1] += 1
             else:
@@ -407,6 +410,7 @@ class Evaluator:
             held += sums.nofsdp[r] * p_item
         elif half:
             held += params * 2  # autocast caches 16-bit copies of the weights for the step
+        held += ddp_bucket_bytes(s, params - experts)
         flight = in_flight(s.schedule, pp=s.pp, stage=r, micro_batches=m, virtual_stages=s.virtual_stages)
         act = flight * sums.acts[r]
         p2p_buf = 2 * sums.p2p[r] if s.pp > 1 else 0.0
@@ -430,7 +434,8 @@ class Evaluator:
         # moment 3: the optimizer step: every gradient and foreach temporaries (CUDA: a list the size of the
         # gradients; CPU: one parameter at a time)
         step_temp = gb if prof.device_kind == "cuda" else sums.largest[r] * g_item
-        at_step = pb + ob + gb + step_temp + held * (s.zero_stage != 2 and not half)
+        at_step = pb + ob + gb + step_temp + (held if s.zero_stage != 2 and not half else
+                                              ddp_bucket_bytes(s, params - experts))
         if at_backward >= at_step:
             mbd = MemoryBreakdown(pb, grads_bwd, ob, act_at, held + temp_at + p2p_buf)
         else:
@@ -454,6 +459,14 @@ class Evaluator:
         cost.samples_per_s = samples / step
 
 
+def ddp_bucket_bytes(s: Setting, params: float) -> float:
+    """DDP's gradient buckets: flat fp32 tensors the size of the parameters it reduces, held for the whole run
+    (``gradient_as_bucket_view=False``, as ``runtime/ddp.py`` builds it: the gradients are copied in, not views).
+    Only where the runtime uses DDP: dp > 1, ZeRO 0/1, no TP (with TP it uses FSDP2's replicate, which has no
+    buckets)."""
+    return params * ITEMSIZE["float32"] if s.dp > 1 and s.zero_stage < 2 and s.tp == 1 else 0.0
+
+
 def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:
     """The (Setting, per-layer choices) a :class:`~autopar_nb.plan.Plan` stands for."""
     m = plan.mesh
@@ -462,7 +475,8 @@ def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:
     sp = any(lp.sequence_parallel for lp in plan.layers)
     s = Setting(m.dp, m.tp, m.pp, m.zero_stage, plan.precision.amp, plan.batch.micro_batches, mb,
                 plan.pipeline.schedule, plan.pipeline.virtual_stages, sp, plan.optimizer.name, m.ep)
-    choices = [LayerChoice(lp.stage, on, lp.recompute, lp.fsdp) for lp, on in zip(plan.layers, tp_on, strict=True)]
+    choices = [LayerChoice(lp.stage, on, lp.recompute, lp.fsdp, lp.compile)
+               for lp, on in zip(plan.layers, tp_on, strict=True)]
     return s, choices
 
 

@@ -223,7 +223,7 @@ def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
     """Walk ``graph`` once (see the module docstring). ``device_kind`` is "cuda" or "cpu" (what autograd saves for
     dropout and RMSNorm differs)."""
     refused: dict[str, str] = {}
-    f = _facts(graph, refused)
+    f = _facts(graph, refused, device_kind)
     layers = {lay.path: LayerProfile(lay.path) for lay in graph.layers}
     _count_compute(layers, f)
     _count_saved(layers, f, device_kind)
@@ -277,15 +277,28 @@ class _Facts:
     param_views: set[str]
     """views of parameters (an expert weight's transpose): held as parameters, never saved as activations"""
     tp: _TP
+    grad: set[str] = field(default_factory=set)
+    """nodes whose output requires grad (a trainable parameter upstream): only their ops are recorded by autograd;
+    the rest (masks, rotary cos/sin, position ids) save nothing"""
 
 
-def _facts(graph, refused: dict[str, str]) -> _Facts:
+def _facts(graph, refused: dict[str, str], device_kind: str = "cuda") -> _Facts:
     by_name = {n.name: n for n in graph.nodes}
     size = _sizes(graph)
     tp = _TP(*tp_walk(graph, by_name, {n.name: size[n.name].numel for n in graph.nodes}, refused))
-    root, noncontig = _storages(graph.nodes)
+    root, noncontig = _storages(graph.nodes, device_kind)
     scores, param_views = _attention_scores(graph.nodes), _parameter_views(graph.nodes)
-    return _Facts(graph, by_name, size, root, noncontig, scores, param_views, tp)
+    return _Facts(graph, by_name, size, root, noncontig, scores, param_views, tp, _requires_grad(graph))
+
+
+def _requires_grad(graph) -> set[str]:
+    """Nodes with a floating output that depends on a trainable parameter (autograd's requires_grad)."""
+    trainable = {name for name, p in graph.params.items() if p.trainable}
+    grad: set[str] = set()
+    for n in graph.nodes:
+        if n.dtype in FLOAT and (any(p in trainable for p in n.params) or any(i in grad for i in n.inputs)):
+            grad.add(n.name)
+    return grad
 
 
 def _sizes(graph) -> dict[str, _Size]:
@@ -304,16 +317,24 @@ def _sizes(graph) -> dict[str, _Size]:
     return size
 
 
-def _storages(nodes) -> tuple[dict[str, str], dict[str, bool]]:
+def _storages(nodes, device_kind: str = "cuda") -> tuple[dict[str, str], dict[str, bool]]:
     """(node -> the node that owns its storage, node -> a non-contiguous view), from each view's rule layout."""
     root: dict[str, str] = {}
     noncontig: dict[str, bool] = {}
     attention_out: set[str] = set()
+    dtype = {n.name: n.dtype for n in nodes}
+    permuted = _permuted(nodes)
     for n in nodes:
-        if n.op_class == "attention":
+        if n.op_class == "attention" and not _math_attention(n, device_kind) and (
+                device_kind != "cpu" or (n.inputs and n.inputs[0] in permuted)):
+            # CUDA's fused kernels write (B, T, nh, hd); the CPU flash kernel follows the query's layout
             attention_out.add(n.name)
         src = n.inputs[0] if n.inputs else None
-        if n.op_class == "view" and src is not None:
+        if src is not None and _returns_input(n, dtype.get(src), noncontig.get(src, False)):
+            root[n.name], noncontig[n.name] = root.get(src, src), noncontig.get(src, False)
+            if src in attention_out:
+                attention_out.add(n.name)
+        elif n.op_class == "view" and src is not None:
             rule = rule_of(n.op)
             layout = rule.layout if rule is not None else ""
             base_nc = noncontig.get(src, False)
@@ -330,6 +351,46 @@ def _storages(nodes) -> tuple[dict[str, str], dict[str, bool]]:
         else:
             root[n.name], noncontig[n.name] = n.name, False
     return root, noncontig
+
+
+def _permuted(nodes) -> set[str]:
+    """Tensors laid out transposed in memory: a transpose's view, and what an elementwise op makes from one (its
+    output follows its first full-size input's strides, as TensorIterator orders dimensions); a second transpose
+    undoes it, a copy (contiguous, reshape, cat) ends it."""
+    out: set[str] = set()
+    shape = {n.name: tuple(n.out_shapes[0]) if n.out_shapes else () for n in nodes}
+    for n in nodes:
+        src = n.inputs[0] if n.inputs else None
+        if src is None:
+            continue
+        name = packet(n.op)
+        if name == "transpose":
+            if src not in out:
+                out.add(n.name)
+        elif n.op_class == "view" and name not in ("reshape", "view", "flatten", "_unsafe_view"):
+            if src in out:
+                out.add(n.name)
+        elif n.op_class == "elementwise" and name not in ("cat", "stack", "contiguous", "clone"):
+            full = [i for i in n.inputs if shape.get(i) == shape[n.name]]
+            if full and full[0] in out:
+                out.add(n.name)
+    return out
+
+
+_NO_OP_IF_SAME = ("to", "_to_copy", "type_as", "contiguous")
+"""ops that return their input itself when nothing changes (same dtype; contiguous already)"""
+
+
+def _returns_input(n, src_dtype: str | None, src_noncontig: bool) -> bool:
+    """The op returns its input tensor: ``x.to(x.dtype)``, ``x.contiguous()`` of a contiguous ``x``, dropout with
+    p = 0 (ATen's ``dropout`` returns the input then: nothing is saved), a reshape to the same shape."""
+    if n.dropout_p == 0.0 and n.op_class != "attention":
+        return True
+    name = packet(n.op)
+    if name in _NO_OP_IF_SAME and src_dtype == n.dtype and not (name == "contiguous" and src_noncontig):
+        return name != "_to_copy"  # _to_copy always copies; .to() is the op that may return self
+    return name in ("reshape", "view") and len(n.in_shapes) == 1 and n.out_shapes and \
+        tuple(n.in_shapes[0]) == tuple(n.out_shapes[0])
 
 
 def _parameter_views(nodes) -> set[str]:
@@ -425,11 +486,12 @@ class _Keep(NamedTuple):
 
 
 def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str) -> None:
-    """What autograd saves, each storage once (in the layer of the first op that saves it)."""
+    """What autograd saves, each storage once (in the layer of the first op that saves it). An op no trainable
+    parameter reaches is not recorded (saves nothing), nor one that returns its input (p = 0 dropout)."""
     seen: set[str] = set()
     for lp, n in _in_layers(layers, f):
         rule = rule_of(n.op)
-        if rule is None:
+        if rule is None or n.name not in f.grad or f.root.get(n.name, n.name) != n.name and n.op_class != "view":
             continue
         for keep in _kept_by(n, rule, f, device_kind):
             if keep.key in seen or keep.size.numel == 0:
@@ -445,8 +507,12 @@ def _kept_by(n, rule, f: _Facts, device_kind: str) -> list[_Keep]:
     device kind, resolved against the graph."""
     in_region, scores = n.name in f.tp.sharded, n.name in f.scores
     acts = [i for i in n.inputs if i not in f.param_views]  # a parameter's view is held with the parameter
+    trainable = f.graph.params
+    reads_param = any(trainable[p].trainable for p in n.params if p in trainable) or len(acts) < len(n.inputs)
     floats = [i for i in acts if f.size[i].floating]
-    reads_param = bool(n.params) or len(acts) < len(n.inputs)
+    # an operand is kept only for another operand's gradient: x * cos keeps cos, not x, when cos needs none
+    needed = [i for k, i in enumerate(acts) if f.size[i].floating
+              and (reads_param or any(j in f.grad for m, j in enumerate(acts) if m != k))]
     out = f.size[n.name]
     colwise = f.tp.styles.get(n.name) == "colwise"
 
@@ -459,14 +525,16 @@ def _kept_by(n, rule, f: _Facts, device_kind: str) -> list[_Keep]:
             size = f.size[key]  # a view keeps its whole base storage alive
         return _Keep(key, size, i in f.tp.sharded or key in f.tp.sharded, colwise, i in f.scores)
 
+    if _math_attention(n, device_kind):
+        return _math_attention_saves(n, f, kept_input)
     kept: list[_Keep] = []
     for what in rule.saves_on(device_kind):
         if what == "inputs" or (what == "operands" and (len(floats) >= 2 or (floats and reads_param))):
-            kept += [kept_input(i) for i in floats]
+            kept += [kept_input(i) for i in needed]
         elif what == "input":
             kept += [kept_input(i) for i in floats[:1]]
         elif what == "qkv":
-            kept += [kept_input(i) for i in acts[:3]]
+            kept += [kept_input(i if k == 0 else _unrepeated(i, f)) for k, i in enumerate(acts[:3])]
         elif what == "output":
             kept.append(_Keep(n.name, out._replace(floating=True), in_region, quadratic=scores))
         elif what == "stats":
@@ -483,6 +551,38 @@ def _kept_by(n, rule, f: _Facts, device_kind: str) -> list[_Keep]:
             if mask is not None:
                 kept.append(_Keep(f"bool:{n.name}", _Size(f.size[mask].numel, 1, False), False))
     return kept
+
+
+def _math_attention(n, device_kind: str) -> bool:
+    """SDPA that runs PyTorch's math kernel: on CPU with dropout (the CPU flash kernel has no dropout). It saves
+    scaled copies of q and k, v, and three score-sized tensors (softmax output, dropout noise, dropped weights),
+    not its output, which it returns contiguous in (B, nh, T, hd)."""
+    return device_kind == "cpu" and n.op_class == "attention" and bool(n.dropout_p)
+
+
+def _math_attention_saves(n, f: _Facts, kept_input) -> list[_Keep]:
+    """What :func:`_math_attention` keeps (measured with autograd's saved tensors, torch 2.13 CPU)."""
+    region = n.name in f.tp.sharded
+    q, k, v = (n.inputs + [None] * 3)[:3]
+    (*lead, _), kshape = n.in_shapes[0], n.in_shapes[1]
+    scores = _Size(_numel(lead) * kshape[-2], f.size[q].itemsize, True)
+    return [_Keep(f"q:{n.name}", f.size[q], region), _Keep(f"k:{n.name}", f.size[k], region), kept_input(v),
+            *(_Keep(f"{what}:{n.name}", scores, region, quadratic=True) for what in ("softmax", "noise", "dropped"))]
+
+
+def _unrepeated(name: str, f: _Facts) -> str:
+    """Key/value heads that ``repeat_kv`` expanded (``x[:, :, None].expand(...).reshape(...)``) before attention:
+    the tensor before the expansion, which is what attention saves when it runs on the key/value heads itself.
+    Hugging Face passes them to SDPA with ``enable_gqa=True`` when there is no attention mask
+    (``transformers/integrations/sdpa_attention.py``, ``use_gqa_in_sdpa``); the captured graph shows the expansion
+    because ``torch.export`` materialises the causal mask."""
+    cur, expanded = name, False
+    while cur in f.by_name and f.by_name[cur].op_class == "view" and f.by_name[cur].inputs:
+        n = f.by_name[cur]
+        if packet(n.op) == "expand" and f.size[n.inputs[0]].numel < f.size[cur].numel:
+            expanded = True
+        cur = n.inputs[0]
+    return cur if expanded else name
 
 
 def _count_comms(layers: dict[str, LayerProfile], f: _Facts) -> None:

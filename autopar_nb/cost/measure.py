@@ -1,0 +1,235 @@
+"""One rank's memory, component by component, as the plan's exported script runs it: the figures the cost model is
+checked against (issue 21).
+
+The script is imported (``runpy``: its cell builds the model with real, small tensors; ``main`` does not run), then
+its own ``main`` runs a few training steps in one process as one rank of a fake process group
+(``torch.testing._internal.distributed.fake_pg``: every collective returns at once, leaving its output as it was)
+inside PyTorch's memory tracker (``MemTracker``; ``FSDPMemTracker`` once the plan's ``parallelize`` returns an FSDP2
+module), which counts every storage the step creates by what it is. So what is measured is what the script does —
+its ``parallelize`` (TP styles, recompute, DDP/FSDP, pipeline stages), its loss and ``loss_parallel``, autocast,
+clipping and optimizer — not a re-creation of it. Values are meaningless (no collective moves data); sizes are not.
+
+Real tensors, not ``FakeTensorMode``: under fake tensors ``model.to(device)`` fails on Hugging Face models
+(``_apply(): Couldn't swap``), DDP's parameter check needs storage and the training loop reads ``.item()``. The
+models are small enough (hidden 256, 4 layers) for a real CPU step.
+
+The one thing the harness adds: DDP gets a comm hook that returns its bucket as it is (the fake group's all-reduce
+future returns None, which DDP's reducer refuses, ``comm.cpp: expected the hook result is either a Tensor or a
+TensorList found None``); the bucket, the memory DDP holds, is unchanged.
+
+The tracker's reference types are refined by when a storage is created (:data:`LABELS`), so the peak splits into the
+components the cost model predicts: parameters, gradients, optimizer states, activations (made inside the model's
+forward, or recomputed in backward), the loss (made after the model returned: logits copies, log-softmax, and the
+loss's gradients), backward temporaries, buffers (made by ``parallelize`` or by DDP/FSDP/pipelining: DDP's buckets;
+FSDP's all-gather/reduce-scatter buffers and unsharded parameters and gradients) and step temporaries (clipping,
+the optimizer's scratch). The peak of the last step is reported (the first creates the optimizer states).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+COMPONENTS = ("params", "grads", "optimizer", "activations", "loss", "backward", "buffers", "step")
+"""the measured components, in the order tables show them"""
+LABELS = {
+    "params": ("Parameter", "Buffer", "Sharded Param"),
+    "grads": ("Gradient", "Sharded Grad"),
+    "optimizer": ("Optstate", "OptState"),
+    "activations": ("Activation",),
+    "loss": ("Loss", "Inputs"),
+    "backward": ("Temp",),
+    "buffers": ("Setup", "All Gather", "Reduce Scatter", "Unsharded Param", "Unsharded Grad", "Other"),
+    "step": ("Step",),
+}
+"""component -> the tracker's reference types (MemTracker's and FSDPMemTracker's, plus this module's Loss, Setup and
+Step) it sums"""
+
+
+def _tracker_classes():
+    """(MemTracker, FSDPMemTracker) subclasses that label storages by when they are created (see the module
+    docstring). Built lazily: importing this module must not import torch.distributed."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType
+
+    extra = {"LOSS": "Loss", "SETUP": "Setup", "STEP": "Step"}
+    mem_types = _RefType("_Labels", {**{m.name: m.value for m in _MemRefType}, **extra})
+    fsdp_types = _RefType("_FSDPLabels", {**{m.name: m.value for m in _FSDPRefType}, **extra})
+
+    class Labelled:
+        phase = "setup"
+        """"setup" (parallelize), "train" (forward, loss, backward), "step" (after backward: clipping, optimizer)"""
+        where = ""
+        """the phase and module of the peak"""
+
+        def _label(self, reftype):
+            types = self._ref_class
+            name = getattr(reftype, "name", "")
+            if self.phase == "setup" and name in ("ACT", "TEMP"):
+                return types.SETUP
+            if name == "OPT":  # the optimizer's states, whenever the tracker's optimizer hook finds them
+                return reftype
+            if name in ("ACT", "TEMP") and self.phase == "step":
+                return types.STEP
+            if name == "ACT" and len(self._mod_tracker.parents) <= 1 and not self._in_ac:
+                return types.LOSS  # outside the model: the loss's forward
+            if name == "TEMP" and not self._mod_tracker.parents - {"Global"} and not self._in_ac:
+                return types.LOSS  # the loss's backward, before the model's first module
+            return reftype
+
+        def _track(self, reftype, t):
+            super()._track(self._label(reftype), t)
+
+        def _update_peak_stats(self, peak_state):
+            before = dict(self._peak_mem)
+            super()._update_peak_stats(peak_state)
+            if self._peak_mem != before:
+                mods = sorted(self._mod_tracker.parents - {"Global"}, key=len)
+                side = "backward" if self._mod_tracker.is_bw else "forward"
+                self.where = f"{self.phase}/{side}" + (f" in {mods[-1]}" if mods else "")
+
+        def reset_peak(self):
+            """Forget the peak so far (the next one is the last step's)."""
+            self._peak_mem_snap = self.get_tracker_snapshot()
+            self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
+
+    class Tracker(Labelled, MemTracker):
+        def __init__(self):
+            super().__init__()
+            self._ref_class = mem_types
+
+    class FSDPTracker(Labelled, FSDPMemTracker):
+        def __init__(self, mod):
+            super().__init__(mod)
+            self._ref_class = fsdp_types
+
+    return Tracker, FSDPTracker
+
+
+def components(snapshot: dict) -> dict[str, float]:
+    """A tracker snapshot (reference type -> bytes, for one device) summed into :data:`COMPONENTS`, plus
+    ``total``."""
+    by_value = {str(getattr(k, "value", k)): v for k, v in snapshot.items()}
+    out = {c: float(sum(by_value.get(lab, 0) for lab in labels)) for c, labels in LABELS.items()}
+    out["total"] = float(by_value.get("Total", sum(out.values())))
+    return out
+
+
+class _Session:
+    """The tracker a run uses: the plain one until ``parallelize`` returns an FSDP2 module, then an FSDP one over
+    it (FSDPMemTracker needs the module; it tracks its parameters and buffers from then on)."""
+
+    def __init__(self, steps: int):
+        self.Tracker, self.FSDPTracker = _tracker_classes()
+        self.steps = steps
+        self.active = self.Tracker()
+
+    def switch_to_fsdp(self, root) -> None:
+        self.active.__exit__(None, None, None)
+        self.active = self.FSDPTracker(root)
+        self.active.__enter__()
+
+    def as_setup(self, fn):
+        """``fn`` with what it allocates labelled as set-up (buffers): DDP's ``_pre_forward``, which rebuilds the
+        gradient buckets in the second step's forward."""
+
+        def inner(*args, **kwargs):
+            phase, self.active.phase = self.active.phase, "setup"
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.active.phase = phase
+
+        return inner
+
+    # the training loop's observer (runtime/train.py)
+    def after_backward(self, step, parts, loss):
+        self.active.phase = "step"
+
+    def after_step(self, step, parts):
+        self.active.phase = "train"
+        if step < self.steps - 1:
+            self.active.reset_mod_stats()
+            self.active.reset_peak()
+
+
+def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2) -> dict[str, Any]:
+    """Run the exported script's ``main`` for ``steps`` steps as rank ``rank`` of a fake process group of the plan's
+    world size, inside the tracker. Returns ``{"peak": components at the peak of the last step, "where": its phase
+    and module, "world": ..., "rank": ...}``. Call it in a fresh process (the fake group is global state):
+    :func:`measure` does."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.set_num_threads(1)
+    g = runpy.run_path(str(script), run_name="autopar_measure")  # the cell builds the model; main does not run
+    world = g["PP"] * g["DP"] * g["TP"]
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    session = _Session(steps)
+    parallelize = g["parallelize"]
+
+    def traced(*args, **kwargs):
+        out = parallelize(*args, **kwargs)
+        parts = out[0] if isinstance(out, tuple) else out
+        root = parts[0] if isinstance(parts, list | tuple) else parts
+        if hasattr(root, "register_comm_hook"):  # DDP: keep the bucket as it is (see the module docstring)
+            root.register_comm_hook(None, _bucket_as_is)
+            root._pre_forward = session.as_setup(root._pre_forward)  # its buckets (rebuilt in the 2nd forward)
+        if isinstance(root, FSDPModule):
+            session.switch_to_fsdp(root)
+        session.active.phase = "train"
+        return out
+
+    # main() reads the module's globals: the wrapper replaces the script's parallelize for this run only
+    g["parallelize"].__globals__["parallelize"] = traced
+    session.active.__enter__()
+    try:
+        g["main"](["--steps", str(steps)], observer=session)
+    finally:
+        session.active.__exit__(None, None, None)
+    snap = session.active.get_tracker_snapshot("peak").get(torch.device("cpu"), {})
+    return {"peak": components(snap), "where": session.active.where, "world": world, "rank": rank}
+
+
+def _bucket_as_is(state, bucket):
+    """DDP comm hook for the fake group: the bucket, unreduced."""
+    import torch
+
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def measure(source, plan, *, ranks: tuple[int, ...] = (0,), steps: int = 2, timeout: float = 600) -> list[dict]:
+    """Measure ``plan`` on ``source`` (a :class:`~autopar_nb.source.ModelSource`) for each of ``ranks``, each in a
+    fresh process: the plan's script is exported to a temporary directory and :func:`measure_script` runs it."""
+    from ..export import export
+
+    with tempfile.TemporaryDirectory(prefix="autopar-measure-") as tmp:
+        script = export(source, plan, Path(tmp) / "train.py", quiet=True).script
+        return [measure_in_subprocess(script, rank=r, steps=steps, timeout=timeout) for r in ranks]
+
+
+def measure_in_subprocess(script, *, rank: int = 0, steps: int = 2, timeout: float = 600) -> dict:
+    """:func:`measure_script` in a child process (one JSON line back)."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "autopar_nb.cost.measure", str(script), str(rank), str(steps)],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=Path(script).parent)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"memory measurement of {script} (rank {rank}) failed (rc={proc.returncode}):\n"
+                       f"{proc.stderr[-3000:]}")
+
+
+if __name__ == "__main__":
+    _script, _rank, _steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    print(json.dumps(measure_script(_script, rank=_rank, steps=_steps)), flush=True)

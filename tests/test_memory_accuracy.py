@@ -1,0 +1,119 @@
+"""The cost model against what runs (issue 21): per-rank memory, term by term, on the Hugging Face families people
+bring (tests/memcells.py).
+
+* saved activations: what autograd really saves in a CPU training forward (every ``grad_fn``'s saved tensors,
+  each storage once) against the profile's prediction, per family (p = 0 dropout, rotary cos/sin, grouped-query
+  K/V, the CPU flash kernel's output layout, the math kernel SDPA falls back to with dropout);
+* named terms against closed forms (DDP's gradient buckets);
+* whole steps: the plan's exported script run as one rank of a fake process group inside PyTorch's memory tracker
+  (``autopar_nb.cost.measure``), component by component.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from memcells import CELLS
+from runtime_cases import has_transformers
+
+import autopar_nb as ap
+from autopar_nb.cost import activation_bytes, profile
+from autopar_nb.source import ModelSource
+
+pytestmark = pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+
+SMALL = {"hidden": 64, "layers": 2, "seq": 32, "batch": 2}
+"""sizes of the single-process checks (seconds each)"""
+EXACT = 0.01
+"""saved activations: the prediction follows autograd op by op, so it must match to 1 %"""
+NOT_YET = {"T5": "-8.5 %: the loss inside the model (log-softmax over labels) and the relative-position bias lookups "
+                 "are not counted yet"}
+"""families whose saved activations are not within EXACT yet, and why"""
+
+
+def autograd_saved_bytes(model: nn.Module, args: tuple, kwargs: dict) -> int:
+    """Bytes of every storage some ``grad_fn`` of one training forward keeps (parameters and buffers excluded)."""
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    out = model(*args, **kwargs)
+    root = out.loss if getattr(out, "loss", None) is not None else out.logits if hasattr(out, "logits") else out
+    seen: dict[int, int] = {}
+    stack, visited = [root.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in visited:
+            continue
+        visited.add(fn)
+        for attr in dir(fn):
+            if not attr.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(fn, attr)
+            except RuntimeError:  # freed or not a tensor
+                continue
+            for t in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in own:
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        stack += [f for f, _ in fn.next_functions]
+    return sum(seen.values())
+
+
+def predicted_saved_bytes(src: ModelSource) -> float:
+    meta, example, _ = src.build(device="meta")
+    prof = profile(ap.capture(meta, example), device_kind="cpu")
+    return sum(activation_bytes(lp, tp=1, sp=False, recompute="none", half=False, scale=1.0) for lp in prof.layers)
+
+
+@pytest.mark.parametrize("family", list(CELLS))
+def test_saved_activations_match_autograd(family):
+    src = ModelSource(CELLS[family](**SMALL))
+    ns = src.run()
+    model, example = ns["model"], ns["example_inputs"]
+    model.train()
+    args, kwargs = ((), example) if isinstance(example, dict) else (tuple(example), {})
+    measured = autograd_saved_bytes(model, args, kwargs)
+    predicted = predicted_saved_bytes(src)
+    if family in NOT_YET:
+        assert predicted != pytest.approx(measured, rel=EXACT), f"{family} now matches: drop it from NOT_YET"
+        pytest.xfail(NOT_YET[family])
+    assert predicted == pytest.approx(measured, rel=EXACT), (family, predicted, measured)
+
+
+class _Dropouts(nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.a, self.drop, self.b = nn.Linear(64, 64), nn.Dropout(p), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.b(self.drop(self.a(x)))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_dropout_saves_a_noise_tensor_only_when_it_drops(p):
+    model = _Dropouts(p).train()
+    x = torch.randn(8, 64)
+    measured = autograd_saved_bytes(model, (x,), {})
+    prof = profile(ap.capture(model, (x,)), device_kind="cpu")
+    predicted = sum(activation_bytes(lp, tp=1, sp=False, recompute="none", half=False, scale=1.0)
+                    for lp in prof.layers)
+    # x (input of a) and the input of b; with p > 0 also the noise (CPU): a's output is then not saved by b
+    want = 8 * 64 * 4 * (2 if p == 0 else 3)
+    assert measured == want
+    assert predicted == pytest.approx(want, rel=1e-9)
+
+
+def test_ddp_bucket_is_the_parameters_in_fp32():
+    from autopar_nb.cost.estimate import Evaluator, LayerChoice, Setting, ddp_bucket_bytes
+    from autopar_nb.cost.profile import profile_of
+
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+    graph = ap.capture(model, (torch.randn(8, 64),))
+    numel = sum(p.numel() for p in model.parameters())
+    ev = Evaluator(profile_of(graph, "cpu"), ap.Cluster.preset("cpu", 1, 2))
+    choices = [LayerChoice() for _ in graph.layers]
+    single = ev.evaluate(Setting(mb_samples=8), choices).memory_by_rank[0]
+    ddp = ev.evaluate(Setting(dp=2, mb_samples=8), choices).memory_by_rank[0]
+    assert ddp_bucket_bytes(Setting(dp=2), numel) == 4 * numel
+    assert ddp.total - ddp.margin - (single.total - single.margin) == pytest.approx(4 * numel)
+    for no_buckets in (Setting(dp=2, zero_stage=2), Setting(dp=2, tp=2), Setting()):
+        assert ddp_bucket_bytes(no_buckets, numel) == 0
