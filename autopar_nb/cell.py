@@ -123,13 +123,27 @@ def run_model_cell(code: str, user_ns: dict[str, Any], *, model_var: str | None 
 
     model_var = model_var or _find_model(bound)
     model = _require(ns, model_var, nn.Module, "--model", "an nn.Module instance")
-    inputs_var = inputs_var or _find_inputs(bound)
-    example_inputs = _require(ns, inputs_var, object, "--inputs", "example inputs")
     loss_fn = "loss_fn" if callable(ns.get("loss_fn")) and "loss_fn" in bound else None
     make_batch = "make_batch" if callable(ns.get("make_batch")) and "make_batch" in bound else None
+    dataset = _find_dataset(bound)
+    collate_fn = "collate_fn" if dataset and callable(ns.get("collate_fn")) and "collate_fn" in bound else None
+    if dataset and not inputs_var and not any(n in bound and _is_inputs(bound[n]) for n in INPUT_NAMES):
+        inputs_var = None  # the dataset's first samples are the example
+        source = ModelSource(code, model_var, None, loss_fn, make_batch, dataset, collate_fn)
+        try:
+            example_inputs = source.example_inputs(ns)
+        except Exception as e:
+            raise CellError(f"collating the first samples of {dataset!r} into example inputs failed: "
+                            f"{_describe_user_error(e, source.filename)}; bind example_inputs in the cell") from None
+        if not _is_inputs(example_inputs):
+            raise CellError(f"the samples of {dataset!r}, collated, are a {type(example_inputs).__name__}, not a "
+                            "tensor, tuple or dict of tensors; give the cell a collate_fn that makes one")
+    else:
+        inputs_var = inputs_var or _find_inputs(bound)
+        example_inputs = _require(ns, inputs_var, object, "--inputs", "example inputs")
 
-    return CellResult(ModelSource(code, model_var, inputs_var, loss_fn, make_batch), model, example_inputs, ns,
-                      bound, included)
+    return CellResult(ModelSource(code, model_var, inputs_var, loss_fn, make_batch, dataset, collate_fn), model,
+                      example_inputs, ns, bound, included)
 
 
 def parse_fix(text: str | None) -> dict[str, Any]:
@@ -160,6 +174,18 @@ def _find_model(bound: dict[str, Any]) -> str:
                         "`model = MyModel()` (or name the variable with --model NAME)")
     raise CellError(f"the cell binds several models ({', '.join(top)}); name the one to plan with --model NAME "
                     f"or call it `model`")
+
+
+def _find_dataset(bound: dict[str, Any]) -> str | None:
+    """The ``torch.utils.data.Dataset`` the cell binds: ``dataset``, else the only one; None when there is none."""
+    from torch.utils.data import Dataset
+
+    found = sorted(k for k, v in bound.items() if isinstance(v, Dataset) and not k.startswith("_"))
+    if "dataset" in found or not found:
+        return "dataset" if found else None
+    if len(found) > 1:
+        raise CellError(f"the cell binds several datasets ({', '.join(found)}); call the one to train on `dataset`")
+    return found[0]
 
 
 def _is_inputs(v: Any) -> bool:

@@ -6,7 +6,12 @@ Cell convention (documented in the README): the code binds
 * ``model`` — an ``nn.Module`` (another name with ``--model``),
 * ``example_inputs`` — a tensor, a tuple of positional tensors or a dict of keyword tensors (``--inputs``),
 * optionally ``loss_fn(model, batch) -> scalar tensor``, where ``batch`` has the structure of ``example_inputs``,
-* optionally ``make_batch(step, rank) -> batch``, the data for a given step on a given data-parallel rank.
+* optionally ``make_batch(step, rank) -> batch``, the data for a given step on a given data-parallel rank,
+* optionally ``dataset`` — a map-style or iterable ``torch.utils.data.Dataset`` whose samples, batched by
+  ``collate_fn`` (optional too, torch's default otherwise), are batches with the structure of ``example_inputs``.
+  Training then reads it with a ``DataLoader`` over the data-parallel ranks (``runtime.data.DataStream``) unless the
+  cell also defines ``make_batch``; ``example_inputs`` may then be left out: the first
+  :data:`EXAMPLE_SAMPLES` samples, collated, are the example.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ import linecache
 from dataclasses import dataclass
 from typing import Any
 
+EXAMPLE_SAMPLES = 8
+"""samples of the dataset collated into the example inputs when the cell binds a dataset but no example inputs"""
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -22,11 +30,16 @@ class ModelSource:
 
     code: str
     model_var: str = "model"
-    inputs_var: str = "example_inputs"
+    inputs_var: str | None = "example_inputs"
+    """None: the example inputs are the dataset's first samples (``dataset_var`` is set)"""
     loss_fn_var: str | None = None
     """name of ``loss_fn(model, batch)`` when the code defines one"""
     make_batch_var: str | None = None
     """name of ``make_batch(step, rank)`` when the code defines one"""
+    dataset_var: str | None = None
+    """name of the ``torch.utils.data.Dataset`` the code binds, if any"""
+    collate_fn_var: str | None = None
+    """name of the dataset's ``collate_fn(samples) -> batch`` when the code defines one"""
     filename: str = "<autoparallel-cell>"
 
     def run(self, namespace: dict[str, Any] | None = None, *, device: Any = None, seed: int | None = 0
@@ -54,4 +67,14 @@ class ModelSource:
     def build(self, *, device: Any = None, seed: int | None = 0) -> tuple[Any, Any, dict[str, Any]]:
         """Run the code and return ``(model, example_inputs, namespace)``."""
         ns = self.run(device=device, seed=seed)
-        return ns[self.model_var], ns[self.inputs_var], ns
+        return ns[self.model_var], self.example_inputs(ns), ns
+
+    def example_inputs(self, ns: dict[str, Any]) -> Any:
+        """The example inputs in the namespace ``ns`` the code made: its ``inputs_var``, else the dataset's first
+        :data:`EXAMPLE_SAMPLES` samples collated."""
+        if self.inputs_var is not None:
+            return ns[self.inputs_var]
+        from .runtime.data import first_batch
+
+        collate = ns[self.collate_fn_var] if self.collate_fn_var else None
+        return first_batch(ns[self.dataset_var], batch_size=EXAMPLE_SAMPLES, collate_fn=collate)

@@ -246,7 +246,7 @@ def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0, val
     """The single-process run, with the script's data, loss, learning-rate schedule and clipping: losses, gradients
     and parameters at each step (see the module docstring)."""
     from .runtime.amp import exact_fp32, grad_scaler, step_context
-    from .runtime.data import concat_batches, default_loss, split_batch, synthetic_batch, to_device
+    from .runtime.data import DataStream, concat_batches, default_loss, split_batch, synthetic_batch, to_device
     from .runtime.mesh import device_type
     from .runtime.optim import build_optimizer, clip_grad_norm, lr_factor
 
@@ -259,9 +259,16 @@ def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0, val
     dropout_off = switch_off_dropout(model)
     d = values.defaults
     loss_fn = ns[source.loss_fn_var] if source.loss_fn_var else functools.partial(default_loss, causal=d["causal"])
-    make_batch = ns[source.make_batch_var] if source.make_batch_var else functools.partial(
-        synthetic_batch, ns[source.inputs_var], batch_size=d["batch_size"], int_high=d["int_high"])
     o, p, dp, M = plan.optimizer, plan.precision, plan.mesh.dp, plan.batch.micro_batches
+    if source.make_batch_var:
+        make_batch = ns[source.make_batch_var]
+    elif values.dataset:  # each data-parallel rank's stream, as the script reads it (in this process)
+        streams = [DataStream(ns[source.dataset_var], batch_size=d["batch_size"], dp=dp, dp_rank=r, seed=seed,
+                              collate_fn=ns[source.collate_fn_var] if values.collate_fn else None) for r in range(dp)]
+        make_batch = lambda step, r: streams[r](step, r)
+    else:
+        make_batch = functools.partial(synthetic_batch, ns[source.inputs_var], batch_size=d["batch_size"],
+                                       int_high=d["int_high"])
     optimizer = build_optimizer(list(model.parameters()), o.name, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas)
     scaler = grad_scaler(device, init_scale=p.init_loss_scale, dynamic=p.dynamic_loss_scale,
                          growth_interval=p.growth_interval, sharded=False) if p.amp == "fp16" else None

@@ -122,7 +122,8 @@ def test_32_layer_llama_script_stays_short(tmp_path):
         lengths[layers] = len(render_script(src, plan).splitlines())
     print(lengths)
     assert lengths[32] == lengths[2]  # nothing is unrolled per layer
-    assert lengths[32] <= 750  # ~500 of them the runtime it carries (loop, DCP, metrics, clipping, styles, ...)
+    assert lengths[32] <= 760  # ~500 of them the runtime it carries (loop, DCP + data position, metrics, data-wait
+    # verdict, clipping, styles, ...)
 
 
 HOSTILE = [

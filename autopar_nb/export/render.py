@@ -23,6 +23,11 @@ SCRIPT_NAMES = ("parallelize", "parse_args", "main", "RSS_BEFORE_MODEL")
 """names the template itself defines"""
 PRELUDE = ("process_rss",)
 """runtime functions the script calls before the cell"""
+DATA_FLAGS = '''
+    p.add_argument("--num-workers", type=int, default=default_num_workers(), help="DataLoader worker processes per "
+                   "rank (default: the cores each rank has beyond its own, at most 4)")
+    p.add_argument("--prefetch-factor", type=int, default=2, help="batches each DataLoader worker loads ahead")'''
+"""``parse_args``'s flags for a script that reads the cell's dataset"""
 TEMPLATE_IMPORTS = {("argparse", None, None), ("gc", None, None), ("traceback", None, None),
                     ("torch", None, None), ("torch.distributed", None, "dist"),
                     ("torch.distributed.elastic.multiprocessing.errors", "record", None)}
@@ -106,7 +111,12 @@ def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]
           f"LR_SCHEDULE = {_one_line(o.lr_schedule)}  # cosine decay or constant after warm-up",
           f"MIN_LR_RATIO = {float(o.min_lr_ratio)!r}  # the cosine's end, relative to LR",
           f"GRAD_CLIP = {float(o.grad_clip)!r}  # max global gradient norm; 0: no clipping"]
-    if v.defaults:
+    if v.defaults and v.dataset:
+        s.append(f"BATCH_SIZE = {v.defaults['batch_size']!r}  # the dataset's samples per data-parallel rank and step")
+        if v.default_loss:
+            s.append(f"CAUSAL = {v.defaults['causal']!r}  # the default loss predicts the next token (False: the "
+                     "same one)")
+    elif v.defaults:
         s += [f"BATCH_SIZE = {v.defaults['batch_size']!r}  # samples per data-parallel rank and step (synthetic data)",
               f"INT_HIGH = {v.defaults['int_high']!r}  # synthetic ids are drawn from [0, INT_HIGH): the smallest "
               "embedding table",
@@ -235,6 +245,13 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
     mv, ind = source.model_var, 8
     if source.make_batch_var:
         batches = source.make_batch_var
+    elif v.dataset:  # a DataLoader over the data-parallel ranks: see runtime/data.py DataStream
+        batches = call("DataStream", source.dataset_var, batch_size="BATCH_SIZE", dp="mesh[\"dp\"].size()",
+                       dp_rank="dp_rank", **({"collate_fn": source.collate_fn_var} if v.collate_fn else {}),
+                       seed="SEED", num_workers="args.num_workers", pin_memory="device == \"cuda\"",
+                       prefetch_factor="args.prefetch_factor", indent=len("make_batch_fn = "),
+                       width=120 - ind - 4 * (v.pp > 1))  # under an ``if`` with pipelining
+        uses += ["DataStream", "default_num_workers"]
     else:
         batches = call("functools.partial", "synthetic_batch", source.inputs_var, batch_size="BATCH_SIZE",
                        int_high="INT_HIGH", indent=len("make_batch_fn = "), width=120 - ind)
@@ -244,7 +261,9 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
     else:
         loss = "functools.partial(default_loss, causal=CAUSAL)"
         uses.append("default_loss")
-    lines = [f"make_batch_fn = {batches}", f"loss = {loss}", "dp_rank = mesh[\"dp\"].get_local_rank()"]
+    lines = ["dp_rank = mesh[\"dp\"].get_local_rank()", f"loss = {loss}"]
+    if not (v.dataset and v.pp > 1):  # else after the stage ids
+        lines.append(f"make_batch_fn = {batches}")
     if v.meta_init:
         lines += [f"skeleton = copy.deepcopy({mv})  # unsharded, on meta: the initialisation below reads it",
                   f"net = {mv}"]
@@ -264,10 +283,21 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
     if v.pp > 1:
         uses += ["stage_ids", "split_batch", "to_device", "model_call", "build_stage", "StageLoss", "build_schedule",
                  "pipeline_step"]
-        lines += ["ids = stage_ids(mesh[\"pp\"].get_local_rank(), PP, NUM_STAGES, SCHEDULE)  # the stages held here",
-                  "example = model_call(loss, split_batch(to_device(make_batch_fn(0, dp_rank), device), "
-                  "MICRO_BATCHES)[0])",
-                  "parts, shapes = parallelize(net, mesh, device, ids, example)"]
+        lines.append("ids = stage_ids(mesh[\"pp\"].get_local_rank(), PP, NUM_STAGES, SCHEDULE)  # the stages held here")
+        if v.dataset:  # only the first stage (inputs) and the last (targets) read samples
+            first = call("first_batch", source.dataset_var, batch_size="BATCH_SIZE",
+                         **({"collate_fn": source.collate_fn_var} if v.collate_fn else {}))
+            lines += ["make_batch_fn = None  # a stage between the first and the last reads no data",
+                      "if 0 in ids or NUM_STAGES - 1 in ids:  # the first stage takes the inputs, the last the targets",
+                      "    make_batch_fn = " + batches.replace("\n", "\n    "),
+                      "# every stage traces its part of the model on the dataset's first samples",
+                      f"first = {first}",
+                      "example = model_call(loss, split_batch(to_device(first, device), MICRO_BATCHES)[0])"]
+            uses.append("first_batch")
+        else:
+            lines.append("example = model_call(loss, split_batch(to_device(make_batch_fn(0, dp_rank), device), "
+                         "MICRO_BATCHES)[0])")
+        lines.append("parts, shapes = parallelize(net, mesh, device, ids, example)")
     else:
         lines.append("parts = parallelize(net, mesh, device)")
     if v.meta_init:
@@ -336,7 +366,7 @@ def render_script(source: ModelSource, plan: Plan, v: ScriptValues, *, script_na
         launch=launch,
         imports="\n\n".join(kit.import_lines(imports, setting_imports)),
         settings="\n".join(setting_lines), prelude=prelude.source(), cell=_cell(source, v), kit=assembly.source(),
-        parallelize=par, steps=int(steps), main=body)
+        parallelize=par, steps=int(steps), main=body, data_flags=DATA_FLAGS if v.dataset else "")
 
 
 def _cell(source: ModelSource, v: ScriptValues) -> str:

@@ -64,6 +64,12 @@ class ScriptValues:
     reduce_dtype: str = "float32"
     defaults: dict[str, Any] = field(default_factory=dict)
     """synthetic data and the default loss, when the cell defines none: batch_size, int_high, causal"""
+    dataset: bool = False
+    """batches come from the cell's dataset (a DataLoader over the data-parallel ranks; not when it has make_batch)"""
+    collate_fn: bool = False
+    """the cell defines the dataset's collate_fn"""
+    default_loss: bool = True
+    """the cell defines no loss_fn: the script uses runtime.data.default_loss"""
     tokens: bool = False
     """the inputs are token ids (throughput in tokens/s)"""
     model_class: str = ""
@@ -99,6 +105,12 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
     v.meta_init = num_params > META_INIT_PARAMS if meta_init is None else meta_init
     first = first_tensor(inputs)
     v.tokens = first.dim() == 2 and not first.is_floating_point()
+    v.dataset = source.dataset_var is not None and source.make_batch_var is None
+    v.collate_fn = v.dataset and source.collate_fn_var is not None
+    v.default_loss = source.loss_fn_var is None
+    if v.dataset and plan.batch.global_batch > 1 and plan.batch.global_batch % m.dp:
+        raise PlanError(f"batch.global_batch({plan.batch.global_batch}) must be a multiple of the data-parallel ranks "
+                        f"(mesh.dp={m.dp}): each reads the same number of the dataset's samples per step")
     if source.loss_fn_var is None or source.make_batch_var is None:
         v.defaults = {"batch_size": default_batch_size(inputs, dp=m.dp, global_batch=plan.batch.global_batch),
                       "int_high": smallest_table(model), "causal": is_causal_lm(model)}

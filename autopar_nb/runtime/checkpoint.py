@@ -38,10 +38,12 @@ def _states(model, optimizer):
     return get_state_dict(model, optimizer, options=FLAT)
 
 
-def save_checkpoint(path: str, model, optimizer, step: int) -> None:
-    """Write ``model`` (a module, or a ModuleList of this rank's pipeline stages), ``optimizer`` and ``step``."""
+def save_checkpoint(path: str, model, optimizer, step: int, *, data=None) -> None:
+    """Write ``model`` (a module, or a ModuleList of this rank's pipeline stages), ``optimizer``, ``step`` and the
+    ``data`` stream's position (a run that reads a dataset)."""
     model_sd, optim_sd = _states(model, optimizer)
     state = {"model": model_sd, "step": step} | ({"optim": optim_sd} if optim_sd is not None else {})
+    state |= {"data": data.state_dict()} if data is not None else {}
     dcp.save(dcp_layout(state), checkpoint_id=path)
     if optim_sd is None:
         torch.save(optimizer.optim.state_dict(), os.path.join(path, f"zero1_rank{dist.get_rank()}.pt"))
@@ -50,13 +52,18 @@ def save_checkpoint(path: str, model, optimizer, step: int) -> None:
         open(os.path.join(path, "COMPLETE"), "w").close()
 
 
-def load_checkpoint(path: str, model, optimizer) -> int:
-    """Read a checkpoint written by :func:`save_checkpoint` into ``model`` and ``optimizer``; returns its step."""
+def load_checkpoint(path: str, model, optimizer, *, data=None) -> int:
+    """Read a checkpoint written by :func:`save_checkpoint` into ``model``, ``optimizer`` and the ``data`` stream
+    (without a saved position, the stream counts from the step); returns its step."""
     model_sd, optim_sd = _states(model, optimizer)
     like = {"model": model_sd, "step": 0} | ({"optim": optim_sd} if optim_sd is not None else {})
+    if data is not None and "data.step" in dcp.FileSystemReader(path).read_metadata().state_dict_metadata:
+        like["data"] = data.state_dict()
     state = dcp_layout(like)
     dcp.load(state, checkpoint_id=path)
     state = restore_layout(state, like)
+    if "data" in state:
+        data.load_state_dict(state["data"])
     if optim_sd is None:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
         optimizer.optim.load_state_dict(torch.load(os.path.join(path, f"zero1_rank{dist.get_rank()}.pt")))

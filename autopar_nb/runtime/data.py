@@ -1,5 +1,10 @@
-"""Batches and the loss: synthetic data and a default loss when the cell defines none, and the pieces of a step that
-depend on a batch's structure.
+"""Batches and the loss: the cell's dataset read by a DataLoader, synthetic data and a default loss when the cell
+defines none, and the pieces of a step that depend on a batch's structure.
+
+A cell's ``dataset`` (map-style or iterable) is read by :class:`DataStream`: a ``DataLoader`` over a
+:class:`DataSampler` (torch's ``DistributedSampler`` of the data-parallel ranks only: TP and pipeline ranks of one
+replica read the same samples), one permutation per epoch, and a position (epoch, samples of it consumed) that
+checkpoints keep, so a resumed run reads the next unseen sample, at the same or another data-parallel degree.
 
 Conventions for a cell's own ``loss_fn(model, batch)`` and ``make_batch(step, rank)``:
 
@@ -13,9 +18,14 @@ Conventions for a cell's own ``loss_fn(model, batch)`` and ``make_batch(step, ra
 
 from __future__ import annotations
 
+import os
+from itertools import islice
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, IterableDataset, default_collate
+from torch.utils.data.distributed import DistributedSampler
 
 
 def tree_map(fn, batch):
@@ -131,3 +141,139 @@ def model_call(loss_fn, batch) -> tuple[tuple, dict]:
         return call.args[0], call.args[1]
     raise ValueError("loss_fn(model, batch) never called model(...); pipelining needs loss_fn to call the model once")
 
+
+
+def first_batch(dataset, *, batch_size: int, collate_fn=None):
+    """The dataset's first ``batch_size`` samples, collated (``collate_fn``, else torch's default): a batch with the
+    shapes of every step's (the pipeline traces its stages on it)."""
+    samples = list(islice(iter(dataset), batch_size)) if isinstance(dataset, IterableDataset) else [
+        dataset[i] for i in range(min(batch_size, len(dataset)))]
+    return (collate_fn or default_collate)(samples)
+
+
+class DataSampler(DistributedSampler):
+    """torch's ``DistributedSampler`` over ``num_replicas`` data-parallel ranks, resumable in the middle of an epoch.
+
+    Each epoch draws one order of the dataset (``randperm`` seeded ``seed + epoch``, as ``DistributedSampler``
+    does); ``start`` samples of it were consumed already (by every rank together: a checkpoint's position). The rest
+    is dealt round-robin, rank ``r`` taking positions ``start + r``, ``start + r + num_replicas``, ..., whole global
+    batches only (``batch_size`` per rank): one step of the ranks together reads a contiguous block of the order,
+    whatever ``num_replicas`` is, so a run resumed with another data-parallel degree neither repeats nor skips."""
+
+    def __init__(self, dataset, *, num_replicas: int, rank: int, batch_size: int, shuffle: bool = True,
+                 seed: int = 0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
+        self.batch_size = batch_size
+        self.start = 0
+
+    def order(self) -> list[int]:
+        """The epoch's order of sample indices."""
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.dataset), generator=g).tolist()
+
+    def __iter__(self):
+        per_step = self.batch_size * self.num_replicas
+        end = self.start + (len(self.dataset) - self.start) // per_step * per_step
+        return iter(self.order()[self.start + self.rank:end:self.num_replicas])
+
+    def __len__(self) -> int:
+        return (len(self.dataset) - self.start) // (self.batch_size * self.num_replicas) * self.batch_size
+
+
+class IterableShard(IterableDataset):
+    """An iterable dataset's share for one data-parallel rank: the stream (``set_epoch`` called when the dataset has
+    it) read in global batches of ``batch_size * num_replicas`` samples, rank ``r`` keeping samples ``r``,
+    ``r + num_replicas``, ... of each (the layout :class:`DataSampler` gives), the first ``start`` samples skipped
+    (read and dropped: a stream cannot seek) and a last incomplete global batch dropped."""
+
+    def __init__(self, dataset, *, num_replicas: int, rank: int, batch_size: int):
+        self.dataset, self.num_replicas, self.rank, self.batch_size = dataset, num_replicas, rank, batch_size
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(self.epoch)
+        items, per_step = islice(iter(self.dataset), self.start, None), self.batch_size * self.num_replicas
+        while len(chunk := list(islice(items, per_step))) == per_step:
+            yield from chunk[self.rank::self.num_replicas]
+
+
+def default_num_workers() -> int:
+    """DataLoader worker processes per rank: the cores this node gives each rank beyond its own, at most 4 (0: the
+    rank loads its batches itself)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(0, min(4, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1))
+
+
+class DataStream:
+    """This data-parallel rank's batches from the cell's ``dataset``, as ``make_batch(step, rank)``: a ``DataLoader``
+    of ``batch_size`` samples per step over a :class:`DataSampler` (map-style datasets) or an :class:`IterableShard`
+    (iterable ones; read by the rank itself: worker processes would each replay the stream), ``collate_fn`` the
+    cell's or torch's default; worker processes (``num_workers``) prefetch ``prefetch_factor`` batches each, into
+    pinned memory on GPUs (``pin_memory``).
+
+    Its position (``state_dict``: the epoch, the samples of it the data-parallel ranks consumed together, the next
+    step) goes into every checkpoint; a resumed run continues with the next unseen sample. Asking for the step just
+    handed out again returns the same batch (the pipeline traces its stages on step 0's)."""
+
+    def __init__(self, dataset, *, batch_size: int, dp: int, dp_rank: int, collate_fn=None, seed: int = 0,
+                 shuffle: bool = True, num_workers: int = 0, pin_memory: bool = False, prefetch_factor: int = 2):
+        iterable = isinstance(dataset, IterableDataset)
+        if not iterable and len(dataset) < batch_size * dp:
+            raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one step reads: batch_size("
+                             f"{batch_size}) x data-parallel ranks({dp}) = {batch_size * dp}")
+        self.global_batch = batch_size * dp
+        self.sampler = (IterableShard(dataset, num_replicas=dp, rank=dp_rank, batch_size=batch_size) if iterable else
+                        DataSampler(dataset, num_replicas=dp, rank=dp_rank, batch_size=batch_size, shuffle=shuffle,
+                                    seed=seed))
+        self.num_workers = 0 if iterable else num_workers
+        self.loader = DataLoader(self.sampler if iterable else dataset, batch_size=batch_size,
+                                 sampler=None if iterable else self.sampler, collate_fn=collate_fn, drop_last=True,
+                                 num_workers=self.num_workers, pin_memory=pin_memory,
+                                 persistent_workers=self.num_workers > 0,
+                                 prefetch_factor=prefetch_factor if self.num_workers > 0 else None)
+        self.epoch, self.consumed, self.next_step = 0, 0, 0
+        self.last: tuple = (None, None)  # (step, batch) handed out last
+        self.batches = None  # the loader's iterator over the current epoch
+
+    def __call__(self, step: int, rank: int):
+        if step == self.last[0]:
+            return self.last[1]
+        if step != self.next_step:  # a checkpoint without a data position (an older one): from the step count
+            self.load_state_dict({"epoch": 0, "consumed": 0, "step": 0}, skip_steps=step)
+        while True:
+            if self.batches is None:
+                self.sampler.set_epoch(self.epoch)
+                self.sampler.start = self.consumed
+                self.batches = iter(self.loader)
+            try:
+                batch = next(self.batches)
+                break
+            except StopIteration:
+                self.epoch, self.consumed, self.batches = self.epoch + 1, 0, None
+        self.consumed += self.global_batch
+        self.next_step, self.last = step + 1, (step, batch)
+        return batch
+
+    def state_dict(self) -> dict:
+        """The position: ``{"epoch", "consumed", "step"}`` (samples of the epoch read by all ranks; the next step)."""
+        return {"epoch": self.epoch, "consumed": self.consumed, "step": self.next_step}
+
+    def load_state_dict(self, state: dict, *, skip_steps: int = 0) -> None:
+        """Continue from ``state`` (:meth:`state_dict`'s), ``skip_steps`` global batches further."""
+        epoch, consumed = int(state["epoch"]), int(state["consumed"]) + skip_steps * self.global_batch
+        size = None if isinstance(self.sampler, IterableShard) else len(self.sampler.dataset)
+        per_epoch = size // self.global_batch * self.global_batch if size else None
+        while per_epoch and consumed >= per_epoch and skip_steps:  # whole epochs skipped
+            epoch, consumed = epoch + 1, consumed - per_epoch
+        self.epoch, self.consumed, self.next_step = epoch, consumed, int(state["step"]) + skip_steps
+        self.last, self.batches = (None, None), None

@@ -162,8 +162,9 @@ class StageLoss:
 def pipeline_step(schedule, stage_loss: StageLoss, batch, *, micro_batches: int, has_first: bool, has_last: bool,
                   context, device: str) -> torch.Tensor:
     """Forward and backward of one batch through the pipeline schedule; returns the mean micro-batch loss on the
-    last stage (0 elsewhere). ``context()``: what the stages run under (autocast)."""
-    stage_loss.micro = split_batch(batch, micro_batches)
+    last stage (0 elsewhere). ``context()``: what the stages run under (autocast). ``batch`` is None on a rank that
+    holds neither the first nor the last stage: it reads no data."""
+    stage_loss.micro = split_batch(batch, micro_batches) if batch is not None else []
     args, kwargs = model_call(stage_loss.loss_fn, batch) if has_first else ((), {})
     target = torch.arange(micro_batches) if has_last else None
     losses: list = []

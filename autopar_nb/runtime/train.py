@@ -58,19 +58,21 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
     step ``args.stop_at`` when given: the learning-rate schedule still spans ``args.steps``).
 
     ``forward_backward(batch)`` returns this rank's loss with gradients accumulated; ``make_batch(step, dp_rank)``
-    this data-parallel rank's share of the global batch. ``tied``: parameters tied across pipeline stages
-    (:class:`TiedGradients`). ``observer`` (verify's): ``after_backward(step, parts, loss)`` and ``after_step(step,
-    parts)``, called on every rank."""
+    this data-parallel rank's share (None: a middle pipeline stage reads none; a ``DataStream`` is checkpointed).
+    ``tied``: parameters tied across pipeline stages (:class:`TiedGradients`). ``observer`` (verify's):
+    ``after_backward(step, parts, loss)`` and ``after_step(step, parts)``, called on every rank."""
     ckpt_model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)
+    data = make_batch if hasattr(make_batch, "state_dict") else None  # a dataset's stream: its position is saved
     start = 0
     if latest_checkpoint(args.ckpt_dir):
-        start = load_checkpoint(latest_checkpoint(args.ckpt_dir), ckpt_model, optimizer)
+        start = load_checkpoint(latest_checkpoint(args.ckpt_dir), ckpt_model, optimizer, data=data)
         if dist.get_rank() == 0:
             print(f"resumed from {latest_checkpoint(args.ckpt_dir)} at step {start}")
     params = [p for part in parts for p in part.parameters()]
+    waited = busy = 0.0  # seconds waiting for batches, and in all, over the steps after this run's first
     for step in range(start, min(args.steps, args.stop_at or args.steps)):
         t0 = time.perf_counter()
-        batch = to_device(make_batch(step, dp_rank), device)  # this data-parallel rank's share
+        batch = None if make_batch is None else to_device(make_batch(step, dp_rank), device)  # this rank's share
         data_wait = time.perf_counter() - t0
         for group in optimizer.param_groups:
             group["lr"] = args.lr * lr_factor(step, warmup=args.warmup, total=args.steps, schedule=args.lr_schedule,
@@ -92,10 +94,12 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
         optimizer.zero_grad()
         if observer is not None:
             observer.after_step(step, parts)
-        report(step, loss, time.perf_counter() - t0, batch, metrics=metrics, device=device, dp=dp, tokens=tokens,
-               data_wait=data_wait)
+        dt = time.perf_counter() - t0
+        waited, busy = (waited + data_wait, busy + dt) if step > start else (0.0, 0.0)  # the first starts the loader
+        report(step, loss, dt, batch, metrics=metrics, device=device, dp=dp, tokens=tokens, data_wait=data_wait)
         if args.ckpt_dir and (step + 1) % args.ckpt_every == 0:
-            save_checkpoint(f"{args.ckpt_dir}/step_{step + 1}", ckpt_model, optimizer, step + 1)
+            save_checkpoint(f"{args.ckpt_dir}/step_{step + 1}", ckpt_model, optimizer, step + 1, data=data)
+    data_summary(waited, busy, loader=data is not None, metrics=metrics)
 
 
 def report(step: int, loss: float, dt: float, batch, *, metrics, device: str, dp: int, tokens: bool,
@@ -103,10 +107,28 @@ def report(step: int, loss: float, dt: float, batch, *, metrics, device: str, dp
     """Print the step on rank 0 and stream it to the launcher (loss, time, throughput, data wait, memory)."""
     if dist.get_rank() == 0:
         print(f"step {step} | loss {loss:.4f} | {dt * 1e3:.1f} ms", flush=True)
-    first = first_tensor(batch)
-    n = (first.numel() if tokens else first.shape[0]) * dp  # tokens (or samples) in the global batch
-    metrics.send({"step": step, "loss": loss, "step_time_s": dt, ("tokens_per_s" if tokens else "samples_per_s"):
-                  n / dt, "data_wait_s": data_wait, **memory_stats(device)})
+    first, rate = first_tensor(batch), {}  # no batch: a pipeline stage between the first and the last
+    if first is not None:
+        rate[("tokens_per_s" if tokens else "samples_per_s")] = (first.numel() if tokens else first.shape[0]) * dp / dt
+    metrics.send({"step": step, "loss": loss, "step_time_s": dt, **rate, "data_wait_s": data_wait,
+                  **memory_stats(device)})
+
+
+DATA_BOUND = 0.1  # the share of step time waiting for batches above which data loading is the bottleneck (§5.1)
+
+
+def data_summary(waited: float, busy: float, *, loader: bool, metrics) -> None:
+    """Say whether data loading held training back: the largest share of step time (``busy`` s) a rank waited for
+    batches (``waited`` s), above DATA_BOUND with remedies. Collective: every rank calls it."""
+    dist.all_reduce(share := torch.tensor([waited / busy if busy else 0.0]), op=dist.ReduceOp.MAX)
+    share = share.item()  # the slowest rank's: the others wait for its batch at the step's collectives
+    fix = ("more DataLoader workers (--num-workers), a deeper --prefetch-factor, pinned memory (GPUs), samples "
+           "tokenised ahead of time" if loader else "a faster make_batch (precompute, or a dataset with workers)")
+    text = (f"data loading is the bottleneck: a rank waited {share:.0%} of its step time for batches; try {fix}"
+            if share > DATA_BOUND else f"data wait: {share:.1%} of step time on the slowest rank (not the bottleneck)")
+    if dist.get_rank() == 0 and busy:
+        print(text, flush=True)
+    metrics.send({"event": "data", "data_wait_share": share, "bottleneck": share > DATA_BOUND, "message": text})
 
 
 def print_parameter_counts(parts: list) -> None:
