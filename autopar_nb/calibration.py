@@ -14,6 +14,11 @@ repeated calibrations converge instead of compounding errors):
   throughput, compute and communication alike (a single run cannot tell them apart). Clamped to [1e-4, 4] (above 1
   only where the device's peak is an estimate, as for the ``cpu`` preset).
 * ``op_overhead_s``: multiplied by ``r``.
+* ``compile_memory_bound`` (the share of a compiled block's memory-bound time that Inductor leaves): a run of a
+  plan with compiled layers, on a preset an eager run has calibrated before, changes this factor alone —
+  multiplied by ``r``, clamped to [0.05, 1.5] — since the eager factors already account for the rest of the step
+  (repeated compiled runs converge: the factor stops moving when ``r`` = 1). A compiled run on a preset without an
+  eager calibration makes the uniform correction above instead and leaves it alone.
 * ``margin_fraction``: only from CUDA runs (``mem_peak`` reported): the allocator margin that makes the predicted
   peak equal the measured one: ``(measured - (total - margin) - margin_fixed_bytes) / (total - margin)``, >= 0.
   CPU runs report RSS, which includes the Python and torch runtime, so they leave memory factors alone.
@@ -35,6 +40,9 @@ SPEED_KEYS = ("eff_matmul", "eff_conv", "eff_attention", "eff_fp32_matmul", "eff
 """efficiencies divided by measured/predicted step time"""
 OVERHEAD_KEYS = ("op_overhead_s",)
 """per-op constants multiplied by measured/predicted step time"""
+COMPILE_KEYS = ("compile_memory_bound",)
+"""set by compiled runs once an eager run has calibrated the preset"""
+COMPILE_RANGE = (0.05, 1.5)
 MEMORY_KEYS = ("margin_fraction",)
 """set from measured CUDA peak memory"""
 EFF_RANGE = (1e-4, 4.0)
@@ -127,18 +135,25 @@ def _current_factors(cluster: Any) -> dict[str, float]:
         return {**dataclasses.asdict(DEFAULT), **(getattr(cluster, "calibration", None) or {})}
 
 
-def factors_from(measured: dict, *, current: dict[str, float]) -> tuple[dict[str, float], dict]:
+def factors_from(measured: dict, *, current: dict[str, float], compiled: bool = False,
+                 eager_calibrated: bool = False) -> tuple[dict[str, float], dict]:
     """Cost-model factors that make the prediction match ``measured`` (a ``Run.summary()``), starting from the
-    ``current`` factors the prediction was made with. Returns (factors, record of the figures used)."""
+    ``current`` factors the prediction was made with. ``compiled``: the run's plan compiles layers;
+    ``eager_calibrated``: an eager run calibrated this preset before (then only ``compile_memory_bound`` moves).
+    Returns (factors, record of the figures used)."""
     t_meas, t_pred = measured.get("step_time_s"), measured.get("predicted_step_time_s")
     if not t_meas or not t_pred:
         raise ValueError("calibration needs a measured step time and a predicted one: launch with plan=<a Plan with "
                          "a cost> and let at least one step finish")
     r = t_meas / t_pred
-    lo, hi = EFF_RANGE
-    out = {k: min(hi, max(lo, current[k] / r)) for k in SPEED_KEYS if k in current}
-    out.update({k: current[k] * r for k in OVERHEAD_KEYS if k in current})
-    record: dict[str, Any] = {"measured_step_time_s": t_meas, "predicted_step_time_s": t_pred, "ratio": r}
+    lo, hi = COMPILE_RANGE if compiled and eager_calibrated else EFF_RANGE
+    if compiled and eager_calibrated:
+        out = {k: min(hi, max(lo, current[k] * r)) for k in COMPILE_KEYS if k in current}
+    else:
+        out = {k: min(hi, max(lo, current[k] / r)) for k in SPEED_KEYS if k in current}
+        out.update({k: current[k] * r for k in OVERHEAD_KEYS if k in current})
+    record: dict[str, Any] = {"measured_step_time_s": t_meas, "predicted_step_time_s": t_pred, "ratio": r,
+                              "compiled": compiled}
     if measured.get("memory_kind") == "cuda_peak" and measured.get("predicted_memory_by_rank"):
         pred = measured["predicted_memory_by_rank"]
         breakdown = measured.get("predicted_breakdown_by_rank") or {}
@@ -168,7 +183,10 @@ def from_run(run: Any, *, cluster: Any = None, preset: str | None = None, save: 
     # the factors the prediction was made with: the cluster's, or (no cluster given) the defaults with what is
     # stored for the preset, which is what a plan made on apply(cluster) used
     current = _current_factors(cluster) if cluster is not None else {**_current_factors(None), **load(name)}
-    factors, record = factors_from(measured, current=current)
+    compiled = any(getattr(lp, "compile", False) for lp in getattr(run.plan, "layers", None) or [])
+    history = _read()["presets"].get(name, {}).get("history", [])
+    factors, record = factors_from(measured, current=current, compiled=compiled,
+                                   eager_calibrated=any(not h.get("compiled", False) for h in history))
     if save:
         data = _read()
         entry = data["presets"].setdefault(name, {"factors": {}, "history": []})

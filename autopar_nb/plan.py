@@ -17,7 +17,7 @@ JSON schema (``SCHEMA_VERSION`` = 1)::
       "optimizer": {"name": "adam"|"adamw"|"sgd", "lr": float, "weight_decay": float, "betas": [float, float]},
       "layers":    [{"path": str, "stage": int, "tp": {module_path: style},
                      "tp_parts": {module_path: [int, ...]}, "sequence_parallel": bool, "fsdp": bool,
-                     "recompute": "none"|"selective"|"full", "pinned": [field, ...]}, ...],
+                     "recompute": "none"|"selective"|"full", "compile": bool, "pinned": [field, ...]}, ...],
       "sync_batchnorm": bool,
       "loss_parallel": bool,
       "experts":   [module_path_pattern, ...],   # expert modules ("model.layers.*.mlp.experts")
@@ -57,12 +57,14 @@ ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
             "complex128": 16}
 """bytes per element by torch dtype name (``str(dtype).removeprefix("torch.")``)"""
 FIX_KEYS = ("dp", "tp", "pp", "ep", "zero_stage", "micro_batches", "schedule", "virtual_stages", "recompute", "amp",
+            "compile",
             "sequence_parallel", "optimizer")
 """global choices a user can pin (``--fix``, ``plan(fix=...)``, ``Session.replan(fix=...)``)"""
 FIX_ALIASES = {"zero": "zero_stage", "mb": "micro_batches", "micro": "micro_batches", "sp": "sequence_parallel"}
 """short names accepted for FIX_KEYS"""
 FIX_CHOICES: dict[str, tuple] = {"zero_stage": ZERO_STAGES, "schedule": SCHEDULES, "recompute": RECOMPUTE,
-                                 "amp": AMP, "sequence_parallel": (False, True), "optimizer": OPTIMIZERS}
+                                 "amp": AMP, "sequence_parallel": (False, True), "optimizer": OPTIMIZERS,
+                                 "compile": (False, True)}
 """the allowed values of the FIX_KEYS that are choices; the others (dp, tp, pp, ep, micro_batches, virtual_stages)
 are positive integers"""
 
@@ -319,6 +321,10 @@ class LayerPlan:
     """wrap this layer as its own FSDP unit (when mesh.zero_stage >= 2); False folds it into the root unit"""
     recompute: str = "none"
     """none | selective (recompute cheap ops, keep matmul outputs) | full (keep only the layer input)"""
+    compile: bool = False
+    """compile this layer with ``torch.compile`` (Inductor), on its own as torchtitan's ``apply_compile`` does each
+    repeated block: its pointwise ops, norms and softmax fused into fewer kernels. Only with mesh.pp == 1 (pipeline
+    stages are traced graphs whose blocks are no longer modules that run)"""
     pinned: list[str] = field(default_factory=list)
     """the fields above that the user fixed with an override; the planner never changes them"""
 
@@ -347,6 +353,7 @@ class LayerPlan:
                 _check_int(f"{where}.tp_parts[{mod!r}][{i}]", n, minimum=1)
         _check_bool(f"{where}.sequence_parallel", self.sequence_parallel)
         _check_bool(f"{where}.fsdp", self.fsdp)
+        _check_bool(f"{where}.compile", self.compile)
         _check_choice(f"{where}.recompute", self.recompute, RECOMPUTE)
         _check_list(f"{where}.pinned", self.pinned, str)
         for name in self.pinned:
@@ -480,6 +487,11 @@ class Plan:
             if lp.stage >= stages:
                 raise PlanError(f"layer {lp.path!r} is on stage {lp.stage}, but the plan has {stages} stage(s) "
                                 f"(pp={self.mesh.pp} x virtual_stages={self.pipeline.virtual_stages})")
+        compiled = [lp.path for lp in self.layers if lp.compile]
+        if compiled and self.mesh.pp > 1:
+            raise PlanError(f"layers {', '.join(compiled[:3])}{', ...' if len(compiled) > 3 else ''} are compiled, but "
+                            f"mesh.pp={self.mesh.pp}: compile applies to whole blocks with pp=1 only (a pipeline stage "
+                            "is a traced graph); set their compile to false or pp to 1")
 
     def _check_info(self) -> None:
         """``model`` and ``cluster``: dicts of known keys with their types."""
@@ -624,6 +636,8 @@ class Plan:
             s += f" recompute={'/'.join(rec)}"
         if self.precision.amp != "none":
             s += f" amp={self.precision.amp}"
+        if any(lp.compile for lp in self.layers):
+            s += " compile"
         if self.cost is not None:
             s += f" | {self.cost.step_time_s * 1e3:.1f} ms/step, peak {self.cost.peak_memory_bytes / 2**30:.2f} GiB"
         return s

@@ -47,6 +47,8 @@ class LayerChoice:
     """apply the layer's TP styles (False: replicate it on every TP rank)"""
     recompute: str = "none"
     fsdp: bool = True
+    compile: bool = False
+    """run the layer under ``torch.compile`` (its memory-bound time scaled by ``Factors.compile_memory_bound``)"""
 
 
 @dataclass
@@ -165,9 +167,10 @@ class Evaluator:
         self._cache: dict[tuple, LayerTerms] = {}
 
     # ---- per layer ----------------------------------------------------------------------------------------------
-    def terms(self, i: int, *, tp: int, sp: bool, half: bool, mb_samples: float, ep: int = 1) -> LayerTerms:
+    def terms(self, i: int, *, tp: int, sp: bool, half: bool, mb_samples: float, ep: int = 1,
+              compiled: bool = False) -> LayerTerms:
         """Per-layer terms, cached by the layer's repeated-block representative."""
-        key = (self.prof.rep[i], tp, sp, half, mb_samples, ep)
+        key = (self.prof.rep[i], tp, sp, half, mb_samples, ep, compiled)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -175,7 +178,7 @@ class Evaluator:
         scale = mb_samples / self.prof.batch * self.seq_ratio
         qscale = mb_samples / self.prof.batch * self.seq_ratio ** 2
         fwd, bwd, sel = layer_compute_time(lp, tp=tp, sp=sp, half=half, scale=scale, quad_scale=qscale,
-                                           device=self.cluster.device, factors=self.f)
+                                           device=self.cluster.device, factors=self.f, compiled=compiled)
         act = {r: activation_bytes(lp, tp=tp, sp=sp, recompute=r, half=half, scale=scale, quad_scale=qscale,
                                    megatron_sp=self.megatron_sp) for r in RECOMPUTE}
         comm: dict[str, float] = {}
@@ -224,7 +227,7 @@ class Evaluator:
     def choice_terms(self, i: int, s: Setting, ch: LayerChoice) -> LayerTerms:
         """:meth:`terms` of layer ``i`` under the candidate's setting and the layer's choice (TP on or off)."""
         return self.terms(i, tp=s.tp if ch.tp else 1, sp=s.sp and ch.tp, half=s.amp != "none",
-                          mb_samples=s.mb_samples, ep=s.ep)
+                          mb_samples=s.mb_samples, ep=s.ep, compiled=ch.compile)
 
     # ---- a whole candidate --------------------------------------------------------------------------------------
     def runs(self, choices: list[LayerChoice]) -> list[tuple[int, int, LayerChoice]]:
@@ -233,7 +236,7 @@ class Evaluator:
         out: list[list] = []
         prev = None
         for i, ch in enumerate(choices):
-            key = (rep[i], ch.stage, ch.tp, ch.recompute, ch.fsdp)
+            key = (rep[i], ch.stage, ch.tp, ch.recompute, ch.fsdp, ch.compile)
             if key == prev:
                 out[-1][1] += 1
             else:
@@ -472,7 +475,8 @@ def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:
     sp = any(lp.sequence_parallel for lp in plan.layers)
     s = Setting(m.dp, m.tp, m.pp, m.zero_stage, plan.precision.amp, plan.batch.micro_batches, mb,
                 plan.pipeline.schedule, plan.pipeline.virtual_stages, sp, plan.optimizer.name, m.ep)
-    choices = [LayerChoice(lp.stage, on, lp.recompute, lp.fsdp) for lp, on in zip(plan.layers, tp_on, strict=True)]
+    choices = [LayerChoice(lp.stage, on, lp.recompute, lp.fsdp, lp.compile)
+               for lp, on in zip(plan.layers, tp_on, strict=True)]
     return s, choices
 
 

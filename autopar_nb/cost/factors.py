@@ -43,6 +43,11 @@ class Factors:
     """allocator fragmentation: fraction of the predicted bytes reserved on top (caching allocator, typical 3-10%)"""
     margin_fixed_bytes: float = 1.0 * 2**30
     """CUDA context, cuBLAS/NCCL workspaces, bytes (about 0.5-1.5 GiB per GPU process)"""
+    compile_memory_bound: float = 0.5
+    """a ``torch.compile``d block's memory-bound time (the bytes its pointwise ops, norms and softmax move, and its
+    per-op launch overhead) as a fraction of the eager block's: Inductor fuses chains of such ops into one kernel
+    that reads its inputs and writes its outputs once; matmuls and attention are unchanged (cuBLAS / SDPA either
+    way). A round guess, not a measurement: calibrated by a compiled run (``autopar_nb.calibration``)"""
     optimizer_bytes_per_param: float = 36.0
     """bytes moved per local parameter by a fused Adam step: read param, grad, m, v (fp32, 16) + write param, m,
     v (12) + bf16 param copy / grad scaling reads (~8)"""

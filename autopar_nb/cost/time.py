@@ -2,6 +2,8 @@
 
 Compute-bound ops (matmul, conv, attention) take FLOPs / (peak FLOP/s x efficiency of their class); every other op
 is memory-bound and takes bytes moved / (HBM bandwidth x efficiency); each non-view op adds a launch overhead.
+In a block compiled with ``torch.compile`` both of those memory-bound terms are scaled by the factor
+``compile_memory_bound`` (Inductor fuses them; matmuls keep their time).
 Backward moves about twice the bytes of forward. All factors come from :mod:`autopar_nb.cost.factors`.
 """
 
@@ -13,11 +15,12 @@ COMPUTE_CLASSES = ("matmul", "conv", "attention")
 
 
 def layer_compute_time(lp: LayerProfile, *, tp: int, sp: bool, half: bool, scale: float, quad_scale: float,
-                       device, factors) -> tuple[float, float, float]:
+                       device, factors, compiled: bool = False) -> tuple[float, float, float]:
     """(forward, backward, selective-recompute extra) seconds of one micro-batch through the layer on one rank.
 
     ``tp`` divides the ops inside TP regions (and the ops outside them under sequence parallel); ``scale`` and
-    ``quad_scale`` scale the captured batch's work to the micro-batch (linear and attention-score terms)."""
+    ``quad_scale`` scale the captured batch's work to the micro-batch (linear and attention-score terms);
+    ``compiled``: the layer runs under ``torch.compile``."""
     peak = device.flops("bfloat16" if half else "float32")
     fwd = bwd = 0.0
     for cls in COMPUTE_CLASSES:
@@ -29,6 +32,8 @@ def layer_compute_time(lp: LayerProfile, *, tp: int, sp: bool, half: bool, scale
     hbm = device.hbm_bandwidth * factors.eff_hbm
     mem = (lp.mem_split / tp + lp.mem_rep / (tp if sp else 1)) * scale * byte_scale / hbm
     overhead = lp.n_ops * factors.op_overhead_s
+    if compiled:
+        mem, overhead = mem * factors.compile_memory_bound, overhead * factors.compile_memory_bound
     fwd += mem + overhead
     # the dense Embedding gradient (fp32, like the weights) is the table's size whatever the batch: not scaled
     emb = (lp.emb_bwd_split / tp + lp.emb_bwd_rep) / hbm

@@ -125,6 +125,8 @@ def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]
         s.append(f"TIES = {literal(v.ties, width=40)}  # parameters the model shares (kept one parameter when sharded)")
     if v.recompute:
         s.append(f"RECOMPUTE = {literal(v.recompute, width=60)}  # plan.layers[*].recompute: \"*\" is every block")
+    if v.compile:
+        s.append(f"COMPILE = {literal(v.compile, width=60)}  # plan.layers[*].compile: torch.compile each, on its own")
     if v.fsdp or v.replicate:
         s.append(f"FSDP_UNITS = {literal(v.fsdp_units, width=60)}  # plan.layers[*].fsdp: a list is one unit")
     return s, imports
@@ -177,6 +179,11 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
         calls += [f"# {next(steps)}. activation checkpointing around whole layers, before FSDP so that FSDP's "
                   "all-gathers stay", "#    outside the recomputed region", "apply_ac(part, RECOMPUTE)"]
         uses.append("apply_ac")
+    if v.compile:
+        calls += [f"# {next(steps)}. torch.compile each block on its own (one graph reused by every block of the same "
+                  "shape), after", "#    AC so that the checkpointed region is what is compiled, before FSDP so "
+                  "that its hooks stay outside", "apply_compile(part, COMPILE)"]
+        uses.append("apply_compile")
     if v.fsdp:
         mixed = {"param_dtype": "PARAM_DTYPE", "reduce_dtype": "REDUCE_DTYPE"} if (
             v.param_dtype, v.reduce_dtype) != ("float32", "float32") else {}

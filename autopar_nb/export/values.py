@@ -55,6 +55,8 @@ class ScriptValues:
     """groups of parameter paths that are one parameter (an embedding tied to its output head)"""
     recompute: dict[str, str] = field(default_factory=dict)
     """pattern -> "full" | "selective\""""
+    compile: list[str] = field(default_factory=list)
+    """patterns of the layers compiled with torch.compile (plan.layers[*].compile), each module on its own"""
     fsdp_units: list[Any] = field(default_factory=list)
     """patterns (each match its own unit) or lists of paths (one unit together)"""
     sync_batchnorm: bool = False
@@ -137,6 +139,7 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
         if lp.recompute != "none":
             by_mode.setdefault(lp.recompute, []).append(lp.path)
     v.recompute = {pattern: mode for mode, paths in by_mode.items() for pattern in compress(model, paths)}
+    v.compile = compress(model, [lp.path for lp in plan.layers if lp.compile])
     if v.fsdp or v.replicate:
         v.fsdp_units = fsdp_units(model, plan, v.ties)
     return v

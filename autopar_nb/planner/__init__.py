@@ -25,7 +25,7 @@ from ..plan import (
     within,
 )
 from .constraints import Constraints, parse
-from .explain import explain, fmt_bytes
+from .explain import compile_lines, explain, fmt_bytes
 from .search import Candidate, Search, memory_limit
 
 __all__ = ["plan"]
@@ -82,6 +82,7 @@ def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None
     chosen = plans[0]
     chosen.alternatives = plans[1:]
     chosen.explanation = explain(chosen, best, ranked, faster, cons, cluster, prof)
+    chosen.explanation += compile_lines(best, ev, cons, [i for i, on in enumerate(search.compilable) if on])
     return chosen
 
 
@@ -142,7 +143,7 @@ def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch
                 tp.update(ov.tp_styles)
             tp = {m: st for m, st in tp.items() if st != "replicate" or (ov and m in ov.tp_styles)}
         layers.append(LayerPlan(lay.path, stage=ch.stage, tp=tp, tp_parts=tp_parts(prof.layers[i], tp, s.tp),
-                                sequence_parallel=sp, fsdp=ch.fsdp, recompute=ch.recompute,
+                                sequence_parallel=sp, fsdp=ch.fsdp, recompute=ch.recompute, compile=ch.compile,
                                 pinned=ov.pinned if ov else []))
     half = s.amp != "none"
     dtype = DTYPE_NAMES.get(s.amp, "float32")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from ..cost.tp_styles import LAYOUT_WORDS
@@ -91,6 +92,28 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
     for t in cons.text:
         lines.append(f"Override honoured: {t}.")
     return lines
+
+
+def compile_lines(best, ev, cons, compilable: list[int]) -> list[str]:
+    """Whether layers run under ``torch.compile`` and what the other choice is predicted to cost: the chosen
+    candidate costed again by ``ev`` with compile flipped on the ``compilable`` layers (its repeated blocks)."""
+    s, c = best.setting, best.cost
+    if not compilable:
+        return []
+    on = any(best.choices[i].compile for i in compilable)
+    if s.pp > 1 and not on:
+        return ["Not compiled: compile applies with pp=1 only (a pipeline stage is a traced graph)."]
+    flipped = [dataclasses.replace(ch, compile=not on) if i in compilable else ch for i, ch in enumerate(best.choices)]
+    other = ev.evaluate(s, flipped)
+    gain = (other.step_time_s - c.step_time_s) if on else (c.step_time_s - other.step_time_s)
+    factor = f"compile_memory_bound={ev.f.compile_memory_bound:g}"
+    if on:
+        return [f"Compiled with torch.compile ({'fix compile=True' if cons.fix.get('compile') else 'chosen'}): "
+                f"{len(compilable)} layer(s), each on its own; predicted {gain * 1e3:.1f} ms/step faster than eager "
+                f"({_pct(gain, other.step_time_s)}; {factor}), after a one-off compile at start-up."]
+    return [f"Eager (not compiled): fix compile=True would compile {len(compilable)} layer(s), predicted "
+            f"{gain * 1e3:.1f} ms/step faster ({_pct(gain, c.step_time_s)}; {factor}, a guess until a compiled run "
+            "calibrates it) after a one-off compile at start-up."]
 
 
 def _layout_lines(plan, prof, tp: int) -> list[str]:

@@ -119,6 +119,13 @@ class Search:
                 self.rec_pinned.setdefault(i, fix["recompute"])
         self.fsdp = [cons.layers[i].fsdp if i in cons.layers and cons.layers[i].fsdp is not None else True
                      for i in range(self.n)]
+        # compile: only when fixed (the factor is a guess until a compiled run calibrates it, and compiling costs
+        # minutes at start-up, which a step time does not show), per repeated block as torchtitan compiles them, or
+        # every layer of a model without any
+        blocks = [i for i, lay in enumerate(graph.layers) if graph.block_of(lay.path) is not None]
+        self.compilable = [i in blocks or not blocks for i in range(self.n)]
+        """the layers compile applies to"""
+        self.compile = [fix.get("compile", False) and on for on in self.compilable]
         self.amp = fix.get("amp", default_amp(cluster.device))
         if self.amp == "bf16" and not cluster.device.supports("bfloat16"):
             raise PlanError(f"fix amp='bf16', but the {cluster.device.name} has no bf16 (it needs compute capability "
@@ -220,6 +227,9 @@ class Search:
         if pp > 1 and self.prof.pp_blocker:
             return (f"pp={pp}: {self.prof.pp_blocker}; use pp=1, or make that tensor .contiguous() in the model "
                     "and re-capture")
+        if pp > 1 and fix.get("compile"):
+            return (f"pp={pp} with fix compile=True: compile applies to whole blocks, which a pipeline stage (a "
+                    "traced graph) no longer runs as modules; use pp=1 or compile=False")
         if pp > 1 and self.amp == "fp16":
             how = ("fix amp='fp16'" if fix.get("amp") == "fp16" else
                    f"amp='fp16' (the {self.cluster.device.name} has no bf16)")
@@ -315,7 +325,8 @@ class Search:
                     if stages > self.n:
                         continue
                     base = Setting(dp, t, pp, 0, self.amp, m, float(mb), sched, v, sp, self.optimizer, ep)
-                    choices = [LayerChoice(0, self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i])
+                    choices = [LayerChoice(0, self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i],
+                                       self.compile[i])
                                for i in range(self.n)]
                     runs = self.ev.runs(choices)
                     times = self._run_times(base, runs)
@@ -345,7 +356,8 @@ class Search:
                 continue
             for z in zeros:
                 s = dataclasses.replace(base, zero_stage=z)
-                choices = [LayerChoice(assign[i], self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i])
+                choices = [LayerChoice(assign[i], self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i],
+                                       self.compile[i])
                            for i in range(self.n)]
                 cand = self._cost(s, choices, "recompute" not in fix)
                 out.append(cand)
@@ -362,7 +374,7 @@ class Search:
         cost = self.ev.evaluate(s, choices)
         if cost.peak_memory_bytes > self.limit and auto_recompute:
             free = [i not in self.rec_pinned for i in range(self.n)]
-            original = [LayerChoice(c.stage, c.tp, c.recompute, c.fsdp) for c in choices]
+            original = [LayerChoice(c.stage, c.tp, c.recompute, c.fsdp, c.compile) for c in choices]
             if choose_recompute(self.ev, s, choices, cost, self.limit, free):
                 cost = self.ev.evaluate(s, choices)
             if cost.peak_memory_bytes > self.limit and s.pp > 1 and s.virtual_stages == 1 and not self.pins:
@@ -370,7 +382,8 @@ class Search:
                 # and loss on the last, more micro-batches in flight early in 1F1B), then recompute again
                 assign = self._memory_partition(s, original)
                 if assign is not None:
-                    retry = [LayerChoice(st, c.tp, c.recompute, c.fsdp) for st, c in zip(assign, original, strict=True)]
+                    retry = [LayerChoice(st, c.tp, c.recompute, c.fsdp, c.compile)
+                             for st, c in zip(assign, original, strict=True)]
                     cost2 = self.ev.evaluate(s, retry)
                     if cost2.peak_memory_bytes > self.limit:
                         choose_recompute(self.ev, s, retry, cost2, self.limit, free)
