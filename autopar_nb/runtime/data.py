@@ -80,12 +80,17 @@ def synthetic_batch(example, step: int, rank: int, *, batch_size: int, int_high:
     return tree_map(like, example)
 
 
+def call_model(model, batch):
+    """``model`` called on a batch: keyword arguments for a dict, positional ones for a tuple, else the batch."""
+    return model(**batch) if isinstance(batch, dict) else model(*batch) if isinstance(batch, tuple) else model(batch)
+
+
 def default_loss(model, batch, *, causal: bool = True):
     """The loss when the cell defines none. A Hugging Face output with ``.loss`` (the batch had ``labels``) is used
     as it is; otherwise, for token ids in and ``(batch, seq, vocab)`` logits out, cross-entropy against the ids —
     the next token's for a causal LM (``causal``), the same position's for a masked LM — else the mean squared
     output."""
-    out = model(**batch) if isinstance(batch, dict) else model(*batch) if isinstance(batch, tuple) else model(batch)
+    out = call_model(model, batch)
     if getattr(out, "loss", None) is not None:
         return out.loss
     logits = out.logits if hasattr(out, "logits") else out
