@@ -48,6 +48,13 @@ AMP = ("none", "bf16", "fp16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 LR_SCHEDULES = ("cosine", "constant")
+AMP_OPS = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "conv1d", "conv2d", "conv3d", "conv_transpose2d",
+           "scaled_dot_product_attention", "softmax", "log_softmax", "layer_norm", "rms_norm", "group_norm",
+           "batch_norm", "cross_entropy", "nll_loss", "mse_loss", "embedding", "gelu", "silu", "relu", "add", "sub",
+           "mul", "div", "sum", "mean", "exp", "log", "pow", "rsqrt", "cumsum", "norm",
+           "elementwise_add", "elementwise_sub", "elementwise_mul", "elementwise_div", "reduce_sum", "reduce_mean")
+"""op names ``precision.fp32_ops`` / ``precision.low_precision_ops`` may hold: torch's function names (``x + y`` is
+``add``, ``x @ w`` is ``matmul``) and Paddle's names for the same ops (``elementwise_add``, ``reduce_mean``)"""
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
                "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 """plan dtype string (an ``amp`` value other than "none", or ``precision.param_dtype``/``reduce_dtype``) -> the
@@ -58,7 +65,7 @@ ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
 """bytes per element by torch dtype name (``str(dtype).removeprefix("torch.")``)"""
 FIX_KEYS = ("dp", "tp", "pp", "ep", "zero_stage", "micro_batches", "schedule", "virtual_stages", "recompute", "amp",
             "compile",
-            "sequence_parallel", "optimizer")
+            "sequence_parallel", "optimizer", "fp32_ops", "low_precision_ops")
 """global choices a user can pin (``--fix``, ``plan(fix=...)``, ``Session.replan(fix=...)``)"""
 FIX_ALIASES = {"zero": "zero_stage", "mb": "micro_batches", "micro": "micro_batches", "sp": "sequence_parallel"}
 """short names accepted for FIX_KEYS"""
@@ -104,7 +111,14 @@ def normalize_fix(fix: dict[str, Any] | None) -> dict[str, Any]:
         if k not in FIX_KEYS:
             raise PlanError(f"unknown fix key(s) {key}; supported: {', '.join(FIX_KEYS)} "
                             f"(aliases: {', '.join(f'{a}={t}' for a, t in FIX_ALIASES.items())})")
-        if k in FIX_CHOICES:
+        if k in ("fp32_ops", "low_precision_ops"):  # op lists: ["softmax", "layer_norm"] or "softmax+layer_norm"
+            value = value.split("+") if isinstance(value, str) else value
+            if not isinstance(value, (list, tuple)):
+                raise PlanError(f"fix[{k!r}] must be a list of op names (or names joined by '+'), got {value!r}")
+            for op in value:
+                _check_choice(f"fix[{k!r}][...]", op, AMP_OPS)
+            value = list(value)
+        elif k in FIX_CHOICES:
             _check_choice(f"fix[{k!r}]", value, FIX_CHOICES[k])
         else:
             _check_int(f"fix[{k!r}]", value, minimum=1)
@@ -251,9 +265,26 @@ class PrecisionPlan:
     """fp16 only: grow/shrink the scale (seed §4.3 use_dynamic_loss_scaling)"""
     growth_interval: int = 2000
     """fp16 only: steps without overflow before the scale doubles"""
+    fp32_ops: list[str] = field(default_factory=list)
+    """ops kept in float32 under autocast (seed §4.3 custom_black_list), names from :data:`AMP_OPS`"""
+    low_precision_ops: list[str] = field(default_factory=list)
+    """ops run in the autocast dtype beyond autocast's own list (seed §4.3 custom_white_list: ``["matmul",
+    "elementwise_add"]``)"""
 
     def __post_init__(self):
         _check_choice("precision.amp", self.amp, AMP)
+        for name in ("fp32_ops", "low_precision_ops"):
+            ops = getattr(self, name)
+            if not isinstance(ops, (list, tuple)):
+                raise PlanError(f"precision.{name} must be a list of op names, got {ops!r}")
+            for op in ops:
+                _check_choice(f"precision.{name}[...]", op, AMP_OPS)
+            setattr(self, name, list(ops))
+            if ops and self.amp == "none":
+                raise PlanError(f"precision.{name}={list(ops)} needs mixed precision: set precision.amp (or fix "
+                                "amp=) to 'bf16' or 'fp16' (without autocast every op runs in float32)")
+        if both := sorted(set(self.fp32_ops) & set(self.low_precision_ops)):
+            raise PlanError(f"precision.fp32_ops and precision.low_precision_ops both name {', '.join(both)}")
         _check_choice("precision.param_dtype", self.param_dtype, tuple(DTYPE_NAMES))
         _check_choice("precision.reduce_dtype", self.reduce_dtype, tuple(DTYPE_NAMES))
         self.init_loss_scale = _check_number("precision.init_loss_scale", self.init_loss_scale, minimum=0.0)

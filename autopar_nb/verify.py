@@ -245,7 +245,7 @@ def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0, val
               ) -> dict:
     """The single-process run, with the script's data, loss, learning-rate schedule and clipping: losses, gradients
     and parameters at each step (see the module docstring)."""
-    from .runtime.amp import exact_fp32, grad_scaler, step_context
+    from .runtime.amp import OpPrecision, exact_fp32, grad_scaler, step_context
     from .runtime.data import DataStream, concat_batches, default_loss, split_batch, synthetic_batch, to_device
     from .runtime.mesh import device_type
     from .runtime.optim import build_optimizer, clip_grad_norm, lr_factor
@@ -273,6 +273,8 @@ def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0, val
     scaler = grad_scaler(device, init_scale=p.init_loss_scale, dynamic=p.dynamic_loss_scale,
                          growth_interval=p.growth_interval, sharded=False) if p.amp == "fp16" else None
     amp_dtype = getattr(torch, DTYPE_NAMES[p.amp]) if p.amp != "none" else None
+    op_lists = functools.partial(OpPrecision, device, amp_dtype, fp32_ops=p.fp32_ops,
+                                 low_precision_ops=p.low_precision_ops) if p.fp32_ops or p.low_precision_ops else None
     out = {"losses": [], "grads": [], "params": [], "dropout_off": dropout_off}
     for step in range(steps):
         for group in optimizer.param_groups:
@@ -285,7 +287,7 @@ def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0, val
             pieces = [(mb, M * dp) for b in per_rank for mb in b]
         total = 0.0
         for mb, k in pieces:
-            with step_context(device, amp_dtype=amp_dtype):
+            with step_context(device, amp_dtype=amp_dtype, op_lists=op_lists):
                 loss = loss_fn(model, to_device(mb, device)) / k
             (scaler.scale(loss) if scaler else loss).backward()
             total += loss.item()

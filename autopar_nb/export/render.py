@@ -96,6 +96,11 @@ def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]
               f"STAGE_BOUNDARIES = {literal(v.boundaries, width=64)}  # plan.layers[*].stage: each stage's first layer"]
     if pr.amp != "none":
         s.append(f"AMP_DTYPE = torch.{DTYPE_NAMES[pr.amp]}  # plan.precision.amp: autocast dtype of the forward pass")
+        if v.fp32_ops:
+            s.append(f"FP32_OPS = {literal(v.fp32_ops, width=80)}  # plan.precision.fp32_ops: kept in float32")
+        if v.low_precision_ops:
+            s.append(f"LOW_PRECISION_OPS = {literal(v.low_precision_ops, width=70)}  # plan.precision."
+                     "low_precision_ops: run in AMP_DTYPE")
     if v.fsdp and (pr.param_dtype, pr.reduce_dtype) != ("float32", "float32"):
         param, reduce = DTYPE_NAMES[pr.param_dtype], DTYPE_NAMES[pr.reduce_dtype]
         s.append(f"PARAM_DTYPE, REDUCE_DTYPE = torch.{param}, torch.{reduce}  # plan.precision")
@@ -280,9 +285,17 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
     if v.sync_batchnorm:
         lines.append("net = apply_sync_batchnorm(net, mesh[\"dp\"].get_group(), device=device)  # plan.sync_batchnorm")
         uses.append("apply_sync_batchnorm")
+    if v.fp32_ops or v.low_precision_ops:
+        lines.append("# plan.precision's op lists, beyond autocast's own")
+        lines.append("op_lists = " + call("functools.partial", "OpPrecision", "device", "AMP_DTYPE",
+                                          **({"fp32_ops": "FP32_OPS"} if v.fp32_ops else {}),
+                                          **({"low_precision_ops": "LOW_PRECISION_OPS"} if v.low_precision_ops else {}),
+                                          indent=11, width=120 - ind))
+        uses.append("OpPrecision")
     lines.append("# what each forward and backward runs under (autocast, loss_parallel)")
     lines.append("context = " + call("functools.partial", "step_context", "device",
                                      **({"amp_dtype": "AMP_DTYPE"} if v.amp != "none" else {}),
+                                     **({"op_lists": "op_lists"} if v.fp32_ops or v.low_precision_ops else {}),
                                      **({"vocab_parallel": "True"} if v.vocab_parallel else {}),
                                      indent=10, width=120 - ind))
     context = "context"

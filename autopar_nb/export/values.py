@@ -62,6 +62,10 @@ class ScriptValues:
     sync_batchnorm: bool = False
     meta_init: bool = False
     amp: str = "none"
+    fp32_ops: list[str] = field(default_factory=list)
+    """plan.precision.fp32_ops: ops kept in float32 under autocast"""
+    low_precision_ops: list[str] = field(default_factory=list)
+    """plan.precision.low_precision_ops: ops run in the autocast dtype beyond autocast's own list"""
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     defaults: dict[str, Any] = field(default_factory=dict)
@@ -102,7 +106,8 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
     _check_runnable(plan)
     v = ScriptValues(pp=m.pp, dp=m.dp, tp=m.tp, zero_stage=m.zero_stage, micro_batches=plan.batch.micro_batches,
                      sync_batchnorm=plan.sync_batchnorm and m.dp > 1, amp=pr.amp, param_dtype=pr.param_dtype,
-                     reduce_dtype=pr.reduce_dtype, model_class=type(model).__name__)
+                     reduce_dtype=pr.reduce_dtype, model_class=type(model).__name__, fp32_ops=list(pr.fp32_ops),
+                     low_precision_ops=list(pr.low_precision_ops))
     num_params = sum(p.numel() for p in model.parameters())
     v.meta_init = num_params > META_INIT_PARAMS if meta_init is None else meta_init
     first = first_tensor(inputs)
