@@ -1,0 +1,189 @@
+"""Watching a run against its plan (issue 14, point 1): events from the run's per-rank samples, its ranks' failures
+and the plan's predictions.
+
+Pure: plain dicts in, plain dicts out, no clock and no processes, so a test feeds it synthetic samples. The inputs
+are what ``Run`` already holds: ``Run.samples`` (one dict per tick and rank: ``t``, ``rank``, ``memory_bytes``,
+``step``, ``step_time_s``, ...), each rank's failure (``{"error", "traceback"}``) and ``Run.comparison()``'s
+predictions (memory per rank on the basis the run measures; a step time only where the plan's device is the run's).
+
+Every event is ``{"t", "kind", "rank", "reason", ...figures}``; ``kind`` is one of :data:`KINDS`. :class:`Watch`
+reports each (kind, rank) once, however often it is asked.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import dataclass, field
+
+KINDS = ("oom", "memory_high", "straggler", "prediction_error")
+
+OOM_TEXT = re.compile(r"out of memory|OutOfMemoryError|can't allocate memory", re.IGNORECASE)
+"""what a worker's error or traceback says when an allocation failed (CUDA's OOM, or the CPU allocator's)"""
+KILLED = re.compile(r"SIGKILL|exit code -9\b|exit code 137\b")
+"""how torch's agent reports a worker the kernel killed (the OOM killer, a cgroup's memory limit)"""
+
+
+@dataclass
+class WatchSettings:
+    """What counts as an event."""
+
+    memory_limit_bytes: float | None = None
+    """each rank's device memory (the cluster preset's, or ``--memory`` on CPU); None: no memory-limit events"""
+    memory_threshold: float = 0.92
+    """share of the limit above which a rank's memory is an event (``memory_high``)"""
+    oom_kill_share: float = 0.8
+    """a worker killed by SIGKILL counts as out of memory when its memory last reached this share of the limit"""
+    straggler_ratio: float = 1.3
+    """a rank is a straggler when its step time exceeds the other ranks' median by this factor ..."""
+    straggler_steps: int = 5
+    """... in each of this many consecutive steps that every rank reported"""
+    prediction_tolerance: float = 0.3
+    """relative error of a measured figure against the plan's prediction beyond which it is an event"""
+    predicted_memory: list = field(default_factory=list)
+    """bytes per rank (None where unknown): ``Run.comparison()["predicted_memory"]``"""
+    predicted_step_time_s: float | None = None
+    """``Run.comparison()["predicted_step_time_s"]``: None where times do not compare (another device)"""
+    min_steps: int = 3
+    """steps a rank must have reported before its figures are compared with the prediction"""
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB, two decimals."""
+    return f"{n / 2**30:.2f} GiB"
+
+
+def by_rank(samples: list[dict]) -> dict[int, list[dict]]:
+    """The samples of each rank, in time order (``Run.samples`` is in time order already)."""
+    out: dict[int, list[dict]] = {}
+    for s in samples:
+        out.setdefault(s["rank"], []).append(s)
+    return out
+
+
+def step_times(rows: list[dict]) -> dict[int, float]:
+    """{step: step time} of one rank's samples (a step seen at several ticks once; a redone step's latest)."""
+    return {int(s["step"]): float(s["step_time_s"]) for s in rows
+            if s.get("step") is not None and s.get("step_time_s") is not None}
+
+
+def oom_events(samples: list[dict], errors: dict[int, dict], s: WatchSettings) -> list[dict]:
+    """A rank whose failure says it ran out of memory (CUDA's OOM), or that was killed by SIGKILL while its memory
+    was near the limit (CPU: the kernel's OOM killer or a cgroup limit leaves no Python traceback)."""
+    out, rows = [], by_rank(samples)
+    for rank, err in sorted(errors.items()):
+        text = f"{err.get('error', '')}\n{err.get('traceback', '')}"
+        last = next((r for r in reversed(rows.get(rank, [])) if r.get("memory_bytes") is not None), {})
+        mem, t = last.get("memory_bytes"), err.get("t", last.get("t"))
+        if OOM_TEXT.search(text):
+            out.append({"t": t, "kind": "oom", "rank": rank, "memory_bytes": mem, "step": last.get("step"),
+                        "reason": f"rank {rank} ran out of memory: {err.get('error', '').strip()[:200]}"})
+        elif KILLED.search(text) and mem is not None and s.memory_limit_bytes and \
+                mem >= s.oom_kill_share * s.memory_limit_bytes:
+            out.append({"t": t, "kind": "oom", "rank": rank, "memory_bytes": mem, "step": last.get("step"),
+                        "reason": f"rank {rank} was killed (SIGKILL) with {gib(mem)} of {gib(s.memory_limit_bytes)} "
+                                  f"in use ({mem / s.memory_limit_bytes:.0%}): out of memory"})
+    return out
+
+
+def memory_events(samples: list[dict], s: WatchSettings) -> list[dict]:
+    """The first sample of each rank whose memory is above ``memory_threshold`` of the device limit."""
+    if not s.memory_limit_bytes:
+        return []
+    line, out = s.memory_threshold * s.memory_limit_bytes, []
+    for rank, rows in sorted(by_rank(samples).items()):
+        hit = next((r for r in rows if (r.get("memory_bytes") or 0) >= line), None)
+        if hit is not None:
+            share, where = hit["memory_bytes"] / s.memory_limit_bytes, step_text(hit)
+            out.append({"t": hit["t"], "kind": "memory_high", "rank": rank, "memory_bytes": hit["memory_bytes"],
+                        "limit_bytes": s.memory_limit_bytes, "share": share, "step": hit.get("step"),
+                        "reason": f"rank {rank} reached {share:.0%} of {gib(s.memory_limit_bytes)}{where} "
+                                  f"(threshold {s.memory_threshold:.0%})"})
+    return out
+
+
+def step_text(sample: dict) -> str:
+    """' at step N' when the sample knows its step."""
+    return f" at step {sample['step']}" if sample.get("step") is not None else ""
+
+
+def straggler_events(samples: list[dict], s: WatchSettings) -> list[dict]:
+    """A rank whose step time exceeded the other ranks' median by ``straggler_ratio`` in each of
+    ``straggler_steps`` consecutive steps that every rank reported (the first such run of steps)."""
+    rows = by_rank(samples)
+    times = {r: step_times(v) for r, v in rows.items()}
+    if len(times) < 2:
+        return []
+    common = sorted(set.intersection(*(set(t) for t in times.values())))
+    out = []
+    for rank in sorted(times):
+        slow = 0
+        for step in common:
+            others = statistics.median(t[step] for r, t in times.items() if r != rank)
+            slow = slow + 1 if others > 0 and times[rank][step] > s.straggler_ratio * others else 0
+            if slow == s.straggler_steps:
+                ratio = times[rank][step] / others
+                t = next((x["t"] for x in rows[rank] if x.get("step") == step), rows[rank][-1]["t"])
+                out.append({"t": t, "kind": "straggler", "rank": rank, "step": step, "ratio": ratio,
+                            "step_time_s": times[rank][step], "others_s": others,
+                            "reason": f"rank {rank}'s steps took {ratio:.1f}x the other ranks' for {slow} steps "
+                                      f"(step {step}: {times[rank][step] * 1e3:.0f} ms vs {others * 1e3:.0f} ms)"})
+                break
+    return out
+
+
+def prediction_events(samples: list[dict], s: WatchSettings) -> list[dict]:
+    """A rank whose peak memory so far, or median step time (its first step left out: start-up), differs from the
+    plan's prediction by more than ``prediction_tolerance``, once it reported ``min_steps`` steps."""
+    out = []
+    for rank, rows in sorted(by_rank(samples).items()):
+        times = step_times(rows)
+        if len(times) < s.min_steps:
+            continue
+        t, step = rows[-1]["t"], max(times)
+        predicted = s.predicted_memory[rank] if rank < len(s.predicted_memory) else None
+        peak = max((r["memory_bytes"] for r in rows if r.get("memory_bytes") is not None), default=None)
+        if predicted and peak is not None and abs(peak / predicted - 1) > s.prediction_tolerance:
+            out.append(mismatch(t, rank, step, "memory", peak, predicted, gib))
+        if s.predicted_step_time_s:
+            median = statistics.median(v for k, v in times.items() if k != min(times))
+            if abs(median / s.predicted_step_time_s - 1) > s.prediction_tolerance:
+                out.append(mismatch(t, rank, step, "step_time", median, s.predicted_step_time_s,
+                                    lambda x: f"{x * 1e3:.0f} ms"))
+    return out
+
+
+def mismatch(t: float, rank: int, step: int, what: str, measured: float, predicted: float, unit) -> dict:
+    """A ``prediction_error`` event: ``what`` ("memory" or "step_time") measured vs predicted."""
+    ratio = measured / predicted
+    label = "peak memory" if what == "memory" else "median step time"
+    return {"t": t, "kind": "prediction_error", "rank": rank, "what": what, "step": step, "measured": measured,
+            "predicted": predicted, "ratio": ratio,
+            "reason": f"rank {rank}'s {label} is {unit(measured)}, {ratio:.2f}x the plan's {unit(predicted)}"}
+
+
+def detect(samples: list[dict], *, errors: dict[int, dict] | None = None,
+           settings: WatchSettings | None = None) -> list[dict]:
+    """Every event the samples and failures show, in time order (see the module docstring)."""
+    s = settings or WatchSettings()
+    events = (oom_events(samples, errors or {}, s) + memory_events(samples, s) + straggler_events(samples, s)
+              + prediction_events(samples, s))
+    return sorted(events, key=lambda e: (e["t"] if e["t"] is not None else float("inf"), KINDS.index(e["kind"])))
+
+
+class Watch:
+    """:func:`detect` asked again and again (at each monitor tick): each (kind, rank, what) reported once."""
+
+    def __init__(self, settings: WatchSettings | None = None):
+        self.settings = settings or WatchSettings()
+        self.seen: set[tuple] = set()
+
+    def update(self, samples: list[dict], *, errors: dict[int, dict] | None = None) -> list[dict]:
+        """The events not reported before."""
+        new = []
+        for e in detect(samples, errors=errors, settings=self.settings):
+            key = (e["kind"], e["rank"], e.get("what"))
+            if key not in self.seen:
+                self.seen.add(key)
+                new.append(e)
+        return new

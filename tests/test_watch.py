@@ -1,0 +1,87 @@
+"""launch/watch.py: events from synthetic per-rank samples, failures and predictions (issue 14, point 1)."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar_nb.launch.watch import Watch, WatchSettings, detect
+
+GIB = 2**30
+
+
+def samples(ranks: int, ticks: int, *, memory=lambda r, i: 1 * GIB, step_time=lambda r, i: 0.1) -> list[dict]:
+    """``Run.samples``-shaped dicts: one per tick and rank, a step per tick (step i at tick i)."""
+    return [{"t": float(i), "rank": r, "state": "running", "source": "psutil", "memory_bytes": memory(r, i),
+             "step": i, "step_time_s": step_time(r, i), "loss": 1.0} for i in range(ticks) for r in range(ranks)]
+
+
+def kinds(events):
+    return [(e["kind"], e["rank"]) for e in events]
+
+
+def test_a_steady_run_within_its_prediction_has_no_events():
+    s = WatchSettings(memory_limit_bytes=8 * GIB, predicted_memory=[1.1 * GIB] * 2, predicted_step_time_s=0.11)
+    assert detect(samples(2, 10), settings=s) == []
+
+
+def test_memory_above_the_threshold_names_the_rank_the_step_and_the_share():
+    mem = lambda r, i: (1 + i) * GIB if r == 1 else GIB  # rank 1 grows 1 GiB a step
+    (e,) = detect(samples(2, 10, memory=mem), settings=WatchSettings(memory_limit_bytes=8 * GIB))
+    assert (e["kind"], e["rank"], e["step"], e["t"]) == ("memory_high", 1, 7, 7.0)  # 8 GiB >= 92 % of 8 GiB
+    assert e["reason"] == "rank 1 reached 100% of 8.00 GiB at step 7 (threshold 92%)"
+    assert detect(samples(2, 10, memory=mem), settings=WatchSettings(memory_limit_bytes=8 * GIB,
+                                                                     memory_threshold=0.5))[0]["step"] == 3
+    assert detect(samples(2, 10, memory=mem), settings=WatchSettings()) == []  # no limit known: no memory events
+
+
+@pytest.mark.parametrize("error", [
+    {"error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "traceback": "..."},
+    {"error": "RuntimeError", "traceback": "RuntimeError: [enforce fail at alloc_cpu.cpp:117] . "
+                                            "DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB"},
+])
+def test_out_of_memory_in_a_traceback(error):
+    (e,) = detect(samples(2, 3), errors={0: error})
+    assert (e["kind"], e["rank"], e["step"]) == ("oom", 0, 2)
+
+
+def test_a_worker_killed_near_the_limit_is_out_of_memory_and_far_from_it_is_not():
+    killed = {"error": "exit code -9 (SIGKILL): Signal 9 (SIGKILL) received by PID 123", "traceback": ""}
+    near = lambda r, i: 7 * GIB if r == 1 else GIB
+    s = WatchSettings(memory_limit_bytes=8 * GIB, memory_threshold=0.95)
+    (e,) = detect(samples(2, 3, memory=near), errors={1: killed}, settings=s)
+    assert (e["kind"], e["rank"]) == ("oom", 1) and "88%" in e["reason"] and "SIGKILL" in e["reason"]
+    assert detect(samples(2, 3), errors={1: killed}, settings=s) == []  # 1 GiB of 8: killed for another reason
+    assert detect(samples(2, 3, memory=near), errors={1: killed}) == []  # no limit known
+
+
+def test_a_straggler_is_persistently_slower_not_once():
+    slow = lambda r, i: 0.25 if r == 2 and i >= 4 else 0.1
+    (e,) = detect(samples(4, 12, step_time=slow), settings=WatchSettings(straggler_steps=5))
+    assert (e["kind"], e["rank"], e["step"]) == ("straggler", 2, 8) and e["ratio"] == pytest.approx(2.5)
+    blip = lambda r, i: 0.25 if r == 2 and i in (4, 5, 6, 8, 9, 10) else 0.1  # never 5 in a row
+    assert detect(samples(4, 12, step_time=blip), settings=WatchSettings(straggler_steps=5)) == []
+    assert detect(samples(1, 12, step_time=slow)) == []  # one rank: nothing to compare with
+
+
+def test_prediction_error_for_memory_and_step_time_beyond_the_tolerance():
+    s = WatchSettings(predicted_memory=[1 * GIB, 0.5 * GIB], predicted_step_time_s=0.05, prediction_tolerance=0.3)
+    events = detect(samples(2, 6), settings=s)
+    assert sorted((e["rank"], e["what"]) for e in events) == [(0, "step_time"), (1, "memory"), (1, "step_time")]
+    mem = next(e for e in events if e["what"] == "memory")
+    assert mem["ratio"] == pytest.approx(2.0) and mem["reason"] == \
+        "rank 1's peak memory is 1.00 GiB, 2.00x the plan's 0.50 GiB"
+    assert detect(samples(2, 2), settings=s) == []  # fewer than min_steps steps: too early to tell
+    # the first step (start-up) is left out of the median
+    slow_start = lambda r, i: 5.0 if i == 0 else 0.05
+    assert detect(samples(2, 6, step_time=slow_start), settings=WatchSettings(predicted_step_time_s=0.05)) == []
+
+
+def test_watch_reports_each_event_once_as_the_run_goes_on():
+    mem = lambda r, i: (1 + i) * GIB if r == 0 else GIB
+    watch, seen = Watch(WatchSettings(memory_limit_bytes=8 * GIB)), []
+    all_samples = samples(2, 12, memory=mem)
+    for tick in range(12):
+        seen.append(kinds(watch.update(all_samples[: 2 * (tick + 1)])))
+    assert seen == [[]] * 7 + [[("memory_high", 0)]] + [[]] * 4
+    assert kinds(watch.update(all_samples, errors={0: {"error": "CUDA out of memory", "traceback": ""}})) == \
+        [("oom", 0)]
