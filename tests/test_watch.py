@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopar_nb.launch.watch import Watch, WatchSettings, detect
+from autopar_nb.launch.watch import Watch, WatchSettings, detect, settings_for
 
 GIB = 2**30
 
@@ -32,6 +32,14 @@ def test_memory_above_the_threshold_names_the_rank_the_step_and_the_share():
     assert detect(samples(2, 10, memory=mem), settings=WatchSettings(memory_limit_bytes=8 * GIB,
                                                                      memory_threshold=0.5))[0]["step"] == 3
     assert detect(samples(2, 10, memory=mem), settings=WatchSettings()) == []  # no limit known: no memory events
+    gpu = [dict(x, source="nvml", nvml_total_bytes=8 * GIB) for x in samples(2, 10, memory=mem)]
+    assert kinds(detect(gpu)) == [("memory_high", 1)]  # a GPU's own memory (NVML) is its limit
+
+
+def test_settings_from_the_runs_comparison():
+    s = settings_for({"predicted_memory": [GIB, None], "predicted_step_time_s": None}, memory_limit_bytes=4 * GIB)
+    assert (s.predicted_memory, s.predicted_step_time_s, s.memory_limit_bytes) == ([GIB, None], None, 4 * GIB)
+    assert detect(samples(2, 6), settings=s) == []  # rank 0 as predicted; rank 1 has no prediction
 
 
 @pytest.mark.parametrize("error", [
@@ -85,3 +93,22 @@ def test_watch_reports_each_event_once_as_the_run_goes_on():
     assert seen == [[]] * 7 + [[("memory_high", 0)]] + [[]] * 4
     assert kinds(watch.update(all_samples, errors={0: {"error": "CUDA out of memory", "traceback": ""}})) == \
         [("oom", 0)]
+
+
+def test_run_fills_events_at_each_monitor_tick(tmp_path):
+    """The Run's monitor tick hands its samples to the watch: a rank whose memory crosses the line is an event."""
+    from autopar_nb.launch.run import Run
+
+    run = Run(run_id="r", run_dir=tmp_path, script=tmp_path / "train.py", nproc=2, steps=4, token="t",
+              backend="gloo", max_restarts=0, hang_timeout_s=None)
+    run._watch = Watch(WatchSettings(memory_limit_bytes=4 * GIB))  # a CPU limit (issue 14, point 5: not yet an option)
+    run._record_tick(0, {0: {"rss": GIB}, 1: {"rss": GIB}})
+    assert run.events == []
+    run._record_tick(1, {0: {"rss": GIB}, 1: {"rss": 3.9 * GIB}})
+    assert kinds(run.events) == [("memory_high", 1)] and "rank 1 reached 98% of 4.00 GiB" in run.events[0]["reason"]
+    run._record_tick(2, {0: {"rss": GIB}, 1: {"rss": 3.9 * GIB}})
+    assert len(run.events) == 1
+    plain = Run(run_id="p", run_dir=tmp_path, script=tmp_path / "train.py", nproc=2, steps=4, token="t",
+                backend="gloo", max_restarts=0, hang_timeout_s=None)  # no plan, no limit: settings from comparison()
+    plain._record_tick(0, {0: {"rss": 3.9 * GIB}, 1: {"rss": GIB}})
+    assert plain.events == [] and plain._watch.settings.memory_limit_bytes is None

@@ -18,7 +18,7 @@ from typing import Any
 
 import psutil
 
-from . import compare, logfiles, procs
+from . import compare, logfiles, procs, watch
 from .failure import failure_order
 from .hang import STARTUP_TIMEOUT_S, hang_message, silent_message, stalled_rank, waited_for
 from .metrics import MetricsTable, RankState, step_row, summarize
@@ -122,6 +122,9 @@ class Run:
         self.hang: dict | None = None
         """when the run hung: {"rank" that stopped reporting first, "seconds" without progress, "stacks": {rank:
         every thread's Python stack, printed by the rank when the hang was found (exported scripts)}}"""
+        self.events: list[dict] = []
+        """what the watch found (see watch.py): {"t", "kind", "rank", "reason", ...} in the order found"""
+        self._watch: watch.Watch | None = None
 
     # ---- public API ---------------------------------------------------------------------------------------------
     @property
@@ -421,6 +424,14 @@ class Run:
             rows = {r: self._sample_of(self._ranks[r]) for r in range(self.nproc) if r in self._ranks}
             self._timeline.add(tick, t, rows)
             self.versions["timeline"] += 1
+            self._watch_tick()
+
+    def _watch_tick(self) -> None:
+        """New events from the samples, the ranks' failures and the plan's predictions (under ``_lock``)."""
+        if self._watch is None:
+            self._watch = watch.Watch(watch.settings_for(self.comparison()))
+        errors = {r: st.error for r, st in self._ranks.items() if st.error}
+        self.events += self._watch.update(self._timeline.samples(), errors=errors)
 
     def _sample_of(self, st: RankState) -> dict:
         s, last = st.sample, st.last
@@ -552,6 +563,7 @@ class Run:
             self._result = result
             self.ended = time.time()
             self._set_final_status(result, f"{self.ended - self.started:.1f} s")
+            self._watch_tick()  # the agent's account of a killed rank (its signal) arrives only now
         self._server_close()
         self._done.set()
 

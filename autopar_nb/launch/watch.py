@@ -29,7 +29,8 @@ class WatchSettings:
     """What counts as an event."""
 
     memory_limit_bytes: float | None = None
-    """each rank's device memory (the cluster preset's, or ``--memory`` on CPU); None: no memory-limit events"""
+    """each rank's device memory (a CPU limit, or the plan's device's); None: the GPU's own (NVML's
+    ``nvml_total_bytes`` in the samples) where known, else no memory-limit events"""
     memory_threshold: float = 0.92
     """share of the limit above which a rank's memory is an event (``memory_high``)"""
     oom_kill_share: float = 0.8
@@ -51,6 +52,18 @@ class WatchSettings:
 def gib(n: float) -> str:
     """Bytes as GiB, two decimals."""
     return f"{n / 2**30:.2f} GiB"
+
+
+def settings_for(comparison: dict, *, memory_limit_bytes: float | None = None, **kw) -> WatchSettings:
+    """Settings for a run from ``Run.comparison()`` (the predictions that describe its device)."""
+    return WatchSettings(memory_limit_bytes=memory_limit_bytes,
+                         predicted_memory=list(comparison.get("predicted_memory") or []),
+                         predicted_step_time_s=comparison.get("predicted_step_time_s"), **kw)
+
+
+def limit_of(sample: dict, s: WatchSettings) -> float | None:
+    """The memory limit a sample is held against: the settings', else its GPU's (NVML)."""
+    return s.memory_limit_bytes or sample.get("nvml_total_bytes") or None
 
 
 def by_rank(samples: list[dict]) -> dict[int, list[dict]]:
@@ -78,26 +91,26 @@ def oom_events(samples: list[dict], errors: dict[int, dict], s: WatchSettings) -
         if OOM_TEXT.search(text):
             out.append({"t": t, "kind": "oom", "rank": rank, "memory_bytes": mem, "step": last.get("step"),
                         "reason": f"rank {rank} ran out of memory: {err.get('error', '').strip()[:200]}"})
-        elif KILLED.search(text) and mem is not None and s.memory_limit_bytes and \
-                mem >= s.oom_kill_share * s.memory_limit_bytes:
+        elif KILLED.search(text) and mem is not None and (limit := limit_of(last, s)) and \
+                mem >= s.oom_kill_share * limit:
             out.append({"t": t, "kind": "oom", "rank": rank, "memory_bytes": mem, "step": last.get("step"),
-                        "reason": f"rank {rank} was killed (SIGKILL) with {gib(mem)} of {gib(s.memory_limit_bytes)} "
-                                  f"in use ({mem / s.memory_limit_bytes:.0%}): out of memory"})
+                        "reason": f"rank {rank} was killed (SIGKILL) with {gib(mem)} of {gib(limit)} in use "
+                                  f"({mem / limit:.0%}): out of memory"})
     return out
 
 
 def memory_events(samples: list[dict], s: WatchSettings) -> list[dict]:
-    """The first sample of each rank whose memory is above ``memory_threshold`` of the device limit."""
-    if not s.memory_limit_bytes:
-        return []
-    line, out = s.memory_threshold * s.memory_limit_bytes, []
+    """The first sample of each rank whose memory is above ``memory_threshold`` of its limit."""
+    out = []
     for rank, rows in sorted(by_rank(samples).items()):
-        hit = next((r for r in rows if (r.get("memory_bytes") or 0) >= line), None)
+        hit = next((r for r in rows if (limit := limit_of(r, s)) and
+                    (r.get("memory_bytes") or 0) >= s.memory_threshold * limit), None)
         if hit is not None:
-            share, where = hit["memory_bytes"] / s.memory_limit_bytes, step_text(hit)
+            limit = limit_of(hit, s)
+            share, where = hit["memory_bytes"] / limit, step_text(hit)
             out.append({"t": hit["t"], "kind": "memory_high", "rank": rank, "memory_bytes": hit["memory_bytes"],
-                        "limit_bytes": s.memory_limit_bytes, "share": share, "step": hit.get("step"),
-                        "reason": f"rank {rank} reached {share:.0%} of {gib(s.memory_limit_bytes)}{where} "
+                        "limit_bytes": limit, "share": share, "step": hit.get("step"),
+                        "reason": f"rank {rank} reached {share:.0%} of {gib(limit)}{where} "
                                   f"(threshold {s.memory_threshold:.0%})"})
     return out
 
@@ -146,7 +159,8 @@ def prediction_events(samples: list[dict], s: WatchSettings) -> list[dict]:
         if predicted and peak is not None and abs(peak / predicted - 1) > s.prediction_tolerance:
             out.append(mismatch(t, rank, step, "memory", peak, predicted, gib))
         if s.predicted_step_time_s:
-            median = statistics.median(v for k, v in times.items() if k != min(times))
+            first = min(times)  # start-up: left out
+            median = statistics.median(v for k, v in times.items() if k != first)
             if abs(median / s.predicted_step_time_s - 1) > s.prediction_tolerance:
                 out.append(mismatch(t, rank, step, "step_time", median, s.predicted_step_time_s,
                                     lambda x: f"{x * 1e3:.0f} ms"))
