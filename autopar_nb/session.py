@@ -168,17 +168,19 @@ class Session:
                               f"global batch {plan.batch.global_batch} -> {scaled.batch.global_batch}"]
         return scaled
 
-    def verify(self, steps: int = 5, nproc: int | None = None, **kwargs: Any):
+    def verify(self, steps: int = 5, nproc: int | None = None, *, warm: bool = True, **kwargs: Any):
         """Run the plan for real on ``nproc`` local processes (gloo on CPU, NCCL on GPUs) and a single-process
         reference with the same seed and data; returns a VerifyReport with, per step, the loss difference and the
         max gradient/parameter difference (seed §5.3: did parallelism change my model?).
 
         ``nproc`` defaults to the plan's world size; a smaller count keeps the TP/PP layout and fewer data-parallel
         replicas (see plan_for). The model is built for real in every process: use a small config of your model.
+        ``warm`` (default): in the warm pool, whose processes have torch imported (the first call starts it; later
+        ones take about a second less per process start); False: fresh processes.
         """
         from .verify import verify
 
-        return verify(self.source, self.plan_for(nproc), steps=steps, nproc=nproc, **kwargs)
+        return verify(self.source, self.plan_for(nproc), steps=steps, nproc=nproc, warm=warm, **kwargs)
 
     def export(self, path: str = "train.py", *, nproc: int | None = None, **kwargs: Any):
         """Write the plan as a standalone torchrun script at ``path`` (plus the plan JSON beside it) and print the
@@ -187,11 +189,13 @@ class Session:
 
         return export(self.source, self.plan_for(nproc), path, **kwargs)
 
-    def launch(self, nproc: int | None = None, steps: int = 50, **script_flags: Any):
+    def launch(self, nproc: int | None = None, steps: int = 50, *, warm: bool = True, **script_flags: Any):
         """Export the plan to a run directory and run that script on ``nproc`` local processes with torch's elastic
         launcher. Returns a Run at once (the kernel stays free): ``run.wait()``, ``run.stop()``, ``run.metrics``,
         ``run.logs(rank)``; displayed, it is a live dashboard. ``script_flags`` go to the script
-        (``ckpt_dir="ckpt", ckpt_every=10`` -> ``--ckpt-dir ckpt --ckpt-every 10``)."""
+        (``ckpt_dir="ckpt", ckpt_every=10`` -> ``--ckpt-dir ckpt --ckpt-every 10``). ``warm`` (default): through the
+        warm pool, ranks forked with torch and the cell's imports loaded, running the same script (see
+        ``autopar_nb.launch.launch``); False: a fresh interpreter per rank, as torchrun starts them by default."""
         from .export import export
         from .launch import launch
 
@@ -199,7 +203,7 @@ class Session:
         run_flags = {k: script_flags.pop(k) for k in ("max_restarts", "hang_timeout_s", "run_dir", "backend",
                                                       "monitor", "env") if k in script_flags}
         return launch(lambda path: export(self.source, plan, path, quiet=True), plan.mesh.world_size, steps,
-                      plan=plan, **run_flags, **script_flags)
+                      plan=plan, warm=warm, **run_flags, **script_flags)
 
     # ---- widget (autopar_nb.widget) -------------------------------------------------------------------------------
     def _notify(self) -> None:

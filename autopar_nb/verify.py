@@ -156,25 +156,37 @@ class VerifyReport:
 
 
 
+class VerifyError(RuntimeError):
+    """The parallel run of a warm verify failed in its pool process; the message carries that process's traceback."""
+
+
 def verify(source: ModelSource, plan: Plan, *, steps: int = 5, nproc: int | None = None, seed: int = 0,
-           rtol: float | None = None, meta_init: bool = False, start_method: str = "spawn") -> VerifyReport:
+           rtol: float | None = None, meta_init: bool = False, start_method: str = "spawn",
+           warm: bool = True) -> VerifyReport:
     """Run ``plan``'s exported script on ``nproc`` local processes and a single-process reference; compare ``steps``
     steps.
 
     ``nproc`` defaults to the plan's world size (dp * tp * pp) and must equal it. ``meta_init`` builds the parallel
     model on the meta device and initialises it shard by shard (the path for models larger than host memory).
+    ``warm`` runs both in the warm pool (see :func:`verify_many`).
     """
     return verify_many([(source, plan)], steps=steps, nproc=nproc, seed=seed, rtol=rtol, meta_init=meta_init,
-                       start_method=start_method)[0]
+                       start_method=start_method, warm=warm)[0]
 
 
 def verify_many(cases: list[tuple[ModelSource, Plan]], *, steps: int = 5, nproc: int | None = None, seed: int = 0,
-                rtol: float | None = None, meta_init: bool | list[bool] = False, start_method: str = "spawn"
-                ) -> list[VerifyReport]:
+                rtol: float | None = None, meta_init: bool | list[bool] = False, start_method: str = "spawn",
+                warm: bool = True) -> list[VerifyReport]:
     """:func:`verify` for several (source, plan) pairs of the same world size in ONE launch of processes
-    (starting processes costs seconds; running a small plan costs less). ``meta_init`` may be one flag per case."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    (starting processes costs seconds; running a small plan costs less). ``meta_init`` may be one flag per case.
 
+    The scripts are exported here (an unsupported plan raises here, as export() would). ``warm`` (default): the
+    parallel run and the reference run in a standby of the warm pool (``autopar_nb/launch/pool.py``): a process
+    that has imported torch and autopar_nb, whose ranks are forked from a forkserver that preloaded them
+    (``start_method="forkserver"``); the first verify of a kernel starts it, each later one finds the next. A rank's
+    failure there raises :class:`VerifyError` with that process's traceback. ``warm=False``: ranks started with
+    ``start_method`` from this process, and the reference here.
+    """
     if not cases:
         return []
     if nproc is None:
@@ -184,21 +196,90 @@ def verify_many(cases: list[tuple[ModelSource, Plan]], *, steps: int = 5, nproc:
             raise ValueError(f"plan {plan.summary()} needs {plan.mesh.world_size} processes, not nproc={nproc}; "
                              "verify plans of different world sizes in separate calls")
     metas = meta_init if isinstance(meta_init, list) else [meta_init] * len(cases)
+    with tempfile.TemporaryDirectory(prefix="autopar-verify-") as tmp:
+        scripts = export_scripts(cases, metas, tmp, steps=steps, seed=seed)
+        if warm:
+            return _verify_warm(cases, metas, scripts, steps=steps, nproc=nproc, seed=seed, rtol=rtol, work_dir=tmp)
+        return verify_here(cases, metas, scripts, steps=steps, nproc=nproc, seed=seed, rtol=rtol,
+                           start_method=start_method)
+
+
+def export_scripts(cases: list[tuple[ModelSource, Plan]], metas: list[bool], directory: str | os.PathLike, *,
+                   steps: int, seed: int) -> list[str]:
+    """Each case's exported script, written to ``directory`` (``verify_<i>.py``)."""
+    return [str(export(src, plan, Path(directory) / f"verify_{i}.py", steps=steps, seed=seed, meta_init=meta,
+                       quiet=True).script)
+            for i, ((src, plan), meta) in enumerate(zip(cases, metas, strict=True))]
+
+
+def _verify_warm(cases, metas, scripts, *, steps, nproc, seed, rtol, work_dir) -> list[VerifyReport]:
+    from .launch.verifying import VerifyJob
+
+    job = VerifyJob(cases=cases, scripts=scripts, steps=steps, nproc=nproc, seed=seed, rtol=rtol, meta_init=metas,
+                    work_dir=Path(work_dir) / "job", warm=True)
+    try:
+        job.wait()
+    except KeyboardInterrupt:
+        job.stop("interrupted (KeyboardInterrupt in verify())")
+        raise
+    if job.reports is None:
+        raise VerifyError(f"{job.message}\n{job.error or ''}".rstrip())
+    return job.reports
+
+
+def cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def verify_here(cases: list[tuple[ModelSource, Plan]], metas: list[bool], scripts: list[str], *, steps: int,
+                nproc: int, seed: int, rtol: float | None, start_method: str) -> list[VerifyReport]:
+    """The parallel run of ``scripts`` on ``nproc`` ranks started from this process (torch elastic,
+    ``start_method``), and the single-process reference in this process: in a thread beside the ranks when a core
+    is left over for it (the ranks take one each), else after them."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"verify-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.05,
                           start_method=start_method)
-    with tempfile.TemporaryDirectory(prefix="autopar-verify-") as tmp:
-        jobs = []
-        for i, ((src, plan), meta) in enumerate(zip(cases, metas, strict=True)):
-            script = export(src, plan, Path(tmp) / f"verify_{i}.py", steps=steps, seed=seed, meta_init=meta,
-                            quiet=True).script
-            jobs.append((str(script), src.model_var, plan.to_json(indent=None)))
+    jobs = [(script, src.model_var, plan.to_json(indent=None)) for script, (src, plan) in zip(scripts, cases,
+                                                                                               strict=True)]
+    values = [script_values(src, plan, seed=seed, meta_init=meta) for (src, plan), meta in zip(cases, metas,
+                                                                                              strict=True)]
+    refs: list = []
+    errors: list = []
+
+    def run_references():
+        try:
+            refs.extend(reference(src, plan, steps=steps, seed=seed, values=v) for (src, plan), v in zip(cases, values,
+                                                                                                          strict=True))
+        except BaseException as e:  # raised in the calling thread below
+            errors.append(e)
+
+    spare = cores() - nproc
+    thread = None
+    if spare >= 1:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(spare)
+        thread = threading.Thread(target=run_references, daemon=True, name="autopar-verify-reference")
+        thread.start()
+    try:
         results = _restoring_signal_handlers(elastic_launch(config, _worker), jobs, steps)
+    finally:
+        if thread is not None:
+            thread.join()
+            torch.set_num_threads(threads)
+    if thread is None:
+        run_references()
+    if errors:
+        raise errors[0]
     reports = []
-    for i, (src, plan) in enumerate(cases):
+    for i, (_, plan) in enumerate(cases):
         par = _merge([results[r][i] for r in sorted(results)])
-        values = script_values(src, plan, seed=seed, meta_init=metas[i])
-        ref = reference(src, plan, steps=steps, seed=seed, values=values)
+        ref = refs[i]
         tol = rtol if rtol is not None else (FP32_RTOL if plan.precision.amp == "none" else LOW_PRECISION_RTOL)
         report = _compare(plan, nproc, tol, par, ref)
         report.per_rank = [results[r][i]["info"] for r in sorted(results)]

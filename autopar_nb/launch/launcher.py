@@ -7,6 +7,15 @@ Process layout::
               ├── worker rank 0: python -u script.py --steps N ...        env: RANK, ..., AUTOPAR_METRICS, AUTOPAR_TOKEN
               └── worker rank 1: ...
 
+Warm (the default, ``pool.py``): the agent is a standby started ahead of the run, and the workers are children of
+its forkserver, forked with torch and the script's imports loaded, running the script by ``runpy.run_path``
+(torchrun's ``--run-path --start-method forkserver``)::
+
+       └── agent: python agent.py --standby ...
+              ├── forkserver (python -c 'from multiprocessing.forkserver import main; ...'), resource tracker
+              │     ├── worker rank 0: runpy.run_path(script.py, run_name="__main__"), sys.argv = [script.py, ...]
+              │     └── worker rank 1: ...
+
 The agent is a separate process so the kernel never runs torch's signal handling or rendezvous, a crashed kernel
 takes its workers with it (the agent watches its parent), and the kernel's own CUDA state cannot leak into workers.
 Every live run is stopped when the kernel exits (``atexit``).
@@ -15,6 +24,7 @@ Every live run is stopped when the kernel exits (``atexit``).
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import secrets
 import shlex
@@ -31,6 +41,7 @@ from typing import Any
 
 from .channel import MetricsServer
 from .monitor import Monitor
+from .pool import POOL, job_env, script_preload
 from .procs import TOKEN_ENV
 from .run import TERMINAL, Run
 
@@ -64,6 +75,21 @@ def script_args(steps: int | None, flags: dict[str, Any]) -> list[str]:
             out += [flag, *map(str, value)]
         else:
             out += [flag, str(value)]
+    return out
+
+
+def elastic_agent_env(nproc: int, env: dict[str, str]) -> dict[str, str]:
+    """What torchrun's ``main`` and torch's ``elastic_launch`` add to the agent's environment before they start the
+    workers, which cold workers inherit: a warm standby's forkserver was started before that, so the standby is
+    started with it (``env``: the workers' environment so far, which a user's own value in it keeps)."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    default = {f.name: f.default for f in dataclasses.fields(LaunchConfig)}["signals_to_handle"]
+    out = {"TORCHELASTIC_SIGNALS_TO_HANDLE": default}
+    if "OMP_NUM_THREADS" not in env and nproc > 1:  # torch.distributed.run's rule; OpenMP reads it at import
+        out["OMP_NUM_THREADS"] = "1"
     return out
 
 
@@ -151,7 +177,7 @@ def check_cuda(nproc: int, backend: str) -> None:
 def launch(script: str | os.PathLike | Callable[[Path], Any], nproc: int | None = None, steps: int | None = 50, *,
            plan: Any = None, max_restarts: int = 0, hang_timeout_s: float | None = 600.0,
            run_dir: str | os.PathLike | None = None, backend: str | None = None, monitor: bool = True,
-           env: dict[str, str] | None = None, **script_flags: Any) -> Run:
+           env: dict[str, str] | None = None, warm: bool = True, **script_flags: Any) -> Run:
     """Start ``script`` on ``nproc`` local processes with torch's elastic launcher and return a :class:`Run` at once.
 
     Args:
@@ -169,6 +195,12 @@ def launch(script: str | os.PathLike | Callable[[Path], Any], nproc: int | None 
             device sampling and the default nproc: the script picks its own backend.
         monitor: False leaves out the metrics channel and device sampling (the run then reports only its end).
         env: extra environment variables for the workers.
+        warm: run through the warm pool (``pool.py``): the agent was started ahead with torch imported, and each
+            rank is forked from a forkserver that preloaded torch and the script's imports, then runs the script
+            with torchrun's ``--run-path --start-method forkserver`` (``runpy.run_path(script, run_name="__main__")``
+            with the same ``sys.argv``, environment, working directory and ``sys.path[0]``). The first warm launch
+            of a kernel starts the pool; when a run ends the next standby starts. False: a fresh agent and
+            ``python -u script.py`` per rank, as torchrun does by default.
         **script_flags: more flags for the script: ``ckpt_dir="/tmp/ck"`` becomes ``--ckpt-dir /tmp/ck``.
 
     Raises:
@@ -210,8 +242,17 @@ def launch(script: str | os.PathLike | Callable[[Path], Any], nproc: int | None 
     if plan is not None and hasattr(plan, "to_json"):
         (run_dir / "plan.json").write_text(plan.to_json())
 
-    server = MetricsServer() if monitor else None
-    token = server.token if server is not None else secrets.token_hex(16)
+    worker_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    if backend == "gloo":
+        worker_env.setdefault("OMP_NUM_THREADS", "1")  # one thread per CPU worker (oversubscription pitfall)
+    # Restarts: by default the c10d rendezvous shares the agent's TCPStore with the workers and keeps it across
+    # attempts, so a restarted group finds the failed attempt's keys (gloo: "connectFullMesh failed ... Connection
+    # refused", ../shared/notes/torch-cpu-distributed.md pitfall 3). Unshared, every attempt gets a fresh store
+    # hosted by its rank 0, and a script's plain init_process_group() restarts cleanly.
+    worker_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    worker_env = job_env(worker_env)  # the run's own token and metrics address are set below
+    if warm:
+        worker_env.update(elastic_agent_env(nproc, worker_env))
     sargs = script_args(steps, script_flags)
     torchrun_args = [
         "--nnodes", "1", "--nproc-per-node", str(nproc),
@@ -220,31 +261,44 @@ def launch(script: str | os.PathLike | Callable[[Path], Any], nproc: int | None 
         "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
         "--log-dir", str(run_dir / "logs"), "--redirects", "3",
         "--shutdown-timeout", "1",  # SIGKILL a worker that ignores SIGTERM for 1 s: stop must finish within 5 s
+        # warm: each rank forked from the standby's preloaded forkserver runs the script with runpy.run_path
+        *(["--run-path", "--start-method", "forkserver"] if warm else []),
         str(script_path), *sargs,
     ]
     command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
     (run_dir / "command.txt").write_text(shlex.join(command) + "\n")
-    cfg = {"parent_pid": os.getpid(), "result_path": str(run_dir / "result.json"), "torchrun_args": torchrun_args}
-    (run_dir / "agent.json").write_text(__import__("json").dumps(cfg, indent=1))
+    cfg = {"parent_pid": os.getpid(), "result_path": str(run_dir / "result.json"), "torchrun_args": torchrun_args,
+           "warm": warm, "cwd": str(script_path.parent), "log": str(run_dir / "agent.log")}
+    (run_dir / "agent.json").write_text(json.dumps(cfg, indent=1))
+
+    if warm:
+        # a standby comes with its token and metrics channel: its processes were started with them
+        preload = script_preload(script_path)
+        try:
+            standby = POOL.hand("launch", run_dir / "agent.json", env=worker_env, monitor=monitor, preload=preload,
+                                script_dir=script_path.parent)
+        except RuntimeError as e:
+            raise LaunchError(str(e)) from None
+        server, token, proc = standby.server, standby.token, standby.proc
+    else:
+        server = MetricsServer() if monitor else None
+        token = server.token if server is not None else secrets.token_hex(16)
+        full_env = {**worker_env, TOKEN_ENV: token}
+        if server is not None:
+            full_env["AUTOPAR_METRICS"] = server.address
+        with open(run_dir / "agent.log", "wb") as log:
+            proc = subprocess.Popen([sys.executable, str(AGENT), str(run_dir / "agent.json")], env=full_env,
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    cwd=str(script_path.parent))
 
     run = Run(run_id=run_id, run_dir=run_dir, script=script_path, nproc=nproc, steps=steps, token=token,
               backend=backend, max_restarts=max_restarts, hang_timeout_s=hang_timeout_s, plan=plan, command=command)
-    worker_env = {**os.environ, **(env or {}), TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
-    if backend == "gloo":
-        worker_env.setdefault("OMP_NUM_THREADS", "1")  # one thread per CPU worker (oversubscription pitfall)
-    # Restarts: by default the c10d rendezvous shares the agent's TCPStore with the workers and keeps it across
-    # attempts, so a restarted group finds the failed attempt's keys (gloo: "connectFullMesh failed ... Connection
-    # refused", ../shared/notes/torch-cpu-distributed.md pitfall 3). Unshared, every attempt gets a fresh store
-    # hosted by its rank 0, and a script's plain init_process_group() restarts cleanly.
-    worker_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if server is not None:
-        worker_env["AUTOPAR_METRICS"] = server.address
-    else:
-        worker_env.pop("AUTOPAR_METRICS", None)
-    with open(run_dir / "agent.log", "wb") as log:
-        run._proc = subprocess.Popen([sys.executable, str(AGENT), str(run_dir / "agent.json")], env=worker_env,
-                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     cwd=str(script_path.parent))
+    run.warm = warm
+    run._proc = proc
+    if warm:
+        # when the run is over the next standby warms up (not before: its imports would compete with the run)
+        run._end_hooks.append(lambda _: POOL.refill("launch", env=worker_env, monitor=monitor,
+                                                    preload=preload))
     run._server = server
     run._monitor = Monitor(run, sample=monitor)
     with _live_lock:

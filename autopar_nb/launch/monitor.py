@@ -103,6 +103,7 @@ class Monitor(threading.Thread):
     def run(self) -> None:
         r = self.run_
         last_push = 0.0
+        pushed_status = None
         next_tick = 0
         if self.sampler is not None:
             r.gpu_name = self.sampler.gpu_name
@@ -133,8 +134,9 @@ class Monitor(threading.Thread):
                         r._ingest(r._server.poll(0.05))
                     r._finalise()
                     break
-                if changed and now - last_push >= PUSH_INTERVAL_S:
-                    last_push = now
+                # a new status is pushed at once: a warm restart's "restarting" may last less than the interval
+                if changed and (now - last_push >= PUSH_INTERVAL_S or r._status != pushed_status):
+                    last_push, pushed_status = now, r._status
                     r._notify()
         except Exception as e:  # the monitor must never die silently: the run would look alive forever
             r._monitor_crashed(e)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 
@@ -29,8 +30,24 @@ def processes_with_token(token: str) -> list[psutil.Process]:
     return out
 
 
+def rank_of(p: psutil.Process) -> int | None:
+    """The rank of a worker process: its ``RANK`` variable (a worker torch's agent started with ``exec``), else the
+    rank whose log its standard output is (a worker forked from a forkserver, warm: ``/proc/PID/environ`` shows the
+    environment the forkserver was started with, not what torch set after the fork; torch's agent points each
+    rank's stdout at ``.../attempt_<n>/<local_rank>/stdout.log``, and local rank == rank on one node). None for
+    any other process (the forkserver, multiprocessing's resource tracker)."""
+    rank = p.environ().get("RANK")
+    if rank is not None:
+        return int(rank)
+    for f in p.open_files():
+        parts = Path(f.path).parts
+        if f.fd == 1 and len(parts) >= 3 and parts[-1] == "stdout.log" and parts[-3].startswith("attempt_"):
+            return int(parts[-2])
+    return None
+
+
 def workers_of(agent: psutil.Process) -> dict[int, psutil.Process]:
-    """rank -> worker process among the agent's descendants (the rank read from the worker's ``RANK`` variable)."""
+    """rank -> worker process among the agent's descendants (see :func:`rank_of`)."""
     out = {}
     try:
         children = agent.children(recursive=True)
@@ -38,9 +55,11 @@ def workers_of(agent: psutil.Process) -> dict[int, psutil.Process]:
         return out
     for p in children:
         try:
-            rank = p.environ().get("RANK")
-            if rank is not None and p.status() != psutil.STATUS_ZOMBIE:
-                out[int(rank)] = p
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            rank = rank_of(p)
+            if rank is not None:
+                out[rank] = p
         except (psutil.Error, OSError, ValueError):
             continue
     return out
@@ -60,23 +79,24 @@ def terminate(agent, token: str, *, grace_s: float = 2.5) -> list[int]:
     for p in processes_with_token(token):
         if agent is None or p.pid != agent.pid:
             known.setdefault(p.pid, p)
+    killed = []
     if agent is not None and agent.poll() is None:
         agent.send_signal(signal.SIGTERM)
-    else:
-        for p in known.values():
-            try:
-                p.send_signal(signal.SIGTERM)
-            except psutil.Error:
-                pass
-    killed = []
-    if agent is not None:
         try:
             agent.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             agent.kill()
             killed.append(agent.pid)
             agent.wait(timeout=1.0)
-    _, alive = psutil.wait_procs(list(known.values()), timeout=max(0.0, deadline - time.monotonic()))
+    # what the agent did not end: workers of a killed agent, and (warm) its forkserver, which would otherwise
+    # unload torch before it goes
+    for p in known.values():
+        if running(p):
+            try:
+                p.send_signal(signal.SIGTERM)
+            except psutil.Error:
+                pass
+    alive = wait_gone(list(known.values()), deadline)
     # anything started meanwhile (a restart racing the stop) carries the token too
     left = {p.pid: p for p in alive}
     for p in processes_with_token(token):
@@ -86,5 +106,23 @@ def terminate(agent, token: str, *, grace_s: float = 2.5) -> list[int]:
             p.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(list(left.values()), timeout=1.0)
+    wait_gone(list(left.values()), time.monotonic() + 1.0)
     return killed + sorted(left)
+
+
+def running(p: psutil.Process) -> bool:
+    """Alive and not a zombie: a process that ended but that its parent has not reaped yet is gone for us (one
+    re-parented to a container's init may stay a zombie for a second or more)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def wait_gone(processes: list[psutil.Process], deadline: float, *, poll_s: float = 0.02) -> list[psutil.Process]:
+    """Wait until every process has ended (see :func:`running`) or ``deadline`` (monotonic); return those left."""
+    alive = [p for p in processes if running(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        alive = [p for p in alive if running(p)]
+    return alive

@@ -82,6 +82,10 @@ class Run:
         self.plan = plan
         self.command = command or []
         """the equivalent torchrun command line"""
+        self.warm = False
+        """whether it ran through the warm pool (``launch(warm=True)``, see ``pool.py``)"""
+        self._end_hooks: list[Callable[[Run], None]] = []
+        """called once from the monitor thread when the run has ended (the pool starts its next standby)"""
         self._token = token
         self._lock = threading.RLock()
         self._done = threading.Event()
@@ -185,9 +189,13 @@ class Run:
             return {r: s.copy() for r, s in self._ranks.items()}
 
     def workers(self) -> dict[int, psutil.Process]:
-        """rank -> live worker process (psutil), as last seen by the monitor (refreshed about once a second)."""
+        """rank -> live worker process (psutil), as last seen by the monitor (refreshed about once a second); looked
+        up now while some rank is missing (a warm run's ranks report their first step before the first refresh)."""
         with self._lock:
-            return dict(self._workers)
+            w = dict(self._workers)
+        if len(w) < self.nproc and not self._done.is_set():
+            w = self._refresh_workers()
+        return w
 
     def processes(self) -> list[psutil.Process]:
         """Every process of this run still alive (the agent and its workers, found by the run's token in their
@@ -565,7 +573,7 @@ class Run:
             self._set_final_status(result, f"{self.ended - self.started:.1f} s")
             self._watch_tick()  # the agent's account of a killed rank (its signal) arrives only now
         self._server_close()
-        self._done.set()
+        self._ended()
 
     def _set_final_status(self, result: dict, elapsed: str) -> None:
         if self._status == "hung":  # the hang check said why already
@@ -615,6 +623,16 @@ class Run:
         self._stop_reason = self._stop_reason or "monitor error"
         self._teardown()
         self._server_close()
+        self._ended()
+
+    def _ended(self) -> None:
+        """Every process of the run is gone: the end hooks, then ``done`` (so a launch right after ``wait()``
+        finds the next standby the hooks started)."""
+        for hook in self._end_hooks:
+            try:
+                hook(self)
+            except Exception:  # a pool that cannot start its next standby: the next launch starts one
+                pass
         self._done.set()
 
     def _notify(self) -> None:

@@ -34,19 +34,31 @@ _jobs: weakref.WeakSet[VerifyJob] = weakref.WeakSet()
 class VerifyJob:
     """``verify(source, plan, steps=..., nproc=...)`` in a child process; ``wait()`` returns the VerifyReport.
 
+    ``cases`` (with ``scripts``, their exported scripts) instead of ``source``/``plan``: several plans in one launch
+    (``verify_many``); ``reports`` then holds one report per case. ``warm`` (default): the child is a standby of the
+    warm pool (``pool.py``), with torch and autopar_nb imported and a forkserver that preloaded them for its ranks;
+    False: a fresh ``python -m autopar_nb.launch.verifying JOB.json`` whose ranks are spawned.
+
     Status: starting -> parallel -> reference -> passed | mismatch | error | stopped.
     """
 
-    def __init__(self, source: Any, plan: Any, *, steps: int = 5, nproc: int | None = None, seed: int = 0,
-                 rtol: float | None = None, work_dir: str | os.PathLike | None = None):
+    def __init__(self, source: Any = None, plan: Any = None, *, cases: list | None = None,
+                 scripts: list[str] | None = None, steps: int = 5, nproc: int | None = None, seed: int = 0,
+                 rtol: float | None = None, meta_init: bool | list[bool] = False,
+                 work_dir: str | os.PathLike | None = None, warm: bool = True):
+        cases = list(cases) if cases is not None else [(source, plan)]
+        metas = meta_init if isinstance(meta_init, list) else [meta_init] * len(cases)
         self.steps = int(steps)
-        self.nproc = int(nproc or plan.mesh.world_size)
-        self.plan_summary = plan.summary()
+        self.nproc = int(nproc or cases[0][1].mesh.world_size)
+        self.plan_summary = "; ".join(p.summary() for _, p in cases)
+        self.warm = warm
         self.status = "starting"
         self.message = f"starting verify of {self.plan_summary} on {self.nproc} processes"
         self.losses: dict[int, float] = {}
         """step -> the parallel run's loss (every rank reports the global loss; the first report counts)"""
         self.report = None
+        self.reports: list | None = None
+        """one VerifyReport per case (``report`` is the first)"""
         self.error: str | None = None
         self.started = time.time()
         self.ended: float | None = None
@@ -57,16 +69,32 @@ class VerifyJob:
         self._view = None
         self.dir = Path(work_dir or tempfile.mkdtemp(prefix="autopar-verify-"))
         self.dir.mkdir(parents=True, exist_ok=True)
-        job = {"source": dataclasses.asdict(source), "plan": plan.to_json(), "steps": self.steps, "nproc": self.nproc,
-               "seed": seed, "rtol": rtol, "report": str(self.dir / "report.json"), "parent_pid": os.getpid()}
+        job = {"cases": [{"source": dataclasses.asdict(src), "plan": p.to_json(), "meta_init": m,
+                          "script": scripts[i] if scripts else None}
+                         for i, ((src, p), m) in enumerate(zip(cases, metas, strict=True))],
+               "steps": self.steps, "nproc": self.nproc, "seed": seed, "rtol": rtol,
+               "report": str(self.dir / "report.json"), "log": str(self.dir / "verify.log"),
+               "parent_pid": os.getpid(), "warm": warm}
         (self.dir / "job.json").write_text(json.dumps(job))
-        self._server = MetricsServer()
-        self._token = self._server.token
-        env = {**os.environ, "AUTOPAR_METRICS": self._server.address, procs.TOKEN_ENV: self._token,
-               "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        with open(self.dir / "verify.log", "wb") as log:
-            self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(self.dir / "job.json")], env=env,
-                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        from .pool import job_env
+
+        env = job_env({**os.environ, "PYTHONUNBUFFERED": "1"})  # the job's token and metrics address: below
+        self._refill = None
+        if warm:
+            from .pool import POOL, verify_preload
+
+            preload = verify_preload("\n".join(src.code for src, _ in cases))
+            standby = POOL.hand("verify", self.dir / "job.json", env=env, monitor=True, preload=preload)
+            self._server, self._token, self._proc = standby.server, standby.token, standby.proc
+            self._refill = lambda: POOL.refill("verify", env=env, monitor=True, preload=preload)
+        else:
+            self._server = MetricsServer()
+            self._token = self._server.token
+            env = {**env, "AUTOPAR_METRICS": self._server.address, procs.TOKEN_ENV: self._token,
+                   "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            with open(self.dir / "verify.log", "wb") as log:
+                self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(self.dir / "job.json")], env=env,
+                                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         _jobs.add(self)
         self._thread = threading.Thread(target=self._watch, daemon=True, name="autopar-verify")
         self._thread.start()
@@ -140,8 +168,13 @@ class VerifyJob:
             self.status, self.error = "error", f"the verify monitor failed: {type(e).__name__}: {e}"
         finally:
             self._server.close()
-            if procs.processes_with_token(self._token):
+            if procs.processes_with_token(self._token):  # its forkserver (warm), or ranks of a killed process
                 procs.terminate(None, self._token)
+            if self._refill is not None:  # the next standby warms up now that this job's processes are gone
+                try:
+                    self._refill()
+                except Exception:  # the next verify starts one
+                    pass
             self.ended = self.ended or time.time()
             self._notify()
 
@@ -183,9 +216,10 @@ class VerifyJob:
             self.status, self.message, self.error = "error", data["error"], data.get("traceback", "")
             return
         fields = {f.name for f in dataclasses.fields(VerifyReport)}
-        self.report = VerifyReport(**{k: v for k, v in data.items() if k in fields and k != "steps"},
-                                   steps=[StepDiff(**s) for s in data["steps"]])
-        ok = self.report.ok
+        self.reports = [VerifyReport(**{k: v for k, v in d.items() if k in fields and k != "steps"},
+                                     steps=[StepDiff(**s) for s in d["steps"]]) for d in data["reports"]]
+        self.report = self.reports[0]
+        ok = all(r.ok for r in self.reports)
         self.status = "passed" if ok else "mismatch"
         self.message = (f"{'OK' if ok else 'MISMATCH'}: {self.steps} steps on {self.nproc} processes agree with the "
                         f"single-process reference" if ok else
@@ -207,21 +241,33 @@ def _stop_all_at_exit() -> None:
             job.stop("the kernel is shutting down")
 
 
-# ---- the child process --------------------------------------------------------------------------------------------
-def main(job_path: str) -> int:
+# ---- the child process ----------------------------------------------------------------------------------------------
+def main(job_path: str, *, watch: bool = True) -> int:
     job = json.loads(Path(job_path).read_text())
     from .agent import _watch_parent  # the same watchdog as the launch agent's: the kernel gone, so are we
 
-    threading.Thread(target=_watch_parent, args=(job["parent_pid"],), daemon=True).start()
+    if watch:
+        threading.Thread(target=_watch_parent, args=(job["parent_pid"],), daemon=True).start()
+    if job.get("warm") and job.get("log"):  # a standby: its output goes to the job's log from now on
+        fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        for std in (1, 2):
+            os.dup2(fd, std)
+        os.close(fd)
     out = Path(job["report"])
     try:
         from ..plan import Plan
         from ..source import ModelSource
-        from ..verify import verify
+        from ..verify import export_scripts, verify_here
 
-        report = verify(ModelSource(**job["source"]), Plan.from_json(job["plan"]), steps=job["steps"],
-                        nproc=job["nproc"], seed=job["seed"], rtol=job["rtol"])
-        data = dataclasses.asdict(report)
+        cases = [(ModelSource(**c["source"]), Plan.from_json(c["plan"])) for c in job["cases"]]
+        metas = [bool(c["meta_init"]) for c in job["cases"]]
+        with tempfile.TemporaryDirectory(prefix="autopar-verify-") as tmp:
+            scripts = [c["script"] for c in job["cases"]]
+            if not all(scripts):
+                scripts = export_scripts(cases, metas, tmp, steps=job["steps"], seed=job["seed"])
+            reports = verify_here(cases, metas, scripts, steps=job["steps"], nproc=job["nproc"], seed=job["seed"],
+                                  rtol=job["rtol"], start_method="forkserver" if job.get("warm") else "spawn")
+        data = {"reports": [dataclasses.asdict(r) for r in reports]}
         rc = 0
     except BaseException as e:  # the kernel shows it: nothing is lost in a log
         data = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
@@ -232,5 +278,28 @@ def main(job_path: str) -> int:
     return rc
 
 
+def standby(preload: list[str], idle_timeout_s: float, parent_pid: int) -> int:
+    """A verify standby of the warm pool: the forkserver for the ranks preloads torch, autopar_nb.verify and the
+    cell's imports while this process imports what ``main`` needs; then one job (its path on standard input)."""
+    import signal
+
+    from .agent import _watch_parent, exit_now, forkserver_ready, start_forkserver, wait_for_job
+
+    signal.signal(signal.SIGTERM, lambda *_: exit_now(128 + signal.SIGTERM))  # torch's own handler replaces it
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    start_forkserver(preload)
+    from .. import verify  # noqa: F401  (main's imports, now)
+    from ..export import export  # noqa: F401
+
+    forkserver_ready()
+    print(f"standby ready; preloaded in the forkserver: {', '.join(preload)}", flush=True)
+    job = wait_for_job(idle_timeout_s)
+    return 0 if job is None else main(job, watch=False)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    from .agent import exit_now  # without unloading torch (seconds on a busy machine): the report is written
+
+    if sys.argv[1:2] == ["--standby"]:
+        exit_now(standby(json.loads(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])))
+    exit_now(main(sys.argv[1]))

@@ -1,0 +1,303 @@
+"""The warm pool: launch and verify reach their first step in about a second instead of paying Python's and torch's
+start-up on every call.
+
+A *standby* is one process started ahead of a job, fresh from ``python`` (never forked from the kernel, so nothing of
+the kernel's CUDA state, threads or modules comes along), that imported torch and started multiprocessing's
+forkserver with the modules the job's workers will import preloaded (``multiprocessing.set_forkserver_preload``). It
+waits for one job on its standard input:
+
+* ``launch``: the elastic agent (``agent.py --standby``), which runs the job exactly as the cold path does (torch's
+  own ``torchrun`` argument parsing and ``elastic_launch``) with torchrun's ``--run-path --start-method forkserver``:
+  each rank is forked from the preloaded forkserver and runs the exported script with ``runpy.run_path(script,
+  run_name="__main__")`` and ``sys.argv`` set (``torch.distributed.run.run_script_path``);
+* ``verify``: ``python -m autopar_nb.launch.verifying --standby``, which runs :func:`autopar_nb.verify.verify_many`
+  with ``start_method="forkserver"`` (and the single-process reference in the same warm process).
+
+A standby serves one job, so everything it hands its workers is the job's own: it is started with the job's
+environment (the kernel's, the run's extra variables, and the run's ``AUTOPAR_TOKEN`` and metrics address, drawn in
+advance), which its forkserver and so every worker inherit, as torchrun's workers inherit the agent's — and
+``/proc/PID/environ`` of every process of the run carries the token, so a teardown finds them all (``procs.py``).
+When a job ends, the pool starts the next standby (after the job, so its imports never compete with a run). A
+standby whose environment no longer matches the next job's is replaced; one that died (crashed, or quit after
+``IDLE_TIMEOUT_S`` without a job) is replaced transparently; a standby quits when the kernel goes (the watchdog of
+``agent.py``, and end of file on its standard input), and its forkserver quits with it.
+"""
+
+from __future__ import annotations
+
+import ast
+import atexit
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .channel import MetricsServer
+from .procs import TOKEN_ENV, terminate
+
+AGENT = Path(__file__).with_name("agent.py")
+RUNTIME = Path(__file__).resolve().parent.parent / "runtime"
+
+IDLE_TIMEOUT_S = 600.0
+"""seconds a standby waits for a job before it quits (the next job then starts a new one)"""
+
+BASE_PRELOAD = ("torch", "torch.distributed.run", "torch.distributed.elastic.multiprocessing.errors", "torch._dynamo",
+                "torch.distributed.checkpoint", "torch.distributed.pipelining", "torch.export", "encodings.idna")
+"""imported by every forkserver: torch, torchrun's ``run_script_path`` (the ranks' entry point), ``@record``, and
+what torch imports on first use, measured in warm ranks: torch._dynamo (DTensor's ``distribute_tensor``: 0.7 s of a
+rank's first step), DCP and pipelining (FSDP2 and the optimizer-state helpers), torch.export (the pipeline
+tracer), the idna codec (a socket to 127.0.0.1)"""
+
+KINDS = ("launch", "verify")
+
+TEST_RUNNER_ENV = ("PYTEST_CURRENT_TEST",)
+"""variables a test runner rewrites on every test: left out of every run's environment, warm and cold alike (see
+:func:`job_env`), else no standby could ever serve a job of the next test"""
+
+
+def job_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without :data:`TEST_RUNNER_ENV` and the run's own token and metrics address (a standby draws those)."""
+    return {k: v for k, v in env.items() if k not in (*TEST_RUNNER_ENV, TOKEN_ENV, "AUTOPAR_METRICS")}
+
+
+def _installed_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    return tuple({os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib")
+                  if paths.get(k)})
+
+
+def importable_here(names: list[str] | set[str]) -> list[str]:
+    """The module names among ``names`` that come from Python's own or installed packages (never a user's file that
+    a script directory could shadow: a forkserver that preloaded ``utils`` from site-packages would hand it to a
+    script with its own ``utils.py``). A module is looked up without importing anything new here: by its file when
+    this process imported it (the cell's imports, run on the meta device), else by its spec when its package is
+    imported here (or it has none)."""
+    roots = _installed_roots()
+    out = []
+    for name in sorted(set(names)):
+        mod = sys.modules.get(name)
+        if mod is not None:
+            path = getattr(mod, "__file__", None)
+        elif "." not in name or name.rsplit(".", 1)[0] in sys.modules:
+            try:
+                spec = importlib.util.find_spec(name)
+            except (ImportError, ValueError):
+                spec = None
+            path = spec.origin if spec is not None else None
+        else:
+            path = None
+        if path and os.path.realpath(path).startswith(roots):
+            out.append(name)
+    return out
+
+
+def imports_of(code: str) -> set[str]:
+    """Absolute module names imported anywhere in ``code`` (``import a.b`` -> a.b; ``from a.b import c`` -> a.b)."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return set()
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+    return out
+
+
+def script_preload(script: str | os.PathLike) -> list[str]:
+    """What a launch standby preloads for ``script``: torch's basics and the script's imports that are safe to
+    preload (see :func:`importable_here`)."""
+    try:
+        code = Path(script).read_text()
+    except OSError:
+        code = ""
+    return sorted(set(BASE_PRELOAD) | set(importable_here(imports_of(code))))
+
+
+def verify_preload(cell_code: str = "") -> list[str]:
+    """What a verify standby preloads: torch's basics, every torch module the runtime imports (which the exported
+    scripts import), ``autopar_nb.verify`` (the ranks' entry point) and the cell's safe imports."""
+    runtime = set()
+    for f in sorted(RUNTIME.glob("*.py")):
+        runtime |= {m for m in imports_of(f.read_text()) if m.split(".")[0] == "torch"}
+    return sorted(set(BASE_PRELOAD) | runtime | set(importable_here(imports_of(cell_code))) | {"autopar_nb.verify"})
+
+
+def shadowed(preload: tuple[str, ...] | list[str], script_dir: str | os.PathLike | None) -> list[str]:
+    """The preloaded top-level modules that ``script_dir`` has a file or package of the same name for: a script
+    there would import its own, not the preloaded one."""
+    if script_dir is None:
+        return []
+    d = Path(script_dir)
+    tops = {m.split(".")[0] for m in preload if m != "__main__"}
+    return sorted(t for t in tops if (d / f"{t}.py").exists() or (d / t / "__init__.py").exists())
+
+
+def standby_command(kind: str, preload: list[str], idle_timeout_s: float) -> list[str]:
+    """The command line of a standby of ``kind``."""
+    tail = ["--standby", json.dumps(list(preload)), repr(float(idle_timeout_s)), str(os.getpid())]
+    if kind == "launch":
+        return [sys.executable, str(AGENT), *tail]
+    if kind == "verify":
+        return [sys.executable, "-m", "autopar_nb.launch.verifying", *tail]
+    raise ValueError(f"unknown standby kind {kind!r}: {', '.join(KINDS)}")
+
+
+@dataclass(eq=False)
+class Standby:
+    """One warm process waiting for a job; the job's token and metrics channel are its own, made with it."""
+
+    kind: str
+    proc: subprocess.Popen
+    token: str
+    server: MetricsServer | None
+    env: dict[str, str]
+    """the environment it was started with, less its token and metrics address (what a job must match)"""
+    monitor: bool
+    preload: tuple[str, ...]
+    log: Path
+    started: float = field(default_factory=time.monotonic)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def hand(self, job: str | os.PathLike) -> bool:
+        """Give it its job (a path it reads the job from); False when it can no longer take one."""
+        if not self.alive():
+            return False
+        try:
+            self.proc.stdin.write(f"{job}\n".encode())
+            self.proc.stdin.close()
+        except (BrokenPipeError, OSError, ValueError):
+            return False
+        return True
+
+    def discard(self) -> None:
+        """End it (and its forkserver) and close its metrics channel."""
+        terminate(self.proc, self.token, grace_s=1.0)
+        if self.server is not None:
+            self.server.close()
+
+
+class Pool:
+    """At most one standby per kind (``launch``, ``verify``) for this process (the kernel)."""
+
+    def __init__(self, idle_timeout_s: float = IDLE_TIMEOUT_S):
+        self.idle_timeout_s = idle_timeout_s
+        self._standby: dict[str, Standby] = {}
+        self._lock = threading.Lock()
+        self._dir: Path | None = None
+        self.started = 0
+        """standbys started so far (a test reads it: reuse starts none)"""
+
+    def take(self, kind: str, *, env: dict[str, str], monitor: bool, preload: list[str],
+             script_dir: str | os.PathLike | None = None) -> Standby:
+        """A standby for a job with environment ``env`` (``monitor``: with a metrics channel): the waiting one when
+        it is alive, its environment matches and ``script_dir`` (the directory a launched script imports from
+        first) shadows none of its preloaded modules; else a new one (the job then waits for its start-up)."""
+        with self._lock:
+            s = self._standby.pop(kind, None)
+        if s is not None and s.alive() and s.env == env and s.monitor == monitor \
+                and not shadowed(s.preload, script_dir):
+            return s
+        if s is not None:
+            s.discard()
+        return self._start(kind, env=env, monitor=monitor, preload=preload)
+
+    def hand(self, kind: str, job: str | os.PathLike, *, env: dict[str, str], monitor: bool, preload: list[str],
+             script_dir: str | os.PathLike | None = None) -> Standby:
+        """Give ``job`` to a standby (see :meth:`take`) and return it; one that died since it was checked is replaced
+        at once. Raises RuntimeError, with the end of its log, when even a new standby cannot take the job."""
+        want = dict(env=env, monitor=monitor, preload=preload, script_dir=script_dir)
+        standby = self.take(kind, **want)
+        if standby.hand(job):
+            return standby
+        standby.discard()
+        standby = self.take(kind, **want)
+        if standby.hand(job):
+            return standby
+        standby.discard()
+        try:
+            tail = standby.log.read_text(errors="replace")[-2000:]
+        except OSError:
+            tail = ""
+        raise RuntimeError(f"the warm pool's {kind} process exited before it took its job (warm=False starts a "
+                           f"fresh one); its output:\n{tail}")
+
+    def refill(self, kind: str, *, env: dict[str, str], monitor: bool, preload: list[str]) -> None:
+        """Start the next standby of ``kind`` unless one is waiting (called when a job has ended)."""
+        with self._lock:
+            s = self._standby.get(kind)
+            if s is not None and s.alive():
+                return
+        new = self._start(kind, env=env, monitor=monitor, preload=preload)
+        with self._lock:
+            old, self._standby[kind] = self._standby.get(kind), new
+        if old is not None:
+            old.discard()
+
+    def waiting(self, kind: str) -> Standby | None:
+        """The standby of ``kind`` waiting now, if any."""
+        with self._lock:
+            s = self._standby.get(kind)
+        return s if s is not None and s.alive() else None
+
+    def wait_ready(self, kind: str, timeout: float = 60.0) -> bool:
+        """Block until the waiting standby of ``kind`` has finished its imports (it writes "ready" to its log)."""
+        s = self.waiting(kind)
+        deadline = time.monotonic() + timeout
+        while s is not None and s.alive() and time.monotonic() < deadline:
+            try:
+                if b"standby ready" in s.log.read_bytes():
+                    return True
+            except OSError:
+                pass
+            time.sleep(0.02)
+        return False
+
+    def close(self) -> None:
+        """End every standby (the kernel is shutting down, or a test wants a cold start)."""
+        with self._lock:
+            standbys, self._standby = list(self._standby.values()), {}
+        for s in standbys:
+            s.discard()
+
+    def _start(self, kind: str, *, env: dict[str, str], monitor: bool, preload: list[str]) -> Standby:
+        server = MetricsServer() if monitor else None
+        token = server.token if server is not None else secrets.token_hex(16)
+        full = {**env, TOKEN_ENV: token}
+        if server is not None:
+            full["AUTOPAR_METRICS"] = server.address
+        else:
+            full.pop("AUTOPAR_METRICS", None)
+        if self._dir is None:
+            self._dir = Path(tempfile.mkdtemp(prefix="autopar-pool-"))
+        log = self._dir / f"{kind}-{token[:8]}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(standby_command(kind, preload, self.idle_timeout_s), env=full,
+                                    stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT)
+        self.started += 1
+        return Standby(kind=kind, proc=proc, token=token, server=server, env=dict(env), monitor=monitor,
+                       preload=tuple(preload), log=log)
+
+    def _cleanup(self) -> None:
+        self.close()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+POOL = Pool()
+"""this process's pool"""
+
+atexit.register(POOL._cleanup)

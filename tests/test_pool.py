@@ -1,0 +1,277 @@
+"""The warm pool (autopar_nb/launch/pool.py): what runs warm is what torchrun runs, and the pool's processes come and
+go with the kernel."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from autopar_nb.launch import launch, live_runs
+from autopar_nb.launch import pool as pool_mod
+from autopar_nb.launch.channel import MetricsServer
+from autopar_nb.launch.pool import (
+    POOL,
+    Pool,
+    importable_here,
+    imports_of,
+    job_env,
+    script_preload,
+    shadowed,
+    verify_preload,
+)
+from autopar_nb.launch.procs import processes_with_token, rank_of
+
+FIXTURES = Path(__file__).parent / "fixtures"
+REPO = Path(__file__).parent.parent
+
+
+def wait_for(cond, timeout: float, what: str, poll: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_runs():
+    yield
+    for r in live_runs():
+        r.stop("test cleanup")
+
+
+# ---- without processes --------------------------------------------------------------------------------------------
+def test_preload_takes_installed_modules_only(tmp_path):
+    code = "import torch, json\nimport torch.nn.functional as F\nfrom torch.distributed import tensor\n" \
+           "from . import sibling\nimport mylocal\n\ndef f():\n    from torch.distributed.tensor import DTensor\n"
+    assert imports_of(code) == {"torch", "json", "torch.nn.functional", "torch.distributed",
+                                "torch.distributed.tensor", "mylocal"}
+    (tmp_path / "mylocal.py").write_text("X = 1\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import mylocal  # noqa: F401  (imported here, from a user's directory: never preloaded)
+
+        assert importable_here(imports_of(code)) == ["json", "torch", "torch.distributed", "torch.distributed.tensor",
+                                                     "torch.nn.functional"]
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("mylocal", None)
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    assert set(pool_mod.BASE_PRELOAD) <= set(script_preload(script)) and "mylocal" not in script_preload(script)
+    # a script whose directory has its own `json` would import it, not the preloaded one: that standby is not used
+    assert shadowed(script_preload(script), tmp_path) == []
+    (tmp_path / "json.py").write_text("")
+    assert shadowed(script_preload(script), tmp_path) == ["json"]
+    v = verify_preload("import torch\nfrom autopar_nb.zoo import GPT\n")
+    assert "autopar_nb.verify" in v and "torch.distributed.tensor.parallel" in v and "torch.distributed.fsdp" in v
+    # what a job's standby must match: pytest's per-test variable and the run's own token/channel never count
+    assert job_env({"PYTEST_CURRENT_TEST": "t.py::a (call)", "AUTOPAR_TOKEN": "x", "AUTOPAR_METRICS": "h:1",
+                    "A": "1"}) == {"A": "1"}
+
+
+def test_rank_of_a_forked_worker_is_read_from_its_log(tmp_path):
+    """A warm worker's /proc environ is its forkserver's (no RANK): its rank is the log torch points its stdout at."""
+    log = tmp_path / "logs" / "run_x" / "attempt_0" / "1" / "stdout.log"
+    log.parent.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stdout=out, env=env)
+    try:
+        assert rank_of(psutil.Process(proc.pid)) == 1
+        assert rank_of(psutil.Process()) is None or "RANK" in os.environ
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# ---- real runs ----------------------------------------------------------------------------------------------------
+def _views(tmp_path, warm: bool) -> list[dict]:
+    out = tmp_path / ("warm" if warm else "cold")
+    out.mkdir()
+    run = launch(FIXTURES / "env_view.py", nproc=2, steps=None, out=str(out), warm=warm, run_dir=out / "run")
+    assert run.wait(120) == "finished", f"{run.message}\n{run.logs(0)}"
+    assert run.warm is warm
+    return [json.loads((out / f"view_{r}.json").read_text()) for r in (0, 1)]
+
+
+RUN_SPECIFIC = ("AUTOPAR_METRICS", "AUTOPAR_TOKEN", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")
+
+
+@pytest.mark.multiprocess
+def test_a_warm_rank_sees_what_a_torchrun_rank_sees(tmp_path):
+    """The same script under launch(warm=True) and launch(warm=False) (the agent's torchrun config, `python -u
+    script.py` per rank): __name__, __file__, sys.argv, the working directory, sys.path, the environment (run ids,
+    ports and paths aside), signal handlers; nothing of the kernel (autopar_nb, IPython, pytest) in the warm rank,
+    and no CUDA state forked into it."""
+    cold, warm = _views(tmp_path, False), _views(tmp_path, True)
+    for rank, (c, w) in enumerate(zip(cold, warm, strict=True)):
+        assert w["name"] == c["name"] == "__main__" and w["main_is_this"] and c["main_is_this"]
+        assert w["file"] == c["file"] == str(FIXTURES / "env_view.py")
+        assert [a for a in w["argv"] if "/warm" not in a] == [a for a in c["argv"] if "/cold" not in a]
+        assert w["cwd"] == c["cwd"] == str(FIXTURES)
+        assert w["path"] == c["path"] and w["path"][0] == str(FIXTURES)
+        same = {k: v for k, v in c["env"].items() if k not in RUN_SPECIFIC}
+        assert {k: v for k, v in w["env"].items() if k not in RUN_SPECIFIC} == same
+        assert set(RUN_SPECIFIC) <= set(w["env"]) and w["env"]["RANK"] == str(rank)
+        assert w["env"]["OMP_NUM_THREADS"] == "1" and "PYTEST_CURRENT_TEST" not in w["env"]
+        assert (w["sigint"], w["sigterm"]) == (c["sigint"], c["sigterm"])
+        assert w["modules"] == c["modules"] == []
+        assert not w["cuda_initialized"] and not w["bad_fork"]
+        assert w["threads"] == c["threads"] == 1 and w["all_reduce"] == c["all_reduce"] == 3.0
+
+
+def _torchrun_losses(script: Path, steps: int) -> dict[int, list[tuple[int, float]]]:
+    """rank -> [(step, loss)] of `python -m torch.distributed.run --standalone` on the script, from its metrics."""
+    server = MetricsServer()
+    env = {**os.environ, "AUTOPAR_METRICS": server.address, "AUTOPAR_TOKEN": server.token, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(script), "--steps", str(steps)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, cwd=script.parent)
+    losses: dict[int, list] = {0: [], 1: []}
+    try:
+        while proc.poll() is None:
+            for m in server.poll(0.05):
+                if m.kind == "data" and isinstance(m.data.get("step"), int):
+                    losses[m.rank].append((m.data["step"], m.data["loss"]))
+        for m in server.poll(0.2):
+            if m.kind == "data" and isinstance(m.data.get("step"), int):
+                losses[m.rank].append((m.data["step"], m.data["loss"]))
+        assert proc.returncode == 0, proc.stderr.read().decode()[-3000:]
+    finally:
+        proc.kill()
+        server.close()
+    return losses
+
+
+@pytest.mark.multiprocess
+def test_warm_launch_and_torchrun_give_identical_losses(tmp_path):
+    """Issue 19's guarantee: a warm launch runs the exported script itself (the run directory's train.py, byte for
+    byte), so its per-step losses equal torchrun's run of the same file, exactly."""
+    export = pytest.importorskip("autopar_nb.export").export
+    from runtime_cases import make_plan
+
+    from autopar_nb.demo import QUICKSTART_CELL
+    from autopar_nb.source import ModelSource
+
+    src = ModelSource(QUICKSTART_CELL)
+    plan = make_plan(src, tp=2, tp_styles={"linear1": "colwise", "linear2": "rowwise"})  # the seed MLP's plan
+    run = launch(lambda path: export(src, plan, path, steps=5, quiet=True), nproc=2, steps=5, plan=plan,
+                 run_dir=tmp_path / "run")
+    assert run.wait(120) == "finished", f"{run.message}\n{run.logs(0)}"
+    assert run.warm and "--run-path" in run.command and str(run.script) in run.command
+    copy = tmp_path / "torchrun" / "train.py"
+    copy.parent.mkdir()
+    copy.write_bytes(run.script.read_bytes())
+    ref = _torchrun_losses(copy, 5)
+    for rank in (0, 1):
+        assert run.loss_curve(rank) == sorted(ref[rank]) and len(ref[rank]) == 5
+
+
+@pytest.mark.multiprocess
+def test_the_pool_is_reused_replaced_when_dead_and_quits_when_idle(tmp_path):
+    """A run ends -> one standby starts; the next run takes it (its agent is that process); a standby killed while
+    waiting, or whose forkserver was killed, is replaced without the user noticing; an idle standby quits."""
+    script = FIXTURES / "train_fixture.py"
+    POOL.close()
+    first = launch(script, nproc=2, steps=2, run_dir=tmp_path / "a")
+    assert first.wait(120) == "finished", first.message
+    standby = POOL.waiting("launch")
+    assert standby is not None and POOL.wait_ready("launch", 120)
+    started = POOL.started
+    second = launch(script, nproc=2, steps=2, run_dir=tmp_path / "b")
+    assert second._proc is standby.proc and second._token == standby.token  # its agent was the standby
+    assert second.wait(120) == "finished", second.message
+    assert POOL.started == started + 1  # the refill, nothing else
+    assert not processes_with_token(second._token)  # its forkserver too
+
+    # a standby that died while waiting: the next launch starts another, transparently
+    assert POOL.wait_ready("launch", 120)
+    dead = POOL.waiting("launch").proc
+    dead.kill()
+    dead.wait()
+    third = launch(script, nproc=2, steps=2, run_dir=tmp_path / "c")
+    assert third.wait(120) == "finished", third.message
+
+    # a standby whose forkserver died: multiprocessing starts the forkserver again for the ranks
+    assert POOL.wait_ready("launch", 120)
+    waiting = POOL.waiting("launch")
+    forkserver = [p for p in psutil.Process(waiting.proc.pid).children() if "forkserver" in " ".join(p.cmdline())]
+    assert len(forkserver) == 1
+    forkserver[0].kill()
+    fourth = launch(script, nproc=2, steps=2, run_dir=tmp_path / "d")
+    assert fourth.wait(120) == "finished", fourth.message
+    assert fourth._proc is waiting.proc
+
+    # idle: a standby quits after its idle timeout, with its forkserver
+    idle = Pool(idle_timeout_s=1.0)
+    s = idle.take("launch", env=dict(os.environ), monitor=False, preload=["json"])
+    wait_for(lambda: not s.alive(), 60, "the idle standby to quit")
+    wait_for(lambda: not processes_with_token(s.token), 10, "its forkserver to quit (ended by the standby)")
+    idle.close()
+
+
+KERNEL = textwrap.dedent("""
+    import sys, time
+    from autopar_nb.launch import launch
+    from autopar_nb.launch.pool import POOL
+    run = launch(sys.argv[1], nproc=2, steps=2)
+    run.wait(120)
+    POOL.wait_ready("launch", 120)
+    print(run.status, POOL.waiting("launch").token, flush=True)
+    time.sleep(600)          # the test SIGKILLs this "kernel"
+""")
+
+
+@pytest.mark.multiprocess
+def test_the_pool_dies_with_the_kernel():
+    """A kernel killed outright leaves no standby, forkserver or resource tracker behind."""
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL, str(FIXTURES / "train_fixture.py")],
+                              stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        line = kernel.stdout.readline().split()
+        assert line[:1] == ["finished"] and re.fullmatch(r"[0-9a-f]{32}", line[1]), line
+        token = line[1]
+        names = [" ".join(p.cmdline()) for p in processes_with_token(token)]
+        assert any("--standby" in n for n in names) and any("forkserver" in n for n in names), names
+        kernel.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_for(lambda: not processes_with_token(token), 5, "the pool to end")
+        assert time.monotonic() - t0 < 5
+    finally:
+        kernel.kill()
+        kernel.wait()
+
+
+@pytest.mark.multiprocess
+def test_warm_verify_equals_cold_verify_and_the_reference_may_run_beside(monkeypatch):
+    """verify_many warm (ranks forked in a standby, reference there) and cold (ranks spawned from here, the
+    reference in a thread beside them, as when a core is left over) give the same report: the same parallel run,
+    and references that differ only by the threads they ran on (the warm one uses every core, one thread beside)."""
+    import importlib
+
+    from runtime_cases import GPT_CELL, gpt_mlp_tp, make_plan, source
+
+
+    verify_mod = importlib.import_module("autopar_nb.verify")  # the module (the package binds the function)
+    src = source(GPT_CELL)
+    cases = [(src, make_plan(src, dp=2)), (src, make_plan(src, tp=2, tp_styles=gpt_mlp_tp()))]
+    warm = verify_mod.verify_many(cases, steps=3)
+    monkeypatch.setattr(verify_mod, "cores", lambda: 3)
+    cold = verify_mod.verify_many(cases, steps=3, warm=False)
+    for w, c in zip(warm, cold, strict=True):
+        assert w.ok and c.ok, f"{w}\n{c}"
+        assert w.losses == c.losses and w.per_rank == c.per_rank and w.missing == c.missing == []
+        assert [s.ref_loss for s in w.steps] == pytest.approx([s.ref_loss for s in c.steps], rel=1e-6)
+        assert w.param_floor == pytest.approx(c.param_floor, rel=1e-6)
