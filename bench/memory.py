@@ -3,7 +3,7 @@ bring (issue 21), component by component.
 
 Each case: the family's cell at hidden 256, 4 layers, seq 256, batch 8 (tests/memcells.py), planned with the case's
 fixed choices, exported, and its script's own ``main`` run for 2 steps as one rank of a fake process group inside
-the tracker (``autopar_nb.cost.measure``; real small tensors on CPU). The prediction is the cost model's per-rank
+the tracker (``autopar_nb.measure``; real small tensors on CPU). The prediction is the cost model's per-rank
 total before its allocator margin.
 
     .venv/bin/python bench/memory.py [FAMILY,...] [--plans single,ddp,...] [--write]
@@ -45,7 +45,7 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
 
     import autopar_nb as ap
     from autopar_nb.cost import estimate
-    from autopar_nb.cost.measure import measure
+    from autopar_nb.measure import measure
     from autopar_nb.source import ModelSource
 
     src = ModelSource(CELLS[family](**SIZE))
@@ -127,7 +127,7 @@ def main() -> None:
                 f"{platform.machine()} CPU container, torch {torch.__version__}. Sizes {SIZE}, fp32 Adam unless "
                 f"noted (amp={args.amp}, recompute={args.recompute}); predicted (p) = the cost model's per-rank "
                 "total before its allocator margin, measured (m) = MemTracker/FSDPMemTracker peak of the 2nd step of "
-                "the exported script's own main under a fake process group (autopar_nb/cost/measure.py). "
+                "the exported script's own main under a fake process group (autopar_nb/measure.py). "
                 f"{summary}.\n\n{table}\n"
                 + ("".join(f"\n- not measured: {f}" for f in failed)) + "\n")
         write_section("Per-rank memory against the tracker", body, ROOT / "BENCHMARKS.md")

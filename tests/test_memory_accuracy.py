@@ -6,7 +6,7 @@ bring (tests/memcells.py).
   K/V, the CPU flash kernel's output layout, the math kernel SDPA falls back to with dropout);
 * named terms against closed forms (DDP's gradient buckets);
 * whole steps: the plan's exported script run as one rank of a fake process group inside PyTorch's memory tracker
-  (``autopar_nb.cost.measure``), component by component.
+  (``autopar_nb.measure``), component by component.
 """
 
 from __future__ import annotations

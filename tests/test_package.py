@@ -26,9 +26,11 @@ def test_import_in_a_worker_pulls_no_notebook_machinery():
 
 def test_imports_flow_one_way():
     """capture -> graph -> cost -> planner -> plan -> {widget, runtime, export, launch}: a module never imports one
-    from a later stage (plan.py, the contract, is imported by all; session and magic sit on top)."""
-    order = ["source", "graph", "hardware", "plan", "capture", "cell", "cost", "calibration", "planner", "runtime",
-             "export", "verify", "launch", "widget", "session", "magic", "demo"]
+    from a later stage (plan.py, the contract, is imported by all; session and magic sit on top). runtime/ imports
+    nothing of the package (see the next test), so it is the bottom layer every stage may use: the cell's dataset is
+    collated into example inputs at capture by the same function the exported script reads batches with."""
+    order = ["runtime", "source", "graph", "hardware", "plan", "capture", "cell", "cost", "calibration", "planner",
+             "export", "verify", "measure", "launch", "widget", "session", "magic", "demo"]
     rank = {name: i for i, name in enumerate(order)}
     checked = 0
     for path in PKG.rglob("*.py"):

@@ -211,7 +211,7 @@ def _bucket_as_is(state, bucket):
 def measure(source, plan, *, ranks: tuple[int, ...] = (0,), steps: int = 2, timeout: float = 600) -> list[dict]:
     """Measure ``plan`` on ``source`` (a :class:`~autopar_nb.source.ModelSource`) for each of ``ranks``, each in a
     fresh process: the plan's script is exported to a temporary directory and :func:`measure_script` runs it."""
-    from ..export import export
+    from .export import export
 
     with tempfile.TemporaryDirectory(prefix="autopar-measure-") as tmp:
         script = export(source, plan, Path(tmp) / "train.py", quiet=True).script
@@ -221,7 +221,7 @@ def measure(source, plan, *, ranks: tuple[int, ...] = (0,), steps: int = 2, time
 def measure_in_subprocess(script, *, rank: int = 0, steps: int = 2, timeout: float = 600) -> dict:
     """:func:`measure_script` in a child process (one JSON line back)."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "autopar_nb.cost.measure", str(script), str(rank), str(steps)],
+    proc = subprocess.run([sys.executable, "-m", "autopar_nb.measure", str(script), str(rank), str(steps)],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=Path(script).parent)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
