@@ -81,3 +81,12 @@ def test_troubleshooting(tmp_path):
     assert "GiB over the memory limit" in out
     assert re.search(r"verify dp=2 .* on 2 processes: OK", out)
     assert "dynamic_loss_scale=True" in out
+
+
+@pytest.mark.multiprocess
+def test_data(tmp_path):
+    out = run_notebook("06_data", tmp_path)
+    assert re.search(r"verify dp=\d+ tp=\d+ .* on 2 processes: OK", out)
+    assert "resumed from ckpt/step_6 at step 6" in out
+    assert re.search(r"data (wait|loading)", out)  # the run's data-wait verdict
+    assert (tmp_path / "train_data.py").exists()
