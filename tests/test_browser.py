@@ -672,6 +672,31 @@ def test_sharding_board(tmp_path):
         assert node["overrides"]["lm_head"] == {"tp": "vocab"} and node["split"]["lm_head"] == "vocab", node
         assert "vocab" in ghost, ghost
 
+        # 6b. a cluster (the folded block, by its label) onto "replicated": every member, one re-plan
+        w.locator(".ap-graph").scroll_into_view_if_needed()
+        label = w.locator(".ap-svg text.ap-clabel", has_text="h × 12").first
+        lb, rb = label.bounding_box(), w.locator('.ap-legend-item[data-strategy="replicate"]').bounding_box()
+        page.mouse.move(lb["x"] + 8, lb["y"] + lb["height"] / 2)
+        page.mouse.down()
+        page.mouse.move(rb["x"] + 6, rb["y"] + rb["height"] / 2, steps=10)
+        page.mouse.up()
+        expect(w.locator(".ap-msg").first).to_contain_text("ap.override('h.*', tp='replicate', fsdp=False)",
+                                                          timeout=30_000)
+        cluster = kernel_json(page, tmp_path, BOARD_STATE)
+        assert all(cluster["split"][f"h.{i}"] == "replicate" for i in range(12)), cluster["split"]
+        assert cluster["undo"] == node["undo"] + 1
+
+        # long press on a node (touch, or a held button) opens the same menu as a right click
+        w.locator(".ap-graph").scroll_into_view_if_needed()  # the state cell scrolled the notebook down
+        ln = w.locator(".ap-svg g.node", has_text="layer_norm").first.bounding_box()
+        page.mouse.move(ln["x"] + ln["width"] / 2, ln["y"] + ln["height"] / 2)
+        page.mouse.down()
+        page.wait_for_timeout(900)
+        expect(w.locator(".ap-menu")).to_be_visible()
+        page.mouse.up()
+        page.keyboard.press("Escape")
+        expect(w.locator(".ap-menu")).to_be_hidden()
+
         # 7. the right-click menu on a node: valid splits enabled, the others disabled with the reason
         w.locator(".ap-svg g.node", has_text="layer_norm").first.click(button="right")
         menu = w.locator(".ap-menu")
