@@ -122,8 +122,8 @@ def test_32_layer_llama_script_stays_short(tmp_path):
         lengths[layers] = len(render_script(src, plan).splitlines())
     print(lengths)
     assert lengths[32] == lengths[2]  # nothing is unrolled per layer
-    assert lengths[32] <= 760  # ~500 of them the runtime it carries (loop, DCP + data position, metrics, data-wait
-    # verdict, clipping, styles, ...)
+    assert lengths[32] <= 770  # ~500 of them the runtime it carries (loop, DCP + data position, metrics, data-wait
+    # verdict, clipping, styles, AMP op-list hook, the model-call helper, ...): 765 on 2026-12-01
 
 
 HOSTILE = [
