@@ -310,8 +310,13 @@ def test_lane_labels_name_rank_and_chunk():
 
 
 def test_global_controls_cluster_and_adopt(seed_graph):
+    from autopar_nb.plan import FIX_KEYS
+
     s = _session(seed_graph)
     w = s.widget()
+    # one vocabulary: the controls (and their labels, which the front end shows) are fix keys with options
+    assert set(editor.GLOBAL_KEYS) <= set(FIX_KEYS) and list(w.controls["labels"]) == list(editor.GLOBAL_KEYS)
+    assert set(w.controls["options"]) == set(editor.GLOBAL_KEYS) and w.view["legible"] == LEGIBLE_SCALE
     w.handle({"kind": "global", "key": "zero_stage", "value": "3"})
     assert s.fix == {"zero_stage": 3} and s.plan.mesh.zero_stage == 3
     w.handle({"kind": "global", "key": "zero_stage", "value": "auto"})

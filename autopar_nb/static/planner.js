@@ -3,7 +3,8 @@
 // (see autopar_nb/widget/model.py, PlannerWidget.handle). Which split a layer can take, which global options the
 // planner can plan, how the graph is folded: all come from Python; nothing here decides them.
 
-const LEGIBLE = 0.75; // view scale at which the graph's smallest label (9 pt) is 9 CSS px
+// the view scale at which the graph's smallest label is 9 CSS px (autopar_nb/widget/layout.py: LEGIBLE_SCALE)
+const legible = (ui) => (ui.model.get("view") || {}).legible || 0.75;
 let widgetCount = 0;
 
 function h(tag, attrs = {}, ...children) {
@@ -233,12 +234,12 @@ function fitView(ui, mode = "auto") {
   const v = ui.view;
   const vw = ui.viewport.clientWidth || 600, vh = ui.viewport.clientHeight || 420;
   const whole = Math.min(vw / w, vh / hgt) * 0.96;
-  if (mode === "whole" || whole >= LEGIBLE) {
+  if (mode === "whole" || whole >= legible(ui)) {
     v.scale = Math.min(1.1, whole);
     v.x = (vw - w * v.scale) / 2;
     v.y = Math.max(4, (vh - hgt * v.scale) / 2);
   } else {
-    v.scale = LEGIBLE;
+    v.scale = legible(ui);
     v.x = w * v.scale <= vw ? (vw - w * v.scale) / 2 : 8;
     v.y = 8;
   }
@@ -572,7 +573,7 @@ function applySearch(ui, step) {
     const cur = hits[v.hit];
     cur.classList.add("ap-current");
     if (step) {
-      if (v.scale < LEGIBLE) { v.scale = LEGIBLE; applyTransform(ui); }
+      if (v.scale < legible(ui)) { v.scale = legible(ui); applyTransform(ui); }
       const vr = ui.viewport.getBoundingClientRect(), gr = cur.getBoundingClientRect();
       v.x += vr.left + vr.width / 2 - (gr.left + gr.width / 2);
       v.y += vr.top + vr.height / 2 - (gr.top + gr.height / 2);
@@ -870,10 +871,6 @@ function explanationPanel(expl) {
 }
 
 // ---- global choices ----------------------------------------------------------------------------------------------
-const GLOBAL_LABELS = { dp: "dp", tp: "tp", pp: "pp", zero_stage: "ZeRO", micro_batches: "micro-batches",
-  schedule: "schedule", virtual_stages: "virtual stages", amp: "AMP", sequence_parallel: "seq. parallel",
-  recompute: "recompute (all layers)" };
-
 // the options the planner cannot plan with the other choices are disabled and say why
 function choiceSelect(cls, key, value, fixed, options, disabled, onchange) {
   const cur = fixed !== undefined ? String(fixed) : "auto";
@@ -894,7 +891,7 @@ function choiceSelect(cls, key, value, fixed, options, disabled, onchange) {
 function renderControls(ui) {
   const c = ui.model.get("controls");
   const items = clusterControls(ui, c);
-  for (const [key, label] of Object.entries(GLOBAL_LABELS)) {
+  for (const [key, label] of Object.entries(c.labels || {})) { // autopar_nb/widget/editor.py: CONTROL_LABELS
     const sel = choiceSelect("ap-global", key, c.values[key], c.fixed[key], c.options[key] || [],
       (c.disabled || {})[key], (v) => ui.send({ kind: "global", key, value: v }));
     items.push(h("span", { class: "ap-ctl" + (c.fixed[key] !== undefined ? " ap-pinned" : "") }, `${label} `, sel));

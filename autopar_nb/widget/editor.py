@@ -16,7 +16,7 @@ from typing import Any
 from ..cost.tp_styles import LAYOUT_WORDS, part_split
 from ..graph import Layer, ModelGraph
 from ..hardware import PRESETS, Cluster
-from ..plan import AMP, FIX_KEYS, RECOMPUTE, SCHEDULES, ZERO_STAGES, LayerPlan, Plan, PlanError
+from ..plan import AMP, RECOMPUTE, SCHEDULES, ZERO_STAGES, LayerPlan, Plan, PlanError
 from .units import fmt_bytes, fmt_count, fmt_time
 
 STRATEGY_LABELS = {
@@ -32,12 +32,16 @@ STRATEGY_LABELS = {
 LANES = ("replicate", "fsdp", "colwise-rowwise", "colwise", "rowwise", "vocab", "sequence_parallel")
 """the sharding board's lanes, in order (those no layer of the model can take are left out)"""
 TP_LANES = ("colwise-rowwise", "colwise", "rowwise", "vocab", "sequence_parallel")
-GLOBAL_KEYS = tuple(k for k in FIX_KEYS if k not in ("optimizer", "ep"))
-"""the fix keys the widget has a control for (the optimizer and expert parallelism are set in Python:
-``ap.replan(fix={"optimizer": ...})``)"""
 GLOBAL_NAMES = {"dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "zero_stage": "ZeRO", "micro_batches": "micro-batches",
                 "schedule": "schedule", "virtual_stages": "virtual stages", "recompute": "recompute", "amp": "AMP",
                 "sequence_parallel": "sequence parallel", "optimizer": "optimizer"}
+_SHORTER = {"sequence_parallel": "seq. parallel", "recompute": "recompute (all layers)"}
+CONTROL_LABELS = {k: _SHORTER.get(k, GLOBAL_NAMES[k]) for k in ("dp", "tp", "pp", "zero_stage", "micro_batches",
+                                                                  "schedule", "virtual_stages", "amp",
+                                                                  "sequence_parallel", "recompute")}
+"""the global choices the widget has a control for, in the order shown, with the control's label (the other fix keys,
+e.g. the optimizer or expert parallelism, are set in Python: ``ap.replan(fix={"optimizer": ...})``)"""
+GLOBAL_KEYS = tuple(CONTROL_LABELS)
 
 
 # ---- strategies ---------------------------------------------------------------------------------------------------
@@ -433,11 +437,13 @@ def global_state(cluster: Cluster, plan: Plan | None, fix: dict[str, Any], *,
         "preset": cluster.name or "custom", "presets": [*PRESETS, "cpu"], "nodes": cluster.nodes,
         "gpus_per_node": cluster.gpus_per_node, "world_size": cluster.world_size, "device": cluster.describe(),
         "values": values, "fixed": {k: fix[k] for k in GLOBAL_KEYS if k in fix},
-        "options": global_options(cluster), "disabled": disabled or {},
+        "options": global_options(cluster), "disabled": disabled or {}, "labels": CONTROL_LABELS,
     }
 
 
 def global_options(cluster: Cluster) -> dict[str, list]:
+    """Every option each global control lists (mesh degrees: the divisors of the world size); which of them the
+    planner cannot take with the other choices is :func:`option_refusals`' answer."""
     world = cluster.world_size
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     return {"dp": divisors, "tp": divisors, "pp": divisors, "zero_stage": list(ZERO_STAGES),

@@ -20,7 +20,17 @@ import traitlets as t
 from ..hardware import Cluster
 from ..plan import RECOMPUTE, Plan, PlanError
 from . import editor, panels
-from .layout import DEFAULT_VIEWPORT, View, auto_view, child_groups, fit_ratio, layout, render_svg, svg_size
+from .layout import (
+    DEFAULT_VIEWPORT,
+    LEGIBLE_SCALE,
+    View,
+    auto_view,
+    child_groups,
+    fit_ratio,
+    layout,
+    render_svg,
+    svg_size,
+)
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 ACTIONS = ("verify", "export", "launch")
@@ -204,6 +214,7 @@ class PlannerWidget(anywidget.AnyWidget):
             v = self._view
             self.view = {"depth": v.depth, "groups": sorted(v.groups), "breaks": list(v.breaks),
                          "columns": len(v.breaks) + 1, "auto": self._auto, "scale": report.get("scale"),
+                         "legible": LEGIBLE_SCALE,
                          "outlined": bool(outlined) or not changed}
             self.memory = panels.memory_panel(plan, s.cluster)
             self.time = panels.time_panel(plan)
