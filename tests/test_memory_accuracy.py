@@ -117,3 +117,40 @@ def test_ddp_bucket_is_the_parameters_in_fp32():
     assert ddp.total - ddp.margin - (single.total - single.margin) == pytest.approx(4 * numel)
     for no_buckets in (Setting(dp=2, zero_stage=2), Setting(dp=2, tp=2), Setting()):
         assert ddp_bucket_bytes(no_buckets, numel) == 0
+
+
+WHOLE = {"hidden": 128, "layers": 2, "seq": 128, "batch": 4}
+"""sizes of the whole-step checks: large enough that fixed overheads (rotary tables, the loss scalar) stay below
+1 % of the peak, small enough for a CPU step in well under a second"""
+WITHIN = 0.05
+"""issue 21's bound: per-rank peak, and each component, within 5 % of the tracker's"""
+
+
+def _predicted_and_measured(family: str, fix: dict) -> tuple[dict, dict]:
+    from autopar_nb.cost import estimate
+    from autopar_nb.measure import measure
+
+    src = ModelSource(CELLS[family](**WHOLE))
+    meta, example, _ = src.build(device="meta")
+    graph = ap.capture(meta, example)
+    world = fix.get("dp", 1) * fix.get("tp", 1) * fix.get("pp", 1)
+    cluster = ap.Cluster.preset("cpu", 1, world)
+    plan = ap.plan(graph, cluster, global_batch=WHOLE["batch"] * fix.get("dp", 1),
+                   fix={"micro_batches": 1, "amp": "none", "recompute": "none", **fix})
+    mb = estimate(graph, cluster, plan).memory_by_rank[0]
+    (got,) = measure(src, plan, ranks=(0,))
+    return mb, got["peak"]
+
+
+@pytest.mark.parametrize("fix", [{"dp": 1, "tp": 1, "pp": 1}, {"dp": 1, "tp": 2, "pp": 1}], ids=["single", "tp2-sp"])
+def test_whole_step_memory_matches_the_tracker(fix):
+    """The exported script's own step under the tracker (``autopar_nb.measure``) against the cost model, component
+    by component: parameters, gradients and optimizer states each; saved activations with the loss and the
+    temporaries (the tracker labels the loss's saved log-softmax as the loss, the model as activations); the total.
+    tp2-sp covers sequence-parallel norms outside the blocks and the vocab-parallel loss's temporaries."""
+    mb, m = _predicted_and_measured("Qwen2", fix)
+    for k in ("params", "grads", "optimizer"):
+        assert getattr(mb, k) == pytest.approx(m[k], rel=WITHIN, abs=1024), k
+    rest = m["activations"] + m["loss"] + m["backward"] + m["buffers"] + m["step"]
+    assert mb.activations + mb.buffers == pytest.approx(rest, rel=WITHIN), (mb, m)
+    assert mb.total - mb.margin == pytest.approx(m["total"], rel=WITHIN), (mb, m)

@@ -424,10 +424,10 @@ class Evaluator:
             lp_div = s.tp if (prof.loss_parallel and s.tp > 1 and sums.head_tp) else 1
             out_numel = prof.output_numel * (s.mb_samples / prof.batch) * self.seq_ratio
             loss_saved = out_numel * 4 / lp_div
-            # gradients of the log-softmax and of the logits; torch's loss_parallel backward still holds temporaries
-            # of the full (unsharded) logits' size (measured with MemTracker, torch 2.13: the same bytes at tp=2
-            # and tp=4)
-            loss_temp = out_numel * (4 + p_item)
+            # gradients of the log-softmax and of the logits; torch's loss_parallel backward holds three fp32
+            # temporaries of the logits' shard beside the saved one (measured with MemTracker, torch 2.13: 4 x the
+            # shard's fp32 bytes at tp 2 and 4, in fp32 and under bf16 autocast)
+            loss_temp = out_numel * 4 * 3 / lp_div if lp_div > 1 else out_numel * (4 + p_item)
             if act + loss_saved + loss_temp >= act + temp:
                 act_at, temp_at = act + loss_saved, loss_temp
         at_backward = pb + ob + grads_bwd + act_at + held + temp_at + p2p_buf
@@ -471,7 +471,9 @@ def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:
     """The (Setting, per-layer choices) a :class:`~autopar_nb.plan.Plan` stands for."""
     m = plan.mesh
     mb = plan.batch.global_batch / (m.dp * plan.batch.micro_batches)
-    tp_on = [any(st in ("colwise", "rowwise") for st in lp.tp.values()) for lp in plan.layers]
+    # a layer the planner put under TP: split modules, or only sequence-parallel norms (the final norm between SP
+    # blocks and a vocab-parallel head): the runtime then shards its activations along the sequence
+    tp_on = [any(st in ("colwise", "rowwise", "sequence_parallel") for st in lp.tp.values()) for lp in plan.layers]
     sp = any(lp.sequence_parallel for lp in plan.layers)
     s = Setting(m.dp, m.tp, m.pp, m.zero_stage, plan.precision.amp, plan.batch.micro_batches, mb,
                 plan.pipeline.schedule, plan.pipeline.virtual_stages, sp, plan.optimizer.name, m.ep)
