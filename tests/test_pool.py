@@ -75,7 +75,7 @@ def test_preload_takes_installed_modules_only(tmp_path):
     (tmp_path / "json.py").write_text("")
     assert shadowed(script_preload(script), tmp_path) == ["json"]
     v = verify_preload("import torch\nfrom autopar_nb.zoo import GPT\n")
-    assert "autopar_nb.verify" in v and "torch.distributed.tensor.parallel" in v and "torch.distributed.fsdp" in v
+    assert "autopar_nb.check" in v and "torch.distributed.tensor.parallel" in v and "torch.distributed.fsdp" in v
     # what a job's standby must match: pytest's per-test variable and the run's own token/channel never count
     assert job_env({"PYTEST_CURRENT_TEST": "t.py::a (call)", "AUTOPAR_TOKEN": "x", "AUTOPAR_METRICS": "h:1",
                     "A": "1"}) == {"A": "1"}
@@ -265,10 +265,11 @@ def test_warm_verify_equals_cold_verify_and_the_reference_may_run_beside(monkeyp
 
 
     verify_mod = importlib.import_module("autopar_nb.verify")  # the module (the package binds the function)
+    check_mod = importlib.import_module("autopar_nb.check")
     src = source(GPT_CELL)
     cases = [(src, make_plan(src, dp=2)), (src, make_plan(src, tp=2, tp_styles=gpt_mlp_tp()))]
     warm = verify_mod.verify_many(cases, steps=3)
-    monkeypatch.setattr(verify_mod, "cores", lambda: 3)
+    monkeypatch.setattr(check_mod, "cores", lambda: 3)
     cold = verify_mod.verify_many(cases, steps=3, warm=False)
     for w, c in zip(warm, cold, strict=True):
         assert w.ok and c.ok, f"{w}\n{c}"

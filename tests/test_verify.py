@@ -24,8 +24,9 @@ from runtime_cases import (
     source,
 )
 
+from autopar_nb.check import _compare
 from autopar_nb.source import ModelSource
-from autopar_nb.verify import FP32_RTOL, StepDiff, VerifyReport, _compare, verify_many
+from autopar_nb.verify import FP32_RTOL, StepDiff, VerifyReport, verify_many
 
 STEPS = 5
 G, L, R, V = source(GPT_CELL), source(LLAMA_CELL), source(RECSYS_CELL), source(RESNET_CELL)

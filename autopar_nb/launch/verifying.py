@@ -1,6 +1,6 @@
 """``verify`` in the background: the planner widget's Verify button, without blocking the kernel.
 
-:class:`VerifyJob` runs :func:`autopar_nb.verify.verify` in a child process (``python -m
+:class:`VerifyJob` runs :func:`autopar_nb.check.verify_here` in a child process (``python -m
 autopar_nb.launch.verifying JOB.json``), so the kernel stays free and Stop can end it (with the worker processes
 verify starts). Its progress comes over the launcher's metrics channel: the exported script's ranks report each
 step of the parallel run there (verify runs that very script); when every rank has said "done", the single-process
@@ -199,7 +199,7 @@ class VerifyJob:
         return changed
 
     def _finish(self) -> None:
-        from ..verify import StepDiff, VerifyReport
+        from ..check import StepDiff, VerifyReport
 
         self.ended = time.time()
         if self._stopping:
@@ -255,9 +255,9 @@ def main(job_path: str, *, watch: bool = True) -> int:
         os.close(fd)
     out = Path(job["report"])
     try:
+        from ..check import export_scripts, verify_here
         from ..plan import Plan
         from ..source import ModelSource
-        from ..verify import export_scripts, verify_here
 
         cases = [(ModelSource(**c["source"]), Plan.from_json(c["plan"])) for c in job["cases"]]
         metas = [bool(c["meta_init"]) for c in job["cases"]]
@@ -279,7 +279,7 @@ def main(job_path: str, *, watch: bool = True) -> int:
 
 
 def standby(preload: list[str], idle_timeout_s: float, parent_pid: int) -> int:
-    """A verify standby of the warm pool: the forkserver for the ranks preloads torch, autopar_nb.verify and the
+    """A verify standby of the warm pool: the forkserver for the ranks preloads torch, autopar_nb.check and the
     cell's imports while this process imports what ``main`` needs; then one job (its path on standard input)."""
     import signal
 
@@ -288,7 +288,7 @@ def standby(preload: list[str], idle_timeout_s: float, parent_pid: int) -> int:
     signal.signal(signal.SIGTERM, lambda *_: exit_now(128 + signal.SIGTERM))  # torch's own handler replaces it
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     start_forkserver(preload)
-    from .. import verify  # noqa: F401  (main's imports, now)
+    from .. import check  # noqa: F401  (main's imports, now)
     from ..export import export  # noqa: F401
 
     forkserver_ready()

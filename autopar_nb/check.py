@@ -1,0 +1,460 @@
+"""Verify's machinery (seed §5.3): the plan's exported script on ranks started from this process, the
+single-process reference, and the comparison. :mod:`autopar_nb.verify` is the entry point; the warm pool's verify
+standby (``launch/verifying.py``) runs the same functions in its own process.
+
+Each rank imports the exported script and calls its ``main`` with an observer that collects the loss, the full
+gradients and the full parameters of every step; the single-process reference uses the same seed, data,
+learning-rate schedule and clipping; the report gives per step the loss difference and the largest gradient and
+parameter differences, relative to the largest reference value. Dropout is switched off in both runs (the ranks would
+draw other masks than the reference); the report says so.
+
+The reference reproduces the parallel run's arithmetic, not only its result: each data-parallel rank's batch
+(``make_batch(step, rank)``) and each micro-batch is a separate forward/backward whose loss is scaled by
+``1 / (dp * micro_batches)``, as DDP/FSDP averaging and pipeline schedules do (with SyncBatchNorm the ranks' batches
+are concatenated, since the statistics span them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import os
+import runpy
+import signal
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from .export import export
+from .export.values import ScriptValues, script_values
+from .plan import DTYPE_NAMES, Plan
+from .source import ModelSource
+
+FP32_RTOL = 1e-5
+# bf16 keeps 8 significant bits: one rounding is up to 2**-8 = 3.9e-3 relative; the parallel run rounds partial
+# sums in a different order (sharded matmuls, reductions across ranks), so a few roundings may add up: 2e-2.
+LOW_PRECISION_RTOL = 2e-2
+
+
+@dataclass
+class StepDiff:
+    """Differences at one training step (relative values are divided by the largest reference magnitude)."""
+
+    step: int
+    loss: float
+    ref_loss: float
+    grad_max_diff: float
+    grad_rel: float
+    param_max_diff: float
+    """after the optimizer step"""
+    param_rel: float
+
+    @property
+    def loss_diff(self) -> float:
+        return abs(self.loss - self.ref_loss)
+
+    @property
+    def loss_rel(self) -> float:
+        return self.loss_diff / max(abs(self.ref_loss), 1e-12)
+
+
+@dataclass
+class VerifyReport:
+    """Result of :func:`verify`: print it for a table; ``ok`` says whether every step is within ``rtol``."""
+
+    plan: str
+    nproc: int
+    rtol: float
+    steps: list[StepDiff] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    """parameters of the reference with no gradient in the parallel run"""
+    per_rank: list[dict] = field(default_factory=list)
+    """what each rank held: ``local_numel`` (parameter elements stored there), ``dtensor_params`` (parameters
+    sharded/replicated as DTensors), ``checkpointed`` (checkpoint-wrapped modules), ``stages`` (pipeline stages)"""
+
+    param_floor: float = 0.0
+    """extra parameter tolerance per step, relative: Adam-type optimizers divide each gradient element by its running
+    RMS, so an element whose gradient is at rounding level (about Adam's eps, or bf16's resolution) moves by ``+lr``
+    or ``-lr`` whichever way it rounds; such a difference says nothing about the model. ``2 * lr / max|param|`` per
+    step for adam/adamw, else 0."""
+    low_precision: bool = False
+    """bf16/fp16: gradients are judged at the first step only, where both runs start from the same weights; after an
+    update the weights differ by the rounding above and so do later gradients (the losses are still judged)"""
+    dropout_off: int = 0
+    """dropout modules (or Hugging Face dropout settings) switched off in both runs: the ranks would draw other masks
+    than the reference"""
+
+    def judge(self, s: StepDiff) -> tuple[bool, str]:
+        """Whether step ``s`` agrees, and the rule it was judged by:
+
+        * ``rtol``: loss, gradients and parameters within ``rtol``;
+        * ``adam``: parameters within ``rtol`` plus ``param_floor`` per step so far; gradients after the first step
+          within ``rtol`` plus the previous step's parameter difference (gradients of weights that differ by a
+          relative ``d`` differ by about ``d``: the same reasoning, one step later);
+        * ``low precision``: loss and parameters as above; gradients at step 0 only.
+        """
+        prev = self.steps[s.step - 1].param_rel if 0 < s.step <= len(self.steps) else 0.0
+        param_ok = s.param_rel <= self.rtol + (s.step + 1) * self.param_floor
+        if s.loss_rel > self.rtol or not param_ok:
+            return False, "rtol"
+        if s.grad_rel <= self.rtol and s.param_rel <= self.rtol:
+            return True, "rtol"
+        if self.low_precision:
+            return s.step > 0 or s.grad_rel <= self.rtol, "low precision"
+        return s.grad_rel <= self.rtol + (prev if self.param_floor else 0.0), "adam" if self.param_floor else "rtol"
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and all(self.judge(s)[0] for s in self.steps)
+
+    @property
+    def max_loss_rel(self) -> float:
+        return max(s.loss_rel for s in self.steps)
+
+    @property
+    def max_grad_rel(self) -> float:
+        return max(s.grad_rel for s in self.steps)
+
+    @property
+    def max_param_rel(self) -> float:
+        return max(s.param_rel for s in self.steps)
+
+    @property
+    def losses(self) -> list[float]:
+        """The parallel run's loss at each step."""
+        return [s.loss for s in self.steps]
+
+    def __str__(self) -> str:
+        head = (f"verify {self.plan} on {self.nproc} processes: "
+                f"{'OK' if self.ok else 'MISMATCH'} (rtol {self.rtol:g})")
+        rows = [f"{'step':>4} {'loss':>12} {'reference':>12} {'|Δloss|':>10} {'rel':>9} "
+                f"{'max|Δgrad|':>11} {'rel':>9} {'max|Δparam|':>12} {'rel':>9}  rule"]
+        for s in self.steps:
+            ok, rule = self.judge(s)
+            rows.append(f"{s.step:>4} {s.loss:>12.6f} {s.ref_loss:>12.6f} {s.loss_diff:>10.2e} {s.loss_rel:>9.2e} "
+                        f"{s.grad_max_diff:>11.2e} {s.grad_rel:>9.2e} {s.param_max_diff:>12.2e} {s.param_rel:>9.2e}  "
+                        f"{rule}{'' if ok else ' FAILED'}")
+        if self.param_floor:
+            rows.append(f"parameters checked against rtol + {self.param_floor:.1e} per step (Adam: see param_floor)")
+        if self.low_precision:
+            rows.append("low precision: gradients judged at step 0 only (same weights there; see low_precision)")
+        if self.dropout_off:
+            rows.append(f"dropout switched off in both runs ({self.dropout_off} module(s)/setting(s); see dropout_off)")
+        if self.missing:
+            rows.append(f"no gradient in the parallel run for: {', '.join(self.missing)}")
+        return "\n".join([head, *rows])
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(str(self))
+
+
+
+
+def export_scripts(cases: list[tuple[ModelSource, Plan]], metas: list[bool], directory: str | os.PathLike, *,
+                   steps: int, seed: int) -> list[str]:
+    """Each case's exported script, written to ``directory`` (``verify_<i>.py``)."""
+    return [str(export(src, plan, Path(directory) / f"verify_{i}.py", steps=steps, seed=seed, meta_init=meta,
+                       quiet=True).script)
+            for i, ((src, plan), meta) in enumerate(zip(cases, metas, strict=True))]
+
+
+def cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def verify_here(cases: list[tuple[ModelSource, Plan]], metas: list[bool], scripts: list[str], *, steps: int,
+                nproc: int, seed: int, rtol: float | None, start_method: str) -> list[VerifyReport]:
+    """The parallel run of ``scripts`` on ``nproc`` ranks started from this process (torch elastic,
+    ``start_method``), and the single-process reference in this process: in a thread beside the ranks when a core
+    is left over for it (the ranks take one each), else after them."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"verify-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.05,
+                          start_method=start_method)
+    jobs = [(script, src.model_var, plan.to_json(indent=None)) for script, (src, plan) in zip(scripts, cases,
+                                                                                               strict=True)]
+    values = [script_values(src, plan, seed=seed, meta_init=meta) for (src, plan), meta in zip(cases, metas,
+                                                                                              strict=True)]
+    refs: list = []
+    errors: list = []
+
+    def run_references():
+        try:
+            refs.extend(reference(src, plan, steps=steps, seed=seed, values=v) for (src, plan), v in zip(cases, values,
+                                                                                                          strict=True))
+        except BaseException as e:  # raised in the calling thread below
+            errors.append(e)
+
+    spare = cores() - nproc
+    thread = None
+    if spare >= 1:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(spare)
+        thread = threading.Thread(target=run_references, daemon=True, name="autopar-verify-reference")
+        thread.start()
+    try:
+        results = _restoring_signal_handlers(elastic_launch(config, _worker), jobs, steps)
+    finally:
+        if thread is not None:
+            thread.join()
+            torch.set_num_threads(threads)
+    if thread is None:
+        run_references()
+    if errors:
+        raise errors[0]
+    reports = []
+    for i, (_, plan) in enumerate(cases):
+        par = _merge([results[r][i] for r in sorted(results)])
+        ref = refs[i]
+        tol = rtol if rtol is not None else (FP32_RTOL if plan.precision.amp == "none" else LOW_PRECISION_RTOL)
+        report = _compare(plan, nproc, tol, par, ref)
+        report.per_rank = [results[r][i]["info"] for r in sorted(results)]
+        report.dropout_off = ref["dropout_off"]
+        reports.append(report)
+    return reports
+
+
+def _restoring_signal_handlers(fn, *args):
+    # the elastic launcher installs SIGTERM/SIGINT/SIGHUP/SIGQUIT handlers in the calling process and leaves them;
+    # in a notebook kernel they would later turn the kernel's own shutdown into a SignalException traceback
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    saved = {n: signal.getsignal(getattr(signal, n)) for n in names if hasattr(signal, n)}
+    try:
+        return fn(*args)
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for n, handler in saved.items():
+                signal.signal(getattr(signal, n), handler)
+
+
+DROPOUT_SETTINGS = ("dropout", "attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop",
+                    "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout_rate", "classifier_dropout")
+
+
+def switch_off_dropout(model: nn.Module) -> int:
+    """Set every dropout probability to 0: ``nn.Dropout`` modules' ``p`` (which Hugging Face attention also reads for
+    SDPA's ``dropout_p``) and dropout settings modules keep as floats; returns how many there were (0: the model is
+    left as it is). Training mode stays on (BatchNorm's statistics are part of the model)."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            module.p = 0.0
+            count += 1
+        for name in DROPOUT_SETTINGS:
+            value = module.__dict__.get(name)
+            if isinstance(value, float) and value > 0 and not isinstance(module, nn.modules.dropout._DropoutNd):
+                setattr(module, name, 0.0)
+                count += 1
+    return count
+
+
+def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0, values: ScriptValues | None = None
+              ) -> dict:
+    """The single-process run, with the script's data, loss, learning-rate schedule and clipping: losses, gradients
+    and parameters at each step (see the module docstring)."""
+    from .runtime.amp import OpPrecision, exact_fp32, grad_scaler, step_context
+    from .runtime.data import DataStream, concat_batches, default_loss, split_batch, synthetic_batch, to_device
+    from .runtime.mesh import device_type
+    from .runtime.optim import build_optimizer, clip_grad_norm, lr_factor
+
+    values = values or script_values(source, plan, seed=seed)
+    ns = source.run(seed=seed)
+    device = device_type()  # the ranks' device type: CPU and GPU kernels differ by more than the tolerance
+    exact_fp32()
+    model = ns[source.model_var].to(device)  # built on the CPU with the seed, as the ranks build it, then moved
+    model.train()
+    dropout_off = switch_off_dropout(model)
+    d = values.defaults
+    loss_fn = ns[source.loss_fn_var] if source.loss_fn_var else functools.partial(default_loss, causal=d["causal"])
+    o, p, dp, M = plan.optimizer, plan.precision, plan.mesh.dp, plan.batch.micro_batches
+    if source.make_batch_var:
+        make_batch = ns[source.make_batch_var]
+    elif values.dataset:  # each data-parallel rank's stream, as the script reads it (in this process)
+        streams = [DataStream(ns[source.dataset_var], batch_size=d["batch_size"], dp=dp, dp_rank=r, seed=seed,
+                              collate_fn=ns[source.collate_fn_var] if values.collate_fn else None) for r in range(dp)]
+        make_batch = lambda step, r: streams[r](step, r)
+    else:
+        make_batch = functools.partial(synthetic_batch, ns[source.inputs_var], batch_size=d["batch_size"],
+                                       int_high=d["int_high"])
+    optimizer = build_optimizer(list(model.parameters()), o.name, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas)
+    scaler = grad_scaler(device, init_scale=p.init_loss_scale, dynamic=p.dynamic_loss_scale,
+                         growth_interval=p.growth_interval, sharded=False) if p.amp == "fp16" else None
+    amp_dtype = getattr(torch, DTYPE_NAMES[p.amp]) if p.amp != "none" else None
+    op_lists = functools.partial(OpPrecision, device, amp_dtype, fp32_ops=p.fp32_ops,
+                                 low_precision_ops=p.low_precision_ops) if p.fp32_ops or p.low_precision_ops else None
+    out = {"losses": [], "grads": [], "params": [], "dropout_off": dropout_off}
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = o.lr * lr_factor(step, warmup=o.warmup_steps, total=steps, schedule=o.lr_schedule,
+                                           min_ratio=o.min_lr_ratio)
+        per_rank = [split_batch(make_batch(step, r), M) for r in range(dp)]
+        if plan.sync_batchnorm and dp > 1:
+            pieces = [(concat_batches([b[m] for b in per_rank]), M) for m in range(M)]
+        else:
+            pieces = [(mb, M * dp) for b in per_rank for mb in b]
+        total = 0.0
+        for mb, k in pieces:
+            with step_context(device, amp_dtype=amp_dtype, op_lists=op_lists):
+                loss = loss_fn(model, to_device(mb, device)) / k
+            (scaler.scale(loss) if scaler else loss).backward()
+            total += loss.item()
+        out["losses"].append(total)
+        out["grads"].append({n: q.grad.detach().float().cpu().clone() for n, q in model.named_parameters()
+                             if q.grad is not None})
+        if scaler:
+            scaler.unscale_(optimizer)
+        if o.grad_clip:
+            clip_grad_norm(list(model.parameters()), o.grad_clip)
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+        out["params"].append({n: q.detach().float().cpu().clone() for n, q in model.named_parameters()})
+    return out
+
+
+class Recorder:
+    """The observer verify hands to the script's ``main``: after each backward the loss and the full gradients,
+    after each optimizer step the full parameters (DTensors gathered: every rank takes part). Only the ranks at
+    data-parallel and tensor-parallel index 0 keep them (one per pipeline stage). Expert parallelism splits the dp
+    dim into (dp_mod_ep, ep) without reordering ranks, so the dp index stays ``(rank // tp) % dp``; the experts,
+    DTensors over their ep ranks, are gathered like any other."""
+
+    def __init__(self, plan: Plan, rank: int):
+        m = plan.mesh
+        self.plan = plan
+        self.keeps = (rank // m.tp) % m.dp == 0 and rank % m.tp == 0
+        self.result: dict = {"losses": [], "grads": [], "params": [], "info": {}}
+
+    def after_backward(self, step: int, parts: list, loss: float) -> None:
+        self.result["losses"].append(loss)
+        grads = named_tensors(parts, "grad")
+        if self.keeps:
+            self.result["grads"].append(grads)
+
+    def after_step(self, step: int, parts: list) -> None:
+        params = named_tensors(parts, "param")
+        if self.keeps:
+            self.result["params"].append(params)
+        self.result["info"] = rank_info(parts, self.plan)
+
+
+def named_tensors(parts: list, what: str) -> dict[str, torch.Tensor]:
+    """Full (unsharded) parameters or gradients of this rank's parts, by the names of the single-process model.
+    Collective: every rank of the mesh calls it."""
+    from torch.distributed.tensor import DTensor
+
+    from .runtime.init import canonical_name
+
+    out = {}
+    for part in parts:
+        for name, p in part.named_parameters():
+            t = p.grad if what == "grad" else p.detach()
+            if t is None:
+                continue
+            if isinstance(t, DTensor):
+                t = t.full_tensor()
+            out[canonical_name(name)] = t.detach().float().cpu().clone()
+    return out
+
+
+def rank_info(parts: list, plan: Plan) -> dict:
+    """What this rank holds: ``local_numel`` (parameter elements stored here), ``dtensor_params`` (parameters
+    sharded/replicated as DTensors), ``checkpointed`` (checkpoint-wrapped modules), ``stages`` (the pipeline stages
+    whose first layer one of its parts holds)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.tensor import DTensor
+
+    from .runtime.init import canonical_name
+
+    params = [p for part in parts for p in part.parameters()]
+    names = [canonical_name(n) for part in parts for n, _ in part.named_parameters()]
+    firsts = [layers[0] for layers in plan.stage_layers()] if plan.mesh.pp > 1 else []
+    return {
+        "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params),
+        "dtensor_params": sum(isinstance(p, DTensor) for p in params),
+        "checkpointed": sum(isinstance(m, CheckpointWrapper) for part in parts for m in part.modules()),
+        "stages": [i for i, first in enumerate(firsts) if any(n.startswith(first + ".") for n in names)],
+    }
+
+
+@record
+def _worker(jobs: list[tuple[str, str, str]], steps: int) -> list[dict]:
+    """One rank: import each exported script, switch its model's dropout off, and run its ``main`` with a
+    :class:`Recorder`; every script shares one process group."""
+    import gc
+
+    import torch.distributed as dist
+
+    from .runtime.amp import exact_fp32
+    from .runtime.mesh import init_distributed
+
+    torch.set_num_threads(1)  # 2+ ranks on a few cores: more threads only oversubscribe
+    exact_fp32()  # as the reference: no TF32 on a GPU
+    results = []
+    init_distributed(timeout_s=300)  # one group for every script (each main() finds it and leaves it open)
+    try:
+        for script, model_var, plan_json in jobs:
+            ns = runpy.run_path(script, run_name="__autopar_verify__")
+            switch_off_dropout(ns[model_var])
+            recorder = Recorder(Plan.from_json(plan_json), int(os.environ["RANK"]))
+            with contextlib.redirect_stdout(io.StringIO()):  # the script's per-step lines
+                ns["main"](["--steps", str(steps)], observer=recorder)
+            results.append(recorder.result)
+            del ns
+            gc.collect()
+    finally:
+        gc.collect()  # a gloo thread taking the GIL during shutdown aborts ~20% of exits otherwise
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return results
+
+
+def _merge(per_rank: list[dict]) -> dict:
+    out = {"losses": per_rank[0]["losses"], "grads": [], "params": []}
+    steps = len(out["losses"])
+    for key in ("grads", "params"):
+        for s in range(steps):
+            merged: dict = {}
+            for r in per_rank:
+                if r[key]:
+                    merged.update(r[key][s])
+            out[key].append(merged)
+    return out
+
+
+def _max_diff(par: dict, ref: dict) -> tuple[float, float]:
+    diff = scale = 0.0
+    for name, r in ref.items():
+        if name in par:
+            diff = max(diff, (par[name] - r).abs().max().item())
+            scale = max(scale, r.abs().max().item())
+    return diff, diff / max(scale, 1e-12)
+
+
+def _compare(plan: Plan, nproc: int, rtol: float, par: dict, ref: dict) -> VerifyReport:
+    report = VerifyReport(plan=plan.summary(), nproc=nproc, rtol=rtol)
+    if plan.optimizer.name in ("adam", "adamw") and ref["params"]:
+        scale = max(t.abs().max().item() for t in ref["params"][0].values())
+        report.param_floor = 2 * plan.optimizer.lr / max(scale, 1e-12)
+    report.low_precision = plan.precision.amp != "none"
+    report.missing = sorted(set(ref["grads"][0]) - set(par["grads"][0])) if ref["grads"] else []
+    for s, (lp, lr) in enumerate(zip(par["losses"], ref["losses"], strict=True)):
+        gd, gr = _max_diff(par["grads"][s], ref["grads"][s])
+        pd, pr = _max_diff(par["params"][s], ref["params"][s])
+        report.steps.append(StepDiff(step=s, loss=lp, ref_loss=lr, grad_max_diff=gd, grad_rel=gr,
+                                     param_max_diff=pd, param_rel=pr))
+    return report
