@@ -65,7 +65,7 @@ class Session:
                             f"to --fix (dp * tp * pp = {self.cluster.world_size} GPUs), or use --mode auto")
         cluster = cluster or self.cluster
         new = make_plan(self.graph, cluster, global_batch=self.batch, seq_len=self.graph.seq_len, fix=fix,
-                        overrides=overrides, top_k=top_k)
+                        overrides=overrides, top_k=top_k, default_loss=self.source.loss_fn_var is None)
         self._undo.append(self._state())
         self._redo.clear()
         self.fix, self.overrides, self.cluster, self.plan = fix, overrides, cluster, new

@@ -1,16 +1,29 @@
-"""runtime/fused_loss.py: the output head's Linear and the default next-token cross-entropy as kernels_ext's fused,
-chunked op, against the unfused default loss (same loss and gradients, same parameter names)."""
+"""The fused output head + loss: runtime/fused_loss.py (kernels_ext's chunked op against the unfused default loss:
+same loss and gradients, same parameter names), and plan.fused_loss as the planner's choice: cost/loss.py's head
+and memory terms against a closed form, a plan that fits only fused, the plan field and fix key, the exported script
+(ruff-clean) and verify of a fused ZeRO-3 plan on 2 gloo processes."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from test_compile import lm_source
+from test_compile import LM_CELL, lm_source
 
+import autopar_nb as ap
+from autopar_nb import zoo
+from autopar_nb.cost import factors_for
+from autopar_nb.cost.loss import fused_head
+from autopar_nb.export import render_script
+from autopar_nb.plan import Plan, PlanError, normalize_fix
 from autopar_nb.runtime.data import default_loss
 from autopar_nb.runtime.fused_loss import LinearCrossEntropyHead, apply_fused_loss, fused_default_loss
+from autopar_nb.source import ModelSource
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -41,3 +54,133 @@ def test_apply_fused_loss_refuses_what_is_not_a_bias_free_linear():
         apply_fused_loss(model, "norm")
     with pytest.raises(ValueError, match="needs a model whose head apply_fused_loss replaced"):
         fused_default_loss(model, (torch.zeros(2, 4, dtype=torch.long),))
+
+
+# ---- the planner's half: plan.fused_loss ----------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _graph(src):
+    model, inputs, _ = src.build(device="meta")
+    return ap.capture(model, *inputs)
+
+
+def _cluster(name="h100-80gb", gpus=1, memory=None):
+    c = ap.Cluster.preset(name, 1, gpus)
+    return c if memory is None else dataclasses.replace(c, device=dataclasses.replace(c.device, memory_bytes=memory))
+
+
+def test_fused_head_is_the_bias_free_linear_whose_logits_are_the_output():
+    head, why = fused_head(_graph(lm_source(vocab=300, dim=16, batch=2, seq=8)))
+    assert why == "" and (head.module, head.layer, head.hidden, head.vocab, head.tokens) == ("head", 4, 16, 300, 16)
+    small = LM_CELL.replace("VOCAB", "64").replace("DIM", "32").replace("BATCH", "2").replace("SEQ", "8")
+    biased = ModelSource(small.replace("bias=False", "bias=True"))
+    assert fused_head(_graph(biased)) == (None, "the output head head is not a bias-free nn.Linear")
+    scaled = ModelSource(small.replace("return self.head(self.norm(x))", "return self.head(self.norm(x)) * 2"))
+    assert "is not the model's output (the model transforms its logits)" in fused_head(_graph(scaled))[1]
+    mlp = ap.capture(zoo.SeedMLP(), torch.randn(4, 1024))
+    assert "not token ids" in fused_head(mlp)[1]
+
+
+@pytest.mark.parametrize("amp", ["none", "bf16"])
+def test_fused_memory_is_the_closed_form(amp):
+    """One GPU, no recompute: both peaks are the loss's backward (unfused: fp32 log-softmax saved, its gradient and
+    the logits' gradient; fused: one fp32 log-sum-exp per token, three fp32 chunk x vocab buffers (+ a 16-bit one
+    under AMP), the weight's gradient in fp32 (+ its cast), the hidden's gradient), so the peaks differ by exactly
+    the difference of those, times the allocator margin."""
+    n, h, v, chunk = 4 * 256, 32, 4096, 256  # tokens, hidden, vocab, kernels_ext.default_chunk(1024, 32, 4096)
+    graph = _graph(lm_source(vocab=v, dim=h, batch=4, seq=256))
+    fix = {"dp": 1, "recompute": "none", "amp": amp}
+    unfused = ap.plan(graph, _cluster(), fix=fix | {"fused_loss": False})
+    fused = ap.plan(graph, _cluster(), fix=fix | {"fused_loss": True})
+    assert (unfused.fused_loss, fused.fused_loss) == ("", "head")
+    p, half = (2, 2) if amp == "bf16" else (4, 0)
+    unfused_loss = n * v * (4 + 4 + p)
+    fused_loss = n * 4 + chunk * v * (3 * 4 + half) + v * h * (4 + half) + n * h * p
+    assert fused_loss < unfused_loss / 2
+    margin = 1 + factors_for(_cluster()).margin_fraction
+    assert unfused.cost.peak_memory_bytes - fused.cost.peak_memory_bytes == pytest.approx(
+        (unfused_loss - fused_loss) * margin, rel=1e-9)
+    # time: the head's matmul once more (2 N H V FLOPs), the rest unchanged
+    assert fused.cost.hardware_tflops_per_gpu * fused.cost.step_time_s == pytest.approx(
+        unfused.cost.hardware_tflops_per_gpu * unfused.cost.step_time_s + 2 * n * h * v / 1e12, rel=1e-9)
+    assert fused.cost.step_time_s > unfused.cost.step_time_s
+
+
+def test_planner_fuses_the_loss_to_fit_a_plan_that_does_not_fit_unfused():
+    graph = _graph(lm_source(vocab=4096, dim=32, batch=4, seq=256))
+    fix = {"dp": 2, "zero_stage": 3, "recompute": "none", "micro_batches": 1}
+    peaks = [ap.plan(graph, _cluster("cpu", 2), fix=fix | {"fused_loss": f}).cost.peak_memory_bytes
+             for f in (False, True)]
+    assert peaks[1] < 0.75 * peaks[0]
+    limit = (peaks[0] + peaks[1]) / 2 * 2  # the cpu preset divides the host's memory among its 2 ranks
+    with pytest.raises(PlanError, match="nothing fits"):
+        ap.plan(graph, _cluster("cpu", 2, limit), fix=fix | {"fused_loss": False})
+    plan = ap.plan(graph, _cluster("cpu", 2, limit), fix=fix)
+    assert plan.fused_loss == "head" and plan.cost.peak_memory_bytes <= limit / 2
+    assert "fused-loss" in plan.summary()
+    text = plan.explain()
+    assert "Output head head fused with the loss (chosen, kernels_ext.linear_cross_entropy)" in text
+    assert "unfused, this split needs" in text and "over the limit" in text
+    # with room to spare the planner keeps the unfused loss (one head matmul less)
+    assert ap.plan(graph, _cluster("cpu", 2), fix=fix).fused_loss == ""
+    # a cell with its own loss_fn is never fused
+    with pytest.raises(PlanError, match="nothing fits"):
+        ap.plan(graph, _cluster("cpu", 2, limit), fix=fix, default_loss=False)
+
+
+def test_fused_loss_field_and_fix_key():
+    graph = _graph(lm_source())
+    plan = ap.plan(graph, _cluster("h100-80gb", 2), fix={"dp": 2, "fused_loss": True})
+    assert Plan.from_json(plan.to_json()).fused_loss == "head"
+    assert [str(c) for c in plan.diff(ap.plan(graph, _cluster("h100-80gb", 2), fix={"dp": 2}))] == [
+        "fused_loss: 'head' -> ''"]
+    d = plan.to_dict()
+    for bad, match in (({"fused_loss": "no such"}, "fused_loss='no such' is not a module path"),
+                       ({"fused_loss": True}, "fused_loss must be a string"),
+                       ({"loss_parallel": True}, "fused_loss='head' with loss_parallel=true")):
+        with pytest.raises(PlanError, match=match):
+            Plan.from_dict(d | bad)
+    with pytest.raises(PlanError, match="with mesh.tp=2"):
+        Plan.from_dict(d | {"mesh": d["mesh"] | {"dp": 1, "tp": 2}})
+    assert normalize_fix({"fused_loss": True}) == {"fused_loss": True}
+    with pytest.raises(PlanError, match=r"fix\['fused_loss'\]='yes' is not supported"):
+        normalize_fix({"fused_loss": "yes"})
+    with pytest.raises(PlanError, match="tp=2, pp=1 with fix fused_loss=True: the fused head"):
+        ap.plan(graph, _cluster("h100-80gb", 2), fix={"tp": 2, "dp": 1, "fused_loss": True})
+    with pytest.raises(PlanError, match="cannot be fused: the cell defines its own loss_fn"):
+        ap.plan(graph, _cluster("h100-80gb", 2), fix={"fused_loss": True}, default_loss=False)
+    mlp = ap.capture(zoo.SeedMLP(), torch.randn(4, 1024))
+    with pytest.raises(PlanError, match="cannot be fused: the first input is not token ids"):
+        ap.plan(mlp, _cluster("h100-80gb", 2), fix={"fused_loss": True})
+
+
+def test_script_fuses_the_head_first_and_passes_ruff(tmp_path):
+    src = lm_source()
+    plan = ap.plan(_graph(src), _cluster("h100-80gb", 2),
+                   fix={"dp": 2, "zero_stage": 3, "recompute": "full", "fused_loss": True})
+    text = render_script(src, plan)
+    assert 'FUSED_LOSS = "head"' in text and "loss = functools.partial(fused_default_loss, causal=CAUSAL)" in text
+    body = text[text.index("def parallelize("):]
+    assert body.index("apply_fused_loss(part, FUSED_LOSS)") < body.index("apply_ac(") < body.index("apply_fsdp(")
+    assert "class LinearCrossEntropyHead" in text and "# autopar_nb/runtime/fused_loss.py" in text
+    path = tmp_path / "train_fused.py"
+    path.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--config", str(ROOT / "pyproject.toml"), str(path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    unfused = render_script(src, ap.plan(_graph(src), _cluster("h100-80gb", 2), fix={"dp": 2}))
+    assert "fused" not in unfused.lower().replace("unfused", "")
+    own = ModelSource(src.code + "\n\ndef loss_fn(model, batch):\n    return model(*batch).float().mean()\n",
+                                loss_fn_var="loss_fn")
+    with pytest.raises(PlanError, match="the cell defines its own loss_fn"):
+        render_script(own, plan)
+
+
+@pytest.mark.multiprocess
+def test_verify_fused_zero3_plan_on_two_gloo_processes():
+    src = lm_source(vocab=300, dim=16)
+    plan = ap.plan(_graph(src), _cluster("cpu", 2), fix={"dp": 2, "zero_stage": 3, "fused_loss": True})
+    assert plan.fused_loss == "head" and plan.mesh.zero_stage == 3
+    report = ap.verify(src, plan, steps=3, nproc=2)
+    assert report.ok, report

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from ..plan import DTYPE_NAMES, ITEMSIZE, RECOMPUTE, Cost, MemoryBreakdown
 from .comm import collective_time, link_for
 from .factors import Factors, factors_for
+from .loss import FusedHead
 from .memory import activation_bytes, in_flight, model_states, state_bytes, with_margin
 from .profile import GraphProfile
 from .time import bubble_fraction, layer_compute_time, optimizer_time
@@ -36,6 +37,8 @@ class Setting:
     optimizer: str = "adam"
     ep: int = 1
     """expert parallelism: the experts modules split over ``ep`` of the dp ranks (1: experts whole everywhere)"""
+    fused_loss: bool = False
+    """the output head and the default loss run as one fused, chunked op (``Evaluator.head``; :mod:`.loss`)"""
 
 
 @dataclass
@@ -160,8 +163,10 @@ class Evaluator:
     """Costs candidate plans of one profiled graph on one cluster (see the module docstring)."""
 
     def __init__(self, prof: GraphProfile, cluster, *, factors: Factors | None = None, seq_ratio: float = 1.0,
-                 megatron_sp: bool = False):
+                 megatron_sp: bool = False, head: FusedHead | None = None):
         self.prof, self.cluster = prof, cluster
+        self.head = head
+        """the output head a ``Setting.fused_loss`` candidate fuses with the loss (:func:`.loss.fused_head`)"""
         self.f = factors or factors_for(cluster)
         self.seq_ratio, self.megatron_sp = seq_ratio, megatron_sp
         self._cache: dict[tuple, LayerTerms] = {}
@@ -300,6 +305,8 @@ class Evaluator:
             # memory
             sums.acts[r] += cnt * lt.act[ch.recompute]
             wb = lt.act["none"] + lt.work_bytes if ch.recompute == "full" else lt.work_bytes
+            if s.fused_loss and i <= self.head.layer < i + cnt:
+                wb = self._fused_head(s, sums, r, ch.recompute, lt)
             if wb > sums.work[r]:
                 sums.work[r] = wb
             sums.params[r] += cnt * lt.params_local
@@ -323,6 +330,19 @@ class Evaluator:
             sums.model_flops += cnt * lt.flops
             sums.hw_flops += cnt * (lt.flops + lt.recompute_flops(ch.recompute))
         return sums
+
+    def _fused_head(self, s: Setting, sums: RankSums, r: int, recompute: str, lt: LayerTerms) -> float:
+        """The fused head + loss on rank ``r`` (:mod:`.loss`): adds the log-sum-exp it saves, the logits' recompute
+        (time and hardware FLOPs) to ``sums``; returns the head layer's backward working set, the fused op's
+        temporaries in place of the logits' gradient."""
+        half = s.amp != "none"
+        tokens = self.head.tokens * s.mb_samples / self.prof.batch * self.seq_ratio
+        flops = self.head.recompute_flops(tokens)
+        sums.rec[r] += flops / (self.cluster.device.flops("bfloat16" if half else "float32")
+                                * self.f.efficiency("matmul", half))
+        sums.hw_flops += flops
+        sums.acts[r] += self.head.saved_bytes(tokens)
+        return self.head.temp_bytes(tokens, half=half) + (lt.act["none"] if recompute == "full" else 0.0)
 
     def _pipeline_comm(self, s: Setting, sums: RankSums, comm: CommTime) -> float:
         """Point-to-point sends between stages: fill/drain on the critical path, the rest mostly hidden. Adds to
@@ -418,7 +438,7 @@ class Evaluator:
         # moment 1: a layer's backward (its working set and FSDP's gathered units)
         temp = sums.work[r] + gather
         act_at, temp_at = act, temp
-        if r == s.pp - 1 and prof.output_numel:
+        if r == s.pp - 1 and prof.output_numel and not s.fused_loss:  # fused: in the head layer's working set
             # moment 2 (last rank): the loss's backward: log-softmax output (fp32) saved, its gradient and the
             # logits' gradient alive; FSDP units are resharded then
             lp_div = s.tp if (prof.loss_parallel and s.tp > 1 and sums.head_tp) else 1
@@ -476,7 +496,8 @@ def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:
     tp_on = [any(st in ("colwise", "rowwise", "sequence_parallel") for st in lp.tp.values()) for lp in plan.layers]
     sp = any(lp.sequence_parallel for lp in plan.layers)
     s = Setting(m.dp, m.tp, m.pp, m.zero_stage, plan.precision.amp, plan.batch.micro_batches, mb,
-                plan.pipeline.schedule, plan.pipeline.virtual_stages, sp, plan.optimizer.name, m.ep)
+                plan.pipeline.schedule, plan.pipeline.virtual_stages, sp, plan.optimizer.name, m.ep,
+                bool(plan.fused_loss))
     choices = [LayerChoice(lp.stage, on, lp.recompute, lp.fsdp, lp.compile)
                for lp, on in zip(plan.layers, tp_on, strict=True)]
     return s, choices
@@ -484,6 +505,7 @@ def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:
 
 def estimate(graph, cluster, plan, *, factors: Factors | None = None) -> Cost:
     """Cost of an existing plan (e.g. one a user edited) on ``cluster``: the planner's own model, no search."""
+    from .loss import fused_head
     from .profile import profile_of
 
     prof = profile_of(graph, "cpu" if cluster.name == "cpu" else "cuda")
@@ -491,4 +513,10 @@ def estimate(graph, cluster, plan, *, factors: Factors | None = None) -> Cost:
         raise ValueError("the plan's layers do not match the graph's; re-plan for this model")
     seq_ratio = plan.batch.seq_len / graph.seq_len if plan.batch.seq_len and graph.seq_len else 1.0
     s, choices = setting_of(plan)
-    return Evaluator(prof, cluster, factors=factors, seq_ratio=seq_ratio).evaluate(s, choices)
+    head = None
+    if plan.fused_loss:
+        head, why = fused_head(graph)
+        if head is None or head.module != plan.fused_loss:
+            raise ValueError(f"plan.fused_loss={plan.fused_loss!r} does not name this model's output head: "
+                             f"{why or f'the head is {head.module}'}; re-plan for this model")
+    return Evaluator(prof, cluster, factors=factors, seq_ratio=seq_ratio, head=head).evaluate(s, choices)

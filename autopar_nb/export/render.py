@@ -126,6 +126,8 @@ def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]
               f"INT_HIGH = {v.defaults['int_high']!r}  # synthetic ids are drawn from [0, INT_HIGH): the smallest "
               "embedding table",
               f"CAUSAL = {v.defaults['causal']!r}  # the default loss predicts the next token (False: the same one)"]
+    if v.fused_loss:
+        s.append(f"FUSED_LOSS = {_one_line(v.fused_loss)}  # plan.fused_loss: the output head fused with the loss")
     if v.ties:
         s.append(f"TIES = {literal(v.ties, width=40)}  # parameters the model shares (kept one parameter when sharded)")
     if v.recompute:
@@ -161,6 +163,11 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
     torchtitan's order; the runtime names it calls and the imports it needs."""
     calls, uses, imports, plans = [], [], set(), []
     steps = iter(range(1, 10))  # the techniques' order, numbered in the comments
+    if v.fused_loss:
+        calls += [f"# {next(steps)}. the output head fused with the loss (it never holds the full logits), first: the "
+                  "techniques below", "#    wrap the module that replaces it, which holds the same weight",
+                  "apply_fused_loss(part, FUSED_LOSS)"]
+        uses.append("apply_fused_loss")
     if v.tp > 1:
         plans, imports, uses = tp_plans(v)
         calls += [f"# {next(steps)}. TP first: it turns parameters into DTensors, which AC and FSDP must see",
@@ -271,8 +278,8 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
     if source.loss_fn_var:
         loss = source.loss_fn_var
     else:
-        loss = "functools.partial(default_loss, causal=CAUSAL)"
-        uses.append("default_loss")
+        loss = f"functools.partial({'fused_default_loss' if v.fused_loss else 'default_loss'}, causal=CAUSAL)"
+        uses.append("fused_default_loss" if v.fused_loss else "default_loss")
     lines = ["dp_rank = mesh[\"dp\"].get_local_rank()", f"loss = {loss}"]
     if not (v.dataset and v.pp > 1):  # else after the stage ids
         lines.append(f"make_batch_fn = {batches}")

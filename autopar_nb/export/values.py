@@ -76,6 +76,9 @@ class ScriptValues:
     """the cell defines the dataset's collate_fn"""
     default_loss: bool = True
     """the cell defines no loss_fn: the script uses runtime.data.default_loss"""
+    fused_loss: str = ""
+    """plan.fused_loss: the output head the script fuses with the default loss (runtime/fused_loss.py); empty:
+    unfused"""
     tokens: bool = False
     """the inputs are token ids (throughput in tokens/s)"""
     model_class: str = ""
@@ -115,6 +118,9 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
     v.dataset = source.dataset_var is not None and source.make_batch_var is None
     v.collate_fn = v.dataset and source.collate_fn_var is not None
     v.default_loss = source.loss_fn_var is None
+    if plan.fused_loss:
+        _check_fused_loss(model, plan.fused_loss, source)
+        v.fused_loss = plan.fused_loss
     if v.dataset and plan.batch.global_batch > 1 and plan.batch.global_batch % m.dp:
         raise PlanError(f"batch.global_batch({plan.batch.global_batch}) must be a multiple of the data-parallel ranks "
                         f"(mesh.dp={m.dp}): each reads the same number of the dataset's samples per step")
@@ -168,6 +174,23 @@ def _check_runnable(plan: Plan) -> None:
                                   "and a replicated output head with pp > 1")
     if plan.pipeline.schedule not in SCHEDULES:
         raise PlanError(f"pipeline.schedule {plan.pipeline.schedule!r} unknown")
+
+
+def _check_fused_loss(model: nn.Module, head: str, source: ModelSource) -> None:
+    """PlanError unless ``plan.fused_loss`` can run: the default loss (no ``loss_fn`` in the cell, whose loss the
+    fused op would not compute) and a bias-free nn.Linear at that path (what ``apply_fused_loss`` checks)."""
+    if source.loss_fn_var:
+        raise PlanError(f"plan.fused_loss={head!r}, but the cell defines its own {source.loss_fn_var}: the fused head "
+                        "computes the default next-token cross-entropy only; re-plan (the planner does not fuse a "
+                        "cell's own loss) or set fused_loss to \"\"")
+    try:
+        linear = model.get_submodule(head)
+    except AttributeError:
+        linear = None
+    if not isinstance(linear, nn.Linear) or linear.bias is not None:
+        raise PlanError(f"plan.fused_loss={head!r} must name a bias-free nn.Linear of the model, found "
+                        f"{type(linear).__name__ if linear is not None else 'no such module'}"
+                        + (" with a bias" if isinstance(linear, nn.Linear) and linear.bias is not None else ""))
 
 
 def _check_experts(model: nn.Module, plan: Plan) -> None:

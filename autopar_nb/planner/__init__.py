@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 
 from ..cost.estimate import Evaluator
+from ..cost.loss import fused_head
 from ..cost.profile import profile_of
 from ..plan import (
     DTYPE_NAMES,
@@ -25,7 +26,7 @@ from ..plan import (
     within,
 )
 from .constraints import Constraints, parse
-from .explain import compile_lines, explain, fmt_bytes
+from .explain import compile_lines, explain, fmt_bytes, fused_loss_lines
 from .search import Candidate, Search, memory_limit
 
 __all__ = ["plan"]
@@ -34,7 +35,7 @@ GiB = 2**30
 
 
 def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None = None, fix: dict | None = None,
-         overrides: dict | None = None, top_k: int = 5) -> Plan:
+         overrides: dict | None = None, top_k: int = 5, default_loss: bool = True) -> Plan:
     """Choose how to train ``graph`` on ``cluster``: mesh (DP x TP x PP), ZeRO stage, per-layer TP styles, sequence
     parallel, recompute, pipeline stages and schedule, micro-batches and mixed precision.
 
@@ -42,6 +43,8 @@ def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None
     different from the captured inputs (costs scale linearly, attention scores quadratically). ``fix``: global
     choices to keep, e.g. ``{"tp": 1, "zero_stage": 3, "recompute": "full"}``. ``overrides``: layer/module globs to
     per-layer choices, e.g. ``{"blocks.*.mlp": {"tp": "colwise-rowwise"}, "blocks.10": {"stage": 2}}``.
+    ``default_loss``: the training loss is the default one (the cell defines no ``loss_fn``), so the output head may
+    be fused with it (``plan.fused_loss``); False never fuses.
 
     Returns the fastest plan that fits in device memory, with ``cost`` filled, up to ``top_k - 1`` next-best
     ``alternatives`` and an ``explanation`` (``plan.explain()``). Raises :class:`PlanError` naming the failing
@@ -61,8 +64,10 @@ def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None
                             f"(first input {graph.inputs[0].shape if graph.inputs else None})")
         seq_ratio = seq_len / graph.seq_len
     cons = parse(graph, prof, fix, overrides)
-    ev = Evaluator(prof, cluster, seq_ratio=seq_ratio)
-    search = Search(graph, prof, cluster, cons, ev, global_batch=global_batch)
+    head, fused_why = fused_head(graph) if default_loss else (
+        None, "the cell defines its own loss_fn (the fused op computes the default next-token cross-entropy)")
+    ev = Evaluator(prof, cluster, seq_ratio=seq_ratio, head=head)
+    search = Search(graph, prof, cluster, cons, ev, global_batch=global_batch, fused_why=fused_why)
     cands = search.run(top_k)
     if not cands:
         raise PlanError(f"no candidate plan: {'; '.join(dict.fromkeys(search.rejected)) or 'check fix/overrides'}")
@@ -78,11 +83,13 @@ def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None
             ranked.append(c)
     best = ranked[0]
     faster = [c for c in cands if not c.fits and c.cost.step_time_s < best.cost.step_time_s]
-    plans = [_to_plan(c, graph, prof, cluster, cons, global_batch, seq_len) for c in ranked[:top_k]]
+    plans = [_to_plan(c, graph, prof, cluster, cons, global_batch, seq_len, head=head.module if head else "")
+             for c in ranked[:top_k]]
     chosen = plans[0]
     chosen.alternatives = plans[1:]
     chosen.explanation = explain(chosen, best, ranked, faster, cons, cluster, prof)
     chosen.explanation += compile_lines(best, ev, cons, [i for i, on in enumerate(search.compilable) if on])
+    chosen.explanation += fused_loss_lines(best, ev, cons, fused_why)
     return chosen
 
 
@@ -125,7 +132,8 @@ def tp_parts(lp, tp: dict[str, str], degree: int) -> dict[str, list[int]]:
             (lp.parts[m].table or lp.layout(m, degree) != "split")}
 
 
-def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch: int, seq_len) -> Plan:
+def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch: int, seq_len, *, head: str = ""
+             ) -> Plan:
     s = c.setting
     layers = []
     for i, (lay, ch) in enumerate(zip(graph.layers, c.choices, strict=True)):
@@ -163,6 +171,7 @@ def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch
                                         " ".join(lay.modules.values()) for lay in graph.layers),
         # the runtime's pipeline schedules compute the loss on plain tensors: no loss_parallel with pp > 1
         loss_parallel=bool(s.tp > 1 and s.pp == 1 and prof.loss_parallel and head_tp),
+        fused_loss=head if s.fused_loss else "",
         experts=expert_patterns(graph, [m for lp in prof.layers for m in lp.experts]),
         model={"name": graph.model_type, "num_params": graph.num_params},
         cluster={"preset": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from ..cost.loss import unfused_loss_bytes
 from ..cost.tp_styles import LAYOUT_WORDS
 from ..plan import RECOMPUTE
 
@@ -116,6 +117,55 @@ def compile_lines(best, ev, cons, compilable: list[int]) -> list[str]:
             "calibrates it) after a one-off compile at start-up."]
 
 
+def fused_loss_lines(best, ev, cons, why_not: str) -> list[str]:
+    """Whether the output head runs fused with the loss (``plan.fused_loss``), why, and what it saves: the loss
+    step's bytes fused and unfused (``cost/loss.py``), and the unfused plan of the same split when it was costed."""
+    s, c, head = best.setting, best.cost, ev.head
+    fixed = cons.fix.get("fused_loss")
+    if head is None:
+        return [f"Loss unfused: {why_not}."] if why_not and fixed is not None else []
+    half = s.amp != "none"
+    tokens = head.tokens * s.mb_samples / ev.prof.batch * ev.seq_ratio
+    unfused = unfused_loss_bytes(tokens * head.vocab, half=half)
+    fused = head.temp_bytes(tokens, half=half) + head.saved_bytes(tokens)
+    what = (f"the loss step holds {fmt_bytes(fused)} ({head.chunk(tokens)}-token chunks of the {head.vocab}-word "
+            f"vocabulary, the fp32 weight gradient, one log-sum-exp per token) instead of {fmt_bytes(unfused)} "
+            f"(fp32 log-softmax, its gradient and the logits' gradient, {tokens:g} tokens x {head.vocab})")
+    other = best.other
+    if s.fused_loss:
+        why = "fix fused_loss=True" if fixed else "chosen"
+        line = f"Output head {head.module} fused with the loss ({why}, kernels_ext.linear_cross_entropy): {what}"
+        if other is not None:
+            oc = other.cost
+            if not other.fits:
+                line += (f"; unfused, this split needs {fmt_bytes(oc.peak_memory_bytes)}, "
+                         f"{fmt_bytes(oc.peak_memory_bytes - best.limit)} over the limit")
+            else:
+                line += (f"; unfused, this split needs {fmt_bytes(oc.peak_memory_bytes)} with "
+                         f"{_recompute_words(other)} and takes {oc.step_time_s * 1e3:.1f} ms/step")
+        line += (f". Peak {fmt_bytes(c.peak_memory_bytes)}; the logits are computed again in backward "
+                 f"({2 * tokens * head.hidden * head.vocab / 1e12:.3g} TFLOP per micro-batch).")
+        return [line]
+    if fixed is False:
+        return []
+    if other is not None:
+        oc = other.cost
+        return [f"Loss unfused: fusing the output head {head.module} with it would need "
+                f"{fmt_bytes(oc.peak_memory_bytes)} and {oc.step_time_s * 1e3:.1f} ms/step "
+                f"({'does not fit' if not other.fits else 'slower'}); {what}."]
+    if s.tp > 1 or s.pp > 1:
+        return [f"Loss unfused: fusing the output head {head.module} with it runs with tp=1 and pp=1 only."]
+    return []
+
+
+def _recompute_words(cand) -> str:
+    """'full recompute on 12 layers', or 'no recompute'."""
+    kinds = [ch.recompute for ch in cand.choices if ch.recompute != "none"]
+    if not kinds:
+        return "no recompute"
+    return ", ".join(f"{k} recompute on {kinds.count(k)} layer(s)" for k in RECOMPUTE if kinds.count(k))
+
+
 def _layout_lines(plan, prof, tp: int) -> list[str]:
     """One line per TP layout beyond an even cut (``LayerPlan.tp_parts``): fused projections split part by part or
     gathered, key/value projections repeated, head-indexed embeddings split by heads; modules of repeated blocks
@@ -215,10 +265,13 @@ def _summary(cand) -> str:
         out += f" {s.schedule}x{s.micro_batches}"
     elif s.micro_batches > 1:
         out += f" accum x{s.micro_batches}"
+    if s.fused_loss:
+        out += " fused-loss"
     return out + f" ({c.step_time_s * 1e3:.1f} ms, {fmt_bytes(c.peak_memory_bytes)})"
 
 
 def _setting_diff(a, b) -> list[str]:
     """Global choices that differ between two candidates (cheap: no layer-by-layer diff)."""
-    names = ("dp", "tp", "pp", "ep", "zero_stage", "micro_batches", "schedule", "virtual_stages", "sp", "amp")
+    names = ("dp", "tp", "pp", "ep", "zero_stage", "micro_batches", "schedule", "virtual_stages", "sp", "amp",
+             "fused_loss")
     return [f"{n}={getattr(a, n)} instead of {getattr(b, n)}" for n in names if getattr(a, n) != getattr(b, n)]

@@ -46,6 +46,9 @@ class Candidate:
     choices: list[LayerChoice]
     cost: Cost
     limit: float
+    other: Candidate | None = None
+    """the same setting with the loss fused where this one is not, or not fused where it is, when both were costed
+    (``Search.fused_variant``): what the choice saved or would have saved"""
 
     @property
     def fits(self) -> bool:
@@ -98,8 +101,13 @@ def default_amp(device) -> str:
 class Search:
     """Enumerates and costs candidates (module docstring)."""
 
-    def __init__(self, graph, prof, cluster, cons, ev: Evaluator, *, global_batch: int):
+    def __init__(self, graph, prof, cluster, cons, ev: Evaluator, *, global_batch: int, fused_why: str = ""):
         self.graph, self.prof, self.cluster, self.cons, self.ev = graph, prof, cluster, cons, ev
+        self.fused_why = fused_why
+        """why the output head and the loss cannot be fused ("" when ``ev.head`` can be)"""
+        if cons.fix.get("fused_loss") and ev.head is None:
+            raise PlanError(f"fix fused_loss=True, but the output head and the loss cannot be fused: {fused_why}; "
+                            "drop fused_loss from fix")
         self.global_batch = global_batch
         self.limit = memory_limit(cluster)
         self.n = len(prof.layers)
@@ -227,6 +235,10 @@ class Search:
         if pp > 1 and self.prof.pp_blocker:
             return (f"pp={pp}: {self.prof.pp_blocker}; use pp=1, or make that tensor .contiguous() in the model "
                     "and re-capture")
+        if (tp > 1 or pp > 1) and fix.get("fused_loss"):
+            return (f"tp={tp}, pp={pp} with fix fused_loss=True: the fused head + loss runs with tp=1 and pp=1 only "
+                    "(TP splits the head's vocabulary, which torch's loss_parallel then reduces; a pipeline schedule "
+                    "computes the loss from the last stage's output); use tp=1 and pp=1, or fused_loss=False")
         if pp > 1 and fix.get("compile"):
             return (f"pp={pp} with fix compile=True: compile applies to whole blocks, which a pipeline stage (a "
                     "traced graph) no longer runs as modules; use pp=1 or compile=False")
@@ -355,15 +367,36 @@ class Search:
                 self.pruned += 1
                 continue
             for z in zeros:
-                s = dataclasses.replace(base, zero_stage=z)
+                s = dataclasses.replace(base, zero_stage=z, fused_loss=bool(fix.get("fused_loss")))
                 choices = [LayerChoice(assign[i], self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i],
                                        self.compile[i])
                            for i in range(self.n)]
-                cand = self._cost(s, choices, "recompute" not in fix)
+                cand = self.fused_variant(self._cost(s, choices, "recompute" not in fix))
                 out.append(cand)
                 if cand.fits:
                     bisect.insort(best, cand.cost.step_time_s)
         return out
+
+    def fused_variant(self, cand: Candidate) -> Candidate:
+        """The candidate, or the same setting with the output head and the loss fused (``Setting.fused_loss``) when
+        the unfused one needs recompute the user did not ask for, or does not fit, and the fused one fits and is
+        faster (it adds one head matmul, and saves the logits' memory; ``cost/loss.py``). Tried with tp = pp = 1
+        (what the runtime runs), unless fused_loss is fixed either way. The other variant is kept on ``other``."""
+        s, fix = cand.setting, self.cons.fix
+        if s.fused_loss or self.ev.head is None or "fused_loss" in fix or s.tp > 1 or s.pp > 1:
+            return cand
+        added = any(ch.recompute != self.rec_pinned.get(i, "none") for i, ch in enumerate(cand.choices))
+        if cand.fits and not added:
+            return cand
+        choices = [LayerChoice(ch.stage, ch.tp, self.rec_pinned.get(i, "none"), ch.fsdp, ch.compile)
+                   for i, ch in enumerate(cand.choices)]
+        fused = self._cost(dataclasses.replace(s, fused_loss=True), choices, "recompute" not in fix)
+        better = fused.cost.step_time_s < cand.cost.step_time_s if fused.fits == cand.fits else fused.fits
+        if not cand.fits and not fused.fits:
+            better = fused.cost.peak_memory_bytes < cand.cost.peak_memory_bytes
+        chosen, other = (fused, cand) if better else (cand, fused)
+        chosen.other = other
+        return chosen
 
     def _run_times(self, s: Setting, runs) -> list[float]:
         """Per-micro-batch time of one layer of each run (compute, recompute, TP collectives not overlapped)."""
