@@ -75,11 +75,39 @@ def fused_ce_table(n: int = 2048, h: int = 2048, v: int = 128_256) -> tuple[str,
     return "\n".join(lines), rows
 
 
+def planner_table(seq: int = 8192, gpus: int = 8) -> str:
+    """The planner's predicted peak per GPU with and without plan.fused_loss for LLaMA-3 8B (vocab 128256) at
+    ``seq`` tokens per sample on one node of H100-80GB: ZeRO-3 over ``gpus`` ranks, 1 sample per rank, no
+    recompute (fixed, so the two differ only by the loss), then the planner's own choice."""
+    import torch
+
+    import autopar_nb as ap
+    from autopar_nb import zoo
+
+    with torch.device("meta"):
+        model = zoo.Llama(zoo.LLAMA3_8B)
+    graph = ap.capture(model, torch.randint(0, 128256, (1, seq), device="meta"))
+    cluster = ap.Cluster.preset("h100-80gb", 1, gpus)
+    fix = {"dp": gpus, "zero_stage": 3, "micro_batches": 1, "recompute": "none"}
+    lines = [f"Planner, LLaMA-3 8B (vocab 128256), {seq} tokens x 1 sample per GPU, {gpus} x h100-80gb, bf16, "
+             f"fix {fix} (predicted, not measured):", "", "| loss | predicted peak per GPU | step |", "|---|---|---|"]
+    for fused in (False, True):
+        plan = ap.plan(graph, cluster, global_batch=gpus, fix=fix | {"fused_loss": fused})
+        lines.append(f"| {'fused' if fused else 'unfused'} | {plan.cost.peak_memory_bytes / 2**30:.2f} GiB | "
+                     f"{plan.cost.step_time_s * 1e3:.1f} ms |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--write", action="store_true", help="replace the section of BENCHMARKS.md")
+    p.add_argument("--planner", action="store_true", help="print only the planner's figures (seconds)")
     args = p.parse_args()
+    if args.planner:
+        print(planner_table())
+        return
     table, _ = fused_ce_table()
+    table += "\n\n" + planner_table()
     body = f"## {SECTION}\n\n`.venv/bin/python bench/kernels.py --write` — {machine()}.\n\n{table}\n"
     print(body)
     if args.write:
