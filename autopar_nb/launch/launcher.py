@@ -289,7 +289,7 @@ def launch(script: str | os.PathLike | Callable[[Path], Any], nproc: int | None 
         with open(run_dir / "agent.log", "wb") as log:
             proc = subprocess.Popen([sys.executable, str(AGENT), str(run_dir / "agent.json")], env=full_env,
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    cwd=str(script_path.parent))
+                                    cwd=str(script_path.parent), start_new_session=True)  # see procs.py
 
     run = Run(run_id=run_id, run_dir=run_dir, script=script_path, nproc=nproc, steps=steps, token=token,
               backend=backend, max_restarts=max_restarts, hang_timeout_s=hang_timeout_s, plan=plan, command=command)

@@ -286,7 +286,8 @@ class Pool:
         log = self._dir / f"{kind}-{token[:8]}.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(standby_command(kind, preload, self.idle_timeout_s), env=full,
-                                    stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT)
+                                    stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # see procs.py
         self.started += 1
         return Standby(kind=kind, proc=proc, token=token, server=server, env=dict(env), monitor=monitor,
                        preload=tuple(preload), log=log)

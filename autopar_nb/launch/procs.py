@@ -2,6 +2,9 @@
 
 torch's agent starts every worker in its own session (``start_new_session=True``), so killing the agent's process
 group does not reach the workers; and a worker whose agent was SIGKILLed is re-parented and lost to a tree walk.
+The agent (and a warm pool's standby) is started in its own session too: Jupyter's Interrupt kernel signals the
+kernel's whole process group (``os.killpg(pgid, SIGINT)``), which must interrupt the cell, not a background run; a
+forced kill of that group takes the kernel only, and the agent, which watches its parent, then ends the run.
 Every process of a run therefore carries the run's ``AUTOPAR_TOKEN`` in its environment, and the last step of a
 teardown looks for that token in the whole process table.
 """
