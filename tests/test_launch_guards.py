@@ -97,3 +97,37 @@ def test_taken_rendezvous_port_fails_fast_naming_the_port(tmp_path, monkeypatch)
     assert "rank None" not in run.message
     assert elapsed < 30
     assert not processes_with_token(run._token)
+
+
+# ---- point 7: messages ----------------------------------------------------------------------------------------------
+def _run(tmp_path, nproc=2, steps=12, max_restarts=1):
+    from autopar_nb.launch.run import Run
+
+    return Run(run_id="0" * 16, run_dir=tmp_path, script=FIXTURE, nproc=nproc, steps=steps, token="t", backend="gloo",
+               max_restarts=max_restarts, hang_timeout_s=None)
+
+
+def test_status_after_a_restart_counts_the_new_attempts_steps(tmp_path):
+    """Both ranks at step 7 in attempt 0; the group restarts from a step-4 checkpoint. Rank 0 reports step 5 of
+    attempt 1 before rank 1 has spoken: the status says step 5 (before: 7, the old attempt's counter, until the new
+    attempt passed it), and rank 1 has no step of this attempt yet."""
+    from autopar_nb.launch.channel import Message
+
+    run = _run(tmp_path)
+    t = time.time()
+    run._ingest([Message(r, "hello", {"attempt": 0}, t) for r in (0, 1)])
+    run._ingest([Message(r, "data", {"step": s, "loss": 1.0}, t) for s in range(1, 8) for r in (0, 1)])
+    assert run.message == "running: step 7/12"
+    run._ingest([Message(r, "closed", {}, t) for r in (0, 1)])
+    run._ingest([Message(0, "hello", {"attempt": 1}, t), Message(0, "data", {"step": 5, "loss": 1.0}, t)])
+    assert run.status == "running" and run.message == "running: step 5/12", run.message
+    assert run.last_steps() == {0: 5, 1: None}
+    run._ingest([Message(1, "hello", {"attempt": 1}, t), Message(1, "data", {"step": 5, "loss": 1.0}, t)])
+    assert run.last_steps() == {0: 5, 1: 5}
+
+
+def test_the_agents_own_failure_names_no_rank(tmp_path):
+    """The agent dies (no result.json) while both ranks' connections close: no "rank None" anywhere."""
+    run = _run(tmp_path, max_restarts=0)
+    run._set_final_status({"state": "error", "error": "the elastic agent was killed by SIGKILL"}, "1.0 s")
+    assert run.status == "failed" and "rank None" not in run.message and "SIGKILL" in run.message, run.message

@@ -322,9 +322,13 @@ class Run:
         # the attempt the rank says it is in (torch's TORCHELASTIC_RESTART_COUNT), else the agent's latest
         att = data.get("attempt")
         latest = self._latest_attempt()
-        st.attempt = att if isinstance(att, int) else latest if latest >= 0 else st.attempt + 1
+        att = att if isinstance(att, int) and not isinstance(att, bool) else latest if latest >= 0 else st.attempt + 1
+        # a restart restarts the whole group: every rank still in an older attempt starts over; the first rank of
+        # the new attempt to speak makes the status "restarting" (until the attempt's first step)
+        first_back = att > 0 and len(self._behind(att, now)) == len(self._ranks)
+        st.attempt = att
         st.last_progress, st.done, st.connected = now, False, True
-        if self._status in ("starting", "restarting") and st.attempt > 0:
+        if (first_back or self._status in ("starting", "restarting")) and st.attempt > 0:
             self._set_status("restarting", f"restart {st.attempt}: rank {st.rank} reconnected")
 
     def _on_start(self, st: RankState, data: dict) -> None:
@@ -364,7 +368,12 @@ class Run:
             self._set_status("running", "running")
         if self._status == "running":
             total = f"/{self.steps}" if self.steps else ""
-            self._message = f"running: step {max(s.step or 0 for s in self._ranks.values())}{total}"
+            self._message = f"running: step {self._current_step()}{total}"
+
+    def _current_step(self) -> int:
+        """The highest step reported in the latest attempt any rank is in (a restart starts the count again)."""
+        attempt = max(s.attempt for s in self._ranks.values())
+        return max((s.step for s in self._ranks.values() if s.attempt == attempt and s.step is not None), default=0)
 
     def _on_error(self, st: RankState, data: dict, sent: float, now: float) -> None:
         st.error = {"error": str(data.get("error", "")), "traceback": str(data.get("traceback", ""))}
@@ -473,10 +482,19 @@ class Run:
             self._attempt_seen = latest
             if first:
                 return
-            for st in self._ranks.values():
-                st.last_progress, st.connected, st.done = now, False, False
-                st.error = st.failed_at = st.closed_at = None
-            self._set_status("restarting", f"restart {latest} of {self.max_restarts}: the agent restarts every worker")
+            if len(self._behind(latest, now)) == len(self._ranks):  # else a rank's hello said so first
+                self._set_status("restarting",
+                                 f"restart {latest} of {self.max_restarts}: the agent restarts every worker")
+
+    def _behind(self, attempt: int, now: float) -> list[RankState]:
+        """Ranks not yet in restart ``attempt`` start over (under ``_lock``): what they reported in the old attempt
+        (steps, errors) is history, and the hang check gives them their start-up allowance again."""
+        behind = [st for st in self._ranks.values() if st.attempt < attempt]
+        for st in behind:
+            st.last_progress, st.connected, st.done = now, False, False
+            st.error = st.failed_at = st.closed_at = None
+            st.step, st.last = None, {}
+        return behind
 
     def _latest_attempt(self) -> int:
         """The agent's latest restart attempt, from its per-attempt log directories (-1 before any)."""
