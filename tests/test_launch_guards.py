@@ -131,3 +131,42 @@ def test_the_agents_own_failure_names_no_rank(tmp_path):
     run = _run(tmp_path, max_restarts=0)
     run._set_final_status({"state": "error", "error": "the elastic agent was killed by SIGKILL"}, "1.0 s")
     assert run.status == "failed" and "rank None" not in run.message and "SIGKILL" in run.message, run.message
+
+
+# ---- point 1's last part: a monitor thread that fails ----------------------------------------------------------------
+@pytest.mark.multiprocess
+def test_a_failed_monitor_still_lets_stop_end_everything_and_the_next_launch_start(tmp_path, monkeypatch):
+    """The monitor loop raises, and its own clean-up fails too (out of file descriptors, as ~1000 held pre-auth
+    connections once did): stop() still ends every process and marks the run done, and the next launch starts."""
+    from autopar_nb.launch import procs
+    from autopar_nb.launch.run import Run
+
+    real_check, real_terminate = Run._check_hang, procs.terminate
+    emfile = {"on": True}  # the clean-up fails while the monitor runs, and works again by the time stop() is called
+
+    def check_hang(self):
+        if self._status == "running":
+            raise RuntimeError("injected failure in the monitor loop")
+        real_check(self)
+
+    def terminate(*a, **k):
+        if emfile["on"]:
+            raise OSError(24, "Too many open files")
+        return real_terminate(*a, **k)
+
+    monkeypatch.setattr(Run, "_check_hang", check_hang)
+    monkeypatch.setattr(procs, "terminate", terminate)
+    run = launch(FIXTURE, nproc=2, steps=10_000, sleep=0.05, run_dir=tmp_path / "a")
+    wait_for(lambda: run.status == "failed", 60, "the monitor to fail")
+    assert "monitor" in run.message, run.message
+    wait_for(lambda: not run._monitor.is_alive(), 20, "the monitor thread to end")
+    assert not run.done and processes_with_token(run._token)  # it could not end them
+    monkeypatch.setattr(Run, "_check_hang", real_check)
+    emfile["on"] = False
+    t0 = time.monotonic()
+    run.stop()
+    assert run.done and time.monotonic() - t0 < 6
+    assert not processes_with_token(run._token)
+    assert live_runs() == []
+    again = launch(FIXTURE, nproc=2, steps=3, run_dir=tmp_path / "b")
+    assert again.wait(60) == "finished", again.message

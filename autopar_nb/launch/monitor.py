@@ -138,8 +138,11 @@ class Monitor(threading.Thread):
                 if changed and (now - last_push >= PUSH_INTERVAL_S or r._status != pushed_status):
                     last_push, pushed_status = now, r._status
                     r._notify()
-        except Exception as e:  # the monitor must never die silently: the run would look alive forever
-            r._monitor_crashed(e)
+        except BaseException as e:  # the monitor must never die silently: the run would look alive forever
+            try:
+                r._monitor_crashed(e)
+            except Exception:  # stop() ends what is left (Run._end_without_monitor)
+                pass
         finally:
             if self.sampler is not None:
                 self.sampler.close()

@@ -95,6 +95,7 @@ class Run:
         self._monitor = None
         self._stop_reason: str | None = None
         self._teardown_lock = threading.Lock()
+        self._ending = False  # _ended() has begun
         self._rows = MetricsTable()
         self._ranks = {r: RankState(r) for r in range(nproc)}
         self._workers: dict[int, psutil.Process] = {}
@@ -231,8 +232,14 @@ class Run:
             if self._stop_reason is None and not self._done.is_set():
                 self._stop_reason = reason
                 self._message = f"stopping: {reason}"
-        self._teardown()
-        self._done.wait(5.0)
+        try:
+            self._teardown()
+        except Exception:  # e.g. out of file descriptors: tried again below, or by the monitor
+            pass
+        deadline = time.monotonic() + 5.0
+        while not self._done.wait(0.1) and time.monotonic() < deadline:
+            if self._monitor is None or not self._monitor.is_alive():  # no monitor to finalise the run: do it here
+                self._end_without_monitor()
         return self._status
 
     def summary(self) -> dict:
@@ -644,17 +651,49 @@ class Run:
         if self._server is not None:
             self._server.close()
 
-    def _monitor_crashed(self, e: Exception) -> None:
+    def _monitor_crashed(self, e: BaseException, *, tries: int = 3, pause_s: float = 1.0) -> None:
+        """The monitor thread failed: the run has failed, and every process of it is ended here (tried ``tries``
+        times); if even that fails (no file descriptors left), ``stop()`` tries again and marks the run done."""
         with self._lock:
             self._status, self._message = "failed", f"the monitor thread crashed ({type(e).__name__}: {e})"
         self._stop_reason = self._stop_reason or "monitor error"
-        self._teardown()
-        self._server_close()
+        for i in range(tries):
+            if self._end_without_monitor():
+                return
+            if i + 1 < tries:
+                time.sleep(pause_s)
+        with self._lock:
+            self._message += "; its processes could not all be ended yet: call run.stop()"
+
+    def _end_without_monitor(self) -> bool:
+        """End the agent and every worker, and once none is left mark the run ended and done (any thread, when the
+        monitor cannot; idempotent). True when nothing of the run is left."""
+        try:
+            self._teardown()
+            left = self._agent_alive() or bool(procs.processes_with_token(self._token))
+        except Exception:  # e.g. out of file descriptors: not ended yet
+            return False
+        if left:
+            return False
+        try:
+            self._server_close()
+        except Exception:  # a channel that cannot close: its sockets go with the kernel
+            pass
+        with self._lock:
+            if self._status not in TERMINAL:
+                self._status, self._message = "stopped", f"stopped ({self._stop_reason})"
+            if self.ended is None:
+                self.ended = time.time()
         self._ended()
+        return True
 
     def _ended(self) -> None:
         """Every process of the run is gone: the end hooks, then ``done`` (so a launch right after ``wait()``
-        finds the next standby the hooks started)."""
+        finds the next standby the hooks started). Once only."""
+        with self._teardown_lock:
+            if self._ending:
+                return
+            self._ending = True
         for hook in self._end_hooks:
             try:
                 hook(self)
