@@ -12,21 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+from test_launch import wait_for
 
 from autopar_nb.launch import LaunchError, launch, live_runs
 from autopar_nb.launch import launcher as launcher_mod
 from autopar_nb.launch.procs import processes_with_token
 
 FIXTURE = Path(__file__).parent / "fixtures" / "train_fixture.py"
-
-
-def wait_for(cond, timeout: float, what: str, poll: float = 0.02) -> float:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return time.monotonic()
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 @pytest.fixture(autouse=True)
