@@ -513,8 +513,10 @@ def test_exported_script_runs_under_launch_with_metrics(tmp_path):
 
     src = source(GPT_CELL)
     plan = make_plan(src, dp=2)
+    # cold ranks (a fresh interpreter each): a warm run of these 6 steps may end within the first 1 s tick, and the
+    # memory samples below need ranks alive at a tick (test_pool.py runs the exported script warm)
     run = launch(lambda path: export(src, plan, path, steps=6, quiet=True).script, nproc=2, steps=6, plan=plan,
-                 run_dir=tmp_path, ckpt_dir=tmp_path / "ckpt", ckpt_every=3)
+                 run_dir=tmp_path, ckpt_dir=tmp_path / "ckpt", ckpt_every=3, warm=False)
     assert run.wait(180) == "finished", f"{run.message}\n{run.logs(0, tail=30)}\n{run.logs(1, tail=30)}"
     assert run.script == (tmp_path / "train.py").resolve() and (tmp_path / "plan.json").exists()
     rows = run.metrics

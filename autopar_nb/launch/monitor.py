@@ -133,9 +133,6 @@ class Monitor(threading.Thread):
                     while time.monotonic() < deadline and r._server is not None:
                         r._ingest(r._server.poll(0.05))
                     r._finalise()
-                    r._read_log_tails()  # a run shorter than a tick has shown no log yet
-                    if self.sampler is not None:  # the end, as a last sample: how each rank finished
-                        r._record_tick(max(r._tick + 1, tick), {})
                     break
                 # a new status is pushed at once: a warm restart's "restarting" may last less than the interval
                 if changed and (now - last_push >= PUSH_INTERVAL_S or r._status != pushed_status):

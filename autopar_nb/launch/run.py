@@ -602,6 +602,10 @@ class Run:
             self._set_final_status(result, f"{self.ended - self.started:.1f} s")
             self._watch_tick()  # the agent's account of a killed rank (its signal) arrives only now
         self._server_close()
+        self._read_log_tails()  # a run shorter than a tick has shown no log yet
+        if self._tick >= 0:  # sampled: the end as a last sample, how each rank finished
+            self._record_tick(self._tick + 1, {})
+        self._notify()  # listeners see the final status before wait() returns
         self._ended()
 
     def _set_final_status(self, result: dict, elapsed: str) -> None:
