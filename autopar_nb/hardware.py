@@ -166,31 +166,52 @@ class Cluster:
     """the preset this cluster was made from ("h100-80gb", "cpu", ...), "" for a custom one"""
     calibration: dict[str, float] = field(default_factory=dict)
     """measured factors that replace the cost model's defaults (see autopar_nb.cost)"""
+    rank_memory: float | None = None
+    """bytes each rank may use, set by the user (``memory_gb=``, the magic's ``--memory``); None: the device's
+    memory (on the ``cpu`` preset the host's RAM, shared by the node's ranks). A CPU launch of a plan made with it
+    enforces it on each rank's RSS above its baseline (``autopar_nb.launch.watch``)"""
 
     def __post_init__(self):
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise ValueError(f"a cluster needs nodes >= 1 and gpus_per_node >= 1, got {self.nodes} x "
                              f"{self.gpus_per_node}")
+        if self.rank_memory is not None and not self.rank_memory > 0:
+            raise ValueError(f"a rank's memory limit must be > 0 bytes, got {self.rank_memory}")
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    @property
+    def rank_memory_bytes(self) -> float:
+        """Bytes one rank may use: the user's limit (``rank_memory``) when set, else the device's memory; on the
+        ``cpu`` preset the ranks are processes sharing the host's RAM, so it is divided among the node's ranks."""
+        if self.rank_memory is not None:
+            return float(self.rank_memory)
+        mem = self.device.memory_bytes
+        return mem / self.gpus_per_node if self.name == "cpu" else mem
+
     @classmethod
-    def preset(cls, name: str, nodes: int = 1, gpus_per_node: int = 8) -> Cluster:
+    def preset(cls, name: str, nodes: int = 1, gpus_per_node: int = 8, *, memory_gb: float | None = None) -> Cluster:
         """A cluster of a named device: a key of :data:`PRESETS` (a100-40gb, a100-80gb, h100-80gb, h200, l4, ...) or
-        cpu.
+        cpu. ``memory_gb``: a memory limit per rank in GiB (2**30 bytes; ``rank_memory``), e.g. a CPU limit that a
+        launch enforces, or a GPU memory budget below the card's.
 
         >>> Cluster.preset("h100-80gb", nodes=2).world_size
         16
+        >>> Cluster.preset("cpu", gpus_per_node=2, memory_gb=3).rank_memory_bytes / 2**30
+        3.0
         """
         key = name.lower().replace("_", "-")
+        if memory_gb is not None and not (isinstance(memory_gb, (int, float)) and memory_gb > 0):
+            raise ValueError(f"memory_gb must be a number of GiB > 0, got {memory_gb!r}")
+        limit = None if memory_gb is None else float(memory_gb) * GiB
         if key == "cpu":
-            return cls(cpu_device(), nodes, gpus_per_node, LOOPBACK, ETH_100G, "cpu")
+            return cls(cpu_device(), nodes, gpus_per_node, LOOPBACK, ETH_100G, "cpu", rank_memory=limit)
         if key not in PRESETS:
             raise ValueError(f"unknown GPU preset {name!r}; choose one of {', '.join([*PRESETS, 'cpu'])}")
         dev, intra, inter = PRESETS[key]
-        return cls(dev, nodes, gpus_per_node, intra, inter, key)
+        return cls(dev, nodes, gpus_per_node, intra, inter, key, rank_memory=limit)
 
     @classmethod
     def detect(cls, env: dict[str, str] | None = None) -> Cluster:
@@ -220,8 +241,26 @@ class Cluster:
     def describe(self) -> str:
         d = self.device
         dtype, peak = max(d.peak_flops.items(), key=lambda kv: kv[1])
-        return (f"{self.nodes} x {self.gpus_per_node} {d.name} ({d.memory_bytes / GiB:.0f} GiB, "
+        mem = f"{d.memory_bytes / GiB:.0f} GiB" if self.rank_memory is None else \
+            f"limit {self.rank_memory / GiB:.3g} GiB per rank"
+        return (f"{self.nodes} x {self.gpus_per_node} {d.name} ({mem}, "
                 f"{peak / TB:.3g} TFLOP/s {dtype})")
+
+
+MEMORY_UNITS = {"": GiB, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
+                "g": GiB, "gb": GiB, "gib": GiB, "t": 2**40, "tb": 2**40, "tib": 2**40}
+"""memory size suffixes (binary: "3GB" and "3GiB" are both 3 * 2**30 bytes, as torch and nvidia-smi count); no
+suffix = GiB"""
+
+
+def parse_memory(text: str) -> float:
+    """``"3GiB"``, ``"512MiB"``, ``"1.5g"``, ``"3"`` (GiB) -> bytes; ValueError naming the accepted forms."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in MEMORY_UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"memory size {text!r} not understood: write a number > 0 with an optional unit, e.g. "
+                         "3GiB, 512MiB, 1.5GB (binary units; no unit = GiB)")
+    return float(m.group(1)) * MEMORY_UNITS[unit]
 
 
 def _tokens(name: str) -> list[str]:

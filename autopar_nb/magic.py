@@ -11,7 +11,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from . import calibration
 from .capture import CaptureError, capture
 from .cell import CellError, parse_fix, run_model_cell
-from .hardware import Cluster
+from .hardware import Cluster, parse_memory
 from .plan import AMP, FIX_ALIASES, FIX_CHOICES, FIX_KEYS, PlanError
 from .session import MODES, Session
 
@@ -20,16 +20,19 @@ DTYPES = {"auto": None, **{("fp32" if amp == "none" else amp): amp for amp in AM
 BOOL_WORDS = {"true": True, "on": True, "yes": True, "false": False, "off": False, "no": False}
 
 
-def make_cluster(gpu: str, gpus: int | None, nodes: int) -> Cluster:
+def make_cluster(gpu: str, gpus: int | None, nodes: int, memory: str | None = None) -> Cluster:
     """The cluster the options describe: a named preset, or ``auto`` = this machine (its GPUs; on a CPU-only
-    machine the ``cpu`` preset with 2 processes, so the plan can be launched here). Factors measured by earlier
-    runs of this preset (``run.calibrate()``) are applied."""
+    machine the ``cpu`` preset with 2 processes, so the plan can be launched here); ``memory`` ("3GiB"): a limit
+    per rank (``Cluster.rank_memory``). Factors measured by earlier runs of this preset (``run.calibrate()``) are
+    applied."""
     if gpu == "auto":
         detected = Cluster.detect()
         per_node = gpus or (detected.gpus_per_node if detected.name != "cpu" else 2)
         cluster = dataclasses.replace(detected, nodes=nodes, gpus_per_node=per_node)
     else:
         cluster = Cluster.preset(gpu, nodes=nodes, gpus_per_node=gpus or 8)
+    if memory is not None:
+        cluster = dataclasses.replace(cluster, rank_memory=parse_memory(memory))
     return calibration.apply(cluster)
 
 
@@ -60,6 +63,10 @@ class AutoparallelMagics(Magics):
     @argument("--gpu", default="auto",
               help="device preset: a100-40gb, a100-80gb, h100-80gb, h100-pcie, h100-nvl, h200, gh200, h20, l4, "
                    "l40s, a10, a10g, v100, t4, cpu, or auto = detect this machine (default). Example: --gpu h100-80gb")
+    @argument("--memory", default=None,
+              help="memory limit per rank (GiB unless a unit is given): the planner fits each rank under it, and a "
+                   "CPU launch enforces it on each rank's RSS above its baseline, stopping a rank that exceeds it as "
+                   "an out-of-memory would (re-planning: ap.launch(replan=...)). Example: --gpu cpu --memory 3GiB")
     @argument("--batch", type=int, default=None,
               help="global batch size (samples per optimizer step over all GPUs; default: the example inputs' "
                    "batch). Example: --batch 512")
@@ -128,9 +135,9 @@ class AutoparallelMagics(Magics):
             if DTYPES[args.dtype] is not None:
                 fix.setdefault("amp", DTYPES[args.dtype])
             try:
-                cluster = make_cluster(args.gpu, args.gpus, args.nodes)
+                cluster = make_cluster(args.gpu, args.gpus, args.nodes, args.memory)
             except ValueError as e:
-                raise CellError(f"--gpu: {e}") from None
+                raise CellError(f"{'--memory' if 'memory size' in str(e) else '--gpu'}: {e}") from None
             history = [c for c in self.shell.user_ns.get("In", [])[1:] if isinstance(c, str)]
             result = run_model_cell(cell, self.shell.user_ns, model_var=args.model, inputs_var=args.inputs,
                                     history=history, include_cells=args.include_cells)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from autopar_nb import hardware
-from autopar_nb.hardware import GB, PCIE4, PRESETS, Cluster, parse_visible_devices
+from autopar_nb.hardware import GB, PCIE4, PRESETS, Cluster, parse_memory, parse_visible_devices
 
 H100_TORCH_BYTES = 85_017_755_648
 """what torch reports for an H100 80GB HBM3 (total_memory: without the driver's reserve)"""
@@ -108,6 +108,21 @@ def test_datasheet_values():
     assert Cluster.preset("a100-40gb").device.memory_bytes == 40e9
     assert Cluster.preset("h200").device.memory_bytes == 141e9
     assert Cluster.preset("l4").intra_node.bandwidth < Cluster.preset("h100-80gb").intra_node.bandwidth
+
+
+def test_a_memory_limit_per_rank_replaces_the_shared_ram():
+    """``memory_gb`` (issue 14, point 5): a per-rank limit, not the host's RAM divided among the ranks."""
+    shared = Cluster.preset("cpu", gpus_per_node=2)
+    assert shared.rank_memory_bytes == shared.device.memory_bytes / 2
+    limited = Cluster.preset("cpu", gpus_per_node=2, memory_gb=3)
+    assert limited.rank_memory_bytes == 3 * 2**30 and limited.rank_memory == 3 * 2**30
+    assert Cluster.preset("h100-80gb", memory_gb=40).rank_memory_bytes == 40 * 2**30
+    with pytest.raises(ValueError, match="memory_gb must be a number of GiB > 0"):
+        Cluster.preset("cpu", memory_gb=0)
+    assert [parse_memory(t) for t in ("3GiB", "3gb", "512MiB", "1.5", "64k")] == \
+        [3 * 2**30, 3 * 2**30, 2**29, 1.5 * 2**30, 2**16]
+    with pytest.raises(ValueError, match="3GiB, 512MiB"):
+        parse_memory("3 apples")
 
 
 def test_unknown_preset_names_the_choices():

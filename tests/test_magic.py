@@ -59,6 +59,14 @@ def test_gpus_and_nodes_scale_the_detected_machine(ip, host_gpus, line, gpus_per
     assert s.plan.mesh.world_size == nodes * expected
 
 
+def test_memory_sets_a_per_rank_limit_the_plan_fits_and_records(ip):
+    """--memory (issue 14, point 5): the planner fits each rank under it, and the plan carries it to the launch."""
+    s = ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2 --memory 96MiB", SEED_CELL)
+    assert s.cluster.rank_memory_bytes == 96 * 2**20 and "limit 0.0938 GiB per rank" in s.cluster.describe()
+    assert s.plan.cluster["memory_limit_bytes"] == 96 * 2**20
+    assert s.plan.cost.peak_memory_bytes <= 96 * 2**20
+
+
 def test_repeated_blocks_are_folded_in_summary(ip):
     cell = """
 import torch
@@ -104,6 +112,7 @@ def make_batch(step, rank):
     ("--fix color=red", SEED_CELL, "KEY one of dp, tp, pp"),
     ("--gpu p100", SEED_CELL, "--gpu: unknown GPU preset 'p100'"),
     ("--gpus 0", SEED_CELL, "must be >= 1"),
+    ("--gpu cpu --memory lots", SEED_CELL, "--memory: memory size 'lots' not understood"),
     ("--name 1x", SEED_CELL, "not a valid Python variable name"),
 ])
 def test_user_mistakes_give_one_line_and_leave_namespace(ip, line, cell, message):

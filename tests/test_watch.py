@@ -12,6 +12,7 @@ GIB = 2**30
 def samples(ranks: int, ticks: int, *, memory=lambda r, i: 1 * GIB, step_time=lambda r, i: 0.1) -> list[dict]:
     """``Run.samples``-shaped dicts: one per tick and rank, a step per tick (step i at tick i)."""
     return [{"t": float(i), "rank": r, "state": "running", "source": "psutil", "memory_bytes": memory(r, i),
+             "rss_baseline_bytes": 0.3 * GIB,
              "step": i, "step_time_s": step_time(r, i), "loss": 1.0} for i in range(ticks) for r in range(ranks)]
 
 
@@ -96,19 +97,59 @@ def test_watch_reports_each_event_once_as_the_run_goes_on():
 
 
 def test_run_fills_events_at_each_monitor_tick(tmp_path):
-    """The Run's monitor tick hands its samples to the watch: a rank whose memory crosses the line is an event."""
+    """The Run's monitor tick hands its samples to the watch: a rank whose memory above its baseline crosses the
+    line is an event; before its baseline is known (raw RSS: Python and torch included) it is not."""
     from autopar_nb.launch.run import Run
 
     run = Run(run_id="r", run_dir=tmp_path, script=tmp_path / "train.py", nproc=2, steps=4, token="t",
               backend="gloo", max_restarts=0, hang_timeout_s=None)
-    run._watch = Watch(WatchSettings(memory_limit_bytes=4 * GIB))  # a CPU limit (issue 14, point 5: not yet an option)
-    run._record_tick(0, {0: {"rss": GIB}, 1: {"rss": GIB}})
-    assert run.events == []
-    run._record_tick(1, {0: {"rss": GIB}, 1: {"rss": 3.9 * GIB}})
+    run._watch = Watch(WatchSettings(memory_limit_bytes=4 * GIB))
+    run._record_tick(0, {0: {"rss": GIB}, 1: {"rss": 4 * GIB}})
+    assert run.events == []  # no baseline yet
+    for st in run._ranks.values():
+        st.baseline = 0.5 * GIB
+    run._record_tick(1, {0: {"rss": GIB}, 1: {"rss": 4.4 * GIB}})
     assert kinds(run.events) == [("memory_high", 1)] and "rank 1 reached 98% of 4.00 GiB" in run.events[0]["reason"]
-    run._record_tick(2, {0: {"rss": GIB}, 1: {"rss": 3.9 * GIB}})
+    run._record_tick(2, {0: {"rss": GIB}, 1: {"rss": 4.4 * GIB}})
     assert len(run.events) == 1
     plain = Run(run_id="p", run_dir=tmp_path, script=tmp_path / "train.py", nproc=2, steps=4, token="t",
                 backend="gloo", max_restarts=0, hang_timeout_s=None)  # no plan, no limit: settings from comparison()
     plain._record_tick(0, {0: {"rss": 3.9 * GIB}, 1: {"rss": GIB}})
     assert plain.events == [] and plain._watch.settings.memory_limit_bytes is None
+
+
+def test_a_cpu_rank_above_the_plans_limit_is_stopped_as_an_oom(tmp_path):
+    """A CPU run of a plan made with a per-rank limit (issue 14, point 5) enforces it: the rank whose RSS above its
+    baseline exceeds it is killed (a real process here) and an ``oom`` event says why; memory_high came first."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    import psutil
+
+    from autopar_nb.launch.run import Run
+
+    plan = SimpleNamespace(cluster={"preset": "cpu", "nodes": 1, "gpus_per_node": 2, "memory_limit_bytes": 2 * GIB},
+                           cost=None)
+    run = Run(run_id="r", run_dir=tmp_path, script=tmp_path / "train.py", nproc=2, steps=4, token="t",
+              backend="gloo", max_restarts=0, hang_timeout_s=None, plan=plan)
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        run._workers = {1: psutil.Process(victim.pid)}
+        for st in run._ranks.values():
+            st.baseline = 0.5 * GIB
+        run._record_tick(0, {0: {"rss": GIB}, 1: {"rss": 2.4 * GIB}})  # 1.9 GiB: 95 %, not over
+        assert kinds(run.events) == [("memory_high", 1)] and victim.poll() is None
+        run._record_tick(1, {0: {"rss": GIB}, 1: {"rss": 2.6 * GIB}})  # 2.1 GiB: over
+        assert kinds(run.events) == [("memory_high", 1), ("oom", 1)]
+        e = run.events[1]
+        assert e["killed"] and e["limit_bytes"] == 2 * GIB
+        assert e["reason"] == ("rank 1 exceeded its memory limit: 2.10 GiB above its baseline, 105% of 2.00 GiB; "
+                               "stopped (SIGKILL) as an out-of-memory would")
+        assert victim.wait(timeout=10) == -9
+    finally:
+        victim.kill()
+    gpu = Run(run_id="g", run_dir=tmp_path, script=tmp_path / "train.py", nproc=2, steps=4, token="t",
+              backend="nccl", max_restarts=0, hang_timeout_s=None, plan=plan)
+    gpu._record_tick(0, {0: {"rss": GIB}, 1: {"rss": GIB}})
+    assert gpu._watch.settings.memory_limit_bytes == 2 * GIB and not gpu._watch.settings.enforce_limit

@@ -44,15 +44,22 @@ def predicted_memory(plan: Any, rank: int, *, model_state: bool) -> float | None
 
 def comparison(plan: Any, *, backend: str, nproc: int, gpu_name: str = "") -> dict:
     """``{"plan_device", "run_device", "compare_time", "memory_basis", "predicted_memory": [bytes or None per
-    rank], "predicted_step_time_s", "notes": [str]}`` for a run of ``plan`` on ``nproc`` local processes."""
+    rank], "predicted_step_time_s", "memory_limit_bytes" (the per-rank limit the plan was made with, or None),
+    "enforce_limit" (a CPU run: the launch stops a rank above it), "notes": [str]}`` for a run of ``plan`` on
+    ``nproc`` local processes."""
     device = plan_device(plan)
     cpu = backend != "nccl"
     run_device = f"{nproc} CPU process{'es' if nproc > 1 else ''} (gloo)" if cpu else \
         f"{nproc} GPU{'s' if nproc > 1 else ''}" + (f" ({gpu_name})" if gpu_name else "")
     cost = getattr(plan, "cost", None)
+    limit = (getattr(plan, "cluster", None) or {}).get("memory_limit_bytes")
     out: dict[str, Any] = {"plan_device": device, "run_device": run_device, "compare_time": False,
                            "memory_basis": "rss_above_baseline" if cpu else "cuda", "predicted_memory": [None] * nproc,
-                           "predicted_step_time_s": None, "notes": []}
+                           "predicted_step_time_s": None, "memory_limit_bytes": float(limit) if limit else None,
+                           "enforce_limit": bool(limit) and cpu, "notes": []}
+    if limit and cpu:
+        out["notes"].append(f"Memory limit {limit / 2**30:.3g} GiB per rank (the plan's): a rank whose RSS above "
+                            "its baseline exceeds it is stopped, as an out-of-memory would.")
     if cost is None:
         if plan is not None:
             out["notes"].append("the plan has no cost: nothing to compare")

@@ -86,6 +86,8 @@ class Run:
         """whether it ran through the warm pool (``launch(warm=True)``, see ``pool.py``)"""
         self._end_hooks: list[Callable[[Run], None]] = []
         """called once from the monitor thread when the run has ended (the pool starts its next standby)"""
+        self._event_hooks: list[Callable[[Run, list[dict]], None]] = []
+        """called from the monitor thread with the events each tick found (``replan.Replanner``); must not block"""
         self._token = token
         self._lock = threading.RLock()
         self._done = threading.Event()
@@ -453,9 +455,28 @@ class Run:
     def _watch_tick(self) -> None:
         """New events from the samples, the ranks' failures and the plan's predictions (under ``_lock``)."""
         if self._watch is None:
-            self._watch = watch.Watch(watch.settings_for(self.comparison()))
+            c = self.comparison()
+            self._watch = watch.Watch(watch.settings_for(c, memory_limit_bytes=c["memory_limit_bytes"],
+                                                         enforce_limit=c["enforce_limit"]))
         errors = {r: st.error for r, st in self._ranks.items() if st.error}
-        self.events += self._watch.update(self._timeline.samples(), errors=errors)
+        new = self._watch.update(self._timeline.samples(), errors=errors)
+        self.events += new
+        for e in new:
+            if e.get("killed"):
+                self._kill_rank(e["rank"])
+        for hook in self._event_hooks:
+            if new:
+                hook(self, new)
+
+    def _kill_rank(self, rank: int) -> None:
+        """SIGKILL one worker (a rank above its memory limit, see watch.over_limit_events): torch's agent sees it
+        die as the kernel's OOM killer would leave it."""
+        proc = self._workers.get(rank)
+        try:
+            if proc is not None:
+                proc.kill()
+        except psutil.Error:  # already gone
+            pass
 
     def _sample_of(self, st: RankState) -> dict:
         s, last = st.sample, st.last

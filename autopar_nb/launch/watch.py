@@ -47,6 +47,9 @@ class WatchSettings:
     """``Run.comparison()["predicted_step_time_s"]``: None where times do not compare (another device)"""
     min_steps: int = 3
     """steps a rank must have reported before its figures are compared with the prediction"""
+    enforce_limit: bool = False
+    """a rank above ``memory_limit_bytes`` is stopped (an ``oom`` event with ``killed``): a CPU run of a plan made
+    with a per-rank limit (``Cluster.preset("cpu", memory_gb=...)``), where nothing else would stop it"""
 
 
 def gib(n: float) -> str:
@@ -59,6 +62,14 @@ def settings_for(comparison: dict, *, memory_limit_bytes: float | None = None, *
     return WatchSettings(memory_limit_bytes=memory_limit_bytes,
                          predicted_memory=list(comparison.get("predicted_memory") or []),
                          predicted_step_time_s=comparison.get("predicted_step_time_s"), **kw)
+
+
+def held(sample: dict) -> float | None:
+    """The memory a sample holds against a limit: None for a CPU rank whose baseline (its RSS before building its
+    model) is not known yet, whose ``memory_bytes`` is then its raw RSS, the Python and torch runtime included."""
+    if sample.get("source") == "psutil" and not sample.get("rss_baseline_bytes"):
+        return None
+    return sample.get("memory_bytes")
 
 
 def limit_of(sample: dict, s: WatchSettings) -> float | None:
@@ -86,7 +97,7 @@ def oom_events(samples: list[dict], errors: dict[int, dict], s: WatchSettings) -
     out, rows = [], by_rank(samples)
     for rank, err in sorted(errors.items()):
         text = f"{err.get('error', '')}\n{err.get('traceback', '')}"
-        last = next((r for r in reversed(rows.get(rank, [])) if r.get("memory_bytes") is not None), {})
+        last = next((r for r in reversed(rows.get(rank, [])) if held(r) is not None), {})
         mem, t = last.get("memory_bytes"), err.get("t", last.get("t"))
         if OOM_TEXT.search(text):
             out.append({"t": t, "kind": "oom", "rank": rank, "memory_bytes": mem, "step": last.get("step"),
@@ -104,7 +115,7 @@ def memory_events(samples: list[dict], s: WatchSettings) -> list[dict]:
     out = []
     for rank, rows in sorted(by_rank(samples).items()):
         hit = next((r for r in rows if (limit := limit_of(r, s)) and
-                    (r.get("memory_bytes") or 0) >= s.memory_threshold * limit), None)
+                    (held(r) or 0) >= s.memory_threshold * limit), None)
         if hit is not None:
             limit = limit_of(hit, s)
             share, where = hit["memory_bytes"] / limit, step_text(hit)
@@ -112,6 +123,24 @@ def memory_events(samples: list[dict], s: WatchSettings) -> list[dict]:
                         "limit_bytes": limit, "share": share, "step": hit.get("step"),
                         "reason": f"rank {rank} reached {share:.0%} of {gib(limit)}{where} "
                                   f"(threshold {s.memory_threshold:.0%})"})
+    return out
+
+
+def over_limit_events(samples: list[dict], s: WatchSettings) -> list[dict]:
+    """With ``enforce_limit``: the first sample of each rank above the memory limit, as an ``oom`` event with
+    ``killed`` (the caller stops that rank, as the kernel's OOM killer or a GPU's allocator would)."""
+    if not s.enforce_limit or not s.memory_limit_bytes:
+        return []
+    out = []
+    for rank, rows in sorted(by_rank(samples).items()):
+        hit = next((r for r in rows if (held(r) or 0) > s.memory_limit_bytes), None)
+        if hit is not None:
+            mem, limit = hit["memory_bytes"], s.memory_limit_bytes
+            out.append({"t": hit["t"], "kind": "oom", "rank": rank, "memory_bytes": mem, "limit_bytes": limit,
+                        "share": mem / limit, "step": hit.get("step"), "killed": True,
+                        "reason": f"rank {rank} exceeded its memory limit: {gib(mem)} above its baseline, "
+                                  f"{mem / limit:.0%} of {gib(limit)}{step_text(hit)}; stopped (SIGKILL) as an "
+                                  "out-of-memory would"})
     return out
 
 
@@ -180,8 +209,9 @@ def detect(samples: list[dict], *, errors: dict[int, dict] | None = None,
            settings: WatchSettings | None = None) -> list[dict]:
     """Every event the samples and failures show, in time order (see the module docstring)."""
     s = settings or WatchSettings()
-    events = (oom_events(samples, errors or {}, s) + memory_events(samples, s) + straggler_events(samples, s)
-              + prediction_events(samples, s))
+    # the limit's own stop comes before the agent's account of the killed rank (the same oom, said once)
+    events = (over_limit_events(samples, s) + oom_events(samples, errors or {}, s) + memory_events(samples, s)
+              + straggler_events(samples, s) + prediction_events(samples, s))
     return sorted(events, key=lambda e: (e["t"] if e["t"] is not None else float("inf"), KINDS.index(e["kind"])))
 
 

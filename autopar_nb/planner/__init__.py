@@ -109,6 +109,15 @@ def expert_patterns(graph, paths: list[str]) -> list[str]:
     return out
 
 
+def cluster_info(cluster) -> dict:
+    """``Plan.cluster``: the preset, its size, and the per-rank memory limit when the user set one (a CPU launch
+    enforces it)."""
+    out = {"preset": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node}
+    if getattr(cluster, "rank_memory", None) is not None:
+        out["memory_limit_bytes"] = int(cluster.rank_memory)
+    return out
+
+
 def _no_fit_message(cands: list[Candidate], cluster, cons: Constraints) -> str:
     c = min(cands, key=lambda c: c.cost.peak_memory_bytes)
     limit = memory_limit(cluster)
@@ -174,6 +183,6 @@ def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch
         fused_loss=head if s.fused_loss else "",
         experts=expert_patterns(graph, [m for lp in prof.layers for m in lp.experts]),
         model={"name": graph.model_type, "num_params": graph.num_params},
-        cluster={"preset": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
+        cluster=cluster_info(cluster),
         cost=c.cost,
     )

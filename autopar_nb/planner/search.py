@@ -83,10 +83,8 @@ def tp_blockers(prof, t: int, tp_on: list[bool]) -> list[str]:
 
 
 def memory_limit(cluster) -> float:
-    """Bytes one rank may use: the device's memory; on the ``cpu`` preset the ranks are processes sharing the
-    host's RAM, so it is divided among the node's ranks."""
-    mem = cluster.device.memory_bytes
-    return mem / cluster.gpus_per_node if cluster.name == "cpu" else mem
+    """Bytes one rank may use (``Cluster.rank_memory_bytes``)."""
+    return cluster.rank_memory_bytes
 
 
 def default_amp(device) -> str:

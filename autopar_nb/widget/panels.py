@@ -21,7 +21,7 @@ def memory_panel(plan: Plan | None, cluster: Cluster) -> dict[str, Any]:
     """``{"limit": bytes, "parts": [{key, label, color}], "bars": [{label, ranks, total, over, <part>: bytes}],
     "peak": bytes, "over": bool}``; bars are per rank (or per pipeline rank when the planner gives one breakdown per
     pipeline rank), grouped when there are more than MAX_BARS."""
-    limit = float(cluster.device.memory_bytes)
+    limit = float(cluster.rank_memory_bytes)
     parts = [{"key": k, "label": lab, "color": c} for k, lab, c in MEMORY_PARTS]
     if plan is None or plan.cost is None or not plan.cost.memory_by_rank:
         return {"limit": limit, "parts": parts, "bars": [], "peak": 0.0, "over": False}
