@@ -205,6 +205,32 @@ class Session:
         return launch(lambda path: export(self.source, plan, path, quiet=True), plan.mesh.world_size, steps,
                       plan=plan, warm=warm, **run_flags, **script_flags)
 
+    def attach(self, path: str = "train.py", *, host: str | None = None, port: int = 0, advertise: str | None = None,
+               nproc: int | None = None, steps: int = 100, lost_after_s: float | None = None,
+               backend: str | None = None, overwrite: bool = False, quiet: bool = False):
+        """Export the plan to ``path`` and attach the launch dashboard to its run on other hosts: the metrics server
+        listens on ``host`` (an address of this machine the hosts reach, or "0.0.0.0" with ``advertise``), and the
+        torchrun commands to run there are printed with ``AUTOPAR_METRICS`` and ``AUTOPAR_TOKEN`` in front (also
+        ``run.commands``, ``run.env``). Returns the AttachedRun at once; displayed, it is the dashboard, fed by the
+        ranks' stream alone (see ``autopar_nb.launch.attach``); ``run.stop()`` detaches."""
+        from .export import export
+        from .launch import attach
+        from .launch.attach import LOST_AFTER_S, check_host
+
+        check_host(host, advertise)  # before anything is written
+        plan = self.plan_for(nproc)
+        exported = export(self.source, plan, path, steps=steps, quiet=True, overwrite=overwrite)
+        run = attach(exported.script, plan.mesh.world_size, steps, host=host, port=port, advertise=advertise,
+                     plan=plan, commands=exported.commands, backend=backend,
+                     lost_after_s=LOST_AFTER_S if lost_after_s is None else lost_after_s,
+                     run_dir=exported.script.parent)
+        if not quiet:
+            print(f"wrote {exported.script} and {exported.plan_json}; listening on {run.address} for "
+                  f"{run.nproc} rank(s). Copy both files to the hosts and run there (the token lets ranks in; keep it "
+                  "to yourself):")
+            print("\n".join(f"  {c}" for c in run.commands))
+        return run
+
     # ---- widget (autopar_nb.widget) -------------------------------------------------------------------------------
     def _notify(self) -> None:
         for fn in list(self._observers):

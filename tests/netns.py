@@ -126,27 +126,33 @@ def kill_tree(proc: subprocess.Popen) -> None:
 CLONE_NEWNET = 0x40000000  # <sched.h>
 
 
-def server_socket(node: Node, host: str) -> socket.socket:
-    """A listening TCP socket bound to ``host`` inside ``node``'s namespace (made by a thread that enters it)."""
+def in_namespace(node: Node, fn):
+    """``fn()`` called by a short-lived thread that entered ``node``'s network namespace (the sockets it makes live
+    there, whichever thread uses them later); returns its result, or raises what it raised."""
     box: dict = {}
 
-    def make():
+    def call():
         fd = os.open(f"/run/netns/{node.name}", os.O_RDONLY)
         try:
             if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
                 raise OSError(ctypes.get_errno(), "setns")
-            box["sock"] = socket.create_server((host, 0))
+            box["result"] = fn()
         except BaseException as e:  # handed to the caller
             box["error"] = e
         finally:
             os.close(fd)
 
-    thread = threading.Thread(target=make)  # only this short-lived thread changes namespace
+    thread = threading.Thread(target=call)  # only this thread changes namespace
     thread.start()
     thread.join()
     if "error" in box:
         raise box["error"]
-    return box["sock"]
+    return box["result"]
+
+
+def server_socket(node: Node, host: str) -> socket.socket:
+    """A listening TCP socket bound to ``host`` inside ``node``'s namespace."""
+    return in_namespace(node, lambda: socket.create_server((host, 0)))
 
 
 class MetricsSink:

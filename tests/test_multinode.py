@@ -11,17 +11,19 @@ between them, and remove them afterwards.
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from netns import MetricsSink, kill_namespace_processes, kill_tree, link_bytes, two_nodes, unavailable
+from netns import MetricsSink, in_namespace, kill_namespace_processes, kill_tree, link_bytes, two_nodes, unavailable
 from runtime_cases import make_plan
 from test_export import CELL, SRC, TP
 
 from autopar_nb.export import export, launch_text, layout, torchrun_commands
+from autopar_nb.launch import attach
 from autopar_nb.runtime.mesh import too_many_processes
 from autopar_nb.source import ModelSource
 from autopar_nb.verify import FP32_RTOL, reference
@@ -297,3 +299,47 @@ def test_node_loss_shrinks_resumes_and_rejoins(nodes, tmp_path):
     expected = reference(src, plan, steps=steps)["losses"]
     assert [r["loss"] for r in records] == pytest.approx(expected, rel=FP32_RTOL, abs=0)
     print(f"node lost at {t_lost - t0:.1f} s; alone until {t_alone - t0:.1f} s; rejoined, done at {t_end - t0:.1f} s")
+
+
+# ---- the dashboard attached to a run on another host -------------------------------------------------------------
+
+@pytest.mark.multiprocess
+def test_attached_run_follows_torchrun_on_another_node(nodes, tmp_path):
+    """The notebook on the first node (its metrics server bound to the first node's address on the pair), the
+    exported script under torchrun (2 processes) on the second, started with the command ``ap.attach`` prints: the
+    attached run, which has no local process, sees every rank's every step and its end, and reaches "finished". A peer
+    on the second node without the token is closed and changes nothing."""
+    plan = make_plan(SRC, dp=2, zero=3)
+    steps = 4
+    exported = export(SRC, plan, tmp_path / "train_attached.py", steps=steps, quiet=True)
+    run = in_namespace(nodes[0], lambda: attach(exported.script, 2, steps, host=nodes[0].addr, plan=plan,
+                                                commands=exported.commands, lost_after_s=120))
+    proc = None
+    try:
+        assert run.address.startswith(f"{nodes[0].addr}:") and run.backend == "gloo"
+        words = shlex.split(run.commands[0])
+        assert words[:2] == [f"AUTOPAR_METRICS={run.address}", f"AUTOPAR_TOKEN={run.env['AUTOPAR_TOKEN']}"]
+        assert words[2:] == ["torchrun", "--nproc-per-node", "2", exported.script.name]
+        host, port = run.address.split(":")
+        peer = (f"import socket; s = socket.create_connection(({host!r}, {port})); "
+                "s.sendall(b'{\"token\": \"x\", \"rank\": 0}\\n{\"step\": 0}\\n'); s.settimeout(15); "
+                "print(repr(s.recv(100)))")
+        probe = subprocess.run(nodes[1].argv([sys.executable, "-c", peer]), capture_output=True, text=True,
+                               timeout=60)
+        assert probe.stdout.strip() == "b''", probe.stderr  # closed; nothing was sent to it
+        env = base_env(**dict(w.split("=", 1) for w in words[:2]))
+        argv = [sys.executable, "-m", "torch.distributed.run", *words[3:-1], str(exported.script)]
+        with open(tmp_path / "node1.log", "w") as log:
+            proc = nodes[1].popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+            assert proc.wait(timeout=240) == 0, (tmp_path / "node1.log").read_text()[-4000:]
+        assert run.wait(30) == "finished", run.message
+    finally:
+        if proc is not None:
+            kill_tree(proc)
+        run.stop()
+    assert run._server.rejected == 1 and run.processes() == []
+    for rank in (0, 1):
+        assert run.metrics.column("step", rank) == list(range(steps))
+        assert run.ranks()[rank].state(run.status) == "finished"
+    assert run.message.startswith(f"finished {steps} steps")
+    assert {s["source"] for s in run.samples if s["state"] == "running"} <= {"stream", None}

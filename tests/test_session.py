@@ -83,3 +83,23 @@ def test_fix_aliases_are_stored_by_their_full_names(session):
     with pytest.raises(PlanError, match=r"fix\['sequence_parallel'\]='false' is not supported"):
         session.replan(fix={"sp": "false"})  # a word, not a bool: refused rather than taken as true
     assert session.fix == {"zero_stage": 3, "micro_batches": 2, "tp": 1}
+
+
+def test_attach_exports_and_prints_the_commands_with_the_address_and_token(session, tmp_path, capsys):
+    """``ap.attach``: a bad host is refused before anything is written; a good one writes the script and prints its
+    torchrun commands with AUTOPAR_METRICS and AUTOPAR_TOKEN in front."""
+    from autopar_nb.launch import LaunchError
+
+    with pytest.raises(LaunchError, match="needs host="):
+        session.attach(str(tmp_path / "train.py"))
+    assert not (tmp_path / "train.py").exists()
+    run = session.attach(str(tmp_path / "train.py"), host="127.0.0.1", steps=7)
+    try:
+        out = capsys.readouterr().out
+        assert (tmp_path / "train.py").exists() and run.nproc == session.plan.mesh.world_size and run.steps == 7
+        assert run.backend == "nccl"  # the plan is for h100-80gb
+        assert run.commands[0].startswith(f"AUTOPAR_METRICS={run.address} AUTOPAR_TOKEN={run.env['AUTOPAR_TOKEN']} "
+                                          "torchrun ")
+        assert all(c in out for c in run.commands) and f"listening on {run.address}" in out
+    finally:
+        run.stop()

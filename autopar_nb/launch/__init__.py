@@ -4,7 +4,8 @@
 >>> run.wait(); run.status, run.metrics
 """
 
+from .attach import AttachedRun, attach
 from .launcher import LaunchError, launch, live_runs
 from .run import MetricsTable, Run
 
-__all__ = ["LaunchError", "MetricsTable", "Run", "launch", "live_runs"]
+__all__ = ["AttachedRun", "LaunchError", "MetricsTable", "Run", "attach", "launch", "live_runs"]

@@ -1,4 +1,5 @@
-"""The metrics channel: a loopback TCP server that receives JSON lines from the ranks of one run.
+"""The metrics channel: a TCP server (loopback, unless attached to a run on other hosts) that receives JSON lines
+from the ranks of one run.
 
 Protocol (the exported script implements the client side; see ``tests/fixtures/train_fixture.py``)::
 
@@ -57,14 +58,15 @@ class Message:
 
 
 class MetricsServer:
-    """Listens on 127.0.0.1 (a free port) for the ranks of one run; ``poll()`` returns their messages."""
+    """Listens on ``host`` (127.0.0.1 unless a run on other hosts is attached: ``attach.py``) and ``port`` (0: a
+    free one) for the ranks of one run; ``poll()`` returns their messages."""
 
-    def __init__(self, token: str | None = None, host: str = "127.0.0.1"):
+    def __init__(self, token: str | None = None, host: str = "127.0.0.1", port: int = 0):
         self.token = token or secrets.token_hex(16)
         self._sel = selectors.DefaultSelector()
         self._lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._lsock.bind((host, 0))
+        self._lsock.bind((host, port))
         self._lsock.listen(64)
         self._lsock.setblocking(False)
         self._sel.register(self._lsock, selectors.EVENT_READ, None)

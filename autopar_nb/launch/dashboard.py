@@ -135,6 +135,9 @@ class Dashboard(anywidget.AnyWidget):
             limit = st.sample.get("gpu_mem_total") or limit
         based = sum(st.baseline is not None for st in ranks.values())
         plan = run.plan
+        away = getattr(run, "address", None)  # an attached run (attach.py): its ranks are on other hosts
+        if away:
+            c = {**c, "run_device": f"{c['run_device']} on other hosts, streaming to {away}"}
         return {
             "nproc": run.nproc, "backend": run.backend, "steps": run.steps, "run_id": run.run_id[:8],
             "plan": plan.summary() if hasattr(plan, "summary") and getattr(plan, "mesh", None) is not None else "",
@@ -144,7 +147,7 @@ class Dashboard(anywidget.AnyWidget):
                              "RSS (the script reports no RSS before its model; see Run.samples)"
                              if run.status != "starting" or based else "RSS above the RSS before the model was built"),
             "util_label": "GPU utilisation (NVML, %)" if gpu else "CPU (% of one core)",
-            "limit": limit if gpu else self._total_ram,
+            "limit": limit if gpu else None if away else self._total_ram,  # this host's RAM is not theirs
             "limit_label": "GPU memory" if gpu else "host RAM (shared by every rank)",
             "unit": run.throughput_unit,
         }

@@ -42,6 +42,9 @@ class RankState:
     """the highest RSS its step messages reported"""
     dumps_stacks: bool = False
     """its script prints every thread's stack to stderr on SIGUSR1 (its "start" message said so)"""
+    lost: str | None = None
+    """an attached run (``attach.py``) lost it: why (its connection closed without an end message, it went silent,
+    or it never connected)"""
 
     def copy(self) -> RankState:
         """A copy whose dicts and lists are the copy's own."""
@@ -53,7 +56,9 @@ class RankState:
         return bool(self.last) and self.last.get("attempt") == max(self.attempt, 0)
 
     def state(self, run_status: str) -> str:
-        """starting | running | restarting | failed | hung | finished | stopped, given the run's status."""
+        """starting | running | restarting | failed | lost | hung | finished | stopped, given the run's status."""
+        if self.lost is not None:
+            return "lost"
         if self.error is not None:
             return "failed"
         if self.done:

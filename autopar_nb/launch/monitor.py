@@ -94,11 +94,12 @@ class DeviceSampler:
 class Monitor(threading.Thread):
     """Runs until the agent process has exited and the run is finalised."""
 
-    def __init__(self, run: Run, *, sample: bool = True):
+    def __init__(self, run: Run, *, sample: bool = True, nvml: bool | None = None):
+        """``nvml``: sample this machine's GPUs (default: when the run uses NCCL; False for ranks on other hosts)."""
         super().__init__(daemon=True, name=f"autopar-monitor-{run.run_id[:8]}")
         self.run_ = run
         self.sample_devices = sample
-        self.sampler = DeviceSampler(run.backend == "nccl") if sample else None
+        self.sampler = DeviceSampler(run.backend == "nccl" if nvml is None else nvml) if sample else None
 
     def run(self) -> None:
         r = self.run_

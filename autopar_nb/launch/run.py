@@ -37,9 +37,10 @@ MAX_ROWS = 100_000
 SAMPLE_FIELDS = {
     "memory_bytes": "the rank's memory: NVML's device memory used on GPUs ('nvml'), else CUDA's reserved bytes from "
                     "its last step ('cuda'), else on CPU its RSS above rss_baseline_bytes ('psutil'; the raw RSS "
-                    "until the baseline is known)",
+                    "until the baseline is known; 'stream': the RSS its last step reported, for ranks whose process "
+                    "the notebook cannot see, as in an attached run)",
     "utilization_pct": "NVML's SM utilisation on GPUs, else the process's CPU % (100 = one core)",
-    "rss_bytes": "the process's resident set size (psutil)",
+    "rss_bytes": "the process's resident set size (psutil, else what its last step reported)",
     "rss_baseline_bytes": "its RSS before the model was built (the exported script's RSS_BEFORE_MODEL)",
     "cuda_allocated_bytes": "torch.cuda.memory_allocated() at the rank's last step",
     "cuda_reserved_bytes": "torch.cuda.memory_reserved() at the rank's last step",
@@ -169,9 +170,10 @@ class Run:
             {"t": seconds since launch, "rank": 0, "state": "running", "source": "psutil",
              "memory_bytes": ..., "utilization_pct": ..., "step": ..., "loss": ..., ...}
 
-        ``source`` says where ``memory_bytes`` came from: "nvml" | "cuda" | "psutil" (None before the rank's process
-        exists); the other keys are :data:`SAMPLE_FIELDS` (None where unknown). Memory stays bounded over long runs:
-        beyond 1000 ticks every other one is dropped (the interval between samples doubles), the latest kept."""
+        ``source`` says where ``memory_bytes`` came from: "nvml" | "cuda" | "psutil" | "stream" (None before the
+        rank's process exists or reported); the other keys are :data:`SAMPLE_FIELDS` (None where unknown). Memory
+        stays bounded over long runs: beyond 1000 ticks every other one is dropped (the interval between samples
+        doubles), the latest kept."""
         with self._lock:
             return self._timeline.samples()
 
@@ -491,9 +493,10 @@ class Run:
             d["source"], d["memory_bytes"] = "nvml", s["gpu_mem_used"]
         elif last.get("mem_reserved") is not None:
             d["source"], d["memory_bytes"] = "cuda", last["mem_reserved"]
-        elif s.get("rss") is not None:
-            d["source"] = "psutil"
-            d["memory_bytes"] = max(0.0, s["rss"] - st.baseline) if st.baseline else s["rss"]
+        elif s.get("rss") is not None or last.get("rss") is not None:  # psutil's, else the rank's own at its step
+            d["source"] = "psutil" if s.get("rss") is not None else "stream"
+            rss = d["rss_bytes"] = s["rss"] if s.get("rss") is not None else last["rss"]
+            d["memory_bytes"] = max(0.0, rss - st.baseline) if st.baseline else rss
         else:
             d["source"] = None
         return d

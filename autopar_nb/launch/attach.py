@@ -1,0 +1,225 @@
+"""``attach()``: the launch dashboard for a run on other hosts, read from its metrics stream alone.
+
+The notebook's metrics server (``channel.py``) listens on an address the remote hosts reach; the user starts the
+exported script there with ``AUTOPAR_METRICS=<address> AUTOPAR_TOKEN=<token>`` in front of the torchrun command
+(:attr:`AttachedRun.commands`). No process of the run is local, so everything comes from the stream: each rank's
+hello, steps, data verdict, its error or its "done" (the exported script's ``main`` sends one or the other). A rank
+is *lost* when its connection closes without either, when it sends nothing for ``lost_after_s``, or when it never
+connects within ``lost_after_s`` of the first rank that did. The run ends when every rank has finished, failed or
+been lost ("finished" only when all finished), or when :meth:`AttachedRun.stop` detaches from it (the remote ranks
+train on).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+import shlex
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .channel import MetricsServer
+from .compare import plan_device
+from .launcher import LaunchError
+from .metrics import RankState
+from .monitor import Monitor
+from .run import Run
+
+LOST_AFTER_S = 300.0
+"""seconds without a message after which a rank of an attached run is lost (a first step that compiles or loads a
+large checkpoint may need more: pass ``lost_after_s``)"""
+
+
+class AttachedRun(Run):
+    """A :class:`Run` whose ranks run elsewhere: no agent, no local processes, no log files; what it shows comes
+    from the metrics stream. ``commands`` are the torchrun lines to run on the hosts (with ``env`` in front)."""
+
+    def __init__(self, *, address: str, lost_after_s: float, commands: list[str], **kwargs: Any):
+        super().__init__(**kwargs)
+        self.address = address
+        """host:port the ranks stream to (``AUTOPAR_METRICS``)"""
+        self.env = {"AUTOPAR_METRICS": address, "AUTOPAR_TOKEN": self._token}
+        """what every rank's environment needs"""
+        self.commands = [f"{env_prefix(self.env)} {c}" for c in commands]
+        """the script's torchrun commands with ``env`` in front"""
+        self.lost_after_s = float(lost_after_s)
+        self._heard: dict[int, float] = {}
+        self._first_hello: float | None = None
+        self._message = f"waiting for {self.nproc} rank(s) to connect to {address}"
+
+    # ---- public API: nothing of the run is local ------------------------------------------------------------------
+    def workers(self) -> dict:
+        """Always empty: the ranks run on other hosts."""
+        return {}
+
+    def processes(self) -> list:
+        """Always empty: the ranks run on other hosts."""
+        return []
+
+    def logs(self, rank: int = 0, *, attempt: int | None = None, tail: int | None = None) -> str:
+        """Always "": the ranks' output stays on their hosts (their errors and tracebacks come over the stream)."""
+        return ""
+
+    def stop(self, reason: str = "detached by the user") -> str:
+        """Stop listening and end the run here (status "stopped"); the remote ranks train on, without a dashboard."""
+        return super().stop(reason)
+
+    def __repr__(self) -> str:
+        return f"AttachedRun({self.run_id[:8]}, {self.nproc} ranks at {self.address}, {self._status}: {self._message})"
+
+    # ---- monitor side ---------------------------------------------------------------------------------------------
+    def _ingest(self, msgs: list) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            for m in msgs:
+                self._heard[m.rank] = now
+                if m.kind == "hello" and self._first_hello is None:
+                    self._first_hello = now
+                st = self._ranks.get(m.rank)
+                if st is not None and st.lost is not None and m.kind != "closed" and st.closed_at is None:
+                    self._found(st)  # silent for a while, but it is back
+        changed = super()._ingest(msgs)
+        if changed and self._status == "starting":
+            with self._lock:
+                joined = sum(s.connected for s in self._ranks.values())
+                self._message = f"{joined} of {self.nproc} rank(s) connected to {self.address}"
+        return changed
+
+    def _found(self, st: RankState) -> None:
+        st.lost = st.error = st.failed_at = None
+        self._error = None
+        self._update_error()
+
+    def _check_hang(self) -> None:
+        """Ranks that closed without an end message, went silent or never came are lost (see the module)."""
+        now = time.monotonic()
+        with self._lock:
+            if self._stop_reason is not None or self._status in ("stopped", "hung"):
+                return
+            for st in list(self._ranks.values()):
+                why = self._why_lost(st, now)
+                if why is not None:
+                    st.lost, st.error, st.failed_at = why, {"error": f"lost: {why}", "traceback": ""}, time.time()
+                    self._update_error()
+                    self._message = f"rank {st.rank} lost: {why}"
+
+    def _why_lost(self, st: RankState, now: float) -> str | None:
+        if st.done or st.error is not None or st.lost is not None:
+            return None
+        if st.closed_at is not None:
+            return "its connection closed without an end message (its process ended, or the network dropped it)"
+        heard = self._heard.get(st.rank)
+        if heard is not None and now - heard > self.lost_after_s:
+            return f"it sent nothing for {now - heard:.0f} s"
+        if heard is None and self._first_hello is not None and now - self._first_hello > self.lost_after_s:
+            return (f"it never connected to {self.address} within {self.lost_after_s:.0f} s of the first rank (its "
+                    "host cannot reach this address, or it never started)")
+        return None
+
+    def _agent_exited(self) -> bool:
+        """The run has ended: detached, or every rank finished, failed or was lost."""
+        if self._stop_reason is not None:
+            return True
+        with self._lock:
+            return all(self._ranks[r].done or self._ranks[r].error is not None for r in range(self.nproc))
+
+    def _agent_alive(self) -> bool:
+        return False
+
+    def _teardown(self) -> None:
+        """Nothing to end here: the ranks belong to the hosts they run on."""
+
+    def _refresh_workers(self) -> dict:
+        return {}
+
+    def _latest_attempt(self) -> int:
+        return -1
+
+    def _read_log_tails(self) -> None:
+        pass
+
+    def _finalise(self) -> None:
+        """Every rank has ended (or the user detached): the final status from the stream alone."""
+        with self._lock:
+            ok = all(self._ranks[r].done for r in range(self.nproc))
+            self._result = {"state": "succeeded" if ok else "failed"}
+            self.ended = time.time()
+            self._set_final_status(self._result, f"{self.ended - self.started:.1f} s")
+            self._watch_tick()
+        self._server_close()
+        if self._tick >= 0:
+            self._record_tick(self._tick + 1, {})
+        self._notify()
+        self._ended()
+
+
+def env_prefix(env: dict[str, str]) -> str:
+    """``KEY=value ...`` for a shell command line."""
+    return " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+
+
+def check_host(host: str | None, advertise: str | None) -> str:
+    """The address the ranks connect to, or LaunchError saying what to pass."""
+    if not host:
+        raise LaunchError("attach() needs host=: the address of this machine that the ranks' hosts reach (e.g. "
+                          "host='10.1.2.3', an interface address), or host='0.0.0.0' (every interface) with "
+                          "advertise='<that address>'")
+    try:
+        wildcard = ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        wildcard = False
+    if wildcard and not advertise:
+        raise LaunchError(f"host={host!r} listens on every interface, so it does not say where the ranks should "
+                          "connect: pass advertise='<an address of this machine that their hosts reach>'")
+    return advertise or host
+
+
+def attach(script: str | os.PathLike, nproc: int, steps: int | None = None, *, host: str | None = None,
+           port: int = 0, advertise: str | None = None, plan: Any = None, commands: list[str] | None = None,
+           lost_after_s: float = LOST_AFTER_S, backend: str | None = None,
+           run_dir: str | os.PathLike | None = None) -> AttachedRun:
+    """Listen for the ``nproc`` ranks of ``script`` run on other hosts and return an :class:`AttachedRun` at once;
+    displayed, it is the launch dashboard.
+
+    Args:
+        script: the exported script the hosts run (kept for the record; nothing is started here).
+        nproc: the run's world size (every rank streams to this notebook).
+        steps: the run's steps, for the status line (None: unknown).
+        host: the local address to listen on: an interface address the hosts reach, or "0.0.0.0" with
+            ``advertise``. Connections are accepted only with the run's token (``channel.py``).
+        port: the port (0: a free one).
+        advertise: the address the ranks are told (``AUTOPAR_METRICS``), when it is not ``host``.
+        plan: the Plan that runs, for predicted figures on the dashboard.
+        commands: the torchrun command lines to print with the environment in front (``AttachedRun.commands``).
+        lost_after_s: a rank silent this long (or, once the first rank connected, never connected) is lost.
+        backend: "nccl" (the hosts' GPUs) or "gloo" (CPU processes): which of the plan's predictions compare;
+            default from the plan's device (a GPU preset: "nccl").
+        run_dir: kept for the record (default: a new temporary directory).
+    """
+    if nproc < 1:
+        raise LaunchError(f"nproc must be >= 1, got {nproc}")
+    if lost_after_s <= 0:
+        raise LaunchError(f"lost_after_s must be > 0, got {lost_after_s}")
+    told = check_host(host, advertise)
+    if backend is None:
+        backend = "gloo" if plan_device(plan) in ("", "cpu") else "nccl"
+    if backend not in ("gloo", "nccl"):
+        raise LaunchError(f"backend={backend!r}: 'nccl' (GPUs) or 'gloo' (CPU processes)")
+    try:
+        server = MetricsServer(host=host, port=port)
+    except OSError as e:
+        raise LaunchError(f"cannot listen on {host}:{port} ({e}): pass host= an address of this machine "
+                          "(`ip -brief addr` lists them)") from None
+    address = f"{told}:{server.address.rsplit(':', 1)[1]}"
+    run_id = secrets.token_hex(8)
+    run_dir = Path(run_dir or tempfile.mkdtemp(prefix=f"autopar-attach-{run_id[:8]}-")).resolve()
+    run = AttachedRun(run_id=run_id, run_dir=run_dir, script=Path(script), nproc=nproc, steps=steps,
+                      token=server.token, backend=backend, max_restarts=0, hang_timeout_s=None, plan=plan,
+                      address=address, lost_after_s=lost_after_s, commands=commands or [])
+    run._server = server
+    run._monitor = Monitor(run, nvml=False)  # this machine's GPUs are not the run's
+    run._monitor.start()
+    return run

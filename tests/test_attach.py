@@ -1,0 +1,151 @@
+"""Attaching the dashboard to a run on other hosts (issue 15 point 6): an AttachedRun has no local process and reads
+everything from the metrics stream; ranks that close without an end message, go silent or never come are lost.
+
+These tests play the ranks with plain sockets on loopback; tests/test_multinode.py runs the exported script under
+torchrun in a network namespace streaming to an attached run across a veth pair.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from autopar_nb.launch import LaunchError, attach
+from autopar_nb.launch.attach import check_host
+
+
+def wait_for(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+class Rank:
+    """One fake rank: the exported script's side of the protocol (runtime/metrics.py)."""
+
+    def __init__(self, run, rank: int, token: str | None = None):
+        host, port = run.address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)))
+        self.send({"token": token or run.env["AUTOPAR_TOKEN"], "rank": rank})
+        self.send({"event": "start", "pid": 1, "rss_before_model": 100e6, "stacks": True})
+
+    def send(self, record: dict) -> None:
+        self.sock.sendall((json.dumps(record) + "\n").encode())
+
+    def step(self, k: int) -> None:
+        self.send({"step": k, "loss": 1.0 / (k + 1), "step_time_s": 0.01, "samples_per_s": 100.0,
+                   "data_wait_s": 0.001, "rss": 150e6})
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def runs():
+    made = []
+
+    def make(nproc=2, **kw):
+        kw.setdefault("lost_after_s", 30.0)
+        run = attach("train.py", nproc, 3, host="127.0.0.1", **kw)
+        made.append(run)
+        return run
+
+    yield make
+    for run in made:
+        run.stop()
+
+
+def test_a_run_that_every_rank_finishes_is_finished_from_the_stream_alone(runs):
+    run = runs()
+    assert run.status == "starting" and "127.0.0.1" in run.address
+    assert run.commands == [] and run.env["AUTOPAR_METRICS"] == run.address
+    ranks = [Rank(run, r) for r in range(2)]
+    for k in range(3):
+        for r in ranks:
+            r.step(k)
+    for r in ranks:
+        r.send({"event": "done"})
+        r.close()
+    assert run.wait(10) == "finished", run.message
+    assert run.summary()["steps"] == 3 and run.loss_curve(1) == [(0, 1.0), (1, 0.5), (2, 1 / 3)]
+    assert run.processes() == [] and run.workers() == {} and run.logs(0) == ""
+    last = [s for s in run.samples if s["rank"] == 0][-1]
+    assert last["state"] == "finished" and last["source"] == "stream"
+    assert last["memory_bytes"] == pytest.approx(50e6)  # its RSS at the step, above the RSS before its model
+    board = run.dashboard()
+    assert [r["state"] for r in board.ranks] == ["finished", "finished"]
+    assert board.info["run_device"].endswith(f"on other hosts, streaming to {run.address}")
+    assert board.info["limit"] is None  # this host's RAM says nothing about theirs
+
+
+def test_a_silent_rank_is_lost_after_the_timeout_and_the_run_fails(runs):
+    run = runs(lost_after_s=0.6)
+    a, b = Rank(run, 0), Rank(run, 1)
+    a.step(0), b.step(0)
+    a.send({"event": "done"})
+    wait_for(lambda: run.ranks()[0].done and run.ranks()[1].step == 0, 5, "rank 0's done, rank 1's step")
+    assert run.status == "running" and run.ranks()[1].state(run.status) == "running"  # not lost before the timeout
+    assert run.wait(10) == "failed"  # rank 1 keeps its connection open and says nothing
+    st = run.ranks()[1]
+    assert st.state(run.status) == "lost" and st.lost.startswith("it sent nothing for")
+    assert run.error["rank"] == 1 and run.error["error"].startswith("lost: it sent nothing")
+    assert run.message.startswith("failed: rank 1: lost")
+    a.close(), b.close()
+
+
+def test_a_connection_closed_without_an_end_message_is_lost_at_once(runs):
+    run = runs()
+    a, b = Rank(run, 0), Rank(run, 1)
+    a.step(0), b.step(0)
+    b.close()  # killed: no "done", no "error"
+    wait_for(lambda: run.ranks()[1].lost is not None, 5, "rank 1 lost")
+    assert "connection closed without an end message" in run.ranks()[1].lost
+    assert run.status == "running"  # rank 0 goes on
+    a.send({"event": "error", "error": "RuntimeError: Connection closed by peer", "traceback": "tb"})
+    assert run.wait(10) == "failed"
+    assert run.error["rank"] == 1 and [k["rank"] for k in run.error["knock_on"]] == [0]
+    a.close()
+
+
+def test_a_rank_that_never_connects_is_lost(runs):
+    run = runs(lost_after_s=0.5)
+    a = Rank(run, 0)
+    a.step(0)
+    a.send({"event": "done"})
+    assert run.wait(10) == "failed"
+    assert "never connected" in run.ranks()[1].lost
+    a.close()
+
+
+def test_a_peer_without_the_token_gets_nothing_and_changes_nothing(runs):
+    run = runs()
+    host, port = run.address.rsplit(":", 1)
+    peer = socket.create_connection((host, int(port)))
+    peer.sendall(b'{"token": "guess", "rank": 0}\n{"step": 0, "loss": 9.0}\n')
+    peer.settimeout(5)
+    assert peer.recv(1024) == b""  # closed, and nothing was sent to it
+    assert run._server.rejected == 1
+    assert run.status == "starting" and run.metrics == [] and not run.ranks()[0].connected
+    peer.close()
+
+
+def test_stop_detaches(runs):
+    run = runs()
+    Rank(run, 0).step(0)
+    assert run.stop() == "stopped" and run.done
+    assert "detached by the user" in run.message
+
+
+def test_bad_addresses_are_refused_with_what_to_pass():
+    with pytest.raises(LaunchError, match="needs host="):
+        check_host(None, None)
+    with pytest.raises(LaunchError, match="advertise="):
+        check_host("0.0.0.0", None)
+    assert check_host("0.0.0.0", "10.1.2.3") == "10.1.2.3"
+    with pytest.raises(LaunchError, match="cannot listen on 192.0.2.77"):  # TEST-NET-1: not an address of ours
+        attach("train.py", 2, host="192.0.2.77")
