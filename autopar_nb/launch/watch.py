@@ -67,7 +67,7 @@ def settings_for(comparison: dict, *, memory_limit_bytes: float | None = None, *
 def held(sample: dict) -> float | None:
     """The memory a sample holds against a limit: None for a CPU rank whose baseline (its RSS before building its
     model) is not known yet, whose ``memory_bytes`` is then its raw RSS, the Python and torch runtime included."""
-    if sample.get("source") == "psutil" and not sample.get("rss_baseline_bytes"):
+    if sample.get("source") in ("psutil", "stream") and not sample.get("rss_baseline_bytes"):
         return None
     return sample.get("memory_bytes")
 
