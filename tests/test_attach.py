@@ -83,6 +83,23 @@ def test_a_run_that_every_rank_finishes_is_finished_from_the_stream_alone(runs):
     assert board.info["limit"] is None  # this host's RAM says nothing about theirs
 
 
+def test_the_data_wait_verdict_is_kept_and_said(runs):
+    """Issue 18 point 2: the script's {"event": "data"} verdict is recorded on the run, joins its end message and its
+    summary, and reaches the dashboard; a malformed one is ignored."""
+    run = runs(nproc=1)
+    rank = Rank(run, 0)
+    rank.step(0)
+    rank.send({"event": "data", "data_wait_share": "lots", "bottleneck": True, "message": "x"})  # ignored
+    text = "data loading is the bottleneck: a rank waited 40% of its step time for batches; try more workers"
+    rank.send({"event": "data", "data_wait_share": 0.4, "bottleneck": True, "message": text})
+    rank.send({"event": "done"})
+    rank.close()
+    assert run.wait(10) == "finished"
+    assert run.data == {"share": 0.4, "bottleneck": True, "message": text}
+    assert run.summary()["data"] == run.data and run.message.endswith(f"; {text}")
+    assert run.dashboard().summary["data"] == run.data
+
+
 def test_a_silent_rank_is_lost_after_the_timeout_and_the_run_fails(runs):
     run = runs(lost_after_s=0.6)
     a, b = Rank(run, 0), Rank(run, 1)

@@ -792,3 +792,38 @@ def test_calibration_is_refused_across_devices_and_the_summary_says_where_it_wen
     run.calibrate()
     text = _calibration_text(run, run.comparison())
     assert text["done"] and "calibrated for cpu: eff_" in text["text"] and "2.00" in text["text"]
+
+
+SLOW_DATA_CELL = """\
+import time
+
+import torch
+import torch.nn as nn
+
+model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+example_inputs = (torch.randn(8, 16),)
+
+
+def make_batch(step, rank):
+    time.sleep(0.2)  # a slow loader: most of each step waits for its batch
+    return (torch.randn(8, 16, generator=torch.Generator().manual_seed(step)),)
+"""
+
+
+@pytest.mark.multiprocess
+def test_data_loading_bottleneck_reaches_the_run_and_its_dashboard(tmp_path):
+    """Issue 18 point 2: the exported script's data-wait verdict (the slowest rank's share of step time waiting for
+    batches) is recorded on the Run, said in its end message and summary, and shown on the dashboard."""
+    from runtime_cases import make_plan
+
+    from autopar_nb.export import export
+    from autopar_nb.source import ModelSource
+
+    src = ModelSource(SLOW_DATA_CELL, make_batch_var="make_batch")
+    plan = make_plan(src, dp=2)
+    run = launch(lambda p: export(src, plan, p, quiet=True), 2, 4, plan=plan, warm=False, run_dir=tmp_path)
+    assert run.wait(120) == "finished", run.message
+    assert run.data is not None and run.data["bottleneck"] and run.data["share"] > 0.5, run.data
+    assert "data loading is the bottleneck" in run.message and "--num-workers" not in run.message  # make_batch's fix
+    assert run.summary()["data"] == run.data
+    assert run.dashboard().summary["data"]["bottleneck"] is True

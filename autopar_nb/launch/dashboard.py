@@ -61,7 +61,7 @@ class Dashboard(anywidget.AnyWidget):
     steps = traitlets.Dict().tag(sync=True)
     """{"n", "ranks", "x": float32 bytes [n], "loss", "throughput", "step_time", "data_wait": [ranks x n]}"""
     summary = traitlets.Dict().tag(sync=True)
-    """at the end: measured vs predicted, and what was calibrated"""
+    """at the end: measured vs predicted, the data-wait verdict, and what was calibrated"""
 
     def __init__(self, run, **kwargs):
         super().__init__(**kwargs)
@@ -204,7 +204,7 @@ class Dashboard(anywidget.AnyWidget):
         out = {"steps": s.get("steps"), "step_time_s": s.get("step_time_s"),
                "predicted_step_time_s": c["predicted_step_time_s"], "compare_time": c["compare_time"],
                "memory_kind": s.get("memory_kind"), "memory_by_rank": {str(k): v for k, v in mem.items()},
-               "predicted_memory_by_rank": {str(k): v for k, v in pred.items()}}
+               "predicted_memory_by_rank": {str(k): v for k, v in pred.items()}, "data": s.get("data")}
         out["calibration"] = _calibration_text(run, c)
         return out
 

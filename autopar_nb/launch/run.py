@@ -130,6 +130,10 @@ class Run:
         self.hang: dict | None = None
         """when the run hung: {"rank" that stopped reporting first, "seconds" without progress, "stacks": {rank:
         every thread's Python stack, printed by the rank when the hang was found (exported scripts)}}"""
+        self.data: dict | None = None
+        """the script's data-wait verdict when training ended: {"share": the slowest rank's share of step time spent
+        waiting for batches, "bottleneck": share above 10 %, "message": the line the script printed, with remedies
+        when data loading is the bottleneck} (None before it arrives, or from a script that sends none)"""
         self.events: list[dict] = []
         """what the watch found (see watch.py): {"t", "kind", "rank", "reason", ...} in the order found"""
         self._watch: watch.Watch | None = None
@@ -249,11 +253,13 @@ class Run:
     def summary(self) -> dict:
         """Measured vs predicted: median steady-state step time (each rank's first step per attempt is left out when
         there are more), peak memory per rank (CUDA mem_peak, else the RSS above each rank's RSS before its model
-        was built), and the plan's predictions when a plan with a cost was given."""
+        was built), the plan's predictions when a plan with a cost was given, and ``data``: the script's data-wait
+        verdict (see :attr:`data`)."""
         with self._lock:
             rows = list(self._rows)
             baselines = {r: s.baseline for r, s in self._ranks.items() if s.baseline}
-        return summarize(rows, status=self._status, plan=self.plan, baselines=baselines)
+            data = dict(self.data) if self.data else None
+        return {**summarize(rows, status=self._status, plan=self.plan, baselines=baselines), "data": data}
 
     def comparison(self) -> dict:
         """What this run may be compared with in its plan (see :mod:`autopar_nb.launch.compare`): the devices, whether
@@ -327,6 +333,8 @@ class Run:
                     self._on_error(st, m.data, m.time, now)
                 elif m.data.get("event") == "start":
                     self._on_start(st, m.data)
+                elif m.data.get("event") == "data":
+                    self._on_data(m.data)
         return True
 
     def _on_hello(self, st: RankState, data: dict, now: float) -> None:
@@ -357,6 +365,14 @@ class Run:
             tl.set("memory_bytes", st.rank, [max(0.0, v - st.baseline) if k == "psutil" else m for v, k, m in
                                              zip(rss, src, tl.cols["memory_bytes"][st.rank], strict=True)])
             self.versions["timeline"] += 1
+
+    def _on_data(self, data: dict) -> None:
+        """The data-wait verdict (``runtime/train.py`` ``data_summary``: every rank sends the same, the slowest
+        rank's share): kept when well-formed, the message cut to 500 characters."""
+        share, bottleneck, text = data.get("data_wait_share"), data.get("bottleneck"), data.get("message")
+        if isinstance(share, (int, float)) and not isinstance(share, bool) and 0.0 <= share <= 1.0 \
+                and isinstance(bottleneck, bool) and isinstance(text, str):
+            self.data = {"share": float(share), "bottleneck": bottleneck, "message": text[:500]}
 
     def _on_step(self, st: RankState, data: dict, sent: float, now: float) -> None:
         row = step_row(st.rank, max(st.attempt, 0), data, sent)
@@ -639,6 +655,8 @@ class Run:
             self._status, self._message = "stopped", f"stopped ({self._stop_reason}) after {elapsed}"
         elif result.get("state") == "succeeded":
             self._status, self._message = "finished", f"finished {self.summary_line()} in {elapsed}"
+            if self.data and self.data["bottleneck"]:
+                self._message += f"; {self.data['message']}"
         else:
             self._errors_from_result(result)
             e = self._error

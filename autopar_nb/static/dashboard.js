@@ -309,6 +309,9 @@ function render({ model, el }) {
       parts.push(h("p", {}, `Peak memory (${kind}${Object.keys(pred).length ? " vs predicted" : ""}): ${txt.join("; ")}` +
         (ranks.length > 8 ? ` (the highest of ${ranks.length} ranks)` : "")));
     }
+    if (s.data && s.data.message) {  // the script's data-wait verdict (Run.data)
+      parts.push(h("p", { class: s.data.bottleneck ? "apd-data apd-note-warn" : "apd-data" }, s.data.message));
+    }
     const c = s.calibration || {};
     const btn = c.can ? h("button", { class: "apd-btn apd-calibrate", title: "run.calibrate()" }, "Calibrate") : null;
     if (btn) btn.addEventListener("click", () => { btn.disabled = true; model.send({ event: "calibrate" }); });
