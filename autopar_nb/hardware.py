@@ -339,13 +339,19 @@ def visible_gpus(env: dict[str, str] | None = None) -> list[GpuInfo]:
     CUDA). An index is taken as NVML's index, which is CUDA's when ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or every GPU
     is the same model (CUDA's default fastest-first order then falls back to PCI bus order)."""
     env = os.environ if env is None else env
-    entries = parse_visible_devices(env.get("CUDA_VISIBLE_DEVICES"))
-    if entries == []:
-        return []
-    gpus = _nvml_gpus(entries)
+    gpus = nvml_visible_gpus(env)
     if gpus is None:
         gpus = _gpus_from_child(env)
     return gpus
+
+
+def nvml_visible_gpus(env: dict[str, str] | None = None) -> list[GpuInfo] | None:
+    """:func:`visible_gpus` by NVML alone (quick: no child process); None when NVML is not usable here."""
+    env = os.environ if env is None else env
+    entries = parse_visible_devices(env.get("CUDA_VISIBLE_DEVICES"))
+    if entries == []:
+        return []
+    return _nvml_gpus(entries)
 
 
 def _nvml_gpus(entries: list[str] | None) -> list[GpuInfo] | None:

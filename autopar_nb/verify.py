@@ -21,6 +21,7 @@ from .check import (
     reference,
     verify_here,
 )
+from .hardware import nvml_visible_gpus
 from .plan import Plan
 from .source import ModelSource
 
@@ -57,7 +58,9 @@ def verify_many(cases: list[tuple[ModelSource, Plan]], *, steps: int = 5, nproc:
     that has imported torch and autopar_nb, whose ranks are forked from a forkserver that preloaded them
     (``start_method="forkserver"``); the first verify of a kernel starts it, each later one finds the next. A rank's
     failure there raises :class:`VerifyError` with that process's traceback. ``warm=False``: ranks started with
-    ``start_method`` from this process, and the reference here.
+    ``start_method`` from this process, and the reference here — except where the ranks use GPUs: then both run in
+    a fresh child process, so that this kernel never initialises CUDA (a CUDA context in the kernel holds GPU memory
+    the workers need, and on exclusive-process GPUs it would lock them out).
     """
     if not cases:
         return []
@@ -70,17 +73,30 @@ def verify_many(cases: list[tuple[ModelSource, Plan]], *, steps: int = 5, nproc:
     metas = meta_init if isinstance(meta_init, list) else [meta_init] * len(cases)
     with tempfile.TemporaryDirectory(prefix="autopar-verify-") as tmp:
         scripts = export_scripts(cases, metas, tmp, steps=steps, seed=seed)
-        if warm:
-            return _verify_warm(cases, metas, scripts, steps=steps, nproc=nproc, seed=seed, rtol=rtol, work_dir=tmp)
+        if warm or ranks_use_cuda():  # on a GPU host the reference must not open CUDA in this kernel
+            return _verify_in_child(cases, metas, scripts, steps=steps, nproc=nproc, seed=seed, rtol=rtol,
+                                    work_dir=tmp, warm=warm)
         return verify_here(cases, metas, scripts, steps=steps, nproc=nproc, seed=seed, rtol=rtol,
                            start_method=start_method)
 
 
-def _verify_warm(cases, metas, scripts, *, steps, nproc, seed, rtol, work_dir) -> list[VerifyReport]:
+def ranks_use_cuda() -> bool:
+    """Whether the ranks will run on GPUs (the exported script picks CUDA when it sees one), found without opening
+    CUDA in this process: NVML, else torch's device count (which does not initialise CUDA either)."""
+    gpus = nvml_visible_gpus()
+    if gpus is not None:
+        return bool(gpus)
+    import torch
+
+    return torch.version.cuda is not None and torch.cuda.is_available()
+
+
+def _verify_in_child(cases, metas, scripts, *, steps, nproc, seed, rtol, work_dir, warm) -> list[VerifyReport]:
+    """The parallel run and the reference in another process: a standby of the warm pool, or a fresh one."""
     from .launch.verifying import VerifyJob
 
     job = VerifyJob(cases=cases, scripts=scripts, steps=steps, nproc=nproc, seed=seed, rtol=rtol, meta_init=metas,
-                    work_dir=Path(work_dir) / "job", warm=True)
+                    work_dir=Path(work_dir) / "job", warm=warm)
     try:
         job.wait()
     except KeyboardInterrupt:

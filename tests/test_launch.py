@@ -87,14 +87,14 @@ def test_script_flags_become_command_line_flags():
 
 def test_cuda_in_kernel_that_breaks_workers_is_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(launcher_mod, "_cuda_state",
-                        lambda: {"initialized": True, "compute_modes": {0: "default", 1: "exclusive_process"}})
+                        lambda env: {"initialized": True, "compute_modes": {0: "default", 1: "exclusive_process"}})
     launcher_mod.check_cuda(1, "nccl")  # GPU 0 only: fine
     with pytest.raises(LaunchError, match=r"GPU 1 \(exclusive_process\).*Restart the kernel"):
         launch(FIXTURE, nproc=2, steps=2, backend="nccl", run_dir=tmp_path)
     assert not (tmp_path / "agent.json").exists()  # refused before anything started
     launcher_mod.check_cuda(2, "gloo")  # CPU workers never open the GPU
     gib = 2.0**30
-    monkeypatch.setattr(launcher_mod, "_cuda_state", lambda: {
+    monkeypatch.setattr(launcher_mod, "_cuda_state", lambda env: {
         "initialized": True, "compute_modes": {0: "default", 1: "default"}, "held": {0: 1 * gib, 1: 100 * gib},
         "total": {0: 140 * gib, 1: 140 * gib}})
     launcher_mod.check_cuda(1, "nccl")  # 1 GiB of GPU 0: the workers still fit
@@ -654,32 +654,6 @@ def test_vendored_uplot_is_the_npm_release():
     assert "export default { render }" in Dashboard._esm and ".uplot" in Dashboard._css
 
 
-def test_nvml_sampling_maps_gpu_figures_per_rank(monkeypatch):
-    """The GPU path of the device sampler, against a stand-in for nvidia-ml-py (no GPU on the test machine)."""
-    import types
-
-    from autopar_nb.launch.monitor import DeviceSampler
-
-    class Mem:
-        used, total = 30 * 2**30, 141 * 2**30
-
-    fake = types.SimpleNamespace(
-        NVML_TEMPERATURE_GPU=0, nvmlInit=lambda: None, nvmlShutdown=lambda: None,
-        nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetMemoryInfo=lambda h: Mem(),
-        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=87 + h),
-        nvmlDeviceGetPowerUsage=lambda h: 512_000, nvmlDeviceGetTemperature=lambda h, kind: 61,
-        nvmlDeviceGetName=lambda h: b"NVIDIA H200" if h == 2 else b"?")
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    sampler = DeviceSampler(use_gpu=True)
-    assert sampler.gpu_name == "NVIDIA H200"  # local rank 0's GPU: the first visible one, NVML index 2
-    me = psutil.Process()
-    out = sampler.sample({0: me, 1: me})
-    assert out[1]["gpu_util"] == 87 + 3  # local rank 1 -> the second visible GPU, NVML index 3
-    assert out[0]["power_w"] == 512.0 and out[0]["temperature_c"] == 61 and out[0]["gpu_mem_total"] == 141 * 2**30
-    assert out[0]["rss"] > 0 and "cpu_percent" in out[0]
-
-
 def test_agent_imports_only_the_standard_library_and_torch():
     """Worker-side processes never import autopar_nb, IPython or widgets (the agent runs as a plain script)."""
     import ast
@@ -750,26 +724,29 @@ def _bare_run(tmp_path, nproc=2, backend="gloo", plan=None):
                token="t", backend=backend, max_restarts=0, hang_timeout_s=None, plan=plan)
 
 
-def test_memory_source_is_nvml_then_cuda_then_rss_above_the_baseline(tmp_path):
+def test_memory_source_is_the_process_on_nvml_then_cuda_then_the_device_then_rss_above_the_baseline(tmp_path):
     from autopar_nb.launch.channel import Message
 
-    run = _bare_run(tmp_path, nproc=3)
-    run._ingest([Message(r, "hello", {}, 0.0) for r in range(3)])
+    run = _bare_run(tmp_path, nproc=4)
+    run._ingest([Message(r, "hello", {}, 0.0) for r in range(4)])
     run._record_tick(0, {0: {"rss": 900.0, "cpu_percent": None}})  # start-up: no baseline yet, no CPU % yet
     assert run.samples[0]["memory_bytes"] == 900 and run.samples[0]["utilization_pct"] is None
     run._ingest([Message(0, "data", {"event": "start", "rss_before_model": 600.0}, 0.0),
                  Message(1, "data", {"step": 0, "loss": 1.0, "mem_allocated": 10.0, "mem_reserved": 20.0,
                                      "mem_peak": 15.0, "rss": 5000.0, "data_wait_s": 0.01}, 0.0)])
     run._record_tick(1, {0: {"rss": 1000.0, "cpu_percent": 50.0}, 1: {"rss": 5000.0, "cpu_percent": 99.0},
-                         2: {"rss": 7000.0, "gpu_util": 87.0, "gpu_mem_used": 3e9, "gpu_mem_total": 8e10}})
-    s = {(i >= 3, x["rank"]): x for i, x in enumerate(run.samples)}  # (second tick, rank)
+                         2: {"rss": 7000.0, "gpu_util": 87.0, "gpu_mem_used": 3e9, "gpu_mem_total": 8e10},
+                         3: {"rss": 7000.0, "gpu_util": 80.0, "gpu_mem_used": 3e9, "gpu_proc_mem": 1e9}})
+    s = {(i >= 4, x["rank"]): x for i, x in enumerate(run.samples)}  # (second tick, rank)
     assert s[(False, 0)]["memory_bytes"] == 300 and s[(False, 0)]["rss_baseline_bytes"] == 600  # set afterwards
     assert (s[(True, 0)]["source"], s[(True, 0)]["memory_bytes"], s[(True, 0)]["utilization_pct"]) == ("psutil", 400,
                                                                                                          50)
     assert (s[(True, 1)]["source"], s[(True, 1)]["memory_bytes"], s[(True, 1)]["cuda_peak_bytes"]) == ("cuda", 20, 15)
     assert s[(True, 1)]["data_wait_s"] == 0.01 and s[(True, 1)]["state"] == "running"
-    assert (s[(True, 2)]["source"], s[(True, 2)]["memory_bytes"], s[(True, 2)]["utilization_pct"]) == ("nvml", 3e9,
-                                                                                                         87)
+    # the whole GPU's figure (every process on it) only while nothing closer to the rank is known
+    assert (s[(True, 2)]["source"], s[(True, 2)]["memory_bytes"], s[(True, 2)]["utilization_pct"]) == (
+        "nvml-device", 3e9, 87)
+    assert (s[(True, 3)]["source"], s[(True, 3)]["memory_bytes"], s[(True, 3)]["nvml_used_bytes"]) == ("nvml", 1e9, 3e9)
 
 
 def test_calibration_is_refused_across_devices_and_the_summary_says_where_it_went(tmp_path, monkeypatch):

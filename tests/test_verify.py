@@ -234,3 +234,31 @@ def test_reference_runs_on_the_ranks_device_with_tf32_off(monkeypatch):
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
     assert all(t.device.type == "cpu" for t in [*out["grads"][0].values(), *out["params"][0].values()])
+
+
+def test_cold_verify_on_a_gpu_host_never_opens_cuda_in_the_kernel(monkeypatch):
+    """``warm=False`` runs the reference in the calling process, except where the ranks use GPUs: there the whole
+    verify goes to a fresh child process (a stand-in records it here), and nothing runs in this process."""
+    import importlib
+
+    from autopar_nb.launch import verifying
+
+    verify_mod = importlib.import_module("autopar_nb.verify")  # the package's `verify` is the function
+    started = []
+
+    class Job:
+        def __init__(self, **kw):
+            started.append(kw["warm"])
+            self.reports, self.message, self.error = ["report"], "", None
+
+        def wait(self):
+            pass
+
+    assert verify_mod.ranks_use_cuda() is False  # the real probe, on this CPU host (NVML or torch's count)
+    monkeypatch.setattr(verifying, "VerifyJob", Job)
+    monkeypatch.setattr(verify_mod, "verify_here", lambda *a, **k: pytest.fail("ran in the kernel"))
+    monkeypatch.setattr(verify_mod, "ranks_use_cuda", lambda: True)
+    assert verify_mod.verify(G, make_plan(G, dp=2), steps=1, warm=False) == "report" and started == [False]
+    monkeypatch.setattr(verify_mod, "ranks_use_cuda", lambda: False)
+    monkeypatch.setattr(verify_mod, "verify_here", lambda *a, **k: ["here"])
+    assert verify_mod.verify(G, make_plan(G, dp=2), steps=1, warm=False) == "here" and started == [False]

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..hardware import nvml_visible_gpus, visible_gpus
 from .channel import MetricsServer
 from .monitor import Monitor
 from .pool import POOL, job_env, script_preload
@@ -103,61 +104,69 @@ def live_runs() -> list[Run]:
         return [r for r in _live if not r.done]
 
 
-def _gpu_count() -> int:
-    """GPUs the workers could use (NVML, honouring CUDA_VISIBLE_DEVICES), without initialising CUDA here."""
-    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if vis is not None and not vis.strip():
-        return 0
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        n = pynvml.nvmlDeviceGetCount()
-        pynvml.nvmlShutdown()
-    except Exception:  # no NVML library or driver: no GPUs
-        return 0
-    if vis:
-        return min(n, len([s for s in vis.split(",") if s.strip()]))
-    return n
+def _gpu_count(env: dict[str, str]) -> int:
+    """GPUs workers with environment ``env`` could use (NVML, reading their CUDA_VISIBLE_DEVICES as CUDA does:
+    indices, UUIDs, MIG instances), without initialising CUDA here; 0 without NVML."""
+    return len(nvml_visible_gpus(env) or [])
 
 
-def _cuda_state() -> dict:
+def _cuda_state(env: dict[str, str] | None = None) -> dict:
     """What CUDA looks like in this process, without initialising it: {"initialized": bool, "compute_modes":
-    {index: "default"|"exclusive_process"|"prohibited"}, "held": {index: bytes this process holds}, "total":
-    {index: bytes}} (the per-GPU figures only when CUDA is initialised here and NVML works)."""
+    {k: "default"|"exclusive_process"|"prohibited"|"other"}, "held": {k: bytes this process holds}, "total":
+    {k: bytes}}, keyed by the workers' local rank k: the k-th GPU their environment ``env`` shows (default: this
+    process's). The per-GPU figures only when CUDA is initialised here and NVML works. What this process holds is
+    its CUDA allocator's reserved bytes on that GPU (matched by UUID), or NVML's figure for this PID when larger (it
+    includes the CUDA context; in a container NVML lists host PIDs, so only the allocator's figure is found)."""
     torch = sys.modules.get("torch")
     initialized = bool(torch is not None and torch.cuda.is_initialized())
     state: dict = {"initialized": initialized, "compute_modes": {}, "held": {}, "total": {}}
-    if initialized:
-        try:
-            import pynvml
+    if not initialized:
+        return state
+    try:
+        import pynvml
 
-            pynvml.nvmlInit()
-            names = {pynvml.NVML_COMPUTEMODE_DEFAULT: "default", pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS:
-                     "exclusive_process", pynvml.NVML_COMPUTEMODE_PROHIBITED: "prohibited"}
-            for i in range(pynvml.nvmlDeviceGetCount()):
-                h = pynvml.nvmlDeviceGetHandleByIndex(i)
-                state["compute_modes"][i] = names.get(pynvml.nvmlDeviceGetComputeMode(h), "other")
-                state["total"][i] = float(pynvml.nvmlDeviceGetMemoryInfo(h).total)
-                mine = [p for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h) if p.pid == os.getpid()]
-                state["held"][i] = float(sum(p.usedGpuMemory or 0 for p in mine))
-            pynvml.nvmlShutdown()
-        except Exception:  # NVML unavailable: nothing known, nothing to check
-            pass
+        mine = visible_gpus(dict(os.environ))[:torch.cuda.device_count()]
+        reserved = {g.uuid: float(torch.cuda.memory_reserved(j)) for j, g in enumerate(mine)}
+        theirs = visible_gpus(dict(os.environ if env is None else env))
+        pynvml.nvmlInit()
+    except Exception:  # NVML unavailable: nothing known, nothing to check
+        return state
+    try:
+        for k, gpu in enumerate(theirs):
+            h = pynvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
+            state["compute_modes"][k] = _compute_mode(pynvml, h)
+            state["total"][k] = gpu.memory_bytes
+            ours = sum(p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+                       if p.pid == os.getpid())
+            state["held"][k] = max(float(ours), reserved.get(gpu.uuid, 0.0))
+    except Exception:  # a query the driver does not answer: check what was found
+        pass
+    finally:
+        pynvml.nvmlShutdown()
     return state
+
+
+def _compute_mode(nv, handle) -> str:
+    """NVML's compute mode of a device, as a word."""
+    names = {nv.NVML_COMPUTEMODE_DEFAULT: "default", nv.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS: "exclusive_process",
+             nv.NVML_COMPUTEMODE_PROHIBITED: "prohibited"}
+    try:
+        return names.get(nv.nvmlDeviceGetComputeMode(handle), "other")
+    except Exception:  # MIG instances have no compute mode of their own
+        return "default"
 
 
 HELD_FRACTION = 0.5
 """a kernel holding more than this fraction of a GPU the workers need is refused (they would run out of memory)"""
 
 
-def check_cuda(nproc: int, backend: str) -> None:
-    """Raise LaunchError when this kernel's CUDA state would break the workers: CUDA is initialised here and a GPU
-    the workers need is in exclusive-process (or prohibited) compute mode, so their contexts would be refused, or
-    this kernel holds more than half of its memory."""
+def check_cuda(nproc: int, backend: str, env: dict[str, str] | None = None) -> None:
+    """Raise LaunchError when this kernel's CUDA state would break the workers (environment ``env``, default this
+    process's): CUDA is initialised here and a GPU the workers need is in exclusive-process (or prohibited) compute
+    mode, so their contexts would be refused, or this kernel holds more than half of its memory."""
     if backend != "nccl":
         return
-    state = _cuda_state()
+    state = _cuda_state(env)
     if not state["initialized"]:
         return
     bad = {i: m for i, m in state["compute_modes"].items() if i < nproc and m in ("exclusive_process", "prohibited")}
@@ -231,7 +240,8 @@ def launch(script: str | os.PathLike | Callable[[Path], Any], nproc: int | None 
 def _start(script, nproc, steps, *, plan, max_restarts, hang_timeout_s, run_dir, backend, monitor, env, warm,
            script_flags) -> Run:
     """launch()'s work, under ``_launch_lock``: export, start the agent, register and monitor the run."""
-    gpus = _gpu_count()
+    seen = {**os.environ, **(env or {})}  # what the workers will see
+    gpus = _gpu_count(seen)
     backend = backend or ("nccl" if gpus else "gloo")
     if nproc is None:
         mesh = getattr(plan, "mesh", None)
@@ -241,7 +251,7 @@ def _start(script, nproc, steps, *, plan, max_restarts, hang_timeout_s, run_dir,
     if backend == "nccl" and gpus and nproc > gpus:
         raise LaunchError(f"nproc={nproc} but only {gpus} GPU(s) are visible: pass nproc <= {gpus}, or "
                           "backend='gloo' for CPU workers")
-    check_cuda(nproc, backend)
+    check_cuda(nproc, backend, seen)
 
     run_id = secrets.token_hex(8)
     if run_dir is None:
@@ -318,6 +328,7 @@ def _start(script, nproc, steps, *, plan, max_restarts, hang_timeout_s, run_dir,
     run = Run(run_id=run_id, run_dir=run_dir, script=script_path, nproc=nproc, steps=steps, token=token,
               backend=backend, max_restarts=max_restarts, hang_timeout_s=hang_timeout_s, plan=plan, command=command)
     run.warm = warm
+    run.worker_env = worker_env
     run._proc = proc
     if warm:
         # when the run is over the next standby warms up (not before: its imports would compete with the run)

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from ..hardware import GpuInfo, visible_gpus
+
 if TYPE_CHECKING:
     from .run import Run
 
@@ -28,34 +30,44 @@ every few milliseconds would otherwise wake it, and preempt a worker, hundreds o
 
 
 class DeviceSampler:
-    """Samples GPUs through NVML when ``use_gpu`` and NVML works, else each worker process through psutil."""
+    """Samples GPUs through NVML when ``use_gpu`` and NVML works, else each worker process through psutil.
 
-    def __init__(self, use_gpu: bool):
+    ``env`` is the workers' environment (default: this process's): local rank k uses the k-th GPU its
+    ``CUDA_VISIBLE_DEVICES`` names (indices, GPU-UUID prefixes or MIG instances, resolved by
+    :func:`~autopar_nb.hardware.visible_gpus`), which need not be the kernel's."""
+
+    def __init__(self, use_gpu: bool, env: dict[str, str] | None = None):
         self.nvml = None
         self.gpu_name = ""
+        self.gpus: list[GpuInfo] = []
         if use_gpu:
             try:
                 import pynvml
 
                 pynvml.nvmlInit()
                 self.nvml = pynvml
-                name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(self.gpu_index(0)))
+                self.gpus = visible_gpus(dict(os.environ if env is None else env))
+                name = pynvml.nvmlDeviceGetName(self.handle(0))
                 self.gpu_name = name.decode() if isinstance(name, bytes) else str(name)
             except Exception:  # no driver / no permission: fall back to per-process figures
                 pass
         self._procs: dict[int, psutil.Process] = {}
 
-    def gpu_index(self, local_rank: int) -> int:
-        """The NVML index of the GPU a local rank uses (``CUDA_VISIBLE_DEVICES`` given as indices is honoured)."""
-        vis = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-        ids = [s.strip() for s in vis.split(",") if s.strip()]
-        if ids and all(s.isdigit() for s in ids) and local_rank < len(ids):
-            return int(ids[local_rank])
-        return local_rank
+    def handle(self, local_rank: int):
+        """NVML's handle of the GPU (or MIG instance) a local rank uses: by UUID for MIG instances (they have no
+        index of their own), else by NVML index; local rank k when the visible GPUs are unknown."""
+        nv = self.nvml
+        gpu = self.gpus[local_rank] if local_rank < len(self.gpus) else None
+        if gpu is not None and gpu.uuid.startswith("MIG-"):
+            return nv.nvmlDeviceGetHandleByUUID(gpu.uuid)
+        return nv.nvmlDeviceGetHandleByIndex(gpu.nvml_index if gpu is not None and gpu.nvml_index is not None
+                                             else local_rank)
 
     def sample(self, workers: dict[int, psutil.Process]) -> dict[int, dict]:
-        """rank -> {"cpu_percent", "rss"} for every live worker, plus GPU fields
-        ("gpu_util", "gpu_mem_used", "gpu_mem_total", "power_w", "temperature_c") when NVML is on."""
+        """rank -> {"cpu_percent", "rss"} for every live worker, plus GPU fields ("gpu_util", "gpu_mem_used",
+        "gpu_mem_total", "power_w", "temperature_c", and "gpu_proc_mem" — what the worker's own process holds on
+        its GPU, when NVML reports it under the worker's PID) when NVML is on. Each GPU figure is read on its own:
+        one NVML cannot give (a MIG instance has no utilisation or power of its own) leaves only that one out."""
         out: dict[int, dict] = {}
         for rank, proc in workers.items():
             cached = self._procs.get(proc.pid)
@@ -69,19 +81,35 @@ class DeviceSampler:
             except psutil.Error:
                 continue
         if self.nvml is not None:
-            nv = self.nvml
             for rank in list(out) or list(workers):
-                try:
-                    h = nv.nvmlDeviceGetHandleByIndex(self.gpu_index(rank))
-                    mem = nv.nvmlDeviceGetMemoryInfo(h)
-                    d = out.setdefault(rank, {})
-                    d["gpu_util"] = float(nv.nvmlDeviceGetUtilizationRates(h).gpu)
-                    d["gpu_mem_used"], d["gpu_mem_total"] = float(mem.used), float(mem.total)
-                    d["power_w"] = nv.nvmlDeviceGetPowerUsage(h) / 1000.0  # milliwatts
-                    d["temperature_c"] = float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
-                except Exception:  # a GPU that stops answering: skip it this round
-                    continue
+                proc = workers.get(rank)
+                out.setdefault(rank, {}).update(self._gpu_figures(rank, proc.pid if proc is not None else None))
         return out
+
+    def _gpu_figures(self, local_rank: int, pid: int | None) -> dict:
+        """The NVML figures of one rank's GPU, each left out when NVML cannot give it."""
+        nv = self.nvml
+        try:
+            h = self.handle(local_rank)
+        except Exception:  # a GPU that stops answering: skip it this round
+            return {}
+        queries = {
+            "gpu_util": lambda: float(nv.nvmlDeviceGetUtilizationRates(h).gpu),
+            "gpu_mem_used": lambda: float(nv.nvmlDeviceGetMemoryInfo(h).used),
+            "gpu_mem_total": lambda: float(nv.nvmlDeviceGetMemoryInfo(h).total),
+            "power_w": lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0,  # milliwatts
+            "temperature_c": lambda: float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
+            "gpu_proc_mem": lambda: _process_memory(nv, h, pid),
+        }
+        d = {}
+        for key, query in queries.items():
+            try:
+                value = query()
+            except Exception:  # not supported on this device (MIG), or not available right now
+                continue
+            if value is not None:
+                d[key] = value
+        return d
 
     def close(self) -> None:
         if self.nvml is not None:
@@ -89,6 +117,16 @@ class DeviceSampler:
                 self.nvml.nvmlShutdown()
             except Exception:  # already shut down
                 pass
+
+
+def _process_memory(nv, handle, pid: int | None) -> float | None:
+    """Bytes the process ``pid`` holds on the GPU ``handle`` (its CUDA context included), by NVML's process list;
+    None when NVML does not list that PID — in a container NVML reports host PIDs, which differ from ours."""
+    if pid is None:
+        return None
+    procs = nv.nvmlDeviceGetComputeRunningProcesses(handle)
+    used = [p.usedGpuMemory for p in procs if p.pid == pid and p.usedGpuMemory is not None]
+    return float(sum(used)) if used else None
 
 
 class Monitor(threading.Thread):
@@ -99,7 +137,8 @@ class Monitor(threading.Thread):
         super().__init__(daemon=True, name=f"autopar-monitor-{run.run_id[:8]}")
         self.run_ = run
         self.sample_devices = sample
-        self.sampler = DeviceSampler(run.backend == "nccl" if nvml is None else nvml) if sample else None
+        use_gpu = run.backend == "nccl" if nvml is None else nvml
+        self.sampler = DeviceSampler(use_gpu, run.worker_env) if sample else None
 
     def run(self) -> None:
         r = self.run_

@@ -35,10 +35,11 @@ ERROR_LOG_LINES = 60
 MAX_ROWS = 100_000
 """metrics rows kept; beyond, every other step is dropped (the stride doubles), as the series are decimated"""
 SAMPLE_FIELDS = {
-    "memory_bytes": "the rank's memory: NVML's device memory used on GPUs ('nvml'), else CUDA's reserved bytes from "
-                    "its last step ('cuda'), else on CPU its RSS above rss_baseline_bytes ('psutil'; the raw RSS "
-                    "until the baseline is known; 'stream': the RSS its last step reported, for ranks whose process "
-                    "the notebook cannot see, as in an attached run)",
+    "memory_bytes": "the rank's memory: on GPUs what its process holds by NVML's process list ('nvml'), else CUDA's "
+                    "reserved bytes from its last step ('cuda'), else the memory used on its whole GPU by every "
+                    "process ('nvml-device'); on CPU its RSS above rss_baseline_bytes ('psutil'; the raw RSS until "
+                    "the baseline is known; 'stream': the RSS its last step reported, for ranks whose process the "
+                    "notebook cannot see, as in an attached run)",
     "utilization_pct": "NVML's SM utilisation on GPUs, else the process's CPU % (100 = one core)",
     "rss_bytes": "the process's resident set size (psutil, else what its last step reported)",
     "rss_baseline_bytes": "its RSS before the model was built (the exported script's RSS_BEFORE_MODEL)",
@@ -46,6 +47,8 @@ SAMPLE_FIELDS = {
     "cuda_reserved_bytes": "torch.cuda.memory_reserved() at the rank's last step",
     "cuda_peak_bytes": "torch.cuda.max_memory_allocated() at the rank's last step",
     "nvml_used_bytes": "NVML: memory used on the rank's GPU (every process on it)",
+    "nvml_process_bytes": "NVML: memory the rank's own process holds on its GPU, CUDA context included (None where "
+                          "NVML lists the process under another PID, as in containers)",
     "nvml_total_bytes": "NVML: the GPU's memory",
     "power_w": "NVML: board power",
     "temperature_c": "NVML: GPU temperature",
@@ -84,6 +87,8 @@ class Run:
         self.command = command or []
         """the equivalent torchrun command line"""
         self.warm = False
+        self.worker_env: dict[str, str] | None = None
+        """the workers' environment (the GPUs they see); None: the kernel's"""
         """whether it ran through the warm pool (``launch(warm=True)``, see ``pool.py``)"""
         self._end_hooks: list[Callable[[Run], None]] = []
         """called once from the monitor thread when the run has ended (the pool starts its next standby)"""
@@ -174,10 +179,10 @@ class Run:
             {"t": seconds since launch, "rank": 0, "state": "running", "source": "psutil",
              "memory_bytes": ..., "utilization_pct": ..., "step": ..., "loss": ..., ...}
 
-        ``source`` says where ``memory_bytes`` came from: "nvml" | "cuda" | "psutil" | "stream" (None before the
-        rank's process exists or reported); the other keys are :data:`SAMPLE_FIELDS` (None where unknown). Memory
-        stays bounded over long runs: beyond 1000 ticks every other one is dropped (the interval between samples
-        doubles), the latest kept."""
+        ``source`` says where ``memory_bytes`` came from: "nvml" | "cuda" | "nvml-device" | "psutil" | "stream"
+        (None before the rank's process exists or reported); the other keys are :data:`SAMPLE_FIELDS` (None where
+        unknown). Memory stays bounded over long runs: beyond 1000 ticks every other one is dropped (the interval
+        between samples doubles), the latest kept."""
         with self._lock:
             return self._timeline.samples()
 
@@ -501,14 +506,17 @@ class Run:
         d = {"state": st.state(self._status), "rss_bytes": s.get("rss"), "rss_baseline_bytes": st.baseline,
              "cuda_allocated_bytes": last.get("mem_allocated"), "cuda_reserved_bytes": last.get("mem_reserved"),
              "cuda_peak_bytes": last.get("mem_peak"), "nvml_used_bytes": s.get("gpu_mem_used"),
+             "nvml_process_bytes": s.get("gpu_proc_mem"),
              "nvml_total_bytes": s.get("gpu_mem_total"), "power_w": s.get("power_w"),
              "temperature_c": s.get("temperature_c"), "utilization_pct": s.get("gpu_util", s.get("cpu_percent")),
              **{k: last.get(k) for k in ("step", "loss", "step_time_s", "samples_per_s", "tokens_per_s",
                                          "data_wait_s")}}
-        if s.get("gpu_mem_used") is not None:
-            d["source"], d["memory_bytes"] = "nvml", s["gpu_mem_used"]
+        if s.get("gpu_proc_mem") is not None:
+            d["source"], d["memory_bytes"] = "nvml", s["gpu_proc_mem"]
         elif last.get("mem_reserved") is not None:
             d["source"], d["memory_bytes"] = "cuda", last["mem_reserved"]
+        elif s.get("gpu_mem_used") is not None:  # device-wide: every process on the GPU, until the rank reports
+            d["source"], d["memory_bytes"] = "nvml-device", s["gpu_mem_used"]
         elif s.get("rss") is not None or last.get("rss") is not None:  # psutil's, else the rank's own at its step
             d["source"] = "psutil" if s.get("rss") is not None else "stream"
             rss = d["rss_bytes"] = s["rss"] if s.get("rss") is not None else last["rss"]
