@@ -276,3 +276,33 @@ def test_warm_verify_equals_cold_verify_and_the_reference_may_run_beside(monkeyp
         assert w.losses == c.losses and w.per_rank == c.per_rank and w.missing == c.missing == []
         assert [s.ref_loss for s in w.steps] == pytest.approx([s.ref_loss for s in c.steps], rel=1e-6)
         assert w.param_floor == pytest.approx(c.param_floor, rel=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_a_warm_run_shorter_than_a_tick_has_its_ranks_figures(tmp_path):
+    """Issue 19 leftover: warm ranks connect ~0.3 s after the call and can finish a short run before the first 1 s
+    tick, so their processes were never sampled (no RSS, no CPU %). They are sampled when they say hello, and a
+    process's first reading has its CPU % since it started."""
+    script = FIXTURES / "train_fixture.py"
+    first = launch(script, nproc=2, steps=2, run_dir=tmp_path / "a")  # starts the pool, if none waits
+    assert first.wait(120) == "finished", first.message
+    assert POOL.wait_ready("launch", 120)
+    run = launch(script, nproc=2, steps=3, run_dir=tmp_path / "b")
+    assert run.wait(60) == "finished", run.message
+    for rank in (0, 1):
+        last = [s for s in run.samples if s["rank"] == rank][-1]
+        assert last["source"] == "psutil" and last["rss_bytes"] > 50e6, last
+        assert last["utilization_pct"] is not None and last["utilization_pct"] > 0, last
+
+
+def test_a_process_first_reading_has_its_cpu_since_start():
+    from autopar_nb.launch.monitor import DeviceSampler
+
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 30: pass"])
+    try:
+        time.sleep(0.5)
+        first = DeviceSampler(False).sample({0: psutil.Process(busy.pid)})[0]
+        assert first["cpu_percent"] is not None and first["cpu_percent"] > 10 and first["rss"] > 0
+    finally:
+        busy.kill()
+        busy.wait()

@@ -70,14 +70,16 @@ class DeviceSampler:
         one NVML cannot give (a MIG instance has no utilisation or power of its own) leaves only that one out."""
         out: dict[int, dict] = {}
         for rank, proc in workers.items():
-            cached = self._procs.get(proc.pid)
-            fresh = cached is None or cached.create_time() != proc.create_time()
-            if fresh:
-                self._procs[proc.pid] = cached = proc
             try:
+                cached = self._procs.get(proc.pid)
+                fresh = cached is None or cached.create_time() != proc.create_time()
+                if fresh:
+                    self._procs[proc.pid] = cached = proc
                 with cached.oneshot():
-                    cpu = cached.cpu_percent(None)  # the first call only starts the interval: no figure yet
-                    out[rank] = {"cpu_percent": None if fresh else cpu, "rss": cached.memory_info().rss}
+                    cpu = cached.cpu_percent(None)  # the first call only starts psutil's interval
+                    if fresh:
+                        cpu = cpu_since_start(cached)
+                    out[rank] = {"cpu_percent": cpu, "rss": cached.memory_info().rss, "time": time.time()}
             except psutil.Error:
                 continue
         if self.nvml is not None:
@@ -129,6 +131,17 @@ def _process_memory(nv, handle, pid: int | None) -> float | None:
     return float(sum(used)) if used else None
 
 
+def cpu_since_start(proc: psutil.Process) -> float | None:
+    """The process's CPU % (100 = one core) averaged since it started: its first reading, where psutil's
+    ``cpu_percent`` has no interval yet."""
+    try:
+        t = proc.cpu_times()
+        age = time.time() - proc.create_time()
+    except psutil.Error:
+        return None
+    return 100.0 * (t.user + t.system) / age if age > 0.05 else None
+
+
 class Monitor(threading.Thread):
     """Runs until the agent process has exited and the run is finalised."""
 
@@ -156,6 +169,10 @@ class Monitor(threading.Thread):
                     time.sleep(BATCH_S - (time.monotonic() - woke))
                     msgs += r._server.poll(0)
                 changed = r._ingest(msgs)
+                if self.sampler is not None and any(m.kind == "hello" for m in msgs):
+                    # a rank that says hello exists now: its figures at once, not at the next tick (warm ranks
+                    # connect ~0.3 s after the call and may finish a short run within the first tick)
+                    r._update_samples(self.sampler.sample(r._refresh_workers()))
                 now = time.monotonic()
                 tick = int((now - r._t0) / SAMPLE_INTERVAL_S)
                 if tick >= next_tick:  # a tick late by more than an interval is skipped, not made up

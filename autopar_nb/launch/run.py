@@ -60,6 +60,9 @@ SAMPLE_FIELDS = {
     "data_wait_s": "the part of that step spent making and moving the batch",
 }
 """the numeric fields of ``Run.samples`` (None where unknown), besides ``t``, ``rank``, ``state`` and ``source``"""
+STALE_SAMPLE_S = 1.5
+"""a device sample this much older than the rank's last step predates it by more than a tick (its process was not
+found since: it ended, or runs elsewhere): the RSS the step reported is shown instead ("stream")"""
 STEP_FIELDS = ("loss", "step_time_s", "throughput", "data_wait_s")
 
 
@@ -465,8 +468,7 @@ class Run:
         stream said last, into the time series."""
         t = time.monotonic() - self._t0
         with self._lock:
-            for rank, s in samples.items():
-                self._ranks.setdefault(rank, RankState(rank)).sample = s
+            self._update_samples(samples)
             if tick <= self._tick:
                 return
             self._tick = tick
@@ -474,6 +476,12 @@ class Run:
             self._timeline.add(tick, t, rows)
             self.versions["timeline"] += 1
             self._watch_tick()
+
+    def _update_samples(self, samples: dict[int, dict]) -> None:
+        """The ranks' latest device samples (a rank not in ``samples`` keeps its last one)."""
+        with self._lock:
+            for rank, s in samples.items():
+                self._ranks.setdefault(rank, RankState(rank)).sample = s
 
     def _watch_tick(self) -> None:
         """New events from the samples, the ranks' failures and the plan's predictions (under ``_lock``)."""
@@ -517,9 +525,10 @@ class Run:
             d["source"], d["memory_bytes"] = "cuda", last["mem_reserved"]
         elif s.get("gpu_mem_used") is not None:  # device-wide: every process on the GPU, until the rank reports
             d["source"], d["memory_bytes"] = "nvml-device", s["gpu_mem_used"]
-        elif s.get("rss") is not None or last.get("rss") is not None:  # psutil's, else the rank's own at its step
-            d["source"] = "psutil" if s.get("rss") is not None else "stream"
-            rss = d["rss_bytes"] = s["rss"] if s.get("rss") is not None else last["rss"]
+        elif s.get("rss") is not None or last.get("rss") is not None:  # the fresher of psutil's and its step's
+            stale = last.get("rss") is not None and (last.get("time") or 0.0) - (s.get("time") or 0.0) > STALE_SAMPLE_S
+            d["source"] = "psutil" if s.get("rss") is not None and not stale else "stream"
+            rss = d["rss_bytes"] = s["rss"] if d["source"] == "psutil" else last["rss"]
             d["memory_bytes"] = max(0.0, rss - st.baseline) if st.baseline else rss
         else:
             d["source"] = None
