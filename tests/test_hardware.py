@@ -24,6 +24,7 @@ def simulate_host(monkeypatch, gpus: int, name: str = "NVIDIA H100 80GB HBM3", m
     as on a host without the NVIDIA driver's library, and the child process detection starts answers as torch
     would). Returns the log of CUDA-initialising calls made in this process (detection must make none)."""
     cuda_calls: list[str] = []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # conftest hides real GPUs; this host shows its own
 
     def properties(index=0):
         cuda_calls.append(f"get_device_properties({index})")
