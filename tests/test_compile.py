@@ -140,6 +140,23 @@ def test_compile_factor_is_calibrated_by_compiled_runs_after_an_eager_one():
         _plan(lm_source(), cluster, fix={"dp": 2}).cost.step_time_s)
 
 
+def test_the_planner_compiles_once_a_compiled_run_measured_a_gain():
+    """Without a measured factor the planner stays eager (the default factor is a guess); once a compiled run on the
+    preset calibrated ``compile_memory_bound`` below 1 it compiles the repeated blocks by itself (pp=1 only); a
+    measured factor >= 1 (no gain) or fix compile=False keeps it eager."""
+    cluster = ap.Cluster.preset("h100-80gb", 1, 2)
+    measured = dataclasses.replace(cluster, calibration={"compile_memory_bound": 0.3})
+    chosen = _plan(lm_source(), measured, fix={"dp": 2})
+    assert [lp.path for lp in chosen.layers if lp.compile] == ["layers.0", "layers.1"]
+    assert "Compiled with torch.compile (chosen: a compiled run measured the factor)" in chosen.explain()
+    assert not any(lp.compile for lp in _plan(lm_source(), cluster, fix={"dp": 2}).layers)
+    no_gain = dataclasses.replace(cluster, calibration={"compile_memory_bound": 1.2})
+    assert not any(lp.compile for lp in _plan(lm_source(), no_gain, fix={"dp": 2}).layers)
+    assert not any(lp.compile for lp in _plan(lm_source(), measured, fix={"dp": 2, "compile": False}).layers)
+    staged = _plan(lm_source(), measured, fix={"pp": 2})
+    assert staged.mesh.pp == 2 and not any(lp.compile for lp in staged.layers)
+
+
 def test_script_compiles_blocks_after_checkpointing_and_before_fsdp():
     src = lm_source()
     plan = _plan(src, ap.Cluster.preset("h100-80gb", 1, 2),

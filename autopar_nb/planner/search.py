@@ -96,6 +96,12 @@ def default_amp(device) -> str:
     return "fp16" if device.supports("float16") and device.flops("float16") > fp32 else "none"
 
 
+def measured_compile_gain(cluster) -> bool:
+    """Whether a compiled run on this cluster's preset measured compiled blocks faster than eager ones: its
+    calibration holds ``compile_memory_bound`` (only compiled runs set it) below 1."""
+    return cluster.calibration.get("compile_memory_bound", 1.0) < 1.0
+
+
 class Search:
     """Enumerates and costs candidates (module docstring)."""
 
@@ -125,13 +131,14 @@ class Search:
                 self.rec_pinned.setdefault(i, fix["recompute"])
         self.fsdp = [cons.layers[i].fsdp if i in cons.layers and cons.layers[i].fsdp is not None else True
                      for i in range(self.n)]
-        # compile: only when fixed (the factor is a guess until a compiled run calibrates it, and compiling costs
-        # minutes at start-up, which a step time does not show), per repeated block as torchtitan compiles them, or
-        # every layer of a model without any
+        # compile: per repeated block as torchtitan compiles them (or every layer of a model without any), with
+        # pp=1 only (a pipeline stage is a traced graph); as fixed, else chosen once a compiled run has measured the
+        # factor on this preset and found compiled blocks faster — the default factor is a guess, and compiling costs
+        # minutes at start-up, which a step time does not show
         blocks = [i for i, lay in enumerate(graph.layers) if graph.block_of(lay.path) is not None]
         self.compilable = [i in blocks or not blocks for i in range(self.n)]
         """the layers compile applies to"""
-        self.compile = [fix.get("compile", False) and on for on in self.compilable]
+        self.compile = [bool(fix.get("compile", measured_compile_gain(cluster))) and on for on in self.compilable]
         self.amp = fix.get("amp", default_amp(cluster.device))
         if self.amp == "bf16" and not cluster.device.supports("bfloat16"):
             raise PlanError(f"fix amp='bf16', but the {cluster.device.name} has no bf16 (it needs compute capability "
@@ -336,7 +343,7 @@ class Search:
                         continue
                     base = Setting(dp, t, pp, 0, self.amp, m, float(mb), sched, v, sp, self.optimizer, ep)
                     choices = [LayerChoice(0, self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i],
-                                       self.compile[i])
+                                       self.compile[i] and pp == 1)
                                for i in range(self.n)]
                     runs = self.ev.runs(choices)
                     times = self._run_times(base, runs)
@@ -367,7 +374,7 @@ class Search:
             for z in zeros:
                 s = dataclasses.replace(base, zero_stage=z, fused_loss=bool(fix.get("fused_loss")))
                 choices = [LayerChoice(assign[i], self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i],
-                                       self.compile[i])
+                                       self.compile[i] and base.pp == 1)
                            for i in range(self.n)]
                 cand = self.fused_variant(self._cost(s, choices, "recompute" not in fix))
                 out.append(cand)
