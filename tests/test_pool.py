@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -214,12 +215,18 @@ def test_the_pool_is_reused_replaced_when_dead_and_quits_when_idle(tmp_path):
     assert fourth.wait(120) == "finished", fourth.message
     assert fourth._proc is waiting.proc
 
-    # idle: a standby quits after its idle timeout, with its forkserver
-    idle = Pool(idle_timeout_s=1.0)
-    s = idle.take("launch", env=dict(os.environ), monitor=False, preload=["json"])
+    # idle: a standby quits after its idle timeout (AUTOPAR_POOL_IDLE_S, read when it starts), with its forkserver
+    idle = Pool()
+    os.environ["AUTOPAR_POOL_IDLE_S"] = "1"
+    try:
+        idle.refill("launch", env=dict(os.environ), monitor=False, preload=["json"])
+    finally:
+        del os.environ["AUTOPAR_POOL_IDLE_S"]
+    s = idle.waiting("launch")
+    assert s is not None and "1.0" in s.proc.args
     wait_for(lambda: not s.alive(), 60, "the idle standby to quit")
     wait_for(lambda: not processes_with_token(s.token), 10, "its forkserver to quit (ended by the standby)")
-    idle.close()
+    idle._cleanup()  # its log folder too
 
 
 KERNEL = textwrap.dedent("""
@@ -249,6 +256,13 @@ def test_the_pool_dies_with_the_kernel():
         t0 = time.monotonic()
         wait_for(lambda: not processes_with_token(token), 5, "the pool to end")
         assert time.monotonic() - t0 < 5
+        kernel.wait()
+        # its log folder stays (no exit clean-up ran) until a pool starts: then it goes
+        left = [d for d in Path(tempfile.gettempdir()).glob("autopar-pool-*")
+                if (d / pool_mod.OWNER_FILE).exists() and
+                json.loads((d / pool_mod.OWNER_FILE).read_text())["pid"] == kernel.pid]
+        assert len(left) == 1 and list(left[0].glob("launch-*.log"))
+        assert left[0] in pool_mod.remove_stale_folders() and not left[0].exists()
     finally:
         kernel.kill()
         kernel.wait()
@@ -306,3 +320,45 @@ def test_a_process_first_reading_has_its_cpu_since_start():
     finally:
         busy.kill()
         busy.wait()
+
+
+def test_idle_timeout_from_the_environment(monkeypatch):
+    """AUTOPAR_POOL_IDLE_S: 0 keeps no standby after a job; a bad value says what to give."""
+    monkeypatch.delenv("AUTOPAR_POOL_IDLE_S", raising=False)
+    assert pool_mod.idle_timeout_s() == pool_mod.IDLE_TIMEOUT_S == 300
+    monkeypatch.setenv("AUTOPAR_POOL_IDLE_S", "0")
+    pool = Pool()
+    pool.refill("launch", env=dict(os.environ), monitor=False, preload=["json"])
+    assert pool.started == 0 and pool.waiting("launch") is None  # nothing is held after the run
+    for bad in ("soon", "-5", "inf", "nan"):
+        monkeypatch.setenv("AUTOPAR_POOL_IDLE_S", bad)
+        with pytest.raises(ValueError, match="AUTOPAR_POOL_IDLE_S=.*a number >= 0"):
+            pool_mod.idle_timeout_s()
+
+
+def test_stale_pool_folders_are_removed_when_a_pool_starts(tmp_path):
+    """A killed kernel never runs its exit clean-up: the next pool removes the folders whose owner is gone (a PID
+    reused by another process does not count as the owner), and old ones without an owner file; it keeps the live."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    me = psutil.Process()
+
+    def folder(name, owner=None, age_s=0.0):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "launch-x.log").write_text("log")
+        if owner is not None:
+            (d / pool_mod.OWNER_FILE).write_text(json.dumps(owner))
+        os.utime(d, (time.time() - age_s, time.time() - age_s))
+        return d
+
+    dead = folder("autopar-pool-dead", {"pid": int(done.stdout), "create_time": 1.0})
+    reused = folder("autopar-pool-reused", {"pid": me.pid, "create_time": me.create_time() - 100})
+    live = folder("autopar-pool-live", {"pid": me.pid, "create_time": me.create_time()})
+    old = folder("autopar-pool-old", age_s=2 * pool_mod.LEGACY_STALE_S)
+    recent = folder("autopar-pool-recent", age_s=60)
+    other = tmp_path / "autopar-pool-file"
+    other.write_text("not a folder")
+    new = pool_mod.make_pool_folder(tmp_path)
+    assert not dead.exists() and not reused.exists() and not old.exists()
+    assert live.exists() and recent.exists() and other.exists()
+    assert json.loads((new / pool_mod.OWNER_FILE).read_text())["pid"] == me.pid and pool_mod.owner_alive(new)

@@ -19,8 +19,10 @@ advance), which its forkserver and so every worker inherit, as torchrun's worker
 ``/proc/PID/environ`` of every process of the run carries the token, so a teardown finds them all (``procs.py``).
 When a job ends, the pool starts the next standby (after the job, so its imports never compete with a run). A
 standby whose environment no longer matches the next job's is replaced; one that died (crashed, or quit after
-``IDLE_TIMEOUT_S`` without a job) is replaced transparently; a standby quits when the kernel goes (the watchdog of
-``agent.py``, and end of file on its standard input), and its forkserver quits with it.
+``IDLE_TIMEOUT_S`` or ``AUTOPAR_POOL_IDLE_S`` without a job) is replaced transparently; a standby quits when the
+kernel goes (the watchdog of ``agent.py``, and end of file on its standard input), and its forkserver quits with it.
+The standbys' logs live in an ``autopar-pool-*`` temporary folder, removed at the kernel's normal exit; a killed
+kernel's folder is removed by the next pool that starts (its owner file names a process that is gone).
 """
 
 from __future__ import annotations
@@ -41,14 +43,25 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from .channel import MetricsServer
 from .procs import TOKEN_ENV, terminate
 
 AGENT = Path(__file__).with_name("agent.py")
 RUNTIME = Path(__file__).resolve().parent.parent / "runtime"
 
-IDLE_TIMEOUT_S = 600.0
-"""seconds a standby waits for a job before it quits (the next job then starts a new one)"""
+IDLE_TIMEOUT_S = 300.0
+"""seconds a standby waits for a job before it quits (the next job then starts a new one): a standby holds about
+350 MB (torch imported in it and in its forkserver), so after a run it is kept for the next edit-and-relaunch of a
+notebook session, not for the rest of the afternoon; ``AUTOPAR_POOL_IDLE_S`` sets it (0: none is kept)"""
+IDLE_ENV = "AUTOPAR_POOL_IDLE_S"
+ON_DEMAND_IDLE_S = 60.0
+"""a standby started for a job that waits (``Pool.take``) waits at least this long for it, whatever the idle timeout"""
+OWNER_FILE = "owner.json"
+"""in a pool's log folder: {"pid", "create_time"} of the process (the kernel) whose pool it is"""
+LEGACY_STALE_S = 86400.0
+"""a pool folder without an owner file (written by an older autopar-nb) is stale when untouched this long"""
 
 BASE_PRELOAD = ("torch", "torch.distributed.run", "torch.distributed.elastic.multiprocessing.errors", "torch._dynamo",
                 "torch.distributed.checkpoint", "torch.distributed.pipelining", "torch.export", "encodings.idna")
@@ -144,6 +157,64 @@ def shadowed(preload: tuple[str, ...] | list[str], script_dir: str | os.PathLike
     return sorted(t for t in tops if (d / f"{t}.py").exists() or (d / t / "__init__.py").exists())
 
 
+def idle_timeout_s() -> float:
+    """Seconds a standby waits for a job: ``AUTOPAR_POOL_IDLE_S`` when set (0: no standby is kept after a job; the
+    next warm launch or verify starts one), else :data:`IDLE_TIMEOUT_S`."""
+    raw = os.environ.get(IDLE_ENV, "").strip()
+    if not raw:
+        return IDLE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < float("inf"):
+        raise ValueError(f"{IDLE_ENV}={raw!r}: give the seconds a warm standby waits for the next launch or verify "
+                         f"(a number >= 0; 0 keeps none after a run; default {IDLE_TIMEOUT_S:.0f})")
+    return value
+
+
+def owner_alive(folder: Path) -> bool | None:
+    """Whether the process named in ``folder``'s owner file still runs (the same process: its start time matches,
+    so a reused PID does not count); None when the folder has no readable owner file."""
+    try:
+        owner = json.loads((folder / OWNER_FILE).read_text())
+        pid, started = int(owner["pid"]), float(owner["create_time"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        return abs(psutil.Process(pid).create_time() - started) < 0.01
+    except psutil.Error:
+        return False
+
+
+def remove_stale_folders(root: str | os.PathLike | None = None) -> list[Path]:
+    """Delete this user's ``autopar-pool-*`` log folders in ``root`` (default: the temporary directory) whose owner
+    is gone: a kernel that was killed never ran its exit clean-up. A folder without an owner file (older versions)
+    goes when untouched for :data:`LEGACY_STALE_S`. Returns the folders removed."""
+    removed = []
+    for folder in Path(root or tempfile.gettempdir()).glob("autopar-pool-*"):
+        try:
+            st = folder.lstat()
+        except OSError:
+            continue
+        if not folder.is_dir() or folder.is_symlink() or st.st_uid != os.getuid():
+            continue
+        alive = owner_alive(folder)
+        if alive is False or (alive is None and time.time() - st.st_mtime > LEGACY_STALE_S):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def make_pool_folder(root: str | os.PathLike | None = None) -> Path:
+    """A new log folder for this process's pool, with its owner file; stale ones are removed first."""
+    remove_stale_folders(root)
+    folder = Path(tempfile.mkdtemp(prefix="autopar-pool-", dir=root))
+    me = psutil.Process()
+    (folder / OWNER_FILE).write_text(json.dumps({"pid": me.pid, "create_time": me.create_time()}))
+    return folder
+
+
 def standby_command(kind: str, preload: list[str], idle_timeout_s: float) -> list[str]:
     """The command line of a standby of ``kind``."""
     tail = ["--standby", json.dumps(list(preload)), repr(float(idle_timeout_s)), str(os.getpid())]
@@ -193,8 +264,9 @@ class Standby:
 class Pool:
     """At most one standby per kind (``launch``, ``verify``) for this process (the kernel)."""
 
-    def __init__(self, idle_timeout_s: float = IDLE_TIMEOUT_S):
+    def __init__(self, idle_timeout_s: float | None = None):
         self.idle_timeout_s = idle_timeout_s
+        """seconds a standby waits for a job; None: :func:`idle_timeout_s` (the environment's, read at each start)"""
         self._standby: dict[str, Standby] = {}
         self._lock = threading.Lock()
         self._dir: Path | None = None
@@ -213,7 +285,8 @@ class Pool:
             return s
         if s is not None:
             s.discard()
-        return self._start(kind, env=env, monitor=monitor, preload=preload)
+        return self._start(kind, env=env, monitor=monitor, preload=preload,
+                           idle_s=max(self._idle_s(), ON_DEMAND_IDLE_S))
 
     def hand(self, kind: str, job: str | os.PathLike, *, env: dict[str, str], monitor: bool, preload: list[str],
              script_dir: str | os.PathLike | None = None) -> Standby:
@@ -236,12 +309,14 @@ class Pool:
                            f"fresh one); its output:\n{tail}")
 
     def refill(self, kind: str, *, env: dict[str, str], monitor: bool, preload: list[str]) -> None:
-        """Start the next standby of ``kind`` unless one is waiting (called when a job has ended)."""
+        """Start the next standby of ``kind`` unless one is waiting or the idle timeout is 0 (called when a job has
+        ended)."""
+        idle = self._idle_s()
         with self._lock:
             s = self._standby.get(kind)
-            if s is not None and s.alive():
+            if idle == 0 or (s is not None and s.alive()):
                 return
-        new = self._start(kind, env=env, monitor=monitor, preload=preload)
+        new = self._start(kind, env=env, monitor=monitor, preload=preload, idle_s=idle)
         with self._lock:
             old, self._standby[kind] = self._standby.get(kind), new
         if old is not None:
@@ -273,7 +348,10 @@ class Pool:
         for s in standbys:
             s.discard()
 
-    def _start(self, kind: str, *, env: dict[str, str], monitor: bool, preload: list[str]) -> Standby:
+    def _idle_s(self) -> float:
+        return idle_timeout_s() if self.idle_timeout_s is None else self.idle_timeout_s
+
+    def _start(self, kind: str, *, env: dict[str, str], monitor: bool, preload: list[str], idle_s: float) -> Standby:
         server = MetricsServer() if monitor else None
         token = server.token if server is not None else secrets.token_hex(16)
         full = {**env, TOKEN_ENV: token}
@@ -282,10 +360,10 @@ class Pool:
         else:
             full.pop("AUTOPAR_METRICS", None)
         if self._dir is None:
-            self._dir = Path(tempfile.mkdtemp(prefix="autopar-pool-"))
+            self._dir = make_pool_folder()
         log = self._dir / f"{kind}-{token[:8]}.log"
         with open(log, "wb") as out:
-            proc = subprocess.Popen(standby_command(kind, preload, self.idle_timeout_s), env=full,
+            proc = subprocess.Popen(standby_command(kind, preload, idle_s), env=full,
                                     stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)  # see procs.py
         self.started += 1
