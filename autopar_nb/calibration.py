@@ -21,7 +21,11 @@ repeated calibrations converge instead of compounding errors):
   eager calibration makes the uniform correction above instead and leaves it alone.
 * ``margin_fraction``: only from CUDA runs (``mem_peak`` reported): the allocator margin that makes the predicted
   peak equal the measured one: ``(measured - (total - margin) - margin_fixed_bytes) / (total - margin)``, >= 0.
-  CPU runs report RSS, which includes the Python and torch runtime, so they leave memory factors alone.
+  CPU runs report RSS, which includes the Python and torch runtime, so ``from_run`` leaves memory factors alone.
+  The same rule (``margin_factors``) calibrates a CPU run that is re-planned for memory
+  (``autopar_nb.launch.replan``) from each rank's peak RSS above its baseline: what a rank held beyond the
+  predicted training state (torch's allocations on first use, allocator arenas, checkpoint staging) becomes the
+  margin, so the prediction for the worst rank equals what it held.
 
 Visible and resettable: ``show()``, ``load(preset)``, ``reset(preset)``; ``apply(cluster)`` returns the cluster with
 the stored factors in ``Cluster.calibration``.
@@ -157,15 +161,33 @@ def factors_from(measured: dict, *, current: dict[str, float], compiled: bool = 
     if measured.get("memory_kind") == "cuda_peak" and measured.get("predicted_memory_by_rank"):
         pred = measured["predicted_memory_by_rank"]
         breakdown = measured.get("predicted_breakdown_by_rank") or {}
-        worst = max(measured["memory_by_rank"], key=lambda k: measured["memory_by_rank"][k] / max(pred.get(k, 1), 1))
-        total = pred.get(worst)
-        margin = breakdown.get(worst, {}).get("margin", 0.0)
-        base = (total or 0.0) - margin
-        if base > 0 and "margin_fraction" in current:
-            fixed = current.get("margin_fixed_bytes", 0.0)
-            out["margin_fraction"] = max(0.0, (measured["memory_by_rank"][worst] - base - fixed) / base)
-            record.update(measured_peak_bytes=measured["memory_by_rank"][worst], predicted_peak_bytes=total)
+        bases = {k: (pred.get(k) or 0.0) - breakdown.get(k, {}).get("margin", 0.0) for k in measured["memory_by_rank"]}
+        try:
+            margin, rec = margin_factors(measured["memory_by_rank"], bases, current=current)
+        except ValueError:
+            margin, rec = {}, {}
+        out.update(margin)
+        if rec:
+            record.update(measured_peak_bytes=rec["measured_bytes"], predicted_peak_bytes=pred.get(rec["rank"]))
     return out, record
+
+
+def margin_factors(measured: dict[int, float], predicted: dict[int, float], *,
+                   current: dict[str, float]) -> tuple[dict[str, float], dict]:
+    """The allocator margin that makes the predicted peak equal the measured one, for the rank whose measured /
+    predicted ratio is worst: ``measured`` = rank -> peak bytes (CUDA's peak allocated; on CPU the peak RSS above
+    the rank's baseline, ``autopar_nb.launch.replan``), ``predicted`` = rank -> the plan's bytes for it before the
+    margin, ``current`` = the factors the prediction used (its ``margin_fixed_bytes`` is kept):
+    ``margin_fraction = max(0, (measured - predicted - margin_fixed_bytes) / predicted)``. Returns (factors,
+    record: the rank, its measured and predicted bytes)."""
+    pairs = {r: (m, predicted[r]) for r, m in measured.items() if m is not None and (predicted.get(r) or 0) > 0}
+    if not pairs or "margin_fraction" not in current:
+        raise ValueError("calibrating the memory margin needs a rank with a measured peak and a predicted one")
+    worst = max(pairs, key=lambda r: pairs[r][0] / pairs[r][1])
+    m, base = pairs[worst]
+    fraction = max(0.0, (m - base - current.get("margin_fixed_bytes", 0.0)) / base)
+    return {"margin_fraction": fraction}, {"rank": worst, "measured_bytes": m, "predicted_bytes": base,
+                                           "margin_fraction": fraction}
 
 
 def from_run(run: Any, *, cluster: Any = None, preset: str | None = None, save: bool = True) -> dict[str, float]:

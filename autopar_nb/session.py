@@ -7,6 +7,7 @@ operations as the widget as plain Python calls.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import html
 from dataclasses import dataclass, field
 from typing import Any
@@ -189,21 +190,55 @@ class Session:
 
         return export(self.source, self.plan_for(nproc), path, **kwargs)
 
-    def launch(self, nproc: int | None = None, steps: int = 50, *, warm: bool = True, **script_flags: Any):
+    def launch(self, nproc: int | None = None, steps: int = 50, *, warm: bool = True, replan: str = "ask",
+               **script_flags: Any):
         """Export the plan to a run directory and run that script on ``nproc`` local processes with torch's elastic
         launcher. Returns a Run at once (the kernel stays free): ``run.wait()``, ``run.stop()``, ``run.metrics``,
         ``run.logs(rank)``; displayed, it is a live dashboard. ``script_flags`` go to the script
         (``ckpt_dir="ckpt", ckpt_every=10`` -> ``--ckpt-dir ckpt --ckpt-every 10``). ``warm`` (default): through the
         warm pool, ranks forked with torch and the cell's imports loaded, running the same script (see
-        ``autopar_nb.launch.launch``); False: a fresh interpreter per rank, as torchrun starts them by default."""
+        ``autopar_nb.launch.launch``); False: a fresh interpreter per rank, as torchrun starts them by default.
+
+        ``replan`` (issue 14): when a rank runs out of memory or nears its limit (``run.events``), "ask" (default)
+        proposes a new plan (the dashboard's "Re-plan & resume", or ``run.replan()``), "auto" re-plans and resumes
+        at once, "off" only reports. Re-planning stops the run, calibrates the memory the ranks held beyond the
+        prediction, plans again with this session's pins kept (``ap.plan`` becomes the new plan; ``ap.undo()``
+        goes back) and resumes from the last checkpoint in ``ckpt_dir`` (from step 0 without one)."""
         from .export import export
         from .launch import launch
+        from .launch.replan import Replanner, check_mode
 
+        check_mode(replan)
         plan = self.plan_for(nproc)
         run_flags = {k: script_flags.pop(k) for k in ("max_restarts", "hang_timeout_s", "run_dir", "backend",
-                                                      "monitor", "env") if k in script_flags}
-        return launch(lambda path: export(self.source, plan, path, quiet=True), plan.mesh.world_size, steps,
-                      plan=plan, warm=warm, **run_flags, **script_flags)
+                                                      "monitor", "env", "memory_threshold") if k in script_flags}
+
+        def start(p: Plan, run_dir=None):
+            flags = {**run_flags, **({"run_dir": run_dir} if run_dir is not None else {})}
+            return launch(lambda path: export(self.source, p, path, quiet=True), p.mesh.world_size, steps,
+                          plan=p, warm=warm, **flags, **script_flags)
+
+        run = start(plan)
+        if replan != "off":
+            Replanner(replan, cluster=self.cluster, ckpt_dir=script_flags.get("ckpt_dir"), launch_fn=start,
+                      plan_fn=lambda calib, target, pins: self.replan_for_memory(calib, target, pins, nproc)
+                      ).attach(run)
+        return run
+
+    def replan_for_memory(self, calibration: dict[str, float], target_bytes: float | None, pins: dict[str, Any],
+                          nproc: int | None = None) -> Plan:
+        """Plan again after a run measured more memory than predicted (``autopar_nb.launch.replan``): the cluster
+        takes the ``calibration`` factors (kept for later plans), each rank is fitted under ``target_bytes`` (the
+        watch's threshold of the limit; the plan still records the limit itself), ``pins`` (what the checkpoint
+        imposes) join the user's. Returns the new plan at ``nproc`` processes; one undo() goes back."""
+        cluster = dataclasses.replace(self.cluster, calibration={**(self.cluster.calibration or {}), **calibration})
+        planning = dataclasses.replace(cluster, rank_memory=target_bytes) if target_bytes else cluster
+        self.replan(fix={**self.fix, **pins}, cluster=planning)
+        self.cluster = cluster  # the user's limit, not the planning target
+        info = {k: v for k, v in self.plan.cluster.items() if k != "memory_limit_bytes"}
+        self.plan.cluster = info | ({"memory_limit_bytes": int(cluster.rank_memory)} if cluster.rank_memory else {})
+        self._notify()
+        return self.plan_for(nproc)
 
     def attach(self, path: str = "train.py", *, host: str | None = None, port: int = 0, advertise: str | None = None,
                nproc: int | None = None, steps: int = 100, lost_after_s: float | None = None,

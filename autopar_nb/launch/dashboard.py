@@ -62,6 +62,11 @@ class Dashboard(anywidget.AnyWidget):
     """{"n", "ranks", "x": float32 bytes [n], "loss", "throughput", "step_time", "data_wait": [ranks x n]}"""
     summary = traitlets.Dict().tag(sync=True)
     """at the end: measured vs predicted, the data-wait verdict, and what was calibrated"""
+    events = traitlets.List().tag(sync=True)
+    """the events of this run and of the runs before it (re-plans), in time order: {"t": seconds since the first
+    launch, "kind", "rank", "reason", "leg": 0 for the first run, 1 after one re-plan, ...}"""
+    replan = traitlets.Dict().tag(sync=True)
+    """{"mode": "ask"|"auto"|"off"|None, "pending": a proposal waits for Re-plan & resume or Stop, "text", "busy"}"""
 
     def __init__(self, run, **kwargs):
         super().__init__(**kwargs)
@@ -83,14 +88,34 @@ class Dashboard(anywidget.AnyWidget):
         if event == "stop":
             # stopping takes a few seconds: do not hold the kernel's message loop meanwhile
             threading.Thread(target=self._run.stop, args=("Stop button",), daemon=True).start()
+        elif event == "replan":
+            threading.Thread(target=self._replan_quietly, daemon=True).start()
         elif event == "calibrate":
             try:
                 self._run.calibrate()
             except (ValueError, RuntimeError) as e:
                 self.summary = {**self.summary, "calibration": {"done": False, "text": f"not calibrated: {e}"}}
 
+    def _replan_quietly(self) -> None:
+        try:
+            self._run.replan()
+        except Exception as e:  # shown, not raised into the kernel's message loop
+            self.replan = {**self.replan, "pending": False, "busy": False, "text": f"re-planning failed: {e}"}
+
+    def follow(self, run) -> None:
+        """Show ``run`` from now on: the run that continues this one after a re-plan (the events so far stay)."""
+        with self._refresh_lock:
+            self._run = run
+            self._sent = {"timeline": -1, "steps": -1}
+            self._info_key = None
+        run._dashboard = self
+        run.add_listener(self.refresh)
+        self.refresh(run)
+
     def refresh(self, run=None) -> None:
         """Copy the run's current figures into the traits (called from the monitor thread)."""
+        if run is not None and run is not self._run:  # a run this dashboard no longer follows (re-planned)
+            return
         run = run or self._run
         t0 = time.thread_time()
         with self._refresh_lock:  # the monitor thread and the constructor may both refresh
@@ -122,6 +147,7 @@ class Dashboard(anywidget.AnyWidget):
                     self.steps = steps
                 if summary is not None:
                     self.summary = summary
+                self.events, self.replan = events_of(run), replan_state(run)
         self.refreshes += 1
         self.refresh_cpu_s += time.thread_time() - t0
 
@@ -207,6 +233,37 @@ class Dashboard(anywidget.AnyWidget):
                "predicted_memory_by_rank": {str(k): v for k, v in pred.items()}, "data": s.get("data")}
         out["calibration"] = _calibration_text(run, c)
         return out
+
+
+def events_of(run) -> list[dict]:
+    """Every event of ``run`` and of the runs it continues, in time order, timed from the first launch."""
+    first = _first(run)
+    out = []
+    for leg, r in enumerate(first.legs()):
+        offset = r.started - first.started
+        with r._lock:
+            events = list(r.events)
+        out += [{"t": (e.get("t") or 0.0) + offset, "kind": e["kind"], "rank": e.get("rank"),
+                 "reason": e.get("reason", ""), "leg": leg} for e in events]
+    return sorted(out, key=lambda e: e["t"])
+
+
+def _first(run):
+    while run.continues is not None:
+        run = run.continues
+    return run
+
+
+def replan_state(run) -> dict:
+    """What the dashboard says about re-planning: a proposal waiting for an answer ("ask"), or one under way."""
+    r = run.replanning
+    p = run.replan_proposal or {}
+    busy = r is not None and r.busy(run)
+    pending = (r is not None and r.mode == "ask" and bool(p) and not p.get("given_up") and not busy
+               and run.continued_by is None)
+    return {"mode": r.mode if r is not None else None, "pending": pending, "busy": busy,
+            "text": "re-planning: stopping the run, planning for less memory, resuming from the last checkpoint"
+                    if busy else p.get("text", "")}
 
 
 def _calibration_text(run, c: dict) -> dict:

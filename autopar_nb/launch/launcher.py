@@ -190,7 +190,8 @@ def check_cuda(nproc: int, backend: str, env: dict[str, str] | None = None) -> N
 def launch(script: str | os.PathLike | Callable[[Path], Any], nproc: int | None = None, steps: int | None = 50, *,
            plan: Any = None, max_restarts: int = 0, hang_timeout_s: float | None = 600.0,
            run_dir: str | os.PathLike | None = None, backend: str | None = None, monitor: bool = True,
-           env: dict[str, str] | None = None, warm: bool = True, **script_flags: Any) -> Run:
+           env: dict[str, str] | None = None, warm: bool = True, memory_threshold: float = 0.92,
+           **script_flags: Any) -> Run:
     """Start ``script`` on ``nproc`` local processes with torch's elastic launcher and return a :class:`Run` at once.
 
     Args:
@@ -214,6 +215,8 @@ def launch(script: str | os.PathLike | Callable[[Path], Any], nproc: int | None 
             with the same ``sys.argv``, environment, working directory and ``sys.path[0]``). The first warm launch
             of a kernel starts the pool; when a run ends the next standby starts. False: a fresh agent and
             ``python -u script.py`` per rank, as torchrun does by default.
+        memory_threshold: the share of a rank's memory limit above which its memory is an event
+            (``memory_high``, ``run.events``; re-planning acts on it, see ``replan.py``).
         **script_flags: more flags for the script: ``ckpt_dir="/tmp/ck"`` becomes ``--ckpt-dir /tmp/ck``.
 
     Raises:
@@ -230,15 +233,17 @@ def launch(script: str | os.PathLike | Callable[[Path], Any], nproc: int | None 
             raise LaunchError(f"a run is still {r.status} ({r.run_id[:8]}, {r.nproc} processes, started "
                               f"{time.time() - r.started:.0f} s ago): call run.stop() or run.wait() on it first "
                               f"(autopar_nb.launch.live_runs() lists it)")
+        if not 0 < memory_threshold <= 1:
+            raise LaunchError(f"memory_threshold must be in (0, 1], got {memory_threshold}")
         return _start(script, nproc, steps, plan=plan, max_restarts=max_restarts, hang_timeout_s=hang_timeout_s,
                       run_dir=run_dir, backend=backend, monitor=monitor, env=env, warm=warm,
-                      script_flags=script_flags)
+                      memory_threshold=memory_threshold, script_flags=script_flags)
     finally:
         _launch_lock.release()
 
 
 def _start(script, nproc, steps, *, plan, max_restarts, hang_timeout_s, run_dir, backend, monitor, env, warm,
-           script_flags) -> Run:
+           script_flags, memory_threshold: float = 0.92) -> Run:
     """launch()'s work, under ``_launch_lock``: export, start the agent, register and monitor the run."""
     seen = {**os.environ, **(env or {})}  # what the workers will see
     gpus = _gpu_count(seen)
@@ -329,6 +334,7 @@ def _start(script, nproc, steps, *, plan, max_restarts, hang_timeout_s, run_dir,
               backend=backend, max_restarts=max_restarts, hang_timeout_s=hang_timeout_s, plan=plan, command=command)
     run.warm = warm
     run.worker_env = worker_env
+    run.memory_threshold = memory_threshold
     run._proc = proc
     if warm:
         # when the run is over the next standby warms up (not before: its imports would compete with the run)

@@ -29,6 +29,19 @@ BATCH_S = 0.05
 every few milliseconds would otherwise wake it, and preempt a worker, hundreds of times a second"""
 
 
+def peak_rss(pid: int) -> float | None:
+    """The process's peak resident set size so far (Linux: ``VmHWM`` in ``/proc/PID/status``), bytes; None
+    elsewhere. Between two samples a step's activations may come and go: the peak does not miss them."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class DeviceSampler:
     """Samples GPUs through NVML when ``use_gpu`` and NVML works, else each worker process through psutil.
 
@@ -64,8 +77,8 @@ class DeviceSampler:
                                              else local_rank)
 
     def sample(self, workers: dict[int, psutil.Process]) -> dict[int, dict]:
-        """rank -> {"cpu_percent", "rss"} for every live worker, plus GPU fields ("gpu_util", "gpu_mem_used",
-        "gpu_mem_total", "power_w", "temperature_c", and "gpu_proc_mem" — what the worker's own process holds on
+        """rank -> {"cpu_percent", "rss", "rss_peak" (Linux VmHWM)} for every live worker, plus GPU fields
+        ("gpu_util", "gpu_mem_used", "gpu_mem_total", "power_w", "temperature_c", and "gpu_proc_mem" — what the worker's own process holds on
         its GPU, when NVML reports it under the worker's PID) when NVML is on. Each GPU figure is read on its own:
         one NVML cannot give (a MIG instance has no utilisation or power of its own) leaves only that one out."""
         out: dict[int, dict] = {}
@@ -79,7 +92,8 @@ class DeviceSampler:
                     cpu = cached.cpu_percent(None)  # the first call only starts psutil's interval
                     if fresh:
                         cpu = cpu_since_start(cached)
-                    out[rank] = {"cpu_percent": cpu, "rss": cached.memory_info().rss, "time": time.time()}
+                    out[rank] = {"cpu_percent": cpu, "rss": cached.memory_info().rss, "time": time.time(),
+                                 "rss_peak": peak_rss(proc.pid)}
             except psutil.Error:
                 continue
         if self.nvml is not None:

@@ -43,6 +43,8 @@ SAMPLE_FIELDS = {
     "utilization_pct": "NVML's SM utilisation on GPUs, else the process's CPU % (100 = one core)",
     "rss_bytes": "the process's resident set size (psutil, else what its last step reported)",
     "rss_baseline_bytes": "its RSS before the model was built (the exported script's RSS_BEFORE_MODEL)",
+    "rss_peak_bytes": "the process's peak RSS so far (Linux VmHWM): memory limits are held against it, above the "
+                      "baseline, so a peak between two samples counts",
     "cuda_allocated_bytes": "torch.cuda.memory_allocated() at the rank's last step",
     "cuda_reserved_bytes": "torch.cuda.memory_reserved() at the rank's last step",
     "cuda_peak_bytes": "torch.cuda.max_memory_allocated() at the rank's last step",
@@ -145,6 +147,16 @@ class Run:
         self.events: list[dict] = []
         """what the watch found (see watch.py): {"t", "kind", "rank", "reason", ...} in the order found"""
         self._watch: watch.Watch | None = None
+        self.memory_threshold = 0.92
+        """share of a rank's memory limit above which its memory is a ``memory_high`` event"""
+        self.replanning = None
+        """the ``replan.Replanner`` of a launch with ``replan="ask"|"auto"`` (None: "off", or a plain launch)"""
+        self.replan_proposal: dict | None = None
+        """set when an event calls for re-planning: {"trigger": the event, "cause", "text", "given_up"}"""
+        self.continued_by: Run | None = None
+        """the run that resumed this one under a new plan (``replan()``)"""
+        self.continues: Run | None = None
+        """the run this one resumed from"""
 
     # ---- public API ---------------------------------------------------------------------------------------------
     @property
@@ -230,17 +242,40 @@ class Run:
             return [dict(r) for r in self._rows[index:]]
 
     def wait(self, timeout: float | None = None) -> str:
-        """Block until the run ends (or ``timeout`` seconds pass) and return the status. Interrupting it
-        (KeyboardInterrupt, the notebook's stop button) stops the run, then re-raises."""
+        """Block until the run ends (or ``timeout`` seconds pass) and return the status; after a re-plan, until the
+        run that continues it ends, and its status. Interrupting it (KeyboardInterrupt, the notebook's stop button)
+        stops the run, then re-raises."""
         try:
             deadline = None if timeout is None else time.monotonic() + timeout
             while not self._done.wait(0.1):
                 if deadline is not None and time.monotonic() >= deadline:
                     break
+            if self._done.is_set() and self.replanning is not None:  # a re-plan continues it: follow
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if self.replanning.wait_for(self, left) and self.continued_by is not None:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    return self.continued_by.wait(left)
         except KeyboardInterrupt:
             self.stop("interrupted (KeyboardInterrupt in wait())")
             raise
         return self._status
+
+    def replan(self):
+        """Stop this run (if it still runs), calibrate with the memory it measured, re-plan with the user's pins kept
+        and resume from the last complete checkpoint under the new plan; returns the run that continues (see
+        :mod:`autopar_nb.launch.replan`), or None when no plan uses less memory (``events`` says why)."""
+        if self.replanning is None:
+            raise ValueError("this run cannot re-plan: launch it from a session (ap.launch(..., replan='ask' or "
+                             "'auto')), which knows the model and its pins")
+        return self.replanning.replan(self)
+
+    def legs(self) -> list[Run]:
+        """This run and the runs that continued it after re-plans, in order."""
+        out, r = [self], self.continued_by
+        while r is not None:
+            out.append(r)
+            r = r.continued_by
+        return out
 
     def stop(self, reason: str = "stopped by the user") -> str:
         """End every worker (within about 4 s) and return the final status."""
@@ -488,7 +523,8 @@ class Run:
         if self._watch is None:
             c = self.comparison()
             self._watch = watch.Watch(watch.settings_for(c, memory_limit_bytes=c["memory_limit_bytes"],
-                                                         enforce_limit=c["enforce_limit"]))
+                                                         enforce_limit=c["enforce_limit"],
+                                                         memory_threshold=self.memory_threshold))
         errors = {r: st.error for r, st in self._ranks.items() if st.error}
         new = self._watch.update(self._timeline.samples(), errors=errors)
         self.events += new
@@ -512,6 +548,7 @@ class Run:
     def _sample_of(self, st: RankState) -> dict:
         s, last = st.sample, st.last
         d = {"state": st.state(self._status), "rss_bytes": s.get("rss"), "rss_baseline_bytes": st.baseline,
+             "rss_peak_bytes": s.get("rss_peak"),
              "cuda_allocated_bytes": last.get("mem_allocated"), "cuda_reserved_bytes": last.get("mem_reserved"),
              "cuda_peak_bytes": last.get("mem_peak"), "nvml_used_bytes": s.get("gpu_mem_used"),
              "nvml_process_bytes": s.get("gpu_proc_mem"),

@@ -65,10 +65,15 @@ def settings_for(comparison: dict, *, memory_limit_bytes: float | None = None, *
 
 
 def held(sample: dict) -> float | None:
-    """The memory a sample holds against a limit: None for a CPU rank whose baseline (its RSS before building its
-    model) is not known yet, whose ``memory_bytes`` is then its raw RSS, the Python and torch runtime included."""
-    if sample.get("source") in ("psutil", "stream") and not sample.get("rss_baseline_bytes"):
-        return None
+    """The memory a sample holds against a limit: on CPU the peak RSS so far above the baseline (its RSS before
+    building its model) where the peak is known, else ``memory_bytes``; None for a CPU rank whose baseline is not
+    known yet, whose ``memory_bytes`` is then its raw RSS, the Python and torch runtime included."""
+    if sample.get("source") in ("psutil", "stream"):
+        base = sample.get("rss_baseline_bytes")
+        if not base:
+            return None
+        if sample.get("rss_peak_bytes"):
+            return max(float(sample.get("memory_bytes") or 0.0), sample["rss_peak_bytes"] - base)
     return sample.get("memory_bytes")
 
 
@@ -98,7 +103,7 @@ def oom_events(samples: list[dict], errors: dict[int, dict], s: WatchSettings) -
     for rank, err in sorted(errors.items()):
         text = f"{err.get('error', '')}\n{err.get('traceback', '')}"
         last = next((r for r in reversed(rows.get(rank, [])) if held(r) is not None), {})
-        mem, t = last.get("memory_bytes"), err.get("t", last.get("t"))
+        mem, t = held(last) if last else None, err.get("t", last.get("t"))
         if OOM_TEXT.search(text):
             out.append({"t": t, "kind": "oom", "rank": rank, "memory_bytes": mem, "step": last.get("step"),
                         "reason": f"rank {rank} ran out of memory: {err.get('error', '').strip()[:200]}"})
@@ -117,9 +122,9 @@ def memory_events(samples: list[dict], s: WatchSettings) -> list[dict]:
         hit = next((r for r in rows if (limit := limit_of(r, s)) and
                     (held(r) or 0) >= s.memory_threshold * limit), None)
         if hit is not None:
-            limit = limit_of(hit, s)
-            share, where = hit["memory_bytes"] / limit, step_text(hit)
-            out.append({"t": hit["t"], "kind": "memory_high", "rank": rank, "memory_bytes": hit["memory_bytes"],
+            limit, mem = limit_of(hit, s), held(hit)
+            share, where = mem / limit, step_text(hit)
+            out.append({"t": hit["t"], "kind": "memory_high", "rank": rank, "memory_bytes": mem,
                         "limit_bytes": limit, "share": share, "step": hit.get("step"),
                         "reason": f"rank {rank} reached {share:.0%} of {gib(limit)}{where} "
                                   f"(threshold {s.memory_threshold:.0%})"})
@@ -135,7 +140,7 @@ def over_limit_events(samples: list[dict], s: WatchSettings) -> list[dict]:
     for rank, rows in sorted(by_rank(samples).items()):
         hit = next((r for r in rows if (held(r) or 0) > s.memory_limit_bytes), None)
         if hit is not None:
-            mem, limit = hit["memory_bytes"], s.memory_limit_bytes
+            mem, limit = held(hit), s.memory_limit_bytes
             out.append({"t": hit["t"], "kind": "oom", "rank": rank, "memory_bytes": mem, "limit_bytes": limit,
                         "share": mem / limit, "step": hit.get("step"), "killed": True,
                         "reason": f"rank {rank} exceeded its memory limit: {gib(mem)} above its baseline, "

@@ -143,13 +143,15 @@ function render({ model, el }) {
   stop.addEventListener("click", () => { stop.disabled = true; stop.textContent = "Stopping…"; model.send({ event: "stop" }); });
   const head = h("div", { class: "apd-head" }, h("span", { class: "apd-title" }, "Run"), pill, status, stop);
   const notes = h("div", { class: "apd-notes" });
+  const replan = h("div", { class: "apd-replan" });
+  const events = h("div", { class: "apd-events" });
   const error = h("div", { class: "apd-error" });
   const tableWrap = h("div", { class: "apd-table-wrap" });
   const charts = h("div", { class: "apd-charts" });
   const summary = h("div", { class: "apd-summary" });
   const logs = h("pre", { class: "apd-pre apd-log-text" });
   const logBox = h("details", { class: "apd-logs" }, h("summary", {}, "last log lines per rank"), logs);
-  root.append(head, notes, error, tableWrap, charts, summary, logBox);
+  root.append(head, notes, replan, events, error, tableWrap, charts, summary, logBox);
 
   let built = null;  // {ranks, mem, util, loss, rate, time}
   const card = (key, title) => {
@@ -319,6 +321,34 @@ function render({ model, el }) {
     summary.replaceChildren(...parts);
   }
 
+  // re-planning (issue 14): a proposal with its two answers, or the re-plan under way
+  function drawReplan() {
+    const r = model.get("replan") || {};
+    if (!r.text) { replan.replaceChildren(); return; }
+    const go = h("button", { class: "apd-btn apd-replan-go", title: "run.replan(): stop, re-plan for less memory, resume from the last checkpoint" }, "Re-plan & resume");
+    go.addEventListener("click", () => { go.disabled = true; go.textContent = "Re-planning…"; model.send({ event: "replan" }); });
+    const no = h("button", { class: "apd-btn apd-replan-stop", title: "run.stop()" }, "Stop");
+    no.addEventListener("click", () => { no.disabled = true; model.send({ event: "stop" }); });
+    replan.replaceChildren(h("span", {}, r.text), ...(r.pending ? [" ", go, " ", no] : []));
+  }
+
+  // the event timeline: launch, restarts, watch events, re-plans with their reason, resume, the end
+  const KIND_CLASS = { oom: "bad", memory_high: "warn", straggler: "warn", prediction_error: "warn", replan: "act",
+                       resume: "act", restart: "warn", launch: "ok", finish: "ok", fail: "bad", stop: "bad", hang: "bad" };
+  function drawEvents() {
+    const evs = model.get("events") || [];
+    if (!evs.length) { events.replaceChildren(); return; }
+    const end = Math.max(1, ...evs.map((e) => e.t));
+    const strip = h("div", { class: "apd-ev-strip" }, evs.map((e) => h("span", {
+      class: `apd-ev-dot apd-ev-${KIND_CLASS[e.kind] || "warn"}`, "data-kind": e.kind,
+      style: `left:${((100 * e.t) / end).toFixed(2)}%`, title: `${e.t.toFixed(1)} s · ${e.kind}: ${e.reason}` })));
+    const list = h("ol", { class: "apd-ev-list" }, evs.map((e) => h("li", { "data-kind": e.kind },
+      h("span", { class: "apd-ev-t" }, `${e.t.toFixed(1)} s`), " ",
+      h("span", { class: `apd-ev-kind apd-ev-${KIND_CLASS[e.kind] || "warn"}` }, e.kind.replace("_", " ")),
+      e.reason ? ` ${e.reason}` : "")));
+    events.replaceChildren(h("div", { class: "apd-card-title" }, h("span", {}, "Events")), strip, list);
+  }
+
   function drawStatus() {
     const st = model.get("status");
     const msg = model.get("message") || "";
@@ -338,6 +368,8 @@ function render({ model, el }) {
       if (what.status) { drawStatus(); drawError(); }
       if (what.table) drawTable();
       if (what.summary) drawSummary();
+      if (what.replan) drawReplan();
+      if (what.events) drawEvents();
     } finally {
       const ms = performance.now() - t0;
       timings.push(ms);
@@ -358,10 +390,12 @@ function render({ model, el }) {
   model.on("change:ranks", () => schedule("table"));
   for (const k of ["status", "message", "error", "hang"]) model.on(`change:${k}`, () => schedule("status"));
   model.on("change:summary", () => schedule("summary"));
+  model.on("change:replan", () => schedule("replan"));
+  model.on("change:events", () => schedule("events"));
 
   const ro = new ResizeObserver(() => { if (built) for (const c of built.charts) c.resize(); });
   ro.observe(charts);
-  update({ info: true, status: true, table: true, summary: true, charts: true });
+  update({ info: true, status: true, table: true, summary: true, charts: true, replan: true, events: true });
   return () => { ro.disconnect(); if (built) for (const c of built.charts) c.u.destroy(); };
 }
 

@@ -1,0 +1,133 @@
+"""launch/replan.py (issue 14, points 2 and 5): the decision and the words, and a real CPU run over its memory limit
+that re-plans, resumes from its checkpoint under the new plan and matches the single-process losses."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from autopar_nb import calibration
+from autopar_nb.capture import capture
+from autopar_nb.hardware import Cluster
+from autopar_nb.launch.replan import (cause_text, check_mode, checkpoint_pins, diff_text, layers_text,
+                                      measured_peaks, trigger_of)
+from autopar_nb.plan import Change
+from autopar_nb.session import Session
+from autopar_nb.source import ModelSource
+
+MIB = 2**20
+
+
+def test_modes_and_the_trigger():
+    assert [check_mode(m) for m in ("ask", "auto", "off")] == ["ask", "auto", "off"]
+    with pytest.raises(ValueError, match="choose 'ask'"):
+        check_mode("sometimes")
+    high = {"kind": "memory_high", "rank": 1, "t": 3.0}
+    oom = {"kind": "oom", "rank": 0, "t": 4.0}
+    assert trigger_of([{"kind": "straggler"}, high, oom]) is oom  # an out-of-memory first
+    assert trigger_of([{"kind": "prediction_error"}, high]) is high
+    assert trigger_of([{"kind": "straggler"}]) is None
+
+
+def test_cause_and_diff_in_words():
+    high = {"kind": "memory_high", "rank": 1, "step": 12, "limit_bytes": 3 * 2**30, "share": 0.94}
+    assert cause_text(high) == "rank 1 reached 94% of 3.00 GiB at step 12"
+    killed = {"kind": "oom", "rank": 0, "step": 3, "limit_bytes": 2**30, "share": 1.05, "killed": True}
+    assert cause_text(killed) == "rank 0 exceeded its 1.00 GiB limit (105%) at step 3 and was stopped"
+    assert cause_text({"kind": "oom", "rank": 2}) == "rank 2 ran out of memory"
+    changes = [Change("mesh.zero_stage", 2, 3), Change("cluster.memory_limit_bytes", 1, 2),
+               Change("layers[h.2].recompute", "none", "selective"),
+               Change("layers[h.3].recompute", "none", "selective"), Change("layers[h.3].pinned", [], ["x"]),
+               Change("batch.micro_batches", 1, 4), Change("layers[lm_head].fsdp", False, True)]
+    assert diff_text(changes) == ("ZeRO 2 → 3, micro-batches 1 → 4, recompute none → selective on h.2–3, "
+                                  "FSDP off → on on lm_head")
+    assert diff_text([Change("cluster.preset", "a", "b")]) == "no change"
+    assert layers_text(["h.0", "h.1", "h.2", "h.5", "head", "blocks.7"]) == "h.0–2, h.5, blocks.7, head"
+
+
+def test_measured_peaks_use_the_peak_rss_above_the_baseline():
+    rows = [{"rank": 0, "source": "psutil", "memory_bytes": 2e9, "rss_baseline_bytes": None},  # no baseline yet
+            {"rank": 0, "source": "psutil", "memory_bytes": 50 * MIB, "rss_baseline_bytes": 300 * MIB,
+             "rss_peak_bytes": 420 * MIB},  # a peak between two samples: 120 MiB above the baseline
+            {"rank": 1, "source": "psutil", "memory_bytes": 80 * MIB, "rss_baseline_bytes": 300 * MIB}]
+    assert measured_peaks(rows) == {0: 120 * MIB, 1: 80 * MIB}
+
+
+def test_a_zero1_checkpoint_pins_its_layout():
+    plan = SimpleNamespace(mesh=SimpleNamespace(zero_stage=1, dp=2))
+    assert checkpoint_pins(plan, "/ck/step_4") == {"zero_stage": 1, "dp": 2}
+    assert checkpoint_pins(plan, None) == {}
+    assert checkpoint_pins(SimpleNamespace(mesh=SimpleNamespace(zero_stage=3, dp=2)), "/ck/step_4") == {}
+
+
+def test_margin_from_what_the_ranks_held():
+    """The rule CUDA runs calibrate by, on the worst rank by measured / predicted."""
+    factors, rec = calibration.margin_factors({0: 150.0, 1: 240.0}, {0: 100.0, 1: 120.0},
+                                              current={"margin_fraction": 0.05, "margin_fixed_bytes": 0.0})
+    assert factors == {"margin_fraction": pytest.approx(1.0)} and rec["rank"] == 1
+    with pytest.raises(ValueError, match="needs a rank with a measured peak"):
+        calibration.margin_factors({0: 1.0}, {}, current={"margin_fraction": 0.05})
+
+
+# ---- a real run over its limit ---------------------------------------------------------------------------------
+# activations dominate (2048 x 4096 floats per GELU): more micro-batches cut them, and a CPU rank's peak RSS above
+# its baseline is about twice the predicted training state (torch's first-use allocations, checkpoint staging)
+CELL = """\
+import torch, torch.nn as nn
+model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 4096), nn.GELU(), nn.Linear(4096, 16)) for _ in range(4)])
+example_inputs = (torch.randn(2048, 16),)
+"""
+STEPS = 6
+THRESHOLD = 0.6
+"""memory_high at 60 % of the limit, the kill at 100 %: the run goes on to its next checkpoint, then re-plans"""
+
+
+def session_with_limit() -> tuple[Session, float]:
+    """The planner's choice with the host's RAM, then a limit 1.6x its predicted peak: room enough for the planner
+    to keep that plan, not for what the ranks really hold."""
+    src = ModelSource(CELL)
+    model, inputs, _ = src.build(device="meta")
+    graph = capture(model, inputs)
+    free = Session(graph, Cluster.preset("cpu", gpus_per_node=2), src).replan()
+    limit = 1.6 * free.cost.peak_memory_bytes
+    ap = Session(graph, Cluster.preset("cpu", gpus_per_node=2, memory_gb=limit / 2**30), src)
+    assert [c for c in free.diff(ap.replan()) if not c.path.startswith("cluster.")] == []
+    return ap, limit
+
+
+@pytest.mark.multiprocess
+def test_a_run_over_its_cpu_limit_replans_and_resumes_from_its_checkpoint(tmp_path):
+    from autopar_nb.verify import FP32_RTOL, reference
+
+    ap, limit = session_with_limit()
+    first = ap.plan
+    run = ap.launch(2, STEPS, replan="auto", memory_threshold=THRESHOLD, ckpt_dir=str(tmp_path / "ckpt"),
+                    ckpt_every=1, run_dir=str(tmp_path / "run"), hang_timeout_s=300)
+    assert run.wait(timeout=600) == "finished", [(leg.status, leg.message, leg.events) for leg in run.legs()]
+    legs = run.legs()
+    assert len(legs) >= 2 and legs[0].status == "stopped" and legs[-1].status == "finished"
+    for leg, nxt in zip(legs, legs[1:]):
+        (ev,) = [e for e in leg.events if e["kind"] == "replan"]
+        print(ev["reason"])
+        assert ev["checkpoint"], ev  # near the limit: it went on to its next checkpoint and stopped there
+        resumed_at = int(ev["checkpoint"].rsplit("_", 1)[1])
+        assert min(s for s, _ in nxt.loss_curve()) == resumed_at  # no step lost, none redone
+        assert max(s for s, _ in leg.loss_curve()) == resumed_at - 1
+        assert "because rank" in ev["reason"] and f"of {limit / 2**30:.2f} GiB" in ev["reason"]
+        assert "micro-batches" in ev["diff_text"] and ev["calibration"]["margin_fraction"] > 0
+        assert nxt.plan.batch.micro_batches > leg.plan.batch.micro_batches  # a smaller micro-batch: less memory
+        (resume,) = [e for e in nxt.events if e["kind"] == "resume"]
+        assert resume["step"] == resumed_at and resume["seconds_from_trigger"] > 0
+    assert not [e for e in legs[-1].events if e["kind"] in ("memory_high", "oom", "replan")]
+    assert ap.plan.batch.micro_batches == legs[-1].plan.batch.micro_batches  # the session follows
+    assert ap.plan.cluster["memory_limit_bytes"] == int(limit)
+    ap.undo()
+    assert ap.plan.batch.micro_batches < legs[-1].plan.batch.micro_batches
+    losses = {}
+    for leg in legs:
+        losses.update(leg.loss_curve())
+    assert sorted(losses) == list(range(STEPS))
+    expected = reference(ap.source, first, steps=STEPS)["losses"]
+    assert [losses[s] for s in range(STEPS)] == pytest.approx(expected, rel=FP32_RTOL, abs=0)
