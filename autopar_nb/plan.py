@@ -10,7 +10,7 @@ JSON schema (``SCHEMA_VERSION`` = 1)::
       "model":     {"name": str, "num_params": int},
       "cluster":   {"preset": str, "nodes": int, "gpus_per_node": int,
                     "memory_limit_bytes": int},   # only when the user set a per-rank limit (memory_gb, --memory)
-      "mesh":      {"dp": int, "tp": int, "pp": int, "zero_stage": 0..3, "ep": int},
+      "mesh":      {"dp": int, "tp": int, "pp": int, "zero_stage": 0..3, "ep": int, "cp": int},
       "batch":     {"global_batch": int, "micro_batches": int, "seq_len": int | null},
       "pipeline":  {"schedule": str, "virtual_stages": int},
       "precision": {"amp": "none"|"bf16"|"fp16", "param_dtype": str, "reduce_dtype": str,
@@ -205,9 +205,14 @@ class MeshPlan:
     """expert-parallel degree: the experts of every ``Plan.experts`` module split over ``ep`` consecutive
     data-parallel ranks, tokens routed to them by all-to-all. Borrowed from dp as torchtitan does (no ranks of its
     own: ep divides dp); each expert is then held by dp / ep ranks, which average its gradients"""
+    cp: int = 1
+    """context-parallel degree: every sample's sequence split over ``cp`` ranks of a replica, attention computed by
+    torch's ring attention (``context_parallel``; K/V passed round the cp ranks in every attention layer). Ranks of
+    its own (world = pp * dp * cp * tp), between dp and tp; parameters are replicated over them and gradients
+    averaged over dp * cp, as over data-parallel ranks"""
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "ep"):
+        for name in ("dp", "tp", "pp", "ep", "cp"):
             _check_int(f"mesh.{name}", getattr(self, name), minimum=1)
         _check_choice("mesh.zero_stage", self.zero_stage, ZERO_STAGES)
         if self.dp % self.ep:
@@ -216,7 +221,12 @@ class MeshPlan:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
+
+    def factors(self) -> str:
+        """The world's factors as text: ``dp(2) * tp(2) * pp(1)``, with ``cp(2)`` when there is context
+        parallelism."""
+        return f"dp({self.dp}) * tp({self.tp}) * pp({self.pp})" + (f" * cp({self.cp})" if self.cp > 1 else "")
 
 
 @dataclass
@@ -519,8 +529,8 @@ class Plan:
         _check_list("alternatives", self.alternatives, Plan)
         gpus = self.cluster.get("nodes", 0) * self.cluster.get("gpus_per_node", 0)
         if gpus and self.mesh.world_size != gpus:
-            m = self.mesh
-            raise PlanError(f"dp({m.dp}) * tp({m.tp}) * pp({m.pp}) = {m.world_size} != world_size({gpus})")
+            raise PlanError(f"{self.mesh.factors()} = {self.mesh.world_size} != world_size({gpus})")
+        self._check_cp()
         stages = self.mesh.pp * self.pipeline.virtual_stages
         for lp in self.layers:
             if lp.stage >= stages:
@@ -531,6 +541,24 @@ class Plan:
             raise PlanError(f"layers {', '.join(compiled[:3])}{', ...' if len(compiled) > 3 else ''} are compiled, but "
                             f"mesh.pp={self.mesh.pp}: compile applies to whole blocks with pp=1 only (a pipeline stage "
                             "is a traced graph); set their compile to false or pp to 1")
+
+    def _check_cp(self) -> None:
+        """``mesh.cp`` > 1: a sequence model whose sequence splits into 2 * cp equal chunks (torch's head-tail load
+        balancing of causal attention), without pipelining, experts or a fused loss head."""
+        m, seq = self.mesh, self.batch.seq_len
+        if m.cp == 1:
+            return
+        if seq is None:
+            raise PlanError(f"mesh.cp={m.cp} needs a sequence model: batch.seq_len is null (context parallelism "
+                            "splits every sample's sequence); set mesh.cp to 1")
+        if seq % (2 * m.cp):
+            raise PlanError(f"mesh.cp={m.cp} needs batch.seq_len divisible by 2 * cp = {2 * m.cp} (torch's "
+                            f"load balancing cuts each sequence into 2 * cp chunks), got seq_len {seq}")
+        why = ("mesh.pp > 1 (pipeline stages are traced graphs, where torch's context_parallel cannot replace the "
+               "attention)" if m.pp > 1 else "mesh.ep > 1" if m.ep > 1 else
+               "fused_loss (the fused head computes the unsplit sequence's loss)" if self.fused_loss else "")
+        if why:
+            raise PlanError(f"mesh.cp={m.cp} with {why} is not supported; set mesh.cp to 1")
 
     def _check_fused_loss(self) -> None:
         """``fused_loss``: a module path or ""; the fused head runs whole, on the one pipeline stage."""
@@ -681,7 +709,8 @@ class Plan:
     def summary(self) -> str:
         """One line: mesh, ZeRO, schedule, precision, and predicted cost when known."""
         m = self.mesh
-        s = f"dp={m.dp} tp={m.tp} pp={m.pp} zero={m.zero_stage}" + (f" ep={m.ep}" if m.ep > 1 else "")
+        s = (f"dp={m.dp} tp={m.tp} pp={m.pp}" + (f" cp={m.cp}" if m.cp > 1 else "") + f" zero={m.zero_stage}"
+             + (f" ep={m.ep}" if m.ep > 1 else ""))
         if m.pp > 1:
             s += f" {self.pipeline.schedule}x{self.batch.micro_batches}"
         rec = sorted({lp.recompute for lp in self.layers} - {"none"})

@@ -146,7 +146,7 @@ def _set(d: dict, path: str, value) -> dict:
     ("layers.0.tp", {"wte.*": "rowwise"}, r"tp key='wte\.\*' is not a module path"),
     ("layers.0.tp", {"": "rowwise"}, r"tp key='' is not a module path"),  # the root module: only in the root layer
     ("layers.0.sharding", "x", r"unknown field\(s\) in layers\[0\]: 'sharding'"),
-    ("mesh.cp", 2, r"unknown field\(s\) in mesh: 'cp'; mesh has dp, tp, pp, zero_stage"),
+    ("mesh.hp", 2, r"unknown field\(s\) in mesh: 'hp'; mesh has dp, tp, pp, zero_stage, ep, cp"),
     ("precision.loss_scale", 1.0, r"unknown field\(s\) in precision: 'loss_scale'"),
     ("cost.memory_by_rank.0.weights", 1.0, r"unknown field\(s\) in cost\.memory_by_rank\[0\]: 'weights'"),
     ("cost.step_time_s", "fast", r"cost\.step_time_s must be a number"),

@@ -83,7 +83,10 @@ def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]
     m, o, pr = plan.mesh, plan.optimizer, plan.precision
     imports: set = set()
     s = [f"SEED = {seed!r}  # every process seeds the same before building the model",
-         f"PP, DP, TP = {m.pp!r}, {m.dp!r}, {m.tp!r}  # plan.mesh: world = PP * DP * TP = {m.world_size}",
+         *([f"PP, DP, TP = {m.pp!r}, {m.dp!r}, {m.tp!r}  # plan.mesh: world = PP * DP * TP = {m.world_size}"]
+           if v.cp == 1 else
+           [f"PP, DP, CP, TP = {m.pp!r}, {m.dp!r}, {m.cp!r}, {m.tp!r}  # plan.mesh: world = PP * DP * CP * TP = "
+            f"{m.world_size}", "# CP: context parallelism, each sequence split over CP ranks (torch's ring attention)"]),
          f"ZERO_STAGE = {m.zero_stage!r}  # 0 DDP, 1 + sharded optimizer, 2 + sharded gradients, 3 + sharded params",
          *([f"EP = {v.ep!r}  # plan.mesh.ep: each experts module split over EP consecutive data-parallel ranks",
             f"EXPERTS = {literal(v.experts, width=80)}  # plan.experts: the modules whose experts EP splits"]
@@ -207,13 +210,13 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
                       call("shard_experts", "part", "experts_mesh[\"dp_mod_ep\"]", dp="DP",
                            reshard_after_forward=str(v.zero_stage == 3), **mixed, width=120 - indent)]
             uses.append("shard_experts")
-        calls.append(call("apply_fsdp", "part", "mesh[\"dp\"]", units="FSDP_UNITS",
+        calls.append(call("apply_fsdp", "part", v.dp_mesh, units="FSDP_UNITS",
                           reshard_after_forward=str(v.zero_stage == 3), **mixed, width=120 - indent))
         uses.append("apply_fsdp")
     elif v.replicate:
         calls += [f"# {next(steps)}. data parallelism last: FSDP2's replicate (DDP takes no DTensors), one all-reduce "
                   "per unit",
-                  "apply_replicate(part, mesh[\"dp\"], units=FSDP_UNITS)"]
+                  f"apply_replicate(part, {v.dp_mesh}, units=FSDP_UNITS)"]
         uses.append("apply_replicate")
     elif v.ddp:
         calls.append(f"# {next(steps)}. data parallelism last: DDP" + (" (ZeRO-1 shards the optimizer)" if v.zero1 else
@@ -222,7 +225,7 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
         if v.ep > 1:
             calls.append("replicate_experts(part, experts_mesh[\"dp_mod_ep\"], dp=DP)  # DDP leaves them alone")
             uses.append("replicate_experts")
-        calls.append("part = apply_ddp(part, mesh[\"dp\"].get_group(), device=device)")
+        calls.append(f"part = apply_ddp(part, {v.dp_mesh}.get_group(), device=device)")
         uses.append("apply_ddp")
     head = ['def parallelize(model, mesh, device' + (', stage_ids, example):' if v.pp > 1 else '):'),
             '    """The plan applied to the pieces of the model this rank holds (one, or one per pipeline stage)."""',
@@ -277,6 +280,9 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
         uses.append("synthetic_batch")
     if source.loss_fn_var:
         loss = source.loss_fn_var
+    elif v.cp > 1:  # the default loss on this rank's part of each sequence (runtime/cp.py)
+        loss = "functools.partial(sequence_loss, cp=CP)"
+        uses += ["sequence_loss", "sequence_shards"]
     else:
         loss = f"functools.partial({'fused_default_loss' if v.fused_loss else 'default_loss'}, causal=CAUSAL)"
         uses.append("fused_default_loss" if v.fused_loss else "default_loss")
@@ -332,7 +338,7 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
     lines.append("params = [p for part in parts for p in part.parameters()]")
     lines.append("optimizer = " + call("build_optimizer", "params", "OPTIMIZER", lr="args.lr",
                                        weight_decay="WEIGHT_DECAY", betas="BETAS", indent=12, width=120 - ind,
-                                       **({"zero1_group": "mesh[\"dp\"].get_group()"} if v.zero1 else {})))
+                                       **({"zero1_group": f"{v.dp_mesh}.get_group()"} if v.zero1 else {})))
     scaler = "None"
     if v.amp == "fp16":
         uses.append("grad_scaler")
@@ -358,9 +364,14 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
             uses.append("TiedGradients")
     else:
         uses.append("accumulate")
+        if v.cp > 1:
+            lines.append("# context parallelism: each micro-batch's sequences split over the cp ranks, a ring attention")
+            lines.append("shard = functools.partial(sequence_shards, mesh[\"cp\"], causal=CAUSAL)")
         lines += ["forward_backward = " + call("functools.partial", "accumulate", "parts[0]",
                                                micro_batches="MICRO_BATCHES", loss_fn="loss", context=context,
-                                               scaler=scaler, zero_stage="ZERO_STAGE", indent=19, width=120 - ind),
+                                               scaler=scaler, zero_stage="ZERO_STAGE",
+                                               **({"shard": "shard"} if v.cp > 1 else {}), indent=19,
+                                               width=120 - ind),
                   "counts_loss = mesh[\"tp\"].get_local_rank() == 0  # one loss per model replica"]
     lines += ["if args.dry_run:", "    print_parameter_counts(parts)", "else:",
               "    " + call("train", "args", "parts", "optimizer", forward_backward="forward_backward",
@@ -368,6 +379,7 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
                             counts_loss="counts_loss", metrics="metrics", scaler=scaler,
                             pp_group="mesh[\"pp\"].get_group()" if v.pp > 1 else "None",
                             **({"tied": "tied"} if v.pp > 1 and v.ties else {}), tokens=str(v.tokens),
+                            **({"cp": "CP"} if v.cp > 1 else {}),
                             observer="observer", indent=4, width=120 - ind)]
     return "\n".join(" " * ind + line for line in "\n".join(lines).splitlines()), uses
 
@@ -393,7 +405,8 @@ def render_script(source: ModelSource, plan: Plan, v: ScriptValues, *, script_na
         launch=launch,
         imports="\n\n".join(kit.import_lines(imports, setting_imports)),
         settings="\n".join(setting_lines), prelude=prelude.source(), cell=_cell(source, v), kit=assembly.source(),
-        parallelize=par, steps=int(steps), main=body, data_flags=DATA_FLAGS if v.dataset else "")
+        parallelize=par, steps=int(steps), main=body, data_flags=DATA_FLAGS if v.dataset else "",
+        build_mesh="build_mesh(device, PP, DP, TP" + (", cp=CP)" if v.cp > 1 else ")"))
 
 
 def _cell(source: ModelSource, v: ScriptValues) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 import torch.nn as nn
 
 from ..plan import Plan, PlanError, within
+from ..runtime.cp import sequence_tensor
 from ..runtime.data import default_batch_size, first_tensor, is_causal_lm, smallest_table
 from ..runtime.ep import experts_modules_to_split
 from ..runtime.pp import SCHEDULES, stage_boundaries
@@ -34,6 +35,8 @@ class ScriptValues:
     tp: int
     zero_stage: int
     micro_batches: int
+    cp: int = 1
+    """context-parallel degree (plan.mesh.cp): ranks of a replica that split every sequence (runtime/cp.py)"""
     ep: int = 1
     """expert-parallel degree (plan.mesh.ep): 1, or the data-parallel ranks each experts module is split over"""
     experts: list[str] = field(default_factory=list)
@@ -84,21 +87,31 @@ class ScriptValues:
     model_class: str = ""
 
     @property
+    def replicas(self) -> int:
+        """ranks holding the same parameters, over which gradients are averaged: dp * cp"""
+        return self.dp * self.cp
+
+    @property
+    def dp_mesh(self) -> str:
+        """the script's expression for the mesh of those ranks"""
+        return 'mesh["dp_cp"]' if self.cp > 1 else 'mesh["dp"]'
+
+    @property
     def fsdp(self) -> bool:
-        return self.dp > 1 and self.zero_stage >= 2
+        return self.replicas > 1 and self.zero_stage >= 2
 
     @property
     def ddp(self) -> bool:
-        return self.dp > 1 and self.zero_stage < 2 and self.tp == 1
+        return self.replicas > 1 and self.zero_stage < 2 and self.tp == 1
 
     @property
     def replicate(self) -> bool:
         """data parallelism beside TP without sharding (ZeRO-0): FSDP2's replicate (DDP takes no DTensors)"""
-        return self.dp > 1 and self.zero_stage == 0 and self.tp > 1
+        return self.replicas > 1 and self.zero_stage == 0 and self.tp > 1
 
     @property
     def zero1(self) -> bool:
-        return self.dp > 1 and self.zero_stage == 1
+        return self.replicas > 1 and self.zero_stage == 1
 
 
 def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: bool | None = None) -> ScriptValues:
@@ -107,7 +120,7 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
     m, pr = plan.mesh, plan.precision
     model, inputs, _ = source.build(device="meta", seed=seed)
     _check_runnable(plan)
-    v = ScriptValues(pp=m.pp, dp=m.dp, tp=m.tp, zero_stage=m.zero_stage, micro_batches=plan.batch.micro_batches,
+    v = ScriptValues(pp=m.pp, dp=m.dp, tp=m.tp, cp=m.cp, zero_stage=m.zero_stage, micro_batches=plan.batch.micro_batches,
                      sync_batchnorm=plan.sync_batchnorm and m.dp > 1, amp=pr.amp, param_dtype=pr.param_dtype,
                      reduce_dtype=pr.reduce_dtype, model_class=type(model).__name__, fp32_ops=list(pr.fp32_ops),
                      low_precision_ops=list(pr.low_precision_ops))
@@ -128,6 +141,8 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
         v.defaults = {"batch_size": default_batch_size(inputs, dp=m.dp, global_batch=plan.batch.global_batch),
                       "int_high": smallest_table(model), "causal": is_causal_lm(model)}
     v.ties = tied_parameters(model)
+    if m.cp > 1:
+        _check_cp(source, inputs, v)
     if m.ep > 1:
         v.ep, v.experts = m.ep, list(plan.experts)
         _check_experts(model, plan)
@@ -158,6 +173,9 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
 
 def _check_runnable(plan: Plan) -> None:
     m, pr = plan.mesh, plan.precision
+    if m.cp > 1 and m.tp > 1:
+        raise NotImplementedError(f"context parallelism (cp={m.cp}) beside tensor parallelism (tp={m.tp}) is not "
+                                  "supported yet (not verified): use tp=1 with cp > 1")
     if m.tp > 1 and m.dp > 1 and m.zero_stage == 1:
         raise NotImplementedError(f"dp({m.dp}) x tp({m.tp}) with ZeRO-1 is not supported (ZeroRedundancyOptimizer "
                                   "does not take DTensor parameters): set mesh.zero_stage to 0, 2 or 3")
@@ -174,6 +192,21 @@ def _check_runnable(plan: Plan) -> None:
                                   "and a replicated output head with pp > 1")
     if plan.pipeline.schedule not in SCHEDULES:
         raise PlanError(f"pipeline.schedule {plan.pipeline.schedule!r} unknown")
+
+
+def _check_cp(source: ModelSource, inputs, v: ScriptValues) -> None:
+    """PlanError unless context parallelism can run the cell: the default loss (``sequence_loss`` computes it on
+    each rank's part of the sequence) on batches of one (batch, seq) tensor of token ids."""
+    if source.loss_fn_var:
+        raise PlanError(f"mesh.cp > 1, but the cell defines its own {source.loss_fn_var}: context parallelism "
+                        "computes the default loss on each rank's part of the sequence (a loss of the whole sequence "
+                        "cannot run there); drop it from the cell, or use cp=1")
+    try:
+        sequence_tensor(inputs)
+    except ValueError as e:
+        raise PlanError(f"mesh.cp > 1: {e}") from None
+    if not v.tokens:
+        raise PlanError("mesh.cp > 1 needs token ids as the model's input; use cp=1")
 
 
 def _check_fused_loss(model: nn.Module, head: str, source: ModelSource) -> None:

@@ -1,5 +1,5 @@
 """The process group and the device mesh: world ranks factored as (pp, dp, tp), TP innermost so a TP group stays
-inside a node; expert parallelism splits the dp dim into (dp_mod_ep, ep)."""
+inside a node; with context parallelism (pp, dp, cp, tp); expert parallelism splits the dp dim into (dp_mod_ep, ep)."""
 
 from __future__ import annotations
 
@@ -46,16 +46,23 @@ def too_many_processes(local: int, gpus: int, world: int, script: str) -> str:
             f"c10d --rdzv-endpoint HOST:29500 {script} (HOST: the first node's address)")
 
 
-def build_mesh(device: str, pp: int, dp: int, tp: int):
-    """The 3-D mesh with dims ``("pp", "dp", "tp")`` (size-1 dims kept, so ``mesh["dp"]`` always exists). Another
-    world size that ``pp * tp`` divides (an elastic job: ``torchrun --nnodes MIN:MAX``) changes dp only."""
-    world, replica = dist.get_world_size(), pp * tp
+def build_mesh(device: str, pp: int, dp: int, tp: int, *, cp: int = 1):
+    """The mesh with dims ``("pp", "dp", "tp")`` (size-1 dims kept, so ``mesh["dp"]`` always exists), and with
+    context parallelism (``cp`` > 1) ``("pp", "dp", "cp", "tp")`` plus ``"dp_cp"``: the dp and cp ranks flattened,
+    which hold the same parameters and average gradients (torchtitan's ``dp_shard_cp``). Another world size that
+    ``pp * cp * tp`` divides (an elastic job: ``torchrun --nnodes MIN:MAX``) changes dp only."""
+    world, replica = dist.get_world_size(), pp * cp * tp
     if world % replica:
-        raise SystemExit(f"this plan runs on pp({pp}) * dp({dp}) * tp({tp}) = {pp * dp * tp} processes (or a multiple "
-                         f"of pp * tp), not {world}: start it with the torchrun command at the top of the script")
-    if world != pp * dp * tp and dist.get_rank() == 0:
-        print(f"{world} processes, not the plan's {pp * dp * tp}: dp({world // replica}), not dp({dp})", flush=True)
-    return init_device_mesh(device, (pp, world // replica, tp), mesh_dim_names=MESH_DIMS)
+        raise SystemExit(f"this plan runs on pp({pp}) * dp({dp}) * cp({cp}) * tp({tp}) = {dp * replica} processes (or "
+                         f"a multiple of {replica}), not {world}: start it with the torchrun command atop the script")
+    if world != dp * replica and dist.get_rank() == 0:
+        print(f"{world} processes, not the plan's {dp * replica}: dp({world // replica}), not dp({dp})", flush=True)
+    shape, names = ((pp, world // replica, cp, tp), ("pp", "dp", "cp", "tp")) if cp > 1 else (
+        (pp, world // replica, tp), MESH_DIMS)
+    mesh = init_device_mesh(device, shape, mesh_dim_names=names)
+    if cp > 1:
+        mesh["dp", "cp"]._flatten("dp_cp")
+    return mesh
 
 
 def expert_mesh(mesh, *, ep: int):

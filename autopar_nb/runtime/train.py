@@ -3,6 +3,7 @@ optimizer step with its learning-rate schedule, metrics and checkpoints."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -30,14 +31,15 @@ def set_grad_sync(model: nn.Module, *, last: bool, zero_stage: int) -> None:
 
 
 def accumulate(model: nn.Module, batch, *, micro_batches: int, loss_fn, context, scaler=None,
-               zero_stage: int = 0) -> torch.Tensor:
+               zero_stage: int = 0, shard=None) -> torch.Tensor:
     """Forward and backward of ``batch`` in ``micro_batches`` pieces, gradients summed; returns the batch's loss
-    on this rank. ``context()``: what each piece runs under (autocast, loss_parallel)."""
+    on this rank. ``context()``: what each piece runs under (autocast, loss_parallel); ``shard(piece)``: one that
+    yields this rank's part of it (context parallelism's ``sequence_shards``)."""
     total = 0.0
     for i, micro in enumerate(split_batch(batch, micro_batches)):
         set_grad_sync(model, last=i == micro_batches - 1, zero_stage=zero_stage)
-        with context():
-            loss = loss_fn(model, micro) / micro_batches
+        with context(), (shard(micro) if shard is not None else contextlib.nullcontext(micro)) as piece:
+            loss = loss_fn(model, piece) / micro_batches
             (scaler.scale(loss) if scaler is not None else loss).backward()
         total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float()
     return total
@@ -53,13 +55,14 @@ def global_loss(local: torch.Tensor, *, counts: bool, dp: int) -> float:
 
 def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank: int, device: str, dp: int,
           counts_loss: bool, metrics, scaler=None, pp_group=None, tied=None, tokens: bool = False,
-          observer=None) -> None:
+          observer=None, cp: int = 1) -> None:
     """Run ``args.steps`` optimizer steps (resuming from the latest checkpoint in ``args.ckpt_dir``; ending early at
     step ``args.stop_at`` when given: the learning-rate schedule still spans ``args.steps``).
 
     ``forward_backward(batch)`` returns this rank's loss with gradients accumulated; ``make_batch(step, dp_rank)``
     this data-parallel rank's share (None: a middle pipeline stage reads none; a ``DataStream`` is checkpointed).
-    ``tied``: parameters tied across pipeline stages (:class:`TiedGradients`). ``observer`` (verify's):
+    ``tied``: parameters tied across pipeline stages (:class:`TiedGradients`); ``cp``: ranks splitting a sequence,
+    each loss its share times cp (``runtime/cp.py``). ``observer`` (verify's):
     ``after_backward(step, parts, loss)`` and ``after_step(step, parts)``, called on every rank."""
     ckpt_model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)
     data = make_batch if hasattr(make_batch, "state_dict") else None  # a dataset's stream: its position is saved
@@ -77,7 +80,7 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
         for group in optimizer.param_groups:
             group["lr"] = args.lr * lr_factor(step, warmup=args.warmup, total=args.steps, schedule=args.lr_schedule,
                                               min_ratio=args.min_lr_ratio)
-        loss = global_loss(forward_backward(batch), counts=counts_loss, dp=dp)
+        loss = global_loss(forward_backward(batch), counts=counts_loss, dp=dp * cp)
         if tied is not None:
             tied.sync()
         if observer is not None:

@@ -1,0 +1,76 @@
+"""Context parallelism (issue 18 point 4, seed §6.1 "the attention layers' special communication pattern"): the plan's
+``mesh.cp``, torch's ring attention made to run on CPU (runtime/cp.py registers the CPU attention kernel with torch's
+own ring code), the exported script, and verify against the single-process reference on 2 gloo processes."""
+
+from __future__ import annotations
+
+import pytest
+from runtime_cases import LLAMA_CELL, make_plan
+
+from autopar_nb.export import render_script
+from autopar_nb.plan import Plan, PlanError
+from autopar_nb.source import ModelSource
+
+
+def cp_plan(src: ModelSource, *, cp: int = 2, dp: int = 1, zero: int = 0, seq_len: int = 16, **kw) -> Plan:
+    """``make_plan``'s plan with context parallelism, built through ``from_dict`` so every check runs."""
+    d = make_plan(src, dp=dp, zero=zero, **kw).to_dict()
+    d["mesh"]["cp"], d["batch"]["seq_len"] = cp, seq_len
+    return Plan.from_dict(d)
+
+
+def test_plan_checks_cp():
+    src = ModelSource(LLAMA_CELL)
+    plan = cp_plan(src)
+    assert plan.mesh.world_size == 2 and "cp=2" in plan.summary()
+    assert Plan.from_json(plan.to_json()).mesh.cp == 2
+    with pytest.raises(PlanError, match=r"needs batch.seq_len divisible by 2 \* cp = 4 .*got seq_len 18"):
+        cp_plan(src, seq_len=18)
+    with pytest.raises(PlanError, match="mesh.cp=2 needs a sequence model: batch.seq_len is null"):
+        cp_plan(src, seq_len=None)
+    with pytest.raises(PlanError, match=r"mesh.cp=2 with mesh.pp > 1 \(pipeline stages are traced graphs"):
+        cp_plan(src, pp=2, stages={"layers.1": 1})
+    with pytest.raises(PlanError, match=r"mesh.cp must be >= 1, got 0"):
+        cp_plan(src, cp=0)
+    d = plan.to_dict()
+    d["cluster"] = {"preset": "cpu", "nodes": 1, "gpus_per_node": 4}
+    with pytest.raises(PlanError, match=r"dp\(1\) \* tp\(1\) \* pp\(1\) \* cp\(2\) = 2 != world_size\(4\)"):
+        Plan.from_dict(d)
+
+
+def test_script_splits_sequences_over_cp_ranks():
+    src = ModelSource(LLAMA_CELL)
+    text = render_script(src, cp_plan(src, zero=3))
+    assert "PP, DP, CP, TP = 1, 1, 2, 1  # plan.mesh: world = PP * DP * CP * TP = 2" in text
+    assert "mesh = build_mesh(device, PP, DP, TP, cp=CP)" in text
+    assert 'apply_fsdp(part, mesh["dp_cp"]' in text  # gradients averaged over the dp * cp ranks
+    assert 'shard = functools.partial(sequence_shards, mesh["cp"], causal=CAUSAL)' in text
+    assert "loss = functools.partial(sequence_loss, cp=CP)" in text and "shard=shard" in text
+    assert "def enable_cpu_ring_attention()" in text and "cp=CP" in text
+    assert "build_mesh(device, PP, DP, TP)" in render_script(src, make_plan(src, dp=2))  # nothing without cp
+
+
+def test_script_refuses_what_cp_cannot_run():
+    src = ModelSource(LLAMA_CELL)
+    with pytest.raises(NotImplementedError, match=r"context parallelism \(cp=2\) beside tensor parallelism"):
+        render_script(src, cp_plan(src, tp=2, tp_styles={"layers.0.feed_forward.w1": "colwise",
+                                                          "layers.0.feed_forward.w2": "rowwise"}))
+    own_loss = ModelSource(LLAMA_CELL + "\ndef loss_fn(model, batch):\n    return model(batch[0]).float().mean()\n",
+                           loss_fn_var="loss_fn")
+    with pytest.raises(PlanError, match="defines its own loss_fn: context parallelism computes the default loss"):
+        render_script(own_loss, cp_plan(own_loss))
+
+
+@pytest.mark.multiprocess
+def test_verify_cp_against_one_process():
+    """2 gloo processes, each holding half of every sequence (torch's head-tail load balancing), attention as torch's
+    ring: losses, gradients and parameters equal to the single process's within float32's tolerance, with the
+    gradients averaged by DDP and by FSDP2 over the cp ranks."""
+    from autopar_nb.verify import FP32_RTOL, verify_many
+
+    src = ModelSource(LLAMA_CELL)
+    plans = {"cp2 ddp": cp_plan(src), "cp2 fsdp": cp_plan(src, zero=3)}
+    reports = verify_many([(src, p) for p in plans.values()], steps=3, nproc=2, rtol=FP32_RTOL)
+    for name, report in zip(plans, reports, strict=True):
+        assert report.ok, f"{name}\n{report}"
+        assert report.max_loss_rel < 1e-5, f"{name}\n{report}"
