@@ -1,6 +1,6 @@
 """Launch benchmark: time to the first step, warm and cold, beside torchrun and accelerate; monitoring overhead.
 
-    .venv/bin/python bench/launch.py [--part startup|overhead|all] [--rounds 5] [--write]
+    .venv/bin/python bench/launch.py [--part startup|standby|overhead|all] [--rounds 5] [--write]
 
 1. ``--part startup`` (issue 19): the seed MLP (``autopar_nb.demo.QUICKSTART_CELL``, captured and planned by the
    magic for 2 CPU processes), each figure from the call to the first finished step's metrics message, in one run,
@@ -18,7 +18,9 @@
    and ``ap.verify(steps=5, nproc=2)`` warm (the pool's verify standby waiting) vs ``warm=False``: the call's wall
    time. Between rounds the benchmark waits until the pool's next standby is ready (its imports would otherwise
    compete with the next figure). Goals: warm launch -> first step <= 1.0 s, warm verify <= 3 s (medians).
-2. ``--part overhead``: median step time (steps 2..N, from the script's own log lines "step k ... step_time_s t")
+2. ``--part standby``: the memory (USS, PSS, RSS) each waiting standby holds, launch's and verify's, after a run of
+   the seed MLP: what the pool keeps for ``AUTOPAR_POOL_IDLE_S``.
+3. ``--part overhead``: median step time (steps 2..N, from the script's own log lines "step k ... step_time_s t")
    of ``tests/fixtures/train_fixture.py`` with the monitor on (metrics channel + 1 Hz psutil sampling) vs
    ``monitor=False``, alternating. Goal: <= 2 %.
 
@@ -312,6 +314,64 @@ def startup_section(rounds: int, s: dict) -> str:
     return "\n".join(lines)
 
 
+# ---- what a waiting standby holds -----------------------------------------------------------------------------------
+def standby_memory() -> dict:
+    """kind -> {"rss", "uss", "pss", "processes"}: the memory of the pool's waiting standby of each kind (the
+    standby, its forkserver and resource tracker: every process with its token), once ready after a launch and a
+    verify of the seed MLP."""
+    from autopar_nb.launch.pool import POOL
+    from autopar_nb.launch.procs import processes_with_token
+
+    ap = seed_session()
+    POOL.close()
+    time_ap_launch(ap, True)
+    time_verify(ap, True)
+    settle()
+    out = {}
+    for kind in ("launch", "verify"):
+        standby = POOL.waiting(kind)
+        if standby is None:
+            raise RuntimeError(f"no {kind} standby waits after its job (AUTOPAR_POOL_IDLE_S=0?)")
+        total = {"rss": 0, "uss": 0, "pss": 0, "processes": 0}
+        for proc in processes_with_token(standby.token):
+            m = proc.memory_full_info()
+            total["rss"] += m.rss
+            total["uss"] += m.uss
+            total["pss"] += m.pss
+            total["processes"] += 1
+        out[kind] = total
+        print(f"{kind} standby: {total['processes']} processes, USS {total['uss'] / 2**20:.0f} MiB, PSS "
+              f"{total['pss'] / 2**20:.0f} MiB, RSS {total['rss'] / 2**20:.0f} MiB", flush=True)
+    POOL.close()
+    return out
+
+
+def standby_section(m: dict) -> str:
+    from autopar_nb.launch.pool import IDLE_TIMEOUT_S
+
+    def mib(x):
+        return f"{x / 2**20:.0f} MiB"
+
+    rows = [f"| {kind} | {v['processes']} | {mib(v['uss'])} | {mib(v['pss'])} | {mib(v['rss'])} |"
+            for kind, v in m.items()]
+    return "\n".join([
+        "## Warm pool memory (issue 19)",
+        "",
+        f"`.venv/bin/python bench/launch.py --part standby --write` — {datetime.date.today().isoformat()}, "
+        f"{os.cpu_count()}-core CPU container shared with other engineers' jobs ({platform.machine()}, load average "
+        f"before the run {os.getloadavg()[0]:.1f}), torch {torch.__version__}: what the standby waiting after a "
+        "launch and after a verify of the seed MLP holds (the standby, its forkserver and multiprocessing's resource "
+        "tracker; USS: memory no other process shares).",
+        "",
+        "| standby | processes | USS | PSS | RSS |",
+        "|---|---|---|---|---|",
+        *rows,
+        "",
+        f"Each waits {IDLE_TIMEOUT_S:.0f} s for the next job (`AUTOPAR_POOL_IDLE_S`; 0 keeps none after a run).",
+        "",
+    ])
+
+
 # ---- monitoring overhead --------------------------------------------------------------------------------------------
 def overhead(rounds: int, script: Path, nproc: int, steps: int) -> dict:
     work = {"hidden": 2048, "batch": 512}  # a step of ~10 ms, so 1 Hz sampling has something to disturb
@@ -373,7 +433,7 @@ def overhead_section(a, o: dict, script: Path) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--part", choices=("startup", "overhead", "all"), default="startup")
+    p.add_argument("--part", choices=("startup", "overhead", "standby", "all"), default="startup")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--nproc", type=int, default=2, help="processes of the overhead comparison")
     p.add_argument("--script", default=str(ROOT / "tests" / "fixtures" / "train_fixture.py"),
@@ -387,6 +447,11 @@ def main() -> None:
         print(section)
         if a.write:
             write_section(ROOT / "BENCHMARKS.md", "## Launch start-up, warm and cold (issue 19)", section)
+    if a.part in ("standby", "all"):
+        section = standby_section(standby_memory())
+        print(section)
+        if a.write:
+            write_section(ROOT / "BENCHMARKS.md", "## Warm pool memory (issue 19)", section)
     if a.part in ("overhead", "all"):
         o = overhead(a.rounds, Path(a.script), a.nproc, a.steps)
         section = overhead_section(a, o, Path(a.script))

@@ -52,10 +52,10 @@ AGENT = Path(__file__).with_name("agent.py")
 RUNTIME = Path(__file__).resolve().parent.parent / "runtime"
 
 IDLE_TIMEOUT_S = 300.0
-"""seconds a standby waits for a job before it quits (the next job then starts a new one): a standby holds about
-370 MiB of its own (USS of the standby and its forkserver, both with torch imported; 530 MiB RSS), so after a run it
-is kept for the next edit-and-relaunch of a notebook session, not for the rest of the afternoon;
-``AUTOPAR_POOL_IDLE_S`` sets it (0: none is kept)"""
+"""seconds a standby waits for a job before it quits (the next job then starts a new one): a standby holds 375 MiB
+(launch) or 455 MiB (verify) of its own (USS of the standby and its forkserver, both with torch imported;
+``bench/launch.py --part standby``), so after a run it is kept for the next edit-and-relaunch of a notebook
+session, not for the rest of the afternoon; ``AUTOPAR_POOL_IDLE_S`` sets it (0: none is kept)"""
 IDLE_ENV = "AUTOPAR_POOL_IDLE_S"
 ON_DEMAND_IDLE_S = 60.0
 """a standby started for a job that waits (``Pool.take``) waits at least this long for it, whatever the idle timeout"""
