@@ -34,13 +34,14 @@ from typing import Any, Callable
 
 from .. import calibration
 from . import compare, watch
+from .monitor import peak_rss
 
 MODES = ("ask", "auto", "off")
 TRIGGERS = ("oom", "memory_high")
 """the watch's event kinds that call for a plan that uses less memory"""
 CHECKPOINT_WAIT_S = 120.0
 """near the limit (not over it), a run goes on for at most this long to write its next checkpoint before it stops"""
-MAX_REPLANS = 3
+MAX_REPLANS = 4
 """re-plans in a row of one launch; beyond, the events are only reported"""
 FIELD_NAMES = {"mesh.dp": "dp", "mesh.tp": "TP", "mesh.pp": "PP", "mesh.ep": "EP", "mesh.zero_stage": "ZeRO",
                "batch.micro_batches": "micro-batches", "pipeline.schedule": "schedule",
@@ -145,6 +146,19 @@ def measured_peaks(samples: list[dict]) -> dict[int, float]:
         held = watch.held(s)
         if held is not None:
             out[s["rank"]] = max(out.get(s["rank"], 0.0), float(held))
+    return out
+
+
+def peaks_now(run) -> dict[int, float]:
+    """rank -> its peak RSS so far above its baseline, read now from each live CPU worker (Linux VmHWM); {} on GPUs
+    (CUDA's peak comes with each step) or where unknown."""
+    if run.backend == "nccl":
+        return {}
+    out = {}
+    for r, proc in run.workers().items():
+        base, peak = run.ranks()[r].baseline if r in run.ranks() else None, peak_rss(proc.pid)
+        if base and peak:
+            out[r] = max(0.0, peak - base)
     return out
 
 
@@ -263,11 +277,12 @@ class Replanner:
         cause = proposal.get("cause") or cause_text(trigger)
         if not run.done and self.ckpt_dir and (trigger or {}).get("kind") != "oom":
             self.wait_for_checkpoint(run)  # near the limit, not over it: stop at the next checkpoint, lose no step
+        peaks = peaks_now(run)  # the checkpoint's save included, which the last 1 s sample may have missed
         if not run.done:
             run.stop(f"re-planning: {cause}")
         t_stopped = time.monotonic() - run._t0
         checkpoint = checkpoint_of(self.ckpt_dir)
-        factors, note = self.calibrate(run)
+        factors, note = self.calibrate(run, peaks)
         limit = run.comparison()["memory_limit_bytes"] or _device_limit(run, trigger)
         threshold = run._watch.settings.memory_threshold if run._watch is not None else 0.92
         target = threshold * limit if limit else None
@@ -311,11 +326,14 @@ class Replanner:
             time.sleep(0.05)
         return checkpoint_of(self.ckpt_dir)
 
-    def calibrate(self, run) -> tuple[dict, str]:
-        """(factors, words): the allocator margin from the peak each rank held against the plan's prediction
-        (:func:`autopar_nb.calibration.margin_factors`, the rule CUDA runs calibrate by), or no factors when the
-        plan predicts no memory."""
-        measured, predicted = measured_peaks(run.samples), predicted_states(run.plan, run.nproc)
+    def calibrate(self, run, peaks: dict[int, float] | None = None) -> tuple[dict, str]:
+        """(factors, words): the allocator margin from the peak each rank held (its samples', and ``peaks`` read
+        just before it stopped) against the plan's prediction (:func:`autopar_nb.calibration.margin_factors`, the
+        rule CUDA runs calibrate by), or no factors when the plan predicts no memory."""
+        measured = measured_peaks(run.samples)
+        for r, v in (peaks or {}).items():
+            measured[r] = max(measured.get(r, 0.0), v)
+        predicted = predicted_states(run.plan, run.nproc)
         try:
             current = calibration._current_factors(self.cluster)
             factors, rec = calibration.margin_factors(measured, predicted, current=current)

@@ -1,0 +1,89 @@
+"""Re-planning benchmark (issue 14): time from the triggering sample to training resumed under the new plan.
+
+    .venv/bin/python bench/replan.py [--rounds 3]
+
+Each round launches, on 2 CPU processes (gloo, warm pool), a plan whose ranks hold more than the per-rank limit
+allows: the activations-heavy MLP of ``tests/test_replan.py`` (4 x Linear(16, 4096) + GELU + Linear(4096, 16), batch
+2048), a limit of 1.6x the plan's predicted peak (``Cluster.preset("cpu", memory_gb=...)``), ``memory_threshold``
+0.6, ``ckpt_every=1``, ``replan="auto"``. For the first re-plan of the round it prints, in seconds:
+
+* ``to stop``: from the triggering sample (the monitor's tick whose memory crossed the threshold) to the run stopped
+  (the run goes on to its next checkpoint, then every worker ends);
+* ``to plan``: calibrating and re-planning (the new plan's diff and reason recorded);
+* ``to resume``: from there to the new plan's first step (export, launch through the warm pool, the ranks building
+  the model, loading the DCP checkpoint, the first step);
+* ``total``: the triggering sample to the first step of the new plan (the ``resume`` event's
+  ``seconds_from_trigger``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from autopar_nb.capture import capture  # noqa: E402
+from autopar_nb.hardware import Cluster  # noqa: E402
+from autopar_nb.session import Session  # noqa: E402
+from autopar_nb.source import ModelSource  # noqa: E402
+
+CELL = """\
+import torch, torch.nn as nn
+model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 4096), nn.GELU(), nn.Linear(4096, 16)) for _ in range(4)])
+example_inputs = (torch.randn(2048, 16),)
+"""
+STEPS = 6
+
+
+def one_round(work: Path) -> dict:
+    """One launch that re-plans: the first re-plan's figures."""
+    src = ModelSource(CELL)
+    model, inputs, _ = src.build(device="meta")
+    graph = capture(model, inputs)
+    free = Session(graph, Cluster.preset("cpu", gpus_per_node=2), src).replan()
+    limit = 1.6 * free.cost.peak_memory_bytes
+    ap = Session(graph, Cluster.preset("cpu", gpus_per_node=2, memory_gb=limit / 2**30), src)
+    ap.replan()
+    run = ap.launch(2, STEPS, replan="auto", memory_threshold=0.6, ckpt_dir=str(work / "ckpt"), ckpt_every=1,
+                    run_dir=str(work / "run"), hang_timeout_s=300)
+    status = run.wait(600)
+    legs = run.legs()
+    if len(legs) < 2:
+        raise SystemExit(f"no re-plan happened ({status}: {run.message})")
+    first, nxt = legs[0], legs[1]
+    ev = next(e for e in first.events if e["kind"] == "replan")
+    resume = next(e for e in nxt.events if e["kind"] == "resume")
+    resumed_at = nxt.started + nxt.first_step_time - first.started
+    return {"status": status, "replans": len(legs) - 1, "reason": ev["reason"],
+            "to_stop": ev["stopped_t"] - ev["trigger_t"], "to_plan": ev["t"] - ev["stopped_t"],
+            "to_resume": resumed_at - ev["t"], "total": resume["seconds_from_trigger"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
+          f"Python {platform.python_version()}")
+    rows = []
+    for i in range(args.rounds):
+        with tempfile.TemporaryDirectory(prefix="autopar-bench-replan-") as d:
+            r = one_round(Path(d))
+        rows.append(r)
+        print(f"round {i}: {r['status']}, {r['replans']} re-plan(s); first: to stop {r['to_stop']:.2f} s, to plan "
+              f"{r['to_plan']:.2f} s, to resume {r['to_resume']:.2f} s, total {r['total']:.2f} s\n  {r['reason']}")
+    print("\n| figure | median s | min s | max s |\n|---|---|---|---|")
+    for key in ("to_stop", "to_plan", "to_resume", "total"):
+        v = [r[key] for r in rows]
+        print(f"| {key.replace('_', ' ')} | {statistics.median(v):.2f} | {min(v):.2f} | {max(v):.2f} |")
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
