@@ -28,10 +28,10 @@ def wait_for(cond, timeout: float, what: str):
 class Rank:
     """One fake rank: the exported script's side of the protocol (runtime/metrics.py)."""
 
-    def __init__(self, run, rank: int, token: str | None = None):
+    def __init__(self, run, rank: int, token: str | None = None, **elastic):
         host, port = run.address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)))
-        self.send({"token": token or run.env["AUTOPAR_TOKEN"], "rank": rank})
+        self.send({"token": token or run.env["AUTOPAR_TOKEN"], "rank": rank, **elastic})
         self.send({"event": "start", "pid": 1, "rss_before_model": 100e6, "stacks": True})
 
     def send(self, record: dict) -> None:
@@ -137,6 +137,87 @@ def test_a_rank_that_never_connects_is_lost(runs):
     assert run.wait(10) == "failed"
     assert "never connected" in run.ranks()[1].lost
     a.close()
+
+
+def test_an_elastic_restart_is_followed(runs):
+    """torchrun --max-restarts 3: a rank dies, its peer fails, the group restarts (attempt 1) and finishes: the run
+    says "restarting", then follows the new attempt to "finished"."""
+    run = runs(restart_wait_s=30)
+    first = [Rank(run, r, attempt=0, max_restarts=3, world=2) for r in range(2)]
+    for r in first:
+        r.step(0)
+    first[1].close()  # its node is killed
+    first[0].send({"event": "error", "error": "RuntimeError: Connection closed by peer", "traceback": "tb"})
+    wait_for(lambda: run.status == "restarting", 5, "restarting")
+    time.sleep(0.3)
+    assert not run.done and run.max_restarts == 3  # learnt from the hellos
+    again = [Rank(run, r, attempt=1, max_restarts=3, world=2) for r in range(2)]
+    for k in (1, 2):
+        for r in again:
+            r.step(k)
+    for r in again:
+        r.send({"event": "done"})
+        r.close()
+    first[0].close()
+    assert run.wait(10) == "finished", run.message
+    assert [st.state(run.status) for st in run.ranks().values()] == ["finished", "finished"]
+    assert sorted({(r["attempt"], r["step"]) for r in run.metrics}) == [(0, 0), (1, 1), (1, 2)]
+
+
+def test_a_restart_without_the_lost_node_finishes_at_the_smaller_world(runs):
+    """--nnodes 1:2: the second node is lost, the first goes on alone (world 1) and finishes: the run finishes, and
+    the rank that left with its node is "lost" without failing it."""
+    run = runs(restart_wait_s=30)
+    a, b = Rank(run, 0, attempt=0, max_restarts=3, world=2), Rank(run, 1, attempt=0, max_restarts=3, world=2)
+    a.step(0), b.step(0)
+    b.close()
+    a.send({"event": "error", "error": "RuntimeError: Connection closed by peer", "traceback": "tb"})
+    a.close()
+    wait_for(lambda: run.status == "restarting", 5, "restarting")
+    alone = Rank(run, 0, attempt=1, max_restarts=3, world=1)
+    alone.step(1)
+    alone.send({"event": "done"})
+    alone.close()
+    assert run.wait(10) == "finished", run.message
+    assert run.world == 1 and run.ranks()[1].state(run.status) == "lost"
+    assert "torchrun restarted the job with 1 rank(s)" in run.ranks()[1].lost
+
+
+def test_a_node_that_rejoins_starts_a_new_attempt_whatever_its_agent_counts(runs):
+    """--nnodes 1:2 after the lost node returns: the survivor's agent restarts its worker for the bigger world (a
+    membership change: its count stays 1), the returning node's fresh agent counts 0; the notebook counts attempt 2
+    (0: both, 1: alone, 2: both again) and finishes with both ranks."""
+    run = runs(restart_wait_s=30)
+    a, b = Rank(run, 0, attempt=0, max_restarts=3, world=2), Rank(run, 1, attempt=0, max_restarts=3, world=2)
+    a.step(0), b.step(0)
+    b.close()
+    a.send({"event": "error", "error": "RuntimeError: Connection closed by peer", "traceback": "tb"})
+    a.close()
+    wait_for(lambda: run.status == "restarting", 5, "restarting after the loss")
+    alone = Rank(run, 0, attempt=1, max_restarts=3, world=1)
+    alone.step(1)
+    wait_for(lambda: run.world == 1 and run.ranks()[0].step == 1, 5, "the world-1 attempt")
+    alone.close()  # the agent ends it to admit the returning node: no end message
+    wait_for(lambda: run.status == "restarting", 5, "restarting for the returning node")
+    both = [Rank(run, 0, attempt=1, max_restarts=3, world=2), Rank(run, 1, attempt=0, max_restarts=3, world=2)]
+    for r in both:
+        r.step(2)
+        r.send({"event": "done"})
+        r.close()
+    assert run.wait(10) == "finished", run.message
+    assert run.world == 2 and [st.attempt for st in run.ranks().values()] == [2, 2]
+    assert [(r["attempt"], r["step"]) for r in run.metrics if r["rank"] == 0] == [(0, 0), (1, 1), (2, 2)]
+
+
+def test_a_restart_that_never_comes_fails_the_run(runs):
+    run = runs(restart_wait_s=0.5)
+    ranks = [Rank(run, r, attempt=0, max_restarts=3, world=2) for r in range(2)]
+    for r in ranks:
+        r.send({"event": "error", "error": "ValueError: bad batch", "traceback": "tb"})
+        r.close()
+    assert run.wait(10) == "failed"
+    assert "no restart came within 0 s (0 of 3 restart(s) made)" in run.message
+    assert run.error["error"] == "ValueError: bad batch"
 
 
 def test_a_peer_without_the_token_gets_nothing_and_changes_nothing(runs):

@@ -804,3 +804,39 @@ def test_data_loading_bottleneck_reaches_the_run_and_its_dashboard(tmp_path):
     assert "data loading is the bottleneck" in run.message and "--num-workers" not in run.message  # make_batch's fix
     assert run.summary()["data"] == run.data
     assert run.dashboard().summary["data"]["bottleneck"] is True
+
+
+RESTART_CELL = """\
+import os
+
+import torch
+import torch.nn as nn
+
+model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+example_inputs = (torch.randn(8, 16),)
+
+
+def make_batch(step, rank):
+    if step == 2 and rank == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        raise RuntimeError("injected: rank 1 fails at step 2 of the first attempt")
+    return (torch.randn(8, 16, generator=torch.Generator().manual_seed(step)),)
+"""
+
+
+@pytest.mark.multiprocess
+def test_an_exported_scripts_restart_is_counted_from_its_hello(tmp_path):
+    """The exported script's hello carries torchrun's restart count, limit and world size (what an attached run
+    follows restarts by); a warm local run of it that restarts once counts the same attempts as its logs."""
+    from runtime_cases import make_plan
+
+    from autopar_nb.export import export
+    from autopar_nb.source import ModelSource
+
+    src = ModelSource(RESTART_CELL, make_batch_var="make_batch")
+    plan = make_plan(src, dp=2)
+    run = launch(lambda p: export(src, plan, p, quiet=True), 2, 4, plan=plan, max_restarts=1, run_dir=tmp_path)
+    assert run.wait(120) == "finished", run.message
+    assert run._latest_attempt() == 1 and {st.attempt for st in run.ranks().values()} == {1}
+    assert {r["attempt"] for r in run.metrics if r["step"] == 3} == {1}
+    text = (tmp_path / "train.py").read_text()
+    assert '"rank": rank, **elastic}' in text and '"TORCHELASTIC_RESTART_COUNT"' in text

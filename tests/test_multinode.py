@@ -244,8 +244,10 @@ def test_node_loss_shrinks_resumes_and_rejoins(nodes, tmp_path):
     """Elastic: 2 nodes train; the second node dies (every process in its namespace killed) at step 3; the first
     re-rendezvouses alone (world 1) and resumes from the step-3 checkpoint, resharded; at step 5 the second node comes
     back, both restart at world 2 from the step-5 checkpoint and finish. Every step's loss equals the reference's
-    (each loss once, from the world that completed it). The second node cannot reach the metrics address (the
-    notebook's, 127.0.0.1 on the first node): it says so and trains on."""
+    (each loss once, from the world that completed it). The notebook (on the first node) follows it all through an
+    attached run: "restarting" after the loss, the second rank out of the world-1 attempt, both again in the last,
+    "finished" with every step once. The second node's first start cannot reach the metrics address it was given
+    (127.0.0.1: its own namespace's, where nothing listens): it says so and trains on."""
     src = ModelSource(GATED, loss_fn_var="loss_fn", make_batch_var="make_batch")
     plan = make_plan(src, dp=2, zero=3)
     steps = 8
@@ -257,13 +259,16 @@ def test_node_loss_shrinks_resumes_and_rejoins(nodes, tmp_path):
     gate.mkdir()
     (gate / "step3_world2.hold").touch()
     (gate / "step5_world1.hold").touch()
-    sink = MetricsSink(nodes[0], "127.0.0.1")
-    env = base_env(GATE_DIR=str(gate), AUTOPAR_METRICS=sink.address, AUTOPAR_TOKEN="t")
+    run = in_namespace(nodes[0], lambda: attach(script, 2, steps, host=nodes[0].addr, plan=plan, lost_after_s=150,
+                                                restart_wait_s=150))
+    env = base_env(GATE_DIR=str(gate), **run.env)
+    unreachable = {**env, "AUTOPAR_METRICS": "127.0.0.1:9"}
     args = ["--ckpt-every", "1"]  # the command ends in --ckpt-dir ckpt (relative to the script's directory)
     logs = {k: open(tmp_path / f"{k}.log", "w") for k in ("a", "b1", "b2")}
 
     def start(i, log):
-        return nodes[i].popen(node_argv(elastic, i, nodes, script_dir=tmp_path) + args, env=env, stdout=logs[log],
+        return nodes[i].popen(node_argv(elastic, i, nodes, script_dir=tmp_path) + args,
+                              env=unreachable if log == "b1" else env, stdout=logs[log],
                               stderr=subprocess.STDOUT, cwd=tmp_path)
 
     procs = []
@@ -279,23 +284,28 @@ def test_node_loss_shrinks_resumes_and_rejoins(nodes, tmp_path):
         (gate / "step3_world2.go").touch()
         _wait_for(gate / "step5_world1.reached0", procs[:1])  # the survivor trained steps 3-4 alone
         t_alone = time.perf_counter()
+        assert run.status == "running" and run.world == 1, run.message  # the survivor's attempt alone
         procs.append(start(1, "b2"))
         assert procs[0].wait(timeout=180) == 0 and procs[2].wait(timeout=60) == 0
         t_end = time.perf_counter()
+        assert run.wait(30) == "finished", run.message
     finally:
         for p in procs:
             kill_tree(p)
         for f in logs.values():
             f.close()
-        sink.close()
-    a, b2 = (tmp_path / "a.log").read_text(), (tmp_path / "b2.log").read_text()
+        run.stop()
+    a, b1 = (tmp_path / "a.log").read_text(), (tmp_path / "b1.log").read_text()
     assert "failed (exitcode: 1)" in a and "10.231.0.2" in a, a[-4000:]  # the collective with the lost node failed
     shrunk, regrown = a.index("resumed from ckpt/step_3 at step 3"), a.index("resumed from ckpt/step_5 at step 5")
     assert a.count("1 processes, not the plan's 2: dp(1), not dp(2)") == 1  # once: at world 1
     assert shrunk > a.index("dp(1), not dp(2)") > a.index("failed (exitcode: 1)") and regrown > shrunk
-    assert f"cannot reach AUTOPAR_METRICS={sink.address}" in b2  # the far node trains without the dashboard
-    records = sink.steps(0)
+    assert "cannot reach AUTOPAR_METRICS=127.0.0.1:9" in b1  # that node trained without the dashboard
+    records = [r for r in run.metrics if r["rank"] == 0]
     assert [r["step"] for r in records] == list(range(steps))  # 0-2 at world 2, 3-4 at world 1, 5-7 at world 2
+    assert [r["attempt"] for r in records] == [0, 0, 0, 1, 1, 2, 2, 2]
+    assert [r["step"] for r in run.metrics if r["rank"] == 1] == [5, 6, 7]  # its first start never streamed
+    assert run.world == 2 and [st.state(run.status) for st in run.ranks().values()] == ["finished", "finished"]
     expected = reference(src, plan, steps=steps)["losses"]
     assert [r["loss"] for r in records] == pytest.approx(expected, rel=FP32_RTOL, abs=0)
     print(f"node lost at {t_lost - t0:.1f} s; alone until {t_alone - t0:.1f} s; rejoined, done at {t_end - t0:.1f} s")

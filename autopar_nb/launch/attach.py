@@ -8,6 +8,11 @@ is *lost* when its connection closes without either, when it sends nothing for `
 connects within ``lost_after_s`` of the first rank that did. The run ends when every rank has finished, failed or
 been lost ("finished" only when all finished), or when :meth:`AttachedRun.stop` detaches from it (the remote ranks
 train on).
+
+Elastic restarts are followed: each rank's hello carries torchrun's restart count, restart limit and world size
+(``runtime/metrics.py``). After a failure or a lost rank with restarts left the run is "restarting" and waits up to
+``restart_wait_s`` for the next attempt's hellos; a smaller world after the restart (a node that left) makes the
+ranks beyond it "lost" without failing the run, which finishes when the ranks of the new world do.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ from .metrics import RankState
 from .monitor import Monitor
 from .run import Run
 
+RESTART_WAIT_S = 120.0
+"""seconds an attached run waits for the next attempt's first hello after a failure with restarts left (torchrun
+stops the group, meets again at the rendezvous, whose last call alone waits 30 s by default, and restarts it)"""
 LOST_AFTER_S = 300.0
 """seconds without a message after which a rank of an attached run is lost (a first step that compiles or loads a
 large checkpoint may need more: pass ``lost_after_s``)"""
@@ -37,7 +45,8 @@ class AttachedRun(Run):
     """A :class:`Run` whose ranks run elsewhere: no agent, no local processes, no log files; what it shows comes
     from the metrics stream. ``commands`` are the torchrun lines to run on the hosts (with ``env`` in front)."""
 
-    def __init__(self, *, address: str, lost_after_s: float, commands: list[str], **kwargs: Any):
+    def __init__(self, *, address: str, lost_after_s: float, commands: list[str],
+                 restart_wait_s: float = RESTART_WAIT_S, **kwargs: Any):
         super().__init__(**kwargs)
         self.address = address
         """host:port the ranks stream to (``AUTOPAR_METRICS``)"""
@@ -46,6 +55,17 @@ class AttachedRun(Run):
         self.commands = [f"{env_prefix(self.env)} {c}" for c in commands]
         """the script's torchrun commands with ``env`` in front"""
         self.lost_after_s = float(lost_after_s)
+        self.restart_wait_s = float(restart_wait_s)
+        self.world = self.nproc
+        """ranks in the current attempt (fewer than ``nproc`` after an elastic restart without a node)"""
+        self._attempt = 0
+        """the attempt as counted here (see ``_on_hello``)"""
+        self._spoke: set[int] = set()
+        """ranks that said hello in the current attempt"""
+        self._restarts = 0
+        """the most restarts a rank's agent reported in the current attempt (TORCHELASTIC_RESTART_COUNT)"""
+        self._accounted_at: float | None = None
+        self._end_note = ""
         self._heard: dict[int, float] = {}
         self._first_hello: float | None = None
         self._message = f"waiting for {self.nproc} rank(s) to connect to {address}"
@@ -79,7 +99,8 @@ class AttachedRun(Run):
                 if m.kind == "hello" and self._first_hello is None:
                     self._first_hello = now
                 st = self._ranks.get(m.rank)
-                if st is not None and st.lost is not None and m.kind != "closed" and st.closed_at is None:
+                if st is not None and st.lost is not None and m.kind != "closed" and st.closed_at is None \
+                        and st.rank < self.world:
                     self._found(st)  # silent for a while, but it is back
         changed = super()._ingest(msgs)
         if changed and self._status == "starting":
@@ -87,6 +108,47 @@ class AttachedRun(Run):
                 joined = sum(s.connected for s in self._ranks.values())
                 self._message = f"{joined} of {self.nproc} rank(s) connected to {self.address}"
         return changed
+
+    def _on_hello(self, st: RankState, data: dict, now: float) -> None:
+        """A rank's hello. A second hello from a rank in one attempt, or one from another world size, means torchrun
+        restarted the group (a worker never reconnects): a new attempt, counted here, since each node's agent counts
+        its own restarts (a node that joins later starts at 0; a membership change counts none). The hello also
+        says torchrun's restart limit and how many restarts its node's agent has made."""
+        limit, restarts, world = (data.get(k) for k in ("max_restarts", "attempt", "world"))
+        world = world if _whole(world) and 1 <= world <= self.nproc else None
+        if _whole(limit):
+            self.max_restarts = max(self.max_restarts, limit)
+        if st.rank in self._spoke or (world is not None and world != self.world and self._spoke):
+            self._attempt, self._spoke, self._accounted_at, self._restarts = self._attempt + 1, set(), None, 0
+        if not self._spoke and world is not None:
+            self.world = world
+        self._spoke.add(st.rank)
+        if _whole(restarts):
+            self._restarts = max(self._restarts, restarts)
+        super()._on_hello(st, {**data, "attempt": self._attempt}, now)
+        for other in self._ranks.values():
+            if other.rank >= self.world and other.attempt < self._attempt \
+                    and not (other.lost or "").startswith("not in attempt"):
+                other.lost = (f"not in attempt {self._attempt}: torchrun restarted the job with {self.world} "
+                              "rank(s)")
+
+    def _on_error(self, st: RankState, data: dict, sent: float, now: float) -> None:
+        """As a local run's, except that whether a restart follows is torchrun's restart limit against the count
+        its node's agent reported (the notebook's attempts also count membership changes)."""
+        super()._on_error(st, data, sent, now)
+        e = self._error
+        if self._restarts_left():
+            self._status, self._message = "restarting", (f"rank {e['rank']} failed ({e['error']}); waiting for "
+                                                         "torchrun to restart the group")
+        else:
+            self._status, self._message = "failed", f"rank {e['rank']} failed: {e['error']}"
+
+    def _behind(self, attempt: int, now: float) -> list[RankState]:
+        behind = super()._behind(attempt, now)
+        for st in behind:
+            if st.rank < self.world:  # those beyond the world stay lost: their node left
+                st.lost = None
+        return behind
 
     def _found(self, st: RankState) -> None:
         st.lost = st.error = st.failed_at = None
@@ -104,10 +166,17 @@ class AttachedRun(Run):
                 if why is not None:
                     st.lost, st.error, st.failed_at = why, {"error": f"lost: {why}", "traceback": ""}, time.time()
                     self._update_error()
-                    self._message = f"rank {st.rank} lost: {why}"
+                    if self._restarts_left():
+                        self._set_status("restarting", f"rank {st.rank} lost ({why}); waiting for torchrun to "
+                                                       "restart the group")
+                    else:
+                        self._message = f"rank {st.rank} lost: {why}"
+
+    def _restarts_left(self) -> bool:
+        return self._restarts < self.max_restarts
 
     def _why_lost(self, st: RankState, now: float) -> str | None:
-        if st.done or st.error is not None or st.lost is not None:
+        if st.done or st.error is not None or st.lost is not None or st.rank >= self.world:
             return None
         if st.closed_at is not None:
             return "its connection closed without an end message (its process ended, or the network dropped it)"
@@ -120,11 +189,24 @@ class AttachedRun(Run):
         return None
 
     def _agent_exited(self) -> bool:
-        """The run has ended: detached, or every rank finished, failed or was lost."""
+        """The run has ended: detached, or every rank of the current world finished, failed or was lost, and no
+        restart follows (none left, every rank finished, or none came within ``restart_wait_s``)."""
         if self._stop_reason is not None:
             return True
         with self._lock:
-            return all(self._ranks[r].done or self._ranks[r].error is not None for r in range(self.nproc))
+            ranks = [self._ranks[r] for r in range(self.world)]
+            if not all(st.done or st.error is not None for st in ranks):
+                self._accounted_at = None
+                return False
+            if all(st.done for st in ranks) or not self._restarts_left():
+                return True
+            now = time.monotonic()
+            self._accounted_at = self._accounted_at or now
+            if now - self._accounted_at <= self.restart_wait_s:
+                return False
+            self._end_note = (f"no restart came within {self.restart_wait_s:.0f} s ({self._restarts} of "
+                              f"{self.max_restarts} restart(s) made)")
+            return True
 
     def _agent_alive(self) -> bool:
         return False
@@ -144,16 +226,22 @@ class AttachedRun(Run):
     def _finalise(self) -> None:
         """Every rank has ended (or the user detached): the final status from the stream alone."""
         with self._lock:
-            ok = all(self._ranks[r].done for r in range(self.nproc))
+            ok = all(self._ranks[r].done for r in range(self.world))
             self._result = {"state": "succeeded" if ok else "failed"}
             self.ended = time.time()
             self._set_final_status(self._result, f"{self.ended - self.started:.1f} s")
+            if self._end_note and self._status == "failed":
+                self._message += f"; {self._end_note}"
             self._watch_tick()
         self._server_close()
         if self._tick >= 0:
             self._record_tick(self._tick + 1, {})
         self._notify()
         self._ended()
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 20
 
 
 def env_prefix(env: dict[str, str]) -> str:
@@ -179,7 +267,7 @@ def check_host(host: str | None, advertise: str | None) -> str:
 
 def attach(script: str | os.PathLike, nproc: int, steps: int | None = None, *, host: str | None = None,
            port: int = 0, advertise: str | None = None, plan: Any = None, commands: list[str] | None = None,
-           lost_after_s: float = LOST_AFTER_S, backend: str | None = None,
+           lost_after_s: float = LOST_AFTER_S, restart_wait_s: float = RESTART_WAIT_S, backend: str | None = None,
            run_dir: str | os.PathLike | None = None) -> AttachedRun:
     """Listen for the ``nproc`` ranks of ``script`` run on other hosts and return an :class:`AttachedRun` at once;
     displayed, it is the launch dashboard.
@@ -195,14 +283,16 @@ def attach(script: str | os.PathLike, nproc: int, steps: int | None = None, *, h
         plan: the Plan that runs, for predicted figures on the dashboard.
         commands: the torchrun command lines to print with the environment in front (``AttachedRun.commands``).
         lost_after_s: a rank silent this long (or, once the first rank connected, never connected) is lost.
+        restart_wait_s: after a failure with torchrun restarts left, how long to wait for the next attempt.
         backend: "nccl" (the hosts' GPUs) or "gloo" (CPU processes): which of the plan's predictions compare;
             default from the plan's device (a GPU preset: "nccl").
         run_dir: kept for the record (default: a new temporary directory).
     """
     if nproc < 1:
         raise LaunchError(f"nproc must be >= 1, got {nproc}")
-    if lost_after_s <= 0:
-        raise LaunchError(f"lost_after_s must be > 0, got {lost_after_s}")
+    if lost_after_s <= 0 or restart_wait_s < 0:
+        raise LaunchError(f"lost_after_s must be > 0 and restart_wait_s >= 0, got {lost_after_s} and "
+                          f"{restart_wait_s}")
     told = check_host(host, advertise)
     if backend is None:
         backend = "gloo" if plan_device(plan) in ("", "cpu") else "nccl"
@@ -218,7 +308,8 @@ def attach(script: str | os.PathLike, nproc: int, steps: int | None = None, *, h
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix=f"autopar-attach-{run_id[:8]}-")).resolve()
     run = AttachedRun(run_id=run_id, run_dir=run_dir, script=Path(script), nproc=nproc, steps=steps,
                       token=server.token, backend=backend, max_restarts=0, hang_timeout_s=None, plan=plan,
-                      address=address, lost_after_s=lost_after_s, commands=commands or [])
+                      address=address, lost_after_s=lost_after_s, restart_wait_s=restart_wait_s,
+                      commands=commands or [])
     run._server = server
     run._monitor = Monitor(run, nvml=False)  # this machine's GPUs are not the run's
     run._monitor.start()

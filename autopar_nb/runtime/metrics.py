@@ -22,7 +22,11 @@ class Metrics:
                 self.sock = socket.create_connection(tuple(address.rsplit(":", 1)), timeout=10)
             except (OSError, ValueError) as e:
                 print(f"metrics: cannot reach AUTOPAR_METRICS={address} ({e}); training without it", flush=True)
-        self.send({"token": token, "rank": rank})  # nothing is sent without a launcher
+        # torchrun's restart count and limit, and the world size: a notebook attached from afar follows restarts
+        names = {"attempt": "TORCHELASTIC_RESTART_COUNT", "max_restarts": "TORCHELASTIC_MAX_RESTARTS",
+                 "world": "WORLD_SIZE"}
+        elastic = {k: int(os.environ[v]) for k, v in names.items() if os.environ.get(v, "").isdigit()}
+        self.send({"token": token, "rank": rank, **elastic})  # nothing is sent without a launcher
         stacks = self.sock is not None and hasattr(signal, "SIGUSR1")  # so a hang shows where every thread waits
         if stacks:
             faulthandler.register(signal.SIGUSR1, all_threads=True)  # to stderr; the rank goes on
