@@ -247,3 +247,53 @@ def test_bad_addresses_are_refused_with_what_to_pass():
     assert check_host("0.0.0.0", "10.1.2.3") == "10.1.2.3"
     with pytest.raises(LaunchError, match="cannot listen on 192.0.2.77"):  # TEST-NET-1: not an address of ours
         attach("train.py", 2, host="192.0.2.77")
+
+
+# the dashboard's front end, rendered from an attached run's traits in chromium (no JupyterLab: a stub model)
+PAGE = """async ([esm, state]) => {
+  const mod = await import(URL.createObjectURL(new Blob([esm], {type: "text/javascript"})));
+  const el = document.createElement("div");
+  document.body.append(el);
+  mod.default.render({model: {get: (k) => state[k], on: () => {}, send: () => {}}, el});
+  await new Promise((r) => setTimeout(r, 200));
+  const data = el.querySelector(".apd-data");
+  return {states: [...el.querySelectorAll("tr[data-rank]")].map((tr) => tr.dataset.state),
+          data: data ? data.textContent : null, warn: data ? data.classList.contains("apd-note-warn") : null,
+          text: el.textContent};
+}"""
+
+
+@pytest.mark.browser
+def test_the_dashboard_shows_a_lost_rank_and_the_data_verdict(runs):
+    """Issue 15 point 6 and issue 18 point 2 in the front end: the lost rank's state, where the ranks stream to, and
+    the data-wait verdict in the end summary (a warning above 10 %)."""
+    import test_browser
+    from playwright.sync_api import sync_playwright
+
+    test_browser._require_chromium()
+    run = runs()
+    a, b = Rank(run, 0), Rank(run, 1)
+    a.step(0), b.step(0)
+    b.close()
+    text = "data loading is the bottleneck: a rank waited 40% of its step time for batches; try more workers"
+    a.send({"event": "data", "data_wait_share": 0.4, "bottleneck": True, "message": text})
+    a.send({"event": "done"})
+    assert run.wait(10) == "failed"
+    board = run.dashboard()
+    state = {k: getattr(board, k) for k in ("status", "message", "error", "hang", "ranks", "info", "summary")}
+    state.update(timeline={}, steps={}, events=[], replan={})
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(test_browser.CHROMIUM), args=test_browser.CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page()
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.set_content("<html><body></body></html>")
+            seen = page.evaluate(PAGE, [board._esm, state])
+        finally:
+            browser.close()
+    a.close()
+    assert not errors, errors
+    assert seen["states"] == ["finished", "lost"]
+    assert seen["data"] == text and seen["warn"] is True
+    assert f"on other hosts, streaming to {run.address}" in seen["text"]
