@@ -242,15 +242,17 @@ class Session:
 
     def attach(self, path: str = "train.py", *, host: str | None = None, port: int = 0, advertise: str | None = None,
                nproc: int | None = None, steps: int = 100, lost_after_s: float | None = None,
-               backend: str | None = None, overwrite: bool = False, quiet: bool = False):
+               restart_wait_s: float | None = None, backend: str | None = None, overwrite: bool = False,
+               quiet: bool = False):
         """Export the plan to ``path`` and attach the launch dashboard to its run on other hosts: the metrics server
         listens on ``host`` (an address of this machine the hosts reach, or "0.0.0.0" with ``advertise``), and the
         torchrun commands to run there are printed with ``AUTOPAR_METRICS`` and ``AUTOPAR_TOKEN`` in front (also
         ``run.commands``, ``run.env``). Returns the AttachedRun at once; displayed, it is the dashboard, fed by the
-        ranks' stream alone (see ``autopar_nb.launch.attach``); ``run.stop()`` detaches."""
+        ranks' stream alone (see ``autopar_nb.launch.attach``: ``lost_after_s``, ``restart_wait_s``);
+        ``run.stop()`` detaches."""
         from .export import export
         from .launch import attach
-        from .launch.attach import LOST_AFTER_S, check_host
+        from .launch.attach import LOST_AFTER_S, RESTART_WAIT_S, check_host
 
         check_host(host, advertise)  # before anything is written
         plan = self.plan_for(nproc)
@@ -258,6 +260,7 @@ class Session:
         run = attach(exported.script, plan.mesh.world_size, steps, host=host, port=port, advertise=advertise,
                      plan=plan, commands=exported.commands, backend=backend,
                      lost_after_s=LOST_AFTER_S if lost_after_s is None else lost_after_s,
+                     restart_wait_s=RESTART_WAIT_S if restart_wait_s is None else restart_wait_s,
                      run_dir=exported.script.parent)
         if not quiet:
             print(f"wrote {exported.script} and {exported.plan_json}; listening on {run.address} for "
