@@ -36,29 +36,31 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-COMPONENTS = ("params", "grads", "optimizer", "activations", "loss", "backward", "buffers", "step")
+COMPONENTS = ("params", "grads", "optimizer", "activations", "casts", "loss", "backward", "buffers", "step")
 """the measured components, in the order tables show them"""
 LABELS = {
     "params": ("Parameter", "Buffer", "Sharded Param"),
     "grads": ("Gradient", "Sharded Grad"),
     "optimizer": ("Optstate", "OptState"),
     "activations": ("Activation",),
+    "casts": ("Cast",),
     "loss": ("Loss", "Inputs"),
     "backward": ("Temp",),
     "buffers": ("Setup", "All Gather", "Reduce Scatter", "Unsharded Param", "Unsharded Grad", "Other"),
     "step": ("Step",),
 }
-"""component -> the tracker's reference types (MemTracker's and FSDPMemTracker's, plus this module's Loss, Setup and
-Step) it sums"""
+"""component -> the tracker's reference types (MemTracker's and FSDPMemTracker's, plus this module's Loss, Cast, Setup
+and Step) it sums"""
 
 
 def _tracker_classes():
     """(MemTracker, FSDPMemTracker) subclasses that label storages by when they are created (see the module
     docstring). Built lazily: importing this module must not import torch.distributed."""
+    import torch
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType
 
-    extra = {"LOSS": "Loss", "SETUP": "Setup", "STEP": "Step"}
+    extra = {"LOSS": "Loss", "CAST": "Cast", "SETUP": "Setup", "STEP": "Step"}
     mem_types = _RefType("_Labels", {**{m.name: m.value for m in _MemRefType}, **extra})
     fsdp_types = _RefType("_FSDPLabels", {**{m.name: m.value for m in _FSDPRefType}, **extra})
 
@@ -67,12 +69,30 @@ def _tracker_classes():
         """"setup" (parallelize), "train" (forward, loss, backward), "step" (after backward: clipping, optimizer)"""
         where = ""
         """the phase and module of the peak"""
+        param_cast = False
+        """the op being tracked is a ``_to_copy`` of a parameter (autocast's 16-bit copy of a weight)"""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.param_cast = func is torch.ops.aten._to_copy.default and bool(args) and self._is_param(args[0])
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self.param_cast = False
+
+        def _is_param(self, t) -> bool:
+            if not isinstance(t, torch.Tensor):
+                return False
+            hit = self._WINFO.get(t.untyped_storage())
+            return hit is not None and getattr(hit[0].reftype, "name", "") in ("PARAM", "SHARDED_PARAM",
+                                                                                "UNSHARDED_PARAM")
 
         def _label(self, reftype):
             types = self._ref_class
             name = getattr(reftype, "name", "")
             if self.phase == "setup" and name in ("ACT", "TEMP"):
                 return types.SETUP
+            if self.param_cast and name in ("ACT", "TEMP"):
+                return types.CAST
             if name == "OPT":  # the optimizer's states, whenever the tracker's optimizer hook finds them
                 return reftype
             if name in ("ACT", "TEMP") and self.phase == "step":

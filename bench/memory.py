@@ -81,7 +81,7 @@ def markdown(rows: list[dict]) -> str:
     out = [head, "|---" * 11 + "|"]
     for r in rows:
         p, m = r["predicted"], r["measured"]
-        buf_m = m["buffers"] + m["backward"] + m["step"]
+        buf_m = m["buffers"] + m["backward"] + m["step"] + m.get("casts", 0.0)
         cells = [f"{p[k] / MiB:.2f} / {m[k] / MiB:.2f}" for k in ("params", "grads", "optimizer")] + [
                  f"{p['activations'] / MiB:.1f} / {m['activations'] / MiB:.1f} (+{m['loss'] / MiB:.1f})",
                  f"{p['buffers'] / MiB:.1f} / {buf_m / MiB:.1f}",

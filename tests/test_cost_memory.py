@@ -82,7 +82,7 @@ def kprof():
 
 
 def _act(prof, **kw):
-    return sum(activation_bytes(lp, half=False, scale=1.0, **kw) for lp in prof.layers)
+    return sum(activation_bytes(lp, scale=1.0, **kw) for lp in prof.layers)
 
 
 def test_korthikanti_no_parallelism(kprof):
@@ -189,7 +189,7 @@ def test_saved_activations_match_measurement(name):
     measured = measured_saved_bytes(model, inputs)
     graph = ap.capture(model, inputs)
     prof = profile(graph, device_kind="cpu")
-    predicted = sum(activation_bytes(lp, tp=1, sp=False, recompute="none", half=False, scale=1.0)
+    predicted = sum(activation_bytes(lp, tp=1, sp=False, recompute="none", scale=1.0)
                     for lp in prof.layers)
     assert predicted == pytest.approx(measured, rel=0.05), (name, predicted, measured)
 
@@ -217,7 +217,7 @@ def test_saved_activations_match_measurement_when_recorded_eagerly(name):
         graph = ap.capture(_Eager(model), inputs)
     assert graph.tracer == "fx"
     prof = profile(graph, device_kind="cpu")
-    predicted = sum(activation_bytes(lp, tp=1, sp=False, recompute="none", half=False, scale=1.0)
+    predicted = sum(activation_bytes(lp, tp=1, sp=False, recompute="none", scale=1.0)
                     for lp in prof.layers)
     assert predicted == pytest.approx(measured, rel=0.02), (name, predicted, measured)
 

@@ -182,7 +182,9 @@ def test_megatron_table_1_with_one_fused_qkv_linear():
 def test_fused_qkv_costs_like_separate_projections():
     """The same GPT with one fused [q|k|v] Linear (split part by part) and with separate q/k/v projections: the same
     FLOPs per GPU, communication and memory at every TP degree, and the same step time but for the launch overhead
-    of the two kernels the fused one saves per block."""
+    of the two kernels the fused one saves per block. Memory is compared in fp32: under autocast each separate
+    projection saves its own 16-bit copy of the block's input (autocast caches only parameters' casts), the fused
+    one a single copy."""
     cfg = zoo.GPTConfig(n_layer=2, n_head=16, n_embd=1024, vocab_size=4096, block_size=512)
     with torch.device("meta"):
         fused, separate = (ap.capture(m, torch.randint(0, 4096, (4, 512))) for m in (zoo.GPT(cfg), megatron_gpt(cfg)))
@@ -191,8 +193,11 @@ def test_fused_qkv_costs_like_separate_projections():
         a, b = _cost(fused, ap.Cluster.preset("h100-80gb"), s), _cost(separate, ap.Cluster.preset("h100-80gb"), s)
         assert a.step_time_s == pytest.approx(b.step_time_s, rel=0.03), t
         assert a.hardware_tflops_per_gpu * a.step_time_s == pytest.approx(b.hardware_tflops_per_gpu * b.step_time_s)
-        assert a.comm_by_kind == pytest.approx(b.comm_by_kind, rel=0.01) and a.peak_memory_bytes == pytest.approx(
-            b.peak_memory_bytes, rel=0.01)
+        assert a.comm_by_kind == pytest.approx(b.comm_by_kind, rel=0.01)
+        assert a.peak_memory_bytes < b.peak_memory_bytes
+        fp32 = Setting(tp=t, mb_samples=4, sp=True)
+        a, b = _cost(fused, ap.Cluster.preset("h100-80gb"), fp32), _cost(separate, ap.Cluster.preset("h100-80gb"), fp32)
+        assert a.peak_memory_bytes == pytest.approx(b.peak_memory_bytes, rel=0.01)
 
 
 def test_repeated_key_value_projections_cost():

@@ -3,6 +3,7 @@ import math
 import pathlib
 
 import pytest
+import torch
 
 import kernels_ext
 from kernels_ext import OpRule, TensorMeta
@@ -195,3 +196,39 @@ def test_registered_custom_op_rule_decides_what_is_saved_and_how_tp_treats_it():
     assert styles_known == {}
     # it keeps its input (the up-projection's output, fp32) and one fp32 statistic per row
     assert saved_known - saved == B * T * 64 * 4 + B * T * 4
+
+
+@pytest.mark.parametrize("kind,key", [("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")])
+def test_autocast_lists_are_the_dispatchers(kind, key):
+    """Every ATen op with an autocast kernel for this device has exactly one policy in kernels_ext.autocast, and
+    nothing else has one (a torch upgrade that changes autocast's lists fails here)."""
+    from kernels_ext import autocast as ac
+
+    registered = {n.removeprefix("aten::") for n in torch._C._dispatch_get_all_op_names()
+                  if n.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(n, key)}
+    tables = [t[kind] for t in (ac.LOWER, ac.FP32, ac.FP32_OPT_DTYPE, ac.PROMOTE, ac.BANNED)]
+    assert sum(len(t) for t in tables) == len(set().union(*tables)), "an op in two lists"
+    assert set().union(*tables) == registered
+
+
+def test_autocast_policies_as_cpu_autocast_runs_them():
+    """One op of each CPU policy, run under CPU autocast: the output dtype the policy says; unlisted ops (norms,
+    softmax) follow their input."""
+    from kernels_ext.autocast import autocast_policy
+
+    f32, b16 = torch.randn(4, 4), torch.randn(4, 4, dtype=torch.bfloat16)
+    cases = [("aten.mm.default", lambda: torch.mm(f32, f32), torch.bfloat16),
+             ("aten.linear.default", lambda: torch.nn.functional.linear(f32, f32), torch.bfloat16),
+             ("aten.mse_loss.default", lambda: torch.nn.functional.mse_loss(b16, b16), torch.float32),
+             ("aten.cat.default", lambda: torch.cat([f32, b16]), torch.float32),
+             ("aten.layer_norm.default", lambda: torch.nn.functional.layer_norm(b16, (4,), f32[0], f32[0]),
+              torch.bfloat16),
+             ("aten.softmax.int", lambda: torch.softmax(b16, -1), torch.bfloat16)]
+    want_policy = {torch.bfloat16: ("lower", ""), torch.float32: ("fp32", "promote")}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for op, run, dtype in cases:
+            assert run().dtype == dtype, op
+            assert autocast_policy(op, "cpu") in want_policy[dtype], op
+    assert autocast_policy("aten.softmax.int", "cuda") == "fp32_opt"
+    assert autocast_policy("aten.layer_norm.default", "cuda") == "fp32"
+    assert autocast_policy("aten.add.Tensor", "cuda") == ""

@@ -13,7 +13,7 @@ from .comm import collective_time, link_for
 from .factors import Factors, factors_for
 from .loss import FusedHead
 from .memory import activation_bytes, in_flight, model_states, state_bytes, with_margin
-from .profile import GraphProfile
+from .profile import GraphProfile, precision_of
 from .time import bubble_fraction, layer_compute_time, optimizer_time
 
 
@@ -86,6 +86,9 @@ class LayerTerms:
     tp_step: float = 0.0
     """seconds of TP collectives run once per step, not per micro-batch: the all-reduce of the weight gradients of
     key/value projections TP repeats (``LayerProfile.at_tp``)"""
+    cast_local: float = 0.0
+    """numel of the layer's local parameters autocast keeps a 16-bit copy of during forward and backward (0 unless
+    the precision is "autocast")"""
 
     def recompute_s(self, recompute: str) -> float:
         """Seconds recompute adds in backward: the whole forward again (full, with its all-to-alls) or the attention
@@ -138,12 +141,15 @@ class RankSums:
     hw_flops: float = 0.0
     tp_step: list[float] = field(default_factory=list)
     """seconds of TP collectives run once per step (``LayerTerms.tp_step``)"""
+    casts: list[float] = field(default_factory=list)
+    """local parameters (numel) autocast keeps 16-bit copies of (``LayerTerms.cast_local``)"""
 
     @classmethod
     def zeros(cls, pp: int) -> RankSums:
         z = [0.0] * pp
         return cls(list(z), list(z), list(z), [{} for _ in range(pp)], list(z), list(z), list(z),
-                   [(0.0, 0.0) for _ in range(pp)], list(z), list(z), list(z), list(z), list(z), tp_step=list(z))
+                   [(0.0, 0.0) for _ in range(pp)], list(z), list(z), list(z), list(z), list(z), tp_step=list(z),
+                   casts=list(z))
 
     def per_micro_batch(self, r: int) -> float:
         """Rank ``r``'s time for one micro-batch: the sum of its layers' :meth:`LayerTerms.time_s`."""
@@ -172,10 +178,12 @@ class Evaluator:
         self._cache: dict[tuple, LayerTerms] = {}
 
     # ---- per layer ----------------------------------------------------------------------------------------------
-    def terms(self, i: int, *, tp: int, sp: bool, half: bool, mb_samples: float, ep: int = 1,
+    def terms(self, i: int, *, tp: int, sp: bool, precision: str, mb_samples: float, ep: int = 1,
               compiled: bool = False) -> LayerTerms:
-        """Per-layer terms, cached by the layer's repeated-block representative."""
-        key = (self.prof.rep[i], tp, sp, half, mb_samples, ep, compiled)
+        """Per-layer terms, cached by the layer's repeated-block representative. ``precision``: one of
+        :data:`~.profile.PRECISIONS` (:func:`~.profile.precision_of`)."""
+        key = (self.prof.rep[i], tp, sp, precision, mb_samples, ep, compiled)
+        half = precision != "fp32"
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -184,8 +192,8 @@ class Evaluator:
         qscale = mb_samples / self.prof.batch * self.seq_ratio ** 2
         fwd, bwd, sel = layer_compute_time(lp, tp=tp, sp=sp, half=half, scale=scale, quad_scale=qscale,
                                            device=self.cluster.device, factors=self.f, compiled=compiled)
-        act = {r: activation_bytes(lp, tp=tp, sp=sp, recompute=r, half=half, scale=scale, quad_scale=qscale,
-                                   megatron_sp=self.megatron_sp) for r in RECOMPUTE}
+        act = {r: activation_bytes(lp, tp=tp, sp=sp, recompute=r, precision=precision, scale=scale,
+                                   quad_scale=qscale, megatron_sp=self.megatron_sp) for r in RECOMPUTE}
         comm: dict[str, float] = {}
         step_s = 0.0  # once per step, not per micro-batch
         if tp > 1:
@@ -199,7 +207,7 @@ class Evaluator:
                 kinds = ("reduce_scatter", "all_gather") if sp and c.kind == "all_reduce" else (c.kind,)
                 for k in kinds:
                     comm[k] = comm.get(k, 0.0) + collective_time(k, nbytes, tp, link, self.f.eff_link)
-        out = (lp.output_half if half else lp.output_bytes) * scale / (tp if sp else 1)
+        out = (lp.output_amp[precision] if half else lp.output_bytes) * scale / (tp if sp else 1)
         work = lp.largest_out * scale * (0.5 if half else 1.0) / (tp if tp > 1 else 1)
         fwd_fl = (sum(lp.flops_split.values()) + sum(lp.flops_rep.values()) + lp.flops_other) * scale
         bwd_fl = (sum(lp.bwd_split.values()) + sum(lp.bwd_rep.values()) + lp.bwd_other) * scale
@@ -213,6 +221,7 @@ class Evaluator:
         if a2a:
             comm["all_to_all"] = a2a
         t.tp_step = step_s
+        t.cast_local = lp.cast_split / tp + lp.cast_rep if precision == "autocast" else 0.0
         self._cache[key] = t
         return t
 
@@ -231,7 +240,8 @@ class Evaluator:
 
     def choice_terms(self, i: int, s: Setting, ch: LayerChoice) -> LayerTerms:
         """:meth:`terms` of layer ``i`` under the candidate's setting and the layer's choice (TP on or off)."""
-        return self.terms(i, tp=s.tp if ch.tp else 1, sp=s.sp and ch.tp, half=s.amp != "none",
+        return self.terms(i, tp=s.tp if ch.tp else 1, sp=s.sp and ch.tp,
+                          precision=precision_of(s.amp, s.zero_stage),
                           mb_samples=s.mb_samples, ep=s.ep, compiled=ch.compile)
 
     # ---- a whole candidate --------------------------------------------------------------------------------------
@@ -312,6 +322,7 @@ class Evaluator:
             sums.params[r] += cnt * lt.params_local
             sums.experts[r] += cnt * lt.experts_local
             sums.tp_step[r] += cnt * lt.tp_step
+            sums.casts[r] += cnt * lt.cast_local
             if cnt > 1 or prof.rep[i] != i:
                 sums.block_unit[r] = max(sums.block_unit[r], lt.params_local)
             sums.largest[r] = max(sums.largest[r], lt.largest_param)
@@ -429,7 +440,7 @@ class Evaluator:
             gather = u1 * (p_item + g_item) + sums.block_unit[r] * p_item
             held += sums.nofsdp[r] * p_item
         elif half:
-            held += params * 2  # autocast caches 16-bit copies of the weights for the step
+            held += sums.casts[r] * 2  # autocast's 16-bit copies of the weights its lower-precision ops read
         held += ddp_bucket_bytes(s, params - experts)
         flight = in_flight(s.schedule, pp=s.pp, stage=r, micro_batches=m, virtual_stages=s.virtual_stages)
         act = flight * sums.acts[r]
@@ -508,7 +519,8 @@ def estimate(graph, cluster, plan, *, factors: Factors | None = None) -> Cost:
     from .loss import fused_head
     from .profile import profile_of
 
-    prof = profile_of(graph, "cpu" if cluster.name == "cpu" else "cuda")
+    prof = profile_of(graph, "cpu" if cluster.name == "cpu" else "cuda", fp32_ops=plan.precision.fp32_ops,
+                      low_precision_ops=plan.precision.low_precision_ops)
     if [lp.path for lp in plan.layers] != [lay.path for lay in graph.layers]:
         raise ValueError("the plan's layers do not match the graph's; re-plan for this model")
     seq_ratio = plan.batch.seq_len / graph.seq_len if plan.batch.seq_len and graph.seq_len else 1.0

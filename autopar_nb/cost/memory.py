@@ -60,28 +60,28 @@ def model_states(num_params: float, *, dp: int, zero_stage: int, states: StateBy
     return p, g, o
 
 
-def activation_bytes(lp: LayerProfile, *, tp: int, sp: bool, recompute: str, half: bool, scale: float,
+def activation_bytes(lp: LayerProfile, *, tp: int, sp: bool, recompute: str, scale: float, precision: str = "fp32",
                      quad_scale: float | None = None, megatron_sp: bool = False) -> float:
-    """Bytes one micro-batch leaves saved for backward in this layer (Korthikanti et al. 2022, sec. 4).
+    """Bytes one micro-batch leaves saved for backward in this layer (Korthikanti et al. 2022, sec. 4), at the dtypes
+    ``precision`` gives them (:data:`~.profile.PRECISIONS`: under autocast each op's saved tensors at the dtype
+    autocast runs it in, and the 16-bit copies it makes of its inputs; :mod:`.autocast`).
 
     ``scale`` = samples per micro-batch / captured samples (times the sequence ratio); ``quad_scale`` scales the
     attention-score terms (sequence ratio squared), default ``scale``. Inside TP regions saved tensors divide by
     ``tp``; outside, only with sequence parallel. With SP, PyTorch's DTensor saves the all-gathered input of each
     colwise Linear (full size); Megatron-LM saves the shard and gathers again in backward (``megatron_sp``).
     ``recompute``: "selective" drops attention-score tensors (recomputed from Q, K, V), "full" keeps only the
-    layer's input (sequence-sharded under SP). ``half``: floating activations counted at 16 bits (exact for FSDP's
-    MixedPrecisionPolicy, which runs the whole forward in bf16; under autocast, norms and softmax keep fp32 outputs,
-    so this is slightly low there); norm statistics stay fp32.
+    layer's input (sequence-sharded under SP).
     """
     qs = scale if quad_scale is None else quad_scale
     if recompute == "full":
-        b = lp.input_half if half else lp.input_bytes
+        b = lp.input_bytes if precision == "fp32" else lp.input_amp[precision]
         return b * scale / (tp if sp else 1)
     total = 0.0
-    for s in lp.saved:
+    for s in lp.saved_at(precision):
         if recompute == "selective" and s.quadratic:
             continue
-        b = (s.half_bytes if half else s.nbytes) * (qs if s.quadratic else scale)
+        b = s.nbytes * (qs if s.quadratic else scale)
         if s.region:
             b /= tp
         elif sp and (megatron_sp or not s.gathered):

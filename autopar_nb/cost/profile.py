@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 from kernels_ext import moe_rules
 
 from ..plan import ITEMSIZE, layer_of
+from .autocast import AmpDtypes, amp_dtypes
 from .tp_styles import Parts, Walk, packet, part_split, rule_of, sp_check, splits_of, tp_walk
 
 FLOAT = {"float64", "float32", "float16", "bfloat16"}
@@ -36,9 +37,7 @@ class Saved:
     """One storage autograd keeps for backward, at the captured batch."""
 
     nbytes: float
-    """bytes at the captured dtype"""
-    half_bytes: float
-    """bytes when floating activations are 16-bit (AMP)"""
+    """bytes at the dtype it has in this precision (:data:`PRECISIONS`)"""
     region: bool
     """inside a tensor-parallel region: divided by the TP degree"""
     gathered: bool = False
@@ -48,6 +47,19 @@ class Saved:
     """attention-score sized (seq x seq): dropped by selective recompute (Korthikanti et al. 2022, sec. 5)"""
     stat: bool = False
     """per-token statistics (norm mean/rstd, attention logsumexp): fp32 even under AMP, never TP-split"""
+
+
+PRECISIONS = ("fp32", "autocast", "autocast_lowp")
+"""how a plan runs the forward, which sets every tensor's dtype: float32; ``torch.autocast`` over float32
+parameters; autocast over 16-bit parameters (FSDP2's MixedPrecisionPolicy with ``param_dtype``, ZeRO 2/3 under AMP)"""
+
+
+def precision_of(amp: str, zero_stage: int) -> str:
+    """The :data:`PRECISIONS` entry of a plan's ``amp`` ("none", "bf16", "fp16") and ZeRO stage (the planner gives
+    FSDP 16-bit parameters under AMP from ZeRO 2 on)."""
+    if amp == "none":
+        return "fp32"
+    return "autocast_lowp" if zero_stage >= 2 else "autocast"
 
 
 @dataclass
@@ -103,10 +115,19 @@ class LayerProfile:
     """bytes of dense Embedding-gradient writes in backward (tables TP splits)"""
     emb_bwd_rep: float = 0.0
     saved: list[Saved] = field(default_factory=list)
+    """what autograd saves in a float32 forward"""
+    saved_amp: dict[str, list[Saved]] = field(default_factory=dict)
+    """the same under autocast: precision ("autocast", "autocast_lowp") -> saved tensors at their dtypes there"""
     input_bytes: float = 0.0
-    input_half: float = 0.0
+    """bytes entering the layer (float32 forward)"""
+    input_amp: dict[str, float] = field(default_factory=dict)
+    """the same under autocast, by precision"""
     output_bytes: float = 0.0
-    output_half: float = 0.0
+    output_amp: dict[str, float] = field(default_factory=dict)
+    cast_split: int = 0
+    """parameters (numel) TP divides that autocast keeps a 16-bit copy of for the step (read by a lower-precision op:
+    Linear and convolution weights and biases; not embeddings or norm weights)"""
+    cast_rep: int = 0
     largest_out: float = 0.0
     """bytes of the largest (output + activation inputs) of one op: the gradients its backward holds at once"""
     comms: list[Comm] = field(default_factory=list)
@@ -139,6 +160,10 @@ class LayerProfile:
     """bytes of the token rows the experts modules receive (token x choice pairs x hidden width), summed over the
     modules: what one all-to-all of expert parallelism moves each way (dispatch, combine)"""
     dispatch_half: float = 0.0
+
+    def saved_at(self, precision: str) -> list[Saved]:
+        """What autograd saves in this layer under ``precision`` (:data:`PRECISIONS`)."""
+        return self.saved if precision == "fp32" else self.saved_amp[precision]
 
     def layout(self, module: str, tp: int) -> str:
         """How ``tp`` ranks split the colwise ``module``: :func:`.tp_styles.part_split` of its parts ("split" for a
@@ -201,35 +226,44 @@ class GraphProfile:
         raise KeyError(path)
 
 
-_PROFILES: dict[int, tuple[weakref.ref, str, GraphProfile]] = {}
+_PROFILES: dict[int, tuple[weakref.ref, tuple, GraphProfile]] = {}
 
 
-def profile_of(graph, device_kind: str = "cuda") -> GraphProfile:
-    """:func:`profile`, computed once per (graph, device kind) and kept while the graph lives."""
+def profile_of(graph, device_kind: str = "cuda", *, fp32_ops=(), low_precision_ops=()) -> GraphProfile:
+    """:func:`profile`, computed once per (graph, device kind, op lists) and kept while the graph lives (the latest
+    one per graph)."""
+    how = (device_kind, tuple(fp32_ops), tuple(low_precision_ops))
     hit = _PROFILES.get(id(graph))
-    if hit is not None and hit[0]() is graph and hit[1] == device_kind:
+    if hit is not None and hit[0]() is graph and hit[1] == how:
         return hit[2]
-    prof = profile(graph, device_kind=device_kind)
+    prof = profile(graph, device_kind=device_kind, fp32_ops=fp32_ops, low_precision_ops=low_precision_ops)
     key = id(graph)
     try:
         ref = weakref.ref(graph, lambda _r: _PROFILES.pop(key, None))
     except TypeError:
         return prof
-    _PROFILES[key] = (ref, device_kind, prof)
+    _PROFILES[key] = (ref, how, prof)
     return prof
 
 
-def profile(graph, *, device_kind: str = "cuda") -> GraphProfile:
+def profile(graph, *, device_kind: str = "cuda", fp32_ops=(), low_precision_ops=()) -> GraphProfile:
     """Walk ``graph`` once (see the module docstring). ``device_kind`` is "cuda" or "cpu" (what autograd saves for
-    dropout and RMSNorm differs)."""
+    dropout and RMSNorm differs, and autocast's op lists). ``fp32_ops`` / ``low_precision_ops``: the plan's op lists
+    (``precision.fp32_ops`` / ``low_precision_ops``), which change the dtypes saved under autocast."""
     refused: dict[str, str] = {}
     f = _facts(graph, refused, device_kind)
+    amp = {p: _amp_facts(f, device_kind, low_params=p == "autocast_lowp", fp32_ops=fp32_ops,
+                         low_precision_ops=low_precision_ops) for p in PRECISIONS[1:]}
     layers = {lay.path: LayerProfile(lay.path) for lay in graph.layers}
     _count_compute(layers, f)
-    _count_saved(layers, f, device_kind)
+    for lp, saved in _count_saved(layers, f, device_kind):
+        lp.saved = saved
+    for precision, fa in amp.items():
+        for lp, saved in _count_saved(layers, fa, device_kind):
+            lp.saved_amp[precision] = saved
     _count_comms(layers, f)
-    _count_boundaries(layers, f)
-    _count_params(layers, f, split_params=_count_tp(layers, f))
+    _count_boundaries(layers, f, amp)
+    _count_params(layers, f, split_params=_count_tp(layers, f), cast=amp["autocast"].autocast.cast_params)
     _count_experts(layers, f)
     out = graph.outputs[0] if graph.outputs else None
     region_modules: dict[int, list[str]] = defaultdict(list)
@@ -268,6 +302,8 @@ class _Facts:
     by_name: dict[str, Any]
     size: dict[str, _Size]
     """tensor (a node's first output or a graph input) -> numel, itemsize, floating point"""
+    dtype: dict[str, str]
+    """tensor -> its dtype (as captured; under autocast in the facts :func:`_amp_facts` makes)"""
     root: dict[str, str]
     """node -> the node whose storage it is a view of (itself when it owns one)"""
     noncontig: dict[str, bool]
@@ -280,15 +316,29 @@ class _Facts:
     grad: set[str] = field(default_factory=set)
     """nodes whose output requires grad (a trainable parameter upstream): only their ops are recorded by autograd;
     the rest (masks, rotary cos/sin, position ids) save nothing"""
+    autocast: AmpDtypes | None = None
+    """the dtypes under autocast (None: the captured, float32 forward)"""
 
 
 def _facts(graph, refused: dict[str, str], device_kind: str = "cuda") -> _Facts:
     by_name = {n.name: n for n in graph.nodes}
-    size = _sizes(graph)
+    size, dtype = _sizes(graph)
     tp = _TP(*tp_walk(graph, by_name, {n.name: size[n.name].numel for n in graph.nodes}, refused))
-    root, noncontig = _storages(graph.nodes, device_kind)
+    root, noncontig = _storages(graph.nodes, device_kind, dtype)
     scores, param_views = _attention_scores(graph.nodes), _parameter_views(graph.nodes)
-    return _Facts(graph, by_name, size, root, noncontig, scores, param_views, tp, _requires_grad(graph))
+    return _Facts(graph, by_name, size, dtype, root, noncontig, scores, param_views, tp, _requires_grad(graph))
+
+
+def _amp_facts(f: _Facts, device_kind: str, *, low_params: bool, fp32_ops=(), low_precision_ops=()) -> _Facts:
+    """``f`` as the forward runs under bf16 autocast (fp16 has the same sizes): every tensor at its dtype there
+    (:mod:`.autocast`), views and no-op casts resolved again (a ``.to(float32)`` of a 16-bit tensor copies).
+    ``low_params``: the parameters themselves are 16-bit (FSDP's MixedPrecisionPolicy)."""
+    amp = amp_dtypes(f.graph, f.dtype, device_kind=device_kind, param_dtype="bfloat16" if low_params else None,
+                     fp32_ops=fp32_ops, low_precision_ops=low_precision_ops)
+    size = {k: v._replace(itemsize=ITEMSIZE[amp.dtype[k]]) if v.floating and k in amp.dtype else v
+            for k, v in f.size.items()}
+    root, noncontig = _storages(f.graph.nodes, device_kind, amp.dtype)
+    return replace(f, size=size, dtype=amp.dtype, root=root, noncontig=noncontig, autocast=amp)
 
 
 def _requires_grad(graph) -> set[str]:
@@ -301,11 +351,12 @@ def _requires_grad(graph) -> set[str]:
     return grad
 
 
-def _sizes(graph) -> dict[str, _Size]:
-    """Sizes of every node's (first) output and of the graph inputs. A graph input is named by the nodes that read
-    it; it takes the example inputs in the order the nodes first read one."""
+def _sizes(graph) -> tuple[dict[str, _Size], dict[str, str]]:
+    """Sizes and dtypes of every node's (first) output and of the graph inputs. A graph input is named by the nodes
+    that read it; it takes the example inputs in the order the nodes first read one."""
     size = {n.name: _Size(_numel(n.out_shapes[0]) if n.out_shapes else 0, ITEMSIZE.get(n.dtype, 4), n.dtype in FLOAT)
             for n in graph.nodes}
+    dtype = {n.name: n.dtype for n in graph.nodes}
     inputs = list(graph.inputs)
     placeholders = 0
     for n in graph.nodes:
@@ -313,16 +364,17 @@ def _sizes(graph) -> dict[str, _Size]:
             if name not in size:
                 ti = inputs[min(placeholders, len(inputs) - 1)] if inputs else None
                 size[name] = _Size(ti.numel, ti.itemsize, ti.dtype in FLOAT) if ti else _Size(0, 4, True)
+                dtype[name] = ti.dtype if ti else "float32"
                 placeholders += 1
-    return size
+    return size, dtype
 
 
-def _storages(nodes, device_kind: str = "cuda") -> tuple[dict[str, str], dict[str, bool]]:
-    """(node -> the node that owns its storage, node -> a non-contiguous view), from each view's rule layout."""
+def _storages(nodes, device_kind: str, dtype: dict[str, str]) -> tuple[dict[str, str], dict[str, bool]]:
+    """(node -> the node that owns its storage, node -> a non-contiguous view), from each view's rule layout and
+    each tensor's ``dtype``."""
     root: dict[str, str] = {}
     noncontig: dict[str, bool] = {}
     attention_out: set[str] = set()
-    dtype = {n.name: n.dtype for n in nodes}
     permuted = _permuted(nodes)
     for n in nodes:
         if n.op_class == "attention" and not _math_attention(n, device_kind) and (
@@ -330,7 +382,7 @@ def _storages(nodes, device_kind: str = "cuda") -> tuple[dict[str, str], dict[st
             # CUDA's fused kernels write (B, T, nh, hd); the CPU flash kernel follows the query's layout
             attention_out.add(n.name)
         src = n.inputs[0] if n.inputs else None
-        if src is not None and _returns_input(n, dtype.get(src), noncontig.get(src, False)):
+        if src is not None and _returns_input(n, dtype.get(src), dtype.get(n.name), noncontig.get(src, False)):
             root[n.name], noncontig[n.name] = root.get(src, src), noncontig.get(src, False)
             if src in attention_out:
                 attention_out.add(n.name)
@@ -381,13 +433,13 @@ _NO_OP_IF_SAME = ("to", "_to_copy", "type_as", "contiguous")
 """ops that return their input itself when nothing changes (same dtype; contiguous already)"""
 
 
-def _returns_input(n, src_dtype: str | None, src_noncontig: bool) -> bool:
+def _returns_input(n, src_dtype: str | None, dtype: str | None, src_noncontig: bool) -> bool:
     """The op returns its input tensor: ``x.to(x.dtype)``, ``x.contiguous()`` of a contiguous ``x``, dropout with
     p = 0 (ATen's ``dropout`` returns the input then: nothing is saved), a reshape to the same shape."""
     if n.dropout_p == 0.0 and n.op_class != "attention":
         return True
     name = packet(n.op)
-    if name in _NO_OP_IF_SAME and src_dtype == n.dtype and not (name == "contiguous" and src_noncontig):
+    if name in _NO_OP_IF_SAME and src_dtype == dtype and not (name == "contiguous" and src_noncontig):
         return name != "_to_copy"  # _to_copy always copies; .to() is the op that may return self
     return name in ("reshape", "view") and len(n.in_shapes) == 1 and n.out_shapes and \
         tuple(n.in_shapes[0]) == tuple(n.out_shapes[0])
@@ -485,10 +537,13 @@ class _Keep(NamedTuple):
     stat: bool = False
 
 
-def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str) -> None:
-    """What autograd saves, each storage once (in the layer of the first op that saves it). An op no trainable
-    parameter reaches is not recorded (saves nothing), nor one that returns its input (p = 0 dropout)."""
+def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str) -> list[tuple[LayerProfile,
+                                                                                           list[Saved]]]:
+    """What autograd saves in each layer at the dtypes of ``f``, each storage once (in the layer of the first op
+    that saves it). An op no trainable parameter reaches is not recorded (saves nothing), nor one that returns its
+    input (p = 0 dropout)."""
     seen: set[str] = set()
+    out = {path: [] for path in layers}
     for lp, n in _in_layers(layers, f):
         rule = rule_of(n.op)
         if rule is None or n.name not in f.grad or f.root.get(n.name, n.name) != n.name and n.op_class != "view":
@@ -497,9 +552,9 @@ def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str) -
             if keep.key in seen or keep.size.numel == 0:
                 continue
             seen.add(keep.key)
-            numel, item = keep.size.numel, keep.size.itemsize
-            half = numel * (2 if keep.size.floating and item > 2 and not keep.stat else item)
-            lp.saved.append(Saved(numel * item, half, keep.region, keep.gathered, keep.quadratic, keep.stat))
+            out[lp.path].append(Saved(keep.size.numel * keep.size.itemsize, keep.region, keep.gathered,
+                                      keep.quadratic, keep.stat))
+    return [(lp, out[path]) for path, lp in layers.items()]
 
 
 def _kept_by(n, rule, f: _Facts, device_kind: str) -> list[_Keep]:
@@ -516,9 +571,14 @@ def _kept_by(n, rule, f: _Facts, device_kind: str) -> list[_Keep]:
     out = f.size[n.name]
     colwise = f.tp.styles.get(n.name) == "colwise"
 
+    cast_to = f.autocast.cast if f.autocast is not None else lambda _n, _i: None
+
     def kept_input(i: str) -> _Keep:
         nd = len(f.by_name[i].out_shapes[0]) if i in f.by_name and f.by_name[i].out_shapes else 2
-        if rule.flattens_ndim and nd >= rule.flattens_ndim and f.noncontig.get(i, False):
+        to = cast_to(n.name, i)
+        if to is not None:  # autocast (or the plan's op lists) hands the op a copy in another dtype: it saves that
+            key, size = f"cast:{n.name}:{i}", f.size[i]._replace(itemsize=ITEMSIZE[to])
+        elif rule.flattens_ndim and nd >= rule.flattens_ndim and f.noncontig.get(i, False):
             key, size = f"copy:{n.name}:{i}", f.size[i]  # the op makes a contiguous copy and saves that
         else:
             key = f.root.get(i, i)
@@ -528,6 +588,10 @@ def _kept_by(n, rule, f: _Facts, device_kind: str) -> list[_Keep]:
     if _math_attention(n, device_kind):
         return _math_attention_saves(n, f, kept_input)
     kept: list[_Keep] = []
+    if f.autocast is not None and n.name in f.autocast.keeps_all:
+        # OpPrecision's WithoutAutocast holds the op's (float32) inputs and its output until backward
+        kept += [kept_input(i) for i in floats]
+        kept.append(_Keep(n.name, out._replace(floating=True), in_region, quadratic=scores))
     for what in rule.saves_on(device_kind):
         if what == "inputs" or (what == "operands" and (len(floats) >= 2 or (floats and reads_param))):
             kept += [kept_input(i) for i in needed]
@@ -561,12 +625,18 @@ def _math_attention(n, device_kind: str) -> bool:
 
 
 def _math_attention_saves(n, f: _Facts, kept_input) -> list[_Keep]:
-    """What :func:`_math_attention` keeps (measured with autograd's saved tensors, torch 2.13 CPU)."""
+    """What :func:`_math_attention` keeps (measured with autograd's saved tensors, torch 2.13 CPU). With 16-bit
+    inputs (autocast) the CPU math kernel computes in float32: q, k and v are converted first (v then saved as its
+    float32 copy) and the score-sized tensors are float32."""
     region = n.name in f.tp.sharded
     q, k, v = (n.inputs + [None] * 3)[:3]
     (*lead, _), kshape = n.in_shapes[0], n.in_shapes[1]
-    scores = _Size(_numel(lead) * kshape[-2], f.size[q].itemsize, True)
-    return [_Keep(f"q:{n.name}", f.size[q], region), _Keep(f"k:{n.name}", f.size[k], region), kept_input(v),
+    item = max(f.size[n.name].itemsize, 4)
+    scores = _Size(_numel(lead) * kshape[-2], item, True)
+    upcast = f.size[n.name].itemsize < item
+    return [_Keep(f"q:{n.name}", f.size[q]._replace(itemsize=item), region),
+            _Keep(f"k:{n.name}", f.size[k]._replace(itemsize=item), region),
+            _Keep(f"v:{n.name}", f.size[v]._replace(itemsize=item), region) if upcast else kept_input(v),
             *(_Keep(f"{what}:{n.name}", scores, region, quadratic=True) for what in ("softmax", "noise", "dropped"))]
 
 
@@ -621,8 +691,18 @@ def _count_comms(layers: dict[str, LayerProfile], f: _Facts) -> None:
                 lp.comms.append(Comm(kind, size.nbytes, size.numel * min(size.itemsize, 2), phase))
 
 
-def _count_boundaries(layers: dict[str, LayerProfile], f: _Facts) -> None:
-    """Bytes entering each layer (each storage once) and leaving it (read by a later layer, or the model output)."""
+def _count_boundaries(layers: dict[str, LayerProfile], f: _Facts, amp: dict[str, _Facts]) -> None:
+    """Bytes entering each layer (each storage once) and leaving it (read by a later layer, or the model output),
+    in the float32 forward and under each autocast precision."""
+    for path, (inp, out) in _boundary_bytes(layers, f).items():
+        layers[path].input_bytes, layers[path].output_bytes = inp, out
+    for precision, fa in amp.items():
+        for path, (inp, out) in _boundary_bytes(layers, fa).items():
+            layers[path].input_amp[precision], layers[path].output_amp[precision] = inp, out
+
+
+def _boundary_bytes(layers: dict[str, LayerProfile], f: _Facts) -> dict[str, tuple[float, float]]:
+    """layer -> (bytes entering it, bytes leaving it) at the dtypes of ``f``."""
     consumers: dict[str, list[str]] = defaultdict(list)
     for n in f.graph.nodes:
         for i in n.inputs:
@@ -630,21 +710,20 @@ def _count_boundaries(layers: dict[str, LayerProfile], f: _Facts) -> None:
     layer_of_node = {n.name: n.layer for n in f.graph.nodes}
     last = f.graph.nodes[-1] if f.graph.nodes else None
     entered: set[tuple[str, str]] = set()
+    out = {path: [0.0, 0.0] for path in layers}
     for lp, n in _in_layers(layers, f):
         for i in n.inputs:
             key = f.root.get(i, i)
             if layer_of_node.get(i) != n.layer and (n.layer, key) not in entered:
                 entered.add((n.layer, key))  # an input read by several ops is held once
-                size = f.size[key]
-                lp.input_bytes += size.nbytes
-                lp.input_half += size.numel * (2 if size.floating and size.itemsize > 2 else size.itemsize)
+                out[lp.path][0] += f.size[key].nbytes
         readers = consumers.get(n.name, [])
         if n.op_class == "view" and readers:
             continue
         elsewhere = [c for c in readers if layer_of_node.get(c) != n.layer]
         if n.out_shapes and n.dtype in FLOAT and (elsewhere or (n is last and not readers)):
-            lp.output_bytes += f.size[n.name].nbytes
-            lp.output_half += f.size[n.name].numel * 2
+            out[lp.path][1] += f.size[n.name].nbytes
+    return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 def _count_tp(layers: dict[str, LayerProfile], f: _Facts) -> set[str]:
@@ -724,8 +803,9 @@ def _python_norm(n) -> bool:
     return bool(n.module_type) and n.module_type.endswith(NORM_MODULES) and n.op_class == "elementwise"
 
 
-def _count_params(layers: dict[str, LayerProfile], f: _Facts, *, split_params: set[str]) -> None:
-    """Trainable parameters per layer, split by TP or replicated; the largest one; their item size."""
+def _count_params(layers: dict[str, LayerProfile], f: _Facts, *, split_params: set[str], cast: set[str]) -> None:
+    """Trainable parameters per layer, split by TP or replicated; the largest one; their item size; those autocast
+    keeps a 16-bit copy of (``cast``)."""
     graph = f.graph
     owner = {m: lay.path for lay in graph.layers for m in lay.modules}
     layer_paths = [lay.path for lay in graph.layers]
@@ -740,8 +820,10 @@ def _count_params(layers: dict[str, LayerProfile], f: _Facts, *, split_params: s
         lp.largest_param = max(lp.largest_param, pi.numel)
         if pname in split_params:
             lp.params_split += pi.numel
+            lp.cast_split += pi.numel if pname in cast else 0
         else:
             lp.params_rep += pi.numel
+            lp.cast_rep += pi.numel if pname in cast else 0
 
 
 GROUPED_MATMULS = frozenset(r.name for r in moe_rules.GROUPED_MATMULS if r.backward_factor)

@@ -64,6 +64,9 @@ def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None
                             f"(first input {graph.inputs[0].shape if graph.inputs else None})")
         seq_ratio = seq_len / graph.seq_len
     cons = parse(graph, prof, fix, overrides)
+    if cons.fix.get("fp32_ops") or cons.fix.get("low_precision_ops"):  # they change the dtypes saved under AMP
+        prof = profile_of(graph, device_kind, fp32_ops=cons.fix.get("fp32_ops", ()),
+                          low_precision_ops=cons.fix.get("low_precision_ops", ()))
     head, fused_why = fused_head(graph) if default_loss else (
         None, "the cell defines its own loss_fn (the fused op computes the default next-token cross-entropy)")
     ev = Evaluator(prof, cluster, seq_ratio=seq_ratio, head=head)

@@ -1,0 +1,137 @@
+"""The dtype of every tensor of a captured forward when it runs under ``torch.autocast`` (the plan's ``amp``), with
+the plan's own op lists (``precision.fp32_ops`` / ``low_precision_ops``, applied by ``runtime/amp.py``'s
+``OpPrecision``): what the memory model needs to count saved activations at the bytes they have.
+
+The graph is captured in float32; this pass walks it in order and decides each op's dtype:
+
+* an op the plan lists runs in float32 (``fp32_ops``: its floating inputs cast up, and ``WithoutAutocast`` keeps all
+  of them and its output for backward) or in the autocast dtype (``low_precision_ops``);
+* an op autocast lists follows its policy (``kernels_ext.autocast``: torch's own lists for this device kind):
+  ``lower`` casts every floating input to the autocast dtype (activations copied on every call; a trainable
+  parameter's copy is cached for the step, :attr:`AmpDtypes.cast_params`), ``fp32`` casts to float32, ``fp32_opt``
+  returns float32 without copying its inputs, ``promote`` casts to the widest input dtype;
+* any other op runs in its inputs' dtypes: a view or a norm (layer/group/batch/rms norm keep their input's dtype with
+  float32 weights) follows its first input, an explicit ``.to(dtype)`` keeps the dtype the capture recorded, and
+  elementwise ops follow PyTorch's type promotion (dimensioned tensors before 0-dim ones) when their captured
+  output dtype was the promotion of their captured inputs (else they set their own dtype, e.g. ``softmax(dtype=)``).
+
+So the residual stream of a Hugging Face decoder stays float32 (float32 embedding + 16-bit projection promotes),
+its RMSNorm computes in float32 (explicit ``.to(torch.float32)``), and every Linear saves its own 16-bit copy of its
+input (autocast caches only leaf parameters' casts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kernels_ext.autocast import autocast_policy
+
+from ..plan import DTYPE_NAMES
+from .tp_styles import packet
+
+FLOAT_RANK = {"float16": 1, "bfloat16": 1, "float32": 2, "float64": 3}
+"""floating dtypes by PyTorch's promotion order (float16 with bfloat16 promotes to float32)"""
+
+
+@dataclass
+class AmpDtypes:
+    """The autocast dtypes of one graph (see the module docstring)."""
+
+    dtype: dict[str, str]
+    """tensor (node or graph input) -> dtype under autocast"""
+    target: dict[str, str] = field(default_factory=dict)
+    """node -> the dtype it casts its floating activation inputs to (ops autocast or the plan's lists cast)"""
+    cast_params: set[str] = field(default_factory=set)
+    """parameters a lower-precision op reads: autocast keeps a 16-bit copy of each for the autocast region (and the
+    ops that read it save that copy for backward)"""
+    keeps_all: set[str] = field(default_factory=set)
+    """nodes the plan keeps in float32 (``OpPrecision``'s ``WithoutAutocast``: it holds every tensor input and its
+    output until backward)"""
+
+    def cast(self, node: str, tensor: str) -> str | None:
+        """The dtype of the copy ``node`` makes of its input ``tensor`` (None: it reads the tensor as it is)."""
+        to = self.target.get(node)
+        return to if to is not None and self.dtype.get(tensor) in FLOAT_RANK and self.dtype[tensor] != to else None
+
+
+class _Param(NamedTuple):
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def promote(dtypes: list[str]) -> str:
+    """PyTorch's promotion of floating dtypes (bfloat16 with float16 gives float32)."""
+    best = max(dtypes, key=lambda d: FLOAT_RANK[d])
+    if FLOAT_RANK[best] == 1 and len(set(dtypes)) > 1:
+        return "float32"
+    return best
+
+
+def _op_name(op: str) -> str:
+    """ATen overload -> the torch function name the plan's op lists use (``aten.cross_entropy_loss`` ->
+    ``cross_entropy``)."""
+    name = packet(op)
+    return {"cross_entropy_loss": "cross_entropy"}.get(name, name)
+
+
+def amp_dtypes(graph, captured: dict[str, str], *, device_kind: str, amp: str = "bf16", param_dtype: str | None = None,
+               fp32_ops=(), low_precision_ops=()) -> AmpDtypes:
+    """Walk ``graph`` (module docstring). ``captured``: tensor name -> its captured dtype (graph inputs included);
+    ``amp``: "bf16" or "fp16"; ``param_dtype``: the floating parameters' dtype when it is not the captured one
+    (FSDP's MixedPrecisionPolicy gathers them in 16 bits)."""
+    from ..runtime.amp import ALIASES  # the op lists' names, as OpPrecision reads them
+
+    low = DTYPE_NAMES[amp]
+    plan_to = {ALIASES.get(n, n): "float32" for n in fp32_ops} | {ALIASES.get(n, n): low for n in low_precision_ops}
+    out = AmpDtypes(dict(captured))
+    dt = out.dtype
+    params = {k: p if param_dtype is None or p.dtype not in FLOAT_RANK else _Param(param_dtype, p.shape)
+              for k, p in graph.params.items()}
+    shapes = {n.name: n.out_shapes[0] if n.out_shapes else () for n in graph.nodes}
+    for n in graph.nodes:
+        if not n.out_shapes:
+            continue
+        floats = [i for i in n.inputs if dt.get(i) in FLOAT_RANK]
+        fparams = [p for p in n.params if p in params and params[p].dtype in FLOAT_RANK]
+        name = _op_name(n.op)
+        policy = "plan" if name in plan_to else autocast_policy(n.op, device_kind)
+        to = {"plan": plan_to.get(name), "lower": low, "fp32": "float32"}.get(policy)
+        if policy == "promote" and floats:
+            to = promote([dt[i] for i in floats] + [params[p].dtype for p in fparams])
+        if to is not None:
+            out.target[n.name] = to
+            if to == low:
+                out.cast_params.update(p for p in fparams if params[p].dtype != low)
+            if policy == "plan" and to == "float32":
+                out.keeps_all.add(n.name)
+        if n.dtype not in FLOAT_RANK:
+            dt[n.name] = n.dtype
+        elif to is not None:
+            dt[n.name] = to
+        elif policy == "fp32_opt":
+            dt[n.name] = "float32"
+        else:
+            dt[n.name] = _follows(n, floats, fparams, dt, captured, shapes, params)
+    return out
+
+
+def _follows(n, floats, fparams, dt, captured, shapes, params) -> str:
+    """The dtype of an op autocast leaves alone (module docstring)."""
+    name = packet(n.op)
+    if not floats and not fparams:
+        return n.dtype
+    if name in ("to", "_to_copy"):
+        if n.op.endswith((".dtype", ".dtype_layout")) or not floats or captured.get(floats[0]) != n.dtype:
+            return n.dtype  # an explicit dtype: the one the capture recorded
+        return dt[floats[0]]
+    if name == "type_as" and len(floats) >= 2:
+        return dt[floats[1]]
+    if n.op_class in ("view", "norm") and floats:
+        return dt[floats[0]]
+    cap = [captured[i] for i in floats] + [params[p].dtype for p in fparams]
+    if n.dtype != promote(cap):
+        return n.dtype  # the op sets its own dtype
+    dims = [dt[i] for i in floats if len(shapes.get(i, (1,))) > 0] + \
+           [params[p].dtype for p in fparams if len(params[p].shape) > 0]
+    return promote(dims or [dt[i] for i in floats] + [params[p].dtype for p in fparams])
