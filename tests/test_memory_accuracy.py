@@ -150,6 +150,49 @@ def test_autocast_weight_copies_are_the_linear_and_conv_parameters(family):
     assert predicted == sum(linear.values()) == sum(cast.values())
 
 
+def _tracked_forward_bytes(model, args, kwargs, **op_lists) -> float:
+    """Activations (and loss-labelled tensors) alive at the end of one CPU bf16 autocast forward under the plan's op
+    lists (runtime/amp.py's OpPrecision), by PyTorch's memory tracker: what autograd saves, including what
+    OpPrecision's WithoutAutocast holds (its ctx, invisible to the grad_fn walk), plus the output."""
+    from autopar_nb.measure import _tracker_classes, components
+    from autopar_nb.runtime.amp import OpPrecision
+
+    tracker = _tracker_classes()[0]()
+    tracker.phase = "train"
+    with tracker:
+        tracker.track_external(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16), OpPrecision("cpu", torch.bfloat16, **op_lists):
+            out = model(*args, **kwargs)
+            c = components(tracker.get_tracker_snapshot("current")[torch.device("cpu")])
+    del out
+    return c["activations"] + c["loss"]
+
+
+@pytest.mark.parametrize("family,op_lists", [
+    ("LLaMA", {"fp32_ops": ["silu"]}), ("LLaMA", {"fp32_ops": ["mul", "rsqrt"]}),
+    ("ViT", {"low_precision_ops": ["layer_norm", "add"]}),
+    ("ViT", {"fp32_ops": ["gelu"], "low_precision_ops": ["matmul"]})])
+def test_plan_op_lists_move_saved_bytes_as_they_run(family, op_lists):
+    """precision.fp32_ops / low_precision_ops change what a bf16 autocast forward saves (float32 copies of 16-bit
+    inputs and WithoutAutocast's held inputs and output; 16-bit copies for low-precision ops): the change the cost
+    model predicts equals the change the tracker measures, to 1 %."""
+    src = ModelSource(CELLS[family](**SMALL))
+    model = src.run()["model"].train()
+    example = src.run()["example_inputs"]
+    args, kwargs = ((), example) if isinstance(example, dict) else (tuple(example), {})
+    meta, ex, _ = src.build(device="meta")
+    graph = ap.capture(meta, ex)
+
+    def predicted(**lists):
+        prof = profile(graph, device_kind="cpu", **lists)
+        return sum(activation_bytes(lp, tp=1, sp=False, recompute="none", scale=1.0, precision="autocast")
+                   for lp in prof.layers)
+
+    measured = _tracked_forward_bytes(model, args, kwargs, **op_lists) - _tracked_forward_bytes(model, args, kwargs)
+    assert abs(measured) > 8 * 1024, "the lists should move the saved bytes"
+    assert predicted(**op_lists) - predicted() == pytest.approx(measured, rel=EXACT)
+
+
 def test_ddp_bucket_is_the_parameters_in_fp32():
     from autopar_nb.cost.estimate import Evaluator, LayerChoice, Setting, ddp_bucket_bytes
     from autopar_nb.cost.profile import profile_of

@@ -48,6 +48,9 @@ class AmpDtypes:
     keeps_all: set[str] = field(default_factory=set)
     """nodes the plan keeps in float32 (``OpPrecision``'s ``WithoutAutocast``: it holds every tensor input and its
     output until backward)"""
+    all_low: set[str] = field(default_factory=set)
+    """nodes whose floating inputs and parameters are all 16-bit when they run (a CPU norm's saved statistics are
+    then 16-bit too; with a float32 weight they are float32)"""
 
     def cast(self, node: str, tensor: str) -> str | None:
         """The dtype of the copy ``node`` makes of its input ``tensor`` (None: it reads the tensor as it is)."""
@@ -105,6 +108,9 @@ def amp_dtypes(graph, captured: dict[str, str], *, device_kind: str, amp: str = 
                 out.cast_params.update(p for p in fparams if params[p].dtype != low)
             if policy == "plan" and to == "float32":
                 out.keeps_all.add(n.name)
+        if floats and all(FLOAT_RANK[to or dt[i]] == 1 for i in floats) and \
+                all(FLOAT_RANK[to or params[p].dtype] == 1 for p in fparams):
+            out.all_low.add(n.name)
         if n.dtype not in FLOAT_RANK:
             dt[n.name] = n.dtype
         elif to is not None:

@@ -457,8 +457,10 @@ class Evaluator:
             loss_saved = out_numel * 4 / lp_div
             # gradients of the log-softmax and of the logits; torch's loss_parallel backward holds three fp32
             # temporaries of the logits' shard beside the saved one (measured with MemTracker, torch 2.13: 4 x the
-            # shard's fp32 bytes at tp 2 and 4, in fp32 and under bf16 autocast)
-            loss_temp = out_numel * 4 * 3 / lp_div if lp_div > 1 else out_numel * (4 + p_item)
+            # shard's fp32 bytes at tp 2 and 4, in fp32 and under bf16 autocast). Unsplit, the default loss's forward
+            # holds the logits and their flattened copy (the next-token slice is not contiguous) in the compute
+            # dtype, and under autocast the float32 copy ``.float()`` makes (runtime/data.py default_loss)
+            loss_temp = out_numel * 4 * 3 / lp_div if lp_div > 1 else out_numel * (2 * p_item + (4 if half else 0))
             if act + loss_saved + loss_temp >= act + temp:
                 act_at, temp_at = act + loss_saved, loss_temp
         at_backward = pb + ob + grads_bwd + act_at + held + temp_at + p2p_buf

@@ -602,7 +602,10 @@ def _kept_by(n, rule, f: _Facts, device_kind: str) -> list[_Keep]:
         elif what == "output":
             kept.append(_Keep(n.name, out._replace(floating=True), in_region, quadratic=scores))
         elif what == "stats":
-            stats = _Size(rule.stats(n.in_shapes, n.out_shapes), 4, True)
+            # float32, but a CPU norm whose input and weight are both 16-bit keeps them 16-bit
+            low = device_kind == "cpu" and n.op_class == "norm" and f.autocast is not None and \
+                n.name in f.autocast.all_low
+            stats = _Size(rule.stats(n.in_shapes, n.out_shapes), 2 if low else 4, True)
             kept.append(_Keep(f"stats:{n.name}", stats, in_region, stat=True))
         elif what == "ids":
             kept += [_Keep(f.root.get(i, i), f.size[i]._replace(floating=False), False) for i in acts[:1]]
