@@ -52,6 +52,31 @@ LABELS = {
 """component -> the tracker's reference types (MemTracker's and FSDPMemTracker's, plus this module's Loss, Cast, Setup
 and Step) it sums"""
 
+GROUPS = {
+    "params": (("params",), ("params",)),
+    "grads": (("grads",), ("grads",)),
+    "optimizer": (("optimizer",), ("optimizer",)),
+    "activations + loss": (("saved_activations", "loss_saved", "loss_temporaries"), ("activations", "loss")),
+    "weight copies": (("autocast_weight_copies",), ("casts",)),
+    "buffers": (("ddp_buckets", "fsdp_unsharded_params", "fsdp_root_params", "fsdp_gathered_units",
+                 "pipeline_buffers"), ("buffers",)),
+    "temporaries": (("backward_working_set", "optimizer_step_temporaries"), ("backward", "step")),
+}
+"""component shown -> (the predicted fields or MemoryBreakdown.terms it sums, the measured components it sums).
+The tracker labels by when a storage is made (autopar_nb/measure.py): the logits and their copies are activations or
+loss there, so those two are compared together."""
+
+
+def predicted_groups(mb) -> dict[str, float]:
+    """A :class:`~autopar_nb.plan.MemoryBreakdown` (its fields and named terms) summed into :data:`GROUPS`."""
+    values = {"params": mb.params, "grads": mb.grads, "optimizer": mb.optimizer, **mb.terms}
+    return {g: sum(values.get(k, 0.0) for k in keys) for g, (keys, _) in GROUPS.items()}
+
+
+def measured_groups(peak: dict) -> dict[str, float]:
+    """The tracker's components (:data:`COMPONENTS`, :func:`components`) summed into :data:`GROUPS`."""
+    return {g: sum(peak.get(k, 0.0) for k in keys) for g, (_, keys) in GROUPS.items()}
+
 
 def _tracker_classes():
     """(MemTracker, FSDPMemTracker) subclasses that label storages by when they are created (see the module
@@ -125,9 +150,30 @@ def _tracker_classes():
             self._ref_class = mem_types
 
     class FSDPTracker(Labelled, FSDPMemTracker):
+        """FSDPMemTracker tracks the optimizer it is given; the script builds its optimizer after ``parallelize``,
+        so this one hooks every optimizer's step, as MemTracker does (Adam's states are optimizer states)."""
+
         def __init__(self, mod):
             super().__init__(mod)
             self._ref_class = fsdp_types
+
+        def __enter__(self):
+            from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+            super().__enter__()
+
+            def post(optimizer, args, kwargs):
+                self._track_optimizer_states(self._ref_class.OPT, optimizer)
+                self._in_opt = False
+
+            self._any_optimizer = (register_optimizer_step_pre_hook(lambda *a: setattr(self, "_in_opt", True)),
+                                   register_optimizer_step_post_hook(post))
+            return self
+
+        def __exit__(self, *args):
+            for handle in self._any_optimizer:
+                handle.remove()
+            return super().__exit__(*args)
 
     return Tracker, FSDPTracker
 

@@ -415,9 +415,16 @@ class MemoryBreakdown:
     """temporary buffers: FSDP all-gather/reduce-scatter buffers, TP comm buffers, pipeline send/recv"""
     margin: float = 0.0
     """allocator fragmentation and workspace margin"""
+    terms: dict[str, float] = field(default_factory=dict)
+    """the named terms ``activations`` and ``buffers`` are made of, by :data:`MEMORY_TERMS` name (bytes)"""
 
     def __post_init__(self):
         _check_numbers(self, "memory", _MEMORY_FIELDS)
+        if not isinstance(self.terms, dict):
+            raise PlanError(f"memory.terms must be a JSON object, got {self.terms!r} ({type(self.terms).__name__})")
+        for name, value in self.terms.items():
+            _check_choice("memory.terms", name, tuple(MEMORY_TERMS))
+            _check_number(f"memory.terms[{name!r}]", value, finite=False)
 
     @property
     def total(self) -> float:
@@ -425,6 +432,25 @@ class MemoryBreakdown:
 
 
 _MEMORY_FIELDS = ("params", "grads", "optimizer", "activations", "buffers", "margin")
+MEMORY_TERMS = {
+    "saved_activations": "activations",
+    "loss_saved": "activations",
+    "autocast_weight_copies": "buffers",
+    "ddp_buckets": "buffers",
+    "fsdp_unsharded_params": "buffers",
+    "fsdp_root_params": "buffers",
+    "fsdp_gathered_units": "buffers",
+    "pipeline_buffers": "buffers",
+    "backward_working_set": "buffers",
+    "loss_temporaries": "buffers",
+    "optimizer_step_temporaries": "buffers",
+}
+"""term of a rank's peak -> the MemoryBreakdown field it is part of: what autograd saves for backward (every
+micro-batch in flight); the loss's saved log-softmax; autocast's 16-bit copies of the weights its lower-precision ops
+read; DDP's gradient buckets; FSDP's parameters kept unsharded from forward to backward (ZeRO 2), the parameters
+left in the root unit (ZeRO 3), and the unit being computed plus the prefetched one (ZeRO 3: parameters and their
+unsharded gradients); the tensors pipeline stages send and receive; the largest layer's backward working set; the
+loss's temporaries (logits and their copies, loss_parallel's shards); the optimizer step's temporaries"""
 
 
 @dataclass

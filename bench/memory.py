@@ -4,9 +4,12 @@ bring (issue 21), component by component.
 Each case: the family's cell at hidden 256, 4 layers, seq 256, batch 8 (tests/memcells.py), planned with the case's
 fixed choices, exported, and its script's own ``main`` run for 2 steps as one rank of a fake process group inside
 the tracker (``autopar_nb.measure``; real small tensors on CPU). The prediction is the cost model's per-rank
-total before its allocator margin.
+total before its allocator margin, and its named terms (``MemoryBreakdown.terms``) grouped as the tracker labels
+what it counts (``autopar_nb.measure.GROUPS``).
 
-    .venv/bin/python bench/memory.py [FAMILY,...] [--plans single,ddp,...] [--write]
+    .venv/bin/python bench/memory.py [FAMILY,...] [--plans single,ddp,...] [--amp none,bf16]
+                                     [--recompute none,selective,full] [--write]
+    .venv/bin/python bench/memory.py --matrix --write      # the table in BENCHMARKS.md (:data:`MATRIX`)
 
 ``--write`` replaces the "## Per-rank memory against the tracker" section of BENCHMARKS.md.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import platform
 import sys
 import time
@@ -35,7 +39,12 @@ PLANS = {
     "pp": {"dp": 1, "tp": 1, "pp": 2, "micro_batches": 2, "schedule": "1f1b"},
 }
 """plan name -> the planner's fixed choices (fp32, no recompute unless --amp / --recompute)"""
-PREDICTED = ("params", "grads", "optimizer", "activations", "buffers")
+MATRIX = [
+    ("LLaMA,Qwen2,GPT-NeoX,GPT-2,BERT,T5,ViT,Mixtral", ",".join(PLANS), "none", "none"),
+    ("LLaMA,Qwen2,GPT-NeoX,GPT-2,BERT,T5,ViT,Mixtral", "single,tp,zero3", "bf16", "none"),
+    ("LLaMA,GPT-2,ViT", "single,tp", "none,bf16", "selective,full"),
+]
+"""the table's groups: (families, plans, amp values, recompute values), each group their product"""
 MiB = 2**20
 
 
@@ -45,7 +54,7 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
 
     import autopar_nb as ap
     from autopar_nb.cost import estimate
-    from autopar_nb.measure import measure
+    from autopar_nb.measure import measure, measured_groups, predicted_groups
     from autopar_nb.source import ModelSource
 
     src = ModelSource(CELLS[family](**SIZE))
@@ -63,72 +72,88 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
     rows = []
     for stage, m in zip(ranks, measured, strict=True):
         mb = cost.memory_by_rank[stage]
-        pred = {k: getattr(mb, k) for k in PREDICTED}
         rows.append({"family": family, "plan": plan_name, "amp": amp, "recompute": recompute, "stage": stage,
-                     "predicted": pred, "predicted_total": mb.total - mb.margin, "measured": m["peak"],
+                     "predicted": predicted_groups(mb), "predicted_total": mb.total - mb.margin,
+                     "measured": measured_groups(m["peak"]), "measured_total": m["peak"]["total"],
                      "where": m["where"]})
     return rows
 
 
 def error(row: dict) -> float:
-    return row["predicted_total"] / row["measured"]["total"] - 1
+    return row["predicted_total"] / row["measured_total"] - 1
 
 
 def markdown(rows: list[dict]) -> str:
-    """One line per case: each predicted component beside the measured ones it stands for."""
-    head = ("| family | plan | rank | params p/m | grads p/m | optimizer p/m | activations p/m (+loss) | "
-            "buffers + temporaries p/m | total p/m (MiB) | error | peak at |")
-    out = [head, "|---" * 11 + "|"]
+    """One line per case: each component predicted / measured, the total and its error."""
+    from autopar_nb.measure import GROUPS
+
+    head = ("| family | plan | amp | recompute | rank | " + " | ".join(f"{g} p/m" for g in GROUPS)
+            + " | total p/m (MiB) | error | peak at |")
+    out = [head, "|---" * (len(GROUPS) + 8) + "|"]
     for r in rows:
         p, m = r["predicted"], r["measured"]
-        buf_m = m["buffers"] + m["backward"] + m["step"] + m.get("casts", 0.0)
-        cells = [f"{p[k] / MiB:.2f} / {m[k] / MiB:.2f}" for k in ("params", "grads", "optimizer")] + [
-                 f"{p['activations'] / MiB:.1f} / {m['activations'] / MiB:.1f} (+{m['loss'] / MiB:.1f})",
-                 f"{p['buffers'] / MiB:.1f} / {buf_m / MiB:.1f}",
-                 f"{r['predicted_total'] / MiB:.1f} / {m['total'] / MiB:.1f}"]
-        out.append(f"| {r['family']} | {r['plan']} | {r['stage']} | " + " | ".join(cells)
-                   + f" | {error(r):+.1%} | {r['where']} |")
+        cells = [f"{p[g] / MiB:.1f} / {m[g] / MiB:.1f}" for g in GROUPS]
+        cells.append(f"{r['predicted_total'] / MiB:.1f} / {r['measured_total'] / MiB:.1f}")
+        out.append(f"| {r['family']} | {r['plan']} | {r['amp']} | {r['recompute']} | {r['stage']} | "
+                   + " | ".join(cells) + f" | {error(r):+.1%} | {r['where']} |")
     return "\n".join(out)
+
+
+def run(groups) -> tuple[list[dict], list[str]]:
+    """Every case of ``groups`` ((families, plans, amps, recomputes) comma lists): rows, and the cases that did not
+    run (the planner refused the plan, or the run failed) with why."""
+    rows, failed = [], []
+    for families, plans, amps, recomputes in groups:
+        for family, plan_name, amp, rec in itertools.product(*(g.split(",") for g in (families, plans, amps,
+                                                                                        recomputes))):
+            name = f"{family} / {plan_name} / {amp} / {rec}"
+            try:
+                got = case(family, plan_name, amp=amp, recompute=rec)
+            except Exception as e:  # a plan the planner refuses, or a run that fails: reported, not hidden
+                failed.append(f"{name}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}")
+                print("FAILED", failed[-1], flush=True)
+                continue
+            rows += got
+            for r in got:
+                print(f"{name} rank {r['stage']}: predicted {r['predicted_total'] / MiB:7.1f} measured "
+                      f"{r['measured_total'] / MiB:7.1f} MiB  {error(r):+.1%}  ({r['where']})", flush=True)
+    return rows, failed
 
 
 def main() -> None:
     from memcells import CELLS
+
+    from autopar_nb.measure import GROUPS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("families", nargs="?", default=",".join(CELLS))
     ap.add_argument("--plans", default=",".join(PLANS))
     ap.add_argument("--amp", default="none")
     ap.add_argument("--recompute", default="none")
+    ap.add_argument("--matrix", action="store_true", help="the table's cases (MATRIX); other selections ignored")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
-    rows, failed = [], []
     t0 = time.time()
-    for family in args.families.split(","):
-        for plan_name in args.plans.split(","):
-            try:
-                got = case(family, plan_name, amp=args.amp, recompute=args.recompute)
-            except Exception as e:  # a plan the planner refuses, or a run that fails: reported, not hidden
-                failed.append(f"{family} / {plan_name}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}")
-                print("FAILED", failed[-1], flush=True)
-                continue
-            rows += got
-            for r in got:
-                print(f"{family:9s} {plan_name:7s} rank {r['stage']}: predicted {r['predicted_total'] / MiB:7.1f} "
-                      f"measured {r['measured']['total'] / MiB:7.1f} MiB  {error(r):+.1%}  ({r['where']})", flush=True)
+    groups = MATRIX if args.matrix else [(args.families, args.plans, args.amp, args.recompute)]
+    rows, failed = run(groups)
     table = markdown(rows)
     within = sum(abs(error(r)) <= 0.05 for r in rows)
-    summary = f"{within} of {len(rows)} within 5 %" + (f"; {len(failed)} not measured" if failed else "")
-    print(table, "\n", summary, f"({time.time() - t0:.0f} s)", sep="\n")
+    comp = sum(all(abs(r["predicted"][g] - r["measured"][g]) <= 0.05 * r["measured_total"] for g in GROUPS)
+               for r in rows)
+    minutes = (time.time() - t0) / 60
+    summary = (f"{within} of {len(rows)} totals within 5 %; {comp} of {len(rows)} with every component within 5 % of "
+               f"the total" + (f"; {len(failed)} not measured" if failed else ""))
+    print(table, "\n", summary, f"({minutes:.0f} min)", sep="\n")
     if args.write:
         import torch
         from capture import write_section
         cmd = " ".join(["bench/memory.py", *sys.argv[1:]]).replace(" --write", "")
         body = (f"## Per-rank memory against the tracker\n\n`.venv/bin/python {cmd}` — {datetime.date.today()}, "
-                f"{platform.machine()} CPU container, torch {torch.__version__}. Sizes {SIZE}, fp32 Adam unless "
-                f"noted (amp={args.amp}, recompute={args.recompute}); predicted (p) = the cost model's per-rank "
-                "total before its allocator margin, measured (m) = MemTracker/FSDPMemTracker peak of the 2nd step of "
-                "the exported script's own main under a fake process group (autopar_nb/measure.py). "
-                f"{summary}.\n\n{table}\n"
+                f"{platform.machine()} CPU container (2 cores, shared), torch {torch.__version__}, {minutes:.0f} min. "
+                f"Sizes {SIZE}, Adam; predicted (p) = the cost model's per-rank total before its allocator margin "
+                "and its named terms, measured (m) = MemTracker/FSDPMemTracker peak of the 2nd step of the exported "
+                "script's own main under a fake process group (autopar_nb/measure.py), both grouped as "
+                f"autopar_nb.measure.GROUPS says. {summary}.\n\n{table}\n"
                 + ("".join(f"\n- not measured: {f}" for f in failed)) + "\n")
         write_section("Per-rank memory against the tracker", body, ROOT / "BENCHMARKS.md")
 

@@ -27,8 +27,8 @@ JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
                                       inner, max_size=4), max_leaves=20)
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BASE = _plan_dict()
-FREE_KEYS = ("tp", "tp_parts")
-"""dicts keyed by module path: a new key there is a module like any other"""
+FREE_KEYS = ("tp", "tp_parts", "comm_by_kind", "comm_exposed_by_kind")
+"""dicts keyed by module path (a new key there is a module like any other) or by collective kind (any string)"""
 
 
 def _paths(node, prefix=()):

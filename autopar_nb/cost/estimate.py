@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..plan import DTYPE_NAMES, ITEMSIZE, RECOMPUTE, Cost, MemoryBreakdown
+from ..plan import DTYPE_NAMES, ITEMSIZE, MEMORY_TERMS, RECOMPUTE, Cost, MemoryBreakdown
 from .comm import collective_time, link_for
 from .factors import Factors, factors_for
 from .loss import FusedHead
@@ -143,13 +143,17 @@ class RankSums:
     """seconds of TP collectives run once per step (``LayerTerms.tp_step``)"""
     casts: list[float] = field(default_factory=list)
     """local parameters (numel) autocast keeps 16-bit copies of (``LayerTerms.cast_local``)"""
+    bwd_peak: list[tuple[float, float]] = field(default_factory=list)
+    """(saved activation bytes still alive, working set bytes) at the layer whose backward holds the most: backward
+    runs from the last layer to the first and frees each layer's saved tensors as it goes, so at layer l the saved
+    tensors of layers after l are gone"""
 
     @classmethod
     def zeros(cls, pp: int) -> RankSums:
         z = [0.0] * pp
         return cls(list(z), list(z), list(z), [{} for _ in range(pp)], list(z), list(z), list(z),
                    [(0.0, 0.0) for _ in range(pp)], list(z), list(z), list(z), list(z), list(z), tp_step=list(z),
-                   casts=list(z))
+                   casts=list(z), bwd_peak=[(0.0, 0.0) for _ in range(pp)])
 
     def per_micro_batch(self, r: int) -> float:
         """Rank ``r``'s time for one micro-batch: the sum of its layers' :meth:`LayerTerms.time_s`."""
@@ -319,6 +323,8 @@ class Evaluator:
                 wb = self._fused_head(s, sums, r, ch.recompute, lt)
             if wb > sums.work[r]:
                 sums.work[r] = wb
+            if sums.acts[r] + wb > sum(sums.bwd_peak[r]):
+                sums.bwd_peak[r] = (sums.acts[r], wb)
             sums.params[r] += cnt * lt.params_local
             sums.experts[r] += cnt * lt.experts_local
             sums.tp_step[r] += cnt * lt.tp_step
@@ -430,25 +436,29 @@ class Evaluator:
         pb, gb, ob = (a + b for a, b in zip(model_states(params - experts, dp=s.dp, zero_stage=s.zero_stage, states=sb),
                                             model_states(experts, dp=edp, zero_stage=s.zero_stage, states=sb),
                                             strict=True))
-        held = 0.0  # buffers alive the whole forward/backward
-        gather = 0.0  # FSDP: the unit being computed (params + its unsharded grads) and the prefetched next one
+        held: dict[str, float] = {}  # buffers alive the whole forward/backward
+        # FSDP (ZeRO 3): the peak is where a unit's backward starts, every saved activation of the micro-batch still
+        # alive: that unit's gathered parameters and the next one's, prefetched (its unsharded gradients come later,
+        # once its own activations are freed; FSDPMemTracker, ViT and Qwen2 at 2 and 4 layers)
+        gather = 0.0
         if s.zero_stage == 2:
             pb = (params - experts) * sb.param / s.dp + experts * sb.param / edp
-            held += params * p_item  # reshard_after_forward=False keeps unsharded params fwd -> bwd
+            held["fsdp_unsharded_params"] = params * p_item  # reshard_after_forward=False: kept fwd -> bwd
         elif s.zero_stage == 3:
             u1, _ = sums.unit_top[r]
-            gather = u1 * (p_item + g_item) + sums.block_unit[r] * p_item
-            held += sums.nofsdp[r] * p_item
+            gather = (u1 + sums.block_unit[r]) * p_item
+            held["fsdp_root_params"] = sums.nofsdp[r] * p_item
         elif half:
-            held += sums.casts[r] * 2  # autocast's 16-bit copies of the weights its lower-precision ops read
-        held += ddp_bucket_bytes(s, params - experts)
+            held["autocast_weight_copies"] = sums.casts[r] * 2  # of the weights its lower-precision ops read
+        held["ddp_buckets"] = ddp_bucket_bytes(s, params - experts)
         flight = in_flight(s.schedule, pp=s.pp, stage=r, micro_batches=m, virtual_stages=s.virtual_stages)
         act = flight * sums.acts[r]
         p2p_buf = 2 * sums.p2p[r] if s.pp > 1 else 0.0
         grads_bwd = gb if (m > 1 or s.pp > 1) else 0.0  # accumulated over micro-batches
         # moment 1: a layer's backward (its working set and FSDP's gathered units)
-        temp = sums.work[r] + gather
-        act_at, temp_at = act, temp
+        alive, work = sums.bwd_peak[r]  # the micro-batch in backward; the others in flight hold all theirs
+        at_bwd = {"saved_activations": act - sums.acts[r] + alive, "backward_working_set": work,
+                  "fsdp_gathered_units": gather}
         if r == s.pp - 1 and prof.output_numel and not s.fused_loss:  # fused: in the head layer's working set
             # moment 2 (last rank): the loss's backward: log-softmax output (fp32) saved, its gradient and the
             # logits' gradient alive; FSDP units are resharded then
@@ -461,18 +471,22 @@ class Evaluator:
             # holds the logits and their flattened copy (the next-token slice is not contiguous) in the compute
             # dtype, and under autocast the float32 copy ``.float()`` makes (runtime/data.py default_loss)
             loss_temp = out_numel * 4 * 3 / lp_div if lp_div > 1 else out_numel * (2 * p_item + (4 if half else 0))
-            if act + loss_saved + loss_temp >= act + temp:
-                act_at, temp_at = act + loss_saved, loss_temp
-        at_backward = pb + ob + grads_bwd + act_at + held + temp_at + p2p_buf
+            if act + loss_saved + loss_temp >= at_bwd["saved_activations"] + work + gather:
+                at_bwd = {"saved_activations": act, "loss_saved": loss_saved, "loss_temporaries": loss_temp}
+        at_bwd |= held
+        at_bwd["pipeline_buffers"] = p2p_buf
+        at_backward = pb + ob + grads_bwd + sum(at_bwd.values())
         # moment 3: the optimizer step: every gradient and foreach temporaries (CUDA: a list the size of the
-        # gradients; CPU: one parameter at a time)
-        step_temp = gb if prof.device_kind == "cuda" else sums.largest[r] * g_item
-        at_step = pb + ob + gb + step_temp + (held if s.zero_stage != 2 and not half else
-                                              ddp_bucket_bytes(s, params - experts))
-        if at_backward >= at_step:
-            mbd = MemoryBreakdown(pb, grads_bwd, ob, act_at, held + temp_at + p2p_buf)
-        else:
-            mbd = MemoryBreakdown(pb, gb, ob, 0.0, at_step - pb - gb - ob)
+        # gradients; CPU: one parameter at a time); autocast's weight copies are gone, ZeRO 2's gathered
+        # parameters resharded
+        at_opt = {"optimizer_step_temporaries": gb if prof.device_kind == "cuda" else sums.largest[r] * g_item,
+                  "ddp_buckets": held["ddp_buckets"],
+                  "fsdp_root_params": 0.0 if half else held.get("fsdp_root_params", 0.0)}
+        at_step = pb + ob + gb + sum(at_opt.values())
+        terms, grads = (at_bwd, grads_bwd) if at_backward >= at_step else (at_opt, gb)
+        terms = {k: v for k, v in terms.items() if v}
+        acts = sum(v for k, v in terms.items() if MEMORY_TERMS[k] == "activations")
+        mbd = MemoryBreakdown(pb, grads, ob, acts, sum(terms.values()) - acts, terms=terms)
         mbd.margin = with_margin(max(at_backward, at_step), f)
         return mbd
 
