@@ -65,7 +65,7 @@ ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
             "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8,
             "complex128": 16}
 """bytes per element by torch dtype name (``str(dtype).removeprefix("torch.")``)"""
-FIX_KEYS = ("dp", "tp", "pp", "ep", "zero_stage", "micro_batches", "schedule", "virtual_stages", "recompute", "amp",
+FIX_KEYS = ("dp", "tp", "pp", "ep", "cp", "zero_stage", "micro_batches", "schedule", "virtual_stages", "recompute", "amp",
             "compile", "fused_loss",
             "sequence_parallel", "optimizer", "fp32_ops", "low_precision_ops")
 """global choices a user can pin (``--fix``, ``plan(fix=...)``, ``Session.replan(fix=...)``)"""
@@ -74,7 +74,7 @@ FIX_ALIASES = {"zero": "zero_stage", "mb": "micro_batches", "micro": "micro_batc
 FIX_CHOICES: dict[str, tuple] = {"zero_stage": ZERO_STAGES, "schedule": SCHEDULES, "recompute": RECOMPUTE,
                                  "amp": AMP, "sequence_parallel": (False, True), "optimizer": OPTIMIZERS,
                                  "compile": (False, True), "fused_loss": (False, True)}
-"""the allowed values of the FIX_KEYS that are choices; the others (dp, tp, pp, ep, micro_batches, virtual_stages)
+"""the allowed values of the FIX_KEYS that are choices; the others (dp, tp, pp, ep, cp, micro_batches, virtual_stages)
 are positive integers"""
 
 MODULE_PATH = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*")

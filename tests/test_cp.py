@@ -74,3 +74,69 @@ def test_verify_cp_against_one_process():
     for name, report in zip(plans, reports, strict=True):
         assert report.ok, f"{name}\n{report}"
         assert report.max_loss_rel < 1e-5, f"{name}\n{report}"
+
+
+def tiny_llama_graph():
+    import torch
+
+    import autopar_nb as ap
+    from autopar_nb.zoo import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64))
+    return ap.capture(model, (torch.randint(0, 64, (4, 16), device="meta"),))
+
+
+def test_planner_splits_sequences_only_when_nothing_else_fits():
+    """One 16k-token sequence (no data parallelism can split it) on two CPU ranks with TP pinned off: within 52.7
+    MiB only cp=2 fits (the pipeline needs 57.4); with room to spare the planner keeps cp=1."""
+    import autopar_nb as ap
+
+    graph = tiny_llama_graph()
+    tight = ap.Cluster.preset("cpu", gpus_per_node=2, memory_gb=0.0515)
+    plan = ap.plan(graph, tight, seq_len=16384, fix={"tp": 1}, global_batch=1)
+    assert plan.mesh.cp == 2 and plan.mesh.world_size == 2 and plan.batch.seq_len == 16384
+    assert "because no plan without it fits in memory" in plan.explain()
+    assert ap.plan(graph, ap.Cluster.preset("cpu", gpus_per_node=2), seq_len=16384, fix={"tp": 1},
+                   global_batch=1).mesh.cp == 1
+    with pytest.raises(PlanError, match=r"nothing fits in 52.7 MiB .* \(dp=1 tp=1 pp=2 zero=0"):
+        ap.plan(graph, tight, seq_len=16384, fix={"tp": 1}, global_batch=1, default_loss=False)
+    with pytest.raises(PlanError, match=r"fix cp=2: the cell defines its own loss_fn"):
+        ap.plan(graph, tight, seq_len=16384, fix={"cp": 2}, global_batch=1, default_loss=False)
+    with pytest.raises(PlanError, match=r"cuts seq_len 16386 into 2 \* cp equal chunks"):
+        ap.plan(graph, tight, seq_len=16386, fix={"cp": 2}, global_batch=1)
+
+
+def test_cost_of_context_parallelism():
+    """cp=2 halves a rank's activations and compute and adds the ring's collectives: the keys and values
+    all-gathered in forward and backward, their float32 gradients sent round the ring."""
+    import autopar_nb as ap
+    from autopar_nb.cost.estimate import Evaluator, LayerChoice, Setting
+    from autopar_nb.cost.profile import profile
+
+    graph = tiny_llama_graph()
+    prof = profile(graph, device_kind="cpu")
+    ev = Evaluator(prof, ap.Cluster.preset("cpu", gpus_per_node=2), seq_ratio=1024)  # 16k tokens
+    one, two = (ev.terms(1, tp=1, sp=False, precision="fp32", mb_samples=1.0, cp=cp) for cp in (1, 2))
+    assert prof.layers[1].kv_bytes == 2 * 4 * 4 * 16 * 8 * 4  # K and V: (4, 4 heads, 16, 8) float32 each
+    assert two.act["none"] == pytest.approx(one.act["none"] / 2)
+    assert two.fwd < one.fwd and not one.tp_comm
+    assert set(two.tp_comm) == {"all_gather", "send_recv"} and two.tp_exposed > 0
+    cost = ev.evaluate(Setting(cp=2), [LayerChoice() for _ in prof.layers])
+    assert cost.comm_by_kind["all_gather"] > 0 and cost.comm_by_kind["all_reduce"] > 0  # dp_cp gradient all-reduce
+
+
+def test_what_context_parallelism_cannot_split():
+    import torch
+
+    import autopar_nb as ap
+    from autopar_nb.cost.profile import profile
+    from autopar_nb.zoo import GPT, GPTConfig
+
+    assert profile(tiny_llama_graph()).cp_blocker == ""
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    graph = ap.capture(gpt, (torch.randint(0, 64, (2, 16), device="meta"),))
+    assert "computes positions with torch.arange inside forward" in profile(graph).cp_blocker
+    with pytest.raises(PlanError, match="fix cp=2: .*torch.arange"):
+        ap.plan(graph, ap.Cluster.preset("cpu", gpus_per_node=2), fix={"cp": 2})

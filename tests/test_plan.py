@@ -255,7 +255,7 @@ def test_normalize_fix():
         "zero_stage": 3, "micro_batches": 4, "sequence_parallel": False, "amp": "bf16"}
     assert normalize_fix(None) == {}
     with pytest.raises(PlanError, match="unknown fix key"):
-        normalize_fix({"cp": 2})
+        normalize_fix({"hp": 2})
     with pytest.raises(PlanError, match=r"fix\['tp'\] must be an integer"):
         normalize_fix({"tp": "2"})
     with pytest.raises(PlanError, match=r"fix\['sequence_parallel'\]='true' is not supported"):

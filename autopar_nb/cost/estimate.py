@@ -39,6 +39,13 @@ class Setting:
     """expert parallelism: the experts modules split over ``ep`` of the dp ranks (1: experts whole everywhere)"""
     fused_loss: bool = False
     """the output head and the default loss run as one fused, chunked op (``Evaluator.head``; :mod:`.loss`)"""
+    cp: int = 1
+    """context parallelism: every sequence split over ``cp`` ranks (ring attention; ``runtime/cp.py``)"""
+
+    @property
+    def replicas(self) -> int:
+        """ranks holding the same parameters, which average gradients: dp * cp (``mesh["dp_cp"]``)"""
+        return self.dp * self.cp
 
 
 @dataclass
@@ -183,17 +190,21 @@ class Evaluator:
 
     # ---- per layer ----------------------------------------------------------------------------------------------
     def terms(self, i: int, *, tp: int, sp: bool, precision: str, mb_samples: float, ep: int = 1,
-              compiled: bool = False) -> LayerTerms:
+              compiled: bool = False, cp: int = 1) -> LayerTerms:
         """Per-layer terms, cached by the layer's repeated-block representative. ``precision``: one of
-        :data:`~.profile.PRECISIONS` (:func:`~.profile.precision_of`)."""
-        key = (self.prof.rep[i], tp, sp, precision, mb_samples, ep, compiled)
+        :data:`~.profile.PRECISIONS` (:func:`~.profile.precision_of`). With context parallelism (``cp``) a rank
+        holds 1/cp of every sequence: its compute and activations are divided by cp (with torch's load balancing,
+        causal attention's work too), and each attention layer all-gathers the keys and values in forward and again
+        in backward, and passes their float32 gradients round the ring cp times
+        (``_templated_ring_attention_backward``); the gathered keys and values are one more working buffer."""
+        key = (self.prof.rep[i], tp, sp, precision, mb_samples, ep, compiled, cp)
         half = precision != "fp32"
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         lp = self.prof.layers[self.prof.rep[i]].at_tp(tp)  # key/value projections this tp repeats: whole
-        scale = mb_samples / self.prof.batch * self.seq_ratio
-        qscale = mb_samples / self.prof.batch * self.seq_ratio ** 2
+        scale = mb_samples / self.prof.batch * self.seq_ratio / cp
+        qscale = mb_samples / self.prof.batch * self.seq_ratio ** 2 / cp
         fwd, bwd, sel = layer_compute_time(lp, tp=tp, sp=sp, half=half, scale=scale, quad_scale=qscale,
                                            device=self.cluster.device, factors=self.f, compiled=compiled)
         act = {r: activation_bytes(lp, tp=tp, sp=sp, recompute=r, precision=precision, scale=scale,
@@ -213,6 +224,8 @@ class Evaluator:
                     comm[k] = comm.get(k, 0.0) + collective_time(k, nbytes, tp, link, self.f.eff_link)
         out = (lp.output_amp[precision] if half else lp.output_bytes) * scale / (tp if sp else 1)
         work = lp.largest_out * scale * (0.5 if half else 1.0) / (tp if tp > 1 else 1)
+        if cp > 1 and lp.kv_bytes:
+            work += self._ring(lp, comm, cp=cp, tp=tp, half=half, scale=scale)
         fwd_fl = (sum(lp.flops_split.values()) + sum(lp.flops_rep.values()) + lp.flops_other) * scale
         bwd_fl = (sum(lp.bwd_split.values()) + sum(lp.bwd_rep.values()) + lp.bwd_other) * scale
         experts = lp.params_experts / ep if ep > 1 and lp.experts else 0.0
@@ -228,6 +241,18 @@ class Evaluator:
         t.cast_local = lp.cast_split / tp + lp.cast_rep if precision == "autocast" else 0.0
         self._cache[key] = t
         return t
+
+    def _ring(self, lp, comm: dict[str, float], *, cp: int, tp: int, half: bool, scale: float) -> float:
+        """Context parallelism's collectives of one layer and micro-batch added to ``comm`` (see :meth:`terms`; the
+        cp ranks are consecutive at stride tp); returns the bytes of the gathered keys and values."""
+        link = link_for(self.cluster, size=cp, stride=tp)
+        whole = (lp.kv_half if half else lp.kv_bytes) * scale * cp  # this micro-batch's keys and values
+        comm["all_gather"] = comm.get("all_gather", 0.0) + 2 * collective_time("all_gather", whole, cp, link,
+                                                                               self.f.eff_link)
+        grads = lp.kv_half / 2 * ITEMSIZE["float32"] * scale  # this rank's dK, dV, accumulated in float32
+        comm["send_recv"] = comm.get("send_recv", 0.0) + cp * collective_time("send_recv", grads, cp, link,
+                                                                             self.f.eff_link)
+        return whole
 
     def _all_to_alls(self, lp, *, ep: int, tp: int, half: bool, scale: float) -> tuple[float, float]:
         """(forward, forward + backward) seconds of expert parallelism's all-to-alls in one layer and micro-batch
@@ -246,7 +271,7 @@ class Evaluator:
         """:meth:`terms` of layer ``i`` under the candidate's setting and the layer's choice (TP on or off)."""
         return self.terms(i, tp=s.tp if ch.tp else 1, sp=s.sp and ch.tp,
                           precision=precision_of(s.amp, s.zero_stage),
-                          mb_samples=s.mb_samples, ep=s.ep, compiled=ch.compile)
+                          mb_samples=s.mb_samples, ep=s.ep, compiled=ch.compile, cp=s.cp)
 
     # ---- a whole candidate --------------------------------------------------------------------------------------
     def runs(self, choices: list[LayerChoice]) -> list[tuple[int, int, LayerChoice]]:
@@ -286,7 +311,7 @@ class Evaluator:
         p2p_exposed = self._pipeline_comm(s, sums, comm)
         dp_exposed = self._data_parallel_comm(s, sums, bottleneck, comm)
         opt_params = max(sums.params) if s.zero_stage < 1 else max(
-            (p - x) / s.dp + x / (s.dp // s.ep) for p, x in zip(sums.params, sums.experts, strict=True))
+            (p - x) / s.replicas + x / (s.dp // s.ep) for p, x in zip(sums.params, sums.experts, strict=True))
         opt_t = optimizer_time(opt_params, self.cluster.device, f)
         compute = m * (sums.fwdbwd[bottleneck] + sums.rec[bottleneck])
         step = compute + tp_exposed + bubble + p2p_exposed + dp_exposed + opt_t
@@ -367,7 +392,7 @@ class Evaluator:
         if s.pp <= 1:
             return 0.0
         f = self.f
-        pp_link = link_for(self.cluster, size=s.pp, stride=s.tp * s.dp)
+        pp_link = link_for(self.cluster, size=s.pp, stride=s.tp * s.replicas)
         p2p_t = max((collective_time("send_recv", b, 2, pp_link, f.eff_link) for b in sums.p2p), default=0.0)
         total = 2 * s.micro_batches * p2p_t * s.virtual_stages
         exposed = 2 * (s.pp - 1) * p2p_t + (1 - f.overlap_pp) * total
@@ -379,9 +404,9 @@ class Evaluator:
 
     def _data_parallel_comm(self, s: Setting, sums: RankSums, bottleneck: int, comm: CommTime) -> float:
         """Gradient all-reduce (ZeRO 0/1, once per step: no_sync on earlier micro-batches) or FSDP's reduce-scatter
-        and all-gathers (ZeRO 2/3, every micro-batch), overlapped with backward up to a factor. Adds to ``comm``;
-        returns the exposed seconds."""
-        if s.dp <= 1:
+        and all-gathers (ZeRO 2/3, every micro-batch), overlapped with backward up to a factor, over the dp * cp
+        ranks that hold the same parameters. Adds to ``comm``; returns the exposed seconds."""
+        if s.replicas <= 1:
             return 0.0
         f, m = self.f, s.micro_batches
         p_item = ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")]  # parameters gathered in the compute dtype
@@ -389,7 +414,7 @@ class Evaluator:
         r = max(range(s.pp), key=lambda j: sums.params[j])  # the pipeline rank with the most parameters reduces last
         # expert parallelism: the experts' share is reduced among the dp / ep ranks that hold the same experts
         # (every ep-th data-parallel rank), the rest over all dp ranks
-        groups = [(sums.params[r] - sums.experts[r], s.dp, link_for(self.cluster, size=s.dp, stride=s.tp))]
+        groups = [(sums.params[r] - sums.experts[r], s.replicas, link_for(self.cluster, size=s.replicas, stride=s.tp))]
         if sums.experts[r]:
             edp = s.dp // s.ep
             groups.append((sums.experts[r], edp, link_for(self.cluster, size=edp, stride=s.tp * s.ep)))
@@ -433,7 +458,8 @@ class Evaluator:
         sb = state_bytes(s.optimizer)
         params, experts = sums.params[r], sums.experts[r]
         edp = s.dp // s.ep  # expert parallelism: the ranks holding the same experts shard their states
-        pb, gb, ob = (a + b for a, b in zip(model_states(params - experts, dp=s.dp, zero_stage=s.zero_stage, states=sb),
+        pb, gb, ob = (a + b for a, b in zip(model_states(params - experts, dp=s.replicas, zero_stage=s.zero_stage,
+                                                         states=sb),
                                             model_states(experts, dp=edp, zero_stage=s.zero_stage, states=sb),
                                             strict=True))
         held: dict[str, float] = {}  # buffers alive the whole forward/backward
@@ -442,7 +468,7 @@ class Evaluator:
         # once its own activations are freed; FSDPMemTracker, ViT and Qwen2 at 2 and 4 layers)
         gather = 0.0
         if s.zero_stage == 2:
-            pb = (params - experts) * sb.param / s.dp + experts * sb.param / edp
+            pb = (params - experts) * sb.param / s.replicas + experts * sb.param / edp
             held["fsdp_unsharded_params"] = params * p_item  # reshard_after_forward=False: kept fwd -> bwd
         elif s.zero_stage == 3:
             u1, _ = sums.unit_top[r]
@@ -463,7 +489,7 @@ class Evaluator:
             # moment 2 (last rank): the loss's backward: log-softmax output (fp32) saved, its gradient and the
             # logits' gradient alive; FSDP units are resharded then
             lp_div = s.tp if (prof.loss_parallel and s.tp > 1 and sums.head_tp) else 1
-            out_numel = prof.output_numel * (s.mb_samples / prof.batch) * self.seq_ratio
+            out_numel = prof.output_numel * (s.mb_samples / prof.batch) * self.seq_ratio / s.cp
             loss_saved = out_numel * 4 / lp_div
             # gradients of the log-softmax and of the logits; torch's loss_parallel backward holds three fp32
             # temporaries of the logits' shard beside the saved one (measured with MemTracker, torch 2.13: 4 x the
@@ -492,12 +518,12 @@ class Evaluator:
 
     def _throughput(self, s: Setting, sums: RankSums, cost: Cost) -> None:
         """Fill ``cost``'s FLOP rates, MFU and samples/tokens per second from its step time."""
-        world = s.dp * s.tp * s.pp
+        world = s.dp * s.tp * s.pp * s.cp
         step = cost.step_time_s
         samples = s.dp * s.micro_batches * s.mb_samples
         # FLOPs summed over the chain are those of one micro-batch for one model replica; scale to the step
-        step_model_flops = sums.model_flops * s.micro_batches * s.dp
-        step_hw_flops = sums.hw_flops * s.micro_batches * s.dp
+        step_model_flops = sums.model_flops * s.micro_batches * s.replicas  # a cp rank: 1/cp of the replica's
+        step_hw_flops = sums.hw_flops * s.micro_batches * s.replicas
         peak_flops = self.cluster.device.flops("bfloat16" if s.amp != "none" else "float32")
         cost.model_tflops_per_gpu = step_model_flops / world / step / 1e12
         cost.hardware_tflops_per_gpu = step_hw_flops / world / step / 1e12
@@ -511,7 +537,7 @@ def ddp_bucket_bytes(s: Setting, params: float) -> float:
     (``gradient_as_bucket_view=False``, as ``runtime/ddp.py`` builds it: the gradients are copied in, not views).
     Only where the runtime uses DDP: dp > 1, ZeRO 0/1, no TP (with TP it uses FSDP2's replicate, which has no
     buckets)."""
-    return params * ITEMSIZE["float32"] if s.dp > 1 and s.zero_stage < 2 and s.tp == 1 else 0.0
+    return params * ITEMSIZE["float32"] if s.replicas > 1 and s.zero_stage < 2 and s.tp == 1 else 0.0
 
 
 def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:
@@ -524,7 +550,7 @@ def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:
     sp = any(lp.sequence_parallel for lp in plan.layers)
     s = Setting(m.dp, m.tp, m.pp, m.zero_stage, plan.precision.amp, plan.batch.micro_batches, mb,
                 plan.pipeline.schedule, plan.pipeline.virtual_stages, sp, plan.optimizer.name, m.ep,
-                bool(plan.fused_loss))
+                bool(plan.fused_loss), m.cp)
     choices = [LayerChoice(lp.stage, on, lp.recompute, lp.fsdp, lp.compile)
                for lp, on in zip(plan.layers, tp_on, strict=True)]
     return s, choices

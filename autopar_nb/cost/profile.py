@@ -160,6 +160,10 @@ class LayerProfile:
     """bytes of the token rows the experts modules receive (token x choice pairs x hidden width), summed over the
     modules: what one all-to-all of expert parallelism moves each way (dispatch, combine)"""
     dispatch_half: float = 0.0
+    kv_bytes: float = 0.0
+    """bytes of the keys and values the layer's attention ops read (whole sequence; in the captured dtype): what
+    context parallelism's ring passes round the cp ranks"""
+    kv_half: float = 0.0
 
     def saved_at(self, precision: str) -> list[Saved]:
         """What autograd saves in this layer under ``precision`` (:data:`PRECISIONS`)."""
@@ -218,6 +222,8 @@ class GraphProfile:
     view made in another layer (gloo's send/recv of stage inputs needs contiguous tensors)"""
     sp_blocker: str = ""
     """why sequence parallelism cannot apply to the TP styles ("" when it can; see ``tp_styles.sp_check``)"""
+    cp_blocker: str = ""
+    """why context parallelism cannot split this model's sequences ("" when it can; see :func:`cp_blocker`)"""
 
     def layer(self, path: str) -> LayerProfile:
         for lp in self.layers:
@@ -265,6 +271,7 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(), low_precision_ops=
     _count_boundaries(layers, f, amp)
     _count_params(layers, f, split_params=_count_tp(layers, f), cast=amp["autocast"].autocast.cast_params)
     _count_experts(layers, f)
+    _count_keys_values(layers, f)
     out = graph.outputs[0] if graph.outputs else None
     region_modules: dict[int, list[str]] = defaultdict(list)
     for name, rid in f.tp.region_of.items():
@@ -276,7 +283,7 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(), low_precision_ops=
                         bool(f.tp.head), out.numel if out else 0, out.itemsize if out else 4,
                         dict(region_modules), device_kind, rep,
                         {f.by_name[k].module_path: why for k, why in refused.items()}, _pp_blocker(f),
-                        sp_check(graph, f.by_name, f.tp.styles, f.tp.sharded))
+                        sp_check(graph, f.by_name, f.tp.styles, f.tp.sharded), cp_blocker(graph))
 
 
 # ---- what every pass reads ------------------------------------------------------------------------------------------
@@ -831,6 +838,36 @@ def _count_params(layers: dict[str, LayerProfile], f: _Facts, *, split_params: s
 
 GROUPED_MATMULS = frozenset(r.name for r in moe_rules.GROUPED_MATMULS if r.backward_factor)
 """forward grouped matmuls over stacked expert weights (``kernels_ext.moe_rules``; their backward ops excluded)"""
+
+
+def _count_keys_values(layers: dict[str, LayerProfile], f: _Facts) -> None:
+    """Bytes of the keys and values every attention op reads (SDPA's second and third inputs)."""
+    for lp, n in _in_layers(layers, f):
+        if n.op_class == "attention" and len(n.in_shapes) >= 3:
+            numel = _numel(n.in_shapes[1]) + _numel(n.in_shapes[2])
+            lp.kv_bytes += numel * f.size[n.name].itemsize
+            lp.kv_half += numel * 2
+
+
+def cp_blocker(graph) -> str:
+    """Why context parallelism (``runtime/cp.py``: torch's ring attention over SDPA, each rank holding a
+    load-balanced part of every sequence) cannot run this model; "" when it can: one (batch, seq) input of token
+    ids, attention only through ``scaled_dot_product_attention`` without a mask, and no position computed with
+    ``torch.arange`` inside forward (it would number the rank's part, not the sequence)."""
+    if graph.seq_len is None or len(graph.inputs) != 1 or len(graph.inputs[0].shape) != 2 or \
+            graph.inputs[0].dtype in FLOAT:
+        return "the model does not take one (batch, seq) tensor of token ids"
+    attention = [n for n in graph.nodes if n.op_class == "attention"]
+    if not attention or any("scaled_dot_product" not in n.op for n in attention):
+        return "its attention is not torch's scaled_dot_product_attention (which the ring replaces)"
+    masked = next((n for n in attention if len(n.inputs) > 3), None)
+    if masked is not None:
+        return f"the attention of {masked.module_path or 'the model'} takes a mask (ring attention takes none)"
+    arange = next((n for n in graph.nodes if n.op.startswith("aten.arange")), None)
+    if arange is not None:
+        return (f"{arange.module_path or 'the model'} computes positions with torch.arange inside forward (each rank "
+                "would number its own part of the sequence)")
+    return ""
 
 
 def _count_experts(layers: dict[str, LayerProfile], f: _Facts) -> None:

@@ -27,7 +27,7 @@ from ..plan import (
 )
 from .constraints import Constraints, parse
 from .explain import compile_lines, explain, fmt_bytes, fused_loss_lines
-from .search import Candidate, Search, memory_limit
+from .search import Candidate, Search, cp_degrees, memory_limit
 
 __all__ = ["plan"]
 
@@ -70,8 +70,21 @@ def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None
     head, fused_why = fused_head(graph) if default_loss else (
         None, "the cell defines its own loss_fn (the fused op computes the default next-token cross-entropy)")
     ev = Evaluator(prof, cluster, seq_ratio=seq_ratio, head=head)
-    search = Search(graph, prof, cluster, cons, ev, global_batch=global_batch, fused_why=fused_why)
+    cps, cp_why = cp_degrees(prof, cluster, seq_len=seq_len or graph.seq_len, why="" if default_loss else
+                             "the cell defines its own loss_fn (each cp rank computes the default loss on its part)")
+    fixed_cp = cons.fix.get("cp", 1)
+    if fixed_cp > 1 and fixed_cp not in cps:
+        raise PlanError(f"fix cp={fixed_cp}: " + (cp_why or f"context parallelism needs a degree that divides the "
+                                                           f"world size {cluster.world_size} inside a node and "
+                                                           f"seq_len / 2 (possible: {cps})"))
+    search = Search(graph, prof, cluster, cons, ev, global_batch=global_batch, fused_why=fused_why,
+                    cps=(fixed_cp,))
     cands = search.run(top_k)
+    if not any(c.fits for c in cands) and "cp" not in cons.fix and cps:
+        # the activations of long sequences fit nowhere, recompute included: split the sequences (ring attention)
+        search = Search(graph, prof, cluster, cons, ev, global_batch=global_batch, fused_why=fused_why,
+                        cps=tuple(cps))
+        cands = search.run(top_k) or cands
     if not cands:
         raise PlanError(f"no candidate plan: {'; '.join(dict.fromkeys(search.rejected)) or 'check fix/overrides'}")
     feasible = sorted((c for c in cands if c.fits),
@@ -93,6 +106,11 @@ def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None
     chosen.explanation = explain(chosen, best, ranked, faster, cons, cluster, prof)
     chosen.explanation += compile_lines(best, ev, cons, [i for i, on in enumerate(search.compilable) if on])
     chosen.explanation += fused_loss_lines(best, ev, cons, fused_why)
+    if best.setting.cp > 1:
+        chosen.explanation.append(
+            f"Context parallelism cp={best.setting.cp}: every sequence is split over {best.setting.cp} ranks (torch's "
+            "ring attention) because " + ("fix cp asks for it." if "cp" in cons.fix else
+                                          "no plan without it fits in memory, recompute included."))
     return chosen
 
 
@@ -129,7 +147,7 @@ def _no_fit_message(cands: list[Candidate], cluster, cons: Constraints) -> str:
     s = c.setting
     fixed = f" with fix {cons.fix}" if cons.fix else ""
     return (f"nothing fits in {fmt_bytes(limit)} per GPU{fixed}: the smallest candidate (dp={s.dp} tp={s.tp} "
-            f"pp={s.pp} zero={s.zero_stage}, {s.micro_batches} micro-batch(es) of {s.mb_samples:g}) needs "
+            f"pp={s.pp}{f' cp={s.cp}' if s.cp > 1 else ''} zero={s.zero_stage}, {s.micro_batches} micro-batch(es) of {s.mb_samples:g}) needs "
             f"{fmt_bytes(mb.total)} on pipeline rank {r}, {fmt_bytes(mb.total - limit)} over the memory limit "
             f"(params {fmt_bytes(mb.params)}, grads {fmt_bytes(mb.grads)}, optimizer {fmt_bytes(mb.optimizer)}, "
             f"activations {fmt_bytes(mb.activations)}, buffers {fmt_bytes(mb.buffers)}, margin "
@@ -173,7 +191,7 @@ def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch
     head_tp = any(lp.vocab and any(st == "colwise" for st in lp.tp.values()) and ch.tp
                   for lp, ch in zip(prof.layers, c.choices, strict=True))
     return Plan(
-        mesh=MeshPlan(s.dp, s.tp, s.pp, s.zero_stage, ep=s.ep),
+        mesh=MeshPlan(s.dp, s.tp, s.pp, s.zero_stage, ep=s.ep, cp=s.cp),
         batch=BatchPlan(global_batch, s.micro_batches, seq_len or graph.seq_len),
         pipeline=PipelinePlan(s.schedule, s.virtual_stages),
         precision=precision,

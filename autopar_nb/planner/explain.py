@@ -261,7 +261,8 @@ def _expert_lines(best, ranked, experts: dict[str, int]) -> list[str]:
 
 def _summary(cand) -> str:
     s, c = cand.setting, cand.cost
-    out = f"dp={s.dp} tp={s.tp} pp={s.pp} zero={s.zero_stage}" + (f" ep={s.ep}" if s.ep > 1 else "")
+    out = (f"dp={s.dp} tp={s.tp} pp={s.pp}" + (f" cp={s.cp}" if s.cp > 1 else "") + f" zero={s.zero_stage}"
+           + (f" ep={s.ep}" if s.ep > 1 else ""))
     if s.pp > 1:
         out += f" {s.schedule}x{s.micro_batches}"
     elif s.micro_batches > 1:

@@ -57,7 +57,7 @@ class Candidate:
     @property
     def key(self) -> tuple:
         s = self.setting
-        return (s.dp, s.tp, s.pp, s.zero_stage, s.micro_batches, s.schedule, s.virtual_stages, s.ep)
+        return (s.dp, s.tp, s.pp, s.zero_stage, s.micro_batches, s.schedule, s.virtual_stages, s.ep, s.cp)
 
 
 def divisors(n: int) -> list[int]:
@@ -80,6 +80,18 @@ def tp_blockers(prof, t: int, tp_on: list[bool]) -> list[str]:
             what = f"head count {heads[0]}" if heads else f"dim {bad[0]}"
             out.append(f"tp={t} does not divide the {what} of {lp.path}")
     return out
+
+
+def cp_degrees(prof, cluster, *, seq_len: int | None, why: str = "") -> tuple[list[int], str]:
+    """Context-parallel degrees the runtime can run for this model: the divisors > 1 of the world size that split
+    the sequence into 2 * cp equal chunks (torch's load balancing), inside a node (the ring's all-gathers stay on
+    the fast links); and why there are none ("" when there are). ``why``: a reason from outside the graph."""
+    why = why or prof.cp_blocker or ("" if seq_len else "the inputs are not token sequences")
+    if why:
+        return [], why
+    out = [c for c in divisors(cluster.world_size) if 1 < c <= cluster.gpus_per_node and seq_len % (2 * c) == 0]
+    return out, "" if out else (f"no degree cp > 1 of the world size {cluster.world_size} (inside a node) cuts "
+                                f"seq_len {seq_len} into 2 * cp equal chunks")
 
 
 def memory_limit(cluster) -> float:
@@ -105,8 +117,11 @@ def measured_compile_gain(cluster) -> bool:
 class Search:
     """Enumerates and costs candidates (module docstring)."""
 
-    def __init__(self, graph, prof, cluster, cons, ev: Evaluator, *, global_batch: int, fused_why: str = ""):
+    def __init__(self, graph, prof, cluster, cons, ev: Evaluator, *, global_batch: int, fused_why: str = "",
+                 cps: tuple[int, ...] = (1,)):
         self.graph, self.prof, self.cluster, self.cons, self.ev = graph, prof, cluster, cons, ev
+        self.cps = cps
+        """context-parallel degrees to try (:func:`cp_degrees`)"""
         self.fused_why = fused_why
         """why the output head and the loss cannot be fused ("" when ``ev.head`` can be)"""
         if cons.fix.get("fused_loss") and ev.head is None:
@@ -156,9 +171,19 @@ class Search:
         self.pruned = 0
 
     # ---- enumeration --------------------------------------------------------------------------------------------
-    def meshes(self) -> list[tuple[int, int, int]]:
-        """(dp, tp, pp) candidates after the hard constraints; raises PlanError when a fixed one fails."""
-        world, gpn, fix = self.cluster.world_size, self.cluster.gpus_per_node, self.cons.fix
+    def meshes(self) -> list[tuple[int, int, int, int]]:
+        """(dp, tp, pp, cp) candidates after the hard constraints, for every context-parallel degree to try (the cp
+        ranks take their share of the world first); raises PlanError when a fixed one fails."""
+        out = [(*mesh, cp) for cp in self.cps for mesh in self._meshes(self.cluster.world_size // cp, cp)]
+        if not out:
+            f = {k: self.cons.fix[k] for k in ("dp", "tp", "pp", "cp") if k in self.cons.fix}
+            why = "; ".join(dict.fromkeys(self.rejected)) or "no factorisation fits"
+            raise PlanError(f"no mesh dp * tp * pp = {self.cluster.world_size} satisfies {f or 'the model'}: {why}")
+        return out
+
+    def _meshes(self, world: int, cp: int) -> list[tuple[int, int, int]]:
+        """(dp, tp, pp) with dp * tp * pp = ``world`` (the ranks per context-parallel group)."""
+        gpn, fix = self.cluster.gpus_per_node, self.cons.fix
         if all(k in fix for k in ("dp", "tp", "pp")) and fix["dp"] * fix["tp"] * fix["pp"] != world:
             raise PlanError(f"dp({fix['dp']}) * tp({fix['tp']}) * pp({fix['pp']}) = "
                             f"{fix['dp'] * fix['tp'] * fix['pp']} != world_size({world})")
@@ -209,7 +234,7 @@ class Search:
                 dp = world // (t * pp)
                 if "dp" in fix and fix["dp"] != dp:
                     continue
-                why = self.unsupported(dp, t, pp)
+                why = self.unsupported(dp, t, pp, cp)
                 if why:
                     if sum(k in fix for k in ("dp", "tp", "pp")) >= 2:  # the user fixed this mesh
                         raise PlanError(why)
@@ -219,18 +244,18 @@ class Search:
                     self.rejected.append(f"dp={dp} does not divide the global batch {self.global_batch}")
                     continue
                 out.append((dp, t, pp))
-        if not out:
-            f = {k: fix[k] for k in ("dp", "tp", "pp") if k in fix}
-            why = "; ".join(dict.fromkeys(self.rejected)) or "no factorisation fits"
-            raise PlanError(f"no mesh dp * tp * pp = {world} satisfies {f or 'the model'}: {why}")
         return out
 
-    def unsupported(self, dp: int, tp: int, pp: int) -> str:
+    def unsupported(self, dp: int, tp: int, pp: int, cp: int = 1) -> str:
         """Why the runtime (``autopar_nb.runtime``, the exported script) cannot run this mesh with the fixed choices,
         "" when it can. The runtime's restrictions: ZeRO-1's ZeroRedundancyOptimizer does not take TP's DTensor
         parameters (dp x tp runs ZeRO 0 through FSDP2's replicate, or ZeRO 2/3); SyncBatchNorm is not applied under
-        pipelining; pipelining does not take fp16 loss scaling, nor non-contiguous stage inputs."""
+        pipelining; pipelining does not take fp16 loss scaling, nor non-contiguous stage inputs; context
+        parallelism runs beside data parallelism only."""
         fix = self.cons.fix
+        if cp > 1 and (tp > 1 or pp > 1 or fix.get("fused_loss")):
+            return (f"cp={cp} with tp={tp}, pp={pp}{' and fused_loss' if fix.get('fused_loss') else ''}: context "
+                    "parallelism runs beside data parallelism only (tp=1, pp=1, unfused loss)")
         if dp > 1 and tp > 1 and fix.get("zero_stage") == 1:
             return (f"dp({dp}) x tp({tp}) with ZeRO-1: ZeroRedundancyOptimizer does not take DTensor parameters; fix "
                     "zero_stage 0 (replicated, Megatron's DDP + TP), 2 or 3, or tp=1, or dp=1")
@@ -275,7 +300,7 @@ class Search:
                 self.rejected.append(f"fix ep={e}: {why}")
                 return []
             return [e]
-        if not self.experts or tp > 1 or pp > 1:
+        if not self.experts or tp > 1 or pp > 1 or self.cps != (1,):
             return [1]
         gpn = self.cluster.gpus_per_node
         return [1] + [e for e in divisors(dp) if 1 < e <= gpn and all(n % e == 0 for n in self.experts.values())]
@@ -316,7 +341,7 @@ class Search:
         fix = self.cons.fix
         seq_model = self.prof.seq_len is not None
         configs = []
-        for dp, t, pp, ep in [(*mesh, e) for mesh in self.meshes() for e in self.ep_degrees(*mesh)]:
+        for dp, t, pp, cp, ep in [(*mesh, e) for mesh in self.meshes() for e in self.ep_degrees(*mesh[:3])]:
             # dp x tp: ZeRO 0 (FSDP2's replicate), 2 or 3; ZeroRedundancyOptimizer (ZeRO-1) takes no DTensors, which
             # TP and expert parallelism make
             zeros = [fix["zero_stage"]] if "zero_stage" in fix else (
@@ -341,7 +366,7 @@ class Search:
                     stages = pp * v
                     if stages > self.n:
                         continue
-                    base = Setting(dp, t, pp, 0, self.amp, m, float(mb), sched, v, sp, self.optimizer, ep)
+                    base = Setting(dp, t, pp, 0, self.amp, m, float(mb), sched, v, sp, self.optimizer, ep, cp=cp)
                     choices = [LayerChoice(0, self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i],
                                        self.compile[i] and pp == 1)
                                for i in range(self.n)]
@@ -388,7 +413,7 @@ class Search:
         faster (it adds one head matmul, and saves the logits' memory; ``cost/loss.py``). Tried with tp = pp = 1
         (what the runtime runs), unless fused_loss is fixed either way. The other variant is kept on ``other``."""
         s, fix = cand.setting, self.cons.fix
-        if s.fused_loss or self.ev.head is None or "fused_loss" in fix or s.tp > 1 or s.pp > 1:
+        if s.fused_loss or self.ev.head is None or "fused_loss" in fix or s.tp > 1 or s.pp > 1 or s.cp > 1:
             return cand
         added = any(ch.recompute != self.rec_pinned.get(i, "none") for i, ch in enumerate(cand.choices))
         if cand.fits and not added:

@@ -484,22 +484,22 @@ def option_refusals(graph: ModelGraph, cluster: Cluster, fix: dict[str, Any], ov
 def _option_rule(key: str, opt, meshes, search, fix, prof) -> str:
     """The rules beyond the mesh enumeration that decide whether the planner can use ``opt`` (the planner's own
     methods where it has them)."""
-    if key == "zero_stage" and opt > 0 and all(dp == 1 for dp, _, _ in meshes):
+    if key == "zero_stage" and opt > 0 and all(dp == 1 for dp, _, _, _ in meshes):
         return f"ZeRO-{opt} shards over data-parallel ranks, and every mesh left has dp=1"
-    if key in ("schedule", "virtual_stages") and all(pp == 1 for _, _, pp in meshes):
+    if key in ("schedule", "virtual_stages") and all(pp == 1 for _, _, pp, _ in meshes):
         return f"{GLOBAL_NAMES[key]} applies to pipelines: every mesh left has pp=1"
     if key == "virtual_stages" and opt > 1 and fix.get("schedule") in ("gpipe", "1f1b"):
         return f"{fix['schedule']} runs one stage per rank: choose an interleaved schedule first"
-    if key == "virtual_stages" and opt > 1 and all(pp * opt > search.n for _, _, pp in meshes if pp > 1):
+    if key == "virtual_stages" and opt > 1 and all(pp * opt > search.n for _, _, pp, _ in meshes if pp > 1):
         return f"{opt} virtual stages per rank need more layers than the model's {search.n}"
     if key == "sequence_parallel" and opt is True:
         if prof.sp_blocker:
             return f"sequence parallelism cannot apply to this model: {prof.sp_blocker}"
-        if all(t == 1 for _, t, _ in meshes):
+        if all(t == 1 for _, t, _, _ in meshes):
             return "sequence parallelism runs with tensor parallelism: every mesh left has tp=1"
     if key == "micro_batches":
         ok = False
-        for dp, _, pp in meshes:
+        for dp, _, pp, _ in meshes:
             try:
                 search.micro_batch_sizes(search.global_batch // dp, pp)
                 ok = True
