@@ -28,10 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autopar_nb.capture import capture  # noqa: E402
-from autopar_nb.hardware import Cluster  # noqa: E402
-from autopar_nb.session import Session  # noqa: E402
-from autopar_nb.source import ModelSource  # noqa: E402
+from autopar_nb.capture import capture
+from autopar_nb.hardware import Cluster
+from autopar_nb.session import Session
+from autopar_nb.source import ModelSource
 
 CELL = """\
 import torch, torch.nn as nn

@@ -111,6 +111,9 @@ def test_launch_and_verify_from_the_widget(tmp_path):
             # the Stop button
             dash.locator("button.apd-stop").click()
             expect(dash.locator(".apd-state")).to_have_attribute("data-state", "stopped", timeout=30_000)
+            # the event timeline (issue 14): the launch and the stop, each with its reason
+            expect(dash.locator('.apd-events li[data-kind="launch"]')).to_contain_text("2 warm processes")
+            expect(dash.locator('.apd-events li[data-kind="stop"]')).to_contain_text("Stop button")
             page.wait_for_function(KERNEL_IS % "idle", timeout=30_000)
             state = run_cell_writing(page, (
                 "import json\nrun = ap.widget().last_result\n"
@@ -130,6 +133,7 @@ def test_launch_and_verify_from_the_widget(tmp_path):
             expect(bad.locator(".apd-error-head")).to_contain_text("injected failure on rank 1 at step 4")
             expect(bad.locator(".apd-traceback")).to_contain_text("Traceback (most recent call last)")
             expect(bad.locator('tr[data-rank="1"]')).to_have_attribute("data-state", "failed")
+            expect(bad.locator('.apd-events li[data-kind="fail"]')).to_contain_text("rank 1")
 
             # 3. Verify from the widget: 3 steps, in the background, each row marked with its rule
             type_in(page, "input.ap-run-verify-steps", 3)

@@ -3,7 +3,6 @@ that re-plans, resumes from its checkpoint under the new plan and matches the si
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -11,8 +10,16 @@ import pytest
 from autopar_nb import calibration
 from autopar_nb.capture import capture
 from autopar_nb.hardware import Cluster
-from autopar_nb.launch.replan import (cause_text, check_mode, checkpoint_pins, diff_text, layers_text,
-                                      measured_peaks, trigger_of)
+from autopar_nb.launch.compare import predicted_memory
+from autopar_nb.launch.replan import (
+    cause_text,
+    check_mode,
+    checkpoint_pins,
+    diff_text,
+    layers_text,
+    measured_peaks,
+    trigger_of,
+)
 from autopar_nb.plan import Change
 from autopar_nb.session import Session
 from autopar_nb.source import ModelSource
@@ -105,10 +112,11 @@ def test_a_run_over_its_cpu_limit_replans_and_resumes_from_its_checkpoint(tmp_pa
     first = ap.plan
     run = ap.launch(2, STEPS, replan="auto", memory_threshold=THRESHOLD, ckpt_dir=str(tmp_path / "ckpt"),
                     ckpt_every=1, run_dir=str(tmp_path / "run"), hang_timeout_s=300)
+    dash = run.dashboard()
     assert run.wait(timeout=600) == "finished", [(leg.status, leg.message, leg.events) for leg in run.legs()]
     legs = run.legs()
     assert len(legs) >= 2 and legs[0].status == "stopped" and legs[-1].status == "finished"
-    for leg, nxt in zip(legs, legs[1:]):
+    for leg, nxt in zip(legs, legs[1:], strict=False):
         (ev,) = [e for e in leg.events if e["kind"] == "replan"]
         print(ev["reason"])
         assert ev["checkpoint"], ev  # near the limit: it went on to its next checkpoint and stopped there
@@ -116,18 +124,63 @@ def test_a_run_over_its_cpu_limit_replans_and_resumes_from_its_checkpoint(tmp_pa
         assert min(s for s, _ in nxt.loss_curve()) == resumed_at  # no step lost, none redone
         assert max(s for s, _ in leg.loss_curve()) == resumed_at - 1
         assert "because rank" in ev["reason"] and f"of {limit / 2**30:.2f} GiB" in ev["reason"]
-        assert "micro-batches" in ev["diff_text"] and ev["calibration"]["margin_fraction"] > 0
-        assert nxt.plan.batch.micro_batches > leg.plan.batch.micro_batches  # a smaller micro-batch: less memory
+        assert ev["diff_text"] != "no change" and ev["calibration"]["margin_fraction"] > 0
+        # a remedy (here more micro-batches, or ZeRO-3): the new plan predicts less training state per rank
+        assert predicted_memory(nxt.plan, 0, model_state=True) < predicted_memory(leg.plan, 0, model_state=True)
         (resume,) = [e for e in nxt.events if e["kind"] == "resume"]
         assert resume["step"] == resumed_at and resume["seconds_from_trigger"] > 0
     assert not [e for e in legs[-1].events if e["kind"] in ("memory_high", "oom", "replan")]
-    assert ap.plan.batch.micro_batches == legs[-1].plan.batch.micro_batches  # the session follows
-    assert ap.plan.cluster["memory_limit_bytes"] == int(limit)
+    # the dashboard followed every leg, and its timeline has each one's launch, re-plan, end and resume in order
+    assert dash._run is legs[-1]
+    kinds = [e["kind"] for e in dash.events if e["kind"] in ("launch", "replan", "stop", "resume", "finish")]
+    assert kinds == ["launch"] + ["stop", "replan", "launch", "resume"] * (len(legs) - 1) + ["finish"], kinds
+    assert [e["t"] for e in dash.events] == sorted(e["t"] for e in dash.events)
+    assert ap.plan.diff(legs[-1].plan) == [] and ap.plan.cluster["memory_limit_bytes"] == int(limit)  # it follows
     ap.undo()
-    assert ap.plan.batch.micro_batches < legs[-1].plan.batch.micro_batches
+    assert ap.plan.diff(legs[-2].plan) == []
     losses = {}
     for leg in legs:
         losses.update(leg.loss_curve())
     assert sorted(losses) == list(range(STEPS))
     expected = reference(ap.source, first, steps=STEPS)["losses"]
     assert [losses[s] for s in range(STEPS)] == pytest.approx(expected, rel=FP32_RTOL, abs=0)
+
+
+def test_ask_proposes_and_replan_from_code_continues_with_the_sessions_new_plan(tmp_path):
+    """replan="ask": an event makes a proposal (the dashboard offers Re-plan & resume / Stop) and nothing else;
+    run.replan() then calibrates, re-plans with the session's pins and continues in the run launch_fn starts (here
+    a Run that is never started: the launching itself is the multiprocess test's)."""
+    from autopar_nb.launch.dashboard import events_of, replan_state
+    from autopar_nb.launch.replan import Replanner
+    from autopar_nb.launch.run import Run
+
+    ap, limit = session_with_limit()
+    ap.fix = {"dp": 2}  # a user's pin, kept by the re-plan
+    plan = ap.replan()
+
+    def make_run(run_id, p):
+        return Run(run_id=run_id, run_dir=tmp_path / run_id, script=tmp_path / "train.py", nproc=2, steps=6,
+                   token="t", backend="gloo", max_restarts=0, hang_timeout_s=None, plan=p)
+
+    started = []
+    run = make_run("first", plan)
+    run.memory_threshold = THRESHOLD
+    Replanner("ask", cluster=ap.cluster, ckpt_dir=None, launch_fn=lambda p, d: started.append(make_run("next", p))
+              or started[-1], plan_fn=lambda c, t, pins: ap.replan_for_memory(c, t, pins, 2)).attach(run)
+    for st in run._ranks.values():
+        st.baseline = 300 * MIB
+    run._record_tick(0, {r: {"rss": 300 * MIB + 0.9 * limit, "rss_peak": 300 * MIB + 0.9 * limit} for r in (0, 1)})
+    assert [e["kind"] for e in run.events] == ["memory_high", "memory_high"]
+    assert run.replan_proposal["cause"].startswith("rank 0 reached 90% of") and not started
+    assert replan_state(run)["pending"] and "re-plan for less memory" in replan_state(run)["text"]
+    run._status = "failed"
+    run._done.set()  # as after an out-of-memory: nothing left to stop
+    nxt = run.replan()
+    assert nxt is started[0] and run.continued_by is nxt and nxt.continues is run and run.legs() == [run, nxt]
+    (ev,) = [e for e in run.events if e["kind"] == "replan"]
+    assert ev["reason"].startswith(f"{ev['diff_text']} because rank 0 reached 90% of {limit / 2**30:.2f} GiB")
+    assert "no checkpoint yet" in ev["reason"] and ev["calibration"]["margin_fraction"] > 0
+    assert ap.plan.mesh.dp == 2 and ap.fix == {"dp": 2} and nxt.plan.mesh.dp == 2
+    assert nxt.plan.cost.peak_memory_bytes <= THRESHOLD * limit < plan.cost.peak_memory_bytes
+    assert not replan_state(run)["pending"] and run.replan() is nxt  # once
+    assert [e["kind"] for e in events_of(nxt)] == ["memory_high", "memory_high", "replan"]

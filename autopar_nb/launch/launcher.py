@@ -341,6 +341,8 @@ def _start(script, nproc, steps, *, plan, max_restarts, hang_timeout_s, run_dir,
         run._end_hooks.append(lambda _: POOL.refill("launch", env=worker_env, monitor=monitor,
                                                     preload=preload))
     run._server = server
+    what = plan.summary() if hasattr(plan, "summary") and getattr(plan, "mesh", None) is not None else script_path.name
+    run._lifecycle("launch", f"{nproc} {'warm ' if warm else ''}process{'es' if nproc > 1 else ''}: {what}")
     run._monitor = Monitor(run, sample=monitor)
     with _live_lock:
         _live.add(run)

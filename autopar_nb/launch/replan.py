@@ -29,8 +29,9 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .. import calibration
 from . import compare, watch
@@ -106,7 +107,7 @@ def layers_text(paths: list[str]) -> str:
     for head, nums in groups.items():
         nums = sorted(set(nums))
         runs, start = [], nums[0]
-        for a, b in zip(nums, nums[1:] + [None]):
+        for a, b in zip(nums, nums[1:] + [None], strict=True):
             if b != a + 1:
                 runs.append(f"{head}.{start}" + (f"–{a}" if a != start else ""))
                 start = b

@@ -27,6 +27,8 @@ from .series import StepSeries, Timeline
 __all__ = ["LOG_TAIL_LINES", "SAMPLE_FIELDS", "STARTUP_TIMEOUT_S", "TERMINAL", "MetricsTable", "RankState", "Run"]
 
 TERMINAL = ("finished", "failed", "stopped", "hung")
+END_KINDS = {"finished": "finish", "failed": "fail", "stopped": "stop", "hung": "hang"}
+"""the event kind of each final status"""
 LOG_TAIL_LINES = 8
 STACK_WAIT_S = 0.5
 """seconds the ranks get to print their stacks when a hang is found"""
@@ -145,7 +147,9 @@ class Run:
         waiting for batches, "bottleneck": share above 10 %, "message": the line the script printed, with remedies
         when data loading is the bottleneck} (None before it arrives, or from a script that sends none)"""
         self.events: list[dict] = []
-        """what the watch found (see watch.py): {"t", "kind", "rank", "reason", ...} in the order found"""
+        """{"t": seconds since launch, "kind", "rank", "reason", ...} in the order found: the run's own (launch,
+        restart, finish | fail | stop | hang), what the watch found (oom, memory_high, straggler, prediction_error:
+        see watch.py), and re-planning's (replan with its plan_diff, resume: see replan.py)"""
         self._watch: watch.Watch | None = None
         self.memory_threshold = 0.92
         """share of a rank's memory limit above which its memory is a ``memory_high`` event"""
@@ -535,6 +539,12 @@ class Run:
             if new:
                 hook(self, new)
 
+    def _lifecycle(self, kind: str, reason: str) -> None:
+        """An event of the run itself (launch, restart, its end) in ``events``, beside the watch's (the dashboard's
+        timeline shows both)."""
+        with self._lock:
+            self.events.append({"t": time.monotonic() - self._t0, "kind": kind, "rank": None, "reason": reason})
+
     def _kill_rank(self, rank: int) -> None:
         """SIGKILL one worker (a rank above its memory limit, see watch.over_limit_events): torch's agent sees it
         die as the kernel's OOM killer would leave it."""
@@ -583,6 +593,8 @@ class Run:
             self._attempt_seen = latest
             if first:
                 return
+            self._lifecycle("restart", f"restart {latest} of {self.max_restarts}: the agent restarts every worker"
+                            + (f" after rank {self._error['rank']} failed" if self._error else ""))
             if len(self._behind(latest, now)) == len(self._ranks):  # else a rank's hello said so first
                 self._set_status("restarting",
                                  f"restart {latest} of {self.max_restarts}: the agent restarts every worker")
@@ -694,6 +706,7 @@ class Run:
             self._result = result
             self.ended = time.time()
             self._set_final_status(result, f"{self.ended - self.started:.1f} s")
+            self._lifecycle(END_KINDS.get(self._status, self._status), self._message)
             self._watch_tick()  # the agent's account of a killed rank (its signal) arrives only now
         self._server_close()
         self._read_log_tails()  # a run shorter than a tick has shown no log yet

@@ -225,6 +225,26 @@ function render({ model, el }) {
     built.rate.set(x, columns(st.throughput, st.n, R));
     built.time.set(x, columns(st.step_time_s, st.n, R), built.predictedTime ? [x.map(() => built.predictedTime)] : []);
     built.wait.set(x, columns(st.data_wait_s, st.n, R));
+    drawMeasured();
+  }
+
+  // where a chart shows a prediction, what was measured beside it, with the ratio
+  function drawMeasured() {
+    if (!built) return;
+    const info = model.get("info") || {};
+    const ranks = model.get("ranks") || [];
+    const pt = built.predictedTime;
+    const times = ranks.map((r) => r.step_time).filter((v) => v);
+    if (pt && times.length) {
+      const med = [...times].sort((a, b) => a - b)[Math.floor(times.length / 2)];
+      built.time.card.note.textContent = `predicted ${fmtMs(pt)} dashed; measured ${fmtMs(med)} (${(med / pt).toFixed(2)}×)`;
+    }
+    const peaks = ranks.filter((r) => r.memory_peak && r.memory_pred);
+    if (peaks.length) {
+      const worst = peaks.reduce((a, b) => (a.memory_peak / a.memory_pred >= b.memory_peak / b.memory_pred ? a : b));
+      built.mem.card.note.textContent = `${info.memory_label || ""} · peak ${fmtBytes(worst.memory_peak)} vs predicted ` +
+        `${fmtBytes(worst.memory_pred)} (${(worst.memory_peak / worst.memory_pred).toFixed(2)}×, rank ${worst.rank})`;
+    }
   }
 
   function drawNotes(info) {
@@ -251,7 +271,9 @@ function render({ model, el }) {
         h("td", {}, r.step === null || r.step === undefined ? "–" : `${r.step}`),
         h("td", { title: r.memory_source ? `source: ${r.memory_source}` : "" }, fmtBytes(r.memory)),
         h("td", { class: over ? "apd-over" : "", title: r.memory_peak_kind || "" }, fmtBytes(r.memory_peak)),
-        h("td", {}, fmtBytes(r.memory_pred)),
+        h("td", { class: "apd-pred", title: "the plan's prediction; measured peak / predicted" },
+          fmtBytes(r.memory_pred), r.memory_pred && r.memory_peak ? h("span", { class: over ? "apd-over" : "apd-muted" },
+            ` (${(r.memory_peak / r.memory_pred).toFixed(2)}×)`) : null),
         h("td", {}, r.util === null || r.util === undefined ? "–" : `${Number(r.util).toFixed(0)}`),
         h("td", {}, fmtRate(r.throughput)),
         h("td", {}, fmtMs(r.step_time)),
@@ -366,7 +388,7 @@ function render({ model, el }) {
       if (what.info || !built || built.ranks !== (info.nproc || 1)) { build(info); drawNotes(info); drawCharts(); }
       else if (what.charts) drawCharts();
       if (what.status) { drawStatus(); drawError(); }
-      if (what.table) drawTable();
+      if (what.table) { drawTable(); drawMeasured(); }
       if (what.summary) drawSummary();
       if (what.replan) drawReplan();
       if (what.events) drawEvents();
