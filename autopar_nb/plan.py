@@ -567,6 +567,27 @@ class Plan:
             raise PlanError(f"layers {', '.join(compiled[:3])}{', ...' if len(compiled) > 3 else ''} are compiled, but "
                             f"mesh.pp={self.mesh.pp}: compile applies to whole blocks with pp=1 only (a pipeline stage "
                             "is a traced graph); set their compile to false or pp to 1")
+        self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        """What torch.distributed.pipelining's schedules refuse when they are built (in every rank, after start-up):
+        1F1B needs a micro-batch per stage at least; the interleaved schedules a number of micro-batches that splits
+        into rounds of pp; zero-bubble V exactly 2 stages per rank."""
+        m, pl, mb = self.mesh, self.pipeline, self.batch.micro_batches
+        if m.pp == 1:
+            return
+        if pl.schedule == "1f1b" and mb < m.pp:
+            raise PlanError(f"pipeline.schedule='1f1b' with mesh.pp={m.pp} needs batch.micro_batches >= {m.pp} (torch's "
+                            f"Schedule1F1B runs at least one micro-batch per stage), got {mb}; raise micro_batches or "
+                            "use 'gpipe'")
+        rounds = max(1, mb // m.pp)
+        if pl.schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and mb % rounds:
+            raise PlanError(f"pipeline.schedule={pl.schedule!r} with mesh.pp={m.pp} needs batch.micro_batches to be a "
+                            f"multiple of its rounds (micro_batches // pp = {rounds}), got {mb}; use a multiple of "
+                            f"{m.pp} or fewer than {2 * m.pp}")
+        if pl.schedule == "zbv_zero_bubble" and pl.virtual_stages != 2:
+            raise PlanError(f"pipeline.schedule='zbv_zero_bubble' runs exactly 2 stages per rank: "
+                            f"pipeline.virtual_stages must be 2, got {pl.virtual_stages}")
 
     def _check_cp(self) -> None:
         """``mesh.cp`` > 1: a sequence model whose sequence splits into 2 * cp equal chunks (torch's head-tail load

@@ -618,12 +618,12 @@ def test_hang_names_the_rank_that_stopped_first():
 
 def test_comparison_is_honest_about_the_device():
     from autopar_nb.launch.compare import comparison
-    from autopar_nb.plan import Cost, MemoryBreakdown, MeshPlan, Plan
+    from autopar_nb.plan import BatchPlan, Cost, MemoryBreakdown, MeshPlan, Plan
 
     def plan(preset, pp=1, per_pp=False):
         mem = [MemoryBreakdown(params=100.0 * (i + 1), margin=10.0) for i in range(pp if per_pp else 4)]
-        return Plan(mesh=MeshPlan(dp=4 // pp, pp=pp), cluster={"preset": preset}, cost=Cost(
-            step_time_s=0.5, memory_by_rank=mem))
+        return Plan(mesh=MeshPlan(dp=4 // pp, pp=pp), batch=BatchPlan(global_batch=4, micro_batches=2),
+                    cluster={"preset": preset}, cost=Cost(step_time_s=0.5, memory_by_rank=mem))
 
     c = comparison(plan("h100-80gb"), backend="gloo", nproc=4)
     assert not c["compare_time"] and c["predicted_step_time_s"] is None

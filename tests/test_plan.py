@@ -5,6 +5,7 @@ import pytest
 
 from autopar_nb.plan import (
     SCHEMA_VERSION,
+    BatchPlan,
     Cost,
     LayerPlan,
     MemoryBreakdown,
@@ -26,6 +27,7 @@ def _plan(**kw) -> Plan:
                         recompute="selective"),
               LayerPlan("h.1", stage=1, recompute="full", pinned=["recompute"]),
               LayerPlan("lm_head", stage=1, tp={"lm_head": "colwise"})]
+    kw.setdefault("batch", BatchPlan(global_batch=4, micro_batches=2))  # 1F1B: a micro-batch per stage at least
     return Plan(mesh=MeshPlan(dp=2, tp=2, pp=2, zero_stage=3), pipeline=PipelinePlan("1f1b"), layers=layers,
                 cluster={"preset": "h100-80gb", "nodes": 1, "gpus_per_node": 8}, loss_parallel=True, **kw)
 
@@ -262,3 +264,23 @@ def test_normalize_fix():
         normalize_fix({"sp": "true"})
     with pytest.raises(PlanError, match=r"fix\['zero_stage'\]=True is not supported"):
         normalize_fix({"zero_stage": True})
+
+
+def test_schedules_refuse_too_few_micro_batches_at_plan_time():
+    """What torch's schedules would refuse on every rank after start-up is a PlanError when the plan is built."""
+    from autopar_nb.plan import LayerPlan
+
+    def three_stages(mb, schedule="1f1b", v=1):
+        return Plan(mesh=MeshPlan(pp=3), batch=BatchPlan(global_batch=12, micro_batches=mb),
+                    pipeline=PipelinePlan(schedule=schedule, virtual_stages=v),
+                    layers=[LayerPlan(f"h.{i}", stage=i) for i in range(3 * v)])
+
+    with pytest.raises(PlanError, match=r"'1f1b' with mesh.pp=3 needs batch.micro_batches >= 3 .*got 2"):
+        three_stages(2)
+    assert three_stages(3).batch.micro_batches == 3 and three_stages(2, "gpipe").mesh.pp == 3
+    with pytest.raises(PlanError, match=r"'interleaved_1f1b' with mesh.pp=3 needs .* rounds \(micro_batches // pp = "
+                                        r"2\), got 7"):
+        three_stages(7, "interleaved_1f1b", 2)
+    assert three_stages(6, "interleaved_1f1b", 2).pipeline.virtual_stages == 2
+    with pytest.raises(PlanError, match="zbv_zero_bubble' runs exactly 2 stages per rank"):
+        three_stages(6, "zbv_zero_bubble", 1)

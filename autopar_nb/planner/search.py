@@ -312,10 +312,17 @@ class Search:
             if local % m:
                 raise PlanError(f"micro_batches={m} does not divide the per-replica batch {local} "
                                 f"(global {self.global_batch})")
+            if 1 < pp and m < pp and fix.get("schedule", "1f1b") != "gpipe":  # torch's 1F1B would refuse it
+                self.rejected.append(f"pp={pp} with fix micro_batches={m}: 1F1B needs a micro-batch per stage")
+                return []
             return [local // m]
         ds = sorted(divisors(local), reverse=True)
         if pp > 1:  # at least pp micro-batches keep the pipeline busy; allow fewer only if nothing else
             ds = [d for d in ds if local // d >= pp] or ds[-1:]
+            if local // ds[0] < pp and "gpipe" != fix.get("schedule", "1f1b"):  # torch's 1F1B would refuse it
+                self.rejected.append(f"pp={pp} with 1F1B needs at least {pp} micro-batches, and the per-replica batch "
+                                     f"is {local}")
+                return []
         # the largest sizes (GEMM efficiency, fewest steps) and the smallest (least activation memory)
         return ds if len(ds) <= 8 else ds[:4] + ds[-4:]
 
