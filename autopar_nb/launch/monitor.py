@@ -80,7 +80,8 @@ class DeviceSampler:
         """rank -> {"cpu_percent", "rss", "rss_peak" (Linux VmHWM)} for every live worker, plus GPU fields
         ("gpu_util", "gpu_mem_used", "gpu_mem_total", "power_w", "temperature_c", and "gpu_proc_mem" — what the
         worker's own process holds on its GPU, when NVML reports it under the worker's PID) when NVML is on. Each GPU
-        figure is read on its own: one NVML cannot give (a MIG instance has no utilisation or power of its own) leaves only that one out."""
+        figure is read on its own: one NVML cannot give (a MIG instance has no utilisation or power of its own)
+        leaves only that one out."""
         out: dict[int, dict] = {}
         for rank, proc in workers.items():
             try:
