@@ -81,6 +81,11 @@ def test_troubleshooting(tmp_path):
     assert "GiB over the memory limit" in out
     assert re.search(r"verify dp=2 .* on 2 processes: OK", out)
     assert "dynamic_loss_scale=True" in out
+    # OOM handling (issue 14): the three remedies costed, then a run over its limit re-planned and resumed
+    assert "smaller micro-batch" in out and "recompute=full" in out and "zero=3" in out
+    assert "status: finished" in out
+    assert re.search(r"replan: .+ because rank \d reached \d+% of 0\.27 GiB.*resuming from step_\d", out)
+    assert re.search(r"resume: training resumed from step_\d at step \d", out)
 
 
 @pytest.mark.multiprocess
