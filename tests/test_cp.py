@@ -29,7 +29,7 @@ def test_plan_checks_cp():
     with pytest.raises(PlanError, match="mesh.cp=2 needs a sequence model: batch.seq_len is null"):
         cp_plan(src, seq_len=None)
     with pytest.raises(PlanError, match=r"mesh.cp=2 with mesh.pp > 1 \(pipeline stages are traced graphs"):
-        cp_plan(src, pp=2, stages={"layers.1": 1})
+        cp_plan(src, pp=2, micro_batches=2, stages={"layers.1": 1})
     with pytest.raises(PlanError, match=r"mesh.cp must be >= 1, got 0"):
         cp_plan(src, cp=0)
     d = plan.to_dict()
@@ -88,19 +88,20 @@ def tiny_llama_graph():
 
 
 def test_planner_splits_sequences_only_when_nothing_else_fits():
-    """One 16k-token sequence (no data parallelism can split it) on two CPU ranks with TP pinned off: within 52.7
-    MiB only cp=2 fits (the pipeline needs 57.4); with room to spare the planner keeps cp=1."""
+    """Two 16k-token sequences on two CPU ranks with TP pinned off: within 52.7 MiB only cp=2 fits (dp=2 needs 0.09
+    GiB: a whole sequence's activations on each rank; one micro-batch of one sample is too few for 1F1B over 2
+    stages); with room to spare the planner keeps cp=1 and splits the batch."""
     import autopar_nb as ap
 
     graph = tiny_llama_graph()
     tight = ap.Cluster.preset("cpu", gpus_per_node=2, memory_gb=0.0515)
-    plan = ap.plan(graph, tight, seq_len=16384, fix={"tp": 1}, global_batch=1)
+    plan = ap.plan(graph, tight, seq_len=16384, fix={"tp": 1}, global_batch=2)
     assert plan.mesh.cp == 2 and plan.mesh.world_size == 2 and plan.batch.seq_len == 16384
     assert "because no plan without it fits in memory" in plan.explain()
-    assert ap.plan(graph, ap.Cluster.preset("cpu", gpus_per_node=2), seq_len=16384, fix={"tp": 1},
-                   global_batch=1).mesh.cp == 1
-    with pytest.raises(PlanError, match=r"nothing fits in 52.7 MiB .* \(dp=1 tp=1 pp=2 zero=0"):
-        ap.plan(graph, tight, seq_len=16384, fix={"tp": 1}, global_batch=1, default_loss=False)
+    loose = ap.plan(graph, ap.Cluster.preset("cpu", gpus_per_node=2), seq_len=16384, fix={"tp": 1}, global_batch=2)
+    assert (loose.mesh.cp, loose.mesh.dp) == (1, 2)
+    with pytest.raises(PlanError, match=r"nothing fits in 52.7 MiB .* \(dp=2 tp=1 pp=1 zero="):
+        ap.plan(graph, tight, seq_len=16384, fix={"tp": 1}, global_batch=2, default_loss=False)
     with pytest.raises(PlanError, match=r"fix cp=2: the cell defines its own loss_fn"):
         ap.plan(graph, tight, seq_len=16384, fix={"cp": 2}, global_batch=1, default_loss=False)
     with pytest.raises(PlanError, match=r"cuts seq_len 16386 into 2 \* cp equal chunks"):
