@@ -397,6 +397,13 @@ def rank_info(parts: list, plan: Plan) -> dict:
     }
 
 
+def script_argv(ns: dict, steps: int) -> list[str]:
+    """The flags verify runs an exported script with (``ns``: its namespace): ``steps`` steps, and for a script that
+    reads the cell's dataset no DataLoader worker processes (``--num-workers 0``): the reference reads the samples
+    in-process, and workers forked from every rank would only add start-up time and processes to a short check."""
+    return ["--steps", str(steps)] + (["--num-workers", "0"] if "DataStream" in ns else [])
+
+
 @record
 def _worker(jobs: list[tuple[str, str, str]], steps: int) -> list[dict]:
     """One rank: import each exported script, switch its model's dropout off, and run its ``main`` with a
@@ -418,7 +425,7 @@ def _worker(jobs: list[tuple[str, str, str]], steps: int) -> list[dict]:
             switch_off_dropout(ns[model_var])
             recorder = Recorder(Plan.from_json(plan_json), int(os.environ["RANK"]))
             with contextlib.redirect_stdout(io.StringIO()):  # the script's per-step lines
-                ns["main"](["--steps", str(steps)], observer=recorder)
+                ns["main"](script_argv(ns, steps), observer=recorder)
             results.append(recorder.result)
             del ns
             gc.collect()

@@ -352,3 +352,19 @@ def test_script_resumed_mid_epoch_reads_each_sample_once(corpus, tmp_path, monke
     assert seen == {r: [streams[r](s, r)[1].tolist() for s in range(6)] for r in range(2)}
     epochs = [seen[0][2 * e] + seen[0][2 * e + 1] + seen[1][2 * e] + seen[1][2 * e + 1] for e in range(3)]
     assert all(len(set(e)) == 16 for e in epochs) and epochs[0] != epochs[1]
+
+
+def test_verify_runs_dataset_scripts_without_loader_workers(corpus, tmp_path):
+    """verify's ranks read the dataset in-process, as its reference does: the script is run with --num-workers 0
+    whatever the machine's cores would give by default; a script without a dataset gets no such flag."""
+    import runpy
+
+    from autopar_nb.check import script_argv
+
+    src = run_model_cell(DATA_CELL, {}).source
+    path = tmp_path / "train.py"
+    path.write_text(render_script(src, make_plan(src, dp=2)))
+    ns = runpy.run_path(str(path), run_name="__autopar_verify__")
+    assert script_argv(ns, 3) == ["--steps", "3", "--num-workers", "0"]
+    assert ns["parse_args"](script_argv(ns, 3)).num_workers == 0
+    assert script_argv({"main": None}, 3) == ["--steps", "3"]
