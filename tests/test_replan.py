@@ -184,3 +184,60 @@ def test_ask_proposes_and_replan_from_code_continues_with_the_sessions_new_plan(
     assert nxt.plan.cost.peak_memory_bytes <= THRESHOLD * limit < plan.cost.peak_memory_bytes
     assert not replan_state(run)["pending"] and run.replan() is nxt  # once
     assert [e["kind"] for e in events_of(nxt)] == ["memory_high", "memory_high", "replan"]
+
+
+PAGE = """async ([esm, state]) => {
+  const mod = await import(URL.createObjectURL(new Blob([esm], {type: "text/javascript"})));
+  const el = document.createElement("div");
+  document.body.append(el);
+  const sent = [];
+  mod.default.render({model: {get: (k) => state[k], on: () => {}, send: (m) => sent.push(m)}, el});
+  await new Promise((r) => setTimeout(r, 200));
+  const banner = el.querySelector(".apd-replan").textContent;
+  const items = [...el.querySelectorAll(".apd-events li")].map((li) => [li.dataset.kind, li.textContent]);
+  const dots = el.querySelectorAll(".apd-ev-dot").length;
+  el.querySelector("button.apd-replan-go").click();
+  return {banner, items, dots, sent};
+}"""
+
+
+@pytest.mark.browser
+def test_the_dashboard_offers_replan_and_shows_the_timeline(tmp_path):
+    """The front end (dashboard.js in chromium, a stub model; no JupyterLab): a proposal shows its cause with
+    Re-plan & resume / Stop, the button sends "replan" (the kernel side calls run.replan()), and the event timeline
+    lists the run's events with their reasons."""
+    import test_browser
+    from playwright.sync_api import sync_playwright
+
+    from autopar_nb.launch.dashboard import Dashboard
+    from autopar_nb.launch.replan import Replanner
+    from autopar_nb.launch.run import Run
+
+    test_browser._require_chromium()
+    ap, limit = session_with_limit()
+    run = Run(run_id="first", run_dir=tmp_path, script=tmp_path / "train.py", nproc=2, steps=6, token="t",
+              backend="gloo", max_restarts=0, hang_timeout_s=None, plan=ap.plan)
+    Replanner("ask", cluster=ap.cluster, launch_fn=None, plan_fn=None).attach(run)
+    run._lifecycle("launch", "2 warm processes: " + ap.plan.summary(), t=0.0)
+    for st in run._ranks.values():
+        st.baseline = 300 * MIB
+    run._record_tick(0, {r: {"rss": 300 * MIB + 0.95 * limit} for r in (0, 1)})
+    board = Dashboard(run)
+    state = {k: getattr(board, k) for k in ("status", "message", "error", "hang", "ranks", "info", "summary",
+                                            "events", "replan")}
+    state.update(timeline={}, steps={})
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(test_browser.CHROMIUM), args=test_browser.CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page()
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.set_content("<html><body></body></html>")
+            seen = page.evaluate(PAGE, [board._esm, state])
+        finally:
+            browser.close()
+    assert not errors, errors
+    assert "rank 0 reached 95% of" in seen["banner"] and "Re-plan & resume" in seen["banner"]
+    assert [k for k, _ in seen["items"]] == ["launch", "memory_high", "memory_high"] and seen["dots"] == 3
+    assert "2 warm processes: dp=2" in seen["items"][0][1] and "rank 1 reached 95%" in seen["items"][2][1]
+    assert seen["sent"] == [{"event": "replan"}]

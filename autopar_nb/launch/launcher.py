@@ -342,7 +342,7 @@ def _start(script, nproc, steps, *, plan, max_restarts, hang_timeout_s, run_dir,
                                                     preload=preload))
     run._server = server
     what = plan.summary() if hasattr(plan, "summary") and getattr(plan, "mesh", None) is not None else script_path.name
-    run._lifecycle("launch", f"{nproc} {'warm ' if warm else ''}process{'es' if nproc > 1 else ''}: {what}")
+    run._lifecycle("launch", f"{nproc} {'warm ' if warm else ''}process{'es' if nproc > 1 else ''}: {what}", t=0.0)
     run._monitor = Monitor(run, sample=monitor)
     with _live_lock:
         _live.add(run)

@@ -539,11 +539,12 @@ class Run:
             if new:
                 hook(self, new)
 
-    def _lifecycle(self, kind: str, reason: str) -> None:
+    def _lifecycle(self, kind: str, reason: str, t: float | None = None) -> None:
         """An event of the run itself (launch, restart, its end) in ``events``, beside the watch's (the dashboard's
-        timeline shows both)."""
+        timeline shows both); ``t``: seconds since launch (default: now)."""
         with self._lock:
-            self.events.append({"t": time.monotonic() - self._t0, "kind": kind, "rank": None, "reason": reason})
+            t = time.monotonic() - self._t0 if t is None else t
+            self.events.append({"t": t, "kind": kind, "rank": None, "reason": reason})
 
     def _kill_rank(self, rank: int) -> None:
         """SIGKILL one worker (a rank above its memory limit, see watch.over_limit_events): torch's agent sees it
