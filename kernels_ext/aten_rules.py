@@ -131,7 +131,7 @@ _BUILTIN = [
     OpRule("aten.log_softmax", "reduction", _per_output(5), 1.0, saves=("output",)),
     OpRule("aten._log_softmax", "reduction", _per_output(5), 1.0, saves=("output",)),
     # reductions over the feature dim: a TP shard must not reach them
-    OpRule("aten.cross_entropy_loss", "reduction", _per_input(5), 1.0, tp_role="reduction"),
+    OpRule("aten.cross_entropy_loss", "reduction", _per_input(5), 1.0, saves=("input_sized",), tp_role="reduction"),
     OpRule("aten.nll_loss_forward", "reduction", _per_input(1), 1.0, tp_role="reduction"),
     OpRule("aten.mse_loss", "reduction", _per_input(3), 1.0, saves=("inputs",), tp_role="reduction"),
     OpRule("aten.sum", "reduction", _per_input(1), 1.0, tp_role="reduction"),

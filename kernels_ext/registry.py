@@ -55,6 +55,8 @@ SAVES = {
     "temp": "one more tensor the size and dtype of the output (dropout's noise on CPU, a decomposed norm's "
             "normalised input)",
     "bool_arg": "a 1-byte copy of its boolean activation argument (masked_fill's mask, where's condition)",
+    "input_sized": "a new tensor the size of its first floating input, in the dtype the op computes in "
+                   "(cross-entropy's log-softmax, which its nll_loss keeps)",
 }
 """What an op can keep for backward (``OpRule.saves``), following ``tools/autograd/derivatives.yaml``. A token
 ending in "@cuda" or "@cpu" counts on that device kind only ("temp@cpu")."""

@@ -620,6 +620,10 @@ def _kept_by(n, rule, f: _Facts, device_kind: str) -> list[_Keep]:
             kept.append(_Keep(f"mask:{n.name}", _Size(out.numel, 1, False), in_region, quadratic=scores))
         elif what == "temp":
             kept.append(_Keep(f"temp:{n.name}", out._replace(floating=True), in_region, quadratic=scores))
+        elif what == "input_sized" and floats:
+            to = cast_to(n.name, floats[0])
+            size = f.size[floats[0]]._replace(itemsize=ITEMSIZE[to]) if to else f.size[floats[0]]
+            kept.append(_Keep(f"temp:{n.name}", size, in_region))
         elif what == "bool_arg":
             mask = next((i for i in acts if not f.size[i].floating), None)
             if mask is not None:
