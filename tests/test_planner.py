@@ -58,6 +58,9 @@ def test_seed_mlp_plan_has_cost_alternatives_explanation(seed):
     assert times == sorted(times) and len(p.alternatives) <= 4
     text = p.explain()
     assert "Chosen:" in text and "Peak memory" in text
+    mb = max(c.memory_by_rank, key=lambda m: m.total)
+    assert sum(mb.terms.values()) == pytest.approx(mb.activations + mb.buffers)
+    assert "Activations and buffers there: optimizer step temporaries" in text  # its named terms (peak: the step)
     again = Plan.from_json(p.to_json())
     assert again.diff(p) == [] and again.cost.step_time_s == p.cost.step_time_s
     assert len(again.alternatives) == len(p.alternatives)

@@ -41,6 +41,10 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
                  f"({_pct(c.peak_memory_bytes, limit)}) on pipeline rank {peak_rank}: params {fmt_bytes(mb.params)}, "
                  f"grads {fmt_bytes(mb.grads)}, optimizer {fmt_bytes(mb.optimizer)}, activations "
                  f"{fmt_bytes(mb.activations)}, buffers {fmt_bytes(mb.buffers)}, margin {fmt_bytes(mb.margin)}.")
+    if mb.terms:
+        terms = sorted(mb.terms.items(), key=lambda kv: -kv[1])
+        lines.append("Activations and buffers there: " + ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}"
+                                                                  for k, v in terms) + ".")
     if s.tp > 1:
         heads = sorted({h for lp in prof.layers for h in lp.heads})
         hs = f" ({', '.join(f'{h} heads -> {h // s.tp} per rank' for h in heads)})" if heads else ""
