@@ -39,12 +39,16 @@ PLANS = {
     "pp": {"dp": 1, "tp": 1, "pp": 2, "micro_batches": 2, "schedule": "1f1b"},
 }
 """plan name -> the planner's fixed choices (fp32, no recompute unless --amp / --recompute)"""
+ALL = "LLaMA,Qwen2,GPT-NeoX,GPT-2,BERT,T5,ViT,Mixtral"
 MATRIX = [
-    ("LLaMA,Qwen2,GPT-NeoX,GPT-2,BERT,T5,ViT,Mixtral", ",".join(PLANS), "none", "none"),
-    ("LLaMA,Qwen2,GPT-NeoX,GPT-2,BERT,T5,ViT,Mixtral", "single,tp,zero3", "bf16", "none"),
-    ("LLaMA,GPT-2,ViT", "single,tp", "none,bf16", "selective,full"),
+    (ALL, "single,tp,zero3,ddp", "none", "none"),
+    (ALL, "single,tp", "bf16", "none"),
+    ("LLaMA,GPT-2,ViT", "single,tp", "none,bf16", "full,selective"),
+    (ALL, "zero1,zero2,pp", "none", "none"),
+    (ALL, "zero3,ddp", "bf16", "none"),
 ]
-"""the table's groups: (families, plans, amp values, recompute values), each group their product"""
+"""the table's groups, in the order they run (breadth first): (families, plans, amp values, recompute values),
+each group their product"""
 MiB = 2**20
 
 
@@ -99,10 +103,11 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def run(groups) -> tuple[list[dict], list[str]]:
+def run(groups, *, each=None) -> tuple[list[dict], list[str]]:
     """Every case of ``groups`` ((families, plans, amps, recomputes) comma lists): rows, and the cases that did not
-    run (the planner refused the plan, or the run failed) with why."""
+    run (the planner refused the plan, or the run failed) with why. ``each(rows, failed, cases)`` after every case."""
     rows, failed = [], []
+    cases = sum(len(list(itertools.product(*(g.split(",") for g in group)))) for group in groups)
     for families, plans, amps, recomputes in groups:
         for family, plan_name, amp, rec in itertools.product(*(g.split(",") for g in (families, plans, amps,
                                                                                         recomputes))):
@@ -117,6 +122,8 @@ def run(groups) -> tuple[list[dict], list[str]]:
             for r in got:
                 print(f"{name} rank {r['stage']}: predicted {r['predicted_total'] / MiB:7.1f} measured "
                       f"{r['measured_total'] / MiB:7.1f} MiB  {error(r):+.1%}  ({r['where']})", flush=True)
+            if each is not None:
+                each(rows, failed, cases)
     return rows, failed
 
 
@@ -135,27 +142,34 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.time()
     groups = MATRIX if args.matrix else [(args.families, args.plans, args.amp, args.recompute)]
-    rows, failed = run(groups)
-    table = markdown(rows)
-    within = sum(abs(error(r)) <= 0.05 for r in rows)
-    comp = sum(all(abs(r["predicted"][g] - r["measured"][g]) <= 0.05 * r["measured_total"] for g in GROUPS)
-               for r in rows)
-    minutes = (time.time() - t0) / 60
-    summary = (f"{within} of {len(rows)} totals within 5 %; {comp} of {len(rows)} with every component within 5 % of "
-               f"the total" + (f"; {len(failed)} not measured" if failed else ""))
-    print(table, "\n", summary, f"({minutes:.0f} min)", sep="\n")
-    if args.write:
-        import torch
-        from capture import write_section
-        cmd = " ".join(["bench/memory.py", *sys.argv[1:]]).replace(" --write", "")
-        body = (f"## Per-rank memory against the tracker\n\n`.venv/bin/python {cmd}` — {datetime.date.today()}, "
-                f"{platform.machine()} CPU container (2 cores, shared), torch {torch.__version__}, {minutes:.0f} min. "
-                f"Sizes {SIZE}, Adam; predicted (p) = the cost model's per-rank total before its allocator margin "
-                "and its named terms, measured (m) = MemTracker/FSDPMemTracker peak of the 2nd step of the exported "
-                "script's own main under a fake process group (autopar_nb/measure.py), both grouped as "
-                f"autopar_nb.measure.GROUPS says. {summary}.\n\n{table}\n"
-                + ("".join(f"\n- not measured: {f}" for f in failed)) + "\n")
-        write_section("Per-rank memory against the tracker", body, ROOT / "BENCHMARKS.md")
+
+    def report(rows, failed, cases, *, final=False):
+        table = markdown(rows)
+        within = sum(abs(error(r)) <= 0.05 for r in rows)
+        comp = sum(all(abs(r["predicted"][g] - r["measured"][g]) <= 0.05 * r["measured_total"] for g in GROUPS)
+                   for r in rows)
+        done = len({(r["family"], r["plan"], r["amp"], r["recompute"]) for r in rows}) + len(failed)
+        minutes = (time.time() - t0) / 60
+        summary = (f"{within} of {len(rows)} totals within 5 %; {comp} of {len(rows)} with every component within "
+                   f"5 % of the total" + (f"; {len(failed)} not measured" if failed else "")
+                   + ("" if done == cases else f"; {done} of the {cases} cases run so far"))
+        if final:
+            print(table, "\n", summary, f"({minutes:.0f} min)", sep="\n")
+        if args.write:
+            import torch
+            from capture import write_section
+            cmd = " ".join(["bench/memory.py", *sys.argv[1:]]).replace(" --write", "")
+            body = (f"## Per-rank memory against the tracker\n\n`.venv/bin/python {cmd}` — {datetime.date.today()}, "
+                    f"{platform.machine()} CPU container (2 cores, shared with other jobs), torch {torch.__version__}, "
+                    f"{minutes:.0f} min. Sizes {SIZE}, Adam; predicted (p) = the cost model's per-rank total before "
+                    "its allocator margin and its named terms, measured (m) = MemTracker/FSDPMemTracker peak of the "
+                    "2nd step of the exported script's own main under a fake process group (autopar_nb/measure.py), "
+                    f"both grouped as autopar_nb.measure.GROUPS says (MiB). {summary}.\n\n{table}\n"
+                    + ("".join(f"\n- not measured: {f}" for f in failed)) + "\n")
+            write_section("Per-rank memory against the tracker", body, ROOT / "BENCHMARKS.md")
+
+    rows, failed = run(groups, each=report)
+    report(rows, failed, len(rows) + len(failed), final=True)
 
 
 if __name__ == "__main__":

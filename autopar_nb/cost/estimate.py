@@ -150,17 +150,19 @@ class RankSums:
     """seconds of TP collectives run once per step (``LayerTerms.tp_step``)"""
     casts: list[float] = field(default_factory=list)
     """local parameters (numel) autocast keeps 16-bit copies of (``LayerTerms.cast_local``)"""
-    bwd_peak: list[tuple[float, float]] = field(default_factory=list)
-    """(saved activation bytes still alive, working set bytes) at the layer whose backward holds the most: backward
-    runs from the last layer to the first and frees each layer's saved tensors as it goes, so at layer l the saved
-    tensors of layers after l are gone"""
+    bwd_layers: list[list[tuple[float, float, float]]] = field(default_factory=list)
+    """per run of layers, the moment its backward holds the most: (saved activation bytes still alive, working set
+    bytes, local parameters (numel) whose backward has not run yet). Backward runs from the last layer to the first,
+    freeing each layer's saved tensors and leaving its gradients: at layer l the saved tensors of later layers are
+    gone and their gradients exist (with full recompute, l's own too: its recomputed forward and the later part of
+    its backward come first)"""
 
     @classmethod
     def zeros(cls, pp: int) -> RankSums:
         z = [0.0] * pp
         return cls(list(z), list(z), list(z), [{} for _ in range(pp)], list(z), list(z), list(z),
                    [(0.0, 0.0) for _ in range(pp)], list(z), list(z), list(z), list(z), list(z), tp_step=list(z),
-                   casts=list(z), bwd_peak=[(0.0, 0.0) for _ in range(pp)])
+                   casts=list(z), bwd_layers=[[] for _ in range(pp)])
 
     def per_micro_batch(self, r: int) -> float:
         """Rank ``r``'s time for one micro-batch: the sum of its layers' :meth:`LayerTerms.time_s`."""
@@ -348,8 +350,8 @@ class Evaluator:
                 wb = self._fused_head(s, sums, r, ch.recompute, lt)
             if wb > sums.work[r]:
                 sums.work[r] = wb
-            if sums.acts[r] + wb > sum(sums.bwd_peak[r]):
-                sums.bwd_peak[r] = (sums.acts[r], wb)
+            before = sums.params[r] + (cnt - (ch.recompute == "full")) * lt.params_local  # its last layer's
+            sums.bwd_layers[r].append((sums.acts[r], wb, before))
             sums.params[r] += cnt * lt.params_local
             sums.experts[r] += cnt * lt.experts_local
             sums.tp_step[r] += cnt * lt.tp_step
@@ -481,8 +483,11 @@ class Evaluator:
         act = flight * sums.acts[r]
         p2p_buf = 2 * sums.p2p[r] if s.pp > 1 else 0.0
         grads_bwd = gb if (m > 1 or s.pp > 1) else 0.0  # accumulated over micro-batches
-        # moment 1: a layer's backward (its working set and FSDP's gathered units)
-        alive, work = sums.bwd_peak[r]  # the micro-batch in backward; the others in flight hold all theirs
+        # moment 1: a layer's backward (its working set and FSDP's gathered units), the layer where it holds the most
+        # (the micro-batch in backward; the others in flight hold all their activations)
+        per_param = gb / params if params else 0.0  # bytes of gradient per local parameter (ZeRO 2/3: sharded)
+        alive, work, grads_at = max(((a, w, grads_bwd or (params - before) * per_param)
+                                     for a, w, before in sums.bwd_layers[r]), key=sum, default=(0.0, 0.0, 0.0))
         at_bwd = {"saved_activations": act - sums.acts[r] + alive, "backward_working_set": work,
                   "fsdp_gathered_units": gather}
         if r == s.pp - 1 and prof.output_numel and not s.fused_loss:  # fused: in the head layer's working set
@@ -497,11 +502,12 @@ class Evaluator:
             # holds the logits and their flattened copy (the next-token slice is not contiguous) in the compute
             # dtype, and under autocast the float32 copy ``.float()`` makes (runtime/data.py default_loss)
             loss_temp = out_numel * 4 * 3 / lp_div if lp_div > 1 else out_numel * (2 * p_item + (4 if half else 0))
-            if act + loss_saved + loss_temp >= at_bwd["saved_activations"] + work + gather:
+            if act + loss_saved + loss_temp + grads_bwd >= at_bwd["saved_activations"] + work + gather + grads_at:
                 at_bwd = {"saved_activations": act, "loss_saved": loss_saved, "loss_temporaries": loss_temp}
+                grads_at = grads_bwd
         at_bwd |= held
         at_bwd["pipeline_buffers"] = p2p_buf
-        at_backward = pb + ob + grads_bwd + sum(at_bwd.values())
+        at_backward = pb + ob + grads_at + sum(at_bwd.values())
         # moment 3: the optimizer step: every gradient and foreach temporaries (CUDA: a list the size of the
         # gradients; CPU: one parameter at a time); autocast's weight copies are gone, ZeRO 2's gathered
         # parameters resharded
@@ -509,7 +515,7 @@ class Evaluator:
                   "ddp_buckets": held["ddp_buckets"],
                   "fsdp_root_params": 0.0 if half else held.get("fsdp_root_params", 0.0)}
         at_step = pb + ob + gb + sum(at_opt.values())
-        terms, grads = (at_bwd, grads_bwd) if at_backward >= at_step else (at_opt, gb)
+        terms, grads = (at_bwd, grads_at) if at_backward >= at_step else (at_opt, gb)
         terms = {k: v for k, v in terms.items() if v}
         acts = sum(v for k, v in terms.items() if MEMORY_TERMS[k] == "activations")
         mbd = MemoryBreakdown(pb, grads, ob, acts, sum(terms.values()) - acts, terms=terms)
