@@ -136,12 +136,16 @@ def test_one_trillion_gpt_matches_megatron():
     # Megatron ran DDP over TP: the runtime runs it too (FSDP2's replicate), so the planner, free, finds the paper's
     # mesh and layout
     assert (p.mesh.tp, p.mesh.pp, p.mesh.dp, p.mesh.zero_stage) == (8, 64, 6, 0), p.summary()
-    paper = ap.plan(graph, cluster, global_batch=1536, fix={"tp": 8, "pp": 64, "zero_stage": 0})
+    # the paper recomputed every layer (full): our selective recompute (runtime/ac.py keeps matmul outputs) fits
+    # some layers, so the free plan is faster than the paper's setting in our model and executes fewer FLOPs
+    paper = ap.plan(graph, cluster, global_batch=1536, fix={"tp": 8, "pp": 64, "zero_stage": 0, "recompute": "full"})
     assert (paper.mesh.tp, paper.mesh.pp, paper.mesh.dp) == (8, 64, 6)
     paper.precision.param_dtype = "float32"
     cost = estimate(graph, cluster, paper)
     assert cost.hardware_tflops_per_gpu == pytest.approx(163, rel=0.20)
-    assert p.cost.hardware_tflops_per_gpu == pytest.approx(163, rel=0.20)
+    assert p.cost.step_time_s <= cost.step_time_s
+    # full recompute executes 4/3 of the model FLOPs (the paper's eq. 3 over its eq. 2): 163 x 3/4 model TFLOP/s
+    assert p.cost.model_tflops_per_gpu == pytest.approx(163 * 3 / 4, rel=0.20)
     assert cost.model_tflops_per_gpu < cost.hardware_tflops_per_gpu
 
 

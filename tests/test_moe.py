@@ -599,7 +599,9 @@ def test_mixtral_8x7b_real_size_plan_uses_ep_and_keeps_6nt():
         model = MoETransformer(MIXTRAL_8X7B)
     seq, batch = 4096, 256
     graph = capture(model, (torch.randint(0, MIXTRAL_8X7B.vocab_size, (1, seq)),))
-    plan = ap.plan(graph, ap.Cluster.preset("h100-80gb", nodes=8), global_batch=batch)
+    # pp=1: since selective recompute is costed as runtime/ac.py applies it, a pp=8 plan without EP is predicted
+    # 0.8 % faster (3.416 vs 3.444 s, a tie within the model's accuracy); this test is about the EP plan
+    plan = ap.plan(graph, ap.Cluster.preset("h100-80gb", nodes=8), global_batch=batch, fix={"pp": 1})
     c = plan.cost
     print(f"\nMixtral-8x7B on 64 x H100: {plan.summary()}; compute {c.compute_s:.3f} s, exposed comm "
           f"{c.comm_exposed_s:.3f} s, all-to-all {c.comm_by_kind.get('all_to_all', 0):.3f} s, "

@@ -345,13 +345,18 @@ class Evaluator:
                     kinds[kk] = kinds.get(kk, 0.0) + cnt * v
             # memory
             sums.acts[r] += cnt * lt.act[ch.recompute]
-            wb = lt.act["none"] + lt.work_bytes if ch.recompute == "full" else lt.work_bytes
+            # a recomputed layer's backward first runs its forward again: what the plain forward saves and the
+            # recompute did not keep is alive again beside the working set
+            again = max(lt.act["none"] - lt.act[ch.recompute], 0.0)
+            wb = lt.work_bytes + again
             if s.fused_loss and i <= self.head.layer < i + cnt:
-                wb = self._fused_head(s, sums, r, ch.recompute, lt)
+                wb, again = self._fused_head(s, sums, r, ch.recompute, lt), 0.0
             if wb > sums.work[r]:
                 sums.work[r] = wb
+            # full recompute's peak comes once the layer's later ops have left their gradients (measured: LLaMA,
+            # ViT); selective's right after the recompute, before any
             before = sums.params[r] + (cnt - (ch.recompute == "full")) * lt.params_local  # its last layer's
-            sums.bwd_layers[r].append((sums.acts[r], wb, before))
+            sums.bwd_layers[r].append((sums.acts[r] + again, wb - again, before))
             sums.params[r] += cnt * lt.params_local
             sums.experts[r] += cnt * lt.experts_local
             sums.tp_step[r] += cnt * lt.tp_step

@@ -70,17 +70,16 @@ def activation_bytes(lp: LayerProfile, *, tp: int, sp: bool, recompute: str, sca
     attention-score terms (sequence ratio squared), default ``scale``. Inside TP regions saved tensors divide by
     ``tp``; outside, only with sequence parallel. With SP, PyTorch's DTensor saves the all-gathered input of each
     colwise Linear (full size); Megatron-LM saves the shard and gathers again in backward (``megatron_sp``).
-    ``recompute``: "selective" drops attention-score tensors (recomputed from Q, K, V), "full" keeps only the
-    layer's input (sequence-sharded under SP).
+    ``recompute``: "full" keeps only the layer's input (sequence-sharded under SP); "selective" keeps the input and
+    the outputs of its matmuls and attention kernels (``runtime/ac.py``'s policy; ``LayerProfile.selective``), not
+    Korthikanti's attention-score drop: with fused attention kernels nothing score-sized is saved anyway.
     """
     qs = scale if quad_scale is None else quad_scale
+    inputs = (lp.input_bytes if precision == "fp32" else lp.input_amp[precision]) * scale / (tp if sp else 1)
     if recompute == "full":
-        b = lp.input_bytes if precision == "fp32" else lp.input_amp[precision]
-        return b * scale / (tp if sp else 1)
-    total = 0.0
-    for s in lp.saved_at(precision):
-        if recompute == "selective" and s.quadratic:
-            continue
+        return inputs
+    total = inputs if recompute == "selective" else 0.0
+    for s in lp.selective[precision] if recompute == "selective" else lp.saved_at(precision):
         b = s.nbytes * (qs if s.quadratic else scale)
         if s.region:
             b /= tp

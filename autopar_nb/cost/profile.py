@@ -118,6 +118,9 @@ class LayerProfile:
     """what autograd saves in a float32 forward"""
     saved_amp: dict[str, list[Saved]] = field(default_factory=dict)
     """the same under autocast: precision ("autocast", "autocast_lowp") -> saved tensors at their dtypes there"""
+    selective: dict[str, list[Saved]] = field(default_factory=dict)
+    """precision -> what selective recompute keeps besides the layer's input, as ``runtime/ac.py`` applies it
+    (``SAVE_OPS``: the outputs of matrix multiplies, convolutions and attention kernels, everything else recomputed)"""
     input_bytes: float = 0.0
     """bytes entering the layer (float32 forward)"""
     input_amp: dict[str, float] = field(default_factory=dict)
@@ -267,6 +270,9 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(), low_precision_ops=
     for precision, fa in amp.items():
         for lp, saved in _count_saved(layers, fa, device_kind):
             lp.saved_amp[precision] = saved
+    for precision, fp in (("fp32", f), *amp.items()):
+        for lp, kept in _count_selective(layers, fp, device_kind):
+            lp.selective[precision] = kept
     _count_comms(layers, f)
     _count_boundaries(layers, f, amp)
     _count_params(layers, f, split_params=_count_tp(layers, f), cast=amp["autocast"].autocast.cast_params)
@@ -561,6 +567,32 @@ def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str) -
             seen.add(keep.key)
             out[lp.path].append(Saved(keep.size.numel * keep.size.itemsize, keep.region, keep.gathered,
                                       keep.quadratic, keep.stat))
+    return [(lp, out[path]) for path, lp in layers.items()]
+
+
+def _count_selective(layers: dict[str, LayerProfile], f: _Facts, device_kind: str) -> list[tuple[LayerProfile,
+                                                                                              list[Saved]]]:
+    """What the runtime's selective recompute (``runtime/ac.py``: torch's selective checkpoint with a policy that
+    must save mm/addmm/bmm/convolution/attention outputs) keeps per layer, besides the inputs the checkpoint holds:
+    the output of every matmul, convolution and attention op (a fused attention kernel's log-sum-exp with it; the CPU
+    math kernel's two bmm outputs, float32 under autocast), at the dtypes of ``f``. A row-parallel output is its
+    local partial sum, full size even under sequence parallelism (``gathered``)."""
+    out = {path: [] for path in layers}
+    for lp, n in _in_layers(layers, f):
+        if n.op_class not in ("matmul", "conv", "attention") or not n.out_shapes:
+            continue
+        size, region = f.size[n.name]._replace(floating=True), n.name in f.tp.sharded
+        rowwise = f.tp.styles.get(n.name) == "rowwise"
+        if _math_attention(n, device_kind):
+            item = max(size.itemsize, 4)
+            (*lead, _), kshape = n.in_shapes[0], n.in_shapes[1]
+            out[lp.path] += [Saved(_numel(lead) * kshape[-2] * item, region, quadratic=True),
+                             Saved(size.numel * item, region)]
+            continue
+        out[lp.path].append(Saved(size.nbytes, region, gathered=rowwise))
+        rule = rule_of(n.op)
+        if n.op_class == "attention" and rule is not None and rule.stats is not None:
+            out[lp.path].append(Saved(rule.stats(n.in_shapes, n.out_shapes) * 4, region, stat=True))
     return [(lp, out[path]) for path, lp in layers.items()]
 
 

@@ -38,7 +38,9 @@ def layer_compute_time(lp: LayerProfile, *, tp: int, sp: bool, half: bool, scale
     # the dense Embedding gradient (fp32, like the weights) is the table's size whatever the batch: not scaled
     emb = (lp.emb_bwd_split / tp + lp.emb_bwd_rep) / hbm
     bwd += 2 * mem + 2 * overhead + emb
-    sel = lp.quad_flops * quad_scale / tp / (peak * factors.efficiency("attention", half))
+    # selective recompute (runtime/ac.py) keeps matmul, convolution and attention outputs and runs the rest of the
+    # forward again: the memory-bound ops
+    sel = mem + overhead
     return fwd, bwd, sel
 
 

@@ -3,8 +3,6 @@ bytes per second of extra compute, until the rank fits in memory (greedy; exact 
 
 from __future__ import annotations
 
-import math
-
 from ..cost.estimate import Evaluator, LayerChoice, Setting
 from ..cost.memory import in_flight
 from ..plan import Cost
@@ -28,29 +26,32 @@ def choose_recompute(ev: Evaluator, s: Setting, choices: list[LayerChoice], cost
         options = []
         for first, cnt, ch in runs:
             # a run of identical layers may mix free layers and layers whose recompute the user pinned
-            if ch.stage % s.pp != r or ch.recompute != "none" or not any(free[first:first + cnt]):
+            if ch.stage % s.pp != r or ch.recompute == "full" or not any(free[first:first + cnt]):
                 continue
             lt = ev.choice_terms(first, s, ch)
             # (the runtime refuses selective recompute around an experts module that FSDP shards for EP)
             fsdp_experts = s.ep > 1 and s.zero_stage >= 2 and ev.prof.layers[first].experts
-            for opt in ("full",) if fsdp_experts else ("selective", "full"):
-                saved = (lt.act["none"] - lt.act[opt]) * flight
+            for opt in ("full",) if fsdp_experts or ch.recompute == "selective" else ("selective", "full"):
+                saved = (lt.act[ch.recompute] - lt.act[opt]) * flight  # from where the run is now
+                extra = lt.recompute_s(opt) - lt.recompute_s(ch.recompute)
                 if saved > 0:
-                    options.append((saved / max(lt.recompute_s(opt), 1e-12), first, cnt, opt, saved, lt.act["none"]))
+                    options.append((saved / max(extra, 1e-12), first, cnt, opt, lt))
         options.sort(key=lambda o: -o[0])
         extra_work = False
-        for _, first, cnt, opt, saved, act_none in options:
+        for _, first, cnt, opt, lt in options:
             if need <= 0:
                 break
-            todo = [j for j in range(first, first + cnt) if choices[j].recompute == "none" and free[j]]
-            if not todo:
-                continue
-            if opt == "full" and not extra_work:  # the recomputed layer's activations live during its backward
-                extra_work = True
-                need += act_none
-            k = min(len(todo), max(1, math.ceil(need / saved)))
-            for j in todo[len(todo) - k:]:  # the last layers of the run: their activations live longest
+            # the run's free layers not yet at this level (some may have taken a lighter one in this pass), the last
+            # layers of the run first: their activations live longest
+            for j in reversed(range(first, first + cnt)):
+                now = choices[j].recompute
+                gain = (lt.act[now] - lt.act[opt]) * flight
+                if need <= 0 or not free[j] or gain <= 0:
+                    continue
+                if opt == "full" and not extra_work:  # the recomputed layer's activations live during its backward
+                    extra_work = True
+                    need += lt.act["none"]
                 choices[j].recompute = opt
-            need -= k * saved
-            changed = True
+                need -= gain
+                changed = True
     return changed

@@ -445,7 +445,10 @@ class Search:
         if cost.peak_memory_bytes > self.limit and auto_recompute:
             free = [i not in self.rec_pinned for i in range(self.n)]
             original = [LayerChoice(c.stage, c.tp, c.recompute, c.fsdp, c.compile) for c in choices]
-            if choose_recompute(self.ev, s, choices, cost, self.limit, free):
+            for _ in range(3):  # greedy: its estimate of the bytes each step sheds is checked by evaluating again
+                if cost.peak_memory_bytes <= self.limit or not choose_recompute(self.ev, s, choices, cost,
+                                                                                self.limit, free):
+                    break
                 cost = self.ev.evaluate(s, choices)
             if cost.peak_memory_bytes > self.limit and s.pp > 1 and s.virtual_stages == 1 and not self.pins:
                 # time-balanced stages do not fit: move layers off the fullest ranks (embedding on the first, head
@@ -455,8 +458,10 @@ class Search:
                     retry = [LayerChoice(st, c.tp, c.recompute, c.fsdp, c.compile)
                              for st, c in zip(assign, original, strict=True)]
                     cost2 = self.ev.evaluate(s, retry)
-                    if cost2.peak_memory_bytes > self.limit:
-                        choose_recompute(self.ev, s, retry, cost2, self.limit, free)
+                    for _ in range(3):
+                        if cost2.peak_memory_bytes <= self.limit or not choose_recompute(self.ev, s, retry, cost2,
+                                                                                         self.limit, free):
+                            break
                         cost2 = self.ev.evaluate(s, retry)
                     if cost2.peak_memory_bytes < cost.peak_memory_bytes:
                         choices, cost = retry, cost2
