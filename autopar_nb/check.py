@@ -6,7 +6,10 @@ Each rank imports the exported script and calls its ``main`` with an observer th
 gradients and the full parameters of every step; the single-process reference uses the same seed, data,
 learning-rate schedule and clipping; the report gives per step the loss difference and the largest gradient and
 parameter differences, relative to the largest reference value. Dropout is switched off in both runs (the ranks would
-draw other masks than the reference); the report says so.
+draw other masks than the reference); the report says so. After the parallel run, the reference also takes each later
+step's gradients at the parallel run's own parameters (:func:`same_parameter_grads`): the two runs' parameters drift
+apart by round-off (Adam turns round-off in near-zero gradients into updates of up to ``lr``), so gradients at the
+same parameters are what can be held to ``rtol`` at every step.
 
 The reference reproduces the parallel run's arithmetic, not only its result: each data-parallel rank's batch
 (``make_batch(step, rank)``) and each micro-batch is a separate forward/backward whose loss is scaled by
@@ -26,6 +29,7 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -54,6 +58,9 @@ class StepDiff:
     param_max_diff: float
     """after the optimizer step"""
     param_rel: float
+    grad_same_rel: float | None = None
+    """the parallel run's gradients against the reference's at the parallel run's own parameters (the same
+    parameters: :func:`same_parameter_grads`); None at step 0 (same parameters anyway) or where not computed"""
 
     @property
     def loss_diff(self) -> float:
@@ -102,12 +109,17 @@ class VerifyReport:
           smooth (a ReLU unit whose pre-activation crosses zero for one sample switches that sample's contribution,
           about ``1 / batch`` of the gradient), so later gradients get the parameters' allowance, not their
           measured difference. The loss stays within ``rtol`` at every step;
-        * ``low precision``: loss and parameters as above; gradients at step 0 only.
+        * ``low precision``: loss and parameters as above; gradients at step 0 only;
+        * ``same params`` (whenever :func:`same_parameter_grads` was computed, as verify does): loss and parameters
+          as above, and the gradients of every step after the first within ``rtol`` of the reference's gradients at
+          the parallel run's own parameters — the allowances above are then needed for the parameters only.
         """
         prev = self.rtol + s.step * self.param_floor if s.step > 0 else 0.0  # the allowed parameter difference
         param_ok = s.param_rel <= self.rtol + (s.step + 1) * self.param_floor
         if s.loss_rel > self.rtol or not param_ok:
             return False, "rtol"
+        if s.grad_same_rel is not None:  # gradients at the same parameters: rtol at every step
+            return s.grad_same_rel <= self.rtol, "same params"
         if s.grad_rel <= self.rtol and s.param_rel <= self.rtol:
             return True, "rtol"
         if self.low_precision:
@@ -139,15 +151,20 @@ class VerifyReport:
         head = (f"verify {self.plan} on {self.nproc} processes: "
                 f"{'OK' if self.ok else 'MISMATCH'} (rtol {self.rtol:g})")
         rows = [f"{'step':>4} {'loss':>12} {'reference':>12} {'|Δloss|':>10} {'rel':>9} "
-                f"{'max|Δgrad|':>11} {'rel':>9} {'max|Δparam|':>12} {'rel':>9}  rule"]
+                f"{'max|Δgrad|':>11} {'rel':>9} {'same-param':>10} {'max|Δparam|':>12} {'rel':>9}  rule"]
         for s in self.steps:
             ok, rule = self.judge(s)
+            same = f"{s.grad_same_rel:>10.2e}" if s.grad_same_rel is not None else f"{'-':>10}"
             rows.append(f"{s.step:>4} {s.loss:>12.6f} {s.ref_loss:>12.6f} {s.loss_diff:>10.2e} {s.loss_rel:>9.2e} "
-                        f"{s.grad_max_diff:>11.2e} {s.grad_rel:>9.2e} {s.param_max_diff:>12.2e} {s.param_rel:>9.2e}  "
-                        f"{rule}{'' if ok else ' FAILED'}")
+                        f"{s.grad_max_diff:>11.2e} {s.grad_rel:>9.2e} {same} {s.param_max_diff:>12.2e} "
+                        f"{s.param_rel:>9.2e}  {rule}{'' if ok else ' FAILED'}")
+        if any(s.grad_same_rel is not None for s in self.steps):
+            rows.append("same-param: gradients after step 0 against the reference's at the parallel run's own "
+                        "parameters, judged at rtol")
         if self.param_floor:
-            rows.append(f"parameters, and gradients after step 0, checked against rtol + {self.param_floor:.1e} per "
-                        "step (Adam: see param_floor); losses and step 0's gradients against rtol")
+            what = "parameters" if any(s.grad_same_rel is not None for s in self.steps) else \
+                "parameters, and gradients after step 0,"
+            rows.append(f"{what} checked against rtol + {self.param_floor:.1e} per step (Adam: see param_floor)")
         if self.low_precision:
             rows.append("low precision: gradients judged at step 0 only (same weights there; see low_precision)")
         if self.dropout_off:
@@ -220,9 +237,11 @@ def verify_here(cases: list[tuple[ModelSource, Plan]], metas: list[bool], script
     if errors:
         raise errors[0]
     reports = []
-    for i, (_, plan) in enumerate(cases):
+    for i, (src, plan) in enumerate(cases):
         par = _merge([results[r][i] for r in sorted(results)])
         ref = refs[i]
+        ref["same_grads"] = same_parameter_grads(src, plan, par["params"], seed=seed, values=values[i],
+                                                 scales=ref["scales"])
         tol = rtol if rtol is not None else (FP32_RTOL if plan.precision.amp == "none" else LOW_PRECISION_RTOL)
         report = _compare(plan, nproc, tol, par, ref)
         report.per_rank = [results[r][i]["info"] for r in sorted(results)]
@@ -265,59 +284,100 @@ def switch_off_dropout(model: nn.Module) -> int:
     return count
 
 
+@dataclass
+class _Reference:
+    """The single-process model with the script's data, loss and precision (what :func:`reference` trains and
+    :func:`same_parameter_grads` re-runs)."""
+
+    plan: Plan
+    model: nn.Module
+    make_batch: Any
+    loss_fn: Any
+    device: str
+    amp_dtype: Any
+    op_lists: Any
+    dropout_off: int
+
+    @classmethod
+    def build(cls, source: ModelSource, plan: Plan, seed: int, values: ScriptValues) -> _Reference:
+        from .runtime.amp import OpPrecision, exact_fp32
+        from .runtime.data import DataStream, default_loss, synthetic_batch
+        from .runtime.mesh import device_type
+
+        ns = source.run(seed=seed)
+        device = device_type()  # the ranks' device type: CPU and GPU kernels differ by more than the tolerance
+        exact_fp32()
+        model = ns[source.model_var].to(device)  # built on the CPU with the seed, as the ranks build it, then moved
+        model.train()
+        dropout_off = switch_off_dropout(model)
+        d, p, dp = values.defaults, plan.precision, plan.mesh.dp
+        loss_fn = ns[source.loss_fn_var] if source.loss_fn_var else functools.partial(default_loss,
+                                                                                      causal=d["causal"])
+        if source.make_batch_var:
+            make_batch = ns[source.make_batch_var]
+        elif values.dataset:  # each data-parallel rank's stream, as the script reads it (in this process)
+            streams = [DataStream(ns[source.dataset_var], batch_size=d["batch_size"], dp=dp, dp_rank=r, seed=seed,
+                                  collate_fn=ns[source.collate_fn_var] if values.collate_fn else None)
+                       for r in range(dp)]
+            make_batch = lambda step, r: streams[r](step, r)
+        else:
+            make_batch = functools.partial(synthetic_batch, ns[source.inputs_var], batch_size=d["batch_size"],
+                                           int_high=d["int_high"])
+        amp_dtype = getattr(torch, DTYPE_NAMES[p.amp]) if p.amp != "none" else None
+        op_lists = functools.partial(OpPrecision, device, amp_dtype, fp32_ops=p.fp32_ops,
+                                     low_precision_ops=p.low_precision_ops) if p.fp32_ops or p.low_precision_ops \
+            else None
+        return cls(plan, model, make_batch, loss_fn, device, amp_dtype, op_lists, dropout_off)
+
+    def pieces(self, step: int) -> list:
+        """(micro-batch, divisor) of every data-parallel rank's micro-batches at ``step``, as the ranks run them."""
+        from .runtime.data import concat_batches, split_batch
+
+        dp, M = self.plan.mesh.dp, self.plan.batch.micro_batches
+        per_rank = [split_batch(self.make_batch(step, r), M) for r in range(dp)]
+        if self.plan.sync_batchnorm and dp > 1:
+            return [(concat_batches([b[m] for b in per_rank]), M) for m in range(M)]
+        return [(mb, M * dp) for b in per_rank for mb in b]
+
+    def backward(self, pieces: list, scale=None) -> float:
+        """Forward and backward of every piece (the loss passed through ``scale`` when given: GradScaler's
+        ``scale``, or a multiplication by a recorded loss scale); returns the step's loss."""
+        from .runtime.amp import step_context
+        from .runtime.data import to_device
+
+        total = 0.0
+        for mb, k in pieces:
+            with step_context(self.device, amp_dtype=self.amp_dtype, op_lists=self.op_lists):
+                loss = self.loss_fn(self.model, to_device(mb, self.device)) / k
+            (scale(loss) if scale is not None else loss).backward()
+            total += loss.item()
+        return total
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        return {n: q.grad.detach().float().cpu().clone() for n, q in self.model.named_parameters()
+                if q.grad is not None}
+
+
 def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0, values: ScriptValues | None = None
               ) -> dict:
     """The single-process run, with the script's data, loss, learning-rate schedule and clipping: losses, gradients
-    and parameters at each step (see the module docstring)."""
-    from .runtime.amp import OpPrecision, exact_fp32, grad_scaler, step_context
-    from .runtime.data import DataStream, concat_batches, default_loss, split_batch, synthetic_batch, to_device
-    from .runtime.mesh import device_type
+    and parameters at each step, and the loss scale each step's backward used (see the module docstring)."""
+    from .runtime.amp import grad_scaler
     from .runtime.optim import build_optimizer, clip_grad_norm, lr_factor
 
-    values = values or script_values(source, plan, seed=seed)
-    ns = source.run(seed=seed)
-    device = device_type()  # the ranks' device type: CPU and GPU kernels differ by more than the tolerance
-    exact_fp32()
-    model = ns[source.model_var].to(device)  # built on the CPU with the seed, as the ranks build it, then moved
-    model.train()
-    dropout_off = switch_off_dropout(model)
-    d = values.defaults
-    loss_fn = ns[source.loss_fn_var] if source.loss_fn_var else functools.partial(default_loss, causal=d["causal"])
-    o, p, dp, M = plan.optimizer, plan.precision, plan.mesh.dp, plan.batch.micro_batches
-    if source.make_batch_var:
-        make_batch = ns[source.make_batch_var]
-    elif values.dataset:  # each data-parallel rank's stream, as the script reads it (in this process)
-        streams = [DataStream(ns[source.dataset_var], batch_size=d["batch_size"], dp=dp, dp_rank=r, seed=seed,
-                              collate_fn=ns[source.collate_fn_var] if values.collate_fn else None) for r in range(dp)]
-        make_batch = lambda step, r: streams[r](step, r)
-    else:
-        make_batch = functools.partial(synthetic_batch, ns[source.inputs_var], batch_size=d["batch_size"],
-                                       int_high=d["int_high"])
+    ref = _Reference.build(source, plan, seed, values or script_values(source, plan, seed=seed))
+    o, p, model = plan.optimizer, plan.precision, ref.model
     optimizer = build_optimizer(list(model.parameters()), o.name, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas)
-    scaler = grad_scaler(device, init_scale=p.init_loss_scale, dynamic=p.dynamic_loss_scale,
+    scaler = grad_scaler(ref.device, init_scale=p.init_loss_scale, dynamic=p.dynamic_loss_scale,
                          growth_interval=p.growth_interval, sharded=False) if p.amp == "fp16" else None
-    amp_dtype = getattr(torch, DTYPE_NAMES[p.amp]) if p.amp != "none" else None
-    op_lists = functools.partial(OpPrecision, device, amp_dtype, fp32_ops=p.fp32_ops,
-                                 low_precision_ops=p.low_precision_ops) if p.fp32_ops or p.low_precision_ops else None
-    out = {"losses": [], "grads": [], "params": [], "dropout_off": dropout_off}
+    out = {"losses": [], "grads": [], "params": [], "scales": [], "dropout_off": ref.dropout_off}
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = o.lr * lr_factor(step, warmup=o.warmup_steps, total=steps, schedule=o.lr_schedule,
                                            min_ratio=o.min_lr_ratio)
-        per_rank = [split_batch(make_batch(step, r), M) for r in range(dp)]
-        if plan.sync_batchnorm and dp > 1:
-            pieces = [(concat_batches([b[m] for b in per_rank]), M) for m in range(M)]
-        else:
-            pieces = [(mb, M * dp) for b in per_rank for mb in b]
-        total = 0.0
-        for mb, k in pieces:
-            with step_context(device, amp_dtype=amp_dtype, op_lists=op_lists):
-                loss = loss_fn(model, to_device(mb, device)) / k
-            (scaler.scale(loss) if scaler else loss).backward()
-            total += loss.item()
-        out["losses"].append(total)
-        out["grads"].append({n: q.grad.detach().float().cpu().clone() for n, q in model.named_parameters()
-                             if q.grad is not None})
+        out["scales"].append(scaler.get_scale() if scaler else None)
+        out["losses"].append(ref.backward(ref.pieces(step), scaler.scale if scaler else None))
+        out["grads"].append(ref.grads())
         if scaler:
             scaler.unscale_(optimizer)
         if o.grad_clip:
@@ -329,6 +389,33 @@ def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0, val
             optimizer.step()
         optimizer.zero_grad()
         out["params"].append({n: q.detach().float().cpu().clone() for n, q in model.named_parameters()})
+    return out
+
+
+def same_parameter_grads(source: ModelSource, plan: Plan, params: list[dict[str, torch.Tensor]], *, seed: int = 0,
+                         values: ScriptValues | None = None, scales: list[float | None] | None = None
+                         ) -> list[dict[str, torch.Tensor] | None]:
+    """The reference's gradients at the PARALLEL run's parameters: for each step k >= 1, the single-process
+    gradients of step k's batch at ``params[k - 1]`` (the parallel run's parameters after step k - 1, where its own
+    step-k gradients were taken), with the loss scale ``scales[k]``; None for step 0, where both runs start from the
+    same parameters anyway. Gradients at the same parameters are comparable at every step, however far the two
+    runs' parameters have drifted apart by round-off."""
+    ref = _Reference.build(source, plan, seed, values or script_values(source, plan, seed=seed))
+    own = dict(ref.model.named_parameters())
+    out: list = [None]
+    ref.pieces(0)  # step 0's batches are made too: a data stream advances with each call
+    for step in range(1, len(params)):
+        pieces, teacher = ref.pieces(step), params[step - 1]
+        if any(n not in teacher for n in own):  # a parameter the parallel run did not report: not comparable
+            out.append(None)
+            continue
+        with torch.no_grad():
+            for n, q in own.items():
+                q.copy_(teacher[n].to(q.device, q.dtype))
+        ref.model.zero_grad(set_to_none=True)
+        factor = scales[step] if scales else None
+        ref.backward(pieces, functools.partial(torch.mul, other=factor) if factor is not None else None)
+        out.append(ref.grads())
     return out
 
 
@@ -465,9 +552,12 @@ def _compare(plan: Plan, nproc: int, rtol: float, par: dict, ref: dict) -> Verif
         report.param_floor = 2 * plan.optimizer.lr / max(scale, 1e-12)
     report.low_precision = plan.precision.amp != "none"
     report.missing = sorted(set(ref["grads"][0]) - set(par["grads"][0])) if ref["grads"] else []
+    same = ref.get("same_grads") or []
     for s, (lp, lr) in enumerate(zip(par["losses"], ref["losses"], strict=True)):
         gd, gr = _max_diff(par["grads"][s], ref["grads"][s])
         pd, pr = _max_diff(par["params"][s], ref["params"][s])
+        forced = same[s] if s < len(same) else None
         report.steps.append(StepDiff(step=s, loss=lp, ref_loss=lr, grad_max_diff=gd, grad_rel=gr,
-                                     param_max_diff=pd, param_rel=pr))
+                                     param_max_diff=pd, param_rel=pr,
+                                     grad_same_rel=_max_diff(par["grads"][s], forced)[1] if forced else None))
     return report

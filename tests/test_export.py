@@ -145,7 +145,8 @@ def torchrun(script: Path, *args: str, server: MetricsServer | None = None, chec
 
 def losses_of(server: MetricsServer) -> list[float]:
     """Rank 0's per-step losses (every rank reports the same global loss)."""
-    (rank0,) = [c for c in server.connections if c and c[0] == {"token": "t0k", "rank": 0}]
+    # the first line: the token and rank, and (under torchrun) the elastic attempt's restart count and world size
+    (rank0,) = [c for c in server.connections if c and (c[0].get("token"), c[0].get("rank")) == ("t0k", 0)]
     return [r["loss"] for r in rank0 if "step" in r]
 
 

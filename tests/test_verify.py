@@ -134,6 +134,8 @@ def test_plan_matches_single_process(reports, name):
     else:
         assert report.rtol == FP32_RTOL
     assert report.ok, str(report)
+    # every step after the first compared gradients at the same parameters, held to rtol
+    assert all(s.grad_same_rel is not None and s.grad_same_rel <= report.rtol for s in report.steps[1:]), str(report)
     # the loss moved: the run trained (identical numbers from a model that never updates would prove little)
     assert report.steps[-1].ref_loss != report.steps[0].ref_loss
 
@@ -214,6 +216,24 @@ def test_adam_rule_for_gradients_after_the_first_step():
     assert report((0.0, 0.0), (0.06, 0.01)).ok
     assert not report((0.0, 0.0), (1e-3, 0.01), loss_rel=2e-5).ok  # the loss: rtol at every step
     assert "gradients after step 0" in str(demo)
+
+
+def test_gradients_at_the_same_parameters_are_held_to_rtol_at_every_step():
+    """Where verify computed the reference's gradients at the parallel run's own parameters (grad_same_rel), those
+    decide every later step at rtol, whatever the drifted runs' gradients differ by; losses and parameters keep
+    their rules."""
+    def report(*steps, low=False):
+        return VerifyReport(plan="p", nproc=2, rtol=FP32_RTOL, param_floor=0.062, low_precision=low,
+                            steps=[StepDiff(i, 1.0, 1.0, 0, g, 0, p, grad_same_rel=same)
+                                   for i, (g, p, same) in enumerate(steps)])
+
+    drifted = report((2.5e-7, 1.2e-4, None), (2.33e-2, 1.0e-2, 3e-7), (0.5, 1.2e-2, 8e-6))
+    assert drifted.ok and [drifted.judge(s)[1] for s in drifted.steps] == ["adam", "same params", "same params"]
+    assert not report((0.0, 0.0, None), (0.0, 0.0, 2e-5)).ok  # same parameters: rtol, no allowance
+    assert not report((0.0, 0.0, None), (0.0, 0.0, 2e-5), low=True).ok  # low precision too, at its rtol
+    assert not report((0.0, 0.0, None), (0.0, 0.2, 0.0)).ok  # parameters keep their allowance: 1e-5 + 2 x 0.062
+    text = str(drifted)
+    assert "same-param: gradients after step 0" in text and "parameters checked against rtol + 6.2e-02" in text
 
 
 def test_reference_runs_on_the_ranks_device_with_tf32_off(monkeypatch):
