@@ -21,7 +21,8 @@ planner then adds to every rank. The planner fits
 the new plan under the watch's threshold of the limit (92 % by default), so the new plan does not trigger again.
 
 A checkpoint written under ZeRO-1 (``ZeroRedundancyOptimizer``: one optimizer file per rank) only loads with the
-same ZeRO stage and data-parallel size, so then those are pinned too (:func:`checkpoint_pins`).
+same ZeRO stage and data-parallel size, so then those are pinned too (:func:`checkpoint_pins`); and one written
+without it cannot load into ZeRO-1, so a new plan that picks ZeRO-1 keeps the old stage (:func:`zero1_pins`).
 """
 
 from __future__ import annotations
@@ -182,6 +183,15 @@ def checkpoint_pins(plan: Any, checkpoint: str | None) -> dict:
     return {}
 
 
+def zero1_pins(old: Any, new: Any, checkpoint: str | None) -> dict:
+    """The other way round: a checkpoint written without ZeRO-1 holds its optimizer state in DCP, which
+    ``ZeroRedundancyOptimizer`` cannot read, so a new plan that picked ZeRO-1 keeps the old plan's ZeRO stage."""
+    o, n = getattr(old, "mesh", None), getattr(new, "mesh", None)
+    if checkpoint and o is not None and n is not None and n.zero_stage == 1 and n.dp > 1 and o.zero_stage != 1:
+        return {"zero_stage": o.zero_stage}
+    return {}
+
+
 def checkpoint_of(ckpt_dir: str | None) -> str | None:
     """The newest complete checkpoint in ``ckpt_dir`` (the runtime's own rule: a ``step_N`` with ``COMPLETE``)."""
     from ..runtime.checkpoint import latest_checkpoint
@@ -290,6 +300,9 @@ class Replanner:
         pins = checkpoint_pins(run.plan, checkpoint)
         try:
             new = self.plan_fn(factors, target, pins)
+            if extra := zero1_pins(run.plan, new, checkpoint):
+                pins = {**pins, **extra}
+                new = self.plan_fn(factors, target, pins)
         except Exception as e:  # PlanError: nothing fits; the reason says by how much
             return self._record(run, {"kind": "replan", "reason": f"no new plan: {e}", "plan_diff": [],
                                       "failed": True, "cause": cause})
@@ -301,7 +314,8 @@ class Replanner:
         where = (f"resuming from {checkpoint}" if checkpoint else
                  "no checkpoint yet (launch with ckpt_dir=..., ckpt_every=...): starting over from step 0")
         reason = f"{words} because {cause}; {note}; {where}"
-        event = self._record(run, {"kind": "replan", "reason": reason, "cause": cause,
+        event = self._record(run, {"kind": "replan", "rank": (trigger or {}).get("rank"), "reason": reason,
+                                   "cause": cause,
                                    "plan_diff": [{"path": c.path, "old": c.old, "new": c.new} for c in changes],
                                    "diff_text": words, "checkpoint": checkpoint, "calibration": factors,
                                    "plan": new.summary(), "trigger_t": trigger.get("t") if trigger else None,
