@@ -80,8 +80,9 @@ def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None
     search = Search(graph, prof, cluster, cons, ev, global_batch=global_batch, fused_why=fused_why,
                     cps=(fixed_cp,))
     cands = search.run(top_k)
-    if not any(c.fits for c in cands) and "cp" not in cons.fix and cps:
-        # the activations of long sequences fit nowhere, recompute included: split the sequences (ring attention)
+    if cands and not any(c.fits for c in cands) and "cp" not in cons.fix and cps:
+        # the activations of long sequences fit nowhere, recompute included: split the sequences (ring attention);
+        # no candidate at all means the constraints refused every mesh, which a cp share of the world cannot mend
         search = Search(graph, prof, cluster, cons, ev, global_batch=global_batch, fused_why=fused_why,
                         cps=tuple(cps))
         cands = search.run(top_k) or cands
