@@ -368,3 +368,30 @@ def test_verify_runs_dataset_scripts_without_loader_workers(corpus, tmp_path):
     assert script_argv(ns, 3) == ["--steps", "3", "--num-workers", "0"]
     assert ns["parse_args"](script_argv(ns, 3)).num_workers == 0
     assert script_argv({"main": None}, 3) == ["--steps", "3"]
+
+
+# ---- a dataset path relative to the notebook, under launch ----------------------------------------------------------
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_launched_ranks_read_a_dataset_path_relative_to_the_notebook(corpus, tmp_path, monkeypatch, warm):
+    """The cell opens `data/corpus.u8` relative to the kernel's working directory (the notebook's); launch's ranks
+    start there too, as `torchrun /abs/path/train.py` run from that directory would, while the script itself lives
+    in the run directory and its directory stays sys.path[0]."""
+    from autopar_nb.launch import launch, live_runs
+
+    notebook = tmp_path / "notebook"
+    (notebook / "data").mkdir(parents=True)
+    (notebook / "data" / "corpus.u8").write_bytes(TEXT[:640])
+    monkeypatch.chdir(notebook)
+    monkeypatch.setenv("AUTOPAR_TOKENS", "data/corpus.u8")  # relative, as a notebook cell would write it
+    src = run_model_cell(DATA_CELL, {}).source
+    plan = make_plan(src, dp=2)
+    run = launch(lambda path: export(src, plan, path, steps=2, quiet=True), nproc=2, steps=2, plan=plan,
+                 run_dir=tmp_path / "run", warm=warm, monitor=False)
+    try:
+        assert run.wait(120) == "finished", f"{run.message}\n{run.logs(0)}"
+    finally:
+        for r in live_runs():
+            r.stop("test cleanup")
+    assert run.warm is warm and run.script == tmp_path / "run" / "train.py"
+    assert f"cd {notebook} && " in (tmp_path / "run" / "command.txt").read_text()

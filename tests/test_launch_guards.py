@@ -28,6 +28,18 @@ def _no_leftover_runs():
         r.stop("test cleanup")
 
 
+def test_a_deleted_working_directory_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    """The ranks start in the kernel's working directory (issue 18): one that was deleted is one clear error, and no
+    agent is started."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with pytest.raises(LaunchError, match="working directory was deleted"):
+        launch(FIXTURE, nproc=2, steps=1, run_dir=tmp_path / "run", warm=False)
+    assert not (tmp_path / "run").exists() and not live_runs()
+
+
 # ---- point 3: a reused run directory, two launches at once, a taken rendezvous port -------------------------------
 @pytest.mark.multiprocess
 def test_reused_run_dir_does_not_report_the_previous_result(tmp_path):

@@ -111,17 +111,21 @@ RUN_SPECIFIC = ("AUTOPAR_METRICS", "AUTOPAR_TOKEN", "MASTER_PORT", "TORCHELASTIC
 
 
 @pytest.mark.multiprocess
-def test_a_warm_rank_sees_what_a_torchrun_rank_sees(tmp_path):
+def test_a_warm_rank_sees_what_a_torchrun_rank_sees(tmp_path, monkeypatch):
     """The same script under launch(warm=True) and launch(warm=False) (the agent's torchrun config, `python -u
-    script.py` per rank): __name__, __file__, sys.argv, the working directory, sys.path, the environment (run ids,
-    ports and paths aside), signal handlers; nothing of the kernel (autopar_nb, IPython, pytest) in the warm rank,
-    and no CUDA state forked into it."""
+    script.py` per rank): __name__, __file__, sys.argv, the working directory (the kernel's, not the script's: as
+    `torchrun /abs/script.py` run from the notebook's folder), sys.path (the script's directory first), the
+    environment (run ids, ports and paths aside), signal handlers; nothing of the kernel (autopar_nb, IPython,
+    pytest) in the warm rank, and no CUDA state forked into it."""
+    kernel_cwd = tmp_path / "notebook"
+    kernel_cwd.mkdir()
+    monkeypatch.chdir(kernel_cwd)
     cold, warm = _views(tmp_path, False), _views(tmp_path, True)
     for rank, (c, w) in enumerate(zip(cold, warm, strict=True)):
         assert w["name"] == c["name"] == "__main__" and w["main_is_this"] and c["main_is_this"]
         assert w["file"] == c["file"] == str(FIXTURES / "env_view.py")
         assert [a for a in w["argv"] if "/warm" not in a] == [a for a in c["argv"] if "/cold" not in a]
-        assert w["cwd"] == c["cwd"] == str(FIXTURES)
+        assert w["cwd"] == c["cwd"] == str(kernel_cwd)
         assert w["path"] == c["path"] and w["path"][0] == str(FIXTURES)
         same = {k: v for k, v in c["env"].items() if k not in RUN_SPECIFIC}
         assert {k: v for k, v in w["env"].items() if k not in RUN_SPECIFIC} == same

@@ -14,8 +14,9 @@ starts multiprocessing's forkserver with ``PRELOAD`` imported in it, imports tor
 waits for the path of its run's config on standard input (quitting after ``IDLE_S`` seconds, or at end of file).
 The run's torchrun flags then carry ``--run-path --start-method forkserver``: each rank is forked from that
 forkserver and runs the script through torchrun's ``run_script_path``. Before starting them the agent takes the
-place a ``python script.py`` worker would have: the script's directory as working directory and ``sys.path[0]``
-(multiprocessing hands both to each rank), its own output in the run's ``agent.log``.
+place a cold agent started for the run has: the kernel's working directory (``cwd`` in the config) and the script's
+directory as ``sys.path[0]`` (``path``; multiprocessing hands both to each rank, as ``python script.py`` run from that
+directory would have them), its own output in the run's ``agent.log``.
 
 This file is run as a script and imports only the standard library and torch: never autopar_nb, IPython or widgets.
 """
@@ -105,7 +106,8 @@ def _into_run(cfg: dict) -> None:
         os.close(fd)
     if cfg.get("cwd"):
         os.chdir(cfg["cwd"])
-        sys.path.insert(0, cfg["cwd"])  # `python script.py` puts the script's directory first
+    if cfg.get("path"):
+        sys.path.insert(0, cfg["path"])  # `python script.py` puts the script's directory first
 
 
 def main(config_path: str, *, watch: bool = True) -> int:

@@ -219,8 +219,14 @@ def launch(script: str | os.PathLike | Callable[[Path], Any], nproc: int | None 
             (``memory_high``, ``run.events``; re-planning acts on it, see ``replan.py``).
         **script_flags: more flags for the script: ``ckpt_dir="/tmp/ck"`` becomes ``--ckpt-dir /tmp/ck``.
 
+    Every rank starts in this process's working directory (a notebook's kernel: the notebook's folder), as
+    ``torchrun /abs/path/train.py`` run from there would start it, so paths the cell opens relative to the notebook
+    (``data/tokens.bin``) hold in every rank; the script's own directory is ``sys.path[0]``, as with
+    ``python script.py``. Warm and cold alike; the run directory's ``command.txt`` is that ``cd`` and torchrun line.
+
     Raises:
-        LaunchError: another run of this kernel is still alive, or the kernel's CUDA state would break the workers.
+        LaunchError: another run of this kernel is still alive, the kernel's CUDA state would break the workers,
+            or this process's working directory no longer exists.
     """
     # one run per kernel: checked and registered under one lock, so two threads cannot both start a run
     if not _launch_lock.acquire(blocking=False):
@@ -257,11 +263,17 @@ def _start(script, nproc, steps, *, plan, max_restarts, hang_timeout_s, run_dir,
         raise LaunchError(f"nproc={nproc} but only {gpus} GPU(s) are visible: pass nproc <= {gpus}, or "
                           "backend='gloo' for CPU workers")
     check_cuda(nproc, backend, seen)
+    try:
+        workdir = os.getcwd()  # where the ranks start: the kernel's (the notebook's) working directory
+    except FileNotFoundError:
+        raise LaunchError("this kernel's working directory was deleted, so the ranks would have none to start in: "
+                          "os.chdir() to an existing directory (the one the cell's relative paths are relative "
+                          "to) and launch again") from None
 
     run_id = secrets.token_hex(8)
     if run_dir is None:
         run_dir = tempfile.mkdtemp(prefix=f"autopar-run-{run_id[:8]}-")
-    run_dir = Path(run_dir).resolve()  # absolute: the agent runs in the script's directory
+    run_dir = Path(run_dir).resolve()  # absolute: the log and result paths hold from any working directory
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("result.json", "result.json.tmp"):  # a reused run_dir: the previous run's end is not this one's
         (run_dir / stale).unlink(missing_ok=True)
@@ -305,9 +317,10 @@ def _start(script, nproc, steps, *, plan, max_restarts, hang_timeout_s, run_dir,
         str(script_path), *sargs,
     ]
     command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
-    (run_dir / "command.txt").write_text(shlex.join(command) + "\n")
+    (run_dir / "command.txt").write_text(f"cd {shlex.quote(workdir)} && {shlex.join(command)}\n")
+    # cwd: the ranks' working directory; path: their sys.path[0] (what `python script.py` puts first)
     cfg = {"parent_pid": os.getpid(), "result_path": str(run_dir / "result.json"), "torchrun_args": torchrun_args,
-           "warm": warm, "cwd": str(script_path.parent), "log": str(run_dir / "agent.log")}
+           "warm": warm, "cwd": workdir, "path": str(script_path.parent), "log": str(run_dir / "agent.log")}
     (run_dir / "agent.json").write_text(json.dumps(cfg, indent=1))
 
     if warm:
@@ -328,7 +341,7 @@ def _start(script, nproc, steps, *, plan, max_restarts, hang_timeout_s, run_dir,
         with open(run_dir / "agent.log", "wb") as log:
             proc = subprocess.Popen([sys.executable, str(AGENT), str(run_dir / "agent.json")], env=full_env,
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    cwd=str(script_path.parent), start_new_session=True)  # see procs.py
+                                    cwd=workdir, start_new_session=True)  # see procs.py
 
     run = Run(run_id=run_id, run_dir=run_dir, script=script_path, nproc=nproc, steps=steps, token=token,
               backend=backend, max_restarts=max_restarts, hang_timeout_s=hang_timeout_s, plan=plan, command=command)
