@@ -268,7 +268,6 @@ def test_the_dashboard_shows_a_lost_rank_and_the_data_verdict(runs):
     """Issue 15 point 6 and issue 18 point 2 in the front end: the lost rank's state, where the ranks stream to, and
     the data-wait verdict in the end summary (a warning above 10 %)."""
     import test_browser
-    from playwright.sync_api import sync_playwright
 
     test_browser._require_chromium()
     run = runs()
@@ -282,16 +281,7 @@ def test_the_dashboard_shows_a_lost_rank_and_the_data_verdict(runs):
     board = run.dashboard()
     state = {k: getattr(board, k) for k in ("status", "message", "error", "hang", "ranks", "info", "summary")}
     state.update(timeline={}, steps={}, events=[], replan={})
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(test_browser.CHROMIUM), args=test_browser.CHROMIUM_FLAGS)
-        try:
-            page = browser.new_page()
-            errors = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.set_content("<html><body></body></html>")
-            seen = page.evaluate(PAGE, [board._esm, state])
-        finally:
-            browser.close()
+    seen, errors = test_browser.evaluate_in_blank_page(PAGE, [board._esm, state])
     a.close()
     assert not errors, errors
     assert seen["states"] == ["finished", "lost"]

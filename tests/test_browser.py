@@ -62,6 +62,23 @@ def _require_chromium() -> None:
     pytest.skip("/usr/bin/chromium is not installed (apt-get install -y chromium); this browser test runs in CI")
 
 
+def evaluate_in_blank_page(script: str, args) -> tuple[object, list[str]]:
+    """``page.evaluate(script, args)`` in a blank chromium page (a widget's ESM rendered against a plain model, with
+    no Jupyter): what it returned, and the page errors it raised."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.set_content("<html><body></body></html>")
+            return page.evaluate(script, args), errors
+        finally:
+            browser.close()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -215,7 +215,6 @@ def test_the_dashboard_offers_replan_and_shows_the_timeline(tmp_path):
     Re-plan & resume / Stop, the button sends "replan" (the kernel side calls run.replan()), and the event timeline
     lists the run's events with their reasons."""
     import test_browser
-    from playwright.sync_api import sync_playwright
 
     from autopar_nb.launch.dashboard import Dashboard
     from autopar_nb.launch.replan import Replanner
@@ -234,16 +233,7 @@ def test_the_dashboard_offers_replan_and_shows_the_timeline(tmp_path):
     state = {k: getattr(board, k) for k in ("status", "message", "error", "hang", "ranks", "info", "summary",
                                             "events", "replan")}
     state.update(timeline={}, steps={})
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(test_browser.CHROMIUM), args=test_browser.CHROMIUM_FLAGS)
-        try:
-            page = browser.new_page()
-            errors = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.set_content("<html><body></body></html>")
-            seen = page.evaluate(PAGE, [board._esm, state])
-        finally:
-            browser.close()
+    seen, errors = test_browser.evaluate_in_blank_page(PAGE, [board._esm, state])
     assert not errors, errors
     assert "rank 0 reached 95% of" in seen["banner"] and "Re-plan & resume" in seen["banner"]
     assert [k for k, _ in seen["items"]] == ["launch", "memory_high", "memory_high"] and seen["dots"] == 3
