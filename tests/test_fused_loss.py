@@ -85,9 +85,10 @@ def test_fused_head_is_the_bias_free_linear_whose_logits_are_the_output():
 @pytest.mark.parametrize("amp", ["none", "bf16"])
 def test_fused_memory_is_the_closed_form(amp):
     """One GPU, no recompute: both peaks are the loss's backward (unfused: fp32 log-softmax saved, its gradient and
-    the logits' gradient; fused: one fp32 log-sum-exp per token, three fp32 chunk x vocab buffers (+ a 16-bit one
-    under AMP), the weight's gradient in fp32 (+ its cast), the hidden's gradient), so the peaks differ by exactly
-    the difference of those, times the allocator margin."""
+    the logits' gradient, and under AMP the 16-bit logits that autocast casts to fp32 for the loss, as
+    cost/autocast.py counts them; fused: one fp32 log-sum-exp per token, three fp32 chunk x vocab buffers (+ a
+    16-bit one under AMP), the weight's gradient in fp32 (+ its cast), the hidden's gradient), so the peaks differ
+    by exactly the difference of those, times the allocator margin."""
     n, h, v, chunk = 4 * 256, 32, 4096, 256  # tokens, hidden, vocab, kernels_ext.default_chunk(1024, 32, 4096)
     graph = _graph(lm_source(vocab=v, dim=h, batch=4, seq=256))
     fix = {"dp": 1, "recompute": "none", "amp": amp}
@@ -95,7 +96,7 @@ def test_fused_memory_is_the_closed_form(amp):
     fused = ap.plan(graph, _cluster(), fix=fix | {"fused_loss": True})
     assert (unfused.fused_loss, fused.fused_loss) == ("", "head")
     p, half = (2, 2) if amp == "bf16" else (4, 0)
-    unfused_loss = n * v * (4 + 4 + p)
+    unfused_loss = n * v * (4 + 4 + p + half)  # under autocast the 16-bit logits are held beside their fp32 copy
     fused_loss = n * 4 + chunk * v * (3 * 4 + half) + v * h * (4 + half) + n * h * p
     assert fused_loss < unfused_loss / 2
     margin = 1 + factors_for(_cluster()).margin_fraction

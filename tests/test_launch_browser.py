@@ -155,7 +155,7 @@ def test_launch_and_verify_from_the_widget(tmp_path):
     assert state["left"] == 0 and state["samples"] > 0, state
     assert fits
     assert dark_bg not in ("rgb(255, 255, 255)", "rgba(0, 0, 0, 0)"), dark_bg  # the theme's colours
-    assert all(r in ("rtol", "adam", "low precision") for r in rules), rules
+    assert all(r in ("rtol", "adam", "low precision", "same params") for r in rules), rules
     assert not [e for e in errors if "apd" in e or "uPlot" in e or "dashboard" in e.lower()], errors
 
 
