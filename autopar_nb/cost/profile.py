@@ -673,7 +673,8 @@ def _math_attention(n, device_kind: str) -> bool:
 def _math_attention_saves(n, f: _Facts, kept_input) -> list[_Keep]:
     """What :func:`_math_attention` keeps (measured with autograd's saved tensors, torch 2.13 CPU). With 16-bit
     inputs (autocast) the CPU math kernel computes in float32: q, k and v are converted first (v then saved as its
-    float32 copy) and the score-sized tensors are float32."""
+    float32 copy) and the score-sized tensors are float32. A non-contiguous v (heads transposed out of a projection's
+    output) is copied when ``scores @ v`` folds its batch dims, and that copy is what it saves."""
     region = n.name in f.tp.sharded
     q, k, v = (n.inputs + [None] * 3)[:3]
     (*lead, _), kshape = n.in_shapes[0], n.in_shapes[1]
@@ -682,7 +683,8 @@ def _math_attention_saves(n, f: _Facts, kept_input) -> list[_Keep]:
     upcast = f.size[n.name].itemsize < item
     return [_Keep(f"q:{n.name}", f.size[q]._replace(itemsize=item), region),
             _Keep(f"k:{n.name}", f.size[k]._replace(itemsize=item), region),
-            _Keep(f"v:{n.name}", f.size[v]._replace(itemsize=item), region) if upcast else kept_input(v),
+            _Keep(f"v:{n.name}", f.size[v]._replace(itemsize=item), region) if upcast or f.noncontig.get(v, False)
+            else kept_input(v),
             *(_Keep(f"{what}:{n.name}", scores, region, quadratic=True) for what in ("softmax", "noise", "dropped"))]
 
 
