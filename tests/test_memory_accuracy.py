@@ -19,8 +19,8 @@ from runtime_cases import has_transformers
 
 import autopar_nb as ap
 from autopar_nb.cost import activation_bytes, profile
-from autopar_nb.source import ModelSource
 from autopar_nb.runtime.train import switch_off_kv_cache
+from autopar_nb.source import ModelSource
 
 pytestmark = pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
 
