@@ -14,7 +14,7 @@ from .factors import Factors, factors_for
 from .loss import FusedHead
 from .memory import activation_bytes, in_flight, model_states, state_bytes, with_margin
 from .profile import GraphProfile, precision_of
-from .time import bubble_fraction, layer_compute_time, optimizer_time
+from .time import bubble_fraction, layer_compute_time, optimizer_time, weight_cast_time
 
 
 @dataclass(frozen=True)
@@ -207,7 +207,7 @@ class Evaluator:
         lp = self.prof.layers[self.prof.rep[i]].at_tp(tp)  # key/value projections this tp repeats: whole
         scale = mb_samples / self.prof.batch * self.seq_ratio / cp
         qscale = mb_samples / self.prof.batch * self.seq_ratio ** 2 / cp
-        fwd, bwd, sel = layer_compute_time(lp, tp=tp, sp=sp, half=half, scale=scale, quad_scale=qscale,
+        fwd, bwd, sel = layer_compute_time(lp, tp=tp, sp=sp, precision=precision, scale=scale, quad_scale=qscale,
                                            device=self.cluster.device, factors=self.f, compiled=compiled)
         act = {r: activation_bytes(lp, tp=tp, sp=sp, recompute=r, precision=precision, scale=scale,
                                    quad_scale=qscale, megatron_sp=self.megatron_sp) for r in RECOMPUTE}
@@ -315,7 +315,9 @@ class Evaluator:
         opt_params = max(sums.params) if s.zero_stage < 1 else max(
             (p - x) / s.replicas + x / (s.dp // s.ep) for p, x in zip(sums.params, sums.experts, strict=True))
         opt_t = optimizer_time(opt_params, self.cluster.device, f)
-        compute = m * (sums.fwdbwd[bottleneck] + sums.rec[bottleneck])
+        compute = m * (sums.fwdbwd[bottleneck] + sums.rec[bottleneck]) + weight_cast_time(
+            sums.casts[bottleneck], micro_batches=m, regions=1 if s.pp > 1 else m, device=self.cluster.device,
+            factors=f)  # one autocast region per micro-batch, or around the whole pipeline schedule
         step = compute + tp_exposed + bubble + p2p_exposed + dp_exposed + opt_t
         mem = [self._rank_memory(s, sums, r) for r in range(s.pp)]
         cost = Cost(
