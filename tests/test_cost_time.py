@@ -287,3 +287,21 @@ def test_exposed_comm_by_kind_sums(gpt):
         cost = Evaluator(prof, c).evaluate(s, choices)
         assert sum(cost.comm_exposed_by_kind.values()) == pytest.approx(cost.comm_exposed_s)
         assert all(cost.comm_exposed_by_kind[k] <= cost.comm_by_kind[k] * (1 + 1e-9) for k in cost.comm_exposed_by_kind)
+
+
+def test_fp16_plans_compute_at_the_fp16_peak():
+    """A V100 has no bf16: an fp16 plan's matmuls run at its fp16 tensor-core peak (125 TFLOP/s), not at the fp32
+    15.7 TFLOP/s that the missing bf16 entry falls back to (what the model used for every AMP plan before), and the
+    MFU is measured against that peak."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 4096))
+        graph = ap.capture(model, torch.randn(8192, 4096))
+    c = ap.Cluster.preset("v100", gpus_per_node=1)
+    f = factors_for(c)
+    ev = Evaluator(profile(graph), c)
+    lp = ev.prof.layers[1]  # its input is the first Linear's fp16 output: no copy
+    t = ev.terms(1, tp=1, sp=False, precision="autocast", mb_samples=graph.batch_size, amp="fp16")
+    flops = sum(lp.flops_split.values()) + sum(lp.flops_rep.values())
+    assert t.fwd == pytest.approx(flops / (125e12 * f.eff_matmul) + lp.n_ops * f.op_overhead_s)
+    cost = ev.evaluate(Setting(amp="fp16", mb_samples=graph.batch_size), [LayerChoice(0, False)] * 2)
+    assert cost.mfu == pytest.approx(cost.model_tflops_per_gpu * 1e12 / 125e12)

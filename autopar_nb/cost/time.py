@@ -17,16 +17,18 @@ COMPUTE_CLASSES = ("matmul", "conv", "attention")
 
 
 def layer_compute_time(lp: LayerProfile, *, tp: int, sp: bool, precision: str, scale: float, quad_scale: float,
-                       device, factors, compiled: bool = False) -> tuple[float, float, float]:
+                       device, factors, compiled: bool = False,
+                       low_dtype: str = "bfloat16") -> tuple[float, float, float]:
     """(forward, backward, selective-recompute extra) seconds of one micro-batch through the layer on one rank.
 
     ``tp`` divides the ops inside TP regions (and the ops outside them under sequence parallel); ``precision``: one
     of :data:`~.profile.PRECISIONS` (under autocast each op at the dtype it runs in there, the plan's op lists
-    applied: :func:`amp_compute_time`); ``scale`` and ``quad_scale`` scale the captured batch's work to the
-    micro-batch (linear and attention-score terms); ``compiled``: the layer runs under ``torch.compile``."""
+    applied: :func:`amp_compute_time`; ``low_dtype``: autocast's, "bfloat16" or "float16"); ``scale`` and
+    ``quad_scale`` scale the captured batch's work to the micro-batch (linear and attention-score terms);
+    ``compiled``: the layer runs under ``torch.compile``."""
     if precision != "fp32":
         return amp_compute_time(lp, lp.time_amp[precision], tp=tp, sp=sp, scale=scale, quad_scale=quad_scale,
-                                device=device, factors=factors, compiled=compiled)
+                                device=device, factors=factors, compiled=compiled, low_dtype=low_dtype)
     peak = device.flops("float32")
     fwd = bwd = 0.0
     for cls in COMPUTE_CLASSES:
@@ -41,13 +43,14 @@ def layer_compute_time(lp: LayerProfile, *, tp: int, sp: bool, precision: str, s
 
 
 def amp_compute_time(lp: LayerProfile, amp: AmpTime, *, tp: int, sp: bool, scale: float, quad_scale: float,
-                     device, factors, compiled: bool = False) -> tuple[float, float, float]:
+                     device, factors, compiled: bool = False,
+                     low_dtype: str = "bfloat16") -> tuple[float, float, float]:
     """:func:`layer_compute_time` under autocast: a compute op kept in float32 (the plan's ``fp32_ops``, autocast's
-    fp32 list: :attr:`~.profile.AmpTime.fp32_split`) at the float32 peak and efficiency, any other at the 16-bit
-    ones; memory-bound ops by the bytes they move at their dtypes; each copy autocast makes of an
+    fp32 list: :attr:`~.profile.AmpTime.fp32_split`) at the float32 peak and efficiency, any other at
+    ``low_dtype``'s; memory-bound ops by the bytes they move at their dtypes; each copy autocast makes of an
     activation input (read + write, once more in backward when it requires grad) costed as a memory-bound op (the
     parameters' copies: :func:`weight_cast_time`)."""
-    lo, hi = device.flops("bfloat16"), device.flops("float32")
+    lo, hi = device.flops(low_dtype), device.flops("float32")
     fwd = bwd = 0.0
     for cls in COMPUTE_CLASSES:
         s = quad_scale if cls == "attention" else scale
