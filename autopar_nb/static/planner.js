@@ -916,7 +916,7 @@ function renderPrecision(ui) {
       const n = reach[op] || 0;
       return h("span", { class: "ap-opchip" + (n ? "" : " ap-opchip-none"), dataset: { op },
         title: n ? `${n} op${n === 1 ? "" : "s"} of this model` : "no op of this model has this name" },
-      op, h("span", { class: "ap-opchip-n" }, ` ${n}`),
+      op, h("span", { class: "ap-opchip-n" }, ` · ${n}`),
       h("button", { class: "ap-opchip-x", title: `remove ${op}`, "aria-label": `remove ${op}`,
         onclick: () => send(op, "remove") }, "×"));
     });
