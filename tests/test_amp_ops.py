@@ -209,3 +209,7 @@ def test_the_plan_estimate_follows_the_lists():
     plan.precision = PrecisionPlan(amp="none")
     fp32 = estimate(graph, c, plan)
     assert kept.compute_s == pytest.approx(fp32.compute_s) and free.compute_s < kept.compute_s / 2
+    # the explanation says what the lists cost: the same setting with autocast's own lists
+    (line,) = [x for x in plan.explanation if x.startswith("Op lists")]
+    assert line.startswith("Op lists (kept in float32: linear (2 ops)): ") and "with autocast's own lists" in line
+    assert f"{kept.step_time_s * 1e3:.1f} ms/step" in line and f"against {free.step_time_s * 1e3:.1f} ms" in line
