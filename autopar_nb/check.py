@@ -284,6 +284,17 @@ def switch_off_dropout(model: nn.Module) -> int:
     return count
 
 
+def kernel_cwd() -> str:
+    """This process's working directory, where a verify's ranks and reference run (the notebook's folder: the cell's
+    relative paths hold there, as under launch). Raises RuntimeError, saying what to do, when it was deleted."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        raise RuntimeError("this kernel's working directory was deleted, so verify's processes would have none to "
+                           "run in: os.chdir() to an existing directory (the one the cell's relative paths are "
+                           "relative to) and verify again") from None
+
+
 @dataclass
 class _Reference:
     """The single-process model with the script's data, loss and precision (what :func:`reference` trains and

@@ -287,7 +287,7 @@ def measure(source, plan, *, ranks: tuple[int, ...] = (0,), steps: int = 2, time
 def measure_in_subprocess(script, *, rank: int = 0, steps: int = 2, timeout: float = 600) -> dict:
     """:func:`measure_script` in a child process (one JSON line back), run in this process's working directory (a
     notebook kernel's: the cell's relative paths hold there, as in verify's and launch's ranks)."""
-    from .launch.verifying import kernel_cwd
+    from .check import kernel_cwd
 
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "autopar_nb.measure", str(Path(script).resolve()), str(rank),

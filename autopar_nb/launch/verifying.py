@@ -67,6 +67,8 @@ class VerifyJob:
         self._lock = threading.Lock()
         self._stopping = False
         self._view = None
+        from ..check import kernel_cwd
+
         self.dir = Path(work_dir or tempfile.mkdtemp(prefix="autopar-verify-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         job = {"cases": [{"source": dataclasses.asdict(src), "plan": p.to_json(), "meta_init": m,
@@ -242,17 +244,6 @@ def _stop_all_at_exit() -> None:
     for job in list(_jobs):
         if not job.done:
             job.stop("the kernel is shutting down")
-
-
-def kernel_cwd() -> str:
-    """This process's working directory, where a verify's ranks and reference run (the notebook's folder: the cell's
-    relative paths hold there, as under launch). Raises RuntimeError, saying what to do, when it was deleted."""
-    try:
-        return os.getcwd()
-    except FileNotFoundError:
-        raise RuntimeError("this kernel's working directory was deleted, so verify's processes would have none to "
-                           "run in: os.chdir() to an existing directory (the one the cell's relative paths are "
-                           "relative to) and verify again") from None
 
 
 # ---- the child process ----------------------------------------------------------------------------------------------
