@@ -60,7 +60,11 @@ def one_round(work: Path) -> dict:
     ev = next(e for e in first.events if e["kind"] == "replan")
     resume = next(e for e in nxt.events if e["kind"] == "resume")
     resumed_at = nxt.started + nxt.first_step_time - first.started
-    return {"status": status, "replans": len(legs) - 1, "reason": ev["reason"],
+    shares = []
+    for leg in legs:
+        peaks = {r: v["peak"] for r, v in leg.rss_figures().items()}
+        shares.append(max(peaks.values(), default=0.0) / limit)
+    return {"status": status, "replans": len(legs) - 1, "reason": ev["reason"], "shares": shares,
             "to_stop": ev["stopped_t"] - ev["trigger_t"], "to_plan": ev["t"] - ev["stopped_t"],
             "to_resume": resumed_at - ev["t"], "total": resume["seconds_from_trigger"]}
 
@@ -77,11 +81,13 @@ def main() -> None:
             r = one_round(Path(d))
         rows.append(r)
         print(f"round {i}: {r['status']}, {r['replans']} re-plan(s); first: to stop {r['to_stop']:.2f} s, to plan "
-              f"{r['to_plan']:.2f} s, to resume {r['to_resume']:.2f} s, total {r['total']:.2f} s\n  {r['reason']}")
+              f"{r['to_plan']:.2f} s, to resume {r['to_resume']:.2f} s, total {r['total']:.2f} s; each leg's peak "
+              f"RSS above its baseline: {', '.join(f'{x:.0%}' for x in r['shares'])} of the limit\n  {r['reason']}")
     print("\n| figure | median s | min s | max s |\n|---|---|---|---|")
     for key in ("to_stop", "to_plan", "to_resume", "total"):
         v = [r[key] for r in rows]
         print(f"| {key.replace('_', ' ')} | {statistics.median(v):.2f} | {min(v):.2f} | {max(v):.2f} |")
+    print(f"re-plans per round: {[r['replans'] for r in rows]}")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 

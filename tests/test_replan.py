@@ -83,6 +83,50 @@ def test_margin_from_what_the_ranks_held():
         calibration.margin_factors({0: 1.0}, {}, current={"margin_fraction": 0.05})
 
 
+def test_cpu_margin_is_the_floor_between_steps_plus_what_the_peak_holds_beyond_it():
+    """calibration.rss_margin_factors on closed forms: the fixed part is the most a rank held between steps beyond
+    its parameters and optimizer state, the fraction what its peak held beyond that and the predicted state."""
+    from autopar_nb.plan import MemoryBreakdown
+
+    mb = MemoryBreakdown(params=10 * MIB, grads=10 * MIB, optimizer=20 * MIB, activations=100 * MIB,
+                         buffers=10 * MIB, margin=7 * MIB)  # state 150 MiB, 30 MiB of it kept between steps
+    factors, rec = calibration.rss_margin_factors({0: 210 * MIB, 1: 200 * MIB}, {0: 80 * MIB, 1: 84 * MIB},
+                                                  {0: mb, 1: mb})
+    assert factors["margin_fixed_bytes"] == 54 * MIB  # rank 1's 84 - 30
+    assert factors["margin_fraction"] == pytest.approx((210 - 54 - 150) / 150)  # rank 0's peak
+    assert rec["rank"] == 0 and rec["floor_bytes"] == 80 * MIB
+    # so the calibrated prediction of the worst rank is what it held
+    assert 150 * MIB * (1 + factors["margin_fraction"]) + factors["margin_fixed_bytes"] == pytest.approx(210 * MIB)
+    with pytest.raises(ValueError, match="between steps"):
+        calibration.rss_margin_factors({0: MIB}, {}, {0: mb})
+
+
+def test_a_replan_calibrates_the_step_time_so_the_plan_predicts_what_was_measured(tmp_path):
+    """The stopped run's steady steps (its first, warm-up step left out) against the plan's step time: the speed
+    factors that make the same plan, costed again, predict the measured step time; only one step: none."""
+    import dataclasses
+
+    from autopar_nb.cost.estimate import estimate
+    from autopar_nb.launch.replan import Replanner
+    from autopar_nb.launch.run import Run
+
+    ap, _ = session_with_limit()
+    plan = ap.plan
+    run = Run(run_id="r", run_dir=tmp_path, script=tmp_path / "train.py", nproc=2, steps=6, token="t",
+              backend="gloo", max_restarts=0, hang_timeout_s=None, plan=plan)
+    current = calibration._current_factors(ap.cluster)
+    measured = 3.0 * plan.cost.step_time_s
+    run._rows += [{"rank": r, "attempt": 0, "step": 0, "step_time_s": 40 * measured, "time": 0.0} for r in (0, 1)]
+    assert Replanner.calibrate_time(run, current) == ({}, "step time not calibrated (only the first, warm-up step "
+                                                          "was measured)")
+    run._rows += [{"rank": r, "attempt": 0, "step": s, "step_time_s": measured, "time": 0.0} for s in (1, 2)
+                  for r in (0, 1)]
+    factors, words = Replanner.calibrate_time(run, current)
+    assert "(x3.00)" in words and factors["eff_fp32_matmul"] == pytest.approx(current["eff_fp32_matmul"] / 3)
+    cluster = dataclasses.replace(ap.cluster, calibration={**(ap.cluster.calibration or {}), **factors})
+    assert estimate(ap.graph, cluster, plan).step_time_s == pytest.approx(measured, rel=0.05)
+
+
 # ---- a real run over its limit ---------------------------------------------------------------------------------
 # activations dominate (2048 x 4096 floats per GELU): more micro-batches cut them, and a CPU rank's peak RSS above
 # its baseline is about twice the predicted training state (torch's first-use allocations, checkpoint staging)
@@ -132,7 +176,7 @@ def test_a_run_over_its_cpu_limit_replans_and_resumes_from_its_checkpoint(tmp_pa
         else:  # over it (stopped at once): rolled back, at most ckpt_every (1) step redone
             assert "exceeded its" in ev["cause"] and done - resumed_at + 1 <= 1, ev
         assert "because rank" in ev["reason"] and f"{limit / 2**30:.2f} GiB" in ev["reason"]
-        assert ev["diff_text"] != "no change" and ev["calibration"]["margin_fraction"] > 0
+        assert ev["diff_text"] != "no change" and ev["calibration"]["margin_fixed_bytes"] > 0
         # a remedy (here more micro-batches, or ZeRO-3): the new plan predicts less training state per rank
         assert predicted_memory(nxt.plan, 0, model_state=True) < predicted_memory(leg.plan, 0, model_state=True)
         (resume,) = [e for e in nxt.events if e["kind"] == "resume"]

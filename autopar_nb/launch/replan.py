@@ -143,12 +143,9 @@ def diff_text(changes: list) -> str:
 
 def measured_peaks(samples: list[dict]) -> dict[int, float]:
     """rank -> the most memory it held in ``Run.samples`` (on CPU: RSS above its baseline, once known)."""
-    out: dict[int, float] = {}
-    for s in samples:
-        held = watch.held(s)
-        if held is not None:
-            out[s["rank"]] = max(out.get(s["rank"], 0.0), float(held))
-    return out
+    from .run import _peaks
+
+    return _peaks(samples)
 
 
 def peaks_now(run) -> dict[int, float]:
@@ -343,20 +340,61 @@ class Replanner:
 
     def calibrate(self, run, peaks: dict[int, float] | None = None) -> tuple[dict, str]:
         """(factors, words): the allocator margin from the peak each rank held (its samples', and ``peaks`` read
-        just before it stopped) against the plan's prediction (:func:`autopar_nb.calibration.margin_factors`, the
-        rule CUDA runs calibrate by), or no factors when the plan predicts no memory."""
-        measured = measured_peaks(run.samples)
+        just before it stopped) against the plan's prediction, and the speed factors from its step time
+        (:meth:`calibrate_time`). On CPU the margin's fixed part is what a rank holds between steps beyond the
+        tensors the plan keeps there, its fraction what the peak holds beyond that
+        (:func:`autopar_nb.calibration.rss_margin_factors`); on GPUs :func:`~autopar_nb.calibration.margin_factors`.
+        No memory factors when the plan predicts no memory."""
+        current = calibration._current_factors(self.cluster)
+        factors, words = self.calibrate_memory(run, peaks, current)
+        speed, time_words = self.calibrate_time(run, current)
+        return {**factors, **speed}, f"{words}; {time_words}"
+
+    def calibrate_memory(self, run, peaks: dict[int, float] | None, current: dict) -> tuple[dict, str]:
+        """The allocator margin (see :meth:`calibrate`) and its words."""
+        rss = run.rss_figures()
+        measured = {**measured_peaks(run.samples), **{r: v["peak"] for r, v in rss.items()}}
         for r, v in (peaks or {}).items():
             measured[r] = max(measured.get(r, 0.0), v)
-        predicted = predicted_states(run.plan, run.nproc)
         try:
-            current = calibration._current_factors(self.cluster)
-            factors, rec = calibration.margin_factors(measured, predicted, current=current)
+            if rss:
+                factors, rec = calibration.rss_margin_factors(
+                    measured, {r: v["floor"] for r, v in rss.items()},
+                    {r: compare.predicted_breakdown(run.plan, r) for r in measured})
+                return factors, (
+                    f"calibrated: rank {rec['rank']} peaked at {watch.gib(rec['measured_bytes'])} against "
+                    f"{watch.gib(rec['predicted_bytes'])} predicted and held {watch.gib(rec['floor_bytes'])} between "
+                    f"steps, so the plan allows {watch.gib(rec['margin_fixed_bytes'])} + "
+                    f"{rec['margin_fraction']:.0%} on top of the predicted bytes")
+            factors, rec = calibration.margin_factors(measured, predicted_states(run.plan, run.nproc),
+                                                      current=current)
         except ValueError as e:
-            return {}, f"not calibrated ({e})"
+            return {}, f"memory not calibrated ({e})"
         return factors, (f"calibrated: rank {rec['rank']} peaked at {watch.gib(rec['measured_bytes'])} against "
                          f"{watch.gib(rec['predicted_bytes'])} predicted, so the plan allows "
                          f"{rec['margin_fraction']:.0%} on top of the predicted bytes")
+
+    @staticmethod
+    def calibrate_time(run, current: dict) -> tuple[dict, str]:
+        """The speed factors from the run's steady steps (its first step, the warm-up, left out; at least one
+        other step needed) against the plan's step time, where the plan's device is the run's
+        (:func:`autopar_nb.calibration.time_factors`: one uniform correction, a single run cannot tell the op
+        classes apart); and its words."""
+        predicted = run.comparison().get("predicted_step_time_s")
+        if not predicted:
+            return {}, "step time not calibrated (the plan's device is not the run's)"
+        rows = list(run.metrics)
+        if len({r["step"] for r in rows}) < 2:
+            return {}, "step time not calibrated (only the first, warm-up step was measured)"
+        from .metrics import steady_step_time
+
+        measured = steady_step_time(rows)
+        compiled = any(getattr(lp, "compile", False) for lp in getattr(run.plan, "layers", None) or [])
+        factors, rec = calibration.time_factors(measured, predicted, current=current, compiled=compiled)
+        if not factors:
+            return {}, "step time not calibrated (no timed step)"
+        return factors, (f"steps took {measured * 1e3:.0f} ms against {predicted * 1e3:.0f} ms predicted "
+                         f"(x{rec['ratio']:.2f}), so the plan's speed factors are scaled by that")
 
     @staticmethod
     def _record(run, event: dict) -> dict:

@@ -68,6 +68,19 @@ STALE_SAMPLE_S = 1.5
 """a device sample this much older than the rank's last step predates it by more than a tick (its process was not
 found since: it ended, or runs elsewhere): the RSS the step reported is shown instead ("stream")"""
 STEP_FIELDS = ("loss", "step_time_s", "throughput", "data_wait_s")
+CPU_LIMIT_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
+"""the workers' environment under a CPU memory limit (the plan's ``memory_limit_bytes``): glibc's fixed mmap threshold
+(1 MiB), so a freed tensor of 1 MiB or more goes back to the system at once and a rank's peak RSS is its runtime's
+floor plus the tensors the plan counts. glibc's default threshold rises to the largest block freed so far, so later
+tensors come from a heap that keeps its free blocks: the 2-rank MLP of ``tests/test_replan.py`` grew from 200 MiB
+at step 0 to 334-348 MiB above its baseline by step 30 (205-211 MiB with this), which no plan predicts. It costs
+page faults on every step (that MLP: +17 % step time); a variable the user sets wins"""
+
+
+def cpu_limit_env(plan: Any, backend: str) -> dict[str, str]:
+    """:data:`CPU_LIMIT_ENV` for a CPU run of a plan made with a per-rank memory limit, else {}."""
+    limited = (getattr(plan, "cluster", None) or {}).get("memory_limit_bytes")
+    return dict(CPU_LIMIT_ENV) if limited and backend != "nccl" else {}
 
 
 class Run:
@@ -308,6 +321,23 @@ class Run:
             data = dict(self.data) if self.data else None
         return {**summarize(rows, status=self._status, plan=self.plan, baselines=baselines), "data": data}
 
+    def rss_figures(self) -> dict[int, dict[str, float]]:
+        """CPU ranks: rank -> {"peak": its peak RSS above its baseline (the samples' VmHWM; the step reports' RSS
+        where no peak is known), "floor": the least RSS above its baseline a step reported (at a step's end: what it
+        holds between steps)}, for the ranks whose baseline is known; {} on GPUs."""
+        if self.backend == "nccl":
+            return {}
+        with self._lock:
+            base = {r: s.baseline for r, s in self._ranks.items() if s.baseline}
+            rows = [r for r in self._rows if r.get("rss") and r["rank"] in base]
+        peaks = {r: v for r, v in _peaks(self.samples).items() if r in base}
+        out: dict[int, dict[str, float]] = {}
+        for row in rows:
+            r, held = row["rank"], max(0.0, float(row["rss"]) - base[row["rank"]])
+            fig = out.setdefault(r, {"peak": peaks.get(r, 0.0), "floor": held})
+            fig["floor"], fig["peak"] = min(fig["floor"], held), max(fig["peak"], held)
+        return out
+
     def comparison(self) -> dict:
         """What this run may be compared with in its plan (see :mod:`autopar_nb.launch.compare`): the devices, whether
         step times compare, the predicted memory per rank and on what basis, and notes saying so."""
@@ -530,7 +560,7 @@ class Run:
                                                          enforce_limit=c["enforce_limit"],
                                                          memory_threshold=self.memory_threshold))
         errors = {r: st.error for r, st in self._ranks.items() if st.error}
-        new = self._watch.update(self._timeline.samples(), errors=errors)
+        new = self._watch.update(self._timeline.samples(), errors=errors, steps=self._step_rows())
         self.events += new
         for e in new:
             if e.get("killed"):
@@ -538,6 +568,12 @@ class Run:
         for hook in self._event_hooks:
             if new:
                 hook(self, new)
+
+    def _step_rows(self) -> list[dict]:
+        """The step rows of the latest attempt, each with ``t`` (seconds since launch), for the watch (under
+        ``_lock``)."""
+        attempt = max((r["attempt"] for r in self._rows), default=0)
+        return [{**r, "t": r["time"] - self.started} for r in self._rows if r["attempt"] == attempt]
 
     def _lifecycle(self, kind: str, reason: str, t: float | None = None) -> None:
         """An event of the run itself (launch, restart, its end) in ``events``, beside the watch's (the dashboard's
@@ -821,3 +857,13 @@ class Run:
                 fn(self)
             except Exception:  # a broken listener (a closed widget) must not stop the monitor
                 pass
+
+
+def _peaks(samples: list[dict]) -> dict[int, float]:
+    """rank -> the most memory it held in ``samples`` (:func:`autopar_nb.launch.watch.held`)."""
+    out: dict[int, float] = {}
+    for s in samples:
+        held = watch.held(s)
+        if held is not None:
+            out[s["rank"]] = max(out.get(s["rank"], 0.0), float(held))
+    return out
