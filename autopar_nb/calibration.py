@@ -262,9 +262,9 @@ def margin_text(factors: Any, preset: str = "") -> str:
     if "margin_fraction" in entry.get("factors", {}):
         runs = [h for h in entry.get("history", []) if "margin_fraction" in (h.get("factors") or {})]
         when = f" (run of {runs[-1].get('when', '?')})" if runs else ""
-        return f"{what}: calibrated for {preset}{when}"
-    gpu = "" if preset in ("", "cpu") else "; not measured on this GPU yet (a CUDA run's run.calibrate() sets it)"
-    return f"{what}: the cost model's default, not calibrated{gpu}"
+        return f"{what}, calibrated for {preset}{when}"
+    gpu = "" if preset in ("", "cpu") else ", not measured on this GPU yet (a CUDA run's run.calibrate() sets it)"
+    return f"{what}, the cost model's default (not calibrated){gpu}"
 
 
 def from_run(run: Any, *, cluster: Any = None, preset: str | None = None, save: bool = True) -> dict[str, float]:
