@@ -286,7 +286,8 @@ def from_run(run: Any, *, cluster: Any = None, preset: str | None = None, save: 
     history = _read()["presets"].get(name, {}).get("history", [])
     factors, record = factors_from(measured, current=current, compiled=compiled,
                                    eager_calibrated=any(not h.get("compiled", False) for h in history))
-    rss = run.rss_figures() if measured.get("memory_kind") == "rss_above_baseline" and cost is not None else {}
+    cpu = measured.get("memory_kind") == "rss_above_baseline" and cost is not None and hasattr(run, "rss_figures")
+    rss = run.rss_figures() if cpu else {}
     if rss:
         try:
             margin, rec = rss_margin_factors({r: v["peak"] for r, v in rss.items()},

@@ -101,6 +101,40 @@ def test_cpu_margin_is_the_floor_between_steps_plus_what_the_peak_holds_beyond_i
         calibration.rss_margin_factors({0: MIB}, {}, {0: mb})
 
 
+def test_run_calibrate_on_cpu_stores_the_allocator_margin_it_measured(tmp_path):
+    """Issue 21 point 5: a finished CPU run's calibrate() stores the margin from its ranks' RSS (not only the step
+    time), and the next plan on that preset uses it and says where it comes from."""
+    from autopar_nb.cost.factors import factors_for
+    from autopar_nb.launch.compare import predicted_breakdown
+    from autopar_nb.launch.run import Run
+    from autopar_nb.planner.explain import _margin_source
+
+    calibration.reset("cpu")
+    ap, _ = session_with_limit()
+    assert "the cost model's default (not calibrated)" in _margin_source(ap.cluster)
+    plan = ap.plan
+    run = Run(run_id="r", run_dir=tmp_path, script=tmp_path / "train.py", nproc=2, steps=3, token="t",
+              backend="gloo", max_restarts=0, hang_timeout_s=None, plan=plan)
+    base, mb = 300 * MIB, predicted_breakdown(plan, 0)
+    state = mb.total - mb.margin
+    fixed = 60 * MIB - calibration.persistent_bytes(mb)  # held between steps beyond params and optimizer state
+    for r in (0, 1):
+        run._ranks[r].baseline = base
+    peak = state * 1.1 + fixed  # 10 % of the state beyond the tensors at the peak
+    run._record_tick(0, {r: {"rss": base + 60 * MIB, "rss_peak": base + peak} for r in (0, 1)})
+    run._rows += [{"rank": r, "attempt": 0, "step": k, "step_time_s": 0.2, "rss": base + 60 * MIB, "time": 0.0}
+                  for k in range(3) for r in (0, 1)]
+    run._status = "finished"
+    factors = run.calibrate(preset="cpu")
+    assert factors["margin_fixed_bytes"] == pytest.approx(fixed)
+    assert factors["margin_fraction"] == pytest.approx(0.1) and "eff_fp32_matmul" in factors
+    assert calibration.load("cpu")["margin_fixed_bytes"] == pytest.approx(fixed)
+    cluster = calibration.apply(ap.cluster)
+    assert factors_for(cluster).margin_fixed_bytes == pytest.approx(fixed)
+    assert "calibrated for cpu (run of " in _margin_source(cluster)
+    calibration.reset("cpu")
+
+
 def test_a_replan_calibrates_the_step_time_so_the_plan_predicts_what_was_measured(tmp_path):
     """The stopped run's steady steps (its first, warm-up step left out) against the plan's step time: the speed
     factors that make the same plan, costed again, predict the measured step time; only one step: none."""
