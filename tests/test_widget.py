@@ -763,6 +763,10 @@ def test_the_widget_shows_what_a_run_of_the_plan_measured_beside_the_prediction(
     assert t["compared"] and t["measured"] == pytest.approx(0.3) and t["ratio"] == pytest.approx(
         0.3 / s.plan.cost.step_time_s)
     assert m["run"]["id"] == "abcdef01" and "RSS above" in m["run"]["basis"] and "2 CPU processes" in m["run"]["device"]
+    text = s.plan.explain(run)  # the same figures in words, after the plan's own explanation
+    assert text.startswith(s.plan.explain()) and "Measured by run abcdef01 (starting, 2 CPU processes" in text
+    assert f"Rank 0: peak 0.20 GiB against {state / 2**30:.2f} GiB predicted (x{bar['ratio']:.2f}); between steps " \
+           "0.06 GiB against" in text and "Step time (median): 300.0 ms against" in text
     s.replan(fix={"zero_stage": 3})  # another plan: its figures are not this run's
     assert w.measured == {}
     s.undo()

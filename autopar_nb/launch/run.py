@@ -338,6 +338,76 @@ class Run:
             fig["floor"], fig["peak"] = min(fig["floor"], held), max(fig["peak"], held)
         return out
 
+    def measured(self) -> dict[str, Any]:
+        """What this run measured beside its plan's predictions, on the basis they compare (see
+        :mod:`autopar_nb.launch.compare`): ``{"basis", "by_rank": {rank: {"peak": fig, "between steps": fig}},
+        "time": fig | {"compared", "note"}}`` where ``fig = {"measured", "predicted", "ratio"}`` (None where unknown).
+        Per rank: its peak (CPU: RSS above its baseline vs the training state, no margin; GPU: CUDA's peak vs the
+        whole prediction) and what it held between steps (the least at a step's end) against the parameters and
+        optimizer state the plan keeps there; the median step time (its first step left out) against the plan's
+        where the plan's device is the run's. A launched run measures no other component."""
+        from ..calibration import persistent_bytes
+
+        c = self.comparison()
+        cpu = c["memory_basis"] == "rss_above_baseline"
+        peaks, floors = self._measured_memory()
+        by_rank = {}
+        for r in sorted(set(peaks) | set(floors)):
+            mb = compare.predicted_breakdown(self.plan, r)
+            by_rank[r] = {"peak": _figure(peaks.get(r), compare.predicted_memory(self.plan, r, model_state=cpu)),
+                          "between steps": _figure(floors.get(r), persistent_bytes(mb) if mb is not None else None)}
+        cost = getattr(self.plan, "cost", None)
+        predicted_t = float(cost.step_time_s) if cost is not None and cost.step_time_s else None
+        compared = bool(c["compare_time"])
+        time_fig = {**_figure(self.summary().get("step_time_s"), predicted_t if compared else None),
+                    "predicted": predicted_t, "compared": compared,
+                    "note": "" if compared else (f"not compared: the plan was made for "
+                                                 f"{c['plan_device'] or 'another device'}, the run used "
+                                                 f"{c['run_device']}")}
+        basis = ("peak RSS above each rank's RSS before its model was built, against the predicted training state "
+                 "(no allocator margin)" if cpu else "CUDA's peak allocated, against the whole prediction")
+        return {"basis": basis, "device": c["run_device"], "by_rank": by_rank, "time": time_fig}
+
+    def explain(self) -> str:
+        """The measured figures beside the plan's, in words (see :meth:`measured`); ``plan.explain(run)`` puts
+        them after the plan's own explanation."""
+        m = self.measured()
+
+        def fig(f, unit) -> str:
+            if not f["measured"]:
+                return "not measured"
+            pred = f" against {unit(f['predicted'])} predicted (x{f['ratio']:.2f})" if f["ratio"] else ""
+            return f"{unit(f['measured'])}{pred}"
+
+        lines = [f"Measured by run {self.run_id[:8]} ({self.status}, {m['device']}); memory: {m['basis']}."]
+        for r, f in m["by_rank"].items():
+            lines.append(f"Rank {r}: peak {fig(f['peak'], watch.gib)}; between steps "
+                         f"{fig(f['between steps'], watch.gib)} (parameters and optimizer state).")
+        t = m["time"]
+        ms = lambda x: f"{x * 1e3:.1f} ms"
+        lines.append(f"Step time (median): {fig(t, ms)}" + (f"; {t['note']}" if t["note"] else "") + ".")
+        lines.append("Each other component is not measured by a launched run (bench/memory.py measures them with "
+                     "torch's memory tracker).")
+        return "\n".join(lines)
+
+    def _measured_memory(self) -> tuple[dict[int, float], dict[int, float]]:
+        """(rank -> peak bytes, rank -> bytes held between steps): on CPU above each rank's baseline
+        (:meth:`rss_figures`); on GPUs CUDA's peak allocated and the least allocated at a step's end."""
+        rss = self.rss_figures()
+        if rss:
+            return {r: v["peak"] for r, v in rss.items()}, {r: v["floor"] for r, v in rss.items()}
+        peaks: dict[int, float] = {}
+        floors: dict[int, float] = {}
+        with self._lock:
+            rows = list(self._rows)
+        for row in rows:
+            r = row["rank"]
+            if row.get("mem_peak") is not None:
+                peaks[r] = max(peaks.get(r, 0.0), float(row["mem_peak"]))
+            if row.get("mem_allocated") is not None:
+                floors[r] = min(floors.get(r, float("inf")), float(row["mem_allocated"]))
+        return peaks, floors
+
     def comparison(self) -> dict:
         """What this run may be compared with in its plan (see :mod:`autopar_nb.launch.compare`): the devices, whether
         step times compare, the predicted memory per rank and on what basis, and notes saying so."""
@@ -867,3 +937,9 @@ def _peaks(samples: list[dict]) -> dict[int, float]:
         if held is not None:
             out[s["rank"]] = max(out.get(s["rank"], 0.0), float(held))
     return out
+
+
+def _figure(measured: float | None, predicted: float | None) -> dict:
+    """``{"measured", "predicted", "ratio"}`` (ratio None where either is unknown)."""
+    return {"measured": measured, "predicted": predicted,
+            "ratio": measured / predicted if measured and predicted else None}

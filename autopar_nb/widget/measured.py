@@ -12,9 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..calibration import persistent_bytes
-from ..launch import compare
-
 FOLLOWED = 8
 """runs a widget keeps following (the latest ones)"""
 
@@ -35,16 +32,6 @@ def run_of(plan: Any, runs: list) -> Any:
     return max(measured, key=lambda leg: leg.started, default=None)
 
 
-def ratio(measured: float | None, predicted: float | None) -> float | None:
-    """measured / predicted, None where either is unknown."""
-    return measured / predicted if measured and predicted else None
-
-
-def figure(measured: float | None, predicted: float | None) -> dict:
-    """``{"measured", "predicted", "ratio"}``."""
-    return {"measured": measured, "predicted": predicted, "ratio": ratio(measured, predicted)}
-
-
 def bar_ranks(plan: Any) -> list[list[int]]:
     """The global ranks behind each memory bar of :func:`autopar_nb.widget.panels.memory_panel` (one breakdown per
     pipeline rank stands for its dp x tp ranks)."""
@@ -60,22 +47,6 @@ def bar_ranks(plan: Any) -> list[list[int]]:
     return [[r for r in range(world) if r // width in g] for g in groups]
 
 
-def peaks_of(run: Any) -> tuple[dict[int, float], dict[int, float]]:
-    """(rank -> peak bytes, rank -> bytes held between steps) the run measured: on CPU above each rank's baseline
-    (``Run.rss_figures``); on GPUs CUDA's peak allocated and the least allocated at a step's end."""
-    rss = run.rss_figures()
-    if rss:
-        return {r: v["peak"] for r, v in rss.items()}, {r: v["floor"] for r, v in rss.items()}
-    peaks, floors = {}, {}
-    for row in run.metrics:
-        r = row["rank"]
-        if row.get("mem_peak") is not None:
-            peaks[r] = max(peaks.get(r, 0.0), float(row["mem_peak"]))
-        if row.get("mem_allocated") is not None:
-            floors[r] = min(floors.get(r, float("inf")), float(row["mem_allocated"]))
-    return peaks, floors
-
-
 def measured_panel(plan: Any, runs: list) -> dict[str, Any]:
     """``{}`` until a run of ``plan`` reported a step; then ``{"run": {id, status, steps, device, basis, note},
     "bars": [{ranks, measured, predicted, ratio}] (one per memory bar), "components": {"peak", "between steps"}
@@ -84,33 +55,23 @@ def measured_panel(plan: Any, runs: list) -> dict[str, Any]:
     run = run_of(plan, runs)
     if run is None or getattr(plan, "cost", None) is None or not plan.cost.memory_by_rank:
         return {}
-    c = run.comparison()
-    cpu = c["memory_basis"] == "rss_above_baseline"
-    peaks, floors = peaks_of(run)
+    m = run.measured()
+    ranks_seen = m["by_rank"]
+
+    def worse(r):
+        return ranks_seen[r]["peak"]["ratio"] or 0.0
+
     bars = []
     for ranks in bar_ranks(plan):
-        seen = [r for r in ranks if r in peaks]
-        worst = max(seen, key=lambda r: ratio(peaks[r], compare.predicted_memory(plan, r, model_state=cpu)) or 0,
-                    default=None)
-        predicted = compare.predicted_memory(plan, worst if worst is not None else ranks[0], model_state=cpu)
-        bars.append({"ranks": ranks, "rank": worst, **figure(peaks.get(worst), predicted)})
-    components = {}
+        seen = [r for r in ranks if r in ranks_seen and ranks_seen[r]["peak"]["measured"]]
+        worst = max(seen, key=worse, default=None)
+        f = ranks_seen[worst]["peak"] if worst is not None else {"measured": None, "predicted": None, "ratio": None}
+        bars.append({"ranks": ranks, "rank": worst, **f})
     top = max((b for b in bars if b["ratio"]), key=lambda b: b["ratio"], default=None)
-    if top is not None:
-        mb = compare.predicted_breakdown(plan, top["rank"])
-        components = {"rank": top["rank"], "peak": figure(top["measured"], top["predicted"]),
-                      "between steps": figure(floors.get(top["rank"]), persistent_bytes(mb))}
-    s = run.summary()
-    predicted_t = float(plan.cost.step_time_s) or None
-    compared = bool(c["compare_time"])
-    time = {**figure(s.get("step_time_s"), predicted_t if compared else None), "predicted": predicted_t,
-            "compared": compared,
-            "note": "" if compared else (f"not compared: the plan was made for {c['plan_device'] or 'another device'}"
-                                         f", the run used {c['run_device']}")}
-    basis = ("peak RSS above each rank's RSS before its model was built, against the predicted training state "
-             "(no allocator margin)" if cpu else "CUDA's peak allocated, against the whole prediction")
-    return {"run": {"id": run.run_id[:8], "status": run.status, "steps": s.get("steps", 0),
-                    "device": c["run_device"], "basis": basis,
+    components = {} if top is None else {"rank": top["rank"], "peak": ranks_seen[top["rank"]]["peak"],
+                                         "between steps": ranks_seen[top["rank"]]["between steps"]}
+    return {"run": {"id": run.run_id[:8], "status": run.status, "steps": run.summary().get("steps", 0),
+                    "device": m["device"], "basis": m["basis"],
                     "note": "a launched run measures each rank's peak and what it held between steps, not each "
                             "component (bench/memory.py measures those with torch's memory tracker)"},
-            "bars": bars, "components": components, "time": time}
+            "bars": bars, "components": components, "time": m["time"]}
