@@ -198,7 +198,13 @@ def test_a_run_over_its_cpu_limit_replans_and_resumes_from_its_checkpoint(tmp_pa
     dash = run.dashboard()
     assert run.wait(timeout=600) == "finished", [(leg.status, leg.message, leg.events) for leg in run.legs()]
     legs = run.legs()
-    assert len(legs) >= 2 and legs[0].status == "stopped" and legs[-1].status == "finished"
+    # one re-plan suffices: the first calibration is right (the margin's fixed part is what a rank holds between
+    # steps, and under the limit glibc returns freed activations at once, so the peak does not grow over the steps)
+    assert len(legs) == 2 and legs[0].status == "stopped" and legs[-1].status == "finished"
+    held = max(v["peak"] for v in legs[1].rss_figures().values())
+    calibrated = max(predicted_memory(legs[1].plan, r, model_state=False) for r in range(2))
+    print(f"second leg: held {held / 2**20:.1f} MiB, calibrated prediction {calibrated / 2**20:.1f} MiB")
+    assert 0.8 * calibrated <= held <= 1.1 * calibrated
     for leg, nxt in zip(legs, legs[1:], strict=False):
         (ev,) = [e for e in leg.events if e["kind"] == "replan"]
         print(ev["reason"])
