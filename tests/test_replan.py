@@ -189,6 +189,10 @@ def session_with_limit() -> tuple[Session, float]:
 
 @pytest.mark.multiprocess
 def test_a_run_over_its_cpu_limit_replans_and_resumes_from_its_checkpoint(tmp_path):
+    import dataclasses
+
+    from autopar_nb.cost.estimate import estimate
+    from autopar_nb.launch.metrics import steady_step_time
     from autopar_nb.verify import FP32_RTOL, reference
 
     ap, limit = session_with_limit()
@@ -217,6 +221,12 @@ def test_a_run_over_its_cpu_limit_replans_and_resumes_from_its_checkpoint(tmp_pa
             assert "exceeded its" in ev["cause"] and done - resumed_at + 1 <= 1, ev
         assert "because rank" in ev["reason"] and f"{limit / 2**30:.2f} GiB" in ev["reason"]
         assert ev["diff_text"] != "no change" and ev["calibration"]["margin_fixed_bytes"] > 0
+        # it stopped after a timed step besides the warm-up one: the speed factors make the stopped plan, costed
+        # again on the calibrated cluster, predict the step time it measured
+        assert "steps took" in ev["reason"] and "eff_fp32_matmul" in ev["calibration"], ev["reason"]
+        calibrated = dataclasses.replace(ap.cluster, calibration=ev["calibration"])
+        assert estimate(ap.graph, calibrated, leg.plan).step_time_s == pytest.approx(
+            steady_step_time(list(leg.metrics)), rel=0.05)
         # a remedy (here more micro-batches, or ZeRO-3): the new plan predicts less training state per rank
         assert predicted_memory(nxt.plan, 0, model_state=True) < predicted_memory(leg.plan, 0, model_state=True)
         (resume,) = [e for e in nxt.events if e["kind"] == "resume"]

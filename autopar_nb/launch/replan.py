@@ -14,11 +14,21 @@ checkpoint is complete (at most :data:`CHECKPOINT_WAIT_S`) and stops there, so n
 * ``"off"``: events only (``run.events``), as before.
 
 The decision and the words are pure functions (:func:`trigger_of`, :func:`cause_text`, :func:`diff_text`,
-:func:`measured_peaks`); :class:`Replanner` does the stopping and starting. The calibration is
-:func:`autopar_nb.calibration.margin_factors` (the rule CUDA runs calibrate by): each rank's peak memory (on CPU
-its peak RSS above its baseline) against the plan's predicted training state for it gives the allocator margin the
-planner then adds to every rank. The planner fits
-the new plan under the watch's threshold of the limit (92 % by default), so the new plan does not trigger again.
+:func:`measured_peaks`); :class:`Replanner` does the stopping and starting. The calibration
+(:meth:`Replanner.calibrate`) gives the planner the allocator margin the ranks really needed and, where the plan's
+device is the run's and a step after the first was timed, the speed factors of the measured step time:
+
+* on CPU (:func:`autopar_nb.calibration.rss_margin_factors`): the margin's fixed part is what a rank held between
+  steps beyond its parameters and optimizer state (the process group, thread stacks, the kernels' first-use pages:
+  the same for any plan of the model), its fraction what its peak held beyond that and the predicted state. Under
+  a CPU limit the ranks run with glibc's mmap threshold fixed (``run.CPU_LIMIT_ENV``), so freed activations go
+  back at once and the peak does not grow over the steps: the first calibration holds, and one re-plan suffices
+  (``tests/test_replan.py``: the second leg held 135 MiB against 132 MiB predicted). Before, a fraction-only
+  margin from the first step's peak was too small twice in three runs;
+* on GPUs :func:`autopar_nb.calibration.margin_factors` (CUDA's peak against the prediction).
+
+The planner fits the new plan under the watch's threshold of the limit (92 % by default), so the new plan does not
+trigger again.
 
 A checkpoint written under ZeRO-1 (``ZeroRedundancyOptimizer``: one optimizer file per rank) only loads with the
 same ZeRO stage and data-parallel size, so then those are pinned too (:func:`checkpoint_pins`); and one written
@@ -43,6 +53,9 @@ TRIGGERS = ("oom", "memory_high")
 """the watch's event kinds that call for a plan that uses less memory"""
 CHECKPOINT_WAIT_S = 120.0
 """near the limit (not over it), a run goes on for at most this long to write its next checkpoint before it stops"""
+TIMED_STEPS = 2
+"""near the limit, a run stops at its first checkpoint after this many steps: the first is warm-up, so the step
+time calibrates from the others (:meth:`Replanner.calibrate_time`)"""
 MAX_REPLANS = 4
 """re-plans in a row of one launch; beyond, the events are only reported"""
 FIELD_NAMES = {"mesh.dp": "dp", "mesh.tp": "TP", "mesh.pp": "PP", "mesh.ep": "EP", "mesh.zero_stage": "ZeRO",
@@ -189,6 +202,12 @@ def zero1_pins(old: Any, new: Any, checkpoint: str | None) -> dict:
     return {}
 
 
+def steps_reported(run) -> int:
+    """How many different steps ``run``'s ranks reported."""
+    with run._lock:
+        return len({r["step"] for r in run._rows})
+
+
 def checkpoint_of(ckpt_dir: str | None) -> str | None:
     """The newest complete checkpoint in ``ckpt_dir`` (the runtime's own rule: a ``step_N`` with ``COMPLETE``)."""
     from ..runtime.checkpoint import latest_checkpoint
@@ -326,15 +345,20 @@ class Replanner:
             run._dashboard.follow(nxt)
         return nxt
 
-    def wait_for_checkpoint(self, run, timeout_s: float = CHECKPOINT_WAIT_S) -> str | None:
-        """Block until ``run`` completes a checkpoint newer than the latest one now, ends, or has an out-of-memory
-        event (then the last checkpoint is the one to resume from), at most ``timeout_s``; returns the latest."""
+    def wait_for_checkpoint(self, run, timeout_s: float = CHECKPOINT_WAIT_S, *, timed_steps: int = TIMED_STEPS
+                            ) -> str | None:
+        """Block until ``run`` completes a checkpoint newer than the latest one now after at least ``timed_steps``
+        steps (so the step time calibrates: the first step is warm-up), ends, or has an out-of-memory event (then
+        the last checkpoint is the one to resume from), at most ``timeout_s``; returns the latest."""
         before = checkpoint_of(self.ckpt_dir)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not run.done:
-            now = checkpoint_of(self.ckpt_dir)
-            if now != before or any(e.get("kind") == "oom" for e in list(run.events)):
+            if any(e.get("kind") == "oom" for e in list(run.events)):
+                return checkpoint_of(self.ckpt_dir)
+            now, timed = checkpoint_of(self.ckpt_dir), steps_reported(run) >= timed_steps
+            if now != before and timed:
                 return now
+            before = before if timed else now  # a checkpoint before enough steps: wait for the next one
             time.sleep(0.05)
         return checkpoint_of(self.ckpt_dir)
 
