@@ -14,6 +14,9 @@ allows: the activations-heavy MLP of ``tests/test_replan.py`` (4 x Linear(16, 40
   the model, loading the DCP checkpoint, the first step);
 * ``total``: the triggering sample to the first step of the new plan (the ``resume`` event's
   ``seconds_from_trigger``).
+
+and, per round, how many re-plans the launch needed before a plan stayed under the threshold, each leg's peak RSS
+above its baseline as a share of the limit, and the first re-plan's reason (the calibration it made).
 """
 
 from __future__ import annotations

@@ -727,7 +727,8 @@ def cpu_run_of(session, tmp_path, *, peak=200 * MIB, floor=60 * MIB, step_time=0
         run._ranks[r].baseline = base
     run._record_tick(0, {r: {"rss": base + floor, "rss_peak": base + peak * (0.9 if r else 1.0)} for r in (0, 1)})
     run._rows += [{"rank": r, "attempt": 0, "step": s, "step_time_s": step_time * (3 if s == 0 else 1),
-                   "rss": base + floor + s * MIB, "time": run.started + s} for s in range(steps) for r in (0, 1)]
+                   "samples_per_s": 32 / step_time, "rss": base + floor + s * MIB, "time": run.started + s}
+                  for s in range(steps) for r in (0, 1)]
     run.first_step_time = 1.0
     return run
 
@@ -763,6 +764,10 @@ def test_the_widget_shows_what_a_run_of_the_plan_measured_beside_the_prediction(
     assert t["compared"] and t["measured"] == pytest.approx(0.3) and t["ratio"] == pytest.approx(
         0.3 / s.plan.cost.step_time_s)
     assert m["run"]["id"] == "abcdef01" and "RSS above" in m["run"]["basis"] and "2 CPU processes" in m["run"]["device"]
+    tp = m["throughput"]  # samples/s as the steps reported them; MFU from the measured step time
+    assert tp["unit"] == "samples/s" and tp["measured"] == pytest.approx(32 / 0.3)
+    assert tp["ratio"] == pytest.approx(32 / 0.3 / s.plan.cost.samples_per_s)
+    assert tp["mfu"]["measured"] == pytest.approx(s.plan.cost.mfu * s.plan.cost.step_time_s / 0.3)
     text = s.plan.explain(run)  # the same figures in words, after the plan's own explanation
     assert text.startswith(s.plan.explain()) and "Measured by run abcdef01 (starting, 2 CPU processes" in text
     assert f"Rank 0: peak 0.20 GiB against {state / 2**30:.2f} GiB predicted (x{bar['ratio']:.2f}); between steps " \
@@ -781,6 +786,7 @@ def test_a_gpu_plan_run_on_cpu_shows_its_step_time_uncompared(seed_graph, tmp_pa
     w._on_run(run)
     t = w.measured["time"]
     assert not t["compared"] and t["ratio"] is None and t["measured"] == pytest.approx(0.3)
+    assert w.measured["throughput"] == {}  # another device: no MFU from CPU step times
     assert t["note"] == "not compared: the plan was made for h100-80gb, the run used 2 CPU processes (gloo)"
 
 
@@ -824,6 +830,7 @@ MEASURED_PAGE = """async ([esm, css, state, dark]) => {
   const markContrast = contrast(getComputedStyle(mark).borderLeftColor, mark.parentElement);
   return {before, bars: text(".ap-bar-measured"), marks: el.querySelectorAll(".ap-measured-mark").length,
           markLeft: mark.style.left, time: text(".ap-time-measured"), notes: text(".ap-measured-note"),
+          rates: text(".ap-throughput-measured"),
           rows: [...el.querySelectorAll(".ap-components tr")].map((tr) => [...tr.children].map((td) => td.textContent)),
           low, markContrast};
 }"""
@@ -859,6 +866,9 @@ def test_measured_figures_render_beside_the_predicted_ones(seed_graph, tmp_path,
     assert float(seen["markLeft"].rstrip("%")) == pytest.approx(min(100, 100 * 200 * MIB / scale), abs=0.01)
     assert seen["time"] == [f"measured {fmt_time(0.3)} ×{m['time']['ratio']:.2f}"]
     assert any("run abcdef01 (" in n and "RSS above" in n for n in seen["notes"])
+    tp = m["throughput"]
+    assert seen["rates"] == [f"measured MFU {100 * tp['mfu']['measured']:.1f}% ×{tp['mfu']['ratio']:.2f}",
+                             f"measured {fmt_count(tp['measured'])} samples/s ×{tp['ratio']:.2f}"]
     rows = {r[0]: r for r in seen["rows"]}
     assert rows["peak (rank 0)"][2] == f"{fmt_bytes(200 * MIB)} ×{m['components']['peak']['ratio']:.2f}"
     assert rows["between steps"][2].startswith(fmt_bytes(60 * MIB))

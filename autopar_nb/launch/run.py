@@ -366,7 +366,24 @@ class Run:
                                                  f"{c['run_device']}")}
         basis = ("peak RSS above each rank's RSS before its model was built, against the predicted training state "
                  "(no allocator margin)" if cpu else "CUDA's peak allocated, against the whole prediction")
-        return {"basis": basis, "device": c["run_device"], "by_rank": by_rank, "time": time_fig}
+        return {"basis": basis, "device": c["run_device"], "by_rank": by_rank, "time": time_fig,
+                "throughput": self._measured_throughput(cost, time_fig)}
+
+    def _measured_throughput(self, cost: Any, time_fig: dict) -> dict:
+        """The median samples/s (or tokens/s) the steps reported against the plan's, and the MFU that follows
+        from the measured step time (the plan's FLOPs per step over it), where times compare; else {}."""
+        if cost is None or not time_fig["compared"] or not time_fig["measured"]:
+            return {}
+        import statistics
+
+        tokens = self.throughput_unit == "tokens/s"
+        key = "tokens_per_s" if tokens else "samples_per_s"
+        with self._lock:
+            values = [r[key] for r in self._rows if r.get(key)]
+        predicted = cost.tokens_per_s if tokens else cost.samples_per_s
+        scale = time_fig["predicted"] / time_fig["measured"]
+        return {"unit": self.throughput_unit, **_figure(statistics.median(values) if values else None, predicted),
+                "mfu": _figure(float(cost.mfu) * scale, float(cost.mfu))}
 
     def explain(self) -> str:
         """The measured figures beside the plan's, in words (see :meth:`measured`); ``plan.explain(run)`` puts

@@ -847,6 +847,19 @@ function measuredMarks(ui, mem, tm, measured) {
     timeEl.append(h("div", { class: "ap-hint ap-measured-note" },
       "measured: the whole step (a launched run times its steps, not their parts)"));
   }
+  const tp = measured.throughput || {};
+  const stats = timeEl && timeEl.querySelector(".ap-stats");
+  if (stats && tp.mfu) {  // more is better here: a ratio below 1 is the bad one
+    const pctOf = (x) => `${(100 * x).toFixed(1)}%`;
+    const rate = (f, unit, what = "") => h("span", { class: "ap-measured" }, `measured ${what}`,
+      h("b", {}, unit(f.measured)), " ", h("span", { class: ratioClass(f.ratio && 1 / f.ratio) }, ratioText(f.ratio)));
+    stats.append(h("span", { class: "ap-throughput-measured",
+      title: `MFU: the plan's FLOPs per step over the measured step time of ${who}` }, rate(tp.mfu, pctOf, "MFU ")));
+    if (tp.measured) {
+      stats.append(h("span", { class: "ap-throughput-measured", title: `median of the steps of ${who}` },
+        rate(tp, (x) => `${count(x)} ${tp.unit}`)));
+    }
+  }
 }
 
 // the peak rank's named memory components with where each figure comes from, and what a run measured beside them

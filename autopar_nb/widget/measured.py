@@ -74,4 +74,4 @@ def measured_panel(plan: Any, runs: list) -> dict[str, Any]:
                     "device": m["device"], "basis": m["basis"],
                     "note": "a launched run measures each rank's peak and what it held between steps, not each "
                             "component (bench/memory.py measures those with torch's memory tracker)"},
-            "bars": bars, "components": components, "time": m["time"]}
+            "bars": bars, "components": components, "time": m["time"], "throughput": m["throughput"]}
