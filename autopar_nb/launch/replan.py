@@ -408,6 +408,8 @@ class Replanner:
         if not predicted:
             return {}, "step time not calibrated (the plan's device is not the run's)"
         rows = list(run.metrics)
+        if not rows:
+            return {}, "step time not calibrated (no step was measured)"
         if len({r["step"] for r in rows}) < 2:
             return {}, "step time not calibrated (only the first, warm-up step was measured)"
         from .metrics import steady_step_time
