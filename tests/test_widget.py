@@ -770,8 +770,8 @@ def test_the_widget_shows_what_a_run_of_the_plan_measured_beside_the_prediction(
     assert tp["mfu"]["measured"] == pytest.approx(s.plan.cost.mfu * s.plan.cost.step_time_s / 0.3)
     text = s.plan.explain(run)  # the same figures in words, after the plan's own explanation
     assert text.startswith(s.plan.explain()) and "Measured by run abcdef01 (starting, 2 CPU processes" in text
-    assert f"Rank 0: peak 0.20 GiB against {state / 2**30:.2f} GiB predicted (x{bar['ratio']:.2f}); between steps " \
-           "0.06 GiB against" in text and "Step time (median): 300.0 ms against" in text
+    assert f"Rank 0: peak 200.0 MiB against {state / 2**20:.1f} MiB predicted (x{bar['ratio']:.2f}); between " \
+           "steps 60.0 MiB against" in text and "Step time (median): 300.0 ms against" in text
     s.replan(fix={"zero_stage": 3})  # another plan: its figures are not this run's
     assert w.measured == {}
     s.undo()
@@ -875,3 +875,27 @@ def test_measured_figures_render_beside_the_predicted_ones(seed_graph, tmp_path,
     assert "default (not calibrated)" in rows["allocator margin"][3] and rows["parameters"][3].startswith("exact")
     assert not seen["low"], seen["low"]
     assert seen["markContrast"] >= 3, seen["markContrast"]
+
+
+@pytest.mark.multiprocess
+def test_a_launch_from_code_fills_the_widgets_measured_figures(tmp_path):
+    """ap.launch() hands its run to the open widget: once the run finished, its measured peak per rank, what the
+    ranks held between steps and the step time sit beside the plan's predictions."""
+    from autopar_nb.capture import capture as capture_model
+
+    src = ModelSource("import torch, torch.nn as nn\nmodel = nn.Sequential(nn.Linear(64, 512), nn.GELU(), "
+                      "nn.Linear(512, 64))\nexample_inputs = (torch.randn(256, 64),)\n")
+    model, inputs, _ = src.build(device="meta")
+    s = Session(capture_model(model, inputs), Cluster.preset("cpu", gpus_per_node=2), src)
+    w = s.widget()
+    run = s.launch(2, 8, replan="off", run_dir=str(tmp_path / "run"), warm=False)
+    assert run.wait(300) == "finished", run.message
+    w._on_run(run)  # the run's last notification may have come before its end was recorded
+    m = w.measured
+    assert m["run"]["status"] == "finished" and m["run"]["steps"] == 8
+    (bar,) = m["bars"]
+    assert bar["measured"] > 0 and bar["ratio"] > 0 and bar["predicted"] == pytest.approx(
+        s.plan.cost.memory_by_rank[0].total - s.plan.cost.memory_by_rank[0].margin)
+    assert m["components"]["between steps"]["measured"] > 0
+    assert m["time"]["compared"] and m["time"]["measured"] > 0 and m["throughput"]["measured"] > 0
+    print(s.plan.explain(run).split("\n", 1)[0], "...", run.explain())

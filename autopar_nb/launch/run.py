@@ -388,6 +388,8 @@ class Run:
     def explain(self) -> str:
         """The measured figures beside the plan's, in words (see :meth:`measured`); ``plan.explain(run)`` puts
         them after the plan's own explanation."""
+        from ..planner.explain import fmt_bytes
+
         m = self.measured()
 
         def fig(f, unit) -> str:
@@ -398,8 +400,8 @@ class Run:
 
         lines = [f"Measured by run {self.run_id[:8]} ({self.status}, {m['device']}); memory: {m['basis']}."]
         for r, f in m["by_rank"].items():
-            lines.append(f"Rank {r}: peak {fig(f['peak'], watch.gib)}; between steps "
-                         f"{fig(f['between steps'], watch.gib)} (parameters and optimizer state).")
+            lines.append(f"Rank {r}: peak {fig(f['peak'], fmt_bytes)}; between steps "
+                         f"{fig(f['between steps'], fmt_bytes)} (parameters and optimizer state).")
         t = m["time"]
         ms = lambda x: f"{x * 1e3:.1f} ms"
         lines.append(f"Step time (median): {fig(t, ms)}" + (f"; {t['note']}" if t["note"] else "") + ".")
