@@ -286,13 +286,13 @@ def from_run(run: Any, *, cluster: Any = None, preset: str | None = None, save: 
     history = _read()["presets"].get(name, {}).get("history", [])
     factors, record = factors_from(measured, current=current, compiled=compiled,
                                    eager_calibrated=any(not h.get("compiled", False) for h in history))
-    cpu = measured.get("memory_kind") == "rss_above_baseline" and cost is not None and hasattr(run, "rss_figures")
+    cpu = measured.get("memory_kind") == "rss_above_baseline" and cost is not None and hasattr(run, "rss_figures") \
+        and hasattr(run, "predicted_breakdowns")
     rss = run.rss_figures() if cpu else {}
     if rss:
         try:
             margin, rec = rss_margin_factors({r: v["peak"] for r, v in rss.items()},
-                                             {r: v["floor"] for r, v in rss.items()},
-                                             {r: _breakdown(run.plan, r) for r in rss})
+                                             {r: v["floor"] for r, v in rss.items()}, run.predicted_breakdowns())
         except ValueError:
             margin, rec = {}, {}
         factors.update(margin)
@@ -308,9 +308,3 @@ def from_run(run: Any, *, cluster: Any = None, preset: str | None = None, save: 
         entry["history"] = (entry.get("history", []) + [record])[-HISTORY:]
         _write(data)
     return factors
-
-
-def _breakdown(plan: Any, rank: int):
-    from .launch.compare import predicted_breakdown
-
-    return predicted_breakdown(plan, rank)

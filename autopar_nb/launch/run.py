@@ -338,6 +338,10 @@ class Run:
             fig["floor"], fig["peak"] = min(fig["floor"], held), max(fig["peak"], held)
         return out
 
+    def predicted_breakdowns(self) -> dict[int, Any]:
+        """rank -> the plan's MemoryBreakdown for it (None where the plan has none): what its memory compares with."""
+        return {r: compare.predicted_breakdown(self.plan, r) for r in range(self.nproc)}
+
     def measured(self) -> dict[str, Any]:
         """What this run measured beside its plan's predictions, on the basis they compare (see
         :mod:`autopar_nb.launch.compare`): ``{"basis", "by_rank": {rank: {"peak": fig, "between steps": fig}},
