@@ -3,8 +3,15 @@ and the plan's predictions.
 
 Pure: plain dicts in, plain dicts out, no clock and no processes, so a test feeds it synthetic samples. The inputs
 are what ``Run`` already holds: ``Run.samples`` (one dict per tick and rank: ``t``, ``rank``, ``memory_bytes``,
-``step``, ``step_time_s``, ...), each rank's failure (``{"error", "traceback"}``) and ``Run.comparison()``'s
-predictions (memory per rank on the basis the run measures; a step time only where the plan's device is the run's).
+``step``, ``step_time_s``, ...), its step rows (every step of every rank, for the straggler rule), each rank's
+failure (``{"error", "traceback"}``) and ``Run.comparison()``'s predictions (memory per rank on the basis the run
+measures; a step time only where the plan's device is the run's).
+
+A straggler is a rank that slows the run persistently (:func:`straggler_events`: the median over a window of steps
+of its slowdown against the other ranks' median, warm-up steps left out). Ranks in lock-step report the same step
+time, since the others wait for the slow one inside the collectives, so for them the slowdown is measured by what
+the rank spends making its batch beyond the others (its own time, which every rank waited for); a rank slowed in
+its compute is not told apart from the step reports alone.
 
 Every event is ``{"t", "kind", "rank", "reason", ...figures}``; ``kind`` is one of :data:`KINDS`. :class:`Watch`
 reports each (kind, rank) once, however often it is asked.
