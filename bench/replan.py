@@ -70,7 +70,9 @@ def one_round(work: Path) -> dict:
         shares.append(max(peaks.values(), default=0.0) / limit)
     return {"status": status, "replans": len(legs) - 1, "reason": ev["reason"], "shares": shares,
             "to_stop": ev["stopped_t"] - ev["trigger_t"], "to_plan": ev["t"] - ev["stopped_t"],
-            "to_resume": resumed_at - ev["t"], "total": resume["seconds_from_trigger"]}
+            "to_resume": resumed_at - ev["t"], "to_launch": nxt.started - first.started - ev["t"],
+            "launch_to_step": nxt.first_step_time, "first_launch_to_step": first.first_step_time,
+            "total": resume["seconds_from_trigger"]}
 
 
 RECORDER = """\
@@ -164,10 +166,13 @@ def main() -> None:
             r = one_round(Path(d))
         rows.append(r)
         print(f"round {i}: {r['status']}, {r['replans']} re-plan(s); first: to stop {r['to_stop']:.2f} s, to plan "
-              f"{r['to_plan']:.2f} s, to resume {r['to_resume']:.2f} s, total {r['total']:.2f} s; each leg's peak "
+              f"{r['to_plan']:.2f} s, to resume {r['to_resume']:.2f} s (export and hand to the pool "
+              f"{r['to_launch']:.2f} s, then to the first step {r['launch_to_step']:.2f} s; the first plan's launch "
+              f"to its first step: {r['first_launch_to_step']:.2f} s), total {r['total']:.2f} s; "
+              "each leg's peak "
               f"RSS above its baseline: {', '.join(f'{x:.0%}' for x in r['shares'])} of the limit\n  {r['reason']}")
     print("\n| figure | median s | min s | max s |\n|---|---|---|---|")
-    for key in ("to_stop", "to_plan", "to_resume", "total"):
+    for key in ("to_stop", "to_plan", "to_resume", "to_launch", "launch_to_step", "total"):
         v = [r[key] for r in rows]
         print(f"| {key.replace('_', ' ')} | {statistics.median(v):.2f} | {min(v):.2f} | {max(v):.2f} |")
     print(f"re-plans per round: {[r['replans'] for r in rows]}")
