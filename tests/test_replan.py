@@ -3,6 +3,7 @@ that re-plans, resumes from its checkpoint under the new plan and matches the si
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -133,6 +134,50 @@ def test_run_calibrate_on_cpu_stores_the_allocator_margin_it_measured(tmp_path):
     assert factors_for(cluster).margin_fixed_bytes == pytest.approx(fixed)
     assert "calibrated for cpu (run of " in _margin_source(cluster)
     calibration.reset("cpu")
+
+
+def test_near_the_limit_the_run_stops_at_the_first_checkpoint_after_two_timed_steps(tmp_path):
+    """The checkpoint written after the first (warm-up) step is not where it stops: the next one is, so a step
+    time besides the warm-up one calibrates; a run that ends first leaves the latest checkpoint."""
+    import threading
+
+    from autopar_nb.launch.replan import Replanner
+    from autopar_nb.launch.run import Run
+
+    def checkpoint(step):
+        (tmp_path / "ck" / f"step_{step}").mkdir(parents=True)
+        (tmp_path / "ck" / f"step_{step}" / "COMPLETE").touch()
+
+    def steps(run, *ks):
+        with run._lock:
+            run._rows += [{"rank": r, "attempt": 0, "step": k, "step_time_s": 0.1, "time": 0.0} for k in ks
+                          for r in (0, 1)]
+
+    def make_run(name):
+        return Run(run_id=name, run_dir=tmp_path / name, script=tmp_path / "train.py", nproc=2, steps=6, token="t",
+                   backend="gloo", max_restarts=0, hang_timeout_s=None)
+
+    replanner = Replanner("auto", cluster=None, plan_fn=None, launch_fn=None, ckpt_dir=str(tmp_path / "ck"))
+    run = make_run("a")
+
+    def training():
+        time.sleep(0.2)  # (else it may be all over before the wait starts: then it waits for the timeout)
+        steps(run, 0)
+        checkpoint(1)
+        time.sleep(0.3)
+        steps(run, 1)
+        checkpoint(2)
+
+    assert replanner.wait_for_checkpoint(make_run("idle"), timeout_s=0) is None  # imports the runtime's reader
+    worker = threading.Thread(target=training)
+    worker.start()
+    assert replanner.wait_for_checkpoint(run, timeout_s=60).endswith("step_2")
+    worker.join()
+    ended = make_run("b")  # one step, its checkpoint, then the run ends: the latest checkpoint is the one
+    steps(ended, 2)
+    checkpoint(3)
+    ended._done.set()
+    assert replanner.wait_for_checkpoint(ended, timeout_s=60).endswith("step_3")
 
 
 def test_a_replan_calibrates_the_step_time_so_the_plan_predicts_what_was_measured(tmp_path):
