@@ -899,3 +899,13 @@ def test_a_launch_from_code_fills_the_widgets_measured_figures(tmp_path):
     assert m["components"]["between steps"]["measured"] > 0
     assert m["time"]["compared"] and m["time"]["measured"] > 0 and m["throughput"]["measured"] > 0
     print(s.plan.explain(run).split("\n", 1)[0], "...", run.explain())
+    # and the same run calibrates the CPU allocator margin (issue 21 point 5): its fixed part is what the ranks held
+    # between steps beyond parameters and optimizer state, so the calibrated prediction meets the measured peak
+    factors = run.calibrate(preset="cpu", save=False)
+    held = max(f["between steps"]["measured"] for f in run.measured()["by_rank"].values())
+    mb = s.plan.cost.memory_by_rank[0]
+    assert factors["margin_fixed_bytes"] == pytest.approx(held - mb.params - mb.optimizer, rel=1e-6)
+    peak = max(f["peak"]["measured"] for f in run.measured()["by_rank"].values())
+    state = mb.total - mb.margin
+    assert state * (1 + factors["margin_fraction"]) + factors["margin_fixed_bytes"] == pytest.approx(peak, rel=1e-6)
+    print("calibrated:", {k: v for k, v in factors.items() if k.startswith("margin")})
