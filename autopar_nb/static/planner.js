@@ -69,7 +69,8 @@ function render({ model, el, host }) {
     const timed = (name, fn) => { const t = performance.now(); fn(); parts[name] = Math.round(performance.now() - t); };
     timed("header", () => { renderHeader(ui); renderMessages(ui); });
     timed("graph", () => renderGraph(ui));
-    if (changed(ui, "side", ["memory", "time", "change_groups", "changes", "alternatives", "explanation", "view"])) {
+    if (changed(ui, "side", ["memory", "time", "change_groups", "changes", "alternatives", "explanation", "view",
+      "components", "measured"])) {
       timed("side", () => renderSide(ui));
     }
     if (changed(ui, "controls", ["controls"])) timed("controls", () => renderControls(ui));
@@ -93,6 +94,9 @@ function render({ model, el, host }) {
   };
   const onSelection = () => { markSelection(ui, model.get("selection"), false); renderGraph(ui); };
   const onTimings = () => renderHeader(ui);
+  const onMeasured = () => { if (changed(ui, "side", ["memory", "time", "change_groups", "changes", "alternatives",
+    "explanation", "view", "components", "measured"])) renderSide(ui); };
+  model.on("change:measured", onMeasured);
   model.on("change:revision", renderAll);
   model.on("change:messages", onMessages);
   model.on("change:selection", onSelection);
@@ -103,6 +107,7 @@ function render({ model, el, host }) {
     model.off("change:messages", onMessages);
     model.off("change:selection", onSelection);
     model.off("change:timings", onTimings);
+    model.off("change:measured", onMeasured);
     stopPanZoom(); stopGraph(); stopBoard(); stopPanel(); stopSize();
   };
 }
@@ -798,9 +803,91 @@ function legendItem(l, swatchClass = "") {
 // ---- side panels: memory, step time, changes, alternatives, explanation ------------------------------------------
 function renderSide(ui) {
   const { model } = ui;
-  ui.side.replaceChildren(...[memoryPanel(model.get("memory")), timePanel(model.get("time")),
+  const measured = model.get("measured") || {};
+  ui.side.replaceChildren(...[memoryPanel(model.get("memory")),
+    componentsPanel(model.get("components") || {}, measured), timePanel(model.get("time")),
     changesPanel(ui), alternativesPanel(ui, model.get("alternatives")),
     explanationPanel(model.get("explanation"))].filter(Boolean));
+  measuredMarks(ui, model.get("memory"), model.get("time"), measured);
+}
+
+// ---- measured beside predicted (autopar_nb/widget/measured.py): once a launched run of this plan measured them ----
+function ratioText(r) { return r ? `×${r.toFixed(2)}` : ""; }
+function ratioClass(r) { return !r ? "ap-ratio" : r > 1.1 ? "ap-ratio ap-ratio-over" : r < 0.9 ? "ap-ratio ap-ratio-under" : "ap-ratio"; }
+function measuredText(f, unit) {
+  return h("span", { class: "ap-measured" }, "measured ", h("b", {}, unit(f.measured)), " ",
+    h("span", { class: ratioClass(f.ratio) }, ratioText(f.ratio)));
+}
+
+// the memory bars and the step time get the measured figure (a dashed mark on each bar, its value and the ratio
+// to the prediction it compares with); the panels themselves are drawn by memoryPanel and timePanel
+function measuredMarks(ui, mem, tm, measured) {
+  if (!measured.run) return;
+  const run = measured.run;
+  const who = `run ${run.id} (${run.status}, ${run.steps} step${run.steps === 1 ? "" : "s"}, ${run.device})`;
+  const memEl = ui.side.querySelector(".ap-memory");
+  if (memEl && mem && mem.bars) {
+    const scale = Math.max(mem.limit, mem.peak) * 1.04;
+    memEl.querySelectorAll(".ap-bar-row").forEach((row, i) => {
+      const b = (measured.bars || [])[i];
+      if (!b || !b.measured) return;
+      const title = `measured by ${who}: ${bytes(b.measured)} on rank ${b.rank} against ${bytes(b.predicted)} `
+        + `predicted (${run.basis})`;
+      row.querySelector(".ap-bar").append(h("span", { class: "ap-measured-mark", title,
+        style: `left:${Math.min(100, 100 * b.measured / scale).toFixed(2)}%` }));
+      row.classList.add("ap-has-measured");
+      row.append(h("span", { class: "ap-bar-measured", title }, bytes(b.measured), " ",
+        h("span", { class: ratioClass(b.ratio) }, ratioText(b.ratio))));
+    });
+    memEl.append(h("div", { class: "ap-hint ap-measured-note" }, `measured: ${who}; ${run.basis}`),
+      h("div", { class: "ap-keys" }, legendItem({ label: "measured peak" }, "ap-swatch-measured")));
+  }
+  const timeEl = ui.side.querySelector(".ap-time");
+  const t = measured.time || {};
+  if (timeEl && t.measured) {
+    const title = t.compared ? `median step time of ${who} against the plan's ${secs(t.predicted)}`
+      : `median step time of ${who}; ${t.note}`;
+    timeEl.querySelector(".ap-panel-title").append(" ", h("span", { class: "ap-time-measured", title },
+      t.compared ? measuredText(t, secs) : h("span", { class: "ap-measured" }, `measured ${secs(t.measured)} (${t.note})`)));
+    timeEl.append(h("div", { class: "ap-hint ap-measured-note" },
+      "measured: the whole step (a launched run times its steps, not their parts)"));
+  }
+  const tp = measured.throughput || {};
+  const stats = timeEl && timeEl.querySelector(".ap-stats");
+  if (stats && tp.mfu) {  // more is better here: a ratio below 1 is the bad one
+    const pctOf = (x) => `${(100 * x).toFixed(1)}%`;
+    const rate = (f, unit, what = "") => h("span", { class: "ap-measured" }, `measured ${what}`,
+      h("b", {}, unit(f.measured)), " ", h("span", { class: ratioClass(f.ratio && 1 / f.ratio) }, ratioText(f.ratio)));
+    stats.append(h("span", { class: "ap-throughput-measured",
+      title: `MFU: the plan's FLOPs per step over the measured step time of ${who}` }, rate(tp.mfu, pctOf, "MFU ")));
+    if (tp.measured) {
+      stats.append(h("span", { class: "ap-throughput-measured", title: `median of the steps of ${who}` },
+        rate(tp, (x) => `${count(x)} ${tp.unit}`)));
+    }
+  }
+}
+
+// the peak rank's named memory components with where each figure comes from, and what a run measured beside them
+function componentsPanel(comp, measured) {
+  if (!comp.rows || !comp.rows.length) return null;
+  const c = measured.components || {};
+  const row = (label, value, source, f) => h("tr", {},
+    h("td", {}, label), h("td", { class: "ap-num" }, bytes(value)),
+    h("td", { class: "ap-num ap-comp-measured" }, f && f.measured ? [bytes(f.measured), " ",
+      h("span", { class: ratioClass(f.ratio) }, ratioText(f.ratio))] : ""),
+    h("td", { class: "ap-hint" }, source));
+  const rows = comp.rows.map((r) => row(r.label, r.bytes, r.source, null));
+  if (c.peak) {
+    rows.push(row(`peak (rank ${c.rank})`, c.peak.predicted, measured.run.basis, c.peak));
+    rows.push(row("between steps", c["between steps"].predicted,
+      "parameters and optimizer state (what a rank keeps between steps) against the least it held at a step's end",
+      c["between steps"]));
+  }
+  return h("details", { class: "ap-panel ap-components" },
+    h("summary", {}, `Memory components (rank ${comp.rank})`),
+    h("table", {}, h("tr", {}, h("th", {}, "component"), h("th", {}, "predicted"), h("th", {}, "measured"),
+      h("th", {}, "source")), rows),
+    measured.run ? h("div", { class: "ap-hint" }, measured.run.note) : null);
 }
 
 function memoryPanel(mem) {

@@ -19,7 +19,7 @@ import traitlets as t
 
 from ..hardware import Cluster
 from ..plan import RECOMPUTE, Plan, PlanError
-from . import editor, panels
+from . import editor, measured, panels
 from .layout import (
     DEFAULT_VIEWPORT,
     LEGIBLE_SCALE,
@@ -71,6 +71,10 @@ class PlannerWidget(anywidget.AnyWidget):
     """pipeline lanes: [{index, layers, rank, chunk, label}]"""
     memory = t.Dict().tag(sync=True)
     time = t.Dict().tag(sync=True)
+    components = t.Dict().tag(sync=True)
+    """the peak rank's named memory components with their sources (panels.memory_components)"""
+    measured = t.Dict().tag(sync=True)
+    """what the latest launched run of the plan shown measured, beside the prediction ({} before: measured.py)"""
     controls = t.Dict().tag(sync=True)
     precision = t.Dict().tag(sync=True)
     """the precision editor: the op lists kept in float32 / run in low precision (``editor.precision_state``)"""
@@ -121,6 +125,9 @@ class PlannerWidget(anywidget.AnyWidget):
         self.last_result: Any = None
         """what the last Verify/Export/Launch button returned (a VerifyReport, Exported, Run)"""
         self._replan_ms: float | None = None
+        self._runs: list = []
+        """the launched runs this widget follows (measured.FOLLOWED latest): their figures sit beside the plan's"""
+        self._measured_at = 0.0
         self.on_msg(self._on_msg)
         self.observe(self._on_viewport, names="viewport")
         observers = getattr(session, "_observers", None)
@@ -153,6 +160,26 @@ class PlannerWidget(anywidget.AnyWidget):
     # ---- session -> traits --------------------------------------------------------------------------------------
     def _on_session_change(self, session) -> None:
         self.refresh()
+
+    def follow(self, run) -> None:
+        """Show what ``run`` (a launched Run) measures beside the plan's predictions while it runs and after; the
+        session's launches are followed (``Session.launch``, the Launch button)."""
+        if run in self._runs or not callable(getattr(run, "add_listener", None)):
+            return
+        self._runs = (self._runs + [run])[-measured.FOLLOWED:]
+        run.add_listener(self._on_run)
+
+    def _on_run(self, run) -> None:
+        """A followed run has news (its monitor thread, at most every 0.25 s): the measured figures, at most once
+        a second and at its end; a run that continues under a new plan is followed too."""
+        nxt = getattr(run, "continued_by", None)
+        if nxt is not None:
+            self.follow(nxt)
+        now = time.monotonic()
+        if not run.done and now - self._measured_at < 1.0:
+            return
+        self._measured_at = now
+        self.measured = measured.measured_panel(self.session.plan, self._runs)
 
     def _on_viewport(self, change) -> None:
         size = self._viewport_size()
@@ -220,6 +247,8 @@ class PlannerWidget(anywidget.AnyWidget):
                          "outlined": bool(outlined) or not changed}
             self.memory = panels.memory_panel(plan, s.cluster)
             self.time = panels.time_panel(plan)
+            self.components = panels.memory_components(plan, s.cluster)
+            self.measured = measured.measured_panel(plan, self._runs)
             self.controls = editor.global_state(s.cluster, plan, s.fix, disabled=self._option_refusals())
             self.precision = editor.precision_state(s.graph, plan, s.fix)
             if plan is not None:
@@ -512,6 +541,7 @@ class PlannerWidget(anywidget.AnyWidget):
             return None
         self.last_result = result
         if name == "launch" and callable(getattr(result, "dashboard", None)):
+            self.follow(result)
             self.panel = result.dashboard()
         self._say("info", *_action_text(name, result, kwargs))
         return None
