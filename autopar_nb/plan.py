@@ -22,6 +22,7 @@ JSON schema (``SCHEMA_VERSION`` = 1)::
       "sync_batchnorm": bool,
       "loss_parallel": bool,
       "fused_loss": str,             # the output head fused with the loss ("lm_head"), or "" (unfused)
+      "fused_norm": bool,            # the model's RMSNorm modules run kernels_ext's fused RMSNorm
       "experts":   [module_path_pattern, ...],   # expert modules ("model.layers.*.mlp.experts")
       "cost": {...} | null,          # see Cost; filled by the planner
       "explanation": [str, ...],
@@ -66,14 +67,15 @@ ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
             "complex128": 16}
 """bytes per element by torch dtype name (``str(dtype).removeprefix("torch.")``)"""
 FIX_KEYS = ("dp", "tp", "pp", "ep", "cp", "zero_stage", "micro_batches", "schedule", "virtual_stages", "recompute", "amp",
-            "compile", "fused_loss",
+            "compile", "fused_loss", "fused_norm",
             "sequence_parallel", "optimizer", "fp32_ops", "low_precision_ops")
 """global choices a user can pin (``--fix``, ``plan(fix=...)``, ``Session.replan(fix=...)``)"""
 FIX_ALIASES = {"zero": "zero_stage", "mb": "micro_batches", "micro": "micro_batches", "sp": "sequence_parallel"}
 """short names accepted for FIX_KEYS"""
 FIX_CHOICES: dict[str, tuple] = {"zero_stage": ZERO_STAGES, "schedule": SCHEDULES, "recompute": RECOMPUTE,
                                  "amp": AMP, "sequence_parallel": (False, True), "optimizer": OPTIMIZERS,
-                                 "compile": (False, True), "fused_loss": (False, True)}
+                                 "compile": (False, True), "fused_loss": (False, True),
+                                 "fused_norm": (False, True)}
 """the allowed values of the FIX_KEYS that are choices; the others (dp, tp, pp, ep, cp, micro_batches, virtual_stages)
 are positive integers"""
 
@@ -515,6 +517,10 @@ class Plan:
     next-token cross-entropy, chunk by chunk (``kernels_ext.linear_cross_entropy``): the full logits and their
     gradient are never held, and the logits are computed again in backward. "" = unfused. Only with the default
     loss (the cell defines no ``loss_fn``), mesh.tp == 1 and mesh.pp == 1"""
+    fused_norm: bool = False
+    """the model's RMSNorm modules (found by what they compute: ``runtime/fused_norm.py``) run kernels_ext's fused
+    RMSNorm, which keeps the input and one fp32 rstd per row for backward instead of the eager chain's input,
+    normalised input and rstd (Liger-kernel's Triton kernel on CUDA when installed: one kernel instead of five)"""
     experts: list[str] = field(default_factory=list)
     """the model's expert modules (stacked-weight experts of a Mixture-of-Experts layer), as module paths or patterns
     over repeated blocks (``"model.layers.*.mlp.experts"``); mesh.ep > 1 splits each one's experts"""
@@ -540,6 +546,7 @@ class Plan:
         _check_bool("sync_batchnorm", self.sync_batchnorm)
         _check_bool("loss_parallel", self.loss_parallel)
         self._check_fused_loss()
+        _check_bool("fused_norm", self.fused_norm)
         _check_list("experts", self.experts, str)
         for i, pattern in enumerate(self.experts):
             if not MODULE_PATTERN.fullmatch(pattern):
@@ -769,6 +776,8 @@ class Plan:
             s += " compile"
         if self.fused_loss:
             s += " fused-loss"
+        if self.fused_norm:
+            s += " fused-norm"
         if self.cost is not None:
             s += f" | {self.cost.step_time_s * 1e3:.1f} ms/step, peak {self.cost.peak_memory_bytes / 2**30:.2f} GiB"
         return s

@@ -193,8 +193,9 @@ class RMSNorm(torch.nn.Module):
 
 
 def _liger_wanted(use_liger: bool | None, tensor: torch.Tensor) -> bool:
-    """Whether to call Liger-kernel: asked for, or (None) on CUDA with liger_kernel importable."""
-    if use_liger is False or (use_liger is None and not tensor.is_cuda):
+    """Whether to call Liger-kernel: asked for, or (None) on CUDA with liger_kernel importable, for a plain tensor
+    (a DTensor runs the custom op, whose sharding rules DTensor knows: :func:`_register_dtensor_rules`)."""
+    if use_liger is False or (use_liger is None and (not tensor.is_cuda or _is_dtensor(tensor))):
         return False
     try:
         import liger_kernel  # noqa: F401
@@ -203,6 +204,39 @@ def _liger_wanted(use_liger: bool | None, tensor: torch.Tensor) -> bool:
             raise ImportError("use_liger=True needs Liger-kernel: pip install liger-kernel") from None
         return False
     return True
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "placements")
+
+
+# --- how DTensor runs them (tensor / sequence parallelism) ---------------------------------------------------------
+
+
+def _register_dtensor_rules() -> None:
+    """Sharding rules for DTensor (``torch.distributed.tensor.experimental.register_sharding``), so that a norm that
+    sequence parallelism runs on sequence shards (``SequenceParallel``: input ``Shard(1)``, weight ``Replicate``)
+    calls the custom op on each rank's rows: RMSNorm is row-wise, so any dim but the last may be sharded, the rstd
+    sharded alike; in backward the input's gradient is sharded like the input and the weight's is a ``Partial`` sum
+    over the ranks' rows (DTensor reduces it where a replicated weight's gradient must be whole)."""
+    try:
+        from torch.distributed.tensor import Partial, Replicate, Shard
+        from torch.distributed.tensor.experimental import register_sharding
+    except ImportError:  # a torch built without distributed
+        return
+
+    @register_sharding(torch.ops.kernels_ext.rms_norm.default)
+    def _(x, weight, eps):
+        rows = [([Shard(d), Shard(d)], [Shard(d), Replicate(), None]) for d in range(len(x.shape) - 1)]
+        return [([Replicate(), Replicate()], [Replicate(), Replicate(), None]), *rows]
+
+    @register_sharding(torch.ops.kernels_ext.rms_norm_backward.default)
+    def _(grad, x, weight, rstd):
+        rows = [([Shard(d), Partial()], [Shard(d), Shard(d), Replicate(), Shard(d)]) for d in range(len(x.shape) - 1)]
+        return [([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), Replicate()]), *rows]
+
+
+_register_dtensor_rules()
 
 
 # --- what the planner knows about them -----------------------------------------------------------------------------

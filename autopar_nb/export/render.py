@@ -131,6 +131,9 @@ def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]
               f"CAUSAL = {v.defaults['causal']!r}  # the default loss predicts the next token (False: the same one)"]
     if v.fused_loss:
         s.append(f"FUSED_LOSS = {_one_line(v.fused_loss)}  # plan.fused_loss: the output head fused with the loss")
+    if v.fused_norm:
+        s.append(f"# plan.fused_norm: kernels_ext's fused RMSNorm in {len(v.fused_norm)} modules ("
+                 f"{v.fused_norm[0]}{', ...' if len(v.fused_norm) > 1 else ''})")
     if v.ties:
         s.append(f"TIES = {literal(v.ties, width=40)}  # parameters the model shares (kept one parameter when sharded)")
     if v.recompute:
@@ -230,6 +233,11 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
     head = ['def parallelize(model, mesh, device' + (', stage_ids, example):' if v.pp > 1 else '):'),
             '    """The plan applied to the pieces of the model this rank holds (one, or one per pipeline stage)."""',
             *("    " + line if line else "" for line in "\n".join(plans).splitlines())]
+    if v.fused_norm:  # on the whole model, before the pipeline's trace: the stages' graphs call the fused op
+        head += ["    # the RMSNorms fused first (the same modules and weights, a new forward), on the whole model: "
+                 "what the", "    # techniques below wrap" + (" and the pipeline's trace records" if v.pp > 1 else ""),
+                 "    apply_fused_norm(model)"]
+        uses.append("apply_fused_norm")
     if v.pp > 1:
         head += ["    # pipeline stages: trace the model on one micro-batch, cut it before each stage's first layer",
                  "    stages, whole = split_model(model, boundaries=STAGE_BOUNDARIES, microbatch=example)",

@@ -122,6 +122,26 @@ def compile_lines(best, ev, cons, compilable: list[int]) -> list[str]:
             "calibrates it) after a one-off compile at start-up."]
 
 
+def fused_norm_lines(best, ev, cons) -> list[str]:
+    """Whether the RMSNorm modules run fused (``plan.fused_norm``), why, and what the other choice costs on the same
+    split (``cost/norm.py``)."""
+    fixed, s = cons.fix.get("fused_norm"), best.setting
+    other, c = best.norm_other, best.cost
+    if ev.norm_prof is None or fixed is False or not (s.fused_norm or other is not None):
+        return []
+    why = ("fix fused_norm=True" if fixed else "chosen" if s.fused_norm else
+           "not needed: without Liger-kernel on CUDA the op runs the eager kernels and only saves memory")
+    line = (f"RMSNorms {'fused' if s.fused_norm else 'eager'} ({why}; kernels_ext.rms_norm keeps the input and one "
+            f"fp32 rstd per row, not the normalised input; on CUDA Liger-kernel's one kernel when installed): peak "
+            f"{fmt_bytes(c.peak_memory_bytes)}, {c.step_time_s * 1e3:.1f} ms/step")
+    if other is not None:
+        oc = other.cost
+        line += (f"; {'eager' if s.fused_norm else 'fused'}, this split needs {fmt_bytes(oc.peak_memory_bytes)}"
+                 + (f" ({fmt_bytes(oc.peak_memory_bytes - best.limit)} over the limit)" if not other.fits else
+                    f" with {_recompute_words(other)} and takes {oc.step_time_s * 1e3:.1f} ms/step"))
+    return [line + "."]
+
+
 def fused_loss_lines(best, ev, cons, why_not: str) -> list[str]:
     """Whether the output head runs fused with the loss (``plan.fused_loss``), why, and what it saves: the loss
     step's bytes fused and unfused (``cost/loss.py``), and the unfused plan of the same split when it was costed."""

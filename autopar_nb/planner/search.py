@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from ..cost.estimate import Evaluator, LayerChoice, Setting
 from ..cost.memory import in_flight, state_bytes
+from ..cost.norm import one_kernel
 from ..cost.time import bubble_fraction
 from ..plan import DTYPE_NAMES, ITEMSIZE, Cost, PlanError
 from .recompute import choose_recompute
@@ -49,6 +50,8 @@ class Candidate:
     other: Candidate | None = None
     """the same setting with the loss fused where this one is not, or not fused where it is, when both were costed
     (``Search.fused_variant``): what the choice saved or would have saved"""
+    norm_other: Candidate | None = None
+    """the same setting with the other choice of fused RMSNorms, when both were costed (``Search.norm_variant``)"""
 
     @property
     def fits(self) -> bool:
@@ -124,6 +127,9 @@ class Search:
         """context-parallel degrees to try (:func:`cp_degrees`)"""
         self.fused_why = fused_why
         """why the output head and the loss cannot be fused ("" when ``ev.head`` can be)"""
+        if cons.fix.get("fused_norm") and ev.norm_prof is None:
+            raise PlanError("fix fused_norm=True, but the model has no RMSNorm module (a module whose ops compute "
+                            "x * rsqrt(mean(x**2) + eps) * weight); drop fused_norm from fix")
         if cons.fix.get("fused_loss") and ev.head is None:
             raise PlanError(f"fix fused_loss=True, but the output head and the loss cannot be fused: {fused_why}; "
                             "drop fused_loss from fix")
@@ -404,11 +410,12 @@ class Search:
                 self.pruned += 1
                 continue
             for z in zeros:
-                s = dataclasses.replace(base, zero_stage=z, fused_loss=bool(fix.get("fused_loss")))
+                s = dataclasses.replace(base, zero_stage=z, fused_loss=bool(fix.get("fused_loss")),
+                                        fused_norm=bool(fix.get("fused_norm")))
                 choices = [LayerChoice(assign[i], self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i],
                                        self.compile[i] and base.pp == 1)
                            for i in range(self.n)]
-                cand = self.fused_variant(self._cost(s, choices, "recompute" not in fix))
+                cand = self.norm_variant(self.fused_variant(self._cost(s, choices, "recompute" not in fix)))
                 out.append(cand)
                 if cand.fits:
                     bisect.insort(best, cand.cost.step_time_s)
@@ -434,6 +441,37 @@ class Search:
         chosen, other = (fused, cand) if better else (cand, fused)
         chosen.other = other
         return chosen
+
+    def norm_variant(self, cand: Candidate) -> Candidate:
+        """The candidate, or the same setting with the RMSNorms fused (``Setting.fused_norm``, :mod:`..cost.norm`)
+        when that pays: with Liger-kernel on CUDA (one kernel for the eager chain's five to eight) when it fits and
+        is faster, or fits where the eager norms do not, or needs no recompute they need; elsewhere (the op's body
+        runs the chain's kernels) only for memory: when the eager norms need recompute the user did not ask for or
+        do not fit, and the fused ones fit or need less. Unless fused_norm is fixed either way."""
+        s, fix = cand.setting, self.cons.fix
+        if s.fused_norm or self.ev.norm_prof is None or "fused_norm" in fix:
+            return cand
+        added = any(ch.recompute != self.rec_pinned.get(i, "none") for i, ch in enumerate(cand.choices))
+        speed = one_kernel(self.prof.device_kind)
+        if cand.fits and not added and not speed:
+            return cand
+        choices = [LayerChoice(ch.stage, ch.tp, self.rec_pinned.get(i, "none"), ch.fsdp, ch.compile)
+                   for i, ch in enumerate(cand.choices)]
+        fused = self._cost(dataclasses.replace(s, fused_norm=True), choices, "recompute" not in fix)
+        fused_added = any(ch.recompute != self.rec_pinned.get(i, "none") for i, ch in enumerate(fused.choices))
+        if fused.fits != cand.fits:
+            better = fused.fits
+        elif not fused.fits:
+            better = fused.cost.peak_memory_bytes < cand.cost.peak_memory_bytes
+        elif fused_added != added:
+            better = added
+        else:
+            better = speed and fused.cost.step_time_s < cand.cost.step_time_s
+        if not better:
+            cand.norm_other = fused
+            return cand
+        fused.other, fused.norm_other = cand.other, cand
+        return fused
 
     def _run_times(self, s: Setting, runs) -> list[float]:
         """Per-micro-batch time of one layer of each run (compute, recompute, TP collectives not overlapped)."""
