@@ -1,12 +1,14 @@
-"""CPU figures of kernels_ext's fused linear + cross-entropy (issue 16): peak memory and time of one loss step
-(forward + backward of head and loss) at vocab 128256 x 2048 tokens x hidden 2048 (LLaMA-3.2 1B's head), fused vs
-``F.cross_entropy(h @ W.T)``.
+"""CPU figures of kernels_ext's fused kernels (issue 16): peak memory and time of one loss step (forward + backward
+of head and loss) at vocab 128256 x 2048 tokens x hidden 2048 (LLaMA-3.2 1B's head), fused vs
+``F.cross_entropy(h @ W.T)``; and the fused RMSNorm (``plan.fused_norm``) against Hugging Face's eager LlamaRMSNorm:
+the bytes autograd keeps for backward and the forward + backward time of a stack of norms (``--norm``).
 
 Each variant runs in a fresh interpreter; its peak is the process's peak RSS (``ru_maxrss``) minus its RSS once
 the inputs exist, so it counts everything the step allocates (logits, softmax, gradients of hidden and weight).
 
     .venv/bin/python bench/kernels.py            # print
     .venv/bin/python bench/kernels.py --write    # and replace the section of BENCHMARKS.md
+    .venv/bin/python bench/kernels.py --norm     # only the RMSNorm figures (about a minute)
 """
 
 from __future__ import annotations
@@ -75,6 +77,86 @@ def fused_ce_table(n: int = 2048, h: int = 2048, v: int = 128_256) -> tuple[str,
     return "\n".join(lines), rows
 
 
+def _norm_stack(fused: bool, hidden: int, depth: int):
+    """``depth`` Hugging Face LlamaRMSNorms in a row with residual adds, as a model's blocks hold them; ``fused``:
+    their forward replaced by ``runtime/fused_norm.py``'s ``apply_fused_norm`` (kernels_ext's op)."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from autopar_nb.runtime.fused_norm import apply_fused_norm
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norms = torch.nn.ModuleList(LlamaRMSNorm(hidden, eps=1e-5) for _ in range(depth))
+
+        def forward(self, x):
+            for norm in self.norms:
+                x = x + norm(x)
+            return x
+
+    stack = Stack()
+    if fused:
+        apply_fused_norm(stack)
+    return stack
+
+
+def measure_norms(fused: bool, n: int, h: int, depth: int, *, reps: int, amp: bool = False) -> dict:
+    """Saved bytes (``saved_tensors_hooks``: every tensor autograd packs, each storage once) and the median forward +
+    backward time over ``reps`` of a stack of ``depth`` norms on ``n`` x ``h`` float32 inputs."""
+    import statistics
+    import time
+
+    import torch
+
+    stack = _norm_stack(fused, h, depth)
+    x = torch.randn(1, n, h, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    own = {p.untyped_storage().data_ptr() for p in stack.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in own:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        out = stack(x)
+    out.sum().backward()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            out = stack(x)
+        out.sum().backward()
+        times.append(time.perf_counter() - t0)
+    return {"saved_bytes": sum(seen.values()), "seconds": statistics.median(times), "out": out.detach()}
+
+
+def norm_table(n: int = 2048, h: int = 2048, depth: int = 16, reps: int = 10) -> str:
+    """The markdown table of eager vs fused RMSNorms on the CPU, and the closed form of their saved bytes."""
+    import torch
+
+    torch.manual_seed(0)
+    rows = {}
+    for fused in (False, True):
+        rows[fused] = measure_norms(fused, n, h, depth, reps=reps)
+    same = torch.allclose(rows[True]["out"], rows[False]["out"], rtol=1e-5, atol=1e-5)
+    mib = 2**20
+    per = {True: n * h * 4 + n * 4, False: 2 * n * h * 4 + n * 4}  # x + rstd (+ the normalised input)
+    lines = [f"{depth} LlamaRMSNorms (hidden {h}) with residual adds, {n} tokens, fp32, forward + backward, median of "
+             f"{reps} (torch threads: {torch.get_num_threads()}):", "",
+             "| norms | saved for backward | closed form | forward + backward |", "|---|---|---|---|"]
+    for fused in (False, True):
+        r = rows[fused]
+        lines.append(f"| {'fused (kernels_ext.rms_norm)' if fused else 'eager (HF LlamaRMSNorm)'} | "
+                     f"{r['saved_bytes'] / mib:.1f} MiB | {depth * per[fused] / mib:.1f} MiB | "
+                     f"{r['seconds'] * 1e3:.0f} ms |")
+    lines += ["", f"Outputs equal to 1e-5: {same}. Saved per norm: {(per[False] - per[True]) / mib:.1f} MiB "
+              f"({n} x {h} x 4 bytes, the normalised input)."]
+    return "\n".join(lines)
+
+
 def planner_table(seq: int = 8192, gpus: int = 8) -> str:
     """The planner's predicted peak per GPU with and without plan.fused_loss for LLaMA-3 8B (vocab 128256) at
     ``seq`` tokens per sample on one node of H100-80GB: ZeRO-3 over ``gpus`` ranks, 1 sample per rank, no
@@ -102,12 +184,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--write", action="store_true", help="replace the section of BENCHMARKS.md")
     p.add_argument("--planner", action="store_true", help="print only the planner's figures (seconds)")
+    p.add_argument("--norm", action="store_true", help="print only the fused RMSNorm's figures (a minute)")
     args = p.parse_args()
     if args.planner:
         print(planner_table())
         return
+    if args.norm:
+        print(f"`.venv/bin/python bench/kernels.py --norm` — {machine()}.\n\n{norm_table()}")
+        return
     table, _ = fused_ce_table()
-    table += "\n\n" + planner_table()
+    table += "\n\n" + planner_table() + "\n\n" + norm_table()
     body = f"## {SECTION}\n\n`.venv/bin/python bench/kernels.py --write` — {machine()}.\n\n{table}\n"
     print(body)
     if args.write:
