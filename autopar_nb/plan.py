@@ -516,11 +516,13 @@ class Plan:
     """module path of the output head (a bias-free ``nn.Linear``) whose matmul runs fused with the default
     next-token cross-entropy, chunk by chunk (``kernels_ext.linear_cross_entropy``): the full logits and their
     gradient are never held, and the logits are computed again in backward. "" = unfused. Only with the default
-    loss (the cell defines no ``loss_fn``), mesh.tp == 1 and mesh.pp == 1"""
+    loss (the cell defines no ``loss_fn``) and mesh.pp == 1; with mesh.tp > 1 the head's weight is split on the
+    vocabulary and the loss is vocab-parallel (``kernels_ext.vocab_parallel_linear_cross_entropy``), so
+    loss_parallel stays false"""
     fused_norm: bool = False
     """the model's RMSNorm modules (found by what they compute: ``runtime/fused_norm.py``) run kernels_ext's fused
     RMSNorm, which keeps the input and one fp32 rstd per row for backward instead of the eager chain's input,
-    normalised input and rstd (Liger-kernel's Triton kernel on CUDA when installed: one kernel instead of five)"""
+    normalised input and rstd (on CUDA one kernel instead of five: Liger-kernel's when installed, else torch's)"""
     experts: list[str] = field(default_factory=list)
     """the model's expert modules (stacked-weight experts of a Mixture-of-Experts layer), as module paths or patterns
     over repeated blocks (``"model.layers.*.mlp.experts"``); mesh.ep > 1 splits each one's experts"""
@@ -615,18 +617,18 @@ class Plan:
             raise PlanError(f"mesh.cp={m.cp} with {why} is not supported; set mesh.cp to 1")
 
     def _check_fused_loss(self) -> None:
-        """``fused_loss``: a module path or ""; the fused head runs whole, on the one pipeline stage."""
+        """``fused_loss``: a module path or ""; the fused head runs on the one pipeline stage, vocab-parallel under
+        TP (its own loss, not torch's loss_parallel)."""
         _check_module_path("fused_loss", self.fused_loss, root=True)
         if not self.fused_loss:
             return
         m = self.mesh
-        if m.tp > 1 or m.pp > 1 or self.loss_parallel:
-            why = ("loss_parallel=true (the head's logits are vocab-sharded; torch computes that loss)"
-                   if self.loss_parallel else
-                   f"mesh.tp={m.tp} (the fused head takes the whole hidden states and weight)" if m.tp > 1 else
+        if m.pp > 1 or self.loss_parallel:
+            why = ("loss_parallel=true (the fused head computes a vocab-parallel loss itself under TP; torch's "
+                   "loss_parallel takes logits, which it never makes)" if self.loss_parallel else
                    f"mesh.pp={m.pp} (the pipeline schedule computes the loss from the last stage's output)")
             raise PlanError(f"fused_loss={self.fused_loss!r} with {why}: the fused linear + cross-entropy runs with "
-                            "tp=1 and pp=1 only; set fused_loss to \"\" (or fix fused_loss=false)")
+                            "pp=1 and loss_parallel=false only; set fused_loss to \"\" (or fix fused_loss=false)")
 
     def _check_info(self) -> None:
         """``model`` and ``cluster``: dicts of known keys with their types."""

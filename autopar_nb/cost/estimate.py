@@ -358,7 +358,7 @@ class Evaluator:
             again = max(lt.act["none"] - lt.act[ch.recompute], 0.0)
             wb = lt.work_bytes + again
             if s.fused_loss and i <= self.head.layer < i + cnt:
-                wb, again = self._fused_head(s, sums, r, ch.recompute, lt), 0.0
+                wb, again = self._fused_head(s, sums, r, ch.recompute, lt, tp=s.tp if ch.tp else 1), 0.0
             if wb > sums.work[r]:
                 sums.work[r] = wb
             # full recompute's peak comes once the layer's later ops have left their gradients (measured: LLaMA,
@@ -388,18 +388,27 @@ class Evaluator:
             sums.hw_flops += cnt * (lt.flops + lt.recompute_flops(ch.recompute))
         return sums
 
-    def _fused_head(self, s: Setting, sums: RankSums, r: int, recompute: str, lt: LayerTerms) -> float:
+    def _fused_head(self, s: Setting, sums: RankSums, r: int, recompute: str, lt: LayerTerms, *, tp: int = 1
+                    ) -> float:
         """The fused head + loss on rank ``r`` (:mod:`.loss`): adds the log-sum-exp it saves, the logits' recompute
         (time and hardware FLOPs) to ``sums``; returns the head layer's backward working set, the fused op's
-        temporaries in place of the logits' gradient."""
+        temporaries in place of the logits' gradient. Split on the vocabulary over ``tp`` ranks, a rank computes
+        its rows' logits (FLOPs and chunk buffers / tp) and the forward's all-reduces of the log-sum-exp terms
+        (:meth:`.loss.FusedHead.tp_forward_bytes`) are added; the hidden states' gradient is all-reduced as the
+        colwise head's input gradient is (counted with the layer's TP collectives)."""
         half = s.amp != "none"
         tokens = self.head.tokens * s.mb_samples / self.prof.batch * self.seq_ratio
-        flops = self.head.recompute_flops(tokens)
+        flops = self.head.recompute_flops(tokens) / tp
         sums.rec[r] += flops / (self.cluster.device.flops("bfloat16" if half else "float32")
                                 * self.f.efficiency("matmul", half))
-        sums.hw_flops += flops
+        sums.hw_flops += flops * tp  # every rank's share: the step's hardware FLOPs
         sums.acts[r] += self.head.saved_bytes(tokens)
-        return self.head.temp_bytes(tokens, half=half) + (lt.act["none"] if recompute == "full" else 0.0)
+        if tp > 1:
+            link = link_for(self.cluster, size=tp, stride=1)
+            t = collective_time("all_reduce", self.head.tp_forward_bytes(tokens), tp, link, self.f.eff_link)
+            sums.tpc[r] += t * (1 - self.f.overlap_tp)
+            sums.tp_kind[r]["all_reduce"] = sums.tp_kind[r].get("all_reduce", 0.0) + t
+        return self.head.temp_bytes(tokens, half=half, tp=tp) + (lt.act["none"] if recompute == "full" else 0.0)
 
     def _pipeline_comm(self, s: Setting, sums: RankSums, comm: CommTime) -> float:
         """Point-to-point sends between stages: fill/drain on the critical path, the rest mostly hidden. Adds to

@@ -8,17 +8,16 @@ input (N x H, float32: the statistics are computed in float32); the fused op kee
 norm saves N x H x 4 bytes of activations. ``nn.RMSNorm`` (``aten.rms_norm``) on CPU is decomposed the same way
 (its rule saves a ``temp@cpu``); on CUDA torch's own kernel is already fused and nothing is saved.
 
-Time: on CUDA with Liger-kernel installed (``pip install liger-kernel``; :func:`one_kernel`) the runtime calls its
-Triton kernel, one kernel that reads x and the weight and writes the output and the rstd, where the chain runs 5-8
-kernels that move about 7 N x H x 4 bytes. Elsewhere the op's body runs the chain's kernels (``kernels_ext.fused``:
-pure PyTorch), so its bytes and its per-op overhead are the chain's: there it saves memory, not time. Whether Liger is
-installed is read where the planner runs (the notebook's environment, which the launched ranks share).
+Time: on CUDA (:func:`one_kernel`) ``kernels_ext.rms_norm`` runs one kernel (Liger-kernel's Triton kernel when it is
+installed, else torch's ``_fused_rms_norm``) that reads x and the weight and writes the output and the rstd, where the
+chain runs 5-8 kernels that move about 7 N x H x 4 bytes. On the CPU the op's body runs the chain's kernels
+(``kernels_ext.fused``: pure PyTorch), so its bytes and its per-op overhead are the chain's: there it saves memory,
+not time.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import kernels_ext
 
@@ -91,7 +90,7 @@ def _readers(graph: ModelGraph) -> tuple[dict[str, set[str]], dict[str, str]]:
 def fuse_norms(graph: ModelGraph, device_kind: str) -> ModelGraph | None:
     """``graph`` as the runtime runs it with ``plan.fused_norm``: each RMSNorm module's ops replaced by one
     ``kernels_ext.rms_norm`` node (named as the module's last op, so its readers are unchanged), its bytes one
-    kernel's with Liger-kernel on CUDA, else the chain's (module docstring); None when the graph has no RMSNorm
+    kernel's on CUDA, else the chain's (module docstring); None when the graph has no RMSNorm
     module."""
     readers, dtypes = _readers(graph)
     rule = kernels_ext.lookup(FUSED_OP)
@@ -112,8 +111,9 @@ def fuse_norms(graph: ModelGraph, device_kind: str) -> ModelGraph | None:
 
 
 def one_kernel(device_kind: str) -> bool:
-    """Whether the fused RMSNorm runs as one kernel on ``device_kind``: CUDA, with Liger-kernel importable here."""
-    return device_kind == "cuda" and importlib.util.find_spec("liger_kernel") is not None
+    """Whether the fused RMSNorm runs as one kernel on ``device_kind``: on CUDA (Liger's or torch's fused kernel),
+    not on the CPU."""
+    return device_kind == "cuda"
 
 
 def fused_norm_profile(graph: ModelGraph, device_kind: str, *, fp32_ops=(), low_precision_ops=()):

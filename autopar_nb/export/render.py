@@ -175,7 +175,8 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
                   "apply_fused_loss(part, FUSED_LOSS)"]
         uses.append("apply_fused_loss")
     if v.tp > 1:
-        plans, imports, uses = tp_plans(v)
+        plans, imports, tp_uses = tp_plans(v)
+        uses += tp_uses
         calls += [f"# {next(steps)}. TP first: it turns parameters into DTensors, which AC and FSDP must see",
                   "apply_tp(part, mesh[\"tp\"], plan" + (", layer_plans=layer_plans)" if v.block_tp_plans
                                                           else ")")]
@@ -183,6 +184,10 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
         if v.local_sizes:
             calls.append("set_local_sizes(part, sizes)")
             uses.append("set_local_sizes")
+        if v.fused_head_tp:
+            calls += ["# the fused head's weight split on the vocabulary (its loss then vocab-parallel), before ties",
+                      f"shard_fused_head(part, FUSED_LOSS, mesh[\"tp\"], sequence_sharded={v.fused_head_sequence})"]
+            uses.append("shard_fused_head")
         if v.ties:
             calls.append("tie_parameters(part, TIES)  # parallelize_module gave each side its own DTensor")
             uses.append("tie_parameters")

@@ -20,7 +20,7 @@ from ..runtime.data import default_batch_size, first_tensor, is_causal_lm, small
 from ..runtime.ep import experts_modules_to_split
 from ..runtime.fused_norm import apply_fused_norm
 from ..runtime.pp import SCHEDULES, stage_boundaries
-from ..runtime.tp import TPStyle
+from ..runtime.tp import REPLICATE, TPStyle
 from ..source import ModelSource
 from .styles import local_sizes, tp_styles
 
@@ -84,6 +84,10 @@ class ScriptValues:
     fused_loss: str = ""
     """plan.fused_loss: the output head the script fuses with the default loss (runtime/fused_loss.py); empty:
     unfused"""
+    fused_head_tp: bool = False
+    """with TP and plan.fused_loss: the head is split on the vocabulary (``shard_fused_head``)"""
+    fused_head_sequence: bool = False
+    """with TP and plan.fused_loss: the head's input arrives sequence-sharded (gathered by ``shard_fused_head``)"""
     fused_norm: list[str] = field(default_factory=list)
     """plan.fused_norm: the RMSNorm modules the script runs with kernels_ext's fused RMSNorm (runtime/fused_norm.py
     finds them again; listed in a comment); empty: eager norms"""
@@ -157,6 +161,9 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
         styles = tp_styles(model, plan.tp_plan, sp_layers=[lp.path for lp in plan.layers if lp.sequence_parallel],
                            layers=[lp.path for lp in plan.layers], loss_parallel=plan.loss_parallel,
                            parts=plan.tp_parts, tp=m.tp)
+        head_style = styles.pop(plan.fused_loss, None) if plan.fused_loss else None
+        if head_style is not None:  # the fused head splits its own weight (runtime/fused_loss.py shard_fused_head)
+            v.fused_head_tp, v.fused_head_sequence = True, head_style.input_layout != REPLICATE
         v.tp_plan, v.block_tp_plans = relative_plans(model, styles)
         v.local_sizes = block_patterns(model, local_sizes(model, styles, tp=m.tp))
         v.vocab_parallel = plan.loss_parallel

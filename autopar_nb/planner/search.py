@@ -271,10 +271,10 @@ class Search:
         if pp > 1 and self.prof.pp_blocker:
             return (f"pp={pp}: {self.prof.pp_blocker}; use pp=1, or make that tensor .contiguous() in the model "
                     "and re-capture")
-        if (tp > 1 or pp > 1) and fix.get("fused_loss"):
-            return (f"tp={tp}, pp={pp} with fix fused_loss=True: the fused head + loss runs with tp=1 and pp=1 only "
-                    "(TP splits the head's vocabulary, which torch's loss_parallel then reduces; a pipeline schedule "
-                    "computes the loss from the last stage's output); use tp=1 and pp=1, or fused_loss=False")
+        if pp > 1 and fix.get("fused_loss"):
+            return (f"pp={pp} with fix fused_loss=True: the fused head + loss runs with pp=1 only (a pipeline "
+                    "schedule computes the loss from the last stage's output, where the fused head needs the "
+                    "targets inside the model's forward); use pp=1, or fused_loss=False")
         if pp > 1 and fix.get("compile"):
             return (f"pp={pp} with fix compile=True: compile applies to whole blocks, which a pipeline stage (a "
                     "traced graph) no longer runs as modules; use pp=1 or compile=False")
@@ -424,10 +424,10 @@ class Search:
     def fused_variant(self, cand: Candidate) -> Candidate:
         """The candidate, or the same setting with the output head and the loss fused (``Setting.fused_loss``) when
         the unfused one needs recompute the user did not ask for, or does not fit, and the fused one fits and is
-        faster (it adds one head matmul, and saves the logits' memory; ``cost/loss.py``). Tried with tp = pp = 1
-        (what the runtime runs), unless fused_loss is fixed either way. The other variant is kept on ``other``."""
+        faster (it adds one head matmul, and saves the logits' memory; ``cost/loss.py``). Tried with pp = 1 and
+        cp = 1 (what the runtime runs; under TP vocab-parallel), unless fused_loss is fixed either way. The other variant is kept on ``other``."""
         s, fix = cand.setting, self.cons.fix
-        if s.fused_loss or self.ev.head is None or "fused_loss" in fix or s.tp > 1 or s.pp > 1 or s.cp > 1:
+        if s.fused_loss or self.ev.head is None or "fused_loss" in fix or s.pp > 1 or s.cp > 1:
             return cand
         added = any(ch.recompute != self.rec_pinned.get(i, "none") for i, ch in enumerate(cand.choices))
         if cand.fits and not added:
@@ -444,9 +444,9 @@ class Search:
 
     def norm_variant(self, cand: Candidate) -> Candidate:
         """The candidate, or the same setting with the RMSNorms fused (``Setting.fused_norm``, :mod:`..cost.norm`)
-        when that pays: with Liger-kernel on CUDA (one kernel for the eager chain's five to eight) when it fits and
-        is faster, or fits where the eager norms do not, or needs no recompute they need; elsewhere (the op's body
-        runs the chain's kernels) only for memory: when the eager norms need recompute the user did not ask for or
+        when that pays: on CUDA (one kernel for the eager chain's five to eight) when it fits and is faster, or fits
+        where the eager norms do not, or needs no recompute they need; on the CPU (the op's body runs the chain's
+        kernels) only for memory: when the eager norms need recompute the user did not ask for or
         do not fit, and the fused ones fit or need less. Unless fused_norm is fixed either way."""
         s, fix = cand.setting, self.cons.fix
         if s.fused_norm or self.ev.norm_prof is None or "fused_norm" in fix:

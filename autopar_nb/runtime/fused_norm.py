@@ -1,6 +1,7 @@
-"""RMSNorm modules run kernels_ext's fused RMSNorm (``plan.fused_norm``): Liger-kernel's Triton kernel on CUDA when it
-is installed, else the ``kernels_ext::rms_norm`` custom op, which keeps the input and one fp32 rstd per row for
-backward where the eager chain (``x.pow(2).mean()``, ``rsqrt``, two multiplies) also keeps the normalised input.
+"""RMSNorm modules run kernels_ext's fused RMSNorm (``plan.fused_norm``): on CUDA one kernel (Liger-kernel's Triton
+kernel when it is installed, else torch's own fused one), elsewhere the ``kernels_ext::rms_norm`` custom op; each keeps
+the input and one fp32 rstd per row for backward where the eager chain (``x.pow(2).mean()``, ``rsqrt``, two
+multiplies) also keeps the normalised input.
 
 The norms of the models people bring are found by what they compute, not by their class: a leaf module whose only
 state is a 1-D ``weight`` and which holds its epsilon (``variance_epsilon``: Hugging Face's LlamaRMSNorm,
