@@ -174,10 +174,25 @@ def planner_table(seq: int = 8192, gpus: int = 8) -> str:
     lines = [f"Planner, LLaMA-3 8B (vocab 128256), {seq} tokens x 1 sample per GPU, {gpus} x h100-80gb, bf16, "
              f"fix {fix} (predicted, not measured):", "", "| loss | predicted peak per GPU | step |", "|---|---|---|"]
     for fused in (False, True):
-        plan = ap.plan(graph, cluster, global_batch=gpus, fix=fix | {"fused_loss": fused})
-        lines.append(f"| {'fused' if fused else 'unfused'} | {plan.cost.peak_memory_bytes / 2**30:.2f} GiB | "
-                     f"{plan.cost.step_time_s * 1e3:.1f} ms |")
+        lines.append(_planner_row("fused" if fused else "unfused", ap, graph, cluster, gpus,
+                                  fix | {"fused_loss": fused}))
+    tp_fix = {"dp": 1, "tp": gpus, "micro_batches": 1, "recompute": "none"}
+    lines += ["", f"The same model with tensor parallelism, fix {tp_fix}, 1 sample per step (the unfused head "
+              "vocab-parallel with torch's loss_parallel; the fused one kernels_ext's vocab-parallel op):", "",
+              "| loss | predicted peak per GPU | step |", "|---|---|---|"]
+    for fused in (False, True):
+        lines.append(_planner_row("fused, vocab-parallel" if fused else "unfused, loss_parallel", ap, graph, cluster,
+                                  1, tp_fix | {"fused_loss": fused}))
     return "\n".join(lines)
+
+
+def _planner_row(name: str, ap, graph, cluster, batch: int, fix: dict) -> str:
+    """One row of :func:`planner_table`: the plan's predicted peak and step, or why nothing fits."""
+    try:
+        plan = ap.plan(graph, cluster, global_batch=batch, fix=fix)
+    except ap.PlanError as e:
+        return f"| {name} | does not fit: {str(e).split(':')[0]} | - |"
+    return f"| {name} | {plan.cost.peak_memory_bytes / 2**30:.2f} GiB | {plan.cost.step_time_s * 1e3:.1f} ms |"
 
 
 def main() -> None:
