@@ -47,6 +47,62 @@ print(json.dumps({"variant": variant, "loss": loss.item(), "peak_bytes": peak - 
 """
 
 
+CHILD_TP = """
+import json, math, os, resource, sys, time, psutil, torch, torch.distributed as dist
+import kernels_ext
+n, h, v = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+hidden = torch.randn(n, h).requires_grad_()
+rows = math.ceil(v / world)
+start = rank * rows
+g = torch.Generator().manual_seed(1)
+weight = torch.cat([torch.randn(min(rows, v - lo), h, generator=g) / h**0.5 for lo in range(0, v, rows)][rank:rank + 1])
+weight.requires_grad_()
+target = torch.randint(0, v, (n,))
+dist.barrier()
+base = psutil.Process().memory_info().rss
+t0 = time.perf_counter()
+loss = kernels_ext.vocab_parallel_linear_cross_entropy(hidden, weight, target, start=start, vocab=v)
+loss.backward()
+dt = time.perf_counter() - t0
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"rank": rank, "loss": loss.item(), "peak_bytes": peak - base, "seconds": dt}))
+dist.destroy_process_group()
+"""
+
+
+def measure_vocab_parallel(n: int, h: int, v: int, world: int = 2) -> list[dict]:
+    """The vocab-parallel loss step on ``world`` gloo processes (each its ``v / world`` rows of the weight; seeded
+    as :data:`CHILD` seeds the hidden states and targets, so the loss is the same one): per rank {"rank", "loss",
+    "peak_bytes", "seconds"}. The weight's rows differ from :data:`CHILD`'s draw, so its loss differs too."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD_TP, str(n), str(h), str(v)], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, env=env | {"RANK": str(r)}) for r in range(world)]
+    outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"a rank failed: {[p.returncode for p in procs]}")
+    return [json.loads(o.strip().splitlines()[-1]) for o in outs]
+
+
+def vocab_parallel_table(n: int = 2048, h: int = 2048, v: int = 128_256) -> str:
+    """Per-rank peak of the vocab-parallel fused loss step on 2 gloo processes, as markdown."""
+    gib = 2**30
+    rows = measure_vocab_parallel(n, h, v)
+    lines = [f"Vocab-parallel fused loss step, 2 gloo processes on this machine, each with {-(-v // 2)} of the {v} "
+             f"rows, {n} tokens x hidden {h}, fp32:", "", "| rank | peak above inputs | time | loss |",
+             "|---|---|---|---|"]
+    lines += [f"| {r['rank']} | {r['peak_bytes'] / gib:.2f} GiB | {r['seconds']:.1f} s | {r['loss']:.5f} |"
+              for r in rows]
+    return "\n".join(lines)
+
+
 def measure_loss_step(variant: str, n: int, h: int, v: int) -> dict:
     """One loss step in a fresh interpreter: {"variant", "loss", "peak_bytes", "seconds", "grad_norm"}."""
     out = subprocess.run([sys.executable, "-c", CHILD, variant, str(n), str(h), str(v)], capture_output=True,
@@ -200,15 +256,19 @@ def main() -> None:
     p.add_argument("--write", action="store_true", help="replace the section of BENCHMARKS.md")
     p.add_argument("--planner", action="store_true", help="print only the planner's figures (seconds)")
     p.add_argument("--norm", action="store_true", help="print only the fused RMSNorm's figures (a minute)")
+    p.add_argument("--tp", action="store_true", help="print only the vocab-parallel loss step on 2 processes")
     args = p.parse_args()
     if args.planner:
         print(planner_table())
+        return
+    if args.tp:
+        print(f"`.venv/bin/python bench/kernels.py --tp` — {machine()}.\n\n{vocab_parallel_table()}")
         return
     if args.norm:
         print(f"`.venv/bin/python bench/kernels.py --norm` — {machine()}.\n\n{norm_table()}")
         return
     table, _ = fused_ce_table()
-    table += "\n\n" + planner_table() + "\n\n" + norm_table()
+    table += "\n\n" + vocab_parallel_table() + "\n\n" + planner_table() + "\n\n" + norm_table()
     body = f"## {SECTION}\n\n`.venv/bin/python bench/kernels.py --write` — {machine()}.\n\n{table}\n"
     print(body)
     if args.write:
