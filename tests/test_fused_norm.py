@@ -1,9 +1,10 @@
 """The fused RMSNorm as a plan choice (``plan.fused_norm``): runtime/fused_norm.py finds the RMSNorm modules of the
 models people bring by what they compute and runs kernels_ext's op in them (same loss and gradients as the eager
-norms, same state dict); the cost model's fused graph (cost/norm.py) against autograd's saved tensors and against
-closed forms; the planner fuses the norms to fit; the plan field, the fix key, the exported script (ruff-clean), and
-verify on 2 gloo processes with ZeRO-3 and with TP + sequence parallelism (the norms run on sequence shards through
-kernels_ext's DTensor sharding rules)."""
+norms, same state dict, also inside compiled blocks: marked slow); the cost model's fused graph (cost/norm.py)
+against autograd's saved tensors and against closed forms; the planner fuses the norms to fit, and on CUDA for
+speed; the plan field, the fix key, the exported script (ruff-clean), and verify on 2 gloo processes with ZeRO-3,
+with TP + sequence parallelism (the norms run on sequence shards through kernels_ext's DTensor sharding rules) and
+with 2 pipeline stages."""
 
 from __future__ import annotations
 
@@ -93,6 +94,29 @@ def test_fused_norms_give_the_eager_loss_and_gradients(family, amp):
     torch.testing.assert_close(results[1][0], results[0][0], **tol)
     for name, grad in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], grad, **tol, msg=name)
+
+
+@pytest.mark.slow
+def test_fused_norms_inside_compiled_blocks_match_eager():
+    """The norms fused, then each block compiled (runtime/compile.py, Inductor's C++ backend): Dynamo traces the
+    replaced forward and the custom op (its fake implementation), and the numbers are the eager model's."""
+    from autopar_nb.runtime.compile import apply_compile
+
+    ns = ModelSource(FAMILIES["LLaMA"]).run(seed=0)
+    model, (ids,) = ns["model"], ns["example_inputs"]
+    _randomise_norms(model)
+    fused = copy.deepcopy(model)
+    apply_fused_norm(fused)
+    assert apply_compile(fused, "model.layers.*") == ["model.layers.0", "model.layers.1"]
+    results = []
+    for m in (model, fused):
+        loss = default_loss(m, (ids,))
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-4, atol=1e-5)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert fused.model.layers[0]._compiled_call_impl is not None
 
 
 # ---- the cost model: the fused graph against autograd and closed forms ----------------------------------------------
