@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import itertools
+import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -709,3 +711,132 @@ def test_recsys_notebook_says_what_the_widget_shows():
         assert "column → row" in prose and "dense part data parallel" not in prose, (dense, prose)
     else:
         assert "data parallel" in prose, (dense, prose)
+
+
+def test_precision_editor_edits_the_op_lists():
+    """The precision editor (issue 18 point 3): adding an op to a list re-plans at once with
+    ``fix["fp32_ops"]`` / ``fix["low_precision_ops"]``, the plan and its predicted time and memory follow (matmuls kept
+    in float32 run at the fp32 rate and save float32 inputs), a name the other list holds moves, bad input gives one
+    clear message and keeps every trait, removing the last op drops the key, undo restores, and without autocast the
+    editor is off and says why."""
+    graph = _graph(lambda: nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 4096)),
+                   lambda: (torch.randn(8192, 4096),))  # compute-bound: the matmuls' rate shows in the step time
+    s = _session(graph)
+    w = s.widget()
+    p = w.precision
+    assert p["amp"] == "bf16" and p["lists"] == {"fp32_ops": [], "low_precision_ops": []} and not p["disabled"]
+    assert {"softmax", "layer_norm", "matmul", "elementwise_add"} <= set(p["choices"])
+    time0, peak0 = w.time["total"], w.memory["peak"]
+    w.handle({"kind": "precision", "list": "fp32_ops", "op": "linear", "action": "add"})
+    assert w.messages[0]["level"] == "info" and "ap.replan(fix=" in w.messages[0]["text"], w.messages
+    assert s.fix["fp32_ops"] == ["linear"] and s.plan.precision.fp32_ops == ["linear"]
+    assert w.precision["lists"]["fp32_ops"] == ["linear"] and w.precision["reach"] == {"linear": 2}
+    assert w.time["total"] > time0 and w.memory["peak"] > peak0  # fp32 matmuls: slower, float32 inputs saved
+    w.handle({"kind": "precision", "list": "low_precision_ops", "op": " elementwise_add ", "action": "add"})
+    assert s.plan.precision.low_precision_ops == ["elementwise_add"]
+    assert w.precision["reach"] == {"linear": 2, "elementwise_add": 0}  # the MLP has no add: allowed, shown
+    w.handle({"kind": "precision", "list": "low_precision_ops", "op": "linear", "action": "add"})
+    assert "left the list to keep in float32" in w.messages[0]["text"]
+    assert s.plan.precision.fp32_ops == [] and s.plan.precision.low_precision_ops == ["elementwise_add", "linear"]
+    assert "fp32_ops" not in s.fix
+    plan, fix, traits = s.plan, dict(s.fix), (w.precision, w.time, w.memory, w.revision)
+    for bad, why in [({"op": "softmx"}, "'softmx' is not an op name the precision lists take; did you mean softmax"),
+                     ({"op": "linear"}, "linear is already in the list to run in low precision"),
+                     ({"op": ""}, "type an op name"),
+                     ({"op": "relu", "action": "remove"}, "relu is not in the list"),
+                     ({"list": "white_list"}, "'white_list' is not an op list")]:
+        w.handle({"kind": "precision", "list": "low_precision_ops", "action": "add", **bad})
+        (msg,) = w.messages
+        assert msg["level"] == "error" and why in msg["text"] and "previous plan is kept" in msg["text"], msg
+        assert s.plan is plan and s.fix == fix and (w.precision, w.time, w.memory, w.revision) == traits
+    for op in ("elementwise_add", "linear"):
+        w.handle({"kind": "precision", "list": "low_precision_ops", "op": op, "action": "remove"})
+    assert "low_precision_ops" not in s.fix and s.plan.precision.low_precision_ops == []
+    assert w.time["total"] == pytest.approx(time0) and w.memory["peak"] == pytest.approx(peak0)
+    w.handle({"kind": "undo"})
+    assert s.fix["low_precision_ops"] == ["linear"]
+    # without autocast the lists cannot apply: the editor is off, an add says what to do
+    w.handle({"kind": "undo"})
+    w.handle({"kind": "global", "key": "amp", "value": "none"})
+    assert "needs mixed precision" in w.messages[0]["text"] and s.fix.get("amp") is None  # lists still set: refused
+    s.replan(fix={"amp": "none"})
+    assert w.precision["disabled"].startswith("the op lists apply under autocast")
+    w.handle({"kind": "precision", "list": "fp32_ops", "op": "softmax", "action": "add"})
+    assert w.messages[0]["level"] == "error" and "choose AMP bf16 or fp16" in w.messages[0]["text"]
+    assert "fp32_ops" not in s.fix
+
+
+PRECISION_PAGE = """async ([esm, css, state, theme]) => {
+  const mod = await import(URL.createObjectURL(new Blob([esm], {type: "text/javascript"})));
+  const style = document.createElement("style");
+  style.textContent = css;
+  document.head.append(style);
+  const wrap = document.createElement("div");
+  for (const [k, v] of Object.entries(theme)) wrap.style.setProperty(k, v);
+  document.body.append(wrap);
+  const el = document.createElement("div");
+  wrap.append(el);
+  const sent = [];
+  const model = {get: (k) => state[k], set: (k, v) => { state[k] = v; }, save_changes: () => {}, on: () => {},
+                 off: () => {}, send: (m) => sent.push(m)};
+  mod.default.render({model, el});
+  await new Promise((r) => setTimeout(r, 100));
+  const row = (list) => el.querySelector(`.ap-oplist[data-list=${list}]`);
+  const input = row("low_precision_ops").querySelector("input");
+  input.value = "softmax";
+  input.dispatchEvent(new KeyboardEvent("keydown", {key: "Enter", bubbles: true}));
+  row("fp32_ops").querySelector(".ap-opchip[data-op=linear] .ap-opchip-x").click();
+  const chip = row("fp32_ops").querySelector(".ap-opchip[data-op=linear]");
+  const cs = getComputedStyle(chip), rs = getComputedStyle(el.querySelector(".ap-root"));
+  return {sent, chips: [...el.querySelectorAll(".ap-opchip")].map((c) => c.dataset.op),
+          none: [...el.querySelectorAll(".ap-opchip-none")].map((c) => c.dataset.op),
+          disabled: [...el.querySelectorAll(".ap-oplist input, .ap-op-add")].map((x) => x.disabled),
+          options: el.querySelectorAll(".ap-precision datalist option").length,
+          off: (el.querySelector(".ap-precision-off") || {}).textContent || "",
+          fg: cs.color, bg: cs.backgroundColor, page: rs.backgroundColor};
+}"""
+DARK = {"--jp-layout-color1": "#111111", "--jp-layout-color2": "#1e1e1e", "--jp-ui-font-color1": "#e6e6e6",
+        "--jp-ui-font-color0": "#ffffff", "--jp-ui-font-color2": "#aaaaaa", "--jp-border-color1": "#555555",
+        "--jp-input-background": "#222222", "--jp-brand-color1": "#5b9bff"}
+
+
+def _rgb(css: str) -> tuple[float, float, float]:
+    """An rgb()/rgba()/color(srgb ...) value as (r, g, b) in 0..1."""
+    nums = [float(x) for x in re.findall(r"[\d.]+", css)]
+    return tuple(x / 255 for x in nums[:3]) if css.startswith("rgb") else tuple(nums[:3])
+
+
+def _contrast(a: str, b: str) -> float:
+    def lum(c):
+        lin = [x / 12.92 if x <= 0.03928 else ((x + 0.055) / 1.055) ** 2.4 for x in _rgb(c)]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+    hi, lo = sorted((lum(a), lum(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+@pytest.mark.browser
+def test_precision_editor_in_chromium(seed_graph):
+    """The precision editor's front end (planner.js renderPrecision) in a blank chromium page, light and dark
+    themes: one chip per listed op (dashed when no op of the model has the name), typing a name + Enter sends an
+    "add" message, a chip's × sends "remove", the chip's text is legible on its fill (contrast >= 4.5), and without
+    autocast the inputs are disabled with the reason shown."""
+    import test_browser
+
+    test_browser._require_chromium()
+    s = _session(seed_graph)
+    s.replan(fix={"fp32_ops": ["linear"], "low_precision_ops": ["elementwise_add"]})
+    w = s.widget()
+    state = json.loads(json.dumps(w.get_state(), default=str))
+    for theme in ({}, DARK):
+        seen, errors = test_browser.evaluate_in_blank_page(PRECISION_PAGE, [w._esm, w._css, state, theme])
+        assert not errors, errors
+        assert seen["sent"] == [{"kind": "precision", "list": "low_precision_ops", "op": "softmax", "action": "add"},
+                                {"kind": "precision", "list": "fp32_ops", "op": "linear", "action": "remove"}]
+        assert seen["chips"] == ["linear", "elementwise_add"] and seen["none"] == ["elementwise_add"]
+        assert not any(seen["disabled"]) and seen["options"] == len(w.precision["choices"]) and not seen["off"]
+        assert _contrast(seen["fg"], seen["bg"]) >= 4.5, (theme, seen)
+    dark_page = _rgb(seen["page"])
+    assert sum(dark_page) < 0.5, "the dark theme's variables reach the widget"
+    off = {**state, "precision": {**w.precision, "disabled": "the op lists apply under autocast: choose AMP"}}
+    seen, errors = test_browser.evaluate_in_blank_page(PRECISION_PAGE, [w._esm, w._css, off, {}])
+    assert not errors and all(seen["disabled"]) and seen["off"].startswith("the op lists apply under autocast")

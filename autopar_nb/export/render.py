@@ -256,6 +256,14 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
     return "\n".join(head + body), uses, imports
 
 
+def _summary_lines(model_name: str, summary: str) -> str:
+    """The plan's summary as the docstring's first sentence (``Train <model> with <summary>.``), wrapped at 120
+    columns where a long plan (many techniques) makes it longer."""
+    lead = f'"""Train {model_name} with '
+    text = textwrap.fill(lead + summary + ".", width=120, break_long_words=False, break_on_hyphens=False)
+    return text[len(lead):-1]
+
+
 def call(target: str, *args: str, indent: int = 0, width: int = 120, **kwargs: str) -> str:
     """``target(args..., key=value...)`` as source (arguments are source text) for a line where ``target`` starts at
     column ``indent``, wrapped at ``width`` with continuation lines aligned to the opening parenthesis."""
@@ -302,6 +310,9 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
     lines = ["dp_rank = mesh[\"dp\"].get_local_rank()", f"loss = {loss}"]
     if not (v.dataset and v.pp > 1):  # else after the stage ids
         lines.append(f"make_batch_fn = {batches}")
+    if v.kv_cache:
+        lines.append(f"switch_off_kv_cache({mv})  # Hugging Face's key/value cache: training never reads it")
+        uses.append("switch_off_kv_cache")
     if v.meta_init:
         lines += [f"skeleton = copy.deepcopy({mv})  # unsharded, on meta: the initialisation below reads it",
                   f"net = {mv}"]
@@ -411,7 +422,7 @@ def render_script(source: ModelSource, plan: Plan, v: ScriptValues, *, script_na
     imports = _without_cell_imports(assembly.imports | prelude.imports | TEMPLATE_IMPORTS | std | par_imports,
                                     source, keep=setting_imports | prelude.imports)
     return Template(TEMPLATE.read_text()).substitute(
-        model_name=v.model_class, summary=plan.summary(), plan_file=plan_file,
+        model_name=v.model_class, summary=_summary_lines(v.model_class, plan.summary()), plan_file=plan_file,
         intro=textwrap.fill(f"Exported by autopar-nb from a notebook cell. The cell is kept verbatim below; the plan "
                             f"({plan_file} beside this file) is applied by the functions of autopar_nb.runtime, "
                             "copied below; nothing but torch (and the cell's own imports) is needed.", width=116),

@@ -74,7 +74,7 @@ class VerifyJob:
                          for i, ((src, p), m) in enumerate(zip(cases, metas, strict=True))],
                "steps": self.steps, "nproc": self.nproc, "seed": seed, "rtol": rtol,
                "report": str(self.dir / "report.json"), "log": str(self.dir / "verify.log"),
-               "parent_pid": os.getpid(), "warm": warm}
+               "parent_pid": os.getpid(), "warm": warm, "cwd": kernel_cwd()}
         (self.dir / "job.json").write_text(json.dumps(job))
         from .pool import job_env
 
@@ -84,7 +84,10 @@ class VerifyJob:
             from .pool import POOL, verify_preload
 
             preload = verify_preload("\n".join(src.code for src, _ in cases))
-            standby = POOL.hand("verify", self.dir / "job.json", env=env, monitor=True, preload=preload)
+            # the ranks run in the kernel's working directory (job["cwd"]): a file of the cell's imports there
+            # shadows a preloaded module, as a script's directory does for launch
+            standby = POOL.hand("verify", self.dir / "job.json", env=env, monitor=True, preload=preload,
+                                script_dir=job["cwd"])
             self._server, self._token, self._proc = standby.server, standby.token, standby.proc
             self._refill = lambda: POOL.refill("verify", env=env, monitor=True, preload=preload)
         else:
@@ -241,9 +244,38 @@ def _stop_all_at_exit() -> None:
             job.stop("the kernel is shutting down")
 
 
+def kernel_cwd() -> str:
+    """This process's working directory, where a verify's ranks and reference run (the notebook's folder: the cell's
+    relative paths hold there, as under launch). Raises RuntimeError, saying what to do, when it was deleted."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        raise RuntimeError("this kernel's working directory was deleted, so verify's processes would have none to "
+                           "run in: os.chdir() to an existing directory (the one the cell's relative paths are "
+                           "relative to) and verify again") from None
+
+
 # ---- the child process ----------------------------------------------------------------------------------------------
+def enter_cwd(cwd: str | None) -> None:
+    """Run in the kernel's working directory ``cwd`` (a warm standby was started in the one the kernel had then),
+    with it as ``sys.path[0]`` in place of the directory this process started in, as ``python -m`` run there has it;
+    multiprocessing hands both to every rank it starts."""
+    if not cwd:
+        return
+    try:
+        here = os.getcwd()
+    except FileNotFoundError:
+        here = None
+    os.chdir(cwd)
+    if sys.path and here is not None and sys.path[0] in (here, ""):
+        sys.path[0] = cwd
+    elif cwd not in sys.path[:1]:
+        sys.path.insert(0, cwd)
+
+
 def main(job_path: str, *, watch: bool = True) -> int:
     job = json.loads(Path(job_path).read_text())
+    enter_cwd(job.get("cwd"))
     from .agent import _watch_parent  # the same watchdog as the launch agent's: the kernel gone, so are we
 
     if watch:

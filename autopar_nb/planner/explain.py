@@ -305,3 +305,21 @@ def _setting_diff(a, b) -> list[str]:
     names = ("dp", "tp", "pp", "ep", "zero_stage", "micro_batches", "schedule", "virtual_stages", "sp", "amp",
              "fused_loss")
     return [f"{n}={getattr(a, n)} instead of {getattr(b, n)}" for n in names if getattr(a, n) != getattr(b, n)]
+
+
+def op_list_lines(best, cons, default_ev, graph) -> list[str]:
+    """What the plan's op lists (``fix["fp32_ops"]`` / ``fix["low_precision_ops"]``) cost: the chosen setting's step
+    time and peak with them, and with autocast's own lists (``default_ev``: an Evaluator of the profile without
+    them), and how many of the model's ops each name reaches."""
+    from ..cost.autocast import ops_named
+
+    lists = {k: cons.fix.get(k) or [] for k in ("fp32_ops", "low_precision_ops")}
+    if not any(lists.values()) or best.setting.amp == "none":
+        return []
+    named = "; ".join(f"{label} {', '.join(f'{op} ({ops_named(graph, op)} ops)' for op in lists[k])}"
+                      for k, label in (("fp32_ops", "kept in float32:"), ("low_precision_ops", "in low precision:"))
+                      if lists[k])
+    c, d = best.cost, default_ev.evaluate(best.setting, best.choices)
+    return [f"Op lists ({named}): {c.step_time_s * 1e3:.1f} ms/step and {fmt_bytes(c.peak_memory_bytes)} peak, "
+            f"against {d.step_time_s * 1e3:.1f} ms and {fmt_bytes(d.peak_memory_bytes)} with autocast's own lists "
+            f"({(c.step_time_s / d.step_time_s - 1) * 100:+.0f} % time; each op costed at the dtype it runs in)."]

@@ -73,6 +73,7 @@ function render({ model, el, host }) {
       timed("side", () => renderSide(ui));
     }
     if (changed(ui, "controls", ["controls"])) timed("controls", () => renderControls(ui));
+    if (changed(ui, "precision", ["precision"])) timed("precision", () => renderPrecision(ui));
     if (changed(ui, "board", ["board"])) timed("board", () => renderBoard(ui));
     if (changed(ui, "lanes", ["stages", "layers", "selection"])) timed("lanes", () => renderLanes(ui));
     if (changed(ui, "table", ["layers", "selection", "controls"])) timed("table", () => renderTable(ui));
@@ -87,7 +88,7 @@ function render({ model, el, host }) {
     ui.root.classList.remove("ap-busy");
     renderMessages(ui);
     if ((model.get("messages") || []).some((m) => m.level === "error")) {
-      renderControls(ui); renderBoard(ui); renderLanes(ui); renderTable(ui);
+      renderControls(ui); renderPrecision(ui); renderBoard(ui); renderLanes(ui); renderTable(ui);
     }
   };
   const onSelection = () => { markSelection(ui, model.get("selection"), false); renderGraph(ui); };
@@ -150,6 +151,7 @@ function skeleton(model, el) {
     minimap: h("div", { class: "ap-minimap", style: "display:none", title: "overview: click or drag to move the view" }),
     side: h("div", { class: "ap-side" }),
     controls: h("div", { class: "ap-controls" }),
+    precision: h("div", { class: "ap-precision" }),
     boardEl: h("div", { class: "ap-board", tabindex: "-1" }),
     boardStatus: h("div", { class: "ap-board-status", "aria-live": "polite" }),
     lanes: h("div", { class: "ap-lanes" }),
@@ -159,6 +161,9 @@ function skeleton(model, el) {
   ui.graphPanel = h("div", { class: "ap-graph" }, ui.toolbar, ui.viewport, ui.legend, ui.tooltip, ui.menu);
   root.append(ui.header, ui.messages, h("div", { class: "ap-main" }, ui.graphPanel, ui.side),
     h("div", { class: "ap-section-title" }, "Global choices"), ui.controls,
+    h("div", { class: "ap-section-title" }, "Mixed precision ops ", h("span", { class: "ap-hint" },
+      "beyond autocast's own lists (torch or Paddle names: softmax, layer_norm, matmul, elementwise_add…)")),
+    ui.precision,
     h("div", { class: "ap-section-title" }, "Sharding ", h("span", { class: "ap-hint" },
       "drag layers to a split (shift/ctrl-click or drag a box to select several; keys: ←→ move, space select, "
       + "↑↓ choose a lane, Enter apply)")), ui.boardEl, ui.boardStatus,
@@ -897,6 +902,35 @@ function renderControls(ui) {
     items.push(h("span", { class: "ap-ctl" + (c.fixed[key] !== undefined ? " ap-pinned" : "") }, `${label} `, sel));
   }
   ui.controls.replaceChildren(...items);
+}
+
+// ---- precision editor: the plan's op lists (autopar_nb/widget/editor.py precision_state; "precision" messages) ------
+function renderPrecision(ui) {
+  const p = ui.model.get("precision") || {};
+  const lists = p.lists || {}, reach = p.reach || {};
+  const off = p.disabled || "";
+  const datalist = h("datalist", { id: `${ui.id}-amp-ops` }, (p.choices || []).map((o) => h("option", { value: o })));
+  const rows = Object.entries(p.labels || {}).map(([key, label]) => {
+    const send = (op, action) => ui.send({ kind: "precision", list: key, op, action });
+    const chips = (lists[key] || []).map((op) => {
+      const n = reach[op] || 0;
+      return h("span", { class: "ap-opchip" + (n ? "" : " ap-opchip-none"), dataset: { op },
+        title: n ? `${n} op${n === 1 ? "" : "s"} of this model` : "no op of this model has this name" },
+      op, h("span", { class: "ap-opchip-n" }, ` · ${n}`),
+      h("button", { class: "ap-opchip-x", title: `remove ${op}`, "aria-label": `remove ${op}`,
+        onclick: () => send(op, "remove") }, "×"));
+    });
+    const input = h("input", { class: "ap-op-input", type: "text", list: `${ui.id}-amp-ops`, dataset: { list: key },
+      placeholder: "op name", disabled: !!off, title: off || `an op to ${label}` });
+    const add = () => { if (!off) send(input.value.trim(), "add"); };
+    input.addEventListener("keydown", (ev) => { if (ev.key === "Enter") { ev.preventDefault(); add(); } });
+    const btn = h("button", { class: "ap-btn ap-btn-small ap-op-add", disabled: !!off, title: off || null,
+      onclick: add }, "add");
+    return h("div", { class: "ap-oplist", dataset: { list: key } }, h("span", { class: "ap-oplist-label" }, label),
+      chips.length ? chips : h("span", { class: "ap-hint" }, "autocast's default"), input, btn);
+  });
+  const note = off ? [h("div", { class: "ap-hint ap-precision-off" }, off)] : [];
+  ui.precision.replaceChildren(datalist, ...rows, ...note);
 }
 
 // device preset, nodes, GPUs per node: one "cluster" message when any changes

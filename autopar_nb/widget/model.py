@@ -72,6 +72,8 @@ class PlannerWidget(anywidget.AnyWidget):
     memory = t.Dict().tag(sync=True)
     time = t.Dict().tag(sync=True)
     controls = t.Dict().tag(sync=True)
+    precision = t.Dict().tag(sync=True)
+    """the precision editor: the op lists kept in float32 / run in low precision (``editor.precision_state``)"""
     """global controls: cluster, mesh degrees (fixed or auto), micro-batches, schedule, ZeRO, AMP, and the options
     the planner cannot take with the other choices (``disabled``)"""
     summary = t.Unicode("").tag(sync=True)
@@ -219,6 +221,7 @@ class PlannerWidget(anywidget.AnyWidget):
             self.memory = panels.memory_panel(plan, s.cluster)
             self.time = panels.time_panel(plan)
             self.controls = editor.global_state(s.cluster, plan, s.fix, disabled=self._option_refusals())
+            self.precision = editor.precision_state(s.graph, plan, s.fix)
             if plan is not None:
                 self.layers = editor.layer_rows(s.graph, plan, s.overrides, set(changed))
                 self.board = editor.sharding_board(s.graph, plan, s.overrides, s.fix, s.cluster, set(changed))
@@ -437,6 +440,15 @@ class PlannerWidget(anywidget.AnyWidget):
         s.replan(fix=fix)
         return f"ap.replan(fix={fix!r})"
 
+    def _precision(self, msg) -> tuple[str, str]:
+        """Add an op to, or remove one from, a precision list (``{"kind": "precision", "list": "fp32_ops", "op":
+        "softmax", "action": "add"}``): ``ap.replan(fix={..., "fp32_ops": [...]})``."""
+        s = self.session
+        amp = s.fix.get("amp", s.plan.precision.amp if s.plan is not None else "none")
+        fix, note = editor.precision_fix(s.fix, amp, msg.get("list"), msg.get("op"), msg.get("action", "add"))
+        s.replan(fix=fix)
+        return f"ap.replan(fix={fix!r})", note
+
     def _cluster(self, msg) -> str:
         s = self.session
         old = s.cluster
@@ -558,7 +570,8 @@ class PlannerWidget(anywidget.AnyWidget):
 _HANDLERS = {
     "strategy": PlannerWidget._strategy, "shard": PlannerWidget._shard, "recompute": PlannerWidget._recompute,
     "unpin": PlannerWidget._unpin, "stage": PlannerWidget._stage, "boundary": PlannerWidget._boundary,
-    "global": PlannerWidget._global, "cluster": PlannerWidget._cluster, "adopt": PlannerWidget._adopt,
+    "global": PlannerWidget._global, "precision": PlannerWidget._precision, "cluster": PlannerWidget._cluster,
+    "adopt": PlannerWidget._adopt,
     "undo": PlannerWidget._undo, "redo": PlannerWidget._redo, "action": PlannerWidget._action,
     "select": PlannerWidget._select, "expand": PlannerWidget._expand, "collapse": PlannerWidget._collapse,
     "depth": PlannerWidget._set_depth, "expand_group": PlannerWidget._expand_group,
@@ -621,6 +634,9 @@ def _describe(msg: dict[str, Any]) -> str:
         return f"stage {msg.get('stage')} starts at {msg.get('layer')}"
     if kind == "global":
         return f"{editor.GLOBAL_NAMES.get(msg.get('key'), msg.get('key'))} = {msg.get('value')}"
+    if kind == "precision":
+        where = editor.OP_LISTS.get(msg.get("list"), msg.get("list"))
+        return f"{msg.get('action', 'add')} {msg.get('op')!r} ({where})"
     if kind == "cluster":
         return f"cluster {msg.get('preset')} {msg.get('nodes')} x {msg.get('gpus_per_node')}"
     if kind == "adopt":
