@@ -22,6 +22,7 @@ JSON schema (``SCHEMA_VERSION`` = 1)::
       "sync_batchnorm": bool,
       "loss_parallel": bool,
       "fused_loss": str,             # the output head fused with the loss ("lm_head"), or "" (unfused)
+      "fused_norm": bool,            # the model's RMSNorm modules run kernels_ext's fused RMSNorm
       "experts":   [module_path_pattern, ...],   # expert modules ("model.layers.*.mlp.experts")
       "cost": {...} | null,          # see Cost; filled by the planner
       "explanation": [str, ...],
@@ -66,14 +67,15 @@ ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
             "complex128": 16}
 """bytes per element by torch dtype name (``str(dtype).removeprefix("torch.")``)"""
 FIX_KEYS = ("dp", "tp", "pp", "ep", "cp", "zero_stage", "micro_batches", "schedule", "virtual_stages", "recompute", "amp",
-            "compile", "fused_loss",
+            "compile", "fused_loss", "fused_norm",
             "sequence_parallel", "optimizer", "fp32_ops", "low_precision_ops")
 """global choices a user can pin (``--fix``, ``plan(fix=...)``, ``Session.replan(fix=...)``)"""
 FIX_ALIASES = {"zero": "zero_stage", "mb": "micro_batches", "micro": "micro_batches", "sp": "sequence_parallel"}
 """short names accepted for FIX_KEYS"""
 FIX_CHOICES: dict[str, tuple] = {"zero_stage": ZERO_STAGES, "schedule": SCHEDULES, "recompute": RECOMPUTE,
                                  "amp": AMP, "sequence_parallel": (False, True), "optimizer": OPTIMIZERS,
-                                 "compile": (False, True), "fused_loss": (False, True)}
+                                 "compile": (False, True), "fused_loss": (False, True),
+                                 "fused_norm": (False, True)}
 """the allowed values of the FIX_KEYS that are choices; the others (dp, tp, pp, ep, cp, micro_batches, virtual_stages)
 are positive integers"""
 
@@ -514,7 +516,13 @@ class Plan:
     """module path of the output head (a bias-free ``nn.Linear``) whose matmul runs fused with the default
     next-token cross-entropy, chunk by chunk (``kernels_ext.linear_cross_entropy``): the full logits and their
     gradient are never held, and the logits are computed again in backward. "" = unfused. Only with the default
-    loss (the cell defines no ``loss_fn``), mesh.tp == 1 and mesh.pp == 1"""
+    loss (the cell defines no ``loss_fn``) and mesh.pp == 1; with mesh.tp > 1 the head's weight is split on the
+    vocabulary and the loss is vocab-parallel (``kernels_ext.vocab_parallel_linear_cross_entropy``), so
+    loss_parallel stays false"""
+    fused_norm: bool = False
+    """the model's RMSNorm modules (found by what they compute: ``runtime/fused_norm.py``) run kernels_ext's fused
+    RMSNorm, which keeps the input and one fp32 rstd per row for backward instead of the eager chain's input,
+    normalised input and rstd (on CUDA one kernel instead of five: Liger-kernel's when installed, else torch's)"""
     experts: list[str] = field(default_factory=list)
     """the model's expert modules (stacked-weight experts of a Mixture-of-Experts layer), as module paths or patterns
     over repeated blocks (``"model.layers.*.mlp.experts"``); mesh.ep > 1 splits each one's experts"""
@@ -540,6 +548,7 @@ class Plan:
         _check_bool("sync_batchnorm", self.sync_batchnorm)
         _check_bool("loss_parallel", self.loss_parallel)
         self._check_fused_loss()
+        _check_bool("fused_norm", self.fused_norm)
         _check_list("experts", self.experts, str)
         for i, pattern in enumerate(self.experts):
             if not MODULE_PATTERN.fullmatch(pattern):
@@ -608,18 +617,18 @@ class Plan:
             raise PlanError(f"mesh.cp={m.cp} with {why} is not supported; set mesh.cp to 1")
 
     def _check_fused_loss(self) -> None:
-        """``fused_loss``: a module path or ""; the fused head runs whole, on the one pipeline stage."""
+        """``fused_loss``: a module path or ""; the fused head runs on the one pipeline stage, vocab-parallel under
+        TP (its own loss, not torch's loss_parallel)."""
         _check_module_path("fused_loss", self.fused_loss, root=True)
         if not self.fused_loss:
             return
         m = self.mesh
-        if m.tp > 1 or m.pp > 1 or self.loss_parallel:
-            why = ("loss_parallel=true (the head's logits are vocab-sharded; torch computes that loss)"
-                   if self.loss_parallel else
-                   f"mesh.tp={m.tp} (the fused head takes the whole hidden states and weight)" if m.tp > 1 else
+        if m.pp > 1 or self.loss_parallel:
+            why = ("loss_parallel=true (the fused head computes a vocab-parallel loss itself under TP; torch's "
+                   "loss_parallel takes logits, which it never makes)" if self.loss_parallel else
                    f"mesh.pp={m.pp} (the pipeline schedule computes the loss from the last stage's output)")
             raise PlanError(f"fused_loss={self.fused_loss!r} with {why}: the fused linear + cross-entropy runs with "
-                            "tp=1 and pp=1 only; set fused_loss to \"\" (or fix fused_loss=false)")
+                            "pp=1 and loss_parallel=false only; set fused_loss to \"\" (or fix fused_loss=false)")
 
     def _check_info(self) -> None:
         """``model`` and ``cluster``: dicts of known keys with their types."""
@@ -770,6 +779,8 @@ class Plan:
             s += " compile"
         if self.fused_loss:
             s += " fused-loss"
+        if self.fused_norm:
+            s += " fused-norm"
         if self.cost is not None:
             s += f" | {self.cost.step_time_s * 1e3:.1f} ms/step, peak {self.cost.peak_memory_bytes / 2**30:.2f} GiB"
         return s

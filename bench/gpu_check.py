@@ -12,9 +12,10 @@ and the others still run; checks past the time budget are recorded as skipped. T
 1. the exported script of a 1B-class LLaMA in bf16 on one GPU (``--gpu auto``), for recompute none / selective /
    full: CUDA's peak memory vs the planner's prediction, step time vs prediction, NVML samples arriving;
 2. ``run.calibrate()`` on the first run, re-plan, run again: the step-time error after;
-3. tokens/s and MFU of that script: eager, ``torch.compile`` per block (``--fix compile=true``), and compile plus
-   the fused linear + cross-entropy head (``fused_loss=true``, kernels_ext's op; Liger's Triton kernel when
-   installed);
+3. tokens/s and MFU of that script: eager, ``torch.compile`` per block (``--fix compile=true``), the fused linear +
+   cross-entropy head (``fused_loss=true``, kernels_ext's op; Liger's Triton kernel when installed), the fused
+   RMSNorm (``fused_norm=true``: Liger's kernel when installed, else torch's fused one), both, and compile with
+   both;
 4. fp16 with GradScaler, verify on CUDA (one rank vs the reference on the same device), and with >= 2 GPUs a
    2-process NCCL run with SyncBatchNorm (with one GPU: recorded as not run, and why).
 
@@ -162,15 +163,21 @@ def check_calibrate(c: Checker) -> str:
             f"{pct(after['step_time_s'], after['predicted_step_time_s'])}")
 
 
-VARIANTS = {"eager": "compile=false,fused_loss=false", "compile per block": "compile=true,fused_loss=false",
-            "compile + fused linear-cross-entropy": "compile=true,fused_loss=true",
-            "fused linear-cross-entropy": "compile=false,fused_loss=true"}
+VARIANTS = {"eager": "compile=false,fused_loss=false,fused_norm=false",
+            "compile per block": "compile=true,fused_loss=false,fused_norm=false",
+            "compile + fused linear-cross-entropy + fused RMSNorm": "compile=true,fused_loss=true,fused_norm=true",
+            "fused linear-cross-entropy": "compile=false,fused_loss=true,fused_norm=false",
+            "fused RMSNorm": "compile=false,fused_loss=false,fused_norm=true",
+            "fused linear-cross-entropy + fused RMSNorm": "compile=false,fused_loss=true,fused_norm=true"}
 """the exported script's variants (the plan's ``--fix``); compile only on GPUs (CPU: tests/test_compile.py)"""
+CPU_VARIANTS = ("eager", "fused linear-cross-entropy + fused RMSNorm")
+"""what the plumbing path launches (two toy runs: the others differ only in the plan's flags)"""
 
 
 def check_throughput(c: Checker) -> str:
-    """Tokens/s and MFU of the exported script, eager vs compiled blocks vs compiled + the fused head and loss."""
-    names = [v for v in VARIANTS if c.target.cuda or "compile " not in v + " "]
+    """Tokens/s and MFU of the exported script, eager vs compiled blocks vs the fused head and loss, the fused
+    RMSNorms, both, and compiled with both."""
+    names = [v for v in VARIANTS if c.target.cuda or v in CPU_VARIANTS]
     lines = ["| variant | tokens/s | MFU | plan |", "|---|---|---|---|"]
     for name in names:
         ap = c.session(f"--gpus 1 --fix {VARIANTS[name]}")

@@ -7,7 +7,7 @@ and a registry users extend for their own ops (:func:`register_op`).
 
 from . import aten_rules, moe_rules  # noqa: F401  (register the built-in ATen rules, then the MoE ones)
 from .flops import torch_flops
-from .fused import RMSNorm, linear_cross_entropy, rms_norm
+from .fused import RMSNorm, linear_cross_entropy, rms_norm, vocab_parallel_linear_cross_entropy
 from .registry import (
     LAYOUTS,
     OP_CLASSES,
@@ -22,4 +22,5 @@ from .registry import (
 )
 
 __all__ = ["LAYOUTS", "OP_CLASSES", "SAVES", "TP_ROLES", "OpRule", "RMSNorm", "Split", "TensorMeta",
-           "linear_cross_entropy", "lookup", "register_op", "registered", "rms_norm", "torch_flops"]
+           "linear_cross_entropy", "lookup", "register_op", "registered", "rms_norm", "torch_flops",
+           "vocab_parallel_linear_cross_entropy"]

@@ -121,6 +121,78 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     return total / (t != ignore_index).sum().clamp(min=1)
 
 
+# --- vocab-parallel linear + cross-entropy (tensor parallelism) -----------------------------------------------------
+
+
+class _VocabParallelLCE(torch.autograd.Function):
+    """Megatron-LM's vocab-parallel cross-entropy (``tensor_parallel/cross_entropy.py``) fused with the head's matmul
+    and chunked: each rank holds rows ``[start, start + V_local)`` of the head's weight and computes only those
+    logits, chunk by chunk; the log-sum-exp over the whole vocabulary is combined with two all-reduces (max, then
+    the sum of exponentials with the picked target logit, which one rank holds), and in backward each rank's partial
+    gradient of the hidden states is summed by one all-reduce. torch.distributed's collectives on ``group``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, start, group, ignore_index, chunk):
+        import torch.distributed as dist
+
+        n, v_local = hidden.shape[0], weight.shape[0]
+        lse = hidden.new_empty((n,), dtype=torch.float32)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for lo in range(0, n, chunk):
+            h, t = hidden[lo:lo + chunk], target[lo:lo + chunk]
+            logits = (h @ weight.t()).float()  # (C, V_local)
+            peak = logits.amax(dim=-1)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+            keep = t != ignore_index
+            mine = keep & (t >= start) & (t < start + v_local)
+            picked = logits.gather(1, torch.where(mine, t - start, 0).unsqueeze(1)).squeeze(1) * mine
+            sums = torch.stack([torch.exp(logits - peak.unsqueeze(1)).sum(-1), picked])
+            dist.all_reduce(sums, group=group)
+            lse[lo:lo + chunk] = peak + torch.log(sums[0])
+            total += ((lse[lo:lo + chunk] - sums[1]) * keep).sum()
+        ctx.save_for_backward(hidden, weight, target, lse)
+        ctx.start, ctx.group, ctx.ignore_index, ctx.chunk = start, group, ignore_index, chunk
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        hidden, weight, target, lse = ctx.saved_tensors
+        start, v_local = ctx.start, weight.shape[0]
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for lo in range(0, hidden.shape[0], ctx.chunk):
+            h, t = hidden[lo:lo + ctx.chunk], target[lo:lo + ctx.chunk]
+            probs = torch.exp((h @ weight.t()).float() - lse[lo:lo + ctx.chunk].unsqueeze(1))  # this rank's softmax
+            keep = t != ctx.ignore_index
+            mine = keep & (t >= start) & (t < start + v_local)
+            probs.scatter_add_(1, torch.where(mine, t - start, 0).unsqueeze(1), -mine.to(probs.dtype).unsqueeze(1))
+            probs *= (keep.to(probs.dtype) * grad).unsqueeze(1)
+            g = probs.to(hidden.dtype)
+            grad_hidden[lo:lo + ctx.chunk] = g @ weight
+            grad_weight.addmm_(g.t().float(), h.float())
+        dist.all_reduce(grad_hidden, group=ctx.group)  # each rank's vocabulary rows' share
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+
+
+def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
+                                        start: int, vocab: int, group=None, ignore_index: int = IGNORE_INDEX,
+                                        reduction: str = "mean", chunk: int | None = None) -> torch.Tensor:
+    """:func:`linear_cross_entropy` with the head's weight split on the vocabulary over the ranks of ``group``
+    (tensor parallelism): ``weight`` is this rank's rows ``[start, start + len(weight))`` of the ``vocab``-row
+    weight, ``hidden`` and ``target`` are whole on every rank, and the result (and the hidden states' gradient) is
+    the same on every rank. The weight's gradient is this rank's rows'."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction={reduction!r}: choose 'mean' or 'sum'")
+    h, t = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    total = _VocabParallelLCE.apply(h, weight, t, start, group, ignore_index,
+                                    chunk or default_chunk(h.shape[0], h.shape[1], vocab))
+    if reduction == "sum":
+        return total
+    return total / (t != ignore_index).sum().clamp(min=1)
+
+
 # --- RMSNorm -------------------------------------------------------------------------------------------------------
 
 
@@ -171,12 +243,16 @@ _rms_forward.register_autograd(_rms_grad, setup_context=_rms_setup)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, use_liger: bool | None = None
              ) -> torch.Tensor:
     """RMSNorm over the last dim (LLaMA's: statistics in fp32, then scaled by ``weight``). ``use_liger``: None =
-    Liger-kernel's Triton kernel on CUDA when it is installed, else the custom op (saves x and one fp32 rstd per
-    row, as ``aten._fused_rms_norm`` does; the decomposed eager norm also keeps the normalised input)."""
+    Liger-kernel's Triton kernel on CUDA when it is installed; else on CUDA, for a plain tensor of the weight's
+    dtype, torch's own fused kernel (``F.rms_norm``: ``aten._fused_rms_norm`` and its backward, one kernel each);
+    else the custom op. Each saves x and one fp32 rstd per row (the decomposed eager norm also keeps the
+    normalised input)."""
     if _liger_wanted(use_liger, x):
         from liger_kernel.transformers.functional import liger_rms_norm
 
         return liger_rms_norm(x, weight, eps)
+    if use_liger is None and x.is_cuda and x.dtype == weight.dtype and not _is_dtensor(x):
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
     return _rms_forward(x, weight, eps)[0]
 
 
@@ -193,8 +269,9 @@ class RMSNorm(torch.nn.Module):
 
 
 def _liger_wanted(use_liger: bool | None, tensor: torch.Tensor) -> bool:
-    """Whether to call Liger-kernel: asked for, or (None) on CUDA with liger_kernel importable."""
-    if use_liger is False or (use_liger is None and not tensor.is_cuda):
+    """Whether to call Liger-kernel: asked for, or (None) on CUDA with liger_kernel importable, for a plain tensor
+    (a DTensor runs the custom op, whose sharding rules DTensor knows: :func:`_register_dtensor_rules`)."""
+    if use_liger is False or (use_liger is None and (not tensor.is_cuda or _is_dtensor(tensor))):
         return False
     try:
         import liger_kernel  # noqa: F401
@@ -203,6 +280,39 @@ def _liger_wanted(use_liger: bool | None, tensor: torch.Tensor) -> bool:
             raise ImportError("use_liger=True needs Liger-kernel: pip install liger-kernel") from None
         return False
     return True
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "placements")
+
+
+# --- how DTensor runs them (tensor / sequence parallelism) ---------------------------------------------------------
+
+
+def _register_dtensor_rules() -> None:
+    """Sharding rules for DTensor (``torch.distributed.tensor.experimental.register_sharding``), so that a norm that
+    sequence parallelism runs on sequence shards (``SequenceParallel``: input ``Shard(1)``, weight ``Replicate``)
+    calls the custom op on each rank's rows: RMSNorm is row-wise, so any dim but the last may be sharded, the rstd
+    sharded alike; in backward the input's gradient is sharded like the input and the weight's is a ``Partial`` sum
+    over the ranks' rows (DTensor reduces it where a replicated weight's gradient must be whole)."""
+    try:
+        from torch.distributed.tensor import Partial, Replicate, Shard
+        from torch.distributed.tensor.experimental import register_sharding
+    except ImportError:  # a torch built without distributed
+        return
+
+    @register_sharding(torch.ops.kernels_ext.rms_norm.default)
+    def _(x, weight, eps):
+        rows = [([Shard(d), Shard(d)], [Shard(d), Replicate(), None]) for d in range(len(x.shape) - 1)]
+        return [([Replicate(), Replicate()], [Replicate(), Replicate(), None]), *rows]
+
+    @register_sharding(torch.ops.kernels_ext.rms_norm_backward.default)
+    def _(grad, x, weight, rstd):
+        rows = [([Shard(d), Partial()], [Shard(d), Shard(d), Replicate(), Shard(d)]) for d in range(len(x.shape) - 1)]
+        return [([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), Replicate()]), *rows]
+
+
+_register_dtensor_rules()
 
 
 # --- what the planner knows about them -----------------------------------------------------------------------------

@@ -108,6 +108,28 @@ def test_fused_memory_is_the_closed_form(amp):
     assert fused.cost.step_time_s > unfused.cost.step_time_s
 
 
+@pytest.mark.parametrize("amp", ["none", "bf16"])
+def test_vocab_parallel_fused_memory_and_time_are_the_closed_form(amp):
+    """tp=2: the unfused head is vocab-parallel with torch's loss_parallel (the fp32 log-softmax of a rank's logits
+    shard saved and three fp32 temporaries of it, as the cost model counts it from MemTracker); the fused one keeps
+    one fp32 log-sum-exp per token, and its chunk buffers and weight gradient cover a rank's V / 2 rows. The logits
+    computed again in backward: 2 N H V / 2 FLOPs per rank."""
+    n, h, v, chunk = 4 * 256, 32, 4096, 256
+    graph = _graph(lm_source(vocab=v, dim=h, batch=4, seq=256))
+    fix = {"dp": 1, "tp": 2, "recompute": "none", "amp": amp}
+    unfused = ap.plan(graph, _cluster(gpus=2), fix=fix | {"fused_loss": False})
+    fused = ap.plan(graph, _cluster(gpus=2), fix=fix | {"fused_loss": True})
+    assert (unfused.loss_parallel, fused.loss_parallel, fused.fused_loss) == (True, False, "head")
+    p, half, rows = (2, 2, v // 2) if amp == "bf16" else (4, 0, v // 2)
+    unfused_loss = n * v * 4 * 4 / 2
+    fused_loss = n * 4 + chunk * rows * (3 * 4 + half) + rows * h * (4 + half) + n * h * p
+    margin = 1 + factors_for(_cluster()).margin_fraction
+    assert unfused.cost.peak_memory_bytes - fused.cost.peak_memory_bytes == pytest.approx(
+        (unfused_loss - fused_loss) * margin, rel=1e-9)
+    assert fused.cost.hardware_tflops_per_gpu * fused.cost.step_time_s == pytest.approx(
+        unfused.cost.hardware_tflops_per_gpu * unfused.cost.step_time_s + 2 * n * h * v / 2 / 1e12, rel=1e-9)
+
+
 def test_planner_fuses_the_loss_to_fit_a_plan_that_does_not_fit_unfused():
     graph = _graph(lm_source(vocab=4096, dim=32, batch=4, seq=256))
     fix = {"dp": 2, "zero_stage": 3, "recompute": "none", "micro_batches": 1}
@@ -142,13 +164,14 @@ def test_fused_loss_field_and_fix_key():
                        ({"loss_parallel": True}, "fused_loss='head' with loss_parallel=true")):
         with pytest.raises(PlanError, match=match):
             Plan.from_dict(d | bad)
-    with pytest.raises(PlanError, match="with mesh.tp=2"):
-        Plan.from_dict(d | {"mesh": d["mesh"] | {"dp": 1, "tp": 2}})
+    assert Plan.from_dict(d | {"mesh": d["mesh"] | {"dp": 1, "tp": 2}}).fused_loss == "head", "vocab-parallel"
+    with pytest.raises(PlanError, match="with mesh.pp=2"):
+        Plan.from_dict(d | {"mesh": d["mesh"] | {"dp": 1, "pp": 2}})
     assert normalize_fix({"fused_loss": True}) == {"fused_loss": True}
     with pytest.raises(PlanError, match=r"fix\['fused_loss'\]='yes' is not supported"):
         normalize_fix({"fused_loss": "yes"})
-    with pytest.raises(PlanError, match="tp=2, pp=1 with fix fused_loss=True: the fused head"):
-        ap.plan(graph, _cluster("h100-80gb", 2), fix={"tp": 2, "dp": 1, "fused_loss": True})
+    with pytest.raises(PlanError, match="pp=2 with fix fused_loss=True: the fused head"):
+        ap.plan(graph, _cluster("h100-80gb", 2), fix={"pp": 2, "dp": 1, "fused_loss": True})
     with pytest.raises(PlanError, match="cannot be fused: the cell defines its own loss_fn"):
         ap.plan(graph, _cluster("h100-80gb", 2), fix={"fused_loss": True}, default_loss=False)
     mlp = ap.capture(zoo.SeedMLP(), torch.randn(4, 1024))
@@ -183,5 +206,23 @@ def test_verify_fused_zero3_plan_on_two_gloo_processes():
     src = lm_source(vocab=300, dim=16)
     plan = ap.plan(_graph(src), _cluster("cpu", 2), fix={"dp": 2, "zero_stage": 3, "fused_loss": True})
     assert plan.fused_loss == "head" and plan.mesh.zero_stage == 3
+    report = ap.verify(src, plan, steps=3, nproc=2)
+    assert report.ok, report
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", ["lm", "LLaMA"])
+def test_verify_vocab_parallel_fused_plan_on_two_gloo_processes(family):
+    """tp=2 with sequence parallelism: the fused head's weight split on the vocabulary (301 words: 151 + 150 rows),
+    its input gathered from the sequence shards, the loss vocab-parallel; against the unfused model in one process."""
+    from families import FAMILIES
+
+    src = lm_source(vocab=301, dim=16) if family == "lm" else ModelSource(FAMILIES[family])
+    plan = ap.plan(_graph(src), _cluster("cpu", 2), fix={"dp": 1, "tp": 2, "fused_loss": True})
+    assert plan.fused_loss and plan.mesh.tp == 2 and not plan.loss_parallel
+    assert any(lp.sequence_parallel for lp in plan.layers)
+    text = render_script(src, plan)
+    body = text[text.index("def parallelize("):]
+    assert body.index("apply_fused_loss(") < body.index("apply_tp(") < body.index("shard_fused_head(part, FUSED_LOSS")
     report = ap.verify(src, plan, steps=3, nproc=2)
     assert report.ok, report

@@ -104,3 +104,49 @@ def test_capture_sees_one_op_each():
     ops = {n.op: n.op_class for n in graph.nodes}
     assert ops["kernels_ext.rms_norm.default"] == "norm"
     assert ops["kernels_ext.linear_cross_entropy.default"] == "matmul" and not graph.unknown_ops
+
+
+def _vocab_parallel_rank(rank: int, world: int, init: str, dtype, errors) -> None:
+    """One rank of :func:`test_vocab_parallel_linear_cross_entropy_matches_unfused`: its rows of the weight."""
+    import math
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        hidden, weight, target = lce_case(dtype)
+        rows = math.ceil(weight.shape[0] / world)  # DTensor's Shard(0) cut: 51 + 50 rows of 101
+        start = rank * rows
+        local = weight.detach()[start:start + rows].clone().requires_grad_()
+        loss = kernels_ext.vocab_parallel_linear_cross_entropy(hidden, local, target, start=start,
+                                                               vocab=weight.shape[0], chunk=8)
+        gh, gw = torch.autograd.grad(loss, (hidden, local))
+        ref = F.cross_entropy((hidden.float() @ weight.float().t()), target)
+        rh, rw = torch.autograd.grad(ref, (hidden, weight))
+        tol = TOL[dtype]
+        torch.testing.assert_close(loss.float(), ref, **tol)
+        torch.testing.assert_close(gh.float(), rh.float(), **tol)
+        torch.testing.assert_close(gw.float(), rw[start:start + rows].float(), **tol)
+    except Exception as e:  # reported to the parent, which fails the test
+        errors.put(f"rank {rank}: {e!r}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocab_parallel_linear_cross_entropy_matches_unfused(dtype, tmp_path):
+    """Two gloo processes, each with half the vocabulary's rows (uneven: 101 words), 5 ignored targets: the loss and
+    the hidden states' gradient equal the unfused loss's on every rank, the weight gradient is the rank's rows'."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # a fork after torch started its thread pools can hang
+    errors = ctx.Queue()
+    init = f"file://{tmp_path / 'store'}"
+    procs = [ctx.Process(target=_vocab_parallel_rank, args=(r, 2, init, dtype, errors)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    found = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
+    assert not found and all(p.exitcode == 0 for p in procs), found

@@ -41,6 +41,8 @@ class Setting:
     """the output head and the default loss run as one fused, chunked op (``Evaluator.head``; :mod:`.loss`)"""
     cp: int = 1
     """context parallelism: every sequence split over ``cp`` ranks (ring attention; ``runtime/cp.py``)"""
+    fused_norm: bool = False
+    """the RMSNorm modules run kernels_ext's fused RMSNorm (``Evaluator.norm_prof``; :mod:`.norm`)"""
 
     @property
     def replicas(self) -> int:
@@ -182,30 +184,36 @@ class Evaluator:
     """Costs candidate plans of one profiled graph on one cluster (see the module docstring)."""
 
     def __init__(self, prof: GraphProfile, cluster, *, factors: Factors | None = None, seq_ratio: float = 1.0,
-                 megatron_sp: bool = False, head: FusedHead | None = None):
+                 megatron_sp: bool = False, head: FusedHead | None = None, norm_prof: GraphProfile | None = None):
         self.prof, self.cluster = prof, cluster
         self.head = head
         """the output head a ``Setting.fused_loss`` candidate fuses with the loss (:func:`.loss.fused_head`)"""
+        self.norm_prof = norm_prof
+        """the profile of the graph with its RMSNorms fused, which a ``Setting.fused_norm`` candidate's layers cost
+        (:func:`.norm.fuse_norms`); None when the model has none"""
         self.f = factors or factors_for(cluster)
         self.seq_ratio, self.megatron_sp = seq_ratio, megatron_sp
         self._cache: dict[tuple, LayerTerms] = {}
 
     # ---- per layer ----------------------------------------------------------------------------------------------
     def terms(self, i: int, *, tp: int, sp: bool, precision: str, mb_samples: float, ep: int = 1,
-              compiled: bool = False, cp: int = 1, amp: str = "bf16") -> LayerTerms:
+              compiled: bool = False, cp: int = 1, amp: str = "bf16", fused_norm: bool = False) -> LayerTerms:
         """Per-layer terms, cached by the layer's repeated-block representative. ``precision``: one of
         :data:`~.profile.PRECISIONS` (:func:`~.profile.precision_of`); ``amp``: autocast's dtype there ("bf16",
         "fp16": its peak FLOP/s). With context parallelism (``cp``) a rank
         holds 1/cp of every sequence: its compute and activations are divided by cp (with torch's load balancing,
         causal attention's work too), and each attention layer all-gathers the keys and values in forward and again
         in backward, and passes their float32 gradients round the ring cp times
-        (``_templated_ring_attention_backward``); the gathered keys and values are one more working buffer."""
-        key = (self.prof.rep[i], tp, sp, precision, mb_samples, ep, compiled, cp, amp)
+        (``_templated_ring_attention_backward``); the gathered keys and values are one more working buffer.
+        ``fused_norm``: the layer as the fused-norm graph profiles it (:attr:`norm_prof`)."""
+        fused_norm = fused_norm and self.norm_prof is not None
+        key = (self.prof.rep[i], tp, sp, precision, mb_samples, ep, compiled, cp, amp, fused_norm)
         half = precision != "fp32"
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        lp = self.prof.layers[self.prof.rep[i]].at_tp(tp)  # key/value projections this tp repeats: whole
+        prof = self.norm_prof if fused_norm else self.prof
+        lp = prof.layers[self.prof.rep[i]].at_tp(tp)  # key/value projections this tp repeats: whole
         scale = mb_samples / self.prof.batch * self.seq_ratio / cp
         qscale = mb_samples / self.prof.batch * self.seq_ratio ** 2 / cp
         fwd, bwd, sel = layer_compute_time(lp, tp=tp, sp=sp, precision=precision, scale=scale, quad_scale=qscale,
@@ -275,7 +283,8 @@ class Evaluator:
         """:meth:`terms` of layer ``i`` under the candidate's setting and the layer's choice (TP on or off)."""
         return self.terms(i, tp=s.tp if ch.tp else 1, sp=s.sp and ch.tp,
                           precision=precision_of(s.amp, s.zero_stage),
-                          mb_samples=s.mb_samples, ep=s.ep, compiled=ch.compile, cp=s.cp, amp=s.amp)
+                          mb_samples=s.mb_samples, ep=s.ep, compiled=ch.compile, cp=s.cp, amp=s.amp,
+                          fused_norm=s.fused_norm)
 
     # ---- a whole candidate --------------------------------------------------------------------------------------
     def runs(self, choices: list[LayerChoice]) -> list[tuple[int, int, LayerChoice]]:
@@ -354,7 +363,7 @@ class Evaluator:
             again = max(lt.act["none"] - lt.act[ch.recompute], 0.0)
             wb = lt.work_bytes + again
             if s.fused_loss and i <= self.head.layer < i + cnt:
-                wb, again = self._fused_head(s, sums, r, ch.recompute, lt), 0.0
+                wb, again = self._fused_head(s, sums, r, ch.recompute, lt, tp=s.tp if ch.tp else 1), 0.0
             if wb > sums.work[r]:
                 sums.work[r] = wb
             # full recompute's peak comes once the layer's later ops have left their gradients (measured: LLaMA,
@@ -384,18 +393,27 @@ class Evaluator:
             sums.hw_flops += cnt * (lt.flops + lt.recompute_flops(ch.recompute))
         return sums
 
-    def _fused_head(self, s: Setting, sums: RankSums, r: int, recompute: str, lt: LayerTerms) -> float:
+    def _fused_head(self, s: Setting, sums: RankSums, r: int, recompute: str, lt: LayerTerms, *, tp: int = 1
+                    ) -> float:
         """The fused head + loss on rank ``r`` (:mod:`.loss`): adds the log-sum-exp it saves, the logits' recompute
         (time and hardware FLOPs) to ``sums``; returns the head layer's backward working set, the fused op's
-        temporaries in place of the logits' gradient."""
+        temporaries in place of the logits' gradient. Split on the vocabulary over ``tp`` ranks, a rank computes
+        its rows' logits (FLOPs and chunk buffers / tp) and the forward's all-reduces of the log-sum-exp terms
+        (:meth:`.loss.FusedHead.tp_forward_bytes`) are added; the hidden states' gradient is all-reduced as the
+        colwise head's input gradient is (counted with the layer's TP collectives)."""
         half = s.amp != "none"
         tokens = self.head.tokens * s.mb_samples / self.prof.batch * self.seq_ratio
-        flops = self.head.recompute_flops(tokens)
+        flops = self.head.recompute_flops(tokens) / tp
         sums.rec[r] += flops / (self.cluster.device.flops(DTYPE_NAMES[s.amp] if half else "float32")
                                 * self.f.efficiency("matmul", half))
-        sums.hw_flops += flops
+        sums.hw_flops += flops * tp  # every rank's share: the step's hardware FLOPs
         sums.acts[r] += self.head.saved_bytes(tokens)
-        return self.head.temp_bytes(tokens, half=half) + (lt.act["none"] if recompute == "full" else 0.0)
+        if tp > 1:
+            link = link_for(self.cluster, size=tp, stride=1)
+            t = collective_time("all_reduce", self.head.tp_forward_bytes(tokens), tp, link, self.f.eff_link)
+            sums.tpc[r] += t * (1 - self.f.overlap_tp)
+            sums.tp_kind[r]["all_reduce"] = sums.tp_kind[r].get("all_reduce", 0.0) + t
+        return self.head.temp_bytes(tokens, half=half, tp=tp) + (lt.act["none"] if recompute == "full" else 0.0)
 
     def _pipeline_comm(self, s: Setting, sums: RankSums, comm: CommTime) -> float:
         """Point-to-point sends between stages: fill/drain on the critical path, the rest mostly hidden. Adds to
@@ -565,7 +583,7 @@ def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:
     sp = any(lp.sequence_parallel for lp in plan.layers)
     s = Setting(m.dp, m.tp, m.pp, m.zero_stage, plan.precision.amp, plan.batch.micro_batches, mb,
                 plan.pipeline.schedule, plan.pipeline.virtual_stages, sp, plan.optimizer.name, m.ep,
-                bool(plan.fused_loss), m.cp)
+                bool(plan.fused_loss), m.cp, plan.fused_norm)
     choices = [LayerChoice(lp.stage, on, lp.recompute, lp.fsdp, lp.compile)
                for lp, on in zip(plan.layers, tp_on, strict=True)]
     return s, choices
@@ -574,10 +592,15 @@ def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:
 def estimate(graph, cluster, plan, *, factors: Factors | None = None) -> Cost:
     """Cost of an existing plan (e.g. one a user edited) on ``cluster``: the planner's own model, no search."""
     from .loss import fused_head
+    from .norm import fused_norm_profile
     from .profile import profile_of
 
     prof = profile_of(graph, "cpu" if cluster.name == "cpu" else "cuda", fp32_ops=plan.precision.fp32_ops,
                       low_precision_ops=plan.precision.low_precision_ops)
+    norm_prof = fused_norm_profile(graph, prof.device_kind, fp32_ops=plan.precision.fp32_ops,
+                                   low_precision_ops=plan.precision.low_precision_ops) if plan.fused_norm else None
+    if plan.fused_norm and norm_prof is None:
+        raise ValueError("plan.fused_norm is set, but this model has no RMSNorm module; re-plan for this model")
     if [lp.path for lp in plan.layers] != [lay.path for lay in graph.layers]:
         raise ValueError("the plan's layers do not match the graph's; re-plan for this model")
     seq_ratio = plan.batch.seq_len / graph.seq_len if plan.batch.seq_len and graph.seq_len else 1.0
@@ -588,4 +611,5 @@ def estimate(graph, cluster, plan, *, factors: Factors | None = None) -> Cost:
         if head is None or head.module != plan.fused_loss:
             raise ValueError(f"plan.fused_loss={plan.fused_loss!r} does not name this model's output head: "
                              f"{why or f'the head is {head.module}'}; re-plan for this model")
-    return Evaluator(prof, cluster, factors=factors, seq_ratio=seq_ratio, head=head).evaluate(s, choices)
+    return Evaluator(prof, cluster, factors=factors, seq_ratio=seq_ratio, head=head,
+                     norm_prof=norm_prof).evaluate(s, choices)

@@ -55,13 +55,20 @@ class FusedHead:
         """What the fused op keeps for backward beyond its input: one fp32 log-sum-exp per token."""
         return tokens * 4
 
-    def temp_bytes(self, tokens: float, *, half: bool) -> float:
+    def temp_bytes(self, tokens: float, *, half: bool, tp: int = 1) -> float:
         """The fused backward's peak temporaries (module docstring): chunk buffers, the weight's gradient
-        accumulated in fp32 (plus its cast under AMP) and the hidden's gradient."""
+        accumulated in fp32 (plus its cast under AMP) and the hidden's gradient. Split on the vocabulary over ``tp``
+        ranks (kernels_ext's vocab-parallel op, the same chunk length): a rank's rows, ceil(V / tp)."""
         p = 2 if half else 4
-        chunk = self.chunk(tokens) * self.vocab * (CHUNK_FP32_BUFFERS * 4 + (2 if half else 0))
-        weight_grad = self.vocab * self.hidden * (4 + (2 if half else 0))
+        rows = math.ceil(self.vocab / tp)
+        chunk = self.chunk(tokens) * rows * (CHUNK_FP32_BUFFERS * 4 + (2 if half else 0))
+        weight_grad = rows * self.hidden * (4 + (2 if half else 0))
         return chunk + weight_grad + tokens * self.hidden * p
+
+    def tp_forward_bytes(self, tokens: float) -> float:
+        """Bytes the vocab-parallel forward all-reduces: per token the logits' maximum (one fp32), then the sum of
+        exponentials and the picked target logit (two fp32)."""
+        return tokens * 3 * 4
 
     def recompute_flops(self, tokens: float) -> float:
         """FLOPs the fused backward adds: the logits again, 2 N H V."""

@@ -22,7 +22,8 @@ from functools import cache
 from .. import runtime
 
 STDLIB = set(sys.stdlib_module_names)
-ORDER = ("mesh", "data", "fused_loss", "cp", "tp", "layouts", "heads", "ac", "compile", "fsdp", "ddp", "ep",
+ORDER = ("mesh", "data", "fused_loss", "fused_norm", "cp", "tp", "layouts", "heads", "ac", "compile", "fsdp", "ddp",
+         "ep",
          "batchnorm", "pp", "init", "amp", "optim", "checkpoint", "metrics", "train")
 """the runtime's modules in the order a reader meets them in a script: set-up, the techniques, the training loop"""
 

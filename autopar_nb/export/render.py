@@ -131,6 +131,9 @@ def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]
               f"CAUSAL = {v.defaults['causal']!r}  # the default loss predicts the next token (False: the same one)"]
     if v.fused_loss:
         s.append(f"FUSED_LOSS = {_one_line(v.fused_loss)}  # plan.fused_loss: the output head fused with the loss")
+    if v.fused_norm:
+        s.append(f"# plan.fused_norm: kernels_ext's fused RMSNorm in {len(v.fused_norm)} modules ("
+                 f"{v.fused_norm[0]}{', ...' if len(v.fused_norm) > 1 else ''})")
     if v.ties:
         s.append(f"TIES = {literal(v.ties, width=40)}  # parameters the model shares (kept one parameter when sharded)")
     if v.recompute:
@@ -172,7 +175,8 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
                   "apply_fused_loss(part, FUSED_LOSS)"]
         uses.append("apply_fused_loss")
     if v.tp > 1:
-        plans, imports, uses = tp_plans(v)
+        plans, imports, tp_uses = tp_plans(v)
+        uses += tp_uses
         calls += [f"# {next(steps)}. TP first: it turns parameters into DTensors, which AC and FSDP must see",
                   "apply_tp(part, mesh[\"tp\"], plan" + (", layer_plans=layer_plans)" if v.block_tp_plans
                                                           else ")")]
@@ -180,6 +184,10 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
         if v.local_sizes:
             calls.append("set_local_sizes(part, sizes)")
             uses.append("set_local_sizes")
+        if v.fused_head_tp:
+            calls += ["# the fused head's weight split on the vocabulary (its loss then vocab-parallel), before ties",
+                      f"shard_fused_head(part, FUSED_LOSS, mesh[\"tp\"], sequence_sharded={v.fused_head_sequence})"]
+            uses.append("shard_fused_head")
         if v.ties:
             calls.append("tie_parameters(part, TIES)  # parallelize_module gave each side its own DTensor")
             uses.append("tie_parameters")
@@ -230,6 +238,11 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
     head = ['def parallelize(model, mesh, device' + (', stage_ids, example):' if v.pp > 1 else '):'),
             '    """The plan applied to the pieces of the model this rank holds (one, or one per pipeline stage)."""',
             *("    " + line if line else "" for line in "\n".join(plans).splitlines())]
+    if v.fused_norm:  # on the whole model, before the pipeline's trace: the stages' graphs call the fused op
+        head += ["    # the RMSNorms fused first (the same modules and weights, a new forward), on the whole model: "
+                 "what the", "    # techniques below wrap" + (" and the pipeline's trace records" if v.pp > 1 else ""),
+                 "    apply_fused_norm(model)"]
+        uses.append("apply_fused_norm")
     if v.pp > 1:
         head += ["    # pipeline stages: trace the model on one micro-batch, cut it before each stage's first layer",
                  "    stages, whole = split_model(model, boundaries=STAGE_BOUNDARIES, microbatch=example)",
@@ -241,6 +254,14 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
     else:
         body = ["    part = model"] + [f"    {c}" for c in calls] + ["    return [part]"]
     return "\n".join(head + body), uses, imports
+
+
+def _summary_lines(model_name: str, summary: str) -> str:
+    """The plan's summary as the docstring's first sentence (``Train <model> with <summary>.``), wrapped at 120
+    columns where a long plan (many techniques) makes it longer."""
+    lead = f'"""Train {model_name} with '
+    text = textwrap.fill(lead + summary + ".", width=120, break_long_words=False, break_on_hyphens=False)
+    return text[len(lead):-1]
 
 
 def call(target: str, *args: str, indent: int = 0, width: int = 120, **kwargs: str) -> str:
@@ -401,7 +422,7 @@ def render_script(source: ModelSource, plan: Plan, v: ScriptValues, *, script_na
     imports = _without_cell_imports(assembly.imports | prelude.imports | TEMPLATE_IMPORTS | std | par_imports,
                                     source, keep=setting_imports | prelude.imports)
     return Template(TEMPLATE.read_text()).substitute(
-        model_name=v.model_class, summary=plan.summary(), plan_file=plan_file,
+        model_name=v.model_class, summary=_summary_lines(v.model_class, plan.summary()), plan_file=plan_file,
         intro=textwrap.fill(f"Exported by autopar-nb from a notebook cell. The cell is kept verbatim below; the plan "
                             f"({plan_file} beside this file) is applied by the functions of autopar_nb.runtime, "
                             "copied below; nothing but torch (and the cell's own imports) is needed.", width=116),

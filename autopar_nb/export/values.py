@@ -7,6 +7,7 @@ script holds the values as literals, and the runtime functions it carries read t
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,8 +18,9 @@ from ..plan import Plan, PlanError, within
 from ..runtime.cp import sequence_tensor
 from ..runtime.data import default_batch_size, first_tensor, is_causal_lm, smallest_table
 from ..runtime.ep import experts_modules_to_split
+from ..runtime.fused_norm import apply_fused_norm
 from ..runtime.pp import SCHEDULES, stage_boundaries
-from ..runtime.tp import TPStyle
+from ..runtime.tp import REPLICATE, TPStyle
 from ..runtime.train import switch_off_kv_cache
 from ..source import ModelSource
 from .styles import local_sizes, tp_styles
@@ -83,6 +85,13 @@ class ScriptValues:
     fused_loss: str = ""
     """plan.fused_loss: the output head the script fuses with the default loss (runtime/fused_loss.py); empty:
     unfused"""
+    fused_head_tp: bool = False
+    """with TP and plan.fused_loss: the head is split on the vocabulary (``shard_fused_head``)"""
+    fused_head_sequence: bool = False
+    """with TP and plan.fused_loss: the head's input arrives sequence-sharded (gathered by ``shard_fused_head``)"""
+    fused_norm: list[str] = field(default_factory=list)
+    """plan.fused_norm: the RMSNorm modules the script runs with kernels_ext's fused RMSNorm (runtime/fused_norm.py
+    finds them again; listed in a comment); empty: eager norms"""
     tokens: bool = False
     """the inputs are token ids (throughput in tokens/s)"""
     kv_cache: bool = False
@@ -138,6 +147,8 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
     if plan.fused_loss:
         _check_fused_loss(model, plan.fused_loss, source)
         v.fused_loss = plan.fused_loss
+    if plan.fused_norm:
+        v.fused_norm = _fused_norms(model)
     if v.dataset and plan.batch.global_batch > 1 and plan.batch.global_batch % m.dp:
         raise PlanError(f"batch.global_batch({plan.batch.global_batch}) must be a multiple of the data-parallel ranks "
                         f"(mesh.dp={m.dp}): each reads the same number of the dataset's samples per step")
@@ -154,6 +165,9 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
         styles = tp_styles(model, plan.tp_plan, sp_layers=[lp.path for lp in plan.layers if lp.sequence_parallel],
                            layers=[lp.path for lp in plan.layers], loss_parallel=plan.loss_parallel,
                            parts=plan.tp_parts, tp=m.tp)
+        head_style = styles.pop(plan.fused_loss, None) if plan.fused_loss else None
+        if head_style is not None:  # the fused head splits its own weight (runtime/fused_loss.py shard_fused_head)
+            v.fused_head_tp, v.fused_head_sequence = True, head_style.input_layout != REPLICATE
         v.tp_plan, v.block_tp_plans = relative_plans(model, styles)
         v.local_sizes = block_patterns(model, local_sizes(model, styles, tp=m.tp))
         v.vocab_parallel = plan.loss_parallel
@@ -228,6 +242,15 @@ def _check_fused_loss(model: nn.Module, head: str, source: ModelSource) -> None:
         raise PlanError(f"plan.fused_loss={head!r} must name a bias-free nn.Linear of the model, found "
                         f"{type(linear).__name__ if linear is not None else 'no such module'}"
                         + (" with a bias" if isinstance(linear, nn.Linear) and linear.bias is not None else ""))
+
+
+def _fused_norms(model: nn.Module) -> list[str]:
+    """The RMSNorm modules ``apply_fused_norm`` will fuse (found on a copy of the meta model); PlanError when there
+    are none."""
+    try:
+        return apply_fused_norm(copy.deepcopy(model))
+    except ValueError as e:
+        raise PlanError(str(e)) from None
 
 
 def _check_experts(model: nn.Module, plan: Plan) -> None:

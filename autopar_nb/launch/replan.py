@@ -63,7 +63,7 @@ FIELD_NAMES = {"mesh.dp": "dp", "mesh.tp": "TP", "mesh.pp": "PP", "mesh.ep": "EP
                "pipeline.virtual_stages": "virtual stages", "precision.amp": "AMP", "optimizer.name": "optimizer",
                "recompute": "recompute", "fsdp": "FSDP", "stage": "stage", "tp": "TP styles",
                "sequence_parallel": "sequence parallel", "compile": "compile", "fused_loss": "fused loss",
-               "loss_parallel": "loss parallel", "sync_batchnorm": "SyncBatchNorm"}
+               "fused_norm": "fused RMSNorm", "loss_parallel": "loss parallel", "sync_batchnorm": "SyncBatchNorm"}
 """Plan.diff paths (for layers: the LayerPlan field) -> the words of a diff"""
 IGNORED = ("cluster.", "model.", "batch.global_batch", "precision.", "pinned", "tp_parts")
 """paths that follow from the others (or from the cluster) and are left out of the diff's words"""

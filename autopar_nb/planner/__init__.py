@@ -12,6 +12,7 @@ import fnmatch
 
 from ..cost.estimate import Evaluator
 from ..cost.loss import fused_head
+from ..cost.norm import fused_norm_profile
 from ..cost.profile import profile_of
 from ..plan import (
     DTYPE_NAMES,
@@ -26,7 +27,7 @@ from ..plan import (
     within,
 )
 from .constraints import Constraints, parse
-from .explain import compile_lines, explain, fmt_bytes, fused_loss_lines, op_list_lines
+from .explain import compile_lines, explain, fmt_bytes, fused_loss_lines, fused_norm_lines, op_list_lines
 from .search import Candidate, Search, cp_degrees, memory_limit
 
 __all__ = ["plan"]
@@ -70,7 +71,10 @@ def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None
                           low_precision_ops=cons.fix.get("low_precision_ops", ()))
     head, fused_why = fused_head(graph) if default_loss else (
         None, "the cell defines its own loss_fn (the fused op computes the default next-token cross-entropy)")
-    ev = Evaluator(prof, cluster, seq_ratio=seq_ratio, head=head)
+    norm_prof = None if cons.fix.get("fused_norm") is False else fused_norm_profile(
+        graph, device_kind, fp32_ops=cons.fix.get("fp32_ops", ()),
+        low_precision_ops=cons.fix.get("low_precision_ops", ()))
+    ev = Evaluator(prof, cluster, seq_ratio=seq_ratio, head=head, norm_prof=norm_prof)
     cps, cp_why = cp_degrees(prof, cluster, seq_len=seq_len or graph.seq_len, why="" if default_loss else
                              "the cell defines its own loss_fn (each cp rank computes the default loss on its part)")
     fixed_cp = cons.fix.get("cp", 1)
@@ -108,6 +112,7 @@ def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None
     chosen.explanation = explain(chosen, best, ranked, faster, cons, cluster, prof)
     chosen.explanation += compile_lines(best, ev, cons, [i for i, on in enumerate(search.compilable) if on])
     chosen.explanation += fused_loss_lines(best, ev, cons, fused_why)
+    chosen.explanation += fused_norm_lines(best, ev, cons)
     if prof is not default_prof:  # the op lists' price: the same setting with autocast's own lists
         chosen.explanation += op_list_lines(best, cons, Evaluator(default_prof, cluster, seq_ratio=seq_ratio,
                                                                   head=head), graph)
@@ -205,8 +210,9 @@ def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch
         sync_batchnorm=s.dp > 1 and any(lay.type.startswith("BatchNorm") or "BatchNorm" in
                                         " ".join(lay.modules.values()) for lay in graph.layers),
         # the runtime's pipeline schedules compute the loss on plain tensors: no loss_parallel with pp > 1
-        loss_parallel=bool(s.tp > 1 and s.pp == 1 and prof.loss_parallel and head_tp),
+        loss_parallel=bool(s.tp > 1 and s.pp == 1 and prof.loss_parallel and head_tp and not s.fused_loss),
         fused_loss=head if s.fused_loss else "",
+        fused_norm=s.fused_norm,
         experts=expert_patterns(graph, [m for lp in prof.layers for m in lp.experts]),
         model={"name": graph.model_type, "num_params": graph.num_params},
         cluster=cluster_info(cluster),

@@ -174,6 +174,26 @@ def compile_lines(best, ev, cons, compilable: list[int]) -> list[str]:
             "calibrates it) after a one-off compile at start-up."]
 
 
+def fused_norm_lines(best, ev, cons) -> list[str]:
+    """Whether the RMSNorm modules run fused (``plan.fused_norm``), why, and what the other choice costs on the same
+    split (``cost/norm.py``)."""
+    fixed, s = cons.fix.get("fused_norm"), best.setting
+    other, c = best.norm_other, best.cost
+    if ev.norm_prof is None or fixed is False or not (s.fused_norm or other is not None):
+        return []
+    why = ("fix fused_norm=True" if fixed else "chosen" if s.fused_norm else
+           "not needed: on the CPU the op runs the eager kernels and only saves memory")
+    line = (f"RMSNorms {'fused' if s.fused_norm else 'eager'} ({why}; kernels_ext.rms_norm keeps the input and one "
+            f"fp32 rstd per row, not the normalised input; on CUDA one kernel, Liger-kernel's when installed): peak "
+            f"{fmt_bytes(c.peak_memory_bytes)}, {c.step_time_s * 1e3:.1f} ms/step")
+    if other is not None:
+        oc = other.cost
+        line += (f"; {'eager' if s.fused_norm else 'fused'}, this split needs {fmt_bytes(oc.peak_memory_bytes)}"
+                 + (f" ({fmt_bytes(oc.peak_memory_bytes - best.limit)} over the limit)" if not other.fits else
+                    f" with {_recompute_words(other)} and takes {oc.step_time_s * 1e3:.1f} ms/step"))
+    return [line + "."]
+
+
 def fused_loss_lines(best, ev, cons, why_not: str) -> list[str]:
     """Whether the output head runs fused with the loss (``plan.fused_loss``), why, and what it saves: the loss
     step's bytes fused and unfused (``cost/loss.py``), and the unfused plan of the same split when it was costed."""
@@ -184,10 +204,13 @@ def fused_loss_lines(best, ev, cons, why_not: str) -> list[str]:
     half = s.amp != "none"
     tokens = head.tokens * s.mb_samples / ev.prof.batch * ev.seq_ratio
     unfused = unfused_loss_bytes(tokens * head.vocab, half=half)
-    fused = head.temp_bytes(tokens, half=half) + head.saved_bytes(tokens)
+    fused = head.temp_bytes(tokens, half=half, tp=s.tp) + head.saved_bytes(tokens)
+    split = (f", each of the {s.tp} TP ranks computing its {-(-head.vocab // s.tp)} rows (vocab-parallel)"
+             if s.tp > 1 else "")
     what = (f"the loss step holds {fmt_bytes(fused)} ({head.chunk(tokens)}-token chunks of the {head.vocab}-word "
-            f"vocabulary, the fp32 weight gradient, one log-sum-exp per token) instead of {fmt_bytes(unfused)} "
-            f"(fp32 log-softmax, its gradient and the logits' gradient, {tokens:g} tokens x {head.vocab})")
+            f"vocabulary{split}, the fp32 weight gradient, one log-sum-exp per token) instead of "
+            f"{fmt_bytes(unfused / s.tp)} (fp32 log-softmax, its gradient and the logits' gradient, {tokens:g} tokens "
+            f"x {head.vocab}{f' / {s.tp}' if s.tp > 1 else ''})")
     other = best.other
     if s.fused_loss:
         why = "fix fused_loss=True" if fixed else "chosen"
@@ -201,7 +224,8 @@ def fused_loss_lines(best, ev, cons, why_not: str) -> list[str]:
                 line += (f"; unfused, this split needs {fmt_bytes(oc.peak_memory_bytes)} with "
                          f"{_recompute_words(other)} and takes {oc.step_time_s * 1e3:.1f} ms/step")
         line += (f". Peak {fmt_bytes(c.peak_memory_bytes)}; the logits are computed again in backward "
-                 f"({2 * tokens * head.hidden * head.vocab / 1e12:.3g} TFLOP per micro-batch).")
+                 f"({2 * tokens * head.hidden * head.vocab / s.tp / 1e12:.3g} TFLOP per micro-batch"
+                 f"{' and rank' if s.tp > 1 else ''}).")
         return [line]
     if fixed is False:
         return []

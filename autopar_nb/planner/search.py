@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from ..cost.estimate import Evaluator, LayerChoice, Setting
 from ..cost.memory import in_flight, state_bytes
+from ..cost.norm import one_kernel
 from ..cost.time import bubble_fraction
 from ..plan import DTYPE_NAMES, ITEMSIZE, Cost, PlanError
 from .recompute import choose_recompute
@@ -49,6 +50,8 @@ class Candidate:
     other: Candidate | None = None
     """the same setting with the loss fused where this one is not, or not fused where it is, when both were costed
     (``Search.fused_variant``): what the choice saved or would have saved"""
+    norm_other: Candidate | None = None
+    """the same setting with the other choice of fused RMSNorms, when both were costed (``Search.norm_variant``)"""
 
     @property
     def fits(self) -> bool:
@@ -124,6 +127,9 @@ class Search:
         """context-parallel degrees to try (:func:`cp_degrees`)"""
         self.fused_why = fused_why
         """why the output head and the loss cannot be fused ("" when ``ev.head`` can be)"""
+        if cons.fix.get("fused_norm") and ev.norm_prof is None:
+            raise PlanError("fix fused_norm=True, but the model has no RMSNorm module (a module whose ops compute "
+                            "x * rsqrt(mean(x**2) + eps) * weight); drop fused_norm from fix")
         if cons.fix.get("fused_loss") and ev.head is None:
             raise PlanError(f"fix fused_loss=True, but the output head and the loss cannot be fused: {fused_why}; "
                             "drop fused_loss from fix")
@@ -265,10 +271,10 @@ class Search:
         if pp > 1 and self.prof.pp_blocker:
             return (f"pp={pp}: {self.prof.pp_blocker}; use pp=1, or make that tensor .contiguous() in the model "
                     "and re-capture")
-        if (tp > 1 or pp > 1) and fix.get("fused_loss"):
-            return (f"tp={tp}, pp={pp} with fix fused_loss=True: the fused head + loss runs with tp=1 and pp=1 only "
-                    "(TP splits the head's vocabulary, which torch's loss_parallel then reduces; a pipeline schedule "
-                    "computes the loss from the last stage's output); use tp=1 and pp=1, or fused_loss=False")
+        if pp > 1 and fix.get("fused_loss"):
+            return (f"pp={pp} with fix fused_loss=True: the fused head + loss runs with pp=1 only (a pipeline "
+                    "schedule computes the loss from the last stage's output, where the fused head needs the "
+                    "targets inside the model's forward); use pp=1, or fused_loss=False")
         if pp > 1 and fix.get("compile"):
             return (f"pp={pp} with fix compile=True: compile applies to whole blocks, which a pipeline stage (a "
                     "traced graph) no longer runs as modules; use pp=1 or compile=False")
@@ -404,11 +410,12 @@ class Search:
                 self.pruned += 1
                 continue
             for z in zeros:
-                s = dataclasses.replace(base, zero_stage=z, fused_loss=bool(fix.get("fused_loss")))
+                s = dataclasses.replace(base, zero_stage=z, fused_loss=bool(fix.get("fused_loss")),
+                                        fused_norm=bool(fix.get("fused_norm")))
                 choices = [LayerChoice(assign[i], self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i],
                                        self.compile[i] and base.pp == 1)
                            for i in range(self.n)]
-                cand = self.fused_variant(self._cost(s, choices, "recompute" not in fix))
+                cand = self.norm_variant(self.fused_variant(self._cost(s, choices, "recompute" not in fix)))
                 out.append(cand)
                 if cand.fits:
                     bisect.insort(best, cand.cost.step_time_s)
@@ -417,10 +424,10 @@ class Search:
     def fused_variant(self, cand: Candidate) -> Candidate:
         """The candidate, or the same setting with the output head and the loss fused (``Setting.fused_loss``) when
         the unfused one needs recompute the user did not ask for, or does not fit, and the fused one fits and is
-        faster (it adds one head matmul, and saves the logits' memory; ``cost/loss.py``). Tried with tp = pp = 1
-        (what the runtime runs), unless fused_loss is fixed either way. The other variant is kept on ``other``."""
+        faster (it adds one head matmul, and saves the logits' memory; ``cost/loss.py``). Tried with pp = 1 and
+        cp = 1 (what the runtime runs; under TP vocab-parallel), unless fused_loss is fixed either way. The other variant is kept on ``other``."""
         s, fix = cand.setting, self.cons.fix
-        if s.fused_loss or self.ev.head is None or "fused_loss" in fix or s.tp > 1 or s.pp > 1 or s.cp > 1:
+        if s.fused_loss or self.ev.head is None or "fused_loss" in fix or s.pp > 1 or s.cp > 1:
             return cand
         added = any(ch.recompute != self.rec_pinned.get(i, "none") for i, ch in enumerate(cand.choices))
         if cand.fits and not added:
@@ -434,6 +441,37 @@ class Search:
         chosen, other = (fused, cand) if better else (cand, fused)
         chosen.other = other
         return chosen
+
+    def norm_variant(self, cand: Candidate) -> Candidate:
+        """The candidate, or the same setting with the RMSNorms fused (``Setting.fused_norm``, :mod:`..cost.norm`)
+        when that pays: on CUDA (one kernel for the eager chain's five to eight) when it fits and is faster, or fits
+        where the eager norms do not, or needs no recompute they need; on the CPU (the op's body runs the chain's
+        kernels) only for memory: when the eager norms need recompute the user did not ask for or
+        do not fit, and the fused ones fit or need less. Unless fused_norm is fixed either way."""
+        s, fix = cand.setting, self.cons.fix
+        if s.fused_norm or self.ev.norm_prof is None or "fused_norm" in fix:
+            return cand
+        added = any(ch.recompute != self.rec_pinned.get(i, "none") for i, ch in enumerate(cand.choices))
+        speed = one_kernel(self.prof.device_kind)
+        if cand.fits and not added and not speed:
+            return cand
+        choices = [LayerChoice(ch.stage, ch.tp, self.rec_pinned.get(i, "none"), ch.fsdp, ch.compile)
+                   for i, ch in enumerate(cand.choices)]
+        fused = self._cost(dataclasses.replace(s, fused_norm=True), choices, "recompute" not in fix)
+        fused_added = any(ch.recompute != self.rec_pinned.get(i, "none") for i, ch in enumerate(fused.choices))
+        if fused.fits != cand.fits:
+            better = fused.fits
+        elif not fused.fits:
+            better = fused.cost.peak_memory_bytes < cand.cost.peak_memory_bytes
+        elif fused_added != added:
+            better = added
+        else:
+            better = speed and fused.cost.step_time_s < cand.cost.step_time_s
+        if not better:
+            cand.norm_other = fused
+            return cand
+        fused.other, fused.norm_other = cand.other, cand
+        return fused
 
     def _run_times(self, s: Setting, runs) -> list[float]:
         """Per-micro-batch time of one layer of each run (compute, recompute, TP collectives not overlapped)."""

@@ -3,15 +3,21 @@ logits (tokens x vocab) and their gradient are never held, only one chunk of the
 
 The op is kernels_ext's ``linear_cross_entropy`` (Liger-kernel's Triton kernel on CUDA when installed, else the
 chunked ``kernels_ext::linear_cross_entropy`` custom op): one implementation, which this module calls and does not
-copy. This file is copied verbatim into exported scripts: it imports only the standard library and torch at the
+copy. Under tensor parallelism (:func:`shard_fused_head`) the head's weight is split on the vocabulary and the loss is
+kernels_ext's ``vocab_parallel_linear_cross_entropy`` (Megatron-LM's vocab-parallel cross-entropy, chunked: each rank
+computes its vocabulary rows' logits; the log-sum-exp is combined with torch.distributed all-reduces). This file is copied verbatim into exported scripts: it imports only the standard library and torch at the
 top; kernels_ext is imported when a plan uses the fused loss, and a script that needs it says how to install it.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
 
 from .data import call_model, first_tensor
 
@@ -19,15 +25,16 @@ IGNORE_INDEX = -100
 """targets left out of the loss (``F.cross_entropy``'s default): the last position of a causal LM"""
 
 
-def fused_op():
-    """``kernels_ext.linear_cross_entropy``; an ImportError that says what to install when it is missing."""
+def fused_op(name: str = "linear_cross_entropy"):
+    """``kernels_ext.linear_cross_entropy`` (or another of its functions, ``name``); an ImportError that says what to
+    install when it is missing."""
     try:
-        from kernels_ext import linear_cross_entropy
+        import kernels_ext
     except ImportError as e:
         raise ImportError("this plan fuses the output head and the loss (plan.fused_loss) with kernels_ext, which is "
                           "not installed here: pip install autopar-nb (it ships kernels_ext), or re-plan with fix "
                           "fused_loss=False") from e
-    return linear_cross_entropy
+    return getattr(kernels_ext, name)
 
 
 class LinearCrossEntropyHead(nn.Module):
@@ -44,12 +51,22 @@ class LinearCrossEntropyHead(nn.Module):
         self.op = fused_op()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        split = isinstance(self.weight, DTensor)  # tensor parallelism: this rank's vocabulary rows
         if self.target is None:
+            if split:  # the logits, gathered
+                whole = DTensor.from_local(hidden, self.weight.device_mesh, (Replicate(),), run_check=False)
+                return F.linear(whole, self.weight).full_tensor()
             return F.linear(hidden, self.weight)
-        weight, device = self.weight, hidden.device.type
+        weight, device = self.weight.to_local() if split else self.weight, hidden.device.type
         if torch.is_autocast_enabled(device):  # the op runs below autocast: cast as F.linear would
             dtype = torch.get_autocast_dtype(device)
             hidden, weight = hidden.to(dtype), weight.to(dtype)
+        if split:
+            mesh = self.weight.device_mesh
+            start = min(mesh.get_local_rank() * math.ceil(self.out_features / mesh.size()), self.out_features)
+            return fused_op("vocab_parallel_linear_cross_entropy")(
+                hidden, weight, self.target, start=start, vocab=self.out_features, group=mesh.get_group(),
+                ignore_index=IGNORE_INDEX)
         return self.op(hidden, weight, self.target, ignore_index=IGNORE_INDEX)
 
 
@@ -64,6 +81,23 @@ def apply_fused_loss(model: nn.Module, head: str) -> LinearCrossEntropyHead:
     fused = LinearCrossEntropyHead(linear)
     (model.get_submodule(parent) if parent else model).register_module(name, fused)
     return fused
+
+
+def shard_fused_head(model: nn.Module, head: str, tp_mesh, *, sequence_sharded: bool) -> None:
+    """Tensor parallelism for the fused head (after ``apply_tp``, before ``tie_parameters``): its weight split on the
+    vocabulary as ``ColwiseParallel`` splits a Linear's (DTensor ``Shard(0)``, so an embedding it is tied to, split
+    rowwise, stays one parameter with it), and its input, when the layers before it are sequence parallel, gathered
+    whole (``PrepareModuleInput``: ``Shard(1)`` to ``Replicate``). Its loss is then the vocab-parallel one."""
+    module = model.get_submodule(head) if head else None
+    if not isinstance(module, LinearCrossEntropyHead):
+        raise ValueError(f"shard_fused_head needs the head apply_fused_loss replaced at {head!r}, found "
+                         f"{type(module).__name__}")
+    module.register_parameter("weight", nn.Parameter(distribute_tensor(module.weight, tp_mesh, [Shard(0)]),
+                                                     requires_grad=module.weight.requires_grad))
+    if sequence_sharded:
+        parallelize_module(module, tp_mesh, PrepareModuleInput(input_layouts=(Shard(1),),
+                                                               desired_input_layouts=(Replicate(),),
+                                                               use_local_output=True))
 
 
 def fused_default_loss(model, batch, *, causal: bool = True) -> torch.Tensor:
