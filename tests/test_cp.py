@@ -103,6 +103,10 @@ def test_planner_splits_sequences_only_when_nothing_else_fits():
     assert (loose.mesh.cp, loose.mesh.dp) == (1, 2)
     with pytest.raises(PlanError, match=r"nothing fits in 52.7 MiB .* \(dp=2 tp=1 pp=1 zero="):
         ap.plan(graph, tight, seq_len=16384, fix={"tp": 1, "fused_norm": False}, global_batch=2, default_loss=False)
+    # with dp fixed to the world there is no mesh with a cp share: the answer is why nothing fits (it was "fix dp=2
+    # does not divide the world size 1", from the cp retry)
+    with pytest.raises(PlanError, match=r"nothing fits in 52.7 MiB .* \(dp=2 tp=1 pp=1 zero="):
+        ap.plan(graph, tight, seq_len=16384, fix={"tp": 1, "dp": 2, "fused_norm": False}, global_batch=2)
     with pytest.raises(PlanError, match=r"fix cp=2: the cell defines its own loss_fn"):
         ap.plan(graph, tight, seq_len=16384, fix={"cp": 2}, global_batch=1, default_loss=False)
     with pytest.raises(PlanError, match=r"cuts seq_len 16386 into 2 \* cp equal chunks"):

@@ -88,9 +88,12 @@ def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None
     if cands and not any(c.fits for c in cands) and "cp" not in cons.fix and cps:
         # the activations of long sequences fit nowhere, recompute included: split the sequences (ring attention);
         # no candidate at all means the constraints refused every mesh, which a cp share of the world cannot mend
-        search = Search(graph, prof, cluster, cons, ev, global_batch=global_batch, fused_why=fused_why,
-                        cps=tuple(cps))
-        cands = search.run(top_k) or cands
+        retry = Search(graph, prof, cluster, cons, ev, global_batch=global_batch, fused_why=fused_why,
+                       cps=tuple(cps))
+        try:
+            cands = retry.run(top_k) or cands
+        except PlanError:  # the fixed choices leave no mesh with a cp share (fix dp=world): say why nothing fits
+            pass
     if not cands:
         raise PlanError(f"no candidate plan: {'; '.join(dict.fromkeys(search.rejected)) or 'check fix/overrides'}")
     feasible = sorted((c for c in cands if c.fits),
