@@ -250,7 +250,7 @@ class Search:
         """Why the runtime (``autopar_nb.runtime``, the exported script) cannot run this mesh with the fixed choices,
         "" when it can. The runtime's restrictions: ZeRO-1's ZeroRedundancyOptimizer does not take TP's DTensor
         parameters (dp x tp runs ZeRO 0 through FSDP2's replicate, or ZeRO 2/3); SyncBatchNorm is not applied under
-        pipelining; pipelining does not take fp16 loss scaling, nor non-contiguous stage inputs; context
+        pipelining; pipelining does not take fp16 loss scaling, nor a model torch.export cannot trace; context
         parallelism runs beside data parallelism only."""
         fix = self.cons.fix
         if cp > 1 and (tp > 1 or pp > 1 or fix.get("fused_loss")):
@@ -263,8 +263,7 @@ class Search:
             return (f"dp({dp}) x pp({pp}) with BatchNorm: SyncBatchNorm is not supported with pipelining; "
                     "fix pp=1 (or dp=1)")
         if pp > 1 and self.prof.pp_blocker:
-            return (f"pp={pp}: {self.prof.pp_blocker}; use pp=1, or make that tensor .contiguous() in the model "
-                    "and re-capture")
+            return f"pp={pp}: {self.prof.pp_blocker}; or use pp=1"
         if (tp > 1 or pp > 1) and fix.get("fused_loss"):
             return (f"tp={tp}, pp={pp} with fix fused_loss=True: the fused head + loss runs with tp=1 and pp=1 only "
                     "(TP splits the head's vocabulary, which torch's loss_parallel then reduces; a pipeline schedule "
