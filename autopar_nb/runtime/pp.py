@@ -3,8 +3,9 @@
 The model is traced and split at the first layer of every stage (``pipeline()`` with ``SplitPoint.BEGINNING``), so
 any model the tracer handles works, not only ones written for pipelining. Stage modules keep the original parameter
 names; the leaf modules the tracer turned into graph interpreters are swapped back for the original ones (same
-parameters) where they are called as the original was (one tensor in, one out), so TP styles and checkpoint wrappers
-see real ``nn.Linear``/``nn.Embedding`` modules.
+parameters; a parameter tied to an earlier stage's, a copy of it, as ``pipeline()`` makes) where they are called as
+the original was (one tensor in, one out), so TP styles and checkpoint wrappers see real ``nn.Linear``/``nn.Embedding``
+modules.
 
 The schedules send a stage's outputs to the next stage as its positional inputs. A value that a later stage reads
 from further back (a Hugging Face model's attention mask and rotary cos/sin, made once and read by every layer; the
@@ -18,6 +19,7 @@ key/value cache a Hugging Face config asks for (``use_cache``), which training n
 from __future__ import annotations
 
 import contextlib
+import copy
 import operator
 
 import torch
@@ -82,19 +84,43 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
     chain_stages(pipe.split_gm)
     pipe.executor = type(pipe.executor)(pipe.split_gm)  # the Pipe runs the rewritten graph
     originals = dict(model.named_modules())
-    stages = []
-    for i in range(pipe.num_stages):
-        stage = pipe.get_stage_module(i)
+    stages = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
+    called = {path for stage in stages for path, _ in stage.named_modules()}
+    taken: set[int] = set()  # parameters an earlier stage holds
+    for stage in stages:
+        memo: dict = {}  # a tied parameter's copy, shared by this stage's modules
         for path, module in list(stage.named_modules()):
             original = originals.get(path)
             if (path and original is not None and module is not original and not list(original.children())
                     and list(original.parameters(recurse=False)) and _called_as_itself(module)):
+                if any(id(p) in taken for p in original.parameters()):  # tied to an earlier stage's: its own copy
+                    original = copy.deepcopy(original, memo)
                 parent, _, name = path.rpartition(".")
                 stage.get_submodule(parent).register_module(name, original)
+        _keep_first_names(stage, model, called, memo)
+        taken |= {id(p) for p in stage.parameters()}
         stage.register_forward_hook(_contiguous_outputs)
-        stages.append(stage)
     stages[-1].output_spec = specs[-1] if specs else None  # read by build_schedule for StageLoss
     return stages, pipe
+
+
+def _keep_first_names(stage: nn.Module, model: nn.Module, called: set[str], copies: dict) -> None:
+    """Name a stage's tied parameters as the model does (its first name: what checkpoints and the single-process
+    run use), where the stage holds one (or its copy: ``copies``, a deepcopy memo) under another: on its owner module
+    when the stage has it (BERT's ``cls.predictions.bias``, also the called decoder's bias); a top-level module no
+    stage calls (T5's ``shared``, tied to the embeddings that are called) joins the stage under its own path, first."""
+    held = {id(p): p for p in stage.parameters()}
+    names = {n for n, _ in stage.named_parameters()}
+    have = dict(stage.named_modules())
+    for name, p in model.named_parameters():
+        mine = held.get(id(p), held.get(id(copies.get(id(p)))))
+        owner, _, attr = name.rpartition(".")
+        if mine is not None and name not in names and owner in have and attr not in have[owner]._parameters:
+            have[owner].register_parameter(attr, mine)
+    first = [(path, module) for path, module in model.named_children()
+             if path not in called and (own := list(module.parameters())) and all(id(p) in held for p in own)]
+    if first:
+        stage._modules = dict(first) | stage._modules  # named_parameters() meets them first
 
 
 def _called_as_itself(traced: nn.Module) -> bool:
@@ -289,37 +315,50 @@ def pipeline_step(schedule, stage_loss: StageLoss, batch, *, micro_batches: int,
 class TiedGradients:
     """Parameters tied across pipeline stages (an embedding and its output head): every stage that uses one holds its
     own copy, initialised alike; after each backward their gradients are summed over the stages that hold them, so
-    the copies stay equal (Megatron-LM's embedding group). Collective to build: every rank of ``mesh`` calls it."""
+    the copies stay equal (Megatron-LM's embedding group). A rank holding several stages may hold several copies:
+    they are summed here first. Collective to build: every rank of ``mesh`` calls it."""
 
     def __init__(self, parts: list, ties: list, mesh):
         pp = mesh["pp"]
-        held: dict = {}
-        for part in parts:
-            for name, p in part.named_parameters(remove_duplicate=False):
-                held.setdefault(canonical_name(name), p)
-        self.groups = []  # (this rank's copy or None, process group of the holders, whether it counts in norms)
+        self.groups = []  # (this rank's copies, process group of the holders or None, whether its first counts)
         for ties_of_one in ties:
-            mine = next((held[p] for p in ties_of_one if p in held), None)
+            names = set(ties_of_one)
+            mine = list({id(p): p for part in parts for name, p in part.named_parameters(remove_duplicate=False)
+                         if canonical_name(name) in names}.values())  # every stage's copy, also under one name
             holders = [None] * pp.size()
-            dist.all_gather_object(holders, mine is not None, group=pp.get_group())
+            dist.all_gather_object(holders, bool(mine), group=pp.get_group())
             stages = [i for i, h in enumerate(holders) if h]
-            if len(stages) < 2:
-                continue  # one stage holds every use: autograd sums the gradient already
+            if len(stages) < 2 and len(mine) < 2:
+                continue  # one copy holds every use: autograd sums the gradient already
             group = None
-            for column in mesh.mesh.permute(1, 2, 0).reshape(-1, pp.size()).tolist():  # every (dp, tp) position
-                ranks = [column[i] for i in stages]
-                made = dist.new_group(ranks)  # every rank takes part in creating every group
-                if dist.get_rank() in ranks:
-                    group = made
+            if len(stages) > 1:
+                for column in mesh.mesh.permute(1, 2, 0).reshape(-1, pp.size()).tolist():  # every (dp, tp) position
+                    ranks = [column[i] for i in stages]
+                    made = dist.new_group(ranks)  # every rank takes part in creating every group
+                    if dist.get_rank() in ranks:
+                        group = made
             self.groups.append((mine, group, pp.get_local_rank() == stages[0]))
 
     def sync(self) -> None:
-        """Sum the copies' gradients over the stages that hold them."""
-        for param, group, _ in self.groups:
-            if param is not None and param.grad is not None:
-                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-                dist.all_reduce(grad, group=group)
+        """Sum the copies' gradients over the stages that hold them; every copy gets the sum."""
+        for copies, group, _ in self.groups:
+            grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in copies
+                     if p.grad is not None]
+            if not grads and group is None:
+                continue
+            total = torch.stack(grads).sum(0) if grads else torch.zeros_like(_local(copies[0]))
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for p in copies:  # a copy no stage computed with (a module the pipe carries along) moves alike
+                if p.grad is None and not isinstance(p, DTensor):
+                    p.grad = total.clone()
+                else:
+                    (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).copy_(total)
 
     def repeated(self) -> list:
-        """The copies a gradient norm must not count again (all but the first stage's)."""
-        return [param for param, _, first in self.groups if param is not None and not first]
+        """The copies a gradient norm must not count again (all but the first stage's first)."""
+        return [p for copies, _, first in self.groups for p in (copies[1:] if first else copies)]
+
+
+def _local(p):
+    return p.to_local() if isinstance(p, DTensor) else p
