@@ -252,6 +252,10 @@ def boundary_values(whole: nn.Module, stages: list[nn.Module], microbatch: tuple
     finally:
         for h in hooks:
             h.remove()
+        # the Pipe's interpreter keeps every value it computed (and the autograd graph behind them) until its next
+        # run: a whole micro-batch's activations, on every rank, for as long as the Pipe lives
+        whole.executor.env.clear()
+        whole.executor.value_remap.clear()
     return [seen[i] for i in range(len(stages))]
 
 
