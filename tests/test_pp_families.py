@@ -76,3 +76,30 @@ def test_planner_offers_pipelining_for_hugging_face_models():
         src = run_model_cell(FAMILIES[name], {}).source
         model, inputs, _ = src.build(device="meta")
         assert profile(ap.capture(model, inputs), device_kind="cpu").pp_blocker == ""
+
+
+def test_stages_read_only_the_previous_stage():
+    """T5 cut into 4 stages (values cross up to 3 cuts: the encoder output, masks, position bias, labels): each stage
+    takes exactly the previous one's outputs, and run one after another they give the model's loss and logits."""
+    import operator
+
+    import torch
+    from torch.utils._pytree import tree_unflatten
+
+    from autopar_nb.runtime.pp import split_model
+
+    model, inputs, _ = run_model_cell(FAMILIES["T5"], {}).source.build(device="cpu")
+    model.eval()  # no dropout: the same numbers both ways
+    expected = model(**inputs)
+    stages, whole = split_model(model, boundaries=["encoder.block.1", "decoder.block.0", "decoder.block.1"],
+                                microbatch=((), inputs))
+    calls = [n for n in whole.split_gm.graph.nodes if n.op == "call_module"]
+    for prev, node in zip(calls, calls[1:], strict=False):
+        assert all(a.target is operator.getitem and a.args == (prev, i) for i, a in enumerate(node.args))
+        assert len(node.args) == len(prev.users)
+    out = stages[0](**inputs)
+    for stage in stages[1:]:
+        out = stage(*out)
+    got = tree_unflatten(list(out), stages[-1].output_spec)
+    torch.testing.assert_close(got.logits, expected.logits)
+    torch.testing.assert_close(got.loss, expected.loss)
