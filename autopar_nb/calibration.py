@@ -19,13 +19,26 @@ repeated calibrations converge instead of compounding errors):
   multiplied by ``r``, clamped to [0.05, 1.5] — since the eager factors already account for the rest of the step
   (repeated compiled runs converge: the factor stops moving when ``r`` = 1). A compiled run on a preset without an
   eager calibration makes the uniform correction above instead and leaves it alone.
-* ``margin_fraction``: only from CUDA runs (``mem_peak`` reported): the allocator margin that makes the predicted
-  peak equal the measured one: ``(measured - (total - margin) - margin_fixed_bytes) / (total - margin)``, >= 0.
-  CPU runs report RSS, which includes the Python and torch runtime, so ``from_run`` leaves memory factors alone.
-  The same rule (``margin_factors``) calibrates a CPU run that is re-planned for memory
-  (``autopar_nb.launch.replan``) from each rank's peak RSS above its baseline: what a rank held beyond the
-  predicted training state (torch's allocations on first use, allocator arenas, checkpoint staging) becomes the
-  margin, so the prediction for the worst rank equals what it held.
+* ``margin_fraction`` (and on CPU ``margin_fixed_bytes``), the allocator margin, so that the predicted peak of the
+  worst rank equals the measured one:
+
+  - CUDA runs (``mem_peak`` reported, :func:`margin_factors`): ``(measured - (total - margin) -
+    margin_fixed_bytes) / (total - margin)``, >= 0, ``margin_fixed_bytes`` kept. Pending: CUDA's fragmentation
+    (reserved beyond allocated) is not in ``mem_peak``, and no GPU run has calibrated a preset in this project yet.
+  - CPU runs (RSS above each rank's RSS before its model was built, :func:`rss_margin_factors`): the fixed part is
+    what a rank holds between steps beyond the parameters and optimizer state (the process group, thread stacks,
+    the kernels' first-use pages: about 50 MiB for the 2-rank MLP of ``tests/test_replan.py``), the
+    fraction what its peak holds beyond that and the predicted training state (glibc's retained free blocks).
+    A run under a CPU memory limit fixes glibc's mmap threshold (``autopar_nb.launch.run.CPU_LIMIT_ENV``) so a
+    freed tensor's pages go back at once: with glibc's default (a threshold that rises to the size of the
+    largest freed block) that MLP's peak RSS grew from 200 MiB at step 0 to 334-348 MiB by step 30 — a heap that
+    no plan predicts — and stays at 205-211 MiB with it. Re-planning (``autopar_nb.launch.replan``) calibrates
+    by the same rule.
+
+  Without a calibration the cost model's documented default holds (``Factors.margin_fraction``: 5 %;
+  ``margin_fixed_bytes``: 1 GiB per GPU, 0 on CPU); :func:`margin_text` says which one a plan uses.
+* a re-plan also takes the speed factors above from the stopped run's steady steps (``time_factors``), when the
+  plan's device is the run's.
 
 Visible and resettable: ``show()``, ``load(preset)``, ``reset(preset)``; ``apply(cluster)`` returns the cluster with
 the stored factors in ``Cluster.calibration``.
@@ -190,6 +203,70 @@ def margin_factors(measured: dict[int, float], predicted: dict[int, float], *,
                                            "margin_fraction": fraction}
 
 
+PERSISTENT_TERMS = ("ddp_buckets",)
+"""MemoryBreakdown terms a rank keeps between steps besides its parameters and optimizer state (DDP's flat buckets)"""
+
+
+def persistent_bytes(mb: Any) -> float:
+    """What the plan predicts a rank holds between two steps (after ``optimizer.zero_grad()``, which frees the
+    gradients): its parameters, optimizer state and :data:`PERSISTENT_TERMS`."""
+    terms = getattr(mb, "terms", None) or {}
+    return float(mb.params + mb.optimizer + sum(terms.get(k, 0.0) for k in PERSISTENT_TERMS))
+
+
+def rss_margin_factors(peaks: dict[int, float], floors: dict[int, float], breakdowns: dict[int, Any]
+                       ) -> tuple[dict[str, float], dict]:
+    """The allocator margin of CPU ranks, from their RSS above the baseline (the RSS before the model was built):
+
+    * ``margin_fixed_bytes``: what a rank holds *between* steps (``floors``: the least RSS its step reports gave,
+      at the end of a step) beyond the tensors the plan keeps there (:func:`persistent_bytes`): the process group's
+      buffers, thread stacks, the kernels' code and the allocator's first-use pages, which do not scale with the
+      plan (tens of MiB). The most any rank held.
+    * ``margin_fraction``: what its peak (``peaks``: Linux VmHWM above the baseline) holds beyond that and the
+      predicted training state (``breakdowns``: rank -> MemoryBreakdown; its total before its margin), as a
+      fraction of that state: the allocator's retained free blocks. The worst rank's, >= 0.
+
+    So the prediction ``state * (1 + fraction) + fixed`` equals the worst rank's peak. Returns (factors, record)."""
+    ranks = [r for r in peaks if r in floors and r in breakdowns and breakdowns[r] is not None]
+    states = {r: float(breakdowns[r].total - breakdowns[r].margin) for r in ranks}
+    ranks = [r for r in ranks if states[r] > 0]
+    if not ranks:
+        raise ValueError("calibrating the memory margin needs a rank with a measured peak, its RSS between steps "
+                         "and a predicted breakdown")
+    fixed = max(max(0.0, floors[r] - persistent_bytes(breakdowns[r])) for r in ranks)
+    fractions = {r: max(0.0, (peaks[r] - fixed - states[r]) / states[r]) for r in ranks}
+    worst = max(ranks, key=lambda r: peaks[r] / (states[r] + fixed))
+    fraction = max(fractions.values())
+    return ({"margin_fraction": fraction, "margin_fixed_bytes": fixed},
+            {"rank": worst, "measured_bytes": peaks[worst], "predicted_bytes": states[worst],
+             "floor_bytes": floors[worst], "margin_fraction": fraction, "margin_fixed_bytes": fixed})
+
+
+def time_factors(measured_s: float | None, predicted_s: float | None, *, current: dict[str, float],
+                 compiled: bool = False, eager_calibrated: bool = False) -> tuple[dict[str, float], dict]:
+    """The speed factors :func:`factors_from` sets from a run's steady-state step time (``measured_s``) against the
+    plan's (``predicted_s``): ({}, {}) when either is missing."""
+    if not measured_s or not predicted_s:
+        return {}, {}
+    return factors_from({"step_time_s": measured_s, "predicted_step_time_s": predicted_s}, current=current,
+                        compiled=compiled, eager_calibrated=eager_calibrated)
+
+
+def margin_text(factors: Any, preset: str = "") -> str:
+    """Where a plan's allocator margin comes from: the calibration stored for ``preset`` (the run it came from), or
+    the cost model's documented default when nothing was calibrated (``Factors.margin_fraction``: 5 % on top of the
+    predicted bytes; a GPU's is pending a measured CUDA run)."""
+    frac, fixed = getattr(factors, "margin_fraction", 0.05), getattr(factors, "margin_fixed_bytes", 0.0)
+    what = f"{frac:.0%} of the predicted bytes + {fixed / 2**20:.0f} MiB"
+    entry = _read()["presets"].get(preset, {}) if preset else {}
+    if "margin_fraction" in entry.get("factors", {}):
+        runs = [h for h in entry.get("history", []) if "margin_fraction" in (h.get("factors") or {})]
+        when = f" (run of {runs[-1].get('when', '?')})" if runs else ""
+        return f"{what}, calibrated for {preset}{when}"
+    gpu = "" if preset in ("", "cpu") else ", not measured on this GPU yet (a CUDA run's run.calibrate() sets it)"
+    return f"{what}, the cost model's default (not calibrated){gpu}"
+
+
 def from_run(run: Any, *, cluster: Any = None, preset: str | None = None, save: bool = True) -> dict[str, float]:
     """Factors measured by a finished ``Run`` (see the module docstring), stored under the preset when ``save``."""
     if run.status != "finished":
@@ -209,6 +286,19 @@ def from_run(run: Any, *, cluster: Any = None, preset: str | None = None, save: 
     history = _read()["presets"].get(name, {}).get("history", [])
     factors, record = factors_from(measured, current=current, compiled=compiled,
                                    eager_calibrated=any(not h.get("compiled", False) for h in history))
+    cpu = measured.get("memory_kind") == "rss_above_baseline" and cost is not None and hasattr(run, "rss_figures") \
+        and hasattr(run, "predicted_breakdowns")
+    rss = run.rss_figures() if cpu else {}
+    if rss:
+        try:
+            margin, rec = rss_margin_factors({r: v["peak"] for r, v in rss.items()},
+                                             {r: v["floor"] for r, v in rss.items()}, run.predicted_breakdowns())
+        except ValueError:
+            margin, rec = {}, {}
+        factors.update(margin)
+        if rec:
+            record.update(measured_peak_bytes=rec["measured_bytes"], predicted_peak_bytes=rec["predicted_bytes"],
+                          floor_bytes=rec["floor_bytes"])
     if save:
         data = _read()
         entry = data["presets"].setdefault(name, {"factors": {}, "history": []})

@@ -27,6 +27,7 @@ from kernels_ext import TensorMeta
 
 from .graph import Layer, ModelGraph, OpNode, ParamInfo, RepeatedBlock, TensorInfo
 from .plan import layer_of
+from .runtime.train import switch_off_kv_cache
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -55,6 +56,7 @@ def capture(model: nn.Module, example_inputs: Any, *, source: str | None = None)
 
     was_training = model.training
     model.train()  # trace the training graph: dropout and batch-norm statistics are part of the step
+    cached = switch_off_kv_cache(model)  # as the script trains it (runtime/train.py)
     try:
         try:
             graph = _from_export(model, args, kwargs)
@@ -68,6 +70,8 @@ def capture(model: nn.Module, example_inputs: Any, *, source: str | None = None)
                           f"{located}); captured by recording one eager forward pass instead", stacklevel=2)
     finally:
         model.train(was_training)
+        for config in cached:
+            config.use_cache = True
 
     graph.source = source
     return graph

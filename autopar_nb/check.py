@@ -284,6 +284,17 @@ def switch_off_dropout(model: nn.Module) -> int:
     return count
 
 
+def kernel_cwd() -> str:
+    """This process's working directory, where a verify's ranks and reference run (the notebook's folder: the cell's
+    relative paths hold there, as under launch). Raises RuntimeError, saying what to do, when it was deleted."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        raise RuntimeError("this kernel's working directory was deleted, so verify's processes would have none to "
+                           "run in: os.chdir() to an existing directory (the one the cell's relative paths are "
+                           "relative to) and verify again") from None
+
+
 @dataclass
 class _Reference:
     """The single-process model with the script's data, loss and precision (what :func:`reference` trains and
@@ -303,12 +314,14 @@ class _Reference:
         from .runtime.amp import OpPrecision, exact_fp32
         from .runtime.data import DataStream, default_loss, synthetic_batch
         from .runtime.mesh import device_type
+        from .runtime.train import switch_off_kv_cache
 
         ns = source.run(seed=seed)
         device = device_type()  # the ranks' device type: CPU and GPU kernels differ by more than the tolerance
         exact_fp32()
         model = ns[source.model_var].to(device)  # built on the CPU with the seed, as the ranks build it, then moved
         model.train()
+        switch_off_kv_cache(model)  # as the script does
         dropout_off = switch_off_dropout(model)
         d, p, dp = values.defaults, plan.precision, plan.mesh.dp
         loss_fn = ns[source.loss_fn_var] if source.loss_fn_var else functools.partial(default_loss,

@@ -285,10 +285,13 @@ def measure(source, plan, *, ranks: tuple[int, ...] = (0,), steps: int = 2, time
 
 
 def measure_in_subprocess(script, *, rank: int = 0, steps: int = 2, timeout: float = 600) -> dict:
-    """:func:`measure_script` in a child process (one JSON line back)."""
+    """:func:`measure_script` in a child process (one JSON line back), run in this process's working directory (a
+    notebook kernel's: the cell's relative paths hold there, as in verify's and launch's ranks)."""
+    from .check import kernel_cwd
+
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "autopar_nb.measure", str(script), str(rank), str(steps)],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=Path(script).parent)
+    proc = subprocess.run([sys.executable, "-m", "autopar_nb.measure", str(Path(script).resolve()), str(rank),
+                           str(steps)], capture_output=True, text=True, timeout=timeout, env=env, cwd=kernel_cwd())
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)

@@ -749,9 +749,10 @@ class Plan:
                             for c in _diff_values(f"layers[{path}].{k}", mine[path][k], theirs[path][k])]
         return changes
 
-    def explain(self) -> str:
-        """Why this plan won and what limits it, in plain words (the planner's ``explanation`` lines)."""
-        return "\n".join(self.explanation)
+    def explain(self, run: Any = None) -> str:
+        """Why this plan won and what limits it, in plain words (the planner's ``explanation`` lines); with ``run``
+        (a launched Run of this plan), what it measured beside the predictions (``Run.explain()``) after them."""
+        return "\n".join(self.explanation + ([run.explain()] if run is not None else []))
 
     def summary(self) -> str:
         """One line: mesh, ZeRO, schedule, precision, and predicted cost when known."""

@@ -219,6 +219,8 @@ class Session:
                           plan=p, warm=warm, **flags, **script_flags)
 
         run = start(plan)
+        if self._widget is not None:  # the planner widget shows what it measures beside the plan's figures
+            self._widget.follow(run)
         if replan != "off":
             Replanner(replan, cluster=self.cluster, ckpt_dir=script_flags.get("ckpt_dir"), launch_fn=start,
                       plan_fn=lambda calib, target, pins: self.replan_for_memory(calib, target, pins, nproc)

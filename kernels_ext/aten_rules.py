@@ -157,7 +157,7 @@ ELEMENTWISE = {
         "zeros_like", "full_like", "rand_like", "bernoulli", "fill", "zero", "rsub", "abs", "log", "erf", "mish",
         "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or",
         "bitwise_not", "maximum", "minimum", "reciprocal", "sign", "floor", "ceil", "round", "sigmoid_backward",
-        "any", "all", "repeat", "repeat_interleave", "roll", "flip"), ()),
+        "any", "all", "repeat", "repeat_interleave", "roll", "flip", "__and__", "__or__", "diff"), ()),
 }
 """elementwise ATen ops -> what each keeps for backward"""
 for name, saves in ELEMENTWISE.items():

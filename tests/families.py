@@ -1,4 +1,4 @@
-"""The models people bring: eleven families built from Hugging Face configs with their default flags (dropout, tied
+"""The models people bring: twelve families built from Hugging Face configs with their default flags (dropout, tied
 embeddings, caches, fused projections, MoE), tiny sizes, and the steps a new user takes with each: capture and plan
 (``%%autoparallel``), verify the planner's plan, verify ``--fix tp=2`` and ``--fix dp=2,zero=3``, export and
 ``torchrun``. ``run_matrix`` runs them (the verify cases of all families in ONE launch of 2 processes) and returns a
@@ -43,6 +43,11 @@ FAMILIES = {
                        args="vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
                             "                     num_attention_heads=4, num_key_value_heads=1, head_dim=8, "
                             "max_position_embeddings=64"),
+    # eager attention by default (logit soft-capping), alternating sliding-window layers, a hybrid cache
+    "Gemma2": LM.format(config="Gemma2Config", model="Gemma2ForCausalLM",
+                        args="vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+                             "                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, "
+                             "max_position_embeddings=64"),
     "BERT": LM.format(config="BertConfig", model="BertForMaskedLM",
                       args="vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,\n"
                            "                    intermediate_size=64, max_position_embeddings=64"),

@@ -118,3 +118,98 @@ def test_verify_applies_the_lists_on_every_rank():
     for name, report in zip(plans, verify_many([(src, p) for p in plans.values()], steps=3, nproc=2,
                                                rtol=FP32_RTOL), strict=True):
         assert report.ok, f"{name}\n{report}"
+
+
+# ---- the step-time model follows the lists (cost/time.py amp_compute_time) ----------------------------------------
+def _layer_times(model, x, cluster, **lists):
+    """(profile, {precision: (forward, backward) per layer}) of ``model`` captured on ``x`` under ``lists``."""
+    import autopar_nb as ap
+    from autopar_nb.cost import factors_for, profile
+    from autopar_nb.cost.time import layer_compute_time
+
+    prof = profile(ap.capture(model, x), **lists)
+    kw = dict(tp=1, sp=False, scale=1.0, quad_scale=1.0, device=cluster.device, factors=factors_for(cluster))
+    return prof, {p: [layer_compute_time(lp, precision=p, **kw)[:2] for lp in prof.layers]
+                  for p in ("fp32", "autocast")}
+
+
+def _matmul(split, rep) -> float:
+    return split.get("matmul", 0.0) + rep.get("matmul", 0.0)
+
+
+def test_matmuls_kept_in_fp32_cost_the_fp32_rate():
+    """A Linear-only model under bf16 autocast on an H100 (bf16 peak 13x fp32's): with ``fp32_ops=["linear"]``
+    each layer costs exactly its float32 time (FLOPs at the fp32 peak and efficiency, no copies: its inputs stay
+    float32); without the list the matmuls run at the bf16 rate and the first layer pays autocast's copy of the
+    float32 input (read 4 bytes, write 2, one kernel; the model's input needs no gradient: no backward copy)."""
+    import autopar_nb as ap
+    from autopar_nb.cost import factors_for
+
+    model, x = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 128)), torch.randn(64, 256)
+    c = ap.Cluster.preset("h100-80gb")
+    f, dev = factors_for(c), c.device
+    prof, kept = _layer_times(model, x, c, fp32_ops=["linear"])
+    assert kept["autocast"] == kept["fp32"]
+    over = f.op_overhead_s
+    for lp, (fwd, bwd) in zip(prof.layers, kept["autocast"], strict=True):
+        rate = dev.flops("float32") * f.eff_fp32_matmul
+        assert fwd == pytest.approx(_matmul(lp.flops_split, lp.flops_rep) / rate + lp.n_ops * over, rel=1e-12)
+        assert bwd == pytest.approx(_matmul(lp.bwd_split, lp.bwd_rep) / rate + 2 * lp.n_ops * over, rel=1e-12)
+    prof, free = _layer_times(model, x, c)
+    copy = x.numel() * (4 + 2) / (dev.hbm_bandwidth * f.eff_hbm) + over
+    for i, (lp, (fwd, bwd)) in enumerate(zip(prof.layers, free["autocast"], strict=True)):
+        rate = dev.flops("bfloat16") * f.eff_matmul
+        first = i == 0
+        assert fwd == pytest.approx(_matmul(lp.flops_split, lp.flops_rep) / rate + lp.n_ops * over + first * copy)
+        assert bwd == pytest.approx(_matmul(lp.bwd_split, lp.bwd_rep) / rate + (2 * lp.n_ops + first) * over)
+
+
+class AddThenLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.lin(x + 1.0)
+
+
+def test_an_add_moved_to_low_precision_moves_half_its_bytes():
+    """``x + 1.0`` before a Linear: under plain bf16 autocast the add reads and writes float32 (8 bytes an element)
+    and the Linear copies its float32 result to bf16; with ``low_precision_ops=["elementwise_add"]`` the add moves
+    exactly half those bytes, the copy moves to the add's input, and the Linear reads bf16 as it is."""
+    import autopar_nb as ap
+
+    x = torch.randn(128, 64)
+    n = x.numel()
+    c = ap.Cluster.preset("h100-80gb")
+    (plain, _), (low, _) = (_layer_times(AddThenLinear(), x, c, **lists)
+                            for lists in ({}, {"low_precision_ops": ["elementwise_add"]}))
+    a, b = plain.layers[0].time_amp["autocast"], low.layers[0].time_amp["autocast"]
+    assert plain.layers[0].mem_rep == n * 8 and a.mem_rep == n * 8  # autocast leaves the add in float32
+    assert b.mem_rep == n * 4  # half
+    assert a.cast_rep == b.cast_rep == n * (4 + 2) and a.casts == b.casts == 1
+    assert not any(b.fp32_rep.values()) and not any(b.fp32_split.values())  # the Linear: bf16 rate either way
+
+
+def test_the_plan_estimate_follows_the_lists():
+    """What the planner and the widget show: ``estimate`` of the same plan is slower with the matmuls kept in float32
+    (and the compute equals the fp32 plan's for a Linear-only model), and the planner's own cost matches it."""
+    import autopar_nb as ap
+    from autopar_nb.cost.estimate import estimate
+
+    with torch.device("meta"):
+        model, x = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 4096)), torch.randn(8192, 4096)
+    graph = ap.capture(model, x)
+    c = ap.Cluster.preset("h100-80gb")
+    plan = ap.plan(graph, c, fix={"amp": "bf16", "fp32_ops": ["linear"], "dp": 1})
+    kept = estimate(graph, c, plan)
+    assert kept.step_time_s == pytest.approx(plan.cost.step_time_s)
+    plan.precision = PrecisionPlan(amp="bf16")
+    free = estimate(graph, c, plan)
+    plan.precision = PrecisionPlan(amp="none")
+    fp32 = estimate(graph, c, plan)
+    assert kept.compute_s == pytest.approx(fp32.compute_s) and free.compute_s < kept.compute_s / 2
+    # the explanation says what the lists cost: the same setting with autocast's own lists
+    (line,) = [x for x in plan.explanation if x.startswith("Op lists")]
+    assert line.startswith("Op lists (kept in float32: linear (2 ops)): ") and "with autocast's own lists" in line
+    assert f"{kept.step_time_s * 1e3:.1f} ms/step" in line and f"against {free.step_time_s * 1e3:.1f} ms" in line

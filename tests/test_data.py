@@ -395,3 +395,44 @@ def test_launched_ranks_read_a_dataset_path_relative_to_the_notebook(corpus, tmp
             r.stop("test cleanup")
     assert run.warm is warm and run.script == tmp_path / "run" / "train.py"
     assert f"cd {notebook} && " in (tmp_path / "run" / "command.txt").read_text()
+
+
+def test_measure_runs_where_the_cells_relative_paths_hold(tmp_path, monkeypatch):
+    """``measure`` (the memory tracker's run of a plan's script in a child process) runs in the kernel's working
+    directory, as verify and launch do: a cell opening ``width.txt`` next to the notebook builds its model there.
+    (Before, the child ran in the temporary folder the script was exported to: FileNotFoundError.)"""
+    from runtime_cases import source
+
+    from autopar_nb.measure import measure
+
+    (tmp_path / "width.txt").write_text("12")
+    monkeypatch.chdir(tmp_path)
+    cell = ('import torch\nimport torch.nn as nn\n\nwidth = int(open("width.txt").read())\n'
+            'model = nn.Sequential(nn.Linear(width, 16), nn.ReLU(), nn.Linear(16, 4))\n'
+            'example_inputs = (torch.randn(8, width),)\n')
+    src = source(cell)
+    (got,) = measure(src, make_plan(src), ranks=(0,), steps=1)
+    assert got["rank"] == 0 and got["peak"]
+
+
+@pytest.mark.multiprocess
+def test_context_parallel_ranks_read_the_dataset(corpus):
+    """cp=2 fed by the cell's dataset (issue 18 points 1 and 4 together): both cp ranks of the one replica read the
+    same samples (the sampler deals over the data-parallel ranks only) and each takes its half of every sequence;
+    losses, gradients and parameters equal the single process's on 2 gloo processes, with DDP and with FSDP2."""
+    from autopar_nb.plan import Plan
+    from autopar_nb.verify import FP32_RTOL, verify_many
+
+    src = run_model_cell(DATA_CELL, {}).source
+    plans = []
+    for zero in (0, 3):
+        d = make_plan(src, zero=zero).to_dict()
+        d["mesh"]["cp"], d["batch"]["seq_len"] = 2, 16
+        plans.append(Plan.from_dict(d))
+    text = render_script(src, plans[0])
+    assert "make_batch_fn = DataStream(dataset, batch_size=BATCH_SIZE" in text
+    assert 'shard = functools.partial(sequence_shards, mesh["cp"], causal=CAUSAL)' in text
+    for plan, report in zip(plans, verify_many([(src, p) for p in plans], steps=4, nproc=2, rtol=FP32_RTOL),
+                            strict=True):
+        assert report.ok, f"{plan.summary()}\n{report}"
+        assert len(report.steps) == 4 and report.max_loss_rel < 1e-5, str(report)

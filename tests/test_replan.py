@@ -3,6 +3,7 @@ that re-plans, resumes from its checkpoint under the new plan and matches the si
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -83,6 +84,128 @@ def test_margin_from_what_the_ranks_held():
         calibration.margin_factors({0: 1.0}, {}, current={"margin_fraction": 0.05})
 
 
+def test_cpu_margin_is_the_floor_between_steps_plus_what_the_peak_holds_beyond_it():
+    """calibration.rss_margin_factors on closed forms: the fixed part is the most a rank held between steps beyond
+    its parameters and optimizer state, the fraction what its peak held beyond that and the predicted state."""
+    from autopar_nb.plan import MemoryBreakdown
+
+    mb = MemoryBreakdown(params=10 * MIB, grads=10 * MIB, optimizer=20 * MIB, activations=100 * MIB,
+                         buffers=10 * MIB, margin=7 * MIB)  # state 150 MiB, 30 MiB of it kept between steps
+    factors, rec = calibration.rss_margin_factors({0: 210 * MIB, 1: 200 * MIB}, {0: 80 * MIB, 1: 84 * MIB},
+                                                  {0: mb, 1: mb})
+    assert factors["margin_fixed_bytes"] == 54 * MIB  # rank 1's 84 - 30
+    assert factors["margin_fraction"] == pytest.approx((210 - 54 - 150) / 150)  # rank 0's peak
+    assert rec["rank"] == 0 and rec["floor_bytes"] == 80 * MIB
+    # so the calibrated prediction of the worst rank is what it held
+    assert 150 * MIB * (1 + factors["margin_fraction"]) + factors["margin_fixed_bytes"] == pytest.approx(210 * MIB)
+    with pytest.raises(ValueError, match="between steps"):
+        calibration.rss_margin_factors({0: MIB}, {}, {0: mb})
+
+
+def test_run_calibrate_on_cpu_stores_the_allocator_margin_it_measured(tmp_path):
+    """Issue 21 point 5: a finished CPU run's calibrate() stores the margin from its ranks' RSS (not only the step
+    time), and the next plan on that preset uses it and says where it comes from."""
+    from autopar_nb.cost.factors import factors_for
+    from autopar_nb.launch.compare import predicted_breakdown
+    from autopar_nb.launch.run import Run
+    from autopar_nb.planner.explain import _margin_source
+
+    calibration.reset("cpu")
+    ap, _ = session_with_limit()
+    assert "the cost model's default (not calibrated)" in _margin_source(ap.cluster)
+    plan = ap.plan
+    run = Run(run_id="r", run_dir=tmp_path, script=tmp_path / "train.py", nproc=2, steps=3, token="t",
+              backend="gloo", max_restarts=0, hang_timeout_s=None, plan=plan)
+    base, mb = 300 * MIB, predicted_breakdown(plan, 0)
+    state = mb.total - mb.margin
+    fixed = 60 * MIB - calibration.persistent_bytes(mb)  # held between steps beyond params and optimizer state
+    for r in (0, 1):
+        run._ranks[r].baseline = base
+    peak = state * 1.1 + fixed  # 10 % of the state beyond the tensors at the peak
+    run._record_tick(0, {r: {"rss": base + 60 * MIB, "rss_peak": base + peak} for r in (0, 1)})
+    run._rows += [{"rank": r, "attempt": 0, "step": k, "step_time_s": 0.2, "rss": base + 60 * MIB, "time": 0.0}
+                  for k in range(3) for r in (0, 1)]
+    run._status = "finished"
+    factors = run.calibrate(preset="cpu")
+    assert factors["margin_fixed_bytes"] == pytest.approx(fixed)
+    assert factors["margin_fraction"] == pytest.approx(0.1) and "eff_fp32_matmul" in factors
+    assert calibration.load("cpu")["margin_fixed_bytes"] == pytest.approx(fixed)
+    cluster = calibration.apply(ap.cluster)
+    assert factors_for(cluster).margin_fixed_bytes == pytest.approx(fixed)
+    assert "calibrated for cpu (run of " in _margin_source(cluster)
+    calibration.reset("cpu")
+
+
+def test_near_the_limit_the_run_stops_at_the_first_checkpoint_after_two_timed_steps(tmp_path):
+    """The checkpoint written after the first (warm-up) step is not where it stops: the next one is, so a step
+    time besides the warm-up one calibrates; a run that ends first leaves the latest checkpoint."""
+    import threading
+
+    from autopar_nb.launch.replan import Replanner
+    from autopar_nb.launch.run import Run
+
+    def checkpoint(step):
+        (tmp_path / "ck" / f"step_{step}").mkdir(parents=True)
+        (tmp_path / "ck" / f"step_{step}" / "COMPLETE").touch()
+
+    def steps(run, *ks):
+        with run._lock:
+            run._rows += [{"rank": r, "attempt": 0, "step": k, "step_time_s": 0.1, "time": 0.0} for k in ks
+                          for r in (0, 1)]
+
+    def make_run(name):
+        return Run(run_id=name, run_dir=tmp_path / name, script=tmp_path / "train.py", nproc=2, steps=6, token="t",
+                   backend="gloo", max_restarts=0, hang_timeout_s=None)
+
+    replanner = Replanner("auto", cluster=None, plan_fn=None, launch_fn=None, ckpt_dir=str(tmp_path / "ck"))
+    run = make_run("a")
+
+    def training():
+        time.sleep(0.2)  # (else it may be all over before the wait starts: then it waits for the timeout)
+        steps(run, 0)
+        checkpoint(1)
+        time.sleep(0.3)
+        steps(run, 1)
+        checkpoint(2)
+
+    assert replanner.wait_for_checkpoint(make_run("idle"), timeout_s=0) is None  # imports the runtime's reader
+    worker = threading.Thread(target=training)
+    worker.start()
+    assert replanner.wait_for_checkpoint(run, timeout_s=60).endswith("step_2")
+    worker.join()
+    ended = make_run("b")  # one step, its checkpoint, then the run ends: the latest checkpoint is the one
+    steps(ended, 2)
+    checkpoint(3)
+    ended._done.set()
+    assert replanner.wait_for_checkpoint(ended, timeout_s=60).endswith("step_3")
+
+
+def test_a_replan_calibrates_the_step_time_so_the_plan_predicts_what_was_measured(tmp_path):
+    """The stopped run's steady steps (its first, warm-up step left out) against the plan's step time: the speed
+    factors that make the same plan, costed again, predict the measured step time; only one step: none."""
+    import dataclasses
+
+    from autopar_nb.cost.estimate import estimate
+    from autopar_nb.launch.replan import Replanner
+    from autopar_nb.launch.run import Run
+
+    ap, _ = session_with_limit()
+    plan = ap.plan
+    run = Run(run_id="r", run_dir=tmp_path, script=tmp_path / "train.py", nproc=2, steps=6, token="t",
+              backend="gloo", max_restarts=0, hang_timeout_s=None, plan=plan)
+    current = calibration._current_factors(ap.cluster)
+    measured = 3.0 * plan.cost.step_time_s
+    run._rows += [{"rank": r, "attempt": 0, "step": 0, "step_time_s": 40 * measured, "time": 0.0} for r in (0, 1)]
+    assert Replanner.calibrate_time(run, current) == ({}, "step time not calibrated (only the first, warm-up step "
+                                                          "was measured)")
+    run._rows += [{"rank": r, "attempt": 0, "step": s, "step_time_s": measured, "time": 0.0} for s in (1, 2)
+                  for r in (0, 1)]
+    factors, words = Replanner.calibrate_time(run, current)
+    assert "(x3.00)" in words and factors["eff_fp32_matmul"] == pytest.approx(current["eff_fp32_matmul"] / 3)
+    cluster = dataclasses.replace(ap.cluster, calibration={**(ap.cluster.calibration or {}), **factors})
+    assert estimate(ap.graph, cluster, plan).step_time_s == pytest.approx(measured, rel=0.05)
+
+
 # ---- a real run over its limit ---------------------------------------------------------------------------------
 # activations dominate (2048 x 4096 floats per GELU): more micro-batches cut them, and a CPU rank's peak RSS above
 # its baseline is about twice the predicted training state (torch's first-use allocations, checkpoint staging)
@@ -111,6 +234,10 @@ def session_with_limit() -> tuple[Session, float]:
 
 @pytest.mark.multiprocess
 def test_a_run_over_its_cpu_limit_replans_and_resumes_from_its_checkpoint(tmp_path):
+    import dataclasses
+
+    from autopar_nb.cost.estimate import estimate
+    from autopar_nb.launch.metrics import steady_step_time
     from autopar_nb.verify import FP32_RTOL, reference
 
     ap, limit = session_with_limit()
@@ -120,7 +247,13 @@ def test_a_run_over_its_cpu_limit_replans_and_resumes_from_its_checkpoint(tmp_pa
     dash = run.dashboard()
     assert run.wait(timeout=600) == "finished", [(leg.status, leg.message, leg.events) for leg in run.legs()]
     legs = run.legs()
-    assert len(legs) >= 2 and legs[0].status == "stopped" and legs[-1].status == "finished"
+    # one re-plan suffices: the first calibration is right (the margin's fixed part is what a rank holds between
+    # steps, and under the limit glibc returns freed activations at once, so the peak does not grow over the steps)
+    assert len(legs) == 2 and legs[0].status == "stopped" and legs[-1].status == "finished"
+    held = max(v["peak"] for v in legs[1].rss_figures().values())
+    calibrated = max(predicted_memory(legs[1].plan, r, model_state=False) for r in range(2))
+    print(f"second leg: held {held / 2**20:.1f} MiB, calibrated prediction {calibrated / 2**20:.1f} MiB")
+    assert 0.8 * calibrated <= held <= 1.1 * calibrated
     for leg, nxt in zip(legs, legs[1:], strict=False):
         (ev,) = [e for e in leg.events if e["kind"] == "replan"]
         print(ev["reason"])
@@ -132,7 +265,13 @@ def test_a_run_over_its_cpu_limit_replans_and_resumes_from_its_checkpoint(tmp_pa
         else:  # over it (stopped at once): rolled back, at most ckpt_every (1) step redone
             assert "exceeded its" in ev["cause"] and done - resumed_at + 1 <= 1, ev
         assert "because rank" in ev["reason"] and f"{limit / 2**30:.2f} GiB" in ev["reason"]
-        assert ev["diff_text"] != "no change" and ev["calibration"]["margin_fraction"] > 0
+        assert ev["diff_text"] != "no change" and ev["calibration"]["margin_fixed_bytes"] > 0
+        # it stopped after a timed step besides the warm-up one: the speed factors make the stopped plan, costed
+        # again on the calibrated cluster, predict the step time it measured
+        assert "steps took" in ev["reason"] and "eff_fp32_matmul" in ev["calibration"], ev["reason"]
+        calibrated = dataclasses.replace(ap.cluster, calibration=ev["calibration"])
+        assert estimate(ap.graph, calibrated, leg.plan).step_time_s == pytest.approx(
+            steady_step_time(list(leg.metrics)), rel=0.05)
         # a remedy (here more micro-batches, or ZeRO-3): the new plan predicts less training state per rank
         assert predicted_memory(nxt.plan, 0, model_state=True) < predicted_memory(leg.plan, 0, model_state=True)
         (resume,) = [e for e in nxt.events if e["kind"] == "resume"]

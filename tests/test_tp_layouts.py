@@ -341,3 +341,27 @@ def test_local_sizes_of_a_class_defined_in_the_cell():
     st = tp_styles(model, {"0.c_attn": "colwise", "0.c_proj": "rowwise"}, parts={"0.c_attn": [4, 4, 4]}, tp=4)
     assert st["0.c_attn"].source() == "PackedColwiseParallel(input_layouts=Replicate(), parts=3)"
     assert local_sizes(model, st, tp=4) == {"0": {"n_embd": 8, "n_head": 1}}
+
+
+@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+def test_eager_attention_splits_q_k_and_v_together():
+    """Gemma 2 runs eager attention by default (soft-capped scores, ``q @ k^T`` and ``scores @ v`` as plain matmuls,
+    a metadata check before the softmax's ``.to()``): TP splits every attention's q, k and v projections by heads
+    together. Splitting v alone (the planner did, once the metadata check was taken for a sharded model output that
+    made q and k replicated) crashed the ranks: 4 query heads met 2 value heads. Layer 0's attention is split too:
+    the model is captured without its key/value cache (as the script trains it), whose sliding-window slices were
+    model outputs that kept that layer whole."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    import autopar_nb as ap
+
+    config = Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    with torch.device("meta"):
+        model = Gemma2ForCausalLM(config)
+    graph = ap.capture(model, (torch.randint(0, 128, (4, 16)),))
+    assert model.config.use_cache, "capture gives the cell's model back as it found it"
+    plan = ap.plan(graph, ap.Cluster.preset("cpu", gpus_per_node=2), fix={"tp": 2})
+    for layer in ("0", "1"):
+        names = {n.rsplit(".", 1)[-1] for n in plan.tp_plan if f".layers.{layer}.self_attn." in n}
+        assert names == {"q_proj", "k_proj", "v_proj", "o_proj"}, (layer, plan.tp_plan)

@@ -141,3 +141,12 @@ def _follows(n, floats, fparams, dt, captured, shapes, params) -> str:
     dims = [dt[i] for i in floats if len(shapes.get(i, (1,))) > 0] + \
            [params[p].dtype for p in fparams if len(params[p].shape) > 0]
     return promote(dims or [dt[i] for i in floats] + [params[p].dtype for p in fparams])
+
+
+def ops_named(graph, name: str) -> int:
+    """How many ops of ``graph`` an op-list name (``precision.fp32_ops`` / ``low_precision_ops``: torch's or
+    Paddle's, e.g. ``elementwise_add``) reaches, as ``OpPrecision`` and :func:`amp_dtypes` match them."""
+    from ..runtime.amp import ALIASES
+
+    want = ALIASES.get(name, name)
+    return sum(1 for n in graph.nodes if n.out_shapes and _op_name(n.op) == want)

@@ -14,7 +14,7 @@ from .factors import Factors, factors_for
 from .loss import FusedHead
 from .memory import activation_bytes, in_flight, model_states, state_bytes, with_margin
 from .profile import GraphProfile, precision_of
-from .time import bubble_fraction, layer_compute_time, optimizer_time
+from .time import bubble_fraction, layer_compute_time, optimizer_time, weight_cast_time
 
 
 @dataclass(frozen=True)
@@ -192,14 +192,15 @@ class Evaluator:
 
     # ---- per layer ----------------------------------------------------------------------------------------------
     def terms(self, i: int, *, tp: int, sp: bool, precision: str, mb_samples: float, ep: int = 1,
-              compiled: bool = False, cp: int = 1) -> LayerTerms:
+              compiled: bool = False, cp: int = 1, amp: str = "bf16") -> LayerTerms:
         """Per-layer terms, cached by the layer's repeated-block representative. ``precision``: one of
-        :data:`~.profile.PRECISIONS` (:func:`~.profile.precision_of`). With context parallelism (``cp``) a rank
+        :data:`~.profile.PRECISIONS` (:func:`~.profile.precision_of`); ``amp``: autocast's dtype there ("bf16",
+        "fp16": its peak FLOP/s). With context parallelism (``cp``) a rank
         holds 1/cp of every sequence: its compute and activations are divided by cp (with torch's load balancing,
         causal attention's work too), and each attention layer all-gathers the keys and values in forward and again
         in backward, and passes their float32 gradients round the ring cp times
         (``_templated_ring_attention_backward``); the gathered keys and values are one more working buffer."""
-        key = (self.prof.rep[i], tp, sp, precision, mb_samples, ep, compiled, cp)
+        key = (self.prof.rep[i], tp, sp, precision, mb_samples, ep, compiled, cp, amp)
         half = precision != "fp32"
         hit = self._cache.get(key)
         if hit is not None:
@@ -207,8 +208,9 @@ class Evaluator:
         lp = self.prof.layers[self.prof.rep[i]].at_tp(tp)  # key/value projections this tp repeats: whole
         scale = mb_samples / self.prof.batch * self.seq_ratio / cp
         qscale = mb_samples / self.prof.batch * self.seq_ratio ** 2 / cp
-        fwd, bwd, sel = layer_compute_time(lp, tp=tp, sp=sp, half=half, scale=scale, quad_scale=qscale,
-                                           device=self.cluster.device, factors=self.f, compiled=compiled)
+        fwd, bwd, sel = layer_compute_time(lp, tp=tp, sp=sp, precision=precision, scale=scale, quad_scale=qscale,
+                                           device=self.cluster.device, factors=self.f, compiled=compiled,
+                                           low_dtype=DTYPE_NAMES[amp] if amp != "none" else "bfloat16")
         act = {r: activation_bytes(lp, tp=tp, sp=sp, recompute=r, precision=precision, scale=scale,
                                    quad_scale=qscale, megatron_sp=self.megatron_sp) for r in RECOMPUTE}
         comm: dict[str, float] = {}
@@ -273,7 +275,7 @@ class Evaluator:
         """:meth:`terms` of layer ``i`` under the candidate's setting and the layer's choice (TP on or off)."""
         return self.terms(i, tp=s.tp if ch.tp else 1, sp=s.sp and ch.tp,
                           precision=precision_of(s.amp, s.zero_stage),
-                          mb_samples=s.mb_samples, ep=s.ep, compiled=ch.compile, cp=s.cp)
+                          mb_samples=s.mb_samples, ep=s.ep, compiled=ch.compile, cp=s.cp, amp=s.amp)
 
     # ---- a whole candidate --------------------------------------------------------------------------------------
     def runs(self, choices: list[LayerChoice]) -> list[tuple[int, int, LayerChoice]]:
@@ -315,7 +317,9 @@ class Evaluator:
         opt_params = max(sums.params) if s.zero_stage < 1 else max(
             (p - x) / s.replicas + x / (s.dp // s.ep) for p, x in zip(sums.params, sums.experts, strict=True))
         opt_t = optimizer_time(opt_params, self.cluster.device, f)
-        compute = m * (sums.fwdbwd[bottleneck] + sums.rec[bottleneck])
+        compute = m * (sums.fwdbwd[bottleneck] + sums.rec[bottleneck]) + weight_cast_time(
+            sums.casts[bottleneck], micro_batches=m, regions=1 if s.pp > 1 else m, device=self.cluster.device,
+            factors=f)  # one autocast region per micro-batch, or around the whole pipeline schedule
         step = compute + tp_exposed + bubble + p2p_exposed + dp_exposed + opt_t
         mem = [self._rank_memory(s, sums, r) for r in range(s.pp)]
         cost = Cost(
@@ -387,7 +391,7 @@ class Evaluator:
         half = s.amp != "none"
         tokens = self.head.tokens * s.mb_samples / self.prof.batch * self.seq_ratio
         flops = self.head.recompute_flops(tokens)
-        sums.rec[r] += flops / (self.cluster.device.flops("bfloat16" if half else "float32")
+        sums.rec[r] += flops / (self.cluster.device.flops(DTYPE_NAMES[s.amp] if half else "float32")
                                 * self.f.efficiency("matmul", half))
         sums.hw_flops += flops
         sums.acts[r] += self.head.saved_bytes(tokens)
@@ -535,7 +539,7 @@ class Evaluator:
         # FLOPs summed over the chain are those of one micro-batch for one model replica; scale to the step
         step_model_flops = sums.model_flops * s.micro_batches * s.replicas  # a cp rank: 1/cp of the replica's
         step_hw_flops = sums.hw_flops * s.micro_batches * s.replicas
-        peak_flops = self.cluster.device.flops("bfloat16" if s.amp != "none" else "float32")
+        peak_flops = self.cluster.device.flops(DTYPE_NAMES[s.amp] if s.amp != "none" else "float32")
         cost.model_tflops_per_gpu = step_model_flops / world / step / 1e12
         cost.hardware_tflops_per_gpu = step_hw_flops / world / step / 1e12
         cost.mfu = step_model_flops / world / step / peak_flops

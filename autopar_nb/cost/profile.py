@@ -87,6 +87,53 @@ class Repeatable(NamedTuple):
 
 
 @dataclass
+class AmpTime:
+    """One layer's step-time terms under autocast with the plan's op lists (``precision.fp32_ops`` /
+    ``low_precision_ops``), at the captured batch: each op at the dtype :mod:`.autocast` gives it there."""
+
+    fp32_split: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    """forward FLOPs by compute class (matmul, conv, attention) that TP divides and that run in float32: an op the
+    plan's ``fp32_ops`` keeps there (``OpPrecision`` turns autocast off for it) or autocast's fp32 list casts up.
+    The rest of ``LayerProfile.flops_split`` runs at the 16-bit rate: autocast lowers a listed op, and the matmuls
+    inside an op it does not list (a composite or custom op, e.g. the zoo's ``grouped_linear``: its loop of
+    ``@`` runs in bf16 under autocast, measured)"""
+    fp32_rep: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    bwd_fp32_split: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    bwd_fp32_rep: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    mem_split: float = 0.0
+    """bytes memory-bound ops move inside TP regions, each input, parameter and output at its dtype there"""
+    mem_rep: float = 0.0
+    cast_split: float = 0.0
+    """bytes of the copies autocast (or the plan's lists) make of activation inputs before an op (read at the
+    source dtype, written at the target), inside TP regions; forward"""
+    cast_rep: float = 0.0
+    """the same outside TP regions (divided by TP only with sequence parallel)"""
+    cast_whole: float = 0.0
+    """the same for the replicated input of a TP-split op (a colwise Linear's: whole on every rank, gathered first
+    under sequence parallel)"""
+    cast_bwd_split: float = 0.0
+    """the same copies' backward (the gradient cast back), for inputs that require grad"""
+    cast_bwd_rep: float = 0.0
+    cast_bwd_whole: float = 0.0
+    casts: int = 0
+    """activation copies per forward (one kernel each)"""
+
+    def repeated(self, lp: LayerProfile, fwd: float, bwd: float) -> AmpTime:
+        """These terms when TP repeats key/value projections of ``fwd`` / ``bwd`` matmul FLOPs (moved from the
+        split to the replicated part; their float32 share is the layer's split matmuls' share)."""
+        share = self.fp32_split.get("matmul", 0.0) / lp.flops_split["matmul"] if lp.flops_split.get("matmul") else 0
+        bshare = self.bwd_fp32_split.get("matmul", 0.0) / lp.bwd_split["matmul"] if lp.bwd_split.get("matmul") else 0
+        out = replace(self, fp32_split=defaultdict(float, self.fp32_split), fp32_rep=defaultdict(float, self.fp32_rep),
+                      bwd_fp32_split=defaultdict(float, self.bwd_fp32_split),
+                      bwd_fp32_rep=defaultdict(float, self.bwd_fp32_rep))
+        out.fp32_split["matmul"] -= fwd * share
+        out.fp32_rep["matmul"] += fwd * share
+        out.bwd_fp32_split["matmul"] -= bwd * bshare
+        out.bwd_fp32_rep["matmul"] += bwd * bshare
+        return out
+
+
+@dataclass
 class LayerProfile:
     """Costs of one layer at the captured batch (see the module docstring)."""
 
@@ -167,6 +214,8 @@ class LayerProfile:
     """bytes of the keys and values the layer's attention ops read (whole sequence; in the captured dtype): what
     context parallelism's ring passes round the cp ranks"""
     kv_half: float = 0.0
+    time_amp: dict[str, AmpTime] = field(default_factory=dict)
+    """precision ("autocast", "autocast_lowp") -> the layer's time terms there, op by op at its dtype"""
 
     def saved_at(self, precision: str) -> list[Saved]:
         """What autograd saves in this layer under ``precision`` (:data:`PRECISIONS`)."""
@@ -191,6 +240,8 @@ class LayerProfile:
         out = replace(self, flops_split=defaultdict(float, self.flops_split),
                       flops_rep=defaultdict(float, self.flops_rep), bwd_split=defaultdict(float, self.bwd_split),
                       bwd_rep=defaultdict(float, self.bwd_rep), comms=list(self.comms))
+        out.time_amp = {k: a.repeated(self, sum(r.fwd for r in repeated), sum(r.bwd for r in repeated))
+                        for k, a in self.time_amp.items()}
         for r in repeated:
             out.flops_split["matmul"] -= r.fwd
             out.flops_rep["matmul"] += r.fwd
@@ -264,6 +315,9 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(), low_precision_ops=
                          low_precision_ops=low_precision_ops) for p in PRECISIONS[1:]}
     layers = {lay.path: LayerProfile(lay.path) for lay in graph.layers}
     _count_compute(layers, f)
+    for precision, fa in amp.items():
+        for lp, terms in _count_amp_time(layers, f, fa, low_params=precision == "autocast_lowp"):
+            lp.time_amp[precision] = terms
     for lp, saved in _count_saved(layers, f, device_kind):
         lp.saved = saved
     for precision, fa in amp.items():
@@ -537,6 +591,61 @@ def _count_compute(layers: dict[str, LayerProfile], f: _Facts) -> None:
             lp.largest_out = max(lp.largest_out, step)
 
 
+def _count_amp_time(layers: dict[str, LayerProfile], f: _Facts, fa: _Facts, *, low_params: bool):
+    """(layer, :class:`AmpTime`) for each layer under the autocast facts ``fa`` (``f``: the captured, float32 ones):
+    compute ops kept in float32 at the float32 rate (:attr:`AmpTime.fp32_split`), memory-bound ops' bytes at their
+    tensors' dtypes, the copies autocast inserts."""
+    amp = fa.autocast
+    out: dict[str, AmpTime] = {}
+    for lp, n in _in_layers(layers, f):
+        t = out.setdefault(lp.path, AmpTime())
+        in_region = n.name in f.tp.sharded
+        if n.op_class in ("matmul", "conv", "attention"):
+            if amp.target.get(n.name) == "float32":
+                split = in_region or n.name in f.tp.styles  # as _count_compute splits the op's FLOPs
+                fwd, bwd = (t.fp32_split, t.bwd_fp32_split) if split else (t.fp32_rep, t.bwd_fp32_rep)
+                fwd[n.op_class] += n.flops
+                bwd[n.op_class] += n.bwd_flops
+        elif n.op_class != "view":
+            nbytes = _amp_bytes(n, f, fa, low_params=low_params)
+            if in_region:
+                t.mem_split += nbytes
+            else:
+                t.mem_rep += nbytes
+        for i in dict.fromkeys(n.inputs):
+            to = amp.cast(n.name, i)
+            if to is None or not f.size[i].floating:
+                continue
+            copy = f.size[i].numel * (ITEMSIZE[fa.dtype[i]] + ITEMSIZE[to])
+            t.casts += 1
+            where = "split" if i in f.tp.sharded else "whole" if n.name in f.tp.styles else "rep"
+            setattr(t, f"cast_{where}", getattr(t, f"cast_{where}") + copy)
+            if i in f.grad:
+                setattr(t, f"cast_bwd_{where}", getattr(t, f"cast_bwd_{where}") + copy)
+    return [(layers[k], v) for k, v in out.items()]
+
+
+def _amp_bytes(n, f: _Facts, fa: _Facts, *, low_params: bool) -> float:
+    """Bytes one memory-bound op moves under autocast: its captured bytes (as :func:`_count_compute` counts them),
+    each activation input read at the dtype it has when the op runs (autocast's copy when it makes one), each
+    floating parameter at its 16-bit copy's or 16-bit own size, its output at its dtype there."""
+    amp = fa.autocast
+    read = 0
+    for i in n.inputs:
+        if i in f.size and f.size[i].floating:
+            now = amp.cast(n.name, i) or fa.dtype.get(i, f.dtype[i])
+            read += f.size[i].numel * (ITEMSIZE[now] - f.size[i].itemsize)
+    lower = amp.target.get(n.name) in ("bfloat16", "float16")
+    for p in n.params:
+        pi = f.graph.params.get(p)
+        if pi is not None and pi.dtype in FLOAT and (low_params or lower):
+            read += pi.numel * (2 - pi.itemsize)
+    written = f.size[n.name].numel * (fa.size[n.name].itemsize - f.size[n.name].itemsize) if n.out_shapes else 0
+    if n.op_class == "embedding" and n.params and n.params[0] in f.graph.params:
+        return 2 * (n.bytes_written + written) + sum(fa.size[i].nbytes for i in n.inputs)
+    return n.bytes_read + n.bytes_written + read + written
+
+
 class _Keep(NamedTuple):
     """A tensor one op keeps for backward, before storages are deduplicated."""
 
@@ -672,7 +781,8 @@ def _math_attention(n, device_kind: str) -> bool:
 def _math_attention_saves(n, f: _Facts, kept_input) -> list[_Keep]:
     """What :func:`_math_attention` keeps (measured with autograd's saved tensors, torch 2.13 CPU). With 16-bit
     inputs (autocast) the CPU math kernel computes in float32: q, k and v are converted first (v then saved as its
-    float32 copy) and the score-sized tensors are float32."""
+    float32 copy) and the score-sized tensors are float32. A non-contiguous v (heads transposed out of a projection's
+    output) is copied when ``scores @ v`` folds its batch dims, and that copy is what it saves."""
     region = n.name in f.tp.sharded
     q, k, v = (n.inputs + [None] * 3)[:3]
     (*lead, _), kshape = n.in_shapes[0], n.in_shapes[1]
@@ -681,7 +791,8 @@ def _math_attention_saves(n, f: _Facts, kept_input) -> list[_Keep]:
     upcast = f.size[n.name].itemsize < item
     return [_Keep(f"q:{n.name}", f.size[q]._replace(itemsize=item), region),
             _Keep(f"k:{n.name}", f.size[k]._replace(itemsize=item), region),
-            _Keep(f"v:{n.name}", f.size[v]._replace(itemsize=item), region) if upcast else kept_input(v),
+            _Keep(f"v:{n.name}", f.size[v]._replace(itemsize=item), region) if upcast or f.noncontig.get(v, False)
+            else kept_input(v),
             *(_Keep(f"{what}:{n.name}", scores, region, quadratic=True) for what in ("softmax", "noise", "dropped"))]
 
 

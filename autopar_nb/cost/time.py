@@ -4,44 +4,86 @@ Compute-bound ops (matmul, conv, attention) take FLOPs / (peak FLOP/s x efficien
 is memory-bound and takes bytes moved / (HBM bandwidth x efficiency); each non-view op adds a launch overhead.
 In a block compiled with ``torch.compile`` both of those memory-bound terms are scaled by the factor
 ``compile_memory_bound`` (Inductor fuses them; matmuls keep their time).
-Backward moves about twice the bytes of forward. All factors come from :mod:`autopar_nb.cost.factors`.
+Backward moves about twice the bytes of forward. Under autocast each op is costed at the dtype it runs in there
+(:mod:`.autocast`, the plan's ``precision.fp32_ops`` / ``low_precision_ops`` applied), and the copies autocast
+makes are memory-bound ops of their own. All factors come from :mod:`autopar_nb.cost.factors`.
 """
 
 from __future__ import annotations
 
-from .profile import LayerProfile
+from .profile import AmpTime, LayerProfile
 
 COMPUTE_CLASSES = ("matmul", "conv", "attention")
 
 
-def layer_compute_time(lp: LayerProfile, *, tp: int, sp: bool, half: bool, scale: float, quad_scale: float,
-                       device, factors, compiled: bool = False) -> tuple[float, float, float]:
+def layer_compute_time(lp: LayerProfile, *, tp: int, sp: bool, precision: str, scale: float, quad_scale: float,
+                       device, factors, compiled: bool = False,
+                       low_dtype: str = "bfloat16") -> tuple[float, float, float]:
     """(forward, backward, selective-recompute extra) seconds of one micro-batch through the layer on one rank.
 
-    ``tp`` divides the ops inside TP regions (and the ops outside them under sequence parallel); ``scale`` and
+    ``tp`` divides the ops inside TP regions (and the ops outside them under sequence parallel); ``precision``: one
+    of :data:`~.profile.PRECISIONS` (under autocast each op at the dtype it runs in there, the plan's op lists
+    applied: :func:`amp_compute_time`; ``low_dtype``: autocast's, "bfloat16" or "float16"); ``scale`` and
     ``quad_scale`` scale the captured batch's work to the micro-batch (linear and attention-score terms);
     ``compiled``: the layer runs under ``torch.compile``."""
-    peak = device.flops("bfloat16" if half else "float32")
+    if precision != "fp32":
+        return amp_compute_time(lp, lp.time_amp[precision], tp=tp, sp=sp, scale=scale, quad_scale=quad_scale,
+                                device=device, factors=factors, compiled=compiled, low_dtype=low_dtype)
+    peak = device.flops("float32")
     fwd = bwd = 0.0
     for cls in COMPUTE_CLASSES:
-        eff = factors.efficiency(cls, half)
+        eff = factors.efficiency(cls, False)
         s = quad_scale if cls == "attention" else scale
         fwd += (lp.flops_split.get(cls, 0.0) / tp + lp.flops_rep.get(cls, 0.0)) * s / (peak * eff)
         bwd += (lp.bwd_split.get(cls, 0.0) / tp + lp.bwd_rep.get(cls, 0.0)) * s / (peak * eff)
-    byte_scale = 0.5 if half else 1.0  # captured in fp32, run in 16-bit: half the bytes (approximation)
     hbm = device.hbm_bandwidth * factors.eff_hbm
-    mem = (lp.mem_split / tp + lp.mem_rep / (tp if sp else 1)) * scale * byte_scale / hbm
-    overhead = lp.n_ops * factors.op_overhead_s
-    if compiled:
-        mem, overhead = mem * factors.compile_memory_bound, overhead * factors.compile_memory_bound
-    fwd += mem + overhead
+    mem = (lp.mem_split / tp + lp.mem_rep / (tp if sp else 1)) * scale / hbm
+    return _memory_bound(lp, fwd, bwd, (mem, 2 * mem), (lp.n_ops, 2 * lp.n_ops), tp=tp, hbm=hbm, factors=factors,
+                         compiled=compiled)
+
+
+def amp_compute_time(lp: LayerProfile, amp: AmpTime, *, tp: int, sp: bool, scale: float, quad_scale: float,
+                     device, factors, compiled: bool = False,
+                     low_dtype: str = "bfloat16") -> tuple[float, float, float]:
+    """:func:`layer_compute_time` under autocast: a compute op kept in float32 (the plan's ``fp32_ops``, autocast's
+    fp32 list: :attr:`~.profile.AmpTime.fp32_split`) at the float32 peak and efficiency, any other at
+    ``low_dtype``'s; memory-bound ops by the bytes they move at their dtypes; each copy autocast makes of an
+    activation input (read + write, once more in backward when it requires grad) costed as a memory-bound op (the
+    parameters' copies: :func:`weight_cast_time`)."""
+    lo, hi = device.flops(low_dtype), device.flops("float32")
+    fwd = bwd = 0.0
+    for cls in COMPUTE_CLASSES:
+        s = quad_scale if cls == "attention" else scale
+        f32 = (amp.fp32_split.get(cls, 0.0) / tp + amp.fp32_rep.get(cls, 0.0)) * s
+        b32 = (amp.bwd_fp32_split.get(cls, 0.0) / tp + amp.bwd_fp32_rep.get(cls, 0.0)) * s
+        low = (lp.flops_split.get(cls, 0.0) / tp + lp.flops_rep.get(cls, 0.0)) * s - f32
+        blow = (lp.bwd_split.get(cls, 0.0) / tp + lp.bwd_rep.get(cls, 0.0)) * s - b32
+        rate_lo, rate_hi = lo * factors.efficiency(cls, True), hi * factors.efficiency(cls, False)
+        fwd += low / rate_lo + f32 / rate_hi
+        bwd += blow / rate_lo + b32 / rate_hi
+    hbm = device.hbm_bandwidth * factors.eff_hbm
+    rep_div = tp if sp else 1
+    mem = (amp.mem_split / tp + amp.mem_rep / rep_div) * scale / hbm
+    casts = (amp.cast_split / tp + amp.cast_rep / rep_div + amp.cast_whole) * scale / hbm
+    cast_bwd = (amp.cast_bwd_split / tp + amp.cast_bwd_rep / rep_div + amp.cast_bwd_whole) * scale / hbm
+    ops = (lp.n_ops + amp.casts, 2 * lp.n_ops + amp.casts)
+    return _memory_bound(lp, fwd, bwd, (mem + casts, 2 * mem + cast_bwd), ops, tp=tp, hbm=hbm, factors=factors,
+                         compiled=compiled)
+
+
+def _memory_bound(lp: LayerProfile, fwd: float, bwd: float, mem: tuple[float, float], ops: tuple[int, int], *,
+                  tp: int, hbm: float, factors, compiled: bool) -> tuple[float, float, float]:
+    """(forward, backward, selective extra): the compute seconds ``fwd`` / ``bwd`` with the memory-bound seconds
+    ``mem`` (forward, backward) and the launch overhead of ``ops`` kernels (forward, backward) added, both scaled
+    by ``compile_memory_bound`` in a compiled block, and the dense Embedding gradient."""
+    k = factors.compile_memory_bound if compiled else 1.0
+    mem_f, mem_b = mem[0] * k, mem[1] * k
+    over_f, over_b = ops[0] * factors.op_overhead_s * k, ops[1] * factors.op_overhead_s * k
     # the dense Embedding gradient (fp32, like the weights) is the table's size whatever the batch: not scaled
     emb = (lp.emb_bwd_split / tp + lp.emb_bwd_rep) / hbm
-    bwd += 2 * mem + 2 * overhead + emb
     # selective recompute (runtime/ac.py) keeps matmul, convolution and attention outputs and runs the rest of the
     # forward again: the memory-bound ops
-    sel = mem + overhead
-    return fwd, bwd, sel
+    return fwd + mem_f + over_f, bwd + mem_b + over_b + emb, mem_f + over_f
 
 
 def bubble_fraction(schedule: str, *, pp: int, micro_batches: int, virtual_stages: int, factors) -> float:
@@ -55,6 +97,14 @@ def bubble_fraction(schedule: str, *, pp: int, micro_batches: int, virtual_stage
     if schedule in ("interleaved_zero_bubble", "zbv_zero_bubble"):
         return base * factors.bubble_zero_bubble
     return base
+
+
+def weight_cast_time(numel: float, *, micro_batches: int, regions: int, device, factors) -> float:
+    """Seconds a step spends on the 16-bit copies autocast makes of ``numel`` float32 parameters (the layers'
+    ``cast_split`` / ``cast_rep``): each copy reads 4 bytes and writes 2 once per autocast region (its weight cache
+    lives that long: ``regions`` per step, one per micro-batch, or one for a whole pipeline schedule), and each
+    micro-batch's backward casts the copy's gradient back to float32 (2 + 4 bytes)."""
+    return numel * (4 + 2) * (regions + micro_batches) / (device.hbm_bandwidth * factors.eff_hbm)
 
 
 def optimizer_time(local_params: float, device, factors) -> float:

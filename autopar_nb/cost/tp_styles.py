@@ -8,13 +8,12 @@ whose sharded output is the model's output is the vocab-parallel head (``loss_pa
 least as many outputs as inputs (an LM head, not a 10-way classifier). Which ops are
 Linear-like (a "colwise" and a "rowwise" split), Embedding-like, norms, reductions or splits, which collective each
 style implies, and which views reshape, come from the op's ``kernels_ext`` rule (``splits``, ``tp_role``,
-``layout``), never from its name, so a registered custom op takes part. A sharded
-tensor that reaches an op that cannot take it (a norm, a residual add with a full-size replicated tensor, a
-reduction, a Linear kept replicated, an attention op whose q, k, v are not all sharded, or a Linear-like module
-PyTorch TP cannot split) turns the Linears that sharded it back to ``replicate``. ``nn.Linear`` and Hugging Face's
-``Conv1D`` (weight stored (in, out)) get split styles; an Embedding is vocab-sharded (rowwise) only when its ids come
-from the model's inputs (not ``torch.arange`` positions) and the table has at least as many rows as columns (not a
-small table).
+``layout``), never from its name, so a registered custom op takes part. A sharded tensor that reaches an op that
+cannot take it (a norm, a residual add with a full-size replicated tensor, a reduction, a Linear kept replicated, an
+attention op or a plain matmul whose operands are not all sharded, or a Linear-like module PyTorch TP cannot split)
+turns the Linears that sharded it back to ``replicate``. ``nn.Linear`` and Hugging Face's ``Conv1D`` (weight stored
+(in, out)) get split styles; an Embedding is vocab-sharded (rowwise) only when its ids come from the model's inputs
+(not ``torch.arange`` positions) and the table has at least as many rows as columns (not a small table).
 
 Layouts beyond one contiguous shard per projection (``LayerPlan.tp_parts``; the runtime's ``runtime/layouts.py``):
 
@@ -309,6 +308,8 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
         return r
 
     for n in graph.nodes:
+        if not n.out_shapes:
+            continue  # no tensor out (aten._assert_tensor_metadata before a .to()): nothing sharded, not an output
         s_in = [i for i in n.inputs if i in sharded]
         splits = splits_of(n.op)
         linear_like = bool(n.params) and n.op_class == "matmul" and "colwise" in splits and "rowwise" in splits
@@ -361,6 +362,9 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
             continue
         if n.op_class == "attention" and any(i not in sharded for i in n.inputs[:3]):
             conflicts |= seed  # q, k and v split by heads together, or not at all
+            continue
+        if n.op_class == "matmul" and not n.params and any(i not in sharded and i in by_name for i in n.inputs):
+            conflicts |= seed  # eager attention's q @ k^T and scores @ v: both operands split by heads, or neither
             continue
         if s_in[0] in last and _splits_last_dim(n):  # a fused projection: split part by part, or refused
             why = _cut(n, s_in, origin, pieces, width)

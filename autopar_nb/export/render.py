@@ -289,6 +289,9 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
     lines = ["dp_rank = mesh[\"dp\"].get_local_rank()", f"loss = {loss}"]
     if not (v.dataset and v.pp > 1):  # else after the stage ids
         lines.append(f"make_batch_fn = {batches}")
+    if v.kv_cache:
+        lines.append(f"switch_off_kv_cache({mv})  # Hugging Face's key/value cache: training never reads it")
+        uses.append("switch_off_kv_cache")
     if v.meta_init:
         lines += [f"skeleton = copy.deepcopy({mv})  # unsharded, on meta: the initialisation below reads it",
                   f"net = {mv}"]

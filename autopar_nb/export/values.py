@@ -19,6 +19,7 @@ from ..runtime.data import default_batch_size, first_tensor, is_causal_lm, small
 from ..runtime.ep import experts_modules_to_split
 from ..runtime.pp import SCHEDULES, stage_boundaries
 from ..runtime.tp import TPStyle
+from ..runtime.train import switch_off_kv_cache
 from ..source import ModelSource
 from .styles import local_sizes, tp_styles
 
@@ -84,6 +85,8 @@ class ScriptValues:
     unfused"""
     tokens: bool = False
     """the inputs are token ids (throughput in tokens/s)"""
+    kv_cache: bool = False
+    """the model keeps a Hugging Face key/value cache (``config.use_cache``): the script switches it off"""
     model_class: str = ""
 
     @property
@@ -128,6 +131,7 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
     v.meta_init = num_params > META_INIT_PARAMS if meta_init is None else meta_init
     first = first_tensor(inputs)
     v.tokens = first.dim() == 2 and not first.is_floating_point()
+    v.kv_cache = bool(switch_off_kv_cache(model))  # a meta copy of the cell's model: only read here
     v.dataset = source.dataset_var is not None and source.make_batch_var is None
     v.collate_fn = v.dataset and source.collate_fn_var is not None
     v.default_loss = source.loss_fn_var is None

@@ -25,6 +25,14 @@ def same_family(preset: str, gpu_name: str) -> bool:
 def predicted_memory(plan: Any, rank: int, *, model_state: bool) -> float | None:
     """The plan's predicted peak bytes for ``rank`` (its pipeline stage's figure when the planner gave one breakdown
     per pipeline rank; mesh order (pp, dp, tp), TP innermost); ``model_state`` leaves out the allocator margin."""
+    m = predicted_breakdown(plan, rank)
+    if m is None:
+        return None
+    return float(m.total - m.margin) if model_state else float(m.total)
+
+
+def predicted_breakdown(plan: Any, rank: int):
+    """The plan's :class:`~autopar_nb.plan.MemoryBreakdown` for ``rank`` (see :func:`predicted_memory`), or None."""
     cost, mesh = getattr(plan, "cost", None), getattr(plan, "mesh", None)
     mem = list(getattr(cost, "memory_by_rank", None) or [])
     if not mem:
@@ -38,8 +46,7 @@ def predicted_memory(plan: Any, rank: int, *, model_state: bool) -> float | None
         index = rank if rank < len(mem) else None
     if index is None or index >= len(mem):
         return None
-    m = mem[index]
-    return float(m.total - m.margin) if model_state else float(m.total)
+    return mem[index]
 
 
 def comparison(plan: Any, *, backend: str, nproc: int, gpu_name: str = "") -> dict:

@@ -44,7 +44,7 @@ from .channel import MetricsServer
 from .monitor import Monitor
 from .pool import POOL, job_env, script_preload
 from .procs import TOKEN_ENV
-from .run import TERMINAL, Run
+from .run import TERMINAL, Run, cpu_limit_env
 
 AGENT = Path(__file__).with_name("agent.py")
 _live: weakref.WeakSet[Run] = weakref.WeakSet()
@@ -293,6 +293,8 @@ def _start(script, nproc, steps, *, plan, max_restarts, hang_timeout_s, run_dir,
     worker_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     if backend == "gloo":
         worker_env.setdefault("OMP_NUM_THREADS", "1")  # one thread per CPU worker (oversubscription pitfall)
+    for k, v in cpu_limit_env(plan, backend).items():  # a CPU memory limit: RSS that tracks the tensors (run.py)
+        worker_env.setdefault(k, v)
     # Restarts: by default the c10d rendezvous shares the agent's TCPStore with the workers and keeps it across
     # attempts, so a restarted group finds the failed attempt's keys (gloo: "connectFullMesh failed ... Connection
     # refused", ../shared/notes/torch-cpu-distributed.md pitfall 3). Unshared, every attempt gets a fresh store

@@ -150,12 +150,18 @@ def verify_preload(cell_code: str = "") -> list[str]:
 
 def shadowed(preload: tuple[str, ...] | list[str], script_dir: str | os.PathLike | None) -> list[str]:
     """The preloaded top-level modules that ``script_dir`` has a file or package of the same name for: a script
-    there would import its own, not the preloaded one."""
+    there would import its own, not the preloaded one (unless it is the very file this process imported that module
+    from: autopar_nb run from its own checkout)."""
     if script_dir is None:
         return []
     d = Path(script_dir)
-    tops = {m.split(".")[0] for m in preload if m != "__main__"}
-    return sorted(t for t in tops if (d / f"{t}.py").exists() or (d / t / "__init__.py").exists())
+    out = []
+    for t in sorted({m.split(".")[0] for m in preload if m != "__main__"}):
+        there = next((f for f in (d / f"{t}.py", d / t / "__init__.py") if f.exists()), None)
+        mine = getattr(sys.modules.get(t), "__file__", None)
+        if there is not None and not (mine and os.path.realpath(mine) == os.path.realpath(there)):
+            out.append(t)
+    return out
 
 
 def idle_timeout_s() -> float:

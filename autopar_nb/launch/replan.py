@@ -14,11 +14,21 @@ checkpoint is complete (at most :data:`CHECKPOINT_WAIT_S`) and stops there, so n
 * ``"off"``: events only (``run.events``), as before.
 
 The decision and the words are pure functions (:func:`trigger_of`, :func:`cause_text`, :func:`diff_text`,
-:func:`measured_peaks`); :class:`Replanner` does the stopping and starting. The calibration is
-:func:`autopar_nb.calibration.margin_factors` (the rule CUDA runs calibrate by): each rank's peak memory (on CPU
-its peak RSS above its baseline) against the plan's predicted training state for it gives the allocator margin the
-planner then adds to every rank. The planner fits
-the new plan under the watch's threshold of the limit (92 % by default), so the new plan does not trigger again.
+:func:`measured_peaks`); :class:`Replanner` does the stopping and starting. The calibration
+(:meth:`Replanner.calibrate`) gives the planner the allocator margin the ranks really needed and, where the plan's
+device is the run's and a step after the first was timed, the speed factors of the measured step time:
+
+* on CPU (:func:`autopar_nb.calibration.rss_margin_factors`): the margin's fixed part is what a rank held between
+  steps beyond its parameters and optimizer state (the process group, thread stacks, the kernels' first-use pages:
+  the same for any plan of the model), its fraction what its peak held beyond that and the predicted state. Under
+  a CPU limit the ranks run with glibc's mmap threshold fixed (``run.CPU_LIMIT_ENV``), so freed activations go
+  back at once and the peak does not grow over the steps: the first calibration holds, and one re-plan suffices
+  (``tests/test_replan.py``: the second leg held 135 MiB against 132 MiB predicted). Before, a fraction-only
+  margin from the first step's peak was too small twice in three runs;
+* on GPUs :func:`autopar_nb.calibration.margin_factors` (CUDA's peak against the prediction).
+
+The planner fits the new plan under the watch's threshold of the limit (92 % by default), so the new plan does not
+trigger again.
 
 A checkpoint written under ZeRO-1 (``ZeroRedundancyOptimizer``: one optimizer file per rank) only loads with the
 same ZeRO stage and data-parallel size, so then those are pinned too (:func:`checkpoint_pins`); and one written
@@ -43,6 +53,9 @@ TRIGGERS = ("oom", "memory_high")
 """the watch's event kinds that call for a plan that uses less memory"""
 CHECKPOINT_WAIT_S = 120.0
 """near the limit (not over it), a run goes on for at most this long to write its next checkpoint before it stops"""
+TIMED_STEPS = 2
+"""near the limit, a run stops at its first checkpoint after this many steps: the first is warm-up, so the step
+time calibrates from the others (:meth:`Replanner.calibrate_time`)"""
 MAX_REPLANS = 4
 """re-plans in a row of one launch; beyond, the events are only reported"""
 FIELD_NAMES = {"mesh.dp": "dp", "mesh.tp": "TP", "mesh.pp": "PP", "mesh.ep": "EP", "mesh.zero_stage": "ZeRO",
@@ -143,12 +156,9 @@ def diff_text(changes: list) -> str:
 
 def measured_peaks(samples: list[dict]) -> dict[int, float]:
     """rank -> the most memory it held in ``Run.samples`` (on CPU: RSS above its baseline, once known)."""
-    out: dict[int, float] = {}
-    for s in samples:
-        held = watch.held(s)
-        if held is not None:
-            out[s["rank"]] = max(out.get(s["rank"], 0.0), float(held))
-    return out
+    from .run import _peaks
+
+    return _peaks(samples)
 
 
 def peaks_now(run) -> dict[int, float]:
@@ -190,6 +200,12 @@ def zero1_pins(old: Any, new: Any, checkpoint: str | None) -> dict:
     if checkpoint and o is not None and n is not None and n.zero_stage == 1 and n.dp > 1 and o.zero_stage != 1:
         return {"zero_stage": o.zero_stage}
     return {}
+
+
+def steps_reported(run) -> int:
+    """How many different steps ``run``'s ranks reported."""
+    with run._lock:
+        return len({r["step"] for r in run._rows})
 
 
 def checkpoint_of(ckpt_dir: str | None) -> str | None:
@@ -329,34 +345,82 @@ class Replanner:
             run._dashboard.follow(nxt)
         return nxt
 
-    def wait_for_checkpoint(self, run, timeout_s: float = CHECKPOINT_WAIT_S) -> str | None:
-        """Block until ``run`` completes a checkpoint newer than the latest one now, ends, or has an out-of-memory
-        event (then the last checkpoint is the one to resume from), at most ``timeout_s``; returns the latest."""
+    def wait_for_checkpoint(self, run, timeout_s: float = CHECKPOINT_WAIT_S, *, timed_steps: int = TIMED_STEPS
+                            ) -> str | None:
+        """Block until ``run`` completes a checkpoint newer than the latest one now after at least ``timed_steps``
+        steps (so the step time calibrates: the first step is warm-up), ends, or has an out-of-memory event (then
+        the last checkpoint is the one to resume from), at most ``timeout_s``; returns the latest."""
         before = checkpoint_of(self.ckpt_dir)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not run.done:
-            now = checkpoint_of(self.ckpt_dir)
-            if now != before or any(e.get("kind") == "oom" for e in list(run.events)):
+            if any(e.get("kind") == "oom" for e in list(run.events)):
+                return checkpoint_of(self.ckpt_dir)
+            now, timed = checkpoint_of(self.ckpt_dir), steps_reported(run) >= timed_steps
+            if now != before and timed:
                 return now
+            before = before if timed else now  # a checkpoint before enough steps: wait for the next one
             time.sleep(0.05)
         return checkpoint_of(self.ckpt_dir)
 
     def calibrate(self, run, peaks: dict[int, float] | None = None) -> tuple[dict, str]:
         """(factors, words): the allocator margin from the peak each rank held (its samples', and ``peaks`` read
-        just before it stopped) against the plan's prediction (:func:`autopar_nb.calibration.margin_factors`, the
-        rule CUDA runs calibrate by), or no factors when the plan predicts no memory."""
-        measured = measured_peaks(run.samples)
+        just before it stopped) against the plan's prediction, and the speed factors from its step time
+        (:meth:`calibrate_time`). On CPU the margin's fixed part is what a rank holds between steps beyond the
+        tensors the plan keeps there, its fraction what the peak holds beyond that
+        (:func:`autopar_nb.calibration.rss_margin_factors`); on GPUs :func:`~autopar_nb.calibration.margin_factors`.
+        No memory factors when the plan predicts no memory."""
+        current = calibration._current_factors(self.cluster)
+        factors, words = self.calibrate_memory(run, peaks, current)
+        speed, time_words = self.calibrate_time(run, current)
+        return {**factors, **speed}, f"{words}; {time_words}"
+
+    def calibrate_memory(self, run, peaks: dict[int, float] | None, current: dict) -> tuple[dict, str]:
+        """The allocator margin (see :meth:`calibrate`) and its words."""
+        rss = run.rss_figures()
+        measured = {**measured_peaks(run.samples), **{r: v["peak"] for r, v in rss.items()}}
         for r, v in (peaks or {}).items():
             measured[r] = max(measured.get(r, 0.0), v)
-        predicted = predicted_states(run.plan, run.nproc)
         try:
-            current = calibration._current_factors(self.cluster)
-            factors, rec = calibration.margin_factors(measured, predicted, current=current)
+            if rss:
+                factors, rec = calibration.rss_margin_factors(
+                    measured, {r: v["floor"] for r, v in rss.items()},
+                    {r: compare.predicted_breakdown(run.plan, r) for r in measured})
+                return factors, (
+                    f"calibrated: rank {rec['rank']} peaked at {watch.gib(rec['measured_bytes'])} against "
+                    f"{watch.gib(rec['predicted_bytes'])} predicted and held {watch.gib(rec['floor_bytes'])} between "
+                    f"steps, so the plan allows {watch.gib(rec['margin_fixed_bytes'])} + "
+                    f"{rec['margin_fraction']:.0%} on top of the predicted bytes")
+            factors, rec = calibration.margin_factors(measured, predicted_states(run.plan, run.nproc),
+                                                      current=current)
         except ValueError as e:
-            return {}, f"not calibrated ({e})"
+            return {}, f"memory not calibrated ({e})"
         return factors, (f"calibrated: rank {rec['rank']} peaked at {watch.gib(rec['measured_bytes'])} against "
                          f"{watch.gib(rec['predicted_bytes'])} predicted, so the plan allows "
                          f"{rec['margin_fraction']:.0%} on top of the predicted bytes")
+
+    @staticmethod
+    def calibrate_time(run, current: dict) -> tuple[dict, str]:
+        """The speed factors from the run's steady steps (its first step, the warm-up, left out; at least one
+        other step needed) against the plan's step time, where the plan's device is the run's
+        (:func:`autopar_nb.calibration.time_factors`: one uniform correction, a single run cannot tell the op
+        classes apart); and its words."""
+        predicted = run.comparison().get("predicted_step_time_s")
+        if not predicted:
+            return {}, "step time not calibrated (the plan's device is not the run's)"
+        rows = list(run.metrics)
+        if not rows:
+            return {}, "step time not calibrated (no step was measured)"
+        if len({r["step"] for r in rows}) < 2:
+            return {}, "step time not calibrated (only the first, warm-up step was measured)"
+        from .metrics import steady_step_time
+
+        measured = steady_step_time(rows)
+        compiled = any(getattr(lp, "compile", False) for lp in getattr(run.plan, "layers", None) or [])
+        factors, rec = calibration.time_factors(measured, predicted, current=current, compiled=compiled)
+        if not factors:
+            return {}, "step time not calibrated (no timed step)"
+        return factors, (f"steps took {measured * 1e3:.0f} ms against {predicted * 1e3:.0f} ms predicted "
+                         f"(x{rec['ratio']:.2f}), so the plan's speed factors are scaled by that")
 
     @staticmethod
     def _record(run, event: dict) -> dict:

@@ -68,6 +68,19 @@ STALE_SAMPLE_S = 1.5
 """a device sample this much older than the rank's last step predates it by more than a tick (its process was not
 found since: it ended, or runs elsewhere): the RSS the step reported is shown instead ("stream")"""
 STEP_FIELDS = ("loss", "step_time_s", "throughput", "data_wait_s")
+CPU_LIMIT_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
+"""the workers' environment under a CPU memory limit (the plan's ``memory_limit_bytes``): glibc's fixed mmap threshold
+(1 MiB), so a freed tensor of 1 MiB or more goes back to the system at once and a rank's peak RSS is its runtime's
+floor plus the tensors the plan counts. glibc's default threshold rises to the largest block freed so far, so later
+tensors come from a heap that keeps its free blocks: the 2-rank MLP of ``tests/test_replan.py`` grew from 200 MiB
+at step 0 to 334-348 MiB above its baseline by step 30 (205-211 MiB with this), which no plan predicts. It costs
+page faults on every step (that MLP: +17 % step time); a variable the user sets wins"""
+
+
+def cpu_limit_env(plan: Any, backend: str) -> dict[str, str]:
+    """:data:`CPU_LIMIT_ENV` for a CPU run of a plan made with a per-rank memory limit, else {}."""
+    limited = (getattr(plan, "cluster", None) or {}).get("memory_limit_bytes")
+    return dict(CPU_LIMIT_ENV) if limited and backend != "nccl" else {}
 
 
 class Run:
@@ -308,6 +321,116 @@ class Run:
             data = dict(self.data) if self.data else None
         return {**summarize(rows, status=self._status, plan=self.plan, baselines=baselines), "data": data}
 
+    def rss_figures(self) -> dict[int, dict[str, float]]:
+        """CPU ranks: rank -> {"peak": its peak RSS above its baseline (the samples' VmHWM; the step reports' RSS
+        where no peak is known), "floor": the least RSS above its baseline a step reported (at a step's end: what it
+        holds between steps)}, for the ranks whose baseline is known; {} on GPUs."""
+        if self.backend == "nccl":
+            return {}
+        with self._lock:
+            base = {r: s.baseline for r, s in self._ranks.items() if s.baseline}
+            rows = [r for r in self._rows if r.get("rss") and r["rank"] in base]
+        peaks = {r: v for r, v in _peaks(self.samples).items() if r in base}
+        out: dict[int, dict[str, float]] = {}
+        for row in rows:
+            r, held = row["rank"], max(0.0, float(row["rss"]) - base[row["rank"]])
+            fig = out.setdefault(r, {"peak": peaks.get(r, 0.0), "floor": held})
+            fig["floor"], fig["peak"] = min(fig["floor"], held), max(fig["peak"], held)
+        return out
+
+    def predicted_breakdowns(self) -> dict[int, Any]:
+        """rank -> the plan's MemoryBreakdown for it (None where the plan has none): what its memory compares with."""
+        return {r: compare.predicted_breakdown(self.plan, r) for r in range(self.nproc)}
+
+    def measured(self) -> dict[str, Any]:
+        """What this run measured beside its plan's predictions, on the basis they compare (see
+        :mod:`autopar_nb.launch.compare`): ``{"basis", "by_rank": {rank: {"peak": fig, "between steps": fig}},
+        "time": fig | {"compared", "note"}}`` where ``fig = {"measured", "predicted", "ratio"}`` (None where unknown).
+        Per rank: its peak (CPU: RSS above its baseline vs the training state, no margin; GPU: CUDA's peak vs the
+        whole prediction) and what it held between steps (the least at a step's end) against the parameters and
+        optimizer state the plan keeps there; the median step time (its first step left out) against the plan's
+        where the plan's device is the run's. A launched run measures no other component."""
+        from ..calibration import persistent_bytes
+
+        c = self.comparison()
+        cpu = c["memory_basis"] == "rss_above_baseline"
+        peaks, floors = self._measured_memory()
+        by_rank = {}
+        for r in sorted(set(peaks) | set(floors)):
+            mb = compare.predicted_breakdown(self.plan, r)
+            by_rank[r] = {"peak": _figure(peaks.get(r), compare.predicted_memory(self.plan, r, model_state=cpu)),
+                          "between steps": _figure(floors.get(r), persistent_bytes(mb) if mb is not None else None)}
+        cost = getattr(self.plan, "cost", None)
+        predicted_t = float(cost.step_time_s) if cost is not None and cost.step_time_s else None
+        compared = bool(c["compare_time"])
+        time_fig = {**_figure(self.summary().get("step_time_s"), predicted_t if compared else None),
+                    "predicted": predicted_t, "compared": compared,
+                    "note": "" if compared else (f"not compared: the plan was made for "
+                                                 f"{c['plan_device'] or 'another device'}, the run used "
+                                                 f"{c['run_device']}")}
+        basis = ("peak RSS above each rank's RSS before its model was built, against the predicted training state "
+                 "(no allocator margin)" if cpu else "CUDA's peak allocated, against the whole prediction")
+        return {"basis": basis, "device": c["run_device"], "by_rank": by_rank, "time": time_fig,
+                "throughput": self._measured_throughput(cost, time_fig)}
+
+    def _measured_throughput(self, cost: Any, time_fig: dict) -> dict:
+        """The median samples/s (or tokens/s) the steps reported against the plan's, and the MFU that follows
+        from the measured step time (the plan's FLOPs per step over it), where times compare; else {}."""
+        if cost is None or not time_fig["compared"] or not time_fig["measured"]:
+            return {}
+        import statistics
+
+        tokens = self.throughput_unit == "tokens/s"
+        key = "tokens_per_s" if tokens else "samples_per_s"
+        with self._lock:
+            values = [r[key] for r in self._rows if r.get(key)]
+        predicted = cost.tokens_per_s if tokens else cost.samples_per_s
+        scale = time_fig["predicted"] / time_fig["measured"]
+        return {"unit": self.throughput_unit, **_figure(statistics.median(values) if values else None, predicted),
+                "mfu": _figure(float(cost.mfu) * scale, float(cost.mfu))}
+
+    def explain(self) -> str:
+        """The measured figures beside the plan's, in words (see :meth:`measured`); ``plan.explain(run)`` puts
+        them after the plan's own explanation."""
+        from ..planner.explain import fmt_bytes
+
+        m = self.measured()
+
+        def fig(f, unit) -> str:
+            if not f["measured"]:
+                return "not measured"
+            pred = f" against {unit(f['predicted'])} predicted (x{f['ratio']:.2f})" if f["ratio"] else ""
+            return f"{unit(f['measured'])}{pred}"
+
+        lines = [f"Measured by run {self.run_id[:8]} ({self.status}, {m['device']}); memory: {m['basis']}."]
+        for r, f in m["by_rank"].items():
+            lines.append(f"Rank {r}: peak {fig(f['peak'], fmt_bytes)}; between steps "
+                         f"{fig(f['between steps'], fmt_bytes)} (parameters and optimizer state).")
+        t = m["time"]
+        ms = lambda x: f"{x * 1e3:.1f} ms"
+        lines.append(f"Step time (median): {fig(t, ms)}" + (f"; {t['note']}" if t["note"] else "") + ".")
+        lines.append("Each other component is not measured by a launched run (bench/memory.py measures them with "
+                     "torch's memory tracker).")
+        return "\n".join(lines)
+
+    def _measured_memory(self) -> tuple[dict[int, float], dict[int, float]]:
+        """(rank -> peak bytes, rank -> bytes held between steps): on CPU above each rank's baseline
+        (:meth:`rss_figures`); on GPUs CUDA's peak allocated and the least allocated at a step's end."""
+        rss = self.rss_figures()
+        if rss:
+            return {r: v["peak"] for r, v in rss.items()}, {r: v["floor"] for r, v in rss.items()}
+        peaks: dict[int, float] = {}
+        floors: dict[int, float] = {}
+        with self._lock:
+            rows = list(self._rows)
+        for row in rows:
+            r = row["rank"]
+            if row.get("mem_peak") is not None:
+                peaks[r] = max(peaks.get(r, 0.0), float(row["mem_peak"]))
+            if row.get("mem_allocated") is not None:
+                floors[r] = min(floors.get(r, float("inf")), float(row["mem_allocated"]))
+        return peaks, floors
+
     def comparison(self) -> dict:
         """What this run may be compared with in its plan (see :mod:`autopar_nb.launch.compare`): the devices, whether
         step times compare, the predicted memory per rank and on what basis, and notes saying so."""
@@ -530,7 +653,7 @@ class Run:
                                                          enforce_limit=c["enforce_limit"],
                                                          memory_threshold=self.memory_threshold))
         errors = {r: st.error for r, st in self._ranks.items() if st.error}
-        new = self._watch.update(self._timeline.samples(), errors=errors)
+        new = self._watch.update(self._timeline.samples(), errors=errors, steps=self._step_rows())
         self.events += new
         for e in new:
             if e.get("killed"):
@@ -538,6 +661,12 @@ class Run:
         for hook in self._event_hooks:
             if new:
                 hook(self, new)
+
+    def _step_rows(self) -> list[dict]:
+        """The step rows of the latest attempt, each with ``t`` (seconds since launch), for the watch (under
+        ``_lock``)."""
+        attempt = max((r["attempt"] for r in self._rows), default=0)
+        return [{**r, "t": r["time"] - self.started} for r in self._rows if r["attempt"] == attempt]
 
     def _lifecycle(self, kind: str, reason: str, t: float | None = None) -> None:
         """An event of the run itself (launch, restart, its end) in ``events``, beside the watch's (the dashboard's
@@ -821,3 +950,19 @@ class Run:
                 fn(self)
             except Exception:  # a broken listener (a closed widget) must not stop the monitor
                 pass
+
+
+def _peaks(samples: list[dict]) -> dict[int, float]:
+    """rank -> the most memory it held in ``samples`` (:func:`autopar_nb.launch.watch.held`)."""
+    out: dict[int, float] = {}
+    for s in samples:
+        held = watch.held(s)
+        if held is not None:
+            out[s["rank"]] = max(out.get(s["rank"], 0.0), float(held))
+    return out
+
+
+def _figure(measured: float | None, predicted: float | None) -> dict:
+    """``{"measured", "predicted", "ratio"}`` (ratio None where either is unknown)."""
+    return {"measured": measured, "predicted": predicted,
+            "ratio": measured / predicted if measured and predicted else None}

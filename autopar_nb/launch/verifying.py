@@ -67,6 +67,8 @@ class VerifyJob:
         self._lock = threading.Lock()
         self._stopping = False
         self._view = None
+        from ..check import kernel_cwd
+
         self.dir = Path(work_dir or tempfile.mkdtemp(prefix="autopar-verify-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         job = {"cases": [{"source": dataclasses.asdict(src), "plan": p.to_json(), "meta_init": m,
@@ -74,7 +76,7 @@ class VerifyJob:
                          for i, ((src, p), m) in enumerate(zip(cases, metas, strict=True))],
                "steps": self.steps, "nproc": self.nproc, "seed": seed, "rtol": rtol,
                "report": str(self.dir / "report.json"), "log": str(self.dir / "verify.log"),
-               "parent_pid": os.getpid(), "warm": warm}
+               "parent_pid": os.getpid(), "warm": warm, "cwd": kernel_cwd()}
         (self.dir / "job.json").write_text(json.dumps(job))
         from .pool import job_env
 
@@ -84,7 +86,10 @@ class VerifyJob:
             from .pool import POOL, verify_preload
 
             preload = verify_preload("\n".join(src.code for src, _ in cases))
-            standby = POOL.hand("verify", self.dir / "job.json", env=env, monitor=True, preload=preload)
+            # the ranks run in the kernel's working directory (job["cwd"]): a file of the cell's imports there
+            # shadows a preloaded module, as a script's directory does for launch
+            standby = POOL.hand("verify", self.dir / "job.json", env=env, monitor=True, preload=preload,
+                                script_dir=job["cwd"])
             self._server, self._token, self._proc = standby.server, standby.token, standby.proc
             self._refill = lambda: POOL.refill("verify", env=env, monitor=True, preload=preload)
         else:
@@ -242,8 +247,26 @@ def _stop_all_at_exit() -> None:
 
 
 # ---- the child process ----------------------------------------------------------------------------------------------
+def enter_cwd(cwd: str | None) -> None:
+    """Run in the kernel's working directory ``cwd`` (a warm standby was started in the one the kernel had then),
+    with it as ``sys.path[0]`` in place of the directory this process started in, as ``python -m`` run there has it;
+    multiprocessing hands both to every rank it starts."""
+    if not cwd:
+        return
+    try:
+        here = os.getcwd()
+    except FileNotFoundError:
+        here = None
+    os.chdir(cwd)
+    if sys.path and here is not None and sys.path[0] in (here, ""):
+        sys.path[0] = cwd
+    elif cwd not in sys.path[:1]:
+        sys.path.insert(0, cwd)
+
+
 def main(job_path: str, *, watch: bool = True) -> int:
     job = json.loads(Path(job_path).read_text())
+    enter_cwd(job.get("cwd"))
     from .agent import _watch_parent  # the same watchdog as the launch agent's: the kernel gone, so are we
 
     if watch:

@@ -3,8 +3,15 @@ and the plan's predictions.
 
 Pure: plain dicts in, plain dicts out, no clock and no processes, so a test feeds it synthetic samples. The inputs
 are what ``Run`` already holds: ``Run.samples`` (one dict per tick and rank: ``t``, ``rank``, ``memory_bytes``,
-``step``, ``step_time_s``, ...), each rank's failure (``{"error", "traceback"}``) and ``Run.comparison()``'s
-predictions (memory per rank on the basis the run measures; a step time only where the plan's device is the run's).
+``step``, ``step_time_s``, ...), its step rows (every step of every rank, for the straggler rule), each rank's
+failure (``{"error", "traceback"}``) and ``Run.comparison()``'s predictions (memory per rank on the basis the run
+measures; a step time only where the plan's device is the run's).
+
+A straggler is a rank that slows the run persistently (:func:`straggler_events`: the median over a window of steps
+of its slowdown against the other ranks' median, warm-up steps left out). Ranks in lock-step report the same step
+time, since the others wait for the slow one inside the collectives, so for them the slowdown is measured by what
+the rank spends making its batch beyond the others (its own time, which every rank waited for); a rank slowed in
+its compute is not told apart from the step reports alone.
 
 Every event is ``{"t", "kind", "rank", "reason", ...figures}``; ``kind`` is one of :data:`KINDS`. :class:`Watch`
 reports each (kind, rank) once, however often it is asked.
@@ -12,6 +19,7 @@ reports each (kind, rank) once, however often it is asked.
 
 from __future__ import annotations
 
+import collections
 import re
 import statistics
 from dataclasses import dataclass, field
@@ -20,6 +28,8 @@ KINDS = ("oom", "memory_high", "straggler", "prediction_error")
 
 OOM_TEXT = re.compile(r"out of memory|OutOfMemoryError|can't allocate memory", re.IGNORECASE)
 """what a worker's error or traceback says when an allocation failed (CUDA's OOM, or the CPU allocator's)"""
+STRAGGLER_SCAN = 500
+"""the straggler rule looks at the latest this many common steps (a long run: each tick stays cheap)"""
 KILLED = re.compile(r"SIGKILL|exit code -9\b|exit code 137\b")
 """how torch's agent reports a worker the kernel killed (the OOM killer, a cgroup's memory limit)"""
 
@@ -36,9 +46,11 @@ class WatchSettings:
     oom_kill_share: float = 0.8
     """a worker killed by SIGKILL counts as out of memory when its memory last reached this share of the limit"""
     straggler_ratio: float = 1.3
-    """a rank is a straggler when its step time exceeds the other ranks' median by this factor ..."""
+    """a rank is a straggler when it slows the steps by more than this factor against the other ranks' median ..."""
     straggler_steps: int = 5
-    """... in each of this many consecutive steps that every rank reported"""
+    """... as the median over a window of this many steps that every rank reported (:func:`straggler_events`)"""
+    warmup_steps: int = 2
+    """steps of each run left out of the straggler rule: start-up, compilation and the first collectives"""
     prediction_tolerance: float = 0.3
     """relative error of a measured figure against the plan's prediction beyond which it is an event"""
     predicted_memory: list = field(default_factory=list)
@@ -154,29 +166,69 @@ def step_text(sample: dict) -> str:
     return f" at step {sample['step']}" if sample.get("step") is not None else ""
 
 
-def straggler_events(samples: list[dict], s: WatchSettings) -> list[dict]:
-    """A rank whose step time exceeded the other ranks' median by ``straggler_ratio`` in each of
-    ``straggler_steps`` consecutive steps that every rank reported (the first such run of steps)."""
-    rows = by_rank(samples)
-    times = {r: step_times(v) for r, v in rows.items()}
-    if len(times) < 2:
+def step_figures(rows: list[dict]) -> dict[int, tuple[float, float]]:
+    """{step: (step time, data wait)} of one rank's samples or step rows (a step seen at several ticks once; a
+    redone step's latest; no data wait known: 0)."""
+    return {int(s["step"]): (float(s["step_time_s"]), float(s.get("data_wait_s") or 0.0)) for s in rows
+            if s.get("step") is not None and s.get("step_time_s") is not None}
+
+
+def slowdowns(figures: dict[int, dict[int, tuple[float, float]]], rank: int, step: int) -> tuple[float, str, dict]:
+    """How much slower ``rank`` made ``step`` than the other ranks (their median): (ratio, what, figures).
+
+    Two measures, the larger wins. ``"step time"``: its step time against the others' (ranks that do not wait for
+    each other). ``"data"``: ranks in lock-step (every synchronous plan) report the same step time, since the
+    others wait for the slow one in the collectives; what a rank spends making its batch is its own, so
+    its data wait beyond the others' (``excess``) is time every rank waited for it: the step took ``t`` where
+    ``t - excess`` would do."""
+    t, wait = figures[rank][step]
+    others = [f[step] for r, f in figures.items() if r != rank]
+    others_t, others_wait = statistics.median(o[0] for o in others), statistics.median(o[1] for o in others)
+    by_time = t / others_t if others_t > 0 else 1.0
+    excess = max(0.0, wait - others_wait)
+    by_data = t / max(t - excess, 1e-3 * t) if excess > 0 else 1.0
+    info = {"step_time_s": t, "others_s": others_t, "data_wait_s": wait, "others_data_wait_s": others_wait}
+    return (by_data, "data", info) if by_data > by_time else (by_time, "step time", info)
+
+
+def straggler_events(samples: list[dict], s: WatchSettings, steps: list[dict] | None = None) -> list[dict]:
+    """A rank that slowed the run persistently: over a window of ``straggler_steps`` steps every rank reported,
+    the median of its per-step slowdown against the other ranks' median (:func:`slowdowns`) is above
+    ``straggler_ratio`` (a median: one slow step, or a few, is not enough; one fast step does not hide it). The
+    first ``warmup_steps`` steps are left out (start-up, compilation, the first collectives). From the run's
+    step rows (``steps``: every step) when given, else from the samples (a step per tick). Limits: a rank slowed
+    in its compute, not its data, keeps lock-step ranks waiting inside the collectives, where no figure the ranks
+    report shows whose fault it was (pending a per-rank compute time from the runtime)."""
+    rows = by_rank(steps if steps else samples)
+    figures = {r: step_figures(v) for r, v in rows.items()}
+    if len(figures) < 2:
         return []
-    common = sorted(set.intersection(*(set(t) for t in times.values())))
+    common = sorted(set.intersection(*(set(f) for f in figures.values())))[s.warmup_steps:][-STRAGGLER_SCAN:]
     out = []
-    for rank in sorted(times):
-        slow = 0
-        for step in common:
-            others = statistics.median(t[step] for r, t in times.items() if r != rank)
-            slow = slow + 1 if others > 0 and times[rank][step] > s.straggler_ratio * others else 0
-            if slow == s.straggler_steps:
-                ratio = times[rank][step] / others
-                t = next((x["t"] for x in rows[rank] if x.get("step") == step), rows[rank][-1]["t"])
-                out.append({"t": t, "kind": "straggler", "rank": rank, "step": step, "ratio": ratio,
-                            "step_time_s": times[rank][step], "others_s": others,
-                            "reason": f"rank {rank}'s steps took {ratio:.1f}x the other ranks' for {slow} steps "
-                                      f"(step {step}: {times[rank][step] * 1e3:.0f} ms vs {others * 1e3:.0f} ms)"})
+    for rank in sorted(figures):
+        per_step = [(step, *slowdowns(figures, rank, step)) for step in common]
+        for end in range(s.straggler_steps, len(per_step) + 1):
+            window = per_step[end - s.straggler_steps:end]
+            ratio = statistics.median(w[1] for w in window)
+            if ratio > s.straggler_ratio:
+                out.append(straggler(rank, window, ratio, rows[rank]))
                 break
     return out
+
+
+def straggler(rank: int, window: list[tuple], ratio: float, rows: list[dict]) -> dict:
+    """The ``straggler`` event of ``rank`` for its slow ``window`` of (step, ratio, what, figures)."""
+    step, _, _, f = window[-1]
+    what = collections.Counter(w[2] for w in window).most_common(1)[0][0]
+    t = next((x["t"] for x in rows if x.get("step") == step and x.get("t") is not None), rows[-1].get("t"))
+    n = len(window)
+    if what == "data":
+        detail = (f"it spent {f['data_wait_s'] * 1e3:.0f} ms making its batch against "
+                  f"{f['others_data_wait_s'] * 1e3:.0f} ms on the other ranks, which waited for it")
+    else:
+        detail = f"{f['step_time_s'] * 1e3:.0f} ms against {f['others_s'] * 1e3:.0f} ms on the other ranks"
+    return {"t": t, "kind": "straggler", "rank": rank, "step": step, "ratio": ratio, "what": what, **f,
+            "reason": f"rank {rank} slowed the run {ratio:.1f}x over {n} steps (median; step {step}: {detail})"}
 
 
 def prediction_events(samples: list[dict], s: WatchSettings) -> list[dict]:
@@ -211,12 +263,14 @@ def mismatch(t: float, rank: int, step: int, what: str, measured: float, predict
 
 
 def detect(samples: list[dict], *, errors: dict[int, dict] | None = None,
-           settings: WatchSettings | None = None) -> list[dict]:
-    """Every event the samples and failures show, in time order (see the module docstring)."""
+           settings: WatchSettings | None = None, steps: list[dict] | None = None) -> list[dict]:
+    """Every event the samples and failures show, in time order (see the module docstring); ``steps``: the run's
+    step rows (every step of every rank: ``rank``, ``step``, ``step_time_s``, ``data_wait_s``, ``t``), for the
+    straggler rule."""
     s = settings or WatchSettings()
     # the limit's own stop comes before the agent's account of the killed rank (the same oom, said once)
     events = (over_limit_events(samples, s) + oom_events(samples, errors or {}, s) + memory_events(samples, s)
-              + straggler_events(samples, s) + prediction_events(samples, s))
+              + straggler_events(samples, s, steps) + prediction_events(samples, s))
     return sorted(events, key=lambda e: (e["t"] if e["t"] is not None else float("inf"), KINDS.index(e["kind"])))
 
 
@@ -227,10 +281,11 @@ class Watch:
         self.settings = settings or WatchSettings()
         self.seen: set[tuple] = set()
 
-    def update(self, samples: list[dict], *, errors: dict[int, dict] | None = None) -> list[dict]:
+    def update(self, samples: list[dict], *, errors: dict[int, dict] | None = None,
+               steps: list[dict] | None = None) -> list[dict]:
         """The events not reported before."""
         new = []
-        for e in detect(samples, errors=errors, settings=self.settings):
+        for e in detect(samples, errors=errors, settings=self.settings, steps=steps):
             key = (e["kind"], e["rank"], e.get("what"))
             if key not in self.seen:
                 self.seen.add(key)

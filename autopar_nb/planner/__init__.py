@@ -26,7 +26,7 @@ from ..plan import (
     within,
 )
 from .constraints import Constraints, parse
-from .explain import compile_lines, explain, fmt_bytes, fused_loss_lines
+from .explain import compile_lines, explain, fmt_bytes, fused_loss_lines, op_list_lines
 from .search import Candidate, Search, cp_degrees, memory_limit
 
 __all__ = ["plan"]
@@ -64,6 +64,7 @@ def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None
                             f"(first input {graph.inputs[0].shape if graph.inputs else None})")
         seq_ratio = seq_len / graph.seq_len
     cons = parse(graph, prof, fix, overrides)
+    default_prof = prof
     if cons.fix.get("fp32_ops") or cons.fix.get("low_precision_ops"):  # they change the dtypes saved under AMP
         prof = profile_of(graph, device_kind, fp32_ops=cons.fix.get("fp32_ops", ()),
                           low_precision_ops=cons.fix.get("low_precision_ops", ()))
@@ -107,6 +108,9 @@ def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None
     chosen.explanation = explain(chosen, best, ranked, faster, cons, cluster, prof)
     chosen.explanation += compile_lines(best, ev, cons, [i for i, on in enumerate(search.compilable) if on])
     chosen.explanation += fused_loss_lines(best, ev, cons, fused_why)
+    if prof is not default_prof:  # the op lists' price: the same setting with autocast's own lists
+        chosen.explanation += op_list_lines(best, cons, Evaluator(default_prof, cluster, seq_ratio=seq_ratio,
+                                                                  head=head), graph)
     if best.setting.cp > 1:
         chosen.explanation.append(
             f"Context parallelism cp={best.setting.cp}: every sequence is split over {best.setting.cp} ranks (torch's "

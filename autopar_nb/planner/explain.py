@@ -21,6 +21,56 @@ def _pct(a: float, b: float) -> str:
     return f"{100 * a / b:.0f}%" if b > 0 else "0%"
 
 
+COMPONENT_SOURCES = {
+    "params": "exact: the rank's parameter shards x their dtype's bytes",
+    "grads": "exact: a gradient per local parameter alive at the peak",
+    "optimizer": "exact: the optimizer's state per local parameter",
+    "saved_activations": "what autograd saves per layer (the captured graph), every micro-batch in flight",
+    "loss_saved": "the loss's saved log-softmax",
+    "autocast_weight_copies": "autocast's 16-bit copies of the weights",
+    "ddp_buckets": "DDP's flat gradient buckets, the size of the parameters",
+    "fsdp_unsharded_params": "FSDP's parameters kept unsharded from forward to backward",
+    "fsdp_root_params": "the parameters left in FSDP's root unit",
+    "fsdp_gathered_units": "FSDP's unit being computed and the prefetched one",
+    "pipeline_buffers": "the tensors pipeline stages send and receive",
+    "backward_working_set": "the largest layer's backward working set",
+    "loss_temporaries": "the loss's logits and their copies",
+    "optimizer_step_temporaries": "the optimizer step's temporaries",
+}
+"""where each predicted memory component comes from (MemoryBreakdown fields and its MEMORY_TERMS), for explain()
+and the planner widget's memory panel; the margin's is ``autopar_nb.calibration.margin_text``"""
+COMPONENT_LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
+                    "margin": "allocator margin"}
+
+
+def memory_components(mb, margin_source: str = "") -> list[dict]:
+    """The named components of one rank's predicted peak (a MemoryBreakdown), largest first after the model state:
+    ``[{"key", "label", "bytes", "source"}]`` — parameters, gradients, optimizer states, then each named term of
+    its activations and buffers, then the allocator margin (``margin_source``: where its figure comes from)."""
+    rows = [{"key": k, "label": COMPONENT_LABELS[k], "bytes": float(getattr(mb, k)), "source": COMPONENT_SOURCES[k]}
+            for k in ("params", "grads", "optimizer")]
+    rows += [{"key": k, "label": k.replace("_", " "), "bytes": float(v), "source": COMPONENT_SOURCES.get(k, "")}
+             for k, v in sorted((mb.terms or {}).items(), key=lambda kv: -kv[1])]
+    named = sum((mb.terms or {}).values())
+    rest = mb.activations + mb.buffers - named
+    if rest > 1e-6 * max(1.0, mb.total):  # a breakdown without named terms (an older plan)
+        rows.append({"key": "other", "label": "activations and buffers", "bytes": float(rest),
+                     "source": "not broken down by this plan"})
+    rows.append({"key": "margin", "label": COMPONENT_LABELS["margin"], "bytes": float(mb.margin),
+                 "source": margin_source or "a fraction of the predicted bytes plus fixed workspaces"})
+    return rows
+
+
+def _margin_source(cluster) -> str:
+    from .. import calibration
+    from ..cost.factors import factors_for
+
+    try:
+        return calibration.margin_text(factors_for(cluster), getattr(cluster, "name", "") or "")
+    except (AttributeError, TypeError, ValueError):
+        return ""
+
+
 def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[str]:
     """Lines for ``plan.explanation`` (see the module docstring). ``best`` is the chosen Candidate, ``ranked`` the
     feasible candidates in order, ``infeasible_faster`` faster candidates that did not fit, ``cons`` the user's
@@ -45,6 +95,8 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
         terms = sorted(mb.terms.items(), key=lambda kv: -kv[1])
         lines.append("Activations and buffers there: " + ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}"
                                                                   for k, v in terms) + ".")
+    lines.append("Where those figures come from: " + "; ".join(
+        f"{r['label']}: {r['source']}" for r in memory_components(mb, _margin_source(cluster))) + ".")
     if s.tp > 1:
         heads = sorted({h for lp in prof.layers for h in lp.heads})
         hs = f" ({', '.join(f'{h} heads -> {h // s.tp} per rank' for h in heads)})" if heads else ""
@@ -281,3 +333,21 @@ def _setting_diff(a, b) -> list[str]:
     names = ("dp", "tp", "pp", "ep", "zero_stage", "micro_batches", "schedule", "virtual_stages", "sp", "amp",
              "fused_loss")
     return [f"{n}={getattr(a, n)} instead of {getattr(b, n)}" for n in names if getattr(a, n) != getattr(b, n)]
+
+
+def op_list_lines(best, cons, default_ev, graph) -> list[str]:
+    """What the plan's op lists (``fix["fp32_ops"]`` / ``fix["low_precision_ops"]``) cost: the chosen setting's step
+    time and peak with them, and with autocast's own lists (``default_ev``: an Evaluator of the profile without
+    them), and how many of the model's ops each name reaches."""
+    from ..cost.autocast import ops_named
+
+    lists = {k: cons.fix.get(k) or [] for k in ("fp32_ops", "low_precision_ops")}
+    if not any(lists.values()) or best.setting.amp == "none":
+        return []
+    named = "; ".join(f"{label} {', '.join(f'{op} ({ops_named(graph, op)} ops)' for op in lists[k])}"
+                      for k, label in (("fp32_ops", "kept in float32:"), ("low_precision_ops", "in low precision:"))
+                      if lists[k])
+    c, d = best.cost, default_ev.evaluate(best.setting, best.choices)
+    return [f"Op lists ({named}): {c.step_time_s * 1e3:.1f} ms/step and {fmt_bytes(c.peak_memory_bytes)} peak, "
+            f"against {d.step_time_s * 1e3:.1f} ms and {fmt_bytes(d.peak_memory_bytes)} with autocast's own lists "
+            f"({(c.step_time_s / d.step_time_s - 1) * 100:+.0f} % time; each op costed at the dtype it runs in)."]

@@ -17,6 +17,17 @@ from .metrics import memory_stats
 from .optim import clip_grad_norm, lr_factor
 
 
+def switch_off_kv_cache(model: nn.Module) -> list:
+    """Switch off the key/value cache of a Hugging Face model (every ``config.use_cache`` under ``model``) and return
+    the configs that had it on. Training never reads the cache, yet with it on every attention layer hands back a
+    copy of its keys and values with the output (memory held for the whole step), and recompute runs the layer
+    again and appends to it. Capture traces without it too, so the plan costs what the script runs."""
+    configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", 0) is True}
+    for config in configs.values():
+        config.use_cache = False
+    return list(configs.values())
+
+
 def set_grad_sync(model: nn.Module, *, last: bool, zero_stage: int) -> None:
     """Before each micro-batch of gradient accumulation: replicated data parallelism (ZeRO 0/1: DDP, or FSDP2's
     replicate beside TP) all-reduces only the last micro-batch's gradients (``no_sync`` before it); FSDP

@@ -69,10 +69,12 @@ function render({ model, el, host }) {
     const timed = (name, fn) => { const t = performance.now(); fn(); parts[name] = Math.round(performance.now() - t); };
     timed("header", () => { renderHeader(ui); renderMessages(ui); });
     timed("graph", () => renderGraph(ui));
-    if (changed(ui, "side", ["memory", "time", "change_groups", "changes", "alternatives", "explanation", "view"])) {
+    if (changed(ui, "side", ["memory", "time", "change_groups", "changes", "alternatives", "explanation", "view",
+      "components", "measured"])) {
       timed("side", () => renderSide(ui));
     }
     if (changed(ui, "controls", ["controls"])) timed("controls", () => renderControls(ui));
+    if (changed(ui, "precision", ["precision"])) timed("precision", () => renderPrecision(ui));
     if (changed(ui, "board", ["board"])) timed("board", () => renderBoard(ui));
     if (changed(ui, "lanes", ["stages", "layers", "selection"])) timed("lanes", () => renderLanes(ui));
     if (changed(ui, "table", ["layers", "selection", "controls"])) timed("table", () => renderTable(ui));
@@ -87,11 +89,14 @@ function render({ model, el, host }) {
     ui.root.classList.remove("ap-busy");
     renderMessages(ui);
     if ((model.get("messages") || []).some((m) => m.level === "error")) {
-      renderControls(ui); renderBoard(ui); renderLanes(ui); renderTable(ui);
+      renderControls(ui); renderPrecision(ui); renderBoard(ui); renderLanes(ui); renderTable(ui);
     }
   };
   const onSelection = () => { markSelection(ui, model.get("selection"), false); renderGraph(ui); };
   const onTimings = () => renderHeader(ui);
+  const onMeasured = () => { if (changed(ui, "side", ["memory", "time", "change_groups", "changes", "alternatives",
+    "explanation", "view", "components", "measured"])) renderSide(ui); };
+  model.on("change:measured", onMeasured);
   model.on("change:revision", renderAll);
   model.on("change:messages", onMessages);
   model.on("change:selection", onSelection);
@@ -102,6 +107,7 @@ function render({ model, el, host }) {
     model.off("change:messages", onMessages);
     model.off("change:selection", onSelection);
     model.off("change:timings", onTimings);
+    model.off("change:measured", onMeasured);
     stopPanZoom(); stopGraph(); stopBoard(); stopPanel(); stopSize();
   };
 }
@@ -150,6 +156,7 @@ function skeleton(model, el) {
     minimap: h("div", { class: "ap-minimap", style: "display:none", title: "overview: click or drag to move the view" }),
     side: h("div", { class: "ap-side" }),
     controls: h("div", { class: "ap-controls" }),
+    precision: h("div", { class: "ap-precision" }),
     boardEl: h("div", { class: "ap-board", tabindex: "-1" }),
     boardStatus: h("div", { class: "ap-board-status", "aria-live": "polite" }),
     lanes: h("div", { class: "ap-lanes" }),
@@ -159,6 +166,9 @@ function skeleton(model, el) {
   ui.graphPanel = h("div", { class: "ap-graph" }, ui.toolbar, ui.viewport, ui.legend, ui.tooltip, ui.menu);
   root.append(ui.header, ui.messages, h("div", { class: "ap-main" }, ui.graphPanel, ui.side),
     h("div", { class: "ap-section-title" }, "Global choices"), ui.controls,
+    h("div", { class: "ap-section-title" }, "Mixed precision ops ", h("span", { class: "ap-hint" },
+      "beyond autocast's own lists (torch or Paddle names: softmax, layer_norm, matmul, elementwise_add…)")),
+    ui.precision,
     h("div", { class: "ap-section-title" }, "Sharding ", h("span", { class: "ap-hint" },
       "drag layers to a split (shift/ctrl-click or drag a box to select several; keys: ←→ move, space select, "
       + "↑↓ choose a lane, Enter apply)")), ui.boardEl, ui.boardStatus,
@@ -793,9 +803,91 @@ function legendItem(l, swatchClass = "") {
 // ---- side panels: memory, step time, changes, alternatives, explanation ------------------------------------------
 function renderSide(ui) {
   const { model } = ui;
-  ui.side.replaceChildren(...[memoryPanel(model.get("memory")), timePanel(model.get("time")),
+  const measured = model.get("measured") || {};
+  ui.side.replaceChildren(...[memoryPanel(model.get("memory")),
+    componentsPanel(model.get("components") || {}, measured), timePanel(model.get("time")),
     changesPanel(ui), alternativesPanel(ui, model.get("alternatives")),
     explanationPanel(model.get("explanation"))].filter(Boolean));
+  measuredMarks(ui, model.get("memory"), model.get("time"), measured);
+}
+
+// ---- measured beside predicted (autopar_nb/widget/measured.py): once a launched run of this plan measured them ----
+function ratioText(r) { return r ? `×${r.toFixed(2)}` : ""; }
+function ratioClass(r) { return !r ? "ap-ratio" : r > 1.1 ? "ap-ratio ap-ratio-over" : r < 0.9 ? "ap-ratio ap-ratio-under" : "ap-ratio"; }
+function measuredText(f, unit) {
+  return h("span", { class: "ap-measured" }, "measured ", h("b", {}, unit(f.measured)), " ",
+    h("span", { class: ratioClass(f.ratio) }, ratioText(f.ratio)));
+}
+
+// the memory bars and the step time get the measured figure (a dashed mark on each bar, its value and the ratio
+// to the prediction it compares with); the panels themselves are drawn by memoryPanel and timePanel
+function measuredMarks(ui, mem, tm, measured) {
+  if (!measured.run) return;
+  const run = measured.run;
+  const who = `run ${run.id} (${run.status}, ${run.steps} step${run.steps === 1 ? "" : "s"}, ${run.device})`;
+  const memEl = ui.side.querySelector(".ap-memory");
+  if (memEl && mem && mem.bars) {
+    const scale = Math.max(mem.limit, mem.peak) * 1.04;
+    memEl.querySelectorAll(".ap-bar-row").forEach((row, i) => {
+      const b = (measured.bars || [])[i];
+      if (!b || !b.measured) return;
+      const title = `measured by ${who}: ${bytes(b.measured)} on rank ${b.rank} against ${bytes(b.predicted)} `
+        + `predicted (${run.basis})`;
+      row.querySelector(".ap-bar").append(h("span", { class: "ap-measured-mark", title,
+        style: `left:${Math.min(100, 100 * b.measured / scale).toFixed(2)}%` }));
+      row.classList.add("ap-has-measured");
+      row.append(h("span", { class: "ap-bar-measured", title }, bytes(b.measured), " ",
+        h("span", { class: ratioClass(b.ratio) }, ratioText(b.ratio))));
+    });
+    memEl.append(h("div", { class: "ap-hint ap-measured-note" }, `measured: ${who}; ${run.basis}`),
+      h("div", { class: "ap-keys" }, legendItem({ label: "measured peak" }, "ap-swatch-measured")));
+  }
+  const timeEl = ui.side.querySelector(".ap-time");
+  const t = measured.time || {};
+  if (timeEl && t.measured) {
+    const title = t.compared ? `median step time of ${who} against the plan's ${secs(t.predicted)}`
+      : `median step time of ${who}; ${t.note}`;
+    timeEl.querySelector(".ap-panel-title").append(" ", h("span", { class: "ap-time-measured", title },
+      t.compared ? measuredText(t, secs) : h("span", { class: "ap-measured" }, `measured ${secs(t.measured)} (${t.note})`)));
+    timeEl.append(h("div", { class: "ap-hint ap-measured-note" },
+      "measured: the whole step (a launched run times its steps, not their parts)"));
+  }
+  const tp = measured.throughput || {};
+  const stats = timeEl && timeEl.querySelector(".ap-stats");
+  if (stats && tp.mfu) {  // more is better here: a ratio below 1 is the bad one
+    const pctOf = (x) => `${(100 * x).toFixed(1)}%`;
+    const rate = (f, unit, what = "") => h("span", { class: "ap-measured" }, `measured ${what}`,
+      h("b", {}, unit(f.measured)), " ", h("span", { class: ratioClass(f.ratio && 1 / f.ratio) }, ratioText(f.ratio)));
+    stats.append(h("span", { class: "ap-throughput-measured",
+      title: `MFU: the plan's FLOPs per step over the measured step time of ${who}` }, rate(tp.mfu, pctOf, "MFU ")));
+    if (tp.measured) {
+      stats.append(h("span", { class: "ap-throughput-measured", title: `median of the steps of ${who}` },
+        rate(tp, (x) => `${count(x)} ${tp.unit}`)));
+    }
+  }
+}
+
+// the peak rank's named memory components with where each figure comes from, and what a run measured beside them
+function componentsPanel(comp, measured) {
+  if (!comp.rows || !comp.rows.length) return null;
+  const c = measured.components || {};
+  const row = (label, value, source, f) => h("tr", {},
+    h("td", {}, label), h("td", { class: "ap-num" }, bytes(value)),
+    h("td", { class: "ap-num ap-comp-measured" }, f && f.measured ? [bytes(f.measured), " ",
+      h("span", { class: ratioClass(f.ratio) }, ratioText(f.ratio))] : ""),
+    h("td", { class: "ap-hint" }, source));
+  const rows = comp.rows.map((r) => row(r.label, r.bytes, r.source, null));
+  if (c.peak) {
+    rows.push(row(`peak (rank ${c.rank})`, c.peak.predicted, measured.run.basis, c.peak));
+    rows.push(row("between steps", c["between steps"].predicted,
+      "parameters and optimizer state (what a rank keeps between steps) against the least it held at a step's end",
+      c["between steps"]));
+  }
+  return h("details", { class: "ap-panel ap-components" },
+    h("summary", {}, `Memory components (rank ${comp.rank})`),
+    h("table", {}, h("tr", {}, h("th", {}, "component"), h("th", {}, "predicted"), h("th", {}, "measured"),
+      h("th", {}, "source")), rows),
+    measured.run ? h("div", { class: "ap-hint" }, measured.run.note) : null);
 }
 
 function memoryPanel(mem) {
@@ -897,6 +989,35 @@ function renderControls(ui) {
     items.push(h("span", { class: "ap-ctl" + (c.fixed[key] !== undefined ? " ap-pinned" : "") }, `${label} `, sel));
   }
   ui.controls.replaceChildren(...items);
+}
+
+// ---- precision editor: the plan's op lists (autopar_nb/widget/editor.py precision_state; "precision" messages) ------
+function renderPrecision(ui) {
+  const p = ui.model.get("precision") || {};
+  const lists = p.lists || {}, reach = p.reach || {};
+  const off = p.disabled || "";
+  const datalist = h("datalist", { id: `${ui.id}-amp-ops` }, (p.choices || []).map((o) => h("option", { value: o })));
+  const rows = Object.entries(p.labels || {}).map(([key, label]) => {
+    const send = (op, action) => ui.send({ kind: "precision", list: key, op, action });
+    const chips = (lists[key] || []).map((op) => {
+      const n = reach[op] || 0;
+      return h("span", { class: "ap-opchip" + (n ? "" : " ap-opchip-none"), dataset: { op },
+        title: n ? `${n} op${n === 1 ? "" : "s"} of this model` : "no op of this model has this name" },
+      op, h("span", { class: "ap-opchip-n" }, ` · ${n}`),
+      h("button", { class: "ap-opchip-x", title: `remove ${op}`, "aria-label": `remove ${op}`,
+        onclick: () => send(op, "remove") }, "×"));
+    });
+    const input = h("input", { class: "ap-op-input", type: "text", list: `${ui.id}-amp-ops`, dataset: { list: key },
+      placeholder: "op name", disabled: !!off, title: off || `an op to ${label}` });
+    const add = () => { if (!off) send(input.value.trim(), "add"); };
+    input.addEventListener("keydown", (ev) => { if (ev.key === "Enter") { ev.preventDefault(); add(); } });
+    const btn = h("button", { class: "ap-btn ap-btn-small ap-op-add", disabled: !!off, title: off || null,
+      onclick: add }, "add");
+    return h("div", { class: "ap-oplist", dataset: { list: key } }, h("span", { class: "ap-oplist-label" }, label),
+      chips.length ? chips : h("span", { class: "ap-hint" }, "autocast's default"), input, btn);
+  });
+  const note = off ? [h("div", { class: "ap-hint ap-precision-off" }, off)] : [];
+  ui.precision.replaceChildren(datalist, ...rows, ...note);
 }
 
 // device preset, nodes, GPUs per node: one "cluster" message when any changes

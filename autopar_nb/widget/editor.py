@@ -9,6 +9,7 @@ one-entry override), never decided here.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
 from typing import Any
@@ -700,3 +701,63 @@ def plan_summary(plan: Plan, cluster: Cluster | None = None) -> str:
     return (f"{shape} | {fmt_time(plan.cost.step_time_s)}/step, peak {fmt_bytes(plan.cost.peak_memory_bytes)}"
             f"{limit}")
 
+
+
+# ---- mixed precision op lists (plan.precision.fp32_ops / low_precision_ops) ----------------------------------------
+OP_LISTS = {"fp32_ops": "keep in float32", "low_precision_ops": "run in low precision"}
+"""the precision editor's two lists (fix keys, as ``ap.replan(fix=...)`` takes them) and their labels"""
+
+
+def precision_state(graph: ModelGraph, plan: Plan | None, fix: dict[str, Any]) -> dict[str, Any]:
+    """The precision editor: each list's ops (as fixed, else the plan's), how many ops of this model each name
+    reaches, the names the lists take (``plan.AMP_OPS``: torch's and Paddle's), and why the lists cannot be edited
+    ("" when they can: they need autocast, so a plan in float32 with AMP not fixed to bf16/fp16 cannot take them)."""
+    from ..cost.autocast import ops_named
+    from ..plan import AMP_OPS
+
+    amp = fix.get("amp", plan.precision.amp if plan is not None else "none")
+    lists = {k: list(fix.get(k, getattr(plan.precision, k) if plan is not None else [])) for k in OP_LISTS}
+    names = sorted({op for ops in lists.values() for op in ops})
+    return {"amp": amp, "lists": lists, "labels": OP_LISTS, "choices": list(AMP_OPS),
+            "reach": {op: ops_named(graph, op) for op in names},
+            "disabled": "" if amp != "none" else "the op lists apply under autocast: choose AMP bf16 or fp16 under "
+                                                 "Global choices first (in float32 every op already runs in float32)"}
+
+
+def precision_fix(fix: dict[str, Any], amp: str, which: str, op: str, action: str) -> tuple[dict[str, Any], str]:
+    """(the fix with ``op`` added to or removed from the list ``which``, a note): adding a name the other list holds
+    moves it. ``amp``: the precision in force. Raises ValueError/PlanError, saying what to do, for a list or action
+    that does not exist, a name the lists do not take, a name already there or absent, or lists without autocast."""
+    from ..plan import AMP_OPS, normalize_fix
+
+    if which not in OP_LISTS:
+        raise ValueError(f"{which!r} is not an op list; choose one of {', '.join(OP_LISTS)}")
+    if action not in ("add", "remove"):
+        raise ValueError(f"action {action!r} unknown; choose add or remove")
+    op = str(op or "").strip()
+    label = OP_LISTS[which]
+    if not op:
+        raise ValueError(f"type an op name to {label} (e.g. softmax, layer_norm, matmul, elementwise_add)")
+    if op not in AMP_OPS:
+        near = difflib.get_close_matches(op.lower(), AMP_OPS, n=4, cutoff=0.6)
+        hint = f"did you mean {', '.join(near)}?" if near else f"the names it takes: {', '.join(AMP_OPS)}"
+        raise PlanError(f"{op!r} is not an op name the precision lists take; {hint}")
+    if amp == "none":
+        raise PlanError("the op lists apply under autocast: choose AMP bf16 or fp16 under Global choices first")
+    other = next(k for k in OP_LISTS if k != which)
+    lists = {k: list(fix.get(k, [])) for k in OP_LISTS}
+    note = ""
+    if action == "add":
+        if op in lists[which]:
+            raise ValueError(f"{op} is already in the list to {label}")
+        if op in lists[other]:
+            lists[other].remove(op)
+            note = f" ({op} left the list to {OP_LISTS[other]})"
+        lists[which].append(op)
+    else:
+        if op not in lists[which]:
+            raise ValueError(f"{op} is not in the list to {label}; it holds {', '.join(lists[which]) or 'nothing'}")
+        lists[which].remove(op)
+    out = {k: v for k, v in fix.items() if k not in OP_LISTS}
+    out.update({k: v for k, v in lists.items() if v})
+    return normalize_fix(out), note

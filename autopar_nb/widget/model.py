@@ -19,7 +19,7 @@ import traitlets as t
 
 from ..hardware import Cluster
 from ..plan import RECOMPUTE, Plan, PlanError
-from . import editor, panels
+from . import editor, measured, panels
 from .layout import (
     DEFAULT_VIEWPORT,
     LEGIBLE_SCALE,
@@ -71,7 +71,13 @@ class PlannerWidget(anywidget.AnyWidget):
     """pipeline lanes: [{index, layers, rank, chunk, label}]"""
     memory = t.Dict().tag(sync=True)
     time = t.Dict().tag(sync=True)
+    components = t.Dict().tag(sync=True)
+    """the peak rank's named memory components with their sources (panels.memory_components)"""
+    measured = t.Dict().tag(sync=True)
+    """what the latest launched run of the plan shown measured, beside the prediction ({} before: measured.py)"""
     controls = t.Dict().tag(sync=True)
+    precision = t.Dict().tag(sync=True)
+    """the precision editor: the op lists kept in float32 / run in low precision (``editor.precision_state``)"""
     """global controls: cluster, mesh degrees (fixed or auto), micro-batches, schedule, ZeRO, AMP, and the options
     the planner cannot take with the other choices (``disabled``)"""
     summary = t.Unicode("").tag(sync=True)
@@ -119,6 +125,9 @@ class PlannerWidget(anywidget.AnyWidget):
         self.last_result: Any = None
         """what the last Verify/Export/Launch button returned (a VerifyReport, Exported, Run)"""
         self._replan_ms: float | None = None
+        self._runs: list = []
+        """the launched runs this widget follows (measured.FOLLOWED latest): their figures sit beside the plan's"""
+        self._measured_at = 0.0
         self.on_msg(self._on_msg)
         self.observe(self._on_viewport, names="viewport")
         observers = getattr(session, "_observers", None)
@@ -151,6 +160,26 @@ class PlannerWidget(anywidget.AnyWidget):
     # ---- session -> traits --------------------------------------------------------------------------------------
     def _on_session_change(self, session) -> None:
         self.refresh()
+
+    def follow(self, run) -> None:
+        """Show what ``run`` (a launched Run) measures beside the plan's predictions while it runs and after; the
+        session's launches are followed (``Session.launch``, the Launch button)."""
+        if run in self._runs or not callable(getattr(run, "add_listener", None)):
+            return
+        self._runs = (self._runs + [run])[-measured.FOLLOWED:]
+        run.add_listener(self._on_run)
+
+    def _on_run(self, run) -> None:
+        """A followed run has news (its monitor thread, at most every 0.25 s): the measured figures, at most once
+        a second and at its end; a run that continues under a new plan is followed too."""
+        nxt = getattr(run, "continued_by", None)
+        if nxt is not None:
+            self.follow(nxt)
+        now = time.monotonic()
+        if not run.done and now - self._measured_at < 1.0:
+            return
+        self._measured_at = now
+        self.measured = measured.measured_panel(self.session.plan, self._runs)
 
     def _on_viewport(self, change) -> None:
         size = self._viewport_size()
@@ -218,7 +247,10 @@ class PlannerWidget(anywidget.AnyWidget):
                          "outlined": bool(outlined) or not changed}
             self.memory = panels.memory_panel(plan, s.cluster)
             self.time = panels.time_panel(plan)
+            self.components = panels.memory_components(plan, s.cluster)
+            self.measured = measured.measured_panel(plan, self._runs)
             self.controls = editor.global_state(s.cluster, plan, s.fix, disabled=self._option_refusals())
+            self.precision = editor.precision_state(s.graph, plan, s.fix)
             if plan is not None:
                 self.layers = editor.layer_rows(s.graph, plan, s.overrides, set(changed))
                 self.board = editor.sharding_board(s.graph, plan, s.overrides, s.fix, s.cluster, set(changed))
@@ -437,6 +469,15 @@ class PlannerWidget(anywidget.AnyWidget):
         s.replan(fix=fix)
         return f"ap.replan(fix={fix!r})"
 
+    def _precision(self, msg) -> tuple[str, str]:
+        """Add an op to, or remove one from, a precision list (``{"kind": "precision", "list": "fp32_ops", "op":
+        "softmax", "action": "add"}``): ``ap.replan(fix={..., "fp32_ops": [...]})``."""
+        s = self.session
+        amp = s.fix.get("amp", s.plan.precision.amp if s.plan is not None else "none")
+        fix, note = editor.precision_fix(s.fix, amp, msg.get("list"), msg.get("op"), msg.get("action", "add"))
+        s.replan(fix=fix)
+        return f"ap.replan(fix={fix!r})", note
+
     def _cluster(self, msg) -> str:
         s = self.session
         old = s.cluster
@@ -500,6 +541,7 @@ class PlannerWidget(anywidget.AnyWidget):
             return None
         self.last_result = result
         if name == "launch" and callable(getattr(result, "dashboard", None)):
+            self.follow(result)
             self.panel = result.dashboard()
         self._say("info", *_action_text(name, result, kwargs))
         return None
@@ -558,7 +600,8 @@ class PlannerWidget(anywidget.AnyWidget):
 _HANDLERS = {
     "strategy": PlannerWidget._strategy, "shard": PlannerWidget._shard, "recompute": PlannerWidget._recompute,
     "unpin": PlannerWidget._unpin, "stage": PlannerWidget._stage, "boundary": PlannerWidget._boundary,
-    "global": PlannerWidget._global, "cluster": PlannerWidget._cluster, "adopt": PlannerWidget._adopt,
+    "global": PlannerWidget._global, "precision": PlannerWidget._precision, "cluster": PlannerWidget._cluster,
+    "adopt": PlannerWidget._adopt,
     "undo": PlannerWidget._undo, "redo": PlannerWidget._redo, "action": PlannerWidget._action,
     "select": PlannerWidget._select, "expand": PlannerWidget._expand, "collapse": PlannerWidget._collapse,
     "depth": PlannerWidget._set_depth, "expand_group": PlannerWidget._expand_group,
@@ -621,6 +664,9 @@ def _describe(msg: dict[str, Any]) -> str:
         return f"stage {msg.get('stage')} starts at {msg.get('layer')}"
     if kind == "global":
         return f"{editor.GLOBAL_NAMES.get(msg.get('key'), msg.get('key'))} = {msg.get('value')}"
+    if kind == "precision":
+        where = editor.OP_LISTS.get(msg.get("list"), msg.get("list"))
+        return f"{msg.get('action', 'add')} {msg.get('op')!r} ({where})"
     if kind == "cluster":
         return f"cluster {msg.get('preset')} {msg.get('nodes')} x {msg.get('gpus_per_node')}"
     if kind == "adopt":

@@ -29,12 +29,7 @@ def memory_panel(plan: Plan | None, cluster: Cluster) -> dict[str, Any]:
     world = plan.mesh.world_size
     # the planner may give one breakdown per pipeline rank (every dp x tp rank of it is alike) instead of per rank
     per_pp = len(mem) == plan.mesh.pp and len(mem) != world
-    groups: list[list[int]] = []
-    for r, m in enumerate(mem):
-        if len(mem) > MAX_BARS and groups and _same(mem[groups[-1][0]], m):
-            groups[-1].append(r)
-        else:
-            groups.append([r])
+    groups = memory_groups(mem)
     bars = []
     for g in groups:
         m = mem[g[0]]
@@ -49,6 +44,31 @@ def memory_panel(plan: Plan | None, cluster: Cluster) -> dict[str, Any]:
                      **{k: float(getattr(m, k)) for k, _, _ in MEMORY_PARTS}})
     peak = max(m.total for m in mem)
     return {"limit": limit, "parts": parts, "bars": bars, "peak": peak, "over": peak > limit}
+
+
+def memory_groups(mem: list) -> list[list[int]]:
+    """The breakdowns (indices into ``memory_by_rank``) behind each memory bar: one each, or consecutive alike ones
+    together when there are more than MAX_BARS."""
+    groups: list[list[int]] = []
+    for r, m in enumerate(mem):
+        if len(mem) > MAX_BARS and groups and _same(mem[groups[-1][0]], m):
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return groups
+
+
+def memory_components(plan: Plan | None, cluster: Cluster) -> dict[str, Any]:
+    """The named components of the peak rank's predicted memory with their sources (``planner.explain``'s
+    :func:`~autopar_nb.planner.explain.memory_components`): ``{"rank", "rows": [{key, label, bytes, source}]}``."""
+    if plan is None or plan.cost is None or not plan.cost.memory_by_rank:
+        return {"rank": None, "rows": []}
+    from ..planner.explain import _margin_source
+    from ..planner.explain import memory_components as rows_of
+
+    mem = plan.cost.memory_by_rank
+    peak = max(range(len(mem)), key=lambda r: mem[r].total)
+    return {"rank": peak, "rows": rows_of(mem[peak], _margin_source(cluster))}
 
 
 def _same(a, b) -> bool:

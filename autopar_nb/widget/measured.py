@@ -1,0 +1,77 @@
+"""Measured beside predicted in the planner widget (issue 14 point 4, issue 21 point 6), as plain data.
+
+Once a launched run of the plan shown has measured something, the memory bars and the step time carry the measured
+figure and its ratio to the prediction it compares with (``autopar_nb.launch.compare``: on CPU each rank's peak RSS
+above its RSS before its model was built against the predicted training state, without the allocator margin; on
+GPUs CUDA's peak against the whole prediction). Only what the run measured is shown: per rank its peak and what it
+held between steps (against the parameters and optimizer state the plan keeps there), the median step time as a
+whole (a launched run times its steps, not their parts). ``verify`` measures neither memory nor step time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FOLLOWED = 8
+"""runs a widget keeps following (the latest ones)"""
+
+
+def same_plan(a: Any, b: Any) -> bool:
+    """Whether two plans make the same decisions (the cluster they were made on aside)."""
+    if a is None or b is None:
+        return False
+    if a is b:
+        return True
+    return not [c for c in a.diff(b) if not c.path.startswith("cluster.")]
+
+
+def run_of(plan: Any, runs: list) -> Any:
+    """The latest run (or leg of a re-planned run) of ``plan`` that reported a step, else None."""
+    legs = [leg for run in runs for leg in (run.legs() if hasattr(run, "legs") else [run])]
+    measured = [leg for leg in legs if leg.first_step_time is not None and same_plan(plan, leg.plan)]
+    return max(measured, key=lambda leg: leg.started, default=None)
+
+
+def bar_ranks(plan: Any) -> list[list[int]]:
+    """The global ranks behind each memory bar of :func:`autopar_nb.widget.panels.memory_panel` (one breakdown per
+    pipeline rank stands for its dp x tp ranks)."""
+    from .panels import memory_groups
+
+    mesh, mem = plan.mesh, plan.cost.memory_by_rank
+    world = mesh.world_size
+    per_pp = len(mem) == mesh.pp and len(mem) != world
+    groups = memory_groups(mem)
+    if not per_pp:
+        return groups
+    width = max(1, mesh.dp * mesh.tp)
+    return [[r for r in range(world) if r // width in g] for g in groups]
+
+
+def measured_panel(plan: Any, runs: list) -> dict[str, Any]:
+    """``{}`` until a run of ``plan`` reported a step; then ``{"run": {id, status, steps, device, basis, note},
+    "bars": [{ranks, measured, predicted, ratio}] (one per memory bar), "components": {"peak", "between steps"}
+    (figures of the bar with the highest measured/predicted ratio, with its rank), "time": {measured, predicted,
+    ratio, compared, note}}``."""
+    run = run_of(plan, runs)
+    if run is None or getattr(plan, "cost", None) is None or not plan.cost.memory_by_rank:
+        return {}
+    m = run.measured()
+    ranks_seen = m["by_rank"]
+
+    def worse(r):
+        return ranks_seen[r]["peak"]["ratio"] or 0.0
+
+    bars = []
+    for ranks in bar_ranks(plan):
+        seen = [r for r in ranks if r in ranks_seen and ranks_seen[r]["peak"]["measured"]]
+        worst = max(seen, key=worse, default=None)
+        f = ranks_seen[worst]["peak"] if worst is not None else {"measured": None, "predicted": None, "ratio": None}
+        bars.append({"ranks": ranks, "rank": worst, **f})
+    top = max((b for b in bars if b["ratio"]), key=lambda b: b["ratio"], default=None)
+    components = {} if top is None else {"rank": top["rank"], "peak": ranks_seen[top["rank"]]["peak"],
+                                         "between steps": ranks_seen[top["rank"]]["between steps"]}
+    return {"run": {"id": run.run_id[:8], "status": run.status, "steps": run.summary().get("steps", 0),
+                    "device": m["device"], "basis": m["basis"],
+                    "note": "a launched run measures each rank's peak and what it held between steps, not each "
+                            "component (bench/memory.py measures those with torch's memory tracker)"},
+            "bars": bars, "components": components, "time": m["time"], "throughput": m["throughput"]}
