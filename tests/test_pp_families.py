@@ -87,9 +87,11 @@ def test_stages_read_only_the_previous_stage():
     from torch.utils._pytree import tree_unflatten
 
     from autopar_nb.runtime.pp import split_model
+    from autopar_nb.runtime.train import switch_off_kv_cache
 
     model, inputs, _ = run_model_cell(FAMILIES["T5"], {}).source.build(device="cpu")
     model.eval()  # no dropout: the same numbers both ways
+    switch_off_kv_cache(model)  # as the script does
     expected = model(**inputs)
     stages, whole = split_model(model, boundaries=["encoder.block.1", "decoder.block.0", "decoder.block.1"],
                                 microbatch=((), inputs))

@@ -12,13 +12,11 @@ from further back (a Hugging Face model's attention mask and rotary cos/sin, mad
 labels its loss reads; an encoder's output read by every decoder block) is passed on through the stages between
 (:func:`chain_stages`), and every stage output is sent as a contiguous tensor (a mask made by ``expand`` is sent as
 its contiguous copy). The last stage returns the tensors of the model's output, which :class:`StageLoss` gives the
-cell's loss in the model's own structure (a Hugging Face ``ModelOutput`` with its ``loss``/``logits``), without the
-key/value cache a Hugging Face config asks for (``use_cache``), which training never reads.
+cell's loss in the model's own structure (a Hugging Face ``ModelOutput`` with its ``loss``/``logits``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import operator
 
@@ -72,10 +70,9 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
     args, kwargs = microbatch
     specs: list = []  # the structure of the model's output, seen while it is traced
     hook = model.register_forward_hook(lambda m, a, out: specs.append(tree_flatten(out)[1]))
-    try:
-        with _no_cache(model):
-            pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None,
-                            split_spec={path: SplitPoint.BEGINNING for path in boundaries})
+    try:  # (a Hugging Face model's key/value cache is off: train.switch_off_kv_cache, which the script calls)
+        pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None,
+                        split_spec={path: SplitPoint.BEGINNING for path in boundaries})
     finally:
         hook.remove()
     if pipe.num_stages != len(boundaries) + 1:
@@ -133,20 +130,6 @@ def _called_as_itself(traced: nn.Module) -> bool:
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in graph.nodes if n.op == "output")
     return len(inputs) == 1 and isinstance(output.args[0], fx.Node)
-
-
-@contextlib.contextmanager
-def _no_cache(model: nn.Module):
-    """Trace without the key/value cache a Hugging Face config asks for (``use_cache=True``): a cache object is no
-    tensor the tracer can return, and training never reads it."""
-    configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", False)}
-    for c in configs.values():
-        c.use_cache = False
-    try:
-        yield
-    finally:
-        for c in configs.values():
-            c.use_cache = True
 
 
 def chain_stages(split_gm: fx.GraphModule) -> None:
