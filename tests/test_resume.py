@@ -101,3 +101,34 @@ def test_tp_checkpoint_resumes_under_fsdp_on_more_processes(tmp_path):
     expected = reference(src, b, steps=STEPS)["losses"]
     assert reference(src, a, steps=STEPS)["losses"] == pytest.approx(expected, rel=FP32_RTOL)  # one curve, either plan
     assert losses == pytest.approx(expected, rel=FP32_RTOL, abs=0)
+
+
+@pytest.mark.multiprocess
+def test_zbv_pipeline_checkpoint_resumes_without_pipelining(tmp_path):
+    """A zero-bubble V pipeline on 2 processes (each rank holds two stages: rank 0 the embedding and the head)
+    checkpoints at step 2 by the model's parameter names, not by stage index; plain data parallelism (DDP on 2
+    processes) resumes from it and finishes with the losses of the single-process run that never stopped."""
+    import torch.distributed.checkpoint as dcp
+
+    src = run_model_cell(CELL, {}).source
+    a = make_plan(src, pp=2, stages={"layers.0": 1, "layers.1": 2, "norm": 3}, schedule="zbv_zero_bubble",
+                  virtual_stages=2, micro_batches=2, lr=LR)
+    b = make_plan(src, dp=2, zero=0, lr=LR)
+    for p in (a, b):
+        p.batch.global_batch = GLOBAL_BATCH
+    script_a = export(src, a, tmp_path / "train_zbv.py", steps=STEPS, quiet=True).script
+    script_b = export(src, b, tmp_path / "train_ddp.py", steps=STEPS, quiet=True).script
+    ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", str(STOP), "--num-workers", "0"]
+    _, first = torchrun(script_a, 2, "--stop-at", str(STOP), *ckpt)
+    keys = dcp.FileSystemReader(str(tmp_path / "ckpt" / f"step_{STOP}")).read_metadata().state_dict_metadata
+    model, _, _ = src.build(device="meta")
+    names = {n for n, _ in model.named_parameters()}
+    assert {k.removeprefix("model.") for k in keys if k.startswith("model.")} == names
+    assert {k.removeprefix("optim.state.").rsplit(".", 1)[0] for k in keys if k.startswith("optim.state.")} == names
+    stdout, second = torchrun(script_b, 2, *ckpt)
+    assert f"resumed from {tmp_path / 'ckpt' / f'step_{STOP}'} at step {STOP}" in stdout
+    assert sorted(first) == list(range(STOP)) and sorted(second) == list(range(STOP, STEPS))
+    losses = [{**first, **second}[s] for s in range(STEPS)]
+    expected = reference(src, b, steps=STEPS)["losses"]
+    assert reference(src, a, steps=STEPS)["losses"] == pytest.approx(expected, rel=FP32_RTOL)
+    assert losses == pytest.approx(expected, rel=FP32_RTOL, abs=0)

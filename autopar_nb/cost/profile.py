@@ -272,8 +272,7 @@ class GraphProfile:
     tp_refused: dict[str, str] = field(default_factory=dict)
     """module path -> why TP must not split it, even on a user's override (see ``tp_styles.tp_walk``)"""
     pp_blocker: str = ""
-    """why pipeline stages cannot be cut between the layers ("" when they can): a layer reading a non-contiguous
-    view made in another layer (gloo's send/recv of stage inputs needs contiguous tensors)"""
+    """why pipeline stages cannot be cut between the layers ("" when they can; see :func:`_pp_blocker`)"""
     sp_blocker: str = ""
     """why sequence parallelism cannot apply to the TP styles ("" when it can; see ``tp_styles.sp_check``)"""
     cp_blocker: str = ""
@@ -535,14 +534,14 @@ def _attention_scores(nodes) -> set[str]:
 
 
 def _pp_blocker(f: _Facts) -> str:
-    """Why pipeline stages cannot be cut between layers: the first layer that reads a non-contiguous view made in
-    another layer ("" when none does)."""
-    for n in f.graph.nodes:
-        far = [i for i in n.inputs if i in f.by_name and f.by_name[i].layer != n.layer and f.noncontig.get(i, False)]
-        if far:
-            src = f.by_name[far[0]]
-            return (f"layer {n.layer} reads {far[0]} ({packet(src.op)}), a non-contiguous view made in layer "
-                    f"{src.layer}, which a pipeline stage could not receive (send/recv needs contiguous tensors)")
+    """Why pipeline stages cannot be cut between layers ("" when they can): ``runtime/pp.py`` traces the model with
+    ``torch.export`` (torch's ``pipeline()``), so a model only the eager fallback of capture could record cannot be
+    split. Anything else the layers pass on is a tensor the stages send (a non-contiguous view as its contiguous
+    copy, a value read further on passed through the stages between)."""
+    if f.graph.tracer != "torch.export":
+        return (f"pipelining traces the model with torch.export, which could not trace {f.graph.model_type} (capture "
+                "recorded an eager forward pass instead); make the model exportable (torch.export.export) to "
+                "pipeline it")
     return ""
 
 

@@ -256,7 +256,7 @@ class Search:
         """Why the runtime (``autopar_nb.runtime``, the exported script) cannot run this mesh with the fixed choices,
         "" when it can. The runtime's restrictions: ZeRO-1's ZeroRedundancyOptimizer does not take TP's DTensor
         parameters (dp x tp runs ZeRO 0 through FSDP2's replicate, or ZeRO 2/3); SyncBatchNorm is not applied under
-        pipelining; pipelining does not take fp16 loss scaling, nor non-contiguous stage inputs; context
+        pipelining; pipelining does not take fp16 loss scaling, nor a model torch.export cannot trace; context
         parallelism runs beside data parallelism only."""
         fix = self.cons.fix
         if cp > 1 and (tp > 1 or pp > 1 or fix.get("fused_loss")):
@@ -269,8 +269,7 @@ class Search:
             return (f"dp({dp}) x pp({pp}) with BatchNorm: SyncBatchNorm is not supported with pipelining; "
                     "fix pp=1 (or dp=1)")
         if pp > 1 and self.prof.pp_blocker:
-            return (f"pp={pp}: {self.prof.pp_blocker}; use pp=1, or make that tensor .contiguous() in the model "
-                    "and re-capture")
+            return f"pp={pp}: {self.prof.pp_blocker}; or use pp=1"
         if pp > 1 and fix.get("fused_loss"):
             return (f"pp={pp} with fix fused_loss=True: the fused head + loss runs with pp=1 only (a pipeline "
                     "schedule computes the loss from the last stage's output, where the fused head needs the "
@@ -425,7 +424,8 @@ class Search:
         """The candidate, or the same setting with the output head and the loss fused (``Setting.fused_loss``) when
         the unfused one needs recompute the user did not ask for, or does not fit, and the fused one fits and is
         faster (it adds one head matmul, and saves the logits' memory; ``cost/loss.py``). Tried with pp = 1 and
-        cp = 1 (what the runtime runs; under TP vocab-parallel), unless fused_loss is fixed either way. The other variant is kept on ``other``."""
+        cp = 1 (what the runtime runs; under TP vocab-parallel), unless fused_loss is fixed either way. The other
+        variant is kept on ``other``."""
         s, fix = cand.setting, self.cons.fix
         if s.fused_loss or self.ev.head is None or "fused_loss" in fix or s.pp > 1 or s.cp > 1:
             return cand

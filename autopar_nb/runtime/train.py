@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import PipelineStages, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import first_tensor, split_batch, to_device
 from .metrics import memory_stats
 from .optim import clip_grad_norm, lr_factor
@@ -75,7 +75,7 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
     ``tied``: parameters tied across pipeline stages (:class:`TiedGradients`); ``cp``: ranks splitting a sequence,
     each loss its share times cp (``runtime/cp.py``). ``observer`` (verify's):
     ``after_backward(step, parts, loss)`` and ``after_step(step, parts)``, called on every rank."""
-    ckpt_model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)
+    ckpt_model = parts[0] if len(parts) == 1 else PipelineStages(parts)
     data = make_batch if hasattr(make_batch, "state_dict") else None  # a dataset's stream: its position is saved
     start = 0
     if latest_checkpoint(args.ckpt_dir):
