@@ -27,8 +27,14 @@ SMALL = {"hidden": 64, "layers": 2, "seq": 32, "batch": 2}
 """sizes of the single-process checks (seconds each)"""
 EXACT = 0.01
 """saved activations: the prediction follows autograd op by op, so it must match to 1 %"""
-NOT_YET: dict[str, str] = {}
-"""families whose saved activations are not within EXACT yet, and why"""
+NOT_YET: dict[tuple[str, str], str] = {
+    ("T5", "autocast_lowp"): "T5LayerNorm casts to its weight's dtype only when the weight is 16-bit (a branch the "
+                             "float32 capture does not take): the normalised output is costed float32, +7.8 %",
+    ("Mixtral", "autocast_lowp"): "-1.1 %: the router's int64 top-k and index positions (8224 B, no kernels_ext "
+                                  "'saves' for index/topk; -0.85 % in the other precisions too) and rotary cos/sin "
+                                  "costed float32 (HF casts them to the hidden states' dtype: bf16 here)",
+}
+"""(family, precision) whose saved activations are not within EXACT yet, and why"""
 
 
 def autograd_saved_bytes(model: nn.Module, args: tuple, kwargs: dict, *, autocast: bool = False) -> int:
@@ -77,21 +83,27 @@ def predicted_saved_bytes(src: ModelSource, precision: str = "fp32") -> float:
                for lp in prof.layers)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "autocast"])
+@pytest.mark.parametrize("precision", ["fp32", "autocast", "autocast_lowp"])
 @pytest.mark.parametrize("family", list(CELLS))
 def test_saved_activations_match_autograd(family, precision):
-    """fp32, and CPU bf16 autocast: the dtypes torch's autocast lists and type promotion give each saved tensor
-    (cost/autocast.py), the copies autocast hands each lower-precision op, the math attention kernel's float32."""
+    """fp32, CPU bf16 autocast, and autocast over bf16 parameters (what FSDP2's MixedPrecisionPolicy runs under
+    ZeRO 2/3: its parameters cast, buffers left float32): the dtypes torch's autocast lists and type promotion give
+    each saved tensor (cost/autocast.py, with the casts a float32 capture records as no-ops: an RMSNorm's
+    ``.to(input_dtype)``, ``.to(weight.dtype)``, a module's ``.to(hidden_states.dtype)``), the copies autocast hands
+    each lower-precision op, the math attention kernel's float32."""
     src = ModelSource(CELLS[family](**SMALL))
     ns = src.run()
     model, example = ns["model"], ns["example_inputs"]
     model.train()
+    if precision == "autocast_lowp":
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
     args, kwargs = ((), example) if isinstance(example, dict) else (tuple(example), {})
-    measured = autograd_saved_bytes(model, args, kwargs, autocast=precision == "autocast")
+    measured = autograd_saved_bytes(model, args, kwargs, autocast=precision != "fp32")
     predicted = predicted_saved_bytes(src, precision)
-    if family in NOT_YET:
+    if (family, precision) in NOT_YET:
         assert predicted != pytest.approx(measured, rel=EXACT), f"{family} now matches: drop it from NOT_YET"
-        pytest.xfail(NOT_YET[family])
+        pytest.xfail(NOT_YET[family, precision])
     assert predicted == pytest.approx(measured, rel=EXACT), (family, predicted, measured)
 
 

@@ -18,6 +18,7 @@ is decomposed (input, normalised input and rstd are saved).
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -350,8 +351,14 @@ def _amp_facts(f: _Facts, device_kind: str, *, low_params: bool, fp32_ops=(), lo
                      fp32_ops=fp32_ops, low_precision_ops=low_precision_ops)
     size = {k: v._replace(itemsize=ITEMSIZE[amp.dtype[k]]) if v.floating and k in amp.dtype else v
             for k, v in f.size.items()}
-    root, noncontig = _storages(f.graph.nodes, device_kind, amp.dtype)
-    return replace(f, size=size, dtype=amp.dtype, root=root, noncontig=noncontig, autocast=amp)
+    graph, by_name = f.graph, f.by_name
+    if amp.reads:  # the inputs ops really read there (AmpDtypes.reads)
+        graph = copy.copy(f.graph)
+        graph.nodes = [replace(n, inputs=amp.reads[n.name]) if n.name in amp.reads else n for n in f.graph.nodes]
+        by_name = {n.name: n for n in graph.nodes}
+    root, noncontig = _storages(graph.nodes, device_kind, amp.dtype)
+    return replace(f, graph=graph, by_name=by_name, size=size, dtype=amp.dtype, root=root, noncontig=noncontig,
+                   autocast=amp)
 
 
 def _requires_grad(graph) -> set[str]:
