@@ -93,6 +93,8 @@ class LayerTerms:
     tp_step: float = 0.0
     """seconds of TP collectives run once per step, not per micro-batch: the all-reduce of the weight gradients of
     key/value projections TP repeats (``LayerProfile.at_tp``)"""
+    freed: float = 0.0
+    """bytes of ``LayerProfile.freed_at_peak`` on one rank for one micro-batch"""
     cast_local: float = 0.0
     """numel of the layer's local parameters autocast keeps a 16-bit copy of during forward and backward (0 unless
     the precision is "autocast")"""
@@ -151,11 +153,11 @@ class RankSums:
     casts: list[float] = field(default_factory=list)
     """local parameters (numel) autocast keeps 16-bit copies of (``LayerTerms.cast_local``)"""
     bwd_layers: list[list[tuple[float, float, float]]] = field(default_factory=list)
-    """per run of layers, the moment its backward holds the most: (saved activation bytes still alive, working set
-    bytes, local parameters (numel) whose backward has not run yet). Backward runs from the last layer to the first,
-    freeing each layer's saved tensors and leaving its gradients: at layer l the saved tensors of later layers are
-    gone and their gradients exist (with full recompute, l's own too: its recomputed forward and the later part of
-    its backward come first)"""
+    """per run of layers, the moments its backward holds the most, at its last layer and (a run of several) at its
+    first: (saved activation bytes still alive, working set bytes, local parameters (numel) whose backward has not
+    run yet). Backward runs from the last layer to the first, freeing each layer's saved tensors and leaving its
+    gradients: at layer l the saved tensors of later layers are gone and their gradients exist; a recomputed layer
+    holds what its recompute re-created"""
 
     @classmethod
     def zeros(cls, pp: int) -> RankSums:
@@ -240,6 +242,7 @@ class Evaluator:
         if a2a:
             comm["all_to_all"] = a2a
         t.tp_step = step_s
+        t.freed = lp.freed_at_peak.get(precision, 0.0) * scale / (tp if tp > 1 else 1)
         t.cast_local = lp.cast_split / tp + lp.cast_rep if precision == "autocast" else 0.0
         self._cache[key] = t
         return t
@@ -344,19 +347,25 @@ class Evaluator:
                 for kk, v in lt.tp_comm.items():
                     kinds[kk] = kinds.get(kk, 0.0) + cnt * v
             # memory
+            acts_before = sums.acts[r]
             sums.acts[r] += cnt * lt.act[ch.recompute]
             # a recomputed layer's backward first runs its forward again: what the plain forward saves and the
             # recompute did not keep is alive again beside the working set
             again = max(lt.act["none"] - lt.act[ch.recompute], 0.0)
-            wb = lt.work_bytes + again
+            wb, freed = lt.work_bytes + again, lt.freed
             if s.fused_loss and i <= self.head.layer < i + cnt:
-                wb, again = self._fused_head(s, sums, r, ch.recompute, lt), 0.0
+                wb, again, freed = self._fused_head(s, sums, r, ch.recompute, lt), 0.0, 0.0
             if wb > sums.work[r]:
                 sums.work[r] = wb
-            # full recompute's peak comes once the layer's later ops have left their gradients (measured: LLaMA,
-            # ViT); selective's right after the recompute, before any
-            before = sums.params[r] + (cnt - (ch.recompute == "full")) * lt.params_local  # its last layer's
-            sums.bwd_layers[r].append((sums.acts[r] + again, wb - again, before))
+            # a layer's peak is its largest op's backward: the output that op's consumers saved is freed by then
+            # (LayerProfile.freed_at_peak), the layer's own gradients are still to come. Its last layer runs
+            # backward first; by its first, the gradients of the others exist (the peak there when a layer's
+            # gradients outweigh what it saves: full recompute, measured on LLaMA)
+            sums.bwd_layers[r].append((sums.acts[r] + again - freed, wb - again,
+                                       sums.params[r] + cnt * lt.params_local))
+            if cnt > 1:
+                sums.bwd_layers[r].append((acts_before + lt.act[ch.recompute] + again - freed, wb - again,
+                                           sums.params[r] + lt.params_local))
             sums.params[r] += cnt * lt.params_local
             sums.experts[r] += cnt * lt.experts_local
             sums.tp_step[r] += cnt * lt.tp_step

@@ -134,6 +134,12 @@ class LayerProfile:
     cast_rep: int = 0
     largest_out: float = 0.0
     """bytes of the largest (output + activation inputs) of one op: the gradients its backward holds at once"""
+    largest_op: str = ""
+    """the node of ``largest_out``"""
+    freed_at_peak: dict[str, float] = field(default_factory=dict)
+    """precision -> bytes of ``largest_op``'s output that only the ops after it save: freed by their backward before
+    its own runs (LLaMA's silu x up product, saved by the down projection), so not alive at the layer's backward
+    peak"""
     comms: list[Comm] = field(default_factory=list)
     tp: dict[str, str] = field(default_factory=dict)
     """module path -> style when TP is on"""
@@ -274,6 +280,8 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(), low_precision_ops=
     for precision, fp in (("fp32", f), *amp.items()):
         for lp, kept in _count_selective(layers, fp, device_kind):
             lp.selective[precision] = kept
+        for lp, freed in _freed_at_peak(layers, fp, device_kind):
+            lp.freed_at_peak[precision] = freed
     _count_comms(layers, f)
     _count_boundaries(layers, f, amp)
     _count_params(layers, f, split_params=_count_tp(layers, f), cast=amp["autocast"].autocast.cast_params)
@@ -542,7 +550,8 @@ def _count_compute(layers: dict[str, LayerProfile], f: _Facts) -> None:
         if n.out_shapes and n.op_class != "view":
             # backward of this op holds the gradient of its output and of its activation inputs at once
             step = f.size[n.name].nbytes + sum(f.size[i].nbytes for i in n.inputs if f.size[i].floating)
-            lp.largest_out = max(lp.largest_out, step)
+            if step > lp.largest_out:
+                lp.largest_out, lp.largest_op = step, n.name
 
 
 class _Keep(NamedTuple):
@@ -575,6 +584,26 @@ def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str) -
             out[lp.path].append(Saved(keep.size.numel * keep.size.itemsize, keep.region, keep.gathered,
                                       keep.quadratic, keep.stat))
     return [(lp, out[path]) for path, lp in layers.items()]
+
+
+def _freed_at_peak(layers: dict[str, LayerProfile], f: _Facts, device_kind: str) -> list[tuple[LayerProfile,
+                                                                                               float]]:
+    """Per layer, :attr:`LayerProfile.freed_at_peak` at the dtypes of ``f``: the storage of its largest op's output,
+    when the ops that save it (the same filters as :func:`_count_saved`) are all other ops of the layer."""
+    savers: dict[str, set[str]] = defaultdict(set)
+    for _lp, n in _in_layers(layers, f):
+        rule = rule_of(n.op)
+        if rule is None or n.name not in f.grad or f.root.get(n.name, n.name) != n.name and n.op_class != "view":
+            continue
+        for keep in _kept_by(n, rule, f, device_kind):
+            savers[keep.key].add(n.name)
+    out = []
+    for lp in layers.values():
+        key = f.root.get(lp.largest_op, lp.largest_op)
+        who = savers.get(key, set())
+        others = who and lp.largest_op not in who and all(f.by_name[w].layer == lp.path for w in who)
+        out.append((lp, float(f.size[key].nbytes) if others and key in f.size else 0.0))
+    return out
 
 
 def _count_selective(layers: dict[str, LayerProfile], f: _Facts, device_kind: str) -> list[tuple[LayerProfile,

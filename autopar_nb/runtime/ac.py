@@ -30,6 +30,8 @@ def save_matmuls(ctx, op, *args, **kwargs):
 def apply_ac(model: nn.Module, recompute: dict[str, str]) -> None:
     """Wrap the modules matching each pattern of ``recompute`` (``"layers.*"``: every block) in a checkpoint
     wrapper: ``"full"`` or ``"selective"``."""
+    if recompute:
+        no_key_value_cache(model)
     for pattern, mode in recompute.items():
         if mode not in ("full", "selective"):
             raise ValueError(f"recompute={mode!r} for {pattern!r}: choose 'selective' or 'full'")
@@ -40,3 +42,14 @@ def apply_ac(model: nn.Module, recompute: dict[str, str]) -> None:
             module = model.get_submodule(path)
             model.get_submodule(parent).register_module(name, checkpoint_wrapper(module, preserve_rng_state=False,
                                                                                  **context))
+
+
+def no_key_value_cache(model: nn.Module) -> None:
+    """Turn off a Hugging Face model's key/value cache (``config.use_cache``) for training under recompute: the
+    cache is one object shared by the forward and the recompute, so a recomputed layer appends its keys and values a
+    second time and attends over both (selective recompute then fails its recomputed-shape check; full recompute
+    holds the longer keys). HF's own ``gradient_checkpointing_enable`` path does the same. Models without a
+    ``config.use_cache`` are left as they are."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
