@@ -55,16 +55,17 @@ and Step) it sums"""
 GROUPS = {
     "params": (("params",), ("params",)),
     "grads": (("grads",), ("grads",)),
-    "optimizer": (("optimizer",), ("optimizer",)),
+    "optimizer": (("optimizer", "optimizer_step_temporaries"), ("optimizer",)),
     "activations + loss": (("saved_activations", "loss_saved", "loss_temporaries"), ("activations", "loss")),
     "weight copies": (("autocast_weight_copies",), ("casts",)),
     "buffers": (("ddp_buckets", "fsdp_unsharded_params", "fsdp_root_params", "fsdp_gathered_units",
                  "pipeline_buffers"), ("buffers",)),
-    "temporaries": (("backward_working_set", "optimizer_step_temporaries"), ("backward", "step")),
+    "temporaries": (("backward_working_set",), ("backward", "step")),
 }
 """component shown -> (the predicted fields or MemoryBreakdown.terms it sums, the measured components it sums).
 The tracker labels by when a storage is made (autopar_nb/measure.py): the logits and their copies are activations or
-loss there, so those two are compared together."""
+loss there, so those two are compared together; what the optimizer's step allocates is optimizer state there (its
+hooks mark the whole step), so its temporaries are compared with the states."""
 
 
 def predicted_groups(mb) -> dict[str, float]:

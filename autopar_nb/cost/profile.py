@@ -48,6 +48,21 @@ class Saved:
     """attention-score sized (seq x seq): dropped by selective recompute (Korthikanti et al. 2022, sec. 5)"""
     stat: bool = False
     """per-token statistics (norm mean/rstd, attention logsumexp): fp32 even under AMP, never TP-split"""
+    sp_only: bool = False
+    """held only under sequence parallelism (a row-parallel output's sequence-sharded gradient, all-gathered beside
+    it in backward)"""
+
+
+class Moment(NamedTuple):
+    """The backward of one op of a layer: what is alive beside the layer's earlier saved tensors then."""
+
+    kept: int
+    """how many of the layer's saved tensors (``LayerProfile.saved_at``, in the order their first saver runs) are
+    still alive: those first saved by this op or an earlier one; the rest were freed by the backward of the ops
+    after it (LLaMA's silu x up product, saved only by the down projection, is gone by the product's backward)"""
+    work: tuple[Saved, ...]
+    """the gradients this op's backward holds at once: its output's and its floating inputs' (a row-parallel
+    output's full-size, ``gathered``; a column-parallel op's gathered input's)"""
 
 
 PRECISIONS = ("fp32", "autocast", "autocast_lowp")
@@ -134,12 +149,8 @@ class LayerProfile:
     cast_rep: int = 0
     largest_out: float = 0.0
     """bytes of the largest (output + activation inputs) of one op: the gradients its backward holds at once"""
-    largest_op: str = ""
-    """the node of ``largest_out``"""
-    freed_at_peak: dict[str, float] = field(default_factory=dict)
-    """precision -> bytes of ``largest_op``'s output that only the ops after it save: freed by their backward before
-    its own runs (LLaMA's silu x up product, saved by the down projection), so not alive at the layer's backward
-    peak"""
+    moments: dict[str, list[Moment]] = field(default_factory=dict)
+    """precision -> one :class:`Moment` per op whose backward runs: the candidates for the layer's backward peak"""
     comms: list[Comm] = field(default_factory=list)
     tp: dict[str, str] = field(default_factory=dict)
     """module path -> style when TP is on"""
@@ -272,16 +283,17 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(), low_precision_ops=
                          low_precision_ops=low_precision_ops) for p in PRECISIONS[1:]}
     layers = {lay.path: LayerProfile(lay.path) for lay in graph.layers}
     _count_compute(layers, f)
-    for lp, saved in _count_saved(layers, f, device_kind):
-        lp.saved = saved
-    for precision, fa in amp.items():
-        for lp, saved in _count_saved(layers, fa, device_kind):
-            lp.saved_amp[precision] = saved
+    for precision, fp in (("fp32", f), *amp.items()):
+        moments: dict[str, list[Moment]] = {path: [] for path in layers}
+        for lp, saved in _count_saved(layers, fp, device_kind, moments):
+            if precision == "fp32":
+                lp.saved = saved
+            else:
+                lp.saved_amp[precision] = saved
+            lp.moments[precision] = moments[lp.path]
     for precision, fp in (("fp32", f), *amp.items()):
         for lp, kept in _count_selective(layers, fp, device_kind):
             lp.selective[precision] = kept
-        for lp, freed in _freed_at_peak(layers, fp, device_kind):
-            lp.freed_at_peak[precision] = freed
     _count_comms(layers, f)
     _count_boundaries(layers, f, amp)
     _count_params(layers, f, split_params=_count_tp(layers, f), cast=amp["autocast"].autocast.cast_params)
@@ -550,8 +562,7 @@ def _count_compute(layers: dict[str, LayerProfile], f: _Facts) -> None:
         if n.out_shapes and n.op_class != "view":
             # backward of this op holds the gradient of its output and of its activation inputs at once
             step = f.size[n.name].nbytes + sum(f.size[i].nbytes for i in n.inputs if f.size[i].floating)
-            if step > lp.largest_out:
-                lp.largest_out, lp.largest_op = step, n.name
+            lp.largest_out = max(lp.largest_out, step)
 
 
 class _Keep(NamedTuple):
@@ -566,11 +577,11 @@ class _Keep(NamedTuple):
     stat: bool = False
 
 
-def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str) -> list[tuple[LayerProfile,
-                                                                                           list[Saved]]]:
+def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str,
+                 moments: dict[str, list[Moment]] | None = None) -> list[tuple[LayerProfile, list[Saved]]]:
     """What autograd saves in each layer at the dtypes of ``f``, each storage once (in the layer of the first op
     that saves it). An op no trainable parameter reaches is not recorded (saves nothing), nor one that returns its
-    input (p = 0 dropout)."""
+    input (p = 0 dropout). ``moments``: filled with each layer's :class:`Moment` per op."""
     seen: set[str] = set()
     out = {path: [] for path in layers}
     for lp, n in _in_layers(layers, f):
@@ -583,27 +594,23 @@ def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str) -
             seen.add(keep.key)
             out[lp.path].append(Saved(keep.size.numel * keep.size.itemsize, keep.region, keep.gathered,
                                       keep.quadratic, keep.stat))
+        if moments is not None and n.op_class != "view" and n.out_shapes:
+            moments[lp.path].append(Moment(len(out[lp.path]), _gradients_of(n, f)))
     return [(lp, out[path]) for path, lp in layers.items()]
 
 
-def _freed_at_peak(layers: dict[str, LayerProfile], f: _Facts, device_kind: str) -> list[tuple[LayerProfile,
-                                                                                               float]]:
-    """Per layer, :attr:`LayerProfile.freed_at_peak` at the dtypes of ``f``: the storage of its largest op's output,
-    when the ops that save it (the same filters as :func:`_count_saved`) are all other ops of the layer."""
-    savers: dict[str, set[str]] = defaultdict(set)
-    for _lp, n in _in_layers(layers, f):
-        rule = rule_of(n.op)
-        if rule is None or n.name not in f.grad or f.root.get(n.name, n.name) != n.name and n.op_class != "view":
-            continue
-        for keep in _kept_by(n, rule, f, device_kind):
-            savers[keep.key].add(n.name)
-    out = []
-    for lp in layers.values():
-        key = f.root.get(lp.largest_op, lp.largest_op)
-        who = savers.get(key, set())
-        others = who and lp.largest_op not in who and all(f.by_name[w].layer == lp.path for w in who)
-        out.append((lp, float(f.size[key].nbytes) if others and key in f.size else 0.0))
-    return out
+def _gradients_of(n, f: _Facts) -> tuple[Saved, ...]:
+    """The gradients op ``n``'s backward holds at once (:attr:`Moment.work`), at the dtypes of ``f``."""
+    style = f.tp.styles.get(n.name)
+    out = f.size[n.name]
+    grads = [Saved(out.nbytes, n.name in f.tp.sharded, gathered=style == "rowwise", quadratic=n.name in f.scores)]
+    if style == "rowwise":
+        grads.append(Saved(out.nbytes, False, sp_only=True))
+    for i in n.inputs:
+        if i in f.grad and i not in f.param_views and f.size[i].floating:
+            grads.append(Saved(f.size[i].nbytes, i in f.tp.sharded, gathered=style == "colwise",
+                               quadratic=i in f.scores))
+    return tuple(grads)
 
 
 def _count_selective(layers: dict[str, LayerProfile], f: _Facts, device_kind: str) -> list[tuple[LayerProfile,

@@ -19,12 +19,18 @@ from .tp import select
 SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.convolution.default, torch.ops.aten._scaled_dot_product_flash_attention.default,
             torch.ops.aten._scaled_dot_product_efficient_attention.default,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops.aten._grouped_mm.default}  # the experts' matmuls of a mixture of experts
+
+
+SAVE_CUSTOM = frozenset({"transformers::grouped_mm_fallback", "autopar_zoo::grouped_linear"})
+"""custom ops (by name: no import of their libraries) that are grouped matmuls over experts, kept like SAVE_OPS"""
 
 
 def save_matmuls(ctx, op, *args, **kwargs):
     """Selective-recompute policy: keep matmul/conv/attention outputs, recompute everything else."""
-    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    keep = op in SAVE_OPS or (hasattr(op, "name") and op.name() in SAVE_CUSTOM)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_ac(model: nn.Module, recompute: dict[str, str]) -> None:
@@ -48,8 +54,10 @@ def no_key_value_cache(model: nn.Module) -> None:
     """Turn off a Hugging Face model's key/value cache (``config.use_cache``) for training under recompute: the
     cache is one object shared by the forward and the recompute, so a recomputed layer appends its keys and values a
     second time and attends over both (selective recompute then fails its recomputed-shape check; full recompute
-    holds the longer keys). HF's own ``gradient_checkpointing_enable`` path does the same. Models without a
-    ``config.use_cache`` are left as they are."""
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False
+    holds the longer keys). HF's own ``gradient_checkpointing_enable`` path does the same. Every submodule's config
+    (T5's encoder and decoder stacks hold copies of their own); models without ``config.use_cache`` are left as
+    they are."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False):
+            config.use_cache = False
