@@ -66,10 +66,11 @@ KNOWN = [
     "T5 under ZeRO 2/3 and bf16: T5LayerNorm casts to its weight's dtype only when the weight is 16-bit, a branch "
     "the float32 capture never takes, so its output is costed float32 "
     "(test_saved_activations_match_autograd[T5-autocast_lowp], +7.8 % of the saved bytes)",
-    "ZeRO-3 with full recompute (LLaMA bf16): FSDP's buffers at the recomputed layer's backward peak are 4.5 MiB "
-    "measured against 2.25 predicted (the unit's and the prefetched unit's 16-bit parameters); the unit's "
-    "gradients already being accumulated are not modelled. Rows measured before d2a8055 show the recompute of a "
-    "ZeRO-3 run as backward temporaries (FSDPMemTracker's labels); their totals are unaffected",
+    "ZeRO-3 with full recompute (bf16): FSDP's buffers at the recomputed layer's backward peak are twice the "
+    "prediction, the unit's and the prefetched unit's 16-bit parameters (LLaMA 4.5 vs 2.25 MiB, ViT 4.0 vs 2.0, "
+    "ViT -8.4 % in total); what the other two units' worth are (unsharded gradients, a reduce-scatter buffer) is "
+    "not measured yet. Rows of the main table measured before d2a8055 show the recompute of a ZeRO-3 run as "
+    "backward temporaries (FSDPMemTracker's labels; totals unaffected): see the ZeRO-3 with recompute section",
     "PP rows: pipeline stages are helper h21p's work (issue 21 point 1's PP part), not measured here",
 ]
 """cases known to miss 5 %, and why (written under the table)"""
