@@ -55,16 +55,17 @@ and Step) it sums"""
 GROUPS = {
     "params": (("params",), ("params",)),
     "grads": (("grads",), ("grads",)),
-    "optimizer": (("optimizer",), ("optimizer",)),
+    "optimizer": (("optimizer", "optimizer_step_temporaries"), ("optimizer",)),
     "activations + loss": (("saved_activations", "loss_saved", "loss_temporaries"), ("activations", "loss")),
     "weight copies": (("autocast_weight_copies",), ("casts",)),
     "buffers": (("ddp_buckets", "fsdp_unsharded_params", "fsdp_root_params", "fsdp_gathered_units",
                  "pipeline_buffers"), ("buffers",)),
-    "temporaries": (("backward_working_set", "optimizer_step_temporaries"), ("backward", "step")),
+    "temporaries": (("backward_working_set",), ("backward", "step")),
 }
 """component shown -> (the predicted fields or MemoryBreakdown.terms it sums, the measured components it sums).
 The tracker labels by when a storage is made (autopar_nb/measure.py): the logits and their copies are activations or
-loss there, so those two are compared together."""
+loss there, so those two are compared together; what the optimizer's step allocates is optimizer state there (its
+hooks mark the whole step), so its temporaries are compared with the states."""
 
 
 def predicted_groups(mb) -> dict[str, float]:
@@ -157,10 +158,34 @@ def _tracker_classes():
             super().__init__(mod)
             self._ref_class = fsdp_types
 
+        recomputing = False
+        """inside a checkpoint's recompute (FSDPMemTracker notices one only through an FSDP unit's forward inside
+        the checkpointed region; the runtime wraps the checkpointed module in the unit, so its recompute would be
+        labelled backward temporaries)"""
+
+        def _label(self, reftype):
+            if self.recomputing and getattr(reftype, "name", "") == "TEMP":
+                reftype = self._ref_class.ACT
+            return super()._label(reftype)
+
         def __enter__(self):
             from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+            from torch.utils import checkpoint
 
             super().__enter__()
+            hook = checkpoint._recomputation_hook
+            self._recompute_hook = (hook, hook.__enter__, hook.__exit__)
+            tracker = self
+
+            def enter(h):
+                tracker.recomputing = True
+                return self._recompute_hook[1](h)
+
+            def leave(h, *exc):
+                tracker.recomputing = False
+                return self._recompute_hook[2](h, *exc)
+
+            hook.__enter__, hook.__exit__ = enter, leave
 
             def post(optimizer, args, kwargs):
                 self._track_optimizer_states(self._ref_class.OPT, optimizer)
@@ -173,6 +198,8 @@ def _tracker_classes():
         def __exit__(self, *args):
             for handle in self._any_optimizer:
                 handle.remove()
+            hook, enter, leave = self._recompute_hook
+            hook.__enter__, hook.__exit__ = enter, leave
             return super().__exit__(*args)
 
     return Tracker, FSDPTracker

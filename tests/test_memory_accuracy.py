@@ -28,8 +28,14 @@ SMALL = {"hidden": 64, "layers": 2, "seq": 32, "batch": 2}
 """sizes of the single-process checks (seconds each)"""
 EXACT = 0.01
 """saved activations: the prediction follows autograd op by op, so it must match to 1 %"""
-NOT_YET: dict[str, str] = {}
-"""families whose saved activations are not within EXACT yet, and why"""
+NOT_YET: dict[tuple[str, str], str] = {
+    ("T5", "autocast_lowp"): "T5LayerNorm casts to its weight's dtype only when the weight is 16-bit (a branch the "
+                             "float32 capture does not take): the normalised output is costed float32, +7.8 %",
+    ("Mixtral", "autocast_lowp"): "-1.1 %: the router's int64 top-k and index positions (8224 B, no kernels_ext "
+                                  "'saves' for index/topk; -0.85 % in the other precisions too) and rotary cos/sin "
+                                  "costed float32 (HF casts them to the hidden states' dtype: bf16 here)",
+}
+"""(family, precision) whose saved activations are not within EXACT yet, and why"""
 
 
 def autograd_saved_bytes(model: nn.Module, args: tuple, kwargs: dict, *, autocast: bool = False) -> int:
@@ -78,22 +84,28 @@ def predicted_saved_bytes(src: ModelSource, precision: str = "fp32") -> float:
                for lp in prof.layers)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "autocast"])
+@pytest.mark.parametrize("precision", ["fp32", "autocast", "autocast_lowp"])
 @pytest.mark.parametrize("family", list(CELLS))
 def test_saved_activations_match_autograd(family, precision):
-    """fp32, and CPU bf16 autocast: the dtypes torch's autocast lists and type promotion give each saved tensor
-    (cost/autocast.py), the copies autocast hands each lower-precision op, the math attention kernel's float32."""
+    """fp32, CPU bf16 autocast, and autocast over bf16 parameters (what FSDP2's MixedPrecisionPolicy runs under
+    ZeRO 2/3: its parameters cast, buffers left float32): the dtypes torch's autocast lists and type promotion give
+    each saved tensor (cost/autocast.py, with the casts a float32 capture records as no-ops: an RMSNorm's
+    ``.to(input_dtype)``, ``.to(weight.dtype)``, a module's ``.to(hidden_states.dtype)``), the copies autocast hands
+    each lower-precision op, the math attention kernel's float32."""
     src = ModelSource(CELLS[family](**SMALL))
     ns = src.run()
     model, example = ns["model"], ns["example_inputs"]
     model.train()
     switch_off_kv_cache(model)  # as the script trains it (and capture traces it)
+    if precision == "autocast_lowp":
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
     args, kwargs = ((), example) if isinstance(example, dict) else (tuple(example), {})
-    measured = autograd_saved_bytes(model, args, kwargs, autocast=precision == "autocast")
+    measured = autograd_saved_bytes(model, args, kwargs, autocast=precision != "fp32")
     predicted = predicted_saved_bytes(src, precision)
-    if family in NOT_YET:
+    if (family, precision) in NOT_YET:
         assert predicted != pytest.approx(measured, rel=EXACT), f"{family} now matches: drop it from NOT_YET"
-        pytest.xfail(NOT_YET[family])
+        pytest.xfail(NOT_YET[family, precision])
     assert predicted == pytest.approx(measured, rel=EXACT), (family, predicted, measured)
 
 
@@ -194,33 +206,40 @@ def test_plan_op_lists_move_saved_bytes_as_they_run(family, op_lists):
     assert predicted(**op_lists) - predicted() == pytest.approx(measured, rel=EXACT)
 
 
-def test_selective_recompute_keeps_what_the_runtime_keeps():
-    """runtime/ac.py's selective recompute on ViT's blocks: the checkpoint's inputs and the outputs of the matmuls
-    and the attention kernel, measured with the tracker at the end of a forward, against the profile's
-    ``selective`` terms (the other layers as without recompute), to 5 % (the tracker sees the output too)."""
+@pytest.mark.parametrize("family", ["ViT", "LLaMA", "BERT"])
+def test_selective_recompute_keeps_what_the_runtime_keeps(family):
+    """runtime/ac.py's selective recompute on the blocks: the checkpoint's inputs and the outputs of the matmuls and
+    the attention kernel, measured with the tracker at the end of a forward, against the profile's ``selective``
+    terms (the other layers as without recompute) plus the model's output (the tracker sees it too), to 5 %; then
+    the backward runs (a Hugging Face decoder's key/value cache made it fail: the script switches it off first,
+    runtime/train.switch_off_kv_cache)."""
     from autopar_nb.measure import _tracker_classes, components
     from autopar_nb.runtime.ac import apply_ac
 
-    src = ModelSource(CELLS["ViT"](**SMALL))
+    src = ModelSource(CELLS[family](**SMALL))
     ns = src.run()
     model, example = ns["model"].train(), ns["example_inputs"]
+    switch_off_kv_cache(model)  # as the script does before it applies the plan
+    args, kwargs = ((), example) if isinstance(example, dict) else (tuple(example), {})
     meta, ex, _ = src.build(device="meta")
     graph = ap.capture(meta, ex)
-    blocks = {lay.path for lay in graph.layers if graph.block_of(lay.path)}
+    blocks = [lay.path for lay in graph.layers if graph.block_of(lay.path)]
     predicted = sum(activation_bytes(lp, tp=1, sp=False, recompute="selective" if lp.path in blocks else "none",
                                      scale=1.0) for lp in profile(graph, device_kind="cpu").layers)
-    apply_ac(model, {"vit.layers.*": "selective"})
+    apply_ac(model, {path: "selective" for path in blocks})
     tracker = _tracker_classes()[0]()
     tracker.phase = "train"
     with tracker:
         tracker.track_external(model)
-        out = model(**example)
+        out = model(*args, **kwargs)
         c = components(tracker.get_tracker_snapshot("current")[torch.device("cpu")])
-    del out
+    root = out.loss if getattr(out, "loss", None) is not None else out.logits
+    output = root.untyped_storage().nbytes()
     measured = c["activations"] + c["loss"]
-    none = predicted_saved_bytes(src)
+    none = predicted_saved_bytes(src) + output
     assert measured < 0.8 * none  # it did recompute
-    assert predicted == pytest.approx(measured, rel=WITHIN)
+    assert predicted + output == pytest.approx(measured, rel=WITHIN)
+    root.float().sum().backward()
 
 
 def test_ddp_bucket_is_the_parameters_in_fp32():
@@ -247,43 +266,58 @@ WITHIN = 0.05
 """issue 21's bound: per-rank peak, and each component, within 5 % of the tracker's"""
 
 
-def _predicted_and_measured(family: str, fix: dict) -> tuple:
+RECOMPUTED = {"hidden": 256, "layers": 4, "seq": 128, "batch": 8}
+"""sizes where a recomputed layer's backward, not the loss or the optimizer step, is the peak (hidden 256: a
+layer's saved tensors outweigh the logits)"""
+
+
+def _predicted_and_measured(family: str, fix: dict, size: dict = WHOLE) -> tuple:
     from autopar_nb.cost import estimate
     from autopar_nb.measure import measure
 
-    src = ModelSource(CELLS[family](**WHOLE))
+    src = ModelSource(CELLS[family](**size))
     meta, example, _ = src.build(device="meta")
     graph = ap.capture(meta, example)
     world = fix.get("dp", 1) * fix.get("tp", 1) * fix.get("pp", 1)
     cluster = ap.Cluster.preset("cpu", 1, world)
-    plan = ap.plan(graph, cluster, global_batch=WHOLE["batch"] * fix.get("dp", 1),
+    plan = ap.plan(graph, cluster, global_batch=size["batch"] * fix.get("dp", 1),
                    fix={"micro_batches": 1, "amp": "none", "recompute": "none", **fix})
     mb = estimate(graph, cluster, plan).memory_by_rank[0]
     (got,) = measure(src, plan, ranks=(0,))
     print("peak at", got["where"])
-    return mb, got["peak"]
+    return mb, got["peak"], got["where"]
 
 
 WHOLE_CASES = {
     "Qwen2-single": ("Qwen2", {"dp": 1, "tp": 1, "pp": 1}),
     "Qwen2-tp2-sp-bf16": ("Qwen2", {"dp": 1, "tp": 2, "pp": 1, "amp": "bf16"}),
+    "LLaMA-zero3-bf16": ("LLaMA", {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3, "amp": "bf16"}),
+    "LLaMA-selective": ("LLaMA", {"dp": 1, "tp": 1, "pp": 1, "recompute": "selective"}),
     "GPT-2-ddp-bf16": ("GPT-2", {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 0, "amp": "bf16"}),
     "ViT-zero3": ("ViT", {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3}),
+    "LLaMA-full": ("LLaMA", {"dp": 1, "tp": 1, "pp": 1, "recompute": "full"}, RECOMPUTED),
+    "LLaMA-tp2-sp-full": ("LLaMA", {"dp": 1, "tp": 2, "pp": 1, "recompute": "full"}, RECOMPUTED),
 }
 """whole-step cases: sequence-parallel norms and the vocab-parallel loss (tp2), autocast's copies and DDP's buckets,
-FSDP's units and Adam's sharded states"""
+FSDP's units and Adam's sharded states, autocast over FSDP's 16-bit parameters (ZeRO-3 bf16), a decoder's
+selective recompute (its key/value cache off), full recompute's backward peak at the first layer (the others'
+gradients alive; the largest op's consumers' saved output freed) alone and under TP with sequence parallelism (the
+first block's whole, replicated input kept by the checkpoint)"""
+FAST = ("Qwen2-single", "Qwen2-tp2-sp-bf16", "LLaMA-zero3-bf16", "LLaMA-selective")
+"""the cases in the fast suite (~8 s each on an idle core); the others are marked slow"""
 
 
-@pytest.mark.parametrize("case", [c if c.startswith("Qwen2") else pytest.param(c, marks=pytest.mark.slow)
-                                  for c in WHOLE_CASES])  # ~8 s each: two in the fast suite
+@pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in WHOLE_CASES])
 def test_whole_step_memory_matches_the_tracker(case):
     """The exported script's own step under the tracker (``autopar_nb.measure``) against the cost model, component
     by component (``autopar_nb.measure.GROUPS``: parameters, gradients, optimizer states, saved activations with the
     loss, autocast's weight copies, DDP/FSDP/pipeline buffers, backward and step temporaries), each within 5 % of
-    the measured total, and the total within 5 %."""
+    the measured total, and the total within 5 %. The recompute cases must peak in a recomputed layer's backward."""
     from autopar_nb.measure import GROUPS, measured_groups, predicted_groups
 
-    mb, m = _predicted_and_measured(*WHOLE_CASES[case])
+    mb, m, where = _predicted_and_measured(*WHOLE_CASES[case])
+    if case.endswith("-full"):
+        assert "backward" in where and "_checkpoint_wrapped_module" in where, where
     p, got = predicted_groups(mb), measured_groups(m)
     for g in GROUPS:
         assert p[g] == pytest.approx(got[g], abs=WITHIN * m["total"] + 1024), (g, p, got)

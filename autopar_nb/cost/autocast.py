@@ -48,6 +48,11 @@ class AmpDtypes:
     keeps_all: set[str] = field(default_factory=set)
     """nodes the plan keeps in float32 (``OpPrecision``'s ``WithoutAutocast``: it holds every tensor input and its
     output until backward)"""
+    reads: dict[str, list[str]] = field(default_factory=dict)
+    """node -> the inputs it really reads, where they differ from the captured ones: a ``.to(float32)`` that was a
+    no-op in the float32 capture returned its input itself, so the graph shows every later reader of that input
+    reading the cast; under 16-bit parameters it is a copy, and readers outside its module (a residual add after an
+    RMSNorm's ``x.to(float32)``) read the 16-bit original"""
     all_low: set[str] = field(default_factory=set)
     """nodes whose floating inputs and parameters are all 16-bit when they run (a CPU norm's saved statistics are
     then 16-bit too; with a float32 weight they are float32)"""
@@ -92,10 +97,28 @@ def amp_dtypes(graph, captured: dict[str, str], *, device_kind: str, amp: str = 
     params = {k: p if param_dtype is None or p.dtype not in FLOAT_RANK else _Param(param_dtype, p.shape)
               for k, p in graph.params.items()}
     shapes = {n.name: n.out_shapes[0] if n.out_shapes else () for n in graph.nodes}
+    module = {n.name: n.module_path for n in graph.nodes}
+    casts = _NoOpCasts(graph, captured, params)
+    restore: dict[str, str] = {}  # node -> the dtype an up-cast before it in its module started from
+    upcast: dict[str, str] = {}  # an up-cast the capture saw as a no-op -> the tensor it copies
     for n in graph.nodes:
         if not n.out_shapes:
             continue
-        floats = [i for i in n.inputs if dt.get(i) in FLOAT_RANK]
+        outside = [upcast[i] if i in upcast and module[i] != n.module_path else i for i in n.inputs]
+        if outside != n.inputs:
+            out.reads[n.name] = outside
+        inputs = outside
+        src = next((i for i in inputs if module.get(i) == n.module_path and i in restore), None)
+        if packet(n.op) in ("to", "_to_copy") and inputs and captured.get(inputs[0]) == n.dtype:
+            to = restore[src] if src is not None and inputs[0] == src else casts.target(n, dt)
+            if to is not None:
+                dt[n.name] = to
+                continue
+            if FLOAT_RANK.get(dt.get(inputs[0]), 0) < FLOAT_RANK.get(n.dtype, 0):
+                restore[n.name], upcast[n.name] = dt[inputs[0]], inputs[0]
+        elif src is not None and n.dtype in FLOAT_RANK:
+            restore[n.name] = restore[src]
+        floats = [i for i in inputs if dt.get(i) in FLOAT_RANK]
         fparams = [p for p in n.params if p in params and params[p].dtype in FLOAT_RANK]
         name = _op_name(n.op)
         policy = "plan" if name in plan_to else autocast_policy(n.op, device_kind)
@@ -118,24 +141,85 @@ def amp_dtypes(graph, captured: dict[str, str], *, device_kind: str, amp: str = 
         elif policy == "fp32_opt":
             dt[n.name] = "float32"
         else:
-            dt[n.name] = _follows(n, floats, fparams, dt, captured, shapes, params)
+            dt[n.name] = _follows(n, floats, fparams, dt, captured, shapes, params, graph.params)
     return out
 
 
-def _follows(n, floats, fparams, dt, captured, shapes, params) -> str:
-    """The dtype of an op autocast leaves alone (module docstring)."""
+
+class _NoOpCasts:
+    """What a ``.to(dtype)`` that was a no-op in the float32 capture casts to under autocast. The capture records
+    the dtype it saw (float32), not where it came from; three idioms of model code name a tensor's dtype instead:
+
+    * ``x.to(float32) ... .to(input_dtype)`` (Hugging Face RMSNorm): back to the dtype the up-cast started from
+      (handled in :func:`amp_dtypes`, which follows the up-cast through its module);
+    * ``x.to(weight.dtype)`` before an op that reads that weight (Hugging Face's grouped-matmul experts): the
+      weight's dtype;
+    * ``out.to(hidden_states.dtype)`` as a module's result (Mixtral's experts): the dtype of the floating tensor
+      that entered the module.
+
+    Each resolves to float32 in a float32 forward, so the capture cannot tell them from ``.to(torch.float32)``; they
+    differ once the parameters are 16-bit (FSDP's MixedPrecisionPolicy) or the module's input is."""
+
+    def __init__(self, graph, captured: dict[str, str], params: dict):
+        self.params, self.captured = params, captured
+        self.graph_params = graph.params
+        self.by_name = {n.name: n for n in graph.nodes}
+        self.consumers: dict[str, list] = {}
+        self.entry: dict[str, str] = {}  # module -> the first floating tensor one of its ops reads from outside
+        for n in graph.nodes:
+            for i in n.inputs:
+                self.consumers.setdefault(i, []).append(n)
+                src = self.by_name.get(i)
+                outside = src is None or not _inside(src.module_path, n.module_path)
+                if outside and captured.get(i) in FLOAT_RANK and n.module_path:
+                    self.entry.setdefault(n.module_path, i)
+
+    def weight_of(self, name: str) -> str | None:
+        """The parameter a node is (a view of), or None."""
+        n = self.by_name.get(name)
+        while n is not None and n.op_class == "view" and n.inputs and n.inputs[0] in self.by_name:
+            n = self.by_name[n.inputs[0]]
+        if n is None or n.op_class != "view" or n.inputs or not n.params:
+            return None
+        return n.params[0] if n.params[0] in self.params else None
+
+    def target(self, n, dt: dict[str, str]) -> str | None:
+        """The dtype the no-op ``.to`` node ``n`` casts to under autocast, when an idiom (class docstring) says."""
+        readers = self.consumers.get(n.name, [])
+        for c in readers:
+            weights = [p for p in c.params if p in self.params] + \
+                      [w for w in map(self.weight_of, c.inputs) if w is not None]
+            same = [w for w in weights if self.graph_params[w].dtype == n.dtype]
+            if same:
+                return self.params[same[0]].dtype
+        if n.module_path and readers and all(not _inside(c.module_path, n.module_path) for c in readers):
+            entry = self.entry.get(n.module_path)
+            if entry is not None and FLOAT_RANK.get(dt.get(entry), 0) < FLOAT_RANK.get(n.dtype, 0):
+                return dt[entry]
+        return None
+
+
+def _inside(path: str, module: str) -> bool:
+    """``path`` is ``module`` or one of its submodules."""
+    return path == module or path.startswith(module + ".")
+
+def _follows(n, floats, fparams, dt, captured, shapes, params, captured_params) -> str:
+    """The dtype of an op autocast leaves alone (module docstring). Whether the op set its own dtype is judged at
+    the captured dtypes (``captured``, ``captured_params``); what it gives follows ``dt`` and ``params``."""
     name = packet(n.op)
     if not floats and not fparams:
         return n.dtype
     if name in ("to", "_to_copy"):
-        if n.op.endswith((".dtype", ".dtype_layout")) or not floats or captured.get(floats[0]) != n.dtype:
+        # torch.export records ``x.to(device)`` as ``to.dtype_layout`` with x's dtype: a captured no-op of that
+        # overload moves x and keeps its dtype (GPT-2's ``position_embeds.to(inputs_embeds.device)``)
+        if n.op.endswith(".dtype") or not floats or captured.get(floats[0]) != n.dtype:
             return n.dtype  # an explicit dtype: the one the capture recorded
         return dt[floats[0]]
     if name == "type_as" and len(floats) >= 2:
         return dt[floats[1]]
     if n.op_class in ("view", "norm") and floats:
         return dt[floats[0]]
-    cap = [captured[i] for i in floats] + [params[p].dtype for p in fparams]
+    cap = [captured[i] for i in floats] + [captured_params[p].dtype for p in fparams]
     if n.dtype != promote(cap):
         return n.dtype  # the op sets its own dtype
     dims = [dt[i] for i in floats if len(shapes.get(i, (1,))) > 0] + \

@@ -12,7 +12,7 @@ from ..plan import DTYPE_NAMES, ITEMSIZE, MEMORY_TERMS, RECOMPUTE, Cost, MemoryB
 from .comm import collective_time, link_for
 from .factors import Factors, factors_for
 from .loss import FusedHead
-from .memory import activation_bytes, in_flight, model_states, state_bytes, with_margin
+from .memory import activation_bytes, backward_peak, in_flight, model_states, state_bytes, with_margin
 from .profile import GraphProfile, precision_of
 from .time import bubble_fraction, layer_compute_time, optimizer_time, weight_cast_time
 
@@ -95,6 +95,9 @@ class LayerTerms:
     tp_step: float = 0.0
     """seconds of TP collectives run once per step, not per micro-batch: the all-reduce of the weight gradients of
     key/value projections TP repeats (``LayerProfile.at_tp``)"""
+    freed: float = 0.0
+    """saved bytes of this layer already freed at its backward peak (:func:`.memory.backward_peak`), with
+    ``work_bytes`` the gradients held then"""
     cast_local: float = 0.0
     """numel of the layer's local parameters autocast keeps a 16-bit copy of during forward and backward (0 unless
     the precision is "autocast")"""
@@ -153,11 +156,11 @@ class RankSums:
     casts: list[float] = field(default_factory=list)
     """local parameters (numel) autocast keeps 16-bit copies of (``LayerTerms.cast_local``)"""
     bwd_layers: list[list[tuple[float, float, float]]] = field(default_factory=list)
-    """per run of layers, the moment its backward holds the most: (saved activation bytes still alive, working set
-    bytes, local parameters (numel) whose backward has not run yet). Backward runs from the last layer to the first,
-    freeing each layer's saved tensors and leaving its gradients: at layer l the saved tensors of later layers are
-    gone and their gradients exist (with full recompute, l's own too: its recomputed forward and the later part of
-    its backward come first)"""
+    """per run of layers, the moments its backward holds the most, at its last layer and (a run of several) at its
+    first: (saved activation bytes still alive, working set bytes, local parameters (numel) whose backward has not
+    run yet). Backward runs from the last layer to the first, freeing each layer's saved tensors and leaving its
+    gradients: at layer l the saved tensors of later layers are gone and their gradients exist; a recomputed layer
+    holds what its recompute re-created"""
 
     @classmethod
     def zeros(cls, pp: int) -> RankSums:
@@ -194,6 +197,9 @@ class Evaluator:
         self.f = factors or factors_for(cluster)
         self.seq_ratio, self.megatron_sp = seq_ratio, megatron_sp
         self._cache: dict[tuple, LayerTerms] = {}
+        shared = {r for j, r in enumerate(prof.rep) if r != j}
+        self.blocks = {j for j, r in enumerate(prof.rep) if r in shared}
+        """layers of repeated blocks (their outputs are sequence-sharded under sequence parallelism)"""
 
     # ---- per layer ----------------------------------------------------------------------------------------------
     def terms(self, i: int, *, tp: int, sp: bool, precision: str, mb_samples: float, ep: int = 1,
@@ -235,7 +241,8 @@ class Evaluator:
                 for k in kinds:
                     comm[k] = comm.get(k, 0.0) + collective_time(k, nbytes, tp, link, self.f.eff_link)
         out = (lp.output_amp[precision] if half else lp.output_bytes) * scale / (tp if sp else 1)
-        work = lp.largest_out * scale * (0.5 if half else 1.0) / (tp if tp > 1 else 1)
+        work, freed = backward_peak(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
+                                    megatron_sp=self.megatron_sp)
         if cp > 1 and lp.kv_bytes:
             work += self._ring(lp, comm, cp=cp, tp=tp, half=half, scale=scale)
         fwd_fl = (sum(lp.flops_split.values()) + sum(lp.flops_rep.values()) + lp.flops_other) * scale
@@ -250,6 +257,7 @@ class Evaluator:
         if a2a:
             comm["all_to_all"] = a2a
         t.tp_step = step_s
+        t.freed = freed
         t.cast_local = lp.cast_split / tp + lp.cast_rep if precision == "autocast" else 0.0
         self._cache[key] = t
         return t
@@ -357,19 +365,26 @@ class Evaluator:
                 for kk, v in lt.tp_comm.items():
                     kinds[kk] = kinds.get(kk, 0.0) + cnt * v
             # memory
-            sums.acts[r] += cnt * lt.act[ch.recompute]
+            acts_before = sums.acts[r]
+            whole = self._replicated_input(s, i, ch, lt)
+            sums.acts[r] += cnt * lt.act[ch.recompute] + whole
             # a recomputed layer's backward first runs its forward again: what the plain forward saves and the
             # recompute did not keep is alive again beside the working set
             again = max(lt.act["none"] - lt.act[ch.recompute], 0.0)
-            wb = lt.work_bytes + again
+            wb, freed = lt.work_bytes + again, lt.freed
             if s.fused_loss and i <= self.head.layer < i + cnt:
-                wb, again = self._fused_head(s, sums, r, ch.recompute, lt, tp=s.tp if ch.tp else 1), 0.0
+                wb, again, freed = self._fused_head(s, sums, r, ch.recompute, lt, tp=s.tp if ch.tp else 1), 0.0, 0.0
             if wb > sums.work[r]:
                 sums.work[r] = wb
-            # full recompute's peak comes once the layer's later ops have left their gradients (measured: LLaMA,
-            # ViT); selective's right after the recompute, before any
-            before = sums.params[r] + (cnt - (ch.recompute == "full")) * lt.params_local  # its last layer's
-            sums.bwd_layers[r].append((sums.acts[r] + again, wb - again, before))
+            # a layer's peak is its largest op's backward: the output that op's consumers saved is freed by then
+            # (memory.backward_peak), the layer's own gradients are still to come. Its last layer runs
+            # backward first; by its first, the gradients of the others exist (the peak there when a layer's
+            # gradients outweigh what it saves: full recompute, measured on LLaMA)
+            sums.bwd_layers[r].append((sums.acts[r] + again - freed, wb - again,
+                                       sums.params[r] + cnt * lt.params_local))
+            if cnt > 1:
+                sums.bwd_layers[r].append((acts_before + whole + lt.act[ch.recompute] + again - freed, wb - again,
+                                           sums.params[r] + lt.params_local))
             sums.params[r] += cnt * lt.params_local
             sums.experts[r] += cnt * lt.experts_local
             sums.tp_step[r] += cnt * lt.tp_step
@@ -392,6 +407,16 @@ class Evaluator:
             sums.model_flops += cnt * lt.flops
             sums.hw_flops += cnt * (lt.flops + lt.recompute_flops(ch.recompute))
         return sums
+
+    def _replicated_input(self, s: Setting, i: int, ch: LayerChoice, lt: LayerTerms) -> float:
+        """Bytes a recomputed first block of a sequence-parallel run holds beyond its sequence shard: it receives
+        the layer before's replicated output (an embedding's) and shards it itself (the plan's ``PrepareFirstInput``
+        inside the checkpoint wrapper), so the checkpoint keeps the whole input, and the recompute its shard
+        beside it (measured: LLaMA tp=2 full recompute, layer 0)."""
+        first = i in self.blocks and (i == 0 or i - 1 not in self.blocks)
+        if not (first and s.sp and ch.tp and ch.recompute != "none" and s.tp > 1):
+            return 0.0
+        return lt.act["full"] * s.tp
 
     def _fused_head(self, s: Setting, sums: RankSums, r: int, recompute: str, lt: LayerTerms, *, tp: int = 1
                     ) -> float:
@@ -538,7 +563,9 @@ class Evaluator:
         # moment 3: the optimizer step: every gradient and foreach temporaries (CUDA: a list the size of the
         # gradients; CPU: one parameter at a time); autocast's weight copies are gone, ZeRO 2's gathered
         # parameters resharded
-        at_opt = {"optimizer_step_temporaries": gb if prof.device_kind == "cuda" else sums.largest[r] * g_item,
+        # (CPU: torch's single-tensor Adam holds two of the largest parameter's size at once: exp_avg_sq.sqrt() and
+        # its quotient by the bias correction; measured with MemTracker, LLaMA)
+        at_opt = {"optimizer_step_temporaries": gb if prof.device_kind == "cuda" else 2 * sums.largest[r] * g_item,
                   "ddp_buckets": held["ddp_buckets"],
                   "fsdp_root_params": 0.0 if half else held.get("fsdp_root_params", 0.0)}
         at_step = pb + ob + gb + sum(at_opt.values())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .profile import LayerProfile
+from .profile import LayerProfile, Saved
 
 
 @dataclass(frozen=True)
@@ -80,13 +80,39 @@ def activation_bytes(lp: LayerProfile, *, tp: int, sp: bool, recompute: str, sca
         return inputs
     total = inputs if recompute == "selective" else 0.0
     for s in lp.selective[precision] if recompute == "selective" else lp.saved_at(precision):
-        b = s.nbytes * (qs if s.quadratic else scale)
-        if s.region:
-            b /= tp
-        elif sp and (megatron_sp or not s.gathered):
-            b /= tp
-        total += b
+        total += on_rank(s, tp=tp, sp=sp, scale=scale, quad_scale=qs, megatron_sp=megatron_sp)
     return total
+
+
+def on_rank(s: Saved, *, tp: int, sp: bool, scale: float, quad_scale: float, megatron_sp: bool = False) -> float:
+    """Bytes of one saved tensor (or gradient) on one rank (:func:`activation_bytes`'s rules)."""
+    if s.sp_only and not sp:
+        return 0.0
+    b = s.nbytes * (quad_scale if s.quadratic else scale)
+    if s.region or (sp and (megatron_sp or not s.gathered)):
+        b /= tp
+    return b
+
+
+def backward_peak(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precision: str = "fp32",
+                  quad_scale: float | None = None, megatron_sp: bool = False) -> tuple[float, float]:
+    """(gradient bytes, saved bytes already freed) at the moment of this layer's backward that holds the most beside
+    its saved tensors: for each op (backward runs them last to first) its gradients (:attr:`.profile.Moment.work`)
+    less what the ops after it alone saved, freed by then. Measured with the tracker: LLaMA's peak is the silu x up
+    product's backward (its output, saved only by the down projection, freed), under TP with sequence parallelism
+    the down projection's (its output's gradient all-gathered to full size)."""
+    qs = scale if quad_scale is None else quad_scale
+    saved = lp.saved_at(precision)
+    freed = [0.0] * (len(saved) + 1)  # freed[k]: bytes of saved[k:]
+    for k in range(len(saved) - 1, -1, -1):
+        freed[k] = freed[k + 1] + on_rank(saved[k], tp=tp, sp=sp, scale=scale, quad_scale=qs,
+                                          megatron_sp=megatron_sp)
+    best = (0.0, 0.0)
+    for m in lp.moments.get(precision, ()):
+        work = sum(on_rank(g, tp=tp, sp=sp, scale=scale, quad_scale=qs, megatron_sp=megatron_sp) for g in m.work)
+        if work - freed[m.kept] > best[0] - best[1]:
+            best = (work, freed[m.kept])
+    return best
 
 
 def in_flight(schedule: str, *, pp: int, stage: int, micro_batches: int, virtual_stages: int = 1) -> float:

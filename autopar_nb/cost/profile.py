@@ -18,6 +18,7 @@ is decomposed (input, normalised input and rstd are saved).
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -47,6 +48,21 @@ class Saved:
     """attention-score sized (seq x seq): dropped by selective recompute (Korthikanti et al. 2022, sec. 5)"""
     stat: bool = False
     """per-token statistics (norm mean/rstd, attention logsumexp): fp32 even under AMP, never TP-split"""
+    sp_only: bool = False
+    """held only under sequence parallelism (a row-parallel output's sequence-sharded gradient, all-gathered beside
+    it in backward)"""
+
+
+class Moment(NamedTuple):
+    """The backward of one op of a layer: what is alive beside the layer's earlier saved tensors then."""
+
+    kept: int
+    """how many of the layer's saved tensors (``LayerProfile.saved_at``, in the order their first saver runs) are
+    still alive: those first saved by this op or an earlier one; the rest were freed by the backward of the ops
+    after it (LLaMA's silu x up product, saved only by the down projection, is gone by the product's backward)"""
+    work: tuple[Saved, ...]
+    """the gradients this op's backward holds at once: its output's and its floating inputs' (a row-parallel
+    output's full-size, ``gathered``; a column-parallel op's gathered input's)"""
 
 
 PRECISIONS = ("fp32", "autocast", "autocast_lowp")
@@ -180,6 +196,8 @@ class LayerProfile:
     cast_rep: int = 0
     largest_out: float = 0.0
     """bytes of the largest (output + activation inputs) of one op: the gradients its backward holds at once"""
+    moments: dict[str, list[Moment]] = field(default_factory=dict)
+    """precision -> one :class:`Moment` per op whose backward runs: the candidates for the layer's backward peak"""
     comms: list[Comm] = field(default_factory=list)
     tp: dict[str, str] = field(default_factory=dict)
     """module path -> style when TP is on"""
@@ -318,11 +336,14 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(), low_precision_ops=
     for precision, fa in amp.items():
         for lp, terms in _count_amp_time(layers, f, fa, low_params=precision == "autocast_lowp"):
             lp.time_amp[precision] = terms
-    for lp, saved in _count_saved(layers, f, device_kind):
-        lp.saved = saved
-    for precision, fa in amp.items():
-        for lp, saved in _count_saved(layers, fa, device_kind):
-            lp.saved_amp[precision] = saved
+    for precision, fp in (("fp32", f), *amp.items()):
+        moments: dict[str, list[Moment]] = {path: [] for path in layers}
+        for lp, saved in _count_saved(layers, fp, device_kind, moments):
+            if precision == "fp32":
+                lp.saved = saved
+            else:
+                lp.saved_amp[precision] = saved
+            lp.moments[precision] = moments[lp.path]
     for precision, fp in (("fp32", f), *amp.items()):
         for lp, kept in _count_selective(layers, fp, device_kind):
             lp.selective[precision] = kept
@@ -403,8 +424,14 @@ def _amp_facts(f: _Facts, device_kind: str, *, low_params: bool, fp32_ops=(), lo
                      fp32_ops=fp32_ops, low_precision_ops=low_precision_ops)
     size = {k: v._replace(itemsize=ITEMSIZE[amp.dtype[k]]) if v.floating and k in amp.dtype else v
             for k, v in f.size.items()}
-    root, noncontig = _storages(f.graph.nodes, device_kind, amp.dtype)
-    return replace(f, size=size, dtype=amp.dtype, root=root, noncontig=noncontig, autocast=amp)
+    graph, by_name = f.graph, f.by_name
+    if amp.reads:  # the inputs ops really read there (AmpDtypes.reads)
+        graph = copy.copy(f.graph)
+        graph.nodes = [replace(n, inputs=amp.reads[n.name]) if n.name in amp.reads else n for n in f.graph.nodes]
+        by_name = {n.name: n for n in graph.nodes}
+    root, noncontig = _storages(graph.nodes, device_kind, amp.dtype)
+    return replace(f, graph=graph, by_name=by_name, size=size, dtype=amp.dtype, root=root, noncontig=noncontig,
+                   autocast=amp)
 
 
 def _requires_grad(graph) -> set[str]:
@@ -658,11 +685,11 @@ class _Keep(NamedTuple):
     stat: bool = False
 
 
-def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str) -> list[tuple[LayerProfile,
-                                                                                           list[Saved]]]:
+def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str,
+                 moments: dict[str, list[Moment]] | None = None) -> list[tuple[LayerProfile, list[Saved]]]:
     """What autograd saves in each layer at the dtypes of ``f``, each storage once (in the layer of the first op
     that saves it). An op no trainable parameter reaches is not recorded (saves nothing), nor one that returns its
-    input (p = 0 dropout)."""
+    input (p = 0 dropout). ``moments``: filled with each layer's :class:`Moment` per op."""
     seen: set[str] = set()
     out = {path: [] for path in layers}
     for lp, n in _in_layers(layers, f):
@@ -675,7 +702,23 @@ def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str) -
             seen.add(keep.key)
             out[lp.path].append(Saved(keep.size.numel * keep.size.itemsize, keep.region, keep.gathered,
                                       keep.quadratic, keep.stat))
+        if moments is not None and n.op_class != "view" and n.out_shapes:
+            moments[lp.path].append(Moment(len(out[lp.path]), _gradients_of(n, f)))
     return [(lp, out[path]) for path, lp in layers.items()]
+
+
+def _gradients_of(n, f: _Facts) -> tuple[Saved, ...]:
+    """The gradients op ``n``'s backward holds at once (:attr:`Moment.work`), at the dtypes of ``f``."""
+    style = f.tp.styles.get(n.name)
+    out = f.size[n.name]
+    grads = [Saved(out.nbytes, n.name in f.tp.sharded, gathered=style == "rowwise", quadratic=n.name in f.scores)]
+    if style == "rowwise":
+        grads.append(Saved(out.nbytes, False, sp_only=True))
+    for i in n.inputs:
+        if i in f.grad and i not in f.param_views and f.size[i].floating:
+            grads.append(Saved(f.size[i].nbytes, i in f.tp.sharded, gathered=style == "colwise",
+                               quadratic=i in f.scores))
+    return tuple(grads)
 
 
 def _count_selective(layers: dict[str, LayerProfile], f: _Facts, device_kind: str) -> list[tuple[LayerProfile,

@@ -19,17 +19,25 @@ from .tp import select
 SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.convolution.default, torch.ops.aten._scaled_dot_product_flash_attention.default,
             torch.ops.aten._scaled_dot_product_efficient_attention.default,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops.aten._grouped_mm.default}  # the experts' matmuls of a mixture of experts
+
+
+SAVE_CUSTOM = frozenset({"transformers::grouped_mm_fallback", "autopar_zoo::grouped_linear"})
+"""custom ops (by name: no import of their libraries) that are grouped matmuls over experts, kept like SAVE_OPS"""
 
 
 def save_matmuls(ctx, op, *args, **kwargs):
     """Selective-recompute policy: keep matmul/conv/attention outputs, recompute everything else."""
-    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    keep = op in SAVE_OPS or (hasattr(op, "name") and op.name() in SAVE_CUSTOM)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_ac(model: nn.Module, recompute: dict[str, str]) -> None:
     """Wrap the modules matching each pattern of ``recompute`` (``"layers.*"``: every block) in a checkpoint
-    wrapper: ``"full"`` or ``"selective"``."""
+    wrapper: ``"full"`` or ``"selective"``. A Hugging Face model's key/value cache must be off
+    (:func:`.train.switch_off_kv_cache`, which the script calls first): a recomputed layer would append its keys and
+    values to it a second time."""
     for pattern, mode in recompute.items():
         if mode not in ("full", "selective"):
             raise ValueError(f"recompute={mode!r} for {pattern!r}: choose 'selective' or 'full'")
@@ -40,3 +48,4 @@ def apply_ac(model: nn.Module, recompute: dict[str, str]) -> None:
             module = model.get_submodule(path)
             model.get_submodule(parent).register_module(name, checkpoint_wrapper(module, preserve_rng_state=False,
                                                                                  **context))
+
