@@ -30,6 +30,7 @@ from autopar_nb.export import render_script
 from autopar_nb.plan import Plan, PlanError, normalize_fix
 from autopar_nb.runtime.data import default_loss
 from autopar_nb.runtime.fused_norm import apply_fused_norm, rms_norm_eps
+from autopar_nb.runtime.train import switch_off_kv_cache
 from autopar_nb.source import ModelSource
 
 pytestmark = pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
@@ -138,19 +139,28 @@ def hooked_saved_bytes(model, args: tuple, kwargs: dict, *, autocast: bool = Fal
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("precision", ["fp32", "autocast"])
-@pytest.mark.parametrize("family", ["LLaMA", "Qwen2", "T5", "Mixtral"])
+@pytest.mark.parametrize("family, precision", [(f, p) for f in ("LLaMA", "Qwen2", "T5", "Mixtral")
+                                               for p in ("fp32", "autocast")] +
+                         [("LLaMA", "autocast_lowp"), ("Qwen2", "autocast_lowp")])
 def test_fused_graph_saves_what_autograd_saves(family, precision):
     """The fused graph's profile against autograd's saved tensors of the model with its norms fused, to 1 % (as
-    test_memory_accuracy holds the eager models), and below the eager model's by the normalised inputs."""
+    test_memory_accuracy holds the eager models), and below the eager model's by the normalised inputs. Under
+    autocast over 16-bit parameters (FSDP's, ``autocast_lowp``) the fused op keeps its rstd in float32, where
+    ATen's CPU norms would keep 16-bit statistics (T5's and Mixtral's eager norms there: test_memory_accuracy's
+    NOT_YET)."""
     src = ModelSource(CELLS[family](**SMALL))
     ns = src.run()
     model, example = ns["model"], ns["example_inputs"]
+    switch_off_kv_cache(model)  # as the script trains it (and capture traces it)
+    if precision == "autocast_lowp":
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
     args, kwargs = ((), example) if isinstance(example, dict) else (tuple(example), {})
-    eager = hooked_saved_bytes(model.train(), args, kwargs, autocast=precision == "autocast")
-    assert eager == pytest.approx(autograd_saved_bytes(model, args, kwargs, autocast=precision == "autocast"), abs=64)
+    amp = precision != "fp32"
+    eager = hooked_saved_bytes(model.train(), args, kwargs, autocast=amp)
+    assert eager == pytest.approx(autograd_saved_bytes(model, args, kwargs, autocast=amp), abs=64)
     apply_fused_norm(model)
-    measured = hooked_saved_bytes(model, args, kwargs, autocast=precision == "autocast")
+    measured = hooked_saved_bytes(model, args, kwargs, autocast=amp)
     meta, inputs, _ = src.build(device="meta")
     fused_graph = cost_norm.fuse_norms(ap.capture(meta, inputs), "cpu")
     predicted = sum(activation_bytes(lp, tp=1, sp=False, recompute="none", scale=1.0, precision=precision)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -391,8 +392,9 @@ def test_recompute_fills_in_around_a_pinned_layer():
     assert p.layer("h.0").recompute == "none" and "recompute" in p.layer("h.0").pinned
     assert any(p.layer(f"h.{i}").recompute != "none" for i in (1, 2, 3)), p.summary()
     text = p.explain()
-    assert "Recompute chosen to fit memory: selective on 1, full on 2 of the 7 layers you left to the planner" in \
-        text, text
+    # how many of them and which mode move with the cost model; that the pinned layer is not among them does not
+    assert re.search(r"Recompute chosen to fit memory: (selective on \d, )?full on \d of the 7 layers you left to the "
+                     r"planner", text), text
     assert "your choice" not in text  # h.0 is pinned to "none": nothing of the user's recomputes
 
 

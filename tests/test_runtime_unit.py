@@ -104,14 +104,17 @@ def test_pipeline_placement():
         stage_boundaries([["a"], []])
 
 
-def test_pipeline_cut_must_be_crossed_by_the_previous_stage_only():
-    """RecSys reads its sparse ids again after the tables: a cut before tables.0 would need a model input in stage 1,
-    which the schedules cannot send; a cut before the top MLP can run, with static shapes from the trace."""
+def test_pipeline_cut_before_a_layer_that_reads_a_model_input_passes_it_through():
+    """RecSys reads its sparse ids again after the tables: a cut before tables.0 gives stage 1 a model input, which
+    stage 0 passes on (runtime/pp.chain_stages; the schedules send a stage only the previous stage's outputs); a cut
+    before the top MLP runs with static shapes from the trace."""
     from autopar_nb.runtime.pp import boundary_values, split_model
 
     model, (dense, sparse), _ = source(RECSYS_CELL).build()
-    with pytest.raises(NotImplementedError, match="cut before pipeline stage 1"):
-        split_model(model, boundaries=["tables.0"], microbatch=((dense, sparse), {}))
+    stages, whole = split_model(model, boundaries=["tables.0"], microbatch=((dense, sparse), {}))
+    (ins0, outs0), (ins1, outs1) = boundary_values(whole, stages, ((dense, sparse), {}))
+    assert [t.shape for t in outs0] == [t.shape for t in ins1]
+    assert any(t.dtype == sparse.dtype and t.shape == sparse.shape and torch.equal(t, sparse) for t in ins1)
     model, _, _ = source(RECSYS_CELL).build()  # pipeline() marks the cut points on the model it traces: a fresh one
     stages, whole = split_model(model, boundaries=["top.0"], microbatch=((dense, sparse), {}))
     (ins0, outs0), (ins1, outs1) = boundary_values(whole, stages, ((dense, sparse), {}))

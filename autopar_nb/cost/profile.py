@@ -792,9 +792,10 @@ def _kept_by(n, rule, f: _Facts, device_kind: str) -> list[_Keep]:
         elif what == "output":
             kept.append(_Keep(n.name, out._replace(floating=True), in_region, quadratic=scores))
         elif what == "stats":
-            # float32, but a CPU norm whose input and weight are both 16-bit keeps them 16-bit
-            low = device_kind == "cpu" and n.op_class == "norm" and f.autocast is not None and \
-                n.name in f.autocast.all_low
+            # float32, but ATen's CPU norm kernels keep them 16-bit when input and weight are both 16-bit (a
+            # registered op such as kernels_ext's fused RMSNorm computes its rstd in float32 whatever it reads)
+            low = device_kind == "cpu" and n.op_class == "norm" and n.op.startswith("aten.") and \
+                f.autocast is not None and n.name in f.autocast.all_low
             stats = _Size(rule.stats(n.in_shapes, n.out_shapes), 2 if low else 4, True)
             kept.append(_Keep(f"stats:{n.name}", stats, in_region, stat=True))
         elif what == "ids":
