@@ -56,7 +56,8 @@ GROUPS = {
     "params": (("params",), ("params",)),
     "grads": (("grads",), ("grads",)),
     "optimizer": (("optimizer", "optimizer_step_temporaries"), ("optimizer",)),
-    "activations + loss": (("saved_activations", "loss_saved", "loss_temporaries"), ("activations", "loss")),
+    "activations + loss": (("saved_activations", "loss_saved", "loss_temporaries", "pipeline_outputs"),
+                           ("activations", "loss")),
     "weight copies": (("autocast_weight_copies",), ("casts",)),
     "buffers": (("ddp_buckets", "fsdp_unsharded_params", "fsdp_root_params", "fsdp_gathered_units",
                  "pipeline_buffers"), ("buffers",)),
@@ -85,6 +86,7 @@ def _tracker_classes():
     import torch
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType
+    from torch._subclasses.fake_tensor import is_fake
 
     extra = {"LOSS": "Loss", "CAST": "Cast", "SETUP": "Setup", "STEP": "Step"}
     mem_types = _RefType("_Labels", {**{m.name: m.value for m in _MemRefType}, **extra})
@@ -130,7 +132,13 @@ def _tracker_classes():
             return reftype
 
         def _track(self, reftype, t):
-            super()._track(self._label(reftype), t)
+            if not is_fake(t):
+                super()._track(self._label(reftype), t)
+
+        def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
+            # a fake tensor (torch.export's, while a pipeline is traced) says "cpu" but holds no memory: its storage
+            # is on meta; the tracker would count it, for as long as the traced graphs keep it
+            return set() if is_fake(t) else super()._update_and_maybe_create_winfos(t, reftype, update_existing)
 
         def _update_peak_stats(self, peak_state):
             before = dict(self._peak_mem)
@@ -139,6 +147,17 @@ def _tracker_classes():
                 mods = sorted(self._mod_tracker.parents - {"Global"}, key=len)
                 side = "backward" if self._mod_tracker.is_bw else "forward"
                 self.where = f"{self.phase}/{side}" + (f" in {mods[-1]}" if mods else "")
+
+        restart_roots = False
+        """a pipeline stage is a root module called once per micro-batch: MemTracker refuses a root called twice in
+        one step ("multiple iterative calls"), so its per-module statistics restart at each forward call (the
+        tracked storages and the peaks are kept)"""
+
+        def _pre_fw_hook(self, module, inputs):
+            if (self.restart_roots and module in self.memory_tracking and not self._mod_tracker.is_bw
+                    and set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}):
+                del self.memory_tracking[module]
+            return super()._pre_fw_hook(module, inputs)
 
         def reset_peak(self):
             """Forget the peak so far (the next one is the last step's)."""
@@ -252,11 +271,13 @@ class _Session:
             self.active.reset_peak()
 
 
-def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2) -> dict[str, Any]:
-    """Run the exported script's ``main`` for ``steps`` steps as rank ``rank`` of a fake process group of the plan's
-    world size, inside the tracker. Returns ``{"peak": components at the peak of the last step, "where": its phase
-    and module, "world": ..., "rank": ...}``. Call it in a fresh process (the fake group is global state):
-    :func:`measure` does."""
+def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: bool = False) -> dict[str, Any]:
+    """Run the exported script's ``main`` for ``steps`` steps inside the tracker, as rank ``rank`` of a fake process
+    group of the plan's world size, or (``real``) as the rank torchrun started this process as, in a real gloo group
+    (a pipelined plan: its stages exchange their boundary shapes with ``recv_object_list``, and every micro-batch's
+    activations cross between them, which a fake group would not deliver). Returns ``{"peak": components at the peak
+    of the last step, "where": its phase and module, "world": ..., "rank": ...}``. Call it in a fresh process (the
+    process group is global state): :func:`measure` does."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
@@ -265,8 +286,15 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2) -> dict
     torch.set_num_threads(1)
     g = runpy.run_path(str(script), run_name="autopar_measure")  # the cell builds the model; main does not run
     world = g["PP"] * g["DP"] * g["TP"]
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    if real:
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+    else:
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     session = _Session(steps)
+    if g["PP"] > 1:
+        session.active.restart_roots = True
+        _label_pipeline_buffers(session)
     parallelize = g["parallelize"]
 
     def traced(*args, **kwargs):
@@ -281,8 +309,11 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2) -> dict
         session.active.phase = "train"
         return out
 
-    # main() reads the module's globals: the wrapper replaces the script's parallelize for this run only
-    g["parallelize"].__globals__["parallelize"] = traced
+    # main() reads the module's globals: the wrappers replace the script's functions for this run only
+    script_globals = g["parallelize"].__globals__  # (run_path returns a copy)
+    script_globals["parallelize"] = traced
+    if "boundary_values" in script_globals:
+        script_globals["boundary_values"] = _without_backward_hooks(script_globals["boundary_values"])
     session.active.__enter__()
     try:
         g["main"](["--steps", str(steps)], observer=session)
@@ -290,6 +321,32 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2) -> dict
         session.active.__exit__(None, None, None)
     snap = session.active.get_tracker_snapshot("peak").get(torch.device("cpu"), {})
     return {"peak": components(snap), "where": session.active.where, "world": world, "rank": rank}
+
+
+def _label_pipeline_buffers(session) -> None:
+    """The buffers torch's pipeline stages receive activations and gradients into (made at the first step, one per
+    micro-batch, kept for the run) labelled as buffers (the cost model's ``pipeline_buffers``), not as the loss's or
+    activations, which is when they are made."""
+    from torch.distributed.pipelining import stage
+
+    stage._make_tensor_from_meta = session.as_setup(stage._make_tensor_from_meta)
+
+
+def _without_backward_hooks(fn):
+    """``fn`` with the tracker's module tracker registering no backward hooks: it hooks every module's outputs to
+    notice their backward, and a forward that never runs one (a pipeline's :func:`boundary_values`, which reads the
+    shapes crossing each cut) would keep its whole autograd graph (a micro-batch's activations) alive through those
+    hooks for the rest of the run, which the script without the tracker frees at once."""
+    import torch.distributed._tools.mod_tracker as mod_tracker
+
+    def inner(*args, **kwargs):
+        hook, mod_tracker.register_multi_grad_hook = mod_tracker.register_multi_grad_hook, lambda *a, **k: None
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            mod_tracker.register_multi_grad_hook = hook
+
+    return inner
 
 
 def _bucket_as_is(state, bucket):
@@ -302,30 +359,63 @@ def _bucket_as_is(state, bucket):
 
 
 def measure(source, plan, *, ranks: tuple[int, ...] = (0,), steps: int = 2, timeout: float = 600) -> list[dict]:
-    """Measure ``plan`` on ``source`` (a :class:`~autopar_nb.source.ModelSource`) for each of ``ranks``, each in a
-    fresh process: the plan's script is exported to a temporary directory and :func:`measure_script` runs it."""
+    """Measure ``plan`` on ``source`` (a :class:`~autopar_nb.source.ModelSource`) for each of ``ranks``: the plan's
+    script is exported to a temporary directory and :func:`measure_script` runs it, each rank in a fresh process of
+    a fake group, or, for a pipelined plan, every rank of a real one started by torchrun (:func:`measure_real`)."""
     from .export import export
 
     with tempfile.TemporaryDirectory(prefix="autopar-measure-") as tmp:
         script = export(source, plan, Path(tmp) / "train.py", quiet=True).script
+        if plan.mesh.pp > 1:
+            got = measure_real(script, world=plan.mesh.world_size, steps=steps, timeout=timeout)
+            return [got[r] for r in ranks]
         return [measure_in_subprocess(script, rank=r, steps=steps, timeout=timeout) for r in ranks]
 
 
-def measure_in_subprocess(script, *, rank: int = 0, steps: int = 2, timeout: float = 600) -> dict:
-    """:func:`measure_script` in a child process (one JSON line back), run in this process's working directory (a
-    notebook kernel's: the cell's relative paths hold there, as in verify's and launch's ranks)."""
+def _child(args: list[str], *, timeout: float) -> subprocess.CompletedProcess:
+    """``python args...`` in this process's working directory (a notebook kernel's: the cell's relative paths hold
+    there, as in verify's and launch's ranks), one thread per process."""
     from .check import kernel_cwd
 
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "autopar_nb.measure", str(Path(script).resolve()), str(rank),
-                           str(steps)], capture_output=True, text=True, timeout=timeout, env=env, cwd=kernel_cwd())
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    raise RuntimeError(f"memory measurement of {script} (rank {rank}) failed (rc={proc.returncode}):\n"
-                       f"{proc.stderr[-3000:]}")
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=kernel_cwd())
+
+
+def _results(proc: subprocess.CompletedProcess, what: str) -> list[dict]:
+    got = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not got or proc.returncode:
+        raise RuntimeError(f"memory measurement of {what} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+    return got
+
+
+def measure_in_subprocess(script, *, rank: int = 0, steps: int = 2, timeout: float = 600) -> dict:
+    """:func:`measure_script` in a child process, one rank of a fake group (one JSON line back)."""
+    proc = _child(["-m", "autopar_nb.measure", str(Path(script).resolve()), str(rank), str(steps)], timeout=timeout)
+    return _results(proc, f"{script} (rank {rank})")[-1]
+
+
+def measure_real(script, *, world: int, steps: int = 2, timeout: float = 600) -> dict[int, dict]:
+    """:func:`measure_script` on every rank of a real gloo group of ``world`` processes on this machine (torchrun,
+    loopback only): rank -> its result (each rank writes its own file: the ranks' printed lines can interleave)."""
+    with tempfile.TemporaryDirectory(prefix="autopar-measure-ranks-") as out:
+        proc = _child(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+                       "-m", "autopar_nb.measure", str(Path(script).resolve()), "real", str(steps), out],
+                      timeout=timeout)
+        got = {}
+        for f in Path(out).glob("rank*.json"):
+            d = json.loads(f.read_text())
+            got[d["rank"]] = d
+    if proc.returncode or len(got) != world:
+        raise RuntimeError(f"memory measurement of {script} ({world} processes, {len(got)} reported) failed "
+                           f"(rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+    return got
 
 
 if __name__ == "__main__":
-    _script, _rank, _steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    print(json.dumps(measure_script(_script, rank=_rank, steps=_steps)), flush=True)
+    _script, _rank, _steps = sys.argv[1], sys.argv[2], int(sys.argv[3])  # rank "real": torchrun's, then a folder
+    if _rank == "real":
+        _out = measure_script(_script, steps=_steps, real=True)
+        (Path(sys.argv[4]) / f"rank{_out['rank']}.json").write_text(json.dumps(_out))
+    else:
+        print(json.dumps(measure_script(_script, rank=int(_rank), steps=_steps)), flush=True)

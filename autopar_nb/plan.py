@@ -443,6 +443,7 @@ MEMORY_TERMS = {
     "fsdp_root_params": "buffers",
     "fsdp_gathered_units": "buffers",
     "pipeline_buffers": "buffers",
+    "pipeline_outputs": "activations",
     "backward_working_set": "buffers",
     "loss_temporaries": "buffers",
     "optimizer_step_temporaries": "buffers",
@@ -451,7 +452,8 @@ MEMORY_TERMS = {
 micro-batch in flight); the loss's saved log-softmax; autocast's 16-bit copies of the weights its lower-precision ops
 read; DDP's gradient buckets; FSDP's parameters kept unsharded from forward to backward (ZeRO 2), the parameters
 left in the root unit (ZeRO 3), and the unit being computed plus the prefetched one (ZeRO 3: parameters and their
-unsharded gradients); the tensors pipeline stages send and receive; the largest layer's backward working set; the
+unsharded gradients); the buffers pipeline stages receive into (inputs and gradients, one per micro-batch, beyond
+those the saved activations count) and their outputs, kept until each micro-batch's backward; the largest layer's backward working set; the
 loss's temporaries (logits and their copies, loss_parallel's shards); the optimizer step's temporaries"""
 
 

@@ -114,7 +114,9 @@ def test_pipeline_cut_before_a_layer_that_reads_a_model_input_passes_it_through(
     stages, whole = split_model(model, boundaries=["tables.0"], microbatch=((dense, sparse), {}))
     (ins0, outs0), (ins1, outs1) = boundary_values(whole, stages, ((dense, sparse), {}))
     assert [t.shape for t in outs0] == [t.shape for t in ins1]
-    assert any(t.dtype == sparse.dtype and t.shape == sparse.shape and torch.equal(t, sparse) for t in ins1)
+    assert all(t.is_meta for t in (*ins0, *outs0, *ins1, *outs1))  # shapes only: nothing kept for the run
+    assert any(t.dtype == sparse.dtype and t.shape == sparse.shape for t in ins1)
+    assert any(torch.equal(t, sparse) for t in stages[0](dense, sparse))  # stage 0 passes the model input on
     model, _, _ = source(RECSYS_CELL).build()  # pipeline() marks the cut points on the model it traces: a fresh one
     stages, whole = split_model(model, boundaries=["top.0"], microbatch=((dense, sparse), {}))
     (ins0, outs0), (ins1, outs1) = boundary_values(whole, stages, ((dense, sparse), {}))

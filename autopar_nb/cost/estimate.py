@@ -144,7 +144,7 @@ class RankSums:
     nofsdp: list[float]
     """parameters folded into the root FSDP unit (numel)"""
     p2p: list[float]
-    """bytes a rank sends to the next stage"""
+    """bytes a rank sends to the next stage (the largest of its cuts, one micro-batch)"""
     experts: list[float] = field(default_factory=list)
     """local expert parameters under expert parallelism (numel; part of ``params``)"""
     head_tp: bool = False
@@ -155,6 +155,11 @@ class RankSums:
     """seconds of TP collectives run once per step (``LayerTerms.tp_step``)"""
     casts: list[float] = field(default_factory=list)
     """local parameters (numel) autocast keeps 16-bit copies of (``LayerTerms.cast_local``)"""
+    pipe: list[dict[str, float]] = field(default_factory=list)
+    """per rank, one micro-batch's bytes of the tensors crossing its pipeline cuts (:meth:`Evaluator.pipeline_sums`):
+    ``recv`` (received into a buffer per micro-batch), ``recv_saved`` (the part of them its layers' saved activations
+    count already), ``kept`` (its own outputs, kept until their backward, that its layers do not save) and
+    ``grad_recv`` (the gradients sent back to it)"""
     bwd_layers: list[list[tuple[float, float, float]]] = field(default_factory=list)
     """per run of layers, the moments its backward holds the most, at its last layer and (a run of several) at its
     first: (saved activation bytes still alive, working set bytes, local parameters (numel) whose backward has not
@@ -167,7 +172,8 @@ class RankSums:
         z = [0.0] * pp
         return cls(list(z), list(z), list(z), [{} for _ in range(pp)], list(z), list(z), list(z),
                    [(0.0, 0.0) for _ in range(pp)], list(z), list(z), list(z), list(z), list(z), tp_step=list(z),
-                   casts=list(z), bwd_layers=[[] for _ in range(pp)])
+                   casts=list(z), bwd_layers=[[] for _ in range(pp)],
+                   pipe=[dict.fromkeys(("recv", "recv_saved", "kept", "grad_recv"), 0.0) for _ in range(pp)])
 
     def per_micro_batch(self, r: int) -> float:
         """Rank ``r``'s time for one micro-batch: the sum of its layers' :meth:`LayerTerms.time_s`."""
@@ -402,11 +408,41 @@ class Evaluator:
             # the head (last run) split by TP; the activations sent to the next stage
             if ch.tp and s.tp > 1 and prof.layers[i].vocab and not prof.layers[i].norms and i == len(choices) - cnt:
                 sums.head_tp = True
-            if k + 1 < len(runs) and runs[k + 1][2].stage != ch.stage:
-                sums.p2p[r] = max(sums.p2p[r], lt.out_bytes)
             sums.model_flops += cnt * lt.flops
             sums.hw_flops += cnt * (lt.flops + lt.recompute_flops(ch.recompute))
+        if pp > 1:
+            self.pipeline_sums(s, choices, sums)
         return sums
+
+    def pipeline_sums(self, s: Setting, choices: list[LayerChoice], sums: RankSums) -> None:
+        """Fill ``sums.pipe`` and ``sums.p2p`` from the tensors crossing each cut (:attr:`GraphProfile.crossings`),
+        as the runtime's pipeline stages (``runtime/pp.py``'s ``LeanStage``) hold them: the receiving stage a buffer
+        per micro-batch in flight for every one (its layers' saved activations point into it), the sending stage
+        its own outputs until each micro-batch's backward (the last stage: the model's output), and a buffer for
+        each gradient coming back to the micro-batch in backward."""
+        prof, pp = self.prof, s.pp
+        precision = precision_of(s.amp, s.zero_stage)
+        scale = s.mb_samples / prof.batch * self.seq_ratio / s.cp
+        stage = [ch.stage for ch in choices]
+        for k in range(1, len(choices)):
+            a, b = stage[k - 1], stage[k]
+            if a == b:
+                continue
+            sp_div = s.tp if s.sp and k in self.blocks and k - 1 in self.blocks else 1  # sequence shards
+            sent, send, recv = 0.0, sums.pipe[a % pp], sums.pipe[b % pp]
+            for c in prof.crossings[k]:
+                nbytes = c.nbytes[precision] * scale / sp_div
+                sent += nbytes
+                recv["recv"] += nbytes
+                if c.saved_in is not None and stage[c.saved_in] == b:
+                    recv["recv_saved"] += nbytes
+                if c.made >= 0 and stage[c.made] == a and (c.saved_in is None or stage[c.saved_in] != a):
+                    send["kept"] += nbytes
+                if c.grad:
+                    send["grad_recv"] += nbytes
+            sums.p2p[a % pp] = max(sums.p2p[a % pp], sent)
+        last = len(choices) - 1
+        sums.pipe[stage[last] % pp]["kept"] += self.choice_terms(last, s, choices[last]).out_bytes
 
     def _replicated_input(self, s: Setting, i: int, ch: LayerChoice, lt: LayerTerms) -> float:
         """Bytes a recomputed first block of a sequence-parallel run holds beyond its sequence shard: it receives
@@ -532,16 +568,24 @@ class Evaluator:
             held["autocast_weight_copies"] = sums.casts[r] * 2  # of the weights its lower-precision ops read
         held["ddp_buckets"] = ddp_bucket_bytes(s, params - experts)
         flight = in_flight(s.schedule, pp=s.pp, stage=r, micro_batches=m, virtual_stages=s.virtual_stages)
-        act = flight * sums.acts[r]
-        p2p_buf = 2 * sums.p2p[r] if s.pp > 1 else 0.0
-        grads_bwd = gb if (m > 1 or s.pp > 1) else 0.0  # accumulated over micro-batches
+        pipe = sums.pipe[r]
+        # runtime/pp.py's LeanStage: a micro-batch's input buffers from its receive to its backward, the gradients'
+        # for its backward
+        recv_bufs = flight * pipe["recv"] + pipe["grad_recv"] if s.pp > 1 else 0.0
+        # the rank's backward moments, as (other micro-batches holding all their activations, gradients alive; None:
+        # only those of the layers after the one in backward): its first backward when every micro-batch's forward
+        # ran before it (GPipe; 1F1B where m <= pp - r), no gradients yet, and the next, with fewer in flight and
+        # every gradient; otherwise the steady one, the earlier micro-batches' gradients accumulated
+        moments = [(flight - 1, gb)] if flight < m else [(flight - 1, None)] + ([(flight - 2, gb)] if m > 1 else [])
         # moment 1: a layer's backward (its working set and FSDP's gathered units), the layer where it holds the most
-        # (the micro-batch in backward; the others in flight hold all their activations)
         per_param = gb / params if params else 0.0  # bytes of gradient per local parameter (ZeRO 2/3: sharded)
-        alive, work, grads_at = max(((a, w, grads_bwd or (params - before) * per_param)
-                                     for a, w, before in sums.bwd_layers[r]), key=sum, default=(0.0, 0.0, 0.0))
-        at_bwd = {"saved_activations": act - sums.acts[r] + alive, "backward_working_set": work,
-                  "fsdp_gathered_units": gather}
+        # (a pipeline stage's received inputs that its layers save are its receive buffers: counted there)
+        rs = pipe["recv_saved"] if s.pp > 1 else 0.0
+        alive, work, grads_at = max((((others + 1) * -rs + others * sums.acts[r] + a, w,
+                                      (params - before) * per_param if g is None else g)
+                                     for others, g in moments for a, w, before in sums.bwd_layers[r]), key=sum,
+                                    default=(0.0, 0.0, 0.0))
+        at_bwd = {"saved_activations": max(alive, 0.0), "backward_working_set": work, "fsdp_gathered_units": gather}
         if r == s.pp - 1 and prof.output_numel and not s.fused_loss:  # fused: in the head layer's working set
             # moment 2 (last rank): the loss's backward: log-softmax output (fp32) saved, its gradient and the
             # logits' gradient alive; FSDP units are resharded then
@@ -554,11 +598,15 @@ class Evaluator:
             # holds the logits and their flattened copy (the next-token slice is not contiguous) in the compute
             # dtype, and under autocast the float32 copy ``.float()`` makes (runtime/data.py default_loss)
             loss_temp = out_numel * 4 * 3 / lp_div if lp_div > 1 else out_numel * (2 * p_item + (4 if half else 0))
-            if act + loss_saved + loss_temp + grads_bwd >= at_bwd["saved_activations"] + work + gather + grads_at:
+            others, grads = max(((o, g or 0.0) for o, g in moments), key=lambda og: og[0] * sums.acts[r] + og[1])
+            act = (others + 1) * (sums.acts[r] - rs)
+            if act + loss_saved + loss_temp + grads >= at_bwd["saved_activations"] + work + gather + grads_at:
                 at_bwd = {"saved_activations": act, "loss_saved": loss_saved, "loss_temporaries": loss_temp}
-                grads_at = grads_bwd
+                grads_at = grads
         at_bwd |= held
-        at_bwd["pipeline_buffers"] = p2p_buf
+        if s.pp > 1:
+            at_bwd["pipeline_buffers"] = recv_bufs
+            at_bwd["pipeline_outputs"] = flight * pipe["kept"]
         at_backward = pb + ob + grads_at + sum(at_bwd.values())
         # moment 3: the optimizer step: every gradient and foreach temporaries (CUDA: a list the size of the
         # gradients; CPU: one parameter at a time); autocast's weight copies are gone, ZeRO 2's gathered

@@ -53,6 +53,22 @@ class Saved:
     it in backward)"""
 
 
+class Crossing(NamedTuple):
+    """A tensor that crosses a pipeline cut before some layer: made before it (or a model input), read there or
+    later. Torch's pipeline stages send it contiguous, receive it into a buffer per micro-batch, and keep it (as a
+    stage output) until that micro-batch's backward."""
+
+    nbytes: dict[str, float]
+    """bytes at the captured batch, per precision (:data:`PRECISIONS`): its own shape, contiguous"""
+    grad: bool
+    """requires grad: its gradient travels back, into a buffer per micro-batch on the sending stage"""
+    made: int
+    """index of the layer that makes it (-1: a model input)"""
+    saved_in: int | None
+    """index of the layer whose op saves it first for backward (it is counted in that layer's saved activations);
+    None: nothing saves it"""
+
+
 class Moment(NamedTuple):
     """The backward of one op of a layer: what is alive beside the layer's earlier saved tensors then."""
 
@@ -295,6 +311,8 @@ class GraphProfile:
     """why sequence parallelism cannot apply to the TP styles ("" when it can; see ``tp_styles.sp_check``)"""
     cp_blocker: str = ""
     """why context parallelism cannot split this model's sequences ("" when it can; see :func:`cp_blocker`)"""
+    crossings: list[list[Crossing]] = field(default_factory=list)
+    """layer index k -> the tensors a pipeline cut right before layer k would send (:func:`_count_crossings`)"""
 
     def layer(self, path: str) -> LayerProfile:
         for lp in self.layers:
@@ -336,9 +354,11 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(), low_precision_ops=
     for precision, fa in amp.items():
         for lp, terms in _count_amp_time(layers, f, fa, low_params=precision == "autocast_lowp"):
             lp.time_amp[precision] = terms
+    first_saver: dict[str, str] = {}  # storage -> the layer saving it first (float32 forward)
     for precision, fp in (("fp32", f), *amp.items()):
         moments: dict[str, list[Moment]] = {path: [] for path in layers}
-        for lp, saved in _count_saved(layers, fp, device_kind, moments):
+        for lp, saved in _count_saved(layers, fp, device_kind, moments,
+                                      first_saver if precision == "fp32" else None):
             if precision == "fp32":
                 lp.saved = saved
             else:
@@ -363,7 +383,8 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(), low_precision_ops=
                         bool(f.tp.head), out.numel if out else 0, out.itemsize if out else 4,
                         dict(region_modules), device_kind, rep,
                         {f.by_name[k].module_path: why for k, why in refused.items()}, _pp_blocker(f),
-                        sp_check(graph, f.by_name, f.tp.styles, f.tp.sharded), cp_blocker(graph))
+                        sp_check(graph, f.by_name, f.tp.styles, f.tp.sharded), cp_blocker(graph),
+                        _count_crossings(f, amp, first_saver))
 
 
 # ---- what every pass reads ------------------------------------------------------------------------------------------
@@ -686,10 +707,12 @@ class _Keep(NamedTuple):
 
 
 def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str,
-                 moments: dict[str, list[Moment]] | None = None) -> list[tuple[LayerProfile, list[Saved]]]:
+                 moments: dict[str, list[Moment]] | None = None, first: dict[str, str] | None = None
+                 ) -> list[tuple[LayerProfile, list[Saved]]]:
     """What autograd saves in each layer at the dtypes of ``f``, each storage once (in the layer of the first op
     that saves it). An op no trainable parameter reaches is not recorded (saves nothing), nor one that returns its
-    input (p = 0 dropout). ``moments``: filled with each layer's :class:`Moment` per op."""
+    input (p = 0 dropout). ``moments``: filled with each layer's :class:`Moment` per op; ``first``: with each saved
+    storage's layer."""
     seen: set[str] = set()
     out = {path: [] for path in layers}
     for lp, n in _in_layers(layers, f):
@@ -700,6 +723,8 @@ def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str,
             if keep.key in seen or keep.size.numel == 0:
                 continue
             seen.add(keep.key)
+            if first is not None:
+                first[keep.key] = lp.path
             out[lp.path].append(Saved(keep.size.numel * keep.size.itemsize, keep.region, keep.gathered,
                                       keep.quadratic, keep.stat))
         if moments is not None and n.op_class != "view" and n.out_shapes:
@@ -924,6 +949,35 @@ def _boundary_bytes(layers: dict[str, LayerProfile], f: _Facts) -> dict[str, tup
         if n.out_shapes and n.dtype in FLOAT and (elsewhere or (n is last and not readers)):
             out[lp.path][1] += f.size[n.name].nbytes
     return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def _count_crossings(f: _Facts, amp: dict[str, _Facts], first_saver: dict[str, str]) -> list[list[Crossing]]:
+    """Per layer index k, the tensors a pipeline cut right before layer k sends, as ``runtime/pp.py``'s
+    ``chain_stages`` passes them: every value made before k (or a model input) that an op at or after k reads,
+    once each (a value read further on is passed through every stage between). A node outside every layer (code in
+    a model's own forward between its modules) belongs to the layer before it, as a cut at the next layer's start
+    leaves it."""
+    index = {lay.path: i for i, lay in enumerate(f.graph.layers)}
+    where: dict[str, int] = {name: -1 for name in f.size if name not in f.by_name}  # model inputs
+    last_read: dict[str, int] = {}
+    at = 0
+    for n in f.graph.nodes:
+        at = index.get(n.layer, at)
+        where[n.name] = at
+        for i in n.inputs:
+            last_read[i] = max(last_read.get(i, -1), at)
+    out: list[list[Crossing]] = [[] for _ in f.graph.layers]
+    for name, last in last_read.items():
+        made = where.get(name)
+        if made is None or f.size.get(name) is None:
+            continue
+        saver = first_saver.get(f.root.get(name, name))
+        crossing = Crossing({"fp32": float(f.size[name].nbytes),
+                             **{p: float(fa.size[name].nbytes) for p, fa in amp.items()}},
+                            name in f.grad, made, index.get(saver) if saver is not None else None)
+        for k in range(max(made, 0) + 1, last + 1):
+            out[k].append(crossing)
+    return out
 
 
 def _count_tp(layers: dict[str, LayerProfile], f: _Facts) -> set[str]:

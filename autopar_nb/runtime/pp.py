@@ -17,8 +17,10 @@ cell's loss in the model's own structure (a Hugging Face ``ModelOutput`` with it
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
+import sys
 
 import torch
 import torch.distributed as dist
@@ -71,8 +73,9 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
     specs: list = []  # the structure of the model's output, seen while it is traced
     hook = model.register_forward_hook(lambda m, a, out: specs.append(tree_flatten(out)[1]))
     try:  # (a Hugging Face model's key/value cache is off: train.switch_off_kv_cache, which the script calls)
-        pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None,
-                        split_spec={path: SplitPoint.BEGINNING for path in boundaries})
+        with causal_mask_as_in_eager(own_positions="position_ids" not in (kwargs or {})):
+            pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None,
+                            split_spec={path: SplitPoint.BEGINNING for path in boundaries})
     finally:
         hook.remove()
     if pipe.num_stages != len(boundaries) + 1:
@@ -99,6 +102,38 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
         stage.register_forward_hook(_contiguous_outputs)
     stages[-1].output_spec = specs[-1] if specs else None  # read by build_schedule for StageLoss
     return stages, pipe
+
+
+@contextlib.contextmanager
+def causal_mask_as_in_eager(*, own_positions: bool):
+    """While the pipeline is traced, Hugging Face's masking skips a plain causal mask as its eager forward does
+    (SDPA's ``is_causal`` instead; with grouped-query attention SDPA then reads the key/value heads as they are).
+    Under ``torch.export`` it never skips: an exported model may later run with other query lengths, and the
+    position ids it makes (``own_positions``: the batch has none) cannot be read to rule out packed sequences. The
+    pipeline's graph runs only at the shapes it was traced with, and positions the model makes are 0..n-1 in every
+    row. Without this every layer of a stage would save a float copy of the mask and, with GQA, its keys and values
+    repeated to every head: about 12 % more activation memory than the same layers hold unpipelined (LLaMA at
+    tests/memcells.py's size). A padding mask, a sliding window, unequal query and key lengths or position ids in the
+    batch go the original way; a model that is not a Hugging Face one is untouched."""
+    masking = sys.modules.get("transformers.masking_utils")
+    skip_causal = getattr(masking, "_ignore_causal_mask_sdpa", None)
+    find_packed = getattr(masking, "find_packed_sequence_indices", None)
+    if skip_causal is None or find_packed is None:
+        yield
+        return
+
+    def skip(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+        if padding_mask is None and q_length == kv_length and local_attention_size is None:
+            return True
+        return skip_causal(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size)
+
+    masking._ignore_causal_mask_sdpa = skip
+    if own_positions:
+        masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking._ignore_causal_mask_sdpa, masking.find_packed_sequence_indices = skip_causal, find_packed
 
 
 def _keep_first_names(stage: nn.Module, model: nn.Module, called: set[str], copies: dict) -> None:
@@ -221,8 +256,8 @@ def boundary_values(whole: nn.Module, stages: list[nn.Module], microbatch: tuple
     """What enters and leaves each stage, from one micro-batch run through the traced whole (unsharded): the static
     shapes the stages are built with, so no shape inference runs on made-up tensors (integer ids made up for it
     could index out of an embedding)."""
-    def leaf(t):  # keeps requires_grad: it tells the stage which gradients travel back
-        return t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+    def leaf(t):  # shape and dtype only (on meta: nothing kept); requires_grad tells which gradients travel back
+        return t.detach().to("meta").requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
 
     seen: dict[int, tuple[tuple, tuple]] = {}
     hooks = [stage.register_forward_hook(  # the last stage's outputs: the tensors of the model's output
@@ -242,15 +277,104 @@ def boundary_values(whole: nn.Module, stages: list[nn.Module], microbatch: tuple
     return [seen[i] for i in range(len(stages))]
 
 
+def release_stages(model: nn.Module, stages: list[nn.Module], keep: list[int]) -> None:
+    """Free the parameters and buffers of the stages this rank does not hold (``keep``: the ones it does): the
+    whole ``model`` (the cell's, traced by :func:`split_model`) and those stages' modules register meta tensors of
+    the same shapes instead, so every rank holds its own stages' weights only, and a later use of a freed one raises
+    (a meta tensor), never reads freed memory; their storage is emptied too, since the module tree torch.export made
+    (which nothing runs again) still refers to them. A tensor a held stage uses stays."""
+    held = {t.untyped_storage().data_ptr() for i in keep for t in (*stages[i].parameters(), *stages[i].buffers())
+            if t.device.type != "meta"}
+    others = (m for i, stage in enumerate(stages) if i not in keep for m in stage.modules())
+    for module in (*model.modules(), *others):  # registered, and plain attributes (a traced graph's constants)
+        for table in (module._parameters, module._buffers, module.__dict__):
+            for name, t in list(table.items()):
+                if (not isinstance(t, torch.Tensor) or t.device.type == "meta"
+                        or t.untyped_storage().data_ptr() in held):
+                    continue
+                meta = torch.empty_like(t, device="meta")
+                table[name] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                # torch.export's own module tree (which nothing runs) still refers to it: its memory goes now
+                t.untyped_storage().resize_(0)
+
+
+class LeanStage(PipelineStage):
+    """A :class:`PipelineStage` whose receive buffers hold memory only while their micro-batch is in flight.
+
+    Torch's stage allocates, at its first step, a buffer per micro-batch for its inputs and one for the gradients
+    coming back, and keeps them all for the run: its memory grows with the number of micro-batches (a 1T GPT's
+    boundary, 100 MiB in bf16, times 144 micro-batches is 14 GiB per rank for the inputs alone). Here each buffer is
+    emptied (its storage resized to nothing, as FSDP frees a resharded parameter) once its micro-batch's backward
+    is done, the weights' part too under a zero-bubble schedule, and is allocated again just before its next
+    receive. Where a same-rank stage hands its output over instead (V schedules) the stage's own buffer stays
+    empty."""
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        out = super()._prepare_forward_infra(*args, **kwargs)
+        self._remember("fwd", self.args_recv_info)
+        return out
+
+    def _prepare_backward_infra(self, *args, **kwargs):
+        out = super()._prepare_backward_infra(*args, **kwargs)
+        self._remember("bwd", self.grad_recv_info)
+        return out
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
+        self._fill(self.args_recv_info.get(fwd_chunk_id, ()))
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+        self._fill(getattr(self, "grad_recv_info", {}).get(bwd_chunk_id, ()))
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
+        self._fill(self.grad_recv_info.get(mb_index, ()))  # a missing gradient is written into the buffer as zeros
+        return super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                         last_backward=last_backward)
+        if full_backward:
+            self._empty(bwd_chunk_id)
+        return out
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+        out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        self._empty(bwd_chunk_id)
+        return out
+
+    def _remember(self, kind: str, recv_info: dict) -> None:
+        """The buffers the stage allocated, by (kind, micro-batch): held here, so that one the schedule replaced
+        (a same-rank stage's output) is still known and is never taken for another."""
+        own = self.__dict__.setdefault("_own", {})
+        for chunk, infos in recv_info.items():
+            own[kind, chunk] = [info.buffer for info in infos
+                                if not info.is_root_arg and isinstance(info.buffer, torch.Tensor)]
+            for buf in own[kind, chunk]:  # allocated when its receive comes
+                buf.untyped_storage().resize_(0)
+
+    def _fill(self, infos) -> None:
+        mine = {id(b) for bufs in self.__dict__.get("_own", {}).values() for b in bufs}
+        for info in infos:
+            buf = info.buffer
+            if id(buf) in mine and buf.untyped_storage().size() == 0:
+                buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+
+    def _empty(self, chunk: int) -> None:
+        own = self.__dict__.get("_own", {})
+        for buf in (*own.get(("fwd", chunk), ()), *own.get(("bwd", chunk), ())):
+            buf.grad = None  # the input's gradient: sent already (the schedule keeps its own reference until then)
+            buf.untyped_storage().resize_(0)
+
+
 def build_stage(module: nn.Module, stage_id: int, num_stages: int, *, device: torch.device, pp_group: ProcessGroup,
                 values: list[tuple[tuple, tuple]] | None = None) -> PipelineStage:
-    """Wrap one stage module (after TP/AC/FSDP) for the schedule; ``values`` from :func:`boundary_values` give
-    static input/output shapes (None: the stages infer them at the first step)."""
+    """Wrap one stage module (after TP/AC/FSDP) for the schedule (a :class:`LeanStage`); ``values`` from
+    :func:`boundary_values` give static input/output shapes (None: the stages infer them at the first step)."""
     if values is None:
-        return PipelineStage(module, stage_id, num_stages, device, group=pp_group)
+        return LeanStage(module, stage_id, num_stages, device, group=pp_group)
     inputs, outputs = values[stage_id]
-    return PipelineStage(module, stage_id, num_stages, device, group=pp_group, input_args=inputs,
-                         output_args=outputs)
+    return LeanStage(module, stage_id, num_stages, device, group=pp_group, input_args=inputs, output_args=outputs)
 
 
 def build_schedule(stages: list[PipelineStage], *, schedule: str, n_microbatches: int, loss_fn):
