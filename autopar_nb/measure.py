@@ -59,7 +59,7 @@ GROUPS = {
     "activations + loss": (("saved_activations", "loss_saved", "loss_temporaries"), ("activations", "loss")),
     "weight copies": (("autocast_weight_copies",), ("casts",)),
     "buffers": (("ddp_buckets", "fsdp_unsharded_params", "fsdp_root_params", "fsdp_gathered_units",
-                 "pipeline_buffers"), ("buffers",)),
+                 "fsdp_reduce_scatter", "pipeline_buffers"), ("buffers",)),
     "temporaries": (("backward_working_set",), ("backward", "step")),
 }
 """component shown -> (the predicted fields or MemoryBreakdown.terms it sums, the measured components it sums).

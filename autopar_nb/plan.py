@@ -442,6 +442,7 @@ MEMORY_TERMS = {
     "fsdp_unsharded_params": "buffers",
     "fsdp_root_params": "buffers",
     "fsdp_gathered_units": "buffers",
+    "fsdp_reduce_scatter": "buffers",
     "pipeline_buffers": "buffers",
     "backward_working_set": "buffers",
     "loss_temporaries": "buffers",
