@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 from kernels_ext import moe_rules
 
 from ..plan import ITEMSIZE, layer_of
-from .autocast import AmpDtypes, amp_dtypes
+from .autocast import NORM_MODULES, AmpDtypes, amp_dtypes
 from .tp_styles import Parts, Walk, packet, part_split, rule_of, sp_check, splits_of, tp_walk
 
 FLOAT = {"float64", "float32", "float16", "bfloat16"}
@@ -991,11 +991,6 @@ def _key_value_projections(f: _Facts) -> set[str]:
         most[r] = max(most.get(r, 0), h)
     return {k for k, h in single.items() if f.by_name[k].module_type == "Linear" and h < most[f.tp.region_of[k]] and
             most[f.tp.region_of[k]] % h == 0}
-
-
-NORM_MODULES = ("LayerNorm", "RMSNorm", "GroupNorm")
-"""module class names (suffixes) of norms written in Python (e.g. Hugging Face's LlamaRMSNorm: pow, mean, rsqrt and a
-weight multiply): sequence parallelism runs them on sequence shards like torch's own norm ops"""
 
 
 def _python_norm(n) -> bool:
