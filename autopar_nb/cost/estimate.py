@@ -13,7 +13,7 @@ from ..plan import DTYPE_NAMES, ITEMSIZE, MEMORY_TERMS, RECOMPUTE, Cost, MemoryB
 from .comm import collective_time, link_for
 from .factors import Factors, factors_for
 from .loss import FusedHead
-from .memory import activation_bytes, backward_peak, in_flight, model_states, state_bytes, with_margin
+from .memory import activation_bytes, backward_peak, in_flight, model_states, replay_peak, state_bytes, with_margin
 from .profile import GraphProfile, precision_of
 from .time import bubble_fraction, layer_compute_time, optimizer_time, weight_cast_time
 
@@ -102,6 +102,8 @@ class LayerTerms:
     cast_local: float = 0.0
     """numel of the layer's local parameters autocast keeps a 16-bit copy of during forward and backward (0 unless
     the precision is "autocast")"""
+    replay: float = 0.0
+    """bytes a fully recomputed layer holds at its recompute's largest forward moment (:func:`.memory.replay_peak`)"""
 
     def recompute_s(self, recompute: str) -> float:
         """Seconds recompute adds in backward: the whole forward again (full, with its all-to-alls) or the attention
@@ -257,6 +259,8 @@ class Evaluator:
             comm["all_to_all"] = a2a
         t.tp_step = step_s
         t.freed = freed
+        t.replay = replay_peak(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
+                               megatron_sp=self.megatron_sp)
         t.cast_local = lp.cast_split / tp + lp.cast_rep if precision == "autocast" else 0.0
         self._cache[key] = t
         return t
@@ -382,6 +386,11 @@ class Evaluator:
             for j in moment_layers(cnt):
                 sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act[ch.recompute] + again - freed,
                                            wb - again, sums.params[r] + (j + 1) * lt.params_local, i + j))
+                if ch.recompute == "full" and lt.replay:
+                    # its recompute, before its backward: what it has recomputed so far, beside the gradient of its
+                    # output (measured: BERT's math attention under bf16 autocast)
+                    sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act["full"] + lt.replay,
+                                               lt.out_bytes, sums.params[r] + (j + 1) * lt.params_local, i + j))
             sums.params[r] += cnt * lt.params_local
             sums.experts[r] += cnt * lt.experts_local
             sums.tp_step[r] += cnt * lt.tp_step

@@ -198,6 +198,10 @@ class LayerProfile:
     """bytes of the largest (output + activation inputs) of one op: the gradients its backward holds at once"""
     moments: dict[str, list[Moment]] = field(default_factory=dict)
     """precision -> one :class:`Moment` per op whose backward runs: the candidates for the layer's backward peak"""
+    replay: dict[str, list[Moment]] = field(default_factory=dict)
+    """precision -> one :class:`Moment` per op whose forward holds much more than it saves (the CPU math attention
+    kernel under autocast, :func:`_math_attention_transients`): what a recomputed layer holds when its recompute
+    reaches that op (``work``: those transients)"""
     comms: list[Comm] = field(default_factory=list)
     tp: dict[str, str] = field(default_factory=dict)
     """module path -> style when TP is on"""
@@ -338,12 +342,14 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(), low_precision_ops=
             lp.time_amp[precision] = terms
     for precision, fp in (("fp32", f), *amp.items()):
         moments: dict[str, list[Moment]] = {path: [] for path in layers}
-        for lp, saved in _count_saved(layers, fp, device_kind, moments):
+        replay: dict[str, list[Moment]] = {path: [] for path in layers}
+        for lp, saved in _count_saved(layers, fp, device_kind, moments, replay):
             if precision == "fp32":
                 lp.saved = saved
             else:
                 lp.saved_amp[precision] = saved
             lp.moments[precision] = moments[lp.path]
+            lp.replay[precision] = replay[lp.path]
     for precision, fp in (("fp32", f), *amp.items()):
         for lp, kept in _count_selective(layers, fp, device_kind):
             lp.selective[precision] = kept
@@ -621,11 +627,12 @@ def _count_compute(layers: dict[str, LayerProfile], f: _Facts) -> None:
 def _count_amp_time(layers: dict[str, LayerProfile], f: _Facts, fa: _Facts, *, low_params: bool):
     """(layer, :class:`AmpTime`) for each layer under the autocast facts ``fa`` (``f``: the captured, float32 ones):
     compute ops kept in float32 at the float32 rate (:attr:`AmpTime.fp32_split`), memory-bound ops' bytes at their
-    tensors' dtypes, the copies autocast inserts."""
+    tensors' dtypes, the copies autocast inserts; a layer with no op of its own (a tied table whose ops another
+    layer runs, T5's ``shared``) has none."""
     amp = fa.autocast
-    out: dict[str, AmpTime] = {}
+    out = {path: AmpTime() for path in layers}
     for lp, n in _in_layers(layers, f):
-        t = out.setdefault(lp.path, AmpTime())
+        t = out[lp.path]
         in_region = n.name in f.tp.sharded
         if n.op_class in ("matmul", "conv", "attention"):
             if amp.target.get(n.name) == "float32":
@@ -686,10 +693,12 @@ class _Keep(NamedTuple):
 
 
 def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str,
-                 moments: dict[str, list[Moment]] | None = None) -> list[tuple[LayerProfile, list[Saved]]]:
+                 moments: dict[str, list[Moment]] | None = None, replay: dict[str, list[Moment]] | None = None
+                 ) -> list[tuple[LayerProfile, list[Saved]]]:
     """What autograd saves in each layer at the dtypes of ``f``, each storage once (in the layer of the first op
     that saves it). An op no trainable parameter reaches is not recorded (saves nothing), nor one that returns its
-    input (p = 0 dropout). ``moments``: filled with each layer's :class:`Moment` per op."""
+    input (p = 0 dropout). ``moments``: filled with each layer's :class:`Moment` per op; ``replay``: with its
+    forward moments (:attr:`LayerProfile.replay`)."""
     seen: set[str] = set()
     out = {path: [] for path in layers}
     for lp, n in _in_layers(layers, f):
@@ -704,6 +713,9 @@ def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str,
                                       keep.quadratic, keep.stat))
         if moments is not None and n.op_class != "view" and n.out_shapes:
             moments[lp.path].append(Moment(len(out[lp.path]), _gradients_of(n, f)))
+        held = _math_attention_transients(n, f, device_kind) if replay is not None else ()
+        if held:
+            replay[lp.path].append(Moment(len(out[lp.path]), held))
     return [(lp, out[path]) for path, lp in layers.items()]
 
 
@@ -838,6 +850,24 @@ def _math_attention_saves(n, f: _Facts, kept_input) -> list[_Keep]:
             _Keep(f"v:{n.name}", f.size[v]._replace(itemsize=item), region) if upcast or f.noncontig.get(v, False)
             else kept_input(v),
             *(_Keep(f"{what}:{n.name}", scores, region, quadratic=True) for what in ("softmax", "noise", "dropped"))]
+
+
+def _math_attention_transients(n, f: _Facts, device_kind: str) -> tuple[Saved, ...]:
+    """What :func:`_math_attention` holds at its end beyond what it saves, when it computes a 16-bit attention in
+    float32 (measured with MemTracker in BERT's recomputed layer under bf16 autocast, torch 2.13 CPU; the peak of a
+    fully recomputed BERT step): the caller's 16-bit q, k and v (the projections' outputs, which nothing saves
+    then), their float32 copies and the scaled q, the 16-bit copy of the dropped weights it makes, its float32 output
+    and that output cast back. Empty when it computes in its inputs' dtype (not measured)."""
+    if not _math_attention(n, device_kind) or f.size[n.name].itemsize >= 4 or len(n.inputs) < 3:
+        return ()
+    region = n.name in f.tp.sharded
+    q, k, v = n.inputs[:3]
+    (*lead, _), kshape = n.in_shapes[0], n.in_shapes[1]
+    caller = [Saved(f.size[i].nbytes, region) for i in (q, k, v)]
+    upcast = [Saved(f.size[i].numel * 4, region) for i in (q, k, v, q)]
+    dropped = Saved(_numel(lead) * kshape[-2] * f.size[n.name].itemsize, region, quadratic=True)
+    out = f.size[n.name]
+    return (*caller, *upcast, dropped, Saved(out.numel * 4, region), Saved(out.nbytes, region))
 
 
 def _unrepeated(name: str, f: _Facts) -> str:
