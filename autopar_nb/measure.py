@@ -60,7 +60,7 @@ GROUPS = {
                            ("activations", "loss")),
     "weight copies": (("autocast_weight_copies",), ("casts",)),
     "buffers": (("ddp_buckets", "fsdp_unsharded_params", "fsdp_root_params", "fsdp_gathered_units",
-                 "pipeline_buffers"), ("buffers",)),
+                 "fsdp_reduce_scatter", "pipeline_buffers"), ("buffers",)),
     "temporaries": (("backward_working_set",), ("backward", "step")),
 }
 """component shown -> (the predicted fields or MemoryBreakdown.terms it sums, the measured components it sums).
@@ -84,9 +84,9 @@ def _tracker_classes():
     """(MemTracker, FSDPMemTracker) subclasses that label storages by when they are created (see the module
     docstring). Built lazily: importing this module must not import torch.distributed."""
     import torch
+    from torch._subclasses.fake_tensor import is_fake
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType
-    from torch._subclasses.fake_tensor import is_fake
 
     extra = {"LOSS": "Loss", "CAST": "Cast", "SETUP": "Setup", "STEP": "Step"}
     mem_types = _RefType("_Labels", {**{m.name: m.value for m in _MemRefType}, **extra})

@@ -442,6 +442,7 @@ MEMORY_TERMS = {
     "fsdp_unsharded_params": "buffers",
     "fsdp_root_params": "buffers",
     "fsdp_gathered_units": "buffers",
+    "fsdp_reduce_scatter": "buffers",
     "pipeline_buffers": "buffers",
     "pipeline_outputs": "activations",
     "backward_working_set": "buffers",
@@ -452,8 +453,8 @@ MEMORY_TERMS = {
 micro-batch in flight); the loss's saved log-softmax; autocast's 16-bit copies of the weights its lower-precision ops
 read; DDP's gradient buckets; FSDP's parameters kept unsharded from forward to backward (ZeRO 2), the parameters
 left in the root unit (ZeRO 3), and the unit being computed plus the prefetched one (ZeRO 3: parameters and their
-unsharded gradients); the buffers pipeline stages receive into (inputs and gradients, one per micro-batch, beyond
-those the saved activations count) and their outputs, kept until each micro-batch's backward; the largest layer's backward working set; the
+unsharded gradients); the buffers pipeline stages receive inputs and gradients into (per micro-batch in flight) and
+their outputs, kept until each micro-batch's backward; the largest layer's backward working set; the
 loss's temporaries (logits and their copies, loss_parallel's shards); the optimizer step's temporaries"""
 
 

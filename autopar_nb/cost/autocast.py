@@ -101,10 +101,12 @@ def amp_dtypes(graph, captured: dict[str, str], *, device_kind: str, amp: str = 
     casts = _NoOpCasts(graph, captured, params)
     restore: dict[str, str] = {}  # node -> the dtype an up-cast before it in its module started from
     upcast: dict[str, str] = {}  # an up-cast the capture saw as a no-op -> the tensor it copies
+    t5_norms = _t5_norms(graph)
     for n in graph.nodes:
         if not n.out_shapes:
             continue
-        outside = [upcast[i] if i in upcast and module[i] != n.module_path else i for i in n.inputs]
+        original = n.module_path in t5_norms and packet(n.op) == "mul"  # T5LayerNorm's x * rsqrt(variance)
+        outside = [upcast[i] if i in upcast and (module[i] != n.module_path or original) else i for i in n.inputs]
         if outside != n.inputs:
             out.reads[n.name] = outside
         inputs = outside
@@ -123,6 +125,8 @@ def amp_dtypes(graph, captured: dict[str, str], *, device_kind: str, amp: str = 
         name = _op_name(n.op)
         policy = "plan" if name in plan_to else autocast_policy(n.op, device_kind)
         to = {"plan": plan_to.get(name), "lower": low, "fp32": "float32"}.get(policy)
+        if to is None and n.module_path in t5_norms:
+            to = _norm_weight_cast(n, floats, fparams, dt, params)
         if policy == "promote" and floats:
             to = promote([dt[i] for i in floats] + [params[p].dtype for p in fparams])
         if to is not None:
@@ -197,6 +201,43 @@ class _NoOpCasts:
             if entry is not None and FLOAT_RANK.get(dt.get(entry), 0) < FLOAT_RANK.get(n.dtype, 0):
                 return dt[entry]
         return None
+
+
+NORM_MODULES = ("LayerNorm", "RMSNorm", "GroupNorm")
+"""module class names (suffixes) of norms written in Python (e.g. Hugging Face's LlamaRMSNorm: pow, mean, rsqrt and a
+weight multiply): sequence parallelism runs them on sequence shards like torch's own norm ops"""
+
+
+def _t5_norms(graph) -> set[str]:
+    """Norm modules written as Hugging Face's T5LayerNorm (and its copies: LongT5, MT5, UMT5, Pix2Struct...)::
+
+        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        if self.weight.dtype in [torch.float16, torch.bfloat16]:
+            hidden_states = hidden_states.to(self.weight.dtype)
+        return self.weight * hidden_states
+
+    A float32 capture shows one ``.to`` (the variance's up-cast, a no-op then, which every later op seems to read)
+    and no cast back, where LlamaRMSNorm casts its input up once and back with ``.to(input_dtype)``: the modules with
+    a single cast. There the normalisation multiplies the original input, and the weight multiply runs in a 16-bit
+    weight's dtype (:func:`_norm_weight_cast`)."""
+    casts: dict[str, int] = {}
+    for n in graph.nodes:
+        if n.module_type and n.module_type.endswith(NORM_MODULES) and n.op_class == "elementwise":
+            casts[n.module_path] = casts.get(n.module_path, 0) + (packet(n.op) in ("to", "_to_copy"))
+    return {m for m, k in casts.items() if k == 1}
+
+
+def _norm_weight_cast(n, floats: list[str], fparams: list[str], dt: dict[str, str], params: dict) -> str | None:
+    """The dtype a T5LayerNorm's weight multiply (:func:`_t5_norms`) runs in: a 16-bit weight's (FSDP's
+    MixedPrecisionPolicy), on a copy of the float32 normalised tensor, which it saves (the branch a float32 capture
+    never takes); None with a float32 weight or input already 16-bit."""
+    if packet(n.op) != "mul" or len(fparams) != 1:
+        return None
+    weight = params[fparams[0]].dtype
+    if FLOAT_RANK.get(weight) != 1 or not floats or any(dt[i] != "float32" for i in floats):
+        return None
+    return weight
 
 
 def _inside(path: str, module: str) -> bool:

@@ -7,12 +7,13 @@ sequence parallel, AMP, micro-batch size), so evaluating a candidate is arithmet
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..plan import DTYPE_NAMES, ITEMSIZE, MEMORY_TERMS, RECOMPUTE, Cost, MemoryBreakdown
 from .comm import collective_time, link_for
 from .factors import Factors, factors_for
 from .loss import FusedHead
-from .memory import activation_bytes, backward_peak, in_flight, model_states, state_bytes, with_margin
+from .memory import activation_bytes, backward_peak, in_flight, model_states, replay_peak, state_bytes, with_margin
 from .profile import GraphProfile, precision_of
 from .time import bubble_fraction, layer_compute_time, optimizer_time, weight_cast_time
 
@@ -101,6 +102,8 @@ class LayerTerms:
     cast_local: float = 0.0
     """numel of the layer's local parameters autocast keeps a 16-bit copy of during forward and backward (0 unless
     the precision is "autocast")"""
+    replay: float = 0.0
+    """bytes a fully recomputed layer holds at its recompute's largest forward moment (:func:`.memory.replay_peak`)"""
 
     def recompute_s(self, recompute: str) -> float:
         """Seconds recompute adds in backward: the whole forward again (full, with its all-to-alls) or the attention
@@ -135,10 +138,8 @@ class RankSums:
     """local parameters (numel)"""
     work: list[float]
     """the largest working set of one layer's backward (bytes)"""
-    unit_top: list[tuple[float, float]]
-    """the two largest FSDP units (numel)"""
-    block_unit: list[float]
-    """the largest unit of a repeated block (numel): FSDP prefetches the next one"""
+    units: list[list[FsdpUnit]]
+    """the FSDP units (``fully_shard`` groups) in forward order, as ``export.values.fsdp_units`` makes them"""
     largest: list[float]
     """the largest local parameter (numel)"""
     nofsdp: list[float]
@@ -160,19 +161,19 @@ class RankSums:
     ``recv`` (received into a buffer per micro-batch), ``recv_saved`` (the part of them its layers' saved activations
     count already), ``kept`` (its own outputs, kept until their backward, that its layers do not save) and
     ``grad_recv`` (the gradients sent back to it)"""
-    bwd_layers: list[list[tuple[float, float, float]]] = field(default_factory=list)
-    """per run of layers, the moments its backward holds the most, at its last layer and (a run of several) at its
-    first: (saved activation bytes still alive, working set bytes, local parameters (numel) whose backward has not
-    run yet). Backward runs from the last layer to the first, freeing each layer's saved tensors and leaving its
-    gradients: at layer l the saved tensors of later layers are gone and their gradients exist; a recomputed layer
-    holds what its recompute re-created"""
+    bwd_layers: list[list[tuple[float, float, float, int]]] = field(default_factory=list)
+    """per run of layers, the moments its backward holds the most (:func:`moment_layers`): (saved activation bytes
+    still alive, working set bytes, local parameters (numel) whose backward has not run yet, the layer's index).
+    Backward runs from the last layer to the first, freeing each layer's saved tensors and leaving its gradients:
+    at layer l the saved tensors of later layers are gone and their gradients exist; a recomputed layer holds what
+    its recompute re-created"""
 
     @classmethod
     def zeros(cls, pp: int) -> RankSums:
         z = [0.0] * pp
         return cls(list(z), list(z), list(z), [{} for _ in range(pp)], list(z), list(z), list(z),
-                   [(0.0, 0.0) for _ in range(pp)], list(z), list(z), list(z), list(z), list(z), tp_step=list(z),
-                   casts=list(z), bwd_layers=[[] for _ in range(pp)],
+                   [[] for _ in range(pp)], list(z), list(z), list(z), list(z), tp_step=list(z), casts=list(z),
+                   bwd_layers=[[] for _ in range(pp)],
                    pipe=[dict.fromkeys(("recv", "recv_saved", "kept", "grad_recv"), 0.0) for _ in range(pp)])
 
     def per_micro_batch(self, r: int) -> float:
@@ -264,6 +265,8 @@ class Evaluator:
             comm["all_to_all"] = a2a
         t.tp_step = step_s
         t.freed = freed
+        t.replay = replay_peak(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
+                               megatron_sp=self.megatron_sp)
         t.cast_local = lp.cast_split / tp + lp.cast_rep if precision == "autocast" else 0.0
         self._cache[key] = t
         return t
@@ -359,7 +362,7 @@ class Evaluator:
         prof, pp = self.prof, s.pp
         sums = RankSums.zeros(pp)
         runs = self.runs(choices)
-        for k, (i, cnt, ch) in enumerate(runs):
+        for i, cnt, ch in runs:
             r = ch.stage % pp
             lt = self.choice_terms(i, s, ch)
             # time
@@ -386,24 +389,22 @@ class Evaluator:
             # (memory.backward_peak), the layer's own gradients are still to come. Its last layer runs
             # backward first; by its first, the gradients of the others exist (the peak there when a layer's
             # gradients outweigh what it saves: full recompute, measured on LLaMA)
-            sums.bwd_layers[r].append((sums.acts[r] + again - freed, wb - again,
-                                       sums.params[r] + cnt * lt.params_local))
-            if cnt > 1:
-                sums.bwd_layers[r].append((acts_before + whole + lt.act[ch.recompute] + again - freed, wb - again,
-                                           sums.params[r] + lt.params_local))
+            for j in moment_layers(cnt):
+                sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act[ch.recompute] + again - freed,
+                                           wb - again, sums.params[r] + (j + 1) * lt.params_local, i + j))
+                if ch.recompute == "full" and lt.replay:
+                    # its recompute, before its backward: what it has recomputed so far, beside the gradient of its
+                    # output (measured: BERT's math attention under bf16 autocast)
+                    sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act["full"] + lt.replay,
+                                               lt.out_bytes, sums.params[r] + (j + 1) * lt.params_local, i + j))
             sums.params[r] += cnt * lt.params_local
             sums.experts[r] += cnt * lt.experts_local
             sums.tp_step[r] += cnt * lt.tp_step
             sums.casts[r] += cnt * lt.cast_local
-            if cnt > 1 or prof.rep[i] != i:
-                sums.block_unit[r] = max(sums.block_unit[r], lt.params_local)
             sums.largest[r] = max(sums.largest[r], lt.largest_param)
-            u1, u2 = sums.unit_top[r]
-            if lt.params_local > u1:
-                sums.unit_top[r] = (lt.params_local, max(u1, u2) if cnt == 1 else lt.params_local)
-            elif lt.params_local > u2:
-                sums.unit_top[r] = (u1, lt.params_local)
-            if not ch.fsdp:
+            if ch.fsdp:
+                self._add_units(sums.units[r], i, cnt, lt.params_local)
+            else:
                 sums.nofsdp[r] += cnt * lt.params_local
             # the head (last run) split by TP; the activations sent to the next stage
             if ch.tp and s.tp > 1 and prof.layers[i].vocab and not prof.layers[i].norms and i == len(choices) - cnt:
@@ -419,7 +420,8 @@ class Evaluator:
         as the runtime's pipeline stages (``runtime/pp.py``'s ``LeanStage``) hold them: the receiving stage a buffer
         per micro-batch in flight for every one (its layers' saved activations point into it), the sending stage
         its own outputs until each micro-batch's backward (the last stage: the model's output), and a buffer for
-        each gradient coming back to the micro-batch in backward."""
+        each gradient coming back to the micro-batch in backward. A stage holding a layer that reads a parameter
+        another stage owns (a head tied to the embeddings) holds its own copy: in its parameters."""
         prof, pp = self.prof, s.pp
         precision = precision_of(s.amp, s.zero_stage)
         scale = s.mb_samples / prof.batch * self.seq_ratio / s.cp
@@ -443,6 +445,24 @@ class Evaluator:
             sums.p2p[a % pp] = max(sums.p2p[a % pp], sent)
         last = len(choices) - 1
         sums.pipe[stage[last] % pp]["kept"] += self.choice_terms(last, s, choices[last]).out_bytes
+        copies = {(stage[i], name): numel / (s.tp if split and choices[i].tp else 1)
+                  for i, lp in enumerate(prof.layers) for name, (numel, split, owner) in lp.borrowed.items()
+                  if stage[owner] != stage[i]}  # a tied parameter's copy on each other stage (runtime/pp.py)
+        for (st, _), numel in copies.items():
+            sums.params[st % pp] += numel
+
+    def _add_units(self, units: list[FsdpUnit], i: int, cnt: int, numel: float) -> None:
+        """Append layers ``i`` .. ``i + cnt - 1`` (``numel`` local parameters each) to ``units`` as the runtime
+        groups them (``export.values.fsdp_units``): each layer with parameters its own unit, except the last layer
+        joining a final norm just before it (torchtitan's ``[norm, output]``)."""
+        if not numel:
+            return
+        layers = self.prof.layers
+        tail = len(layers) - 2
+        if i == tail + 1 and units and units[-1].first == tail and layers[tail].path in layers[tail].norms:
+            units[-1] = FsdpUnit(tail, i, units[-1].numel + numel)
+            return
+        units += [FsdpUnit(i + j, i + j, numel) for j in range(cnt)]
 
     def _replicated_input(self, s: Setting, i: int, ch: LayerChoice, lt: LayerTerms) -> float:
         """Bytes a recomputed first block of a sequence-parallel run holds beyond its sequence shard: it receives
@@ -553,16 +573,10 @@ class Evaluator:
                                             model_states(experts, dp=edp, zero_stage=s.zero_stage, states=sb),
                                             strict=True))
         held: dict[str, float] = {}  # buffers alive the whole forward/backward
-        # FSDP (ZeRO 3): the peak is where a unit's backward starts, every saved activation of the micro-batch still
-        # alive: that unit's gathered parameters and the next one's, prefetched (its unsharded gradients come later,
-        # once its own activations are freed; FSDPMemTracker, ViT and Qwen2 at 2 and 4 layers)
-        gather = 0.0
         if s.zero_stage == 2:
             pb = (params - experts) * sb.param / s.replicas + experts * sb.param / edp
             held["fsdp_unsharded_params"] = params * p_item  # reshard_after_forward=False: kept fwd -> bwd
         elif s.zero_stage == 3:
-            u1, _ = sums.unit_top[r]
-            gather = (u1 + sums.block_unit[r]) * p_item
             held["fsdp_root_params"] = sums.nofsdp[r] * p_item
         elif half:
             held["autocast_weight_copies"] = sums.casts[r] * 2  # of the weights its lower-precision ops read
@@ -581,11 +595,12 @@ class Evaluator:
         per_param = gb / params if params else 0.0  # bytes of gradient per local parameter (ZeRO 2/3: sharded)
         # (a pipeline stage's received inputs that its layers save are its receive buffers: counted there)
         rs = pipe["recv_saved"] if s.pp > 1 else 0.0
-        alive, work, grads_at = max((((others + 1) * -rs + others * sums.acts[r] + a, w,
-                                      (params - before) * per_param if g is None else g)
-                                     for others, g in moments for a, w, before in sums.bwd_layers[r]), key=sum,
-                                    default=(0.0, 0.0, 0.0))
-        at_bwd = {"saved_activations": max(alive, 0.0), "backward_working_set": work, "fsdp_gathered_units": gather}
+        alive, work, grads_at, fsdp = max(
+            (((others + 1) * -rs + others * sums.acts[r] + a, w, (params - before) * per_param if g is None else g,
+              fsdp_buffers(sums.units[r], layer, zero_stage=s.zero_stage, p_item=p_item, g_item=g_item))
+             for others, g in moments for a, w, before, layer in sums.bwd_layers[r]),
+            key=lambda mo: mo[0] + mo[1] + mo[2] + sum(mo[3].values()), default=(0.0, 0.0, 0.0, {}))
+        at_bwd = {"saved_activations": max(alive, 0.0), "backward_working_set": work, **fsdp}
         if r == s.pp - 1 and prof.output_numel and not s.fused_loss:  # fused: in the head layer's working set
             # moment 2 (last rank): the loss's backward: log-softmax output (fp32) saved, its gradient and the
             # logits' gradient alive; FSDP units are resharded then
@@ -600,7 +615,7 @@ class Evaluator:
             loss_temp = out_numel * 4 * 3 / lp_div if lp_div > 1 else out_numel * (2 * p_item + (4 if half else 0))
             others, grads = max(((o, g or 0.0) for o, g in moments), key=lambda og: og[0] * sums.acts[r] + og[1])
             act = (others + 1) * (sums.acts[r] - rs)
-            if act + loss_saved + loss_temp + grads >= at_bwd["saved_activations"] + work + gather + grads_at:
+            if act + loss_saved + loss_temp + grads >= sum(at_bwd.values()) + grads_at:
                 at_bwd = {"saved_activations": act, "loss_saved": loss_saved, "loss_temporaries": loss_temp}
                 grads_at = grads
         at_bwd |= held
@@ -638,6 +653,41 @@ class Evaluator:
         cost.mfu = step_model_flops / world / step / peak_flops
         cost.tokens_per_s = samples * self.prof.seq_len * self.seq_ratio / step if self.prof.seq_len else None
         cost.samples_per_s = samples / step
+
+
+class FsdpUnit(NamedTuple):
+    """One ``fully_shard`` group of consecutive layers."""
+
+    first: int
+    last: int
+    """the indices of its first and last layers"""
+    numel: float
+    """its local parameters"""
+
+
+def moment_layers(cnt: int) -> list[int]:
+    """Which of a run of ``cnt`` identical layers (0 = its first) a backward peak can be at: the saved tensors
+    alive grow by one layer's from one to the next and the gradients shrink by one layer's, so the extremes, and
+    the layers next to them, where FSDP's buffers change (a prefetch only after an earlier unit, a reduce-scatter
+    only after a later one, :func:`fsdp_buffers`)."""
+    return sorted({j for j in (cnt - 1, cnt - 2, 1, 0) if 0 <= j < cnt}, reverse=True)
+
+
+def fsdp_buffers(units: list[FsdpUnit], layer: int, *, zero_stage: int, p_item: int, g_item: int
+                 ) -> dict[str, float]:
+    """FSDP2's buffers (bytes) while ``layer`` runs its backward (measured with FSDPMemTracker under a fake group,
+    LLaMA and ViT, ZeRO-3 + full recompute, bf16): ZeRO-3 gathers the layer's unit again (its unsharded
+    parameters in the compute dtype) and prefetches the unit before it (the all-gather's output,
+    ``fsdp_gathered_units``); under ZeRO 2 and 3 the unit after it, whose backward ran last, still holds the input
+    of its gradients' reduce-scatter (``reduce_dtype``, float32: the unsharded gradients flattened), freed only
+    when the next unit's reduce-scatter starts (``fsdp_reduce_scatter``)."""
+    at = next((k for k, u in enumerate(units) if u.first <= layer <= u.last), None)
+    if zero_stage < 2 or at is None:
+        return {}
+    out = {"fsdp_reduce_scatter": units[at + 1].numel * g_item if at + 1 < len(units) else 0.0}
+    if zero_stage == 3:
+        out["fsdp_gathered_units"] = (units[at].numel + (units[at - 1].numel if at else 0.0)) * p_item
+    return out
 
 
 def ddp_bucket_bytes(s: Setting, params: float) -> float:

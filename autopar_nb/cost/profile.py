@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 from kernels_ext import moe_rules
 
 from ..plan import ITEMSIZE, layer_of
-from .autocast import AmpDtypes, amp_dtypes
+from .autocast import NORM_MODULES, AmpDtypes, amp_dtypes
 from .tp_styles import Parts, Walk, packet, part_split, rule_of, sp_check, splits_of, tp_walk
 
 FLOAT = {"float64", "float32", "float16", "bfloat16"}
@@ -214,6 +214,10 @@ class LayerProfile:
     """bytes of the largest (output + activation inputs) of one op: the gradients its backward holds at once"""
     moments: dict[str, list[Moment]] = field(default_factory=dict)
     """precision -> one :class:`Moment` per op whose backward runs: the candidates for the layer's backward peak"""
+    replay: dict[str, list[Moment]] = field(default_factory=dict)
+    """precision -> one :class:`Moment` per op whose forward holds much more than it saves (the CPU math attention
+    kernel under autocast, :func:`_math_attention_transients`): what a recomputed layer holds when its recompute
+    reaches that op (``work``: those transients)"""
     comms: list[Comm] = field(default_factory=list)
     tp: dict[str, str] = field(default_factory=dict)
     """module path -> style when TP is on"""
@@ -229,6 +233,10 @@ class LayerProfile:
     """parameters of vocab-parallel (rowwise) Embeddings in this layer"""
     largest_param: int = 0
     """numel of the largest trainable parameter"""
+    borrowed: dict[str, tuple[int, bool, int]] = field(default_factory=dict)
+    """trainable parameters this layer's ops read that another layer owns (a head tied to the embeddings): name ->
+    (numel, TP splits it, the owner's layer index); a pipeline stage holding this layer but not the owner holds its
+    own copy"""
     parts: dict[str, Parts] = field(default_factory=dict)
     """colwise module -> its output's parts (``LayerPlan.tp_parts``: heads per part, or features): projections split
     into heads, fused projections cut into pieces, head-indexed embeddings (see :mod:`.tp_styles`)"""
@@ -357,13 +365,15 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(), low_precision_ops=
     first_saver: dict[str, str] = {}  # storage -> the layer saving it first (float32 forward)
     for precision, fp in (("fp32", f), *amp.items()):
         moments: dict[str, list[Moment]] = {path: [] for path in layers}
-        for lp, saved in _count_saved(layers, fp, device_kind, moments,
+        replay: dict[str, list[Moment]] = {path: [] for path in layers}
+        for lp, saved in _count_saved(layers, fp, device_kind, moments, replay,
                                       first_saver if precision == "fp32" else None):
             if precision == "fp32":
                 lp.saved = saved
             else:
                 lp.saved_amp[precision] = saved
             lp.moments[precision] = moments[lp.path]
+            lp.replay[precision] = replay[lp.path]
     for precision, fp in (("fp32", f), *amp.items()):
         for lp, kept in _count_selective(layers, fp, device_kind):
             lp.selective[precision] = kept
@@ -642,11 +652,12 @@ def _count_compute(layers: dict[str, LayerProfile], f: _Facts) -> None:
 def _count_amp_time(layers: dict[str, LayerProfile], f: _Facts, fa: _Facts, *, low_params: bool):
     """(layer, :class:`AmpTime`) for each layer under the autocast facts ``fa`` (``f``: the captured, float32 ones):
     compute ops kept in float32 at the float32 rate (:attr:`AmpTime.fp32_split`), memory-bound ops' bytes at their
-    tensors' dtypes, the copies autocast inserts."""
+    tensors' dtypes, the copies autocast inserts; a layer with no op of its own (a tied table whose ops another
+    layer runs, T5's ``shared``) has none."""
     amp = fa.autocast
-    out: dict[str, AmpTime] = {}
+    out = {path: AmpTime() for path in layers}
     for lp, n in _in_layers(layers, f):
-        t = out.setdefault(lp.path, AmpTime())
+        t = out[lp.path]
         in_region = n.name in f.tp.sharded
         if n.op_class in ("matmul", "conv", "attention"):
             if amp.target.get(n.name) == "float32":
@@ -707,12 +718,12 @@ class _Keep(NamedTuple):
 
 
 def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str,
-                 moments: dict[str, list[Moment]] | None = None, first: dict[str, str] | None = None
-                 ) -> list[tuple[LayerProfile, list[Saved]]]:
+                 moments: dict[str, list[Moment]] | None = None, replay: dict[str, list[Moment]] | None = None,
+                 first: dict[str, str] | None = None) -> list[tuple[LayerProfile, list[Saved]]]:
     """What autograd saves in each layer at the dtypes of ``f``, each storage once (in the layer of the first op
     that saves it). An op no trainable parameter reaches is not recorded (saves nothing), nor one that returns its
-    input (p = 0 dropout). ``moments``: filled with each layer's :class:`Moment` per op; ``first``: with each saved
-    storage's layer."""
+    input (p = 0 dropout). ``moments``: filled with each layer's :class:`Moment` per op; ``replay``: with its
+    forward moments (:attr:`LayerProfile.replay`); ``first``: with each saved storage's layer."""
     seen: set[str] = set()
     out = {path: [] for path in layers}
     for lp, n in _in_layers(layers, f):
@@ -729,6 +740,9 @@ def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str,
                                       keep.quadratic, keep.stat))
         if moments is not None and n.op_class != "view" and n.out_shapes:
             moments[lp.path].append(Moment(len(out[lp.path]), _gradients_of(n, f)))
+        held = _math_attention_transients(n, f, device_kind) if replay is not None else ()
+        if held:
+            replay[lp.path].append(Moment(len(out[lp.path]), held))
     return [(lp, out[path]) for path, lp in layers.items()]
 
 
@@ -863,6 +877,24 @@ def _math_attention_saves(n, f: _Facts, kept_input) -> list[_Keep]:
             _Keep(f"v:{n.name}", f.size[v]._replace(itemsize=item), region) if upcast or f.noncontig.get(v, False)
             else kept_input(v),
             *(_Keep(f"{what}:{n.name}", scores, region, quadratic=True) for what in ("softmax", "noise", "dropped"))]
+
+
+def _math_attention_transients(n, f: _Facts, device_kind: str) -> tuple[Saved, ...]:
+    """What :func:`_math_attention` holds at its end beyond what it saves, when it computes a 16-bit attention in
+    float32 (measured with MemTracker in BERT's recomputed layer under bf16 autocast, torch 2.13 CPU; the peak of a
+    fully recomputed BERT step): the caller's 16-bit q, k and v (the projections' outputs, which nothing saves
+    then), their float32 copies and the scaled q, the 16-bit copy of the dropped weights it makes, its float32 output
+    and that output cast back. Empty when it computes in its inputs' dtype (not measured)."""
+    if not _math_attention(n, device_kind) or f.size[n.name].itemsize >= 4 or len(n.inputs) < 3:
+        return ()
+    region = n.name in f.tp.sharded
+    q, k, v = n.inputs[:3]
+    (*lead, _), kshape = n.in_shapes[0], n.in_shapes[1]
+    caller = [Saved(f.size[i].nbytes, region) for i in (q, k, v)]
+    upcast = [Saved(f.size[i].numel * 4, region) for i in (q, k, v, q)]
+    dropped = Saved(_numel(lead) * kshape[-2] * f.size[n.name].itemsize, region, quadratic=True)
+    out = f.size[n.name]
+    return (*caller, *upcast, dropped, Saved(out.numel * 4, region), Saved(out.nbytes, region))
 
 
 def _unrepeated(name: str, f: _Facts) -> str:
@@ -1047,11 +1079,6 @@ def _key_value_projections(f: _Facts) -> set[str]:
             most[f.tp.region_of[k]] % h == 0}
 
 
-NORM_MODULES = ("LayerNorm", "RMSNorm", "GroupNorm")
-"""module class names (suffixes) of norms written in Python (e.g. Hugging Face's LlamaRMSNorm: pow, mean, rsqrt and a
-weight multiply): sequence parallelism runs them on sequence shards like torch's own norm ops"""
-
-
 def _python_norm(n) -> bool:
     """A node of a norm module written in Python that reads its weight."""
     return bool(n.module_type) and n.module_type.endswith(NORM_MODULES) and n.op_class == "elementwise"
@@ -1078,6 +1105,14 @@ def _count_params(layers: dict[str, LayerProfile], f: _Facts, *, split_params: s
         else:
             lp.params_rep += pi.numel
             lp.cast_rep += pi.numel if pname in cast else 0
+    for lp, n in _in_layers(layers, f):
+        for pname in n.params:
+            pi = graph.params.get(pname)
+            if pi is None or pi.is_buffer or not pi.trainable:
+                continue
+            path = owner[pi.module_path] if pi.module_path in owner else layer_of(pi.module_path, layer_paths)
+            if path != lp.path and path in layer_paths:
+                lp.borrowed[pname] = (pi.numel, pname in split_params, layer_paths.index(path))
 
 
 GROUPED_MATMULS = frozenset(r.name for r in moe_rules.GROUPED_MATMULS if r.backward_factor)

@@ -248,7 +248,7 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
                  "    stages, whole = split_model(model, boundaries=STAGE_BOUNDARIES, microbatch=example)",
                  "    shapes = boundary_values(whole, stages, example)" if v.static_shapes else
                  "    shapes = None  # sequence shards cross a cut: the stages infer their shapes",
-                                  "    release_stages(model, stages, keep=stage_ids)  # the other ranks' stages: their weights freed here",
+                 "    release_stages(model, stages, keep=stage_ids)  # the other ranks' stages' weights: freed",
                  "    parts = []", "    for part in [stages[i] for i in stage_ids]:"]
         uses += ["split_model", "release_stages"] + (["boundary_values"] if v.static_shapes else [])
         body = [f"        {c}" for c in calls] + ["        parts.append(part)", "    return parts, shapes"]

@@ -32,6 +32,7 @@ COMPONENT_SOURCES = {
     "fsdp_unsharded_params": "FSDP's parameters kept unsharded from forward to backward",
     "fsdp_root_params": "the parameters left in FSDP's root unit",
     "fsdp_gathered_units": "FSDP's unit being computed and the prefetched one",
+    "fsdp_reduce_scatter": "the reduce-scatter input of the FSDP unit whose backward ran last (its gradients in fp32)",
     "pipeline_buffers": "the buffers a pipeline stage receives inputs and gradients into, one per micro-batch",
     "pipeline_outputs": "a pipeline stage's outputs, kept until their micro-batch's backward",
     "backward_working_set": "the largest layer's backward working set",
