@@ -385,13 +385,14 @@ class Evaluator:
                 wb, again, freed = self._fused_head(s, sums, r, ch.recompute, lt, tp=s.tp if ch.tp else 1), 0.0, 0.0
             if wb > sums.work[r]:
                 sums.work[r] = wb
+            head_saved = sums.acts[r] - acts_before - whole - cnt * lt.act[ch.recompute]  # the fused head's LSE
             # a layer's peak is its largest op's backward: the output that op's consumers saved is freed by then
             # (memory.backward_peak), the layer's own gradients are still to come. Its last layer runs
             # backward first; by its first, the gradients of the others exist (the peak there when a layer's
             # gradients outweigh what it saves: full recompute, measured on LLaMA)
             for j in moment_layers(cnt):
-                sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act[ch.recompute] + again - freed,
-                                           wb - again, sums.params[r] + (j + 1) * lt.params_local, i + j))
+                sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act[ch.recompute] + head_saved + again
+                                           - freed, wb - again, sums.params[r] + (j + 1) * lt.params_local, i + j))
                 if ch.recompute == "full" and lt.replay:
                     # its recompute, before its backward: what it has recomputed so far, beside the gradient of its
                     # output (measured: BERT's math attention under bf16 autocast)
