@@ -285,8 +285,9 @@ def release_stages(model: nn.Module, stages: list[nn.Module], keep: list[int]) -
     (which nothing runs again) still refers to them. A tensor a held stage uses stays."""
     held = {t.untyped_storage().data_ptr() for i in keep for t in (*stages[i].parameters(), *stages[i].buffers())
             if t.device.type != "meta"}
+    mine = {id(m) for i in keep for m in stages[i].modules()}  # a held stage's modules (often the model's own)
     others = (m for i, stage in enumerate(stages) if i not in keep for m in stage.modules())
-    for module in (*model.modules(), *others):  # registered, and plain attributes (a traced graph's constants)
+    for module in (m for m in (*model.modules(), *others) if id(m) not in mine):  # registered, and plain attributes
         for table in (module._parameters, module._buffers, module.__dict__):
             for name, t in list(table.items()):
                 if (not isinstance(t, torch.Tensor) or t.device.type == "meta"
