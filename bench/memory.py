@@ -243,7 +243,7 @@ def main() -> None:
             write_section(args.section, body, ROOT / "BENCHMARKS.md")
 
     rows, failed = run(groups, each=report, jobs=args.jobs)
-    report(rows, failed, len(rows) + len(failed), final=True)
+    report(rows, failed, len(cases_of(groups)), final=True)
 
 
 if __name__ == "__main__":

@@ -296,13 +296,16 @@ WHOLE_CASES = {
     "LLaMA-full": ("LLaMA", {"dp": 1, "tp": 1, "pp": 1, "recompute": "full"}, RECOMPUTED),
     "LLaMA-tp2-sp-full": ("LLaMA", {"dp": 1, "tp": 2, "pp": 1, "recompute": "full"}, RECOMPUTED),
     "BERT-bf16-full": ("BERT", {"dp": 1, "tp": 1, "pp": 1, "amp": "bf16", "recompute": "full"}, RECOMPUTED),
+    "T5-tp2-bf16-full": ("T5", {"dp": 1, "tp": 2, "pp": 1, "amp": "bf16", "recompute": "full"}, RECOMPUTED),
 }
 """whole-step cases: sequence-parallel norms and the vocab-parallel loss (tp2), autocast's copies and DDP's buckets,
 FSDP's units and Adam's sharded states, autocast over FSDP's 16-bit parameters (ZeRO-3 bf16), a decoder's
 selective recompute (its key/value cache off), full recompute's backward peak at the first layer (the others'
 gradients alive; the largest op's consumers' saved output freed) alone and under TP with sequence parallelism (the
 first block's whole, replicated input kept by the checkpoint), and an encoder's full recompute under bf16 autocast
-(its peak the end of the recomputed CPU math attention, with its float32 copies and 16-bit outputs)"""
+(its peak the end of the recomputed CPU math attention, with its float32 copies and 16-bit outputs), and an
+encoder-decoder's full recompute, whose decoder blocks' checkpoints all keep the one encoder output and position
+biases (``LayerProfile.shared_inputs``: +5.2 % when counted per block)"""
 FAST = ("Qwen2-single", "Qwen2-tp2-sp-bf16", "LLaMA-zero3-bf16", "LLaMA-selective")
 """the cases in the fast suite (~8 s each on an idle core); the others are marked slow"""
 

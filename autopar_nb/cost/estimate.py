@@ -362,6 +362,7 @@ class Evaluator:
         prof, pp = self.prof, s.pp
         sums = RankSums.zeros(pp)
         runs = self.runs(choices)
+        kept: list[set[str]] = [set() for _ in range(pp)]  # the shared inputs a rank's checkpoints keep already
         for i, cnt, ch in runs:
             r = ch.stage % pp
             lt = self.choice_terms(i, s, ch)
@@ -376,7 +377,8 @@ class Evaluator:
             # memory
             acts_before = sums.acts[r]
             whole = self._replicated_input(s, i, ch, lt)
-            sums.acts[r] += cnt * lt.act[ch.recompute] + whole
+            held = self._held_inputs(s, i, cnt, ch, kept[r])  # held[j]: what layers i .. i + j keep twice
+            sums.acts[r] += cnt * lt.act[ch.recompute] + whole - held[-1]
             # a recomputed layer's backward first runs its forward again: what the plain forward saves and the
             # recompute did not keep is alive again beside the working set
             again = max(lt.act["none"] - lt.act[ch.recompute], 0.0)
@@ -385,18 +387,19 @@ class Evaluator:
                 wb, again, freed = self._fused_head(s, sums, r, ch.recompute, lt, tp=s.tp if ch.tp else 1), 0.0, 0.0
             if wb > sums.work[r]:
                 sums.work[r] = wb
-            head_saved = sums.acts[r] - acts_before - whole - cnt * lt.act[ch.recompute]  # the fused head's LSE
+            head_saved = sums.acts[r] - acts_before - whole - cnt * lt.act[ch.recompute] + held[-1]  # the fused LSE
             # a layer's peak is its largest op's backward: the output that op's consumers saved is freed by then
             # (memory.backward_peak), the layer's own gradients are still to come. Its last layer runs
             # backward first; by its first, the gradients of the others exist (the peak there when a layer's
             # gradients outweigh what it saves: full recompute, measured on LLaMA)
             for j in moment_layers(cnt):
-                sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act[ch.recompute] + head_saved + again
-                                           - freed, wb - again, sums.params[r] + (j + 1) * lt.params_local, i + j))
+                sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act[ch.recompute] - held[j]
+                                           + head_saved + again - freed, wb - again,
+                                           sums.params[r] + (j + 1) * lt.params_local, i + j))
                 if ch.recompute == "full" and lt.replay:
                     # its recompute, before its backward: what it has recomputed so far, beside the gradient of its
                     # output (measured: BERT's math attention under bf16 autocast)
-                    sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act["full"] + lt.replay,
+                    sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act["full"] - held[j] + lt.replay,
                                                lt.out_bytes, sums.params[r] + (j + 1) * lt.params_local, i + j))
             sums.params[r] += cnt * lt.params_local
             sums.experts[r] += cnt * lt.experts_local
@@ -464,6 +467,25 @@ class Evaluator:
             units[-1] = FsdpUnit(tail, i, units[-1].numel + numel)
             return
         units += [FsdpUnit(i + j, i + j, numel) for j in range(cnt)]
+
+    def _held_inputs(self, s: Setting, i: int, cnt: int, ch: LayerChoice, kept: set[str]) -> list[float]:
+        """Per layer of the run ``i`` .. ``i + cnt - 1``, the bytes of the recomputed layers' inputs up to it that
+        an earlier recomputed layer on the rank keeps already (:attr:`.profile.LayerProfile.shared_inputs`: one
+        storage, held once, which ``activation_bytes`` counts per layer); adds the run's to ``kept``. Measured: T5's
+        decoder blocks all keep the encoder output and the position biases (tp=2, bf16, full recompute: 11 MiB)."""
+        held, total = [], 0.0
+        if ch.recompute == "none":
+            return [0.0] * cnt
+        precision = precision_of(s.amp, s.zero_stage)
+        tp = s.tp if ch.tp else 1
+        per_byte = s.mb_samples / self.prof.batch * self.seq_ratio / s.cp / (tp if s.sp and ch.tp else 1)
+        for lp in self.prof.layers[i:i + cnt]:
+            for key, nbytes in lp.shared_inputs.get(precision, {}).items():
+                if key in kept:
+                    total += nbytes * per_byte
+                kept.add(key)
+            held.append(total)
+        return held
 
     def _replicated_input(self, s: Setting, i: int, ch: LayerChoice, lt: LayerTerms) -> float:
         """Bytes a recomputed first block of a sequence-parallel run holds beyond its sequence shard: it receives

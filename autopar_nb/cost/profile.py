@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -204,6 +204,10 @@ class LayerProfile:
     """bytes entering the layer (float32 forward)"""
     input_amp: dict[str, float] = field(default_factory=dict)
     """the same under autocast, by precision"""
+    shared_inputs: dict[str, dict[str, float]] = field(default_factory=dict)
+    """precision ("fp32" or an autocast one) -> the inputs (storage -> bytes) of ``input_bytes`` / ``input_amp``
+    that other layers read too (T5's encoder output and position biases, a model's rotary table): the
+    checkpoints of recomputed layers keep one storage, which a rank holds once (``cost/estimate.py``)"""
     output_bytes: float = 0.0
     output_amp: dict[str, float] = field(default_factory=dict)
     cast_split: int = 0
@@ -951,15 +955,19 @@ def _count_comms(layers: dict[str, LayerProfile], f: _Facts) -> None:
 def _count_boundaries(layers: dict[str, LayerProfile], f: _Facts, amp: dict[str, _Facts]) -> None:
     """Bytes entering each layer (each storage once) and leaving it (read by a later layer, or the model output),
     in the float32 forward and under each autocast precision."""
-    for path, (inp, out) in _boundary_bytes(layers, f).items():
+    for path, (inp, out, shared) in _boundary_bytes(layers, f).items():
         layers[path].input_bytes, layers[path].output_bytes = inp, out
+        layers[path].shared_inputs["fp32"] = shared
     for precision, fa in amp.items():
-        for path, (inp, out) in _boundary_bytes(layers, fa).items():
+        for path, (inp, out, shared) in _boundary_bytes(layers, fa).items():
             layers[path].input_amp[precision], layers[path].output_amp[precision] = inp, out
+            layers[path].shared_inputs[precision] = shared
 
 
-def _boundary_bytes(layers: dict[str, LayerProfile], f: _Facts) -> dict[str, tuple[float, float]]:
-    """layer -> (bytes entering it, bytes leaving it) at the dtypes of ``f``."""
+def _boundary_bytes(layers: dict[str, LayerProfile], f: _Facts
+                    ) -> dict[str, tuple[float, float, dict[str, float]]]:
+    """layer -> (bytes entering it, bytes leaving it, the entering storages other layers read too -> their bytes)
+    at the dtypes of ``f``."""
     consumers: dict[str, list[str]] = defaultdict(list)
     for n in f.graph.nodes:
         for i in n.inputs:
@@ -980,7 +988,12 @@ def _boundary_bytes(layers: dict[str, LayerProfile], f: _Facts) -> dict[str, tup
         elsewhere = [c for c in readers if layer_of_node.get(c) != n.layer]
         if n.out_shapes and n.dtype in FLOAT and (elsewhere or (n is last and not readers)):
             out[lp.path][1] += f.size[n.name].nbytes
-    return {k: (v[0], v[1]) for k, v in out.items()}
+    n_readers = Counter(key for _, key in entered)
+    shared: dict[str, dict[str, float]] = defaultdict(dict)
+    for layer, key in entered:
+        if n_readers[key] > 1 and layer in out:
+            shared[layer][key] = float(f.size[key].nbytes)
+    return {k: (v[0], v[1], shared.get(k, {})) for k, v in out.items()}
 
 
 def _count_crossings(f: _Facts, amp: dict[str, _Facts], first_saver: dict[str, str]) -> list[list[Crossing]]:
