@@ -82,6 +82,7 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
         raise ValueError(f"splitting at {boundaries} gave {pipe.num_stages} stages, not {len(boundaries) + 1}: a "
                          "boundary must be a module the forward calls, in order; check the plan's stage numbers")
     chain_stages(pipe.split_gm)
+    casts_as_in_eager(pipe.split_gm)
     pipe.executor = type(pipe.executor)(pipe.split_gm)  # the Pipe runs the rewritten graph
     originals = dict(model.named_modules())
     stages = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
@@ -165,6 +166,36 @@ def _called_as_itself(traced: nn.Module) -> bool:
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in graph.nodes if n.op == "output")
     return len(inputs) == 1 and isinstance(output.args[0], fx.Node)
+
+
+def casts_as_in_eager(root: nn.Module) -> int:
+    """Give back the dtype casts torch.export drops: traced without autocast, ``x.float()`` of a float32 ``x`` is a
+    no-op, left in the graph as ``aten._assert_tensor_metadata(x, dtype=float32)`` only, which fails once the stage
+    runs under autocast and ``x`` is 16-bit (Mixtral's router: ``softmax(router_logits.float())``). Each such
+    assertion becomes the cast itself (``x.to(dtype)``: nothing when ``x`` has that dtype), read by every later user
+    of ``x``, as the eager code's cast was. Applied to every graph below ``root``; returns how many it rewrote."""
+    assert_meta = torch.ops.aten._assert_tensor_metadata.default
+    count = 0
+    for module in root.modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        asserts = [n for n in graph.nodes if n.op == "call_function" and n.target is assert_meta]
+        for node in asserts:
+            dtype, x = node.kwargs.get("dtype"), node.args[0]
+            if dtype is None or not isinstance(x, fx.Node):
+                continue
+            with graph.inserting_after(node):
+                cast = graph.call_function(torch.ops.aten.to.dtype, (x, dtype))
+            for user in [u for u in x.users if u is not cast and u is not node and order.get(u, -1) > order[node]]:
+                user.replace_input_with(x, cast)
+            graph.erase_node(node)
+            count += 1
+        compiled = module if isinstance(module, fx.GraphModule) else module.__dict__.get("graph_module")
+        if asserts and isinstance(compiled, fx.GraphModule):  # an unflattened module's codegen copy, too
+            compiled.recompile()
+    return count
 
 
 def chain_stages(split_gm: fx.GraphModule) -> None:
