@@ -68,7 +68,7 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
     Returns one module per stage, with the original parameter names and leaf modules, each reading exactly the
     previous stage's outputs (:func:`chain_stages`), and the traced whole that calls them in order (what
     :func:`boundary_values` runs). ``loss_head``: the path of a module the last stage holds but does not run (the
-    head ``plan.fused_loss`` fuses with the loss): it is traced as the identity, so the last stage returns its input
+    head ``plan.fused_loss`` fuses with the loss): it is traced as its input, so the last stage returns that
     in place of its output, and :class:`StageLoss` runs it on that input (:func:`hold_loss_head`).
     """
     args, kwargs = microbatch
@@ -82,8 +82,8 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
 
     hook = model.register_forward_hook(seen_output)
     head, seen = (model.get_submodule(loss_head), []) if loss_head else (None, [])
-    if head is not None:  # the identity in its place; what it returned is found among the model's outputs
-        _swap(model, loss_head, nn.Identity()).register_forward_hook(lambda m, a, out: seen.append(out))
+    if head is not None:  # its input in its place; what that returned is found among the model's outputs
+        _swap(model, loss_head, _HeadInput()).register_forward_hook(lambda m, a, out: seen.append(out))
     try:  # (a Hugging Face model's key/value cache is off: train.switch_off_kv_cache, which the script calls)
         with causal_mask_as_in_eager(own_positions="position_ids" not in (kwargs or {})):
             pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None,
@@ -103,7 +103,7 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
     taken: set[int] = set()  # parameters an earlier stage holds
     for stage in stages:
         memo: dict = {}  # a tied parameter's copy, shared by this stage's modules
-        if head is not None and stage is stages[-1]:
+        if head is not None and stage is stages[-1]:  # before the swap below, which would call the head itself
             hold_loss_head(stage, loss_head, head, leaves[-1] if leaves else [], seen, taken=taken, memo=memo)
         for path, module in list(stage.named_modules()):
             original = originals.get(path)
@@ -120,6 +120,14 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
     return stages, pipe
 
 
+class _HeadInput(nn.Module):
+    """The loss head's stand-in while the pipeline is traced: its input, as a view (one graph node, so that a last
+    stage cut before the head, holding nothing else, still has a graph: it passes the head's input on)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+
 def _swap(model: nn.Module, path: str, module: nn.Module) -> nn.Module:
     """Register ``module`` at ``path`` of ``model`` (in place of what is there); returns it."""
     parent, _, name = path.rpartition(".")
@@ -131,7 +139,7 @@ def hold_loss_head(stage: nn.Module, path: str, head: nn.Module, outputs: list, 
                    memo: dict) -> None:
     """Make the last ``stage`` hold the loss ``head`` at its model path ``path`` (its own copy where an earlier
     stage holds one of its parameters, as a tied parameter is copied: ``taken``, ``memo``), and note which of the
-    stage's outputs (the model's output tensors, ``outputs``, as traced) is its input (``seen``: what the identity
+    stage's outputs (the model's output tensors, ``outputs``, as traced) is its input (``seen``: what the stand-in
     traced in its place returned): ``stage.loss_head`` (path, index), read by :class:`StageLoss`."""
     index = next((i for i, t in enumerate(outputs) if seen and t is seen[-1]), None)
     if index is None:
@@ -140,6 +148,14 @@ def hold_loss_head(stage: nn.Module, path: str, head: nn.Module, outputs: list, 
                          "the loss under pipelining; re-plan with fix fused_loss=False")
     if any(id(p) in taken for p in head.parameters()):  # tied to an earlier stage's (GPT-2's wte): its own copy
         head = copy.deepcopy(head, memo)
+    for prefix, module in list(stage.named_modules()):  # the stand-in's traced call: its view, inline
+        for node in list(getattr(module, "graph", fx.Graph()).nodes):
+            if node.op == "call_module" and f"{prefix}.{node.target}".lstrip(".") == path:
+                with module.graph.inserting_before(node):
+                    node.replace_all_uses_with(module.graph.call_method("view_as", (node.args[0], node.args[0])))
+                module.graph.erase_node(node)
+                module.delete_submodule(node.target)
+                module.recompile()
     parent = stage
     *within, name = path.split(".")
     for part in within:  # its parents, where the stage's graph has none: empty modules (names kept)
