@@ -5,7 +5,8 @@ Before, the planner refused pipelining for every one of them: their attention ma
 are made once and read by every layer, labels reach the loss in the last stage, T5's encoder output reaches every
 decoder block; ``runtime/pp.py`` now passes such values on through the stages between and sends contiguous copies.
 Every case goes through :func:`autopar_nb.verify.verify_many` against a single-process reference, all in ONE launch of
-2 gloo processes; one family's exported script runs under ``torchrun``.
+2 gloo processes (LLaMA and GPT-2 also with the output head fused with the loss on the last stage); two exported
+scripts run under ``torchrun``.
 """
 
 from __future__ import annotations
@@ -27,21 +28,25 @@ NAMES = ["LLaMA", "Qwen2", "GPT-NeoX", "GPT-2", "BERT", "T5", "ViT", "Mixtral"]
 # GPT-2's tied embedding and head on stages of one rank (the V). Not here: T5 under ZBV (see README, Limits)
 CASES = ([(name, "1f1b") for name in NAMES] + [(name, "interleaved_1f1b") for name in ("LLaMA", "GPT-2", "T5", "ViT")]
          + [(name, "zbv_zero_bubble") for name in ("LLaMA", "GPT-2", "ViT")])
+# the output head fused with the loss on the last stage (plan.fused_loss), against the unfused single process: LLaMA,
+# and GPT-2 whose head is tied to the embedding on the first stage (on the same rank in the V)
+FUSED_CASES = [(name, schedule, "fused") for name in ("LLaMA", "GPT-2")
+               for schedule in ("1f1b", "interleaved_1f1b", "zbv_zero_bubble")]
 STEPS = 2
 
 
-def _plan(name: str, schedule: str):
+def _plan(name: str, schedule: str, fused: str = ""):
     src = run_model_cell(FAMILIES[name], {}).source
     model, inputs, _ = src.build(device="meta")
     graph = ap.capture(model, inputs)
     plan = ap.plan(graph, ap.Cluster.preset("cpu", gpus_per_node=2), global_batch=graph.batch_size,
-                   fix={"pp": 2, "schedule": schedule})
+                   fix={"pp": 2, "schedule": schedule, "fused_loss": bool(fused)})
     return src, plan
 
 
 @pytest.fixture(scope="module")
 def runs():
-    planned = {case: _plan(*case) for case in CASES}
+    planned = {case: _plan(*case) for case in CASES + FUSED_CASES}
     return dict(zip(planned, zip(planned.values(), verify_many(list(planned.values()), steps=STEPS, nproc=2),
                                  strict=True), strict=True))
 
@@ -59,6 +64,31 @@ def test_planned_pipeline_trains_like_one_process(runs, case):
     model, _, _ = src.build(device="meta")
     whole = sum(p.numel() for p in model.parameters())
     assert all(0 < info["local_numel"] < whole for info in report.per_rank), (report.per_rank, whole)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: "-".join(c))
+def test_pipeline_with_the_fused_head_trains_like_one_process(runs, case):
+    """The last stage ends at the head's input and its loss is kernels_ext's fused linear + cross-entropy with the
+    stage's own head weight; loss and gradients as the unfused model's in one process (GPT-2's tied copies summed:
+    ``TiedGradients``)."""
+    (src, plan), report = runs[case]
+    assert plan.fused_loss == "lm_head" and plan.mesh.pp == 2 and plan.pipeline.schedule == case[1]
+    assert report.ok, f"{plan.summary()}: {report}"
+    assert len(report.steps) == STEPS
+
+
+@pytest.mark.multiprocess
+def test_exported_fused_pipeline_script_runs_under_torchrun(runs, tmp_path):
+    """GPT-2 (tied head) with the fused head under ZBV, from the exported script: the head fused before the trace,
+    the last stage holding it."""
+    from autopar_nb.export import export, render_script
+
+    (src, plan), _ = runs[("GPT-2", "zbv_zero_bubble", "fused")]
+    text = render_script(src, plan)
+    body = text[text.index("def parallelize("):]
+    assert body.index("apply_fused_loss(model, FUSED_LOSS)") < body.index("loss_head=FUSED_LOSS)")
+    assert _torchrun(src, plan, tmp_path / "train_gpt2_fused.py", export) == "ok"
 
 
 @pytest.mark.multiprocess
