@@ -324,3 +324,21 @@ def test_pipelined_fused_head_never_holds_the_logits(head_alone):
     assert not {"pipeline_outputs", "loss_saved", "loss_temporaries"} & set(last), last
     predicted = last["saved_activations"] + last["backward_working_set"]
     assert predicted == pytest.approx(fused["peak"], rel=0.05), (last, fused["peak"])
+
+
+def test_planner_fuses_the_loss_on_the_last_pipeline_stage_to_fit():
+    """pp=2 pinned, a limit between the two peaks: the planner fuses the head on the last stage (the rank with the
+    logits: its peak falls, the first stage's stays), and says why."""
+    graph = _graph(lm_source(vocab=4096, dim=32, batch=4, seq=256))
+    fix = {"pp": 2, "micro_batches": 2, "schedule": "1f1b", "recompute": "none"}
+    plans = [ap.plan(graph, _cluster("cpu", 2), fix=fix | {"fused_loss": f}) for f in (False, True)]
+    unfused, fused = ([m.total for m in p.cost.memory_by_rank] for p in plans)
+    assert fused[0] == unfused[0] and fused[1] < 0.5 * unfused[1], (unfused, fused)
+    assert "pipeline_outputs" not in plans[1].cost.memory_by_rank[1].terms
+    limit = (max(unfused) + max(fused)) / 2 * 2  # the cpu preset divides the host's memory among its 2 ranks
+    with pytest.raises(PlanError, match="nothing fits"):
+        ap.plan(graph, _cluster("cpu", 2, limit), fix=fix | {"fused_loss": False})
+    plan = ap.plan(graph, _cluster("cpu", 2, limit), fix=fix)
+    assert plan.fused_loss == "head" and plan.mesh.pp == 2 and plan.cost.peak_memory_bytes <= limit / 2
+    assert "Output head head fused with the loss (chosen" in plan.explain()
+    assert ap.plan(graph, _cluster("cpu", 2), fix=fix).fused_loss == "", "with room to spare: unfused"
