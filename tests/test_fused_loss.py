@@ -342,3 +342,24 @@ def test_planner_fuses_the_loss_on_the_last_pipeline_stage_to_fit():
     assert plan.fused_loss == "head" and plan.mesh.pp == 2 and plan.cost.peak_memory_bytes <= limit / 2
     assert "Output head head fused with the loss (chosen" in plan.explain()
     assert ap.plan(graph, _cluster("cpu", 2), fix=fix).fused_loss == "", "with room to spare: unfused"
+
+
+@pytest.mark.multiprocess
+def test_verify_pipelined_fused_head_beside_data_parallelism():
+    """pp=2 x dp=2 on 4 gloo processes, one launch: LLaMA under DDP (the stage wrapped, the head's weight reduced
+    with the rest) and GPT-2 (tied head) under FSDP2 ZeRO-3 (the head gathered when the loss runs it, outside the
+    stage's forward), each against the unfused model in one process."""
+    from families import FAMILIES
+
+    from autopar_nb.verify import verify_many
+
+    cases = []
+    for name, zero in (("LLaMA", 0), ("GPT-2", 3)):
+        src = ModelSource(FAMILIES[name])
+        graph = _graph(src)
+        plan = ap.plan(graph, _cluster("cpu", 4), global_batch=graph.batch_size,
+                       fix={"pp": 2, "dp": 2, "zero_stage": zero, "schedule": "1f1b", "fused_loss": True})
+        assert plan.fused_loss == "lm_head" and (plan.mesh.pp, plan.mesh.dp, plan.mesh.zero_stage) == (2, 2, zero)
+        cases.append((src, plan))
+    for (_, plan), report in zip(cases, verify_many(cases, steps=2, nproc=4), strict=True):
+        assert report.ok, f"{plan.summary()}: {report}"
