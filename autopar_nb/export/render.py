@@ -244,8 +244,8 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
                  "    apply_fused_norm(model)"]
         uses.append("apply_fused_norm")
     if v.pp > 1 and v.fused_loss:
-        head += ["    # the output head fused with the loss (it never holds the full logits), before the trace: the last "
-                 "stage holds", "    # it, ends at its input, and its loss runs it on that input (StageLoss)",
+        head += ["    # the output head fused with the loss (it never holds the full logits), before the trace: the "
+                 "last stage", "    # holds it, ends at its input, and its loss runs it on that input (StageLoss)",
                  "    apply_fused_loss(model, FUSED_LOSS)"]
         uses.append("apply_fused_loss")
     if v.pp > 1:
