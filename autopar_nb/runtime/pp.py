@@ -30,6 +30,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .data import model_call, split_batch
@@ -148,14 +149,7 @@ def hold_loss_head(stage: nn.Module, path: str, head: nn.Module, outputs: list, 
                          "the loss under pipelining; re-plan with fix fused_loss=False")
     if any(id(p) in taken for p in head.parameters()):  # tied to an earlier stage's (GPT-2's wte): its own copy
         head = copy.deepcopy(head, memo)
-    for prefix, module in list(stage.named_modules()):  # the stand-in's traced call: its view, inline
-        for node in list(getattr(module, "graph", fx.Graph()).nodes):
-            if node.op == "call_module" and f"{prefix}.{node.target}".lstrip(".") == path:
-                with module.graph.inserting_before(node):
-                    node.replace_all_uses_with(module.graph.call_method("view_as", (node.args[0], node.args[0])))
-                module.graph.erase_node(node)
-                module.delete_submodule(node.target)
-                module.recompile()
+    _inline_stand_in(stage, path)
     parent = stage
     *within, name = path.split(".")
     for part in within:  # its parents, where the stage's graph has none: empty modules (names kept)
@@ -164,6 +158,21 @@ def hold_loss_head(stage: nn.Module, path: str, head: nn.Module, outputs: list, 
         parent = parent._modules[part]
     parent.register_module(name, head)
     stage.loss_head = (path, index)
+
+
+def _inline_stand_in(stage: nn.Module, path: str) -> None:
+    """Replace the stage's calls of the traced :class:`_HeadInput` at model path ``path`` (where the loss head
+    goes) with the view it computes, and drop its traced module."""
+    for prefix, module in list(stage.named_modules()):
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in list(module.graph.nodes):
+            if node.op == "call_module" and f"{prefix}.{node.target}".lstrip(".") == path:
+                with module.graph.inserting_before(node):
+                    node.replace_all_uses_with(module.graph.call_method("view_as", (node.args[0], node.args[0])))
+                module.graph.erase_node(node)
+                module.delete_submodule(node.target)
+                module.recompile()
 
 
 @contextlib.contextmanager
@@ -456,7 +465,7 @@ def build_schedule(stages: list[PipelineStage], *, schedule: str, n_microbatches
 
 def _unwrapped(module: nn.Module) -> nn.Module:
     """The stage module inside a DDP wrapper (``apply_ddp``), or the module."""
-    return getattr(module, "module", module) if type(module).__name__ == "DistributedDataParallel" else module
+    return module.module if isinstance(module, DistributedDataParallel) else module
 
 
 class StageLoss:
