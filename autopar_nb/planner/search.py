@@ -256,8 +256,8 @@ class Search:
         """Why the runtime (``autopar_nb.runtime``, the exported script) cannot run this mesh with the fixed choices,
         "" when it can. The runtime's restrictions: ZeRO-1's ZeroRedundancyOptimizer does not take TP's DTensor
         parameters (dp x tp runs ZeRO 0 through FSDP2's replicate, or ZeRO 2/3); SyncBatchNorm is not applied under
-        pipelining; pipelining does not take fp16 loss scaling, nor a model torch.export cannot trace; context
-        parallelism runs beside data parallelism only."""
+        pipelining; pipelining does not take fp16 loss scaling, nor a model torch.export cannot trace, nor the fused
+        head beside TP (it runs on the last stage unsplit); context parallelism runs beside data parallelism only."""
         fix = self.cons.fix
         if cp > 1 and (tp > 1 or pp > 1 or fix.get("fused_loss")):
             return (f"cp={cp} with tp={tp}, pp={pp}{' and fused_loss' if fix.get('fused_loss') else ''}: context "
