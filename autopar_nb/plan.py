@@ -620,18 +620,21 @@ class Plan:
             raise PlanError(f"mesh.cp={m.cp} with {why} is not supported; set mesh.cp to 1")
 
     def _check_fused_loss(self) -> None:
-        """``fused_loss``: a module path or ""; the fused head runs on the one pipeline stage, vocab-parallel under
-        TP (its own loss, not torch's loss_parallel)."""
+        """``fused_loss``: a module path or ""; the fused head runs where the head is (under pipelining on the last
+        stage, which ends at its input), vocab-parallel under TP (its own loss, not torch's loss_parallel), not
+        both pipelined and vocab-parallel (not verified)."""
         _check_module_path("fused_loss", self.fused_loss, root=True)
         if not self.fused_loss:
             return
         m = self.mesh
-        if m.pp > 1 or self.loss_parallel:
-            why = ("loss_parallel=true (the fused head computes a vocab-parallel loss itself under TP; torch's "
-                   "loss_parallel takes logits, which it never makes)" if self.loss_parallel else
-                   f"mesh.pp={m.pp} (the pipeline schedule computes the loss from the last stage's output)")
-            raise PlanError(f"fused_loss={self.fused_loss!r} with {why}: the fused linear + cross-entropy runs with "
-                            "pp=1 and loss_parallel=false only; set fused_loss to \"\" (or fix fused_loss=false)")
+        if self.loss_parallel:
+            raise PlanError(f"fused_loss={self.fused_loss!r} with loss_parallel=true (the fused head computes a "
+                            "vocab-parallel loss itself under TP; torch's loss_parallel takes logits, which it never "
+                            "makes): set loss_parallel to false, or fused_loss to \"\" (or fix fused_loss=false)")
+        if m.pp > 1 and m.tp > 1:
+            raise PlanError(f"fused_loss={self.fused_loss!r} with mesh.pp={m.pp} and mesh.tp={m.tp}: the fused head "
+                            "runs on the last pipeline stage unsplit, or vocab-parallel without pipelining, not both "
+                            "(not verified yet); use tp=1 or pp=1, or set fused_loss to \"\" (fix fused_loss=false)")
 
     def _check_info(self) -> None:
         """``model`` and ``cluster``: dicts of known keys with their types."""

@@ -1,7 +1,9 @@
 """The fused output head + loss: runtime/fused_loss.py (kernels_ext's chunked op against the unfused default loss:
 same loss and gradients, same parameter names), and plan.fused_loss as the planner's choice: cost/loss.py's head
 and memory terms against a closed form, a plan that fits only fused, the plan field and fix key, the exported script
-(ruff-clean) and verify of a fused ZeRO-3 plan on 2 gloo processes."""
+(ruff-clean) and verify of a fused ZeRO-3 plan on 2 gloo processes. Under pipelining (the head on the last stage,
+which ends at its input): the last stage's peak memory measured (the profiler's allocation events, which see inside
+the fused op), against the unfused stage's and the cost model's; its 2-process runs are in test_pp_families.py."""
 
 from __future__ import annotations
 
@@ -165,13 +167,16 @@ def test_fused_loss_field_and_fix_key():
         with pytest.raises(PlanError, match=match):
             Plan.from_dict(d | bad)
     assert Plan.from_dict(d | {"mesh": d["mesh"] | {"dp": 1, "tp": 2}}).fused_loss == "head", "vocab-parallel"
-    with pytest.raises(PlanError, match="with mesh.pp=2"):
-        Plan.from_dict(d | {"mesh": d["mesh"] | {"dp": 1, "pp": 2}})
+    piped = d | {"batch": d["batch"] | {"micro_batches": 2}}
+    assert Plan.from_dict(piped | {"mesh": d["mesh"] | {"dp": 1, "pp": 2}}).fused_loss == "head", "on the last stage"
+    with pytest.raises(PlanError, match="with mesh.pp=2 and mesh.tp=2: the fused head runs on the last pipeline"):
+        Plan.from_dict(piped | {"mesh": d["mesh"] | {"dp": 1, "pp": 2, "tp": 2}})
     assert normalize_fix({"fused_loss": True}) == {"fused_loss": True}
     with pytest.raises(PlanError, match=r"fix\['fused_loss'\]='yes' is not supported"):
         normalize_fix({"fused_loss": "yes"})
-    with pytest.raises(PlanError, match="pp=2 with fix fused_loss=True: the fused head"):
-        ap.plan(graph, _cluster("h100-80gb", 2), fix={"pp": 2, "dp": 1, "fused_loss": True})
+    assert ap.plan(graph, _cluster("h100-80gb", 2), fix={"pp": 2, "dp": 1, "fused_loss": True}).fused_loss == "head"
+    with pytest.raises(PlanError, match=r"pp=2 x tp=2 with fix fused_loss=True: the fused head \+ loss runs on the"):
+        ap.plan(graph, _cluster("h100-80gb", 4), fix={"pp": 2, "tp": 2, "dp": 1, "fused_loss": True})
     with pytest.raises(PlanError, match="cannot be fused: the cell defines its own loss_fn"):
         ap.plan(graph, _cluster("h100-80gb", 2), fix={"fused_loss": True}, default_loss=False)
     mlp = ap.capture(zoo.SeedMLP(), torch.randn(4, 1024))
@@ -226,3 +231,135 @@ def test_verify_vocab_parallel_fused_plan_on_two_gloo_processes(family):
     assert body.index("apply_fused_loss(") < body.index("apply_tp(") < body.index("shard_fused_head(part, FUSED_LOSS")
     report = ap.verify(src, plan, steps=3, nproc=2)
     assert report.ok, report
+
+
+# ---- under pipelining: the head on the last stage -------------------------------------------------------------------
+def _peak_allocated(fn) -> int:
+    """Peak bytes allocated above the start while ``fn()`` runs: the profiler's allocation events (``[memory]``,
+    every CPU allocation and free, also those inside a custom op's kernel, which a dispatch-mode tracker such as
+    MemTracker does not see)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    now = peak = 0
+    for e in events:
+        now += e.nbytes()
+        peak = max(peak, now)
+    return peak
+
+
+def _last_stage_step(model, boundaries: list[str], batch: tuple, *, fused: bool) -> dict:
+    """The pipeline's last stage as the runtime builds it (``split_model``, with the fused head as its loss head, a
+    ``StageLoss``): its forward from the previous stages' outputs, the loss and backward, the last two profiled;
+    returns the loss, the head weight's and the stage input's gradients, and the peak bytes."""
+    from autopar_nb.runtime.pp import StageLoss, split_model
+
+    model = copy.deepcopy(model)
+    if fused:
+        apply_fused_loss(model, "lm_head")
+    stages, _ = split_model(model, boundaries=boundaries, microbatch=(batch, {}),
+                            loss_head="lm_head" if fused else "")
+    stage_loss = StageLoss(fused_default_loss if fused else default_loss)
+    stage_loss.learn(stages[-1])
+    stage_loss.micro = [batch]
+    out = stages[0](*batch)
+    for stage in stages[1:-1]:
+        out = stage(*out)
+    received = [t.detach().requires_grad_(t.is_floating_point()) for t in out]  # the receive buffers
+    got = {}
+
+    def step():
+        loss = stage_loss(stages[-1](*received), 0)
+        loss.backward()
+        got["loss"] = loss.detach()
+
+    got["peak"] = _peak_allocated(step)
+    got["head_grad"], got["input_grad"] = stages[-1].get_parameter("lm_head.weight").grad, received[0].grad
+    return got
+
+
+@pytest.mark.parametrize("head_alone", [True, False], ids=["head-alone", "layer-and-head"])
+def test_pipelined_fused_head_never_holds_the_logits(head_alone):
+    """LLaMA (hidden 64, vocab 8192), pp=2, a micro-batch of 8 x 256 = 2048 tokens, whose fp32 logits are 64 MiB:
+    the last stage's forward, loss and backward peak below one logits tensor with the fused head (its chunks, 256
+    tokens), at over 2.5 with the unfused one (logits, log-softmax and their gradients), with the same loss and
+    gradients; the cost model's last rank has no logits (no stage output kept, no loss terms) and predicts the
+    fused stage's activations and working set to 5 %. The planner puts the head alone on the last stage here; the
+    other layout moves the last block there too."""
+    from memcells import CELLS
+    from runtime_cases import has_transformers
+
+    from autopar_nb.cost import estimate
+    from autopar_nb.runtime.pp import stage_boundaries
+    from autopar_nb.runtime.train import switch_off_kv_cache
+
+    if not has_transformers():
+        pytest.skip("needs transformers")
+    vocab, size = 8192, {"hidden": 64, "layers": 2, "seq": 256, "batch": 16}
+    src = ModelSource(CELLS["LLaMA"](**size).replace("1024", str(vocab)))
+    graph = _graph(src)
+    cluster = ap.Cluster.preset("cpu", 1, 2)
+    fix = {"pp": 2, "micro_batches": 2, "schedule": "1f1b", "amp": "none", "recompute": "none"}
+    plans = {f: ap.plan(graph, cluster, global_batch=size["batch"], fix=fix | {"fused_loss": f}) for f in (False, True)}
+    assert [lp.stage for lp in plans[True].layers] == [0] * 5 + [1], "the head alone on the last stage"
+    if not head_alone:  # the last block, the final norm and the head on the last stage
+        plans = {f: dataclasses.replace(p, layers=[dataclasses.replace(lp, stage=int(i >= 3))
+                                                   for i, lp in enumerate(p.layers)]) for f, p in plans.items()}
+    model, (ids,), _ = src.build(device="cpu")
+    switch_off_kv_cache(model)
+    model.eval()
+    micro = (ids[: size["batch"] // 2],)
+    boundaries = stage_boundaries(plans[True].stage_layers())
+    unfused, fused = (_last_stage_step(model, boundaries, micro, fused=f) for f in (False, True))
+    torch.testing.assert_close(fused["loss"], unfused["loss"], rtol=1e-5, atol=1e-6)
+    for key in ("head_grad", "input_grad"):
+        torch.testing.assert_close(fused[key], unfused[key], rtol=1e-4, atol=1e-7)
+    logits = micro[0].numel() * vocab * 4
+    print(f"last stage peak: unfused {unfused['peak'] / 2**20:.1f} MiB, fused {fused['peak'] / 2**20:.1f} MiB, "
+          f"logits {logits / 2**20:.0f} MiB")
+    assert fused["peak"] < 0.7 * logits < 2.5 * logits < unfused["peak"]
+    last = estimate(graph, cluster, plans[True]).memory_by_rank[1].terms
+    assert not {"pipeline_outputs", "loss_saved", "loss_temporaries"} & set(last), last
+    predicted = last["saved_activations"] + last["backward_working_set"]
+    assert predicted == pytest.approx(fused["peak"], rel=0.05), (last, fused["peak"])
+
+
+def test_planner_fuses_the_loss_on_the_last_pipeline_stage_to_fit():
+    """pp=2 pinned, a limit between the two peaks: the planner fuses the head on the last stage (the rank with the
+    logits: its peak falls, the first stage's stays), and says why."""
+    graph = _graph(lm_source(vocab=4096, dim=32, batch=4, seq=256))
+    fix = {"pp": 2, "micro_batches": 2, "schedule": "1f1b", "recompute": "none"}
+    plans = [ap.plan(graph, _cluster("cpu", 2), fix=fix | {"fused_loss": f}) for f in (False, True)]
+    unfused, fused = ([m.total for m in p.cost.memory_by_rank] for p in plans)
+    assert fused[0] == unfused[0] and fused[1] < 0.5 * unfused[1], (unfused, fused)
+    assert "pipeline_outputs" not in plans[1].cost.memory_by_rank[1].terms
+    limit = (max(unfused) + max(fused)) / 2 * 2  # the cpu preset divides the host's memory among its 2 ranks
+    with pytest.raises(PlanError, match="nothing fits"):
+        ap.plan(graph, _cluster("cpu", 2, limit), fix=fix | {"fused_loss": False})
+    plan = ap.plan(graph, _cluster("cpu", 2, limit), fix=fix)
+    assert plan.fused_loss == "head" and plan.mesh.pp == 2 and plan.cost.peak_memory_bytes <= limit / 2
+    assert "Output head head fused with the loss (chosen" in plan.explain()
+    assert ap.plan(graph, _cluster("cpu", 2), fix=fix).fused_loss == "", "with room to spare: unfused"
+
+
+@pytest.mark.multiprocess
+def test_verify_pipelined_fused_head_beside_data_parallelism():
+    """pp=2 x dp=2 on 4 gloo processes, one launch: LLaMA under DDP (the stage wrapped, the head's weight reduced
+    with the rest) and GPT-2 (tied head) under FSDP2 ZeRO-3 (the head gathered when the loss runs it, outside the
+    stage's forward), each against the unfused model in one process."""
+    from families import FAMILIES
+
+    from autopar_nb.verify import verify_many
+
+    cases = []
+    for name, zero in (("LLaMA", 0), ("GPT-2", 3)):
+        src = ModelSource(FAMILIES[name])
+        graph = _graph(src)
+        plan = ap.plan(graph, _cluster("cpu", 4), global_batch=graph.batch_size,
+                       fix={"pp": 2, "dp": 2, "zero_stage": zero, "schedule": "1f1b", "fused_loss": True})
+        assert plan.fused_loss == "lm_head" and (plan.mesh.pp, plan.mesh.dp, plan.mesh.zero_stage) == (2, 2, zero)
+        cases.append((src, plan))
+    for (_, plan), report in zip(cases, verify_many(cases, steps=2, nproc=4), strict=True):
+        assert report.ok, f"{plan.summary()}: {report}"

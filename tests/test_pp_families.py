@@ -5,7 +5,8 @@ Before, the planner refused pipelining for every one of them: their attention ma
 are made once and read by every layer, labels reach the loss in the last stage, T5's encoder output reaches every
 decoder block; ``runtime/pp.py`` now passes such values on through the stages between and sends contiguous copies.
 Every case goes through :func:`autopar_nb.verify.verify_many` against a single-process reference, all in ONE launch of
-2 gloo processes; one family's exported script runs under ``torchrun``.
+2 gloo processes (LLaMA and GPT-2 also with the output head fused with the loss on the last stage); two exported
+scripts run under ``torchrun``.
 """
 
 from __future__ import annotations
@@ -30,21 +31,27 @@ CASES = ([(name, "1f1b") for name in NAMES] + [(name, "interleaved_1f1b") for na
          # under bf16 autocast: the stages are traced without it (Mixtral's router casts its logits to float32, a
          # no-op while tracing: runtime/pp.py's casts_as_in_eager)
          + [(name, "1f1b", "bf16") for name in ("Mixtral", "T5")])
+# the output head fused with the loss on the last stage (plan.fused_loss), against the unfused single process: LLaMA,
+# and GPT-2 whose head is tied to the embedding on the first stage (on the same rank in the V)
+FUSED_CASES = [(name, schedule, "fused") for name in ("LLaMA", "GPT-2")
+               for schedule in ("1f1b", "interleaved_1f1b", "zbv_zero_bubble")]
 STEPS = 2
 
 
-def _plan(name: str, schedule: str, amp: str = "none"):
+def _plan(name: str, schedule: str, variant: str = ""):
+    """The planner's pp=2 plan under ``schedule``; ``variant`` "bf16" (autocast) or "fused" (the fused head)."""
     src = run_model_cell(FAMILIES[name], {}).source
     model, inputs, _ = src.build(device="meta")
     graph = ap.capture(model, inputs)
     plan = ap.plan(graph, ap.Cluster.preset("cpu", gpus_per_node=2), global_batch=graph.batch_size,
-                   fix={"pp": 2, "schedule": schedule, "amp": amp})
+                   fix={"pp": 2, "schedule": schedule, "amp": "bf16" if variant == "bf16" else "none",
+                        "fused_loss": variant == "fused"})
     return src, plan
 
 
 @pytest.fixture(scope="module")
 def runs():
-    planned = {case: _plan(*case) for case in CASES}
+    planned = {case: _plan(*case) for case in CASES + FUSED_CASES}
     return dict(zip(planned, zip(planned.values(), verify_many(list(planned.values()), steps=STEPS, nproc=2),
                                  strict=True), strict=True))
 
@@ -55,13 +62,39 @@ def test_planned_pipeline_trains_like_one_process(runs, case):
     (src, plan), report = runs[case]
     print(plan.summary())
     print(report)
-    assert plan.mesh.pp == 2 and plan.pipeline.schedule == case[1] and plan.precision.amp == (case[2:] or ("none",))[0]
+    assert plan.mesh.pp == 2 and plan.pipeline.schedule == case[1] and plan.precision.amp == (
+        "bf16" if case[2:] == ("bf16",) else "none")
     assert len({lp.stage for lp in plan.layers}) == 2 * plan.pipeline.virtual_stages
     assert report.ok, f"{plan.summary()}: {report}"
     assert len(report.steps) == STEPS
     model, _, _ = src.build(device="meta")
     whole = sum(p.numel() for p in model.parameters())
     assert all(0 < info["local_numel"] < whole for info in report.per_rank), (report.per_rank, whole)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: "-".join(c))
+def test_pipeline_with_the_fused_head_trains_like_one_process(runs, case):
+    """The last stage ends at the head's input and its loss is kernels_ext's fused linear + cross-entropy with the
+    stage's own head weight; loss and gradients as the unfused model's in one process (GPT-2's tied copies summed:
+    ``TiedGradients``)."""
+    (src, plan), report = runs[case]
+    assert plan.fused_loss == "lm_head" and plan.mesh.pp == 2 and plan.pipeline.schedule == case[1]
+    assert report.ok, f"{plan.summary()}: {report}"
+    assert len(report.steps) == STEPS
+
+
+@pytest.mark.multiprocess
+def test_exported_fused_pipeline_script_runs_under_torchrun(runs, tmp_path):
+    """GPT-2 (tied head) with the fused head under ZBV, from the exported script: the head fused before the trace,
+    the last stage holding it."""
+    from autopar_nb.export import export, render_script
+
+    (src, plan), _ = runs[("GPT-2", "zbv_zero_bubble", "fused")]
+    text = render_script(src, plan)
+    body = text[text.index("def parallelize("):]
+    assert body.index("apply_fused_loss(model, FUSED_LOSS)") < body.index("loss_head=FUSED_LOSS)")
+    assert _torchrun(src, plan, tmp_path / "train_gpt2_fused.py", export) == "ok"
 
 
 @pytest.mark.multiprocess

@@ -423,7 +423,8 @@ class Evaluator:
         """Fill ``sums.pipe`` and ``sums.p2p`` from the tensors crossing each cut (:attr:`GraphProfile.crossings`),
         as the runtime's pipeline stages (``runtime/pp.py``'s ``LeanStage``) hold them: the receiving stage a buffer
         per micro-batch in flight for every one (its layers' saved activations point into it), the sending stage
-        its own outputs until each micro-batch's backward (the last stage: the model's output), and a buffer for
+        its own outputs until each micro-batch's backward (the last stage: the model's output, or with the fused
+        head its input, which the fused op holds anyway), and a buffer for
         each gradient coming back to the micro-batch in backward. A stage holding a layer that reads a parameter
         another stage owns (a head tied to the embeddings) holds its own copy: in its parameters."""
         prof, pp = self.prof, s.pp
@@ -448,7 +449,9 @@ class Evaluator:
                     send["grad_recv"] += nbytes
             sums.p2p[a % pp] = max(sums.p2p[a % pp], sent)
         last = len(choices) - 1
-        sums.pipe[stage[last] % pp]["kept"] += self.choice_terms(last, s, choices[last]).out_bytes
+        if not (s.fused_loss and self.head.layer == last):  # fused: the stage returns the head's input, which the
+            # fused op saves (in the head layer's activations): no logits kept as the stage's output
+            sums.pipe[stage[last] % pp]["kept"] += self.choice_terms(last, s, choices[last]).out_bytes
         copies = {(stage[i], name): numel / (s.tp if split and choices[i].tp else 1)
                   for i, lp in enumerate(prof.layers) for name, (numel, split, owner) in lp.borrowed.items()
                   if stage[owner] != stage[i]}  # a tied parameter's copy on each other stage (runtime/pp.py)

@@ -169,7 +169,7 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
     torchtitan's order; the runtime names it calls and the imports it needs."""
     calls, uses, imports, plans = [], [], set(), []
     steps = iter(range(1, 10))  # the techniques' order, numbered in the comments
-    if v.fused_loss:
+    if v.fused_loss and v.pp == 1:  # pipelined: on the whole model, before the trace (below)
         calls += [f"# {next(steps)}. the output head fused with the loss (it never holds the full logits), first: the "
                   "techniques below", "#    wrap the module that replaces it, which holds the same weight",
                   "apply_fused_loss(part, FUSED_LOSS)"]
@@ -243,9 +243,16 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
                  "what the", "    # techniques below wrap" + (" and the pipeline's trace records" if v.pp > 1 else ""),
                  "    apply_fused_norm(model)"]
         uses.append("apply_fused_norm")
+    if v.pp > 1 and v.fused_loss:
+        head += ["    # the output head fused with the loss (it never holds the full logits), before the trace: the "
+                 "last stage", "    # holds it, ends at its input, and its loss runs it on that input (StageLoss)",
+                 "    apply_fused_loss(model, FUSED_LOSS)"]
+        uses.append("apply_fused_loss")
     if v.pp > 1:
+        split = call("split_model", "model", boundaries="STAGE_BOUNDARIES", microbatch="example",
+                     **({"loss_head": "FUSED_LOSS"} if v.fused_loss else {}), indent=len("    stages, whole = "))
         head += ["    # pipeline stages: trace the model on one micro-batch, cut it before each stage's first layer",
-                 "    stages, whole = split_model(model, boundaries=STAGE_BOUNDARIES, microbatch=example)",
+                 f"    stages, whole = {split}",
                  "    shapes = boundary_values(whole, stages, example)" if v.static_shapes else
                  "    shapes = None  # sequence shards cross a cut: the stages infer their shapes",
                  "    release_stages(model, stages, keep=stage_ids)  # the other ranks' stages' weights: freed",

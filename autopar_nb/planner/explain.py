@@ -236,8 +236,9 @@ def fused_loss_lines(best, ev, cons, why_not: str) -> list[str]:
         return [f"Loss unfused: fusing the output head {head.module} with it would need "
                 f"{fmt_bytes(oc.peak_memory_bytes)} and {oc.step_time_s * 1e3:.1f} ms/step "
                 f"({'does not fit' if not other.fits else 'slower'}); {what}."]
-    if s.tp > 1 or s.pp > 1:
-        return [f"Loss unfused: fusing the output head {head.module} with it runs with tp=1 and pp=1 only."]
+    if s.tp > 1 and s.pp > 1:
+        return [f"Loss unfused: fusing the output head {head.module} with it runs vocab-parallel (tp > 1) or on the "
+                "last pipeline stage (pp > 1), not both."]
     return []
 
 

@@ -256,8 +256,8 @@ class Search:
         """Why the runtime (``autopar_nb.runtime``, the exported script) cannot run this mesh with the fixed choices,
         "" when it can. The runtime's restrictions: ZeRO-1's ZeroRedundancyOptimizer does not take TP's DTensor
         parameters (dp x tp runs ZeRO 0 through FSDP2's replicate, or ZeRO 2/3); SyncBatchNorm is not applied under
-        pipelining; pipelining does not take fp16 loss scaling, nor a model torch.export cannot trace; context
-        parallelism runs beside data parallelism only."""
+        pipelining; pipelining does not take fp16 loss scaling, nor a model torch.export cannot trace, nor the fused
+        head beside TP (it runs on the last stage unsplit); context parallelism runs beside data parallelism only."""
         fix = self.cons.fix
         if cp > 1 and (tp > 1 or pp > 1 or fix.get("fused_loss")):
             return (f"cp={cp} with tp={tp}, pp={pp}{' and fused_loss' if fix.get('fused_loss') else ''}: context "
@@ -270,10 +270,10 @@ class Search:
                     "fix pp=1 (or dp=1)")
         if pp > 1 and self.prof.pp_blocker:
             return f"pp={pp}: {self.prof.pp_blocker}; or use pp=1"
-        if pp > 1 and fix.get("fused_loss"):
-            return (f"pp={pp} with fix fused_loss=True: the fused head + loss runs with pp=1 only (a pipeline "
-                    "schedule computes the loss from the last stage's output, where the fused head needs the "
-                    "targets inside the model's forward); use pp=1, or fused_loss=False")
+        if pp > 1 and tp > 1 and fix.get("fused_loss"):
+            return (f"pp={pp} x tp={tp} with fix fused_loss=True: the fused head + loss runs on the last pipeline "
+                    "stage unsplit, or vocab-parallel without pipelining, not both; use tp=1 or pp=1, or "
+                    "fused_loss=False")
         if pp > 1 and fix.get("compile"):
             return (f"pp={pp} with fix compile=True: compile applies to whole blocks, which a pipeline stage (a "
                     "traced graph) no longer runs as modules; use pp=1 or compile=False")
@@ -423,11 +423,12 @@ class Search:
     def fused_variant(self, cand: Candidate) -> Candidate:
         """The candidate, or the same setting with the output head and the loss fused (``Setting.fused_loss``) when
         the unfused one needs recompute the user did not ask for, or does not fit, and the fused one fits and is
-        faster (it adds one head matmul, and saves the logits' memory; ``cost/loss.py``). Tried with pp = 1 and
-        cp = 1 (what the runtime runs; under TP vocab-parallel), unless fused_loss is fixed either way. The other
+        faster (it adds one head matmul, and saves the logits' memory; ``cost/loss.py``). Tried with cp = 1, and
+        not with both pp > 1 and tp > 1 (what the runtime runs: under TP vocab-parallel, under pipelining on the
+        last stage), unless fused_loss is fixed either way. The other
         variant is kept on ``other``."""
         s, fix = cand.setting, self.cons.fix
-        if s.fused_loss or self.ev.head is None or "fused_loss" in fix or s.pp > 1 or s.cp > 1:
+        if s.fused_loss or self.ev.head is None or "fused_loss" in fix or (s.pp > 1 and s.tp > 1) or s.cp > 1:
             return cand
         added = any(ch.recompute != self.rec_pinned.get(i, "none") for i, ch in enumerate(cand.choices))
         if cand.fits and not added:

@@ -103,7 +103,11 @@ def shard_fused_head(model: nn.Module, head: str, tp_mesh, *, sequence_sharded: 
 def fused_default_loss(model, batch, *, causal: bool = True) -> torch.Tensor:
     """``default_loss`` (runtime/data.py) for a model whose head :func:`apply_fused_loss` replaced: the head gets the
     targets (the next token's for a causal LM, the last position ignored; else the same position's) and returns the
-    loss, which must reach the model's output unchanged (a tensor, or a Hugging Face output's ``logits``)."""
+    loss, which must reach the model's output unchanged (a tensor, or a Hugging Face output's ``logits``). Under
+    pipelining the last stage's loss runs it on a ``StageOutput`` (runtime/pp.py), which holds the head; a ``model``
+    that is no module (``model_call``'s stand-in, which records the inputs) is only called."""
+    if not isinstance(model, nn.Module):
+        return call_model(model, batch)
     head = next((m for m in model.modules() if isinstance(m, LinearCrossEntropyHead)), None)
     if head is None:
         raise ValueError("fused_default_loss needs a model whose head apply_fused_loss replaced")

@@ -30,6 +30,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .data import model_call, split_batch
@@ -61,23 +62,37 @@ def stage_ids(pp_rank: int, pp: int, num_stages: int, schedule: str) -> list[int
     return list(range(pp_rank, num_stages, pp))
 
 
-def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tuple, dict]
+def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tuple, dict], loss_head: str = ""
                 ) -> tuple[list[nn.Module], nn.Module]:
     """Trace ``model`` on one micro-batch of inputs and cut it before each module in ``boundaries``.
 
     Returns one module per stage, with the original parameter names and leaf modules, each reading exactly the
     previous stage's outputs (:func:`chain_stages`), and the traced whole that calls them in order (what
-    :func:`boundary_values` runs).
+    :func:`boundary_values` runs). ``loss_head``: the path of a module the last stage holds but does not run (the
+    head ``plan.fused_loss`` fuses with the loss): it is traced as its input, so the last stage returns that
+    in place of its output, and :class:`StageLoss` runs it on that input (:func:`hold_loss_head`).
     """
     args, kwargs = microbatch
     specs: list = []  # the structure of the model's output, seen while it is traced
-    hook = model.register_forward_hook(lambda m, a, out: specs.append(tree_flatten(out)[1]))
+    leaves: list = []  # its tensors, to find the loss head's output among them
+
+    def seen_output(module, args, out) -> None:
+        tensors, spec = tree_flatten(out)
+        leaves.append(tensors)
+        specs.append(spec)
+
+    hook = model.register_forward_hook(seen_output)
+    head, seen = (model.get_submodule(loss_head), []) if loss_head else (None, [])
+    if head is not None:  # its input in its place; what that returned is found among the model's outputs
+        _swap(model, loss_head, _HeadInput()).register_forward_hook(lambda m, a, out: seen.append(out))
     try:  # (a Hugging Face model's key/value cache is off: train.switch_off_kv_cache, which the script calls)
         with causal_mask_as_in_eager(own_positions="position_ids" not in (kwargs or {})):
             pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None,
                             split_spec={path: SplitPoint.BEGINNING for path in boundaries})
     finally:
         hook.remove()
+        if head is not None:
+            _swap(model, loss_head, head)
     if pipe.num_stages != len(boundaries) + 1:
         raise ValueError(f"splitting at {boundaries} gave {pipe.num_stages} stages, not {len(boundaries) + 1}: a "
                          "boundary must be a module the forward calls, in order; check the plan's stage numbers")
@@ -86,10 +101,12 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
     pipe.executor = type(pipe.executor)(pipe.split_gm)  # the Pipe runs the rewritten graph
     originals = dict(model.named_modules())
     stages = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
-    called = {path for stage in stages for path, _ in stage.named_modules()}
+    called = {path for stage in stages for path, _ in stage.named_modules()} | ({loss_head} if loss_head else set())
     taken: set[int] = set()  # parameters an earlier stage holds
     for stage in stages:
         memo: dict = {}  # a tied parameter's copy, shared by this stage's modules
+        if head is not None and stage is stages[-1]:  # before the swap below, which would call the head itself
+            hold_loss_head(stage, loss_head, head, leaves[-1] if leaves else [], seen, taken=taken, memo=memo)
         for path, module in list(stage.named_modules()):
             original = originals.get(path)
             if (path and original is not None and module is not original and not list(original.children())
@@ -103,6 +120,60 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
         stage.register_forward_hook(_contiguous_outputs)
     stages[-1].output_spec = specs[-1] if specs else None  # read by build_schedule for StageLoss
     return stages, pipe
+
+
+class _HeadInput(nn.Module):
+    """The loss head's stand-in while the pipeline is traced: its input, as a view (one graph node, so that a last
+    stage cut before the head, holding nothing else, still has a graph: it passes the head's input on)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+
+def _swap(model: nn.Module, path: str, module: nn.Module) -> nn.Module:
+    """Register ``module`` at ``path`` of ``model`` (in place of what is there); returns it."""
+    parent, _, name = path.rpartition(".")
+    (model.get_submodule(parent) if parent else model).register_module(name, module)
+    return module
+
+
+def hold_loss_head(stage: nn.Module, path: str, head: nn.Module, outputs: list, seen: list, *, taken: set[int],
+                   memo: dict) -> None:
+    """Make the last ``stage`` hold the loss ``head`` at its model path ``path`` (its own copy where an earlier
+    stage holds one of its parameters, as a tied parameter is copied: ``taken``, ``memo``), and note which of the
+    stage's outputs (the model's output tensors, ``outputs``, as traced) is its input (``seen``: what the stand-in
+    traced in its place returned): ``stage.loss_head`` (path, index), read by :class:`StageLoss`."""
+    index = next((i for i, t in enumerate(outputs) if seen and t is seen[-1]), None)
+    if index is None:
+        raise ValueError(f"the loss head {path} ran {len(seen)} times and its output is not one of the "
+                         "model's output tensors unchanged (the model transforms it): the head cannot be fused with "
+                         "the loss under pipelining; re-plan with fix fused_loss=False")
+    if any(id(p) in taken for p in head.parameters()):  # tied to an earlier stage's (GPT-2's wte): its own copy
+        head = copy.deepcopy(head, memo)
+    _inline_stand_in(stage, path)
+    parent = stage
+    *within, name = path.split(".")
+    for part in within:  # its parents, where the stage's graph has none: empty modules (names kept)
+        if part not in parent._modules:
+            parent.register_module(part, nn.Module())
+        parent = parent._modules[part]
+    parent.register_module(name, head)
+    stage.loss_head = (path, index)
+
+
+def _inline_stand_in(stage: nn.Module, path: str) -> None:
+    """Replace the stage's calls of the traced :class:`_HeadInput` at model path ``path`` (where the loss head
+    goes) with the view it computes, and drop its traced module."""
+    for prefix, module in list(stage.named_modules()):
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in list(module.graph.nodes):
+            if node.op == "call_module" and f"{prefix}.{node.target}".lstrip(".") == path:
+                with module.graph.inserting_before(node):
+                    node.replace_all_uses_with(module.graph.call_method("view_as", (node.args[0], node.args[0])))
+                module.graph.erase_node(node)
+                module.delete_submodule(node.target)
+                module.recompile()
 
 
 @contextlib.contextmanager
@@ -413,7 +484,7 @@ def build_schedule(stages: list[PipelineStage], *, schedule: str, n_microbatches
     """The pipeline schedule the plan names (``loss_fn(output, target)`` runs on the last stage; a
     :class:`StageLoss` learns the model output's structure from the last stage's module, set by :func:`split_model`)."""
     if isinstance(loss_fn, StageLoss):
-        loss_fn.output_spec = next((getattr(s.submod, "output_spec", None) for s in stages if s.is_last), None)
+        loss_fn.learn(next((_unwrapped(s.submod) for s in stages if s.is_last), None))
     cls = get_schedule_class(SCHEDULES[schedule])
     if issubclass(cls, PipelineScheduleSingle):
         if len(stages) != 1:
@@ -423,18 +494,55 @@ def build_schedule(stages: list[PipelineStage], *, schedule: str, n_microbatches
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
 
 
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The stage module inside a DDP wrapper (``apply_ddp``), or the module."""
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
 class StageLoss:
     """The cell's ``loss_fn(model, batch)`` on the last pipeline stage, with the model call answered by the stage's
     output in the structure the model returns (``output_spec``, a pytree spec; None: as the stage returns it); the
-    schedule passes the micro-batch index as the target (``micro`` holds this step's micro-batches)."""
+    schedule passes the micro-batch index as the target (``micro`` holds this step's micro-batches). Where the last
+    stage holds a loss head (``split_model``'s ``loss_head``: ``head``, and ``head_index``, which output is its
+    input) the model is a :class:`StageOutput`, which runs the head in the loss (``fused_default_loss`` finds it
+    there and gives it the targets)."""
 
     def __init__(self, loss_fn):
         self.loss_fn, self.micro, self.output_spec = loss_fn, [], None
+        self.head: nn.Module | None = None
+        self.head_index: int | None = None
+
+    def learn(self, last: nn.Module | None) -> None:
+        """The model output's structure and the loss head from the last stage's module (set by
+        :func:`split_model`; None: this rank holds no last stage)."""
+        self.output_spec = getattr(last, "output_spec", None)
+        path, index = getattr(last, "loss_head", ("", None))
+        self.head, self.head_index = (last.get_submodule(path), index) if path else (None, None)
 
     def __call__(self, output, index):
+        if self.head is not None:
+            model = StageOutput(output, self.output_spec, head=self.head, index=self.head_index)
+            return self.loss_fn(model, self.micro[int(index)])
         if self.output_spec is not None:
             output = tree_unflatten(list(output) if isinstance(output, (tuple, list)) else [output], self.output_spec)
         return self.loss_fn(lambda *args, **kwargs: output, self.micro[int(index)])
+
+
+class StageOutput(nn.Module):
+    """The model as the loss sees it on a last stage holding the loss head: called (its arguments are the
+    micro-batch's, ignored), it runs ``head`` on output ``index`` of the stage (the head's input) and returns the
+    model's output with the head's result in that place (``spec``: its structure, a pytree spec, or None)."""
+
+    def __init__(self, output, spec, *, head: nn.Module, index: int):
+        super().__init__()
+        self.output, self.spec, self.head, self.index = output, spec, head, index
+
+    def forward(self, *args, **kwargs):
+        leaves = list(self.output) if isinstance(self.output, (tuple, list)) else [self.output]
+        leaves[self.index] = self.head(leaves[self.index])
+        if self.spec is not None:
+            return tree_unflatten(leaves, self.spec)
+        return type(self.output)(leaves) if isinstance(self.output, (tuple, list)) else leaves[0]
 
 
 def pipeline_step(schedule, stage_loss: StageLoss, batch, *, micro_batches: int, has_first: bool, has_last: bool,
