@@ -49,6 +49,16 @@ RECOMPUTE = ("none", "selective", "full")
 AMP = ("none", "bf16", "fp16")
 """autocast dtype of the forward pass; "none" = fp32"""
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
+V_SCHEDULES = ("zbv_zero_bubble",)
+"""schedules that place a rank's two stages in a V: rank r holds stages r and 2 pp - 1 - r"""
+
+
+def stage_rank(stage: int, pp: int, num_stages: int, schedule: str) -> int:
+    """The pipeline rank holding ``stage`` of ``num_stages``: stage s on rank s % pp (one stage per rank, or looped
+    placement), or in a V (:data:`V_SCHEDULES`); the inverse of ``runtime/pp.py``'s ``stage_ids``."""
+    if schedule in V_SCHEDULES and num_stages == 2 * pp and stage >= pp:
+        return num_stages - 1 - stage
+    return stage % pp
 OPTIMIZERS = ("adam", "adamw", "sgd")
 LR_SCHEDULES = ("cosine", "constant")
 AMP_OPS = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "conv1d", "conv2d", "conv3d", "conv_transpose2d",

@@ -40,6 +40,9 @@ PLANS = {
     "zero3": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3},
     "tp": {"dp": 1, "tp": 2, "pp": 1},
     "pp": {"dp": 1, "tp": 1, "pp": 2, "micro_batches": 2, "schedule": "1f1b"},
+    "pp-interleaved": {"dp": 1, "tp": 1, "pp": 2, "micro_batches": 4, "schedule": "interleaved_1f1b",
+                       "virtual_stages": 2},
+    "pp-zbv": {"dp": 1, "tp": 1, "pp": 2, "micro_batches": 4, "schedule": "zbv_zero_bubble", "virtual_stages": 2},
 }
 """plan name -> the planner's fixed choices (fp32, no recompute unless --amp / --recompute)"""
 ALL = "LLaMA,Qwen2,GPT-NeoX,GPT-2,BERT,T5,ViT,Mixtral"

@@ -141,3 +141,26 @@ def test_stages_read_only_the_previous_stage():
     got = tree_unflatten(list(out), stages[-1].output_spec)
     torch.testing.assert_close(got.logits, expected.logits)
     torch.testing.assert_close(got.loss, expected.loss)
+
+
+@pytest.mark.parametrize("schedule", ["zbv_zero_bubble", "interleaved_1f1b"])
+def test_cost_model_places_each_stage_on_the_rank_that_runs_it(schedule):
+    """A V puts stages r and 2 pp - 1 - r on rank r (``runtime/pp.py``'s ``stage_ids``; ``plan.stage_rank``), so
+    rank 0 holds the first and the last stage (the head); interleaving puts stage s on rank s % pp. Each rank's
+    predicted parameters are those of the layers of its stages, tied copies included."""
+    from autopar_nb.cost import estimate
+    from autopar_nb.plan import stage_rank
+    from autopar_nb.runtime.pp import stage_ids
+
+    src, plan = _plan("LLaMA", schedule)
+    model, inputs, _ = src.build(device="meta")
+    graph = ap.capture(model, inputs)
+    prof = profile(graph, device_kind="cpu")
+    n = plan.mesh.pp * plan.pipeline.virtual_stages
+    numel = [0, 0]
+    for lp, layer in zip(prof.layers, plan.layers, strict=True):
+        r = stage_rank(layer.stage, plan.mesh.pp, n, schedule)
+        assert layer.stage in stage_ids(r, plan.mesh.pp, n, schedule)
+        numel[r] += lp.params_split + lp.params_rep
+    cost = estimate(graph, ap.Cluster.preset("cpu", gpus_per_node=2), plan)
+    assert [mb.params for mb in cost.memory_by_rank] == pytest.approx([4 * x for x in numel]), (numel, schedule)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..plan import DTYPE_NAMES, ITEMSIZE, MEMORY_TERMS, RECOMPUTE, Cost, MemoryBreakdown
+from ..plan import DTYPE_NAMES, ITEMSIZE, MEMORY_TERMS, RECOMPUTE, Cost, MemoryBreakdown, stage_rank
 from .comm import collective_time, link_for
 from .factors import Factors, factors_for
 from .loss import FusedHead
@@ -49,6 +49,10 @@ class Setting:
     def replicas(self) -> int:
         """ranks holding the same parameters, which average gradients: dp * cp (``mesh["dp_cp"]``)"""
         return self.dp * self.cp
+
+    def rank_of(self, stage: int) -> int:
+        """The pipeline rank holding ``stage`` under this schedule (:func:`~autopar_nb.plan.stage_rank`)."""
+        return stage_rank(stage, self.pp, self.pp * self.virtual_stages, self.schedule)
 
 
 @dataclass
@@ -363,8 +367,9 @@ class Evaluator:
         sums = RankSums.zeros(pp)
         runs = self.runs(choices)
         kept: list[set[str]] = [set() for _ in range(pp)]  # the shared inputs a rank's checkpoints keep already
+        rank_of = s.rank_of
         for i, cnt, ch in runs:
-            r = ch.stage % pp
+            r = rank_of(ch.stage)
             lt = self.choice_terms(i, s, ch)
             # time
             sums.fwdbwd[r] += cnt * (lt.fwd + lt.bwd)
@@ -431,12 +436,13 @@ class Evaluator:
         precision = precision_of(s.amp, s.zero_stage)
         scale = s.mb_samples / prof.batch * self.seq_ratio / s.cp
         stage = [ch.stage for ch in choices]
+        rank_of = s.rank_of
         for k in range(1, len(choices)):
             a, b = stage[k - 1], stage[k]
             if a == b:
                 continue
             sp_div = s.tp if s.sp and k in self.blocks and k - 1 in self.blocks else 1  # sequence shards
-            sent, send, recv = 0.0, sums.pipe[a % pp], sums.pipe[b % pp]
+            sent, send, recv = 0.0, sums.pipe[rank_of(a)], sums.pipe[rank_of(b)]
             for c in prof.crossings[k]:
                 nbytes = c.nbytes[precision] * scale / sp_div
                 sent += nbytes
@@ -447,16 +453,16 @@ class Evaluator:
                     send["kept"] += nbytes
                 if c.grad:
                     send["grad_recv"] += nbytes
-            sums.p2p[a % pp] = max(sums.p2p[a % pp], sent)
+            sums.p2p[rank_of(a)] = max(sums.p2p[rank_of(a)], sent)
         last = len(choices) - 1
         if not (s.fused_loss and self.head.layer == last):  # fused: the stage returns the head's input, which the
             # fused op saves (in the head layer's activations): no logits kept as the stage's output
-            sums.pipe[stage[last] % pp]["kept"] += self.choice_terms(last, s, choices[last]).out_bytes
+            sums.pipe[rank_of(stage[last])]["kept"] += self.choice_terms(last, s, choices[last]).out_bytes
         copies = {(stage[i], name): numel / (s.tp if split and choices[i].tp else 1)
                   for i, lp in enumerate(prof.layers) for name, (numel, split, owner) in lp.borrowed.items()
                   if stage[owner] != stage[i]}  # a tied parameter's copy on each other stage (runtime/pp.py)
         for (st, _), numel in copies.items():
-            sums.params[st % pp] += numel
+            sums.params[rank_of(st)] += numel
 
     def _add_units(self, units: list[FsdpUnit], i: int, cnt: int, numel: float) -> None:
         """Append layers ``i`` .. ``i + cnt - 1`` (``numel`` local parameters each) to ``units`` as the runtime

@@ -26,7 +26,7 @@ def choose_recompute(ev: Evaluator, s: Setting, choices: list[LayerChoice], cost
         options = []
         for first, cnt, ch in runs:
             # a run of identical layers may mix free layers and layers whose recompute the user pinned
-            if ch.stage % s.pp != r or ch.recompute == "full" or not any(free[first:first + cnt]):
+            if s.rank_of(ch.stage) != r or ch.recompute == "full" or not any(free[first:first + cnt]):
                 continue
             lt = ev.choice_terms(first, s, ch)
             # (the runtime refuses selective recompute around an experts module that FSDP shards for EP)

@@ -34,7 +34,7 @@ from ..cost.estimate import Evaluator, LayerChoice, Setting
 from ..cost.memory import in_flight, state_bytes
 from ..cost.norm import one_kernel
 from ..cost.time import bubble_fraction
-from ..plan import DTYPE_NAMES, ITEMSIZE, Cost, PlanError
+from ..plan import DTYPE_NAMES, ITEMSIZE, Cost, PlanError, stage_rank
 from .recompute import choose_recompute
 from .stages import bisect_cap, fill_empty, partition, partition_runs
 
@@ -396,7 +396,7 @@ class Search:
                     k = 0
                     for (_, cnt, _), t_ in zip(runs, times, strict=True):
                         for j in range(k, k + cnt):
-                            rank_t[assign[j] % pp] += t_
+                            rank_t[stage_rank(assign[j], pp, stages, sched)] += t_
                         k += cnt
                     bound = max(rank_t) * (m + bubble_fraction(sched, pp=pp, micro_batches=m, virtual_stages=v,
                                                                factors=self.ev.f))

@@ -17,7 +17,7 @@ from typing import Any
 from ..cost.tp_styles import LAYOUT_WORDS, part_split
 from ..graph import Layer, ModelGraph
 from ..hardware import PRESETS, Cluster
-from ..plan import AMP, RECOMPUTE, SCHEDULES, ZERO_STAGES, LayerPlan, Plan, PlanError
+from ..plan import AMP, RECOMPUTE, SCHEDULES, ZERO_STAGES, LayerPlan, Plan, PlanError, stage_rank
 from .units import fmt_bytes, fmt_count, fmt_time
 
 STRATEGY_LABELS = {
@@ -394,14 +394,7 @@ def stage_ranks(pp: int, virtual: int, schedule: str) -> list[tuple[int, int]]:
     """(pipeline rank, model chunk on that rank) of each stage: one stage per rank, interleaved/looped placement
     (stage s on rank s % pp), or a V (rank r holds stages r and 2pp-1-r), as ``runtime/pp.py: stage_ids``."""
     n = pp * virtual
-    out = []
-    for s in range(n):
-        if schedule == "zbv_zero_bubble" and virtual == 2:
-            r = s if s < pp else n - 1 - s
-            out.append((r, 0 if s < pp else 1))
-        else:
-            out.append((s % pp, s // pp))
-    return out
+    return [(stage_rank(s, pp, n, schedule), s // pp) for s in range(n)]
 
 
 def stage_lanes(plan: Plan, memory_by_stage: list[float] | None = None) -> list[dict[str, Any]]:
