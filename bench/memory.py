@@ -72,15 +72,6 @@ KNOWN = [
     "BERT, TP + SP, full recompute, bf16 (-5.2 %): at the last layer's backward start the tracker holds both "
     "LayerNorms' float32 outputs (2 MiB each) and the output dropout's 16-bit result (1 MiB) beside what autograd "
     "saves; not costed",
-    "T5 under full recompute (tp bf16 +5.4 %, single bf16 +1.7 %): a decoder block's checkpoint keeps the encoder "
-    "output, the position biases and masks that every block reads (T5 bf16: 3.5 MiB a decoder block, 2 MiB an "
-    "encoder block), the same storages for all blocks, but activation_bytes costs a layer's inputs per layer "
-    "(+11 MiB over 3 + 3 recomputed blocks); the recompute's math attention (costed since the replay moment) adds "
-    "on top. Sharing each such input among the layers that read it (tried in _boundary_bytes: T5 single bf16 full "
-    "+1.7 % -> -1.4 %, its activations 223.4 vs 223.7 MiB) is wrong where a reader keeps nothing (GPT-NeoX's p = 0 "
-    "embedding dropout returns its input: bf16 full fell to -4.9 %); it needs counting once per rank among the "
-    "recomputed layers (cost/estimate.py), not done. LLaMA's causal mask (0.5 MiB bool a layer), materialised by "
-    "torch.export only, is costed the same way",
     "Full recompute, every family: the gradient of the layer's output (the residual stream's, one layer-width tensor) "
     "is alive through the layer's backward beside each op's gradients and is not in the working set (temporaries "
     "under-predicted by 1-4 MiB: LLaMA/Qwen2/GPT-2/Mixtral/ViT single fp32 full). In LLaMA ZeRO-3 + full recompute "
