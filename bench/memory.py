@@ -72,13 +72,6 @@ KNOWN = [
     "BERT, TP + SP, full recompute, bf16 (-5.2 %): at the last layer's backward start the tracker holds both "
     "LayerNorms' float32 outputs (2 MiB each) and the output dropout's 16-bit result (1 MiB) beside what autograd "
     "saves; not costed",
-    "Full recompute, every family: the gradient of the layer's output (the residual stream's, one layer-width tensor) "
-    "is alive through the layer's backward beside each op's gradients and is not in the working set (temporaries "
-    "under-predicted by 1-4 MiB: LLaMA/Qwen2/GPT-2/Mixtral/ViT single fp32 full). In LLaMA ZeRO-3 + full recompute "
-    "(bf16) it, and the op's unsharded weight gradient (0.25 MiB), leave the predicted layer moment 1.6 MiB under "
-    "the tracker's (33.6 MiB beside the states), so the loss's backward (34.3 predicted) is taken as the peak: "
-    "the total is within 5 % (+1.3 %), the components are not (FSDP's buffers at that layer are predicted right: "
-    "its unit, the prefetched one, the reduce-scatter input, 4.5 MiB)",
     "Full recompute, moment choice: where two ops of a layer's backward hold the same (GPT-NeoX fp32: fc2's and the "
     "GELU's, 6 MiB beside the saved tensors each), the model takes the first and the tracker peaks at the second, "
     "so 4 MiB move between activations and temporaries; GPT-NeoX fp32 full predicts its peak at the last block, "

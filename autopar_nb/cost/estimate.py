@@ -388,6 +388,8 @@ class Evaluator:
             # recompute did not keep is alive again beside the working set
             again = max(lt.act["none"] - lt.act[ch.recompute], 0.0)
             wb, freed = lt.work_bytes + again, lt.freed
+            if ch.recompute == "full":  # the gradient of its output, alive through its recomputed backward
+                wb += lt.out_bytes
             if s.fused_loss and i <= self.head.layer < i + cnt:
                 wb, again, freed = self._fused_head(s, sums, r, ch.recompute, lt, tp=s.tp if ch.tp else 1), 0.0, 0.0
             if wb > sums.work[r]:
