@@ -239,6 +239,21 @@ def _called_as_itself(traced: nn.Module) -> bool:
     return len(inputs) == 1 and isinstance(output.args[0], fx.Node)
 
 
+def _graphs(root: nn.Module):
+    """Every traced graph below ``root``, with its module: (module, graph)."""
+    for module in root.modules():
+        graph = getattr(module, "graph", None)
+        if isinstance(graph, fx.Graph):
+            yield module, graph
+
+
+def _recompile(module: nn.Module) -> None:
+    """Regenerate the code that runs ``module``'s rewritten graph (an unflattened module's codegen copy, too)."""
+    compiled = module if isinstance(module, fx.GraphModule) else module.__dict__.get("graph_module")
+    if isinstance(compiled, fx.GraphModule):
+        compiled.recompile()
+
+
 def casts_as_in_eager(root: nn.Module) -> int:
     """Give back the dtype casts torch.export drops: traced without autocast, ``x.float()`` of a float32 ``x`` is a
     no-op, left in the graph as ``aten._assert_tensor_metadata(x, dtype=float32)`` only, which fails once the stage
@@ -247,10 +262,7 @@ def casts_as_in_eager(root: nn.Module) -> int:
     of ``x``, as the eager code's cast was. Applied to every graph below ``root``; returns how many it rewrote."""
     assert_meta = torch.ops.aten._assert_tensor_metadata.default
     count = 0
-    for module in root.modules():
-        graph = getattr(module, "graph", None)
-        if not isinstance(graph, fx.Graph):
-            continue
+    for module, graph in list(_graphs(root)):
         order = {n: i for i, n in enumerate(graph.nodes)}
         asserts = [n for n in graph.nodes if n.op == "call_function" and n.target is assert_meta]
         for node in asserts:
@@ -263,9 +275,35 @@ def casts_as_in_eager(root: nn.Module) -> int:
                 user.replace_input_with(x, cast)
             graph.erase_node(node)
             count += 1
-        compiled = module if isinstance(module, fx.GraphModule) else module.__dict__.get("graph_module")
-        if asserts and isinstance(compiled, fx.GraphModule):  # an unflattened module's codegen copy, too
-            compiled.recompile()
+        if asserts:
+            _recompile(module)
+    return count
+
+
+def run_on(root: nn.Module, device: str | torch.device) -> int:
+    """Make a stage traced on the meta device (the model built there: ``materialize``) make its tensors on
+    ``device``: torch.export records the device the model's code names as a constant (Hugging Face's position ids,
+    ``arange(n, device=inputs_embeds.device)``; a rotary table's ``.to(x.device)``; a ``.to(device)`` it checks), which
+    was meta while tracing, and the run would make meta tensors among real ones ("Tensor on device meta is not on
+    the expected device cpu"). Every meta device in the graphs below ``root`` becomes ``device``; call it after
+    :func:`boundary_values` (which runs the traced graphs as traced, on meta). Returns how many nodes it rewrote."""
+    device = torch.device(device)
+
+    def is_meta(value) -> bool:
+        return isinstance(value, torch.device) and value.type == "meta"
+
+    def on_device(value):
+        return device if is_meta(value) else value
+
+    count = 0
+    for module, graph in list(_graphs(root)):
+        nodes = [n for n in graph.nodes if any(is_meta(v) for v in tree_flatten((n.args, n.kwargs))[0])]
+        for node in nodes:
+            node.args, node.kwargs = fx.node.map_aggregate(node.args, on_device), fx.node.map_aggregate(
+                node.kwargs, on_device)
+        if nodes:
+            _recompile(module)
+        count += len(nodes)
     return count
 
 
