@@ -258,9 +258,6 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
                  "    release_stages(model, stages, keep=stage_ids)  # the other ranks' stages' weights: freed",
                  "    parts = []", "    for part in [stages[i] for i in stage_ids]:"]
         uses += ["split_model", "release_stages"] + (["boundary_values"] if v.static_shapes else [])
-        if v.meta_init:  # after boundary_values, which runs the graphs as traced
-            calls = ["run_on(part, device)  # traced on meta: the tensors its graph makes, on this device", *calls]
-            uses.append("run_on")
         body = [f"        {c}" for c in calls] + ["        parts.append(part)", "    return parts, shapes"]
     else:
         body = ["    part = model"] + [f"    {c}" for c in calls] + ["    return [part]"]
