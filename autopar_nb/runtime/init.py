@@ -168,10 +168,12 @@ def materialize(parts: list[nn.Module], skeleton: nn.Module, *, device: str | to
             try:
                 owner._init_weights(full)
             except AttributeError as e:
+                what = path or "the whole model"
                 raise NotImplementedError(
-                    f"{type(owner).__name__}._init_weights({path}) reads the module's children, and {path} holds "
-                    f"{numel[path]:,} elements, more than the meta path builds at once ({budget:,}); build the model "
-                    "for real, or give its modules reset_parameters()") from e
+                    f"{type(owner).__name__}._init_weights({what}) reads the module's children, and {what} holds "
+                    f"{numel[path]:,} elements, more than the meta path builds at once "
+                    f"({'it never builds the whole model' if not path else f'{budget:,}'}); build the model for "
+                    "real (export with meta_init=False), or give its modules reset_parameters()") from e
             for sub, m in full.named_modules():
                 where = f"{path}.{sub}".strip(".") if sub else path
                 write(where, m)
