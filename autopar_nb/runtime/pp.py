@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
