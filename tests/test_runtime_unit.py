@@ -188,6 +188,52 @@ def test_meta_init_equals_real_init(cell):
         assert torch.equal(a, got[n]), n
 
 
+# a pipeline cut of each: the first layer of the second half (the rest of the model on either side)
+PIPELINED_CELLS = {"LLaMA": "model.layers.1", "GPT-2": "transformer.h.1", "ViT": "vit.layers.1",
+                   "Mixtral": "model.layers.1"}
+
+
+@HF
+@pytest.mark.parametrize("name", list(PIPELINED_CELLS))
+def test_meta_init_of_pipeline_stages_equals_real_init(name):
+    """A model built on meta, cut into pipeline stages and each stage materialised alone (as a rank holding it does)
+    has the real model's weights and buffers (LLaMA's rotary inv_freq computed; GPT-2's lm_head, a copy of wte on
+    the last stage, with wte's values) and the traced pipeline computes the real model's output. Before, the stages
+    were traced on meta and held the meta program: LLaMA's position ids made on meta, ViT's trace failed (real
+    pixels, meta convolution), Mixtral's histc took the int branch CPU lacks (runtime/pp.py weights_on)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_flatten
+
+    from autopar_nb.check import switch_off_dropout
+    from autopar_nb.runtime.data import default_loss
+    from autopar_nb.runtime.pp import boundary_values, split_model
+    from autopar_nb.runtime.train import switch_off_kv_cache
+
+    src = source(FAMILIES[name])
+    real, inputs, _ = src.build(seed=3)  # real inputs: the cell's, as the script's example batch is
+    meta, _, _ = src.build(device="meta", seed=3)
+    for m in (real, meta):
+        switch_off_dropout(m)
+        switch_off_kv_cache(m)  # as the script does before the trace
+    skeleton = copy.deepcopy(meta)
+    example = model_call(default_loss, split_batch(inputs, 2)[0])
+    stages, whole = split_model(meta, boundaries=[PIPELINED_CELLS[name]], microbatch=example)
+    shapes = boundary_values(whole, stages, example)
+    held = [t for stage in stages for t in (*stage.parameters(), *stage.buffers())]
+    assert all(t.is_meta and not isinstance(t, FakeTensor) for t in held)  # nothing allocated, no stand-in left
+    assert all(t.is_meta for ins, outs in shapes for t in (*ins, *outs) if isinstance(t, torch.Tensor))
+    want = dict(real.named_parameters(remove_duplicate=False)) | dict(real.named_buffers(remove_duplicate=False))
+    for i, stage in enumerate(stages):
+        materialize([stage], skeleton, device="cpu", seed=3)
+        for n, t in [*stage.named_parameters(remove_duplicate=False), *stage.named_buffers(remove_duplicate=False)]:
+            assert torch.equal(t, want[canonical_name(n)]), (i, n)
+    got = tree_flatten(whole(*example[0], **example[1]))[0]
+    ref = [t for t in tree_flatten(real(*example[0], **example[1]))[0] if isinstance(t, torch.Tensor)]
+    assert [t.shape for t in got] == [t.shape for t in ref]
+    for a, b in zip(got, ref, strict=True):
+        assert torch.allclose(a, b, atol=1e-6), name
+
+
 def test_meta_init_module_without_reset_parameters():
     def build():
         return nn.Sequential(nn.Linear(4, 4), NormNoReset(4), nn.Linear(4, 2))

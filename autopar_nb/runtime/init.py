@@ -80,6 +80,27 @@ def _own(module: nn.Module) -> bool:
     return bool(module._parameters or module._buffers)
 
 
+def _tied_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """The names of each parameter or buffer ``model`` registers under several (a tied embedding and output head):
+    its first name (``named_parameters()``'s) -> every name; a later name -> () (what is written under it is not the
+    tied value: the first module's is)."""
+    names: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), []).append(name)
+    return {name: tuple(group) if i == 0 else () for group in names.values() if len(group) > 1
+            for i, name in enumerate(group)}
+
+
+def _write(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy the full ``value`` into ``target``, or its local shard where ``target`` is a DTensor."""
+    if isinstance(target, DTensor):
+        shard = distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements,
+                                  src_data_rank=None)  # every rank computed the same full value
+        target.to_local().copy_(shard.to_local())
+    else:
+        target.copy_(value)
+
+
 @torch.no_grad()
 def materialize(parts: list[nn.Module], skeleton: nn.Module, *, device: str | torch.device, seed: int) -> None:
     """Allocate and initialise the (sharded, meta) parameters of ``parts`` from ``skeleton``.
@@ -107,17 +128,16 @@ def materialize(parts: list[nn.Module], skeleton: nn.Module, *, device: str | to
         for name, t in [*part.named_parameters(), *part.named_buffers()]:
             local[canonical_name(name)] = t
 
+    # a tied parameter takes the value its first module writes (what the model's own tied tensor ends with: Hugging
+    # Face ties the output head to the input embedding), in every local copy (a pipeline stage's own, GPT-2's lm_head)
+    tied = _tied_names(skeleton)
+
     def write(path: str, full: nn.Module) -> None:
         for name, value in [*full.named_parameters(recurse=False), *full.named_buffers(recurse=False)]:
-            target = local.get(f"{path}.{name}" if path else name)
-            if target is None:  # held by another pipeline stage
-                continue
-            if isinstance(target, DTensor):
-                shard = distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements,
-                                          src_data_rank=None)  # every rank computed the same full value
-                target.to_local().copy_(shard.to_local())
-            else:
-                target.copy_(value)
+            key = f"{path}.{name}" if path else name
+            targets = {id(t): t for k in tied.get(key, (key,)) if (t := local.get(k)) is not None}
+            for target in targets.values():  # none: held by another pipeline stage
+                _write(target, value)
 
     post_initialised: set[str] = set()
     constructed: set[int] = set()
@@ -148,10 +168,12 @@ def materialize(parts: list[nn.Module], skeleton: nn.Module, *, device: str | to
             try:
                 owner._init_weights(full)
             except AttributeError as e:
+                what = path or "the whole model"
                 raise NotImplementedError(
-                    f"{type(owner).__name__}._init_weights({path}) reads the module's children, and {path} holds "
-                    f"{numel[path]:,} elements, more than the meta path builds at once ({budget:,}); build the model "
-                    "for real, or give its modules reset_parameters()") from e
+                    f"{type(owner).__name__}._init_weights({what}) reads the module's children, and {what} holds "
+                    f"{numel[path]:,} elements, more than the meta path builds at once "
+                    f"({'it never builds the whole model' if not path else f'{budget:,}'}); build the model for "
+                    "real (export with meta_init=False), or give its modules reset_parameters()") from e
             for sub, m in full.named_modules():
                 where = f"{path}.{sub}".strip(".") if sub else path
                 write(where, m)

@@ -21,11 +21,13 @@ import contextlib
 import copy
 import operator
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
@@ -86,13 +88,15 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
     if head is not None:  # its input in its place; what that returned is found among the model's outputs
         _swap(model, loss_head, _HeadInput()).register_forward_hook(lambda m, a, out: seen.append(out))
     try:  # (a Hugging Face model's key/value cache is off: train.switch_off_kv_cache, which the script calls)
-        with causal_mask_as_in_eager(own_positions="position_ids" not in (kwargs or {})):
+        with (causal_mask_as_in_eager(own_positions="position_ids" not in (kwargs or {})),
+              weights_on(model, _device_of(microbatch)) as originals):
             pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None,
                             split_spec={path: SplitPoint.BEGINNING for path in boundaries})
     finally:
         hook.remove()
         if head is not None:
             _swap(model, loss_head, head)
+    _without_stand_ins(pipe.split_gm, originals)  # the stages hold the model's meta tensors again
     if pipe.num_stages != len(boundaries) + 1:
         raise ValueError(f"splitting at {boundaries} gave {pipe.num_stages} stages, not {len(boundaries) + 1}: a "
                          "boundary must be a module the forward calls, in order; check the plan's stage numbers")
@@ -120,6 +124,69 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
         stage.register_forward_hook(_contiguous_outputs)
     stages[-1].output_spec = specs[-1] if specs else None  # read by build_schedule for StageLoss
     return stages, pipe
+
+
+@contextlib.contextmanager
+def weights_on(model: nn.Module, device: torch.device):
+    """Run or trace ``model``, built on the meta device (its weights made later, stage by stage: ``materialize``),
+    as on ``device``: its meta parameters and buffers are replaced, for the block, by fake tensors on ``device``
+    (shapes, no storage) and a ``FakeTensorMode`` runs (real inputs join it). On meta itself the model's code is
+    traced as it runs on meta: a device it names is recorded as meta (Hugging Face's position ids,
+    ``arange(n, device=inputs_embeds.device)``, made meta in the run among real tensors: "Tensor on device meta is
+    not on the expected device cpu"), a real input meeting a meta weight fails the trace (ViT's pixels and its patch
+    convolution), and code that branches on the device takes the meta branch (Mixtral's ``histc``: on CPU it counts
+    float ids, elsewhere int ones, which CPU's histc cannot). Yields {id(stand-in): the meta tensor} (a model with
+    no meta tensors: nothing replaced, no mode)."""
+    originals: dict[int, torch.Tensor] = {}
+    stand_in: dict[int, torch.Tensor] = {}  # by the meta tensor: a tied one gets one stand-in
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    replaced = []
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if isinstance(t, torch.Tensor) and t.is_meta and not isinstance(t, FakeTensor):
+                    if id(t) not in stand_in:
+                        fake = FakeTensor(mode, t.detach(), device)
+                        stand_in[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
+                        originals[id(stand_in[id(t)])] = t
+                    replaced.append((table, name, t))
+    if not replaced:
+        yield originals
+        return
+    for table, name, t in replaced:
+        table[name] = stand_in[id(t)]
+    try:
+        with mode, warnings.catch_warnings():
+            # pipeline() deep-copies a parameter several stages use, which asks a stand-in for its (absent) storage
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            yield originals
+    finally:
+        for table, name, t in replaced:
+            table[name] = t
+
+
+def _without_stand_ins(root: nn.Module, originals: dict[int, torch.Tensor]) -> None:
+    """Give every module below ``root`` back the meta tensors :func:`weights_on` stood in for (``originals``); a
+    stand-in the tracer copied (a parameter several stages use) becomes a new meta tensor of its shape."""
+    made: dict[int, torch.Tensor] = {}
+    for module in root.modules():
+        for table in (module._parameters, module._buffers, module.__dict__):
+            for name, t in list(table.items()):
+                if isinstance(t, FakeTensor) or (isinstance(t, nn.Parameter) and isinstance(t.data, FakeTensor)):
+                    if id(t) not in originals and id(t) not in made:
+                        meta = _meta_like(t)
+                        made[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                    table[name] = originals.get(id(t), made.get(id(t)))
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``t``'s shape, strides and dtype (``t`` real, meta or fake; call it outside a fake mode)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _device_of(microbatch) -> torch.device:
+    """Where the run's inputs are (the first tensor among them; none: the CPU)."""
+    return next((t.device for t in tree_flatten(microbatch)[0] if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
 class _HeadInput(nn.Module):
@@ -359,16 +426,16 @@ def boundary_values(whole: nn.Module, stages: list[nn.Module], microbatch: tuple
     shapes the stages are built with, so no shape inference runs on made-up tensors (integer ids made up for it
     could index out of an embedding)."""
     def leaf(t):  # shape and dtype only (on meta: nothing kept); requires_grad tells which gradients travel back
-        return t.detach().to("meta").requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+        return _meta_like(t).requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
 
     seen: dict[int, tuple[tuple, tuple]] = {}
     hooks = [stage.register_forward_hook(  # the last stage's outputs: the tensors of the model's output
-        lambda m, args, out, i=i: seen.__setitem__(i, (tuple(leaf(a) for a in args),
-                                                       tuple(leaf(t) for t in tree_flatten(out)[0]))))
+        lambda m, args, out, i=i: seen.__setitem__(i, (args, tuple(tree_flatten(out)[0]))))
         for i, stage in enumerate(stages)]
     try:
         args, kwargs = microbatch
-        whole(*args, **kwargs)
+        with weights_on(whole.split_gm, _device_of(microbatch)):  # a model built on meta: run as on the inputs' device
+            whole(*args, **kwargs)
     finally:
         for h in hooks:
             h.remove()
@@ -376,6 +443,7 @@ def boundary_values(whole: nn.Module, stages: list[nn.Module], microbatch: tuple
         # run: a whole micro-batch's activations, on every rank, for as long as the Pipe lives
         whole.executor.env.clear()
         whole.executor.value_remap.clear()
+    seen = {i: (tuple(leaf(a) for a in ins), tuple(leaf(t) for t in outs)) for i, (ins, outs) in seen.items()}
     return [seen[i] for i in range(len(stages))]
 
 
