@@ -22,6 +22,7 @@ import datetime
 import itertools
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -216,14 +217,14 @@ def main() -> None:
         if args.write:
             import torch
             from capture import write_section
-            cmd = " ".join(["bench/memory.py", *sys.argv[1:]]).replace(" --write", "")
+            cmd = shlex.join(["bench/memory.py", *(a for a in sys.argv[1:] if a != "--write")])
             body = (f"## {args.section}\n\n`.venv/bin/python {cmd}` — {datetime.date.today()}, "
                     f"{platform.machine()} CPU container (2 cores, shared with other jobs; load average "
                     f"{load0:.1f} at the start, {os.getloadavg()[0]:.1f} now), torch {torch.__version__}, "
                     f"{minutes:.0f} min, {args.jobs} case(s) at a time. Sizes {SIZE}, Adam; predicted (p) = the "
                     "cost model's per-rank total before its allocator margin and its named terms, measured (m) = "
                     "MemTracker/FSDPMemTracker peak of the 2nd step of the exported script's own main under a fake "
-                    "process group (autopar_nb/measure.py), "
+                    "process group, pipelined plans on real gloo processes (autopar_nb/measure.py), "
                     f"both grouped as autopar_nb.measure.GROUPS says (MiB). {summary}.\n\n{table}\n"
                     + ("".join(f"\n- not measured: {f}" for f in failed))
                     + ("\n\nKnown gaps:\n" + "".join(f"\n- {k}" for k in KNOWN)) + "\n")
