@@ -32,7 +32,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .data import model_call, split_batch
@@ -564,7 +564,7 @@ def build_schedule(stages: list[PipelineStage], *, schedule: str, n_microbatches
 
 def _unwrapped(module: nn.Module) -> nn.Module:
     """The stage module inside a DDP wrapper (``apply_ddp``), or the module."""
-    return module.module if isinstance(module, DistributedDataParallel) else module
+    return module.module if isinstance(module, DDP) else module
 
 
 class StageLoss:
