@@ -27,7 +27,7 @@ from kernels_ext import TensorMeta
 
 from .graph import Layer, ModelGraph, OpNode, ParamInfo, RepeatedBlock, TensorInfo
 from .plan import layer_of
-from .runtime.pp import causal_mask_as_in_eager
+from .runtime.pp import masks_as_in_eager
 from .runtime.train import switch_off_kv_cache
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -60,7 +60,7 @@ def capture(model: nn.Module, example_inputs: Any, *, source: str | None = None)
     cached = switch_off_kv_cache(model)  # as the script trains it (runtime/train.py)
     try:
         try:  # a plain causal mask skipped, as the eager forward and the pipeline's trace do (runtime/pp.py)
-            with causal_mask_as_in_eager(own_positions="position_ids" not in kwargs):
+            with masks_as_in_eager(own_positions="position_ids" not in kwargs):
                 graph = _from_export(model, args, kwargs)
         except Exception as export_error:
             located = _locate(export_error, model, paths)

@@ -351,7 +351,7 @@ def test_pipeline_stages_memory_matches_the_tracker(family):
     total within 5 %, its parameters its own stage's only (the other stage's weights freed: ``release_stages``; GPT-2's
     last stage also holds its copy of the tied embedding), its buffers the receive buffers of the micro-batches in
     flight (``pipeline_buffers``: ``LeanStage`` empties each after its backward; torch would keep one per
-    micro-batch), LLaMA's stage inputs without a materialised causal mask (``causal_mask_as_in_eager``)."""
+    micro-batch), LLaMA's stage inputs without a materialised causal mask (``masks_as_in_eager``)."""
     from autopar_nb.cost import estimate
     from autopar_nb.measure import GROUPS, measure, measured_groups, predicted_groups
 

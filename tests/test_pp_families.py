@@ -200,6 +200,43 @@ def test_stages_read_only_the_previous_stage():
     torch.testing.assert_close(got.loss, expected.loss)
 
 
+@pytest.mark.parametrize("name", ["ViT", "BERT"])
+def test_stages_pass_no_mask_where_eager_makes_none(name):
+    """Without a padding mask, Hugging Face's eager forward gives SDPA no mask at all (an encoder) and its graph under
+    ``torch.export`` an all-True one, which every layer would read and the first stage would send on (``runtime/pp.py``
+    masks_as_in_eager): the stages' SDPA calls take no mask, and only the hidden states (and labels) cross the cut.
+    A padding mask in the batch still goes through as a mask."""
+    import torch
+
+    from autopar_nb.runtime.pp import split_model
+    from autopar_nb.runtime.train import switch_off_kv_cache
+
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+
+    def masks(stages):
+        calls = [n for s in stages for m in s.modules() if hasattr(m, "graph") for n in m.graph.nodes
+                 if n.op == "call_function" and n.target is sdpa]
+        return calls, [n for n in calls if len(n.args) > 3 and n.args[3] is not None or "attn_mask" in n.kwargs]
+
+    model, inputs, _ = run_model_cell(FAMILIES[name], {}).source.build(device="cpu")
+    switch_off_kv_cache(model)
+    first = "vit.layers.1" if name == "ViT" else "bert.encoder.layer.1"
+    args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
+    stages, _ = split_model(model, boundaries=[first], microbatch=(args, kwargs))
+    calls, masked = masks(stages)
+    assert len(calls) == 2 and not masked, [n.format_node() for n in masked]
+    crossing = [n for n in stages[1].graph.nodes if n.op == "placeholder" and not str(n.target).startswith("*")]
+    assert len(crossing) == 1 + ("labels" in kwargs), [n.name for n in crossing]
+    if name == "BERT":  # a padding mask: the original way
+        model, _, _ = run_model_cell(FAMILIES[name], {}).source.build(device="cpu")
+        switch_off_kv_cache(model)
+        pad = torch.ones_like(args[0])
+        pad[:, -2:] = 0
+        stages, _ = split_model(model, boundaries=[first], microbatch=((), {"input_ids": args[0], "attention_mask": pad}))
+        calls, masked = masks(stages)
+        assert len(masked) == 2, [n.format_node() for n in calls]
+
+
 @pytest.mark.parametrize("schedule", ["zbv_zero_bubble", "interleaved_1f1b"])
 def test_cost_model_places_each_stage_on_the_rank_that_runs_it(schedule):
     """A V puts stages r and 2 pp - 1 - r on rank r (``runtime/pp.py``'s ``stage_ids``; ``plan.stage_rank``), so

@@ -88,7 +88,7 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
     if head is not None:  # its input in its place; what that returned is found among the model's outputs
         _swap(model, loss_head, _HeadInput()).register_forward_hook(lambda m, a, out: seen.append(out))
     try:  # (a Hugging Face model's key/value cache is off: train.switch_off_kv_cache, which the script calls)
-        with (causal_mask_as_in_eager(own_positions="position_ids" not in (kwargs or {})),
+        with (masks_as_in_eager(own_positions="position_ids" not in (kwargs or {})),
               weights_on(model, _device_of(microbatch)) as originals):
             pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None,
                             split_spec={path: SplitPoint.BEGINNING for path in boundaries})
@@ -244,35 +244,47 @@ def _inline_stand_in(stage: nn.Module, path: str) -> None:
 
 
 @contextlib.contextmanager
-def causal_mask_as_in_eager(*, own_positions: bool):
-    """While the pipeline is traced, Hugging Face's masking skips a plain causal mask as its eager forward does
-    (SDPA's ``is_causal`` instead; with grouped-query attention SDPA then reads the key/value heads as they are).
-    Under ``torch.export`` it never skips: an exported model may later run with other query lengths, and the
-    position ids it makes (``own_positions``: the batch has none) cannot be read to rule out packed sequences. The
-    pipeline's graph runs only at the shapes it was traced with, and positions the model makes are 0..n-1 in every
-    row. Without this every layer of a stage would save a float copy of the mask and, with GQA, its keys and values
-    repeated to every head: about 12 % more activation memory than the same layers hold unpipelined (LLaMA at
-    tests/memcells.py's size). A padding mask, a sliding window, unequal query and key lengths or position ids in the
-    batch go the original way; a model that is not a Hugging Face one is untouched."""
+def masks_as_in_eager(*, own_positions: bool):
+    """While the pipeline is traced, Hugging Face's masking skips a plain causal or bidirectional mask as its eager
+    forward does (SDPA's ``is_causal``, or no mask at all; with grouped-query attention SDPA then reads the key/value
+    heads as they are). Under ``torch.export`` it never skips: an exported model may later run with other query
+    lengths, and the position ids it makes (``own_positions``: the batch has none) cannot be read to rule out packed
+    sequences. The pipeline's graph runs only at the shapes it was traced with, and positions the model makes are
+    0..n-1 in every row. Without this every layer of a stage would save a float copy of the mask and, with GQA, its
+    keys and values repeated to every head: about 12 % more activation memory than the same layers hold unpipelined
+    (LLaMA at tests/memcells.py's size); an encoder (ViT, BERT without an attention mask) would send an all-True
+    mask between stages and save its float copy in every layer. A padding mask, a sliding window, unequal query and
+    key lengths or position ids in the batch go the original way; a model that is not a Hugging Face one is
+    untouched."""
     masking = sys.modules.get("transformers.masking_utils")
     skip_causal = getattr(masking, "_ignore_causal_mask_sdpa", None)
+    skip_bidirectional = getattr(masking, "_ignore_bidirectional_mask_sdpa", None)
     find_packed = getattr(masking, "find_packed_sequence_indices", None)
     if skip_causal is None or find_packed is None:
         yield
         return
 
-    def skip(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+    def causal(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
         if padding_mask is None and q_length == kv_length and local_attention_size is None:
             return True
         return skip_causal(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size)
 
-    masking._ignore_causal_mask_sdpa = skip
+    def bidirectional(padding_mask, kv_length, local_attention_size=None):
+        if padding_mask is None and (local_attention_size is None or kv_length < local_attention_size):
+            return True
+        return skip_bidirectional(padding_mask, kv_length, local_attention_size)
+
+    masking._ignore_causal_mask_sdpa = causal
+    if skip_bidirectional is not None:
+        masking._ignore_bidirectional_mask_sdpa = bidirectional
     if own_positions:
         masking.find_packed_sequence_indices = lambda position_ids: None
     try:
         yield
     finally:
         masking._ignore_causal_mask_sdpa, masking.find_packed_sequence_indices = skip_causal, find_packed
+        if skip_bidirectional is not None:
+            masking._ignore_bidirectional_mask_sdpa = skip_bidirectional
 
 
 def _keep_first_names(stage: nn.Module, model: nn.Module, called: set[str], copies: dict) -> None:
