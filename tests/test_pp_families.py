@@ -232,7 +232,8 @@ def test_stages_pass_no_mask_where_eager_makes_none(name):
         switch_off_kv_cache(model)
         pad = torch.ones_like(args[0])
         pad[:, -2:] = 0
-        stages, _ = split_model(model, boundaries=[first], microbatch=((), {"input_ids": args[0], "attention_mask": pad}))
+        padded = {"input_ids": args[0], "attention_mask": pad}
+        stages, _ = split_model(model, boundaries=[first], microbatch=((), padded))
         calls, masked = masks(stages)
         assert len(masked) == 2, [n.format_node() for n in calls]
 
