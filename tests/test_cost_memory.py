@@ -236,3 +236,27 @@ def test_in_flight_by_schedule():
     # interleaved: rank 0 holds (v - 1) pp + 2 (pp - 1) + 1 chunk-forwards of 1/v of its layers
     assert in_flight("interleaved_1f1b", pp=4, stage=0, micro_batches=16, virtual_stages=2) == pytest.approx(
         (4 + 6 + 1) / 2)
+
+
+def test_pipeline_outputs_are_those_of_the_micro_batches_in_flight_at_the_peak():
+    """A stage keeps each micro-batch's output from its forward to its backward (runtime/pp.py's LeanStage). The
+    first rank of 1F1B over 2 stages and 2 micro-batches runs F0 F1 B0 B1: during B0 both outputs are kept, during
+    B1 only the second. Under full recompute its peak is B1's (every gradient alive, one checkpoint set), so it holds
+    one output there, not one per micro-batch of the schedule (measured: GPT-NeoX's first rank predicted +6.2 % with
+    both, +3.7 % with one; bench/memory.py --plans pp --recompute full)."""
+    from autopar_nb.cost import estimate
+
+    cfg = zoo.GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=256, block_size=32)
+    with torch.device("meta"):
+        graph = ap.capture(zoo.GPT(cfg), torch.randint(0, 256, (8, 32)))
+    cluster = ap.Cluster.preset("cpu", 1, 2)
+    one_output = 4 * 32 * 64 * 4  # a micro-batch of 4 sequences of 32, hidden 64, float32
+    for recompute, outputs in (("full", 1), ("none", 2)):  # none: B0's, both micro-batches' activations alive
+        plan = ap.plan(graph, cluster, global_batch=8, fix={"pp": 2, "micro_batches": 2, "schedule": "1f1b",
+                                                            "recompute": recompute, "dp": 1, "tp": 1})
+        first = estimate(graph, cluster, plan).memory_by_rank[0]
+        assert first.terms["pipeline_outputs"] == pytest.approx(outputs * one_output), (recompute, first.terms)
+        if outputs == 1:  # B1: every gradient of the stage alive
+            assert first.grads == pytest.approx(first.params), first
+        else:  # B0: the gradients of the layers after the one in backward only
+            assert first.grads < first.params, first

@@ -387,9 +387,9 @@ class Evaluator:
             # a recomputed layer's backward first runs its forward again: what the plain forward saves and the
             # recompute did not keep is alive again beside the working set
             again = max(lt.act["none"] - lt.act[ch.recompute], 0.0)
-            wb, freed = lt.work_bytes + again, lt.freed
-            if ch.recompute == "full":  # the gradient of its output, alive through its recomputed backward
-                wb += lt.out_bytes
+            # the gradient of its output (the residual stream's) is alive through its whole backward, beside each
+            # op's gradients: both branches of a residual add read it, the skip's until the block's first op is done
+            wb, freed = lt.work_bytes + again + lt.out_bytes, lt.freed
             if s.fused_loss and i <= self.head.layer < i + cnt:
                 wb, again, freed = self._fused_head(s, sums, r, ch.recompute, lt, tp=s.tp if ch.tp else 1), 0.0, 0.0
             if wb > sums.work[r]:
@@ -618,8 +618,12 @@ class Evaluator:
         flight = in_flight(s.schedule, pp=s.pp, stage=r, micro_batches=m, virtual_stages=s.virtual_stages)
         pipe = sums.pipe[r]
         # runtime/pp.py's LeanStage: a micro-batch's input buffers from its receive to its backward, the gradients'
-        # for its backward
-        recv_bufs = flight * pipe["recv"] + pipe["grad_recv"] if s.pp > 1 else 0.0
+        # for its backward; its stage output from its forward to its backward. At a moment with ``others`` other
+        # micro-batches in flight, ``others + 1`` hold theirs (0 bytes unpipelined)
+        recv, grad_recv, kept_out = (pipe["recv"], pipe["grad_recv"], pipe["kept"]) if s.pp > 1 else (0.0, 0.0, 0.0)
+
+        def pipeline_bytes(others: float) -> float:
+            return (others + 1) * (recv + kept_out) + grad_recv
         # the rank's backward moments, as (other micro-batches holding all their activations, gradients alive; None:
         # only those of the layers after the one in backward): its first backward when every micro-batch's forward
         # ran before it (GPipe; 1F1B where m <= pp - r), no gradients yet, and the next, with fewer in flight and
@@ -629,11 +633,12 @@ class Evaluator:
         per_param = gb / params if params else 0.0  # bytes of gradient per local parameter (ZeRO 2/3: sharded)
         # (a pipeline stage's received inputs that its layers save are its receive buffers: counted there)
         rs = pipe["recv_saved"] if s.pp > 1 else 0.0
-        alive, work, grads_at, fsdp = max(
+        alive, work, grads_at, fsdp, in_flight_now = max(
             (((others + 1) * -rs + others * sums.acts[r] + a, w, (params - before) * per_param if g is None else g,
-              fsdp_buffers(sums.units[r], layer, zero_stage=s.zero_stage, p_item=p_item, g_item=g_item))
+              fsdp_buffers(sums.units[r], layer, zero_stage=s.zero_stage, p_item=p_item, g_item=g_item), others)
              for others, g in moments for a, w, before, layer in sums.bwd_layers[r]),
-            key=lambda mo: mo[0] + mo[1] + mo[2] + sum(mo[3].values()), default=(0.0, 0.0, 0.0, {}))
+            key=lambda mo: mo[0] + mo[1] + mo[2] + sum(mo[3].values()) + pipeline_bytes(mo[4]),
+            default=(0.0, 0.0, 0.0, {}, flight - 1))
         at_bwd = {"saved_activations": max(alive, 0.0), "backward_working_set": work, **fsdp}
         if r == s.pp - 1 and prof.output_numel and not s.fused_loss:  # fused: in the head layer's working set
             # moment 2 (last rank): the loss's backward: log-softmax output (fp32) saved, its gradient and the
@@ -647,15 +652,17 @@ class Evaluator:
             # holds the logits and their flattened copy (the next-token slice is not contiguous) in the compute
             # dtype, and under autocast the float32 copy ``.float()`` makes (runtime/data.py default_loss)
             loss_temp = out_numel * 4 * 3 / lp_div if lp_div > 1 else out_numel * (2 * p_item + (4 if half else 0))
-            others, grads = max(((o, g or 0.0) for o, g in moments), key=lambda og: og[0] * sums.acts[r] + og[1])
+            others, grads = max(((o, g or 0.0) for o, g in moments),
+                                key=lambda og: og[0] * sums.acts[r] + pipeline_bytes(og[0]) + og[1])
             act = (others + 1) * (sums.acts[r] - rs)
-            if act + loss_saved + loss_temp + grads >= sum(at_bwd.values()) + grads_at:
+            if (act + loss_saved + loss_temp + grads + pipeline_bytes(others)
+                    >= sum(at_bwd.values()) + grads_at + pipeline_bytes(in_flight_now)):
                 at_bwd = {"saved_activations": act, "loss_saved": loss_saved, "loss_temporaries": loss_temp}
-                grads_at = grads
+                grads_at, in_flight_now = grads, others
         at_bwd |= held
         if s.pp > 1:
-            at_bwd["pipeline_buffers"] = recv_bufs
-            at_bwd["pipeline_outputs"] = flight * pipe["kept"]
+            at_bwd["pipeline_buffers"] = (in_flight_now + 1) * recv + grad_recv
+            at_bwd["pipeline_outputs"] = (in_flight_now + 1) * kept_out
         at_backward = pb + ob + grads_at + sum(at_bwd.values())
         # moment 3: the optimizer step: every gradient and foreach temporaries (CUDA: a list the size of the
         # gradients; CPU: one parameter at a time); autocast's weight copies are gone, ZeRO 2's gathered
