@@ -59,7 +59,7 @@ def capture(model: nn.Module, example_inputs: Any, *, source: str | None = None)
     model.train()  # trace the training graph: dropout and batch-norm statistics are part of the step
     cached = switch_off_kv_cache(model)  # as the script trains it (runtime/train.py)
     try:
-        try:  # a plain causal mask skipped, as the eager forward and the pipeline's trace do (runtime/pp.py)
+        try:  # a plain causal or bidirectional mask skipped, as the eager forward does (runtime/pp.py)
             with masks_as_in_eager(own_positions="position_ids" not in kwargs):
                 graph = _from_export(model, args, kwargs)
         except Exception as export_error:

@@ -274,17 +274,19 @@ def masks_as_in_eager(*, own_positions: bool):
             return True
         return skip_bidirectional(padding_mask, kv_length, local_attention_size)
 
-    masking._ignore_causal_mask_sdpa = causal
-    if skip_bidirectional is not None:
-        masking._ignore_bidirectional_mask_sdpa = bidirectional
+    patches = {"_ignore_causal_mask_sdpa": causal}
+    if skip_bidirectional is not None:  # (older transformers have no bidirectional skip)
+        patches["_ignore_bidirectional_mask_sdpa"] = bidirectional
     if own_positions:
-        masking.find_packed_sequence_indices = lambda position_ids: None
+        patches["find_packed_sequence_indices"] = lambda position_ids: None
+    saved = {name: getattr(masking, name) for name in patches}
+    for name, fn in patches.items():
+        setattr(masking, name, fn)
     try:
         yield
     finally:
-        masking._ignore_causal_mask_sdpa, masking.find_packed_sequence_indices = skip_causal, find_packed
-        if skip_bidirectional is not None:
-            masking._ignore_bidirectional_mask_sdpa = skip_bidirectional
+        for name, fn in saved.items():
+            setattr(masking, name, fn)
 
 
 def _keep_first_names(stage: nn.Module, model: nn.Module, called: set[str], copies: dict) -> None:
