@@ -296,6 +296,8 @@ WHOLE_CASES = {
     "LLaMA-full": ("LLaMA", {"dp": 1, "tp": 1, "pp": 1, "recompute": "full"}, RECOMPUTED),
     "LLaMA-tp2-sp-full": ("LLaMA", {"dp": 1, "tp": 2, "pp": 1, "recompute": "full"}, RECOMPUTED),
     "BERT-bf16-full": ("BERT", {"dp": 1, "tp": 1, "pp": 1, "amp": "bf16", "recompute": "full"}, RECOMPUTED),
+    "BERT-bf16-selective": ("BERT", {"dp": 1, "tp": 1, "pp": 1, "amp": "bf16", "recompute": "selective"},
+                            RECOMPUTED),
     "T5-tp2-bf16-full": ("T5", {"dp": 1, "tp": 2, "pp": 1, "amp": "bf16", "recompute": "full"}, RECOMPUTED),
 }
 """whole-step cases: sequence-parallel norms and the vocab-parallel loss (tp2), autocast's copies and DDP's buckets,
@@ -303,7 +305,9 @@ FSDP's units and Adam's sharded states, autocast over FSDP's 16-bit parameters (
 selective recompute (its key/value cache off), full recompute's backward peak at the first layer (the others'
 gradients alive; the largest op's consumers' saved output freed) alone and under TP with sequence parallelism (the
 first block's whole, replicated input kept by the checkpoint), and an encoder's full recompute under bf16 autocast
-(its peak the end of the recomputed CPU math attention, with its float32 copies and 16-bit outputs), and an
+(its peak the end of the recomputed CPU math attention, with its float32 copies and 16-bit outputs) and its
+selective recompute (the same moment, less the kept outputs the recompute has taken from its cache: -6.3 % when
+costed as the layer's backward), and an
 encoder-decoder's full recompute, whose decoder blocks' checkpoints all keep the one encoder output and position
 biases (``LayerProfile.shared_inputs``: +5.2 % when counted per block)"""
 FAST = ("Qwen2-single", "Qwen2-tp2-sp-bf16", "LLaMA-zero3-bf16", "LLaMA-selective")
@@ -319,7 +323,7 @@ def test_whole_step_memory_matches_the_tracker(case):
     from autopar_nb.measure import GROUPS, measured_groups, predicted_groups
 
     mb, m, where = _predicted_and_measured(*WHOLE_CASES[case])
-    if case.endswith("-full"):
+    if case.endswith(("-full", "-selective")) and case != "LLaMA-selective":
         assert "backward" in where and "_checkpoint_wrapped_module" in where, where
     p, got = predicted_groups(mb), measured_groups(m)
     for g in GROUPS:

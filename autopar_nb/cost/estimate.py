@@ -106,8 +106,9 @@ class LayerTerms:
     cast_local: float = 0.0
     """numel of the layer's local parameters autocast keeps a 16-bit copy of during forward and backward (0 unless
     the precision is "autocast")"""
-    replay: float = 0.0
-    """bytes a fully recomputed layer holds at its recompute's largest forward moment (:func:`.memory.replay_peak`)"""
+    replay: dict[str, float] = field(default_factory=dict)
+    """recompute ("full", "selective") -> bytes a recomputed layer holds beyond what it keeps at its recompute's
+    largest forward moment (:func:`.memory.replay_peak`)"""
 
     def recompute_s(self, recompute: str) -> float:
         """Seconds recompute adds in backward: the whole forward again (full, with its all-to-alls) or the attention
@@ -269,8 +270,8 @@ class Evaluator:
             comm["all_to_all"] = a2a
         t.tp_step = step_s
         t.freed = freed
-        t.replay = replay_peak(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
-                               megatron_sp=self.megatron_sp)
+        t.replay = {rec: replay_peak(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
+                                     megatron_sp=self.megatron_sp, recompute=rec) for rec in ("full", "selective")}
         t.cast_local = lp.cast_split / tp + lp.cast_rep if precision == "autocast" else 0.0
         self._cache[key] = t
         return t
@@ -403,11 +404,12 @@ class Evaluator:
                 sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act[ch.recompute] - held[j]
                                            + head_saved + again - freed, wb - again,
                                            sums.params[r] + (j + 1) * lt.params_local, i + j))
-                if ch.recompute == "full" and lt.replay:
+                if lt.replay.get(ch.recompute):
                     # its recompute, before its backward: what it has recomputed so far, beside the gradient of its
                     # output (measured: BERT's math attention under bf16 autocast)
-                    sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act["full"] - held[j] + lt.replay,
-                                               lt.out_bytes, sums.params[r] + (j + 1) * lt.params_local, i + j))
+                    sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act[ch.recompute] - held[j]
+                                               + lt.replay[ch.recompute], lt.out_bytes,
+                                               sums.params[r] + (j + 1) * lt.params_local, i + j))
             sums.params[r] += cnt * lt.params_local
             sums.experts[r] += cnt * lt.experts_local
             sums.tp_step[r] += cnt * lt.tp_step
@@ -434,7 +436,7 @@ class Evaluator:
         head its input, which the fused op holds anyway), and a buffer for
         each gradient coming back to the micro-batch in backward. A stage holding a layer that reads a parameter
         another stage owns (a head tied to the embeddings) holds its own copy: in its parameters."""
-        prof, pp = self.prof, s.pp
+        prof = self.prof
         precision = precision_of(s.amp, s.zero_stage)
         scale = s.mb_samples / prof.batch * self.seq_ratio / s.cp
         stage = [ch.stage for ch in choices]

@@ -116,19 +116,21 @@ def backward_peak(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precisio
 
 
 def replay_peak(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precision: str = "fp32",
-                quad_scale: float | None = None, megatron_sp: bool = False) -> float:
-    """Bytes a fully recomputed layer holds when its recompute reaches the op whose forward holds the most beside
-    what it saves (:attr:`.profile.LayerProfile.replay`): the layer's saved tensors up to that op, recomputed, and
-    that op's transients; 0 when no op holds much. Measured with MemTracker: BERT's peak under full recompute and
-    bf16 autocast is the end of its recomputed math attention, not a backward op."""
+                quad_scale: float | None = None, megatron_sp: bool = False, recompute: str = "full") -> float:
+    """Bytes a recomputed layer holds, beyond what its ``recompute`` keeps from the forward, when its recompute
+    reaches the op whose forward holds the most beside what it saves (:attr:`.profile.LayerProfile.replay`): the
+    layer's saved tensors up to that op, recomputed, and that op's transients, less (selective) the kept outputs of
+    that op and the ones before it, which the recompute took from its cache; 0 when no op holds much. Measured with
+    MemTracker: BERT's peak under bf16 autocast and either recompute is the end of its recomputed math attention,
+    not a backward op."""
     qs = scale if quad_scale is None else quad_scale
 
     def b(s: Saved) -> float:
         return on_rank(s, tp=tp, sp=sp, scale=scale, quad_scale=qs, megatron_sp=megatron_sp)
 
-    saved = lp.saved_at(precision)
-    return max((sum(map(b, saved[:m.kept])) + sum(map(b, m.work)) for m in lp.replay.get(precision, ())),
-               default=0.0)
+    saved, cached = lp.saved_at(precision), lp.selective.get(precision, ()) if recompute == "selective" else ()
+    return max((sum(map(b, saved[:m.kept])) + sum(map(b, m.work)) - sum(map(b, cached[:m.selective]))
+                for m in lp.replay.get(precision, ())), default=0.0)
 
 
 def in_flight(schedule: str, *, pp: int, stage: int, micro_batches: int, virtual_stages: int = 1) -> float:

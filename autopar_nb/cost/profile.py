@@ -79,6 +79,10 @@ class Moment(NamedTuple):
     work: tuple[Saved, ...]
     """the gradients this op's backward holds at once: its output's and its floating inputs' (a row-parallel
     output's full-size, ``gathered``; a column-parallel op's gathered input's)"""
+    selective: int = 0
+    """a replay moment (:attr:`LayerProfile.replay`): how many of the tensors selective recompute keeps
+    (:attr:`LayerProfile.selective`) come from this op or an earlier one; the recompute has consumed them from its
+    cache by then (those it saves again are among the ``kept`` saved tensors, the rest are freed or in ``work``)"""
 
 
 PRECISIONS = ("fp32", "autocast", "autocast_lowp")
@@ -730,7 +734,9 @@ def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str,
     forward moments (:attr:`LayerProfile.replay`); ``first``: with each saved storage's layer."""
     seen: set[str] = set()
     out = {path: [] for path in layers}
+    cached = dict.fromkeys(layers, 0)  # how many tensors selective recompute keeps from the layer's ops so far
     for lp, n in _in_layers(layers, f):
+        cached[lp.path] += len(_selective_kept(n, f, device_kind))
         rule = rule_of(n.op)
         if rule is None or n.name not in f.grad or f.root.get(n.name, n.name) != n.name and n.op_class != "view":
             continue
@@ -746,7 +752,7 @@ def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str,
             moments[lp.path].append(Moment(len(out[lp.path]), _gradients_of(n, f)))
         held = _math_attention_transients(n, f, device_kind) if replay is not None else ()
         if held:
-            replay[lp.path].append(Moment(len(out[lp.path]), held))
+            replay[lp.path].append(Moment(len(out[lp.path]), held, cached[lp.path]))
     return [(lp, out[path]) for path, lp in layers.items()]
 
 
@@ -767,27 +773,31 @@ def _gradients_of(n, f: _Facts) -> tuple[Saved, ...]:
 def _count_selective(layers: dict[str, LayerProfile], f: _Facts, device_kind: str) -> list[tuple[LayerProfile,
                                                                                               list[Saved]]]:
     """What the runtime's selective recompute (``runtime/ac.py``: torch's selective checkpoint with a policy that
-    must save mm/addmm/bmm/convolution/attention outputs) keeps per layer, besides the inputs the checkpoint holds:
-    the output of every matmul, convolution and attention op (a fused attention kernel's log-sum-exp with it; the CPU
-    math kernel's two bmm outputs, float32 under autocast), at the dtypes of ``f``. A row-parallel output is its
-    local partial sum, full size even under sequence parallelism (``gathered``)."""
+    must save mm/addmm/bmm/convolution/attention outputs) keeps per layer, besides the inputs the checkpoint holds
+    (:func:`_selective_kept` of each op), at the dtypes of ``f``."""
     out = {path: [] for path in layers}
     for lp, n in _in_layers(layers, f):
-        if n.op_class not in ("matmul", "conv", "attention") or not n.out_shapes:
-            continue
-        size, region = f.size[n.name]._replace(floating=True), n.name in f.tp.sharded
-        rowwise = f.tp.styles.get(n.name) == "rowwise"
-        if _math_attention(n, device_kind):
-            item = max(size.itemsize, 4)
-            (*lead, _), kshape = n.in_shapes[0], n.in_shapes[1]
-            out[lp.path] += [Saved(_numel(lead) * kshape[-2] * item, region, quadratic=True),
-                             Saved(size.numel * item, region)]
-            continue
-        out[lp.path].append(Saved(size.nbytes, region, gathered=rowwise))
-        rule = rule_of(n.op)
-        if n.op_class == "attention" and rule is not None and rule.stats is not None:
-            out[lp.path].append(Saved(rule.stats(n.in_shapes, n.out_shapes) * 4, region, stat=True))
+        out[lp.path] += _selective_kept(n, f, device_kind)
     return [(lp, out[path]) for path, lp in layers.items()]
+
+
+def _selective_kept(n, f: _Facts, device_kind: str) -> list[Saved]:
+    """What selective recompute keeps of op ``n``: the output of a matmul, convolution or attention op (a fused
+    attention kernel's log-sum-exp with it; the CPU math kernel's two bmm outputs, float32 under autocast); nothing
+    of other ops. A row-parallel output is its local partial sum, full size even under sequence parallelism
+    (``gathered``)."""
+    if n.op_class not in ("matmul", "conv", "attention") or not n.out_shapes:
+        return []
+    size, region = f.size[n.name]._replace(floating=True), n.name in f.tp.sharded
+    if _math_attention(n, device_kind):
+        item = max(size.itemsize, 4)
+        (*lead, _), kshape = n.in_shapes[0], n.in_shapes[1]
+        return [Saved(_numel(lead) * kshape[-2] * item, region, quadratic=True), Saved(size.numel * item, region)]
+    kept = [Saved(size.nbytes, region, gathered=f.tp.styles.get(n.name) == "rowwise")]
+    rule = rule_of(n.op)
+    if n.op_class == "attention" and rule is not None and rule.stats is not None:
+        kept.append(Saved(rule.stats(n.in_shapes, n.out_shapes) * 4, region, stat=True))
+    return kept
 
 
 def _kept_by(n, rule, f: _Facts, device_kind: str) -> list[_Keep]:
