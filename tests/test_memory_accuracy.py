@@ -373,5 +373,5 @@ def test_pipeline_stages_memory_matches_the_tracker(family):
             assert p[group] == pytest.approx(g[group], abs=WITHIN * m["total"] + 1024), (rank, group, p, g)
         assert mb.total - mb.margin == pytest.approx(m["total"], rel=WITHIN), (rank, mb, m)
         assert m["params"] < 0.75 * graph.param_bytes, (rank, m["params"], graph.param_bytes)
-        if family == "LLaMA":  # GPT-2's ranks also hold two embedding-sized set-up tensors, not identified yet
-            assert mb.terms["pipeline_buffers"] == pytest.approx(g["buffers"], abs=64 * 1024), (rank, mb.terms, g)
+        # (GPT-2's ranks held pipeline()'s copy of the tied embedding too, until split_model freed it)
+        assert mb.terms["pipeline_buffers"] == pytest.approx(g["buffers"], abs=64 * 1024), (rank, mb.terms, g)

@@ -107,6 +107,7 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
     stages = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
     called = {path for stage in stages for path, _ in stage.named_modules()} | ({loss_head} if loss_head else set())
     taken: set[int] = set()  # parameters an earlier stage holds
+    swapped: list[nn.Module] = []  # the traced leaves the originals replace
     for stage in stages:
         memo: dict = {}  # a tied parameter's copy, shared by this stage's modules
         if head is not None and stage is stages[-1]:  # before the swap below, which would call the head itself
@@ -119,10 +120,14 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
                     original = copy.deepcopy(original, memo)
                 parent, _, name = path.rpartition(".")
                 stage.get_submodule(parent).register_module(name, original)
+                swapped.append(module)
         _keep_first_names(stage, model, called, memo)
         taken |= {id(p) for p in stage.parameters()}
         stage.register_forward_hook(_contiguous_outputs)
     stages[-1].output_spec = specs[-1] if specs else None  # read by build_schedule for StageLoss
+    # a replaced leaf may hold pipeline()'s own copy of a parameter several stages use (a tied embedding); torch's
+    # executor still refers to it: its memory goes now
+    _free_tensors(swapped, keep=_storages(*stages, model))
     return stages, pipe
 
 
@@ -464,22 +469,32 @@ def boundary_values(whole: nn.Module, stages: list[nn.Module], microbatch: tuple
 def release_stages(model: nn.Module, stages: list[nn.Module], keep: list[int]) -> None:
     """Free the parameters and buffers of the stages this rank does not hold (``keep``: the ones it does): the
     whole ``model`` (the cell's, traced by :func:`split_model`) and those stages' modules register meta tensors of
-    the same shapes instead, so every rank holds its own stages' weights only, and a later use of a freed one raises
-    (a meta tensor), never reads freed memory; their storage is emptied too, since the module tree torch.export made
-    (which nothing runs again) still refers to them. A tensor a held stage uses stays."""
-    held = {t.untyped_storage().data_ptr() for i in keep for t in (*stages[i].parameters(), *stages[i].buffers())
-            if t.device.type != "meta"}
+    the same shapes instead, so every rank holds its own stages' weights only (:func:`_free_tensors`). A tensor a
+    held stage uses stays."""
     mine = {id(m) for i in keep for m in stages[i].modules()}  # a held stage's modules (often the model's own)
     others = (m for i, stage in enumerate(stages) if i not in keep for m in stage.modules())
-    for module in (m for m in (*model.modules(), *others) if id(m) not in mine):  # registered, and plain attributes
+    _free_tensors([m for m in (*model.modules(), *others) if id(m) not in mine],
+                  keep=_storages(*(stages[i] for i in keep)))
+
+
+def _storages(*modules: nn.Module) -> set[int]:
+    """The storages (data pointers) of the real parameters and buffers below ``modules``."""
+    return {t.untyped_storage().data_ptr() for m in modules for t in (*m.parameters(), *m.buffers())
+            if t.device.type != "meta"}
+
+
+def _free_tensors(modules: list[nn.Module], *, keep: set[int]) -> None:
+    """Replace the real tensors ``modules`` hold (registered, and plain attributes) by meta tensors of the same
+    shapes, unless their storage is in ``keep``, and empty their storage: a later use of a freed one raises (a meta
+    tensor), never reads freed memory, and what still refers to the old tensor (the module tree torch.export made,
+    which nothing runs again) holds no memory."""
+    for module in modules:
         for table in (module._parameters, module._buffers, module.__dict__):
             for name, t in list(table.items()):
-                if (not isinstance(t, torch.Tensor) or t.device.type == "meta"
-                        or t.untyped_storage().data_ptr() in held):
+                if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.untyped_storage().data_ptr() in keep:
                     continue
                 meta = torch.empty_like(t, device="meta")
                 table[name] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-                # torch.export's own module tree (which nothing runs) still refers to it: its memory goes now
                 t.untyped_storage().resize_(0)
 
 
