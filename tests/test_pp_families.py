@@ -216,6 +216,26 @@ def test_stages_read_only_the_previous_stage():
     torch.testing.assert_close(got.loss, expected.loss)
 
 
+@pytest.mark.parametrize("first", ["encoder.final_layer_norm", "decoder.block.1"])
+def test_cost_model_sends_what_the_stages_receive(first):
+    """The values the cost model has crossing a cut (``profile``'s ``crossings``, the pipeline buffers it costs) are
+    those ``split_model`` makes the next stage take. T5's stacks call their dropout a second time after the final
+    norm: that call stays where it runs, so the encoder's output is not sent beside the final norm's input."""
+    from autopar_nb.runtime.pp import split_model
+    from autopar_nb.runtime.train import switch_off_kv_cache
+
+    src = run_model_cell(FAMILIES["T5"], {}).source
+    meta, meta_inputs, _ = src.build(device="meta")
+    graph = ap.capture(meta, meta_inputs)
+    k = [lay.path for lay in graph.layers].index(first)
+    predicted = profile(graph, device_kind="cpu").crossings[k]
+    model, inputs, _ = src.build(device="cpu")
+    switch_off_kv_cache(model)
+    stages, _ = split_model(model, boundaries=[first], microbatch=((), inputs))
+    received = [n.name for n in stages[1].graph.nodes if n.op == "placeholder" and not n.name.startswith("_")]
+    assert len(predicted) == len(received), received
+
+
 @pytest.mark.parametrize("name", ["ViT", "BERT"])
 def test_stages_pass_no_mask_where_eager_makes_none(name):
     """Without a padding mask, Hugging Face's eager forward gives SDPA no mask at all (an encoder) and its graph under

@@ -1011,13 +1011,16 @@ def _count_crossings(f: _Facts, amp: dict[str, _Facts], first_saver: dict[str, s
     ``chain_stages`` passes them: every value made before k (or a model input) that an op at or after k reads,
     once each (a value read further on is passed through every stage between). A node outside every layer (code in
     a model's own forward between its modules) belongs to the layer before it, as a cut at the next layer's start
-    leaves it."""
+    leaves it. Only a layer's first call moves the position: T5's stacks call their dropout again after the final
+    norm, and that second call runs where the graph has it, in the layer before."""
     index = {lay.path: i for i, lay in enumerate(f.graph.layers)}
     where: dict[str, int] = {name: -1 for name in f.size if name not in f.by_name}  # model inputs
     last_read: dict[str, int] = {}
-    at = 0
+    at, called = 0, set()
     for n in f.graph.nodes:
-        at = index.get(n.layer, at)
+        if n.layer in index and n.layer not in called:
+            called.add(n.layer)
+            at = index[n.layer]
         where[n.name] = at
         for i in n.inputs:
             last_read[i] = max(last_read.get(i, -1), at)
