@@ -99,13 +99,45 @@ def _tracker_classes():
         """the phase and module of the peak"""
         param_cast = False
         """the op being tracked is a ``_to_copy`` of a parameter (autocast's 16-bit copy of a weight)"""
+        census = 0
+        """keep this many of the largest storages alive at the peak, each with the op and module that made it
+        (:meth:`largest`); 0: none (the origins cost a lookup per op)"""
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.param_cast = func is torch.ops.aten._to_copy.default and bool(args) and self._is_param(args[0])
             try:
-                return super().__torch_dispatch__(func, types, args, kwargs)
+                out = super().__torch_dispatch__(func, types, args, kwargs)
             finally:
                 self.param_cast = False
+            if self.census:
+                self._note_origins(func, out)
+            return out
+
+        def _note_origins(self, func, out) -> None:
+            from torch.utils._pytree import tree_leaves
+            from torch.utils.weak import WeakIdKeyDictionary
+
+            if not hasattr(self, "_origins"):
+                self._origins = WeakIdKeyDictionary()
+            mods = sorted(self._mod_tracker.parents - {"Global"}, key=len)
+            side = "backward" if self._mod_tracker.is_bw else "forward"
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and not is_fake(t) and t.untyped_storage() not in self._origins:
+                    self._origins[t.untyped_storage()] = {
+                        "op": str(func), "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                        "module": mods[-1] if mods else "", "side": side}
+
+        def largest(self) -> list[dict]:
+            """The :attr:`census` largest storages alive at the peak: label (the tracker's reference type), MiB and,
+            where an op made it while the tracker ran, that op, its output's shape and dtype, and the module and
+            side (forward/backward) it ran in."""
+            return getattr(self, "_at_peak", [])
+
+        def _storages_now(self) -> list[dict]:
+            origins = getattr(self, "_origins", {})
+            rows = [{"label": getattr(w.reftype, "value", str(w.reftype)), "MiB": w.mem_consumed / 2**20,
+                     **(origins[st] if st in origins else {})} for st, (w, _) in self._WINFO.items()]
+            return sorted(rows, key=lambda r: -r["MiB"])[:self.census]
 
         def _is_param(self, t) -> bool:
             if not isinstance(t, torch.Tensor):
@@ -144,6 +176,8 @@ def _tracker_classes():
             before = dict(self._peak_mem)
             super()._update_peak_stats(peak_state)
             if self._peak_mem != before:
+                if self.census:
+                    self._at_peak = self._storages_now()
                 mods = sorted(self._mod_tracker.parents - {"Global"}, key=len)
                 side = "backward" if self._mod_tracker.is_bw else "forward"
                 self.where = f"{self.phase}/{side}" + (f" in {mods[-1]}" if mods else "")
@@ -163,6 +197,8 @@ def _tracker_classes():
             """Forget the peak so far (the next one is the last step's)."""
             self._peak_mem_snap = self.get_tracker_snapshot()
             self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
+            if self.census:
+                self._at_peak = self._storages_now()
 
     class Tracker(Labelled, MemTracker):
         def __init__(self):
@@ -237,14 +273,16 @@ class _Session:
     """The tracker a run uses: the plain one until ``parallelize`` returns an FSDP2 module, then an FSDP one over
     it (FSDPMemTracker needs the module; it tracks its parameters and buffers from then on)."""
 
-    def __init__(self, steps: int):
+    def __init__(self, steps: int, census: int = 0):
         self.Tracker, self.FSDPTracker = _tracker_classes()
-        self.steps = steps
+        self.steps, self.census = steps, census
         self.active = self.Tracker()
+        self.active.census = census
 
     def switch_to_fsdp(self, root) -> None:
         self.active.__exit__(None, None, None)
         self.active = self.FSDPTracker(root)
+        self.active.census = self.census
         self.active.__enter__()
 
     def as_setup(self, fn):
@@ -271,13 +309,15 @@ class _Session:
             self.active.reset_peak()
 
 
-def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: bool = False) -> dict[str, Any]:
+def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: bool = False,
+                   census: int = 0) -> dict[str, Any]:
     """Run the exported script's ``main`` for ``steps`` steps inside the tracker, as rank ``rank`` of a fake process
     group of the plan's world size, or (``real``) as the rank torchrun started this process as, in a real gloo group
     (a pipelined plan: its stages exchange their boundary shapes with ``recv_object_list``, and every micro-batch's
     activations cross between them, which a fake group would not deliver). Returns ``{"peak": components at the peak
-    of the last step, "where": its phase and module, "world": ..., "rank": ...}``. Call it in a fresh process (the
-    process group is global state): :func:`measure` does."""
+    of the last step, "where": its phase and module, "world": ..., "rank": ...}``, and with ``census`` the ``census``
+    largest storages alive at the peak under ``"largest"`` (``Labelled.largest``: what made each). Call it in a
+    fresh process (the process group is global state): :func:`measure` does."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
@@ -291,7 +331,7 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
         rank = dist.get_rank()
     else:
         dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-    session = _Session(steps)
+    session = _Session(steps, census)
     if g["PP"] > 1:
         session.active.restart_roots = True
         _label_pipeline_buffers(session)
@@ -320,7 +360,8 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
     finally:
         session.active.__exit__(None, None, None)
     snap = session.active.get_tracker_snapshot("peak").get(torch.device("cpu"), {})
-    return {"peak": components(snap), "where": session.active.where, "world": world, "rank": rank}
+    out = {"peak": components(snap), "where": session.active.where, "world": world, "rank": rank}
+    return out | ({"largest": session.active.largest()} if census else {})
 
 
 def _label_pipeline_buffers(session) -> None:
@@ -358,18 +399,20 @@ def _bucket_as_is(state, bucket):
     return fut
 
 
-def measure(source, plan, *, ranks: tuple[int, ...] = (0,), steps: int = 2, timeout: float = 600) -> list[dict]:
+def measure(source, plan, *, ranks: tuple[int, ...] = (0,), steps: int = 2, timeout: float = 600,
+            census: int = 0) -> list[dict]:
     """Measure ``plan`` on ``source`` (a :class:`~autopar_nb.source.ModelSource`) for each of ``ranks``: the plan's
     script is exported to a temporary directory and :func:`measure_script` runs it, each rank in a fresh process of
-    a fake group, or, for a pipelined plan, every rank of a real one started by torchrun (:func:`measure_real`)."""
+    a fake group, or, for a pipelined plan, every rank of a real one started by torchrun (:func:`measure_real`).
+    ``census``: also list that many of the largest storages at each rank's peak (:func:`measure_script`)."""
     from .export import export
 
     with tempfile.TemporaryDirectory(prefix="autopar-measure-") as tmp:
         script = export(source, plan, Path(tmp) / "train.py", quiet=True).script
         if plan.mesh.pp > 1:
-            got = measure_real(script, world=plan.mesh.world_size, steps=steps, timeout=timeout)
+            got = measure_real(script, world=plan.mesh.world_size, steps=steps, timeout=timeout, census=census)
             return [got[r] for r in ranks]
-        return [measure_in_subprocess(script, rank=r, steps=steps, timeout=timeout) for r in ranks]
+        return [measure_in_subprocess(script, rank=r, steps=steps, timeout=timeout, census=census) for r in ranks]
 
 
 def _child(args: list[str], *, timeout: float) -> subprocess.CompletedProcess:
@@ -389,18 +432,20 @@ def _results(proc: subprocess.CompletedProcess, what: str) -> list[dict]:
     return got
 
 
-def measure_in_subprocess(script, *, rank: int = 0, steps: int = 2, timeout: float = 600) -> dict:
+def measure_in_subprocess(script, *, rank: int = 0, steps: int = 2, timeout: float = 600, census: int = 0) -> dict:
     """:func:`measure_script` in a child process, one rank of a fake group (one JSON line back)."""
-    proc = _child(["-m", "autopar_nb.measure", str(Path(script).resolve()), str(rank), str(steps)], timeout=timeout)
+    proc = _child(["-m", "autopar_nb.measure", str(Path(script).resolve()), str(rank), str(steps), str(census)],
+                  timeout=timeout)
     return _results(proc, f"{script} (rank {rank})")[-1]
 
 
-def measure_real(script, *, world: int, steps: int = 2, timeout: float = 600) -> dict[int, dict]:
+def measure_real(script, *, world: int, steps: int = 2, timeout: float = 600, census: int = 0) -> dict[int, dict]:
     """:func:`measure_script` on every rank of a real gloo group of ``world`` processes on this machine (torchrun,
     loopback only): rank -> its result (each rank writes its own file: the ranks' printed lines can interleave)."""
     with tempfile.TemporaryDirectory(prefix="autopar-measure-ranks-") as out:
         proc = _child(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-                       "-m", "autopar_nb.measure", str(Path(script).resolve()), "real", str(steps), out],
+                       "-m", "autopar_nb.measure", str(Path(script).resolve()), "real", str(steps), str(census),
+                       out],
                       timeout=timeout)
         got = {}
         for f in Path(out).glob("rank*.json"):
@@ -413,9 +458,10 @@ def measure_real(script, *, world: int, steps: int = 2, timeout: float = 600) ->
 
 
 if __name__ == "__main__":
-    _script, _rank, _steps = sys.argv[1], sys.argv[2], int(sys.argv[3])  # rank "real": torchrun's, then a folder
+    # script, rank (or "real": torchrun's, then the folder its result goes to), steps, census
+    _script, _rank, _steps, _census = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     if _rank == "real":
-        _out = measure_script(_script, steps=_steps, real=True)
-        (Path(sys.argv[4]) / f"rank{_out['rank']}.json").write_text(json.dumps(_out))
+        _out = measure_script(_script, steps=_steps, real=True, census=_census)
+        (Path(sys.argv[5]) / f"rank{_out['rank']}.json").write_text(json.dumps(_out))
     else:
-        print(json.dumps(measure_script(_script, rank=int(_rank), steps=_steps)), flush=True)
+        print(json.dumps(measure_script(_script, rank=int(_rank), steps=_steps, census=_census)), flush=True)

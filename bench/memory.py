@@ -11,6 +11,7 @@ what it counts (``autopar_nb.measure.GROUPS``).
                                      [--recompute none,selective,full] [--jobs N] [--write]
     .venv/bin/python bench/memory.py --matrix --write      # the table in BENCHMARKS.md (:data:`MATRIX`)
     .venv/bin/python bench/memory.py --quick               # one case of each class (:data:`QUICK`)
+    .venv/bin/python bench/memory.py T5 --plans pp --recompute full --largest 20   # what each peak is made of
 
 ``--write`` replaces the "## Per-rank memory against the tracker" section of BENCHMARKS.md.
 """
@@ -86,8 +87,9 @@ KNOWN = [
 MiB = 2**20
 
 
-def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "none") -> list[dict]:
-    """Predicted and measured components of every rank that differs (each pipeline stage; rank 0 otherwise)."""
+def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "none", largest: int = 0) -> list[dict]:
+    """Predicted and measured components of every rank that differs (each pipeline stage; rank 0 otherwise), and
+    the ``largest`` storages alive at each one's measured peak, with what made them (``measure``'s census)."""
     from memcells import CELLS
 
     import autopar_nb as ap
@@ -106,14 +108,14 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
     cost = estimate(graph, cluster, plan)
     ranks = tuple(range(fix["pp"])) if fix["pp"] > 1 else (0,)
     # rank r of a (pp, dp, tp) mesh is pipeline stage r // (dp * tp)
-    measured = measure(src, plan, ranks=tuple(r * fix["dp"] * fix["tp"] for r in ranks))
+    measured = measure(src, plan, ranks=tuple(r * fix["dp"] * fix["tp"] for r in ranks), census=largest)
     rows = []
     for stage, m in zip(ranks, measured, strict=True):
         mb = cost.memory_by_rank[stage]
         rows.append({"family": family, "plan": plan_name, "amp": amp, "recompute": recompute, "stage": stage,
                      "predicted": predicted_groups(mb), "predicted_total": mb.total - mb.margin,
                      "measured": measured_groups(m["peak"]), "measured_total": m["peak"]["total"],
-                     "where": m["where"]})
+                     "where": m["where"], "largest": m.get("largest", [])})
     return rows
 
 
@@ -154,24 +156,26 @@ def cases_of(groups) -> list[tuple[str, str, str, str]]:
     return out
 
 
-def _one(c: tuple[str, str, str, str]) -> tuple[str, list[dict] | None, str]:
+def _one(c: tuple[str, str, str, str], largest: int = 0) -> tuple[str, list[dict] | None, str]:
     family, plan_name, amp, rec = c
     name = f"{family} / {plan_name} / {amp} / {rec}"
     try:
-        return name, case(family, plan_name, amp=amp, recompute=rec), ""
+        return name, case(family, plan_name, amp=amp, recompute=rec, largest=largest), ""
     except Exception as e:  # a plan the planner refuses, or a run that fails: reported, not hidden
         return name, None, f"{name}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
 
 
-def run(groups, *, each=None, jobs: int = 1) -> tuple[list[dict], list[str]]:
+def run(groups, *, each=None, jobs: int = 1, largest: int = 0) -> tuple[list[dict], list[str]]:
     """Every case of ``groups`` (:func:`cases_of`), ``jobs`` at a time: rows, and the cases that did not run (the
-    planner refused the plan, or the run failed) with why. ``each(rows, failed, cases)`` after every case."""
+    planner refused the plan, or the run failed) with why. ``each(rows, failed, cases)`` after every case;
+    ``largest``: print that many of the largest storages at each measured peak."""
     from concurrent.futures import ProcessPoolExecutor
+    from functools import partial
 
     rows, failed = [], []
     todo = cases_of(groups)
     with ProcessPoolExecutor(jobs) as pool:
-        for name, got, why in pool.map(_one, todo):
+        for name, got, why in pool.map(partial(_one, largest=largest), todo):
             if got is None:
                 failed.append(why)
                 print("FAILED", why, flush=True)
@@ -180,6 +184,9 @@ def run(groups, *, each=None, jobs: int = 1) -> tuple[list[dict], list[str]]:
                 for r in got:
                     print(f"{name} rank {r['stage']}: predicted {r['predicted_total'] / MiB:7.1f} measured "
                           f"{r['measured_total'] / MiB:7.1f} MiB  {error(r):+.1%}  ({r['where']})", flush=True)
+                    for t in r["largest"]:
+                        print(f"    {t['MiB']:6.2f} MiB {t['label']:<14} {t.get('side', ''):<8} {t.get('op', '?')} "
+                              f"{t.get('shape', '')} {t.get('dtype', '')} {t.get('module', '')}", flush=True)
             if each is not None:
                 each(rows, failed, len(todo))
     return rows, failed
@@ -199,6 +206,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a few cases of each class (QUICK) instead")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--jobs", type=int, default=1, help="cases measured at once")
+    ap.add_argument("--largest", type=int, default=0, metavar="N",
+                    help="print the N largest storages alive at each measured peak, with the op and module that "
+                         "made each (what a component's miss is made of)")
     ap.add_argument("--section", default="Per-rank memory against the tracker", help="BENCHMARKS.md section title")
     args = ap.parse_args()
     t0, load0 = time.time(), os.getloadavg()[0]
@@ -233,7 +243,7 @@ def main() -> None:
                     + ("\n\nKnown gaps:\n" + "".join(f"\n- {k}" for k in KNOWN)) + "\n")
             write_section(args.section, body, ROOT / "BENCHMARKS.md")
 
-    rows, failed = run(groups, each=report, jobs=args.jobs)
+    rows, failed = run(groups, each=report, jobs=args.jobs, largest=args.largest)
     report(rows, failed, len(cases_of(groups)), final=True)
 
 

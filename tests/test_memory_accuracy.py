@@ -331,6 +331,30 @@ def test_whole_step_memory_matches_the_tracker(case):
     assert mb.total - mb.margin == pytest.approx(m["total"], rel=WITHIN), (mb, m)
 
 
+def test_census_names_what_the_peak_is_made_of():
+    """``measure(census=N)`` (``bench/memory.py --largest N``) lists the N largest storages alive at the peak, each
+    with its tracker label and the op, shape and module that made it: LLaMA's peak (in backward) holds saved
+    activations of its layers; the list is largest first and sums, label by label, to no more than the tracker's
+    components at that peak."""
+    from autopar_nb.measure import LABELS, measure
+
+    src = ModelSource(CELLS["LLaMA"](**RECOMPUTED))
+    meta, example, _ = src.build(device="meta")
+    plan = ap.plan(ap.capture(meta, example), ap.Cluster.preset("cpu", 1, 1), global_batch=RECOMPUTED["batch"],
+                   fix={"dp": 1, "tp": 1, "pp": 1, "micro_batches": 1, "amp": "none", "recompute": "none"})
+    (got,) = measure(src, plan, ranks=(0,), census=12)
+    rows = got["largest"]
+    assert len(rows) == 12 and [r["MiB"] for r in rows] == sorted((r["MiB"] for r in rows), reverse=True)
+    acts = [r for r in rows if r["label"] == "Activation"]
+    assert all(r["op"].startswith("aten.") and r["module"].startswith("LlamaForCausalLM.") and r["side"] == "forward"
+               for r in acts), acts
+    assert any("model.layers." in r["module"] for r in acts), acts
+    assert all(r["shape"] and r["dtype"] == "float32" for r in acts), acts
+    for component, labels in LABELS.items():
+        listed = sum(r["MiB"] for r in rows if r["label"] in labels) * 2**20
+        assert listed <= got["peak"][component] + 1, (component, listed, got["peak"])
+
+
 def test_fsdp_buffers_at_a_recomputed_layers_backward_match_the_tracker():
     """ZeRO-3 + full recompute (bf16): the peak is in a middle block's recomputed backward, where FSDP holds that
     block's gathered parameters, the prefetched all-gather of the block before it and the float32 reduce-scatter
