@@ -260,3 +260,35 @@ def test_pipeline_outputs_are_those_of_the_micro_batches_in_flight_at_the_peak()
             assert first.grads == pytest.approx(first.params), first
         else:  # B0: the gradients of the layers after the one in backward only
             assert first.grads < first.params, first
+
+
+class _Skip(nn.Module):
+    """h = a(x) is read by b and, after c, by the skip add: autograd accumulates h's gradient from the add's
+    backward (through c's, b's) until a's. (c's output is scaled: its gradient is then a tensor of its own, not the
+    add's, which h's shares.)"""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.a(x)
+        return 2 * self.c(self.b(h)) + h
+
+
+def test_backward_moments_hold_the_gradients_still_accumulating():
+    """At c's backward, h's gradient (begun by the skip add's backward) is alive beside c's own; at b's, b's new
+    gradient for h is added to it out of place, so the accumulated one, the new one and their sum are alive at once
+    (the census of T5's decoder backward shows the encoder output's so: ``bench/memory.py --largest``). Tensors read
+    only by the next op (b's output at c) hold no gradient yet; a's moment is past h's last reader."""
+    from autopar_nb.cost.profile import _accumulating_gradients, _facts
+
+    graph = ap.capture(_Skip(), torch.randn(4, 8, 16))
+    f = _facts(graph, {}, "cpu")
+    acc = _accumulating_gradients(f)
+    linear = {n.module_path: n.name for n in graph.nodes if n.op_class == "matmul"}
+    h = f.size[linear["a"]].nbytes
+    assert h == 4 * 8 * 16 * 4
+    assert sum(s.nbytes for s in acc[linear["c"]]) == h
+    assert sum(s.nbytes for s in acc[linear["b"]]) == 2 * h
+    assert linear["a"] not in acc

@@ -388,9 +388,9 @@ class Evaluator:
             # a recomputed layer's backward first runs its forward again: what the plain forward saves and the
             # recompute did not keep is alive again beside the working set
             again = max(lt.act["none"] - lt.act[ch.recompute], 0.0)
-            # the gradient of its output (the residual stream's) is alive through its whole backward, beside each
-            # op's gradients: both branches of a residual add read it, the skip's until the block's first op is done
-            wb, freed = lt.work_bytes + again + lt.out_bytes, lt.freed
+            # each op's moment holds the gradients accumulating for what later ops read (profile's
+            # _accumulating_gradients): the residual stream's, whose skip the block's last add reads
+            wb, freed = lt.work_bytes + again, lt.freed
             if s.fused_loss and i <= self.head.layer < i + cnt:
                 wb, again, freed = self._fused_head(s, sums, r, ch.recompute, lt, tp=s.tp if ch.tp else 1), 0.0, 0.0
             if wb > sums.work[r]:

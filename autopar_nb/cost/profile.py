@@ -735,6 +735,7 @@ def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str,
     seen: set[str] = set()
     out = {path: [] for path in layers}
     cached = dict.fromkeys(layers, 0)  # how many tensors selective recompute keeps from the layer's ops so far
+    accumulating = _accumulating_gradients(f) if moments is not None else {}
     for lp, n in _in_layers(layers, f):
         cached[lp.path] += len(_selective_kept(n, f, device_kind))
         rule = rule_of(n.op)
@@ -749,11 +750,47 @@ def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str,
             out[lp.path].append(Saved(keep.size.numel * keep.size.itemsize, keep.region, keep.gathered,
                                       keep.quadratic, keep.stat))
         if moments is not None and n.op_class != "view" and n.out_shapes:
-            moments[lp.path].append(Moment(len(out[lp.path]), _gradients_of(n, f)))
+            moments[lp.path].append(Moment(len(out[lp.path]), _gradients_of(n, f) + accumulating.get(n.name, ())))
         held = _math_attention_transients(n, f, device_kind) if replay is not None else ()
         if held:
             replay[lp.path].append(Moment(len(out[lp.path]), held, cached[lp.path]))
     return [(lp, out[path]) for path, lp in layers.items()]
+
+
+def _accumulating_gradients(f: _Facts) -> dict[str, tuple[Saved, ...]]:
+    """Per op, the gradients alive during its backward besides its own (:func:`_gradients_of`): those of the tensors
+    made before it and read after it (the residual stream a block's skip reads, an encoder's output every
+    cross-attention reads, a position bias), whose later readers' backward has begun their gradient, and, for an
+    input read again after the op, the sum its new gradient is accumulated into (autograd adds out of place).
+    Measured with the tracker's census: T5's decoder backward holds the encoder output's gradient, that sum and the
+    incoming part at once. Summed per TP kind (bytes split or not, score-sized or not)."""
+    nodes = f.graph.nodes
+    last: dict[str, int] = {}
+    for k, n in enumerate(nodes):
+        for i in n.inputs:
+            last[f.root.get(i, i)] = k
+    made = {n.name: k for k, n in enumerate(nodes)}
+    tracked = {t for t, k in last.items()  # a gradient-carrying tensor some op after its maker reads
+               if t in made and k > made[t] and t in f.grad and t not in f.param_views and f.size[t].floating}
+    ends: dict[int, list[str]] = defaultdict(list)
+    for t in tracked:
+        ends[last[t]].append(t)
+    live: dict[str, None] = {}  # made before the current op, read after it (insertion ordered)
+    out: dict[str, tuple[Saved, ...]] = {}
+    for k, n in enumerate(nodes):
+        for t in ends.get(k, ()):
+            live.pop(t, None)
+        sums: dict[tuple[bool, bool], float] = defaultdict(float)
+        for t in live:
+            sums[t in f.tp.sharded, t in f.scores] += f.size[t].nbytes
+        for t in dict.fromkeys(f.root.get(i, i) for i in n.inputs):
+            if t in live:
+                sums[t in f.tp.sharded, t in f.scores] += f.size[t].nbytes
+        if sums and n.op_class != "view":
+            out[n.name] = tuple(Saved(b, region, quadratic=quad) for (region, quad), b in sums.items())
+        if n.name in tracked:
+            live[n.name] = None
+    return out
 
 
 def _gradients_of(n, f: _Facts) -> tuple[Saved, ...]:
