@@ -292,3 +292,29 @@ def test_backward_moments_hold_the_gradients_still_accumulating():
     assert sum(s.nbytes for s in acc[linear["c"]]) == h
     assert sum(s.nbytes for s in acc[linear["b"]]) == 2 * h
     assert linear["a"] not in acc
+
+
+class _Parallel(nn.Module):
+    """A parallel residual (GPT-NeoX): h = a(x) feeds b and c, and out = (b(h) + c(h)) + h."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.a(x)
+        return (self.b(h) + self.c(h)) + h
+
+
+def test_gradients_an_add_hands_on_are_one_storage():
+    """Both adds' backward hand their output's gradient G itself to their operands: at c's backward, c's output,
+    b's output and h all have G as their gradient (one storage, c's own), so what accumulates is only the sum c's
+    new gradient for h goes into; at b's, h's gradient is that sum (a storage of its own) beside the next sum."""
+    from autopar_nb.cost.profile import _accumulating_gradients, _facts
+
+    graph = ap.capture(_Parallel(), torch.randn(4, 8, 16))
+    acc = _accumulating_gradients(_facts(graph, {}, "cpu"))
+    linear = {n.module_path: n.name for n in graph.nodes if n.op_class == "matmul"}
+    h = 4 * 8 * 16 * 4
+    assert sum(s.nbytes for s in acc[linear["c"]]) == h
+    assert sum(s.nbytes for s in acc[linear["b"]]) == 2 * h

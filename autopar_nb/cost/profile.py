@@ -763,13 +763,31 @@ def _accumulating_gradients(f: _Facts) -> dict[str, tuple[Saved, ...]]:
     cross-attention reads, a position bias), whose later readers' backward has begun their gradient, and, for an
     input read again after the op, the sum its new gradient is accumulated into (autograd adds out of place).
     Measured with the tracker's census: T5's decoder backward holds the encoder output's gradient, that sum and the
-    incoming part at once. Summed per TP kind (bytes split or not, score-sized or not)."""
+    incoming part at once. A view's gradient is its own until the view's backward (Mixtral's experts read the up
+    half of their fused gate/up output after the gate half's SiLU: half of it). An add's backward hands its output's
+    gradient itself to each operand: the operands of the adds a gradient has reached so far hold one storage (a
+    parallel residual's input and attention output, GPT-NeoX; an output projection's output and the skip beside it,
+    LLaMA). Summed per TP kind (bytes split or not, score-sized or not)."""
     nodes = f.graph.nodes
-    last: dict[str, int] = {}
+    readers: dict[str, list[int]] = defaultdict(list)
     for k, n in enumerate(nodes):
-        for i in n.inputs:
-            last[f.root.get(i, i)] = k
+        for i in dict.fromkeys(n.inputs):
+            readers[i].append(k)
+    last = {t: ks[-1] for t, ks in readers.items()}
     made = {n.name: k for k, n in enumerate(nodes)}
+
+    def passes_through(t: str, k: int) -> bool:  # op k is an add whose backward hands t its output's gradient
+        n = nodes[k]
+        return (n.op == "aten.add.Tensor" and f.size.get(n.name) == f.size.get(t)
+                and f.dtype.get(n.name) == f.dtype.get(t))
+
+    def storage(t: str, k: int) -> str:  # whose gradient t's is at op k's backward (t read after k)
+        later = [r for r in readers.get(t, ()) if r > k]
+        while len(later) == 1 and passes_through(t, later[0]):
+            t = nodes[later[0]].name
+            later = readers.get(t, [])
+        return t
+
     tracked = {t for t, k in last.items()  # a gradient-carrying tensor some op after its maker reads
                if t in made and k > made[t] and t in f.grad and t not in f.param_views and f.size[t].floating}
     ends: dict[int, list[str]] = defaultdict(list)
@@ -781,9 +799,12 @@ def _accumulating_gradients(f: _Facts) -> dict[str, tuple[Saved, ...]]:
         for t in ends.get(k, ()):
             live.pop(t, None)
         sums: dict[tuple[bool, bool], float] = defaultdict(float)
+        held = {storage(n.name, k)}  # the op's own output's gradient is in _gradients_of
         for t in live:
-            sums[t in f.tp.sharded, t in f.scores] += f.size[t].nbytes
-        for t in dict.fromkeys(f.root.get(i, i) for i in n.inputs):
+            if (g := storage(t, k)) not in held:
+                held.add(g)
+                sums[t in f.tp.sharded, t in f.scores] += f.size[t].nbytes
+        for t in dict.fromkeys(n.inputs):
             if t in live:
                 sums[t in f.tp.sharded, t in f.scores] += f.size[t].nbytes
         if sums and n.op_class != "view":
