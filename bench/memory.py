@@ -66,22 +66,20 @@ QUICK = [
 ]
 """one case of each class the matrix checks, in a few minutes (``--quick``)"""
 KNOWN = [
-    "BERT, selective recompute, bf16 (-7.2 %): the peak is the selective recompute of the last layer's CPU math "
-    "attention (its three float32 score-sized tensors, the 16-bit copy of the dropped weights, the float32 copies of "
-    "q, k, v: 74 MiB made in backward); the replay of that kernel is costed for full recompute only "
-    "(LayerProfile.replay), and for selective the model's kept set (112 MiB against the tracker's 96 made in "
-    "forward) and what it recomputes (the whole layer's saved tensors, 42 MiB) are both off",
-    "BERT, TP + SP, full recompute, bf16 (-5.2 %): at the last layer's backward start the tracker holds both "
-    "LayerNorms' float32 outputs (2 MiB each) and the output dropout's 16-bit result (1 MiB) beside what autograd "
-    "saves; not costed",
+    "BERT, TP + SP, full recompute, bf16 (-5.2 %; -4.5 % while the estimate added each layer's output gradient on "
+    "top of its ops', which 5cc4516 replaced by the gradients still accumulating): at the last layer's backward "
+    "start the tracker holds both LayerNorms' float32 outputs (2 MiB each) and the output dropout's 16-bit result "
+    "(1 MiB) beside what autograd saves; not costed",
     "Full recompute, moment choice: where two ops of a layer's backward hold the same (GPT-NeoX fp32: fc2's and the "
     "GELU's, 6 MiB beside the saved tensors each), the model takes the first and the tracker peaks at the second, "
-    "so 4 MiB move between activations and temporaries; GPT-NeoX fp32 full predicts its peak at the last block, "
-    "the tracker at the first (totals +1.4 %)",
-    "Pipelines (real 2-process runs, 2026-12-02: 89 of 96 ranks within 5 %): BERT bf16 selective (-5.9 % / -12.7 %) "
-    "and bf16 full rank 1 (-7.1 %), the same replay of the CPU math attention as above; T5 rank 1 under full "
-    "recompute (-8.3 % fp32, -8.9 % bf16) and bf16 selective (-7.1 %): the decoder's recomputed backward holds 9-10 "
-    "MiB of temporaries against 0.5-2 predicted (not identified); ViT rank 1 selective fp32 (-5.2 %)",
+    "so 4 MiB move between activations and temporaries (GPT-NeoX fp32 full +2.1 %); LLaMA/Qwen2 TP bf16 full peak "
+    "at the first layer with 3.9 MiB of parameter gradients where the model's moment of the same total has none",
+    "Pipelines (real 2-process runs, 2026-12-03: 91 of 96 ranks within 5 %): T5 rank 1 under full recompute (-7.0 % "
+    "fp32, -8.3 % bf16): bench/memory.py --largest names 9.5 MiB of temporaries against 3.3 predicted, among them "
+    "the previous micro-batch's stage-input gradient held until its send completes and 5-6 decoder residual "
+    "gradients alive at once (not costed); ViT rank 1 under recompute (-5.2 % fp32 selective, -6.3 % / -6.9 % bf16 "
+    "full / selective): the final LayerNorm's input gradient and a float32 residual sum (1 MiB each) beside the "
+    "MLP's gradients, 1.3 MiB more than costed",
 ]
 """cases known to miss 5 %, and why (written under the table)"""
 MiB = 2**20
