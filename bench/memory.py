@@ -75,9 +75,10 @@ KNOWN = [
     "so 4 MiB move between activations and temporaries (GPT-NeoX fp32 full +2.1 %); LLaMA/Qwen2 TP bf16 full peak "
     "at the first layer with 3.9 MiB of parameter gradients where the model's moment of the same total has none",
     "Pipelines (real 2-process runs, 2026-12-03: 91 of 96 ranks within 5 %): T5 rank 1 under full recompute (-7.0 % "
-    "fp32, -8.3 % bf16): bench/memory.py --largest names 9.5 MiB of temporaries against 3.3 predicted, among them "
-    "the previous micro-batch's stage-input gradient held until its send completes and 5-6 decoder residual "
-    "gradients alive at once (not costed); ViT rank 1 under recompute (-5.2 % fp32 selective, -6.3 % / -6.9 % bf16 "
+    "fp32, -8.3 % bf16): bench/memory.py --largest lists 9.5 MiB of temporaries against 3.3 predicted: the "
+    "encoder output's gradient with its accumulation (costed), 5-6 decoder residual gradients alive at once and a "
+    "1 MiB tensor of no recorded origin (not identified; not the previous micro-batch's input gradients: 1F1B waits "
+    "for their send before the next forward and LeanStage drops its buffers' .grad); ViT rank 1 under recompute (-5.2 % fp32 selective, -6.3 % / -6.9 % bf16 "
     "full / selective): the final LayerNorm's input gradient and a float32 residual sum (1 MiB each) beside the "
     "MLP's gradients, 1.3 MiB more than costed",
 ]
