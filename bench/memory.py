@@ -78,7 +78,8 @@ KNOWN = [
     "fp32, -8.3 % bf16): bench/memory.py --largest lists 9.5 MiB of temporaries against 3.3 predicted: the "
     "encoder output's gradient with its accumulation (costed), 5-6 decoder residual gradients alive at once and a "
     "1 MiB tensor of no recorded origin (not identified; not the previous micro-batch's input gradients: 1F1B waits "
-    "for their send before the next forward and LeanStage drops its buffers' .grad); ViT rank 1 under recompute (-5.2 % fp32 selective, -6.3 % / -6.9 % bf16 "
+    "for their send before the next forward and LeanStage drops its buffers' .grad); ViT rank 1 under recompute "
+    "(-5.2 % fp32 selective, -6.3 % / -6.9 % bf16 "
     "full / selective): the final LayerNorm's input gradient and a float32 residual sum (1 MiB each) beside the "
     "MLP's gradients, 1.3 MiB more than costed",
 ]
