@@ -61,7 +61,7 @@ GROUPS = {
     "weight copies": (("autocast_weight_copies",), ("casts",)),
     "buffers": (("ddp_buckets", "fsdp_unsharded_params", "fsdp_root_params", "fsdp_gathered_units",
                  "fsdp_reduce_scatter", "pipeline_buffers"), ("buffers",)),
-    "temporaries": (("backward_working_set",), ("backward", "step")),
+    "temporaries": (("backward_working_set", "pipeline_sent_gradients"), ("backward", "step")),
 }
 """component shown -> (the predicted fields or MemoryBreakdown.terms it sums, the measured components it sums).
 The tracker labels by when a storage is made (autopar_nb/measure.py): the logits and their copies are activations or

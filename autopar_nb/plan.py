@@ -455,6 +455,7 @@ MEMORY_TERMS = {
     "fsdp_reduce_scatter": "buffers",
     "pipeline_buffers": "buffers",
     "pipeline_outputs": "activations",
+    "pipeline_sent_gradients": "buffers",
     "backward_working_set": "buffers",
     "loss_temporaries": "buffers",
     "optimizer_step_temporaries": "buffers",
@@ -464,7 +465,8 @@ micro-batch in flight); the loss's saved log-softmax; autocast's 16-bit copies o
 read; DDP's gradient buckets; FSDP's parameters kept unsharded from forward to backward (ZeRO 2), the parameters
 left in the root unit (ZeRO 3), and the unit being computed plus the prefetched one (ZeRO 3: parameters and their
 unsharded gradients); the buffers pipeline stages receive inputs and gradients into (per micro-batch in flight) and
-their outputs, kept until each micro-batch's backward; the largest layer's backward working set; the
+their outputs, kept until each micro-batch's backward, and the input gradients of the micro-batch before, whose
+send the schedule still holds; the largest layer's backward working set; the
 loss's temporaries (logits and their copies, loss_parallel's shards); the optimizer step's temporaries"""
 
 

@@ -318,3 +318,44 @@ def test_gradients_an_add_hands_on_are_one_storage():
     h = 4 * 8 * 16 * 4
     assert sum(s.nbytes for s in acc[linear["c"]]) == h
     assert sum(s.nbytes for s in acc[linear["b"]]) == 2 * h
+
+
+class _TiedLM(nn.Module):
+    """An embedding, two blocks and a head tied to the embedding's weight (GPT-2, BERT, T5 by default)."""
+
+    def __init__(self, vocab: int = 64, d: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("pp, pending", [(1, True), (2, False)])
+def test_a_tied_heads_gradient_waits_for_the_embeddings_backward(pp, pending):
+    """The head's backward gives the tied weight its first gradient, which autograd holds until the embedding's
+    backward adds the second: every layer from the embedding up to (not including) the head has the weight's bytes
+    pending in its backward (float32). Pipelined with the head on the other stage, that stage's copy of the weight
+    gets its own gradient: nothing pending (the census of BERT's tracked peak: the decoder weight's gradient, a
+    float32 temporary through the encoder's backward)."""
+    from autopar_nb.cost.estimate import Evaluator, setting_of
+    from autopar_nb.cost.profile import profile_of
+
+    graph = ap.capture(_TiedLM(), torch.randint(0, 64, (4, 8)))
+    cluster = ap.Cluster.preset("cpu", 1, pp)
+    fix = {"pp": pp, "dp": 1, "tp": 1, "micro_batches": pp} | ({"schedule": "1f1b"} if pp > 1 else {})
+    plan = ap.plan(graph, cluster, global_batch=4, fix=fix)
+    s, choices = setting_of(plan)
+    tied = Evaluator(profile_of(graph, "cpu"), cluster)._tied_gradients(s, choices)
+    paths = [lay.path for lay in graph.layers]
+    head = paths.index("head")
+    if pending:
+        assert {paths[i]: b for i, b in tied.items() if b} == dict.fromkeys(paths[:head], 64 * 16 * 4), tied
+    else:
+        assert choices[0].stage != choices[head].stage and not any(tied.values()), (choices, tied)

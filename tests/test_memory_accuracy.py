@@ -269,6 +269,10 @@ RECOMPUTED = {"hidden": 256, "layers": 4, "seq": 128, "batch": 8}
 layer's saved tensors outweigh the logits)"""
 
 
+BENCH = {"hidden": 256, "layers": 4, "seq": 256, "batch": 8}
+"""bench/memory.py's sizes (its matrix in BENCHMARKS.md)"""
+
+
 def _predicted_and_measured(family: str, fix: dict, size: dict = WHOLE) -> tuple:
     from autopar_nb.cost import estimate
     from autopar_nb.measure import measure
@@ -355,6 +359,33 @@ def test_census_names_what_the_peak_is_made_of():
         assert listed <= got["peak"][component] + 1, (component, listed, got["peak"])
 
 
+def test_a_tied_heads_gradient_is_pending_at_the_tracked_peak():
+    """GPT-2 ties its head to the token embedding. At its full-recompute peak (the first block's backward) the
+    tracker holds the head's gradient of that weight, a float32 [vocab, hidden] temporary made by the head's
+    backward, which autograd keeps until the embedding's backward adds its own; the cost model counts those bytes
+    pending at every block's backward (``Evaluator._tied_gradients``)."""
+    from autopar_nb.cost.estimate import Evaluator, setting_of
+    from autopar_nb.cost.profile import profile_of
+    from autopar_nb.measure import measure
+
+    src = ModelSource(CELLS["GPT-2"](**RECOMPUTED))
+    meta, example, _ = src.build(device="meta")
+    graph, cluster = ap.capture(meta, example), ap.Cluster.preset("cpu", 1, 1)
+    plan = ap.plan(graph, cluster, global_batch=RECOMPUTED["batch"],
+                   fix={"dp": 1, "tp": 1, "pp": 1, "micro_batches": 1, "amp": "none", "recompute": "full"})
+    (got,) = measure(src, plan, ranks=(0,), census=40)
+    assert "backward" in got["where"] and "_checkpoint_wrapped_module" in got["where"], got["where"]
+    wte = graph.params["transformer.wte.weight"]
+    pending = [r for r in got["largest"] if r["label"] == "Temp" and r.get("side") == "backward"
+               and r["module"].endswith(".lm_head") and r["shape"] == list(wte.shape) and r["dtype"] == "float32"]
+    assert len(pending) == 1, got["largest"]
+    s, choices = setting_of(plan)
+    tied = Evaluator(profile_of(graph, "cpu"), cluster)._tied_gradients(s, choices)
+    blocks = [i for i, lay in enumerate(graph.layers) if ".h." in lay.path]
+    assert len(blocks) == RECOMPUTED["layers"]
+    assert [tied[i] for i in blocks] == [pending[0]["MiB"] * 2**20] * len(blocks), (tied, pending)
+
+
 def test_fsdp_buffers_at_a_recomputed_layers_backward_match_the_tracker():
     """ZeRO-3 + full recompute (bf16): the peak is in a middle block's recomputed backward, where FSDP holds that
     block's gathered parameters, the prefetched all-gather of the block before it and the float32 reduce-scatter
@@ -373,23 +404,31 @@ def test_fsdp_buffers_at_a_recomputed_layers_backward_match_the_tracker():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family", ["LLaMA", "GPT-2"])
-def test_pipeline_stages_memory_matches_the_tracker(family):
+@pytest.mark.parametrize("family, amp, recompute, size", [("LLaMA", "none", "none", WHOLE),
+                                                          ("GPT-2", "none", "none", WHOLE),
+                                                          ("ViT", "bf16", "full", BENCH)])
+def test_pipeline_stages_memory_matches_the_tracker(family, amp, recompute, size):
     """pp=2 1F1B, 2 micro-batches, on 2 real gloo processes (``measure.measure_real``): every rank's components and
     total within 5 %, its parameters its own stage's only (the other stage's weights freed: ``release_stages``; GPT-2's
     last stage also holds its copy of the tied embedding), its buffers the receive buffers of the micro-batches in
     flight (``pipeline_buffers``: ``LeanStage`` empties each after its backward; torch would keep one per
-    micro-batch), LLaMA's stage inputs without a materialised causal mask (``masks_as_in_eager``)."""
+    micro-batch), LLaMA's stage inputs without a materialised causal mask (``masks_as_in_eager``). The last rank's
+    backward of its second micro-batch also holds the first one's input gradient, whose send torch's 1F1B keeps
+    until then (``pipeline_sent_gradients``; ViT's rank 1 under full recompute was -6.3 % without it), and no rank
+    keeps the batch the stages were traced on (ViT's images: the script drops it after ``parallelize``)."""
     from autopar_nb.cost import estimate
     from autopar_nb.measure import GROUPS, measure, measured_groups, predicted_groups
 
-    src = ModelSource(CELLS[family](**WHOLE))
+    src = ModelSource(CELLS[family](**size))
     meta, example, _ = src.build(device="meta")
     graph = ap.capture(meta, example)
     cluster = ap.Cluster.preset("cpu", 1, 2)
-    plan = ap.plan(graph, cluster, global_batch=WHOLE["batch"],
-                   fix={"pp": 2, "micro_batches": 2, "schedule": "1f1b", "amp": "none", "recompute": "none"})
+    plan = ap.plan(graph, cluster, global_batch=size["batch"],
+                   fix={"pp": 2, "micro_batches": 2, "schedule": "1f1b", "amp": amp, "recompute": recompute})
     cost = estimate(graph, cluster, plan)
+    tokens = (round(size["seq"] ** 0.5) ** 2 + 1) if family == "ViT" else size["seq"]  # 4x4 patches, class token
+    one_input = size["batch"] // 2 * tokens * size["hidden"] * 4  # a micro-batch of the stream stage 1 receives
+    assert cost.memory_by_rank[1].terms["pipeline_sent_gradients"] == pytest.approx(one_input)
     for rank, got in zip((0, 1), measure(src, plan, ranks=(0, 1)), strict=True):
         mb, m = cost.memory_by_rank[rank], got["peak"]
         p, g = predicted_groups(mb), measured_groups(m)

@@ -6,6 +6,7 @@ sequence parallel, AMP, micro-batch size), so evaluating a candidate is arithmet
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -13,7 +14,8 @@ from ..plan import DTYPE_NAMES, ITEMSIZE, MEMORY_TERMS, RECOMPUTE, Cost, MemoryB
 from .comm import collective_time, link_for
 from .factors import Factors, factors_for
 from .loss import FusedHead
-from .memory import activation_bytes, backward_peak, in_flight, model_states, replay_peak, state_bytes, with_margin
+from .memory import (SENDS_HELD, activation_bytes, backward_peak, in_flight, model_states, replay_peak, state_bytes,
+                     with_margin)
 from .profile import GraphProfile, precision_of
 from .time import bubble_fraction, layer_compute_time, optimizer_time, weight_cast_time
 
@@ -164,8 +166,8 @@ class RankSums:
     pipe: list[dict[str, float]] = field(default_factory=list)
     """per rank, one micro-batch's bytes of the tensors crossing its pipeline cuts (:meth:`Evaluator.pipeline_sums`):
     ``recv`` (received into a buffer per micro-batch), ``recv_saved`` (the part of them its layers' saved activations
-    count already), ``kept`` (its own outputs, kept until their backward, that its layers do not save) and
-    ``grad_recv`` (the gradients sent back to it)"""
+    count already), ``kept`` (its own outputs, kept until their backward, that its layers do not save),
+    ``grad_recv`` (the gradients sent back to it) and ``grad_sent`` (the gradients of its inputs it sends back)"""
     bwd_layers: list[list[tuple[float, float, float, int]]] = field(default_factory=list)
     """per run of layers, the moments its backward holds the most (:func:`moment_layers`): (saved activation bytes
     still alive, working set bytes, local parameters (numel) whose backward has not run yet, the layer's index).
@@ -179,7 +181,7 @@ class RankSums:
         return cls(list(z), list(z), list(z), [{} for _ in range(pp)], list(z), list(z), list(z),
                    [[] for _ in range(pp)], list(z), list(z), list(z), list(z), tp_step=list(z), casts=list(z),
                    bwd_layers=[[] for _ in range(pp)],
-                   pipe=[dict.fromkeys(("recv", "recv_saved", "kept", "grad_recv"), 0.0) for _ in range(pp)])
+                   pipe=[dict.fromkeys(("recv", "recv_saved", "kept", "grad_recv", "grad_sent"), 0.0) for _ in range(pp)])
 
     def per_micro_batch(self, r: int) -> float:
         """Rank ``r``'s time for one micro-batch: the sum of its layers' :meth:`LayerTerms.time_s`."""
@@ -369,6 +371,7 @@ class Evaluator:
         runs = self.runs(choices)
         kept: list[set[str]] = [set() for _ in range(pp)]  # the shared inputs a rank's checkpoints keep already
         rank_of = s.rank_of
+        tied = self._tied_gradients(s, choices)
         for i, cnt, ch in runs:
             r = rank_of(ch.stage)
             lt = self.choice_terms(i, s, ch)
@@ -402,13 +405,13 @@ class Evaluator:
             # gradients outweigh what it saves: full recompute, measured on LLaMA)
             for j in moment_layers(cnt):
                 sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act[ch.recompute] - held[j]
-                                           + head_saved + again - freed, wb - again,
+                                           + head_saved + again - freed, wb - again + tied.get(i + j, 0.0),
                                            sums.params[r] + (j + 1) * lt.params_local, i + j))
                 if lt.replay.get(ch.recompute):
                     # its recompute, before its backward: what it has recomputed so far, beside the gradient of its
                     # output (measured: BERT's math attention under bf16 autocast)
                     sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act[ch.recompute] - held[j]
-                                               + lt.replay[ch.recompute], lt.out_bytes,
+                                               + lt.replay[ch.recompute], lt.out_bytes + tied.get(i + j, 0.0),
                                                sums.params[r] + (j + 1) * lt.params_local, i + j))
             sums.params[r] += cnt * lt.params_local
             sums.experts[r] += cnt * lt.experts_local
@@ -457,6 +460,7 @@ class Evaluator:
                     send["kept"] += nbytes
                 if c.grad:
                     send["grad_recv"] += nbytes
+                    recv["grad_sent"] += nbytes
             sums.p2p[rank_of(a)] = max(sums.p2p[rank_of(a)], sent)
         last = len(choices) - 1
         if not (s.fused_loss and self.head.layer == last):  # fused: the stage returns the head's input, which the
@@ -499,6 +503,29 @@ class Evaluator:
                 kept.add(key)
             held.append(total)
         return held
+
+    def _tied_gradients(self, s: Setting, choices: list[LayerChoice]) -> dict[int, float]:
+        """Per layer, the bytes of tied parameters' gradients pending during its backward: a parameter two layers
+        of a rank read (a head tied to the embeddings, T5's decoder embedding) gets its later reader's gradient
+        first, which autograd holds, to add the earlier reader's to, from the later layer's backward to the earlier
+        one's (the tracker's census: BERT's decoder weight gradient, a float32 temporary through the whole
+        encoder backward). The parameter's dtype: float32, or FSDP's 16-bit unsharded parameter (ZeRO 2/3)."""
+        item = ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")] if s.zero_stage >= 2 else ITEMSIZE["float32"]
+        readers: dict[tuple[str, int], list[int]] = defaultdict(list)  # (parameter, rank) -> its layers there
+        sizes: dict[str, tuple[int, bool]] = {}
+        for i, lp in enumerate(self.prof.layers):
+            for name, (numel, split, owner) in lp.borrowed.items():
+                readers[name, s.rank_of(choices[owner].stage)].append(owner)
+                readers[name, s.rank_of(choices[i].stage)].append(i)
+                sizes[name] = numel, split
+        out: dict[int, float] = defaultdict(float)
+        for (name, rank), layers in readers.items():
+            numel, split = sizes[name]
+            first, last = min(layers), max(layers)
+            for i in range(first, last):
+                if s.rank_of(choices[i].stage) == rank:
+                    out[i] += numel / (s.tp if split and choices[last].tp else 1) * item
+        return out
 
     def _replicated_input(self, s: Setting, i: int, ch: LayerChoice, lt: LayerTerms) -> float:
         """Bytes a recomputed first block of a sequence-parallel run holds beyond its sequence shard: it receives
@@ -623,9 +650,12 @@ class Evaluator:
         # for its backward; its stage output from its forward to its backward. At a moment with ``others`` other
         # micro-batches in flight, ``others + 1`` hold theirs (0 bytes unpipelined)
         recv, grad_recv, kept_out = (pipe["recv"], pipe["grad_recv"], pipe["kept"]) if s.pp > 1 else (0.0, 0.0, 0.0)
+        # torch's one-stage-per-rank schedules keep the previous micro-batch's input-gradient sends referenced
+        # through the next backward (SENDS_HELD): a backward after the rank's first holds those gradients too
+        sent_before = pipe.get("grad_sent", 0.0) if s.pp > 1 and s.schedule in SENDS_HELD else 0.0
 
-        def pipeline_bytes(others: float) -> float:
-            return (others + 1) * (recv + kept_out) + grad_recv
+        def pipeline_bytes(others: float, later: bool) -> float:
+            return (others + 1) * (recv + kept_out) + grad_recv + (sent_before if later else 0.0)
         # the rank's backward moments, as (other micro-batches holding all their activations, gradients alive; None:
         # only those of the layers after the one in backward): its first backward when every micro-batch's forward
         # ran before it (GPipe; 1F1B where m <= pp - r), no gradients yet, and the next, with fewer in flight and
@@ -635,12 +665,13 @@ class Evaluator:
         per_param = gb / params if params else 0.0  # bytes of gradient per local parameter (ZeRO 2/3: sharded)
         # (a pipeline stage's received inputs that its layers save are its receive buffers: counted there)
         rs = pipe["recv_saved"] if s.pp > 1 else 0.0
-        alive, work, grads_at, fsdp, in_flight_now = max(
+        alive, work, grads_at, fsdp, in_flight_now, later_now = max(
             (((others + 1) * -rs + others * sums.acts[r] + a, w, (params - before) * per_param if g is None else g,
-              fsdp_buffers(sums.units[r], layer, zero_stage=s.zero_stage, p_item=p_item, g_item=g_item), others)
+              fsdp_buffers(sums.units[r], layer, zero_stage=s.zero_stage, p_item=p_item, g_item=g_item), others,
+              g is not None)
              for others, g in moments for a, w, before, layer in sums.bwd_layers[r]),
-            key=lambda mo: mo[0] + mo[1] + mo[2] + sum(mo[3].values()) + pipeline_bytes(mo[4]),
-            default=(0.0, 0.0, 0.0, {}, flight - 1))
+            key=lambda mo: mo[0] + mo[1] + mo[2] + sum(mo[3].values()) + pipeline_bytes(mo[4], mo[5]),
+            default=(0.0, 0.0, 0.0, {}, flight - 1, False))
         at_bwd = {"saved_activations": max(alive, 0.0), "backward_working_set": work, **fsdp}
         if r == s.pp - 1 and prof.output_numel and not s.fused_loss:  # fused: in the head layer's working set
             # moment 2 (last rank): the loss's backward: log-softmax output (fp32) saved, its gradient and the
@@ -654,17 +685,18 @@ class Evaluator:
             # holds the logits and their flattened copy (the next-token slice is not contiguous) in the compute
             # dtype, and under autocast the float32 copy ``.float()`` makes (runtime/data.py default_loss)
             loss_temp = out_numel * 4 * 3 / lp_div if lp_div > 1 else out_numel * (2 * p_item + (4 if half else 0))
-            others, grads = max(((o, g or 0.0) for o, g in moments),
-                                key=lambda og: og[0] * sums.acts[r] + pipeline_bytes(og[0]) + og[1])
+            others, grads, later = max(((o, g or 0.0, g is not None) for o, g in moments),
+                                       key=lambda og: og[0] * sums.acts[r] + pipeline_bytes(og[0], og[2]) + og[1])
             act = (others + 1) * (sums.acts[r] - rs)
-            if (act + loss_saved + loss_temp + grads + pipeline_bytes(others)
-                    >= sum(at_bwd.values()) + grads_at + pipeline_bytes(in_flight_now)):
+            if (act + loss_saved + loss_temp + grads + pipeline_bytes(others, later)
+                    >= sum(at_bwd.values()) + grads_at + pipeline_bytes(in_flight_now, later_now)):
                 at_bwd = {"saved_activations": act, "loss_saved": loss_saved, "loss_temporaries": loss_temp}
-                grads_at, in_flight_now = grads, others
+                grads_at, in_flight_now, later_now = grads, others, later
         at_bwd |= held
         if s.pp > 1:
             at_bwd["pipeline_buffers"] = (in_flight_now + 1) * recv + grad_recv
             at_bwd["pipeline_outputs"] = (in_flight_now + 1) * kept_out
+            at_bwd["pipeline_sent_gradients"] = sent_before if later_now else 0.0
         at_backward = pb + ob + grads_at + sum(at_bwd.values())
         # moment 3: the optimizer step: every gradient and foreach temporaries (CUDA: a list the size of the
         # gradients; CPU: one parameter at a time); autocast's weight copies are gone, ZeRO 2's gathered

@@ -133,6 +133,13 @@ def replay_peak(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precision:
                 for m in lp.replay.get(precision, ())), default=0.0)
 
 
+SENDS_HELD = ("gpipe", "1f1b")
+"""schedules whose torch implementation (one stage per rank, ``PipelineScheduleSingle``) keeps a micro-batch's
+input-gradient sends referenced until after the next micro-batch's backward (1F1B: the ``bwd_sends`` it fuses with
+the next receive, torch 2.13; GPipe: every send's work until the end); the multi-stage schedules drop them at the
+end of each time step"""
+
+
 def in_flight(schedule: str, *, pp: int, stage: int, micro_batches: int, virtual_stages: int = 1) -> float:
     """Micro-batches whose activations one pipeline rank holds at its peak (in units of all its layers).
 

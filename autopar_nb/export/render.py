@@ -362,7 +362,8 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
         else:
             lines.append("example = model_call(loss, split_batch(to_device(make_batch_fn(0, dp_rank), device), "
                          "MICRO_BATCHES)[0])")
-        lines.append("parts, shapes = parallelize(net, mesh, device, ids, example)")
+        lines += ["parts, shapes = parallelize(net, mesh, device, ids, example)",
+                  ("del example, first" if v.dataset else "del example") + "  # (a whole batch): not held for the run"]
     else:
         lines.append("parts = parallelize(net, mesh, device)")
     if v.meta_init:

@@ -35,6 +35,8 @@ COMPONENT_SOURCES = {
     "fsdp_reduce_scatter": "the reduce-scatter input of the FSDP unit whose backward ran last (its gradients in fp32)",
     "pipeline_buffers": "the buffers a pipeline stage receives inputs and gradients into, one per micro-batch",
     "pipeline_outputs": "a pipeline stage's outputs, kept until their micro-batch's backward",
+    "pipeline_sent_gradients": ("the previous micro-batch's input gradients, held by the schedule's send until this "
+                                "backward ends"),
     "backward_working_set": "the largest layer's backward working set",
     "loss_temporaries": "the loss's logits and their copies",
     "optimizer_step_temporaries": "the optimizer step's temporaries",
