@@ -438,3 +438,62 @@ def test_pipeline_stages_memory_matches_the_tracker(family, amp, recompute, size
         assert m["params"] < 0.75 * graph.param_bytes, (rank, m["params"], graph.param_bytes)
         # (GPT-2's ranks held pipeline()'s copy of the tied embedding too, until split_model freed it)
         assert mb.terms["pipeline_buffers"] == pytest.approx(g["buffers"], abs=64 * 1024), (rank, mb.terms, g)
+
+
+class _SharedBias(nn.Module):
+    """Three blocks each taking the hidden states and one bias tensor every block reads (T5's position bias)."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.bias = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(_BiasedBlock(d) for _ in range(3))
+
+    def forward(self, x):
+        bias = self.bias(x)
+        h = x
+        for block in self.blocks:
+            h = block(h, bias)
+        return h.sum()
+
+
+class _BiasedBlock(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, h, bias):
+        return self.lin(h) + bias
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_the_trackers_module_hooks_hold_no_gradients_while_measuring(patched):
+    """Torch's module tracker (inside MemTracker) hooks every module's inputs with ``register_multi_grad_hook``'s
+    "all" mode, which keeps each input's gradient until the module's other inputs have theirs: a block that also
+    takes a tensor every block reads keeps its hidden states' gradient until the end of backward (T5's decoder under
+    the tracker: one residual gradient per sub-layer alive at once, memory the script without the tracker never
+    holds). ``measure`` runs the script with those hooks called at the first gradient instead: when the shared
+    bias's gradient is complete, none of the blocks' input gradients is alive any more; unpatched, two are."""
+    import contextlib
+    import weakref
+
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    from autopar_nb.measure import _input_hooks_holding_nothing
+
+    model, x = _SharedBias(), torch.randn(4, 8, requires_grad=True)
+    alive_at_bias: list[int] = []
+    grads: list[weakref.ref] = []
+
+    def note(g):
+        grads.append(weakref.ref(g))
+
+    with _input_hooks_holding_nothing() if patched else contextlib.nullcontext(), ModTracker():
+        for block in model.blocks:
+            block.register_forward_pre_hook(lambda m, args: args[0].register_hook(note) and None)
+        model.bias.register_forward_hook(
+            lambda m, args, out: out.register_hook(lambda g: alive_at_bias.append(sum(r() is not None
+                                                                                      for r in grads))) and None)
+        model(x).backward()
+    assert len(grads) == 3
+    # unpatched: the last two blocks' (the first block's comes after the bias's, at the end of backward)
+    assert alive_at_bias == ([0] if patched else [2]), alive_at_bias
