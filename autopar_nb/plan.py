@@ -76,8 +76,8 @@ ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
             "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8,
             "complex128": 16}
 """bytes per element by torch dtype name (``str(dtype).removeprefix("torch.")``)"""
-FIX_KEYS = ("dp", "tp", "pp", "ep", "cp", "zero_stage", "micro_batches", "schedule", "virtual_stages", "recompute", "amp",
-            "compile", "fused_loss", "fused_norm",
+FIX_KEYS = ("dp", "tp", "pp", "ep", "cp", "zero_stage", "micro_batches", "schedule", "virtual_stages", "recompute",
+            "amp", "compile", "fused_loss", "fused_norm",
             "sequence_parallel", "optimizer", "fp32_ops", "low_precision_ops")
 """global choices a user can pin (``--fix``, ``plan(fix=...)``, ``Session.replan(fix=...)``)"""
 FIX_ALIASES = {"zero": "zero_stage", "mb": "micro_batches", "micro": "micro_batches", "sp": "sequence_parallel"}
@@ -601,9 +601,9 @@ class Plan:
         if m.pp == 1:
             return
         if pl.schedule == "1f1b" and mb < m.pp:
-            raise PlanError(f"pipeline.schedule='1f1b' with mesh.pp={m.pp} needs batch.micro_batches >= {m.pp} (torch's "
-                            f"Schedule1F1B runs at least one micro-batch per stage), got {mb}; raise micro_batches or "
-                            "use 'gpipe'")
+            raise PlanError(f"pipeline.schedule='1f1b' with mesh.pp={m.pp} needs batch.micro_batches >= {m.pp} "
+                            f"(torch's Schedule1F1B runs at least one micro-batch per stage), got {mb}; raise "
+                            "micro_batches or use 'gpipe'")
         rounds = max(1, mb // m.pp)
         if pl.schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and mb % rounds:
             raise PlanError(f"pipeline.schedule={pl.schedule!r} with mesh.pp={m.pp} needs batch.micro_batches to be a "

@@ -8,8 +8,8 @@ import tempfile
 if os.environ.get("AUTOPAR_TEST_GPUS") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 # measured calibration factors of the developer's own runs must not change what the tests plan

@@ -90,8 +90,9 @@ def tiny_llama_graph():
 def test_planner_splits_sequences_only_when_nothing_else_fits():
     """Two 16k-token sequences on two CPU ranks with TP pinned off: within 46.1 MiB only cp=2 fits (dp=2 needs 0.09
     GiB without recompute, 0.05 with it: a whole sequence's activations on each rank; one micro-batch of one sample
-    is too few for 1F1B over 2 stages); with room to spare the planner keeps cp=1 and splits the batch. The RMSNorms stay eager (fused, they
-    save each norm's normalised input, which lets dp=2 fit with recompute: tests/test_fused_norm.py)."""
+    is too few for 1F1B over 2 stages); with room to spare the planner keeps cp=1 and splits the batch. The RMSNorms
+    stay eager (fused, they save each norm's normalised input, which lets dp=2 fit with recompute:
+    tests/test_fused_norm.py)."""
     import autopar_nb as ap
 
     graph = tiny_llama_graph()

@@ -14,8 +14,16 @@ from ..plan import DTYPE_NAMES, ITEMSIZE, MEMORY_TERMS, RECOMPUTE, Cost, MemoryB
 from .comm import collective_time, link_for
 from .factors import Factors, factors_for
 from .loss import FusedHead
-from .memory import (SENDS_HELD, activation_bytes, backward_peak, in_flight, model_states, replay_peak, state_bytes,
-                     with_margin)
+from .memory import (
+    SENDS_HELD,
+    activation_bytes,
+    backward_peak,
+    in_flight,
+    model_states,
+    replay_peak,
+    state_bytes,
+    with_margin,
+)
 from .profile import GraphProfile, precision_of
 from .time import bubble_fraction, layer_compute_time, optimizer_time, weight_cast_time
 
@@ -181,7 +189,8 @@ class RankSums:
         return cls(list(z), list(z), list(z), [{} for _ in range(pp)], list(z), list(z), list(z),
                    [[] for _ in range(pp)], list(z), list(z), list(z), list(z), tp_step=list(z), casts=list(z),
                    bwd_layers=[[] for _ in range(pp)],
-                   pipe=[dict.fromkeys(("recv", "recv_saved", "kept", "grad_recv", "grad_sent"), 0.0) for _ in range(pp)])
+                   pipe=[dict.fromkeys(("recv", "recv_saved", "kept", "grad_recv", "grad_sent"), 0.0)
+                         for _ in range(pp)])
 
     def per_micro_batch(self, r: int) -> float:
         """Rank ``r``'s time for one micro-batch: the sum of its layers' :meth:`LayerTerms.time_s`."""

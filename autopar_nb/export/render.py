@@ -86,8 +86,10 @@ def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]
          *([f"PP, DP, TP = {m.pp!r}, {m.dp!r}, {m.tp!r}  # plan.mesh: world = PP * DP * TP = {m.world_size}"]
            if v.cp == 1 else
            [f"PP, DP, CP, TP = {m.pp!r}, {m.dp!r}, {m.cp!r}, {m.tp!r}  # plan.mesh: world = PP * DP * CP * TP = "
-            f"{m.world_size}", "# CP: context parallelism, each sequence split over CP ranks (torch's ring attention)"]),
-         f"ZERO_STAGE = {m.zero_stage!r}  # 0 DDP, 1 + sharded optimizer, 2 + sharded gradients, 3 + sharded params",
+            f"{m.world_size}",
+            "# CP: context parallelism, each sequence split over CP ranks (torch's ring attention)"]),
+         f"ZERO_STAGE = {m.zero_stage!r}  # 0 DDP, 1 + sharded optimizer, 2 + sharded gradients, 3 + sharded "
+         "params",
          *([f"EP = {v.ep!r}  # plan.mesh.ep: each experts module split over EP consecutive data-parallel ranks",
             f"EXPERTS = {literal(v.experts, width=80)}  # plan.experts: the modules whose experts EP splits"]
            if v.ep > 1 else []),
@@ -398,7 +400,8 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
     else:
         uses.append("accumulate")
         if v.cp > 1:
-            lines.append("# context parallelism: each micro-batch's sequences split over the cp ranks, a ring attention")
+            lines.append("# context parallelism: each micro-batch's sequences split over the cp ranks, a ring "
+                         "attention")
             lines.append("shard = functools.partial(sequence_shards, mesh[\"cp\"], causal=CAUSAL)")
         lines += ["forward_backward = " + call("functools.partial", "accumulate", "parts[0]",
                                                micro_batches="MICRO_BATCHES", loss_fn="loss", context=context,

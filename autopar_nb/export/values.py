@@ -132,7 +132,8 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
     m, pr = plan.mesh, plan.precision
     model, inputs, _ = source.build(device="meta", seed=seed)
     _check_runnable(plan)
-    v = ScriptValues(pp=m.pp, dp=m.dp, tp=m.tp, cp=m.cp, zero_stage=m.zero_stage, micro_batches=plan.batch.micro_batches,
+    v = ScriptValues(pp=m.pp, dp=m.dp, tp=m.tp, cp=m.cp, zero_stage=m.zero_stage,
+                     micro_batches=plan.batch.micro_batches,
                      sync_batchnorm=plan.sync_batchnorm and m.dp > 1, amp=pr.amp, param_dtype=pr.param_dtype,
                      reduce_dtype=pr.reduce_dtype, model_class=type(model).__name__, fp32_ops=list(pr.fp32_ops),
                      low_precision_ops=list(pr.low_precision_ops))

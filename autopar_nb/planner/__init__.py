@@ -160,7 +160,8 @@ def _no_fit_message(cands: list[Candidate], cluster, cons: Constraints) -> str:
     s = c.setting
     fixed = f" with fix {cons.fix}" if cons.fix else ""
     return (f"nothing fits in {fmt_bytes(limit)} per GPU{fixed}: the smallest candidate (dp={s.dp} tp={s.tp} "
-            f"pp={s.pp}{f' cp={s.cp}' if s.cp > 1 else ''} zero={s.zero_stage}, {s.micro_batches} micro-batch(es) of {s.mb_samples:g}) needs "
+            f"pp={s.pp}{f' cp={s.cp}' if s.cp > 1 else ''} zero={s.zero_stage}, {s.micro_batches} micro-batch(es) "
+            f"of {s.mb_samples:g}) needs "
             f"{fmt_bytes(mb.total)} on pipeline rank {r}, {fmt_bytes(mb.total - limit)} over the memory limit "
             f"(params {fmt_bytes(mb.params)}, grads {fmt_bytes(mb.grads)}, optimizer {fmt_bytes(mb.optimizer)}, "
             f"activations {fmt_bytes(mb.activations)}, buffers {fmt_bytes(mb.buffers)}, margin "

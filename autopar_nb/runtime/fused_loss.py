@@ -5,8 +5,9 @@ The op is kernels_ext's ``linear_cross_entropy`` (Liger-kernel's Triton kernel o
 chunked ``kernels_ext::linear_cross_entropy`` custom op): one implementation, which this module calls and does not
 copy. Under tensor parallelism (:func:`shard_fused_head`) the head's weight is split on the vocabulary and the loss is
 kernels_ext's ``vocab_parallel_linear_cross_entropy`` (Megatron-LM's vocab-parallel cross-entropy, chunked: each rank
-computes its vocabulary rows' logits; the log-sum-exp is combined with torch.distributed all-reduces). This file is copied verbatim into exported scripts: it imports only the standard library and torch at the
-top; kernels_ext is imported when a plan uses the fused loss, and a script that needs it says how to install it.
+computes its vocabulary rows' logits; the log-sum-exp is combined with torch.distributed all-reduces). This file is
+copied verbatim into exported scripts: it imports only the standard library and torch at the top; kernels_ext is
+imported when a plan uses the fused loss, and a script that needs it says how to install it.
 """
 
 from __future__ import annotations
