@@ -66,22 +66,22 @@ QUICK = [
 ]
 """one case of each class the matrix checks, in a few minutes (``--quick``)"""
 KNOWN = [
-    "BERT, TP + SP, full recompute, bf16 (-5.2 %; -4.5 % while the estimate added each layer's output gradient on "
-    "top of its ops', which 5cc4516 replaced by the gradients still accumulating): at the last layer's backward "
-    "start the tracker holds both LayerNorms' float32 outputs (2 MiB each) and the output dropout's 16-bit result "
-    "(1 MiB) beside what autograd saves; not costed",
-    "Full recompute, moment choice: where two ops of a layer's backward hold the same (GPT-NeoX fp32: fc2's and the "
-    "GELU's, 6 MiB beside the saved tensors each), the model takes the first and the tracker peaks at the second, "
-    "so 4 MiB move between activations and temporaries (GPT-NeoX fp32 full +2.1 %); LLaMA/Qwen2 TP bf16 full peak "
-    "at the first layer with 3.9 MiB of parameter gradients where the model's moment of the same total has none",
-    "Pipelines (real 2-process runs, 2026-12-03: 91 of 96 ranks within 5 %): T5 rank 1 under full recompute (-7.0 % "
-    "fp32, -8.3 % bf16): bench/memory.py --largest lists 9.5 MiB of temporaries against 3.3 predicted: the "
-    "encoder output's gradient with its accumulation (costed), 5-6 decoder residual gradients alive at once and a "
-    "1 MiB tensor of no recorded origin (not identified; not the previous micro-batch's input gradients: 1F1B waits "
-    "for their send before the next forward and LeanStage drops its buffers' .grad); ViT rank 1 under recompute "
-    "(-5.2 % fp32 selective, -6.3 % / -6.9 % bf16 "
-    "full / selective): the final LayerNorm's input gradient and a float32 residual sum (1 MiB each) beside the "
-    "MLP's gradients, 1.3 MiB more than costed",
+    "Moment choice (10 of 164 matrix rows and 13 of 96 pipeline ranks miss on a component, none on the total): "
+    "where two moments of a step hold nearly the same total, the model's peak and the tracker's are different "
+    "moments, and bytes move between components. TP bf16 ViT and GPT-2 under recompute peak in the last block's "
+    "recompute once it has re-made its attention scores (5-7 MiB more activations), where the model takes that "
+    "block's first backward op (5 MiB more temporaries); LLaMA/Qwen2 TP bf16 full peak at the first layer with "
+    "3.9 MiB of parameter gradients where the model's moment of the same total has none (pipelined full recompute, "
+    "first rank: 2.7 MiB the other way; bf16, last rank: 5.4 MiB of activations against temporaries); GPT-NeoX "
+    "fp32 full: fc2's backward against the GELU's (4 MiB); Mixtral's "
+    "experts under recompute (8-10 MiB between the recomputed activations and the experts' working set) and ZeRO-3 "
+    "fp32 (the forward's end against the experts' backward, 0.3 MiB apart in total); BERT pp bf16 rank 0 and ViT "
+    "ZeRO-2 bf16 (12 and 4 MiB of temporaries). Comparing at the same moment needs the model's breakdown per moment "
+    "beside the tracker's per-module peaks (MemTracker keeps them): not done",
+    "ViT fp32 full recompute (+2.4 %): 4.1 MiB more activations predicted than tracked; not identified",
+    "BERT, TP + SP, full recompute, bf16 (-4.5 %, the closest to 5 %): at the last layer's backward start the "
+    "tracker holds both LayerNorms' float32 outputs (2 MiB each), which only the module's Python locals keep, and "
+    "the output dropout's 16-bit result (1 MiB) beside what autograd saves; not costed",
 ]
 """cases known to miss 5 %, and why (written under the table)"""
 MiB = 2**20
