@@ -81,6 +81,39 @@ def measured_groups(peak: dict) -> dict[str, float]:
     return {g: sum(peak.get(k, 0.0) for k in keys) for g, (_, keys) in GROUPS.items()}
 
 
+def moment_at(where: str, layer_paths: list[str], moments: list[tuple[str, int | None, Any]]):
+    """Of one rank's predicted moments (``cost.estimate.peak_moments``: (phase, layer index, breakdown)), the one a
+    measured peak's ``where`` ("<phase>/<side> in <module>", :attr:`Labelled.where`) is at: the optimizer step,
+    the loss's backward (backward outside every module), or the backward or recompute of the layer whose path
+    holds the module (the largest such moment: a pipeline rank's micro-batches are not told apart). None where the
+    model has no such moment (a forward's end) or the module names no layer (a pipeline stage's own wrapper)."""
+    phase, _, module = where.partition(" in ")
+    if phase.startswith("step/"):
+        want = ("step", None)
+    elif phase == "train/backward" and not module:
+        want = ("loss", None)
+    elif phase in ("train/backward", "train/recompute") and module:
+        layer = _layer_of(module, layer_paths)
+        if layer is None:
+            return None
+        want = (phase.removeprefix("train/"), layer)
+    else:
+        return None
+    hits = [mo for mo in moments if (mo[0], mo[1]) == want]
+    return max(hits, key=lambda mo: mo[2].total) if hits else None
+
+
+def _layer_of(module: str, layer_paths: list[str]) -> int | None:
+    """The index of the layer whose path holds a tracker's module name: the root's name (its class, or a pipeline
+    stage's ``Pipe.split_gm.submod_pp_<n>``) and checkpoint wrappers dropped."""
+    parts = [p for p in module.split(".")[1:] if p != "_checkpoint_wrapped_module"]
+    if len(parts) > 1 and parts[0] == "split_gm" and parts[1].startswith("submod_pp_"):
+        parts = parts[2:]
+    name = ".".join(parts)
+    best = [(len(p), k) for k, p in enumerate(layer_paths) if p and (name == p or name.startswith(p + "."))]
+    return max(best)[1] if best else None
+
+
 def _tracker_classes():
     """(MemTracker, FSDPMemTracker) subclasses that label storages by when they are created (see the module
     docstring). Built lazily: importing this module must not import torch.distributed."""
@@ -183,8 +216,12 @@ def _tracker_classes():
                 if self.census:
                     self._at_peak = self._storages_now()
                 mods = sorted(self._mod_tracker.parents - {"Global"}, key=len)
-                side = "backward" if self._mod_tracker.is_bw else "forward"
+                side = "forward" if not self._mod_tracker.is_bw else "recompute" if self._recomputing() else "backward"
                 self.where = f"{self.phase}/{side}" + (f" in {mods[-1]}" if mods else "")
+
+        def _recomputing(self) -> bool:
+            """inside a checkpoint's forward run again in backward"""
+            return self._in_ac or getattr(self, "recomputing", False)
 
         restart_roots = False
         """a pipeline stage is a root module called once per micro-batch: MemTracker refuses a root called twice in

@@ -89,12 +89,15 @@ MiB = 2**20
 
 def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "none", largest: int = 0) -> list[dict]:
     """Predicted and measured components of every rank that differs (each pipeline stage; rank 0 otherwise), and
-    the ``largest`` storages alive at each one's measured peak, with what made them (``measure``'s census)."""
+    the ``largest`` storages alive at each one's measured peak, with what made them (``measure``'s census). The
+    predicted components are the model's at the moment the tracker peaked (``autopar_nb.measure.moment_at``), or
+    at the model's own peak where the model has no such moment; the predicted total is the model's peak."""
     from memcells import CELLS
 
     import autopar_nb as ap
     from autopar_nb.cost import estimate
-    from autopar_nb.measure import measure, measured_groups, predicted_groups
+    from autopar_nb.cost.estimate import peak_moments
+    from autopar_nb.measure import measure, measured_groups, moment_at, predicted_groups
     from autopar_nb.source import ModelSource
 
     src = ModelSource(CELLS[family](**SIZE))
@@ -106,36 +109,59 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
     plan = ap.plan(graph, cluster, global_batch=SIZE["batch"] * fix["dp"],
                    fix={"micro_batches": 1, **fix, "amp": amp, "recompute": recompute})
     cost = estimate(graph, cluster, plan)
+    moments = peak_moments(graph, cluster, plan)
+    paths = [lay.path for lay in graph.layers]
     ranks = tuple(range(fix["pp"])) if fix["pp"] > 1 else (0,)
     # rank r of a (pp, dp, tp) mesh is pipeline stage r // (dp * tp)
     measured = measure(src, plan, ranks=tuple(r * fix["dp"] * fix["tp"] for r in ranks), census=largest)
     rows = []
     for stage, m in zip(ranks, measured, strict=True):
         mb = cost.memory_by_rank[stage]
+        peak = max(moments[stage], key=lambda mo: mo[2].total)
+        at = moment_at(m["where"], paths, moments[stage])
         rows.append({"family": family, "plan": plan_name, "amp": amp, "recompute": recompute, "stage": stage,
-                     "predicted": predicted_groups(mb), "predicted_total": mb.total - mb.margin,
+                     "predicted": predicted_groups((at or peak)[2]), "predicted_total": mb.total - mb.margin,
+                     "predicted_peak": predicted_groups(mb), "moment": _moment_name(at or peak, paths),
+                     "model_peak": _moment_name(peak, paths), "matched": at is not None,
+                     "moment_total": (at or peak)[2].total - mb.margin,
                      "measured": measured_groups(m["peak"]), "measured_total": m["peak"]["total"],
                      "where": m["where"], "largest": m.get("largest", [])})
     return rows
+
+
+def _moment_name(moment, paths: list[str]) -> str:
+    phase, layer, _ = moment
+    return phase + (f" {paths[layer]}" if layer is not None else "")
 
 
 def error(row: dict) -> float:
     return row["predicted_total"] / row["measured_total"] - 1
 
 
+def components_within(row: dict, key: str = "predicted") -> bool:
+    """Every component of ``row[key]`` within 5 % of the measured total of the measured one."""
+    from autopar_nb.measure import GROUPS
+
+    return all(abs(row[key][g] - row["measured"][g]) <= 0.05 * row["measured_total"] for g in GROUPS)
+
+
 def markdown(rows: list[dict]) -> str:
-    """One line per case: each component predicted / measured, the total and its error."""
+    """One line per case: each component predicted (at the tracker's moment) / measured, the total (the model's
+    peak) and its error, where the tracker peaked and which of the model's moments the components are from."""
     from autopar_nb.measure import GROUPS
 
     head = ("| family | plan | amp | recompute | rank | " + " | ".join(f"{g} p/m" for g in GROUPS)
-            + " | total p/m (MiB) | error | peak at |")
-    out = [head, "|---" * (len(GROUPS) + 8) + "|"]
+            + " | total p/m (MiB) | error | tracker's peak at | model's moment compared (its total, MiB) |")
+    out = [head, "|---" * (len(GROUPS) + 9) + "|"]
     for r in rows:
         p, m = r["predicted"], r["measured"]
         cells = [f"{p[g] / MiB:.1f} / {m[g] / MiB:.1f}" for g in GROUPS]
         cells.append(f"{r['predicted_total'] / MiB:.1f} / {r['measured_total'] / MiB:.1f}")
+        same = r["moment"] == r["model_peak"]
+        moment = (f"{r['moment']} ({r['moment_total'] / MiB:.1f})" + ("" if same else f"; its peak: {r['model_peak']}")
+                  if r["matched"] else f"none there; its peak: {r['model_peak']}")
         out.append(f"| {r['family']} | {r['plan']} | {r['amp']} | {r['recompute']} | {r['stage']} | "
-                   + " | ".join(cells) + f" | {error(r):+.1%} | {r['where']} |")
+                   + " | ".join(cells) + f" | {error(r):+.1%} | {r['where']} | {moment} |")
     return "\n".join(out)
 
 
@@ -183,7 +209,9 @@ def run(groups, *, each=None, jobs: int = 1, largest: int = 0) -> tuple[list[dic
                 rows += got
                 for r in got:
                     print(f"{name} rank {r['stage']}: predicted {r['predicted_total'] / MiB:7.1f} measured "
-                          f"{r['measured_total'] / MiB:7.1f} MiB  {error(r):+.1%}  ({r['where']})", flush=True)
+                          f"{r['measured_total'] / MiB:7.1f} MiB  {error(r):+.1%}  ({r['where']}; model at "
+                          f"{r['moment'] if r['matched'] else 'no such moment'}, its peak {r['model_peak']}; "
+                          f"components {'within' if components_within(r) else 'OUTSIDE'} 5 %)", flush=True)
                     for t in r["largest"]:
                         print(f"    {t['MiB']:6.2f} MiB {t['label']:<14} {t.get('side', ''):<8} {t.get('op', '?')} "
                               f"{t.get('shape', '')} {t.get('dtype', '')} {t.get('module', '')}", flush=True)
@@ -194,8 +222,6 @@ def run(groups, *, each=None, jobs: int = 1, largest: int = 0) -> tuple[list[dic
 
 def main() -> None:
     from memcells import CELLS
-
-    from autopar_nb.measure import GROUPS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("families", nargs="?", default=",".join(CELLS))
@@ -218,12 +244,15 @@ def main() -> None:
     def report(rows, failed, cases, *, final=False):
         table = markdown(rows)
         within = sum(abs(error(r)) <= 0.05 for r in rows)
-        comp = sum(all(abs(r["predicted"][g] - r["measured"][g]) <= 0.05 * r["measured_total"] for g in GROUPS)
-                   for r in rows)
+        comp = sum(map(components_within, rows))
+        comp_peak = sum(components_within(r, "predicted_peak") for r in rows)
+        matched = sum(r["matched"] for r in rows)
         done = len({(r["family"], r["plan"], r["amp"], r["recompute"]) for r in rows}) + len(failed)
         minutes = (time.time() - t0) / 60
         summary = (f"{within} of {len(rows)} totals within 5 %; {comp} of {len(rows)} with every component within "
-                   f"5 % of the total" + (f"; {len(failed)} not measured" if failed else "")
+                   f"5 % of the total at the tracker's moment ({matched} of {len(rows)} at a moment the model has; "
+                   f"{comp_peak} of {len(rows)} compared at the model's own peak)"
+                   + (f"; {len(failed)} not measured" if failed else "")
                    + ("" if done == cases else f"; {done} of the {cases} cases run so far"))
         if final:
             print(table, "\n", summary, f"({minutes:.0f} min)", sep="\n")

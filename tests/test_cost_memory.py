@@ -359,3 +359,86 @@ def test_a_tied_heads_gradient_waits_for_the_embeddings_backward(pp, pending):
         assert {paths[i]: b for i, b in tied.items() if b} == dict.fromkeys(paths[:head], 64 * 16 * 4), tied
     else:
         assert choices[0].stage != choices[head].stage and not any(tied.values()), (choices, tied)
+
+
+class _Mlp(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class _MlpLM(_TiedLM):
+    """:class:`_TiedLM` with MLP blocks: a block saves more than its input."""
+
+    def __init__(self, vocab: int = 64, d: int = 16):
+        super().__init__(vocab, d)
+        self.blocks = nn.ModuleList(_Mlp(d) for _ in range(2))
+
+
+def test_a_ranks_peak_is_the_largest_of_its_moments_and_a_recompute_holds_what_it_saves_again():
+    """``peak_moments`` lists every moment ``estimate`` weighs (each layer's backward and recompute, the loss, the
+    optimizer step): per rank the largest is the predicted peak, term for term. Under full recompute each block's
+    recompute holds, beside the earlier layers' kept inputs, every tensor its forward saves re-made (``act['none']``
+    minus what the checkpoint keeps) and its output's gradient."""
+    from autopar_nb.cost.estimate import Evaluator, estimate, peak_moments, setting_of
+    from autopar_nb.cost.profile import profile_of
+
+    graph = ap.capture(_MlpLM(), torch.randint(0, 64, (4, 8)))
+    for pp, rec in ((1, "none"), (1, "full"), (2, "full")):
+        cluster = ap.Cluster.preset("cpu", 1, pp)
+        fix = {"pp": pp, "dp": 1, "tp": 1, "micro_batches": pp, "recompute": rec} | (
+            {"schedule": "1f1b"} if pp > 1 else {})
+        plan = ap.plan(graph, cluster, global_batch=4, fix=fix)
+        cost = estimate(graph, cluster, plan)
+        moments = peak_moments(graph, cluster, plan)
+        assert len(moments) == pp
+        for r, mb in enumerate(cost.memory_by_rank):
+            phases = {ph for ph, _, _ in moments[r]}
+            assert "step" in phases and "backward" in phases and ("recompute" in phases) == (rec == "full")
+            assert ("loss" in phases) == (r == pp - 1)
+            top = max((m for _, _, m in moments[r]), key=lambda m: m.total)
+            assert top == mb, (r, top, mb)
+    # the recompute moment, closed form (pp 1, full): the earlier layers' kept tensors, the block's, all it saves
+    # re-made; beside its output's gradient and the tied weight's pending one. Its backward's largest op has freed
+    # what only the ops after it saved
+    s, choices = setting_of(ap.plan(graph, ap.Cluster.preset("cpu", 1, 1), global_batch=4,
+                                    fix={"pp": 1, "dp": 1, "tp": 1, "recompute": "full"}))
+    ev = Evaluator(profile_of(graph, "cpu"), ap.Cluster.preset("cpu", 1, 1))
+    block = [lay.path for lay in graph.layers].index("blocks.1")
+    terms = [ev.choice_terms(k, s, choices[k]) for k in range(block + 1)]
+    lt = terms[-1]
+    again = lt.act["none"] - lt.act["full"]
+    assert choices[block].recompute == "full" and again > 0
+    by = {mo[:2]: mo[2] for mo in ev.rank_moments(s, choices)[0]}
+    rec, bwd = by["recompute", block], by["backward", block]
+    kept = sum(t.act[ch.recompute] for t, ch in zip(terms, choices, strict=False))
+    assert rec.terms["saved_activations"] == pytest.approx(kept + again)
+    assert rec.terms["backward_working_set"] == pytest.approx(lt.out_bytes + ev._tied_gradients(s, choices)[block])
+    assert rec.terms["saved_activations"] - bwd.terms["saved_activations"] == pytest.approx(lt.freed)
+
+
+def test_a_tracked_peak_is_matched_to_the_models_moment_there():
+    """``measure.moment_at``: the tracker's "<phase>/<side> in <module>" names the moment of the model's that its
+    components compare with — a layer's backward or recompute (the layer whose path holds the module: the root's
+    name, a pipeline stage's ``Pipe.split_gm.submod_pp_<n>`` and checkpoint wrappers dropped), the loss's backward
+    (outside every module), the step; none for a forward or a module that names no layer."""
+    from autopar_nb.measure import moment_at
+
+    paths = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.10", "lm_head"]
+    small, big = ap.MemoryBreakdown(params=1.0), ap.MemoryBreakdown(params=2.0)
+    moments = [("backward", 1, small), ("backward", 1, big), ("recompute", 1, small), ("backward", 3, small),
+               ("loss", None, small), ("step", None, big)]
+    assert moment_at("train/backward in LlamaForCausalLM.model.layers.0._checkpoint_wrapped_module.mlp.down_proj",
+                     paths, moments) == ("backward", 1, big)
+    assert moment_at("train/recompute in Pipe.split_gm.submod_pp_1.model.layers.0._checkpoint_wrapped_module.mlp",
+                     paths, moments) == ("recompute", 1, small)
+    assert moment_at("train/backward in FSDPLlamaForCausalLM.model.layers.10.mlp.experts", paths,
+                     moments) == ("backward", 3, small)
+    assert moment_at("train/backward", paths, moments) == ("loss", None, small)
+    assert moment_at("step/forward", paths, moments) == ("step", None, big)
+    assert moment_at("train/forward in LlamaForCausalLM.model.layers.1", paths, moments) is None
+    assert moment_at("train/backward in CheckpointWrapper._checkpoint_wrapped_module", paths, moments) is None
+    assert moment_at("train/backward in LlamaForCausalLM.lm_head", paths, moments) is None  # no such moment

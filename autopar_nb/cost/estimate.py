@@ -176,9 +176,10 @@ class RankSums:
     ``recv`` (received into a buffer per micro-batch), ``recv_saved`` (the part of them its layers' saved activations
     count already), ``kept`` (its own outputs, kept until their backward, that its layers do not save),
     ``grad_recv`` (the gradients sent back to it) and ``grad_sent`` (the gradients of its inputs it sends back)"""
-    bwd_layers: list[list[tuple[float, float, float, int]]] = field(default_factory=list)
+    bwd_layers: list[list[tuple[float, float, float, int, str]]] = field(default_factory=list)
     """per run of layers, the moments its backward holds the most (:func:`moment_layers`): (saved activation bytes
-    still alive, working set bytes, local parameters (numel) whose backward has not run yet, the layer's index).
+    still alive, working set bytes, local parameters (numel) whose backward has not run yet, the layer's index,
+    "backward" or "recompute": its backward's largest op, or its recompute's largest forward moment).
     Backward runs from the last layer to the first, freeing each layer's saved tensors and leaving its gradients:
     at layer l the saved tensors of later layers are gone and their gradients exist; a recomputed layer holds what
     its recompute re-created"""
@@ -415,13 +416,15 @@ class Evaluator:
             for j in moment_layers(cnt):
                 sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act[ch.recompute] - held[j]
                                            + head_saved + again - freed, wb - again + tied.get(i + j, 0.0),
-                                           sums.params[r] + (j + 1) * lt.params_local, i + j))
-                if lt.replay.get(ch.recompute):
-                    # its recompute, before its backward: what it has recomputed so far, beside the gradient of its
-                    # output (measured: BERT's math attention under bf16 autocast)
+                                           sums.params[r] + (j + 1) * lt.params_local, i + j, "backward"))
+                replayed = max(lt.replay.get(ch.recompute, 0.0), again)
+                if replayed:
+                    # its recompute, before its backward, beside the gradient of its output: at its end, every
+                    # tensor it saves again re-made, or where an op's forward holds more (lt.replay), what it has
+                    # recomputed by then (measured: BERT's math attention under bf16 autocast)
                     sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act[ch.recompute] - held[j]
-                                               + lt.replay[ch.recompute], lt.out_bytes + tied.get(i + j, 0.0),
-                                               sums.params[r] + (j + 1) * lt.params_local, i + j))
+                                               + head_saved + replayed, lt.out_bytes + tied.get(i + j, 0.0),
+                                               sums.params[r] + (j + 1) * lt.params_local, i + j, "recompute"))
             sums.params[r] += cnt * lt.params_local
             sums.experts[r] += cnt * lt.experts_local
             sums.tp_step[r] += cnt * lt.tp_step
@@ -629,11 +632,25 @@ class Evaluator:
         return exposed
 
     def _rank_memory(self, s: Setting, sums: RankSums, r: int) -> MemoryBreakdown:
-        """Bytes on pipeline rank ``r`` at its peak, the larger of two moments: the start of backward (every saved
-        activation alive, the loss's gradients, FSDP's gathered units; gradients exist only if micro-batches
-        accumulate them, since zero_grad(set_to_none=True) frees them each step) and the optimizer step (all
-        gradients, plus a foreach temporary of their size)."""
-        f, prof, m = self.f, self.prof, s.micro_batches
+        """Bytes on pipeline rank ``r`` at its peak: the largest of its :meth:`_rank_moments`."""
+        pb, ob, moments = self._rank_moments(s, sums, r)
+        peak = max(moments, key=lambda mo: mo.weight)
+        return self._breakdown(pb, ob, peak, margin_of=peak.weight)
+
+    def _breakdown(self, pb: float, ob: float, mo: PeakMoment, *, margin_of: float) -> MemoryBreakdown:
+        terms = {k: v for k, v in mo.terms.items() if v}
+        acts = sum(v for k, v in terms.items() if MEMORY_TERMS[k] == "activations")
+        mbd = MemoryBreakdown(pb, mo.grads, ob, acts, sum(terms.values()) - acts, terms=terms)
+        mbd.margin = with_margin(pb + ob + margin_of, self.f)
+        return mbd
+
+    def _rank_moments(self, s: Setting, sums: RankSums, r: int) -> tuple[float, float, list[PeakMoment]]:
+        """Rank ``r``'s parameter and optimizer-state bytes, and the moments of its step its peak can be at: each
+        layer's backward (and its recompute's forward; every saved activation of the earlier layers alive, the
+        later layers' gradients, FSDP's gathered units; gradients of earlier micro-batches only where they
+        accumulate, since zero_grad(set_to_none=True) frees them each step), the last rank's loss backward, and the
+        optimizer step (all gradients, plus a foreach temporary of their size)."""
+        prof, m = self.prof, s.micro_batches
         half = s.amp != "none"
         p_item = ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")]
         g_item = ITEMSIZE["float32"]
@@ -661,30 +678,37 @@ class Evaluator:
         recv, grad_recv, kept_out = (pipe["recv"], pipe["grad_recv"], pipe["kept"]) if s.pp > 1 else (0.0, 0.0, 0.0)
         # torch's one-stage-per-rank schedules keep the previous micro-batch's input-gradient sends referenced
         # through the next backward (SENDS_HELD): a backward after the rank's first holds those gradients too
-        sent_before = pipe.get("grad_sent", 0.0) if s.pp > 1 and s.schedule in SENDS_HELD else 0.0
+        sent_before = pipe["grad_sent"] if s.pp > 1 and s.schedule in SENDS_HELD else 0.0
 
-        def pipeline_bytes(others: float, later: bool) -> float:
-            return (others + 1) * (recv + kept_out) + grad_recv + (sent_before if later else 0.0)
+        def pipeline_terms(others: float, later: bool) -> dict[str, float]:
+            if s.pp == 1:
+                return {}
+            return {"pipeline_buffers": (others + 1) * recv + grad_recv, "pipeline_outputs": (others + 1) * kept_out,
+                    "pipeline_sent_gradients": sent_before if later else 0.0}
         # the rank's backward moments, as (other micro-batches holding all their activations, gradients alive; None:
         # only those of the layers after the one in backward): its first backward when every micro-batch's forward
         # ran before it (GPipe; 1F1B where m <= pp - r), no gradients yet, and the next, with fewer in flight and
         # every gradient; otherwise the steady one, the earlier micro-batches' gradients accumulated
-        moments = [(flight - 1, gb)] if flight < m else [(flight - 1, None)] + ([(flight - 2, gb)] if m > 1 else [])
-        # moment 1: a layer's backward (its working set and FSDP's gathered units), the layer where it holds the most
+        flights = [(flight - 1, gb)] if flight < m else [(flight - 1, None)] + ([(flight - 2, gb)] if m > 1 else [])
+        # a layer's backward (its working set and FSDP's gathered units)
         per_param = gb / params if params else 0.0  # bytes of gradient per local parameter (ZeRO 2/3: sharded)
         # (a pipeline stage's received inputs that its layers save are its receive buffers: counted there)
         rs = pipe["recv_saved"] if s.pp > 1 else 0.0
-        alive, work, grads_at, fsdp, in_flight_now, later_now = max(
-            (((others + 1) * -rs + others * sums.acts[r] + a, w, (params - before) * per_param if g is None else g,
-              fsdp_buffers(sums.units[r], layer, zero_stage=s.zero_stage, p_item=p_item, g_item=g_item), others,
-              g is not None)
-             for others, g in moments for a, w, before, layer in sums.bwd_layers[r]),
-            key=lambda mo: mo[0] + mo[1] + mo[2] + sum(mo[3].values()) + pipeline_bytes(mo[4], mo[5]),
-            default=(0.0, 0.0, 0.0, {}, flight - 1, False))
-        at_bwd = {"saved_activations": max(alive, 0.0), "backward_working_set": work, **fsdp}
+        out = []
+        for others, g in flights:
+            pipe_now = pipeline_terms(others, g is not None)
+            for a, w, before, layer, phase in sums.bwd_layers[r]:
+                alive = (others + 1) * -rs + others * sums.acts[r] + a
+                grads = (params - before) * per_param if g is None else g
+                terms = {"saved_activations": alive, "backward_working_set": w,
+                         **fsdp_buffers(sums.units[r], layer, zero_stage=s.zero_stage, p_item=p_item, g_item=g_item),
+                         **held, **pipe_now}
+                out.append(PeakMoment(phase, layer, grads, terms, grads + sum(terms.values())))
+        for mo in out:
+            mo.terms["saved_activations"] = max(mo.terms["saved_activations"], 0.0)
         if r == s.pp - 1 and prof.output_numel and not s.fused_loss:  # fused: in the head layer's working set
-            # moment 2 (last rank): the loss's backward: log-softmax output (fp32) saved, its gradient and the
-            # logits' gradient alive; FSDP units are resharded then
+            # the last rank's loss backward: log-softmax output (fp32) saved, its gradient and the logits' gradient
+            # alive; FSDP units are resharded then
             lp_div = s.tp if (prof.loss_parallel and s.tp > 1 and sums.head_tp) else 1
             out_numel = prof.output_numel * (s.mb_samples / prof.batch) * self.seq_ratio / s.cp
             loss_saved = out_numel * 4 / lp_div
@@ -694,34 +718,33 @@ class Evaluator:
             # holds the logits and their flattened copy (the next-token slice is not contiguous) in the compute
             # dtype, and under autocast the float32 copy ``.float()`` makes (runtime/data.py default_loss)
             loss_temp = out_numel * 4 * 3 / lp_div if lp_div > 1 else out_numel * (2 * p_item + (4 if half else 0))
-            others, grads, later = max(((o, g or 0.0, g is not None) for o, g in moments),
-                                       key=lambda og: og[0] * sums.acts[r] + pipeline_bytes(og[0], og[2]) + og[1])
-            act = (others + 1) * (sums.acts[r] - rs)
-            if (act + loss_saved + loss_temp + grads + pipeline_bytes(others, later)
-                    >= sum(at_bwd.values()) + grads_at + pipeline_bytes(in_flight_now, later_now)):
-                at_bwd = {"saved_activations": act, "loss_saved": loss_saved, "loss_temporaries": loss_temp}
-                grads_at, in_flight_now, later_now = grads, others, later
-        at_bwd |= held
-        if s.pp > 1:
-            at_bwd["pipeline_buffers"] = (in_flight_now + 1) * recv + grad_recv
-            at_bwd["pipeline_outputs"] = (in_flight_now + 1) * kept_out
-            at_bwd["pipeline_sent_gradients"] = sent_before if later_now else 0.0
-        at_backward = pb + ob + grads_at + sum(at_bwd.values())
-        # moment 3: the optimizer step: every gradient and foreach temporaries (CUDA: a list the size of the
-        # gradients; CPU: one parameter at a time); autocast's weight copies are gone, ZeRO 2's gathered
-        # parameters resharded
+            for others, g in flights:
+                terms = {"saved_activations": (others + 1) * (sums.acts[r] - rs), "loss_saved": loss_saved,
+                         "loss_temporaries": loss_temp, **held, **pipeline_terms(others, g is not None)}
+                out.append(PeakMoment("loss", None, g or 0.0, terms, (g or 0.0) + sum(terms.values())))
+        # the optimizer step: every gradient and foreach temporaries (CUDA: a list the size of the gradients; CPU:
+        # one parameter at a time); autocast's weight copies are gone, ZeRO 2's gathered parameters resharded
         # (CPU: torch's single-tensor Adam holds two of the largest parameter's size at once: exp_avg_sq.sqrt() and
         # its quotient by the bias correction; measured with MemTracker, LLaMA)
         at_opt = {"optimizer_step_temporaries": gb if prof.device_kind == "cuda" else 2 * sums.largest[r] * g_item,
                   "ddp_buckets": held["ddp_buckets"],
                   "fsdp_root_params": 0.0 if half else held.get("fsdp_root_params", 0.0)}
-        at_step = pb + ob + gb + sum(at_opt.values())
-        terms, grads = (at_bwd, grads_at) if at_backward >= at_step else (at_opt, gb)
-        terms = {k: v for k, v in terms.items() if v}
-        acts = sum(v for k, v in terms.items() if MEMORY_TERMS[k] == "activations")
-        mbd = MemoryBreakdown(pb, grads, ob, acts, sum(terms.values()) - acts, terms=terms)
-        mbd.margin = with_margin(max(at_backward, at_step), f)
-        return mbd
+        out.append(PeakMoment("step", None, gb, at_opt, gb + sum(at_opt.values())))
+        return pb, ob, out
+
+    def rank_moments(self, s: Setting, choices: list[LayerChoice]) -> list[list[tuple[str, int | None,
+                                                                                  MemoryBreakdown]]]:
+        """Per pipeline rank, every moment :meth:`evaluate` weighs for the rank's peak: (phase — "backward",
+        "recompute", "loss" or "step" —, the layer's index in a layer's backward or recompute, else None, the
+        bytes then, each with the margin of the rank's peak). A measured peak's components compare with the
+        moment it is at (``bench/memory.py``)."""
+        sums = self.sum_layers(s, choices)
+        out = []
+        for r in range(s.pp):
+            pb, ob, moments = self._rank_moments(s, sums, r)
+            top = max(mo.weight for mo in moments)
+            out.append([(mo.phase, mo.layer, self._breakdown(pb, ob, mo, margin_of=top)) for mo in moments])
+        return out
 
     def _throughput(self, s: Setting, sums: RankSums, cost: Cost) -> None:
         """Fill ``cost``'s FLOP rates, MFU and samples/tokens per second from its step time."""
@@ -737,6 +760,21 @@ class Evaluator:
         cost.mfu = step_model_flops / world / step / peak_flops
         cost.tokens_per_s = samples * self.prof.seq_len * self.seq_ratio / step if self.prof.seq_len else None
         cost.samples_per_s = samples / step
+
+
+class PeakMoment(NamedTuple):
+    """One moment of a rank's step that its peak memory can be at (:meth:`Evaluator._rank_moments`)."""
+
+    phase: str
+    """one of "backward" (a layer's), "recompute" (a layer's forward run again in its backward), "loss", "step"."""
+    layer: int | None
+    """the layer whose backward or recompute it is in"""
+    grads: float
+    """gradient bytes alive"""
+    terms: dict[str, float]
+    """the other bytes alive, by :data:`~autopar_nb.plan.MEMORY_TERMS` name"""
+    weight: float
+    """all of them (what the peak is chosen by)"""
 
 
 class FsdpUnit(NamedTuple):
@@ -800,6 +838,19 @@ def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:
 
 def estimate(graph, cluster, plan, *, factors: Factors | None = None) -> Cost:
     """Cost of an existing plan (e.g. one a user edited) on ``cluster``: the planner's own model, no search."""
+    ev, s, choices = _evaluator_of(graph, cluster, plan, factors)
+    return ev.evaluate(s, choices)
+
+
+def peak_moments(graph, cluster, plan, *, factors: Factors | None = None
+                 ) -> list[list[tuple[str, int | None, MemoryBreakdown]]]:
+    """Per pipeline rank of ``plan``, every moment its predicted peak memory is chosen from
+    (:meth:`Evaluator.rank_moments`): what a measured peak's components compare with, at the moment it is at."""
+    ev, s, choices = _evaluator_of(graph, cluster, plan, factors)
+    return ev.rank_moments(s, choices)
+
+
+def _evaluator_of(graph, cluster, plan, factors: Factors | None) -> tuple[Evaluator, Setting, list[LayerChoice]]:
     from .loss import fused_head
     from .norm import fused_norm_profile
     from .profile import profile_of
@@ -820,5 +871,5 @@ def estimate(graph, cluster, plan, *, factors: Factors | None = None) -> Cost:
         if head is None or head.module != plan.fused_loss:
             raise ValueError(f"plan.fused_loss={plan.fused_loss!r} does not name this model's output head: "
                              f"{why or f'the head is {head.module}'}; re-plan for this model")
-    return Evaluator(prof, cluster, factors=factors, seq_ratio=seq_ratio, head=head,
-                     norm_prof=norm_prof).evaluate(s, choices)
+    ev = Evaluator(prof, cluster, factors=factors, seq_ratio=seq_ratio, head=head, norm_prof=norm_prof)
+    return ev, s, choices
