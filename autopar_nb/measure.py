@@ -339,6 +339,18 @@ class _Session:
 
         return inner
 
+    def name_within(self, modules) -> None:
+        """Name the modules inside ``modules`` by their paths under them again: ``parallelize`` wraps a traced
+        pipeline stage's layers in checkpoint wrappers after the tracker has seen the stage, and torch's ModTracker
+        names a module it meets outside the children it listed as a root of its own ("CheckpointWrapper")."""
+        tracker = self.active._mod_tracker
+        for mod in modules:
+            fqn = tracker.get_known_fqn(mod)
+            for name, sub in mod.named_modules() if fqn is not None else ():
+                if sub is not mod:
+                    tracker._known_modules[sub] = f"{fqn}.{name}"
+                    tracker._seen_modules.add(sub)
+
     # the training loop's observer (runtime/train.py)
     def after_backward(self, step, parts, loss):
         self.active.phase = "step"
@@ -387,6 +399,7 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
             root._pre_forward = session.as_setup(root._pre_forward)  # its buckets (rebuilt in the 2nd forward)
         if isinstance(root, FSDPModule):
             session.switch_to_fsdp(root)
+        session.name_within(parts if isinstance(parts, list | tuple) else [parts])
         session.active.phase = "train"
         return out
 

@@ -418,7 +418,8 @@ def test_pipeline_stages_memory_matches_the_tracker(family, amp, recompute, size
     until then (``pipeline_sent_gradients``; ViT's rank 1 under full recompute was -6.3 % without it), and no rank
     keeps the batch the stages were traced on (ViT's images: the script drops it after ``parallelize``)."""
     from autopar_nb.cost import estimate
-    from autopar_nb.measure import GROUPS, measure, measured_groups, predicted_groups
+    from autopar_nb.cost.estimate import peak_moments
+    from autopar_nb.measure import GROUPS, measure, measured_groups, moment_at, predicted_groups
 
     src = ModelSource(CELLS[family](**size))
     meta, example, _ = src.build(device="meta")
@@ -430,9 +431,13 @@ def test_pipeline_stages_memory_matches_the_tracker(family, amp, recompute, size
     tokens = (round(size["seq"] ** 0.5) ** 2 + 1) if family == "ViT" else size["seq"]  # 4x4 patches, class token
     one_input = size["batch"] // 2 * tokens * size["hidden"] * 4  # a micro-batch of the stream stage 1 receives
     assert cost.memory_by_rank[1].terms["pipeline_sent_gradients"] == pytest.approx(one_input)
+    moments, paths = peak_moments(graph, cluster, plan), [lay.path for lay in graph.layers]
     for rank, got in zip((0, 1), measure(src, plan, ranks=(0, 1)), strict=True):
         mb, m = cost.memory_by_rank[rank], got["peak"]
         p, g = predicted_groups(mb), measured_groups(m)
+        # the tracked peak is at one of the model's moments: under recompute, inside a layer the tracker names by
+        # its path in the stage (measure._Session.name_within; it was "CheckpointWrapper", a root of its own)
+        assert moment_at(got["where"], paths, moments[rank]) is not None, got["where"]
         for group in GROUPS:
             assert p[group] == pytest.approx(g[group], abs=WITHIN * m["total"] + 1024), (rank, group, p, g)
         assert mb.total - mb.margin == pytest.approx(m["total"], rel=WITHIN), (rank, mb, m)
@@ -498,3 +503,29 @@ def test_the_trackers_module_hooks_hold_no_gradients_while_measuring(patched):
     assert len(grads) == 3
     # unpatched: the last two blocks' (the first block's comes after the bias's, at the end of backward)
     assert alive_at_bias == ([0] if patched else [2]), alive_at_bias
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_modules_wrapped_after_the_tracker_saw_their_parent_keep_their_paths(named):
+    """A pipelined plan's ``parallelize`` traces the model (the tracker sees every stage) and then wraps the stages'
+    layers in checkpoint wrappers: torch's ModTracker names a module it meets outside the children it listed as a
+    root of its own, so a tracked peak in a recomputed layer read "CheckpointWrapper._checkpoint_wrapped_module",
+    naming no layer. ``measure`` names the modules under what ``parallelize`` returned again
+    (``_Session.name_within``): the peak's module is the layer's path in its stage."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from autopar_nb.measure import _Session
+
+    model, x = _SharedBias(), torch.randn(4, 8, requires_grad=True)
+    session = _Session(steps=1)
+    names: list[str] = []
+    with session.active:
+        model(x)  # the tracker lists the model's modules
+        session.active.reset_mod_stats()
+        model.blocks.register_module("1", checkpoint_wrapper(model.blocks[1], preserve_rng_state=False))
+        if named:
+            session.name_within([model])
+        tracker = session.active._mod_tracker
+        model.blocks[1].register_forward_pre_hook(lambda m, a: names.append(tracker.get_known_fqn(m)) and None)
+        model(x).sum().backward()
+    assert names == (["_SharedBias.blocks.1"] if named else ["CheckpointWrapper"]), names
