@@ -84,14 +84,14 @@ def measured_groups(peak: dict) -> dict[str, float]:
 def moment_at(where: str, layer_paths: list[str], moments: list[tuple[str, int | None, Any]]):
     """Of one rank's predicted moments (``cost.estimate.peak_moments``: (phase, layer index, breakdown)), the one a
     measured peak's ``where`` ("<phase>/<side> in <module>", :attr:`Labelled.where`) is at: the optimizer step,
-    the loss's backward (backward outside every module), or the backward or recompute of the layer whose path
+    the loss (its forward or backward, outside every module), or the backward or recompute of the layer whose path
     holds the module (the largest such moment: a pipeline rank's micro-batches are not told apart). None where the
     model has no such moment (a forward's end) or the module names no layer (a pipeline stage's own wrapper)."""
     phase, _, module = where.partition(" in ")
     if phase.startswith("step/"):
         want = ("step", None)
-    elif phase == "train/backward" and not module:
-        want = ("loss", None)
+    elif phase in ("train/forward", "train/backward") and not module:
+        want = ("loss", None)  # after the model returned: the loss's forward or its backward
     elif phase in ("train/backward", "train/recompute") and module:
         layer = _layer_of(module, layer_paths)
         if layer is None:
@@ -104,11 +104,15 @@ def moment_at(where: str, layer_paths: list[str], moments: list[tuple[str, int |
 
 
 def _layer_of(module: str, layer_paths: list[str]) -> int | None:
-    """The index of the layer whose path holds a tracker's module name: the root's name (its class, or a pipeline
-    stage's ``Pipe.split_gm.submod_pp_<n>``) and checkpoint wrappers dropped."""
-    parts = [p for p in module.split(".")[1:] if p != "_checkpoint_wrapped_module"]
+    """The index of the layer whose path holds a tracker's module name: the root's name (its class, DDP's
+    ``DistributedDataParallel.module``, a pipeline stage's ``Pipe.split_gm.submod_pp_<n>``) and checkpoint wrappers
+    dropped."""
+    root, *parts = module.split(".")
+    parts = [p for p in parts if p != "_checkpoint_wrapped_module"]
     if len(parts) > 1 and parts[0] == "split_gm" and parts[1].startswith("submod_pp_"):
         parts = parts[2:]
+    elif root == "DistributedDataParallel" and parts[:1] == ["module"]:
+        parts = parts[1:]
     name = ".".join(parts)
     best = [(len(p), k) for k, p in enumerate(layer_paths) if p and (name == p or name.startswith(p + "."))]
     return max(best)[1] if best else None

@@ -4,8 +4,12 @@ bring (issue 21), component by component.
 Each case: the family's cell at hidden 256, 4 layers, seq 256, batch 8 (tests/memcells.py), planned with the case's
 fixed choices, exported, and its script's own ``main`` run for 2 steps as one rank of a fake process group inside
 the tracker (``autopar_nb.measure``; real small tensors on CPU). The prediction is the cost model's per-rank
-total before its allocator margin, and its named terms (``MemoryBreakdown.terms``) grouped as the tracker labels
-what it counts (``autopar_nb.measure.GROUPS``).
+peak total before its allocator margin, and its named terms (``MemoryBreakdown.terms``) grouped as the tracker
+labels what it counts (``autopar_nb.measure.GROUPS``), at the moment the tracker peaked at: the model weighs every
+layer's backward and recompute, the loss and the step (``cost.estimate.peak_moments``), and where two of them hold
+nearly the same total its peak and the tracker's can be different moments, between which bytes move from one
+component to another; compared at the same moment, a wrong term cannot hide behind a moment choice
+(``autopar_nb.measure.moment_at``; at the model's own peak where it has no moment there, e.g. a forward).
 
     .venv/bin/python bench/memory.py [FAMILY,...] [--plans single,ddp,...] [--amp none,bf16]
                                      [--recompute none,selective,full] [--jobs N] [--write]
@@ -264,7 +268,10 @@ def main() -> None:
                     f"{platform.machine()} CPU container (2 cores, shared with other jobs; load average "
                     f"{load0:.1f} at the start, {os.getloadavg()[0]:.1f} now), torch {torch.__version__}, "
                     f"{minutes:.0f} min, {args.jobs} case(s) at a time. Sizes {SIZE}, Adam; predicted (p) = the "
-                    "cost model's per-rank total before its allocator margin and its named terms, measured (m) = "
+                    "cost model's per-rank peak total before its allocator margin, and its named terms at the "
+                    "moment of the step the tracker peaked at (a layer's backward or recompute, the loss, the "
+                    "step: autopar_nb.measure.moment_at; at the model's own peak where it has no such moment), "
+                    "measured (m) = "
                     "MemTracker/FSDPMemTracker peak of the 2nd step of the exported script's own main under a fake "
                     "process group, pipelined plans on real gloo processes (autopar_nb/measure.py), "
                     f"both grouped as autopar_nb.measure.GROUPS says (MiB). {summary}.\n\n{table}\n"

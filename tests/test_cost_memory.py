@@ -423,8 +423,9 @@ def test_a_ranks_peak_is_the_largest_of_its_moments_and_a_recompute_holds_what_i
 def test_a_tracked_peak_is_matched_to_the_models_moment_there():
     """``measure.moment_at``: the tracker's "<phase>/<side> in <module>" names the moment of the model's that its
     components compare with — a layer's backward or recompute (the layer whose path holds the module: the root's
-    name, a pipeline stage's ``Pipe.split_gm.submod_pp_<n>`` and checkpoint wrappers dropped), the loss's backward
-    (outside every module), the step; none for a forward or a module that names no layer."""
+    name, DDP's ``module``, a pipeline stage's ``Pipe.split_gm.submod_pp_<n>`` and checkpoint wrappers dropped), the
+    loss's forward or backward (outside every module), the step; none for a layer's forward or a module that names
+    no layer."""
     from autopar_nb.measure import moment_at
 
     paths = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.10", "lm_head"]
@@ -438,6 +439,10 @@ def test_a_tracked_peak_is_matched_to_the_models_moment_there():
     assert moment_at("train/backward in FSDPLlamaForCausalLM.model.layers.10.mlp.experts", paths,
                      moments) == ("backward", 3, small)
     assert moment_at("train/backward", paths, moments) == ("loss", None, small)
+    assert moment_at("train/forward", paths, moments) == ("loss", None, small)
+    assert moment_at("train/backward in DistributedDataParallel.module.model.layers.0.mlp", paths,
+                     moments) == ("backward", 1, big)
+    assert moment_at("train/backward in LlamaForCausalLM", paths, moments) is None  # the root's own ops
     assert moment_at("step/forward", paths, moments) == ("step", None, big)
     assert moment_at("train/forward in LlamaForCausalLM.model.layers.1", paths, moments) is None
     assert moment_at("train/backward in CheckpointWrapper._checkpoint_wrapped_module", paths, moments) is None
