@@ -23,7 +23,7 @@ import kernels_ext
 
 from ..graph import ModelGraph, OpNode
 from ..plan import ITEMSIZE
-from .profile import profile, profile_of
+from .profile import once_per_graph, profile, profile_of
 from .tp_styles import packet
 
 FUSED_OP = "kernels_ext.rms_norm.default"
@@ -116,9 +116,18 @@ def one_kernel(device_kind: str) -> bool:
     return device_kind == "cuda"
 
 
+_FUSED_PROFILES: dict = {}
+
+
 def fused_norm_profile(graph: ModelGraph, device_kind: str, *, fp32_ops=(), low_precision_ops=()):
     """The :class:`~.profile.GraphProfile` of :func:`fuse_norms`'s graph (what ``Evaluator.norm_prof`` holds), or
-    None when the model has no RMSNorm module."""
+    None when the model has no RMSNorm module; computed once per (graph, device kind, op lists) while the graph
+    lives, as :func:`~.profile.profile_of` (the planner asks for it on every call: a whole profile each time)."""
+    return once_per_graph(_FUSED_PROFILES, graph, (device_kind, tuple(fp32_ops), tuple(low_precision_ops)),
+                          lambda: _fused_norm_profile(graph, device_kind, fp32_ops, low_precision_ops))
+
+
+def _fused_norm_profile(graph: ModelGraph, device_kind: str, fp32_ops, low_precision_ops):
     fused = fuse_norms(graph, device_kind)
     if fused is None:
         return None

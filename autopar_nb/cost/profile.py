@@ -343,18 +343,25 @@ _PROFILES: dict[int, tuple[weakref.ref, tuple, GraphProfile]] = {}
 def profile_of(graph, device_kind: str = "cuda", *, fp32_ops=(), low_precision_ops=()) -> GraphProfile:
     """:func:`profile`, computed once per (graph, device kind, op lists) and kept while the graph lives (the latest
     one per graph)."""
-    how = (device_kind, tuple(fp32_ops), tuple(low_precision_ops))
-    hit = _PROFILES.get(id(graph))
+    return once_per_graph(_PROFILES, graph, (device_kind, tuple(fp32_ops), tuple(low_precision_ops)),
+                          lambda: profile(graph, device_kind=device_kind, fp32_ops=fp32_ops,
+                                          low_precision_ops=low_precision_ops))
+
+
+def once_per_graph(cache: dict, graph, how: tuple, make):
+    """``make()``, kept in ``cache`` for ``graph`` while it lives, and made again when ``how`` (what it depends on
+    besides the graph) changes: the latest one per graph."""
+    hit = cache.get(id(graph))
     if hit is not None and hit[0]() is graph and hit[1] == how:
         return hit[2]
-    prof = profile(graph, device_kind=device_kind, fp32_ops=fp32_ops, low_precision_ops=low_precision_ops)
+    value = make()
     key = id(graph)
     try:
-        ref = weakref.ref(graph, lambda _r: _PROFILES.pop(key, None))
+        ref = weakref.ref(graph, lambda _r: cache.pop(key, None))
     except TypeError:
-        return prof
-    _PROFILES[key] = (ref, how, prof)
-    return prof
+        return value
+    cache[key] = (ref, how, value)
+    return value
 
 
 def profile(graph, *, device_kind: str = "cuda", fp32_ops=(), low_precision_ops=()) -> GraphProfile:
