@@ -70,19 +70,25 @@ QUICK = [
 ]
 """one case of each class the matrix checks, in a few minutes (``--quick``)"""
 KNOWN = [
-    "Moment choice (10 of 164 matrix rows and 13 of 96 pipeline ranks miss on a component, none on the total): "
-    "where two moments of a step hold nearly the same total, the model's peak and the tracker's are different "
-    "moments, and bytes move between components. TP bf16 ViT and GPT-2 under recompute peak in the last block's "
-    "recompute once it has re-made its attention scores (5-7 MiB more activations), where the model takes that "
-    "block's first backward op (5 MiB more temporaries); LLaMA/Qwen2 TP bf16 full peak at the first layer with "
-    "3.9 MiB of parameter gradients where the model's moment of the same total has none (pipelined full recompute, "
-    "first rank: 2.7 MiB the other way; bf16, last rank: 5.4 MiB of activations against temporaries); GPT-NeoX "
-    "fp32 full: fc2's backward against the GELU's (4 MiB); Mixtral's "
-    "experts under recompute (8-10 MiB between the recomputed activations and the experts' working set) and ZeRO-3 "
-    "fp32 (the forward's end against the experts' backward, 0.3 MiB apart in total); BERT pp bf16 rank 0 and ViT "
-    "ZeRO-2 bf16 (12 and 4 MiB of temporaries). Comparing at the same moment needs the model's breakdown per moment "
-    "beside the tracker's per-module peaks (MemTracker keeps them): not done",
-    "ViT fp32 full recompute (+2.4 %): 4.1 MiB more activations predicted than tracked; not identified",
+    "Components are compared at the tracker's moment (the layer and phase it names, matched to the model's moment "
+    "there); the counts at the model's own peak are given too. The tracker's module in backward is not always "
+    "where the step is: under full recompute LLaMA, Qwen2 and GPT-NeoX (one process) name layers 2-3 while their "
+    "gradients (8.3 of 8.3 MiB; the model has 3.3 there) put them at layer 0, the model's peak, where every "
+    "component is within 5 %: those rows miss at the named moment (grads -5 MiB, activations +4-6 MiB) and not at "
+    "the model's peak. Sequence numbers of the autograd nodes would place a backward peak reliably: not done",
+    "A layer's recompute is costed at its end (every tensor it saves again re-made, beside its output's gradient); "
+    "the tracker peaks inside it, where forward transients the graph does not keep are alive: ViT TP bf16 "
+    "full/selective (2.4-3.4 MiB: the LayerNorm's float32 output a Python local holds while the MLP runs), "
+    "LLaMA/Qwen2 TP bf16 full (3 MiB, at the down projection)",
+    "Inside one layer's backward the model weighs its largest op; the tracker can peak at another op of that layer: "
+    "Mixtral's experts under recompute (pipelined, 10 MiB of recomputed activations still alive at the experts' "
+    "first backward op where the model's largest op has freed them and holds its gradients), GPT-NeoX pp fp32 full "
+    "rank 0 (2.5 MiB of gradients), LLaMA/Qwen2 pp fp32 full rank 0 (2.7 MiB of gradients)",
+    "BERT pp bf16 rank 0 (-4.2 %, 12.5 MiB of temporaries): the traced stage runs attention as math ops; at its "
+    "backward the census holds a float32 score-sized temporary (8 MiB, no recorded origin: likely the gradient of "
+    "the probabilities' cast) beside their 16-bit gradient (4 MiB, BmmBackward0), which the layer's working set "
+    "lacks. ViT ZeRO-2 bf16 peaks in a forward (no moment of the model's)",
+    "ViT fp32 full recompute (+2.4 %): 4.1 MiB more activations predicted than tracked at layer 0; not identified",
     "BERT, TP + SP, full recompute, bf16 (-4.5 %, the closest to 5 %): at the last layer's backward start the "
     "tracker holds both LayerNorms' float32 outputs (2 MiB each), which only the module's Python locals keep, and "
     "the output dropout's 16-bit result (1 MiB) beside what autograd saves; not costed",
