@@ -28,6 +28,7 @@ the optimizer's scratch). The peak of the last step is reported (the first creat
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import runpy
@@ -412,15 +413,20 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
     script_globals["parallelize"] = traced
     if "boundary_values" in script_globals:
         script_globals["boundary_values"] = _without_backward_hooks(script_globals["boundary_values"])
-    with _input_hooks_holding_nothing():
-        session.active.__enter__()
-        try:
-            g["main"](["--steps", str(steps)], observer=session)
-        finally:
-            session.active.__exit__(None, None, None)
-    snap = session.active.get_tracker_snapshot("peak").get(torch.device("cpu"), {})
-    out = {"peak": components(snap), "where": session.active.where, "world": world, "rank": rank}
-    return out | ({"largest": session.active.largest()} if census else {})
+    try:
+        with _input_hooks_holding_nothing():
+            session.active.__enter__()
+            try:
+                g["main"](["--steps", str(steps)], observer=session)
+            finally:
+                session.active.__exit__(None, None, None)
+        snap = session.active.get_tracker_snapshot("peak").get(torch.device("cpu"), {})
+        out = {"peak": components(snap), "where": session.active.where, "world": world, "rank": rank}
+        return out | ({"largest": session.active.largest()} if census else {})
+    finally:
+        del g, script_globals
+        gc.collect()  # before destroy: a gloo thread taking the GIL at exit aborts the process now and then
+        dist.destroy_process_group()
 
 
 def _label_pipeline_buffers(session) -> None:

@@ -435,9 +435,13 @@ def test_pipeline_stages_memory_matches_the_tracker(family, amp, recompute, size
     for rank, got in zip((0, 1), measure(src, plan, ranks=(0, 1)), strict=True):
         mb, m = cost.memory_by_rank[rank], got["peak"]
         p, g = predicted_groups(mb), measured_groups(m)
-        # the tracked peak is at one of the model's moments: under recompute, inside a layer the tracker names by
-        # its path in the stage (measure._Session.name_within; it was "CheckpointWrapper", a root of its own)
-        assert moment_at(got["where"], paths, moments[rank]) is not None, got["where"]
+        # the tracker names a module by its path in the stage (measure._Session.name_within; a checkpoint-wrapped
+        # layer was "CheckpointWrapper", a root of its own), and a backward peak in a layer is at a moment of the
+        # model's (where the peak is varies from run to run between moments of nearly the same total)
+        module = got["where"].partition(" in ")[2]
+        assert not module.startswith("CheckpointWrapper"), got["where"]
+        if got["where"].startswith(("train/backward in Pipe", "train/recompute in Pipe")) and "layers" in module:
+            assert moment_at(got["where"], paths, moments[rank]) is not None, got["where"]
         for group in GROUPS:
             assert p[group] == pytest.approx(g[group], abs=WITHIN * m["total"] + 1024), (rank, group, p, g)
         assert mb.total - mb.margin == pytest.approx(m["total"], rel=WITHIN), (rank, mb, m)
