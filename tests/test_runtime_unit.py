@@ -261,13 +261,13 @@ def fake_world_of_two():
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_tp_collectives_are_megatrons(fake_world_of_two, sp, tmp_path):
-    """One forward of a 2-layer Llama with TP: Megatron's collectives, counted with CommDebugMode.
+    """One forward of a 2-layer Llama with TP: Megatron's collectives, counted as they run (tests/collectives.py).
 
     Without SP: an all-reduce per row-parallel output (vocab-parallel embedding + wo + w2 per layer = 5) and one
     all-gather of the logits. With SP: the blocks' all-reduces become reduce-scatters (4), the embedding's stays
     (its output is replicated), and each block gathers its sequence shards once per sub-block (2 per layer) plus the
     head's input and its logits."""
-    from torch.distributed.tensor.debug import CommDebugMode
+    from collectives import CollectiveCounts
 
     src = source(LLAMA_CELL)
     plan = make_plan(src, tp=2, tp_styles=llama_tp(sp=sp), sp=sp)
@@ -275,9 +275,9 @@ def test_tp_collectives_are_megatrons(fake_world_of_two, sp, tmp_path):
     assert [lp.sequence_parallel for lp in plan.layers] == [sp] * 5
     mesh = script["build_mesh"]("cpu", 1, 1, 2)
     (model,) = script["parallelize"](script["model"], mesh, "cpu")
-    with CommDebugMode() as comm:
+    with CollectiveCounts() as comm:
         logits = model(*script["example_inputs"])
-    counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+    counts = dict(comm.counts)
     if sp:
         assert counts == {"all_reduce": 1, "reduce_scatter_tensor": 4, "all_gather_into_tensor": 6}
     else:
