@@ -1,4 +1,5 @@
 import os
+import shutil
 import tempfile
 
 # This is the CPU suite (gloo, 2-4 processes): on a GPU host — a lent H200, a workstation — the workers, verify's
@@ -12,9 +13,17 @@ import pytest
 import torch
 
 os.environ.setdefault("MPLBACKEND", "Agg")
+# Everything the suite and the processes it starts put in the temporary directory (pytest's tmp_path, run and
+# verify directories, torchelastic's logs, multiprocessing's) goes in one folder, removed when pytest ends
+SCRATCH = tempfile.mkdtemp(prefix="autopar-tests-")
+os.environ["TMPDIR"] = tempfile.tempdir = SCRATCH
 # measured calibration factors of the developer's own runs must not change what the tests plan
-os.environ["AUTOPAR_CALIBRATION"] = os.path.join(tempfile.mkdtemp(prefix="autopar-test-"), "calibration.json")
+os.environ["AUTOPAR_CALIBRATION"] = os.path.join(SCRATCH, "calibration.json")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(SCRATCH, ignore_errors=True)
 
 
 @pytest.fixture
