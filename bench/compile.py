@@ -79,7 +79,7 @@ def main() -> None:
     p.add_argument("--write", action="store_true", help="replace the section of BENCHMARKS.md")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
-    from kernels import machine
+    from fused_kernels import machine
 
     body = f"## {SECTION}\n\n`.venv/bin/python bench/compile.py --write` — {machine()}.\n\n{table()}\n"
     print(body)

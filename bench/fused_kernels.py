@@ -6,9 +6,9 @@ the bytes autograd keeps for backward and the forward + backward time of a stack
 Each variant runs in a fresh interpreter; its peak is the process's peak RSS (``ru_maxrss``) minus its RSS once
 the inputs exist, so it counts everything the step allocates (logits, softmax, gradients of hidden and weight).
 
-    .venv/bin/python bench/kernels.py            # print
-    .venv/bin/python bench/kernels.py --write    # and replace the section of BENCHMARKS.md
-    .venv/bin/python bench/kernels.py --norm     # only the RMSNorm figures (about a minute)
+    .venv/bin/python bench/fused_kernels.py            # print
+    .venv/bin/python bench/fused_kernels.py --write    # and replace the section of BENCHMARKS.md
+    .venv/bin/python bench/fused_kernels.py --norm     # only the RMSNorm figures (about a minute)
 """
 
 from __future__ import annotations
@@ -262,14 +262,14 @@ def main() -> None:
         print(planner_table())
         return
     if args.tp:
-        print(f"`.venv/bin/python bench/kernels.py --tp` — {machine()}.\n\n{vocab_parallel_table()}")
+        print(f"`.venv/bin/python bench/fused_kernels.py --tp` — {machine()}.\n\n{vocab_parallel_table()}")
         return
     if args.norm:
-        print(f"`.venv/bin/python bench/kernels.py --norm` — {machine()}.\n\n{norm_table()}")
+        print(f"`.venv/bin/python bench/fused_kernels.py --norm` — {machine()}.\n\n{norm_table()}")
         return
     table, _ = fused_ce_table()
     table += "\n\n" + vocab_parallel_table() + "\n\n" + planner_table() + "\n\n" + norm_table()
-    body = f"## {SECTION}\n\n`.venv/bin/python bench/kernels.py --write` — {machine()}.\n\n{table}\n"
+    body = f"## {SECTION}\n\n`.venv/bin/python bench/fused_kernels.py --write` — {machine()}.\n\n{table}\n"
     print(body)
     if args.write:
         sys.path.insert(0, str(ROOT / "bench"))
