@@ -80,3 +80,19 @@ def test_the_package_its_tests_and_benchmarks_pass_the_linter():
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "autopar_nb", "tests", "bench"],
                           cwd=root, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_no_benchmark_or_test_helper_shadows_an_installed_module():
+    """A script's folder comes first on sys.path, so ``bench/kernels.py`` was what transformers 5.25 got for
+    ``import kernels`` (Hugging Face's kernels package): every bench that built a transformers model failed. No file
+    of bench/ or tests/ may have an installed module's name."""
+    from importlib.machinery import PathFinder
+
+    root = PKG.parent
+    ours = (root / "bench", root / "tests", root)
+    outside = [p for p in sys.path if p not in ("", ".") and pathlib.Path(p).resolve() not in ours]
+    files = [f for d in ("bench", "tests") for f in sorted((root / d).glob("*.py"))]
+    taken = {f"{f.parent.name}/{f.name}": spec.origin if spec else "built in" for f in files
+             if (spec := PathFinder.find_spec(f.stem, outside)) is not None or f.stem in sys.builtin_module_names}
+    assert not taken, taken
+    assert PathFinder.find_spec("torch", outside) is not None  # the search does see what is installed
