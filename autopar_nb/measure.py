@@ -134,8 +134,20 @@ def _tracker_classes():
     class Labelled:
         phase = "setup"
         """"setup" (parallelize), "train" (forward, loss, backward), "step" (after backward: clipping, optimizer)"""
-        where = ""
-        """the phase and module of the peak"""
+        spans = None
+        """the run's :class:`_NodeSpans`: which module's forward made the autograd node running at a backward peak"""
+        _peak_at: tuple = ("", "", "", None)
+        """(phase, side, the tracker's innermost module, the running autograd node's sequence number) at the peak"""
+
+        @property
+        def where(self) -> str:
+            """The phase and module of the peak: "<phase>/<side> in <module>". In backward and recompute, the
+            module whose forward made the autograd node running then (:class:`_NodeSpans`), where one did; the
+            tracker's own module can lag there (a checkpointed layer's hooks)."""
+            phase, side, module, seq = self._peak_at
+            if seq is not None and self.spans is not None:
+                module = self.spans.module_of(seq) or module
+            return f"{phase}/{side}" + (f" in {module}" if module else "") if phase else ""
         param_cast = False
         """the op being tracked is a ``_to_copy`` of a parameter (autocast's 16-bit copy of a weight)"""
         census = 0
@@ -222,7 +234,9 @@ def _tracker_classes():
                     self._at_peak = self._storages_now()
                 mods = sorted(self._mod_tracker.parents - {"Global"}, key=len)
                 side = "forward" if not self._mod_tracker.is_bw else "recompute" if self._recomputing() else "backward"
-                self.where = f"{self.phase}/{side}" + (f" in {mods[-1]}" if mods else "")
+                node = torch._C._current_autograd_node() if side != "forward" else None
+                self._peak_at = (self.phase, side, mods[-1] if mods else "",
+                                 node._sequence_nr() if node is not None else None)
 
         def _recomputing(self) -> bool:
             """inside a checkpoint's forward run again in backward"""
@@ -315,6 +329,59 @@ def components(snapshot: dict) -> dict[str, float]:
     return out
 
 
+class _NodeSpans:
+    """Which module's forward made each autograd node. Autograd numbers its nodes in the order the forward creates
+    them (``Node._sequence_nr()``, per thread); a module's forward made the nodes after the last one of the modules
+    that finished before it began, up to its outputs' ``grad_fn``. In backward, the node running
+    (``torch._C._current_autograd_node()``) then names the module whose backward runs: its innermost span. A
+    checkpoint's recompute, run by a node of its layer, adds no span. ``with`` registers global module hooks."""
+
+    def __init__(self, name_of):
+        self.name_of = name_of
+        """module -> its name (the tracker's), or None"""
+        self.spans: list[tuple[int, int, str]] = []
+        """(after this sequence number, up to this one, module name) of every forward call"""
+        self._last = -1
+        self._begun: list[int] = []
+
+    def __enter__(self):
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self._handles = (register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _pre(self, module, args) -> None:
+        import torch
+
+        if torch._C._current_autograd_node() is None:  # a forward, not a recompute inside backward
+            self._begun.append(self._last)
+
+    def _post(self, module, args, out) -> None:
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        if torch._C._current_autograd_node() is not None or not self._begun:
+            return
+        start = self._begun.pop()
+        made = [t.grad_fn._sequence_nr() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn]
+        name = self.name_of(module)
+        if made and max(made) > start and name:
+            self.spans.append((start, max(made), name))
+            self._last = max(self._last, max(made))
+
+    def module_of(self, seq: int) -> str | None:
+        """The innermost module whose forward made node ``seq`` (the latest call of the narrowest span)."""
+        best = None
+        for k, (start, end, name) in enumerate(self.spans):
+            if start < seq <= end and (best is None or (end - start, -k) < best[0]):
+                best = ((end - start, -k), name)
+        return best[1] if best else None
+
+
 class _Session:
     """The tracker a run uses: the plain one until ``parallelize`` returns an FSDP2 module, then an FSDP one over
     it (FSDPMemTracker needs the module; it tracks its parameters and buffers from then on)."""
@@ -322,13 +389,14 @@ class _Session:
     def __init__(self, steps: int, census: int = 0):
         self.Tracker, self.FSDPTracker = _tracker_classes()
         self.steps, self.census = steps, census
+        self.spans = _NodeSpans(lambda module: self.active._mod_tracker.get_known_fqn(module))
         self.active = self.Tracker()
-        self.active.census = census
+        self.active.census, self.active.spans = census, self.spans
 
     def switch_to_fsdp(self, root) -> None:
         self.active.__exit__(None, None, None)
         self.active = self.FSDPTracker(root)
-        self.active.census = self.census
+        self.active.census, self.active.spans = self.census, self.spans
         self.active.__enter__()
 
     def as_setup(self, fn):
@@ -414,7 +482,7 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
     if "boundary_values" in script_globals:
         script_globals["boundary_values"] = _without_backward_hooks(script_globals["boundary_values"])
     try:
-        with _input_hooks_holding_nothing():
+        with _input_hooks_holding_nothing(), session.spans:
             session.active.__enter__()
             try:
                 g["main"](["--steps", str(steps)], observer=session)

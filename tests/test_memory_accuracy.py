@@ -533,3 +533,38 @@ def test_modules_wrapped_after_the_tracker_saw_their_parent_keep_their_paths(nam
         model.blocks[1].register_forward_pre_hook(lambda m, a: names.append(tracker.get_known_fqn(m)) and None)
         model(x).sum().backward()
     assert names == (["_SharedBias.blocks.1"] if named else ["CheckpointWrapper"]), names
+
+
+def test_a_backward_op_is_placed_in_the_layer_whose_forward_made_its_node():
+    """``measure`` places a backward peak by the autograd node running (``_NodeSpans``): its sequence number falls
+    in the span of the module whose forward made it, however the tracker's module hooks lag (under full recompute
+    the tracker named layers 2-3 while the gradients put the step at layer 0). Every backward and recompute op of
+    a 3-layer MLP, the middle layer checkpointed, is placed in the layer its node belongs to, in reverse order."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar_nb.measure import _NodeSpans
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), checkpoint_wrapper(nn.Sequential(nn.Linear(8, 8), nn.GELU()),
+                                                             preserve_rng_state=False), nn.Linear(8, 1))
+    names = {m: n for n, m in model.named_modules()}
+    spans = _NodeSpans(names.get)
+    placed: list[str | None] = []
+
+    class Placing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            node = torch._C._current_autograd_node()
+            if node is not None and func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                placed.append(spans.module_of(node._sequence_nr()))
+            return func(*args, **(kwargs or {}))
+
+    with spans:
+        loss = model(torch.randn(4, 8, requires_grad=True)).sum()
+    with Placing():
+        loss.backward()
+    layers = [name.split(".")[0] if name else None for name in placed]
+    # each Linear's backward: its input's and its weight's gradients (2 mm); layer 1's recompute first (its addmm,
+    # run by the first of its nodes to need a saved tensor: the GELU's)
+    assert layers == ["2", "2", "1", "1", "1", "0", "0"], placed
+    assert placed[2:5] == ["1._checkpoint_wrapped_module.1"] + ["1._checkpoint_wrapped_module.0"] * 2, placed
