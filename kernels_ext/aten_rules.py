@@ -162,6 +162,10 @@ ELEMENTWISE = {
 """elementwise ATen ops -> what each keeps for backward"""
 for name, saves in ELEMENTWISE.items():
     _BUILTIN.append(OpRule(f"aten.{name}", "elementwise", _per_output(1), 1.0, saves=saves))
+# torch.min(a, b) / torch.max(a, b): elementwise, like minimum / maximum (T5's relative position buckets); the
+# packets' other overloads (min.dim, max.default) are reductions and stay unknown
+for name in ("aten.min.other", "aten.max.other"):
+    _BUILTIN.append(OpRule(name, "elementwise", _per_output(1), 1.0))
 
 # views: a split of a tensor is a strided view, and cutting a TP shard's last dim would mix the pieces
 SPLITTING = ("split", "split_with_sizes", "chunk", "unbind", "slice", "select", "narrow", "tensor_split",
