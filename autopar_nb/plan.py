@@ -197,7 +197,9 @@ def _check_list(what: str, value: Any, kind: type) -> None:
 
 def _check_numbers(obj: Any, prefix: str, names: tuple[str, ...]) -> None:
     for name in names:
-        _check_number(f"{prefix}.{name}", getattr(obj, name), finite=False)
+        value = getattr(obj, name)
+        if type(value) is not float:  # a float passes (not finite allowed): checked without naming it (hot path)
+            _check_number(f"{prefix}.{name}", value, finite=False)
 
 
 @dataclass
@@ -434,9 +436,11 @@ class MemoryBreakdown:
         _check_numbers(self, "memory", _MEMORY_FIELDS)
         if not isinstance(self.terms, dict):
             raise PlanError(f"memory.terms must be a JSON object, got {self.terms!r} ({type(self.terms).__name__})")
-        for name, value in self.terms.items():
-            _check_choice("memory.terms", name, tuple(MEMORY_TERMS))
-            _check_number(f"memory.terms[{name!r}]", value, finite=False)
+        for name, value in self.terms.items():  # (the planner makes one per rank and candidate: fast when valid)
+            if type(name) is not str or name not in MEMORY_TERMS:
+                _check_choice("memory.terms", name, tuple(MEMORY_TERMS))
+            if type(value) is not float:
+                _check_number(f"memory.terms[{name!r}]", value, finite=False)
 
     @property
     def total(self) -> float:

@@ -6,6 +6,7 @@ sequence parallel, AMP, micro-batch size), so evaluating a candidate is arithmet
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -695,17 +696,20 @@ class Evaluator:
         # (a pipeline stage's received inputs that its layers save are its receive buffers: counted there)
         rs = pipe["recv_saved"] if s.pp > 1 else 0.0
         out = []
+        held_sum, fsdp_at = sum(held.values()), {}  # layer -> (FSDP's buffers in its backward, their sum)
         for others, g in flights:
             pipe_now = pipeline_terms(others, g is not None)
+            shared = held_sum + sum(pipe_now.values())
             for a, w, before, layer, phase in sums.bwd_layers[r]:
                 alive = (others + 1) * -rs + others * sums.acts[r] + a
                 grads = (params - before) * per_param if g is None else g
-                terms = {"saved_activations": alive, "backward_working_set": w,
-                         **fsdp_buffers(sums.units[r], layer, zero_stage=s.zero_stage, p_item=p_item, g_item=g_item),
-                         **held, **pipe_now}
-                out.append(PeakMoment(phase, layer, grads, terms, grads + sum(terms.values())))
-        for mo in out:
-            mo.terms["saved_activations"] = max(mo.terms["saved_activations"], 0.0)
+                if layer not in fsdp_at:
+                    fb = fsdp_buffers(sums.units[r], layer, zero_stage=s.zero_stage, p_item=p_item, g_item=g_item)
+                    fsdp_at[layer] = fb, sum(fb.values())
+                fb, fb_sum = fsdp_at[layer]
+                out.append(PeakMoment(phase, layer, grads, ({"saved_activations": alive, "backward_working_set": w},
+                                                            fb, held, pipe_now),
+                                      grads + alive + w + fb_sum + shared))
         if r == s.pp - 1 and prof.output_numel and not s.fused_loss:  # fused: in the head layer's working set
             # the last rank's loss backward: log-softmax output (fp32) saved, its gradient and the logits' gradient
             # alive; FSDP units are resharded then
@@ -719,9 +723,11 @@ class Evaluator:
             # dtype, and under autocast the float32 copy ``.float()`` makes (runtime/data.py default_loss)
             loss_temp = out_numel * 4 * 3 / lp_div if lp_div > 1 else out_numel * (2 * p_item + (4 if half else 0))
             for others, g in flights:
-                terms = {"saved_activations": (others + 1) * (sums.acts[r] - rs), "loss_saved": loss_saved,
-                         "loss_temporaries": loss_temp, **held, **pipeline_terms(others, g is not None)}
-                out.append(PeakMoment("loss", None, g or 0.0, terms, (g or 0.0) + sum(terms.values())))
+                loss = {"saved_activations": (others + 1) * (sums.acts[r] - rs), "loss_saved": loss_saved,
+                        "loss_temporaries": loss_temp}
+                pipe_now = pipeline_terms(others, g is not None)
+                out.append(PeakMoment("loss", None, g or 0.0, (loss, held, pipe_now), (g or 0.0) + sum(
+                    loss.values()) + held_sum + sum(pipe_now.values())))
         # the optimizer step: every gradient and foreach temporaries (CUDA: a list the size of the gradients; CPU:
         # one parameter at a time); autocast's weight copies are gone, ZeRO 2's gathered parameters resharded
         # (CPU: torch's single-tensor Adam holds two of the largest parameter's size at once: exp_avg_sq.sqrt() and
@@ -729,7 +735,7 @@ class Evaluator:
         at_opt = {"optimizer_step_temporaries": gb if prof.device_kind == "cuda" else 2 * sums.largest[r] * g_item,
                   "ddp_buckets": held["ddp_buckets"],
                   "fsdp_root_params": 0.0 if half else held.get("fsdp_root_params", 0.0)}
-        out.append(PeakMoment("step", None, gb, at_opt, gb + sum(at_opt.values())))
+        out.append(PeakMoment("step", None, gb, (at_opt,), gb + sum(at_opt.values())))
         return pb, ob, out
 
     def rank_moments(self, s: Setting, choices: list[LayerChoice]) -> list[list[tuple[str, int | None,
@@ -771,10 +777,19 @@ class PeakMoment(NamedTuple):
     """the layer whose backward or recompute it is in"""
     grads: float
     """gradient bytes alive"""
-    terms: dict[str, float]
-    """the other bytes alive, by :data:`~autopar_nb.plan.MEMORY_TERMS` name"""
+    parts: tuple[dict[str, float], ...]
+    """the other bytes alive, by :data:`~autopar_nb.plan.MEMORY_TERMS` name, in the groups the moments share
+    (merged by :attr:`terms` only for the moment a peak is at: the planner weighs ~10^5 moments a search)"""
     weight: float
     """all of them (what the peak is chosen by)"""
+
+    @property
+    def terms(self) -> dict[str, float]:
+        """The bytes alive besides the gradients, by term (saved activations at least 0)."""
+        out = {k: v for part in self.parts for k, v in part.items()}
+        if "saved_activations" in out:
+            out["saved_activations"] = max(out["saved_activations"], 0.0)
+        return out
 
 
 class FsdpUnit(NamedTuple):
@@ -803,8 +818,10 @@ def fsdp_buffers(units: list[FsdpUnit], layer: int, *, zero_stage: int, p_item: 
     ``fsdp_gathered_units``); under ZeRO 2 and 3 the unit after it, whose backward ran last, still holds the input
     of its gradients' reduce-scatter (``reduce_dtype``, float32: the unsharded gradients flattened), freed only
     when the next unit's reduce-scatter starts (``fsdp_reduce_scatter``)."""
-    at = next((k for k, u in enumerate(units) if u.first <= layer <= u.last), None)
-    if zero_stage < 2 or at is None:
+    if zero_stage < 2:
+        return {}
+    at = bisect.bisect_right(units, layer, key=lambda u: u.first) - 1  # units are consecutive, in layer order
+    if at < 0 or units[at].last < layer:
         return {}
     out = {"fsdp_reduce_scatter": units[at + 1].numel * g_item if at + 1 < len(units) else 0.0}
     if zero_stage == 3:

@@ -15,7 +15,9 @@ def choose_recompute(ev: Evaluator, s: Setting, choices: list[LayerChoice], cost
     of identical layers, converting as many layers of a run as the shortfall needs."""
     f = ev.f
     changed = False
-    runs = ev.runs(choices)
+    runs_of: dict[int, list] = {}  # pipeline rank -> its runs, in chain order
+    for run in ev.runs(choices):
+        runs_of.setdefault(s.rank_of(run[2].stage), []).append(run)
     for r, mb in enumerate(cost.memory_by_rank):
         if mb.total <= limit:
             continue
@@ -24,9 +26,9 @@ def choose_recompute(ev: Evaluator, s: Setting, choices: list[LayerChoice], cost
         flight = in_flight(s.schedule, pp=s.pp, stage=r, micro_batches=s.micro_batches,
                            virtual_stages=s.virtual_stages)
         options = []
-        for first, cnt, ch in runs:
+        for first, cnt, ch in runs_of.get(r, ()):
             # a run of identical layers may mix free layers and layers whose recompute the user pinned
-            if s.rank_of(ch.stage) != r or ch.recompute == "full" or not any(free[first:first + cnt]):
+            if ch.recompute == "full" or not any(free[first:first + cnt]):
                 continue
             lt = ev.choice_terms(first, s, ch)
             # (the runtime refuses selective recompute around an experts module that FSDP shards for EP)
