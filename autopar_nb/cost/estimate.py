@@ -114,6 +114,8 @@ class LayerTerms:
     freed: float = 0.0
     """saved bytes of this layer already freed at its backward peak (:func:`.memory.backward_peak`), with
     ``work_bytes`` the gradients held then"""
+    later_params: float = 0.0
+    """local parameters (numel) of this layer whose gradients exist at its backward peak (read by later ops)"""
     cast_local: float = 0.0
     """numel of the layer's local parameters autocast keeps a 16-bit copy of during forward and backward (0 unless
     the precision is "autocast")"""
@@ -266,8 +268,8 @@ class Evaluator:
                 for k in kinds:
                     comm[k] = comm.get(k, 0.0) + collective_time(k, nbytes, tp, link, self.f.eff_link)
         out = (lp.output_amp[precision] if half else lp.output_bytes) * scale / (tp if sp else 1)
-        work, freed = backward_peak(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
-                                    megatron_sp=self.megatron_sp)
+        work, freed, later = backward_peak(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
+                                           megatron_sp=self.megatron_sp)
         if cp > 1 and lp.kv_bytes:
             work += self._ring(lp, comm, cp=cp, tp=tp, half=half, scale=scale)
         fwd_fl = (sum(lp.flops_split.values()) + sum(lp.flops_rep.values()) + lp.flops_other) * scale
@@ -282,7 +284,7 @@ class Evaluator:
         if a2a:
             comm["all_to_all"] = a2a
         t.tp_step = step_s
-        t.freed = freed
+        t.freed, t.later_params = freed, later
         t.replay = {rec: replay_peak(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
                                      megatron_sp=self.megatron_sp, recompute=rec) for rec in ("full", "selective")}
         t.cast_local = lp.cast_split / tp + lp.cast_rep if precision == "autocast" else 0.0
@@ -417,7 +419,8 @@ class Evaluator:
             for j in moment_layers(cnt):
                 sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act[ch.recompute] - held[j]
                                            + head_saved + again - freed, wb - again + tied.get(i + j, 0.0),
-                                           sums.params[r] + (j + 1) * lt.params_local, i + j, "backward"))
+                                           sums.params[r] + (j + 1) * lt.params_local - lt.later_params, i + j,
+                                           "backward"))
                 replayed = max(lt.replay.get(ch.recompute, 0.0), again)
                 if replayed:
                     # its recompute, before its backward, beside the gradient of its output: at its end, every

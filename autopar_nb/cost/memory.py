@@ -95,23 +95,27 @@ def on_rank(s: Saved, *, tp: int, sp: bool, scale: float, quad_scale: float, meg
 
 
 def backward_peak(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precision: str = "fp32",
-                  quad_scale: float | None = None, megatron_sp: bool = False) -> tuple[float, float]:
-    """(gradient bytes, saved bytes already freed) at the moment of this layer's backward that holds the most beside
-    its saved tensors: for each op (backward runs them last to first) its gradients (:attr:`.profile.Moment.work`)
-    less what the ops after it alone saved, freed by then. Measured with the tracker: LLaMA's peak is the silu x up
-    product's backward (its output, saved only by the down projection, freed), under TP with sequence parallelism
-    the down projection's (its output's gradient all-gathered to full size)."""
+                  quad_scale: float | None = None, megatron_sp: bool = False, grad_item: int = 4
+                  ) -> tuple[float, float, float]:
+    """(gradient bytes, saved bytes already freed, the layer's local parameters (numel) whose gradients exist) at
+    the moment of this layer's backward that holds the most beside its saved tensors: for each op (backward runs
+    them last to first) its gradients (:attr:`.profile.Moment.work`) less what the ops after it alone saved, freed
+    by then, plus the gradients (``grad_item`` bytes each) of the layer's parameters the ops after it read
+    (:attr:`.profile.Moment.later`). Measured with the tracker: LLaMA's peak is the silu x up product's backward
+    (its output, saved only by the down projection, freed; the down projection's weight gradient made), under TP
+    with sequence parallelism the down projection's (its output's gradient all-gathered to full size)."""
     qs = scale if quad_scale is None else quad_scale
     saved = lp.saved_at(precision)
     freed = [0.0] * (len(saved) + 1)  # freed[k]: bytes of saved[k:]
     for k in range(len(saved) - 1, -1, -1):
         freed[k] = freed[k + 1] + on_rank(saved[k], tp=tp, sp=sp, scale=scale, quad_scale=qs,
                                           megatron_sp=megatron_sp)
-    best = (0.0, 0.0)
+    best, top = (0.0, 0.0, 0.0), 0.0
     for m in lp.moments.get(precision, ()):
         work = sum(on_rank(g, tp=tp, sp=sp, scale=scale, quad_scale=qs, megatron_sp=megatron_sp) for g in m.work)
-        if work - freed[m.kept] > best[0] - best[1]:
-            best = (work, freed[m.kept])
+        later = m.later[0] / tp + m.later[1]
+        if work - freed[m.kept] + later * grad_item > top:
+            best, top = (work, freed[m.kept], later), work - freed[m.kept] + later * grad_item
     return best
 
 

@@ -83,6 +83,11 @@ class Moment(NamedTuple):
     """a replay moment (:attr:`LayerProfile.replay`): how many of the tensors selective recompute keeps
     (:attr:`LayerProfile.selective`) come from this op or an earlier one; the recompute has consumed them from its
     cache by then (those it saves again are among the ``kept`` saved tensors, the rest are freed or in ``work``)"""
+    later: tuple[int, int] = (0, 0)
+    """(TP-split, replicated) numel of the layer's trainable parameters that an op after this one reads: their
+    gradients exist by this op's backward (LLaMA's down projection's weight gradient at the silu x up product's)"""
+    op: int = -1
+    """the op's index in the graph"""
 
 
 PRECISIONS = ("fp32", "autocast", "autocast_lowp")
@@ -394,7 +399,9 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(), low_precision_ops=
             lp.selective[precision] = kept
     _count_comms(layers, f)
     _count_boundaries(layers, f, amp)
-    _count_params(layers, f, split_params=_count_tp(layers, f), cast=amp["autocast"].autocast.cast_params)
+    split_params = _count_tp(layers, f)
+    _count_params(layers, f, split_params=split_params, cast=amp["autocast"].autocast.cast_params)
+    _count_later_gradients(layers, f, split_params)
     _count_experts(layers, f)
     _count_keys_values(layers, f)
     out = graph.outputs[0] if graph.outputs else None
@@ -743,6 +750,7 @@ def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str,
     out = {path: [] for path in layers}
     cached = dict.fromkeys(layers, 0)  # how many tensors selective recompute keeps from the layer's ops so far
     accumulating = _accumulating_gradients(f) if moments is not None else {}
+    index = {n.name: k for k, n in enumerate(f.graph.nodes)}
     for lp, n in _in_layers(layers, f):
         cached[lp.path] += len(_selective_kept(n, f, device_kind))
         rule = rule_of(n.op)
@@ -757,7 +765,8 @@ def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str,
             out[lp.path].append(Saved(keep.size.numel * keep.size.itemsize, keep.region, keep.gathered,
                                       keep.quadratic, keep.stat))
         if moments is not None and n.op_class != "view" and n.out_shapes:
-            moments[lp.path].append(Moment(len(out[lp.path]), _gradients_of(n, f) + accumulating.get(n.name, ())))
+            moments[lp.path].append(Moment(len(out[lp.path]), _gradients_of(n, f) + accumulating.get(n.name, ()),
+                                           op=index[n.name]))
         held = _math_attention_transients(n, f, device_kind) if replay is not None else ()
         if held:
             replay[lp.path].append(Moment(len(out[lp.path]), held, cached[lp.path]))
@@ -1173,6 +1182,33 @@ def _key_value_projections(f: _Facts) -> set[str]:
 def _python_norm(n) -> bool:
     """A node of a norm module written in Python that reads its weight."""
     return bool(n.module_type) and n.module_type.endswith(NORM_MODULES) and n.op_class == "elementwise"
+
+
+def _count_later_gradients(layers: dict[str, LayerProfile], f: _Facts, split_params: set[str]) -> None:
+    """Each backward moment's :attr:`Moment.later`: the layer's own trainable parameters read by an op after the
+    moment's op (a parameter's gradient exists from its last reader's backward on)."""
+    graph = f.graph
+    last: dict[str, dict[str, int]] = {path: {} for path in layers}  # layer -> its parameter -> its last reader
+    for k, n in enumerate(graph.nodes):
+        lp = layers.get(n.layer)
+        for pname in n.params if lp is not None else ():
+            pi = graph.params.get(pname)
+            if pi is not None and not pi.is_buffer and pi.trainable and pname not in lp.borrowed:
+                last[lp.path][pname] = k
+    for path, lp in layers.items():
+        readers = sorted((k, pname) for pname, k in last[path].items())
+        for precision, moments in lp.moments.items():
+            lp.moments[precision] = [m._replace(later=_numel_after(m.op, readers, graph, split_params))
+                                     for m in moments]
+
+
+def _numel_after(op: int, readers: list[tuple[int, str]], graph, split_params: set[str]) -> tuple[int, int]:
+    split = rep = 0
+    for k, pname in readers:
+        if k > op:
+            n = graph.params[pname].numel
+            split, rep = (split + n, rep) if pname in split_params else (split, rep + n)
+    return split, rep
 
 
 def _count_params(layers: dict[str, LayerProfile], f: _Facts, *, split_params: set[str], cast: set[str]) -> None:
