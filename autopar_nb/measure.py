@@ -82,13 +82,16 @@ def measured_groups(peak: dict) -> dict[str, float]:
     return {g: sum(peak.get(k, 0.0) for k in keys) for g, (_, keys) in GROUPS.items()}
 
 
-def moment_at(where: str, layer_paths: list[str], moments: list[tuple[str, int | None, Any]]):
-    """Of one rank's predicted moments (``cost.estimate.peak_moments``: (phase, layer index, breakdown)), the one a
-    measured peak's ``where`` ("<phase>/<side> in <module>", :attr:`Labelled.where`) is at: the optimizer step,
-    the loss (its forward or backward, outside every module), or the backward or recompute of the layer whose path
-    holds the module (the largest such moment: a pipeline rank's micro-batches are not told apart). None where the
-    model has no such moment (a forward's end) or the module names no layer (a pipeline stage's own wrapper)."""
+def moment_at(where: str, layer_paths: list[str], moments: list[tuple], op_modules: dict[int, str] | None = None):
+    """Of one rank's predicted moments (``cost.estimate.peak_moments``: (phase, layer index, breakdown[, op])), the
+    one a measured peak's ``where`` ("<phase>/<side> in <module>", :attr:`Labelled.where`) is at: the optimizer
+    step, the loss (its forward or backward, outside every module), or the backward or recompute of the layer whose
+    path holds the module (the largest such moment: a pipeline rank's micro-batches are not told apart). With
+    ``op_modules`` (graph index -> module path) and per-op moments, a layer's backward at the ops of that very
+    module, where it has any. None where the model has no such moment (a forward's end) or the module names no
+    layer (a pipeline stage's own wrapper)."""
     phase, _, module = where.partition(" in ")
+    name = _relative(module) if module else ""
     if phase.startswith("step/"):
         want = ("step", None)
     elif phase in ("train/forward", "train/backward") and not module:
@@ -101,20 +104,27 @@ def moment_at(where: str, layer_paths: list[str], moments: list[tuple[str, int |
     else:
         return None
     hits = [mo for mo in moments if (mo[0], mo[1]) == want]
+    at_op = [mo for mo in hits if len(mo) > 3 and mo[3] is not None and (op_modules or {}).get(mo[3]) == name]
+    hits = at_op or [mo for mo in hits if len(mo) < 4 or mo[3] is None]
     return max(hits, key=lambda mo: mo[2].total) if hits else None
 
 
-def _layer_of(module: str, layer_paths: list[str]) -> int | None:
-    """The index of the layer whose path holds a tracker's module name: the root's name (its class, DDP's
-    ``DistributedDataParallel.module``, a pipeline stage's ``Pipe.split_gm.submod_pp_<n>``) and checkpoint wrappers
-    dropped."""
+def _relative(module: str) -> str:
+    """A tracker's module name as the model names it: the root's name (its class, DDP's
+    ``DistributedDataParallel.module``, a pipeline stage's ``Pipe.split_gm.submod_pp_<n>``) and checkpoint
+    wrappers dropped."""
     root, *parts = module.split(".")
     parts = [p for p in parts if p != "_checkpoint_wrapped_module"]
     if len(parts) > 1 and parts[0] == "split_gm" and parts[1].startswith("submod_pp_"):
         parts = parts[2:]
     elif root == "DistributedDataParallel" and parts[:1] == ["module"]:
         parts = parts[1:]
-    name = ".".join(parts)
+    return ".".join(parts)
+
+
+def _layer_of(module: str, layer_paths: list[str]) -> int | None:
+    """The index of the layer whose path holds a tracker's module name (:func:`_relative`)."""
+    name = _relative(module)
     best = [(len(p), k) for k, p in enumerate(layer_paths) if p and (name == p or name.startswith(p + "."))]
     return max(best)[1] if best else None
 
@@ -331,8 +341,8 @@ def components(snapshot: dict) -> dict[str, float]:
 
 class _NodeSpans:
     """Which module's forward made each autograd node. Autograd numbers its nodes in the order the forward creates
-    them (``Node._sequence_nr()``, per thread); a module's forward made the nodes after the last one of the modules
-    that finished before it began, up to its outputs' ``grad_fn``. In backward, the node running
+    them (``Node._sequence_nr()``, per thread); a module's forward made the nodes after its inputs' and after the
+    last one of the modules that finished before it began, up to its outputs' ``grad_fn``. In backward, the node running
     (``torch._C._current_autograd_node()``) then names the module whose backward runs: its innermost span. A
     checkpoint's recompute, run by a node of its layer, adds no span. ``with`` registers global module hooks."""
 
@@ -356,9 +366,13 @@ class _NodeSpans:
 
     def _pre(self, module, args) -> None:
         import torch
+        from torch.utils._pytree import tree_leaves
 
         if torch._C._current_autograd_node() is None:  # a forward, not a recompute inside backward
-            self._begun.append(self._last)
+            # after its inputs' nodes: an op between two modules (LLaMA's silu x up product, read by the down
+            # projection) is its caller's, not the next module's
+            made = [t.grad_fn._sequence_nr() for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.grad_fn]
+            self._begun.append(max([self._last, *made]))
 
     def _post(self, module, args, out) -> None:
         import torch

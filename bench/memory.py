@@ -119,7 +119,8 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
     plan = ap.plan(graph, cluster, global_batch=SIZE["batch"] * fix["dp"],
                    fix={"micro_batches": 1, **fix, "amp": amp, "recompute": recompute})
     cost = estimate(graph, cluster, plan)
-    moments = peak_moments(graph, cluster, plan)
+    moments = peak_moments(graph, cluster, plan, per_op=True)
+    op_modules = {k: n.module_path for k, n in enumerate(graph.nodes)}
     paths = [lay.path for lay in graph.layers]
     ranks = tuple(range(fix["pp"])) if fix["pp"] > 1 else (0,)
     # rank r of a (pp, dp, tp) mesh is pipeline stage r // (dp * tp)
@@ -127,21 +128,22 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
     rows = []
     for stage, m in zip(ranks, measured, strict=True):
         mb = cost.memory_by_rank[stage]
-        peak = max(moments[stage], key=lambda mo: mo[2].total)
-        at = moment_at(m["where"], paths, moments[stage])
+        peak = max((mo for mo in moments[stage] if mo[3] is None), key=lambda mo: mo[2].total)
+        at = moment_at(m["where"], paths, moments[stage], op_modules)
         rows.append({"family": family, "plan": plan_name, "amp": amp, "recompute": recompute, "stage": stage,
                      "predicted": predicted_groups((at or peak)[2]), "predicted_total": mb.total - mb.margin,
-                     "predicted_peak": predicted_groups(mb), "moment": _moment_name(at or peak, paths),
-                     "model_peak": _moment_name(peak, paths), "matched": at is not None,
+                     "predicted_peak": predicted_groups(mb), "moment": _moment_name(at or peak, paths, op_modules),
+                     "model_peak": _moment_name(peak, paths, op_modules), "matched": at is not None,
                      "moment_total": (at or peak)[2].total - mb.margin,
                      "measured": measured_groups(m["peak"]), "measured_total": m["peak"]["total"],
                      "where": m["where"], "largest": m.get("largest", [])})
     return rows
 
 
-def _moment_name(moment, paths: list[str]) -> str:
-    phase, layer, _ = moment
-    return phase + (f" {paths[layer]}" if layer is not None else "")
+def _moment_name(moment, paths: list[str], op_modules: dict[int, str]) -> str:
+    phase, layer, _, op = moment
+    at = op_modules[op].removeprefix(paths[layer] + ".") if op is not None else ""
+    return phase + (f" {paths[layer]}" if layer is not None else "") + (f" at {at}" if at else "")
 
 
 def error(row: dict) -> float:

@@ -418,6 +418,12 @@ def test_a_ranks_peak_is_the_largest_of_its_moments_and_a_recompute_holds_what_i
     assert rec.terms["saved_activations"] == pytest.approx(kept + again)
     assert rec.terms["backward_working_set"] == pytest.approx(lt.out_bytes + ev._tied_gradients(s, choices)[block])
     assert rec.terms["saved_activations"] - bwd.terms["saved_activations"] == pytest.approx(lt.freed)
+    # per op (bench/memory.py's comparison): the layer's moment at each of its ops, the largest one among them
+    per_op = ev.rank_moments(s, choices, per_op=True)[0]
+    assert [mo[:3] for mo in per_op if mo[3] is None] == ev.rank_moments(s, choices)[0]
+    at_ops = [mo[2] for mo in per_op if mo[:2] == ("backward", block) and mo[3] is not None]
+    assert len(at_ops) == len(lt.op_deltas) > 1
+    assert max(m.total for m in at_ops) == pytest.approx(bwd.total)
 
 
 def test_a_tracked_peak_is_matched_to_the_models_moment_there():
@@ -447,6 +453,17 @@ def test_a_tracked_peak_is_matched_to_the_models_moment_there():
     assert moment_at("train/forward in LlamaForCausalLM.model.layers.1", paths, moments) is None
     assert moment_at("train/backward in CheckpointWrapper._checkpoint_wrapped_module", paths, moments) is None
     assert moment_at("train/backward in LlamaForCausalLM.lm_head", paths, moments) is None  # no such moment
+    # per-op moments (peak_moments(per_op=True)): a layer's backward at the ops of the tracker's very module, else
+    # at the layer's largest (op None)
+    mid = ap.MemoryBreakdown(params=1.5)
+    per_op = [("backward", 1, big, None), ("backward", 1, small, 7), ("backward", 1, mid, 9), ("backward", 1, big, 8),
+              ("step", None, big, None)]
+    ops = {7: "model.layers.0.mlp", 8: "model.layers.0.mlp.down_proj", 9: "model.layers.0.mlp"}
+    assert moment_at("train/backward in LlamaForCausalLM.model.layers.0._checkpoint_wrapped_module.mlp", paths,
+                     per_op, ops) == ("backward", 1, mid, 9)
+    assert moment_at("train/backward in LlamaForCausalLM.model.layers.0.self_attn", paths, per_op,
+                     ops) == ("backward", 1, big, None)
+    assert moment_at("step/forward", paths, per_op, ops) == ("step", None, big, None)
 
 
 def test_a_layers_backward_moment_holds_the_gradients_of_the_parameters_its_later_ops_read():

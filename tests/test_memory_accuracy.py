@@ -568,3 +568,26 @@ def test_a_backward_op_is_placed_in_the_layer_whose_forward_made_its_node():
     # run by the first of its nodes to need a saved tensor: the GELU's)
     assert layers == ["2", "2", "1", "1", "1", "0", "0"], placed
     assert placed[2:5] == ["1._checkpoint_wrapped_module.1"] + ["1._checkpoint_wrapped_module.0"] * 2, placed
+
+
+def test_an_op_between_two_modules_is_placed_in_their_caller():
+    """A node made between two child modules (LLaMA's silu x up product, which the down projection reads) is its
+    caller's, not the next module's: a module's span begins after its inputs' nodes."""
+    from autopar_nb.measure import _NodeSpans
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.down(self.up(x) * 2.0)
+
+    model = nn.Sequential(Block())
+    names = {m: n for n, m in model.named_modules()}
+    with _NodeSpans(names.get) as spans:
+        out = model(torch.randn(4, 8, requires_grad=True))
+    mul = next(fn for fn, _ in out.grad_fn.next_functions if fn is not None and fn.name() == "MulBackward0")
+    assert spans.module_of(mul._sequence_nr()) == "0"
+    assert spans.module_of(out.grad_fn._sequence_nr()) == "0.down"
+    assert spans.module_of(mul.next_functions[0][0]._sequence_nr()) == "0.up"

@@ -21,6 +21,7 @@ from .memory import (
     backward_peak,
     in_flight,
     model_states,
+    op_moments,
     replay_peak,
     state_bytes,
     with_margin,
@@ -116,6 +117,10 @@ class LayerTerms:
     ``work_bytes`` the gradients held then"""
     later_params: float = 0.0
     """local parameters (numel) of this layer whose gradients exist at its backward peak (read by later ops)"""
+    op_deltas: tuple[tuple[int, float, float, float], ...] = ()
+    """per op of the layer whose backward runs: (its graph index, its working set, the saved bytes still alive and
+    the local parameters whose gradients do not exist yet there, each less the peak op's): the layer's moment at
+    that op (:meth:`Evaluator.rank_moments` with ``per_op``)"""
     cast_local: float = 0.0
     """numel of the layer's local parameters autocast keeps a 16-bit copy of during forward and backward (0 unless
     the precision is "autocast")"""
@@ -270,6 +275,8 @@ class Evaluator:
         out = (lp.output_amp[precision] if half else lp.output_bytes) * scale / (tp if sp else 1)
         work, freed, later = backward_peak(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
                                            megatron_sp=self.megatron_sp)
+        ops = tuple((op, w - work, freed - f, later - lat) for op, w, f, lat in op_moments(
+            lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale, megatron_sp=self.megatron_sp))
         if cp > 1 and lp.kv_bytes:
             work += self._ring(lp, comm, cp=cp, tp=tp, half=half, scale=scale)
         fwd_fl = (sum(lp.flops_split.values()) + sum(lp.flops_rep.values()) + lp.flops_other) * scale
@@ -284,7 +291,7 @@ class Evaluator:
         if a2a:
             comm["all_to_all"] = a2a
         t.tp_step = step_s
-        t.freed, t.later_params = freed, later
+        t.freed, t.later_params, t.op_deltas = freed, later, ops
         t.replay = {rec: replay_peak(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
                                      megatron_sp=self.megatron_sp, recompute=rec) for rec in ("full", "selective")}
         t.cast_local = lp.cast_split / tp + lp.cast_rep if precision == "autocast" else 0.0
@@ -406,9 +413,10 @@ class Evaluator:
             again = max(lt.act["none"] - lt.act[ch.recompute], 0.0)
             # each op's moment holds the gradients accumulating for what later ops read (profile's
             # _accumulating_gradients): the residual stream's, whose skip the block's last add reads
-            wb, freed = lt.work_bytes + again, lt.freed
+            wb, freed, ops = lt.work_bytes + again, lt.freed, lt.op_deltas
             if s.fused_loss and i <= self.head.layer < i + cnt:
-                wb, again, freed = self._fused_head(s, sums, r, ch.recompute, lt, tp=s.tp if ch.tp else 1), 0.0, 0.0
+                wb, again, freed, ops = self._fused_head(s, sums, r, ch.recompute, lt, tp=s.tp if ch.tp else 1), \
+                    0.0, 0.0, ()
             if wb > sums.work[r]:
                 sums.work[r] = wb
             head_saved = sums.acts[r] - acts_before - whole - cnt * lt.act[ch.recompute] + held[-1]  # the fused LSE
@@ -420,7 +428,7 @@ class Evaluator:
                 sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act[ch.recompute] - held[j]
                                            + head_saved + again - freed, wb - again + tied.get(i + j, 0.0),
                                            sums.params[r] + (j + 1) * lt.params_local - lt.later_params, i + j,
-                                           "backward"))
+                                           "backward", ops))
                 replayed = max(lt.replay.get(ch.recompute, 0.0), again)
                 if replayed:
                     # its recompute, before its backward, beside the gradient of its output: at its end, every
@@ -428,7 +436,8 @@ class Evaluator:
                     # recomputed by then (measured: BERT's math attention under bf16 autocast)
                     sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act[ch.recompute] - held[j]
                                                + head_saved + replayed, lt.out_bytes + tied.get(i + j, 0.0),
-                                               sums.params[r] + (j + 1) * lt.params_local, i + j, "recompute"))
+                                               sums.params[r] + (j + 1) * lt.params_local, i + j, "recompute",
+                                               ()))
             sums.params[r] += cnt * lt.params_local
             sums.experts[r] += cnt * lt.experts_local
             sums.tp_step[r] += cnt * lt.tp_step
@@ -648,12 +657,14 @@ class Evaluator:
         mbd.margin = with_margin(pb + ob + margin_of, self.f)
         return mbd
 
-    def _rank_moments(self, s: Setting, sums: RankSums, r: int) -> tuple[float, float, list[PeakMoment]]:
+    def _rank_moments(self, s: Setting, sums: RankSums, r: int, per_op: bool = False
+                      ) -> tuple[float, float, list[PeakMoment]]:
         """Rank ``r``'s parameter and optimizer-state bytes, and the moments of its step its peak can be at: each
         layer's backward (and its recompute's forward; every saved activation of the earlier layers alive, the
         later layers' gradients, FSDP's gathered units; gradients of earlier micro-batches only where they
         accumulate, since zero_grad(set_to_none=True) frees them each step), the last rank's loss backward, and the
-        optimizer step (all gradients, plus a foreach temporary of their size)."""
+        optimizer step (all gradients, plus a foreach temporary of their size). ``per_op``: also each layer's
+        backward at each of its ops (:attr:`LayerTerms.op_deltas`; ``PeakMoment.op``)."""
         prof, m = self.prof, s.micro_batches
         half = s.amp != "none"
         p_item = ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")]
@@ -703,16 +714,17 @@ class Evaluator:
         for others, g in flights:
             pipe_now = pipeline_terms(others, g is not None)
             shared = held_sum + sum(pipe_now.values())
-            for a, w, before, layer, phase in sums.bwd_layers[r]:
-                alive = (others + 1) * -rs + others * sums.acts[r] + a
-                grads = (params - before) * per_param if g is None else g
+            for a, w, before, layer, phase, ops in sums.bwd_layers[r]:
                 if layer not in fsdp_at:
                     fb = fsdp_buffers(sums.units[r], layer, zero_stage=s.zero_stage, p_item=p_item, g_item=g_item)
                     fsdp_at[layer] = fb, sum(fb.values())
                 fb, fb_sum = fsdp_at[layer]
-                out.append(PeakMoment(phase, layer, grads, ({"saved_activations": alive, "backward_working_set": w},
-                                                            fb, held, pipe_now),
-                                      grads + alive + w + fb_sum + shared))
+                for op, dw, da, dbefore in ((None, 0.0, 0.0, 0.0), *(ops if per_op else ())):
+                    alive = (others + 1) * -rs + others * sums.acts[r] + a + da
+                    grads = (params - before - dbefore) * per_param if g is None else g
+                    out.append(PeakMoment(phase, layer, grads, ({"saved_activations": alive,
+                                                                 "backward_working_set": w + dw}, fb, held, pipe_now),
+                                          grads + alive + w + dw + fb_sum + shared, op))
         if r == s.pp - 1 and prof.output_numel and not s.fused_loss:  # fused: in the head layer's working set
             # the last rank's loss backward: log-softmax output (fp32) saved, its gradient and the logits' gradient
             # alive; FSDP units are resharded then
@@ -741,18 +753,19 @@ class Evaluator:
         out.append(PeakMoment("step", None, gb, (at_opt,), gb + sum(at_opt.values())))
         return pb, ob, out
 
-    def rank_moments(self, s: Setting, choices: list[LayerChoice]) -> list[list[tuple[str, int | None,
-                                                                                  MemoryBreakdown]]]:
+    def rank_moments(self, s: Setting, choices: list[LayerChoice], *, per_op: bool = False) -> list[list[tuple]]:
         """Per pipeline rank, every moment :meth:`evaluate` weighs for the rank's peak: (phase — "backward",
         "recompute", "loss" or "step" —, the layer's index in a layer's backward or recompute, else None, the
         bytes then, each with the margin of the rank's peak). A measured peak's components compare with the
-        moment it is at (``bench/memory.py``)."""
+        moment it is at (``bench/memory.py``). ``per_op``: each tuple ends with the op (graph index) a layer's
+        backward is at, None at its largest; every other op of the layer is added."""
         sums = self.sum_layers(s, choices)
         out = []
         for r in range(s.pp):
-            pb, ob, moments = self._rank_moments(s, sums, r)
-            top = max(mo.weight for mo in moments)
-            out.append([(mo.phase, mo.layer, self._breakdown(pb, ob, mo, margin_of=top)) for mo in moments])
+            pb, ob, moments = self._rank_moments(s, sums, r, per_op=per_op)
+            top = max(mo.weight for mo in moments if mo.op is None)
+            out.append([(mo.phase, mo.layer, self._breakdown(pb, ob, mo, margin_of=top), *((mo.op,) if per_op else ()))
+                        for mo in moments])
         return out
 
     def _throughput(self, s: Setting, sums: RankSums, cost: Cost) -> None:
@@ -785,6 +798,8 @@ class PeakMoment(NamedTuple):
     (merged by :attr:`terms` only for the moment a peak is at: the planner weighs ~10^5 moments a search)"""
     weight: float
     """all of them (what the peak is chosen by)"""
+    op: int | None = None
+    """in a layer's backward: at the backward of this op (its graph index), not at the layer's largest"""
 
     @property
     def terms(self) -> dict[str, float]:
@@ -862,12 +877,12 @@ def estimate(graph, cluster, plan, *, factors: Factors | None = None) -> Cost:
     return ev.evaluate(s, choices)
 
 
-def peak_moments(graph, cluster, plan, *, factors: Factors | None = None
-                 ) -> list[list[tuple[str, int | None, MemoryBreakdown]]]:
+def peak_moments(graph, cluster, plan, *, factors: Factors | None = None, per_op: bool = False) -> list[list[tuple]]:
     """Per pipeline rank of ``plan``, every moment its predicted peak memory is chosen from
-    (:meth:`Evaluator.rank_moments`): what a measured peak's components compare with, at the moment it is at."""
+    (:meth:`Evaluator.rank_moments`, with ``per_op`` each layer's backward at each of its ops too): what a measured
+    peak's components compare with, at the moment it is at."""
     ev, s, choices = _evaluator_of(graph, cluster, plan, factors)
-    return ev.rank_moments(s, choices)
+    return ev.rank_moments(s, choices, per_op=per_op)
 
 
 def _evaluator_of(graph, cluster, plan, factors: Factors | None) -> tuple[Evaluator, Setting, list[LayerChoice]]:

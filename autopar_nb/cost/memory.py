@@ -98,25 +98,37 @@ def backward_peak(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precisio
                   quad_scale: float | None = None, megatron_sp: bool = False, grad_item: int = 4
                   ) -> tuple[float, float, float]:
     """(gradient bytes, saved bytes already freed, the layer's local parameters (numel) whose gradients exist) at
-    the moment of this layer's backward that holds the most beside its saved tensors: for each op (backward runs
-    them last to first) its gradients (:attr:`.profile.Moment.work`) less what the ops after it alone saved, freed
-    by then, plus the gradients (``grad_item`` bytes each) of the layer's parameters the ops after it read
-    (:attr:`.profile.Moment.later`). Measured with the tracker: LLaMA's peak is the silu x up product's backward
-    (its output, saved only by the down projection, freed; the down projection's weight gradient made), under TP
-    with sequence parallelism the down projection's (its output's gradient all-gathered to full size)."""
+    the moment of this layer's backward that holds the most beside its saved tensors (:func:`op_moments`: each
+    op's gradients less what the ops after it alone saved, freed by then, plus the gradients, ``grad_item`` bytes
+    each, of the parameters the ops after it read). Measured with the tracker: LLaMA's peak is the silu x up
+    product's backward (its output, saved only by the down projection, freed; the down projection's weight
+    gradient made), under TP with sequence parallelism the down projection's (its output's gradient all-gathered
+    to full size)."""
+    best, top = (0.0, 0.0, 0.0), 0.0
+    for _, work, freed, later in op_moments(lp, tp=tp, sp=sp, scale=scale, precision=precision,
+                                            quad_scale=quad_scale, megatron_sp=megatron_sp):
+        if work - freed + later * grad_item > top:
+            best, top = (work, freed, later), work - freed + later * grad_item
+    return best
+
+
+def op_moments(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precision: str = "fp32",
+               quad_scale: float | None = None, megatron_sp: bool = False) -> list[tuple[int, float, float, float]]:
+    """Per op of the layer whose backward runs (:attr:`.profile.LayerProfile.moments`): (its index in the graph,
+    the gradient bytes its backward holds at once, the layer's saved bytes freed by then — those only the ops after
+    it saved —, the local numel of the layer's parameters whose gradients exist then — those the ops after it
+    read)."""
     qs = scale if quad_scale is None else quad_scale
+
+    def b(x) -> float:
+        return on_rank(x, tp=tp, sp=sp, scale=scale, quad_scale=qs, megatron_sp=megatron_sp)
+
     saved = lp.saved_at(precision)
     freed = [0.0] * (len(saved) + 1)  # freed[k]: bytes of saved[k:]
     for k in range(len(saved) - 1, -1, -1):
-        freed[k] = freed[k + 1] + on_rank(saved[k], tp=tp, sp=sp, scale=scale, quad_scale=qs,
-                                          megatron_sp=megatron_sp)
-    best, top = (0.0, 0.0, 0.0), 0.0
-    for m in lp.moments.get(precision, ()):
-        work = sum(on_rank(g, tp=tp, sp=sp, scale=scale, quad_scale=qs, megatron_sp=megatron_sp) for g in m.work)
-        later = m.later[0] / tp + m.later[1]
-        if work - freed[m.kept] + later * grad_item > top:
-            best, top = (work, freed[m.kept], later), work - freed[m.kept] + later * grad_item
-    return best
+        freed[k] = freed[k + 1] + b(saved[k])
+    return [(m.op, sum(map(b, m.work)), freed[m.kept], m.later[0] / tp + m.later[1])
+            for m in lp.moments.get(precision, ())]
 
 
 def replay_peak(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precision: str = "fp32",
