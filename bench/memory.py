@@ -6,10 +6,11 @@ fixed choices, exported, and its script's own ``main`` run for 2 steps as one ra
 the tracker (``autopar_nb.measure``; real small tensors on CPU). The prediction is the cost model's per-rank
 peak total before its allocator margin, and its named terms (``MemoryBreakdown.terms``) grouped as the tracker
 labels what it counts (``autopar_nb.measure.GROUPS``), at the moment the tracker peaked at: the model weighs every
-layer's backward and recompute, the loss and the step (``cost.estimate.peak_moments``), and where two of them hold
-nearly the same total its peak and the tracker's can be different moments, between which bytes move from one
-component to another; compared at the same moment, a wrong term cannot hide behind a moment choice
-(``autopar_nb.measure.moment_at``; at the model's own peak where it has no moment there, e.g. a forward).
+layer's backward (at each of its ops) and recompute, the loss and the step (``cost.estimate.peak_moments``), and
+where two of them hold nearly the same total its peak and the tracker's can be different moments, between which
+bytes move from one component to another; compared at the same moment, a wrong term cannot hide behind a moment
+choice (``autopar_nb.measure.moment_at``: the tracker's moment is placed by the autograd node running at its peak;
+at the model's own peak where it has no moment there, e.g. a forward).
 
     .venv/bin/python bench/memory.py [FAMILY,...] [--plans single,ddp,...] [--amp none,bf16]
                                      [--recompute none,selective,full] [--jobs N] [--write]
@@ -70,24 +71,26 @@ QUICK = [
 ]
 """one case of each class the matrix checks, in a few minutes (``--quick``)"""
 KNOWN = [
-    "Components are compared at the tracker's moment (the layer and phase it names, matched to the model's moment "
-    "there); the counts at the model's own peak are given too. The tracker's module in backward is not always "
-    "where the step is: under full recompute LLaMA, Qwen2 and GPT-NeoX (one process) name layers 2-3 while their "
-    "gradients (8.3 of 8.3 MiB; the model has 3.3 there) put them at layer 0, the model's peak, where every "
-    "component is within 5 %: those rows miss at the named moment (grads -5 MiB, activations +4-6 MiB) and not at "
-    "the model's peak. Sequence numbers of the autograd nodes would place a backward peak reliably: not done",
+    "Components are compared at the tracker's moment: its peak is placed by the autograd node running then (the "
+    "module whose forward made it, autopar_nb.measure._NodeSpans), and a layer's backward is compared at that "
+    "module's ops (peak_moments(per_op=True)); the counts at the model's own peak are given too. The per-op "
+    "moments of a repeated block carry the op numbers of its first instance, so a peak in a later instance is "
+    "compared at the layer's largest op (matching the op by its path within the layer would fix that; not done). "
+    "Mixtral pipelined under recompute (5 ranks) misses either way: 6-10 MiB of recomputed activations are still "
+    "alive at the experts' backward, which the model's moment there has freed (layer 0, compared at the experts' "
+    "ops, misses too)",
+    "A pipeline rank's micro-batches are not told apart: at 1F1B's second backward of rank 0 every gradient of "
+    "the first exists and one micro-batch's activations fewer (LLaMA, Qwen2, ViT bf16 full rank 0: gradients "
+    "2.8 / 5.5 MiB, activations 15.1 / 12.1; GPT-NeoX bf16 full rank 0 likewise, in its layer 0 recompute), and "
+    "the comparison takes the larger, first-backward moment",
     "A layer's recompute is costed at its end (every tensor it saves again re-made, beside its output's gradient); "
     "the tracker peaks inside it, where forward transients the graph does not keep are alive: ViT TP bf16 "
     "full/selective (2.4-3.4 MiB: the LayerNorm's float32 output a Python local holds while the MLP runs), "
     "LLaMA/Qwen2 TP bf16 full (3 MiB, at the down projection)",
-    "Inside one layer's backward the model weighs its largest op; the tracker can peak at another op of that layer: "
-    "Mixtral's experts under recompute (pipelined, 10 MiB of recomputed activations still alive at the experts' "
-    "first backward op where the model's largest op has freed them and holds its gradients), GPT-NeoX pp fp32 full "
-    "rank 0 (2.5 MiB of gradients), LLaMA/Qwen2 pp fp32 full rank 0 (2.7 MiB of gradients)",
     "BERT pp bf16 rank 0 (-4.2 %, 12.5 MiB of temporaries): the traced stage runs attention as math ops; at its "
     "backward the census holds a float32 score-sized temporary (8 MiB, no recorded origin: likely the gradient of "
     "the probabilities' cast) beside their 16-bit gradient (4 MiB, BmmBackward0), which the layer's working set "
-    "lacks. ViT ZeRO-2 bf16 peaks in a forward (no moment of the model's)",
+    "lacks. ViT ZeRO-2 bf16 peaks in a forward (the model has no forward moment)",
     "ViT fp32 full recompute (+2.4 %): 4.1 MiB more activations predicted than tracked at layer 0; not identified",
     "BERT, TP + SP, full recompute, bf16 (-4.5 %, the closest to 5 %): at the last layer's backward start the "
     "tracker holds both LayerNorms' float32 outputs (2 MiB each), which only the module's Python locals keep, and "
@@ -277,8 +280,9 @@ def main() -> None:
                     f"{load0:.1f} at the start, {os.getloadavg()[0]:.1f} now), torch {torch.__version__}, "
                     f"{minutes:.0f} min, {args.jobs} case(s) at a time. Sizes {SIZE}, Adam; predicted (p) = the "
                     "cost model's per-rank peak total before its allocator margin, and its named terms at the "
-                    "moment of the step the tracker peaked at (a layer's backward or recompute, the loss, the "
-                    "step: autopar_nb.measure.moment_at; at the model's own peak where it has no such moment), "
+                    "moment of the step the tracker peaked at (a layer's backward at the op of the module the "
+                    "running autograd node was made in, a layer's recompute, the loss, the step: "
+                    "autopar_nb.measure.moment_at; at the model's own peak where it has no such moment), "
                     "measured (m) = "
                     "MemTracker/FSDPMemTracker peak of the 2nd step of the exported script's own main under a fake "
                     "process group, pipelined plans on real gloo processes (autopar_nb/measure.py), "
