@@ -82,14 +82,17 @@ def measured_groups(peak: dict) -> dict[str, float]:
     return {g: sum(peak.get(k, 0.0) for k in keys) for g, (_, keys) in GROUPS.items()}
 
 
-def moment_at(where: str, layer_paths: list[str], moments: list[tuple], op_modules: dict[int, str] | None = None):
-    """Of one rank's predicted moments (``cost.estimate.peak_moments``: (phase, layer index, breakdown[, op])), the
-    one a measured peak's ``where`` ("<phase>/<side> in <module>", :attr:`Labelled.where`) is at: the optimizer
-    step, the loss (its forward or backward, outside every module), or the backward or recompute of the layer whose
-    path holds the module (the largest such moment: a pipeline rank's micro-batches are not told apart). With
-    ``op_modules`` (graph index -> module path) and per-op moments, a layer's backward at the ops of that very
-    module, where it has any. None where the model has no such moment (a forward's end) or the module names no
-    layer (a pipeline stage's own wrapper)."""
+def moment_at(where: str, layer_paths: list[str], moments: list[tuple], op_modules: dict[int, str] | None = None,
+              micro_batch: int | None = None):
+    """Of one rank's predicted moments (``cost.estimate.peak_moments``: (phase, layer index, breakdown[, op,
+    later])), the one a measured peak's ``where`` ("<phase>/<side> in <module>", :attr:`Labelled.where`) is at: the
+    optimizer step, the loss (its forward or backward, outside every module), or the backward or recompute of the
+    layer whose path holds the module (the largest such moment). With ``micro_batch`` (the measured peak's, counted
+    from 0) and per-op moments, a pipeline rank's first micro-batch's moments or a later one's
+    (:attr:`~autopar_nb.cost.estimate.PeakMoment.later`). With ``op_modules`` (graph index -> module path) and
+    per-op moments, a layer's backward at the ops of that very module (by its path within the layer: a repeated
+    block's moments carry its first instance's ops), where it has any. None where the model has no such moment (a
+    forward's end) or the module names no layer (a pipeline stage's own wrapper)."""
     phase, _, module = where.partition(" in ")
     name = _relative(module) if module else ""
     if phase.startswith("step/"):
@@ -104,7 +107,12 @@ def moment_at(where: str, layer_paths: list[str], moments: list[tuple], op_modul
     else:
         return None
     hits = [mo for mo in moments if (mo[0], mo[1]) == want]
-    at_op = [mo for mo in hits if len(mo) > 3 and mo[3] is not None and (op_modules or {}).get(mo[3]) == name]
+    if micro_batch is not None:  # a pipeline rank's first micro-batch's backward, or a later one's
+        hits = [mo for mo in hits if len(mo) < 5 or mo[4] is None or mo[4] == (micro_batch > 0)] or hits
+    # a repeated block's per-op moments carry its first instance's ops: an op is matched by its path in its layer
+    inner = path_in_layer(name, layer_paths)
+    at_op = [mo for mo in hits if len(mo) > 3 and mo[3] is not None
+             and path_in_layer((op_modules or {}).get(mo[3], "\0"), layer_paths) == inner]
     hits = at_op or [mo for mo in hits if len(mo) < 4 or mo[3] is None]
     return max(hits, key=lambda mo: mo[2].total) if hits else None
 
@@ -120,6 +128,13 @@ def _relative(module: str) -> str:
     elif root == "DistributedDataParallel" and parts[:1] == ["module"]:
         parts = parts[1:]
     return ".".join(parts)
+
+
+def path_in_layer(path: str, layer_paths: list[str]) -> str:
+    """A module path relative to the layer that holds it ("" for the layer itself; the path where none does):
+    ``model.layers.3.mlp`` is ``.mlp`` in every block."""
+    best = max((p for p in layer_paths if p and (path == p or path.startswith(p + "."))), key=len, default="")
+    return path[len(best):] if best else path
 
 
 def _layer_of(module: str, layer_paths: list[str]) -> int | None:
@@ -156,8 +171,16 @@ def _tracker_classes():
             tracker's own module can lag there (a checkpointed layer's hooks)."""
             phase, side, module, seq = self._peak_at
             if seq is not None and self.spans is not None:
-                module = self.spans.module_of(seq) or module
+                module = (self.spans.module_of(seq) or (module,))[0]
             return f"{phase}/{side}" + (f" in {module}" if module else "") if phase else ""
+
+        @property
+        def micro_batch(self) -> int | None:
+            """In backward and recompute, which of the step's forward calls of the :attr:`where` module made the
+            node running at the peak (a pipeline stage's micro-batch, counted from 0); None elsewhere."""
+            seq = self._peak_at[3]
+            hit = self.spans.module_of(seq) if seq is not None and self.spans is not None else None
+            return hit[1] if hit else None
         param_cast = False
         """the op being tracked is a ``_to_copy`` of a parameter (autocast's 16-bit copy of a weight)"""
         census = 0
@@ -349,8 +372,10 @@ class _NodeSpans:
     def __init__(self, name_of):
         self.name_of = name_of
         """module -> its name (the tracker's), or None"""
-        self.spans: list[tuple[int, int, str]] = []
-        """(after this sequence number, up to this one, module name) of every forward call"""
+        self.spans: list[tuple[int, int, str, int]] = []
+        """(after this sequence number, up to this one, module name, its earlier calls this step) of every forward
+        call of the step (:meth:`new_step` forgets the step before)"""
+        self._calls: dict[str, int] = {}
         self._last = -1
         self._begun: list[int] = []
 
@@ -384,15 +409,21 @@ class _NodeSpans:
         made = [t.grad_fn._sequence_nr() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn]
         name = self.name_of(module)
         if made and max(made) > start and name:
-            self.spans.append((start, max(made), name))
+            self.spans.append((start, max(made), name, self._calls.get(name, 0)))
+            self._calls[name] = self._calls.get(name, 0) + 1
             self._last = max(self._last, max(made))
 
-    def module_of(self, seq: int) -> str | None:
-        """The innermost module whose forward made node ``seq`` (the latest call of the narrowest span)."""
+    def new_step(self) -> None:
+        """Forget the calls so far: a step's nodes are gone once it ended, and calls are counted per step."""
+        self.spans, self._calls = [], {}
+
+    def module_of(self, seq: int) -> tuple[str, int] | None:
+        """The innermost module whose forward made node ``seq`` (the latest call of the narrowest span), and which
+        of its calls this step that was (a pipeline stage's micro-batch)."""
         best = None
-        for k, (start, end, name) in enumerate(self.spans):
+        for k, (start, end, name, call) in enumerate(self.spans):
             if start < seq <= end and (best is None or (end - start, -k) < best[0]):
-                best = ((end - start, -k), name)
+                best = ((end - start, -k), (name, call))
         return best[1] if best else None
 
 
@@ -447,6 +478,7 @@ class _Session:
         if step < self.steps - 1:
             self.active.reset_mod_stats()
             self.active.reset_peak()
+            self.spans.new_step()
 
 
 def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: bool = False,
@@ -503,7 +535,8 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
             finally:
                 session.active.__exit__(None, None, None)
         snap = session.active.get_tracker_snapshot("peak").get(torch.device("cpu"), {})
-        out = {"peak": components(snap), "where": session.active.where, "world": world, "rank": rank}
+        out = {"peak": components(snap), "where": session.active.where, "micro_batch": session.active.micro_batch,
+               "world": world, "rank": rank}
         return out | ({"largest": session.active.largest()} if census else {})
     finally:
         del g, script_globals

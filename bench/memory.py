@@ -72,17 +72,13 @@ QUICK = [
 """one case of each class the matrix checks, in a few minutes (``--quick``)"""
 KNOWN = [
     "Components are compared at the tracker's moment: its peak is placed by the autograd node running then (the "
-    "module whose forward made it, autopar_nb.measure._NodeSpans), and a layer's backward is compared at that "
-    "module's ops (peak_moments(per_op=True)); the counts at the model's own peak are given too. The per-op "
-    "moments of a repeated block carry the op numbers of its first instance, so a peak in a later instance is "
-    "compared at the layer's largest op (matching the op by its path within the layer would fix that; not done). "
+    "module whose forward made it, and which of that module's calls of the step: a pipeline rank's micro-batch, "
+    "autopar_nb.measure._NodeSpans), and a layer's backward is compared at that module's ops, matched by their "
+    "path within the layer, in the first micro-batch's moments or a later one's (peak_moments(per_op=True), "
+    "PeakMoment.later); the counts at the model's own peak are given too. "
     "Mixtral pipelined under recompute (5 ranks) misses either way: 6-10 MiB of recomputed activations are still "
     "alive at the experts' backward, which the model's moment there has freed (layer 0, compared at the experts' "
     "ops, misses too)",
-    "A pipeline rank's micro-batches are not told apart: at 1F1B's second backward of rank 0 every gradient of "
-    "the first exists and one micro-batch's activations fewer (LLaMA, Qwen2, ViT bf16 full rank 0: gradients "
-    "2.8 / 5.5 MiB, activations 15.1 / 12.1; GPT-NeoX bf16 full rank 0 likewise, in its layer 0 recompute), and "
-    "the comparison takes the larger, first-backward moment",
     "A layer's recompute is costed at its end (every tensor it saves again re-made, beside its output's gradient); "
     "the tracker peaks inside it, where forward transients the graph does not keep are alive: ViT TP bf16 "
     "full/selective (2.4-3.4 MiB: the LayerNorm's float32 output a Python local holds while the MLP runs), "
@@ -132,7 +128,7 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
     for stage, m in zip(ranks, measured, strict=True):
         mb = cost.memory_by_rank[stage]
         peak = max((mo for mo in moments[stage] if mo[3] is None), key=lambda mo: mo[2].total)
-        at = moment_at(m["where"], paths, moments[stage], op_modules)
+        at = moment_at(m["where"], paths, moments[stage], op_modules, micro_batch=m.get("micro_batch"))
         rows.append({"family": family, "plan": plan_name, "amp": amp, "recompute": recompute, "stage": stage,
                      "predicted": predicted_groups((at or peak)[2]), "predicted_total": mb.total - mb.margin,
                      "predicted_peak": predicted_groups(mb), "moment": _moment_name(at or peak, paths, op_modules),
@@ -144,9 +140,12 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
 
 
 def _moment_name(moment, paths: list[str], op_modules: dict[int, str]) -> str:
-    phase, layer, _, op = moment
-    at = op_modules[op].removeprefix(paths[layer] + ".") if op is not None else ""
-    return phase + (f" {paths[layer]}" if layer is not None else "") + (f" at {at}" if at else "")
+    from autopar_nb.measure import path_in_layer
+
+    phase, layer, _, op, later = moment
+    at = path_in_layer(op_modules[op], paths).removeprefix(".") if op is not None else ""
+    return (phase + (f" {paths[layer]}" if layer is not None else "") + (f" at {at}" if at else "")
+            + {True: " (a later micro-batch)", False: " (first micro-batch)", None: ""}[later])
 
 
 def error(row: dict) -> float:

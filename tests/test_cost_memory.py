@@ -401,6 +401,21 @@ def test_a_ranks_peak_is_the_largest_of_its_moments_and_a_recompute_holds_what_i
             assert ("loss" in phases) == (r == pp - 1)
             top = max((m for _, _, m in moments[r]), key=lambda m: m.total)
             assert top == mb, (r, top, mb)
+        # 1F1B with as many micro-batches as stages: rank 0 runs both forwards before its first backward, so its
+        # moments come twice, the first micro-batch's (no gradient of another) and the later one's (every gradient
+        # of the first); the last rank's one moment stands for both (PeakMoment.later None)
+        per_op = peak_moments(graph, cluster, plan, per_op=True)
+        later = [{mo[4] for mo in per_op[r] if mo[0] == "backward"} for r in range(pp)]
+        assert later == ([{False, True}, {None}] if pp > 1 else [{None}])
+        if pp > 1:
+            first, late = (max((mo for mo in per_op[0] if mo[:2] == ("backward", 1) and mo[4] is w),
+                               key=lambda mo: mo[2].total) for w in (False, True))
+            assert late[2].grads > first[2].grads and late[2].activations < first[2].activations
+            from autopar_nb.measure import moment_at
+            where, paths = "train/backward in Pipe.split_gm.submod_pp_0." + graph.layers[1].path, [
+                lay.path for lay in graph.layers]
+            assert moment_at(where, paths, per_op[0], micro_batch=0)[4] is False
+            assert moment_at(where, paths, per_op[0], micro_batch=1)[4] is True
     # the recompute moment, closed form (pp 1, full): the earlier layers' kept tensors, the block's, all it saves
     # re-made; beside its output's gradient and the tied weight's pending one. Its backward's largest op has freed
     # what only the ops after it saved
@@ -464,6 +479,13 @@ def test_a_tracked_peak_is_matched_to_the_models_moment_there():
     assert moment_at("train/backward in LlamaForCausalLM.model.layers.0.self_attn", paths, per_op,
                      ops) == ("backward", 1, big, None)
     assert moment_at("step/forward", paths, per_op, ops) == ("step", None, big, None)
+    # a repeated block's moments carry its first instance's ops (model.layers.0's for model.layers.1): matched by
+    # the op's path within its layer
+    later = [("backward", 2, big, None), ("backward", 2, small, 7), ("backward", 2, mid, 9), ("backward", 2, big, 8)]
+    assert moment_at("train/backward in LlamaForCausalLM.model.layers.1.mlp", paths, later,
+                     ops) == ("backward", 2, mid, 9)
+    assert moment_at("train/backward in LlamaForCausalLM.model.layers.1", paths, later,
+                     ops) == ("backward", 2, big, None)  # the block's own ops: none among these
 
 
 def test_a_layers_backward_moment_holds_the_gradients_of_the_parameters_its_later_ops_read():

@@ -556,7 +556,8 @@ def test_a_backward_op_is_placed_in_the_layer_whose_forward_made_its_node():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             node = torch._C._current_autograd_node()
             if node is not None and func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
-                placed.append(spans.module_of(node._sequence_nr()))
+                hit = spans.module_of(node._sequence_nr())
+                placed.append(hit and hit[0])
             return func(*args, **(kwargs or {}))
 
     with spans:
@@ -587,7 +588,11 @@ def test_an_op_between_two_modules_is_placed_in_their_caller():
     names = {m: n for n, m in model.named_modules()}
     with _NodeSpans(names.get) as spans:
         out = model(torch.randn(4, 8, requires_grad=True))
+        again = model(torch.randn(4, 8, requires_grad=True))  # a pipeline stage's second micro-batch
     mul = next(fn for fn, _ in out.grad_fn.next_functions if fn is not None and fn.name() == "MulBackward0")
-    assert spans.module_of(mul._sequence_nr()) == "0"
-    assert spans.module_of(out.grad_fn._sequence_nr()) == "0.down"
-    assert spans.module_of(mul.next_functions[0][0]._sequence_nr()) == "0.up"
+    assert spans.module_of(mul._sequence_nr()) == ("0", 0)
+    assert spans.module_of(out.grad_fn._sequence_nr()) == ("0.down", 0)
+    assert spans.module_of(mul.next_functions[0][0]._sequence_nr()) == ("0.up", 0)
+    assert spans.module_of(again.grad_fn._sequence_nr()) == ("0.down", 1)  # the step's second call
+    spans.new_step()
+    assert spans.module_of(again.grad_fn._sequence_nr()) is None

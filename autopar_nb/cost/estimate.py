@@ -18,10 +18,10 @@ from .loss import FusedHead
 from .memory import (
     SENDS_HELD,
     activation_bytes,
-    backward_peak,
     in_flight,
     model_states,
     op_moments,
+    peak_op,
     replay_peak,
     state_bytes,
     with_margin,
@@ -113,7 +113,7 @@ class LayerTerms:
     """seconds of TP collectives run once per step, not per micro-batch: the all-reduce of the weight gradients of
     key/value projections TP repeats (``LayerProfile.at_tp``)"""
     freed: float = 0.0
-    """saved bytes of this layer already freed at its backward peak (:func:`.memory.backward_peak`), with
+    """saved bytes of this layer already freed at its backward peak (:func:`.memory.peak_op`), with
     ``work_bytes`` the gradients held then"""
     later_params: float = 0.0
     """local parameters (numel) of this layer whose gradients exist at its backward peak (read by later ops)"""
@@ -273,10 +273,10 @@ class Evaluator:
                 for k in kinds:
                     comm[k] = comm.get(k, 0.0) + collective_time(k, nbytes, tp, link, self.f.eff_link)
         out = (lp.output_amp[precision] if half else lp.output_bytes) * scale / (tp if sp else 1)
-        work, freed, later = backward_peak(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
-                                           megatron_sp=self.megatron_sp)
-        ops = tuple((op, w - work, freed - f, later - lat) for op, w, f, lat in op_moments(
-            lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale, megatron_sp=self.megatron_sp))
+        moments = op_moments(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
+                             megatron_sp=self.megatron_sp)
+        work, freed, later = peak_op(moments)
+        ops = tuple((op, w - work, freed - f, later - lat) for op, w, f, lat in moments)
         if cp > 1 and lp.kv_bytes:
             work += self._ring(lp, comm, cp=cp, tp=tp, half=half, scale=scale)
         fwd_fl = (sum(lp.flops_split.values()) + sum(lp.flops_rep.values()) + lp.flops_other) * scale
@@ -421,7 +421,7 @@ class Evaluator:
                 sums.work[r] = wb
             head_saved = sums.acts[r] - acts_before - whole - cnt * lt.act[ch.recompute] + held[-1]  # the fused LSE
             # a layer's peak is its largest op's backward: the output that op's consumers saved is freed by then
-            # (memory.backward_peak), the layer's own gradients are still to come. Its last layer runs
+            # (memory.peak_op), the layer's own gradients are still to come. Its last layer runs
             # backward first; by its first, the gradients of the others exist (the peak there when a layer's
             # gradients outweigh what it saves: full recompute, measured on LLaMA)
             for j in moment_layers(cnt):
@@ -711,7 +711,8 @@ class Evaluator:
         rs = pipe["recv_saved"] if s.pp > 1 else 0.0
         out = []
         held_sum, fsdp_at = sum(held.values()), {}  # layer -> (FSDP's buffers in its backward, their sum)
-        for others, g in flights:
+        later = [None] if len(flights) == 1 else [False, True]
+        for (others, g), late in zip(flights, later, strict=True):
             pipe_now = pipeline_terms(others, g is not None)
             shared = held_sum + sum(pipe_now.values())
             for a, w, before, layer, phase, ops in sums.bwd_layers[r]:
@@ -724,7 +725,7 @@ class Evaluator:
                     grads = (params - before - dbefore) * per_param if g is None else g
                     out.append(PeakMoment(phase, layer, grads, ({"saved_activations": alive,
                                                                  "backward_working_set": w + dw}, fb, held, pipe_now),
-                                          grads + alive + w + dw + fb_sum + shared, op))
+                                          grads + alive + w + dw + fb_sum + shared, op, late))
         if r == s.pp - 1 and prof.output_numel and not s.fused_loss:  # fused: in the head layer's working set
             # the last rank's loss backward: log-softmax output (fp32) saved, its gradient and the logits' gradient
             # alive; FSDP units are resharded then
@@ -737,12 +738,12 @@ class Evaluator:
             # holds the logits and their flattened copy (the next-token slice is not contiguous) in the compute
             # dtype, and under autocast the float32 copy ``.float()`` makes (runtime/data.py default_loss)
             loss_temp = out_numel * 4 * 3 / lp_div if lp_div > 1 else out_numel * (2 * p_item + (4 if half else 0))
-            for others, g in flights:
+            for (others, g), late in zip(flights, later, strict=True):
                 loss = {"saved_activations": (others + 1) * (sums.acts[r] - rs), "loss_saved": loss_saved,
                         "loss_temporaries": loss_temp}
                 pipe_now = pipeline_terms(others, g is not None)
                 out.append(PeakMoment("loss", None, g or 0.0, (loss, held, pipe_now), (g or 0.0) + sum(
-                    loss.values()) + held_sum + sum(pipe_now.values())))
+                    loss.values()) + held_sum + sum(pipe_now.values()), later=late))
         # the optimizer step: every gradient and foreach temporaries (CUDA: a list the size of the gradients; CPU:
         # one parameter at a time); autocast's weight copies are gone, ZeRO 2's gathered parameters resharded
         # (CPU: torch's single-tensor Adam holds two of the largest parameter's size at once: exp_avg_sq.sqrt() and
@@ -758,14 +759,15 @@ class Evaluator:
         "recompute", "loss" or "step" —, the layer's index in a layer's backward or recompute, else None, the
         bytes then, each with the margin of the rank's peak). A measured peak's components compare with the
         moment it is at (``bench/memory.py``). ``per_op``: each tuple ends with the op (graph index) a layer's
-        backward is at, None at its largest; every other op of the layer is added."""
+        backward is at, None at its largest, and whether it is a later micro-batch's (:attr:`PeakMoment.later`);
+        every other op of the layer is added."""
         sums = self.sum_layers(s, choices)
         out = []
         for r in range(s.pp):
             pb, ob, moments = self._rank_moments(s, sums, r, per_op=per_op)
             top = max(mo.weight for mo in moments if mo.op is None)
-            out.append([(mo.phase, mo.layer, self._breakdown(pb, ob, mo, margin_of=top), *((mo.op,) if per_op else ()))
-                        for mo in moments])
+            out.append([(mo.phase, mo.layer, self._breakdown(pb, ob, mo, margin_of=top),
+                         *((mo.op, mo.later) if per_op else ())) for mo in moments])
         return out
 
     def _throughput(self, s: Setting, sums: RankSums, cost: Cost) -> None:
@@ -800,6 +802,9 @@ class PeakMoment(NamedTuple):
     """all of them (what the peak is chosen by)"""
     op: int | None = None
     """in a layer's backward: at the backward of this op (its graph index), not at the layer's largest"""
+    later: bool | None = None
+    """a pipeline rank's backward (or loss) after its first micro-batch's (True), at its first (False); None where
+    one moment stands for every micro-batch"""
 
     @property
     def terms(self) -> dict[str, float]:

@@ -98,15 +98,20 @@ def backward_peak(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precisio
                   quad_scale: float | None = None, megatron_sp: bool = False, grad_item: int = 4
                   ) -> tuple[float, float, float]:
     """(gradient bytes, saved bytes already freed, the layer's local parameters (numel) whose gradients exist) at
-    the moment of this layer's backward that holds the most beside its saved tensors (:func:`op_moments`: each
-    op's gradients less what the ops after it alone saved, freed by then, plus the gradients, ``grad_item`` bytes
-    each, of the parameters the ops after it read). Measured with the tracker: LLaMA's peak is the silu x up
-    product's backward (its output, saved only by the down projection, freed; the down projection's weight
-    gradient made), under TP with sequence parallelism the down projection's (its output's gradient all-gathered
-    to full size)."""
+    the moment of this layer's backward that holds the most beside its saved tensors (:func:`op_moments`, weighed
+    by :func:`peak_op`). Measured with the tracker: LLaMA's peak is the silu x up product's backward (its output,
+    saved only by the down projection, freed; the down projection's weight gradient made), under TP with sequence
+    parallelism the down projection's (its output's gradient all-gathered to full size)."""
+    return peak_op(op_moments(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=quad_scale,
+                              megatron_sp=megatron_sp), grad_item=grad_item)
+
+
+def peak_op(moments: list[tuple[int, float, float, float]], *, grad_item: int = 4) -> tuple[float, float, float]:
+    """Of a layer's per-op backward moments (:func:`op_moments`), the (work, freed, later) of the one that holds
+    the most: its gradients, less what the ops after it alone saved (freed by then), plus the gradients,
+    ``grad_item`` bytes each, of the parameters the ops after it read; zeros for a layer without ops."""
     best, top = (0.0, 0.0, 0.0), 0.0
-    for _, work, freed, later in op_moments(lp, tp=tp, sp=sp, scale=scale, precision=precision,
-                                            quad_scale=quad_scale, megatron_sp=megatron_sp):
+    for _, work, freed, later in moments:
         if work - freed + later * grad_item > top:
             best, top = (work, freed, later), work - freed + later * grad_item
     return best
