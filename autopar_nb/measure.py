@@ -31,6 +31,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -83,7 +84,7 @@ def measured_groups(peak: dict) -> dict[str, float]:
 
 
 def moment_at(where: str, layer_paths: list[str], moments: list[tuple], op_modules: dict[int, str] | None = None,
-              micro_batch: int | None = None):
+              micro_batch: int | None = None, node: str | None = None, op_names: dict[int, str] | None = None):
     """Of one rank's predicted moments (``cost.estimate.peak_moments``: (phase, layer index, breakdown[, op,
     later])), the one a measured peak's ``where`` ("<phase>/<side> in <module>", :attr:`Labelled.where`) is at: the
     optimizer step, the loss (its forward or backward, outside every module), or the backward or recompute of the
@@ -91,8 +92,10 @@ def moment_at(where: str, layer_paths: list[str], moments: list[tuple], op_modul
     from 0) and per-op moments, a pipeline rank's first micro-batch's moments or a later one's
     (:attr:`~autopar_nb.cost.estimate.PeakMoment.later`). With ``op_modules`` (graph index -> module path) and
     per-op moments, a layer's backward at the ops of that very module (by its path within the layer: a repeated
-    block's moments carry its first instance's ops), where it has any. None where the model has no such moment (a
-    forward's end) or the module names no layer (a pipeline stage's own wrapper)."""
+    block's moments carry its first instance's ops), where it has any; with ``node`` (the autograd node running at
+    the peak) and ``op_names`` (graph index -> op), at the ops of its kind among them (:func:`op_kind_of_node`:
+    Mixtral's experts peak at the backward of their last index op, while all they saved is alive). None where the
+    model has no such moment (a forward's end) or the module names no layer (a pipeline stage's own wrapper)."""
     phase, _, module = where.partition(" in ")
     name = _relative(module) if module else ""
     if phase.startswith("step/"):
@@ -113,8 +116,24 @@ def moment_at(where: str, layer_paths: list[str], moments: list[tuple], op_modul
     inner = path_in_layer(name, layer_paths)
     at_op = [mo for mo in hits if len(mo) > 3 and mo[3] is not None
              and path_in_layer((op_modules or {}).get(mo[3], "\0"), layer_paths) == inner]
+    if node and op_names:  # the autograd node running names the op's kind (MulBackward0: aten.mul)
+        kind = op_kind_of_node(node)
+        at_op = [mo for mo in at_op if op_kind(op_names.get(mo[3], "")) == kind] or at_op
     hits = at_op or [mo for mo in hits if len(mo) < 4 or mo[3] is None]
     return max(hits, key=lambda mo: mo[2].total) if hits else None
+
+
+def op_kind_of_node(node: str) -> str:
+    """An autograd node's name as the op it is the backward of: ``NativeLayerNormBackward0`` -> ``nativelayernorm``
+    (lower case, no underscores: :func:`op_kind`)."""
+    return re.sub(r"Backward\d*$", "", node).replace("_", "").lower()
+
+
+def op_kind(op: str) -> str:
+    """A graph op's name as :func:`op_kind_of_node` makes a node's: ``aten.native_layer_norm.default`` ->
+    ``nativelayernorm``."""
+    parts = op.split(".")
+    return (parts[1] if len(parts) > 1 else op).replace("_", "").lower()
 
 
 def _relative(module: str) -> str:
@@ -163,6 +182,8 @@ def _tracker_classes():
         """the run's :class:`_NodeSpans`: which module's forward made the autograd node running at a backward peak"""
         _peak_at: tuple = ("", "", "", None)
         """(phase, side, the tracker's innermost module, the running autograd node's sequence number) at the peak"""
+        peak_node: str | None = None
+        """the name of the autograd node running at the peak (``MulBackward0``); None in a forward"""
 
         @property
         def where(self) -> str:
@@ -270,6 +291,7 @@ def _tracker_classes():
                 node = torch._C._current_autograd_node() if side != "forward" else None
                 self._peak_at = (self.phase, side, mods[-1] if mods else "",
                                  node._sequence_nr() if node is not None else None)
+                self.peak_node = node.name() if node is not None else None
 
         def _recomputing(self) -> bool:
             """inside a checkpoint's forward run again in backward"""
@@ -487,9 +509,10 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
     group of the plan's world size, or (``real``) as the rank torchrun started this process as, in a real gloo group
     (a pipelined plan: its stages exchange their boundary shapes with ``recv_object_list``, and every micro-batch's
     activations cross between them, which a fake group would not deliver). Returns ``{"peak": components at the peak
-    of the last step, "where": its phase and module, "world": ..., "rank": ...}``, and with ``census`` the ``census``
-    largest storages alive at the peak under ``"largest"`` (``Labelled.largest``: what made each). Call it in a
-    fresh process (the process group is global state): :func:`measure` does."""
+    of the last step, "where": its phase and module, "micro_batch": which of the step's calls of that module,
+    "node": the autograd node running (both None outside backward), "world": ..., "rank": ...}``, and with
+    ``census`` the ``census`` largest storages alive at the peak under ``"largest"`` (``Labelled.largest``: what
+    made each). Call it in a fresh process (the process group is global state): :func:`measure` does."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
@@ -536,6 +559,7 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
                 session.active.__exit__(None, None, None)
         snap = session.active.get_tracker_snapshot("peak").get(torch.device("cpu"), {})
         out = {"peak": components(snap), "where": session.active.where, "micro_batch": session.active.micro_batch,
+               "node": session.active.peak_node,
                "world": world, "rank": rank}
         return out | ({"largest": session.active.largest()} if census else {})
     finally:

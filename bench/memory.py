@@ -75,10 +75,10 @@ KNOWN = [
     "module whose forward made it, and which of that module's calls of the step: a pipeline rank's micro-batch, "
     "autopar_nb.measure._NodeSpans), and a layer's backward is compared at that module's ops, matched by their "
     "path within the layer, in the first micro-batch's moments or a later one's (peak_moments(per_op=True), "
-    "PeakMoment.later); the counts at the model's own peak are given too. "
-    "Mixtral pipelined under recompute (5 ranks) misses either way: 6-10 MiB of recomputed activations are still "
-    "alive at the experts' backward, which the model's moment there has freed (layer 0, compared at the experts' "
-    "ops, misses too)",
+    "PeakMoment.later), and among that module's ops at those of the running autograd node's kind "
+    "(measure.op_kind_of_node: Mixtral's experts peak at their last index op's backward, where all they saved is "
+    "still alive; compared at their largest op, whose moment has freed it, 5 pipelined recompute ranks missed by "
+    "6-10 MiB); the counts at the model's own peak are given too",
     "A layer's recompute is costed at its end (every tensor it saves again re-made, beside its output's gradient); "
     "the tracker peaks inside it, where forward transients the graph does not keep are alive: ViT TP bf16 "
     "full/selective (2.4-3.4 MiB: the LayerNorm's float32 output a Python local holds while the MLP runs), "
@@ -120,6 +120,7 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
     cost = estimate(graph, cluster, plan)
     moments = peak_moments(graph, cluster, plan, per_op=True)
     op_modules = {k: n.module_path for k, n in enumerate(graph.nodes)}
+    op_names = {k: n.op for k, n in enumerate(graph.nodes)}
     paths = [lay.path for lay in graph.layers]
     ranks = tuple(range(fix["pp"])) if fix["pp"] > 1 else (0,)
     # rank r of a (pp, dp, tp) mesh is pipeline stage r // (dp * tp)
@@ -128,14 +129,16 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
     for stage, m in zip(ranks, measured, strict=True):
         mb = cost.memory_by_rank[stage]
         peak = max((mo for mo in moments[stage] if mo[3] is None), key=lambda mo: mo[2].total)
-        at = moment_at(m["where"], paths, moments[stage], op_modules, micro_batch=m.get("micro_batch"))
+        at = moment_at(m["where"], paths, moments[stage], op_modules, micro_batch=m.get("micro_batch"),
+                       node=m.get("node"), op_names=op_names)
         rows.append({"family": family, "plan": plan_name, "amp": amp, "recompute": recompute, "stage": stage,
                      "predicted": predicted_groups((at or peak)[2]), "predicted_total": mb.total - mb.margin,
                      "predicted_peak": predicted_groups(mb), "moment": _moment_name(at or peak, paths, op_modules),
                      "model_peak": _moment_name(peak, paths, op_modules), "matched": at is not None,
                      "moment_total": (at or peak)[2].total - mb.margin,
                      "measured": measured_groups(m["peak"]), "measured_total": m["peak"]["total"],
-                     "where": m["where"], "largest": m.get("largest", [])})
+                     "where": m["where"] + (f" ({m['node']})" if m.get("node") else ""),
+                     "largest": m.get("largest", [])})
     return rows
 
 

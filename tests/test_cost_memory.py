@@ -486,6 +486,15 @@ def test_a_tracked_peak_is_matched_to_the_models_moment_there():
                      ops) == ("backward", 2, mid, 9)
     assert moment_at("train/backward in LlamaForCausalLM.model.layers.1", paths, later,
                      ops) == ("backward", 2, big, None)  # the block's own ops: none among these
+    # the autograd node running names the op's kind among the module's ops (Mixtral's experts: their last index)
+    names = {7: "aten.index.Tensor", 8: "aten.mm.default", 9: "aten.mul.Tensor"}
+    assert moment_at("train/backward in LlamaForCausalLM.model.layers.1.mlp", paths, later, ops, node="IndexBackward0",
+                     op_names=names) == ("backward", 2, small, 7)
+    assert moment_at("train/backward in LlamaForCausalLM.model.layers.1.mlp", paths, later, ops, node="SiluBackward0",
+                     op_names=names) == ("backward", 2, mid, 9)  # no op of that kind: the module's largest
+    from autopar_nb.measure import op_kind, op_kind_of_node
+    assert op_kind_of_node("NativeLayerNormBackward0") == op_kind("aten.native_layer_norm.default")
+    assert op_kind_of_node("MmBackward0") == op_kind("aten.mm.default") != op_kind("aten.addmm.default")
 
 
 def test_a_layers_backward_moment_holds_the_gradients_of_the_parameters_its_later_ops_read():

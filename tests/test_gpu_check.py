@@ -22,4 +22,5 @@ def test_gpu_check_plumbing_on_a_cpu_host():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "no CUDA GPU here" in out.stdout and "plumbing ok: 5 checks ran on CPU" in out.stdout, out.stdout[-3000:]
     assert "FAILED" not in out.stdout and "| eager |" in out.stdout and "verify fp32 on CPU: ok=True" in out.stdout
+    assert "| eager |" in out.stdout.split("the recompute=none run above: the same plan")[0]  # one launch saved
     assert (ROOT / "BENCHMARKS.md").read_text() == before
