@@ -202,6 +202,7 @@ def _tracker_classes():
             seq = self._peak_at[3]
             hit = self.spans.module_of(seq) if seq is not None and self.spans is not None else None
             return hit[1] if hit else None
+
         param_cast = False
         """the op being tracked is a ``_to_copy`` of a parameter (autocast's 16-bit copy of a weight)"""
         census = 0
