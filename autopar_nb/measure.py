@@ -132,8 +132,9 @@ def op_kind_of_node(node: str) -> str:
 def op_kind(op: str) -> str:
     """A graph op's name as :func:`op_kind_of_node` makes a node's: ``aten.native_layer_norm.default`` ->
     ``nativelayernorm``."""
-    parts = op.split(".")
-    return (parts[1] if len(parts) > 1 else op).replace("_", "").lower()
+    from .cost.tp_styles import packet
+
+    return packet(op).replace("_", "").lower()
 
 
 def _relative(module: str) -> str:
