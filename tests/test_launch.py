@@ -116,6 +116,38 @@ def test_summary_leaves_out_each_ranks_first_step_per_attempt():
     assert summarize(rows[:1], status="running")["step_time_s"] == 9.0  # nothing else to go by
 
 
+def test_summary_on_cuda_reports_the_allocators_peak_reserve_per_rank():
+    from autopar_nb.launch.metrics import step_row, summarize
+
+    rows = [step_row(r, 0, {"step": s, "step_time_s": 1.0, "mem_peak": 100.0 * (s + 1), "mem_peak_reserved": 150.0 * s,
+                            "rss": 5.0}, 0.0) for r in (0, 1) for s in (1, 2)]
+    out = summarize(rows, status="finished")
+    assert out["memory_kind"] == "cuda_peak" and out["memory_by_rank"] == {0: 300.0, 1: 300.0}
+    assert out["reserved_by_rank"] == {0: 300.0, 1: 300.0}  # the largest peak reserve a rank reported
+    cpu = summarize([step_row(0, 0, {"step": 1, "step_time_s": 1.0, "rss": 5.0}, 0.0)], status="finished")
+    assert "reserved_by_rank" not in cpu
+
+
+def test_torchrun_gets_shutdown_timeout_only_where_it_takes_it(monkeypatch):
+    import argparse
+
+    import torch.distributed.run as torchrun
+
+    from autopar_nb.launch.launcher import shutdown_timeout_args
+
+    def parser(with_flag: bool):
+        p = argparse.ArgumentParser()
+        p.add_argument("--max-restarts")
+        if with_flag:
+            p.add_argument("--shutdown-timeout")
+        return p
+
+    monkeypatch.setattr(torchrun, "get_args_parser", lambda: parser(True))
+    assert shutdown_timeout_args() == ["--shutdown-timeout", "1"]
+    monkeypatch.setattr(torchrun, "get_args_parser", lambda: parser(False))  # torch 2.11's torchrun (the GPU image)
+    assert shutdown_timeout_args() == []
+
+
 def test_stalled_rank_gives_unconnected_ranks_the_startup_allowance():
     from autopar_nb.launch.hang import STARTUP_TIMEOUT_S, hang_message, stalled_rank
     from autopar_nb.launch.metrics import RankState

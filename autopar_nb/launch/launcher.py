@@ -83,6 +83,16 @@ def script_args(steps: int | None, flags: dict[str, Any]) -> list[str]:
     return out
 
 
+def shutdown_timeout_args() -> list[str]:
+    """``--shutdown-timeout 1`` where this torch's torchrun takes it (2.12 and later): the agent SIGKILLs a worker
+    that ignores SIGTERM for 1 s, so a stop finishes within 5 s; older torchruns (the GPU image's 2.11) wait their
+    own default."""
+    from torch.distributed.run import get_args_parser
+
+    takes = any("--shutdown-timeout" in a.option_strings for a in get_args_parser()._actions)
+    return ["--shutdown-timeout", "1"] if takes else []
+
+
 def elastic_agent_env(nproc: int, env: dict[str, str]) -> dict[str, str]:
     """What torchrun's ``main`` and torch's ``elastic_launch`` add to the agent's environment before they start the
     workers, which cold workers inherit: a warm standby's forkserver was started before that, so the standby is
@@ -313,7 +323,7 @@ def _start(script, nproc, steps, *, plan, max_restarts, hang_timeout_s, run_dir,
         "--local-addr", "127.0.0.1",
         "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
         "--log-dir", str(run_dir / "logs"), "--redirects", "3",
-        "--shutdown-timeout", "1",  # SIGKILL a worker that ignores SIGTERM for 1 s: stop must finish within 5 s
+        *shutdown_timeout_args(),
         # warm: each rank forked from the standby's preloaded forkserver runs the script with runpy.run_path
         *(["--run-path", "--start-method", "forkserver"] if warm else []),
         str(script_path), *sargs,

@@ -129,8 +129,9 @@ def step_row(rank: int, attempt: int, data: dict, time: float) -> dict:
 
 def summarize(rows: list[dict], *, status: str, plan: Any = None, baselines: dict[int, float] | None = None) -> dict:
     """Measured vs predicted (see :meth:`Run.summary`): steps, median steady-state step time, peak memory per rank
-    (CUDA's peak; on CPU the RSS, less each rank's RSS before its model was built when ``baselines`` has it), and
-    the plan's predictions when it has a cost."""
+    (CUDA's peak; on CPU the RSS, less each rank's RSS before its model was built when ``baselines`` has it), on
+    CUDA the caching allocator's peak reserve per rank (``reserved_by_rank``), and the plan's predictions when it
+    has a cost."""
     out: dict[str, Any] = {"status": status, "steps": len({r["step"] for r in rows})}
     out["step_time_s"] = steady_step_time(rows)
     cuda = any(r.get("mem_peak") for r in rows)
@@ -143,6 +144,12 @@ def summarize(rows: list[dict], *, status: str, plan: Any = None, baselines: dic
             mem[r["rank"]] = max(mem.get(r["rank"], 0.0), m)
     out["memory_by_rank"] = mem
     out["memory_kind"] = "cuda_peak" if cuda else "rss_above_baseline" if base else "rss"
+    if cuda:  # the caching allocator's peak reserve: its fragmentation beside the tensors' peak
+        reserved: dict[int, float] = {}
+        for r in rows:
+            if r.get("mem_peak_reserved") is not None:
+                reserved[r["rank"]] = max(reserved.get(r["rank"], 0.0), float(r["mem_peak_reserved"]))
+        out["reserved_by_rank"] = reserved
     cost = getattr(plan, "cost", None)
     if cost is not None:
         out["predicted_step_time_s"] = cost.step_time_s or None
