@@ -317,3 +317,26 @@ def test_gradient_accumulation_all_reduces_once_per_step():
         assert calls == [0, 0]
     finally:
         dist.destroy_process_group()
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_the_data_wait_summary_reduces_on_the_ranks_device(monkeypatch):
+    """NCCL reduces no CPU tensor: the data-wait summary at the end of training is made on the training device (an
+    H200 run failed there, after its last step). "meta" stands in for CUDA."""
+    import torch.distributed as dist
+
+    from autopar_nb.runtime.train import data_summary
+
+    seen = []
+
+    def all_reduce(t, *args, **kwargs):
+        seen.append(t.device.type)
+        raise _Stop
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    with pytest.raises(_Stop):
+        data_summary(1.0, 10.0, loader=False, metrics=None, device="meta")
+    assert seen == ["meta"]

@@ -113,7 +113,7 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
         report(step, loss, dt, batch, metrics=metrics, device=device, dp=dp, tokens=tokens, data_wait=data_wait)
         if args.ckpt_dir and (step + 1) % args.ckpt_every == 0:
             save_checkpoint(f"{args.ckpt_dir}/step_{step + 1}", ckpt_model, optimizer, step + 1, data=data)
-    data_summary(waited, busy, loader=data is not None, metrics=metrics)
+    data_summary(waited, busy, loader=data is not None, metrics=metrics, device=device)
 
 
 def report(step: int, loss: float, dt: float, batch, *, metrics, device: str, dp: int, tokens: bool,
@@ -131,10 +131,12 @@ def report(step: int, loss: float, dt: float, batch, *, metrics, device: str, dp
 DATA_BOUND = 0.1  # the share of step time waiting for batches above which data loading is the bottleneck (§5.1)
 
 
-def data_summary(waited: float, busy: float, *, loader: bool, metrics) -> None:
+def data_summary(waited: float, busy: float, *, loader: bool, metrics, device: str) -> None:
     """Say whether data loading held training back: the largest share of step time (``busy`` s) a rank waited for
-    batches (``waited`` s), above DATA_BOUND with remedies. Collective: every rank calls it."""
-    dist.all_reduce(share := torch.tensor([waited / busy if busy else 0.0]), op=dist.ReduceOp.MAX)
+    batches (``waited`` s), above DATA_BOUND with remedies. Collective: every rank calls it, with the tensor on the
+    ranks' ``device`` (NCCL reduces no CPU tensor)."""
+    share = torch.tensor([waited / busy if busy else 0.0], device=device)
+    dist.all_reduce(share, op=dist.ReduceOp.MAX)
     share = share.item()  # the slowest rank's: the others wait for its batch at the step's collectives
     fix = ("more DataLoader workers (--num-workers), a deeper --prefetch-factor, pinned memory (GPUs), samples "
            "tokenised ahead of time" if loader else "a faster make_batch (precompute, or a dataset with workers)")
