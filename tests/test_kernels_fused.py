@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels_ext
-from kernels_ext.fused import default_chunk
+from kernels_ext.fused import accumulate_mm, default_chunk
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
@@ -150,3 +150,14 @@ def test_vocab_parallel_linear_cross_entropy_matches_unfused(dtype, tmp_path):
         p.join(timeout=120)
     found = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
     assert not found and all(p.exitcode == 0 for p in procs), found
+
+
+def test_accumulate_mm_sums_16_bit_products_in_float32():
+    """The fused loss's weight gradient over chunks (on CPU on float32 copies; on CUDA addmm with a float32 output,
+    measured in bench/fused_kernels.py --cuda)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(6, 5, generator=g).bfloat16() for _ in range(2))
+    acc = torch.ones(5, 5)
+    accumulate_mm(acc, a.t(), b)
+    assert acc.dtype == torch.float32
+    torch.testing.assert_close(acc, 1 + a.float().t() @ b.float())
