@@ -95,10 +95,11 @@ def convolution(transposed: bool) -> FlopFn:
 
 
 def attention(args, kwargs, outs):
-    # aten.scaled_dot_product_attention and the CPU flash kernel run as aten._scaled_dot_product_flash_attention on
-    # (batch, heads, seq, dim) tensors: QK^T and PV, causal masking not halved (as torch counts it)
-    q, k, v = (_four_dims(t.shape) for t in args[:3])
-    return formula("aten._scaled_dot_product_flash_attention")(q, k, v, out_val=_four_dims(outs[0].shape))
+    # aten.scaled_dot_product_attention and the CPU flash kernel: QK^T and PV on (batch, heads, seq, dim) tensors,
+    # causal masking not halved (as torch counts it), with the query's heads: grouped-query attention's fewer key /
+    # value heads are broadcast to them (counted here, not with torch's formula, which refuses them before 2.12)
+    (b, h, s_q, d), (_, _, s_k, _), (*_, d_v) = (_four_dims(t.shape) for t in args[:3])
+    return 2 * b * h * s_q * s_k * d + 2 * b * h * s_q * s_k * d_v
 
 
 def _four_dims(shape: tuple) -> tuple:

@@ -92,6 +92,10 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
               weights_on(model, _device_of(microbatch)) as originals):
             pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None,
                             split_spec={path: SplitPoint.BEGINNING for path in boundaries})
+    except AssertionError as e:  # torch.export's unflatten in torch 2.11 (the GPU image of 2026-12): one clear error
+        raise RuntimeError(f"torch {torch.__version__} could not split the model into pipeline stages ({e}); "
+                           "pipeline parallelism is tested with torch 2.13: upgrade torch, or plan without "
+                           "pipelining (--fix pp=1)") from e
     finally:
         hook.remove()
         if head is not None:
@@ -548,15 +552,16 @@ class LeanStage(PipelineStage):
         (a same-rank stage's output) is still known and is never taken for another."""
         own = self.__dict__.setdefault("_own", {})
         for chunk, infos in recv_info.items():
-            own[kind, chunk] = [info.buffer for info in infos
-                                if not info.is_root_arg and isinstance(info.buffer, torch.Tensor)]
+            # a model input is no buffer: torch 2.12+ marks it is_root_arg, 2.11 gives a placeholder with no buffer
+            own[kind, chunk] = [buf for info in infos if not getattr(info, "is_root_arg", False)
+                                and isinstance(buf := getattr(info, "buffer", None), torch.Tensor)]
             for buf in own[kind, chunk]:  # allocated when its receive comes
                 buf.untyped_storage().resize_(0)
 
     def _fill(self, infos) -> None:
         mine = {id(b) for bufs in self.__dict__.get("_own", {}).values() for b in bufs}
         for info in infos:
-            buf = info.buffer
+            buf = getattr(info, "buffer", None)
             if id(buf) in mine and buf.untyped_storage().size() == 0:
                 buf.untyped_storage().resize_(buf.numel() * buf.element_size())
 
