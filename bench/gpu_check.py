@@ -75,12 +75,15 @@ class Target:
     """the magic's --dtype"""
     layers_dim_seq: tuple[int, int, int]
     """for the attention FLOPs of the MFU estimate"""
+    embedding_params: int
+    """the input embedding's parameters (vocab x dim), left out of the MFU estimate's 6 x parameters: a lookup does
+    no matmul (torchtitan counts it so)"""
     steps: int
     cuda: bool
 
 
-GPU = Target(LLAMA_1B_CELL, "auto", "bf16", (16, 2048, 2048), 8, True)
-CPU = Target(TINY_LLAMA_CELL, "cpu", "fp32", (2, 64, 32), 4, False)
+GPU = Target(LLAMA_1B_CELL, "auto", "bf16", (16, 2048, 2048), 128256 * 2048, 8, True)
+CPU = Target(TINY_LLAMA_CELL, "cpu", "fp32", (2, 64, 32), 512 * 64, 4, False)
 
 
 class Checker:
@@ -100,6 +103,10 @@ class Checker:
         t = self.target
         return self.ip.run_cell_magic("autoparallel", f"--gpu {t.gpu} --dtype {t.dtype} {line}", cell or t.cell)
 
+    def left(self, at_most: float) -> float:
+        """Seconds a launch may wait: what is left of the budget plus a minute's grace, at most ``at_most``."""
+        return max(10.0, min(at_most, self.deadline - time.monotonic() + 60.0))
+
     def run(self, title: str, fn) -> None:
         """Run one check, recording its text, FAILED with the error, or skipped when out of time."""
         if time.monotonic() > self.deadline:
@@ -113,11 +120,13 @@ class Checker:
         self.rows.append((title, f"{text} ({time.monotonic() - t0:.0f} s)"))
         print(f"[{title}] {self.rows[-1][1]}", flush=True)
 
-def launched(ap, *, steps: int, timeout: float = 240.0, **flags):
-    """Launch ``ap``'s plan on one process (cold, so no pool holds the GPU) and return (run, summary)."""
+def launched(ap, c: Checker, *, steps: int, **flags):
+    """Launch ``ap``'s plan on one process (cold, so no pool holds the GPU) and return (run, summary); the run may
+    take what is left of the check's time (at most 240 s)."""
     run = ap.launch(nproc=1, steps=steps, warm=False, **flags)
-    status = run.wait(timeout=timeout)
+    status = run.wait(timeout=c.left(240.0))
     if status != "finished":
+        run.stop()
         raise RuntimeError(f"run {status}: {run.message}")
     return run, run.summary()
 
@@ -132,18 +141,23 @@ GiB = 2**30
 
 
 def check_memory_and_time(c: Checker) -> str:
-    """Recompute none / selective / full: peak memory vs predicted (CUDA's peak; RSS on CPU), step time vs predicted,
-    device samples with NVML figures."""
-    lines = ["| recompute | predicted peak | measured peak | error | predicted step | measured step | error | "
-             "NVML samples |", "|---|---|---|---|---|---|---|---|"]
+    """Recompute none / selective / full: peak memory vs predicted (CUDA's peak allocated, beside the planner's
+    figure before its allocator margin; RSS on CPU), the caching allocator's peak reserve over that peak (its
+    fragmentation: what the margin must cover), step time vs predicted, device samples with NVML figures."""
+    lines = ["| recompute | predicted peak (before margin) | measured peak | error | peak reserved | reserve over "
+             "peak | predicted step | measured step | error | NVML samples |", "|---" * 10 + "|"]
     c.first_run = None
     for mode in ("none", "selective", "full"):
         ap = c.session(f"--gpus 1 --fix recompute={mode}")
-        run, s = launched(ap, steps=c.target.steps)
+        run, s = launched(ap, c, steps=c.target.steps)
         c.first_run = c.first_run or (ap, run, s)
-        meas, pred = s["memory_by_rank"].get(0), s.get("predicted_peak_memory_bytes")
+        m0 = ap.plan.cost.memory_by_rank[0]
+        meas, pred = s["memory_by_rank"].get(0), m0.total - m0.margin
+        reserved = (s.get("reserved_by_rank") or {}).get(0)
+        over = f"{reserved / meas - 1:+.1%}" if reserved and meas else "n/a"
         lines.append(f"| {mode} | {pred / GiB:.3f} GiB | {meas / GiB:.3f} GiB ({s['memory_kind']}) | "
-                     f"{pct(meas, pred)} | {s['predicted_step_time_s'] * 1e3:.1f} ms | {s['step_time_s'] * 1e3:.1f} ms "
+                     f"{pct(meas, pred)} | {reserved / GiB if reserved else float('nan'):.3f} GiB | {over} | "
+                     f"{s['predicted_step_time_s'] * 1e3:.1f} ms | {s['step_time_s'] * 1e3:.1f} ms "
                      f"| {pct(s['step_time_s'], s['predicted_step_time_s'])} | {nvml_samples(run)} |")
     return "\n" + "\n".join(lines)
 
@@ -155,21 +169,24 @@ def nvml_samples(run) -> int:
 
 def check_calibrate(c: Checker) -> str:
     """run.calibrate() on the recompute=none run, re-plan, run again: the step-time error before and after."""
+    if getattr(c, "first_run", None) is None:
+        raise RuntimeError("needs the memory check's recompute=none run (check 1)")
     ap, run, before = c.first_run
     factors = run.calibrate()
-    _, after = launched(c.session("--gpus 1 --fix recompute=none"), steps=c.target.steps)
+    _, after = launched(c.session("--gpus 1 --fix recompute=none"), c, steps=c.target.steps)
     return (f"factors {json.dumps({k: round(v, 3) for k, v in factors.items()})}; step-time error before "
             f"{pct(before['step_time_s'], before['predicted_step_time_s'])}, after "
             f"{pct(after['step_time_s'], after['predicted_step_time_s'])}")
 
 
 VARIANTS = {"eager": "compile=false,fused_loss=false,fused_norm=false",
+            "fused linear-cross-entropy + fused RMSNorm": "compile=false,fused_loss=true,fused_norm=true",
             "compile per block": "compile=true,fused_loss=false,fused_norm=false",
             "compile + fused linear-cross-entropy + fused RMSNorm": "compile=true,fused_loss=true,fused_norm=true",
             "fused linear-cross-entropy": "compile=false,fused_loss=true,fused_norm=false",
-            "fused RMSNorm": "compile=false,fused_loss=false,fused_norm=true",
-            "fused linear-cross-entropy + fused RMSNorm": "compile=false,fused_loss=true,fused_norm=true"}
-"""the exported script's variants (the plan's ``--fix``); compile only on GPUs (CPU: tests/test_compile.py)"""
+            "fused RMSNorm": "compile=false,fused_loss=false,fused_norm=true"}
+"""the exported script's variants (the plan's ``--fix``), in the order they run (the compiled ones take longest: one
+past the budget is skipped); compile only on GPUs (CPU: tests/test_compile.py)"""
 CPU_VARIANTS = ("eager", "fused linear-cross-entropy + fused RMSNorm")
 """what the plumbing path runs (two toy runs: the others differ only in the plan's flags; the eager one is the
 memory check's recompute=none run where the plans agree, :func:`same_plan_run`)"""
@@ -177,28 +194,36 @@ memory check's recompute=none run where the plans agree, :func:`same_plan_run`)"
 
 def check_throughput(c: Checker) -> str:
     """Tokens/s and MFU of the exported script, eager vs compiled blocks vs the fused head and loss, the fused
-    RMSNorms, both, and compiled with both."""
+    RMSNorms, both, and compiled with both; each run's loss at its first and last step (the same seed and batches:
+    a variant whose losses stray from eager's computes something else)."""
     names = [v for v in VARIANTS if c.target.cuda or v in CPU_VARIANTS]
-    lines = ["| variant | tokens/s | MFU | plan |", "|---|---|---|---|"]
+    names = [v for k, v in enumerate(names, 1) if getattr(c, "variants", None) is None or k in c.variants]
+    lines = ["| variant | tokens/s | MFU | loss at first / last step | plan |", "|---|---|---|---|---|"]
     for name in names:
+        if c.left(1e9) <= 60.0:  # past the budget: the rest are not started
+            lines.append(f"| {name} | skipped: the time budget was spent | | | |")
+            continue
         ap = c.session(f"--gpus 1 --fix {VARIANTS[name]}")
-        s, reused = same_plan_run(c, ap.plan), " (the recompute=none run above: the same plan)"
+        (run, s), reused = same_plan_run(c, ap.plan), " (the recompute=none run above: the same plan)"
         if s is None:
-            (_, s), reused = launched(ap, steps=c.target.steps), ""
+            (run, s), reused = launched(ap, c, steps=c.target.steps), ""
         tokens_per_s = tokens_per_step(ap.plan) / s["step_time_s"]
         mesh = ap.plan.summary().split(" | ")[0]  # the summary's first part: no "|" inside a table cell
-        lines.append(f"| {name} | {tokens_per_s:,.0f} | {mfu(c, ap.plan, tokens_per_s):.1%} | {mesh}{reused} |")
+        curve = run.loss_curve(0)
+        losses = f"{curve[0][1]:.4f} / {curve[-1][1]:.4f}" if curve else "n/a"
+        lines.append(f"| {name} | {tokens_per_s:,.0f} | {mfu(c, ap.plan, tokens_per_s):.1%} | {losses} | "
+                     f"{mesh}{reused} |")
     return "\n" + "\n".join(lines)
 
 
-def same_plan_run(c: Checker, plan) -> dict | None:
-    """The summary of the memory check's recompute=none run where its plan decides everything as ``plan`` does
+def same_plan_run(c: Checker, plan) -> tuple:
+    """(run, summary) of the memory check's recompute=none run where its plan decides everything as ``plan`` does
     (``Plan.diff`` empty: the planner's eager variant often is that plan), so that one launch is not repeated;
-    None otherwise."""
+    (None, None) otherwise."""
     first = getattr(c, "first_run", None)
     if first is None or first[0].plan.diff(plan):
-        return None
-    return first[2]
+        return None, None
+    return first[1], first[2]
 
 
 def tokens_per_step(plan) -> int:
@@ -206,12 +231,12 @@ def tokens_per_step(plan) -> int:
 
 
 def mfu(c: Checker, plan, tokens_per_s: float) -> float:
-    """Model FLOPs utilisation: (6 x parameters + causal attention, as torchtitan estimates it) per token, over the
-    device's peak for the plan's precision."""
+    """Model FLOPs utilisation: (6 x the parameters but the input embedding's + attention, as torchtitan estimates
+    it) per token, over the device's datasheet peak for the plan's precision."""
     from autopar_nb.hardware import Cluster
 
     layers, dim, seq = c.target.layers_dim_seq
-    flops_per_token = 6 * plan.model["num_params"] + 12 * layers * dim * seq
+    flops_per_token = 6 * (plan.model["num_params"] - c.target.embedding_params) + 12 * layers * dim * seq
     cluster = Cluster.detect() if c.target.cuda else Cluster.preset("cpu")
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(plan.precision.amp, "float32")
     return flops_per_token * tokens_per_s / cluster.device.flops(dtype)
@@ -221,7 +246,7 @@ def check_fp16_and_verify(c: Checker) -> str:
     """fp16 with GradScaler on one GPU, then verify (one rank vs the reference on the ranks' device, TF32 off)."""
     fp16 = "not run on CPU (fp16 loss scaling is a GPU path)"
     if c.target.cuda:
-        _, s = launched(c.session("--gpus 1 --fix amp=fp16", TINY_LLAMA_CELL), steps=20)
+        _, s = launched(c.session("--gpus 1 --fix amp=fp16", TINY_LLAMA_CELL), c, steps=20)
         fp16 = f"{s['status']} after {s['steps']} steps"
     ap32 = c.session("--gpus 1 --fix amp=none", TINY_LLAMA_CELL)
     report = ap32.verify(steps=3, nproc=1, warm=False)
@@ -239,7 +264,7 @@ def check_two_processes(c: Checker) -> str:
                 "GPU would need a script option that does not exist yet)")
     ap = c.session("--gpus 2 --fix dp=2,amp=none", BATCHNORM_CELL)
     run = ap.launch(nproc=2, steps=c.target.steps, warm=False)
-    status = run.wait(timeout=240)
+    status = run.wait(timeout=c.left(240.0))
     if status != "finished":
         raise RuntimeError(f"run {status}: {run.message}")
     ranks = sorted({x["rank"] for x in run.samples if x.get("nvml_used_bytes") is not None})
@@ -248,9 +273,10 @@ def check_two_processes(c: Checker) -> str:
 
 CHECKS = [("memory and step time vs the planner (LLaMA 1B, bf16, 1 GPU)", check_memory_and_time),
           ("calibrate", check_calibrate),
-          ("throughput of the exported script: eager / compile / compile + fused head", check_throughput),
           ("fp16 GradScaler and verify on CUDA", check_fp16_and_verify),
-          ("2 processes, SyncBatchNorm, NVML", check_two_processes)]
+          ("2 processes, SyncBatchNorm, NVML", check_two_processes),
+          ("throughput of the exported script: eager / compile / compile + fused head", check_throughput)]
+"""in the order they run: the compiled variants, the longest, last (one past the budget is skipped)"""
 
 
 def header() -> str:
@@ -280,13 +306,18 @@ def render(head: str, rows: list[tuple[str, str]]) -> str:
     return "\n".join(body)
 
 
-def run_checks(c: Checker) -> list[tuple[str, str]]:
-    for title, fn in CHECKS:
-        c.run(title, fn)
+def run_checks(c: Checker, only: set[int] | None = None, after=None) -> list[tuple[str, str]]:
+    """Run the checks numbered ``only`` (1-based, in :data:`CHECKS`; default all), calling ``after()`` after each
+    (so a run cut off later keeps what it measured)."""
+    for k, (title, fn) in enumerate(CHECKS, 1):
+        if only is None or k in only:
+            c.run(title, fn)
+            if after is not None:
+                after()
     return c.rows
 
 
-def plumbing(budget_s: float) -> int:
+def plumbing(budget_s: float, only: set[int] | None = None) -> int:
     """The CPU path: say there is no GPU, run every check at toy size on CPU processes, render the section into a
     temporary copy of BENCHMARKS.md; exit 1 when a check failed (0 otherwise)."""
     from capture import write_section
@@ -297,7 +328,7 @@ def plumbing(budget_s: float) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         # the calibrate check must not leave toy-run factors in the user's calibration file
         os.environ["AUTOPAR_CALIBRATION"] = str(Path(tmp) / "calibration.json")
-        rows = run_checks(Checker(budget_s, CPU))
+        rows = run_checks(Checker(budget_s, CPU), only)
         copy = Path(tmp) / "BENCHMARKS.md"
         shutil.copy(ROOT / "BENCHMARKS.md", copy)
         write_section("GPU", render(header(), rows), copy)
@@ -314,15 +345,28 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--plumbing", action="store_true", help="run the CPU path even on a GPU host")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="time budget (default 480 s)")
+    p.add_argument("--only", help="the checks to run, by number (1-5, comma-separated; default all): a rerun")
+    p.add_argument("--copy-to", type=Path, help="copy BENCHMARKS.md into this folder after each check")
+    p.add_argument("--variants", help="the throughput check's variants to run, by number (1-6, in VARIANTS' order)")
     args = p.parse_args(argv)
+    only = {int(k) for k in args.only.split(",")} if args.only else None
+    variants = {int(k) for k in args.variants.split(",")} if args.variants else None
     from autopar_nb.hardware import visible_gpus
 
     if args.plumbing or not visible_gpus():
-        return plumbing(args.budget_s)
+        return plumbing(args.budget_s, only)
     from capture import write_section
 
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    write_section("GPU", render(header(), run_checks(Checker(args.budget_s, GPU))))
+    head, c = header(), Checker(args.budget_s, GPU)
+    c.variants = variants
+
+    def written() -> None:
+        write_section("GPU", render(head, c.rows))
+        if args.copy_to:
+            shutil.copy(ROOT / "BENCHMARKS.md", args.copy_to)
+
+    run_checks(c, only, written)
     print("wrote the GPU section of BENCHMARKS.md")
     return 0
 
