@@ -147,7 +147,7 @@ def check_memory_and_time(c: Checker) -> str:
     lines = ["| recompute | predicted peak (before margin) | measured peak | error | peak reserved | reserve over "
              "peak | predicted step | measured step | error | NVML samples |", "|---" * 10 + "|"]
     c.first_run = None
-    for mode in ("none", "selective", "full"):
+    for mode in getattr(c, "modes", None) or ("none", "selective", "full"):
         ap = c.session(f"--gpus 1 --fix recompute={mode}")
         run, s = launched(ap, c, steps=c.target.steps)
         c.first_run = c.first_run or (ap, run, s)
@@ -348,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="the checks to run, by number (1-5, comma-separated; default all): a rerun")
     p.add_argument("--copy-to", type=Path, help="copy BENCHMARKS.md into this folder after each check")
     p.add_argument("--variants", help="the throughput check's variants to run, by number (1-6, in VARIANTS' order)")
+    p.add_argument("--recompute", help="the memory check's recompute modes (default: none,selective,full)")
     args = p.parse_args(argv)
     only = {int(k) for k in args.only.split(",")} if args.only else None
     variants = {int(k) for k in args.variants.split(",")} if args.variants else None
@@ -360,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     head, c = header(), Checker(args.budget_s, GPU)
     c.variants = variants
+    c.modes = tuple(args.recompute.split(",")) if args.recompute else None
 
     def written() -> None:
         write_section("GPU", render(head, c.rows))
