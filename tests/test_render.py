@@ -128,7 +128,8 @@ def test_32_layer_llama_script_stays_short(tmp_path):
     # Hugging Face key/value cache switched off (+12); 869 with the fused RMSNorms the planner picks on CUDA
     # (plan.fused_norm: runtime/fused_norm.py's probe and forward, +79); 899 with checkpoints keyed by parameter
     # name under every pipeline schedule (runtime/checkpoint.py's PipelineStages, which train() saves through: +30);
-    # 906 with selective recompute keeping grouped expert matmuls (runtime/ac.py's SAVE_CUSTOM: +7)
+    # 906 with selective recompute keeping grouped expert matmuls (runtime/ac.py's SAVE_CUSTOM: +7); 907 with the
+    # GPU fixes of 2026-12-04 (CUDA's peak reserve reported, the data-wait summary on the ranks' device: +1)
 
 
 HOSTILE = [

@@ -52,9 +52,8 @@ def process_rss() -> int | None:
 
 
 def memory_stats(device: str) -> dict:
-    """Bytes: CUDA allocator figures on GPUs (allocated and reserved, now and at their peaks: the caching
-    allocator's reserve above what tensors hold is its fragmentation), and the process's resident set size (None
-    where unknown)."""
+    """Bytes: CUDA allocator figures on GPUs (allocated and reserved, now and at their peaks), and the process's
+    resident set size (None where unknown)."""
     stats = {}
     if device == "cuda":
         stats = {"mem_allocated": torch.cuda.memory_allocated(), "mem_reserved": torch.cuda.memory_reserved(),

@@ -52,7 +52,6 @@ def clip_grad_norm(params: list, max_norm: float, *, pp_group=None, repeated=())
             key = id(p.grad.device_mesh) if isinstance(p.grad, DTensor) else None
             groups.setdefault(key, []).append(p)
     local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
-    # a stage holding no gradient still joins the all-reduce, on the ranks' device (NCCL reduces no CPU tensor)
     total = torch.zeros((), device=local[0].device if local else "cuda" if torch.cuda.is_available() else "cpu")
     for key, group in groups.items():
         counted = [p.grad for p in group if id(p) not in skip]

@@ -133,10 +133,8 @@ DATA_BOUND = 0.1  # the share of step time waiting for batches above which data 
 
 def data_summary(waited: float, busy: float, *, loader: bool, metrics, device: str) -> None:
     """Say whether data loading held training back: the largest share of step time (``busy`` s) a rank waited for
-    batches (``waited`` s), above DATA_BOUND with remedies. Collective: every rank calls it, with the tensor on the
-    ranks' ``device`` (NCCL reduces no CPU tensor)."""
-    share = torch.tensor([waited / busy if busy else 0.0], device=device)
-    dist.all_reduce(share, op=dist.ReduceOp.MAX)
+    batches (``waited`` s), above DATA_BOUND with remedies. Collective: every rank calls it (on ``device``: NCCL)."""
+    dist.all_reduce(share := torch.tensor([waited / busy if busy else 0.0], device=device), op=dist.ReduceOp.MAX)
     share = share.item()  # the slowest rank's: the others wait for its batch at the step's collectives
     fix = ("more DataLoader workers (--num-workers), a deeper --prefetch-factor, pinned memory (GPUs), samples "
            "tokenised ahead of time" if loader else "a faster make_batch (precompute, or a dataset with workers)")
