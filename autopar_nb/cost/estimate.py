@@ -124,10 +124,9 @@ class LayerTerms:
     cast_local: float = 0.0
     """numel of the layer's local parameters autocast keeps a 16-bit copy of during forward and backward (0 unless
     the precision is "autocast")"""
-    forward: dict[str, tuple[float, float]] = field(default_factory=dict)
+    forward: dict[str, float] = field(default_factory=dict)
     """recompute ("none", "full", "selective") -> bytes the layer holds at its forward's largest moment ("none"), or
-    a recomputed layer beyond what it keeps at its recompute's (:func:`.memory.forward_peak`): (as a traced
-    pipeline stage runs it, as an eager forward does)"""
+    a recomputed layer beyond what it keeps at its recompute's (:func:`.memory.forward_peak`)"""
 
     def recompute_s(self, recompute: str) -> float:
         """Seconds recompute adds in backward: the whole forward again (full, with its all-to-alls) or the attention
@@ -294,9 +293,8 @@ class Evaluator:
             comm["all_to_all"] = a2a
         t.tp_step = step_s
         t.freed, t.later_params, t.op_deltas = freed, later, ops
-        t.forward = {rec: tuple(forward_peak(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
-                                             megatron_sp=self.megatron_sp, recompute=rec, eager=eager)
-                                for eager in (False, True)) for rec in RECOMPUTE}
+        t.forward = {rec: forward_peak(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
+                                       megatron_sp=self.megatron_sp, recompute=rec) for rec in RECOMPUTE}
         t.cast_local = lp.cast_split / tp + lp.cast_rep if precision == "autocast" else 0.0
         self._cache[key] = t
         return t
@@ -395,7 +393,6 @@ class Evaluator:
         kept: list[set[str]] = [set() for _ in range(pp)]  # the shared inputs a rank's checkpoints keep already
         rank_of = s.rank_of
         tied = self._tied_gradients(s, choices)
-        eager = pp == 1  # a pipeline stage runs as traced code, which frees each value after its last reader
         for i, cnt, ch in runs:
             r = rank_of(ch.stage)
             lt = self.choice_terms(i, s, ch)
@@ -433,7 +430,7 @@ class Evaluator:
                                            + head_saved + again - freed, wb - again + tied.get(i + j, 0.0),
                                            sums.params[r] + (j + 1) * lt.params_local - lt.later_params, i + j,
                                            "backward", ops))
-                replayed = max(lt.forward[ch.recompute][eager], again) if ch.recompute != "none" else 0.0
+                replayed = max(lt.forward[ch.recompute], again) if ch.recompute != "none" else 0.0
                 if replayed:
                     # its recompute, before its backward, beside the gradient of its output: at its end, every
                     # tensor it saves again re-made, or where an op's forward holds more (lt.forward), what it has
@@ -445,7 +442,7 @@ class Evaluator:
             if ch.recompute == "none" and not head_saved:
                 # the run's last layer's forward: every earlier layer's saved tensors, and its own forward's largest
                 # moment (the storages alive then; no gradient exists yet in a step's first forward)
-                sums.bwd_layers[r].append((acts_before + whole + (cnt - 1) * lt.act["none"], lt.forward["none"][eager],
+                sums.bwd_layers[r].append((acts_before + whole + (cnt - 1) * lt.act["none"], lt.forward["none"],
                                            0.0, i + cnt - 1, "forward", ()))
             sums.params[r] += cnt * lt.params_local
             sums.experts[r] += cnt * lt.experts_local

@@ -137,13 +137,12 @@ def op_moments(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precision: 
 
 
 def forward_peak(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precision: str = "fp32",
-                 quad_scale: float | None = None, megatron_sp: bool = False, recompute: str = "none",
-                 eager: bool = True) -> float:
+                 quad_scale: float | None = None, megatron_sp: bool = False, recompute: str = "none") -> float:
     """Bytes the layer holds at its forward's largest moment (:attr:`.profile.LayerProfile.forward`), or, with
     ``recompute`` "full" or "selective", its recompute's, beyond what the recompute keeps from the forward: the
     layer's saved tensors up to that op (re-made by a recompute), and the other storages alive then (its output, the
-    operands still to be read, autocast's copies, a math attention's transients; ``eager``: and what a module's
-    caller holds, :attr:`.profile.Moment.held`), less (selective recompute) the kept outputs of that op and the ones
+    operands still to be read, autocast's copies, a math attention's transients, what a module's caller holds,
+    :attr:`.profile.Moment.held`), less (selective recompute) the kept outputs of that op and the ones
     before it, which the recompute took from its cache. Measured with MemTracker: ViT's forward peak under ZeRO 2 and
     bf16 autocast; BERT's peak under bf16 autocast and either recompute is the end of its recomputed math
     attention, not a backward op."""
@@ -167,10 +166,9 @@ def forward_peak(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precision
         moments = moments[:last + 1]
     best = 0.0
     for m in moments:
-        held = sum(map(b, m.held)) if eager else 0.0
+        held = sum(map(b, m.held))
         # a recompute's checkpoint keeps the layer's inputs already (activation_bytes counts them)
-        entered = 0.0 if recompute == "none" else sum(map(b, m.entered)) + (sum(map(b, m.entered_held)) if eager
-                                                                            else 0.0)
+        entered = 0.0 if recompute == "none" else sum(map(b, m.entered)) + sum(map(b, m.entered_held))
         best = max(best, upto[m.kept] + sum(map(b, m.work)) + held - entered - dropped[min(m.selective, len(cached))])
     return best
 

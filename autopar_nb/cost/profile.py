@@ -91,9 +91,10 @@ class Moment(NamedTuple):
     op: int = -1
     """the op's index in the graph"""
     held: tuple[Saved, ...] = ()
-    """a forward moment: the tensors besides ``work`` that only a caller keeps alive then, in an eager forward (a
-    module's caller holds its arguments until it returns: a LayerNorm's output while the MLP it is passed to runs);
-    a traced pipeline stage's code frees each value after its last reader"""
+    """a forward moment: the tensors besides ``work`` that only a caller keeps alive then (a module's caller holds its
+    arguments until it returns: a LayerNorm's output while the MLP it is passed to runs), in an eager forward and in
+    a pipeline stage's unflattened modules alike, whose generated code frees a value once its last reader returned
+    (bench/memory.py T5 and GPT-NeoX pp bf16 full recompute: closer with it)"""
     entered: tuple[Saved, ...] = ()
     """a forward moment: the layer's own inputs among ``work`` and the layer's saved tensors so far (a recompute's
     checkpoint keeps them already: :func:`.memory.activation_bytes` counts them)"""
