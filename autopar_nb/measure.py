@@ -59,11 +59,12 @@ GROUPS = {
     "params": (("params",), ("params",)),
     "grads": (("grads",), ("grads",)),
     "optimizer": (("optimizer", "optimizer_step_temporaries"), ("optimizer",)),
-    "activations + loss": (("saved_activations", "loss_saved", "loss_temporaries", "pipeline_outputs"),
+    "activations + loss": (("saved_activations", "loss_saved", "loss_temporaries", "pipeline_outputs",
+                            "forward_working_set"),
                            ("activations", "loss")),
     "weight copies": (("autocast_weight_copies",), ("casts",)),
     "buffers": (("ddp_buckets", "fsdp_unsharded_params", "fsdp_root_params", "fsdp_gathered_units",
-                 "fsdp_reduce_scatter", "pipeline_buffers"), ("buffers",)),
+                 "fsdp_reduce_scatter", "fsdp_all_gather", "pipeline_buffers"), ("buffers",)),
     "temporaries": (("backward_working_set", "pipeline_sent_gradients"), ("backward", "step")),
 }
 """component shown -> (the predicted fields or MemoryBreakdown.terms it sums, the measured components it sums).
@@ -87,22 +88,23 @@ def moment_at(where: str, layer_paths: list[str], moments: list[tuple], op_modul
               micro_batch: int | None = None, node: str | None = None, op_names: dict[int, str] | None = None):
     """Of one rank's predicted moments (``cost.estimate.peak_moments``: (phase, layer index, breakdown[, op,
     later])), the one a measured peak's ``where`` ("<phase>/<side> in <module>", :attr:`Labelled.where`) is at: the
-    optimizer step, the loss (its forward or backward, outside every module), or the backward or recompute of the
-    layer whose path holds the module (the largest such moment). With ``micro_batch`` (the measured peak's, counted
+    optimizer step, the loss (its forward or backward, outside every module), or the forward, backward or recompute
+    of the layer whose path holds the module (the largest such moment; the model has a forward moment for the last
+    layer of each run of layers without recompute only). With ``micro_batch`` (the measured peak's, counted
     from 0) and per-op moments, a pipeline rank's first micro-batch's moments or a later one's
     (:attr:`~autopar_nb.cost.estimate.PeakMoment.later`). With ``op_modules`` (graph index -> module path) and
     per-op moments, a layer's backward at the ops of that very module (by its path within the layer: a repeated
     block's moments carry its first instance's ops), where it has any; with ``node`` (the autograd node running at
     the peak) and ``op_names`` (graph index -> op), at the ops of its kind among them (:func:`op_kind_of_node`:
     Mixtral's experts peak at the backward of their last index op, while all they saved is alive). None where the
-    model has no such moment (a forward's end) or the module names no layer (a pipeline stage's own wrapper)."""
+    model has no such moment (another layer's forward) or the module names no layer (a pipeline stage's own wrapper)."""
     phase, _, module = where.partition(" in ")
     name = _relative(module) if module else ""
     if phase.startswith("step/"):
         want = ("step", None)
     elif phase in ("train/forward", "train/backward") and not module:
         want = ("loss", None)  # after the model returned: the loss's forward or its backward
-    elif phase in ("train/backward", "train/recompute") and module:
+    elif phase in ("train/forward", "train/backward", "train/recompute") and module:
         layer = _layer_of(module, layer_paths)
         if layer is None:
             return None

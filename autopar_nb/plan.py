@@ -461,6 +461,8 @@ MEMORY_TERMS = {
     "pipeline_outputs": "activations",
     "pipeline_sent_gradients": "buffers",
     "backward_working_set": "buffers",
+    "forward_working_set": "activations",
+    "fsdp_all_gather": "buffers",
     "loss_temporaries": "buffers",
     "optimizer_step_temporaries": "buffers",
 }
@@ -470,7 +472,9 @@ read; DDP's gradient buckets; FSDP's parameters kept unsharded from forward to b
 left in the root unit (ZeRO 3), and the unit being computed plus the prefetched one (ZeRO 3: parameters and their
 unsharded gradients); the buffers pipeline stages receive inputs and gradients into (per micro-batch in flight) and
 their outputs, kept until each micro-batch's backward, and the input gradients of the micro-batch before, whose
-send the schedule still holds; the largest layer's backward working set; the
+send the schedule still holds; the largest layer's backward working set; at a layer's forward, what it holds then
+(its saved tensors so far and the storages alive: output, operands still to be read, autocast's copies) and its FSDP
+unit's all-gather output; the
 loss's temporaries (logits and their copies, loss_parallel's shards); the optimizer step's temporaries"""
 
 

@@ -417,8 +417,9 @@ def test_a_ranks_peak_is_the_largest_of_its_moments_and_a_recompute_holds_what_i
             assert moment_at(where, paths, per_op[0], micro_batch=0)[4] is False
             assert moment_at(where, paths, per_op[0], micro_batch=1)[4] is True
     # the recompute moment, closed form (pp 1, full): the earlier layers' kept tensors, the block's, all it saves
-    # re-made; beside its output's gradient and the tied weight's pending one. Its backward's largest op has freed
-    # what only the ops after it saved
+    # re-made, and the down projection's output (the checkpoint's recompute stops at its last saver, the down
+    # projection, once that op has run); beside its output's gradient and the tied weight's pending one. Its
+    # backward's largest op has freed what only the ops after it saved
     s, choices = setting_of(ap.plan(graph, ap.Cluster.preset("cpu", 1, 1), global_batch=4,
                                     fix={"pp": 1, "dp": 1, "tp": 1, "recompute": "full"}))
     ev = Evaluator(profile_of(graph, "cpu"), ap.Cluster.preset("cpu", 1, 1))
@@ -430,9 +431,10 @@ def test_a_ranks_peak_is_the_largest_of_its_moments_and_a_recompute_holds_what_i
     by = {mo[:2]: mo[2] for mo in ev.rank_moments(s, choices)[0]}
     rec, bwd = by["recompute", block], by["backward", block]
     kept = sum(t.act[ch.recompute] for t, ch in zip(terms, choices, strict=False))
-    assert rec.terms["saved_activations"] == pytest.approx(kept + again)
+    down = 4 * 8 * 16 * 4  # (batch, seq, d) float32
+    assert rec.terms["saved_activations"] == pytest.approx(kept + again + down)
     assert rec.terms["backward_working_set"] == pytest.approx(lt.out_bytes + ev._tied_gradients(s, choices)[block])
-    assert rec.terms["saved_activations"] - bwd.terms["saved_activations"] == pytest.approx(lt.freed)
+    assert rec.terms["saved_activations"] - bwd.terms["saved_activations"] == pytest.approx(lt.freed + down)
     # per op (bench/memory.py's comparison): the layer's moment at each of its ops, the largest one among them
     per_op = ev.rank_moments(s, choices, per_op=True)[0]
     assert [mo[:3] for mo in per_op if mo[3] is None] == ev.rank_moments(s, choices)[0]
@@ -441,12 +443,43 @@ def test_a_ranks_peak_is_the_largest_of_its_moments_and_a_recompute_holds_what_i
     assert max(m.total for m in at_ops) == pytest.approx(bwd.total)
 
 
+def test_a_layers_forward_holds_what_it_saved_so_far_and_the_storages_still_read():
+    """The forward moment (no recompute, pp 1): at the last block's residual add, every earlier layer's saved
+    tensors, the block's own (its input, the up projection's output, the GELU's), and the storages alive that
+    nothing saves — the down projection's output, which the add reads, and the add's output —; no gradient exists
+    yet in the step's first forward. Under full recompute the recompute's moments are cut at the layer's last saver
+    and leave out the input its checkpoint keeps (memory.forward_peak)."""
+    from autopar_nb.cost.estimate import Evaluator, setting_of
+    from autopar_nb.cost.memory import forward_peak
+    from autopar_nb.cost.profile import profile_of
+
+    graph = ap.capture(_MlpLM(), torch.randint(0, 64, (4, 8)))
+    cluster = ap.Cluster.preset("cpu", 1, 1)
+    s, choices = setting_of(ap.plan(graph, cluster, global_batch=4,
+                                    fix={"pp": 1, "dp": 1, "tp": 1, "recompute": "none"}))
+    prof = profile_of(graph, "cpu")
+    ev = Evaluator(prof, cluster)
+    block = [lay.path for lay in graph.layers].index("blocks.1")
+    terms = [ev.choice_terms(k, s, choices[k]) for k in range(block + 1)]
+    x = 4 * 8 * 16 * 4  # (batch, seq, d) float32: the block's input, the down projection's output, the add's
+    lp = prof.layers[block]
+    assert terms[-1].act["none"] == pytest.approx(x + 2 * 4 * x)  # its input, up's output, GELU's output (4 d)
+    assert forward_peak(lp, tp=1, sp=False, scale=1.0) == pytest.approx(terms[-1].act["none"] + 2 * x)
+    by = {mo[:2]: mo[2] for mo in ev.rank_moments(s, choices)[0]}
+    fwd = by["forward", block]
+    assert fwd.grads == 0.0
+    assert fwd.terms["saved_activations"] == pytest.approx(sum(t.act["none"] for t in terms[:-1]))
+    assert fwd.terms["forward_working_set"] == pytest.approx(terms[-1].act["none"] + 2 * x)
+    # recomputed: up to the down projection (its output made, the add not run again), less the kept input
+    assert forward_peak(lp, tp=1, sp=False, scale=1.0, recompute="full") == pytest.approx(2 * 4 * x + x)
+
+
 def test_a_tracked_peak_is_matched_to_the_models_moment_there():
     """``measure.moment_at``: the tracker's "<phase>/<side> in <module>" names the moment of the model's that its
     components compare with — a layer's backward or recompute (the layer whose path holds the module: the root's
     name, DDP's ``module``, a pipeline stage's ``Pipe.split_gm.submod_pp_<n>`` and checkpoint wrappers dropped), the
-    loss's forward or backward (outside every module), the step; none for a layer's forward or a module that names
-    no layer."""
+    loss's forward or backward (outside every module), the step; none for a layer's forward the model has no moment
+    for or a module that names no layer."""
     from autopar_nb.measure import moment_at
 
     paths = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.10", "lm_head"]

@@ -18,11 +18,11 @@ from .loss import FusedHead
 from .memory import (
     SENDS_HELD,
     activation_bytes,
+    forward_peak,
     in_flight,
     model_states,
     op_moments,
     peak_op,
-    replay_peak,
     state_bytes,
     with_margin,
 )
@@ -124,9 +124,9 @@ class LayerTerms:
     cast_local: float = 0.0
     """numel of the layer's local parameters autocast keeps a 16-bit copy of during forward and backward (0 unless
     the precision is "autocast")"""
-    replay: dict[str, float] = field(default_factory=dict)
-    """recompute ("full", "selective") -> bytes a recomputed layer holds beyond what it keeps at its recompute's
-    largest forward moment (:func:`.memory.replay_peak`)"""
+    forward: dict[str, float] = field(default_factory=dict)
+    """recompute ("none", "full", "selective") -> bytes the layer holds at its forward's largest moment ("none"), or
+    a recomputed layer beyond what it keeps at its recompute's (:func:`.memory.forward_peak`)"""
 
     def recompute_s(self, recompute: str) -> float:
         """Seconds recompute adds in backward: the whole forward again (full, with its all-to-alls) or the attention
@@ -185,9 +185,10 @@ class RankSums:
     count already), ``kept`` (its own outputs, kept until their backward, that its layers do not save),
     ``grad_recv`` (the gradients sent back to it) and ``grad_sent`` (the gradients of its inputs it sends back)"""
     bwd_layers: list[list[tuple[float, float, float, int, str]]] = field(default_factory=list)
-    """per run of layers, the moments its backward holds the most (:func:`moment_layers`): (saved activation bytes
-    still alive, working set bytes, local parameters (numel) whose backward has not run yet, the layer's index,
-    "backward" or "recompute": its backward's largest op, or its recompute's largest forward moment).
+    """per run of layers, the moments its backward holds the most (:func:`moment_layers`), and its forward: (saved
+    activation bytes still alive, working set bytes, local parameters (numel) whose backward has not run yet, the
+    layer's index, "backward", "recompute" or "forward": its backward's largest op, its recompute's largest forward
+    moment, or, not recomputed, the run's last layer's forward's largest).
     Backward runs from the last layer to the first, freeing each layer's saved tensors and leaving its gradients:
     at layer l the saved tensors of later layers are gone and their gradients exist; a recomputed layer holds what
     its recompute re-created"""
@@ -292,8 +293,8 @@ class Evaluator:
             comm["all_to_all"] = a2a
         t.tp_step = step_s
         t.freed, t.later_params, t.op_deltas = freed, later, ops
-        t.replay = {rec: replay_peak(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
-                                     megatron_sp=self.megatron_sp, recompute=rec) for rec in ("full", "selective")}
+        t.forward = {rec: forward_peak(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
+                                       megatron_sp=self.megatron_sp, recompute=rec) for rec in RECOMPUTE}
         t.cast_local = lp.cast_split / tp + lp.cast_rep if precision == "autocast" else 0.0
         self._cache[key] = t
         return t
@@ -429,15 +430,20 @@ class Evaluator:
                                            + head_saved + again - freed, wb - again + tied.get(i + j, 0.0),
                                            sums.params[r] + (j + 1) * lt.params_local - lt.later_params, i + j,
                                            "backward", ops))
-                replayed = max(lt.replay.get(ch.recompute, 0.0), again)
+                replayed = max(lt.forward[ch.recompute], again) if ch.recompute != "none" else 0.0
                 if replayed:
                     # its recompute, before its backward, beside the gradient of its output: at its end, every
-                    # tensor it saves again re-made, or where an op's forward holds more (lt.replay), what it has
+                    # tensor it saves again re-made, or where an op's forward holds more (lt.forward), what it has
                     # recomputed by then (measured: BERT's math attention under bf16 autocast)
                     sums.bwd_layers[r].append((acts_before + whole + (j + 1) * lt.act[ch.recompute] - held[j]
                                                + head_saved + replayed, lt.out_bytes + tied.get(i + j, 0.0),
                                                sums.params[r] + (j + 1) * lt.params_local, i + j, "recompute",
                                                ()))
+            if ch.recompute == "none" and not head_saved:
+                # the run's last layer's forward: every earlier layer's saved tensors, and its own forward's largest
+                # moment (the storages alive then; no gradient exists yet in a step's first forward)
+                sums.bwd_layers[r].append((acts_before + whole + (cnt - 1) * lt.act["none"], lt.forward["none"],
+                                           0.0, i + cnt - 1, "forward", ()))
             sums.params[r] += cnt * lt.params_local
             sums.experts[r] += cnt * lt.experts_local
             sums.tp_step[r] += cnt * lt.tp_step
@@ -660,7 +666,8 @@ class Evaluator:
     def _rank_moments(self, s: Setting, sums: RankSums, r: int, per_op: bool = False
                       ) -> tuple[float, float, list[PeakMoment]]:
         """Rank ``r``'s parameter and optimizer-state bytes, and the moments of its step its peak can be at: each
-        layer's backward (and its recompute's forward; every saved activation of the earlier layers alive, the
+        layer's forward (no gradient yet unless they accumulate over micro-batches; its FSDP unit's all-gather
+        output) and backward (and its recompute's forward; every saved activation of the earlier layers alive, the
         later layers' gradients, FSDP's gathered units; gradients of earlier micro-batches only where they
         accumulate, since zero_grad(set_to_none=True) frees them each step), the last rank's loss backward, and the
         optimizer step (all gradients, plus a foreach temporary of their size). ``per_op``: also each layer's
@@ -710,21 +717,26 @@ class Evaluator:
         # (a pipeline stage's received inputs that its layers save are its receive buffers: counted there)
         rs = pipe["recv_saved"] if s.pp > 1 else 0.0
         out = []
-        held_sum, fsdp_at = sum(held.values()), {}  # layer -> (FSDP's buffers in its backward, their sum)
+        held_sum, fsdp_at = sum(held.values()), {}  # (layer, forward) -> (FSDP's buffers then, their sum)
         later = [None] if len(flights) == 1 else [False, True]
         for (others, g), late in zip(flights, later, strict=True):
             pipe_now = pipeline_terms(others, g is not None)
             shared = held_sum + sum(pipe_now.values())
             for a, w, before, layer, phase, ops in sums.bwd_layers[r]:
-                if layer not in fsdp_at:
-                    fb = fsdp_buffers(sums.units[r], layer, zero_stage=s.zero_stage, p_item=p_item, g_item=g_item)
-                    fsdp_at[layer] = fb, sum(fb.values())
-                fb, fb_sum = fsdp_at[layer]
+                forward = phase == "forward"
+                if forward and late:  # a rank's later backward: its forwards ran before its first
+                    continue
+                if (layer, forward) not in fsdp_at:
+                    fb = fsdp_buffers(sums.units[r], layer, zero_stage=s.zero_stage, p_item=p_item, g_item=g_item,
+                                      forward=forward)
+                    fsdp_at[layer, forward] = fb, sum(fb.values())
+                fb, fb_sum = fsdp_at[layer, forward]
+                work = "forward_working_set" if forward else "backward_working_set"
                 for op, dw, da, dbefore in ((None, 0.0, 0.0, 0.0), *(ops if per_op else ())):
                     alive = (others + 1) * -rs + others * sums.acts[r] + a + da
-                    grads = (params - before - dbefore) * per_param if g is None else g
-                    out.append(PeakMoment(phase, layer, grads, ({"saved_activations": alive,
-                                                                 "backward_working_set": w + dw}, fb, held, pipe_now),
+                    grads = g if g is not None else 0.0 if forward else (params - before - dbefore) * per_param
+                    out.append(PeakMoment(phase, layer, grads, ({"saved_activations": alive, work: w + dw}, fb, held,
+                                                                pipe_now),
                                           grads + alive + w + dw + fb_sum + shared, op, late))
         if r == s.pp - 1 and prof.output_numel and not s.fused_loss:  # fused: in the head layer's working set
             # the last rank's loss backward: log-softmax output (fp32) saved, its gradient and the logits' gradient
@@ -755,8 +767,8 @@ class Evaluator:
         return pb, ob, out
 
     def rank_moments(self, s: Setting, choices: list[LayerChoice], *, per_op: bool = False) -> list[list[tuple]]:
-        """Per pipeline rank, every moment :meth:`evaluate` weighs for the rank's peak: (phase — "backward",
-        "recompute", "loss" or "step" —, the layer's index in a layer's backward or recompute, else None, the
+        """Per pipeline rank, every moment :meth:`evaluate` weighs for the rank's peak: (phase — "forward",
+        "backward", "recompute", "loss" or "step" —, the layer's index in a layer's phase, else None, the
         bytes then, each with the margin of the rank's peak). A measured peak's components compare with the
         moment it is at (``bench/memory.py``). ``per_op``: each tuple ends with the op (graph index) a layer's
         backward is at, None at its largest, and whether it is a later micro-batch's (:attr:`PeakMoment.later`);
@@ -790,7 +802,8 @@ class PeakMoment(NamedTuple):
     """One moment of a rank's step that its peak memory can be at (:meth:`Evaluator._rank_moments`)."""
 
     phase: str
-    """one of "backward" (a layer's), "recompute" (a layer's forward run again in its backward), "loss", "step"."""
+    """one of "forward" (a layer's, not recomputed), "backward" (a layer's), "recompute" (a layer's forward run again
+    in its backward), "loss", "step"."""
     layer: int | None
     """the layer whose backward or recompute it is in"""
     grads: float
@@ -833,19 +846,24 @@ def moment_layers(cnt: int) -> list[int]:
     return sorted({j for j in (cnt - 1, cnt - 2, 1, 0) if 0 <= j < cnt}, reverse=True)
 
 
-def fsdp_buffers(units: list[FsdpUnit], layer: int, *, zero_stage: int, p_item: int, g_item: int
-                 ) -> dict[str, float]:
+def fsdp_buffers(units: list[FsdpUnit], layer: int, *, zero_stage: int, p_item: int, g_item: int,
+                 forward: bool = False) -> dict[str, float]:
     """FSDP2's buffers (bytes) while ``layer`` runs its backward (measured with FSDPMemTracker under a fake group,
     LLaMA and ViT, ZeRO-3 + full recompute, bf16): ZeRO-3 gathers the layer's unit again (its unsharded
     parameters in the compute dtype) and prefetches the unit before it (the all-gather's output,
     ``fsdp_gathered_units``); under ZeRO 2 and 3 the unit after it, whose backward ran last, still holds the input
     of its gradients' reduce-scatter (``reduce_dtype``, float32: the unsharded gradients flattened), freed only
-    when the next unit's reduce-scatter starts (``fsdp_reduce_scatter``)."""
+    when the next unit's reduce-scatter starts (``fsdp_reduce_scatter``). ``forward``: while it runs its forward,
+    the output of its unit's all-gather (``fsdp_all_gather``, measured: ViT, ZeRO 2, bf16) beside, under ZeRO 3,
+    the unit's unsharded parameters."""
     if zero_stage < 2:
         return {}
     at = bisect.bisect_right(units, layer, key=lambda u: u.first) - 1  # units are consecutive, in layer order
     if at < 0 or units[at].last < layer:
         return {}
+    if forward:
+        gathered = {"fsdp_gathered_units": units[at].numel * p_item} if zero_stage == 3 else {}
+        return {"fsdp_all_gather": units[at].numel * p_item, **gathered}
     out = {"fsdp_reduce_scatter": units[at + 1].numel * g_item if at + 1 < len(units) else 0.0}
     if zero_stage == 3:
         out["fsdp_gathered_units"] = (units[at].numel + (units[at - 1].numel if at else 0.0)) * p_item

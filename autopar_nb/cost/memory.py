@@ -136,22 +136,41 @@ def op_moments(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precision: 
             for m in lp.moments.get(precision, ())]
 
 
-def replay_peak(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precision: str = "fp32",
-                quad_scale: float | None = None, megatron_sp: bool = False, recompute: str = "full") -> float:
-    """Bytes a recomputed layer holds, beyond what its ``recompute`` keeps from the forward, when its recompute
-    reaches the op whose forward holds the most beside what it saves (:attr:`.profile.LayerProfile.replay`): the
-    layer's saved tensors up to that op, recomputed, and that op's transients, less (selective) the kept outputs of
-    that op and the ones before it, which the recompute took from its cache; 0 when no op holds much. Measured with
-    MemTracker: BERT's peak under bf16 autocast and either recompute is the end of its recomputed math attention,
-    not a backward op."""
+def forward_peak(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precision: str = "fp32",
+                 quad_scale: float | None = None, megatron_sp: bool = False, recompute: str = "none") -> float:
+    """Bytes the layer holds at its forward's largest moment (:attr:`.profile.LayerProfile.forward`), or, with
+    ``recompute`` "full" or "selective", its recompute's, beyond what the recompute keeps from the forward: the
+    layer's saved tensors up to that op (re-made by a recompute), and the other storages alive then (its output, the
+    operands still to be read, autocast's copies, a math attention's transients, what a module's caller holds,
+    :attr:`.profile.Moment.held`), less (selective recompute) the kept outputs of that op and the ones
+    before it, which the recompute took from its cache. Measured with MemTracker: ViT's forward peak under ZeRO 2 and
+    bf16 autocast; BERT's peak under bf16 autocast and either recompute is the end of its recomputed math
+    attention, not a backward op."""
     qs = scale if quad_scale is None else quad_scale
 
     def b(s: Saved) -> float:
         return on_rank(s, tp=tp, sp=sp, scale=scale, quad_scale=qs, megatron_sp=megatron_sp)
 
     saved, cached = lp.saved_at(precision), lp.selective.get(precision, ()) if recompute == "selective" else ()
-    return max((sum(map(b, saved[:m.kept])) + sum(map(b, m.work)) - sum(map(b, cached[:m.selective]))
-                for m in lp.replay.get(precision, ())), default=0.0)
+    upto = [0.0]  # upto[k]: bytes of saved[:k]
+    for x in saved:
+        upto.append(upto[-1] + b(x))
+    dropped = [0.0]
+    for x in cached:
+        dropped.append(dropped[-1] + b(x))
+    moments = lp.forward.get(precision, ())
+    if recompute != "none":
+        # torch's non-reentrant checkpoint stops its recompute once the last tensor it saves is re-made (early
+        # stop): the ops after the layer's last saver do not run again
+        last = next((k for k, m in enumerate(moments) if m.kept >= len(saved)), len(moments) - 1)
+        moments = moments[:last + 1]
+    best = 0.0
+    for m in moments:
+        held = sum(map(b, m.held))
+        # a recompute's checkpoint keeps the layer's inputs already (activation_bytes counts them)
+        entered = 0.0 if recompute == "none" else sum(map(b, m.entered)) + sum(map(b, m.entered_held))
+        best = max(best, upto[m.kept] + sum(map(b, m.work)) + held - entered - dropped[min(m.selective, len(cached))])
+    return best
 
 
 SENDS_HELD = ("gpipe", "1f1b")

@@ -18,7 +18,9 @@ is decomposed (input, normalised input and rstd are saved).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import weakref
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
@@ -70,7 +72,8 @@ class Crossing(NamedTuple):
 
 
 class Moment(NamedTuple):
-    """The backward of one op of a layer: what is alive beside the layer's earlier saved tensors then."""
+    """The backward of one op of a layer (:attr:`LayerProfile.moments`), or its forward (:attr:`LayerProfile.forward`):
+    what is alive beside the layer's earlier saved tensors then."""
 
     kept: int
     """how many of the layer's saved tensors (``LayerProfile.saved_at``, in the order their first saver runs) are
@@ -78,16 +81,27 @@ class Moment(NamedTuple):
     after it (LLaMA's silu x up product, saved only by the down projection, is gone by the product's backward)"""
     work: tuple[Saved, ...]
     """the gradients this op's backward holds at once: its output's and its floating inputs' (a row-parallel
-    output's full-size, ``gathered``; a column-parallel op's gathered input's)"""
+    output's full-size, ``gathered``; a column-parallel op's gathered input's); in a forward moment the tensors
+    alive then that nothing has saved yet (:func:`_forward_moment`)"""
     selective: int = 0
-    """a replay moment (:attr:`LayerProfile.replay`): how many of the tensors selective recompute keeps
-    (:attr:`LayerProfile.selective`) come from this op or an earlier one; the recompute has consumed them from its
-    cache by then (those it saves again are among the ``kept`` saved tensors, the rest are freed or in ``work``)"""
+    """a forward moment: how many of the tensors selective recompute keeps (:attr:`LayerProfile.selective`) come
+    from this op or an earlier one; a recompute has consumed them from its cache by then (those it saves again are
+    among the ``kept`` saved tensors, the rest are freed or in ``work``)"""
     later: tuple[int, int] = (0, 0)
     """(TP-split, replicated) numel of the layer's trainable parameters that an op after this one reads: their
     gradients exist by this op's backward (LLaMA's down projection's weight gradient at the silu x up product's)"""
     op: int = -1
     """the op's index in the graph"""
+    held: tuple[Saved, ...] = ()
+    """a forward moment: the tensors besides ``work`` that only a caller keeps alive then (a module's caller holds its
+    arguments until it returns: a LayerNorm's output while the MLP it is passed to runs), in an eager forward and in
+    a pipeline stage's unflattened modules alike, whose generated code frees a value once its last reader returned
+    (bench/memory.py T5 and GPT-NeoX pp bf16 full recompute: closer with it)"""
+    entered: tuple[Saved, ...] = ()
+    """a forward moment: the layer's own inputs among ``work`` and the layer's saved tensors so far (a recompute's
+    checkpoint keeps them already: :func:`.memory.activation_bytes` counts them)"""
+    entered_held: tuple[Saved, ...] = ()
+    """the same among ``held``"""
 
 
 PRECISIONS = ("fp32", "autocast", "autocast_lowp")
@@ -227,10 +241,9 @@ class LayerProfile:
     """bytes of the largest (output + activation inputs) of one op: the gradients its backward holds at once"""
     moments: dict[str, list[Moment]] = field(default_factory=dict)
     """precision -> one :class:`Moment` per op whose backward runs: the candidates for the layer's backward peak"""
-    replay: dict[str, list[Moment]] = field(default_factory=dict)
-    """precision -> one :class:`Moment` per op whose forward holds much more than it saves (the CPU math attention
-    kernel under autocast, :func:`_math_attention_transients`): what a recomputed layer holds when its recompute
-    reaches that op (``work``: those transients)"""
+    forward: dict[str, list[Moment]] = field(default_factory=dict)
+    """precision -> one :class:`Moment` per op of the layer's forward, in order (:func:`_forward_moment`): what the
+    layer holds when its forward, or a recompute of it, reaches that op"""
     comms: list[Comm] = field(default_factory=list)
     tp: dict[str, str] = field(default_factory=dict)
     """module path -> style when TP is on"""
@@ -359,7 +372,8 @@ def once_per_graph(cache: dict, graph, how: tuple, make):
     hit = cache.get(id(graph))
     if hit is not None and hit[0]() is graph and hit[1] == how:
         return hit[2]
-    value = make()
+    with no_cycle_collection():
+        value = make()
     key = id(graph)
     try:
         ref = weakref.ref(graph, lambda _r: cache.pop(key, None))
@@ -367,6 +381,21 @@ def once_per_graph(cache: dict, graph, how: tuple, make):
         return value
     cache[key] = (ref, how, value)
     return value
+
+
+@contextlib.contextmanager
+def no_cycle_collection():
+    """Python's cyclic garbage collector paused (as it was after): a profile makes hundreds of thousands of small
+    tuples (a forward moment per op and precision), and each pass of the collector's oldest generation walks every
+    object a large graph holds. LLaMA-3 8B on 64 x H100, the first plan() call: 0.44 s with it, 0.26 s paused (0.21
+    before the forward moments). A profile makes no reference cycles for it to free."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def profile(graph, *, device_kind: str = "cuda", fp32_ops=(), low_precision_ops=()) -> GraphProfile:
@@ -383,17 +412,18 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(), low_precision_ops=
         for lp, terms in _count_amp_time(layers, f, fa, low_params=precision == "autocast_lowp"):
             lp.time_amp[precision] = terms
     first_saver: dict[str, str] = {}  # storage -> the layer saving it first (float32 forward)
+    lives = _lifetimes(f)
     for precision, fp in (("fp32", f), *amp.items()):
         moments: dict[str, list[Moment]] = {path: [] for path in layers}
-        replay: dict[str, list[Moment]] = {path: [] for path in layers}
-        for lp, saved in _count_saved(layers, fp, device_kind, moments, replay,
-                                      first_saver if precision == "fp32" else None):
+        forward: dict[str, list[Moment]] = {path: [] for path in layers}
+        for lp, saved in _count_saved(layers, fp, device_kind, moments, forward,
+                                      first_saver if precision == "fp32" else None, lives):
             if precision == "fp32":
                 lp.saved = saved
             else:
                 lp.saved_amp[precision] = saved
             lp.moments[precision] = moments[lp.path]
-            lp.replay[precision] = replay[lp.path]
+            lp.forward[precision] = forward[lp.path]
     for precision, fp in (("fp32", f), *amp.items()):
         for lp, kept in _count_selective(layers, fp, device_kind):
             lp.selective[precision] = kept
@@ -740,37 +770,140 @@ class _Keep(NamedTuple):
 
 
 def _count_saved(layers: dict[str, LayerProfile], f: _Facts, device_kind: str,
-                 moments: dict[str, list[Moment]] | None = None, replay: dict[str, list[Moment]] | None = None,
-                 first: dict[str, str] | None = None) -> list[tuple[LayerProfile, list[Saved]]]:
+                 moments: dict[str, list[Moment]] | None = None, forward: dict[str, list[Moment]] | None = None,
+                 first: dict[str, str] | None = None, lives: dict[str, tuple[int, int, int]] | None = None
+                 ) -> list[tuple[LayerProfile, list[Saved]]]:
     """What autograd saves in each layer at the dtypes of ``f``, each storage once (in the layer of the first op
     that saves it). An op no trainable parameter reaches is not recorded (saves nothing), nor one that returns its
-    input (p = 0 dropout). ``moments``: filled with each layer's :class:`Moment` per op; ``replay``: with its
-    forward moments (:attr:`LayerProfile.replay`); ``first``: with each saved storage's layer."""
+    input (p = 0 dropout). ``moments``: filled with each layer's :class:`Moment` per op; ``forward``: with its
+    forward moments (:attr:`LayerProfile.forward`; ``lives``: :func:`_lifetimes`); ``first``: with each saved
+    storage's layer."""
     seen: set[str] = set()
     out = {path: [] for path in layers}
     cached = dict.fromkeys(layers, 0)  # how many tensors selective recompute keeps from the layer's ops so far
     accumulating = _accumulating_gradients(f) if moments is not None else {}
     index = {n.name: k for k, n in enumerate(f.graph.nodes)}
+    alive = _Alive(lives or {}) if forward is not None else None
+    entering = _entering(layers, f) if forward is not None else {}
+    own: dict[str, set[str]] = {path: set() for path in layers}  # the storages each layer saves (their keys)
     for lp, n in _in_layers(layers, f):
         cached[lp.path] += len(_selective_kept(n, f, device_kind))
         rule = rule_of(n.op)
-        if rule is None or n.name not in f.grad or f.root.get(n.name, n.name) != n.name and n.op_class != "view":
-            continue
-        for keep in _kept_by(n, rule, f, device_kind):
+        recorded = rule is not None and n.name in f.grad and (f.root.get(n.name, n.name) == n.name
+                                                              or n.op_class == "view")
+        for keep in _kept_by(n, rule, f, device_kind) if recorded else ():
             if keep.key in seen or keep.size.numel == 0:
                 continue
             seen.add(keep.key)
+            own[lp.path].add(keep.key)
             if first is not None:
                 first[keep.key] = lp.path
             out[lp.path].append(Saved(keep.size.numel * keep.size.itemsize, keep.region, keep.gathered,
                                       keep.quadratic, keep.stat))
-        if moments is not None and n.op_class != "view" and n.out_shapes:
+        if recorded and moments is not None and n.op_class != "view" and n.out_shapes:
             moments[lp.path].append(Moment(len(out[lp.path]), _gradients_of(n, f) + accumulating.get(n.name, ()),
                                            op=index[n.name]))
-        held = _math_attention_transients(n, f, device_kind) if replay is not None else ()
-        if held:
-            replay[lp.path].append(Moment(len(out[lp.path]), held, cached[lp.path]))
+        if alive is not None and n.op_class != "view" and n.out_shapes:
+            work, held, entered, entered_held = _forward_moment(n, index[n.name], f, alive, seen, device_kind,
+                                                                entering[lp.path], own[lp.path])
+            forward[lp.path].append(Moment(len(out[lp.path]), work, cached[lp.path], op=index[n.name], held=held,
+                                           entered=entered, entered_held=entered_held))
     return [(lp, out[path]) for path, lp in layers.items()]
+
+
+def _lifetimes(f: _Facts) -> dict[str, tuple[int, int, int]]:
+    """Each storage the forward makes (a node owning its storage, :attr:`_Facts.root`; not a parameter's view) ->
+    (the index of the op making it, of its last reader — a reader of any view of it —, and of the last op of the
+    outermost module call, begun after it was made, that reads it): a module's caller holds the arguments it passes
+    until the call returns, so in an eager forward a storage lives to the later of the two."""
+    nodes = f.graph.nodes
+    calls = _module_calls(nodes)
+    life: dict[str, list[int]] = {}
+    for k, n in enumerate(nodes):
+        for i in dict.fromkeys(n.inputs):
+            lf = life.get(f.root.get(i, i))
+            if lf is not None:
+                lf[1] = k
+                lf[2] = max(lf[2], next((end for start, end in calls[k] if start > lf[0]), k))
+        if f.root.get(n.name, n.name) == n.name and n.out_shapes and n.name not in f.param_views:
+            life[n.name] = [k, k, k]
+    return {r: tuple(v) for r, v in life.items()}
+
+
+def _module_calls(nodes) -> list[list[tuple[int, int]]]:
+    """Per op, the (first op, last op) of each module call it runs in, outermost first: a call is a maximal run of
+    consecutive ops whose ``module_path`` is the module's or inside it (the model's own forward, "", is none)."""
+    spans: list[list[list[int]]] = []
+    open_: dict[str, list[int]] = {}
+    for k, n in enumerate(nodes):
+        parts = n.module_path.split(".") if n.module_path else []
+        paths = [".".join(parts[:d]) for d in range(1, len(parts) + 1)]
+        for p in [p for p in open_ if p not in paths]:
+            del open_[p]  # its call has ended (its span's end is the last op it saw)
+        row = []
+        for p in paths:
+            span = open_.setdefault(p, [k, k])
+            span[1] = k
+            row.append(span)
+        spans.append(row)
+    return [[(s, e) for s, e in row] for row in spans]
+
+
+class _Alive:
+    """The storages alive as the forward reaches each op (:func:`_lifetimes`), swept in graph order."""
+
+    def __init__(self, lives: dict[str, tuple[int, int, int]]):
+        self.lives = lives
+        self.made: dict[int, list[str]] = defaultdict(list)
+        for r, (k, _, _) in lives.items():
+            self.made[k].append(r)
+        self.upto, self.now = -1, {}
+
+    def at(self, k: int) -> list[tuple[str, bool]]:
+        """(storage, alive only through a caller's argument) for each storage alive at op ``k`` (increasing)."""
+        for j in range(self.upto + 1, k + 1):
+            for r in self.made.get(j, ()):
+                self.now[r] = self.lives[r]
+        self.upto = max(self.upto, k)
+        for r in [r for r, (_, _, held) in self.now.items() if held < k]:  # (held >= last)
+            del self.now[r]
+        return [(r, last < k) for r, (_, last, _) in self.now.items()]
+
+
+def _entering(layers: dict[str, LayerProfile], f: _Facts) -> dict[str, set[str]]:
+    """layer -> the storages entering it (made outside it, read by one of its ops; :func:`_boundary_bytes`)."""
+    layer_of_node = {n.name: n.layer for n in f.graph.nodes}
+    out: dict[str, set[str]] = {path: set() for path in layers}
+    for lp, n in _in_layers(layers, f):
+        out[lp.path].update(f.root.get(i, i) for i in n.inputs if layer_of_node.get(i) != n.layer)
+    return out
+
+
+def _forward_moment(n, k: int, f: _Facts, alive: _Alive, seen: set[str], device_kind: str,
+                    entering: set[str] = frozenset(), own: set[str] = frozenset()
+                    ) -> tuple[tuple[Saved, ...], tuple[Saved, ...], tuple[Saved, ...], tuple[Saved, ...]]:
+    """What op ``n`` (the graph's ``k``-th) holds in forward besides the saved tensors (``seen``): (the storages the
+    graph still reads — its inputs, its output, those read later — and the copies autocast makes of its inputs, none
+    of them saved yet, and the CPU math attention's own transients; the storages only a caller keeps alive then,
+    :attr:`Moment.held`; the layer's inputs (``entering``) among the first or among what the layer saved so far
+    (``own``), and among the second: :attr:`Moment.entered`). Measured with MemTracker: ViT's forward peak under
+    ZeRO 2 and bf16 autocast, at its last block's MLP."""
+    work, held, entered, entered_held = [], [], [], []
+    for r, by_caller in alive.at(k):
+        if r not in seen:
+            x = Saved(f.size[r].nbytes, r in f.tp.sharded, quadratic=r in f.scores)
+            (held if by_caller else work).append(x)
+            if r in entering:
+                (entered_held if by_caller else entered).append(x)
+        elif r in entering and r in own:
+            entered.append(Saved(f.size[r].nbytes, r in f.tp.sharded, quadratic=r in f.scores))
+    cast = f.autocast.cast if f.autocast is not None else None
+    for i in dict.fromkeys(n.inputs) if cast is not None else ():
+        to = cast(n.name, i) if i in f.size and f.size[i].floating else None
+        if to is not None and f"cast:{n.name}:{i}" not in seen:
+            work.append(Saved(f.size[i].numel * ITEMSIZE[to], i in f.tp.sharded or n.name in f.tp.sharded,
+                              quadratic=i in f.scores))
+    return (*work, *_math_attention_transients(n, f, device_kind)), tuple(held), tuple(entered), tuple(entered_held)
 
 
 def _accumulating_gradients(f: _Facts) -> dict[str, tuple[Saved, ...]]:
@@ -968,21 +1101,19 @@ def _math_attention_saves(n, f: _Facts, kept_input) -> list[_Keep]:
 
 
 def _math_attention_transients(n, f: _Facts, device_kind: str) -> tuple[Saved, ...]:
-    """What :func:`_math_attention` holds at its end beyond what it saves, when it computes a 16-bit attention in
-    float32 (measured with MemTracker in BERT's recomputed layer under bf16 autocast, torch 2.13 CPU; the peak of a
-    fully recomputed BERT step): the caller's 16-bit q, k and v (the projections' outputs, which nothing saves
-    then), their float32 copies and the scaled q, the 16-bit copy of the dropped weights it makes, its float32 output
-    and that output cast back. Empty when it computes in its inputs' dtype (not measured)."""
+    """What :func:`_math_attention` holds at its end beyond its operands, its output and what it saves, when it
+    computes a 16-bit attention in float32 (measured with MemTracker in BERT's recomputed layer under bf16 autocast,
+    torch 2.13 CPU; the peak of a fully recomputed BERT step): float32 copies of q, k and v and the scaled q, the
+    16-bit copy of the dropped weights it makes, and its float32 output (its 16-bit q, k, v and output are among
+    the storages alive, :func:`_forward_moment`). Empty when it computes in its inputs' dtype (not measured)."""
     if not _math_attention(n, device_kind) or f.size[n.name].itemsize >= 4 or len(n.inputs) < 3:
         return ()
     region = n.name in f.tp.sharded
     q, k, v = n.inputs[:3]
     (*lead, _), kshape = n.in_shapes[0], n.in_shapes[1]
-    caller = [Saved(f.size[i].nbytes, region) for i in (q, k, v)]
     upcast = [Saved(f.size[i].numel * 4, region) for i in (q, k, v, q)]
     dropped = Saved(_numel(lead) * kshape[-2] * f.size[n.name].itemsize, region, quadratic=True)
-    out = f.size[n.name]
-    return (*caller, *upcast, dropped, Saved(out.numel * 4, region), Saved(out.nbytes, region))
+    return (*upcast, dropped, Saved(f.size[n.name].numel * 4, region))
 
 
 def _unrepeated(name: str, f: _Facts) -> str:

@@ -38,6 +38,9 @@ COMPONENT_SOURCES = {
     "pipeline_sent_gradients": ("the previous micro-batch's input gradients, held by the schedule's send until this "
                                 "backward ends"),
     "backward_working_set": "the largest layer's backward working set",
+    "forward_working_set": ("the layer whose forward holds the most: its saved tensors so far and the tensors alive "
+                            "then (output, operands still to be read, autocast's copies)"),
+    "fsdp_all_gather": "the all-gather output of the FSDP unit whose forward runs",
     "loss_temporaries": "the loss's logits and their copies",
     "optimizer_step_temporaries": "the optimizer step's temporaries",
 }
