@@ -87,9 +87,11 @@ CPU = Target(TINY_LLAMA_CELL, "cpu", "fp32", (2, 64, 32), 512 * 64, 4, False)
 
 
 class Checker:
-    """One GPU check run: the target, the magic's shell, the deadline, and the rows of the section."""
+    """One GPU check run: the target, the magic's shell, the deadline, the rows of the section, and what a rerun
+    narrows (the memory check's recompute ``modes``, the throughput check's ``variants`` by number)."""
 
-    def __init__(self, budget_s: float, target: Target = GPU):
+    def __init__(self, budget_s: float, target: Target = GPU, *, modes: tuple[str, ...] | None = None,
+                 variants: set[int] | None = None):
         from IPython.core.interactiveshell import InteractiveShell
 
         self.target = target
@@ -97,6 +99,9 @@ class Checker:
         self.ip = InteractiveShell.instance()
         self.ip.run_line_magic("load_ext", "autopar_nb")
         self.rows: list[tuple[str, str]] = []
+        self.modes = modes or ("none", "selective", "full")
+        self.variants = variants
+        self.first_run = None  # (session, run, summary) of the memory check's first run: calibrate and eager reuse it
 
     def session(self, line: str, cell: str | None = None):
         """The magic on ``cell`` (default: the target's) for the target's device and dtype, plus ``line``."""
@@ -147,7 +152,7 @@ def check_memory_and_time(c: Checker) -> str:
     lines = ["| recompute | predicted peak (before margin) | measured peak | error | peak reserved | reserve over "
              "peak | predicted step | measured step | error | NVML samples |", "|---" * 10 + "|"]
     c.first_run = None
-    for mode in getattr(c, "modes", None) or ("none", "selective", "full"):
+    for mode in c.modes:
         ap = c.session(f"--gpus 1 --fix recompute={mode}")
         run, s = launched(ap, c, steps=c.target.steps)
         c.first_run = c.first_run or (ap, run, s)
@@ -169,7 +174,7 @@ def nvml_samples(run) -> int:
 
 def check_calibrate(c: Checker) -> str:
     """run.calibrate() on the recompute=none run, re-plan, run again: the step-time error before and after."""
-    if getattr(c, "first_run", None) is None:
+    if c.first_run is None:
         raise RuntimeError("needs the memory check's recompute=none run (check 1)")
     ap, run, before = c.first_run
     factors = run.calibrate()
@@ -197,7 +202,7 @@ def check_throughput(c: Checker) -> str:
     RMSNorms, both, and compiled with both; each run's loss at its first and last step (the same seed and batches:
     a variant whose losses stray from eager's computes something else)."""
     names = [v for v in VARIANTS if c.target.cuda or v in CPU_VARIANTS]
-    names = [v for k, v in enumerate(names, 1) if getattr(c, "variants", None) is None or k in c.variants]
+    names = [v for k, v in enumerate(names, 1) if c.variants is None or k in c.variants]
     lines = ["| variant | tokens/s | MFU | loss at first / last step | plan |", "|---|---|---|---|---|"]
     for name in names:
         if c.left(1e9) <= 60.0:  # past the budget: the rest are not started
@@ -220,7 +225,7 @@ def same_plan_run(c: Checker, plan) -> tuple:
     """(run, summary) of the memory check's recompute=none run where its plan decides everything as ``plan`` does
     (``Plan.diff`` empty: the planner's eager variant often is that plan), so that one launch is not repeated;
     (None, None) otherwise."""
-    first = getattr(c, "first_run", None)
+    first = c.first_run
     if first is None or first[0].plan.diff(plan):
         return None, None
     return first[1], first[2]
@@ -359,9 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     from capture import write_section
 
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    head, c = header(), Checker(args.budget_s, GPU)
-    c.variants = variants
-    c.modes = tuple(args.recompute.split(",")) if args.recompute else None
+    modes = tuple(args.recompute.split(",")) if args.recompute else None
+    head, c = header(), Checker(args.budget_s, GPU, modes=modes, variants=variants)
 
     def written() -> None:
         write_section("GPU", render(head, c.rows))
