@@ -22,9 +22,14 @@ repeated calibrations converge instead of compounding errors):
 * ``margin_fraction`` (and on CPU ``margin_fixed_bytes``), the allocator margin, so that the predicted peak of the
   worst rank equals the measured one:
 
-  - CUDA runs (``mem_peak`` reported, :func:`margin_factors`): ``(measured - (total - margin) -
-    margin_fixed_bytes) / (total - margin)``, >= 0, ``margin_fixed_bytes`` kept. Pending: CUDA's fragmentation
-    (reserved beyond allocated) is not in ``mem_peak``, and no GPU run has calibrated a preset in this project yet.
+  - CUDA runs (``mem_peak`` reported, :func:`margin_factors`): the caching allocator's peak reserve
+    (``reserved_by_rank``: ``torch.cuda.max_memory_reserved``, the tensors' peak and the fragmentation around it;
+    a summary without it falls back to the allocated peak) against the prediction before its margin,
+    ``(reserved - (total - margin)) / (total - margin)``, >= 0. ``margin_fixed_bytes`` (the CUDA context and
+    NCCL's buffers, outside the allocator's figures) is kept. The fragmentation is not a constant: on an H200
+    (LLaMA-3.2 1B shape, bf16, torch 2.11; BENCHMARKS.md "GPU") the reserve was 1.4 % over the allocated peak
+    without recompute, 2.2 % with selective recompute and 30.5 % with full recompute, so a preset is calibrated
+    by a run of the kind of plan it will plan.
   - CPU runs (RSS above each rank's RSS before its model was built, :func:`rss_margin_factors`): the fixed part is
     what a rank holds between steps beyond the parameters and optimizer state (the process group, thread stacks,
     the kernels' first-use pages: about 50 MiB for the 2-rank MLP of ``tests/test_replan.py``), the
@@ -61,7 +66,7 @@ COMPILE_KEYS = ("compile_memory_bound",)
 """set by compiled runs once an eager run has calibrated the preset"""
 COMPILE_RANGE = (0.05, 1.5)
 MEMORY_KEYS = ("margin_fraction",)
-"""set from measured CUDA peak memory"""
+"""set from a CUDA run's peak reserve"""
 EFF_RANGE = (1e-4, 4.0)
 HISTORY = 10
 """runs kept per preset in the file (the latest one's factors are in force)"""
@@ -172,25 +177,43 @@ def factors_from(measured: dict, *, current: dict[str, float], compiled: bool = 
     record: dict[str, Any] = {"measured_step_time_s": t_meas, "predicted_step_time_s": t_pred, "ratio": r,
                               "compiled": compiled}
     if measured.get("memory_kind") == "cuda_peak" and measured.get("predicted_memory_by_rank"):
-        pred = measured["predicted_memory_by_rank"]
-        breakdown = measured.get("predicted_breakdown_by_rank") or {}
-        bases = {k: (pred.get(k) or 0.0) - breakdown.get(k, {}).get("margin", 0.0) for k in measured["memory_by_rank"]}
-        try:
-            margin, rec = margin_factors(measured["memory_by_rank"], bases, current=current)
-        except ValueError:
-            margin, rec = {}, {}
+        margin, rec = cuda_margin_factors(measured, current=current)
         out.update(margin)
-        if rec:
-            record.update(measured_peak_bytes=rec["measured_bytes"], predicted_peak_bytes=pred.get(rec["rank"]))
+        record.update(rec)
     return out, record
+
+
+def cuda_margin_factors(measured: dict, *, current: dict[str, float]) -> tuple[dict[str, float], dict]:
+    """The allocator margin of a CUDA run (``measured``: a ``Run.summary()`` with the plan's predictions): what the
+    process needs is the allocator's peak reserve (``reserved_by_rank``; the allocated peak where a summary lacks
+    it) plus what lies outside the allocator (the CUDA context, NCCL's buffers: ``margin_fixed_bytes``, kept), so
+    :func:`margin_factors` gets the reserve plus that fixed part and returns the fraction the prediction before its
+    margin needs on top. Returns (factors, record: the worst rank's allocated and reserved peaks and the predicted
+    bytes), ({}, {}) without a rank to compare."""
+    pred = measured["predicted_memory_by_rank"]
+    breakdown = measured.get("predicted_breakdown_by_rank") or {}
+    allocated, reserved = measured.get("memory_by_rank") or {}, measured.get("reserved_by_rank") or {}
+    held = {r: reserved.get(r, allocated.get(r)) for r in set(allocated) | set(reserved)}
+    fixed = current.get("margin_fixed_bytes", 0.0)
+    bases = {r: (pred.get(r) or 0.0) - breakdown.get(r, {}).get("margin", 0.0) for r in held}
+    try:
+        margin, rec = margin_factors({r: v + fixed for r, v in held.items() if v is not None}, bases,
+                                     current=current)
+    except ValueError:
+        return {}, {}
+    r = rec["rank"]
+    return margin, {"measured_peak_bytes": allocated.get(r), "measured_reserved_bytes": reserved.get(r),
+                    "predicted_peak_bytes": pred.get(r), "margin_rank": r}
 
 
 def margin_factors(measured: dict[int, float], predicted: dict[int, float], *,
                    current: dict[str, float]) -> tuple[dict[str, float], dict]:
     """The allocator margin that makes the predicted peak equal the measured one, for the rank whose measured /
-    predicted ratio is worst: ``measured`` = rank -> peak bytes (CUDA's peak allocated; on CPU the peak RSS above
-    the rank's baseline, ``autopar_nb.launch.replan``), ``predicted`` = rank -> the plan's bytes for it before the
-    margin, ``current`` = the factors the prediction used (its ``margin_fixed_bytes`` is kept):
+    predicted ratio is worst: ``measured`` = rank -> the bytes its process held at its peak, the fixed part
+    included (NVML's figure for the process, CUDA context and all, in ``autopar_nb.launch.replan``; the
+    allocator's peak reserve plus ``margin_fixed_bytes`` in :func:`cuda_margin_factors`), ``predicted`` = rank ->
+    the plan's bytes for it before the margin, ``current`` = the factors the prediction used (its
+    ``margin_fixed_bytes`` is kept):
     ``margin_fraction = max(0, (measured - predicted - margin_fixed_bytes) / predicted)``. Returns (factors,
     record: the rank, its measured and predicted bytes)."""
     pairs = {r: (m, predicted[r]) for r, m in measured.items() if m is not None and (predicted.get(r) or 0) > 0}

@@ -491,9 +491,23 @@ def test_calibration_memory_margin_from_cuda_peak():
     factors, record = calibration.factors_from(measured, current=current)
     assert factors["eff_matmul"] == pytest.approx(0.7 / 1.5)
     assert factors["op_overhead_s"] == pytest.approx(6e-6)
-    # base = 11.5 - 1.5 = 10 GB; 13 = 10 * (1 + f) + 1  ->  f = 0.2
-    assert factors["margin_fraction"] == pytest.approx(0.2)
-    assert record["ratio"] == pytest.approx(1.5)
+    # a summary without the reserve: the allocated peak is what the allocator held; base = 11.5 - 1.5 = 10 GB, and
+    # the CUDA context (the fixed 1 GB) lies outside it: 13 = 10 * (1 + f)  ->  f = 0.3
+    assert factors["margin_fraction"] == pytest.approx(0.3)
+    assert record["ratio"] == pytest.approx(1.5) and record["margin_rank"] == 0
+    # the peak reserve, where the run reported it, is what the margin covers (fragmentation included): the worst
+    # rank is 0, 13.2 GB reserved, 13.2 = 10 * (1 + f)  ->  f = 0.32 (rank 1's 12.5 GB would give 0.25)
+    reserved, record = calibration.factors_from({**measured, "reserved_by_rank": {0: 13.2e9, 1: 12.5e9}},
+                                                current=current)
+    assert reserved["margin_fraction"] == pytest.approx(0.32) and record["measured_reserved_bytes"] == 13.2e9
+    # the H200's full-recompute run (BENCHMARKS.md "GPU"): 31.885 GiB predicted before the margin, 31.941 GiB
+    # allocated, 41.695 GiB reserved -> the margin that covers it is 30.8 %, where the allocated peak gave 0.2 %
+    gib = 2**30
+    h200 = {**measured, "memory_by_rank": {0: 31.941 * gib}, "reserved_by_rank": {0: 41.695 * gib},
+            "predicted_memory_by_rank": {0: 34.479 * gib}, "predicted_breakdown_by_rank": {0: {"margin": 2.594 * gib}}}
+    assert calibration.factors_from(h200, current=current)[0]["margin_fraction"] == pytest.approx(0.3077, abs=1e-3)
+    h200.pop("reserved_by_rank")
+    assert calibration.factors_from(h200, current=current)[0]["margin_fraction"] == pytest.approx(0.0018, abs=1e-3)
     with pytest.raises(ValueError, match="plan=<a Plan with a cost>"):
         calibration.factors_from({"step_time_s": 0.3}, current=current)
 

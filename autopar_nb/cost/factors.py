@@ -40,7 +40,9 @@ class Factors:
     bubble_zero_bubble: float = 0.10
     """zero-bubble schedules: remaining bubble as a fraction of the 1F1B bubble (ZB-V paper: near zero)"""
     margin_fraction: float = 0.05
-    """allocator fragmentation: fraction of the predicted bytes reserved on top (caching allocator, typical 3-10%)"""
+    """allocator fragmentation: fraction of the predicted bytes the caching allocator reserves on top. Measured on an
+    H200 (BENCHMARKS.md "GPU"): 1.4 % without recompute, 2.2 % selective, 30.5 % full; a CUDA run's
+    ``run.calibrate()`` replaces this default with its own peak reserve's (``autopar_nb.calibration``)"""
     margin_fixed_bytes: float = 1.0 * 2**30
     """CUDA context, cuBLAS/NCCL workspaces, bytes (about 0.5-1.5 GiB per GPU process)"""
     compile_memory_bound: float = 0.5
