@@ -441,7 +441,8 @@ def test_a_peak_inside_a_layers_forward_is_its_forward_moment(fix, phase):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("family, amp, recompute, size", [("LLaMA", "none", "none", WHOLE),
                                                           ("GPT-2", "none", "none", WHOLE),
-                                                          ("ViT", "bf16", "full", BENCH)])
+                                                          ("ViT", "bf16", "full", BENCH),
+                                                          ("BERT", "bf16", "none", BENCH)])
 def test_pipeline_stages_memory_matches_the_tracker(family, amp, recompute, size):
     """pp=2 1F1B, 2 micro-batches, on 2 real gloo processes (``measure.measure_real``): every rank's components and
     total within 5 %, its parameters its own stage's only (the other stage's weights freed: ``release_stages``; GPT-2's
@@ -450,7 +451,10 @@ def test_pipeline_stages_memory_matches_the_tracker(family, amp, recompute, size
     micro-batch), LLaMA's stage inputs without a materialised causal mask (``masks_as_in_eager``). The last rank's
     backward of its second micro-batch also holds the first one's input gradient, whose send torch's 1F1B keeps
     until then (``pipeline_sent_gradients``; ViT's rank 1 under full recompute was -6.3 % without it), and no rank
-    keeps the batch the stages were traced on (ViT's images: the script drops it after ``parallelize``)."""
+    keeps the batch the stages were traced on (ViT's images: the script drops it after ``parallelize``). BERT's first
+    rank under bf16 autocast peaks in an attention's backward, where CPU SDPA's math kernel (dropout) holds the
+    attention weights' float32 gradient (``profile._math_attention_gradients``; 11.5 MiB of temporaries short
+    without it)."""
     from autopar_nb.cost import estimate
     from autopar_nb.cost.estimate import peak_moments
     from autopar_nb.measure import GROUPS, measure, measured_groups, moment_at, predicted_groups
