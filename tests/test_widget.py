@@ -921,6 +921,35 @@ def test_a_gpu_plan_run_on_cpu_shows_its_step_time_uncompared(seed_graph, tmp_pa
     assert t["note"] == "not compared: the plan was made for h100-80gb, the run used 2 CPU processes (gloo)"
 
 
+def test_a_gpu_run_shows_the_allocators_reserve_beside_the_margin(seed_graph, tmp_path):
+    """On GPUs (issue 21 point 5) the peak compares CUDA's peak allocated with the predicted tensors (no margin), and
+    the caching allocator's peak reserve, its fragmentation included, with the whole prediction, whose margin is
+    there to cover it: in the widget's components and in ``plan.explain(run)``."""
+    from autopar_nb.launch.compare import predicted_memory
+    from autopar_nb.launch.run import Run
+    from autopar_nb.planner.explain import fmt_bytes
+
+    s = _session(seed_graph)
+    w = s.widget()
+    run = Run(run_id="0123456789", run_dir=tmp_path / "r", script=tmp_path / "train.py", nproc=2, steps=3,
+              token="t", backend="nccl", max_restarts=0, hang_timeout_s=None, plan=s.plan)
+    state, whole = predicted_memory(s.plan, 0, model_state=True), predicted_memory(s.plan, 0, model_state=False)
+    run._rows += [{"rank": r, "attempt": 0, "step": k, "step_time_s": 0.1, "mem_allocated": 0.3 * state,
+                   "mem_peak": state * (1.01 if r else 1.02), "mem_peak_reserved": state * (1.2 if k else 1.1),
+                   "time": run.started + k} for k in range(3) for r in (0, 1)]
+    run.first_step_time = 1.0
+    w.follow(run)
+    w._on_run(run)
+    c = w.measured["components"]
+    assert c["rank"] == 0 and c["peak"]["ratio"] == pytest.approx(1.02)  # the tensors: allocated vs no margin
+    assert c["reserved"]["measured"] == pytest.approx(1.2 * state) and c["reserved"]["predicted"] == whole
+    assert c["reserved"]["ratio"] == pytest.approx(1.2 * state / whole)
+    text = s.plan.explain(run)
+    assert f"allocator's peak reserve {fmt_bytes(1.2 * state)} against {fmt_bytes(whole)} predicted, margin " \
+           "included (x0.02)" in text
+    assert "CUDA's peak allocated, against the predicted tensors" in w.measured["run"]["basis"]
+
+
 MEASURED_PAGE = """async ([esm, css, state, dark]) => {
   const style = document.createElement("style");
   style.textContent = css + (dark ? `body { --jp-layout-color1: #111111; --jp-layout-color2: #212121;
@@ -984,7 +1013,9 @@ def test_measured_figures_render_beside_the_predicted_ones(seed_graph, tmp_path,
     run = cpu_run_of(s, tmp_path)
     w.follow(run)
     w._on_run(run)
-    state["next_measured"] = w.measured
+    # a GPU run's components carry the allocator's peak reserve too (test_a_gpu_run_shows_the_allocators_reserve_...)
+    reserve = {"measured": 250 * MIB, "predicted": 1000 * MIB, "ratio": 0.25}
+    state["next_measured"] = {**w.measured, "components": {**w.measured["components"], "reserved": reserve}}
     state["measured"] = {}
     static = Path(__file__).resolve().parent.parent / "autopar_nb" / "static"
     esm, css = (static / "planner.js").read_text(), (static / "planner.css").read_text()
@@ -1003,6 +1034,7 @@ def test_measured_figures_render_beside_the_predicted_ones(seed_graph, tmp_path,
     rows = {r[0]: r for r in seen["rows"]}
     assert rows["peak (rank 0)"][2] == f"{fmt_bytes(200 * MIB)} ×{m['components']['peak']['ratio']:.2f}"
     assert rows["between steps"][2].startswith(fmt_bytes(60 * MIB))
+    assert rows["allocator reserve"][1:3] == [fmt_bytes(1000 * MIB), f"{fmt_bytes(250 * MIB)} ×0.25"]
     assert "default (not calibrated)" in rows["allocator margin"][3] and rows["parameters"][3].startswith("exact")
     assert not seen["low"], seen["low"]
     assert seen["markContrast"] >= 3, seen["markContrast"]

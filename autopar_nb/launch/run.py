@@ -346,20 +346,25 @@ class Run:
         """What this run measured beside its plan's predictions, on the basis they compare (see
         :mod:`autopar_nb.launch.compare`): ``{"basis", "by_rank": {rank: {"peak": fig, "between steps": fig}},
         "time": fig | {"compared", "note"}}`` where ``fig = {"measured", "predicted", "ratio"}`` (None where unknown).
-        Per rank: its peak (CPU: RSS above its baseline vs the training state, no margin; GPU: CUDA's peak vs the
-        whole prediction) and what it held between steps (the least at a step's end) against the parameters and
-        optimizer state the plan keeps there; the median step time (its first step left out) against the plan's
-        where the plan's device is the run's. A launched run measures no other component."""
+        Per rank: its peak against the predicted training state, no margin (CPU: RSS above its baseline; GPU:
+        CUDA's peak allocated), on GPUs also the caching allocator's peak reserve (``"reserved"``) against the whole
+        prediction, whose margin is there to cover it, and what it held between steps (the least at a step's end)
+        against the parameters and optimizer state the plan keeps there; the median step time (its first step left
+        out) against the plan's where the plan's device is the run's. A launched run measures no other component."""
         from ..calibration import persistent_bytes
 
         c = self.comparison()
         cpu = c["memory_basis"] == "rss_above_baseline"
         peaks, floors = self._measured_memory()
+        reserved = {} if cpu else self.summary().get("reserved_by_rank") or {}
         by_rank = {}
         for r in sorted(set(peaks) | set(floors)):
             mb = compare.predicted_breakdown(self.plan, r)
-            by_rank[r] = {"peak": _figure(peaks.get(r), compare.predicted_memory(self.plan, r, model_state=cpu)),
+            by_rank[r] = {"peak": _figure(peaks.get(r), compare.predicted_memory(self.plan, r, model_state=True)),
                           "between steps": _figure(floors.get(r), persistent_bytes(mb) if mb is not None else None)}
+            if reserved.get(r):
+                by_rank[r]["reserved"] = _figure(reserved[r], compare.predicted_memory(self.plan, r,
+                                                                                      model_state=False))
         cost = getattr(self.plan, "cost", None)
         predicted_t = float(cost.step_time_s) if cost is not None and cost.step_time_s else None
         compared = bool(c["compare_time"])
@@ -369,7 +374,9 @@ class Run:
                                                  f"{c['plan_device'] or 'another device'}, the run used "
                                                  f"{c['run_device']}")}
         basis = ("peak RSS above each rank's RSS before its model was built, against the predicted training state "
-                 "(no allocator margin)" if cpu else "CUDA's peak allocated, against the whole prediction")
+                 "(no allocator margin)" if cpu else "CUDA's peak allocated, against the predicted tensors (no "
+                 "allocator margin); the allocator's peak reserve against the whole prediction, whose margin covers "
+                 "its fragmentation")
         return {"basis": basis, "device": c["run_device"], "by_rank": by_rank, "time": time_fig,
                 "throughput": self._measured_throughput(cost, time_fig)}
 
@@ -396,15 +403,17 @@ class Run:
 
         m = self.measured()
 
-        def fig(f, unit) -> str:
+        def fig(f, unit, what: str = "predicted") -> str:
             if not f["measured"]:
                 return "not measured"
-            pred = f" against {unit(f['predicted'])} predicted (x{f['ratio']:.2f})" if f["ratio"] else ""
+            pred = f" against {unit(f['predicted'])} {what} (x{f['ratio']:.2f})" if f["ratio"] else ""
             return f"{unit(f['measured'])}{pred}"
 
         lines = [f"Measured by run {self.run_id[:8]} ({self.status}, {m['device']}); memory: {m['basis']}."]
         for r, f in m["by_rank"].items():
-            lines.append(f"Rank {r}: peak {fig(f['peak'], fmt_bytes)}; between steps "
+            reserve = (f"; the allocator's peak reserve {fig(f['reserved'], fmt_bytes, 'predicted, margin included')}"
+                       if "reserved" in f else "")
+            lines.append(f"Rank {r}: peak {fig(f['peak'], fmt_bytes)}{reserve}; between steps "
                          f"{fig(f['between steps'], fmt_bytes)} (parameters and optimizer state).")
         t = m["time"]
         ms = lambda x: f"{x * 1e3:.1f} ms"

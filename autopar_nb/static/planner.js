@@ -879,6 +879,11 @@ function componentsPanel(comp, measured) {
   const rows = comp.rows.map((r) => row(r.label, r.bytes, r.source, null));
   if (c.peak) {
     rows.push(row(`peak (rank ${c.rank})`, c.peak.predicted, measured.run.basis, c.peak));
+    if (c.reserved) {
+      rows.push(row("allocator reserve", c.reserved.predicted,
+        "the whole prediction, margin included, against the caching allocator's peak reserve (its fragmentation)",
+        c.reserved));
+    }
     rows.push(row("between steps", c["between steps"].predicted,
       "parameters and optimizer state (what a rank keeps between steps) against the least it held at a step's end",
       c["between steps"]));

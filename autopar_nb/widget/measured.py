@@ -3,8 +3,9 @@
 Once a launched run of the plan shown has measured something, the memory bars and the step time carry the measured
 figure and its ratio to the prediction it compares with (``autopar_nb.launch.compare``: on CPU each rank's peak RSS
 above its RSS before its model was built against the predicted training state, without the allocator margin; on
-GPUs CUDA's peak against the whole prediction). Only what the run measured is shown: per rank its peak and what it
-held between steps (against the parameters and optimizer state the plan keeps there), the median step time as a
+GPUs CUDA's peak allocated against the same, and the allocator's peak reserve against the whole prediction, whose
+margin covers its fragmentation). Only what the run measured is shown: per rank its peak (on GPUs its reserve) and
+what it held between steps (against the parameters and optimizer state the plan keeps there), the median step time as a
 whole (a launched run times its steps, not their parts). ``verify`` measures neither memory nor step time.
 """
 
@@ -49,7 +50,8 @@ def bar_ranks(plan: Any) -> list[list[int]]:
 
 def measured_panel(plan: Any, runs: list) -> dict[str, Any]:
     """``{}`` until a run of ``plan`` reported a step; then ``{"run": {id, status, steps, device, basis, note},
-    "bars": [{ranks, measured, predicted, ratio}] (one per memory bar), "components": {"peak", "between steps"}
+    "bars": [{ranks, measured, predicted, ratio}] (one per memory bar), "components": {"peak", "between steps",
+    on GPUs "reserved"}
     (figures of the bar with the highest measured/predicted ratio, with its rank), "time": {measured, predicted,
     ratio, compared, note}}``."""
     run = run_of(plan, runs)
@@ -68,8 +70,7 @@ def measured_panel(plan: Any, runs: list) -> dict[str, Any]:
         f = ranks_seen[worst]["peak"] if worst is not None else {"measured": None, "predicted": None, "ratio": None}
         bars.append({"ranks": ranks, "rank": worst, **f})
     top = max((b for b in bars if b["ratio"]), key=lambda b: b["ratio"], default=None)
-    components = {} if top is None else {"rank": top["rank"], "peak": ranks_seen[top["rank"]]["peak"],
-                                         "between steps": ranks_seen[top["rank"]]["between steps"]}
+    components = {} if top is None else {"rank": top["rank"], **ranks_seen[top["rank"]]}
     return {"run": {"id": run.run_id[:8], "status": run.status, "steps": run.summary().get("steps", 0),
                     "device": m["device"], "basis": m["basis"],
                     "note": "a launched run measures each rank's peak and what it held between steps, not each "
