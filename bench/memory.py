@@ -57,14 +57,15 @@ MATRIX = [
     (ALL, "single,ddp,zero1,zero2,zero3,tp", "none", "none"),
     (ALL, "single,ddp,zero1,zero2,zero3,tp", "bf16", "none"),
     (ALL, "single", "none,bf16", "selective,full"),
-    (ALL, "tp", "bf16", "selective,full"),
-    ("LLaMA,ViT", "zero3", "bf16", "selective,full"),
+    (ALL, "tp", "none,bf16", "selective,full"),
+    (ALL, "ddp,zero1,zero2,zero3", "none,bf16", "selective,full"),
     (ALL, "pp", "none", "none"),
 ]
 """the table's groups, in the order they run (breadth first): (families, plans, amp values, recompute values),
-each group their product. Every family under every data/tensor-parallel plan in fp32 and bf16 autocast (ZeRO 2/3
-run autocast over FSDP's 16-bit parameters), every family under both recomputes alone (fp32, bf16) and with TP +
-sequence parallelism (bf16), recompute under ZeRO-3 on a decoder and an encoder; the pipeline last"""
+each group their product: every family under every data/tensor-parallel plan (single, DDP, ZeRO 1-3, TP +
+sequence parallelism) x fp32 / bf16 autocast (ZeRO 2/3 run autocast over FSDP's 16-bit parameters) x recompute
+none / selective / full, the issue's whole product but the pipeline, which is here in fp32 without recompute and
+in its own section under every precision and recompute (``--plans pp``)"""
 QUICK = [
     ("LLaMA,ViT", "single,ddp,zero2,zero3,tp", "none,bf16", "none"),
     ("LLaMA,BERT,GPT-2", "single,tp", "bf16", "selective,full"),
