@@ -91,7 +91,7 @@ class Checker:
     narrows (the memory check's recompute ``modes``, the throughput check's ``variants`` by number)."""
 
     def __init__(self, budget_s: float, target: Target = GPU, *, modes: tuple[str, ...] | None = None,
-                 variants: set[int] | None = None):
+                 variants: set[int] | None = None, alloc_conf: str = ""):
         from IPython.core.interactiveshell import InteractiveShell
 
         self.target = target
@@ -102,6 +102,9 @@ class Checker:
         self.modes = modes or ("none", "selective", "full")
         self.variants = variants
         self.first_run = None  # (session, run, summary) of the memory check's first run: calibrate and eager reuse it
+        self.alloc_conf = alloc_conf
+        """``PYTORCH_CUDA_ALLOC_CONF`` for every launched run ("" = the allocator's defaults): the caching
+        allocator's fragmentation under another setting, e.g. ``expandable_segments:True``"""
 
     def session(self, line: str, cell: str | None = None):
         """The magic on ``cell`` (default: the target's) for the target's device and dtype, plus ``line``."""
@@ -128,7 +131,8 @@ class Checker:
 def launched(ap, c: Checker, *, steps: int, **flags):
     """Launch ``ap``'s plan on one process (cold, so no pool holds the GPU) and return (run, summary); the run may
     take what is left of the check's time (at most 240 s)."""
-    run = ap.launch(nproc=1, steps=steps, warm=False, **flags)
+    env = {"PYTORCH_CUDA_ALLOC_CONF": c.alloc_conf} if c.alloc_conf else None
+    run = ap.launch(nproc=1, steps=steps, warm=False, env=env, **flags)
     status = run.wait(timeout=c.left(240.0))
     if status != "finished":
         run.stop()
@@ -149,8 +153,9 @@ def check_memory_and_time(c: Checker) -> str:
     """Recompute none / selective / full: peak memory vs predicted (CUDA's peak allocated, beside the planner's
     figure before its allocator margin; RSS on CPU), the caching allocator's peak reserve over that peak (its
     fragmentation: what the margin must cover), step time vs predicted, device samples with NVML figures."""
-    lines = ["| recompute | predicted peak (before margin) | measured peak | error | peak reserved | reserve over "
-             "peak | predicted step | measured step | error | NVML samples |", "|---" * 10 + "|"]
+    lines = ([f"Runs with `PYTORCH_CUDA_ALLOC_CONF={c.alloc_conf}`:", ""] if c.alloc_conf else []) + [
+        "| recompute | predicted peak (before margin) | measured peak | error | peak reserved | reserve over "
+        "peak | predicted step | measured step | error | NVML samples |", "|---" * 10 + "|"]
     c.first_run = None
     for mode in c.modes:
         ap = c.session(f"--gpus 1 --fix recompute={mode}")
@@ -322,7 +327,8 @@ def run_checks(c: Checker, only: set[int] | None = None, after=None) -> list[tup
     return c.rows
 
 
-def plumbing(budget_s: float, only: set[int] | None = None) -> int:
+def plumbing(budget_s: float, only: set[int] | None = None, *, modes: tuple[str, ...] | None = None,
+             alloc_conf: str = "") -> int:
     """The CPU path: say there is no GPU, run every check at toy size on CPU processes, render the section into a
     temporary copy of BENCHMARKS.md; exit 1 when a check failed (0 otherwise)."""
     from capture import write_section
@@ -333,7 +339,7 @@ def plumbing(budget_s: float, only: set[int] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         # the calibrate check must not leave toy-run factors in the user's calibration file
         os.environ["AUTOPAR_CALIBRATION"] = str(Path(tmp) / "calibration.json")
-        rows = run_checks(Checker(budget_s, CPU), only)
+        rows = run_checks(Checker(budget_s, CPU, modes=modes, alloc_conf=alloc_conf), only)
         copy = Path(tmp) / "BENCHMARKS.md"
         shutil.copy(ROOT / "BENCHMARKS.md", copy)
         write_section("GPU", render(header(), rows), copy)
@@ -354,18 +360,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--copy-to", type=Path, help="copy BENCHMARKS.md into this folder after each check")
     p.add_argument("--variants", help="the throughput check's variants to run, by number (1-6, in VARIANTS' order)")
     p.add_argument("--recompute", help="the memory check's recompute modes (default: none,selective,full)")
+    p.add_argument("--alloc-conf", default="", help="PYTORCH_CUDA_ALLOC_CONF for the launched runs, e.g. "
+                   "expandable_segments:True (the allocator's fragmentation under it: --only 1 --alloc-conf ...)")
     args = p.parse_args(argv)
     only = {int(k) for k in args.only.split(",")} if args.only else None
     variants = {int(k) for k in args.variants.split(",")} if args.variants else None
     from autopar_nb.hardware import visible_gpus
 
+    modes = tuple(args.recompute.split(",")) if args.recompute else None
     if args.plumbing or not visible_gpus():
-        return plumbing(args.budget_s, only)
+        return plumbing(args.budget_s, only, modes=modes, alloc_conf=args.alloc_conf)
     from capture import write_section
 
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    modes = tuple(args.recompute.split(",")) if args.recompute else None
-    head, c = header(), Checker(args.budget_s, GPU, modes=modes, variants=variants)
+    head, c = header(), Checker(args.budget_s, GPU, modes=modes, variants=variants, alloc_conf=args.alloc_conf)
 
     def written() -> None:
         write_section("GPU", render(head, c.rows))
