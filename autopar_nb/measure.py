@@ -634,13 +634,17 @@ def measure(source, plan, *, ranks: tuple[int, ...] = (0,), steps: int = 2, time
             census: int = 0) -> list[dict]:
     """Measure ``plan`` on ``source`` (a :class:`~autopar_nb.source.ModelSource`) for each of ``ranks``: the plan's
     script is exported to a temporary directory and :func:`measure_script` runs it, each rank in a fresh process of
-    a fake group, or, for a pipelined plan, every rank of a real one started by torchrun (:func:`measure_real`).
+    a fake group, or every rank of a real one started by torchrun (:func:`measure_real`) for a plan whose ranks
+    need each other's data: a pipeline (its stages' boundary shapes and activations) and expert parallelism (the
+    token counts each rank routes to the others' experts: a fake group leaves the all-to-all's output as it was
+    allocated, so the received counts, and with them the experts' activations, were whatever memory held; Mixtral
+    under DDP had 3270 to 5362 tokens per expert group where routing sends about 4096).
     ``census``: also list that many of the largest storages at each rank's peak (:func:`measure_script`)."""
     from .export import export
 
     with tempfile.TemporaryDirectory(prefix="autopar-measure-") as tmp:
         script = export(source, plan, Path(tmp) / "train.py", quiet=True).script
-        if plan.mesh.pp > 1:
+        if plan.mesh.pp > 1 or plan.mesh.ep > 1:
             got = measure_real(script, world=plan.mesh.world_size, steps=steps, timeout=timeout, census=census)
             return [got[r] for r in ranks]
         return [measure_in_subprocess(script, rank=r, steps=steps, timeout=timeout, census=census) for r in ranks]
