@@ -3,7 +3,8 @@ bring (issue 21), component by component.
 
 Each case: the family's cell at hidden 256, 4 layers, seq 256, batch 8 (tests/memcells.py), planned with the case's
 fixed choices, exported, and its script's own ``main`` run for 2 steps as one rank of a fake process group inside
-the tracker (``autopar_nb.measure``; real small tensors on CPU). The prediction is the cost model's per-rank
+the tracker (``autopar_nb.measure``; real small tensors on CPU; pipelined and expert-parallel plans on real gloo
+processes, whose ranks need each other's data). The prediction is the cost model's per-rank
 peak total before its allocator margin, and its named terms (``MemoryBreakdown.terms``) grouped as the tracker
 labels what it counts (``autopar_nb.measure.GROUPS``), at the moment the tracker peaked at: the model weighs every
 layer's backward (at each of its ops) and recompute, the loss and the step (``cost.estimate.peak_moments``), and
@@ -291,7 +292,8 @@ def main() -> None:
                     "autopar_nb.measure.moment_at; at the model's own peak where it has no such moment), "
                     "measured (m) = "
                     "MemTracker/FSDPMemTracker peak of the 2nd step of the exported script's own main under a fake "
-                    "process group, pipelined plans on real gloo processes (autopar_nb/measure.py), "
+                    "process group, pipelined and expert-parallel plans on real gloo processes "
+                    "(autopar_nb/measure.py), "
                     f"both grouped as autopar_nb.measure.GROUPS says (MiB). {summary}.\n\n{table}\n"
                     + ("".join(f"\n- not measured: {f}" for f in failed))
                     + ("\n\nKnown gaps:\n" + "".join(f"\n- {k}" for k in KNOWN)) + "\n")
