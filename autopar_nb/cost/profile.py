@@ -975,6 +975,11 @@ def _gradients_of(n, f: _Facts) -> tuple[Saved, ...]:
         if i in f.grad and i not in f.param_views and f.size[i].floating:
             grads.append(Saved(f.size[i].nbytes, i in f.tp.sharded, gathered=style == "colwise",
                                quadratic=i in f.scores))
+    if packet(n.op) == "index" and n.inputs and n.inputs[0] in f.grad and f.size[n.inputs[0]].floating:
+        # IndexBackward0 puts the gradient into zeros of the input's size out of place (index_put): the zeros and
+        # the result are alive at once (dispatch log, torch 2.13; Mixtral's experts under ZeRO 2/3 bf16 full
+        # recompute peak there: 4 MiB of temporaries short without it)
+        grads.append(Saved(f.size[n.inputs[0]].nbytes, n.inputs[0] in f.tp.sharded, quadratic=n.inputs[0] in f.scores))
     return tuple(grads)
 
 
