@@ -848,7 +848,7 @@ def moment_layers(cnt: int) -> list[int]:
 
 
 def fsdp_buffers(units: list[FsdpUnit], layer: int, *, zero_stage: int, p_item: int, g_item: int,
-                 forward: bool = False, params: float = 0.0) -> dict[str, float]:
+                 params: float, forward: bool = False) -> dict[str, float]:
     """FSDP2's buffers (bytes) while ``layer`` runs its backward (measured with FSDPMemTracker under a fake group,
     LLaMA and ViT, ZeRO-3 + full recompute, bf16): ZeRO-3 gathers the layer's unit again (its unsharded
     parameters in the compute dtype) and prefetches the unit before it (the all-gather's output,
