@@ -1004,8 +1004,7 @@ def _selective_kept(n, f: _Facts, device_kind: str) -> list[Saved]:
     size, region = f.size[n.name]._replace(floating=True), n.name in f.tp.sharded
     if _math_attention(n, device_kind):
         item = max(size.itemsize, 4)
-        (*lead, _), kshape = n.in_shapes[0], n.in_shapes[1]
-        return [Saved(_numel(lead) * kshape[-2] * item, region, quadratic=True), Saved(size.numel * item, region)]
+        return [Saved(_scores_numel(n) * item, region, quadratic=True), Saved(size.numel * item, region)]
     kept = [Saved(size.nbytes, region, gathered=f.tp.styles.get(n.name) == "rowwise")]
     rule = rule_of(n.op)
     if n.op_class == "attention" and rule is not None and rule.stats is not None:
@@ -1095,9 +1094,8 @@ def _math_attention_saves(n, f: _Facts, kept_input) -> list[_Keep]:
     output) is copied when ``scores @ v`` folds its batch dims, and that copy is what it saves."""
     region = n.name in f.tp.sharded
     q, k, v = (n.inputs + [None] * 3)[:3]
-    (*lead, _), kshape = n.in_shapes[0], n.in_shapes[1]
     item = max(f.size[n.name].itemsize, 4)
-    scores = _Size(_numel(lead) * kshape[-2], item, True)
+    scores = _Size(_scores_numel(n), item, True)
     upcast = f.size[n.name].itemsize < item
     return [_Keep(f"q:{n.name}", f.size[q]._replace(itemsize=item), region),
             _Keep(f"k:{n.name}", f.size[k]._replace(itemsize=item), region),
@@ -1116,10 +1114,15 @@ def _math_attention_transients(n, f: _Facts, device_kind: str) -> tuple[Saved, .
         return ()
     region = n.name in f.tp.sharded
     q, k, v = n.inputs[:3]
-    (*lead, _), kshape = n.in_shapes[0], n.in_shapes[1]
     upcast = [Saved(f.size[i].numel * 4, region) for i in (q, k, v, q)]
-    dropped = Saved(_numel(lead) * kshape[-2] * f.size[n.name].itemsize, region, quadratic=True)
+    dropped = Saved(_scores_numel(n) * f.size[n.name].itemsize, region, quadratic=True)
     return (*upcast, dropped, Saved(f.size[n.name].numel * 4, region))
+
+
+def _scores_numel(n) -> int:
+    """Elements of attention op ``n``'s score matrix: the query's leading dims and length times the keys' length."""
+    (*lead, _), kshape = n.in_shapes[0], n.in_shapes[1]
+    return _numel(lead) * kshape[-2]
 
 
 def _math_attention_gradients(n, f: _Facts, device_kind: str) -> tuple[Saved, ...]:
@@ -1133,9 +1136,8 @@ def _math_attention_gradients(n, f: _Facts, device_kind: str) -> tuple[Saved, ..
     if not _math_attention(n, device_kind) or len(n.inputs) < 3:
         return ()
     region, out = n.name in f.tp.sharded, f.size[n.name]
-    (*lead, _), kshape = n.in_shapes[0], n.in_shapes[1]
     item = max(out.itemsize, 4)
-    grads = [Saved(out.nbytes, region), Saved(_numel(lead) * kshape[-2] * item, region, quadratic=True),
+    grads = [Saved(out.nbytes, region), Saved(_scores_numel(n) * item, region, quadratic=True),
              Saved(f.size[n.inputs[2]].numel * item, region)]
     if out.itemsize < item:
         grads.append(Saved(out.numel * item, region))
