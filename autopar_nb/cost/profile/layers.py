@@ -28,9 +28,9 @@ from typing import Any, NamedTuple
 
 from kernels_ext import moe_rules
 
-from ..plan import ITEMSIZE, layer_of
-from .autocast import NORM_MODULES, AmpDtypes, amp_dtypes
-from .tp_styles import Parts, Walk, packet, part_split, rule_of, sp_check, splits_of, tp_walk
+from ...plan import ITEMSIZE, layer_of
+from ..autocast import NORM_MODULES, AmpDtypes, amp_dtypes
+from ..tp_styles import Parts, Walk, packet, part_split, rule_of, sp_check, splits_of, tp_walk
 
 FLOAT = {"float64", "float32", "float16", "bfloat16"}
 
