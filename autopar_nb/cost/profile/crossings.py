@@ -1,0 +1,88 @@
+"""What crosses the boundaries between layers: the bytes entering and leaving each layer, and the
+tensors a pipeline cut before each layer would send."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from .facts import FLOAT, Facts, in_layers
+from .layers import Crossing, LayerProfile
+
+
+def count_boundaries(layers: dict[str, LayerProfile], f: Facts, amp: dict[str, Facts]) -> None:
+    """Bytes entering each layer (each storage once) and leaving it (read by a later layer, or the
+    model output), in the float32 forward and under each autocast precision."""
+    for path, (inp, out, shared) in _boundary_bytes(layers, f).items():
+        layers[path].input_bytes, layers[path].output_bytes = inp, out
+        layers[path].shared_inputs["fp32"] = shared
+    for precision, fa in amp.items():
+        for path, (inp, out, shared) in _boundary_bytes(layers, fa).items():
+            layers[path].input_amp[precision], layers[path].output_amp[precision] = inp, out
+            layers[path].shared_inputs[precision] = shared
+
+
+def _boundary_bytes(layers: dict[str, LayerProfile], f: Facts
+                    ) -> dict[str, tuple[float, float, dict[str, float]]]:
+    """layer -> (bytes entering it, bytes leaving it, the entering storages other layers read too
+    -> their bytes) at the dtypes of ``f``."""
+    consumers: dict[str, list[str]] = defaultdict(list)
+    for n in f.graph.nodes:
+        for i in n.inputs:
+            consumers[i].append(n.name)
+    layer_of_node = {n.name: n.layer for n in f.graph.nodes}
+    last = f.graph.nodes[-1] if f.graph.nodes else None
+    entered: set[tuple[str, str]] = set()
+    out = {path: [0.0, 0.0] for path in layers}
+    for lp, n in in_layers(layers, f):
+        for i in n.inputs:
+            key = f.root.get(i, i)
+            if layer_of_node.get(i) != n.layer and (n.layer, key) not in entered:
+                entered.add((n.layer, key))  # an input read by several ops is held once
+                out[lp.path][0] += f.size[key].nbytes
+        readers = consumers.get(n.name, [])
+        if n.op_class == "view" and readers:
+            continue
+        elsewhere = [c for c in readers if layer_of_node.get(c) != n.layer]
+        if n.out_shapes and n.dtype in FLOAT and (elsewhere or (n is last and not readers)):
+            out[lp.path][1] += f.size[n.name].nbytes
+    n_readers = Counter(key for _, key in entered)
+    shared: dict[str, dict[str, float]] = defaultdict(dict)
+    for layer, key in entered:
+        if n_readers[key] > 1 and layer in out:
+            shared[layer][key] = float(f.size[key].nbytes)
+    return {k: (v[0], v[1], shared.get(k, {})) for k, v in out.items()}
+
+
+def count_crossings(f: Facts, amp: dict[str, Facts],
+                    first_saver: dict[str, str]) -> list[list[Crossing]]:
+    """Per layer index k, the tensors a pipeline cut right before layer k sends, as
+    ``runtime/pp.py``'s ``chain_stages`` passes them: every value made before k (or a model input)
+    that an op at or after k reads, once each (a value read further on is passed through every stage
+    between). A node outside every layer (code in a model's own forward between its modules)
+    belongs to the layer before it, as a cut at the next layer's start leaves it. Only a layer's
+    first call moves the position: T5's stacks call their dropout again after the final norm, and
+    that second call runs where the graph has it, in the layer before. ``first_saver``: storage ->
+    the layer whose op saves it first (:func:`.saved.count_saved`)."""
+    index = {lay.path: i for i, lay in enumerate(f.graph.layers)}
+    where: dict[str, int] = {name: -1 for name in f.size if name not in f.by_name}  # model inputs
+    last_read: dict[str, int] = {}
+    at, called = 0, set()
+    for n in f.graph.nodes:
+        if n.layer in index and n.layer not in called:
+            called.add(n.layer)
+            at = index[n.layer]
+        where[n.name] = at
+        for i in n.inputs:
+            last_read[i] = max(last_read.get(i, -1), at)
+    out: list[list[Crossing]] = [[] for _ in f.graph.layers]
+    for name, last in last_read.items():
+        made = where.get(name)
+        if made is None or f.size.get(name) is None:
+            continue
+        saver = first_saver.get(f.root.get(name, name))
+        crossing = Crossing({"fp32": float(f.size[name].nbytes),
+                             **{p: float(fa.size[name].nbytes) for p, fa in amp.items()}},
+                            name in f.grad, made, index.get(saver) if saver is not None else None)
+        for k in range(max(made, 0) + 1, last + 1):
+            out[k].append(crossing)
+    return out
