@@ -84,6 +84,7 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(),
     count_boundaries(layers, f, amp)
     split_params = count_tp(layers, f)
     count_params(layers, f, split_params=split_params, cast=amp["autocast"].autocast.cast_params)
+    # after count_saved (the moments it fills in) and count_params (the parameters a layer borrows)
     count_later_gradients(layers, f, split_params)
     count_experts(layers, f)
     count_keys_values(layers, f)
