@@ -64,7 +64,8 @@ GROUPS = {
                            ("activations", "loss")),
     "weight copies": (("autocast_weight_copies",), ("casts",)),
     "buffers": (("ddp_buckets", "fsdp_unsharded_params", "fsdp_root_params", "fsdp_gathered_units",
-                 "fsdp_reduce_scatter", "fsdp_all_gather", "pipeline_buffers"), ("buffers",)),
+                 "fsdp_reduce_scatter", "fsdp_all_gather", "fsdp_unsharded_grads", "pipeline_buffers"),
+                ("buffers",)),
     "temporaries": (("backward_working_set", "pipeline_sent_gradients"), ("backward", "step")),
 }
 """component shown -> (the predicted fields or MemoryBreakdown.terms it sums, the measured components it sums).
@@ -92,7 +93,7 @@ def moment_at(where: str, layer_paths: list[str], moments: list[tuple], op_modul
     of the layer whose path holds the module (the largest such moment; the model has a forward moment for the last
     layer of each run of layers without recompute only). With ``micro_batch`` (the measured peak's, counted
     from 0) and per-op moments, a pipeline rank's first micro-batch's moments or a later one's
-    (:attr:`~autopar_nb.cost.estimate.PeakMoment.later`). With ``op_modules`` (graph index -> module path) and
+    (:attr:`~autopar_nb.cost.peak.PeakMoment.later`). With ``op_modules`` (graph index -> module path) and
     per-op moments, a layer's backward at the ops of that very module (by its path within the layer: a repeated
     block's moments carry its first instance's ops), where it has any; with ``node`` (the autograd node running at
     the peak) and ``op_names`` (graph index -> op), at the ops of its kind among them (:func:`op_kind_of_node`:
@@ -337,6 +338,38 @@ def _tracker_classes():
         the checkpointed region; the runtime wraps the checkpointed module in the unit, so its recompute would be
         labelled backward temporaries)"""
 
+        def _fsdp_state_pre_forward(self, fsdp_mod, orig_fsdp_state_pre_fw):
+            """FSDP's own pre-forward hook refuses a root unit called twice in a step as MemTracker's does: under
+            ``restart_roots`` its statistics restart there too (a pipeline stage's root, once per micro-batch)."""
+            inner = super()._fsdp_state_pre_forward(fsdp_mod, orig_fsdp_state_pre_fw)
+
+            def restarting(*args, **kwargs):
+                tracker = self._mod_tracker
+                if (self.restart_roots and fsdp_mod in self.memory_tracking and not tracker.is_bw
+                        and set(tracker.parents) - {tracker.get_known_fqn(fsdp_mod)} == {"Global"}):
+                    del self.memory_tracking[fsdp_mod]
+                return inner(*args, **kwargs)
+
+            return restarting
+
+        def _fsdp_param_group_post_backward(self, fsdp_mod, orig_fsdp_param_group_post_backward):
+            """Label the gradients a unit accumulates unsharded without reducing them (a pipeline stage's backward
+            of every micro-batch) as FSDP's unsharded gradients, as the tracker labels those it reduces: under
+            mixed precision FSDP copies them to ``reduce_dtype`` in its post-backward, a new storage the tracker
+            would call a backward temporary."""
+            inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig_fsdp_param_group_post_backward)
+
+            def labelling(*args, **kwargs):
+                out = inner(*args, **kwargs)
+                group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+                for fsdp_param in group.fsdp_params if group else ():
+                    if fsdp_param.unsharded_accumulated_grad is not None:
+                        self._update_and_maybe_create_winfos(fsdp_param.unsharded_accumulated_grad,
+                                                             self._ref_class.UNSHARDED_GRAD, update_existing=True)
+                return out
+
+            return labelling
+
         def _label(self, reftype):
             if self.recomputing and getattr(reftype, "name", "") == "TEMP":
                 reftype = self._ref_class.ACT
@@ -464,9 +497,17 @@ class _Session:
         self.active = self.Tracker()
         self.active.census, self.active.spans = census, self.spans
 
-    def switch_to_fsdp(self, root) -> None:
+    def switch_to_fsdp(self, roots: list) -> None:
+        """Track the FSDP2 modules ``roots`` from now on: a rank's pipeline stages, one root each (an interleaved
+        or V schedule's rank holds several), or the one model."""
+        import torch.nn as nn
+
         self.active.__exit__(None, None, None)
-        self.active = self.FSDPTracker(root)
+        restart_roots = self.active.restart_roots
+        self.active = self.FSDPTracker(roots[0])
+        self.active.restart_roots = restart_roots
+        if len(roots) > 1:  # the tracker instruments what its root's modules() lists: every stage
+            self.active._root_mod = nn.ModuleList(roots)
         self.active.census, self.active.spans = self.census, self.spans
         self.active.__enter__()
 
@@ -524,7 +565,7 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
 
     torch.set_num_threads(1)
     g = runpy.run_path(str(script), run_name="autopar_measure")  # the cell builds the model; main does not run
-    world = g["PP"] * g["DP"] * g["TP"]
+    world = g["PP"] * g["DP"] * g["TP"] * g.get("CP", 1)
     if real:
         dist.init_process_group("gloo")
         rank = dist.get_rank()
@@ -544,7 +585,8 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
             root.register_comm_hook(None, _bucket_as_is)
             root._pre_forward = session.as_setup(root._pre_forward)  # its buckets (rebuilt in the 2nd forward)
         if isinstance(root, FSDPModule):
-            session.switch_to_fsdp(root)
+            session.switch_to_fsdp([p for p in (parts if isinstance(parts, list | tuple) else [parts])
+                                    if isinstance(p, FSDPModule)])
         session.name_within(parts if isinstance(parts, list | tuple) else [parts])
         session.active.phase = "train"
         return out

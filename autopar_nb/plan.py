@@ -457,6 +457,7 @@ MEMORY_TERMS = {
     "fsdp_root_params": "buffers",
     "fsdp_gathered_units": "buffers",
     "fsdp_reduce_scatter": "buffers",
+    "fsdp_unsharded_grads": "buffers",
     "pipeline_buffers": "buffers",
     "pipeline_outputs": "activations",
     "pipeline_sent_gradients": "buffers",
@@ -468,14 +469,15 @@ MEMORY_TERMS = {
 }
 """term of a rank's peak -> the MemoryBreakdown field it is part of: what autograd saves for backward (every
 micro-batch in flight); the loss's saved log-softmax; autocast's 16-bit copies of the weights its lower-precision ops
-read; DDP's gradient buckets; FSDP's parameters kept unsharded from forward to backward (ZeRO 2), the parameters
-left in the root unit (ZeRO 3), and the unit being computed plus the prefetched one (ZeRO 3: parameters and their
-unsharded gradients); the buffers pipeline stages receive inputs and gradients into (per micro-batch in flight) and
-their outputs, kept until each micro-batch's backward, and the input gradients of the micro-batch before, whose
-send the schedule still holds; the largest layer's backward working set; at a layer's forward, what it holds then
-(its saved tensors so far and the storages alive: output, operands still to be read, autocast's copies) and its FSDP
-unit's all-gather output; the
-loss's temporaries (logits and their copies, loss_parallel's shards); the optimizer step's temporaries"""
+read; DDP's gradient buckets; FSDP's parameters kept unsharded from forward to backward (ZeRO 2, and replicate), the
+parameters left in the root unit (ZeRO 3), and the unit being computed plus the prefetched one (ZeRO 3: parameters
+and their unsharded gradients); a pipelined FSDP stage's gradients, accumulated unsharded over its micro-batches and
+reduce-scattered once after the last; the buffers pipeline stages receive inputs and gradients into (per micro-batch
+in flight) and their outputs, kept until each micro-batch's backward, and the input gradients of the micro-batch
+before, whose send the schedule still holds; the largest layer's backward working set; at a layer's forward, what it
+holds then (its saved tensors so far and the storages alive: output, operands still to be read, autocast's copies)
+and its FSDP unit's all-gather output; the loss's temporaries (logits and their copies, loss_parallel's shards); the
+optimizer step's temporaries"""
 
 
 @dataclass

@@ -51,6 +51,22 @@ PLANS = {
     "pp-interleaved": {"dp": 1, "tp": 1, "pp": 2, "micro_batches": 4, "schedule": "interleaved_1f1b",
                        "virtual_stages": 2},
     "pp-zbv": {"dp": 1, "tp": 1, "pp": 2, "micro_batches": 4, "schedule": "zbv_zero_bubble", "virtual_stages": 2},
+    # compositions, on 4 and 8 real gloo processes where ranks exchange data (pipelines, experts, context)
+    "ddp-tp": {"dp": 2, "tp": 2, "pp": 1, "zero_stage": 0},
+    "zero2-tp": {"dp": 2, "tp": 2, "pp": 1, "zero_stage": 2},
+    "zero3-tp": {"dp": 2, "tp": 2, "pp": 1, "zero_stage": 3},
+    "ddp-pp": {"dp": 2, "tp": 1, "pp": 2, "zero_stage": 0, "micro_batches": 4, "schedule": "1f1b"},
+    "zero1-pp": {"dp": 2, "tp": 1, "pp": 2, "zero_stage": 1, "micro_batches": 4, "schedule": "1f1b"},
+    "zero2-pp": {"dp": 2, "tp": 1, "pp": 2, "zero_stage": 2, "micro_batches": 4, "schedule": "1f1b"},
+    "zero3-pp": {"dp": 2, "tp": 1, "pp": 2, "zero_stage": 3, "micro_batches": 4, "schedule": "1f1b"},
+    "zero3-pp-interleaved": {"dp": 2, "tp": 1, "pp": 2, "zero_stage": 3, "micro_batches": 4,
+                             "schedule": "interleaved_1f1b", "virtual_stages": 2},
+    "zero3-pp-zbv": {"dp": 2, "tp": 1, "pp": 2, "zero_stage": 3, "micro_batches": 4, "schedule": "zbv_zero_bubble",
+                     "virtual_stages": 2},
+    "zero3-tp-pp": {"dp": 2, "tp": 2, "pp": 2, "zero_stage": 3, "micro_batches": 4, "schedule": "1f1b"},
+    "ep-dp": {"dp": 4, "tp": 1, "pp": 1, "zero_stage": 0, "ep": 4},
+    "ep-pp": {"dp": 2, "tp": 1, "pp": 2, "zero_stage": 0, "ep": 2, "micro_batches": 4, "schedule": "1f1b"},
+    "cp-zero3": {"dp": 2, "tp": 1, "pp": 1, "cp": 2, "zero_stage": 3},
 }
 """plan name -> the planner's fixed choices (fp32, no recompute unless --amp / --recompute)"""
 ALL = "LLaMA,Qwen2,GPT-NeoX,GPT-2,BERT,T5,ViT,Mixtral"
@@ -67,6 +83,15 @@ each group their product: every family under every data/tensor-parallel plan (si
 sequence parallelism) x fp32 / bf16 autocast (ZeRO 2/3 run autocast over FSDP's 16-bit parameters) x recompute
 none / selective / full, the issue's whole product but the pipeline, which is here in fp32 without recompute and
 in its own section under every precision and recompute (``--plans pp``)"""
+COMPOSITIONS = [
+    ("LLaMA,GPT-2,Mixtral", "ddp-tp,zero2-tp,zero3-tp", "none,bf16", "none,full"),
+    ("LLaMA,GPT-2,Mixtral", "ddp-pp,zero1-pp,zero2-pp,zero3-pp", "none,bf16", "none,full"),
+    ("LLaMA,GPT-2,Mixtral", "zero3-pp-interleaved,zero3-pp-zbv", "none,bf16", "none,full"),
+    ("LLaMA,GPT-2,Mixtral", "zero3-tp-pp", "none,bf16", "none,full"),
+    ("Mixtral", "ep-dp,ep-pp", "none,bf16", "none,full"),
+    ("LLaMA,GPT-2,Mixtral", "cp-zero3", "none,bf16", "none,full"),
+]
+"""the composition table's groups: techniques together, as the planner offers them at scale (``--compositions``)"""
 QUICK = [
     ("LLaMA,ViT", "single,ddp,zero2,zero3,tp", "none,bf16", "none"),
     ("LLaMA,BERT,GPT-2", "single,tp", "bf16", "selective,full"),
@@ -89,7 +114,7 @@ KNOWN = [
     "bf16: \"train/forward in T5ForConditionalGeneration\", \"train/backward in CrossEntropyLoss\"), is compared "
     "at the model's own peak (\"none there\")",
     "Mended this session (2026-12-05): BERT pp bf16 rank 0 (CPU SDPA's math kernel holds the attention weights' "
-    "float32 gradient in its backward: cost.profile._math_attention_gradients), ZeRO-2's unsharded parameters "
+    "float32 gradient in its backward: cost.profile.moments.math_attention_gradients), ZeRO-2's unsharded parameters "
     "freed unit by unit in backward (Mixtral ZeRO-2 full recompute was +6.1 %), an index op's backward holding "
     "zeros and index_put's result of its input's size (Mixtral ZeRO 2/3 bf16 full recompute were -5.4 / -5.5 %), "
     "and expert-parallel plans measured on real processes (the fake group's all-to-all left the exchanged token "
@@ -122,7 +147,7 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
     meta, example, _ = src.build(device="meta")
     graph = ap.capture(meta, example)
     fix = dict(PLANS[plan_name])
-    world = fix["dp"] * fix["tp"] * fix["pp"]
+    world = fix["dp"] * fix["tp"] * fix["pp"] * fix.get("cp", 1)
     cluster = ap.Cluster.preset("cpu", 1, world)
     plan = ap.plan(graph, cluster, global_batch=SIZE["batch"] * fix["dp"],
                    fix={"micro_batches": 1, **fix, "amp": amp, "recompute": recompute})
@@ -132,8 +157,8 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
     op_names = {k: n.op for k, n in enumerate(graph.nodes)}
     paths = [lay.path for lay in graph.layers]
     ranks = tuple(range(fix["pp"])) if fix["pp"] > 1 else (0,)
-    # rank r of a (pp, dp, tp) mesh is pipeline stage r // (dp * tp)
-    measured = measure(src, plan, ranks=tuple(r * fix["dp"] * fix["tp"] for r in ranks), census=largest)
+    # rank r of a (pp, dp, cp, tp) mesh is pipeline stage r // (dp * cp * tp)
+    measured = measure(src, plan, ranks=tuple(r * world // fix["pp"] for r in ranks), census=largest)
     rows = []
     for stage, m in zip(ranks, measured, strict=True):
         mb = cost.memory_by_rank[stage]
@@ -256,6 +281,8 @@ def main() -> None:
     ap.add_argument("--recompute", default="none")
     ap.add_argument("--matrix", action="store_true", help="the table's cases (MATRIX); other selections ignored")
     ap.add_argument("--quick", action="store_true", help="a few cases of each class (QUICK) instead")
+    ap.add_argument("--compositions", action="store_true",
+                    help="the composition table's cases (COMPOSITIONS); other selections ignored")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--jobs", type=int, default=1, help="cases measured at once")
     ap.add_argument("--largest", type=int, default=0, metavar="N",
@@ -263,9 +290,11 @@ def main() -> None:
                          "made each (what a component's miss is made of)")
     ap.add_argument("--section", default="Per-rank memory against the tracker", help="BENCHMARKS.md section title")
     args = ap.parse_args()
+    if args.compositions and args.section == ap.get_default("section"):
+        args.section = "Compositions: per-rank memory on 4 and 8 real processes"
     t0, load0 = time.time(), os.getloadavg()[0]
-    groups = MATRIX if args.matrix else QUICK if args.quick else [(args.families, args.plans, args.amp,
-                                                                    args.recompute)]
+    groups = (MATRIX if args.matrix else COMPOSITIONS if args.compositions else QUICK if args.quick
+              else [(args.families, args.plans, args.amp, args.recompute)])
 
     def report(rows, failed, cases, *, final=False):
         table = markdown(rows)

@@ -344,7 +344,7 @@ def test_a_tied_heads_gradient_waits_for_the_embeddings_backward(pp, pending):
     pending in its backward (float32). Pipelined with the head on the other stage, that stage's copy of the weight
     gets its own gradient: nothing pending (the census of BERT's tracked peak: the decoder weight's gradient, a
     float32 temporary through the encoder's backward)."""
-    from autopar_nb.cost.estimate import Evaluator, setting_of
+    from autopar_nb.cost import Evaluator, setting_of
     from autopar_nb.cost.profile import profile_of
 
     graph = ap.capture(_TiedLM(), torch.randint(0, 64, (4, 8)))
@@ -383,7 +383,8 @@ def test_a_ranks_peak_is_the_largest_of_its_moments_and_a_recompute_holds_what_i
     optimizer step): per rank the largest is the predicted peak, term for term. Under full recompute each block's
     recompute holds, beside the earlier layers' kept inputs, every tensor its forward saves re-made (``act['none']``
     minus what the checkpoint keeps) and its output's gradient."""
-    from autopar_nb.cost.estimate import Evaluator, estimate, peak_moments, setting_of
+    from autopar_nb.cost import Evaluator, setting_of
+    from autopar_nb.cost.estimate import estimate, peak_moments
     from autopar_nb.cost.profile import profile_of
 
     graph = ap.capture(_MlpLM(), torch.randint(0, 64, (4, 8)))
@@ -449,7 +450,7 @@ def test_a_layers_forward_holds_what_it_saved_so_far_and_the_storages_still_read
     nothing saves — the down projection's output, which the add reads, and the add's output —; no gradient exists
     yet in the step's first forward. Under full recompute the recompute's moments are cut at the layer's last saver
     and leave out the input its checkpoint keeps (memory.forward_peak)."""
-    from autopar_nb.cost.estimate import Evaluator, setting_of
+    from autopar_nb.cost import Evaluator, setting_of
     from autopar_nb.cost.memory import forward_peak
     from autopar_nb.cost.profile import profile_of
 

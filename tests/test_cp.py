@@ -118,8 +118,9 @@ def test_cost_of_context_parallelism():
     """cp=2 halves a rank's activations and compute and adds the ring's collectives: the keys and values
     all-gathered in forward and backward, their float32 gradients sent round the ring."""
     import autopar_nb as ap
-    from autopar_nb.cost.estimate import Evaluator, LayerChoice, Setting
+    from autopar_nb.cost.estimate import Evaluator
     from autopar_nb.cost.profile import profile
+    from autopar_nb.cost.setting import LayerChoice, Setting
 
     graph = tiny_llama_graph()
     prof = profile(graph, device_kind="cpu")

@@ -241,8 +241,10 @@ def test_selective_recompute_keeps_what_the_runtime_keeps(family):
 
 
 def test_ddp_bucket_is_the_parameters_in_fp32():
-    from autopar_nb.cost.estimate import Evaluator, LayerChoice, Setting, ddp_bucket_bytes
+    from autopar_nb.cost.estimate import Evaluator
+    from autopar_nb.cost.peak import ddp_bucket_bytes
     from autopar_nb.cost.profile import profile_of
+    from autopar_nb.cost.setting import LayerChoice, Setting
 
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
     graph = ap.capture(model, (torch.randn(8, 64),))
@@ -364,7 +366,7 @@ def test_a_tied_heads_gradient_is_pending_at_the_tracked_peak():
     tracker holds the head's gradient of that weight, a float32 [vocab, hidden] temporary made by the head's
     backward, which autograd keeps until the embedding's backward adds its own; the cost model counts those bytes
     pending at every block's backward (``Evaluator._tied_gradients``)."""
-    from autopar_nb.cost.estimate import Evaluator, setting_of
+    from autopar_nb.cost import Evaluator, setting_of
     from autopar_nb.cost.profile import profile_of
     from autopar_nb.measure import measure
 
@@ -400,7 +402,7 @@ def test_fsdp_buffers_at_a_recomputed_layers_backward_match_the_tracker(family, 
     in total) and the reduce-scatter input. The buffers the cost model predicts at that moment against the
     tracker's (All Gather, Unsharded Param, Reduce Scatter), to 5 % of themselves, and the total to 5 % (ZeRO-3's
     was -8.4 % without the reduce-scatter input). Mixtral under ZeRO-3 and bf16 peaks at its experts' last index
-    op's backward, which puts the gradient into zeros out of place (``profile._gradients_of``: -5.5 % without
+    op's backward, which puts the gradient into zeros out of place (``profile.moments.gradients_of``: -5.5 % without
     the second input-sized tensor)."""
     from autopar_nb.measure import measured_groups, predicted_groups
 
@@ -461,7 +463,7 @@ def test_pipeline_stages_memory_matches_the_tracker(family, amp, recompute, size
     until then (``pipeline_sent_gradients``; ViT's rank 1 under full recompute was -6.3 % without it), and no rank
     keeps the batch the stages were traced on (ViT's images: the script drops it after ``parallelize``). BERT's first
     rank under bf16 autocast peaks in an attention's backward, where CPU SDPA's math kernel (dropout) holds the
-    attention weights' float32 gradient (``profile._math_attention_gradients``; 11.5 MiB of temporaries short
+    attention weights' float32 gradient (``profile.moments.math_attention_gradients``; 11.5 MiB of temporaries short
     without it)."""
     from autopar_nb.cost import estimate
     from autopar_nb.cost.estimate import peak_moments

@@ -504,8 +504,9 @@ def moe_graph():
 
 def test_cost_model_counts_the_all_to_alls_and_divides_the_expert_states():
     from autopar_nb.cost.comm import collective_time, link_for
-    from autopar_nb.cost.estimate import Evaluator, LayerChoice, Setting
+    from autopar_nb.cost.estimate import Evaluator
     from autopar_nb.cost.profile import profile
+    from autopar_nb.cost.setting import LayerChoice, Setting
     from autopar_nb.hardware import Cluster
 
     with torch.device("meta"):

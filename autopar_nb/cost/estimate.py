@@ -6,214 +6,18 @@ sequence parallel, AMP, micro-batch size), so evaluating a candidate is arithmet
 
 from __future__ import annotations
 
-import bisect
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
-from ..plan import DTYPE_NAMES, ITEMSIZE, MEMORY_TERMS, RECOMPUTE, Cost, MemoryBreakdown, stage_rank
+from ..plan import DTYPE_NAMES, ITEMSIZE, RECOMPUTE, Cost
 from .comm import collective_time, link_for
 from .factors import Factors, factors_for
 from .loss import FusedHead
-from .memory import (
-    SENDS_HELD,
-    activation_bytes,
-    forward_peak,
-    in_flight,
-    model_states,
-    op_moments,
-    peak_op,
-    state_bytes,
-    with_margin,
-)
+from .memory import activation_bytes, forward_peak, op_moments, peak_op
+from .peak import RankMemory, moment_layers
 from .profile import GraphProfile, precision_of
+from .setting import LayerChoice, Setting, setting_of
+from .terms import CommTime, FsdpUnit, LayerTerms, RankSums
 from .time import bubble_fraction, layer_compute_time, optimizer_time, weight_cast_time
-
-
-@dataclass(frozen=True)
-class Setting:
-    """Global choices of a candidate plan (plain values)."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    zero_stage: int = 0
-    amp: str = "none"
-    micro_batches: int = 1
-    """micro-batches per step on each data-parallel rank"""
-    mb_samples: float = 1.0
-    """samples per micro-batch"""
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    sp: bool = False
-    """sequence parallel (TP > 1 on a sequence model)"""
-    optimizer: str = "adam"
-    ep: int = 1
-    """expert parallelism: the experts modules split over ``ep`` of the dp ranks (1: experts whole everywhere)"""
-    fused_loss: bool = False
-    """the output head and the default loss run as one fused, chunked op (``Evaluator.head``; :mod:`.loss`)"""
-    cp: int = 1
-    """context parallelism: every sequence split over ``cp`` ranks (ring attention; ``runtime/cp.py``)"""
-    fused_norm: bool = False
-    """the RMSNorm modules run kernels_ext's fused RMSNorm (``Evaluator.norm_prof``; :mod:`.norm`)"""
-
-    @property
-    def replicas(self) -> int:
-        """ranks holding the same parameters, which average gradients: dp * cp (``mesh["dp_cp"]``)"""
-        return self.dp * self.cp
-
-    def rank_of(self, stage: int) -> int:
-        """The pipeline rank holding ``stage`` under this schedule (:func:`~autopar_nb.plan.stage_rank`)."""
-        return stage_rank(stage, self.pp, self.pp * self.virtual_stages, self.schedule)
-
-
-@dataclass
-class LayerChoice:
-    """Per-layer choices of a candidate plan."""
-
-    stage: int = 0
-    tp: bool = True
-    """apply the layer's TP styles (False: replicate it on every TP rank)"""
-    recompute: str = "none"
-    fsdp: bool = True
-    compile: bool = False
-    """run the layer under ``torch.compile`` (its memory-bound time scaled by ``Factors.compile_memory_bound``)"""
-
-
-@dataclass
-class LayerTerms:
-    """One layer's per-micro-batch costs on one rank for a given (TP, SP, AMP, micro-batch size)."""
-
-    fwd: float
-    bwd: float
-    sel: float
-    """seconds selective recompute adds in backward (the attention scores again)"""
-    act: dict[str, float]
-    """saved activation bytes by recompute mode"""
-    params_local: float
-    tp_comm: dict[str, float] = field(default_factory=dict)
-    """seconds per micro-batch (forward + backward) by collective kind"""
-    out_bytes: float = 0.0
-    work_bytes: float = 0.0
-    flops: float = 0.0
-    """forward + backward FLOPs of one micro-batch (global, not per rank: model FLOPs)"""
-    fwd_flops: float = 0.0
-    quad_flops: float = 0.0
-    largest_param: float = 0.0
-    """numel of the layer's largest local parameter"""
-    tp_exposed: float = 0.0
-    """seconds of the TP collectives not hidden behind compute: sum(tp_comm) x (1 - overlap_tp), plus expert
-    parallelism's all-to-alls (in tp_comm too), which the tokens wait for"""
-    experts_local: float = 0.0
-    """numel of the layer's expert parameters on one rank under expert parallelism (ep > 1; else 0: they count as
-    any other parameter)"""
-    a2a_fwd: float = 0.0
-    """seconds of the forward all-to-alls of expert parallelism (full recompute runs them again)"""
-    tp_step: float = 0.0
-    """seconds of TP collectives run once per step, not per micro-batch: the all-reduce of the weight gradients of
-    key/value projections TP repeats (``LayerProfile.at_tp``)"""
-    freed: float = 0.0
-    """saved bytes of this layer already freed at its backward peak (:func:`.memory.peak_op`), with
-    ``work_bytes`` the gradients held then"""
-    later_params: float = 0.0
-    """local parameters (numel) of this layer whose gradients exist at its backward peak (read by later ops)"""
-    op_deltas: tuple[tuple[int, float, float, float], ...] = ()
-    """per op of the layer whose backward runs: (its graph index, its working set, the saved bytes still alive and
-    the local parameters whose gradients do not exist yet there, each less the peak op's): the layer's moment at
-    that op (:meth:`Evaluator.rank_moments` with ``per_op``)"""
-    cast_local: float = 0.0
-    """numel of the layer's local parameters autocast keeps a 16-bit copy of during forward and backward (0 unless
-    the precision is "autocast")"""
-    forward: dict[str, float] = field(default_factory=dict)
-    """recompute ("none", "full", "selective") -> bytes the layer holds at its forward's largest moment ("none"), or
-    a recomputed layer beyond what it keeps at its recompute's (:func:`.memory.forward_peak`)"""
-
-    def recompute_s(self, recompute: str) -> float:
-        """Seconds recompute adds in backward: the whole forward again (full, with its all-to-alls) or the attention
-        scores (selective)."""
-        return self.fwd + self.a2a_fwd if recompute == "full" else self.sel if recompute == "selective" else 0.0
-
-    def recompute_flops(self, recompute: str) -> float:
-        """FLOPs recompute adds (hardware FLOPs, not model FLOPs)."""
-        return self.fwd_flops if recompute == "full" else self.quad_flops if recompute == "selective" else 0.0
-
-    def time_s(self, recompute: str) -> float:
-        """The layer's time for one micro-batch on one rank: forward + backward + recompute + exposed TP comm.
-        The one per-layer time formula: stage balancing uses it, and a pipeline rank's time is its sum."""
-        return self.fwd + self.bwd + self.recompute_s(recompute) + self.tp_exposed
-
-
-@dataclass
-class RankSums:
-    """Per pipeline rank (index r), sums over its layers for one micro-batch, and the chain's FLOPs."""
-
-    fwdbwd: list[float]
-    """forward + backward seconds"""
-    rec: list[float]
-    """recompute seconds"""
-    tpc: list[float]
-    """exposed TP collective seconds"""
-    tp_kind: list[dict[str, float]]
-    """TP collective seconds (before overlap) by kind"""
-    acts: list[float]
-    """saved activation bytes"""
-    params: list[float]
-    """local parameters (numel)"""
-    work: list[float]
-    """the largest working set of one layer's backward (bytes)"""
-    units: list[list[FsdpUnit]]
-    """the FSDP units (``fully_shard`` groups) in forward order, as ``export.values.fsdp_units`` makes them"""
-    largest: list[float]
-    """the largest local parameter (numel)"""
-    nofsdp: list[float]
-    """parameters folded into the root FSDP unit (numel)"""
-    p2p: list[float]
-    """bytes a rank sends to the next stage (the largest of its cuts, one micro-batch)"""
-    experts: list[float] = field(default_factory=list)
-    """local expert parameters under expert parallelism (numel; part of ``params``)"""
-    head_tp: bool = False
-    """the output head is TP-split (loss_parallel can apply)"""
-    model_flops: float = 0.0
-    hw_flops: float = 0.0
-    tp_step: list[float] = field(default_factory=list)
-    """seconds of TP collectives run once per step (``LayerTerms.tp_step``)"""
-    casts: list[float] = field(default_factory=list)
-    """local parameters (numel) autocast keeps 16-bit copies of (``LayerTerms.cast_local``)"""
-    pipe: list[dict[str, float]] = field(default_factory=list)
-    """per rank, one micro-batch's bytes of the tensors crossing its pipeline cuts (:meth:`Evaluator.pipeline_sums`):
-    ``recv`` (received into a buffer per micro-batch), ``recv_saved`` (the part of them its layers' saved activations
-    count already), ``kept`` (its own outputs, kept until their backward, that its layers do not save),
-    ``grad_recv`` (the gradients sent back to it) and ``grad_sent`` (the gradients of its inputs it sends back)"""
-    bwd_layers: list[list[tuple[float, float, float, int, str]]] = field(default_factory=list)
-    """per run of layers, the moments its backward holds the most (:func:`moment_layers`), and its forward: (saved
-    activation bytes still alive, working set bytes, local parameters (numel) whose backward has not run yet, the
-    layer's index, "backward", "recompute" or "forward": its backward's largest op, its recompute's largest forward
-    moment, or, not recomputed, the run's last layer's forward's largest).
-    Backward runs from the last layer to the first, freeing each layer's saved tensors and leaving its gradients:
-    at layer l the saved tensors of later layers are gone and their gradients exist; a recomputed layer holds what
-    its recompute re-created"""
-
-    @classmethod
-    def zeros(cls, pp: int) -> RankSums:
-        z = [0.0] * pp
-        return cls(list(z), list(z), list(z), [{} for _ in range(pp)], list(z), list(z), list(z),
-                   [[] for _ in range(pp)], list(z), list(z), list(z), list(z), tp_step=list(z), casts=list(z),
-                   bwd_layers=[[] for _ in range(pp)],
-                   pipe=[dict.fromkeys(("recv", "recv_saved", "kept", "grad_recv", "grad_sent"), 0.0)
-                         for _ in range(pp)])
-
-    def per_micro_batch(self, r: int) -> float:
-        """Rank ``r``'s time for one micro-batch: the sum of its layers' :meth:`LayerTerms.time_s`."""
-        return self.fwdbwd[r] + self.rec[r] + self.tpc[r]
-
-
-@dataclass
-class CommTime:
-    """Collective seconds of one step: before overlap by kind, and the part on the critical path."""
-
-    by_kind: dict[str, float] = field(default_factory=dict)
-    exposed_by_kind: dict[str, float] = field(default_factory=dict)
-    exposed: float = 0.0
 
 
 class Evaluator:
@@ -375,7 +179,8 @@ class Evaluator:
             sums.casts[bottleneck], micro_batches=m, regions=1 if s.pp > 1 else m, device=self.cluster.device,
             factors=f)  # one autocast region per micro-batch, or around the whole pipeline schedule
         step = compute + tp_exposed + bubble + p2p_exposed + dp_exposed + opt_t
-        mem = [self._rank_memory(s, sums, r) for r in range(s.pp)]
+        memory = RankMemory(self.prof, self.f, s, sums, seq_ratio=self.seq_ratio)
+        mem = [memory.peak(r) for r in range(s.pp)]
         cost = Cost(
             step_time_s=step, compute_s=compute, comm_exposed_s=tp_exposed + p2p_exposed + dp_exposed,
             comm_total_s=sum(comm.by_kind.values()), comm_by_kind=comm.by_kind,
@@ -650,122 +455,6 @@ class Evaluator:
                 comm.exposed_by_kind[kk] = comm.exposed_by_kind.get(kk, 0.0) + v
         return exposed
 
-    def _rank_memory(self, s: Setting, sums: RankSums, r: int) -> MemoryBreakdown:
-        """Bytes on pipeline rank ``r`` at its peak: the largest of its :meth:`_rank_moments`."""
-        pb, ob, moments = self._rank_moments(s, sums, r)
-        peak = max(moments, key=lambda mo: mo.weight)
-        return self._breakdown(pb, ob, peak, margin_of=peak.weight)
-
-    def _breakdown(self, pb: float, ob: float, mo: PeakMoment, *, margin_of: float) -> MemoryBreakdown:
-        terms = {k: v for k, v in mo.terms.items() if v}
-        acts = sum(v for k, v in terms.items() if MEMORY_TERMS[k] == "activations")
-        mbd = MemoryBreakdown(pb, mo.grads, ob, acts, sum(terms.values()) - acts, terms=terms)
-        mbd.margin = with_margin(pb + ob + margin_of, self.f)
-        return mbd
-
-    def _rank_moments(self, s: Setting, sums: RankSums, r: int, per_op: bool = False
-                      ) -> tuple[float, float, list[PeakMoment]]:
-        """Rank ``r``'s parameter and optimizer-state bytes, and the moments of its step its peak can be at: each
-        layer's forward (no gradient yet unless they accumulate over micro-batches; its FSDP unit's all-gather
-        output) and backward (and its recompute's forward; every saved activation of the earlier layers alive, the
-        later layers' gradients, FSDP's gathered units; gradients of earlier micro-batches only where they
-        accumulate, since zero_grad(set_to_none=True) frees them each step), the last rank's loss backward, and the
-        optimizer step (all gradients, plus a foreach temporary of their size). ``per_op``: also each layer's
-        backward at each of its ops (:attr:`LayerTerms.op_deltas`; ``PeakMoment.op``)."""
-        prof, m = self.prof, s.micro_batches
-        half = s.amp != "none"
-        p_item = ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")]
-        g_item = ITEMSIZE["float32"]
-        sb = state_bytes(s.optimizer)
-        params, experts = sums.params[r], sums.experts[r]
-        edp = s.dp // s.ep  # expert parallelism: the ranks holding the same experts shard their states
-        pb, gb, ob = (a + b for a, b in zip(model_states(params - experts, dp=s.replicas, zero_stage=s.zero_stage,
-                                                         states=sb),
-                                            model_states(experts, dp=edp, zero_stage=s.zero_stage, states=sb),
-                                            strict=True))
-        held: dict[str, float] = {}  # buffers alive the whole forward/backward
-        if s.zero_stage == 2:  # its unsharded parameters, kept from forward to backward: fsdp_buffers, the loss
-            pb = (params - experts) * sb.param / s.replicas + experts * sb.param / edp
-        elif s.zero_stage == 3:
-            held["fsdp_root_params"] = sums.nofsdp[r] * p_item
-        elif half:
-            held["autocast_weight_copies"] = sums.casts[r] * 2  # of the weights its lower-precision ops read
-        held["ddp_buckets"] = ddp_bucket_bytes(s, params - experts)
-        flight = in_flight(s.schedule, pp=s.pp, stage=r, micro_batches=m, virtual_stages=s.virtual_stages)
-        pipe = sums.pipe[r]
-        # runtime/pp.py's LeanStage: a micro-batch's input buffers from its receive to its backward, the gradients'
-        # for its backward; its stage output from its forward to its backward. At a moment with ``others`` other
-        # micro-batches in flight, ``others + 1`` hold theirs (0 bytes unpipelined)
-        recv, grad_recv, kept_out = (pipe["recv"], pipe["grad_recv"], pipe["kept"]) if s.pp > 1 else (0.0, 0.0, 0.0)
-        # torch's one-stage-per-rank schedules keep the previous micro-batch's input-gradient sends referenced
-        # through the next backward (SENDS_HELD): a backward after the rank's first holds those gradients too
-        sent_before = pipe["grad_sent"] if s.pp > 1 and s.schedule in SENDS_HELD else 0.0
-
-        def pipeline_terms(others: float, later: bool) -> dict[str, float]:
-            if s.pp == 1:
-                return {}
-            return {"pipeline_buffers": (others + 1) * recv + grad_recv, "pipeline_outputs": (others + 1) * kept_out,
-                    "pipeline_sent_gradients": sent_before if later else 0.0}
-        # the rank's backward moments, as (other micro-batches holding all their activations, gradients alive; None:
-        # only those of the layers after the one in backward): its first backward when every micro-batch's forward
-        # ran before it (GPipe; 1F1B where m <= pp - r), no gradients yet, and the next, with fewer in flight and
-        # every gradient; otherwise the steady one, the earlier micro-batches' gradients accumulated
-        flights = [(flight - 1, gb)] if flight < m else [(flight - 1, None)] + ([(flight - 2, gb)] if m > 1 else [])
-        # a layer's backward (its working set and FSDP's gathered units)
-        per_param = gb / params if params else 0.0  # bytes of gradient per local parameter (ZeRO 2/3: sharded)
-        # (a pipeline stage's received inputs that its layers save are its receive buffers: counted there)
-        rs = pipe["recv_saved"] if s.pp > 1 else 0.0
-        out = []
-        held_sum, fsdp_at = sum(held.values()), {}  # (layer, forward) -> (FSDP's buffers then, their sum)
-        later = [None] if len(flights) == 1 else [False, True]
-        for (others, g), late in zip(flights, later, strict=True):
-            pipe_now = pipeline_terms(others, g is not None)
-            shared = held_sum + sum(pipe_now.values())
-            for a, w, before, layer, phase, ops in sums.bwd_layers[r]:
-                forward = phase == "forward"
-                if forward and late:  # a rank's later backward: its forwards ran before its first
-                    continue
-                if (layer, forward) not in fsdp_at:
-                    fb = fsdp_buffers(sums.units[r], layer, zero_stage=s.zero_stage, p_item=p_item, g_item=g_item,
-                                      forward=forward, params=params)
-                    fsdp_at[layer, forward] = fb, sum(fb.values())
-                fb, fb_sum = fsdp_at[layer, forward]
-                work = "forward_working_set" if forward else "backward_working_set"
-                for op, dw, da, dbefore in ((None, 0.0, 0.0, 0.0), *(ops if per_op else ())):
-                    alive = (others + 1) * -rs + others * sums.acts[r] + a + da
-                    grads = g if g is not None else 0.0 if forward else (params - before - dbefore) * per_param
-                    out.append(PeakMoment(phase, layer, grads, ({"saved_activations": alive, work: w + dw}, fb, held,
-                                                                pipe_now),
-                                          grads + alive + w + dw + fb_sum + shared, op, late))
-        if r == s.pp - 1 and prof.output_numel and not s.fused_loss:  # fused: in the head layer's working set
-            # the last rank's loss backward: log-softmax output (fp32) saved, its gradient and the logits' gradient
-            # alive; FSDP units are resharded then
-            lp_div = s.tp if (prof.loss_parallel and s.tp > 1 and sums.head_tp) else 1
-            out_numel = prof.output_numel * (s.mb_samples / prof.batch) * self.seq_ratio / s.cp
-            loss_saved = out_numel * 4 / lp_div
-            # gradients of the log-softmax and of the logits; torch's loss_parallel backward holds three fp32
-            # temporaries of the logits' shard beside the saved one (measured with MemTracker, torch 2.13: 4 x the
-            # shard's fp32 bytes at tp 2 and 4, in fp32 and under bf16 autocast). Unsplit, the default loss's forward
-            # holds the logits and their flattened copy (the next-token slice is not contiguous) in the compute
-            # dtype, and under autocast the float32 copy ``.float()`` makes (runtime/data.py default_loss)
-            loss_temp = out_numel * 4 * 3 / lp_div if lp_div > 1 else out_numel * (2 * p_item + (4 if half else 0))
-            for (others, g), late in zip(flights, later, strict=True):
-                loss = {"saved_activations": (others + 1) * (sums.acts[r] - rs), "loss_saved": loss_saved,
-                        "loss_temporaries": loss_temp}
-                if s.zero_stage == 2:  # every unit's parameters still unsharded: no backward has run
-                    loss["fsdp_unsharded_params"] = params * p_item
-                pipe_now = pipeline_terms(others, g is not None)
-                out.append(PeakMoment("loss", None, g or 0.0, (loss, held, pipe_now), (g or 0.0) + sum(
-                    loss.values()) + held_sum + sum(pipe_now.values()), later=late))
-        # the optimizer step: every gradient and foreach temporaries (CUDA: a list the size of the gradients; CPU:
-        # one parameter at a time); autocast's weight copies are gone, ZeRO 2's gathered parameters resharded
-        # (CPU: torch's single-tensor Adam holds two of the largest parameter's size at once: exp_avg_sq.sqrt() and
-        # its quotient by the bias correction; measured with MemTracker, LLaMA)
-        at_opt = {"optimizer_step_temporaries": gb if prof.device_kind == "cuda" else 2 * sums.largest[r] * g_item,
-                  "ddp_buckets": held["ddp_buckets"],
-                  "fsdp_root_params": 0.0 if half else held.get("fsdp_root_params", 0.0)}
-        out.append(PeakMoment("step", None, gb, (at_opt,), gb + sum(at_opt.values())))
-        return pb, ob, out
 
     def rank_moments(self, s: Setting, choices: list[LayerChoice], *, per_op: bool = False) -> list[list[tuple]]:
         """Per pipeline rank, every moment :meth:`evaluate` weighs for the rank's peak: (phase — "forward",
@@ -774,12 +463,12 @@ class Evaluator:
         moment it is at (``bench/memory.py``). ``per_op``: each tuple ends with the op (graph index) a layer's
         backward is at, None at its largest, and whether it is a later micro-batch's (:attr:`PeakMoment.later`);
         every other op of the layer is added."""
-        sums = self.sum_layers(s, choices)
+        memory = RankMemory(self.prof, self.f, s, self.sum_layers(s, choices), seq_ratio=self.seq_ratio)
         out = []
         for r in range(s.pp):
-            pb, ob, moments = self._rank_moments(s, sums, r, per_op=per_op)
+            pb, ob, moments = memory.moments(r, per_op=per_op)
             top = max(mo.weight for mo in moments if mo.op is None)
-            out.append([(mo.phase, mo.layer, self._breakdown(pb, ob, mo, margin_of=top),
+            out.append([(mo.phase, mo.layer, memory.breakdown(pb, ob, mo, margin_of=top),
                          *((mo.op, mo.later) if per_op else ())) for mo in moments])
         return out
 
@@ -798,111 +487,6 @@ class Evaluator:
         cost.tokens_per_s = samples * self.prof.seq_len * self.seq_ratio / step if self.prof.seq_len else None
         cost.samples_per_s = samples / step
 
-
-class PeakMoment(NamedTuple):
-    """One moment of a rank's step that its peak memory can be at (:meth:`Evaluator._rank_moments`)."""
-
-    phase: str
-    """one of "forward" (a layer's, not recomputed), "backward" (a layer's), "recompute" (a layer's forward run again
-    in its backward), "loss", "step"."""
-    layer: int | None
-    """the layer whose backward or recompute it is in"""
-    grads: float
-    """gradient bytes alive"""
-    parts: tuple[dict[str, float], ...]
-    """the other bytes alive, by :data:`~autopar_nb.plan.MEMORY_TERMS` name, in the groups the moments share
-    (merged by :attr:`terms` only for the moment a peak is at: the planner weighs ~10^5 moments a search)"""
-    weight: float
-    """all of them (what the peak is chosen by)"""
-    op: int | None = None
-    """in a layer's backward: at the backward of this op (its graph index), not at the layer's largest"""
-    later: bool | None = None
-    """a pipeline rank's backward (or loss) after its first micro-batch's (True), at its first (False); None where
-    one moment stands for every micro-batch"""
-
-    @property
-    def terms(self) -> dict[str, float]:
-        """The bytes alive besides the gradients, by term (saved activations at least 0)."""
-        out = {k: v for part in self.parts for k, v in part.items()}
-        if "saved_activations" in out:
-            out["saved_activations"] = max(out["saved_activations"], 0.0)
-        return out
-
-
-class FsdpUnit(NamedTuple):
-    """One ``fully_shard`` group of consecutive layers."""
-
-    first: int
-    last: int
-    """the indices of its first and last layers"""
-    numel: float
-    """its local parameters"""
-
-
-def moment_layers(cnt: int) -> list[int]:
-    """Which of a run of ``cnt`` identical layers (0 = its first) a backward peak can be at: the saved tensors
-    alive grow by one layer's from one to the next and the gradients shrink by one layer's, so the extremes, and
-    the layers next to them, where FSDP's buffers change (a prefetch only after an earlier unit, a reduce-scatter
-    only after a later one, :func:`fsdp_buffers`)."""
-    return sorted({j for j in (cnt - 1, cnt - 2, 1, 0) if 0 <= j < cnt}, reverse=True)
-
-
-def fsdp_buffers(units: list[FsdpUnit], layer: int, *, zero_stage: int, p_item: int, g_item: int,
-                 params: float, forward: bool = False) -> dict[str, float]:
-    """FSDP2's buffers (bytes) while ``layer`` runs its backward (measured with FSDPMemTracker under a fake group,
-    LLaMA and ViT, ZeRO-3 + full recompute, bf16): ZeRO-3 gathers the layer's unit again (its unsharded
-    parameters in the compute dtype) and prefetches the unit before it (the all-gather's output,
-    ``fsdp_gathered_units``); under ZeRO 2 and 3 the unit after it, whose backward ran last, still holds the input
-    of its gradients' reduce-scatter (``reduce_dtype``, float32: the unsharded gradients flattened), freed only
-    when the next unit's reduce-scatter starts (``fsdp_reduce_scatter``). ``forward``: while it runs its forward,
-    the output of its unit's all-gather (``fsdp_all_gather``, measured: ViT, ZeRO 2, bf16) beside, under ZeRO 3,
-    the unit's unsharded parameters.
-
-    ZeRO 2 (``reshard_after_forward=False``) keeps every unit's unsharded parameters from its forward to the end of
-    its backward (``fsdp_unsharded_params``; ``params``: the rank's parameters, its root's included): in a forward
-    all of them (the peak is the last layer's), in a layer's backward or recompute all but those of the units after
-    it, whose backward resharded them (measured: Mixtral, ZeRO 2, fp32, full recompute, peaking in layer 2 of 4:
-    layer 3's unit already freed, 6.8 MiB of buffers over without this)."""
-    if zero_stage < 2:
-        return {}
-    at = bisect.bisect_right(units, layer, key=lambda u: u.first) - 1  # units are consecutive, in layer order
-    unsharded = {}
-    if zero_stage == 2:
-        later = 0.0 if forward else sum(u.numel for u in units[at + 1:])
-        unsharded = {"fsdp_unsharded_params": (params - later) * p_item}
-    if at < 0 or units[at].last < layer:  # a layer of the root's (embedding, head): no unit of its own
-        return unsharded
-    if forward:
-        gathered = {"fsdp_gathered_units": units[at].numel * p_item} if zero_stage == 3 else {}
-        return {"fsdp_all_gather": units[at].numel * p_item, **gathered, **unsharded}
-    out = {"fsdp_reduce_scatter": units[at + 1].numel * g_item if at + 1 < len(units) else 0.0, **unsharded}
-    if zero_stage == 3:
-        out["fsdp_gathered_units"] = (units[at].numel + (units[at - 1].numel if at else 0.0)) * p_item
-    return out
-
-
-def ddp_bucket_bytes(s: Setting, params: float) -> float:
-    """DDP's gradient buckets: flat fp32 tensors the size of the parameters it reduces, held for the whole run
-    (``gradient_as_bucket_view=False``, as ``runtime/ddp.py`` builds it: the gradients are copied in, not views).
-    Only where the runtime uses DDP: dp > 1, ZeRO 0/1, no TP (with TP it uses FSDP2's replicate, which has no
-    buckets)."""
-    return params * ITEMSIZE["float32"] if s.replicas > 1 and s.zero_stage < 2 and s.tp == 1 else 0.0
-
-
-def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:
-    """The (Setting, per-layer choices) a :class:`~autopar_nb.plan.Plan` stands for."""
-    m = plan.mesh
-    mb = plan.batch.global_batch / (m.dp * plan.batch.micro_batches)
-    # a layer the planner put under TP: split modules, or only sequence-parallel norms (the final norm between SP
-    # blocks and a vocab-parallel head): the runtime then shards its activations along the sequence
-    tp_on = [any(st in ("colwise", "rowwise", "sequence_parallel") for st in lp.tp.values()) for lp in plan.layers]
-    sp = any(lp.sequence_parallel for lp in plan.layers)
-    s = Setting(m.dp, m.tp, m.pp, m.zero_stage, plan.precision.amp, plan.batch.micro_batches, mb,
-                plan.pipeline.schedule, plan.pipeline.virtual_stages, sp, plan.optimizer.name, m.ep,
-                bool(plan.fused_loss), m.cp, plan.fused_norm)
-    choices = [LayerChoice(lp.stage, on, lp.recompute, lp.fsdp, lp.compile)
-               for lp, on in zip(plan.layers, tp_on, strict=True)]
-    return s, choices
 
 
 def estimate(graph, cluster, plan, *, factors: Factors | None = None) -> Cost:

@@ -4,7 +4,7 @@
 Units: bytes, FLOPs, seconds. Tokens N (per micro-batch), hidden H, vocab V, chunk C tokens
 (``kernels_ext.default_chunk``), p the compute dtype's bytes (2 under AMP, else 4).
 
-Unfused (the default loss, counted by :meth:`Evaluator._rank_memory`): at the loss's backward the fp32 log-softmax
+Unfused (the default loss, counted by :meth:`.moments.RankMemory.moments`): at the loss's backward the fp32 log-softmax
 (saved), its gradient and the logits' gradient are alive, N x V x (4 + 4 + p) bytes, and the head's backward works
 on the N x V logits' gradient.
 
@@ -77,7 +77,7 @@ class FusedHead:
 
 def unfused_loss_bytes(logits_numel: float, *, half: bool) -> float:
     """The unfused default loss at its backward: fp32 log-softmax (saved) and its gradient, and the logits' gradient
-    in the compute dtype (``Evaluator._rank_memory``'s loss moment, before the head's own backward)."""
+    in the compute dtype (``RankMemory.moments``'s loss moment, before the head's own backward)."""
     return logits_numel * (4 + 4 + (2 if half else 4))
 
 

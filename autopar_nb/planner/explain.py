@@ -33,6 +33,8 @@ COMPONENT_SOURCES = {
     "fsdp_root_params": "the parameters left in FSDP's root unit",
     "fsdp_gathered_units": "FSDP's unit being computed and the prefetched one",
     "fsdp_reduce_scatter": "the reduce-scatter input of the FSDP unit whose backward ran last (its gradients in fp32)",
+    "fsdp_unsharded_grads": ("a pipelined FSDP stage's gradients, accumulated unsharded in fp32 over its "
+                             "micro-batches and reduce-scattered after the last (torch's PipelineStage)"),
     "pipeline_buffers": "the buffers a pipeline stage receives inputs and gradients into, one per micro-batch",
     "pipeline_outputs": "a pipeline stage's outputs, kept until their micro-batch's backward",
     "pipeline_sent_gradients": ("the previous micro-batch's input gradients, held by the schedule's send until this "

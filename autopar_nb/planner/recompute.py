@@ -3,8 +3,9 @@ bytes per second of extra compute, until the rank fits in memory (greedy; exact 
 
 from __future__ import annotations
 
-from ..cost.estimate import Evaluator, LayerChoice, Setting
+from ..cost.estimate import Evaluator
 from ..cost.memory import in_flight
+from ..cost.setting import LayerChoice, Setting
 from ..plan import Cost
 
 

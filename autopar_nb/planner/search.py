@@ -30,9 +30,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ..cost.estimate import Evaluator, LayerChoice, Setting
+from ..cost.estimate import Evaluator
 from ..cost.memory import in_flight, state_bytes
 from ..cost.norm import one_kernel
+from ..cost.setting import LayerChoice, Setting
 from ..cost.time import bubble_fraction
 from ..plan import DTYPE_NAMES, ITEMSIZE, Cost, PlanError, stage_rank
 from .recompute import choose_recompute

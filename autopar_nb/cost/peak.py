@@ -1,0 +1,339 @@
+"""The moments of a rank's step its peak memory can be at, and the bytes alive at each: every layer's forward,
+backward (at each of its ops) and recompute, the loss, the optimizer step; the peak is the largest.
+
+Each term is named (:data:`~autopar_nb.plan.MEMORY_TERMS`) so that a measured peak can be compared with the
+prediction component by component, at the same moment."""
+
+from __future__ import annotations
+
+import bisect
+from typing import NamedTuple
+
+from ..plan import DTYPE_NAMES, ITEMSIZE, MEMORY_TERMS, MemoryBreakdown
+from .memory import SENDS_HELD, in_flight, model_states, state_bytes, with_margin
+from .setting import Setting
+from .terms import FsdpUnit, RankSums
+
+
+class RankMemory:
+    """Memory moments of one candidate (its setting ``s`` and per-rank ``sums``) on each pipeline rank."""
+
+    def __init__(self, prof, factors, s: Setting, sums: RankSums, *, seq_ratio: float = 1.0):
+        self.prof, self.f, self.s, self.sums, self.seq_ratio = prof, factors, s, sums, seq_ratio
+
+    def peak(self, r: int) -> MemoryBreakdown:
+        """Bytes on pipeline rank ``r`` at its peak: the largest of its :meth:`moments`."""
+        pb, ob, moments = self.moments(r)
+        peak = max(moments, key=lambda mo: mo.weight)
+        return self.breakdown(pb, ob, peak, margin_of=peak.weight)
+
+    def breakdown(self, pb: float, ob: float, mo: PeakMoment, *, margin_of: float) -> MemoryBreakdown:
+        terms = {k: v for k, v in mo.terms.items() if v}
+        acts = sum(v for k, v in terms.items() if MEMORY_TERMS[k] == "activations")
+        mbd = MemoryBreakdown(pb, mo.grads, ob, acts, sum(terms.values()) - acts, terms=terms)
+        mbd.margin = with_margin(pb + ob + margin_of, self.f)
+        return mbd
+
+    def moments(self, r: int, per_op: bool = False) -> tuple[float, float, list[PeakMoment]]:
+        """Rank ``r``'s parameter and optimizer-state bytes, and the moments of its step its peak can be at: each
+        layer's forward (no gradient yet unless they accumulate over micro-batches; its FSDP unit's all-gather
+        output) and backward (and its recompute's forward; every saved activation of the earlier layers alive, the
+        later layers' gradients, FSDP's gathered units; gradients of earlier micro-batches only where they
+        accumulate, since zero_grad(set_to_none=True) frees them each step), the last rank's loss backward, the
+        gradients' reduction of a pipelined FSDP stage (:meth:`_reduce_moment`), and the optimizer step (all
+        gradients, plus a foreach temporary of their size). ``per_op``: also each layer's backward at each of its
+        ops (:attr:`~.terms.LayerTerms.op_deltas`; ``PeakMoment.op``)."""
+        st = self._states(r)
+        flights = self._flights(r, st)
+        out = self._layer_moments(r, st, flights, per_op)
+        out += self._loss_moments(r, st, flights)
+        if st.pipelined:
+            out.append(self._reduce_moment(r, st))
+        out.append(self._step_moment(r, st))
+        return st.pb, st.ob, out
+
+    def _states(self, r: int) -> _States:
+        """Rank ``r``'s model states and the buffers alive through its whole forward and backward."""
+        s, sums = self.s, self.sums
+        sb = state_bytes(s.optimizer)
+        params, experts = sums.params[r], sums.experts[r]
+        edp = s.dp // s.ep  # expert parallelism: the ranks holding the same experts shard their states
+        pb, gb, ob = (a + b for a, b in zip(model_states(params - experts, dp=s.replicas, zero_stage=s.zero_stage,
+                                                         states=sb),
+                                            model_states(experts, dp=edp, zero_stage=s.zero_stage, states=sb),
+                                            strict=True))
+        p_item = ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")]
+        held: dict[str, float] = {}
+        if s.zero_stage == 2:  # its unsharded parameters, kept from forward to backward: fsdp_buffers, the loss
+            pb = (params - experts) * sb.param / s.replicas + experts * sb.param / edp
+        elif s.zero_stage == 3:
+            held["fsdp_root_params"] = sums.nofsdp[r] * p_item
+        elif s.amp != "none":
+            held["autocast_weight_copies"] = sums.casts[r] * 2  # of the weights its lower-precision ops read
+        held["ddp_buckets"] = ddp_bucket_bytes(s, params - experts)
+        fsdp_stage = s.zero_stage
+        if replicated(s):  # FSDP2's replicate gathers and keeps parameters as ZeRO 2 does, its own dtype's copy
+            fsdp_stage, p_item = 2, ITEMSIZE["float32"]
+        return _States(pb, gb, ob, params, p_item, held, s.pp > 1 and fsdp_stage >= 2, fsdp_stage)
+
+    def _flights(self, r: int, st: _States) -> list[_Flight]:
+        """The rank's backward moments by micro-batches in flight (:class:`_Flight`): its first backward when every
+        micro-batch's forward ran before it (GPipe; 1F1B where m <= pp - r), no gradients yet, and the next, with
+        fewer in flight and every gradient; otherwise the steady one, the earlier micro-batches' gradients
+        accumulated, and under a pipelined ZeRO-3 stage also the first backward of the cool-down, right after the
+        previous backward: one fewer in flight, but every unit still unsharded (:func:`fsdp_buffers`)."""
+        s = self.s
+        m = s.micro_batches
+        flight = in_flight(s.schedule, pp=s.pp, stage=r, micro_batches=m, virtual_stages=s.virtual_stages)
+        regather = st.pipelined and st.fsdp_stage == 3
+        if flight < m:
+            cool = regather and flight >= 2
+            return [_Flight(flight - 1, True, True if cool else None, forwards=True)] + (
+                [_Flight(flight - 2, True, True, regathered=True)] if cool else [])
+        return [_Flight(flight - 1, False, None if m == 1 else False, forwards=True)] + (
+            [_Flight(flight - 2, True, True, regathered=regather)] if m > 1 else [])
+
+    def _pipeline_terms(self, r: int, f: _Flight) -> dict[str, float]:
+        """The pipeline stage's buffers at a moment of ``f`` (``runtime/pp.py``'s ``LeanStage``): a micro-batch's
+        input buffers from its receive to its backward, the gradients' for its backward; its stage output from its
+        forward to its backward; ``others + 1`` micro-batches hold theirs. Torch's one-stage-per-rank schedules
+        keep the previous micro-batch's input-gradient sends referenced through the next backward (SENDS_HELD): a
+        backward after the rank's first holds those gradients too."""
+        s = self.s
+        if s.pp == 1:
+            return {}
+        pipe = self.sums.pipe[r]
+        sent = pipe["grad_sent"] if s.schedule in SENDS_HELD and f.accumulated else 0.0
+        return {"pipeline_buffers": (f.others + 1) * pipe["recv"] + pipe["grad_recv"],
+                "pipeline_outputs": (f.others + 1) * pipe["kept"], "pipeline_sent_gradients": sent}
+
+    def _gradients(self, st: _States, f: _Flight, later_numel: float) -> tuple[float, dict[str, float]]:
+        """(gradient bytes, named terms) alive at a moment of ``f`` where the local parameters ``later_numel`` have
+        their gradients from this micro-batch's backward. A pipelined FSDP stage (torch's ``PipelineStage`` runs
+        every micro-batch's backward without gradient sync or resharding, and reduce-scatters once after the
+        last: ``perform_reduce_grad``) holds its gradients unsharded in ``reduce_dtype`` (float32) instead of
+        sharded: ``fsdp_unsharded_grads``."""
+        numel = st.params if f.accumulated else later_numel
+        if st.pipelined:
+            return 0.0, {"fsdp_unsharded_grads": numel * ITEMSIZE["float32"]}
+        return (st.gb if f.accumulated else numel * (st.gb / st.params if st.params else 0.0)), {}
+
+    def _layer_moments(self, r: int, st: _States, flights: list[_Flight], per_op: bool) -> list[PeakMoment]:
+        """Each layer's backward (at its largest op and, ``per_op``, at every op), recompute and forward moment
+        (:attr:`~.terms.RankSums.bwd_layers`) under each flight."""
+        s, sums = self.s, self.sums
+        # a pipeline stage's received inputs that its layers save are its receive buffers: counted there
+        rs = sums.pipe[r]["recv_saved"] if s.pp > 1 else 0.0
+        held_sum = sum(st.held.values())
+        out, fsdp_at = [], {}  # (layer, forward, pipelined, regathered) -> (FSDP's buffers then, their sum)
+        for f in flights:
+            pipe_now = self._pipeline_terms(r, f)
+            shared = held_sum + sum(pipe_now.values())
+            for a, w, before, layer, phase, ops in sums.bwd_layers[r]:
+                forward = phase == "forward"
+                if forward and not f.forwards:
+                    continue
+                # a pipelined stage's units are left unsharded by a backward: before its first, none is
+                pipelined = st.pipelined and (f.accumulated or not forward)
+                key = layer, forward, pipelined, f.regathered
+                if key not in fsdp_at:
+                    fb = fsdp_buffers(sums.units[r], layer, zero_stage=st.fsdp_stage, p_item=st.p_item,
+                                      g_item=ITEMSIZE["float32"], forward=forward, params=st.params,
+                                      pipelined=pipelined, regathered=f.regathered)
+                    fsdp_at[key] = fb, sum(fb.values())
+                fb, fb_sum = fsdp_at[key]
+                work = "forward_working_set" if forward else "backward_working_set"
+                for op, dw, da, dbefore in ((None, 0.0, 0.0, 0.0), *(ops if per_op else ())):
+                    alive = (f.others + 1) * -rs + f.others * sums.acts[r] + a + da
+                    later = 0.0 if forward else st.params - before - dbefore
+                    grads, gterms = self._gradients(st, f, later)
+                    out.append(PeakMoment(phase, layer, grads,
+                                          ({"saved_activations": alive, work: w + dw}, fb, st.held, pipe_now, gterms),
+                                          grads + sum(gterms.values()) + alive + w + dw + fb_sum + shared, op,
+                                          f.later))
+        return out
+
+    def _loss_moments(self, r: int, st: _States, flights: list[_Flight]) -> list[PeakMoment]:
+        """The last rank's loss backward under each flight: the log-softmax output (fp32) saved, its gradient and
+        the logits' gradient alive; FSDP units are resharded then (ZeRO 3). None with the fused head, whose loss
+        is in the head layer's working set."""
+        s, sums, prof = self.s, self.sums, self.prof
+        if r != s.pp - 1 or not prof.output_numel or s.fused_loss:
+            return []
+        lp_div = s.tp if (prof.loss_parallel and s.tp > 1 and sums.head_tp) else 1
+        out_numel = prof.output_numel * (s.mb_samples / prof.batch) * self.seq_ratio / s.cp
+        loss_saved = out_numel * 4 / lp_div
+        # gradients of the log-softmax and of the logits; torch's loss_parallel backward holds three fp32
+        # temporaries of the logits' shard beside the saved one (MemTracker, torch 2.13: 4 x the shard's fp32
+        # bytes at tp 2 and 4, in fp32 and under bf16 autocast). Unsplit, the default loss's forward holds the
+        # logits and their flattened copy (the next-token slice is not contiguous) in the compute dtype, and under
+        # autocast the float32 copy ``.float()`` makes (runtime/data.py default_loss)
+        half = s.amp != "none"
+        loss_temp = out_numel * 4 * 3 / lp_div if lp_div > 1 else out_numel * (2 * st.p_item + (4 if half else 0))
+        rs = sums.pipe[r]["recv_saved"] if s.pp > 1 else 0.0
+        out = []
+        for f in flights:
+            loss = {"saved_activations": (f.others + 1) * (sums.acts[r] - rs), "loss_saved": loss_saved,
+                    "loss_temporaries": loss_temp}
+            if st.fsdp_stage == 2:  # every unit's parameters still unsharded: no backward has run
+                loss["fsdp_unsharded_params"] = st.params * st.p_item
+            grads, gterms = self._gradients(st, f, 0.0)
+            pipe_now = self._pipeline_terms(r, f)
+            out.append(PeakMoment("loss", None, grads, (loss, st.held, pipe_now, gterms),
+                                  grads + sum(gterms.values()) + sum(loss.values()) + sum(st.held.values())
+                                  + sum(pipe_now.values()), later=f.later))
+        return out
+
+    def _reduce_moment(self, r: int, st: _States) -> PeakMoment:
+        """A pipelined FSDP stage after its last backward (``PipelineStage.perform_reduce_grad``): every gradient
+        still unsharded, every unit's parameters too (no backward resharded them), and the first group's
+        reduce-scatter input (the root's, whose state FSDP lists first), flattened in ``reduce_dtype``."""
+        sums = self.sums
+        units = sums.units[r]
+        first = sums.nofsdp[r] or (units[0].numel if units else 0.0)
+        g_item = ITEMSIZE["float32"]
+        terms = {"fsdp_unsharded_grads": st.params * g_item, "fsdp_reduce_scatter": first * g_item,
+                 "fsdp_unsharded_params": st.params * st.p_item, "ddp_buckets": st.held["ddp_buckets"]}
+        return PeakMoment("reduce", None, 0.0, (terms,), sum(terms.values()))
+
+    def _step_moment(self, r: int, st: _States) -> PeakMoment:
+        """The optimizer step: every gradient and foreach temporaries (CUDA: a list the size of the gradients; CPU:
+        one parameter at a time); autocast's weight copies are gone, ZeRO 2's gathered parameters resharded (CPU:
+        torch's single-tensor Adam holds two of the largest parameter's size at once, exp_avg_sq.sqrt() and its
+        quotient by the bias correction; MemTracker, LLaMA)."""
+        gb = st.gb
+        temporaries = gb if self.prof.device_kind == "cuda" else 2 * self.sums.largest[r] * ITEMSIZE["float32"]
+        at_opt = {"optimizer_step_temporaries": temporaries, "ddp_buckets": st.held["ddp_buckets"],
+                  "fsdp_root_params": 0.0 if self.s.amp != "none" else st.held.get("fsdp_root_params", 0.0)}
+        return PeakMoment("step", None, gb, (at_opt,), gb + sum(at_opt.values()))
+
+
+class _States(NamedTuple):
+    """A rank's model states (bytes) and what stays alive through its forward and backward."""
+
+    pb: float
+    gb: float
+    ob: float
+    params: float
+    """its local parameters (numel)"""
+    p_item: int
+    """bytes of a parameter in the compute dtype (FSDP's unsharded parameters)"""
+    held: dict[str, float]
+    """buffers alive the whole forward and backward"""
+    pipelined: bool
+    """an FSDP (ZeRO 2/3) pipeline stage: torch's ``PipelineStage`` holds its gradients and parameters
+    unsharded from a micro-batch's backward to the step's reduction"""
+    fsdp_stage: int
+    """how FSDP2 holds the parameters: the ZeRO stage, or 2 under :func:`replicated` data parallelism"""
+
+
+class _Flight(NamedTuple):
+    """One kind of backward moment of a pipeline rank (:meth:`RankMemory._flights`)."""
+
+    others: float
+    """other micro-batches in flight, each holding all its saved activations"""
+    accumulated: bool
+    """the gradients of earlier micro-batches exist (all the rank's parameters have one)"""
+    later: bool | None
+    """a backward after the rank's first (True), its first (False); None where one moment stands for all"""
+    regathered: bool = False
+    """right after another backward of a pipelined ZeRO-3 stage: every unit still unsharded"""
+    forwards: bool = False
+    """forwards run among these backwards (not in a cool-down, where only backwards are left)"""
+
+
+class PeakMoment(NamedTuple):
+    """One moment of a rank's step that its peak memory can be at (:meth:`RankMemory.moments`)."""
+
+    phase: str
+    """one of "forward" (a layer's, not recomputed), "backward" (a layer's), "recompute" (a layer's forward run again
+    in its backward), "loss", "reduce" (a pipelined FSDP stage's gradient reduction), "step"."""
+    layer: int | None
+    """the layer whose backward or recompute it is in"""
+    grads: float
+    """gradient bytes alive"""
+    parts: tuple[dict[str, float], ...]
+    """the other bytes alive, by :data:`~autopar_nb.plan.MEMORY_TERMS` name, in the groups the moments share
+    (merged by :attr:`terms` only for the moment a peak is at: the planner weighs ~10^5 moments a search)"""
+    weight: float
+    """all of them (what the peak is chosen by)"""
+    op: int | None = None
+    """in a layer's backward: at the backward of this op (its graph index), not at the layer's largest"""
+    later: bool | None = None
+    """a pipeline rank's backward (or loss) after its first micro-batch's (True), at its first (False); None where
+    one moment stands for every micro-batch"""
+
+    @property
+    def terms(self) -> dict[str, float]:
+        """The bytes alive besides the gradients, by term (saved activations at least 0)."""
+        out = {k: v for part in self.parts for k, v in part.items()}
+        if "saved_activations" in out:
+            out["saved_activations"] = max(out["saved_activations"], 0.0)
+        return out
+
+
+def moment_layers(cnt: int) -> list[int]:
+    """Which of a run of ``cnt`` identical layers (0 = its first) a backward peak can be at: the saved tensors
+    alive grow by one layer's from one to the next and the gradients shrink by one layer's, so the extremes, and
+    the layers next to them, where FSDP's buffers change (a prefetch only after an earlier unit, a reduce-scatter
+    only after a later one, :func:`fsdp_buffers`)."""
+    return sorted({j for j in (cnt - 1, cnt - 2, 1, 0) if 0 <= j < cnt}, reverse=True)
+
+
+def fsdp_buffers(units: list[FsdpUnit], layer: int, *, zero_stage: int, p_item: int, g_item: int,
+                 params: float, forward: bool = False, pipelined: bool = False,
+                 regathered: bool = False) -> dict[str, float]:
+    """FSDP2's buffers (bytes) while ``layer`` runs its backward (measured with FSDPMemTracker under a fake group,
+    LLaMA and ViT, ZeRO-3 + full recompute, bf16): ZeRO-3 gathers the layer's unit again (its unsharded
+    parameters in the compute dtype) and prefetches the unit before it (the all-gather's output,
+    ``fsdp_gathered_units``); under ZeRO 2 and 3 the unit after it, whose backward ran last, still holds the input
+    of its gradients' reduce-scatter (``reduce_dtype``, float32: the unsharded gradients flattened), freed only
+    when the next unit's reduce-scatter starts (``fsdp_reduce_scatter``). ``forward``: while it runs its forward,
+    the output of its unit's all-gather (``fsdp_all_gather``, measured: ViT, ZeRO 2, bf16) beside, under ZeRO 3,
+    the unit's unsharded parameters.
+
+    ZeRO 2 (``reshard_after_forward=False``) keeps every unit's unsharded parameters from its forward to the end of
+    its backward (``fsdp_unsharded_params``; ``params``: the rank's parameters, its root's included): in a forward
+    all of them (the peak is the last layer's), in a layer's backward or recompute all but those of the units after
+    it, whose backward resharded them (measured: Mixtral, ZeRO 2, fp32, full recompute, peaking in layer 2 of 4:
+    layer 3's unit already freed, 6.8 MiB of buffers over without this).
+
+    ``pipelined``: the units of a pipeline stage, whose backward neither reshards nor reduce-scatters
+    (``PipelineStage.backward_maybe_with_nosync``): under ZeRO 2 every unit stays unsharded, under ZeRO 3 each
+    unit from its backward until its next forward (those after ``layer``; ``regathered``: right after another
+    backward, every unit), and no reduce-scatter input is held."""
+    if zero_stage < 2:
+        return {}
+    at = bisect.bisect_right(units, layer, key=lambda u: u.first) - 1  # units are consecutive, in layer order
+    unsharded = {}
+    if zero_stage == 2:
+        later = 0.0 if forward or pipelined else sum(u.numel for u in units[at + 1:])
+        unsharded = {"fsdp_unsharded_params": (params - later) * p_item}
+    elif pipelined:
+        kept = units[:max(at - 1, 0)] if regathered else []
+        unsharded = {"fsdp_unsharded_params": sum(u.numel for u in (*kept, *units[at + 1:])) * p_item}
+    if at < 0 or units[at].last < layer:  # a layer of the root's (embedding, head): no unit of its own
+        return unsharded
+    if forward:
+        gathered = {"fsdp_gathered_units": units[at].numel * p_item} if zero_stage == 3 else {}
+        return {"fsdp_all_gather": units[at].numel * p_item, **gathered, **unsharded}
+    reducing = at + 1 < len(units) and not pipelined
+    out = {"fsdp_reduce_scatter": units[at + 1].numel * g_item if reducing else 0.0, **unsharded}
+    if zero_stage == 3:
+        out["fsdp_gathered_units"] = (units[at].numel + (units[at - 1].numel if at else 0.0)) * p_item
+    return out
+
+
+def replicated(s: Setting) -> bool:
+    """Data parallelism over TP-split parameters: FSDP2's ``replicate`` (DDP takes no DTensor), which gathers each
+    unit's parameters into a buffer of their own as FSDP does over a shard group of one rank, and keeps them as
+    ZeRO 2 does (``runtime/ddp.py``)."""
+    return s.replicas > 1 and s.zero_stage < 2 and s.tp > 1
+
+
+def ddp_bucket_bytes(s: Setting, params: float) -> float:
+    """DDP's gradient buckets: flat fp32 tensors the size of the parameters it reduces, held for the whole run
+    (``gradient_as_bucket_view=False``, as ``runtime/ddp.py`` builds it: the gradients are copied in, not views).
+    Only where the runtime uses DDP: dp > 1, ZeRO 0/1, no TP (with TP it uses FSDP2's replicate, which has no
+    buckets)."""
+    return params * ITEMSIZE["float32"] if s.replicas > 1 and s.zero_stage < 2 and s.tp == 1 else 0.0

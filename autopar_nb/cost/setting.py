@@ -1,0 +1,75 @@
+"""A candidate plan as plain values: the global choices (:class:`Setting`) and each layer's
+(:class:`LayerChoice`), which the planner searches and the cost model prices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..plan import stage_rank
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Global choices of a candidate plan (plain values)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    amp: str = "none"
+    micro_batches: int = 1
+    """micro-batches per step on each data-parallel rank"""
+    mb_samples: float = 1.0
+    """samples per micro-batch"""
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sp: bool = False
+    """sequence parallel (TP > 1 on a sequence model)"""
+    optimizer: str = "adam"
+    ep: int = 1
+    """expert parallelism: the experts modules split over ``ep`` of the dp ranks (1: experts whole everywhere)"""
+    fused_loss: bool = False
+    """the output head and the default loss run as one fused, chunked op (``Evaluator.head``; :mod:`.loss`)"""
+    cp: int = 1
+    """context parallelism: every sequence split over ``cp`` ranks (ring attention; ``runtime/cp.py``)"""
+    fused_norm: bool = False
+    """the RMSNorm modules run kernels_ext's fused RMSNorm (``Evaluator.norm_prof``; :mod:`.norm`)"""
+
+    @property
+    def replicas(self) -> int:
+        """ranks holding the same parameters, which average gradients: dp * cp (``mesh["dp_cp"]``)"""
+        return self.dp * self.cp
+
+    def rank_of(self, stage: int) -> int:
+        """The pipeline rank holding ``stage`` under this schedule (:func:`~autopar_nb.plan.stage_rank`)."""
+        return stage_rank(stage, self.pp, self.pp * self.virtual_stages, self.schedule)
+
+
+@dataclass
+class LayerChoice:
+    """Per-layer choices of a candidate plan."""
+
+    stage: int = 0
+    tp: bool = True
+    """apply the layer's TP styles (False: replicate it on every TP rank)"""
+    recompute: str = "none"
+    fsdp: bool = True
+    compile: bool = False
+    """run the layer under ``torch.compile`` (its memory-bound time scaled by ``Factors.compile_memory_bound``)"""
+
+
+def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:
+    """The (Setting, per-layer choices) a :class:`~autopar_nb.plan.Plan` stands for."""
+    m = plan.mesh
+    mb = plan.batch.global_batch / (m.dp * plan.batch.micro_batches)
+    # a layer the planner put under TP: split modules, or only sequence-parallel norms (the final norm between SP
+    # blocks and a vocab-parallel head): the runtime then shards its activations along the sequence
+    tp_on = [any(st in ("colwise", "rowwise", "sequence_parallel") for st in lp.tp.values()) for lp in plan.layers]
+    sp = any(lp.sequence_parallel for lp in plan.layers)
+    s = Setting(m.dp, m.tp, m.pp, m.zero_stage, plan.precision.amp, plan.batch.micro_batches, mb,
+                plan.pipeline.schedule, plan.pipeline.virtual_stages, sp, plan.optimizer.name, m.ep,
+                bool(plan.fused_loss), m.cp, plan.fused_norm)
+    choices = [LayerChoice(lp.stage, on, lp.recompute, lp.fsdp, lp.compile)
+               for lp, on in zip(plan.layers, tp_on, strict=True)]
+    return s, choices
+

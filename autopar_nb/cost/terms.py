@@ -1,0 +1,153 @@
+"""What the cost model sums: one layer's per-micro-batch terms (:class:`LayerTerms`), and per pipeline rank
+the sums over its layers (:class:`RankSums`) that its step time and memory moments are made of."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+@dataclass
+class LayerTerms:
+    """One layer's per-micro-batch costs on one rank for a given (TP, SP, AMP, micro-batch size)."""
+
+    fwd: float
+    bwd: float
+    sel: float
+    """seconds selective recompute adds in backward (the attention scores again)"""
+    act: dict[str, float]
+    """saved activation bytes by recompute mode"""
+    params_local: float
+    tp_comm: dict[str, float] = field(default_factory=dict)
+    """seconds per micro-batch (forward + backward) by collective kind"""
+    out_bytes: float = 0.0
+    work_bytes: float = 0.0
+    flops: float = 0.0
+    """forward + backward FLOPs of one micro-batch (global, not per rank: model FLOPs)"""
+    fwd_flops: float = 0.0
+    quad_flops: float = 0.0
+    largest_param: float = 0.0
+    """numel of the layer's largest local parameter"""
+    tp_exposed: float = 0.0
+    """seconds of the TP collectives not hidden behind compute: sum(tp_comm) x (1 - overlap_tp), plus expert
+    parallelism's all-to-alls (in tp_comm too), which the tokens wait for"""
+    experts_local: float = 0.0
+    """numel of the layer's expert parameters on one rank under expert parallelism (ep > 1; else 0: they count as
+    any other parameter)"""
+    a2a_fwd: float = 0.0
+    """seconds of the forward all-to-alls of expert parallelism (full recompute runs them again)"""
+    tp_step: float = 0.0
+    """seconds of TP collectives run once per step, not per micro-batch: the all-reduce of the weight gradients of
+    key/value projections TP repeats (``LayerProfile.at_tp``)"""
+    freed: float = 0.0
+    """saved bytes of this layer already freed at its backward peak (:func:`.memory.peak_op`), with
+    ``work_bytes`` the gradients held then"""
+    later_params: float = 0.0
+    """local parameters (numel) of this layer whose gradients exist at its backward peak (read by later ops)"""
+    op_deltas: tuple[tuple[int, float, float, float], ...] = ()
+    """per op of the layer whose backward runs: (its graph index, its working set, the saved bytes still alive and
+    the local parameters whose gradients do not exist yet there, each less the peak op's): the layer's moment at
+    that op (:meth:`Evaluator.rank_moments` with ``per_op``)"""
+    cast_local: float = 0.0
+    """numel of the layer's local parameters autocast keeps a 16-bit copy of during forward and backward (0 unless
+    the precision is "autocast")"""
+    forward: dict[str, float] = field(default_factory=dict)
+    """recompute ("none", "full", "selective") -> bytes the layer holds at its forward's largest moment ("none"), or
+    a recomputed layer beyond what it keeps at its recompute's (:func:`.memory.forward_peak`)"""
+
+    def recompute_s(self, recompute: str) -> float:
+        """Seconds recompute adds in backward: the whole forward again (full, with its all-to-alls) or the attention
+        scores (selective)."""
+        return self.fwd + self.a2a_fwd if recompute == "full" else self.sel if recompute == "selective" else 0.0
+
+    def recompute_flops(self, recompute: str) -> float:
+        """FLOPs recompute adds (hardware FLOPs, not model FLOPs)."""
+        return self.fwd_flops if recompute == "full" else self.quad_flops if recompute == "selective" else 0.0
+
+    def time_s(self, recompute: str) -> float:
+        """The layer's time for one micro-batch on one rank: forward + backward + recompute + exposed TP comm.
+        The one per-layer time formula: stage balancing uses it, and a pipeline rank's time is its sum."""
+        return self.fwd + self.bwd + self.recompute_s(recompute) + self.tp_exposed
+
+
+@dataclass
+class RankSums:
+    """Per pipeline rank (index r), sums over its layers for one micro-batch, and the chain's FLOPs."""
+
+    fwdbwd: list[float]
+    """forward + backward seconds"""
+    rec: list[float]
+    """recompute seconds"""
+    tpc: list[float]
+    """exposed TP collective seconds"""
+    tp_kind: list[dict[str, float]]
+    """TP collective seconds (before overlap) by kind"""
+    acts: list[float]
+    """saved activation bytes"""
+    params: list[float]
+    """local parameters (numel)"""
+    work: list[float]
+    """the largest working set of one layer's backward (bytes)"""
+    units: list[list[FsdpUnit]]
+    """the FSDP units (``fully_shard`` groups) in forward order, as ``export.values.fsdp_units`` makes them"""
+    largest: list[float]
+    """the largest local parameter (numel)"""
+    nofsdp: list[float]
+    """parameters folded into the root FSDP unit (numel)"""
+    p2p: list[float]
+    """bytes a rank sends to the next stage (the largest of its cuts, one micro-batch)"""
+    experts: list[float] = field(default_factory=list)
+    """local expert parameters under expert parallelism (numel; part of ``params``)"""
+    head_tp: bool = False
+    """the output head is TP-split (loss_parallel can apply)"""
+    model_flops: float = 0.0
+    hw_flops: float = 0.0
+    tp_step: list[float] = field(default_factory=list)
+    """seconds of TP collectives run once per step (``LayerTerms.tp_step``)"""
+    casts: list[float] = field(default_factory=list)
+    """local parameters (numel) autocast keeps 16-bit copies of (``LayerTerms.cast_local``)"""
+    pipe: list[dict[str, float]] = field(default_factory=list)
+    """per rank, one micro-batch's bytes of the tensors crossing its pipeline cuts (:meth:`Evaluator.pipeline_sums`):
+    ``recv`` (received into a buffer per micro-batch), ``recv_saved`` (the part of them its layers' saved activations
+    count already), ``kept`` (its own outputs, kept until their backward, that its layers do not save),
+    ``grad_recv`` (the gradients sent back to it) and ``grad_sent`` (the gradients of its inputs it sends back)"""
+    bwd_layers: list[list[tuple[float, float, float, int, str]]] = field(default_factory=list)
+    """per run of layers, the moments its backward holds the most (:func:`moment_layers`), and its forward: (saved
+    activation bytes still alive, working set bytes, local parameters (numel) whose backward has not run yet, the
+    layer's index, "backward", "recompute" or "forward": its backward's largest op, its recompute's largest forward
+    moment, or, not recomputed, the run's last layer's forward's largest).
+    Backward runs from the last layer to the first, freeing each layer's saved tensors and leaving its gradients:
+    at layer l the saved tensors of later layers are gone and their gradients exist; a recomputed layer holds what
+    its recompute re-created"""
+
+    @classmethod
+    def zeros(cls, pp: int) -> RankSums:
+        z = [0.0] * pp
+        return cls(list(z), list(z), list(z), [{} for _ in range(pp)], list(z), list(z), list(z),
+                   [[] for _ in range(pp)], list(z), list(z), list(z), list(z), tp_step=list(z), casts=list(z),
+                   bwd_layers=[[] for _ in range(pp)],
+                   pipe=[dict.fromkeys(("recv", "recv_saved", "kept", "grad_recv", "grad_sent"), 0.0)
+                         for _ in range(pp)])
+
+    def per_micro_batch(self, r: int) -> float:
+        """Rank ``r``'s time for one micro-batch: the sum of its layers' :meth:`LayerTerms.time_s`."""
+        return self.fwdbwd[r] + self.rec[r] + self.tpc[r]
+
+
+@dataclass
+class CommTime:
+    """Collective seconds of one step: before overlap by kind, and the part on the critical path."""
+
+    by_kind: dict[str, float] = field(default_factory=dict)
+    exposed_by_kind: dict[str, float] = field(default_factory=dict)
+    exposed: float = 0.0
+
+
+class FsdpUnit(NamedTuple):
+    """One ``fully_shard`` group of consecutive layers."""
+
+    first: int
+    last: int
+    """the indices of its first and last layers"""
+    numel: float
+    """its local parameters"""

@@ -1,0 +1,64 @@
+"""Techniques together, as the planner offers them at scale: each composition's per-rank memory against PyTorch's
+tracker on real processes, component by component (the whole table: ``bench/memory.py --compositions``).
+
+Each case pins one composition on a tiny Hugging Face model, measures every pipeline rank of the exported script
+(``autopar_nb.measure.measure``: real gloo processes where ranks exchange data, a fake group otherwise) and compares
+the prediction at the moment the tracker peaked. Each names the term of the cost model it rests on: without it the
+case fails (checked by zeroing the term).
+"""
+
+from __future__ import annotations
+
+import pytest
+from memcells import CELLS
+
+import autopar_nb as ap
+from autopar_nb.source import ModelSource
+
+SIZE = {"hidden": 128, "layers": 4, "seq": 128, "batch": 4}
+WITHIN = 0.05
+PIPE = {"pp": 2, "micro_batches": 4, "schedule": "1f1b"}
+CASES = {
+    # torch's PipelineStage runs every micro-batch's backward of an FSDP stage without resharding or gradient sync:
+    # its gradients accumulate unsharded (fsdp_unsharded_grads), its units stay gathered
+    "zero3-pp": ("LLaMA", {"dp": 2, "zero_stage": 3, **PIPE}, "fsdp_unsharded_grads"),
+    "zero2-pp-bf16": ("GPT-2", {"dp": 2, "zero_stage": 2, "amp": "bf16", **PIPE}, "fsdp_unsharded_grads"),
+    # data parallelism beside TP is FSDP2's replicate, which keeps a gathered copy of the parameters
+    "ddp-tp": ("LLaMA", {"dp": 2, "tp": 2, "zero_stage": 0}, "fsdp_unsharded_params"),
+}
+
+
+def _measured_against_predicted(family: str, fix: dict):
+    from autopar_nb.cost.estimate import peak_moments
+    from autopar_nb.measure import measure, measured_groups, moment_at, predicted_groups
+
+    src = ModelSource(CELLS[family](**SIZE))
+    meta, example, _ = src.build(device="meta")
+    graph = ap.capture(meta, example)
+    dp, pp = fix.get("dp", 1), fix.get("pp", 1)
+    world = dp * fix.get("tp", 1) * pp
+    cluster = ap.Cluster.preset("cpu", 1, world)
+    plan = ap.plan(graph, cluster, global_batch=SIZE["batch"] * dp,
+                   fix={"amp": "none", "recompute": "none", "micro_batches": 1, **fix})
+    moments = peak_moments(graph, cluster, plan, per_op=True)
+    paths = [lay.path for lay in graph.layers]
+    op_modules = {k: n.module_path for k, n in enumerate(graph.nodes)}
+    op_names = {k: n.op for k, n in enumerate(graph.nodes)}
+    got = measure(src, plan, ranks=tuple(r * world // pp for r in range(pp)))
+    for stage, m in enumerate(got):
+        at = moment_at(m["where"], paths, moments[stage], op_modules, micro_batch=m.get("micro_batch"),
+                       node=m.get("node"), op_names=op_names)
+        yield stage, at, predicted_groups(at[2]) if at else None, measured_groups(m["peak"]), m
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", CASES)
+def test_composition_memory_matches_the_tracker(name):
+    """Every rank's components, at the moment the tracker peaked, within 5 % of its measured total, and the
+    composition's own term part of that moment."""
+    family, fix, term = CASES[name]
+    for stage, at, p, g, m in _measured_against_predicted(family, fix):
+        assert at is not None, (stage, m["where"])
+        assert at[2].terms.get(term, 0.0) > 0, (stage, term, at[2].terms)
+        for group, value in g.items():
+            assert p[group] == pytest.approx(value, abs=WITHIN * m["peak"]["total"] + 1024), (stage, group, p, g)
