@@ -31,6 +31,9 @@ class DeviceSpec:
     """device memory bandwidth, bytes/s"""
     source: str = ""
     """where the figures come from"""
+    arch: str = ""
+    """the GPU generation ("ampere", "hopper", ...): kernels reach different fractions of peak on each
+    (``cost.factors.ARCH_FACTORS``)"""
 
     def flops(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (a dtype the device lacks falls back to the slowest listed)."""
@@ -51,60 +54,65 @@ class LinkSpec:
     latency: float
     """seconds per message"""
     name: str = ""
+    shared: bool = False
+    """one adapter per node that its GPUs share (False: one per GPU, as DGX nodes have one InfiniBand adapter per
+    GPU, which NCCL drives all at once: ``cost.comm.link_for``)"""
 
 
 # --- Devices ---------------------------------------------------------------------------------------------------------
 # A100 SXM: NVIDIA A100 Tensor Core GPU datasheet (2021): BF16/FP16 312 TFLOPS dense, TF32 156, FP32 19.5;
 # 40GB HBM2 1,555 GB/s; 80GB HBM2e 2,039 GB/s; NVLink 3 600 GB/s total (300 GB/s per direction).
 A100_40GB = DeviceSpec("a100-40gb", 40 * GB, {"bfloat16": 312 * TB, "float16": 312 * TB, "float32": 19.5 * TB},
-                       1555 * GB, "NVIDIA A100 datasheet (SXM4 40GB)")
+                       1555 * GB, "NVIDIA A100 datasheet (SXM4 40GB)", arch="ampere")
 A100_80GB = DeviceSpec("a100-80gb", 80 * GB, {"bfloat16": 312 * TB, "float16": 312 * TB, "float32": 19.5 * TB},
-                       2039 * GB, "NVIDIA A100 datasheet (SXM4 80GB)")
+                       2039 * GB, "NVIDIA A100 datasheet (SXM4 80GB)", arch="ampere")
 # H100 SXM5: NVIDIA H100 datasheet: BF16/FP16 989.4 TFLOPS dense (1,979 with sparsity), FP32 66.9, 80GB HBM3
 # 3.35 TB/s; NVLink 4 900 GB/s total (450 per direction).
 H100_80GB = DeviceSpec("h100-80gb", 80 * GB, {"bfloat16": 989.4 * TB, "float16": 989.4 * TB, "float32": 66.9 * TB},
-                       3350 * GB, "NVIDIA H100 datasheet (SXM5)")
+                       3350 * GB, "NVIDIA H100 datasheet (SXM5)", arch="hopper")
 # H200 SXM: NVIDIA H200 datasheet: same Hopper compute as H100 SXM, 141GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
 H200 = DeviceSpec("h200", 141 * GB, {"bfloat16": 989.4 * TB, "float16": 989.4 * TB, "float32": 66.9 * TB},
-                  4800 * GB, "NVIDIA H200 datasheet (SXM)")
+                  4800 * GB, "NVIDIA H200 datasheet (SXM)", arch="hopper")
 # L4: NVIDIA L4 datasheet: BF16/FP16 121 TFLOPS dense (242 with sparsity), FP32 30.3, 24GB GDDR6 300 GB/s,
 # PCIe Gen4 x16 (64 GB/s bidirectional), no NVLink.
 L4 = DeviceSpec("l4", 24 * GB, {"bfloat16": 121 * TB, "float16": 121 * TB, "float32": 30.3 * TB},
-                300 * GB, "NVIDIA L4 datasheet")
+                300 * GB, "NVIDIA L4 datasheet", arch="ada")
 
 # H100 PCIe: NVIDIA H100 datasheet: BF16/FP16 756 TFLOPS dense (1,513 with sparsity), FP32 51.2, 80GB HBM2e 2 TB/s,
 # PCIe Gen5 x16 (128 GB/s bidirectional); NVLink bridge 600 GB/s for pairs only.
 H100_PCIE = DeviceSpec("h100-pcie", 80 * GB, {"bfloat16": 756 * TB, "float16": 756 * TB, "float32": 51.2 * TB},
-                       2000 * GB, "NVIDIA H100 datasheet (PCIe)")
+                       2000 * GB, "NVIDIA H100 datasheet (PCIe)", arch="hopper")
 # H100 NVL: NVIDIA H100 datasheet: BF16/FP16 835 TFLOPS dense (1,671 with sparsity), FP32 60, 94GB HBM3 3.9 TB/s;
 # sold as NVLink-bridged pairs (600 GB/s), PCIe Gen5 between pairs.
 H100_NVL = DeviceSpec("h100-nvl", 94 * GB, {"bfloat16": 835 * TB, "float16": 835 * TB, "float32": 60 * TB},
-                      3900 * GB, "NVIDIA H100 datasheet (NVL)")
+                      3900 * GB, "NVIDIA H100 datasheet (NVL)", arch="hopper")
 # GH200: NVIDIA GH200 Grace Hopper datasheet: the H100 SXM's compute (BF16 989 dense, FP32 67), 96GB HBM3 4 TB/s
 # (the 144GB HBM3e version: 4.9 TB/s; detection replaces the memory with the card's own).
 GH200 = DeviceSpec("gh200", 96 * GB, {"bfloat16": 989.4 * TB, "float16": 989.4 * TB, "float32": 66.9 * TB},
-                   4000 * GB, "NVIDIA GH200 Grace Hopper Superchip datasheet (96GB HBM3)")
+                   4000 * GB, "NVIDIA GH200 Grace Hopper Superchip datasheet (96GB HBM3)", arch="hopper")
 # H20: NVIDIA H20 product brief: BF16/FP16 148 TFLOPS dense (296 with sparsity), FP32 44, 96GB HBM3 4.0 TB/s,
 # NVLink 900 GB/s.
 H20 = DeviceSpec("h20", 96 * GB, {"bfloat16": 148 * TB, "float16": 148 * TB, "float32": 44 * TB},
-                 4000 * GB, "NVIDIA H20 product brief")
+                 4000 * GB, "NVIDIA H20 product brief", arch="hopper")
 # V100 SXM2: NVIDIA V100 datasheet: FP16 tensor 125 TFLOPS, FP32 15.7, no bf16 (compute capability 7.0),
 # 32GB HBM2 900 GB/s, NVLink 2 300 GB/s total (150 per direction).
 V100 = DeviceSpec("v100", 32 * GB, {"float16": 125 * TB, "float32": 15.7 * TB},
-                  900 * GB, "NVIDIA V100 datasheet (SXM2 32GB)")
+                  900 * GB, "NVIDIA V100 datasheet (SXM2 32GB)", arch="volta")
 # T4: NVIDIA T4 datasheet: FP16 tensor 65 TFLOPS, FP32 8.1, no bf16 (compute capability 7.5), 16GB GDDR6 320 GB/s,
 # PCIe Gen3 x16.
-T4 = DeviceSpec("t4", 16 * GB, {"float16": 65 * TB, "float32": 8.1 * TB}, 320 * GB, "NVIDIA T4 datasheet")
+T4 = DeviceSpec("t4", 16 * GB, {"float16": 65 * TB, "float32": 8.1 * TB}, 320 * GB, "NVIDIA T4 datasheet",
+                arch="turing")
 # A10: NVIDIA A10 datasheet: BF16/FP16 125 TFLOPS dense (250 with sparsity), FP32 31.2, 24GB GDDR6 600 GB/s, PCIe 4.
 A10 = DeviceSpec("a10", 24 * GB, {"bfloat16": 125 * TB, "float16": 125 * TB, "float32": 31.2 * TB},
-                 600 * GB, "NVIDIA A10 datasheet")
+                 600 * GB, "NVIDIA A10 datasheet", arch="ampere")
 # A10G (AWS G5 only; NVIDIA publishes no datasheet): 24GB GDDR6 600 GB/s, FP32 31.2 TFLOPS; tensor BF16/FP16 about
 # 70 TFLOPS dense as commonly quoted (its tensor rate is about half the A10's): calibrate with a run.
 A10G = DeviceSpec("a10g", 24 * GB, {"bfloat16": 70 * TB, "float16": 70 * TB, "float32": 31.2 * TB},
-                  600 * GB, "AWS G5 (A10G): no NVIDIA datasheet; tensor rate as commonly quoted, calibrate")
+                  600 * GB, "AWS G5 (A10G): no NVIDIA datasheet; tensor rate as commonly quoted, calibrate",
+                  arch="ampere")
 # L40S: NVIDIA L40S datasheet: BF16/FP16 362 TFLOPS dense (733 with sparsity), FP32 91.6, 48GB GDDR6 864 GB/s, PCIe 4.
 L40S = DeviceSpec("l40s", 48 * GB, {"bfloat16": 362 * TB, "float16": 362 * TB, "float32": 91.6 * TB},
-                  864 * GB, "NVIDIA L40S datasheet")
+                  864 * GB, "NVIDIA L40S datasheet", arch="ada")
 
 # --- Links -----------------------------------------------------------------------------------------------------------
 # Latencies: NCCL ring/tree base latency per step, order of magnitude from the NCCL tuning model (~5-10 us intra-node
@@ -118,7 +126,7 @@ PCIE5 = LinkSpec(64 * GB, 15e-6, "PCIe Gen5 x16: 64 GB/s per direction")
 # DGX A100: 8x ConnectX-6 HDR 200 Gb/s (one per GPU) = 25 GB/s per GPU; DGX H100: 8x ConnectX-7 NDR 400 Gb/s = 50 GB/s.
 IB_HDR = LinkSpec(25 * GB, 15e-6, "InfiniBand HDR 200 Gb/s per GPU (DGX A100)")
 IB_NDR = LinkSpec(50 * GB, 15e-6, "InfiniBand NDR 400 Gb/s per GPU (DGX H100)")
-ETH_100G = LinkSpec(12.5 * GB, 30e-6, "100 GbE per node")
+ETH_100G = LinkSpec(12.5 * GB, 30e-6, "100 GbE per node", shared=True)
 # CPU 'links' are gloo over loopback/shared memory: a few GB/s, ~50 us per message (measured order of magnitude).
 LOOPBACK = LinkSpec(3 * GB, 50e-6, "gloo over loopback TCP")
 

@@ -548,14 +548,22 @@ def _dense():
         return Llama(LlamaConfig(vocab_size=128, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64))
 
 
+def _one_adapter_a_node(cluster):
+    """``cluster`` with nodes that share one InfiniBand adapter: data parallelism's gradient traffic between nodes
+    is what expert parallelism cuts. (DGX-like nodes, one adapter per GPU, carry it over eight at once.)"""
+    import dataclasses
+
+    return dataclasses.replace(cluster, inter_node=dataclasses.replace(cluster.inter_node, shared=True))
+
+
 def test_planner_splits_experts_when_it_pays(moe_graph):
     import autopar_nb as ap
     from autopar_nb.plan import Plan, PlanError
 
-    # two nodes: the experts' gradient traffic crosses InfiniBand, EP's all-to-alls stay inside a node. (On one node
-    # the two tie at 8 samples since the time model costs each op at its autocast dtype: the float32 residual stream
-    # and routing make the step's compute long enough to hide that traffic.)
-    two = ap.Cluster.preset("h100-80gb", nodes=2, gpus_per_node=8)
+    # two nodes sharing an adapter each: the experts' gradient traffic crosses it, EP's all-to-alls stay inside a
+    # node. (On one node the two tie at 8 samples since the time model costs each op at its autocast dtype: the
+    # float32 residual stream and routing make the step's compute long enough to hide that traffic.)
+    two = _one_adapter_a_node(ap.Cluster.preset("h100-80gb", nodes=2, gpus_per_node=8))
     # few tokens per step: the experts' gradient traffic dominates, and EP cuts it. pp=1: pipelining over the two
     # nodes (the stage boundary's activations cross InfiniBand, the gradients stay inside a node) is the other
     # answer to that traffic, and the planner may take it now that this model can be pipelined
@@ -595,9 +603,9 @@ def test_planner_never_splits_a_dense_model():
 
 def test_mixtral_8x7b_real_size_plan_uses_ep_and_keeps_6nt():
     """Mixtral-8x7B (the zoo's MIXTRAL_8X7B: transformers' MixtralConfig shapes, 46.7B parameters) planned for
-    1M-token steps (256 x 4096) on 64 H100s: expert parallelism inside each node, and the plan's model FLOPs still
-    6 x active parameters x tokens (+ attention). On 8 H100s nothing fits: fp32 Adam training needs 16 bytes per
-    parameter, 747 GB, over 8 x 80 GB."""
+    1M-token steps (256 x 4096) on 64 H100s in nodes that share one InfiniBand adapter: expert parallelism inside
+    each node, and the plan's model FLOPs still 6 x active parameters x tokens (+ attention). On 8 H100s nothing
+    fits: fp32 Adam training needs 16 bytes per parameter, 747 GB, over 8 x 80 GB."""
     import autopar_nb as ap
     from autopar_nb.plan import PlanError
 
@@ -607,7 +615,8 @@ def test_mixtral_8x7b_real_size_plan_uses_ep_and_keeps_6nt():
     graph = capture(model, (torch.randint(0, MIXTRAL_8X7B.vocab_size, (1, seq)),))
     # pp=1: since selective recompute is costed as runtime/ac.py applies it, a pp=8 plan without EP is predicted
     # 0.8 % faster (3.416 vs 3.444 s, a tie within the model's accuracy); this test is about the EP plan
-    plan = ap.plan(graph, ap.Cluster.preset("h100-80gb", nodes=8), global_batch=batch, fix={"pp": 1})
+    plan = ap.plan(graph, _one_adapter_a_node(ap.Cluster.preset("h100-80gb", nodes=8)), global_batch=batch,
+                   fix={"pp": 1})
     c = plan.cost
     print(f"\nMixtral-8x7B on 64 x H100: {plan.summary()}; compute {c.compute_s:.3f} s, exposed comm "
           f"{c.comm_exposed_s:.3f} s, all-to-all {c.comm_by_kind.get('all_to_all', 0):.3f} s, "

@@ -64,13 +64,28 @@ class Factors:
 
 DEFAULT = Factors()
 
+ARCH_FACTORS: dict[str, dict[str, float]] = {
+    # Hopper (H100, H200: the same SMs and tensor cores) reaches a smaller fraction of its peak than Ampere with
+    # the kernels eager PyTorch runs: FlashAttention-2 (torch's SDPA) "achieves only 35% utilization on the H100"
+    # (Shah et al. 2024, FlashAttention-3, abstract), where it reached 50-73 % of the A100's forward (Dao 2023).
+    # Measured: LLaMA-3.2 1B's shape on one H200, bf16 eager, seq 2048 (BENCHMARKS.md "GPU", run.calibrate() of the
+    # recompute=none run): matmul 0.571, attention 0.448, HBM-bound ops 0.612, float32 matmul 0.693
+    "hopper": {"eff_matmul": 0.571, "eff_attention": 0.448, "eff_hbm": 0.612, "eff_fp32_matmul": 0.693},
+}
+"""GPU generation (:attr:`~autopar_nb.hardware.DeviceSpec.arch`) -> the defaults measured there, replacing
+:data:`DEFAULT`'s; a generation without a measurement keeps them (Ampere's: Megatron-LM's large runs)"""
+
 
 def factors_for(cluster) -> Factors:
-    """The default factors with ``cluster.calibration`` applied (unknown names raise, so typos do not pass silently).
+    """The default factors of the cluster's GPU generation (:data:`ARCH_FACTORS`) with ``cluster.calibration``
+    applied (unknown names raise, so typos do not pass silently).
 
     The ``cpu`` preset has no allocator workspace to speak of, so its fixed margin is 0.
     """
-    base = DEFAULT if cluster.name != "cpu" else dataclasses.replace(DEFAULT, margin_fixed_bytes=0.0)
+    arch = ARCH_FACTORS.get(getattr(cluster.device, "arch", ""), {})
+    base = dataclasses.replace(DEFAULT, **arch) if arch else DEFAULT
+    if cluster.name == "cpu":
+        base = dataclasses.replace(base, margin_fixed_bytes=0.0)
     calib = dict(getattr(cluster, "calibration", None) or {})
     if not calib:
         return base
