@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import math
 import os
 import runpy
 import signal
@@ -116,7 +117,7 @@ class VerifyReport:
         """
         prev = self.rtol + s.step * self.param_floor if s.step > 0 else 0.0  # the allowed parameter difference
         param_ok = s.param_rel <= self.rtol + (s.step + 1) * self.param_floor
-        if s.loss_rel > self.rtol or not param_ok:
+        if not s.loss_rel <= self.rtol or not param_ok:  # (a NaN loss fails)
             return False, "rtol"
         if s.grad_same_rel is not None:  # gradients at the same parameters: rtol at every step
             return s.grad_same_rel <= self.rtol, "same params"
@@ -553,7 +554,8 @@ def _max_diff(par: dict, ref: dict) -> tuple[float, float]:
     diff = scale = 0.0
     for name, r in ref.items():
         if name in par:
-            diff = max(diff, (par[name] - r).abs().max().item())
+            d = (par[name] - r).abs().max().item()
+            diff = max(diff, math.inf if math.isnan(d) else d)  # max() would pass over a NaN
             scale = max(scale, r.abs().max().item())
     return diff, diff / max(scale, 1e-12)
 

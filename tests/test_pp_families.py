@@ -7,6 +7,10 @@ decoder block; ``runtime/pp.py`` now passes such values on through the stages be
 Every case goes through :func:`autopar_nb.verify.verify_many` against a single-process reference, all in ONE launch of
 2 gloo processes (LLaMA and GPT-2 also with the output head fused with the loss on the last stage); two exported
 scripts run under ``torchrun``.
+
+Tensor parallelism inside the stages (the layout of the largest published runs): the decoder
+families at tp=2 x pp=2 in one launch of 4 processes, and with FSDP (ZeRO-3, dp=2) in fp32 and
+bf16 in one launch of 8.
 """
 
 from __future__ import annotations
@@ -41,6 +45,16 @@ CASES = ([(name, "1f1b") for name in NAMES] + [(name, "interleaved_1f1b") for na
 FUSED_CASES = [(name, schedule, "fused") for name in ("LLaMA", "GPT-2")
                for schedule in ("1f1b", "interleaved_1f1b", "zbv_zero_bubble")]
 STEPS = 2
+# TP inside the stages of the Hugging Face decoders (tests/memcells.py's cells, tiny): tp=2 x pp=2
+# (sequence parallel where the planner chooses it: LLaMA, Qwen2) on 4 processes, dp=2 x tp=2 x
+# pp=2 under ZeRO-3 on 8, in fp32 and bf16 (FSDP2's mixed precision: the stages compute in bf16
+# what was traced in fp32)
+TP_NAMES = ["LLaMA", "Qwen2", "GPT-2", "Mixtral"]
+TP_PP = {"tp": 2, "pp": 2, "micro_batches": 4, "schedule": "1f1b"}
+TP_LAYOUTS = {"tp2_pp2": (4, TP_PP),
+              "dp2_tp2_pp2_zero3": (8, TP_PP | {"dp": 2, "zero_stage": 3, "micro_batches": 2})}
+TP_CASES = ([(name, "tp2_pp2", "none") for name in TP_NAMES]
+            + [(name, "dp2_tp2_pp2_zero3", amp) for name in TP_NAMES for amp in ("none", "bf16")])
 
 
 def _plan(name: str, schedule: str, variant: str = "", *, cells: dict[str, str] = FAMILIES):
@@ -59,6 +73,60 @@ def runs():
     planned = {case: _plan(*case) for case in CASES + FUSED_CASES}
     return dict(zip(planned, zip(planned.values(), verify_many(list(planned.values()), steps=STEPS, nproc=2),
                                  strict=True), strict=True))
+
+
+def _tp_plan(name: str, layout: str, amp: str):
+    """The planner's plan for family ``name`` under ``layout`` (TP_LAYOUTS) and ``amp``."""
+    from memcells import CELLS
+
+    nproc, fix = TP_LAYOUTS[layout]
+    src = run_model_cell(CELLS[name](hidden=64, layers=2, seq=32, batch=8), {}).source
+    model, inputs, _ = src.build(device="meta")
+    plan = ap.plan(ap.capture(model, inputs), ap.Cluster.preset("cpu", 1, nproc), global_batch=8,
+                   fix=fix | {"amp": amp})
+    return src, plan
+
+
+@pytest.fixture(scope="module")
+def tp_runs():
+    """case -> ((source, plan), report): one launch of 4 processes, one of 8."""
+    out = {}
+    for layout in TP_LAYOUTS:
+        planned = {case: _tp_plan(*case) for case in TP_CASES if case[1] == layout}
+        reports = verify_many(list(planned.values()), steps=STEPS)
+        out.update(zip(planned, zip(planned.values(), reports, strict=True), strict=True))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", TP_CASES, ids=lambda c: "-".join(c))
+def test_tensor_parallel_stages_train_like_one_process(tp_runs, case):
+    """Hugging Face decoders with TP inside their pipeline stages train like one process.
+
+    Each failed before: a traced RMSNorm returned its input beside its result (the block's
+    residual, read through a no-op float32 cast), so sequence parallelism met a list; traced
+    blocks took the hidden states last, and the TP plan laid out the rotary cos in their place;
+    GPT-2's traced attention split c_attn's output at its global width, and the first stage
+    split the bare module naming its tied lm_head; under FSDP, GPT-2's packed c_attn bias was
+    gathered out of order, Mixtral's experts cast their input to the float32 traced for the
+    weights' bf16, and bf16 activations were received into float32 buffers (NaN losses, which
+    verify let pass)."""
+    (src, plan), report = tp_runs[case]
+    print(plan.summary())
+    print(report)
+    name, layout, amp = case
+    m = plan.mesh
+    expected = (1, 2, 2, 0) if layout == "tp2_pp2" else (2, 2, 2, 3)
+    assert (m.dp, m.tp, m.pp, m.zero_stage) == expected
+    assert plan.pipeline.schedule == "1f1b" and plan.precision.amp == amp
+    if name in ("LLaMA", "Qwen2"):
+        assert plan.layer("model.layers.0").sequence_parallel, "the planner's choice, relied on"
+    assert report.ok, f"{plan.summary()}: {report}"
+    assert len(report.steps) == STEPS
+    model, _, _ = src.build(device="meta")
+    whole = sum(p.numel() for p in model.parameters())
+    for info in report.per_rank:
+        assert 0 < info["local_numel"] < whole and info["dtensor_params"], (info, whole)
 
 
 @pytest.mark.multiprocess
@@ -185,6 +253,59 @@ def test_planner_offers_pipelining_for_hugging_face_models():
         src = run_model_cell(FAMILIES[name], {}).source
         model, inputs, _ = src.build(device="meta")
         assert profile(ap.capture(model, inputs), device_kind="cpu").pp_blocker == ""
+
+
+def test_stages_hold_what_tensor_parallel_styles_expect():
+    """In a traced stage the TP styles meet what they meet unpipelined: LLaMA's norms are its own
+    RMSNorm modules (traced, one returned its input too: the block's residual, read through a
+    no-op float32 cast), its traced decoder layer and attention take the hidden states first
+    (PrepareFirstInput lays out a module's first input), and GPT-2's traced attention cuts
+    c_attn's output into 3 equal parts of whatever width a rank holds."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from autopar_nb.runtime.pp import equal_parts, split_model
+    from autopar_nb.runtime.train import switch_off_kv_cache
+
+    def first_input(traced):
+        return next(n for n in traced.graph.nodes if n.op == "placeholder")
+
+    model, inputs, _ = run_model_cell(FAMILIES["LLaMA"], {}).source.build(device="cpu")
+    switch_off_kv_cache(model)
+    stages, _ = split_model(model, boundaries=["model.layers.1"], microbatch=(inputs, {}))
+    for i, stage in enumerate(stages):
+        layer = stage.get_submodule(f"model.layers.{i}")
+        assert isinstance(layer.input_layernorm, LlamaRMSNorm), type(layer.input_layernorm)
+        assert isinstance(layer.post_attention_layernorm, LlamaRMSNorm)
+        assert [u.target for u in first_input(layer).users][0] == "input_layernorm"
+        projections = {u.target for u in first_input(layer.self_attn).users}
+        assert projections >= {"q_proj", "k_proj", "v_proj"}, projections
+    assert isinstance(stages[1].get_submodule("model.norm"), LlamaRMSNorm)
+
+    model, inputs, _ = run_model_cell(FAMILIES["GPT-2"], {}).source.build(device="cpu")
+    switch_off_kv_cache(model)
+    stages, _ = split_model(model, boundaries=["transformer.h.1"], microbatch=(inputs, {}))
+    attn = stages[0].get_submodule("transformer.h.0.attn")
+    assert [n.args[1:] for n in attn.graph.nodes if n.target is equal_parts] == [(3, 2)]
+
+
+@pytest.mark.parametrize("name", ["T5", "zoo GPT"])
+def test_tensor_parallel_stages_that_need_heads_per_rank_are_refused(name):
+    """T5 (``zeros(1, self.n_heads, q, k)``) and nanoGPT (``view(B, T, self.n_head, -1)``) compute
+    from their head counts, which a traced stage fixes at the global value: TP inside their
+    stages is refused before anything runs (T5's stage failed on a shape, nanoGPT's would have
+    split its heads wrong)."""
+    from runtime_cases import GPT_CELL
+
+    from autopar_nb.export.values import script_values
+    from autopar_nb.source import ModelSource
+
+    src = ModelSource(GPT_CELL) if name == "zoo GPT" else run_model_cell(FAMILIES[name], {}).source
+    model, inputs, _ = src.build(device="meta")
+    graph = ap.capture(model, inputs)
+    plan = ap.plan(graph, ap.Cluster.preset("cpu", 1, 4), global_batch=graph.batch_size,
+                   fix={"tp": 2, "pp": 2})
+    with pytest.raises(NotImplementedError, match="heads per rank"):
+        script_values(src, plan)
 
 
 def test_stages_read_only_the_previous_stage():

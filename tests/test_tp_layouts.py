@@ -89,7 +89,8 @@ def reports():
 
 def expected_local_numel(src, plan) -> tuple[int, int]:
     """(elements one rank holds, elements of the whole model) for ``plan``: a split weight holds 1/tp, a rowwise
-    bias and a repeated key/value projection (fewer heads than ranks) all of it."""
+    bias, the bias of a projection split part by part and a repeated key/value projection (fewer
+    heads than ranks) all of it."""
     model, _, _ = src.build(device="meta")
     tp, styles, parts = plan.mesh.tp, plan.tp_plan, plan.tp_parts
     local = full = 0
@@ -102,7 +103,9 @@ def expected_local_numel(src, plan) -> tuple[int, int]:
             full += p.numel()
             style, heads = styles.get(path, "replicate"), parts.get(path, [tp])
             repeated = len(heads) == 1 and heads[0] < tp
-            split = (style == "colwise" and not repeated) or (style == "rowwise" and (p.dim() == 2))
+            packed_bias = len(heads) > 1 and len(set(heads)) == 1 and p.dim() == 1
+            split = (style == "colwise" and not repeated and not packed_bias) or (
+                style == "rowwise" and p.dim() == 2)
             local += p.numel() // tp if split else p.numel()
     return local, full
 

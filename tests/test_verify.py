@@ -183,6 +183,22 @@ def test_compare_flags_a_changed_model():
     assert isinstance(report, VerifyReport)
 
 
+def test_nan_is_a_mismatch():
+    """A parallel run whose loss, gradients or parameters are NaN fails (a NaN compares False
+    with every tolerance, and ``max`` passed over it: a pipeline whose bf16 activations were
+    received into float32 buffers verified)."""
+    import torch
+
+    from autopar_nb.plan import OptimizerPlan, Plan
+
+    plan = Plan(optimizer=OptimizerPlan(name="sgd"))
+    ref = {"losses": [1.0], "grads": [{"w": torch.ones(3)}], "params": [{"w": torch.ones(3)}]}
+    nan = torch.tensor([1.0, float("nan"), 1.0])
+    assert not _compare(plan, 2, FP32_RTOL, {**ref, "losses": [float("nan")]}, ref).ok
+    assert not _compare(plan, 2, FP32_RTOL, {**ref, "grads": [{"w": nan}]}, ref).ok
+    assert not _compare(plan, 2, FP32_RTOL, {**ref, "params": [{"w": nan}]}, ref).ok
+
+
 def test_low_precision_rules():
     """bf16: losses at every step, gradients at the first step (same weights), parameters within Adam's +-lr per
     step; fp32: everything at every step."""

@@ -256,7 +256,7 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
         head += ["    # pipeline stages: trace the model on one micro-batch, cut it before each stage's first layer",
                  f"    stages, whole = {split}",
                  "    shapes = boundary_values(whole, stages, example)" if v.static_shapes else
-                 "    shapes = None  # sequence shards cross a cut: the stages infer their shapes",
+                 "    shapes = None  # not as traced: the stages infer what crosses their cuts",
                  "    release_stages(model, stages, keep=stage_ids)  # the other ranks' stages' weights: freed",
                  "    parts = []", "    for part in [stages[i] for i in stage_ids]:"]
         uses += ["split_model", "release_stages"] + (["boundary_values"] if v.static_shapes else [])

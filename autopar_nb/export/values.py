@@ -23,7 +23,7 @@ from ..runtime.pp import SCHEDULES, stage_boundaries
 from ..runtime.tp import REPLICATE, TPStyle
 from ..runtime.train import switch_off_kv_cache
 from ..source import ModelSource
-from .styles import local_sizes, tp_styles
+from .styles import GROUPS, HEAD_COUNTS, KV_HEADS, local_sizes, tp_styles
 
 META_INIT_PARAMS = 2**30
 """models with more parameters than this are built on the meta device and initialised shard by shard by default"""
@@ -49,7 +49,9 @@ class ScriptValues:
     boundaries: list[str] = field(default_factory=list)
     """pipeline cut points: the first layer of every stage but the first"""
     static_shapes: bool = True
-    """pipeline stages get their boundary shapes from one traced micro-batch (False: sequence shards cross a cut)"""
+    """pipeline stages get their boundary shapes from one traced micro-batch (False: the stages
+    infer them at the first step, where sequence shards cross a cut or FSDP's mixed precision
+    computes the activations in another dtype than the trace, run in the parameters' own)"""
     tp_plan: dict[str, TPStyle] = field(default_factory=dict)
     """module path -> style, for modules outside repeated blocks (and blocks' own entry/exit styles)"""
     block_tp_plans: dict[str, dict[str, TPStyle]] = field(default_factory=dict)
@@ -126,6 +128,13 @@ class ScriptValues:
         return self.replicas > 1 and self.zero_stage == 1
 
 
+def _sequence_shards_cross(v: ScriptValues) -> bool:
+    """Whether a TP style leaves activations split on the sequence (sequence parallelism), so
+    that shards cross the pipeline's cuts."""
+    blocks = [style for plan in v.block_tp_plans.values() for style in plan.values()]
+    return any(s.output_layout == 1 for s in [*v.tp_plan.values(), *blocks])
+
+
 def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: bool | None = None) -> ScriptValues:
     """The values of ``plan``'s script for the model ``source`` builds; raises PlanError (or NotImplementedError for
     what PyTorch cannot run) before anything is written."""
@@ -171,14 +180,15 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
             v.fused_head_tp, v.fused_head_sequence = True, head_style.input_layout != REPLICATE
         v.tp_plan, v.block_tp_plans = relative_plans(model, styles)
         v.local_sizes = block_patterns(model, local_sizes(model, styles, tp=m.tp))
+        if m.pp > 1:
+            _check_traced_sizes(v.local_sizes)
         v.vocab_parallel = plan.loss_parallel
     if m.pp > 1:
         v.num_stages = m.pp * plan.pipeline.virtual_stages
         v.schedule = plan.pipeline.schedule
         v.boundaries = stage_boundaries(plan.stage_layers())
-        v.static_shapes = not any(s.output_layout == 1 for s in [*v.tp_plan.values(),
-                                                                  *(x for p in v.block_tp_plans.values()
-                                                                    for x in p.values())])
+        mixed = v.fsdp and pr.param_dtype != "float32"
+        v.static_shapes = not _sequence_shards_cross(v) and not mixed
     by_mode: dict[str, list[str]] = {}
     for lp in plan.layers:
         if lp.recompute != "none":
@@ -211,6 +221,22 @@ def _check_runnable(plan: Plan) -> None:
                                   "and a replicated output head with pp > 1")
     if plan.pipeline.schedule not in SCHEDULES:
         raise PlanError(f"pipeline.schedule {plan.pipeline.schedule!r} unknown")
+
+
+def _check_traced_sizes(sizes: dict[str, dict[str, int]]) -> None:
+    """NotImplementedError where TP inside pipeline stages would need a head count per rank: the
+    pipeline's trace fixes what the code computed from the global count (nanoGPT's
+    ``view(B, T, self.n_head, -1)``, T5's ``zeros(1, self.n_heads, q, k)``), which no
+    ``set_local_sizes`` reaches; only the widths of equal parts split apart adapt
+    (``runtime.pp.splits_into_equal_parts``: GPT-2's ``split_size``)."""
+    counts = {*HEAD_COUNTS, *KV_HEADS, *GROUPS}
+    for path, attributes in sizes.items():
+        read = [name for name in attributes if name.rpartition(".")[2] in counts]
+        if read:
+            raise NotImplementedError(
+                f"tensor parallelism inside pipeline stages: {path} reads {', '.join(read)}, and "
+                "the pipeline's trace fixes what it computes from the global value (heads per "
+                "rank cannot be set in a traced module); plan with pp=1 or tp=1")
 
 
 def _check_cp(source: ModelSource, inputs, v: ScriptValues) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 
+import torch.fx as fx
 import torch.nn as nn
 
 from .tp import select
@@ -26,6 +27,8 @@ def set_local_sizes(model: nn.Module, sizes: dict[str, dict[str, int]]) -> None:
     for pattern, attributes in sizes.items():
         for path in select(model, pattern):
             module = model.get_submodule(path)
+            if isinstance(getattr(module, "graph", None), fx.Graph):
+                continue  # traced for a pipeline: no attributes (pp.splits_into_equal_parts)
             for name, value in attributes.items():
                 owner, _, attr = name.rpartition(".")
                 target = module

@@ -58,6 +58,12 @@ class PackedColwiseParallel(ColwiseParallel):
 
     ``transposed``: the weight is stored (in, out) (Hugging Face ``Conv1D``): its output features are dim 1.
     ``output_layouts``: None keeps the output as the matmul leaves it (rank r: slice r of every part).
+
+    The bias of a projection of several parts stays whole on every rank (DTensor adds each
+    rank's slices of it to the local output). Split part by part, FSDP2 would cut a rank's
+    ``[q_r|k_r|v_r]`` into contiguous pieces over the data-parallel ranks, which no placement
+    describes: it records ``_StridedShard`` over ``_StridedShard``, and ``full_tensor()`` and
+    checkpoints read the bias out of order. Whole, it is ``Shard(0)`` under FSDP.
     """
 
     def __init__(self, *, parts: int = 1, transposed: bool = False, input_layouts=None, output_layouts=None,
@@ -71,6 +77,8 @@ class PackedColwiseParallel(ColwiseParallel):
 
     def _partition_packed_fn(self, name, module, device_mesh):
         def placement_of(pname, param):
+            if param.dim() == 1 and self.parts > 1:
+                return Replicate()
             return packed_placement(1 if self.transposed and param.dim() == 2 else 0, self.parts)
 
         _distribute(module, device_mesh, placement_of, self.src_data_rank)

@@ -32,6 +32,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
+from torch.export.unflatten import InterpreterModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -105,7 +106,11 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
         raise ValueError(f"splitting at {boundaries} gave {pipe.num_stages} stages, not {len(boundaries) + 1}: a "
                          "boundary must be a module the forward calls, in order; check the plan's stage numbers")
     chain_stages(pipe.split_gm)
+    inputs_read_as_in_eager(pipe.split_gm)  # first: it reads the casts as traced
+    inputs_in_order_of_use(pipe.split_gm)
+    splits_into_equal_parts(pipe.split_gm)
     casts_as_in_eager(pipe.split_gm)
+    casts_follow_parameters(pipe.split_gm)
     pipe.executor = type(pipe.executor)(pipe.split_gm)  # the Pipe runs the rewritten graph
     originals = dict(model.named_modules())
     stages = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
@@ -319,14 +324,184 @@ def _keep_first_names(stage: nn.Module, model: nn.Module, called: set[str], copi
 
 def _called_as_itself(traced: nn.Module) -> bool:
     """Whether a traced leaf module takes one tensor and returns one, as the original did: export may give it other
-    inputs (a rotary embedding's unused ``x`` dropped) or outputs (an RMSNorm's float32 input, also the block's
-    residual), and then the original module would not fit the stage's graph."""
+    inputs (a rotary embedding's unused ``x`` dropped) or outputs (beyond what
+    :func:`inputs_read_as_in_eager` gives back), and then the original would not fit the graph."""
     graph = getattr(traced, "graph", None)
     if graph is None:
         return False
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in graph.nodes if n.op == "output")
     return len(inputs) == 1 and isinstance(output.args[0], fx.Node)
+
+
+def inputs_read_as_in_eager(root: nn.Module) -> int:
+    """Give back to the caller the reads of a traced leaf's input that the trace put in the leaf.
+
+    ``x.to(dtype)`` of an ``x`` of that dtype returns ``x`` itself, and torch.export then takes
+    every later read of ``x`` for a read of the cast: a Hugging Face RMSNorm
+    (``hidden_states.to(torch.float32)``) is traced returning its input too, which the block
+    reads as its residual. Such a leaf returns two values where the module returns one, so the
+    original module cannot take its place again, and a TP style on it (sequence parallelism on
+    the norms) meets a list. Each output of a traced module that is its own input (through casts
+    that were no-ops when traced) is read from the caller's argument instead, as in eager, and
+    the module stops returning it. Applied to every graph below ``root``; returns how many it
+    rewrote.
+    """
+    count = 0
+    for module in list(root.modules()):
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        rewrote = 0
+        for call in [n for n in graph.nodes if n.op == "call_module"]:
+            leaf = module.get_submodule(call.target)  # not a stage: stages pass inputs on
+            if isinstance(leaf, InterpreterModule) and not call.kwargs:
+                rewrote += _read_inputs_in_caller(graph, call, leaf)
+        if rewrote:
+            _recompile(module)
+            count += rewrote
+    return count
+
+
+def _read_inputs_in_caller(graph: fx.Graph, call: fx.Node, leaf: nn.Module) -> int:
+    """:func:`inputs_read_as_in_eager` for one call of ``leaf`` in ``graph``."""
+    inner = leaf.graph
+    placeholders = [n for n in inner.nodes if n.op == "placeholder"]
+    output = next(n for n in inner.nodes if n.op == "output")
+    results = output.args[0]
+    items = [u for u in call.users if u.op == "call_function" and u.target is operator.getitem]
+    if (not isinstance(results, (list, tuple)) or len(placeholders) != len(call.args)
+            or len(items) != len(call.users)):
+        return 0
+    given = {}  # output index -> index of the input it is
+    for i, result in enumerate(results):
+        source = _passed_through(result)
+        if source in placeholders:
+            given[i] = placeholders.index(source)
+    if not given or len(given) == len(results):
+        return 0
+    kept = [i for i in range(len(results)) if i not in given]
+    for item in items:
+        i = item.args[1]
+        if i in given or len(kept) == 1:
+            item.replace_all_uses_with(call.args[given[i]] if i in given else call)
+            graph.erase_node(item)
+        else:
+            item.args = (call, kept.index(i))
+    left = [results[i] for i in kept]
+    output.args = (left[0] if len(kept) == 1 else type(results)(left),)
+    _recompile(leaf)
+    return len(given)
+
+
+def _passed_through(node):
+    """The placeholder ``node`` is, through casts that were no-ops when traced; else None."""
+    while (isinstance(node, fx.Node) and node.op == "call_function"
+           and node.target is torch.ops.aten.to.dtype):
+        before, after = node.args[0].meta.get("val"), node.meta.get("val")
+        if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)
+                and before.dtype == after.dtype):
+            return None
+        node = node.args[0]
+    return node if isinstance(node, fx.Node) and node.op == "placeholder" else None
+
+
+def inputs_in_order_of_use(root: nn.Module) -> int:
+    """Give every traced module below ``root`` its inputs in the order its code first reads them.
+
+    torch.export's unflattener inserts each input it finds at the top of the module's graph, so a
+    traced module takes its inputs in reverse order of first use: a Hugging Face decoder layer or
+    attention module takes the rotary cos/sin first and its hidden states last, and a style that
+    prepares a module's first input (``PrepareFirstInput``: where the TP plan shards or gathers
+    the hidden states) would lay out the rotary cos. A module that starts on its first argument,
+    as these do, takes it first again. Returns how many modules it reordered.
+    """
+    count = 0
+    for module in list(root.modules()):
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        calls: dict[str, list[fx.Node]] = {}
+        for node in graph.nodes:
+            if node.op == "call_module":
+                calls.setdefault(node.target, []).append(node)
+        reordered = 0
+        for target, nodes in calls.items():
+            leaf = module.get_submodule(target)
+            if isinstance(leaf, InterpreterModule) and all(not n.kwargs for n in nodes):
+                reordered += _order_inputs_by_use(leaf, nodes)
+        if reordered:
+            _recompile(module)  # its calls pass the inputs in the new order
+            count += reordered
+    return count
+
+
+def _order_inputs_by_use(leaf: nn.Module, calls: list[fx.Node]) -> int:
+    """:func:`inputs_in_order_of_use` for one traced module and its calls (1: reordered)."""
+    graph = leaf.graph
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if any(len(c.args) != len(placeholders) for c in calls):
+        return 0
+    first = {p: min((position[u] for u in p.users), default=len(position)) for p in placeholders}
+    order = sorted(range(len(placeholders)), key=lambda i: (first[placeholders[i]], i))
+    if order == list(range(len(placeholders))):
+        return 0
+    body = next(n for n in graph.nodes if n.op != "placeholder")  # the output at least
+    for i in order:
+        body.prepend(placeholders[i])
+    for c in calls:
+        c.args = tuple(c.args[i] for i in order)
+    leaf.arg_names = [placeholders[i].target for i in order]  # how keyword inputs are matched
+    _recompile(leaf)
+    return 1
+
+
+def splits_into_equal_parts(root: nn.Module) -> int:
+    """Make each traced ``split`` that cut a tensor into equal parts cut it into as many equal
+    parts whatever its width when it runs.
+
+    The trace fixes the width the code computed from the model's global sizes (GPT-2's
+    ``c_attn(x).split(self.split_size, dim=2)``; a ``chunk`` is traced as such a split). Under
+    tensor parallelism a packed projection's output holds every part at its per-rank width
+    (``PackedColwiseParallel``), which the eager code splits by its per-rank ``split_size``
+    (``set_local_sizes``). At the traced shapes nothing changes. Applied to every graph below
+    ``root``; returns how many splits it rewrote.
+    """
+    split = torch.ops.aten.split.Tensor
+    count = 0
+    for module in list(root.modules()):
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        rewrote = 0
+        for node in [n for n in graph.nodes if n.op == "call_function" and n.target is split]:
+            x, size = node.args[:2]
+            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+            traced = getattr(x, "meta", {}).get("val")
+            if not isinstance(traced, torch.Tensor) or not isinstance(size, int) or size <= 0:
+                continue
+            width = traced.shape[dim]
+            if isinstance(width, int) and width % size == 0 and width // size > 1:
+                node.target, node.args, node.kwargs = equal_parts, (x, width // size, dim), {}
+                rewrote += 1
+        if rewrote:
+            _recompile(module)
+            count += rewrote
+    return count
+
+
+def equal_parts(x: torch.Tensor, parts: int, dim: int) -> tuple:
+    """``x`` split into ``parts`` equal parts along ``dim``."""
+    return torch.split(x, x.shape[dim] // parts, dim)
+
+
+def _recompile(module: nn.Module) -> None:
+    """Regenerate a traced module's code after its graph changed (an unflattened module runs its
+    graph, and keeps a compiled copy)."""
+    compiled = module if isinstance(module, fx.GraphModule) else module.__dict__.get("graph_module")
+    if isinstance(compiled, fx.GraphModule):
+        compiled.recompile()
 
 
 def casts_as_in_eager(root: nn.Module) -> int:
@@ -357,6 +532,63 @@ def casts_as_in_eager(root: nn.Module) -> int:
         if asserts and isinstance(compiled, fx.GraphModule):  # an unflattened module's codegen copy, too
             compiled.recompile()
     return count
+
+
+def casts_follow_parameters(root: nn.Module) -> int:
+    """Make each traced cast to the dtype of a parameter it meets follow that parameter's dtype
+    when it runs.
+
+    Eager code writes ``x.to(weight.dtype)`` before an op that reads ``weight`` (Mixtral's experts
+    before their grouped matmul), and the trace records the dtype the weight had then, float32.
+    FSDP's mixed precision gathers the weight in bf16 for the forward: the eager code would cast
+    ``x`` to bf16, the traced graph casts it to float32 and the op meets two dtypes. Each cast
+    whose result an op reads beside a parameter (or a view of one) of the cast's traced dtype
+    becomes :func:`cast_like` of that parameter: the same cast wherever the dtypes are as traced.
+    Applied to every graph below ``root``; returns how many casts it rewrote.
+    """
+    count = 0
+    for module in list(root.modules()):
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        rewrote = 0
+        for cast in [n for n in graph.nodes if n.op == "call_function"
+                     and n.target is torch.ops.aten.to.dtype]:
+            like = next((a for u in cast.users for a in u.all_input_nodes
+                         if a is not cast and order[a] < order[cast]
+                         and _parameter_dtype(module, a) == cast.args[1]), None)
+            if like is not None:
+                cast.target, cast.args = cast_like, (cast.args[0], like)
+                rewrote += 1
+        if rewrote:
+            _recompile(module)
+            count += rewrote
+    return count
+
+
+_VIEWS = {torch.ops.aten.transpose.int, torch.ops.aten.t.default, torch.ops.aten.view.default,
+          torch.ops.aten.reshape.default, torch.ops.aten.permute.default,
+          torch.ops.aten.select.int, torch.ops.aten.slice.Tensor,
+          torch.ops.aten.unsqueeze.default, torch.ops.aten.expand.default}
+"""ops that view one tensor (a parameter read through them is still that parameter)"""
+
+
+def _parameter_dtype(module: nn.Module, node: fx.Node):
+    """The dtype of the parameter of ``module`` that ``node`` reads (through views), or None."""
+    while node.op == "call_function" and node.target in _VIEWS:
+        node = node.args[0]
+    if node.op != "get_attr":
+        return None
+    try:
+        return module.get_parameter(node.target).dtype
+    except AttributeError:  # a buffer or a constant
+        return None
+
+
+def cast_like(x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``x`` in ``other``'s dtype."""
+    return x.to(other.dtype)
 
 
 def chain_stages(split_gm: fx.GraphModule) -> None:
@@ -695,6 +927,8 @@ class TiedGradients:
     def sync(self) -> None:
         """Sum the copies' gradients over the stages that hold them; every copy gets the sum."""
         for copies, group, _ in self.groups:
+            for p in copies:
+                _grad_laid_out_as(p)
             grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in copies
                      if p.grad is not None]
             if not grads and group is None:
@@ -711,6 +945,15 @@ class TiedGradients:
     def repeated(self) -> list:
         """The copies a gradient norm must not count again (all but the first stage's first)."""
         return [p for copies, _, first in self.groups for p in (copies[1:] if first else copies)]
+
+
+def _grad_laid_out_as(p) -> None:
+    """Give a DTensor parameter's gradient the parameter's own placements. The copies of a tied
+    weight on other stages hold theirs so (a vocabulary-split head's is split), while DTensor's
+    embedding backward may leave a vocabulary-split embedding's gradient whole (replicated), and
+    the copies' gradients are summed as local tensors."""
+    if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
 def _local(p):

@@ -135,8 +135,9 @@ def select(model: nn.Module, patterns) -> list[str]:
 def apply_tp(model: nn.Module, tp_mesh, plan: dict, *, layer_plans: dict | None = None) -> None:
     """Tensor parallelism as torchtitan writes it: each of ``layer_plans`` (blocks pattern such as ``"layers.*"`` ->
     a plan with paths relative to a block) on every matching block, then ``plan`` (paths from the root: embeddings,
-    final norm, head). Entries for modules this pipeline stage does not hold are skipped."""
-    held = dict(model.named_modules())
+    final norm, head). Entries for modules this pipeline stage does not hold are skipped, and so are
+    bare ones (GPT-2's first stage names its tied ``lm_head`` weight so: it never calls it)."""
+    held = {path: m for path, m in model.named_modules() if type(m) is not nn.Module}
     for pattern, layer_plan in (layer_plans or {}).items():
         for path in select(model, pattern):
             inside = dict(held[path].named_modules())
