@@ -66,7 +66,8 @@ GROUPS = {
     "buffers": (("ddp_buckets", "fsdp_unsharded_params", "fsdp_root_params", "fsdp_gathered_units",
                  "fsdp_reduce_scatter", "fsdp_all_gather", "fsdp_unsharded_grads", "pipeline_buffers"),
                 ("buffers",)),
-    "temporaries": (("backward_working_set", "pipeline_sent_gradients"), ("backward", "step")),
+    "temporaries": (("backward_working_set", "pipeline_sent_gradients", "weight_pass_gradients"),
+                    ("backward", "step")),
 }
 """component shown -> (the predicted fields or MemoryBreakdown.terms it sums, the measured components it sums).
 The tracker labels by when a storage is made (autopar_nb/measure.py): the logits and their copies are activations or

@@ -461,6 +461,7 @@ MEMORY_TERMS = {
     "pipeline_buffers": "buffers",
     "pipeline_outputs": "activations",
     "pipeline_sent_gradients": "buffers",
+    "weight_pass_gradients": "buffers",
     "backward_working_set": "buffers",
     "forward_working_set": "activations",
     "fsdp_all_gather": "buffers",
@@ -474,7 +475,9 @@ parameters left in the root unit (ZeRO 3), and the unit being computed plus the 
 and their unsharded gradients); a pipelined FSDP stage's gradients, accumulated unsharded over its micro-batches and
 reduce-scattered once after the last; the buffers pipeline stages receive inputs and gradients into (per micro-batch
 in flight) and their outputs, kept until each micro-batch's backward, and the input gradients of the micro-batch
-before, whose send the schedule still holds; the largest layer's backward working set; at a layer's forward, what it
+before, whose send the schedule still holds; the gradients a zero-bubble schedule's input pass
+keeps for each micro-batch's weight pass; the largest layer's backward working set; at a
+layer's forward, what it
 holds then (its saved tensors so far and the storages alive: output, operands still to be read, autocast's copies)
 and its FSDP unit's all-gather output; the loss's temporaries (logits and their copies, loss_parallel's shards); the
 optimizer step's temporaries"""

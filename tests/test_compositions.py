@@ -25,6 +25,14 @@ CASES = {
     "zero2-pp-bf16": ("GPT-2", {"dp": 2, "zero_stage": 2, "amp": "bf16", **PIPE}, "fsdp_unsharded_grads"),
     # data parallelism beside TP is FSDP2's replicate, which keeps a gathered copy of the parameters
     "ddp-tp": ("LLaMA", {"dp": 2, "tp": 2, "zero_stage": 0}, "fsdp_unsharded_params"),
+    # a multi-stage rank holds each of its stages' micro-batches as torch's order leaves them, and
+    # what it sent stays referenced by the schedule's sends until the step ends
+    "zero3-pp-interleaved-bf16": ("GPT-2", {"dp": 2, "zero_stage": 3, "amp": "bf16", **PIPE,
+                                            "schedule": "interleaved_1f1b", "virtual_stages": 2},
+                                  "pipeline_sent_gradients"),
+    # ZBV's input pass keeps a micro-batch's activations and the gradients its weight pass needs
+    "pp-zbv": ("LLaMA", {**PIPE, "schedule": "zbv_zero_bubble", "virtual_stages": 2},
+               "weight_pass_gradients"),
 }
 
 

@@ -12,11 +12,12 @@ from ..plan import DTYPE_NAMES, ITEMSIZE, RECOMPUTE, Cost
 from .comm import collective_time, link_for
 from .factors import Factors, factors_for
 from .loss import FusedHead
-from .memory import activation_bytes, forward_peak, op_moments, peak_op
+from .memory import activation_bytes, forward_peak, input_pass, op_moments, peak_op
 from .peak import RankMemory, moment_layers
 from .profile import GraphProfile, precision_of
+from .schedule import MULTI_STAGE, ZERO_BUBBLE
 from .setting import LayerChoice, Setting, setting_of
-from .terms import CommTime, FsdpUnit, LayerTerms, RankSums
+from .terms import CommTime, FsdpUnit, InputLayer, LayerTerms, RankSums, StageSums
 from .time import bubble_fraction, layer_compute_time, optimizer_time, weight_cast_time
 
 
@@ -100,6 +101,9 @@ class Evaluator:
         t.forward = {rec: forward_peak(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
                                        megatron_sp=self.megatron_sp, recompute=rec) for rec in RECOMPUTE}
         t.cast_local = lp.cast_split / tp + lp.cast_rep if precision == "autocast" else 0.0
+        t.weight_grads, t.input_work, t.input_ops = input_pass(
+            lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
+            megatron_sp=self.megatron_sp)
         self._cache[key] = t
         return t
 
@@ -263,9 +267,31 @@ class Evaluator:
                 sums.head_tp = True
             sums.model_flops += cnt * lt.flops
             sums.hw_flops += cnt * (lt.flops + lt.recompute_flops(ch.recompute))
+            if pp > 1 and s.schedule in MULTI_STAGE:
+                self._stage_sums(s, sums, r, i, cnt, ch.stage, lt)
         if pp > 1:
             self.pipeline_sums(s, choices, sums)
         return sums
+
+    def _stage_sums(self, s: Setting, sums: RankSums, r: int, i: int, cnt: int, stage: int,
+                    lt: LayerTerms) -> None:
+        """After the run of layers ``i`` .. ``i + cnt - 1`` on rank ``r`` is summed: its stage's
+        :class:`.terms.StageSums` (a rank of a multi-stage schedule holds its stages' micro-batches
+        apart: :mod:`.schedule`) and, under a zero-bubble schedule, the run's input-pass moments."""
+        held = sums.stages[r]
+        if not held or held[-1].stage != stage:
+            last = held[-1] if held else StageSums(-1, 0.0, 0.0)
+            held.append(StageSums(stage, last.acts_start + last.acts,
+                                  last.params_start + last.params))
+        st = held[-1]
+        for j in range(cnt):
+            sums.local[i + j] = len(held) - 1
+        if s.schedule in ZERO_BUBBLE:
+            for j in moment_layers(cnt):
+                sums.input_layers[r].append(InputLayer(i + j, lt.input_work, lt.input_ops,
+                                                       st.weight_grads + (j + 1) * lt.weight_grads))
+        st.weight_grads += cnt * lt.weight_grads
+        st.acts, st.params = sums.acts[r] - st.acts_start, sums.params[r] - st.params_start
 
     def pipeline_sums(self, s: Setting, choices: list[LayerChoice], sums: RankSums) -> None:
         """Fill ``sums.pipe`` and ``sums.p2p`` from the tensors crossing each cut (:attr:`GraphProfile.crossings`),
@@ -298,15 +324,54 @@ class Evaluator:
                     send["grad_recv"] += nbytes
                     recv["grad_sent"] += nbytes
             sums.p2p[rank_of(a)] = max(sums.p2p[rank_of(a)], sent)
+        by_stage = {st.stage: st for held in sums.stages for st in held}
+        if by_stage:
+            self._stage_cuts(s, choices, by_stage)
         last = len(choices) - 1
         if not (s.fused_loss and self.head.layer == last):  # fused: the stage returns the head's input, which the
             # fused op saves (in the head layer's activations): no logits kept as the stage's output
-            sums.pipe[rank_of(stage[last])]["kept"] += self.choice_terms(last, s, choices[last]).out_bytes
+            out = self.choice_terms(last, s, choices[last]).out_bytes
+            sums.pipe[rank_of(stage[last])]["kept"] += out
+            if by_stage:
+                by_stage[stage[last]].pipe["kept"] += out
         copies = {(stage[i], name): numel / (s.tp if split and choices[i].tp else 1)
                   for i, lp in enumerate(prof.layers) for name, (numel, split, owner) in lp.borrowed.items()
                   if stage[owner] != stage[i]}  # a tied parameter's copy on each other stage (runtime/pp.py)
         for (st, _), numel in copies.items():
             sums.params[rank_of(st)] += numel
+            if by_stage:
+                by_stage[st].params += numel
+
+    def _stage_cuts(self, s: Setting, choices: list[LayerChoice],
+                    by_stage: dict[int, StageSums]) -> None:
+        """:attr:`.terms.StageSums.pipe` of each stage of a multi-stage schedule, as
+        :meth:`pipeline_sums` counts a rank's. Between two stages of one rank (the V's turn) nothing
+        is sent: torch's ``set_local_fwd_input`` hands the next stage the output itself (which the
+        first keeps, and which the second's layers may save: counted once) and
+        ``set_local_bwd_input`` the input's gradient itself, as the first stage's gradient
+        buffer."""
+        precision = precision_of(s.amp, s.zero_stage)
+        scale = s.mb_samples / self.prof.batch * self.seq_ratio / s.cp
+        stage = [ch.stage for ch in choices]
+        for k in range(1, len(choices)):
+            a, b = stage[k - 1], stage[k]
+            if a == b:
+                continue
+            local = s.rank_of(a) == s.rank_of(b)
+            by_stage[a].sends, by_stage[a].turn = not local, local
+            send, recv = by_stage[a].pipe, by_stage[b].pipe
+            sp_div = s.tp if s.sp and k in self.blocks and k - 1 in self.blocks else 1
+            for c in self.prof.crossings[k]:
+                nbytes = c.nbytes[precision] * scale / sp_div
+                recv["recv"] += 0.0 if local else nbytes
+                if c.saved_in is not None and stage[c.saved_in] == b:
+                    recv["recv_saved"] += nbytes
+                mine = c.made >= 0 and stage[c.made] == a
+                if mine and (c.saved_in is None or stage[c.saved_in] != a):
+                    send["kept"] += nbytes
+                if c.grad:
+                    send["grad_recv"] += nbytes
+                    recv["grad_sent"] += 0.0 if local else nbytes
 
     def _add_units(self, units: list[FsdpUnit], i: int, cnt: int, numel: float) -> None:
         """Append layers ``i`` .. ``i + cnt - 1`` (``numel`` local parameters each) to ``units`` as the runtime

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .profile import LayerProfile, Saved
+from .schedule import MULTI_STAGE, rank_states
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,27 @@ def op_moments(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precision: 
             for m in lp.moments.get(precision, ())]
 
 
+def input_pass(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precision: str = "fp32",
+               quad_scale: float | None = None, megatron_sp: bool = False
+               ) -> tuple[float, float, tuple[tuple[int, float], ...]]:
+    """A zero-bubble schedule's input-gradient pass through the layer (torch's
+    ``stage_backward_input``: ``autograd.grad`` to the stage's inputs with ``retain_graph=True``,
+    each op's incoming gradient kept where a parameter's path meets the input's,
+    :attr:`.profile.LayerProfile.weight_pass`): (the bytes it keeps for the weight pass, the most
+    its backward holds at one op beside the saved tensors — that op's gradients and the kept ones
+    of the ops after it, nothing freed —, and per op (graph index, that sum less the most))."""
+    qs = scale if quad_scale is None else quad_scale
+
+    def b(x: Saved) -> float:
+        return on_rank(x, tp=tp, sp=sp, scale=scale, quad_scale=qs, megatron_sp=megatron_sp)
+
+    kept = [(k, b(g)) for k, g in lp.weight_pass.get(precision, ())]
+    moments = [(m.op, sum(map(b, m.work)) + sum(x for k, x in kept if k > m.op))
+               for m in lp.moments.get(precision, ())]
+    top = max((x for _, x in moments), default=0.0)
+    return sum(x for _, x in kept), top, tuple((op, x - top) for op, x in moments)
+
+
 def forward_peak(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precision: str = "fp32",
                  quad_scale: float | None = None, megatron_sp: bool = False, recompute: str = "none") -> float:
     """Bytes the layer holds at its forward's largest moment (:attr:`.profile.LayerProfile.forward`), or, with
@@ -176,25 +198,29 @@ def forward_peak(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precision
 SENDS_HELD = ("gpipe", "1f1b")
 """schedules whose torch implementation (one stage per rank, ``PipelineScheduleSingle``) keeps a micro-batch's
 input-gradient sends referenced until after the next micro-batch's backward (1F1B: the ``bwd_sends`` it fuses with
-the next receive, torch 2.13; GPipe: every send's work until the end); the multi-stage schedules drop them at the
-end of each time step"""
+the next receive, torch 2.13; GPipe: every send's work until the end); the multi-stage schedules
+(``_PipelineScheduleRuntime``) keep every send, outputs and input gradients, until the step ends
+(:mod:`.staged`)"""
 
 
 def in_flight(schedule: str, *, pp: int, stage: int, micro_batches: int, virtual_stages: int = 1) -> float:
     """Micro-batches whose activations one pipeline rank holds at its peak (in units of all its layers).
 
-    GPipe: every micro-batch; 1F1B (and zero-bubble ZB-H1/ZBV, same memory): pp - stage (Narayanan et al. 2021);
-    interleaved 1F1B: torch's warm-up of (v - 1) pp + 2 (pp - 1 - stage) chunk-forwards, plus one, each 1/v of
-    the rank's layers.
+    GPipe: every micro-batch; 1F1B: pp - stage (Narayanan et al. 2021); a multi-stage
+    schedule, at its backward holding the most, each micro-batch a stage holds as 1/v of the
+    rank's layers (:func:`.schedule.rank_states`, torch's order: interleaved 1F1B's warm-up of
+    (v - 1) pp + 2 (pp - 1 - stage) chunk-forwards, plus one; ZBV's pp on every rank, its input
+    passes holding a micro-batch's activations until its weight pass).
     """
     m = micro_batches
     if pp == 1:
         return 1.0
-    if schedule in ("gpipe", "looped_bfs"):
+    if schedule == "gpipe":
         return float(m)
-    if schedule == "interleaved_1f1b" and virtual_stages > 1:
-        v = virtual_stages
-        return min(float(m), ((v - 1) * pp + 2 * (pp - 1 - stage) + 1) / v)
+    if schedule in MULTI_STAGE and (virtual_stages > 1 or schedule == "zbv_zero_bubble"):
+        v = 2 if schedule == "zbv_zero_bubble" else virtual_stages
+        states = rank_states(schedule, pp=pp, rank=stage, micro_batches=m, virtual_stages=v)
+        return max((sum(h.full) + sum(h.waiting) + 1) / v for h in states if h.kind in "BIW")
     return float(min(m, pp - stage))
 
 

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 from ..plan import DTYPE_NAMES, ITEMSIZE, MEMORY_TERMS, MemoryBreakdown
 from .memory import SENDS_HELD, in_flight, model_states, state_bytes, with_margin
+from .schedule import MULTI_STAGE
 from .setting import Setting
 from .terms import FsdpUnit, RankSums
 
@@ -42,8 +43,14 @@ class RankMemory:
         accumulate, since zero_grad(set_to_none=True) frees them each step), the last rank's loss backward, the
         gradients' reduction of a pipelined FSDP stage (:meth:`_reduce_moment`), and the optimizer step (all
         gradients, plus a foreach temporary of their size). ``per_op``: also each layer's backward at each of its
-        ops (:attr:`~.terms.LayerTerms.op_deltas`; ``PeakMoment.op``)."""
+        ops (:attr:`~.terms.LayerTerms.op_deltas`; ``PeakMoment.op``). A rank of a multi-stage
+        schedule has those of each of its actions in torch's order (:class:`.staged.StagedRank`)."""
         st = self._states(r)
+        if self.s.pp > 1 and self.s.schedule in MULTI_STAGE:
+            from .staged import StagedRank  # it builds on this module's moments
+
+            staged = StagedRank(self, r, st).moments(per_op)
+            return st.pb, st.ob, [*staged, self._step_moment(r, st)]
         flights = self._flights(r, st)
         out = self._layer_moments(r, st, flights, per_op)
         out += self._loss_moments(r, st, flights)
@@ -157,24 +164,14 @@ class RankMemory:
         """The last rank's loss backward under each flight: the log-softmax output (fp32) saved, its gradient and
         the logits' gradient alive; FSDP units are resharded then (ZeRO 3). None with the fused head, whose loss
         is in the head layer's working set."""
-        s, sums, prof = self.s, self.sums, self.prof
-        if r != s.pp - 1 or not prof.output_numel or s.fused_loss:
+        s, sums = self.s, self.sums
+        if r != s.rank_of(s.pp * s.virtual_stages - 1) or not self.loss_applies():
             return []
-        lp_div = s.tp if (prof.loss_parallel and s.tp > 1 and sums.head_tp) else 1
-        out_numel = prof.output_numel * (s.mb_samples / prof.batch) * self.seq_ratio / s.cp
-        loss_saved = out_numel * 4 / lp_div
-        # gradients of the log-softmax and of the logits; torch's loss_parallel backward holds three fp32
-        # temporaries of the logits' shard beside the saved one (MemTracker, torch 2.13: 4 x the shard's fp32
-        # bytes at tp 2 and 4, in fp32 and under bf16 autocast). Unsplit, the default loss's forward holds the
-        # logits and their flattened copy (the next-token slice is not contiguous) in the compute dtype, and under
-        # autocast the float32 copy ``.float()`` makes (runtime/data.py default_loss)
-        half = s.amp != "none"
-        loss_temp = out_numel * 4 * 3 / lp_div if lp_div > 1 else out_numel * (2 * st.p_item + (4 if half else 0))
         rs = sums.pipe[r]["recv_saved"] if s.pp > 1 else 0.0
         out = []
         for f in flights:
-            loss = {"saved_activations": (f.others + 1) * (sums.acts[r] - rs), "loss_saved": loss_saved,
-                    "loss_temporaries": loss_temp}
+            loss = {"saved_activations": (f.others + 1) * (sums.acts[r] - rs),
+                    **self.loss_terms(st)}
             if st.fsdp_stage == 2:  # every unit's parameters still unsharded: no backward has run
                 loss["fsdp_unsharded_params"] = st.params * st.p_item
             grads, gterms = self._gradients(st, f, 0.0)
@@ -183,6 +180,28 @@ class RankMemory:
                                   grads + sum(gterms.values()) + sum(loss.values()) + sum(st.held.values())
                                   + sum(pipe_now.values()), later=f.later))
         return out
+
+    def loss_applies(self) -> bool:
+        """The loss has moments of its own: the model has an output, and the head is not fused with
+        the loss (whose temporaries are the head layer's working set then)."""
+        return bool(self.prof.output_numel) and not self.s.fused_loss
+
+    def loss_terms(self, st: _States) -> dict[str, float]:
+        """The loss's bytes at its backward, beside the saved activations: the log-softmax output
+        (fp32) it saves, and its temporaries."""
+        s, prof = self.s, self.prof
+        lp_div = s.tp if (prof.loss_parallel and s.tp > 1 and self.sums.head_tp) else 1
+        out_numel = prof.output_numel * (s.mb_samples / prof.batch) * self.seq_ratio / s.cp
+        # gradients of the log-softmax and of the logits; torch's loss_parallel backward holds
+        # three fp32 temporaries of the logits' shard beside the saved one (MemTracker, torch 2.13:
+        # 4 x the shard's fp32 bytes at tp 2 and 4, in fp32 and under bf16 autocast). Unsplit, the
+        # default loss's forward holds the logits and their flattened copy (the next-token slice is
+        # not contiguous) in the compute dtype, and under autocast the float32 copy ``.float()``
+        # makes (runtime/data.py default_loss)
+        half = s.amp != "none"
+        loss_temp = (out_numel * 4 * 3 / lp_div if lp_div > 1
+                     else out_numel * (2 * st.p_item + (4 if half else 0)))
+        return {"loss_saved": out_numel * 4 / lp_div, "loss_temporaries": loss_temp}
 
     def _reduce_moment(self, r: int, st: _States) -> PeakMoment:
         """A pipelined FSDP stage after its last backward (``PipelineStage.perform_reduce_grad``): every gradient
@@ -265,8 +284,12 @@ class PeakMoment(NamedTuple):
 
     @property
     def terms(self) -> dict[str, float]:
-        """The bytes alive besides the gradients, by term (saved activations at least 0)."""
-        out = {k: v for part in self.parts for k, v in part.items()}
+        """The bytes alive besides the gradients, by term, summed over the parts (saved
+        activations at least 0)."""
+        out: dict[str, float] = {}
+        for part in self.parts:
+            for k, v in part.items():
+                out[k] = out.get(k, 0.0) + v
         if "saved_activations" in out:
             out["saved_activations"] = max(out["saved_activations"], 0.0)
         return out

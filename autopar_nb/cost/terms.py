@@ -54,6 +54,14 @@ class LayerTerms:
     forward: dict[str, float] = field(default_factory=dict)
     """recompute ("none", "full", "selective") -> bytes the layer holds at its forward's largest moment ("none"), or
     a recomputed layer beyond what it keeps at its recompute's (:func:`.memory.forward_peak`)"""
+    weight_grads: float = 0.0
+    """bytes of gradients a zero-bubble input pass keeps for the weight pass
+    (:func:`.memory.input_pass`)"""
+    input_work: float = 0.0
+    """the most the layer's input pass holds at one op beside its saved tensors"""
+    input_ops: tuple[tuple[int, float], ...] = ()
+    """per op of the layer: (its graph index, what its input pass holds there less
+    ``input_work``)"""
 
     def recompute_s(self, recompute: str) -> float:
         """Seconds recompute adds in backward: the whole forward again (full, with its all-to-alls) or the attention
@@ -120,14 +128,20 @@ class RankSums:
     at layer l the saved tensors of later layers are gone and their gradients exist; a recomputed layer holds what
     its recompute re-created"""
 
+    stages: list[list[StageSums]] = field(default_factory=list)
+    """per rank holding several stages (:data:`.schedule.MULTI_STAGE`), its stages in chain order"""
+    local: dict[int, int] = field(default_factory=dict)
+    """layer index -> the position of its stage among its rank's :attr:`stages`"""
+    input_layers: list[list[InputLayer]] = field(default_factory=list)
+    """per rank, under a zero-bubble schedule, the layers whose input pass its peak can be at"""
+
     @classmethod
     def zeros(cls, pp: int) -> RankSums:
         z = [0.0] * pp
         return cls(list(z), list(z), list(z), [{} for _ in range(pp)], list(z), list(z), list(z),
                    [[] for _ in range(pp)], list(z), list(z), list(z), list(z), tp_step=list(z), casts=list(z),
-                   bwd_layers=[[] for _ in range(pp)],
-                   pipe=[dict.fromkeys(("recv", "recv_saved", "kept", "grad_recv", "grad_sent"), 0.0)
-                         for _ in range(pp)])
+                   bwd_layers=[[] for _ in range(pp)], pipe=[pipe_sums() for _ in range(pp)],
+                   stages=[[] for _ in range(pp)], input_layers=[[] for _ in range(pp)])
 
     def per_micro_batch(self, r: int) -> float:
         """Rank ``r``'s time for one micro-batch: the sum of its layers' :meth:`LayerTerms.time_s`."""
@@ -151,3 +165,47 @@ class FsdpUnit(NamedTuple):
     """the indices of its first and last layers"""
     numel: float
     """its local parameters"""
+
+
+def pipe_sums() -> dict[str, float]:
+    """Zeros for the bytes crossing a rank's or a stage's cuts (:attr:`RankSums.pipe`)."""
+    return dict.fromkeys(("recv", "recv_saved", "kept", "grad_recv", "grad_sent"), 0.0)
+
+
+@dataclass
+class StageSums:
+    """One stage's sums over its layers, on a rank that holds several (one micro-batch)."""
+
+    stage: int
+    acts_start: float
+    """the saved activation bytes of the rank's stages before it (where its layers' sums start)"""
+    params_start: float
+    """the local parameters (numel) of the rank's stages before it"""
+    acts: float = 0.0
+    params: float = 0.0
+    weight_grads: float = 0.0
+    """bytes a zero-bubble input pass keeps for the weight pass (:attr:`LayerTerms.weight_grads`)"""
+    sends: bool = False
+    """its output goes to another rank (not the last stage, nor the V's turn)"""
+    turn: bool = False
+    """its output goes to the rank's next stage (the V's turn), which torch hands the output itself
+    (``set_local_fwd_input``), and which hands back its input's gradient itself
+    (``set_local_bwd_input``): both stay referenced by the stages' receive records
+    (``args_recv_info``, ``grad_recv_info``) until the next step replaces them, every micro-batch's,
+    where ``LeanStage`` frees the buffers it allocated itself"""
+    pipe: dict[str, float] = field(default_factory=pipe_sums)
+    """the bytes crossing its cuts (:attr:`RankSums.pipe`); an input its rank's previous stage hands
+    over is that stage's output, and its gradient that stage's gradient buffer: counted there"""
+
+
+class InputLayer(NamedTuple):
+    """A layer whose input pass a zero-bubble rank's peak can be at."""
+
+    layer: int
+    work: float
+    """:attr:`LayerTerms.input_work`"""
+    ops: tuple[tuple[int, float], ...]
+    """:attr:`LayerTerms.input_ops`"""
+    kept_upto: float
+    """weight-pass gradients of its stage's layers up to it: those of the layers after it are kept
+    when the input pass reaches it"""

@@ -39,6 +39,8 @@ COMPONENT_SOURCES = {
     "pipeline_outputs": "a pipeline stage's outputs, kept until their micro-batch's backward",
     "pipeline_sent_gradients": ("the previous micro-batch's input gradients, held by the schedule's send until this "
                                 "backward ends"),
+    "weight_pass_gradients": ("the gradients a zero-bubble schedule's input pass keeps for each "
+                              "micro-batch's weight pass (torch's stage_backward_input)"),
     "backward_working_set": "the largest layer's backward working set",
     "forward_working_set": ("the layer whose forward holds the most: its saved tensors so far and the tensors alive "
                             "then (output, operands still to be read, autocast's copies)"),

@@ -242,6 +242,11 @@ class LayerProfile:
     moments: dict[str, list[Moment]] = field(default_factory=dict)
     """precision -> one :class:`Moment` per op whose backward runs: the candidates for the layer's
     backward peak"""
+    weight_pass: dict[str, list[tuple[int, Saved]]] = field(default_factory=dict)
+    """precision -> (graph index, its output's gradient) of each op that reads a trainable parameter
+    and an activation that requires grad: a zero-bubble schedule's input pass (torch's
+    ``stage_backward_input``) keeps these gradients, hooked on the ops' autograd nodes, until the
+    weight pass starts from them"""
     forward: dict[str, list[Moment]] = field(default_factory=dict)
     """precision -> one :class:`Moment` per op of the layer's forward, in order
     (:func:`.moments.forward_moment`): what the layer holds when its forward, or a recompute of it,

@@ -58,6 +58,7 @@ def _saved_at(layers: dict[str, LayerProfile], f: Facts, precision: str, device_
     saved: dict[str, list[Saved]] = {path: [] for path in layers}
     moments: dict[str, list[Moment]] = {path: [] for path in layers}
     forward: dict[str, list[Moment]] = {path: [] for path in layers}
+    weight_pass: dict[str, list[tuple[int, Saved]]] = {path: [] for path in layers}
     cached = dict.fromkeys(layers, 0)  # the tensors selective recompute keeps of the ops so far
     accumulating = accumulating_gradients(f)
     index = {n.name: k for k, n in enumerate(f.graph.nodes)}
@@ -84,6 +85,8 @@ def _saved_at(layers: dict[str, LayerProfile], f: Facts, precision: str, device_
         if recorded:
             grads = math_attention_gradients(n, f, device_kind) or gradients_of(n, f)
             moments[lp.path].append(Moment(kept, grads + accumulating.get(n.name, ()), op=k))
+            if _weight_pass_start(n, f):
+                weight_pass[lp.path].append((k, grads[0]))
         work, held, entered, entered_held = forward_moment(n, k, f, alive, seen, device_kind,
                                                            entering[lp.path], own[lp.path])
         forward[lp.path].append(Moment(kept, work, cached[lp.path], op=k, held=held,
@@ -95,6 +98,18 @@ def _saved_at(layers: dict[str, LayerProfile], f: Facts, precision: str, device_
             lp.saved_amp[precision] = saved[path]
         lp.moments[precision] = moments[path]
         lp.forward[precision] = forward[path]
+        lp.weight_pass[precision] = weight_pass[path]
+
+
+def _weight_pass_start(n, f: Facts) -> bool:
+    """Op ``n`` reads a trainable parameter (or a view of one) and an activation that requires grad:
+    its autograd node is where a parameter's path meets the stage input's, one of the
+    ``intermediates`` torch's ``stage_backward_input`` hooks to keep the gradient flowing into it
+    (``get_param_groups``)."""
+    params = f.graph.params
+    reads = any(params[p].trainable for p in n.params if p in params) or any(
+        i in f.param_views for i in n.inputs)
+    return reads and any(i in f.grad and i not in f.param_views for i in n.inputs)
 
 
 def count_selective(layers: dict[str, LayerProfile], f: Facts, amp: dict[str, Facts],

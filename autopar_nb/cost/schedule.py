@@ -1,0 +1,234 @@
+"""The order in which torch's multi-stage pipeline schedules run a rank's actions, and what the rank
+holds at each: the micro-batches in flight per local stage, those between an input-gradient and a
+weight-gradient pass, and which stages have gradients (:func:`rank_states`).
+
+The orders mirror ``torch.distributed.pipelining.schedules`` (torch 2.13): ``_get_1f1b_rank_ops``
+for interleaved 1F1B and interleaved zero bubble, ``ScheduleLoopedBFS`` and
+``ScheduleZBVZeroBubble._calculate_single_rank_operations``. ``_PipelineScheduleRuntime`` runs a
+rank's actions in that order (a receive blocks until the peer's send), so what a rank holds depends
+on its own order only. Pure Python: the planner costs schedules without torch."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import lru_cache
+from typing import NamedTuple
+
+MULTI_STAGE = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
+"""schedules that run several stages per rank (``_PipelineScheduleRuntime``)"""
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble")
+"""schedules that split a backward into an input-gradient and a weight-gradient pass"""
+
+
+class Action(NamedTuple):
+    """One compute action of a rank: its local stage (0 = the earliest of the rank's stages), "F"
+    (forward), "B" (full backward), "I" (input-gradient pass) or "W" (weight-gradient pass), and the
+    micro-batch."""
+
+    local: int
+    kind: str
+    mb: int
+
+
+class Held(NamedTuple):
+    """What a rank holds while one action runs (the running micro-batch not counted)."""
+
+    local: int
+    """the local stage running"""
+    kind: str
+    """"F", "B" (a full backward; a first stage's weight pass, which runs the whole backward),
+    "I", "W" or "R" (the stage's gradient reduction after its last backward, ``REDUCE_GRAD``)"""
+    full: tuple[int, ...]
+    """per local stage: micro-batches whose forward ran and whose backward has not begun (all their
+    saved activations alive)"""
+    waiting: tuple[int, ...]
+    """per local stage: micro-batches between their input-gradient and weight-gradient passes
+    (``stage_backward_input`` retains the whole graph and the gradients the weight pass starts
+    from)"""
+    forwarded: tuple[int, ...]
+    """per local stage: forwards run so far; the output each sent to another rank stays
+    referenced by its send until the step ends (``_PipelineScheduleRuntime`` waits on its
+    ``send_ops`` only after the rank's last action)"""
+    backwarded: tuple[int, ...]
+    """per local stage: backwards (or input passes) run so far, whose input gradients' sends stay
+    referenced as well"""
+    grads: tuple[int, ...]
+    """per local stage: 0 before its first backward, 1 once its gradients exist, 2 after its
+    reduction (FSDP's reduce-scatter has sharded them)"""
+    backward_last: tuple[bool, ...]
+    """per local stage: its last action was a backward (FSDP keeps its units unsharded from a
+    backward to the next forward)"""
+    later: bool
+    """the running micro-batch is not the stage's first"""
+
+
+def rank_actions(schedule: str, *, pp: int, rank: int, micro_batches: int,
+                 virtual_stages: int) -> list[Action]:
+    """The compute actions of ``rank`` in the order torch's ``schedule`` runs them (bubbles
+    dropped)."""
+    if schedule == "zbv_zero_bubble":
+        return _zbv(pp, rank, micro_batches)
+    if schedule == "looped_bfs":
+        m, v = micro_batches, virtual_stages
+        return ([Action(k, "F", b) for k in range(v) for b in range(m)]
+                + [Action(k, "B", b) for k in reversed(range(v)) for b in reversed(range(m))])
+    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        return _interleaved(pp, rank, micro_batches, virtual_stages,
+                            zero_bubble=schedule == "interleaved_zero_bubble")
+    raise ValueError(f"{schedule!r} runs one stage per rank")
+
+
+def _interleaved(pp: int, rank: int, m: int, v: int, *, zero_bubble: bool) -> list[Action]:
+    """``_get_1f1b_rank_ops`` with ``_get_warmup_ops``: a warm-up of (v - 1) micro-batches per round
+    plus 2 (1 with zero bubble) per hop from the last rank, then one forward and one backward in
+    turn; chunks of a round's micro-batches go to one local stage (forwards in ascending, backwards
+    in descending stage order). With zero bubble each backward is an input pass, and from the
+    rank-th steady step on the oldest pending weight pass follows it."""
+    rounds = max(1, m // pp)
+    per_round = m // rounds
+    warmup = min((v - 1) * per_round + (1 if zero_bubble else 2) * (pp - 1 - rank), m * v)
+    steady = m * v - warmup
+    counts: dict[tuple[str, int], int] = defaultdict(int)  # (kind, local stage) -> actions so far
+    out: list[Action] = []
+    pending: list[int] = []  # local stages of the input passes whose weight pass is still to run
+
+    def add(kind: str, local: int) -> None:
+        out.append(Action(local, kind, counts[kind, local]))
+        counts[kind, local] += 1
+
+    for op in range(warmup + steady + warmup):
+        if op < warmup + steady:
+            add("F", (op // per_round) % v)
+        if op < warmup:
+            continue
+        local = v - 1 - ((op - warmup) // per_round) % v
+        add("I" if zero_bubble else "B", local)
+        pending.append(local)
+        if zero_bubble and op - warmup >= rank:
+            add("W", pending.pop(0))
+    while zero_bubble and pending:
+        add("W", pending.pop(0))
+    return out
+
+
+def _zbv(pp: int, rank: int, m: int) -> list[Action]:
+    """``ScheduleZBVZeroBubble``: local stage 0 is stage ``rank``, 1 is stage 2 pp - 1 - rank (a V).
+    Warm-up forwards of stage 0, then of both in turn; each stage-1 forward followed by its input
+    and weight passes; a steady phase of (F, I, W) on each stage in turn; a cool-down of input
+    passes first and weight passes last. It plans max(2 pp - 1, m) micro-batches and drops those
+    past m."""
+    n = max(2 * pp - 1, m)
+    out: list[Action] = []
+    f = [0, 0]
+    b = [0, 0]
+
+    def add(local: int, kind: str, counter: list[int]) -> None:
+        out.append(Action(local, kind, counter[local]))
+        counter[local] += 1
+
+    for _ in range(2 * (pp - rank) - 1):
+        add(0, "F", f)
+    for _ in range(rank):
+        add(1, "F", f)
+        add(0, "F", f)
+    for _ in range(pp - rank):
+        add(1, "F", f)
+        out += [Action(1, "I", b[1]), Action(1, "W", b[1])]
+        b[1] += 1
+    while f[1] < f[0] or f[0] < n:
+        if f[0] < n:
+            add(0, "F", f)
+        out += [Action(0, "I", b[0]), Action(0, "W", b[0])]
+        b[0] += 1
+        add(1, "F", f)
+        out += [Action(1, "I", b[1]), Action(1, "W", b[1])]
+        b[1] += 1
+    w = list(b)
+    for _ in range(rank):
+        add(0, "I", b)
+        add(1, "I", b)
+    for _ in range(pp - rank):
+        add(0, "I", b)
+        add(0, "W", w)
+    while w[1] < b[1]:
+        add(1, "W", w)
+    while w[0] < b[0]:
+        add(0, "W", w)
+    return [a for a in out if a.mb < m]
+
+
+@lru_cache(maxsize=4096)
+def rank_states(schedule: str, *, pp: int, rank: int, micro_batches: int,
+                virtual_stages: int) -> tuple[Held, ...]:
+    """What ``rank`` holds at each of its actions (:class:`Held`), those another holds more than
+    left out. Rank 0's local stage 0 is the model's first stage: its input pass does nothing
+    (``PipelineStage.backward_one_chunk`` skips it: no input needs a gradient) and its weight pass
+    runs the whole backward (``backward_weight_one_chunk``), a "B" here. A stage's gradients are
+    reduced right after its last backward (``_add_reduce_grad``)."""
+    v = 2 if schedule == "zbv_zero_bubble" else virtual_stages
+    walk = _Walk(v)
+    for a in rank_actions(schedule, pp=pp, rank=rank, micro_batches=micro_batches,
+                          virtual_stages=v):
+        walk.run(a, first=rank == 0 and a.local == 0, last_mb=micro_batches - 1)
+    return _undominated(walk.out)
+
+
+class _Walk:
+    """The sets :func:`rank_states` follows through a rank's actions."""
+
+    def __init__(self, v: int):
+        self.full: list[set[int]] = [set() for _ in range(v)]
+        self.waiting: list[set[int]] = [set() for _ in range(v)]
+        self.forwarded = [0] * v
+        self.backwarded = [0] * v
+        self.grads = [0] * v
+        self.backward_last = [False] * v
+        self.out: list[Held] = []
+
+    def note(self, local: int, kind: str, later: bool) -> None:
+        self.out.append(Held(local, kind, tuple(map(len, self.full)), tuple(map(len, self.waiting)),
+                             tuple(self.forwarded),
+                             tuple(self.backwarded), tuple(self.grads),
+                             tuple(self.backward_last), later))
+
+    def run(self, a: Action, *, first: bool, last_mb: int) -> None:
+        k = a.local
+        if a.kind == "F":
+            self.note(k, "F", a.mb > 0)
+            self.full[k].add(a.mb)
+            self.forwarded[k] += 1
+            self.backward_last[k] = False
+            return
+        if a.kind in ("B", "I"):
+            self.backwarded[k] += 1
+            self.full[k].discard(a.mb)
+        else:
+            self.waiting[k].discard(a.mb)
+        if not (first and a.kind == "I"):
+            self.note(k, "B" if first and a.kind == "W" else a.kind, a.mb > 0)
+        if a.kind == "I":
+            self.waiting[k].add(a.mb)
+        else:
+            self.grads[k] = 1
+        self.backward_last[k] = True
+        if a.kind != "I" and a.mb == last_mb:
+            self.note(k, "R", True)
+            self.grads[k] = 2
+
+
+def _undominated(states: list[Held]) -> tuple[Held, ...]:
+    """``states`` without repeats and without those another state of the same stage, kind,
+    gradients, units and ``later`` holds at least as many micro-batches as everywhere."""
+    groups: dict[tuple, list[tuple[int, ...]]] = defaultdict(list)
+    for h in dict.fromkeys(states):
+        groups[(*h[:2], *h[6:])].append(sum(h[2:6], ()))
+    out = []
+    for key, counts in groups.items():
+        counts.sort(reverse=True)  # a state can only be covered by one sorted before it
+        kept: list[tuple[int, ...]] = []
+        for c in counts:
+            if not any(all(x >= y for x, y in zip(k, c, strict=True)) for k in kept):
+                kept.append(c)
+        v = len(counts[0]) // 4
+        out += [Held(*key[:2], *(c[i * v:(i + 1) * v] for i in range(4)), *key[2:]) for c in kept]
+    return tuple(out)

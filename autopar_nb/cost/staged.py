@@ -1,0 +1,250 @@
+"""The memory moments of a pipeline rank that holds several stages (interleaved 1F1B, looped BFS,
+interleaved zero bubble, ZBV): at each of its actions (:func:`.schedule.rank_states`), each of its
+stages holds the micro-batches in flight there, whatever the others hold.
+
+A stage of such a rank keeps a micro-batch's saved activations, its input buffer and its output from
+the micro-batch's forward to its backward (torch's ``_PipelineScheduleRuntime`` runs the actions in
+the rank's order; ``runtime/pp.py``'s ``LeanStage`` frees a buffer when its backward is done). Under
+a zero-bubble schedule a backward is split: the input pass (``stage_backward_input``) computes the
+input's gradient with ``retain_graph=True``, so every saved activation of the micro-batch stays
+until the weight pass, beside the gradients hooked for it
+(:attr:`~.profile.LayerProfile.weight_pass`), the gradient received for the output and the input's
+gradient (``inp.grad``, dropped by ``LeanStage`` after the weight pass)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..plan import ITEMSIZE
+from .peak import PeakMoment, fsdp_buffers
+from .schedule import Held, rank_states
+from .terms import FsdpUnit, StageSums
+
+
+class _Around(NamedTuple):
+    """What the rank's other micro-batches and stages hold at one action."""
+
+    terms: dict[str, float]
+    grads: float
+    """gradient bytes (the ``grads`` field; a pipelined FSDP stage's are a term instead)"""
+    total: float
+    """both"""
+
+    def moment(self, phase: str, layer: int | None, grads: float, parts: tuple[dict, ...],
+               op: int | None = None, later: bool | None = None) -> PeakMoment:
+        """A moment holding this, ``grads`` gradient bytes more and the terms of ``parts``."""
+        weight = self.total + grads + sum(sum(p.values()) for p in parts)
+        return PeakMoment(phase, layer, self.grads + grads, (self.terms, *parts), weight, op, later)
+
+
+class StagedRank:
+    """The moments of rank ``r`` of a multi-stage schedule (``RankMemory.moments``)."""
+
+    def __init__(self, mem, r: int, st):
+        s, sums = mem.s, mem.sums
+        self.mem, self.r, self.st = mem, r, st
+        self.states = rank_states(s.schedule, pp=s.pp, rank=r, micro_batches=s.micro_batches,
+                                  virtual_stages=s.virtual_stages)
+        v = len(self.states[0].full)
+        # a stage without layers holds nothing (the schedule still runs it)
+        self.stages: list[StageSums] = [*sums.stages[r], *(StageSums(-1, 0.0, 0.0)
+                                                          for _ in range(v - len(sums.stages[r])))]
+        self.layers: list[list[tuple]] = [[] for _ in range(v)]
+        for e in sums.bwd_layers[r]:
+            self.layers[sums.local[e[3]]].append(e)
+        self.inputs: list[list] = [[] for _ in range(v)]
+        for e in sums.input_layers[r]:
+            self.inputs[sums.local[e.layer]].append(e)
+        self.units: list[list[FsdpUnit]] = [[] for _ in range(v)]
+        for u in sums.units[r]:
+            self.units[sums.local[u.first]].append(u)
+        last = s.pp * s.virtual_stages - 1
+        self.loss_at = next((k for k, x in enumerate(self.stages) if x.stage == last), None)
+
+    def moments(self, per_op: bool) -> list:
+        """Every moment of the rank's step: at each state, its running stage's layers."""
+        out = []
+        for h in self.states:
+            around = self._around(h)
+            if h.kind == "F":
+                out += self._layers(h, around, "forward", per_op)
+            elif h.kind == "B":
+                out += self._layers(h, around, "backward", per_op) + self._loss(h, around)
+            elif h.kind == "I":
+                out += self._input(h, around, per_op) + self._loss(h, around)
+            elif h.kind == "W":
+                out += self._weight(h, around)
+            elif self.st.pipelined:
+                out.append(self._reduce(h, around))
+        return out
+
+    # ---- what the rest of the rank holds ------------------------------------------------------
+    def _around(self, h: Held) -> _Around:
+        """The other micro-batches of every stage (``h``'s counts) and the other stages' gradients
+        and unsharded parameters, with the buffers alive the whole step (``_States.held``)."""
+        acts = buffers = outputs = sent = kept = 0.0
+        m = self.mem.s.micro_batches
+        for j, x in enumerate(self.stages):
+            n, p = h.full[j] + h.waiting[j], x.pipe
+            acts += n * (x.acts - p["recv_saved"])
+            buffers += n * p["recv"] + (0 if x.turn else h.waiting[j] * p["grad_recv"])
+            # what a stage sent to another rank stays referenced by its send until the step ends;
+            # what it handed to the rank's next stage, and the gradient handed back, until the
+            # next step's (StageSums.turn)
+            outputs += (m if x.turn else h.forwarded[j] if x.sends else n) * p["kept"]
+            sent += h.backwarded[j] * p["grad_sent"] + (m * p["grad_recv"] if x.turn else 0.0)
+            kept += h.waiting[j] * self._kept(j)
+        terms = {"saved_activations": acts, "pipeline_buffers": buffers,
+                 "pipeline_outputs": outputs, "pipeline_sent_gradients": sent,
+                 "weight_pass_gradients": kept, **self.st.held}
+        grads = 0.0
+        for j in range(len(self.stages)):
+            if j != h.local:
+                g, gterms = self._grads(j, h.grads[j], self.stages[j].params)
+                grads += g
+                unsharded = self._unsharded(j, h.backward_last[j])
+                for key, value in (*gterms.items(), *unsharded.items()):
+                    terms[key] = terms.get(key, 0.0) + value
+        return _Around(terms, grads, grads + sum(terms.values()))
+
+    def _kept(self, j: int) -> float:
+        """What one micro-batch of stage ``j`` keeps for its weight pass beyond its buffers: its
+        layers' hooked gradients, less its output's (the gradient received, whose buffer the last
+        residual add hands to the op that made the output). None on the model's first stage, whose
+        input pass does nothing."""
+        x = self.stages[j]
+        if x.stage == 0:
+            return 0.0
+        return max(x.weight_grads - x.pipe["grad_recv"], 0.0)
+
+    def _grads(self, j: int, state: int, numel: float) -> tuple[float, dict[str, float]]:
+        """(gradient bytes, terms) of ``numel`` parameters of stage ``j`` whose gradients are in
+        ``state`` (:attr:`.schedule.Held.grads`): a pipelined FSDP stage accumulates them unsharded
+        in float32 until its reduction (``fsdp_unsharded_grads``), sharded after it."""
+        st = self.st
+        share = st.gb / st.params if st.params else 0.0
+        if state == 0 or not numel:
+            return 0.0, {}
+        if st.pipelined and state == 1:
+            return 0.0, {"fsdp_unsharded_grads": numel * ITEMSIZE["float32"]}
+        return numel * share, {}
+
+    def _unsharded(self, j: int, backward_last: bool) -> dict[str, float]:
+        """FSDP's unsharded parameters of a stage not running: under ZeRO 2 every unit from the
+        step's first unshard (the schedule's ``UNSHARD`` of each stage) to its end, under ZeRO 3
+        each unit from a backward (which does not reshard in a pipeline) to its next forward."""
+        st = self.st
+        if st.fsdp_stage < 2 or not (st.fsdp_stage == 2 or backward_last):
+            return {}
+        return {"fsdp_unsharded_params": sum(u.numel for u in self.units[j]) * st.p_item}
+
+    # ---- the running stage --------------------------------------------------------------------
+    def _running(self, h: Held, *, output_grad: bool) -> dict[str, float]:
+        """The running micro-batch's buffers on its stage: its input's, its output, and the
+        gradient received for the output (``output_grad``)."""
+        x = self.stages[h.local]
+        p = x.pipe
+        grad = p["grad_recv"] if output_grad and not x.turn else 0.0
+        return {"pipeline_buffers": p["recv"] + grad,
+                "pipeline_outputs": 0.0 if x.sends or x.turn else p["kept"]}
+
+    def _layers(self, h: Held, around: _Around, phase: str, per_op: bool) -> list:
+        """The running stage's forward (``phase`` "forward") or backward and recompute moments:
+        its layers' entries (:attr:`.terms.RankSums.bwd_layers`) counted from the stage's start."""
+        k, st = h.local, self.st
+        x = self.stages[k]
+        forward = phase == "forward"
+        running = self._running(h, output_grad=not forward)
+        if forward:
+            running["pipeline_outputs"] = 0.0
+        out = []
+        for a, w, before, layer, kind, ops in self.layers[k]:
+            if (kind == "forward") != forward:
+                continue
+            fb = fsdp_buffers(self.units[k], layer, zero_stage=st.fsdp_stage, p_item=st.p_item,
+                              g_item=ITEMSIZE["float32"], params=x.params, forward=forward,
+                              pipelined=st.pipelined and (h.backward_last[k] or not forward),
+                              regathered=h.backward_last[k] and not forward)
+            work = "forward_working_set" if forward else "backward_working_set"
+            for op, dw, da, dbefore in ((None, 0.0, 0.0, 0.0), *(ops if per_op else ())):
+                later = 0.0 if forward else x.params - (before - x.params_start) - dbefore
+                # before the stage's first backward ends, only the parameters read after this op
+                grads, gterms = (self._grads(k, h.grads[k], x.params) if h.grads[k]
+                                 else self._grads(k, 1, later))
+                mine = {"saved_activations": a - x.acts_start - x.pipe["recv_saved"] + da,
+                        work: w + dw}
+                out.append(around.moment(kind, layer, grads, (mine, running, fb, gterms), op,
+                                         h.later))
+        return out
+
+    def _input(self, h: Held, around: _Around, per_op: bool) -> list:
+        """The running stage's input pass at each of its layers (``RankSums.input_layers``):
+        every saved activation of the micro-batch alive (nothing is freed with ``retain_graph``),
+        the gradients kept for the weight pass by the layers after it, and at the layer's ops their
+        gradients and those kept so far (the output's gradient among them: its buffer is counted
+        there). No parameter gradient is made."""
+        k, st = h.local, self.st
+        x = self.stages[k]
+        running = self._running(h, output_grad=False)
+        grads, gterms = self._grads(k, h.grads[k], x.params)
+        out = []
+        for e in self.inputs[k]:
+            fb = fsdp_buffers(self.units[k], e.layer, zero_stage=st.fsdp_stage, p_item=st.p_item,
+                              g_item=ITEMSIZE["float32"], params=x.params, pipelined=st.pipelined,
+                              regathered=h.backward_last[k])
+            for op, dw in ((None, 0.0), *(e.ops if per_op else ())):
+                mine = {"saved_activations": x.acts - x.pipe["recv_saved"],
+                        "backward_working_set": e.work + dw,
+                        "weight_pass_gradients": x.weight_grads - e.kept_upto}
+                parts = (mine, running, fb, gterms, self._loss_kept(k, mine))
+                out.append(around.moment("backward", e.layer, grads, parts, op, h.later))
+        return out
+
+    def _loss_kept(self, k: int, mine: dict[str, float]) -> dict[str, float]:
+        """On the last stage, what its input pass keeps of the loss: the log-softmax the loss saved
+        (its graph is retained too), and the logits' gradient, the first kept for the weight pass
+        (moved out of ``mine``'s: made by the loss's backward, outside the model)."""
+        if k != self.loss_at or not self.mem.loss_applies():
+            return {}
+        logits = min(self.stages[k].pipe["kept"], mine["weight_pass_gradients"])
+        mine["weight_pass_gradients"] -= logits
+        saved = self.mem.loss_terms(self.st)["loss_saved"]
+        return {"loss_saved": saved, "loss_temporaries": logits}
+
+    def _weight(self, h: Held, around: _Around) -> list:
+        """The running stage's weight pass as it starts (at each layer of the stage: the pass runs
+        through all of them): the micro-batch's saved activations, buffers and kept gradients."""
+        k = h.local
+        x = self.stages[k]
+        running = self._running(h, output_grad=True)
+        grads, gterms = self._grads(k, h.grads[k], x.params)
+        mine = {"saved_activations": x.acts - x.pipe["recv_saved"],
+                "weight_pass_gradients": self._kept(k)}
+        parts = (mine, running, gterms, self._unsharded(k, True))
+        return [around.moment("backward", e.layer, grads, parts, None, h.later)
+                for e in self.inputs[k]]
+
+    def _loss(self, h: Held, around: _Around) -> list:
+        """The loss's backward, at the start of the last stage's backward (or input pass): the
+        micro-batch's saved activations, the loss's (``RankMemory.loss_terms``)."""
+        k = h.local
+        if k != self.loss_at or not self.mem.loss_applies():
+            return []
+        x = self.stages[k]
+        loss = {"saved_activations": x.acts - x.pipe["recv_saved"], **self.mem.loss_terms(self.st)}
+        if self.st.fsdp_stage == 2:
+            loss["fsdp_unsharded_params"] = sum(u.numel for u in self.units[k]) * self.st.p_item
+        grads, gterms = self._grads(k, h.grads[k], x.params)
+        parts = (loss, self._running(h, output_grad=False), gterms)
+        return [around.moment("loss", None, grads, parts, later=h.later)]
+
+    def _reduce(self, h: Held, around: _Around):
+        """A pipelined FSDP stage's reduction after its last backward (``REDUCE_GRAD``): its
+        gradients still unsharded, its units too, and its first group's reduce-scatter input."""
+        k = h.local
+        x = self.stages[k]
+        units = self.units[k]
+        first = (x.params - sum(u.numel for u in units)) or (units[0].numel if units else 0.0)
+        g_item = ITEMSIZE["float32"]
+        mine = {"fsdp_unsharded_grads": x.params * g_item, "fsdp_reduce_scatter": first * g_item}
+        return around.moment("reduce", None, 0.0, (mine, self._unsharded(k, True)))
