@@ -19,6 +19,43 @@ and the others still run; checks past the time budget are recorded as skipped. T
 4. fp16 with GradScaler, verify on CUDA (one rank vs the reference on the same device), and with >= 2 GPUs a
    2-process NCCL run with SyncBatchNorm (with one GPU: recorded as not run, and why).
 
+The scaling check (``--only 6``; it runs second, right after check 1) measures what the cost
+model's GPU efficiency factors are fitted from: LLaMA at three sizes that fit one GPU, bf16, one
+micro-batch of 4 x 2048 tokens, each through the exported script:
+
+    row  size  widths                              recompute  compile  H200 estimate
+    1    1B    LLaMA-3.2 1B (dim 2048, 16 layers)  none       eager    ~3 s (check 1's run reused)
+    2    1B                                        full       eager    ~3 s (check 1's run reused)
+    3    3B    LLaMA-3.2 3B (dim 3072, 28 layers)  none       eager    ~35 s
+    4    0.5B  dim 1024, 24 layers, ffn 4096       none       eager    ~30 s
+    5    3B                                        full       eager    ~35 s
+    6    0.5B                                      full       eager    ~30 s
+    7    1B                                        none       compile  ~50 s (reused by the
+                                                                       throughput check)
+
+A row's estimate: planning (~3 s) + a launch (~25 s: worker start, model on the device, first step)
++ 8 steps at up to 1.5 x the planner's step time (H200: 91 / 179 / 450 ms without recompute for
+0.5B / 1B / 3B, 115 / 223 / 570 ms with full) + Inductor's ~25 s for the compiled row. The check:
+~3 minutes, ~2.5 net of the launch it saves the throughput check. The H200 run of checks 1-5 took
+336 s, the wheels' install included, so the default run is ~7.5-8 minutes by this estimate, within
+the 480 s budget; a row whose estimate exceeds what is left of ``--budget-s`` is recorded as
+skipped, as are the throughput variants after it.
+
+Memory: the 3B keeps 54 GiB of float32 weights, gradients and Adam moments; the planner predicts
+89 GiB (+ 5.5 GiB margin) without recompute at 4 x 2048, and 67 GiB (+ 4.4) with full recompute (the
+optimizer step's peak). A row the planner does not fit on the device runs at half the batch (again,
+down to 1): on an 80 GB H100 (74.5 GiB usable) the 3B without recompute runs at 2 x 2048 (68 GiB +
+4.4), with full recompute at 4 x 2048; on an H200 every row runs at 4 x 2048. The row and the JSON
+say the batch run.
+
+Per row: the planner's step time (``plan.cost.step_time_s``) with its compute, exposed comm and
+optimizer parts vs the measured median step; its peak before the allocator margin vs
+``max_memory_allocated``, with ``max_memory_reserved`` and the reserve over the allocated peak;
+tokens/s, MFU, and the factors ``run.calibrate(save=False)`` fits from the run.
+``bench/gpu_check.json`` (``--json``; ``--copy-to`` copies it) holds each row's raw numbers for an
+offline fit: the shape, the plan's whole predicted cost and rank 0's memory terms, the factors the
+prediction was made with, every step's time, the measured peaks.
+
 On a host without a CUDA GPU (or with ``--plumbing``) it says so and runs the same check functions at toy size on
 CPU processes (the LLaMA cell shrunk, ``--gpu cpu``, fp32; compile and fp16 left to the GPU: Inductor on two cores
 takes minutes and CPUs have no fp16 loss scaling), renders the section into a temporary copy of BENCHMARKS.md, and
@@ -37,24 +74,63 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 BUDGET_S = 480.0
 """the whole check's time budget (issue 16: <= 8 minutes)"""
 
-LLAMA_1B_CELL = """
+LLAMA_CELL = """
 import torch
 from autopar_nb import zoo
-cfg = zoo.LlamaConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192)
+cfg = zoo.LlamaConfig(vocab_size={vocab}, dim={dim}, n_layers={layers}, n_heads={heads},
+                      n_kv_heads={kv_heads}, ffn_dim={ffn})
 model = zoo.Llama(cfg)
-example_inputs = (torch.randint(0, 128256, (4, 2048)),)
+example_inputs = (torch.randint(0, {vocab}, ({batch}, {seq})),)
 """
-"""LLaMA-3.2 1B's shape (1.24 B parameters), 4 x 2048 tokens per step"""
 
-TINY_LLAMA_CELL = LLAMA_1B_CELL.replace("128256", "512").replace("dim=2048, n_layers=16", "dim=64, n_layers=2") \
-    .replace("n_heads=32, n_kv_heads=8, ffn_dim=8192", "n_heads=4, n_kv_heads=2, ffn_dim=128").replace("2048)", "32)")
-"""the same cell at toy size: the plumbing check"""
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A LLaMA shape (zoo ``Llama``: untied head) and the batch x sequence it trains on."""
+
+    name: str
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int = 128256
+    batch: int = 4
+    seq: int = 2048
+
+    def cell(self) -> str:
+        return LLAMA_CELL.format(**dataclasses.asdict(self))
+
+    @property
+    def layers_dim_seq(self) -> tuple[int, int, int]:
+        return self.layers, self.dim, self.seq
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.dim
+
+
+LLAMA_1B = Shape("1B", dim=2048, layers=16, heads=32, kv_heads=8, ffn=8192)
+"""LLaMA-3.2 1B's shape (1.24 B parameters; 1.50 B here with the head untied), 4 x 2048 tokens"""
+LLAMA_05B = Shape("0.5B", dim=1024, layers=24, heads=16, kv_heads=8, ffn=4096)
+"""a 0.5B-class LLaMA (0.51 B parameters counted as LLaMA-3.2 counts its 1B, 0.64 B built): 1B's
+vocabulary and head size, half its width, more layers"""
+LLAMA_3B = Shape("3B", dim=3072, layers=28, heads=24, kv_heads=8, ffn=8192)
+"""LLaMA-3.2 3B's widths (3.61 B parameters built)"""
+TINY = Shape("tiny", dim=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=512, seq=32)
+"""the 1B cell at toy size: the plumbing check"""
+TINY_SMALL = dataclasses.replace(TINY, name="tiny-32", dim=32, ffn=64)
+"""a second toy size for the plumbing path's scaling rows"""
+
+LLAMA_1B_CELL = LLAMA_1B.cell()
+TINY_LLAMA_CELL = TINY.cell()
 
 BATCHNORM_CELL = """
 import torch, torch.nn as nn
@@ -62,6 +138,28 @@ model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReL
                       nn.Linear(16 * 16 * 16, 10))
 example_inputs = (torch.randn(8, 3, 16, 16),)
 """
+
+
+class ScalingRow(NamedTuple):
+    """One row of the scaling check: a shape, its recompute mode, compiled blocks or eager."""
+
+    shape: Shape
+    recompute: str
+    compile: bool
+
+
+GPU_SCALING = (ScalingRow(LLAMA_1B, "none", False), ScalingRow(LLAMA_1B, "full", False),
+               ScalingRow(LLAMA_3B, "none", False), ScalingRow(LLAMA_05B, "none", False),
+               ScalingRow(LLAMA_3B, "full", False), ScalingRow(LLAMA_05B, "full", False),
+               ScalingRow(LLAMA_1B, "none", True))
+"""eager without recompute at each size first (the efficiency factors' three points), then full
+recompute (its recompute term), then one compiled size: the 1B, whose run the throughput check's
+compiled variant reuses. The 1B eager rows reuse the memory check's runs (the same plans)."""
+CPU_SCALING = (ScalingRow(TINY, "none", False), ScalingRow(TINY, "full", False),
+               ScalingRow(TINY_SMALL, "none", False), ScalingRow(TINY_SMALL, "full", False),
+               ScalingRow(TINY, "none", True))
+"""the plumbing path's: two launches (the tiny rows reuse the memory check's), the compiled row not
+run"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +178,14 @@ class Target:
     no matmul (torchtitan counts it so)"""
     steps: int
     cuda: bool
+    scaling: tuple[ScalingRow, ...] = ()
+    """the scaling check's rows, most valuable first (a row past the budget is skipped)"""
 
 
-GPU = Target(LLAMA_1B_CELL, "auto", "bf16", (16, 2048, 2048), 128256 * 2048, 8, True)
-CPU = Target(TINY_LLAMA_CELL, "cpu", "fp32", (2, 64, 32), 512 * 64, 4, False)
+GPU = Target(LLAMA_1B_CELL, "auto", "bf16", LLAMA_1B.layers_dim_seq, LLAMA_1B.embedding_params, 8,
+             True, GPU_SCALING)
+CPU = Target(TINY_LLAMA_CELL, "cpu", "fp32", TINY.layers_dim_seq, TINY.embedding_params, 4, False,
+             CPU_SCALING)
 
 
 class Checker:
@@ -91,7 +193,8 @@ class Checker:
     narrows (the memory check's recompute ``modes``, the throughput check's ``variants`` by number)."""
 
     def __init__(self, budget_s: float, target: Target = GPU, *, modes: tuple[str, ...] | None = None,
-                 variants: set[int] | None = None, alloc_conf: str = ""):
+                 variants: set[int] | None = None, alloc_conf: str = "",
+                 scaling_rows: set[int] | None = None, json_path: Path | None = None):
         from IPython.core.interactiveshell import InteractiveShell
 
         self.target = target
@@ -105,6 +208,13 @@ class Checker:
         self.alloc_conf = alloc_conf
         """``PYTORCH_CUDA_ALLOC_CONF`` for every launched run ("" = the allocator's defaults): the caching
         allocator's fragmentation under another setting, e.g. ``expandable_segments:True``"""
+        self.runs: list[tuple[str, object, object, dict]] = []
+        """(label, session, run, summary) of every launch so far: a later check whose plan is the
+        same reuses the run instead of launching it again (:func:`same_plan_run`)"""
+        self.scaling_rows = scaling_rows
+        """the scaling check's rows to run, by number (None: all)"""
+        self.json_path = json_path
+        """where the scaling check writes its rows' raw numbers (None: nowhere)"""
 
     def session(self, line: str, cell: str | None = None):
         """The magic on ``cell`` (default: the target's) for the target's device and dtype, plus ``line``."""
@@ -161,6 +271,7 @@ def check_memory_and_time(c: Checker) -> str:
         ap = c.session(f"--gpus 1 --fix recompute={mode}")
         run, s = launched(ap, c, steps=c.target.steps)
         c.first_run = c.first_run or (ap, run, s)
+        c.runs.append((f"the recompute={mode} run above", ap, run, s))
         m0 = ap.plan.cost.memory_by_rank[0]
         meas, pred = s["memory_by_rank"].get(0), m0.total - m0.margin
         reserved = (s.get("reserved_by_rank") or {}).get(0)
@@ -214,9 +325,10 @@ def check_throughput(c: Checker) -> str:
             lines.append(f"| {name} | skipped: the time budget was spent | | | |")
             continue
         ap = c.session(f"--gpus 1 --fix {VARIANTS[name]}")
-        (run, s), reused = same_plan_run(c, ap.plan), " (the recompute=none run above: the same plan)"
+        run, s, label = same_plan_run(c, ap.plan)
+        reused = f" ({label}: the same plan)" if label else ""
         if s is None:
-            (run, s), reused = launched(ap, c, steps=c.target.steps), ""
+            run, s = launched(ap, c, steps=c.target.steps)
         tokens_per_s = tokens_per_step(ap.plan) / s["step_time_s"]
         mesh = ap.plan.summary().split(" | ")[0]  # the summary's first part: no "|" inside a table cell
         curve = run.loss_curve(0)
@@ -227,29 +339,205 @@ def check_throughput(c: Checker) -> str:
 
 
 def same_plan_run(c: Checker, plan) -> tuple:
-    """(run, summary) of the memory check's recompute=none run where its plan decides everything as ``plan`` does
-    (``Plan.diff`` empty: the planner's eager variant often is that plan), so that one launch is not repeated;
-    (None, None) otherwise."""
-    first = c.first_run
-    if first is None or first[0].plan.diff(plan):
-        return None, None
-    return first[1], first[2]
+    """(run, summary, label) of the first run launched so far whose plan decides everything as
+    ``plan`` does (``Plan.diff`` empty: the planner's eager variant often is the memory check's
+    recompute=none plan, its compiled one the scaling check's compiled 1B), so that one launch is
+    not repeated; (None, None, None) otherwise."""
+    for label, ap, run, s in c.runs:
+        if not ap.plan.diff(plan):
+            return run, s, label
+    return None, None, None
 
 
 def tokens_per_step(plan) -> int:
     return plan.batch.global_batch * (plan.batch.seq_len or 1)
 
 
-def mfu(c: Checker, plan, tokens_per_s: float) -> float:
+def mfu(c: Checker, plan, tokens_per_s: float, shape: Shape | None = None) -> float:
     """Model FLOPs utilisation: (6 x the parameters but the input embedding's + attention, as torchtitan estimates
-    it) per token, over the device's datasheet peak for the plan's precision."""
+    it) per token, over the device's datasheet peak for the plan's precision; of ``shape`` (default:
+    the target's model)."""
     from autopar_nb.hardware import Cluster
 
-    layers, dim, seq = c.target.layers_dim_seq
-    flops_per_token = 6 * (plan.model["num_params"] - c.target.embedding_params) + 12 * layers * dim * seq
+    layers, dim, seq = shape.layers_dim_seq if shape else c.target.layers_dim_seq
+    embedding = shape.embedding_params if shape else c.target.embedding_params
+    flops_per_token = 6 * (plan.model["num_params"] - embedding) + 12 * layers * dim * seq
     cluster = Cluster.detect() if c.target.cuda else Cluster.preset("cpu")
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(plan.precision.amp, "float32")
     return flops_per_token * tokens_per_s / cluster.device.flops(dtype)
+
+
+LAUNCH_S = 25.0
+"""a launch's fixed seconds on one GPU: the worker's start, the model built on the device, the first
+step's allocations and kernel choices (the H200 run's launches of the 1B took 20-30 s each)"""
+COMPILE_S = 25.0
+"""what Inductor adds to a launch (the layers share one compiled graph): the H200 run's two compiled
+launches took about 45 s each"""
+SLOWER = 1.5
+"""measured over predicted step time that a row's estimate allows (the H200 run: up to 1.3)"""
+
+
+def check_scaling(c: Checker) -> str:
+    """Three LLaMA sizes on one GPU, recompute none and full, eager and (one size) compiled: per row
+    the planner's step time (and its compute / exposed comm / optimizer parts) vs the measured
+    median step, its peak before the margin vs CUDA's peak allocated and reserved, tokens/s, MFU and
+    the factors ``run.calibrate()`` would fit. The raw numbers go to ``c.json_path`` after each row,
+    so that the efficiency factors can be fitted from them offline and a run cut short keeps its
+    rows."""
+    out = {"header": header(), "steps_per_run": c.target.steps, "rows": []}
+    for k, row in enumerate(c.target.scaling, 1):
+        if c.scaling_rows is None or k in c.scaling_rows:
+            out["rows"].append(scaling_record(c, row))
+            print(f"  [scaling {k}] {scaling_line(out['rows'][-1])}", flush=True)
+            write_json(c.json_path, out)
+    return "\n" + "\n".join([SCALING_HEAD, "|---" * SCALING_HEAD.count(" | ") + "|---|"]
+                            + [scaling_line(r) for r in out["rows"]])
+
+
+def scaling_record(c: Checker, row: ScalingRow) -> dict:
+    """One row's raw numbers; ``status`` says whether it was launched, reused, skipped or failed."""
+    rec: dict = {"size": row.shape.name, "recompute": row.recompute, "compile": row.compile}
+    if row.compile and not c.target.cuda:
+        return {**rec, "status": "not run on CPU (Inductor on two cores takes minutes)"}
+    if time.monotonic() > c.deadline:
+        return {**rec, "status": "skipped: the time budget was spent"}
+    t0, rec["fix"] = time.monotonic(), scaling_fix(row)
+    try:
+        ap, shape = fitting_session(c, row.shape, rec["fix"])
+        rec.update(predicted_figures(ap, shape))
+        run, s, rec["status"] = run_of(c, ap, row)
+        if run is not None:
+            rec.update(measured_figures(c, ap.plan, shape, run, s))
+    except Exception as e:  # one failed row (an out-of-memory, say) must not hide the others
+        rec["status"] = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
+    rec["wall_s"] = round(time.monotonic() - t0, 1)
+    return rec
+
+
+def run_of(c: Checker, ap, row: ScalingRow) -> tuple:
+    """(run, summary, status) of the row: an earlier run of the same plan, a launch, or (None, None,
+    why not) when the row's estimate does not fit what is left of the budget."""
+    run, s, label = same_plan_run(c, ap.plan)
+    if run is not None:
+        return run, s, f"reused: {label}"
+    skipped = budget_verdict(c, ap.plan, row.compile)
+    if skipped:
+        return None, None, skipped
+    run, s = launched(ap, c, steps=c.target.steps)
+    c.runs.append((f"the scaling check's {row_name(row)} run", ap, run, s))
+    return run, s, "launched"
+
+
+def row_name(row: ScalingRow) -> str:
+    return f"{row.shape.name} recompute={row.recompute}" + (" compile" if row.compile else "")
+
+
+def scaling_fix(row: ScalingRow) -> str:
+    """Everything that changes the step's kernels pinned, so each row measures what it names; one
+    micro-batch, so the step is the whole batch's forward and backward once."""
+    return (f"recompute={row.recompute},micro_batches=1,compile={str(row.compile).lower()},"
+            "fused_loss=false,fused_norm=false")
+
+
+def fitting_session(c: Checker, shape: Shape, fix: str) -> tuple:
+    """(session, shape) for ``shape`` with ``fix`` on one device, the batch halved until the planner
+    fits it there: the 3B without recompute is predicted at 95 GiB with the margin for 4 x 2048,
+    so an 80 GB H100 runs it at 2 x 2048 (an H200 at 4 x 2048)."""
+    while True:
+        try:
+            return c.session(f"--gpus 1 --fix {fix}", shape.cell()), shape
+        except Exception as e:  # the magic's UsageError; only "does not fit" earns a smaller batch
+            if "nothing fits" not in str(e) or shape.batch == 1:
+                raise
+        shape = dataclasses.replace(shape, batch=shape.batch // 2)
+
+
+def budget_verdict(c: Checker, plan, compiled: bool) -> str | None:
+    """Why the row is skipped ("skipped: ..."), or None when its estimated seconds fit what is
+    left."""
+    steps_s = c.target.steps * plan.cost.step_time_s * SLOWER
+    need = LAUNCH_S + (COMPILE_S if compiled else 0.0) + steps_s
+    left = c.deadline - time.monotonic()
+    if need <= left:
+        return None
+    return f"skipped: needs ~{need:.0f} s, {max(0.0, left):.0f} s of the budget left"
+
+
+def predicted_figures(ap, shape: Shape) -> dict:
+    """The shape as run (its cell re-plans the row), the plan and the cluster it was made for, its
+    whole predicted cost (rank 0's memory terms included) and the factors it was made with: what an
+    offline fit re-weights."""
+    from autopar_nb.cost.factors import factors_for
+
+    cost = ap.plan.cost
+    m0 = cost.memory_by_rank[0]
+    predicted = {k: v for k, v in dataclasses.asdict(cost).items() if k != "memory_by_rank"}
+    predicted.update(peak_before_margin_bytes=m0.total - m0.margin, memory=dataclasses.asdict(m0))
+    return {"shape": dataclasses.asdict(shape), "params": ap.plan.model["num_params"],
+            "plan": ap.plan.summary().split(" | ")[0], "micro_batches": ap.plan.batch.micro_batches,
+            "cluster": ap.plan.cluster, "precision": ap.plan.precision.amp,
+            "predicted": predicted, "factors_in_force": dataclasses.asdict(factors_for(ap.cluster))}
+
+
+def measured_figures(c: Checker, plan, shape: Shape, run, s: dict) -> dict:
+    """What the run measured (rank 0), and the factors ``run.calibrate()`` fits from it (not
+    saved)."""
+    step = s["step_time_s"]
+    tokens_per_s = tokens_per_step(plan) / step if step else None
+    times = [r["step_time_s"] for r in run.metrics if r["rank"] == 0 and r.get("step_time_s")]
+    measured = {"step_time_s": step, "step_times_s": times, "steps": s["steps"],
+                "peak_allocated_bytes": s["memory_by_rank"].get(0),
+                "peak_reserved_bytes": (s.get("reserved_by_rank") or {}).get(0),
+                "memory_kind": s["memory_kind"], "tokens_per_s": tokens_per_s,
+                "mfu": mfu(c, plan, tokens_per_s, shape) if tokens_per_s else None}
+    try:
+        fitted = run.calibrate(save=False)
+    except (ValueError, RuntimeError) as e:
+        fitted = {"error": str(e)}
+    return {"measured": measured, "calibrated_factors": fitted}
+
+
+SCALING_HEAD = ("| size | recompute | compile | batch x seq "
+                "| predicted step (compute + exposed comm + optimizer) | measured step | error "
+                "| predicted peak (before margin) | measured peak | error | peak reserved "
+                "| reserve over peak | tokens/s | MFU | calibrate's matmul efficiency | run |")
+
+
+def scaling_line(r: dict) -> str:
+    """A row of the scaling table; a row without measurements says why in its run cell."""
+    cells = [f"{r['size']}", r["recompute"], "compile" if r["compile"] else "eager"]
+    if "measured" not in r:
+        blanks = [""] * (SCALING_HEAD.count(" | ") - 3)
+        return "| " + " | ".join(cells + blanks + [r["status"]]) + " |"
+    p, m, sh = r["predicted"], r["measured"], r["shape"]
+    alloc, reserved = m["peak_allocated_bytes"], m["peak_reserved_bytes"]
+    pred_peak = p["peak_before_margin_bytes"]
+    over = f"{reserved / alloc - 1:+.1%}" if reserved and alloc else "n/a"
+    # the factor the row's matmuls ran at: tensor cores in bf16 / fp16, fp32 on the plumbing path
+    eff = r["calibrated_factors"].get("eff_matmul" if r["precision"] in ("bf16", "fp16") else
+                                      "eff_fp32_matmul")
+    parts = f"{ms(p['compute_s'])} + {ms(p['comm_exposed_s'])} + {ms(p['optimizer_s'])}"
+    cells += [f"{sh['batch']} x {sh['seq']}", f"{ms(p['step_time_s'])} ({parts})",
+              ms(m["step_time_s"]), pct(m["step_time_s"], p["step_time_s"]),
+              gib(pred_peak), f"{gib(alloc)} ({m['memory_kind']})", pct(alloc, pred_peak),
+              gib(reserved), over, f"{m['tokens_per_s'] or 0:,.0f}", f"{m['mfu'] or 0:.1%}",
+              f"{eff:.3f}" if eff else "n/a", r["status"]]
+    return "| " + " | ".join(cells) + " |"
+
+
+def ms(seconds: float | None) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds is not None else "n/a"
+
+
+def gib(n: float | None) -> str:
+    return f"{n / GiB:.3f} GiB" if n else "n/a"
+
+
+def write_json(path: Path | None, data: dict) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # default=str: a value of a stray type becomes text rather than losing the rows
+        path.write_text(json.dumps(data, indent=1, default=str) + "\n")
 
 
 def check_fp16_and_verify(c: Checker) -> str:
@@ -285,8 +573,15 @@ CHECKS = [("memory and step time vs the planner (LLaMA 1B, bf16, 1 GPU)", check_
           ("calibrate", check_calibrate),
           ("fp16 GradScaler and verify on CUDA", check_fp16_and_verify),
           ("2 processes, SyncBatchNorm, NVML", check_two_processes),
-          ("throughput of the exported script: eager / compile / compile + fused head", check_throughput)]
-"""in the order they run: the compiled variants, the longest, last (one past the budget is skipped)"""
+          ("throughput of the exported script: eager / compile / compile + fused head",
+           check_throughput),
+          ("step time and memory at three sizes (LLaMA 0.5B / 1B / 3B, bf16, 1 GPU)",
+           check_scaling)]
+"""numbered as ``--only`` names them (1-based)"""
+ORDER = (1, 6, 2, 3, 4, 5)
+"""the order they run in: the scaling rows right after the memory check (whose runs they reuse) and
+before calibrate (so that their predictions use the factors a fresh machine plans with); the
+throughput check, the longest, last (a variant past the budget is skipped)"""
 
 
 def header() -> str:
@@ -317,20 +612,22 @@ def render(head: str, rows: list[tuple[str, str]]) -> str:
 
 
 def run_checks(c: Checker, only: set[int] | None = None, after=None) -> list[tuple[str, str]]:
-    """Run the checks numbered ``only`` (1-based, in :data:`CHECKS`; default all), calling ``after()`` after each
-    (so a run cut off later keeps what it measured)."""
-    for k, (title, fn) in enumerate(CHECKS, 1):
+    """Run the checks numbered ``only`` (1-based, in :data:`CHECKS`; default all) in :data:`ORDER`,
+    calling ``after()`` after each (so a run cut off later keeps what it measured)."""
+    for k in ORDER:
         if only is None or k in only:
-            c.run(title, fn)
+            c.run(*CHECKS[k - 1])
             if after is not None:
                 after()
     return c.rows
 
 
 def plumbing(budget_s: float, only: set[int] | None = None, *, modes: tuple[str, ...] | None = None,
-             alloc_conf: str = "") -> int:
+             alloc_conf: str = "", scaling_rows: set[int] | None = None,
+             json_path: Path | None = None) -> int:
     """The CPU path: say there is no GPU, run every check at toy size on CPU processes, render the section into a
-    temporary copy of BENCHMARKS.md; exit 1 when a check failed (0 otherwise)."""
+    temporary copy of BENCHMARKS.md (the scaling rows' JSON into ``json_path``, default a temporary
+    file); exit 1 when a check, or a row of its table, failed or was skipped (0 otherwise)."""
     from capture import write_section
 
     from autopar_nb.hardware import visible_gpus
@@ -339,12 +636,15 @@ def plumbing(budget_s: float, only: set[int] | None = None, *, modes: tuple[str,
     with tempfile.TemporaryDirectory() as tmp:
         # the calibrate check must not leave toy-run factors in the user's calibration file
         os.environ["AUTOPAR_CALIBRATION"] = str(Path(tmp) / "calibration.json")
-        rows = run_checks(Checker(budget_s, CPU, modes=modes, alloc_conf=alloc_conf), only)
+        c = Checker(budget_s, CPU, modes=modes, alloc_conf=alloc_conf, scaling_rows=scaling_rows,
+                    json_path=json_path or Path(tmp) / "gpu_check.json")
+        rows = run_checks(c, only)
         copy = Path(tmp) / "BENCHMARKS.md"
         shutil.copy(ROOT / "BENCHMARKS.md", copy)
         write_section("GPU", render(header(), rows), copy)
         assert "## GPU\n" in copy.read_text()
-    failed = [title for title, text in rows if text.startswith(("FAILED", "skipped"))]
+    failed = [title for title, text in rows if text.startswith(("FAILED", "skipped"))
+              or "| FAILED" in text or "| skipped" in text]
     if failed:
         print(f"plumbing FAILED: {', '.join(failed)}")
         return 1
@@ -356,29 +656,42 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--plumbing", action="store_true", help="run the CPU path even on a GPU host")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="time budget (default 480 s)")
-    p.add_argument("--only", help="the checks to run, by number (1-5, comma-separated; default all): a rerun")
+    p.add_argument("--only", help="the checks to run, by number (1-6, comma-separated; default "
+                   "all): a rerun")
     p.add_argument("--copy-to", type=Path, help="copy BENCHMARKS.md into this folder after each check")
     p.add_argument("--variants", help="the throughput check's variants to run, by number (1-6, in VARIANTS' order)")
     p.add_argument("--recompute", help="the memory check's recompute modes (default: none,selective,full)")
+    p.add_argument("--rows", help="the scaling check's rows to run, by number (1-7, in "
+                   "GPU_SCALING's order)")
+    p.add_argument("--json", type=Path, help="where the scaling check writes its rows' raw "
+                   "numbers (default: bench/gpu_check.json; in --plumbing a temporary file); "
+                   "--copy-to copies it")
     p.add_argument("--alloc-conf", default="", help="PYTORCH_CUDA_ALLOC_CONF for the launched runs, e.g. "
                    "expandable_segments:True (the allocator's fragmentation under it: --only 1 --alloc-conf ...)")
     args = p.parse_args(argv)
     only = {int(k) for k in args.only.split(",")} if args.only else None
     variants = {int(k) for k in args.variants.split(",")} if args.variants else None
+    scaling_rows = {int(k) for k in args.rows.split(",")} if args.rows else None
     from autopar_nb.hardware import visible_gpus
 
     modes = tuple(args.recompute.split(",")) if args.recompute else None
     if args.plumbing or not visible_gpus():
-        return plumbing(args.budget_s, only, modes=modes, alloc_conf=args.alloc_conf)
+        return plumbing(args.budget_s, only, modes=modes, alloc_conf=args.alloc_conf,
+                        scaling_rows=scaling_rows, json_path=args.json)
     from capture import write_section
 
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    head, c = header(), Checker(args.budget_s, GPU, modes=modes, variants=variants, alloc_conf=args.alloc_conf)
+    json_path = args.json or ROOT / "bench" / "gpu_check.json"
+    head = header()
+    c = Checker(args.budget_s, GPU, modes=modes, variants=variants, alloc_conf=args.alloc_conf,
+                scaling_rows=scaling_rows, json_path=json_path)
 
     def written() -> None:
         write_section("GPU", render(head, c.rows))
         if args.copy_to:
             shutil.copy(ROOT / "BENCHMARKS.md", args.copy_to)
+            if json_path.exists():
+                shutil.copy(json_path, args.copy_to)
 
     run_checks(c, only, written)
     print("wrote the GPU section of BENCHMARKS.md")

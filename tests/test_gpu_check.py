@@ -1,26 +1,88 @@
-"""bench/gpu_check.py's CPU path, run for real: it says there is no GPU, runs every check function at toy size on CPU
-processes (the exported script launched, calibrated, verified; 2 gloo processes with SyncBatchNorm), leaves
-BENCHMARKS.md as it was, and exits 0 (``--plumbing`` forces that path on a GPU host too)."""
+"""bench/gpu_check.py's CPU path, run for real: it says there is no GPU, runs every check function
+at toy size on CPU processes (the exported script launched, calibrated, verified; 2 gloo processes
+with SyncBatchNorm; the scaling check's rows at two toy sizes), leaves BENCHMARKS.md as it was, and
+exits 0 (``--plumbing`` forces that path on a GPU host too). The scaling check's batch fallback and
+budget skip, which a CPU host never reaches, run on stubs."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu_check  # noqa: E402
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_gpu_check_plumbing_on_a_cpu_host():
+def test_gpu_check_plumbing_on_a_cpu_host(tmp_path):
     before = (ROOT / "BENCHMARKS.md").read_text()
-    out = subprocess.run([sys.executable, "bench/gpu_check.py", "--plumbing"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600)
+    rows_json = tmp_path / "rows.json"
+    command = [sys.executable, "bench/gpu_check.py", "--plumbing", "--json", str(rows_json)]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    text = out.stdout
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "no CUDA GPU here" in out.stdout and "plumbing ok: 5 checks ran on CPU" in out.stdout, out.stdout[-3000:]
-    assert "FAILED" not in out.stdout and "| eager |" in out.stdout and "verify fp32 on CPU: ok=True" in out.stdout
-    assert "| eager |" in out.stdout.split("the recompute=none run above: the same plan")[0]  # one launch saved
+    assert "no CUDA GPU here" in text and "plumbing ok: 6 checks ran on CPU" in text, text[-3000:]
+    assert "FAILED" not in text and "| eager |" in text and "verify fp32 on CPU: ok=True" in text
+    # one launch saved: the throughput check's eager variant is the memory check's first run
+    assert "| eager |" in text.split("the recompute=none run above: the same plan")[0]
+    assert gpu_check.SCALING_HEAD in text
     assert (ROOT / "BENCHMARKS.md").read_text() == before
+    rows = json.loads(rows_json.read_text())["rows"]
+    assert [(r["size"], r["recompute"], r["compile"]) for r in rows] == [
+        (row.shape.name, row.recompute, row.compile) for row in gpu_check.CPU_SCALING]
+    assert [r["status"].split(" ")[0].rstrip(":") for r in rows] == [
+        "reused", "reused", "launched", "launched", "not"]  # the compiled row: not run on CPU
+    for r in rows[:4]:  # what a fit of the efficiency factors reads
+        p, m = r["predicted"], r["measured"]
+        assert p["step_time_s"] > 0 and p["compute_s"] > 0 and p["optimizer_s"] > 0
+        assert "comm_exposed_s" in p
+        assert p["peak_before_margin_bytes"] > 0 and p["memory"]["margin"] > 0
+        assert m["step_time_s"] > 0 and len(m["step_times_s"]) == 4
+        assert m["peak_allocated_bytes"] > 0
+        assert m["tokens_per_s"] > 0 and 0 < m["mfu"] and r["calibrated_factors"]["eff_matmul"] > 0
+        assert r["factors_in_force"]["eff_matmul"] > 0 and r["shape"]["batch"] == 4
+
+
+class Refusing:
+    """The magic's part the scaling check calls, fitting only batches of at most ``fits``."""
+
+    def __init__(self, fits: int, error: str = "nothing fits in 74.5 GiB per GPU"):
+        self.fits, self.error, self.batches = fits, error, []
+
+    def session(self, line: str, cell: str):
+        batch = int(cell.split("torch.randint(0, 128256, (")[1].split(",")[0])
+        self.batches.append(batch)
+        if batch > self.fits:
+            raise RuntimeError(f"%%autoparallel: {self.error} with fix {line!r}")
+        return f"session at {batch}"
+
+
+def test_a_shape_that_does_not_fit_runs_at_half_the_batch():
+    c = Refusing(fits=2)
+    ap, shape = gpu_check.fitting_session(c, gpu_check.LLAMA_3B, "recompute=none")
+    assert (ap, shape.batch, shape.seq, c.batches) == ("session at 2", 2, 2048, [4, 2])
+    with pytest.raises(RuntimeError, match="nothing fits"):
+        gpu_check.fitting_session(Refusing(fits=0), gpu_check.LLAMA_3B, "recompute=none")
+    with pytest.raises(RuntimeError, match="bad cell"):  # only "does not fit" earns a smaller batch
+        gpu_check.fitting_session(Refusing(fits=2, error="bad cell"), gpu_check.LLAMA_3B,
+                                  "recompute=none")
+
+
+def test_a_row_past_the_budget_is_skipped_and_says_so():
+    plan = SimpleNamespace(cost=SimpleNamespace(step_time_s=0.5))  # 8 steps: 6 s at 1.5 x
+    c = SimpleNamespace(deadline=time.monotonic() + 40.0, target=gpu_check.GPU)
+    assert gpu_check.budget_verdict(c, plan, compiled=False) is None  # 25 + 6 s
+    assert gpu_check.budget_verdict(c, plan, compiled=True).startswith("skipped: needs ~56 s, ")
+    row = {"size": "3B", "recompute": "full", "compile": False, "status": "skipped: x"}
+    line = gpu_check.scaling_line(row)
+    assert line.count(" | ") == gpu_check.SCALING_HEAD.count(" | ")
+    assert line.endswith("| skipped: x |")
