@@ -27,6 +27,7 @@ from kernels_ext import TensorMeta
 
 from .graph import Layer, ModelGraph, OpNode, ParamInfo, RepeatedBlock, TensorInfo
 from .plan import layer_of
+from .runtime.cp import takes_positions
 from .runtime.pp import masks_as_in_eager
 from .runtime.train import switch_off_kv_cache
 
@@ -76,6 +77,7 @@ def capture(model: nn.Module, example_inputs: Any, *, source: str | None = None)
             config.use_cache = True
 
     graph.source = source
+    graph.takes_positions = takes_positions(model)
     return graph
 
 

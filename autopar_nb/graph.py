@@ -136,6 +136,9 @@ class ModelGraph:
     """the exact cell source the model came from, when captured by the magic"""
     unknown_ops: list[str] = field(default_factory=list)
     """ATen ops with no kernels_ext rule (counted with zero FLOPs); register rules for them to cost them"""
+    takes_positions: bool = False
+    """the model's forward takes ``position_ids`` (context parallelism then passes each token's
+    global position: ``runtime/cp.py``)"""
 
     # ---- totals -------------------------------------------------------------------------------------------------
     @property

@@ -1,6 +1,8 @@
-"""Context parallelism (issue 18 point 4, seed §6.1 "the attention layers' special communication pattern"): the plan's
-``mesh.cp``, torch's ring attention made to run on CPU (runtime/cp.py registers the CPU attention kernel with torch's
-own ring code), the exported script, and verify against the single-process reference on 2 gloo processes."""
+"""Context parallelism (issue 18 point 4, seed §6.1 "the attention layers' special communication
+pattern"): the plan's ``mesh.cp``, torch's ring attention made to run on CPU (runtime/cp.py
+registers the CPU attention kernel with torch's own ring code), the exported script, and verify
+against the single-process reference on 2 and 4 gloo processes, on the zoo's LLaMA and Hugging
+Face decoders."""
 
 from __future__ import annotations
 
@@ -61,19 +63,53 @@ def test_script_refuses_what_cp_cannot_run():
         render_script(own_loss, cp_plan(own_loss))
 
 
-@pytest.mark.multiprocess
-def test_verify_cp_against_one_process():
-    """2 gloo processes, each holding half of every sequence (torch's head-tail load balancing), attention as torch's
-    ring: losses, gradients and parameters equal to the single process's within float32's tolerance, with the
-    gradients averaged by DDP and by FSDP2 over the cp ranks."""
+def hf_source(family: str) -> ModelSource:
+    """A Hugging Face decoder of tests/memcells.py, small: hidden 64, 2 layers, seq 64 (4 chunks of
+    16 on 2 cp ranks), 2 samples."""
+    from memcells import CELLS
+
+    return ModelSource(CELLS[family](hidden=64, layers=2, seq=64, batch=2))
+
+
+def verify_cp(cases: dict[str, tuple[str | None, int]], *, nproc: int) -> None:
+    """Verify every case (name -> (family, ZeRO stage); family None: the zoo's LLaMA) at cp=2 and
+    dp=nproc/2 in one launch of ``nproc`` gloo processes: losses, gradients and parameters equal to
+    the single process's within float32's tolerance."""
     from autopar_nb.verify import FP32_RTOL, verify_many
 
-    src = ModelSource(LLAMA_CELL)
-    plans = {"cp2 ddp": cp_plan(src), "cp2 fsdp": cp_plan(src, zero=3)}
-    reports = verify_many([(src, p) for p in plans.values()], steps=3, nproc=2, rtol=FP32_RTOL)
-    for name, report in zip(plans, reports, strict=True):
+    runs = []
+    for family, zero in cases.values():
+        src = ModelSource(LLAMA_CELL) if family is None else hf_source(family)
+        seq = 16 if family is None else 64
+        runs.append((src, cp_plan(src, dp=nproc // 2, zero=zero, seq_len=seq)))
+    reports = verify_many(runs, steps=3, nproc=nproc, rtol=FP32_RTOL)
+    for name, report in zip(cases, reports, strict=True):
         assert report.ok, f"{name}\n{report}"
         assert report.max_loss_rel < 1e-5, f"{name}\n{report}"
+
+
+@pytest.mark.multiprocess
+def test_verify_cp_against_one_process():
+    """2 gloo processes, each holding half of every sequence (torch's head-tail load balancing),
+    attention as torch's ring, the gradients averaged by DDP and by FSDP2 over the cp ranks. The
+    Hugging Face decoders are given each token's global position (their rotary tables, GPT-2's
+    learned position embedding): numbering its own half from 0, a rank would leave the gradients
+    beyond tolerance."""
+    verify_cp({"zoo LLaMA ddp": (None, 0), "zoo LLaMA fsdp": (None, 3),
+               "HF LLaMA ddp": ("LLaMA", 0), "HF LLaMA fsdp": ("LLaMA", 3),
+               "Qwen2 ddp": ("Qwen2", 0), "Qwen2 fsdp": ("Qwen2", 3),
+               "GPT-2 ddp": ("GPT-2", 0), "GPT-2 fsdp": ("GPT-2", 3)}, nproc=2)
+
+
+@pytest.mark.multiprocess
+def test_verify_cp_beside_data_parallelism():
+    """4 gloo processes: 2 replicas (dp=2), each splitting its sequences over 2 cp ranks, gradients
+    averaged over the 4 ranks of ``dp_cp``; Mixtral's experts route each rank's tokens on their
+    own."""
+    verify_cp({"HF LLaMA ddp": ("LLaMA", 0), "HF LLaMA fsdp": ("LLaMA", 3),
+               "Qwen2 ddp": ("Qwen2", 0), "Qwen2 fsdp": ("Qwen2", 3),
+               "GPT-2 ddp": ("GPT-2", 0), "GPT-2 fsdp": ("GPT-2", 3),
+               "Mixtral fsdp": ("Mixtral", 3)}, nproc=4)
 
 
 def tiny_llama_graph():
@@ -146,5 +182,27 @@ def test_what_context_parallelism_cannot_split():
         gpt = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
     graph = ap.capture(gpt, (torch.randint(0, 64, (2, 16), device="meta"),))
     assert "computes positions with torch.arange inside forward" in profile(graph).cp_blocker
+    assert not graph.takes_positions and "takes no position_ids" in profile(graph).cp_blocker
     with pytest.raises(PlanError, match="fix cp=2: .*torch.arange"):
         ap.plan(graph, ap.Cluster.preset("cpu", gpus_per_node=2), fix={"cp": 2})
+
+
+def test_positions_lift_the_refusal():
+    """A Hugging Face decoder numbers its positions with torch.arange only when it is given none:
+    its forward takes position_ids, which the runtime passes (each rank's share of the global
+    positions), so the planner splits its sequences; the exported script reads the forward's
+    signature the same way."""
+    import torch
+
+    import autopar_nb as ap
+    from autopar_nb.runtime.cp import takes_positions
+
+    src = hf_source("LLaMA")
+    model, inputs, _ = src.build(device="meta")
+    graph = ap.capture(model, inputs)
+    assert graph.takes_positions and any(n.op.startswith("aten.arange") for n in graph.nodes)
+    plan = ap.plan(graph, ap.Cluster.preset("cpu", gpus_per_node=2), fix={"cp": 2}, global_batch=2)
+    assert plan.mesh.cp == 2
+    text = render_script(src, plan)
+    assert "def takes_positions(" in text and "masks_as_in_eager(own_positions=True)" in text
+    assert takes_positions(model) and not takes_positions(torch.nn.Linear(2, 2))

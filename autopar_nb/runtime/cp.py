@@ -13,11 +13,18 @@ torch's.
 The loss of a cp rank is the sum over its tokens divided by the tokens of the whole sample times cp: data
 parallelism averages gradients over the ``dp * cp`` ranks (the ``"dp_cp"`` mesh dim), which gives the gradient of
 the mean over every token of the batch.
+
+Positions: a model that numbers its tokens itself (``torch.arange`` over the sequence it sees)
+would number each rank's part from 0. A model whose forward takes ``position_ids`` (Hugging Face's
+decoders: given, they number nothing) is called with each token's place in the whole sequence,
+sharded by ``context_parallel`` with the tokens (the same load balancing), as torchtitan shards its
+rotary table.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -26,11 +33,16 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .pp import masks_as_in_eager
 
 SEQ_DIM = 2
 """the sequence dim of SDPA's (batch, heads, seq, head_dim) query, key and value"""
 IGNORE_INDEX = -100
 """cross-entropy's ignore_index: the label of the last position of a sample (no next token)"""
+POSITIONS = "position_ids"
+"""the forward argument through which a model takes its tokens' positions (Hugging Face's name)"""
 
 
 def _sharded(local: torch.Tensor, mesh) -> DTensor:
@@ -86,6 +98,8 @@ class SequenceShard:
     """(batch, seq / cp) token ids"""
     labels: torch.Tensor
     """(batch, seq / cp) the token each position predicts; IGNORE_INDEX where there is none"""
+    positions: torch.Tensor
+    """(1, seq / cp) each token's place in its whole sequence (the same in every sample)"""
     tokens: int
     """labelled positions of the whole micro-batch (every cp rank's together)"""
 
@@ -109,17 +123,34 @@ def sequence_shards(cp_mesh, batch, *, causal: bool):
     labels = ids.clone() if not causal else torch.cat(
         [ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1)
     inputs, tokens = ids.clone(), int((labels != IGNORE_INDEX).sum())
+    # one row for every sample, as a model numbering its own positions makes them (so the rotary
+    # tables or position embeddings it computes from them keep the shapes the cost model captured)
+    positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
     if ids.device.type == "cpu":
         enable_cpu_ring_attention()
-    with context_parallel(cp_mesh, buffers=[inputs, labels], buffer_seq_dims=[1, 1],
-                          no_restore_buffers={inputs, labels}):
-        yield SequenceShard(inputs, labels, tokens)
+    buffers = [inputs, labels, positions]
+    # a rank's positions jump where its head chunk meets its tail chunk: Hugging Face's masking
+    # would take that for two sequences packed into one row and mask them apart (each row is one
+    # sequence here)
+    with context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
+                          no_restore_buffers=set(buffers)), masks_as_in_eager(own_positions=True):
+        yield SequenceShard(inputs, labels, positions, tokens)
+
+
+def takes_positions(model) -> bool:
+    """Whether ``model``'s forward takes ``position_ids`` (read from its signature, through a DDP
+    wrapper): then context parallelism passes each token's global position."""
+    inner = model.module if isinstance(model, DDP) else model
+    try:
+        return POSITIONS in inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature Python can read
+        return False
 
 
 def sequence_loss(model, shard: SequenceShard, *, cp: int) -> torch.Tensor:
     """The default loss (cross-entropy against the labels) on this cp rank's tokens, scaled so that the average over
     the ``dp * cp`` ranks is the mean over the whole batch (module docstring)."""
-    out = model(shard.inputs)
+    out = model(shard.inputs, **({POSITIONS: shard.positions} if takes_positions(model) else {}))
     logits = out.logits if hasattr(out, "logits") else out
     loss = F.cross_entropy(logits.flatten(0, 1).float(), shard.labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")

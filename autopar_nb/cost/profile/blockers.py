@@ -24,7 +24,9 @@ def cp_blocker(graph) -> str:
     holding a load-balanced part of every sequence) cannot run this model; "" when it can: one
     (batch, seq) input of token ids, attention only through ``scaled_dot_product_attention`` without
     a mask, and no position computed with ``torch.arange`` inside forward (it would number the
-    rank's part, not the sequence)."""
+    rank's part, not the sequence) unless the forward takes ``position_ids``: the runtime then
+    passes each token's place in the whole sequence, and the model numbers nothing itself
+    (Hugging Face's decoders)."""
     if graph.seq_len is None or len(graph.inputs) != 1 or len(graph.inputs[0].shape) != 2 or \
             graph.inputs[0].dtype in FLOAT:
         return "the model does not take one (batch, seq) tensor of token ids"
@@ -37,7 +39,8 @@ def cp_blocker(graph) -> str:
         return (f"the attention of {masked.module_path or 'the model'} takes a mask (ring "
                 "attention takes none)")
     arange = next((n for n in graph.nodes if n.op.startswith("aten.arange")), None)
-    if arange is not None:
+    if arange is not None and not graph.takes_positions:
         return (f"{arange.module_path or 'the model'} computes positions with torch.arange inside "
-                "forward (each rank would number its own part of the sequence)")
+                "forward (each rank would number its own part of the sequence), and its forward "
+                "takes no position_ids to be given them")
     return ""
