@@ -81,7 +81,7 @@ class VerifyReport:
     rtol: float
     steps: list[StepDiff] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
-    """parameters of the reference with no gradient in the parallel run"""
+    """parameters of the reference with no gradient in the parallel run (at any step)"""
     per_rank: list[dict] = field(default_factory=list)
     """what each rank held: ``local_numel`` (parameter elements stored there), ``dtensor_params`` (parameters
     sharded/replicated as DTensors), ``checkpointed`` (checkpoint-wrapped modules), ``stages`` (pipeline stages)"""
@@ -566,7 +566,9 @@ def _compare(plan: Plan, nproc: int, rtol: float, par: dict, ref: dict) -> Verif
         scale = max(t.abs().max().item() for t in ref["params"][0].values())
         report.param_floor = 2 * plan.optimizer.lr / max(scale, 1e-12)
     report.low_precision = plan.precision.amp != "none"
-    report.missing = sorted(set(ref["grads"][0]) - set(par["grads"][0])) if ref["grads"] else []
+    # at every step: a gradient dropped after the first is not compared (_max_diff passes over it)
+    steps = zip(ref["grads"], par["grads"], strict=False)
+    report.missing = sorted({n for r, q in steps for n in set(r) - set(q)})
     same = ref.get("same_grads") or []
     for s, (lp, lr) in enumerate(zip(par["losses"], ref["losses"], strict=True)):
         gd, gr = _max_diff(par["grads"][s], ref["grads"][s])

@@ -60,7 +60,7 @@ GROUPS = {
     "grads": (("grads",), ("grads",)),
     "optimizer": (("optimizer", "optimizer_step_temporaries"), ("optimizer",)),
     "activations + loss": (("saved_activations", "loss_saved", "loss_temporaries", "pipeline_outputs",
-                            "forward_working_set"),
+                            "forward_working_set", "fsdp_weight_pass_grads"),
                            ("activations", "loss")),
     "weight copies": (("autocast_weight_copies",), ("casts",)),
     "buffers": (("ddp_buckets", "fsdp_unsharded_params", "fsdp_root_params", "fsdp_gathered_units",
@@ -71,8 +71,10 @@ GROUPS = {
 }
 """component shown -> (the predicted fields or MemoryBreakdown.terms it sums, the measured components it sums).
 The tracker labels by when a storage is made (autopar_nb/measure.py): the logits and their copies are activations or
-loss there, so those two are compared together; what the optimizer's step allocates is optimizer state there (its
-hooks mark the whole step), so its temporaries are compared with the states."""
+loss there, so those two are compared together (and a zero-bubble weight pass's gradients,
+made in a backward outside every module, are loss there); what the optimizer's step allocates
+is optimizer state there (its hooks mark the whole step), so its temporaries are compared with
+the states."""
 
 
 def predicted_groups(mb) -> dict[str, float]:

@@ -214,7 +214,9 @@ class MeshPlan:
     """pipeline-parallel degree: number of pipeline ranks"""
     zero_stage: int = 0
     """0: DDP (everything replicated); 1: optimizer states sharded (ZeroRedundancyOptimizer);
-    2: + gradients sharded (FSDP2, reshard_after_forward=False); 3: + parameters sharded (FSDP2, reshard=True)"""
+    2: + gradients sharded (FSDP2, reshard_after_forward=False); 3: + parameters sharded
+    (FSDP2, reshard=True), but in pipeline stages under a zero-bubble schedule, whose input
+    pass needs the parameters the forward used, they stay gathered after forward, as under 2"""
     ep: int = 1
     """expert-parallel degree: the experts of every ``Plan.experts`` module split over ``ep`` consecutive
     data-parallel ranks, tokens routed to them by all-to-all. Borrowed from dp as torchtitan does (no ranks of its
@@ -458,6 +460,7 @@ MEMORY_TERMS = {
     "fsdp_gathered_units": "buffers",
     "fsdp_reduce_scatter": "buffers",
     "fsdp_unsharded_grads": "buffers",
+    "fsdp_weight_pass_grads": "buffers",
     "pipeline_buffers": "buffers",
     "pipeline_outputs": "activations",
     "pipeline_sent_gradients": "buffers",
@@ -473,8 +476,10 @@ micro-batch in flight); the loss's saved log-softmax; autocast's 16-bit copies o
 read; DDP's gradient buckets; FSDP's parameters kept unsharded from forward to backward (ZeRO 2, and replicate), the
 parameters left in the root unit (ZeRO 3), and the unit being computed plus the prefetched one (ZeRO 3: parameters
 and their unsharded gradients); a pipelined FSDP stage's gradients, accumulated unsharded over its micro-batches and
-reduce-scattered once after the last; the buffers pipeline stages receive inputs and gradients into (per micro-batch
-in flight) and their outputs, kept until each micro-batch's backward, and the input gradients of the micro-batch
+reduce-scattered once after the last, and under a zero-bubble schedule and mixed precision
+the 16-bit gradients a weight pass leaves until FSDP takes them in; the buffers pipeline
+stages receive inputs and gradients into (per micro-batch in flight) and their outputs, kept
+until each micro-batch's backward, and the input gradients of the micro-batch
 before, whose send the schedule still holds; the gradients a zero-bubble schedule's input pass
 keeps for each micro-batch's weight pass; the largest layer's backward working set; at a
 layer's forward, what it

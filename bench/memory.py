@@ -122,13 +122,6 @@ KNOWN = [
     "Routing is measured as it falls: Mixtral's expert groups received 3134 to 4533 tokens on the real 2-process "
     "runs where the model's balanced routing says 4096; the rows stay within 5 % because the experts' activations "
     "are a part of the peak, and a trained router's imbalance is not modelled",
-    "ZeRO-3 under ZBV (zero3-pp-zbv; LLaMA +8 to +23 %, GPT-2 bf16 rank 1's buffers): the runs "
-    "drop weight gradients. torch's stage_backward_input collects the stage's parameters as FSDP "
-    "registers them then: after a forward with reshard_after_forward=True, the sharded ones, which "
-    "the autograd graph does not hold, so the input pass hooks nothing, frees the graph, and the "
-    "weight pass computes nothing (the tracker: no unsharded gradient, no Adam state for LLaMA's "
-    "last stage; 1 of GPT-2's 15 last-stage parameters has a gradient after its reduction). The "
-    "model costs the step that computes them",
     "ViT fp32 full recompute (+2.4 %, total only): the components match at the tracker's moment (layer 0's "
     "backward at the GELU, 62.2 MiB), the model's peak is layer 0's backward at another op (63.7 MiB); not "
     "identified",

@@ -33,6 +33,11 @@ CASES = {
     # ZBV's input pass keeps a micro-batch's activations and the gradients its weight pass needs
     "pp-zbv": ("LLaMA", {**PIPE, "schedule": "zbv_zero_bubble", "virtual_stages": 2},
                "weight_pass_gradients"),
+    # FSDP stages under ZBV keep their units gathered (ZeRO-2's way, whatever the stage); the
+    # weight pass, outside FSDP's hooks, leaves its bf16 gradients until the next input pass
+    "zero3-pp-zbv-bf16": ("GPT-2", {"dp": 2, "zero_stage": 3, "amp": "bf16", **PIPE,
+                                    "schedule": "zbv_zero_bubble", "virtual_stages": 2},
+                          "fsdp_weight_pass_grads"),
 }
 
 

@@ -46,6 +46,8 @@ FIXES = {  # every technique the runtime has, on 8 GPUs
     "pp_1f1b": {"pp": 4, "dp": 2, "schedule": "1f1b", "micro_batches": 4},
     "pp_interleaved": {"pp": 2, "dp": 4, "schedule": "interleaved_1f1b", "virtual_stages": 2, "micro_batches": 4},
     "pp_tp_dp": {"pp": 2, "tp": 2, "dp": 2, "zero_stage": 3},
+    "pp_zbv_zero3": {"pp": 2, "dp": 4, "zero_stage": 3, "schedule": "zbv_zero_bubble", "virtual_stages": 2,
+                     "micro_batches": 4},
 }
 
 
@@ -91,6 +93,9 @@ def test_every_technique_renders_and_passes_ruff(scripts):
             assert "apply_tp(part" in text and "layer_plans = {" in text, (model, name)
         if m.dp > 1 and m.zero_stage >= 2:
             assert "apply_fsdp(part" in text and "FSDP_UNITS" in text, (model, name)
+            # ZeRO-3 stages under a split backward keep their units gathered after forward
+            gathered = m.zero_stage == 2 or plan.pipeline.schedule == "zbv_zero_bubble"
+            assert f"reshard_after_forward={not gathered}" in text, (model, name)
         if m.pp > 1:
             assert "split_model(model" in text and "pipeline_step" in text, (model, name)
 

@@ -507,11 +507,11 @@ class Evaluator:
             exposed = ar - min(f.overlap_dp * ar, window) + ag
         else:
             rs = m * ct("reduce_scatter", g_item)
-            ag = (1 if s.zero_stage == 2 else 2 * m) * ct("all_gather", p_item)
+            ag = (1 if s.held_zero_stage == 2 else 2 * m) * ct("all_gather", p_item)
             comm.by_kind["reduce_scatter"] = comm.by_kind.get("reduce_scatter", 0.0) + rs
             comm.by_kind["all_gather"] = comm.by_kind.get("all_gather", 0.0) + ag
             window = m * sums.fwdbwd[bottleneck]
-            ov = f.overlap_fsdp if s.zero_stage == 3 else f.overlap_dp
+            ov = f.overlap_fsdp if s.held_zero_stage == 3 else f.overlap_dp
             total = rs + ag
             exposed = total - min(ov * total, window)
             exposed_kind = {"reduce_scatter": exposed * rs / total, "all_gather": exposed * ag / total}

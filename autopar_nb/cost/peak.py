@@ -71,14 +71,14 @@ class RankMemory:
                                             strict=True))
         p_item = ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")]
         held: dict[str, float] = {}
-        if s.zero_stage == 2:  # its unsharded parameters, kept from forward to backward: fsdp_buffers, the loss
+        fsdp_stage = s.held_zero_stage
+        if fsdp_stage == 2:  # its unsharded parameters, kept to backward: fsdp_buffers, the loss
             pb = (params - experts) * sb.param / s.replicas + experts * sb.param / edp
-        elif s.zero_stage == 3:
+        elif fsdp_stage == 3:
             held["fsdp_root_params"] = sums.nofsdp[r] * p_item
         elif s.amp != "none":
             held["autocast_weight_copies"] = sums.casts[r] * 2  # of the weights its lower-precision ops read
         held["ddp_buckets"] = ddp_bucket_bytes(s, params - experts)
-        fsdp_stage = s.zero_stage
         if replicated(s):  # FSDP2's replicate gathers and keeps parameters as ZeRO 2 does, its own dtype's copy
             fsdp_stage, p_item = 2, ITEMSIZE["float32"]
         return _States(pb, gb, ob, params, p_item, held, s.pp > 1 and fsdp_stage >= 2, fsdp_stage)

@@ -58,6 +58,10 @@ class Held(NamedTuple):
     backward_last: tuple[bool, ...]
     """per local stage: its last action was a backward (FSDP keeps its units unsharded from a
     backward to the next forward)"""
+    weight_passed: tuple[bool, ...]
+    """per local stage: a weight pass ran since its last input pass or reduction (the gradients it
+    wrote are on the parameters as it left them: FSDP takes them into its own accumulation only
+    in the stage's next input pass, whose backward hooks it runs, or in the reduction)"""
     later: bool
     """the running micro-batch is not the stage's first"""
 
@@ -183,13 +187,14 @@ class _Walk:
         self.backwarded = [0] * v
         self.grads = [0] * v
         self.backward_last = [False] * v
+        self.weight_passed = [False] * v
         self.out: list[Held] = []
 
     def note(self, local: int, kind: str, later: bool) -> None:
         self.out.append(Held(local, kind, tuple(map(len, self.full)), tuple(map(len, self.waiting)),
                              tuple(self.forwarded),
                              tuple(self.backwarded), tuple(self.grads),
-                             tuple(self.backward_last), later))
+                             tuple(self.backward_last), tuple(self.weight_passed), later))
 
     def run(self, a: Action, *, first: bool, last_mb: int) -> None:
         k = a.local
@@ -210,8 +215,11 @@ class _Walk:
             self.waiting[k].add(a.mb)
         else:
             self.grads[k] = 1
+        # a first stage's weight pass is a whole backward, which runs FSDP's hooks
+        self.weight_passed[k] = a.kind == "W" and not first
         self.backward_last[k] = True
         if a.kind != "I" and a.mb == last_mb:
+            self.weight_passed[k] = False
             self.note(k, "R", True)
             self.grads[k] = 2
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan import stage_rank
+from .schedule import ZERO_BUBBLE
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,16 @@ class Setting:
     def replicas(self) -> int:
         """ranks holding the same parameters, which average gradients: dp * cp (``mesh["dp_cp"]``)"""
         return self.dp * self.cp
+
+    @property
+    def held_zero_stage(self) -> int:
+        """The ZeRO stage FSDP2 holds the parameters by: ``zero_stage``, but 2 for ZeRO-3 pipeline
+        stages under a schedule that splits the backward, which keep their units gathered after
+        forward (their input pass must find the parameters the forward used: ``runtime/pp.py``'s
+        ``keep_gathered``)."""
+        if self.zero_stage == 3 and self.pp > 1 and self.schedule in ZERO_BUBBLE:
+            return 2
+        return self.zero_stage
 
     def rank_of(self, stage: int) -> int:
         """The pipeline rank holding ``stage`` under this schedule (:func:`~autopar_nb.plan.stage_rank`)."""

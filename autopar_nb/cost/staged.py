@@ -103,7 +103,8 @@ class StagedRank:
                 g, gterms = self._grads(j, h.grads[j], self.stages[j].params)
                 grads += g
                 unsharded = self._unsharded(j, h.backward_last[j])
-                for key, value in (*gterms.items(), *unsharded.items()):
+                left = self._left(j, h.weight_passed[j])
+                for key, value in (*gterms.items(), *unsharded.items(), *left.items()):
                     terms[key] = terms.get(key, 0.0) + value
         return _Around(terms, grads, grads + sum(terms.values()))
 
@@ -138,6 +139,18 @@ class StagedRank:
             return {}
         return {"fsdp_unsharded_params": sum(u.numel for u in self.units[j]) * st.p_item}
 
+    def _left(self, j: int, passed: bool, layer: int | None = None) -> dict[str, float]:
+        """The weight gradients stage ``j``'s last weight pass (``passed``) left on FSDP's 16-bit
+        unsharded parameters: that pass runs none of FSDP's hooks, so they stay there, beside
+        FSDP's float32 accumulation (``fsdp_unsharded_grads``), until the stage's next input pass
+        hands each unit's over after its backward (during that pass at ``layer``, those of the
+        units after it are gone). None in float32, where the pass adds to that accumulation."""
+        st = self.st
+        if not (passed and st.pipelined and st.p_item != ITEMSIZE["float32"]):
+            return {}
+        done = sum(u.numel for u in self.units[j] if layer is not None and u.first > layer)
+        return {"fsdp_weight_pass_grads": (self.stages[j].params - done) * st.p_item}
+
     # ---- the running stage --------------------------------------------------------------------
     def _running(self, h: Held, *, output_grad: bool) -> dict[str, float]:
         """The running micro-batch's buffers on its stage: its input's, its output, and the
@@ -165,6 +178,7 @@ class StagedRank:
                               g_item=ITEMSIZE["float32"], params=x.params, forward=forward,
                               pipelined=st.pipelined and (h.backward_last[k] or not forward),
                               regathered=h.backward_last[k] and not forward)
+            fb = fb | self._left(k, h.weight_passed[k])
             work = "forward_working_set" if forward else "backward_working_set"
             for op, dw, da, dbefore in ((None, 0.0, 0.0, 0.0), *(ops if per_op else ())):
                 later = 0.0 if forward else x.params - (before - x.params_start) - dbefore
@@ -192,6 +206,7 @@ class StagedRank:
             fb = fsdp_buffers(self.units[k], e.layer, zero_stage=st.fsdp_stage, p_item=st.p_item,
                               g_item=ITEMSIZE["float32"], params=x.params, pipelined=st.pipelined,
                               regathered=h.backward_last[k])
+            fb = fb | self._left(k, h.weight_passed[k], e.layer)
             for op, dw in ((None, 0.0), *(e.ops if per_op else ())):
                 mine = {"saved_activations": x.acts - x.pipe["recv_saved"],
                         "backward_working_set": e.work + dw,
@@ -220,7 +235,7 @@ class StagedRank:
         grads, gterms = self._grads(k, h.grads[k], x.params)
         mine = {"saved_activations": x.acts - x.pipe["recv_saved"],
                 "weight_pass_gradients": self._kept(k)}
-        parts = (mine, running, gterms, self._unsharded(k, True))
+        parts = (mine, running, gterms, self._unsharded(k, True), self._left(k, h.weight_passed[k]))
         return [around.moment("backward", e.layer, grads, parts, None, h.later)
                 for e in self.inputs[k]]
 
@@ -235,7 +250,8 @@ class StagedRank:
         if self.st.fsdp_stage == 2:
             loss["fsdp_unsharded_params"] = sum(u.numel for u in self.units[k]) * self.st.p_item
         grads, gterms = self._grads(k, h.grads[k], x.params)
-        parts = (loss, self._running(h, output_grad=False), gterms)
+        parts = (loss, self._running(h, output_grad=False), gterms,
+                 self._left(k, h.weight_passed[k]))
         return [around.moment("loss", None, grads, parts, later=h.later)]
 
     def _reduce(self, h: Held, around: _Around):

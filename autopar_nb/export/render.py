@@ -215,13 +215,19 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
         indent = 8 if v.pp > 1 else 4
         calls += [f"# {next(steps)}. FSDP last (ZeRO-{v.zero_stage}), over the TP-sharded, checkpoint-wrapped modules"
                   + ("; the experts first," if v.ep > 1 else "")]
+        if v.zero_stage == 3 and not v.reshard_after_forward:
+            calls += [f"#    parameters kept gathered after forward: {v.schedule}'s input pass",
+                      "#    hooks the weight pass on the parameters the forward used (the sharded",
+                      "#    ones would hook nothing)"]
         if v.ep > 1:
             calls += ["#    each its own unit over the ranks holding the same experts (the rest leave them alone)",
                       call("shard_experts", "part", "experts_mesh[\"dp_mod_ep\"]", dp="DP",
-                           reshard_after_forward=str(v.zero_stage == 3), **mixed, width=120 - indent)]
+                           reshard_after_forward=str(v.reshard_after_forward), **mixed,
+                           width=120 - indent)]
             uses.append("shard_experts")
         calls.append(call("apply_fsdp", "part", v.dp_mesh, units="FSDP_UNITS",
-                          reshard_after_forward=str(v.zero_stage == 3), **mixed, width=120 - indent))
+                          reshard_after_forward=str(v.reshard_after_forward), **mixed,
+                          width=120 - indent))
         uses.append("apply_fsdp")
     elif v.replicate:
         calls += [f"# {next(steps)}. data parallelism last: FSDP2's replicate (DDP takes no DTensors), one all-reduce "

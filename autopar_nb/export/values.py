@@ -19,7 +19,7 @@ from ..runtime.cp import sequence_tensor
 from ..runtime.data import default_batch_size, first_tensor, is_causal_lm, smallest_table
 from ..runtime.ep import experts_modules_to_split
 from ..runtime.fused_norm import apply_fused_norm
-from ..runtime.pp import SCHEDULES, stage_boundaries
+from ..runtime.pp import SCHEDULES, SPLIT_BACKWARD, stage_boundaries
 from ..runtime.tp import REPLICATE, TPStyle
 from ..runtime.train import switch_off_kv_cache
 from ..source import ModelSource
@@ -113,6 +113,13 @@ class ScriptValues:
     @property
     def fsdp(self) -> bool:
         return self.replicas > 1 and self.zero_stage >= 2
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FSDP units reshard after forward: ZeRO-3, but not in pipeline stages whose
+        schedule splits the backward, whose input pass must find the parameters the forward
+        used (``runtime/pp.py``'s ``keep_gathered``): those keep them gathered, as ZeRO-2"""
+        return self.zero_stage == 3 and not (self.pp > 1 and self.schedule in SPLIT_BACKWARD)
 
     @property
     def ddp(self) -> bool:

@@ -17,8 +17,9 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, units: list, reshard_after_forward:
     is one unit, as torchtitan groups ``[norm, output]``), then the root for the rest (tied parameters stay there).
 
     ``reshard_after_forward``: True for ZeRO-3, False for ZeRO-2; the root keeps its parameters after forward
-    (they are needed first in backward anyway), as torchtitan does. ``param_dtype``/``reduce_dtype``: mixed
-    precision (None: the parameters' own dtype)."""
+    (they are needed first in backward anyway), as torchtitan does. A pipeline stage under a
+    schedule that splits the backward needs False (``pp.keep_gathered`` sets it there).
+    ``param_dtype``/``reduce_dtype``: mixed precision (None: the parameters' own dtype)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for unit in units:
         paths = select(model, unit) if isinstance(unit, str) else [p for p in unit if p in dict(model.named_modules())]

@@ -29,6 +29,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed import ProcessGroup
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
@@ -45,6 +46,9 @@ SCHEDULES = {
     "interleaved_zero_bubble": "InterleavedZeroBubble", "zbv_zero_bubble": "ZBVZeroBubble",
 }
 V_SCHEDULES = ("zbv_zero_bubble",)  # stages placed in a V: rank r holds stages r and 2*pp-1-r
+# each backward split into an input pass and a later weight pass (torch's stage_backward_input and
+# stage_backward_weight): FSDP stages keep their parameters gathered after forward (keep_gathered)
+SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble")
 
 
 def stage_boundaries(stage_layers: list[list[str]]) -> list[str]:  # at export time
@@ -819,6 +823,7 @@ def build_schedule(stages: list[PipelineStage], *, schedule: str, n_microbatches
     :class:`StageLoss` learns the model output's structure from the last stage's module, set by :func:`split_model`)."""
     if isinstance(loss_fn, StageLoss):
         loss_fn.learn(next((_unwrapped(s.submod) for s in stages if s.is_last), None))
+    keep_gathered(stages, schedule)
     cls = get_schedule_class(SCHEDULES[schedule])
     if issubclass(cls, PipelineScheduleSingle):
         if len(stages) != 1:
@@ -826,6 +831,24 @@ def build_schedule(stages: list[PipelineStage], *, schedule: str, n_microbatches
                              "interleaved/looped schedule")
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+
+
+def keep_gathered(stages: list[PipelineStage], schedule: str) -> None:
+    """Under a schedule that splits the backward (:data:`SPLIT_BACKWARD`), FSDP stages keep
+    their units' parameters gathered from forward to the step's reduction, as ZeRO-2 does,
+    whatever ``apply_fsdp`` was told.
+
+    The input pass (torch's ``stage_backward_input``) takes ``submod.parameters()`` before
+    autograd runs, to hook the graph nodes the weight pass will start from. A unit resharded
+    after its forward has its sharded parameters registered then, which the graph (built from
+    the gathered ones) does not hold: nothing is hooked, the input pass lets the graph go, and
+    the weight pass computes no gradient. Gathered, the registered parameters are the ones the
+    forward used."""
+    if schedule not in SPLIT_BACKWARD:
+        return
+    for stage in stages:
+        if isinstance(stage.submod, FSDPModule):
+            stage.submod.set_reshard_after_forward(False)  # every unit inside it too
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
