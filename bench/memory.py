@@ -156,16 +156,19 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
     op_modules = {k: n.module_path for k, n in enumerate(graph.nodes)}
     op_names = {k: n.op for k, n in enumerate(graph.nodes)}
     paths = [lay.path for lay in graph.layers]
-    ranks = tuple(range(fix["pp"])) if fix["pp"] > 1 else (0,)
-    # rank r of a (pp, dp, cp, tp) mesh is pipeline stage r // (dp * cp * tp)
-    measured = measure(src, plan, ranks=tuple(r * world // fix["pp"] for r in ranks), census=largest)
+    # rank r of a (pp, dp, cp, tp) mesh is pipeline stage r // (dp * cp * tp); each stage's cp ranks hold
+    # different parts of the ring's work (the first of dp 0: stage's first rank, at stride tp)
+    cp, tp = fix.get("cp", 1), fix["tp"]
+    ranks = [(stage, stage * world // fix["pp"] + c * tp) for stage in range(fix["pp"]) for c in range(cp)]
+    measured = measure(src, plan, ranks=tuple(g for _, g in ranks), census=largest)
     rows = []
-    for stage, m in zip(ranks, measured, strict=True):
+    for (stage, rank), m in zip(ranks, measured, strict=True):
         mb = cost.memory_by_rank[stage]
         peak = max((mo for mo in moments[stage] if mo[3] is None), key=lambda mo: mo[2].total)
         at = moment_at(m["where"], paths, moments[stage], op_modules, micro_batch=m.get("micro_batch"),
                        node=m.get("node"), op_names=op_names)
         rows.append({"family": family, "plan": plan_name, "amp": amp, "recompute": recompute, "stage": stage,
+                     "rank": rank,
                      "predicted": predicted_groups((at or peak)[2]), "predicted_total": mb.total - mb.margin,
                      "predicted_peak": predicted_groups(mb), "moment": _moment_name(at or peak, paths, op_modules),
                      "model_peak": _moment_name(peak, paths, op_modules), "matched": at is not None,
@@ -211,7 +214,7 @@ def markdown(rows: list[dict]) -> str:
         same = r["moment"] == r["model_peak"]
         moment = (f"{r['moment']} ({r['moment_total'] / MiB:.1f})" + ("" if same else f"; its peak: {r['model_peak']}")
                   if r["matched"] else f"none there; its peak: {r['model_peak']}")
-        out.append(f"| {r['family']} | {r['plan']} | {r['amp']} | {r['recompute']} | {r['stage']} | "
+        out.append(f"| {r['family']} | {r['plan']} | {r['amp']} | {r['recompute']} | {r.get('rank', r['stage'])} | "
                    + " | ".join(cells) + f" | {error(r):+.1%} | {r['where']} | {moment} |")
     return "\n".join(out)
 
@@ -259,8 +262,8 @@ def run(groups, *, each=None, jobs: int = 1, largest: int = 0) -> tuple[list[dic
             else:
                 rows += got
                 for r in got:
-                    print(f"{name} rank {r['stage']}: predicted {r['predicted_total'] / MiB:7.1f} measured "
-                          f"{r['measured_total'] / MiB:7.1f} MiB  {error(r):+.1%}  ({r['where']}; model at "
+                    print(f"{name} rank {r.get('rank', r['stage'])}: predicted {r['predicted_total'] / MiB:7.1f} "
+                          f"measured {r['measured_total'] / MiB:7.1f} MiB  {error(r):+.1%}  ({r['where']}; model at "
                           f"{r['moment'] if r['matched'] else 'no such moment'}, its peak {r['model_peak']}; "
                           f"components {'within' if components_within(r) else 'OUTSIDE'} 5 %)", flush=True)
                     for t in r["largest"]:

@@ -38,27 +38,34 @@ CASES = {
     "zero3-pp-zbv-bf16": ("GPT-2", {"dp": 2, "zero_stage": 3, "amp": "bf16", **PIPE,
                                     "schedule": "zbv_zero_bubble", "virtual_stages": 2},
                           "fsdp_weight_pass_grads"),
+    # context parallelism's ring backward holds, at the attention op, the gathered keys and values, float32
+    # accumulators and the dK/dV it sends and receives (a backward working set: no term of its own); its
+    # second cp rank peaks there
+    "cp-zero3-bf16-full": ("LLaMA", {"dp": 2, "cp": 2, "zero_stage": 3, "amp": "bf16", "recompute": "full"},
+                           "backward_working_set", {"hidden": 256, "seq": 256, "batch": 8}),
 }
 
 
-def _measured_against_predicted(family: str, fix: dict):
+def _measured_against_predicted(family: str, fix: dict, size: dict):
     from autopar_nb.cost.estimate import peak_moments
     from autopar_nb.measure import measure, measured_groups, moment_at, predicted_groups
 
-    src = ModelSource(CELLS[family](**SIZE))
+    src = ModelSource(CELLS[family](**size))
     meta, example, _ = src.build(device="meta")
     graph = ap.capture(meta, example)
-    dp, pp = fix.get("dp", 1), fix.get("pp", 1)
-    world = dp * fix.get("tp", 1) * pp
+    dp, pp, cp, tp = fix.get("dp", 1), fix.get("pp", 1), fix.get("cp", 1), fix.get("tp", 1)
+    world = dp * tp * pp * cp
     cluster = ap.Cluster.preset("cpu", 1, world)
-    plan = ap.plan(graph, cluster, global_batch=SIZE["batch"] * dp,
+    plan = ap.plan(graph, cluster, global_batch=size["batch"] * dp,
                    fix={"amp": "none", "recompute": "none", "micro_batches": 1, **fix})
     moments = peak_moments(graph, cluster, plan, per_op=True)
     paths = [lay.path for lay in graph.layers]
     op_modules = {k: n.module_path for k, n in enumerate(graph.nodes)}
     op_names = {k: n.op for k, n in enumerate(graph.nodes)}
-    got = measure(src, plan, ranks=tuple(r * world // pp for r in range(pp)))
-    for stage, m in enumerate(got):
+    # each pipeline stage's first rank, and its cp ranks (at stride tp), which hold different parts of the ring
+    ranks = [(stage, stage * world // pp + c * tp) for stage in range(pp) for c in range(cp)]
+    got = measure(src, plan, ranks=tuple(g for _, g in ranks))
+    for (stage, _), m in zip(ranks, got, strict=True):
         at = moment_at(m["where"], paths, moments[stage], op_modules, micro_batch=m.get("micro_batch"),
                        node=m.get("node"), op_names=op_names)
         yield stage, at, predicted_groups(at[2]) if at else None, measured_groups(m["peak"]), m
@@ -68,10 +75,12 @@ def _measured_against_predicted(family: str, fix: dict):
 @pytest.mark.parametrize("name", CASES)
 def test_composition_memory_matches_the_tracker(name):
     """Every rank's components, at the moment the tracker peaked, within 5 % of its measured total, and the
-    composition's own term part of that moment."""
-    family, fix, term = CASES[name]
-    for stage, at, p, g, m in _measured_against_predicted(family, fix):
+    composition's own term part of the moment of at least one rank."""
+    family, fix, term, *size = CASES[name]
+    with_term = 0
+    for stage, at, p, g, m in _measured_against_predicted(family, fix, {**SIZE, **(size[0] if size else {})}):
         assert at is not None, (stage, m["where"])
-        assert at[2].terms.get(term, 0.0) > 0, (stage, term, at[2].terms)
+        with_term += at[2].terms.get(term, 0.0) > 0
         for group, value in g.items():
             assert p[group] == pytest.approx(value, abs=WITHIN * m["peak"]["total"] + 1024), (stage, group, p, g)
+    assert with_term, f"no rank peaks where {term} is held"

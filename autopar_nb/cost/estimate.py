@@ -81,10 +81,15 @@ class Evaluator:
         out = (lp.output_amp[precision] if half else lp.output_bytes) * scale / (tp if sp else 1)
         moments = op_moments(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
                              megatron_sp=self.megatron_sp)
+        if cp > 1 and lp.kv_bytes:
+            ring = self._ring(lp, comm, cp=cp, tp=tp, half=half, scale=scale)
+            moments = [(op, w + ring if op in lp.attention_ops else w, fr, lat) for op, w, fr, lat in moments]
+            # the ring merges the output's chunks with torch.cat: transposing it back to (B, T, heads, hd) is
+            # a copy, which the output projection saves beside what the ring's backward keeps (not the last
+            # cp rank's, whose last merge keeps the kernel's layout: the first rank's is what counts)
+            act["none"] += (lp.q_half if half else lp.q_bytes) * scale
         work, freed, later = peak_op(moments)
         ops = tuple((op, w - work, freed - f, later - lat) for op, w, f, lat in moments)
-        if cp > 1 and lp.kv_bytes:
-            work += self._ring(lp, comm, cp=cp, tp=tp, half=half, scale=scale)
         fwd_fl = (sum(lp.flops_split.values()) + sum(lp.flops_rep.values()) + lp.flops_other) * scale
         bwd_fl = (sum(lp.bwd_split.values()) + sum(lp.bwd_rep.values()) + lp.bwd_other) * scale
         experts = lp.params_experts / ep if ep > 1 and lp.experts else 0.0
@@ -109,15 +114,21 @@ class Evaluator:
 
     def _ring(self, lp, comm: dict[str, float], *, cp: int, tp: int, half: bool, scale: float) -> float:
         """Context parallelism's collectives of one layer and micro-batch added to ``comm`` (see :meth:`terms`; the
-        cp ranks are consecutive at stride tp); returns the bytes of the gathered keys and values."""
+        cp ranks are consecutive at stride tp); returns the bytes the ring's backward holds at the attention op
+        (``_templated_ring_attention_backward``, torch 2.13): the gathered keys and values, the all-gather's input
+        (this rank's, concatenated), float32 accumulators of dQ, dK and dV (``zeros_like``), and the float32 dK,
+        dV it sends round the ring and the ones it receives."""
         link = link_for(self.cluster, size=cp, stride=tp)
-        whole = (lp.kv_half if half else lp.kv_bytes) * scale * cp  # this micro-batch's keys and values
+        item = 2 if half else lp.kv_bytes / (lp.kv_half / 2)
+        kv, q = lp.kv_half / 2 * scale, lp.q_half / 2 * scale  # this rank's elements
+        whole = kv * item * cp  # this micro-batch's keys and values
+        held = whole + kv * item + (q + kv) * 4 + 2 * kv * 4
         comm["all_gather"] = comm.get("all_gather", 0.0) + 2 * collective_time("all_gather", whole, cp, link,
                                                                                self.f.eff_link)
         grads = lp.kv_half / 2 * ITEMSIZE["float32"] * scale  # this rank's dK, dV, accumulated in float32
         comm["send_recv"] = comm.get("send_recv", 0.0) + cp * collective_time("send_recv", grads, cp, link,
                                                                              self.f.eff_link)
-        return whole
+        return held
 
     def _all_to_alls(self, lp, *, ep: int, tp: int, half: bool, scale: float) -> tuple[float, float]:
         """(forward, forward + backward) seconds of expert parallelism's all-to-alls in one layer and micro-batch

@@ -118,9 +118,16 @@ def _amp_bytes(n, f: Facts, fa: Facts, *, low_params: bool) -> float:
 
 
 def count_keys_values(layers: dict[str, LayerProfile], f: Facts) -> None:
-    """Bytes of the keys and values every attention op reads (SDPA's second and third inputs)."""
-    for lp, n in in_layers(layers, f):
-        if n.op_class == "attention" and len(n.in_shapes) >= 3:
-            elements = numel(n.in_shapes[1]) + numel(n.in_shapes[2])
-            lp.kv_bytes += elements * f.size[n.name].itemsize
-            lp.kv_half += elements * 2
+    """Bytes of the keys and values every attention op reads (SDPA's second and third inputs), of its
+    queries (the size of its output too), and which ops they are: context parallelism's ring runs
+    there."""
+    for k, n in enumerate(f.graph.nodes):
+        lp = layers.get(n.layer)
+        if lp is None or n.op_class != "attention" or len(n.in_shapes) < 3:
+            continue
+        elements = numel(n.in_shapes[1]) + numel(n.in_shapes[2])
+        lp.kv_bytes += elements * f.size[n.name].itemsize
+        lp.kv_half += elements * 2
+        lp.q_bytes += numel(n.in_shapes[0]) * f.size[n.name].itemsize
+        lp.q_half += numel(n.in_shapes[0]) * 2
+        lp.attention_ops += (k,)

@@ -291,6 +291,11 @@ class LayerProfile:
     """bytes of the keys and values the layer's attention ops read (whole sequence; in the captured
     dtype): what context parallelism's ring passes round the cp ranks"""
     kv_half: float = 0.0
+    q_bytes: float = 0.0
+    """bytes of the queries the layer's attention ops read, the size of their outputs (captured dtype)"""
+    q_half: float = 0.0
+    attention_ops: tuple[int, ...] = ()
+    """graph indices of the layer's attention ops"""
     time_amp: dict[str, AmpTime] = field(default_factory=dict)
     """precision ("autocast", "autocast_lowp") -> the layer's time terms there, op by op at its
     dtype"""
