@@ -158,11 +158,12 @@ def _current_factors(cluster: Any) -> dict[str, float]:
 
 
 def factors_from(measured: dict, *, current: dict[str, float], compiled: bool = False,
-                 eager_calibrated: bool = False) -> tuple[dict[str, float], dict]:
+                 eager_calibrated: bool = False, full_recompute: float = 0.0) -> tuple[dict[str, float], dict]:
     """Cost-model factors that make the prediction match ``measured`` (a ``Run.summary()``), starting from the
     ``current`` factors the prediction was made with. ``compiled``: the run's plan compiles layers;
-    ``eager_calibrated``: an eager run calibrated this preset before (then only ``compile_memory_bound`` moves).
-    Returns (factors, record of the figures used)."""
+    ``eager_calibrated``: an eager run calibrated this preset before (then only ``compile_memory_bound`` moves);
+    ``full_recompute``: the share of the plan's layers under full recompute (a majority calibrates that mode's
+    allocator margin, :func:`cuda_margin_factors`). Returns (factors, record of the figures used)."""
     t_meas, t_pred = measured.get("step_time_s"), measured.get("predicted_step_time_s")
     if not t_meas or not t_pred:
         raise ValueError("calibration needs a measured step time and a predicted one: launch with plan=<a Plan with "
@@ -177,19 +178,22 @@ def factors_from(measured: dict, *, current: dict[str, float], compiled: bool = 
     record: dict[str, Any] = {"measured_step_time_s": t_meas, "predicted_step_time_s": t_pred, "ratio": r,
                               "compiled": compiled}
     if measured.get("memory_kind") == "cuda_peak" and measured.get("predicted_memory_by_rank"):
-        margin, rec = cuda_margin_factors(measured, current=current)
+        margin, rec = cuda_margin_factors(measured, current=current, full_recompute=full_recompute)
         out.update(margin)
         record.update(rec)
     return out, record
 
 
-def cuda_margin_factors(measured: dict, *, current: dict[str, float]) -> tuple[dict[str, float], dict]:
+def cuda_margin_factors(measured: dict, *, current: dict[str, float],
+                        full_recompute: float = 0.0) -> tuple[dict[str, float], dict]:
     """The allocator margin of a CUDA run (``measured``: a ``Run.summary()`` with the plan's predictions): what the
     process needs is the allocator's peak reserve (``reserved_by_rank``; the allocated peak where a summary lacks
     it) plus what lies outside the allocator (the CUDA context, NCCL's buffers: ``margin_fixed_bytes``, kept), so
     :func:`margin_factors` gets the reserve plus that fixed part and returns the fraction the prediction before its
-    margin needs on top. Returns (factors, record: the worst rank's allocated and reserved peaks and the predicted
-    bytes), ({}, {}) without a rank to compare."""
+    margin needs on top: ``margin_full_recompute`` for a plan with most of its layers under full recompute
+    (``full_recompute``, the share), whose backward fragments the cache far more, else ``margin_fraction``.
+    Returns (factors, record: the worst rank's allocated and reserved peaks and the predicted bytes), ({}, {})
+    without a rank to compare."""
     pred = measured["predicted_memory_by_rank"]
     breakdown = measured.get("predicted_breakdown_by_rank") or {}
     allocated, reserved = measured.get("memory_by_rank") or {}, measured.get("reserved_by_rank") or {}
@@ -201,6 +205,8 @@ def cuda_margin_factors(measured: dict, *, current: dict[str, float]) -> tuple[d
                                      current=current)
     except ValueError:
         return {}, {}
+    if full_recompute > 0.5:
+        margin = {"margin_full_recompute": margin["margin_fraction"]}
     r = rec["rank"]
     return margin, {"measured_peak_bytes": allocated.get(r), "measured_reserved_bytes": reserved.get(r),
                     "predicted_peak_bytes": pred.get(r), "margin_rank": r}
@@ -307,7 +313,9 @@ def from_run(run: Any, *, cluster: Any = None, preset: str | None = None, save: 
     current = _current_factors(cluster) if cluster is not None else {**_current_factors(None), **load(name)}
     compiled = any(getattr(lp, "compile", False) for lp in getattr(run.plan, "layers", None) or [])
     history = _read()["presets"].get(name, {}).get("history", [])
-    factors, record = factors_from(measured, current=current, compiled=compiled,
+    layers = getattr(run.plan, "layers", None) or []
+    full = sum(getattr(lp, "recompute", "none") == "full" for lp in layers) / len(layers) if layers else 0.0
+    factors, record = factors_from(measured, current=current, compiled=compiled, full_recompute=full,
                                    eager_calibrated=any(not h.get("compiled", False) for h in history))
     cpu = measured.get("memory_kind") == "rss_above_baseline" and cost is not None and hasattr(run, "rss_figures") \
         and hasattr(run, "predicted_breakdowns")

@@ -637,3 +637,31 @@ def test_a_layers_backward_moment_holds_the_gradients_of_the_parameters_its_late
     tp2 = backward_peak(lp, tp=2, sp=False, scale=1.0, grad_item=0)
     # TP divides what it splits (the weights, the up projection's bias), not the down projection's bias
     assert tp2[2] in {v[0] / 2 + v[1] for v in ops.values()}
+
+
+def test_the_allocator_margin_follows_the_share_of_fully_recomputed_layers():
+    """On a GPU the margin covers the caching allocator's reserve beyond the tensors' peak: 5 % by default, and
+    under full recompute, whose backward re-allocates each layer's forward beside its gradients, the 30.5 % measured
+    on the H200 (``Factors.margin_full_recompute``), by the share of the rank's layers recomputed so; a CPU run has
+    no such allocator."""
+    from autopar_nb.cost.factors import factors_for
+
+    cfg = zoo.LlamaConfig(vocab_size=512, dim=256, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=512)
+    with torch.device("meta"):
+        graph = ap.capture(zoo.Llama(cfg), torch.randint(0, 512, (8, 256)))
+    gpu = ap.Cluster.preset("h100-80gb", 1, 1)
+    f = factors_for(gpu)
+    assert (f.margin_fraction, f.margin_full_recompute) == (0.05, 0.305)
+    assert factors_for(ap.Cluster.preset("cpu", 1, 1)).margin_full_recompute == factors_for(
+        ap.Cluster.preset("cpu", 1, 1)).margin_fraction
+
+    def fraction(recompute):
+        plan = ap.plan(graph, gpu, global_batch=8, fix={"recompute": recompute, "amp": "bf16"})
+        mb = plan.cost.memory_by_rank[0]
+        share = sum(lp.recompute == "full" for lp in plan.layers) / len(plan.layers)
+        return (mb.margin - f.margin_fixed_bytes) / (mb.total - mb.margin), share
+
+    assert fraction("none") == (pytest.approx(0.05), 0.0)
+    margin, share = fraction("full")
+    assert 0.5 < share < 1  # the blocks, not the embedding or the head
+    assert margin == pytest.approx(0.05 + 0.255 * share)

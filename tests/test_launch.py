@@ -506,6 +506,9 @@ def test_calibration_memory_margin_from_cuda_peak():
     h200 = {**measured, "memory_by_rank": {0: 31.941 * gib}, "reserved_by_rank": {0: 41.695 * gib},
             "predicted_memory_by_rank": {0: 34.479 * gib}, "predicted_breakdown_by_rank": {0: {"margin": 2.594 * gib}}}
     assert calibration.factors_from(h200, current=current)[0]["margin_fraction"] == pytest.approx(0.3077, abs=1e-3)
+    # that run's plan recomputed every layer: its reserve sets full recompute's margin, not every plan's
+    full, _ = calibration.factors_from(h200, current=current, full_recompute=1.0)
+    assert "margin_fraction" not in full and full["margin_full_recompute"] == pytest.approx(0.3077, abs=1e-3)
     h200.pop("reserved_by_rank")
     assert calibration.factors_from(h200, current=current)[0]["margin_fraction"] == pytest.approx(0.0018, abs=1e-3)
     with pytest.raises(ValueError, match="plan=<a Plan with a cost>"):

@@ -265,6 +265,8 @@ class Evaluator:
                 sums.bwd_layers[r].append((acts_before + whole + (cnt - 1) * lt.act["none"], lt.forward["none"],
                                            0.0, i + cnt - 1, "forward", ()))
             sums.params[r] += cnt * lt.params_local
+            sums.layers[r] += cnt
+            sums.full_recompute[r] += cnt if ch.recompute == "full" else 0
             sums.experts[r] += cnt * lt.experts_local
             sums.tp_step[r] += cnt * lt.tp_step
             sums.casts[r] += cnt * lt.cast_local
@@ -544,7 +546,7 @@ class Evaluator:
         for r in range(s.pp):
             pb, ob, moments = memory.moments(r, per_op=per_op)
             top = max(mo.weight for mo in moments if mo.op is None)
-            out.append([(mo.phase, mo.layer, memory.breakdown(pb, ob, mo, margin_of=top),
+            out.append([(mo.phase, mo.layer, memory.breakdown(r, pb, ob, mo, margin_of=top),
                          *((mo.op, mo.later) if per_op else ())) for mo in moments])
         return out
 

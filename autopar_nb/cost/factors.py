@@ -40,9 +40,14 @@ class Factors:
     bubble_zero_bubble: float = 0.10
     """zero-bubble schedules: remaining bubble as a fraction of the 1F1B bubble (ZB-V paper: near zero)"""
     margin_fraction: float = 0.05
-    """allocator fragmentation: fraction of the predicted bytes the caching allocator reserves on top. Measured on an
-    H200 (BENCHMARKS.md "GPU"): 1.4 % without recompute, 2.2 % selective, 30.5 % full; a CUDA run's
+    """allocator fragmentation: fraction of the predicted bytes the caching allocator reserves on top, without full
+    recompute. Measured on an H200 (BENCHMARKS.md "GPU"): 1.4 % without recompute, 2.2 % selective; a CUDA run's
     ``run.calibrate()`` replaces this default with its own peak reserve's (``autopar_nb.calibration``)"""
+    margin_full_recompute: float = 0.305
+    """the same under full recompute (every layer of a rank; a share of them moves the fraction by its share,
+    :func:`~autopar_nb.cost.memory.with_margin`): measured on the H200, LLaMA-3.2 1B's shape, bf16, the caching
+    allocator's peak reserve 41.7 GiB over 31.9 GiB allocated, +30.5 % twice (BENCHMARKS.md "GPU"); a CUDA run's
+    ``run.calibrate()`` of a full-recompute plan replaces it"""
     margin_fixed_bytes: float = 1.0 * 2**30
     """CUDA context, cuBLAS/NCCL workspaces, bytes (about 0.5-1.5 GiB per GPU process)"""
     compile_memory_bound: float = 0.5
@@ -84,8 +89,8 @@ def factors_for(cluster) -> Factors:
     """
     arch = ARCH_FACTORS.get(getattr(cluster.device, "arch", ""), {})
     base = dataclasses.replace(DEFAULT, **arch) if arch else DEFAULT
-    if cluster.name == "cpu":
-        base = dataclasses.replace(base, margin_fixed_bytes=0.0)
+    if cluster.name == "cpu":  # no caching allocator: what a CPU run holds is what it allocates
+        base = dataclasses.replace(base, margin_fixed_bytes=0.0, margin_full_recompute=base.margin_fraction)
     calib = dict(getattr(cluster, "calibration", None) or {})
     if not calib:
         return base

@@ -224,6 +224,10 @@ def in_flight(schedule: str, *, pp: int, stage: int, micro_batches: int, virtual
     return float(min(m, pp - stage))
 
 
-def with_margin(subtotal: float, factors) -> float:
-    """Allocator margin: a fraction of the predicted bytes (fragmentation) plus fixed workspaces."""
-    return subtotal * factors.margin_fraction + factors.margin_fixed_bytes
+def with_margin(subtotal: float, factors, *, full_recompute: float = 0.0) -> float:
+    """Allocator margin: a fraction of the predicted bytes (the caching allocator's reserve beyond its tensors'
+    peak: fragmentation) plus fixed workspaces. The fraction moves from ``margin_fraction`` to
+    ``margin_full_recompute`` with the share of the rank's layers under full recompute, whose backward
+    re-allocates each layer's forward beside its gradients and fragments the cache."""
+    fraction = factors.margin_fraction + full_recompute * (factors.margin_full_recompute - factors.margin_fraction)
+    return subtotal * fraction + factors.margin_fixed_bytes

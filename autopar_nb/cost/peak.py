@@ -26,13 +26,18 @@ class RankMemory:
         """Bytes on pipeline rank ``r`` at its peak: the largest of its :meth:`moments`."""
         pb, ob, moments = self.moments(r)
         peak = max(moments, key=lambda mo: mo.weight)
-        return self.breakdown(pb, ob, peak, margin_of=peak.weight)
+        return self.breakdown(r, pb, ob, peak, margin_of=peak.weight)
 
-    def breakdown(self, pb: float, ob: float, mo: PeakMoment, *, margin_of: float) -> MemoryBreakdown:
+    def breakdown(self, r: int, pb: float, ob: float, mo: PeakMoment, *, margin_of: float) -> MemoryBreakdown:
+        """Rank ``r``'s bytes at moment ``mo``, by field and named term, with the allocator margin of a peak of
+        ``margin_of`` bytes besides its states (the share of its layers under full recompute sets the fraction:
+        :func:`.memory.with_margin`)."""
         terms = {k: v for k, v in mo.terms.items() if v}
         acts = sum(v for k, v in terms.items() if MEMORY_TERMS[k] == "activations")
         mbd = MemoryBreakdown(pb, mo.grads, ob, acts, sum(terms.values()) - acts, terms=terms)
-        mbd.margin = with_margin(pb + ob + margin_of, self.f)
+        layers = self.sums.layers[r] if self.sums.layers else 0
+        share = self.sums.full_recompute[r] / layers if layers else 0.0
+        mbd.margin = with_margin(pb + ob + margin_of, self.f, full_recompute=share)
         return mbd
 
     def moments(self, r: int, per_op: bool = False) -> tuple[float, float, list[PeakMoment]]:

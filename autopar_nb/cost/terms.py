@@ -134,6 +134,10 @@ class RankSums:
     """layer index -> the position of its stage among its rank's :attr:`stages`"""
     input_layers: list[list[InputLayer]] = field(default_factory=list)
     """per rank, under a zero-bubble schedule, the layers whose input pass its peak can be at"""
+    layers: list[float] = field(default_factory=list)
+    """per rank, its layers (count)"""
+    full_recompute: list[float] = field(default_factory=list)
+    """per rank, its layers under full recompute (count): the caching allocator's reserve grows with them"""
 
     @classmethod
     def zeros(cls, pp: int) -> RankSums:
@@ -141,7 +145,8 @@ class RankSums:
         return cls(list(z), list(z), list(z), [{} for _ in range(pp)], list(z), list(z), list(z),
                    [[] for _ in range(pp)], list(z), list(z), list(z), list(z), tp_step=list(z), casts=list(z),
                    bwd_layers=[[] for _ in range(pp)], pipe=[pipe_sums() for _ in range(pp)],
-                   stages=[[] for _ in range(pp)], input_layers=[[] for _ in range(pp)])
+                   stages=[[] for _ in range(pp)], input_layers=[[] for _ in range(pp)], layers=list(z),
+                   full_recompute=list(z))
 
     def per_micro_batch(self, r: int) -> float:
         """Rank ``r``'s time for one micro-batch: the sum of its layers' :meth:`LayerTerms.time_s`."""
