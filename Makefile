@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test lab bench gpu-check
+.PHONY: setup demo test test-fast lab bench gpu-check
 
 setup: $(VENV)/.installed
 
@@ -20,6 +20,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# the inner loop: no worker processes, no browser, no Inductor compiles (the whole suite is `make test`)
+test-fast: setup
+	$(PY) -m pytest -q -m "not multiprocess and not browser and not slow"
 
 lab: setup
 	$(PY) -m jupyterlab --ServerApp.root_dir=notebooks
