@@ -13,7 +13,8 @@ repeated calibrations converge instead of compounding errors):
   ``r = measured / predicted step time`` — one uniform speed correction: the whole error is attributed to achieved
   throughput, compute and communication alike (a single run cannot tell them apart). Clamped to [1e-4, 4] (above 1
   only where the device's peak is an estimate, as for the ``cpu`` preset).
-* ``op_overhead_s``: multiplied by ``r``.
+* ``op_overhead_s`` and the host's ``cpu_*`` seconds (``cost/cpu.py``: the step's CPU issue time, its floor):
+  multiplied by ``r``.
 * ``compile_memory_bound`` (the share of a compiled block's memory-bound time that Inductor leaves): a run of a
   plan with compiled layers, on a preset an eager run has calibrated before, changes this factor alone —
   multiplied by ``r``, clamped to [0.05, 1.5] — since the eager factors already account for the rest of the step
@@ -60,8 +61,12 @@ from typing import Any
 
 SPEED_KEYS = ("eff_matmul", "eff_conv", "eff_attention", "eff_fp32_matmul", "eff_hbm", "eff_link")
 """efficiencies divided by measured/predicted step time"""
-OVERHEAD_KEYS = ("op_overhead_s",)
-"""per-op constants multiplied by measured/predicted step time"""
+OVERHEAD_KEYS = ("op_overhead_s", "cpu_op_s", "cpu_op_bwd_s", "cpu_tp_module_s", "cpu_tp_module_bwd_s",
+                 "cpu_fsdp_unit_s", "cpu_fsdp_reshard_s", "cpu_ddp_s", "cpu_ddp_param_s", "cpu_optimizer_step_s",
+                 "cpu_optimizer_param_s", "cpu_optimizer_dtensor_s", "cpu_pp_microbatch_s", "cpu_collective_s")
+"""per-op constants multiplied by measured/predicted step time: the GPU's launch gaps and the host's seconds
+issuing a step (``cost/cpu.py``), so that a CPU-bound prediction moves with the measurement as a GPU-bound one
+does"""
 COMPILE_KEYS = ("compile_memory_bound",)
 """set by compiled runs once an eager run has calibrated the preset"""
 COMPILE_RANGE = (0.05, 1.5)

@@ -503,6 +503,14 @@ class Cost:
     """the part of comm_by_kind not hidden behind compute, per kind (sums to comm_exposed_s)"""
     bubble_s: float = 0.0
     optimizer_s: float = 0.0
+    cpu_wait_s: float = 0.0
+    """time the GPU waits for the host to issue work: the step is CPU-bound where issuing it (eager
+    ops, FSDP's and DDP's hooks, TP's DTensor dispatch, the optimizer step) takes longer than
+    running it. With compute_s, comm_exposed_s, bubble_s and optimizer_s it sums to step_time_s"""
+    cpu_s: float = 0.0
+    """the host's time issuing one step (``cost/cpu.py``)"""
+    cpu_by_part: dict[str, float] = field(default_factory=dict)
+    """cpu_s by part: eager ops, tensor parallel, FSDP, DDP, pipeline, collectives, optimizer"""
     memory_by_rank: list[MemoryBreakdown] = field(default_factory=list)
     peak_memory_bytes: float = 0.0
     model_tflops_per_gpu: float = 0.0
@@ -517,10 +525,10 @@ class Cost:
         _check_numbers(self, "cost", _COST_FIELDS)
         if self.tokens_per_s is not None:
             _check_number("cost.tokens_per_s", self.tokens_per_s, finite=False)
-        for name in ("comm_by_kind", "comm_exposed_by_kind"):
+        for name in ("comm_by_kind", "comm_exposed_by_kind", "cpu_by_part"):
             d = getattr(self, name)
             if not isinstance(d, dict):
-                raise PlanError(f"cost.{name} must be a dict of collective kind -> seconds, got {d!r}")
+                raise PlanError(f"cost.{name} must be a dict of name -> seconds, got {d!r}")
             for k, v in d.items():
                 _check_str(f"cost.{name} key", k)
                 _check_number(f"cost.{name}[{k!r}]", v, finite=False)
@@ -528,6 +536,7 @@ class Cost:
 
 
 _COST_FIELDS = ("step_time_s", "compute_s", "comm_exposed_s", "comm_total_s", "bubble_s", "optimizer_s",
+                "cpu_wait_s", "cpu_s",
                 "peak_memory_bytes", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu", "samples_per_s")
 
 

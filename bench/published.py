@@ -572,7 +572,8 @@ def breakdown(res: Result) -> str:
     top = (f" ({kinds[0][0].replace('_', '-')} {kinds[0][1]:.2f})"
            if kinds and kinds[0][1] > 0.005 else "")
     return (f"{c.step_time_s:.2f} = {c.compute_s:.2f} + {c.comm_exposed_s:.2f}{top} + "
-            f"{c.bubble_s:.2f}" + (f" + {c.optimizer_s:.2f}" if c.optimizer_s >= 0.005 else ""))
+            f"{c.bubble_s:.2f}" + (f" + {c.optimizer_s:.2f}" if c.optimizer_s >= 0.005 else "")
+            + (f" + {c.cpu_wait_s:.2f} (CPU)" if c.cpu_wait_s >= 0.005 else ""))
 
 
 def memory_terms(res: Result, n: int = 3) -> str:
@@ -623,7 +624,7 @@ def fmt(x, spec=".0f", pct=False) -> str:
 def markdown(results: list[Result]) -> str:
     cols = ["#", "run", "source", "GPUs", "published layout", "planner's choice", "metric / GPU",
             "published", "predicted", "error", "memory GiB published", "predicted", "error",
-            "step s = compute + exposed comm + bubble (+ optimizer)",
+            "step s = compute + exposed comm + bubble (+ optimizer) (+ waiting for the CPU)",
             "peak rank's largest terms (GiB)", "status"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for i, r in enumerate(results, 1):

@@ -107,7 +107,8 @@ def test_fused_memory_is_the_closed_form(amp):
     # time: the head's matmul once more (2 N H V FLOPs), the rest unchanged
     assert fused.cost.hardware_tflops_per_gpu * fused.cost.step_time_s == pytest.approx(
         unfused.cost.hardware_tflops_per_gpu * unfused.cost.step_time_s + 2 * n * h * v / 1e12, rel=1e-9)
-    assert fused.cost.step_time_s > unfused.cost.step_time_s
+    # the GPU's part (at this size the host's issue time decides the step, the same for both: cost/cpu.py)
+    assert fused.cost.compute_s > unfused.cost.compute_s and fused.cost.step_time_s >= unfused.cost.step_time_s
 
 
 @pytest.mark.parametrize("amp", ["none", "bf16"])

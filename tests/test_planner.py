@@ -248,7 +248,10 @@ def test_seq_len_scales_tokens_and_memory(gpt):
     longer = ap.plan(gpt, h100(), global_batch=64, seq_len=512, fix=fix)
     assert longer.batch.seq_len == 512
     assert longer.cost.tokens_per_s == pytest.approx(64 * 512 / longer.cost.step_time_s)
-    assert longer.cost.step_time_s > base.cost.step_time_s
+    # the GPU's work grows with the sequence; at these few milliseconds both steps are the host's time issuing
+    # the same ops (cost/cpu.py), which the sequence does not change
+    assert longer.cost.compute_s > base.cost.compute_s
+    assert longer.cost.step_time_s >= base.cost.step_time_s
     assert longer.cost.memory_by_rank[0].activations > 1.9 * base.cost.memory_by_rank[0].activations
     with pytest.raises(PlanError, match="not token sequences"):
         ap.plan(capture(zoo.SeedMLP, torch.randn(32, 1024)), h100(1, 2), seq_len=128)

@@ -10,6 +10,7 @@ from collections import defaultdict
 
 from ..plan import DTYPE_NAMES, ITEMSIZE, RECOMPUTE, Cost
 from .comm import collective_time, link_for
+from .cpu import issue_time, layer_cpu
 from .factors import Factors, factors_for
 from .loss import FusedHead
 from .memory import activation_bytes, forward_peak, input_pass, op_moments, peak_op
@@ -109,6 +110,10 @@ class Evaluator:
         t.weight_grads, t.input_work, t.input_ops = input_pass(
             lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
             megatron_sp=self.megatron_sp)
+        styled = len(lp.tp) + (len(lp.norms) if sp else 0) if tp > 1 else 0
+        t.cpu = layer_cpu(lp.n_ops + (lp.time_amp[precision].casts if half else 0), styled=styled,
+                          compiled=compiled, factors=self.f)
+        t.tensors = lp.param_tensors
         self._cache[key] = t
         return t
 
@@ -170,12 +175,15 @@ class Evaluator:
 
         Step time = micro-batches x the slowest pipeline rank's (compute + recompute + exposed TP comm), plus the
         pipeline bubble and exposed point-to-point time, the exposed data-parallel collectives and the optimizer
-        step."""
+        step; and the time the GPU waits for the host where issuing the step takes the CPU longer
+        (:func:`.cpu.issue_time`: forward and backward against the GPU's, the optimizer step
+        against its own)."""
         f, m = self.f, s.micro_batches
         sums = self.sum_layers(s, choices)
         bottleneck = max(range(s.pp), key=sums.per_micro_batch)
-        bubble = bubble_fraction(s.schedule, pp=s.pp, micro_batches=m, virtual_stages=s.virtual_stages,
-                                 factors=f) * sums.per_micro_batch(bottleneck)
+        idle = bubble_fraction(s.schedule, pp=s.pp, micro_batches=m,
+                               virtual_stages=s.virtual_stages, factors=f)
+        bubble = idle * sums.per_micro_batch(bottleneck)
         comm = CommTime(by_kind={kk: v * m for kk, v in sums.tp_kind[bottleneck].items()},
                         exposed_by_kind={kk: v * m * (1 if kk == "all_to_all" else 1 - f.overlap_tp)
                                          for kk, v in sums.tp_kind[bottleneck].items()})
@@ -193,13 +201,20 @@ class Evaluator:
         compute = m * (sums.fwdbwd[bottleneck] + sums.rec[bottleneck]) + weight_cast_time(
             sums.casts[bottleneck], micro_batches=m, regions=1 if s.pp > 1 else m, device=self.cluster.device,
             factors=f)  # one autocast region per micro-batch, or around the whole pipeline schedule
-        step = compute + tp_exposed + bubble + p2p_exposed + dp_exposed + opt_t
+        gpu = compute + tp_exposed + bubble + p2p_exposed + dp_exposed
+        # the host issues forward and backward while the GPU runs them, waits for the loss (the
+        # step's synchronisation), then issues the optimizer step: each phase takes the longer
+        cpu, cpu_opt, cpu_parts = issue_time(s, sums, idle, f)
+        step = max(gpu, cpu) + max(opt_t, cpu_opt)
         memory = RankMemory(self.prof, self.f, s, sums, seq_ratio=self.seq_ratio)
         mem = [memory.peak(r) for r in range(s.pp)]
         cost = Cost(
-            step_time_s=step, compute_s=compute, comm_exposed_s=tp_exposed + p2p_exposed + dp_exposed,
+            step_time_s=step, compute_s=compute,
+            comm_exposed_s=tp_exposed + p2p_exposed + dp_exposed,
             comm_total_s=sum(comm.by_kind.values()), comm_by_kind=comm.by_kind,
             comm_exposed_by_kind=comm.exposed_by_kind, bubble_s=bubble, optimizer_s=opt_t,
+            cpu_s=cpu + cpu_opt, cpu_wait_s=max(cpu - gpu, 0.0) + max(cpu_opt - opt_t, 0.0),
+            cpu_by_part=cpu_parts,
             memory_by_rank=mem, peak_memory_bytes=max(x.total for x in mem),
         )
         self._throughput(s, sums, cost)
@@ -270,6 +285,9 @@ class Evaluator:
             sums.experts[r] += cnt * lt.experts_local
             sums.tp_step[r] += cnt * lt.tp_step
             sums.casts[r] += cnt * lt.cast_local
+            sums.cpu_ops[r] += cnt * lt.cpu_s("eager ops", ch.recompute)
+            sums.cpu_tp[r] += cnt * lt.cpu_s("tensor parallel", ch.recompute)
+            sums.tensors[r] += cnt * lt.tensors
             sums.largest[r] = max(sums.largest[r], lt.largest_param)
             if ch.fsdp:
                 self._add_units(sums.units[r], i, cnt, lt.params_local)

@@ -59,6 +59,49 @@ class Factors:
     """bytes moved per local parameter by a fused Adam step: read param, grad, m, v (fp32, 16) + write param, m,
     v (12) + bf16 param copy / grad scaling reads (~8)"""
 
+    # The host's CPU time issuing a step (cost/cpu.py), which the step cannot go below. Measured
+    # by `.venv/bin/python bench/overhead.py` (BENCHMARKS.md "CPU overhead"): rank 0 of PyTorch's
+    # fake process group, tiny tensors, process CPU time, on the 2-core shared x86_64 container
+    # (Intel Xeon, Python 3.11, torch 2.13.0+cpu); the mean of two runs, rounded (they differ by up
+    # to 10 %, ZeRO-3's extra by more). The CPU side only: a GPU host adds a CUDA kernel launch per
+    # op and NCCL's enqueue per collective (so these are low there), and its cores may be faster.
+    cpu_op_s: float = 10e-6
+    """seconds of host time per eager op of a forward (``LayerProfile.n_ops``: Python, the
+    dispatcher, autograd's recording)"""
+    cpu_op_bwd_s: float = 13e-6
+    """seconds of host time per forward op in backward (the autograd engine running its backward)"""
+    cpu_tp_module_s: float = 290e-6
+    """seconds a module TP splits adds to a forward (DTensor's dispatch of its ops, the
+    redistribution in its hooks)"""
+    cpu_tp_module_bwd_s: float = 400e-6
+    """the same in backward"""
+    cpu_fsdp_unit_s: float = 560e-6
+    """seconds FSDP2 adds per unit per forward + backward under ZeRO-2 (pre/post forward and
+    backward hooks, the all-gather's and reduce-scatter's copy-in/out and calls)"""
+    cpu_fsdp_reshard_s: float = 130e-6
+    """what ZeRO-3 adds per unit to that (the all-gather again in backward)"""
+    cpu_ddp_s: float = 85e-6
+    """seconds DDP adds per forward + backward (its forward's checks, the reducer, the bucket's
+    all-reduce)"""
+    cpu_ddp_param_s: float = 3.5e-6
+    """what DDP adds per parameter tensor (its gradient hook, the copy into the bucket)"""
+    cpu_optimizer_step_s: float = 135e-6
+    """seconds of a step of gradient clipping and foreach Adam at no tensor
+    (``runtime/train.py``)"""
+    cpu_optimizer_param_s: float = 19e-6
+    """what clipping and the optimizer step add per plain parameter tensor (on the CPU the foreach
+    ops loop over the tensors, which CUDA's multi-tensor kernels batch: high for a GPU host).
+    ZeRO-1's ``ZeroRedundancyOptimizer``: about the same"""
+    cpu_optimizer_dtensor_s: float = 46e-6
+    """the same per DTensor parameter (FSDP2's shards, TP's splits: DTensor's dispatch handles each
+    tensor of a multi-tensor op)"""
+    cpu_pp_microbatch_s: float = 110e-6
+    """seconds torch's pipeline schedule adds per micro-batch on a stage (its actions, the sends
+    and receives, the stage's backward call)"""
+    cpu_collective_s: float = 4.4e-6
+    """seconds of host time per collective call outside the wrappers above (the loss's
+    all-reduce)"""
+
     def efficiency(self, op_class: str, dtype_is_half: bool) -> float:
         """Fraction of peak FLOP/s for a compute-bound op class."""
         if not dtype_is_half:

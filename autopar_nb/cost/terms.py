@@ -62,6 +62,18 @@ class LayerTerms:
     input_ops: tuple[tuple[int, float], ...] = ()
     """per op of the layer: (its graph index, what its input pass holds there less
     ``input_work``)"""
+    cpu: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """the host's seconds issuing one micro-batch through the layer, by part ("eager ops",
+    "tensor parallel"): (forward, backward) (:func:`.cpu.layer_cpu`)"""
+    tensors: int = 0
+    """trainable parameter tensors of the layer (``LayerProfile.param_tensors``)"""
+
+    def cpu_s(self, part: str, recompute: str) -> float:
+        """The host's seconds for ``part`` of one micro-batch: forward, backward, and the forward
+        again when recomputed (selective recompute runs the memory-bound ops again, most of a
+        layer's: counted as all)."""
+        fwd, bwd = self.cpu.get(part, (0.0, 0.0))
+        return fwd * (2 if recompute != "none" else 1) + bwd
 
     def recompute_s(self, recompute: str) -> float:
         """Seconds recompute adds in backward: the whole forward again (full, with its all-to-alls) or the attention
@@ -114,6 +126,12 @@ class RankSums:
     """seconds of TP collectives run once per step (``LayerTerms.tp_step``)"""
     casts: list[float] = field(default_factory=list)
     """local parameters (numel) autocast keeps 16-bit copies of (``LayerTerms.cast_local``)"""
+    cpu_ops: list[float] = field(default_factory=list)
+    """the host's seconds issuing one micro-batch's eager ops (``LayerTerms.cpu_s``)"""
+    cpu_tp: list[float] = field(default_factory=list)
+    """the same for TP's styled modules"""
+    tensors: list[float] = field(default_factory=list)
+    """trainable parameter tensors"""
     pipe: list[dict[str, float]] = field(default_factory=list)
     """per rank, one micro-batch's bytes of the tensors crossing its pipeline cuts (:meth:`Evaluator.pipeline_sums`):
     ``recv`` (received into a buffer per micro-batch), ``recv_saved`` (the part of them its layers' saved activations
@@ -144,6 +162,7 @@ class RankSums:
         z = [0.0] * pp
         return cls(list(z), list(z), list(z), [{} for _ in range(pp)], list(z), list(z), list(z),
                    [[] for _ in range(pp)], list(z), list(z), list(z), list(z), tp_step=list(z), casts=list(z),
+                   cpu_ops=list(z), cpu_tp=list(z), tensors=list(z),
                    bwd_layers=[[] for _ in range(pp)], pipe=[pipe_sums() for _ in range(pp)],
                    stages=[[] for _ in range(pp)], input_layers=[[] for _ in range(pp)], layers=list(z),
                    full_recompute=list(z))

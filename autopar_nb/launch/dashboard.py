@@ -272,7 +272,9 @@ def _calibration_text(run, c: dict) -> dict:
 
     if run.calibration:
         k = run.calibration
-        names = ", ".join(sorted(k["factors"]))
+        host = [n for n in k["factors"] if n.startswith("cpu_")]  # the host's seconds (cost/cpu.py): one entry
+        names = ", ".join([n for n in sorted(k["factors"]) if n not in host]
+                          + ([f"the host's cpu_* seconds ({len(host)})"] if host else []))
         return {"done": True, "can": False,
                 "text": f"calibrated for {k['preset']}: {names} (measured / predicted step time "
                         f"{k['ratio']:.2f}) stored in {k['path']}; the next plan for {k['preset']} uses them"}

@@ -21,6 +21,12 @@ def _pct(a: float, b: float) -> str:
     return f"{100 * a / b:.0f}%" if b > 0 else "0%"
 
 
+CPU_WAIT = "waiting for the CPU"
+"""the step time the GPU waits for the host to issue work (``Cost.cpu_wait_s``)"""
+TIME_DELTAS = (("compute", "compute_s"), ("exposed communication", "comm_exposed_s"),
+               ("bubble", "bubble_s"), ("optimizer", "optimizer_s"), (CPU_WAIT, "cpu_wait_s"))
+"""the step-time components a runner-up's difference is told in: (words, Cost field)"""
+
 COMPONENT_SOURCES = {
     "params": "exact: the rank's parameter shards x their dtype's bytes",
     "grads": "exact: a gradient per local parameter alive at the peak",
@@ -92,6 +98,8 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
              f"(MFU {100 * c.mfu:.0f}%) on {cluster.world_size} x {cluster.device.name}."]
     parts = [("compute", c.compute_s), ("exposed communication", c.comm_exposed_s), ("pipeline bubble", c.bubble_s),
              ("optimizer step", c.optimizer_s)]
+    if c.cpu_wait_s > 0:
+        parts.append((CPU_WAIT, c.cpu_wait_s))
     lines.append("Step time goes to " + ", ".join(f"{n} {_pct(v, c.step_time_s)}" for n, v in parts) + ".")
     if c.comm_by_kind:
         kinds = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(c.comm_by_kind.items(), key=lambda kv: -kv[1]))
@@ -135,9 +143,7 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
         ru = ranked[1]
         diff = _setting_diff(ru.setting, s)
         rc = ru.cost
-        deltas = [(n, getattr(rc, a) - getattr(c, a)) for n, a in (
-            ("compute", "compute_s"), ("exposed communication", "comm_exposed_s"), ("bubble", "bubble_s"),
-            ("optimizer", "optimizer_s"))]
+        deltas = [(n, getattr(rc, a) - getattr(c, a)) for n, a in TIME_DELTAS]
         why = ", ".join(f"{d * 1e3:+.1f} ms {n}" for n, d in sorted(deltas, key=lambda kv: -abs(kv[1]))
                         if abs(d) > 0.005 * c.step_time_s)
         lines.append(f"Runner-up: {_summary(ru)} is {_pct(rc.step_time_s - c.step_time_s, c.step_time_s)} slower"
@@ -150,7 +156,9 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
     dominant = max(parts[1:], key=lambda kv: kv[1])
     if c.peak_memory_bytes > 0.9 * limit:
         lines.append(f"Memory is the binding constraint: {_pct(c.peak_memory_bytes, limit)} of the device is used.")
-    if dominant[1] > 0.15 * c.step_time_s:
+    if dominant[0] == CPU_WAIT and dominant[1] > 0.15 * c.step_time_s:
+        lines.append(_cpu_bound_line(c))
+    elif dominant[1] > 0.15 * c.step_time_s:
         lines.append(f"What limits it most besides compute: {dominant[0]} ({_pct(dominant[1], c.step_time_s)}).")
     else:
         lines.append(f"Compute-bound ({_pct(c.compute_s, c.step_time_s)} of the step): going faster needs more GPUs "
@@ -160,6 +168,23 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
     for t in cons.text:
         lines.append(f"Override honoured: {t}.")
     return lines
+
+
+def _cpu_bound_line(c) -> str:
+    """Why a CPU-bound step takes what it does: the host's time issuing it, by part
+    (``cost/cpu.py``)."""
+    by_part = sorted(c.cpu_by_part.items(), key=lambda kv: -kv[1])
+    parts = ", ".join(f"{k} {_us(v)}" for k, v in by_part if v)
+    gpu = c.step_time_s - c.cpu_wait_s
+    return (f"CPU-bound: the host takes {_us(c.cpu_s)} to issue a step ({parts}), the GPU runs it "
+            f"in {_us(gpu)}, so it waits {_pct(c.cpu_wait_s, c.step_time_s)} of the step. Fewer "
+            "wrappers (DDP rather than FSDP or TP), more work per op (larger micro-batches) or "
+            "fewer ops (torch.compile, CUDA graphs) go faster; more GPUs do not.")
+
+
+def _us(seconds: float) -> str:
+    """'420 us', '2.2 ms'."""
+    return f"{seconds * 1e6:.0f} us" if seconds < 1e-3 else f"{seconds * 1e3:.1f} ms"
 
 
 def compile_lines(best, ev, cons, compilable: list[int]) -> list[str]:
@@ -341,9 +366,7 @@ def _expert_lines(best, ranked, experts: dict[str, int]) -> list[str]:
                "tp = pp = 1, over a degree that divides the experts and dp)")
         return [f"{line}; {why}."]
     oc = other.cost
-    deltas = [(n, getattr(oc, a) - getattr(c, a)) for n, a in (
-        ("compute", "compute_s"), ("exposed communication", "comm_exposed_s"), ("bubble", "bubble_s"),
-        ("optimizer", "optimizer_s"))]
+    deltas = [(n, getattr(oc, a) - getattr(c, a)) for n, a in TIME_DELTAS]
     why = ", ".join(f"{d * 1e3:+.1f} ms {n}" for n, d in sorted(deltas, key=lambda kv: -abs(kv[1]))
                     if abs(d) > 0.005 * c.step_time_s)
     return [f"{line}; the best plan {'without expert parallelism' if s.ep > 1 else 'with expert parallelism'}, "

@@ -1,5 +1,6 @@
 """Cost panels as plain data for the front end: per-rank memory bars against the device limit, the step time split
-into compute / exposed communication / pipeline bubble / optimizer, and throughput (MFU, tokens/s)."""
+into compute / exposed communication / pipeline bubble / optimizer / waiting for the CPU, and
+throughput (MFU, tokens/s)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ MEMORY_PARTS = [("params", "parameters", "#4c78a8"), ("grads", "gradients", "#72
                 ("optimizer", "optimizer states", "#f58518"), ("activations", "activations", "#e45756"),
                 ("buffers", "comm buffers", "#b279a2"), ("margin", "margin", "#bab0ac")]
 TIME_PARTS = [("compute_s", "compute", "#4c78a8"), ("comm_exposed_s", "exposed comm", "#e45756"),
-              ("bubble_s", "pipeline bubble", "#bab0ac"), ("optimizer_s", "optimizer", "#f58518")]
+              ("bubble_s", "pipeline bubble", "#bab0ac"), ("optimizer_s", "optimizer", "#f58518"),
+              ("cpu_wait_s", "waiting for the CPU", "#9d755d")]
 MAX_BARS = 16
 """more ranks than this are grouped: consecutive ranks with the same breakdown share one bar"""
 

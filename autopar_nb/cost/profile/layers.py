@@ -191,6 +191,9 @@ class LayerProfile:
     params_rep: int = 0
     """trainable parameters every TP rank holds (norms, rowwise biases, replicated modules)"""
     param_itemsize: int = 4
+    param_tensors: int = 0
+    """trainable parameter tensors the layer owns (what the optimizer, DDP's hooks and clipping
+    loop over)"""
     flops_split: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     """forward FLOPs by op class that TP divides"""
     flops_rep: dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -208,6 +211,7 @@ class LayerProfile:
     """bytes moved by memory-bound ops outside TP regions (divided by TP only with sequence
     parallel)"""
     n_ops: int = 0
+    """non-view ops of the layer's forward: each a kernel launch, and the host's work issuing it"""
     emb_bwd_split: float = 0.0
     """bytes of dense Embedding-gradient writes in backward (tables TP splits)"""
     emb_bwd_rep: float = 0.0

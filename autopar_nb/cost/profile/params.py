@@ -38,6 +38,7 @@ def count_params(layers: dict[str, LayerProfile], f: Facts, *, split_params: set
         if lp is None:
             continue
         lp.param_itemsize = pi.itemsize
+        lp.param_tensors += 1
         lp.largest_param = max(lp.largest_param, pi.numel)
         if pname in split_params:
             lp.params_split += pi.numel
