@@ -100,7 +100,7 @@ def moment_at(where: str, layer_paths: list[str], moments: list[tuple], op_modul
     of the layer whose path holds the module (the largest such moment; the model has a forward moment for the last
     layer of each run of layers without recompute only). With ``micro_batch`` (the measured peak's, counted
     from 0) and per-op moments, a pipeline rank's first micro-batch's moments or a later one's
-    (:attr:`~autopar_nb.cost.peak.PeakMoment.later`). With ``op_modules`` (graph index -> module path) and
+    (:attr:`~autopar_nb.cost.moment.PeakMoment.later`). With ``op_modules`` (graph index -> module path) and
     per-op moments, a layer's backward at the ops of that very module (by its path within the layer: a repeated
     block's moments carry its first instance's ops), where it has any; with ``node`` (the autograd node running at
     the peak) and ``op_names`` (graph index -> op), at the ops of its kind among them (:func:`op_kind_of_node`:

@@ -47,6 +47,47 @@ def test_imports_flow_one_way():
     assert checked > 30
 
 
+def _module_imports() -> dict[str, set[str]]:
+    """Each module of the package -> the modules of the package it imports, those inside functions included (a
+    name imported from a package is its submodule where one exists)."""
+    mods = {}
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG.parent).with_suffix("").parts
+        mods[".".join(rel[:-1] if rel[-1] == "__init__" else rel)] = path
+    edges = {}
+    for name, path in mods.items():
+        here = (name if path.name == "__init__.py" else name.rpartition(".")[0]).split(".")
+        edges[name] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = ".".join([*here[:len(here) - node.level + 1], *filter(None, [node.module])]) if node.level \
+                    else node.module or ""
+                found = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            elif isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            else:
+                continue
+            for target in found:
+                while target not in mods and "." in target:
+                    target = target.rpartition(".")[0]
+                if target in mods and target != name:
+                    edges[name].add(target)
+    return edges
+
+
+def test_no_import_cycle():
+    """No module imports, at any depth and from inside a function too, one that imports it back: a lazy import does
+    not make a cycle a layering."""
+    import graphlib
+
+    edges = _module_imports()
+    assert sum(map(len, edges.values())) > 200
+    try:
+        tuple(graphlib.TopologicalSorter(edges).static_order())
+    except graphlib.CycleError as e:
+        raise AssertionError(f"import cycle: {' -> '.join(e.args[1])}") from None
+
+
 def test_runtime_imports_only_the_standard_library_and_torch():
     """autopar_nb/runtime is copied into exported scripts: each module imports the standard library, torch and its
     sibling runtime modules, nothing else (not autopar_nb, not kernels_ext, not psutil at module level)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..plan import ITEMSIZE
-from .peak import PeakMoment, fsdp_buffers
+from .moment import PeakMoment, fsdp_buffers
 from .schedule import Held, rank_states
 from .terms import FsdpUnit, StageSums
 

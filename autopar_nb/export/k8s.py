@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 from ..plan import Plan
-from . import layout, torchrun_command
+from .commands import layout, torchrun_command
 
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 """Kubernetes object names (RFC 1123 labels, at most 63 characters)"""

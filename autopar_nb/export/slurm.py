@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 from ..plan import Plan
-from . import RDZV_PORT, layout
+from .commands import RDZV_PORT, layout
 
 SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d{2}){0,2}")
 """Slurm's --time forms: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS"""
