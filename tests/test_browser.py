@@ -537,9 +537,10 @@ def test_controls_tell_the_truth(tmp_path):
 
 
 # ---- issue 20: the sharding board ------------------------------------------------------------------------------------
+# dp=2 pinned: the board's FSDP lane needs data parallelism, which this host-bound model's plan trades for pp=2
 BOARD_CELLS = [
     "%load_ext autopar_nb",
-    """%%autoparallel --gpus 4 --gpu h100-80gb --batch 32 --fix tp=2,zero=3 --name gpt
+    """%%autoparallel --gpus 4 --gpu h100-80gb --batch 32 --fix dp=2,tp=2,zero=3 --name gpt
 import torch
 from autopar_nb.zoo import GPT, GPTConfig
 model = GPT(GPTConfig(n_layer=12, n_embd=256, n_head=4, vocab_size=8192, block_size=256))
