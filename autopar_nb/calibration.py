@@ -33,7 +33,7 @@ repeated calibrations converge instead of compounding errors):
     by a run of the kind of plan it will plan.
   - CPU runs (RSS above each rank's RSS before its model was built, :func:`rss_margin_factors`): the fixed part is
     what a rank holds between steps beyond the parameters and optimizer state (the process group, thread stacks,
-    the kernels' first-use pages: about 50 MiB for the 2-rank MLP of ``tests/test_replan.py``), the
+    the kernels' first-use pages: about 50 MiB for a 2-rank MLP), the
     fraction what its peak holds beyond that and the predicted training state (glibc's retained free blocks).
     A run under a CPU memory limit fixes glibc's mmap threshold (``autopar_nb.launch.run.CPU_LIMIT_ENV``) so a
     freed tensor's pages go back at once: with glibc's default (a threshold that rises to the size of the

@@ -1,4 +1,4 @@
-"""Verify's machinery (seed §5.3): the plan's exported script on ranks started from this process, the
+"""Verify's machinery: the plan's exported script on ranks started from this process, the
 single-process reference, and the comparison. :mod:`autopar_nb.verify` is the entry point; the warm pool's verify
 standby (``launch/verifying.py``) runs the same functions in its own process.
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 
 class MyModel(nn.Module):
-    """The seed's model (§3.2): Linear(1024, 1024) -> ReLU -> Linear(1024, 512)."""
+    """The seed's MLP: Linear(1024, 1024) -> ReLU -> Linear(1024, 512)."""
 
     def __init__(self):
         super().__init__()

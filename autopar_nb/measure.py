@@ -1,5 +1,5 @@
 """One rank's memory, component by component, as the plan's exported script runs it: the figures the cost model is
-checked against (issue 21).
+checked against.
 
 The script is imported (``runpy``: its cell builds the model with real, small tensors; ``main`` does not run), then
 its own ``main`` runs a few training steps in one process as one rank of a fake process group

@@ -279,7 +279,7 @@ class PipelinePlan:
 
 @dataclass
 class PrecisionPlan:
-    """Mixed precision (seed §4.3): autocast dtype, FSDP param/reduce dtypes, loss scaling for fp16."""
+    """Mixed precision: autocast dtype, FSDP param/reduce dtypes, loss scaling for fp16."""
 
     amp: str = "none"
     """none | bf16 | fp16: the autocast dtype for the forward pass"""
@@ -288,15 +288,15 @@ class PrecisionPlan:
     reduce_dtype: str = "float32"
     """dtype gradients are reduced in"""
     init_loss_scale: float = 32768.0
-    """fp16 only: GradScaler init_scale (seed §4.3 init_loss_scaling)"""
+    """fp16 only: GradScaler init_scale (PaddlePaddle's init_loss_scaling)"""
     dynamic_loss_scale: bool = True
-    """fp16 only: grow/shrink the scale (seed §4.3 use_dynamic_loss_scaling)"""
+    """fp16 only: grow/shrink the scale (PaddlePaddle's use_dynamic_loss_scaling)"""
     growth_interval: int = 2000
     """fp16 only: steps without overflow before the scale doubles"""
     fp32_ops: list[str] = field(default_factory=list)
-    """ops kept in float32 under autocast (seed §4.3 custom_black_list), names from :data:`AMP_OPS`"""
+    """ops kept in float32 under autocast (PaddlePaddle's custom_black_list), names from :data:`AMP_OPS`"""
     low_precision_ops: list[str] = field(default_factory=list)
-    """ops run in the autocast dtype beyond autocast's own list (seed §4.3 custom_white_list: ``["matmul",
+    """ops run in the autocast dtype beyond autocast's own list (PaddlePaddle's custom_white_list: ``["matmul",
     "elementwise_add"]``)"""
 
     def __post_init__(self):
@@ -551,7 +551,7 @@ class Plan:
     optimizer: OptimizerPlan = field(default_factory=OptimizerPlan)
     layers: list[LayerPlan] = field(default_factory=list)
     sync_batchnorm: bool = False
-    """convert BatchNorm to SyncBatchNorm so statistics span all data-parallel ranks (seed §6.2)"""
+    """convert BatchNorm to SyncBatchNorm so statistics span all data-parallel ranks"""
     loss_parallel: bool = False
     """the output head is vocab-parallel and the loss is computed on sharded logits (torch loss_parallel)"""
     fused_loss: str = ""

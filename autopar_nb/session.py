@@ -172,7 +172,7 @@ class Session:
     def verify(self, steps: int = 5, nproc: int | None = None, *, warm: bool = True, **kwargs: Any):
         """Run the plan for real on ``nproc`` local processes (gloo on CPU, NCCL on GPUs) and a single-process
         reference with the same seed and data; returns a VerifyReport with, per step, the loss difference and the
-        max gradient/parameter difference (seed §5.3: did parallelism change my model?).
+        max gradient/parameter difference (did parallelism change my model?).
 
         ``nproc`` defaults to the plan's world size; a smaller count keeps the TP/PP layout and fewer data-parallel
         replicas (see plan_for). The model is built for real in every process: use a small config of your model.
@@ -199,7 +199,7 @@ class Session:
         warm pool, ranks forked with torch and the cell's imports loaded, running the same script (see
         ``autopar_nb.launch.launch``); False: a fresh interpreter per rank, as torchrun starts them by default.
 
-        ``replan`` (issue 14): when a rank runs out of memory or nears its limit (``run.events``), "ask" (default)
+        ``replan``: when a rank runs out of memory or nears its limit (``run.events``), "ask" (default)
         proposes a new plan (the dashboard's "Re-plan & resume", or ``run.replan()``), "auto" re-plans and resumes
         at once, "off" only reports. Re-planning stops the run, calibrates the memory the ranks held beyond the
         prediction, plans again with this session's pins kept (``ap.plan`` becomes the new plan; ``ap.undo()``

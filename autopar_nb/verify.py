@@ -1,4 +1,4 @@
-"""verify(source, plan): did parallelism change my model? (seed §5.3)
+"""verify(source, plan): did parallelism change my model?
 
 Exports the plan and runs that very script on ``nproc`` local processes (torch.distributed elastic launch; gloo on
 CPU, NCCL on GPUs), then a single-process reference with the same seed, data, learning-rate schedule and clipping,

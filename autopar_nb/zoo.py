@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 
 class SeedMLP(nn.Module):
-    """The seed's model (§3.2): Linear(1024, 1024) -> ReLU -> Linear(1024, 512)."""
+    """The seed's MLP: Linear(1024, 1024) -> ReLU -> Linear(1024, 512)."""
 
     def __init__(self, d_in: int = 1024, d_hidden: int = 1024, d_out: int = 512):
         super().__init__()

@@ -1,7 +1,7 @@
 """What ``torch.autocast`` does to each ATen op: its policy on CPU and on CUDA, as torch 2.13 registers it
 (``aten/src/ATen/autocast_mode.cpp``; the CUDA lists are the ``AT_FORALL_*`` macros of the shipped
 ``torch/include/ATen/autocast_mode.h``). An op autocast does not list falls through: it runs in the dtypes its inputs
-have (``tests/test_kernels_ext.py`` checks these sets against the dispatcher's AutocastCPU/AutocastCUDA kernels and
+have (a test checks these sets against the dispatcher's AutocastCPU/AutocastCUDA kernels and
 probes one op of each policy).
 
 Policies (:data:`POLICIES`):

@@ -142,6 +142,18 @@ def test_no_module_or_function_grows_past_its_size():
         assert set(listed) <= set(over), f"listed but no longer over {limit}: {sorted(set(listed) - set(over))}"
 
 
+def test_comments_say_why_not_when():
+    """No issue or section numbers, and no test paths, in the package's code and front end: those are history,
+    which the commits and issues keep."""
+    import re
+
+    history = re.compile(r"\b[Ii]ssue #?\d+|§|\btests/test_\w+\.py")
+    found = [f"{path.relative_to(PKG)}:{k}" for root in (PKG, PKG.parent / "kernels_ext")
+             for path in root.rglob("*") if path.suffix in (".py", ".js") and "vendor" not in path.parts
+             for k, line in enumerate(path.read_text().splitlines(), 1) if history.search(line)]
+    assert not found, found
+
+
 def test_runtime_imports_only_the_standard_library_and_torch():
     """autopar_nb/runtime is copied into exported scripts: each module imports the standard library, torch and its
     sibling runtime modules, nothing else (not autopar_nb, not kernels_ext, not psutil at module level)."""

@@ -137,7 +137,7 @@ class Evaluator:
 
     def _all_to_alls(self, lp, *, ep: int, tp: int, half: bool, scale: float) -> tuple[float, float]:
         """(forward, forward + backward) seconds of expert parallelism's all-to-alls in one layer and micro-batch
-        (``runtime/ep.py``, counted in tests/test_moe.py: 5 per experts module and step): the per-expert token
+        (``runtime/ep.py``: 5 per experts module and step, counted on real runs): the per-expert token
         counts (E integers), the token rows out to the experts and back in forward, the same two in backward. The
         ep ranks are consecutive data-parallel ranks (stride tp). Balanced routing: every rank sends and receives
         the average; a skewed router makes the busiest rank's share the time, which this does not model."""

@@ -1,4 +1,4 @@
-"""Re-planning while training (issue 14, point 2): when a rank runs out of memory, or comes near its limit, stop the
+"""Re-planning while training: when a rank runs out of memory, or comes near its limit, stop the
 run, calibrate the cost model with what the ranks held, plan again with the user's pins kept, and resume from the
 last complete DCP checkpoint under the new plan.
 
@@ -23,7 +23,7 @@ device is the run's and a step after the first was timed, the speed factors of t
   the same for any plan of the model), its fraction what its peak held beyond that and the predicted state. Under
   a CPU limit the ranks run with glibc's mmap threshold fixed (``run.CPU_LIMIT_ENV``), so freed activations go
   back at once and the peak does not grow over the steps: the first calibration holds, and one re-plan suffices
-  (``tests/test_replan.py``: the second leg held 135 MiB against 132 MiB predicted). Before, a fraction-only
+  (a 2-rank MLP's second leg held 135 MiB against 132 MiB predicted). Before, a fraction-only
   margin from the first step's peak was too small twice in three runs;
 * on GPUs :func:`autopar_nb.calibration.margin_factors` (CUDA's peak against the prediction).
 

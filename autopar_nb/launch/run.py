@@ -72,7 +72,7 @@ CPU_LIMIT_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
 """the workers' environment under a CPU memory limit (the plan's ``memory_limit_bytes``): glibc's fixed mmap threshold
 (1 MiB), so a freed tensor of 1 MiB or more goes back to the system at once and a rank's peak RSS is its runtime's
 floor plus the tensors the plan counts. glibc's default threshold rises to the largest block freed so far, so later
-tensors come from a heap that keeps its free blocks: the 2-rank MLP of ``tests/test_replan.py`` grew from 200 MiB
+tensors come from a heap that keeps its free blocks: a 2-rank MLP grew from 200 MiB
 at step 0 to 334-348 MiB above its baseline by step 30 (205-211 MiB with this), which no plan predicts. It costs
 page faults on every step (that MLP: +17 % step time); a variable the user sets wins"""
 

@@ -1,4 +1,4 @@
-"""Watching a run against its plan (issue 14, point 1): events from the run's per-rank samples, its ranks' failures
+"""Watching a run against its plan: events from the run's per-rank samples, its ranks' failures
 and the plan's predictions.
 
 Pure: plain dicts in, plain dicts out, no clock and no processes, so a test feeds it synthetic samples. The inputs

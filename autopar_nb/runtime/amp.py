@@ -1,4 +1,4 @@
-"""Mixed precision (seed §4.3): bf16/fp16 autocast with the plan's own op lists (:class:`OpPrecision`) and, for
+"""Mixed precision: bf16/fp16 autocast with the plan's own op lists (:class:`OpPrecision`) and, for
 fp16, a (sharded) gradient scaler with the plan's initial loss scale and dynamic scaling."""
 
 from __future__ import annotations

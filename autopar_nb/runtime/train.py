@@ -128,7 +128,7 @@ def report(step: int, loss: float, dt: float, batch, *, metrics, device: str, dp
                   **memory_stats(device)})
 
 
-DATA_BOUND = 0.1  # the share of step time waiting for batches above which data loading is the bottleneck (§5.1)
+DATA_BOUND = 0.1  # the share of step time waiting for batches above which data loading is the bottleneck
 
 
 def data_summary(waited: float, busy: float, *, loader: bool, metrics, device: str) -> None:

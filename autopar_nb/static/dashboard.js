@@ -343,7 +343,7 @@ function render({ model, el }) {
     summary.replaceChildren(...parts);
   }
 
-  // re-planning (issue 14): a proposal with its two answers, or the re-plan under way
+  // re-planning: a proposal with its two answers, or the re-plan under way
   function drawReplan() {
     const r = model.get("replan") || {};
     if (!r.text) { replan.replaceChildren(); return; }

@@ -34,7 +34,7 @@ from .units import fmt_bytes, fmt_count
 
 # split key -> (legend label, fill colour). Light tints of the Okabe–Ito palette, chosen so that every pair stays
 # apart (CIE76 ΔE >= 12) for normal vision and deuteranopia (Machado et al. 2009), and black text reads on each
-# (contrast >= 8:1); tests/test_widget.py checks both. Nodes also name their split in words (SPLIT_TAGS).
+# (contrast >= 8:1), checked by the tests. Nodes also name their split in words (SPLIT_TAGS).
 SPLITS: dict[str, tuple[str, str]] = {
     "replicated": ("replicated", "#d9d9d9"),
     "fsdp": ("FSDP-sharded", "#8ecdf0"),

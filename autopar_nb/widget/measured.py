@@ -1,4 +1,4 @@
-"""Measured beside predicted in the planner widget (issue 14 point 4, issue 21 point 6), as plain data.
+"""Measured beside predicted in the planner widget, as plain data.
 
 Once a launched run of the plan shown has measured something, the memory bars and the step time carry the measured
 figure and its ratio to the prediction it compares with (``autopar_nb.launch.compare``: on CPU each rank's peak RSS
