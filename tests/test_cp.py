@@ -65,10 +65,12 @@ def test_script_refuses_what_cp_cannot_run():
 
 def hf_source(family: str) -> ModelSource:
     """A Hugging Face decoder of tests/memcells.py, small: hidden 64, 2 layers, seq 64 (4 chunks of
-    16 on 2 cp ranks), 2 samples."""
+    16 on 2 cp ranks), 2 samples. GPT-2's attention dropout is 0 (its default 0.1 is refused on CPU:
+    :func:`test_attention_dropout_is_refused_on_cpu`)."""
     from memcells import CELLS
 
-    return ModelSource(CELLS[family](hidden=64, layers=2, seq=64, batch=2))
+    cell = CELLS[family](hidden=64, layers=2, seq=64, batch=2)
+    return ModelSource(cell.replace("n_head=", "attn_pdrop=0.0, n_head=") if family == "GPT-2" else cell)
 
 
 def verify_cp(cases: dict[str, tuple[str | None, int]], *, nproc: int) -> None:
@@ -187,6 +189,24 @@ def test_what_context_parallelism_cannot_split():
     assert not graph.takes_positions and "takes no position_ids" in profile(graph).cp_blocker
     with pytest.raises(PlanError, match="fix cp=2: .*torch.arange"):
         ap.plan(graph, ap.Cluster.preset("cpu", gpus_per_node=2), fix={"cp": 2})
+
+
+def test_attention_dropout_is_refused_on_cpu():
+    """SDPA with dropout has no fused CPU kernel: its math form's separate ops (the mask's add) mix
+    the ring's DTensors with plain tensors, so GPT-2 at its default attn_pdrop 0.1 crashed in the
+    exported script's first forward on 2 gloo processes (verify, which switches dropout off, passed).
+    The planner refuses it on CPU, names the setting, and plans it for GPUs."""
+    from memcells import CELLS
+
+    import autopar_nb as ap
+
+    src = ModelSource(CELLS["GPT-2"](hidden=64, layers=2, seq=64, batch=2))
+    model, inputs, _ = src.build(device="meta")
+    graph = ap.capture(model, inputs)
+    with pytest.raises(PlanError, match=r"fix cp=2: the attention of transformer.h.0.attn has dropout 0.1.*"
+                                        r"set the attention dropout to 0"):
+        ap.plan(graph, ap.Cluster.preset("cpu", gpus_per_node=2), fix={"cp": 2}, global_batch=2)
+    assert ap.plan(graph, ap.Cluster.preset("h100-80gb", 1, 2), fix={"cp": 2}, global_batch=2).mesh.cp == 2
 
 
 def test_positions_lift_the_refusal():

@@ -96,7 +96,7 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(),
         device_kind=device_kind, rep=_repeats(graph),
         tp_refused={f.by_name[k].module_path: why for k, why in refused.items()},
         pp_blocker=pp_blocker(f), sp_blocker=sp_check(graph, f.by_name, f.tp.styles, f.tp.sharded),
-        cp_blocker=cp_blocker(graph), crossings=count_crossings(f, amp, first_saver))
+        cp_blocker=cp_blocker(graph, device_kind), crossings=count_crossings(f, amp, first_saver))
 
 
 def _region_modules(f: Facts) -> dict[int, list[str]]:
