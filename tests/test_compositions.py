@@ -84,3 +84,20 @@ def test_composition_memory_matches_the_tracker(name):
         for group, value in g.items():
             assert p[group] == pytest.approx(value, abs=WITHIN * m["peak"]["total"] + 1024), (stage, group, p, g)
     assert with_term, f"no rank peaks where {term} is held"
+
+
+def test_zero_bubble_schedules_refuse_recompute():
+    """Under a zero-bubble schedule the input pass recomputes a layer and keeps what it re-made for the weight pass:
+    measured (``bench/memory.py --compositions``, ZeRO-3 dp 2 x pp 2 ZBV) full recompute held 44-76 % more than the
+    model's prediction and more than no recompute, so the planner refuses the pair, asked globally or per layer."""
+    src = ModelSource(CELLS["LLaMA"](**SIZE))
+    meta, example, _ = src.build(device="meta")
+    graph = ap.capture(meta, example)
+    cluster = ap.Cluster.preset("cpu", 1, 4)
+    zbv = {"dp": 2, "pp": 2, "zero_stage": 3, "schedule": "zbv_zero_bubble", "virtual_stages": 2}
+    with pytest.raises(ap.PlanError, match="schedule=zbv_zero_bubble with recompute full: .*drop recompute"):
+        ap.plan(graph, cluster, global_batch=8, fix={**zbv, "recompute": "full"})
+    with pytest.raises(ap.PlanError, match="with recompute selective"):
+        ap.plan(graph, cluster, global_batch=8, fix=zbv, overrides={"model.layers.1": {"recompute": "selective"}})
+    plan = ap.plan(graph, cluster, global_batch=8, fix=zbv)
+    assert all(lay.recompute == "none" for lay in plan.layers)

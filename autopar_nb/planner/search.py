@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from ..cost.estimate import Evaluator
 from ..cost.memory import in_flight, state_bytes
 from ..cost.norm import one_kernel
+from ..cost.schedule import ZERO_BUBBLE
 from ..cost.setting import LayerChoice, Setting
 from ..cost.time import bubble_fraction
 from ..plan import DTYPE_NAMES, ITEMSIZE, Cost, PlanError, stage_rank
@@ -362,8 +363,7 @@ class Search:
             if ep > 1:
                 zeros = [z for z in zeros if z != 1 and not (z >= 2 and self.selective_experts)]
                 if not zeros:
-                    self.rejected.append(
-                        f"ep={ep} with fix zero_stage={fix['zero_stage']}: " + (
+                    self.rejected.append(f"ep={ep} with fix zero_stage={fix['zero_stage']}: " + (
                             "ZeroRedundancyOptimizer (ZeRO-1) does not take the experts' DTensor parameters"
                             if fix["zero_stage"] == 1 else "selective recompute is pinned on layers holding experts, "
                             "which FSDP shards inside the checkpointed region (use full recompute, or ZeRO 0)"))
@@ -482,7 +482,7 @@ class Search:
     def _cost(self, s: Setting, choices: list[LayerChoice], auto_recompute: bool) -> Candidate:
         self.evaluated += 1
         cost = self.ev.evaluate(s, choices)
-        if cost.peak_memory_bytes > self.limit and auto_recompute:
+        if cost.peak_memory_bytes > self.limit and auto_recompute and s.schedule not in ZERO_BUBBLE:  # it holds more
             free = [i not in self.rec_pinned for i in range(self.n)]
             original = [LayerChoice(c.stage, c.tp, c.recompute, c.fsdp, c.compile) for c in choices]
             for _ in range(3):  # greedy: its estimate of the bytes each step sheds is checked by evaluating again
