@@ -122,6 +122,14 @@ KNOWN = [
     "Routing is measured as it falls: Mixtral's expert groups received 3134 to 4533 tokens on the real 2-process "
     "runs where the model's balanced routing says 4096; the rows stay within 5 % because the experts' activations "
     "are a part of the peak, and a trained router's imbalance is not modelled",
+    "Compositions (--compositions): ZeRO-3 x PP under ZBV with full recompute measured 44-76 % above the "
+    "prediction and above the same plan without recompute (torch's input pass keeps what the recompute re-made "
+    "for the weight pass): the planner now refuses recompute with zero-bubble schedules. Mixtral EP x DP with full "
+    "recompute -13 / -15 % at the experts' recompute, and LLaMA ZeRO-3 x TP x PP's last stage -7 to -17 % (its "
+    "peak in the stage's forward outside a layer, or the loss's backward: the vocab-parallel head's logits inside "
+    "a pipeline stage), not identified. EP x PP is refused by the planner (the runtime runs expert parallelism "
+    "with tp = pp = 1). GPT-2 under CP crashed on CPU at its default attention dropout (SDPA's math form, which "
+    "the ring cannot split): refused on CPU now",
     "ViT fp32 full recompute (+2.4 %, total only): the components match at the tracker's moment (layer 0's "
     "backward at the GELU, 62.2 MiB), the model's peak is layer 0's backward at another op (63.7 MiB); not "
     "identified",
