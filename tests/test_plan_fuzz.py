@@ -27,8 +27,9 @@ JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
                                       inner, max_size=4), max_leaves=20)
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BASE = _plan_dict()
-FREE_KEYS = ("tp", "tp_parts", "comm_by_kind", "comm_exposed_by_kind")
-"""dicts keyed by module path (a new key there is a module like any other) or by collective kind (any string)"""
+FREE_KEYS = ("tp", "tp_parts", "comm_by_kind", "comm_exposed_by_kind", "cpu_by_part")
+"""dicts keyed by module path (a new key there is a module like any other), by collective kind or by host-CPU part
+(any string)"""
 
 
 def _paths(node, prefix=()):
