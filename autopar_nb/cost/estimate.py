@@ -95,9 +95,9 @@ class Evaluator:
         bwd_fl = (sum(lp.bwd_split.values()) + sum(lp.bwd_rep.values()) + lp.bwd_other) * scale
         experts = lp.params_experts / ep if ep > 1 and lp.experts else 0.0
         a2a_fwd, a2a = self._all_to_alls(lp, ep=ep, tp=tp, half=half, scale=scale) if experts else (0.0, 0.0)
-        t = LayerTerms(fwd, bwd, sel, act, lp.params_split / tp + lp.params_rep - (lp.params_experts - experts
-                                                                                      if experts else 0),
-                       comm, out, work, fwd_fl + bwd_fl, fwd_fl, lp.quad_flops * qscale,
+        local = lp.params_split / tp + lp.params_rep - (lp.params_experts - experts if experts else 0)
+        t = LayerTerms(fwd, bwd, sel, act, local, comm, out, work, fwd_fl + bwd_fl, fwd_fl,
+                       lp.quad_flops * qscale + (lp.sel_split + lp.sel_rep) * scale,
                        lp.largest_param / (tp if lp.tp else 1), sum(comm.values()) * (1 - self.f.overlap_tp) + a2a,
                        experts, a2a_fwd)
         if a2a:

@@ -14,7 +14,7 @@ class LayerTerms:
     fwd: float
     bwd: float
     sel: float
-    """seconds selective recompute adds in backward (the attention scores again)"""
+    """seconds selective recompute adds in backward (the memory-bound ops and every other weight matmul again)"""
     act: dict[str, float]
     """saved activation bytes by recompute mode"""
     params_local: float
@@ -26,6 +26,7 @@ class LayerTerms:
     """forward + backward FLOPs of one micro-batch (global, not per rank: model FLOPs)"""
     fwd_flops: float = 0.0
     quad_flops: float = 0.0
+    """forward FLOPs selective recompute runs again (attention scores, every other weight matmul; global)"""
     largest_param: float = 0.0
     """numel of the layer's largest local parameter"""
     tp_exposed: float = 0.0
@@ -76,8 +77,8 @@ class LayerTerms:
         return fwd * (2 if recompute != "none" else 1) + bwd
 
     def recompute_s(self, recompute: str) -> float:
-        """Seconds recompute adds in backward: the whole forward again (full, with its all-to-alls) or the attention
-        scores (selective)."""
+        """Seconds recompute adds in backward: the whole forward again (full, with its all-to-alls) or its
+        memory-bound ops and every other weight matmul (selective)."""
         return self.fwd + self.a2a_fwd if recompute == "full" else self.sel if recompute == "selective" else 0.0
 
     def recompute_flops(self, recompute: str) -> float:

@@ -38,8 +38,9 @@ def layer_compute_time(lp: LayerProfile, *, tp: int, sp: bool, precision: str, s
         bwd += (lp.bwd_split.get(cls, 0.0) / tp + lp.bwd_rep.get(cls, 0.0)) * s / (peak * eff)
     hbm = device.hbm_bandwidth * factors.eff_hbm
     mem = (lp.mem_split / tp + lp.mem_rep / (tp if sp else 1)) * scale / hbm
-    return _memory_bound(lp, fwd, bwd, (mem, 2 * mem), (lp.n_ops, 2 * lp.n_ops), tp=tp, hbm=hbm, factors=factors,
-                         compiled=compiled)
+    fwd, bwd, sel = _memory_bound(lp, fwd, bwd, (mem, 2 * mem), (lp.n_ops, 2 * lp.n_ops), tp=tp, hbm=hbm,
+                                  factors=factors, compiled=compiled)
+    return fwd, bwd, sel + _matmuls_again(lp, tp, scale, peak * factors.efficiency("matmul", False))
 
 
 def amp_compute_time(lp: LayerProfile, amp: AmpTime, *, tp: int, sp: bool, scale: float, quad_scale: float,
@@ -67,8 +68,15 @@ def amp_compute_time(lp: LayerProfile, amp: AmpTime, *, tp: int, sp: bool, scale
     casts = (amp.cast_split / tp + amp.cast_rep / rep_div + amp.cast_whole) * scale / hbm
     cast_bwd = (amp.cast_bwd_split / tp + amp.cast_bwd_rep / rep_div + amp.cast_bwd_whole) * scale / hbm
     ops = (lp.n_ops + amp.casts, 2 * lp.n_ops + amp.casts)
-    return _memory_bound(lp, fwd, bwd, (mem + casts, 2 * mem + cast_bwd), ops, tp=tp, hbm=hbm, factors=factors,
-                         compiled=compiled)
+    fwd, bwd, sel = _memory_bound(lp, fwd, bwd, (mem + casts, 2 * mem + cast_bwd), ops, tp=tp, hbm=hbm,
+                                  factors=factors, compiled=compiled)
+    return fwd, bwd, sel + _matmuls_again(lp, tp, scale, lo * factors.efficiency("matmul", True))
+
+
+def _matmuls_again(lp: LayerProfile, tp: int, scale: float, rate: float) -> float:
+    """Seconds selective recompute spends running every other weight matmul again (``rate``: FLOP/s; a matmul
+    the plan keeps in float32 is costed at the 16-bit rate too)."""
+    return (lp.sel_split / tp + lp.sel_rep) * scale / rate
 
 
 def _memory_bound(lp: LayerProfile, fwd: float, bwd: float, mem: tuple[float, float], ops: tuple[int, int], *,
@@ -81,8 +89,8 @@ def _memory_bound(lp: LayerProfile, fwd: float, bwd: float, mem: tuple[float, fl
     over_f, over_b = ops[0] * factors.op_overhead_s * k, ops[1] * factors.op_overhead_s * k
     # the dense Embedding gradient (fp32, like the weights) is the table's size whatever the batch: not scaled
     emb = (lp.emb_bwd_split / tp + lp.emb_bwd_rep) / hbm
-    # selective recompute (runtime/ac.py) keeps matmul, convolution and attention outputs and runs the rest of the
-    # forward again: the memory-bound ops
+    # selective recompute (runtime/ac.py) runs the memory-bound ops of the forward again (and every other weight
+    # matmul: _matmuls_again)
     return fwd + mem_f + over_f, bwd + mem_b + over_b + emb, mem_f + over_f
 
 

@@ -5,13 +5,14 @@ values context parallelism passes round."""
 from __future__ import annotations
 
 from ...plan import ITEMSIZE
-from .facts import FLOAT, Facts, in_layers, numel
+from .facts import FLOAT, Facts, in_layers, numel, selective_recomputes
 from .layers import AmpTime, LayerProfile
 
 
 def count_compute(layers: dict[str, LayerProfile], f: Facts) -> None:
     """FLOPs by op class (split or replicated under TP), bytes of memory-bound ops, the largest
     backward step."""
+    again = selective_recomputes(layers, f)
     for lp, n in in_layers(layers, f):
         in_region, split_op = n.name in f.tp.sharded, n.name in f.tp.styles
         if n.op_class != "view":
@@ -33,6 +34,10 @@ def count_compute(layers: dict[str, LayerProfile], f: Facts) -> None:
             bwd[n.op_class] += n.bwd_flops
             if n.name in f.scores:
                 lp.quad_flops += n.flops
+            if n.name in again and split:
+                lp.sel_split += n.flops
+            elif n.name in again:
+                lp.sel_rep += n.flops
         elif n.op_class != "view":
             lp.flops_other += n.flops
             lp.bwd_other += n.bwd_flops

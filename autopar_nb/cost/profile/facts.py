@@ -240,6 +240,29 @@ def in_layers(layers: dict[str, LayerProfile], f: Facts):
             yield lp, n
 
 
+def weight_matmul(n) -> bool:
+    """Op ``n`` runs as one ``mm`` / ``addmm`` kernel (a Linear, a Conv1D's ``addmm``, ``x @ w`` of a
+    2-D right operand): what ``runtime/ac.py``'s selective recompute counts (``ALTERNATE_OPS``)."""
+    name = packet(n.op)
+    if name in ("linear", "mm", "addmm"):
+        return True
+    ranks = [len(s) for s in n.in_shapes[:2]]
+    return name == "matmul" and len(ranks) == 2 and ranks[1] == 2 and ranks[0] >= 2
+
+
+def selective_recomputes(layers: dict[str, LayerProfile], f: Facts) -> frozenset[str]:
+    """The weight matmuls selective recompute runs again (``runtime/ac.py``): the second, fourth, ...
+    of each layer's forward."""
+    count = dict.fromkeys(layers, 0)
+    again = set()
+    for lp, n in in_layers(layers, f):
+        if n.op_class == "matmul" and n.out_shapes and weight_matmul(n):
+            count[lp.path] += 1
+            if count[lp.path] % 2 == 0:
+                again.add(n.name)
+    return frozenset(again)
+
+
 def math_attention(n, device_kind: str) -> bool:
     """SDPA that runs PyTorch's math kernel: on CPU with dropout (the CPU flash kernel has no
     dropout). It saves scaled copies of q and k, v, and three score-sized tensors (softmax output,

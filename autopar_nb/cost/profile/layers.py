@@ -205,6 +205,10 @@ class LayerProfile:
     bwd_other: float = 0.0
     quad_flops: float = 0.0
     """forward FLOPs of the attention-score ops that selective recompute runs again"""
+    sel_split: float = 0.0
+    """forward FLOPs of the weight matmuls selective recompute runs again (every other one:
+    ``runtime/ac.py``) that TP divides"""
+    sel_rep: float = 0.0
     mem_split: float = 0.0
     """bytes moved by memory-bound ops inside TP regions"""
     mem_rep: float = 0.0

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from ...plan import ITEMSIZE
 from ..tp_styles import packet, rule_of
-from .facts import Facts, Size, in_layers, math_attention, scores_numel
+from .facts import Facts, Size, in_layers, math_attention, scores_numel, selective_recomputes
 from .layers import LayerProfile, Moment, Saved
 from .moments import (
     Alive,
@@ -60,13 +60,14 @@ def _saved_at(layers: dict[str, LayerProfile], f: Facts, precision: str, device_
     forward: dict[str, list[Moment]] = {path: [] for path in layers}
     weight_pass: dict[str, list[tuple[int, Saved]]] = {path: [] for path in layers}
     cached = dict.fromkeys(layers, 0)  # the tensors selective recompute keeps of the ops so far
+    again = selective_recomputes(layers, f)
     accumulating = accumulating_gradients(f)
     index = {n.name: k for k, n in enumerate(f.graph.nodes)}
     alive = Alive(lives)
     entering = layer_inputs(layers, f)
     own: dict[str, set[str]] = {path: set() for path in layers}  # the storages each layer saves
     for lp, n in in_layers(layers, f):
-        cached[lp.path] += len(_selective_kept(n, f, device_kind))
+        cached[lp.path] += len(_selective_kept(n, f, device_kind, again))
         rule = rule_of(n.op)
         recorded = rule is not None and n.name in f.grad and (
             f.root.get(n.name, n.name) == n.name or n.op_class == "view")
@@ -116,22 +117,25 @@ def count_selective(layers: dict[str, LayerProfile], f: Facts, amp: dict[str, Fa
                     device_kind: str) -> None:
     """Each layer's :attr:`LayerProfile.selective` in the float32 forward (``f``) and under each
     autocast precision (``amp``): what the runtime's selective recompute (``runtime/ac.py``: torch's
-    selective checkpoint with a policy that must save mm/addmm/bmm/convolution/attention outputs)
-    keeps, besides the inputs the checkpoint holds (:func:`_selective_kept` of each op)."""
+    selective checkpoint with a policy that must save bmm/convolution/attention outputs and those of
+    every other weight matmul) keeps, besides the inputs the checkpoint holds (:func:`_selective_kept`
+    of each op)."""
     for precision, fp in (("fp32", f), *amp.items()):
         kept: dict[str, list[Saved]] = {path: [] for path in layers}
+        again = selective_recomputes(layers, fp)
         for lp, n in in_layers(layers, fp):
-            kept[lp.path] += _selective_kept(n, fp, device_kind)
+            kept[lp.path] += _selective_kept(n, fp, device_kind, again)
         for path, lp in layers.items():
             lp.selective[precision] = kept[path]
 
 
-def _selective_kept(n, f: Facts, device_kind: str) -> list[Saved]:
+def _selective_kept(n, f: Facts, device_kind: str, again: frozenset[str]) -> list[Saved]:
     """What selective recompute keeps of op ``n``: the output of a matmul, convolution or attention
     op (a fused attention kernel's log-sum-exp with it; the CPU math kernel's two bmm outputs,
-    float32 under autocast); nothing of other ops. A row-parallel output is its local partial sum,
-    full size even under sequence parallelism (``gathered``)."""
-    if n.op_class not in ("matmul", "conv", "attention") or not n.out_shapes:
+    float32 under autocast) but not of the weight matmuls it runs ``again``; nothing of other ops.
+    A row-parallel output is its local partial sum, full size even under sequence parallelism
+    (``gathered``)."""
+    if n.op_class not in ("matmul", "conv", "attention") or not n.out_shapes or n.name in again:
         return []
     size, region = f.size[n.name]._replace(floating=True), n.name in f.tp.sharded
     if math_attention(n, device_kind):
