@@ -11,6 +11,7 @@ from collections import defaultdict
 from ..plan import DTYPE_NAMES, ITEMSIZE, RECOMPUTE, Cost
 from .comm import collective_time, link_for
 from .cpu import issue_time, layer_cpu
+from .dp_comm import data_parallel_comm
 from .factors import Factors, factors_for
 from .loss import FusedHead
 from .memory import activation_bytes, forward_peak, input_pass, op_moments, peak_op
@@ -194,7 +195,7 @@ class Evaluator:
             for d in (comm.by_kind, comm.exposed_by_kind):
                 d["all_reduce"] = d.get("all_reduce", 0.0) + tp_step
         p2p_exposed = self._pipeline_comm(s, sums, comm)
-        dp_exposed = self._data_parallel_comm(s, sums, bottleneck, comm)
+        dp_exposed = data_parallel_comm(s, sums, bottleneck, comm, cluster=self.cluster, factors=f)
         opt_params = max(sums.params) if s.zero_stage < 1 else max(
             (p - x) / s.replicas + x / (s.dp // s.ep) for p, x in zip(sums.params, sums.experts, strict=True))
         opt_t = optimizer_time(opt_params, self.cluster.device, f)
@@ -506,51 +507,6 @@ class Evaluator:
         if exposed:
             comm.exposed_by_kind["send_recv"] = exposed
         return exposed
-
-    def _data_parallel_comm(self, s: Setting, sums: RankSums, bottleneck: int, comm: CommTime) -> float:
-        """Gradient all-reduce (ZeRO 0/1, once per step: no_sync on earlier micro-batches) or FSDP's reduce-scatter
-        and all-gathers (ZeRO 2/3, every micro-batch), overlapped with backward up to a factor, over the dp * cp
-        ranks that hold the same parameters. Adds to ``comm``; returns the exposed seconds."""
-        if s.replicas <= 1:
-            return 0.0
-        f, m = self.f, s.micro_batches
-        p_item = ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")]  # parameters gathered in the compute dtype
-        g_item = ITEMSIZE["float32"]  # gradients reduced in fp32 (FSDP2 MixedPrecisionPolicy.reduce_dtype / DDP)
-        r = max(range(s.pp), key=lambda j: sums.params[j])  # the pipeline rank with the most parameters reduces last
-        # expert parallelism: the experts' share is reduced among the dp / ep ranks that hold the same experts
-        # (every ep-th data-parallel rank), the rest over all dp ranks
-        groups = [(sums.params[r] - sums.experts[r], s.replicas, link_for(self.cluster, size=s.replicas, stride=s.tp))]
-        if sums.experts[r]:
-            edp = s.dp // s.ep
-            groups.append((sums.experts[r], edp, link_for(self.cluster, size=edp, stride=s.tp * s.ep)))
-
-        def ct(kind: str, per_param: float) -> float:
-            return sum(collective_time(kind, n * per_param, size, link, f.eff_link) for n, size, link in groups)
-
-        if s.zero_stage <= 1:
-            ar = ct("all_reduce", g_item)
-            ag = ct("all_gather", 4) if s.zero_stage == 1 else 0.0  # ZeroRedundancyOptimizer broadcast
-            comm.by_kind["all_reduce"] = comm.by_kind.get("all_reduce", 0.0) + ar
-            if ag:
-                comm.by_kind["all_gather"] = comm.by_kind.get("all_gather", 0.0) + ag
-            window = sums.fwdbwd[bottleneck] * 2 / 3  # gradients of the last micro-batch's backward (no_sync)
-            exposed_kind = {"all_reduce": ar - min(f.overlap_dp * ar, window), "all_gather": ag}
-            exposed = ar - min(f.overlap_dp * ar, window) + ag
-        else:
-            rs = m * ct("reduce_scatter", g_item)
-            ag = (1 if s.held_zero_stage == 2 else 2 * m) * ct("all_gather", p_item)
-            comm.by_kind["reduce_scatter"] = comm.by_kind.get("reduce_scatter", 0.0) + rs
-            comm.by_kind["all_gather"] = comm.by_kind.get("all_gather", 0.0) + ag
-            window = m * sums.fwdbwd[bottleneck]
-            ov = f.overlap_fsdp if s.held_zero_stage == 3 else f.overlap_dp
-            total = rs + ag
-            exposed = total - min(ov * total, window)
-            exposed_kind = {"reduce_scatter": exposed * rs / total, "all_gather": exposed * ag / total}
-        for kk, v in exposed_kind.items():
-            if v:
-                comm.exposed_by_kind[kk] = comm.exposed_by_kind.get(kk, 0.0) + v
-        return exposed
-
 
     def rank_moments(self, s: Setting, choices: list[LayerChoice], *, per_op: bool = False) -> list[list[tuple]]:
         """Per pipeline rank, every moment :meth:`evaluate` weighs for the rank's peak: (phase — "forward",
