@@ -326,8 +326,6 @@ for label, tps, excl in (("", 109, ""), (" + Float8", 177, "needs FP8 (Float8)")
 # / 4096 (Llama 2), compile = false; norm_type fused_rmsnorm for Llama 3 8B and Llama 2 13B,
 # rmsnorm for the 70Bs (train_configs/*.toml @1ea476e9f, @395a52627).
 TT04 = "torchtitan Apr 2024"
-TT04_NOTE = ("torchtitan's selective op AC saves every other matmul output (parallelize_llama.py "
-             "_save_list), ours every one")
 for model, name, seq, lbs, rec, tps, fused in (
         ("llama3-8b", "Llama 3 8B", 8192, 1, "selective", 2973, True),
         ("llama3-70b", "Llama 3 70B", 8192, 1, "full", 331, False),
@@ -339,8 +337,7 @@ for model, name, seq, lbs, rec, tps, fused in (
         f"{name} FSDP, local batch {lbs}, AC {rec}, 64 A100", "torchtitan",
         f"{TT04} ({name.split()[0]} {name.split()[1]} table)", model, "a100-80gb", 64,
         {"dp": 64, "zero_stage": 3, "micro_batches": 1}, 64 * lbs, seq, rec, "tokens", tps,
-        extra={"compile": False, "fused_loss": False, "fused_norm": fused},
-        notes=TT04_NOTE if rec == "selective" else ""))
+        extra={"compile": False, "fused_loss": False, "fused_norm": fused}))
 
 # NVIDIA DGX Cloud recipes v24.11.1 (@35a9aec); throughput = the README's "Throughput in tokens
 # per second" over the GPUs. NeMo runs the distributed optimizer (optim name
@@ -394,34 +391,31 @@ ROWS.append(Row(
     extra={"sequence_parallel": True, "fused_loss": False}))
 
 
-# What the furthest rows are made of (diagnosed at commit 7833286 from the Cost breakdowns; the
-# what-ifs are one-off evaluations, not in the table). Rows by their place in ROWS.
+# What the furthest rows are made of, from the Cost breakdowns (the what-ifs are one-off
+# evaluations, not in the table). Rows by their place in ROWS.
+DIAGNOSED = "2026-12-05, with torchtitan's selective recompute and one reduce-scatter per pipelined step"
 KNOWN = [
-    "Collectives across nodes: cost/comm.py charges a group that crosses nodes the per-GPU NIC "
-    "(IB HDR 25 GB/s x 0.8 on A100) for its whole ring volume. A data-parallel group made of "
-    "whole nodes (FSDP over 64 A100: stride 1) has NCCL's rings cross nodes on all 8 NICs of a "
-    "node at once, and the measured steps are shorter than the model's all-gathers alone "
-    "(Llama 2 70B, local batch 1: 11.5 s measured, 13.6 s of all-gather predicted). With those "
-    "groups costed at 8 NICs (what-if): #35 -14 % -> +3 %, #36 -28 % -> -10 %, #37 -26 % -> "
-    "0 %, #39 -58 % -> +15 %, #40 -30 % -> -7 %.",
     "Compute is costed at one matmul efficiency whatever the GEMM's size: Megatron-LM's rows go "
-    "from +24 % (hidden 2304) and +15 % (3072) to within 5 % from hidden 4096 up (compute is "
-    "94 % of #1's predicted step). NeMo's 8B (#41-#42: Transformer Engine, cuDNN attention) "
+    "from +30 % (hidden 2304) and +20 % (3072) to within 6 % from hidden 4096 up (compute is "
+    "98 % of #1's predicted step). NeMo's 8B (#41-#42: Transformer Engine, cuDNN attention) "
     "measured a 12.91 s step where the model's compute alone is 15.42 s.",
     "#9 (529.6B): only the planner's v = 2 fits 76.4 GiB, and 105 layers on 35 x 2 chunks "
     "leave ranks with 4 layers beside ranks with 3 (compute 63.3 s); v = 3, one block per "
     "chunk, predicts 154 TFLOP/s (-6 %) but needs 83.9 GiB.",
-    "#11-#12 (Llama 3): exposed reduce-scatter (FSDP2 reduce-scatters ZeRO-2 gradients every "
-    "micro-batch: 2.73 / 1.38 s) and the interleaved bubble (2.32 s) with the planner's v = 2; "
-    "Meta's V, N and balanced end stages are not published or pinnable. Memory: 194.5 GiB of "
-    "saved activations on rank 1 where Meta trained 8K sequences without recompute in 80 GB.",
+    "#11-#12 (Llama 3, -16 / -25 %): the interleaved bubble (2.77 s) with the planner's v = 2, "
+    "and exposed collectives (1.83 / 1.10 s; torch's PipelineStage reduce-scatters a stage's "
+    "ZeRO-2 gradients once, after its last backward: 1.04 / 0.68 s of them); Meta's V, N and "
+    "balanced end stages are not published or pinnable. Memory: saved activations far beyond "
+    "80 GB on rank 1 where Meta trained 8K sequences without recompute.",
     "Memory: our ZeRO-1 (DDP + ZeroRedundancyOptimizer) holds fp32 parameters, fp32 gradients "
     "and DDP's buckets (3 x 29.9 GiB for the 8B, #41-#42) where Megatron's distributed "
-    "optimizer fits in 80 GB; torchtitan's 8B (#14-#18) peaks 10-28 % lower than predicted "
-    "(its selective AC saves every other matmul output, ours every one).",
+    "optimizer fits in 80 GB. torchtitan's 8B (#14-#18) reserved 4-15 % more than the "
+    "predicted peak with its margin (selective recompute runs torchtitan's policy: when ours "
+    "kept every matmul output, 10-28 % less); the margin for selective recompute (5 % + 1 GiB) "
+    "was measured (2.2 %) under the former policy, which recomputed no matmul, and the drop "
+    "from 8 to 128 GPUs is 15.4 GiB published, 11.0 predicted.",
     "Hardware: torchtitan's H100s ran at 500 W with 2.4 TB/s HBM2e (#14-#31) or lower TDP "
-    "(#32-#34); the h100-80gb preset is the 700 W SXM: #14-#18 and #32 are predicted 19-49 % "
-    "faster.",
+    "(#32-#34); the h100-80gb preset is the 700 W SXM: #14-#18 are predicted 8-17 % faster.",
 ]
 
 
@@ -735,7 +729,7 @@ def main() -> None:
         "(each row's table in its source column; the quoted text beside each row in "
         f"`bench/published.py`):\n\n{cites}\n\n**{summ}**\n\n{table}\n\nNotes by row:\n\n"
         f"{notes(results)}\n"
-        + ("" if args.only else "\nWhat the furthest rows are made of (diagnosed at 7833286, "
+        + ("" if args.only else f"\nWhat the furthest rows are made of (diagnosed {DIAGNOSED}, "
            "rows numbered as in the full table):\n\n" + "\n".join(f"- {k}" for k in KNOWN)
            + "\n"))
     write_section(SECTION, body, ROOT / "BENCHMARKS.md")
