@@ -105,13 +105,18 @@ def moment_at(where: str, layer_paths: list[str], moments: list[tuple], op_modul
     block's moments carry its first instance's ops), where it has any; with ``node`` (the autograd node running at
     the peak) and ``op_names`` (graph index -> op), at the ops of its kind among them (:func:`op_kind_of_node`:
     Mixtral's experts peak at the backward of their last index op, while all they saved is alive). None where the
-    model has no such moment (another layer's forward) or the module names no layer (a pipeline stage's own wrapper)."""
+    model has no such moment (another layer's forward) or the module names no layer; a forward in a pipeline stage's
+    own graph is its last layer's."""
     phase, _, module = where.partition(" in ")
     name = _relative(module) if module else ""
     if phase.startswith("step/"):
         want = ("step", None)
     elif phase in ("train/forward", "train/backward") and not module:
         want = ("loss", None)  # after the model returned: the loss's forward or its backward
+    elif phase == "train/forward" and module.endswith("GraphModule") and any(mo[0] == "forward" for mo in moments):
+        # a pipeline stage's own graph, outside every layer: after its last layer, the output hook of a TP-split
+        # head (the gather of its logits)
+        want = ("forward", max(mo[1] for mo in moments if mo[0] == "forward"))
     elif phase in ("train/forward", "train/backward", "train/recompute") and module:
         layer = _layer_of(module, layer_paths)
         if layer is None:

@@ -13,7 +13,7 @@ from .comm import collective_time, link_for
 from .cpu import issue_time, layer_cpu
 from .dp_comm import data_parallel_comm
 from .factors import Factors, factors_for
-from .loss import FusedHead
+from .loss import FusedHead, gathered_logits
 from .memory import activation_bytes, forward_peak, input_pass, op_moments, peak_op
 from .peak import RankMemory, moment_layers
 from .profile import GraphProfile, precision_of
@@ -275,11 +275,13 @@ class Evaluator:
                                                + head_saved + replayed, lt.out_bytes + tied.get(i + j, 0.0),
                                                sums.params[r] + (j + 1) * lt.params_local, i + j, "recompute",
                                                ()))
+            head = ch.tp and s.tp > 1 and prof.layers[i].vocab and not prof.layers[i].norms and i == len(choices) - cnt
             if ch.recompute == "none" and not head_saved:
                 # the run's last layer's forward: every earlier layer's saved tensors, and its own forward's largest
                 # moment (the storages alive then; no gradient exists yet in a step's first forward)
-                sums.bwd_layers[r].append((acts_before + whole + (cnt - 1) * lt.act["none"], lt.forward["none"],
-                                           0.0, i + cnt - 1, "forward", ()))
+                gather = gathered_logits(s, prof, self.seq_ratio) if head else 0.0
+                sums.bwd_layers[r].append((acts_before + whole + (cnt - 1) * lt.act["none"],
+                                           lt.forward["none"] + gather, 0.0, i + cnt - 1, "forward", ()))
             sums.params[r] += cnt * lt.params_local
             sums.layers[r] += cnt
             sums.full_recompute[r] += cnt if ch.recompute == "full" else 0
@@ -294,9 +296,7 @@ class Evaluator:
                 self._add_units(sums.units[r], i, cnt, lt.params_local)
             else:
                 sums.nofsdp[r] += cnt * lt.params_local
-            # the head (last run) split by TP; the activations sent to the next stage
-            if ch.tp and s.tp > 1 and prof.layers[i].vocab and not prof.layers[i].norms and i == len(choices) - cnt:
-                sums.head_tp = True
+            sums.head_tp = sums.head_tp or bool(head)  # the head (last run) split by TP
             sums.model_flops += cnt * lt.flops
             sums.hw_flops += cnt * (lt.flops + lt.recompute_flops(ch.recompute))
             if pp > 1 and s.schedule in MULTI_STAGE:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from kernels_ext.fused import default_chunk
 
-from ..plan import layer_of
+from ..plan import DTYPE_NAMES, ITEMSIZE, layer_of
 
 CHUNK_FP32_BUFFERS = 3
 """fp32 C x V buffers alive at once in the fused backward (see the module docstring)"""
@@ -73,6 +73,18 @@ class FusedHead:
     def recompute_flops(self, tokens: float) -> float:
         """FLOPs the fused backward adds: the logits again, 2 N H V."""
         return 2.0 * tokens * self.hidden * self.vocab
+
+
+def gathered_logits(s, prof, seq_ratio: float) -> float:
+    """Bytes a TP-split output head's forward holds beyond its logits' shard when the loss does not run on the
+    shards (a pipelined head, or a model that transforms its logits: ``Setting.vocab_parallel_loss``): DTensor's
+    all-gather into a buffer of tp shards and the whole logits its chunks are concatenated into, in the compute
+    dtype; on CPU one more such buffer, which gloo gathers into first (ProcessGroupGloo's allgather makes a flat
+    output and copies it out: a storage no op made, in a MemTracker census of a pipelined LLaMA's last stage)."""
+    if s.fused_loss or s.vocab_parallel_loss(capable=prof.loss_parallel, head_tp=True):
+        return 0.0
+    numel = prof.output_numel * (s.mb_samples / prof.batch) * seq_ratio / s.cp
+    return numel * ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")] * (3 if prof.device_kind == "cpu" else 2)
 
 
 def unfused_loss_bytes(logits_numel: float, *, half: bool) -> float:

@@ -194,7 +194,7 @@ class RankMemory:
         """The loss's bytes at its backward, beside the saved activations: the log-softmax output
         (fp32) it saves, and its temporaries."""
         s, prof = self.s, self.prof
-        lp_div = s.tp if (prof.loss_parallel and s.tp > 1 and self.sums.head_tp) else 1
+        lp_div = s.tp if s.vocab_parallel_loss(capable=prof.loss_parallel, head_tp=self.sums.head_tp) else 1
         out_numel = prof.output_numel * (s.mb_samples / prof.batch) * self.seq_ratio / s.cp
         # gradients of the log-softmax and of the logits; torch's loss_parallel backward holds
         # three fp32 temporaries of the logits' shard beside the saved one (MemTracker, torch 2.13:

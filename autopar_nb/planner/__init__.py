@@ -213,8 +213,7 @@ def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch
         layers=layers,
         sync_batchnorm=s.dp > 1 and any(lay.type.startswith("BatchNorm") or "BatchNorm" in
                                         " ".join(lay.modules.values()) for lay in graph.layers),
-        # the runtime's pipeline schedules compute the loss on plain tensors: no loss_parallel with pp > 1
-        loss_parallel=bool(s.tp > 1 and s.pp == 1 and prof.loss_parallel and head_tp and not s.fused_loss),
+        loss_parallel=s.vocab_parallel_loss(capable=prof.loss_parallel, head_tp=head_tp),
         fused_loss=head if s.fused_loss else "",
         fused_norm=s.fused_norm,
         experts=expert_patterns(graph, [m for lp in prof.layers for m in lp.experts]),
