@@ -58,14 +58,14 @@ class StagedRank:
         self.units: list[list[FsdpUnit]] = [[] for _ in range(v)]
         for u in sums.units[r]:
             self.units[sums.local[u.first]].append(u)
+        self.idle: dict[tuple, tuple[float, tuple]] = {}
         last = s.pp * s.virtual_stages - 1
         self.loss_at = next((k for k, x in enumerate(self.stages) if x.stage == last), None)
 
     def moments(self, per_op: bool) -> list:
-        """Every moment of the rank's step: at each state, its running stage's layers."""
+        """Every moment of the rank's step that can be its heaviest: at each state, its running stage's layers."""
         out = []
-        for h in self.states:
-            around = self._around(h)
+        for h, around in self._heaviest_states():
             if h.kind == "F":
                 out += self._layers(h, around, "forward", per_op)
             elif h.kind == "B":
@@ -77,6 +77,20 @@ class StagedRank:
             elif self.st.pipelined:
                 out.append(self._reduce(h, around))
         return out
+
+    def _heaviest_states(self):
+        """Each state with what the rest of the rank holds then (:meth:`_around`), of the states whose
+        running stage's moments are alike (the same action on the same stage, with that stage's
+        gradients, units and weight-pass leftovers in the same state, for the same micro-batch kind)
+        the one whose rest holds the most: their moments differ by that rest alone, so the others'
+        are lighter at every layer and op, and a rank costs O(states + layers), not their product."""
+        best: dict[tuple, tuple[Held, _Around]] = {}
+        for h in self.states:
+            around, k = self._around(h), h.local
+            key = h.kind, k, h.grads[k], h.backward_last[k], h.weight_passed[k], h.later
+            if key not in best or around.total > best[key][1].total:
+                best[key] = h, around
+        return best.values()
 
     # ---- what the rest of the rank holds ------------------------------------------------------
     def _around(self, h: Held) -> _Around:
@@ -100,13 +114,22 @@ class StagedRank:
         grads = 0.0
         for j in range(len(self.stages)):
             if j != h.local:
-                g, gterms = self._grads(j, h.grads[j], self.stages[j].params)
+                g, others = self._idle(j, h.grads[j], h.backward_last[j], h.weight_passed[j])
                 grads += g
-                unsharded = self._unsharded(j, h.backward_last[j])
-                left = self._left(j, h.weight_passed[j])
-                for key, value in (*gterms.items(), *unsharded.items(), *left.items()):
+                for key, value in others:
                     terms[key] = terms.get(key, 0.0) + value
         return _Around(terms, grads, grads + sum(terms.values()))
+
+    def _idle(self, j: int, grads: int, backward_last: bool, passed: bool) -> tuple[float, tuple]:
+        """What stage ``j`` holds while another runs: its gradient bytes, and its gradient, FSDP and
+        weight-pass terms (:meth:`_grads`, :meth:`_unsharded`, :meth:`_left`) as (name, bytes);
+        the same for every state alike, made once."""
+        key = j, grads, backward_last, passed
+        if key not in self.idle:
+            g, gterms = self._grads(j, grads, self.stages[j].params)
+            self.idle[key] = g, (*gterms.items(), *self._unsharded(j, backward_last).items(),
+                                 *self._left(j, passed).items())
+        return self.idle[key]
 
     def _kept(self, j: int) -> float:
         """What one micro-batch of stage ``j`` keeps for its weight pass beyond its buffers: its
