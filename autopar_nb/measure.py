@@ -75,10 +75,9 @@ GROUPS = {
 }
 """component shown -> (the predicted fields or MemoryBreakdown.terms it sums, the measured components it sums).
 The tracker labels by when a storage is made (autopar_nb/measure.py): the logits and their copies are activations or
-loss there, so those two are compared together (and a zero-bubble weight pass's gradients,
-made in a backward outside every module, are loss there); what the optimizer's step allocates
-is optimizer state there (its hooks mark the whole step), so its temporaries are compared with
-the states."""
+loss there, so those two are compared together (and a zero-bubble weight pass's gradients, made in a backward outside
+every module, are loss there); what the optimizer's step allocates is optimizer state there (its hooks mark the whole
+step), so its temporaries are compared with the states."""
 
 
 def predicted_groups(mb) -> dict[str, float]:
@@ -105,20 +104,17 @@ def moment_at(where: str, layer_paths: list[str], moments: list[tuple], op_modul
     block's moments carry its first instance's ops), where it has any; with ``node`` (the autograd node running at
     the peak) and ``op_names`` (graph index -> op), at the ops of its kind among them (:func:`op_kind_of_node`:
     Mixtral's experts peak at the backward of their last index op, while all they saved is alive). None where the
-    model has no such moment (another layer's forward) or the module names no layer; a forward in a pipeline stage's
-    own graph is its last layer's."""
+    model has no such moment or the module names no layer (a forward in a stage's own graph: its last layer's)."""
     phase, _, module = where.partition(" in ")
     name = _relative(module) if module else ""
     if phase.startswith("step/"):
         want = ("step", None)
     elif phase in ("train/forward", "train/backward") and not module:
         want = ("loss", None)  # after the model returned: the loss's forward or its backward
-    elif phase == "train/forward" and module.endswith("GraphModule") and any(mo[0] == "forward" for mo in moments):
-        # a pipeline stage's own graph, outside every layer: after its last layer, the output hook of a TP-split
-        # head (the gather of its logits)
-        want = ("forward", max(mo[1] for mo in moments if mo[0] == "forward"))
     elif phase in ("train/forward", "train/backward", "train/recompute") and module:
         layer = _layer_of(module, layer_paths)
+        if layer is None and phase == "train/forward" and module.endswith("GraphModule"):  # a TP head's gather
+            layer = max((mo[1] for mo in moments if mo[0] == "forward"), default=None)
         if layer is None:
             return None
         want = (phase.removeprefix("train/"), layer)
@@ -444,8 +440,7 @@ def _tracker_classes():
 
 
 def components(snapshot: dict) -> dict[str, float]:
-    """A tracker snapshot (reference type -> bytes, for one device) summed into :data:`COMPONENTS`, plus
-    ``total``."""
+    """A tracker snapshot (reference type -> bytes, for one device) summed into :data:`COMPONENTS`, plus ``total``."""
     by_value = {str(getattr(k, "value", k)): v for k, v in snapshot.items()}
     out = {c: float(sum(by_value.get(lab, 0) for lab in labels)) for c, labels in LABELS.items()}
     out["total"] = float(by_value.get("Total", sum(out.values())))

@@ -45,8 +45,7 @@ SCHEMA_VERSION = 1
 ZERO_STAGES = (0, 1, 2, 3)
 TP_STYLES = ("replicate", "colwise", "rowwise", "sequence_parallel")
 RECOMPUTE = ("none", "selective", "full")
-"""per-layer activation recompute: none | selective (torchtitan's op policy: recompute the element-wise ops and every
-other weight matmul) | full (keep the layer input)"""
+"""per-layer activation recompute: none | selective (element-wise ops and every other weight matmul) | full (all)"""
 AMP = ("none", "bf16", "fp16")
 """autocast dtype of the forward pass; "none" = fp32"""
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
@@ -380,8 +379,7 @@ class LayerPlan:
     fsdp: bool = True
     """wrap this layer as its own FSDP unit (when mesh.zero_stage >= 2); False folds it into the root unit"""
     recompute: str = "none"
-    """none | selective (recompute element-wise ops and every other weight matmul, keep the rest of the matmul and
-    attention outputs) | full (keep only the layer input)"""
+    """none | selective (recompute element-wise ops, every other weight matmul) | full (keep only the layer input)"""
     compile: bool = False
     """compile this layer with ``torch.compile`` (Inductor), on its own as torchtitan's ``apply_compile`` does each
     repeated block: its pointwise ops, norms and softmax fused into fewer kernels. Only with mesh.pp == 1 (pipeline
