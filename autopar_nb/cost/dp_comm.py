@@ -11,7 +11,7 @@ gathered group does nothing): one all-gather per micro-batch and one more for th
 
 from __future__ import annotations
 
-from ..plan import DTYPE_NAMES, ITEMSIZE
+from ..plan import ITEMSIZE
 from .comm import collective_time, link_for
 from .setting import Setting
 from .terms import CommTime, RankSums
@@ -24,7 +24,7 @@ def data_parallel_comm(s: Setting, sums: RankSums, bottleneck: int, comm: CommTi
     if s.replicas <= 1:
         return 0.0
     f, m = factors, s.micro_batches
-    p_item = ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")]  # parameters gathered in the compute dtype
+    p_item = s.compute_item  # parameters gathered in the compute dtype
     g_item = ITEMSIZE["float32"]  # gradients reduced in fp32 (FSDP2 MixedPrecisionPolicy.reduce_dtype / DDP)
     r = max(range(s.pp), key=lambda j: sums.params[j])  # the pipeline rank with the most parameters reduces last
     # expert parallelism: the experts' share is reduced among the dp / ep ranks that hold the same experts

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from kernels_ext.fused import default_chunk
 
-from ..plan import DTYPE_NAMES, ITEMSIZE, layer_of
+from ..plan import layer_of
 
 CHUNK_FP32_BUFFERS = 3
 """fp32 C x V buffers alive at once in the fused backward (see the module docstring)"""
@@ -84,7 +84,7 @@ def gathered_logits(s, prof, seq_ratio: float) -> float:
     if s.fused_loss or s.vocab_parallel_loss(capable=prof.loss_parallel, head_tp=True):
         return 0.0
     numel = prof.output_numel * (s.mb_samples / prof.batch) * seq_ratio / s.cp
-    return numel * ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")] * (3 if prof.device_kind == "cpu" else 2)
+    return numel * s.compute_item * (3 if prof.device_kind == "cpu" else 2)
 
 
 def unfused_loss_bytes(logits_numel: float, *, half: bool) -> float:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..plan import DTYPE_NAMES, ITEMSIZE, MEMORY_TERMS, MemoryBreakdown
+from ..plan import ITEMSIZE, MEMORY_TERMS, MemoryBreakdown
 from .memory import SENDS_HELD, in_flight, model_states, state_bytes, with_margin
 from .moment import PeakMoment, fsdp_buffers
 from .schedule import MULTI_STAGE
@@ -73,7 +73,7 @@ class RankMemory:
                                                          states=sb),
                                             model_states(experts, dp=edp, zero_stage=s.zero_stage, states=sb),
                                             strict=True))
-        p_item = ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")]
+        p_item = s.compute_item
         held: dict[str, float] = {}
         fsdp_stage = s.held_zero_stage
         if fsdp_stage == 2:  # its unsharded parameters, kept to backward: fsdp_buffers, the loss

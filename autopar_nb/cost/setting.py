@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..plan import stage_rank
+from ..plan import DTYPE_NAMES, ITEMSIZE, stage_rank
 from .schedule import ZERO_BUBBLE
 
 
@@ -40,6 +40,12 @@ class Setting:
     def replicas(self) -> int:
         """ranks holding the same parameters, which average gradients: dp * cp (``mesh["dp_cp"]``)"""
         return self.dp * self.cp
+
+    @property
+    def compute_item(self) -> int:
+        """bytes per element of the compute dtype (autocast's, else float32): of FSDP's gathered
+        parameters and of the activations and logits"""
+        return ITEMSIZE[DTYPE_NAMES.get(self.amp, "float32")]
 
     @property
     def held_zero_stage(self) -> int:
