@@ -23,9 +23,9 @@ CASES = {
     # its gradients accumulate unsharded (fsdp_unsharded_grads), its units stay gathered
     "zero3-pp": ("LLaMA", {"dp": 2, "zero_stage": 3, **PIPE}, "fsdp_unsharded_grads"),
     "zero2-pp-bf16": ("GPT-2", {"dp": 2, "zero_stage": 2, "amp": "bf16", **PIPE}, "fsdp_unsharded_grads"),
-    # a pipelined TP head gathers its logits for a loss on plain tensors (no loss_parallel): the gather's buffers
-    # beside the whole logits at its forward (cost/loss.py gathered_logits, in the forward working set)
-    "zero3-tp-pp": ("LLaMA", {"dp": 2, "tp": 2, "zero_stage": 3, **PIPE}, "forward_working_set"),
+    # a pipelined TP head keeps its logits split on the vocabulary and the last stage's loss runs under
+    # loss_parallel: the log-softmax it saves and its temporaries are the shard's (cost/peak.py loss_terms)
+    "zero3-tp-pp": ("LLaMA", {"dp": 2, "tp": 2, "zero_stage": 3, **PIPE}, "loss_temporaries"),
     # data parallelism beside TP is FSDP2's replicate, which keeps a gathered copy of the parameters
     "ddp-tp": ("LLaMA", {"dp": 2, "tp": 2, "zero_stage": 0}, "fsdp_unsharded_params"),
     # a multi-stage rank holds each of its stages' micro-batches as torch's order leaves them, and

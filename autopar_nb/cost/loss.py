@@ -77,7 +77,7 @@ class FusedHead:
 
 def gathered_logits(s, prof, seq_ratio: float) -> float:
     """Bytes a TP-split output head's forward holds beyond its logits' shard when the loss does not run on the
-    shards (a pipelined head, or a model that transforms its logits: ``Setting.vocab_parallel_loss``): DTensor's
+    shards (a model that transforms its logits: ``Setting.vocab_parallel_loss``): DTensor's
     all-gather into a buffer of tp shards and the whole logits its chunks are concatenated into, in the compute
     dtype; on CPU one more such buffer, which gloo gathers into first (ProcessGroupGloo's allgather makes a flat
     output and copies it out: a storage no op made, in a MemTracker census of a pipelined LLaMA's last stage)."""

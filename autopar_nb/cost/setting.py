@@ -60,10 +60,10 @@ class Setting:
     def vocab_parallel_loss(self, *, capable: bool, head_tp: bool) -> bool:
         """The loss runs on the head's vocabulary shards (torch's ``loss_parallel``): TP splits the
         head (``head_tp``) of a graph whose head can keep its logits sharded (``capable``:
-        ``GraphProfile.loss_parallel``), on one pipeline stage (the runtime's schedules compute the
-        loss on plain tensors: a pipelined head gathers its logits), the head not fused with the
-        loss."""
-        return self.tp > 1 and self.pp == 1 and capable and head_tp and not self.fused_loss
+        ``GraphProfile.loss_parallel``), the head not fused with the loss. Pipelined too: the last
+        stage's head returns its vocabulary shards and the schedule's loss runs under
+        ``loss_parallel()`` (as torchtitan's 3-D runs)."""
+        return self.tp > 1 and capable and head_tp and not self.fused_loss
 
     def rank_of(self, stage: int) -> int:
         """The pipeline rank holding ``stage`` under this schedule (:func:`~autopar_nb.plan.stage_rank`)."""

@@ -223,9 +223,8 @@ def _check_runnable(plan: Plan) -> None:
             "(ZeRO-1) does not take the experts' DTensor parameters")
     if plan.sync_batchnorm and m.dp > 1 and m.pp > 1:
         raise NotImplementedError("sync_batchnorm with pipelining is not supported")
-    if m.pp > 1 and (pr.amp == "fp16" or plan.loss_parallel):
-        raise NotImplementedError("pipelining with fp16 loss scaling or loss_parallel is not supported; use bf16 "
-                                  "and a replicated output head with pp > 1")
+    if m.pp > 1 and pr.amp == "fp16":
+        raise NotImplementedError("pipelining with fp16 loss scaling is not supported; use bf16")
     if plan.pipeline.schedule not in SCHEDULES:
         raise PlanError(f"pipeline.schedule {plan.pipeline.schedule!r} unknown")
 

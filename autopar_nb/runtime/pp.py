@@ -905,8 +905,8 @@ class StageOutput(nn.Module):
 def pipeline_step(schedule, stage_loss: StageLoss, batch, *, micro_batches: int, has_first: bool, has_last: bool,
                   context, device: str) -> torch.Tensor:
     """Forward and backward of one batch through the pipeline schedule; returns the mean micro-batch loss on the
-    last stage (0 elsewhere). ``context()``: what the stages run under (autocast). ``batch`` is None on a rank that
-    holds neither the first nor the last stage: it reads no data."""
+    last stage (0 elsewhere; under loss_parallel a replicated DTensor's local value). ``context()``: what the
+    stages run under (autocast). ``batch`` is None on a rank that holds neither end stage: it reads no data."""
     stage_loss.micro = split_batch(batch, micro_batches) if batch is not None else []
     args, kwargs = model_call(stage_loss.loss_fn, batch) if has_first else ((), {})
     target = torch.arange(micro_batches) if has_last else None
@@ -917,7 +917,7 @@ def pipeline_step(schedule, stage_loss: StageLoss, batch, *, micro_batches: int,
         schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
     if not has_last:
         return torch.zeros((), device=device)
-    return torch.stack([x.detach().float() for x in losses]).mean()
+    return torch.stack([_local(x).detach().float() for x in losses]).mean()
 
 
 class TiedGradients:
