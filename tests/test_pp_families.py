@@ -52,9 +52,12 @@ STEPS = 2
 TP_NAMES = ["LLaMA", "Qwen2", "GPT-2", "Mixtral"]
 TP_PP = {"tp": 2, "pp": 2, "micro_batches": 4, "schedule": "1f1b"}
 TP_LAYOUTS = {"tp2_pp2": (4, TP_PP),
-              "dp2_tp2_pp2_zero3": (8, TP_PP | {"dp": 2, "zero_stage": 3, "micro_batches": 2})}
+              "dp2_tp2_pp2_zero3": (8, TP_PP | {"dp": 2, "zero_stage": 3, "micro_batches": 2}),
+              "tp2_pp2_zbv": (4, TP_PP | {"schedule": "zbv_zero_bubble", "virtual_stages": 2}),
+              "tp2_pp2_interleaved": (4, TP_PP | {"schedule": "interleaved_1f1b", "virtual_stages": 2})}
 TP_CASES = ([(name, "tp2_pp2", "none") for name in TP_NAMES]
-            + [(name, "dp2_tp2_pp2_zero3", amp) for name in TP_NAMES for amp in ("none", "bf16")])
+            + [(name, "dp2_tp2_pp2_zero3", amp) for name in TP_NAMES for amp in ("none", "bf16")]
+            + [("LLaMA", "tp2_pp2_zbv", "none"), ("GPT-2", "tp2_pp2_interleaved", "bf16")])
 # FSDP (ZeRO-3) stages under the schedules that split the backward into an input and a weight
 # pass, 2 stages a rank (4 layers): in the launch of 4 processes above
 ZB_PP = {"dp": 2, "pp": 2, "zero_stage": 3, "micro_batches": 4, "virtual_stages": 2}
@@ -130,10 +133,12 @@ def test_tensor_parallel_stages_train_like_one_process(tp_runs, case):
     print(plan.summary())
     print(report)
     name, layout, amp = case
-    m = plan.mesh
-    expected = (1, 2, 2, 0) if layout == "tp2_pp2" else (2, 2, 2, 3)
+    m, fix = plan.mesh, LAYOUTS[layout][1]
+    expected = (fix.get("dp", 1), 2, 2, fix.get("zero_stage", 0))
     assert (m.dp, m.tp, m.pp, m.zero_stage) == expected
-    assert plan.pipeline.schedule == "1f1b" and plan.precision.amp == amp
+    assert plan.pipeline.schedule == fix["schedule"] and plan.precision.amp == amp
+    # the last stage's loss runs on the head's vocabulary shards (torch's loss_parallel)
+    assert plan.loss_parallel and not plan.fused_loss
     if name in ("LLaMA", "Qwen2"):
         assert plan.layer("model.layers.0").sequence_parallel, "the planner's choice, relied on"
     assert report.ok, f"{plan.summary()}: {report}"
