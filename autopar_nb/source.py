@@ -20,6 +20,8 @@ import linecache
 from dataclasses import dataclass
 from typing import Any
 
+PRETRAINED_KEY = "__pretrained__"
+"""the namespace entry a meta build leaves: the checkpoints the code's ``from_pretrained`` calls named"""
 EXAMPLE_SAMPLES = 8
 """samples of the dataset collated into the example inputs when the cell binds a dataset but no example inputs"""
 
@@ -59,6 +61,12 @@ class ModelSource:
             torch.manual_seed(seed)
         if device is None:
             exec(compiled, ns)
+        elif str(device) == "meta":  # from_pretrained builds from the checkpoint's config: shapes, no weights
+            from .runtime.pretrained import FromConfig
+
+            with torch.device(device), FromConfig() as answered:
+                exec(compiled, ns)
+            ns[PRETRAINED_KEY] = answered.found
         else:
             with torch.device(device):
                 exec(compiled, ns)

@@ -102,7 +102,6 @@ LONG_MODULES = {
     "check.py": (580, "verify's ranks, reference run and comparison"),
     "planner/search.py": (563, "mesh enumeration beside the per-layer search"),
     "cost/tp_styles.py": (518, "the dataflow walk beside the styles' byte counts"),
-    "export/render.py": (501, "parallelize() and main() written for a plan"),
 }
 LONG_FUNCTIONS = {
     # the same: ceilings, to be split

@@ -16,11 +16,10 @@ from string import Template
 from ..plan import DTYPE_NAMES, Plan
 from ..source import ModelSource
 from . import kit
+from .cell import PRETRAINED, check_names, script_cell, weights_lines, without_cell_imports
 from .values import ScriptValues
 
 TEMPLATE = Path(__file__).with_name("script.py.tmpl")
-SCRIPT_NAMES = ("parallelize", "parse_args", "main", "RSS_BEFORE_MODEL")
-"""names the template itself defines"""
 PRELUDE = ("process_rss",)
 """runtime functions the script calls before the cell"""
 DATA_FLAGS = '''
@@ -374,8 +373,7 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
                   ("del example, first" if v.dataset else "del example") + "  # (a whole batch): not held for the run"]
     else:
         lines.append("parts = parallelize(net, mesh, device)")
-    if v.meta_init:
-        lines.append("materialize(parts, skeleton, device=device, seed=SEED)  # local shards only, layer by layer")
+    lines += weights_lines(v)
     lines.append("params = [p for part in parts for p in part.parameters()]")
     lines.append("optimizer = " + call("build_optimizer", "params", "OPTIMIZER", lr="args.lr",
                                        weight_decay="WEIGHT_DECAY", betas="BETAS", indent=12, width=120 - ind,
@@ -432,12 +430,12 @@ def render_script(source: ModelSource, plan: Plan, v: ScriptValues, *, script_na
     setting_lines, setting_imports = settings(v, plan, seed=seed)
     par, par_uses, par_imports = parallelize_source(v)
     body, main_uses = main_source(v, source)
-    prelude = kit.assemble(list(PRELUDE))
+    prelude = kit.assemble([*PRELUDE, *(PRETRAINED if v.pretrained else ())])  # what the cell's lines call
     assembly = kit.assemble([*par_uses, *main_uses])
     assembly.blocks = [b for b in assembly.blocks if b[1] not in prelude.names]  # defined once, before the cell
     std = {("functools", None, None)} | ({("copy", None, None)} if v.meta_init else set())
-    _check_names(source, assembly.names + prelude.names)
-    imports = _without_cell_imports(assembly.imports | prelude.imports | TEMPLATE_IMPORTS | std | par_imports,
+    check_names(source, assembly.names + prelude.names)
+    imports = without_cell_imports(assembly.imports | prelude.imports | TEMPLATE_IMPORTS | std | par_imports,
                                     source, keep=setting_imports | prelude.imports)
     return Template(TEMPLATE.read_text()).substitute(
         model_name=v.model_class, summary=_summary_lines(v.model_class, plan.summary()), plan_file=plan_file,
@@ -446,56 +444,6 @@ def render_script(source: ModelSource, plan: Plan, v: ScriptValues, *, script_na
                             "copied below; nothing but torch (and the cell's own imports) is needed.", width=116),
         launch=launch,
         imports="\n\n".join(kit.import_lines(imports, setting_imports)),
-        settings="\n".join(setting_lines), prelude=prelude.source(), cell=_cell(source, v), kit=assembly.source(),
+        settings="\n".join(setting_lines), prelude=prelude.source(), cell=script_cell(source, v), kit=assembly.source(),
         parallelize=par, steps=int(steps), main=body, data_flags=DATA_FLAGS if v.dataset else "",
         build_mesh="build_mesh(device, PP, DP, TP" + (", cp=CP)" if v.cp > 1 else ")"))
-
-
-def _cell(source: ModelSource, v: ScriptValues) -> str:
-    cell = source.code.rstrip("\n")
-    if v.meta_init:
-        cell = ("torch.set_default_device(\"meta\")  # the model is too large to build whole: shapes only, no "
-                "storage\n" + cell + "\ntorch.set_default_device(None)")
-    return cell
-
-
-def _cell_imports(source: ModelSource) -> dict[str, tuple]:
-    """The cell's top-level imports: bound name -> (module, name or None, alias or None), as :mod:`.kit` writes them."""
-    out = {}
-    for node in ast.parse(source.code).body:
-        if isinstance(node, ast.Import):
-            out |= {a.asname or a.name.split(".")[0]: (a.name, None, a.asname) for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and not node.level:
-            out |= {a.asname or a.name: (node.module, a.name, a.asname) for a in node.names}
-    return out
-
-
-def _without_cell_imports(imports: set, source: ModelSource, *, keep: set) -> set:
-    """The script's imports minus those the cell makes itself (the cell runs before the runtime code needs them; a
-    second import of the same name would be dead code). ``torch`` and what the settings use stay: they are needed
-    before the cell. A cell that binds a name the runtime uses to something else is an error."""
-    bound = {i[2] or (i[1] if i[1] else i[0].split(".")[0]): i for i in imports}
-    out = set(imports)
-    for name, what in _cell_imports(source).items():
-        if name not in bound:
-            continue
-        if bound[name] != what and not (what[1] is None and bound[name][1] is None and what[0].split(".")[0] == name):
-            raise ValueError(f"the cell imports {name!r} as {what}, but the exported script's runtime code uses "
-                             f"{name!r} for {bound[name]}: import it under another name in the cell")
-        if bound[name] == what and what not in keep and what != ("torch", None, None):
-            out.discard(what)
-    return out
-
-
-def _check_names(source: ModelSource, runtime_names: list[str]) -> None:
-    """The cell's own top-level names must not be taken by the runtime code the script carries."""
-    defined = set()
-    for node in ast.parse(source.code).body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            defined.add(node.name)
-        elif isinstance(node, ast.Assign):
-            defined |= {t.id for t in node.targets if isinstance(t, ast.Name)}
-    taken = sorted(defined & (set(runtime_names) | set(SCRIPT_NAMES)))
-    if taken:
-        raise ValueError(f"the cell defines {', '.join(taken)}, which the exported script uses for its own code: "
-                         f"rename {'it' if len(taken) == 1 else 'them'} in the cell")

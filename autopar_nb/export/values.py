@@ -22,7 +22,7 @@ from ..runtime.fused_norm import apply_fused_norm
 from ..runtime.pp import SCHEDULES, SPLIT_BACKWARD, stage_boundaries
 from ..runtime.tp import REPLICATE, TPStyle
 from ..runtime.train import switch_off_kv_cache
-from ..source import ModelSource
+from ..source import PRETRAINED_KEY, ModelSource
 from .styles import GROUPS, HEAD_COUNTS, KV_HEADS, local_sizes, tp_styles
 
 META_INIT_PARAMS = 2**30
@@ -69,6 +69,9 @@ class ScriptValues:
     """patterns (each match its own unit) or lists of paths (one unit together)"""
     sync_batchnorm: bool = False
     meta_init: bool = False
+    pretrained: str = ""
+    """the checkpoint the cell's ``from_pretrained`` names, read shard by shard after parallelising (meta_init; a
+    model built whole reads it in the cell)"""
     amp: str = "none"
     fp32_ops: list[str] = field(default_factory=list)
     """plan.precision.fp32_ops: ops kept in float32 under autocast"""
@@ -146,7 +149,7 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
     """The values of ``plan``'s script for the model ``source`` builds; raises PlanError (or NotImplementedError for
     what PyTorch cannot run) before anything is written."""
     m, pr = plan.mesh, plan.precision
-    model, inputs, _ = source.build(device="meta", seed=seed)
+    model, inputs, ns = source.build(device="meta", seed=seed)
     _check_runnable(plan)
     v = ScriptValues(pp=m.pp, dp=m.dp, tp=m.tp, cp=m.cp, zero_stage=m.zero_stage,
                      micro_batches=plan.batch.micro_batches,
@@ -155,6 +158,7 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
                      low_precision_ops=list(pr.low_precision_ops))
     num_params = sum(p.numel() for p in model.parameters())
     v.meta_init = num_params > META_INIT_PARAMS if meta_init is None else meta_init
+    v.pretrained = ns[PRETRAINED_KEY][-1] if ns[PRETRAINED_KEY] and v.meta_init else ""
     first = first_tensor(inputs)
     v.tokens = first.dim() == 2 and not first.is_floating_point()
     v.kv_cache = bool(switch_off_kv_cache(model))  # a meta copy of the cell's model: only read here

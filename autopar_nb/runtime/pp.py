@@ -707,10 +707,9 @@ def boundary_values(whole: nn.Module, stages: list[nn.Module], microbatch: tuple
 
 
 def release_stages(model: nn.Module, stages: list[nn.Module], keep: list[int]) -> None:
-    """Free the parameters and buffers of the stages this rank does not hold (``keep``: the ones it does): the
-    whole ``model`` (the cell's, traced by :func:`split_model`) and those stages' modules register meta tensors of
-    the same shapes instead, so every rank holds its own stages' weights only (:func:`_free_tensors`). A tensor a
-    held stage uses stays."""
+    """Free the parameters and buffers of the stages this rank does not hold (``keep``: those it does): the whole
+    ``model`` (the cell's, traced by :func:`split_model`) and those stages' modules register meta tensors of the
+    same shapes instead (:func:`_free_tensors`); a tensor a held stage uses stays."""
     mine = {id(m) for i in keep for m in stages[i].modules()}  # a held stage's modules (often the model's own)
     others = (m for i, stage in enumerate(stages) if i not in keep for m in stage.modules())
     _free_tensors([m for m in (*model.modules(), *others) if id(m) not in mine],
@@ -726,8 +725,8 @@ def _storages(*modules: nn.Module) -> set[int]:
 def _free_tensors(modules: list[nn.Module], *, keep: set[int]) -> None:
     """Replace the real tensors ``modules`` hold (registered, and plain attributes) by meta tensors of the same
     shapes, unless their storage is in ``keep``, and empty their storage: a later use of a freed one raises (a meta
-    tensor), never reads freed memory, and what still refers to the old tensor (the module tree torch.export made,
-    which nothing runs again) holds no memory."""
+    tensor), never reads freed memory, and the module tree torch.export made, which nothing runs again, holds no
+    memory (a memory-mapped checkpoint's storage, which cannot be resized, goes with its last reference)."""
     for module in modules:
         for table in (module._parameters, module._buffers, module.__dict__):
             for name, t in list(table.items()):
@@ -735,7 +734,8 @@ def _free_tensors(modules: list[nn.Module], *, keep: set[int]) -> None:
                     continue
                 meta = torch.empty_like(t, device="meta")
                 table[name] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-                t.untyped_storage().resize_(0)
+                if t.untyped_storage().resizable():
+                    t.untyped_storage().resize_(0)
 
 
 class LeanStage(PipelineStage):

@@ -1,0 +1,112 @@
+"""Pretrained Hugging Face weights: a cell that calls ``from_pretrained`` means "start from these weights".
+
+On the meta device (capture, and the exported script's ``meta_init``) transformers refuses ``from_pretrained``: it
+wants to read weights that meta tensors cannot hold. :class:`FromConfig` answers those calls with the model the
+checkpoint's config describes (``_from_config``: the same modules, parameter names and shapes, no weights) and
+notes which checkpoint each came from; once the model is parallelised, :func:`load_pretrained` reads into each rank
+only its shards (DCP's Hugging Face storage reader), whatever the plan's TP, FSDP and pipeline stages.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from .checkpoint import PipelineStages, by_name, by_stage
+from .init import canonical_name
+from .layouts import dcp_layout, restore_layout
+
+MODEL_KWARGS = ("torch_dtype", "dtype", "attn_implementation")
+"""``from_pretrained`` keywords that describe the model itself (``_from_config`` takes them)"""
+LOADING_KWARGS = ("device_map", "low_cpu_mem_usage", "use_safetensors", "weights_only", "state_dict",
+                  "ignore_mismatched_sizes", "output_loading_info", "offload_folder", "offload_state_dict",
+                  "quantization_config", "key_mapping", "tp_plan", "tp_size", "device_mesh", "variant", "gguf_file")
+"""keywords about how weights are read, which a model built from its config has no use for"""
+
+
+class FromConfig:
+    """While started (or as a context manager), ``PreTrainedModel.from_pretrained(name, ...)`` builds
+    ``cls._from_config(config)``, the checkpoint's config with the call's config keywords applied, and appends
+    ``name`` to :attr:`found`. Without transformers installed, nothing changes."""
+
+    def __init__(self):
+        self.found: list[str] = []
+        self._original = None
+
+    def start(self) -> FromConfig:
+        try:
+            from transformers import PreTrainedModel
+        except ImportError:
+            return self
+        self._original = PreTrainedModel.__dict__["from_pretrained"]
+        PreTrainedModel.from_pretrained = classmethod(self._from_config)
+        return self
+
+    def stop(self) -> None:
+        if self._original is not None:
+            from transformers import PreTrainedModel
+
+            PreTrainedModel.from_pretrained, self._original = self._original, None
+
+    def __enter__(self) -> FromConfig:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _from_config(self, cls, name, *args, **kwargs):
+        from transformers import AutoConfig
+
+        model_kw = {k: kwargs.pop(k) for k in MODEL_KWARGS if k in kwargs}
+        for k in LOADING_KWARGS:
+            kwargs.pop(k, None)
+        config = kwargs.pop("config", None)
+        if config is None or isinstance(config, str | os.PathLike):
+            config, kwargs = AutoConfig.from_pretrained(config or name, *args, return_unused_kwargs=True, **kwargs)
+        for key, value in kwargs.items():  # what from_pretrained sets on a config it is handed
+            if hasattr(config, key):
+                setattr(config, key, value)
+        dtype = model_kw.pop("dtype", None) or model_kw.pop("torch_dtype", None)
+        if dtype not in (None, "auto"):
+            model_kw["torch_dtype"] = dtype
+        self.found.append(os.fspath(name))
+        return cls._from_config(config, **model_kw)
+
+
+def load_pretrained(path: str, parts: list, *, ties: list[list[str]] = ()) -> None:
+    """Read the Hugging Face checkpoint in the folder ``path`` (``save_pretrained``'s safetensors) into the
+    parallelised ``parts`` (this rank's pipeline stages, or the model): each rank reads its own shards. A parameter
+    the checkpoint leaves out because it is tied (``ties``: groups of names that are one parameter; an output head
+    tied to the embedding) reads its group's stored tensor, also where another pipeline stage holds that one."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"from_pretrained({path!r}): sharded loading reads a local folder of safetensors; "
+                                f"download it first (huggingface-cli download {path} --local-dir DIR) and name DIR")
+    stages = len(parts) > 1
+    model = PipelineStages(parts) if stages else parts[0]
+    own = get_model_state_dict(model)
+    named = by_name(own, stages)
+    reader = HuggingFaceStorageReader(path)
+    stored = set(reader.read_metadata().state_dict_metadata)
+    params = by_name({canonical_name(k): None for k, _ in model.named_parameters(remove_duplicate=False)}, stages)
+    like, alias, copies = {}, {}, {}
+    for key, tensor in named.items():
+        if key in stored or key not in params:  # a buffer the checkpoint leaves out keeps what init computed
+            if key in stored:
+                like[key] = tensor
+            continue
+        source = next((name for group in ties if key in group for name in group if name in stored), None)
+        if source is None:
+            raise KeyError(f"the checkpoint in {path} has no weight for {key} (nor for a parameter tied to it)")
+        if source in named:
+            copies[key] = source
+        else:  # held by another pipeline stage: read into this rank's copy
+            like[source], alias[source] = tensor, key
+    laid = dcp_layout(like)
+    dcp.load(laid, storage_reader=reader)
+    state = {alias.get(k, k): v for k, v in restore_layout(laid, like).items()}
+    state |= {key: state[source] for key, source in copies.items()}
+    state |= {key: tensor for key, tensor in named.items() if key not in state}
+    set_model_state_dict(model, by_stage(state, own, stages))

@@ -1,0 +1,129 @@
+"""A cell that calls ``from_pretrained`` starts training from those weights.
+
+Capture builds the checkpoint's model from its config on the meta device (transformers refuses ``from_pretrained``
+there); the exported script reads the weights in the cell where it builds the model whole, and, under ``meta_init``,
+each rank reads only its shards into the parallelised model (DCP's Hugging Face reader), with tied weights the
+checkpoint leaves out and fused projections. The checkpoints here are tiny models saved by ``save_pretrained`` whose
+final norm is zero: their logits are all zero, so their first loss is exactly log(vocab) on any batch, which a model
+initialised at random (what a run that failed to read the weights would start from) is not.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from runtime_cases import has_transformers
+
+import autopar_nb as ap
+from autopar_nb.cell import run_model_cell
+from autopar_nb.source import PRETRAINED_KEY
+
+pytestmark = pytest.mark.skipif(not has_transformers(), reason="needs transformers")
+
+VOCAB = 256
+CELL = """
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({path!r})
+example_inputs = torch.randint(0, {vocab}, (8, 32))
+"""
+
+
+def _save(kind: str, folder) -> str:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=64))
+        final = model.model.norm
+    else:  # GPT-2: the output head tied to the embedding (not in the checkpoint), a fused [q|k|v] Conv1D
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                           bos_token_id=0, eos_token_id=0))
+        final = model.transformer.ln_f
+    with torch.no_grad():
+        for p in final.parameters():
+            p.zero_()
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return {kind: _save(kind, tmp_path_factory.mktemp(kind)) for kind in ("llama", "gpt2")}
+
+
+def _source(path: str):
+    return run_model_cell(CELL.format(path=path, vocab=VOCAB), {}).source
+
+
+def test_capture_builds_the_checkpoint_model_from_its_config_on_meta(saved):
+    from transformers import PreTrainedModel
+
+    before = PreTrainedModel.__dict__["from_pretrained"]
+    model, inputs, ns = _source(saved["llama"]).build(device="meta")
+    assert ns[PRETRAINED_KEY] == [saved["llama"]]
+    assert all(p.is_meta for p in model.parameters()) and model.config.num_hidden_layers == 2
+    assert PreTrainedModel.__dict__["from_pretrained"] is before  # transformers is left as it was
+    real, _, ns = _source(saved["llama"]).build()
+    assert PRETRAINED_KEY not in ns and not real.model.norm.weight.any()  # a real build reads the weights
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    assert shapes == {name: p.shape for name, p in real.named_parameters()}
+    assert ap.capture(model, inputs).params
+
+
+def test_meta_init_script_reads_the_shards_after_parallelize(saved, tmp_path):
+    from autopar_nb.export.values import script_values
+
+    src = _source(saved["gpt2"])
+    model, inputs, _ = src.build(device="meta")
+    plan = ap.plan(ap.capture(model, inputs), ap.Cluster.preset("cpu", 1, 4), global_batch=8,
+                   fix={"tp": 2, "pp": 2, "micro_batches": 2})
+    assert script_values(src, plan, meta_init=True).pretrained == saved["gpt2"]
+    assert script_values(src, plan, meta_init=False).pretrained == ""  # the cell reads them itself
+    text = ap.export(src, plan, tmp_path / "train.py", meta_init=True).script.read_text()
+    assert "from_config = FromConfig().start()" in text
+    assert "load_pretrained(from_config.found[-1], parts, ties=TIES)" in text
+
+
+def test_a_missing_checkpoint_folder_is_one_clear_error(tmp_path):
+    from autopar_nb.runtime.pretrained import load_pretrained
+
+    with pytest.raises(FileNotFoundError, match="huggingface-cli download org/model --local-dir DIR"):
+        load_pretrained("org/model", [torch.nn.Linear(2, 2)])
+
+
+# (checkpoint, fix, meta_init): the whole model read in the cell (a pipeline's other stages then free memory-mapped
+# weights), and each rank's shards read after parallelize, under TP, FSDP and pipelining, with GPT-2's tied head on
+# the other stage than its embedding
+CASES = {"llama-tp-pp-whole": ("llama", {"tp": 2, "pp": 2, "micro_batches": 2}, False),
+         "llama-dp-tp-shards": ("llama", {"dp": 2, "tp": 2}, True),
+         "llama-zero3-shards": ("llama", {"dp": 4, "zero_stage": 3}, True),
+         "gpt2-tp-pp-shards": ("gpt2", {"tp": 2, "pp": 2, "micro_batches": 2}, True),
+         "gpt2-zero3-pp-shards": ("gpt2", {"dp": 2, "zero_stage": 3, "pp": 2, "micro_batches": 2}, True)}
+
+
+@pytest.fixture(scope="module")
+def reports(saved):
+    from autopar_nb.verify import verify_many
+
+    cases, metas = [], []
+    for kind, fix, meta in CASES.values():
+        src = _source(saved[kind])
+        model, inputs, _ = src.build(device="meta")
+        cases.append((src, ap.plan(ap.capture(model, inputs), ap.Cluster.preset("cpu", 1, 4), global_batch=8,
+                                   fix=fix)))
+        metas.append(meta)
+    return dict(zip(CASES, verify_many(cases, steps=2, meta_init=metas), strict=True))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", CASES)
+def test_training_starts_from_the_pretrained_weights(reports, name):
+    report = reports[name]
+    print(report)
+    assert report.ok, report
+    assert report.steps[0].loss == pytest.approx(math.log(VOCAB), rel=1e-6)  # the saved weights, on every rank
