@@ -5,8 +5,9 @@ standby (``launch/verifying.py``) runs the same functions in its own process.
 Each rank imports the exported script and calls its ``main`` with an observer that collects the loss, the full
 gradients and the full parameters of every step; the single-process reference uses the same seed, data,
 learning-rate schedule and clipping; the report gives per step the loss difference and the largest gradient and
-parameter differences, relative to the largest reference value. Dropout is switched off in both runs (the ranks would
-draw other masks than the reference); the report says so. After the parallel run, the reference also takes each later
+parameter differences, relative to the largest reference value. Every random op of the model's forward is switched
+off in both runs (:mod:`autopar_nb.randomness`: the ranks would draw other masks than the reference); the report
+says which. After the parallel run, the reference also takes each later
 step's gradients at the parallel run's own parameters (:func:`same_parameter_grads`): the two runs' parameters drift
 apart by round-off (Adam turns round-off in near-zero gradients into updates of up to ``lr``), so gradients at the
 same parameters are what can be held to ``rtol`` at every step.
@@ -39,6 +40,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from .export import export
 from .export.values import ScriptValues, script_values
 from .plan import DTYPE_NAMES, Plan
+from .randomness import RandomOff
 from .source import ModelSource
 
 FP32_RTOL = 1e-5
@@ -94,9 +96,11 @@ class VerifyReport:
     low_precision: bool = False
     """bf16/fp16: gradients are judged at the first step only, where both runs start from the same weights; after an
     update the weights differ by the rounding above and so do later gradients (the losses are still judged)"""
-    dropout_off: int = 0
-    """dropout modules (or Hugging Face dropout settings) switched off in both runs: the ranks would draw other masks
-    than the reference"""
+    random_off: list[str] = field(default_factory=list)
+    """random ops of one forward switched off in both runs ("2 x dropout p=0.1 (h.0.attn)"): the ranks would draw
+    other masks than the reference (:mod:`autopar_nb.randomness`)"""
+    random_left: list[str] = field(default_factory=list)
+    """random ops of one forward that could not be switched off ("1 x randint (Net)"): the runs draw them apart"""
 
     def judge(self, s: StepDiff) -> tuple[bool, str]:
         """Whether step ``s`` agrees, and the rule it was judged by:
@@ -149,6 +153,10 @@ class VerifyReport:
         return [s.loss for s in self.steps]
 
     def __str__(self) -> str:
+        left = (f"random ops verify could not switch off ran in the forward: {', '.join(self.random_left)}; the two "
+                "runs draw them differently") if self.random_left else ""
+        first = [f"{left}, so this mismatch may come from them rather than from the plan"] if left and not self.ok \
+            else []
         head = (f"verify {self.plan} on {self.nproc} processes: "
                 f"{'OK' if self.ok else 'MISMATCH'} (rtol {self.rtol:g})")
         rows = [f"{'step':>4} {'loss':>12} {'reference':>12} {'|Δloss|':>10} {'rel':>9} "
@@ -168,11 +176,13 @@ class VerifyReport:
             rows.append(f"{what} checked against rtol + {self.param_floor:.1e} per step (Adam: see param_floor)")
         if self.low_precision:
             rows.append("low precision: gradients judged at step 0 only (same weights there; see low_precision)")
-        if self.dropout_off:
-            rows.append(f"dropout switched off in both runs ({self.dropout_off} module(s)/setting(s); see dropout_off)")
+        if self.random_off:
+            rows.append(f"random ops switched off in both runs (per forward): {', '.join(self.random_off)}")
+        if left and self.ok:
+            rows.append(left)
         if self.missing:
             rows.append(f"no gradient in the parallel run for: {', '.join(self.missing)}")
-        return "\n".join([head, *rows])
+        return "\n".join([*first, head, *rows])
 
     def _repr_pretty_(self, p, cycle):
         p.text(str(self))
@@ -246,7 +256,7 @@ def verify_here(cases: list[tuple[ModelSource, Plan]], metas: list[bool], script
         tol = rtol if rtol is not None else (FP32_RTOL if plan.precision.amp == "none" else LOW_PRECISION_RTOL)
         report = _compare(plan, nproc, tol, par, ref)
         report.per_rank = [results[r][i]["info"] for r in sorted(results)]
-        report.dropout_off = ref["dropout_off"]
+        report.random_off, report.random_left = ref["random_off"], ref["random_left"]
         reports.append(report)
     return reports
 
@@ -262,27 +272,6 @@ def _restoring_signal_handlers(fn, *args):
         if threading.current_thread() is threading.main_thread():
             for n, handler in saved.items():
                 signal.signal(getattr(signal, n), handler)
-
-
-DROPOUT_SETTINGS = ("dropout", "attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop",
-                    "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout_rate", "classifier_dropout")
-
-
-def switch_off_dropout(model: nn.Module) -> int:
-    """Set every dropout probability to 0: ``nn.Dropout`` modules' ``p`` (which Hugging Face attention also reads for
-    SDPA's ``dropout_p``) and dropout settings modules keep as floats; returns how many there were (0: the model is
-    left as it is). Training mode stays on (BatchNorm's statistics are part of the model)."""
-    count = 0
-    for module in model.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            module.p = 0.0
-            count += 1
-        for name in DROPOUT_SETTINGS:
-            value = module.__dict__.get(name)
-            if isinstance(value, float) and value > 0 and not isinstance(module, nn.modules.dropout._DropoutNd):
-                setattr(module, name, 0.0)
-                count += 1
-    return count
 
 
 def kernel_cwd() -> str:
@@ -308,7 +297,8 @@ class _Reference:
     device: str
     amp_dtype: Any
     op_lists: Any
-    dropout_off: int
+    random: RandomOff
+    """switches the model's random ops off in every forward :meth:`backward` runs"""
 
     @classmethod
     def build(cls, source: ModelSource, plan: Plan, seed: int, values: ScriptValues) -> _Reference:
@@ -323,7 +313,6 @@ class _Reference:
         model = ns[source.model_var].to(device)  # built on the CPU with the seed, as the ranks build it, then moved
         model.train()
         switch_off_kv_cache(model)  # as the script does
-        dropout_off = switch_off_dropout(model)
         d, p, dp = values.defaults, plan.precision, plan.mesh.dp
         loss_fn = ns[source.loss_fn_var] if source.loss_fn_var else functools.partial(default_loss,
                                                                                       causal=d["causal"])
@@ -341,7 +330,7 @@ class _Reference:
         op_lists = functools.partial(OpPrecision, device, amp_dtype, fp32_ops=p.fp32_ops,
                                      low_precision_ops=p.low_precision_ops) if p.fp32_ops or p.low_precision_ops \
             else None
-        return cls(plan, model, make_batch, loss_fn, device, amp_dtype, op_lists, dropout_off)
+        return cls(plan, model, make_batch, loss_fn, device, amp_dtype, op_lists, RandomOff(model))
 
     def pieces(self, step: int) -> list:
         """(micro-batch, divisor) of every data-parallel rank's micro-batches at ``step``, as the ranks run them."""
@@ -360,11 +349,12 @@ class _Reference:
         from .runtime.data import to_device
 
         total = 0.0
-        for mb, k in pieces:
-            with step_context(self.device, amp_dtype=self.amp_dtype, op_lists=self.op_lists):
-                loss = self.loss_fn(self.model, to_device(mb, self.device)) / k
-            (scale(loss) if scale is not None else loss).backward()
-            total += loss.item()
+        with self.random:  # as the ranks run (_worker)
+            for mb, k in pieces:
+                with step_context(self.device, amp_dtype=self.amp_dtype, op_lists=self.op_lists):
+                    loss = self.loss_fn(self.model, to_device(mb, self.device)) / k
+                (scale(loss) if scale is not None else loss).backward()
+                total += loss.item()
         return total
 
     def grads(self) -> dict[str, torch.Tensor]:
@@ -384,7 +374,7 @@ def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0, val
     optimizer = build_optimizer(list(model.parameters()), o.name, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas)
     scaler = grad_scaler(ref.device, init_scale=p.init_loss_scale, dynamic=p.dynamic_loss_scale,
                          growth_interval=p.growth_interval, sharded=False) if p.amp == "fp16" else None
-    out = {"losses": [], "grads": [], "params": [], "scales": [], "dropout_off": ref.dropout_off}
+    out = {"losses": [], "grads": [], "params": [], "scales": []}
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = o.lr * lr_factor(step, warmup=o.warmup_steps, total=steps, schedule=o.lr_schedule,
@@ -403,6 +393,7 @@ def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0, val
             optimizer.step()
         optimizer.zero_grad()
         out["params"].append({n: q.detach().float().cpu().clone() for n, q in model.named_parameters()})
+    out["random_off"], out["random_left"] = ref.random.counts()
     return out
 
 
@@ -507,8 +498,8 @@ def script_argv(ns: dict, steps: int) -> list[str]:
 
 @record
 def _worker(jobs: list[tuple[str, str, str]], steps: int) -> list[dict]:
-    """One rank: import each exported script, switch its model's dropout off, and run its ``main`` with a
-    :class:`Recorder`; every script shares one process group."""
+    """One rank: import each exported script and run its ``main`` with a :class:`Recorder`, its model's random ops
+    switched off as in the reference; every script shares one process group."""
     import gc
 
     import torch.distributed as dist
@@ -523,9 +514,9 @@ def _worker(jobs: list[tuple[str, str, str]], steps: int) -> list[dict]:
     try:
         for script, model_var, plan_json in jobs:
             ns = runpy.run_path(script, run_name="__autopar_verify__")
-            switch_off_dropout(ns[model_var])
             recorder = Recorder(Plan.from_json(plan_json), int(os.environ["RANK"]))
-            with contextlib.redirect_stdout(io.StringIO()):  # the script's per-step lines
+            # active in module forwards only: meta_init's initialisation and the batches keep their randomness
+            with RandomOff(ns[model_var]), contextlib.redirect_stdout(io.StringIO()):  # the script's per-step lines
                 ns["main"](script_argv(ns, steps), observer=recorder)
             results.append(recorder.result)
             del ns

@@ -66,6 +66,40 @@ def make_batch(step, rank):
 BOTH = source(ONLY_LOSS.code + ONLY_BATCH.code[len(GPT_CELL):])
 TWO |= {"cell_loss_fn": (ONLY_LOSS, dict(dp=2)), "cell_make_batch": (ONLY_BATCH, dict(dp=2)),
         "cell_both": (BOTH, dict(dp=2))}
+# random ops no attribute list names: F.dropout of a float attribute, SDPA's dropout_p, timm-style stochastic depth
+NOISY_CELL = """
+import torch, torch.nn as nn, torch.nn.functional as F
+
+class DropPath(nn.Module):
+    def __init__(self, drop_prob):
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x):  # timm's drop_path: a per-sample bernoulli(keep) mask, scaled by 1 / keep
+        if self.drop_prob == 0.0 or not self.training:
+            return x
+        keep = 1 - self.drop_prob
+        return x * x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep).div_(keep)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 8)
+        self.attn_dropout, self.mixing_noise = 0.1, 0.3
+        self.drop_path = DropPath(0.2)
+
+    def forward(self, x):
+        h = F.dropout(F.relu(self.fc1(x)), self.attn_dropout, self.training)
+        B, T, _ = h.shape
+        q = h.view(B, T, -1, 16).transpose(1, 2)  # heads of 16, split with fc1's columns under TP
+        a = F.scaled_dot_product_attention(q, q, q, dropout_p=self.mixing_noise if self.training else 0.0)
+        return self.fc2(h + self.drop_path(a.transpose(1, 2).reshape(B, T, -1)))
+
+model = Net()
+example_inputs = (torch.randn(4, 8, 32),)
+"""
+N = source(NOISY_CELL)
+TWO |= {"random_dp": (N, dict(dp=2)), "random_tp": (N, dict(tp=2, tp_styles={"fc1": "colwise", "fc2": "rowwise"}))}
 T = source(TIED_CELL)  # the embedding and the head share one weight
 TIED_TP = {"wte": "rowwise", "lm_head": "colwise", "h.0.up": "colwise", "h.0.down": "rowwise"}
 TWO |= {
@@ -127,7 +161,11 @@ def test_plan_matches_single_process(reports, name):
     report = reports[name]
     print(report)
     if name == "hf_gpt2_dp":
-        assert report.dropout_off > 0 and "dropout switched off" in str(report)
+        assert report.random_off and "random ops switched off in both runs" in str(report)
+    if name.startswith("random_"):  # each named, with its module; none left on
+        assert report.random_off == ["1 x dropout p=0.1 (Net)", "1 x scaled_dot_product_attention dropout_p=0.3 (Net)",
+                                     "1 x bernoulli_ -> its mean 0.8 (drop_path)"], report.random_off
+        assert not report.random_left
     assert len(report.steps) == STEPS
     if "bf16" in name:
         assert report.rtol > FP32_RTOL

@@ -347,9 +347,12 @@ def verify_notes(report) -> list[str]:
     if report.param_floor:
         out.append(f"Adam floor: {report.param_floor:.2e} per step (2 x lr / largest |parameter|: an element whose "
                    "gradient is at rounding level moves by +-lr whichever way it rounds)")
-    if report.dropout_off:
-        out.append(f"dropout switched off in both runs ({report.dropout_off} module(s)/setting(s)): the ranks would "
-                   "draw other masks than the reference")
+    if report.random_left:  # first: they may explain a mismatch
+        out.insert(0, f"random ops left on in both runs: {', '.join(report.random_left)} (verify cannot switch them "
+                      "off; the runs draw them differently)")
+    if report.random_off:
+        out.append(f"random ops switched off in both runs (per forward): {', '.join(report.random_off)}: the ranks "
+                   "would draw other masks than the reference")
     if report.missing:
         out.append(f"no gradient in the parallel run for: {', '.join(report.missing)}")
     return out
