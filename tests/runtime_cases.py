@@ -164,7 +164,7 @@ def llama_tp(n_layers: int = 2, *, sp: bool = False, head: bool = True, embeddin
 
 
 __all__ = ["GPT_CELL", "HF_BERT_CELL", "HF_GPT2_CELL", "HF_LLAMA_CELL", "LLAMA_CELL", "RECSYS_CELL", "RESNET_CELL",
-           "TIED_CELL", "script_namespace",
+           "TIED_CELL", "TYPED_CELL", "script_namespace",
            "gpt_mlp_tp", "has_transformers", "hf_llama_tp", "llama_tp", "make_plan", "source", "torch"]
 
 
@@ -341,3 +341,26 @@ def hf_gqa_tp(n_layers: int = 2, *, heads: int = 4, kv_heads: int = 1) -> tuple[
         p = f"model.layers.{i}.self_attn"
         parts |= {f"{p}.q_proj": [heads], f"{p}.k_proj": [kv_heads], f"{p}.v_proj": [kv_heads]}
     return styles, parts
+
+
+# token ids and BERT-style token types: the smallest table (2 rows) is not the vocabulary the head predicts (64)
+TYPED_CELL = """\
+import torch
+import torch.nn as nn
+
+
+class Typed(nn.Module):
+    def __init__(self, vocab=64, dim=16):
+        super().__init__()
+        self.wte, self.types = nn.Embedding(vocab, dim), nn.Embedding(2, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 32), nn.ReLU(), nn.Linear(32, dim))
+        self.lm_head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids, token_type_ids):
+        h = self.wte(input_ids) + self.types(token_type_ids)
+        return self.lm_head(h + self.mlp(h))
+
+
+model = Typed()
+example_inputs = {"input_ids": torch.randint(0, 64, (4, 16)), "token_type_ids": torch.zeros(4, 16, dtype=torch.long)}
+"""

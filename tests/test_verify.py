@@ -16,6 +16,7 @@ from runtime_cases import (
     RECSYS_CELL,
     RESNET_CELL,
     TIED_CELL,
+    TYPED_CELL,
     gpt_mlp_tp,
     has_transformers,
     hf_llama_tp,
@@ -106,6 +107,8 @@ TWO |= {
     "tied_pp": (T, dict(pp=2, schedule="1f1b", micro_batches=2, stages={"h.1": 1})),  # copies on 2 stages, summed
     "tied_tp": (T, dict(tp=2, tp_styles=TIED_TP)),  # one vocab-sharded DTensor for both
     "tied_zero3": (T, dict(dp=2, zero=3)),  # kept in the root FSDP unit
+    # synthetic ids over the whole vocabulary (not below the 2-row type table): rank 1's half of wte is looked up
+    "ids_tp": (source(TYPED_CELL), dict(tp=2, tp_styles={"wte": "rowwise", "lm_head": "colwise"})),
 }
 META = {  # built on the meta device, initialised shard by shard
     "meta_zero3": (G, dict(dp=2, zero=3)),

@@ -127,8 +127,8 @@ def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]
                      "same one)")
     elif v.defaults:
         s += [f"BATCH_SIZE = {v.defaults['batch_size']!r}  # samples per data-parallel rank and step (synthetic data)",
-              f"INT_HIGH = {v.defaults['int_high']!r}  # synthetic ids are drawn from [0, INT_HIGH): the smallest "
-              "embedding table",
+              f"INT_HIGH = {v.defaults['int_high']!r}  # synthetic ids are drawn below each integer input's entry: the "
+              "largest embedding table it indexes",
               f"CAUSAL = {v.defaults['causal']!r}  # the default loss predicts the next token (False: the same one)"]
     if v.fused_loss:
         s.append(f"FUSED_LOSS = {_one_line(v.fused_loss)}  # plan.fused_loss: the output head fused with the loss")

@@ -8,6 +8,7 @@ script holds the values as literals, and the runtime functions it carries read t
 from __future__ import annotations
 
 import copy
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,7 @@ import torch.nn as nn
 
 from ..plan import Plan, PlanError, within
 from ..runtime.cp import sequence_tensor
-from ..runtime.data import default_batch_size, first_tensor, is_causal_lm, smallest_table
+from ..runtime.data import default_batch_size, default_loss, first_tensor, is_causal_lm, smallest_table
 from ..runtime.ep import experts_modules_to_split
 from ..runtime.fused_norm import apply_fused_norm
 from ..runtime.pp import SCHEDULES, SPLIT_BACKWARD, stage_boundaries
@@ -24,6 +25,7 @@ from ..runtime.tp import REPLICATE, TPStyle
 from ..runtime.train import switch_off_kv_cache
 from ..source import PRETRAINED_KEY, ModelSource
 from .styles import GROUPS, HEAD_COUNTS, KV_HEADS, local_sizes, tp_styles
+from .synthetic_ids import id_ranges
 
 META_INIT_PARAMS = 2**30
 """models with more parameters than this are built on the meta device and initialised shard by shard by default"""
@@ -174,8 +176,12 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
         raise PlanError(f"batch.global_batch({plan.batch.global_batch}) must be a multiple of the data-parallel ranks "
                         f"(mesh.dp={m.dp}): each reads the same number of the dataset's samples per step")
     if source.loss_fn_var is None or source.make_batch_var is None:
+        causal = is_causal_lm(model)
+        loss_fn = ns[source.loss_fn_var] if source.loss_fn_var else functools.partial(default_loss, causal=causal)
+        synthetic = source.make_batch_var is None and not v.dataset  # (one meta forward: only where ids are drawn)
         v.defaults = {"batch_size": default_batch_size(inputs, dp=m.dp, global_batch=plan.batch.global_batch),
-                      "int_high": smallest_table(model), "causal": is_causal_lm(model)}
+                      "int_high": id_ranges(model, inputs, loss_fn=loss_fn) if synthetic else smallest_table(model),
+                      "causal": causal}
     v.ties = tied_parameters(model)
     if m.cp > 1:
         _check_cp(source, inputs, v)

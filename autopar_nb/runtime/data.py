@@ -66,18 +66,25 @@ def concat_batches(batches: list):
     return torch.cat(batches) if isinstance(first, torch.Tensor) else first
 
 
-def synthetic_batch(example, step: int, rank: int, *, batch_size: int, int_high: int):
+def synthetic_batch(example, step: int, rank: int, *, batch_size: int, int_high):
     """Data shaped like ``example`` (the cell's example inputs): a fixed random batch of ``batch_size`` samples for
-    each (step, data-parallel rank); integer tensors (token ids) drawn from ``[0, int_high)``."""
+    each (step, data-parallel rank); an integer tensor (token ids) drawn from ``[0, high)``, ``high`` the entry of
+    ``int_high`` at its place in ``example`` (the same structure; one int: the same bound for all)."""
     g = torch.Generator().manual_seed(1_000_003 * step + rank)
 
-    def like(t):
+    def like(t, high):
+        if isinstance(t, dict):
+            return {k: like(v, high[k] if isinstance(high, dict) else high) for k, v in t.items()}
+        if isinstance(t, (tuple, list)):
+            return type(t)(like(v, high[i] if isinstance(high, (tuple, list)) else high) for i, v in enumerate(t))
+        if not isinstance(t, torch.Tensor):
+            return t
         shape = (batch_size, *t.shape[1:])
         if t.is_floating_point():
             return torch.randn(shape, generator=g).to(t.dtype)
-        return torch.randint(0, int_high, shape, generator=g, dtype=t.dtype)
+        return torch.randint(0, high, shape, generator=g, dtype=t.dtype)
 
-    return tree_map(like, example)
+    return like(example, int_high)
 
 
 def call_model(model, batch):
@@ -114,7 +121,8 @@ def default_batch_size(example, *, dp: int, global_batch: int) -> int:
 
 
 def smallest_table(model: nn.Module) -> int:
-    """Rows of the model's smallest embedding table (synthetic ids stay below it), 2 when it has none."""
+    """Rows of the model's smallest embedding table, 2 when it has none: the bound of synthetic ids for an integer
+    input that indexes no table (``export/synthetic_ids.py``)."""
     tables = [m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
     return min(tables) if tables else 2
 
