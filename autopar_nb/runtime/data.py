@@ -67,9 +67,8 @@ def concat_batches(batches: list):
 
 
 def synthetic_batch(example, step: int, rank: int, *, batch_size: int, int_high):
-    """Data shaped like ``example`` (the cell's example inputs): a fixed random batch of ``batch_size`` samples for
-    each (step, data-parallel rank); an integer tensor (token ids) drawn from ``[0, high)``, ``high`` the entry of
-    ``int_high`` at its place in ``example`` (the same structure; one int: the same bound for all)."""
+    """Data shaped like ``example`` (the cell's example inputs): a fixed random batch of ``batch_size`` samples for each
+    (step, data-parallel rank); integer tensors from ``[0, high)``, ``high`` their entry of ``int_high`` (or it)."""
     g = torch.Generator().manual_seed(1_000_003 * step + rank)
 
     def like(t, high):
