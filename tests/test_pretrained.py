@@ -127,3 +127,31 @@ def test_training_starts_from_the_pretrained_weights(reports, name):
     print(report)
     assert report.ok, report
     assert report.steps[0].loss == pytest.approx(math.log(VOCAB), rel=1e-6)  # the saved weights, on every rank
+
+
+@pytest.mark.multiprocess
+def test_saved_weights_are_what_from_pretrained_reads(saved, tmp_path):
+    """The exported script's ``--save-hf``: every rank's shards (tp x pp, GPT-2's tied head and fused [q|k|v],
+    read shard by shard) written back as one Hugging Face checkpoint that ``from_pretrained`` reads, equal to the
+    one read (no step taken)."""
+    import subprocess
+    import sys
+
+    from transformers import GPT2LMHeadModel
+
+    src = _source(saved["gpt2"])
+    model, inputs, _ = src.build(device="meta")
+    plan = ap.plan(ap.capture(model, inputs), ap.Cluster.preset("cpu", 1, 4), global_batch=8,
+                   fix={"tp": 2, "pp": 2, "micro_batches": 2})
+    script = ap.export(src, plan, tmp_path / "train.py", meta_init=True, quiet=True).script
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           str(script), "--steps", "0", "--save-hf", str(tmp_path / "out")], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    before = GPT2LMHeadModel.from_pretrained(saved["gpt2"]).state_dict()
+    after = GPT2LMHeadModel.from_pretrained(tmp_path / "out").state_dict()
+    assert before.keys() == after.keys()
+    for key, value in before.items():
+        assert torch.equal(value, after[key]), key

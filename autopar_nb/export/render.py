@@ -27,6 +27,10 @@ DATA_FLAGS = '''
                    "rank (default: the cores each rank has beyond its own, at most 4)")
     p.add_argument("--prefetch-factor", type=int, default=2, help="batches each DataLoader worker loads ahead")'''
 """``parse_args``'s flags for a script that reads the cell's dataset"""
+HF_FLAGS = '''
+    p.add_argument("--save-hf", default=None, metavar="DIR", help="at the end, write the trained weights to DIR in "
+                   "Hugging Face's format (safetensors + config.json)")'''
+"""``parse_args``'s flag for a Hugging Face model the cell loads ``from_pretrained``"""
 TEMPLATE_IMPORTS = {("argparse", None, None), ("gc", None, None), ("traceback", None, None),
                     ("torch", None, None), ("torch.distributed", None, "dist"),
                     ("torch.distributed.elastic.multiprocessing.errors", "record", None)}
@@ -420,8 +424,18 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
                             pp_group="mesh[\"pp\"].get_group()" if v.pp > 1 else "None",
                             **({"tied": "tied"} if v.pp > 1 and v.ties else {}), tokens=str(v.tokens),
                             **({"cp": "CP"} if v.cp > 1 else {}),
-                            observer="observer", indent=4, width=120 - ind)]
+                            observer="observer", indent=4, width=120 - ind), *_save_hf(v, mv, uses)]
     return "\n".join(" " * ind + line for line in "\n".join(lines).splitlines()), uses
+
+
+def _save_hf(v: ScriptValues, model_var: str, uses: list[str]) -> list[str]:
+    """``main``'s lines for ``--save-hf`` (a pretrained Hugging Face model): the trained weights in its format."""
+    if not v.save_hf:
+        return []
+    uses.append("save_hf")
+    ties = ", ties=TIES" if v.ties else ""
+    return ["    if args.save_hf:  # the trained weights as from_pretrained reads them",
+            f"        save_hf(args.save_hf, parts, {model_var}{ties})"]
 
 
 def render_script(source: ModelSource, plan: Plan, v: ScriptValues, *, script_name: str, plan_file: str,
@@ -437,6 +451,7 @@ def render_script(source: ModelSource, plan: Plan, v: ScriptValues, *, script_na
     check_names(source, assembly.names + prelude.names)
     imports = without_cell_imports(assembly.imports | prelude.imports | TEMPLATE_IMPORTS | std | par_imports,
                                     source, keep=setting_imports | prelude.imports)
+    flags = (DATA_FLAGS if v.dataset else "") + (HF_FLAGS if v.save_hf else "")
     return Template(TEMPLATE.read_text()).substitute(
         model_name=v.model_class, summary=_summary_lines(v.model_class, plan.summary()), plan_file=plan_file,
         intro=textwrap.fill(f"Exported by autopar-nb from a notebook cell. The cell is kept verbatim below; the plan "
@@ -445,5 +460,5 @@ def render_script(source: ModelSource, plan: Plan, v: ScriptValues, *, script_na
         launch=launch,
         imports="\n\n".join(kit.import_lines(imports, setting_imports)),
         settings="\n".join(setting_lines), prelude=prelude.source(), cell=script_cell(source, v), kit=assembly.source(),
-        parallelize=par, steps=int(steps), main=body, data_flags=DATA_FLAGS if v.dataset else "",
+        parallelize=par, steps=int(steps), main=body, data_flags=flags,
         build_mesh="build_mesh(device, PP, DP, TP" + (", cp=CP)" if v.cp > 1 else ")"))

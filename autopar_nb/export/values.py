@@ -71,6 +71,9 @@ class ScriptValues:
     """patterns (each match its own unit) or lists of paths (one unit together)"""
     sync_batchnorm: bool = False
     meta_init: bool = False
+    save_hf: bool = False
+    """the cell loads a Hugging Face model ``from_pretrained``: ``--save-hf`` writes the trained weights back in that
+    format"""
     pretrained: str = ""
     """the checkpoint the cell's ``from_pretrained`` names, read shard by shard after parallelising (meta_init; a
     model built whole reads it in the cell)"""
@@ -161,6 +164,7 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
     num_params = sum(p.numel() for p in model.parameters())
     v.meta_init = num_params > META_INIT_PARAMS if meta_init is None else meta_init
     v.pretrained = ns[PRETRAINED_KEY][-1] if ns[PRETRAINED_KEY] and v.meta_init else ""
+    v.save_hf = bool(ns[PRETRAINED_KEY]) and callable(getattr(getattr(model, "config", None), "save_pretrained", 0))
     first = first_tensor(inputs)
     v.tokens = first.dim() == 2 and not first.is_floating_point()
     v.kv_cache = bool(switch_off_kv_cache(model))  # a meta copy of the cell's model: only read here

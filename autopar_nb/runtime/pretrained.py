@@ -4,13 +4,16 @@ On the meta device (capture, and the exported script's ``meta_init``) transforme
 wants to read weights that meta tensors cannot hold. :class:`FromConfig` answers those calls with the model the
 checkpoint's config describes (``_from_config``: the same modules, parameter names and shapes, no weights) and
 notes which checkpoint each came from; once the model is parallelised, :func:`load_pretrained` reads into each rank
-only its shards (DCP's Hugging Face storage reader), whatever the plan's TP, FSDP and pipeline stages.
+only its shards (DCP's Hugging Face storage reader), whatever the plan's TP, FSDP and pipeline stages;
+:func:`save_hf` writes the trained weights back in the same format.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -110,3 +113,22 @@ def load_pretrained(path: str, parts: list, *, ties: list[list[str]] = ()) -> No
     state |= {key: state[source] for key, source in copies.items()}
     state |= {key: tensor for key, tensor in named.items() if key not in state}
     set_model_state_dict(model, by_stage(state, own, stages))
+
+
+def save_hf(path: str, parts: list, model, *, ties: list[list[str]] = ()) -> None:
+    """Write the weights of the parallelised ``parts`` to the folder ``path`` in Hugging Face's format (safetensors
+    and ``config.json``: what ``from_pretrained`` reads), under the names of ``model``'s state dict (the cell's
+    model, whose ``config`` is written too), a tied parameter once, under its first name. Collective: every rank
+    writes its shards (DCP's ``HuggingFaceStorageWriter``), which are then joined into whole tensors."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    stages = len(parts) > 1
+    later = {name for group in ties for name in group[1:]}
+    keys = {canonical_name(k) for k in model.state_dict()} - later
+    state = by_name(get_model_state_dict(PipelineStages(parts) if stages else parts[0]), stages)
+    state = {k: v for k, v in state.items() if k in keys}
+    dcp.save(dcp_layout(state), storage_writer=HuggingFaceStorageWriter(path, save_distributed=True,
+                                                                        enable_consolidation=True))
+    if dist.get_rank() == 0:  # the coordinator joined the ranks' files inside save: what from_pretrained reads
+        shutil.rmtree(os.path.join(path, "sharded"))
+        model.config.save_pretrained(path)
