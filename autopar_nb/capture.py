@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 import kernels_ext
 from kernels_ext import TensorMeta
 
+from . import capture_blocks
 from .graph import Layer, ModelGraph, OpNode, ParamInfo, RepeatedBlock, TensorInfo
 from .plan import layer_of
 from .runtime.cp import takes_positions
@@ -38,11 +39,13 @@ class CaptureError(RuntimeError):
     """The model could not be traced; the message names the module, the source line and what to do."""
 
 
-def capture(model: nn.Module, example_inputs: Any, *, source: str | None = None) -> ModelGraph:
+def capture(model: nn.Module, example_inputs: Any, *, source: str | None = None,
+            copy_blocks: bool = True) -> ModelGraph:
     """Trace ``model`` on ``example_inputs`` into a :class:`ModelGraph`.
 
     ``example_inputs`` is a tensor, a tuple/list of positional tensors, or a dict of keyword tensors. When the model
-    is on the meta device, inputs are moved to meta too, so nothing is allocated.
+    is on the meta device, inputs are moved to meta too, so nothing is allocated. Identical repeated blocks are
+    traced once and copied (``capture_blocks.py``: the same graph); ``copy_blocks=False`` traces every layer.
 
     >>> with torch.device("meta"):
     ...     m = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 512))
@@ -62,11 +65,11 @@ def capture(model: nn.Module, example_inputs: Any, *, source: str | None = None)
     try:
         try:  # a plain causal or bidirectional mask skipped, as the eager forward does (runtime/pp.py)
             with masks_as_in_eager(own_positions="position_ids" not in kwargs):
-                graph = _from_export(model, args, kwargs)
+                graph = _copied_or_full(lambda s: _from_export(model, args, kwargs, s), model, copy_blocks)
         except Exception as export_error:
             located = _locate(export_error, model, paths)
             try:
-                graph = _from_dispatch(model, args, kwargs, paths)
+                graph = _copied_or_full(lambda s: _from_dispatch(model, args, kwargs, paths, s), model, copy_blocks)
             except Exception as eager_error:
                 raise _capture_error(eager_error, model, paths) from eager_error
             warnings.warn(f"torch.export could not trace {type(model).__name__} ({_first_line(export_error)}"
@@ -79,6 +82,11 @@ def capture(model: nn.Module, example_inputs: Any, *, source: str | None = None)
     graph.source = source
     graph.takes_positions = takes_positions(model)
     return graph
+
+
+def _copied_or_full(trace, model: nn.Module, copy_blocks: bool) -> ModelGraph:
+    groups = [[(p, model.get_submodule(p)) for p in b.members] for b in _repeated_blocks(find_layers(model))]
+    return capture_blocks.copied_or_full(trace, groups if copy_blocks else [], _canonical_names(model))
 
 
 # ---- inputs ---------------------------------------------------------------------------------------------------------
@@ -166,7 +174,7 @@ def _tensor_leaves(out: Any) -> list[torch.Tensor]:
     return []
 
 
-def _from_export(model: nn.Module, args: tuple, kwargs: dict) -> ModelGraph:
+def _from_export(model: nn.Module, args: tuple, kwargs: dict, stand_ins=None) -> ModelGraph:
     with _quiet_torch_logs():
         ep = torch.export.export(_TensorsOnly(model), args, kwargs, strict=False)
     # the wrapper adds "inner." to every parameter and module path: strip it; tied weights get their first name
@@ -200,7 +208,15 @@ def _from_export(model: nn.Module, args: tuple, kwargs: dict) -> ModelGraph:
     returned = tree_flatten(ep.graph.output_node().args)[0]
     outs = [n.meta.get("val") for n in returned if isinstance(n, torch.fx.Node)]
     outs = [o for o in outs if isinstance(o, torch.Tensor)]
-    return _build(model, args, kwargs, raw, outs, "torch.export")
+    return _spliced(model, args, kwargs, raw, outs, "torch.export", stand_ins)
+
+
+def _spliced(model, args, kwargs, raw: list[_RawOp], outs: list, tracer: str, stand_ins) -> ModelGraph:
+    """The graph of ``raw``, copies of the traced members spliced in where their identical members stood in."""
+    raw, copied = capture_blocks.splice(raw, stand_ins, "fx" if tracer == "fx" else "export") if stand_ins else (raw, 0)
+    graph = _build(model, args, kwargs, raw, outs, tracer)
+    graph.copied_layers = copied
+    return graph
 
 
 class _Recorder(TorchDispatchMode):
@@ -230,11 +246,12 @@ class _Recorder(TorchDispatchMode):
         name = f"{base}_{self.counts[base]}" if self.counts[base] else base
         self.counts[base] += 1
         inputs, params = [], []
+        positional = str(func) in capture_blocks.MARKERS  # a stand-in's inputs, "" where no op produced one
         for a in tensors:
             if id(a) in self.param_names:
                 params.append(self.param_names[id(a)])
-            elif id(a) in self.producer:
-                inputs.append(self.producer[id(a)])
+            elif id(a) in self.producer or positional:
+                inputs.append(self.producer.get(id(a), ""))
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         for o in outs:
             self.producer[id(o)] = name
@@ -244,7 +261,7 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _from_dispatch(model: nn.Module, args: tuple, kwargs: dict, paths: dict[int, str]) -> ModelGraph:
+def _from_dispatch(model: nn.Module, args: tuple, kwargs: dict, paths: dict[int, str], stand_ins=None) -> ModelGraph:
     stack: list[tuple[str, str]] = [("", type(model).__name__)]
 
     def pre(mod, _inputs):
@@ -264,7 +281,7 @@ def _from_dispatch(model: nn.Module, args: tuple, kwargs: dict, paths: dict[int,
         h1.remove()
         h2.remove()
     outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-    return _build(model, args, kwargs, recorder.raw, outs, "fx")
+    return _spliced(model, args, kwargs, recorder.raw, outs, "fx", stand_ins)
 
 
 def _clean_path(path: str) -> str:

@@ -139,6 +139,11 @@ class ModelGraph:
     takes_positions: bool = False
     """the model's forward takes ``position_ids`` (context parallelism then passes each token's
     global position: ``runtime/cp.py``)"""
+    copied_layers: int = 0
+    """layers whose ops were copied from an identical member of their repeated block instead of traced"""
+    full_trace_reason: str | None = None
+    """why capture traced every member of the repeated blocks instead of copying identical ones (None when it did
+    not have to)"""
 
     # ---- totals -------------------------------------------------------------------------------------------------
     @property
