@@ -9,6 +9,7 @@ on the meta device.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import linecache
 import logging
@@ -356,11 +357,16 @@ def _execution_order(layer_mods: list[tuple[str, nn.Module]], raw: list[_RawOp])
     paths = [p for p, _ in layer_mods]
     first: dict[str, int] = {}
     for i, r in enumerate(raw):
-        lp = layer_of(r.module_path, paths)
+        lp = _layer_of(r.module_path, tuple(paths))
         if lp is not None:
             first.setdefault(lp, i)
     order = {p: (first.get(p, len(raw)), k) for k, p in enumerate(paths)}
     return sorted(layer_mods, key=lambda pm: order[pm[0]])
+
+
+@functools.lru_cache(maxsize=65536)  # a 126-layer model has thousands of ops and parameters, few module paths
+def _layer_of(path: str, layer_paths: tuple[str, ...]) -> str | None:
+    return layer_of(path, layer_paths)
 
 
 # ---- assembling the graph -------------------------------------------------------------------------------------------
@@ -395,7 +401,7 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, raw: list[_RawOp], outs:
         flops = rule.forward_flops(a, k, out_meta)
         bwd, (rd, wr) = flops * rule.backward_factor, rule.bytes_moved(a, k, out_meta)
         in_shapes = [t.shape for t in _tensor_metas((a, k))]
-        layer = layer_of(r.module_path, layer_paths) or last_layer
+        layer = _layer_of(r.module_path, tuple(layer_paths)) or last_layer
         node = OpNode(r.name, r.op, rule.op_class, r.inputs, in_shapes, [o.shape for o in out_meta],
                       out_meta[0].dtype if out_meta else "", flops, bwd, rd, wr, r.params, r.module_path,
                       r.module_type, layer or "", r.op not in unknown, _dropout_p(r.op, r.args, r.kwargs))
@@ -414,6 +420,9 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, raw: list[_RawOp], outs:
                       f"with kernels_ext.register_op(...) to cost it", stacklevel=3)
 
     params = _param_infos(model)
+    own_params: dict[str | None, list[ParamInfo]] = defaultdict(list)
+    for p in (p for p in params.values() if not p.is_buffer):
+        own_params[_layer_of(p.module_path, tuple(layer_paths))].append(p)
     by_layer: dict[str, list[OpNode]] = defaultdict(list)
     for n in nodes:
         by_layer[n.layer].append(n)
@@ -421,7 +430,7 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, raw: list[_RawOp], outs:
     member = {m: (b.name, i) for b in blocks for i, m in enumerate(b.members)}
     layers = []
     for path, mod in layer_mods:
-        own = [p for p in params.values() if layer_of(p.module_path, layer_paths) == path and not p.is_buffer]
+        own = own_params.get(path, [])
         modules = {(f"{path}.{n}" if n and path else n or path): type(m).__name__
                    for n, m in mod.named_modules() if next(m.parameters(recurse=False), None) is not None}
         lnodes = by_layer.get(path, [])
