@@ -176,7 +176,7 @@ def _tensor_leaves(out: Any) -> list[torch.Tensor]:
 
 
 def _from_export(model: nn.Module, args: tuple, kwargs: dict, stand_ins=None) -> ModelGraph:
-    with _quiet_torch_logs():
+    with _quiet_torch_logs(), stand_ins.parameters_hidden() if stand_ins else contextlib.nullcontext():
         ep = torch.export.export(_TensorsOnly(model), args, kwargs, strict=False)
     # the wrapper adds "inner." to every parameter and module path: strip it; tied weights get their first name
     canonical = _canonical_names(model)

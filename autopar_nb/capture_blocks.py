@@ -15,6 +15,7 @@ traces every layer and says why.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import re
@@ -35,6 +36,10 @@ PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.lay
 
 class NotReplicable(Exception):
     """The stood-in forward pass cannot be turned into the graph a full trace gives; the message says why."""
+
+
+class HiddenNeeded(NotReplicable):
+    """A member whose parameters were taken out must be traced after all: trace again with them in."""
 
 
 # ---- marker ops: custom ops, so both tracers record them as single calls with their arguments --------------------
@@ -133,7 +138,11 @@ class StandIns:
     """Installs the stand-in forward on every member of a class of identical members while in a ``with`` block,
     and records what :func:`splice` needs: each member's path, the representative each stood-in member copies."""
 
-    def __init__(self, classes: list[list[tuple[str, nn.Module]]]):
+    def __init__(self, classes: list[list[tuple[str, nn.Module]]], canonical: dict[str, str]):
+        names_of = defaultdict(int)
+        for first in canonical.values():
+            names_of[first] += 1
+        self.untied = {n for n, first in canonical.items() if names_of[first] == 1}  # parameters with one name
         self.paths: list[str] = []
         self.modules: list[nn.Module] = []
         self.class_of: list[int] = []
@@ -142,14 +151,16 @@ class StandIns:
                 self.paths.append(path)
                 self.modules.append(mod)
                 self.class_of.append(c)
+        self.hide = True  # take out the parameters of the members expected to stand in (parameters_hidden)
+        self.hidden: set[int] = set()
+        self.saved: list[Any] = []
+
+    def __enter__(self) -> StandIns:
         self.rep: dict[int, int] = {}  # class -> its representative (the first member called)
         self.keys: dict[int, tuple | None] = {}  # representative -> its call key
         self.outputs: dict[int, tuple | None] = {}  # representative -> (output spec, tensor keys or plain leaves)
         self.rep_of: dict[int, int] = {}  # stood-in member -> its representative
         self.called: set[int] = set()
-        self.saved: list[Any] = []
-
-    def __enter__(self) -> StandIns:
         for mid, mod in enumerate(self.modules):
             self.saved.append(vars(mod).get("forward"))  # an instance-level forward (some wrappers set one)
             mod.forward = self._forward_of(mid, mod.forward)
@@ -161,6 +172,30 @@ class StandIns:
             if saved is not None:
                 mod.forward = saved
         self.saved = []
+
+    @contextlib.contextmanager
+    def parameters_hidden(self):
+        """While torch.export traces: the parameters and buffers of every member but the first of each class are
+        taken out of their modules, as no op reads them (torch.export makes a placeholder of each: 0.4 ms apiece,
+        a third of a 126-layer capture). A tied one stays (its first name would change); a member that must run
+        after all fails to find its weight, and capture traces every layer."""
+        firsts = {self.class_of.index(c) for c in set(self.class_of)}
+        self.hidden = {mid for mid in range(len(self.modules)) if self.hide and mid not in firsts}
+        taken = []
+        for mid in sorted(self.hidden):
+            mod = self.modules[mid]
+            for sub, m in mod.named_modules():
+                for store in (m._parameters, m._buffers):
+                    for name, t in list(store.items()):
+                        full = ".".join(filter(None, (self.paths[mid], sub, name)))
+                        if t is not None and full in self.untied:
+                            taken.append((store, name, store.pop(name)))
+        try:
+            yield
+        finally:
+            self.hidden = set()
+            for store, name, t in taken:
+                store[name] = t
 
     def _forward_of(self, mid: int, original: Callable) -> Callable:
         def forward(*args, **kwargs):
@@ -174,6 +209,8 @@ class StandIns:
             rep = self.rep.get(c)
             if rep is not None and key == self.keys[rep] and self._grad_as(rep, args, kwargs):
                 return self._stand_in(mid, rep, args, kwargs)
+            if mid in self.hidden:
+                raise HiddenNeeded(f"{self.paths[mid]} must be traced, but its parameters were taken out")
             return original(*args, **kwargs)  # traced as it is, not copied
         return forward
 
@@ -236,10 +273,12 @@ def copied_or_full(trace: Callable[[StandIns | None], Any], groups: list, canoni
     """``trace(stand_ins)`` with identical members of ``groups`` stood in, else ``trace(None)`` of every layer, the
     reason kept on the graph: a failure of the stood-in trace is no failure of the model's."""
     session = stand_ins(groups, canonical) if groups else None
-    if isinstance(session, StandIns):
+    while isinstance(session, StandIns):
         try:
             with session:
                 return trace(session)
+        except HiddenNeeded:
+            session.hide = False  # once more, every parameter in place
         except NotReplicable as e:
             session = str(e)
         except Exception as e:
@@ -260,7 +299,7 @@ def stand_ins(groups: list[list[tuple[str, nn.Module]]], canonical: dict[str, st
             by_key[fingerprint(path, mod, canonical)].append((path, mod))
         classes += [c for c in by_key.values() if len(c) > 1]
     if classes:
-        return StandIns(classes)
+        return StandIns(classes, canonical)
     names = ", ".join(_parent(m[0][0]) or m[0][0] for m in groups)
     return f"no two members of {names} have the same attributes, hooks and tied parameters"
 

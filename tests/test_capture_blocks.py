@@ -105,9 +105,9 @@ class _Scaled(nn.Module):
 
 
 class _Stack(nn.Module):
-    def __init__(self, scales, reuse_first: bool = False):
+    def __init__(self, scales, reuse_first: bool = False, lead: bool = True):
         super().__init__()
-        self.inp = nn.Linear(8, 8)  # the first block's input requires grad as the others' do
+        self.inp = nn.Linear(8, 8) if lead else nn.Identity()  # the first block's input requires grad, or not
         self.blocks = nn.ModuleList(_Scaled(s) for s in scales)
         self.reuse_first = reuse_first
 
@@ -123,9 +123,12 @@ def test_blocks_that_differ_are_traced_and_the_full_trace_says_why():
         differ = _Stack([1.0, 2.0, 3.0])  # an attribute changes the ops: no two members are identical
         twice = _Stack([2.0, 2.0, 2.0], reuse_first=True)  # a member called twice cannot be copied
         classes = _Stack([2.0, 1.0, 2.0, 1.0])  # two classes, one member of each traced
+        # the first block's input does not require grad, the others' do: each block traced (with its parameters,
+        # which capture takes out of the members it expects to copy while torch.export traces)
+        no_grad_first = _Stack([2.0, 2.0, 2.0], lead=False)
     x = torch.randn(4, 8, device="meta")
     for model, copied, reason in ((differ, 0, "no two members"), (twice, 0, "called more than once"),
-                                  (classes, 2, None)):
+                                  (classes, 2, None), (no_grad_first, 0, None)):
         fast, full = ap.capture(model, x), ap.capture(model, x, copy_blocks=False)
         _assert_same_graph(fast, full)
         assert fast.copied_layers == copied
