@@ -221,7 +221,10 @@ class ModelGraph:
         """A few lines: parameters, FLOPs per step, layers with repeated blocks folded."""
         lines = [f"{self.model_type}: {human(self.num_params)} params, "
                  f"{human(self.step_flops)}FLOP per step (fwd+bwd) on inputs "
-                 f"{', '.join(str(tuple(i.shape)) for i in self.inputs)}; {len(self.nodes)} ops via {self.tracer}"]
+                 f"{', '.join(str(tuple(i.shape)) for i in self.inputs)}; {len(self.nodes)} ops via {self.tracer}"
+                 + (f", {self.copied_layers} of {len(self.layers)} layers copied from an identical traced one"
+                    if self.copied_layers else "")
+                 + (f"; every layer traced: {self.full_trace_reason}" if self.full_trace_reason else "")]
         for layer, count in self.folded_layers():
             name = layer.path if count == 1 else f"{self.block_of(layer.path).name}.[0-{count - 1}]"
             mult = f" x {count}" if count > 1 else ""

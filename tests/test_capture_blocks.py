@@ -133,3 +133,5 @@ def test_blocks_that_differ_are_traced_and_the_full_trace_says_why():
         _assert_same_graph(fast, full)
         assert fast.copied_layers == copied
         assert (fast.full_trace_reason is None) if reason is None else reason in fast.full_trace_reason
+        assert ("every layer traced: " in fast.summary()) == (reason is not None)  # the fallback says why
+    assert "2 of 5 layers copied" in ap.capture(classes, x).summary().splitlines()[0]
