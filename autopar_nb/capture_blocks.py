@@ -177,8 +177,8 @@ class StandIns:
     def parameters_hidden(self):
         """While torch.export traces: the parameters and buffers of every member but the first of each class are
         taken out of their modules, as no op reads them (torch.export makes a placeholder of each: 0.4 ms apiece,
-        a third of a 126-layer capture). A tied one stays (its first name would change); a member that must run
-        after all fails to find its weight, and capture traces every layer."""
+        a third of a 126-layer capture). A tied one stays (its first name would change). A member whose parameters
+        are out and that must be traced after all raises :class:`HiddenNeeded`: the trace runs again with them in."""
         firsts = {self.class_of.index(c) for c in set(self.class_of)}
         self.hidden = {mid for mid in range(len(self.modules)) if self.hide and mid not in firsts}
         taken = []
@@ -203,7 +203,7 @@ class StandIns:
                 raise NotReplicable(f"{self.paths[mid]} is called more than once in one forward pass")
             self.called.add(mid)
             key, c = _call_key(args, kwargs), self.class_of[mid]
-            if c not in self.rep and key is not None:
+            if c not in self.rep and key is not None and mid not in self.hidden:
                 self.rep[c], self.keys[mid] = mid, key
                 return self._traced_representative(mid, original, args, kwargs)
             rep = self.rep.get(c)
@@ -215,6 +215,8 @@ class StandIns:
         return forward
 
     def _traced_representative(self, mid: int, original: Callable, args: tuple, kwargs: dict) -> Any:
+        """The member's own forward, its tensor arguments and outputs passed through marker ops (once per distinct
+        tensor), its output's structure kept for the stand-ins."""
         leaves, spec = tree_flatten((args, kwargs))
         marked: dict[int, torch.Tensor] = {}
         leaf = 0
@@ -252,6 +254,8 @@ class StandIns:
         return all(grad or not w for w in wanted) and any(w or not grad for w in wanted)
 
     def _stand_in(self, mid: int, rep: int, args: tuple, kwargs: dict) -> Any:
+        """Empty tensors shaped like the representative's outputs, in its output's structure, each from one
+        stand-in op that reads the member's tensor arguments."""
         self.rep_of[mid] = rep
         tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
