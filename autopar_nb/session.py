@@ -67,8 +67,7 @@ class Session:
         cluster = cluster or self.cluster
         new = make_plan(self.graph, cluster, global_batch=self.batch, seq_len=self.graph.seq_len, fix=fix,
                         overrides=overrides, top_k=top_k, default_loss=self.source.loss_fn_var is None)
-        self._undo.append(self._state())
-        self._redo.clear()
+        self._remember()
         self.fix, self.overrides, self.cluster, self.plan = fix, overrides, cluster, new
         self._notify()
         return new
@@ -117,14 +116,23 @@ class Session:
         new.explanation = [f"Adopted an alternative: {chosen.summary()}. The planner's choice "
                            f"({previous.summary()}) is now among the alternatives. Nothing is pinned: the next edit "
                            "re-plans from the same constraints."]
-        self._undo.append(self._state())
-        self._redo.clear()
+        self._remember()
         self.plan = new
         self._notify()
         return new
 
+    def _remember(self) -> None:
+        """Push the state in force onto the undo stack before it changes (a new edit drops what redo held).
+
+        The state before the first plan is not pushed: undo must never take the session back to no plan (the
+        widget would go blank and Export re-plan behind the user's back), so a fresh plan has nothing to undo."""
+        if self.plan is not None:
+            self._undo.append(self._state())
+        self._redo.clear()
+
     def undo(self) -> Plan | None:
-        """Go back to the constraints and plan before the last replan/override; returns the restored plan."""
+        """Go back to the constraints and plan before the last replan/override; returns the restored plan. The
+        first plan cannot be undone (IndexError "nothing to undo"): there is no plan before it."""
         if not self._undo:
             raise IndexError("nothing to undo")
         self._redo.append(self._state())

@@ -209,6 +209,8 @@ def test_quickstart_widget_in_jupyterlab(tmp_path):
         expect(widgets).to_have_count(2, timeout=60_000)
         seed, gpt = widgets.nth(0), widgets.nth(1)
         expect(seed.locator("tr[data-layer]")).to_have_count(3)
+        # issue 42, point 1: the GPT cell's plan is fresh (no edit yet), so there is nothing to undo
+        expect(gpt.locator("button.ap-undo")).to_be_disabled()
         shoot(page, seed, "widget_seed.png")
 
         # 1. strategy dropdown: pin the first Linear ("0") column-wise

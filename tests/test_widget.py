@@ -125,7 +125,7 @@ def test_traits_after_construction(seed_graph):
     assert w.explanation
     assert w.stages == [{"index": 0, "layers": ["0", "1", "2"], "rank": 0, "chunk": 0, "label": "stage 0"}]
     assert w.alternatives and all("trade" in a and a["members"] for a in w.alternatives)
-    assert w.messages == [] and w.can_undo and not w.can_redo
+    assert w.messages == [] and not w.can_undo and not w.can_redo  # a fresh plan: nothing to undo
     assert w.actions == ["verify", "export", "launch"], "a Session has all three"
     assert w.view["auto"] and w.view["scale"] >= 1, w.view
     static = Path(__file__).resolve().parent.parent / "autopar_nb" / "static"
@@ -222,9 +222,29 @@ def test_undo_redo(seed_graph):
     w.handle({"kind": "redo"})
     assert s.plan is second and w.layers[2]["strategy"] == "rowwise"
     w.handle({"kind": "undo"})
-    w.handle({"kind": "undo"})  # the widget's own first plan
-    w.handle({"kind": "undo"})  # nothing left: an inline message, no exception
+    assert s.plan is first and not w.can_undo  # the widget's own first plan: nothing before it
+    w.handle({"kind": "undo"})  # nothing left: an inline message, no exception, the plan kept
     assert w.messages[0]["level"] == "error" and "nothing to undo" in w.messages[0]["text"]
+    assert s.plan is first and w.layers and w.summary != "no plan yet: call ap.replan()"
+
+
+def test_a_fresh_plan_has_nothing_to_undo(seed_graph):
+    """Issue 42, point 1: undo on a fresh plan used to restore the state before it, no plan at all (the widget
+    went blank and Export re-planned silently). The first plan is where the history starts."""
+    s = _session(seed_graph)
+    w = s.widget()
+    first, revision = s.plan, w.revision
+    assert first is not None and not w.can_undo and not w.can_redo
+    w.handle({"kind": "undo"})  # a stale front end may still send it: refused inline, nothing changes
+    assert s.plan is first and not w.can_undo and not w.can_redo and w.layers and w.stages
+    assert w.messages[0]["level"] == "error" and "nothing to undo" in w.messages[0]["text"]
+    assert w.run_defaults["nproc"] >= 1  # the processes field keeps its value
+    with pytest.raises(IndexError, match="nothing to undo"):
+        s.undo()
+    s.replan(fix={"zero_stage": 3})  # an edit: now there is one step to undo, back to the first plan
+    assert w.can_undo and w.revision > revision
+    s.undo()
+    assert s.plan is first and not w.can_undo and w.can_redo
 
 
 def test_code_side_calls_are_reflected(seed_graph):
