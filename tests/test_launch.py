@@ -678,13 +678,14 @@ def test_comparison_is_honest_about_the_device():
     assert not c["compare_time"] and c["predicted_step_time_s"] is None
     assert c["predicted_memory"] == [100.0, 200.0, 300.0, 400.0]  # the training state: no allocator margin
     assert "made for h100-80gb" in c["notes"][0] and "not compared" in c["notes"][0]
+    assert c["other_device"] == "h100-80gb" and c["memory_slack_bytes"] > 0  # the watch raises no prediction error
     c = comparison(plan("cpu", pp=2, per_pp=True), backend="gloo", nproc=4)
     assert c["compare_time"] and c["predicted_step_time_s"] == 0.5
     assert c["predicted_memory"] == [100.0, 100.0, 200.0, 200.0]  # each rank gets its pipeline stage's figure
     c = comparison(plan("h100-80gb"), backend="nccl", nproc=4, gpu_name="NVIDIA H100 80GB HBM3")
     assert c["compare_time"] and c["predicted_memory"][0] == 110.0  # on the GPU: the whole prediction
     c = comparison(plan("h100-80gb"), backend="nccl", nproc=4, gpu_name="NVIDIA L4")
-    assert not c["compare_time"] and "NVIDIA L4" in c["notes"][0]
+    assert not c["compare_time"] and "NVIDIA L4" in c["notes"][0] and c["other_device"] == "h100-80gb"
 
 
 def test_vendored_uplot_is_the_npm_release():

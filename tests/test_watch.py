@@ -215,3 +215,46 @@ def test_a_real_run_finds_the_rank_the_others_wait_for(tmp_path):
     assert times[0] == pytest.approx(times[1], rel=0.3)  # the same step time: step time alone cannot tell
     (e,) = [e for e in run.events if e["kind"] == "straggler"]
     assert (e["rank"], e["what"]) == (1, "data") and e["ratio"] > 2 and "making its batch" in e["reason"], e
+
+
+def test_no_prediction_error_for_a_plan_made_for_another_device():
+    """Issue 42, point 5: a plan made for H100s, run on CPU processes, predicts nothing about the CPU: its memory
+    and times being far off is no prediction error, and the comparison says the prediction is for another device."""
+    from autopar_nb.launch.compare import comparison
+    from autopar_nb.plan import BatchPlan, Cost, MemoryBreakdown, MeshPlan, Plan
+
+    def plan(preset):
+        return Plan(mesh=MeshPlan(dp=2), batch=BatchPlan(global_batch=2, micro_batches=1), cluster={"preset": preset},
+                    cost=Cost(step_time_s=0.05, memory_by_rank=[MemoryBreakdown(params=0.2 * GIB)] * 2))
+
+    c = comparison(plan("h100-80gb"), backend="gloo", nproc=2)
+    assert c["other_device"] == "h100-80gb" and "prediction is for h100-80gb" in c["notes"][-1]
+    assert detect(samples(2, 10), settings=settings_for(c)) == []  # 1 GiB measured, 0.2 GiB predicted
+    same = comparison(plan("cpu"), backend="gloo", nproc=2)
+    assert same["other_device"] == "" and not any("prediction is for" in n for n in same["notes"])
+    assert {e["what"] for e in detect(samples(2, 10), settings=settings_for(same))} == {"memory", "step_time"}
+
+
+def test_cpu_memory_is_compared_beyond_what_torch_allocates_on_first_use():
+    """A CPU rank's RSS above its baseline counts torch's first-use allocations (tens of MiB) that no plan
+    predicts: a small model's 3 MiB prediction against 50 MiB measured is that, not a prediction error."""
+    from autopar_nb.launch.compare import RSS_SLACK_BYTES
+
+    mib = 2**20
+    s = WatchSettings(predicted_memory=[3 * mib] * 2, prediction_slack_bytes=RSS_SLACK_BYTES)
+    assert detect(samples(2, 6, memory=lambda r, i: 50 * mib), settings=s) == []
+    (e,) = detect(samples(2, 6, memory=lambda r, i: 50 * mib if r else 200 * mib), settings=s)
+    assert (e["kind"], e["rank"], e["what"]) == ("prediction_error", 0, "memory")
+
+
+def test_no_straggler_inside_the_noise_of_a_loaded_cpu():
+    """Issue 42, point 5: two CPU processes on two shared cores jitter step to step by far more than 30 %; one rank
+    a little slower over a few steps is noise, not a straggler. A rank slower by far more than the run's noise is."""
+    import random
+
+    rng = random.Random(0)
+    jitter = {(r, i): rng.uniform(40e-6, 100e-6) for r in range(2) for i in range(60)}  # 70 µs steps, ±30 µs
+    assert detect(samples(2, 60, step_time=lambda r, i: jitter[r, i])) == []
+    slow = lambda r, i: jitter[r, i] + (1e-3 if r == 1 and i >= 10 else 0.0)  # 1 ms a step: far outside
+    (e,) = detect(samples(2, 60, step_time=slow))
+    assert (e["kind"], e["rank"]) == ("straggler", 1) and e["noise_s"] < 1e-4 and "noise" in e["reason"]

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+RSS_SLACK_BYTES = 64 * 2**20
+"""what a CPU rank's RSS above its baseline holds beyond the training state it measures: torch's allocations on
+first use (tens of MiB: kernels' workspaces, the autograd engine, gloo's buffers), which the plan does not predict"""
+
 
 def plan_device(plan: Any) -> str:
     """The cluster preset the plan was made for ("h100-80gb", "cpu", ...), "" when unknown."""
@@ -52,8 +56,10 @@ def predicted_breakdown(plan: Any, rank: int):
 def comparison(plan: Any, *, backend: str, nproc: int, gpu_name: str = "") -> dict:
     """``{"plan_device", "run_device", "compare_time", "memory_basis", "predicted_memory": [bytes or None per
     rank], "predicted_step_time_s", "memory_limit_bytes" (the per-rank limit the plan was made with, or None),
-    "enforce_limit" (a CPU run: the launch stops a rank above it), "notes": [str]}`` for a run of ``plan`` on
-    ``nproc`` local processes."""
+    "enforce_limit" (a CPU run: the launch stops a rank above it), "other_device" (the plan's device when it is not
+    the run's: its predictions are for that device, so a gap is no prediction error), "memory_slack_bytes" (what
+    the memory measure holds beyond the training state, :data:`RSS_SLACK_BYTES` on CPU), "notes": [str]}`` for a
+    run of ``plan`` on ``nproc`` local processes."""
     device = plan_device(plan)
     cpu = backend != "nccl"
     run_device = f"{nproc} CPU process{'es' if nproc > 1 else ''} (gloo)" if cpu else \
@@ -63,7 +69,8 @@ def comparison(plan: Any, *, backend: str, nproc: int, gpu_name: str = "") -> di
     out: dict[str, Any] = {"plan_device": device, "run_device": run_device, "compare_time": False,
                            "memory_basis": "rss_above_baseline" if cpu else "cuda", "predicted_memory": [None] * nproc,
                            "predicted_step_time_s": None, "memory_limit_bytes": float(limit) if limit else None,
-                           "enforce_limit": bool(limit) and cpu, "notes": []}
+                           "enforce_limit": bool(limit) and cpu, "other_device": "",
+                           "memory_slack_bytes": RSS_SLACK_BYTES if cpu else 0.0, "notes": []}
     if limit and cpu:
         out["notes"].append(f"Memory limit {limit / 2**30:.3g} GiB per rank (the plan's): a rank whose RSS above "
                             "its baseline exceeds it is stopped, as an out-of-memory would.")
@@ -78,10 +85,13 @@ def comparison(plan: Any, *, backend: str, nproc: int, gpu_name: str = "") -> di
             "device); memory per rank is: the training state the plan predicts (parameters, gradients, optimizer "
             "states, activations, buffers; no allocator margin) against each rank's RSS above what it held before "
             "building its model, which also counts what torch allocates on first use (tens of MiB).")
+        out["other_device"] = device
     elif not cpu and device and device != "cpu" and gpu_name and not same_family(device, gpu_name):
         out["notes"].append(f"The plan was made for {device}; this run uses {gpu_name}: step times are not compared.")
+        out["other_device"] = device
     elif not cpu and device == "cpu":
         out["notes"].append("The plan was made for CPU processes; this run uses GPUs: step times are not compared.")
+        out["other_device"] = device
     else:
         out["compare_time"] = bool(cost.step_time_s)
         if cpu:
@@ -90,4 +100,6 @@ def comparison(plan: Any, *, backend: str, nproc: int, gpu_name: str = "") -> di
                                 "what torch allocates on first use (tens of MiB).")
     if out["compare_time"]:
         out["predicted_step_time_s"] = float(cost.step_time_s)
+    if out["other_device"]:
+        out["notes"].append(f"The prediction is for {device}, not this run's device: no prediction-error events.")
     return out

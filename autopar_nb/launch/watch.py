@@ -8,10 +8,11 @@ failure (``{"error", "traceback"}``) and ``Run.comparison()``'s predictions (mem
 measures; a step time only where the plan's device is the run's).
 
 A straggler is a rank that slows the run persistently (:func:`straggler_events`: the median over a window of steps
-of its slowdown against the other ranks' median, warm-up steps left out). Ranks in lock-step report the same step
-time, since the others wait for the slow one inside the collectives, so for them the slowdown is measured by what
-the rank spends making its batch beyond the others (its own time, which every rank waited for); a rank slowed in
-its compute is not told apart from the step reports alone.
+of its slowdown against the other ranks' median, warm-up steps left out), by far more than the run's own
+step-to-step noise (a few CPU processes sharing two cores jitter by tens of percent, and no rank is to blame).
+Ranks in lock-step report the same step time, since the others wait for the slow one inside the collectives, so
+for them the slowdown is measured by what the rank spends making its batch beyond the others (its own time, which
+every rank waited for); a rank slowed in its compute is not told apart from the step reports alone.
 
 Every event is ``{"t", "kind", "rank", "reason", ...figures}``; ``kind`` is one of :data:`KINDS`. :class:`Watch`
 reports each (kind, rank) once, however often it is asked.
@@ -48,7 +49,9 @@ class WatchSettings:
     straggler_ratio: float = 1.3
     """a rank is a straggler when it slows the steps by more than this factor against the other ranks' median ..."""
     straggler_steps: int = 5
-    """... as the median over a window of this many steps that every rank reported (:func:`straggler_events`)"""
+    """... as the median over a window of this many steps that every rank reported (:func:`straggler_events`) ..."""
+    straggler_noise: float = 4.0
+    """... and the time it costs each step is above this many times the run's noise (:func:`step_noise`)"""
     warmup_steps: int = 2
     """steps of each run left out of the straggler rule: start-up, compilation and the first collectives"""
     prediction_tolerance: float = 0.3
@@ -57,6 +60,12 @@ class WatchSettings:
     """bytes per rank (None where unknown): ``Run.comparison()["predicted_memory"]``"""
     predicted_step_time_s: float | None = None
     """``Run.comparison()["predicted_step_time_s"]``: None where times do not compare (another device)"""
+    prediction_for: str = ""
+    """the device the plan's predictions describe when it is not the run's (``Run.comparison()["other_device"]``,
+    e.g. "h100-80gb" for CPU processes): no ``prediction_error`` then, since a gap says nothing about the plan"""
+    prediction_slack_bytes: float = 0.0
+    """memory a rank holds beyond the prediction by the way it is measured (on CPU, what torch allocates on first
+    use counts in the RSS): a memory gap must exceed the tolerance by this much to be an event"""
     min_steps: int = 3
     """steps a rank must have reported before its figures are compared with the prediction"""
     enforce_limit: bool = False
@@ -73,7 +82,9 @@ def settings_for(comparison: dict, *, memory_limit_bytes: float | None = None, *
     """Settings for a run from ``Run.comparison()`` (the predictions that describe its device)."""
     return WatchSettings(memory_limit_bytes=memory_limit_bytes,
                          predicted_memory=list(comparison.get("predicted_memory") or []),
-                         predicted_step_time_s=comparison.get("predicted_step_time_s"), **kw)
+                         predicted_step_time_s=comparison.get("predicted_step_time_s"),
+                         prediction_for=comparison.get("other_device") or "",
+                         prediction_slack_bytes=float(comparison.get("memory_slack_bytes") or 0.0), **kw)
 
 
 def held(sample: dict) -> float | None:
@@ -194,7 +205,9 @@ def slowdowns(figures: dict[int, dict[int, tuple[float, float]]], rank: int, ste
 def straggler_events(samples: list[dict], s: WatchSettings, steps: list[dict] | None = None) -> list[dict]:
     """A rank that slowed the run persistently: over a window of ``straggler_steps`` steps every rank reported,
     the median of its per-step slowdown against the other ranks' median (:func:`slowdowns`) is above
-    ``straggler_ratio`` (a median: one slow step, or a few, is not enough; one fast step does not hide it). The
+    ``straggler_ratio`` (a median: one slow step, or a few, is not enough; one fast step does not hide it), and the
+    median time it cost each step is above ``straggler_noise`` times the run's noise (:func:`step_noise`): on a
+    loaded CPU the ranks' steps jitter by more than the ratio, and a gap inside that jitter blames no rank. The
     first ``warmup_steps`` steps are left out (start-up, compilation, the first collectives). From the run's
     step rows (``steps``: every step) when given, else from the samples (a step per tick). Limits: a rank slowed
     in its compute, not its data, keeps lock-step ranks waiting inside the collectives, where no figure the ranks
@@ -204,16 +217,34 @@ def straggler_events(samples: list[dict], s: WatchSettings, steps: list[dict] | 
     if len(figures) < 2:
         return []
     common = sorted(set.intersection(*(set(f) for f in figures.values())))[s.warmup_steps:][-STRAGGLER_SCAN:]
+    noise = step_noise(figures, common)
     out = []
     for rank in sorted(figures):
         per_step = [(step, *slowdowns(figures, rank, step)) for step in common]
         for end in range(s.straggler_steps, len(per_step) + 1):
             window = per_step[end - s.straggler_steps:end]
             ratio = statistics.median(w[1] for w in window)
-            if ratio > s.straggler_ratio:
-                out.append(straggler(rank, window, ratio, rows[rank]))
+            # the seconds the rank cost each step (t - t / ratio, whichever measure won), against the noise
+            cost = statistics.median(w[3]["step_time_s"] * (1 - 1 / max(w[1], 1.0)) for w in window)
+            if ratio > s.straggler_ratio and cost > s.straggler_noise * noise:
+                e = straggler(rank, window, ratio, rows[rank])
+                out.append({**e, "noise_s": noise, "reason": f"{e['reason']}; {cost * 1e3:.3g} ms a step, against "
+                                                              f"step-to-step noise of {noise * 1e3:.2g} ms"})
                 break
     return out
+
+
+def step_noise(figures: dict[int, dict[int, tuple[float, float]]], steps: list[int]) -> float:
+    """The run's step-to-step noise in seconds: each rank's spread of step times over ``steps`` (1.4826 x the
+    median absolute deviation, a standard deviation that a few slow steps do not inflate), the median over ranks (a
+    straggler's own swings do not count as the others' noise)."""
+    spreads = []
+    for f in figures.values():
+        times = [f[step][0] for step in steps]
+        if len(times) >= 2:
+            mid = statistics.median(times)
+            spreads.append(1.4826 * statistics.median(abs(x - mid) for x in times))
+    return statistics.median(spreads) if spreads else 0.0
 
 
 def straggler(rank: int, window: list[tuple], ratio: float, rows: list[dict]) -> dict:
@@ -233,8 +264,11 @@ def straggler(rank: int, window: list[tuple], ratio: float, rows: list[dict]) ->
 
 def prediction_events(samples: list[dict], s: WatchSettings) -> list[dict]:
     """A rank whose peak memory so far, or median step time (its first step left out: start-up), differs from the
-    plan's prediction by more than ``prediction_tolerance``, once it reported ``min_steps`` steps."""
+    plan's prediction by more than ``prediction_tolerance`` (memory: and ``prediction_slack_bytes``), once it
+    reported ``min_steps`` steps. None when the plan was made for another device (``prediction_for``)."""
     out = []
+    if s.prediction_for:
+        return out
     for rank, rows in sorted(by_rank(samples).items()):
         times = step_times(rows)
         if len(times) < s.min_steps:
@@ -242,7 +276,8 @@ def prediction_events(samples: list[dict], s: WatchSettings) -> list[dict]:
         t, step = rows[-1]["t"], max(times)
         predicted = s.predicted_memory[rank] if rank < len(s.predicted_memory) else None
         peak = max((r["memory_bytes"] for r in rows if r.get("memory_bytes") is not None), default=None)
-        if predicted and peak is not None and abs(peak / predicted - 1) > s.prediction_tolerance:
+        if predicted and peak is not None and \
+                abs(peak - predicted) > s.prediction_tolerance * predicted + s.prediction_slack_bytes:
             out.append(mismatch(t, rank, step, "memory", peak, predicted, gib))
         if s.predicted_step_time_s:
             first = min(times)  # start-up: left out
