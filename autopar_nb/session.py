@@ -156,8 +156,12 @@ class Session:
 
     def plan_for(self, nproc: int | None) -> Plan:
         """The current plan at ``nproc`` processes: the same TP/PP layout with fewer (or more) data-parallel
-        replicas, so a plan made for 64 GPUs can be checked on 2 local processes. Raises PlanError when ``nproc``
-        cannot hold one copy of the model-parallel layout."""
+        replicas, so a plan made for 64 GPUs can be checked on 2 local processes. The scaled plan's cost is the cost
+        model's for ``nproc`` devices of the session's kind (a run of it still has a prediction to compare with),
+        its ``cluster["scaled_from"]`` the world size planned, and its explanation one line saying all this. Raises
+        PlanError when ``nproc`` cannot hold one copy of the model-parallel layout."""
+        from .cost import estimate
+
         plan = self.current_plan()
         m = plan.mesh
         if nproc is None or nproc == m.world_size:
@@ -171,10 +175,19 @@ class Session:
         scaled = Plan.from_dict(plan.to_dict())
         scaled.mesh.dp = dp
         scaled.batch.global_batch = per_replica * dp
-        scaled.cluster = {**scaled.cluster, "nodes": 1, "gpus_per_node": nproc}
+        scaled.cluster = {**scaled.cluster, "nodes": 1, "gpus_per_node": nproc, "scaled_from": m.world_size}
         scaled.alternatives, scaled.cost = [], None
-        scaled.explanation = [f"{plan.summary()} scaled to {nproc} processes: dp {m.dp} -> {dp}, "
-                              f"global batch {plan.batch.global_batch} -> {scaled.batch.global_batch}"]
+        how = f"re-estimated for {nproc} x {self.cluster.device.name}"
+        try:
+            scaled.cost = estimate(self.graph, dataclasses.replace(self.cluster, nodes=1, gpus_per_node=nproc),
+                                   scaled)
+        except ValueError as e:  # the run goes ahead: it only lacks a prediction to compare with, and says why
+            how = f"not re-estimated ({e})"
+        scaled.explanation = [
+            f"The plan is for {m.world_size} processes; running it on {nproc}: the same tp({m.tp}) x pp({m.pp}) "
+            f"layout with dp {m.dp} -> {dp} (global batch {plan.batch.global_batch} -> {scaled.batch.global_batch}), "
+            f"its cost {how}. To plan for {nproc} instead: ap.replan(cluster=Cluster.preset("
+            f"{self.cluster.name!r}, gpus_per_node={nproc}))"]
         return scaled
 
     def verify(self, steps: int = 5, nproc: int | None = None, *, warm: bool = True, **kwargs: Any):
@@ -218,6 +231,8 @@ class Session:
 
         check_mode(replan)
         plan = self.plan_for(nproc)
+        if plan is not self.plan:  # scaled: said here in one line, and on the dashboard (its comparison notes)
+            print(plan.explanation[0])
         run_flags = {k: script_flags.pop(k) for k in ("max_restarts", "hang_timeout_s", "run_dir", "backend",
                                                       "monitor", "env", "memory_threshold") if k in script_flags}
 

@@ -63,6 +63,34 @@ def test_plan_for_fewer_processes_keeps_the_model_parallel_layout(session):
         session.plan_for(3)
 
 
+def test_launch_on_another_process_count_says_so_and_keeps_a_cost(session, monkeypatch, capsys):
+    """Issue 42, point 7: launching a 4-process plan on 3 processes used to scale it silently, without a cost, so
+    the dashboard had nothing to compare. It says in one line what it runs and how to plan for 3 instead, and the
+    scaled plan has the cost model's figures for 3 processes, which the run's comparison uses."""
+    import sys
+
+    from autopar_nb.launch.compare import comparison
+
+    launch_pkg = sys.modules["autopar_nb.launch"]  # the package: ``autopar_nb.launch`` is also the function
+
+    session.replan(fix={"dp": 4, "tp": 1, "pp": 1})
+    started = []
+    monkeypatch.setattr(launch_pkg, "launch", lambda make, nproc, steps, *, plan, **kw: started.append(plan) or plan)
+    session.launch(nproc=3, steps=5, replan="off")
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("The plan is for 4 processes; running it on 3: the same tp(1) x pp(1) layout with dp "
+                           "4 -> 3 (global batch 32 -> 24), its cost re-estimated for 3"), line
+    assert "ap.replan(cluster=Cluster.preset('h100-80gb', gpus_per_node=3))" in line
+    (scaled,) = started
+    assert scaled.mesh.world_size == 3 and scaled.cost is not None and scaled.cost.step_time_s > 0
+    assert scaled.cost.memory_by_rank and session.plan.mesh.world_size == 4  # the session's plan is unchanged
+    c = comparison(scaled, backend="nccl", nproc=3, gpu_name="NVIDIA H100 80GB HBM3")
+    assert c["compare_time"] and all(m for m in c["predicted_memory"]), c
+    assert not any("no cost" in n for n in c["notes"]) and "made for 4 processes" in c["notes"][0], c["notes"]
+    session.launch(nproc=4, steps=5, replan="off")  # the plan's own count: nothing to say
+    assert capsys.readouterr().out == "" and started[-1] is session.plan
+
+
 def test_manual_mode_needs_the_mesh(session):
     session.mode = "manual"
     with pytest.raises(PlanError, match="add pp=N to --fix"):

@@ -71,6 +71,10 @@ def comparison(plan: Any, *, backend: str, nproc: int, gpu_name: str = "") -> di
                            "predicted_step_time_s": None, "memory_limit_bytes": float(limit) if limit else None,
                            "enforce_limit": bool(limit) and cpu, "other_device": "",
                            "memory_slack_bytes": RSS_SLACK_BYTES if cpu else 0.0, "notes": []}
+    scaled_from = (getattr(plan, "cluster", None) or {}).get("scaled_from")
+    if scaled_from and scaled_from != nproc:  # Session.plan_for: more or fewer data-parallel replicas
+        out["notes"].append(f"The plan was made for {scaled_from} processes; this run scales it to {nproc} (data "
+                            "parallelism only)" + (f", its predictions re-estimated for {nproc}." if cost else "."))
     if limit and cpu:
         out["notes"].append(f"Memory limit {limit / 2**30:.3g} GiB per rank (the plan's): a rank whose RSS above "
                             "its baseline exceeds it is stopped, as an out-of-memory would.")
