@@ -393,7 +393,8 @@ ROWS.append(Row(
 
 # What the furthest rows are made of, from the Cost breakdowns (the what-ifs are one-off
 # evaluations, not in the table). Rows by their place in ROWS.
-DIAGNOSED = "2026-12-05, with torchtitan's selective recompute and one reduce-scatter per pipelined step"
+DIAGNOSED = ("2026-12-05, with torchtitan's selective recompute, one reduce-scatter per pipelined step and "
+             "loss_parallel on the last pipeline stage")
 KNOWN = [
     "Compute is costed at one matmul efficiency whatever the GEMM's size: Megatron-LM's rows go "
     "from +30 % (hidden 2304) and +20 % (3072) to within 6 % from hidden 4096 up (compute is "
@@ -414,6 +415,13 @@ KNOWN = [
     "kept every matmul output, 10-28 % less); the margin for selective recompute (5 % + 1 GiB) "
     "was measured (2.2 %) under the former policy, which recomputed no matmul, and the drop "
     "from 8 to 128 GPUs is 15.4 GiB published, 11.0 predicted.",
+    "#26-#28 (405B, FSDP 8 x TP 8 x PP 8, full recompute; excluded, FP8 and async TP): with the "
+    "last stage's loss on the vocabulary shards, as torchtitan runs it, memory is predicted "
+    "+17 % (1F1B, rank 0: 26.4 GiB saved activations, 23.2 GiB of FSDP's fp32 unsharded "
+    "gradients held across micro-batches, 22.4 GiB allocator margin), +8 % (interleaved) and "
+    "+28 % (#28, the same layout at 32K) of the published max reserved; the margin under full recompute (30.5 %) was measured "
+    "on one H200 with a 1B, the largest term left unmeasured at this scale. Before, the "
+    "gathered logits made these +30 % and +42 %.",
     "Hardware: torchtitan's H100s ran at 500 W with 2.4 TB/s HBM2e (#14-#31) or lower TDP "
     "(#32-#34); the h100-80gb preset is the 700 W SXM: #14-#18 are predicted 8-17 % faster.",
 ]
