@@ -419,8 +419,9 @@ KNOWN = [
     "last stage's loss on the vocabulary shards, as torchtitan runs it, memory is predicted "
     "+17 % (1F1B, rank 0: 26.4 GiB saved activations, 23.2 GiB of FSDP's fp32 unsharded "
     "gradients held across micro-batches, 22.4 GiB allocator margin), +8 % (interleaved) and "
-    "+28 % (#28, the same layout at 32K) of the published max reserved; the margin under full recompute (30.5 %) was measured "
-    "on one H200 with a 1B, the largest term left unmeasured at this scale. Before, the "
+    "+28 % (#28, the same layout at 32K) of the published max reserved; the margin under "
+    "full recompute (30.5 %) was measured on one H200 with a 1B, the largest term left "
+    "unmeasured at this scale. Before, the "
     "gathered logits made these +30 % and +42 %.",
     "Hardware: torchtitan's H100s ran at 500 W with 2.4 TB/s HBM2e (#14-#31) or lower TDP "
     "(#32-#34); the h100-80gb preset is the 700 W SXM: #14-#18 are predicted 8-17 % faster.",
