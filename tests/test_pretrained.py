@@ -32,13 +32,26 @@ example_inputs = torch.randint(0, {vocab}, (8, 32))
 
 
 def _save(kind: str, folder) -> str:
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+    )
 
     torch.manual_seed(3)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                              max_position_embeddings=64))
+        final = model.model.norm
+    elif kind == "mixtral":  # stored under other names than its modules': transformers converts them as it loads
+        model = MixtralForCausalLM(MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                 num_local_experts=4, num_experts_per_tok=2,
+                                                 max_position_embeddings=64))
         final = model.model.norm
     else:  # GPT-2: the output head tied to the embedding (not in the checkpoint), a fused [q|k|v] Conv1D
         model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
@@ -53,7 +66,7 @@ def _save(kind: str, folder) -> str:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    return {kind: _save(kind, tmp_path_factory.mktemp(kind)) for kind in ("llama", "gpt2")}
+    return {kind: _save(kind, tmp_path_factory.mktemp(kind)) for kind in ("llama", "gpt2", "mixtral")}
 
 
 def _source(path: str):
@@ -89,6 +102,15 @@ def test_meta_init_script_reads_the_shards_after_parallelize(saved, tmp_path):
     assert "load_pretrained(from_config.found[-1], parts, ties=TIES)" in text
 
 
+def test_a_checkpoint_stored_under_other_names_is_refused_at_export(saved, tmp_path):
+    src = _source(saved["mixtral"])
+    model, inputs, _ = src.build(device="meta")
+    plan = ap.plan(ap.capture(model, inputs), ap.Cluster.preset("cpu", 1, 2), global_batch=8, fix={"dp": 2})
+    with pytest.raises(ValueError, match="no weight named model.layers.0.*export with meta_init=False"):
+        ap.export(src, plan, tmp_path / "train.py", meta_init=True, quiet=True)
+    assert not (tmp_path / "train.py").exists()
+
+
 def test_a_missing_checkpoint_folder_is_one_clear_error(tmp_path):
     from autopar_nb.runtime.pretrained import load_pretrained
 
@@ -100,6 +122,7 @@ def test_a_missing_checkpoint_folder_is_one_clear_error(tmp_path):
 # weights), and each rank's shards read after parallelize, under TP, FSDP and pipelining, with GPT-2's tied head on
 # the other stage than its embedding
 CASES = {"llama-tp-pp-whole": ("llama", {"tp": 2, "pp": 2, "micro_batches": 2}, False),
+         "mixtral-ep-zero3-whole": ("mixtral", {"dp": 4, "ep": 2, "zero_stage": 3}, False),
          "llama-dp-tp-shards": ("llama", {"dp": 2, "tp": 2}, True),
          "llama-zero3-shards": ("llama", {"dp": 4, "zero_stage": 3}, True),
          "gpt2-tp-pp-shards": ("gpt2", {"tp": 2, "pp": 2, "micro_batches": 2}, True),

@@ -21,6 +21,7 @@ from ..runtime.data import default_batch_size, default_loss, first_tensor, is_ca
 from ..runtime.ep import experts_modules_to_split
 from ..runtime.fused_norm import apply_fused_norm
 from ..runtime.pp import SCHEDULES, SPLIT_BACKWARD, stage_boundaries
+from ..runtime.pretrained import check_pretrained
 from ..runtime.tp import REPLICATE, TPStyle
 from ..runtime.train import switch_off_kv_cache
 from ..source import PRETRAINED_KEY, ModelSource
@@ -187,6 +188,8 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
                       "int_high": id_ranges(model, inputs, loss_fn=loss_fn) if synthetic else smallest_table(model),
                       "causal": causal}
     v.ties = tied_parameters(model)
+    if v.pretrained:
+        check_pretrained(v.pretrained, model, ties=v.ties)
     if m.cp > 1:
         _check_cp(source, inputs, v)
     if m.ep > 1:

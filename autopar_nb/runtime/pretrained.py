@@ -79,20 +79,43 @@ class FromConfig:
         return cls._from_config(config, **model_kw)
 
 
+def _stored(path: str) -> tuple[HuggingFaceStorageReader, set[str]]:
+    """The reader of the checkpoint folder ``path`` and the names it stores (read from the files' headers)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"from_pretrained({path!r}): sharded loading reads a local folder of safetensors; "
+                                f"download it first (huggingface-cli download {path} --local-dir DIR) and name DIR")
+    reader = HuggingFaceStorageReader(path)
+    return reader, set(reader.read_metadata().state_dict_metadata)
+
+
+def _source(key: str, stored: set[str], ties) -> str:
+    """The stored name parameter ``key`` is read from: its own, or that of a parameter tied to it."""
+    source = key if key in stored else next((n for group in ties if key in group for n in group if n in stored), None)
+    if source is None:
+        raise ValueError(f"the checkpoint stores no weight named {key} (nor one tied to it): transformers renames or "
+                       "fuses some families' weights as it loads them (Mixtral's experts), which sharded loading "
+                       "does not; export with meta_init=False, and the cell's from_pretrained reads them whole")
+    return source
+
+
+def check_pretrained(path: str, model, *, ties: list[list[str]] = ()) -> None:
+    """Raise before anything runs where :func:`load_pretrained` could not read ``model``'s parameters from the
+    checkpoint in ``path`` (a missing folder, a name it does not store)."""
+    _, stored = _stored(path)
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        _source(canonical_name(name), stored, ties)
+
+
 def load_pretrained(path: str, parts: list, *, ties: list[list[str]] = ()) -> None:
     """Read the Hugging Face checkpoint in the folder ``path`` (``save_pretrained``'s safetensors) into the
     parallelised ``parts`` (this rank's pipeline stages, or the model): each rank reads its own shards. A parameter
     the checkpoint leaves out because it is tied (``ties``: groups of names that are one parameter; an output head
     tied to the embedding) reads its group's stored tensor, also where another pipeline stage holds that one."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"from_pretrained({path!r}): sharded loading reads a local folder of safetensors; "
-                                f"download it first (huggingface-cli download {path} --local-dir DIR) and name DIR")
     stages = len(parts) > 1
     model = PipelineStages(parts) if stages else parts[0]
     own = get_model_state_dict(model)
     named = by_name(own, stages)
-    reader = HuggingFaceStorageReader(path)
-    stored = set(reader.read_metadata().state_dict_metadata)
+    reader, stored = _stored(path)
     params = by_name({canonical_name(k): None for k, _ in model.named_parameters(remove_duplicate=False)}, stages)
     like, alias, copies = {}, {}, {}
     for key, tensor in named.items():
@@ -100,9 +123,7 @@ def load_pretrained(path: str, parts: list, *, ties: list[list[str]] = ()) -> No
             if key in stored:
                 like[key] = tensor
             continue
-        source = next((name for group in ties if key in group for name in group if name in stored), None)
-        if source is None:
-            raise KeyError(f"the checkpoint in {path} has no weight for {key} (nor for a parameter tied to it)")
+        source = _source(key, stored, ties)
         if source in named:
             copies[key] = source
         else:  # held by another pipeline stage: read into this rank's copy
