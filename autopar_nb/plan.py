@@ -8,8 +8,8 @@ JSON schema (``SCHEMA_VERSION`` = 1)::
     {
       "schema_version": 1,
       "model":     {"name": str, "num_params": int},
-      "cluster":   {"preset": str, "nodes": int, "gpus_per_node": int,
-                    "memory_limit_bytes": int},   # only when the user set a per-rank limit (memory_gb, --memory)
+      "cluster":   {"preset": str, "nodes": int, "gpus_per_node": int,  # and, when set: a per-rank limit, the
+                    "memory_limit_bytes": int, "scaled_from": int},  # world size a plan_for plan was made for
       "mesh":      {"dp": int, "tp": int, "pp": int, "zero_stage": 0..3, "ep": int, "cp": int},
       "batch":     {"global_batch": int, "micro_batches": int, "seq_len": int | null},
       "pipeline":  {"schedule": str, "virtual_stages": int},
@@ -677,8 +677,8 @@ class Plan:
 
     def _check_info(self) -> None:
         """``model`` and ``cluster``: dicts of known keys with their types."""
-        for name, ints, strs in (("model", ("num_params",), ("name",)),
-                                 ("cluster", ("nodes", "gpus_per_node", "memory_limit_bytes"), ("preset",))):
+        cluster = ("nodes", "gpus_per_node", "memory_limit_bytes", "scaled_from")
+        for name, ints, strs in (("model", ("num_params",), ("name",)), ("cluster", cluster, ("preset",))):
             d = getattr(self, name)
             if not isinstance(d, dict):
                 raise PlanError(f"{name} must be a dict, got {d!r}")

@@ -1,7 +1,7 @@
 import pytest
 
 import autopar_nb as ap
-from autopar_nb.plan import PlanError
+from autopar_nb.plan import Plan, PlanError
 from autopar_nb.session import Session
 from autopar_nb.source import ModelSource
 
@@ -82,6 +82,7 @@ def test_launch_on_another_process_count_says_so_and_keeps_a_cost(session, monke
                            "4 -> 3 (global batch 32 -> 24), its cost re-estimated for 3"), line
     assert "ap.replan(cluster=Cluster.preset('h100-80gb', gpus_per_node=3))" in line
     (scaled,) = started
+    assert Plan.from_json(scaled.to_json()).cluster["scaled_from"] == 4  # what the ranks read back (check.py)
     assert scaled.mesh.world_size == 3 and scaled.cost is not None and scaled.cost.step_time_s > 0
     assert scaled.cost.memory_by_rank and session.plan.mesh.world_size == 4  # the session's plan is unchanged
     c = comparison(scaled, backend="nccl", nproc=3, gpu_name="NVIDIA H100 80GB HBM3")
