@@ -4,6 +4,7 @@ assertion here is about how close the predictions are: the bench reports that.""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -58,3 +59,17 @@ def test_small_rows_run_end_to_end():
     table = pub.markdown([ok, no])
     assert small.name in table and refused.name in table and "GiB" not in pub.layout(small)
     assert "counted" in pub.summary([ok, no])
+
+
+def test_megatron_rows_cost_attention_as_megatron_ran_it():
+    """SC21's Megatron-LM had no FlashAttention: its rows materialise the s x s scores (a GEMM, a
+    16-bit fused softmax, dropout, a GEMM), and the softmax listed in low precision is what makes
+    it a 16-bit kernel; costed with float32 probabilities the step would be slower."""
+    row = next(r for r in pub.ROWS if r.name.startswith("GPT 1.7B"))
+    graph = pub.graph_of(row.model)
+    ops = {n.op for n in graph.nodes}
+    assert "aten.softmax.int" in ops and not any("scaled_dot_product" in op for op in ops)
+    assert row.fix["low_precision_ops"] == ["softmax"]
+    fp32_probs = dataclasses.replace(row, extra={**row.extra, "low_precision_ops": []})
+    low, high = pub.predict(row, graph), pub.predict(fp32_probs, graph)
+    assert high.cost.step_time_s > 1.1 * low.cost.step_time_s
