@@ -8,6 +8,7 @@ namespace; the user's namespace is updated only when everything succeeded.
 from __future__ import annotations
 
 import builtins
+import inspect
 import symtable
 import traceback
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ class CellResult:
     """the names the cell bound or rebound: what to copy into the user's namespace once everything succeeded"""
     included_cells: list[int]
     """history indices of earlier cells prepended with --include-cells"""
+    model_inputs: Any = None
+    """what the model is called with on the example (``ModelSource.model_inputs``): what capture traces"""
 
 
 def free_names(code: str) -> set[str]:
@@ -142,8 +145,25 @@ def run_model_cell(code: str, user_ns: dict[str, Any], *, model_var: str | None 
         inputs_var = inputs_var or _find_inputs(bound)
         example_inputs = _require(ns, inputs_var, object, "--inputs", "example inputs")
 
-    return CellResult(ModelSource(code, model_var, inputs_var, loss_fn, make_batch, dataset, collate_fn), model,
-                      example_inputs, ns, bound, included)
+    source = ModelSource(code, model_var, inputs_var, loss_fn, make_batch, dataset, collate_fn)
+    return CellResult(source, model, example_inputs, ns, bound, included, _model_inputs(source, ns, example_inputs))
+
+
+def _model_inputs(source: ModelSource, ns: dict[str, Any], example: Any) -> Any:
+    """What capture traces the model on (``ModelSource.model_inputs``), its failures as one line."""
+    if source.loss_fn_var is None and isinstance(example, (tuple, list)):
+        try:
+            inspect.signature(ns[source.model_var].forward).bind(*example)
+        except TypeError as e:
+            raise CellError(
+                f"the model's forward does not take the batch's {len(example)} parts ({e}); define "
+                "loss_fn(model, batch) to say how a batch feeds the model, e.g. `def loss_fn(model, batch): x, y = "
+                "batch; return F.cross_entropy(model(x), y)`") from None
+    try:
+        return source.model_inputs(ns, example)
+    except Exception as e:
+        raise CellError(f"finding how {source.loss_fn_var}(model, batch) calls the model on the example batch "
+                        f"failed: {_describe_user_error(e, source.filename)}") from None
 
 
 def parse_fix(text: str | None) -> dict[str, Any]:
@@ -189,12 +209,14 @@ def _find_dataset(bound: dict[str, Any]) -> str | None:
 
 
 def _is_inputs(v: Any) -> bool:
+    """A tensor, or a non-empty tuple, list or str-keyed dict of them, nested (``(inputs, labels)`` with a dict of
+    inputs: the cell's ``loss_fn`` unpacks it)."""
     if isinstance(v, torch.Tensor):
         return True
     if isinstance(v, (tuple, list)) and v:
-        return all(isinstance(x, torch.Tensor) for x in v)
+        return all(_is_inputs(x) for x in v)
     if isinstance(v, dict) and v:
-        return all(isinstance(k, str) and isinstance(x, torch.Tensor) for k, x in v.items())
+        return all(isinstance(k, str) and _is_inputs(x) for k, x in v.items())
     return False
 
 

@@ -142,7 +142,7 @@ class AutoparallelMagics(Magics):
             history = [c for c in self.shell.user_ns.get("In", [])[1:] if isinstance(c, str)]
             result = run_model_cell(cell, self.shell.user_ns, model_var=args.model, inputs_var=args.inputs,
                                     history=history, include_cells=args.include_cells)
-            graph = capture(result.model, result.example_inputs, source=result.source.code)
+            graph = capture(result.model, result.model_inputs, source=result.source.code)
             session = Session(graph, cluster, result.source, global_batch=args.batch, mode=args.mode, fix=fix)
             session.replan()
         except (CellError, CaptureError, PlanError) as e:

@@ -77,6 +77,40 @@ class ModelSource:
         ns = self.run(device=device, seed=seed)
         return ns[self.model_var], self.example_inputs(ns), ns
 
+    def model_inputs(self, ns: dict[str, Any], example: Any = None) -> Any:
+        """What the model is called with on the example batch — what capture traces: the batch itself when the code
+        defines no ``loss_fn`` (the default loss calls ``model(*batch)``), else the arguments ``loss_fn(model,
+        batch)`` passes to the model, found by calling it with a hook that stops at the model's first call (nothing
+        of the forward runs): ``(x, y)`` samples the loss unpacks, dicts, ``(inputs, labels)``. A call that mixes
+        positional and keyword arguments comes back as keywords (the forward's parameter names). Raises
+        ``ValueError`` when the loss does not call the model. Example inputs the code binds beside a dataset whose
+        batches the loss unpacks may be the model's own inputs (``example_inputs = (tokens,)`` with ``(tokens,
+        index)`` batches): where the loss fails on them, they are taken as they are."""
+        example = self.example_inputs(ns) if example is None else example
+        if self.loss_fn_var is None:
+            return example
+        model = ns[self.model_var]
+        called: list[tuple[tuple, dict]] = []
+
+        def stop(module, args, kwargs):
+            called.append((args, kwargs))
+            raise _ModelCalled
+
+        hook = model.register_forward_pre_hook(stop, with_kwargs=True)
+        try:
+            ns[self.loss_fn_var](model, example)
+        except _ModelCalled:
+            pass
+        except Exception:
+            if self.inputs_var is None or self.dataset_var is None:
+                raise
+            return example
+        finally:
+            hook.remove()
+        if not called:
+            raise ValueError(f"{self.loss_fn_var}(model, batch) returned without calling the model")
+        return _as_inputs(model, *called[0])
+
     def example_inputs(self, ns: dict[str, Any]) -> Any:
         """The example inputs in the namespace ``ns`` the code made: its ``inputs_var``, else the dataset's first
         :data:`EXAMPLE_SAMPLES` samples collated."""
@@ -86,3 +120,28 @@ class ModelSource:
 
         collate = ns[self.collate_fn_var] if self.collate_fn_var else None
         return first_batch(ns[self.dataset_var], batch_size=EXAMPLE_SAMPLES, collate_fn=collate)
+
+
+class _ModelCalled(Exception):
+    """Raised by the hook of :meth:`ModelSource.model_inputs` once it has the model's arguments."""
+
+
+def _as_inputs(model, args: tuple, kwargs: dict) -> Any:
+    """A call's arguments as capture takes them: a tuple of positional ones or a dict of keyword ones."""
+    if not kwargs:
+        return args
+    if not args:
+        return dict(kwargs)
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values()):
+        raise ValueError(f"the loss calls {type(model).__name__} with positional and keyword arguments and its "
+                         "forward takes *args: call it with keywords only")
+    out: dict[str, Any] = {}
+    for name, value in inspect.signature(model.forward).bind(*args, **kwargs).arguments.items():
+        if params[name].kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        else:
+            out[name] = value
+    return out

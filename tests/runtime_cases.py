@@ -120,8 +120,8 @@ def make_plan(src: ModelSource, *, dp=1, tp=1, pp=1, zero=0, tp_styles=None, sp=
               sync_batchnorm=False, loss_parallel=False, lr=1e-3) -> Plan:
     """One LayerPlan per captured layer. ``tp_styles``: module path (fnmatch-free, exact) -> style;
     ``stages``: layer path -> stage; ``recompute``: layer path -> mode."""
-    model, inputs, _ = src.build(device="meta")
-    graph = capture(model, inputs)
+    model, inputs, ns = src.build(device="meta")
+    graph = capture(model, src.model_inputs(ns, inputs))
     tp_styles, stages, recompute = tp_styles or {}, stages or {}, recompute or {}
     layers, stage = [], 0
     for layer in graph.layers:
