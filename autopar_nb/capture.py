@@ -32,6 +32,7 @@ from .plan import layer_of
 from .runtime.cp import takes_positions
 from .runtime.pp import masks_as_in_eager
 from .runtime.train import switch_off_kv_cache
+from .stand_in import stand_in, to_meta
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -57,7 +58,7 @@ def capture(model: nn.Module, example_inputs: Any, *, source: str | None = None,
         raise TypeError(f"capture() needs an nn.Module, got {type(model).__name__}")
     args, kwargs = _split_inputs(example_inputs)
     if any(p.is_meta for p in model.parameters()):
-        args, kwargs = tree_map(_to_meta, (args, kwargs))
+        args, kwargs = tree_map(to_meta, (args, kwargs))
     paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
 
     was_training = model.training
@@ -80,8 +81,8 @@ def capture(model: nn.Module, example_inputs: Any, *, source: str | None = None,
         for config in cached:
             config.use_cache = True
 
-    graph.source = source
-    graph.takes_positions = takes_positions(model)
+    graph.source, graph.takes_positions = source, takes_positions(model)
+    graph.stand_in = stand_in(model, args, kwargs)  # the planner runs its TP layouts on it (planner/forward.py)
     return graph
 
 
@@ -97,10 +98,6 @@ def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs), {}
     return (example_inputs,), {}
-
-
-def _to_meta(x: Any) -> Any:
-    return torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) and not x.is_meta else x
 
 
 def _tensor_metas(value: Any) -> list[TensorMeta]:

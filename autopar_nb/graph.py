@@ -1,12 +1,14 @@
 """ModelGraph: the operator graph of one forward pass, grouped into layers, as plain data.
 
 Produced by :func:`autopar_nb.capture`; read by the cost model, the planner and the widget. Holds no tensors and no
-reference to the model, so it can be pickled, shown and kept while the model is gone.
+reference to the model, so it can be pickled, shown and kept while the model is gone; the one exception, a meta copy
+of the model the planner runs its tensor-parallel layouts on (``stand_in``), is left out when it is pickled.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -144,6 +146,14 @@ class ModelGraph:
     full_trace_reason: str | None = None
     """why capture traced every member of the repeated blocks instead of copying identical ones (None when it did
     not have to)"""
+    tp_refused: dict[str, str] = field(default_factory=dict)
+    """module path -> why tensor parallelism leaves it whole: the planner ran a layout splitting it on stand-in
+    tensors and the model's forward failed on the local shards (``planner/forward.py``); filled at plan time"""
+    stand_in: Any = field(default=None, repr=False, compare=False)
+    """the meta copy of the model and its example inputs (``autopar_nb.stand_in.StandIn``; None: not checked)"""
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "stand_in": None}  # a model copy is no plain data: pickled graphs go unchecked
 
     # ---- totals -------------------------------------------------------------------------------------------------
     @property

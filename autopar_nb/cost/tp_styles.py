@@ -104,11 +104,11 @@ class Walk(NamedTuple):
     modules that run with it (split alike, so the runtime keeps the tie)"""
 
 
-def tp_walk(graph, by_name, out_numel, refused: dict[str, str] | None = None) -> Walk:
+def tp_walk(graph, by_name, out_numel, refused: dict[str, str] | None = None, keep=()) -> Walk:
     """Assign colwise/rowwise styles by dataflow (module docstring). ``refused`` (when given) gets node -> why for
     Linears that must never be split (whatever a user override says): their sharded output is cut along the sharded
-    dim into pieces that do not make up the whole output."""
-    disabled: set[str] = set()
+    dim into pieces that do not make up the whole output. ``keep``: nodes left whole from the start."""
+    disabled: set[str] = set(keep)
     refused = {} if refused is None else refused
     for _ in range(20):
         result = _walk_once(graph, by_name, out_numel, disabled, refused)

@@ -28,6 +28,7 @@ from ..plan import (
 )
 from .constraints import Constraints, parse
 from .explain import compile_lines, explain, fmt_bytes, fused_loss_lines, fused_norm_lines, op_list_lines
+from .forward import checked_profile, tp_parts
 from .search import Candidate, Search, cp_degrees, memory_limit
 
 __all__ = ["plan"]
@@ -54,7 +55,7 @@ def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None
     if top_k < 1:
         raise PlanError(f"top_k must be >= 1, got {top_k}")
     device_kind = "cpu" if cluster.name == "cpu" else "cuda"
-    prof = profile_of(graph, device_kind)
+    prof = checked_profile(graph, device_kind, cluster, fix)  # every TP layout run once on stand-in tensors
     global_batch = int(global_batch or graph.batch_size)
     if global_batch < 1:
         raise PlanError(f"global_batch must be >= 1, got {global_batch}")
@@ -166,14 +167,6 @@ def _no_fit_message(cands: list[Candidate], cluster, cons: Constraints) -> str:
             f"(params {fmt_bytes(mb.params)}, grads {fmt_bytes(mb.grads)}, optimizer {fmt_bytes(mb.optimizer)}, "
             f"activations {fmt_bytes(mb.activations)}, buffers {fmt_bytes(mb.buffers)}, margin "
             f"{fmt_bytes(mb.margin)}); use more GPUs, a smaller batch, or relax the fixed choices")
-
-
-def tp_parts(lp, tp: dict[str, str], degree: int) -> dict[str, list[int]]:
-    """``LayerPlan.tp_parts`` of one layer: the parts of its colwise modules whose split is not one even cut at this
-    TP degree (fused projections split part by part or gathered, key/value projections repeated, head-indexed
-    embeddings kept split by heads; :meth:`~autopar_nb.cost.profile.LayerProfile.layout`)."""
-    return {m: list(lp.parts[m].counts) for m, st in tp.items() if st == "colwise" and m in lp.parts and
-            (lp.parts[m].table or lp.layout(m, degree) != "split")}
 
 
 def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch: int, seq_len, *, head: str = ""

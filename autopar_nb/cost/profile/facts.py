@@ -8,7 +8,7 @@ import copy
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-from ...plan import ITEMSIZE
+from ...plan import ITEMSIZE, within
 from ..autocast import AmpDtypes, amp_dtypes
 from ..tp_styles import Walk, packet, rule_of, tp_walk
 from .layers import LayerProfile
@@ -63,7 +63,11 @@ def graph_facts(graph, refused: dict[str, str], device_kind: str = "cuda") -> Fa
     by_name = {n.name: n for n in graph.nodes}
     size, dtype = _sizes(graph)
     numels = {n.name: size[n.name].numel for n in graph.nodes}
-    tp = Walk(*tp_walk(graph, by_name, numels, refused))
+    # modules whose split forward failed on stand-in tensors at plan time (planner/forward.py) stay whole
+    kept = getattr(graph, "tp_refused", {})
+    keep = {n.name: why for n in graph.nodes for m, why in kept.items() if n.params and within(n.module_path, m)}
+    refused.update(keep)
+    tp = Walk(*tp_walk(graph, by_name, numels, refused, keep))
     root, noncontig = _storages(graph.nodes, device_kind, dtype)
     scores, param_views = _attention_scores(graph.nodes), _parameter_views(graph.nodes)
     return Facts(graph, by_name, size, dtype, root, noncontig, scores, param_views, tp,

@@ -1,0 +1,136 @@
+"""Run one TP layout on the stand-in of a captured model, as the exported script would apply it: the styles
+:func:`.styles.tp_styles` builds, applied by the runtime's ``apply_tp``, ``set_local_sizes`` and ``tie_parameters``,
+then the model's forward once, on rank 0 of a fake process group (no communication) with meta tensors (no
+storage). The planner calls it (``planner/forward.py``, where this function is registered) for every layout it may
+offer; a failure comes back as the module it happened in and one line saying why, with the user's line.
+
+Only a failing forward counts: a layout the styles or the runtime refuse to build is left to export, which says
+why in its own words.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..planner.forward import RUNNERS, Layout
+from ..runtime.heads import set_local_sizes
+from ..runtime.tp import apply_tp, tie_parameters
+from ..runtime.train import switch_off_kv_cache
+from ..stand_in import StandIn, meta_copy
+from .styles import local_sizes, out_features, tp_styles
+from .values import tied_parameters
+
+TORCH_DIR = os.path.dirname(torch.__file__)
+PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__))
+USER_FILES_IN_PACKAGE = ("zoo.py",)
+"""files of autopar_nb that hold models (their lines are the user's model code)"""
+
+
+def run_layout(stand: StandIn, layout: Layout) -> tuple[str, str] | None:
+    """None when the forward runs on ``layout``'s local shards (or the check cannot run here: a process group is
+    already set up, the styles cannot be built); else (module path, why) of the first failure."""
+    if dist.is_initialized():
+        return None  # a real process group of the user's: the fake one cannot sit beside it
+    model = meta_copy(stand.model)
+    switch_off_kv_cache(model)
+    styles_of = dict(layout.styles)
+    try:
+        styles = tp_styles(model, styles_of, layers=list(layout.layers), loss_parallel=layout.loss_parallel,
+                           parts={m: list(p) for m, p in layout.parts}, tp=layout.tp)
+        sizes = local_sizes(model, styles, tp=layout.tp)
+    except (NotImplementedError, ValueError):
+        return None  # export refuses it with its own message
+    ties = tied_parameters(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.tp)
+    try:
+        mesh = init_device_mesh("cpu", (layout.tp,))
+        try:
+            apply_tp(model, mesh, {path: style.build() for path, style in styles.items()})
+            set_local_sizes(model, sizes)
+            tie_parameters(model, ties)
+        except (NotImplementedError, ValueError, AttributeError, TypeError):
+            return None
+        try:
+            with torch.no_grad():
+                model(*stand.args, **stand.kwargs)
+        except Exception as e:  # the model's own code failed on local shards: say where and why
+            return blame(model, layout, e)
+        return None
+    finally:
+        dist.destroy_process_group()
+
+
+def blame(model: nn.Module, layout: Layout, error: BaseException) -> tuple[str, str]:
+    """(the module to keep whole, why): the innermost module whose code was running when ``error`` was raised,
+    or the closest one above it that holds split modules (the root, "", when none does)."""
+    split = dict(layout.styles)
+    paths = {id(m): p for p, m in model.named_modules()}
+    frames = list(traceback.walk_tb(error.__traceback__))
+    module = ""
+    for frame, _ in frames:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in paths:
+            module = paths[id(owner)]  # the innermost wins: later frames are deeper
+    while module and not any(p == module or p.startswith(module + ".") for p in split):
+        module = module.rpartition(".")[0]
+    user = [(f, n) for f, n in frames if _is_user_file(f.f_code.co_filename)]
+    where = ""
+    line = ""
+    if user:
+        frame, lineno = user[-1]
+        line = _line_of(frame.f_code.co_filename, lineno, frame)
+        where = f" in {_file_name(frame.f_code.co_filename)} line {lineno}" + (f" (`{line}`)" if line else "")
+    return module, diagnosis(model, layout, module, error, line, where)
+
+
+def diagnosis(model: nn.Module, layout: Layout, module: str, error: BaseException, line: str, where: str) -> str:
+    """One line: what failed, where (``where``: " in <file> line <n> (`<line>`)"), and what to write instead."""
+    split, tp = dict(layout.styles), layout.tp
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    names = [p for p in split if p.startswith(module + ".") or not module]
+    called = [p for p in names if re.search(rf"\.{re.escape(p.rpartition('.')[2])}\s*\(", line)]
+    text = first if len(first) <= 160 else first[:157] + "..."
+    if ".split(" in line and called and isinstance(error, (ValueError, RuntimeError)):
+        proj = called[0]
+        parts = len(dict(layout.parts).get(proj, ())) or 1
+        width = out_features(model.get_submodule(proj)) // parts
+        return (f"{proj.rpartition('.')[2]}'s output is split with the global width {width}{where}, but a rank "
+                f"holds 1/{tp} of it; use chunk({parts}) or view(..., -1, head_dim)")
+    if re.search(r"\.(view|reshape)\(", line) and "invalid for input of size" in first:
+        return (f"{module or 'the model'} reshapes a split tensor with global sizes{where}; compute them from the "
+                "local tensor (view(B, T, -1, head_dim)) or from attributes the runtime sets per rank (self.n_head)")
+    if "broadcast" in first or "must match the size" in first:
+        return (f"{module or 'the model'} meets a tensor of all heads with one rank's heads{where} (a per-head "
+                "table, such as an nn.Parameter of shape (n_heads, ...), is not split with the heads)")
+    return f"{module or 'the model'}'s forward fails on {tp} TP ranks' local shards{where}: {text}"
+
+
+def _is_user_file(filename: str) -> bool:
+    """A file of the model's code: not torch's, not autopar_nb's (but its zoo)."""
+    if filename.startswith(TORCH_DIR):
+        return False
+    if filename.startswith(PACKAGE_DIR):
+        return os.path.basename(filename) in USER_FILES_IN_PACKAGE
+    return True
+
+
+def _file_name(filename: str) -> str:
+    return "the cell" if filename.startswith("<") else os.path.basename(filename)
+
+
+def _line_of(filename: str, lineno: int, frame) -> str:
+    import linecache
+
+    return linecache.getline(filename, lineno, frame.f_globals).strip()
+
+
+RUNNERS.append(run_layout)

@@ -1,0 +1,110 @@
+"""Every tensor-parallel layout the planner offers has run once on stand-in tensors: the model's own forward on one
+rank's local shards, on the meta device over a fake process group, before the search may choose it.
+
+The dataflow walk (``cost/tp_styles.py``) sees the ops, not the code around them: a width the code read from the
+input (nanoGPT's ``split(self.n_embd, dim=2)``, ``view(B, T, self.n_head, C // self.n_head)``) or a per-head table
+that stays whole (an ``nn.Parameter`` of shape (heads, T, T) added to the scores) looks the same there as code that
+runs on shards. So for every TP degree the search may take, the layout the profile gives (every splittable layer
+split, each one at the degree's part layouts) is applied to the stand-in (``autopar_nb.stand_in``) with the
+runtime's own styles and called once. A forward that fails names the module it failed in and the user's line;
+that module is kept whole (``ModelGraph.tp_refused``, which the walk reads), in every member of its repeated block,
+and the layout that results is run again. Only the first member of each repeated block is split in the run (the
+others are the same code on the same shapes), so a 32-layer model costs about one block's DTensor dispatch.
+
+The function that runs a layout builds the styles as the exported script does (``export/styles.py``) and applies
+them with ``runtime/tp.py``: a later stage than the planner, which registers it in :data:`RUNNERS` when
+``autopar_nb`` is imported (``export/forward_check.py``); the planner never imports it. Each layout runs once per
+capture (``StandIn.results``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..cost.profile import profile_of
+from ..plan import within
+from .search import divisors, tp_blockers
+
+RUNNERS: list = []
+"""``run(stand_in, layout) -> None | (module path, why)``: what runs a :class:`Layout` (see the module docstring);
+the last one registered is used"""
+ROUNDS = 8
+"""layouts run per degree at most: each failure keeps one more module whole"""
+
+
+class Layout(NamedTuple):
+    """One TP layout as plain values (hashable: the key of the stand-in's results)."""
+
+    tp: int
+    styles: tuple[tuple[str, str], ...]
+    """module path -> "colwise" | "rowwise" (``LayerPlan.tp``)"""
+    parts: tuple[tuple[str, tuple[int, ...]], ...]
+    """colwise module path -> its parts (``LayerPlan.tp_parts``)"""
+    layers: tuple[str, ...]
+    """every layer path, in model order"""
+    loss_parallel: bool
+
+
+def tp_parts(lp, tp: dict[str, str], degree: int) -> dict[str, list[int]]:
+    """``LayerPlan.tp_parts`` of one layer: the parts of its colwise modules whose split is not one even cut at this
+    TP degree (fused projections split part by part or gathered, key/value projections repeated, head-indexed
+    embeddings kept split by heads; :meth:`~autopar_nb.cost.profile.LayerProfile.layout`)."""
+    return {m: list(lp.parts[m].counts) for m, st in tp.items() if st == "colwise" and m in lp.parts and
+            (lp.parts[m].table or lp.layout(m, degree) != "split")}
+
+
+def checked_profile(graph, device_kind: str, cluster, fix: dict | None):
+    """The graph's profile once every TP layout the search may take at its degrees (``fix["tp"]``, else the
+    divisors of a node's GPUs) has run on the stand-in: modules whose forward failed are kept whole."""
+    prof = profile_of(graph, device_kind)
+    stand = getattr(graph, "stand_in", None)
+    if not RUNNERS or stand is None:
+        return prof
+    fixed = (fix or {}).get("tp")
+    degrees = [fixed] if isinstance(fixed, int) else [t for t in divisors(cluster.gpus_per_node) if
+                                                      cluster.world_size % t == 0]
+    for t in (t for t in degrees if t > 1):
+        for _ in range(ROUNDS):
+            if tp_blockers(prof, t, [True] * len(prof.layers)):
+                break  # the search refuses this degree anyway
+            layout = sampled_layout(graph, prof, t)
+            if not layout.styles:
+                break
+            if layout not in stand.results:
+                stand.results[layout] = RUNNERS[-1](stand, layout)
+            failed = stand.results[layout]
+            if failed is None:
+                break
+            path, why = failed
+            kept = {p: why for p in same_in_every_block(graph, path)}
+            if all(graph.tp_refused.get(p) == w for p, w in kept.items()):
+                kept = {"": why}  # keeping that module whole changed nothing: no split at all
+            graph.tp_refused.update(kept)
+            prof = profile_of(graph, device_kind)
+    return prof
+
+
+def sampled_layout(graph, prof, tp: int) -> Layout:
+    """The profile's layout at degree ``tp`` on the layers outside repeated blocks and the first member of each."""
+    styles: dict[str, str] = {}
+    parts: dict[str, list[int]] = {}
+    for lay, lp in zip(graph.layers, prof.layers, strict=True):
+        block = graph.block_of(lay.path)
+        if block is not None and block.members[0] != lay.path:
+            continue
+        split = {m: st for m, st in lp.tp.items() if st != "replicate"}
+        styles |= split
+        parts |= tp_parts(lp, split, tp)
+    head = any(lp.vocab and any(st == "colwise" for st in lp.tp.values()) for lp in prof.layers)
+    return Layout(tp, tuple(sorted(styles.items())), tuple(sorted((m, tuple(p)) for m, p in parts.items())),
+                  tuple(lay.path for lay in graph.layers), bool(prof.loss_parallel and head))
+
+
+def same_in_every_block(graph, path: str) -> list[str]:
+    """``path`` and the module at the same place in every other member of its repeated block."""
+    for block in graph.blocks:
+        for member in block.members:
+            if within(path, member) and member:
+                rest = path[len(member):]
+                return [m + rest for m in block.members]
+    return [path]
