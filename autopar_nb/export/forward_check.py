@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from ..planner.forward import RUNNERS, Layout
 from ..runtime.heads import set_local_sizes
+from ..runtime.pp import masks_as_in_eager
 from ..runtime.tp import apply_tp, tie_parameters
 from ..runtime.train import switch_off_kv_cache
 from ..stand_in import StandIn, meta_copy
@@ -38,7 +39,6 @@ def run_layout(stand: StandIn, layout: Layout) -> tuple[str, str] | None:
     if dist.is_initialized():
         return None  # a real process group of the user's: the fake one cannot sit beside it
     model = meta_copy(stand.model)
-    switch_off_kv_cache(model)
     styles_of = dict(layout.styles)
     try:
         styles = tp_styles(model, styles_of, layers=list(layout.layers), loss_parallel=layout.loss_parallel,
@@ -59,14 +59,27 @@ def run_layout(stand: StandIn, layout: Layout) -> tuple[str, str] | None:
             tie_parameters(model, ties)
         except (NotImplementedError, ValueError, AttributeError, TypeError):
             return None
-        try:
-            with torch.no_grad():
-                model(*stand.args, **stand.kwargs)
-        except Exception as e:  # the model's own code failed on local shards: say where and why
-            return blame(model, layout, e)
-        return None
+        error = call(model, stand)
     finally:
         dist.destroy_process_group()
+    if error is None:
+        return None
+    if "whole" not in stand.results:  # a failure that is the meta device's (``.item()``), not the layout's?
+        stand.results["whole"] = call(meta_copy(stand.model), stand) is None
+    return blame(model, layout, error) if stand.results["whole"] else None
+
+
+def call(model: nn.Module, stand: StandIn) -> Exception | None:
+    """Call ``model`` on the stand-in's inputs as capture did (training mode, no key/value cache, Hugging Face's
+    plain masks skipped as its eager forward skips them); the exception it raised, if any."""
+    switch_off_kv_cache(model)
+    model.train()
+    try:
+        with torch.no_grad(), masks_as_in_eager(own_positions="position_ids" not in stand.kwargs):
+            model(*stand.args, **stand.kwargs)
+    except Exception as e:  # the model's own code failed (on local shards: the caller says where and why)
+        return e
+    return None
 
 
 def blame(model: nn.Module, layout: Layout, error: BaseException) -> tuple[str, str]:
