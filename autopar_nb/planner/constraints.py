@@ -171,6 +171,9 @@ def _apply_tp(graph, prof, pattern, style, whole, partial, layers) -> None:
         ov = layers.setdefault(i, LayerOverride())
         if style == "colwise-rowwise":
             auto = {m: lp.tp[m] for m in mods if m in lp.tp and graph.layers[i].modules.get(m) in PROJECTIONS}
+            kept = [m for m in mods if m in prof.tp_refused]
+            if kept and ("colwise" not in auto.values() or "rowwise" not in auto.values()):
+                raise PlanError(f"override {pattern!r}: {kept[0]} cannot be split: {prof.tp_refused[kept[0]]}")
             if "colwise" not in auto.values() or "rowwise" not in auto.values():
                 raise PlanError(f"override {pattern!r}: tp='colwise-rowwise' needs a Linear pair under {where!r} "
                                 f"(one reading the replicated input, one reading its sharded result); found "

@@ -1,0 +1,181 @@
+"""The planner runs every TP layout it offers once on stand-in tensors (``planner/forward.py``): a layout whose
+forward fails on the local shards is not offered, and the explanation says why in one line naming the user's line.
+
+The failing cells are the two families a user brought: nanoGPT's attention reading the global width (``split(C,
+dim=2)``, ``view(B, T, self.n_head, C // self.n_head)``) and an attention with a per-head ``nn.Parameter`` bias table.
+The zoo families keep their layouts, and each layout runs once per capture.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runtime_cases import GPT_CELL, LLAMA_CELL, source
+
+import autopar_nb as ap
+from autopar_nb.planner import forward
+from autopar_nb.verify import verify
+
+CPU2 = ap.Cluster.preset("cpu", gpus_per_node=2)
+
+HEAD = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.c_fc, self.c_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+'''
+TAIL = '''
+
+class Block(nn.Module):
+    def __init__(self, d, h, T):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(d), ATTENTION(d, h, T)
+        self.ln_2, self.mlp = nn.LayerNorm(d), MLP(d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Net(nn.Module):
+    def __init__(self, vocab=64, d=32, h=4, layers=2, T=16):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.h = nn.ModuleList(Block(d, h, T) for _ in range(layers))
+        self.ln_f, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+model = Net()
+example_inputs = (torch.randint(0, 64, (4, 16)),)
+'''
+NANOGPT = HEAD + '''
+
+class CausalSelfAttention(nn.Module):  # nanoGPT's model.py
+    def __init__(self, n_embd, n_head, T):
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd = n_head, n_embd
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(SPLIT, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+''' + TAIL.replace("ATTENTION", "CausalSelfAttention")
+SPLIT_C = NANOGPT.replace("SPLIT", "C")
+"""the global width read from the input: the split cuts 2 pieces from a rank's 3 * C / 2 features"""
+SPLIT_N_EMBD = NANOGPT.replace("SPLIT", "self.n_embd")
+"""nanoGPT's own line: ``self.n_embd`` is set per rank, but ``C // self.n_head`` still reads the global width"""
+BIAS_TABLE = HEAD + '''
+
+class Attention(nn.Module):  # the scores plus a learned per-head bias table
+    def __init__(self, d, h, T):
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.head_dim = d // h
+        self.rel_bias = nn.Parameter(torch.zeros(h, T, T))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.rel_bias[:, :T, :T])
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+''' + TAIL.replace("ATTENTION", "Attention")
+
+
+def line_of(cell: str, text: str) -> int:
+    return next(i for i, line in enumerate(cell.splitlines(), 1) if text in line)
+
+
+def planned(cell: str, **kwargs):
+    model, inputs, _ = source(cell).build(device="meta")
+    graph = ap.capture(model, inputs)
+    return graph, ap.plan(graph, CPU2, fix={"tp": 2}, **kwargs)
+
+
+def refusal(plan) -> str:
+    return next(line for line in plan.explanation if line.startswith("Kept replicated under TP"))
+
+
+CASES = {
+    "split_global_width": (SPLIT_C, "split(C, dim=2)",
+                           "c_attn's output is split with the global width 32 in the cell line {n} "
+                           "(`q, k, v = self.c_attn(x).split(C, dim=2)`), but a rank holds 1/2 of it; use chunk(3) "
+                           "or view(..., -1, head_dim)"),
+    "view_global_width": (SPLIT_N_EMBD, "k = k.view(", "h.0.attn reshapes a split tensor with global sizes in the "
+                          "cell line {n} (`k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)`)"),
+    "bias_table": (BIAS_TABLE, "attn_mask=self.rel_bias", "h.0.attn meets a tensor of all heads with one rank's "
+                   "heads in the cell line {n}"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_layout_whose_forward_fails_is_not_offered(name):
+    cell, at, why = CASES[name]
+    graph, plan = planned(cell)
+    assert plan.mesh.tp == 2
+    assert not [m for m in plan.tp_plan if ".attn" in m], plan.tp_plan  # the attention stays whole ...
+    assert {"h.0.mlp.c_fc", "h.0.mlp.c_proj", "h.1.mlp.c_fc", "h.1.mlp.c_proj"} <= set(plan.tp_plan)  # the MLP not
+    expected = why.format(n=line_of(cell, at))
+    assert set(graph.tp_refused) == {"h.0.attn", "h.1.attn"}  # every block, from one run of the first
+    assert graph.tp_refused["h.1.attn"].startswith(expected.split(" in the cell")[0].split(" in ")[0])
+    line = refusal(plan)
+    assert expected in line and "\n" not in line, line
+    # an override asking for it is refused with the same reason
+    with pytest.raises(ap.PlanError, match="cannot be split") as e:
+        ap.plan(graph, CPU2, fix={"tp": 2}, overrides={"h.*.attn": {"tp": "colwise-rowwise"}})
+    assert expected in str(e.value)
+
+
+def test_the_zoo_families_keep_their_layouts_and_each_layout_runs_once(monkeypatch):
+    runs = []
+    runner = forward.RUNNERS[-1]
+    monkeypatch.setattr(forward, "RUNNERS", [lambda stand, layout: runs.append(layout) or runner(stand, layout)])
+    for cell, attention in ((GPT_CELL, {"attn.c_attn", "attn.c_proj"}),
+                            (LLAMA_CELL, {"attention.wq", "attention.wk", "attention.wv", "attention.wo"})):
+        graph, plan = planned(cell)
+        assert graph.tp_refused == {}
+        split = {m.split(".", 2)[2] for m in plan.tp_plan if m.startswith(("h.0.", "layers.0."))}
+        assert attention <= split, plan.tp_plan
+        assert not any(line.startswith("Kept replicated") for line in plan.explanation)
+        before = len(runs)
+        ap.plan(graph, CPU2, fix={"tp": 2})
+        ap.plan(graph, CPU2, fix={"tp": 2}, overrides={"*": {"recompute": "full"}})
+        assert len(runs) == before, "a layout already run is not run again"
+    assert len(runs) == 2
+
+
+def test_a_model_built_with_real_weights_is_checked_on_a_meta_copy():
+    model, inputs, _ = source(SPLIT_C).build()
+    graph = ap.capture(model, inputs)
+    plan = ap.plan(graph, CPU2, fix={"tp": 2})
+    assert "c_attn's output is split with the global width 32" in refusal(plan)
+    assert all(p.device.type == "cpu" and type(p) is torch.nn.Parameter for p in model.parameters())
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.multiprocess
+def test_the_offered_layout_runs_on_two_ranks():
+    """The plan the planner offers for nanoGPT's global-width split (MLP split, attention whole) trains on 2 gloo
+    processes as the single-process run does."""
+    _, plan = planned(SPLIT_C)
+    report = verify(source(SPLIT_C), plan, steps=2)
+    assert report.ok, str(report)
+    assert report.per_rank[0]["dtensor_params"] > 0
