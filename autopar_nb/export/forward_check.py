@@ -59,7 +59,9 @@ def run_layout(stand: StandIn, layout: Layout) -> tuple[str, str] | None:
             tie_parameters(model, ties)
         except (NotImplementedError, ValueError, AttributeError, TypeError):
             return None
-        error = call(model, stand)
+        error = call(model, stand, layout.repeats)
+        if error is not None and layout.repeats:  # every block run, lest handing the first one's output on failed
+            error = call(model, stand)
     finally:
         dist.destroy_process_group()
     if error is None:
@@ -69,16 +71,27 @@ def run_layout(stand: StandIn, layout: Layout) -> tuple[str, str] | None:
     return blame(model, layout, error) if stand.results["whole"] else None
 
 
-def call(model: nn.Module, stand: StandIn) -> Exception | None:
+def call(model: nn.Module, stand: StandIn, repeats=()) -> Exception | None:
     """Call ``model`` on the stand-in's inputs as capture did (training mode, no key/value cache, Hugging Face's
-    plain masks skipped as its eager forward skips them); the exception it raised, if any."""
+    plain masks skipped as its eager forward skips them); the exception it raised, if any. ``repeats``: (module,
+    first member of its block) pairs whose module hands on the first member's last output instead of running."""
     switch_off_kv_cache(model)
     model.train()
+    outputs: dict[str, object] = {}
+    hooks = [model.get_submodule(first).register_forward_hook(
+        lambda _m, _a, out, first=first: outputs.__setitem__(first, out)) for first in {f for _, f in repeats}]
+    for path, first in repeats:
+        model.get_submodule(path).forward = lambda *a, first=first, **k: outputs[first]
     try:
         with torch.no_grad(), masks_as_in_eager(own_positions="position_ids" not in stand.kwargs):
             model(*stand.args, **stand.kwargs)
     except Exception as e:  # the model's own code failed (on local shards: the caller says where and why)
         return e
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for path, _ in repeats:
+            del model.get_submodule(path).forward  # the class's forward again
     return None
 
 

@@ -8,8 +8,8 @@ runs on shards. So for every TP degree the search may take, the layout the profi
 split, each one at the degree's part layouts) is applied to the stand-in (``autopar_nb.stand_in``) with the
 runtime's own styles and called once. A forward that fails names the module it failed in and the user's line;
 that module is kept whole (``ModelGraph.tp_refused``, which the walk reads), in every member of its repeated block,
-and the layout that results is run again. Only the first member of each repeated block is split in the run (the
-others are the same code on the same shapes), so a 32-layer model costs about one block's DTensor dispatch.
+and the layout that results is run again. Only the first member of each repeated block is split and run (the others
+are the same code on the same shapes: they hand its output on), so a 32-layer model costs about one block.
 
 The function that runs a layout builds the styles as the exported script does (``export/styles.py``) and applies
 them with ``runtime/tp.py``: a later stage than the planner, which registers it in :data:`RUNNERS` when
@@ -43,6 +43,9 @@ class Layout(NamedTuple):
     layers: tuple[str, ...]
     """every layer path, in model order"""
     loss_parallel: bool
+    repeats: tuple[tuple[str, str], ...] = ()
+    """repeated-block member -> the block's first member, whose output it hands on instead of running (the same
+    code on the same shapes, unsplit: capture ran it)"""
 
 
 def tp_parts(lp, tp: dict[str, str], degree: int) -> dict[str, list[int]]:
@@ -96,8 +99,9 @@ def sampled_layout(graph, prof, tp: int) -> Layout:
         styles |= split
         parts |= tp_parts(lp, split, tp)
     head = any(lp.vocab and any(st == "colwise" for st in lp.tp.values()) for lp in prof.layers)
+    repeats = tuple((m, b.members[0]) for b in graph.blocks for m in b.members[1:])
     return Layout(tp, tuple(sorted(styles.items())), tuple(sorted((m, tuple(p)) for m, p in parts.items())),
-                  tuple(lay.path for lay in graph.layers), bool(prof.loss_parallel and head))
+                  tuple(lay.path for lay in graph.layers), bool(prof.loss_parallel and head), repeats)
 
 
 def same_in_every_block(graph, path: str) -> list[str]:
