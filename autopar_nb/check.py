@@ -35,10 +35,11 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from .export import export
 from .export.values import ScriptValues, script_values
+from .failures import RankFailed
 from .plan import DTYPE_NAMES, Plan
 from .randomness import RandomOff
 from .source import ModelSource
@@ -239,6 +240,8 @@ def verify_here(cases: list[tuple[ModelSource, Plan]], metas: list[bool], script
         thread.start()
     try:
         results = _restoring_signal_handlers(elastic_launch(config, _worker), jobs, steps)
+    except ChildFailedError as e:
+        raise RankFailed.of(e, [src.code for src, _ in cases]) from None
     finally:
         if thread is not None:
             thread.join()

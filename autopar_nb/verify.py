@@ -21,16 +21,13 @@ from .check import (
     reference,
     verify_here,
 )
+from .failures import VerifyError
 from .hardware import nvml_visible_gpus
 from .plan import Plan
 from .source import ModelSource
 
 __all__ = ["FP32_RTOL", "LOW_PRECISION_RTOL", "StepDiff", "VerifyError", "VerifyReport", "reference", "verify",
            "verify_many"]
-
-
-class VerifyError(RuntimeError):
-    """The parallel run of a warm verify failed in its pool process; the message carries that process's traceback."""
 
 
 def verify(source: ModelSource, plan: Plan, *, steps: int = 5, nproc: int | None = None, seed: int = 0,
@@ -103,5 +100,5 @@ def _verify_in_child(cases, metas, scripts, *, steps, nproc, seed, rtol, work_di
         job.stop("interrupted (KeyboardInterrupt in verify())")
         raise
     if job.reports is None:
-        raise VerifyError(f"{job.message}\n{job.error or ''}".rstrip())
+        raise VerifyError(f"{job.message} (the whole account: this error's .details)", job.error or "")
     return job.reports

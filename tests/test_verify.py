@@ -344,3 +344,45 @@ def test_cold_verify_on_a_gpu_host_never_opens_cuda_in_the_kernel(monkeypatch):
     monkeypatch.setattr(verify_mod, "ranks_use_cuda", lambda: False)
     monkeypatch.setattr(verify_mod, "verify_here", lambda *a, **k: ["here"])
     assert verify_mod.verify(G, make_plan(G, dp=2), steps=1, warm=False) == "here" and started == [False]
+
+
+FAILING_CELL = '''
+import os, torch, torch.nn as nn
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+example_inputs = (torch.randn(8, 16),)
+def loss_fn(model, batch):
+    out = model(*batch)
+    if os.environ.get("RANK") == "1":
+        raise ValueError("shapes disagree on this rank")
+    return out.pow(2).mean()
+'''
+
+
+def test_where_failed_names_the_cell_line_else_the_script_line():
+    from autopar_nb.failures import where_failed
+
+    tb = ('Traceback (most recent call last):\n'
+          '  File "/x/.venv/lib/python3.11/site-packages/torch/distributed/elastic/errors.py", line 3, in wrapper\n'
+          '    return f(*args, **kwargs)\n'
+          '  File "/x/autopar_nb/check.py", line 520, in _worker\n    ns["main"](argv)\n'
+          '  File "/tmp/v/verify_0.py", line 458, in accumulate\n    loss = loss_fn(model, piece)\n'
+          '  File "/tmp/v/verify_0.py", line 96, in loss_fn\n    raise ValueError("shapes disagree on this rank")\n'
+          'ValueError: shapes disagree on this rank\n')
+    assert where_failed(tb, FAILING_CELL) == 'cell line 8 (`raise ValueError("shapes disagree on this rank")`)'
+    assert where_failed(tb).startswith("verify_0.py line 96 in loss_fn (`raise")
+    assert where_failed(tb.split('  File "/tmp')[0]) == ""  # library frames only
+
+
+@pytest.mark.multiprocess
+def test_a_failing_rank_is_one_line_naming_the_cell_line():
+    """Not ChildFailedError's box: the rank, the cell's line and the error; the whole account one attribute away."""
+    from autopar_nb.verify import VerifyError, verify
+
+    src = source(FAILING_CELL)
+    with pytest.raises(VerifyError) as info:
+        verify(src, make_plan(src, dp=2), steps=1, nproc=2)
+    line = str(info.value)
+    assert "\n" not in line and "ChildFailedError" not in line, line
+    assert line.startswith('rank 1 failed at cell line 8 (`raise ValueError("shapes disagree on this rank")`): '
+                           "ValueError: shapes disagree on this rank"), line
+    assert "Traceback" in info.value.details and "loss_fn" in info.value.details

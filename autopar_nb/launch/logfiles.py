@@ -8,6 +8,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from ..failures import where_failed
+
 TAIL_BYTES = 64 * 1024
 """bytes read from the end of each log file for a tail"""
 
@@ -84,9 +86,23 @@ def failures_from_result(result: dict, logs: Callable[[int], str]) -> dict[int, 
                 pass
         sig = f" ({f['signal']})" if f.get("signal") else ""
         r = int(rank)
-        out[r] = {"rank": r, "attempt": 0, "error": f"exit code {f.get('exitcode')}{sig}: {msg}".strip(),
+        out[r] = {"rank": r, "attempt": 0, "error": at_site(f"exit code {f.get('exitcode')}{sig}: {msg}".strip(), tb),
                   "traceback": tb or logs(r), "timestamp": f.get("timestamp"), "python": bool(tb)}
     return out
+
+
+def at_site(error: str, traceback_text: str) -> str:
+    """``error`` with where the user's code failed (:func:`~autopar_nb.source.where_failed`) in front: "at train.py
+    line 96 in loss_fn (`...`): ValueError: ..." (the exported script is the user's file)."""
+    where = where_failed(traceback_text)
+    return f"at {where}: {error}" if where else error
+
+
+def reported_error(data: dict) -> dict:
+    """A rank's own error event (``{"error", "traceback"}`` from its channel) as the run keeps it: the error with
+    where it failed in front (:func:`at_site`)."""
+    tb = str(data.get("traceback", ""))
+    return {"error": at_site(str(data.get("error", "")), tb), "traceback": tb}
 
 
 def error_from_result(result: dict, logs: Callable[[int], str]) -> dict | None:

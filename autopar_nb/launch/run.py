@@ -582,7 +582,7 @@ class Run:
         return max((s.step for s in self._ranks.values() if s.attempt == attempt and s.step is not None), default=0)
 
     def _on_error(self, st: RankState, data: dict, sent: float, now: float) -> None:
-        st.error = {"error": str(data.get("error", "")), "traceback": str(data.get("traceback", ""))}
+        st.error = logfiles.reported_error(data)
         st.failed_at = sent
         # a peer whose connection closed without a word before this error died first (a signal, a crash in C++)
         for other in self._ranks.values():

@@ -293,7 +293,8 @@ def main(job_path: str, *, watch: bool = True) -> int:
         data = {"reports": [dataclasses.asdict(r) for r in reports]}
         rc = 0
     except BaseException as e:  # the kernel shows it: nothing is lost in a log
-        data = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        one_line = str(e) if hasattr(e, "details") else f"{type(e).__name__}: {e}"  # check.RankFailed
+        data = {"error": one_line, "traceback": getattr(e, "details", "") or traceback.format_exc()}
         rc = 1
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
