@@ -40,11 +40,12 @@ class _Around(NamedTuple):
 class StagedRank:
     """The moments of rank ``r`` of a multi-stage schedule (``RankMemory.moments``)."""
 
-    def __init__(self, mem, r: int, st):
+    def __init__(self, mem, r: int, st, states: tuple[Held, ...] | None = None):
         s, sums = mem.s, mem.sums
         self.mem, self.r, self.st = mem, r, st
-        self.states = rank_states(s.schedule, pp=s.pp, rank=r, micro_batches=s.micro_batches,
-                                  virtual_stages=s.virtual_stages)
+        # ``states``: some of them, to weigh those alone (``floor.memory_floor``)
+        self.states = states or rank_states(s.schedule, pp=s.pp, rank=r, micro_batches=s.micro_batches,
+                                            virtual_stages=s.virtual_stages)
         v = len(self.states[0].full)
         # a stage without layers holds nothing (the schedule still runs it)
         self.stages: list[StageSums] = [*sums.stages[r], *(StageSums(-1, 0.0, 0.0)

@@ -31,14 +31,14 @@ import math
 from dataclasses import dataclass
 
 from ..cost.estimate import Evaluator
-from ..cost.memory import in_flight, state_bytes
+from ..cost.floor import memory_floor
 from ..cost.norm import one_kernel
 from ..cost.schedule import ZERO_BUBBLE
 from ..cost.setting import LayerChoice, Setting
 from ..cost.time import bubble_fraction
-from ..plan import DTYPE_NAMES, ITEMSIZE, Cost, PlanError, stage_rank
+from ..plan import Cost, PlanError, stage_rank
 from .recompute import choose_recompute
-from .stages import bisect_cap, fill_empty, partition, partition_runs
+from .stages import memory_partition, partition, partition_runs
 
 
 @dataclass
@@ -119,6 +119,10 @@ def measured_compile_gain(cluster) -> bool:
     return cluster.calibration.get("compile_memory_bound", 1.0) < 1.0
 
 
+FLOORS = True
+"""Search.floors' default (internal: a test turns it off to compare)"""
+
+
 class Search:
     """Enumerates and costs candidates (module docstring)."""
 
@@ -175,6 +179,9 @@ class Search:
                                      for i, lp in enumerate(prof.layers))
         """selective recompute pinned on a layer holding experts (the runtime refuses it beside EP with FSDP)"""
         self.rejected: list[str] = []
+        self.floors = FLOORS
+        """weigh each candidate's memory floor before costing it in full (False: cost every one, as the guard test
+        of the unchanged answer does)"""
         self.evaluated = 0
         self.pruned = 0
 
@@ -403,7 +410,7 @@ class Search:
                                                                factors=self.ev.f))
                     configs.append((bound, len(configs), base, assign, zeros))
         configs.sort(key=lambda c: (c[0], c[1]))
-        out: list[Candidate] = []
+        out: list[Candidate | tuple[Setting, list[LayerChoice]]] = []
         best: list[float] = []
         for bound, _, base, assign, zeros in configs:
             if len(best) >= top_k and bound > best[top_k - 1]:
@@ -415,11 +422,49 @@ class Search:
                 choices = [LayerChoice(assign[i], self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i],
                                        self.compile[i] and base.pp == 1)
                            for i in range(self.n)]
-                cand = self.norm_variant(self.fused_variant(self._cost(s, choices, "recompute" not in fix)))
+                if self.floors and memory_floor(self.ev, s, choices) > self.limit:
+                    out.append((s, choices))  # it cannot fit: costed only if the explanation may tell it (_settle)
+                    continue
+                cand = self._variants(s, choices)
                 out.append(cand)
                 if cand.fits:
                     bisect.insort(best, cand.cost.step_time_s)
-        return out
+        return self._settle(out)
+
+    def _variants(self, s: Setting, choices: list[LayerChoice]) -> Candidate:
+        """The candidate of ``s`` with ``choices``, recompute added where it does not fit, and its fused variants."""
+        return self.norm_variant(self.fused_variant(self._cost(s, choices, "recompute" not in self.cons.fix)))
+
+    def _settle(self, out: list) -> list[Candidate]:
+        """``out`` with the candidates a memory floor set aside (``(setting, choices)``: they cannot fit,
+        :func:`~autopar_nb.cost.floor.memory_floor`) costed in full where ``plan()`` may tell them: every one when
+        nothing fits (it tells the one over by the least), else those a bound on their step time does not put
+        behind the fastest that fits (it tells the faster ones that do not fit). The rest can change neither the
+        plan, nor its alternatives, nor its explanation."""
+        fastest = min((c.cost.step_time_s for c in out if isinstance(c, Candidate) and c.fits), default=math.inf)
+        return [c if isinstance(c, Candidate) else self._variants(*c) for c in out
+                if isinstance(c, Candidate) or self._time_floor(*c) < fastest]
+
+    def _time_floor(self, s: Setting, choices: list[LayerChoice]) -> float:
+        """A lower bound on the step time of ``s`` with ``choices`` and of each variant :meth:`_variants` costs
+        (recompute added, fused loss or norms, stages moved by memory): the slowest rank's compute and exposed TP
+        comm per micro-batch times (micro-batches + bubble), on the best stages for those times where memory may
+        move them (one stage per rank), less a hair for the stage bisection's tolerance."""
+        idle = bubble_fraction(s.schedule, pp=s.pp, micro_batches=s.micro_batches,
+                               virtual_stages=s.virtual_stages, factors=self.ev.f)
+        runs = self.ev.runs(choices)
+        out = math.inf
+        for v in [s] + ([dataclasses.replace(s, fused_norm=True)] if self.ev.norm_prof is not None else []):
+            times = self._run_times(v, runs)
+            per_layer = [(t, ch.stage) for (_, cnt, ch), t in zip(runs, times, strict=True) for _ in range(cnt)]
+            if s.pp > 1 and s.virtual_stages == 1 and not self.pins:
+                assign = partition_runs([(t, cnt) for (_, cnt, _), t in zip(runs, times, strict=True)], s.pp)
+                per_layer = [(t, st) for (t, _), st in zip(per_layer, assign, strict=True)]
+            rank_t = [0.0] * s.pp
+            for t, st in per_layer:
+                rank_t[s.rank_of(st)] += t
+            out = min(out, max(rank_t) * (s.micro_batches + idle))
+        return out * (1 - 1e-4)
 
     def fused_variant(self, cand: Candidate) -> Candidate:
         """The candidate, or the same setting with the output head and the loss fused (``Setting.fused_loss``) when
@@ -493,7 +538,7 @@ class Search:
             if cost.peak_memory_bytes > self.limit and s.pp > 1 and s.virtual_stages == 1 and not self.pins:
                 # time-balanced stages do not fit: move layers off the fullest ranks (embedding on the first, head
                 # and loss on the last, more micro-batches in flight early in 1F1B), then recompute again
-                assign = self._memory_partition(s, original)
+                assign = memory_partition(self.ev, s, original, limit=self.limit, rec_pinned=self.rec_pinned)
                 if assign is not None:
                     retry = [LayerChoice(st, c.tp, c.recompute, c.fsdp, c.compile)
                              for st, c in zip(assign, original, strict=True)]
@@ -506,58 +551,3 @@ class Search:
                     if cost2.peak_memory_bytes < cost.peak_memory_bytes:
                         choices, cost = retry, cost2
         return Candidate(s, choices, cost, self.limit)
-
-    def _memory_partition(self, s: Setting, choices: list[LayerChoice]) -> list[int] | None:
-        """Stages balanced by time subject to each pipeline rank's memory, with every free layer at full recompute
-        (the least memory it can take): bisection on the bottleneck time with a greedy check that also caps each
-        stage's bytes (model states + in-flight activations + a reserve for transient buffers and the loss)."""
-        f, half = self.ev.f, s.amp != "none"
-        p_item = ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")]  # compute dtype: unsharded/gathered parameters
-        g_item = ITEMSIZE["float32"]  # gradients, log-softmax
-        sb = state_bytes(s.optimizer)
-        dp = s.dp
-        p_b = sb.param / (dp if s.zero_stage >= 3 else 1)
-        g_b = sb.grad / (dp if s.zero_stage >= 2 else 1)
-        o_b = sb.optimizer / (dp if s.zero_stage >= 1 else 1)
-        # ZeRO 2 keeps unsharded parameters from forward to backward; autocast caches 16-bit copies of the weights
-        held = p_item if s.zero_stage == 2 or (s.zero_stage <= 1 and half) else 0
-        acc = 1 if (s.micro_batches > 1 or s.pp > 1) else 0
-        # per parameter at the backward moment (unsharded copies held) or at the optimizer step (foreach temporaries)
-        per_param = max(p_b + o_b + acc * g_b + held, p_b + o_b + 2 * g_b)
-        times, static, act = [], [], []
-        reserve = 0.0
-        for i, ch in enumerate(choices):
-            rec = ch.recompute if i in self.rec_pinned else "full"
-            lt = self.ev.choice_terms(i, s, ch)
-            times.append(lt.time_s(rec))
-            static.append(lt.params_local * per_param)
-            act.append(lt.act[rec])
-            gather = 2 * lt.params_local * (p_item + g_item) if s.zero_stage == 3 else 0.0
-            reserve = max(reserve, lt.act["none"] + lt.work_bytes + gather)
-        prof = self.prof
-        out_numel = prof.output_numel * s.mb_samples / prof.batch * self.ev.seq_ratio
-        loss = out_numel * (g_item + g_item + p_item)  # log-softmax saved, its gradient, the logits' gradient
-        cap = (self.limit - f.margin_fixed_bytes) / (1 + f.margin_fraction) - reserve
-        caps = [cap - (loss if r == s.pp - 1 else 0.0) for r in range(s.pp)]
-        flights = [in_flight(s.schedule, pp=s.pp, stage=r, micro_batches=s.micro_batches) for r in range(s.pp)]
-
-        def greedy(bound):
-            out, stage, acc_t, acc_m = [], 0, 0.0, 0.0
-            for i in range(self.n):
-                need_m = static[i] + flights[stage] * act[i]
-                if out and out[-1] == stage and (acc_t + times[i] > bound * (1 + 1e-12) or
-                                                 acc_m + need_m > caps[stage]):
-                    stage += 1
-                    if stage >= s.pp:
-                        return None
-                    acc_t, acc_m = 0.0, 0.0
-                    need_m = static[i] + flights[stage] * act[i]
-                if need_m > caps[stage] and acc_m == 0.0:
-                    return None
-                out.append(stage)
-                acc_t += times[i]
-                acc_m += need_m
-            return out
-
-        best = bisect_cap(greedy, max(times), sum(times) * 4, rtol=1e-4, steps=40)
-        return None if best is None else fill_empty(best, s.pp)

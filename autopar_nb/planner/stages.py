@@ -8,6 +8,9 @@ programme over the chain.
 
 from __future__ import annotations
 
+from ..cost.memory import in_flight, state_bytes
+from ..plan import DTYPE_NAMES, ITEMSIZE
+
 
 def partition(times: list[float], n_stages: int, pins: dict[int, int]) -> list[int] | None:
     """Contiguous assignment of layers to ``n_stages`` non-empty stages minimising the slowest stage (module
@@ -140,3 +143,59 @@ def _partition_dp(times, n_stages, pins):
             out[x] = k - 1
         i = j
     return out
+
+
+def memory_partition(ev, s, choices, *, limit: float, rec_pinned: dict[int, str]) -> list[int] | None:
+    """Stages balanced by time subject to each pipeline rank's memory, with every free layer at full recompute
+    (the least memory it can take): bisection on the bottleneck time with a greedy check that also caps each
+    stage's bytes (model states + in-flight activations + a reserve for transient buffers and the loss)."""
+    f, half = ev.f, s.amp != "none"
+    p_item = ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")]  # compute dtype: unsharded/gathered parameters
+    g_item = ITEMSIZE["float32"]  # gradients, log-softmax
+    sb = state_bytes(s.optimizer)
+    dp = s.dp
+    p_b = sb.param / (dp if s.zero_stage >= 3 else 1)
+    g_b = sb.grad / (dp if s.zero_stage >= 2 else 1)
+    o_b = sb.optimizer / (dp if s.zero_stage >= 1 else 1)
+    # ZeRO 2 keeps unsharded parameters from forward to backward; autocast caches 16-bit copies of the weights
+    held = p_item if s.zero_stage == 2 or (s.zero_stage <= 1 and half) else 0
+    acc = 1 if (s.micro_batches > 1 or s.pp > 1) else 0
+    # per parameter at the backward moment (unsharded copies held) or at the optimizer step (foreach temporaries)
+    per_param = max(p_b + o_b + acc * g_b + held, p_b + o_b + 2 * g_b)
+    times, static, act = [], [], []
+    reserve = 0.0
+    for i, ch in enumerate(choices):
+        rec = ch.recompute if i in rec_pinned else "full"
+        lt = ev.choice_terms(i, s, ch)
+        times.append(lt.time_s(rec))
+        static.append(lt.params_local * per_param)
+        act.append(lt.act[rec])
+        gather = 2 * lt.params_local * (p_item + g_item) if s.zero_stage == 3 else 0.0
+        reserve = max(reserve, lt.act["none"] + lt.work_bytes + gather)
+    prof = ev.prof
+    out_numel = prof.output_numel * s.mb_samples / prof.batch * ev.seq_ratio
+    loss = out_numel * (g_item + g_item + p_item)  # log-softmax saved, its gradient, the logits' gradient
+    cap = (limit - f.margin_fixed_bytes) / (1 + f.margin_fraction) - reserve
+    caps = [cap - (loss if r == s.pp - 1 else 0.0) for r in range(s.pp)]
+    flights = [in_flight(s.schedule, pp=s.pp, stage=r, micro_batches=s.micro_batches) for r in range(s.pp)]
+
+    def greedy(bound):
+        out, stage, acc_t, acc_m = [], 0, 0.0, 0.0
+        for i in range(len(choices)):
+            need_m = static[i] + flights[stage] * act[i]
+            if out and out[-1] == stage and (acc_t + times[i] > bound * (1 + 1e-12) or
+                                             acc_m + need_m > caps[stage]):
+                stage += 1
+                if stage >= s.pp:
+                    return None
+                acc_t, acc_m = 0.0, 0.0
+                need_m = static[i] + flights[stage] * act[i]
+            if need_m > caps[stage] and acc_m == 0.0:
+                return None
+            out.append(stage)
+            acc_t += times[i]
+            acc_m += need_m
+        return out
+
+    best = bisect_cap(greedy, max(times), sum(times) * 4, rtol=1e-4, steps=40)
+    return None if best is None else fill_empty(best, s.pp)

@@ -1,0 +1,75 @@
+"""A lower bound on a candidate's peak memory (:func:`memory_floor`), cheap enough to weigh before the
+full evaluation (:meth:`.estimate.Evaluator.evaluate`): the planner costs in full only the candidates
+it cannot prove too large.
+
+It holds whatever the search does to the candidate after it: recompute chosen per layer, the output
+head fused with the loss or not, RMSNorms fused or not, and, for a schedule with one stage per rank,
+layers moved between stages by memory (``Search._memory_partition``). So it counts only bytes none of
+these change: model states, and the moments every step has whose bytes depend on the parameters
+per rank and the tensors crossing the pipeline cuts, not on saved activations:
+
+* the optimizer step (:meth:`.peak.RankMemory._step_moment`): every gradient and the foreach
+  temporaries, beside the parameters and optimizer states;
+* a pipelined FSDP stage's reduction (ZeRO 2/3 under pipelining): its gradients unsharded in float32
+  and its parameters gathered;
+* on a rank of a multi-stage schedule, that reduction at the rank's last action, when every
+  micro-batch's sent outputs and input gradients are still referenced by their sends
+  (:func:`.schedule.final_state`; not under looped BFS, whose last action is another).
+
+With one stage per rank the rank holding the most parameters holds at least the average, whatever
+the stages: the first two are linear in a rank's parameters, so they are weighed at the average. A
+multi-stage schedule's stages are not moved by memory: its ranks are weighed as the candidate's
+stages place them.
+"""
+
+from __future__ import annotations
+
+from .peak import RankMemory
+from .schedule import FINAL_REDUCE, MULTI_STAGE, final_state
+from .setting import LayerChoice, Setting
+from .staged import StagedRank
+from .terms import RankSums
+
+
+def memory_floor(ev, s: Setting, choices: list[LayerChoice]) -> float:
+    """Bytes the fullest pipeline rank of ``s`` with ``choices`` (or any variant the search makes of it:
+    see the module docstring) holds at its peak at least, its allocator margin included."""
+    params = experts = 0.0
+    for i, cnt, ch in ev.runs(choices):
+        lt = ev.choice_terms(i, s, ch)
+        params += cnt * lt.params_local
+        experts += cnt * lt.experts_local
+    avg = RankSums.zeros(1)
+    avg.params[0], avg.experts[0] = params / s.pp, experts / s.pp
+    f = ev.f
+    low_margin = f.margin_full_recompute < f.margin_fraction  # the margin's fraction at its least
+    avg.layers[0] = avg.full_recompute[0] = 1.0 if low_margin else 0.0
+    memory = RankMemory(ev.prof, f, s, avg, seq_ratio=ev.seq_ratio)
+    st = memory._states(0)
+    moments = [memory._step_moment(0, st)]
+    if st.pipelined and s.schedule not in MULTI_STAGE:
+        moments.append(memory._reduce_moment(0, st))
+    floor = max(memory.breakdown(0, st.pb, st.ob, mo, margin_of=mo.weight).total for mo in moments)
+    if st.pipelined and s.schedule in FINAL_REDUCE and s.virtual_stages > 1:
+        floor = max(floor, _staged_floor(ev, s, choices, low_margin))
+    return floor
+
+
+def _staged_floor(ev, s: Setting, choices: list[LayerChoice], low_margin: bool) -> float:
+    """The fullest rank's reduction at its last action (:func:`.schedule.final_state`), as
+    :class:`.staged.StagedRank` weighs it, without autocast's weight copies (fused norms may cast fewer
+    weights)."""
+    sums = ev.sum_layers(s, choices)
+    for r in range(s.pp):
+        sums.full_recompute[r] = sums.layers[r] if low_margin else 0.0
+    memory = RankMemory(ev.prof, ev.f, s, sums, seq_ratio=ev.seq_ratio)
+    out = 0.0
+    for r in range(s.pp):
+        st = memory._states(r)
+        st = st._replace(held={k: v for k, v in st.held.items() if k != "autocast_weight_copies"})
+        v = 2 if s.schedule == "zbv_zero_bubble" else s.virtual_stages
+        h = final_state(v, s.micro_batches)
+        rank = StagedRank(memory, r, st, states=(h,))
+        mo = rank._reduce(h, rank._around(h))
+        out = max(out, memory.breakdown(r, st.pb, st.ob, mo, margin_of=mo.weight).total)
+    return out

@@ -1,0 +1,118 @@
+"""The memory floor (cost/floor.py) and the planner's use of it: the same plans, costs, alternatives and explanations
+as costing every candidate in full, and a floor never above a costed candidate's peak."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+import autopar_nb as ap
+from autopar_nb import zoo
+from autopar_nb.cost.floor import memory_floor
+from autopar_nb.cost.schedule import FINAL_REDUCE, _Walk, final_state, rank_actions
+from autopar_nb.plan import PlanError
+from autopar_nb.planner import search
+
+GiB = 2**30
+
+
+def _capture(model_fn, vocab, batch, seq):
+    with torch.device("meta"):
+        model = model_fn()
+    return ap.capture(model, torch.randint(0, vocab, (batch, seq)))
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    gpt = zoo.GPTConfig(n_layer=8, n_head=16, n_embd=2048, vocab_size=32000, block_size=2048)
+    llama = zoo.LlamaConfig(vocab_size=32000, dim=2048, n_layers=8, n_heads=16, n_kv_heads=4, ffn_dim=5632)
+    moe = zoo.MoEConfig(vocab_size=32000, dim=1024, n_layers=6, n_heads=8, n_kv_heads=8, ffn_dim=2816,
+                        n_routed_experts=8, n_shared_experts=0, top_k=2, moe_ffn_dim=2816)
+    return {"gpt": _capture(lambda: zoo.GPT(gpt), 32000, 1, 2048),
+            "llama": _capture(lambda: zoo.Llama(llama), 32000, 1, 2048),
+            "mixtral": _capture(lambda: zoo.MoETransformer(moe), 32000, 1, 2048)}
+
+
+def _cluster(preset, nodes, gpus, memory_gib):
+    c = ap.Cluster.preset(preset, nodes, gpus)
+    return dataclasses.replace(c, device=dataclasses.replace(c.device, memory_bytes=memory_gib * GiB))
+
+
+CASES = [  # (graph, cluster, plan kwargs): memory tight enough that the floor sets candidates aside; pipelines allowed
+    ("gpt", ("h100-80gb", 1, 8, 4), {"global_batch": 64}),
+    ("gpt", ("a100-80gb", 2, 8, 3), {"global_batch": 128}),
+    ("llama", ("h100-80gb", 2, 8, 3), {"global_batch": 256}),
+    ("llama", ("h100-80gb", 4, 8, 2), {"global_batch": 512, "top_k": 3}),
+    ("llama", ("a100-80gb", 1, 8, 4), {"global_batch": 32, "fix": {"schedule": "interleaved_1f1b"}}),
+    ("mixtral", ("h100-80gb", 1, 8, 3), {"global_batch": 64}),
+    ("mixtral", ("h100-80gb", 2, 8, 2), {"global_batch": 64}),  # nothing fits: the error names the least over
+]
+
+
+def _plan(graph, cluster, kw):
+    try:
+        return ap.plan(graph, cluster, **kw).to_json()
+    except PlanError as e:
+        return f"PlanError: {e}"
+
+
+@pytest.mark.parametrize("name, cluster, kw", CASES, ids=[f"{c[0]}-{c[1][0]}x{c[1][1] * c[1][2]}-{c[1][3]}G"
+                                                         for c in CASES])
+def test_floors_leave_the_answer_unchanged(graphs, monkeypatch, name, cluster, kw):
+    """Plan, cost, alternatives and explanation (or the error) are the same with the floors as costing every
+    candidate in full; and no candidate costed in full peaks below its floor."""
+    graph, cl = graphs[name], _cluster(*cluster)
+    fast = _plan(graph, cl, kw)
+    costed = []
+    cost = search.Search._cost
+
+    def checked(self, s, choices, auto):
+        cand = cost(self, s, choices, auto)
+        base = dataclasses.replace(s, fused_loss=False, fused_norm=False)
+        costed.append((memory_floor(self.ev, base, choices), cand.cost.peak_memory_bytes, s))
+        return cand
+
+    monkeypatch.setattr(search, "FLOORS", False)
+    monkeypatch.setattr(search.Search, "_cost", checked)
+    full = _plan(graph, cl, kw)
+    assert fast == full
+    over = [(f / GiB, p / GiB, s) for f, p, s in costed if f > p * (1 + 1e-9)]
+    assert not over, over[:3]
+    assert costed
+
+
+def test_floors_set_candidates_aside(graphs, monkeypatch):
+    """The cases above exercise the floor: in each of the first three, candidates are set aside uncosted."""
+    for name, cluster, kw in CASES[:3]:
+        graph, cl = graphs[name], _cluster(*cluster)
+        aside = []
+
+        def floor(ev, s, choices, aside=aside, limit=cl.rank_memory_bytes):
+            out = memory_floor(ev, s, choices)
+            aside.append(out > limit)
+            return out
+
+        monkeypatch.setattr(search, "memory_floor", floor)
+        ap.plan(graph, cl, **kw)
+        assert any(aside) and not all(aside), name
+
+
+SCHEDULES = [("interleaved_1f1b", 2), ("interleaved_1f1b", 3), ("interleaved_zero_bubble", 2),
+             ("interleaved_zero_bubble", 3), ("zbv_zero_bubble", 2)]
+
+
+@pytest.mark.parametrize("schedule, v", SCHEDULES)
+def test_final_state_is_a_state_of_every_rank(schedule, v):
+    """:func:`final_state` is what each rank holds at its last action, in every order of ``FINAL_REDUCE``."""
+    assert {sch for sch, _ in SCHEDULES} == set(FINAL_REDUCE)
+    for pp, m in itertools.product((2, 3, 4, 8), (1, 2, 4, 6, 8, 16)):
+        if schedule.startswith("interleaved") and m % pp:
+            continue
+        for rank in range(pp):
+            walk = _Walk(v)
+            for a in rank_actions(schedule, pp=pp, rank=rank, micro_batches=m, virtual_stages=v):
+                walk.run(a, first=rank == 0 and a.local == 0, last_mb=m - 1)
+            assert final_state(v, m) == walk.out[-1], (schedule, pp, m, rank)
