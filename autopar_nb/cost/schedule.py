@@ -14,6 +14,8 @@ from collections import defaultdict
 from functools import lru_cache
 from typing import NamedTuple
 
+import numpy as np
+
 MULTI_STAGE = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
 """schedules that run several stages per rank (``_PipelineScheduleRuntime``)"""
 ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble")
@@ -191,6 +193,47 @@ def final_state(v: int, micro_batches: int) -> Held:
                 (False,) * v, True)
 
 
+class StateArrays(NamedTuple):
+    """A rank's states (:func:`rank_states`) as arrays, one row a state: the counts per local stage,
+    the running stage, the group of states whose running stage's moments are alike
+    (``StagedRank._heaviest_states``), and per local stage its gradients' state, backward and weight-pass
+    flags packed as ``grads * 4 + backward_last * 2 + weight_passed``."""
+
+    full: np.ndarray
+    waiting: np.ndarray
+    forwarded: np.ndarray
+    backwarded: np.ndarray
+    local: np.ndarray
+    groups: np.ndarray
+    codes: np.ndarray
+    present: tuple[tuple[int, ...], ...]
+    """per local stage, the codes some state has"""
+
+
+_ARRAYS: dict[int, tuple[tuple[Held, ...], StateArrays]] = {}
+
+
+def state_arrays(states: tuple[Held, ...]) -> StateArrays:
+    """:class:`StateArrays` of ``states`` (a :func:`rank_states` result), made once per result."""
+    hit = _ARRAYS.get(id(states))
+    if hit is not None and hit[0] is states:
+        return hit[1]
+    groups: dict[tuple, int] = {}
+    keys = [(h.kind, h.local, h.grads[h.local], h.backward_last[h.local], h.weight_passed[h.local], h.later)
+            for h in states]
+    codes = np.array([[g * 4 + b * 2 + w for g, b, w in zip(h.grads, h.backward_last, h.weight_passed, strict=True)]
+                      for h in states])
+    out = StateArrays(*(np.array([getattr(h, f) for h in states], dtype=float)
+                        for f in ("full", "waiting", "forwarded", "backwarded")),
+                      np.array([h.local for h in states]),
+                      np.array([groups.setdefault(k, len(groups)) for k in keys]), codes,
+                      tuple(tuple(int(x) for x in np.unique(col)) for col in codes.T))
+    if len(_ARRAYS) >= 4096:  # as many as rank_states keeps
+        _ARRAYS.clear()
+    _ARRAYS[id(states)] = states, out
+    return out
+
+
 class _Walk:
     """The sets :func:`rank_states` follows through a rank's actions."""
 
@@ -248,7 +291,12 @@ def _undominated(states: list[Held]) -> tuple[Held, ...]:
     for key, counts in groups.items():
         counts.sort(reverse=True)  # a state can only be covered by one sorted before it
         kept: list[tuple[int, ...]] = []
-        for c in counts:
+        if len(counts) > 16:  # those no other covers (covered by a covered one, covered by its coverer too)
+            c = np.array(counts)
+            covered = (c[None, :, :] >= c[:, None, :]).all(axis=2)  # [i, k]: state k holds at least state i's
+            np.fill_diagonal(covered, False)
+            kept = [counts[i] for i in np.flatnonzero(~covered.any(axis=1))]
+        for c in counts if not kept else ():
             if not any(all(x >= y for x, y in zip(k, c, strict=True)) for k in kept):
                 kept.append(c)
         v = len(counts[0]) // 4

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 from ..plan import ITEMSIZE
 from .moment import PeakMoment, fsdp_buffers
-from .schedule import Held, rank_states
+from .schedule import Held, rank_states, state_arrays
 from .terms import FsdpUnit, StageSums
 
 
@@ -84,14 +86,50 @@ class StagedRank:
         running stage's moments are alike (the same action on the same stage, with that stage's
         gradients, units and weight-pass leftovers in the same state, for the same micro-batch kind)
         the one whose rest holds the most: their moments differ by that rest alone, so the others'
-        are lighter at every layer and op, and a rank costs O(states + layers), not their product."""
+        are lighter at every layer and op, and a rank costs O(states + layers), not their product.
+        The rests are weighed at once, as arrays (:meth:`_rest_totals`); only the states within
+        rounding of their group's heaviest are weighed again one by one, as before."""
         best: dict[tuple, tuple[Held, _Around]] = {}
-        for h in self.states:
+        near = self._near_heaviest() if len(self.states) > 16 else self.states
+        for h in near:
             around, k = self._around(h), h.local
             key = h.kind, k, h.grads[k], h.backward_last[k], h.weight_passed[k], h.later
             if key not in best or around.total > best[key][1].total:
                 best[key] = h, around
         return best.values()
+
+    def _near_heaviest(self) -> list[Held]:
+        """The states whose rest (:meth:`_around`'s total, summed here as arrays) is within rounding of
+        the heaviest of their group's (:meth:`_heaviest_states`), in order."""
+        a = state_arrays(self.states)
+        m = self.mem.s.micro_batches
+        v = len(self.stages)
+        cn, cw, cfw, cb = (np.zeros(v) for _ in range(4))
+        const = sum(self.st.held.values())
+        for j, x in enumerate(self.stages):
+            p = x.pipe
+            cn[j] = x.acts - p["recv_saved"] + p["recv"] + (0.0 if x.turn or x.sends else p["kept"])
+            cw[j] = (0.0 if x.turn else p["grad_recv"]) + self._kept(j)
+            cfw[j] = p["kept"] if x.sends and not x.turn else 0.0
+            cb[j] = p["grad_sent"]
+            const += m * (p["kept"] + p["grad_recv"]) if x.turn else 0.0
+        total = (a.full + a.waiting) @ cn + a.waiting @ cw + a.forwarded @ cfw + a.backwarded @ cb + const
+        for j in range(v):
+            table = np.zeros(12)
+            for code in a.present[j]:
+                table[code] = self._idle_total(j, code)
+            total += np.where(a.local == j, 0.0, table[a.codes[:, j]])
+        top = np.full(a.groups.max() + 1, -np.inf)
+        np.maximum.at(top, a.groups, total)
+        bar = top[a.groups]
+        keep = total >= bar - 1e-9 * np.abs(bar) - 1e-6
+        return [h for h, k in zip(self.states, keep, strict=True) if k]
+
+    def _idle_total(self, j: int, code: int) -> float:
+        """:meth:`_idle`'s bytes in all, for the gradients, backward and weight-pass flags packed in
+        ``code`` (:func:`.schedule.state_arrays`)."""
+        g, others = self._idle(j, code // 4, bool(code // 2 % 2), bool(code % 2))
+        return g + sum(value for _, value in others)
 
     # ---- what the rest of the rank holds ------------------------------------------------------
     def _around(self, h: Held) -> _Around:
