@@ -43,6 +43,8 @@ class CellResult:
     """history indices of earlier cells prepended with --include-cells"""
     model_inputs: Any = None
     """what the model is called with on the example (``ModelSource.model_inputs``): what capture traces"""
+    per_rank_batch: int | None = None
+    """samples the cell's ``make_batch(0, 0)`` returns: what each data-parallel rank trains on per step"""
 
 
 def free_names(code: str) -> set[str]:
@@ -146,7 +148,23 @@ def run_model_cell(code: str, user_ns: dict[str, Any], *, model_var: str | None 
         example_inputs = _require(ns, inputs_var, object, "--inputs", "example inputs")
 
     source = ModelSource(code, model_var, inputs_var, loss_fn, make_batch, dataset, collate_fn)
-    return CellResult(source, model, example_inputs, ns, bound, included, _model_inputs(source, ns, example_inputs))
+    return CellResult(source, model, example_inputs, ns, bound, included, _model_inputs(source, ns, example_inputs),
+                      _per_rank_batch(source, ns))
+
+
+def _per_rank_batch(source: ModelSource, ns: dict[str, Any]) -> int | None:
+    """The samples of ``make_batch(0, 0)``, called on the meta device (no storage), or None without make_batch."""
+    if source.make_batch_var is None:
+        return None
+    from .runtime.data import first_tensor
+
+    try:
+        with torch.device("meta"):
+            batch = ns[source.make_batch_var](0, 0)
+        return int(first_tensor(batch).shape[0])
+    except Exception as e:
+        raise CellError(f"calling {source.make_batch_var}(0, 0) to read its batch size failed: "
+                        f"{_describe_user_error(e, source.filename)}") from None
 
 
 def _model_inputs(source: ModelSource, ns: dict[str, Any], example: Any) -> Any:

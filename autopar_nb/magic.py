@@ -143,8 +143,13 @@ class AutoparallelMagics(Magics):
             result = run_model_cell(cell, self.shell.user_ns, model_var=args.model, inputs_var=args.inputs,
                                     history=history, include_cells=args.include_cells)
             graph = capture(result.model, result.model_inputs, source=result.source.code)
-            session = Session(graph, cluster, result.source, global_batch=args.batch, mode=args.mode, fix=fix)
+            session = Session(graph, cluster, result.source, global_batch=args.batch, mode=args.mode, fix=fix,
+                              per_rank_batch=result.per_rank_batch)
             session.replan()
+            if result.per_rank_batch and args.batch and args.batch != session.batch:
+                print(f"make_batch returns {result.per_rank_batch} samples per rank, so this plan (dp="
+                      f"{session.plan.mesh.dp}) trains {session.batch} per step, not --batch {args.batch}: make_batch's"
+                      " figure is planned (have it return --batch / dp samples to keep the global batch)")
         except (CellError, CaptureError, PlanError) as e:
             raise UsageError(f"%%autoparallel: {e}") from None
         self.shell.user_ns.update(result.bound)

@@ -30,6 +30,9 @@ class Session:
     source: ModelSource
     global_batch: int | None = None
     """samples per optimizer step (--batch); None = the example inputs' batch size"""
+    per_rank_batch: int | None = None
+    """samples each data-parallel rank trains on whatever dp (the cell's ``make_batch``): it wins over
+    ``global_batch``, and each plan's global batch is this x its dp"""
     mode: str = "auto"
     """auto: the planner chooses everything; semi: it honours pinned choices (--fix, override()); manual: --fix
     must give the whole mesh and the planner only costs it"""
@@ -65,8 +68,9 @@ class Session:
             raise PlanError(f"manual mode needs the whole mesh pinned: add {', '.join(f'{k}=N' for k in missing)} "
                             f"to --fix (dp * tp * pp = {self.cluster.world_size} GPUs), or use --mode auto")
         cluster = cluster or self.cluster
-        new = make_plan(self.graph, cluster, global_batch=self.batch, seq_len=self.graph.seq_len, fix=fix,
-                        overrides=overrides, top_k=top_k, default_loss=self.source.loss_fn_var is None)
+        new = make_plan(self.graph, cluster, global_batch=self.batch, per_rank_batch=self.per_rank_batch,
+                        seq_len=self.graph.seq_len, fix=fix, overrides=overrides, top_k=top_k,
+                        default_loss=self.source.loss_fn_var is None)
         self._remember()
         self.fix, self.overrides, self.cluster, self.plan = fix, overrides, cluster, new
         self._notify()
@@ -326,6 +330,8 @@ class Session:
     @property
     def batch(self) -> int:
         """The global batch the plan is made for."""
+        if self.per_rank_batch and self.plan is not None:
+            return self.plan.batch.global_batch
         return self.global_batch or self.graph.batch_size
 
     def summary(self) -> str:

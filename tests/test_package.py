@@ -115,7 +115,6 @@ LONG_FUNCTIONS = {
     "runtime/init.py:materialize": 104,
     "export/styles.py:tp_styles": 98,
     "export/slurm.py:sbatch_script": 91,
-    "planner/__init__.py:plan": 90,
     "cost/estimate.py:sum_layers": 83,
     "launch/run.py:__init__": 83,
 }

@@ -29,6 +29,7 @@ from ..plan import (
 from .constraints import Constraints, parse
 from .explain import compile_lines, explain, fmt_bytes, fused_loss_lines, fused_norm_lines, op_list_lines
 from .forward import checked_profile, tp_parts
+from .per_rank import plan_per_rank
 from .search import Candidate, Search, cp_degrees, memory_limit
 
 __all__ = ["plan"]
@@ -36,12 +37,15 @@ __all__ = ["plan"]
 GiB = 2**30
 
 
-def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None = None, fix: dict | None = None,
-         overrides: dict | None = None, top_k: int = 5, default_loss: bool = True) -> Plan:
+def plan(graph, cluster, *, global_batch: int | None = None, per_rank_batch: int | None = None,
+         seq_len: int | None = None, fix: dict | None = None, overrides: dict | None = None, top_k: int = 5,
+         default_loss: bool = True) -> Plan:
     """Choose how to train ``graph`` on ``cluster``: mesh (DP x TP x PP), ZeRO stage, per-layer TP styles, sequence
     parallel, recompute, pipeline stages and schedule, micro-batches and mixed precision.
 
-    ``global_batch``: samples per optimizer step (default: the captured batch). ``seq_len``: tokens per sample if
+    ``global_batch``: samples per optimizer step (default: the captured batch). ``per_rank_batch``: instead, the
+    samples each data-parallel rank trains on whatever dp (a cell's ``make_batch``): each dp is planned at its own
+    global batch and the most samples per second wins (:mod:`.per_rank`). ``seq_len``: tokens per sample if
     different from the captured inputs (costs scale linearly, attention scores quadratically). ``fix``: global
     choices to keep, e.g. ``{"tp": 1, "zero_stage": 3, "recompute": "full"}``. ``overrides``: layer/module globs to
     per-layer choices, e.g. ``{"blocks.*.mlp": {"tp": "colwise-rowwise"}, "blocks.10": {"stage": 2}}``.
@@ -52,6 +56,15 @@ def plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None
     ``alternatives`` and an ``explanation`` (``plan.explain()``). Raises :class:`PlanError` naming the failing
     constraint (and by how much memory) when nothing satisfies the request.
     """
+    kwargs = dict(seq_len=seq_len, fix=fix, overrides=overrides, top_k=top_k, default_loss=default_loss)
+    if per_rank_batch:
+        return plan_per_rank(_plan, graph, cluster, per_rank_batch, **kwargs)
+    return _plan(graph, cluster, global_batch=global_batch, **kwargs)
+
+
+def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None = None, fix: dict | None = None,
+          overrides: dict | None = None, top_k: int = 5, default_loss: bool = True) -> Plan:
+    """:func:`plan` for one global batch."""
     if top_k < 1:
         raise PlanError(f"top_k must be >= 1, got {top_k}")
     device_kind = "cpu" if cluster.name == "cpu" else "cuda"

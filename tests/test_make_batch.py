@@ -1,0 +1,53 @@
+"""The batch a cell's make_batch produces is the batch the plan costs (issue 40): ``make_batch(step, rank)`` returns
+one data-parallel rank's samples, so each rank trains on that many whatever dp; the plan's global batch is that x
+its dp, and a --batch that disagrees is said in one line before anything runs."""
+
+from __future__ import annotations
+
+import autopar_nb as ap
+from autopar_nb.cell import run_model_cell
+
+CELL = '''
+import torch, torch.nn as nn
+model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+example_inputs = (torch.randn(8, 256),)
+def make_batch(step, rank):
+    g = torch.Generator().manual_seed(step * 100 + rank)
+    return (torch.randn(PER_RANK, 256, generator=g),)
+'''
+
+
+def test_make_batch_is_read_on_the_meta_device():
+    result = run_model_cell(CELL.replace("PER_RANK", "12"), {})
+    assert result.per_rank_batch == 12
+
+
+def test_each_plan_trains_make_batch_per_rank(ip, capsys):
+    session = ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2", CELL.replace("PER_RANK", "8"))
+    dp = session.plan.mesh.dp
+    assert session.plan.batch.global_batch == 8 * dp == session.batch  # 8 per rank, not the example's 8 overall
+    assert "make_batch returns 8 samples per rank" in session.plan.explain()
+    assert capsys.readouterr().out == ""  # no --batch: nothing disagrees
+
+
+def test_a_disagreeing_batch_flag_is_said_in_one_line(ip, capsys):
+    session = ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2 --batch 8 --fix dp=2",
+                                CELL.replace("PER_RANK", "8"))
+    assert session.plan.batch.global_batch == 16
+    out = capsys.readouterr().out.strip()
+    assert out.count("\n") == 0 and out.startswith("make_batch returns 8 samples per rank, so this plan (dp=2) "
+                                                   "trains 16 per step, not --batch 8"), out
+
+
+def test_the_planner_compares_meshes_per_sample():
+    """Each dp is planned at its own global batch; the plan with the most samples per second wins."""
+    from autopar_nb.source import ModelSource
+
+    model, inputs, _ = ModelSource(CELL.replace("PER_RANK", "8")).build(device="meta")
+    graph = ap.capture(model, inputs)
+    cluster = ap.Cluster.preset("h100-80gb", 1, 4)
+    best = ap.plan(graph, cluster, per_rank_batch=8)
+    for dp in (1, 2, 4):
+        other = ap.plan(graph, cluster, global_batch=8 * dp, fix={"dp": dp})
+        assert best.cost.samples_per_s >= other.cost.samples_per_s * (1 - 1e-9)
+    assert best.batch.global_batch == 8 * best.mesh.dp
