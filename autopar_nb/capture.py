@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import linecache
 import logging
-import traceback
 import warnings
 from collections import defaultdict
 from typing import Any
@@ -27,6 +25,7 @@ import kernels_ext
 from kernels_ext import TensorMeta
 
 from . import capture_blocks
+from .failures import where_in_model
 from .graph import Layer, ModelGraph, OpNode, ParamInfo, RepeatedBlock, TensorInfo
 from .plan import layer_of
 from .runtime.cp import takes_positions
@@ -69,7 +68,7 @@ def capture(model: nn.Module, example_inputs: Any, *, source: str | None = None,
             with masks_as_in_eager(own_positions="position_ids" not in kwargs):
                 graph = _copied_or_full(lambda s: _from_export(model, args, kwargs, s), model, copy_blocks)
         except Exception as export_error:
-            located = _locate(export_error, model, paths)
+            located = where_in_model(export_error, model, paths)
             try:
                 graph = _copied_or_full(lambda s: _from_dispatch(model, args, kwargs, paths, s), model, copy_blocks)
             except Exception as eager_error:
@@ -139,10 +138,11 @@ class _RawOp:
 
 @contextlib.contextmanager
 def _quiet_torch_logs():
-    # a failed export logs at WARNING from several torch loggers and prints the partial graph to stderr; the
-    # CaptureError (or fallback warning) says what matters
+    # a failed export logs from several torch loggers (fake tensors' "failed while attempting to run meta" with a
+    # 20-line traceback at ERROR) and prints the partial graph to stderr; the CaptureError (or fallback warning)
+    # says what matters
     previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
+    logging.disable(logging.ERROR)
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             yield
@@ -467,31 +467,17 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
-def _locate(e: BaseException, model: nn.Module, paths: dict[int, str]) -> str:
-    """' in module h.0 (Block) at file:line: `code`' for the deepest model frame in the traceback, or ''."""
-    found = None
-    torch_dir = torch.__file__.rsplit("/", 1)[0]
-    for frame, lineno in traceback.walk_tb(e.__traceback__):
-        code = frame.f_code
-        me = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
-        if isinstance(me, nn.Module) and id(me) in paths and not frame.f_code.co_filename.startswith(torch_dir):
-            found = (paths[id(me)] or "<model>", type(me).__name__, frame.f_code.co_filename, lineno)
-    if found is None:
-        return ""
-    path, typ, filename, lineno = found
-    line = linecache.getline(filename, lineno).strip()
-    return f" in module {path} ({typ}) at {filename}:{lineno}" + (f": `{line}`" if line else "")
-
-
 def _capture_error(e: BaseException, model: nn.Module, paths: dict[int, str]) -> CaptureError:
-    where = _locate(e, model, paths)
+    where = where_in_model(e, model, paths)
     text = str(e)
     if any(s in text for s in ("data-dependent", "Data dependent", "data dependent", "meta tensors",
                                "GuardOnDataDependent", ".item()", "Tensor.item")):
         hint = ("The forward pass depends on tensor values (an `if` on a tensor, .item(), nonzero()...), which "
                 "cannot be known while tracing on the meta device. Rewrite it with torch.where/torch.cond, or "
                 "compute it from shapes instead of values.")
+    elif any(s in text for s in ("Meta tensors", "fake impl", "Meta kernel", "meta kernel")):
+        hint = ("The op has no meta-device implementation: register one in kernels_ext, or capture on real (small) "
+                "inputs with ap.capture(model, inputs).")
     else:
-        hint = ("Check that the model runs on the example inputs; if an op is unsupported on the meta device, "
-                "pass real (small) inputs to capture() or register the op in kernels_ext.")
-    return CaptureError(f"cannot trace {type(model).__name__}{where}: {_first_line(e)}. {hint}")
+        hint = "Check that the model runs on the example inputs (their shapes and dtypes)."
+    return CaptureError(f"cannot trace {type(model).__name__}{where}: {_first_line(e).rstrip('.')}. {hint}")

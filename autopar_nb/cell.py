@@ -47,12 +47,14 @@ class CellResult:
     """samples the cell's ``make_batch(0, 0)`` returns: what each data-parallel rank trains on per step"""
 
 
-def free_names(code: str) -> set[str]:
-    """Names the code reads but never binds (at module level or as globals of its functions), minus builtins."""
+def free_names(code: str, first_line: int = 1) -> set[str]:
+    """Names the code reads but never binds (at module level or as globals of its functions), minus builtins.
+    ``first_line``: the number of the code's first line in a syntax error's message."""
     try:
         table = symtable.symtable(code, "<cell>", "exec")
     except SyntaxError as e:
-        raise CellError(f"syntax error in the cell, line {e.lineno}: {e.msg}") from None
+        text = f" (`{e.text.strip()}`)" if e.text and e.text.strip() else ""
+        raise CellError(f"syntax error in the cell, line {(e.lineno or 1) + first_line - 1}{text}: {e.msg}") from None
     bound = {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
     free: set[str] = set()
 
@@ -101,15 +103,16 @@ def with_earlier_cells(code: str, history: list[str]) -> tuple[str, list[int]]:
 
 def run_model_cell(code: str, user_ns: dict[str, Any], *, model_var: str | None = None,
                    inputs_var: str | None = None, history: list[str] | None = None,
-                   include_cells: bool = False) -> CellResult:
+                   include_cells: bool = False, first_line: int = 1) -> CellResult:
     """Run ``code`` on the meta device in a copy of ``user_ns``, find the model and example inputs, and return what
     the cell bound in ``CellResult.bound`` for the caller to copy into ``user_ns`` once everything else succeeded.
-    Raises :class:`CellError` on any problem; ``user_ns`` is never modified here."""
+    Raises :class:`CellError` on any problem; ``user_ns`` is never modified here. ``first_line``: the number of the
+    code's first line where the user sees it (:attr:`ModelSource.first_line`)."""
     included: list[int] = []
-    missing = free_names(code) - _IPYTHON_NAMES
+    missing = free_names(code, first_line) - _IPYTHON_NAMES
     if missing and include_cells:
         code, included = with_earlier_cells(code, history or [])
-        missing = free_names(code) - _IPYTHON_NAMES
+        missing = free_names(code, first_line) - _IPYTHON_NAMES
     earlier = sorted(n for n in missing if n in user_ns)
     if earlier:
         raise CellError(
@@ -119,11 +122,11 @@ def run_model_cell(code: str, user_ns: dict[str, Any], *, model_var: str | None 
 
     ns = dict(user_ns)
     before = {k: id(v) for k, v in ns.items()}
-    source = ModelSource(code)
+    source = ModelSource(code, first_line=first_line)
     try:
         source.run(ns, device="meta", seed=0)
     except Exception as e:
-        raise CellError(_describe_user_error(e, source.filename)) from None
+        raise CellError(_describe_user_error(e, source)) from None
     bound = {k: v for k, v in ns.items() if k != "__builtins__" and before.get(k) != id(v)}
 
     model_var = model_var or _find_model(bound)
@@ -134,12 +137,12 @@ def run_model_cell(code: str, user_ns: dict[str, Any], *, model_var: str | None 
     collate_fn = "collate_fn" if dataset and callable(ns.get("collate_fn")) and "collate_fn" in bound else None
     if dataset and not inputs_var and not any(n in bound and _is_inputs(bound[n]) for n in INPUT_NAMES):
         inputs_var = None  # the dataset's first samples are the example
-        source = ModelSource(code, model_var, None, loss_fn, make_batch, dataset, collate_fn)
+        source = ModelSource(code, model_var, None, loss_fn, make_batch, dataset, collate_fn, first_line=first_line)
         try:
             example_inputs = source.example_inputs(ns)
         except Exception as e:
             raise CellError(f"collating the first samples of {dataset!r} into example inputs failed: "
-                            f"{_describe_user_error(e, source.filename)}; bind example_inputs in the cell") from None
+                            f"{_describe_user_error(e, source)}; bind example_inputs in the cell") from None
         if not _is_inputs(example_inputs):
             raise CellError(f"the samples of {dataset!r}, collated, are a {type(example_inputs).__name__}, not a "
                             "tensor, tuple or dict of tensors; give the cell a collate_fn that makes one")
@@ -147,7 +150,8 @@ def run_model_cell(code: str, user_ns: dict[str, Any], *, model_var: str | None 
         inputs_var = inputs_var or _find_inputs(bound)
         example_inputs = _require(ns, inputs_var, object, "--inputs", "example inputs")
 
-    source = ModelSource(code, model_var, inputs_var, loss_fn, make_batch, dataset, collate_fn)
+    source = ModelSource(code, model_var, inputs_var, loss_fn, make_batch, dataset, collate_fn,
+                         first_line=first_line)
     return CellResult(source, model, example_inputs, ns, bound, included, _model_inputs(source, ns, example_inputs),
                       _per_rank_batch(source, ns))
 
@@ -164,7 +168,7 @@ def _per_rank_batch(source: ModelSource, ns: dict[str, Any]) -> int | None:
         return int(first_tensor(batch).shape[0])
     except Exception as e:
         raise CellError(f"calling {source.make_batch_var}(0, 0) to read its batch size failed: "
-                        f"{_describe_user_error(e, source.filename)}") from None
+                        f"{_describe_user_error(e, source)}") from None
 
 
 def _model_inputs(source: ModelSource, ns: dict[str, Any], example: Any) -> Any:
@@ -181,7 +185,7 @@ def _model_inputs(source: ModelSource, ns: dict[str, Any], example: Any) -> Any:
         return source.model_inputs(ns, example)
     except Exception as e:
         raise CellError(f"finding how {source.loss_fn_var}(model, batch) calls the model on the example batch "
-                        f"failed: {_describe_user_error(e, source.filename)}") from None
+                        f"failed: {_describe_user_error(e, source)}") from None
 
 
 def parse_fix(text: str | None) -> dict[str, Any]:
@@ -264,10 +268,10 @@ def _require(ns: dict[str, Any], name: str, kind: type, option: str, what: str) 
     return value
 
 
-def _describe_user_error(e: BaseException, filename: str) -> str:
+def _describe_user_error(e: BaseException, source: ModelSource) -> str:
     line = ""
     for frame, lineno in traceback.walk_tb(e.__traceback__):
-        if frame.f_code.co_filename == filename:
-            line = f" (cell line {lineno})"
+        if frame.f_code.co_filename == source.filename:
+            line = f" (cell line {lineno})"  # ModelSource.run numbers the lines as the notebook does
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"the cell raised {type(e).__name__}{line}: {msg}"

@@ -241,7 +241,7 @@ def verify_here(cases: list[tuple[ModelSource, Plan]], metas: list[bool], script
     try:
         results = _restoring_signal_handlers(elastic_launch(config, _worker), jobs, steps)
     except ChildFailedError as e:
-        raise RankFailed.of(e, [src.code for src, _ in cases]) from None
+        raise RankFailed.of(e, [src for src, _ in cases]) from None
     finally:
         if thread is not None:
             thread.join()

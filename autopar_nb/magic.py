@@ -141,7 +141,7 @@ class AutoparallelMagics(Magics):
                 raise CellError(f"{'--memory' if 'memory size' in str(e) else '--gpu'}: {e}") from None
             history = [c for c in self.shell.user_ns.get("In", [])[1:] if isinstance(c, str)]
             result = run_model_cell(cell, self.shell.user_ns, model_var=args.model, inputs_var=args.inputs,
-                                    history=history, include_cells=args.include_cells)
+                                    history=history, include_cells=args.include_cells, first_line=2)
             graph = capture(result.model, result.model_inputs, source=result.source.code)
             session = Session(graph, cluster, result.source, global_batch=args.batch, mode=args.mode, fix=fix,
                               per_rank_batch=result.per_rank_batch)

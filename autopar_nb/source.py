@@ -43,6 +43,9 @@ class ModelSource:
     collate_fn_var: str | None = None
     """name of the dataset's ``collate_fn(samples) -> batch`` when the code defines one"""
     filename: str = "<autoparallel-cell>"
+    first_line: int = 1
+    """the number the code's first line has where the user sees it (2 under the ``%%autoparallel`` line): the code
+    runs as if that many lines came before it, so tracebacks and messages count lines as the notebook shows them"""
 
     def run(self, namespace: dict[str, Any] | None = None, *, device: Any = None, seed: int | None = 0
             ) -> dict[str, Any]:
@@ -54,9 +57,11 @@ class ModelSource:
         import torch
 
         ns: dict[str, Any] = {"__name__": "__autoparallel__"} if namespace is None else namespace
-        # register the code with linecache so tracebacks and capture errors can quote the cell's lines
-        linecache.cache[self.filename] = (len(self.code), None, self.code.splitlines(True), self.filename)
-        compiled = compile(self.code, self.filename, "exec")
+        # register the code with linecache so tracebacks and capture errors can quote the cell's lines; blank lines
+        # in front make every frame's line number the one the notebook shows
+        text = "\n" * (self.first_line - 1) + self.code
+        linecache.cache[self.filename] = (len(text), None, text.splitlines(True), self.filename)
+        compiled = compile(text, self.filename, "exec")
         if seed is not None:
             torch.manual_seed(seed)
         if device is None:

@@ -103,9 +103,9 @@ def make_batch(step, rank):
 @pytest.mark.parametrize("line, cell, message", [
     ("", "x = 1\n", "no model found"),
     ("", "import torch.nn as nn\nmodel = nn.Linear(2, 2)\n", "no example inputs found"),
-    ("", "model = (\n", "syntax error in the cell, line 1"),
+    ("", "model = (\n", "syntax error in the cell, line 2 \\(`model = \\(`\\)"),  # line 1 is %%autoparallel's
     ("", "import torch\nmodel = torch.nn.Linear(2, 2)\nexample_inputs = torch.randn(3, 2)\n1 / 0\n",
-     "the cell raised ZeroDivisionError \\(cell line 4\\)"),
+     "the cell raised ZeroDivisionError \\(cell line 5\\)"),
     ("--model net", SEED_CELL, "defines no variable 'net'"),
     ("--inputs model", SEED_CELL, "example inputs must be a tensor"),
     ("--fix tp", SEED_CELL, "expected KEY=VALUE"),
@@ -144,7 +144,7 @@ class Gate(nn.Module):
 model = Gate()
 example_inputs = torch.randn(2, 4)
 """
-    with pytest.raises(UsageError, match=r"<autoparallel-cell>:8: `if self.lin\(x\).sum\(\) > 0:`"):
+    with pytest.raises(UsageError, match=r"called at cell line 9: `if self.lin\(x\).sum\(\) > 0:`"):
         ip.run_cell_magic("autoparallel", "", cell)
     assert "Gate" not in ip.user_ns  # nothing half-bound
 
