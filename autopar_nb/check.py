@@ -2,15 +2,15 @@
 single-process reference, and the comparison. :mod:`autopar_nb.verify` is the entry point; the warm pool's verify
 standby (``launch/verifying.py``) runs the same functions in its own process.
 
-Each rank imports the exported script and calls its ``main`` with an observer that collects the loss, the full
-gradients and the full parameters of every step; the single-process reference uses the same seed, data,
-learning-rate schedule and clipping; the report gives per step the loss difference and the largest gradient and
-parameter differences, relative to the largest reference value. Every random op of the model's forward is switched
-off in both runs (:mod:`autopar_nb.randomness`: the ranks would draw other masks than the reference); the report
-says which. After the parallel run, the reference also takes each later
-step's gradients at the parallel run's own parameters (:func:`same_parameter_grads`): the two runs' parameters drift
-apart by round-off (Adam turns round-off in near-zero gradients into updates of up to ``lr``), so gradients at the
-same parameters are what can be held to ``rtol`` at every step.
+Each rank runs the exported script's top level and calls its ``main``, with an observer (set on the script's runtime
+module, whose ``train`` calls it) that collects the loss, the full gradients and the full parameters of every step;
+the single-process reference uses the same seed, data, learning-rate schedule and clipping; the report gives per
+step the loss difference and the largest gradient and parameter differences, relative to the largest reference
+value. Every random op of the model's forward is switched off in both runs (:mod:`autopar_nb.randomness`: the ranks
+would draw other masks than the reference); the report says which. After the parallel run, the reference also takes
+each later step's gradients at the parallel run's own parameters (:func:`same_parameter_grads`): the two runs'
+parameters drift apart by round-off (Adam turns round-off in near-zero gradients into updates of up to ``lr``), so
+gradients at the same parameters are what can be held to ``rtol`` at every step.
 
 The reference reproduces the parallel run's arithmetic, not only its result: each data-parallel rank's batch
 (``make_batch(step, rank)``) and each micro-batch is a separate forward/backward whose loss is scaled by
@@ -25,7 +25,6 @@ import functools
 import io
 import math
 import os
-import runpy
 import signal
 import threading
 import uuid
@@ -37,7 +36,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
-from .export import export
+from .export import export, run_script
 from .export.values import ScriptValues, script_values
 from .failures import RankFailed
 from .plan import DTYPE_NAMES, Plan
@@ -515,14 +514,15 @@ def _worker(jobs: list[tuple[str, str, str]], steps: int) -> list[dict]:
     results = []
     init_distributed(timeout_s=300)  # one group for every script (each main() finds it and leaves it open)
     try:
-        for script, model_var, plan_json in jobs:
-            ns = runpy.run_path(script, run_name="__autopar_verify__")
+        for script, _, plan_json in jobs:
+            ns, runtime = run_script(script, run_name="__autopar_verify__")
             recorder = Recorder(Plan.from_json(plan_json), int(os.environ["RANK"]))
+            runtime.Run.observer = recorder  # train() calls it on every rank
             # active in module forwards only: meta_init's initialisation and the batches keep their randomness
-            with RandomOff(ns[model_var]), contextlib.redirect_stdout(io.StringIO()):  # the script's per-step lines
-                ns["main"](script_argv(ns, steps), observer=recorder)
+            with RandomOff(), contextlib.redirect_stdout(io.StringIO()):  # the script's per-step lines
+                ns["main"](script_argv(ns, steps))
             results.append(recorder.result)
-            del ns
+            del ns, runtime
             gc.collect()
     finally:
         gc.collect()  # a gloo thread taking the GIL during shutdown aborts ~20% of exits otherwise

@@ -1,13 +1,13 @@
 """One rank's memory, component by component, as the plan's exported script runs it: the figures the cost model is
 checked against.
 
-The script is imported (``runpy``: its cell builds the model with real, small tensors; ``main`` does not run), then
-its own ``main`` runs a few training steps in one process as one rank of a fake process group
-(``torch.testing._internal.distributed.fake_pg``: every collective returns at once, leaving its output as it was)
-inside PyTorch's memory tracker (``MemTracker``; ``FSDPMemTracker`` once the plan's ``parallelize`` returns an FSDP2
-module), which counts every storage the step creates by what it is. So what is measured is what the script does —
-its ``parallelize`` (TP styles, recompute, DDP/FSDP, pipeline stages), its loss and ``loss_parallel``, autocast,
-clipping and optimizer — not a re-creation of it. Values are meaningless (no collective moves data); sizes are not.
+The script's ``build_model`` builds the model with real, small tensors (before the tracker starts), then its
+``main`` runs a few steps in one process as one rank of a fake process group (``torch.testing._internal.
+distributed.fake_pg``: every collective returns at once, leaving its output as it was) inside PyTorch's memory
+tracker (``MemTracker``; ``FSDPMemTracker`` once the plan's ``parallelize`` returns an FSDP2 module), which counts
+every storage the step creates by what it is. So what is measured is what the script does — its ``parallelize``
+(TP styles, recompute, DDP/FSDP, pipeline stages), its loss and ``loss_parallel``, autocast, clipping and optimizer
+— not a re-creation of it. Values are meaningless (no collective moves data); sizes are not.
 
 Real tensors, not ``FakeTensorMode``: under fake tensors ``model.to(device)`` fails on Hugging Face models
 (``_apply(): Couldn't swap``), DDP's parameter check needs storage and the training loop reads ``.item()``. The
@@ -32,13 +32,14 @@ import gc
 import json
 import os
 import re
-import runpy
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from .export import run_script
 
 FREES_LAND_S = 0.002
 """how long a new peak waits for the frees a gloo group's worker threads have pending"""
@@ -590,7 +591,7 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     torch.set_num_threads(1)
-    g = runpy.run_path(str(script), run_name="autopar_measure")  # the cell builds the model; main does not run
+    g, runtime = run_script(script, run_name="autopar_measure", build=True)  # the model before the tracker starts
     world = g["PP"] * g["DP"] * g["TP"] * g.get("CP", 1)
     if real:
         dist.init_process_group("gloo")
@@ -617,8 +618,7 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
         session.active.phase = "train"
         return out
 
-    # main() reads the module's globals: the wrappers replace the script's functions for this run only
-    script_globals = g["parallelize"].__globals__  # (run_path returns a copy)
+    script_globals = g["parallelize"].__globals__  # main reads these (run_path returns a copy): wrappers, this run
     script_globals["parallelize"] = traced
     if "boundary_values" in script_globals:
         script_globals["boundary_values"] = _without_backward_hooks(script_globals["boundary_values"])
@@ -626,13 +626,13 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
         with _input_hooks_holding_nothing(), session.spans:
             session.active.__enter__()
             try:
-                g["main"](["--steps", str(steps)], observer=session)
+                runtime.Run.observer = session  # train() calls it after each backward and step
+                g["main"](["--steps", str(steps)])
             finally:
                 session.active.__exit__(None, None, None)
         snap = session.active.get_tracker_snapshot("peak").get(torch.device("cpu"), {})
         out = {"peak": components(snap), "where": session.active.where, "micro_batch": session.active.micro_batch,
-               "node": session.active.peak_node,
-               "world": world, "rank": rank}
+               "node": session.active.peak_node, "world": world, "rank": rank}
         return out | ({"largest": session.active.largest()} if census else {})
     finally:
         del g, script_globals

@@ -1,18 +1,25 @@
-"""export(source, plan, path): the plan as a standalone ``torchrun`` script, plus ``plan.json`` beside it; with
-``target="slurm"`` an ``sbatch`` script beside them too, with ``target="k8s"`` a Kubeflow PyTorchJob manifest.
+"""export(source, plan, path): the plan as a ``torchrun`` script a person reads (``train.py``) and its runtime module
+beside it (``train_runtime.py``), plus ``plan.json``; with ``target="slurm"`` an ``sbatch`` script beside them too,
+with ``target="k8s"`` a Kubeflow PyTorchJob manifest.
 
 The script reads like a hand-written one (nanoGPT's ``train.py``, torchtitan's ``parallelize_llama``): a docstring
-with the launch commands, settings saying where each came from in the plan, the notebook cell verbatim, the
-functions of :mod:`autopar_nb.runtime` it needs (copied verbatim by :mod:`.kit`), a ``parallelize`` that calls them
-in order, and ``main``. ``verify`` and ``launch`` run this very script. It never imports autopar_nb.
+with the launch commands, settings saying where each came from in the plan, the notebook cell as ``build_model()``
+(its imports, classes and functions at the top level), a ``parallelize`` that calls the runtime's functions in
+torchtitan's order, and ``main``. The runtime module holds those functions of :mod:`autopar_nb.runtime` and all they
+use, verbatim (:mod:`.kit`), and the notebook's telemetry. ``single_file=True`` writes the older one-file form
+instead (the cell at the top level, the runtime's functions inside). ``verify`` and ``launch`` run these very
+files. Neither imports autopar_nb.
 
-Pipeline: :mod:`.values` (plan -> plain values, :mod:`.styles` for TP) -> :mod:`.render` (text); :mod:`.commands`
-the torchrun lines, which :mod:`.slurm` and :mod:`.k8s` wrap for a scheduler.
+Pipeline: :mod:`.values` (plan -> plain values, :mod:`.styles` for TP) -> :mod:`.script` (the two files) or
+:mod:`.render` (one); :mod:`.commands` the torchrun lines, which :mod:`.slurm` and :mod:`.k8s` wrap for a scheduler.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import runpy
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +29,7 @@ from . import forward_check  # noqa: F401  (registers the planner's TP forward c
 from .commands import LaunchCommand, Layout, launch_commands, launch_text, layout, torchrun_command, torchrun_commands
 from .k8s import pytorchjob_manifest
 from .render import render_script as _render
+from .script import RUNTIME_HEADER, render_files, runtime_name
 from .slurm import sbatch_script
 from .values import script_values
 
@@ -37,6 +45,15 @@ def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.
                    launch=launch_text(script_name, plan))
 
 
+def render_two_files(source: ModelSource, plan: Plan, *, script_name: str = "train.py",
+                     plan_file: str = "plan.json", steps: int = 100, seed: int = 0,
+                     meta_init: bool | None = None) -> tuple[str, str]:
+    """The texts of the script and of its runtime module (see :func:`export`)."""
+    values = script_values(source, plan, seed=seed, meta_init=meta_init)
+    return render_files(source, plan, values, script_name=script_name, plan_file=plan_file, steps=steps, seed=seed,
+                        launch=launch_text(script_name, plan))
+
+
 @dataclass
 class Exported:
     """What :func:`export` wrote."""
@@ -49,9 +66,12 @@ class Exported:
     """the sbatch script (``target="slurm"``) or PyTorchJob manifest (``target="k8s"``)"""
     submit: list[str] = field(default_factory=list)
     """how to start ``job``"""
+    runtime: Path | None = None
+    """the runtime module the script imports (None: ``single_file``)"""
 
     def __str__(self) -> str:
-        lines = [f"wrote {self.script} and {self.plan_json}" + (f" and {self.job}" if self.job else "")]
+        files = [self.script, self.runtime, self.plan_json, self.job]
+        lines = ["wrote " + ", ".join(str(f) for f in files if f is not None)]
         return "\n".join(lines + [f"  {c}" for c in self.submit or self.commands])
 
 
@@ -69,8 +89,11 @@ def written_by_export(path: Path) -> bool:
         except (ValueError, RecursionError):
             return False
         return isinstance(data, dict) and "schema_version" in data and "mesh" in data
+    if path.suffix == ".py" and text.startswith(RUNTIME_HEADER):
+        return "\n# autopar_nb/runtime/" in text and "\ndef distributed(" in text
     if path.suffix == ".py":
-        return text.startswith('"""Train ') and "\n# autopar_nb/runtime/" in text and "\ndef parallelize(" in text
+        return text.startswith('"""Train ') and "\ndef parallelize(" in text and (
+            "\n# autopar_nb/runtime/" in text or "\ndef build_model(" in text)
     return "written by autopar-nb" in text.replace("\n# ", " ")
 
 
@@ -84,15 +107,17 @@ def _refuse_overwrite(paths: list[Path]) -> None:
 
 def export(source: ModelSource, plan: Plan, path: str | Path, *, steps: int = 100, seed: int = 0,
            meta_init: bool | None = None, quiet: bool = False, target: str = "torchrun", overwrite: bool = False,
-           **job) -> Exported:
-    """Write the training script for ``plan`` to ``path`` and the plan to ``<path stem>.plan.json`` beside it.
+           single_file: bool = False, **job) -> Exported:
+    """Write the training script for ``plan`` to ``path``, its runtime module beside it (``<stem>_runtime.py``,
+    which the script imports) and the plan to ``<path stem>.plan.json``.
 
-    ``meta_init``: build the model on the meta device and initialise it shard by shard (models larger than host
-    memory); None decides by size (above 2**30 parameters). Nothing is written when the plan cannot be rendered.
-    ``target``: ``"torchrun"`` (the script only), ``"slurm"`` (also ``<stem>.sbatch``: :func:`.slurm.sbatch_script`
-    takes the ``job`` keywords) or ``"k8s"`` (also ``<stem>.pytorchjob.yaml``: :func:`.k8s.pytorchjob_manifest`).
-    Prints the commands unless ``quiet``. A file at one of those paths that an earlier export did not write is
-    kept (FileExistsError, nothing written) unless ``overwrite``.
+    ``single_file``: the script alone, the runtime's functions inside it and the cell at its top level (the older
+    form). ``meta_init``: build the model on the meta device and initialise it shard by shard (models larger than
+    host memory); None decides by size (above 2**30 parameters). Nothing is written when the plan cannot be
+    rendered. ``target``: ``"torchrun"`` (the script only), ``"slurm"`` (also ``<stem>.sbatch``:
+    :func:`.slurm.sbatch_script` takes the ``job`` keywords) or ``"k8s"`` (also ``<stem>.pytorchjob.yaml``:
+    :func:`.k8s.pytorchjob_manifest`). Prints the commands unless ``quiet``. A file at one of those paths that an
+    earlier export did not write is kept (FileExistsError, nothing written) unless ``overwrite``.
     """
     path = Path(path)
     if path.suffix != ".py":
@@ -103,32 +128,71 @@ def export(source: ModelSource, plan: Plan, path: str | Path, *, steps: int = 10
         raise TypeError(f"export() got options for a job file ({', '.join(job)}) but target='torchrun' writes none: "
                         "pass target='slurm' or 'k8s'")
     plan_path = path.with_name(path.stem + ".plan.json")
-    text = render_script(source, plan, script_name=path.name, plan_file=plan_path.name, steps=steps, seed=seed,
-                         meta_init=meta_init)
-    job_path, job_text, submit = None, None, []
-    if target == "slurm":
-
-        job_path = path.with_suffix(".sbatch")
-        job_text = sbatch_script(path.name, plan, **job)
-        submit = [f"sbatch {job_path.name}  # from the directory holding {path.name}"]
-    elif target == "k8s":
-
-        job_path = path.with_name(path.stem + ".pytorchjob.yaml")
-        job_text = pytorchjob_manifest(path.name, plan, script_text=text, plan_text=plan.to_json() + "\n", **job)
-        submit = [f"kubectl apply -f {job_path.name}"]
+    runtime_path, runtime_text = None, None
+    options = dict(script_name=path.name, plan_file=plan_path.name, steps=steps, seed=seed, meta_init=meta_init)
+    if single_file:
+        text = render_script(source, plan, **options)
+    else:
+        text, runtime_text = render_two_files(source, plan, **options)
+        runtime_path = path.with_name(runtime_name(path.name) + ".py")
+    job_path, job_text, submit = _job(target, path, plan, text, runtime_path, runtime_text, job)
+    written = {path: text, runtime_path: runtime_text, plan_path: plan.to_json() + "\n", job_path: job_text}
+    written.pop(None, None)
     if not overwrite:
-        _refuse_overwrite([path, plan_path] + ([job_path] if job_path is not None else []))
+        _refuse_overwrite(list(written))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    plan_path.write_text(plan.to_json() + "\n")
-    if job_path is not None:
-        job_path.write_text(job_text)
+    for p, content in written.items():
+        p.write_text(content)
     result = Exported(script=path, plan_json=plan_path, commands=torchrun_commands(path.name, plan), job=job_path,
-                      submit=submit)
+                      submit=submit, runtime=runtime_path)
     if not quiet:
         print(result)
     return result
 
 
+def _job(target: str, path: Path, plan: Plan, text: str, runtime_path: Path | None, runtime_text: str | None,
+         job: dict) -> tuple[Path | None, str | None, list[str]]:
+    """The job file of ``target`` (its path, text and the command that submits it), or Nones for torchrun."""
+    if target == "slurm":
+        job_path = path.with_suffix(".sbatch")
+        return job_path, sbatch_script(path.name, plan, **job), [
+            f"sbatch {job_path.name}  # from the directory holding {path.name}"]
+    if target == "k8s":
+        job_path = path.with_name(path.stem + ".pytorchjob.yaml")
+        files = {runtime_path.name: runtime_text} if runtime_path is not None else {}
+        return job_path, pytorchjob_manifest(path.name, plan, script_text=text, plan_text=plan.to_json() + "\n",
+                                             files=files, **job), [f"kubectl apply -f {job_path.name}"]
+    return None, None, []
+
+
+def run_script(path: str | Path, *, run_name: str, build: bool = False) -> tuple[dict, object | None]:
+    """Run an exported script's top level in this process as ``runpy.run_path`` does (its ``main`` is not called)
+    and return its namespace and its runtime module (None for a one-file script). The runtime module is imported
+    afresh from beside the script, replacing a module of that name imported before (another export's), since
+    ``run_path`` does not put the script's folder on ``sys.path``. ``build``: call ``build_model`` now, seeded as
+    ``main`` seeds it, and have ``main``'s call return what it built (measure: the model before the tracker)."""
+    import torch
+
+    path = Path(path)
+    name = runtime_name(path.name)
+    module = None
+    if path.with_name(name + ".py").exists():
+        spec = importlib.util.spec_from_file_location(name, path.with_name(name + ".py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before it runs: its dataclasses look their module up
+        spec.loader.exec_module(module)
+    ns = runpy.run_path(str(path), run_name=run_name)
+    if build and "build_model" in ns:
+        torch.manual_seed(ns["SEED"])
+        built, rng = ns["build_model"](), torch.get_rng_state()
+
+        def prebuilt():  # what main's build_model() would have built, the generator where building left it
+            torch.set_rng_state(rng)
+            return built
+
+        ns["main"].__globals__["build_model"] = prebuilt  # main reads the module's globals (run_path copies them)
+    return ns, module
+
+
 __all__ = ["Exported", "LaunchCommand", "Layout", "TARGETS", "export", "launch_commands", "launch_text", "layout",
-           "render_script", "torchrun_command", "torchrun_commands"]
+           "render_script", "render_two_files", "run_script", "runtime_name", "torchrun_command", "torchrun_commands"]

@@ -4,6 +4,7 @@ from a checkpoint's config, its imports merged with the runtime code's, its name
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass, field
 
 from ..source import ModelSource
 from .values import ScriptValues
@@ -77,3 +78,109 @@ def check_names(source: ModelSource, runtime_names: list[str]) -> None:
     if taken:
         raise ValueError(f"the cell defines {', '.join(taken)}, which the exported script uses for its own code: "
                          f"rename {'it' if len(taken) == 1 else 'them'} in the cell")
+
+
+@dataclass
+class SplitCell:
+    """The cell as a two-file script holds it: its imports merged with the script's, its classes, functions and
+    literal constants at the top level (where a DataLoader worker unpickling the cell's dataset or collate function
+    finds them by name), and its other statements as ``build_model``'s body, which runs when ``main`` calls it,
+    not at import."""
+
+    imports: set = field(default_factory=set)
+    """(module, name or None, alias or None), as :func:`.kit.import_lines` writes them"""
+    top: str = ""
+    body: str = ""
+    """the statements, unindented"""
+    globals: list[str] = field(default_factory=list)
+    """names the body binds that the top-level functions read: declared ``global`` there"""
+    unused: list[str] = field(default_factory=list)
+    """names the body binds that nothing in the cell reads"""
+
+
+def split_cell(code: str) -> SplitCell:
+    """``code`` split as :class:`SplitCell` describes, each statement with the comments above it. A statement the
+    top level needs at definition time (a decorator's, default's or base class's name) moves up with it."""
+    tree = ast.parse(code)
+    lines = code.splitlines()
+    segments, top, out, start = [], [], SplitCell(), 0
+    for node in tree.body:
+        text = "\n".join(lines[start:node.end_lineno]).strip("\n")
+        start = node.end_lineno
+        if isinstance(node, ast.Import) or isinstance(node, ast.ImportFrom) and not node.level:
+            out.imports |= {_import_tuple(node, a) for a in node.names if getattr(node, "module", "") != "__future__"}
+            text = "\n".join(line for line in text.splitlines() if line.lstrip().startswith("#"))
+            top.append(True)
+        else:
+            top.append(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or _constant(node))
+        segments.append((node, text))
+    changed = True
+    while changed:  # what a top-level definition needs when it is defined moves up with it
+        needed = {n for (node, _), up in zip(segments, top, strict=True) if up for n in _definition_names(node)}
+        changed = False
+        for i, (node, _) in enumerate(segments):
+            if not top[i] and _bound(node) & needed:
+                top[i] = changed = True
+    tops = [(node, text) for (node, text), up in zip(segments, top, strict=True) if up and text]
+    out.top = "\n".join(text + ("\n\n" if isinstance(node, (ast.FunctionDef, ast.ClassDef)) or (
+        j + 1 < len(tops) and isinstance(tops[j + 1][0], (ast.FunctionDef, ast.ClassDef))) else "")
+                        for j, (node, text) in enumerate(tops)).strip("\n")
+    body = [(node, text) for (node, text), up in zip(segments, top, strict=True) if not up]
+    out.body = "\n".join(text for _, text in body)
+    read_above = {n for node, _ in tops for n in _loads(node)}
+    read_here = {n for node, _ in body for n in _loads(node)}
+    bound = [n for node, _ in body for n in sorted(_bound(node))]
+    out.globals = list(dict.fromkeys(n for n in bound if n in read_above))
+    out.unused = list(dict.fromkeys(n for n in bound if n not in read_above | read_here))
+    return out
+
+
+def _import_tuple(node: ast.stmt, alias: ast.alias) -> tuple:
+    if isinstance(node, ast.Import):
+        return alias.name, None, alias.asname
+    return node.module, alias.name, alias.asname
+
+
+def _constant(node: ast.stmt) -> bool:
+    """``NAME = <literal>``: the cell's constants, which its classes may read as they are defined."""
+    if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+        return False
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    try:
+        ast.literal_eval(node.value)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+    return all(isinstance(t, ast.Name) for t in targets)
+
+
+def _bound(node: ast.stmt) -> set[str]:
+    """The module-level names a statement binds."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    out = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load):
+            out.add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            out |= {a.asname or a.name.split(".")[0] for a in n.names}
+    return out
+
+
+def _loads(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def _definition_names(node: ast.stmt) -> set[str]:
+    """Names a top-level statement reads as it runs: a function's decorators, defaults and annotations, a class's
+    bases and body (its methods' bodies run later), a constant's value."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        a = node.args
+        parts = [*node.decorator_list, *a.defaults, *(d for d in a.kw_defaults if d is not None), node.returns,
+                 *(x.annotation for x in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg] if x)]
+        return {n for p in parts if p is not None for n in _loads(p)}
+    if isinstance(node, ast.ClassDef):
+        return {n for p in [*node.decorator_list, *node.bases, *(k.value for k in node.keywords)] for n in _loads(p)} \
+            | {n for s in node.body for n in _definition_names(s)}
+    return _loads(node)

@@ -30,8 +30,9 @@ def k8s_name(text: str) -> str:
 def pytorchjob_manifest(script: str, plan: Plan, *, script_text: str, plan_text: str, name: str | None = None,
                         image: str = "pytorch/pytorch:latest", namespace: str | None = None, nodes: int | None = None,
                         gpus_per_node: int | None = None, ckpt_claim: str | None = None, ckpt_every: int = 100,
-                        backoff_limit: int = 3) -> str:
-    """The manifest (YAML, two documents) for running ``script`` with ``plan``.
+                        backoff_limit: int = 3, files: dict[str, str] | None = None) -> str:
+    """The manifest (YAML, two documents) for running ``script`` with ``plan``; ``files``: more files for the
+    script's folder, by name (its runtime module).
 
     ``image``: a container image with torch (and the cell's imports). ``nodes``: pods sharing the plan's processes
     (default: one when the plan fits a node, else the plan's cluster). ``gpus_per_node``: ``nvidia.com/gpu`` per
@@ -75,7 +76,7 @@ def pytorchjob_manifest(script: str, plan: Plan, *, script_text: str, plan_text:
     if nodes > 1:
         replicas["Worker"] = {"replicas": nodes - 1, "restartPolicy": "OnFailure", "template": pod}
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {**meta, "name": f"{name}-script"},
-                  "data": {script: script_text, Path(script).stem + ".plan.json": plan_text}}
+                  "data": {script: script_text, **(files or {}), Path(script).stem + ".plan.json": plan_text}}
     job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": meta,
            "spec": {"runPolicy": {"backoffLimit": int(backoff_limit), "cleanPodPolicy": "None"},
                     "pytorchReplicaSpecs": replicas}}

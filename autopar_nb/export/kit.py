@@ -184,7 +184,7 @@ def assemble(names: list[str]) -> Assembly:
 def import_lines(imports: set[tuple[str, str | None, str | None]], extra: set = frozenset()) -> list[str]:
     """``import`` statements as ruff's isort writes them: standard library, then third party; plain imports before
     ``from`` imports; names ordered constants, classes, functions."""
-    everything = set(imports) | set(extra)
+    everything = {_from_form(i) for i in set(imports) | set(extra)}
     sections = ["from __future__ import annotations"]
     for stdlib in (True, False):
         chosen = [i for i in everything if (i[0].split(".")[0] in STDLIB) == stdlib]
@@ -203,6 +203,14 @@ def import_lines(imports: set[tuple[str, str | None, str | None]], extra: set = 
         if lines:
             sections.append("\n".join(lines))
     return sections
+
+
+def _from_form(what: tuple) -> tuple:
+    """``import torch.nn as nn`` as ``from torch import nn`` (the same binding; ruff's PLR0402 prefers it)."""
+    module, name, alias = what
+    if name is None and alias and "." in module and module.rsplit(".", 1)[1] == alias:
+        return module.rsplit(".", 1)[0], alias, None
+    return what
 
 
 def _order_by_type(name: str) -> tuple[int, str]:

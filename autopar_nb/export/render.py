@@ -226,11 +226,11 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
             calls += ["#    each its own unit over the ranks holding the same experts (the rest leave them alone)",
                       call("shard_experts", "part", "experts_mesh[\"dp_mod_ep\"]", dp="DP",
                            reshard_after_forward=str(v.reshard_after_forward), **mixed,
-                           width=120 - indent)]
+                           indent=indent)]
             uses.append("shard_experts")
         calls.append(call("apply_fsdp", "part", v.dp_mesh, units="FSDP_UNITS",
                           reshard_after_forward=str(v.reshard_after_forward), **mixed,
-                          width=120 - indent))
+                          indent=indent))
         uses.append("apply_fsdp")
     elif v.replicate:
         calls += [f"# {next(steps)}. data parallelism last: FSDP2's replicate (DDP takes no DTensors), one all-reduce "
@@ -300,9 +300,9 @@ def call(target: str, *args: str, indent: int = 0, width: int = 120, **kwargs: s
     return "\n".join(lines)[indent:]
 
 
-def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
-    """The body of ``main``'s ``try``: build, parallelize, optimizer, forward/backward, train; and the runtime names
-    it calls."""
+def main_source(v: ScriptValues, source: ModelSource, *, telemetry: bool = True) -> tuple[str, list[str]]:
+    """The body of ``main``'s ``try`` (or ``with distributed()``): data, parallelize, optimizer, forward/backward,
+    train; and the runtime names it calls. ``telemetry``: ``train`` is handed ``main``'s metrics and observer."""
     uses = ["init_distributed", "build_mesh", "Metrics", "build_optimizer", "train", "print_parameter_counts"]
     mv, ind = source.model_var, 8
     if source.make_batch_var:
@@ -418,14 +418,20 @@ def main_source(v: ScriptValues, source: ModelSource) -> tuple[str, list[str]]:
                                                width=120 - ind),
                   "counts_loss = mesh[\"tp\"].get_local_rank() == 0  # one loss per model replica"]
     lines += ["if args.dry_run:", "    print_parameter_counts(parts)", "else:",
-              "    " + call("train", "args", "parts", "optimizer", forward_backward="forward_backward",
-                            make_batch="make_batch_fn", dp_rank="dp_rank", device="device", dp="mesh[\"dp\"].size()",
-                            counts_loss="counts_loss", metrics="metrics", scaler=scaler,
-                            pp_group="mesh[\"pp\"].get_group()" if v.pp > 1 else "None",
-                            **({"tied": "tied"} if v.pp > 1 and v.ties else {}), tokens=str(v.tokens),
-                            **({"cp": "CP"} if v.cp > 1 else {}),
-                            observer="observer", indent=4, width=120 - ind), *_save_hf(v, mv, uses)]
+              "    " + _train_call(v, scaler, telemetry, width=120 - ind), *_save_hf(v, mv, uses)]
     return "\n".join(" " * ind + line for line in "\n".join(lines).splitlines()), uses
+
+
+def _train_call(v: ScriptValues, scaler: str, telemetry: bool, *, width: int) -> str:
+    """``train(...)`` as ``main`` calls it: the one-file script hands it its metrics stream and verify's observer,
+    which the two-file script's runtime module holds itself (``runtime/metrics.py``'s ``Run``)."""
+    notebook = {"metrics": "metrics", "observer": "observer"} if telemetry else {}
+    return call("train", "args", "parts", "optimizer", forward_backward="forward_backward",
+                make_batch="make_batch_fn", dp_rank="dp_rank", device="device", dp="mesh[\"dp\"].size()",
+                counts_loss="counts_loss", **notebook, scaler=scaler,
+                pp_group="mesh[\"pp\"].get_group()" if v.pp > 1 else "None",
+                **({"tied": "tied"} if v.pp > 1 and v.ties else {}), tokens=str(v.tokens),
+                **({"cp": "CP"} if v.cp > 1 else {}), indent=4, width=width)
 
 
 def _save_hf(v: ScriptValues, model_var: str, uses: list[str]) -> list[str]:

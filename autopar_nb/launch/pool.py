@@ -130,12 +130,16 @@ def imports_of(code: str) -> set[str]:
 
 
 def script_preload(script: str | os.PathLike) -> list[str]:
-    """What a launch standby preloads for ``script``: torch's basics and the script's imports that are safe to
-    preload (see :func:`importable_here`)."""
-    try:
-        code = Path(script).read_text()
-    except OSError:
-        code = ""
+    """What a launch standby preloads for ``script``: torch's basics and the imports of the script and its runtime
+    module that are safe to preload (see :func:`importable_here`)."""
+    from ..export.script import runtime_name
+
+    code = ""
+    for path in (Path(script), Path(script).with_name(runtime_name(Path(script).name) + ".py")):  # and its runtime's
+        try:
+            code += Path(path).read_text() + "\n"
+        except OSError:
+            pass
     return sorted(set(BASE_PRELOAD) | set(importable_here(imports_of(code))))
 
 

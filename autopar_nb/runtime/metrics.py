@@ -1,14 +1,22 @@
-"""The metrics client: one JSON line per step to the notebook's launcher, when one is listening."""
+"""What a rank tells the notebook beside its printed lines, none of which training needs: one JSON line per step to
+the launcher when one is listening (``AUTOPAR_METRICS``), stack dumps on SIGUSR1, and verify's and measure's hooks
+(:class:`Run`); :func:`distributed` holds them around an exported script's ``main``."""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import gc
 import json
 import os
 import signal
 import socket
+import traceback
 
 import torch
+import torch.distributed as dist
+
+from .mesh import init_distributed
 
 
 class Metrics:
@@ -59,3 +67,37 @@ def memory_stats(device: str) -> dict:
         stats = {"mem_allocated": torch.cuda.memory_allocated(), "mem_reserved": torch.cuda.memory_reserved(),
                  "mem_peak": torch.cuda.max_memory_allocated(), "mem_peak_reserved": torch.cuda.max_memory_reserved()}
     return {**stats, "rss": process_rss()}
+
+
+class Run:
+    """The notebook's view of this process's run, kept out of the exported script's text: the metrics stream of
+    the open :func:`distributed` block (``current``) and an in-process observer."""
+
+    current = None
+    """the :class:`Metrics` of the open :func:`distributed` block (None outside one)"""
+    observer = None
+    """``after_backward(step, parts, loss)`` and ``after_step(step, parts)``, which :func:`train` calls on every rank:
+    set on the class by verify and measure, which call a script's ``main`` in their own processes"""
+
+
+@contextlib.contextmanager
+def distributed():
+    """``with distributed() as device:`` the process group of torchrun's environment (gloo without a GPU) around an
+    exported script's ``main``, and its report to the notebook when ``AUTOPAR_METRICS`` is set (:class:`Metrics`):
+    the memory before the model, each step, an error raised in the block (raised again), the end. A process group
+    that was open before (verify runs several scripts in one) is left open."""
+    owns_group = not dist.is_initialized()
+    rss = process_rss()  # before the model is built: the launcher's memory chart counts above it
+    device = init_distributed()
+    metrics = Run.current = Metrics(dist.get_rank(), rss_before_model=rss)
+    try:
+        yield device
+    except BaseException as e:
+        metrics.send({"event": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        raise
+    finally:
+        Run.current = None
+    metrics.send({"event": "done"})
+    if owns_group:
+        gc.collect()  # before destroy: a gloo thread taking the GIL at exit can abort the process
+        dist.destroy_process_group()

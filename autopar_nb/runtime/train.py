@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from .checkpoint import PipelineStages, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import first_tensor, split_batch, to_device
-from .metrics import memory_stats
+from .metrics import Metrics, Run, memory_stats
 from .optim import clip_grad_norm, lr_factor
 
 
@@ -65,7 +65,7 @@ def global_loss(local: torch.Tensor, *, counts: bool, dp: int) -> float:
 
 
 def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank: int, device: str, dp: int,
-          counts_loss: bool, metrics, scaler=None, pp_group=None, tied=None, tokens: bool = False,
+          counts_loss: bool, metrics=None, scaler=None, pp_group=None, tied=None, tokens: bool = False,
           observer=None, cp: int = 1) -> None:
     """Run ``args.steps`` optimizer steps (resuming from the latest checkpoint in ``args.ckpt_dir``; ending early at
     step ``args.stop_at`` when given: the learning-rate schedule still spans ``args.steps``).
@@ -73,8 +73,11 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
     ``forward_backward(batch)`` returns this rank's loss with gradients accumulated; ``make_batch(step, dp_rank)``
     this data-parallel rank's share (None: a middle pipeline stage reads none; a ``DataStream`` is checkpointed).
     ``tied``: parameters tied across pipeline stages (:class:`TiedGradients`); ``cp``: ranks splitting a sequence,
-    each loss its share times cp (``runtime/cp.py``). ``observer`` (verify's):
+    each loss its share times cp (``runtime/cp.py``). ``metrics``: the launcher's stream (default: that of the open
+    :func:`distributed` block); ``observer`` (verify's and measure's; default: ``Run.observer``):
     ``after_backward(step, parts, loss)`` and ``after_step(step, parts)``, called on every rank."""
+    metrics = metrics or Run.current or Metrics(dist.get_rank())
+    observer = observer or Run.observer
     ckpt_model = parts[0] if len(parts) == 1 else PipelineStages(parts)
     data = make_batch if hasattr(make_batch, "state_dict") else None  # a dataset's stream: its position is saved
     start = 0
