@@ -209,8 +209,9 @@ class Session:
         return verify(self.source, self.plan_for(nproc), steps=steps, nproc=nproc, warm=warm, **kwargs)
 
     def export(self, path: str = "train.py", *, nproc: int | None = None, **kwargs: Any):
-        """Write the plan as a standalone torchrun script at ``path`` (plus the plan JSON beside it) and print the
-        torchrun commands for one node and several. The script needs torch only, not autopar_nb."""
+        """Write the plan as a standalone torchrun script at ``path``, its runtime module and the plan JSON beside
+        it (``single_file=True``: the script alone, the runtime inside), and print the torchrun commands for one
+        node and several. The script needs torch only, not autopar_nb."""
         from .export import export
 
         return export(self.source, self.plan_for(nproc), path, **kwargs)

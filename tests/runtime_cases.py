@@ -216,13 +216,14 @@ example_inputs = (torch.randint(0, 96, (4, 16)),)
 
 
 def script_namespace(src: ModelSource, plan: Plan, tmp_path, **export_kwargs) -> dict:
-    """The plan's exported script, imported (its cell has run; ``main`` has not): its ``model``, ``parallelize``
-    and runtime functions."""
+    """The plan's exported script in its one-file form, imported (its cell has run; ``main`` has not): its
+    ``model``, ``parallelize`` and runtime functions."""
     import runpy
 
     from autopar_nb.export import export
 
-    script = export(src, plan, tmp_path / "train_under_test.py", quiet=True, **export_kwargs).script
+    script = export(src, plan, tmp_path / "train_under_test.py", quiet=True, single_file=True,
+                    **export_kwargs).script
     return runpy.run_path(str(script), run_name="under_test")
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from runtime_cases import make_plan
 
-from autopar_nb.export import export, render_script
+from autopar_nb.export import export, render_script, runtime_name
 from autopar_nb.source import ModelSource
 from autopar_nb.verify import verify_many
 
@@ -164,20 +164,32 @@ def verified():
     return dict(zip(PLANS, verify_many([(SRC, p) for p in PLANS.values()], steps=4), strict=True))
 
 
+def runtime_of(script: Path) -> Path:
+    return script.with_name(runtime_name(script.name) + ".py")
+
+
+def both(script: Path) -> str:
+    """The script's text and its runtime module's."""
+    return script.read_text() + runtime_of(script).read_text()
+
+
 def test_script_is_plain_torch_and_passes_ruff(exported):
     for name, script in exported.items():
+        for text in (script.read_text(), runtime_of(script).read_text()):
+            imported = {a.name for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Import) for a in n.names} | {
+                n.module for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ImportFrom)}
+            assert not any(m.startswith("autopar_nb") for m in imported), name  # named in comments only
         text = script.read_text()
-        imported = {a.name for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Import) for a in n.names} | {
-            n.module for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ImportFrom)}
-        assert not any(m.startswith("autopar_nb") for m in imported), name  # named in comments only
+        assert f"from {runtime_name(script.name)} import" in text
         assert "torchrun --nproc-per-node 2" in text and "--rdzv-endpoint" in text and "--nnodes 2" in text
         assert text.count(CELL.strip().splitlines()[-1]) == 1  # the cell is embedded verbatim
+        assert "AUTOPAR_METRICS" not in text and "observer" not in text  # the notebook's telemetry: in the runtime
         proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--config", str(ROOT / "pyproject.toml"),
-                               str(script)], capture_output=True, text=True)
+                               str(script), str(runtime_of(script))], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stdout
-    assert "parallelize_module" in exported["tp_loss_parallel"].read_text()
-    assert "loss_parallel()" in exported["tp_loss_parallel"].read_text()
-    fsdp = exported["fsdp_recompute"].read_text()
+    assert "parallelize_module" in both(exported["tp_loss_parallel"])
+    assert "loss_parallel()" in both(exported["tp_loss_parallel"])
+    fsdp = both(exported["fsdp_recompute"])
     assert "fully_shard" in fsdp and "checkpoint_wrapper" in fsdp and "parallelize_module" not in fsdp
     assert 'SCHEDULE = "1f1b"' in exported["pp_1f1b"].read_text()
     meta = exported["pp_meta_init"].read_text()
@@ -277,12 +289,12 @@ def test_render_rejects_unsupported_combinations():
 
 
 def test_script_carries_the_runtime_source_verbatim(exported):
-    """One implementation: every function, class and constant of the script that autopar_nb.runtime defines is that
-    definition's source, character for character (so what verify checked is what the user runs)."""
+    """One implementation: every function, class and constant of the script's runtime module that autopar_nb.runtime
+    defines is that definition's source, character for character (so what verify checked is what the user runs)."""
     from autopar_nb.export import kit
 
     for name, script in exported.items():
-        text = script.read_text()
+        text = runtime_of(script).read_text()
         carried = [n for n in ast.parse(text).body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Assign))]
         found = 0
         for node in carried:

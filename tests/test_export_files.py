@@ -19,7 +19,8 @@ def plan():
     return make_plan(SOURCE, dp=2)
 
 
-@pytest.mark.parametrize("target, user_file", [("torchrun", "train.py"), ("torchrun", "train.plan.json"),
+@pytest.mark.parametrize("target, user_file", [("torchrun", "train.py"), ("torchrun", "train_runtime.py"),
+                                               ("torchrun", "train.plan.json"),
                                                ("slurm", "train.sbatch"), ("k8s", "train.pytorchjob.yaml")])
 def test_a_users_file_is_kept_and_nothing_is_written(tmp_path, plan, target, user_file):
     mine = tmp_path / user_file
@@ -32,8 +33,12 @@ def test_a_users_file_is_kept_and_nothing_is_written(tmp_path, plan, target, use
 
 def test_an_earlier_export_is_replaced_and_overwrite_replaces_anything(tmp_path, plan):
     first = export(SOURCE, plan, tmp_path / "train.py", target="slurm", quiet=True)
-    for p in (first.script, first.plan_json, first.job):
+    for p in (first.script, first.runtime, first.plan_json, first.job):
         assert written_by_export(p), p
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.plan.json", "train.py", "train.sbatch",
+                                                          "train_runtime.py"]
+    single = export(SOURCE, plan, tmp_path / "one.py", quiet=True, single_file=True)
+    assert single.runtime is None and written_by_export(single.script) and not (tmp_path / "one_runtime.py").exists()
     first.script.write_text(first.script.read_text().replace("Train ", "Train again ", 1))
     export(SOURCE, plan, tmp_path / "train.py", target="slurm", quiet=True)  # recognised: replaced
     assert "Train again" not in first.script.read_text()
@@ -45,6 +50,7 @@ def test_an_earlier_export_is_replaced_and_overwrite_replaces_anything(tmp_path,
 @pytest.mark.parametrize("name, text", [
     ("train.py", "print('hello')\n"),
     ("train.py", '"""Train my way."""\n# autopar_nb/runtime/ mentioned in passing\n'),
+    ("train_runtime.py", '"""The runtime of my own training."""\n# autopar_nb/runtime/ mentioned in passing\n'),
     ("train.plan.json", '{"mesh": 1}'),
     ("train.plan.json", "[" * 100000),
     ("train.sbatch", "#!/bin/bash\nsrun python train.py\n"),

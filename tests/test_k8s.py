@@ -75,6 +75,7 @@ def test_pytorchjob_matches_the_published_schema(tmp_path):
     # the pods run the very script export wrote, and its plan
     assert config_map["kind"] == "ConfigMap"
     assert config_map["data"]["train_big.py"] == exported.script.read_text()
+    assert config_map["data"]["train_big_runtime.py"] == exported.runtime.read_text()  # what it imports
     assert config_map["data"]["train_big.plan.json"] == exported.plan_json.read_text()
     assert len(exported.job.read_bytes()) < 1 << 20  # a ConfigMap holds at most 1 MiB
 

@@ -46,7 +46,7 @@ def _parallelize(src, plan, key):
 
     if key not in _SCRIPTS:
         with tempfile.TemporaryDirectory(prefix="memtracker-") as tmp:
-            script = export(src, plan, Path(tmp) / "train.py", quiet=True).script
+            script = export(src, plan, Path(tmp) / "train.py", quiet=True, single_file=True).script
             _SCRIPTS[key] = runpy.run_path(str(script), run_name="under_test")  # its cell runs; main does not
     return _SCRIPTS[key]["parallelize"]
 

@@ -225,6 +225,7 @@ def test_exported_pipeline_script_runs_under_torchrun(runs, tmp_path):
 # exported scripts run one after another in ONE torchrun launch (each launch costs seconds), in one process group
 RUN_SCRIPTS = """\
 import gc
+import os
 import runpy
 import sys
 
@@ -248,7 +249,9 @@ dist.init_process_group("gloo")  # each script's main() finds it and leaves it o
 for script in sys.argv[1:]:
     if dist.get_rank() == 0:
         print(f"== {script}", flush=True)
-    runpy.run_path(script, run_name="__one_of_several__")["main"](["--steps", "2"], observer=OwnWeightsOnly())
+    main = runpy.run_path(script, run_name="__one_of_several__")["main"]
+    sys.modules[os.path.basename(script)[:-3] + "_runtime"].Run.observer = OwnWeightsOnly()  # train() calls it
+    main(["--steps", "2"])
     gc.collect()
 gc.collect()  # a gloo thread taking the GIL during shutdown aborts some exits otherwise
 dist.destroy_process_group()

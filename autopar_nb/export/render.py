@@ -183,8 +183,7 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
         plans, imports, tp_uses = tp_plans(v)
         uses += tp_uses
         calls += [f"# {next(steps)}. TP first: it turns parameters into DTensors, which AC and FSDP must see",
-                  "apply_tp(part, mesh[\"tp\"], plan" + (", layer_plans=layer_plans)" if v.block_tp_plans
-                                                          else ")")]
+                  "apply_tp(part, mesh[\"tp\"], plan" + (", layer_plans=layer_plans)" if v.block_tp_plans else ")")]
         uses.append("apply_tp")
         if v.local_sizes:
             calls.append("set_local_sizes(part, sizes)")
@@ -260,10 +259,11 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
                  "    apply_fused_loss(model, FUSED_LOSS)"]
         uses.append("apply_fused_loss")
     if v.pp > 1:
+        whole = "whole" if v.static_shapes else "_"  # the traced whole model: read for the stages' boundary shapes
         split = call("split_model", "model", boundaries="STAGE_BOUNDARIES", microbatch="example",
-                     **({"loss_head": "FUSED_LOSS"} if v.fused_loss else {}), indent=len("    stages, whole = "))
+                     **({"loss_head": "FUSED_LOSS"} if v.fused_loss else {}), indent=len(f"    stages, {whole} = "))
         head += ["    # pipeline stages: trace the model on one micro-batch, cut it before each stage's first layer",
-                 f"    stages, whole = {split}",
+                 f"    stages, {whole} = {split}",
                  "    shapes = boundary_values(whole, stages, example)" if v.static_shapes else
                  "    shapes = None  # not as traced: the stages infer what crosses their cuts",
                  "    release_stages(model, stages, keep=stage_ids)  # the other ranks' stages' weights: freed",

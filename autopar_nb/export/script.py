@@ -69,9 +69,15 @@ def render_files(source: ModelSource, plan: Plan, v: ScriptValues, *, script_nam
     check_names(source, [*used, "build_model", "distributed"])
     mine = {i for i in SCRIPT_IMPORTS | par_imports if (i[2] or i[1] or i[0].split(".")[0]) in loads}
     sections = kit.import_lines(_merged(mine | setting_imports, cell.imports))
-    sections.append(_from_import(module, used))  # first party: the file beside this one
+    # the file beside this one: first party where ruff runs from this folder, third party elsewhere; the split
+    # keeps its import where it is either way
+    sections.append("# isort: split\n" + _from_import(module, used))
     runtime = Template(RUNTIME_TEMPLATE.read_text()).substitute(
-        script=script_name, imports="\n\n".join(kit.import_lines(assembly.imports)), kit=assembly.source())
+        doc=textwrap.fill(f"{script_name}: the functions of autopar_nb/runtime it calls, and all they use, verbatim "
+                          "(the code `verify` checked), each under a comment naming its file. Written by ap.export "
+                          f"beside {script_name}, which imports it; needs torch only.", width=116,
+                          initial_indent=" " * len(RUNTIME_HEADER), break_on_hyphens=False).lstrip(),
+        imports="\n\n".join(kit.import_lines(assembly.imports)), kit=assembly.source())
     return text.replace("@IMPORTS@", "\n\n".join(sections)), runtime
 
 
