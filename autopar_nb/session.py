@@ -293,9 +293,9 @@ class Session:
                      restart_wait_s=RESTART_WAIT_S if restart_wait_s is None else restart_wait_s,
                      run_dir=exported.script.parent)
         if not quiet:
-            print(f"wrote {exported.script} and {exported.plan_json}; listening on {run.address} for "
-                  f"{run.nproc} rank(s). Copy both files to the hosts and run there (the token lets ranks in; keep it "
-                  "to yourself):")
+            files = [f for f in (exported.script, exported.runtime, exported.plan_json) if f is not None]
+            print(f"wrote {', '.join(map(str, files))}; listening on {run.address} for {run.nproc} rank(s). Copy "
+                  "these files to the hosts and run there (the token lets ranks in; keep it to yourself):")
             print("\n".join(f"  {c}" for c in run.commands))
         return run
 

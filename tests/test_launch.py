@@ -888,5 +888,5 @@ def test_an_exported_scripts_restart_is_counted_from_its_hello(tmp_path):
     assert run.wait(120) == "finished", run.message
     assert run._latest_attempt() == 1 and {st.attempt for st in run.ranks().values()} == {1}
     assert {r["attempt"] for r in run.metrics if r["step"] == 3} == {1}
-    text = (tmp_path / "train.py").read_text()
+    text = (tmp_path / "train_runtime.py").read_text()  # the hello: in the runtime module train.py imports
     assert '"rank": rank, **elastic}' in text and '"TORCHELASTIC_RESTART_COUNT"' in text

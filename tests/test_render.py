@@ -151,7 +151,7 @@ def test_32_layer_llama_script_stays_short(tmp_path):
     assert proc.returncode == 0, proc.stdout
     assert "noqa" not in text
     assert lengths[32][2] <= 942  # the one file (single_file=True); its history:
-    # the one file (single_file=True): ~500 of them the runtime it carries (loop, DCP + data position, metrics, data-
+    # ~500 of them the runtime it carries (loop, DCP + data position, metrics, data-
     # wait verdict, clipping, styles, AMP op-list hook, the model-call helper, context parallelism's mesh and shard
     # hook, ...): 778 on 2026-12-01 (the metrics hello with torchrun's restart count, limit and world: +4); 790 with
     # the Hugging Face key/value cache switched off (+12); 869 with the fused RMSNorms the planner picks on CUDA

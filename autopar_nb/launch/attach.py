@@ -3,11 +3,11 @@
 The notebook's metrics server (``channel.py``) listens on an address the remote hosts reach; the user starts the
 exported script there with ``AUTOPAR_METRICS=<address> AUTOPAR_TOKEN=<token>`` in front of the torchrun command
 (:attr:`AttachedRun.commands`). No process of the run is local, so everything comes from the stream: each rank's
-hello, steps, data verdict, its error or its "done" (the exported script's ``main`` sends one or the other). A rank
-is *lost* when its connection closes without either, when it sends nothing for ``lost_after_s``, or when it never
-connects within ``lost_after_s`` of the first rank that did. The run ends when every rank has finished, failed or
-been lost ("finished" only when all finished), or when :meth:`AttachedRun.stop` detaches from it (the remote ranks
-train on).
+hello, steps, data verdict, its error or its "done" (the exported script's runtime module sends one or the other). A
+rank is *lost* when its connection closes without either, when it sends nothing for ``lost_after_s``, or when it
+never connects within ``lost_after_s`` of the first rank that did. The run ends when every rank has finished, failed
+or been lost ("finished" only when all finished), or when :meth:`AttachedRun.stop` detaches from it (the remote
+ranks train on).
 
 Elastic restarts are followed: each rank's hello carries torchrun's restart count, restart limit and world size
 (``runtime/metrics.py``). After a failure or a lost rank with restarts left the run is "restarting" and waits up to
