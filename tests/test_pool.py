@@ -186,7 +186,8 @@ def test_warm_launch_and_torchrun_give_identical_losses(tmp_path):
     assert run.warm and "--run-path" in run.command and str(run.script) in run.command
     copy = tmp_path / "torchrun" / "train.py"
     copy.parent.mkdir()
-    copy.write_bytes(run.script.read_bytes())
+    for name in ("train.py", "train_runtime.py"):  # the script and the runtime module it imports
+        (copy.parent / name).write_bytes(run.script.with_name(name).read_bytes())
     ref = _torchrun_losses(copy, 5)
     for rank in (0, 1):
         assert run.loss_curve(rank) == sorted(ref[rank]) and len(ref[rank]) == 5
