@@ -20,12 +20,13 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
 def measure(source, plan, folder: Path, name: str) -> tuple[int, int, str]:
-    """(train.py lines, runtime module lines, ruff's verdict on train.py under its defaults)."""
+    """(train.py lines, runtime module lines, ruff's verdict on train.py under its defaults), exported to
+    ``folder/name/train.py``."""
     from autopar_nb.export import export
 
-    out = export(source, plan, folder / f"{name}.py", quiet=True, overwrite=True)
+    out = export(source, plan, folder / name / "train.py", quiet=True)  # as a user names it: the docstring wraps so
     proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--isolated", "--line-length", "120",
-                           out.script.name], capture_output=True, text=True, cwd=folder)
+                           out.script.name], capture_output=True, text=True, cwd=out.script.parent)
     verdict = "clean" if proc.returncode == 0 else proc.stdout.strip().splitlines()[-1]
     return len(out.script.read_text().splitlines()), len(out.runtime.read_text().splitlines()), verdict
 
@@ -44,7 +45,7 @@ def rows(folder: Path):
             if model.startswith("LLaMA") and "pp" in fix:
                 continue  # as tests/test_render.py: HF LLaMA's rotary tables cross every stage
             src, plan = _planned(cell, fix)
-            yield model, kind, measure(src, plan, folder, f"t_{len(kind)}_{abs(hash(model + kind))}")
+            yield model, kind, measure(src, plan, folder, f"{model}-{kind}")
     ip = InteractiveShell.instance()
     ip.run_line_magic("load_ext", "autopar_nb")
     for family, cell in FAMILIES.items():
@@ -54,7 +55,7 @@ def rows(folder: Path):
             if isinstance(plan, BaseException):
                 yield family, kind, (0, 0, f"not planned: {type(plan).__name__}")
                 continue
-            yield family, kind, measure(session.source, plan, folder, f"z_{abs(hash(family + kind))}")
+            yield family, kind, measure(session.source, plan, folder, f"{family}-{kind}")
 
 
 def main() -> None:

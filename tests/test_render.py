@@ -164,6 +164,27 @@ def test_32_layer_llama_script_stays_short(tmp_path):
     # defaulting to the runtime's Run (the two-file script's metrics stream and verify's observer: +14)
 
 
+def test_readme_shows_the_exported_script(tmp_path, monkeypatch):
+    """The README's "exported script" section shows the quickstart's train.py whole, with its line counts: what
+    ap.export writes for it (the docstring's first line, the cost model's estimate, aside)."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from autopar_nb.demo import QUICKSTART_CELL
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## The exported script\n")[1].split("\n### ")[0]
+    shown = section.split("```python\n")[1].split("```")[0]
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "autopar_nb")
+    session = ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2 --batch 32 --name readme_session", QUICKSTART_CELL)
+    monkeypatch.chdir(tmp_path)
+    out = session.export("train.py", quiet=True)
+    text = out.script.read_text()
+    assert shown.splitlines()[1:] == text.splitlines()[1:]
+    lines, runtime = len(text.splitlines()), len(out.runtime.read_text().splitlines())
+    assert f"whole ({lines} lines; `train_runtime.py` beside it has {runtime};" in " ".join(section.split())
+
+
 HOSTILE = [
     ("layers", 0, "path", 'wte"]); import os; os.system("echo pwned"); ("'),
     ("precision", None, "growth_interval", "__import__('os').system('echo pwned')"),
