@@ -77,8 +77,8 @@ class Exported:
 
 def written_by_export(path: Path) -> bool:
     """Whether the file at ``path`` is an earlier output of :func:`export` (so writing over it loses nothing of the
-    user's): a script carrying the runtime's blocks, a plan JSON, or a job file whose header says autopar-nb wrote
-    it. Read as text, never executed; a file that is not UTF-8 text is not ours."""
+    user's): a script (two-file or one-file), a runtime module, a plan JSON, or a job file whose header says
+    autopar-nb wrote it. Read as text, never executed; a file that is not UTF-8 text is not ours."""
     try:
         text = path.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError):

@@ -1,5 +1,6 @@
-"""The exported script's text: settings as literals, the cell verbatim, the runtime's functions verbatim
-(:mod:`.kit`), and two short functions written for the plan, ``parallelize`` and ``main``'s body, that only call them.
+"""The one-file script's text (``export(single_file=True)``): settings as literals, the cell verbatim, the runtime's
+functions verbatim (:mod:`.kit`), and two short functions written for the plan, ``parallelize`` and ``main``'s body,
+that only call them. The two-file export (:mod:`.script`) reuses the settings, ``parallelize`` and ``main``'s body.
 
 Every value from the plan reaches the text through ``repr`` of a checked Python value (or a ``TPStyle``'s
 constructor), never pasted as code.
