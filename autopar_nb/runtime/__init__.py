@@ -4,8 +4,7 @@
 ``fsdp`` (fully_shard), ``ddp`` (DDP), ``pp`` (torch.distributed.pipelining), ``amp`` (autocast, grad scalers),
 ``batchnorm`` (SyncBatchNorm), ``init`` (initial weights equal to single-process), ``data`` (batches, default loss),
 ``optim`` (optimizer, LR schedule, clipping), ``checkpoint`` (DCP), ``metrics`` (the process group around ``main`` and
-the launcher's metrics stream),
-``train`` (the loop).
+the launcher's metrics stream), ``train`` (the loop).
 
 These modules are copied into every exported script's runtime module, or into the one-file script
 (:mod:`autopar_nb.export.kit` takes each function's source verbatim), so they never import ``autopar_nb``, hold only
