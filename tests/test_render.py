@@ -185,6 +185,57 @@ def test_readme_shows_the_exported_script(tmp_path, monkeypatch):
     assert f"whole ({lines} lines; `train_runtime.py` beside it has {runtime};" in " ".join(section.split())
 
 
+SPLIT_CELL = '''\
+import torch
+import torch.nn as nn
+
+N = 4
+scale = torch.ones(1) * 2  # read by loss_fn when it runs: a global that build_model sets
+
+
+def loss_fn(model, batch):
+    return (model(batch[0]) * scale).pow(2).mean()
+
+
+class Net(nn.Module):
+    def __init__(self, n=N):  # N, read as the class is defined: at the top level with it
+        super().__init__()
+        self.lin = nn.Linear(n, n)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+model = Net()
+notes = """kept
+  as written""".upper()
+example_inputs = (torch.randn(2, N),)
+'''
+
+
+def test_the_cell_is_split_into_top_level_definitions_and_build_model(tmp_path):
+    """Imports, classes, functions and literal constants at the top level (picklable by name, nothing run at
+    import), the other statements in build_model; a name a function reads is declared global there, and a
+    multi-line string keeps its text under build_model's indentation."""
+    from runtime_cases import make_plan
+
+    from autopar_nb.export import run_script
+
+    src = ModelSource(SPLIT_CELL, loss_fn_var="loss_fn")
+    out = export(src, make_plan(src, dp=2), tmp_path / "train.py", quiet=True)
+    text = out.script.read_text()
+    top, build = text.split("def build_model():")
+    assert "class Net(nn.Module):" in top and "def loss_fn(" in top and "\nN = 4\n" in top
+    assert "\nscale = " not in top and "model = Net()" in build and "global scale, notes" in build
+    assert ruff([out.script], defaults=True).returncode == 0
+    ns, runtime = run_script(out.script, run_name="under_test", build=True)
+    g = ns["parallelize"].__globals__  # the script's module (run_path returned a copy)
+    assert g["build_model"] is not ns["build_model"]  # main's call returns what was built
+    assert g["notes"] == "KEPT\n  AS WRITTEN" and g["scale"].item() == 2.0
+    assert ns["loss_fn"].__module__ == "under_test" and ns["Net"].__qualname__ == "Net"  # found by name
+    assert runtime.__name__ == "train_runtime"
+
+
 HOSTILE = [
     ("layers", 0, "path", 'wte"]); import os; os.system("echo pwned"); ("'),
     ("precision", None, "growth_interval", "__import__('os').system('echo pwned')"),

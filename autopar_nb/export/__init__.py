@@ -190,7 +190,7 @@ def run_script(path: str | Path, *, run_name: str, build: bool = False) -> tuple
             torch.set_rng_state(rng)
             return built
 
-        ns["main"].__globals__["build_model"] = prebuilt  # main reads the module's globals (run_path copies them)
+        ns["build_model"].__globals__["build_model"] = prebuilt  # main reads the module's (run_path copies them)
     return ns, module
 
 

@@ -7,6 +7,7 @@ import ast
 from dataclasses import dataclass, field
 
 from ..source import ModelSource
+from .kit import _free_names
 from .values import ScriptValues
 
 SCRIPT_NAMES = ("parallelize", "parse_args", "main", "RSS_BEFORE_MODEL")
@@ -127,7 +128,7 @@ def split_cell(code: str) -> SplitCell:
                         for j, (node, text) in enumerate(tops)).strip("\n")
     body = [(node, text) for (node, text), up in zip(segments, top, strict=True) if not up]
     out.body = "\n".join(text for _, text in body)
-    read_above = {n for node, _ in tops for n in _loads(node)}
+    read_above = {n for node, _ in tops for n in _free_names(node)}  # their globals, not their own locals
     read_here = {n for node, _ in body for n in _loads(node)}
     bound = [n for node, _ in body for n in sorted(_bound(node))]
     out.globals = list(dict.fromkeys(n for n in bound if n in read_above))
