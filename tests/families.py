@@ -165,6 +165,8 @@ def _torchrun(source, plan, path: Path, export) -> str:
         script = export(source, plan, path, steps=2, quiet=True).script
     except Exception as e:
         return _short(e)
+    if len(script.read_text().splitlines()) > 200:  # the script a person reads (its runtime module beside it)
+        return f"{script.name}: {len(script.read_text().splitlines())} lines, more than 200"
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=path.parent)
