@@ -234,6 +234,11 @@ def test_the_cell_is_split_into_top_level_definitions_and_build_model(tmp_path):
     assert g["notes"] == "KEPT\n  AS WRITTEN" and g["scale"].item() == 2.0
     assert ns["loss_fn"].__module__ == "under_test" and ns["Net"].__qualname__ == "Net"  # found by name
     assert runtime.__name__ == "train_runtime"
+    clashing = ModelSource(SPLIT_CELL.replace("import torch\n", "import torch\nfrom os import sep as train\n"),
+                           loss_fn_var="loss_fn")
+    with pytest.raises(ValueError, match="the cell imports train, which the exported script takes from its runtime"):
+        export(clashing, make_plan(clashing, dp=2), tmp_path / "other.py", quiet=True)
+    assert not (tmp_path / "other.py").exists()
 
 
 HOSTILE = [

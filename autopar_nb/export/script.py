@@ -67,6 +67,10 @@ def render_files(source: ModelSource, plan: Plan, v: ScriptValues, *, script_nam
     loads = {n.id for n in ast.walk(ast.parse(text.replace("@IMPORTS@", ""))) if isinstance(n, ast.Name)}
     used = sorted(set(assembly.names) & loads, key=kit._order_by_type)
     check_names(source, [*used, "build_model", "distributed"])
+    imported = sorted({i[2] or i[1] or i[0].split(".")[0] for i in cell.imports} & {*used, "build_model"})
+    if imported:
+        raise ValueError(f"the cell imports {', '.join(imported)}, which the exported script takes from its runtime "
+                         "module: import it under another name in the cell")
     mine = {i for i in SCRIPT_IMPORTS | par_imports if (i[2] or i[1] or i[0].split(".")[0]) in loads}
     sections = kit.import_lines(_merged(mine | setting_imports, cell.imports))
     # the file beside this one: first party where ruff runs from this folder, third party elsewhere; the split
