@@ -91,7 +91,7 @@ def _returns(source: ModelSource, v: ScriptValues, body: str, cell: SplitCell) -
     loads = {n.id for n in ast.walk(ast.parse(textwrap.dedent(body))) if isinstance(n, ast.Name)}
     names = [source.inputs_var, source.loss_fn_var, source.make_batch_var, source.dataset_var,
              source.collate_fn_var, "from_config" if v.pretrained else None]
-    bound = set(cell.globals) | set(cell.unused) | _bound_in(cell.body)
+    bound = set(cell.globals) | set(cell.unused) | _bound_in(cell.body) | {"from_config"}  # _build_body's
     return list(dict.fromkeys([source.model_var, *(n for n in names if n and n in loads and n in bound)]))
 
 
