@@ -151,7 +151,7 @@ def test_exported_script_syncs_batchnorm_on_cpu(reports, tmp_path):
 
     (src, plan), report = reports[("resnet", "dp2_zero0")]
     script = export(src, plan, tmp_path / "train_resnet.py", steps=STEPS, quiet=True).script
-    text = script.read_text()
+    text = script.read_text() + script.with_name("train_resnet_runtime.py").read_text()  # and its runtime module
     assert "apply_sync_batchnorm(net" in text and "class CPUSyncBatchNorm" in text
     server = MetricsServer()
     torchrun(script, server=server)

@@ -234,14 +234,15 @@ def test_fused_script_is_standalone(tmp_path):
 
     src, styles, parts = CASES["gpt2_conv1d"]
     script = export(src, _plan(src, styles, parts), tmp_path / "train_gpt2_tp.py", quiet=True).script
-    text = script.read_text()
-    assert "autopar_nb" not in text.replace("autopar_nb/runtime/", "").replace("autopar_nb.runtime", "")
+    runtime = script.with_name("train_gpt2_tp_runtime.py")  # the runtime module the script imports
+    text = script.read_text() + runtime.read_text()
+    assert "autopar_nb" not in text.replace("autopar_nb/runtime", "").replace("autopar_nb.runtime", "")
     assert "class PackedColwiseParallel(ColwiseParallel):" in text
     assert "PackedColwiseParallel(input_layouts=Replicate(), parts=3, transposed=True)" in text
     assert 'sizes = {"transformer.h.*.attn": {"split_size": 16}}' in text
     root = Path(__file__).resolve().parents[1]
     ruff = Path(sys.executable).with_name("ruff")
-    out = subprocess.run([str(ruff), "check", "--config", str(root / "pyproject.toml"), str(script)],
+    out = subprocess.run([str(ruff), "check", "--config", str(root / "pyproject.toml"), str(script), str(runtime)],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 

@@ -54,7 +54,7 @@ def render_files(source: ModelSource, plan: Plan, v: ScriptValues, *, script_nam
         model_name=v.model_class, summary=_summary_lines(v.model_class, plan.summary()), plan_file=plan_file,
         intro=textwrap.fill(f"Exported by autopar-nb from a notebook cell: its statements are build_model() below, "
                             "its imports, classes and functions are at the top level. parallelize() applies the plan "
-                            f"({plan_file} beside this file) with the functions of {module}.py beside it (autopar_nb's "
+                            f"({plan_file} beside this file) with the functions of {module}.py beside it (autopar-nb's "
                             "runtime, verbatim); nothing but torch (and the cell's own imports) is needed.",
                             width=116),
         launch=launch, imports="@IMPORTS@", settings="\n".join(setting_lines),
