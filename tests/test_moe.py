@@ -429,7 +429,8 @@ def test_ep_plans_export_in_torchtitans_order(tmp_path):
                                          *dp_calls)]
         assert order == sorted(order), body
         assert 'EP = 2  # plan.mesh.ep' in text and 'EXPERTS = ["layers.*.feed_forward.experts"]' in text
-        assert "def apply_ep(" in text and "def expert_mesh(" in text  # the runtime's own functions, verbatim
+        runtime = (tmp_path / f"ep_z{zero}_runtime.py").read_text()  # the runtime's own functions, verbatim
+        assert "def apply_ep(" in runtime and "def expert_mesh(" in runtime
     ruff = subprocess.run([sys.executable, "-m", "ruff", "check", "--config", str(root / "pyproject.toml"),
                            str(tmp_path)], capture_output=True, text=True)
     assert ruff.returncode == 0, ruff.stdout + ruff.stderr

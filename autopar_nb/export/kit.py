@@ -13,15 +13,20 @@ from __future__ import annotations
 import ast
 import builtins
 import importlib
+import importlib.util
 import inspect
+import os
 import pkgutil
 import sys
+import sysconfig
 from dataclasses import dataclass, field
 from functools import cache
 
 from .. import runtime
 
 STDLIB = set(sys.stdlib_module_names)
+INSTALLED = ("stdlib", "platstdlib", "purelib", "platlib")
+"""``sysconfig`` paths whose modules are installed ones (third party for isort)"""
 ORDER = ("mesh", "data", "fused_loss", "fused_norm", "cp", "tp", "layouts", "heads", "ac", "compile", "fsdp", "ddp",
          "ep",
          "batchnorm", "pp", "init", "amp", "optim", "checkpoint", "metrics", "train")
@@ -182,12 +187,14 @@ def assemble(names: list[str]) -> Assembly:
 
 
 def import_lines(imports: set[tuple[str, str | None, str | None]], extra: set = frozenset()) -> list[str]:
-    """``import`` statements as ruff's isort writes them: standard library, then third party; plain imports before
-    ``from`` imports; names ordered constants, classes, functions."""
+    """``import`` statements as ruff's isort writes them: standard library, third party, then first party (what is
+    not installed: :func:`first_party`); plain imports before ``from`` imports; names ordered constants, classes,
+    functions."""
     everything = {_from_form(i) for i in set(imports) | set(extra)}
     sections = ["from __future__ import annotations"]
-    for stdlib in (True, False):
-        chosen = [i for i in everything if (i[0].split(".")[0] in STDLIB) == stdlib]
+    kind = {m: 0 if m in STDLIB else 2 if first_party(m) else 1 for m in {i[0].split(".")[0] for i in everything}}
+    for section in (0, 1, 2):
+        chosen = [i for i in everything if kind[i[0].split(".")[0]] == section]
         plain = sorted({(m, a) for m, n, a in chosen if n is None}, key=lambda x: x[0].lower())
         lines = [f"import {m}" + (f" as {a}" if a else "") for m, a in plain]
         froms: dict[str, set[str]] = {}
@@ -203,6 +210,22 @@ def import_lines(imports: set[tuple[str, str | None, str | None]], extra: set = 
         if lines:
             sections.append("\n".join(lines))
     return sections
+
+
+@cache
+def first_party(module: str) -> bool:
+    """Whether ruff's isort would call the top-level ``module`` first party where the script is exported and
+    checked: a module found outside the installed packages (a file beside the notebook, a package worked on in
+    place) is; an installed one, or one not found here, is not."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return False
+    origin = getattr(spec, "origin", None) or next(iter(getattr(spec, "submodule_search_locations", None) or []), None)
+    if spec is None or not origin or origin in ("built-in", "frozen"):
+        return False
+    roots = {os.path.realpath(p) + os.sep for k, p in sysconfig.get_paths().items() if k in INSTALLED and p}
+    return not os.path.realpath(origin).startswith(tuple(roots))
 
 
 def _from_form(what: tuple) -> tuple:
