@@ -39,6 +39,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from .units import fmt_bytes, fmt_time
+
 SCHEMA_VERSION = 1
 
 # ---- vocabularies: the values a plan may hold (the planner, widget, runtime and export import them from here) ------
@@ -822,12 +824,9 @@ class Plan:
             s += f" amp={self.precision.amp}"
         if any(lp.compile for lp in self.layers):
             s += " compile"
-        if self.fused_loss:
-            s += " fused-loss"
-        if self.fused_norm:
-            s += " fused-norm"
+        s += "".join(f" {n}" for n, on in (("fused-loss", self.fused_loss), ("fused-norm", self.fused_norm)) if on)
         if self.cost is not None:
-            s += f" | {self.cost.step_time_s * 1e3:.1f} ms/step, peak {self.cost.peak_memory_bytes / 2**30:.2f} GiB"
+            s += f" | {fmt_time(self.cost.step_time_s)}/step, peak {fmt_bytes(self.cost.peak_memory_bytes)}"
         return s
 
     def __repr__(self) -> str:

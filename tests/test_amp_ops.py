@@ -15,6 +15,7 @@ from autopar_nb.export import render_script
 from autopar_nb.plan import Plan, PlanError, PrecisionPlan, normalize_fix
 from autopar_nb.runtime.amp import OpPrecision, step_context
 from autopar_nb.source import ModelSource
+from autopar_nb.units import fmt_time
 
 MLP_CELL = """\
 import torch
@@ -212,4 +213,4 @@ def test_the_plan_estimate_follows_the_lists():
     # the explanation says what the lists cost: the same setting with autocast's own lists
     (line,) = [x for x in plan.explanation if x.startswith("Op lists")]
     assert line.startswith("Op lists (kept in float32: linear (2 ops)): ") and "with autocast's own lists" in line
-    assert f"{kept.step_time_s * 1e3:.1f} ms/step" in line and f"against {free.step_time_s * 1e3:.1f} ms" in line
+    assert f"{fmt_time(kept.step_time_s)}/step" in line and f"against {fmt_time(free.step_time_s)}" in line

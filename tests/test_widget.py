@@ -24,6 +24,7 @@ from autopar_nb import Cluster, capture
 from autopar_nb.plan import PlanError
 from autopar_nb.session import Session
 from autopar_nb.source import ModelSource
+from autopar_nb.units import fmt_bytes, fmt_count, fmt_time
 from autopar_nb.widget import PlannerWidget, editor
 from autopar_nb.widget.layout import (
     CHANGED_COLOR,
@@ -37,7 +38,6 @@ from autopar_nb.widget.layout import (
     render_svg,
     svg_size,
 )
-from autopar_nb.widget.units import fmt_bytes, fmt_count, fmt_time
 from autopar_nb.zoo import GPT, GPTConfig, Llama, LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -926,8 +926,8 @@ def test_the_widget_shows_what_a_run_of_the_plan_measured_beside_the_prediction(
     assert tp["mfu"]["measured"] == pytest.approx(s.plan.cost.mfu * s.plan.cost.step_time_s / 0.3)
     text = s.plan.explain(run)  # the same figures in words, after the plan's own explanation
     assert text.startswith(s.plan.explain()) and "Measured by run abcdef01 (starting, 2 CPU processes" in text
-    assert f"Rank 0: peak 200.0 MiB against {state / 2**20:.1f} MiB predicted (x{bar['ratio']:.2f}); between " \
-           "steps 60.0 MiB against" in text and "Step time (median): 300.0 ms against" in text
+    assert f"Rank 0: peak 200 MiB against {fmt_bytes(state)} predicted (x{bar['ratio']:.2f}); between " \
+           "steps 60.0 MiB against" in text and "Step time (median): 300 ms against" in text
     s.replan(fix={"zero_stage": 3})  # another plan: its figures are not this run's
     assert w.measured == {}
     s.undo()
@@ -1099,3 +1099,17 @@ def test_a_launch_from_code_fills_the_widgets_measured_figures(tmp_path):
     state = mb.total - mb.margin
     assert state * (1 + factors["margin_fraction"]) + factors["margin_fixed_bytes"] == pytest.approx(peak, rel=1e-6)
     print("calibrated:", {k: v for k, v in factors.items() if k.startswith("margin")})
+
+
+def test_python_text_scales_its_units_as_the_widget_does():
+    """One figure, one way of writing it (issue 42): a plan's and a run's summary and the explanation write times and
+    sizes with the widget's units, never '0.0 ms/step' or '0.01 GiB'."""
+    from autopar_nb import plan, zoo
+    from autopar_nb.units import fmt_delta
+
+    graph = capture(zoo.SeedMLP(), torch.randn(32, 1024))
+    p = plan(graph, Cluster.preset("h100-80gb", 1, 2))
+    summary = p.summary()
+    assert f"{fmt_time(p.cost.step_time_s)}/step, peak {fmt_bytes(p.cost.peak_memory_bytes)}" in summary
+    assert "0.0 ms" not in summary and " 0.0" not in p.explain() and "0.00 GiB" not in summary
+    assert fmt_delta(-40.4e-6) == "-40.4 µs" and fmt_delta(0.0123) == "+12.3 ms"

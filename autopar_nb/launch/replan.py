@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import calibration
+from ..units import fmt_time
 from . import compare, watch
 from .monitor import peak_rss
 
@@ -419,7 +420,7 @@ class Replanner:
         factors, rec = calibration.time_factors(measured, predicted, current=current, compiled=compiled)
         if not factors:
             return {}, "step time not calibrated (no timed step)"
-        return factors, (f"steps took {measured * 1e3:.0f} ms against {predicted * 1e3:.0f} ms predicted "
+        return factors, (f"steps took {fmt_time(measured)} against {fmt_time(predicted)} predicted "
                          f"(x{rec['ratio']:.2f}), so the plan's speed factors are scaled by that")
 
     @staticmethod

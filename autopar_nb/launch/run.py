@@ -18,6 +18,7 @@ from typing import Any
 
 import psutil
 
+from ..units import fmt_bytes, fmt_time
 from . import compare, logfiles, procs, watch
 from .failure import failure_order
 from .hang import STARTUP_TIMEOUT_S, hang_message, silent_message, stalled_rank, waited_for
@@ -399,8 +400,6 @@ class Run:
     def explain(self) -> str:
         """The measured figures beside the plan's, in words (see :meth:`measured`); ``plan.explain(run)`` puts
         them after the plan's own explanation."""
-        from ..planner.explain import fmt_bytes
-
         m = self.measured()
 
         def fig(f, unit, what: str = "predicted") -> str:
@@ -416,8 +415,7 @@ class Run:
             lines.append(f"Rank {r}: peak {fig(f['peak'], fmt_bytes)}{reserve}; between steps "
                          f"{fig(f['between steps'], fmt_bytes)} (parameters and optimizer state).")
         t = m["time"]
-        ms = lambda x: f"{x * 1e3:.1f} ms"
-        lines.append(f"Step time (median): {fig(t, ms)}" + (f"; {t['note']}" if t["note"] else "") + ".")
+        lines.append(f"Step time (median): {fig(t, fmt_time)}" + (f"; {t['note']}" if t["note"] else "") + ".")
         lines.append("Each other component is not measured by a launched run (bench/memory.py measures them with "
                      "torch's memory tracker).")
         return "\n".join(lines)
@@ -877,7 +875,7 @@ class Run:
     def summary_line(self) -> str:
         """One line: steps and median step time."""
         s = self.summary()
-        t = f", {s['step_time_s'] * 1e3:.1f} ms/step" if s["step_time_s"] else ""
+        t = f", {fmt_time(s['step_time_s'])}/step" if s["step_time_s"] else ""
         return f"{s['steps']} steps{t}"
 
     def _errors_from_result(self, result: dict) -> None:

@@ -8,13 +8,11 @@ import re
 from ..cost.loss import unfused_loss_bytes
 from ..cost.tp_styles import LAYOUT_WORDS
 from ..plan import RECOMPUTE
+from ..units import fmt_bytes, fmt_delta, fmt_flops, fmt_time
 
 GiB = 2**30
 
 
-def fmt_bytes(n: float) -> str:
-    """'61.2 GiB', '850.0 MiB'."""
-    return f"{n / GiB:.1f} GiB" if abs(n) >= GiB else f"{n / 2**20:.1f} MiB"
 
 
 def _pct(a: float, b: float) -> str:
@@ -94,7 +92,7 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
     constraints."""
     c, s = best.cost, best.setting
     limit = best.limit
-    lines = [f"Chosen: {plan.summary()}; {c.model_tflops_per_gpu:.1f} model TFLOP/s per GPU "
+    lines = [f"Chosen: {plan.summary()}; {fmt_flops(c.model_tflops_per_gpu * 1e12)} of the model per GPU "
              f"(MFU {100 * c.mfu:.0f}%) on {cluster.world_size} x {cluster.device.name}."]
     parts = [("compute", c.compute_s), ("exposed communication", c.comm_exposed_s), ("pipeline bubble", c.bubble_s),
              ("optimizer step", c.optimizer_s)]
@@ -102,7 +100,7 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
         parts.append((CPU_WAIT, c.cpu_wait_s))
     lines.append("Step time goes to " + ", ".join(f"{n} {_pct(v, c.step_time_s)}" for n, v in parts) + ".")
     if c.comm_by_kind:
-        kinds = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(c.comm_by_kind.items(), key=lambda kv: -kv[1]))
+        kinds = ", ".join(f"{k} {fmt_time(v)}" for k, v in sorted(c.comm_by_kind.items(), key=lambda kv: -kv[1]))
         lines.append(f"Communication per step (before overlap): {kinds}.")
     peak_rank = max(range(len(c.memory_by_rank)), key=lambda r: c.memory_by_rank[r].total)
     mb = c.memory_by_rank[peak_rank]
@@ -144,7 +142,7 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
         diff = _setting_diff(ru.setting, s)
         rc = ru.cost
         deltas = [(n, getattr(rc, a) - getattr(c, a)) for n, a in TIME_DELTAS]
-        why = ", ".join(f"{d * 1e3:+.1f} ms {n}" for n, d in sorted(deltas, key=lambda kv: -abs(kv[1]))
+        why = ", ".join(f"{fmt_delta(d)} {n}" for n, d in sorted(deltas, key=lambda kv: -abs(kv[1]))
                         if abs(d) > 0.005 * c.step_time_s)
         lines.append(f"Runner-up: {_summary(ru)} is {_pct(rc.step_time_s - c.step_time_s, c.step_time_s)} slower"
                      + (f" ({why})" if why else "") + (f"; it uses {', '.join(diff)}" if diff else "") + ".")
@@ -174,17 +172,12 @@ def _cpu_bound_line(c) -> str:
     """Why a CPU-bound step takes what it does: the host's time issuing it, by part
     (``cost/cpu.py``)."""
     by_part = sorted(c.cpu_by_part.items(), key=lambda kv: -kv[1])
-    parts = ", ".join(f"{k} {_us(v)}" for k, v in by_part if v)
+    parts = ", ".join(f"{k} {fmt_time(v)}" for k, v in by_part if v)
     gpu = c.step_time_s - c.cpu_wait_s
-    return (f"CPU-bound: the host takes {_us(c.cpu_s)} to issue a step ({parts}), the GPU runs it "
-            f"in {_us(gpu)}, so it waits {_pct(c.cpu_wait_s, c.step_time_s)} of the step. Fewer "
+    return (f"CPU-bound: the host takes {fmt_time(c.cpu_s)} to issue a step ({parts}), the GPU runs it "
+            f"in {fmt_time(gpu)}, so it waits {_pct(c.cpu_wait_s, c.step_time_s)} of the step. Fewer "
             "wrappers (DDP rather than FSDP or TP), more work per op (larger micro-batches) or "
             "fewer ops (torch.compile, CUDA graphs) go faster; more GPUs do not.")
-
-
-def _us(seconds: float) -> str:
-    """'420 us', '2.2 ms'."""
-    return f"{seconds * 1e6:.0f} us" if seconds < 1e-3 else f"{seconds * 1e3:.1f} ms"
 
 
 def compile_lines(best, ev, cons, compilable: list[int]) -> list[str]:
@@ -203,10 +196,10 @@ def compile_lines(best, ev, cons, compilable: list[int]) -> list[str]:
     if on:
         why = "fix compile=True" if cons.fix.get("compile") else "chosen: a compiled run measured the factor"
         return [f"Compiled with torch.compile ({why}): "
-                f"{len(compilable)} layer(s), each on its own; predicted {gain * 1e3:.1f} ms/step faster than eager "
+                f"{len(compilable)} layer(s), each on its own; predicted {fmt_time(gain)}/step faster than eager "
                 f"({_pct(gain, other.step_time_s)}; {factor}), after a one-off compile at start-up."]
     return [f"Eager (not compiled): fix compile=True would compile {len(compilable)} layer(s), predicted "
-            f"{gain * 1e3:.1f} ms/step faster ({_pct(gain, c.step_time_s)}; {factor}, a guess until a compiled run "
+            f"{fmt_time(gain)}/step faster ({_pct(gain, c.step_time_s)}; {factor}, a guess until a compiled run "
             "calibrates it) after a one-off compile at start-up."]
 
 
@@ -221,12 +214,12 @@ def fused_norm_lines(best, ev, cons) -> list[str]:
            "not needed: on the CPU the op runs the eager kernels and only saves memory")
     line = (f"RMSNorms {'fused' if s.fused_norm else 'eager'} ({why}; kernels_ext.rms_norm keeps the input and one "
             f"fp32 rstd per row, not the normalised input; on CUDA one kernel, Liger-kernel's when installed): peak "
-            f"{fmt_bytes(c.peak_memory_bytes)}, {c.step_time_s * 1e3:.1f} ms/step")
+            f"{fmt_bytes(c.peak_memory_bytes)}, {fmt_time(c.step_time_s)}/step")
     if other is not None:
         oc = other.cost
         line += (f"; {'eager' if s.fused_norm else 'fused'}, this split needs {fmt_bytes(oc.peak_memory_bytes)}"
                  + (f" ({fmt_bytes(oc.peak_memory_bytes - best.limit)} over the limit)" if not other.fits else
-                    f" with {_recompute_words(other)} and takes {oc.step_time_s * 1e3:.1f} ms/step"))
+                    f" with {_recompute_words(other)} and takes {fmt_time(oc.step_time_s)}/step"))
     return [line + "."]
 
 
@@ -258,7 +251,7 @@ def fused_loss_lines(best, ev, cons, why_not: str) -> list[str]:
                          f"{fmt_bytes(oc.peak_memory_bytes - best.limit)} over the limit")
             else:
                 line += (f"; unfused, this split needs {fmt_bytes(oc.peak_memory_bytes)} with "
-                         f"{_recompute_words(other)} and takes {oc.step_time_s * 1e3:.1f} ms/step")
+                         f"{_recompute_words(other)} and takes {fmt_time(oc.step_time_s)}/step")
         line += (f". Peak {fmt_bytes(c.peak_memory_bytes)}; the logits are computed again in backward "
                  f"({2 * tokens * head.hidden * head.vocab / s.tp / 1e12:.3g} TFLOP per micro-batch"
                  f"{' and rank' if s.tp > 1 else ''}).")
@@ -268,7 +261,7 @@ def fused_loss_lines(best, ev, cons, why_not: str) -> list[str]:
     if other is not None:
         oc = other.cost
         return [f"Loss unfused: fusing the output head {head.module} with it would need "
-                f"{fmt_bytes(oc.peak_memory_bytes)} and {oc.step_time_s * 1e3:.1f} ms/step "
+                f"{fmt_bytes(oc.peak_memory_bytes)} and {fmt_time(oc.step_time_s)}/step "
                 f"({'does not fit' if not other.fits else 'slower'}); {what}."]
     if s.tp > 1 and s.pp > 1:
         return [f"Loss unfused: fusing the output head {head.module} with it runs vocab-parallel (tp > 1) or on the "
@@ -355,7 +348,7 @@ def _expert_lines(best, ranked, experts: dict[str, int]) -> list[str]:
                 f"rank; {edp} rank(s) hold each expert and average its gradients), so expert parameters, gradients "
                 f"and optimizer states are 1/{s.ep} per rank before ZeRO and their data-parallel traffic crosses "
                 f"{edp} rank(s) instead of {s.dp}; the token all-to-alls cost "
-                f"{c.comm_by_kind.get('all_to_all', 0.0) * 1e3:.1f} ms per step, not overlapped")
+                f"{fmt_time(c.comm_by_kind.get('all_to_all', 0.0))} per step, not overlapped")
         other = next((r for r in ranked if r.setting.ep == 1), None)
     else:
         line = f"Experts kept whole on every rank (ep=1; {len(experts)} experts modules of {each} experts)"
@@ -367,7 +360,7 @@ def _expert_lines(best, ranked, experts: dict[str, int]) -> list[str]:
         return [f"{line}; {why}."]
     oc = other.cost
     deltas = [(n, getattr(oc, a) - getattr(c, a)) for n, a in TIME_DELTAS]
-    why = ", ".join(f"{d * 1e3:+.1f} ms {n}" for n, d in sorted(deltas, key=lambda kv: -abs(kv[1]))
+    why = ", ".join(f"{fmt_delta(d)} {n}" for n, d in sorted(deltas, key=lambda kv: -abs(kv[1]))
                     if abs(d) > 0.005 * c.step_time_s)
     return [f"{line}; the best plan {'without expert parallelism' if s.ep > 1 else 'with expert parallelism'}, "
             f"{_summary(other)}, is "
@@ -384,7 +377,7 @@ def _summary(cand) -> str:
         out += f" accum x{s.micro_batches}"
     if s.fused_loss:
         out += " fused-loss"
-    return out + f" ({c.step_time_s * 1e3:.1f} ms, {fmt_bytes(c.peak_memory_bytes)})"
+    return out + f" ({fmt_time(c.step_time_s)}, {fmt_bytes(c.peak_memory_bytes)})"
 
 
 def _setting_diff(a, b) -> list[str]:
@@ -407,6 +400,6 @@ def op_list_lines(best, cons, default_ev, graph) -> list[str]:
                       for k, label in (("fp32_ops", "kept in float32:"), ("low_precision_ops", "in low precision:"))
                       if lists[k])
     c, d = best.cost, default_ev.evaluate(best.setting, best.choices)
-    return [f"Op lists ({named}): {c.step_time_s * 1e3:.1f} ms/step and {fmt_bytes(c.peak_memory_bytes)} peak, "
-            f"against {d.step_time_s * 1e3:.1f} ms and {fmt_bytes(d.peak_memory_bytes)} with autocast's own lists "
+    return [f"Op lists ({named}): {fmt_time(c.step_time_s)}/step and {fmt_bytes(c.peak_memory_bytes)} peak, "
+            f"against {fmt_time(d.step_time_s)} and {fmt_bytes(d.peak_memory_bytes)} with autocast's own lists "
             f"({(c.step_time_s / d.step_time_s - 1) * 100:+.0f} % time; each op costed at the dtype it runs in)."]

@@ -24,7 +24,7 @@ function h(tag, attrs = {}, ...children) {
   return e;
 }
 
-// ---- units: the same rules as autopar_nb/widget/units.py ---------------------------------------------------------
+// ---- units: the same rules as autopar_nb/units.py ----------------------------------------------------------------
 const sig3 = (x) => (Math.abs(x) < 10 ? x.toFixed(2) : Math.abs(x) < 100 ? x.toFixed(1) : x.toFixed(0));
 function bytes(n) {
   if (n === null || n === undefined) return "–";

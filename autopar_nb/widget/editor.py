@@ -18,7 +18,7 @@ from ..cost.tp_styles import LAYOUT_WORDS, part_split
 from ..graph import Layer, ModelGraph
 from ..hardware import PRESETS, Cluster
 from ..plan import AMP, RECOMPUTE, SCHEDULES, ZERO_STAGES, LayerPlan, Plan, PlanError, stage_rank
-from .units import fmt_bytes, fmt_count, fmt_time
+from ..units import fmt_bytes, fmt_count, fmt_time
 
 STRATEGY_LABELS = {
     "auto": "auto",

@@ -29,8 +29,8 @@ from typing import Any
 
 from ..graph import ModelGraph, OpNode
 from ..plan import DTYPE_NAMES, ITEMSIZE, Plan, within
+from ..units import fmt_bytes, fmt_count
 from .editor import STRATEGY_LABELS, current_strategy
-from .units import fmt_bytes, fmt_count
 
 # split key -> (legend label, fill colour). Light tints of the Okabe–Ito palette, chosen so that every pair stays
 # apart (CIE76 ΔE >= 12) for normal vision and deuteranopia (Machado et al. 2009), and black text reads on each

@@ -1,6 +1,6 @@
-"""One way to write sizes and times everywhere in the widget (the front end's ``bytes``/``secs`` in planner.js follow
-the same rules): bytes in binary units chosen per value (B, KiB, MiB, GiB, TiB), times in s, ms, µs or ns chosen per
-value, three significant digits."""
+"""One way to write sizes and times everywhere — the widget, plan summaries and explanations, run summaries (the front
+end's ``bytes``/``secs`` in planner.js follow the same rules): bytes in binary units chosen per value (B, KiB, MiB,
+GiB, TiB), times in s, ms, µs or ns chosen per value, three significant digits."""
 
 from __future__ import annotations
 
@@ -35,6 +35,17 @@ def fmt_time(s: float | None) -> str:
         if abs(s) >= scale * 0.9995 or unit == "ns":
             return f"{_sig3(s / scale)} {unit}"
     return f"{s} s"
+
+
+def fmt_delta(s: float) -> str:
+    """A signed time difference: '+1.23 ms', '-40.4 µs'."""
+    return ("-" if s < 0 else "+") + fmt_time(abs(s))
+
+
+def fmt_flops(rate: float | None) -> str:
+    """FLOP/s: '312 TFLOP/s', '1.23 GFLOP/s', '850 FLOP/s'."""
+    text = fmt_count(rate)
+    return f"{text[:-1]} {text[-1]}FLOP/s" if text[-1:].isalpha() else f"{text} FLOP/s"
 
 
 def fmt_count(x: float | None, unit: str = "") -> str:
