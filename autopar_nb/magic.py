@@ -9,7 +9,8 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from . import calibration
-from .capture import CaptureError, capture
+from .capture import CaptureError
+from .capture_cache import cached_capture
 from .cell import CellError, parse_fix, run_model_cell
 from .hardware import Cluster, parse_memory
 from .plan import AMP, FIX_ALIASES, FIX_CHOICES, FIX_KEYS, PlanError
@@ -143,7 +144,7 @@ class AutoparallelMagics(Magics):
             history = [c for c in self.shell.user_ns.get("In", [])[1:] if isinstance(c, str)]
             result = run_model_cell(cell, self.shell.user_ns, model_var=args.model, inputs_var=args.inputs,
                                     history=history, include_cells=args.include_cells, first_line=2)
-            graph = capture(result.model, result.model_inputs, source=result.source.code)
+            graph, _ = cached_capture(result.model, result.model_inputs, source=result.source.code)
             session = Session(graph, cluster, result.source, global_batch=args.batch, mode=args.mode, fix=fix,
                               per_rank_batch=result.per_rank_batch)
             session.replan()

@@ -59,7 +59,7 @@ class Session:
         Atomic: if the planner rejects the constraints (PlanError saying which one fails and by how much memory),
         the session keeps its previous constraints and plan. The previous state can be restored with undo().
         """
-        from .planner import plan as make_plan
+        from .planner import remembered_plan as make_plan
 
         fix = normalize_fix(self.fix if fix is None else fix)
         overrides = copy.deepcopy(self.overrides if overrides is None else overrides)

@@ -30,8 +30,8 @@ def test_imports_flow_one_way():
     nothing of the package (see the next test), so it is the bottom layer every stage may use: the cell's dataset is
     collated into example inputs at capture by the same function the exported script reads batches with."""
     order = ["runtime", "units", "source", "failures", "stand_in", "graph", "hardware", "plan", "capture_blocks",
-             "capture", "cell", "cost", "calibration", "planner", "export", "check", "measure", "launch", "verify",
-             "widget", "session", "magic", "demo"]
+             "capture", "capture_cache", "cell", "cost", "calibration", "planner", "export", "check", "measure",
+             "launch", "verify", "widget", "session", "magic", "demo"]
     rank = {name: i for i, name in enumerate(order)}
     checked = 0
     for path in PKG.rglob("*.py"):

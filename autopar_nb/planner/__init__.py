@@ -8,7 +8,11 @@ Pipeline: :mod:`.constraints` parses ``fix``/``overrides``; :mod:`.search` enume
 
 from __future__ import annotations
 
+import copy
 import fnmatch
+import json
+import weakref
+from collections import OrderedDict
 
 from ..cost.estimate import Evaluator
 from ..cost.loss import fused_head
@@ -60,6 +64,27 @@ def plan(graph, cluster, *, global_batch: int | None = None, per_rank_batch: int
     if per_rank_batch:
         return plan_per_rank(_plan, graph, cluster, per_rank_batch, **kwargs)
     return _plan(graph, cluster, global_batch=global_batch, **kwargs)
+
+
+_PLANS: OrderedDict[tuple[int, str], tuple[weakref.ref, Plan]] = OrderedDict()
+"""(graph, request) -> the plan :func:`remembered_plan` made for it; the latest :data:`REMEMBERED` are kept"""
+REMEMBERED = 8
+
+
+def remembered_plan(graph, cluster, **kwargs) -> Plan:
+    """:func:`plan`, made once per graph and request: the planner is deterministic, so a session re-planning what it
+    planned before (the magic re-run on an unchanged cell, whose capture is reused: ``capture_cache.py``) gets a
+    copy. Calls of :func:`plan` itself always plan (tests change the planner's switches between them)."""
+    key = (id(graph), json.dumps([repr(cluster), kwargs], sort_keys=True, default=repr))
+    hit = _PLANS.get(key)
+    if hit is not None and hit[0]() is graph:
+        _PLANS.move_to_end(key)
+        return copy.deepcopy(hit[1])
+    made = plan(graph, cluster, **kwargs)
+    _PLANS[key] = (weakref.ref(graph), copy.deepcopy(made))
+    while len(_PLANS) > REMEMBERED:
+        _PLANS.popitem(last=False)
+    return made
 
 
 def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None = None, fix: dict | None = None,
