@@ -176,6 +176,82 @@ def _torchrun(source, plan, path: Path, export) -> str:
     return f"torchrun failed: {(lines[-1] if lines else proc.stderr[-200:]).strip()[:160]}"
 
 
+# ---- what each family gets: TP inside a block, SP, PP, EP, CP ---------------------------------------------------
+KINDS = {"attention": ("Attention", "SelfAttention"), "MLP": ("MLP", "Mlp", "FeedForward", "Intermediate", "Output",
+                                                              "DenseReluDense", "LayerFF", "SparseMoe", "Experts")}
+"""a split module's kind, by the class names of the modules around it (innermost first: BERT's attention output
+dense is inside BertSelfOutput inside BertAttention)"""
+CAPABILITIES = ("TP: attention", "TP: MLP", "TP: embedding", "TP: output head", "SP", "PP", "EP", "CP")
+
+
+def split_kinds(model, plan) -> set[str]:
+    """What the plan's TP splits: "attention", "MLP", "embedding", "output head" (a Linear outside the blocks)."""
+    import torch.nn as nn
+
+    kinds = set()
+    for lp in plan.layers:
+        for path, style in lp.tp.items():
+            if style == "replicate":
+                continue
+            module = model.get_submodule(path)
+            if isinstance(module, nn.Embedding):
+                kinds.add("embedding")
+                continue
+            parts = path.split(".")
+            around = [type(model.get_submodule(".".join(parts[:i]))).__name__ for i in range(len(parts), 0, -1)]
+            kind = next((k for name in around for k, words in KINDS.items() if any(w in name for w in words)), None)
+            kinds.add(kind or ("output head" if lp.path == path else "other"))
+    return kinds
+
+
+def capabilities(names: list[str]) -> dict[str, dict[str, str]]:
+    """family -> column of :data:`CAPABILITIES` -> "✓", or why not: what the planner gives each family on 2 CPU
+    processes (``--fix tp=2``, ``pp=2``, ``ep=2`` for expert models, ``cp=2``)."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "autopar_nb")
+    out = {}
+    for name in names:
+        try:
+            session = ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2 --batch 4 --name zoo_session",
+                                        FAMILIES[name])
+        except BaseException as e:
+            out[name] = {c: "✗ " + _short(e) for c in CAPABILITIES}
+            continue
+        row = out[name] = {}
+        try:
+            tp = session.replan(fix={"tp": 2})
+            kinds = split_kinds(ip.user_ns["model"], tp)
+            for kind in ("attention", "MLP", "embedding", "output head"):
+                row[f"TP: {kind}"] = "✓" if kind in kinds else "—"
+            row["SP"] = "✓" if any(lp.sequence_parallel for lp in tp.layers) else "—"
+        except BaseException as e:
+            row.update({c: "—" for c in CAPABILITIES[:5]}, **{"TP: attention": "✗ " + _why(e)})
+        for column, fix in (("PP", {"pp": 2}), ("EP", {"ep": 2}), ("CP", {"cp": 2})):
+            try:
+                session.replan(fix=fix)
+                row[column] = "✓"
+            except BaseException as e:
+                row[column] = "— (no experts)" if "no experts" in str(e) else "✗ " + _why(e)
+    return out
+
+
+def _why(e: BaseException) -> str:
+    """The planner's reason, without the fix it answers: 'the model has no Linear/Embedding that TP can split'."""
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    text = text.split(": ", 1)[1] if text.startswith("fix ") and ": " in text else text
+    text = text.split(", but ", 1)[1] if text.startswith("fix ") and ", but " in text else text
+    return text if len(text) <= 110 else text[:107].rsplit(" ", 1)[0] + " ..."
+
+
+def capability_markdown(table: dict[str, dict[str, str]]) -> str:
+    rows = ["| family | " + " | ".join(CAPABILITIES) + " |", "|---" * (len(CAPABILITIES) + 1) + "|"]
+    rows += [f"| {name} | " + " | ".join(row[c].replace("|", "/") for c in CAPABILITIES) + " |"
+             for name, row in table.items()]
+    return "\n".join(rows)
+
+
 def markdown(table: dict[tuple[str, str], str], names: list[str]) -> str:
     """The table as Markdown: ✓ where the step works, the reason where it does not."""
     rows = ["| family | " + " | ".join(STEPS) + " |", "|---" * (len(STEPS) + 1) + "|"]
@@ -189,8 +265,13 @@ def markdown(table: dict[tuple[str, str], str], names: list[str]) -> str:
 def main() -> None:
     import tempfile
 
-    names = list(FAMILIES) if len(sys.argv) < 2 else sys.argv[1].split(",")
+    args = [a for a in sys.argv[1:] if a != "--capabilities"]
+    names = list(FAMILIES) if not args else args[0].split(",")
     t0 = time.time()
+    if "--capabilities" in sys.argv:
+        print(capability_markdown(capabilities(names)))
+        print(f"\n({time.time() - t0:.0f} s)")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         try:
             table = run_matrix(names, Path(tmp))

@@ -5,7 +5,7 @@ configs with their default flags go through capture + plan, verify of the planne
 from __future__ import annotations
 
 import pytest
-from families import FAMILIES, STEPS, markdown, run_matrix
+from families import CAPABILITIES, FAMILIES, STEPS, capabilities, capability_markdown, markdown, run_matrix
 from runtime_cases import has_transformers
 
 REFUSED = {("CNN + BatchNorm", "verify tp=2"): "no Linear/Embedding that TP can split"}
@@ -25,3 +25,15 @@ def test_every_family_runs_every_step(tmp_path):
                 assert REFUSED[(name, step)] in got, (name, step, got)
             else:
                 assert got == "ok", (name, step, got)
+
+
+@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+def test_what_each_family_gets_is_generated_from_the_planner():
+    """The README's family table (issue 40): what TP splits inside a block, SP, PP, EP, CP, as the planner gives it;
+    a decoder gets everything but EP, an MoE gets EP, a CNN has nothing for TP and says so."""
+    table = capabilities(["LLaMA", "Mixtral", "CNN + BatchNorm"])
+    print(capability_markdown(table))
+    assert all(table["LLaMA"][c] == "✓" for c in CAPABILITIES if c != "EP") and "no experts" in table["LLaMA"]["EP"]
+    assert table["Mixtral"]["EP"] == "✓" and table["Mixtral"]["TP: attention"] == "✓"
+    assert table["CNN + BatchNorm"]["TP: attention"] == "✗ the model has no Linear/Embedding that TP can split"
+    assert table["CNN + BatchNorm"]["PP"] == "✓"
