@@ -136,21 +136,23 @@ def test_repeated_blocks_are_one_relative_plan(scripts):
 def test_32_layer_llama_script_stays_short(tmp_path):
     """The measure of the 'readable script' issue: the train.py of a 32-layer LLaMA with TP + SP + FSDP + selective
     recompute is at most 200 lines, as long as a 2-layer one's, and ruff-clean under ruff's default rules (the
-    project's line length); its runtime module is as long as it is. The one-file form is as long as before."""
+    project's line length), its runtime module too (as long as it is). The one-file form is as long as before."""
     lengths = {}
     for layers in (2, 32):
         src, plan = _planned(HF_LLAMA.format(layers=layers),
                              {"tp": 2, "dp": 4, "zero_stage": 3, "sequence_parallel": True, "recompute": "selective"})
         text, runtime = render_two_files(src, plan, script_name="train.py")
         (tmp_path / "train.py").write_text(text)
+        (tmp_path / "train_runtime.py").write_text(runtime)
         lengths[layers] = len(text.splitlines()), len(runtime.splitlines()), len(render_script(src, plan).splitlines())
     print(lengths)  # (train.py, train_runtime.py, the one file)
     assert lengths[32] == lengths[2]  # nothing is unrolled per layer
     assert lengths[32][0] <= 200  # 181 on 2026-12-06
-    proc = ruff([tmp_path / "train.py"], defaults=True)
+    proc = ruff([tmp_path / "train.py", tmp_path / "train_runtime.py"], defaults=True)  # both files
     assert proc.returncode == 0, proc.stdout
     assert "noqa" not in text
-    assert lengths[32][2] <= 942  # the one file (single_file=True); its history:
+    assert lengths[32][2] <= 943  # the one file (single_file=True; 943 with the fused-norm probe's exceptions named
+    # for ruff's defaults, +1); its history:
     # ~500 of them the runtime it carries (loop, DCP + data position, metrics, data-
     # wait verdict, clipping, styles, AMP op-list hook, the model-call helper, context parallelism's mesh and shard
     # hook, ...): 778 on 2026-12-01 (the metrics hello with torchrun's restart count, limit and world: +4); 790 with

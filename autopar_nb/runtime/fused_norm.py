@@ -66,7 +66,8 @@ def _computes_rms_norm(module: nn.Module, eps: float) -> bool:
         want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * probe.weight
         try:
             got = probe(x)
-        except Exception:  # a module this probe cannot call is not one to fuse
+        except (TypeError, ValueError, RuntimeError, AttributeError, IndexError, NotImplementedError):
+            # a module this probe cannot call is not one to fuse
             return False
     return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, rtol=1e-5,
                                                                                            atol=1e-6)
