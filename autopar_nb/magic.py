@@ -99,7 +99,11 @@ class AutoparallelMagics(Magics):
         The cell runs with every tensor on the meta device (no weights are allocated, so a 100B model plans on a
         laptop). It must bind the model (``model``) and example inputs (``example_inputs``: a tensor, a tuple of
         tensors or a dict of tensors); it may define ``loss_fn(model, batch)`` and ``make_batch(step, rank)``, which
-        verify, launch and the exported script use. The cell must be self-contained (its own imports), because
+        verify, launch and the exported script use, or bind a ``dataset`` (its first samples are then the example).
+        With ``loss_fn`` the batch may be ``(x, y)``, a dict or ``(inputs, labels)``: the model is captured on what
+        ``loss_fn`` gives it. ``make_batch`` returns one data-parallel rank's samples: each plan trains that many per
+        rank (the global batch is that times dp, and a ``--batch`` that disagrees is said). Re-running the cell with
+        the model unchanged reuses its capture and plan. The cell must be self-contained (its own imports), because
         workers and the exported script run it on their own.
 
         The session is bound to ``ap`` (or ``--name``) and shown as the cell's output (the planner widget); it is
