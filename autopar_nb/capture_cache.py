@@ -56,7 +56,7 @@ def capture_key(model: nn.Module, example_inputs: Any) -> str:
                 if isinstance(attr, types.FunctionType):
                     _code(h, attr, seen)
         for attr, value in sorted(vars(module).items()):
-            if not attr.startswith("_") and not isinstance(value, (nn.Module, torch.Tensor)):
+            if not attr.startswith("_") and not isinstance(value, nn.Module):
                 _value(h, attr, value, seen)
         for pname, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             h.update(f"{pname}{tuple(t.shape)}{t.dtype}{t.requires_grad}".encode())
@@ -68,7 +68,9 @@ def capture_key(model: nn.Module, example_inputs: Any) -> str:
 
 
 def _value(h, attr: str, value: Any, seen: set[int]) -> None:
-    if isinstance(value, types.FunctionType):
+    if isinstance(value, torch.Tensor):  # a plain tensor attribute (a mask not registered as a buffer)
+        h.update(f"{attr}{tuple(value.shape)}{value.dtype}".encode())
+    elif isinstance(value, types.FunctionType):
         _code(h, value, seen)
     else:
         h.update(f"{attr}={ADDRESS.sub('', repr(value))}".encode())
