@@ -88,9 +88,9 @@ class ModelSource:
         batch)`` passes to the model, found by calling it with a hook that stops at the model's first call (nothing
         of the forward runs): ``(x, y)`` samples the loss unpacks, dicts, ``(inputs, labels)``. A call that mixes
         positional and keyword arguments comes back as keywords (the forward's parameter names). Raises
-        ``ValueError`` when the loss does not call the model. Example inputs the code binds beside a dataset whose
-        batches the loss unpacks may be the model's own inputs (``example_inputs = (tokens,)`` with ``(tokens,
-        index)`` batches): where the loss fails on them, they are taken as they are."""
+        ``ValueError`` when the loss does not call the model. Example inputs the code binds may be the model's own
+        inputs where its batches (a dataset's, ``make_batch``'s) are more (``example_inputs = (dense, sparse)`` with
+        ``(dense, sparse, label)`` batches): where the loss fails on them, they are taken as they are."""
         example = self.example_inputs(ns) if example is None else example
         if self.loss_fn_var is None:
             return example
@@ -107,7 +107,7 @@ class ModelSource:
         except _ModelCalled:
             pass
         except Exception:
-            if self.inputs_var is None or self.dataset_var is None:
+            if self.inputs_var is None:  # the example is the dataset's samples: the loss must take them
                 raise
             return example
         finally:
