@@ -42,6 +42,7 @@ from typing import Any
 from .units import fmt_bytes, fmt_time
 
 SCHEMA_VERSION = 1
+MAX_DEGREE = 2**20  # the largest parallel degree or stage count a plan may hold (a million ranks)
 
 # ---- vocabularies: the values a plan may hold (the planner, widget, runtime and export import them from here) ------
 ZERO_STAGES = (0, 1, 2, 3)
@@ -144,17 +145,18 @@ def normalize_fix(fix: dict[str, Any] | None) -> dict[str, Any]:
 
 # ---- field checks (each names the field) ---------------------------------------------------------------------------
 def _check_choice(what: str, value: Any, allowed: tuple) -> None:
-    # type first (each vocabulary holds values of one type): True == 1 and 1.0 == 1, so `in` alone would take them
-    # for zero_stage 1
+    # type first (a vocabulary holds one type): True == 1 == 1.0, so `in` alone would take them for zero_stage 1
     if type(value) is not type(allowed[0]) or value not in allowed:
         raise PlanError(f"{what}={value!r} is not supported; choose one of {', '.join(map(repr, allowed))}")
 
 
-def _check_int(what: str, value: Any, *, minimum: int | None = None) -> None:
+def _check_int(what: str, value: Any, *, minimum: int | None = None, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise PlanError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
     if minimum is not None and value < minimum:
         raise PlanError(f"{what} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise PlanError(f"{what} must be <= {maximum}, got {value}")
 
 
 def _check_number(what: str, value: Any, *, minimum: float | None = None, below: float | None = None,
@@ -182,9 +184,7 @@ def _check_str(what: str, value: Any) -> None:
 
 def _check_module_path(what: str, value: Any, *, root: bool) -> None:
     _check_str(what, value)
-    if value == "" and root:
-        return
-    if not MODULE_PATH.fullmatch(value):
+    if not (value == "" and root) and not MODULE_PATH.fullmatch(value):
         raise PlanError(f"{what}={value!r} is not a module path: dotted names of letters, digits, '_' and '-' "
                         f"(as nn.Module.named_modules() yields them){', or the root' if root else ''}")
 
@@ -231,7 +231,7 @@ class MeshPlan:
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "ep", "cp"):
-            _check_int(f"mesh.{name}", getattr(self, name), minimum=1)
+            _check_int(f"mesh.{name}", getattr(self, name), minimum=1, maximum=MAX_DEGREE)
         _check_choice("mesh.zero_stage", self.zero_stage, ZERO_STAGES)
         if self.dp % self.ep:
             raise PlanError(f"mesh.ep({self.ep}) must divide mesh.dp({self.dp}): expert parallelism splits the "
@@ -276,7 +276,7 @@ class PipelinePlan:
 
     def __post_init__(self):
         _check_choice("pipeline.schedule", self.schedule, SCHEDULES)
-        _check_int("pipeline.virtual_stages", self.virtual_stages, minimum=1)
+        _check_int("pipeline.virtual_stages", self.virtual_stages, minimum=1, maximum=MAX_DEGREE)
 
 
 @dataclass

@@ -161,6 +161,8 @@ def _set(d: dict, path: str, value) -> dict:
     ("model.name", ["GPT"], r"model\.name must be a string"),
     ("alternatives.0.mesh.pp", "2", r"alternatives\[0\]: mesh\.pp must be an integer"),
     ("mesh.ep", 0, r"mesh\.ep must be >= 1"),
+    ("mesh.dp", 10**30, r"mesh\.dp must be <= 1048576, got 10{30}"),  # absurd degrees from a file (issue 46)
+    ("pipeline.virtual_stages", 10**30, r"pipeline\.virtual_stages must be <= 1048576"),
     ("mesh.ep", 3, r"mesh\.ep\(3\) must divide mesh\.dp\(2\).*dp\(2\) % ep\(3\) = 2"),
     ("mesh.ep", 2, r"mesh\.ep=2 but experts is empty"),
     ("experts", "h.*.experts", r"experts must be a list"),
