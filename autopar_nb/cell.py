@@ -146,6 +146,10 @@ def run_model_cell(code: str, user_ns: dict[str, Any], *, model_var: str | None 
         if not _is_inputs(example_inputs):
             raise CellError(f"the samples of {dataset!r}, collated, are a {type(example_inputs).__name__}, not a "
                             "tensor, tuple or dict of tensors; give the cell a collate_fn that makes one")
+    elif make_batch and not inputs_var and not any(_is_inputs(v) for k, v in bound.items() if not k.startswith("_")):
+        inputs_var = None  # make_batch(0, 0) is the example
+        source = ModelSource(code, model_var, None, loss_fn, make_batch, first_line=first_line)
+        example_inputs = _make_batch_example(source, ns)
     else:
         inputs_var = inputs_var or _find_inputs(bound)
         example_inputs = _require(ns, inputs_var, object, "--inputs", "example inputs")
@@ -154,6 +158,19 @@ def run_model_cell(code: str, user_ns: dict[str, Any], *, model_var: str | None 
                          first_line=first_line)
     return CellResult(source, model, example_inputs, ns, bound, included, _model_inputs(source, ns, example_inputs),
                       _per_rank_batch(source, ns))
+
+
+def _make_batch_example(source: ModelSource, ns: dict[str, Any]) -> Any:
+    try:
+        with torch.device("meta"):
+            example = source.example_inputs(ns)
+    except Exception as e:
+        raise CellError(f"calling {source.make_batch_var}(0, 0) for the example inputs failed: "
+                        f"{_describe_user_error(e, source)}; bind example_inputs in the cell") from None
+    if not _is_inputs(example):
+        raise CellError(f"{source.make_batch_var}(0, 0) returned a {type(example).__name__}, not a tensor, tuple or "
+                        "dict of tensors")
+    return example
 
 
 def _per_rank_batch(source: ModelSource, ns: dict[str, Any]) -> int | None:

@@ -33,7 +33,7 @@ class ModelSource:
     code: str
     model_var: str = "model"
     inputs_var: str | None = "example_inputs"
-    """None: the example inputs are the dataset's first samples (``dataset_var`` is set)"""
+    """None: the example inputs are the dataset's first samples (``dataset_var`` is set), else ``make_batch(0, 0)``"""
     loss_fn_var: str | None = None
     """name of ``loss_fn(model, batch)`` when the code defines one"""
     make_batch_var: str | None = None
@@ -118,9 +118,11 @@ class ModelSource:
 
     def example_inputs(self, ns: dict[str, Any]) -> Any:
         """The example inputs in the namespace ``ns`` the code made: its ``inputs_var``, else the dataset's first
-        :data:`EXAMPLE_SAMPLES` samples collated."""
+        :data:`EXAMPLE_SAMPLES` samples collated, else ``make_batch(0, 0)`` (rank 0's first batch)."""
         if self.inputs_var is not None:
             return ns[self.inputs_var]
+        if self.dataset_var is None:
+            return ns[self.make_batch_var](0, 0)
         from .runtime.data import first_batch
 
         collate = ns[self.collate_fn_var] if self.collate_fn_var else None

@@ -4,6 +4,8 @@ its dp, and a --batch that disagrees is said in one line before anything runs.""
 
 from __future__ import annotations
 
+import pytest
+
 import autopar_nb as ap
 from autopar_nb.cell import run_model_cell
 
@@ -51,3 +53,30 @@ def test_the_planner_compares_meshes_per_sample():
         other = ap.plan(graph, cluster, global_batch=8 * dp, fix={"dp": dp})
         assert best.cost.samples_per_s >= other.cost.samples_per_s * (1 - 1e-9)
     assert best.batch.global_batch == 8 * best.mesh.dp
+
+
+NO_EXAMPLE = '''
+import torch, torch.nn as nn
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+def make_batch(step, rank):
+    g = torch.Generator().manual_seed(step * 10 + rank)
+    return (torch.randn(8, 16, generator=g),)
+'''
+
+
+def test_make_batch_alone_gives_the_example():
+    """A cell with make_batch and no example inputs: make_batch(0, 0), on the meta device, is the example."""
+    result = run_model_cell(NO_EXAMPLE, {})
+    assert result.source.inputs_var is None and result.per_rank_batch == 8
+    assert result.example_inputs[0].shape == (8, 16) and result.example_inputs[0].is_meta
+
+
+@pytest.mark.multiprocess
+def test_make_batch_alone_trains_like_one_process():
+    from runtime_cases import make_plan
+
+    from autopar_nb.verify import verify
+
+    src = run_model_cell(NO_EXAMPLE, {}).source
+    report = verify(src, make_plan(src, dp=2, zero=3), steps=2, nproc=2)
+    assert report.ok, str(report)
