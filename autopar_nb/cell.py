@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from .plan import FIX_ALIASES, FIX_KEYS
+from .runtime.data import first_tensor
 from .source import ModelSource
 
 INPUT_NAMES = ("example_inputs", "inputs", "example_input", "batch")
@@ -161,12 +162,7 @@ def run_model_cell(code: str, user_ns: dict[str, Any], *, model_var: str | None 
 
 
 def _make_batch_example(source: ModelSource, ns: dict[str, Any]) -> Any:
-    try:
-        with torch.device("meta"):
-            example = source.example_inputs(ns)
-    except Exception as e:
-        raise CellError(f"calling {source.make_batch_var}(0, 0) for the example inputs failed: "
-                        f"{_describe_user_error(e, source)}; bind example_inputs in the cell") from None
+    example = _first_batch(source, ns, "for the example inputs")
     if not _is_inputs(example):
         raise CellError(f"{source.make_batch_var}(0, 0) returned a {type(example).__name__}, not a tensor, tuple or "
                         "dict of tensors")
@@ -174,18 +170,20 @@ def _make_batch_example(source: ModelSource, ns: dict[str, Any]) -> Any:
 
 
 def _per_rank_batch(source: ModelSource, ns: dict[str, Any]) -> int | None:
-    """The samples of ``make_batch(0, 0)``, called on the meta device (no storage), or None without make_batch."""
+    """The samples of ``make_batch(0, 0)``, or None without make_batch."""
     if source.make_batch_var is None:
         return None
-    from .runtime.data import first_tensor
+    return int(first_tensor(_first_batch(source, ns, "to read its batch size")).shape[0])
 
+
+def _first_batch(source: ModelSource, ns: dict[str, Any], why: str) -> Any:
+    """``make_batch(0, 0)`` called on the meta device (no storage); its failure as one CellError."""
     try:
         with torch.device("meta"):
-            batch = ns[source.make_batch_var](0, 0)
-        return int(first_tensor(batch).shape[0])
+            return ns[source.make_batch_var](0, 0)
     except Exception as e:
-        raise CellError(f"calling {source.make_batch_var}(0, 0) to read its batch size failed: "
-                        f"{_describe_user_error(e, source)}") from None
+        raise CellError(f"calling {source.make_batch_var}(0, 0) {why} failed: {_describe_user_error(e, source)}; "
+                        "bind example_inputs in the cell, or fix make_batch") from None
 
 
 def _model_inputs(source: ModelSource, ns: dict[str, Any], example: Any) -> Any:
