@@ -540,7 +540,7 @@ def predict(row: Row, graph) -> Result:
         # planner's most frugal candidate (what it would run given that memory), cost on the real
         res.fits, res.need_gib = False, float(need.group(1))
         try:
-            plan = ap.plan(graph, cluster_for(row, res.need_gib + 0.2), **kw)
+            plan = ap.plan(graph, cluster_for(row, res.need_gib * 1.005 + 0.2), **kw)  # "307 GiB": 3 digits
         except ap.PlanError as e2:
             res.refused = "no plan on a larger card either: " + " ".join(str(e2).split())
             res.seconds = time.perf_counter() - t0

@@ -538,7 +538,7 @@ def test_groups_expand_and_keep_depth(resnet_graph, gpt12_graph):
 def test_folds_never_hide_a_difference(gpt_graph):
     """A folded block whose members differ says so in its label ("3 TP col → row, 1 FSDP unit"), its nodes show
     both splits, and it expands to show which."""
-    s = _session(gpt_graph, gpus=4, global_batch=32, fix={"tp": 2, "zero_stage": 3})
+    s = _session(gpt_graph, gpus=4, global_batch=32, fix={"tp": 2, "zero_stage": 3, "pp": 1})
     w = s.widget()
     w.handle({"kind": "shard", "layers": ["h.2"], "value": "fsdp"})
     assert w.messages[0]["level"] == "info", w.messages

@@ -5,10 +5,10 @@ What is exact and what is heuristic:
 
 * **Exact (exhaustive)**: every mesh ``dp * tp * pp = world`` with TP inside a node dividing every head count and
   split Linear dim, PP <= layers, DP dividing the global batch; every ZeRO stage; 1F1B and, where it applies,
-  interleaved 1F1B (v = 2); for a model with experts modules, every expert-parallel degree inside a node that
-  divides dp and each module's number of experts (tp = pp = 1: what the runtime runs). Configurations are costed
-  in order of a lower bound on their step time and skipped once the bound exceeds the ``top_k``-th best feasible
-  time, which never drops one of the ``top_k`` best.
+  interleaved 1F1B with each of :data:`VIRTUAL_STAGES` chunks per rank that the layers allow; for a model with
+  experts modules, every expert-parallel degree inside a node that divides dp and each module's number of experts
+  (tp = pp = 1: what the runtime runs). Configurations are costed in order of a lower bound on their step time and
+  skipped once the bound exceeds the ``top_k``-th best feasible time, which never drops one of the ``top_k`` best.
 * **Heuristic (sampled)**: micro-batch sizes: every divisor of the per-replica batch when there are at most 8,
   else the 4 largest and the 4 smallest.
 * **Exact (optimal)**: pipeline stage boundaries minimise the slowest stage's time for the chosen per-layer costs:
@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from ..cost.estimate import Evaluator
 from ..cost.floor import memory_floor
 from ..cost.norm import one_kernel
-from ..cost.schedule import ZERO_BUBBLE
+from ..cost.schedule import MULTI_STAGE, ZERO_BUBBLE
 from ..cost.setting import LayerChoice, Setting
 from ..cost.time import bubble_fraction
-from ..plan import Cost, PlanError, stage_rank
+from ..plan import V_SCHEDULES, Cost, PlanError, stage_rank
 from .recompute import choose_recompute
 from .stages import memory_partition, partition, partition_runs
 
@@ -64,6 +64,13 @@ class Candidate:
         s = self.setting
         return (s.dp, s.tp, s.pp, s.zero_stage, s.micro_batches, s.schedule, s.virtual_stages, s.ep, s.cp)
 
+
+VIRTUAL_STAGES = (2, 3, 4, 6, 8)
+"""chunks per rank the looped schedules are tried with: a bubble of (pp - 1) / v stage-times shrinks with v while
+each micro-batch crosses v times as many stage boundaries and each rank holds more micro-batches in flight (the
+cost model prices both); Megatron-LM's SC21 runs and Llama 3's use up to a few layers per chunk"""
+LOOPED = tuple(s for s in MULTI_STAGE if s not in V_SCHEDULES)
+"""schedules that run any number of chunks per rank (a V schedule runs two)"""
 
 def divisors(n: int) -> list[int]:
     """Positive divisors of n, ascending."""
@@ -346,12 +353,12 @@ class Search:
             return [(fix.get("schedule", "1f1b"), 1)]
         if "schedule" in fix:
             sch = fix["schedule"]
-            v = fix.get("virtual_stages", 2 if sch in ("interleaved_1f1b", "looped_bfs",
-                                                       "interleaved_zero_bubble", "zbv_zero_bubble") else 1)
-            return [(sch, v)]
+            if "virtual_stages" in fix or sch not in LOOPED:
+                return [(sch, fix.get("virtual_stages", 2 if sch in MULTI_STAGE else 1))]
+            return [(sch, v) for v in VIRTUAL_STAGES if pp * v <= self.n] or [(sch, 2)]
         out = [("1f1b", 1)]
-        if self.n >= 2 * pp and m % pp == 0 and not self.pins:
-            out.append(("interleaved_1f1b", 2))
+        if m % pp == 0 and not self.pins:
+            out += [("interleaved_1f1b", v) for v in VIRTUAL_STAGES if pp * v <= self.n]
         return out
 
     # ---- costing ------------------------------------------------------------------------------------------------
