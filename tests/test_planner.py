@@ -414,3 +414,18 @@ def test_precision_only_where_the_device_has_it(seed, preset, amp):
     if amp == "fp16":
         with pytest.raises(PlanError, match="no bf16"):
             ap.plan(seed, cluster, fix={"amp": "bf16"})
+
+
+def test_interleaving_tries_more_chunks_where_the_bubble_pays():
+    """With the schedule fixed as interleaved 1F1B and the chunks per rank left open, the planner tries every
+    v the layers allow (pp x v <= layers) and takes the fastest: at 4 ranks and 4 micro-batches the bubble
+    (pp - 1) / v of the stage time dominates, so more chunks than the former fixed 2 pay."""
+    cfg = zoo.GPTConfig(n_layer=16, n_head=8, n_embd=512, vocab_size=8192, block_size=256)
+    graph = capture(lambda: zoo.GPT(cfg), torch.randint(0, 8192, (4, 256)))
+    fix = {"pp": 4, "dp": 1, "tp": 1, "micro_batches": 4, "schedule": "interleaved_1f1b"}
+    plan = ap.plan(graph, h100(gpus=4), global_batch=4, fix=fix)
+    by_v = {v: ap.plan(graph, h100(gpus=4), global_batch=4, fix=fix | {"virtual_stages": v}).cost.step_time_s
+            for v in (2, 3, 4)}
+    assert plan.pipeline.virtual_stages == min(by_v, key=by_v.get) > 2, (plan.summary(), by_v)
+    with pytest.raises(PlanError):  # 4 x 6 chunks > 16 layers: not a candidate, and refused when fixed
+        ap.plan(graph, h100(gpus=4), global_batch=4, fix=fix | {"virtual_stages": 6})

@@ -54,10 +54,13 @@ TP_PP = {"tp": 2, "pp": 2, "micro_batches": 4, "schedule": "1f1b"}
 TP_LAYOUTS = {"tp2_pp2": (4, TP_PP),
               "dp2_tp2_pp2_zero3": (8, TP_PP | {"dp": 2, "zero_stage": 3, "micro_batches": 2}),
               "tp2_pp2_zbv": (4, TP_PP | {"schedule": "zbv_zero_bubble", "virtual_stages": 2}),
-              "tp2_pp2_interleaved": (4, TP_PP | {"schedule": "interleaved_1f1b", "virtual_stages": 2})}
+              "tp2_pp2_interleaved": (4, TP_PP | {"schedule": "interleaved_1f1b", "virtual_stages": 2}),
+              # four chunks a rank (8 layers): the planner tries v up to 8 where the layers allow
+              "tp2_pp2_interleaved4": (4, TP_PP | {"schedule": "interleaved_1f1b", "virtual_stages": 4})}
 TP_CASES = ([(name, "tp2_pp2", "none") for name in TP_NAMES]
             + [(name, "dp2_tp2_pp2_zero3", amp) for name in TP_NAMES for amp in ("none", "bf16")]
-            + [("LLaMA", "tp2_pp2_zbv", "none"), ("GPT-2", "tp2_pp2_interleaved", "bf16")])
+            + [("LLaMA", "tp2_pp2_zbv", "none"), ("GPT-2", "tp2_pp2_interleaved", "bf16"),
+               ("LLaMA", "tp2_pp2_interleaved4", "none")])
 # FSDP (ZeRO-3) stages under the schedules that split the backward into an input and a weight
 # pass, 2 stages a rank (4 layers): in the launch of 4 processes above
 ZB_PP = {"dp": 2, "pp": 2, "zero_stage": 3, "micro_batches": 4, "virtual_stages": 2}
