@@ -231,10 +231,10 @@ def test_resume_from_checkpoint_equals_uninterrupted(exported, server, tmp_path)
     ckpt = tmp_path / "ckpt"
     torchrun(script, "--stop-at", "2", "--ckpt-dir", str(ckpt), "--ckpt-every", "2", server=server)
     first = losses_of(server)
-    (ckpt / "step_3").mkdir()  # what a run killed in the middle of a save leaves: a folder not marked COMPLETE
+    (ckpt / "step_3").mkdir()  # what a run killed in the middle of a save leaves: a folder without its manifest
     proc = torchrun(script, "--steps", "4", "--ckpt-dir", str(ckpt), "--ckpt-every", "2", server=server)
     second = losses_of(server)
-    assert "resumed from" in proc.stdout and "step_2" in proc.stdout and (ckpt / "step_4" / "COMPLETE").exists()
+    assert "resumed from" in proc.stdout and "step_2" in proc.stdout and (ckpt / "step_4" / "manifest.json").exists()
     assert first + second == pytest.approx(uninterrupted, rel=1e-6, abs=0)
 
 

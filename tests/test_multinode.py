@@ -277,7 +277,7 @@ def test_node_loss_shrinks_resumes_and_rejoins(nodes, tmp_path):
         procs = [start(0, "a"), start(1, "b1")]
         _wait_for(gate / "step3_world2.reached0", procs)
         _wait_for(gate / "step3_world2.reached1", procs)
-        assert (tmp_path / "ckpt" / "step_3" / "COMPLETE").exists()
+        assert (tmp_path / "ckpt" / "step_3" / "manifest.json").exists()
         kill_namespace_processes(nodes[1])  # the node is gone: its agent and its worker
         procs[1].wait()
         t_lost = time.perf_counter()

@@ -146,7 +146,7 @@ def test_near_the_limit_the_run_stops_at_the_first_checkpoint_after_two_timed_st
 
     def checkpoint(step):
         (tmp_path / "ck" / f"step_{step}").mkdir(parents=True)
-        (tmp_path / "ck" / f"step_{step}" / "COMPLETE").touch()
+        (tmp_path / "ck" / f"step_{step}" / "manifest.json").touch()
 
     def steps(run, *ks):
         with run._lock:

@@ -107,7 +107,7 @@ def test_sbatch_job_trains_on_two_nodes_requeues_and_resumes(cluster, tmp_path):
                 cluster.job_state(job), cluster.logs(), _output(tmp_path, job_name, job))
             time.sleep(0.1)
         t_held = time.perf_counter()
-        assert (tmp_path / "train_slurm-ckpt" / "step_2" / "COMPLETE").exists()
+        assert (tmp_path / "train_slurm-ckpt" / "step_2" / "manifest.json").exists()
         # what Slurm sends requeue_before_s before the time limit: the batch script's trap requeues the job
         cluster.run(["scancel", "--batch", "--signal=USR1", job])
         deadline = time.monotonic() + 60

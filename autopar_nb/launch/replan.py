@@ -210,7 +210,7 @@ def steps_reported(run) -> int:
 
 
 def checkpoint_of(ckpt_dir: str | None) -> str | None:
-    """The newest complete checkpoint in ``ckpt_dir`` (the runtime's own rule: a ``step_N`` with ``COMPLETE``)."""
+    """The newest complete checkpoint in ``ckpt_dir`` (the runtime's own rule: a ``step_N`` with its manifest)."""
     from ..runtime.checkpoint import latest_checkpoint
 
     return latest_checkpoint(str(ckpt_dir)) if ckpt_dir else None

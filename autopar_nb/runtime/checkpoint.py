@@ -1,17 +1,25 @@
 """Distributed checkpoints (DCP): every rank writes its shards; a checkpoint loads at another world size or layout.
 
-A checkpoint counts once every rank finished writing it (a ``COMPLETE`` marker after a barrier), so a run killed in
-the middle of a save resumes from the one before. ZeRO-1's ``ZeroRedundancyOptimizer`` has no DCP state dict: its
-shards are one file per rank (resume with the same data-parallel size). Tensors split part by part (fused
-projections, ``_StridedShard``) are stored in their original layout (see :func:`dcp_layout`). Keys are the model's
-parameter names whatever the plan: a rank holding several pipeline stages (:class:`PipelineStages`) stores its
-stages' entries without the stage index, so a checkpoint written under one schedule loads under any other plan.
+A checkpoint counts once every rank finished writing it: its manifest (``manifest.json``: each file's size and
+CRC-32), written last and atomically, marks it complete, so a run killed in the middle of a save, or a save that
+failed (a full disk), resumes from the one before. At resume every file is checked against the manifest, and a
+truncated or damaged checkpoint is passed over for the newest one that is whole (:func:`resume_point`). Older
+checkpoints beyond the newest ``keep`` are removed after each save.
+
+ZeRO-1's ``ZeroRedundancyOptimizer`` has no DCP state dict: its shards are one file per rank (resume with the same
+data-parallel size). Tensors split part by part (fused projections, ``_StridedShard``) are stored in their original
+layout (see :func:`dcp_layout`). Keys are the model's parameter names whatever the plan: a rank holding several
+pipeline stages (:class:`PipelineStages`) stores its stages' entries without the stage index, so a checkpoint written
+under one schedule loads under any other plan.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -26,13 +34,63 @@ from .layouts import dcp_layout, restore_layout
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def latest_checkpoint(ckpt_dir: str | None) -> str | None:
-    """The newest ``step_N`` folder of ``ckpt_dir`` whose save finished on every rank."""
+MANIFEST = "manifest.json"
+"""each file of a checkpoint with its size and CRC-32 (zip's and PNG's check against accidental damage), written last"""
+
+
+def checkpoints(ckpt_dir: str | None) -> list[str]:
+    """The ``step_N`` folders of ``ckpt_dir`` whose save finished on every rank (they have a manifest), newest first."""
     if not ckpt_dir or not os.path.isdir(ckpt_dir):
-        return None
-    steps = [int(d.removeprefix("step_")) for d in os.listdir(ckpt_dir)
-             if d.startswith("step_") and os.path.exists(os.path.join(ckpt_dir, d, "COMPLETE"))]
-    return os.path.join(ckpt_dir, f"step_{max(steps)}") if steps else None
+        return []
+    steps = [int(d.removeprefix("step_")) for d in os.listdir(ckpt_dir) if re.fullmatch(r"step_\d+", d)
+             and os.path.exists(os.path.join(ckpt_dir, d, MANIFEST))]
+    return [os.path.join(ckpt_dir, f"step_{s}") for s in sorted(steps, reverse=True)]
+
+
+def latest_checkpoint(ckpt_dir: str | None) -> str | None:
+    """The newest ``step_N`` folder of ``ckpt_dir`` whose save finished on every rank (its files unchecked)."""
+    return next(iter(checkpoints(ckpt_dir)), None)
+
+
+def crc32(path: str) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def manifest_problem(path: str, *, rank: int = 0, world: int = 1) -> str | None:
+    """What is wrong with the files of checkpoint ``path`` that its manifest lists (None: this rank's share of them,
+    every ``world``-th from ``rank``, has the sizes and checksums written there)."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            files = sorted(json.load(f)["files"].items())
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        return f"unreadable manifest ({type(e).__name__}: {e})"
+    for name, want in files[rank::world]:
+        file = os.path.join(path, name)
+        size = os.path.getsize(file) if os.path.isfile(file) else None
+        if size != want["size"]:
+            return f"{name} has {'no file' if size is None else f'{size} bytes'}, the manifest {want['size']}"
+        if crc32(file) != want["crc32"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def resume_point(ckpt_dir: str | None) -> str | None:
+    """The newest complete checkpoint of ``ckpt_dir`` whose files match its manifest; each one passed over is said in
+    one line. Collective: every rank checks its share of the files, and all agree."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for path in checkpoints(ckpt_dir):
+        problems = [None] * world
+        dist.all_gather_object(problems, manifest_problem(path, rank=rank, world=world))
+        problem = next((p for p in problems if p), None)
+        if problem is None:
+            return path
+        if rank == 0:
+            print(f"checkpoint {path} is damaged ({problem}): trying the one before", flush=True)
+    return None
 
 
 def _states(model, optimizer):
@@ -69,19 +127,86 @@ def by_stage(loaded: dict | None, like: dict | None, stages: bool) -> dict | Non
     return {key: loaded[STAGE_INDEX.sub(r"\1", key)] for key in like}
 
 
-def save_checkpoint(path: str, model, optimizer, step: int, *, data=None) -> None:
+def save_checkpoint(path: str, model, optimizer, step: int, *, data=None, keep: int = 0) -> str | None:
     """Write ``model`` (a module, or this rank's :class:`PipelineStages`), ``optimizer``, ``step`` and the
-    ``data`` stream's position (a run that reads a dataset), keyed by the model's names (:func:`by_name`)."""
+    ``data`` stream's position (a run that reads a dataset), keyed by the model's names (:func:`by_name`), then the
+    manifest; ``keep``: the newest checkpoints kept beside, older ones removed (0: all). Returns None once saved,
+    else why the save failed, the same on every rank: the folder is removed and the checkpoint before stays the
+    latest. Collective: every rank calls it."""
     stages = isinstance(model, PipelineStages)
     model_sd, optim_sd = (by_name(sd, stages) for sd in _states(model, optimizer))
     state = {"model": model_sd, "step": step} | ({"optim": optim_sd} if optim_sd is not None else {})
     state |= {"data": data.state_dict()} if data is not None else {}
-    dcp.save(dcp_layout(state), checkpoint_id=path)
-    if optim_sd is None:
-        torch.save(optimizer.optim.state_dict(), os.path.join(path, f"zero1_rank{dist.get_rank()}.pt"))
-    dist.barrier()  # every rank's shards are on disk before the checkpoint counts
-    if dist.get_rank() == 0:
-        open(os.path.join(path, "COMPLETE"), "w").close()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0 and os.path.exists(path):
+        shutil.rmtree(path)  # what a failed or replaced save left: never mixed with this one's files
+    dist.barrier()
+    try:
+        dcp.save(dcp_layout(state), checkpoint_id=path)
+        if optim_sd is None:
+            torch.save(optimizer.optim.state_dict(), os.path.join(path, f"zero1_rank{rank}.pt"))
+        error = None
+    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # a full disk, a vanished mount: go on
+        error = _why(e)
+    error = _agree(error)  # also the barrier: every rank's shards are on disk (or the save failed somewhere)
+    if error is None:  # each rank checksums its share of the files
+        try:
+            names = sorted(f for f in os.listdir(path) if f != MANIFEST)
+            mine: dict | str = {n: {"size": os.path.getsize(os.path.join(path, n)),
+                                    "crc32": crc32(os.path.join(path, n))} for n in names[rank::world]}
+        except OSError as e:
+            mine = f"{type(e).__name__}: {e}"
+        shares = [None] * world
+        dist.all_gather_object(shares, mine)
+        error = next((s for s in shares if isinstance(s, str)), None)
+        if error is None and rank == 0:
+            error = _write_manifest(path, {"step": step, "world_size": world,
+                                           "files": {k: v for s in shares for k, v in s.items()}})
+        error = _agree(error)
+    if rank == 0:
+        if error is not None:
+            shutil.rmtree(path, ignore_errors=True)
+        elif keep > 0:
+            prune(os.path.dirname(path) or ".", keep=keep)
+    return error
+
+
+def _why(e: BaseException) -> str:
+    """One line: the error, or the first rank's underlying one of a DCP failure (without the ranks' tracebacks)."""
+    failures = getattr(e, "failures", None)
+    e = next(iter(failures.values()))[0] if failures else e
+    return f"{type(e).__name__}: {e}".splitlines()[0]
+
+
+def _agree(error: str | None) -> str | None:
+    """The first rank's error among every rank's (None: none failed). Collective."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), None)
+
+
+def _write_manifest(path: str, manifest: dict) -> str | None:
+    """Write the manifest atomically (a temporary file, synced, then renamed); None, or why it failed."""
+    tmp = os.path.join(path, MANIFEST + ".tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(path, MANIFEST))
+        return None
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def prune(ckpt_dir: str, *, keep: int) -> None:
+    """Remove all but the newest ``keep`` complete checkpoints, and the unfinished ones older than the newest."""
+    done = checkpoints(ckpt_dir)
+    newest = int(os.path.basename(done[0]).removeprefix("step_")) if done else 0
+    unfinished = [os.path.join(ckpt_dir, d) for d in os.listdir(ckpt_dir) if re.fullmatch(r"step_\d+", d)
+                  and int(d.removeprefix("step_")) < newest and os.path.join(ckpt_dir, d) not in done]
+    for path in done[keep:] + unfinished:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def load_checkpoint(path: str, model, optimizer, *, data=None) -> int:

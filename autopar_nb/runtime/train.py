@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import PipelineStages, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import PipelineStages, latest_checkpoint, load_checkpoint, resume_point, save_checkpoint
 from .data import first_tensor, split_batch, to_device
 from .metrics import Metrics, Run, memory_stats
 from .optim import clip_grad_norm, lr_factor
@@ -67,8 +67,9 @@ def global_loss(local: torch.Tensor, *, counts: bool, dp: int) -> float:
 def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank: int, device: str, dp: int,
           counts_loss: bool, metrics=None, scaler=None, pp_group=None, tied=None, tokens: bool = False,
           observer=None, cp: int = 1) -> None:
-    """Run ``args.steps`` optimizer steps (resuming from the latest checkpoint in ``args.ckpt_dir``; ending early at
-    step ``args.stop_at`` when given: the learning-rate schedule still spans ``args.steps``).
+    """Run ``args.steps`` optimizer steps (resuming from the latest whole checkpoint in ``args.ckpt_dir``, saving one
+    every ``args.ckpt_every`` steps and keeping ``args.keep``; ending early at step ``args.stop_at`` when given: the
+    learning-rate schedule still spans ``args.steps``).
 
     ``forward_backward(batch)`` returns this rank's loss with gradients accumulated; ``make_batch(step, dp_rank)``
     this data-parallel rank's share (None: a middle pipeline stage reads none; a ``DataStream`` is checkpointed).
@@ -81,10 +82,10 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
     ckpt_model = parts[0] if len(parts) == 1 else PipelineStages(parts)
     data = make_batch if hasattr(make_batch, "state_dict") else None  # a dataset's stream: its position is saved
     start = 0
-    if latest_checkpoint(args.ckpt_dir):
-        start = load_checkpoint(latest_checkpoint(args.ckpt_dir), ckpt_model, optimizer, data=data)
+    if (resume := resume_point(args.ckpt_dir)) is not None:
+        start = load_checkpoint(resume, ckpt_model, optimizer, data=data)
         if dist.get_rank() == 0:
-            print(f"resumed from {latest_checkpoint(args.ckpt_dir)} at step {start}")
+            print(f"resumed from {resume} at step {start}")
     params = [p for part in parts for p in part.parameters()]
     waited = busy = 0.0  # seconds waiting for batches, and in all, over the steps after this run's first
     for step in range(start, min(args.steps, args.stop_at or args.steps)):
@@ -115,8 +116,18 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
         waited, busy = (waited + data_wait, busy + dt) if step > start else (0.0, 0.0)  # the first starts the loader
         report(step, loss, dt, batch, metrics=metrics, device=device, dp=dp, tokens=tokens, data_wait=data_wait)
         if args.ckpt_dir and (step + 1) % args.ckpt_every == 0:
-            save_checkpoint(f"{args.ckpt_dir}/step_{step + 1}", ckpt_model, optimizer, step + 1, data=data)
+            save(args, ckpt_model, optimizer, step + 1, data=data, metrics=metrics)
     data_summary(waited, busy, loader=data is not None, metrics=metrics, device=device)
+
+
+def save(args, model, optimizer, step: int, *, data, metrics) -> None:
+    """Checkpoint ``step`` into ``args.ckpt_dir``, keeping the newest ``args.keep``; a save that failed is said in one
+    line and the run goes on (the checkpoint before stays the latest). Collective."""
+    error = save_checkpoint(f"{args.ckpt_dir}/step_{step}", model, optimizer, step, data=data, keep=args.keep)
+    if error is not None and dist.get_rank() == 0:
+        text = f"step {step} | checkpoint not saved ({error}); the latest stays {latest_checkpoint(args.ckpt_dir)}"
+        print(text, flush=True)
+        metrics.send({"event": "checkpoint", "step": step, "action": "failed", "message": text})
 
 
 def report(step: int, loss: float, dt: float, batch, *, metrics, device: str, dp: int, tokens: bool,

@@ -1,0 +1,166 @@
+"""Checkpoint integrity (runtime/checkpoint.py): every checkpoint's manifest (sizes and CRC-32s, written last,
+atomically); a truncated or damaged checkpoint passed over at resume for the one before, said in one line; a save
+that fails (a full disk) leaves the checkpoint before as the latest; old ones pruned (``--keep``). In one process
+(a gloo group of one) first, then the exported script on 2 gloo processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopar_nb.runtime.checkpoint import (
+    MANIFEST,
+    checkpoints,
+    load_checkpoint,
+    manifest_problem,
+    resume_point,
+    save_checkpoint,
+)
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _model_and_optimizer():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_manifest_prune_damage_and_a_failed_save_in_one_process(world_of_one, tmp_path, capsys):
+    model, opt = _model_and_optimizer()
+    ckpt = tmp_path / "ckpt"
+    for step in (1, 2, 3):
+        assert save_checkpoint(str(ckpt / f"step_{step}"), model, opt, step, keep=2) is None
+    assert checkpoints(str(ckpt)) == [str(ckpt / "step_3"), str(ckpt / "step_2")]  # step_1 pruned
+    manifest = json.loads((ckpt / "step_3" / MANIFEST).read_text())
+    on_disk = sorted(f for f in os.listdir(ckpt / "step_3") if f != MANIFEST)
+    assert sorted(manifest["files"]) == on_disk and ".metadata" in on_disk and manifest["step"] == 3
+    assert manifest_problem(str(ckpt / "step_3")) is None
+    # a shard cut short, then one byte changed in the one before
+    shard = next(f for f in on_disk if f.endswith(".distcp"))
+    (ckpt / "step_3" / shard).write_bytes((ckpt / "step_3" / shard).read_bytes()[:-10])
+    data = bytearray((ckpt / "step_2" / shard).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (ckpt / "step_2" / shard).write_bytes(bytes(data))
+    assert "bytes, the manifest" in manifest_problem(str(ckpt / "step_3"))
+    assert manifest_problem(str(ckpt / "step_2")) == f"{shard} does not match its checksum"
+    assert resume_point(str(ckpt)) is None
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and out[0].startswith(f"checkpoint {ckpt / 'step_3'} is damaged ({shard} has ")
+    # a save that fails (its folder cannot be made: a file is in the way) says why and leaves the latest alone
+    assert save_checkpoint(str(ckpt / "step_4"), model, opt, 4) is None
+    (tmp_path / "blocked").write_text("")
+    error = save_checkpoint(str(tmp_path / "blocked" / "step_5"), model, opt, 5)
+    assert error and "blocked" in error, error
+    assert resume_point(str(ckpt)) == str(ckpt / "step_4")
+    fresh = nn.Linear(8, 8)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert load_checkpoint(str(ckpt / "step_4"), fresh, fresh_opt) == 4
+    assert torch.equal(fresh.weight, model.weight)
+
+
+# ---- the exported script on 2 processes -----------------------------------------------------------------------------
+CELL = '''\
+import torch, torch.nn as nn
+
+model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+
+
+def make_batch(step, rank):
+    g = torch.Generator().manual_seed(step * 10 + rank)
+    return (torch.randn(8, 64, generator=g),)
+'''
+
+
+def exported(tmp_path: Path) -> Path:
+    from runtime_cases import make_plan
+
+    from autopar_nb.cell import run_model_cell
+    from autopar_nb.export import export
+
+    src = run_model_cell(CELL, {}).source
+    return export(src, make_plan(src, dp=2, zero=0, lr=1e-2), tmp_path / "train_ckpt.py", steps=8, quiet=True).script
+
+
+def torchrun(script: Path, *args: str) -> tuple[int, str]:
+    """(exit code, output) of ``script`` on 2 gloo processes."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                           str(script), *args], capture_output=True, text=True, timeout=300, cwd=script.parent,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def losses(out: str) -> dict[int, str]:
+    """{step: its printed loss} of a script's output."""
+    return {int(line.split()[1]): line.split("|")[1].split()[1] for line in out.splitlines()
+            if line.startswith("step ") and "| loss " in line}
+
+
+@pytest.mark.multiprocess
+def test_a_damaged_checkpoint_resumes_from_the_one_before_on_two_processes(tmp_path):
+    """Checkpoints at steps 2, 4, 6; the shard of step 6 cut short and one of step 4 changed: the next run says so in
+    one line each, resumes from step 2 with the same losses as before, and keeps the newest 2 (--keep 2)."""
+    script = exported(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    flags = ["--ckpt-dir", str(ckpt), "--ckpt-every", "2"]
+    rc, first = torchrun(script, "--stop-at", "6", *flags)
+    assert rc == 0, first[-4000:]
+    assert sorted(os.listdir(ckpt)) == ["step_2", "step_4", "step_6"]  # --keep 3, the default
+    shards = sorted(f for f in os.listdir(ckpt / "step_6") if f.endswith(".distcp"))
+    (ckpt / "step_6" / shards[-1]).write_bytes((ckpt / "step_6" / shards[-1]).read_bytes()[:100])
+    data = bytearray((ckpt / "step_4" / shards[0]).read_bytes())
+    data[-20] ^= 0x01
+    (ckpt / "step_4" / shards[0]).write_bytes(bytes(data))
+    rc, second = torchrun(script, "--keep", "2", *flags)
+    assert rc == 0, second[-4000:]
+    said = [line for line in second.splitlines() if line.startswith(("checkpoint ", "resumed from"))]
+    assert len(said) == 3, said
+    assert said[0].startswith(f"checkpoint {ckpt / 'step_6'} is damaged ({shards[-1]} has 100 bytes, the manifest ")
+    assert said[1:] == [f"checkpoint {ckpt / 'step_4'} is damaged ({shards[0]} does not match its checksum): trying "
+                        "the one before", f"resumed from {ckpt / 'step_2'} at step 2"]
+    before, after = losses(first), losses(second)
+    assert sorted(after) == list(range(2, 8)) and all(after[s] == before[s] for s in range(2, 6))
+    assert sorted(os.listdir(ckpt)) == ["step_6", "step_8"]
+    assert all(manifest_problem(str(ckpt / d)) is None for d in ("step_6", "step_8"))
+
+
+@pytest.mark.multiprocess
+def test_a_full_disk_leaves_the_checkpoint_before_as_the_latest(tmp_path):
+    """Checkpoints on a 600 KiB tmpfs that holds one (~400 KiB: the model and AdamW's two moments): the saves at steps
+    4 and 6 fail with ENOSPC, each said in one line, their folders removed; the run trains on to its end, and step 2
+    stays the latest, whole."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
+    try:
+        script = exported(tmp_path)
+        rc, out = torchrun(script, "--steps", "6", "--ckpt-dir", str(mount / "ckpt"), "--ckpt-every", "2")
+        assert rc == 0, out[-4000:]
+        failed = [line for line in out.splitlines() if "checkpoint not saved" in line]
+        assert [line.split(" |")[0] for line in failed] == ["step 4", "step 6"], out[-4000:]
+        assert "No space left on device" in failed[0] and failed[0].endswith(f"the latest stays {mount}/ckpt/step_2")
+        assert sorted(losses(out)) == list(range(6))
+        assert sorted(os.listdir(mount / "ckpt")) == ["step_2"]
+        assert manifest_problem(str(mount / "ckpt" / "step_2")) is None
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
