@@ -163,7 +163,7 @@ class Run:
         self.events: list[dict] = []
         """{"t": seconds since launch, "kind", "rank", "reason", ...} in the order found: the run's own (launch,
         restart, finish | fail | stop | hang), what the watch found (oom, memory_high, straggler, prediction_error:
-        see watch.py), the ranks' own (checkpoint) and re-planning's (replan, resume: see replan.py)"""
+        see watch.py), the ranks' own (numerics, checkpoint) and re-planning's (replan, resume: see replan.py)"""
         self._watch: watch.Watch | None = None
         self.memory_threshold = 0.92
         """share of a rank's memory limit above which its memory is a ``memory_high`` event"""
@@ -502,7 +502,7 @@ class Run:
                     self._on_closed(st, m.time)
                 elif m.kind != "data":
                     continue
-                elif m.data.get("event") in watch.RANK_EVENTS:  # a failed save (before the steps: it names one)
+                elif m.data.get("event") in watch.RANK_EVENTS:  # the guard's, a failed save (before: they name a step)
                     self.events.append(watch.rank_event(m.data, rank=m.rank, t=m.time - self.started))
                 elif isinstance(m.data.get("step"), int):
                     self._on_step(st, m.data, m.time, now)

@@ -297,12 +297,13 @@ def mismatch(t: float, rank: int, step: int, what: str, measured: float, predict
             "reason": f"rank {rank}'s {label} is {unit(measured)}, {ratio:.2f}x the plan's {unit(predicted)}"}
 
 
-RANK_EVENTS = ("checkpoint",)
-"""events a rank sends itself (runtime/train.py): a checkpoint was not saved"""
+RANK_EVENTS = ("numerics", "checkpoint")
+"""events a rank sends itself (runtime/train.py): the numerics guard skipped a step or rolled back, a checkpoint was
+not saved"""
 
 
 def rank_event(data: dict, *, rank: int, t: float) -> dict:
-    """The event of a rank's message: its kind, step, action ("failed") and its line as the
+    """The event of a rank's message: its kind, step, action ("skip", "rollback", "failed") and its line as the
     reason (cut to 500 characters)."""
     step, action = data.get("step"), data.get("action")
     return {"t": t, "kind": data["event"], "rank": rank, "step": step if isinstance(step, int) else None,

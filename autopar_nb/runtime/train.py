@@ -4,6 +4,7 @@ optimizer step with its learning-rate schedule, metrics and checkpoints."""
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 import torch
@@ -13,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from .checkpoint import PipelineStages, latest_checkpoint, load_checkpoint, resume_point, save_checkpoint
 from .data import first_tensor, split_batch, to_device
+from .guard import NumericsGuard, grads_finite
 from .metrics import Metrics, Run, memory_stats
 from .optim import clip_grad_norm, lr_factor
 
@@ -69,7 +71,9 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
           observer=None, cp: int = 1) -> None:
     """Run ``args.steps`` optimizer steps (resuming from the latest whole checkpoint in ``args.ckpt_dir``, saving one
     every ``args.ckpt_every`` steps and keeping ``args.keep``; ending early at step ``args.stop_at`` when given: the
-    learning-rate schedule still spans ``args.steps``).
+    learning-rate schedule still spans ``args.steps``). The numerics guard (``runtime/guard.py``) skips steps with a
+    non-finite loss or gradient, or a loss ``args.spike_factor`` times its running median, and rolls back to the
+    last checkpoint after ``args.max_skips`` in a row.
 
     ``forward_backward(batch)`` returns this rank's loss with gradients accumulated; ``make_batch(step, dp_rank)``
     this data-parallel rank's share (None: a middle pipeline stage reads none; a ``DataStream`` is checkpointed).
@@ -87,6 +91,7 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
         if dist.get_rank() == 0:
             print(f"resumed from {resume} at step {start}")
     params = [p for part in parts for p in part.parameters()]
+    guard = NumericsGuard(spike_factor=args.spike_factor, max_skips=args.max_skips)
     waited = busy = 0.0  # seconds waiting for batches, and in all, over the steps after this run's first
     for step in range(start, min(args.steps, args.stop_at or args.steps)):
         t0 = time.perf_counter()
@@ -102,22 +107,52 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
             observer.after_backward(step, parts, loss)
         if scaler is not None:
             scaler.unscale_(optimizer)
-        if args.grad_clip:
-            clip_grad_norm(params, args.grad_clip, pp_group=pp_group, repeated=tied.repeated() if tied else ())
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad()
+        norm = clip_grad_norm(params, args.grad_clip, pp_group=pp_group, repeated=tied.repeated() if tied else ()) \
+            if args.grad_clip else None
+        # the loss scaler skips a step whose gradients overflowed itself (and lowers the scale): not the guard's
+        grads_ok = scaler is not None or (bool(norm.isfinite()) if norm is not None else grads_finite(params))
+        skipped = guard.verdict(loss, grads_ok=grads_ok, device=device) if guard.on else None
+        apply_step(optimizer, scaler, skip=skipped is not None)
         if observer is not None:
             observer.after_step(step, parts)
         dt = time.perf_counter() - t0
         waited, busy = (waited + data_wait, busy + dt) if step > start else (0.0, 0.0)  # the first starts the loader
-        report(step, loss, dt, batch, metrics=metrics, device=device, dp=dp, tokens=tokens, data_wait=data_wait)
-        if args.ckpt_dir and (step + 1) % args.ckpt_every == 0:
+        report(step, loss, dt, batch, metrics=metrics, device=device, dp=dp, tokens=tokens, data_wait=data_wait,
+               skipped=skipped and f"{skipped}, {guard.skips} in a row")
+        if skipped and guard.skips >= guard.max_skips:
+            roll_back(args, ckpt_model, optimizer, step=step, why=f"{guard.skips} steps in a row skipped, the last "
+                      f"for {skipped}", metrics=metrics)
+            guard.rolled_back()
+        if args.ckpt_dir and (step + 1) % args.ckpt_every == 0 and not guard.skips:  # not weights gone bad
             save(args, ckpt_model, optimizer, step + 1, data=data, metrics=metrics)
     data_summary(waited, busy, loader=data is not None, metrics=metrics, device=device)
+
+
+def apply_step(optimizer, scaler, *, skip: bool) -> None:
+    """The optimizer step, unless the numerics guard skips it; the gradients zeroed either way. With a loss scaler,
+    ``update`` follows every ``unscale_`` (the scaler requires it), a skipped step's too."""
+    if scaler is not None:
+        if not skip:
+            scaler.step(optimizer)
+        scaler.update()
+    elif not skip:
+        optimizer.step()
+    optimizer.zero_grad()
+
+
+def roll_back(args, model, optimizer, *, step: int, why: str, metrics) -> None:
+    """Reload the weights and optimizer state of the newest whole checkpoint after steps skipped in a row; the data
+    goes on with the next batches (those since the checkpoint are not replayed). Without one, stop: raise on every
+    rank. Collective."""
+    path = resume_point(args.ckpt_dir)
+    if path is None:
+        raise RuntimeError(f"step {step}: {why}, and there is no checkpoint to roll back to (run with --ckpt-dir DIR "
+                           "--ckpt-every K; --max-skips N sets how many skipped steps in a row roll back): stopping")
+    load_checkpoint(path, model, optimizer)  # no data: the stream is not rewound
+    text = f"step {step} | rolled back to {path} ({why}); going on with the next batches"
+    if dist.get_rank() == 0:
+        print(text, flush=True)
+        metrics.send({"event": "numerics", "step": step, "action": "rollback", "checkpoint": path, "message": text})
 
 
 def save(args, model, optimizer, step: int, *, data, metrics) -> None:
@@ -131,15 +166,20 @@ def save(args, model, optimizer, step: int, *, data, metrics) -> None:
 
 
 def report(step: int, loss: float, dt: float, batch, *, metrics, device: str, dp: int, tokens: bool,
-           data_wait: float = 0.0) -> None:
-    """Print the step on rank 0 and stream it to the launcher (loss, time, throughput, data wait, memory)."""
+           data_wait: float = 0.0, skipped: str | None = None) -> None:
+    """Print the step on rank 0 and stream it to the launcher (loss, time, throughput, data wait, memory);
+    ``skipped``: why the numerics guard skipped it (an event too)."""
     if dist.get_rank() == 0:
-        print(f"step {step} | loss {loss:.4f} | {dt * 1e3:.1f} ms", flush=True)
+        print(f"step {step} | loss {loss:.4f} | {dt * 1e3:.1f} ms" + (f" | skipped: {skipped}" if skipped else ""),
+              flush=True)
+        if skipped:
+            metrics.send({"event": "numerics", "step": step, "action": "skip", "message": f"step {step} skipped: "
+                          f"{skipped}"})
     first, rate = first_tensor(batch), {}  # no batch: a pipeline stage between the first and the last
     if first is not None:
         rate[("tokens_per_s" if tokens else "samples_per_s")] = (first.numel() if tokens else first.shape[0]) * dp / dt
-    metrics.send({"step": step, "loss": loss, "step_time_s": dt, **rate, "data_wait_s": data_wait,
-                  **memory_stats(device)})
+    metrics.send({"step": step, "loss": loss if math.isfinite(loss) else None, "step_time_s": dt, **rate,
+                  "data_wait_s": data_wait, **memory_stats(device)})
 
 
 DATA_BOUND = 0.1  # the share of step time waiting for batches above which data loading is the bottleneck
