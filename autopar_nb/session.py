@@ -202,7 +202,8 @@ class Session:
         ``nproc`` defaults to the plan's world size; a smaller count keeps the TP/PP layout and fewer data-parallel
         replicas (see plan_for). The model is built for real in every process: use a small config of your model.
         ``warm`` (default): in the warm pool, whose processes have torch imported (the first call starts it; later
-        ones take about a second less per process start); False: fresh processes.
+        ones take about a second less per process start); False: fresh processes. ``weights``: a checkpoint folder
+        the model (built from a config in the cell) starts from (see export).
         """
         from .verify import verify
 
@@ -211,7 +212,9 @@ class Session:
     def export(self, path: str = "train.py", *, nproc: int | None = None, **kwargs: Any):
         """Write the plan as a standalone torchrun script at ``path``, its runtime module and the plan JSON beside
         it (``single_file=True``: the script alone, the runtime inside), and print the torchrun commands for one
-        node and several. The script needs torch only, not autopar_nb."""
+        node and several. The script needs torch only, not autopar_nb. ``weights="DIR"``: a cell that builds its
+        model from a config starts from the weights in DIR (safetensors, as ``save_pretrained`` writes them), read
+        as a ``from_pretrained`` cell's are."""
         from .export import export
 
         return export(self.source, self.plan_for(nproc), path, **kwargs)
@@ -229,8 +232,9 @@ class Session:
         proposes a new plan (the dashboard's "Re-plan & resume", or ``run.replan()``), "auto" re-plans and resumes
         at once, "off" only reports. Re-planning stops the run, calibrates the memory the ranks held beyond the
         prediction, plans again with this session's pins kept (``ap.plan`` becomes the new plan; ``ap.undo()``
-        goes back) and resumes from the last checkpoint in ``ckpt_dir`` (from step 0 without one)."""
-        from .export import export
+        goes back) and resumes from the last checkpoint in ``ckpt_dir`` (from step 0 without one).
+        ``weights="DIR"``: start from the weights in DIR (see export)."""
+        from .export import export, with_weights
         from .launch import launch
         from .launch.replan import Replanner, check_mode
 
@@ -238,12 +242,13 @@ class Session:
         plan = self.plan_for(nproc)
         if plan is not self.plan:  # scaled: said here in one line, and on the dashboard (its comparison notes)
             print(plan.explanation[0])
+        source = with_weights(self.source, script_flags.pop("weights", None))
         run_flags = {k: script_flags.pop(k) for k in ("max_restarts", "hang_timeout_s", "run_dir", "backend",
                                                       "monitor", "env", "memory_threshold") if k in script_flags}
 
         def start(p: Plan, run_dir=None):
             flags = {**run_flags, **({"run_dir": run_dir} if run_dir is not None else {})}
-            return launch(lambda path: export(self.source, p, path, quiet=True), p.mesh.world_size, steps,
+            return launch(lambda path: export(source, p, path, quiet=True), p.mesh.world_size, steps,
                           plan=p, warm=warm, **flags, **script_flags)
 
         run = start(plan)

@@ -46,13 +46,16 @@ class ModelSource:
     first_line: int = 1
     """the number the code's first line has where the user sees it (2 under the ``%%autoparallel`` line): the code
     runs as if that many lines came before it, so tracebacks and messages count lines as the notebook shows them"""
+    weights: str | None = None
+    """a folder of safetensors files (``save_pretrained``'s) the model starts from, for code that builds it from a
+    config (``export(weights=...)``): a real build reads them into the model, as ``from_pretrained`` would"""
 
     def run(self, namespace: dict[str, Any] | None = None, *, device: Any = None, seed: int | None = 0
             ) -> dict[str, Any]:
         """Execute the code in ``namespace`` (a fresh dict by default) and return it.
 
         ``device="meta"`` builds every tensor on the meta device (no storage); ``seed`` seeds torch first so every
-        process builds identical initial weights.
+        process builds identical initial weights, which a real build then replaces with :attr:`weights` if set.
         """
         import torch
 
@@ -75,6 +78,11 @@ class ModelSource:
         else:
             with torch.device(device):
                 exec(compiled, ns)
+        if self.weights and str(device) != "meta":
+            from .runtime.pretrained import load_pretrained, tied_parameters
+
+            model = ns[self.model_var]
+            load_pretrained(self.weights, [model], ties=tied_parameters(model))
         return ns
 
     def build(self, *, device: Any = None, seed: int | None = 0) -> tuple[Any, Any, dict[str, Any]]:

@@ -9,6 +9,7 @@ of the warm pool (``launch/pool.py``, ``launch/verifying.py``); ``warm=False`` s
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from .check import (
     reference,
     verify_here,
 )
+from .export import with_weights
 from .failures import VerifyError
 from .hardware import nvml_visible_gpus
 from .plan import Plan
@@ -32,16 +34,18 @@ __all__ = ["FP32_RTOL", "LOW_PRECISION_RTOL", "StepDiff", "VerifyError", "Verify
 
 def verify(source: ModelSource, plan: Plan, *, steps: int = 5, nproc: int | None = None, seed: int = 0,
            rtol: float | None = None, meta_init: bool = False, start_method: str = "spawn",
-           warm: bool = True) -> VerifyReport:
+           warm: bool = True, weights: str | os.PathLike | None = None) -> VerifyReport:
     """Run ``plan``'s exported script on ``nproc`` local processes and a single-process reference; compare ``steps``
     steps.
 
     ``nproc`` defaults to the plan's world size (dp * tp * pp) and must equal it. ``meta_init`` builds the parallel
     model on the meta device and initialises it shard by shard (the path for models larger than host memory).
-    ``warm`` runs both in the warm pool (see :func:`verify_many`).
+    ``warm`` runs both in the warm pool (see :func:`verify_many`). ``weights``: the checkpoint folder a model built
+    from a config starts from, in both runs (``export(weights=...)``; in :func:`verify_many`, each case's
+    ``ModelSource.weights``).
     """
-    return verify_many([(source, plan)], steps=steps, nproc=nproc, seed=seed, rtol=rtol, meta_init=meta_init,
-                       start_method=start_method, warm=warm)[0]
+    return verify_many([(with_weights(source, weights), plan)], steps=steps, nproc=nproc, seed=seed, rtol=rtol,
+                       meta_init=meta_init, start_method=start_method, warm=warm)[0]
 
 
 def verify_many(cases: list[tuple[ModelSource, Plan]], *, steps: int = 5, nproc: int | None = None, seed: int = 0,

@@ -10,6 +10,7 @@ initialised at random (what a run that failed to read the weights would start fr
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -31,6 +32,17 @@ example_inputs = torch.randint(0, {vocab}, (8, 32))
 """
 
 
+LLAMA = ("LlamaConfig(vocab_size={vocab}, hidden_size=64, intermediate_size=128, num_hidden_layers=2, "
+         "num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)")
+CONFIG_CELL = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+model = LlamaForCausalLM({config})
+example_inputs = torch.randint(0, {vocab}, (8, 32))
+"""
+"""the saved LLaMA's model built from its config in the cell: ``weights=`` names the checkpoint it starts from"""
+
+
 def _save(kind: str, folder) -> str:
     from transformers import (
         GPT2Config,
@@ -43,9 +55,7 @@ def _save(kind: str, folder) -> str:
 
     torch.manual_seed(3)
     if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                             max_position_embeddings=64))
+        model = LlamaForCausalLM(eval(LLAMA.format(vocab=VOCAB), {"LlamaConfig": LlamaConfig}))
         final = model.model.norm
     elif kind == "mixtral":  # stored under other names than its modules': transformers converts them as it loads
         model = MixtralForCausalLM(MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
@@ -71,6 +81,16 @@ def saved(tmp_path_factory):
 
 def _source(path: str):
     return run_model_cell(CELL.format(path=path, vocab=VOCAB), {}).source
+
+
+def _config_source(weights: str | None = None):
+    source = run_model_cell(CONFIG_CELL.format(config=LLAMA.format(vocab=VOCAB), vocab=VOCAB), {}).source
+    return dataclasses.replace(source, weights=weights)
+
+
+def _case_source(saved, kind: str):
+    """``"llama-config"``: the LLaMA built from its config, ``weights=`` its checkpoint; else a from_pretrained cell."""
+    return _config_source(saved["llama"]) if kind == "llama-config" else _source(saved[kind])
 
 
 def test_capture_builds_the_checkpoint_model_from_its_config_on_meta(saved):
@@ -118,15 +138,43 @@ def test_a_missing_checkpoint_folder_is_one_clear_error(tmp_path):
         load_pretrained("org/model", [torch.nn.Linear(2, 2)])
 
 
+def test_weights_names_the_checkpoint_of_a_cell_built_from_a_config(saved, tmp_path):
+    """``export(weights=DIR)``: the script reads DIR as it reads a from_pretrained cell's checkpoint (whole before
+    parallelising, or each rank's shards after it under meta_init), and a real build of the source reads it too
+    (verify's reference); a missing folder, or a checkpoint of another model, is one line at export."""
+    src = _config_source()
+    model, inputs, _ = src.build(device="meta")
+    plan = ap.plan(ap.capture(model, inputs), ap.Cluster.preset("cpu", 1, 2), global_batch=8, fix={"tp": 2})
+    whole = ap.export(src, plan, tmp_path / "whole.py", quiet=True, weights=saved["llama"]).script.read_text()
+    assert f"WEIGHTS = {saved['llama']!r}".replace("'", '"') in whole
+    assert "load_pretrained(WEIGHTS, [model])" in whole and "FromConfig" not in whole
+    shards = ap.export(src, plan, tmp_path / "shards.py", quiet=True, weights=saved["llama"], meta_init=True)
+    assert "load_pretrained(WEIGHTS, parts)" in shards.script.read_text()
+    real, _, _ = _config_source(saved["llama"]).build()
+    assert not real.model.norm.weight.any()  # the checkpoint's zeroed final norm, not the config's ones
+    with pytest.raises(FileNotFoundError, match=r"^weights='/no/such/dir': no such folder"):
+        ap.export(src, plan, tmp_path / "a.py", quiet=True, weights="/no/such/dir")
+    with pytest.raises(ValueError, match=r"stores no weight named model.embed_tokens.weight .*e\.g\. transformer\."):
+        ap.export(src, plan, tmp_path / "b.py", quiet=True, weights=saved["gpt2"])
+    with pytest.raises(ValueError, match="the cell starts from its own checkpoint"):
+        ap.export(_source(saved["llama"]), plan, tmp_path / "c.py", quiet=True, weights=saved["llama"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shards.plan.json", "shards.py", "shards_runtime.py",
+                                                          "whole.plan.json", "whole.py", "whole_runtime.py"]
+
+
 # (checkpoint, fix, meta_init): the whole model read in the cell (a pipeline's other stages then free memory-mapped
 # weights), and each rank's shards read after parallelize, under TP, FSDP and pipelining, with GPT-2's tied head on
-# the other stage than its embedding
+# the other stage than its embedding; "llama-config": the LLaMA built from its config, export's weights= naming
+# its checkpoint
 CASES = {"llama-tp-pp-whole": ("llama", {"tp": 2, "pp": 2, "micro_batches": 2}, False),
          "mixtral-ep-zero3-whole": ("mixtral", {"dp": 4, "ep": 2, "zero_stage": 3}, False),
          "llama-dp-tp-shards": ("llama", {"dp": 2, "tp": 2}, True),
          "llama-zero3-shards": ("llama", {"dp": 4, "zero_stage": 3}, True),
          "gpt2-tp-pp-shards": ("gpt2", {"tp": 2, "pp": 2, "micro_batches": 2}, True),
-         "gpt2-zero3-pp-shards": ("gpt2", {"dp": 2, "zero_stage": 3, "pp": 2, "micro_batches": 2}, True)}
+         "gpt2-zero3-pp-shards": ("gpt2", {"dp": 2, "zero_stage": 3, "pp": 2, "micro_batches": 2}, True),
+         "llama-config-weights-tp-whole": ("llama-config", {"dp": 2, "tp": 2}, False),
+         "llama-config-weights-zero3-pp-shards": ("llama-config", {"dp": 2, "zero_stage": 3, "pp": 2,
+                                                                   "micro_batches": 2}, True)}
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +183,7 @@ def reports(saved):
 
     cases, metas = [], []
     for kind, fix, meta in CASES.values():
-        src = _source(saved[kind])
+        src = _case_source(saved, kind)
         model, inputs, _ = src.build(device="meta")
         cases.append((src, ap.plan(ap.capture(model, inputs), ap.Cluster.preset("cpu", 1, 4), global_batch=8,
                                    fix=fix)))

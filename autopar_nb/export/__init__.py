@@ -16,8 +16,10 @@ Pipeline: :mod:`.values` (plan -> plain values, :mod:`.styles` for TP) -> :mod:`
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import os
 import runpy
 import sys
 from dataclasses import dataclass, field
@@ -107,13 +109,15 @@ def _refuse_overwrite(paths: list[Path]) -> None:
 
 def export(source: ModelSource, plan: Plan, path: str | Path, *, steps: int = 100, seed: int = 0,
            meta_init: bool | None = None, quiet: bool = False, target: str = "torchrun", overwrite: bool = False,
-           single_file: bool = False, **job) -> Exported:
+           single_file: bool = False, weights: str | os.PathLike | None = None, **job) -> Exported:
     """Write the training script for ``plan`` to ``path``, its runtime module beside it (``<stem>_runtime.py``,
     which the script imports) and the plan to ``<path stem>.plan.json``.
 
     ``single_file``: the script alone, the runtime's functions inside it and the cell at its top level (the older
     form). ``meta_init``: build the model on the meta device and initialise it shard by shard (models larger than
-    host memory); None decides by size (above 2**30 parameters). Nothing is written when the plan cannot be
+    host memory); None decides by size (above 2**30 parameters). ``weights``: a folder of safetensors files
+    (``save_pretrained``'s) that a model the cell builds from a config starts from, read as a ``from_pretrained``
+    cell's checkpoint is (:attr:`ModelSource.weights`). Nothing is written when the plan cannot be
     rendered. ``target``: ``"torchrun"`` (the script only), ``"slurm"`` (also ``<stem>.sbatch``:
     :func:`.slurm.sbatch_script` takes the ``job`` keywords) or ``"k8s"`` (also ``<stem>.pytorchjob.yaml``:
     :func:`.k8s.pytorchjob_manifest`). Prints the commands unless ``quiet``. A file at one of those paths that an
@@ -127,6 +131,7 @@ def export(source: ModelSource, plan: Plan, path: str | Path, *, steps: int = 10
     if job and target == "torchrun":
         raise TypeError(f"export() got options for a job file ({', '.join(job)}) but target='torchrun' writes none: "
                         "pass target='slurm' or 'k8s'")
+    source = with_weights(source, weights)
     plan_path = path.with_name(path.stem + ".plan.json")
     runtime_path, runtime_text = None, None
     options = dict(script_name=path.name, plan_file=plan_path.name, steps=steps, seed=seed, meta_init=meta_init)
@@ -148,6 +153,14 @@ def export(source: ModelSource, plan: Plan, path: str | Path, *, steps: int = 10
     if not quiet:
         print(result)
     return result
+
+
+def with_weights(source: ModelSource, weights: str | os.PathLike | None) -> ModelSource:
+    """``source`` starting from the checkpoint folder ``weights`` (an absolute path: the script may run elsewhere),
+    or as it is for None."""
+    if weights is None:
+        return source
+    return dataclasses.replace(source, weights=os.path.abspath(os.fspath(weights)))
 
 
 def _job(target: str, path: Path, plan: Plan, text: str, runtime_path: Path | None, runtime_text: str | None,

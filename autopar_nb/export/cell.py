@@ -12,15 +12,15 @@ from .values import ScriptValues
 
 SCRIPT_NAMES = ("parallelize", "parse_args", "main", "RSS_BEFORE_MODEL")
 """names the template itself defines"""
-PRETRAINED = ("FromConfig", "load_pretrained")
-"""runtime code a script whose cell's ``from_pretrained`` weights are read after ``parallelize`` carries"""
+PRETRAINED = ("FromConfig",)
+"""runtime code a script whose cell's ``from_pretrained`` weights are read after ``parallelize`` runs with the cell"""
 
 
 def script_cell(source: ModelSource, v: ScriptValues) -> str:
     """The cell as the script runs it: under ``FromConfig`` where its ``from_pretrained`` weights are read after
-    ``parallelize`` (``v.pretrained``), on the meta device under ``meta_init``."""
+    ``parallelize`` (``v.from_config``), on the meta device under ``meta_init``."""
     cell = source.code.rstrip("\n")
-    if v.pretrained:
+    if v.from_config:
         cell = ("from_config = FromConfig().start()  # from_pretrained: the checkpoint's config here, its weights "
                 "after parallelize\n" + cell + "\nfrom_config.stop()")
     if v.meta_init:
@@ -31,12 +31,26 @@ def script_cell(source: ModelSource, v: ScriptValues) -> str:
 
 def weights_lines(v: ScriptValues) -> list[str]:
     """``main``'s lines that give a model built on the meta device its weights once parallelised: each rank
-    initialises its shards (``meta_init``), then reads them from the cell's ``from_pretrained`` checkpoint."""
+    initialises its shards (``meta_init``), then reads them from the checkpoint the model starts from (the cell's
+    ``from_pretrained``, or export's ``weights=``)."""
+    if not v.meta_init:
+        return []
     lines = ["materialize(parts, skeleton, device=device, seed=SEED)  # local shards only, layer by layer"]
     if v.pretrained:
         ties = ", ties=TIES" if v.ties else ""
-        lines.append(f"load_pretrained(from_config.found[-1], parts{ties})  # the cell's from_pretrained: these shards")
-    return lines if v.meta_init else []
+        path, why = ("WEIGHTS", "the weights it starts from") if v.weights else (
+            "from_config.found[-1]", "the cell's from_pretrained")
+        lines.append(f"load_pretrained({path}, parts{ties})  # {why}: these shards")
+    return lines
+
+
+def whole_weights_lines(v: ScriptValues, model_var: str) -> list[str]:
+    """``main``'s line that reads export's ``weights=`` into a model built whole, before it is parallelised (a
+    ``from_pretrained`` cell reads its own; under ``meta_init`` :func:`weights_lines` reads the shards)."""
+    if not v.weights or v.meta_init:
+        return []
+    ties = ", ties=TIES" if v.ties else ""
+    return [f"load_pretrained(WEIGHTS, [{model_var}]{ties})  # the weights the model starts from, whole"]
 
 
 def _cell_imports(source: ModelSource) -> dict[str, tuple]:

@@ -17,7 +17,7 @@ from string import Template
 from ..plan import DTYPE_NAMES, Plan
 from ..source import ModelSource
 from . import kit
-from .cell import PRETRAINED, check_names, script_cell, weights_lines, without_cell_imports
+from .cell import PRETRAINED, check_names, script_cell, weights_lines, whole_weights_lines, without_cell_imports
 from .values import ScriptValues
 
 TEMPLATE = Path(__file__).with_name("script.py.tmpl")
@@ -82,11 +82,18 @@ def style_dict(styles: dict, indent: int = 0, width: int = 120) -> str:
     return "{\n" + "\n".join(lines) + "\n" + " " * indent + "}" if lines else "{}"
 
 
+def _weights_setting(path: str) -> list[str]:
+    """``WEIGHTS = "DIR"`` and where it came from (above it where a long path leaves no room beside it)."""
+    line, why = f"WEIGHTS = {_one_line(path)}", "the checkpoint the model starts from (export's weights=)"
+    return [f"{line}  # {why}"] if len(line) + len(why) + 4 <= 120 else [f"# {why}", line]
+
+
 def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]:
     """The settings block (``NAME = value  # where it came from``) and the names it needs imported."""
     m, o, pr = plan.mesh, plan.optimizer, plan.precision
     imports: set = set()
     s = [f"SEED = {seed!r}  # every process seeds the same before building the model",
+         *(_weights_setting(v.weights) if v.weights else []),
          *([f"PP, DP, TP = {m.pp!r}, {m.dp!r}, {m.tp!r}  # plan.mesh: world = PP * DP * TP = {m.world_size}"]
            if v.cp == 1 else
            [f"PP, DP, CP, TP = {m.pp!r}, {m.dp!r}, {m.cp!r}, {m.tp!r}  # plan.mesh: world = PP * DP * CP * TP = "
@@ -338,7 +345,9 @@ def main_source(v: ScriptValues, source: ModelSource, *, telemetry: bool = True)
                   f"net = {mv}"]
         uses.append("materialize")
     else:
-        lines.append(f"net = {mv}.to(device)")
+        lines += [*whole_weights_lines(v, mv), f"net = {mv}.to(device)"]
+    if v.pretrained:
+        uses.append("load_pretrained")
     if v.sync_batchnorm:
         lines.append("net = apply_sync_batchnorm(net, mesh[\"dp\"].get_group(), device=device)  # plan.sync_batchnorm")
         uses.append("apply_sync_batchnorm")
@@ -451,7 +460,7 @@ def render_script(source: ModelSource, plan: Plan, v: ScriptValues, *, script_na
     setting_lines, setting_imports = settings(v, plan, seed=seed)
     par, par_uses, par_imports = parallelize_source(v)
     body, main_uses = main_source(v, source)
-    prelude = kit.assemble([*PRELUDE, *(PRETRAINED if v.pretrained else ())])  # what the cell's lines call
+    prelude = kit.assemble([*PRELUDE, *(PRETRAINED if v.from_config else ())])  # what the cell's lines call
     assembly = kit.assemble([*par_uses, *main_uses])
     assembly.blocks = [b for b in assembly.blocks if b[1] not in prelude.names]  # defined once, before the cell
     std = {("functools", None, None)} | ({("copy", None, None)} if v.meta_init else set())

@@ -46,7 +46,7 @@ def render_files(source: ModelSource, plan: Plan, v: ScriptValues, *, script_nam
     setting_lines, setting_imports = settings(v, plan, seed=seed)
     par, par_uses, par_imports = parallelize_source(v)
     body, main_uses = main_source(v, source, telemetry=False)
-    assembly = kit.assemble(["distributed", *par_uses, *main_uses, *(PRETRAINED if v.pretrained else ())])
+    assembly = kit.assemble(["distributed", *par_uses, *main_uses, *(PRETRAINED if v.from_config else ())])
     cell = split_cell(source.code)
     returns = _returns(source, v, body, cell)
     module = runtime_name(script_name)
@@ -90,7 +90,7 @@ def _returns(source: ModelSource, v: ScriptValues, body: str, cell: SplitCell) -
     reads that the cell's statements bind (its functions and classes are the module's already)."""
     loads = {n.id for n in ast.walk(ast.parse(textwrap.dedent(body))) if isinstance(n, ast.Name)}
     names = [source.inputs_var, source.loss_fn_var, source.make_batch_var, source.dataset_var,
-             source.collate_fn_var, "from_config" if v.pretrained else None]
+             source.collate_fn_var, "from_config" if v.from_config else None]
     bound = set(cell.globals) | set(cell.unused) | _bound_in(cell.body) | {"from_config"}  # _build_body's
     return list(dict.fromkeys([source.model_var, *(n for n in names if n and n in loads and n in bound)]))
 
@@ -106,7 +106,7 @@ def _build_body(cell: SplitCell, v: ScriptValues, returns: list[str]) -> str:
     names = [n for n in cell.globals + cell.unused if n not in returns or n in cell.globals]
     lines = [f"global {', '.join(names)}  # the cell's names its functions read (or nothing does)"] if names else []
     code = cell.body
-    if v.pretrained:
+    if v.from_config:
         code = ("from_config = FromConfig().start()  # from_pretrained: the checkpoint's config here, its weights "
                 "after parallelize\n" + code + "\nfrom_config.stop()")
     if v.meta_init:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,7 @@ from ..runtime.data import default_batch_size, default_loss, first_tensor, is_ca
 from ..runtime.ep import experts_modules_to_split
 from ..runtime.fused_norm import apply_fused_norm
 from ..runtime.pp import SCHEDULES, SPLIT_BACKWARD, stage_boundaries
-from ..runtime.pretrained import check_pretrained
+from ..runtime.pretrained import check_pretrained, tied_parameters
 from ..runtime.tp import REPLICATE, TPStyle
 from ..runtime.train import switch_off_kv_cache
 from ..source import PRETRAINED_KEY, ModelSource
@@ -76,8 +77,11 @@ class ScriptValues:
     """the cell loads a Hugging Face model ``from_pretrained``: ``--save-hf`` writes the trained weights back in that
     format"""
     pretrained: str = ""
-    """the checkpoint the cell's ``from_pretrained`` names, read shard by shard after parallelising (meta_init; a
-    model built whole reads it in the cell)"""
+    """the checkpoint ``main`` reads into the model: the one the cell's ``from_pretrained`` names, shard by shard
+    after parallelising (meta_init; a model built whole reads it in the cell), or ``weights``"""
+    weights: str = ""
+    """``export(weights=...)`` (``ModelSource.weights``): the checkpoint a model the cell builds from a config starts
+    from, read whole before parallelising, or shard by shard after it under meta_init"""
     amp: str = "none"
     fp32_ops: list[str] = field(default_factory=list)
     """plan.precision.fp32_ops: ops kept in float32 under autocast"""
@@ -143,6 +147,12 @@ class ScriptValues:
     def zero1(self) -> bool:
         return self.replicas > 1 and self.zero_stage == 1
 
+    @property
+    def from_config(self) -> bool:
+        """The cell's ``from_pretrained`` builds the model from the checkpoint's config (``FromConfig``), and
+        ``main`` reads the weights after parallelising."""
+        return bool(self.pretrained) and not self.weights
+
 
 def _sequence_shards_cross(v: ScriptValues) -> bool:
     """Whether a TP style leaves activations split on the sequence (sequence parallelism), so
@@ -164,8 +174,10 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
                      low_precision_ops=list(pr.low_precision_ops))
     num_params = sum(p.numel() for p in model.parameters())
     v.meta_init = num_params > META_INIT_PARAMS if meta_init is None else meta_init
-    v.pretrained = ns[PRETRAINED_KEY][-1] if ns[PRETRAINED_KEY] and v.meta_init else ""
-    v.save_hf = bool(ns[PRETRAINED_KEY]) and callable(getattr(getattr(model, "config", None), "save_pretrained", 0))
+    v.weights = _weights(source, ns[PRETRAINED_KEY])
+    v.pretrained = v.weights or (ns[PRETRAINED_KEY][-1] if ns[PRETRAINED_KEY] and v.meta_init else "")
+    v.save_hf = bool(ns[PRETRAINED_KEY] or v.weights) and callable(
+        getattr(getattr(model, "config", None), "save_pretrained", 0))
     first = first_tensor(inputs)
     v.tokens = first.dim() == 2 and not first.is_floating_point()
     v.kv_cache = bool(switch_off_kv_cache(model))  # a meta copy of the cell's model: only read here
@@ -189,7 +201,7 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
                       "causal": causal}
     v.ties = tied_parameters(model)
     if v.pretrained:
-        check_pretrained(v.pretrained, model, ties=v.ties)
+        check_pretrained(v.pretrained, model, ties=v.ties, what="weights" if v.weights else "from_pretrained")
     if m.cp > 1:
         _check_cp(source, inputs, v)
     if m.ep > 1:
@@ -222,6 +234,20 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
     if v.fsdp or v.replicate:
         v.fsdp_units = fsdp_units(model, plan, v.ties)
     return v
+
+
+def _weights(source: ModelSource, found: list[str]) -> str:
+    """``source.weights`` checked: a folder, for a cell that does not name its own checkpoint (``from_pretrained``)."""
+    if not source.weights:
+        return ""
+    if found:
+        raise ValueError(f"weights={source.weights!r}, but the cell starts from its own checkpoint "
+                         f"(from_pretrained({found[-1]!r})): weights= is for a cell that builds its model from a "
+                         "config; name one of the two")
+    if not os.path.isdir(source.weights):
+        raise FileNotFoundError(f"weights={source.weights!r}: no such folder; name a folder of safetensors files "
+                                "(what save_pretrained writes)")
+    return source.weights
 
 
 def _check_runnable(plan: Plan) -> None:
@@ -318,14 +344,6 @@ def _check_experts(model: nn.Module, plan: Plan) -> None:
             f"ZeRO-{plan.mesh.zero_stage} is not supported: the experts' own FSDP unit sits inside the selectively "
             "checkpointed region, and torch's selective checkpointing then meets FSDP calls in recompute that the "
             "forward did not make; use full recompute for those layers, or ZeRO 0")
-
-
-def tied_parameters(model: nn.Module) -> list[list[str]]:
-    """Groups of parameter paths that are the same tensor (by identity), in model order."""
-    groups: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-    return [paths for paths in groups.values() if len(paths) > 1]
 
 
 def _containers(model: nn.Module) -> dict[str, list[str]]:

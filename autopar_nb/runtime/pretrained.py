@@ -79,6 +79,14 @@ class FromConfig:
         return cls._from_config(config, **model_kw)
 
 
+def tied_parameters(model) -> list[list[str]]:
+    """Groups of parameter paths that are the same tensor (by identity), in model order."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [paths for paths in groups.values() if len(paths) > 1]
+
+
 def _stored(path: str) -> tuple[HuggingFaceStorageReader, set[str]]:
     """The reader of the checkpoint folder ``path`` and the names it stores (read from the files' headers)."""
     if not os.path.isdir(path):
@@ -88,22 +96,26 @@ def _stored(path: str) -> tuple[HuggingFaceStorageReader, set[str]]:
     return reader, set(reader.read_metadata().state_dict_metadata)
 
 
-def _source(key: str, stored: set[str], ties) -> str:
-    """The stored name parameter ``key`` is read from: its own, or that of a parameter tied to it."""
-    source = key if key in stored else next((n for group in ties if key in group for n in group if n in stored), None)
-    if source is None:
-        raise ValueError(f"the checkpoint stores no weight named {key} (nor one tied to it): transformers renames or "
-                       "fuses some families' weights as it loads them (Mixtral's experts), which sharded loading "
-                       "does not; export with meta_init=False, and the cell's from_pretrained reads them whole")
-    return source
+def _source(key: str, stored: set[str], ties) -> str | None:
+    """The stored name parameter ``key`` is read from: its own, or that of a parameter tied to it (None: neither)."""
+    return key if key in stored else next((n for group in ties if key in group for n in group if n in stored), None)
 
 
-def check_pretrained(path: str, model, *, ties: list[list[str]] = ()) -> None:
+def check_pretrained(path: str, model, *, ties: list[list[str]] = (), what: str = "from_pretrained") -> None:
     """Raise before anything runs where :func:`load_pretrained` could not read ``model``'s parameters from the
-    checkpoint in ``path`` (a missing folder, a name it does not store)."""
+    checkpoint in ``path`` (a missing folder, names it does not store), in one line that starts with ``what``
+    (where the checkpoint was named) and shows the first names on either side that do not match."""
     _, stored = _stored(path)
-    for name, _ in model.named_parameters(remove_duplicate=False):
-        _source(canonical_name(name), stored, ties)
+    names = [canonical_name(n) for n, _ in model.named_parameters(remove_duplicate=False)]
+    missing = [n for n in names if _source(n, stored, ties) is None]
+    if missing:
+        extra = sorted(stored - set(names))
+        raise ValueError(
+            f"{what}={path!r}: the checkpoint stores no weight named {missing[0]} (nor one tied to it)"
+            + (f", nor {len(missing) - 1} more of the model's" if len(missing) > 1 else "")
+            + (f"; it stores {len(extra)} names the model does not have, e.g. {extra[0]}" if extra else "")
+            + (": name a checkpoint of this model (save_pretrained of the same class and config)" if what == "weights"
+               else ": export with meta_init=False, and the cell's from_pretrained reads the weights whole"))
 
 
 def load_pretrained(path: str, parts: list, *, ties: list[list[str]] = ()) -> None:
@@ -124,12 +136,14 @@ def load_pretrained(path: str, parts: list, *, ties: list[list[str]] = ()) -> No
                 like[key] = tensor
             continue
         source = _source(key, stored, ties)
+        if source is None:
+            raise ValueError(f"the checkpoint in {path} stores no weight named {key} (nor one tied to it)")
         if source in named:
             copies[key] = source
         else:  # held by another pipeline stage: read into this rank's copy
             like[source], alias[source] = tensor, key
     laid = dcp_layout(like)
-    dcp.load(laid, storage_reader=reader)
+    dcp.load(laid, storage_reader=reader, no_dist=not dist.is_initialized())  # a whole model in one process too
     state = {alias.get(k, k): v for k, v in restore_layout(laid, like).items()}
     state |= {key: state[source] for key, source in copies.items()}
     state |= {key: tensor for key, tensor in named.items() if key not in state}
