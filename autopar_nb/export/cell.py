@@ -40,7 +40,7 @@ def weights_lines(v: ScriptValues) -> list[str]:
         ties = ", ties=TIES" if v.ties else ""
         path, why = ("WEIGHTS", "the weights it starts from") if v.weights else (
             "from_config.found[-1]", "the cell's from_pretrained")
-        lines.append(f"load_pretrained({path}, parts{ties})  # {why}: these shards")
+        lines.append(f"load_pretrained({path}, parts, model=skeleton{ties})  # {why}: these shards")
     return lines
 
 
