@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
@@ -12,9 +13,11 @@ from . import calibration
 from .capture import CaptureError
 from .capture_cache import cached_capture
 from .cell import CellError, parse_fix, run_model_cell
+from .export import with_weights
 from .hardware import Cluster, parse_memory
 from .plan import AMP, FIX_ALIASES, FIX_CHOICES, FIX_KEYS, PlanError
 from .session import MODES, Session
+from .source import PRETRAINED_KEY, ModelSource
 
 DTYPES = {"auto": None, **{("fp32" if amp == "none" else amp): amp for amp in AMP}}
 """--dtype value -> the ``amp`` it fixes (None: the planner chooses)"""
@@ -50,6 +53,22 @@ def _typed_fix(fix: dict) -> dict:
                 v = bool(v)
         out[key] = v
     return out
+
+
+def _starting_weights(result, weights: str | None) -> tuple[ModelSource, str | None]:
+    """The cell's source, with ``--weights`` if given, and the checkpoint its model starts from (``--weights``, or
+    what the cell's ``from_pretrained`` names; None: random initial weights)."""
+    found = result.namespace.get(PRETRAINED_KEY) or []
+    if weights is None:
+        return result.source, found[-1] if found else None
+    if found:
+        raise CellError(f"--weights {weights}, but the cell starts from its own checkpoint (from_pretrained("
+                        f"{found[-1]!r})): --weights is for a cell that builds its model from a config")
+    if not os.path.isdir(weights):
+        raise CellError(f"--weights {weights}: no such folder; name a folder of safetensors files (what "
+                        "save_pretrained writes)")
+    source = with_weights(result.source, weights)
+    return source, source.weights
 
 
 @magics_class
@@ -89,6 +108,10 @@ class AutoparallelMagics(Magics):
     @argument("--fix", default=None,
               help=f"pin global choices, comma-separated KEY=VALUE with KEY in {', '.join(FIX_KEYS)} (aliases: "
                    f"{', '.join(f'{a}={k}' for a, k in FIX_ALIASES.items())}). Example: --fix tp=2,zero=3")
+    @argument("--weights", default=None, metavar="DIR",
+              help="a folder of safetensors files (what save_pretrained writes) that the model the cell builds from "
+                   "a config starts from: verify, launch and export read it (a cell calling from_pretrained names "
+                   "its own). Example: --weights ./tiny-llama")
     @argument("--include-cells", action="store_true",
               help="prepend the earlier cells that define names this cell uses (default: report those names). "
                    "Example: --include-cells")
@@ -148,14 +171,17 @@ class AutoparallelMagics(Magics):
             history = [c for c in self.shell.user_ns.get("In", [])[1:] if isinstance(c, str)]
             result = run_model_cell(cell, self.shell.user_ns, model_var=args.model, inputs_var=args.inputs,
                                     history=history, include_cells=args.include_cells, first_line=2)
+            source, start = _starting_weights(result, args.weights)
             graph, _ = cached_capture(result.model, result.model_inputs, source=result.source.code)
-            session = Session(graph, cluster, result.source, global_batch=args.batch, mode=args.mode, fix=fix,
+            session = Session(graph, cluster, source, global_batch=args.batch, mode=args.mode, fix=fix,
                               per_rank_batch=result.per_rank_batch)
             session.replan()
             if result.per_rank_batch and args.batch and args.batch != session.batch:
                 print(f"make_batch returns {result.per_rank_batch} samples per rank, so this plan (dp="
                       f"{session.plan.mesh.dp}) trains {session.batch} per step, not --batch {args.batch}: make_batch's"
                       " figure is planned (have it return --batch / dp samples to keep the global batch)")
+            if start:  # the plan's figures are the model's; what it trains from is said here
+                print(f"{args.name}: {session.plan.summary()}; starts from the weights in {start}")
         except (CellError, CaptureError, PlanError) as e:
             raise UsageError(f"%%autoparallel: {e}") from None
         self.shell.user_ns.update(result.bound)

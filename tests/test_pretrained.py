@@ -171,6 +171,21 @@ def test_weights_names_the_checkpoint_of_a_cell_built_from_a_config(saved, tmp_p
                                                           "whole.plan.json", "whole.py", "whole_runtime.py"]
 
 
+def test_the_magic_says_which_weights_the_plan_starts_from(ip, saved, capsys):
+    from IPython.core.error import UsageError
+
+    ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2", CELL.format(path=saved["llama"], vocab=VOCAB))
+    assert f"starts from the weights in {saved['llama']}\n" in capsys.readouterr().out
+    config_cell = CONFIG_CELL.format(config=LLAMA.format(vocab=VOCAB), vocab=VOCAB)
+    session = ip.run_cell_magic("autoparallel", f"--gpu cpu --gpus 2 --weights {saved['llama']}", config_cell)
+    assert session.source.weights == saved["llama"]  # what verify, launch and export read
+    assert f"starts from the weights in {saved['llama']}\n" in capsys.readouterr().out
+    ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2", config_cell)
+    assert "starts from" not in capsys.readouterr().out  # random initial weights: nothing to say
+    with pytest.raises(UsageError, match="--weights /no/such/dir: no such folder"):
+        ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2 --weights /no/such/dir", config_cell)
+
+
 # (checkpoint, fix, meta_init): the whole model read in the cell (a pipeline's other stages then free memory-mapped
 # weights), and each rank's shards read after parallelize, under TP, FSDP and pipelining, with GPT-2's tied head on
 # the other stage than its embedding, and Mixtral's experts (stored one by one under other names) stacked from
