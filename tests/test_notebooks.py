@@ -95,3 +95,13 @@ def test_data(tmp_path):
     assert "resumed from ckpt/step_6 at step 6" in out
     assert re.search(r"data (wait|loading)", out)  # the run's data-wait verdict
     assert (tmp_path / "train_data.py").exists()
+
+
+@pytest.mark.multiprocess
+def test_pretrained(tmp_path):
+    out = run_notebook("07_pretrained", tmp_path)
+    assert "starts from the weights in tiny-llama" in out
+    assert re.search(r"verify dp=1 tp=2 .* on 2 processes: OK", out)
+    assert "first run: finished" in out and "second run: finished" in out
+    assert "'config.json', 'model-00001-of-00001.safetensors', 'model.safetensors.index.json'" in out
+    assert "(fine-tuned)" in out
