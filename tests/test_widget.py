@@ -6,6 +6,7 @@ many layers in one re-plan), readable change lists and alternatives, and speed (
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import itertools
@@ -1113,3 +1114,103 @@ def test_python_text_scales_its_units_as_the_widget_does():
     assert f"{fmt_time(p.cost.step_time_s)}/step, peak {fmt_bytes(p.cost.peak_memory_bytes)}" in summary
     assert "0.0 ms" not in summary and " 0.0" not in p.explain() and "0.00 GiB" not in summary
     assert fmt_delta(-40.4e-6) == "-40.4 µs" and fmt_delta(0.0123) == "+12.3 ms"
+
+
+# ---- issue 42: what the page does, in a blank chromium page at 1400 x 1000 with JupyterLab's theme variables --------
+# JupyterLab 4's own values (share/jupyter/lab/themes/@jupyterlab/theme-{light,dark}-extension/index.css)
+JL_LIGHT = {"--jp-layout-color0": "#ffffff", "--jp-layout-color1": "#ffffff", "--jp-layout-color2": "#eeeeee",
+            "--jp-layout-color3": "#bdbdbd", "--jp-border-color1": "#bdbdbd", "--jp-border-color2": "#e0e0e0",
+            "--jp-ui-font-color0": "#000000", "--jp-ui-font-color1": "rgba(0,0,0,.87)",
+            "--jp-ui-font-color2": "rgba(0,0,0,.54)", "--jp-brand-color1": "#1976d2", "--jp-error-color1": "#d32f2f",
+            "--jp-success-color1": "#388e3c", "--jp-input-background": "#f5f5f5"}
+JL_DARK = {"--jp-layout-color0": "#111111", "--jp-layout-color1": "#212121", "--jp-layout-color2": "#424242",
+           "--jp-layout-color3": "#616161", "--jp-border-color1": "#616161", "--jp-border-color2": "#424242",
+           "--jp-ui-font-color0": "#ffffff", "--jp-ui-font-color1": "rgba(255,255,255,.87)",
+           "--jp-ui-font-color2": "rgba(255,255,255,.54)", "--jp-brand-color1": "#2196f3",
+           "--jp-error-color1": "#f44336", "--jp-success-color1": "#4caf50", "--jp-input-background": "#424242"}
+
+WIDGET_PAGE = """async ([esm, css, state, theme]) => {
+  const style = document.createElement("style");
+  style.textContent = css + " body { margin: 0; background: var(--jp-layout-color0); }";
+  document.head.append(style);
+  for (const [k, v] of Object.entries(theme)) document.body.style.setProperty(k, v);
+  const mod = await import(URL.createObjectURL(new Blob([esm], {type: "text/javascript"})));
+  const [above, el, below] = [0, 1, 2].map(() => document.createElement("div"));
+  above.style.height = "300px";  // a cell above the widget's, and a long notebook below it: the page scrolls
+  below.style.height = "2000px";
+  document.body.append(above, el, below);
+  window.__sent = [];
+  const handlers = {};
+  const model = {get: (k) => state[k], set: (k, v) => { state[k] = v; }, save_changes: () => {},
+                 send: (m) => window.__sent.push(m), off: () => {},
+                 on: (ev, fn) => { (handlers[ev] = handlers[ev] || []).push(fn); }};
+  mod.default.render({model, el});
+  await new Promise((r) => setTimeout(r, 200));
+}"""
+
+
+@contextlib.contextmanager
+def widget_page(w, theme: dict):
+    """A chromium page (1400 x 1000, no Jupyter) showing ``w``'s front end from its traits, the page themed with
+    ``theme``'s JupyterLab variables; yields (page, errors). Messages the front end sends collect in __sent."""
+    import test_browser
+    from playwright.sync_api import sync_playwright
+
+    test_browser._require_chromium()
+    state = {k: getattr(w, k) for k in w.keys if not k.startswith("_") and k not in ("layout", "panel")}
+    state = json.loads(json.dumps({**state, "panel": None}, default=str))
+    static = Path(__file__).resolve().parent.parent / "autopar_nb" / "static"
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(test_browser.CHROMIUM), args=test_browser.CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page(viewport=test_browser.WINDOW)
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.set_content("<html><body></body></html>")
+            page.evaluate(WIDGET_PAGE, [(static / "planner.js").read_text(), (static / "planner.css").read_text(),
+                                        state, theme])
+            yield page, errors
+        finally:
+            browser.close()
+
+
+# the memory bars' colours as drawn: the empty track, what is around it, its outline and each part's fill
+MEMORY_BAR_COLOURS = """() => {
+  const rgb = (s) => (s.match(/[\\d.]+/g) || []).map(Number);
+  const bg = (e) => { for (let x = e; x; x = x.parentElement) { const c = rgb(getComputedStyle(x).backgroundColor);
+    if (c.length === 3 || (c.length === 4 && c[3] > 0.5)) return c.slice(0, 3); } return [255, 255, 255]; };
+  const bar = document.querySelector(".ap-memory .ap-bar"), cs = getComputedStyle(bar);
+  return {track: bg(bar), around: bg(bar.parentElement),
+          outline: cs.borderTopWidth !== "0px" ? rgb(cs.borderTopColor).slice(0, 3) : null,
+          parts: [...bar.querySelectorAll(".ap-seg")].map((s) => [s.style.background, s.getBoundingClientRect().width]),
+          width: bar.getBoundingClientRect().width};
+}"""
+
+
+def _lum(c) -> float:
+    lin = [x / 12.92 if x <= 0.03928 else ((x + 0.055) / 1.055) ** 2.4 for x in (v / 255 for v in c[:3])]
+    return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+
+def _ratio(a, b) -> float:
+    hi, lo = sorted((_lum(a), _lum(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("theme", [JL_LIGHT, JL_DARK], ids=["light", "dark"])
+def test_an_almost_empty_memory_bar_looks_empty(seed_graph, theme):
+    """Issue 42, point 6: the bar's empty part was JupyterLab's --jp-layout-color3, the grey of the "margin" part
+    (#bdbdbd against #bab0ac in the light theme), so a bar 1 % full looked full. The empty part is now the panel's
+    own background inside an outline: it reads as empty, unlike every part's colour, in both themes."""
+    w = _session(seed_graph).widget()  # 2 x H100 80 GiB: about 1 GiB a rank, 1.3 % full
+    assert w.memory["peak"] / w.memory["limit"] < 0.02
+    with widget_page(w, theme) as (page, errors):
+        seen = page.evaluate(MEMORY_BAR_COLOURS)
+    assert not errors, errors
+    assert _ratio(seen["track"], seen["around"]) < 1.1, seen  # the empty part looks like the panel, not filled
+    assert seen["outline"] and _ratio(seen["outline"], seen["around"]) >= 1.5, seen  # the bar's length still shows
+    for colour, _ in seen["parts"]:
+        assert _ratio([int(x) for x in re.findall(r"\d+", colour)[:3]], seen["track"]) >= 1.5, (colour, seen)
+    filled = sum(width for _, width in seen["parts"])
+    assert 0 < filled < 0.03 * seen["width"], seen
