@@ -180,18 +180,19 @@ class Session:
         scaled.mesh.dp = dp
         scaled.batch.global_batch = per_replica * dp
         scaled.cluster = {**scaled.cluster, "nodes": 1, "gpus_per_node": nproc, "scaled_from": m.world_size}
-        scaled.alternatives, scaled.cost = [], None
+        scaled.alternatives = []
         how = f"re-estimated for {nproc} x {self.cluster.device.name}"
         try:
             scaled.cost = estimate(self.graph, dataclasses.replace(self.cluster, nodes=1, gpus_per_node=nproc),
                                    scaled)
-        except ValueError as e:  # the run goes ahead: it only lacks a prediction to compare with, and says why
-            how = f"not re-estimated ({e})"
+        except ValueError as e:  # the run keeps the plan's figures to compare with, and says so
+            _per_rank_as_planned(scaled.cost, m, nproc)
+            how = f"as planned for {m.world_size} (not re-estimated: {e})"
         scaled.explanation = [
             f"The plan is for {m.world_size} processes; running it on {nproc}: the same tp({m.tp}) x pp({m.pp}) "
             f"layout with dp {m.dp} -> {dp} (global batch {plan.batch.global_batch} -> {scaled.batch.global_batch}), "
-            f"its cost {how}. To plan for {nproc} instead: ap.replan(cluster=Cluster.preset("
-            f"{self.cluster.name!r}, gpus_per_node={nproc}))"]
+            f"its cost {how}. To run it as planned: nproc={m.world_size}; to plan for {nproc} instead: "
+            f"ap.replan(cluster=Cluster.preset({self.cluster.name!r}, gpus_per_node={nproc}))"]
         return scaled
 
     def verify(self, steps: int = 5, nproc: int | None = None, *, warm: bool = True, **kwargs: Any):
@@ -366,3 +367,14 @@ class Session:
                 f"({g.tracer}). Cluster: {html.escape(self.cluster.describe())}; global batch {self.batch}.</p>"
                 f"{plan}<table><thead><tr><th>layer</th><th>type</th><th></th><th>params</th><th>fwd</th></tr>"
                 f"</thead><tbody>{''.join(rows)}</tbody></table></div>")
+
+
+def _per_rank_as_planned(cost, mesh, nproc: int) -> None:
+    """Give ``cost`` (a copy of a plan's, mesh ``mesh``) one memory figure per rank of ``nproc`` processes, the same
+    tp x pp layout with more or fewer data-parallel replicas: each rank takes replica 0's figure of its pipeline
+    stage and TP position (ranks in mesh order (pp, dp, tp), TP innermost). Per-stage lists stay as they are."""
+    mem = list(getattr(cost, "memory_by_rank", None) or [])
+    if cost is None or len(mem) != mesh.world_size:
+        return
+    dp = nproc // (mesh.tp * mesh.pp)
+    cost.memory_by_rank = [mem[(r // (dp * mesh.tp)) * mesh.dp * mesh.tp + r % mesh.tp] for r in range(nproc)]

@@ -1214,3 +1214,68 @@ def test_an_almost_empty_memory_bar_looks_empty(seed_graph, theme):
         assert _ratio([int(x) for x in re.findall(r"\d+", colour)[:3]], seen["track"]) >= 1.5, (colour, seen)
     filled = sum(width for _, width in seen["parts"])
     assert 0 < filled < 0.03 * seen["width"], seen
+
+
+def test_launch_and_verify_buttons_on_another_process_count_say_so(seed_graph, monkeypatch):
+    """Issue 42, point 7: Launch (or Verify) with a process count the plan was not made for runs the plan scaled to
+    it (more or fewer data-parallel replicas). The Launch button used to say nothing of it (ap.launch printed its line
+    from the widget's message handler, where no cell shows it). The widget's message now leads with one line: what
+    was planned, what runs, what to do; the plan that runs keeps a cost for the dashboard's comparison."""
+    import types
+
+    from autopar_nb.launch import replan, verifying
+
+    launch_pkg = sys.modules["autopar_nb.launch"]  # the package: ``autopar_nb.launch`` is also the function
+    started = []
+    monkeypatch.setattr(launch_pkg, "launch", lambda make, nproc, steps, *, plan, **kw: started.append(plan)
+                        or types.SimpleNamespace(plan=plan, nproc=nproc))
+    monkeypatch.setattr(replan.Replanner, "attach", lambda self, run: None)
+    monkeypatch.setattr(verifying, "VerifyJob", lambda source, plan, **kw: started.append(plan)
+                        or types.SimpleNamespace(view=lambda: None))
+    s = _session(seed_graph)
+    w = s.widget()
+    assert s.plan.mesh.world_size == 2 and s.plan.mesh.dp == 2, s.plan.mesh
+    w.run_options = {"nproc": 3, "verify_steps": 2, "launch_steps": 5}
+    for name in ("launch", "verify"):
+        w.handle({"kind": "action", "name": name})
+        msg = w.messages[0]
+        line = msg["text"].split("\n")[0]
+        assert msg["level"] == "warning", msg
+        assert line.startswith("The plan is for 2 processes; running it on 3: ") and "dp 2 -> 3" in line, line
+        assert "nproc=2" in line and "ap.replan(cluster=Cluster.preset('h100-80gb', gpus_per_node=3))" in line, line
+        assert f"ap.{name}(nproc=3" in msg["text"], msg
+        assert started[-1].mesh.dp == 3 and started[-1].cost is not None and started[-1].cost.memory_by_rank
+    w.run_options = {"nproc": 2, "verify_steps": 2, "launch_steps": 5}
+    w.handle({"kind": "action", "name": "launch"})  # the plan's own count: nothing to say
+    assert w.messages[0]["level"] == "info" and "running it on" not in w.messages[0]["text"]
+    assert started[-1] is s.plan
+
+
+def test_a_scaled_plan_keeps_a_cost_when_it_cannot_be_re_estimated(seed_graph, monkeypatch):
+    """Issue 42, point 7: when the cost model cannot estimate the plan at the new count, the scaled plan keeps the
+    plan's own figures (its line says so) rather than none: the dashboard said "the plan has no cost: nothing to
+    compare"."""
+    from autopar_nb import cost
+    from autopar_nb.launch.compare import comparison
+
+    s = _session(seed_graph)
+    planned = s.current_plan()
+
+    def refuse(*a, **kw):
+        raise ValueError("the plan's layers do not match the graph's; re-plan for this model")
+
+    monkeypatch.setattr(cost, "estimate", refuse)
+    scaled = s.plan_for(3)
+    assert scaled.mesh.dp == 3 and scaled.cost is not None
+    assert scaled.cost.memory_by_rank == planned.cost.memory_by_rank  # one figure per pipeline stage: as it was
+    assert scaled.cost.step_time_s == planned.cost.step_time_s
+    assert "not re-estimated" in scaled.explanation[0] and "as planned for 2" in scaled.explanation[0]
+    c = comparison(scaled, backend="gloo", nproc=3)
+    assert not any("no cost" in n for n in c["notes"]) and all(c["predicted_memory"]), c
+    # a per-rank list (mesh order pp, dp, tp) gets one figure per new rank: its stage's and TP position's
+    from autopar_nb.plan import Cost, MemoryBreakdown, MeshPlan
+    from autopar_nb.session import _per_rank_as_planned
+
+    per_rank = Cost(step_time_s=1.0, memory_by_rank=[MemoryBreakdown(params=float(r)) for r in range(8)])
+    _per_rank_as_planned(per_rank, MeshPlan(dp=2, tp=2, pp=2), 12)  # dp 2 -> 3
+    assert [m.params for m in per_rank.memory_by_rank] == [0, 1] * 3 + [4, 5] * 3

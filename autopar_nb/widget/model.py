@@ -20,6 +20,7 @@ import traitlets as t
 from ..hardware import Cluster
 from ..plan import RECOMPUTE, Plan, PlanError
 from . import editor, measured, panels
+from .actions import action_message, local_nproc
 from .layout import (
     DEFAULT_VIEWPORT,
     LEGIBLE_SCALE,
@@ -83,7 +84,8 @@ class PlannerWidget(anywidget.AnyWidget):
     summary = t.Unicode("").tag(sync=True)
     explanation = t.List().tag(sync=True)
     messages = t.List().tag(sync=True)
-    """[{level: "error"|"info", text, detail}] shown inline; an error keeps the last valid plan"""
+    """[{level: "error"|"warning"|"info", text, detail}] shown inline; an error keeps the last valid plan, a
+    warning says the action ran something other than the plan as made (another process count)"""
     selection = t.Unicode("").tag(sync=True)
     """the selected layer path"""
     changed = t.List().tag(sync=True)
@@ -531,9 +533,11 @@ class PlannerWidget(anywidget.AnyWidget):
             kwargs["nproc"] = int(self.run_options.get("nproc") or local_nproc(self.session.plan))
         if name in ("verify", "launch") and "steps" in params:
             kwargs["steps"] = int(self.run_options.get(f"{name}_steps") or (5 if name == "verify" else 50))
+        ran = None  # the plan that runs: the session's, or plan_for's at another process count (said first)
         try:
             if name == "verify" and callable(getattr(self.session, "plan_for", None)) and "nproc" in kwargs:
-                result = self._verify_in_background(**kwargs)
+                ran = self.session.plan_for(kwargs["nproc"])
+                result = self._verify_in_background(ran, **kwargs)
             else:
                 result = fn(**kwargs)
         except Exception as e:  # shown inline: an action failing must not break the widget
@@ -543,14 +547,14 @@ class PlannerWidget(anywidget.AnyWidget):
         if name == "launch" and callable(getattr(result, "dashboard", None)):
             self.follow(result)
             self.panel = result.dashboard()
-        self._say("info", *_action_text(name, result, kwargs))
+        self._say(*action_message(name, result, kwargs, ran or getattr(result, "plan", None)))
         return None
 
-    def _verify_in_background(self, *, nproc: int, steps: int):
+    def _verify_in_background(self, plan: Plan, *, nproc: int, steps: int):
         """ap.verify(steps, nproc), run in a child process so the kernel stays free; its progress view goes below."""
-        from ..launch.verifying import VerifyJob
+        from ..launch import verifying
 
-        job = VerifyJob(self.session.source, self.session.plan_for(nproc), steps=steps, nproc=nproc)
+        job = verifying.VerifyJob(self.session.source, plan, steps=steps, nproc=nproc)
         self.panel = job.view()
         return job
 
@@ -609,37 +613,6 @@ _HANDLERS = {
 }
 _LAYER_EDITS = {"strategy", "shard", "recompute", "unpin", "stage", "boundary"}
 """edits of layers: a change of a global choice they cause is said in the message"""
-
-
-def local_nproc(plan: Plan) -> int:
-    """Processes for the Verify/Launch buttons on this machine: the plan's world size when this machine has that many
-    GPUs, else one model-parallel replica (tp * pp), times the data-parallel replicas that fit (2 on CPU)."""
-    import torch
-
-    avail = torch.cuda.device_count() if torch.cuda.is_available() else 2
-    world, mp = plan.mesh.world_size, plan.mesh.tp * plan.mesh.pp
-    if world <= avail:
-        return world
-    return mp * max(1, min(plan.mesh.dp, avail // mp))
-
-
-def _action_text(name: str, result: Any, kwargs: dict | None = None) -> tuple[str, str]:
-    """(message, detail) for the result of ``ap.<name>()``: the exported script's path and torchrun commands, the
-    verify report or job, or the run."""
-    args = ", ".join(f"{k}={v!r}" for k, v in (kwargs or {}).items())
-    script = getattr(result, "script", None)
-    if name == "export" and script is not None:
-        cmds = list(getattr(result, "commands", []) or [])
-        return (f"Exported {script} (the plan beside it: {getattr(result, 'plan_json', '')}). "
-                f"Open it in a cell with %load {script}", "\n".join(cmds))
-    if name == "launch":
-        return (f"ap.launch({args}): the live dashboard is below; the Run is ap.widget().last_result "
-                "(.wait(), .stop(), .samples, .metrics)", repr(result))
-    if name == "verify" and hasattr(result, "view"):
-        return (f"ap.verify({args}) runs in the background: its progress is below (ap.widget().last_result.wait() "
-                "returns the VerifyReport)", "")
-    first, _, rest = str(result).partition("\n")
-    return f"ap.{name}(): {first}", rest
 
 
 def _call(method: str, layer: str, choices: dict[str, Any]) -> str:

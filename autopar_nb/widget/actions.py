@@ -1,0 +1,51 @@
+"""What the Verify / Export / Launch buttons run on and say: the processes a plan runs on here, and the message for
+what ``ap.<action>()`` returned (led by one line when the plan ran at another process count than it was made for)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..plan import Plan
+
+
+def local_nproc(plan: Plan) -> int:
+    """Processes for the Verify/Launch buttons on this machine: the plan's world size when this machine has that many
+    GPUs, else one model-parallel replica (tp * pp), times the data-parallel replicas that fit (2 on CPU)."""
+    import torch
+
+    avail = torch.cuda.device_count() if torch.cuda.is_available() else 2
+    world, mp = plan.mesh.world_size, plan.mesh.tp * plan.mesh.pp
+    if world <= avail:
+        return world
+    return mp * max(1, min(plan.mesh.dp, avail // mp))
+
+
+def scaled_line(plan: Any) -> str:
+    """The line a plan scaled to another process count carries (``Session.plan_for``: what was planned, what runs,
+    what to do), "" for a plan run as it was made."""
+    if plan is None or not (getattr(plan, "cluster", None) or {}).get("scaled_from"):
+        return ""
+    return (plan.explanation or [""])[0]
+
+
+def action_message(name: str, result: Any, kwargs: dict | None = None, ran: Any = None) -> tuple[str, str, str]:
+    """(level, text, detail) for the result of ``ap.<name>()``: the exported script's path and torchrun commands,
+    the verify report or job, or the run. ``ran`` is the plan that ran: scaled to another process count, its line
+    leads the text and the level is "warning" (the run is not the plan as made, and the user did not ask to re-plan)."""
+    args = ", ".join(f"{k}={v!r}" for k, v in (kwargs or {}).items())
+    script = getattr(result, "script", None)
+    if name == "export" and script is not None:
+        cmds = list(getattr(result, "commands", []) or [])
+        text, detail = (f"Exported {script} (the plan beside it: {getattr(result, 'plan_json', '')}). "
+                        f"Open it in a cell with %load {script}", "\n".join(cmds))
+    elif name == "launch":
+        text, detail = (f"ap.launch({args}): the live dashboard is below; the Run is ap.widget().last_result "
+                        "(.wait(), .stop(), .samples, .metrics)", repr(result))
+    elif name == "verify" and hasattr(result, "view"):
+        text, detail = (f"ap.verify({args}) runs in the background: its progress is below "
+                        "(ap.widget().last_result.wait() returns the VerifyReport)", "")
+    else:
+        first, _, detail = str(result).partition("\n")
+        text = f"ap.{name}(): {first}"
+    line = scaled_line(ran)
+    return ("warning", f"{line}\n{text}", detail) if line else ("info", text, detail)
