@@ -1279,3 +1279,44 @@ def test_a_scaled_plan_keeps_a_cost_when_it_cannot_be_re_estimated(seed_graph, m
     per_rank = Cost(step_time_s=1.0, memory_by_rank=[MemoryBreakdown(params=float(r)) for r in range(8)])
     _per_rank_as_planned(per_rank, MeshPlan(dp=2, tp=2, pp=2), 12)  # dp 2 -> 3
     assert [m.params for m in per_rank.memory_by_rank] == [0, 1] * 3 + [4, 5] * 3
+
+
+@pytest.mark.browser
+def test_clicking_a_graph_node_selects_without_scrolling_the_graph_away(seed_graph, llama_graph):
+    """Issue 42, point 3: a click on a graph node selected its layer and scrolled the page (in JupyterLab, the
+    notebook, ~670 px) to bring the table row into view, taking the graph off screen. The click selects, the page
+    stays where it was, and the row is brought into view inside the table's own scroll box only."""
+    from test_browser import WINDOW
+
+    w = _session(seed_graph).widget()
+    with widget_page(w, JL_LIGHT) as (page, errors):
+        graph = page.locator(".ap-graph")
+        graph.scroll_into_view_if_needed()
+        node = page.locator('.ap-svg g.node[id="op-linear_1"]')
+        before = page.evaluate("() => window.scrollY")
+        row_top = page.locator('tr[data-layer="2"]').bounding_box()["y"]
+        assert row_top > WINDOW["height"], "the row must start off screen for this test to mean much"
+        node.click()
+        page.wait_for_timeout(300)
+        after = page.evaluate("() => window.scrollY")
+        box = node.bounding_box()
+        sent = page.evaluate("() => window.__sent")
+        selected = page.locator('tr.ap-selected[data-layer="2"]').count()
+    assert not errors, errors
+    assert {"kind": "select", "layer": "2"} in sent and selected == 1, (sent, selected)
+    assert after == before, f"the page scrolled {after - before} px"
+    assert 0 <= box["y"] and box["y"] + box["height"] <= WINDOW["height"], box
+    # a table taller than its box scrolls inside the box to show the row; the page still does not move
+    with widget_page(_session(llama_graph).widget(), JL_LIGHT) as (page, errors):
+        page.evaluate("() => { document.querySelector('.ap-table-wrap').style.maxHeight = '120px'; }")
+        page.locator(".ap-graph").scroll_into_view_if_needed()
+        before = page.evaluate("() => window.scrollY")
+        page.locator(".ap-svg g.node", has_text="linear").last.click()
+        page.wait_for_timeout(300)
+        seen = page.evaluate("""() => { const wrap = document.querySelector('.ap-table-wrap'),
+          row = wrap.querySelector('tr.ap-selected'), b = wrap.getBoundingClientRect(), r = row.getBoundingClientRect();
+          return {y: window.scrollY, layer: row.dataset.layer, inside: r.top >= b.top && r.bottom <= b.bottom + 1,
+                  scrolled: wrap.scrollTop, overflow: wrap.scrollHeight > wrap.clientHeight}; }""")
+    assert not errors, errors
+    assert seen["y"] == before and seen["layer"] == "output" and seen["overflow"], seen
+    assert seen["inside"] and seen["scrolled"] > 0, seen

@@ -552,9 +552,19 @@ function markSelection(ui, path, scroll) {
   for (const tr of ui.table.querySelectorAll("tr[data-layer]")) {
     const on = tr.dataset.layer === path;
     tr.classList.toggle("ap-selected", on);
-    if (on && scroll) tr.scrollIntoView({ block: "nearest" });
+    if (on && scroll) revealRow(ui.table, tr);
   }
   for (const c of ui.lanes.querySelectorAll(".ap-chip")) c.classList.toggle("ap-selected", c.dataset.layer === path);
+}
+
+// the selected row into view inside the table's own scroll box only: scrollIntoView also scrolls every scrolling
+// ancestor (the notebook), which took the graph just clicked off screen
+function revealRow(wrap, tr) {
+  const box = wrap.getBoundingClientRect(), row = tr.getBoundingClientRect();
+  const head = wrap.querySelector("thead");
+  const top = box.top + (head ? head.getBoundingClientRect().height : 0);
+  if (row.top < top) wrap.scrollTop -= top - row.top;
+  else if (row.bottom > box.bottom) wrap.scrollTop += row.bottom - box.bottom;
 }
 
 // highlight every match; step moves to the next (1) or previous (-1) match and brings it into view
