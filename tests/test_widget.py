@@ -263,6 +263,24 @@ def test_code_side_calls_are_reflected(seed_graph):
     assert s._observers == [] and s.widget() is not w
 
 
+def test_a_plan_changed_from_code_clears_what_the_widget_said(seed_graph):
+    """Issue 42, point 9: "0: strategy TP column: re-planned" (or an error) stayed at the top of the widget after
+    another cell changed the plan, describing a plan no longer shown. A change from code clears the messages; an
+    edit in the widget still says what it did, and a refused one why."""
+    s = _session(seed_graph)
+    w = s.widget()
+    w.handle({"kind": "strategy", "layer": "0", "value": "colwise"})
+    assert w.messages and "strategy TP column" in w.messages[0]["text"]
+    s.undo()  # as in another notebook cell
+    assert w.messages == []
+    w.handle({"kind": "strategy", "layer": "0", "value": "no-such-split"})
+    assert w.messages[0]["level"] == "error"
+    s.replan(fix={"zero_stage": 3})
+    assert w.messages == []
+    w.handle({"kind": "global", "key": "zero_stage", "value": 1})
+    assert w.messages[0]["level"] == "info" and "re-planned" in w.messages[0]["text"], w.messages
+
+
 def test_pipeline_drag_keeps_the_lanes(gpt_graph):
     """A drag between pipeline lanes pins the layers' stages and keeps the lanes (pp, virtual stages, schedule fixed
     when they were the planner's), says so, and one undo restores both; each lane names its pipeline rank."""
@@ -1145,6 +1163,8 @@ WIDGET_PAGE = """async ([esm, css, state, theme]) => {
                  send: (m) => window.__sent.push(m), off: () => {},
                  on: (ev, fn) => { (handlers[ev] = handlers[ev] || []).push(fn); }};
   mod.default.render({model, el});
+  // the kernel's side: a trait set from Python and its change event
+  window.__set = (k, v) => { state[k] = v; (handlers[`change:${k}`] || []).forEach((fn) => fn()); };
   await new Promise((r) => setTimeout(r, 200));
 }"""
 
@@ -1320,3 +1340,36 @@ def test_clicking_a_graph_node_selects_without_scrolling_the_graph_away(seed_gra
     assert not errors, errors
     assert seen["y"] == before and seen["layer"] == "output" and seen["overflow"], seen
     assert seen["inside"] and seen["scrolled"] > 0, seen
+
+
+# where the messages sit: the element just before them, and whether the first one is on screen
+MESSAGES_AT = """async () => { await new Promise((r) => requestAnimationFrame(() => setTimeout(r, 50)));
+  const m = document.querySelector('.ap-messages'), r = m.querySelector('.ap-msg').getBoundingClientRect();
+  return {after: m.previousElementSibling.className, visible: r.top >= 0 && r.bottom <= innerHeight}; }"""
+
+
+@pytest.mark.browser
+def test_an_edits_answer_shows_beside_the_edit(seed_graph):
+    """Issue 42, point 9: every message showed at the top of the widget, ~1000 px above the table, board or lane
+    where the edit was made. The answer to an edit in Global choices, the sharding board, the lanes or the layer
+    table now shows right below that section, on screen; one to an edit in the graph or header stays at the top."""
+    w = _session(seed_graph).widget()
+    said = {"level": "info", "text": "re-planned", "detail": ""}
+    seen = {}
+    with widget_page(w, JL_DARK) as (page, errors):
+        page.locator('select.ap-strategy[data-layer="0"]').select_option("colwise")
+        page.evaluate("(m) => window.__set('messages', [m])", said)
+        seen["table"] = page.evaluate(MESSAGES_AT)
+        page.locator('select.ap-global[data-key="zero_stage"]').select_option("3")
+        page.evaluate("(m) => window.__set('messages', [{...m, level: 'error'}])", said)
+        seen["controls"] = page.evaluate(MESSAGES_AT)
+        page.locator(".ap-graph").scroll_into_view_if_needed()
+        page.locator('.ap-svg g.node[id="op-linear_1"]').click()  # a selection: the graph's, at the top
+        page.evaluate("(m) => window.__set('messages', [m])", said)
+        seen["graph"] = page.evaluate(MESSAGES_AT)
+        sent = [m["kind"] for m in page.evaluate("() => window.__sent")]
+    assert not errors, errors
+    assert sent == ["strategy", "global", "select"], sent
+    assert seen["table"] == {"after": "ap-table-wrap", "visible": True}, seen
+    assert seen["controls"] == {"after": "ap-controls", "visible": True}, seen
+    assert seen["graph"]["after"] == "ap-header", seen

@@ -145,6 +145,7 @@ function skeleton(model, el) {
     drawn: {},
     board: { selected: new Set(), anchor: null, open: new Set(), target: null, dragging: null, focus: null },
     send: (msg) => { root.classList.add("ap-busy"); model.send(msg); },
+    origin: null,
     header: h("div", { class: "ap-header" }),
     messages: h("div", { class: "ap-messages", role: "status" }),
     toolbar: h("div", { class: "ap-toolbar" }),
@@ -175,7 +176,19 @@ function skeleton(model, el) {
     h("div", { class: "ap-section-title" }, "Pipeline stages ", h("span", { class: "ap-hint" },
       "drag a layer to another lane, or a lane's ⇤ handle onto a layer to move the boundary")), ui.lanes,
     h("div", { class: "ap-section-title" }, "Layers"), ui.table, ui.ghost);
+  for (const type of ["pointerdown", "keydown", "change", "drop"]) {
+    root.addEventListener(type, (ev) => { ui.origin = editSection(ui, ev.target); }, true);
+  }
   return ui;
+}
+
+// the part after which the answer to an edit made in ``target`` shows, beside the edit (null: under the header,
+// which the graph and side panels, where the other edits are made, sit right below)
+function editSection(ui, target) {
+  const sections = [[ui.controls, ui.controls], [ui.precision, ui.precision], [ui.boardEl, ui.boardStatus],
+    [ui.lanes, ui.lanes], [ui.table, ui.table]];
+  const hit = target && sections.find(([part]) => part.contains(target));
+  return hit ? hit[1] : null;
 }
 
 // the viewport's size goes to Python (the `viewport` trait), which picks the depth, folding and columns that fit it
@@ -676,6 +689,14 @@ function runPanel(ui, el, host) {
 
 function renderMessages(ui) {
   const msgs = ui.model.get("messages") || [];
+  // the answer to the last edit sits beside it (the lower sections are ~1000 px below the top), on screen
+  const after = ui.origin || ui.header;
+  if (after.nextElementSibling !== ui.messages) after.after(ui.messages);
+  ui.messages.classList.toggle("ap-messages-near", !!ui.origin);
+  if (ui.origin && msgs.length && msgs !== ui.messagesShown) {
+    requestAnimationFrame(() => ui.messages.scrollIntoView({ block: "nearest" }));
+  }
+  ui.messagesShown = msgs;
   ui.messages.replaceChildren(...msgs.map((m) => h("div", { class: `ap-msg ap-msg-${m.level}` },
     h("div", {}, h("span", {}, m.text), m.detail ? h("pre", { class: "ap-detail" }, m.detail) : null),
     h("button", { class: "ap-msg-close", title: "dismiss", onclick: (ev) => ev.target.parentElement.remove() }, "×"))));

@@ -161,6 +161,7 @@ class PlannerWidget(anywidget.AnyWidget):
 
     # ---- session -> traits --------------------------------------------------------------------------------------
     def _on_session_change(self, session) -> None:
+        self.messages = []  # about a plan no longer shown (an edit made here says what it did right after)
         self.refresh()
 
     def follow(self, run) -> None:
