@@ -225,8 +225,13 @@ def test_quickstart_widget_in_jupyterlab(tmp_path):
         node = seed.locator('.ap-svg g.node[id="op-linear_1"]')
         node.hover()
         expect(seed.locator(".ap-tooltip")).to_contain_text("aten.linear", timeout=5_000)
+        scrolled = page.evaluate(NOTEBOOK_SCROLL)
         node.click()
         expect(seed.locator('tr.ap-selected[data-layer="2"]')).to_have_count(1, timeout=10_000)
+        # issue 42, point 3: the click selects without scrolling the notebook (it scrolled to the layer table)
+        assert page.evaluate(NOTEBOOK_SCROLL) == scrolled, (scrolled, page.evaluate(NOTEBOOK_SCROLL))
+        nb = node.bounding_box()
+        assert nb and 0 <= nb["y"] and nb["y"] + nb["height"] <= page.viewport_size["height"], nb
         page.wait_for_timeout(300)
         shoot(page, seed, "widget_edit.png")
 
@@ -290,6 +295,12 @@ def test_quickstart_widget_in_jupyterlab(tmp_path):
     assert moved["gpt_stages"]["h.2"] == last and moved["gpt_stages"]["h.1"] < last, moved
     assert undone["gpt_stages"] == state["gpt_stages"] and undone["gpt_overrides"] == state["gpt_overrides"]
     assert not errors, errors
+
+
+NOTEBOOK_SCROLL = """() => [...document.querySelectorAll('.jp-NotebookPanel *')].filter((e) => e.scrollTop > 0 ||
+  (e.scrollHeight > e.clientHeight + 1 && /auto|scroll/.test(getComputedStyle(e).overflowY)))
+  .map((e) => [e.className, Math.round(e.scrollTop)])"""
+"""the notebook's scrolling boxes and how far each is scrolled"""
 
 
 def shoot(page, locator, name: str) -> None:
