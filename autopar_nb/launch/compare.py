@@ -53,13 +53,27 @@ def predicted_breakdown(plan: Any, rank: int):
     return mem[index]
 
 
-def comparison(plan: Any, *, backend: str, nproc: int, gpu_name: str = "") -> dict:
+SPEED_FACTORS = ("eff_matmul", "eff_conv", "eff_attention", "eff_fp32_matmul", "eff_hbm", "op_overhead_s")
+"""calibration factors that correct a device's speed (``autopar_nb.calibration``): a ``cpu`` plan's step time is the
+estimate of ``hardware.cpu_device`` (cores x 2.5 GHz x AVX2 FMA) until one of them was measured"""
+
+
+def speed_calibrated(preset: str) -> bool:
+    """Whether a run measured the speed of ``preset``'s devices (stored calibration factors)."""
+    from .. import calibration
+
+    return any(k in SPEED_FACTORS for k in calibration.load(preset))
+
+
+def comparison(plan: Any, *, backend: str, nproc: int, gpu_name: str = "", calibrated: bool | None = None) -> dict:
     """``{"plan_device", "run_device", "compare_time", "memory_basis", "predicted_memory": [bytes or None per
     rank], "predicted_step_time_s", "memory_limit_bytes" (the per-rank limit the plan was made with, or None),
     "enforce_limit" (a CPU run: the launch stops a rank above it), "other_device" (the plan's device when it is not
-    the run's: its predictions are for that device, so a gap is no prediction error), "memory_slack_bytes" (what
-    the memory measure holds beyond the training state, :data:`RSS_SLACK_BYTES` on CPU), "notes": [str]}`` for a
-    run of ``plan`` on ``nproc`` local processes."""
+    the run's: its predictions are for that device, so a gap is no prediction error), "judge_time" (whether a step
+    time far from the prediction is a prediction error: not for a CPU plan whose speed no run has calibrated,
+    ``calibrated``, default: :func:`speed_calibrated`), "memory_slack_bytes" (what the memory measure holds beyond
+    the training state, :data:`RSS_SLACK_BYTES` on CPU), "notes": [str]}`` for a run of ``plan`` on ``nproc``
+    local processes."""
     device = plan_device(plan)
     cpu = backend != "nccl"
     run_device = f"{nproc} CPU process{'es' if nproc > 1 else ''} (gloo)" if cpu else \
@@ -69,7 +83,7 @@ def comparison(plan: Any, *, backend: str, nproc: int, gpu_name: str = "") -> di
     out: dict[str, Any] = {"plan_device": device, "run_device": run_device, "compare_time": False,
                            "memory_basis": "rss_above_baseline" if cpu else "cuda", "predicted_memory": [None] * nproc,
                            "predicted_step_time_s": None, "memory_limit_bytes": float(limit) if limit else None,
-                           "enforce_limit": bool(limit) and cpu, "other_device": "",
+                           "enforce_limit": bool(limit) and cpu, "other_device": "", "judge_time": False,
                            "memory_slack_bytes": RSS_SLACK_BYTES if cpu else 0.0, "notes": []}
     scaled_from = (getattr(plan, "cluster", None) or {}).get("scaled_from")
     if scaled_from and scaled_from != nproc:  # Session.plan_for: more or fewer data-parallel replicas
@@ -104,6 +118,10 @@ def comparison(plan: Any, *, backend: str, nproc: int, gpu_name: str = "") -> di
                                 "what torch allocates on first use (tens of MiB).")
     if out["compare_time"]:
         out["predicted_step_time_s"] = float(cost.step_time_s)
+        out["judge_time"] = device != "cpu" or (speed_calibrated(device) if calibrated is None else calibrated)
+        if not out["judge_time"]:
+            out["notes"].append("Step times are shown beside the plan's, not judged: its CPU speed is an estimate "
+                                "(cores x 2.5 GHz x AVX2) until a run calibrates it (run.calibrate()).")
     if out["other_device"]:
         out["notes"].append(f"The prediction is for {device}, not this run's device: no prediction-error events.")
     return out

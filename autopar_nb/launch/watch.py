@@ -59,7 +59,8 @@ class WatchSettings:
     predicted_memory: list = field(default_factory=list)
     """bytes per rank (None where unknown): ``Run.comparison()["predicted_memory"]``"""
     predicted_step_time_s: float | None = None
-    """``Run.comparison()["predicted_step_time_s"]``: None where times do not compare (another device)"""
+    """``Run.comparison()["predicted_step_time_s"]``: None where times do not compare (another device) or are not
+    judged (a CPU whose speed no run has calibrated: ``judge_time``)"""
     prediction_for: str = ""
     """the device the plan's predictions describe when it is not the run's (``Run.comparison()["other_device"]``,
     e.g. "h100-80gb" for CPU processes): no ``prediction_error`` then, since a gap says nothing about the plan"""
@@ -82,7 +83,8 @@ def settings_for(comparison: dict, *, memory_limit_bytes: float | None = None, *
     """Settings for a run from ``Run.comparison()`` (the predictions that describe its device)."""
     return WatchSettings(memory_limit_bytes=memory_limit_bytes,
                          predicted_memory=list(comparison.get("predicted_memory") or []),
-                         predicted_step_time_s=comparison.get("predicted_step_time_s"),
+                         predicted_step_time_s=comparison.get("predicted_step_time_s")
+                         if comparison.get("judge_time", True) else None,
                          prediction_for=comparison.get("other_device") or "",
                          prediction_slack_bytes=float(comparison.get("memory_slack_bytes") or 0.0), **kw)
 
