@@ -1162,7 +1162,9 @@ WIDGET_PAGE = """async ([esm, css, state, theme]) => {
   const model = {get: (k) => state[k], set: (k, v) => { state[k] = v; }, save_changes: () => {},
                  send: (m) => window.__sent.push(m), off: () => {},
                  on: (ev, fn) => { (handlers[ev] = handlers[ev] || []).push(fn); }};
-  mod.default.render({model, el});
+  // anywidget's host: a child widget (a run's dashboard, a verify's progress) renders as its reference
+  const host = {getWidget: async (ref) => ({render: async (o) => { o.el.textContent = ref; }})};
+  mod.default.render({model, el, host});
   // the kernel's side: a trait set from Python and its change event
   window.__set = (k, v) => { state[k] = v; (handlers[`change:${k}`] || []).forEach((fn) => fn()); };
   await new Promise((r) => setTimeout(r, 200));
@@ -1373,3 +1375,42 @@ def test_an_edits_answer_shows_beside_the_edit(seed_graph):
     assert seen["table"] == {"after": "ap-table-wrap", "visible": True}, seen
     assert seen["controls"] == {"after": "ap-controls", "visible": True}, seen
     assert seen["graph"]["after"] == "ap-header", seen
+
+
+def test_verify_does_not_take_the_launch_dashboards_place(seed_graph, monkeypatch):
+    """Issue 42, point 9: Verify's progress view replaced the live dashboard of a run still going (one ``panel``).
+    The last Launch's dashboard and the last Verify's progress each keep a place below the planner."""
+    import types
+
+    import anywidget
+
+    from autopar_nb.launch import replan, verifying
+
+    class View(anywidget.AnyWidget):
+        _esm = "export default { render({ el }) { el.textContent = 'view'; } }"
+
+    dashboard, progress = View(), View()
+    launch_pkg = sys.modules["autopar_nb.launch"]
+    monkeypatch.setattr(launch_pkg, "launch", lambda make, nproc, steps, *, plan, **kw: types.SimpleNamespace(
+        plan=plan, dashboard=lambda: dashboard))
+    monkeypatch.setattr(replan.Replanner, "attach", lambda self, run: None)
+    monkeypatch.setattr(verifying, "VerifyJob", lambda source, plan, **kw: types.SimpleNamespace(
+        view=lambda: progress))
+    w = _session(seed_graph).widget()
+    w.handle({"kind": "action", "name": "launch"})
+    assert w.panel is dashboard
+    w.handle({"kind": "action", "name": "verify"})
+    assert w.panel is dashboard and w.verify_panel is progress
+
+
+@pytest.mark.browser
+def test_the_dashboard_and_the_verify_view_both_show(seed_graph):
+    """Issue 42, point 9, in chromium: a Verify's progress view shows below the Launch's dashboard, which stays."""
+    w = _session(seed_graph).widget()
+    with widget_page(w, JL_LIGHT) as (page, errors):
+        page.evaluate("() => window.__set('panel', 'anywidget:dashboard')")
+        page.evaluate("() => window.__set('verify_panel', 'anywidget:verify')")
+        page.wait_for_timeout(200)
+        shown = page.locator(".ap-run-panel").all_inner_texts()
+    assert not errors, errors
+    assert shown == ["anywidget:dashboard", "anywidget:verify"], shown

@@ -56,7 +56,8 @@ const PIN = "●";
 
 function render({ model, el, host }) {
   const ui = skeleton(model, el);
-  const stopPanel = runPanel(ui, el, host);
+  // the last Launch's dashboard, then the last Verify's progress: a Verify does not take a run's place
+  const stopPanels = ["panel", "verify_panel"].map((trait) => runPanel(ui, el, host, trait));
   toolbar(ui);
   const stopPanZoom = panZoom(ui);
   const stopGraph = graphEvents(ui);
@@ -108,7 +109,7 @@ function render({ model, el, host }) {
     model.off("change:selection", onSelection);
     model.off("change:timings", onTimings);
     model.off("change:measured", onMeasured);
-    stopPanZoom(); stopGraph(); stopBoard(); stopPanel(); stopSize();
+    stopPanZoom(); stopGraph(); stopBoard(); stopPanels.forEach((stop) => stop()); stopSize();
   };
 }
 
@@ -656,13 +657,13 @@ function runInput(ui, key, label, title) {
   return h("label", { class: "ap-run-field", title }, label, input);
 }
 
-function runPanel(ui, el, host) {
+function runPanel(ui, el, host, trait) {
   // the child widget (anywidget's host.getWidget) is rendered after the planner, in the same output
-  const panel = h("div", { class: "ap-run-panel" });
+  const panel = h("div", { class: "ap-run-panel", dataset: { trait } });
   el.append(panel);
   let ctrl = null;
   const show = async () => {
-    const ref = ui.model.get("panel");
+    const ref = ui.model.get(trait);
     if (ctrl) ctrl.abort();
     ctrl = null;
     panel.replaceChildren();
@@ -682,9 +683,9 @@ function runPanel(ui, el, host) {
       panel.append(h("div", { class: "ap-msg ap-msg-error" }, `the live view could not be shown: ${err}`));
     }
   };
-  ui.model.on("change:panel", show);
+  ui.model.on(`change:${trait}`, show);
   show();
-  return () => { ui.model.off("change:panel", show); if (ctrl) ctrl.abort(); };
+  return () => { ui.model.off(`change:${trait}`, show); if (ctrl) ctrl.abort(); };
 }
 
 function renderMessages(ui) {

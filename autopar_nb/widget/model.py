@@ -106,7 +106,9 @@ class PlannerWidget(anywidget.AnyWidget):
     run_defaults = t.Dict().tag(sync=True)
     """{"nproc": processes this machine runs the plan on (local_nproc)}"""
     panel = anywidget.WidgetTrait().tag(sync=True)
-    """the live view below the planner: the last Launch's dashboard or the last Verify's progress"""
+    """the last Launch's live dashboard, below the planner"""
+    verify_panel = anywidget.WidgetTrait().tag(sync=True)
+    """the last Verify's progress, below the dashboard: a Verify does not take a run's place"""
     revision = t.Int(0).tag(sync=True)
     """incremented on every refresh"""
 
@@ -556,7 +558,7 @@ class PlannerWidget(anywidget.AnyWidget):
         from ..launch import verifying
 
         job = verifying.VerifyJob(self.session.source, plan, steps=steps, nproc=nproc)
-        self.panel = job.view()
+        self.verify_panel = job.view()
         return job
 
     def _select(self, msg) -> None:
