@@ -386,3 +386,18 @@ def test_a_failing_rank_is_one_line_naming_the_cell_line():
     assert line.startswith('rank 1 failed at cell line 8 (`raise ValueError("shapes disagree on this rank")`): '
                            "ValueError: shapes disagree on this rank"), line
     assert "Traceback" in info.value.details and "loss_fn" in info.value.details
+
+
+@pytest.mark.multiprocess
+def test_meta_init_with_ddp():
+    """ZeRO 0 and 1 (DDP) under meta_init: DDP broadcasts rank 0's weights when it wraps, so the script wraps once
+    materialize has given the meta parameters storage and values (it crashed on ``Tensor.item()`` of a meta tensor)."""
+    cases = {"meta_zero1": (G, make_plan(G, dp=2, zero=1))}
+    if has_transformers():
+        H = ModelSource(HF_LLAMA_CELL, loss_fn_var="loss_fn")
+        cases["hf_llama_meta_dp"] = (H, make_plan(H, dp=2, zero=0))
+    reports = dict(zip(cases, verify_many(list(cases.values()), steps=2, meta_init=True), strict=True))
+    for name, report in reports.items():
+        assert report.ok, (name, str(report))
+    full = _full_numel(G)
+    assert all(i["local_numel"] == full for i in reports["meta_zero1"].per_rank)  # whole on each rank

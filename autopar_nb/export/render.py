@@ -251,7 +251,10 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
         if v.ep > 1:
             calls.append("replicate_experts(part, experts_mesh[\"dp_mod_ep\"], dp=DP)  # DDP leaves them alone")
             uses.append("replicate_experts")
-        calls.append(f"part = apply_ddp(part, {v.dp_mesh}.get_group(), device=device)")
+        if v.meta_init:  # DDP broadcasts rank 0's weights when it wraps: main() wraps once they are real
+            calls.append("# (DDP itself in main(), once the meta parameters have storage and values)")
+        else:
+            calls.append(f"part = apply_ddp(part, {v.dp_mesh}.get_group(), device=device)")
         uses.append("apply_ddp")
     head = ['def parallelize(model, mesh, device' + (', stage_ids, example):' if v.pp > 1 else '):'),
             '    """The plan applied to the pieces of the model this rank holds (one, or one per pipeline stage)."""',
@@ -388,6 +391,10 @@ def main_source(v: ScriptValues, source: ModelSource, *, telemetry: bool = True)
     else:
         lines.append("parts = parallelize(net, mesh, device)")
     lines += weights_lines(v)
+    if v.ddp and v.meta_init:
+        lines += ["# data parallelism last: DDP, once the weights are real (it broadcasts rank 0's when it wraps; "
+                  "meta has none)",
+                  f"parts = [apply_ddp(part, {v.dp_mesh}.get_group(), device=device) for part in parts]"]
     lines.append("params = [p for part in parts for p in part.parameters()]")
     lines.append("optimizer = " + call("build_optimizer", "params", "OPTIMIZER", lr="args.lr",
                                        weight_decay="WEIGHT_DECAY", betas="BETAS", indent=12, width=120 - ind,
