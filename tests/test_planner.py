@@ -429,3 +429,18 @@ def test_interleaving_tries_more_chunks_where_the_bubble_pays():
     assert plan.pipeline.virtual_stages == min(by_v, key=by_v.get) > 2, (plan.summary(), by_v)
     with pytest.raises(PlanError):  # 4 x 6 chunks > 16 layers: not a candidate, and refused when fixed
         ap.plan(graph, h100(gpus=4), global_batch=4, fix=fix | {"virtual_stages": 6})
+
+
+def test_sequence_parallel_only_where_tp_divides_the_sequence():
+    """Sequence parallelism gives each TP rank an equal part of every sequence: a length tp does not divide gets TP
+    without it (said in the explanation), and a fixed sequence_parallel=True there is a PlanError naming both."""
+    cfg = zoo.LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+    graph = capture(lambda: zoo.Llama(cfg), torch.randint(0, 64, (4, 33)))
+    p = ap.plan(graph, h100(1, 2), fix={"tp": 2})
+    assert p.mesh.tp == 2 and not any(lp.sequence_parallel for lp in p.layers)
+    assert "Sequence parallel off because seq_len 33 does not divide by tp=2" in p.explain()
+    assert all(lp.sequence_parallel for lp in ap.plan(graph, h100(1, 2), seq_len=34, fix={"tp": 2}).layers)
+    with pytest.raises(PlanError, match=r"sequence_parallel=True, but .*seq_len 33 does not divide by tp=2"):
+        ap.plan(graph, h100(1, 2), fix={"tp": 2, "sequence_parallel": True})
+    with pytest.raises(PlanError, match=r"seq_len 35 does not divide by tp=2"):  # seq_len= given to plan
+        ap.plan(graph, h100(1, 2), seq_len=35, fix={"tp": 2, "sp": True})

@@ -217,3 +217,29 @@ def _apply_tp(graph, prof, pattern, style, whole, partial, layers) -> None:
                                     "that make up the whole, or use separate Linears, in the model)")
                 ov.tp_styles[m] = style
             ov.needs_tp = True
+
+
+
+def sp_refusal(prof, tp: int, seq_len: int | None) -> str:
+    """Why sequence parallelism cannot split the activations over ``tp`` ranks ("" where it can): the model's own
+    blocker, or a sequence the ranks cannot share evenly (unequal pieces, which the collectives then refuse)."""
+    if prof.sp_blocker:
+        return prof.sp_blocker
+    if seq_len is not None and tp > 1 and seq_len % tp:
+        return f"seq_len {seq_len} does not divide by tp={tp} (each TP rank takes an equal part of the sequence)"
+    return ""
+
+
+def sequence_parallel(fix: dict, prof, tp: int, *, seq_ratio: float = 1.0) -> tuple[bool, str]:
+    """Whether a mesh with ``tp`` gets sequence parallelism (``fix``'s choice, else wherever it applies), and why a
+    fixed one cannot on this mesh ("": it can, or is off); :class:`PlanError` where the model refuses it whatever the
+    tp. ``seq_ratio``: the planned sequence length over the captured one (``plan(seq_len=...)``)."""
+    seq_len = None if prof.seq_len is None else round(prof.seq_len * seq_ratio)
+    why = sp_refusal(prof, tp, seq_len)
+    sp = fix.get("sequence_parallel", tp > 1 and seq_len is not None and not why)
+    if not (sp and tp > 1 and why):
+        return sp, ""
+    why = f"fix sequence_parallel=True, but sequence parallelism cannot apply: {why}; drop it from fix"
+    if prof.sp_blocker:
+        raise PlanError(why + " (TP then all-reduces full activations)")
+    return sp, why + " or choose a tp that divides it"

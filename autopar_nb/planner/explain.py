@@ -9,6 +9,7 @@ from ..cost.loss import unfused_loss_bytes
 from ..cost.tp_styles import LAYOUT_WORDS
 from ..plan import RECOMPUTE
 from ..units import fmt_bytes, fmt_delta, fmt_flops, fmt_time
+from .constraints import sp_refusal
 
 GiB = 2**30
 
@@ -119,8 +120,8 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
         hs = f" ({', '.join(f'{h} heads -> {h // s.tp} per rank' for h in heads)})" if heads else ""
         lines.append(f"TP={s.tp} inside a node{hs}; sequence parallel {'on' if s.sp else 'off'}; "
                      f"loss_parallel {'on' if plan.loss_parallel else 'off'}.")
-        if not s.sp and prof.sp_blocker and "sequence_parallel" not in cons.fix:
-            lines.append(f"Sequence parallel off because {prof.sp_blocker}.")
+        if not s.sp and (why := sp_refusal(prof, s.tp, plan.batch.seq_len)) and "sequence_parallel" not in cons.fix:
+            lines.append(f"Sequence parallel off because {why}.")
         lines += _layout_lines(plan, prof, s.tp)
         if prof.tp_refused:
             mods = sorted(prof.tp_refused)

@@ -37,6 +37,7 @@ from ..cost.schedule import MULTI_STAGE, ZERO_BUBBLE
 from ..cost.setting import LayerChoice, Setting
 from ..cost.time import bubble_fraction
 from ..plan import V_SCHEDULES, Cost, PlanError, stage_rank
+from .constraints import sequence_parallel
 from .recompute import choose_recompute
 from .stages import memory_partition, partition, partition_runs
 
@@ -367,7 +368,6 @@ class Search:
         its slowest pipeline rank, before recompute) exceeds the ``top_k``-th best feasible step time is skipped,
         which never drops one of the ``top_k`` best."""
         fix = self.cons.fix
-        seq_model = self.prof.seq_len is not None
         configs = []
         for dp, t, pp, cp, ep in [(*mesh, e) for mesh in self.meshes() for e in self.ep_degrees(*mesh[:3])]:
             # dp x tp: ZeRO 0 (FSDP2's replicate), 2 or 3; ZeroRedundancyOptimizer (ZeRO-1) takes no DTensors, which
@@ -382,10 +382,10 @@ class Search:
                             if fix["zero_stage"] == 1 else "selective recompute is pinned on layers holding experts, "
                             "which FSDP shards inside the checkpointed region (use full recompute, or ZeRO 0)"))
                     continue
-            sp = fix.get("sequence_parallel", t > 1 and seq_model and not self.prof.sp_blocker)
-            if sp and t > 1 and self.prof.sp_blocker:
-                raise PlanError(f"fix sequence_parallel=True, but sequence parallelism cannot apply to this model: "
-                                f"{self.prof.sp_blocker}; drop it from fix (TP then all-reduces full activations)")
+            sp, why = sequence_parallel(fix, self.prof, t, seq_ratio=self.ev.seq_ratio)
+            if why:
+                self.rejected.append(why)
+                continue
             local = self.global_batch // dp
             for mb in self.micro_batch_sizes(local, pp):
                 m = local // mb
