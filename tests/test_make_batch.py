@@ -80,3 +80,20 @@ def test_make_batch_alone_trains_like_one_process():
     src = run_model_cell(NO_EXAMPLE, {}).source
     report = verify(src, make_plan(src, dp=2, zero=3), steps=2, nproc=2)
     assert report.ok, str(report)
+
+
+@pytest.mark.multiprocess
+def test_a_sequence_tp_cannot_split_is_one_line_before_the_first_step():
+    """Sequence parallelism cuts each sequence into tp equal parts: make_batch's 33 tokens (the plan was made for 16)
+    under tp=2 is a ValueError naming the length and tp in the first forward, not a gloo collective failing on two
+    sizes (``17408 vs 16384``)."""
+    from runtime_cases import LLAMA_CELL, llama_tp, make_plan, source
+
+    from autopar_nb.verify import VerifyError, verify
+
+    src = source(LLAMA_CELL + "\n\ndef make_batch(step, rank):\n    g = torch.Generator().manual_seed(step)\n"
+                              "    return (torch.randint(0, 64, (4, 33), generator=g),)\n")
+    with pytest.raises(VerifyError) as info:
+        verify(src, make_plan(src, tp=2, tp_styles=llama_tp(sp=True), sp=True), steps=1, nproc=2)
+    line = str(info.value)
+    assert "\n" not in line and "splits each sequence over the 2 TP ranks, but this batch's are 33 long" in line, line

@@ -133,6 +133,12 @@ class PrepareFirstInput(ParallelStyle):
             return t
         if not isinstance(t, DTensor):
             t = DTensor.from_local(t, mesh, (self.input_layout,), run_check=False)
+        if isinstance(self.desired_layout, Shard) and t.shape[self.desired_layout.dim] % mesh.size():
+            # uneven pieces would fail later, inside a collective, with two sizes and no reason
+            raise ValueError(f"sequence parallelism splits each sequence over the {mesh.size()} TP ranks, but this "
+                             f"batch's are {t.shape[self.desired_layout.dim]} long: give the model sequences whose "
+                             f"length divides by {mesh.size()} (make_batch, the dataset), or plan without sequence "
+                             "parallelism")
         t = t.redistribute(placements=(self.desired_layout,))
         return t.to_local() if self.use_local_output else t
 
