@@ -253,3 +253,36 @@ def test_saved_weights_are_what_from_pretrained_reads(saved, tmp_path):
     assert before.keys() == after.keys()
     for key, value in before.items():
         assert torch.equal(value, after[key]), key
+
+
+@pytest.mark.multiprocess
+def test_saved_mixtral_reads_back_with_the_same_logits(saved, tmp_path):
+    """``--save-hf`` of Mixtral (experts split by EP, sharded by FSDP) writes the model's own names (stacked
+    ``mlp.experts.gate_up_proj``), not the checkpoint's one-by-one ``block_sparse_moe.experts.N.w1``; transformers'
+    ``from_pretrained`` (5.x: a name already the model's is not converted) reads them back, to the same logits."""
+    import subprocess
+    import sys
+
+    from safetensors import safe_open
+    from transformers import MixtralForCausalLM
+
+    src = _source(saved["mixtral"])
+    model, inputs, _ = src.build(device="meta")
+    plan = ap.plan(ap.capture(model, inputs), ap.Cluster.preset("cpu", 1, 2), global_batch=8,
+                   fix={"dp": 2, "ep": 2, "zero_stage": 3})
+    script = ap.export(src, plan, tmp_path / "train.py", meta_init=True, quiet=True).script
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), "--steps", "0", "--save-hf", str(tmp_path / "out")], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with safe_open(str(tmp_path / "out" / "model-00001-of-00001.safetensors"), "pt") as f:
+        assert "model.layers.0.mlp.experts.gate_up_proj" in set(f.keys())
+    before, after = (MixtralForCausalLM.from_pretrained(path).eval() for path in (saved["mixtral"], tmp_path / "out"))
+    assert before.state_dict().keys() == after.state_dict().keys()
+    for key, value in before.state_dict().items():
+        assert torch.equal(value, after.state_dict()[key]), key
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for m in (before, after):
+            m.model.norm.weight.fill_(1.0)  # saved as zeros (the loss test's log(vocab)): the logits would be too
+        assert before(tokens).logits.abs().sum() > 0 and torch.equal(before(tokens).logits, after(tokens).logits)

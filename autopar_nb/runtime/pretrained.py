@@ -258,7 +258,9 @@ class _Merge:
 def save_hf(path: str, parts: list, model, *, ties: list[list[str]] = ()) -> None:
     """Write the weights of the parallelised ``parts`` to the folder ``path`` in Hugging Face's format (safetensors
     and ``config.json``: what ``from_pretrained`` reads), under the names of ``model``'s state dict (the cell's
-    model, whose ``config`` is written too), a tied parameter once, under its first name. Collective: every rank
+    model, whose ``config`` is written too), a tied parameter once, under its first name. Mixtral's experts stay
+    stacked as the model holds them, which transformers 5 reads as they are (not the one-by-one names its own
+    ``save_pretrained`` writes, which older readers expect). Collective: every rank
     writes its shards (DCP's ``HuggingFaceStorageWriter``), which are then joined into whole tensors."""
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
