@@ -128,17 +128,15 @@ class PrepareFirstInput(ParallelStyle):
         self.input_layout, self.desired_layout = input_layouts[0], desired_input_layouts[0]
         self.use_local_output = use_local_output
 
-    def _prepare(self, t, mesh):
+    def _prepare(self, t, mesh):  # (uneven sequence pieces would fail later, in a collective, on two sizes)
         if not isinstance(t, torch.Tensor):
             return t
         if not isinstance(t, DTensor):
             t = DTensor.from_local(t, mesh, (self.input_layout,), run_check=False)
-        if isinstance(self.desired_layout, Shard) and t.shape[self.desired_layout.dim] % mesh.size():
-            # uneven pieces would fail later, inside a collective, with two sizes and no reason
+        if isinstance(self.desired_layout, Shard) and (n := t.shape[self.desired_layout.dim]) % mesh.size():
             raise ValueError(f"sequence parallelism splits each sequence over the {mesh.size()} TP ranks, but this "
-                             f"batch's are {t.shape[self.desired_layout.dim]} long: give the model sequences whose "
-                             f"length divides by {mesh.size()} (make_batch, the dataset), or plan without sequence "
-                             "parallelism")
+                             f"batch's are {n} long: give the model sequences whose length divides by "
+                             f"{mesh.size()} (make_batch, the dataset), or plan without sequence parallelism")
         t = t.redistribute(placements=(self.desired_layout,))
         return t.to_local() if self.use_local_output else t
 
