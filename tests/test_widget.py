@@ -1414,3 +1414,22 @@ def test_the_dashboard_and_the_verify_view_both_show(seed_graph):
         shown = page.locator(".ap-run-panel").all_inner_texts()
     assert not errors, errors
     assert shown == ["anywidget:dashboard", "anywidget:verify"], shown
+
+
+def test_a_stage_drag_says_which_other_layers_moved_and_why(gpt_graph):
+    """Issue 42, point 10: dragging h.0 to stage 1 also moved h.1 to stage 2 (the planner re-balanced the stages'
+    unpinned layers) and the message said nothing of it. It now names every other layer that changed stage and why:
+    moved along to keep the stages contiguous (pinned), or re-balanced by the planner (not pinned)."""
+    s = _session(gpt_graph, gpus=4, global_batch=32, fix={"pp": 2, "tp": 1})
+    w = s.widget()
+    before = {lp.path: lp.stage for lp in s.plan.layers}
+    assert (before["h.0"], before["h.1"]) == (0, 1), before
+    w.handle({"kind": "stage", "layer": "h.0", "stage": 1})
+    after = {lp.path: lp.stage for lp in s.plan.layers}
+    text = w.messages[0]["text"]
+    assert after["h.0"] == 1 and after["h.1"] == 2, after
+    assert "The planner also moved h.1 1 → 2 (stage)" in text and "not pinned" in text, text
+    w.handle({"kind": "undo"})
+    w.handle({"kind": "stage", "layer": "h.3", "stage": 1})  # h.2 comes along (pinned), ln_f is re-balanced
+    text = w.messages[0]["text"]
+    assert "Also moved with it, so each stage stays one run of layers: h.2 → stage 1 (pinned)" in text, text

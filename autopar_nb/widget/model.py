@@ -412,7 +412,7 @@ class PlannerWidget(anywidget.AnyWidget):
             if (stages[i] < target and j >= i and stages[j] < target) or \
                     (stages[i] > target and j <= i and stages[j] > target):
                 new[j] = target
-        return self._apply_stages(paths, stages, new)
+        return self._apply_stages(paths, stages, new, msg["layer"])
 
     def _boundary(self, msg) -> str:
         """Move the boundary in front of stage ``stage`` so that layer ``layer`` is its first layer."""
@@ -426,7 +426,7 @@ class PlannerWidget(anywidget.AnyWidget):
             raise PlanError("that boundary move changes no layer's stage")
         return self._apply_stages(paths, stages, new)
 
-    def _apply_stages(self, paths, old, new):
+    def _apply_stages(self, paths, old, new, dragged=None):
         """Pin the moved layers' stages. The lanes are the plan's pp x virtual stages under its schedule: they are
         fixed too (when they were the planner's), so the stages the user dragged between keep their meaning."""
         s = self.session
@@ -455,7 +455,7 @@ class PlannerWidget(anywidget.AnyWidget):
             f"ap.replan(overrides={{**ap.overrides, {entries}}})"
         note = (f" The lanes are kept: {', '.join(f'{editor.GLOBAL_NAMES[k]}={v}' for k, v in added.items())} "
                 "are now fixed (undo restores both)." if added else "")
-        return code, note
+        return code, note + _other_stage_moves(paths, old, s.current_plan(), moved, dragged)
 
     def _global(self, msg) -> str:
         s = self.session
@@ -650,3 +650,20 @@ def _describe(msg: dict[str, Any]) -> str:
     if kind == "unpin":
         return f"{msg.get('layer')}: back to the planner's choice"
     return str(kind)
+
+
+def _other_stage_moves(paths, old, plan, moved, dragged) -> str:
+    """What else changed stage besides the layer dragged, and why: the layers between it and its new stage move
+    with it (stages are contiguous runs of layers), and the planner re-balances the layers nobody pinned."""
+    pinned = {p for p, _ in moved}
+    now = {lp.path: lp.stage for lp in plan.layers}
+    along = [f"{p} → stage {now.get(p, n)}" for p, n in moved if p != dragged]
+    rebalanced = [f"{p} {o} → {now[p]}" for p, o in zip(paths, old, strict=True)
+                  if p not in pinned and p in now and now[p] != o]
+    text = ""
+    if along:
+        text += f" Also moved with it, so each stage stays one run of layers: {', '.join(along)} (pinned)."
+    if rebalanced:
+        text += (f" The planner also moved {', '.join(rebalanced)} (stage), to balance the stages' work: "
+                 "those layers were not pinned; pin one with ap.override(layer, stage=N).")
+    return text
