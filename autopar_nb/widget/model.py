@@ -19,7 +19,7 @@ import traitlets as t
 
 from ..hardware import Cluster
 from ..plan import RECOMPUTE, Plan, PlanError
-from . import editor, measured, panels
+from . import editor, measured, panels, stage_moves
 from .actions import action_message, local_nproc
 from .layout import (
     DEFAULT_VIEWPORT,
@@ -455,7 +455,7 @@ class PlannerWidget(anywidget.AnyWidget):
             f"ap.replan(overrides={{**ap.overrides, {entries}}})"
         note = (f" The lanes are kept: {', '.join(f'{editor.GLOBAL_NAMES[k]}={v}' for k, v in added.items())} "
                 "are now fixed (undo restores both)." if added else "")
-        return code, note + _other_stage_moves(paths, old, s.current_plan(), moved, dragged)
+        return code, note + stage_moves.other_stage_moves(paths, old, s.current_plan(), moved, dragged)
 
     def _global(self, msg) -> str:
         s = self.session
@@ -650,20 +650,3 @@ def _describe(msg: dict[str, Any]) -> str:
     if kind == "unpin":
         return f"{msg.get('layer')}: back to the planner's choice"
     return str(kind)
-
-
-def _other_stage_moves(paths, old, plan, moved, dragged) -> str:
-    """What else changed stage besides the layer dragged, and why: the layers between it and its new stage move
-    with it (stages are contiguous runs of layers), and the planner re-balances the layers nobody pinned."""
-    pinned = {p for p, _ in moved}
-    now = {lp.path: lp.stage for lp in plan.layers}
-    along = [f"{p} → stage {now.get(p, n)}" for p, n in moved if p != dragged]
-    rebalanced = [f"{p} {o} → {now[p]}" for p, o in zip(paths, old, strict=True)
-                  if p not in pinned and p in now and now[p] != o]
-    text = ""
-    if along:
-        text += f" Also moved with it, so each stage stays one run of layers: {', '.join(along)} (pinned)."
-    if rebalanced:
-        text += (f" The planner also moved {', '.join(rebalanced)} (stage), to balance the stages' work: "
-                 "those layers were not pinned; pin one with ap.override(layer, stage=N).")
-    return text
