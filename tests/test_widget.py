@@ -1172,9 +1172,10 @@ WIDGET_PAGE = """async ([esm, css, state, theme]) => {
 
 
 @contextlib.contextmanager
-def widget_page(w, theme: dict):
-    """A chromium page (1400 x 1000, no Jupyter) showing ``w``'s front end from its traits, the page themed with
-    ``theme``'s JupyterLab variables; yields (page, errors). Messages the front end sends collect in __sent."""
+def widget_page(w, theme: dict, width: int | None = None):
+    """A chromium page (1400 x 1000, or ``width`` wide, no Jupyter) showing ``w``'s front end from its traits, the
+    page themed with ``theme``'s JupyterLab variables; yields (page, errors). Messages the front end sends collect
+    in __sent."""
     import test_browser
     from playwright.sync_api import sync_playwright
 
@@ -1185,7 +1186,7 @@ def widget_page(w, theme: dict):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(test_browser.CHROMIUM), args=test_browser.CHROMIUM_FLAGS)
         try:
-            page = browser.new_page(viewport=test_browser.WINDOW)
+            page = browser.new_page(viewport={**test_browser.WINDOW, **({"width": width} if width else {})})
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.set_content("<html><body></body></html>")
@@ -1433,3 +1434,22 @@ def test_a_stage_drag_says_which_other_layers_moved_and_why(gpt_graph):
     w.handle({"kind": "stage", "layer": "h.3", "stage": 1})  # h.2 comes along (pinned), ln_f is re-balanced
     text = w.messages[0]["text"]
     assert "Also moved with it, so each stage stays one run of layers: h.2 → stage 1 (pinned)" in text, text
+
+
+@pytest.mark.browser
+def test_dragging_a_graph_node_selects_no_text(seed_graph):
+    """Issue 42, point 10: a drag that starts on a graph node (to drop it on a legend swatch) selected the text of
+    every label it crossed. The graph is no text to select: the drag leaves no selection."""
+    w = _session(seed_graph).widget()
+    with widget_page(w, JL_LIGHT) as (page, errors):
+        page.locator(".ap-graph").scroll_into_view_if_needed()
+        box = page.locator('.ap-svg g.node[id="op-linear_1"]').bounding_box()
+        x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+        page.mouse.move(x, y)
+        page.mouse.down()
+        page.mouse.move(x - 200, y - 150, steps=8)
+        page.mouse.move(x + 150, y + 120, steps=8)
+        page.mouse.up()
+        selected = page.evaluate("() => window.getSelection().toString()")
+    assert not errors, errors
+    assert selected == "", f"the drag selected {selected!r}"

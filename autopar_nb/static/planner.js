@@ -332,6 +332,7 @@ function panZoom(ui) {
   }, { passive: false });
   viewport.addEventListener("mousedown", (ev) => {
     if (ev.button !== 0 || ev.target.closest(".ap-minimap")) return;
+    ev.preventDefault(); // a pan or a drag to a swatch, never a text selection across the labels
     const grab = ev.target.closest && ev.target.closest("g.node, g.cluster, [data-cluster]");
     ui.drag = { x: ev.clientX, y: ev.clientY, vx: view.x, vy: view.y, moved: false, grab };
     if (grab) startLongPress(ui, ev, grab);
