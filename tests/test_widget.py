@@ -1453,3 +1453,37 @@ def test_dragging_a_graph_node_selects_no_text(seed_graph):
         selected = page.evaluate("() => window.getSelection().toString()")
     assert not errors, errors
     assert selected == "", f"the drag selected {selected!r}"
+
+
+# the graph's colours as drawn: the paper, each layer box's fill, each box label's text and box, an edge's stroke
+GRAPH_COLOURS = """() => {
+  const rgb = (s) => (s.match(/[\\d.]+/g) || []).map(Number).slice(0, 3);
+  const cs = (e) => getComputedStyle(e);
+  const paper = rgb(cs(document.querySelector('.ap-viewport')).backgroundColor);
+  const boxes = [...document.querySelectorAll('.ap-svg g.cluster > path, .ap-svg g.cluster > polygon')]
+    .filter((p) => p.getAttribute('fill') !== 'none').map((p) => rgb(cs(p).fill));
+  const labels = [...document.querySelectorAll('.ap-svg text.ap-clabel')].map((t) => {
+    const bg = t.previousElementSibling; return [rgb(cs(t).fill), bg ? rgb(cs(bg).fill) : paper]; });
+  const edges = [...document.querySelectorAll('.ap-svg g.edge path')].map((p) => rgb(cs(p).stroke));
+  return {paper, boxes, labels, edges, panel: rgb(cs(document.querySelector('.ap-root')).backgroundColor)};
+}"""
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("theme", [JL_LIGHT, JL_DARK], ids=["light", "dark"])
+def test_the_graph_paper_follows_the_theme(seed_graph, theme):
+    """Issue 42, point 10: the graph canvas stayed white (a fixed light paper and pale layer boxes) in JupyterLab's
+    dark theme. In the dark theme the paper and the layer boxes are dark like the panel; box labels and edges keep a
+    readable contrast on them; the light theme keeps its light paper."""
+    w = _session(seed_graph).widget()
+    with widget_page(w, theme) as (page, errors):
+        seen = page.evaluate(GRAPH_COLOURS)
+    assert not errors, errors
+    dark = theme is JL_DARK
+    assert seen["boxes"] and seen["labels"] and seen["edges"], seen
+    for area in [seen["paper"], *seen["boxes"]]:
+        assert (_ratio(area, seen["panel"]) < 1.6) if dark else (_lum(area) > 0.8), (area, seen)
+    for text, bg in seen["labels"]:
+        assert _ratio(text, bg) >= 4.5, (text, bg, seen)
+    for stroke in seen["edges"]:
+        assert _ratio(stroke, seen["paper"]) >= 3, (stroke, seen)

@@ -748,11 +748,12 @@ function loadSvg(ui) {
     layer.setAttribute("class", "ap-cluster-labels");
     top.append(layer);
     const labels = [];
+    const tint = paperTint(ui);
     let outer = null; // a submodule's cluster has no fill of its own: it lies on its layer's, written just before
     for (const g of svg.querySelectorAll("g.cluster")) {
       const shape = g.querySelector("path, polygon");
-      const own = shape ? shape.getAttribute("fill") : null;
-      if (own && own !== "none") outer = own;
+      let own = shape ? shape.getAttribute("fill") : null;
+      if (own && own !== "none") { own = tint(own); shape.style.fill = own; outer = own; }
       const fill = own && own !== "none" ? own : outer;
       for (const t of [...g.querySelectorAll("text")]) {
         t.dataset.cluster = g.id;
@@ -804,6 +805,22 @@ function loadSvg(ui) {
   if (!view.userMoved || !view.fitted) requestAnimationFrame(() => fitView(ui, "auto"));
   else updateMinimap(ui);
   applySearch(ui, 0);
+}
+
+// a dark notebook theme gets a dark graph: the paper is the panel's background, and each layer box's pale tint is
+// mixed into it (12 %); nodes keep their light fills and dark text. Returns the function that tints a box's fill.
+function paperTint(ui) {
+  const rgb = (s) => (s.match(/[\d.]+/g) || []).map(Number);
+  const bg = rgb(getComputedStyle(ui.root).backgroundColor);
+  const dark = bg.length >= 3 && (bg.length < 4 || bg[3] > 0.5) && 0.299 * bg[0] + 0.587 * bg[1] + 0.114 * bg[2] < 110;
+  ui.root.classList.toggle("ap-dark", dark);
+  if (!dark) return (fill) => fill;
+  return (fill) => {
+    const m = /^#([0-9a-f]{6})$/i.exec(fill);
+    if (!m) return fill;
+    const c = [0, 2, 4].map((i) => parseInt(m[1].slice(i, i + 2), 16));
+    return `rgb(${c.map((x, i) => Math.round(0.12 * x + 0.88 * bg[i])).join(", ")})`;
+  };
 }
 
 // one "expand NAME" / "fold NAME" button per repeated block
