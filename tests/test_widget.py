@@ -1487,3 +1487,36 @@ def test_the_graph_paper_follows_the_theme(seed_graph, theme):
         assert _ratio(text, bg) >= 4.5, (text, bg, seen)
     for stroke in seen["edges"]:
         assert _ratio(stroke, seen["paper"]) >= 3, (stroke, seen)
+
+
+@pytest.mark.browser
+def test_hovering_a_module_box_shows_what_it_is(seed_graph, llama_graph):
+    """Issue 42, point 10: hovering a layer's or module's box (not one of its nodes) showed nothing. It shows a
+    tooltip with the module's path, type, split and memory."""
+    w = _session(seed_graph).widget()
+    with widget_page(w, JL_DARK) as (page, errors):
+        page.locator(".ap-graph").scroll_into_view_if_needed()
+        page.locator('.ap-svg text.ap-clabel[data-cluster="cl-0"]').first.hover()
+        page.wait_for_timeout(100)
+        tip = page.locator(".ap-tooltip")
+        shown, text = tip.is_visible(), tip.inner_text()
+        page.mouse.move(2, 2)
+        page.wait_for_timeout(100)
+        hidden = not tip.is_visible()
+    assert not errors, errors
+    assert shown, "no tooltip"
+    for want in ("module\t0", "type\tLinear", "split\treplicated", "memory\tparams 4.00 MiB"):
+        assert want in text, (want, text)
+    assert hidden, "the tooltip stays after the pointer left"
+    # a submodule's box inside a layer's (one module level deeper than the auto view)
+    w = _session(llama_graph).widget()
+    w.handle({"kind": "depth", "value": 2})
+    with widget_page(w, JL_LIGHT) as (page, errors):
+        page.locator(".ap-graph").scroll_into_view_if_needed()
+        page.locator('.ap-svg text.ap-clabel[data-cluster="cl-layers.0.attention"]').first.hover()
+        page.wait_for_timeout(100)
+        text = page.locator(".ap-tooltip").inner_text()
+    assert not errors, errors
+    for want in ("module\tlayers.*.attention", "type\tLlamaAttention", "split\treplicated", "memory\tparams ",
+                 "(each of 8 layers)", "layer\tlayers × 8"):
+        assert want in text, (want, text)

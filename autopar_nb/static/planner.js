@@ -403,11 +403,13 @@ function targetOf(ui, el) {
 function graphEvents(ui) {
   const { model, canvas, tooltip } = ui;
   canvas.addEventListener("mouseover", (ev) => {
+    if (ui.drag && ui.drag.moved) return;
     const g = ev.target.closest && ev.target.closest("g.node");
     const info = g && model.get("nodes")[g.id];
-    if (!info || (ui.drag && ui.drag.moved)) return;
-    tooltip.replaceChildren(h("table", {}, tooltipRows(info).map(([k, v]) =>
-      h("tr", {}, h("th", {}, k), h("td", {}, v)))));
+    const box = !g && ev.target.closest && ev.target.closest("g.cluster, [data-cluster]");
+    const rows = info ? tooltipRows(info) : box ? boxTooltipRows(ui, box.dataset.cluster || box.id) : null;
+    if (!rows) return;
+    tooltip.replaceChildren(h("table", {}, rows.map(([k, v]) => h("tr", {}, h("th", {}, k), h("td", {}, v)))));
     tooltip.style.display = "block";
   });
   canvas.addEventListener("mousemove", (ev) => {
@@ -416,7 +418,7 @@ function graphEvents(ui) {
     tooltip.style.top = `${ev.clientY - r.top + 14}px`;
   });
   canvas.addEventListener("mouseout", (ev) => {
-    const g = ev.target.closest && ev.target.closest("g.node");
+    const g = ev.target.closest && ev.target.closest("g.node, g.cluster, [data-cluster]");
     if (g && !g.contains(ev.relatedTarget)) tooltip.style.display = "none";
   });
   canvas.addEventListener("click", (ev) => {
@@ -467,6 +469,35 @@ function tooltipRows(info) {
   rows.push(["layer", `${info.layer} (stage ${info.stage})`]);
   rows.push(["split", (info.splits || [info.split]).join(" + ")]);
   if (info.members) rows.push(["members", info.members]);
+  return rows;
+}
+
+// a layer's or submodule's box: its path, type, split and memory, summed over the nodes drawn inside it
+function boxTooltipRows(ui, cid) {
+  const clusters = ui.model.get("clusters") || {};
+  let c = clusters[cid], module = null, type = c && c.type;
+  if (!c) {
+    c = Object.values(clusters).find((x) => x.modules && x.modules[cid]);
+    if (!c) return null;
+    [module, type] = c.modules[cid];
+  }
+  const inside = Object.values(ui.model.get("nodes") || {}).filter((n) => c.layers.includes(n.layer)
+    && (!module || n.module === module || (n.module || "").startsWith(module + ".")));
+  const weighted = inside.filter((n) => n.param_bytes > 0);
+  const labels = Object.fromEntries((ui.model.get("legend") || []).map((l) => [l.key, l.label]));
+  const splits = [...new Set((weighted.length ? weighted : inside).flatMap((n) => n.splits || [n.split]))];
+  const sum = (k) => inside.reduce((a, n) => a + (n[k] || 0), 0);
+  const each = c.layers.length > 1 ? ` (each of ${c.layers.length} layers)` : "";
+  const stages = [...new Set(inside.map((n) => n.stage))];
+  // a folded block's box stands for the same module in each of its layers: blocks.*.attn
+  const shown = module && c.block ? `${c.block}.*${module.slice(c.layer.length)}` : module;
+  const rows = [["module", shown || (c.block ? `${c.block} × ${c.layers.length}` : c.layer)], ["type", type || "?"],
+    ["split", splits.map((k) => labels[k] || k).join(" + ") || "no parameters"],
+    ["memory", `params ${bytes(sum("param_bytes"))}, activations ${bytes(sum("act_bytes"))}${each}`]];
+  if (stages.length > 1 || (stages[0] || 0) > 0) rows.push(["stage", stages.join(", ")]);
+  if (module) rows.push(["layer", c.block ? `${c.block} × ${c.layers.length}` : c.layer]);
+  else rows.push(["", `click to ${c.expandable ? "open" : "select"}; right-click or drag to a legend swatch to change `
+    + "its split"]);
   return rows;
 }
 

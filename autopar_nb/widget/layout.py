@@ -464,14 +464,14 @@ def layout(graph: ModelGraph, plan: Plan | None = None, *, expanded: set[str] | 
                          "expandable": len(reps) > 1, "differs": differs, "changed": changed,
                          "collapsible": bool(block is not None and len(reps) == 1 and block.name in expanded),
                          "target": _target_block(block.name) if len(reps) > 1 else layer.path,
-                         "layers": reps}
+                         "layers": reps, "type": layer.type, "modules": {}}
         color = CHANGED_COLOR if changed else STAGE_COLORS[st % len(STAGE_COLORS)]
         width = 3.5 if changed else 3 if layer.path == selected else 1.5
         style = "rounded,filled,dashed" if len(reps) > 1 else "rounded,filled"
         lines.append(f"  subgraph {_q('cluster_' + str(li))} {{")
         lines.append(f"    id={_q(cid)}; label={_q(label)}; labeljust=l; style={_q(style)}; "
                      f"fillcolor={_q(STAGE_FILLS[st % len(STAGE_FILLS)])}; color={_q(color)}; penwidth={width};")
-        _emit_modules(lines, by_layer[layer.path], items, layer.path, li)
+        _emit_modules(lines, by_layer[layer.path], items, layer, li, clusters[cid]["modules"])
         lines.append("  }")
         elements.append({"key": layer.path, "kind": "layer", "box": cid, "anchor": by_layer[layer.path][0]})
         for vid in by_layer[layer.path]:
@@ -699,16 +699,16 @@ def _vis_key(n: OpNode, rel: list[str], depth: int) -> str:
     return n.name
 
 
-def _emit_modules(lines: list[str], vids: list[str], items: dict, layer_path: str, li: int) -> None:
-    """Write nested clusters for submodules holding two or more visible items."""
+def _emit_modules(lines: list[str], vids: list[str], items: dict, layer, li: int, boxes: dict) -> None:
+    """Write nested clusters for submodules of two or more visible items; ``boxes`` gets {box id: [path, type]}."""
     def chain(it) -> list[str]:
         mod = it["module"] if it["kind"] == "op" else it["path"]
-        if not mod.startswith(layer_path + "."):
+        if not mod.startswith(layer.path + "."):
             return []
-        parts = mod[len(layer_path) + 1:].split(".")
+        parts = mod[len(layer.path) + 1:].split(".")
         if it["kind"] == "module":
             parts = parts[:-1]
-        return [layer_path + "." + ".".join(parts[:k]) for k in range(1, len(parts) + 1)]
+        return [layer.path + "." + ".".join(parts[:k]) for k in range(1, len(parts) + 1)]
 
     chains = {vid: chain(items[vid]) for vid in vids}
     size: dict[str, int] = {}
@@ -727,13 +727,12 @@ def _emit_modules(lines: list[str], vids: list[str], items: dict, layer_path: st
     def emit(node: dict, indent: str) -> None:
         for vid in node.get(None, []):
             lines.append(f"{indent}{_q(vid)};")
-        for m, sub in node.items():
-            if m is None:
-                continue
+        for m, sub in ((k, v) for k, v in node.items() if k is not None):
             counter[0] += 1
-            name = m[len(layer_path) + 1:]
-            lines.append(f"{indent}subgraph {_q(f'cluster_{li}_{counter[0]}')} {{ id={_q(_sid('cl-', m))}; "
-                         f"label={_q(name)}; style=\"rounded,dashed\"; color=\"#aaaaaa\"; fillcolor=none;")
+            boxes[_sid("cl-", m)] = [m, next((o.module_type for v in vids for o in items[v]["ops"]
+                                              if o.module_path == m), "")]
+            lines.append(f"{indent}subgraph {_q(f'cluster_{li}_{counter[0]}')} {{ id={_q(_sid('cl-', m))}; label="
+                         f"{_q(m[len(layer.path) + 1:])}; style=\"rounded,dashed\"; color=\"#aaaaaa\"; fillcolor=none;")
             emit(sub, indent + "  ")
             lines.append(f"{indent}}}")
 
