@@ -1520,3 +1520,21 @@ def test_hovering_a_module_box_shows_what_it_is(seed_graph, llama_graph):
     for want in ("module\tlayers.*.attention", "type\tLlamaAttention", "split\treplicated", "memory\tparams ",
                  "(each of 8 layers)", "layer\tlayers × 8"):
         assert want in text, (want, text)
+
+
+@pytest.mark.browser
+def test_a_drop_on_a_refused_lane_says_why_beside_the_lanes(seed_graph):
+    """Issue 42, point 10: dropping a layer on a sharding lane that refuses it did nothing at all. The board's
+    status line, right below the lanes, says the layer was not moved and why."""
+    w = _session(seed_graph).widget()
+    why = w.board["refused"]["0"]["fsdp"]
+    with widget_page(w, JL_LIGHT) as (page, errors):
+        lane = page.locator('.ap-slane[data-lane="fsdp"]')
+        lane.scroll_into_view_if_needed()
+        page.locator('.ap-schip[data-key="0"]').drag_to(lane)
+        page.wait_for_timeout(200)
+        status = page.locator(".ap-board-status").inner_text()
+        sent = page.evaluate("() => window.__sent")
+    assert not errors, errors
+    assert not [m for m in sent if m.get("kind") == "shard"], sent
+    assert "not moved" in status and "FSDP" in status and why in status, status

@@ -1252,7 +1252,7 @@ function applyToTarget(ui, units, el) {
 function boardEvents(ui) {
   const el = ui.boardEl, st = ui.board;
   const unitOf = (chip) => ui.board.units.find((u) => u.key === chip.dataset.key);
-  const status = (text) => { ui.boardStatus.textContent = text; };
+  const status = (text) => { ui.boardStatus.textContent = text; ui.boardStatus.classList.remove("ap-board-refused"); };
   el.addEventListener("click", (ev) => {
     const btn = ev.target.closest("button.ap-split-apart, button.ap-fold-chips");
     if (btn) {
@@ -1295,16 +1295,35 @@ function boardEvents(ui) {
     ev.dataTransfer.effectAllowed = "move";
     markBoard(ui);
   });
-  el.addEventListener("dragend", () => { st.dragging = null; markBoard(ui); });
+  // a refused lane takes no drop (the browser shows the no-drop cursor): the status line says why, and says it
+  // again when the layers are let go there
+  const laneName = (t) => (t.dataset.lane ? (t.querySelector(".ap-slane-label") || t).textContent
+    : `recompute ${t.dataset.recompute}`);
+  const refusal = (t) => `${(t.querySelector(".ap-slane-why") || {}).textContent || t.title.replace(/^refused: /, "")}`;
+  el.addEventListener("dragend", () => {
+    const t = st.refusedOver;
+    st.dragging = null; st.refusedOver = null;
+    markBoard(ui);
+    if (t) {
+      status(`✗ not moved: ${laneName(t)} refuses ${st.selected.size === 1 ? "this layer" : "these layers"}: ${refusal(t)}`);
+      ui.boardStatus.classList.add("ap-board-refused");
+    }
+  });
   el.addEventListener("dragover", (ev) => {
     const t = ev.target.closest && ev.target.closest(".ap-slane[data-lane], .ap-rlane");
     for (const x of el.querySelectorAll(".ap-drop")) if (x !== t) x.classList.remove("ap-drop");
-    if (!t || !st.dragging || t.classList.contains("ap-refused")) return; // no preventDefault: the drop is refused
+    const refused = !!(t && st.dragging && t.classList.contains("ap-refused"));
+    if (refused && st.refusedOver !== t) status(`✗ ${laneName(t)}: refused: ${refusal(t)}`);
+    else if (!refused && st.refusedOver) status("");
+    st.refusedOver = refused ? t : null;
+    ui.boardStatus.classList.toggle("ap-board-refused", refused);
+    if (!t || !st.dragging || refused) return; // no preventDefault: the drop is refused
     ev.preventDefault();
     ev.dataTransfer.dropEffect = "move";
     t.classList.add("ap-drop");
   });
   el.addEventListener("dragleave", (ev) => {
+    if (!el.contains(ev.relatedTarget)) st.refusedOver = null; // let go outside the board: nothing to explain
     const t = ev.target.closest && ev.target.closest(".ap-slane[data-lane], .ap-rlane");
     if (t && !t.contains(ev.relatedTarget)) t.classList.remove("ap-drop");
   });
