@@ -1299,7 +1299,8 @@ function boardEvents(ui) {
   // again when the layers are let go there
   const laneName = (t) => (t.dataset.lane ? (t.querySelector(".ap-slane-label") || t).textContent
     : `recompute ${t.dataset.recompute}`);
-  const refusal = (t) => `${(t.querySelector(".ap-slane-why") || {}).textContent || t.title.replace(/^refused: /, "")}`;
+  const refusal = (t) => ((t.querySelector(".ap-slane-why") || {}).textContent || t.title.replace(/^refused: /, ""))
+    .replace(/^✗ /, "");
   el.addEventListener("dragend", () => {
     const t = st.refusedOver;
     st.dragging = null; st.refusedOver = null;
@@ -1323,7 +1324,6 @@ function boardEvents(ui) {
     t.classList.add("ap-drop");
   });
   el.addEventListener("dragleave", (ev) => {
-    if (!el.contains(ev.relatedTarget)) st.refusedOver = null; // let go outside the board: nothing to explain
     const t = ev.target.closest && ev.target.closest(".ap-slane[data-lane], .ap-rlane");
     if (t && !t.contains(ev.relatedTarget)) t.classList.remove("ap-drop");
   });
