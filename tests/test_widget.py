@@ -1538,3 +1538,60 @@ def test_a_drop_on_a_refused_lane_says_why_beside_the_lanes(seed_graph):
     assert not errors, errors
     assert not [m for m in sent if m.get("kind") == "shard"], sent
     assert "not moved" in status and "FSDP" in status and why in status, status
+
+
+# the planner's layout as drawn: the graph column, the side column, what overlaps or spills, what clips a table
+LAYOUT = """() => {
+  const box = (e) => e.getBoundingClientRect();
+  const q = (s) => document.querySelector(s);
+  const root = box(q('.ap-root')), graph = box(q('.ap-graph')), side = q('.ap-side');
+  const hit = (a, b) => a.left < b.right - 1 && b.left < a.right - 1 && a.top < b.bottom - 1 && b.top < a.bottom - 1;
+  const titles = [...document.querySelectorAll('.ap-side .ap-panel-title')].map(box);
+  const buttons = [...document.querySelectorAll('.ap-toolbar .ap-btn, .ap-toolbar input')].map(box);
+  const legend = q('.ap-legend');
+  const lb = box(legend);
+  const spill = [...legend.children].filter((x) => box(x).right > lb.right + 1 || box(x).left < lb.left - 1)
+    .map((x) => x.textContent);
+  // a table wider than what shows it: it must scroll inside its own box, not be cut by an ancestor
+  const clipped = [];
+  for (const t of document.querySelectorAll('.ap-root table')) {
+    const tr = box(t);
+    if (!tr.width) continue;
+    let scrolls = null;
+    for (let a = t.parentElement; a && a !== document.body && !scrolls; a = a.parentElement) {
+      const cs = getComputedStyle(a);
+      if (cs.overflowX === 'auto' || cs.overflowX === 'scroll') scrolls = box(a);
+      else if (box(a).right < tr.right - 1 && cs.overflowX !== 'visible')
+        clipped.push(t.parentElement.className + ' cut by ' + a.className);
+    }
+    if ((scrolls ? scrolls.right : tr.right) > root.right + 1) {
+      clipped.push(t.parentElement.className + ' past the widget');
+    }
+  }
+  const sideStyle = getComputedStyle(side);
+  return {root: root.width, graph: graph.width, viewport: box(q('.ap-viewport')).width,
+          overlaps: buttons.some((b) => titles.some((t) => hit(b, t))),
+          toolbarOut: buttons.some((b) => b.right > graph.right + 1),
+          spill, clipped, sideScrolls: side.scrollHeight > side.clientHeight + 1
+            || ['auto', 'scroll'].includes(sideStyle.overflowY) && sideStyle.maxHeight !== 'none',
+          pageOverflow: document.documentElement.scrollWidth > innerWidth + 1};
+}"""
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("width", [700, 1400])
+def test_the_layout_holds_in_a_narrow_notebook_column(llama_graph, width):
+    """Issue 42, point 2: at 1024 px with JupyterLab's file browser open (a notebook column of about 700 px) the graph
+    column shrank to 186 px with no graph, the search ↑/↓ buttons lay over the "Memory per rank" title, the legend
+    spilled out, the side column scrolled on its own (and took the wheel), and tables were cut on the right. At 700
+    and 1400 px: the graph keeps most of the width, nothing overlaps or spills, the side column does not scroll, and
+    a table wider than its box scrolls inside it."""
+    w = _session(llama_graph).widget()
+    with widget_page(w, JL_LIGHT, width=width) as (page, errors):
+        seen = page.evaluate(LAYOUT)
+    assert not errors, errors
+    assert seen["graph"] >= (0.6 if width < 900 else 0.55) * seen["root"], seen
+    assert not seen["overlaps"] and not seen["toolbarOut"], seen
+    assert not seen["spill"], seen
+    assert not seen["sideScrolls"], seen
+    assert not seen["clipped"] and not seen["pageOverflow"], seen

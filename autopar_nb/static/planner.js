@@ -49,6 +49,7 @@ function count(x, unit = "") {
   return `${x.toFixed(0)}${unit}`;
 }
 const PIN = "●";
+const NARROW_PX = 900; // below this widget width the side panels go below the graph (.ap-narrow)
 
 // ---- the widget -------------------------------------------------------------------------------------------------
 // `ui` is what every function below shares: the model, the DOM parts, the view state (pan/zoom, search, selection on
@@ -208,7 +209,11 @@ function reportViewport(ui) {
     }, 200);
   });
   ro.observe(ui.viewport);
-  return () => { ro.disconnect(); clearTimeout(timer); };
+  // a narrow notebook column (JupyterLab at 1024 px with the file browser open: ~700 px) stacks the side panels
+  // below the graph instead of squeezing the graph to a sliver beside them
+  const narrow = new ResizeObserver(() => ui.root.classList.toggle("ap-narrow", ui.root.clientWidth < NARROW_PX));
+  narrow.observe(ui.root);
+  return () => { ro.disconnect(); narrow.disconnect(); clearTimeout(timer); };
 }
 
 // ---- toolbar: search, depth, blocks, auto view, zoom ---------------------------------------------------------------
