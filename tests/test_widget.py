@@ -1595,3 +1595,20 @@ def test_the_layout_holds_in_a_narrow_notebook_column(llama_graph, width):
     assert not seen["spill"], seen
     assert not seen["sideScrolls"], seen
     assert not seen["clipped"] and not seen["pageOverflow"], seen
+
+
+@pytest.mark.browser
+def test_fit_at_a_narrow_width_fits_again_when_the_window_grows(llama_graph):
+    """Issue 42, point 2: after "fit" in a narrow column the graph stayed at that small size when the window grew
+    again. Until the user pans or zooms, a fitted graph is fitted again to the new width."""
+    w = _session(llama_graph).widget()
+    with widget_page(w, JL_LIGHT, width=700) as (page, errors):
+        page.locator(".ap-fit").click()
+        page.wait_for_timeout(150)
+        narrow = page.evaluate("() => document.querySelector('.ap-svg').getBoundingClientRect().width")
+        page.set_viewport_size({"width": 1400, "height": 1000})
+        page.wait_for_timeout(400)
+        wide = page.evaluate("""() => ({svg: document.querySelector('.ap-svg').getBoundingClientRect().width,
+          vp: document.querySelector('.ap-viewport').getBoundingClientRect().width})""")
+    assert not errors, errors
+    assert wide["svg"] > 1.3 * narrow or wide["svg"] > 0.8 * wide["vp"], (narrow, wide)

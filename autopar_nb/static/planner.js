@@ -195,9 +195,13 @@ function editSection(ui, target) {
 
 // the viewport's size goes to Python (the `viewport` trait), which picks the depth, folding and columns that fit it
 function reportViewport(ui) {
-  let timer = null, last = null;
+  let timer = null, last = null, seen = null;
   const ro = new ResizeObserver(() => {
-    if (!ui.view.fitted && ui.viewport.clientWidth > 0 && ui.canvas.querySelector("svg")) fitView(ui, "auto");
+    const size = `${ui.viewport.clientWidth}x${ui.viewport.clientHeight}`;
+    // fitted again at the new size ("fit" or the automatic fit) until the user pans or zooms
+    const refit = !ui.view.fitted || (!ui.view.userMoved && seen !== null && size !== seen);
+    seen = size;
+    if (refit && ui.viewport.clientWidth > 0 && ui.canvas.querySelector("svg")) fitView(ui, ui.view.fitMode || "auto");
     clearTimeout(timer);
     timer = setTimeout(() => {
       const w = Math.round(ui.viewport.clientWidth), hgt = Math.round(ui.viewport.clientHeight);
@@ -273,6 +277,7 @@ function fitView(ui, mode = "auto") {
     v.y = 8;
   }
   v.fitted = vw > 0;
+  v.fitMode = mode;
   if (mode === "whole") v.userMoved = false;
   applyTransform(ui);
 }
