@@ -1579,13 +1579,14 @@ LAYOUT = """() => {
 
 
 @pytest.mark.browser
-@pytest.mark.parametrize("width", [700, 1400])
+@pytest.mark.parametrize("width", [592, 700, 1400])
 def test_the_layout_holds_in_a_narrow_notebook_column(llama_graph, width):
     """Issue 42, point 2: at 1024 px with JupyterLab's file browser open (a notebook column of about 700 px) the graph
     column shrank to 186 px with no graph, the search ↑/↓ buttons lay over the "Memory per rank" title, the legend
     spilled out, the side column scrolled on its own (and took the wheel), and tables were cut on the right. At 700
     and 1400 px: the graph keeps most of the width, nothing overlaps or spills, the side column does not scroll, and
-    a table wider than its box scrolls inside it."""
+    a table wider than its box scrolls inside it. 592 px is the widget's width in that JupyterLab window
+    (test_browser's test_the_layout_holds_at_1024_px_with_the_file_browser_open)."""
     w = _session(llama_graph).widget()
     with widget_page(w, JL_LIGHT, width=width) as (page, errors):
         seen = page.evaluate(LAYOUT)
