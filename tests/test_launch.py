@@ -761,9 +761,11 @@ def test_planner_launch_and_verify_buttons_show_the_live_view_below(monkeypatch)
     assert calls[-1] == ("launch", 2, 20) and w.panel is w.last_result.board
     assert w.messages[0]["level"] == "info" and "ap.launch(nproc=2, steps=20)" in w.messages[0]["text"]
     w.run_options = {"nproc": 1, "verify_steps": 3, "launch_steps": 20}
+    dashboard = w.panel
     w.handle({"kind": "action", "name": "verify"})
-    assert calls[-1] == ("verify", 1, 3, 1) and w.panel is w.last_result.board  # plan_for(1): dp=1
-    assert "runs in the background" in w.messages[0]["text"]
+    assert calls[-1] == ("verify", 1, 3, 1)  # plan_for(1): dp=1
+    assert w.verify_panel is w.last_result.board and w.panel is dashboard  # each in its own slot
+    assert any("runs in the background" in m["text"] for m in w.messages), w.messages
 
 
 def _bare_run(tmp_path, nproc=2, backend="gloo", plan=None):

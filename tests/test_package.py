@@ -101,7 +101,7 @@ LONG_MODULES = {
     "widget/model.py": (652, "the anywidget's traits beside every front-end message handler"),
     "cost/estimate.py": (580, "the Evaluator's layer terms, sums, step time and communication"),
     "check.py": (580, "verify's ranks, reference run and comparison"),
-    "planner/search.py": (553, "mesh enumeration beside the per-layer search"),
+    "planner/search.py": (551, "mesh enumeration beside the per-layer search"),
     "cost/tp_styles.py": (518, "the dataflow walk beside the styles' byte counts"),
 }
 LONG_FUNCTIONS = {
@@ -111,7 +111,7 @@ LONG_FUNCTIONS = {
     "cost/tp_styles.py:_walk_once": 153,
     "export/render.py:main_source": 127,
     "launch/launcher.py:_start": 115,
-    "export/render.py:parallelize_source": 104,
+    "export/render.py:parallelize_source": 105,
     "runtime/init.py:materialize": 104,
     "export/styles.py:tp_styles": 98,
     "export/slurm.py:sbatch_script": 91,

@@ -251,10 +251,8 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
         if v.ep > 1:
             calls.append("replicate_experts(part, experts_mesh[\"dp_mod_ep\"], dp=DP)  # DDP leaves them alone")
             uses.append("replicate_experts")
-        if v.meta_init:  # DDP broadcasts rank 0's weights when it wraps: main() wraps once they are real
-            calls.append("# (DDP itself in main(), once the meta parameters have storage and values)")
-        else:
-            calls.append(f"part = apply_ddp(part, {v.dp_mesh}.get_group(), device=device)")
+        calls.append("# (DDP in main(): it broadcasts rank 0's weights, not made yet)" if v.meta_init else
+                     f"part = apply_ddp(part, {v.dp_mesh}.get_group(), device=device)")
         uses.append("apply_ddp")
     head = ['def parallelize(model, mesh, device' + (', stage_ids, example):' if v.pp > 1 else '):'),
             '    """The plan applied to the pieces of the model this rank holds (one, or one per pipeline stage)."""',

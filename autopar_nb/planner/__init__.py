@@ -31,10 +31,11 @@ from ..plan import (
     within,
 )
 from .constraints import Constraints, parse
+from .degrees import cp_degrees
 from .explain import compile_lines, explain, fmt_bytes, fused_loss_lines, fused_norm_lines, op_list_lines
 from .forward import checked_profile, tp_parts
 from .per_rank import plan_per_rank
-from .search import Candidate, Search, cp_degrees, memory_limit
+from .search import Candidate, Search, memory_limit
 
 __all__ = ["plan"]
 
@@ -123,14 +124,15 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
                                                            f"seq_len / 2 (possible: {cps})"))
     search = Search(graph, prof, cluster, cons, ev, global_batch=global_batch, fused_why=fused_why,
                     cps=(fixed_cp,))
-    cands = search.run(top_k)
+    cands, found = search.run(top_k), search
     if cands and not any(c.fits for c in cands) and "cp" not in cons.fix and cps:
         # the activations of long sequences fit nowhere, recompute included: split the sequences (ring attention);
         # no candidate at all means the constraints refused every mesh, which a cp share of the world cannot mend
         retry = Search(graph, prof, cluster, cons, ev, global_batch=global_batch, fused_why=fused_why,
                        cps=tuple(cps))
         try:
-            cands = retry.run(top_k) or cands
+            if more := retry.run(top_k):
+                cands, found = more, retry
         except PlanError:  # the fixed choices leave no mesh with a cp share (fix dp=world): say why nothing fits
             pass
     if not cands:
@@ -146,12 +148,11 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
             seen.add(c.key)
             ranked.append(c)
     best = ranked[0]
-    faster = [c for c in cands if not c.fits and c.cost.step_time_s < best.cost.step_time_s]
     plans = [_to_plan(c, graph, prof, cluster, cons, global_batch, seq_len, head=head.module if head else "")
              for c in ranked[:top_k]]
     chosen = plans[0]
     chosen.alternatives = plans[1:]
-    chosen.explanation = explain(chosen, best, ranked, faster, cons, cluster, prof)
+    chosen.explanation = explain(chosen, best, ranked, found.over, cons, cluster, prof)
     chosen.explanation += compile_lines(best, ev, cons, [i for i, on in enumerate(search.compilable) if on])
     chosen.explanation += fused_loss_lines(best, ev, cons, fused_why)
     chosen.explanation += fused_norm_lines(best, ev, cons)

@@ -87,9 +87,9 @@ def _margin_source(cluster) -> str:
         return ""
 
 
-def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[str]:
+def explain(plan, best, ranked, over, cons, cluster, prof) -> list[str]:
     """Lines for ``plan.explanation`` (see the module docstring). ``best`` is the chosen Candidate, ``ranked`` the
-    feasible candidates in order, ``infeasible_faster`` faster candidates that did not fit, ``cons`` the user's
+    feasible candidates in order, ``over`` a faster candidate that does not fit (None: none does), ``cons`` the user's
     constraints."""
     c, s = best.cost, best.setting
     limit = best.limit
@@ -147,11 +147,9 @@ def explain(plan, best, ranked, infeasible_faster, cons, cluster, prof) -> list[
                         if abs(d) > 0.005 * c.step_time_s)
         lines.append(f"Runner-up: {_summary(ru)} is {_pct(rc.step_time_s - c.step_time_s, c.step_time_s)} slower"
                      + (f" ({why})" if why else "") + (f"; it uses {', '.join(diff)}" if diff else "") + ".")
-    if infeasible_faster:
-        f = min(infeasible_faster, key=lambda x: x.cost.step_time_s)
-        over = f.cost.peak_memory_bytes - limit
-        lines.append(f"Memory limits the plan: {len(infeasible_faster)} faster candidate(s) do not fit; the fastest, "
-                     f"{_summary(f)}, needs {fmt_bytes(f.cost.peak_memory_bytes)} ({fmt_bytes(over)} over).")
+    if over is not None:
+        lines.append(f"Memory limits the plan: faster candidates do not fit, e.g. {_summary(over)}: "
+                     f"{fmt_bytes(over.cost.peak_memory_bytes - limit)} over.")
     dominant = max(parts[1:], key=lambda kv: kv[1])
     if c.peak_memory_bytes > 0.9 * limit:
         lines.append(f"Memory is the binding constraint: {_pct(c.peak_memory_bytes, limit)} of the device is used.")

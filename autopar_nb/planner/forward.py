@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from ..cost.profile import profile_of
 from ..plan import within
-from .search import divisors, tp_blockers
+from .degrees import divisors, tp_blockers
 
 RUNNERS: list = []
 """``run(stand_in, layout) -> None | (module path, why)``: what runs a :class:`Layout` (see the module docstring);

@@ -6,7 +6,7 @@ sample is the only measure that compares plans of different batches)."""
 from __future__ import annotations
 
 from ..plan import Plan, PlanError
-from .search import divisors
+from .degrees import divisors
 
 
 def plan_per_rank(planner, graph, cluster, per_rank: int, *, fix: dict | None = None, **kwargs) -> Plan:

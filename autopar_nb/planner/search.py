@@ -38,6 +38,7 @@ from ..cost.setting import LayerChoice, Setting
 from ..cost.time import bubble_fraction
 from ..plan import V_SCHEDULES, Cost, PlanError, stage_rank
 from .constraints import sequence_parallel
+from .degrees import divisors, tp_blockers
 from .recompute import choose_recompute
 from .stages import memory_partition, partition, partition_runs
 
@@ -55,6 +56,8 @@ class Candidate:
     (``Search.fused_variant``): what the choice saved or would have saved"""
     norm_other: Candidate | None = None
     """the same setting with the other choice of fused RMSNorms, when both were costed (``Search.norm_variant``)"""
+    origin: tuple | None = None
+    """the (setting, choices) its variants were made from (``Search._variants``)"""
 
     @property
     def fits(self) -> bool:
@@ -73,38 +76,9 @@ cost model prices both); Megatron-LM's SC21 runs and Llama 3's use up to a few l
 LOOPED = tuple(s for s in MULTI_STAGE if s not in V_SCHEDULES)
 """schedules that run any number of chunks per rank (a V schedule runs two)"""
 
-def divisors(n: int) -> list[int]:
-    """Positive divisors of n, ascending."""
-    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
-def tp_blockers(prof, t: int, tp_on: list[bool]) -> list[str]:
-    """Why TP degree ``t`` cannot apply: layers whose heads, parts or split dims ``t`` does not divide. A key/value
-    projection with fewer heads than ``t`` is repeated instead when ``t`` is a multiple of its heads."""
-    out = []
-    for i, lp in enumerate(prof.layers):
-        if not tp_on[i]:
-            continue
-        kv = sorted(r.heads for r in lp.repeatable.values() if r.heads % t and t % r.heads)
-        bad = sorted(d for d in lp.divisors if d % t) + kv
-        if bad:
-            heads = sorted(h for h in lp.heads if h % t) + kv
-            what = f"head count {heads[0]}" if heads else f"dim {bad[0]}"
-            out.append(f"tp={t} does not divide the {what} of {lp.path}")
-    return out
-
-
-def cp_degrees(prof, cluster, *, seq_len: int | None, why: str = "") -> tuple[list[int], str]:
-    """Context-parallel degrees the runtime can run for this model: the divisors > 1 of the world size that split
-    the sequence into 2 * cp equal chunks (torch's load balancing), inside a node (the ring's all-gathers stay on
-    the fast links); and why there are none ("" when there are). ``why``: a reason from outside the graph."""
-    why = why or prof.cp_blocker or ("" if seq_len else "the inputs are not token sequences")
-    if why:
-        return [], why
-    out = [c for c in divisors(cluster.world_size) if 1 < c <= cluster.gpus_per_node and seq_len % (2 * c) == 0]
-    return out, "" if out else (f"no degree cp > 1 of the world size {cluster.world_size} (inside a node) cuts "
-                                f"seq_len {seq_len} into 2 * cp equal chunks")
+def _order(cand: Candidate, floor: float) -> tuple:
+    """How :attr:`Search.over` is chosen among candidates: least bound on the step time, then time, then key."""
+    return floor, cand.cost.step_time_s, cand.key
 
 
 def memory_limit(cluster) -> float:
@@ -192,6 +166,9 @@ class Search:
         of the unchanged answer does)"""
         self.evaluated = 0
         self.pruned = 0
+        self.over: Candidate | None = None
+        """a candidate faster than the fastest that fits which does not fit: of those, the one with the least bound
+        on its step time (the explanation names it; finding the fastest would cost every one of them)"""
 
     # ---- enumeration --------------------------------------------------------------------------------------------
     def meshes(self) -> list[tuple[int, int, int, int]]:
@@ -440,17 +417,31 @@ class Search:
 
     def _variants(self, s: Setting, choices: list[LayerChoice]) -> Candidate:
         """The candidate of ``s`` with ``choices``, recompute added where it does not fit, and its fused variants."""
-        return self.norm_variant(self.fused_variant(self._cost(s, choices, "recompute" not in self.cons.fix)))
+        origin = (s, [dataclasses.replace(c) for c in choices])  # costing adds recompute to ``choices``
+        cand = self.norm_variant(self.fused_variant(self._cost(s, choices, "recompute" not in self.cons.fix)))
+        cand.origin = origin
+        return cand
 
     def _settle(self, out: list) -> list[Candidate]:
         """``out`` with the candidates a memory floor set aside (``(setting, choices)``: they cannot fit,
         :func:`~autopar_nb.cost.floor.memory_floor`) costed in full where ``plan()`` may tell them: every one when
-        nothing fits (it tells the one over by the least), else those a bound on their step time does not put
-        behind the fastest that fits (it tells the faster ones that do not fit). The rest can change neither the
-        plan, nor its alternatives, nor its explanation."""
-        fastest = min((c.cost.step_time_s for c in out if isinstance(c, Candidate) and c.fits), default=math.inf)
-        return [c if isinstance(c, Candidate) else self._variants(*c) for c in out
-                if isinstance(c, Candidate) or self._time_floor(*c) < fastest]
+        nothing fits (it tells the one over by the least), else, in the order of a bound on their step time, until
+        :attr:`over` is found. The rest can change neither the plan, nor its alternatives, nor its explanation."""
+        done = [c for c in out if isinstance(c, Candidate)]
+        aside = [c for c in out if not isinstance(c, Candidate)]
+        bar = min((c.cost.step_time_s for c in done if c.fits), default=math.inf)
+        if bar == math.inf:
+            return done + [self._variants(*c) for c in aside]
+        over = [(_order(c, self._time_floor(*c.origin)), c) for c in done if not c.fits and c.cost.step_time_s < bar]
+        for floor, _, c in sorted((self._time_floor(*c), i, c) for i, c in enumerate(aside)):
+            if over and floor > min(r for r, _ in over)[0]:
+                break
+            cand = self._variants(*c)
+            done.append(cand)
+            if not cand.fits and cand.cost.step_time_s < bar:
+                over.append((_order(cand, floor), cand))
+        self.over = min(over, key=lambda rc: rc[0])[1] if over else None
+        return done
 
     def _time_floor(self, s: Setting, choices: list[LayerChoice]) -> float:
         """A lower bound on the step time of ``s`` with ``choices`` and of each variant :meth:`_variants` costs

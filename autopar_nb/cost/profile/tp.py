@@ -60,7 +60,7 @@ def _count_styled(lp: LayerProfile, n, style: str, f: Facts, kv: set[str],
     if pp is not None:
         lp.parts[n.module_path] = pp
     if n.name in kv:
-        # tp divides its heads (split) or is a multiple of them (repeated): search.tp_blockers
+        # tp divides its heads (split) or is a multiple of them (repeated): planner.degrees.tp_blockers
         ps = [params[q] for q in n.params
               if q in params and not params[q].is_buffer and params[q].trainable]
         lp.repeatable[n.module_path] = Repeatable(pp.counts[0], n.flops, n.bwd_flops,
