@@ -429,7 +429,8 @@ ROWS.append(Row(
 # What the furthest rows are made of, from the Cost breakdowns (the what-ifs are one-off
 # evaluations, not in the table). Rows by their place in ROWS.
 DIAGNOSED = ("2026-12-06, with Megatron-LM's 2021 attention, torchtitan's selective recompute, "
-             "one reduce-scatter per pipelined step and loss_parallel on the last pipeline stage")
+             "one reduce-scatter per pipelined step, loss_parallel on the last pipeline stage and "
+             "2-8 chunks per rank tried for interleaving")
 KNOWN = [
     "Megatron-LM's rows cost attention as Megatron ran it in 2021 (Megatron2021Attention: the "
     "s x s scores written by a GEMM, read and written by a fused 16-bit softmax and a dropout). "
@@ -444,14 +445,16 @@ KNOWN = [
     "where Megatron's fp16 model with its fused bias + dropout + add moves about 22. NeMo's 8B "
     "(#41-#42: Transformer Engine, cuDNN attention) measured a 12.91 s step where the model's "
     "compute alone is 15.42 s.",
-    "#9 (529.6B): only the planner's v = 2 fits 76.4 GiB, and 105 layers on 35 x 2 chunks "
-    "leave ranks with 4 layers beside ranks with 3 (compute 63.3 s); v = 3, one block per "
-    "chunk, predicts 154 TFLOP/s (-6 %) but needs 83.9 GiB.",
-    "#11-#12 (Llama 3, -16 / -25 %): the interleaved bubble (2.77 s) with the planner's v = 2, "
-    "and exposed collectives (1.83 / 1.10 s; torch's PipelineStage reduce-scatters a stage's "
-    "ZeRO-2 gradients once, after its last backward: 1.04 / 0.68 s of them); Meta's V, N and "
-    "balanced end stages are not published or pinnable. Memory: saved activations far beyond "
-    "80 GB on rank 1 where Meta trained 8K sequences without recompute.",
+    "#9 (529.6B): on the card just large enough for the planner's most frugal candidate "
+    "(307 GiB under our runtime) only v = 2 fits, and 105 layers on 35 x 2 chunks leave ranks "
+    "with 4 layers beside ranks with 3; v = 3, one block per chunk, predicts 150 TFLOP/s (-8 %) "
+    "but needs 397 GiB.",
+    "#11-#12 (Llama 3, -7 / -12 %): the planner tries 2, 3, 4, 6 and 8 chunks per rank and "
+    "takes v = 6 / v = 4 (bubble 0.92 / 1.38 s; with v = 2, its only choice before, 2.77 s and "
+    "-16 / -25 %); exposed collectives 2.26 / 1.11 s (torch's PipelineStage reduce-scatters a "
+    "stage's ZeRO-2 gradients once, after its last backward: 1.04 / 0.68 s of them); Meta's V, "
+    "N and balanced end stages are not published or pinnable. Memory: saved activations far "
+    "beyond 80 GB on rank 1 where Meta trained 8K sequences without recompute.",
     "Memory: our ZeRO-1 (DDP + ZeroRedundancyOptimizer) holds fp32 parameters, fp32 gradients "
     "and DDP's buckets (3 x 29.9 GiB for the 8B, #41-#42) where Megatron's distributed "
     "optimizer fits in 80 GB. torchtitan's 8B (#14-#18) reserved 4-15 % more than the "
@@ -465,8 +468,9 @@ KNOWN = [
     "gradients held across micro-batches, 22.4 GiB allocator margin), +8 % (interleaved) and "
     "+28 % (#28, the same layout at 32K) of the published max reserved; the margin under "
     "full recompute (30.5 %) was measured on one H200 with a 1B, the largest term left "
-    "unmeasured at this scale. Before, the "
-    "gathered logits made these +30 % and +42 %.",
+    "unmeasured at this scale. Before, the gathered logits made these +30 % and +42 %. "
+    "#27 with the planner's v = 8 (64 chunks of about two layers): +5 % memory, throughput "
+    "-17 % (-35 % at v = 2).",
     "Hardware: torchtitan's H100s ran at 500 W with 2.4 TB/s HBM2e (#14-#31) or lower TDP "
     "(#32-#34); the h100-80gb preset is the 700 W SXM: #14-#18 are predicted 8-17 % faster.",
 ]
