@@ -37,3 +37,15 @@ def ip():
     yield shell
     for name in set(shell.user_ns) - before:
         del shell.user_ns[name]
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of this process alone: runtime code that calls collectives, run in one process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from autopar_nb.runtime.checkpoint import (
@@ -24,15 +23,6 @@ from autopar_nb.runtime.checkpoint import (
     resume_point,
     save_checkpoint,
 )
-
-
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _model_and_optimizer():

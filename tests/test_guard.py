@@ -13,20 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from autopar_nb.runtime.guard import SPIKE_WARMUP, NumericsGuard, grads_finite
 from autopar_nb.runtime.train import apply_step, roll_back
-
-
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_guards_rule_in_one_process(world_of_one):
