@@ -113,7 +113,7 @@ LONG_FUNCTIONS = {
     "launch/launcher.py:_start": 115,
     "export/render.py:parallelize_source": 105,
     "runtime/init.py:materialize": 104,
-    "export/styles.py:tp_styles": 98,
+    "planner/styles.py:tp_styles": 98,
     "export/slurm.py:sbatch_script": 91,
     "cost/estimate.py:sum_layers": 83,
     "launch/run.py:__init__": 83,

@@ -24,7 +24,7 @@ from runtime_cases import (
     source,
 )
 
-from autopar_nb.export.styles import tp_styles
+from autopar_nb.planner.styles import tp_styles
 from autopar_nb.runtime.ac import apply_ac
 from autopar_nb.runtime.data import concat_batches, model_call, split_batch
 from autopar_nb.runtime.init import canonical_name, materialize

@@ -146,8 +146,8 @@ def test_a_layout_whose_forward_fails_is_not_offered(name):
 
 def test_the_zoo_families_keep_their_layouts_and_each_layout_runs_once(monkeypatch):
     runs = []
-    runner = forward.RUNNERS[-1]
-    monkeypatch.setattr(forward, "RUNNERS", [lambda stand, layout: runs.append(layout) or runner(stand, layout)])
+    runner = forward.run_layout
+    monkeypatch.setattr(forward, "run_layout", lambda stand, layout: runs.append(layout) or runner(stand, layout))
     for cell, attention in ((GPT_CELL, {"attn.c_attn", "attn.c_proj"}),
                             (LLAMA_CELL, {"attention.wq", "attention.wk", "attention.wv", "attention.wo"})):
         graph, plan = planned(cell)

@@ -33,8 +33,8 @@ from runtime_cases import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from autopar_nb.export.styles import local_sizes, part_layout, tp_styles
 from autopar_nb.plan import PlanError
+from autopar_nb.planner.styles import local_sizes, part_layout, tp_styles
 from autopar_nb.runtime.heads import set_local_sizes
 from autopar_nb.runtime.layouts import packed_placement
 from autopar_nb.verify import FP32_RTOL, verify_many

@@ -121,7 +121,7 @@ def tp_walk(graph, by_name, out_numel, refused: dict[str, str] | None = None, ke
 def part_split(parts: list[int] | tuple[int, ...], tp: int, *, repeatable: bool = True, packable: bool = True
                ) -> str:
     """How ``tp`` ranks split a colwise module whose output holds ``parts`` (heads or features per part), following
-    the runtime (``export.styles.part_layout``): "split" (one part, each rank 1/tp of it), "packed" (equal parts,
+    the runtime (``planner.styles.part_layout``): "split" (one part, each rank 1/tp of it), "packed" (equal parts,
     split part by part), "gathered" (parts of different widths: one block, output all-gathered), "repeated" (one part
     of fewer heads than ranks, ``tp % heads == 0``: a key/value projection whole on every rank), or "" when ``tp``
     cannot split it. ``repeatable``: a key/value projection; ``packable``: not an embedding (whose parts are heads

@@ -27,7 +27,6 @@ from pathlib import Path
 
 from ..plan import Plan
 from ..source import ModelSource
-from . import forward_check  # noqa: F401  (registers the planner's TP forward check)
 from .commands import LaunchCommand, Layout, launch_commands, launch_text, layout, torchrun_command, torchrun_commands
 from .k8s import pytorchjob_manifest
 from .render import render_script as _render

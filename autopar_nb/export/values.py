@@ -17,6 +17,7 @@ from typing import Any
 import torch.nn as nn
 
 from ..plan import Plan, PlanError, within
+from ..planner.styles import GROUPS, HEAD_COUNTS, KV_HEADS, local_sizes, tp_styles
 from ..runtime.cp import sequence_tensor
 from ..runtime.data import default_batch_size, default_loss, first_tensor, is_causal_lm, smallest_table
 from ..runtime.ep import experts_modules_to_split
@@ -26,7 +27,6 @@ from ..runtime.pretrained import check_pretrained, tied_parameters
 from ..runtime.tp import REPLICATE, TPStyle
 from ..runtime.train import switch_off_kv_cache
 from ..source import PRETRAINED_KEY, ModelSource
-from .styles import GROUPS, HEAD_COUNTS, KV_HEADS, local_sizes, tp_styles
 from .synthetic_ids import id_ranges
 
 META_INIT_PARAMS = 2**30

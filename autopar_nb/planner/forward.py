@@ -11,41 +11,19 @@ that module is kept whole (``ModelGraph.tp_refused``, which the walk reads), in 
 and the layout that results is run again. Only the first member of each repeated block is split and run (the others
 are the same code on the same shapes: they hand its output on), so a 32-layer model costs about one block.
 
-The function that runs a layout builds the styles as the exported script does (``export/styles.py``) and applies
-them with ``runtime/tp.py``: a later stage than the planner, which registers it in :data:`RUNNERS` when
-``autopar_nb`` is imported (``export/forward_check.py``); the planner never imports it. Each layout runs once per
-capture (``StandIn.results``).
+The function that runs a layout (``forward_run.py``) builds the styles the exported script applies
+(``styles.py``) and applies them with ``runtime/tp.py``. Each layout runs once per capture (``StandIn.results``).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from ..cost.profile import profile_of
 from ..plan import within
 from .degrees import divisors, tp_blockers
+from .forward_run import Layout, run_layout
 
-RUNNERS: list = []
-"""``run(stand_in, layout) -> None | (module path, why)``: what runs a :class:`Layout` (see the module docstring);
-the last one registered is used"""
 ROUNDS = 8
 """layouts run per degree at most: each failure keeps one more module whole"""
-
-
-class Layout(NamedTuple):
-    """One TP layout as plain values (hashable: the key of the stand-in's results)."""
-
-    tp: int
-    styles: tuple[tuple[str, str], ...]
-    """module path -> "colwise" | "rowwise" (``LayerPlan.tp``)"""
-    parts: tuple[tuple[str, tuple[int, ...]], ...]
-    """colwise module path -> its parts (``LayerPlan.tp_parts``)"""
-    layers: tuple[str, ...]
-    """every layer path, in model order"""
-    loss_parallel: bool
-    repeats: tuple[tuple[str, str], ...] = ()
-    """repeated-block member -> the block's first member, whose output it hands on instead of running (the same
-    code on the same shapes, unsplit: capture ran it)"""
 
 
 def tp_parts(lp, tp: dict[str, str], degree: int) -> dict[str, list[int]]:
@@ -61,7 +39,7 @@ def checked_profile(graph, device_kind: str, cluster, fix: dict | None):
     divisors of a node's GPUs) has run on the stand-in: modules whose forward failed are kept whole."""
     prof = profile_of(graph, device_kind)
     stand = getattr(graph, "stand_in", None)
-    if not RUNNERS or stand is None:
+    if stand is None:
         return prof
     fixed = (fix or {}).get("tp")
     degrees = [fixed] if isinstance(fixed, int) else [t for t in divisors(cluster.gpus_per_node) if
@@ -74,7 +52,7 @@ def checked_profile(graph, device_kind: str, cluster, fix: dict | None):
             if not layout.styles:
                 break
             if layout not in stand.results:
-                stand.results[layout] = RUNNERS[-1](stand, layout)
+                stand.results[layout] = run_layout(stand, layout)
             failed = stand.results[layout]
             if failed is None:
                 break

@@ -18,7 +18,7 @@
   ``to_local(grad_placements=[Partial()])`` and autograd sums the parts over the TP ranks.
 
 Parts of different widths (q, k, v under GQA: Phi-3's ``qkv_proj``) have no DTensor placement in torch 2.13: one
-placement describes each rank's rows with a single stride. :mod:`autopar_nb.export.styles` shards such a weight as
+placement describes each rank's rows with a single stride. :mod:`autopar_nb.planner.styles` shards such a weight as
 one block and gathers its output instead.
 
 Checkpoints: DCP stores one box (offset, size) per rank and tensor, and a ``_StridedShard`` slice is several boxes,

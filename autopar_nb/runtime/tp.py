@@ -2,7 +2,7 @@
 
 :class:`TPStyle` describes one PyTorch ``ParallelStyle`` as plain data (which class, which layouts); ``build()`` makes
 the object and ``source()`` the constructor as it is written in the exported script's settings. Which style each
-module gets is decided at export time (:mod:`autopar_nb.export.styles`); the functions below are what the script
+module gets is decided at export time (:mod:`autopar_nb.planner.styles`); the functions below are what the script
 runs (they are copied into it verbatim).
 """
 

@@ -1,8 +1,8 @@
 """Run one TP layout on the stand-in of a captured model, as the exported script would apply it: the styles
 :func:`.styles.tp_styles` builds, applied by the runtime's ``apply_tp``, ``set_local_sizes`` and ``tie_parameters``,
 then the model's forward once, on rank 0 of a fake process group (no communication) with meta tensors (no
-storage). The planner calls it (``planner/forward.py``, where this function is registered) for every layout it may
-offer; a failure comes back as the module it happened in and one line saying why, with the user's line.
+storage). The planner calls it (``forward.py``) for every layout it may offer; a failure comes back as the module
+it happened in and one line saying why, with the user's line.
 
 Only a failing forward counts: a layout the styles or the runtime refuse to build is left to export, which says
 why in its own words.
@@ -13,24 +13,40 @@ from __future__ import annotations
 import os
 import re
 import traceback
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..planner.forward import RUNNERS, Layout
 from ..runtime.heads import set_local_sizes
 from ..runtime.pp import masks_as_in_eager
+from ..runtime.pretrained import tied_parameters
 from ..runtime.tp import apply_tp, tie_parameters
 from ..runtime.train import switch_off_kv_cache
 from ..stand_in import StandIn, meta_copy
 from .styles import local_sizes, out_features, tp_styles
-from .values import tied_parameters
 
 TORCH_DIR = os.path.dirname(torch.__file__)
 PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__))
 USER_FILES_IN_PACKAGE = ("zoo.py",)
 """files of autopar_nb that hold models (their lines are the user's model code)"""
+
+
+class Layout(NamedTuple):
+    """One TP layout as plain values (hashable: the key of the stand-in's results)."""
+
+    tp: int
+    styles: tuple[tuple[str, str], ...]
+    """module path -> "colwise" | "rowwise" (``LayerPlan.tp``)"""
+    parts: tuple[tuple[str, tuple[int, ...]], ...]
+    """colwise module path -> its parts (``LayerPlan.tp_parts``)"""
+    layers: tuple[str, ...]
+    """every layer path, in model order"""
+    loss_parallel: bool
+    repeats: tuple[tuple[str, str], ...] = ()
+    """repeated-block member -> the block's first member, whose output it hands on instead of running (the same
+    code on the same shapes, unsplit: capture ran it)"""
 
 
 def run_layout(stand: StandIn, layout: Layout) -> tuple[str, str] | None:
@@ -158,5 +174,3 @@ def _line_of(filename: str, lineno: int, frame) -> str:
 
     return linecache.getline(filename, lineno, frame.f_globals).strip()
 
-
-RUNNERS.append(run_layout)
