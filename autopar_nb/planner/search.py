@@ -76,6 +76,21 @@ cost model prices both); Megatron-LM's SC21 runs and Llama 3's use up to a few l
 LOOPED = tuple(s for s in MULTI_STAGE if s not in V_SCHEDULES)
 """schedules that run any number of chunks per rank (a V schedule runs two)"""
 
+def recalled_layers(graph) -> set[int]:
+    """Indices of the layers whose ops run again after another layer's (a module the forward calls twice)."""
+    index = {lay.path: i for i, lay in enumerate(graph.layers)}
+    done, last, out = set(), None, set()
+    for n in graph.nodes:
+        if n.layer not in index or n.layer == last:
+            continue
+        if n.layer in done:
+            out.add(index[n.layer])
+        if last is not None:
+            done.add(last)
+        last = n.layer
+    return out
+
+
 def _order(cand: Candidate, floor: float) -> tuple:
     """How :attr:`Search.over` is chosen among candidates: least bound on the step time, then time, then key."""
     return floor, cand.cost.step_time_s, cand.key
@@ -131,6 +146,11 @@ class Search:
                     set(ov.tp_styles) >= set(prof.layers[i].tp):
                 self.tp_on[i] = False
         self.pins = {i: ov.stage for i, ov in cons.layers.items() if ov.stage is not None}
+        self.recalled = recalled_layers(graph)
+        # a value with a gradient passed on through stages between (T5's encoder output, read by every decoder
+        # block): more than two chunks a rank were not verified there (T5 at v = 3 differs by 2e-3 in its gradients)
+        through = any(c.grad and c.made < k - 1 for k, cut in enumerate(prof.crossings) for c in cut)
+        self.chunks = (2,) if through else VIRTUAL_STAGES
         self.rec_pinned = {i: ov.recompute for i, ov in cons.layers.items() if ov.recompute is not None}
         # a fixed recompute mode applies to the repeated blocks (as Megatron-LM and torchtitan apply it), or to every
         # layer of a model without any: recomputing an embedding or a head saves nothing worth a wrapper
@@ -333,10 +353,10 @@ class Search:
             sch = fix["schedule"]
             if "virtual_stages" in fix or sch not in LOOPED:
                 return [(sch, fix.get("virtual_stages", 2 if sch in MULTI_STAGE else 1))]
-            return [(sch, v) for v in VIRTUAL_STAGES if pp * v <= self.n] or [(sch, 2)]
+            return [(sch, v) for v in self.chunks if pp * v <= self.n] or [(sch, 2)]
         out = [("1f1b", 1)]
         if m % pp == 0 and not self.pins:
-            out += [("interleaved_1f1b", v) for v in VIRTUAL_STAGES if pp * v <= self.n]
+            out += [("interleaved_1f1b", v) for v in self.chunks if pp * v <= self.n]
         return out
 
     # ---- costing ------------------------------------------------------------------------------------------------
@@ -382,7 +402,7 @@ class Search:
                     else:
                         assign = partition_runs([(t_, cnt) for (_, cnt, _), t_ in zip(runs, times, strict=True)],
                                                 stages)
-                    if assign is None:
+                    if assign is None or self._cut_at_recalled(assign, stages):
                         continue
                     rank_t = [0.0] * pp
                     k = 0
@@ -414,6 +434,15 @@ class Search:
                 if cand.fits:
                     bisect.insort(best, cand.cost.step_time_s)
         return self._settle(out)
+
+    def _cut_at_recalled(self, assign: list[int], stages: int) -> bool:
+        """Whether a stage would start at a layer the forward calls again later (torch's pipeline splits at every
+        call of a split module: T5's stack dropout, after the embedding and after the final norm); said once."""
+        bad = next((i for i in self.recalled if 0 < i < len(assign) and assign[i] != assign[i - 1]), None)
+        if bad is not None:
+            self.rejected.append(f"{stages} pipeline stages would start one at {self.prof.layers[bad].path}, "
+                                 "which the forward calls more than once (fewer stages, or pin the layers)")
+        return bad is not None
 
     def _variants(self, s: Setting, choices: list[LayerChoice]) -> Candidate:
         """The candidate of ``s`` with ``choices``, recompute added where it does not fit, and its fused variants."""
