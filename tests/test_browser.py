@@ -230,6 +230,7 @@ def test_quickstart_widget_in_jupyterlab(tmp_path):
         expect(seed.locator('tr.ap-selected[data-layer="2"]')).to_have_count(1, timeout=10_000)
         # issue 42, point 3: the click selects without scrolling the notebook (it scrolled to the layer table)
         assert page.evaluate(NOTEBOOK_SCROLL) == scrolled, (scrolled, page.evaluate(NOTEBOOK_SCROLL))
+        expect(node).to_be_visible(timeout=10_000)  # the selection redraws the graph: the node is drawn anew
         nb = node.bounding_box()
         assert nb and 0 <= nb["y"] and nb["y"] + nb["height"] <= page.viewport_size["height"], nb
         page.wait_for_timeout(300)
