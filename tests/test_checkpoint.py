@@ -148,7 +148,9 @@ def test_a_full_disk_leaves_the_checkpoint_before_as_the_latest(tmp_path):
         assert rc == 0, out[-4000:]
         failed = [line for line in out.splitlines() if "checkpoint not saved" in line]
         assert [line.split(" |")[0] for line in failed] == ["step 4", "step 6"], out[-4000:]
-        assert "No space left on device" in failed[0] and failed[0].endswith(f"the latest stays {mount}/ckpt/step_2")
+        # the full disk surfaces as ENOSPC, or as torch's zip writer finding its file shorter than it wrote
+        assert any(why in failed[0] for why in ("No space left on device", "unexpected pos")), failed[0]
+        assert failed[0].endswith(f"the latest stays {mount}/ckpt/step_2"), failed[0]
         assert sorted(losses(out)) == list(range(6))
         assert sorted(os.listdir(mount / "ckpt")) == ["step_2"]
         assert manifest_problem(str(mount / "ckpt" / "step_2")) is None
