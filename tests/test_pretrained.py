@@ -227,25 +227,30 @@ def test_training_starts_from_the_pretrained_weights(reports, name):
     assert report.steps[0].loss == pytest.approx(math.log(VOCAB), rel=1e-6)  # the saved weights, on every rank
 
 
+def _save_hf(checkpoint: str, tmp_path, nproc: int, fix: dict) -> None:
+    """Plan the checkpoint's cell with ``fix`` on ``nproc`` CPU ranks, export it (meta_init: shards read after
+    parallelize) and run the script for no step with ``--save-hf tmp_path/out``."""
+    import subprocess
+    import sys
+
+    src = _source(checkpoint)
+    model, inputs, _ = src.build(device="meta")
+    plan = ap.plan(ap.capture(model, inputs), ap.Cluster.preset("cpu", 1, nproc), global_batch=8, fix=fix)
+    script = ap.export(src, plan, tmp_path / "train.py", meta_init=True, quiet=True).script
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), str(script), "--steps", "0", "--save-hf", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 @pytest.mark.multiprocess
 def test_saved_weights_are_what_from_pretrained_reads(saved, tmp_path):
     """The exported script's ``--save-hf``: every rank's shards (tp x pp, GPT-2's tied head and fused [q|k|v],
     read shard by shard) written back as one Hugging Face checkpoint that ``from_pretrained`` reads, equal to the
     one read (no step taken)."""
-    import subprocess
-    import sys
-
     from transformers import GPT2LMHeadModel
 
-    src = _source(saved["gpt2"])
-    model, inputs, _ = src.build(device="meta")
-    plan = ap.plan(ap.capture(model, inputs), ap.Cluster.preset("cpu", 1, 4), global_batch=8,
-                   fix={"tp": 2, "pp": 2, "micro_batches": 2})
-    script = ap.export(src, plan, tmp_path / "train.py", meta_init=True, quiet=True).script
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           str(script), "--steps", "0", "--save-hf", str(tmp_path / "out")], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _save_hf(saved["gpt2"], tmp_path, 4, {"tp": 2, "pp": 2, "micro_batches": 2})
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
     before = GPT2LMHeadModel.from_pretrained(saved["gpt2"]).state_dict()
@@ -260,21 +265,10 @@ def test_saved_mixtral_reads_back_with_the_same_logits(saved, tmp_path):
     """``--save-hf`` of Mixtral (experts split by EP, sharded by FSDP) writes the model's own names (stacked
     ``mlp.experts.gate_up_proj``), not the checkpoint's one-by-one ``block_sparse_moe.experts.N.w1``; transformers'
     ``from_pretrained`` (5.x: a name already the model's is not converted) reads them back, to the same logits."""
-    import subprocess
-    import sys
-
     from safetensors import safe_open
     from transformers import MixtralForCausalLM
 
-    src = _source(saved["mixtral"])
-    model, inputs, _ = src.build(device="meta")
-    plan = ap.plan(ap.capture(model, inputs), ap.Cluster.preset("cpu", 1, 2), global_batch=8,
-                   fix={"dp": 2, "ep": 2, "zero_stage": 3})
-    script = ap.export(src, plan, tmp_path / "train.py", meta_init=True, quiet=True).script
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), "--steps", "0", "--save-hf", str(tmp_path / "out")], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _save_hf(saved["mixtral"], tmp_path, 2, {"dp": 2, "ep": 2, "zero_stage": 3})
     with safe_open(str(tmp_path / "out" / "model-00001-of-00001.safetensors"), "pt") as f:
         assert "model.layers.0.mlp.experts.gate_up_proj" in set(f.keys())
     before, after = (MixtralForCausalLM.from_pretrained(path).eval() for path in (saved["mixtral"], tmp_path / "out"))
