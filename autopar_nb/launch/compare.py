@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import calibration
+
 RSS_SLACK_BYTES = 128 * 2**20
 """what a CPU rank's RSS above its baseline holds beyond the training state it measures, which the plan does not
 predict: torch's allocations on first use (kernels' workspaces, the autograd engine, gloo's buffers: ~57 MiB held
@@ -63,8 +65,6 @@ estimate of ``hardware.cpu_device`` (cores x 2.5 GHz x AVX2 FMA) until one of th
 
 def speed_calibrated(preset: str) -> bool:
     """Whether a run measured the speed of ``preset``'s devices (stored calibration factors)."""
-    from .. import calibration
-
     return any(k in SPEED_FACTORS for k in calibration.load(preset))
 
 
