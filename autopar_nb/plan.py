@@ -816,7 +816,8 @@ class Plan:
         s = (f"dp={m.dp} tp={m.tp} pp={m.pp}" + (f" cp={m.cp}" if m.cp > 1 else "") + f" zero={m.zero_stage}"
              + (f" ep={m.ep}" if m.ep > 1 else ""))
         if m.pp > 1:
-            s += f" {self.pipeline.schedule}x{self.batch.micro_batches}"
+            v = self.pipeline.virtual_stages
+            s += f" {self.pipeline.schedule}" + (f" v{v}" if v > 1 else "") + f" x{self.batch.micro_batches}"
         rec = sorted({lp.recompute for lp in self.layers} - {"none"})
         if rec:
             s += f" recompute={'/'.join(rec)}"

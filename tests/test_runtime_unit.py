@@ -340,3 +340,20 @@ def test_the_data_wait_summary_reduces_on_the_ranks_device(monkeypatch):
     with pytest.raises(_Stop):
         data_summary(1.0, 10.0, loader=False, metrics=None, device="meta")
     assert seen == ["meta"]
+
+
+def test_a_tensor_two_stages_of_a_rank_hold_is_stepped_once():
+    """A weight tied across pipeline stages of one rank (T5's shared embedding, read by the encoder's first stage and
+    the decoder's) is one tensor in two parts: the optimizer steps it once, and the gradient norm counts it once."""
+    from autopar_nb.runtime.optim import build_optimizer, clip_grad_norm, parameters_of
+
+    emb = nn.Embedding(8, 4)
+    parts = [nn.ModuleDict({"emb": emb, "fc": nn.Linear(4, 4)}), nn.ModuleDict({"emb": emb})]
+    params = parameters_of(parts)
+    assert len(params) == 3 and params[0] is emb.weight
+    emb.weight.grad = torch.ones_like(emb.weight)
+    before = emb.weight.detach().clone()
+    optimizer = build_optimizer(params, "adam", lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999))
+    assert clip_grad_norm(params, 1e9).item() == pytest.approx(32 ** 0.5)
+    optimizer.step()
+    assert torch.allclose(before - emb.weight.detach(), torch.full_like(before, 1e-3), atol=1e-6)  # lr: one step

@@ -312,7 +312,8 @@ def call(target: str, *args: str, indent: int = 0, width: int = 120, **kwargs: s
 def main_source(v: ScriptValues, source: ModelSource, *, telemetry: bool = True) -> tuple[str, list[str]]:
     """The body of ``main``'s ``try`` (or ``with distributed()``): data, parallelize, optimizer, forward/backward,
     train; and the runtime names it calls. ``telemetry``: ``train`` is handed ``main``'s metrics and observer."""
-    uses = ["init_distributed", "build_mesh", "Metrics", "build_optimizer", "train", "print_parameter_counts"]
+    uses = ["init_distributed", "build_mesh", "Metrics", "parameters_of", "build_optimizer", "train",
+            "print_parameter_counts"]
     mv, ind = source.model_var, 8
     if source.make_batch_var:
         batches = source.make_batch_var
@@ -393,7 +394,7 @@ def main_source(v: ScriptValues, source: ModelSource, *, telemetry: bool = True)
         lines += ["# data parallelism last: DDP, once the weights are real (it broadcasts rank 0's when it wraps; "
                   "meta has none)",
                   f"parts = [apply_ddp(part, {v.dp_mesh}.get_group(), device=device) for part in parts]"]
-    lines.append("params = [p for part in parts for p in part.parameters()]")
+    lines.append("params = parameters_of(parts)")
     lines.append("optimizer = " + call("build_optimizer", "params", "OPTIMIZER", lr="args.lr",
                                        weight_decay="WEIGHT_DECAY", betas="BETAS", indent=12, width=120 - ind,
                                        **({"zero1_group": f"{v.dp_mesh}.get_group()"} if v.zero1 else {})))

@@ -147,10 +147,6 @@ class Search:
                 self.tp_on[i] = False
         self.pins = {i: ov.stage for i, ov in cons.layers.items() if ov.stage is not None}
         self.recalled = recalled_layers(graph)
-        # a value with a gradient passed on through stages between (T5's encoder output, read by every decoder
-        # block): more than two chunks a rank were not verified there (T5 at v = 3 differs by 2e-3 in its gradients)
-        through = any(c.grad and c.made < k - 1 for k, cut in enumerate(prof.crossings) for c in cut)
-        self.chunks = (2,) if through else VIRTUAL_STAGES
         self.rec_pinned = {i: ov.recompute for i, ov in cons.layers.items() if ov.recompute is not None}
         # a fixed recompute mode applies to the repeated blocks (as Megatron-LM and torchtitan apply it), or to every
         # layer of a model without any: recomputing an embedding or a head saves nothing worth a wrapper
@@ -353,10 +349,10 @@ class Search:
             sch = fix["schedule"]
             if "virtual_stages" in fix or sch not in LOOPED:
                 return [(sch, fix.get("virtual_stages", 2 if sch in MULTI_STAGE else 1))]
-            return [(sch, v) for v in self.chunks if pp * v <= self.n] or [(sch, 2)]
+            return [(sch, v) for v in VIRTUAL_STAGES if pp * v <= self.n] or [(sch, 2)]
         out = [("1f1b", 1)]
         if m % pp == 0 and not self.pins:
-            out += [("interleaved_1f1b", v) for v in self.chunks if pp * v <= self.n]
+            out += [("interleaved_1f1b", v) for v in VIRTUAL_STAGES if pp * v <= self.n]
         return out
 
     # ---- costing ------------------------------------------------------------------------------------------------

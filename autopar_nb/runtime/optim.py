@@ -12,6 +12,13 @@ from torch.distributed.tensor import DTensor
 OPTIMIZER_CLASSES = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
 
+def parameters_of(parts: list) -> list:
+    """Every parameter of the model parts a rank holds, once each, in order. Two pipeline stages of one rank may hold
+    the same tensor (a weight tied across stages: T5's shared embedding, read by the encoder's first stage and the
+    decoder's), which an optimizer given it twice would step twice and a gradient norm would count twice."""
+    return list({id(p): p for part in parts for p in part.parameters()}.values())
+
+
 def build_optimizer(params: list, name: str, *, lr: float, weight_decay: float, betas, zero1_group=None):
     """The plan's optimizer over ``params`` (SGD takes no betas). ``zero1_group``: ZeRO-1, each data-parallel rank of
     the group keeps the optimizer state of its share of the parameters (``ZeroRedundancyOptimizer``)."""

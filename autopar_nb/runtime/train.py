@@ -16,7 +16,7 @@ from .checkpoint import PipelineStages, latest_checkpoint, load_checkpoint, resu
 from .data import first_tensor, split_batch, to_device
 from .guard import NumericsGuard, grads_finite
 from .metrics import Metrics, Run, memory_stats
-from .optim import clip_grad_norm, lr_factor
+from .optim import clip_grad_norm, lr_factor, parameters_of
 
 
 def switch_off_kv_cache(model: nn.Module) -> list:
@@ -90,7 +90,7 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
         start = load_checkpoint(resume, ckpt_model, optimizer, data=data)
         if dist.get_rank() == 0:
             print(f"resumed from {resume} at step {start}")
-    params = [p for part in parts for p in part.parameters()]
+    params = parameters_of(parts)
     guard = NumericsGuard(spike_factor=args.spike_factor, max_skips=args.max_skips)
     waited = busy = 0.0  # seconds waiting for batches, and in all, over the steps after this run's first
     for step in range(start, min(args.steps, args.stop_at or args.steps)):
@@ -201,8 +201,7 @@ def data_summary(waited: float, busy: float, *, loader: bool, metrics, device: s
 
 def print_parameter_counts(parts: list) -> None:
     """Print how many parameter elements every rank holds (collective: every rank calls it)."""
-    mine = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for part in parts
-               for p in part.parameters())
+    mine = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in parameters_of(parts))
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, mine)
     if dist.get_rank() == 0:
