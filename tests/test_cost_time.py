@@ -380,3 +380,29 @@ def test_tiny_mlp_is_cpu_bound_and_gets_ddp():
     bare = ap.plan(graph, dataclasses.replace(cluster, calibration=no_floor))
     assert bare.mesh.zero_stage == 2 and bare.cost.cpu_wait_s == 0.0
     assert bare.cost.step_time_s < 1e-4 < c.step_time_s
+
+
+@pytest.mark.parametrize("amp", ["none", "autocast"])
+def test_an_op_that_returns_its_input_moves_no_bytes(amp):
+    """ATen's dropout returns its input for p = 0 (and ``.to`` its own dtype returns self): no kernel runs, so
+    the layer's memory-bound bytes are those of the same layer without it; a dropout with p > 0 reads and writes."""
+    import torch.nn as nn
+
+    def block(drop):
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.d, self.b = nn.Linear(256, 256), drop, nn.Linear(256, 256)
+
+            def forward(self, x):
+                return self.b(self.d(self.a(x)).to(x.dtype))
+
+        with torch.device("meta"):
+            graph = ap.capture(Block(), torch.randn(64, 256))
+        from autopar_nb.cost.profile import profile_of
+
+        terms = [lp if amp == "none" else lp.time_amp[amp] for lp in profile_of(graph, "cuda").layers]
+        return sum(t.mem_rep + t.mem_split for t in terms)
+
+    none, zero, drop = block(nn.Identity()), block(nn.Dropout(0.0)), block(nn.Dropout(0.1))
+    assert zero == none < drop

@@ -102,7 +102,7 @@ def fuse_norms(graph: ModelGraph, device_kind: str) -> ModelGraph | None:
             continue
         fused += 1
         alias |= dict.fromkeys(chain[2], alias.get(chain[0], chain[0]))  # a no-op cast is its input
-        nodes.append(_fused_node(run, chain, graph, rule, device_kind, alias.get(chain[0], chain[0])))
+        nodes.append(_fused_node(run, chain, graph, rule, device_kind, alias.get(chain[0], chain[0]), dtypes))
     if not fused:
         return None
     by_name = {n.name for n in nodes}
@@ -140,7 +140,7 @@ def _fused_norm_profile(graph: ModelGraph, device_kind: str, fp32_ops, low_preci
 
 
 def _fused_node(run: list[OpNode], chain: tuple[str, str, set[str]], graph: ModelGraph, rule, device_kind: str,
-                x: str) -> OpNode:
+                x: str, dtypes: dict[str, str]) -> OpNode:
     weight = chain[1]
     last = [n for n in run if n.op_class != "view"][-1]
     x_shape = last.out_shapes[0]  # RMSNorm keeps the shape
@@ -153,8 +153,9 @@ def _fused_node(run: list[OpNode], chain: tuple[str, str, set[str]], graph: Mode
     flops = rule.forward_flops(args, {}, metas)
     if one_kernel(device_kind):
         read, written = rule.bytes_moved(args, {}, metas)
-    else:  # the op's pure-PyTorch body runs the chain's kernels
-        read, written = sum(n.bytes_read for n in run), sum(n.bytes_written for n in run)
+    else:  # the op's pure-PyTorch body runs the chain's kernels (a cast to the dtype it has already runs none)
+        kernels = [n for n in run if not (packet(n.op) == "to" and dtypes.get(n.inputs[0]) == n.dtype)]
+        read, written = sum(n.bytes_read for n in kernels), sum(n.bytes_written for n in kernels)
     return OpNode(last.name, FUSED_OP, rule.op_class, [x], [tuple(x_shape), tuple(w.shape)],
                   [out, rows + (1,)], last.dtype, flops, flops * rule.backward_factor, read, written, [weight],
                   last.module_path, last.module_type, last.layer)
@@ -167,11 +168,11 @@ def saved_per_norm(tokens: int, hidden: int) -> int:
 
 
 def chain_bytes(tokens: int, hidden: int) -> int:
-    """Bytes the eager chain of a float32 Hugging Face RMSNorm moves in forward as the graph counts them: ``to``
-    (2 NH), ``pow`` (2 NH), ``mean`` (NH + N), ``add`` and ``rsqrt`` (2 N each), ``mul`` by the rstd (2 NH + N),
-    ``to`` (2 NH), ``mul`` by the weight (2 NH + H), times 4 bytes."""
+    """Bytes the eager chain of a float32 Hugging Face RMSNorm moves in forward: ``pow`` (2 NH), ``mean`` (NH + N),
+    ``add`` and ``rsqrt`` (2 N each), ``mul`` by the rstd (2 NH + N), ``mul`` by the weight (2 NH + H), times 4
+    bytes; its two casts (``to(float32)``, ``to(input_dtype)``) hand back their float32 input and move nothing."""
     nh, n = tokens * hidden, tokens
-    return 4 * (11 * nh + 6 * n + hidden)
+    return 4 * (7 * nh + 6 * n + hidden)
 
 
 def fused_bytes(tokens: int, hidden: int) -> int:

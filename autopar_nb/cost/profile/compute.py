@@ -5,7 +5,7 @@ values context parallelism passes round."""
 from __future__ import annotations
 
 from ...plan import ITEMSIZE
-from .facts import FLOAT, Facts, in_layers, numel, selective_recomputes
+from .facts import FLOAT, Facts, in_layers, numel, returns_input, selective_recomputes
 from .layers import AmpTime, LayerProfile
 
 
@@ -17,7 +17,7 @@ def count_compute(layers: dict[str, LayerProfile], f: Facts) -> None:
         in_region, split_op = n.name in f.tp.sharded, n.name in f.tp.styles
         if n.op_class != "view":
             lp.n_ops += 1
-        nbytes = n.bytes_read + n.bytes_written
+        nbytes = 0 if returns_input(n, f) else n.bytes_read + n.bytes_written
         if n.op_class == "embedding" and n.params and n.params[0] in f.graph.params:
             # a lookup reads the rows it gathers, not the table; its backward writes a dense
             # gradient of the whole table (nn.Embedding without sparse=True: zero-fill + index_add)
@@ -81,7 +81,7 @@ def _amp_time(layers: dict[str, LayerProfile], f: Facts, fa: Facts, *,
                 fwd[n.op_class] += n.flops
                 bwd[n.op_class] += n.bwd_flops
         elif n.op_class != "view":
-            nbytes = _amp_bytes(n, f, fa, low_params=low_params)
+            nbytes = 0 if returns_input(n, fa) else _amp_bytes(n, f, fa, low_params=low_params)
             if in_region:
                 t.mem_split += nbytes
             else:

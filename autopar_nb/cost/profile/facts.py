@@ -236,6 +236,12 @@ def _attention_scores(nodes) -> set[str]:
     return scores
 
 
+def returns_input(n, f: Facts) -> bool:
+    """Op ``n`` (not a view) hands back its input tensor and runs no kernel (:func:`_returns_input`: dropout
+    with p = 0, ``.to`` its own dtype, ``contiguous`` of a contiguous tensor): it moves no bytes."""
+    return n.op_class != "view" and f.root.get(n.name, n.name) != n.name
+
+
 def in_layers(layers: dict[str, LayerProfile], f: Facts):
     """(layer profile, node) for every node of a profiled layer, in graph order."""
     for n in f.graph.nodes:
