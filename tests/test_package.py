@@ -111,7 +111,7 @@ LONG_FUNCTIONS = {
     "cost/tp_styles.py:_walk_once": 153,
     "export/render.py:main_source": 127,
     "launch/launcher.py:_start": 115,
-    "export/render.py:parallelize_source": 105,
+    "export/render.py:parallelize_source": 94,
     "runtime/init.py:materialize": 104,
     "planner/styles.py:tp_styles": 98,
     "export/slurm.py:sbatch_script": 91,

@@ -1,8 +1,9 @@
 """The planner runs every TP layout it offers once on stand-in tensors (``planner/forward.py``): a layout whose
 forward fails on the local shards is not offered, and the explanation says why in one line naming the user's line.
 
-The failing cells are the two families a user brought: nanoGPT's attention reading the global width (``split(C,
-dim=2)``, ``view(B, T, self.n_head, C // self.n_head)``) and an attention with a per-head ``nn.Parameter`` bias table.
+The failing cells are nanoGPT's attention reading the global width (``split(C, dim=2)``, ``view(B, T, self.n_head,
+C // self.n_head)``); an attention with a per-head table (an ``nn.Parameter`` bias, ALiBi slopes) runs split, its
+table split with the heads.
 The zoo families keep their layouts, and each layout runs once per capture.
 """
 
@@ -98,6 +99,30 @@ class Attention(nn.Module):  # the scores plus a learned per-head bias table
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.rel_bias[:, :T, :T])
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 ''' + TAIL.replace("ATTENTION", "Attention")
+TABLE_LAST = HEAD + '''
+import math
+
+
+class Attention(nn.Module):  # eager attention: a learned bias (T, T, heads) and ALiBi slopes (heads,)
+    def __init__(self, d, h, T):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.n_head = h
+        self.pos_bias = nn.Parameter(torch.randn(T, T, h) * 0.1)
+        self.register_buffer("slopes", 2.0 ** -torch.arange(1.0, h + 1), persistent=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (p(x).view(B, T, self.n_head, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        pos = torch.arange(T, device=x.device)
+        bias = self.pos_bias[:T, :T].permute(2, 0, 1) - self.slopes[:, None, None] * (pos[None, :] - pos[:, None]).abs()
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)) + bias
+        y = scores.softmax(-1) @ v
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+''' + TAIL.replace("ATTENTION", "Attention")
+TABLES = {"heads_first": (BIAS_TABLE, {"rel_bias": 0}), "heads_last": (TABLE_LAST, {"pos_bias": 2, "slopes": 0})}
+"""per-head tables: (heads, T, T) given to SDPA as its mask; (T, T, heads) and ALiBi slopes (heads,) added to the
+scores of an eager attention"""
 
 
 def line_of(cell: str, text: str) -> int:
@@ -121,8 +146,6 @@ CASES = {
                            "or view(..., -1, head_dim)"),
     "view_global_width": (SPLIT_N_EMBD, "k = k.view(", "h.0.attn reshapes a split tensor with global sizes in the "
                           "cell line {n} (`k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)`)"),
-    "bias_table": (BIAS_TABLE, "attn_mask=self.rel_bias", "h.0.attn meets a tensor of all heads with one rank's "
-                   "heads in the cell line {n}"),
 }
 
 
@@ -142,6 +165,24 @@ def test_a_layout_whose_forward_fails_is_not_offered(name):
     with pytest.raises(ap.PlanError, match="cannot be split") as e:
         ap.plan(graph, CPU2, fix={"tp": 2}, overrides={"h.*.attn": {"tp": "colwise-rowwise"}})
     assert expected in str(e.value)
+
+
+@pytest.mark.parametrize("name", TABLES)
+def test_a_head_indexed_table_is_split_with_its_heads(name):
+    """A per-head table (an nn.Parameter or buffer with a heads dim, first or last) no longer keeps the attention
+    whole: the layout with it split on that dim runs on the stand-in, and the script shards it so."""
+    from autopar_nb.export import render_script
+    from autopar_nb.export.values import script_values
+
+    cell, dims = TABLES[name]
+    graph, plan = planned(cell)
+    assert graph.tp_refused == {}
+    assert {st for m, st in plan.tp_plan.items() if m.startswith("h.1.attn.")} == {"colwise", "rowwise"}, plan.tp_plan
+    assert not any(line.startswith("Kept replicated") for line in plan.explanation)
+    assert script_values(source(cell), plan).head_tables == {"h.*.attn": dims}
+    script = render_script(source(cell), plan)
+    assert f"tables = {{'h.*.attn': {dims!r}}}" in script.replace('"', "'")
+    assert 'shard_head_tables(part, mesh["tp"], tables)' in script
 
 
 def test_the_zoo_families_keep_their_layouts_and_each_layout_runs_once(monkeypatch):
@@ -179,3 +220,16 @@ def test_the_offered_layout_runs_on_two_ranks():
     report = verify(source(SPLIT_C), plan, steps=2)
     assert report.ok, str(report)
     assert report.per_rank[0]["dtensor_params"] > 0
+
+
+@pytest.mark.multiprocess
+def test_head_indexed_tables_train_on_two_ranks_as_on_one():
+    """Both per-head table cells, attention split with their tables, train on 2 gloo processes (one launch) as the
+    single-process reference does."""
+    from autopar_nb.verify import verify_many
+
+    cases = [(source(cell), planned(cell)[1]) for cell, _ in TABLES.values()]
+    for _, plan in cases:
+        assert {"h.0.attn", "h.1.attn"} <= {m.rpartition(".")[0] for m in plan.tp_plan}, plan.tp_plan
+    for report in verify_many(cases, steps=3):
+        assert report.ok, str(report)

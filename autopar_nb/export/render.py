@@ -169,12 +169,36 @@ def tp_plans(v: ScriptValues) -> tuple[list[str], set, list[str]]:
     if v.local_sizes:
         lines += ["# per-rank head counts and widths that the model's code reads (global / TP; plan: "
                   "layers[*].tp_parts)", f"sizes = {literal(v.local_sizes, width=116)}"]
+    if v.head_tables:
+        lines += ["# head-indexed tables (bias per head, ALiBi slopes): name -> the dim of the heads, split with them",
+                  f"tables = {literal(v.head_tables, width=116)}"]
     styles = [*v.tp_plan.values(), *(x for p in v.block_tp_plans.values() for x in p.values())]
     imports = {("torch.distributed.tensor", name, None) for st in styles for name in st.placements()}
     uses = sorted({st.class_name for st in styles if st.defined_by_runtime})
     imports |= {("torch.distributed.tensor.parallel", st.class_name, None) for st in styles
                 if not st.defined_by_runtime}
     return lines, imports, uses
+
+
+def tp_source(v: ScriptValues, step: int) -> tuple[list[str], list[str]]:
+    """The lines of ``parallelize`` that apply TP (technique number ``step``) and the runtime names they call."""
+    calls = [f"# {step}. TP first: it turns parameters into DTensors, which AC and FSDP must see",
+             "apply_tp(part, mesh[\"tp\"], plan" + (", layer_plans=layer_plans)" if v.block_tp_plans else ")")]
+    uses = ["apply_tp"]
+    if v.local_sizes:
+        calls.append("set_local_sizes(part, sizes)")
+        uses.append("set_local_sizes")
+    if v.head_tables:
+        calls.append("shard_head_tables(part, mesh[\"tp\"], tables)")
+        uses.append("shard_head_tables")
+    if v.fused_head_tp:
+        calls += ["# the fused head's weight split on the vocabulary (its loss then vocab-parallel), before ties",
+                  f"shard_fused_head(part, FUSED_LOSS, mesh[\"tp\"], sequence_sharded={v.fused_head_sequence})"]
+        uses.append("shard_fused_head")
+    if v.ties:
+        calls.append("tie_parameters(part, TIES)  # parallelize_module gave each side its own DTensor")
+        uses.append("tie_parameters")
+    return calls, uses
 
 
 def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
@@ -189,20 +213,9 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
         uses.append("apply_fused_loss")
     if v.tp > 1:
         plans, imports, tp_uses = tp_plans(v)
-        uses += tp_uses
-        calls += [f"# {next(steps)}. TP first: it turns parameters into DTensors, which AC and FSDP must see",
-                  "apply_tp(part, mesh[\"tp\"], plan" + (", layer_plans=layer_plans)" if v.block_tp_plans else ")")]
-        uses.append("apply_tp")
-        if v.local_sizes:
-            calls.append("set_local_sizes(part, sizes)")
-            uses.append("set_local_sizes")
-        if v.fused_head_tp:
-            calls += ["# the fused head's weight split on the vocabulary (its loss then vocab-parallel), before ties",
-                      f"shard_fused_head(part, FUSED_LOSS, mesh[\"tp\"], sequence_sharded={v.fused_head_sequence})"]
-            uses.append("shard_fused_head")
-        if v.ties:
-            calls.append("tie_parameters(part, TIES)  # parallelize_module gave each side its own DTensor")
-            uses.append("tie_parameters")
+        tp_lines, tp_calls = tp_source(v, next(steps))
+        calls += tp_lines
+        uses += tp_uses + tp_calls
     if v.ep > 1:
         calls += [f"# {next(steps)}. expert parallelism: each experts module's experts split over EP consecutive "
                   "data-parallel", "#    ranks, tokens sent to them by all-to-all; before AC wraps the modules and "

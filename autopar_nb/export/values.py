@@ -17,7 +17,7 @@ from typing import Any
 import torch.nn as nn
 
 from ..plan import Plan, PlanError, within
-from ..planner.styles import GROUPS, HEAD_COUNTS, KV_HEADS, local_sizes, tp_styles
+from ..planner.styles import GROUPS, HEAD_COUNTS, KV_HEADS, head_tables, local_sizes, tp_styles
 from ..runtime.cp import sequence_tensor
 from ..runtime.data import default_batch_size, default_loss, first_tensor, is_causal_lm, smallest_table
 from ..runtime.ep import experts_modules_to_split
@@ -63,6 +63,8 @@ class ScriptValues:
     vocab_parallel: bool = False
     local_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
     """module pattern -> attribute -> per-rank value: head counts and widths the model's code reads (TP)"""
+    head_tables: dict[str, dict[str, int]] = field(default_factory=dict)
+    """module pattern -> parameter or buffer name -> its heads dim: head-indexed tables split with the heads (TP)"""
     ties: list[list[str]] = field(default_factory=list)
     """groups of parameter paths that are one parameter (an embedding tied to its output head)"""
     recompute: dict[str, str] = field(default_factory=dict)
@@ -216,8 +218,13 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
             v.fused_head_tp, v.fused_head_sequence = True, head_style.input_layout != REPLICATE
         v.tp_plan, v.block_tp_plans = relative_plans(model, styles)
         v.local_sizes = block_patterns(model, local_sizes(model, styles, tp=m.tp))
+        v.head_tables = block_patterns(model, head_tables(model, styles, tp=m.tp, parts=plan.tp_parts))
         if m.pp > 1:
             _check_traced_sizes(v.local_sizes)
+            if v.head_tables:
+                raise NotImplementedError(
+                    f"tensor parallelism inside pipeline stages: {next(iter(v.head_tables))} holds a head-indexed "
+                    "table, which the pipeline's trace reads whole; plan with pp=1 or tp=1")
         v.vocab_parallel = plan.loss_parallel
     if m.pp > 1:
         v.num_stages = m.pp * plan.pipeline.virtual_stages

@@ -1,8 +1,8 @@
 """Run one TP layout on the stand-in of a captured model, as the exported script would apply it: the styles
-:func:`.styles.tp_styles` builds, applied by the runtime's ``apply_tp``, ``set_local_sizes`` and ``tie_parameters``,
-then the model's forward once, on rank 0 of a fake process group (no communication) with meta tensors (no
-storage). The planner calls it (``forward.py``) for every layout it may offer; a failure comes back as the module
-it happened in and one line saying why, with the user's line.
+:func:`.styles.tp_styles` builds, applied by the runtime's ``apply_tp``, ``set_local_sizes``, ``shard_head_tables``
+and ``tie_parameters``, then the model's forward once, on rank 0 of a fake process group (no communication) with
+meta tensors (no storage). The planner calls it (``forward.py``) for every layout it may offer; a failure comes back
+as the module it happened in and one line saying why, with the user's line.
 
 Only a failing forward counts: a layout the styles or the runtime refuse to build is left to export, which says
 why in its own words.
@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..runtime.heads import set_local_sizes
+from ..runtime.heads import set_local_sizes, shard_head_tables
 from ..runtime.pp import masks_as_in_eager
 from ..runtime.pretrained import tied_parameters
 from ..runtime.tp import apply_tp, tie_parameters
 from ..runtime.train import switch_off_kv_cache
 from ..stand_in import StandIn, meta_copy
-from .styles import local_sizes, out_features, tp_styles
+from .styles import head_tables, local_sizes, out_features, tp_styles
 
 TORCH_DIR = os.path.dirname(torch.__file__)
 PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__))
@@ -60,6 +60,7 @@ def run_layout(stand: StandIn, layout: Layout) -> tuple[str, str] | None:
         styles = tp_styles(model, styles_of, layers=list(layout.layers), loss_parallel=layout.loss_parallel,
                            parts={m: list(p) for m, p in layout.parts}, tp=layout.tp)
         sizes = local_sizes(model, styles, tp=layout.tp)
+        tables = head_tables(model, styles, tp=layout.tp, parts={m: list(p) for m, p in layout.parts})
     except (NotImplementedError, ValueError):
         return None  # export refuses it with its own message
     ties = tied_parameters(model)
@@ -72,6 +73,7 @@ def run_layout(stand: StandIn, layout: Layout) -> tuple[str, str] | None:
         try:
             apply_tp(model, mesh, {path: style.build() for path, style in styles.items()})
             set_local_sizes(model, sizes)
+            shard_head_tables(model, mesh, tables)
             tie_parameters(model, ties)
         except (NotImplementedError, ValueError, AttributeError, TypeError):
             return None
@@ -152,7 +154,8 @@ def diagnosis(model: nn.Module, layout: Layout, module: str, error: BaseExceptio
                 "local tensor (view(B, T, -1, head_dim)) or from attributes the runtime sets per rank (self.n_head)")
     if "broadcast" in first or "must match the size" in first:
         return (f"{module or 'the model'} meets a tensor of all heads with one rank's heads{where} (a per-head "
-                "table, such as an nn.Parameter of shape (n_heads, ...), is not split with the heads)")
+                "table is split with the heads only where it is the attention module's own parameter or buffer "
+                "with one dim of its head count)")
     return f"{module or 'the model'}'s forward fails on {tp} TP ranks' local shards{where}: {text}"
 
 

@@ -261,17 +261,8 @@ def local_sizes(model: nn.Module, styles: dict[str, TPStyle], *, tp: int) -> dic
     have on one rank. A module whose split output is gathered back (parts of different widths) keeps its global
     sizes; so does every module of a model whose code reads none of these (views with ``-1``)."""
     modules = dict(model.named_modules())
-    children: dict[str, list[str]] = {}
-    for path, style in styles.items():
-        if style.kind in ("colwise", "packed_colwise", "repeated_colwise") and path in modules and \
-                not isinstance(modules[path], nn.Embedding) and style.output_layout is None:
-            children.setdefault(path.rpartition(".")[0], []).append(path)
-    gathered = {p.rpartition(".")[0] for p, s in styles.items() if s.kind in ("colwise", "packed_colwise")
-                and s.output_layout == REPLICATE}
     out: dict[str, dict[str, int]] = {}
-    for parent, paths in children.items():
-        if parent in gathered or parent not in modules:
-            continue
+    for parent, paths in _split_children(modules, styles).items():
         module = modules[parent]
         reads = _attributes_read(type(module))
         widths = {out_features(modules[p]) // (styles[p].parts or 1) for p in paths}
@@ -297,6 +288,67 @@ def local_sizes(model: nn.Module, styles: dict[str, TPStyle], *, tp: int) -> dic
         if sizes:
             out[parent] = sizes
     return out
+
+
+def _split_children(modules: dict[str, nn.Module], styles: dict[str, TPStyle]) -> dict[str, list[str]]:
+    """Module path -> its colwise projections whose output stays split (attention, MLP); modules whose split output
+    is gathered back (parts of different widths) are left out: they run on whole tensors."""
+    children: dict[str, list[str]] = {}
+    for path, style in styles.items():
+        if style.kind in ("colwise", "packed_colwise", "repeated_colwise") and path in modules and \
+                not isinstance(modules[path], nn.Embedding) and style.output_layout is None:
+            children.setdefault(path.rpartition(".")[0], []).append(path)
+    gathered = {p.rpartition(".")[0] for p, s in styles.items() if s.kind in ("colwise", "packed_colwise")
+                and s.output_layout == REPLICATE}
+    return {parent: paths for parent, paths in children.items() if parent not in gathered and parent in modules}
+
+
+HEAD_DIMS = ("head_dim", "head_size", "attention_head_size", "d_k")
+"""attributes that hold the width of one head"""
+
+
+def head_tables(model: nn.Module, styles: dict[str, TPStyle], *, tp: int, parts: dict[str, list[int]] | None = None
+                ) -> dict[str, dict[str, int]]:
+    """Module path -> parameter or buffer name -> the dim that indexes its heads, for the head-indexed tables of
+    the modules that hold split projections (a relative-position bias of shape (heads, T, T) or (T, T, heads),
+    ALiBi slopes (heads,)): the runtime's ``shard_head_tables`` splits them with the heads, so that each rank adds
+    its own heads' bias to its own heads' scores. A table is the module's own parameter or buffer with exactly one
+    dim of the module's query head count (its ``n_heads``-like attribute, else the heads of its projections' parts
+    ``parts``, else a projection's width over the ``head_dim``-like attribute); a 1-D one is left whole where the
+    heads are as many as a head's width (it could be either). The planner runs the layout with these tables split
+    (``forward_run.py``): a guess the forward cannot run with keeps the module whole."""
+    modules = dict(model.named_modules())
+    out: dict[str, dict[str, int]] = {}
+    for parent, paths in _split_children(modules, styles).items():
+        module = modules[parent]
+        head_dim = next((v for a in HEAD_DIMS if isinstance(v := getattr(module, a, None), int)), None)
+        heads = _query_heads(module, [modules[p] for p in paths], [(parts or {}).get(p) for p in paths], head_dim)
+        if not heads or heads < 2 or heads % tp:
+            continue
+        found = {}
+        for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            dims = [d for d, n in enumerate(t.shape) if n == heads]
+            if len(dims) == 1 and not (t.dim() == 1 and heads == head_dim):
+                found[name] = dims[0]
+        if found:
+            out[parent] = found
+    return out
+
+
+def _query_heads(module: nn.Module, projections: list[nn.Module], parts: list, head_dim: int | None) -> int | None:
+    """The query head count of an attention ``module`` (see :func:`head_tables`); None when nothing says it."""
+    for holder in (module, getattr(module, "config", None)):
+        value = next((v for a in HEAD_COUNTS if isinstance(v := getattr(holder, a, None), int)
+                      and not isinstance(v, bool)), None)
+        if value:
+            return value
+    counts = [n for p in parts if p for n in p]
+    if counts:
+        return max(counts)
+    if head_dim:
+        widths = [out_features(m) for m in projections if out_features(m) % head_dim == 0]
+        return min(widths) // head_dim if widths else None
+    return None
 
 
 def _divide(path: str, name: str, value: int, tp: int) -> int:

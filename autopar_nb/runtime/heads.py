@@ -12,6 +12,7 @@ This file is copied verbatim into exported scripts: it imports only the standard
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch.fx as fx
 import torch.nn as nn
@@ -42,3 +43,39 @@ def set_local_sizes(model: nn.Module, sizes: dict[str, dict[str, int]]) -> None:
                     raise AttributeError(f"{path} ({type(module).__name__}) has no attribute {name!r} to set to its "
                                          "per-rank value; re-export the script for this model")
                 setattr(target, attr, value)
+
+
+def shard_head_tables(model: nn.Module, tp_mesh, tables: dict[str, dict[str, int]]) -> None:
+    """Split head-indexed tables with their heads: ``tables`` maps module patterns (see :func:`select`) to
+    parameter or buffer name -> its heads dim (a relative-position bias of shape (heads, T, T) -> 0, ALiBi slopes
+    (heads,) -> 0, a bias (buckets, heads) -> 1). Each becomes a DTensor sharded on that dim, so checkpoints and the
+    optimizer see its global shape; while the module runs, its attribute is the rank's local shard (the rank's own
+    heads, as the split projections' scores are), taken with ``to_local`` so that gradients flow back to the shard."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for pattern, names in tables.items():
+        for path in select(model, pattern):
+            module = model.get_submodule(path)
+            for name, dim in names.items():
+                value = getattr(module, name)
+                sharded = distribute_tensor(value.detach(), tp_mesh, [Shard(dim)])
+                if isinstance(value, nn.Parameter):
+                    module.register_parameter(name, nn.Parameter(sharded, requires_grad=value.requires_grad))
+                else:
+                    module.register_buffer(name, sharded, persistent=name not in module._non_persistent_buffers_set)
+            module.register_forward_pre_hook(functools.partial(_local_tables, names=tuple(names)))
+            module.register_forward_hook(functools.partial(_global_tables, names=tuple(names)), always_call=True)
+
+
+def _local_tables(module: nn.Module, _args, *, names: tuple[str, ...]) -> None:
+    # an instance attribute is found before nn.Module.__getattr__ looks in _parameters/_buffers: the forward reads
+    # the local shard, while state_dict, the optimizer and FSDP keep the DTensor registered under the same name
+    for name in names:
+        table = module._parameters.get(name)
+        table = module._buffers.get(name) if table is None else table
+        module.__dict__[name] = table.to_local()
+
+
+def _global_tables(module: nn.Module, _args, _output, *, names: tuple[str, ...]) -> None:
+    for name in names:
+        module.__dict__.pop(name, None)
