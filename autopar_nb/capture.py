@@ -388,6 +388,7 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, raw: list[_RawOp], outs:
     nodes: list[OpNode] = []
     pending: list[OpNode] = []  # ops before the first layer: they join it
     last_layer: str | None = None
+    scaled = {p for p, m in model.named_modules() if _class_name(m) != type(m).__name__}
     for r in raw:
         rule = kernels_ext.lookup(r.op)
         if rule is None:
@@ -401,7 +402,8 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, raw: list[_RawOp], outs:
         layer = _layer_of(r.module_path, tuple(layer_paths)) or last_layer
         node = OpNode(r.name, r.op, rule.op_class, r.inputs, in_shapes, [o.shape for o in out_meta],
                       out_meta[0].dtype if out_meta else "", flops, bwd, rd, wr, r.params, r.module_path,
-                      r.module_type, layer or "", r.op not in unknown, _dropout_p(r.op, r.args, r.kwargs))
+                      "Embedding" if r.module_path in scaled else r.module_type, layer or "", r.op not in unknown,
+                      _dropout_p(r.op, r.args, r.kwargs))
         if layer is None:
             pending.append(node)
         else:
@@ -428,7 +430,7 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, raw: list[_RawOp], outs:
     layers = []
     for path, mod in layer_mods:
         own = own_params.get(path, [])
-        modules = {(f"{path}.{n}" if n and path else n or path): type(m).__name__
+        modules = {(f"{path}.{n}" if n and path else n or path): _class_name(m)
                    for n, m in mod.named_modules() if next(m.parameters(recurse=False), None) is not None}
         lnodes = by_layer.get(path, [])
         block, index = member.get(path, (None, None))
@@ -457,8 +459,15 @@ def _param_infos(model: nn.Module) -> dict[str, ParamInfo]:
         mpath = _parent(name)
         is_buffer = not isinstance(t, nn.Parameter)
         out[name] = ParamInfo(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.element_size(), mpath,
-                              type(modules[mpath]).__name__, t.requires_grad and not is_buffer, is_buffer)
+                              _class_name(modules[mpath]), t.requires_grad and not is_buffer, is_buffer)
     return out
+
+
+def _class_name(module: nn.Module) -> str:
+    """The class name the TP rules read: a subclass of ``nn.Embedding`` with its own forward (Gemma's, which scales
+    the lookup by sqrt(hidden)) is an "Embedding", which PyTorch TP splits as one; the planner then runs its forward
+    on the shard (``planner/forward_run.py``)."""
+    return "Embedding" if isinstance(module, nn.Embedding) else type(module).__name__
 
 
 # ---- errors ---------------------------------------------------------------------------------------------------------

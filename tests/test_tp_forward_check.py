@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_cases import GPT_CELL, LLAMA_CELL, source
+from runtime_cases import GPT_CELL, HF_GEMMA_CELL, LLAMA_CELL, has_transformers, source
 
 import autopar_nb as ap
 from autopar_nb.planner import forward
@@ -185,6 +185,17 @@ def test_a_head_indexed_table_is_split_with_its_heads(name):
     assert 'shard_head_tables(part, mesh["tp"], tables)' in script
 
 
+@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+def test_gemmas_scaled_embedding_and_its_tied_head_are_split():
+    """Gemma's embedding is an nn.Embedding subclass whose own forward scales the lookup by sqrt(hidden), tied to the
+    output head: both are split on the vocabulary (the embedding rowwise, the head colwise into loss_parallel), as
+    LLaMA's are, instead of staying whole."""
+    graph, plan = planned(HF_GEMMA_CELL)
+    assert graph.tp_refused == {}
+    assert plan.tp_plan["model.embed_tokens"] == "rowwise" and plan.tp_plan["lm_head"] == "colwise", plan.tp_plan
+    assert plan.loss_parallel
+
+
 def test_the_zoo_families_keep_their_layouts_and_each_layout_runs_once(monkeypatch):
     runs = []
     runner = forward.run_layout
@@ -223,13 +234,17 @@ def test_the_offered_layout_runs_on_two_ranks():
 
 
 @pytest.mark.multiprocess
-def test_head_indexed_tables_train_on_two_ranks_as_on_one():
-    """Both per-head table cells, attention split with their tables, train on 2 gloo processes (one launch) as the
-    single-process reference does."""
+def test_split_tables_and_gemmas_embedding_train_on_two_ranks_as_on_one():
+    """Both per-head table cells, attention split with their tables, and Gemma, embedding and tied head split on the
+    vocabulary, train on 2 gloo processes (one launch) as the single-process reference does."""
     from autopar_nb.verify import verify_many
 
     cases = [(source(cell), planned(cell)[1]) for cell, _ in TABLES.values()]
     for _, plan in cases:
         assert {"h.0.attn", "h.1.attn"} <= {m.rpartition(".")[0] for m in plan.tp_plan}, plan.tp_plan
+    if has_transformers():
+        gemma = planned(HF_GEMMA_CELL)[1]
+        assert {"model.embed_tokens", "lm_head"} <= set(gemma.tp_plan), gemma.tp_plan
+        cases.append((source(HF_GEMMA_CELL), gemma))
     for report in verify_many(cases, steps=3):
         assert report.ok, str(report)
