@@ -26,7 +26,7 @@ from autopar_nb.plan import PlanError
 from autopar_nb.session import Session
 from autopar_nb.source import ModelSource
 from autopar_nb.units import fmt_bytes, fmt_count, fmt_time
-from autopar_nb.widget import PlannerWidget, editor
+from autopar_nb.widget import PlannerWidget, editor, options
 from autopar_nb.widget.layout import (
     CHANGED_COLOR,
     DEFAULT_VIEWPORT,
@@ -422,16 +422,16 @@ def test_option_refusals_come_from_the_planner(gpt_graph):
     """Dropdowns offer only what the planner can plan with the other choices: pp=4 with tp=8 on 8 GPUs, ZeRO with
     dp=1 and an interleaved schedule's virtual stages on 1f1b are disabled with the planner's reason."""
     s = _session(gpt_graph, gpus=8, global_batch=32)
-    refused = editor.option_refusals(gpt_graph, s.cluster, {"tp": 4}, {}, 32)
+    refused = options.option_refusals(gpt_graph, s.cluster, {"tp": 4}, {}, 32)
     assert "4" in refused["pp"] and "8" in refused["pp"] and "2" not in refused["pp"], refused["pp"]
     assert "8" in refused["dp"] and "2" not in refused["dp"]
-    one = editor.option_refusals(gpt_graph, s.cluster, {"tp": 4, "pp": 2}, {}, 32)
+    one = options.option_refusals(gpt_graph, s.cluster, {"tp": 4, "pp": 2}, {}, 32)
     assert set(one["zero_stage"]) == {"1", "2", "3"} and "dp=1" in one["zero_stage"]["3"], one["zero_stage"]
     assert "3" in one["tp"] or "3" not in [str(o) for o in editor.global_options(s.cluster)["tp"]]
-    sched = editor.option_refusals(gpt_graph, s.cluster, {"pp": 2, "schedule": "1f1b"}, {}, 32)
+    sched = options.option_refusals(gpt_graph, s.cluster, {"pp": 2, "schedule": "1f1b"}, {}, 32)
     assert "2" in sched["virtual_stages"] and "one stage per rank" in sched["virtual_stages"]["2"]
     w = s.widget()
-    assert w.controls["disabled"] == editor.option_refusals(gpt_graph, s.cluster, s.fix, s.overrides, 32)
+    assert w.controls["disabled"] == options.option_refusals(gpt_graph, s.cluster, s.fix, s.overrides, 32)
     # what is disabled really fails, what is offered plans
     for key, value in (("pp", 4), ("pp", 2)):
         trial = {"tp": 4, key: value}
@@ -441,6 +441,22 @@ def test_option_refusals_come_from_the_planner(gpt_graph):
         except PlanError:
             ok = False
         assert ok == (str(value) not in refused[key]), (key, value)
+
+
+def test_sequence_parallel_is_offered_only_where_the_sequence_divides_by_tp():
+    """A sequence of 15 tokens cannot be shared by 2 TP ranks: the control refuses SP=True (and, with SP fixed, tp=2)
+    with the planner's reason, as the planner refuses that fix; a sequence of 16 is offered both."""
+    odd = _graph(lambda: Llama(TINY_LLAMA), lambda: (torch.randint(0, 4096, (8, 15)),))
+    s = _session(odd, gpus=2, global_batch=8)
+    refused = options.option_refusals(odd, s.cluster, {}, {}, 8)
+    assert "seq_len 15 does not divide by tp=2" in refused["sequence_parallel"]["True"], refused
+    with_sp = options.option_refusals(odd, s.cluster, {"sequence_parallel": True}, {}, 8)
+    assert "seq_len 15 does not divide by tp=2" in with_sp["tp"]["2"], with_sp
+    with pytest.raises(PlanError, match="does not divide by tp=2"):
+        s.replan(fix={"tp": 2, "sequence_parallel": True})
+    even = _graph(lambda: Llama(TINY_LLAMA), lambda: (torch.randint(0, 4096, (8, 16)),))
+    offered = options.option_refusals(even, s.cluster, {"sequence_parallel": True}, {}, 8)
+    assert "True" not in offered.get("sequence_parallel", {}) and "2" not in offered.get("tp", {}), offered
 
 
 def test_change_list_is_grouped_for_a_reader(llama_graph):

@@ -19,7 +19,7 @@ import traitlets as t
 
 from ..hardware import Cluster
 from ..plan import RECOMPUTE, Plan, PlanError
-from . import editor, measured, panels, stage_moves
+from . import editor, measured, options, panels, stage_moves
 from .actions import action_message, local_nproc
 from .layout import (
     DEFAULT_VIEWPORT,
@@ -280,7 +280,7 @@ class PlannerWidget(anywidget.AnyWidget):
         key = (s.cluster, repr(sorted(s.fix.items())), repr(s.overrides), s.batch)
         if self._refusal_cache is None or self._refusal_cache[0] != key:
             try:
-                found = editor.option_refusals(s.graph, s.cluster, s.fix, s.overrides, s.batch)
+                found = options.option_refusals(s.graph, s.cluster, s.fix, s.overrides, s.batch)
             except Exception:  # the controls still work; the planner says why when an edit fails
                 found = {}
             self._refusal_cache = (key, found)
