@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from soak import export_script, soak  # noqa: E402
+from soak import export_script, soak
 
 
 @pytest.mark.multiprocess
