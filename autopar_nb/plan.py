@@ -42,7 +42,10 @@ from typing import Any
 from .units import fmt_bytes, fmt_time
 
 SCHEMA_VERSION = 1
-MAX_DEGREE = 2**20  # the largest parallel degree or stage count a plan may hold (a million ranks)
+MAX_DEGREE = 2**20  # counts a plan may carry (more: a typo or hostile). Ranks, any degree: a million (largest ~1e5)
+MAX_VIRTUAL_STAGES, MAX_MICRO_BATCHES = 2**10, 2**16  # chunks per pipeline rank (> any model's layers); per step
+MAX_BATCH = MAX_SEQ_LEN = 2**24  # samples per step; tokens per sample (16.8M; the longest contexts are ~1e7)
+MAX_INT = 2**63 - 1  # any other count (steps, bytes, parameters): an int64, what torch and the runtime hold
 
 # ---- vocabularies: the values a plan may hold (the planner, widget, runtime and export import them from here) ------
 ZERO_STAGES = (0, 1, 2, 3)
@@ -90,7 +93,8 @@ FIX_CHOICES: dict[str, tuple] = {"zero_stage": ZERO_STAGES, "schedule": SCHEDULE
                                  "compile": (False, True), "fused_loss": (False, True),
                                  "fused_norm": (False, True)}
 """the allowed values of the FIX_KEYS that are choices; the others (dp, tp, pp, ep, cp, micro_batches, virtual_stages)
-are positive integers"""
+are positive integers, up to FIX_MAX or else MAX_DEGREE"""
+FIX_MAX = {"micro_batches": MAX_MICRO_BATCHES, "virtual_stages": MAX_VIRTUAL_STAGES}
 
 MODULE_PATH = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*")
 """a dotted module path as ``nn.Module.named_modules()`` yields it, restricted to names made of letters, digits,
@@ -138,7 +142,7 @@ def normalize_fix(fix: dict[str, Any] | None) -> dict[str, Any]:
         elif k in FIX_CHOICES:
             _check_choice(f"fix[{k!r}]", value, FIX_CHOICES[k])
         else:
-            _check_int(f"fix[{k!r}]", value, minimum=1)
+            _check_int(f"fix[{k!r}]", value, minimum=1, maximum=FIX_MAX.get(k, MAX_DEGREE))
         out[k] = value
     return out
 
@@ -150,12 +154,12 @@ def _check_choice(what: str, value: Any, allowed: tuple) -> None:
         raise PlanError(f"{what}={value!r} is not supported; choose one of {', '.join(map(repr, allowed))}")
 
 
-def _check_int(what: str, value: Any, *, minimum: int | None = None, maximum: int | None = None) -> None:
+def _check_int(what: str, value: Any, *, minimum: int | None = None, maximum: int = MAX_INT) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise PlanError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
     if minimum is not None and value < minimum:
         raise PlanError(f"{what} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
+    if value > maximum:
         raise PlanError(f"{what} must be <= {maximum}, got {value}")
 
 
@@ -232,6 +236,7 @@ class MeshPlan:
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "ep", "cp"):
             _check_int(f"mesh.{name}", getattr(self, name), minimum=1, maximum=MAX_DEGREE)
+        _check_int(f"mesh world size {self.factors()}", self.world_size, maximum=MAX_DEGREE)
         _check_choice("mesh.zero_stage", self.zero_stage, ZERO_STAGES)
         if self.dp % self.ep:
             raise PlanError(f"mesh.ep({self.ep}) must divide mesh.dp({self.dp}): expert parallelism splits the "
@@ -242,8 +247,7 @@ class MeshPlan:
         return self.dp * self.tp * self.pp * self.cp
 
     def factors(self) -> str:
-        """The world's factors as text: ``dp(2) * tp(2) * pp(1)``, with ``cp(2)`` when there is context
-        parallelism."""
+        """The world's factors as text: ``dp(2) * tp(2) * pp(1)``, with ``cp(2)`` when there is context parallelism."""
         return f"dp({self.dp}) * tp({self.tp}) * pp({self.pp})" + (f" * cp({self.cp})" if self.cp > 1 else "")
 
 
@@ -259,10 +263,10 @@ class BatchPlan:
     """tokens per sample for sequence models, else None"""
 
     def __post_init__(self):
-        _check_int("batch.global_batch", self.global_batch, minimum=1)
-        _check_int("batch.micro_batches", self.micro_batches, minimum=1)
+        _check_int("batch.global_batch", self.global_batch, minimum=1, maximum=MAX_BATCH)
+        _check_int("batch.micro_batches", self.micro_batches, minimum=1, maximum=MAX_MICRO_BATCHES)
         if self.seq_len is not None:
-            _check_int("batch.seq_len", self.seq_len, minimum=1)
+            _check_int("batch.seq_len", self.seq_len, minimum=1, maximum=MAX_SEQ_LEN)
 
 
 @dataclass
@@ -276,7 +280,7 @@ class PipelinePlan:
 
     def __post_init__(self):
         _check_choice("pipeline.schedule", self.schedule, SCHEDULES)
-        _check_int("pipeline.virtual_stages", self.virtual_stages, minimum=1, maximum=MAX_DEGREE)
+        _check_int("pipeline.virtual_stages", self.virtual_stages, minimum=1, maximum=MAX_VIRTUAL_STAGES)
 
 
 @dataclass
@@ -473,21 +477,18 @@ MEMORY_TERMS = {
     "loss_temporaries": "buffers",
     "optimizer_step_temporaries": "buffers",
 }
-"""term of a rank's peak -> the MemoryBreakdown field it is part of: what autograd saves for backward (every
-micro-batch in flight); the loss's saved log-softmax; autocast's 16-bit copies of the weights its lower-precision ops
-read; DDP's gradient buckets; FSDP's parameters kept unsharded from forward to backward (ZeRO 2, and replicate), the
-parameters left in the root unit (ZeRO 3), and the unit being computed plus the prefetched one (ZeRO 3: parameters
-and their unsharded gradients); a pipelined FSDP stage's gradients, accumulated unsharded over its micro-batches and
-reduce-scattered once after the last, and under a zero-bubble schedule and mixed precision
-the 16-bit gradients a weight pass leaves until FSDP takes them in; the buffers pipeline
-stages receive inputs and gradients into (per micro-batch in flight) and their outputs, kept
-until each micro-batch's backward, and the input gradients of the micro-batch
-before, whose send the schedule still holds; the gradients a zero-bubble schedule's input pass
-keeps for each micro-batch's weight pass; the largest layer's backward working set; at a
-layer's forward, what it
-holds then (its saved tensors so far and the storages alive: output, operands still to be read, autocast's copies)
-and its FSDP unit's all-gather output; the loss's temporaries (logits and their copies, loss_parallel's shards); the
-optimizer step's temporaries"""
+"""term of a rank's peak -> the MemoryBreakdown field it is part of: what autograd saves for backward (every micro-batch
+in flight); the loss's saved log-softmax; autocast's 16-bit copies of the weights its lower-precision ops read; DDP's
+gradient buckets; FSDP's parameters kept unsharded from forward to backward (ZeRO 2, and replicate), the parameters left
+in the root unit (ZeRO 3), and the unit being computed plus the prefetched one (ZeRO 3: parameters and their unsharded
+gradients); a pipelined FSDP stage's gradients, accumulated unsharded over its micro-batches and reduce-scattered once
+after the last, and under a zero-bubble schedule and mixed precision the 16-bit gradients a weight pass leaves until
+FSDP takes them in; the buffers pipeline stages receive inputs and gradients into (per micro-batch in flight) and their
+outputs, kept until each micro-batch's backward, and the input gradients of the micro-batch before, whose send the
+schedule still holds; the gradients a zero-bubble schedule's input pass keeps for each micro-batch's weight pass; the
+largest layer's backward working set; at a layer's forward, what it holds then (its saved tensors so far and the
+storages alive: output, operands still to be read, autocast's copies) and its FSDP unit's all-gather output; the loss's
+temporaries (logits and their copies, loss_parallel's shards); the optimizer step's temporaries"""
 
 
 @dataclass
@@ -557,12 +558,11 @@ class Plan:
     loss_parallel: bool = False
     """the output head is vocab-parallel and the loss is computed on sharded logits (torch loss_parallel)"""
     fused_loss: str = ""
-    """module path of the output head (a bias-free ``nn.Linear``) whose matmul runs fused with the default
-    next-token cross-entropy, chunk by chunk (``kernels_ext.linear_cross_entropy``): the full logits and their
-    gradient are never held, and the logits are computed again in backward. "" = unfused. Only with the default
-    loss (the cell defines no ``loss_fn``) and mesh.pp == 1; with mesh.tp > 1 the head's weight is split on the
-    vocabulary and the loss is vocab-parallel (``kernels_ext.vocab_parallel_linear_cross_entropy``), so
-    loss_parallel stays false"""
+    """module path of the output head (a bias-free ``nn.Linear``) whose matmul runs fused with the default next-token
+    cross-entropy, chunk by chunk (``kernels_ext.linear_cross_entropy``): the full logits and their gradient are never
+    held, and the logits are computed again in backward. "" = unfused. Only with the default loss (the cell defines no
+    ``loss_fn``) and mesh.pp == 1; with mesh.tp > 1 the head's weight is split on the vocabulary and the loss is
+    vocab-parallel (``kernels_ext.vocab_parallel_linear_cross_entropy``), so loss_parallel stays false"""
     fused_norm: bool = False
     """the model's RMSNorm modules (found by what they compute: ``runtime/fused_norm.py``) run kernels_ext's fused
     RMSNorm, which keeps the input and one fp32 rstd per row for backward instead of the eager chain's input,
@@ -679,7 +679,8 @@ class Plan:
 
     def _check_info(self) -> None:
         """``model`` and ``cluster``: dicts of known keys with their types."""
-        cluster = ("nodes", "gpus_per_node", "memory_limit_bytes", "scaled_from")
+        ranks = ("nodes", "gpus_per_node", "scaled_from")  # bounded as the mesh is; bytes and parameters by MAX_INT
+        cluster = ranks + ("memory_limit_bytes",)
         for name, ints, strs in (("model", ("num_params",), ("name",)), ("cluster", cluster, ("preset",))):
             d = getattr(self, name)
             if not isinstance(d, dict):
@@ -690,7 +691,7 @@ class Plan:
                                 f"{', '.join(strs + ints)}")
             for k in ints:
                 if k in d:
-                    _check_int(f"{name}.{k}", d[k], minimum=0)
+                    _check_int(f"{name}.{k}", d[k], minimum=0, maximum=MAX_DEGREE if k in ranks else MAX_INT)
             for k in strs:
                 if d.get(k) is not None:
                     _check_str(f"{name}.{k}", d[k])

@@ -162,7 +162,16 @@ def _set(d: dict, path: str, value) -> dict:
     ("alternatives.0.mesh.pp", "2", r"alternatives\[0\]: mesh\.pp must be an integer"),
     ("mesh.ep", 0, r"mesh\.ep must be >= 1"),
     ("mesh.dp", 10**30, r"mesh\.dp must be <= 1048576, got 10{30}"),  # absurd degrees from a file (issue 46)
-    ("pipeline.virtual_stages", 10**30, r"pipeline\.virtual_stages must be <= 1048576"),
+    ("pipeline.virtual_stages", 2**10 + 1, r"pipeline\.virtual_stages must be <= 1024, got 1025"),
+    ("mesh.tp", 2**20, r"mesh world size dp\(2\) \* tp\(1048576\) \* pp\(2\) must be <= 1048576, got 4194304"),
+    ("batch.micro_batches", 2**16 + 1, r"batch\.micro_batches must be <= 65536"),
+    ("batch.global_batch", 10**30, r"batch\.global_batch must be <= 16777216"),
+    ("batch.seq_len", 2**24 + 1, r"batch\.seq_len must be <= 16777216"),
+    ("cluster.nodes", 2**20 + 1, r"cluster\.nodes must be <= 1048576"),
+    ("cluster.memory_limit_bytes", 2**63, r"cluster\.memory_limit_bytes must be <= 9223372036854775807"),
+    ("model.num_params", 10**30, r"model\.num_params must be <= 9223372036854775807"),
+    ("optimizer.warmup_steps", 2**64, r"optimizer\.warmup_steps must be <= 9223372036854775807"),
+    ("layers.0.stage", 2**64, r"layers\['wte'\]\.stage must be <= 9223372036854775807"),
     ("mesh.ep", 3, r"mesh\.ep\(3\) must divide mesh\.dp\(2\).*dp\(2\) % ep\(3\) = 2"),
     ("mesh.ep", 2, r"mesh\.ep=2 but experts is empty"),
     ("experts", "h.*.experts", r"experts must be a list"),
@@ -266,6 +275,10 @@ def test_normalize_fix():
         normalize_fix({"sp": "true"})
     with pytest.raises(PlanError, match=r"fix\['zero_stage'\]=True is not supported"):
         normalize_fix({"zero_stage": True})
+    with pytest.raises(PlanError, match=r"fix\['dp'\] must be <= 1048576, got 10{30}"):
+        normalize_fix({"dp": 10**30})
+    with pytest.raises(PlanError, match=r"fix\['micro_batches'\] must be <= 65536"):
+        normalize_fix({"mb": 2**16 + 1})
 
 
 def test_schedules_refuse_too_few_micro_batches_at_plan_time():
