@@ -67,6 +67,47 @@ def test_manifest_prune_damage_and_a_failed_save_in_one_process(world_of_one, tm
     assert torch.equal(fresh.weight, model.weight)
 
 
+def test_an_async_save_is_marked_whole_only_once_written(world_of_one, tmp_path, monkeypatch):
+    """AsyncCheckpointer: the save returns while the files are still being written (held back here until released);
+    meanwhile the folder has no manifest and the checkpoint before stays the latest, and the weights changed in
+    place by the next step do not reach the files (the staging copy). A write that fails in the background removes
+    its folder and is reported by the next wait."""
+    import threading
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from autopar_nb.runtime.checkpoint import AsyncCheckpointer
+
+    model, opt = _model_and_optimizer()
+    ckpt = tmp_path / "ckpt"
+    saver = AsyncCheckpointer()
+    assert saver.save(str(ckpt / "step_1"), model, opt, 1) is None
+    assert saver.wait() is None and checkpoints(str(ckpt)) == [str(ckpt / "step_1")]
+    release, write = threading.Event(), FileSystemWriter.write_data
+    monkeypatch.setattr(FileSystemWriter, "write_data", lambda self, *a, **k: release.wait(60) and write(self, *a, **k))
+    saved = model.weight.detach().clone()
+    assert saver.save(str(ckpt / "step_2"), model, opt, 2) is None
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the next step, while the save is in flight
+    assert (ckpt / "step_2").is_dir() and not (ckpt / "step_2" / MANIFEST).exists()
+    assert checkpoints(str(ckpt)) == [str(ckpt / "step_1")]
+    release.set()
+    assert saver.wait() is None and checkpoints(str(ckpt))[0] == str(ckpt / "step_2")
+    assert manifest_problem(str(ckpt / "step_2")) is None
+    fresh = nn.Linear(8, 8)
+    assert load_checkpoint(str(ckpt / "step_2"), fresh, torch.optim.AdamW(fresh.parameters())) == 2
+    assert torch.equal(fresh.weight, saved)
+
+    def fail(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", fail)
+    assert saver.save(str(ckpt / "step_3"), model, opt, 3) is None
+    step, error = saver.close()
+    assert step == 3 and "No space left on device" in error, error
+    assert not (ckpt / "step_3").exists() and checkpoints(str(ckpt))[0] == str(ckpt / "step_2")
+
+
 # ---- the exported script on 2 processes -----------------------------------------------------------------------------
 CELL = '''\
 import torch, torch.nn as nn
@@ -81,12 +122,16 @@ def make_batch(step, rank):
 
 
 def exported(tmp_path: Path) -> Path:
+    return exported_cell(tmp_path, CELL)
+
+
+def exported_cell(tmp_path: Path, cell: str) -> Path:
     from runtime_cases import make_plan
 
     from autopar_nb.cell import run_model_cell
     from autopar_nb.export import export
 
-    src = run_model_cell(CELL, {}).source
+    src = run_model_cell(cell, {}).source
     return export(src, make_plan(src, dp=2, zero=0, lr=1e-2), tmp_path / "train_ckpt.py", steps=8, quiet=True).script
 
 
@@ -156,3 +201,52 @@ def test_a_full_disk_leaves_the_checkpoint_before_as_the_latest(tmp_path):
         assert manifest_problem(str(mount / "ckpt" / "step_2")) is None
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+BIG_CELL = CELL.replace("nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)",
+                        "nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 64)")
+"""a model whose save (~13 MB with AdamW's moments) lasts long enough to be caught in the middle"""
+
+
+@pytest.mark.multiprocess
+def test_a_crash_during_an_async_save_resumes_the_same_loss_curve(tmp_path):
+    """The exported script with --async-checkpoint on and a checkpoint every step, a worker killed (SIGKILL) while a
+    save is being written in the background: that folder has no manifest and is never the latest; the next run
+    resumes from the newest whole checkpoint and continues the loss curve of a run never interrupted, step for
+    step (2 gloo processes)."""
+    import signal
+    import time
+
+    import psutil
+
+    from autopar_nb.runtime.checkpoint import latest_checkpoint
+
+    script = exported_cell(tmp_path, BIG_CELL)
+    rc, reference = torchrun(script, "--steps", "10")
+    assert rc == 0, reference[-4000:]
+    ckpt = tmp_path / "ckpt"
+    flags = ["--steps", "10", "--ckpt-dir", str(ckpt), "--ckpt-every", "1", "--async-checkpoint", "on"]
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                              str(script), *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             cwd=tmp_path, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    caught, deadline = None, time.monotonic() + 240
+    while caught is None and agent.poll() is None and time.monotonic() < deadline:
+        done = checkpoints(str(ckpt))
+        writing = [d for d in (ckpt.iterdir() if ckpt.is_dir() else ()) if not (d / MANIFEST).exists()]
+        if done and writing:  # a save in flight beside a whole one: kill a worker now
+            psutil.Process(agent.pid).children()[0].send_signal(signal.SIGKILL)
+            caught = writing[0]
+        time.sleep(0.002)
+    out = agent.communicate(timeout=120)[0]
+    assert caught is not None, f"no save caught in flight\n{out[-4000:]}"
+    assert agent.returncode != 0, out[-4000:]
+    latest = latest_checkpoint(str(ckpt))
+    assert latest != str(caught) and manifest_problem(latest) is None, (latest, caught)
+    rc, resumed = torchrun(script, *flags)
+    assert rc == 0, resumed[-4000:]
+    start = int(latest.rsplit("_", 1)[1])
+    assert f"resumed from {latest} at step {start}" in resumed, resumed[-4000:]
+    before, after = losses(reference), losses(resumed)
+    assert start < 10 and sorted(after) == list(range(start, 10)), resumed[-4000:]
+    assert all(after[s] == before[s] for s in after), (before, after)
+    assert manifest_problem(latest_checkpoint(str(ckpt))) is None

@@ -16,10 +16,12 @@ under one schedule loads under any other plan.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from .layouts import dcp_layout, restore_layout
 
@@ -127,28 +130,52 @@ def by_stage(loaded: dict | None, like: dict | None, stages: bool) -> dict | Non
     return {key: loaded[STAGE_INDEX.sub(r"\1", key)] for key in like}
 
 
+def _staged(model, optimizer, step: int, data) -> tuple[dict, bool]:
+    """(the state DCP writes, keyed by the model's names (:func:`by_name`), whether ZeRO-1 keeps its optimizer's
+    own file)."""
+    stages = isinstance(model, PipelineStages)
+    model_sd, optim_sd = (by_name(sd, stages) for sd in _states(model, optimizer))
+    state = {"model": model_sd, "step": step} | ({"optim": optim_sd} if optim_sd is not None else {})
+    state |= {"data": data.state_dict()} if data is not None else {}
+    return dcp_layout(state), optim_sd is None
+
+
+def _clear(path: str) -> None:
+    """Remove what a failed or replaced save left at ``path``: never mixed with this save's files. Collective."""
+    if dist.get_rank() == 0 and os.path.exists(path):
+        shutil.rmtree(path)
+    dist.barrier()
+
+
+SAVE_ERRORS = (OSError, RuntimeError, dcp.api.CheckpointException)
+"""what a save can meet and the run survive: a full disk, a vanished mount"""
+
+
 def save_checkpoint(path: str, model, optimizer, step: int, *, data=None, keep: int = 0) -> str | None:
     """Write ``model`` (a module, or this rank's :class:`PipelineStages`), ``optimizer``, ``step`` and the
     ``data`` stream's position (a run that reads a dataset), keyed by the model's names (:func:`by_name`), then the
     manifest; ``keep``: the newest checkpoints kept beside, older ones removed (0: all). Returns None once saved,
     else why the save failed, the same on every rank: the folder is removed and the checkpoint before stays the
     latest. Collective: every rank calls it."""
-    stages = isinstance(model, PipelineStages)
-    model_sd, optim_sd = (by_name(sd, stages) for sd in _states(model, optimizer))
-    state = {"model": model_sd, "step": step} | ({"optim": optim_sd} if optim_sd is not None else {})
-    state |= {"data": data.state_dict()} if data is not None else {}
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if rank == 0 and os.path.exists(path):
-        shutil.rmtree(path)  # what a failed or replaced save left: never mixed with this one's files
-    dist.barrier()
+    state, zero1 = _staged(model, optimizer, step, data)
+    _clear(path)
     try:
-        dcp.save(dcp_layout(state), checkpoint_id=path)
-        if optim_sd is None:
-            torch.save(optimizer.optim.state_dict(), os.path.join(path, f"zero1_rank{rank}.pt"))
+        dcp.save(state, checkpoint_id=path)
+        if zero1:
+            torch.save(optimizer.optim.state_dict(), os.path.join(path, f"zero1_rank{dist.get_rank()}.pt"))
         error = None
-    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # a full disk, a vanished mount: go on
+    except SAVE_ERRORS as e:
         error = _why(e)
-    error = _agree(error)  # also the barrier: every rank's shards are on disk (or the save failed somewhere)
+    return finish(path, step, error, keep=keep)
+
+
+def finish(path: str, step: int, error: str | None, *, keep: int, group=None) -> str | None:
+    """After every rank wrote its files of checkpoint ``path`` (``error``: why this rank's failed): the manifest,
+    written by rank 0 once every rank checksummed its share of the files, then the older checkpoints beyond ``keep``
+    removed; or, if a rank failed, the folder removed. Returns None or the first rank's error, the same on every
+    rank. Collective over ``group`` (default: the world)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    error = _agree(error, group)  # also the barrier: every rank's shards are on disk (or the save failed somewhere)
     if error is None:  # each rank checksums its share of the files
         try:
             names = sorted(f for f in os.listdir(path) if f != MANIFEST)
@@ -157,18 +184,103 @@ def save_checkpoint(path: str, model, optimizer, step: int, *, data=None, keep: 
         except OSError as e:
             mine = f"{type(e).__name__}: {e}"
         shares = [None] * world
-        dist.all_gather_object(shares, mine)
+        dist.all_gather_object(shares, mine, group=group)
         error = next((s for s in shares if isinstance(s, str)), None)
         if error is None and rank == 0:
             error = _write_manifest(path, {"step": step, "world_size": world,
                                            "files": {k: v for s in shares for k, v in s.items()}})
-        error = _agree(error)
+        error = _agree(error, group)
     if rank == 0:
         if error is not None:
             shutil.rmtree(path, ignore_errors=True)
         elif keep > 0:
             prune(os.path.dirname(path) or ".", keep=keep)
     return error
+
+
+class AsyncCheckpointer:
+    """Checkpoints written in the background with ``dcp.async_save``: a save stalls training only while it copies this
+    rank's state (weights, optimizer state) into host memory, the staging copy, then a thread writes the files,
+    checksums them and writes the manifest while training goes on. The price: that copy, as large as the rank's
+    state, held in host memory until written (on a GPU, device memory is untouched), and the writer's CPU time. The
+    manifest is still written last, once every rank's files are on disk, so a run killed mid-save resumes from the
+    checkpoint before. The writer's collectives go over a gloo group of their own: on the training's group, two
+    threads' collectives could interleave in a different order on each rank. Collective to build."""
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo")
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self.pending = None
+
+    def save(self, path: str, model, optimizer, step: int, *, data=None, keep: int = 0) -> tuple[int, str] | None:
+        """Start saving as :func:`save_checkpoint` does, after the save before it finished (one in flight at a
+        time: one staging copy); returns that one's (step, error) when it failed, else None. Collective."""
+        failed = self.wait()
+        state, zero1 = _staged(model, optimizer, step, data)
+        _clear(path)
+        future, error = None, None
+        try:
+            os.makedirs(path, exist_ok=True)
+            if zero1:  # ZeRO-1's own file, written now: the optimizer moves on
+                torch.save(optimizer.optim.state_dict(), os.path.join(path, f"zero1_rank{dist.get_rank()}.pt"))
+            future = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
+        except SAVE_ERRORS as e:
+            error = _why(e)
+        self.pending = self.writer.submit(self._written, future, path, step, error, keep)
+        return failed
+
+    def _written(self, future, path: str, step: int, error: str | None, keep: int) -> tuple[int, str] | None:
+        if future is not None:
+            try:
+                future.result()
+            except SAVE_ERRORS as e:
+                error = error or _why(e)
+        error = finish(path, step, error, keep=keep, group=self.group)
+        return None if error is None else (step, error)
+
+    def wait(self) -> tuple[int, str] | None:
+        """Block until the save in flight (if any) has its manifest; its (step, error) if it failed. Call it on every
+        rank before reading a checkpoint back, and before the process group closes."""
+        pending, self.pending = self.pending, None
+        return pending.result() if pending is not None else None
+
+    def close(self) -> tuple[int, str] | None:
+        """:meth:`wait`, then stop the writer thread."""
+        failed = self.wait()
+        self.writer.shutdown()
+        return failed
+
+
+STAGING_STATES = 3
+"""copies of each parameter a rank's state holds at most: the weights and AdamW's two moments"""
+
+
+def async_checkpointer(mode: str, params) -> AsyncCheckpointer | None:
+    """The background writer that ``--async-checkpoint`` ``mode`` asks for: "on", "off" (None: saves block), or "auto":
+    on where the staging copy fits, i.e. this host's available memory holds every local rank's copy (its
+    ``params`` and optimizer state, :data:`STAGING_STATES` times the local weights) twice over; off, said in one
+    line, where it does not. Host memory is not in the plan's cost model (device memory only). Collective."""
+    if mode == "off":
+        return None
+    if mode == "auto":
+        local = sum(p.to_local().nbytes if isinstance(p, DTensor) else p.nbytes for p in params)
+        need = 2 * STAGING_STATES * local * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        short = None if need <= available_host_memory() else f"{need / 2**30:.1f} GiB"
+        if (short := _agree(short)) is not None:
+            if dist.get_rank() == 0:
+                print(f"checkpoints saved synchronously: the staging copies need {short} of host memory (twice "
+                      "over), more than is available (--async-checkpoint on forces it)", flush=True)
+            return None
+    return AsyncCheckpointer()
+
+
+def available_host_memory() -> float:
+    """Bytes of host memory available (Linux's MemAvailable; infinite where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return math.inf
 
 
 def _why(e: BaseException) -> str:
@@ -178,10 +290,10 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".splitlines()[0]
 
 
-def _agree(error: str | None) -> str | None:
-    """The first rank's error among every rank's (None: none failed). Collective."""
+def _agree(error: str | None, group=None) -> str | None:
+    """The first rank's error among every rank's (None: none failed). Collective over ``group`` (default: the world)."""
     errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+    dist.all_gather_object(errors, error, group=group)
     return next((e for e in errors if e), None)
 
 

@@ -12,7 +12,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import PipelineStages, latest_checkpoint, load_checkpoint, resume_point, save_checkpoint
+from .checkpoint import (
+    PipelineStages,
+    async_checkpointer,
+    latest_checkpoint,
+    load_checkpoint,
+    resume_point,
+    save_checkpoint,
+)
 from .data import first_tensor, split_batch, to_device
 from .guard import NumericsGuard, grads_finite
 from .metrics import Metrics, Run, memory_stats
@@ -70,7 +77,8 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
           counts_loss: bool, metrics=None, scaler=None, pp_group=None, tied=None, tokens: bool = False,
           observer=None, cp: int = 1) -> None:
     """Run ``args.steps`` optimizer steps (resuming from the latest whole checkpoint in ``args.ckpt_dir``, saving one
-    every ``args.ckpt_every`` steps and keeping ``args.keep``; ending early at step ``args.stop_at`` when given: the
+    every ``args.ckpt_every`` steps and keeping ``args.keep``, in the background unless ``args.async_checkpoint``
+    says "off" (:func:`async_checkpointer`); ending early at step ``args.stop_at`` when given: the
     learning-rate schedule still spans ``args.steps``). The numerics guard (``runtime/guard.py``) skips steps with a
     non-finite loss or gradient, or a loss ``args.spike_factor`` times its running median, and rolls back to the
     last checkpoint after ``args.max_skips`` in a row.
@@ -92,6 +100,7 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
             print(f"resumed from {resume} at step {start}")
     params = parameters_of(parts)
     guard = NumericsGuard(spike_factor=args.spike_factor, max_skips=args.max_skips)
+    saver = async_checkpointer(args.async_checkpoint, params) if args.ckpt_dir else None
     waited = busy = 0.0  # seconds waiting for batches, and in all, over the steps after this run's first
     for step in range(start, min(args.steps, args.stop_at or args.steps)):
         t0 = time.perf_counter()
@@ -120,11 +129,13 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
         report(step, loss, dt, batch, metrics=metrics, device=device, dp=dp, tokens=tokens, data_wait=data_wait,
                skipped=skipped and f"{skipped}, {guard.skips} in a row")
         if skipped and guard.skips >= guard.max_skips:
+            saved(args, saver.wait() if saver else None, metrics=metrics)  # the save in flight: done first
             roll_back(args, ckpt_model, optimizer, step=step, why=f"{guard.skips} steps in a row skipped, the last "
                       f"for {skipped}", metrics=metrics)
             guard.rolled_back()
         if args.ckpt_dir and (step + 1) % args.ckpt_every == 0 and not guard.skips:  # not weights gone bad
-            save(args, ckpt_model, optimizer, step + 1, data=data, metrics=metrics)
+            save(args, ckpt_model, optimizer, step + 1, data=data, metrics=metrics, saver=saver)
+    saved(args, saver.close() if saver else None, metrics=metrics)  # the last save written before the group closes
     data_summary(waited, busy, loader=data is not None, metrics=metrics, device=device)
 
 
@@ -155,11 +166,21 @@ def roll_back(args, model, optimizer, *, step: int, why: str, metrics) -> None:
         metrics.send({"event": "numerics", "step": step, "action": "rollback", "checkpoint": path, "message": text})
 
 
-def save(args, model, optimizer, step: int, *, data, metrics) -> None:
-    """Checkpoint ``step`` into ``args.ckpt_dir``, keeping the newest ``args.keep``; a save that failed is said in one
-    line and the run goes on (the checkpoint before stays the latest). Collective."""
-    error = save_checkpoint(f"{args.ckpt_dir}/step_{step}", model, optimizer, step, data=data, keep=args.keep)
-    if error is not None and dist.get_rank() == 0:
+def save(args, model, optimizer, step: int, *, data, metrics, saver=None) -> None:
+    """Checkpoint ``step`` into ``args.ckpt_dir``, keeping the newest ``args.keep``, through ``saver`` (an
+    :class:`AsyncCheckpointer`) when given; a save that failed is said in one line and the run goes on (the
+    checkpoint before stays the latest). Collective."""
+    path = f"{args.ckpt_dir}/step_{step}"
+    if saver is not None:
+        saved(args, saver.save(path, model, optimizer, step, data=data, keep=args.keep), metrics=metrics)
+    else:
+        saved(args, (step, save_checkpoint(path, model, optimizer, step, data=data, keep=args.keep)), metrics=metrics)
+
+
+def saved(args, outcome: tuple[int, str | None] | None, *, metrics) -> None:
+    """Say a failed save, ``outcome`` = (its step, why), in one line on rank 0 (an event too)."""
+    if outcome is not None and outcome[1] is not None and dist.get_rank() == 0:
+        step, error = outcome
         text = f"step {step} | checkpoint not saved ({error}); the latest stays {latest_checkpoint(args.ckpt_dir)}"
         print(text, flush=True)
         metrics.send({"event": "checkpoint", "step": step, "action": "failed", "message": text})
