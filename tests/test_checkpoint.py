@@ -108,6 +108,28 @@ def test_an_async_save_is_marked_whole_only_once_written(world_of_one, tmp_path,
     assert not (ckpt / "step_3").exists() and checkpoints(str(ckpt))[0] == str(ckpt / "step_2")
 
 
+def test_async_checkpoint_auto_is_on_with_an_accelerator_where_the_copy_fits(world_of_one, monkeypatch, capsys):
+    """--async-checkpoint: "on" and "off" as said; "auto" off on CPU (the writer would take the training's cores),
+    on with a GPU, unless the staging copies (weights and AdamW's two moments, twice over) exceed the host's
+    available memory, which is said in one line."""
+    from autopar_nb.runtime import checkpoint
+    from autopar_nb.runtime.checkpoint import AsyncCheckpointer, async_checkpointer
+
+    params = list(nn.Linear(256, 256).parameters())  # 257 KiB
+    assert async_checkpointer("off", params, device="cuda:0") is None
+    assert async_checkpointer("auto", params, device="cpu") is None
+    for mode, device in (("on", "cpu"), ("auto", "cuda:0")):
+        saver = async_checkpointer(mode, params, device=device)
+        assert isinstance(saver, AsyncCheckpointer) and saver.close() is None
+    monkeypatch.setattr(checkpoint, "available_host_memory", lambda: 1.5e6)  # < 2 x 3 x 257 KiB
+    assert async_checkpointer("auto", params, device="cuda:0") is None
+    assert capsys.readouterr().out == ("checkpoints saved synchronously: twice the staging copies (2 MiB: every "
+                                       "local rank's weights and optimizer state) exceed the available host memory "
+                                       "(--async-checkpoint on forces it)\n")
+    assert isinstance(saver := async_checkpointer("on", params, device="cuda:0"), AsyncCheckpointer)
+    saver.close()
+
+
 # ---- the exported script on 2 processes -----------------------------------------------------------------------------
 CELL = '''\
 import torch, torch.nn as nn

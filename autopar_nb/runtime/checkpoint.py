@@ -255,21 +255,24 @@ STAGING_STATES = 3
 """copies of each parameter a rank's state holds at most: the weights and AdamW's two moments"""
 
 
-def async_checkpointer(mode: str, params) -> AsyncCheckpointer | None:
+def async_checkpointer(mode: str, params, *, device: str) -> AsyncCheckpointer | None:
     """The background writer that ``--async-checkpoint`` ``mode`` asks for: "on", "off" (None: saves block), or "auto":
-    on where the staging copy fits, i.e. this host's available memory holds every local rank's copy (its
-    ``params`` and optimizer state, :data:`STAGING_STATES` times the local weights) twice over; off, said in one
-    line, where it does not. Host memory is not in the plan's cost model (device memory only). Collective."""
-    if mode == "off":
+    on where it pays, training on an accelerator (``device`` not "cpu"), whose host cores the writer then has to
+    itself, and where the staging copy fits: this host's available memory holds every local rank's copy (its
+    ``params`` and optimizer state, :data:`STAGING_STATES` times the local weights) twice over; said in one line
+    where it does not. On CPU the writer takes its time from the training's cores (BENCHMARKS.md: the stall per save
+    drops, the run's time does not). Host memory is not in the plan's cost model (device memory only). Collective."""
+    if mode == "off" or (mode == "auto" and device == "cpu"):
         return None
     if mode == "auto":
         local = sum(p.to_local().nbytes if isinstance(p, DTensor) else p.nbytes for p in params)
         need = 2 * STAGING_STATES * local * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        short = None if need <= available_host_memory() else f"{need / 2**30:.1f} GiB"
-        if (short := _agree(short)) is not None:
+        size = f"{need / 2**30:.1f} GiB" if need >= 2**30 else f"{need / 2**20:.0f} MiB"
+        if (short := _agree(None if need <= available_host_memory() else size)) is not None:
             if dist.get_rank() == 0:
-                print(f"checkpoints saved synchronously: the staging copies need {short} of host memory (twice "
-                      "over), more than is available (--async-checkpoint on forces it)", flush=True)
+                print(f"checkpoints saved synchronously: twice the staging copies ({short}: every local rank's "
+                      "weights and optimizer state) exceed the available host memory (--async-checkpoint on forces "
+                      "it)", flush=True)
             return None
     return AsyncCheckpointer()
 

@@ -100,7 +100,7 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
             print(f"resumed from {resume} at step {start}")
     params = parameters_of(parts)
     guard = NumericsGuard(spike_factor=args.spike_factor, max_skips=args.max_skips)
-    saver = async_checkpointer(args.async_checkpoint, params) if args.ckpt_dir else None
+    saver = async_checkpointer(args.async_checkpoint, params, device=device) if args.ckpt_dir else None
     waited = busy = 0.0  # seconds waiting for batches, and in all, over the steps after this run's first
     for step in range(start, min(args.steps, args.stop_at or args.steps)):
         t0 = time.perf_counter()
