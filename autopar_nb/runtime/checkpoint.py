@@ -261,7 +261,8 @@ def async_checkpointer(mode: str, params, *, device: str) -> AsyncCheckpointer |
     itself, and where the staging copy fits: this host's available memory holds every local rank's copy (its
     ``params`` and optimizer state, :data:`STAGING_STATES` times the local weights) twice over; said in one line
     where it does not. On CPU the writer takes its time from the training's cores (BENCHMARKS.md: the stall per save
-    drops, the run's time does not). Host memory is not in the plan's cost model (device memory only). Collective."""
+    drops 5x, the run's time only when cores are spare). Host memory is not in the plan's cost model (device memory
+    only). Collective."""
     if mode == "off" or (mode == "auto" and device == "cpu"):
         return None
     if mode == "auto":
