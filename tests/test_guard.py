@@ -161,13 +161,15 @@ def test_bad_steps_are_skipped_and_the_curve_is_a_run_without_them(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_skips_in_a_row_roll_back_to_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("async_checkpoint", ["off", "on"])
+def test_skips_in_a_row_roll_back_to_the_last_checkpoint(tmp_path, async_checkpoint):
     """NaN batches at steps 5 and 6 with --max-skips 2 and a checkpoint every 4 steps (gradient clipping on: its norm
     is the check): step 6 rolls the weights back to step_4 and training goes on with batch 7, the losses of a run
-    that never read batches 4, 5 and 6 (step 4's update was undone)."""
+    that never read batches 4, 5 and 6 (step 4's update was undone). Saved in the background too: the roll-back
+    waits for step_4's save to be whole."""
     ckpt = tmp_path / "ckpt"
     rc, out, records = _run(tmp_path, _cell(nan=[5, 6]), "--max-skips", "2", "--ckpt-dir", str(ckpt),
-                            "--ckpt-every", "4", grad_clip=1.0)
+                            "--ckpt-every", "4", "--async-checkpoint", async_checkpoint, grad_clip=1.0)
     assert rc == 0, out[-4000:]
     rolled = [r for r in records if r.get("action") == "rollback"]
     assert len(rolled) == 1 and rolled[0]["step"] == 6 and rolled[0]["checkpoint"] == str(ckpt / "step_4")
