@@ -458,7 +458,7 @@ def test_ep_plans_the_runtime_cannot_run_are_refused_before_writing(tmp_path, ch
     with pytest.raises(PlanError if error == "PlanError" else error, match=match):
         export(src, plan, out, quiet=True)
     assert not out.exists()
-    with pytest.raises(NotImplementedError, match=r"not with tp=2, pp=1"):
+    with pytest.raises(NotImplementedError, match=r"not with tp=2, zero_stage=0"):
         export(*_ep_plan(ZOO_CELL, ZOO_EXPERTS, dp=2, tp=2, ep=2, tp_styles={"output": "colwise"}), out, quiet=True)
 
 
@@ -542,6 +542,61 @@ def test_cost_model_counts_the_all_to_alls_and_divides_the_expert_states():
     assert z2.comm_by_kind["all_gather"] < z1.comm_by_kind["all_gather"]
 
 
+def test_planner_offers_and_costs_expert_parallel_pipeline_stages(moe_graph):
+    """EP x PP: each pipeline rank's experts split over its stage's data-parallel ranks. The planner offers it (it
+    refused ep > 1 with pp > 1) and costs it per stage: the all-to-alls of the bottleneck stage's MoE layers per
+    micro-batch, and on every pipeline rank its experts' parameters and Adam states divided by ep (ZeRO 0)."""
+    import autopar_nb as ap
+    from autopar_nb.cost.profile import profile
+
+    cluster = ap.Cluster.preset("h100-80gb")
+    pinned = {"dp": 4, "tp": 1, "pp": 2, "zero_stage": 0, "micro_batches": 4, "schedule": "1f1b"}
+    one, two = (ap.plan(moe_graph, cluster, global_batch=64, fix=pinned | {"ep": ep}) for ep in (1, 2))
+    assert (two.mesh.pp, two.mesh.ep) == (2, 2) and two.experts == ["layers.*.feed_forward.experts"]
+    assert "all_to_all" not in one.cost.comm_by_kind and two.cost.comm_by_kind["all_to_all"] > 0
+    prof = profile(moe_graph)
+    for stage in range(2):
+        held = [lp for lp, lay in zip(prof.layers, two.layers, strict=True) if lay.stage == stage and lp.experts]
+        experts = sum(lp.params_experts for lp in held)
+        assert experts, f"stage {stage} holds no MoE layer"
+        m1, m2 = one.cost.memory_by_rank[stage], two.cost.memory_by_rank[stage]
+        assert m1.params - m2.params == pytest.approx(experts / 2 * 4)
+        assert m1.optimizer - m2.optimizer == pytest.approx(experts / 2 * 8)
+    # not pinned: where EP pays (nodes of 4 GPUs sharing an adapter, few tokens a step: the data-parallel ranks of
+    # a stage span nodes) the planner picks it beside pp=2
+    nodes = _one_adapter_a_node(ap.Cluster.preset("h100-80gb", nodes=4, gpus_per_node=4))
+    free = ap.plan(moe_graph, nodes, global_batch=32, fix={"pp": 2})
+    assert free.mesh.ep > 1 and free.mesh.pp == 2 and free.mesh.tp == 1, free.summary()
+    assert any(line.startswith(f"Expert parallelism ep={free.mesh.ep}") for line in free.explanation)
+
+
+@needs_transformers
+def test_traced_stages_get_the_models_experts_modules():
+    """A pipeline stage is a traced graph whose experts are a graph of their forward (no ``num_experts``, nothing
+    apply_ep can shard), called with its inputs in the order the tracer chose; ``experts_in_stages`` puts the model's
+    own module there, called with (hidden, top_k_index, top_k_weights): the stage computes what it did."""
+    from runtime_cases import source
+
+    from autopar_nb.runtime.ep import experts_in_stages
+    from autopar_nb.runtime.pp import split_model
+    from autopar_nb.runtime.train import switch_off_kv_cache
+
+    torch.manual_seed(0)
+    model, inputs, _ = source(MIXTRAL_CELL).build()
+    switch_off_kv_cache(model)
+    stages, _ = split_model(model, boundaries=["model.layers.1"], microbatch=(inputs, {}))
+    traced = type(stages[0].get_submodule("model.layers.0.mlp.experts"))
+    before = stages[0](*inputs)
+    assert experts_in_stages(model, stages, experts=HF_EXPERTS) == [f"model.layers.{i}.mlp.experts" for i in (0, 1)]
+    for i, stage in enumerate(stages):
+        assert stage.get_submodule(f"model.layers.{i}.mlp.experts") is model.model.layers[i].mlp.experts
+    assert traced is not type(model.model.layers[0].mlp.experts)
+    after = stages[0](*inputs)
+    for b, a in zip(before if isinstance(before, tuple) else (before,), after if isinstance(after, tuple) else (after,),
+                    strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def _dense():
     from autopar_nb.zoo import Llama, LlamaConfig
 
@@ -585,7 +640,7 @@ def test_planner_splits_experts_when_it_pays(moe_graph):
     assert ap.plan(moe_graph, cluster, global_batch=64, fix={"ep": 4}).mesh.ep == 4
     with pytest.raises(PlanError, match=r"fix ep=3: ep=3 does not divide dp=8"):
         ap.plan(moe_graph, cluster, global_batch=64, fix={"ep": 3, "dp": 8})
-    with pytest.raises(PlanError, match=r"fix ep=2: expert parallelism runs with tp=1 and pp=1 only"):
+    with pytest.raises(PlanError, match=r"fix ep=2: expert parallelism runs with tp=1 only, not tp=2"):
         ap.plan(moe_graph, cluster, global_batch=64, fix={"ep": 2, "dp": 4, "tp": 2, "pp": 1})
 
 

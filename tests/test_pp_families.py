@@ -10,7 +10,7 @@ scripts run under ``torchrun``.
 
 Tensor parallelism inside the stages (the layout of the largest published runs): the decoder
 families at tp=2 x pp=2 in one launch of 4 processes, and with FSDP (ZeRO-3, dp=2) in fp32 and
-bf16 in one launch of 8.
+bf16 in one launch of 8. Expert parallelism inside the stages (Mixtral, ep=2 x pp=2) in the launch of 4.
 """
 
 from __future__ import annotations
@@ -71,6 +71,13 @@ LAYOUTS = TP_LAYOUTS | {"dp2_pp2_zero3_zbv": (4, ZB_PP | {"schedule": "zbv_zero_
                         "dp2_pp2_zero3_izb": (4, ZB_PP | {"schedule": "interleaved_zero_bubble"})}
 ZB_CASES = [("LLaMA", "dp2_pp2_zero3_zbv", "none"), ("GPT-2", "dp2_pp2_zero3_zbv", "none"),
             ("LLaMA", "dp2_pp2_zero3_izb", "none")]
+# expert parallelism inside the stages: each stage's experts split over its 2 data-parallel ranks (ep=2 x pp=2), in
+# the launch of 4 processes above: DDP under 1F1B, ZeRO-3 in bf16 under interleaved 1F1B (2 stages a rank)
+EP_PP = {"dp": 2, "ep": 2, "pp": 2, "micro_batches": 4}
+LAYOUTS |= {"dp2_ep2_pp2": (4, EP_PP | {"zero_stage": 0, "schedule": "1f1b"}),
+            "dp2_ep2_pp2_zero3_interleaved": (4, EP_PP | {"zero_stage": 3, "schedule": "interleaved_1f1b",
+                                                          "virtual_stages": 2})}
+EP_CASES = [("Mixtral", "dp2_ep2_pp2", "none"), ("Mixtral", "dp2_ep2_pp2_zero3_interleaved", "none")]
 
 
 def _plan(name: str, schedule: str, variant: str = "", *, cells: dict[str, str] = FAMILIES):
@@ -108,14 +115,14 @@ def _tp_plan(name: str, layout: str, amp: str):
 
 @pytest.fixture(scope="module")
 def tp_runs():
-    """case -> ((source, plan), report) of TP_CASES and ZB_CASES: one launch of 4 processes, one
+    """case -> ((source, plan), report) of TP_CASES, ZB_CASES and EP_CASES: one launch of 4 processes, one
     of 8, each made when a test first asks for one of its cases."""
     launched: dict[int, dict] = {}
 
     def run(case):
         nproc = LAYOUTS[case[1]][0]
         if nproc not in launched:
-            planned = {c: _tp_plan(*c) for c in TP_CASES + ZB_CASES if LAYOUTS[c[1]][0] == nproc}
+            planned = {c: _tp_plan(*c) for c in TP_CASES + ZB_CASES + EP_CASES if LAYOUTS[c[1]][0] == nproc}
             reports = verify_many(list(planned.values()), steps=STEPS)
             pairs = zip(planned.values(), reports, strict=True)
             launched[nproc] = dict(zip(planned, pairs, strict=True))
@@ -177,6 +184,34 @@ def test_fsdp_stages_under_split_backward_schedules_train_like_one_process(tp_ru
     assert len(report.steps) == STEPS
     assert sorted(s for info in report.per_rank for s in info["stages"]) == [0, 0, 1, 1, 2, 2, 3, 3]
     assert not script_values(src, plan).reshard_after_forward
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", EP_CASES, ids=lambda c: "-".join(c))
+def test_expert_parallel_stages_train_like_one_process(tp_runs, case):
+    """Mixtral with each stage's experts split over the stage's data-parallel ranks (ep=2 x pp=2) trains like one
+    process, each rank holding half of its stage's experts. Before, the planner refused the pair, and the stages,
+    traced graphs, had no experts modules for ``apply_ep`` to split (``InterpreterModule`` has no ``num_experts``):
+    ``experts_in_stages`` gives them the model's own."""
+    (src, plan), report = tp_runs(case)
+    print(plan.summary())
+    print(report)
+    fix = LAYOUTS[case[1]][1]
+    m = plan.mesh
+    assert (m.dp, m.ep, m.tp, m.pp, m.zero_stage) == (2, 2, 1, 2, fix["zero_stage"])
+    assert plan.pipeline.schedule == fix["schedule"] and plan.precision.amp == case[2]
+    assert report.ok and not report.missing, f"{plan.summary()}: {report}"
+    assert len(report.steps) == STEPS
+    model, _, _ = src.build(device="meta")
+    whole = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    firsts = report.per_rank[::2]  # data-parallel rank 0 of each pipeline rank: every stage once
+    held = sum(info["local_numel"] for info in firsts)
+    if m.zero_stage == 0:  # the experts halved, the rest whole
+        assert held == whole - experts // 2, (report.per_rank, whole, experts)
+    else:  # everything halved: the experts by ep, the rest by FSDP
+        assert abs(held - whole // 2) <= 64 * len(firsts), (report.per_rank, whole)
+    assert all(info["dtensor_params"] for info in report.per_rank)
 
 
 @pytest.mark.multiprocess

@@ -221,8 +221,8 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
                   "data-parallel", "#    ranks, tokens sent to them by all-to-all; before AC wraps the modules and "
                   "before data", "#    parallelism, which must leave the experts to the ranks that hold the same "
                   "ones", "experts_mesh = expert_mesh(mesh, ep=EP)  # (pp, dp_mod_ep, ep, tp): dp split",
-                  "apply_ep(part, experts_mesh[\"ep\"], experts=EXPERTS)"]
-        uses += ["expert_mesh", "apply_ep"]
+                  "apply_ep(part, experts_mesh[\"ep\"], experts=EXPERTS" + (", stage=True)" if v.pp > 1 else ")")]
+        uses += ["expert_mesh", "apply_ep"] + ["experts_in_stages"] * (v.pp > 1)
     if v.recompute:
         calls += [f"# {next(steps)}. activation checkpointing around whole layers, before FSDP so that FSDP's "
                   "all-gathers stay", "#    outside the recomputed region", "apply_ac(part, RECOMPUTE)"]
@@ -245,8 +245,7 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
         if v.ep > 1:
             calls += ["#    each its own unit over the ranks holding the same experts (the rest leave them alone)",
                       call("shard_experts", "part", "experts_mesh[\"dp_mod_ep\"]", dp="DP",
-                           reshard_after_forward=str(v.reshard_after_forward), **mixed,
-                           indent=indent)]
+                           reshard_after_forward=str(v.reshard_after_forward), **mixed, indent=indent)]
             uses.append("shard_experts")
         calls.append(call("apply_fsdp", "part", v.dp_mesh, units="FSDP_UNITS",
                           reshard_after_forward=str(v.reshard_after_forward), **mixed,
@@ -288,6 +287,7 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
                  f"    stages, {whole} = {split}",
                  "    shapes = boundary_values(whole, stages, example)" if v.static_shapes else
                  "    shapes = None  # not as traced: the stages infer what crosses their cuts",
+                 *["    experts_in_stages(model, stages, experts=EXPERTS)  # the model's, not traced"] * (v.ep > 1),
                  "    release_stages(model, stages, keep=stage_ids)  # the other ranks' stages' weights: freed",
                  "    parts = []", "    for part in [stages[i] for i in stage_ids]:"]
         uses += ["split_model", "release_stages"] + (["boundary_values"] if v.static_shapes else [])

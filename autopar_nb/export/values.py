@@ -265,12 +265,11 @@ def _check_runnable(plan: Plan) -> None:
     if m.tp > 1 and m.dp > 1 and m.zero_stage == 1:
         raise NotImplementedError(f"dp({m.dp}) x tp({m.tp}) with ZeRO-1 is not supported (ZeroRedundancyOptimizer "
                                   "does not take DTensor parameters): set mesh.zero_stage to 0, 2 or 3")
-    if m.ep > 1 and (m.tp > 1 or m.pp > 1 or m.zero_stage == 1):
+    if m.ep > 1 and (m.tp > 1 or m.zero_stage == 1):
         raise NotImplementedError(
-            f"expert parallelism (ep={m.ep}) runs beside data parallelism only (tp=1, pp=1) with ZeRO 0, 2 or 3, "
-            f"not with tp={m.tp}, pp={m.pp}, zero_stage={m.zero_stage}: the experts' all-to-all is not split by TP "
-            "(no expert-TP), pipeline stages are traced before the experts are sharded, and ZeroRedundancyOptimizer "
-            "(ZeRO-1) does not take the experts' DTensor parameters")
+            f"expert parallelism (ep={m.ep}) runs beside data parallelism (and pipelining) without TP, with ZeRO 0, "
+            f"2 or 3, not with tp={m.tp}, zero_stage={m.zero_stage}: the experts' all-to-all is not split by TP "
+            "(no expert-TP), and ZeroRedundancyOptimizer (ZeRO-1) does not take the experts' DTensor parameters")
     if plan.sync_batchnorm and m.dp > 1 and m.pp > 1:
         raise NotImplementedError("sync_batchnorm with pipelining is not supported")
     if m.pp > 1 and pr.amp == "fp16":

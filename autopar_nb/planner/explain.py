@@ -355,7 +355,7 @@ def _expert_lines(best, ranked, experts: dict[str, int]) -> list[str]:
     if other is None:
         why = ("no plan without expert parallelism fits in memory" if s.ep > 1 else
                "no expert-parallel plan fits or applies (expert parallelism runs beside data parallelism only, "
-               "tp = pp = 1, over a degree that divides the experts and dp)")
+               "tp = 1, over a degree that divides the experts and dp)")
         return [f"{line}; {why}."]
     oc = other.cost
     deltas = [(n, getattr(oc, a) - getattr(c, a)) for n, a in TIME_DELTAS]

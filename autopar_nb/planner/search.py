@@ -7,7 +7,7 @@ What is exact and what is heuristic:
   split Linear dim, PP <= layers, DP dividing the global batch; every ZeRO stage; 1F1B and, where it applies,
   interleaved 1F1B with each of :data:`VIRTUAL_STAGES` chunks per rank that the layers allow; for a model with
   experts modules, every expert-parallel degree inside a node that divides dp and each module's number of experts
-  (tp = pp = 1: what the runtime runs). Configurations are costed in order of a lower bound on their step time and
+  (tp = 1: what the runtime runs). Configurations are costed in order of a lower bound on their step time and
   skipped once the bound exceeds the ``top_k``-th best feasible time, which never drops one of the ``top_k`` best.
 * **Heuristic (sampled)**: micro-batch sizes: every divisor of the per-replica batch when there are at most 8,
   else the 4 largest and the 4 smallest.
@@ -295,8 +295,8 @@ class Search:
 
     def ep_degrees(self, dp: int, tp: int, pp: int) -> list[int]:
         """Expert-parallel degrees for a mesh: 1, and for a model with experts modules every divisor of dp that
-        divides every module's number of experts, inside a node (the all-to-alls stay on the fast links). The
-        runtime runs EP beside data parallelism only (tp = pp = 1); a fixed ep that cannot apply is a PlanError."""
+        divides every module's number of experts, inside a node (the all-to-alls stay on the fast links). EP runs
+        beside data parallelism, per pipeline stage, with tp = 1; a fixed ep that cannot apply is a PlanError."""
         fix = self.cons.fix
         if "ep" in fix:
             e = fix["ep"]
@@ -307,7 +307,7 @@ class Search:
                    f"ep={e} does not divide dp={dp}" if dp % e else
                    f"ep={e} does not divide the {min(self.experts.values())} experts of "
                    f"{min(self.experts, key=self.experts.get)}" if any(n % e for n in self.experts.values()) else
-                   f"expert parallelism runs with tp=1 and pp=1 only, not tp={tp}, pp={pp}" if tp > 1 or pp > 1 else
+                   f"expert parallelism runs with tp=1 only, not tp={tp}" if tp > 1 else
                    "")
             if why:
                 if all(k in fix for k in ("dp", "tp", "pp")) or not self.experts:
@@ -315,7 +315,7 @@ class Search:
                 self.rejected.append(f"fix ep={e}: {why}")
                 return []
             return [e]
-        if not self.experts or tp > 1 or pp > 1 or self.cps != (1,):
+        if not self.experts or tp > 1 or self.cps != (1,):
             return [1]
         gpn = self.cluster.gpus_per_node
         return [1] + [e for e in divisors(dp) if 1 < e <= gpn and all(n % e == 0 for n in self.experts.values())]

@@ -15,6 +15,9 @@ The experts modules this applies to follow the contract of Hugging Face's expert
 Sharded, the module runs its own forward on the tokens it received, with its local experts, one choice per token
 and weight 1; the routing weights are applied where the tokens came from. The router stays replicated.
 
+Under pipelining, the stages are traced graphs in which an experts module is a graph of its own forward, which
+has no experts to shard: :func:`experts_in_stages` gives them back the model's own modules first.
+
 This file is copied verbatim into exported scripts: it imports only the standard library and torch.
 """
 
@@ -25,6 +28,7 @@ import fnmatch
 import functools
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
@@ -32,11 +36,12 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, experts: list[str],
-             grad_divide_factor: int | None = None) -> list[str]:
+             grad_divide_factor: int | None = None, stage: bool = False) -> list[str]:
     """Shard every experts module named by ``experts`` over the 1-D ``ep_mesh`` and route its tokens with
     all-to-alls. Returns the paths of the modules it sharded.
 
     ``experts``: module paths or glob patterns (``"layers.*.feed_forward.experts"``, ``"model.layers.*.mlp.experts"``).
+    ``stage``: ``model`` is one pipeline stage (:func:`experts_in_stages`), which may hold no module of a pattern.
     ``grad_divide_factor``: divide the experts' gradients by this number. An expert's gradient sums the
     contributions of the tokens of every rank of ``ep_mesh``; when each rank's loss is a mean over its own batch and
     the other gradients are averaged over the data-parallel ranks (DDP), pass the data-parallel degree so the
@@ -50,24 +55,70 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, experts: list[str],
     """
     if ep_mesh.ndim != 1:
         raise ValueError(f"apply_ep needs a 1-D mesh (e.g. mesh['ep']), got {ep_mesh.ndim} dims")
-    paths = experts_modules_to_split(model, experts, ep=ep_mesh.size())
+    paths = experts_modules_to_split(model, experts, ep=ep_mesh.size(), every_pattern=not stage)
     for path in paths:
-        _make_expert_parallel(model.get_submodule(path), ep_mesh, grad_divide_factor=grad_divide_factor)
+        _make_expert_parallel(model.get_submodule(path), ep_mesh, grad_divide_factor=grad_divide_factor,
+                              release=stage)
     return paths
 
 
-def experts_modules_to_split(model: nn.Module, experts: list[str], *, ep: int) -> list[str]:
+def experts_modules_to_split(model: nn.Module, experts: list[str], *, ep: int, every_pattern: bool = True
+                             ) -> list[str]:
     """The paths of the modules ``experts`` names (paths or glob patterns), in model order; raises unless each
-    pattern names something and each module follows the experts contract with a number of experts ``ep`` divides."""
-    paths = _match_modules(model, experts)
+    pattern names something (``every_pattern``) and each module follows the experts contract with a number of
+    experts ``ep`` divides."""
+    paths = _match_modules(model, experts, every_pattern=every_pattern)
     for path in paths:
         _check_experts(path, model.get_submodule(path), ep=ep)
     return paths
 
 
-def _make_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh, *, grad_divide_factor: int | None) -> None:
-    """Shard one experts module and give it the all-to-all forward."""
-    _shard_experts(module, ep_mesh)
+def experts_in_stages(model: nn.Module, stages: list[nn.Module], *, experts: list[str]) -> list[str]:
+    """Give the pipeline ``stages`` (``split_model``'s, traced from ``model``) the model's own experts modules that
+    ``experts`` (paths or glob patterns) names, in place of the graphs the tracer made of their forwards: a graph
+    has no ``num_experts`` and its all-to-all cannot be traced (token counts known only after routing), so
+    :func:`apply_ep` shards the originals. Each call passes its inputs in the contract's order again (the tracer
+    orders them by use), told apart by their traced values: the integer one is ``top_k_index``, the floating one of
+    its shape ``top_k_weights``, the other the hidden states. Call it before the stages are released or sharded.
+    Returns the paths swapped."""
+    swapped: list[str] = []
+    for stage in stages:
+        for prefix, parent in list(stage.named_modules()):
+            graph = getattr(parent, "graph", None)
+            calls = [n for n in graph.nodes if n.op == "call_module"] if isinstance(graph, fx.Graph) else []
+            for node in calls:
+                path = f"{prefix}.{node.target}".lstrip(".")
+                if not any(fnmatch.fnmatchcase(path, p) for p in experts) or "." in node.target:
+                    continue
+                node.args = _in_contract_order(path, node.args, node.kwargs)
+                swapped.append(path)
+                for holder in (parent, parent.__dict__.get("graph_module")):  # (its compiled copy holds it too)
+                    if isinstance(holder, nn.Module):
+                        holder.register_module(node.target, model.get_submodule(path))
+                    if isinstance(holder, fx.GraphModule):  # its code passes the inputs in the new order
+                        holder.recompile()
+    return swapped
+
+
+def _in_contract_order(path: str, args: tuple, kwargs: dict) -> tuple:
+    """A traced experts call's inputs as ``(hidden, top_k_index, top_k_weights)`` (see :func:`experts_in_stages`)."""
+    vals = [getattr(a, "meta", {}).get("val") for a in args]
+    if kwargs or len(args) != 3 or not all(isinstance(v, torch.Tensor) for v in vals):
+        raise ValueError(f"experts_in_stages: the traced call of {path} passes {len(args)} inputs and "
+                         f"{sorted(kwargs)} by name, not the (hidden, top_k_index, top_k_weights) of the contract")
+    index = [i for i, v in enumerate(vals) if not v.is_floating_point()]
+    weights = [i for i, v in enumerate(vals) if v.is_floating_point() and index and v.shape == vals[index[0]].shape]
+    if len(index) != 1 or len(weights) != 1:
+        raise ValueError(f"experts_in_stages: cannot tell the inputs of {path} apart by their traced shapes and "
+                         f"dtypes {[(tuple(v.shape), v.dtype) for v in vals]}")
+    hidden = 3 - index[0] - weights[0]
+    return args[hidden], args[index[0]], args[weights[0]]
+
+
+def _make_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh, *, grad_divide_factor: int | None,
+                          release: bool) -> None:
+    """Shard one experts module and give it the all-to-all forward (``release``: :func:`_shard_experts`)."""
+    _shard_experts(module, ep_mesh, release=release)
     # the instance attribute shadows the class's forward, which still computes the local experts
     module.forward = functools.partial(_ep_forward, module, ep_mesh=ep_mesh, local_forward=type(module).forward)
     if grad_divide_factor and grad_divide_factor != 1:
@@ -94,13 +145,14 @@ def _owner(model: nn.Module, param_name: str) -> nn.Module:
     return model.get_submodule(param_name.rpartition(".")[0])
 
 
-def _match_modules(model: nn.Module, patterns: list[str]) -> list[str]:
-    """Module paths matching any of the patterns, in model order; every pattern must match something."""
+def _match_modules(model: nn.Module, patterns: list[str], *, every_pattern: bool = True) -> list[str]:
+    """Module paths matching any of the patterns, in model order; every pattern must match something where
+    ``every_pattern``."""
     names = [name for name, _ in model.named_modules() if name]
     found: list[str] = []
     for pattern in patterns:
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-        if not hits:
+        if not hits and every_pattern:
             raise ValueError(f"apply_ep: no module matches {pattern!r}; experts modules look like "
                              f"{[n for n in names if n.endswith('experts')][:3] or 'nothing in this model'}")
         found += [n for n in hits if n not in found]
@@ -125,13 +177,19 @@ def _check_experts(path: str, module: nn.Module, *, ep: int) -> None:
                          f"(num_experts({num}) % ep({ep}) = {num % ep}); choose an ep degree that divides {num}")
 
 
-def _shard_experts(module: nn.Module, ep_mesh: DeviceMesh) -> None:
+def _shard_experts(module: nn.Module, ep_mesh: DeviceMesh, *, release: bool = False) -> None:
     """Per-expert parameters -> DTensors sharded on dim 0 over ``ep_mesh``: rank r keeps experts
-    [r * E/ep, (r + 1) * E/ep)."""
+    [r * E/ep, (r + 1) * E/ep). ``release``: empty the unsharded weights' storage once the shard is a copy, for
+    every holder: a pipeline stage's trace (torch.export's and pipelining's modules, in reference cycles) holds
+    them beside the module."""
     for name, p in list(module.named_parameters(recurse=False)):
         if p.shape[:1] == (module.num_experts,):
             sharded = distribute_tensor(p.detach(), ep_mesh, [Shard(0)])
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=p.requires_grad))
+            storage = p.untyped_storage()
+            if (release and not p.is_meta and storage.resizable()
+                    and sharded.to_local().untyped_storage().data_ptr() != storage.data_ptr()):
+                storage.resize_(0)
     module._ep_mesh = ep_mesh
 
 
