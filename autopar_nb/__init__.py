@@ -14,6 +14,7 @@ from .graph import Layer, ModelGraph, OpNode, RepeatedBlock
 from .hardware import Cluster, DeviceSpec, LinkSpec
 from .launch import Run, launch
 from .plan import Cost, LayerPlan, MemoryBreakdown, MeshPlan, Plan, PlanError
+from .planner.timeline import MemoryTimeline, memory_timeline
 from .verify import VerifyReport, verify, verify_many
 
 # isort: split
@@ -23,8 +24,8 @@ from .planner import plan
 
 __all__ = [
     "CaptureError", "Cluster", "Cost", "DeviceSpec", "Exported", "Layer", "LayerPlan", "LinkSpec", "MemoryBreakdown",
-    "MeshPlan", "ModelGraph", "OpNode", "Plan", "PlanError", "PlannerWidget", "RepeatedBlock", "Run",
-    "VerifyReport", "capture", "export", "launch", "load_ipython_extension", "plan", "verify",
+    "MemoryTimeline", "MeshPlan", "ModelGraph", "OpNode", "Plan", "PlanError", "PlannerWidget", "RepeatedBlock", "Run",
+    "VerifyReport", "capture", "export", "launch", "load_ipython_extension", "memory_timeline", "plan", "verify",
     "verify_many",
 ]
 

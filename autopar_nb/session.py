@@ -341,6 +341,13 @@ class Session:
             return self.plan.batch.global_batch
         return self.global_batch or self.graph.batch_size
 
+    def memory_timeline(self, rank: int | None = None):
+        """The current plan's predicted memory over one step on pipeline rank ``rank`` (None: the one with the
+        largest peak): :func:`autopar_nb.memory_timeline`; ``print()`` it for a chart in text."""
+        from .planner.timeline import memory_timeline
+
+        return memory_timeline(self.current_plan(), self.graph, cluster=self.cluster, rank=rank)
+
     def summary(self) -> str:
         """Plain-text summary: model, cluster, layers (repeated blocks folded)."""
         lines = [self.graph.summary(), f"cluster: {self.cluster.describe()}; global batch {self.batch}"]
