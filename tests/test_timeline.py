@@ -84,3 +84,95 @@ def test_the_text_rendering_marks_the_peak_and_names_its_terms(graph):
     s = Session(graph, ap.Cluster.preset("cpu", 1, 2), ModelSource("# test"))
     s.plan = plan
     assert [tuple(m) for m in s.memory_timeline()] == [tuple(m) for m in tl]
+
+
+# ---- in the planner widget (autopar_nb/widget/timeline.py, static/timeline.js) --------------------------------------
+def _widget(graph):
+    from autopar_nb.session import Session
+    from autopar_nb.source import ModelSource
+
+    s = Session(graph, ap.Cluster.preset("cpu", 1, 2), ModelSource("# test"))
+    s.replan(fix={"pp": 2, "dp": 1, "tp": 1, "micro_batches": 4, "schedule": "1f1b"})
+    return s, s.widget()
+
+
+def test_the_widget_holds_every_pipeline_ranks_timeline_and_a_runs_measured_peaks(graph, tmp_path):
+    """The ``timeline`` trait: each pipeline rank's moments (the same as ``memory_timeline``), the peak rank chosen
+    by default, the global ranks whose measured peaks compare with it; after a run, the ``measured`` trait carries
+    each rank's measured peak and what it is (CPU: RSS above baseline)."""
+    from test_widget import MIB, cpu_run_of
+
+    s, w = _widget(graph)
+    tl = w.timeline
+    assert [r["rank"] for r in tl["ranks"]] == [0, 1] and [r["global_ranks"] for r in tl["ranks"]] == [[0], [1]]
+    for r in tl["ranks"]:
+        line = ap.memory_timeline(s.plan, graph, rank=r["rank"])
+        assert r["labels"] == [m.label for m in line] and r["bytes"] == [m.bytes for m in line]
+        assert r["peak"] == line.peak and r["terms"][r["peak"]] == [list(t) for t in line[line.peak].terms]
+    assert tl["default"] == ap.memory_timeline(s.plan, graph).rank and "no allocator margin" in tl["basis"]
+    assert w.measured == {}
+    run = cpu_run_of(s, tmp_path, peak=40 * MIB, floor=20 * MIB)
+    w.follow(run)
+    w._on_run(run)
+    peaks = dict(w.measured["peaks"])
+    assert peaks == {0: 40 * MIB, 1: 36 * MIB}
+    assert w.measured["peak_label"] == "measured peak (RSS above baseline)"
+
+
+TIMELINE_SEEN = """() => {
+  const q = (s) => document.querySelector(s), box = (e) => e.getBoundingClientRect();
+  const panel = q('.ap-timeline'), label = q('.ap-tl-peak'), canvas = q('.ap-timeline [data-chart=timeline] canvas');
+  const plot = box(q('.ap-timeline .u-over')), lb = box(label), root = box(q('.ap-root'));
+  const ctx = canvas.getContext('2d'), img = ctx.getImageData(0, 0, canvas.width, canvas.height).data;
+  let drawn = 0;
+  for (let i = 0; i < img.length; i += 4) if (img[i + 3] > 0) drawn++;
+  const cs = getComputedStyle(label);
+  return {rank: panel.dataset.rank, label: label.textContent, drawn, canvas: box(canvas).width,
+          inside: lb.left >= plot.left - 1 && lb.right <= plot.right + 1 && lb.top >= plot.top - 1
+            && lb.bottom <= plot.bottom + 1, visible: lb.width > 20 && lb.height > 8,
+          panelInRoot: box(panel).right <= root.right + 1, fg: cs.color, bg: cs.backgroundColor,
+          legend: [...panel.querySelectorAll('.u-legend .u-label')].map((e) => e.textContent),
+          terms: q('.ap-tl-peak-terms').textContent, options: [...panel.querySelectorAll('select option')].map(
+            (o) => o.textContent)};
+}"""
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("dark", [False, True], ids=["light", "dark"])
+def test_the_timeline_chart_renders_with_its_peak_label_at_1024_px(graph, tmp_path, dark):
+    """The chart in chromium at 1024 px, light and dark: the peak rank's curve drawn (uPlot's canvas), the label
+    "peak <bytes>" inside the plot, legible on its background, its largest terms named below; a run's measured peak
+    is a line in the legend under its name; choosing the other pipeline rank draws its timeline and its peak."""
+    import re
+
+    import test_browser
+    from test_widget import JL_DARK, JL_LIGHT, MIB, _ratio, cpu_run_of, widget_page
+
+    test_browser._require_chromium()
+    s, w = _widget(graph)
+    run = cpu_run_of(s, tmp_path, peak=40 * MIB, floor=20 * MIB)
+    w.follow(run)
+    w._on_run(run)
+    tl = w.timeline
+    default, other = tl["ranks"][tl["default"]], tl["ranks"][1 - tl["default"]]
+    with widget_page(w, JL_DARK if dark else JL_LIGHT, width=1024) as (page, errors):
+        page.locator(".ap-timeline").scroll_into_view_if_needed()
+        seen = page.evaluate(TIMELINE_SEEN)
+        page.select_option(".ap-tl-rank", str(other["rank"]))
+        page.wait_for_timeout(100)
+        after = page.evaluate(TIMELINE_SEEN)
+        page.locator(".ap-timeline").screenshot(path=str(tmp_path / "timeline.png"))
+    assert not errors, errors
+    assert seen["rank"] == str(default["rank"])
+    assert seen["label"] == f"peak {fmt_bytes(default['bytes'][default['peak']])}"
+    assert seen["visible"] and seen["inside"] and seen["panelInRoot"] and seen["canvas"] > 240 and seen["drawn"] > 1000
+    rgb = [[int(x) for x in re.findall(r"\d+", c)[:3]] for c in (seen["fg"], seen["bg"])]
+    assert _ratio(*rgb) >= 4.5, seen
+    assert seen["legend"] == ["moment", "predicted tensors", "peak", "measured peak (RSS above baseline)"]
+    name, size = default["terms"][default["peak"]][0]
+    assert seen["terms"].startswith(f"peak {fmt_bytes(default['bytes'][default['peak']])} at "
+                                    f"{default['labels'][default['peak']]}: {name} {fmt_bytes(size)}")
+    assert seen["options"] == [f"pp rank {r['rank']}" + (" (peak)" if r["rank"] == tl["default"] else "")
+                               for r in tl["ranks"]]
+    assert after["rank"] == str(other["rank"]) and after["label"] == f"peak {fmt_bytes(other['bytes'][other['peak']])}"
+    assert after["inside"] and after["drawn"] > 1000

@@ -1077,9 +1077,7 @@ def test_measured_figures_render_beside_the_predicted_ones(seed_graph, tmp_path,
     reserve = {"measured": 250 * MIB, "predicted": 1000 * MIB, "ratio": 0.25}
     state["next_measured"] = {**w.measured, "components": {**w.measured["components"], "reserved": reserve}}
     state["measured"] = {}
-    static = Path(__file__).resolve().parent.parent / "autopar_nb" / "static"
-    esm, css = (static / "planner.js").read_text(), (static / "planner.css").read_text()
-    seen, errors = test_browser.evaluate_in_blank_page(MEASURED_PAGE, [esm, css, state, dark])
+    seen, errors = test_browser.evaluate_in_blank_page(MEASURED_PAGE, [w._esm, w._css, state, dark])
     assert not errors, errors
     m = w.measured
     assert seen["before"] == [] and seen["marks"] == 1
@@ -1198,7 +1196,6 @@ def widget_page(w, theme: dict, width: int | None = None):
     test_browser._require_chromium()
     state = {k: getattr(w, k) for k in w.keys if not k.startswith("_") and k not in ("layout", "panel")}
     state = json.loads(json.dumps({**state, "panel": None}, default=str))
-    static = Path(__file__).resolve().parent.parent / "autopar_nb" / "static"
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(test_browser.CHROMIUM), args=test_browser.CHROMIUM_FLAGS)
         try:
@@ -1206,8 +1203,7 @@ def widget_page(w, theme: dict, width: int | None = None):
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.set_content("<html><body></body></html>")
-            page.evaluate(WIDGET_PAGE, [(static / "planner.js").read_text(), (static / "planner.css").read_text(),
-                                        state, theme])
+            page.evaluate(WIDGET_PAGE, [w._esm, w._css, state, theme])
             yield page, errors
         finally:
             browser.close()

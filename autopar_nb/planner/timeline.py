@@ -118,12 +118,16 @@ def memory_timelines(plan: Plan, graph, *, cluster: Cluster | None = None) -> li
     cluster = cluster or cluster_of(plan)
     paths = [lay.path for lay in graph.layers]
     staged = plan.mesh.pp > 1 and plan.pipeline.schedule in MULTI_STAGE
-    per_rank = peak_moments(graph, cluster, plan, per_op=True)
+    # a multi-stage rank's moments come in torch's order; the others by run of layers, to be put in the step's
+    # order by micro-batch (their ``later``, which only the per-op listing carries: ~3x the time, so not for the
+    # multi-stage ones, whose moments are many)
+    per_rank = peak_moments(graph, cluster, plan, per_op=not staged)
     out = []
     for r, rows in enumerate(per_rank):
-        rows = [mo for mo in rows if mo[3] is None]  # a layer's largest op; the others are for measured components
-        if not staged:  # the cost model lists them by layer run; a multi-stage rank's come in torch's order
-            rows = sorted(rows, key=_step_order)
+        if staged:
+            rows = [(*mo, None, None) for mo in rows]
+        else:  # a layer's largest op (the others are for measured components)
+            rows = sorted((mo for mo in rows if mo[3] is None), key=_step_order)
         moments = [Moment(_label(phase, layer, later, paths), _tensors(mb), _largest(mb))
                    for phase, layer, mb, _op, later in rows]
         peak = max(range(len(moments)), key=lambda i: moments[i].bytes)

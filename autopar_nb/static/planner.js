@@ -72,7 +72,7 @@ function render({ model, el, host }) {
     timed("header", () => { renderHeader(ui); renderMessages(ui); });
     timed("graph", () => renderGraph(ui));
     if (changed(ui, "side", ["memory", "time", "change_groups", "changes", "alternatives", "explanation", "view",
-      "components", "measured"])) {
+      "components", "measured", "timeline"])) {
       timed("side", () => renderSide(ui));
     }
     if (changed(ui, "controls", ["controls"])) timed("controls", () => renderControls(ui));
@@ -97,7 +97,7 @@ function render({ model, el, host }) {
   const onSelection = () => { markSelection(ui, model.get("selection"), false); renderGraph(ui); };
   const onTimings = () => renderHeader(ui);
   const onMeasured = () => { if (changed(ui, "side", ["memory", "time", "change_groups", "changes", "alternatives",
-    "explanation", "view", "components", "measured"])) renderSide(ui); };
+    "explanation", "view", "components", "measured", "timeline"])) renderSide(ui); };
   model.on("change:measured", onMeasured);
   model.on("change:revision", renderAll);
   model.on("change:messages", onMessages);
@@ -111,6 +111,7 @@ function render({ model, el, host }) {
     model.off("change:timings", onTimings);
     model.off("change:measured", onMeasured);
     stopPanZoom(); stopGraph(); stopBoard(); stopPanels.forEach((stop) => stop()); stopSize();
+    if (ui.tl) { ui.tl.ro.disconnect(); ui.tl.u.destroy(); }
   };
 }
 
@@ -896,9 +897,10 @@ function renderSide(ui) {
   const { model } = ui;
   const measured = model.get("measured") || {};
   ui.side.replaceChildren(...[memoryPanel(model.get("memory")),
-    componentsPanel(model.get("components") || {}, measured), timePanel(model.get("time")),
+    componentsPanel(model.get("components") || {}, measured), timelinePanel(ui), timePanel(model.get("time")),
     changesPanel(ui), alternativesPanel(ui, model.get("alternatives")),
     explanationPanel(model.get("explanation"))].filter(Boolean));
+  mountTimeline(ui);  // static/timeline.js: uPlot sizes its chart to the panel, so once the panel is in the page
   measuredMarks(ui, model.get("memory"), model.get("time"), measured);
 }
 

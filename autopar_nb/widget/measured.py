@@ -15,6 +15,8 @@ from typing import Any
 
 FOLLOWED = 8
 """runs a widget keeps following (the latest ones)"""
+PEAK_LABELS = {False: "measured peak (RSS above baseline)", True: "measured peak (CUDA allocated)"}
+"""what a launched run's peak per rank is, on CPU processes and on GPUs (``launch.compare``)"""
 
 
 def same_plan(a: Any, b: Any) -> bool:
@@ -53,7 +55,8 @@ def measured_panel(plan: Any, runs: list) -> dict[str, Any]:
     "bars": [{ranks, measured, predicted, ratio}] (one per memory bar), "components": {"peak", "between steps",
     on GPUs "reserved"}
     (figures of the bar with the highest measured/predicted ratio, with its rank), "time": {measured, predicted,
-    ratio, compared, note}}``."""
+    ratio, compared, note}, "peaks": [[rank, bytes]] (each rank's measured peak, for the memory timeline),
+    "peak_label": what those peaks are}``."""
     run = run_of(plan, runs)
     if run is None or getattr(plan, "cost", None) is None or not plan.cost.memory_by_rank:
         return {}
@@ -75,4 +78,6 @@ def measured_panel(plan: Any, runs: list) -> dict[str, Any]:
                     "device": m["device"], "basis": m["basis"],
                     "note": "a launched run measures each rank's peak and what it held between steps, not each "
                             "component (bench/memory.py measures those with torch's memory tracker)"},
-            "bars": bars, "components": components, "time": m["time"], "throughput": m["throughput"]}
+            "bars": bars, "components": components, "time": m["time"], "throughput": m["throughput"],
+            "peaks": [[r, f["peak"]["measured"]] for r, f in sorted(ranks_seen.items()) if f["peak"]["measured"]],
+            "peak_label": PEAK_LABELS[getattr(run, "backend", "gloo") == "nccl"]}

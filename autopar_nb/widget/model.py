@@ -11,15 +11,15 @@ import dataclasses
 import inspect
 import re
 import time
-from pathlib import Path
 from typing import Any
 
 import anywidget
 import traitlets as t
 
 from ..hardware import Cluster
+from ..launch.dashboard import STATIC, UPLOT, bundle
 from ..plan import RECOMPUTE, Plan, PlanError
-from . import editor, measured, options, panels, stage_moves
+from . import editor, measured, options, panels, stage_moves, timeline
 from .actions import action_message, local_nproc
 from .layout import (
     DEFAULT_VIEWPORT,
@@ -33,7 +33,6 @@ from .layout import (
     svg_size,
 )
 
-STATIC = Path(__file__).resolve().parent.parent / "static"
 ACTIONS = ("verify", "export", "launch")
 
 
@@ -46,8 +45,8 @@ class PlannerWidget(anywidget.AnyWidget):
     ``handle(msg)`` applies one front-end message (see ``_HANDLERS``).
     """
 
-    _esm = STATIC / "planner.js"
-    _css = STATIC / "planner.css"
+    _esm = bundle(UPLOT / "uPlot.iife.min.js", STATIC / "timeline.js", STATIC / "planner.js")
+    _css = bundle(UPLOT / "uPlot.min.css", STATIC / "planner.css")
 
     svg = t.Unicode("").tag(sync=True)
     """the graph view, laid out by graphviz"""
@@ -74,13 +73,15 @@ class PlannerWidget(anywidget.AnyWidget):
     time = t.Dict().tag(sync=True)
     components = t.Dict().tag(sync=True)
     """the peak rank's named memory components with their sources (panels.memory_components)"""
+    timeline = t.Dict().tag(sync=True)
+    """each pipeline rank's predicted memory over the moments of one step (widget/timeline.py)"""
     measured = t.Dict().tag(sync=True)
     """what the latest launched run of the plan shown measured, beside the prediction ({} before: measured.py)"""
     controls = t.Dict().tag(sync=True)
-    precision = t.Dict().tag(sync=True)
-    """the precision editor: the op lists kept in float32 / run in low precision (``editor.precision_state``)"""
     """global controls: cluster, mesh degrees (fixed or auto), micro-batches, schedule, ZeRO, AMP, and the options
     the planner cannot take with the other choices (``disabled``)"""
+    precision = t.Dict().tag(sync=True)
+    """the precision editor: the op lists kept in float32 / run in low precision (``editor.precision_state``)"""
     summary = t.Unicode("").tag(sync=True)
     explanation = t.List().tag(sync=True)
     messages = t.List().tag(sync=True)
@@ -253,6 +254,7 @@ class PlannerWidget(anywidget.AnyWidget):
             self.memory = panels.memory_panel(plan, s.cluster)
             self.time = panels.time_panel(plan)
             self.components = panels.memory_components(plan, s.cluster)
+            self.timeline = timeline.timeline_panel(s.graph, plan, s.cluster)
             self.measured = measured.measured_panel(plan, self._runs)
             self.controls = editor.global_state(s.cluster, plan, s.fix, disabled=self._option_refusals())
             self.precision = editor.precision_state(s.graph, plan, s.fix)
@@ -563,7 +565,6 @@ class PlannerWidget(anywidget.AnyWidget):
 
     def _select(self, msg) -> None:
         self.selection = msg.get("layer") or ""
-        return None
 
     # ---- the view: fold/expand blocks and groups, depth, the auto view (no re-plan) ---------------------------
     def _expand(self, msg) -> None:
@@ -608,11 +609,10 @@ _HANDLERS = {
     "strategy": PlannerWidget._strategy, "shard": PlannerWidget._shard, "recompute": PlannerWidget._recompute,
     "unpin": PlannerWidget._unpin, "stage": PlannerWidget._stage, "boundary": PlannerWidget._boundary,
     "global": PlannerWidget._global, "precision": PlannerWidget._precision, "cluster": PlannerWidget._cluster,
-    "adopt": PlannerWidget._adopt,
-    "undo": PlannerWidget._undo, "redo": PlannerWidget._redo, "action": PlannerWidget._action,
-    "select": PlannerWidget._select, "expand": PlannerWidget._expand, "collapse": PlannerWidget._collapse,
-    "depth": PlannerWidget._set_depth, "expand_group": PlannerWidget._expand_group,
-    "auto_view": PlannerWidget._auto_view,
+    "adopt": PlannerWidget._adopt, "undo": PlannerWidget._undo, "redo": PlannerWidget._redo,
+    "action": PlannerWidget._action, "select": PlannerWidget._select, "expand": PlannerWidget._expand,
+    "collapse": PlannerWidget._collapse, "depth": PlannerWidget._set_depth,
+    "expand_group": PlannerWidget._expand_group, "auto_view": PlannerWidget._auto_view,
 }
 _LAYER_EDITS = {"strategy", "shard", "recompute", "unpin", "stage", "boundary"}
 """edits of layers: a change of a global choice they cause is said in the message"""

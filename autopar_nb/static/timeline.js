@@ -1,0 +1,127 @@
+// The memory timeline of one step in the planner widget (the `timeline` trait: autopar_nb/widget/timeline.py), like
+// PyTorch's memory_viz active-memory view: a pipeline rank's predicted tensors at each moment of the step, the peak
+// marked and its largest terms named; after a launched run, what it measured on the same axes. A run measures one
+// peak per rank, not a curve, so that is a horizontal line. Drawn with uPlot, as the run dashboard's charts are
+// (the vendored build widget/model.py puts in front of this file); `h` and `bytes` come from planner.js, after it.
+/* global uPlot */
+
+const TL_HEIGHT = 170;
+const TL_COLORS = { predicted: "#4c78a8", peak: "#e45756", measured: "#f58518" };
+const TL_INCRS = [];
+for (let k = 0; k < 6; k++) for (const m of [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]) TL_INCRS.push(m * 1024 ** k);
+const TL_SHORT = { forward: "fwd", backward: "bwd", recompute: "rec", loss: "loss", "gradient reduction": "reduce",
+  "optimizer step": "opt" };
+
+// a moment's label in a few characters for the x axis: "bwd h.3" (the full one is in the legend when hovering)
+function shortMoment(label) {
+  const phase = Object.keys(TL_SHORT).find((p) => label.startsWith(p));
+  if (!phase) return label;
+  const rest = label.slice(phase.length).replace(/ \(.*\)$/, "").trim().split(".").slice(-2).join(".");
+  return `${TL_SHORT[phase]}${rest ? " " + (rest.length > 10 ? rest.slice(0, 9) + "…" : rest) : ""}`;
+}
+
+// the largest measured peak among the ranks of this pipeline rank's stage: {bytes, rank} or null
+function measuredPeak(measured, ranks) {
+  let best = null;
+  for (const [r, b] of measured.peaks || []) {
+    if (ranks.includes(r) && (!best || b > best.bytes)) best = { bytes: b, rank: r };
+  }
+  return best;
+}
+
+// the panel (the chart is made once it is in the page: mountTimeline); null without a timeline
+function timelinePanel(ui) {
+  const tl = ui.model.get("timeline") || {};
+  const title = h("div", { class: "ap-panel-title" }, "Memory over one step ");
+  if (tl.error) return h("div", { class: "ap-panel ap-timeline" }, title, h("div", { class: "ap-hint" }, tl.error));
+  if (!tl.ranks || !tl.ranks.length) return null;
+  if (!(ui.timelineRank >= 0 && ui.timelineRank < tl.ranks.length)) ui.timelineRank = tl.default;
+  const d = tl.ranks[ui.timelineRank];
+  if (tl.ranks.length > 1) {
+    title.append(h("select", { class: "ap-tl-rank", title: "the pipeline rank shown (every dp × tp rank of its stage "
+      + "holds the same)", onchange: (ev) => { ui.timelineRank = Number(ev.target.value); redrawTimeline(ui); } },
+    tl.ranks.map((r) => h("option", { value: r.rank, selected: r.rank === ui.timelineRank },
+      `pp rank ${r.rank}${r.rank === tl.default ? " (peak)" : ""}`))));
+  }
+  title.append(" ", h("span", { class: "ap-hint" }, tl.basis));
+  const measured = ui.model.get("measured") || {};
+  const seen = measured.run ? measuredPeak(measured, d.global_ranks) : null;
+  const peak = d.bytes[d.peak];
+  return h("div", { class: "ap-panel ap-timeline", "data-rank": d.rank },
+    title, h("div", { class: "ap-tl-chart" }),
+    h("div", { class: "ap-tl-peak-terms" }, "peak ", h("b", {}, bytes(peak)), ` at ${d.labels[d.peak]}: `,
+      d.terms[d.peak].map(([k, b]) => `${k} ${bytes(b)}`).join(", "),
+      ` (the plan adds ${bytes(d.margin)} of allocator margin)`),
+    seen ? h("div", { class: "ap-hint ap-tl-measured-note" }, `${measured.peak_label}: ${bytes(seen.bytes)} on rank `
+      + `${seen.rank}, run ${measured.run.id}; a launched run measures one peak per rank, drawn as a line`) : null);
+}
+
+function redrawTimeline(ui) {
+  const old = ui.side.querySelector(".ap-timeline");
+  const panel = timelinePanel(ui);
+  if (old && panel) { old.replaceWith(panel); mountTimeline(ui); }
+}
+
+// the uPlot chart in the panel, sized to it and re-sized with it; the previous chart, if any, is destroyed
+function mountTimeline(ui) {
+  if (ui.tl) { ui.tl.ro.disconnect(); ui.tl.u.destroy(); ui.tl = null; }
+  const el = ui.side.querySelector(".ap-tl-chart");
+  if (!el) return;
+  const tl = ui.model.get("timeline");
+  const d = tl.ranks[ui.timelineRank];
+  const measured = ui.model.get("measured") || {};
+  const seen = measured.run ? measuredPeak(measured, d.global_ranks) : null;
+  const n = d.bytes.length;
+  const xs = Array.from({ length: n }, (_, i) => i);
+  const peakSeries = xs.map((i) => (i === d.peak ? d.bytes[i] : null));
+  const css = (name, fb) => getComputedStyle(ui.root).getPropertyValue(name).trim() || fb;
+  const fg = () => css("--ap-fg", "#1f2328");
+  const grid = () => css("--ap-border", "#d0d7de");
+  const axis = (more) => ({ stroke: fg, grid: { stroke: grid, width: 1 }, ticks: { stroke: grid, width: 1 },
+    font: "11px sans-serif", labelFont: "11px sans-serif", ...more });
+  const series = [
+    { label: "moment", value: (u, v) => (v === null || v === undefined ? "–" : d.labels[v]) },
+    { label: "predicted tensors", stroke: TL_COLORS.predicted, fill: "rgba(76, 120, 168, 0.22)", width: 1.5,
+      value: (u, v) => bytes(v), points: { show: n <= 60, size: 4 } },
+    { label: "peak", stroke: TL_COLORS.peak, width: 0, value: (u, v) => (v === null ? "–" : bytes(v)),
+      points: { show: true, size: 9, fill: TL_COLORS.peak } },
+  ];
+  const data = [xs, d.bytes, peakSeries];
+  if (seen) {
+    series.push({ label: measured.peak_label, stroke: TL_COLORS.measured, dash: [6, 4], width: 1.5,
+      value: () => bytes(seen.bytes), points: { show: false } });
+    data.push(xs.map(() => seen.bytes));
+  }
+  const top = Math.max(d.bytes[d.peak], seen ? seen.bytes : 0);
+  const width = () => Math.max(240, el.clientWidth);
+  const u = new uPlot({
+    width: width(), height: TL_HEIGHT, series, legend: { live: true },
+    cursor: { drag: { x: false, y: false } },
+    scales: { x: { time: false, range: () => [-0.5, n - 0.5] }, y: { range: () => [0, top * 1.3 || 1] } },
+    axes: [axis({ space: 84, incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500],
+      values: (u, splits) => splits.map((v) => (Number.isInteger(v) && v >= 0 && v < n ? shortMoment(d.labels[v]) : "")) }),
+    axis({ size: 62, incrs: TL_INCRS, values: (u, splits) => splits.map((v) => bytes(v)) })],
+    hooks: { draw: [(u) => placePeakLabel(u, d)] },
+  }, data, el);
+  u.root.dataset.chart = "timeline";
+  const ro = new ResizeObserver(() => {
+    if (Math.abs(width() - u.width) > 2) u.setSize({ width: width(), height: TL_HEIGHT });
+  });
+  ro.observe(el);
+  ui.tl = { u, ro };
+}
+
+// "peak 3.1 MiB" above the peak's point, kept inside the plot
+function placePeakLabel(u, d) {
+  let label = u.over.querySelector(".ap-tl-peak");
+  if (!label) {
+    label = h("div", { class: "ap-tl-peak" });
+    u.over.append(label);
+  }
+  label.textContent = `peak ${bytes(d.bytes[d.peak])}`;
+  label.title = `${d.labels[d.peak]}: ${d.terms[d.peak].map(([k, b]) => `${k} ${bytes(b)}`).join(", ")}`;
+  const x = u.valToPos(d.peak, "x"), y = u.valToPos(d.bytes[d.peak], "y");
+  const w = label.offsetWidth || 80;
+  label.style.left = `${Math.min(Math.max(0, x - w / 2), Math.max(0, u.over.clientWidth - w))}px`;
+  label.style.top = `${y > 22 ? y - 22 : y + 8}px`;
+}
