@@ -824,8 +824,18 @@ def test_the_layout_holds_at_1024_px_with_the_file_browser_open(tmp_path):
         root.scroll_into_view_if_needed()
         seen = page.evaluate(LAYOUT)
         root.screenshot(path=str(tmp_path / "narrow.png"))
+        # the memory timeline's chart (static/timeline.js, bundled with uPlot) drew, its peak labelled in the widget
+        page.locator(".ap-timeline").scroll_into_view_if_needed()
+        peak = page.evaluate("""() => { const b = (s) => document.querySelector(s).getBoundingClientRect();
+          const l = b('.ap-tl-peak'), p = b('.ap-timeline .u-over'), r = b('.ap-root');
+          return {text: document.querySelector('.ap-tl-peak').textContent, w: l.width, inPlot: l.left >= p.left - 1
+            && l.right <= p.right + 1 && l.top >= p.top - 1 && l.bottom <= p.bottom + 1, chart: p.width,
+            inRoot: p.right <= r.right + 1}; }""")
+        page.locator(".ap-timeline").screenshot(path=str(tmp_path / "timeline.png"))
     assert not errors, errors
-    print("\nlayout at 1024 px with the file browser open:", seen)
+    print("\nlayout at 1024 px with the file browser open:", seen, "timeline:", peak)
+    assert peak["text"].startswith("peak ") and peak["w"] > 20 and peak["inPlot"] and peak["inRoot"], peak
+    assert peak["chart"] > 0.5 * seen["root"], peak  # the timeline spans the narrow widget's columns
     assert seen["root"] < 800, seen  # the narrow column this test is about
     assert seen["graph"] >= 0.6 * seen["root"], seen
     assert not seen["overlaps"] and not seen["toolbarOut"] and not seen["spill"], seen

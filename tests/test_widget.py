@@ -1118,6 +1118,9 @@ def test_a_launch_from_code_fills_the_widgets_measured_figures(tmp_path):
     assert bar["measured"] > 0 and bar["ratio"] > 0 and bar["predicted"] == pytest.approx(
         s.plan.cost.memory_by_rank[0].total - s.plan.cost.memory_by_rank[0].margin)
     assert m["components"]["between steps"]["measured"] > 0
+    # the memory timeline's measured line: each rank's peak, on the basis it compares with the predicted tensors
+    assert {r for r, v in m["peaks"] if v > 0} == {0, 1} and m["peak_label"] == "measured peak (RSS above baseline)"
+    assert [r["global_ranks"] for r in w.timeline["ranks"]] == [[0, 1]]
     assert m["time"]["compared"] and m["time"]["measured"] > 0 and m["throughput"]["measured"] > 0
     print(s.plan.explain(run).split("\n", 1)[0], "...", run.explain())
     # and the same run calibrates the CPU allocator margin (issue 21 point 5): its fixed part is what the ranks held
