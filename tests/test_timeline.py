@@ -142,7 +142,8 @@ TIMELINE_SEEN = """() => {
 def test_the_timeline_chart_renders_with_its_peak_label_at_1024_px(graph, tmp_path, dark):
     """The chart in chromium at 1024 px, light and dark: the peak rank's curve drawn (uPlot's canvas), the label
     "peak <bytes>" inside the plot, legible on its background, its largest terms named below; a run's measured peak
-    is a line in the legend under its name; choosing the other pipeline rank draws its timeline and its peak."""
+    is a line in the legend under its name; choosing the other pipeline rank draws its timeline and its peak, and
+    a new plan shows its own peak rank until the user picked one."""
     import re
 
     import test_browser
@@ -158,9 +159,17 @@ def test_the_timeline_chart_renders_with_its_peak_label_at_1024_px(graph, tmp_pa
     with widget_page(w, JL_DARK if dark else JL_LIGHT, width=1024) as (page, errors):
         page.locator(".ap-timeline").scroll_into_view_if_needed()
         seen = page.evaluate(TIMELINE_SEEN)
+        resend = "(t) => { window.__set('timeline', t); window.__set('revision', Math.random()); }"
+        rank = "() => document.querySelector('.ap-timeline').dataset.rank"
+        page.evaluate(resend, {**tl, "default": other["rank"]})  # a new plan peaking elsewhere: shown, none picked
+        follows = page.evaluate(rank)
+        page.evaluate(resend, tl)
         page.select_option(".ap-tl-rank", str(other["rank"]))
         page.wait_for_timeout(100)
         after = page.evaluate(TIMELINE_SEEN)
+        # a new plan (here the same one, re-sent) keeps the rank the user picked
+        page.evaluate(resend, tl)
+        kept = page.evaluate(rank)
         page.locator(".ap-timeline").screenshot(path=str(tmp_path / "timeline.png"))
     assert not errors, errors
     assert seen["rank"] == str(default["rank"])
@@ -176,3 +185,4 @@ def test_the_timeline_chart_renders_with_its_peak_label_at_1024_px(graph, tmp_pa
                                for r in tl["ranks"]]
     assert after["rank"] == str(other["rank"]) and after["label"] == f"peak {fmt_bytes(other['bytes'][other['peak']])}"
     assert after["inside"] and after["drawn"] > 1000
+    assert follows == kept == str(other["rank"])  # the peak rank until one is picked, then the one picked

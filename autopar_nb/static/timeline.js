@@ -35,11 +35,14 @@ function timelinePanel(ui) {
   const title = h("div", { class: "ap-panel-title" }, "Memory over one step ");
   if (tl.error) return h("div", { class: "ap-panel ap-timeline" }, title, h("div", { class: "ap-hint" }, tl.error));
   if (!tl.ranks || !tl.ranks.length) return null;
-  if (!(ui.timelineRank >= 0 && ui.timelineRank < tl.ranks.length)) ui.timelineRank = tl.default;
+  // the peak rank, until the user picks one (kept across plans while the new plan has it)
+  if (!ui.timelinePicked || !(ui.timelineRank >= 0 && ui.timelineRank < tl.ranks.length)) ui.timelineRank = tl.default;
   const d = tl.ranks[ui.timelineRank];
   if (tl.ranks.length > 1) {
     title.append(h("select", { class: "ap-tl-rank", title: "the pipeline rank shown (every dp × tp rank of its stage "
-      + "holds the same)", onchange: (ev) => { ui.timelineRank = Number(ev.target.value); redrawTimeline(ui); } },
+      + "holds the same)", onchange: (ev) => {
+        ui.timelineRank = Number(ev.target.value); ui.timelinePicked = true; redrawTimeline(ui);
+      } },
     tl.ranks.map((r) => h("option", { value: r.rank, selected: r.rank === ui.timelineRank },
       `pp rank ${r.rank}${r.rank === tl.default ? " (peak)" : ""}`))));
   }
