@@ -5,7 +5,7 @@
 // (the vendored build widget/model.py puts in front of this file); `h` and `bytes` come from planner.js, after it.
 /* global uPlot */
 
-const TL_HEIGHT = 170;
+const TL_HEIGHT = 140;
 const TL_COLORS = { predicted: "#4c78a8", peak: "#e45756", measured: "#f58518" };
 const TL_INCRS = [];
 for (let k = 0; k < 6; k++) for (const m of [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]) TL_INCRS.push(m * 1024 ** k);
@@ -38,6 +38,7 @@ function timelinePanel(ui) {
   // the peak rank, until the user picks one (kept across plans while the new plan has it)
   if (!ui.timelinePicked || !(ui.timelineRank >= 0 && ui.timelineRank < tl.ranks.length)) ui.timelineRank = tl.default;
   const d = tl.ranks[ui.timelineRank];
+  title.title = `${tl.basis}; the plan adds ${bytes(d.margin)} of allocator margin to the peak`;
   if (tl.ranks.length > 1) {
     title.append(h("select", { class: "ap-tl-rank", title: "the pipeline rank shown (every dp × tp rank of its stage "
       + "holds the same)", onchange: (ev) => {
@@ -46,17 +47,24 @@ function timelinePanel(ui) {
     tl.ranks.map((r) => h("option", { value: r.rank, selected: r.rank === ui.timelineRank },
       `pp rank ${r.rank}${r.rank === tl.default ? " (peak)" : ""}`))));
   }
-  title.append(" ", h("span", { class: "ap-hint" }, tl.basis));
   const measured = ui.model.get("measured") || {};
   const seen = measured.run ? measuredPeak(measured, d.global_ranks) : null;
-  const peak = d.bytes[d.peak];
   return h("div", { class: "ap-panel ap-timeline", "data-rank": d.rank },
     title, h("div", { class: "ap-tl-chart" }),
-    h("div", { class: "ap-tl-peak-terms" }, "peak ", h("b", {}, bytes(peak)), ` at ${d.labels[d.peak]}: `,
-      d.terms[d.peak].map(([k, b]) => `${k} ${bytes(b)}`).join(", "),
-      ` (the plan adds ${bytes(d.margin)} of allocator margin)`),
+    h("div", { class: "ap-keys" }, legendItem({ color: TL_COLORS.predicted, label: "predicted tensors (no margin)" }),
+      legendItem({ color: TL_COLORS.peak, label: "peak" }, "ap-swatch-tl-peak"),
+      seen ? legendItem({ label: measured.peak_label }, "ap-swatch-tl-measured") : null),
+    momentText(h("div", { class: "ap-tl-moment" }), d, d.peak),
     seen ? h("div", { class: "ap-hint ap-tl-measured-note" }, `${measured.peak_label}: ${bytes(seen.bytes)} on rank `
       + `${seen.rank}, run ${measured.run.id}; a launched run measures one peak per rank, drawn as a line`) : null);
+}
+
+// what one moment holds (the peak's until the pointer is over another): "peak 3.1 MiB at backward h.3: saved
+// activations 1.2 MiB, ..."
+function momentText(el, d, i) {
+  el.replaceChildren(i === d.peak ? "peak " : "", h("b", {}, bytes(d.bytes[i])), ` at ${d.labels[i]}: `,
+    d.terms[i].map(([k, b]) => `${k} ${bytes(b)}`).join(", "));
+  return el;
 }
 
 function redrawTimeline(ui) {
@@ -75,6 +83,7 @@ function mountTimeline(ui) {
   const measured = ui.model.get("measured") || {};
   const seen = measured.run ? measuredPeak(measured, d.global_ranks) : null;
   const n = d.bytes.length;
+  const readout = el.parentElement.querySelector(".ap-tl-moment");
   const xs = Array.from({ length: n }, (_, i) => i);
   const peakSeries = xs.map((i) => (i === d.peak ? d.bytes[i] : null));
   const css = (name, fb) => getComputedStyle(ui.root).getPropertyValue(name).trim() || fb;
@@ -82,29 +91,27 @@ function mountTimeline(ui) {
   const grid = () => css("--ap-border", "#d0d7de");
   const axis = (more) => ({ stroke: fg, grid: { stroke: grid, width: 1 }, ticks: { stroke: grid, width: 1 },
     font: "11px sans-serif", labelFont: "11px sans-serif", ...more });
-  const series = [
-    { label: "moment", value: (u, v) => (v === null || v === undefined ? "–" : d.labels[v]) },
-    { label: "predicted tensors", stroke: TL_COLORS.predicted, fill: "rgba(76, 120, 168, 0.22)", width: 1.5,
-      value: (u, v) => bytes(v), points: { show: n <= 60, size: 4 } },
-    { label: "peak", stroke: TL_COLORS.peak, width: 0, value: (u, v) => (v === null ? "–" : bytes(v)),
-      points: { show: true, size: 9, fill: TL_COLORS.peak } },
+  const series = [{},
+    { stroke: TL_COLORS.predicted, fill: "rgba(76, 120, 168, 0.22)", width: 1.5, points: { show: n <= 60, size: 4 } },
+    { stroke: TL_COLORS.peak, width: 0, points: { show: true, size: 9, fill: TL_COLORS.peak } },
   ];
   const data = [xs, d.bytes, peakSeries];
   if (seen) {
-    series.push({ label: measured.peak_label, stroke: TL_COLORS.measured, dash: [6, 4], width: 1.5,
-      value: () => bytes(seen.bytes), points: { show: false } });
+    series.push({ stroke: TL_COLORS.measured, dash: [6, 4], width: 1.5, points: { show: false } });
     data.push(xs.map(() => seen.bytes));
   }
   const top = Math.max(d.bytes[d.peak], seen ? seen.bytes : 0);
   const width = () => Math.max(240, el.clientWidth);
   const u = new uPlot({
-    width: width(), height: TL_HEIGHT, series, legend: { live: true },
+    width: width(), height: TL_HEIGHT, series, legend: { show: false },
     cursor: { drag: { x: false, y: false } },
-    scales: { x: { time: false, range: () => [-0.5, n - 0.5] }, y: { range: () => [0, top * 1.3 || 1] } },
-    axes: [axis({ space: 84, incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500],
+    scales: { x: { time: false, range: () => [-0.5, n - 0.5] }, y: { range: () => [0, top * 1.4 || 1] } },
+    axes: [axis({ size: 30, space: 84, incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500],
       values: (u, splits) => splits.map((v) => (Number.isInteger(v) && v >= 0 && v < n ? shortMoment(d.labels[v]) : "")) }),
     axis({ size: 62, incrs: TL_INCRS, values: (u, splits) => splits.map((v) => bytes(v)) })],
-    hooks: { draw: [(u) => placePeakLabel(u, d)] },
+    hooks: { draw: [(u) => placePeakLabel(u, d)],
+      setCursor: [(u) => momentText(readout, d, u.cursor.idx === null || u.cursor.idx === undefined ? d.peak
+        : u.cursor.idx)] },
   }, data, el);
   u.root.dataset.chart = "timeline";
   const ro = new ResizeObserver(() => {
