@@ -683,6 +683,7 @@ def test_sharding_board(tmp_path):
 
         # 5. rubber band over h.10 and h.11 selects both
         fsdp_lane = board.locator('.ap-slane[data-lane="fsdp"]')
+        fsdp_lane.scroll_into_view_if_needed()  # the mouse reaches only what is inside the window
         a, b = [board.locator(f'.ap-schip[data-key="h.{i}"]').bounding_box() for i in (10, 11)]
         lane_box = fsdp_lane.bounding_box()
         page.mouse.move(a["x"] - 4, lane_box["y"] + lane_box["height"] - 3)
