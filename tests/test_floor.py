@@ -116,3 +116,23 @@ def test_final_state_is_a_state_of_every_rank(schedule, v):
             for a in rank_actions(schedule, pp=pp, rank=rank, micro_batches=m, virtual_stages=v):
                 walk.run(a, first=rank == 0 and a.local == 0, last_mb=m - 1)
             assert final_state(v, m) == walk.out[-1], (schedule, pp, m, rank)
+
+
+def test_floor_stopped_at_the_limit_gives_the_same_answer(graphs, monkeypatch):
+    """``memory_floor(..., limit=)`` stops weighing once a part exceeds the limit: the same "too large?" answer as
+    the whole floor, and a value never above it (still a floor), on every candidate of the interleaved case; with a
+    limit of 0 it stops before the per-rank weighing of the multi-stage candidates."""
+    name, cluster, kw = CASES[4]
+    graph, cl = graphs[name], _cluster(*cluster)
+    seen = []
+
+    def floor(ev, s, choices, *, limit):
+        whole, stopped = memory_floor(ev, s, choices), memory_floor(ev, s, choices, limit=limit)
+        at_zero = memory_floor(ev, s, choices, limit=0.0)
+        seen.append((whole > limit, stopped > limit, stopped <= whole and 0.0 < at_zero <= whole, at_zero < whole))
+        return stopped
+
+    monkeypatch.setattr(search, "memory_floor", floor)
+    ap.plan(graph, cl, **kw)
+    assert all(a == b and le for a, b, le, _ in seen), seen
+    assert any(a for a, *_ in seen) and any(cut for *_, cut in seen)

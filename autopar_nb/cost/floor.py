@@ -24,6 +24,8 @@ stages place them.
 
 from __future__ import annotations
 
+import math
+
 from .peak import RankMemory
 from .schedule import FINAL_REDUCE, MULTI_STAGE, final_state
 from .setting import LayerChoice, Setting
@@ -31,9 +33,11 @@ from .staged import StagedRank
 from .terms import RankSums
 
 
-def memory_floor(ev, s: Setting, choices: list[LayerChoice]) -> float:
+def memory_floor(ev, s: Setting, choices: list[LayerChoice], *, limit: float = math.inf) -> float:
     """Bytes the fullest pipeline rank of ``s`` with ``choices`` (or any variant the search makes of it:
-    see the module docstring) holds at its peak at least, its allocator margin included."""
+    see the module docstring) holds at its peak at least, its allocator margin included. Once a part of it
+    exceeds ``limit`` that part is returned: still a floor, and all a caller asking "can it fit in ``limit``?"
+    needs (the rank-by-rank weighing of a multi-stage schedule is most of the cost)."""
     params = experts = 0.0
     for i, cnt, ch in ev.runs(choices):
         lt = ev.choice_terms(i, s, ch)
@@ -50,12 +54,12 @@ def memory_floor(ev, s: Setting, choices: list[LayerChoice]) -> float:
     if st.pipelined and s.schedule not in MULTI_STAGE:
         moments.append(memory._reduce_moment(0, st))
     floor = max(memory.breakdown(0, st.pb, st.ob, mo, margin_of=mo.weight).total for mo in moments)
-    if st.pipelined and s.schedule in FINAL_REDUCE and s.virtual_stages > 1:
-        floor = max(floor, _staged_floor(ev, s, choices, low_margin))
+    if st.pipelined and s.schedule in FINAL_REDUCE and s.virtual_stages > 1 and floor <= limit:
+        floor = max(floor, _staged_floor(ev, s, choices, low_margin, limit))
     return floor
 
 
-def _staged_floor(ev, s: Setting, choices: list[LayerChoice], low_margin: bool) -> float:
+def _staged_floor(ev, s: Setting, choices: list[LayerChoice], low_margin: bool, limit: float) -> float:
     """The fullest rank's reduction at its last action (:func:`.schedule.final_state`), as
     :class:`.staged.StagedRank` weighs it, without autocast's weight copies (fused norms may cast fewer
     weights)."""
@@ -72,4 +76,6 @@ def _staged_floor(ev, s: Setting, choices: list[LayerChoice], low_margin: bool) 
         rank = StagedRank(memory, r, st, states=(h,))
         mo = rank._reduce(h, rank._around(h))
         out = max(out, memory.breakdown(r, st.pb, st.ob, mo, margin_of=mo.weight).total)
+        if out > limit:
+            break
     return out

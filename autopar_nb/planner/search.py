@@ -422,7 +422,7 @@ class Search:
                 choices = [LayerChoice(assign[i], self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i],
                                        self.compile[i] and base.pp == 1)
                            for i in range(self.n)]
-                if self.floors and memory_floor(self.ev, s, choices) > self.limit:
+                if self.floors and memory_floor(self.ev, s, choices, limit=self.limit) > self.limit:
                     out.append((s, choices))  # it cannot fit: costed only if the explanation may tell it (_settle)
                     continue
                 cand = self._variants(s, choices)
