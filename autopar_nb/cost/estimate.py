@@ -19,7 +19,7 @@ from .peak import RankMemory, moment_layers
 from .profile import GraphProfile, precision_of
 from .schedule import MULTI_STAGE, ZERO_BUBBLE
 from .setting import LayerChoice, Setting, setting_of
-from .terms import CommTime, FsdpUnit, InputLayer, LayerTerms, RankSums, StageSums
+from .terms import CommTime, FsdpUnit, InputLayer, LayerTerms, RankSums, StageSums, shared_sums
 from .time import bubble_fraction, layer_compute_time, optimizer_time, weight_cast_time
 
 
@@ -221,6 +221,7 @@ class Evaluator:
         self._throughput(s, sums, cost)
         return cost
 
+    @shared_sums
     def sum_layers(self, s: Setting, choices: list[LayerChoice]) -> RankSums:
         """One pass over the layer chain (runs of identical layers at once): per pipeline rank sums."""
         prof, pp = self.prof, s.pp
@@ -232,8 +233,7 @@ class Evaluator:
         for i, cnt, ch in runs:
             r = rank_of(ch.stage)
             lt = self.choice_terms(i, s, ch)
-            # time
-            sums.fwdbwd[r] += cnt * (lt.fwd + lt.bwd)
+            sums.fwdbwd[r] += cnt * (lt.fwd + lt.bwd)  # time
             sums.rec[r] += cnt * lt.recompute_s(ch.recompute)
             if lt.tp_comm:
                 sums.tpc[r] += cnt * lt.tp_exposed

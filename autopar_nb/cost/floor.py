@@ -24,6 +24,7 @@ stages place them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from .peak import RankMemory
@@ -63,9 +64,8 @@ def _staged_floor(ev, s: Setting, choices: list[LayerChoice], low_margin: bool, 
     """The fullest rank's reduction at its last action (:func:`.schedule.final_state`), as
     :class:`.staged.StagedRank` weighs it, without autocast's weight copies (fused norms may cast fewer
     weights)."""
-    sums = ev.sum_layers(s, choices)
-    for r in range(s.pp):
-        sums.full_recompute[r] = sums.layers[r] if low_margin else 0.0
+    sums = ev.sum_layers(s, choices)  # shared: changed on a copy
+    sums = dataclasses.replace(sums, full_recompute=[n if low_margin else 0.0 for n in sums.layers])
     memory = RankMemory(ev.prof, ev.f, s, sums, seq_ratio=ev.seq_ratio)
     out = 0.0
     for r in range(s.pp):

@@ -3,6 +3,8 @@ the sums over its layers (:class:`RankSums`) that its step time and memory momen
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -234,3 +236,25 @@ class InputLayer(NamedTuple):
     kept_upto: float
     """weight-pass gradients of its stage's layers up to it: those of the layers after it are kept
     when the input pass reaches it"""
+
+
+def shared_sums(sum_layers):
+    """``Evaluator.sum_layers`` made once per evaluator for each candidate alike in what it reads: the setting with
+    its ZeRO stage as 0 or 2, and each layer's choices. It reads the stage only through ``precision_of`` (16-bit
+    FSDP parameters under AMP from ZeRO 2 on) and the tied gradients' dtype (the same test), so ZeRO 0 and 1 sum
+    alike, and 2 and 3 (a test of the floor checks it); the search costs most meshes at three stages. The
+    :class:`RankSums` returned is shared: read it, never change it."""
+
+    @functools.wraps(sum_layers)
+    def shared(ev, s, choices):
+        cache = ev.__dict__.setdefault("_shared_sums", {})
+        key = (dataclasses.replace(s, zero_stage=0 if s.zero_stage < 2 else 2),
+               tuple((c.stage, c.tp, c.recompute, c.fsdp, c.compile) for c in choices))
+        hit = cache.get(key)
+        if hit is None:
+            if len(cache) >= 4096:  # one plan() makes ~1000 (the 1T GPT on 3072 GPUs)
+                cache.clear()
+            hit = cache[key] = sum_layers(ev, s, choices)
+        return hit
+
+    return shared
