@@ -3,10 +3,12 @@ LLaMA 70B on 256 x H100, a 1T GPT (128 layers, hidden 25600, 160 heads, seq 2048
 time grows with layers and GPU count.
 
     .venv/bin/python bench/plan.py            # prints a markdown table
+    PYTHONPATH=. .venv/bin/python bench/plan.py --only "GPT 1T"    # the cases whose name contains it
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -49,9 +51,14 @@ def _cell(p) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="the cases whose name contains this (the GPU-count rows: '8B, ')")
+    only = parser.parse_args().only
     rows = []
 
     def case(name, model_inputs, cluster, **kw):
+        if only and only not in name:
+            return None
         model, inputs = model_inputs
         t0 = time.perf_counter()
         g = ap.capture(model, inputs)
@@ -75,8 +82,8 @@ def main() -> None:
              global_batch=512)
     with torch.device("meta"):
         m8 = zoo.Llama(zoo.LLAMA3_8B)
-    g8 = ap.capture(m8, torch.randint(0, 128256, (1, 8192)))
-    for nodes in (1, 4, 16, 64, 256):
+    g8 = ap.capture(m8, torch.randint(0, 128256, (1, 8192))) if not only or only in "LLaMA-3 8B, " else None
+    for nodes in (1, 4, 16, 64, 256) if g8 is not None else ():
         c = ap.Cluster.preset("h100-80gb", nodes, 8)
         first, med, p = timed(g8, c, global_batch=2048)
         rows.append((f"LLaMA-3 8B, {nodes * 8} GPUs", f"{nodes * 8}", "-", f"{first:.3f}", f"{med:.3f}", _cell(p)))
