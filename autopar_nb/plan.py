@@ -819,8 +819,7 @@ class Plan:
         if m.pp > 1:
             v = self.pipeline.virtual_stages
             s += f" {self.pipeline.schedule}" + (f" v{v}" if v > 1 else "") + f" x{self.batch.micro_batches}"
-        rec = sorted({lp.recompute for lp in self.layers} - {"none"})
-        if rec:
+        if rec := sorted({lp.recompute for lp in self.layers} - {"none"}):
             s += f" recompute={'/'.join(rec)}"
         if self.precision.amp != "none":
             s += f" amp={self.precision.amp}"
