@@ -263,6 +263,27 @@ model = GemmaForCausalLM(GemmaConfig(vocab_size=128, hidden_size=32, intermediat
 example_inputs = (torch.randint(0, 128, (4, 16)),)
 """
 
+HF_GEMMA2_CELL = """\
+import torch
+from transformers import Gemma2Config, Gemma2ForCausalLM
+
+model = Gemma2ForCausalLM(Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                       max_position_embeddings=64))
+example_inputs = (torch.randint(0, 128, (4, 16)),)
+"""
+"""Gemma 2: the logits soft-capped (divided, tanh, multiplied) between the output head and the model's output"""
+
+HF_BLOOM_CELL = """\
+import torch
+from transformers import BloomConfig, BloomForCausalLM
+
+model = BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4))
+example_inputs = (torch.randint(0, 128, (4, 16)),)
+"""
+"""Bloom: the ALiBi bias of every head, (batch x heads, 1, T), built by the model and added in each attention's
+baddbmm"""
+
 
 def with_parts(plan: Plan, parts: dict[str, list[int]]) -> Plan:
     """``plan`` with ``LayerPlan.tp_parts`` filled from ``parts`` (module path -> heads per part), re-checked."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_cases import GPT_CELL, HF_GEMMA_CELL, LLAMA_CELL, has_transformers, source
+from runtime_cases import GPT_CELL, HF_BLOOM_CELL, HF_GEMMA2_CELL, HF_GEMMA_CELL, LLAMA_CELL, has_transformers, source
 
 import autopar_nb as ap
 from autopar_nb.planner import forward
@@ -196,6 +196,31 @@ def test_gemmas_scaled_embedding_and_its_tied_head_are_split():
     assert plan.loss_parallel
 
 
+@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+def test_gemma2s_soft_capped_logits_keep_the_head_vocabulary_parallel():
+    """Gemma 2 soft-caps its logits (divide, tanh, multiply) between the head and the output: elementwise ops of the
+    logits alone, which run on vocabulary shards as on the whole, so the head is still colwise into loss_parallel
+    and the tied embedding rowwise (both were kept whole, with no reason given)."""
+    graph, plan = planned(HF_GEMMA2_CELL)
+    assert plan.tp_plan["model.embed_tokens"] == "rowwise" and plan.tp_plan["lm_head"] == "colwise", plan.tp_plan
+    assert plan.loss_parallel
+
+
+@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+def test_blooms_attention_is_kept_whole_with_the_reason():
+    """Bloom adds the ALiBi bias of every head, made by the model and passed in, to its scores inside baddbmm: a rank
+    holding half the heads cannot take it, and explain() says so in one line naming the attention module."""
+    graph, plan = planned(HF_BLOOM_CELL)
+    assert not [m for m in plan.tp_plan if ".self_attention." in m], plan.tp_plan
+    assert "transformer.h.0.mlp.dense_h_to_4h" in plan.tp_plan  # the MLP is split
+    line = refusal(plan)
+    assert "transformer.h.0.self_attention.query_key_value" in line and "\n" not in line, line
+    assert ("transformer.h.0.self_attention adds a tensor of every head made outside it (shape 16x1x16, e.g. an "
+            "ALiBi bias passed in) to its split scores in baddbmm: a rank holds only its own heads") in line, line
+    with pytest.raises(ap.PlanError, match="cannot be split.*ALiBi"):
+        ap.plan(graph, CPU2, fix={"tp": 2}, overrides={"transformer.h.*.self_attention": {"tp": "colwise-rowwise"}})
+
+
 def test_the_zoo_families_keep_their_layouts_and_each_layout_runs_once(monkeypatch):
     runs = []
     runner = forward.run_layout
@@ -246,5 +271,8 @@ def test_split_tables_and_gemmas_embedding_train_on_two_ranks_as_on_one():
         gemma = planned(HF_GEMMA_CELL)[1]
         assert {"model.embed_tokens", "lm_head"} <= set(gemma.tp_plan), gemma.tp_plan
         cases.append((source(HF_GEMMA_CELL), gemma))
+        gemma2 = planned(HF_GEMMA2_CELL)[1]
+        assert {"model.embed_tokens", "lm_head"} <= set(gemma2.tp_plan) and gemma2.loss_parallel, gemma2.tp_plan
+        cases.append((source(HF_GEMMA2_CELL), gemma2))
     for report in verify_many(cases, steps=3):
         assert report.ok, str(report)

@@ -4,16 +4,19 @@ Tensor parallelism is derived from dataflow, not from names (Megatron-LM's pairi
 walking the ops in order with a replicated/sharded state per tensor, a ``Linear`` that reads a replicated tensor is
 ``colwise`` (its output is sharded on the last dim), one that reads a sharded tensor is ``rowwise`` (its partial
 output is all-reduced back to replicated); an ``Embedding`` is ``rowwise`` (vocab-parallel); a colwise ``Linear``
-whose sharded output is the model's output is the vocab-parallel head (``loss_parallel``), kept only when it has at
-least as many outputs as inputs (an LM head, not a 10-way classifier). Which ops are
+whose sharded output is the model's output (directly, or through elementwise ops of it alone: Gemma 2's logit
+soft-capping) is the vocab-parallel head (``loss_parallel``), kept only when it has at least as many outputs as
+inputs (an LM head, not a 10-way classifier). Which ops are
 Linear-like (a "colwise" and a "rowwise" split), Embedding-like, norms, reductions or splits, which collective each
 style implies, and which views reshape, come from the op's ``kernels_ext`` rule (``splits``, ``tp_role``,
 ``layout``), never from its name, so a registered custom op takes part. A sharded tensor that reaches an op that
 cannot take it (a norm, a residual add with a full-size replicated tensor, a reduction, a Linear kept replicated, an
 attention op or a plain matmul whose operands are not all sharded, or a Linear-like module PyTorch TP cannot split)
-turns the Linears that sharded it back to ``replicate``. ``nn.Linear`` and Hugging Face's ``Conv1D`` (weight stored
-(in, out)) get split styles; an Embedding is vocab-sharded (rowwise) only when its ids come from the model's inputs
-(not ``torch.arange`` positions) and the table has at least as many rows as columns (not a small table).
+turns the Linears that sharded it back to ``replicate`` (refused, with the reason, where it is a replicated tensor
+added to a product of split operands: Bloom's ALiBi bias of every head in ``baddbmm``). ``nn.Linear`` and Hugging
+Face's ``Conv1D`` (weight stored (in, out)) get split styles; an Embedding is vocab-sharded (rowwise) only when its
+ids come from the model's inputs (not ``torch.arange`` positions) and the table has at least as many rows as columns
+(not a small table).
 
 Layouts beyond one contiguous shard per projection (``LayerPlan.tp_parts``; the runtime's ``runtime/layouts.py``):
 
@@ -194,6 +197,17 @@ def _head_biases(graph, by_name, from_input) -> dict[str, int]:
     return out
 
 
+def _whole_bias(n, sharded, by_name) -> str:
+    """Why matmul ``n`` cannot take operands split by heads when it adds a replicated tensor to their product (Bloom's
+    ``alibi.baddbmm(q, k)``: the ALiBi bias of every head, made by the model and passed in); "" for another cause."""
+    bias = [by_name[i].out_shapes[0] for i in n.inputs[:-2] if i not in sharded and i in by_name]
+    if not bias or not all(i in sharded for i in n.inputs[-2:]):
+        return ""
+    return (f"{n.module_path or 'the model'} adds a tensor of every head made outside it (shape "
+            f"{'x'.join(map(str, bias[0]))}, e.g. an ALiBi bias passed in) to its split scores in {packet(n.op)}: "
+            "a rank holds only its own heads")
+
+
 def _splits_last_dim(n) -> bool:
     """A split/chunk/unbind/slice/select node that cuts its input's last dim."""
     if role_of(n.op) != "split" or not n.in_shapes or not n.out_shapes:
@@ -301,6 +315,7 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
     pieces: dict[str, list[list]] = {}
     width: dict[str, int] = {}  # colwise node -> output features
     whole_heads: dict[str, int] = {}  # colwise node -> heads of its whole output (a view right after it)
+    through: dict[str, str] = {}  # elementwise node of one tensor input -> the colwise node it was computed from
 
     def find(r: int) -> int:
         while r in merged:
@@ -365,6 +380,8 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
             continue
         if n.op_class == "matmul" and not n.params and any(i not in sharded and i in by_name for i in n.inputs):
             conflicts |= seed  # eager attention's q @ k^T and scores @ v: both operands split by heads, or neither
+            why = _whole_bias(n, sharded, by_name)
+            refused.update({k: why for k in seed if why and k not in refused})
             continue
         if s_in[0] in last and _splits_last_dim(n):  # a fused projection: split part by part, or refused
             why = _cut(n, s_in, origin, pieces, width)
@@ -395,6 +412,8 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
             merged[r] = rid  # q and k/v of different inputs (cross-attention) meet: one region
         sharded[n.name] = rid
         seeds[n.name] = seed
+        if n.op_class == "elementwise" and len(n.inputs) == 1 and (s_in[0] in through or styles.get(s_in[0])):
+            through[n.name] = through.get(s_in[0], s_in[0])  # the head's logits, soft-capped (/ c, tanh, * c)
         src = by_name.get(s_in[0])
         if all(i in last for i in s_in) and src is not None and src.out_shapes and n.out_shapes and not hc and \
                 tuple(n.out_shapes[0])[-1:] == tuple(src.out_shapes[0])[-1:]:
@@ -411,10 +430,11 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
     used = {i for n in graph.nodes for i in n.inputs}
     for name in [n.name for n in graph.nodes if n.name in sharded]:
         if name not in used:  # a sharded model output
-            w = graph.params.get(by_name[name].params[0]) if by_name[name].params else None
+            head = through.get(name, name)  # elementwise ops on the logits run on vocabulary shards as well
+            w = graph.params.get(by_name[head].params[0]) if by_name[head].params else None
             # a vocab-parallel head only where it pays: many outputs per input (an LM head, not a 10-way classifier)
-            if styles.get(name) == "colwise" and w is not None and len(w.shape) == 2 and w.shape[0] >= w.shape[1]:
-                head_node = name
+            if styles.get(head) == "colwise" and w is not None and len(w.shape) == 2 and w.shape[0] >= w.shape[1]:
+                head_node = head
             else:
                 conflicts |= seeds[name]
     holders: dict[str, str] = {}
