@@ -55,7 +55,7 @@ def capture(model: nn.Module, example_inputs: Any, *, source: str | None = None,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"capture() needs an nn.Module, got {type(model).__name__}")
-    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = split_inputs(example_inputs)
     if any(p.is_meta for p in model.parameters()):
         args, kwargs = tree_map(to_meta, (args, kwargs))
     paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
@@ -91,7 +91,9 @@ def _copied_or_full(trace, model: nn.Module, copy_blocks: bool) -> ModelGraph:
 
 
 # ---- inputs ---------------------------------------------------------------------------------------------------------
-def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    """The model's call of ``example_inputs``: (args, kwargs) (a dict is passed by keyword, a tuple or list
+    positionally, anything else as the one argument)."""
     if isinstance(example_inputs, dict):
         return (), dict(example_inputs)
     if isinstance(example_inputs, (tuple, list)):

@@ -284,6 +284,16 @@ example_inputs = (torch.randint(0, 128, (4, 16)),)
 """Bloom: the ALiBi bias of every head, (batch x heads, 1, T), built by the model and added in each attention's
 baddbmm"""
 
+HF_MPT_CELL = """\
+import torch
+from transformers import MptConfig, MptForCausalLM
+
+model = MptForCausalLM(MptConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, max_seq_len=64))
+example_inputs = (torch.randint(0, 128, (4, 16)),)
+"""
+"""MPT: the ALiBi bias of every head, (heads, 1, T), made once by the model and handed to each attention as
+``position_bias``"""
+
 
 def with_parts(plan: Plan, parts: dict[str, list[int]]) -> Plan:
     """``plan`` with ``LayerPlan.tp_parts`` filled from ``parts`` (module path -> heads per part), re-checked."""

@@ -11,7 +11,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_cases import GPT_CELL, HF_BLOOM_CELL, HF_GEMMA2_CELL, HF_GEMMA_CELL, LLAMA_CELL, has_transformers, source
+from runtime_cases import (
+    GPT_CELL,
+    HF_BLOOM_CELL,
+    HF_GEMMA2_CELL,
+    HF_GEMMA_CELL,
+    HF_MPT_CELL,
+    LLAMA_CELL,
+    has_transformers,
+    source,
+)
 
 import autopar_nb as ap
 from autopar_nb.planner import forward
@@ -221,6 +230,23 @@ def test_blooms_attention_is_kept_whole_with_the_reason():
         ap.plan(graph, CPU2, fix={"tp": 2}, overrides={"transformer.h.*.self_attention": {"tp": "colwise-rowwise"}})
 
 
+@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+def test_mpts_alibi_input_is_split_with_the_heads():
+    """MPT hands each attention the ALiBi bias of every head, (heads, 1, T), made once by the model, as the keyword
+    position_bias: it is cut to the rank's heads on the way in, so the attention is split (it was kept whole: the
+    bias met one rank's scores), with sequence parallelism on, and the script does the same."""
+    from autopar_nb.export import render_script
+    from autopar_nb.export.values import script_values
+
+    graph, plan = planned(HF_MPT_CELL)
+    assert graph.tp_refused == {}
+    assert plan.tp_plan["transformer.blocks.1.attn.Wqkv"] == "colwise", plan.tp_plan
+    assert plan.tp_plan["transformer.blocks.1.attn.out_proj"] == "rowwise"
+    assert any(lp.sequence_parallel for lp in plan.layers)
+    assert script_values(source(HF_MPT_CELL), plan).head_tables == {"transformer.blocks.*.attn": {"position_bias": 0}}
+    assert 'shard_head_tables(part, mesh["tp"], tables)' in render_script(source(HF_MPT_CELL), plan)
+
+
 def test_the_zoo_families_keep_their_layouts_and_each_layout_runs_once(monkeypatch):
     runs = []
     runner = forward.run_layout
@@ -260,8 +286,9 @@ def test_the_offered_layout_runs_on_two_ranks():
 
 @pytest.mark.multiprocess
 def test_split_tables_and_gemmas_embedding_train_on_two_ranks_as_on_one():
-    """Both per-head table cells, attention split with their tables, and Gemma, embedding and tied head split on the
-    vocabulary, train on 2 gloo processes (one launch) as the single-process reference does."""
+    """Both per-head table cells, attention split with their tables, Gemma and Gemma 2, embedding and tied head split
+    on the vocabulary, and MPT, attention split with its ALiBi input, train on 2 gloo processes (one launch) as the
+    single-process reference does."""
     from autopar_nb.verify import verify_many
 
     cases = [(source(cell), planned(cell)[1]) for cell, _ in TABLES.values()]
@@ -274,5 +301,8 @@ def test_split_tables_and_gemmas_embedding_train_on_two_ranks_as_on_one():
         gemma2 = planned(HF_GEMMA2_CELL)[1]
         assert {"model.embed_tokens", "lm_head"} <= set(gemma2.tp_plan) and gemma2.loss_parallel, gemma2.tp_plan
         cases.append((source(HF_GEMMA2_CELL), gemma2))
+        mpt = planned(HF_MPT_CELL)[1]
+        assert "transformer.blocks.0.attn.Wqkv" in mpt.tp_plan, mpt.tp_plan
+        cases.append((source(HF_MPT_CELL), mpt))
     for report in verify_many(cases, steps=3):
         assert report.ok, str(report)

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch.nn as nn
 
+from ..capture import split_inputs
 from ..plan import Plan, PlanError, within
+from ..planner.forward_run import call
 from ..planner.styles import GROUPS, HEAD_COUNTS, KV_HEADS, head_tables, local_sizes, tp_styles
 from ..runtime.cp import sequence_tensor
 from ..runtime.data import default_batch_size, default_loss, first_tensor, is_causal_lm, smallest_table
@@ -27,6 +29,7 @@ from ..runtime.pretrained import check_pretrained, tied_parameters
 from ..runtime.tp import REPLICATE, TPStyle
 from ..runtime.train import switch_off_kv_cache
 from ..source import PRETRAINED_KEY, ModelSource
+from ..stand_in import StandIn
 from .synthetic_ids import id_ranges
 
 META_INIT_PARAMS = 2**30
@@ -218,7 +221,9 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
             v.fused_head_tp, v.fused_head_sequence = True, head_style.input_layout != REPLICATE
         v.tp_plan, v.block_tp_plans = relative_plans(model, styles)
         v.local_sizes = block_patterns(model, local_sizes(model, styles, tp=m.tp))
-        v.head_tables = block_patterns(model, head_tables(model, styles, tp=m.tp, parts=plan.tp_parts))
+        stand = StandIn(model, *split_inputs(inputs))
+        v.head_tables = block_patterns(model, head_tables(model, styles, tp=m.tp, parts=plan.tp_parts,
+                                                          call=lambda model: call(model, stand)))
         if m.pp > 1:
             _check_traced_sizes(v.local_sizes)
             if v.head_tables:

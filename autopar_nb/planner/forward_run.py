@@ -60,7 +60,8 @@ def run_layout(stand: StandIn, layout: Layout) -> tuple[str, str] | None:
         styles = tp_styles(model, styles_of, layers=list(layout.layers), loss_parallel=layout.loss_parallel,
                            parts={m: list(p) for m, p in layout.parts}, tp=layout.tp)
         sizes = local_sizes(model, styles, tp=layout.tp)
-        tables = head_tables(model, styles, tp=layout.tp, parts={m: list(p) for m, p in layout.parts})
+        tables = head_tables(model, styles, tp=layout.tp, parts={m: list(p) for m, p in layout.parts},
+                             call=lambda model: call(model, stand))
     except (NotImplementedError, ValueError):
         return None  # export refuses it with its own message
     ties = tied_parameters(model)

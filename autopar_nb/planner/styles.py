@@ -307,31 +307,59 @@ HEAD_DIMS = ("head_dim", "head_size", "attention_head_size", "d_k")
 """attributes that hold the width of one head"""
 
 
-def head_tables(model: nn.Module, styles: dict[str, TPStyle], *, tp: int, parts: dict[str, list[int]] | None = None
-                ) -> dict[str, dict[str, int]]:
+def head_tables(model: nn.Module, styles: dict[str, TPStyle], *, tp: int, parts: dict[str, list[int]] | None = None,
+                call=None) -> dict[str, dict[str, int]]:
     """Module path -> parameter or buffer name -> the dim that indexes its heads, for the head-indexed tables of
     the modules that hold split projections (a relative-position bias of shape (heads, T, T) or (T, T, heads),
     ALiBi slopes (heads,)): the runtime's ``shard_head_tables`` splits them with the heads, so that each rank adds
     its own heads' bias to its own heads' scores. A table is the module's own parameter or buffer with exactly one
     dim of the module's query head count (its ``n_heads``-like attribute, else the heads of its projections' parts
     ``parts``, else a projection's width over the ``head_dim``-like attribute); a 1-D one is left whole where the
-    heads are as many as a head's width (it could be either). The planner runs the layout with these tables split
-    (``forward_run.py``): a guess the forward cannot run with keeps the module whole."""
+    heads are as many as a head's width (it could be either). ``call`` (a function that runs the model once, on meta
+    tensors) adds the floating-point tensors such a module is handed by keyword with exactly one dim of its head
+    count (MPT's ALiBi ``position_bias`` (heads, 1, T), made once by the model for every block; masks are boolean),
+    which the runtime splits on the way in. The planner runs the layout with these split (``forward_run.py``): a
+    guess the forward cannot run with keeps the module whole."""
     modules = dict(model.named_modules())
     out: dict[str, dict[str, int]] = {}
+    hooks = []
     for parent, paths in _split_children(modules, styles).items():
         module = modules[parent]
         head_dim = next((v for a in HEAD_DIMS if isinstance(v := getattr(module, a, None), int)), None)
         heads = _query_heads(module, [modules[p] for p in paths], [(parts or {}).get(p) for p in paths], head_dim)
         if not heads or heads < 2 or heads % tp:
             continue
-        found = {}
+        found = out.setdefault(parent, {})
         for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             dims = [d for d, n in enumerate(t.shape) if n == heads]
             if len(dims) == 1 and not (t.dim() == 1 and heads == head_dim):
                 found[name] = dims[0]
-        if found:
-            out[parent] = found
+        if call is not None:
+            widths = {m.in_features if isinstance(m, nn.Linear) else m.weight.shape[0]
+                      for m in map(modules.get, paths) if is_projection(m)}
+            hooks.append(module.register_forward_pre_hook(
+                lambda _m, _a, kwargs, found=found, heads=heads, widths=widths:
+                found.update(_head_inputs(kwargs, heads, widths)), with_kwargs=True))
+    try:
+        if hooks:
+            call(model)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {parent: found for parent, found in out.items() if found}
+
+
+def _head_inputs(kwargs: dict, heads: int, widths: set[int]) -> dict[str, int]:
+    """Keyword input -> its heads dim, for the floating-point tensors among ``kwargs`` with one dim of ``heads``;
+    not the activations the projections read (last dim one of their input ``widths``: hidden states handed by
+    keyword, whose batch may be as large as the heads)."""
+    out = {}
+    for name, t in kwargs.items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() < 2 or t.shape[-1] in widths:
+            continue
+        dims = [d for d, n in enumerate(t.shape) if n == heads]
+        if len(dims) == 1:
+            out[name] = dims[0]
     return out
 
 

@@ -50,21 +50,30 @@ def shard_head_tables(model: nn.Module, tp_mesh, tables: dict[str, dict[str, int
     parameter or buffer name -> its heads dim (a relative-position bias of shape (heads, T, T) -> 0, ALiBi slopes
     (heads,) -> 0, a bias (buckets, heads) -> 1). Each becomes a DTensor sharded on that dim, so checkpoints and the
     optimizer see its global shape; while the module runs, its attribute is the rank's local shard (the rank's own
-    heads, as the split projections' scores are), taken with ``to_local`` so that gradients flow back to the shard."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    heads, as the split projections' scores are), taken with ``to_local`` so that gradients flow back to the shard.
+    A name that is neither is a keyword input of every head (MPT's ALiBi ``position_bias``): it is cut to the rank's
+    heads on the way in (``PrepareModuleInput``, Replicate -> Shard(dim), no communication)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
 
     for pattern, names in tables.items():
         for path in select(model, pattern):
             module = model.get_submodule(path)
-            for name, dim in names.items():
+            inputs = {n: d for n, d in names.items() if n not in module._parameters and n not in module._buffers}
+            own = {n: d for n, d in names.items() if n not in inputs}
+            if inputs:
+                parallelize_module(module, tp_mesh, PrepareModuleInput(
+                    input_kwarg_layouts={n: Replicate() for n in inputs},
+                    desired_input_kwarg_layouts={n: Shard(d) for n, d in inputs.items()}, use_local_output=True))
+            for name, dim in own.items():
                 value = getattr(module, name)
                 sharded = distribute_tensor(value.detach(), tp_mesh, [Shard(dim)])
                 if isinstance(value, nn.Parameter):
                     module.register_parameter(name, nn.Parameter(sharded, requires_grad=value.requires_grad))
                 else:
                     module.register_buffer(name, sharded, persistent=name not in module._non_persistent_buffers_set)
-            module.register_forward_pre_hook(functools.partial(_local_tables, names=tuple(names)))
-            module.register_forward_hook(functools.partial(_global_tables, names=tuple(names)), always_call=True)
+            module.register_forward_pre_hook(functools.partial(_local_tables, names=tuple(own)))
+            module.register_forward_hook(functools.partial(_global_tables, names=tuple(own)), always_call=True)
 
 
 def _local_tables(module: nn.Module, _args, *, names: tuple[str, ...]) -> None:
