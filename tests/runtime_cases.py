@@ -288,11 +288,11 @@ HF_MPT_CELL = """\
 import torch
 from transformers import MptConfig, MptForCausalLM
 
-model = MptForCausalLM(MptConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, max_seq_len=64))
+model = MptForCausalLM(MptConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=8, max_seq_len=64))
 example_inputs = (torch.randint(0, 128, (4, 16)),)
 """
 """MPT: the ALiBi bias of every head, (heads, 1, T), made once by the model and handed to each attention as
-``position_bias``"""
+``position_bias`` (8 heads: a batch of 4 cannot be mistaken for them)"""
 
 
 def with_parts(plan: Plan, parts: dict[str, list[int]]) -> Plan:

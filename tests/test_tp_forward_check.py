@@ -213,6 +213,9 @@ def test_gemma2s_soft_capped_logits_keep_the_head_vocabulary_parallel():
     graph, plan = planned(HF_GEMMA2_CELL)
     assert plan.tp_plan["model.embed_tokens"] == "rowwise" and plan.tp_plan["lm_head"] == "colwise", plan.tp_plan
     assert plan.loss_parallel
+    # its float attention mask (batch, 1, T, T), with a batch as large as the heads, is not taken for a head table
+    assert plan.tp_plan["model.layers.1.self_attn.q_proj"] == "colwise" and graph.tp_refused == {}
+    assert any(lp.sequence_parallel for lp in plan.layers)
 
 
 @pytest.mark.skipif(not has_transformers(), reason="transformers not installed")

@@ -338,8 +338,8 @@ def head_tables(model: nn.Module, styles: dict[str, TPStyle], *, tp: int, parts:
             widths = {m.in_features if isinstance(m, nn.Linear) else m.weight.shape[0]
                       for m in map(modules.get, paths) if is_projection(m)}
             hooks.append(module.register_forward_pre_hook(
-                lambda _m, _a, kwargs, found=found, heads=heads, widths=widths:
-                found.update(_head_inputs(kwargs, heads, widths)), with_kwargs=True))
+                lambda _m, args, kwargs, found=found, heads=heads, widths=widths:
+                found.update(_head_inputs(args, kwargs, heads, widths)), with_kwargs=True))
     try:
         if hooks:
             call(model)
@@ -349,16 +349,18 @@ def head_tables(model: nn.Module, styles: dict[str, TPStyle], *, tp: int, parts:
     return {parent: found for parent, found in out.items() if found}
 
 
-def _head_inputs(kwargs: dict, heads: int, widths: set[int]) -> dict[str, int]:
+def _head_inputs(args: tuple, kwargs: dict, heads: int, widths: set[int]) -> dict[str, int]:
     """Keyword input -> its heads dim, for the floating-point tensors among ``kwargs`` with one dim of ``heads``;
-    not the activations the projections read (last dim one of their input ``widths``: hidden states handed by
-    keyword, whose batch may be as large as the heads)."""
+    not the activations the projections read (last dim one of their input ``widths``), nor, where the batch of those
+    activations is as large as the heads, a tensor whose dim 0 it would be (a float mask (batch, 1, T, T))."""
+    hidden = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] in widths]
+    batch = hidden[0].shape[0] if hidden else None
     out = {}
     for name, t in kwargs.items():
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() < 2 or t.shape[-1] in widths:
             continue
         dims = [d for d, n in enumerate(t.shape) if n == heads]
-        if len(dims) == 1:
+        if len(dims) == 1 and not (dims[0] == 0 and heads == batch):
             out[name] = dims[0]
     return out
 
