@@ -12,7 +12,7 @@ from .capture import CaptureError, capture
 from .export import Exported, export
 from .graph import Layer, ModelGraph, OpNode, RepeatedBlock
 from .hardware import Cluster, DeviceSpec, LinkSpec
-from .launch import Run, launch
+from .launch import Run, TournamentResult, launch, tournament
 from .plan import Cost, LayerPlan, MemoryBreakdown, MeshPlan, Plan, PlanError
 from .planner.timeline import MemoryTimeline, memory_timeline
 from .verify import VerifyReport, verify, verify_many
@@ -25,8 +25,8 @@ from .planner import plan
 __all__ = [
     "CaptureError", "Cluster", "Cost", "DeviceSpec", "Exported", "Layer", "LayerPlan", "LinkSpec", "MemoryBreakdown",
     "MemoryTimeline", "MeshPlan", "ModelGraph", "OpNode", "Plan", "PlanError", "PlannerWidget", "RepeatedBlock", "Run",
-    "VerifyReport", "capture", "export", "launch", "load_ipython_extension", "memory_timeline", "plan", "verify",
-    "verify_many",
+    "TournamentResult", "VerifyReport", "capture", "export", "launch", "load_ipython_extension", "memory_timeline",
+    "plan", "tournament", "verify", "verify_many",
 ]
 
 

@@ -344,3 +344,89 @@ def from_run(run: Any, *, cluster: Any = None, preset: str | None = None, save: 
         entry["history"] = (entry.get("history", []) + [record])[-HISTORY:]
         _write(data)
     return factors
+
+
+COMPONENTS = ("device", "communication", "host")
+"""the additive parts of a predicted step that :func:`fit_components` scales apart: the device's work
+(``compute_s + optimizer_s + bubble_s``), exposed communication (``comm_exposed_s``) and the time the device waits
+for the host to issue work (``cpu_wait_s``); with them they sum to ``step_time_s`` (``Cost``)"""
+DEVICE_SPEED_KEYS = ("eff_matmul", "eff_conv", "eff_attention", "eff_fp32_matmul", "eff_hbm")
+
+
+def components(cost: Any) -> tuple[float, float, float]:
+    """A Cost's step time split into :data:`COMPONENTS`, seconds."""
+    return (float(cost.compute_s + cost.optimizer_s + cost.bubble_s), float(cost.comm_exposed_s),
+            float(cost.cpu_wait_s))
+
+
+def fit_components(parts: list[tuple[float, float, float]], measured: list[float]) -> dict[str, float]:
+    """Non-negative scales of :data:`COMPONENTS` that make ``sum(scale * part)`` closest to the measured step times
+    (least squares over every run, relative errors, so a slow plan does not outweigh a fast one): the fit of several
+    runs of different plans, which one run cannot give (its single ratio scales every plan alike and so never
+    changes their order). A component no run has (all zero) keeps scale 1; with fewer runs than components left,
+    every component gets the median ratio measured / predicted. Returns {component: scale}."""
+    import itertools
+
+    import numpy as np
+
+    if not parts or len(parts) != len(measured):
+        raise ValueError("fitting the cost model needs one measured step time per predicted one")
+    a = np.array(parts, dtype=float)
+    y = np.array(measured, dtype=float)
+    used = [j for j in range(a.shape[1]) if a[:, j].any()]
+    ratio = float(np.median(y / a.sum(axis=1)))
+    if len(parts) < len(used) or not used:
+        return dict.fromkeys(COMPONENTS, ratio)
+    w = 1.0 / y  # relative errors
+    best, best_err = None, float("inf")
+    # the exact non-negative least squares of a few columns: every subset solved unconstrained, the best of those
+    # whose scales are all positive kept
+    for n in range(1, len(used) + 1):
+        for cols in itertools.combinations(used, n):
+            x, *_ = np.linalg.lstsq(a[:, cols] * w[:, None], y * w, rcond=None)
+            if (x <= 0).any():
+                continue
+            err = float(np.sum(((a[:, cols] @ x - y) * w) ** 2))
+            if err < best_err - 1e-15:
+                best, best_err = dict(zip(cols, x, strict=True)), err
+    scales = dict.fromkeys(COMPONENTS, 1.0)
+    for j in used:  # a component the fit dropped would be free: it keeps the overall ratio instead
+        scales[COMPONENTS[j]] = float(best.get(j, ratio)) if best else ratio
+    return scales
+
+
+def factors_from_scales(scales: dict[str, float], *, current: dict[str, float]) -> dict[str, float]:
+    """The cost-model factors that scale each of :data:`COMPONENTS` as ``scales`` says, from the ``current`` ones:
+    the device's efficiencies divided by its scale (clamped to ``EFF_RANGE``), the link's by communication's, the
+    host's per-op seconds (``OVERHEAD_KEYS``) multiplied by the host's."""
+    lo, hi = EFF_RANGE
+    out = {k: min(hi, max(lo, current[k] / scales["device"])) for k in DEVICE_SPEED_KEYS if k in current}
+    if "eff_link" in current:
+        out["eff_link"] = min(hi, max(lo, current["eff_link"] / scales["communication"]))
+    out.update({k: current[k] * scales["host"] for k in OVERHEAD_KEYS if k in current})
+    return out
+
+
+def store(preset: str, factors: dict[str, float], record: dict) -> None:
+    """Save ``factors`` for ``preset`` (merged over what it holds) with ``record`` in its history (``when`` and
+    ``factors`` added), as ``from_run`` saves a run's."""
+    data = _read()
+    entry = data["presets"].setdefault(preset, {"factors": {}, "history": []})
+    entry["factors"] = {**entry.get("factors", {}), **factors}
+    record = {**record, "when": time.strftime("%Y-%m-%d %H:%M:%S"), "factors": factors}
+    entry["history"] = (entry.get("history", []) + [record])[-HISTORY:]
+    _write(data)
+
+
+def speed_text(preset: str) -> str:
+    """Where a plan's step times come from when ``preset`` holds measured speed factors: "step times calibrated on
+    <date> from N runs" (the latest calibration's date, N the runs it fitted: a tournament's plans, else 1); ""
+    when nothing was calibrated."""
+    entry = _read()["presets"].get(preset, {}) if preset else {}
+    runs = [h for h in entry.get("history", []) if any(k in (h.get("factors") or {}) for k in SPEED_KEYS)]
+    if not runs:
+        return ""
+    last = runs[-1]
+    n = int(last.get("runs", 1))
+    return (f"Step times calibrated on {str(last.get('when', '?'))[:10]} from {n} run{'s' if n != 1 else ''} "
+            f"on this machine ({preset}; autopar_nb.calibration.show(), reset('{preset}') to forget them).")

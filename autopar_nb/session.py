@@ -261,6 +261,15 @@ class Session:
                       ).attach(run)
         return run
 
+    def tournament(self, k: int = 4, steps: int = 20, **kwargs: Any):
+        """Run the plan and its ``k`` best alternatives for a few steps each on local processes, measure them,
+        calibrate the cost model from all of them and report predicted vs measured order (Kendall's tau) and the
+        winner; ``.adopt()`` on the result makes the winner this session's plan. See
+        ``autopar_nb.launch.tournament.tournament`` for the options."""
+        from .launch.tournament import tournament
+
+        return tournament(self, k, steps, **kwargs)
+
     def replan_for_memory(self, calibration: dict[str, float], target_bytes: float | None, pins: dict[str, Any],
                           nproc: int | None = None) -> Plan:
         """Plan again after a run measured more memory than predicted (``autopar_nb.launch.replan``): the cluster

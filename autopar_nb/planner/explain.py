@@ -164,7 +164,18 @@ def explain(plan, best, ranked, over, cons, cluster, prof) -> list[str]:
         lines.append("Fixed by you: " + ", ".join(f"{k}={v!r}" for k, v in cons.fix.items()) + ".")
     for t in cons.text:
         lines.append(f"Override honoured: {t}.")
-    return lines
+    return lines + _calibrated_lines(cluster)
+
+
+def _calibrated_lines(cluster) -> list[str]:
+    """Where the step times' factors come from, when the cluster carries measured ones (``calibration.apply``)."""
+    from .. import calibration
+
+    held = getattr(cluster, "calibration", None) or {}
+    if not any(k in held for k in calibration.SPEED_KEYS):
+        return []
+    text = calibration.speed_text(getattr(cluster, "name", "") or "")
+    return [text] if text else []
 
 
 def _cpu_bound_line(c) -> str:
