@@ -347,63 +347,75 @@ def from_run(run: Any, *, cluster: Any = None, preset: str | None = None, save: 
 
 
 COMPONENTS = ("device", "communication", "host")
-"""the additive parts of a predicted step that :func:`fit_components` scales apart: the device's work
-(``compute_s + optimizer_s + bubble_s``), exposed communication (``comm_exposed_s``) and the time the device waits
-for the host to issue work (``cpu_wait_s``); with them they sum to ``step_time_s`` (``Cost``)"""
+"""what :func:`fit_components` scales apart: the device's work (compute, the pipeline bubble, the optimizer step),
+exposed communication, and the host's time issuing the step (``cost/cpu.py``)"""
 DEVICE_SPEED_KEYS = ("eff_matmul", "eff_conv", "eff_attention", "eff_fp32_matmul", "eff_hbm")
 
 
-def components(cost: Any) -> tuple[float, float, float]:
-    """A Cost's step time split into :data:`COMPONENTS`, seconds."""
-    return (float(cost.compute_s + cost.optimizer_s + cost.bubble_s), float(cost.comm_exposed_s),
-            float(cost.cpu_wait_s))
+def components(cost: Any) -> dict[str, float]:
+    """A Cost's step in the terms the cost model combines (``Evaluator.evaluate``): forward and backward on the
+    device (compute and bubble), its exposed communication, the optimizer step, and the host's issue time of each
+    phase; ``step = max(device + communication, host) + max(optimizer, host_optimizer)``."""
+    opt_cpu = float((cost.cpu_by_part or {}).get("optimizer", 0.0))
+    return {"device": float(cost.compute_s + cost.bubble_s), "communication": float(cost.comm_exposed_s),
+            "optimizer": float(cost.optimizer_s), "host": float(cost.cpu_s) - opt_cpu, "host_optimizer": opt_cpu}
 
 
-def fit_components(parts: list[tuple[float, float, float]], measured: list[float]) -> dict[str, float]:
-    """Non-negative scales of :data:`COMPONENTS` that make ``sum(scale * part)`` closest to the measured step times
-    (least squares over every run, relative errors, so a slow plan does not outweigh a fast one): the fit of several
-    runs of different plans, which one run cannot give (its single ratio scales every plan alike and so never
-    changes their order). A component no run has (all zero) keeps scale 1; with fewer runs than components left,
-    every component gets the median ratio measured / predicted. Returns {component: scale}."""
-    import itertools
+def scaled_step(parts: dict[str, float], scales: dict[str, float]) -> float:
+    """The step time of :func:`components` ``parts`` with each of :data:`COMPONENTS` scaled by ``scales``."""
+    d, c, h = scales["device"], scales["communication"], scales["host"]
+    return (max(d * parts["device"] + c * parts["communication"], h * parts["host"])
+            + max(d * parts["optimizer"], h * parts["host_optimizer"]))
 
+
+def fit_components(parts: list[dict[str, float]], measured: list[float]) -> dict[str, float]:
+    """The scales of :data:`COMPONENTS` that make :func:`scaled_step` closest to the measured step times of several
+    runs of different plans (least squares of the relative errors, so a slow plan does not outweigh a fast one): a
+    fit that one run cannot give (its single ratio scales every plan alike and never changes their order). A
+    component no run has keeps the median ratio measured / predicted, as every one does with a single run; a weak
+    pull towards that ratio keeps a component the runs cannot tell apart there. Returns {component: scale}."""
     import numpy as np
+    from scipy.optimize import minimize
 
     if not parts or len(parts) != len(measured):
         raise ValueError("fitting the cost model needs one measured step time per predicted one")
-    a = np.array(parts, dtype=float)
+    ones = dict.fromkeys(COMPONENTS, 1.0)
     y = np.array(measured, dtype=float)
-    used = [j for j in range(a.shape[1]) if a[:, j].any()]
-    ratio = float(np.median(y / a.sum(axis=1)))
-    if len(parts) < len(used) or not used:
+    ratio = float(np.median(y / np.array([scaled_step(p, ones) for p in parts])))
+    has = {"device": any(p["device"] or p["optimizer"] for p in parts),
+           "communication": any(p["communication"] for p in parts),
+           "host": any(p["host"] or p["host_optimizer"] for p in parts)}
+    free = [k for k in COMPONENTS if has[k]]
+    if len(parts) < 2 or not free:
         return dict.fromkeys(COMPONENTS, ratio)
-    w = 1.0 / y  # relative errors
-    best, best_err = None, float("inf")
-    # the exact non-negative least squares of a few columns: every subset solved unconstrained, the best of those
-    # whose scales are all positive kept
-    for n in range(1, len(used) + 1):
-        for cols in itertools.combinations(used, n):
-            x, *_ = np.linalg.lstsq(a[:, cols] * w[:, None], y * w, rcond=None)
-            if (x <= 0).any():
-                continue
-            err = float(np.sum(((a[:, cols] @ x - y) * w) ** 2))
-            if err < best_err - 1e-15:
-                best, best_err = dict(zip(cols, x, strict=True)), err
-    scales = dict.fromkeys(COMPONENTS, 1.0)
-    for j in used:  # a component the fit dropped would be free: it keeps the overall ratio instead
-        scales[COMPONENTS[j]] = float(best.get(j, ratio)) if best else ratio
-    return scales
+
+    def scales_of(x) -> dict[str, float]:
+        return {**dict.fromkeys(COMPONENTS, ratio), **{k: float(np.exp(v)) for k, v in zip(free, x, strict=True)}}
+
+    def loss(x) -> float:
+        s = scales_of(x)
+        err = np.array([scaled_step(p, s) for p in parts]) / y - 1
+        return float(np.sum(err ** 2) + 1e-4 * np.sum((np.asarray(x) - np.log(ratio)) ** 2))
+
+    start = np.full(len(free), np.log(ratio))
+    for _ in range(3):  # restarted where it stopped: the simplex can stall on a kink of the max
+        start = minimize(loss, start, method="Nelder-Mead", options={"xatol": 1e-7, "fatol": 1e-14,
+                                                                     "maxiter": 4000}).x
+    return scales_of(start)
 
 
 def factors_from_scales(scales: dict[str, float], *, current: dict[str, float]) -> dict[str, float]:
     """The cost-model factors that scale each of :data:`COMPONENTS` as ``scales`` says, from the ``current`` ones:
-    the device's efficiencies divided by its scale (clamped to ``EFF_RANGE``), the link's by communication's, the
-    host's per-op seconds (``OVERHEAD_KEYS``) multiplied by the host's."""
+    the device's efficiencies divided by its scale (clamped to ``EFF_RANGE``) and its per-op gap multiplied by it,
+    the link's efficiency divided by communication's, the host's per-op seconds (``OVERHEAD_KEYS``) multiplied by
+    the host's."""
     lo, hi = EFF_RANGE
     out = {k: min(hi, max(lo, current[k] / scales["device"])) for k in DEVICE_SPEED_KEYS if k in current}
     if "eff_link" in current:
         out["eff_link"] = min(hi, max(lo, current["eff_link"] / scales["communication"]))
-    out.update({k: current[k] * scales["host"] for k in OVERHEAD_KEYS if k in current})
+    # op_overhead_s is the device's gap between kernels (part of its time); the other per-op seconds are the host's
+    out.update({k: current[k] * scales["device" if k == "op_overhead_s" else "host"] for k in OVERHEAD_KEYS
+                if k in current})
     return out
 
 

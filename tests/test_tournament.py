@@ -1,0 +1,117 @@
+import random
+
+import pytest
+
+import autopar_nb as ap
+from autopar_nb import calibration
+from autopar_nb.demo import QUICKSTART_CELL
+from autopar_nb.launch.standings import kendall_tau, stable, steady_time
+from autopar_nb.launch.tournament import predicted_need, step_times, tournament
+from autopar_nb.session import Session
+from autopar_nb.source import ModelSource
+
+
+def seed_mlp() -> Session:
+    """The seed MLP planned for 2 CPU processes (its alternatives: tp=2, pp=2, dp=2 ZeRO-2, ...)."""
+    source = ModelSource(QUICKSTART_CELL)
+    model, inputs, _ = source.build(device="meta")
+    s = Session(ap.capture(model, inputs), ap.Cluster.preset("cpu", gpus_per_node=2), source, global_batch=32)
+    s.replan()
+    return s
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return seed_mlp()
+
+
+def test_kendall_tau_matches_scipy_with_ties():
+    from scipy.stats import kendalltau
+
+    rng = random.Random(0)
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
+    assert kendall_tau([1.0], [2.0]) == 0.0 and kendall_tau([1, 1, 1], [1, 2, 3]) == 0.0
+    for _ in range(20):
+        n = rng.randint(2, 7)
+        a, b = [rng.randint(0, 3) for _ in range(n)], [rng.randint(0, 3) for _ in range(n)]
+        want = kendalltau(a, b).statistic
+        assert kendall_tau(a, b) == pytest.approx(0.0 if want != want else want)
+
+
+def test_a_trial_stops_when_its_steady_steps_vary_little():
+    slow_start = [0.5, 0.2] + [0.010, 0.0101, 0.0099, 0.010]
+    assert not stable(slow_start, warmup=2, min_steps=5, cv=0.05)  # 4 steady steps: too few
+    assert stable([*slow_start, 0.010], warmup=2, min_steps=5, cv=0.05)
+    assert not stable([0.5, 0.2, 0.010, 0.020, 0.010, 0.020, 0.010], warmup=2, min_steps=5, cv=0.05)
+    assert steady_time([0.5, 0.2, 0.03, 0.01, 0.02], warmup=2) == 0.02 and steady_time([0.4], warmup=2) == 0.4
+    rows = [{"rank": 0, "attempt": 0, "step": 1, "step_time_s": 0.3}, {"rank": 1, "attempt": 0, "step": 1,
+                                                                      "step_time_s": 0.4},
+            {"rank": 1, "attempt": 0, "step": 2, "step_time_s": 0.1}, {"rank": 0, "attempt": 0, "step": 2,
+                                                                      "step_time_s": 0.2}]
+    assert step_times(rows) == [0.4, 0.2]  # a step is as slow as its slowest rank
+
+
+def test_fit_components_recovers_scales_and_changes_the_order():
+    def part(d, c, o, h, ho):
+        return {"device": d, "communication": c, "optimizer": o, "host": h, "host_optimizer": ho}
+
+    # host-bound, device-bound and communication-heavy plans: each scale shows in some of them
+    parts = [part(1.0, 0.0, 0.2, 0.5, 0.1), part(0.5, 0.4, 0.2, 0.2, 0.1), part(0.2, 0.1, 0.1, 3.0, 0.5),
+             part(0.8, 0.3, 0.1, 0.4, 1.0), part(0.3, 0.6, 0.2, 0.1, 0.0)]
+    true = {"device": 2.0, "communication": 10.0, "host": 0.5}
+    measured = [calibration.scaled_step(p, true) for p in parts]
+    scales = calibration.fit_components(parts, measured)
+    assert scales == pytest.approx(true, rel=1e-3)
+    ones = dict.fromkeys(calibration.COMPONENTS, 1.0)
+    before = [calibration.scaled_step(p, ones) for p in parts]
+    assert kendall_tau(before, measured) < 1 and kendall_tau([calibration.scaled_step(p, scales) for p in parts],
+                                                             measured) == 1
+    f = calibration.factors_from_scales(scales, current={"eff_matmul": 0.8, "eff_link": 0.5, "cpu_op_s": 1e-5})
+    assert f == pytest.approx({"eff_matmul": 0.4, "eff_link": 0.05, "cpu_op_s": 5e-6}, rel=1e-3)
+    # one run: a single ratio, for every component
+    assert calibration.fit_components([part(1.0, 1.0, 0.0, 0.5, 0.0)], [4.0]) == dict.fromkeys(
+        calibration.COMPONENTS, 2.0)
+
+
+def test_plans_predicted_not_to_fit_are_skipped_not_run(mlp):
+    needs = sorted(predicted_need(p) for p in [mlp.plan, *mlp.plan.alternatives[:2]])
+    t = tournament(mlp, k=2, steps=3, memory_limit_bytes=needs[0] - 1)  # nothing fits: no process is started
+    assert [e.status for e in t.entries] == ["skipped"] * 3 and all("MiB per rank >" in e.reason for e in t.entries)
+    assert t.tau is None and t.winner is None and t.factors == {} and "no plan measured" in repr(t)
+    with pytest.raises(ValueError, match="nothing to adopt"):
+        t.adopt()
+
+
+def test_the_next_plan_says_where_its_step_times_come_from(mlp, monkeypatch, tmp_path):
+    monkeypatch.setenv("AUTOPAR_CALIBRATION", str(tmp_path / "c.json"))
+    calibration.store("cpu", {"eff_fp32_matmul": 0.5, "cpu_op_s": 2e-5}, {"runs": 5, "tournament": True})
+    cluster = calibration.apply(ap.Cluster.preset("cpu", gpus_per_node=2))
+    plan = ap.plan(mlp.graph, cluster, global_batch=32)
+    assert any(line.startswith("Step times calibrated on ") and "from 5 runs" in line for line in plan.explanation)
+    assert not any("calibrated on" in line for line in mlp.plan.explanation)
+
+
+@pytest.mark.multiprocess
+def test_tournament_of_the_seed_mlp_measures_each_plan_that_fits(monkeypatch, tmp_path):
+    """k=2 on 2 gloo processes: the chosen tp=2, the pp=2 alternative and dp=2 ZeRO-2; a memory limit between
+    their predicted needs skips the largest, the others run (a few steps, through the warm pool)."""
+    monkeypatch.setenv("AUTOPAR_CALIBRATION", str(tmp_path / "c.json"))
+    mlp = seed_mlp()  # its own: adopt() changes the session's plan
+    plans = [mlp.plan, *mlp.plan.alternatives[:2]]
+    needs = [predicted_need(p) for p in plans]
+    limit = sorted(needs)[-1] - 1
+    t = tournament(mlp, k=2, steps=4, warmup=1, memory_limit_bytes=limit, run_root=str(tmp_path))
+    assert [e.plan for e in t.entries] == plans
+    for e, need in zip(t.entries, needs, strict=True):
+        if need > limit:
+            assert e.status == "skipped" and e.measured_s is None and e.steps == 0
+        else:
+            assert e.status == "measured", e.reason
+            assert e.measured_s > 0 and e.steps >= 2 and set(e.peak_by_rank) == {0, 1} and e.calibrated_s > 0
+    assert len(t.measured) == 2 and -1 <= t.tau <= 1 and -1 <= t.tau_calibrated <= 1
+    winner = min(t.measured, key=lambda e: e.measured_s)
+    assert t.winner is winner
+    adopted = t.adopt()
+    assert adopted.diff(winner.plan) == [] and adopted.cost == winner.plan.cost and mlp.plan is adopted
+    assert calibration.load("cpu") == pytest.approx(t.factors) and "measured" in t._repr_html_()
