@@ -133,9 +133,11 @@ class AutoparallelMagics(Magics):
         also the cell's value. Everything the widget does is a call on it: ``ap.plan`` (with ``.explain()``,
         ``.cost``, ``.alternatives``), ``ap.override(glob, tp=..., stage=..., recompute=...)``,
         ``ap.replan(fix=...)``, ``ap.undo()``/``ap.redo()``, ``ap.verify(steps, nproc)``, ``ap.launch(nproc, steps)``
-        (a live dashboard), ``ap.export(path)`` (a plain torchrun script, ``train.py``, beside its runtime module,
-        ``train_runtime.py``; ``single_file=True``: one file) and ``ap.attach(path, host=...)`` (the dashboard of
-        that script run on other hosts, which stream to this notebook).
+        (a live dashboard), ``ap.tournament(k, steps)`` (the plan and its alternatives measured, the cost model
+        calibrated from them; ``.adopt()`` takes the winner), ``ap.export(path)`` (a plain torchrun script,
+        ``train.py``, beside its runtime module, ``train_runtime.py``; ``single_file=True``: one file) and
+        ``ap.attach(path, host=...)`` (the dashboard of that script run on other hosts, which stream to this
+        notebook).
 
         Examples::
 

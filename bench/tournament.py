@@ -1,0 +1,118 @@
+"""Tournament benchmark (issue 45): does the planner's order of its top plans match the measured order?
+
+    .venv/bin/python bench/tournament.py [--models mlp llama gpt mixtral vit cnn] [--k 4] [--steps 20]
+
+For each model (small configurations, planned with the ``cpu`` preset for 2 processes, global batch as in its cell)
+it runs ``ap.tournament(session, k, steps)`` on 2 local gloo processes through the warm pool, against a calibration
+file of its own (``$AUTOPAR_CALIBRATION`` pointed at a temporary file: nothing the developer calibrated changes the
+predictions, and the benchmark changes nothing the developer keeps), and prints the tournament's table, then one
+markdown row per model: the predicted order (plans numbered by the planner's rank, 0 = its choice), the measured
+order, the order after the tournament's calibration (in-sample: fitted on the same measurements), Kendall's tau of
+each against the measured order, the winner and its margin over the runner-up, and the tournament's wall time
+(capture and planning not included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+os.environ["AUTOPAR_CALIBRATION"] = os.path.join(tempfile.mkdtemp(prefix="autopar-bench-"), "calibration.json")
+
+# imported after the calibration file is chosen
+from autopar_nb.capture import capture
+from autopar_nb.demo import QUICKSTART_CELL
+from autopar_nb.hardware import Cluster
+from autopar_nb.launch.tournament import tournament
+from autopar_nb.session import Session
+from autopar_nb.source import ModelSource
+
+ZOO = """\
+import torch
+from autopar_nb import zoo
+
+model = zoo.{model}
+example_inputs = {inputs}
+"""
+TOKENS = "(torch.randint(0, 256, (8, 32)),)"
+CELLS = {
+    "mlp": QUICKSTART_CELL,
+    "llama": ZOO.format(model="Llama(zoo.LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, "
+                              "ffn_dim=128))", inputs=TOKENS),
+    "gpt": ZOO.format(model="GPT(zoo.GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=256))",
+                      inputs=TOKENS),
+    # Mixtral's shape: routed experts only, top-2 renormalised
+    "mixtral": ZOO.format(model="MoETransformer(zoo.MoEConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, "
+                                "n_kv_heads=2, ffn_dim=128, n_dense_layers=0, n_routed_experts=4, "
+                                "n_shared_experts=0, top_k=2, moe_ffn_dim=64, norm_topk_prob=True))",
+                          inputs=TOKENS),
+    "vit": """\
+import torch
+from transformers import ViTConfig, ViTForImageClassification
+
+config = ViTConfig(image_size=16, patch_size=4, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   intermediate_size=128, num_labels=10)
+model = ViTForImageClassification(config)
+example_inputs = {"pixel_values": torch.randn(8, 3, 16, 16), "labels": torch.randint(0, 10, (8,))}
+""",
+    "cnn": ZOO.format(model="ResNet(widths=(16, 32, 64), blocks_per_stage=1, num_classes=10)",
+                      inputs="(torch.randn(8, 3, 16, 16),)"),
+}
+
+
+def order(values: list[float | None]) -> str:
+    """The entries' indices, fastest first ("0 3 1"); entries without a value left out."""
+    return " ".join(str(i) for _, i in sorted((v, i) for i, v in enumerate(values) if v is not None))
+
+
+def one(name: str, k: int, steps: int) -> str:
+    """Capture, plan and run one model's tournament; print its table; return its markdown row."""
+    source = ModelSource(CELLS[name])
+    model, inputs, _ = source.build(device="meta")
+    session = Session(capture(model, inputs), Cluster.preset("cpu", gpus_per_node=2), source)
+    session.replan()
+    t = tournament(session, k=k, steps=steps)
+    print(f"\n[{name}]\n{t!r}\nfitted scales: {t.scales}", flush=True)
+    m = [e if e.status == "measured" else None for e in t.entries]
+    w = t.winner
+    won = "-" if w is None else f"{t.entries.index(w)} ({'chosen' if w is t.entries[0] else 'alternative'})"
+    margin = "-" if t.margin is None else f"{t.margin:.0%}"
+    return (f"| {name} | {order([e and e.predicted_s for e in m])} | {order([e and e.measured_s for e in m])} | "
+            f"{order([e and e.calibrated_s for e in m])} | {fmt(t.tau)} | {fmt(t.tau_calibrated)} | {won} | "
+            f"{margin} | {len(t.measured)}/{len(t.entries)} | {t.wall_s:.0f} s |")
+
+
+def fmt(tau: float | None) -> str:
+    return "-" if tau is None else f"{tau:+.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(CELLS), choices=list(CELLS))
+    parser.add_argument("--k", type=int, default=4, help="alternatives run besides the chosen plan")
+    parser.add_argument("--steps", type=int, default=20, help="the most steps a trial runs")
+    args = parser.parse_args()
+    print(f"{platform.node()}: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    rows = []
+    for name in args.models:
+        try:
+            rows.append(one(name, args.k, args.steps))
+        except Exception as e:  # one model's failure (an optional package missing) must not end the others
+            rows.append(f"| {name} | failed: {type(e).__name__}: {str(e)[:120]} |")
+            print(rows[-1], flush=True)
+    print("\n| model | predicted order | measured order | calibrated order | tau before | tau after | winner | "
+          "by | measured | wall |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
