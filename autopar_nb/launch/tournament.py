@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import calibration
+from ..units import fmt_bytes
 from .launcher import launch
 from .standings import Entry, TournamentResult, kendall_tau, stable, steady_time
 
@@ -73,7 +74,7 @@ def tournament(target: Any, k: int = 4, steps: int = 20, *, warmup: int = WARMUP
     for i, e in enumerate(entries):
         need = predicted_need(e.plan)
         if limit and need > limit:
-            e.status, e.reason = "skipped", f"predicted {need / 2**20:.0f} MiB per rank > {limit / 2**20:.0f} MiB"
+            e.status, e.reason = "skipped", f"predicted {fmt_bytes(need)} per rank > {fmt_bytes(limit)}"
             continue
         trial(e, source, steps=steps, warmup=warmup, cv=cv, min_steps=min_steps, warm=warm, timeout_s=timeout_s,
               run_dir=root / f"plan{i}")
