@@ -1505,6 +1505,29 @@ def test_the_graph_paper_follows_the_theme(seed_graph, theme):
 
 
 @pytest.mark.browser
+def test_a_theme_switch_redraws_the_graph_in_the_new_theme(seed_graph):
+    """Issue 42, point 10: switching JupyterLab's theme (its body's data-jp-theme-* attributes and CSS variables
+    change, the widget's state does not) kept the old graph colours until the next re-plan. The paper follows the
+    switch, both ways, without a change to the widget's state."""
+    w = _session(seed_graph).widget()
+    switch = """([theme, light]) => { for (const [k, v] of Object.entries(theme)) document.body.style.setProperty(k, v);
+      document.body.dataset.jpThemeLight = light; }"""
+    with widget_page(w, JL_LIGHT) as (page, errors):
+        before = page.evaluate(GRAPH_COLOURS)
+        page.evaluate(switch, [JL_DARK, "false"])
+        page.wait_for_timeout(800)
+        dark = page.evaluate(GRAPH_COLOURS)
+        page.evaluate(switch, [JL_LIGHT, "true"])
+        page.wait_for_timeout(800)
+        light = page.evaluate(GRAPH_COLOURS)
+    assert not errors, errors
+    assert _lum(before["paper"]) > 0.8 and _lum(light["paper"]) > 0.8, (before, light)
+    assert _ratio(dark["paper"], dark["panel"]) < 1.6 and _lum(dark["paper"]) < 0.1, dark
+    for text, bg in dark["labels"]:
+        assert _ratio(text, bg) >= 4.5, (text, bg, dark)
+
+
+@pytest.mark.browser
 def test_hovering_a_module_box_shows_what_it_is(seed_graph, llama_graph):
     """Issue 42, point 10: hovering a layer's or module's box (not one of its nodes) showed nothing. It shows a
     tooltip with the module's path, type, split and memory."""

@@ -103,14 +103,14 @@ function render({ model, el, host }) {
   model.on("change:messages", onMessages);
   model.on("change:selection", onSelection);
   model.on("change:timings", onTimings);
-  const stopSize = reportViewport(ui);
+  const stopSize = reportViewport(ui), stopTheme = followTheme(ui);
   return () => {
     model.off("change:revision", renderAll);
     model.off("change:messages", onMessages);
     model.off("change:selection", onSelection);
     model.off("change:timings", onTimings);
     model.off("change:measured", onMeasured);
-    stopPanZoom(); stopGraph(); stopBoard(); stopPanels.forEach((stop) => stop()); stopSize();
+    stopPanZoom(); stopGraph(); stopBoard(); stopPanels.forEach((stop) => stop()); stopSize(); stopTheme();
     if (ui.tl) { ui.tl.ro.disconnect(); ui.tl.u.destroy(); }
   };
 }
@@ -219,6 +219,17 @@ function reportViewport(ui) {
   const narrow = new ResizeObserver(() => ui.root.classList.toggle("ap-narrow", ui.root.clientWidth < NARROW_PX));
   narrow.observe(ui.root);
   return () => { ro.disconnect(); narrow.disconnect(); clearTimeout(timer); };
+}
+
+// JupyterLab's theme switch sets the body's data-jp-theme-* attributes and swaps its CSS variables, with no new
+// model state; the graph's paper and the side panels' chart colours are read when drawn, so they are drawn again
+// (twice: the new theme's stylesheet may land after the attributes change)
+function followTheme(ui) {
+  const timers = [];
+  const redraw = () => { ui.view.svgText = null; renderGraph(ui); renderSide(ui); };  // the SVG again: its tints
+  const mo = new MutationObserver(() => { timers.push(setTimeout(redraw, 50), setTimeout(redraw, 500)); });
+  mo.observe(document.body, { attributes: true, attributeFilter: ["data-jp-theme-light", "data-jp-theme-name"] });
+  return () => { mo.disconnect(); timers.forEach(clearTimeout); };
 }
 
 // ---- toolbar: search, depth, blocks, auto view, zoom ---------------------------------------------------------------
