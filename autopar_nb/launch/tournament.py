@@ -21,6 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import calibration
+from ..cost import estimate
+from ..cost.factors import factors_for
+from ..export import export
+from ..planner import remembered_plan
 from ..units import fmt_bytes
 from .launcher import launch
 from .standings import Entry, TournamentResult, kendall_tau, stable, steady_time
@@ -102,8 +106,6 @@ def contenders(plan: Any, k: int, *, graph: Any, cluster: Any, session: Any = No
     gives the constraints, the planner's next best with ``top_k = k + 1`` (the chosen plan's equal left out)."""
     alts = list(plan.alternatives[:k])
     if len(alts) < k and session is not None:
-        from ..planner import remembered_plan
-
         more = remembered_plan(graph, cluster, global_batch=session.batch, per_rank_batch=session.per_rank_batch,
                                seq_len=graph.seq_len, fix=session.fix, overrides=session.overrides, top_k=k + 1,
                                default_loss=session.source.loss_fn_var is None)
@@ -139,8 +141,6 @@ def trial(e: Entry, source: Any, *, steps: int, warmup: int, cv: float, min_step
           timeout_s: float, run_dir: Path) -> None:
     """Launch ``e.plan``'s exported script, stop it once its steps are stable, and fill ``e`` with what it
     measured."""
-    from ..export import export
-
     p, t0 = e.plan, time.perf_counter()
     run = launch(lambda path: export(source, p, path, quiet=True), p.mesh.world_size, steps, plan=p, warm=warm,
                  run_dir=run_dir)
@@ -180,8 +180,6 @@ def step_times(rows: list[dict]) -> list[float]:
 def fit(measured: list[Entry], cluster: Any) -> tuple[dict[str, float], dict[str, float]]:
     """The component scales fitted to the measured entries, and the cost-model factors that apply them to the
     factors ``cluster``'s plans were made with."""
-    from ..cost.factors import factors_for
-
     scales = calibration.fit_components([calibration.components(e.plan.cost) for e in measured],
                                         [e.measured_s for e in measured])
     current = dataclasses.asdict(factors_for(cluster))
@@ -190,8 +188,6 @@ def fit(measured: list[Entry], cluster: Any) -> tuple[dict[str, float], dict[str
 
 def recost(entries: list[Entry], graph: Any, cluster: Any, factors: dict[str, float]) -> None:
     """Each entry's ``calibrated_s``: its plan costed again by the cost model with ``factors`` in force."""
-    from ..cost import estimate
-
     calibrated = dataclasses.replace(cluster, calibration={**(cluster.calibration or {}), **factors})
     for e in entries:
         e.calibrated_s = float(estimate(graph, calibrated, e.plan).step_time_s)

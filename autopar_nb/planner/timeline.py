@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ..cost.estimate import peak_moments
+from ..cost.schedule import MULTI_STAGE
 from ..hardware import Cluster
 from ..plan import Plan
 from ..units import fmt_bytes
@@ -110,9 +112,6 @@ def memory_timeline(plan: Plan, graph, *, cluster: Cluster | None = None, rank: 
 
 def memory_timelines(plan: Plan, graph, *, cluster: Cluster | None = None) -> list[MemoryTimeline]:
     """:func:`memory_timeline` of every pipeline rank of ``plan``."""
-    from ..cost.estimate import peak_moments
-    from ..cost.schedule import MULTI_STAGE
-
     if plan.cost is None:
         raise ValueError("the plan has no cost: make it with ap.plan() (or estimate it) for this model first")
     cluster = cluster or cluster_of(plan)

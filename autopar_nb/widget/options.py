@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..cost.profile import profile_of
 from ..graph import ModelGraph
 from ..hardware import Cluster
 from ..plan import PlanError
+from ..planner.constraints import parse, sequence_parallel
+from ..planner.search import Search
 from .editor import GLOBAL_NAMES, global_options
 
 
@@ -18,10 +21,6 @@ def option_refusals(graph: ModelGraph, cluster: Cluster, fix: dict[str, Any], ov
     """{key: {option: reason}} for the global options the planner cannot plan with the other fixed choices:
     asked of the planner's own checks (constraint parsing, the mesh enumeration with its runtime restrictions,
     micro-batch, schedule and sequence-parallel rules), without costing, so memory is not judged here."""
-    from ..cost.profile import profile_of
-    from ..planner.constraints import parse
-    from ..planner.search import Search
-
     prof = profile_of(graph, "cpu" if cluster.name == "cpu" else "cuda")
     out: dict[str, dict[str, str]] = {}
     for key, options in global_options(cluster).items():
@@ -78,8 +77,6 @@ def _option_rule(key: str, opt, meshes, search, fix, prof) -> str:
 def _sp_refusal(fix: dict[str, Any], prof, tps: set[int], search) -> str:
     """The planner's reason (``planner.constraints.sequence_parallel``) why ``fix``'s sequence parallelism runs on
     none of the TP degrees ``tps`` (a sequence the ranks cannot share evenly); "" where one of them takes it."""
-    from ..planner.constraints import sequence_parallel
-
     ratio = search.ev.seq_ratio if search.ev is not None else 1.0
     refusals = [sequence_parallel(fix, prof, t, seq_ratio=ratio)[1] for t in sorted(tps) if t > 1]
     return refusals[0] if refusals and all(refusals) else ""
