@@ -133,7 +133,8 @@ def test_launch_and_verify_from_the_widget(tmp_path):
             expect(bad.locator(".apd-error-head")).to_contain_text("injected failure on rank 1 at step 4")
             expect(bad.locator(".apd-traceback")).to_contain_text("Traceback (most recent call last)")
             expect(bad.locator('tr[data-rank="1"]')).to_have_attribute("data-state", "failed")
-            expect(bad.locator('.apd-events li[data-kind="fail"]')).to_contain_text("rank 1")
+            # the event list follows the dashboard's refresh, later than the error head under load (5 s was short)
+            expect(bad.locator('.apd-events li[data-kind="fail"]')).to_contain_text("rank 1", timeout=30_000)
 
             # 3. Verify from the widget: 3 steps, in the background, each row marked with its rule
             type_in(page, "input.ap-run-verify-steps", 3)
