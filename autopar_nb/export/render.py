@@ -407,8 +407,7 @@ def main_source(v: ScriptValues, source: ModelSource, *, telemetry: bool = True)
         lines += ["# data parallelism last: DDP, once the weights are real (it broadcasts rank 0's when it wraps; "
                   "meta has none)",
                   f"parts = [apply_ddp(part, {v.dp_mesh}.get_group(), device=device) for part in parts]"]
-    lines.append("params = parameters_of(parts)")
-    lines.append("optimizer = " + call("build_optimizer", "params", "OPTIMIZER", lr="args.lr",
+    lines.append("optimizer = " + call("build_optimizer", "parameters_of(parts)", "OPTIMIZER", lr="args.lr",
                                        weight_decay="WEIGHT_DECAY", betas="BETAS", indent=12, width=120 - ind,
                                        **({"zero1_group": f"{v.dp_mesh}.get_group()"} if v.zero1 else {})))
     scaler = "None"
