@@ -29,6 +29,7 @@ import textwrap
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from ..plan import layer_of, within
 from ..runtime.tp import REPLICATE, TPStyle
@@ -323,6 +324,7 @@ def head_tables(model: nn.Module, styles: dict[str, TPStyle], *, tp: int, parts:
     modules = dict(model.named_modules())
     out: dict[str, dict[str, int]] = {}
     hooks = []
+    made: dict[int, torch.Tensor] = {}  # what split modules return: a rank's own heads at run time (T5's bias)
     for parent, paths in _split_children(modules, styles).items():
         module = modules[parent]
         head_dim = next((v for a in HEAD_DIMS if isinstance(v := getattr(module, a, None), int)), None)
@@ -339,7 +341,10 @@ def head_tables(model: nn.Module, styles: dict[str, TPStyle], *, tp: int, parts:
                       for m in map(modules.get, paths) if is_projection(m)}
             hooks.append(module.register_forward_pre_hook(
                 lambda _m, args, kwargs, found=found, heads=heads, widths=widths:
-                found.update(_head_inputs(args, kwargs, heads, widths)), with_kwargs=True))
+                found.update(_head_inputs(args, kwargs, heads, widths, made=made)), with_kwargs=True))
+            hooks.append(module.register_forward_hook(
+                lambda _m, _args, result: made.update({id(t): t for t in tree_leaves(result)
+                                                       if isinstance(t, torch.Tensor)})))
     try:
         if hooks:
             call(model)
@@ -349,15 +354,18 @@ def head_tables(model: nn.Module, styles: dict[str, TPStyle], *, tp: int, parts:
     return {parent: found for parent, found in out.items() if found}
 
 
-def _head_inputs(args: tuple, kwargs: dict, heads: int, widths: set[int]) -> dict[str, int]:
+def _head_inputs(args: tuple, kwargs: dict, heads: int, widths: set[int], *, made: dict) -> dict[str, int]:
     """Keyword input -> its heads dim, for the floating-point tensors among ``kwargs`` with one dim of ``heads``;
     not the activations the projections read (last dim one of their input ``widths``), nor, where the batch of those
-    activations is as large as the heads, a tensor whose dim 0 it would be (a float mask (batch, 1, T, T))."""
+    activations is as large as the heads, a tensor whose dim 0 it would be (a float mask (batch, 1, T, T)), nor one
+    that a split module returned (``made``: T5's position bias, computed from a table split with the heads, holds
+    the rank's own heads already)."""
     hidden = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] in widths]
     batch = hidden[0].shape[0] if hidden else None
     out = {}
     for name, t in kwargs.items():
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() < 2 or t.shape[-1] in widths:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() < 2 or t.shape[-1] in widths \
+                or id(t) in made:
             continue
         dims = [d for d, n in enumerate(t.shape) if n == heads]
         if len(dims) == 1 and not (dims[0] == 0 and heads == batch):
