@@ -279,4 +279,8 @@ def test_saved_mixtral_reads_back_with_the_same_logits(saved, tmp_path):
     with torch.no_grad():
         for m in (before, after):
             m.model.norm.weight.fill_(1.0)  # saved as zeros (the loss test's log(vocab)): the logits would be too
-        assert before(tokens).logits.abs().sum() > 0 and torch.equal(before(tokens).logits, after(tokens).logits)
+        assert before(tokens).logits.abs().sum() > 0
+        # the weights are equal (above), but each file puts them at other offsets, so the loaded tensors' memory
+        # alignment differs and the CPU's GEMM kernels may round one unit apart (1.5e-7 of logits up to 0.7 seen)
+        torch.testing.assert_close(after(tokens).logits, before(tokens).logits, rtol=1e-6, atol=1e-6)
+        assert after.config.use_cache == before.config.use_cache  # the script switched it off to train

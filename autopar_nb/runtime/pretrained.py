@@ -11,6 +11,7 @@ stacked from the experts each rank holds); :func:`save_hf` writes the trained we
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 
@@ -273,4 +274,7 @@ def save_hf(path: str, parts: list, model, *, ties: list[list[str]] = ()) -> Non
                                                                         enable_consolidation=True))
     if dist.get_rank() == 0:  # the coordinator joined the ranks' files inside save: what from_pretrained reads
         shutil.rmtree(os.path.join(path, "sharded"))
-        model.config.save_pretrained(path)
+        config = copy.deepcopy(model.config)
+        if getattr(config, "use_cache", None) is False:  # switched off for training (train.switch_off_kv_cache):
+            config.use_cache = True  # whoever loads the weights generates, and reads the cache then
+        config.save_pretrained(path)
