@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from .. import calibration
+from ..cost.factors import factors_for
 from ..cost.loss import unfused_loss_bytes
 from ..cost.tp_styles import LAYOUT_WORDS
 from ..plan import RECOMPUTE
@@ -78,9 +80,6 @@ def memory_components(mb, margin_source: str = "") -> list[dict]:
 
 
 def _margin_source(cluster) -> str:
-    from .. import calibration
-    from ..cost.factors import factors_for
-
     try:
         return calibration.margin_text(factors_for(cluster), getattr(cluster, "name", "") or "")
     except (AttributeError, TypeError, ValueError):
@@ -169,8 +168,6 @@ def explain(plan, best, ranked, over, cons, cluster, prof) -> list[str]:
 
 def _calibrated_lines(cluster) -> list[str]:
     """Where the step times' factors come from, when the cluster carries measured ones (``calibration.apply``)."""
-    from .. import calibration
-
     held = getattr(cluster, "calibration", None) or {}
     if not any(k in held for k in calibration.SPEED_KEYS):
         return []
