@@ -29,7 +29,7 @@ from .failures import where_in_model
 from .graph import Layer, ModelGraph, OpNode, ParamInfo, RepeatedBlock, TensorInfo
 from .plan import layer_of
 from .runtime.cp import takes_positions
-from .runtime.pp import masks_as_in_eager
+from .runtime.pp_graph import masks_as_in_eager
 from .runtime.train import switch_off_kv_cache
 from .stand_in import stand_in, to_meta
 
@@ -64,7 +64,7 @@ def capture(model: nn.Module, example_inputs: Any, *, source: str | None = None,
     model.train()  # trace the training graph: dropout and batch-norm statistics are part of the step
     cached = switch_off_kv_cache(model)  # as the script trains it (runtime/train.py)
     try:
-        try:  # a plain causal or bidirectional mask skipped, as the eager forward does (runtime/pp.py)
+        try:  # a plain causal or bidirectional mask skipped, as the eager forward does (runtime/pp_graph.py)
             with masks_as_in_eager(own_positions="position_ids" not in kwargs):
                 graph = _copied_or_full(lambda s: _from_export(model, args, kwargs, s), model, copy_blocks)
         except Exception as export_error:

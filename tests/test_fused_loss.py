@@ -255,7 +255,8 @@ def _last_stage_step(model, boundaries: list[str], batch: tuple, *, fused: bool)
     """The pipeline's last stage as the runtime builds it (``split_model``, with the fused head as its loss head, a
     ``StageLoss``): its forward from the previous stages' outputs, the loss and backward, the last two profiled;
     returns the loss, the head weight's and the stage input's gradients, and the peak bytes."""
-    from autopar_nb.runtime.pp import StageLoss, split_model
+    from autopar_nb.runtime.pp import StageLoss
+    from autopar_nb.runtime.pp_split import split_model
 
     model = copy.deepcopy(model)
     if fused:

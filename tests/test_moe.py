@@ -578,7 +578,7 @@ def test_traced_stages_get_the_models_experts_modules():
     from runtime_cases import source
 
     from autopar_nb.runtime.ep import experts_in_stages
-    from autopar_nb.runtime.pp import split_model
+    from autopar_nb.runtime.pp_split import split_model
     from autopar_nb.runtime.train import switch_off_kv_cache
 
     torch.manual_seed(0)

@@ -64,7 +64,7 @@ LAYOUTS = {
 }
 # plans the planner must refuse on these models, and why
 REFUSED = {("resnet", "tp2"): "no Linear/Embedding that TP can split"}
-# (recsys pp2 runs: its sparse[:, i] views cross the stage boundary as contiguous copies, runtime/pp.py)
+# (recsys pp2 runs: its sparse[:, i] views cross the stage boundary as contiguous copies, runtime/pp_split.py)
 STEPS = 3
 
 

@@ -351,7 +351,8 @@ def test_stages_hold_what_tensor_parallel_styles_expect():
     c_attn's output into 3 equal parts of whatever width a rank holds."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from autopar_nb.runtime.pp import equal_parts, split_model
+    from autopar_nb.runtime.pp_graph import equal_parts
+    from autopar_nb.runtime.pp_split import split_model
     from autopar_nb.runtime.train import switch_off_kv_cache
 
     def first_input(traced):
@@ -404,7 +405,7 @@ def test_stages_read_only_the_previous_stage():
     import torch
     from torch.utils._pytree import tree_unflatten
 
-    from autopar_nb.runtime.pp import split_model
+    from autopar_nb.runtime.pp_split import split_model
     from autopar_nb.runtime.train import switch_off_kv_cache
 
     model, inputs, _ = run_model_cell(FAMILIES["T5"], {}).source.build(device="cpu")
@@ -430,7 +431,7 @@ def test_cost_model_sends_what_the_stages_receive(first):
     """The values the cost model has crossing a cut (``profile``'s ``crossings``, the pipeline buffers it costs) are
     those ``split_model`` makes the next stage take. T5's stacks call their dropout a second time after the final
     norm: that call stays where it runs, so the encoder's output is not sent beside the final norm's input."""
-    from autopar_nb.runtime.pp import split_model
+    from autopar_nb.runtime.pp_split import split_model
     from autopar_nb.runtime.train import switch_off_kv_cache
 
     src = run_model_cell(FAMILIES["T5"], {}).source
@@ -453,7 +454,7 @@ def test_stages_pass_no_mask_where_eager_makes_none(name):
     A padding mask in the batch still goes through as a mask."""
     import torch
 
-    from autopar_nb.runtime.pp import split_model
+    from autopar_nb.runtime.pp_split import split_model
     from autopar_nb.runtime.train import switch_off_kv_cache
 
     sdpa = torch.ops.aten.scaled_dot_product_attention.default

@@ -108,7 +108,7 @@ def test_pipeline_cut_before_a_layer_that_reads_a_model_input_passes_it_through(
     """RecSys reads its sparse ids again after the tables: a cut before tables.0 gives stage 1 a model input, which
     stage 0 passes on (runtime/pp.chain_stages; the schedules send a stage only the previous stage's outputs); a cut
     before the top MLP runs with static shapes from the trace."""
-    from autopar_nb.runtime.pp import boundary_values, split_model
+    from autopar_nb.runtime.pp_split import boundary_values, split_model
 
     model, (dense, sparse), _ = source(RECSYS_CELL).build()
     stages, whole = split_model(model, boundaries=["tables.0"], microbatch=((dense, sparse), {}))
@@ -200,13 +200,13 @@ def test_meta_init_of_pipeline_stages_equals_real_init(name):
     has the real model's weights and buffers (LLaMA's rotary inv_freq computed; GPT-2's lm_head, a copy of wte on
     the last stage, with wte's values) and the traced pipeline computes the real model's output. Before, the stages
     were traced on meta and held the meta program: LLaMA's position ids made on meta, ViT's trace failed (real
-    pixels, meta convolution), Mixtral's histc took the int branch CPU lacks (runtime/pp.py weights_on)."""
+    pixels, meta convolution), Mixtral's histc took the int branch CPU lacks (runtime/pp_split.py weights_on)."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.utils._pytree import tree_flatten
 
     from autopar_nb.randomness import RandomOff
     from autopar_nb.runtime.data import default_loss
-    from autopar_nb.runtime.pp import boundary_values, split_model
+    from autopar_nb.runtime.pp_split import boundary_values, split_model
     from autopar_nb.runtime.train import switch_off_kv_cache
 
     src = source(FAMILIES[name])

@@ -368,7 +368,7 @@ class Evaluator:
                 by_stage[stage[last]].pipe["kept"] += out
         copies = {(stage[i], name): numel / (s.tp if split and choices[i].tp else 1)
                   for i, lp in enumerate(prof.layers) for name, (numel, split, owner) in lp.borrowed.items()
-                  if stage[owner] != stage[i]}  # a tied parameter's copy on each other stage (runtime/pp.py)
+                  if stage[owner] != stage[i]}  # a tied parameter's copy on each other stage (runtime/pp_split.py)
         for (st, _), numel in copies.items():
             sums.params[rank_of(st)] += numel
             if by_stage:

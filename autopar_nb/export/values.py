@@ -288,7 +288,7 @@ def _check_traced_sizes(sizes: dict[str, dict[str, int]]) -> None:
     pipeline's trace fixes what the code computed from the global count (nanoGPT's
     ``view(B, T, self.n_head, -1)``, T5's ``zeros(1, self.n_heads, q, k)``), which no
     ``set_local_sizes`` reaches; only the widths of equal parts split apart adapt
-    (``runtime.pp.splits_into_equal_parts``: GPT-2's ``split_size``)."""
+    (``runtime.pp_graph.splits_into_equal_parts``: GPT-2's ``split_size``)."""
     counts = {*HEAD_COUNTS, *KV_HEADS, *GROUPS}
     for path, attributes in sizes.items():
         read = [name for name in attributes if name.rpartition(".")[2] in counts]

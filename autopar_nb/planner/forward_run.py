@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..runtime.heads import set_local_sizes, shard_head_tables
-from ..runtime.pp import masks_as_in_eager
+from ..runtime.pp_graph import masks_as_in_eager
 from ..runtime.pretrained import tied_parameters
 from ..runtime.tp import apply_tp, tie_parameters
 from ..runtime.train import switch_off_kv_cache

@@ -35,7 +35,7 @@ from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .pp import masks_as_in_eager
+from .pp_graph import masks_as_in_eager
 
 SEQ_DIM = 2
 """the sequence dim of SDPA's (batch, heads, seq, head_dim) query, key and value"""

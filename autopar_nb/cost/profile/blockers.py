@@ -7,7 +7,7 @@ from .facts import FLOAT, Facts
 
 
 def pp_blocker(f: Facts) -> str:
-    """Why pipeline stages cannot be cut between layers ("" when they can): ``runtime/pp.py`` traces
+    """Why pipeline stages cannot be cut between layers ("" when they can): ``runtime/pp_split.py`` traces
     the model with ``torch.export`` (torch's ``pipeline()``), so a model only the eager fallback of
     capture could record cannot be split. Anything else the layers pass on is a tensor the stages
     send (a non-contiguous view as its contiguous copy, a value read further on passed through the

@@ -56,7 +56,7 @@ def _boundary_bytes(layers: dict[str, LayerProfile], f: Facts
 def count_crossings(f: Facts, amp: dict[str, Facts],
                     first_saver: dict[str, str]) -> list[list[Crossing]]:
     """Per layer index k, the tensors a pipeline cut right before layer k sends, as
-    ``runtime/pp.py``'s ``chain_stages`` passes them: every value made before k (or a model input)
+    ``runtime/pp_graph.py``'s ``chain_stages`` passes them: every value made before k (or a model input)
     that an op at or after k reads, once each (a value read further on is passed through every stage
     between). A node outside every layer (code in a model's own forward between its modules)
     belongs to the layer before it, as a cut at the next layer's start leaves it. Only a layer's
