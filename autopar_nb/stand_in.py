@@ -26,6 +26,8 @@ class StandIn:
     kwargs: dict
     results: dict = field(default_factory=dict)
     """layout key -> what running it gave (None: it ran; else (module path, why)): each layout runs once"""
+    tables: dict = field(default_factory=dict)
+    """layout key -> the head-indexed tables it split with the heads (module path -> name -> heads dim)"""
 
 
 def to_meta(x: Any) -> Any:

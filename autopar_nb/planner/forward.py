@@ -55,6 +55,7 @@ def checked_profile(graph, device_kind: str, cluster, fix: dict | None):
                 stand.results[layout] = run_layout(stand, layout)
             failed = stand.results[layout]
             if failed is None:
+                prof = _with_tables(graph, stand.tables.get(layout, {}), device_kind, prof)
                 break
             path, why = failed
             kept = {p: why for p in same_in_every_block(graph, path)}
@@ -63,6 +64,18 @@ def checked_profile(graph, device_kind: str, cluster, fix: dict | None):
             graph.tp_refused.update(kept)
             prof = profile_of(graph, device_kind)
     return prof
+
+
+def _with_tables(graph, tables: dict[str, dict[str, int]], device_kind: str, prof):
+    """The profile once ``graph.tp_tables`` holds the head-indexed tables a layout that ran split (found in the
+    first member of each repeated block: every member's are named)."""
+    named = {f"{m}.{name}": dim for path, names in tables.items() for m in same_in_every_block(graph, path)
+             for name, dim in names.items()}
+    known = graph.__dict__.setdefault("tp_tables", {})  # a graph pickled before the field existed lacks it
+    if all(known.get(k) == d for k, d in named.items()):
+        return prof
+    known.update(named)
+    return profile_of(graph, device_kind)
 
 
 def sampled_layout(graph, prof, tp: int) -> Layout:

@@ -64,6 +64,7 @@ def run_layout(stand: StandIn, layout: Layout) -> tuple[str, str] | None:
                              call=lambda model: call(model, stand))
     except (NotImplementedError, ValueError):
         return None  # export refuses it with its own message
+    stand.tables[layout] = tables
     ties = tied_parameters(model)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore

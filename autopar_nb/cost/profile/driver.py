@@ -28,7 +28,8 @@ def profile_of(graph, device_kind: str = "cuda", *, fp32_ops=(),
     """:func:`profile`, computed once per (graph, device kind, op lists) and kept while the graph
     lives (the latest one per graph)."""
     how = (device_kind, tuple(fp32_ops), tuple(low_precision_ops),
-           tuple(sorted(getattr(graph, "tp_refused", {}).items())))
+           tuple(sorted(getattr(graph, "tp_refused", {}).items())),
+           tuple(sorted(getattr(graph, "tp_tables", {}).items())))
     return once_per_graph(_PROFILES, graph, how,
                           lambda: profile(graph, device_kind=device_kind, fp32_ops=fp32_ops,
                                           low_precision_ops=low_precision_ops))

@@ -25,6 +25,9 @@ def count_tp(layers: dict[str, LayerProfile], f: Facts) -> set[str]:
         if (norm_op or _python_norm(n)) and n.name not in f.tp.sharded and n.module_path and \
                 n.params and n.module_path not in lp.norms:
             lp.norms.append(n.module_path)
+    # head-indexed tables go with their heads (runtime/heads.py's shard_head_tables), found by a layout run at plan
+    # time: a rank holds heads / tp of them
+    split_params.update(t for t in getattr(f.graph, "tp_tables", {}) if t in f.graph.params)
     owner = {m: lay.path for lay in f.graph.layers for m in lay.modules}
     # a module holding a shared weight without running is split with its users
     for module, style in f.tp.holders.items():
