@@ -1,6 +1,6 @@
-"""The models people bring: twelve families built from Hugging Face configs with their default flags (dropout, tied
-embeddings, caches, fused projections, MoE), tiny sizes, and the steps a new user takes with each: capture and plan
-(``%%autoparallel``), verify the planner's plan, verify ``--fix tp=2`` and ``--fix dp=2,zero=3``, export and
+"""The models people bring: fourteen families built from Hugging Face configs with their default flags (dropout,
+tied embeddings, caches, fused projections, MoE, ALiBi), tiny sizes, and the steps a new user takes with each: capture
+and plan (``%%autoparallel``), verify the planner's plan, verify ``--fix tp=2`` and ``--fix dp=2,zero=3``, export and
 ``torchrun``. ``run_matrix`` runs them (the verify cases of all families in ONE launch of 2 processes) and returns a
 table; ``tests/test_zoo.py`` asserts it, ``bench/zoo.py`` prints it for the README."""
 
@@ -74,6 +74,22 @@ example_inputs = {"pixel_values": torch.randn(4, 3, 16, 16), "labels": torch.ran
                               "                      num_attention_heads=4, num_key_value_heads=2, "
                               "num_local_experts=4,\n                      num_experts_per_tok=2, "
                               "max_position_embeddings=64"),
+    # ALiBi: the model makes every head's bias once and hands it to each attention (MPT: by keyword, split with the
+    # heads on the way in; Bloom: folded into the batch and added inside baddbmm)
+    "MPT": """\
+import torch
+from transformers import MptConfig, MptForCausalLM
+
+model = MptForCausalLM(MptConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=8, max_seq_len=64))
+example_inputs = (torch.randint(0, 128, (4, 16)),)
+""",
+    "Bloom": """\
+import torch
+from transformers import BloomConfig, BloomForCausalLM
+
+model = BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4))
+example_inputs = (torch.randint(0, 128, (4, 16)),)
+""",
     "CNN + BatchNorm": """\
 import torch
 import torch.nn as nn

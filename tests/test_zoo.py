@@ -1,4 +1,4 @@
-"""The models people bring, end to end (issue: "the models people bring"): twelve families built from Hugging Face
+"""The models people bring, end to end (issue: "the models people bring"): fourteen families built from Hugging Face
 configs with their default flags go through capture + plan, verify of the planner's plan, of ``tp=2`` and of
 ``dp=2,zero=3``, and export + torchrun (tests/families.py; all verify cases in one launch of 2 processes)."""
 
