@@ -294,6 +294,22 @@ example_inputs = (torch.randint(0, 128, (4, 16)),)
 """MPT: the ALiBi bias of every head, (heads, 1, T), made once by the model and handed to each attention as
 ``position_bias`` (8 heads: a batch of 4 cannot be mistaken for them)"""
 
+HF_DEEPSEEK_V3_CELL = """\
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+config = DeepseekV3Config(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                          num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
+                          kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                          max_position_embeddings=64)
+model = DeepseekV3ForCausalLM(config)
+example_inputs = (torch.randint(0, 128, (4, 16)),)
+"""
+"""DeepSeek-V3: MLA attention (low-rank q_a_proj / kv_a_proj_with_mqa with their norms, head-carrying q_b_proj /
+kv_b_proj, a rope key of one head written into every head's key with expand and copy_), a dense first layer, then
+routed and shared experts"""
+
 
 def with_parts(plan: Plan, parts: dict[str, list[int]]) -> Plan:
     """``plan`` with ``LayerPlan.tp_parts`` filled from ``parts`` (module path -> heads per part), re-checked."""

@@ -14,6 +14,7 @@ import torch
 from runtime_cases import (
     GPT_CELL,
     HF_BLOOM_CELL,
+    HF_DEEPSEEK_V3_CELL,
     HF_GEMMA2_CELL,
     HF_GEMMA_CELL,
     HF_MPT_CELL,
@@ -239,6 +240,24 @@ def test_blooms_attention_is_kept_whole_with_the_reason():
             "ALiBi bias passed in) to its split scores in baddbmm: a rank holds only its own heads") in line, line
     with pytest.raises(ap.PlanError, match="cannot be split.*ALiBi"):
         ap.plan(graph, CPU2, fix={"tp": 2}, overrides={"transformer.h.*.self_attention": {"tp": "colwise-rowwise"}})
+
+
+@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+def test_deepseek_v3s_mla_attention_is_kept_whole_with_the_reason():
+    """MLA writes one rope key, made by the replicated kv_a_proj_with_mqa, into every head's key (expand, then copy_
+    into a slice of new_empty): split by heads, a rank's gradient of it would hold only its own heads' share. The
+    attention stays whole and explain() and an override say why in one line (they said nothing: the attention was
+    left whole for lack of a partner)."""
+    graph, plan = planned(HF_DEEPSEEK_V3_CELL)
+    assert not [m for m in plan.tp_plan if ".self_attn." in m], plan.tp_plan
+    assert "model.layers.0.mlp.gate_proj" in plan.tp_plan  # the dense MLP is split
+    line = refusal(plan)
+    assert "model.layers.0.self_attn.kv_b_proj" in line and "\n" not in line, line
+    assert ("model.layers.0.self_attn writes one tensor that all heads share into every head (4x1x16x8 from "
+            "model.layers.0.self_attn.kv_a_proj_with_mqa, broadcast over the heads by expand into copy_: e.g. MLA's "
+            "rope key); split by heads, a rank would sum its gradient over its own heads only") in line, line
+    with pytest.raises(ap.PlanError, match="cannot be split.*MLA's rope key"):
+        ap.plan(graph, CPU2, fix={"tp": 2}, overrides={"model.layers.*.self_attn": {"tp": "colwise-rowwise"}})
 
 
 @pytest.mark.skipif(not has_transformers(), reason="transformers not installed")

@@ -13,7 +13,8 @@ style implies, and which views reshape, come from the op's ``kernels_ext`` rule 
 cannot take it (a norm, a residual add with a full-size replicated tensor, a reduction, a Linear kept replicated, an
 attention op or a plain matmul whose operands are not all sharded, or a Linear-like module PyTorch TP cannot split)
 turns the Linears that sharded it back to ``replicate`` (refused, with the reason, where it is a replicated tensor
-added to a product of split operands: Bloom's ALiBi bias of every head in ``baddbmm``). ``nn.Linear`` and Hugging
+added to a product of split operands: Bloom's ALiBi bias of every head in ``baddbmm``; or one tensor of trainable
+values broadcast into every head: MLA's rope key; :mod:`.tp_refusals`). ``nn.Linear`` and Hugging
 Face's ``Conv1D`` (weight stored (in, out)) get split styles; an Embedding is vocab-sharded (rowwise) only when its
 ids come from the model's inputs (not ``torch.arange`` positions) and the table has at least as many rows as columns
 (not a small table).
@@ -44,14 +45,10 @@ from typing import NamedTuple
 
 import kernels_ext
 
+from .tp_refusals import packet, refuse_shared, whole_bias
+
 PROJECTIONS = ("Linear", "Conv1D")
 """module classes whose Linear-like ops TP splits: ``nn.Linear`` and Hugging Face's ``Conv1D`` (weight (in, out))"""
-
-
-def packet(op: str) -> str:
-    """'aten.linear.default' -> 'linear' (for messages)."""
-    parts = op.split(".")
-    return parts[1] if len(parts) >= 2 else op
 
 
 def rule_of(op: str) -> kernels_ext.OpRule | None:
@@ -195,17 +192,6 @@ def _head_biases(graph, by_name, from_input) -> dict[str, int]:
                     seen.add(r.name)
                     todo.append(r.name)
     return out
-
-
-def _whole_bias(n, sharded, by_name) -> str:
-    """Why matmul ``n`` cannot take operands split by heads when it adds a replicated tensor to their product (Bloom's
-    ``alibi.baddbmm(q, k)``: the ALiBi bias of every head, made by the model and passed in); "" for another cause."""
-    bias = [by_name[i].out_shapes[0] for i in n.inputs[:-2] if i not in sharded and i in by_name]
-    if not bias or not all(i in sharded for i in n.inputs[-2:]):
-        return ""
-    return (f"{n.module_path or 'the model'} adds a tensor of every head made outside it (shape "
-            f"{'x'.join(map(str, bias[0]))}, e.g. an ALiBi bias passed in) to its split scores in {packet(n.op)}: "
-            "a rank holds only its own heads")
 
 
 def _splits_last_dim(n) -> bool:
@@ -380,7 +366,7 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
             continue
         if n.op_class == "matmul" and not n.params and any(i not in sharded and i in by_name for i in n.inputs):
             conflicts |= seed  # eager attention's q @ k^T and scores @ v: both operands split by heads, or neither
-            why = _whole_bias(n, sharded, by_name)
+            why = whole_bias(n, sharded, by_name)
             refused.update({k: why for k in seed if why and k not in refused})
             continue
         if s_in[0] in last and _splits_last_dim(n):  # a fused projection: split part by part, or refused
@@ -394,8 +380,8 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
             seeds[n.name] = seed
             last.add(n.name)  # each piece is sharded on its last dim: a second cut is refused
             continue
-        if rep_in and any(out_numel.get(i, 0) >= out_numel.get(s_in[0], 0) for i in rep_in) and \
-                n.op_class == "elementwise":
+        if n.op_class == "elementwise" and (any(out_numel.get(i, 0) >= out_numel.get(s_in[0], 0) for i in rep_in) or
+                                            refuse_shared(n, s_in, seed, refused, sharded, graph, by_name, out_numel)):
             conflicts |= seed
             continue
         rule = rule_of(n.op)
