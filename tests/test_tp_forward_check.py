@@ -258,6 +258,10 @@ def test_deepseek_v3s_mla_attention_is_kept_whole_with_the_reason():
             "rope key); split by heads, a rank would sum its gradient over its own heads only") in line, line
     with pytest.raises(ap.PlanError, match="cannot be split.*MLA's rope key"):
         ap.plan(graph, CPU2, fix={"tp": 2}, overrides={"model.layers.*.self_attn": {"tp": "colwise-rowwise"}})
+    # the widget's choices for the attention say the same
+    from autopar_nb.widget.editor import structural_refusal
+
+    assert "MLA's rope key" in structural_refusal(graph, "model.layers.1.self_attn", "colwise-rowwise")
 
 
 @pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
