@@ -406,3 +406,32 @@ def test_an_op_that_returns_its_input_moves_no_bytes(amp):
 
     none, zero, drop = block(nn.Identity()), block(nn.Dropout(0.0)), block(nn.Dropout(0.1))
     assert zero == none < drop
+
+
+def test_hidden_collectives_slow_the_compute_beside_them(gpt):
+    """What DP's collectives hide behind the backward is not free: each hidden second costs
+    ``overlap_contention`` seconds of compute (arXiv:2507.03114: 18.9 % on average), shown as the kind
+    "contention" and in the step; without it the step is that much shorter."""
+    c = ap.Cluster.preset("h100-80gb", 1, 8)
+    s = Setting(dp=8, amp="bf16", mb_samples=4, zero_stage=0)
+    cost = _cost(gpt, c, s)
+    hidden = cost.comm_by_kind["all_reduce"] - cost.comm_exposed_by_kind.get("all_reduce", 0.0)
+    assert hidden > 0 and factors_for(c).overlap_contention == pytest.approx(0.189)
+    assert cost.comm_exposed_by_kind["contention"] == pytest.approx(0.189 * hidden)
+    free = dataclasses.replace(c, calibration={"overlap_contention": 0.0})
+    assert cost.step_time_s - _cost(gpt, free, s).step_time_s == pytest.approx(0.189 * hidden)
+    assert factors_for(ap.Cluster.preset("cpu")).overlap_contention == 0.0  # measured on GPUs only
+
+
+def test_fsdp_copies_cost_their_bytes(gpt):
+    """FSDP2 copies each all-gather's output into the unsharded parameters (2 bytes read + 2 written per
+    bf16 parameter) and each micro-batch's unsharded bf16 gradients into the fp32 reduce-scatter input (2 + 4):
+    ZeRO-3 with 2 micro-batches gathers 4 times and reduce-scatters twice; ZeRO-2 gathers once."""
+    c = ap.Cluster.preset("h100-80gb", 1, 8)
+    f = factors_for(c)
+    numel = gpt.num_params
+    hbm = c.device.hbm_bandwidth * f.eff_hbm
+    for zero, gathers in ((3, 4), (2, 1)):
+        s = Setting(dp=8, amp="bf16", mb_samples=2, zero_stage=zero, micro_batches=2)
+        got = _cost(gpt, c, s).comm_by_kind["fsdp copies"]
+        assert got == pytest.approx((gathers * 2 * 2 + 2 * (2 + 4)) * numel / hbm, rel=1e-6)

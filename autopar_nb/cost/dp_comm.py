@@ -19,8 +19,9 @@ from .terms import CommTime, RankSums
 
 def data_parallel_comm(s: Setting, sums: RankSums, bottleneck: int, comm: CommTime, *, cluster, factors) -> float:
     """The data-parallel collectives of a step over the dp * cp ranks that hold the same parameters, overlapped
-    with backward up to a factor (``overlap_dp``, ``overlap_fsdp``). Adds them to ``comm``; returns the exposed
-    seconds."""
+    with backward up to a factor (``overlap_dp``, ``overlap_fsdp``), the hidden part slowing the compute beside it
+    (``overlap_contention``), with FSDP's copies into and out of its collectives' buffers (:func:`fsdp_copies`).
+    Adds them to ``comm``; returns the exposed seconds."""
     if s.replicas <= 1:
         return 0.0
     f, m = factors, s.micro_batches
@@ -44,19 +45,28 @@ def data_parallel_comm(s: Setting, sums: RankSums, bottleneck: int, comm: CommTi
         kinds = {"all_reduce": (ar, ar - min(f.overlap_dp * ar, window)), "all_gather": (ag, ag)}
     else:
         pipelined = s.pp > 1
-        rs = (1 if pipelined else m) * ct("reduce_scatter", g_item)
+        n_rs = 1 if pipelined else m
+        rs = n_rs * ct("reduce_scatter", g_item)
         gathers = 1 if s.held_zero_stage == 2 else m + 1 if pipelined else 2 * m
         ag = gathers * ct("all_gather", p_item)
         ov = f.overlap_fsdp if s.held_zero_stage == 3 else f.overlap_dp
         hidden = rs * (0 if pipelined else 1) + ag
         exposed = hidden - min(ov * hidden, m * sums.fwdbwd[bottleneck])
         share = exposed / hidden if hidden else 0.0
-        kinds = {"reduce_scatter": (rs, rs * share if not pipelined else rs), "all_gather": (ag, ag * share)}
-    total = 0.0
-    for kind, (t, exposed) in kinds.items():
-        if t:
-            comm.by_kind[kind] = comm.by_kind.get(kind, 0.0) + t
-        if exposed:
-            comm.exposed_by_kind[kind] = comm.exposed_by_kind.get(kind, 0.0) + exposed
-        total += exposed
-    return total
+        rs_share = share if not pipelined else 1.0
+        copy_out, copy_in = fsdp_copies(sums.params[r], gathers, n_rs, p_item, g_item, cluster.device, f)
+        kinds = {"reduce_scatter": (rs, rs * rs_share), "all_gather": (ag, ag * share),
+                 "fsdp copies": (copy_out + copy_in, copy_out + copy_in * rs_share)}
+    return sum(comm.record(kind, t, exposed, f.overlap_contention) for kind, (t, exposed) in kinds.items() if t)
+
+
+def fsdp_copies(numel: float, gathers: int, reduce_scatters: int, p_item: int, g_item: int, device,
+                factors) -> tuple[float, float]:
+    """(all-gather copy-out, reduce-scatter copy-in) seconds of FSDP2 for a rank's ``numel`` unsharded parameters
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): after each all-gather, ``split_with_sizes_copy``
+    reads the gathered buffer and writes the unsharded parameters (``p_item`` bytes each way), on the compute
+    stream; before each reduce-scatter, ``chunk_cat`` reads the unsharded gradients (``p_item``) and writes the
+    reduce-scatter input in the reduce dtype (``g_item``), on the reduce-scatter stream. Memory-bound: bytes / HBM
+    bandwidth."""
+    hbm = device.hbm_bandwidth * factors.eff_hbm
+    return gathers * 2 * numel * p_item / hbm, reduce_scatters * numel * (p_item + g_item) / hbm

@@ -493,20 +493,16 @@ class Evaluator:
         return self.head.temp_bytes(tokens, half=half, tp=tp) + (lt.act["none"] if recompute == "full" else 0.0)
 
     def _pipeline_comm(self, s: Setting, sums: RankSums, comm: CommTime) -> float:
-        """Point-to-point sends between stages: fill/drain on the critical path, the rest mostly hidden. Adds to
-        ``comm``; returns the exposed seconds."""
+        """Point-to-point sends between stages: fill/drain on the critical path, the rest mostly hidden (and
+        slowing the compute it hides behind). Adds to ``comm``; returns the exposed seconds."""
         if s.pp <= 1:
             return 0.0
         f = self.f
         pp_link = link_for(self.cluster, size=s.pp, stride=s.tp * s.replicas)
         p2p_t = max((collective_time("send_recv", b, 2, pp_link, f.eff_link) for b in sums.p2p), default=0.0)
         total = 2 * s.micro_batches * p2p_t * s.virtual_stages
-        exposed = 2 * (s.pp - 1) * p2p_t + (1 - f.overlap_pp) * total
-        if total:
-            comm.by_kind["send_recv"] = total
-        if exposed:
-            comm.exposed_by_kind["send_recv"] = exposed
-        return exposed
+        return comm.record("send_recv", total, 2 * (s.pp - 1) * p2p_t + (1 - f.overlap_pp) * total,
+                           f.overlap_contention)
 
     def rank_moments(self, s: Setting, choices: list[LayerChoice], *, per_op: bool = False) -> list[list[tuple]]:
         """Per pipeline rank, every moment :meth:`evaluate` weighs for the rank's peak: (phase — "forward",

@@ -183,6 +183,18 @@ class CommTime:
     exposed_by_kind: dict[str, float] = field(default_factory=dict)
     exposed: float = 0.0
 
+    def record(self, kind: str, total: float, exposed: float, contention: float) -> float:
+        """Add ``total`` seconds of ``kind``, ``exposed`` of them on the critical path; the rest runs beside
+        compute and slows it by ``contention`` seconds per second (``Factors.overlap_contention``), kept as the
+        kind "contention" (all of it exposed). Returns the seconds the step gains."""
+        slowed = contention * max(total - exposed, 0.0)
+        for key, t, e in ((kind, total, exposed), ("contention", slowed, slowed)):
+            if t:
+                self.by_kind[key] = self.by_kind.get(key, 0.0) + t
+            if e:
+                self.exposed_by_kind[key] = self.exposed_by_kind.get(key, 0.0) + e
+        return exposed + slowed
+
 
 class FsdpUnit(NamedTuple):
     """One ``fully_shard`` group of consecutive layers."""
