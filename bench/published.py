@@ -30,6 +30,7 @@ refusal names), costed on the real cluster, and marked "does not fit".
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import platform
@@ -112,6 +113,8 @@ class Row:
     excluded: str = ""
     """why the row is left out of the summary (it needs something the product does not run)"""
     notes: str = ""
+    hbm_tbs: float | None = None
+    """the card's HBM bandwidth in TB/s where the source states one other than the preset's"""
 
     @property
     def fix(self) -> dict:
@@ -271,7 +274,8 @@ ROWS += [
 # pipeline_parallel_microbatches defaults to the PP degree (config_manager.py @9dec370).
 TT12 = "torchtitan Dec 2024"
 H96 = 96.0  # "96GB HBM2e"
-TT12_NOTE = "500 W, 2.4 TB/s HBM2e H100s costed as the 700 W, 3.35 TB/s SXM preset"
+TT12_HBM = 2.4  # "with 2.4 TB/sec peak memory bandwidth"
+TT12_NOTE = "500 W H100s costed at the 700 W SXM preset's peak FLOP/s (their 2.4 TB/s HBM2e: the card's)"
 tt_8b = {"sequence_parallel": False, "fused_loss": False, "fused_norm": False}
 for gpus, table, rows in (
         # Table 1: "1D Parallelism (FSDP). Llama 3.1 8B model. 8 GPUs. Local batch size 2, global
@@ -286,7 +290,7 @@ for gpus, table, rows in (
             f"Llama 3.1 8B FSDP{' + compile' if compiled else ''}{' + Float8' if excl else ''}, "
             f"{gpus} GPUs", "torchtitan", f"{TT12} {table}", "llama3-8b", "h100-80gb", gpus,
             {"dp": gpus, "zero_stage": 3, "micro_batches": 1}, 2 * gpus, 8192, "selective",
-            "tokens", tps, mem, H96, {**tt_8b, "compile": compiled}, excl, TT12_NOTE))
+            "tokens", tps, mem, H96, {**tt_8b, "compile": compiled}, excl, TT12_NOTE, hbm_tbs=TT12_HBM))
 # Table 2: "FSDP + CP + torch.compile + Float8. Llama 3.1 8B model. 8 GPUs. Local batch size 1.
 # Full activation checkpointing." | Parallelism | Sequence Length | TPS/GPU | Memory(GiB) |
 for fsdp, cp, seq, tps, mem in ((8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 84.2),
@@ -296,7 +300,7 @@ for fsdp, cp, seq, tps, mem in ((8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 8
         f"{TT12} Table 2", "llama3-8b", "h100-80gb", 8,
         {"dp": fsdp, "zero_stage": 3, "micro_batches": 1, **({"cp": cp} if cp > 1 else {})},
         fsdp, seq, "full", "tokens", tps, mem, H96, {**tt_8b, "compile": True},
-        "needs FP8 (Float8)", TT12_NOTE))
+        "needs FP8 (Float8)", TT12_NOTE, hbm_tbs=TT12_HBM))
 # Table 4: "2D parallelism (FSDP + TP) + torch.compile + Float8. Llama 3.1 70B model. 256 GPUs
 # (FSDP 32, TP 8). Local batch size 16, global batch size 512. Full activation checkpointing."
 # (torchtitan's TP splits the norms' sequence: sequence parallelism)
@@ -307,7 +311,7 @@ for label, tps, mem, excl in (("2D", 829, 71.9, "needs FP8 (Float8)"),
         "h100-80gb", 256, {"dp": 32, "tp": 8, "zero_stage": 3, "micro_batches": 1}, 512, 8192,
         "full", "tokens", tps, mem, H96,
         {"sequence_parallel": True, "fused_loss": False, "fused_norm": False, "compile": True},
-        excl, TT12_NOTE))
+        excl, TT12_NOTE, hbm_tbs=TT12_HBM))
 # Table 5: "3D parallelism (FSDP + TP + PP) + torch.compile + Float8 + AsyncTP. Llama 3.1 405B
 # model. 512 GPUs (FSDP 8, TP 8, PP8). Local batch size 32, global batch size 256. Full
 # activation checkpointing." | Schedule | TPS/GPU | Memory(GiB) |
@@ -319,7 +323,7 @@ for sched, tps, mem in (("1f1b", 100, 82.5), ("interleaved_1f1b", 128, 72.7)):
         {"dp": 8, "tp": 8, "pp": 8, "zero_stage": 3, "schedule": sched, "micro_batches": 8},
         256, 8192, "full", "tokens", tps, mem, H96,
         {"sequence_parallel": True, "fused_norm": False}, "needs FP8 (Float8) and async TP",
-        TT12_NOTE))
+        TT12_NOTE, hbm_tbs=TT12_HBM))
 # Table 6: "4D parallelism (FSDP + TP + PP + CP) + torch.compile + Float8 + AsyncTP + 1F1B.
 # Llama 3.1 405B model. 512 GPUs (TP 8, PP8). Local batch size 8. Full activation
 # checkpointing." | Parallelism | Sequence Length | TPS/GPU | Memory(GiB) |
@@ -332,7 +336,7 @@ for fsdp, cp, seq, tps, mem in ((8, 1, 32768, 76, 75.3), (4, 2, 65536, 47, 75.9)
          **({"cp": cp} if cp > 1 else {})},
         8 * fsdp, seq, "full", "tokens", tps, mem, H96,
         {"sequence_parallel": True, "fused_norm": False}, "needs FP8 (Float8) and async TP",
-        TT12_NOTE))
+        TT12_NOTE, hbm_tbs=TT12_HBM))
 
 # torchtitan docs/performance.md @3faaa1a0d (Aug 2024), "Llama 3.1 performance numbers": "405B
 # model ... on 128 H100 GPUs", "Llama 3.1 (405B) on 128 H100 (94GB memory)", 2D (FSDP2 + Tensor
@@ -471,8 +475,16 @@ KNOWN = [
     "unmeasured at this scale. Before, the gathered logits made these +30 % and +42 %. "
     "#27 with the planner's v = 8 (64 chunks of about two layers): +5 % memory, throughput "
     "-17 % (-35 % at v = 2).",
-    "Hardware: torchtitan's H100s ran at 500 W with 2.4 TB/s HBM2e (#14-#31) or lower TDP "
-    "(#32-#34); the h100-80gb preset is the 700 W SXM: #14-#18 are predicted 8-17 % faster.",
+    "Hardware: torchtitan's H100s ran at 500 W with 2.4 TB/s HBM2e (#14-#31: costed at that "
+    "bandwidth, the page's figure; at the preset's 3.35 TB/s #14-#18 were +8 to +17 %) or lower "
+    "TDP (#32-#34); their FLOP/s are the 700 W SXM preset's (no published figure for the power "
+    "cap).",
+    "Overlap is not free: each second of communication hidden behind compute costs "
+    "Factors.overlap_contention = 0.189 s (arXiv:2507.03114: 18.9 % average compute slowdown "
+    "while overlapped), and FSDP2's copies into and out of its collectives' buffers move "
+    "2 x 2 bytes per parameter per all-gather and 2 + 4 per reduce-scatter (cost/dp_comm.py). "
+    "With them the FSDP rows move 3-6 % slower: #14-#18 come within 7 %; #11 (-7 -> -10 %) and "
+    "#40 (-7 -> -11 %) leave the 10 % band.",
 ]
 
 
@@ -523,7 +535,11 @@ def cluster_for(row: Row, memory_gib: float | None = None):
     gpn = min(8, row.gpus)
     if memory_gib is None and row.card_gb:
         memory_gib = row.card_gb * 1e9 / GiB
-    return ap.Cluster.preset(row.preset, row.gpus // gpn, gpn, memory_gb=memory_gib)
+    cluster = ap.Cluster.preset(row.preset, row.gpus // gpn, gpn, memory_gb=memory_gib)
+    if row.hbm_tbs is None:
+        return cluster
+    device = dataclasses.replace(cluster.device, hbm_bandwidth=row.hbm_tbs * 1e12)
+    return dataclasses.replace(cluster, device=device)
 
 
 def predict(row: Row, graph) -> Result:
@@ -680,7 +696,9 @@ def markdown(results: list[Result]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for i, r in enumerate(results, 1):
         row = r.row
-        gpus = f"{row.gpus} x {row.preset}" + (f" ({row.card_gb:g} GB)" if row.card_gb else "")
+        card = ", ".join(([f"{row.card_gb:g} GB"] if row.card_gb else [])
+                         + ([f"{row.hbm_tbs:g} TB/s"] if row.hbm_tbs else []))
+        gpus = f"{row.gpus} x {row.preset}" + (f" ({card})" if card else "")
         mem = r.memory_gib if row.memory_gib is not None else None
         cells = [str(i), row.name, row.where, gpus, layout(row), chose(r), UNIT[row.metric],
                  f"{row.published:.6g}", fmt(r.predicted), fmt(r.error, pct=True),
