@@ -110,6 +110,7 @@ def test_script_carries_the_lists():
     assert "class OpPrecision" not in render_script(src, make_plan(src, dp=2, amp="bf16"))  # only with lists
 
 
+@pytest.mark.multiprocess
 def test_verify_applies_the_lists_on_every_rank():
     """bf16 autocast with every matmul kept in float32: the parallel runs (DDP, TP with DTensor weights) equal the
     single-process reference to float32's tolerance, which they would not if either side ignored the list."""

@@ -312,6 +312,7 @@ DATA_CASES = ("ddp", "fsdp_accumulate", "zero2_collate", "ddp_stream", "tp", "pp
               "dp2_tp2_collate", "dp2_pp2")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", DATA_CASES)
 def test_every_strategy_reading_the_dataset_matches_the_reference(data_reports, name):
     report = data_reports[name]
@@ -319,6 +320,7 @@ def test_every_strategy_reading_the_dataset_matches_the_reference(data_reports, 
     assert len(report.steps) == 4
 
 
+@pytest.mark.multiprocess
 # ---- the exported script, stopped in the middle of an epoch and resumed ---------------------------------------------
 def test_script_resumed_mid_epoch_reads_each_sample_once(corpus, tmp_path, monkeypatch):
     """20 windows, 2 ranks x 4 per step: 2 steps an epoch (4 windows left over). Stopped after step 3 (the middle of
@@ -397,6 +399,7 @@ def test_launched_ranks_read_a_dataset_path_relative_to_the_notebook(corpus, tmp
     assert f"cd {notebook} && " in (tmp_path / "run" / "command.txt").read_text()
 
 
+@pytest.mark.multiprocess  # measure() runs the script in a child process
 def test_measure_runs_where_the_cells_relative_paths_hold(tmp_path, monkeypatch):
     """``measure`` (the memory tracker's run of a plan's script in a child process) runs in the kernel's working
     directory, as verify and launch do: a cell opening ``width.txt`` next to the notebook builds its model there.

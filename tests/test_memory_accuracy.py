@@ -321,9 +321,11 @@ costed as the layer's backward), and an
 encoder-decoder's full recompute, whose decoder blocks' checkpoints all keep the one encoder output and position
 biases (``LayerProfile.shared_inputs``: +5.2 % when counted per block)"""
 FAST = ("Qwen2-single", "Qwen2-tp2-sp-bf16", "LLaMA-zero3-bf16", "LLaMA-selective")
-"""the cases in the fast suite (~8 s each on an idle core); the others are marked slow"""
+"""the cases run under ``-m "not slow"`` (~8 s each on an idle core, a child process each); the others are
+marked slow"""
 
 
+@pytest.mark.multiprocess  # measure() runs the script in a child process
 @pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in WHOLE_CASES])
 def test_whole_step_memory_matches_the_tracker(case):
     """The exported script's own step under the tracker (``autopar_nb.measure``) against the cost model, component
@@ -341,6 +343,7 @@ def test_whole_step_memory_matches_the_tracker(case):
     assert mb.total - mb.margin == pytest.approx(m["total"], rel=WITHIN), (mb, m)
 
 
+@pytest.mark.multiprocess  # measure() runs the script in a child process
 def test_census_names_what_the_peak_is_made_of():
     """``measure(census=N)`` (``bench/memory.py --largest N``) lists the N largest storages alive at the peak, each
     with its tracker label and the op, shape and module that made it: LLaMA's peak (in backward) holds saved
@@ -365,6 +368,7 @@ def test_census_names_what_the_peak_is_made_of():
         assert listed <= got["peak"][component] + 1, (component, listed, got["peak"])
 
 
+@pytest.mark.multiprocess  # measure() runs the script in a child process
 def test_a_tied_heads_gradient_is_pending_at_the_tracked_peak():
     """GPT-2 ties its head to the token embedding. At its full-recompute peak (the first block's backward) the
     tracker holds the head's gradient of that weight, a float32 [vocab, hidden] temporary made by the head's
@@ -393,6 +397,7 @@ def test_a_tied_heads_gradient_is_pending_at_the_tracked_peak():
     assert [tied[i] for i in blocks] == [pending[0]["MiB"] * 2**20] * len(blocks), (tied, pending)
 
 
+@pytest.mark.multiprocess  # measure() runs the script in a child process
 @pytest.mark.parametrize("family, fix, size", [
     ("ViT", {"zero_stage": 3, "amp": "bf16"}, RECOMPUTED),
     ("Mixtral", {"zero_stage": 2, "amp": "none"}, BENCH),
@@ -418,6 +423,7 @@ def test_fsdp_buffers_at_a_recomputed_layers_backward_match_the_tracker(family, 
     assert mb.total - mb.margin == pytest.approx(m["total"], rel=WITHIN), (mb, m)
 
 
+@pytest.mark.multiprocess  # measure() runs the script in a child process
 @pytest.mark.parametrize("fix, phase", [({"dp": 2, "zero_stage": 2, "recompute": "none"}, "forward"),
                                         pytest.param({"tp": 2, "recompute": "full"}, "recompute",
                                                      marks=pytest.mark.slow)])

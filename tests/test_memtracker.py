@@ -141,6 +141,7 @@ FAKE_LOSS_PARALLEL = ("FakeTensorMode shows loss_parallel's backward holding ~1.
 """why the TP cases whose loss dominates differ here (issue 21)"""
 
 
+@pytest.mark.multiprocess  # the trackers run in a child process (the fake group is global state)
 @pytest.mark.parametrize("kind, world", [
     pytest.param(k, w, marks=pytest.mark.xfail(strict=True, reason=FAKE_LOSS_PARALLEL)) if k != "fsdp" and w >= 4
     else (k, w) for k, w in CASES])
