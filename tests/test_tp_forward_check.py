@@ -25,7 +25,7 @@ from runtime_cases import (
 
 import autopar_nb as ap
 from autopar_nb.planner import forward
-from autopar_nb.verify import verify
+from autopar_nb.verify import verify_many
 
 CPU2 = ap.Cluster.preset("cpu", gpus_per_node=2)
 
@@ -308,35 +308,43 @@ def test_a_model_built_with_real_weights_is_checked_on_a_meta_copy():
     assert not torch.distributed.is_initialized()
 
 
+HF_CELLS = {"gemma": HF_GEMMA_CELL, "gemma2": HF_GEMMA2_CELL, "mpt": HF_MPT_CELL}
+"""Hugging Face cells trained on 2 ranks (where transformers is installed): Gemma and Gemma 2 (embedding and tied
+head split on the vocabulary), MPT (attention split with its ALiBi input)"""
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict:
+    """name -> (plan, report): the planner's tp=2 plans of SPLIT_C, the TABLES cells and HF_CELLS, verified on 2 gloo
+    processes in one launch, 3 steps each."""
+    cells = {"split_c": SPLIT_C} | {name: cell for name, (cell, _) in TABLES.items()}
+    cells |= HF_CELLS if has_transformers() else {}
+    cases = {name: (source(cell), planned(cell)[1]) for name, cell in cells.items()}
+    reports = verify_many(list(cases.values()), steps=3)
+    return {name: (plan, report) for (name, (_, plan)), report in zip(cases.items(), reports, strict=True)}
+
+
 @pytest.mark.multiprocess
-def test_the_offered_layout_runs_on_two_ranks():
+def test_the_offered_layout_runs_on_two_ranks(two_ranks):
     """The plan the planner offers for nanoGPT's global-width split (MLP split, attention whole) trains on 2 gloo
     processes as the single-process run does."""
-    _, plan = planned(SPLIT_C)
-    report = verify(source(SPLIT_C), plan, steps=2)
+    _, report = two_ranks["split_c"]
     assert report.ok, str(report)
     assert report.per_rank[0]["dtensor_params"] > 0
 
 
 @pytest.mark.multiprocess
-def test_split_tables_and_gemmas_embedding_train_on_two_ranks_as_on_one():
+def test_split_tables_and_gemmas_embedding_train_on_two_ranks_as_on_one(two_ranks):
     """Both per-head table cells, attention split with their tables, Gemma and Gemma 2, embedding and tied head split
     on the vocabulary, and MPT, attention split with its ALiBi input, train on 2 gloo processes (one launch) as the
     single-process reference does."""
-    from autopar_nb.verify import verify_many
-
-    cases = [(source(cell), planned(cell)[1]) for cell, _ in TABLES.values()]
-    for _, plan in cases:
+    for name in TABLES:
+        plan = two_ranks[name][0]
         assert {"h.0.attn", "h.1.attn"} <= {m.rpartition(".")[0] for m in plan.tp_plan}, plan.tp_plan
     if has_transformers():
-        gemma = planned(HF_GEMMA_CELL)[1]
+        gemma, gemma2, mpt = (two_ranks[name][0] for name in HF_CELLS)
         assert {"model.embed_tokens", "lm_head"} <= set(gemma.tp_plan), gemma.tp_plan
-        cases.append((source(HF_GEMMA_CELL), gemma))
-        gemma2 = planned(HF_GEMMA2_CELL)[1]
         assert {"model.embed_tokens", "lm_head"} <= set(gemma2.tp_plan) and gemma2.loss_parallel, gemma2.tp_plan
-        cases.append((source(HF_GEMMA2_CELL), gemma2))
-        mpt = planned(HF_MPT_CELL)[1]
         assert "transformer.blocks.0.attn.Wqkv" in mpt.tp_plan, mpt.tp_plan
-        cases.append((source(HF_MPT_CELL), mpt))
-    for report in verify_many(cases, steps=3):
-        assert report.ok, str(report)
+    for name in [*TABLES, *(HF_CELLS if has_transformers() else ())]:
+        assert two_ranks[name][1].ok, str(two_ranks[name][1])
