@@ -268,24 +268,38 @@ def test_script_fuses_the_norms_first_and_passes_ruff(tmp_path):
 
 
 # ---- verify: the script against one process --------------------------------------------------------------------------
+VERIFIED = {"zero3": ("LLaMA", {"dp": 2, "zero_stage": 3}), "tp2-sp": ("LLaMA", {"dp": 1, "tp": 2}),
+            "pp2": (ZOO_LLAMA, {"dp": 1, "pp": 2})}
+"""the fused-norm plans verified, each a family of tests/families.py or a cell, and the plan's fix"""
+
+
+@pytest.fixture(scope="module")
+def verified():
+    """name -> (plan, report) of VERIFIED: all in one launch of 2 processes, 3 steps each."""
+    from autopar_nb.verify import verify_many
+
+    cases = {}
+    for name, (cell, fix) in VERIFIED.items():
+        src = ModelSource(FAMILIES.get(cell, cell))
+        cases[name] = (src, ap.plan(_graph(src), _cluster(), fix=fix | {"fused_norm": True}))
+    reports = verify_many(list(cases.values()), steps=3, nproc=2)
+    return {name: (plan, report) for (name, (_, plan)), report in zip(cases.items(), reports, strict=True)}
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("fix", [{"dp": 2, "zero_stage": 3}, {"dp": 1, "tp": 2}], ids=["zero3", "tp2-sp"])
-def test_verify_fused_norm_plans_on_two_gloo_processes(fix):
+@pytest.mark.parametrize("name", ["zero3", "tp2-sp"])
+def test_verify_fused_norm_plans_on_two_gloo_processes(verified, name):
     """ZeRO-3 (FSDP2 gathers the norm weights) and TP with sequence parallelism (SequenceParallel hands the norms
     DTensor shards of the sequence: kernels_ext's sharding rules run the op per shard, the weight gradient a Partial
     sum), against the eager model in one process."""
-    src = ModelSource(FAMILIES["LLaMA"])
-    plan = ap.plan(_graph(src), _cluster(), fix=fix | {"fused_norm": True})
+    plan, report = verified[name]
     assert plan.fused_norm and (plan.mesh.tp == 1 or any(lp.sequence_parallel for lp in plan.layers))
-    report = ap.verify(src, plan, steps=3, nproc=2)
     assert report.ok, report
 
 
 @pytest.mark.multiprocess
-def test_verify_fused_norm_with_pipeline_stages():
+def test_verify_fused_norm_with_pipeline_stages(verified):
     """pp=2: the norms are fused on the whole model before the pipeline's trace, which records the custom op."""
-    src = ModelSource(ZOO_LLAMA)
-    plan = ap.plan(_graph(src), _cluster(), fix={"dp": 1, "pp": 2, "fused_norm": True})
+    plan, report = verified["pp2"]
     assert plan.fused_norm and plan.mesh.pp == 2
-    report = ap.verify(src, plan, steps=3, nproc=2)
     assert report.ok, report
