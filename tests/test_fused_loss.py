@@ -207,30 +207,51 @@ def test_script_fuses_the_head_first_and_passes_ruff(tmp_path):
         render_script(own, plan)
 
 
-@pytest.mark.multiprocess
-def test_verify_fused_zero3_plan_on_two_gloo_processes():
+def _two_process_cases() -> dict:
+    """name -> (source, plan) of the fused-head plans on 2 processes: ZeRO-3, and tp=2 with sequence parallelism on
+    the test LM (301 words: 151 + 150 rows) and on LLaMA (where transformers is installed)."""
+    from families import FAMILIES
+    from runtime_cases import has_transformers
+
+    cases = {}
     src = lm_source(vocab=300, dim=16)
-    plan = ap.plan(_graph(src), _cluster("cpu", 2), fix={"dp": 2, "zero_stage": 3, "fused_loss": True})
+    cases["zero3"] = (src, ap.plan(_graph(src), _cluster("cpu", 2), fix={"dp": 2, "zero_stage": 3, "fused_loss": True}))
+    for family in ("lm", "LLaMA") if has_transformers() else ("lm",):
+        src = lm_source(vocab=301, dim=16) if family == "lm" else ModelSource(FAMILIES[family])
+        cases[family] = (src, ap.plan(_graph(src), _cluster("cpu", 2), fix={"dp": 1, "tp": 2, "fused_loss": True}))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def verified() -> dict:
+    """name -> (source, plan, report) of :func:`_two_process_cases`: one launch of 2 processes, 3 steps each."""
+    from autopar_nb.verify import verify_many
+
+    cases = _two_process_cases()
+    reports = verify_many(list(cases.values()), steps=3, nproc=2)
+    return {name: (*case, report) for (name, case), report in zip(cases.items(), reports, strict=True)}
+
+
+@pytest.mark.multiprocess
+def test_verify_fused_zero3_plan_on_two_gloo_processes(verified):
+    _, plan, report = verified["zero3"]
     assert plan.fused_loss == "head" and plan.mesh.zero_stage == 3
-    report = ap.verify(src, plan, steps=3, nproc=2)
     assert report.ok, report
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("family", ["lm", "LLaMA"])
-def test_verify_vocab_parallel_fused_plan_on_two_gloo_processes(family):
+def test_verify_vocab_parallel_fused_plan_on_two_gloo_processes(verified, family):
     """tp=2 with sequence parallelism: the fused head's weight split on the vocabulary (301 words: 151 + 150 rows),
     its input gathered from the sequence shards, the loss vocab-parallel; against the unfused model in one process."""
-    from families import FAMILIES
-
-    src = lm_source(vocab=301, dim=16) if family == "lm" else ModelSource(FAMILIES[family])
-    plan = ap.plan(_graph(src), _cluster("cpu", 2), fix={"dp": 1, "tp": 2, "fused_loss": True})
+    if family not in verified:
+        pytest.skip("transformers not installed")
+    src, plan, report = verified[family]
     assert plan.fused_loss and plan.mesh.tp == 2 and not plan.loss_parallel
     assert any(lp.sequence_parallel for lp in plan.layers)
     text = render_script(src, plan)
     body = text[text.index("def parallelize("):]
     assert body.index("apply_fused_loss(") < body.index("apply_tp(") < body.index("shard_fused_head(part, FUSED_LOSS")
-    report = ap.verify(src, plan, steps=3, nproc=2)
     assert report.ok, report
 
 
