@@ -278,9 +278,22 @@ dataset = TokenStream(dataset)
 '''
 
 
+def cp_plans(src) -> list:
+    """cp=2 with DDP and with FSDP2 (ZeRO-3): sequences of 16, each rank of the one replica takes half of each."""
+    from autopar_nb.plan import Plan
+
+    plans = []
+    for zero in (0, 3):
+        d = make_plan(src, zero=zero).to_dict()
+        d["mesh"]["cp"], d["batch"]["seq_len"] = 2, 16
+        plans.append(Plan.from_dict(d))
+    return plans
+
+
 def data_cases() -> dict[int, dict[str, tuple]]:
     """{processes: {name: (source, plan)}}: each strategy's ranks read the dataset (map-style or a stream, torch's
-    collate or the cell's) through the exported script's DataLoader."""
+    collate or the cell's) through the exported script's DataLoader; the cp cases are
+    test_context_parallel_ranks_read_the_dataset's (in the same launch of 2)."""
     from runtime_cases import llama_tp
 
     data, seen, stream = (run_model_cell(c, {}).source for c in (DATA_CELL, SEEN_CELL, ITER_CELL))
@@ -290,7 +303,8 @@ def data_cases() -> dict[int, dict[str, tuple]]:
             "zero2_collate": (seen, make_plan(seen, dp=2, zero=2)),
             "ddp_stream": (stream, make_plan(stream, dp=2)),
             "tp": (data, make_plan(data, tp=2, tp_styles=llama_tp())),
-            "pp_collate": (seen, make_plan(seen, pp=2, micro_batches=2, stages={"layers.1": 1}))},
+            "pp_collate": (seen, make_plan(seen, pp=2, micro_batches=2, stages={"layers.1": 1})),
+            **dict(zip(("cp_ddp", "cp_fsdp"), ((data, plan) for plan in cp_plans(data)), strict=True))},
         3: {"pp3_middle_reads_nothing": (data, make_plan(data, pp=3, micro_batches=4,
                                                          stages={"layers.0": 1, "layers.1": 2}))},
         4: {"dp2_tp2_collate": (seen, make_plan(seen, dp=2, tp=2, tp_styles=llama_tp())),
@@ -419,23 +433,18 @@ def test_measure_runs_where_the_cells_relative_paths_hold(tmp_path, monkeypatch)
 
 
 @pytest.mark.multiprocess
-def test_context_parallel_ranks_read_the_dataset(corpus):
+def test_context_parallel_ranks_read_the_dataset(data_reports):
     """cp=2 fed by the cell's dataset (issue 18 points 1 and 4 together): both cp ranks of the one replica read the
     same samples (the sampler deals over the data-parallel ranks only) and each takes its half of every sequence;
-    losses, gradients and parameters equal the single process's on 2 gloo processes, with DDP and with FSDP2."""
-    from autopar_nb.plan import Plan
-    from autopar_nb.verify import FP32_RTOL, verify_many
+    losses, gradients and parameters equal the single process's on 2 gloo processes, with DDP and with FSDP2, to
+    float32's tolerance (verify's default for these fp32 plans)."""
+    from autopar_nb.verify import FP32_RTOL
 
     src = run_model_cell(DATA_CELL, {}).source
-    plans = []
-    for zero in (0, 3):
-        d = make_plan(src, zero=zero).to_dict()
-        d["mesh"]["cp"], d["batch"]["seq_len"] = 2, 16
-        plans.append(Plan.from_dict(d))
-    text = render_script(src, plans[0])
+    text = render_script(src, cp_plans(src)[0])
     assert "make_batch_fn = DataStream(dataset, batch_size=BATCH_SIZE" in text
     assert 'shard = functools.partial(sequence_shards, mesh["cp"], causal=CAUSAL)' in text
-    for plan, report in zip(plans, verify_many([(src, p) for p in plans], steps=4, nproc=2, rtol=FP32_RTOL),
-                            strict=True):
-        assert report.ok, f"{plan.summary()}\n{report}"
+    for name in ("cp_ddp", "cp_fsdp"):
+        report = data_reports[name]
+        assert report.ok and report.rtol == FP32_RTOL, f"{name}\n{report}"
         assert len(report.steps) == 4 and report.max_loss_rel < 1e-5, str(report)
