@@ -1,6 +1,6 @@
 """verify() on every strategy, for real: gloo processes on CPU vs a single-process run with the same seed and data.
 
-The cases run in three launches (2 processes, 2 processes with meta-device init, 4 processes): starting processes
+The cases run in two launches (2 processes, some cases built on the meta device; 4 processes): starting processes
 costs seconds, running a small plan on them costs less. Each case also checks that the plan was really applied
 (parameters sharded, layers checkpoint-wrapped, stages split) — agreeing with the reference is no proof otherwise.
 """
@@ -142,12 +142,22 @@ def _plans(cases):
     return out
 
 
+def _meta_ddp() -> dict:
+    """ZeRO 0 and 1 (DDP) under meta_init, with the plans' own optimizer: test_meta_init_with_ddp's cases."""
+    cases = {"meta_zero1": (G, make_plan(G, dp=2, zero=1))}
+    if has_transformers():
+        H = ModelSource(HF_LLAMA_CELL, loss_fn_var="loss_fn")
+        cases["hf_llama_meta_dp"] = (H, make_plan(H, dp=2, zero=0))
+    return cases
+
+
 @pytest.fixture(scope="module")
 def reports():
-    out = {}
-    two, meta, four = _plans(TWO), _plans(META), _plans(FOUR)
-    for group, flag in ((two, False), (meta, True)):
-        out.update(zip(group, verify_many(list(group.values()), steps=STEPS, meta_init=flag), strict=True))
+    two, meta = _plans(TWO), _plans(META) | _meta_ddp()
+    flags = [False] * len(two) + [True] * len(meta)  # one launch: meta_init is a flag per case
+    out = dict(zip(two | meta, verify_many([*two.values(), *meta.values()], steps=STEPS, meta_init=flags),
+                   strict=True))
+    four = _plans(FOUR)
     out.update(zip(four, verify_many(list(four.values()), steps=STEPS), strict=True))
     return out
 
@@ -389,14 +399,10 @@ def test_a_failing_rank_is_one_line_naming_the_cell_line():
 
 
 @pytest.mark.multiprocess
-def test_meta_init_with_ddp():
+def test_meta_init_with_ddp(reports):
     """ZeRO 0 and 1 (DDP) under meta_init: DDP broadcasts rank 0's weights when it wraps, so the script wraps once
     materialize has given the meta parameters storage and values (it crashed on ``Tensor.item()`` of a meta tensor)."""
-    cases = {"meta_zero1": (G, make_plan(G, dp=2, zero=1))}
-    if has_transformers():
-        H = ModelSource(HF_LLAMA_CELL, loss_fn_var="loss_fn")
-        cases["hf_llama_meta_dp"] = (H, make_plan(H, dp=2, zero=0))
-    reports = dict(zip(cases, verify_many(list(cases.values()), steps=2, meta_init=True), strict=True))
+    reports = {name: reports[name] for name in ("meta_zero1", "hf_llama_meta_dp") if name in reports}
     for name, report in reports.items():
         assert report.ok, (name, str(report))
     full = _full_numel(G)
