@@ -17,11 +17,13 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 IFNAME = "apn0"
 """the veth end's name inside every namespace (a namespace has its own interface names)"""
@@ -105,6 +107,24 @@ def two_nodes() -> Iterator[tuple[Node, Node]]:
             kill_namespace_processes(node)
             subprocess.run(["ip", "netns", "del", node.name], capture_output=True)
         subprocess.run(["ip", "link", "del", ends[0]], capture_output=True)  # only if it never left the host
+
+
+def node_argv(command: str, node_index: int, nodes, *, script_dir, port: int) -> list[str]:
+    """An exported script's multi-node command (``HOST:29500`` for the first node's rendezvous endpoint) as run on
+    node ``node_index``: HOST is the first node's address with ``port``, and (as the script's docstring says for hosts
+    whose name does not resolve to HOST) ``is_host`` and ``--local-addr`` are added."""
+    words = command.replace("HOST:29500", f"{nodes[0].addr}:{port}").split()
+    env = {}
+    while "=" in words[0]:  # VAR=value before the command
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    assert words[0] == "torchrun"
+    script = next(i for i, w in enumerate(words) if w.endswith(".py"))
+    extra = ["--rdzv-conf", f"is_host={int(node_index == 0)},last_call_timeout=2,keep_alive_interval=1",
+             "--local-addr", nodes[node_index].addr, "--monitor-interval", "0.2"]
+    argv = [sys.executable, "-m", "torch.distributed.run", *words[1:script], *extra,
+            str(Path(script_dir) / words[script]), *words[script + 1:]]
+    return ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
 
 
 def link_bytes(node: Node) -> int:

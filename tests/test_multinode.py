@@ -18,7 +18,16 @@ import time
 from pathlib import Path
 
 import pytest
-from netns import MetricsSink, in_namespace, kill_namespace_processes, kill_tree, link_bytes, two_nodes, unavailable
+from netns import (
+    MetricsSink,
+    in_namespace,
+    kill_namespace_processes,
+    kill_tree,
+    link_bytes,
+    node_argv,
+    two_nodes,
+    unavailable,
+)
 from runtime_cases import make_plan
 from test_export import CELL, SRC, TP
 
@@ -48,23 +57,6 @@ def nodes():
         yield pair
 
 
-def node_argv(command: str, node_index: int, nodes, *, script_dir: Path) -> list[str]:
-    """The docstring's multi-node command as run on node ``node_index``: HOST is the first node's address, and (as
-    the docstring says for hosts whose name does not resolve to HOST) ``is_host`` and ``--local-addr`` are added."""
-    words = command.replace("HOST:29500", f"{nodes[0].addr}:{PORT}").split()
-    env = {}
-    while "=" in words[0]:  # VAR=value before the command
-        key, value = words.pop(0).split("=", 1)
-        env[key] = value
-    assert words[0] == "torchrun"
-    script = next(i for i, w in enumerate(words) if w.endswith(".py"))
-    extra = ["--rdzv-conf", f"is_host={int(node_index == 0)},last_call_timeout=2,keep_alive_interval=1",
-             "--local-addr", nodes[node_index].addr, "--monitor-interval", "0.2"]
-    argv = [sys.executable, "-m", "torch.distributed.run", *words[1:script], *extra, str(script_dir / words[script]),
-            *words[script + 1:]]
-    return ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
-
-
 def run_nodes(command: str, nodes, script_dir: Path, *args: str, env: dict, timeout: float = 240):
     """Start the command on both nodes at once; returns each node's (returncode, output)."""
     logs = [script_dir / f"node{i}.log" for i in range(len(nodes))]
@@ -72,8 +64,8 @@ def run_nodes(command: str, nodes, script_dir: Path, *args: str, env: dict, time
     try:
         for i, node in enumerate(nodes):
             with open(logs[i], "w") as log:
-                procs.append(node.popen(node_argv(command, i, nodes, script_dir=script_dir) + list(args), env=env,
-                                        stdout=log, stderr=subprocess.STDOUT, cwd=script_dir))
+                argv = node_argv(command, i, nodes, script_dir=script_dir, port=PORT) + list(args)
+                procs.append(node.popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=script_dir))
         codes = [p.wait(timeout=timeout) for p in procs]
     finally:
         for p in procs:
@@ -267,7 +259,7 @@ def test_node_loss_shrinks_resumes_and_rejoins(nodes, tmp_path):
     logs = {k: open(tmp_path / f"{k}.log", "w") for k in ("a", "b1", "b2")}
 
     def start(i, log):
-        return nodes[i].popen(node_argv(elastic, i, nodes, script_dir=tmp_path) + args,
+        return nodes[i].popen(node_argv(elastic, i, nodes, script_dir=tmp_path, port=PORT) + args,
                               env=unreachable if log == "b1" else env, stdout=logs[log],
                               stderr=subprocess.STDOUT, cwd=tmp_path)
 
