@@ -123,6 +123,7 @@ class AttachedRun(Run):
         if not self._spoke and world is not None:
             self.world = world
         self._spoke.add(st.rank)
+        st.host = data.get("peer") if isinstance(data.get("peer"), str) else None
         if _whole(restarts):
             self._restarts = max(self._restarts, restarts)
         super()._on_hello(st, {**data, "attempt": self._attempt}, now)
@@ -178,11 +179,12 @@ class AttachedRun(Run):
     def _why_lost(self, st: RankState, now: float) -> str | None:
         if st.done or st.error is not None or st.lost is not None or st.rank >= self.world:
             return None
-        if st.closed_at is not None:
-            return "its connection closed without an end message (its process ended, or the network dropped it)"
+        if st.closed_at is not None:  # the host named: a lost node shows as the ranks of one address
+            return (f"its connection from {st.host or 'its host'} closed without an end message (its process or "
+                    "that host ended, or the network dropped it)")
         heard = self._heard.get(st.rank)
         if heard is not None and now - heard > self.lost_after_s:
-            return f"it sent nothing for {now - heard:.0f} s"
+            return f"it sent nothing for {now - heard:.0f} s (from {st.host or 'its host'})"
         if heard is None and self._first_hello is not None and now - self._first_hello > self.lost_after_s:
             return (f"it never connected to {self.address} within {self.lost_after_s:.0f} s of the first rank (its "
                     "host cannot reach this address, or it never started)")

@@ -45,6 +45,8 @@ class _Conn:
     buf: bytes = b""
     rank: int | None = None
     extra: dict = field(default_factory=dict)
+    peer: str = ""
+    """the address it came from: the host a rank runs on, which a lost rank's message names"""
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ class MetricsServer:
 
     def _accept(self) -> None:
         try:
-            sock, _ = self._lsock.accept()
+            sock, addr = self._lsock.accept()
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             return
         except OSError:  # EMFILE/ENFILE/ENOBUFS: free a descriptor held by a peer that never authenticated
@@ -108,7 +110,7 @@ class MetricsServer:
         if len(pending) >= MAX_PENDING:
             self._drop(pending[0], rejected=True)
         sock.setblocking(False)
-        conn = _Conn(sock, time.monotonic())
+        conn = _Conn(sock, time.monotonic(), peer=str(addr[0]))
         self._conns[sock.fileno()] = conn
         self._sel.register(sock, selectors.EVENT_READ, conn)
 
@@ -156,7 +158,8 @@ class MetricsServer:
                     self._drop(c, rejected=True)
                     return
                 c.rank = rank
-                out.append(Message(rank, "hello", {k: v for k, v in obj.items() if k != "token"}, time.time()))
+                hello = {k: v for k, v in obj.items() if k != "token"} | {"peer": c.peer}  # seen here, not claimed
+                out.append(Message(rank, "hello", hello, time.time()))
             else:
                 out.append(Message(c.rank, "data", obj, time.time()))
         if len(c.buf) > (MAX_LINE if c.rank is not None else MAX_AUTH_LINE):

@@ -42,6 +42,8 @@ class RankState:
     """the highest RSS its step messages reported"""
     dumps_stacks: bool = False
     """its script prints every thread's stack to stderr on SIGUSR1 (its "start" message said so)"""
+    host: str | None = None
+    """the address its metrics connection came from (an attached run: the host it runs on)"""
     lost: str | None = None
     """an attached run (``attach.py``) lost it: why (its connection closed without an end message, it went silent,
     or it never connected)"""
