@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from netns import unavailable
+from netns import SUBNET, unavailable
 from soak import export_for_nodes, export_script, soak, soak_nodes
 
 
@@ -46,5 +46,6 @@ def test_node_kills_leave_the_loss_curve_of_an_uninterrupted_run(tmp_path):
     assert report.ok, report
     host, other = report.kills
     assert host.other_end_s is not None and host.other_end.startswith("exit 1:"), host.other_end  # nothing left
+    assert f"connection from {SUBNET}.1 closed" in host.dashboard, host.dashboard  # the lost node is named
     for k in report.kills:  # resumed from a checkpoint, and both nodes trained again
         assert k.resumed_at is not None and k.resumed_at % 25 == 0 and 0 <= k.redone <= 25 and k.back_s > 0
