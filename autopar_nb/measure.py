@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from .export import run_script
+from .node_spans import NodeSpans
 
 FREES_LAND_S = 0.002
 """how long a new peak waits for the frees a gloo group's worker threads have pending"""
@@ -69,9 +70,11 @@ GROUPS = {
                            ("activations", "loss")),
     "weight copies": (("autocast_weight_copies",), ("casts",)),
     "buffers": (("ddp_buckets", "fsdp_unsharded_params", "fsdp_root_params", "fsdp_gathered_units",
-                 "fsdp_reduce_scatter", "fsdp_all_gather", "fsdp_unsharded_grads", "pipeline_buffers"),
+                 "fsdp_reduce_scatter", "fsdp_all_gather", "fsdp_unsharded_grads", "pipeline_buffers",
+                 "replicate_gathered_experts"),
                 ("buffers",)),
-    "temporaries": (("backward_working_set", "pipeline_sent_gradients", "weight_pass_gradients"),
+    "temporaries": (("backward_working_set", "pipeline_sent_gradients", "weight_pass_gradients",
+                     "replicate_reduce_buffers"),
                     ("backward", "step")),
 }
 """component shown -> (the predicted fields or MemoryBreakdown.terms it sums, the measured components it sums).
@@ -157,6 +160,8 @@ def _relative(module: str) -> str:
     parts = [p for p in parts if p != "_checkpoint_wrapped_module"]
     if len(parts) > 1 and parts[0] == "split_gm" and parts[1].startswith("submod_pp_"):
         parts = parts[2:]
+    elif root == "Wrapper" and parts[:1] == ["_export_root"]:  # a pipeline stage's experts: the model's own module,
+        parts = parts[1:]  # which torch.export's wrapper named first (runtime/ep.py experts_in_stages)
     elif root == "DistributedDataParallel" and parts[:1] == ["module"]:
         parts = parts[1:]
     return ".".join(parts)
@@ -183,6 +188,21 @@ def _gloo() -> bool:
     return dist.is_initialized() and dist.get_backend() == "gloo"
 
 
+class _GatheredLabel:
+    """A plain tracker's label for FSDP2 parameters gathered beside DDP (``_label_gathered_parameters``), kept
+    whatever op writes them next."""
+
+    gathered = None
+    """their storages (a weak dict)"""
+
+    def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
+        from torch.distributed._tools.common_utils import get_untyped_storages
+
+        if self.gathered and any(st in self.gathered for st in get_untyped_storages(t)):
+            reftype = self._ref_class.UNSHARDED_PARAM
+        return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+
+
 def _tracker_classes():
     """(MemTracker, FSDPMemTracker) subclasses that label storages by when they are created (see the module
     docstring). Built lazily: importing this module must not import torch.distributed."""
@@ -191,7 +211,7 @@ def _tracker_classes():
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType
 
-    extra = {"LOSS": "Loss", "CAST": "Cast", "SETUP": "Setup", "STEP": "Step"}
+    extra = {"LOSS": "Loss", "CAST": "Cast", "SETUP": "Setup", "STEP": "Step", "UNSHARDED_PARAM": "Unsharded Param"}
     mem_types = _RefType("_Labels", {**{m.name: m.value for m in _MemRefType}, **extra})
     fsdp_types = _RefType("_FSDPLabels", {**{m.name: m.value for m in _FSDPRefType}, **extra})
 
@@ -199,7 +219,7 @@ def _tracker_classes():
         phase = "setup"
         """"setup" (parallelize), "train" (forward, loss, backward), "step" (after backward: clipping, optimizer)"""
         spans = None
-        """the run's :class:`_NodeSpans`: which module's forward made the autograd node running at a backward peak"""
+        """the run's :class:`NodeSpans`: which module's forward made the autograd node running at a backward peak"""
         _peak_at: tuple = ("", "", "", None)
         """(phase, side, the tracker's innermost module, the running autograd node's sequence number) at the peak"""
         peak_node: str | None = None
@@ -208,7 +228,7 @@ def _tracker_classes():
         @property
         def where(self) -> str:
             """The phase and module of the peak: "<phase>/<side> in <module>". In backward and recompute, the
-            module whose forward made the autograd node running then (:class:`_NodeSpans`), where one did; the
+            module whose forward made the autograd node running then (:class:`NodeSpans`), where one did; the
             tracker's own module can lag there (a checkpointed layer's hooks)."""
             phase, side, module, seq = self._peak_at
             if seq is not None and self.spans is not None:
@@ -348,7 +368,7 @@ def _tracker_classes():
             if self.census:
                 self._at_peak = self._storages_now()
 
-    class Tracker(Labelled, MemTracker):
+    class Tracker(_GatheredLabel, Labelled, MemTracker):
         def __init__(self):
             super().__init__()
             self._ref_class = mem_types
@@ -448,71 +468,6 @@ def components(snapshot: dict) -> dict[str, float]:
     return out
 
 
-class _NodeSpans:
-    """Which module's forward made each autograd node. Autograd numbers its nodes in the order the forward creates
-    them (``Node._sequence_nr()``, per thread); a module's forward made the nodes after its inputs' and after the
-    last one of the modules that finished before it began, up to its outputs' ``grad_fn``. In backward, the node running
-    (``torch._C._current_autograd_node()``) then names the module whose backward runs: its innermost span. A
-    checkpoint's recompute, run by a node of its layer, adds no span. ``with`` registers global module hooks."""
-
-    def __init__(self, name_of):
-        self.name_of = name_of
-        """module -> its name (the tracker's), or None"""
-        self.spans: list[tuple[int, int, str, int]] = []
-        """(after this sequence number, up to this one, module name, its earlier calls this step) of every forward
-        call of the step (:meth:`new_step` forgets the step before)"""
-        self._calls: dict[str, int] = {}
-        self._last = -1
-        self._begun: list[int] = []
-
-    def __enter__(self):
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
-        self._handles = (register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-    def _pre(self, module, args) -> None:
-        import torch
-        from torch.utils._pytree import tree_leaves
-
-        if torch._C._current_autograd_node() is None:  # a forward, not a recompute inside backward
-            # after its inputs' nodes: an op between two modules (LLaMA's silu x up product, read by the down
-            # projection) is its caller's, not the next module's
-            made = [t.grad_fn._sequence_nr() for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.grad_fn]
-            self._begun.append(max([self._last, *made]))
-
-    def _post(self, module, args, out) -> None:
-        import torch
-        from torch.utils._pytree import tree_leaves
-
-        if torch._C._current_autograd_node() is not None or not self._begun:
-            return
-        start = self._begun.pop()
-        made = [t.grad_fn._sequence_nr() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn]
-        name = self.name_of(module)
-        if made and max(made) > start and name:
-            self.spans.append((start, max(made), name, self._calls.get(name, 0)))
-            self._calls[name] = self._calls.get(name, 0) + 1
-            self._last = max(self._last, max(made))
-
-    def new_step(self) -> None:
-        """Forget the calls so far: a step's nodes are gone once it ended, and calls are counted per step."""
-        self.spans, self._calls = [], {}
-
-    def module_of(self, seq: int) -> tuple[str, int] | None:
-        """The innermost module whose forward made node ``seq`` (the latest call of the narrowest span), and which
-        of its calls this step that was (a pipeline stage's micro-batch)."""
-        best = None
-        for k, (start, end, name, call) in enumerate(self.spans):
-            if start < seq <= end and (best is None or (end - start, -k) < best[0]):
-                best = ((end - start, -k), (name, call))
-        return best[1] if best else None
-
-
 class _Session:
     """The tracker a run uses: the plain one until ``parallelize`` returns an FSDP2 module, then an FSDP one over
     it (FSDPMemTracker needs the module; it tracks its parameters and buffers from then on)."""
@@ -520,7 +475,7 @@ class _Session:
     def __init__(self, steps: int, census: int = 0):
         self.Tracker, self.FSDPTracker = _tracker_classes()
         self.steps, self.census = steps, census
-        self.spans = _NodeSpans(lambda module: self.active._mod_tracker.get_known_fqn(module))
+        self.spans = NodeSpans(lambda module: self.active._mod_tracker.get_known_fqn(module))
         self.active = self.Tracker()
         self.active.census, self.active.spans = census, self.spans
 
@@ -602,6 +557,7 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
     if g["PP"] > 1:
         session.active.restart_roots = True
         _label_pipeline_buffers(session)
+    _label_gathered_parameters(session)
     parallelize = g["parallelize"]
 
     def traced(*args, **kwargs):
@@ -647,6 +603,28 @@ def _label_pipeline_buffers(session) -> None:
     from torch.distributed.pipelining import stage
 
     stage._make_tensor_from_meta = session.as_setup(stage._make_tensor_from_meta)
+
+
+def _label_gathered_parameters(session) -> None:
+    """FSDP2 replicate's gathered parameters beside DDP (the experts': ``runtime/ddp.py`` replicate_experts),
+    labelled as FSDP's tracker labels its units' for as long as they live: the plain tracker labels a storage by
+    the last op that wrote it (the all-gather's copy-out, its own parameter hooks: parameters on one rank,
+    activations on another). ``FSDPParam.init_unsharded_param`` follows every all-gather's copy-out."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    init = FSDPParam.init_unsharded_param
+
+    def labelled(self):
+        init(self)
+        tracker = session.active
+        if not isinstance(tracker, session.FSDPTracker):  # which labels its units' itself
+            tracker.gathered = tracker.gathered or WeakIdKeyDictionary()
+            for t in self.all_gather_outputs:
+                tracker.gathered[t.untyped_storage()] = True
+                tracker._update_and_maybe_create_winfos(t, tracker._ref_class.UNSHARDED_PARAM)
+
+    FSDPParam.init_unsharded_param = labelled
 
 
 @contextlib.contextmanager

@@ -90,8 +90,7 @@ FIX_ALIASES = {"zero": "zero_stage", "mb": "micro_batches", "micro": "micro_batc
 """short names accepted for FIX_KEYS"""
 FIX_CHOICES: dict[str, tuple] = {"zero_stage": ZERO_STAGES, "schedule": SCHEDULES, "recompute": RECOMPUTE,
                                  "amp": AMP, "sequence_parallel": (False, True), "optimizer": OPTIMIZERS,
-                                 "compile": (False, True), "fused_loss": (False, True),
-                                 "fused_norm": (False, True)}
+                                 "compile": (False, True), "fused_loss": (False, True), "fused_norm": (False, True)}
 """the allowed values of the FIX_KEYS that are choices; the others (dp, tp, pp, ep, cp, micro_batches, virtual_stages)
 are positive integers, up to FIX_MAX or else MAX_DEGREE"""
 FIX_MAX = {"micro_batches": MAX_MICRO_BATCHES, "virtual_stages": MAX_VIRTUAL_STAGES}
@@ -473,7 +472,7 @@ MEMORY_TERMS = {
     "weight_pass_gradients": "buffers",
     "backward_working_set": "buffers",
     "forward_working_set": "activations",
-    "fsdp_all_gather": "buffers",
+    "fsdp_all_gather": "buffers", "replicate_gathered_experts": "buffers", "replicate_reduce_buffers": "buffers",
     "loss_temporaries": "buffers",
     "optimizer_step_temporaries": "buffers",
 }
@@ -488,7 +487,8 @@ outputs, kept until each micro-batch's backward, and the input gradients of the 
 schedule still holds; the gradients a zero-bubble schedule's input pass keeps for each micro-batch's weight pass; the
 largest layer's backward working set; at a layer's forward, what it holds then (its saved tensors so far and the
 storages alive: output, operands still to be read, autocast's copies) and its FSDP unit's all-gather output; the loss's
-temporaries (logits and their copies, loss_parallel's shards); the optimizer step's temporaries"""
+temporaries (logits and their copies, loss_parallel's shards); the optimizer step's temporaries; beside DDP, the
+experts' replicas' gathered parameters and reduction buffers"""
 
 
 @dataclass

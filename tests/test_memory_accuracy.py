@@ -594,20 +594,20 @@ def test_modules_wrapped_after_the_tracker_saw_their_parent_keep_their_paths(nam
 
 
 def test_a_backward_op_is_placed_in_the_layer_whose_forward_made_its_node():
-    """``measure`` places a backward peak by the autograd node running (``_NodeSpans``): its sequence number falls
+    """``measure`` places a backward peak by the autograd node running (``NodeSpans``): its sequence number falls
     in the span of the module whose forward made it, however the tracker's module hooks lag (under full recompute
     the tracker named layers 2-3 while the gradients put the step at layer 0). Every backward and recompute op of
     a 3-layer MLP, the middle layer checkpointed, is placed in the layer its node belongs to, in reverse order."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from autopar_nb.measure import _NodeSpans
+    from autopar_nb.node_spans import NodeSpans
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), checkpoint_wrapper(nn.Sequential(nn.Linear(8, 8), nn.GELU()),
                                                              preserve_rng_state=False), nn.Linear(8, 1))
     names = {m: n for n, m in model.named_modules()}
-    spans = _NodeSpans(names.get)
+    spans = NodeSpans(names.get)
     placed: list[str | None] = []
 
     class Placing(TorchDispatchMode):
@@ -632,7 +632,7 @@ def test_a_backward_op_is_placed_in_the_layer_whose_forward_made_its_node():
 def test_an_op_between_two_modules_is_placed_in_their_caller():
     """A node made between two child modules (LLaMA's silu x up product, which the down projection reads) is its
     caller's, not the next module's: a module's span begins after its inputs' nodes."""
-    from autopar_nb.measure import _NodeSpans
+    from autopar_nb.node_spans import NodeSpans
 
     class Block(nn.Module):
         def __init__(self):
@@ -644,7 +644,7 @@ def test_an_op_between_two_modules_is_placed_in_their_caller():
 
     model = nn.Sequential(Block())
     names = {m: n for n, m in model.named_modules()}
-    with _NodeSpans(names.get) as spans:
+    with NodeSpans(names.get) as spans:
         out = model(torch.randn(4, 8, requires_grad=True))
         again = model(torch.randn(4, 8, requires_grad=True))  # a pipeline stage's second micro-batch
     mul = next(fn for fn, _ in out.grad_fn.next_functions if fn is not None and fn.name() == "MulBackward0")
@@ -654,6 +654,30 @@ def test_an_op_between_two_modules_is_placed_in_their_caller():
     assert spans.module_of(again.grad_fn._sequence_nr()) == ("0.down", 1)  # the step's second call
     spans.new_step()
     assert spans.module_of(again.grad_fn._sequence_nr()) is None
+
+
+def test_a_loss_made_between_pipeline_forwards_is_no_modules():
+    """A pipeline stage computes a micro-batch's loss outside its modules, then runs the next micro-batch's forward
+    from a received leaf: the loss's nodes are no module's (they were placed in the next forward's first module,
+    so a last stage's loss backward was compared at a layer's backward)."""
+    from autopar_nb.node_spans import NodeSpans
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    names = {m: n for n, m in model.named_modules()}
+    with NodeSpans(names.get) as spans:
+        loss = model(torch.randn(4, 8, requires_grad=True)).log_softmax(-1).sum()
+        model(torch.randn(4, 8, requires_grad=True))  # the next micro-batch, from a leaf
+    assert spans.module_of(loss.grad_fn.next_functions[0][0]._sequence_nr()) is None
+
+
+def test_the_experts_a_pipeline_stage_holds_are_named_as_the_model_names_them():
+    """A pipeline stage's experts modules are the model's own (runtime/ep.py experts_in_stages), which the tracker
+    names through torch.export's wrapper: their layer is found, so their forward and recompute peaks have a moment."""
+    from autopar_nb.measure import _layer_of
+
+    paths = ["model.layers.0", "model.layers.1"]
+    assert _layer_of("Wrapper._export_root.model.layers.1.mlp.experts", paths) == 1
+    assert _layer_of("Pipe.split_gm.submod_pp_0.model.layers.0.mlp.gate", paths) == 0
 
 
 @pytest.mark.parametrize("pp, ep, real", [(1, 1, False), (2, 1, True), (1, 2, True)])

@@ -95,7 +95,7 @@ LONG_MODULES = {
     "launch/run.py": (977, "Run: read API, channel ingestion, supervision, report and display in one class"),
     "plan.py": (894, "the contract beside the fix vocabulary, cost constants and PyTorch-refusal checks"),
     "widget/layout.py": (881, "DOT building, clustering and SVG post-processing in one module"),
-    "measure.py": (770, "the tracker's labelling classes beside the measuring session and its processes"),
+    "measure.py": (748, "the tracker's labelling classes beside the measuring session and its processes"),
     "widget/editor.py": (697, "the table rows, sharding board, pipeline lanes and global controls"),
     "widget/model.py": (652, "the anywidget's traits beside every front-end message handler"),
     "cost/estimate.py": (580, "the Evaluator's layer terms, sums, step time and communication"),

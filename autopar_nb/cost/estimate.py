@@ -182,8 +182,7 @@ class Evaluator:
         f, m = self.f, s.micro_batches
         sums = self.sum_layers(s, choices)
         bottleneck = max(range(s.pp), key=sums.per_micro_batch)
-        idle = bubble_fraction(s.schedule, pp=s.pp, micro_batches=m,
-                               virtual_stages=s.virtual_stages, factors=f)
+        idle = bubble_fraction(s.schedule, pp=s.pp, micro_batches=m, virtual_stages=s.virtual_stages, factors=f)
         bubble = idle * sums.per_micro_batch(bottleneck)
         comm = CommTime(by_kind={kk: v * m for kk, v in sums.tp_kind[bottleneck].items()},
                         exposed_by_kind={kk: v * m * (1 if kk == "all_to_all" else 1 - f.overlap_tp)
@@ -285,6 +284,7 @@ class Evaluator:
             sums.params[r] += cnt * lt.params_local
             sums.layers[r] += cnt
             sums.full_recompute[r] += cnt if ch.recompute == "full" else 0
+            sums.experts_upto[r].update({i + j: sums.experts[r] + (j + 1) * lt.experts_local for j in range(cnt)})
             sums.experts[r] += cnt * lt.experts_local
             sums.tp_step[r] += cnt * lt.tp_step
             sums.casts[r] += cnt * lt.cast_local
@@ -313,8 +313,7 @@ class Evaluator:
         held = sums.stages[r]
         if not held or held[-1].stage != stage:
             last = held[-1] if held else StageSums(-1, 0.0, 0.0)
-            held.append(StageSums(stage, last.acts_start + last.acts,
-                                  last.params_start + last.params))
+            held.append(StageSums(stage, last.acts_start + last.acts, last.params_start + last.params))
         st = held[-1]
         for j in range(cnt):
             sums.local[i + j] = len(held) - 1

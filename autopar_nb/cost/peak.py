@@ -85,7 +85,8 @@ class RankMemory:
         held["ddp_buckets"] = ddp_bucket_bytes(s, params - experts)
         if replicated(s):  # FSDP2's replicate gathers and keeps parameters as ZeRO 2 does, its own dtype's copy
             fsdp_stage, p_item = 2, ITEMSIZE["float32"]
-        return _States(pb, gb, ob, params, p_item, held, s.pp > 1 and fsdp_stage >= 2, fsdp_stage)
+        return _States(pb, gb, ob, params, p_item, held, s.pp > 1 and fsdp_stage >= 2, fsdp_stage,
+                       replicated_experts(s) and bool(experts))
 
     def _flights(self, r: int, st: _States) -> list[_Flight]:
         """The rank's backward moments by micro-batches in flight (:class:`_Flight`): its first backward when every
@@ -153,6 +154,8 @@ class RankMemory:
                                       pipelined=pipelined, regathered=f.regathered)
                     fsdp_at[key] = fb, sum(fb.values())
                 fb, fb_sum = fsdp_at[key]
+                rep = self._experts_replicas(r, st, f, layer, forward) if st.experts_copy else {}
+                fb, fb_sum = ({**fb, **rep}, fb_sum + sum(rep.values())) if rep else (fb, fb_sum)
                 work = "forward_working_set" if forward else "backward_working_set"
                 for op, dw, da, dbefore in ((None, 0.0, 0.0, 0.0), *(ops if per_op else ())):
                     alive = (f.others + 1) * -rs + f.others * sums.acts[r] + a + da
@@ -163,6 +166,24 @@ class RankMemory:
                                           grads + sum(gterms.values()) + alive + w + dw + fb_sum + shared, op,
                                           f.later))
         return out
+
+    def _experts_replicas(self, r: int, st: _States, f: _Flight, layer: int, forward: bool) -> dict[str, float]:
+        """FSDP2's ``replicate`` on each experts module beside DDP (``runtime/ddp.py`` replicate_experts; each
+        module its own root) at a moment of ``layer``. It gathers the experts' parameters (float32: no mixed
+        precision policy) in their forward and keeps them to the end of their backward
+        (``replicate_gathered_experts``): those of the rank's layers up to ``layer`` while forwards run (a
+        backward resharded the ones after it; a pipeline's forward since gathered the earlier ones again), in a
+        pipeline's cool-down only ``layer``'s. Each experts module whose backward ran holds its reduction's
+        buffers to the end of the rank's backward, in float32: the reduce-scatter input and the all-reduce's
+        output, which the first micro-batch's gradients are views of (``replicate_reduce_buffers``;
+        ``foreach_reduce`` keeps both for the next layer's reduction, measured: Mixtral, EP x PP)."""
+        upto, experts = self.sums.experts_upto[r], self.sums.experts[r]
+        f32 = ITEMSIZE["float32"]
+        mine = upto.get(layer, 0.0)
+        gathered = mine if f.forwards else mine - upto.get(layer - 1, 0.0)
+        after = 0.0 if forward else experts - mine
+        return {"replicate_gathered_experts": gathered * f32,
+                "replicate_reduce_buffers": after * f32 * (2 if f.accumulated else 1)}
 
     def _loss_moments(self, r: int, st: _States, flights: list[_Flight]) -> list[PeakMoment]:
         """The last rank's loss backward under each flight: the log-softmax output (fp32) saved, its gradient and
@@ -178,6 +199,8 @@ class RankMemory:
                     **self.loss_terms(st)}
             if st.fsdp_stage == 2:  # every unit's parameters still unsharded: no backward has run
                 loss["fsdp_unsharded_params"] = st.params * st.p_item
+            if st.experts_copy:  # so are the experts' replicas (_experts_replicas)
+                loss["replicate_gathered_experts"] = sums.experts[r] * ITEMSIZE["float32"]
             grads, gterms = self._gradients(st, f, 0.0)
             pipe_now = self._pipeline_terms(r, f)
             out.append(PeakMoment("loss", None, grads, (loss, st.held, pipe_now, gterms),
@@ -248,6 +271,8 @@ class _States(NamedTuple):
     unsharded from a micro-batch's backward to the step's reduction"""
     fsdp_stage: int
     """how FSDP2 holds the parameters: the ZeRO stage, or 2 under :func:`replicated` data parallelism"""
+    experts_copy: bool = False
+    """its experts are FSDP2 replicas beside DDP (:func:`replicated_experts`)"""
 
 
 class _Flight(NamedTuple):
@@ -278,6 +303,12 @@ def replicated(s: Setting) -> bool:
     unit's parameters into a buffer of their own as FSDP does over a shard group of one rank, and keeps them as
     ZeRO 2 does (``runtime/ddp.py``)."""
     return s.replicas > 1 and s.zero_stage < 2 and s.tp > 1
+
+
+def replicated_experts(s: Setting) -> bool:
+    """Expert parallelism beside DDP (ZeRO 0/1, no TP): each experts module is FSDP2's ``replicate`` over the ranks
+    holding the same experts (``runtime/ddp.py`` replicate_experts), which gathers and reduces as FSDP does."""
+    return s.ep > 1 and s.replicas > 1 and s.zero_stage < 2 and s.tp == 1
 
 
 def ddp_bucket_bytes(s: Setting, params: float) -> float:

@@ -121,6 +121,8 @@ class RankSums:
     """bytes a rank sends to the next stage (the largest of its cuts, one micro-batch)"""
     experts: list[float] = field(default_factory=list)
     """local expert parameters under expert parallelism (numel; part of ``params``)"""
+    experts_upto: list[dict[int, float]] = field(default_factory=list)
+    """per rank, layer index -> the local expert parameters (numel) of its layers up to that one"""
     head_tp: bool = False
     """the output head is TP-split (loss_parallel can apply)"""
     model_flops: float = 0.0
@@ -168,6 +170,7 @@ class RankSums:
                    cpu_ops=list(z), cpu_tp=list(z), tensors=list(z),
                    bwd_layers=[[] for _ in range(pp)], pipe=[pipe_sums() for _ in range(pp)],
                    stages=[[] for _ in range(pp)], input_layers=[[] for _ in range(pp)], layers=list(z),
+                   experts_upto=[{} for _ in range(pp)],
                    full_recompute=list(z))
 
     def per_micro_batch(self, r: int) -> float:

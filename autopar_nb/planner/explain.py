@@ -52,6 +52,10 @@ COMPONENT_SOURCES = {
     "forward_working_set": ("the layer whose forward holds the most: its saved tensors so far and the tensors alive "
                             "then (output, operands still to be read, autocast's copies)"),
     "fsdp_all_gather": "the all-gather output of the FSDP unit whose forward runs",
+    "replicate_gathered_experts": ("the experts' parameters FSDP2's replicate (beside DDP) gathers in their forward "
+                                   "and keeps to the end of their backward"),
+    "replicate_reduce_buffers": ("the reduce-scatter input and all-reduce output of each experts module whose "
+                                 "backward ran (FSDP2's replicate beside DDP), held to the end of the backward"),
     "loss_temporaries": "the loss's logits and their copies",
     "optimizer_step_temporaries": "the optimizer step's temporaries",
 }
