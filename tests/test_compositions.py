@@ -41,6 +41,11 @@ CASES = {
     "zero3-pp-zbv-bf16": ("GPT-2", {"dp": 2, "zero_stage": 3, "amp": "bf16", **PIPE,
                                     "schedule": "zbv_zero_bubble", "virtual_stages": 2},
                           "fsdp_weight_pass_grads"),
+    # expert parallelism beside DDP: each experts module is FSDP2's replicate, which keeps its gathered experts from
+    # forward to the end of backward and, once its backward ran, its reduction's buffers to the end of the
+    # stage's backward; a stage's experts are the model's own modules (their peaks placed in their layers)
+    "ep-pp-full": ("Mixtral", {"dp": 2, "ep": 2, "zero_stage": 0, "recompute": "full", **PIPE},
+                   "replicate_reduce_buffers"),
     # context parallelism's ring backward holds, at the attention op, the gathered keys and values, float32
     # accumulators and the dK/dV it sends and receives (a backward working set: no term of its own); its
     # second cp rank peaks there
