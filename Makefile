@@ -13,6 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps torchao==0.18.0  # the float8 extra (pyproject.toml), without touching torch
 	touch $@
 
 demo: setup

@@ -14,7 +14,8 @@ JSON schema (``SCHEMA_VERSION`` = 1)::
       "batch":     {"global_batch": int, "micro_batches": int, "seq_len": int | null},
       "pipeline":  {"schedule": str, "virtual_stages": int},
       "precision": {"amp": "none"|"bf16"|"fp16", "param_dtype": str, "reduce_dtype": str,
-                    "init_loss_scale": float, "dynamic_loss_scale": bool, "growth_interval": int},
+                    "init_loss_scale": float, "dynamic_loss_scale": bool, "growth_interval": int,
+                    "float8": "none"|"tensorwise"|"rowwise"},
       "optimizer": {"name": "adam"|"adamw"|"sgd", "lr": float, "weight_decay": float, "betas": [float, float]},
       "layers":    [{"path": str, "stage": int, "tp": {module_path: style},
                      "tp_parts": {module_path: [int, ...]}, "sequence_parallel": bool, "fsdp": bool,
@@ -54,6 +55,9 @@ RECOMPUTE = ("none", "selective", "full")
 """per-layer activation recompute: none | selective (element-wise ops and every other weight matmul) | full (all)"""
 AMP = ("none", "bf16", "fp16")
 """autocast dtype of the forward pass; "none" = fp32"""
+FLOAT8 = ("none", "tensorwise", "rowwise")
+"""torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``): none | tensorwise (a scale per tensor;
+FSDP all-gathers the weights in float8 on GPUs) | rowwise (a scale per row: more accurate, gathers in bf16)"""
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
 V_SCHEDULES = ("zbv_zero_bubble",)
 """schedules that place a rank's two stages in a V: rank r holds stages r and 2 pp - 1 - r"""
@@ -83,14 +87,15 @@ ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
             "complex128": 16}
 """bytes per element by torch dtype name (``str(dtype).removeprefix("torch.")``)"""
 FIX_KEYS = ("dp", "tp", "pp", "ep", "cp", "zero_stage", "micro_batches", "schedule", "virtual_stages", "recompute",
-            "amp", "compile", "fused_loss", "fused_norm",
+            "amp", "float8", "compile", "fused_loss", "fused_norm",
             "sequence_parallel", "optimizer", "fp32_ops", "low_precision_ops")
 """global choices a user can pin (``--fix``, ``plan(fix=...)``, ``Session.replan(fix=...)``)"""
 FIX_ALIASES = {"zero": "zero_stage", "mb": "micro_batches", "micro": "micro_batches", "sp": "sequence_parallel"}
 """short names accepted for FIX_KEYS"""
 FIX_CHOICES: dict[str, tuple] = {"zero_stage": ZERO_STAGES, "schedule": SCHEDULES, "recompute": RECOMPUTE,
-                                 "amp": AMP, "sequence_parallel": (False, True), "optimizer": OPTIMIZERS,
-                                 "compile": (False, True), "fused_loss": (False, True), "fused_norm": (False, True)}
+                                 "amp": AMP, "float8": FLOAT8, "sequence_parallel": (False, True),
+                                 "optimizer": OPTIMIZERS, "compile": (False, True), "fused_loss": (False, True),
+                                 "fused_norm": (False, True)}
 """the allowed values of the FIX_KEYS that are choices; the others (dp, tp, pp, ep, cp, micro_batches, virtual_stages)
 are positive integers, up to FIX_MAX or else MAX_DEGREE"""
 FIX_MAX = {"micro_batches": MAX_MICRO_BATCHES, "virtual_stages": MAX_VIRTUAL_STAGES}
@@ -303,9 +308,16 @@ class PrecisionPlan:
     low_precision_ops: list[str] = field(default_factory=list)
     """ops run in the autocast dtype beyond autocast's own list (PaddlePaddle's custom_white_list: ``["matmul",
     "elementwise_add"]``)"""
+    float8: str = "none"
+    """:data:`FLOAT8`: the Linear layers whose dimensions are multiples of 16, the output head excepted, train with
+    float8 matmuls (torchao's ``convert_to_float8_training``; ``runtime/float8.py``); needs amp "bf16"""
 
     def __post_init__(self):
         _check_choice("precision.amp", self.amp, AMP)
+        _check_choice("precision.float8", self.float8, FLOAT8)
+        if self.float8 != "none" and self.amp != "bf16":
+            raise PlanError(f"precision.float8={self.float8!r} needs precision.amp='bf16' (torchao's float8 matmuls "
+                            f"take bf16 inputs), got amp={self.amp!r}; set amp to 'bf16' or float8 to 'none'")
         for name in ("fp32_ops", "low_precision_ops"):
             ops = getattr(self, name)
             if not isinstance(ops, (list, tuple)):
@@ -620,6 +632,10 @@ class Plan:
             raise PlanError(f"layers {', '.join(compiled[:3])}{', ...' if len(compiled) > 3 else ''} are compiled, but "
                             f"mesh.pp={self.mesh.pp}: compile applies to whole blocks with pp=1 only (a pipeline stage "
                             "is a traced graph); set their compile to false or pp to 1")
+        if self.precision.float8 != "none" and self.mesh.pp > 1:
+            raise PlanError(f"precision.float8={self.precision.float8!r} with mesh.pp={self.mesh.pp}: float8 runs "
+                            "with pp=1 only (not verified under pipelining, whose stages are traced graphs); set "
+                            "float8 to 'none' or pp to 1")
         self._check_schedule()
 
     def _check_schedule(self) -> None:
@@ -823,6 +839,8 @@ class Plan:
             s += f" recompute={'/'.join(rec)}"
         if self.precision.amp != "none":
             s += f" amp={self.precision.amp}"
+        if self.precision.float8 != "none":
+            s += f" float8={self.precision.float8}"
         if any(lp.compile for lp in self.layers):
             s += " compile"
         s += "".join(f" {n}" for n, on in (("fused-loss", self.fused_loss), ("fused-norm", self.fused_norm)) if on)

@@ -147,6 +147,8 @@ def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]
     if v.fused_norm:
         s.append(f"# plan.fused_norm: kernels_ext's fused RMSNorm in {len(v.fused_norm)} modules ("
                  f"{v.fused_norm[0]}{', ...' if len(v.fused_norm) > 1 else ''})")
+    if v.float8:
+        s.append(f"FLOAT8 = {_one_line(v.float8)}  # plan.precision.float8 (torchao): {len(v.float8_linears)} Linears")
     if v.ties:
         s.append(f"TIES = {literal(v.ties, width=40)}  # parameters the model shares (kept one parameter when sharded)")
     if v.recompute:
@@ -206,8 +208,12 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
     torchtitan's order; the runtime names it calls and the imports it needs."""
     calls, uses, imports, plans = [], [], set(), []
     steps = iter(range(1, 10))  # the techniques' order, numbered in the comments
+    if v.float8:  # before the fused loss replaces the head, which float8 keeps in bf16
+        calls += [f"# {next(steps)}. float8 Linear layers (torchao), before the techniques that wrap them",
+                  f"apply_float8(part, FLOAT8, device=device, fsdp={v.fsdp})"]
+        uses.append("apply_float8")
     if v.fused_loss and v.pp == 1:  # pipelined: on the whole model, before the trace (below)
-        calls += [f"# {next(steps)}. the output head fused with the loss (it never holds the full logits), first: the "
+        calls += [f"# {next(steps)}. the output head fused with the loss (it never holds the full logits), before the "
                   "techniques below", "#    wrap the module that replaces it, which holds the same weight",
                   "apply_fused_loss(part, FUSED_LOSS)"]
         uses.append("apply_fused_loss")

@@ -23,6 +23,7 @@ from ..planner.styles import GROUPS, HEAD_COUNTS, KV_HEADS, head_tables, local_s
 from ..runtime.cp import sequence_tensor
 from ..runtime.data import default_batch_size, default_loss, first_tensor, is_causal_lm, smallest_table
 from ..runtime.ep import experts_modules_to_split
+from ..runtime.float8 import float8_linears
 from ..runtime.fused_norm import apply_fused_norm
 from ..runtime.pp import SCHEDULES, SPLIT_BACKWARD, stage_boundaries
 from ..runtime.pretrained import check_pretrained, tied_parameters
@@ -112,6 +113,11 @@ class ScriptValues:
     fused_norm: list[str] = field(default_factory=list)
     """plan.fused_norm: the RMSNorm modules the script runs with kernels_ext's fused RMSNorm (runtime/fused_norm.py
     finds them again; listed in a comment); empty: eager norms"""
+    float8: str = ""
+    """plan.precision.float8: torchao's recipe the script converts Linear layers with (runtime/float8.py); empty:
+    none"""
+    float8_linears: list[str] = field(default_factory=list)
+    """the modules it converts (found again by the runtime; listed in a comment)"""
     tokens: bool = False
     """the inputs are token ids (throughput in tokens/s)"""
     kv_cache: bool = False
@@ -192,8 +198,8 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
     if plan.fused_loss:
         _check_fused_loss(model, plan.fused_loss, source)
         v.fused_loss = plan.fused_loss
-    if plan.fused_norm:
-        v.fused_norm = _fused_norms(model)
+    v.fused_norm = _fused_norms(model) if plan.fused_norm else []
+    v.float8, v.float8_linears = _float8(model, pr.float8)
     if v.dataset and plan.batch.global_batch > 1 and plan.batch.global_batch % m.dp:
         raise PlanError(f"batch.global_batch({plan.batch.global_batch}) must be a multiple of the data-parallel ranks "
                         f"(mesh.dp={m.dp}): each reads the same number of the dataset's samples per step")
@@ -329,6 +335,18 @@ def _check_fused_loss(model: nn.Module, head: str, source: ModelSource) -> None:
         raise PlanError(f"plan.fused_loss={head!r} must name a bias-free nn.Linear of the model, found "
                         f"{type(linear).__name__ if linear is not None else 'no such module'}"
                         + (" with a bias" if isinstance(linear, nn.Linear) and linear.bias is not None else ""))
+
+
+def _float8(model: nn.Module, recipe: str) -> tuple[str, list[str]]:
+    """(the recipe, the Linear modules ``apply_float8`` will convert), ("", []) without float8; PlanError when it
+    would convert none."""
+    if recipe == "none":
+        return "", []
+    found = float8_linears(model)
+    if not found:
+        raise PlanError(f"precision.float8={recipe!r}, but the model has no nn.Linear with both dimensions multiples "
+                        "of 16 besides its output head: set precision.float8 to 'none'")
+    return recipe, found
 
 
 def _fused_norms(model: nn.Module) -> list[str]:
