@@ -26,7 +26,8 @@ class DeviceSpec:
     name: str
     memory_bytes: float
     peak_flops: dict[str, float]
-    """dtype name ("bfloat16", "float16", "float32") -> dense peak FLOP/s (tensor cores where they apply)"""
+    """dtype name ("bfloat16", "float16", "float32", and "float8_e4m3fn" where the device has FP8 tensor cores:
+    compute capability 8.9 or more) -> dense peak FLOP/s (tensor cores where they apply)"""
     hbm_bandwidth: float
     """device memory bandwidth, bytes/s"""
     source: str = ""
@@ -66,33 +67,40 @@ A100_40GB = DeviceSpec("a100-40gb", 40 * GB, {"bfloat16": 312 * TB, "float16": 3
                        1555 * GB, "NVIDIA A100 datasheet (SXM4 40GB)", arch="ampere")
 A100_80GB = DeviceSpec("a100-80gb", 80 * GB, {"bfloat16": 312 * TB, "float16": 312 * TB, "float32": 19.5 * TB},
                        2039 * GB, "NVIDIA A100 datasheet (SXM4 80GB)", arch="ampere")
-# H100 SXM5: NVIDIA H100 datasheet: BF16/FP16 989.4 TFLOPS dense (1,979 with sparsity), FP32 66.9, 80GB HBM3
-# 3.35 TB/s; NVLink 4 900 GB/s total (450 per direction).
-H100_80GB = DeviceSpec("h100-80gb", 80 * GB, {"bfloat16": 989.4 * TB, "float16": 989.4 * TB, "float32": 66.9 * TB},
+# H100 SXM5: NVIDIA H100 datasheet: BF16/FP16 989.4 TFLOPS dense (1,979 with sparsity), FP8 1,979 dense (3,958 with
+# sparsity), FP32 66.9, 80GB HBM3 3.35 TB/s; NVLink 4 900 GB/s total (450 per direction).
+H100_80GB = DeviceSpec("h100-80gb", 80 * GB, {"bfloat16": 989.4 * TB, "float16": 989.4 * TB, "float32": 66.9 * TB,
+                                              "float8_e4m3fn": 1979 * TB},
                        3350 * GB, "NVIDIA H100 datasheet (SXM5)", arch="hopper")
 # H200 SXM: NVIDIA H200 datasheet: same Hopper compute as H100 SXM, 141GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
-H200 = DeviceSpec("h200", 141 * GB, {"bfloat16": 989.4 * TB, "float16": 989.4 * TB, "float32": 66.9 * TB},
+H200 = DeviceSpec("h200", 141 * GB, {"bfloat16": 989.4 * TB, "float16": 989.4 * TB, "float32": 66.9 * TB,
+                                     "float8_e4m3fn": 1979 * TB},
                   4800 * GB, "NVIDIA H200 datasheet (SXM)", arch="hopper")
-# L4: NVIDIA L4 datasheet: BF16/FP16 121 TFLOPS dense (242 with sparsity), FP32 30.3, 24GB GDDR6 300 GB/s,
-# PCIe Gen4 x16 (64 GB/s bidirectional), no NVLink.
-L4 = DeviceSpec("l4", 24 * GB, {"bfloat16": 121 * TB, "float16": 121 * TB, "float32": 30.3 * TB},
+# L4: NVIDIA L4 datasheet: BF16/FP16 121 TFLOPS dense (242 with sparsity), FP8 242.5 dense (485 with sparsity),
+# FP32 30.3, 24GB GDDR6 300 GB/s, PCIe Gen4 x16 (64 GB/s bidirectional), no NVLink.
+L4 = DeviceSpec("l4", 24 * GB, {"bfloat16": 121 * TB, "float16": 121 * TB, "float32": 30.3 * TB,
+                                "float8_e4m3fn": 242.5 * TB},
                 300 * GB, "NVIDIA L4 datasheet", arch="ada")
 
-# H100 PCIe: NVIDIA H100 datasheet: BF16/FP16 756 TFLOPS dense (1,513 with sparsity), FP32 51.2, 80GB HBM2e 2 TB/s,
-# PCIe Gen5 x16 (128 GB/s bidirectional); NVLink bridge 600 GB/s for pairs only.
-H100_PCIE = DeviceSpec("h100-pcie", 80 * GB, {"bfloat16": 756 * TB, "float16": 756 * TB, "float32": 51.2 * TB},
+# H100 PCIe: NVIDIA H100 datasheet: BF16/FP16 756 TFLOPS dense (1,513 with sparsity), FP8 1,513 dense (3,026 with
+# sparsity), FP32 51.2, 80GB HBM2e 2 TB/s, PCIe Gen5 x16 (128 GB/s bidirectional); NVLink bridge 600 GB/s for pairs.
+H100_PCIE = DeviceSpec("h100-pcie", 80 * GB, {"bfloat16": 756 * TB, "float16": 756 * TB, "float32": 51.2 * TB,
+                                              "float8_e4m3fn": 1513 * TB},
                        2000 * GB, "NVIDIA H100 datasheet (PCIe)", arch="hopper")
-# H100 NVL: NVIDIA H100 datasheet: BF16/FP16 835 TFLOPS dense (1,671 with sparsity), FP32 60, 94GB HBM3 3.9 TB/s;
-# sold as NVLink-bridged pairs (600 GB/s), PCIe Gen5 between pairs.
-H100_NVL = DeviceSpec("h100-nvl", 94 * GB, {"bfloat16": 835 * TB, "float16": 835 * TB, "float32": 60 * TB},
+# H100 NVL: NVIDIA H100 datasheet: BF16/FP16 835 TFLOPS dense (1,671 with sparsity), FP8 1,671 dense (3,341 with
+# sparsity), FP32 60, 94GB HBM3 3.9 TB/s; sold as NVLink-bridged pairs (600 GB/s), PCIe Gen5 between pairs.
+H100_NVL = DeviceSpec("h100-nvl", 94 * GB, {"bfloat16": 835 * TB, "float16": 835 * TB, "float32": 60 * TB,
+                                            "float8_e4m3fn": 1671 * TB},
                       3900 * GB, "NVIDIA H100 datasheet (NVL)", arch="hopper")
 # GH200: NVIDIA GH200 Grace Hopper datasheet: the H100 SXM's compute (BF16 989 dense, FP32 67), 96GB HBM3 4 TB/s
 # (the 144GB HBM3e version: 4.9 TB/s; detection replaces the memory with the card's own).
-GH200 = DeviceSpec("gh200", 96 * GB, {"bfloat16": 989.4 * TB, "float16": 989.4 * TB, "float32": 66.9 * TB},
+GH200 = DeviceSpec("gh200", 96 * GB, {"bfloat16": 989.4 * TB, "float16": 989.4 * TB, "float32": 66.9 * TB,
+                                      "float8_e4m3fn": 1979 * TB},  # FP8 1,979 dense, as the H100 SXM
                    4000 * GB, "NVIDIA GH200 Grace Hopper Superchip datasheet (96GB HBM3)", arch="hopper")
-# H20: NVIDIA H20 product brief: BF16/FP16 148 TFLOPS dense (296 with sparsity), FP32 44, 96GB HBM3 4.0 TB/s,
-# NVLink 900 GB/s.
-H20 = DeviceSpec("h20", 96 * GB, {"bfloat16": 148 * TB, "float16": 148 * TB, "float32": 44 * TB},
+# H20: NVIDIA H20 product brief: BF16/FP16 148 TFLOPS dense (296 with sparsity), FP8 296 dense, FP32 44, 96GB HBM3
+# 4.0 TB/s, NVLink 900 GB/s.
+H20 = DeviceSpec("h20", 96 * GB, {"bfloat16": 148 * TB, "float16": 148 * TB, "float32": 44 * TB,
+                                  "float8_e4m3fn": 296 * TB},
                  4000 * GB, "NVIDIA H20 product brief", arch="hopper")
 # V100 SXM2: NVIDIA V100 datasheet: FP16 tensor 125 TFLOPS, FP32 15.7, no bf16 (compute capability 7.0),
 # 32GB HBM2 900 GB/s, NVLink 2 300 GB/s total (150 per direction).
@@ -110,8 +118,10 @@ A10 = DeviceSpec("a10", 24 * GB, {"bfloat16": 125 * TB, "float16": 125 * TB, "fl
 A10G = DeviceSpec("a10g", 24 * GB, {"bfloat16": 70 * TB, "float16": 70 * TB, "float32": 31.2 * TB},
                   600 * GB, "AWS G5 (A10G): no NVIDIA datasheet; tensor rate as commonly quoted, calibrate",
                   arch="ampere")
-# L40S: NVIDIA L40S datasheet: BF16/FP16 362 TFLOPS dense (733 with sparsity), FP32 91.6, 48GB GDDR6 864 GB/s, PCIe 4.
-L40S = DeviceSpec("l40s", 48 * GB, {"bfloat16": 362 * TB, "float16": 362 * TB, "float32": 91.6 * TB},
+# L40S: NVIDIA L40S datasheet: BF16/FP16 362 TFLOPS dense (733 with sparsity), FP8 733 dense (1,466 with sparsity),
+# FP32 91.6, 48GB GDDR6 864 GB/s, PCIe 4.
+L40S = DeviceSpec("l40s", 48 * GB, {"bfloat16": 362 * TB, "float16": 362 * TB, "float32": 91.6 * TB,
+                                    "float8_e4m3fn": 733 * TB},
                   864 * GB, "NVIDIA L40S datasheet", arch="ada")
 
 # --- Links -----------------------------------------------------------------------------------------------------------
@@ -248,7 +258,7 @@ class Cluster:
 
     def describe(self) -> str:
         d = self.device
-        dtype, peak = max(d.peak_flops.items(), key=lambda kv: kv[1])
+        dtype, peak = max(((k, v) for k, v in d.peak_flops.items() if k != "float8_e4m3fn"), key=lambda kv: kv[1])
         mem = f"{d.memory_bytes / GiB:.0f} GiB" if self.rank_memory is None else \
             f"limit {self.rank_memory / GiB:.3g} GiB per rank"
         return (f"{self.nodes} x {self.gpus_per_node} {d.name} ({mem}, "

@@ -101,3 +101,78 @@ def test_float8_on_two_gloo_processes_matches_the_bf16_run():
         assert report.ok, str(report)
         assert report.rtol == FLOAT8_RTOL
         assert report.max_loss_rel < 5e-3, "the losses stay much closer than the tolerance"
+
+
+# ---- hardware, cost and planner ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama_8b():
+    """LLaMA 3 8B captured on the meta device, 8 x 4096 tokens."""
+    import autopar_nb as ap
+    from autopar_nb import zoo
+
+    with torch.device("meta"):
+        model = zoo.Llama(zoo.LLAMA3_8B)
+    return ap.capture(model, torch.randint(0, 100, (8, 4096), device="meta"))
+
+
+def test_fp8_rates_are_the_datasheets_and_describe_stays_bf16():
+    from autopar_nb.cost.float8 import FP8
+    from autopar_nb.hardware import PRESETS, Cluster
+
+    with_fp8 = {name for name, (dev, _, _) in PRESETS.items() if dev.supports(FP8)}
+    assert with_fp8 == {"h100-80gb", "h200", "h100-pcie", "h100-nvl", "gh200", "h20", "l4", "l40s"}
+    h100 = Cluster.preset("h100-80gb")
+    assert h100.device.flops(FP8) == pytest.approx(1979e12) and "bfloat16" in h100.describe()
+    assert not Cluster.preset("cpu").device.supports(FP8) and not Cluster.preset("a100-80gb").device.supports(FP8)
+
+
+def test_float8_time_saves_on_fp8_gpus_with_compiled_casts(llama_8b):
+    from autopar_nb.cost import profile
+    from autopar_nb.cost.factors import factors_for
+    from autopar_nb.cost.float8 import float8_time
+    from autopar_nb.cost.profile.float8 import float8_head
+    from autopar_nb.hardware import Cluster
+
+    prof = profile(llama_8b, device_kind="cuda")
+    block = prof.layers[1]
+    assert float8_head(llama_8b) == "output" and block.f8_flops_split + block.f8_flops_rep > 0
+    assert prof.layers[-1].f8_flops_rep == prof.layers[-1].f8_flops_split == 0, "the head stays in bf16"
+    h100 = Cluster.preset("h100-80gb", gpus_per_node=8)
+    kw = dict(tp=1, scale=1.0, device=h100.device, factors=factors_for(h100))
+    compiled, eager = float8_time(block, compiled=True, **kw), float8_time(block, compiled=False, **kw)
+    assert compiled[0] < 0 and compiled[1] < 0, "FP8 matmuls at twice bf16's rate save more than fused casts cost"
+    assert eager[0] > compiled[0] and eager[1] > compiled[1], "eager casts move five times the bytes"
+
+
+def test_the_planner_takes_float8_where_it_pays_and_says_why(llama_8b):
+    import autopar_nb as ap
+    from autopar_nb.hardware import Cluster
+
+    h100 = ap.plan(llama_8b, Cluster.preset("h100-80gb", gpus_per_node=8), global_batch=8, fix={"compile": True})
+    assert h100.precision.float8 == "tensorwise"
+    assert any(line.startswith("Float8 (tensorwise) chosen") and "FP8 rate (1979 TFLOP/s" in line
+               for line in h100.explanation)
+    eager = ap.plan(llama_8b, Cluster.preset("h100-80gb", gpus_per_node=8), global_batch=8, fix={"compile": False})
+    assert eager.precision.float8 == "none"
+    assert any("Float8 not chosen" in line and "compile fuses them" in line for line in eager.explanation)
+    a100 = ap.plan(llama_8b, Cluster.preset("a100-80gb", gpus_per_node=8), global_batch=8)
+    assert a100.precision.float8 == "none" and any("Float8 not offered: the a100-80gb has no FP8 matmuls" in line
+                                                   for line in a100.explanation)
+
+
+def test_the_planner_never_chooses_float8_on_cpu_but_takes_the_fix():
+    import autopar_nb as ap
+    from autopar_nb.hardware import Cluster
+
+    src = source(LLAMA_CELL)
+    model, inputs, _ = src.build(device="meta")
+    graph = ap.capture(model, *inputs)
+    cpu = Cluster.preset("cpu", gpus_per_node=2)
+    auto = ap.plan(graph, cpu)
+    assert auto.precision.float8 == "none"
+    assert any(line.startswith("Float8 not offered: the cpu has no FP8 matmuls") for line in auto.explanation)
+    fixed = ap.plan(graph, cpu, fix={"float8": "rowwise", "amp": "bf16"})
+    assert fixed.precision.float8 == "rowwise" and fixed.mesh.pp == 1
+    assert any("emulated in float32 on the cpu" in line for line in fixed.explanation)
+    with pytest.raises(PlanError, match="needs amp='bf16'"):
+        ap.plan(graph, cpu, fix={"float8": "rowwise", "amp": "none"})

@@ -43,17 +43,17 @@ class Evaluator:
 
     # ---- per layer ----------------------------------------------------------------------------------------------
     def terms(self, i: int, *, tp: int, sp: bool, precision: str, mb_samples: float, ep: int = 1,
-              compiled: bool = False, cp: int = 1, amp: str = "bf16", fused_norm: bool = False) -> LayerTerms:
+              compiled: bool = False, cp: int = 1, amp: str = "bf16", fused_norm: bool = False,
+              float8: bool = False) -> LayerTerms:
         """Per-layer terms, cached by the layer's repeated-block representative. ``precision``: one of
-        :data:`~.profile.PRECISIONS` (:func:`~.profile.precision_of`); ``amp``: autocast's dtype there ("bf16",
-        "fp16": its peak FLOP/s). With context parallelism (``cp``) a rank
-        holds 1/cp of every sequence: its compute and activations are divided by cp (with torch's load balancing,
-        causal attention's work too), and each attention layer all-gathers the keys and values in forward and again
-        in backward, and passes their float32 gradients round the ring cp times
-        (``_templated_ring_attention_backward``); the gathered keys and values are one more working buffer.
-        ``fused_norm``: the layer as the fused-norm graph profiles it (:attr:`norm_prof`)."""
+        :data:`~.profile.PRECISIONS` (:func:`~.profile.precision_of`); ``amp``: autocast's dtype there ("bf16", "fp16":
+        its peak FLOP/s). With context parallelism (``cp``) a rank holds 1/cp of every sequence: its compute and
+        activations are divided by cp (with torch's load balancing, causal attention's work too), and each attention
+        layer all-gathers the keys and values in forward and again in backward, and passes their float32 gradients round
+        the ring cp times (``_templated_ring_attention_backward``); the gathered keys and values are one more working
+        buffer. ``fused_norm``: as the fused-norm graph profiles it (:attr:`norm_prof`); ``float8``: :mod:`.float8`."""
         fused_norm = fused_norm and self.norm_prof is not None
-        key = (self.prof.rep[i], tp, sp, precision, mb_samples, ep, compiled, cp, amp, fused_norm)
+        key = (self.prof.rep[i], tp, sp, precision, mb_samples, ep, compiled, cp, amp, fused_norm, float8)
         half = precision != "fp32"
         hit = self._cache.get(key)
         if hit is not None:
@@ -64,7 +64,7 @@ class Evaluator:
         qscale = mb_samples / self.prof.batch * self.seq_ratio ** 2 / cp
         fwd, bwd, sel = layer_compute_time(lp, tp=tp, sp=sp, precision=precision, scale=scale, quad_scale=qscale,
                                            device=self.cluster.device, factors=self.f, compiled=compiled,
-                                           low_dtype=DTYPE_NAMES[amp] if amp != "none" else "bfloat16")
+                                           low_dtype=DTYPE_NAMES[amp] if amp != "none" else "bfloat16", float8=float8)
         act = {r: activation_bytes(lp, tp=tp, sp=sp, recompute=r, precision=precision, scale=scale,
                                    quad_scale=qscale, megatron_sp=self.megatron_sp) for r in RECOMPUTE}
         comm: dict[str, float] = {}
@@ -154,7 +154,7 @@ class Evaluator:
         return self.terms(i, tp=s.tp if ch.tp else 1, sp=s.sp and ch.tp,
                           precision=precision_of(s.amp, s.zero_stage),
                           mb_samples=s.mb_samples, ep=s.ep, compiled=ch.compile, cp=s.cp, amp=s.amp,
-                          fused_norm=s.fused_norm)
+                          fused_norm=s.fused_norm, float8=s.float8 != "none")
 
     # ---- a whole candidate --------------------------------------------------------------------------------------
     def runs(self, choices: list[LayerChoice]) -> list[tuple[int, int, LayerChoice]]:

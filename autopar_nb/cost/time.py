@@ -11,24 +11,29 @@ makes are memory-bound ops of their own. All factors come from :mod:`autopar_nb.
 
 from __future__ import annotations
 
+from .float8 import float8_time
 from .profile import AmpTime, LayerProfile
 
 COMPUTE_CLASSES = ("matmul", "conv", "attention")
 
 
 def layer_compute_time(lp: LayerProfile, *, tp: int, sp: bool, precision: str, scale: float, quad_scale: float,
-                       device, factors, compiled: bool = False,
-                       low_dtype: str = "bfloat16") -> tuple[float, float, float]:
+                       device, factors, compiled: bool = False, low_dtype: str = "bfloat16",
+                       float8: bool = False) -> tuple[float, float, float]:
     """(forward, backward, selective-recompute extra) seconds of one micro-batch through the layer on one rank.
 
     ``tp`` divides the ops inside TP regions (and the ops outside them under sequence parallel); ``precision``: one
     of :data:`~.profile.PRECISIONS` (under autocast each op at the dtype it runs in there, the plan's op lists
     applied: :func:`amp_compute_time`; ``low_dtype``: autocast's, "bfloat16" or "float16"); ``scale`` and
     ``quad_scale`` scale the captured batch's work to the micro-batch (linear and attention-score terms);
-    ``compiled``: the layer runs under ``torch.compile``."""
+    ``compiled``: the layer runs under ``torch.compile``; ``float8``: its Linears as float8 training runs them
+    (:func:`.float8.float8_time`, under autocast only)."""
     if precision != "fp32":
-        return amp_compute_time(lp, lp.time_amp[precision], tp=tp, sp=sp, scale=scale, quad_scale=quad_scale,
-                                device=device, factors=factors, compiled=compiled, low_dtype=low_dtype)
+        fwd, bwd, sel = amp_compute_time(lp, lp.time_amp[precision], tp=tp, sp=sp, scale=scale, quad_scale=quad_scale,
+                                         device=device, factors=factors, compiled=compiled, low_dtype=low_dtype)
+        f8 = float8_time(lp, tp=tp, scale=scale, device=device, factors=factors, compiled=compiled,
+                         low_dtype=low_dtype) if float8 else (0.0, 0.0)
+        return fwd + f8[0], bwd + f8[1], sel
     peak = device.flops("float32")
     fwd = bwd = 0.0
     for cls in COMPUTE_CLASSES:

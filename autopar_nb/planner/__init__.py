@@ -33,6 +33,7 @@ from ..plan import (
 from .constraints import Constraints, parse
 from .degrees import cp_degrees
 from .explain import compile_lines, explain, fmt_bytes, fused_loss_lines, fused_norm_lines, op_list_lines
+from .float8 import float8_choice, float8_lines
 from .forward import checked_profile, tp_parts
 from .per_rank import plan_per_rank
 from .search import Candidate, Search, memory_limit
@@ -147,7 +148,8 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
         if c.key not in seen:
             seen.add(c.key)
             ranked.append(c)
-    best = ranked[0]
+    best, float8_other = float8_choice(ranked[0], ev, cons, cluster)
+    ranked[0] = best
     plans = [_to_plan(c, graph, prof, cluster, cons, global_batch, seq_len, head=head.module if head else "")
              for c in ranked[:top_k]]
     chosen = plans[0]
@@ -156,6 +158,7 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
     chosen.explanation += compile_lines(best, ev, cons, [i for i, on in enumerate(search.compilable) if on])
     chosen.explanation += fused_loss_lines(best, ev, cons, fused_why)
     chosen.explanation += fused_norm_lines(best, ev, cons)
+    chosen.explanation += float8_lines(best, float8_other, cons, cluster)
     if prof is not default_prof:  # the op lists' price: the same setting with autocast's own lists
         chosen.explanation += op_list_lines(best, cons, Evaluator(default_prof, cluster, seq_ratio=seq_ratio,
                                                                   head=head), graph)
@@ -232,7 +235,7 @@ def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch
     half = s.amp != "none"
     dtype = DTYPE_NAMES.get(s.amp, "float32")
     precision = PrecisionPlan(amp=s.amp, param_dtype=dtype if (half and s.zero_stage >= 2) else "float32",
-                              reduce_dtype="float32", dynamic_loss_scale=s.amp == "fp16",
+                              reduce_dtype="float32", dynamic_loss_scale=s.amp == "fp16", float8=s.float8,
                               **{k: cons.fix[k] for k in ("fp32_ops", "low_precision_ops") if k in cons.fix})
     head_tp = any(lp.vocab and any(st == "colwise" for st in lp.tp.values()) and ch.tp
                   for lp, ch in zip(prof.layers, c.choices, strict=True))

@@ -243,3 +243,12 @@ def sequence_parallel(fix: dict, prof, tp: int, *, seq_ratio: float = 1.0) -> tu
     if prof.sp_blocker:
         raise PlanError(why + " (TP then all-reduces full activations)")
     return sp, why + " or choose a tp that divides it"
+
+
+def float8_fix(cons, amp: str) -> str:
+    """The fixed recipe ("none" when not fixed); PlanError when the fixed precision cannot take it."""
+    recipe = cons.fix.get("float8", "none")
+    if recipe != "none" and amp != "bf16":
+        raise PlanError(f"fix float8={recipe!r} needs amp='bf16' (torchao's float8 matmuls take bf16 inputs), and "
+                        f"amp is {amp!r}: fix amp=bf16 as well, or drop float8")
+    return recipe

@@ -37,7 +37,7 @@ from ..cost.schedule import MULTI_STAGE, ZERO_BUBBLE
 from ..cost.setting import LayerChoice, Setting
 from ..cost.time import bubble_fraction
 from ..plan import V_SCHEDULES, Cost, PlanError, stage_rank
-from .constraints import sequence_parallel
+from .constraints import float8_fix, sequence_parallel
 from .degrees import divisors, tp_blockers
 from .recompute import choose_recompute
 from .stages import memory_partition, partition, partition_runs
@@ -169,6 +169,7 @@ class Search:
             raise PlanError(f"fix amp='bf16', but the {cluster.device.name} has no bf16 (it needs compute capability "
                             ">= 8.0); use amp='fp16' (with loss scaling) or amp='none'")
         self.optimizer = fix.get("optimizer", "adam")
+        self.float8 = float8_fix(cons, self.amp)
         self.has_batchnorm = any("BatchNorm" in lay.type or "BatchNorm" in " ".join(lay.modules.values())
                                  for lay in graph.layers)
         self.experts = {m: e for lp in prof.layers for m, e in lp.experts.items()}
@@ -418,7 +419,9 @@ class Search:
                 continue
             for z in zeros:
                 s = dataclasses.replace(base, zero_stage=z, fused_loss=bool(fix.get("fused_loss")),
-                                        fused_norm=bool(fix.get("fused_norm")))
+                                        fused_norm=bool(fix.get("fused_norm")), float8=self.float8)
+                if self.float8 != "none" and base.pp > 1:
+                    continue  # float8 runs with pp=1 only (Plan refuses the pair)
                 choices = [LayerChoice(assign[i], self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i],
                                        self.compile[i] and base.pp == 1)
                            for i in range(self.n)]

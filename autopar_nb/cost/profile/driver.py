@@ -14,6 +14,7 @@ from .comms import count_comms
 from .compute import count_amp_time, count_compute, count_keys_values
 from .crossings import count_boundaries, count_crossings
 from .facts import Facts, amp_facts, graph_facts
+from .float8 import count_float8
 from .layers import PRECISIONS, GraphProfile, LayerProfile
 from .moments import count_later_gradients
 from .params import count_experts, count_params
@@ -79,6 +80,7 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(),
                         low_precision_ops=low_precision_ops) for p in PRECISIONS[1:]}
     layers = {lay.path: LayerProfile(lay.path) for lay in graph.layers}
     count_compute(layers, f)
+    count_float8(layers, f)
     count_amp_time(layers, f, amp)
     first_saver = count_saved(layers, f, amp, device_kind)
     count_selective(layers, f, amp, device_kind)

@@ -244,6 +244,14 @@ class LayerProfile:
     lower-precision op: Linear and convolution weights and biases; not embeddings or norm
     weights)"""
     cast_rep: int = 0
+    f8_flops_split: float = 0.0
+    """forward FLOPs of the Linears float8 training takes (:mod:`.float8`) that TP divides"""
+    f8_flops_rep: float = 0.0
+    f8_in: float = 0.0
+    """elements of those Linears' inputs at the captured batch"""
+    f8_out: float = 0.0
+    f8_weights: float = 0.0
+    """elements of their weights"""
     largest_out: float = 0.0
     """bytes of the largest (output + activation inputs) of one op: the gradients its backward holds
     at once"""

@@ -1,0 +1,40 @@
+"""Float8 training (``plan.precision.float8``, ``runtime/float8.py``) as the cost model sees it: the Linears it takes
+(:mod:`.profile.float8`) run their three matmuls at the device's FP8 rate, and each step casts their inputs, weights
+and output gradients to float8 with dynamic scales (an amax read, then a scaled cast), which are memory-bound.
+
+torchao saves each Linear's bf16 input and weight for backward and casts them again there (``matmul_with_hp_or_
+float8_args``), so the saved activations are what bf16 saves: float8 changes time, not the activation memory.
+Without FP8 matmuls (CPUs, GPUs before compute capability 8.9) torchao emulates them in float32.
+"""
+
+from __future__ import annotations
+
+FP8 = "float8_e4m3fn"
+"""the ``DeviceSpec.peak_flops`` key of a device's dense FP8 tensor-core rate"""
+CAST_BYTES = {False: 25, True: 5}
+"""bytes moved per element cast to float8, eager (torchao's abs, amax, float32 scale, clamp and convert: 25) or
+compiled (Inductor fuses the amax read and the cast: read 2 twice, write 1)"""
+
+
+def fp8_rate(device) -> tuple[str, float]:
+    """(the dtype float8 matmuls run at, its peak FLOP/s): FP8 where the device has it, else float32 (emulated)."""
+    return (FP8, device.flops(FP8)) if device.supports(FP8) else ("float32", device.flops("float32"))
+
+
+def float8_time(lp, *, tp: int, scale: float, device, factors, compiled: bool,
+                low_dtype: str = "bfloat16") -> tuple[float, float]:
+    """(forward, backward) seconds float8 adds to one micro-batch of the layer ``lp`` on one rank (negative: it
+    saves them): its Linears' matmuls at :func:`fp8_rate` instead of ``low_dtype``'s (backward: twice the forward's
+    FLOPs), plus the casts (:data:`CAST_BYTES`): forward the input and the weight, backward the input and weight
+    again and the output's gradient twice (for the input's and the weight's gradient)."""
+    flops = (lp.f8_flops_split / tp + lp.f8_flops_rep) * scale
+    if not flops:
+        return 0.0, 0.0
+    dtype, rate = fp8_rate(device)
+    eff_lo, eff_f8 = factors.efficiency("matmul", True), factors.efficiency("matmul", dtype != "float32")
+    matmul = flops / (rate * eff_f8) - flops / (device.flops(low_dtype) * eff_lo)
+    split = lp.f8_flops_split / (lp.f8_flops_split + lp.f8_flops_rep)
+    shard = split / tp + (1 - split)  # the share of the activations and weights a rank casts
+    act_in, act_out, w = lp.f8_in * scale * shard, lp.f8_out * scale * shard, lp.f8_weights * shard
+    per = CAST_BYTES[compiled] / (device.hbm_bandwidth * factors.eff_hbm)
+    return matmul + (act_in + w) * per, 2 * matmul + (act_in + w + 2 * act_out) * per

@@ -1,0 +1,70 @@
+"""Float8 training as the planner chooses it (``plan.precision.float8``): fixed by the user, or tried on the best
+plan where the device has FP8 tensor cores and taken when the cost model finds it faster (:mod:`..cost.float8`);
+never on a device without them, where torchao emulates the matmuls in float32."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..cost.float8 import FP8
+from ..units import fmt_time
+from .search import Candidate
+
+AUTO_RECIPE = "tensorwise"
+"""the recipe the planner offers: torchtitan's default, the fastest (one scale per tensor, float8 FSDP gathers)"""
+
+
+def float8_refusal(device, amp: str, pp: int) -> str:
+    """Why float8 is not offered on ``device`` with autocast ``amp`` and ``pp`` pipeline stages ("" when it is)."""
+    if not device.supports(FP8):
+        return (f"the {device.name} has no FP8 matmuls (they need compute capability 8.9: H100, H200, GH200, L4, "
+                "L40S), so torchao would emulate them in float32, slower than bf16; fix float8=tensorwise runs that "
+                "emulation to check the numerics")
+    if amp != "bf16":
+        return f"float8 takes bf16 inputs, and this plan runs amp={amp!r}"
+    return "" if pp == 1 else f"float8 runs with pp=1 only, and this plan has pp={pp}"
+
+
+def with_float8(cand: Candidate, ev, recipe: str) -> Candidate:
+    """``cand``'s setting and choices costed with ``recipe``."""
+    s = dataclasses.replace(cand.setting, float8=recipe)
+    choices = [dataclasses.replace(c) for c in cand.choices]
+    return Candidate(s, choices, ev.evaluate(s, choices), cand.limit)
+
+
+def float8_choice(best: Candidate, ev, cons, cluster) -> tuple[Candidate, Candidate | None]:
+    """(the chosen candidate, the other float8 choice costed on the same setting, or None where float8 is not
+    offered): float8 taken when it fits and is faster. A fixed recipe stays; its bf16 twin is costed for the
+    explanation."""
+    s = best.setting
+    if "float8" in cons.fix:
+        return best, with_float8(best, ev, "none") if s.float8 != "none" else None
+    if float8_refusal(cluster.device, s.amp, s.pp):
+        return best, None
+    trial = with_float8(best, ev, AUTO_RECIPE)
+    if trial.fits and trial.cost.step_time_s < best.cost.step_time_s:
+        trial.other, trial.norm_other, trial.origin = best.other, best.norm_other, best.origin
+        return trial, best
+    return best, trial
+
+
+def float8_lines(best: Candidate, other: Candidate | None, cons, cluster) -> list[str]:
+    """One line: the float8 choice, why, and the other choice's step time on the same split."""
+    s, device = best.setting, cluster.device
+    if other is None:
+        why = float8_refusal(device, s.amp, s.pp)
+        return [f"Float8 not offered: {why}."] if why and "float8" not in cons.fix else []
+    on, off = (best, other) if s.float8 != "none" else (other, best)
+    ratio = off.cost.step_time_s / on.cost.step_time_s
+    rate = (f"at the {device.name}'s FP8 rate ({device.flops(FP8) / 1e12:.0f} TFLOP/s, "
+            f"{device.flops(FP8) / device.flops('bfloat16'):.1f}x bf16)" if device.supports(FP8)
+            else f"emulated in float32 on the {device.name} (no FP8 matmuls)")
+    step = f"{fmt_time(on.cost.step_time_s)}/step vs {fmt_time(off.cost.step_time_s)} in bf16 ({ratio:.2f}x)"
+    if "float8" in cons.fix:
+        return [f"Float8 ({s.float8}, fix float8): torchao's float8 Linears (the output head kept in bf16), matmuls "
+                f"{rate}, casts included: {step}."]
+    if s.float8 != "none":
+        return [f"Float8 ({s.float8}) chosen: the Linears' matmuls {rate}, casts included: {step}; torchao, "
+                "the output head kept in bf16."]
+    eager = "" if any(c.compile for c in best.choices) else "; its casts run eager here (compile fuses them)"
+    return [f"Float8 not chosen: its casts cost more than the matmuls {rate} save ({step}){eager}."]
