@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 import torch
 import torch.nn as nn
-from runtime_cases import LLAMA_CELL, llama_tp, make_plan, script_namespace, source
+from runtime_cases import LLAMA_CELL, has_transformers, llama_tp, make_plan, script_namespace, source
 
 from autopar_nb.check import FLOAT8_RTOL, LOW_PRECISION_RTOL, default_rtol
 from autopar_nb.export import export
@@ -176,3 +176,18 @@ def test_the_planner_never_chooses_float8_on_cpu_but_takes_the_fix():
     assert any("emulated in float32 on the cpu" in line for line in fixed.explanation)
     with pytest.raises(PlanError, match="needs amp='bf16'"):
         ap.plan(graph, cpu, fix={"float8": "rowwise", "amp": "none"})
+
+
+@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+def test_cost_and_runtime_keep_the_same_head_when_it_is_tied():
+    """A head tied to the embedding has no parameter of its own in the graph: the cost finds it by the forward's last
+    Linear, the runtime by the last one registered; both name lm_head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import autopar_nb as ap
+    from autopar_nb.cost.profile.float8 import float8_head
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    graph = ap.capture(model, torch.randint(0, 128, (2, 16)))
+    assert float8_head(graph) == output_head(model) == "lm_head" and len(float8_linears(model)) == 14

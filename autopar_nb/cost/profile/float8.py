@@ -9,9 +9,11 @@ from .layers import LayerProfile
 
 
 def float8_head(graph) -> str:
-    """The output head ``runtime/float8.py``'s ``output_head`` keeps in bf16: the last ``nn.Linear`` the model
-    registers (its parameters come last of the Linears' in registration order)."""
-    return next((p.module_path for p in reversed(graph.params.values()) if p.module_type == "Linear"), "")
+    """The output head ``runtime/float8.py``'s ``output_head`` keeps in bf16 (the last ``nn.Linear`` the model
+    registers), as the graph shows it: the module of the last Linear the forward calls, which is that one in the
+    language models people bring (a head tied to the embedding has no parameter of its own in the graph)."""
+    return next((n.module_path for n in reversed(graph.nodes)
+                 if n.op.startswith("aten.linear") and n.module_type == "Linear"), "")
 
 
 def count_float8(layers: dict[str, LayerProfile], f: Facts) -> None:
