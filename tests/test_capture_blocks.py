@@ -18,7 +18,7 @@ COPY_FIELDS = ("copied_layers", "full_trace_reason")  # what says how the graph 
 
 
 def _four_layers(cell: str) -> str:
-    return re.sub(r"\b(num_hidden_layers|n_layer|num_layers)=2\b", r"\1=4", cell)
+    return re.sub(r"\b(num_hidden_layers|n_layers?|num_layers)=2\b", r"\1=4", cell)
 
 
 ZOO = """\
