@@ -33,7 +33,7 @@ __all__ = [
 def load_ipython_extension(ipython):
     """``%load_ext autopar_nb``: registers the ``%%autoparallel`` cell magic (imported lazily, so worker processes
     never import IPython or widgets)."""
-    from .magic import AutoparallelMagics
+    from .notebook.magic import AutoparallelMagics
 
     ipython.register_magics(AutoparallelMagics)
 

@@ -86,7 +86,7 @@ def main() -> None:
         f"{platform.machine()} CPU container with 2 cores, torch " + _torch_version() + ", load average "
         f"{os.getloadavg()[0]:.1f} when it ended. Each model on the meta device, batch 1, traced with torch.export "
         "in a fresh interpreter (RSS includes the interpreter and torch: ~0.4 GiB). One member of each class of "
-        "identical repeated blocks is traced and its ops copied for the others (capture_blocks.py); the last "
+        "identical repeated blocks is traced and its ops copied for the others (capture/blocks.py); the last "
         "column traces every layer (`capture(..., copy_blocks=False)`, the graph is the same). Goal: the 405B "
         "and 1T shapes ≤ 2 s, the 8B ≤ 1 s, on an idle machine.",
         "",

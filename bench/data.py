@@ -60,7 +60,7 @@ SYNTH = CELL + "example_inputs = (torch.randint(0, 256, (8, SEQ)),)\n"
 
 def export_script(cell: str, path: Path, steps: int) -> Path:
     import autopar_nb as ap
-    from autopar_nb.cell import run_model_cell
+    from autopar_nb.notebook.cell import run_model_cell
 
     result = run_model_cell(cell, {})
     graph = ap.capture(result.model, result.example_inputs)

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from autopar_nb.capture import capture
 from autopar_nb.hardware import Cluster
-from autopar_nb.session import Session
+from autopar_nb.notebook.session import Session
 from autopar_nb.source import ModelSource
 
 CELL = """\

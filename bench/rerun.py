@@ -1,6 +1,6 @@
 """Re-running the %%autoparallel magic on a cell that changed only outside the model (issue 43 item 3): the first run
 captures and plans, each re-run rebuilds the cell on the meta device, finds the capture by its key
-(autopar_nb/capture_cache.py) and plans again on it.
+(autopar_nb/capture/cache.py) and plans again on it.
 
 Run: .venv/bin/python bench/rerun.py        (prints seconds per run of the magic; the figures go in BENCHMARKS.md)
 """

@@ -31,7 +31,7 @@ from autopar_nb.capture import capture
 from autopar_nb.demo import QUICKSTART_CELL
 from autopar_nb.hardware import Cluster
 from autopar_nb.launch.tournament import tournament
-from autopar_nb.session import Session
+from autopar_nb.notebook.session import Session
 from autopar_nb.source import ModelSource
 
 ZOO = """\

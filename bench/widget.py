@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from autopar_nb import Cluster, capture
-from autopar_nb.session import Session
+from autopar_nb.notebook.session import Session
 from autopar_nb.source import ModelSource
 from autopar_nb.zoo import Llama, LlamaConfig
 

@@ -10,8 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from runtime_cases import make_plan
 
-from autopar_nb.cell import parse_fix
 from autopar_nb.export import render_script
+from autopar_nb.notebook.cell import parse_fix
 from autopar_nb.plan import Plan, PlanError, PrecisionPlan, normalize_fix
 from autopar_nb.runtime.amp import OpPrecision, step_context
 from autopar_nb.source import ModelSource

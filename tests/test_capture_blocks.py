@@ -1,4 +1,4 @@
-"""Capture traces one member per class of identical repeated blocks and copies its ops (capture_blocks.py): the
+"""Capture traces one member per class of identical repeated blocks and copies its ops (capture/blocks.py): the
 graph must be the one a full trace gives, node for node, on every family of the zoo."""
 
 import dataclasses

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
-from autopar_nb.capture_cache import capture_key
-from autopar_nb.cell import run_model_cell
+from autopar_nb.capture.cache import capture_key
+from autopar_nb.notebook.cell import run_model_cell
 
 CELL = '''
 import torch, torch.nn as nn, torch.nn.functional as F

@@ -150,8 +150,8 @@ def exported(tmp_path: Path) -> Path:
 def exported_cell(tmp_path: Path, cell: str) -> Path:
     from runtime_cases import make_plan
 
-    from autopar_nb.cell import run_model_cell
     from autopar_nb.export import export
+    from autopar_nb.notebook.cell import run_model_cell
 
     src = run_model_cell(cell, {}).source
     return export(src, make_plan(src, dp=2, zero=0, lr=1e-2), tmp_path / "train_ckpt.py", steps=8, quiet=True).script

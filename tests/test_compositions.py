@@ -2,7 +2,7 @@
 tracker on real processes, component by component (the whole table: ``bench/memory.py --compositions``).
 
 Each case pins one composition on a tiny Hugging Face model, measures every pipeline rank of the exported script
-(``autopar_nb.measure.measure``: real gloo processes where ranks exchange data, a fake group otherwise) and compares
+(``verify.measure.measure``: real gloo processes where ranks exchange data, a fake group otherwise) and compares
 the prediction at the moment the tracker peaked. Each names the term of the cost model it rests on: without it the
 case fails (checked by zeroing the term).
 """
@@ -56,7 +56,7 @@ CASES = {
 
 def _measured_against_predicted(family: str, fix: dict, size: dict):
     from autopar_nb.cost.estimate import peak_moments
-    from autopar_nb.measure import measure, measured_groups, moment_at, predicted_groups
+    from autopar_nb.verify.measure import measure, measured_groups, moment_at, predicted_groups
 
     src = ModelSource(CELLS[family](**size))
     meta, example, _ = src.build(device="meta")

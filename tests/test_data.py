@@ -15,8 +15,8 @@ import torch
 from runtime_cases import make_plan
 from torch.utils.data import Dataset, IterableDataset
 
-from autopar_nb.cell import CellError, run_model_cell
 from autopar_nb.export import export, render_script
+from autopar_nb.notebook.cell import CellError, run_model_cell
 from autopar_nb.runtime.data import DataSampler, DataStream, first_batch
 from autopar_nb.source import EXAMPLE_SAMPLES
 
@@ -375,7 +375,7 @@ def test_verify_runs_dataset_scripts_without_loader_workers(corpus, tmp_path):
     whatever the machine's cores would give by default; a script without a dataset gets no such flag."""
     import runpy
 
-    from autopar_nb.check import script_argv
+    from autopar_nb.verify.check import script_argv
 
     src = run_model_cell(DATA_CELL, {}).source
     path = tmp_path / "train.py"
@@ -420,7 +420,7 @@ def test_measure_runs_where_the_cells_relative_paths_hold(tmp_path, monkeypatch)
     (Before, the child ran in the temporary folder the script was exported to: FileNotFoundError.)"""
     from runtime_cases import source
 
-    from autopar_nb.measure import measure
+    from autopar_nb.verify.measure import measure
 
     (tmp_path / "width.txt").write_text("12")
     monkeypatch.chdir(tmp_path)

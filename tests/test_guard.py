@@ -106,9 +106,9 @@ def _plan(src, *, grad_clip: float):
 
 def _run(tmp_path: Path, cell: str, *args: str, grad_clip: float) -> tuple[int, str, list[dict]]:
     """The cell's script on 2 gloo processes: (exit code, output, rank 0's metrics records)."""
-    from autopar_nb.cell import run_model_cell
     from autopar_nb.export import export
     from autopar_nb.launch.channel import MetricsServer
+    from autopar_nb.notebook.cell import run_model_cell
 
     src = run_model_cell(cell, {}).source
     script = export(src, _plan(src, grad_clip=grad_clip), tmp_path / "train_guard.py", steps=STEPS,
@@ -131,8 +131,8 @@ def _run(tmp_path: Path, cell: str, *args: str, grad_clip: float) -> tuple[int, 
 
 
 def _reference(cell: str, *, grad_clip: float) -> list[float]:
-    from autopar_nb.cell import run_model_cell
-    from autopar_nb.check import reference
+    from autopar_nb.notebook.cell import run_model_cell
+    from autopar_nb.verify.check import reference
 
     src = run_model_cell(cell, {}).source
     return reference(src, _plan(src, grad_clip=grad_clip), steps=STEPS)["losses"]

@@ -279,7 +279,7 @@ def test_verify_in_the_background_marks_each_step_with_its_rule(tmp_path):
     from runtime_cases import GPT_CELL, make_plan, source
 
     from autopar_nb.launch.dashboard import VerifyView
-    from autopar_nb.launch.verifying import VerifyJob
+    from autopar_nb.verify.job import VerifyJob
 
     src = source(GPT_CELL)
     job = VerifyJob(src, make_plan(src, dp=2), steps=3, nproc=2, work_dir=tmp_path)
@@ -307,7 +307,7 @@ def procs_of(job) -> list:
 def test_verify_in_the_background_stops(tmp_path):
     from runtime_cases import GPT_CELL, make_plan, source
 
-    from autopar_nb.launch.verifying import VerifyJob
+    from autopar_nb.verify.job import VerifyJob
 
     src = source(GPT_CELL)
     job = VerifyJob(src, make_plan(src, dp=2), steps=2000, nproc=2, work_dir=tmp_path)
@@ -724,9 +724,9 @@ def test_planner_launch_and_verify_buttons_show_the_live_view_below(monkeypatch)
     import torch.nn as nn
 
     from autopar_nb import Cluster, capture
-    from autopar_nb.launch import verifying
-    from autopar_nb.session import Session
+    from autopar_nb.notebook.session import Session
     from autopar_nb.source import ModelSource
+    from autopar_nb.verify import job as verify_job
 
     calls = []
 
@@ -750,7 +750,7 @@ def test_planner_launch_and_verify_buttons_show_the_live_view_below(monkeypatch)
             calls.append(("launch", nproc, steps))
             return FakeRun()
 
-    monkeypatch.setattr(verifying, "VerifyJob", FakeJob)
+    monkeypatch.setattr(verify_job, "VerifyJob", FakeJob)
     with torch.device("meta"):
         graph = capture(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)), (torch.randn(32, 64),))
     s = Launching(graph, Cluster.preset("h100-80gb", gpus_per_node=2), ModelSource("# test"))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from runtime_cases import has_transformers, make_plan
 
-from autopar_nb.cell import CellError, run_model_cell
+from autopar_nb.notebook.cell import CellError, run_model_cell
 
 DATASET = '''
 import torch, torch.nn as nn, torch.nn.functional as F

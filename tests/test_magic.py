@@ -2,8 +2,8 @@ import pytest
 from IPython.core.error import UsageError
 from test_hardware import H100_NVML_BYTES, H100_TORCH_BYTES, simulate_host
 
-from autopar_nb.magic import AutoparallelMagics
-from autopar_nb.session import Session
+from autopar_nb.notebook.magic import AutoparallelMagics
+from autopar_nb.notebook.session import Session
 
 SEED_CELL = """
 import torch, torch.nn as nn

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import autopar_nb as ap
-from autopar_nb.cell import run_model_cell
+from autopar_nb.notebook.cell import run_model_cell
 
 CELL = '''
 import torch, torch.nn as nn

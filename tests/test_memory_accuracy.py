@@ -6,7 +6,7 @@ bring (tests/memcells.py).
   K/V, the CPU flash kernel's output layout, the math kernel SDPA falls back to with dropout);
 * named terms against closed forms (DDP's gradient buckets);
 * whole steps: the plan's exported script run as one rank of a fake process group inside PyTorch's memory tracker
-  (``autopar_nb.measure``), component by component.
+  (``autopar_nb.verify.measure``), component by component.
 """
 
 from __future__ import annotations
@@ -165,8 +165,8 @@ def _tracked_forward_bytes(model, args, kwargs, **op_lists) -> float:
     """Activations (and loss-labelled tensors) alive at the end of one CPU bf16 autocast forward under the plan's op
     lists (runtime/amp.py's OpPrecision), by PyTorch's memory tracker: what autograd saves, including what
     OpPrecision's WithoutAutocast holds (its ctx, invisible to the grad_fn walk), plus the output."""
-    from autopar_nb.measure import _tracker_classes, components
     from autopar_nb.runtime.amp import OpPrecision
+    from autopar_nb.verify.measure import _tracker_classes, components
 
     tracker = _tracker_classes()[0]()
     tracker.phase = "train"
@@ -212,8 +212,8 @@ def test_selective_recompute_keeps_what_the_runtime_keeps(family):
     it too), to 5 %; then
     the backward runs (a Hugging Face decoder's key/value cache made it fail: the script switches it off first,
     runtime/train.switch_off_kv_cache)."""
-    from autopar_nb.measure import _tracker_classes, components
     from autopar_nb.runtime.ac import apply_ac
+    from autopar_nb.verify.measure import _tracker_classes, components
 
     src = ModelSource(CELLS[family](**SMALL))
     ns = src.run()
@@ -281,7 +281,7 @@ BENCH = {"hidden": 256, "layers": 4, "seq": 256, "batch": 8}
 
 def _predicted_and_measured(family: str, fix: dict, size: dict = WHOLE) -> tuple:
     from autopar_nb.cost import estimate
-    from autopar_nb.measure import measure
+    from autopar_nb.verify.measure import measure
 
     src = ModelSource(CELLS[family](**size))
     meta, example, _ = src.build(device="meta")
@@ -328,11 +328,11 @@ marked slow"""
 @pytest.mark.multiprocess  # measure() runs the script in a child process
 @pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in WHOLE_CASES])
 def test_whole_step_memory_matches_the_tracker(case):
-    """The exported script's own step under the tracker (``autopar_nb.measure``) against the cost model, component
-    by component (``autopar_nb.measure.GROUPS``: parameters, gradients, optimizer states, saved activations with the
+    """The exported script's own step under the tracker (``verify.measure``) against the cost model, component
+    by component (``verify.measure.GROUPS``: parameters, gradients, optimizer states, saved activations with the
     loss, autocast's weight copies, DDP/FSDP/pipeline buffers, backward and step temporaries), each within 5 % of
     the measured total, and the total within 5 %. The recompute cases must peak in a recomputed layer's backward."""
-    from autopar_nb.measure import GROUPS, measured_groups, predicted_groups
+    from autopar_nb.verify.measure import GROUPS, measured_groups, predicted_groups
 
     mb, m, where = _predicted_and_measured(*WHOLE_CASES[case])
     if case.endswith(("-full", "-selective")) and case != "LLaMA-selective":
@@ -349,7 +349,7 @@ def test_census_names_what_the_peak_is_made_of():
     with its tracker label and the op, shape and module that made it: LLaMA's peak (in backward) holds saved
     activations of its layers; the list is largest first and sums, label by label, to no more than the tracker's
     components at that peak."""
-    from autopar_nb.measure import LABELS, measure
+    from autopar_nb.verify.measure import LABELS, measure
 
     src = ModelSource(CELLS["LLaMA"](**RECOMPUTED))
     meta, example, _ = src.build(device="meta")
@@ -376,7 +376,7 @@ def test_a_tied_heads_gradient_is_pending_at_the_tracked_peak():
     pending at every block's backward (``Evaluator._tied_gradients``)."""
     from autopar_nb.cost import Evaluator, setting_of
     from autopar_nb.cost.profile import profile_of
-    from autopar_nb.measure import measure
+    from autopar_nb.verify.measure import measure
 
     src = ModelSource(CELLS["GPT-2"](**RECOMPUTED))
     meta, example, _ = src.build(device="meta")
@@ -413,7 +413,7 @@ def test_fsdp_buffers_at_a_recomputed_layers_backward_match_the_tracker(family, 
     was -8.4 % without the reduce-scatter input). Mixtral under ZeRO-3 and bf16 peaks at its experts' last index
     op's backward, which puts the gradient into zeros out of place (``profile.moments.gradients_of``: -5.5 % without
     the second input-sized tensor)."""
-    from autopar_nb.measure import measured_groups, predicted_groups
+    from autopar_nb.verify.measure import measured_groups, predicted_groups
 
     mb, m, where = _predicted_and_measured(family, {"dp": 2, "tp": 1, "pp": 1, "recompute": "full", **fix}, size)
     assert "backward" in where and "_checkpoint_wrapped_module" in where, where
@@ -436,7 +436,7 @@ def test_a_peak_inside_a_layers_forward_is_its_forward_moment(fix, phase):
     input not counted twice). Each component within 5 % of the measured total at that moment (before the forward
     moments: the ZeRO-2 row had no moment, the TP row's activations missed by 3.4 MiB)."""
     from autopar_nb.cost.estimate import peak_moments
-    from autopar_nb.measure import GROUPS, measure, measured_groups, moment_at, predicted_groups
+    from autopar_nb.verify.measure import GROUPS, measure, measured_groups, moment_at, predicted_groups
 
     src = ModelSource(CELLS["ViT"](**BENCH))
     meta, example, _ = src.build(device="meta")
@@ -477,7 +477,7 @@ def test_pipeline_stages_memory_matches_the_tracker(family, amp, recompute, size
     without it)."""
     from autopar_nb.cost import estimate
     from autopar_nb.cost.estimate import peak_moments
-    from autopar_nb.measure import GROUPS, measure, measured_groups, moment_at, predicted_groups
+    from autopar_nb.verify.measure import GROUPS, measure, measured_groups, moment_at, predicted_groups
 
     src = ModelSource(CELLS[family](**size))
     meta, example, _ = src.build(device="meta")
@@ -546,7 +546,7 @@ def test_the_trackers_module_hooks_hold_no_gradients_while_measuring(patched):
 
     from torch.distributed._tools.mod_tracker import ModTracker
 
-    from autopar_nb.measure import _input_hooks_holding_nothing
+    from autopar_nb.verify.measure import _input_hooks_holding_nothing
 
     model, x = _SharedBias(), torch.randn(4, 8, requires_grad=True)
     alive_at_bias: list[int] = []
@@ -576,7 +576,7 @@ def test_modules_wrapped_after_the_tracker_saw_their_parent_keep_their_paths(nam
     (``_Session.name_within``): the peak's module is the layer's path in its stage."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    from autopar_nb.measure import _Session
+    from autopar_nb.verify.measure import _Session
 
     model, x = _SharedBias(), torch.randn(4, 8, requires_grad=True)
     session = _Session(steps=1)
@@ -601,7 +601,7 @@ def test_a_backward_op_is_placed_in_the_layer_whose_forward_made_its_node():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from autopar_nb.node_spans import NodeSpans
+    from autopar_nb.verify.node_spans import NodeSpans
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), checkpoint_wrapper(nn.Sequential(nn.Linear(8, 8), nn.GELU()),
@@ -632,7 +632,7 @@ def test_a_backward_op_is_placed_in_the_layer_whose_forward_made_its_node():
 def test_an_op_between_two_modules_is_placed_in_their_caller():
     """A node made between two child modules (LLaMA's silu x up product, which the down projection reads) is its
     caller's, not the next module's: a module's span begins after its inputs' nodes."""
-    from autopar_nb.node_spans import NodeSpans
+    from autopar_nb.verify.node_spans import NodeSpans
 
     class Block(nn.Module):
         def __init__(self):
@@ -660,7 +660,7 @@ def test_a_loss_made_between_pipeline_forwards_is_no_modules():
     """A pipeline stage computes a micro-batch's loss outside its modules, then runs the next micro-batch's forward
     from a received leaf: the loss's nodes are no module's (they were placed in the next forward's first module,
     so a last stage's loss backward was compared at a layer's backward)."""
-    from autopar_nb.node_spans import NodeSpans
+    from autopar_nb.verify.node_spans import NodeSpans
 
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     names = {m: n for n, m in model.named_modules()}
@@ -673,7 +673,7 @@ def test_a_loss_made_between_pipeline_forwards_is_no_modules():
 def test_the_experts_a_pipeline_stage_holds_are_named_as_the_model_names_them():
     """A pipeline stage's experts modules are the model's own (runtime/ep.py experts_in_stages), which the tracker
     names through torch.export's wrapper: their layer is found, so their forward and recompute peaks have a moment."""
-    from autopar_nb.measure import _layer_of
+    from autopar_nb.verify.measure import _layer_of
 
     paths = ["model.layers.0", "model.layers.1"]
     assert _layer_of("Wrapper._export_root.model.layers.1.mlp.experts", paths) == 1
@@ -689,7 +689,7 @@ def test_plans_whose_ranks_exchange_data_are_measured_on_a_real_group(monkeypatc
     import importlib
     from types import SimpleNamespace
 
-    from autopar_nb import measure as m
+    from autopar_nb.verify import measure as m
 
     calls = []
     exporting = importlib.import_module("autopar_nb.export")  # the module (the package's name is the function)

@@ -136,7 +136,7 @@ def results() -> dict:
 
 FAKE_LOSS_PARALLEL = ("FakeTensorMode shows loss_parallel's backward holding ~1.25 x the full logits more than real "
                       "tensors do (measured on this head, tp 4: 433 vs 187 MiB of temporaries); the cost model follows "
-                      "real tensors: the exported script's own step on this model at tp 4 (autopar_nb.measure) is "
+                      "real tensors: the exported script's own step on this model at tp 4 (verify.measure) is "
                       "predicted within 0.1 %; tests/test_memory_accuracy.py checks a TP whole step")
 """why the TP cases whose loss dominates differ here (issue 21)"""
 

@@ -25,13 +25,13 @@ def test_import_in_a_worker_pulls_no_notebook_machinery():
 
 
 def test_imports_flow_one_way():
-    """capture -> graph -> cost -> planner -> plan -> {widget, runtime, export, launch}: a module never imports one
-    from a later stage (plan.py, the contract, is imported by all; session and magic sit on top). runtime/ imports
+    """The pipeline's stages in the folders' order: capture/ -> cost/ -> planner/ -> export/ -> launch/ -> verify/
+    -> widget/ -> notebook/ (the magic and its session on top); a module never imports one from a later stage (the
+    contracts graph.py, hardware.py and plan.py sit below capture, imported by all). runtime/ imports
     nothing of the package (see the next test), so it is the bottom layer every stage may use: the cell's dataset is
     collated into example inputs at capture by the same function the exported script reads batches with."""
-    order = ["runtime", "units", "source", "failures", "stand_in", "graph", "hardware", "plan", "capture_blocks",
-             "capture", "capture_cache", "cell", "cost", "calibration", "planner", "export", "check", "measure",
-             "launch", "verify", "widget", "session", "magic", "demo"]
+    order = ["runtime", "units", "source", "failures", "graph", "hardware", "plan", "capture", "cost", "calibration",
+             "planner", "export", "launch", "verify", "widget", "notebook", "demo"]
     rank = {name: i for i, name in enumerate(order)}
     checked = 0
     for path in PKG.rglob("*.py"):
@@ -95,11 +95,11 @@ LONG_MODULES = {
     "launch/run.py": (977, "Run: read API, channel ingestion, supervision, report and display in one class"),
     "plan.py": (912, "the contract beside the fix vocabulary, cost constants and PyTorch-refusal checks"),
     "widget/layout.py": (881, "DOT building, clustering and SVG post-processing in one module"),
-    "measure.py": (748, "the tracker's labelling classes beside the measuring session and its processes"),
+    "verify/measure.py": (748, "the tracker's labelling classes beside the measuring session and its processes"),
     "widget/editor.py": (697, "the table rows, sharding board, pipeline lanes and global controls"),
     "widget/model.py": (652, "the anywidget's traits beside every front-end message handler"),
     "cost/estimate.py": (580, "the Evaluator's layer terms, sums, step time and communication"),
-    "check.py": (585, "verify's ranks, reference run and comparison (float8 held to torchao's tolerance)"),
+    "verify/check.py": (585, "verify's ranks, reference run and comparison (float8 held to torchao's tolerance)"),
     "export/render.py": (504, "the settings and parallelize() text of every technique the script applies"),
     "planner/search.py": (580, "mesh enumeration beside the per-layer search"),
     "cost/tp_styles.py": (524, "the dataflow walk beside the styles' byte counts (and soft-capped heads)"),
@@ -107,7 +107,7 @@ LONG_MODULES = {
 LONG_FUNCTIONS = {
     # the same: ceilings, to be split
     "widget/layout.py:layout": 274,
-    "measure.py:_tracker_classes": 255,
+    "verify/measure.py:_tracker_classes": 255,
     "cost/tp_styles.py:_walk_once": 159,
     "export/render.py:main_source": 127,
     "launch/launcher.py:_start": 115,

@@ -76,7 +76,7 @@ def test_preload_takes_installed_modules_only(tmp_path):
     (tmp_path / "json.py").write_text("")
     assert shadowed(script_preload(script), tmp_path) == ["json"]
     v = verify_preload("import torch\nfrom autopar_nb.zoo import GPT\n")
-    assert "autopar_nb.check" in v and "torch.distributed.tensor.parallel" in v and "torch.distributed.fsdp" in v
+    assert "autopar_nb.verify.check" in v and "torch.distributed.tensor.parallel" in v and "torch.distributed.fsdp" in v
     # a verify's ranks run in the kernel's folder: its own autopar_nb shadows the preloaded one, unless it is the
     # one this process imported (a checkout's root)
     import autopar_nb
@@ -292,7 +292,7 @@ def test_warm_verify_equals_cold_verify_and_the_reference_may_run_beside(monkeyp
 
 
     verify_mod = importlib.import_module("autopar_nb.verify")  # the module (the package binds the function)
-    check_mod = importlib.import_module("autopar_nb.check")
+    check_mod = importlib.import_module("autopar_nb.verify.check")
     src = source(GPT_CELL)
     cases = [(src, make_plan(src, dp=2)), (src, make_plan(src, tp=2, tp_styles=gpt_mlp_tp()))]
     warm = verify_mod.verify_many(cases, steps=3)
@@ -398,7 +398,7 @@ def test_a_warm_verify_follows_the_kernel_into_another_folder(tmp_path, monkeypa
     was started in: FileNotFoundError.)"""
     from runtime_cases import make_plan, source
 
-    from autopar_nb.launch.verifying import VerifyJob
+    from autopar_nb.verify.job import VerifyJob
 
     before, notebook = tmp_path / "before", tmp_path / "notebook"
     before.mkdir(), notebook.mkdir()

@@ -25,8 +25,8 @@ from families import FAMILIES, _torchrun
 from runtime_cases import has_transformers
 
 import autopar_nb as ap
-from autopar_nb.cell import run_model_cell
 from autopar_nb.cost import profile
+from autopar_nb.notebook.cell import run_model_cell
 from autopar_nb.verify import verify_many
 
 pytestmark = pytest.mark.skipif(not has_transformers(), reason="needs transformers")

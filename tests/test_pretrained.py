@@ -18,7 +18,7 @@ import torch
 from runtime_cases import has_transformers
 
 import autopar_nb as ap
-from autopar_nb.cell import run_model_cell
+from autopar_nb.notebook.cell import run_model_cell
 from autopar_nb.source import PRETRAINED_KEY
 
 pytestmark = pytest.mark.skipif(not has_transformers(), reason="needs transformers")

@@ -22,8 +22,8 @@ from autopar_nb.launch.replan import (
     trigger_of,
     zero1_pins,
 )
+from autopar_nb.notebook.session import Session
 from autopar_nb.plan import Change
-from autopar_nb.session import Session
 from autopar_nb.source import ModelSource
 
 MIB = 2**20

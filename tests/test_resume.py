@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from runtime_cases import llama_tp, make_plan
 
-from autopar_nb.cell import run_model_cell
 from autopar_nb.export import export
 from autopar_nb.launch.channel import MetricsServer
+from autopar_nb.notebook.cell import run_model_cell
 from autopar_nb.verify import FP32_RTOL, reference
 
 # a dataset: one global batch (8 windows) per step whatever the data-parallel degree, so plans with different dp

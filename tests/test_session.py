@@ -1,8 +1,8 @@
 import pytest
 
 import autopar_nb as ap
+from autopar_nb.notebook.session import Session
 from autopar_nb.plan import Plan, PlanError
-from autopar_nb.session import Session
 from autopar_nb.source import ModelSource
 
 CELL = """

@@ -78,7 +78,7 @@ def test_the_text_rendering_marks_the_peak_and_names_its_terms(graph):
     name, size = p.terms[0]
     assert lines[-1].startswith(f"peak {fmt_bytes(p.bytes)} at {p.label}: {name} {fmt_bytes(size)}")
     # the session's call is the same timeline, for the plan shown
-    from autopar_nb.session import Session
+    from autopar_nb.notebook.session import Session
     from autopar_nb.source import ModelSource
 
     s = Session(graph, ap.Cluster.preset("cpu", 1, 2), ModelSource("# test"))
@@ -88,7 +88,7 @@ def test_the_text_rendering_marks_the_peak_and_names_its_terms(graph):
 
 # ---- in the planner widget (autopar_nb/widget/timeline.py, static/timeline.js) --------------------------------------
 def _widget(graph):
-    from autopar_nb.session import Session
+    from autopar_nb.notebook.session import Session
     from autopar_nb.source import ModelSource
 
     s = Session(graph, ap.Cluster.preset("cpu", 1, 2), ModelSource("# test"))

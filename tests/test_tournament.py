@@ -7,7 +7,7 @@ from autopar_nb import calibration
 from autopar_nb.demo import QUICKSTART_CELL
 from autopar_nb.launch.standings import kendall_tau, stable, steady_time
 from autopar_nb.launch.tournament import predicted_need, step_times, tournament
-from autopar_nb.session import Session
+from autopar_nb.notebook.session import Session
 from autopar_nb.source import ModelSource
 
 

@@ -25,9 +25,9 @@ from runtime_cases import (
     source,
 )
 
-from autopar_nb.check import _compare
 from autopar_nb.source import ModelSource
 from autopar_nb.verify import FP32_RTOL, StepDiff, VerifyReport, verify_many
+from autopar_nb.verify.check import _compare
 
 STEPS = 5
 G, L, R, V = source(GPT_CELL), source(LLAMA_CELL), source(RECSYS_CELL), source(RESNET_CELL)
@@ -333,7 +333,7 @@ def test_cold_verify_on_a_gpu_host_never_opens_cuda_in_the_kernel(monkeypatch):
     verify goes to a fresh child process (a stand-in records it here), and nothing runs in this process."""
     import importlib
 
-    from autopar_nb.launch import verifying
+    from autopar_nb.verify import job as verify_job
 
     verify_mod = importlib.import_module("autopar_nb.verify")  # the package's `verify` is the function
     started = []
@@ -347,7 +347,7 @@ def test_cold_verify_on_a_gpu_host_never_opens_cuda_in_the_kernel(monkeypatch):
             pass
 
     assert verify_mod.ranks_use_cuda() is False  # the real probe, on this CPU host (NVML or torch's count)
-    monkeypatch.setattr(verifying, "VerifyJob", Job)
+    monkeypatch.setattr(verify_job, "VerifyJob", Job)
     monkeypatch.setattr(verify_mod, "verify_here", lambda *a, **k: pytest.fail("ran in the kernel"))
     monkeypatch.setattr(verify_mod, "ranks_use_cuda", lambda: True)
     assert verify_mod.verify(G, make_plan(G, dp=2), steps=1, warm=False) == "report" and started == [False]

@@ -22,8 +22,8 @@ import torch
 import torch.nn as nn
 
 from autopar_nb import Cluster, capture
+from autopar_nb.notebook.session import Session
 from autopar_nb.plan import PlanError
-from autopar_nb.session import Session
 from autopar_nb.source import ModelSource
 from autopar_nb.units import fmt_bytes, fmt_count, fmt_time
 from autopar_nb.widget import PlannerWidget, editor, options
@@ -1261,14 +1261,15 @@ def test_launch_and_verify_buttons_on_another_process_count_say_so(seed_graph, m
     was planned, what runs, what to do; the plan that runs keeps a cost for the dashboard's comparison."""
     import types
 
-    from autopar_nb.launch import replan, verifying
+    from autopar_nb.launch import replan
+    from autopar_nb.verify import job as verify_job
 
     launch_pkg = sys.modules["autopar_nb.launch"]  # the package: ``autopar_nb.launch`` is also the function
     started = []
     monkeypatch.setattr(launch_pkg, "launch", lambda make, nproc, steps, *, plan, **kw: started.append(plan)
                         or types.SimpleNamespace(plan=plan, nproc=nproc))
     monkeypatch.setattr(replan.Replanner, "attach", lambda self, run: None)
-    monkeypatch.setattr(verifying, "VerifyJob", lambda source, plan, **kw: started.append(plan)
+    monkeypatch.setattr(verify_job, "VerifyJob", lambda source, plan, **kw: started.append(plan)
                         or types.SimpleNamespace(view=lambda: None))
     s = _session(seed_graph)
     w = s.widget()
@@ -1311,8 +1312,8 @@ def test_a_scaled_plan_keeps_a_cost_when_it_cannot_be_re_estimated(seed_graph, m
     c = comparison(scaled, backend="gloo", nproc=3)
     assert not any("no cost" in n for n in c["notes"]) and all(c["predicted_memory"]), c
     # a per-rank list (mesh order pp, dp, tp) gets one figure per new rank: its stage's and TP position's
+    from autopar_nb.notebook.session import _per_rank_as_planned
     from autopar_nb.plan import Cost, MemoryBreakdown, MeshPlan
-    from autopar_nb.session import _per_rank_as_planned
 
     per_rank = Cost(step_time_s=1.0, memory_by_rank=[MemoryBreakdown(params=float(r)) for r in range(8)])
     _per_rank_as_planned(per_rank, MeshPlan(dp=2, tp=2, pp=2), 12)  # dp 2 -> 3
@@ -1400,7 +1401,8 @@ def test_verify_does_not_take_the_launch_dashboards_place(seed_graph, monkeypatc
 
     import anywidget
 
-    from autopar_nb.launch import replan, verifying
+    from autopar_nb.launch import replan
+    from autopar_nb.verify import job as verify_job
 
     class View(anywidget.AnyWidget):
         _esm = "export default { render({ el }) { el.textContent = 'view'; } }"
@@ -1410,7 +1412,7 @@ def test_verify_does_not_take_the_launch_dashboards_place(seed_graph, monkeypatc
     monkeypatch.setattr(launch_pkg, "launch", lambda make, nproc, steps, *, plan, **kw: types.SimpleNamespace(
         plan=plan, dashboard=lambda: dashboard))
     monkeypatch.setattr(replan.Replanner, "attach", lambda self, run: None)
-    monkeypatch.setattr(verifying, "VerifyJob", lambda source, plan, **kw: types.SimpleNamespace(
+    monkeypatch.setattr(verify_job, "VerifyJob", lambda source, plan, **kw: types.SimpleNamespace(
         view=lambda: progress))
     w = _session(seed_graph).widget()
     w.handle({"kind": "action", "name": "launch"})

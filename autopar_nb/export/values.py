@@ -17,6 +17,7 @@ from typing import Any
 import torch.nn as nn
 
 from ..capture import split_inputs
+from ..capture.stand_in import StandIn
 from ..plan import Plan, PlanError, within
 from ..planner.forward_run import call
 from ..planner.styles import GROUPS, HEAD_COUNTS, KV_HEADS, head_tables, local_sizes, tp_styles
@@ -30,7 +31,6 @@ from ..runtime.pretrained import check_pretrained, tied_parameters
 from ..runtime.tp import REPLICATE, TPStyle
 from ..runtime.train import switch_off_kv_cache
 from ..source import PRETRAINED_KEY, ModelSource
-from ..stand_in import StandIn
 from .synthetic_ids import id_ranges
 
 META_INIT_PARAMS = 2**30

@@ -302,7 +302,7 @@ RULES = {
 
 
 class VerifyView(anywidget.AnyWidget):
-    """Progress and per-step verdicts of a :class:`~autopar_nb.launch.verifying.VerifyJob` (the job's thread sets
+    """Progress and per-step verdicts of a :class:`~autopar_nb.verify.job.VerifyJob` (the job's thread sets
     the traits): a bar, one row per step, each row pass/fail with the rule ``VerifyReport.judge`` used."""
 
     _esm = STATIC / "verify.js"

@@ -10,7 +10,7 @@ waits for one job on its standard input:
   own ``torchrun`` argument parsing and ``elastic_launch``) with torchrun's ``--run-path --start-method forkserver``:
   each rank is forked from the preloaded forkserver and runs the exported script with ``runpy.run_path(script,
   run_name="__main__")`` and ``sys.argv`` set (``torch.distributed.run.run_script_path``);
-* ``verify``: ``python -m autopar_nb.launch.verifying --standby``, which runs :func:`autopar_nb.check.verify_here`
+* ``verify``: ``python -m autopar_nb.verify.job --standby``, which runs :func:`autopar_nb.verify.check.verify_here`
   with ``start_method="forkserver"`` (and the single-process reference in the same warm process).
 
 A standby serves one job, so everything it hands its workers is the job's own: it is started with the job's
@@ -145,11 +145,12 @@ def script_preload(script: str | os.PathLike) -> list[str]:
 
 def verify_preload(cell_code: str = "") -> list[str]:
     """What a verify standby preloads: torch's basics, every torch module the runtime imports (which the exported
-    scripts import), ``autopar_nb.check`` (the ranks' entry point) and the cell's safe imports."""
+    scripts import), ``autopar_nb.verify.check`` (the ranks' entry point) and the cell's safe imports."""
     runtime = set()
     for f in sorted(RUNTIME.glob("*.py")):
         runtime |= {m for m in imports_of(f.read_text()) if m.split(".")[0] == "torch"}
-    return sorted(set(BASE_PRELOAD) | runtime | set(importable_here(imports_of(cell_code))) | {"autopar_nb.check"})
+    cell = set(importable_here(imports_of(cell_code)))
+    return sorted(set(BASE_PRELOAD) | runtime | cell | {"autopar_nb.verify.check"})
 
 
 def shadowed(preload: tuple[str, ...] | list[str], script_dir: str | os.PathLike | None) -> list[str]:
@@ -232,7 +233,7 @@ def standby_command(kind: str, preload: list[str], idle_timeout_s: float) -> lis
     if kind == "launch":
         return [sys.executable, str(AGENT), *tail]
     if kind == "verify":
-        return [sys.executable, "-m", "autopar_nb.launch.verifying", *tail]
+        return [sys.executable, "-m", "autopar_nb.verify.job", *tail]
     raise ValueError(f"unknown standby kind {kind!r}: {', '.join(KINDS)}")
 
 

@@ -75,7 +75,7 @@ REMEMBERED = 8
 
 def remembered_plan(graph, cluster, **kwargs) -> Plan:
     """:func:`plan`, made once per graph and request: the planner is deterministic, so a session re-planning what it
-    planned before (the magic re-run on an unchanged cell, whose capture is reused: ``capture_cache.py``) gets a
+    planned before (the magic re-run on an unchanged cell, whose capture is reused: ``capture/cache.py``) gets a
     copy. Calls of :func:`plan` itself always plan (tests change the planner's switches between them)."""
     key = (id(graph), json.dumps([repr(cluster), kwargs], sort_keys=True, default=repr))
     hit = _PLANS.get(key)

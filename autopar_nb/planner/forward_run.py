@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..capture.stand_in import StandIn, meta_copy
 from ..runtime.heads import set_local_sizes, shard_head_tables
 from ..runtime.pp_graph import masks_as_in_eager
 from ..runtime.pretrained import tied_parameters
 from ..runtime.tp import apply_tp, tie_parameters
 from ..runtime.train import switch_off_kv_cache
-from ..stand_in import StandIn, meta_copy
 from .styles import head_tables, local_sizes, out_features, tp_styles
 
 TORCH_DIR = os.path.dirname(torch.__file__)

@@ -1,4 +1,4 @@
-// Progress of a background verify (autopar_nb/launch/verifying.py, VerifyView): a bar, one row per step, each row
+// Progress of a background verify (autopar_nb/verify/job.py, VerifyView): a bar, one row per step, each row
 // marked pass/fail with the rule it was judged by. Renders the model's traits; holds no logic.
 
 function h(tag, attrs = {}, ...children) {

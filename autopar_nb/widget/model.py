@@ -37,7 +37,7 @@ ACTIONS = ("verify", "export", "launch")
 
 
 class PlannerWidget(anywidget.AnyWidget):
-    """The planner view of one :class:`~autopar_nb.session.Session` (``ap.widget()``; the magic's output).
+    """The planner view of one :class:`~autopar_nb.notebook.session.Session` (``ap.widget()``; the magic's output).
 
     Everything it does is also a Python call on the session: a strategy pick or a drag on the sharding board is
     ``ap.override(layers, tp=...)``, a drag between pipeline lanes ``ap.override(layer, stage=...)``, a global
@@ -557,9 +557,9 @@ class PlannerWidget(anywidget.AnyWidget):
 
     def _verify_in_background(self, plan: Plan, *, nproc: int, steps: int):
         """ap.verify(steps, nproc), run in a child process so the kernel stays free; its progress view goes below."""
-        from ..launch import verifying
+        from ..verify import job as verify_job
 
-        job = verifying.VerifyJob(self.session.source, plan, steps=steps, nproc=nproc)
+        job = verify_job.VerifyJob(self.session.source, plan, steps=steps, nproc=nproc)
         self.verify_panel = job.view()
         return job
 

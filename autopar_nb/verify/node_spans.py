@@ -1,4 +1,4 @@
-"""Which module's forward made each autograd node of a step (:class:`NodeSpans`): how ``autopar_nb.measure`` places
+"""Which module's forward made each autograd node of a step (:class:`NodeSpans`): how ``verify.measure`` places
 a peak met in backward or a recompute in the module whose backward runs then."""
 
 from __future__ import annotations

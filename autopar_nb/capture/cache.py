@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from .capture import capture
-from .graph import ModelGraph
+from ..graph import ModelGraph
+from . import capture
 
 KEEP = 4
 """captures kept (the most recently used): one per model a notebook plans, a few models at a time"""

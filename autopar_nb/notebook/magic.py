@@ -9,15 +9,15 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import calibration
-from .capture import CaptureError
-from .capture_cache import cached_capture
+from .. import calibration
+from ..capture import CaptureError
+from ..capture.cache import cached_capture
+from ..export import with_weights
+from ..hardware import Cluster, parse_memory
+from ..plan import AMP, FIX_ALIASES, FIX_CHOICES, FIX_KEYS, PlanError
+from ..source import PRETRAINED_KEY, ModelSource
 from .cell import CellError, parse_fix, run_model_cell
-from .export import with_weights
-from .hardware import Cluster, parse_memory
-from .plan import AMP, FIX_ALIASES, FIX_CHOICES, FIX_KEYS, PlanError
 from .session import MODES, Session
-from .source import PRETRAINED_KEY, ModelSource
 
 DTYPES = {"auto": None, **{("fp32" if amp == "none" else amp): amp for amp in AMP}}
 """--dtype value -> the ``amp`` it fixes (None: the planner chooses)"""

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .plan import FIX_ALIASES, FIX_KEYS
-from .runtime.data import first_tensor
-from .source import ModelSource
+from ..plan import FIX_ALIASES, FIX_KEYS
+from ..runtime.data import first_tensor
+from ..source import ModelSource
 
 INPUT_NAMES = ("example_inputs", "inputs", "example_input", "batch")
 # names IPython puts in every namespace: a cell may not rely on them, but we don't report them as "earlier cells"

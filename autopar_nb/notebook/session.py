@@ -12,10 +12,10 @@ import html
 from dataclasses import dataclass, field
 from typing import Any
 
-from .graph import ModelGraph, human
-from .hardware import Cluster
-from .plan import Plan, PlanError, normalize_fix
-from .source import ModelSource
+from ..graph import ModelGraph, human
+from ..hardware import Cluster
+from ..plan import Plan, PlanError, normalize_fix
+from ..source import ModelSource
 
 MODES = ("auto", "semi", "manual")
 
@@ -59,7 +59,7 @@ class Session:
         Atomic: if the planner rejects the constraints (PlanError saying which one fails and by how much memory),
         the session keeps its previous constraints and plan. The previous state can be restored with undo().
         """
-        from .planner import remembered_plan as make_plan
+        from ..planner import remembered_plan as make_plan
 
         fix = normalize_fix(self.fix if fix is None else fix)
         overrides = copy.deepcopy(self.overrides if overrides is None else overrides)
@@ -164,7 +164,7 @@ class Session:
         model's for ``nproc`` devices of the session's kind (a run of it still has a prediction to compare with),
         its ``cluster["scaled_from"]`` the world size planned, and its explanation one line saying all this. Raises
         PlanError when ``nproc`` cannot hold one copy of the model-parallel layout."""
-        from .cost import estimate
+        from ..cost import estimate
 
         plan = self.current_plan()
         m = plan.mesh
@@ -206,7 +206,7 @@ class Session:
         ones take about a second less per process start); False: fresh processes. ``weights``: a checkpoint folder
         the model (built from a config in the cell) starts from (see export).
         """
-        from .verify import verify
+        from ..verify import verify
 
         return verify(self.source, self.plan_for(nproc), steps=steps, nproc=nproc, warm=warm, **kwargs)
 
@@ -216,7 +216,7 @@ class Session:
         node and several. The script needs torch only, not autopar_nb. ``weights="DIR"``: a cell that builds its
         model from a config starts from the weights in DIR (safetensors, as ``save_pretrained`` writes them), read
         as a ``from_pretrained`` cell's are."""
-        from .export import export
+        from ..export import export
 
         return export(self.source, self.plan_for(nproc), path, **kwargs)
 
@@ -235,9 +235,9 @@ class Session:
         prediction, plans again with this session's pins kept (``ap.plan`` becomes the new plan; ``ap.undo()``
         goes back) and resumes from the last checkpoint in ``ckpt_dir`` (from step 0 without one).
         ``weights="DIR"``: start from the weights in DIR (see export)."""
-        from .export import export, with_weights
-        from .launch import launch
-        from .launch.replan import Replanner, check_mode
+        from ..export import export, with_weights
+        from ..launch import launch
+        from ..launch.replan import Replanner, check_mode
 
         check_mode(replan)
         plan = self.plan_for(nproc)
@@ -266,7 +266,7 @@ class Session:
         calibrate the cost model from all of them and report predicted vs measured order (Kendall's tau) and the
         winner; ``.adopt()`` on the result makes the winner this session's plan. See
         ``autopar_nb.launch.tournament.tournament`` for the options."""
-        from .launch.tournament import tournament
+        from ..launch.tournament import tournament
 
         return tournament(self, k, steps, **kwargs)
 
@@ -295,9 +295,9 @@ class Session:
         ``run.commands``, ``run.env``). Returns the AttachedRun at once; displayed, it is the dashboard, fed by the
         ranks' stream alone (see ``autopar_nb.launch.attach``: ``lost_after_s``, ``restart_wait_s``);
         ``run.stop()`` detaches."""
-        from .export import export
-        from .launch import attach
-        from .launch.attach import LOST_AFTER_S, RESTART_WAIT_S, check_host
+        from ..export import export
+        from ..launch import attach
+        from ..launch.attach import LOST_AFTER_S, RESTART_WAIT_S, check_host
 
         check_host(host, advertise)  # before anything is written
         plan = self.plan_for(nproc)
@@ -322,7 +322,7 @@ class Session:
     def widget(self):
         """The planner widget for this session (created once, then reused); it follows every replan/undo/redo."""
         if self._widget is None:
-            from .widget import PlannerWidget
+            from ..widget import PlannerWidget
 
             self._widget = PlannerWidget(self)
         return self._widget
@@ -353,7 +353,7 @@ class Session:
     def memory_timeline(self, rank: int | None = None):
         """The current plan's predicted memory over one step on pipeline rank ``rank`` (None: the one with the
         largest peak): :func:`autopar_nb.memory_timeline`; ``print()`` it for a chart in text."""
-        from .planner.timeline import memory_timeline
+        from ..planner.timeline import memory_timeline
 
         return memory_timeline(self.current_plan(), self.graph, cluster=self.cluster, rank=rank)
 

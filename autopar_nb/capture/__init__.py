@@ -24,13 +24,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 import kernels_ext
 from kernels_ext import TensorMeta
 
-from . import capture_blocks
-from .failures import where_in_model
-from .graph import Layer, ModelGraph, OpNode, ParamInfo, RepeatedBlock, TensorInfo
-from .plan import layer_of
-from .runtime.cp import takes_positions
-from .runtime.pp_graph import masks_as_in_eager
-from .runtime.train import switch_off_kv_cache
+from ..failures import where_in_model
+from ..graph import Layer, ModelGraph, OpNode, ParamInfo, RepeatedBlock, TensorInfo
+from ..plan import layer_of
+from ..runtime.cp import takes_positions
+from ..runtime.pp_graph import masks_as_in_eager
+from ..runtime.train import switch_off_kv_cache
+from . import blocks
 from .stand_in import stand_in, to_meta
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -46,7 +46,7 @@ def capture(model: nn.Module, example_inputs: Any, *, source: str | None = None,
 
     ``example_inputs`` is a tensor, a tuple/list of positional tensors, or a dict of keyword tensors. When the model
     is on the meta device, inputs are moved to meta too, so nothing is allocated. Identical repeated blocks are
-    traced once and copied (``capture_blocks.py``: the same graph); ``copy_blocks=False`` traces every layer.
+    traced once and copied (``capture/blocks.py``: the same graph); ``copy_blocks=False`` traces every layer.
 
     >>> with torch.device("meta"):
     ...     m = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 512))
@@ -87,7 +87,7 @@ def capture(model: nn.Module, example_inputs: Any, *, source: str | None = None,
 
 def _copied_or_full(trace, model: nn.Module, copy_blocks: bool) -> ModelGraph:
     groups = [[(p, model.get_submodule(p)) for p in b.members] for b in _repeated_blocks(find_layers(model))]
-    return capture_blocks.copied_or_full(trace, groups if copy_blocks else [], _canonical_names(model))
+    return blocks.copied_or_full(trace, groups if copy_blocks else [], _canonical_names(model))
 
 
 # ---- inputs ---------------------------------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ def _from_export(model: nn.Module, args: tuple, kwargs: dict, stand_ins=None) ->
 
 def _spliced(model, args, kwargs, raw: list[_RawOp], outs: list, tracer: str, stand_ins) -> ModelGraph:
     """The graph of ``raw``, copies of the traced members spliced in where their identical members stood in."""
-    raw, copied = capture_blocks.splice(raw, stand_ins, "fx" if tracer == "fx" else "export") if stand_ins else (raw, 0)
+    raw, copied = blocks.splice(raw, stand_ins, "fx" if tracer == "fx" else "export") if stand_ins else (raw, 0)
     graph = _build(model, args, kwargs, raw, outs, tracer)
     graph.copied_layers = copied
     return graph
@@ -246,7 +246,7 @@ class _Recorder(TorchDispatchMode):
         name = f"{base}_{self.counts[base]}" if self.counts[base] else base
         self.counts[base] += 1
         inputs, params = [], []
-        positional = str(func) in capture_blocks.MARKERS  # a stand-in's inputs, "" where no op produced one
+        positional = str(func) in blocks.MARKERS  # a stand-in's inputs, "" where no op produced one
         for a in tensors:
             if id(a) in self.param_names:
                 params.append(self.param_names[id(a)])
@@ -427,8 +427,8 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, raw: list[_RawOp], outs:
     by_layer: dict[str, list[OpNode]] = defaultdict(list)
     for n in nodes:
         by_layer[n.layer].append(n)
-    blocks = _repeated_blocks(layer_mods)
-    member = {m: (b.name, i) for b in blocks for i, m in enumerate(b.members)}
+    repeated = _repeated_blocks(layer_mods)
+    member = {m: (b.name, i) for b in repeated for i, m in enumerate(b.members)}
     layers = []
     for path, mod in layer_mods:
         own = own_params.get(path, [])
@@ -440,7 +440,7 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, raw: list[_RawOp], outs:
                             sum(p.numel * p.itemsize for p in own), sum(n.flops for n in lnodes),
                             sum(n.bwd_flops for n in lnodes), [n.name for n in lnodes], modules, block, index))
     inputs = [i for i in map(_info, tree_flatten((args, kwargs))[0]) if i is not None]
-    return ModelGraph(type(model).__name__, nodes, layers, blocks, params, inputs,
+    return ModelGraph(type(model).__name__, nodes, layers, repeated, params, inputs,
                       [i for i in map(_info, outs) if i is not None], tracer, unknown_ops=sorted(unknown))
 
 

@@ -3,8 +3,8 @@
 Exports the plan and runs that very script on ``nproc`` local processes (torch.distributed elastic launch; gloo on
 CPU, NCCL on GPUs), then a single-process reference with the same seed, data, learning-rate schedule and clipping,
 and reports per step the loss difference and the largest gradient and parameter differences (the machinery, and how
-the reference reproduces the parallel run's arithmetic: :mod:`autopar_nb.check`). By default both run in a standby
-of the warm pool (``launch/pool.py``, ``launch/verifying.py``); ``warm=False`` starts the ranks from this process.
+the reference reproduces the parallel run's arithmetic: :mod:`autopar_nb.verify.check`). By default both run in a
+standby of the warm pool (``launch/pool.py``, ``verify/job.py``); ``warm=False`` starts the ranks from this process.
 """
 
 from __future__ import annotations
@@ -13,6 +13,11 @@ import os
 import tempfile
 from pathlib import Path
 
+from ..export import with_weights
+from ..failures import VerifyError
+from ..hardware import nvml_visible_gpus
+from ..plan import Plan
+from ..source import ModelSource
 from .check import (
     FP32_RTOL,
     LOW_PRECISION_RTOL,
@@ -22,11 +27,6 @@ from .check import (
     reference,
     verify_here,
 )
-from .export import with_weights
-from .failures import VerifyError
-from .hardware import nvml_visible_gpus
-from .plan import Plan
-from .source import ModelSource
 
 __all__ = ["FP32_RTOL", "LOW_PRECISION_RTOL", "StepDiff", "VerifyError", "VerifyReport", "reference", "verify",
            "verify_many"]
@@ -94,7 +94,7 @@ def ranks_use_cuda() -> bool:
 
 def _verify_in_child(cases, metas, scripts, *, steps, nproc, seed, rtol, work_dir, warm) -> list[VerifyReport]:
     """The parallel run and the reference in another process: a standby of the warm pool, or a fresh one."""
-    from .launch.verifying import VerifyJob
+    from .job import VerifyJob
 
     job = VerifyJob(cases=cases, scripts=scripts, steps=steps, nproc=nproc, seed=seed, rtol=rtol, meta_init=metas,
                     work_dir=Path(work_dir) / "job", warm=warm)

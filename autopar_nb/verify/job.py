@@ -1,7 +1,7 @@
 """``verify`` in the background: the planner widget's Verify button, without blocking the kernel.
 
-:class:`VerifyJob` runs :func:`autopar_nb.check.verify_here` in a child process (``python -m
-autopar_nb.launch.verifying JOB.json``), so the kernel stays free and Stop can end it (with the worker processes
+:class:`VerifyJob` runs :func:`autopar_nb.verify.check.verify_here` in a child process (``python -m
+autopar_nb.verify.job JOB.json``), so the kernel stays free and Stop can end it (with the worker processes
 verify starts). Its progress comes over the launcher's metrics channel: the exported script's ranks report each
 step of the parallel run there (verify runs that very script); when every rank has said "done", the single-process
 reference runs; then the report is read back (``report.json``). Displayed, a job is a :class:`VerifyView`: a
@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import procs
-from .channel import MetricsServer
+from ..launch import procs
+from ..launch.channel import MetricsServer
 
 _jobs: weakref.WeakSet[VerifyJob] = weakref.WeakSet()
 
@@ -37,7 +37,7 @@ class VerifyJob:
     ``cases`` (with ``scripts``, their exported scripts) instead of ``source``/``plan``: several plans in one launch
     (``verify_many``); ``reports`` then holds one report per case. ``warm`` (default): the child is a standby of the
     warm pool (``pool.py``), with torch and autopar_nb imported and a forkserver that preloaded them for its ranks;
-    False: a fresh ``python -m autopar_nb.launch.verifying JOB.json`` whose ranks are spawned.
+    False: a fresh ``python -m autopar_nb.verify.job JOB.json`` whose ranks are spawned.
 
     Status: starting -> parallel -> reference -> passed | mismatch | error | stopped.
     """
@@ -67,7 +67,7 @@ class VerifyJob:
         self._lock = threading.Lock()
         self._stopping = False
         self._view = None
-        from ..check import kernel_cwd
+        from .check import kernel_cwd
 
         self.dir = Path(work_dir or tempfile.mkdtemp(prefix="autopar-verify-"))
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -78,12 +78,12 @@ class VerifyJob:
                "report": str(self.dir / "report.json"), "log": str(self.dir / "verify.log"),
                "parent_pid": os.getpid(), "warm": warm, "cwd": kernel_cwd()}
         (self.dir / "job.json").write_text(json.dumps(job))
-        from .pool import job_env
+        from ..launch.pool import job_env
 
         env = job_env({**os.environ, "PYTHONUNBUFFERED": "1"})  # the job's token and metrics address: below
         self._refill = None
         if warm:
-            from .pool import POOL, verify_preload
+            from ..launch.pool import POOL, verify_preload
 
             preload = verify_preload("\n".join(src.code for src, _ in cases))
             # the ranks run in the kernel's working directory (job["cwd"]): a file of the cell's imports there
@@ -132,7 +132,7 @@ class VerifyJob:
     def view(self):
         """The progress widget of this job (created on first use)."""
         if self._view is None:
-            from .dashboard import VerifyView
+            from ..launch.dashboard import VerifyView
 
             self._view = VerifyView(self)
         return self._view
@@ -204,7 +204,7 @@ class VerifyJob:
         return changed
 
     def _finish(self) -> None:
-        from ..check import StepDiff, VerifyReport
+        from .check import StepDiff, VerifyReport
 
         self.ended = time.time()
         if self._stopping:
@@ -267,7 +267,7 @@ def enter_cwd(cwd: str | None) -> None:
 def main(job_path: str, *, watch: bool = True) -> int:
     job = json.loads(Path(job_path).read_text())
     enter_cwd(job.get("cwd"))
-    from .agent import _watch_parent  # the same watchdog as the launch agent's: the kernel gone, so are we
+    from ..launch.agent import _watch_parent  # the same watchdog as the launch agent's: the kernel gone, so are we
 
     if watch:
         threading.Thread(target=_watch_parent, args=(job["parent_pid"],), daemon=True).start()
@@ -278,9 +278,9 @@ def main(job_path: str, *, watch: bool = True) -> int:
         os.close(fd)
     out = Path(job["report"])
     try:
-        from ..check import export_scripts, verify_here
         from ..plan import Plan
         from ..source import ModelSource
+        from .check import export_scripts, verify_here
 
         cases = [(ModelSource(**c["source"]), Plan.from_json(c["plan"])) for c in job["cases"]]
         metas = [bool(c["meta_init"]) for c in job["cases"]]
@@ -303,16 +303,15 @@ def main(job_path: str, *, watch: bool = True) -> int:
 
 
 def standby(preload: list[str], idle_timeout_s: float, parent_pid: int) -> int:
-    """A verify standby of the warm pool: the forkserver for the ranks preloads torch, autopar_nb.check and the
+    """A verify standby of the warm pool: the forkserver for the ranks preloads torch, autopar_nb.verify.check and the
     cell's imports while this process imports what ``main`` needs; then one job (its path on standard input)."""
     import signal
 
-    from .agent import _watch_parent, exit_now, forkserver_ready, start_forkserver, wait_for_job
+    from ..launch.agent import _watch_parent, exit_now, forkserver_ready, start_forkserver, wait_for_job
 
     signal.signal(signal.SIGTERM, lambda *_: exit_now(128 + signal.SIGTERM))  # torch's own handler replaces it
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     start_forkserver(preload)
-    from .. import check  # noqa: F401  (main's imports, now)
     from ..export import export  # noqa: F401
 
     forkserver_ready()
@@ -322,7 +321,7 @@ def standby(preload: list[str], idle_timeout_s: float, parent_pid: int) -> int:
 
 
 if __name__ == "__main__":
-    from .agent import exit_now  # without unloading torch (seconds on a busy machine): the report is written
+    from ..launch.agent import exit_now  # without unloading torch (seconds on a busy machine): the report is written
 
     if sys.argv[1:2] == ["--standby"]:
         exit_now(standby(json.loads(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])))

@@ -1,6 +1,6 @@
 """Verify's machinery: the plan's exported script on ranks started from this process, the
 single-process reference, and the comparison. :mod:`autopar_nb.verify` is the entry point; the warm pool's verify
-standby (``launch/verifying.py``) runs the same functions in its own process.
+standby (``verify/job.py``) runs the same functions in its own process.
 
 Each rank runs the exported script's top level and calls its ``main``, with an observer (set on the script's runtime
 module, whose ``train`` calls it) that collects the loss, the full gradients and the full parameters of every step;
@@ -36,12 +36,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
-from .export import export, run_script
-from .export.values import ScriptValues, script_values
-from .failures import RankFailed
-from .plan import DTYPE_NAMES, Plan
-from .randomness import RandomOff
-from .source import ModelSource
+from ..export import export, run_script
+from ..export.values import ScriptValues, script_values
+from ..failures import RankFailed
+from ..plan import DTYPE_NAMES, Plan
+from ..randomness import RandomOff
+from ..source import ModelSource
 
 FP32_RTOL = 1e-5
 # bf16 keeps 8 significant bits: one rounding is up to 2**-8 = 3.9e-3 relative; the parallel run rounds partial
@@ -315,10 +315,10 @@ class _Reference:
 
     @classmethod
     def build(cls, source: ModelSource, plan: Plan, seed: int, values: ScriptValues) -> _Reference:
-        from .runtime.amp import OpPrecision, exact_fp32
-        from .runtime.data import DataStream, default_loss, synthetic_batch
-        from .runtime.mesh import device_type
-        from .runtime.train import switch_off_kv_cache
+        from ..runtime.amp import OpPrecision, exact_fp32
+        from ..runtime.data import DataStream, default_loss, synthetic_batch
+        from ..runtime.mesh import device_type
+        from ..runtime.train import switch_off_kv_cache
 
         ns = source.run(seed=seed)
         device = device_type()  # the ranks' device type: CPU and GPU kernels differ by more than the tolerance
@@ -347,7 +347,7 @@ class _Reference:
 
     def pieces(self, step: int) -> list:
         """(micro-batch, divisor) of every data-parallel rank's micro-batches at ``step``, as the ranks run them."""
-        from .runtime.data import concat_batches, split_batch
+        from ..runtime.data import concat_batches, split_batch
 
         dp, M = self.plan.mesh.dp, self.plan.batch.micro_batches
         per_rank = [split_batch(self.make_batch(step, r), M) for r in range(dp)]
@@ -358,8 +358,8 @@ class _Reference:
     def backward(self, pieces: list, scale=None) -> float:
         """Forward and backward of every piece (the loss passed through ``scale`` when given: GradScaler's
         ``scale``, or a multiplication by a recorded loss scale); returns the step's loss."""
-        from .runtime.amp import step_context
-        from .runtime.data import to_device
+        from ..runtime.amp import step_context
+        from ..runtime.data import to_device
 
         total = 0.0
         with self.random:  # as the ranks run (_worker)
@@ -379,8 +379,8 @@ def reference(source: ModelSource, plan: Plan, *, steps: int, seed: int = 0, val
               ) -> dict:
     """The single-process run, with the script's data, loss, learning-rate schedule and clipping: losses, gradients
     and parameters at each step, and the loss scale each step's backward used (see the module docstring)."""
-    from .runtime.amp import grad_scaler
-    from .runtime.optim import build_optimizer, clip_grad_norm, lr_factor
+    from ..runtime.amp import grad_scaler
+    from ..runtime.optim import build_optimizer, clip_grad_norm, lr_factor
 
     ref = _Reference.build(source, plan, seed, values or script_values(source, plan, seed=seed))
     o, p, model = plan.optimizer, plan.precision, ref.model
@@ -468,7 +468,7 @@ def named_tensors(parts: list, what: str) -> dict[str, torch.Tensor]:
     Collective: every rank of the mesh calls it."""
     from torch.distributed.tensor import DTensor
 
-    from .runtime.init import canonical_name
+    from ..runtime.init import canonical_name
 
     out = {}
     for part in parts:
@@ -489,7 +489,7 @@ def rank_info(parts: list, plan: Plan) -> dict:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.tensor import DTensor
 
-    from .runtime.init import canonical_name
+    from ..runtime.init import canonical_name
 
     params = [p for part in parts for p in part.parameters()]
     names = [canonical_name(n) for part in parts for n, _ in part.named_parameters()]
@@ -517,8 +517,8 @@ def _worker(jobs: list[tuple[str, str, str]], steps: int) -> list[dict]:
 
     import torch.distributed as dist
 
-    from .runtime.amp import exact_fp32
-    from .runtime.mesh import init_distributed
+    from ..runtime.amp import exact_fp32
+    from ..runtime.mesh import init_distributed
 
     torch.set_num_threads(1)  # 2+ ranks on a few cores: more threads only oversubscribe
     exact_fp32()  # as the reference: no TF32 on a GPU

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .export import run_script
+from ..export import run_script
 from .node_spans import NodeSpans
 
 FREES_LAND_S = 0.002
@@ -147,7 +147,7 @@ def op_kind_of_node(node: str) -> str:
 def op_kind(op: str) -> str:
     """A graph op's name as :func:`op_kind_of_node` makes a node's: ``aten.native_layer_norm.default`` ->
     ``nativelayernorm``."""
-    from .cost.tp_styles import packet
+    from ..cost.tp_styles import packet
 
     return packet(op).replace("_", "").lower()
 
@@ -686,7 +686,7 @@ def measure(source, plan, *, ranks: tuple[int, ...] = (0,), steps: int = 2, time
     allocated, so the received counts, and with them the experts' activations, were whatever memory held; Mixtral
     under DDP had 3270 to 5362 tokens per expert group where routing sends about 4096).
     ``census``: also list that many of the largest storages at each rank's peak (:func:`measure_script`)."""
-    from .export import export
+    from ..export import export
 
     with tempfile.TemporaryDirectory(prefix="autopar-measure-") as tmp:
         script = export(source, plan, Path(tmp) / "train.py", quiet=True).script
@@ -715,7 +715,7 @@ def _results(proc: subprocess.CompletedProcess, what: str) -> list[dict]:
 
 def measure_in_subprocess(script, *, rank: int = 0, steps: int = 2, timeout: float = 600, census: int = 0) -> dict:
     """:func:`measure_script` in a child process, one rank of a fake group (one JSON line back)."""
-    proc = _child(["-m", "autopar_nb.measure", str(Path(script).resolve()), str(rank), str(steps), str(census)],
+    proc = _child(["-m", "autopar_nb.verify.measure", str(Path(script).resolve()), str(rank), str(steps), str(census)],
                   timeout=timeout)
     return _results(proc, f"{script} (rank {rank})")[-1]
 
@@ -725,7 +725,7 @@ def measure_real(script, *, world: int, steps: int = 2, timeout: float = 600, ce
     loopback only): rank -> its result (each rank writes its own file: the ranks' printed lines can interleave)."""
     with tempfile.TemporaryDirectory(prefix="autopar-measure-ranks-") as out:
         proc = _child(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-                       "-m", "autopar_nb.measure", str(Path(script).resolve()), "real", str(steps), str(census),
+                       "-m", "autopar_nb.verify.measure", str(Path(script).resolve()), "real", str(steps), str(census),
                        out],
                       timeout=timeout)
         got = {}
