@@ -1081,7 +1081,9 @@ def test_measured_figures_render_beside_the_predicted_ones(seed_graph, tmp_path,
     assert not errors, errors
     m = w.measured
     assert seen["before"] == [] and seen["marks"] == 1
-    assert seen["bars"] == [f"{fmt_bytes(200 * MIB)} ×{m['bars'][0]['ratio']:.2f}"]
+    b = m["bars"][0]  # the measured peak beside the prediction it is compared with (not the bar's, margin included)
+    assert seen["bars"] == [f"measured peak (RSS above baseline) {fmt_bytes(200 * MIB)} ×{b['ratio']:.2f} of "
+                            f"{fmt_bytes(b['predicted'])} predicted tensors (no margin), rank 0"]
     scale = max(w.memory["limit"], w.memory["peak"]) * 1.04
     assert float(seen["markLeft"].rstrip("%")) == pytest.approx(min(100, 100 * 200 * MIB / scale), abs=0.01)
     assert seen["time"] == [f"measured {fmt_time(0.3)} ×{m['time']['ratio']:.2f}"]

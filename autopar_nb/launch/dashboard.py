@@ -43,7 +43,7 @@ def _finite(values) -> list[float]:
 class Dashboard(anywidget.AnyWidget):
     """Live view of one :class:`~autopar_nb.launch.run.Run` (``display(run)`` shows it)."""
 
-    _esm = bundle(UPLOT / "uPlot.iife.min.js", STATIC / "dashboard.js")
+    _esm = bundle(UPLOT / "uPlot.iife.min.js", STATIC / "units.js", STATIC / "dashboard.js")
     _css = bundle(UPLOT / "uPlot.min.css", STATIC / "dashboard.css")
     status = traitlets.Unicode("starting").tag(sync=True)
     message = traitlets.Unicode("").tag(sync=True)

@@ -1,5 +1,6 @@
 // Live dashboard of a launched run (autopar_nb/launch/dashboard.py). Renders the model's traits; holds no logic.
-// `uPlot` is defined by the vendored build that dashboard.py puts in front of this file (static/vendor/uplot).
+// `uPlot` is defined by the vendored build that dashboard.py puts in front of this file (static/vendor/uplot), and
+// `bytes`/`secs` by static/units.js, after it.
 /* global uPlot */
 
 const TAB10 = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
@@ -7,23 +8,7 @@ const TAB10 = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
 const TERMINAL = ["finished", "failed", "stopped", "hung"];
 const rankColor = (r) => (r < TAB10.length ? TAB10[r] : `hsl(${(r * 137.5) % 360}, 65%, 50%)`);
 
-function fmtBytes(b) {
-  if (b === null || b === undefined || Number.isNaN(b)) return "–";
-  if (b === 0) return "0";
-  const u = ["B", "KiB", "MiB", "GiB", "TiB"];
-  let i = 0;
-  let v = Math.abs(b);
-  while (v >= 1024 && i < u.length - 1) { v /= 1024; i++; }
-  return `${b < 0 ? "-" : ""}${v.toFixed(v < 10 ? 2 : v < 100 ? 1 : 0)} ${u[i]}`;
-}
 const fmtNum = (v, d = 3) => (v === null || v === undefined || Number.isNaN(v) ? "–" : Number(v).toPrecision(d));
-function fmtMs(s) {
-  if (s === null || s === undefined || Number.isNaN(s)) return "–";
-  if (s === 0) return "0";
-  const ms = s * 1e3;
-  if (ms >= 1000) return `${(ms / 1000).toPrecision(3)} s`;
-  return ms >= 1 ? `${ms.toPrecision(3)} ms` : `${(ms * 1e3).toPrecision(3)} µs`;
-}
 function fmtRate(v) {
   if (v === null || v === undefined || Number.isNaN(v)) return "–";
   if (v >= 1e6) return `${(v / 1e6).toPrecision(3)}M`;
@@ -180,7 +165,7 @@ function render({ model, el }) {
     if (info.backend === "nccl") memExtra.push({ ...dashed(info.limit_label || "limit", "#888"), dash: [2, 3], limit: true });
     const unit = info.unit || "samples/s";
     const b = { ranks: R };
-    b.mem = new Chart(root, card("memory", "Memory per rank"), { key: "memory", xLabel: "time", yFmt: fmtBytes, ranks: R,
+    b.mem = new Chart(root, card("memory", "Memory per rank"), { key: "memory", xLabel: "time", yFmt: bytes, ranks: R,
       extra: memExtra.map(({ value, limit, ...e }) => e), yMin: 0, syncKey: `apd-t-${id}`, incrs: BYTE_INCRS });
     b.mem.meta = memExtra;
     b.util = new Chart(root, card("util", info.util_label || "Utilisation"), { key: "util", xLabel: "time",
@@ -190,14 +175,14 @@ function render({ model, el }) {
     b.rate = new Chart(root, card("throughput", `Throughput per rank (${unit})`), { key: "throughput", xLabel: "step",
       yFmt: fmtRate, ranks: R, yMin: 0, syncKey: `apd-s-${id}` });
     const pt = info.compare_time ? info.predicted_step_time_s : null;
-    b.time = new Chart(root, card("step_time", "Step time per rank"), { key: "step_time", xLabel: "step", yFmt: fmtMs,
+    b.time = new Chart(root, card("step_time", "Step time per rank"), { key: "step_time", xLabel: "step", yFmt: secs,
       ranks: R, extra: pt ? [dashed("predicted", "#888")] : [], yMin: 0, syncKey: `apd-s-${id}` });
-    b.wait = new Chart(root, card("data_wait", "Data wait per step"), { key: "data_wait", xLabel: "step", yFmt: fmtMs,
+    b.wait = new Chart(root, card("data_wait", "Data wait per step"), { key: "data_wait", xLabel: "step", yFmt: secs,
       ranks: R, yMin: 0, syncKey: `apd-s-${id}` });
     b.wait.card.note.textContent = "making and moving each batch";
     b.predictedTime = pt;
     b.mem.card.note.textContent = info.memory_label || "";
-    b.time.card.note.textContent = pt ? `predicted ${fmtMs(pt)} dashed` : (info.plan_device && !info.compare_time ? `not compared with ${info.plan_device}` : "");
+    b.time.card.note.textContent = pt ? `predicted ${secs(pt)} dashed` : (info.plan_device && !info.compare_time ? `not compared with ${info.plan_device}` : "");
     b.charts = [b.mem, b.util, b.loss, b.rate, b.time, b.wait];
     root.__apdCharts = Object.fromEntries(b.charts.map((c) => [c.u.root.dataset.chart, c.u]));  // for tests
     built = b;
@@ -237,13 +222,13 @@ function render({ model, el }) {
     const times = ranks.map((r) => r.step_time).filter((v) => v);
     if (pt && times.length) {
       const med = [...times].sort((a, b) => a - b)[Math.floor(times.length / 2)];
-      built.time.card.note.textContent = `predicted ${fmtMs(pt)} dashed; measured ${fmtMs(med)} (${(med / pt).toFixed(2)}×)`;
+      built.time.card.note.textContent = `predicted ${secs(pt)} dashed; measured ${secs(med)} (${(med / pt).toFixed(2)}×)`;
     }
     const peaks = ranks.filter((r) => r.memory_peak && r.memory_pred);
     if (peaks.length) {
       const worst = peaks.reduce((a, b) => (a.memory_peak / a.memory_pred >= b.memory_peak / b.memory_pred ? a : b));
-      built.mem.card.note.textContent = `${info.memory_label || ""} · peak ${fmtBytes(worst.memory_peak)} vs predicted ` +
-        `${fmtBytes(worst.memory_pred)} (${(worst.memory_peak / worst.memory_pred).toFixed(2)}×, rank ${worst.rank})`;
+      built.mem.card.note.textContent = `${info.memory_label || ""} · peak ${bytes(worst.memory_peak)} vs predicted ` +
+        `${bytes(worst.memory_pred)} (${(worst.memory_peak / worst.memory_pred).toFixed(2)}×, rank ${worst.rank})`;
     }
   }
 
@@ -264,19 +249,19 @@ function render({ model, el }) {
     const rows = ranks.map((r) => {
       const over = r.memory_pred && r.memory_peak && r.memory_peak > r.memory_pred * 1.1;
       const wait = r.data_wait !== null && r.data_wait !== undefined && r.step_time
-        ? `${fmtMs(r.data_wait)} (${((100 * r.data_wait) / r.step_time).toFixed(0)} %)` : "–";
+        ? `${secs(r.data_wait)} (${((100 * r.data_wait) / r.step_time).toFixed(0)} %)` : "–";
       return h("tr", { "data-rank": r.rank, "data-state": r.state },
         h("td", {}, h("span", { class: "apd-swatch", style: `background:${rankColor(r.rank)}` }), `${r.rank}`),
         h("td", { class: "apd-left" }, h("span", { class: "apd-pill", "data-state": r.state }, r.state)),
         h("td", {}, r.step === null || r.step === undefined ? "–" : `${r.step}`),
-        h("td", { title: r.memory_source ? `source: ${r.memory_source}` : "" }, fmtBytes(r.memory)),
-        h("td", { class: over ? "apd-over" : "", title: r.memory_peak_kind || "" }, fmtBytes(r.memory_peak)),
+        h("td", { title: r.memory_source ? `source: ${r.memory_source}` : "" }, bytes(r.memory)),
+        h("td", { class: over ? "apd-over" : "", title: r.memory_peak_kind || "" }, bytes(r.memory_peak)),
         h("td", { class: "apd-pred", title: "the plan's prediction; measured peak / predicted" },
-          fmtBytes(r.memory_pred), r.memory_pred && r.memory_peak ? h("span", { class: over ? "apd-over" : "apd-muted" },
+          bytes(r.memory_pred), r.memory_pred && r.memory_peak ? h("span", { class: over ? "apd-over" : "apd-muted" },
             ` (${(r.memory_peak / r.memory_pred).toFixed(2)}×)`) : null),
         h("td", {}, r.util === null || r.util === undefined ? "–" : `${Number(r.util).toFixed(0)}`),
         h("td", {}, fmtRate(r.throughput)),
-        h("td", {}, fmtMs(r.step_time)),
+        h("td", {}, secs(r.step_time)),
         h("td", {}, wait),
         ...(gpu ? [h("td", {}, r.power_w ? `${r.power_w.toFixed(0)} W` : "–"),
                    h("td", {}, r.temperature_c ? `${r.temperature_c.toFixed(0)} °C` : "–")] : []));
@@ -291,9 +276,9 @@ function render({ model, el }) {
     const e = model.get("error");
     const st = model.get("status");
     if (e && e.rank !== null && e.rank !== undefined) {
-      const when = e.time_s !== undefined ? `, ${e.time_s.toFixed(1)} s after launch` : "";
+      const when = e.time_s !== undefined ? `, ${secs(e.time_s)} after launch` : "";
       const knock = (e.knock_on || []).map((k) => h("div", {},
-        `then rank ${k.rank} (+${k.after_s.toFixed(2)} s): ${k.error.split("\n")[0].slice(0, 200)} — a consequence`));
+        `then rank ${k.rank} (+${secs(k.after_s)}): ${k.error.split("\n")[0].slice(0, 200)} — a consequence`));
       error.replaceChildren(
         h("div", { class: "apd-error-head" }, `Rank ${e.rank} failed first${when}: ${e.error}`),
         e.traceback ? h("pre", { class: "apd-pre apd-traceback" }, e.traceback) : null,
@@ -319,8 +304,8 @@ function render({ model, el }) {
     const t = s.step_time_s;
     if (t) {
       const p = s.compare_time && s.predicted_step_time_s;
-      parts.push(h("p", {}, `Step time (median, steady state): ${fmtMs(t)}` +
-        (p ? ` vs predicted ${fmtMs(p)} (measured ${(t / p).toFixed(2)}× the prediction)` :
+      parts.push(h("p", {}, `Step time (median, steady state): ${secs(t)}` +
+        (p ? ` vs predicted ${secs(p)} (measured ${(t / p).toFixed(2)}× the prediction)` :
           " (not compared with the plan's prediction: see above)")));
     }
     const mem = s.memory_by_rank || {};
@@ -329,7 +314,7 @@ function render({ model, el }) {
     const ranks = Object.keys(mem).sort((a, b) => a - b);
     if (ranks.length) {
       const shown = ranks.length > 8 ? [ranks.reduce((a, b) => (mem[a] >= mem[b] ? a : b))] : ranks;
-      const txt = shown.map((r) => `rank ${r} ${fmtBytes(mem[r])}${pred[r] ? ` vs ${fmtBytes(pred[r])} (${(mem[r] / pred[r]).toFixed(2)}×)` : ""}`);
+      const txt = shown.map((r) => `rank ${r} ${bytes(mem[r])}${pred[r] ? ` vs ${bytes(pred[r])} (${(mem[r] / pred[r]).toFixed(2)}×)` : ""}`);
       parts.push(h("p", {}, `Peak memory (${kind}${Object.keys(pred).length ? " vs predicted" : ""}): ${txt.join("; ")}` +
         (ranks.length > 8 ? ` (the highest of ${ranks.length} ranks)` : "")));
     }
@@ -364,9 +349,9 @@ function render({ model, el }) {
     const end = Math.max(1, ...evs.map((e) => e.t));
     const strip = h("div", { class: "apd-ev-strip" }, evs.map((e) => h("span", {
       class: `apd-ev-dot apd-ev-${KIND_CLASS[e.kind] || "warn"}`, "data-kind": e.kind,
-      style: `left:${((100 * e.t) / end).toFixed(2)}%`, title: `${e.t.toFixed(1)} s · ${e.kind}: ${e.reason}` })));
+      style: `left:${((100 * e.t) / end).toFixed(2)}%`, title: `${secs(e.t)} · ${e.kind}: ${e.reason}` })));
     const list = h("ol", { class: "apd-ev-list" }, evs.map((e) => h("li", { "data-kind": e.kind },
-      h("span", { class: "apd-ev-t" }, `${e.t.toFixed(1)} s`), " ",
+      h("span", { class: "apd-ev-t" }, secs(e.t)), " ",
       h("span", { class: `apd-ev-kind apd-ev-${KIND_CLASS[e.kind] || "warn"}` }, e.kind.replace("_", " ")),
       e.reason ? ` ${e.reason}` : "")));
     events.replaceChildren(h("div", { class: "apd-card-title" }, h("span", {}, "Events")), strip, list);

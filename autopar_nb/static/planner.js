@@ -24,30 +24,6 @@ function h(tag, attrs = {}, ...children) {
   return e;
 }
 
-// ---- units: the same rules as autopar_nb/units.py ----------------------------------------------------------------
-const sig3 = (x) => (Math.abs(x) < 10 ? x.toFixed(2) : Math.abs(x) < 100 ? x.toFixed(1) : x.toFixed(0));
-function bytes(n) {
-  if (n === null || n === undefined) return "–";
-  const units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-  let x = n, i = 0;
-  while (Math.abs(x) >= 1024 * 0.9995 && i < units.length - 1) { x /= 1024; i += 1; }
-  return i === 0 ? `${x.toFixed(0)} B` : `${sig3(x)} ${units[i]}`;
-}
-function secs(s) {
-  if (s === null || s === undefined) return "–";
-  if (s === 0) return "0 s";
-  for (const [scale, unit] of [[1, "s"], [1e-3, "ms"], [1e-6, "µs"], [1e-9, "ns"]]) {
-    if (Math.abs(s) >= scale * 0.9995 || unit === "ns") return `${sig3(s / scale)} ${unit}`;
-  }
-  return `${s} s`;
-}
-function count(x, unit = "") {
-  if (x === null || x === undefined) return "–";
-  for (const [scale, p] of [[1e15, "P"], [1e12, "T"], [1e9, "G"], [1e6, "M"], [1e3, "k"]]) {
-    if (Math.abs(x) >= scale * 0.9995) return `${sig3(x / scale)}${p}${unit}`;
-  }
-  return `${x.toFixed(0)}${unit}`;
-}
 const PIN = "●";
 const NARROW_PX = 900; // below this widget width the side panels go below the graph (.ap-narrow)
 
@@ -940,8 +916,11 @@ function measuredMarks(ui, mem, tm, measured) {
       row.querySelector(".ap-bar").append(h("span", { class: "ap-measured-mark", title,
         style: `left:${Math.min(100, 100 * b.measured / scale).toFixed(2)}%` }));
       row.classList.add("ap-has-measured");
-      row.append(h("span", { class: "ap-bar-measured", title }, bytes(b.measured), " ",
-        h("span", { class: ratioClass(b.ratio) }, ratioText(b.ratio))));
+      // on a line of its own, naming both figures: the bar's value is the whole prediction, margin included, and
+      // the measured peak compares with the predicted tensors without it (a smaller figure, which the ratio is of)
+      row.append(h("span", { class: "ap-bar-measured", title }, `${measured.peak_label || "measured peak"} `,
+        h("b", {}, bytes(b.measured)), " ", h("span", { class: ratioClass(b.ratio) }, ratioText(b.ratio)),
+        ` of ${bytes(b.predicted)} predicted tensors (no margin), rank ${b.rank}`));
     });
     memEl.append(h("div", { class: "ap-hint ap-measured-note" }, `measured: ${who}; ${run.basis}`),
       h("div", { class: "ap-keys" }, legendItem({ label: "measured peak" }, "ap-swatch-measured")));

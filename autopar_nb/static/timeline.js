@@ -2,7 +2,7 @@
 // PyTorch's memory_viz active-memory view: a pipeline rank's predicted tensors at each moment of the step, the peak
 // marked and its largest terms named; after a launched run, what it measured on the same axes. A run measures one
 // peak per rank, not a curve, so that is a horizontal line. Drawn with uPlot, as the run dashboard's charts are
-// (the vendored build widget/model.py puts in front of this file); `h` and `bytes` come from planner.js, after it.
+// (the vendored build widget/model.py puts in front of this file); `bytes` comes from units.js, `h` from planner.js.
 /* global uPlot */
 
 const TL_HEIGHT = 140;

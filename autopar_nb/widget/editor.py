@@ -627,11 +627,11 @@ def _fmt(x) -> str:
 
 
 def plan_summary(plan: Plan, cluster: Cluster | None = None) -> str:
-    """The header line: the plan's shape, then its step time and peak memory in units chosen per value."""
+    """The header line: the plan's shape, step time and peak memory against one rank's limit (the memory panel's)."""
     shape = plan.summary().split(" | ")[0]
     if plan.cost is None:
         return shape
-    limit = f" of {fmt_bytes(cluster.device.memory_bytes)}" if cluster is not None else ""
+    limit = f" of {fmt_bytes(cluster.rank_memory_bytes)}" if cluster is not None else ""
     return (f"{shape} | {fmt_time(plan.cost.step_time_s)}/step, peak {fmt_bytes(plan.cost.peak_memory_bytes)}"
             f"{limit}")
 

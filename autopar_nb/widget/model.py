@@ -45,7 +45,7 @@ class PlannerWidget(anywidget.AnyWidget):
     ``handle(msg)`` applies one front-end message (see ``_HANDLERS``).
     """
 
-    _esm = bundle(UPLOT / "uPlot.iife.min.js", STATIC / "timeline.js", STATIC / "planner.js")
+    _esm = bundle(UPLOT / "uPlot.iife.min.js", STATIC / "units.js", STATIC / "timeline.js", STATIC / "planner.js")
     _css = bundle(UPLOT / "uPlot.min.css", STATIC / "planner.css")
 
     svg = t.Unicode("").tag(sync=True)
