@@ -133,3 +133,33 @@ def _run_cell_output(page, code: str) -> str:
     page.wait_for_timeout(300)
     return page.evaluate("() => { const cells = jupyterapp.shell.currentWidget.content.widgets;"
                          " return cells[cells.length - 1].node.querySelector('.jp-Cell-outputArea').innerText; }")
+
+
+SHAPE_ERROR = """%%autoparallel --gpus 2 --gpu cpu
+import torch, torch.nn as nn
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 32), nn.Linear(16, 8)
+    def forward(self, x):
+        return self.b(self.a(x))
+model = Net()
+example_inputs = (torch.randn(4, 64),)"""
+SYNTAX_ERROR = "%%autoparallel --gpus 2 --gpu cpu\nimport torch\nmodel = (\n"
+
+
+def test_a_cell_error_is_one_line_at_the_users_line(tmp_path):
+    """Issue 42, point 8, in JupyterLab: a shape error printed ~20 lines of torch's fake_tensor log before the one-line
+    error, which pointed into the package and suggested ``capture()``; a syntax error's line number did not count the
+    ``%%autoparallel`` line. Now each is one line naming the user's line as the notebook numbers it."""
+    with notebook_page(tmp_path, SEED_CELLS, widgets=1) as (page, errors):
+        shape = _run_cell_output(page, SHAPE_ERROR)
+        syntax = _run_cell_output(page, SYNTAX_ERROR)
+    print("\nshape error:", repr(shape), "\nsyntax error:", repr(syntax))
+    assert not errors, errors
+    for out in (shape, syntax):
+        assert len(out.strip().splitlines()) == 1 and out.startswith("UsageError: %%autoparallel: "), out
+        assert "autopar_nb" not in out and "capture()" not in out and "fake_tensor" not in out, out
+    assert "module b (Linear)" in shape and "cell line 8: `return self.b(self.a(x))`" in shape, shape
+    assert "[4, 32] X [16, 8]" in shape, shape
+    assert "syntax error in the cell, line 3 (`model = (`)" in syntax, syntax
