@@ -163,3 +163,42 @@ def test_a_cell_error_is_one_line_at_the_users_line(tmp_path):
     assert "module b (Linear)" in shape and "cell line 8: `return self.b(self.a(x))`" in shape, shape
     assert "[4, 32] X [16, 8]" in shape, shape
     assert "syntax error in the cell, line 3 (`model = (`)" in syntax, syntax
+
+
+GONE = """() => [...document.querySelectorAll('.ap-root')].map((r) => ({
+  banner: (r.querySelector('.ap-kernel-gone') || {}).textContent || null,
+  launch: r.querySelector('button.ap-action-launch').disabled, undo: r.querySelector('button.ap-undo').disabled,
+  fit: r.querySelector('button.ap-fit').disabled}))"""
+
+
+def test_the_widget_says_when_its_kernel_has_died(tmp_path):
+    """Issue 42, point 10: when the kernel died the widget still looked alive and Launch did nothing. Now it says
+    the kernel stopped and disables what needs the kernel (the graph's own view controls stay), after a death
+    (``os._exit`` in a cell; the server restarts the kernel) and after a restart; the cell run again is live."""
+    with notebook_page(tmp_path, SEED_CELLS, widgets=1) as (page, errors):
+        alive = page.evaluate(GONE)
+        page.evaluate("""() => { const nb = jupyterapp.shell.currentWidget.content, model = nb.model;
+            model.sharedModel.insertCell(model.cells.length, {cell_type: 'code', source: 'import os; os._exit(1)'});
+            nb.activeCellIndex = model.cells.length - 1;
+            jupyterapp.commands.execute('notebook:run-cell'); }""")
+        page.wait_for_selector(".ap-root .ap-kernel-gone", timeout=60_000)
+        died = page.evaluate(GONE)
+        page.screenshot(path=str(tmp_path / "died.png"))
+        page.keyboard.press("Escape")  # JupyterLab's "Kernel Restarting" dialog
+        page.wait_for_function(test_browser.KERNEL_IS % "idle", timeout=60_000)
+        page.evaluate("async () => { jupyterapp.shell.currentWidget.content.activeCellIndex = 0;"  # the extension,
+                      " for (const _ of [0, 1]) await jupyterapp.commands.execute("  # then the planner's cell
+                      "'notebook:run-cell-and-select-next'); }")
+        page.wait_for_selector(".ap-root:not(.ap-gone) .ap-svg svg g.node", timeout=120_000)
+        page.wait_for_function(test_browser.KERNEL_IS % "idle", timeout=60_000)
+        again = page.evaluate(GONE)
+        page.evaluate("() => jupyterapp.shell.currentWidget.sessionContext.session.kernel.restart()")
+        page.wait_for_selector(".ap-root .ap-kernel-gone", timeout=60_000)
+        restarted = page.evaluate(GONE)
+    print("\nkernel gone:", alive, died, again, restarted)
+    assert not errors, errors
+    assert alive == [{"banner": None, "launch": False, "undo": True, "fit": False}], alive
+    for seen in (died, restarted):
+        assert len(seen) == 1 and seen[0]["banner"].startswith("The kernel stopped (it died or was restarted)"), seen
+        assert seen[0]["launch"] and seen[0]["undo"] and not seen[0]["fit"], seen
+    assert again == alive, again
