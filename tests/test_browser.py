@@ -16,6 +16,9 @@ file) that the plans changed accordingly.
 Screenshots go to $AUTOPAR_SCREENSHOTS (default: a temporary folder); `AUTOPAR_SCREENSHOTS=docs/img` refreshes the
 ones the README shows. Figures are printed (run with -s) for BENCHMARKS.md.
 
+The whole suite runs again in a 1024 px window with the file browser open (AUTOPAR_BROWSER_WIDTH=1024) and in
+JupyterLab's dark theme (AUTOPAR_BROWSER_THEME=dark); tests that choose their own window keep it.
+
 Runs in CI (CI=true: a missing chromium is a failure; .ci/run installs it); elsewhere it skips without chromium.
 """
 
@@ -47,8 +50,11 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--disable-dev-shm-usage"]
-WINDOW = {"width": 1400, "height": 1000}
-"""the window the issues measured in"""
+WINDOW = {"width": int(os.environ.get("AUTOPAR_BROWSER_WIDTH", "1400")), "height": 1000}
+"""the window the issues measured in: 1400 px, or AUTOPAR_BROWSER_WIDTH (the whole suite again at 1024: issue 42
+asks for 1400 and 1024 px with the file browser open, light and dark)"""
+THEME = os.environ.get("AUTOPAR_BROWSER_THEME", "light")
+"""JupyterLab's theme the notebooks open in: light, or dark (AUTOPAR_BROWSER_THEME=dark)"""
 
 pytestmark = pytest.mark.browser
 
@@ -96,6 +102,8 @@ def jupyterlab_server(tmp_path: Path):
         ("@jupyterlab/apputils-extension", "notification",
          {"fetchNews": "false", "checkForUpdates": False, "doNotDisturbMode": True}),
         ("@jupyterlab/notebook-extension", "tracker", {"windowingMode": "none"}),
+        ("@jupyterlab/apputils-extension", "themes",
+         {"theme": "JupyterLab Dark" if THEME == "dark" else "JupyterLab Light"}),
     ]:
         (settings / ext).mkdir(parents=True, exist_ok=True)
         (settings / ext / f"{name}.jupyterlab-settings").write_text(json.dumps(value))
@@ -172,6 +180,8 @@ def notebook_page(tmp_path: Path, cells: list[str] | nbformat.NotebookNode, *, w
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" and "planner" in m.text else None)
             page.goto(f"{base}/lab/tree/nb.ipynb?token={token}")
             page.wait_for_function(KERNEL_IS % "idle", timeout=60_000)
+            if (window or WINDOW)["width"] < 1400:  # the narrow case of issue 42: the file browser open beside
+                page.evaluate("jupyterapp.commands.execute('filebrowser:activate')")
             page.evaluate("jupyterapp.commands.execute('notebook:run-all-cells')")
             page.wait_for_function(f"document.querySelectorAll('.ap-root .ap-svg svg g.node').length > 0 && "
                                    f"document.querySelectorAll('.ap-root .ap-svg svg').length >= {widgets}",
