@@ -50,7 +50,7 @@ MAX_INT = 2**63 - 1  # any other count (steps, bytes, parameters): an int64, wha
 
 # ---- vocabularies: the values a plan may hold (the planner, widget, runtime and export import them from here) ------
 ZERO_STAGES = (0, 1, 2, 3)
-TP_STYLES = ("replicate", "colwise", "rowwise", "sequence_parallel")
+TP_STYLES = ("replicate", "colwise", "rowwise", "sequence_parallel", "shared")
 RECOMPUTE = ("none", "selective", "full")
 """per-layer activation recompute: none | selective (element-wise ops and every other weight matmul) | full (all)"""
 AMP = ("none", "bf16", "fp16")
@@ -383,14 +383,14 @@ class LayerPlan:
     stage: int = 0
     """pipeline stage (0 .. pp * virtual_stages - 1)"""
     tp: dict[str, str] = field(default_factory=dict)
-    """full module path -> TP style (replicate | colwise | rowwise | sequence_parallel); absent = replicate.
-    An nn.Embedding that is "rowwise" is vocab-parallel (rows = vocabulary); "colwise" shards the embedding dim."""
+    """full module path -> TP style (replicate | colwise | rowwise | sequence_parallel | shared); absent = replicate.
+    An nn.Embedding "rowwise" is vocab-parallel, "colwise" shards the embedding dim; "shared": see tp_parts."""
     tp_parts: dict[str, list[int]] = field(default_factory=dict)
     """"colwise" module path -> the parts its output features hold, in order, counted in heads (or features for
     parts that have none): [12] for a projection of 12 heads, [32, 8, 8] for a fused q|k|v with 32 query and 8
-    key/value heads, [11008, 11008] for a fused gate|up, [12] for T5's relative_attention_bias (an nn.Embedding with
-    one column per head, which then stays split by heads). Each rank holds slice r of every part; a part with fewer
-    heads than mesh.tp is repeated (its weight whole on every rank). Absent: one part, split evenly."""
+    key/value heads, [11008, 11008] for a fused gate|up, [12] for T5's relative_attention_bias (kept split by heads).
+    Rank r holds slice r of every part; a part of fewer heads than mesh.tp is repeated (weight whole on every rank).
+    Absent: one part, split evenly. "shared" (kept whole): features [before, shared(, after)] (MLA: rope key)."""
     sequence_parallel: bool = False
     """norms/dropout of this layer run sequence-parallel (activations sharded on the sequence dim between TP regions)"""
     fsdp: bool = True
@@ -419,9 +419,9 @@ class LayerPlan:
         if not isinstance(self.tp_parts, dict):
             raise PlanError(f"{where}.tp_parts must be a dict of module path -> [int, ...], got {self.tp_parts!r}")
         for mod, parts in self.tp_parts.items():
-            if self.tp.get(mod) != "colwise":
+            if self.tp.get(mod) not in ("colwise", "shared"):
                 raise PlanError(f"{where}.tp_parts names {mod!r}, whose tp style is {self.tp.get(mod, 'replicate')!r}"
-                                ": parts say how a 'colwise' split cuts a module's output")
+                                ": parts say how a 'colwise' split cuts a module's output (or a 'shared' one's)")
             _check_list(f"{where}.tp_parts[{mod!r}]", parts, int)
             if not parts:
                 raise PlanError(f"{where}.tp_parts[{mod!r}] is empty: give at least one part")

@@ -102,7 +102,6 @@ LONG_MODULES = {
     "verify/check.py": (585, "verify's ranks, reference run and comparison (float8 held to torchao's tolerance)"),
     "export/render.py": (504, "the settings and parallelize() text of every technique the script applies"),
     "planner/search.py": (580, "mesh enumeration beside the per-layer search"),
-    "cost/tp_styles.py": (524, "the dataflow walk beside the styles' byte counts (and soft-capped heads)"),
 }
 LONG_FUNCTIONS = {
     # the same: ceilings, to be split

@@ -243,25 +243,68 @@ def test_blooms_attention_is_kept_whole_with_the_reason():
 
 
 @pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
-def test_deepseek_v3s_mla_attention_is_kept_whole_with_the_reason():
-    """MLA writes one rope key, made by the replicated kv_a_proj_with_mqa, into every head's key (expand, then copy_
-    into a slice of new_empty): split by heads, a rank's gradient of it would hold only its own heads' share. The
-    attention stays whole and explain() and an override say why in one line (they said nothing: the attention was
-    left whole for lack of a partner)."""
+def test_deepseek_v3s_mla_attention_is_split_with_its_shared_rope_key():
+    """MLA writes one rope key, the last qk_rope_head_dim outputs of the replicated kv_a_proj_with_mqa, into every
+    head's key (expand, then copy_ into a slice of new_empty). The attention is split (q_b_proj and kv_b_proj colwise,
+    o_proj rowwise; it was kept whole), kv_a_proj_with_mqa stays whole as "shared" with its features [16, 8] (the
+    rope key's gradient summed over the ranks), costed, explained, and the script runs SharedSliceParallel."""
+    from autopar_nb.cost.profile import profile_of
+    from autopar_nb.export import render_script
+
     graph, plan = planned(HF_DEEPSEEK_V3_CELL)
-    assert not [m for m in plan.tp_plan if ".self_attn." in m], plan.tp_plan
-    assert "model.layers.0.mlp.gate_proj" in plan.tp_plan  # the dense MLP is split
+    assert graph.tp_refused == {}
+    attn = "model.layers.1.self_attn."
+    assert {m: s for m, s in plan.tp_plan.items() if m.startswith(attn)} == {
+        attn + "q_b_proj": "colwise", attn + "kv_a_proj_with_mqa": "shared", attn + "kv_b_proj": "colwise",
+        attn + "o_proj": "rowwise"}, plan.tp_plan
+    assert plan.tp_parts[attn + "kv_a_proj_with_mqa"] == [16, 8]
+    # the all-reduce of the rope key's gradient in backward: (4, 16, 8) fp32
+    comms = [c for c in profile_of(graph, "cpu").layers[2].comms if c.phase == "bwd" and c.kind == "all_reduce"]
+    assert any(c.nbytes == 4 * 16 * 8 * 4 for c in comms), comms
+    assert any("model.layers.*.self_attn.kv_a_proj_with_mqa [16, 8]" in line and "all-reduced" in line
+               for line in plan.explanation), plan.explanation
+    script = render_script(source(HF_DEEPSEEK_V3_CELL), plan)
+    assert '"model.layers.1.self_attn.kv_a_proj_with_mqa": SharedSliceParallel(start=16, stop=24)' in script
+    assert "tables = " not in script  # the hidden states (batch 4, as many as the heads) are not a head table
+
+
+SHARED_TWICE = HEAD + '''
+
+class Attention(nn.Module):  # a key part of every head made by two projections: no one piece to sum
+    def __init__(self, d, h, T):
+        super().__init__()
+        self.q, self.k, self.v, self.o = nn.Linear(d, 2 * d), nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.rope_a, self.rope_b = nn.Linear(d, d // h), nn.Linear(d, d // h)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, -1, w).transpose(1, 2) for t, w in ((self.q(x), 16), (self.k(x), 8), (self.v(x), 8)))
+        shared = F.layer_norm(self.rope_a(x) + self.rope_b(x), (8,)).view(B, 1, T, 8).expand(-1, k.shape[1], -1, -1)
+        key = k.new_empty(*k.shape[:-1], 16)
+        key[..., :8].copy_(k)
+        key[..., 8:].copy_(shared)
+        y = F.scaled_dot_product_attention(q, key, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+''' + TAIL.replace("ATTENTION", "Attention")
+
+
+def test_a_key_part_shared_by_the_heads_but_no_one_piece_keeps_the_attention_whole_with_the_reason():
+    """A tensor written into every head's key that is not one piece of one projection's output (here the sum of two)
+    has no style to sum its gradient over the ranks: the attention stays whole, and explain(), an override and the
+    widget say why in one line."""
+    graph, plan = planned(SHARED_TWICE)
+    assert not [m for m in plan.tp_plan if ".attn." in m], plan.tp_plan
+    assert "h.0.mlp.c_fc" in plan.tp_plan  # the MLP is split
     line = refusal(plan)
-    assert "model.layers.0.self_attn.kv_b_proj" in line and "\n" not in line, line
-    assert ("model.layers.0.self_attn writes one tensor that all heads share into every head (4x1x16x8 from "
-            "model.layers.0.self_attn.kv_a_proj_with_mqa, broadcast over the heads by expand into copy_: e.g. MLA's "
-            "rope key); split by heads, a rank would sum its gradient over its own heads only") in line, line
+    assert "h.0.attn.k" in line and "\n" not in line, line
+    assert ("h.0.attn writes one tensor that all heads share into every head (4x1x16x8 from h.0.attn.rope_a, "
+            "broadcast over the heads by expand into copy_: e.g. MLA's rope key); split by heads, a rank would sum its "
+            "gradient over its own heads only, and it is not one piece of one projection's output") in line, line
     with pytest.raises(ap.PlanError, match="cannot be split.*MLA's rope key"):
-        ap.plan(graph, CPU2, fix={"tp": 2}, overrides={"model.layers.*.self_attn": {"tp": "colwise-rowwise"}})
-    # the widget's choices for the attention say the same
+        ap.plan(graph, CPU2, fix={"tp": 2}, overrides={"h.*.attn": {"tp": "colwise-rowwise"}})
     from autopar_nb.widget.editor import structural_refusal
 
-    assert "MLA's rope key" in structural_refusal(graph, "model.layers.1.self_attn", "colwise-rowwise")
+    assert "MLA's rope key" in structural_refusal(graph, "h.1.attn", "colwise-rowwise")
 
 
 @pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
@@ -331,6 +374,27 @@ def test_the_offered_layout_runs_on_two_ranks(two_ranks):
     _, report = two_ranks["split_c"]
     assert report.ok, str(report)
     assert report.per_rank[0]["dtensor_params"] > 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+def test_deepseek_v3s_split_mla_trains_on_two_ranks_as_on_one():
+    """DeepSeek-V3 with MLA split over 2 gloo processes: loss, gradients and parameters match the single-process run
+    at rtol 1e-5. Without the shared style on kv_a_proj_with_mqa (the rope key's gradient left to each rank's heads)
+    the same plan fails, so it is that style that makes the split right."""
+    import copy
+
+    from autopar_nb.verify import verify_many
+
+    _, plan = planned(HF_DEEPSEEK_V3_CELL)
+    unsummed = copy.deepcopy(plan)
+    for lp in unsummed.layers:
+        for m in [m for m, style in lp.tp.items() if style == "shared"]:
+            del lp.tp[m], lp.tp_parts[m]
+    cell = source(HF_DEEPSEEK_V3_CELL)
+    shared, plain = verify_many([(cell, plan), (cell, unsummed)], steps=2, rtol=1e-5)
+    assert shared.ok, str(shared)
+    assert not plain.ok and plain.steps[0].grad_rel > 1e-4, str(plain)
 
 
 @pytest.mark.multiprocess

@@ -1,5 +1,7 @@
 """Why the tensor-parallel walk (:mod:`.tp_styles`) keeps an attention whole, in one line for ``explain()`` and the
-widget's override choices: a tensor of every head that a rank holding some of the heads cannot take as it is."""
+widget's override choices: a tensor of every head that a rank holding some of the heads cannot take as it is; the
+one such tensor TP can take (one piece of one replicated projection's output: MLA's rope key, :func:`shared_piece`);
+and which of a walk's conflicts are kept whole first (:func:`first_causes`)."""
 
 from __future__ import annotations
 
@@ -21,12 +23,54 @@ def whole_bias(n, sharded, by_name) -> str:
             "a rank holds only its own heads")
 
 
-def refuse_shared(n, s_in: list[str], seed, refused: dict[str, str], sharded, graph, by_name, out_numel) -> bool:
+def refuse_shared(n, s_in: list[str], seed, refused: dict[str, str], sharded, graph, by_name, out_numel,
+                  shared: dict[str, tuple[int, int, int]]) -> bool:
     """True, and the projections ``seed`` that split ``s_in`` refused with :func:`shared_by_heads`'s reason, when
-    elementwise op ``n`` meets its sharded inputs ``s_in`` with one tensor shared by all heads."""
-    why = shared_by_heads(n, s_in, sharded, graph, by_name, out_numel)
+    elementwise op ``n`` meets its sharded inputs ``s_in`` with one tensor shared by all heads that cannot be isolated
+    (:func:`shared_piece`). Where it can, ``shared`` gets its projection node -> (first, last + 1 feature, region) and
+    the split goes on: the runtime sums that piece's gradient over the TP ranks."""
+    why, src = shared_by_heads(n, s_in, sharded, graph, by_name, out_numel)
+    piece = shared_piece(src, graph, by_name, sharded) if why else None
+    if piece is not None:
+        shared[piece[0]] = (piece[1], piece[2], sharded[s_in[0]])
+        return False
     refused.update({k: why for k in seed if why and k not in refused})
     return bool(why)
+
+
+def shared_piece(name: str, graph, by_name, sharded) -> tuple[str, int, int] | None:
+    """(projection node, first feature, last feature + 1) of the one replicated ``Linear`` whose output features
+    ``name`` (a tensor broadcast to every head) is computed from, through a split of its last dim and ops without
+    trainable parameters (MLA's rope key: ``kv_a_proj_with_mqa``'s last ``qk_rope_head_dim`` outputs, rotated by
+    rope); None when there is not exactly one such piece (then no style can sum its gradient alone)."""
+    todo, seen, found = [name], {name}, set()
+    while todo:
+        n = by_name.get(todo.pop())
+        if n is None:
+            continue
+        for i in n.inputs:
+            x = by_name.get(i)
+            if x is None or i in seen:
+                continue
+            seen.add(i)
+            if any(p in graph.params and graph.params[p].trainable for p in x.params):
+                found.add((i, n.name))
+            else:
+                todo.append(i)
+    if len(found) != 1:
+        return None
+    proj, cut = next(iter(found))
+    p, c = by_name[proj], by_name[cut]
+    if p.module_type != "Linear" or proj in sharded or packet(c.op) not in ("split_with_sizes", "split") or \
+            not p.out_shapes or any(len(o) != len(p.out_shapes[0]) for o in c.out_shapes):
+        return None
+    widths = [int(o[-1]) for o in c.out_shapes]
+    used = {tuple(r.in_shapes[0]) for r in graph.nodes if cut in r.inputs and r.name in seen and r.in_shapes}
+    hits = [k for k, o in enumerate(c.out_shapes) if tuple(o) in used]
+    if len(hits) != 1 or [tuple(o) for o in c.out_shapes].count(tuple(c.out_shapes[hits[0]])) != 1:
+        return None  # which piece reaches the heads cannot be told from the shapes
+    start = sum(widths[:hits[0]])
+    return proj, start, start + widths[hits[0]]
 
 
 def shared_by_heads(n, s_in: list[str], sharded, graph, by_name, out_numel) -> str:
@@ -34,7 +78,7 @@ def shared_by_heads(n, s_in: list[str], sharded, graph, by_name, out_numel) -> s
     large, which is one tensor broadcast to every head by ``expand`` and computed from trainable parameters (MLA's
     rope key, made by the low-rank key/value projection and shared by all heads: written into every head's key); ""
     for another cause. Each rank would compute that tensor's gradient from its own heads only, and nothing in the
-    plain tensors between the modules sums it over the ranks."""
+    plain tensors between the modules sums it over the ranks. Returns (why, that tensor's node)."""
     for i in n.inputs:
         x = by_name.get(i)
         if x is None or i in sharded or packet(x.op) != "expand" or not x.in_shapes or not x.out_shapes or \
@@ -47,9 +91,9 @@ def shared_by_heads(n, s_in: list[str], sharded, graph, by_name, out_numel) -> s
         shape = "x".join(map(str, x.in_shapes[0]))
         return (f"{n.module_path or 'the model'} writes one tensor that all heads share into every head ({shape} "
                 f"from {source}, broadcast over the heads by expand into {packet(n.op)}: e.g. MLA's rope key); split "
-                "by heads, a rank would sum its gradient over its own heads only, and no TP style sums it over the "
-                "ranks")
-    return ""
+                "by heads, a rank would sum its gradient over its own heads only, and it is not one piece of one "
+                "projection's output, whose gradient TP could sum over the ranks"), i
+    return "", ""
 
 
 def _trained_source(name: str, graph, by_name) -> str | None:
@@ -64,3 +108,24 @@ def _trained_source(name: str, graph, by_name) -> str | None:
         todo += [i for i in n.inputs if i not in seen]
         seen.update(n.inputs)
     return None
+
+
+def first_causes(conflicts: set[str], graph, by_name) -> set[str]:
+    """The conflicting nodes that no other conflicting node of their layer feeds. A conflict downstream of another
+    may be its consequence, so it is decided on the next walk, once the first are kept whole: MLA's low-rank
+    ``q_a_proj``, wrongly taken for colwise, makes ``q_b_proj`` its rowwise partner, which leaves the attention's
+    output replicated and ``o_proj`` colwise; keeping ``o_proj`` whole with it would lose the attention's split."""
+    readers: dict[str, list[str]] = {}
+    for n in graph.nodes:
+        for i in n.inputs:
+            readers.setdefault(i, []).append(n.name)
+    fed: set[str] = set()
+    for c in conflicts:
+        layer, todo, seen = by_name[c].layer, [c], {c}
+        while todo:
+            for r in readers.get(todo.pop(), ()):
+                if r not in seen and by_name[r].layer == layer:
+                    seen.add(r)
+                    todo.append(r)
+        fed |= (seen - {c}) & conflicts
+    return (conflicts - fed) or conflicts

@@ -14,10 +14,10 @@ cannot take it (a norm, a residual add with a full-size replicated tensor, a red
 attention op or a plain matmul whose operands are not all sharded, or a Linear-like module PyTorch TP cannot split)
 turns the Linears that sharded it back to ``replicate`` (refused, with the reason, where it is a replicated tensor
 added to a product of split operands: Bloom's ALiBi bias of every head in ``baddbmm``; or one tensor of trainable
-values broadcast into every head: MLA's rope key; :mod:`.tp_refusals`). ``nn.Linear`` and Hugging
-Face's ``Conv1D`` (weight stored (in, out)) get split styles; an Embedding is vocab-sharded (rowwise) only when its
-ids come from the model's inputs (not ``torch.arange`` positions) and the table has at least as many rows as columns
-(not a small table).
+values broadcast into every head that is not one piece of one projection's output; :mod:`.tp_refusals`).
+``nn.Linear`` and Hugging Face's ``Conv1D`` (weight stored (in, out)) get split styles; an Embedding is vocab-sharded
+(rowwise) only when its ids come from the model's inputs (not ``torch.arange`` positions) and the table has at least
+as many rows as columns (not a small table).
 
 Layouts beyond one contiguous shard per projection (``LayerPlan.tp_parts``; the runtime's ``runtime/layouts.py``):
 
@@ -34,9 +34,14 @@ Layouts beyond one contiguous shard per projection (``LayerPlan.tp_parts``; the 
 * an ``nn.Embedding`` with one column per attention head, added to the scores (T5's ``relative_attention_bias``), is
   colwise with parts ``[H]``: its output stays split by heads, as the scores are.
 
-:func:`sp_check` says whether sequence parallelism is valid for the resulting styles. Head counts come from the
-``view``/``reshape`` that splits a sharded last dim into ``(heads, head_dim)``; TP degrees must divide them, every
-part and every split Linear dim (a repeated key/value projection excepted).
+* one piece of a replicated projection's output that every head of a split attention reads (MLA's rope key: the
+  last ``qk_rope_head_dim`` outputs of ``kv_a_proj_with_mqa``, broadcast by ``expand`` and copied into every head's
+  key) leaves the split on: the projection stays whole, its piece's gradient is summed over the ranks
+  (:attr:`Walk.shared`; the runtime's ``SharedSliceParallel``). Such a tensor made any other way is refused.
+
+:func:`.tp_sequence.sp_check` says whether sequence parallelism is valid for the resulting styles. Head counts come
+from the ``view``/``reshape`` that splits a sharded last dim into ``(heads, head_dim)``; TP degrees must divide them,
+every part and every split Linear dim (a repeated key/value projection excepted).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from typing import NamedTuple
 
 import kernels_ext
 
-from .tp_refusals import packet, refuse_shared, whole_bias
+from .tp_refusals import first_causes, packet, refuse_shared, whole_bias
 
 PROJECTIONS = ("Linear", "Conv1D")
 """module classes whose Linear-like ops TP splits: ``nn.Linear`` and Hugging Face's ``Conv1D`` (weight (in, out))"""
@@ -102,6 +107,9 @@ class Walk(NamedTuple):
     holders: dict[str, str]
     """module that holds a weight other modules share without running itself (T5's ``shared``) -> the style of the
     modules that run with it (split alike, so the runtime keeps the tie)"""
+    shared: dict[str, tuple[int, int, int]] = {}
+    """replicated projection node -> (first, last + 1 feature, TP region) of the piece of its output that every head
+    of a split attention reads (MLA's rope key): the runtime sums that piece's gradient over the TP ranks"""
 
 
 def tp_walk(graph, by_name, out_numel, refused: dict[str, str] | None = None, keep=()) -> Walk:
@@ -110,11 +118,11 @@ def tp_walk(graph, by_name, out_numel, refused: dict[str, str] | None = None, ke
     dim into pieces that do not make up the whole output. ``keep``: nodes left whole from the start."""
     disabled: set[str] = set(keep)
     refused = {} if refused is None else refused
-    for _ in range(20):
+    for attempt in range(20):
         result = _walk_once(graph, by_name, out_numel, disabled, refused)
         if isinstance(result, Walk):
             return result
-        disabled |= result
+        disabled |= first_causes(result, graph, by_name) if attempt < 10 else result
     return Walk({}, "", {}, {}, {}, {}, {})
 
 
@@ -291,7 +299,7 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
     seeds: dict[str, frozenset] = {}
     region_of: dict[str, int] = {}
     merged: dict[int, int] = {}  # region -> the region it was merged into (an op reading two regions joins them)
-    heads: dict[str, int] = {}
+    heads, shared = {}, {}  # view node -> head count; see Walk.shared
     next_region = 0
     conflicts: set[str] = set()
     from_input = _from_inputs(graph, by_name)
@@ -381,7 +389,7 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
             last.add(n.name)  # each piece is sharded on its last dim: a second cut is refused
             continue
         if n.op_class == "elementwise" and (any(out_numel.get(i, 0) >= out_numel.get(s_in[0], 0) for i in rep_in) or
-                                            refuse_shared(n, s_in, seed, refused, sharded, graph, by_name, out_numel)):
+                refuse_shared(n, s_in, seed, refused, sharded, graph, by_name, out_numel, shared)):
             conflicts |= seed
             continue
         rule = rule_of(n.op)
@@ -414,8 +422,8 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
                                      f"do not make up its {width[proj]} outputs")
     head_node = ""
     used = {i for n in graph.nodes for i in n.inputs}
-    for name in [n.name for n in graph.nodes if n.name in sharded]:
-        if name not in used:  # a sharded model output
+    for name in [n.name for n in graph.nodes if n.name in sharded and not packet(n.op).endswith("_")]:
+        if name not in used:  # a sharded model output (an in-place op's is not: its target, e.g. MLA's key, is read)
             head = through.get(name, name)  # elementwise ops on the logits run on vocabulary shards as well
             w = graph.params.get(by_name[head].params[0]) if by_name[head].params else None
             # a vocab-parallel head only where it pays: many outputs per input (an LM head, not a 10-way classifier)
@@ -442,7 +450,7 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
     gathered = {k for k, pp in parts.items() if pp.gathered}
     whole = {k for k in sharded if k in gathered or (k not in styles and seeds.get(k, frozenset()) & gathered)}
     return Walk(styles, head_node, {k: r for k, r in sharded.items() if k not in whole}, region_of, heads, parts,
-                holders)
+                holders, {k: (a, b, find(r)) for k, (a, b, r) in shared.items()})
 
 
 def splits_of(op: str) -> dict:
@@ -462,63 +470,3 @@ def _split_heads(in_shape, out_shape) -> int | None:
     if len(rest) == 2 and rest[0] * rest[1] == in_shape[-1]:
         return int(rest[0])
     return None
-
-
-def sp_check(graph, by_name, styles: dict[str, str], sharded: dict[str, int]) -> str:
-    """Why sequence parallelism cannot apply to these TP styles ("" when it can).
-
-    Under SP the tensors between TP regions are sequence shards (dim 1 of ``(batch, seq, ...)``): vocab-parallel
-    embeddings and rowwise Linears output them, norms run on them, colwise Linears all-gather them. The runtime cuts
-    the sequence once, where the blocks start, so no embedding may be looked up after shards went through a block
-    (T5's decoder embedding after its encoder). Every other
-    reader must take a shard as it is: an elementwise op whose other operands are shards too or broadcast vectors
-    (not ``wte(idx) + wpe(arange(T))``, a full-sequence table), a view that keeps ``(batch, seq)``; never a replicated
-    Linear, a reduction, or the model's output.
-    """
-    if graph.seq_len is None:
-        return "the inputs are not token sequences"
-    seq: set[str] = set()
-    used = {i for n in graph.nodes for i in n.inputs}
-    for n in graph.nodes:
-        p = packet(n.op)
-        s_in = [i for i in n.inputs if i in seq]
-        style = styles.get(n.name)
-        if style == "rowwise" and n.op_class == "embedding":
-            idx = tuple(n.in_shapes[1]) if len(n.in_shapes) > 1 else ()
-            if len(idx) != 2 or idx[1] != graph.seq_len:
-                return f"{n.module_path} looks up ids of shape {idx}, not (batch, seq)"
-            began = next((m for m in graph.nodes if m.name in seq and m.op_class != "embedding"), None)
-            if began is not None:  # the runtime cuts the sequence once, where the first block starts
-                return (f"{n.module_path} looks up tokens after sequence shards went through "
-                        f"{began.module_path or began.name} (an encoder-decoder)")
-            seq.add(n.name)
-        elif style == "rowwise":
-            seq.add(n.name)
-        elif style == "colwise" or n.name in sharded:
-            continue  # colwise Linears gather their input; TP regions hold feature shards
-        elif role_of(n.op) == "norm" and n.params and n.module_path:
-            if not s_in:
-                return f"norm {n.module_path} would read a full-sequence tensor where SP expects a sequence shard"
-            seq.add(n.name)
-        elif s_in:
-            out = tuple(n.out_shapes[0]) if n.out_shapes else ()
-            src = tuple(by_name[s_in[0]].out_shapes[0]) if by_name[s_in[0]].out_shapes else ()
-            if n.op_class == "elementwise":
-                others = [i for i in n.inputs if i not in seq and i in by_name and by_name[i].out_shapes and
-                          len(by_name[i].out_shapes[0]) >= 2]
-                if others:
-                    return (f"{n.name} combines a sequence shard with the full-sequence tensor {others[0]} "
-                            f"({by_name[others[0]].module_path or 'computed in forward'})")
-                seq.add(n.name)
-            elif n.op_class == "view" and len(out) >= 2 and out[:2] == src[:2]:
-                seq.add(n.name)
-            elif n.op_class == "view" and not n.out_shapes:
-                continue  # a metadata check (aten._assert_tensor_metadata, e.g. before a norm's .to()): no output
-            elif n.op_class == "reduction" and len(out) >= 2 and out[:2] == src[:2]:
-                seq.add(n.name)  # over the features of each token (a norm written in Python: x.pow(2).mean(-1))
-            else:
-                return f"{n.name} ({p}{' in ' + n.module_path if n.module_path else ''}) reads a sequence shard"
-    outs = [name for name in seq if name not in used]
-    if outs:
-        return f"the model's output {outs[0]} would be a sequence shard"
-    return ""

@@ -290,14 +290,15 @@ def _recompute_words(cand) -> str:
 
 def _layout_lines(plan, prof, tp: int) -> list[str]:
     """One line per TP layout beyond an even cut (``LayerPlan.tp_parts``): fused projections split part by part or
-    gathered, key/value projections repeated, head-indexed embeddings split by heads; modules of repeated blocks
-    named once (``h.*.attn.c_attn``)."""
+    gathered, key/value projections repeated, head-indexed embeddings split by heads, projections a split attention
+    shares; modules of repeated blocks named once (``h.*.attn.c_attn``)."""
     found: dict[str, dict[str, list]] = {}
     for lp, prof_lp in zip(plan.layers, prof.layers, strict=True):
         block = re.sub(r"\d+$", "*", lp.path)  # h.3 -> h.*
         for m, parts in lp.tp_parts.items():
             name = block + m[len(lp.path):] if m.startswith(lp.path) else m
-            found.setdefault(prof_lp.layout(m, tp), {}).setdefault(name, []).append((m, parts))
+            kind = "shared" if lp.tp.get(m) == "shared" else prof_lp.layout(m, tp)
+            found.setdefault(kind, {}).setdefault(name, []).append((m, parts))
 
     def names(kind: str) -> str:
         mods = [f"{m if len(seen) > 1 else seen[0][0]} {seen[0][1]}" for m, seen in found[kind].items()]
@@ -320,6 +321,10 @@ def _layout_lines(plan, prof, tp: int) -> list[str]:
     if "split" in found:
         out.append(f"Head-indexed tables {LAYOUT_WORDS['split']} like the attention scores they are added to: "
                    f"{names('split')}.")
+    if "shared" in found:
+        out.append(f"Projections kept whole whose output a split attention's heads share (features [before, shared, "
+                   f"after]): {names('shared')}; every head reads the shared piece (MLA's rope key), so its gradient "
+                   f"is all-reduced over the TP ranks in backward.")
     return out
 
 

@@ -29,9 +29,11 @@ ROUNDS = 8
 def tp_parts(lp, tp: dict[str, str], degree: int) -> dict[str, list[int]]:
     """``LayerPlan.tp_parts`` of one layer: the parts of its colwise modules whose split is not one even cut at this
     TP degree (fused projections split part by part or gathered, key/value projections repeated, head-indexed
-    embeddings kept split by heads; :meth:`~autopar_nb.cost.profile.LayerProfile.layout`)."""
+    embeddings kept split by heads; :meth:`~autopar_nb.cost.profile.LayerProfile.layout`), and the features of its
+    ``"shared"`` ones (:attr:`~autopar_nb.cost.profile.LayerProfile.shared`)."""
     return {m: list(lp.parts[m].counts) for m, st in tp.items() if st == "colwise" and m in lp.parts and
-            (lp.parts[m].table or lp.layout(m, degree) != "split")}
+            (lp.parts[m].table or lp.layout(m, degree) != "split")} | \
+        {m: list(lp.shared[m]) for m, st in tp.items() if st == "shared" and m in lp.shared}
 
 
 def checked_profile(graph, device_kind: str, cluster, fix: dict | None):

@@ -56,7 +56,7 @@ def tp_styles(model: nn.Module, tp_plan: dict[str, str], *, sp_layers: list[str]
         if path not in modules:
             raise ValueError(f"the plan shards module {path!r}, which the model does not have; "
                              f"re-capture the model or fix the override")
-    ordered = [p for p in modules if tp_plan.get(p, "replicate") != "replicate"]
+    ordered = [p for p in modules if tp_plan.get(p, "replicate") not in ("replicate", "shared")]
     # parents (and layers) of rowwise Linears: a colwise Linear beside one feeds it (BERT keeps them in sibling
     # modules of one layer: attention.self.query -> attention.output.dense); one without is an output head
     rows = [p for p in ordered if tp_plan[p] == "rowwise" and is_projection(modules[p])]
@@ -76,7 +76,7 @@ def tp_styles(model: nn.Module, tp_plan: dict[str, str], *, sp_layers: list[str]
     def fed_sequence_shards(path: str) -> bool:
         return in_sp(path) is not None or (after is not None and within(path, after))
 
-    styles: dict[str, TPStyle] = {}
+    styles: dict[str, TPStyle] = shared_styles(modules, tp_plan, parts or {})
     if region and region[0] not in tp_plan:
         # enter: the replicated activations (embeddings' outputs) are cut along the sequence, locally, no comm
         styles[region[0]] = TPStyle("prepare_input", input_layout=REPLICATE, desired_layout=SEQ,
@@ -115,8 +115,7 @@ def tp_styles(model: nn.Module, tp_plan: dict[str, str], *, sp_layers: list[str]
         elif style == "rowwise":
             kind = "rowwise" if isinstance(module, nn.Linear) else "transposed_rowwise"
             whole = REPLICATE if path.rpartition(".")[0] in gathered else None  # the gathered attention output
-            styles[path] = TPStyle(kind, input_layout=whole, output_layout=SEQ) if sp else TPStyle(kind,
-                                                                                                input_layout=whole)
+            styles[path] = TPStyle(kind, input_layout=whole, output_layout=SEQ if sp else None)
         elif path.rpartition(".")[0] not in row_parents and layer_of(path, layers) not in row_parents:
             # an output head: no rowwise Linear consumes its shard
             seq = SEQ if fed_sequence_shards(path) and styles.get(after) is None else REPLICATE
@@ -157,6 +156,22 @@ def out_features(module: nn.Module) -> int:
     if isinstance(module, nn.Embedding):
         return module.embedding_dim
     return module.nf
+
+
+def shared_styles(modules: dict[str, nn.Module], tp_plan: dict[str, str], parts: dict[str, list[int]]
+                  ) -> dict[str, TPStyle]:
+    """The styles of the ``"shared"`` projections from their ``tp_parts`` (features: [before, shared(, after)]).
+    The shared piece's gradient is summed over the ranks only where projections beside it are split: a whole
+    attention's is complete on every rank already."""
+    out = {}
+    for path in (p for p, st in tp_plan.items() if st == "shared"):
+        if not any(tp_plan.get(p) == "colwise" for p in modules if p.rpartition(".")[0] == path.rpartition(".")[0]):
+            continue
+        if len(parts.get(path) or ()) not in (2, 3):
+            raise ValueError(f"{path} is 'shared' but tp_parts does not name its shared features: [before, shared(, "
+                             f"after)], got {parts.get(path)}")
+        out[path] = TPStyle("shared_slice", start=parts[path][0], stop=parts[path][0] + parts[path][1])
+    return out
 
 
 def part_layout(path: str, module: nn.Module, parts: list[int] | None, *, tp: int) -> dict:
@@ -337,8 +352,9 @@ def head_tables(model: nn.Module, styles: dict[str, TPStyle], *, tp: int, parts:
             if len(dims) == 1 and not (t.dim() == 1 and heads == head_dim):
                 found[name] = dims[0]
         if call is not None:
+            # what any projection of the module reads, split or not (MLA's low-rank q_a_proj reads the hidden states)
             widths = {m.in_features if isinstance(m, nn.Linear) else m.weight.shape[0]
-                      for m in map(modules.get, paths) if is_projection(m)}
+                      for m in module.modules() if is_projection(m)}
             hooks.append(module.register_forward_pre_hook(
                 lambda _m, args, kwargs, found=found, heads=heads, widths=widths:
                 found.update(_head_inputs(args, kwargs, heads, widths, made=made)), with_kwargs=True))
@@ -356,10 +372,10 @@ def head_tables(model: nn.Module, styles: dict[str, TPStyle], *, tp: int, parts:
 
 def _head_inputs(args: tuple, kwargs: dict, heads: int, widths: set[int], *, made: dict) -> dict[str, int]:
     """Keyword input -> its heads dim, for the floating-point tensors among ``kwargs`` with one dim of ``heads``;
-    not the activations the projections read (last dim one of their input ``widths``), nor, where the batch of those
-    activations is as large as the heads, a tensor whose dim 0 it would be (a float mask (batch, 1, T, T)), nor one
-    that a split module returned (``made``: T5's position bias, computed from a table split with the heads, holds
-    the rank's own heads already)."""
+    not the activations the module's projections read (last dim one of their input ``widths``), nor, where the batch
+    of those activations is as large as the heads, a tensor whose dim 0 it would be (a float mask (batch, 1, T, T)),
+    nor one that a split module returned (``made``: T5's position bias, computed from a table split with the heads,
+    holds the rank's own heads already)."""
     hidden = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] in widths]
     batch = hidden[0].shape[0] if hidden else None
     out = {}

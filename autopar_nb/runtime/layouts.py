@@ -16,6 +16,11 @@
   keeps the head its query heads read. Each rank's slice feeds only its own query heads, so the gradient each rank
   computes for the replicated weight is a part of the whole: the output is handed over with
   ``to_local(grad_placements=[Partial()])`` and autograd sums the parts over the TP ranks.
+* :class:`SharedSliceParallel`: a projection kept whole whose output features ``[start, stop)`` every head of a split
+  attention reads (MLA's rope key: ``kv_a_proj_with_mqa``'s last ``qk_rope_head_dim`` outputs, broadcast into every
+  head's key). A rank computes that piece's gradient from its own heads only, so the piece is handed over the same
+  way and autograd sums it over the TP ranks; the other features reach the heads through colwise projections, whose
+  input gradient DTensor already sums.
 
 Parts of different widths (q, k, v under GQA: Phi-3's ``qkv_proj``) have no DTensor placement in torch 2.13: one
 placement describes each rank's rows with a single stride. :mod:`autopar_nb.planner.styles` shards such a weight as
@@ -194,6 +199,29 @@ class RepeatedColwiseParallel(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(heads={self.heads})"
+
+
+class SharedSliceParallel(ParallelStyle):
+    """A projection whose weight stays whole (plain tensors on every rank) and whose output features
+    ``[start, stop)`` are read by every head of a split attention. See the module docstring for the gradient."""
+
+    def __init__(self, *, start: int, stop: int):
+        super().__init__()
+        if not 0 <= start < stop:
+            raise ValueError(f"the shared features [{start}, {stop}) are empty")
+        self.start, self.stop = start, stop
+
+    @staticmethod
+    def _sum_piece_gradient(start, stop, device_mesh, module, inputs, output):
+        piece = DTensor.from_local(output[..., start:stop], device_mesh, (Replicate(),), run_check=False)
+        return torch.cat([output[..., :start], piece.to_local(grad_placements=(Partial(),)), output[..., stop:]], -1)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        module.register_forward_hook(partial(self._sum_piece_gradient, self.start, self.stop, device_mesh))
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(start={self.start}, stop={self.stop})"
 
 
 def dcp_layout(state):

@@ -21,15 +21,21 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from .layouts import PackedColwiseParallel, PrepareFirstInput, RepeatedColwiseParallel, TransposedRowwiseParallel
+from .layouts import (
+    PackedColwiseParallel,
+    PrepareFirstInput,
+    RepeatedColwiseParallel,
+    SharedSliceParallel,
+    TransposedRowwiseParallel,
+)
 
 REPLICATE = "replicate"
 """a layout: the tensor is whole on every TP rank (an int ``d`` is a layout too: sharded on dim ``d``)"""
 STYLE_CLASSES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel,
                  "prepare_input": PrepareFirstInput, "prepare_output": PrepareModuleOutput,
                  "packed_colwise": PackedColwiseParallel, "transposed_rowwise": TransposedRowwiseParallel,
-                 "repeated_colwise": RepeatedColwiseParallel}
-PLAIN_ARGUMENTS = ("use_local_output", "parts", "transposed", "heads")
+                 "repeated_colwise": RepeatedColwiseParallel, "shared_slice": SharedSliceParallel}
+PLAIN_ARGUMENTS = ("use_local_output", "parts", "transposed", "heads", "start", "stop")
 """constructor arguments written as they are (the others are layouts)"""
 
 
@@ -41,7 +47,7 @@ class TPStyle:
 
     kind: str
     """colwise | rowwise | sequence_parallel | prepare_input | prepare_output | packed_colwise | transposed_rowwise |
-    repeated_colwise (the last three: :mod:`.layouts`)"""
+    repeated_colwise | shared_slice (the last four: :mod:`.layouts`)"""
     input_layout: int | str | None = None
     output_layout: int | str | None = None
     desired_layout: int | str | None = None
@@ -52,6 +58,10 @@ class TPStyle:
     """packed_colwise: the weight is stored (in, out) (Hugging Face Conv1D)"""
     heads: int | None = None
     """repeated_colwise: the heads of the output, fewer than the TP ranks"""
+    start: int | None = None
+    """shared_slice: the first output feature every head reads"""
+    stop: int | None = None
+    """shared_slice: one past the last"""
 
     def __post_init__(self):
         if self.kind not in STYLE_CLASSES:
@@ -60,7 +70,7 @@ class TPStyle:
             if not (layout is None or layout == REPLICATE or (isinstance(layout, int) and
                                                                not isinstance(layout, bool))):
                 raise ValueError(f"TP layout {layout!r} unknown: {REPLICATE!r} or a dim (int)")
-        for name, value in (("parts", self.parts), ("heads", self.heads)):
+        for name, value in (("parts", self.parts), ("heads", self.heads), ("stop", self.stop)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"TP style {name}={value!r}: a positive int")
 
@@ -77,7 +87,7 @@ class TPStyle:
             args.append((f"desired_{side}_layouts", self.desired_layout, True))
         if self.use_local_output is not None:
             args.append(("use_local_output", self.use_local_output, False))
-        for name in ("parts", "transposed", "heads"):
+        for name in ("parts", "transposed", "heads", "start", "stop"):
             if getattr(self, name) is not None:
                 args.append((name, getattr(self, name), False))
         return args

@@ -8,7 +8,7 @@ import gc
 import weakref
 from collections import defaultdict
 
-from ..tp_styles import sp_check
+from ..tp_sequence import sp_check
 from .blockers import cp_blocker, pp_blocker
 from .comms import count_comms
 from .compute import count_amp_time, count_compute, count_keys_values

@@ -290,6 +290,10 @@ class LayerProfile:
     """colwise module -> its output's parts (``LayerPlan.tp_parts``: heads per part, or features):
     projections split into heads, fused projections cut into pieces, head-indexed embeddings (see
     :mod:`..tp_styles`)"""
+    shared: dict[str, list[int]] = field(default_factory=dict)
+    """replicated projection -> its output's features [before, shared(, after)]: every head of the split attention
+    reads the second piece (MLA's rope key), whose gradient TP sums over its ranks (``LayerPlan.tp_parts`` of a
+    ``"shared"`` module)"""
     repeatable: dict[str, Repeatable] = field(default_factory=dict)
     """key/value projections (fewer heads than the query projection beside them): repeated, whole on
     every rank, when the TP degree exceeds their heads (:meth:`at_tp`)"""
@@ -384,7 +388,7 @@ class GraphProfile:
     :func:`.blockers.pp_blocker`)"""
     sp_blocker: str = ""
     """why sequence parallelism cannot apply to the TP styles ("" when it can; see
-    ``tp_styles.sp_check``)"""
+    ``tp_sequence.sp_check``)"""
     cp_blocker: str = ""
     """why context parallelism cannot split this model's sequences ("" when it can; see
     :func:`.blockers.cp_blocker`)"""

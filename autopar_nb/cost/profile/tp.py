@@ -21,6 +21,12 @@ def count_tp(layers: dict[str, LayerProfile], f: Facts) -> set[str]:
         style = f.tp.styles.get(n.name)
         if style:
             _count_styled(lp, n, style, f, kv, split_params)
+        if n.name in f.tp.shared:  # whole on every rank, a piece of its output's gradient summed over them
+            first, end, region = f.tp.shared[n.name]
+            width = int(n.out_shapes[0][-1])
+            lp.tp[n.module_path] = "shared"
+            lp.shared[n.module_path] = [first, end - first] + ([width - end] if end < width else [])
+            lp.regions.add(region)
         norm_op = n.op_class == "norm" and "sequence_parallel" in splits_of(n.op)
         if (norm_op or _python_norm(n)) and n.name not in f.tp.sharded and n.module_path and \
                 n.params and n.module_path not in lp.norms:
