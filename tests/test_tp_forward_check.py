@@ -398,6 +398,23 @@ def test_deepseek_v3s_split_mla_trains_on_two_ranks_as_on_one():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+def test_deepseek_v3s_split_mla_trains_on_dp2_x_tp2_as_on_one():
+    """The MLA split beside data parallelism, DDP and FSDP ZeRO-3, on 4 gloo processes (one launch): loss, gradients
+    and parameters match the single-process run at rtol 1e-5."""
+    from autopar_nb.verify import verify_many
+
+    model, inputs, _ = source(HF_DEEPSEEK_V3_CELL).build(device="meta")
+    graph = ap.capture(model, inputs)
+    cpu4 = ap.Cluster.preset("cpu", gpus_per_node=4)
+    plans = [ap.plan(graph, cpu4, fix={"tp": 2, "dp": 2, "zero_stage": zero}) for zero in (0, 3)]
+    for plan in plans:
+        assert plan.tp_plan["model.layers.1.self_attn.kv_a_proj_with_mqa"] == "shared", plan.tp_plan
+    for report in verify_many([(source(HF_DEEPSEEK_V3_CELL), plan) for plan in plans], steps=2, rtol=1e-5):
+        assert report.ok, str(report)
+
+
+@pytest.mark.multiprocess
 def test_split_tables_and_gemmas_embedding_train_on_two_ranks_as_on_one(two_ranks):
     """Both per-head table cells, attention split with their tables, Gemma and Gemma 2, embedding and tied head split
     on the vocabulary, and MPT, attention split with its ALiBi input, train on 2 gloo processes (one launch) as the
