@@ -266,6 +266,10 @@ def test_deepseek_v3s_mla_attention_is_split_with_its_shared_rope_key():
     script = render_script(source(HF_DEEPSEEK_V3_CELL), plan)
     assert '"model.layers.1.self_attn.kv_a_proj_with_mqa": SharedSliceParallel(start=16, stop=24)' in script
     assert "tables = " not in script  # the hidden states (batch 4, as many as the heads) are not a head table
+    with pytest.raises(ap.PlanError, match="comes with the attention it feeds"):
+        ap.plan(graph, CPU2, fix={"tp": 2}, overrides={"model.layers.*.self_attn.q_a_proj": {"tp": "shared"}})
+    kept = ap.plan(graph, CPU2, fix={"tp": 2}, overrides={"model.layers.*.self_attn": {"tp": "colwise-rowwise"}})
+    assert kept.tp_plan[attn + "kv_a_proj_with_mqa"] == "shared", kept.tp_plan
 
 
 SHARED_TWICE = HEAD + '''

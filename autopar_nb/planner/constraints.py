@@ -160,9 +160,11 @@ def _match_layers(graph, pattern: str) -> tuple[list[int], list[tuple[int, str]]
 
 def _apply_tp(graph, prof, pattern, style, whole, partial, layers) -> None:
     targets: list[tuple[int, str | None]] = [(i, None) for i in whole] + list(partial)
-    if style not in TP_STYLES and style not in TP_ALIASES:
-        raise PlanError(f"override {pattern!r}: tp={style!r}; choose one of "
-                        f"{', '.join(map(repr, TP_STYLES + TP_ALIASES))}")
+    offered = tuple(s for s in TP_STYLES if s != "shared") + TP_ALIASES  # "shared" follows its attention's split
+    if style not in offered:
+        raise PlanError(f"override {pattern!r}: tp={style!r}; choose one of {', '.join(map(repr, offered))}"
+                        + ("; a 'shared' projection comes with the attention it feeds (tp='colwise-rowwise')"
+                           if style == "shared" else ""))
     for i, prefix in targets:
         lay = graph.layers[i]
         lp = prof.layers[i]
