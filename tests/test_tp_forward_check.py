@@ -270,6 +270,10 @@ def test_deepseek_v3s_mla_attention_is_split_with_its_shared_rope_key():
         ap.plan(graph, CPU2, fix={"tp": 2}, overrides={"model.layers.*.self_attn.q_a_proj": {"tp": "shared"}})
     kept = ap.plan(graph, CPU2, fix={"tp": 2}, overrides={"model.layers.*.self_attn": {"tp": "colwise-rowwise"}})
     assert kept.tp_plan[attn + "kv_a_proj_with_mqa"] == "shared", kept.tp_plan
+    from autopar_nb.widget.editor import layout_note
+
+    note = layout_note(graph.layers[2], plan.layers[2], 2)
+    assert "kv_a_proj_with_mqa whole, its shared piece's gradient summed" in note and "gathered" not in note, note
 
 
 SHARED_TWICE = HEAD + '''

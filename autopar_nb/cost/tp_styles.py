@@ -144,9 +144,9 @@ def part_split(parts: list[int] | tuple[int, ...], tp: int, *, repeatable: bool 
 
 
 LAYOUT_WORDS = {"packed": "split part by part", "gathered": "gathered", "repeated": "repeated",
-                "split": "split by heads"}
+                "split": "split by heads", "shared": "whole, its shared piece's gradient summed"}
 """how :func:`part_split`'s answers read in ``explain()`` and the widget's layer table ("split": a module listed in
-``LayerPlan.tp_parts`` that is cut evenly, a head-indexed embedding)"""
+``LayerPlan.tp_parts`` that is cut evenly, a head-indexed embedding; "shared": a ``"shared"`` projection)"""
 
 
 def _from_inputs(graph, by_name) -> set[str]:

@@ -219,8 +219,8 @@ def layout_note(layer: Layer, lp: LayerPlan, tp: int) -> str:
     " · c_attn split part by part", " · k_proj, v_proj repeated" ("" when none has parts)."""
     notes: dict[str, list[str]] = {}
     for m, parts in lp.tp_parts.items():
-        kind = layer.modules.get(m, "")
-        how = part_split(parts, tp, repeatable=kind == "Linear", packable=kind != "Embedding")
+        kind, shared = layer.modules.get(m, ""), lp.tp.get(m) == "shared"
+        how = "shared" if shared else part_split(parts, tp, repeatable=kind == "Linear", packable=kind != "Embedding")
         notes.setdefault(LAYOUT_WORDS.get(how, "cannot be split"), []).append(m.rsplit(".", 1)[-1])
     return "".join(f" · {', '.join(names)} {word}" for word, names in notes.items())
 
