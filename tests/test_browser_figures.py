@@ -169,20 +169,34 @@ GONE = """() => [...document.querySelectorAll('.ap-root')].map((r) => ({
   banner: (r.querySelector('.ap-kernel-gone') || {}).textContent || null,
   launch: r.querySelector('button.ap-action-launch').disabled, undo: r.querySelector('button.ap-undo').disabled,
   fit: r.querySelector('button.ap-fit').disabled}))"""
+# a launch dashboard of a run that was never started (no worker processes): its Stop button is live
+DASHBOARD_CELL = """from pathlib import Path; import tempfile
+from autopar_nb.launch.run import Run
+from autopar_nb.launch.dashboard import Dashboard
+d = Path(tempfile.mkdtemp())
+Dashboard(Run(run_id="r", run_dir=d, script=d / "train.py", nproc=2, steps=6, token="t", backend="gloo",
+              max_restarts=0, hang_timeout_s=None, plan=ap.plan))"""
+DASHBOARD_GONE = """() => [...document.querySelectorAll('.apd')].map((r) => ({
+  banner: (r.querySelector('.apd-kernel-gone') || {}).textContent || null,
+  stop: r.querySelector('button.apd-stop').disabled}))"""
 
 
 def test_the_widget_says_when_its_kernel_has_died(tmp_path):
     """Issue 42, point 10: when the kernel died the widget still looked alive and Launch did nothing. Now it says
     the kernel stopped and disables what needs the kernel (the graph's own view controls stay), after a death
-    (``os._exit`` in a cell; the server restarts the kernel) and after a restart; the cell run again is live."""
+    (``os._exit`` in a cell; the server restarts the kernel) and after a restart; the cell run again is live. The
+    launch dashboard (static/kernel.js's watch, shared) says so too and disables its Stop button."""
     with notebook_page(tmp_path, SEED_CELLS, widgets=1) as (page, errors):
-        alive = page.evaluate(GONE)
+        _run_cell_output(page, DASHBOARD_CELL)
+        page.wait_for_selector(".apd button.apd-stop", timeout=30_000)
+        alive, dash_alive = page.evaluate(GONE), page.evaluate(DASHBOARD_GONE)
         page.evaluate("""() => { const nb = jupyterapp.shell.currentWidget.content, model = nb.model;
             model.sharedModel.insertCell(model.cells.length, {cell_type: 'code', source: 'import os; os._exit(1)'});
             nb.activeCellIndex = model.cells.length - 1;
             jupyterapp.commands.execute('notebook:run-cell'); }""")
         page.wait_for_selector(".ap-root .ap-kernel-gone", timeout=60_000)
-        died = page.evaluate(GONE)
+        page.wait_for_selector(".apd .apd-kernel-gone", timeout=10_000)
+        died, dash_died = page.evaluate(GONE), page.evaluate(DASHBOARD_GONE)
         page.screenshot(path=str(tmp_path / "died.png"))
         page.keyboard.press("Escape")  # JupyterLab's "Kernel Restarting" dialog
         page.wait_for_function(test_browser.KERNEL_IS % "idle", timeout=60_000)
@@ -195,8 +209,11 @@ def test_the_widget_says_when_its_kernel_has_died(tmp_path):
         page.evaluate("() => jupyterapp.shell.currentWidget.sessionContext.session.kernel.restart()")
         page.wait_for_selector(".ap-root .ap-kernel-gone", timeout=60_000)
         restarted = page.evaluate(GONE)
-    print("\nkernel gone:", alive, died, again, restarted)
+    print("\nkernel gone:", alive, died, again, restarted, "\ndashboard:", dash_alive, dash_died)
     assert not errors, errors
+    assert dash_alive == [{"banner": None, "stop": False}], dash_alive
+    assert len(dash_died) == 1 and dash_died[0]["stop"], dash_died
+    assert dash_died[0]["banner"].startswith("The kernel stopped (it died or was restarted)"), dash_died
     assert alive == [{"banner": None, "launch": False, "undo": True, "fit": False}], alive
     for seen in (died, restarted):
         assert len(seen) == 1 and seen[0]["banner"].startswith("The kernel stopped (it died or was restarted)"), seen

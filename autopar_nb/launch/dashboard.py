@@ -26,6 +26,8 @@ from .series import float32_bytes
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 UPLOT = STATIC / "vendor" / "uplot"
+SHARED_JS = (UPLOT / "uPlot.iife.min.js", STATIC / "units.js", STATIC / "kernel.js")
+"""what every front end puts in front of its own file: uPlot, the units' text, the kernel's watch"""
 CHART_INTERVAL_S = 1.0
 """the series (the charts' data) are sent at most this often"""
 THROUGHPUT_LABEL = {"samples/s": "samples/s", "tokens/s": "tokens/s"}
@@ -43,7 +45,7 @@ def _finite(values) -> list[float]:
 class Dashboard(anywidget.AnyWidget):
     """Live view of one :class:`~autopar_nb.launch.run.Run` (``display(run)`` shows it)."""
 
-    _esm = bundle(UPLOT / "uPlot.iife.min.js", STATIC / "units.js", STATIC / "dashboard.js")
+    _esm = bundle(*SHARED_JS, STATIC / "dashboard.js")
     _css = bundle(UPLOT / "uPlot.min.css", STATIC / "dashboard.css")
     status = traitlets.Unicode("starting").tag(sync=True)
     message = traitlets.Unicode("").tag(sync=True)

@@ -1,6 +1,6 @@
 // Live dashboard of a launched run (autopar_nb/launch/dashboard.py). Renders the model's traits; holds no logic.
 // `uPlot` is defined by the vendored build that dashboard.py puts in front of this file (static/vendor/uplot), and
-// `bytes`/`secs` by static/units.js, after it.
+// `bytes`/`secs` by static/units.js and `watchKernel` by static/kernel.js, after it.
 /* global uPlot */
 
 const TAB10 = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
@@ -124,8 +124,10 @@ function render({ model, el }) {
 
   const pill = h("span", { class: "apd-pill apd-state" });
   const status = h("span", { class: "apd-status" });
+  let gone = false;
+  const send = (msg) => { if (!gone) model.send(msg); };
   const stop = h("button", { class: "apd-btn apd-stop", title: "run.stop(): end every worker" }, "Stop");
-  stop.addEventListener("click", () => { stop.disabled = true; stop.textContent = "Stopping…"; model.send({ event: "stop" }); });
+  stop.addEventListener("click", () => { stop.disabled = true; stop.textContent = "Stopping…"; send({ event: "stop" }); });
   const head = h("div", { class: "apd-head" }, h("span", { class: "apd-title" }, "Run"), pill, status, stop);
   const notes = h("div", { class: "apd-notes" });
   const replan = h("div", { class: "apd-replan" });
@@ -323,7 +325,7 @@ function render({ model, el }) {
     }
     const c = s.calibration || {};
     const btn = c.can ? h("button", { class: "apd-btn apd-calibrate", title: "run.calibrate()" }, "Calibrate") : null;
-    if (btn) btn.addEventListener("click", () => { btn.disabled = true; model.send({ event: "calibrate" }); });
+    if (btn) btn.addEventListener("click", () => { btn.disabled = true; send({ event: "calibrate" }); });
     parts.push(h("p", { class: "apd-calibration" }, c.text || "", btn ? " " : "", btn));
     summary.replaceChildren(...parts);
   }
@@ -333,9 +335,9 @@ function render({ model, el }) {
     const r = model.get("replan") || {};
     if (!r.text) { replan.replaceChildren(); return; }
     const go = h("button", { class: "apd-btn apd-replan-go", title: "run.replan(): stop, re-plan for less memory, resume from the last checkpoint" }, "Re-plan & resume");
-    go.addEventListener("click", () => { go.disabled = true; go.textContent = "Re-planning…"; model.send({ event: "replan" }); });
+    go.addEventListener("click", () => { go.disabled = true; go.textContent = "Re-planning…"; send({ event: "replan" }); });
     const no = h("button", { class: "apd-btn apd-replan-stop", title: "run.stop()" }, "Stop");
-    no.addEventListener("click", () => { no.disabled = true; model.send({ event: "stop" }); });
+    no.addEventListener("click", () => { no.disabled = true; send({ event: "stop" }); });
     replan.replaceChildren(h("span", {}, r.text), ...(r.pending ? [" ", go, " ", no] : []));
   }
 
@@ -379,6 +381,7 @@ function render({ model, el }) {
       if (what.replan) drawReplan();
       if (what.events) drawEvents();
     } finally {
+      if (gone) for (const b of root.querySelectorAll("button")) b.disabled = true;  // one drawn from a late message
       const ms = performance.now() - t0;
       timings.push(ms);
       if (what.charts) chartTimings.push(ms);
@@ -404,7 +407,16 @@ function render({ model, el }) {
   const ro = new ResizeObserver(() => { if (built) for (const c of built.charts) c.resize(); });
   ro.observe(charts);
   update({ info: true, status: true, table: true, summary: true, charts: true, replan: true, events: true });
-  return () => { ro.disconnect(); if (built) for (const c of built.charts) c.u.destroy(); };
+  // the kernel held the run: without it the figures stop and no button reaches the workers
+  const stopKernel = watchKernel(model, el, () => {
+    gone = true;
+    root.classList.add("apd-gone");
+    root.prepend(h("div", { class: "apd-kernel-gone", role: "alert" }, h("b", {}, "The kernel stopped"),
+      " (it died or was restarted): this dashboard no longer updates and its buttons no longer reach the run; "
+      + "its figures are the last the old kernel sent."));
+    for (const b of root.querySelectorAll("button")) b.disabled = true;
+  });
+  return () => { ro.disconnect(); stopKernel(); if (built) for (const c of built.charts) c.u.destroy(); };
 }
 
 export default { render };

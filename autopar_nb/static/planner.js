@@ -79,7 +79,7 @@ function render({ model, el, host }) {
   model.on("change:messages", onMessages);
   model.on("change:selection", onSelection);
   model.on("change:timings", onTimings);
-  const stopSize = reportViewport(ui), stopTheme = followTheme(ui), stopKernel = watchKernel(ui, model, el);
+  const stopSize = reportViewport(ui), stopTheme = followTheme(ui), stopKernel = watchKernel(model, el, () => kernelGone(ui));
   return () => {
     model.off("change:revision", renderAll);
     model.off("change:messages", onMessages);
@@ -208,30 +208,18 @@ function followTheme(ui) {
   return () => { mo.disconnect(); timers.forEach(clearTimeout); };
 }
 
-// When the kernel dies or restarts, JupyterLab's widget manager sets the model's comm_live to false, which the model
-// announces with "comm_live_update" (the only change of it after a view is made: a model starts live), while every
-// control still looked alive and sent into nothing. Say so at the top and disable the controls that need the kernel
-// (the graph's own view controls stay). A front end that marks the view's element instead (the class
-// jupyter-widgets-disconnected) is followed too.
-function watchKernel(ui, model, el) {
-  const gone = () => {
-    if (ui.gone) return;
-    ui.gone = true;
-    ui.root.classList.add("ap-gone");
-    ui.root.classList.remove("ap-busy");
-    ui.root.prepend(h("div", { class: "ap-kernel-gone", role: "alert" }, h("b", {}, "The kernel stopped"),
-      " (it died or was restarted): this planner is no longer connected, its plan and buttons are those of the "
-      + "old kernel. Run the cell again for a live one."));
-    for (const c of ui.root.querySelectorAll("button, input, select")) {
-      if (!c.closest(".ap-toolbar")) c.disabled = true;
-    }
-  };
-  const check = () => { if (el.classList.contains("jupyter-widgets-disconnected")) gone(); };
-  const mo = new MutationObserver(check);
-  mo.observe(el, { attributes: true, attributeFilter: ["class"] });
-  model.on("comm_live_update", gone);
-  check();
-  return () => { mo.disconnect(); model.off("comm_live_update", gone); };
+// the kernel is gone (static/kernel.js): say so at the top and disable the controls that need the kernel (the graph's
+// own view controls stay)
+function kernelGone(ui) {
+  ui.gone = true;
+  ui.root.classList.add("ap-gone");
+  ui.root.classList.remove("ap-busy");
+  ui.root.prepend(h("div", { class: "ap-kernel-gone", role: "alert" }, h("b", {}, "The kernel stopped"),
+    " (it died or was restarted): this planner is no longer connected, its plan and buttons are those of the "
+    + "old kernel. Run the cell again for a live one."));
+  for (const c of ui.root.querySelectorAll("button, input, select")) {
+    if (!c.closest(".ap-toolbar")) c.disabled = true;
+  }
 }
 
 // ---- toolbar: search, depth, blocks, auto view, zoom ---------------------------------------------------------------

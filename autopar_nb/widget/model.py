@@ -17,7 +17,7 @@ import anywidget
 import traitlets as t
 
 from ..hardware import Cluster
-from ..launch.dashboard import STATIC, UPLOT, bundle
+from ..launch.dashboard import SHARED_JS, STATIC, UPLOT, bundle
 from ..plan import RECOMPUTE, Plan, PlanError
 from . import editor, measured, options, panels, stage_moves, timeline
 from .actions import action_message, local_nproc
@@ -45,7 +45,7 @@ class PlannerWidget(anywidget.AnyWidget):
     ``handle(msg)`` applies one front-end message (see ``_HANDLERS``).
     """
 
-    _esm = bundle(UPLOT / "uPlot.iife.min.js", STATIC / "units.js", STATIC / "timeline.js", STATIC / "planner.js")
+    _esm = bundle(*SHARED_JS, STATIC / "timeline.js", STATIC / "planner.js")
     _css = bundle(UPLOT / "uPlot.min.css", STATIC / "planner.css")
 
     svg = t.Unicode("").tag(sync=True)
