@@ -362,7 +362,7 @@ class _Pair:
             self.run.stop("requeued")
         self.run = in_namespace(self.nodes[0], lambda: attach(
             self.script, 2, steps, host=self.nodes[0].addr, lost_after_s=300, restart_wait_s=300,
-            run_dir=self.workdir / f"run{number}"))
+            rendezvous=self.nodes[0].addr, run_dir=self.workdir / f"run{number}"))
         for i in (0, 1):
             self.start(i)
         return self.run

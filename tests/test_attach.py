@@ -14,7 +14,7 @@ import time
 import pytest
 
 from autopar_nb.launch import LaunchError, attach
-from autopar_nb.launch.attach import check_host
+from autopar_nb.launch.attach import check_host, rendezvous_host
 
 
 def wait_for(cond, timeout: float, what: str):
@@ -28,9 +28,9 @@ def wait_for(cond, timeout: float, what: str):
 class Rank:
     """One fake rank: the exported script's side of the protocol (runtime/metrics.py)."""
 
-    def __init__(self, run, rank: int, token: str | None = None, **elastic):
-        host, port = run.address.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)))
+    def __init__(self, run, rank: int, token: str | None = None, source: str | None = None, **elastic):
+        host, port = run.address.rsplit(":", 1)  # source: another loopback address plays another host
+        self.sock = socket.create_connection((host, int(port)), source_address=(source, 0) if source else None)
         self.send({"token": token or run.env["AUTOPAR_TOKEN"], "rank": rank, **elastic})
         self.send({"event": "start", "pid": 1, "rss_before_model": 100e6, "stacks": True})
 
@@ -123,6 +123,7 @@ def test_a_connection_closed_without_an_end_message_is_lost_at_once(runs):
     wait_for(lambda: run.ranks()[1].lost is not None, 5, "rank 1 lost")
     assert "connection from 127.0.0.1 closed without an end message" in run.ranks()[1].lost  # its host named
     assert run.status == "running"  # rank 0 goes on
+    assert not [e for e in run.events if e["kind"] == "node_lost"]  # rank 0 of its host is still there
     a.send({"event": "error", "error": "RuntimeError: Connection closed by peer", "traceback": "tb"})
     assert run.wait(10) == "failed"
     assert run.error["rank"] == 1 and [k["rank"] for k in run.error["knock_on"]] == [0]
@@ -207,6 +208,74 @@ def test_a_node_that_rejoins_starts_a_new_attempt_whatever_its_agent_counts(runs
     assert run.wait(10) == "finished", run.message
     assert run.world == 2 and [st.attempt for st in run.ranks().values()] == [2, 2]
     assert [(r["attempt"], r["step"]) for r in run.metrics if r["rank"] == 0] == [(0, 0), (1, 1), (2, 2)]
+
+
+def node_events(run) -> list[str]:
+    return [e["reason"] for e in run.events if e["kind"] == "node_lost"]
+
+
+def two_nodes(run, nproc: int = 4) -> list[Rank]:
+    """Ranks 0-1 on "host" 127.0.0.2, 2-3 on 127.0.0.3, one step each, under torchrun --max-restarts 3."""
+    ranks = [Rank(run, r, source=f"127.0.0.{2 + r // 2}", attempt=0, max_restarts=3, world=nproc)
+             for r in range(nproc)]
+    for r in ranks:
+        r.step(0)
+    wait_for(lambda: all(st.step == 0 for st in run.ranks().values()), 5, "every rank's step")
+    return ranks
+
+
+def test_a_lost_rendezvous_node_is_one_event_and_fails_the_run_when_the_others_end(runs):
+    """The node hosting the rendezvous is lost: one "node_lost" event names it and its ranks (not one per rank);
+    once the other node's ranks end (its torchrun cannot meet again) the run fails at once, not after
+    restart_wait_s."""
+    run = runs(nproc=4, restart_wait_s=60, rendezvous="127.0.0.2:29400")
+    ranks = two_nodes(run)
+    ranks[0].close(), ranks[1].close()  # the node is killed: no end message
+    wait_for(lambda: node_events(run), 5, "the node's event")
+    time.sleep(0.5)  # a later tick adds nothing
+    assert node_events(run) == [
+        "node 127.0.0.2 lost (ranks 0-1): the connections of all its ranks closed within "
+        f"{run.ranks()[1].closed_at - run.ranks()[0].closed_at:.1f} s without an end message; it hosted the "
+        "rendezvous, so torchrun cannot restart the group"]
+    assert run.status == "restarting" and run.message.startswith("node 127.0.0.2 lost (ranks 0-1)")
+    assert any(e["kind"] == "node_lost" for e in run.dashboard().events)
+    t0 = time.monotonic()
+    for r in ranks[2:]:
+        r.send({"event": "error", "error": "RuntimeError: Connection closed by peer", "traceback": "tb"})
+        r.close()
+    assert run.wait(10) == "failed" and time.monotonic() - t0 < 10, run.message
+    assert "node 127.0.0.2 lost (ranks 0-1)" in run.message and "every other rank has ended" in run.message
+    assert "connection from 127.0.0.2 closed" in run.message  # the first lost rank, as before
+
+
+def test_a_lost_node_without_the_rendezvous_waits_for_the_restart(runs):
+    """The other node is lost (the rendezvous, read from the torchrun command, survives): one event, and the
+    survivors' restart at world 2 is followed to the end."""
+    run = runs(nproc=4, restart_wait_s=60, commands=["torchrun --nnodes 1:2 --rdzv-endpoint 127.0.0.2:29400 t.py"])
+    assert run.rendezvous == "127.0.0.2"
+    ranks = two_nodes(run)
+    ranks[2].close(), ranks[3].close()
+    for r in ranks[:2]:
+        r.send({"event": "error", "error": "RuntimeError: Connection closed by peer", "traceback": "tb"})
+        r.close()
+    wait_for(lambda: node_events(run), 5, "the node's event")
+    assert node_events(run)[0].startswith("node 127.0.0.3 lost (ranks 2-3)") and len(node_events(run)) == 1
+    time.sleep(1.0)
+    assert run.status == "restarting" and not run.done
+    alone = [Rank(run, r, source="127.0.0.2", attempt=1, max_restarts=3, world=2) for r in range(2)]
+    for r in alone:
+        r.step(1)
+        r.send({"event": "done"})
+        r.close()
+    assert run.wait(10) == "finished", run.message
+
+
+@pytest.mark.parametrize("given, commands, host", [
+    (None, ["A=1 torchrun --rdzv-endpoint 10.0.0.1:29400 x.py"], "10.0.0.1"),
+    (None, ["torchrun --rdzv_endpoint=node7:1 x.py"], "node7"), ("[fd00::1]:29400", [], "fd00::1"),
+    ("10.0.0.2", ["torchrun --rdzv-endpoint 10.0.0.1:1 x.py"], "10.0.0.2"), (None, ["torchrun x.py"], None)])
+def test_the_rendezvous_host_is_read_from_the_argument_or_the_command(given, commands, host):
+    assert rendezvous_host(given, commands) == host
 
 
 def test_a_restart_that_never_comes_fails_the_run(runs):

@@ -13,12 +13,19 @@ Elastic restarts are followed: each rank's hello carries torchrun's restart coun
 (``runtime/metrics.py``). After a failure or a lost rank with restarts left the run is "restarting" and waits up to
 ``restart_wait_s`` for the next attempt's hellos; a smaller world after the restart (a node that left) makes the
 ranks beyond it "lost" without failing the run, which finishes when the ranks of the new world do.
+
+A lost node is one event: when every rank whose connection came from one host closed without an end message within
+``NODE_WINDOW_S``, ``run.events`` gets one "node_lost" event naming the host and its ranks. When that host is the
+rendezvous endpoint's (``rendezvous=``, or ``--rdzv-endpoint`` in ``commands``), no torchrun can restart the group
+(the survivors' agents cannot meet again): once every other rank has ended too, the run fails at once with that
+reason instead of waiting ``restart_wait_s``, unless a restart's hello came first.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import secrets
 import shlex
 import tempfile
@@ -39,6 +46,9 @@ stops the group, meets again at the rendezvous, whose last call alone waits 30 s
 LOST_AFTER_S = 300.0
 """seconds without a message after which a rank of an attached run is lost (a first step that compiles or loads a
 large checkpoint may need more: pass ``lost_after_s``)"""
+NODE_WINDOW_S = 5.0
+"""seconds within which the connections of every rank of one host closing are one lost node (a killed host's
+sockets close together; its agent ending its workers one by one takes a few seconds at most)"""
 
 
 class AttachedRun(Run):
@@ -46,7 +56,7 @@ class AttachedRun(Run):
     from the metrics stream. ``commands`` are the torchrun lines to run on the hosts (with ``env`` in front)."""
 
     def __init__(self, *, address: str, lost_after_s: float, commands: list[str],
-                 restart_wait_s: float = RESTART_WAIT_S, **kwargs: Any):
+                 restart_wait_s: float = RESTART_WAIT_S, rendezvous: str | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.address = address
         """host:port the ranks stream to (``AUTOPAR_METRICS``)"""
@@ -56,6 +66,12 @@ class AttachedRun(Run):
         """the script's torchrun commands with ``env`` in front"""
         self.lost_after_s = float(lost_after_s)
         self.restart_wait_s = float(restart_wait_s)
+        self.rendezvous = rendezvous_host(rendezvous, commands)
+        """the host of torchrun's rendezvous endpoint (None: unknown); losing it ends every torchrun"""
+        self._nodes_lost: dict[str, str] = {}
+        """host -> the reason of its "node_lost" event, in the current attempt"""
+        self._reported: set[int] = set()
+        """ranks that sent their own error in the current attempt (their closed connection is no loss)"""
         self.world = self.nproc
         """ranks in the current attempt (fewer than ``nproc`` after an elastic restart without a node)"""
         self._attempt = 0
@@ -120,6 +136,7 @@ class AttachedRun(Run):
             self.max_restarts = max(self.max_restarts, limit)
         if st.rank in self._spoke or (world is not None and world != self.world and self._spoke):
             self._attempt, self._spoke, self._accounted_at, self._restarts = self._attempt + 1, set(), None, 0
+            self._nodes_lost, self._reported = {}, set()
         if not self._spoke and world is not None:
             self.world = world
         self._spoke.add(st.rank)
@@ -137,6 +154,7 @@ class AttachedRun(Run):
         """As a local run's, except that whether a restart follows is torchrun's restart limit against the count
         its node's agent reported (the notebook's attempts also count membership changes)."""
         super()._on_error(st, data, sent, now)
+        self._reported.add(st.rank)
         e = self._error
         if self._restarts_left():
             self._status, self._message = "restarting", (f"rank {e['rank']} failed ({e['error']}); waiting for "
@@ -172,6 +190,30 @@ class AttachedRun(Run):
                                                        "restart the group")
                     else:
                         self._message = f"rank {st.rank} lost: {why}"
+            self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        """One "node_lost" event for each host all of whose ranks' connections closed within ``NODE_WINDOW_S``
+        without an end message or an error of their own (under ``_lock``)."""
+        hosts: dict[str, list[RankState]] = {}
+        for r in range(self.world):
+            st = self._ranks[r]
+            if st.host is not None:
+                hosts.setdefault(st.host, []).append(st)
+        for host, ranks in hosts.items():
+            closed = [st.closed_at for st in ranks if st.closed_at is not None and st.rank not in self._reported]
+            if host in self._nodes_lost or len(closed) < len(ranks) or max(closed) - min(closed) > NODE_WINDOW_S:
+                continue
+            reason = (f"node {host} lost ({rank_span([st.rank for st in ranks])}): the connections of all its ranks "
+                      f"closed within {max(closed) - min(closed):.1f} s without an end message")
+            if host == self.rendezvous:
+                reason += "; it hosted the rendezvous, so torchrun cannot restart the group"
+            self._nodes_lost[host] = reason
+            self.events.append({"t": min(closed) - self.started, "kind": "node_lost", "rank": None,
+                                "reason": reason})
+            if self._status not in ("failed", "finished", "stopped", "hung"):
+                self._message = reason + ("" if self._status != "restarting" or host == self.rendezvous
+                                          else "; waiting for torchrun to restart the group")
 
     def _restarts_left(self) -> bool:
         return self._restarts < self.max_restarts
@@ -201,6 +243,9 @@ class AttachedRun(Run):
                 self._accounted_at = None
                 return False
             if all(st.done for st in ranks) or not self._restarts_left():
+                return True
+            if self.rendezvous in self._nodes_lost:  # every other rank ended as well: no restart can come
+                self._end_note = self._nodes_lost[self.rendezvous] + " (every other rank has ended)"
                 return True
             now = time.monotonic()
             self._accounted_at = self._accounted_at or now
@@ -242,6 +287,27 @@ class AttachedRun(Run):
         self._ended()
 
 
+def rendezvous_host(rendezvous: str | None, commands: list[str]) -> str | None:
+    """The host of ``rendezvous`` ("host" or "host:port"), else of the first ``--rdzv-endpoint`` in ``commands``."""
+    if rendezvous is None:
+        found = (re.search(r"--rdzv[-_]endpoint[= ]+['\"]?([^\s'\"]+)", c) for c in commands)
+        rendezvous = next((m.group(1) for m in found if m), None)
+    if not rendezvous:
+        return None
+    host = rendezvous.rsplit(":", 1)[0] if rendezvous.count(":") == 1 or rendezvous.startswith("[") else rendezvous
+    return host.strip("[]")
+
+
+def rank_span(ranks: list[int]) -> str:
+    """``ranks 0-3``, ``ranks 0, 2`` or ``rank 5``."""
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
 def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 20
 
@@ -270,7 +336,7 @@ def check_host(host: str | None, advertise: str | None) -> str:
 def attach(script: str | os.PathLike, nproc: int, steps: int | None = None, *, host: str | None = None,
            port: int = 0, advertise: str | None = None, plan: Any = None, commands: list[str] | None = None,
            lost_after_s: float = LOST_AFTER_S, restart_wait_s: float = RESTART_WAIT_S, backend: str | None = None,
-           run_dir: str | os.PathLike | None = None) -> AttachedRun:
+           run_dir: str | os.PathLike | None = None, rendezvous: str | None = None) -> AttachedRun:
     """Listen for the ``nproc`` ranks of ``script`` run on other hosts and return an :class:`AttachedRun` at once;
     displayed, it is the launch dashboard.
 
@@ -289,6 +355,8 @@ def attach(script: str | os.PathLike, nproc: int, steps: int | None = None, *, h
         backend: "nccl" (the hosts' GPUs) or "gloo" (CPU processes): which of the plan's predictions compare;
             default from the plan's device (a GPU preset: "nccl").
         run_dir: kept for the record (default: a new temporary directory).
+        rendezvous: torchrun's ``--rdzv-endpoint`` ("host:port" or "host"; default: read from ``commands``): when
+            its host is lost and every other rank has ended, the run fails at once (no torchrun can restart).
     """
     if nproc < 1:
         raise LaunchError(f"nproc must be >= 1, got {nproc}")
@@ -311,7 +379,7 @@ def attach(script: str | os.PathLike, nproc: int, steps: int | None = None, *, h
     run = AttachedRun(run_id=run_id, run_dir=run_dir, script=Path(script), nproc=nproc, steps=steps,
                       token=server.token, backend=backend, max_restarts=0, hang_timeout_s=None, plan=plan,
                       address=address, lost_after_s=lost_after_s, restart_wait_s=restart_wait_s,
-                      commands=commands or [])
+                      commands=commands or [], rendezvous=rendezvous)
     run._server = server
     run._monitor = Monitor(run, nvml=False)  # this machine's GPUs are not the run's
     run._monitor.start()

@@ -344,7 +344,7 @@ function render({ model, el }) {
   // the event timeline: launch, restarts, watch events, re-plans with their reason, resume, the end
   const KIND_CLASS = { oom: "bad", memory_high: "warn", straggler: "warn", prediction_error: "warn", replan: "act",
                        resume: "act", restart: "warn", launch: "ok", finish: "ok", fail: "bad", stop: "bad", hang: "bad",
-                       numerics: "warn", checkpoint: "bad" };
+                       numerics: "warn", checkpoint: "bad", node_lost: "bad" };
   function drawEvents() {
     const evs = model.get("events") || [];
     if (!evs.length) { events.replaceChildren(); return; }
