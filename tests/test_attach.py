@@ -273,7 +273,8 @@ def test_a_lost_node_without_the_rendezvous_waits_for_the_restart(runs):
 @pytest.mark.parametrize("given, commands, host", [
     (None, ["A=1 torchrun --rdzv-endpoint 10.0.0.1:29400 x.py"], "10.0.0.1"),
     (None, ["torchrun --rdzv_endpoint=node7:1 x.py"], "node7"), ("[fd00::1]:29400", [], "fd00::1"),
-    ("10.0.0.2", ["torchrun --rdzv-endpoint 10.0.0.1:1 x.py"], "10.0.0.2"), (None, ["torchrun x.py"], None)])
+    ("10.0.0.2", ["torchrun --rdzv-endpoint 10.0.0.1:1 x.py"], "10.0.0.2"), (None, ["torchrun x.py"], None),
+    (None, ["torchrun --rdzv-endpoint HOST:29400 x.py"], None), (None, ['--rdzv-endpoint "$RDZV_HOST:1"'], None)])
 def test_the_rendezvous_host_is_read_from_the_argument_or_the_command(given, commands, host):
     assert rendezvous_host(given, commands) == host
 

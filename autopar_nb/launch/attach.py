@@ -295,7 +295,8 @@ def rendezvous_host(rendezvous: str | None, commands: list[str]) -> str | None:
     if not rendezvous:
         return None
     host = rendezvous.rsplit(":", 1)[0] if rendezvous.count(":") == 1 or rendezvous.startswith("[") else rendezvous
-    return host.strip("[]")
+    host = host.strip("[]")
+    return None if host == "HOST" or "$" in host else host  # the exported commands' placeholders name no host
 
 
 def rank_span(ranks: list[int]) -> str:
@@ -355,8 +356,9 @@ def attach(script: str | os.PathLike, nproc: int, steps: int | None = None, *, h
         backend: "nccl" (the hosts' GPUs) or "gloo" (CPU processes): which of the plan's predictions compare;
             default from the plan's device (a GPU preset: "nccl").
         run_dir: kept for the record (default: a new temporary directory).
-        rendezvous: torchrun's ``--rdzv-endpoint`` ("host:port" or "host"; default: read from ``commands``): when
-            its host is lost and every other rank has ended, the run fails at once (no torchrun can restart).
+        rendezvous: torchrun's ``--rdzv-endpoint`` ("host:port" or "host", as the ranks' connections come from it;
+            default: read from ``commands`` unless a placeholder): when its host is lost and every other rank has
+            ended, the run fails at once (no torchrun can restart).
     """
     if nproc < 1:
         raise LaunchError(f"nproc must be >= 1, got {nproc}")
