@@ -46,8 +46,7 @@ def test_node_kills_leave_the_loss_curve_of_an_uninterrupted_run(tmp_path):
     assert report.ok, report
     host, other = report.kills
     assert host.other_end_s is not None and host.other_end.startswith("exit 1:"), host.other_end  # nothing left
-    assert f"connection from {SUBNET}.1 closed" in host.dashboard, host.dashboard  # the lost node is named
-    # once, as a node, and the run failed as soon as the other node's rank ended (not restart_wait_s later)
+    # the lost node named once, and the run failed as soon as the other node's rank ended (not restart_wait_s later)
     assert host.dashboard.startswith("failed:") and f"node {SUBNET}.1 lost (rank 0)" in host.dashboard, host.dashboard
     for k in report.kills:  # resumed from a checkpoint, and both nodes trained again
         assert k.resumed_at is not None and k.resumed_at % 25 == 0 and 0 <= k.redone <= 25 and k.back_s > 0

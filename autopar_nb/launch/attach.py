@@ -15,7 +15,8 @@ Elastic restarts are followed: each rank's hello carries torchrun's restart coun
 ranks beyond it "lost" without failing the run, which finishes when the ranks of the new world do.
 
 A lost node is one event: when every rank whose connection came from one host closed without an end message within
-``NODE_WINDOW_S``, ``run.events`` gets one "node_lost" event naming the host and its ranks. When that host is the
+``NODE_WINDOW_S``, before any rank of another host ended, ``run.events`` gets one "node_lost" event naming the host
+and its ranks (ranks that end after another host's are its consequence: their agent stops them). When that host is the
 rendezvous endpoint's (``rendezvous=``, or ``--rdzv-endpoint`` in ``commands``), no torchrun can restart the group
 (the survivors' agents cannot meet again): once every other rank has ended too, the run fails at once with that
 reason instead of waiting ``restart_wait_s``, unless a restart's hello came first.
@@ -203,6 +204,10 @@ class AttachedRun(Run):
         for host, ranks in hosts.items():
             closed = [st.closed_at for st in ranks if st.closed_at is not None and st.rank not in self._reported]
             if host in self._nodes_lost or len(closed) < len(ranks) or max(closed) - min(closed) > NODE_WINDOW_S:
+                continue
+            # ranks that end after another host's went are its consequence (their agent stops them to restart)
+            before = [st.closed_at or st.failed_at for h, others in hosts.items() if h != host for st in others]
+            if min((t for t in before if t is not None), default=min(closed)) < min(closed):
                 continue
             reason = (f"node {host} lost ({rank_span([st.rank for st in ranks])}): the connections of all its ranks "
                       f"closed within {max(closed) - min(closed):.1f} s without an end message")
