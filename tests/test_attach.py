@@ -250,8 +250,9 @@ def test_a_lost_rendezvous_node_is_one_event_and_fails_the_run_when_the_others_e
 
 def test_a_lost_node_without_the_rendezvous_waits_for_the_restart(runs):
     """The other node is lost (the rendezvous, read from the torchrun command, survives): one event, and the
-    survivors' restart at world 2 is followed to the end. Their agent ends them without an end message after the
-    loss: no event for their host (they are the loss's consequence), and the run does not fail."""
+    survivors' restart at world 2 is followed, and the node's return (world 4) to the end. Their agent ends them
+    without an end message after the loss and again to admit the returning node: no event for their host (the
+    consequence of the other's loss; then the only host), and the run does not fail."""
     run = runs(nproc=4, restart_wait_s=60, commands=["torchrun --nnodes 1:2 --rdzv-endpoint 127.0.0.2:29400 t.py"])
     assert run.rendezvous == "127.0.0.2"
     ranks = two_nodes(run)
@@ -265,6 +266,14 @@ def test_a_lost_node_without_the_rendezvous_waits_for_the_restart(runs):
     alone = [Rank(run, r, source="127.0.0.2", attempt=1, max_restarts=3, world=2) for r in range(2)]
     for r in alone:
         r.step(1)
+    wait_for(lambda: run.world == 2 and run.ranks()[0].step == 1, 5, "the world-2 attempt")
+    for r in alone:  # their agent ends them to admit the returning node: no end message, no node lost
+        r.close()
+    time.sleep(1.0)
+    assert run.status != "failed" and len(node_events(run)) == 1, run.message
+    back = [Rank(run, r, source=f"127.0.0.{2 + r // 2}", attempt=1, max_restarts=3, world=4) for r in range(4)]
+    for r in back:
+        r.step(2)
         r.send({"event": "done"})
         r.close()
     assert run.wait(10) == "finished", run.message

@@ -15,9 +15,10 @@ Elastic restarts are followed: each rank's hello carries torchrun's restart coun
 ranks beyond it "lost" without failing the run, which finishes when the ranks of the new world do.
 
 A lost node is one event: when every rank whose connection came from one host closed without an end message within
-``NODE_WINDOW_S``, before any rank of another host ended, ``run.events`` gets one "node_lost" event naming the host
-and its ranks (ranks that end after another host's are its consequence: their agent stops them). When that host is the
-rendezvous endpoint's (``rendezvous=``, or ``--rdzv-endpoint`` in ``commands``), no torchrun can restart the group
+``NODE_WINDOW_S``, before any rank of another host of the attempt ended, ``run.events`` gets one "node_lost" event
+naming the host and its ranks (ranks that end after another host's are its consequence: their agent stops them; with
+one host left, its agent ending its ranks to admit a returning node looks the same, so no event). When that host is
+the rendezvous endpoint's (``rendezvous=``, or ``--rdzv-endpoint`` in ``commands``), no torchrun can restart the group
 (the survivors' agents cannot meet again): once every other rank has ended too, the run fails at once with that
 reason instead of waiting ``restart_wait_s``, unless a restart's hello came first.
 """
@@ -201,6 +202,8 @@ class AttachedRun(Run):
             st = self._ranks[r]
             if st.host is not None:
                 hosts.setdefault(st.host, []).append(st)
+        if len(hosts) < 2:  # one host: its agent ending its ranks for a restart looks the same as losing it
+            return
         for host, ranks in hosts.items():
             closed = [st.closed_at for st in ranks if st.closed_at is not None and st.rank not in self._reported]
             if host in self._nodes_lost or len(closed) < len(ranks) or max(closed) - min(closed) > NODE_WINDOW_S:
