@@ -24,6 +24,7 @@ JSON schema (``SCHEMA_VERSION`` = 1)::
       "loss_parallel": bool,
       "fused_loss": str,             # the output head fused with the loss ("lm_head"), or "" (unfused)
       "fused_norm": bool,            # the model's RMSNorm modules run kernels_ext's fused RMSNorm
+      "async_tp": bool,              # Inductor's micro-pipelined TP (CUDA, compile, tp > 1)
       "experts":   [module_path_pattern, ...],   # expert modules ("model.layers.*.mlp.experts")
       "cost": {...} | null,          # see Cost; filled by the planner
       "explanation": [str, ...],
@@ -87,7 +88,7 @@ ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
             "complex128": 16}
 """bytes per element by torch dtype name (``str(dtype).removeprefix("torch.")``)"""
 FIX_KEYS = ("dp", "tp", "pp", "ep", "cp", "zero_stage", "micro_batches", "schedule", "virtual_stages", "recompute",
-            "amp", "float8", "compile", "fused_loss", "fused_norm",
+            "amp", "float8", "compile", "fused_loss", "fused_norm", "async_tp",
             "sequence_parallel", "optimizer", "fp32_ops", "low_precision_ops")
 """global choices a user can pin (``--fix``, ``plan(fix=...)``, ``Session.replan(fix=...)``)"""
 FIX_ALIASES = {"zero": "zero_stage", "mb": "micro_batches", "micro": "micro_batches", "sp": "sequence_parallel"}
@@ -95,7 +96,7 @@ FIX_ALIASES = {"zero": "zero_stage", "mb": "micro_batches", "micro": "micro_batc
 FIX_CHOICES: dict[str, tuple] = {"zero_stage": ZERO_STAGES, "schedule": SCHEDULES, "recompute": RECOMPUTE,
                                  "amp": AMP, "float8": FLOAT8, "sequence_parallel": (False, True),
                                  "optimizer": OPTIMIZERS, "compile": (False, True), "fused_loss": (False, True),
-                                 "fused_norm": (False, True)}
+                                 "fused_norm": (False, True), "async_tp": (False, True)}
 """the allowed values of the FIX_KEYS that are choices; the others (dp, tp, pp, ep, cp, micro_batches, virtual_stages)
 are positive integers, up to FIX_MAX or else MAX_DEGREE"""
 FIX_MAX = {"micro_batches": MAX_MICRO_BATCHES, "virtual_stages": MAX_VIRTUAL_STAGES}
@@ -468,25 +469,14 @@ class MemoryBreakdown:
 
 _MEMORY_FIELDS = ("params", "grads", "optimizer", "activations", "buffers", "margin")
 MEMORY_TERMS = {
-    "saved_activations": "activations",
-    "loss_saved": "activations",
-    "autocast_weight_copies": "buffers",
-    "ddp_buckets": "buffers",
-    "fsdp_unsharded_params": "buffers",
-    "fsdp_root_params": "buffers",
-    "fsdp_gathered_units": "buffers",
-    "fsdp_reduce_scatter": "buffers",
-    "fsdp_unsharded_grads": "buffers",
-    "fsdp_weight_pass_grads": "buffers",
-    "pipeline_buffers": "buffers",
-    "pipeline_outputs": "activations",
-    "pipeline_sent_gradients": "buffers",
-    "weight_pass_gradients": "buffers",
-    "backward_working_set": "buffers",
+    "saved_activations": "activations", "loss_saved": "activations", "autocast_weight_copies": "buffers",
+    "ddp_buckets": "buffers", "fsdp_unsharded_params": "buffers", "fsdp_root_params": "buffers",
+    "fsdp_gathered_units": "buffers", "fsdp_reduce_scatter": "buffers", "fsdp_unsharded_grads": "buffers",
+    "fsdp_weight_pass_grads": "buffers", "pipeline_buffers": "buffers", "pipeline_outputs": "activations",
+    "pipeline_sent_gradients": "buffers", "weight_pass_gradients": "buffers", "backward_working_set": "buffers",
     "forward_working_set": "activations",
     "fsdp_all_gather": "buffers", "replicate_gathered_experts": "buffers", "replicate_reduce_buffers": "buffers",
-    "loss_temporaries": "buffers",
-    "optimizer_step_temporaries": "buffers",
+    "loss_temporaries": "buffers", "optimizer_step_temporaries": "buffers",
 }
 """term of a rank's peak -> the MemoryBreakdown field it is part of: what autograd saves for backward (every micro-batch
 in flight); the loss's saved log-softmax; autocast's 16-bit copies of the weights its lower-precision ops read; DDP's
@@ -579,6 +569,9 @@ class Plan:
     """the model's RMSNorm modules (found by what they compute: ``runtime/fused_norm.py``) run kernels_ext's fused
     RMSNorm, which keeps the input and one fp32 rstd per row for backward instead of the eager chain's input,
     normalised input and rstd (on CUDA one kernel instead of five: Liger-kernel's when installed, else torch's)"""
+    async_tp: bool = False
+    """TP's all-gathers and reduce-scatters run micro-pipelined with the matmuls beside them (Inductor's
+    ``_micro_pipeline_tp`` on symmetric memory: ``runtime/async_tp.py``); CUDA only, with compiled blocks and tp > 1"""
     experts: list[str] = field(default_factory=list)
     """the model's expert modules (stacked-weight experts of a Mixture-of-Experts layer), as module paths or patterns
     over repeated blocks (``"model.layers.*.mlp.experts"``); mesh.ep > 1 splits each one's experts"""
@@ -605,6 +598,7 @@ class Plan:
         _check_bool("loss_parallel", self.loss_parallel)
         self._check_fused_loss()
         _check_bool("fused_norm", self.fused_norm)
+        _check_bool("async_tp", self.async_tp)
         _check_list("experts", self.experts, str)
         for i, pattern in enumerate(self.experts):
             if not MODULE_PATTERN.fullmatch(pattern):
@@ -632,6 +626,9 @@ class Plan:
             raise PlanError(f"layers {', '.join(compiled[:3])}{', ...' if len(compiled) > 3 else ''} are compiled, but "
                             f"mesh.pp={self.mesh.pp}: compile applies to whole blocks with pp=1 only (a pipeline stage "
                             "is a traced graph); set their compile to false or pp to 1")
+        if self.async_tp and (self.mesh.tp == 1 or not compiled or self.cluster.get("preset") == "cpu"):
+            raise PlanError(f"async_tp=true needs CUDA (symmetric memory), compiled blocks and mesh.tp > 1; got cluster"
+                            f" {self.cluster.get('preset')!r}, {len(compiled)} compiled layers, tp={self.mesh.tp}")
         if self.precision.float8 != "none" and self.mesh.pp > 1:
             raise PlanError(f"precision.float8={self.precision.float8!r} with mesh.pp={self.mesh.pp}: float8 runs "
                             "with pp=1 only (not verified under pipelining, whose stages are traced graphs); set "
@@ -843,7 +840,8 @@ class Plan:
             s += f" float8={self.precision.float8}"
         if any(lp.compile for lp in self.layers):
             s += " compile"
-        s += "".join(f" {n}" for n, on in (("fused-loss", self.fused_loss), ("fused-norm", self.fused_norm)) if on)
+        s += "".join(f" {n}" for n, on in (("fused-loss", self.fused_loss), ("fused-norm", self.fused_norm),
+                                           ("async-tp", self.async_tp)) if on)
         if self.cost is not None:
             s += f" | {fmt_time(self.cost.step_time_s)}/step, peak {fmt_bytes(self.cost.peak_memory_bytes)}"
         return s

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..plan import DTYPE_NAMES, ITEMSIZE, RECOMPUTE, Cost
+from .async_tp import async_tp_exposed, tp_matmul_time
 from .comm import collective_time, link_for
 from .cpu import issue_time, layer_cpu
 from .dp_comm import data_parallel_comm
@@ -44,16 +45,17 @@ class Evaluator:
     # ---- per layer ----------------------------------------------------------------------------------------------
     def terms(self, i: int, *, tp: int, sp: bool, precision: str, mb_samples: float, ep: int = 1,
               compiled: bool = False, cp: int = 1, amp: str = "bf16", fused_norm: bool = False,
-              float8: bool = False) -> LayerTerms:
+              float8: bool = False, async_tp: bool = False) -> LayerTerms:
         """Per-layer terms, cached by the layer's repeated-block representative. ``precision``: one of
         :data:`~.profile.PRECISIONS` (:func:`~.profile.precision_of`); ``amp``: autocast's dtype there ("bf16", "fp16":
         its peak FLOP/s). With context parallelism (``cp``) a rank holds 1/cp of every sequence: its compute and
         activations are divided by cp (with torch's load balancing, causal attention's work too), and each attention
         layer all-gathers the keys and values in forward and again in backward, and passes their float32 gradients round
         the ring cp times (``_templated_ring_attention_backward``); the gathered keys and values are one more working
-        buffer. ``fused_norm``: as the fused-norm graph profiles it (:attr:`norm_prof`); ``float8``: :mod:`.float8`."""
+        buffer. ``fused_norm``: as the fused-norm graph profiles it (:attr:`norm_prof`); ``float8``: :mod:`.float8`;
+        ``async_tp``: :mod:`.async_tp`."""
         fused_norm = fused_norm and self.norm_prof is not None
-        key = (self.prof.rep[i], tp, sp, precision, mb_samples, ep, compiled, cp, amp, fused_norm, float8)
+        key = (self.prof.rep[i], tp, sp, precision, mb_samples, ep, compiled, cp, amp, fused_norm, float8, async_tp)
         half = precision != "fp32"
         hit = self._cache.get(key)
         if hit is not None:
@@ -62,9 +64,10 @@ class Evaluator:
         lp = prof.layers[self.prof.rep[i]].at_tp(tp)  # key/value projections this tp repeats: whole
         scale = mb_samples / self.prof.batch * self.seq_ratio / cp
         qscale = mb_samples / self.prof.batch * self.seq_ratio ** 2 / cp
+        low = DTYPE_NAMES[amp] if amp != "none" else "bfloat16"
         fwd, bwd, sel = layer_compute_time(lp, tp=tp, sp=sp, precision=precision, scale=scale, quad_scale=qscale,
                                            device=self.cluster.device, factors=self.f, compiled=compiled,
-                                           low_dtype=DTYPE_NAMES[amp] if amp != "none" else "bfloat16", float8=float8)
+                                           low_dtype=low, float8=float8)
         act = {r: activation_bytes(lp, tp=tp, sp=sp, recompute=r, precision=precision, scale=scale,
                                    quad_scale=qscale, megatron_sp=self.megatron_sp) for r in RECOMPUTE}
         comm: dict[str, float] = {}
@@ -95,11 +98,13 @@ class Evaluator:
         fwd_fl = (sum(lp.flops_split.values()) + sum(lp.flops_rep.values()) + lp.flops_other) * scale
         bwd_fl = (sum(lp.bwd_split.values()) + sum(lp.bwd_rep.values()) + lp.bwd_other) * scale
         experts = lp.params_experts / ep if ep > 1 and lp.experts else 0.0
+        mm = tp_matmul_time(lp, tp=tp, scale=scale, device=self.cluster.device, factors=self.f, low_dtype=low)
+        exposed = async_tp_exposed(comm, overlap=self.f.overlap_tp, matmul_s=mm if async_tp and tp > 1 else 0.0)
         a2a_fwd, a2a = self._all_to_alls(lp, ep=ep, tp=tp, half=half, scale=scale) if experts else (0.0, 0.0)
         local = lp.params_split / tp + lp.params_rep - (lp.params_experts - experts if experts else 0)
         t = LayerTerms(fwd, bwd, sel, act, local, comm, out, work, fwd_fl + bwd_fl, fwd_fl,
                        lp.quad_flops * qscale + (lp.sel_split + lp.sel_rep) * scale,
-                       lp.largest_param / (tp if lp.tp else 1), sum(comm.values()) * (1 - self.f.overlap_tp) + a2a,
+                       lp.largest_param / (tp if lp.tp else 1), exposed + a2a,
                        experts, a2a_fwd)
         if a2a:
             comm["all_to_all"] = a2a
@@ -154,7 +159,7 @@ class Evaluator:
         return self.terms(i, tp=s.tp if ch.tp else 1, sp=s.sp and ch.tp,
                           precision=precision_of(s.amp, s.zero_stage),
                           mb_samples=s.mb_samples, ep=s.ep, compiled=ch.compile, cp=s.cp, amp=s.amp,
-                          fused_norm=s.fused_norm, float8=s.float8 != "none")
+                          fused_norm=s.fused_norm, float8=s.float8 != "none", async_tp=s.async_tp)
 
     # ---- a whole candidate --------------------------------------------------------------------------------------
     def runs(self, choices: list[LayerChoice]) -> list[tuple[int, int, LayerChoice]]:

@@ -186,7 +186,9 @@ def tp_source(v: ScriptValues, step: int) -> tuple[list[str], list[str]]:
     """The lines of ``parallelize`` that apply TP (technique number ``step``) and the runtime names they call."""
     calls = [f"# {step}. TP first: it turns parameters into DTensors, which AC and FSDP must see",
              "apply_tp(part, mesh[\"tp\"], plan" + (", layer_plans=layer_plans)" if v.block_tp_plans else ")")]
-    uses = ["apply_tp"]
+    uses = ["apply_tp"] + ["apply_async_tp"] * v.async_tp
+    if v.async_tp:  # Inductor reads the flag when it compiles the blocks (below), on the TP mesh's symmetric memory
+        calls.append("apply_async_tp(mesh[\"tp\"])  # TP's collectives micro-pipelined with the matmuls (CUDA)")
     if v.local_sizes:
         calls.append("set_local_sizes(part, sizes)")
         uses.append("set_local_sizes")
@@ -207,7 +209,7 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
     """``parallelize(model, mesh, device[, stage_ids, example])``: the runtime's technique functions called in
     torchtitan's order; the runtime names it calls and the imports it needs."""
     calls, uses, imports, plans = [], [], set(), []
-    steps = iter(range(1, 10))  # the techniques' order, numbered in the comments
+    steps = iter(range(1, 20))  # the techniques' order, numbered in the comments
     if v.float8:  # before the fused loss replaces the head, which float8 keeps in bf16
         calls += [f"# {next(steps)}. float8 Linear layers (torchao), before the techniques that wrap them",
                   f"apply_float8(part, FLOAT8, device=device, fsdp={v.fsdp})"]
@@ -245,22 +247,19 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
         calls += [f"# {next(steps)}. FSDP last (ZeRO-{v.zero_stage}), over the TP-sharded, checkpoint-wrapped modules"
                   + ("; the experts first," if v.ep > 1 else "")]
         if v.zero_stage == 3 and not v.reshard_after_forward:
-            calls += [f"#    parameters kept gathered after forward: {v.schedule}'s input pass",
-                      "#    hooks the weight pass on the parameters the forward used (the sharded",
-                      "#    ones would hook nothing)"]
+            calls += [f"#    parameters kept gathered after forward: {v.schedule}'s input pass hooks the weight pass",
+                      "#    on the parameters the forward used (the sharded ones would hook nothing)"]
         if v.ep > 1:
             calls += ["#    each its own unit over the ranks holding the same experts (the rest leave them alone)",
                       call("shard_experts", "part", "experts_mesh[\"dp_mod_ep\"]", dp="DP",
                            reshard_after_forward=str(v.reshard_after_forward), **mixed, indent=indent)]
             uses.append("shard_experts")
         calls.append(call("apply_fsdp", "part", v.dp_mesh, units="FSDP_UNITS",
-                          reshard_after_forward=str(v.reshard_after_forward), **mixed,
-                          indent=indent))
+                          reshard_after_forward=str(v.reshard_after_forward), **mixed, indent=indent))
         uses.append("apply_fsdp")
     elif v.replicate:
         calls += [f"# {next(steps)}. data parallelism last: FSDP2's replicate (DDP takes no DTensors), one all-reduce "
-                  "per unit",
-                  f"apply_replicate(part, {v.dp_mesh}, units=FSDP_UNITS)"]
+                  "per unit", f"apply_replicate(part, {v.dp_mesh}, units=FSDP_UNITS)"]
         uses.append("apply_replicate")
     elif v.ddp:
         calls.append(f"# {next(steps)}. data parallelism last: DDP" + (" (ZeRO-1 shards the optimizer)" if v.zero1 else

@@ -73,6 +73,8 @@ class ScriptValues:
     """groups of parameter paths that are one parameter (an embedding tied to its output head)"""
     recompute: dict[str, str] = field(default_factory=dict)
     """pattern -> "full" | "selective\""""
+    async_tp: bool = False
+    """plan.async_tp: Inductor's micro-pipelined TP turned on before the blocks are compiled (runtime/async_tp.py)"""
     compile: list[str] = field(default_factory=list)
     """patterns of the layers compiled with torch.compile (plan.layers[*].compile), each module on its own"""
     fsdp_units: list[Any] = field(default_factory=list)
@@ -248,7 +250,7 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
         if lp.recompute != "none":
             by_mode.setdefault(lp.recompute, []).append(lp.path)
     v.recompute = {pattern: mode for mode, paths in by_mode.items() for pattern in compress(model, paths)}
-    v.compile = compress(model, [lp.path for lp in plan.layers if lp.compile])
+    v.compile, v.async_tp = compress(model, [lp.path for lp in plan.layers if lp.compile]), plan.async_tp
     if v.fsdp or v.replicate:
         v.fsdp_units = fsdp_units(model, plan, v.ties)
     return v

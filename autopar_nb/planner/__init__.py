@@ -30,6 +30,7 @@ from ..plan import (
     PrecisionPlan,
     within,
 )
+from .async_tp import async_tp_choice, async_tp_lines
 from .constraints import Constraints, parse
 from .degrees import cp_degrees
 from .explain import compile_lines, explain, fmt_bytes, fused_loss_lines, fused_norm_lines, op_list_lines
@@ -149,6 +150,7 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
             seen.add(c.key)
             ranked.append(c)
     best, float8_other = float8_choice(ranked[0], ev, cons, cluster)
+    best, async_other = async_tp_choice(best, ev, cons, cluster)
     ranked[0] = best
     plans = [_to_plan(c, graph, prof, cluster, cons, global_batch, seq_len, head=head.module if head else "")
              for c in ranked[:top_k]]
@@ -157,8 +159,8 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
     chosen.explanation = explain(chosen, best, ranked, found.over, cons, cluster, prof)
     chosen.explanation += compile_lines(best, ev, cons, [i for i, on in enumerate(search.compilable) if on])
     chosen.explanation += fused_loss_lines(best, ev, cons, fused_why)
-    chosen.explanation += fused_norm_lines(best, ev, cons)
-    chosen.explanation += float8_lines(best, float8_other, cons, cluster)
+    chosen.explanation += fused_norm_lines(best, ev, cons) + float8_lines(best, float8_other, cons, cluster)
+    chosen.explanation += async_tp_lines(best, async_other, cons, cluster)
     if prof is not default_prof:  # the op lists' price: the same setting with autocast's own lists
         chosen.explanation += op_list_lines(best, cons, Evaluator(default_prof, cluster, seq_ratio=seq_ratio,
                                                                   head=head), graph)
@@ -251,6 +253,7 @@ def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch
         loss_parallel=s.vocab_parallel_loss(capable=prof.loss_parallel, head_tp=head_tp),
         fused_loss=head if s.fused_loss else "",
         fused_norm=s.fused_norm,
+        async_tp=s.async_tp,
         experts=expert_patterns(graph, [m for lp in prof.layers for m in lp.experts]),
         model={"name": graph.model_type, "num_params": graph.num_params},
         cluster=cluster_info(cluster),

@@ -254,3 +254,26 @@ def float8_fix(cons, amp: str) -> str:
         raise PlanError(f"fix float8={recipe!r} needs amp='bf16' (torchao's float8 matmuls take bf16 inputs), and "
                         f"amp is {amp!r}: fix amp=bf16 as well, or drop float8")
     return recipe
+
+
+def async_tp_refusal(cluster, *, compiled: bool, tp: int, pp: int = 1) -> str:
+    """Why async TP (``plan.async_tp``) cannot run on ``cluster`` with this plan's compile, tp and pp ("" when it
+    can): Inductor's micro-pipeline pass rewrites compiled graphs only, over CUDA symmetric memory."""
+    if cluster.name == "cpu":
+        return "symmetric memory needs CUDA (this cluster runs CPU processes over gloo)"
+    if not compiled:
+        return "needs torch.compile (Inductor's micro-pipeline pass rewrites compiled graphs), and compile is off"
+    if tp == 1:
+        return "needs tp > 1 (it pipelines TP's all-gathers and reduce-scatters), and this plan has tp=1"
+    return "" if pp == 1 else f"needs compiled blocks, which run with pp=1 only, and this plan has pp={pp}"
+
+
+def async_tp_fix(cons, cluster) -> bool:
+    """Whether async TP is fixed on; PlanError with the reason when the fixed choices cannot take it."""
+    if not cons.fix.get("async_tp"):
+        return False
+    fix = cons.fix
+    why = async_tp_refusal(cluster, compiled=fix.get("compile", True), tp=fix.get("tp", 2), pp=fix.get("pp", 1))
+    if why:
+        raise PlanError(f"fix async_tp=true: async TP {why}; drop async_tp from fix")
+    return True

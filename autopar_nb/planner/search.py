@@ -37,7 +37,7 @@ from ..cost.schedule import MULTI_STAGE, ZERO_BUBBLE
 from ..cost.setting import LayerChoice, Setting
 from ..cost.time import bubble_fraction
 from ..plan import V_SCHEDULES, Cost, PlanError, stage_rank
-from .constraints import float8_fix, sequence_parallel
+from .constraints import async_tp_fix, float8_fix, sequence_parallel
 from .degrees import divisors, tp_blockers
 from .recompute import choose_recompute
 from .stages import memory_partition, partition, partition_runs
@@ -136,9 +136,7 @@ class Search:
         if cons.fix.get("fused_loss") and ev.head is None:
             raise PlanError(f"fix fused_loss=True, but the output head and the loss cannot be fused: {fused_why}; "
                             "drop fused_loss from fix")
-        self.global_batch = global_batch
-        self.limit = memory_limit(cluster)
-        self.n = len(prof.layers)
+        self.global_batch, self.limit, self.n = global_batch, memory_limit(cluster), len(prof.layers)
         fix = cons.fix
         self.tp_on = [bool(lp.tp or lp.norms) for lp in prof.layers]  # norms: sequence parallel
         for i, ov in cons.layers.items():
@@ -163,7 +161,9 @@ class Search:
         blocks = [i for i, lay in enumerate(graph.layers) if graph.block_of(lay.path) is not None]
         self.compilable = [i in blocks or not blocks for i in range(self.n)]
         """the layers compile applies to"""
-        self.compile = [bool(fix.get("compile", measured_compile_gain(cluster))) and on for on in self.compilable]
+        self.async_tp = async_tp_fix(cons, cluster)  # fixed on: compiled blocks, tp > 1 and pp = 1 (Plan's rule)
+        self.compile = [bool(fix.get("compile", self.async_tp or measured_compile_gain(cluster))) and on
+                        for on in self.compilable]
         self.amp = fix.get("amp", default_amp(cluster.device))
         if self.amp == "bf16" and not cluster.device.supports("bfloat16"):
             raise PlanError(f"fix amp='bf16', but the {cluster.device.name} has no bf16 (it needs compute capability "
@@ -419,9 +419,10 @@ class Search:
                 continue
             for z in zeros:
                 s = dataclasses.replace(base, zero_stage=z, fused_loss=bool(fix.get("fused_loss")),
-                                        fused_norm=bool(fix.get("fused_norm")), float8=self.float8)
-                if self.float8 != "none" and base.pp > 1:
-                    continue  # float8 runs with pp=1 only (Plan refuses the pair)
+                                        fused_norm=bool(fix.get("fused_norm")), float8=self.float8,
+                                        async_tp=self.async_tp)
+                if (self.float8 != "none" or self.async_tp) and base.pp > 1 or self.async_tp and base.tp == 1:
+                    continue  # float8 and async TP run with pp=1 only, async TP with tp > 1 (Plan refuses the rest)
                 choices = [LayerChoice(assign[i], self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i],
                                        self.compile[i] and base.pp == 1)
                            for i in range(self.n)]
