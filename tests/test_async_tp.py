@@ -109,3 +109,14 @@ def test_fix_async_tp_on_cpu_is_one_clear_line(ip):
     with pytest.raises(UsageError, match="symmetric memory needs CUDA") as err:
         ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2 --fix async_tp=true", SEED_CELL)
     assert "\n" not in str(err.value)
+
+
+def test_the_comm_breakdown_sums_to_the_exposed_time_with_async_tp(llama_8b):
+    plan = _plan(llama_8b, compile=True, tp=4, async_tp=True)
+    off = _plan(llama_8b, compile=True, tp=4, async_tp=False)
+    c, o = plan.cost, off.cost
+    assert sum(c.comm_exposed_by_kind.values()) == pytest.approx(c.comm_exposed_s)
+    assert c.comm_by_kind == pytest.approx(o.comm_by_kind), "the same collectives run"
+    hidden = o.comm_exposed_s - c.comm_exposed_s
+    assert hidden > 0 and o.step_time_s - c.step_time_s == pytest.approx(hidden)
+    assert c.comm_exposed_by_kind["all_gather"] < o.comm_exposed_by_kind["all_gather"]

@@ -25,6 +25,17 @@ def async_tp_exposed(comm: dict[str, float], *, overlap: float, matmul_s: float)
     return max(0.0, piped - matmul_s) + rest  # matmul_s=0: every collective exposed as without async TP
 
 
+def hide_pipelined(exposed: dict[str, float], *, total: float) -> None:
+    """Scale the all-gathers and reduce-scatters of ``exposed`` (kind -> exposed seconds of the TP collectives in a
+    step) down so that it sums to ``total``, the exposed TP time with async TP: the time it hides is theirs."""
+    piped = sum(exposed.get(k, 0.0) for k in PIPELINED)
+    if piped > 0:
+        keep = min(1.0, max(0.0, 1 - (sum(exposed.values()) - total) / piped))
+        for k in PIPELINED:
+            if k in exposed:
+                exposed[k] *= keep
+
+
 def tp_matmul_time(lp, *, tp: int, scale: float, device, factors, low_dtype: str) -> float:
     """Seconds of one micro-batch's TP-split matmuls of the layer ``lp`` on one rank, forward and backward: the
     work async TP can hide its collectives behind."""

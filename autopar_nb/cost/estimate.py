@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..plan import DTYPE_NAMES, ITEMSIZE, RECOMPUTE, Cost
-from .async_tp import async_tp_exposed, tp_matmul_time
+from .async_tp import async_tp_exposed, hide_pipelined, tp_matmul_time
 from .comm import collective_time, link_for
 from .cpu import issue_time, layer_cpu
 from .dp_comm import data_parallel_comm
@@ -164,9 +164,8 @@ class Evaluator:
     # ---- a whole candidate --------------------------------------------------------------------------------------
     def runs(self, choices: list[LayerChoice]) -> list[tuple[int, int, LayerChoice]]:
         """Consecutive layers with the same block representative and choices, as (first index, count, choice)."""
-        rep = self.prof.rep
+        rep, prev = self.prof.rep, None
         out: list[list] = []
-        prev = None
         for i, ch in enumerate(choices):
             key = (rep[i], ch.stage, ch.tp, ch.recompute, ch.fsdp, ch.compile)
             if key == prev:
@@ -182,8 +181,7 @@ class Evaluator:
         Step time = micro-batches x the slowest pipeline rank's (compute + recompute + exposed TP comm), plus the
         pipeline bubble and exposed point-to-point time, the exposed data-parallel collectives and the optimizer
         step; and the time the GPU waits for the host where issuing the step takes the CPU longer
-        (:func:`.cpu.issue_time`: forward and backward against the GPU's, the optimizer step
-        against its own)."""
+        (:func:`.cpu.issue_time`: forward and backward against the GPU's, the optimizer step against its own)."""
         f, m = self.f, s.micro_batches
         sums = self.sum_layers(s, choices)
         bottleneck = max(range(s.pp), key=sums.per_micro_batch)
@@ -198,6 +196,8 @@ class Evaluator:
             tp_exposed += tp_step
             for d in (comm.by_kind, comm.exposed_by_kind):
                 d["all_reduce"] = d.get("all_reduce", 0.0) + tp_step
+        if s.async_tp:  # what async TP hides comes off the pipelined kinds, as the layers' tp_exposed counts it
+            hide_pipelined(comm.exposed_by_kind, total=tp_exposed)
         p2p_exposed = self._pipeline_comm(s, sums, comm)
         dp_exposed = data_parallel_comm(s, sums, bottleneck, comm, cluster=self.cluster, factors=f)
         opt_params = max(sums.params) if s.zero_stage < 1 else max(
