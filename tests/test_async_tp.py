@@ -58,6 +58,7 @@ def test_the_planner_takes_async_tp_on_h100_with_compile_and_tp(llama_8b):
     assert plan.async_tp and "async-tp" in plan.summary()
     line = next(ln for ln in plan.explanation if ln.startswith("Async TP chosen"))
     assert "micro-pipelined TP over symmetric memory" in line and "of TP collectives hidden" in line
+    assert line in plan.explain().splitlines()
     assert Plan.from_json(plan.to_json()).async_tp
     fixed = _plan(llama_8b, compile=True, tp=4, async_tp=True)
     assert fixed.async_tp and any(ln.startswith("Async TP (fix async_tp)") for ln in fixed.explanation)
