@@ -60,6 +60,9 @@ def test_the_planner_takes_async_tp_on_h100_with_compile_and_tp(llama_8b):
     assert "micro-pipelined TP over symmetric memory" in line and "of TP collectives hidden" in line
     assert line in plan.explain().splitlines()
     assert Plan.from_json(plan.to_json()).async_tp
+    auto = _plan(llama_8b, compile=True, float8="none")
+    assert auto.async_tp and auto.mesh.tp == 4, "the search ranks the splits with async TP (tp=2 without it)"
+    assert any(a.async_tp for a in auto.alternatives)
     fixed = _plan(llama_8b, compile=True, tp=4, async_tp=True)
     assert fixed.async_tp and any(ln.startswith("Async TP (fix async_tp)") for ln in fixed.explanation)
     assert fixed.cost.step_time_s == pytest.approx(plan.cost.step_time_s)

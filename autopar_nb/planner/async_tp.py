@@ -1,6 +1,7 @@
-"""Async tensor parallelism as the planner chooses it (``plan.async_tp``): fixed by the user, or tried on the best
-plan where it can run (CUDA, compiled blocks, tp > 1: :func:`.constraints.async_tp_refusal`) and taken when the cost
-model finds it faster (:mod:`..cost.async_tp`: the TP all-gathers and reduce-scatters hidden behind the matmuls)."""
+"""Async tensor parallelism as the planner chooses it (``plan.async_tp``): fixed by the user, or costed on every
+split with tp > 1 where it can run (CUDA, compiled blocks: :func:`.constraints.async_tp_refusal`; the search ranks
+them with it, :mod:`..cost.async_tp`: the TP all-gathers and reduce-scatters hidden behind the matmuls), else tried on
+the best plan and taken when faster."""
 
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ def with_async_tp(cand: Candidate, ev, on: bool) -> Candidate:
 def async_tp_choice(best: Candidate, ev, cons, cluster) -> tuple[Candidate, Candidate | None]:
     """(the chosen candidate, the other async TP choice costed on the same setting, or None where async TP is not
     offered): taken when faster. A fixed choice stays; its synchronous twin is costed for the explanation."""
+    if best.setting.async_tp:  # fixed, or costed on in the search: its twin without it, for the explanation
+        return best, with_async_tp(best, ev, False)
     if "async_tp" in cons.fix:
-        return best, with_async_tp(best, ev, False) if best.setting.async_tp else None
+        return best, None
     if _refusal(best, cluster):
         return best, None
     trial = with_async_tp(best, ev, True)

@@ -268,12 +268,15 @@ def async_tp_refusal(cluster, *, compiled: bool, tp: int, pp: int = 1) -> str:
     return "" if pp == 1 else f"needs compiled blocks, which run with pp=1 only, and this plan has pp={pp}"
 
 
-def async_tp_fix(cons, cluster) -> bool:
-    """Whether async TP is fixed on; PlanError with the reason when the fixed choices cannot take it."""
-    if not cons.fix.get("async_tp"):
-        return False
+def async_tp_modes(cons, cluster, compile_gain: bool) -> tuple[bool, bool]:
+    """(async TP fixed on, async TP costed on every mesh with tp > 1 and pp = 1: not fixed, and the cluster and
+    compile can take it; ``compile_gain``: compile's default); PlanError with the reason when a fixed one cannot."""
     fix = cons.fix
+    if "async_tp" not in fix:
+        return False, not async_tp_refusal(cluster, compiled=fix.get("compile", compile_gain), tp=2)
+    if not fix["async_tp"]:
+        return False, False
     why = async_tp_refusal(cluster, compiled=fix.get("compile", True), tp=fix.get("tp", 2), pp=fix.get("pp", 1))
     if why:
         raise PlanError(f"fix async_tp=true: async TP {why}; drop async_tp from fix")
-    return True
+    return True, False

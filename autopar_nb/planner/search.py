@@ -37,7 +37,7 @@ from ..cost.schedule import MULTI_STAGE, ZERO_BUBBLE
 from ..cost.setting import LayerChoice, Setting
 from ..cost.time import bubble_fraction
 from ..plan import V_SCHEDULES, Cost, PlanError, stage_rank
-from .constraints import async_tp_fix, float8_fix, sequence_parallel
+from .constraints import async_tp_modes, float8_fix, sequence_parallel
 from .degrees import divisors, tp_blockers
 from .recompute import choose_recompute
 from .stages import memory_partition, partition, partition_runs
@@ -161,7 +161,7 @@ class Search:
         blocks = [i for i, lay in enumerate(graph.layers) if graph.block_of(lay.path) is not None]
         self.compilable = [i in blocks or not blocks for i in range(self.n)]
         """the layers compile applies to"""
-        self.async_tp = async_tp_fix(cons, cluster)  # fixed on: compiled blocks, tp > 1 and pp = 1 (Plan's rule)
+        self.async_tp, self.auto_async = async_tp_modes(cons, cluster, measured_compile_gain(cluster))  # fixed; auto
         self.compile = [bool(fix.get("compile", self.async_tp or measured_compile_gain(cluster))) and on
                         for on in self.compilable]
         self.amp = fix.get("amp", default_amp(cluster.device))
@@ -387,7 +387,8 @@ class Search:
                     stages = pp * v
                     if stages > self.n:
                         continue
-                    base = Setting(dp, t, pp, 0, self.amp, m, float(mb), sched, v, sp, self.optimizer, ep, cp=cp)
+                    base = Setting(dp, t, pp, 0, self.amp, m, float(mb), sched, v, sp, self.optimizer, ep, cp=cp,
+                                   async_tp=self.async_tp or self.auto_async and t > 1 and pp == 1)
                     choices = [LayerChoice(0, self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i],
                                        self.compile[i] and pp == 1)
                                for i in range(self.n)]
@@ -419,8 +420,7 @@ class Search:
                 continue
             for z in zeros:
                 s = dataclasses.replace(base, zero_stage=z, fused_loss=bool(fix.get("fused_loss")),
-                                        fused_norm=bool(fix.get("fused_norm")), float8=self.float8,
-                                        async_tp=self.async_tp)
+                                        fused_norm=bool(fix.get("fused_norm")), float8=self.float8)
                 if (self.float8 != "none" or self.async_tp) and base.pp > 1 or self.async_tp and base.tp == 1:
                     continue  # float8 and async TP run with pp=1 only, async TP with tp > 1 (Plan refuses the rest)
                 choices = [LayerChoice(assign[i], self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i],
