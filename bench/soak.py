@@ -469,7 +469,9 @@ def _other_node_ends(pair: _Pair, kill: Kill, t0: float, *, stall_s: float, prog
     lines = [ln for ln in Path(proc.log).read_text(errors="replace").splitlines() if ln.strip()]
     kill.other_end = (f"exit {proc.returncode}" + (f", {len(left)} process(es) left" if left else "")
                       + (f": {lines[-1].strip()[:200]}" if lines else ""))
-    time.sleep(5)  # the closed connections reach the attached run
+    settle = time.time() + 30  # the closed connections reach the attached run: seconds, more on a loaded machine
+    while pair.run.status == "restarting" and time.time() < settle:
+        time.sleep(0.5)
     kill.dashboard = f"{pair.run.status}: {pair.run.message}"
     progress(f"  {time.time() - t0:7.1f} s: node 1 ended by itself: {kill.other_end}; the dashboard: {kill.dashboard}")
 

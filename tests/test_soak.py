@@ -38,8 +38,8 @@ def test_node_kills_leave_the_loss_curve_of_an_uninterrupted_run(tmp_path):
     why = unavailable()
     if why:
         pytest.skip(why)
-    script, command = export_for_nodes(tmp_path, hidden=256, steps=1200)
-    report = soak_nodes(script, command, steps=1200, ckpt_every=25, kill_every=(2, 4), away=(2, 4), kills=2, seed=1,
+    script, command = export_for_nodes(tmp_path, hidden=256, steps=2400)
+    report = soak_nodes(script, command, steps=2400, ckpt_every=25, kill_every=(2, 4), away=(2, 4), kills=2, seed=1,
                         workdir=tmp_path / "soak", progress=print)
     print(report)
     assert [k.node for k in report.kills] == [0, 1] and report.launches == 2

@@ -94,14 +94,16 @@ def test_the_next_plan_says_where_its_step_times_come_from(mlp, monkeypatch, tmp
 
 @pytest.mark.multiprocess
 def test_tournament_of_the_seed_mlp_measures_each_plan_that_fits(monkeypatch, tmp_path):
-    """k=2 on 2 gloo processes: the chosen tp=2, the pp=2 alternative and dp=2 ZeRO-2; a memory limit between
-    their predicted needs skips the largest, the others run (a few steps, through the warm pool)."""
+    """k=3 on 2 gloo processes: the chosen plan and its three best alternatives (tp=2 and pp=2 layouts); a memory
+    limit under the largest predicted need skips the plans that need it, the others run (a few steps, through the
+    warm pool)."""
     monkeypatch.setenv("AUTOPAR_CALIBRATION", str(tmp_path / "c.json"))
     mlp = seed_mlp()  # its own: adopt() changes the session's plan
-    plans = [mlp.plan, *mlp.plan.alternatives[:2]]
+    plans = [mlp.plan, *mlp.plan.alternatives[:3]]
     needs = [predicted_need(p) for p in plans]
-    limit = sorted(needs)[-1] - 1
-    t = tournament(mlp, k=2, steps=4, warmup=1, memory_limit_bytes=limit, run_root=str(tmp_path))
+    limit = max(needs) - 1
+    assert 2 <= sum(need <= limit for need in needs) < len(plans), needs
+    t = tournament(mlp, k=3, steps=4, warmup=1, memory_limit_bytes=limit, run_root=str(tmp_path))
     assert [e.plan for e in t.entries] == plans
     for e, need in zip(t.entries, needs, strict=True):
         if need > limit:
@@ -109,7 +111,8 @@ def test_tournament_of_the_seed_mlp_measures_each_plan_that_fits(monkeypatch, tm
         else:
             assert e.status == "measured", e.reason
             assert e.measured_s > 0 and e.steps >= 2 and set(e.peak_by_rank) == {0, 1} and e.calibrated_s > 0
-    assert len(t.measured) == 2 and -1 <= t.tau <= 1 and -1 <= t.tau_calibrated <= 1
+    assert len(t.measured) == sum(need <= limit for need in needs)
+    assert -1 <= t.tau <= 1 and -1 <= t.tau_calibrated <= 1
     winner = min(t.measured, key=lambda e: e.measured_s)
     assert t.winner is winner
     adopted = t.adopt()
