@@ -5,9 +5,10 @@ and the prediction set beside the published throughput (and per-GPU memory where
 Every published figure below comes from the text of its source, quoted beside its row
 (:data:`SOURCES`, ``Row.where``). What a source does not publish (micro-batches, virtual stages,
 sequence parallelism...) is left to the planner and shown as its choice. A layout the planner
-refuses keeps the refusal as its result; a row needing something the product does not run (FP8
-training, asynchronous TP) is costed in bf16 where it can be, marked excluded, and left out of
-the summary.
+refuses keeps the refusal as its result. Float8 training and asynchronous TP are plan choices:
+a row that used them is planned with them (torchtitan's float8 recipe of the time: tensorwise
+scaling); a row needing one where the product refuses it (with pipelining) is costed without it,
+marked excluded, and left out of the summary.
 
 Throughput is compared in the unit the source publishes. Where that unit is FLOP/s the
 predicted step time is turned into TFLOP/s with the source's own FLOP count, so that no
@@ -277,20 +278,20 @@ H96 = 96.0  # "96GB HBM2e"
 TT12_HBM = 2.4  # "with 2.4 TB/sec peak memory bandwidth"
 TT12_NOTE = "500 W H100s costed at the 700 W SXM preset's peak FLOP/s (their 2.4 TB/s HBM2e: the card's)"
 tt_8b = {"sequence_parallel": False, "fused_loss": False, "fused_norm": False}
+F8 = "tensorwise"  # torchtitan's float8 recipe then: tensorwise dynamic scaling (float8 all-gathers under FSDP)
 for gpus, table, rows in (
         # Table 1: "1D Parallelism (FSDP). Llama 3.1 8B model. 8 GPUs. Local batch size 2, global
         # batch size 16. Selective activation checkpointing." | Techniques | TPS/GPU | Memory(GiB)
-        (8, "Table 1", ((False, "", 5762, 82.4), (True, "", 6667, 77.0),
-                        (True, "needs FP8 (Float8)", 8532, 76.8))),
+        (8, "Table 1", ((False, False, 5762, 82.4), (True, False, 6667, 77.0), (True, True, 8532, 76.8))),
         # Table 3: the same on 128 GPUs, global batch size 256
-        (128, "Table 3", ((False, "", 5605, 67.0), (True, "", 6514, 62.0),
-                          (True, "needs FP8 (Float8)", 8380, 61.8)))):
-    for compiled, excl, tps, mem in rows:
+        (128, "Table 3", ((False, False, 5605, 67.0), (True, False, 6514, 62.0), (True, True, 8380, 61.8)))):
+    for compiled, float8, tps, mem in rows:
         ROWS.append(Row(
-            f"Llama 3.1 8B FSDP{' + compile' if compiled else ''}{' + Float8' if excl else ''}, "
+            f"Llama 3.1 8B FSDP{' + compile' if compiled else ''}{' + Float8' if float8 else ''}, "
             f"{gpus} GPUs", "torchtitan", f"{TT12} {table}", "llama3-8b", "h100-80gb", gpus,
             {"dp": gpus, "zero_stage": 3, "micro_batches": 1}, 2 * gpus, 8192, "selective",
-            "tokens", tps, mem, H96, {**tt_8b, "compile": compiled}, excl, TT12_NOTE, hbm_tbs=TT12_HBM))
+            "tokens", tps, mem, H96, {**tt_8b, "compile": compiled, "float8": F8 if float8 else "none"}, "",
+            TT12_NOTE, hbm_tbs=TT12_HBM))
 # Table 2: "FSDP + CP + torch.compile + Float8. Llama 3.1 8B model. 8 GPUs. Local batch size 1.
 # Full activation checkpointing." | Parallelism | Sequence Length | TPS/GPU | Memory(GiB) |
 for fsdp, cp, seq, tps, mem in ((8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 84.2),
@@ -299,19 +300,18 @@ for fsdp, cp, seq, tps, mem in ((8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 8
         f"Llama 3.1 8B FSDP {fsdp} CP {cp}, seq {seq // 1024}K, 8 GPUs", "torchtitan",
         f"{TT12} Table 2", "llama3-8b", "h100-80gb", 8,
         {"dp": fsdp, "zero_stage": 3, "micro_batches": 1, **({"cp": cp} if cp > 1 else {})},
-        fsdp, seq, "full", "tokens", tps, mem, H96, {**tt_8b, "compile": True},
-        "needs FP8 (Float8)", TT12_NOTE, hbm_tbs=TT12_HBM))
+        fsdp, seq, "full", "tokens", tps, mem, H96, {**tt_8b, "compile": True, "float8": F8},
+        "", TT12_NOTE, hbm_tbs=TT12_HBM))
 # Table 4: "2D parallelism (FSDP + TP) + torch.compile + Float8. Llama 3.1 70B model. 256 GPUs
 # (FSDP 32, TP 8). Local batch size 16, global batch size 512. Full activation checkpointing."
 # (torchtitan's TP splits the norms' sequence: sequence parallelism)
-for label, tps, mem, excl in (("2D", 829, 71.9, "needs FP8 (Float8)"),
-                              ("2D + AsyncTP", 876, 67.6, "needs FP8 (Float8) and async TP")):
+for label, tps, mem, async_tp in (("2D", 829, 71.9, False), ("2D + AsyncTP", 876, 67.6, True)):
     ROWS.append(Row(
         f"Llama 3.1 70B {label}, 256 GPUs", "torchtitan", f"{TT12} Table 4", "llama3-70b",
         "h100-80gb", 256, {"dp": 32, "tp": 8, "zero_stage": 3, "micro_batches": 1}, 512, 8192,
         "full", "tokens", tps, mem, H96,
-        {"sequence_parallel": True, "fused_loss": False, "fused_norm": False, "compile": True},
-        excl, TT12_NOTE, hbm_tbs=TT12_HBM))
+        {"sequence_parallel": True, "fused_loss": False, "fused_norm": False, "compile": True, "float8": F8,
+         "async_tp": async_tp}, "", TT12_NOTE, hbm_tbs=TT12_HBM))
 # Table 5: "3D parallelism (FSDP + TP + PP) + torch.compile + Float8 + AsyncTP. Llama 3.1 405B
 # model. 512 GPUs (FSDP 8, TP 8, PP8). Local batch size 32, global batch size 256. Full
 # activation checkpointing." | Schedule | TPS/GPU | Memory(GiB) |
@@ -322,7 +322,7 @@ for sched, tps, mem in (("1f1b", 100, 82.5), ("interleaved_1f1b", 128, 72.7)):
         "h100-80gb", 512,
         {"dp": 8, "tp": 8, "pp": 8, "zero_stage": 3, "schedule": sched, "micro_batches": 8},
         256, 8192, "full", "tokens", tps, mem, H96,
-        {"sequence_parallel": True, "fused_norm": False}, "needs FP8 (Float8) and async TP",
+        {"sequence_parallel": True, "fused_norm": False}, "needs Float8 and async TP with pipelining (refused: pp > 1)",
         TT12_NOTE, hbm_tbs=TT12_HBM))
 # Table 6: "4D parallelism (FSDP + TP + PP + CP) + torch.compile + Float8 + AsyncTP + 1F1B.
 # Llama 3.1 405B model. 512 GPUs (TP 8, PP8). Local batch size 8. Full activation
@@ -335,7 +335,7 @@ for fsdp, cp, seq, tps, mem in ((8, 1, 32768, 76, 75.3), (4, 2, 65536, 47, 75.9)
         {"dp": fsdp, "tp": 8, "pp": 8, "zero_stage": 3, "schedule": "1f1b", "micro_batches": 8,
          **({"cp": cp} if cp > 1 else {})},
         8 * fsdp, seq, "full", "tokens", tps, mem, H96,
-        {"sequence_parallel": True, "fused_norm": False}, "needs FP8 (Float8) and async TP",
+        {"sequence_parallel": True, "fused_norm": False}, "needs Float8 and async TP with pipelining (refused: pp > 1)",
         TT12_NOTE, hbm_tbs=TT12_HBM))
 
 # torchtitan docs/performance.md @3faaa1a0d (Aug 2024), "Llama 3.1 performance numbers": "405B
@@ -345,15 +345,16 @@ for fsdp, cp, seq, tps, mem in ((8, 1, 32768, 76, 75.3), (4, 2, 65536, 47, 75.9)
 # TP 8, seq_len 8192, norm "rmsnorm" (train_configs/llama3_405b.toml @3faaa1a0d, which also
 # sets compile = true: the "None" row's compile is not stated, left free). No memory published.
 TT08 = "torchtitan Aug 2024"
-for label, tps, excl in (("", 109, ""), (" + Float8", 177, "needs FP8 (Float8)"),
-                         (" + Float8 + AsyncTP", 185, "needs FP8 (Float8) and async TP")):
+for label, tps, float8, async_tp in (("", 109, False, False), (" + Float8", 177, True, False),
+                                    (" + Float8 + AsyncTP", 185, True, True)):
     ROWS.append(Row(
         f"Llama 3.1 405B 2D{label}, 128 GPUs", "torchtitan", f"{TT08} (405B table)",
         "llama3-405b", "h100-80gb", 128, {"dp": 16, "tp": 8, "zero_stage": 3, "micro_batches": 1},
         32, 8192, "full", "tokens", tps, card_gb=94.0,
-        extra={"sequence_parallel": True, "fused_loss": False, "fused_norm": False},
-        excluded=excl, notes="lower-TDP HBM2e H100s (the page's footnote) costed as the SXM "
-                             "preset; compile not stated"))
+        extra={"sequence_parallel": True, "fused_loss": False, "fused_norm": False,
+               **({"float8": F8, "async_tp": async_tp, "compile": True} if float8 else {})},
+        notes="lower-TDP HBM2e H100s (the page's footnote) costed as the SXM preset; compile not "
+              "stated" + ("" if not float8 else " (the toml's compile = true taken for the Float8 rows)")))
 
 # torchtitan docs/performance.md @1ea476e9f (Apr 2024): "Llama 3 models with FSDP2 on 64 A100
 # (80GB) GPUs", "local batch size 1 (global batch size = local batch size 1 * number of FSDP
@@ -733,7 +734,7 @@ def summary(results: list[Result]) -> str:
 
     both = sum(bool(r.refused and r.row.excluded) for r in results)
     s = (f"{len(results)} published runs from {sources} sources: {len(counted)} counted, "
-         f"{excluded} excluded (FP8 / async TP), {refused} refused by the planner"
+         f"{excluded} excluded (Float8 / async TP with pipelining), {refused} refused by the planner"
          + (f" ({both} of them also excluded)" if both else ""))
     if errs:
         fast = sum(r.error > 0 for r in counted)
