@@ -9,6 +9,7 @@ import dataclasses
 
 from ..units import fmt_time
 from .constraints import async_tp_refusal
+from .levers import take_if_faster
 from .search import Candidate
 
 
@@ -33,11 +34,7 @@ def async_tp_choice(best: Candidate, ev, cons, cluster) -> tuple[Candidate, Cand
         return best, None
     if _refusal(best, cluster):
         return best, None
-    trial = with_async_tp(best, ev, True)
-    if trial.fits and trial.cost.step_time_s < best.cost.step_time_s:
-        trial.other, trial.norm_other, trial.origin = best.other, best.norm_other, best.origin
-        return trial, best
-    return best, trial
+    return take_if_faster(best, with_async_tp(best, ev, True))
 
 
 def async_tp_lines(best: Candidate, other: Candidate | None, cons, cluster) -> list[str]:

@@ -8,6 +8,7 @@ import dataclasses
 
 from ..cost.float8 import FP8
 from ..units import fmt_time
+from .levers import take_if_faster
 from .search import Candidate
 
 AUTO_RECIPE = "tensorwise"
@@ -41,11 +42,7 @@ def float8_choice(best: Candidate, ev, cons, cluster) -> tuple[Candidate, Candid
         return best, with_float8(best, ev, "none") if s.float8 != "none" else None
     if float8_refusal(cluster.device, s.amp, s.pp):
         return best, None
-    trial = with_float8(best, ev, AUTO_RECIPE)
-    if trial.fits and trial.cost.step_time_s < best.cost.step_time_s:
-        trial.other, trial.norm_other, trial.origin = best.other, best.norm_other, best.origin
-        return trial, best
-    return best, trial
+    return take_if_faster(best, with_float8(best, ev, AUTO_RECIPE))
 
 
 def float8_lines(best: Candidate, other: Candidate | None, cons, cluster) -> list[str]:
