@@ -348,7 +348,7 @@ def main() -> None:
                     "measured (m) = "
                     "MemTracker/FSDPMemTracker peak of the 2nd step of the exported script's own main under a fake "
                     "process group, pipelined and expert-parallel plans on real gloo processes "
-                    "(autopar_nb/measure.py), "
+                    "(autopar_nb/verify/measure.py), "
                     f"both grouped as autopar_nb.verify.measure.GROUPS says (MiB). {summary}.\n\n{table}\n"
                     + ("".join(f"\n- not measured: {f}" for f in failed))
                     + ("\n\nKnown gaps:\n" + "".join(f"\n- {k}" for k in KNOWN)) + "\n")

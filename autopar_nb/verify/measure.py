@@ -78,7 +78,7 @@ GROUPS = {
                     ("backward", "step")),
 }
 """component shown -> (the predicted fields or MemoryBreakdown.terms it sums, the measured components it sums).
-The tracker labels by when a storage is made (autopar_nb/measure.py): the logits and their copies are activations or
+The tracker labels by when a storage is made (this module): the logits and their copies are activations or
 loss there, so those two are compared together (and a zero-bubble weight pass's gradients, made in a backward outside
 every module, are loss there); what the optimizer's step allocates is optimizer state there (its hooks mark the whole
 step), so its temporaries are compared with the states."""
