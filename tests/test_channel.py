@@ -104,3 +104,17 @@ def test_descriptors_run_out_in_accept(server):
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     for s in idle + [good]:
         s.close()
+
+
+def test_what_one_poll_sees_carries_one_time(server):
+    """A node's death and its peer's error (its consequence) often arrive in one select: their order there is the
+    order of the descriptors, not of the events, so they carry one time and neither looks earlier (attach.py's lost
+    node is judged by these times)."""
+    dead, peer = _connect(server, _hello(server, 0)), _connect(server, _hello(server, 1))
+    _pump(server, lambda msgs: len(msgs) == 2)
+    dead.close()
+    peer.sendall(b'{"event": "error", "error": "RuntimeError: Connection closed by peer"}\n')
+    time.sleep(0.2)  # both are waiting before the poll
+    msgs = server.poll(0.02)
+    assert sorted(m.kind for m in msgs) == ["closed", "data"] and msgs[0].time == msgs[1].time
+    peer.close()

@@ -84,11 +84,15 @@ class MetricsServer:
             time.sleep(timeout)
             return []
         out: list[Message] = []
-        for key, _ in self._sel.select(timeout):
+        ready = self._sel.select(timeout)
+        # one time for everything one select saw: the order of its descriptors is not the order of the events, and
+        # a node's death and its peers' errors (their consequence) often arrive together
+        seen = time.time()
+        for key, _ in ready:
             if key.data is None:
                 self._accept()
             else:
-                self._read(key.data, out)
+                self._read(key.data, out, seen)
         now = time.monotonic()
         for c in [c for c in self._conns.values() if c.rank is None and now - c.opened > AUTH_TIMEOUT_S]:
             self._drop(c, rejected=True)
@@ -118,14 +122,14 @@ class MetricsServer:
         """Connections not yet authenticated, oldest first."""
         return sorted((c for c in self._conns.values() if c.rank is None), key=lambda c: c.opened)
 
-    def _read(self, c: _Conn, out: list[Message]) -> None:
+    def _read(self, c: _Conn, out: list[Message], seen: float) -> None:
         try:
-            self._receive(c, out)
+            self._receive(c, out, seen)
         except Exception:  # whatever one peer sends costs it its connection, never the monitor
             if any(known is c for known in self._conns.values()):
                 self._drop(c, rejected=c.rank is None)
 
-    def _receive(self, c: _Conn, out: list[Message]) -> None:
+    def _receive(self, c: _Conn, out: list[Message], seen: float) -> None:
         try:
             chunk = c.sock.recv(65536)
         except (BlockingIOError, InterruptedError):
@@ -134,7 +138,7 @@ class MetricsServer:
             chunk = b""
         if not chunk:
             if c.rank is not None:
-                out.append(Message(c.rank, "closed", {}, time.time()))
+                out.append(Message(c.rank, "closed", {}, seen))
             self._drop(c, rejected=c.rank is None)
             return
         c.buf += chunk
@@ -159,9 +163,9 @@ class MetricsServer:
                     return
                 c.rank = rank
                 hello = {k: v for k, v in obj.items() if k != "token"} | {"peer": c.peer}  # seen here, not claimed
-                out.append(Message(rank, "hello", hello, time.time()))
+                out.append(Message(rank, "hello", hello, seen))
             else:
-                out.append(Message(c.rank, "data", obj, time.time()))
+                out.append(Message(c.rank, "data", obj, seen))
         if len(c.buf) > (MAX_LINE if c.rank is not None else MAX_AUTH_LINE):
             self._drop(c, rejected=True)
 
