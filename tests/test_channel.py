@@ -118,3 +118,13 @@ def test_what_one_poll_sees_carries_one_time(server):
     msgs = server.poll(0.02)
     assert sorted(m.kind for m in msgs) == ["closed", "data"] and msgs[0].time == msgs[1].time
     peer.close()
+
+
+def test_the_monitors_batching_pause_is_never_negative(monkeypatch):
+    """The monitor waits up to BATCH_S after a message for more: on a loaded host the clock can pass the pause's end
+    between reading it and sleeping (time.sleep(-x) raised and crashed the monitor in a 30-minute soak)."""
+    from autopar_nb.launch import monitor
+
+    monkeypatch.setattr(monitor.time, "monotonic", lambda: 100.0)
+    assert monitor.batch_rest(100.0 - monitor.BATCH_S / 2) == pytest.approx(monitor.BATCH_S / 2)
+    assert monitor.batch_rest(100.0 - 3 * monitor.BATCH_S) == 0.0

@@ -42,6 +42,12 @@ def peak_rss(pid: int) -> float | None:
     return None
 
 
+def batch_rest(woke: float) -> float:
+    """Seconds left of the :data:`BATCH_S` pause that began at ``woke``: read from the clock once, never below zero
+    (on a loaded host the time between two reads can pass the rest of the pause)."""
+    return max(0.0, BATCH_S - (time.monotonic() - woke))
+
+
 class DeviceSampler:
     """Samples GPUs through NVML when ``use_gpu`` and NVML works, else each worker process through psutil.
 
@@ -180,8 +186,9 @@ class Monitor(threading.Thread):
                 woke = time.monotonic()
                 wait = min(0.2, max(0.0, r._t0 + next_tick * SAMPLE_INTERVAL_S - woke))
                 msgs = r._server.poll(wait) if r._server is not None else (time.sleep(wait) or [])
-                if msgs and time.monotonic() - woke < BATCH_S:  # let more arrive: one wake-up for many lines
-                    time.sleep(BATCH_S - (time.monotonic() - woke))
+                rest = batch_rest(woke) if msgs else 0.0
+                if rest > 0:  # let more arrive: one wake-up for many lines
+                    time.sleep(rest)
                     msgs += r._server.poll(0)
                 changed = r._ingest(msgs)
                 if self.sampler is not None and any(m.kind == "hello" for m in msgs):
