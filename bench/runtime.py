@@ -63,7 +63,7 @@ model = TinyLM()
 example_inputs = (torch.randint(0, 2048, (8, 64)),)
 '''
 
-STEP = re.compile(r"^step (\d+) \| loss ([\d.]+) \| ([\d.]+) ms", re.M)
+STEP = re.compile(r"^step (\d+) \| loss (\S+) \| ([\d.]+) ms", re.M)
 
 
 def run(script: Path, steps: int, warmup: int) -> tuple[float, float, list[float]]:

@@ -245,7 +245,7 @@ def soak(script: Path, *, steps: int, ckpt_every: int, kill_every: tuple[float, 
     again, and none in the last tenth of the steps. ``reference``: the uninterrupted run's rank-0 losses by step
     (run here when None). ``stall_s``: no step for this long ends the soak (``report.failure``)."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="soak-"))
-    reference = reference or uninterrupted(script, nproc=nproc, steps=steps, workdir=workdir)
+    reference = reference or uninterrupted(script, nproc=nproc, steps=steps, ckpt_every=ckpt_every, workdir=workdir)
     rng = random.Random(seed)
     report = SoakReport(steps=steps, wall_s=0.0, fds_before=_fds())
     seen = Seen()
@@ -278,9 +278,11 @@ def soak(script: Path, *, steps: int, ckpt_every: int, kill_every: tuple[float, 
     return _finish(report, reference, seen, t0)
 
 
-def uninterrupted(script: Path, *, nproc: int, steps: int, workdir: Path) -> dict[int, float]:
-    """The reference: rank 0's loss of every step of ``script`` run without a kill (local processes)."""
-    run = launch(script, nproc=nproc, steps=steps, run_dir=workdir / "reference")
+def uninterrupted(script: Path, *, nproc: int, steps: int, ckpt_every: int, workdir: Path) -> dict[int, float]:
+    """The reference: rank 0's loss of every step of ``script`` run without a kill (local processes), saving the
+    soak's checkpoints (the numerics guard rolls back to the latest: both runs must have the same ones)."""
+    run = launch(script, nproc=nproc, steps=steps, run_dir=workdir / "reference", ckpt_dir=workdir / "reference-ckpt",
+                 ckpt_every=ckpt_every)
     if run.wait() != "finished":
         raise RuntimeError(f"the uninterrupted run did not finish: {run.message}")
     return dict(run.loss_curve(0))
@@ -319,7 +321,7 @@ def soak_nodes(script: Path, command: str, *, steps: int, ckpt_every: int, kill_
     if why:
         raise SystemExit(f"the node kills need network namespaces: {why}")
     workdir = Path(workdir or tempfile.mkdtemp(prefix="soak-"))
-    reference = reference or uninterrupted(script, nproc=2, steps=steps, workdir=workdir)
+    reference = reference or uninterrupted(script, nproc=2, steps=steps, ckpt_every=ckpt_every, workdir=workdir)
     rng = random.Random(seed)
     report = SoakReport(steps=steps, wall_s=0.0, fds_before=_fds())
     seen = Seen()

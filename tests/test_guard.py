@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autopar_nb.runtime.guard import SPIKE_WARMUP, NumericsGuard, grads_finite
+from autopar_nb.runtime.guard import SPIKE_WARMUP, SPIKE_WINDOW, NumericsGuard, grads_finite
 from autopar_nb.runtime.train import apply_step, roll_back
 
 
@@ -33,6 +33,17 @@ def test_the_guards_rule_in_one_process(world_of_one):
     assert guard.skips == 0 and guard.verdict(6.0, grads_ok=True, device="cpu") is None  # the median starts over
     assert NumericsGuard(spike_factor=0, max_skips=1).spike(1e9) is None and not NumericsGuard(
         spike_factor=5, max_skips=0).on
+
+
+def test_losses_that_swing_widely_are_not_each_others_spikes(world_of_one):
+    """A regression near zero loss swings by several times from batch to batch (a 30-minute soak's MLP: 3e-6 to
+    2e-5, then 5e-5 to 1.1e-4 for five steps): judged by the factor alone those were spikes, and five in a row
+    stopped a healthy run. The window's own spread (in log space) raises the bar; a jump far past it is a spike."""
+    guard = NumericsGuard(spike_factor=5.0, max_skips=5)
+    for k in range(SPIKE_WINDOW):
+        assert guard.verdict(1e-6 * 2.0 ** (k % 3), grads_ok=True, device="cpu") is None  # 1e-6, 2e-6, 4e-6
+    assert guard.verdict(8.3e-5, grads_ok=True, device="cpu") is None  # 41 x the median: within its spread
+    assert guard.verdict(1e-2, grads_ok=True, device="cpu") == "loss spike (0.01 > 476 x median 2e-06)"
 
     layer = nn.Linear(4, 4)
     opt = torch.optim.SGD(layer.parameters(), lr=1.0)

@@ -80,8 +80,8 @@ def train(args, parts: list, optimizer, *, forward_backward, make_batch, dp_rank
     every ``args.ckpt_every`` steps and keeping ``args.keep``, in the background unless ``args.async_checkpoint``
     says "off" (:func:`async_checkpointer`); ending early at step ``args.stop_at`` when given: the
     learning-rate schedule still spans ``args.steps``). The numerics guard (``runtime/guard.py``) skips steps with a
-    non-finite loss or gradient, or a loss ``args.spike_factor`` times its running median, and rolls back to the
-    last checkpoint after ``args.max_skips`` in a row.
+    non-finite loss or gradient, or a loss ``args.spike_factor`` (or more) times its running median, and rolls back
+    to the last checkpoint after ``args.max_skips`` in a row.
 
     ``forward_backward(batch)`` returns this rank's loss with gradients accumulated; ``make_batch(step, dp_rank)``
     this data-parallel rank's share (None: a middle pipeline stage reads none; a ``DataStream`` is checkpointed).
@@ -191,7 +191,7 @@ def report(step: int, loss: float, dt: float, batch, *, metrics, device: str, dp
     """Print the step on rank 0 and stream it to the launcher (loss, time, throughput, data wait, memory);
     ``skipped``: why the numerics guard skipped it (an event too)."""
     if dist.get_rank() == 0:
-        print(f"step {step} | loss {loss:.4f} | {dt * 1e3:.1f} ms" + (f" | skipped: {skipped}" if skipped else ""),
+        print(f"step {step} | loss {loss:.5g} | {dt * 1e3:.1f} ms" + (f" | skipped: {skipped}" if skipped else ""),
               flush=True)
         if skipped:
             metrics.send({"event": "numerics", "step": step, "action": "skip", "message": f"step {step} skipped: "
