@@ -48,6 +48,7 @@ from .. import calibration
 from ..units import fmt_time
 from . import compare, watch
 from .monitor import peak_rss
+from .report import held_peaks
 
 MODES = ("ask", "auto", "off")
 TRIGGERS = ("oom", "memory_high")
@@ -157,9 +158,7 @@ def diff_text(changes: list) -> str:
 
 def measured_peaks(samples: list[dict]) -> dict[int, float]:
     """rank -> the most memory it held in ``Run.samples`` (on CPU: RSS above its baseline, once known)."""
-    from .run import _peaks
-
-    return _peaks(samples)
+    return held_peaks(samples)
 
 
 def peaks_now(run) -> dict[int, float]:
