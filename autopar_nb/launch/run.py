@@ -1,7 +1,10 @@
 """``Run``: a launched training run, as seen from the notebook.
 
 Every field is filled by the run's monitor thread (see ``monitor.py``) under ``Run._lock``; the public methods read
-it. Status values::
+it. The monitor's side of the class is in three parts it inherits, each overridable by ``AttachedRun``: the metrics
+stream into rank state (``ingest.py``), the time series and its watch (``samples.py``) and the processes, from their
+restarts to the final status (``supervise.py``); the measured-vs-predicted figures are computed in ``report.py``.
+Status values::
 
     starting -> running [-> restarting -> running ...] -> finished | failed | stopped | hung
 """
