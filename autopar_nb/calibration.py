@@ -439,11 +439,20 @@ def speed_text(preset: str) -> str:
     """Where a plan's step times come from when ``preset`` holds measured speed factors: "step times calibrated on
     <date> from N runs" (the latest calibration's date, N the runs it fitted: a tournament's plans, else 1); ""
     when nothing was calibrated."""
+    badge = speed_badge(preset)
+    if not badge:
+        return ""
+    return (f"Step times {badge} on this machine ({preset}; autopar_nb.calibration.show(), reset('{preset}') to "
+            "forget them).")
+
+
+def speed_badge(preset: str) -> str:
+    """The short form of :func:`speed_text`, "calibrated on <date> from N runs" (the planner widget's header);
+    "" when ``preset`` holds no measured speed factors."""
     entry = _read()["presets"].get(preset, {}) if preset else {}
     runs = [h for h in entry.get("history", []) if any(k in (h.get("factors") or {}) for k in SPEED_KEYS)]
     if not runs:
         return ""
     last = runs[-1]
     n = int(last.get("runs", 1))
-    return (f"Step times calibrated on {str(last.get('when', '?'))[:10]} from {n} run{'s' if n != 1 else ''} "
-            f"on this machine ({preset}; autopar_nb.calibration.show(), reset('{preset}') to forget them).")
+    return f"calibrated on {str(last.get('when', '?'))[:10]} from {n} run{'s' if n != 1 else ''}"

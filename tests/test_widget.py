@@ -127,7 +127,7 @@ def test_traits_after_construction(seed_graph):
     assert w.stages == [{"index": 0, "layers": ["0", "1", "2"], "rank": 0, "chunk": 0, "label": "stage 0"}]
     assert w.alternatives and all("trade" in a and a["members"] for a in w.alternatives)
     assert w.messages == [] and not w.can_undo and not w.can_redo  # a fresh plan: nothing to undo
-    assert w.actions == ["verify", "export", "launch"], "a Session has all three"
+    assert w.actions == ["verify", "export", "launch", "tournament"], "a Session has all four"
     assert w.view["auto"] and w.view["scale"] >= 1, w.view
     static = Path(__file__).resolve().parent.parent / "autopar_nb" / "static"
     assert (static / "planner.js").exists() and (static / "planner.css").exists() and PlannerWidget._esm
@@ -1425,15 +1425,17 @@ def test_verify_does_not_take_the_launch_dashboards_place(seed_graph, monkeypatc
 
 @pytest.mark.browser
 def test_the_dashboard_and_the_verify_view_both_show(seed_graph):
-    """Issue 42, point 9, in chromium: a Verify's progress view shows below the Launch's dashboard, which stays."""
+    """Issue 42, point 9, in chromium: a Verify's progress view shows below the Launch's dashboard, which stays; a
+    Tournament's standings below both."""
     w = _session(seed_graph).widget()
     with widget_page(w, JL_LIGHT) as (page, errors):
         page.evaluate("() => window.__set('panel', 'anywidget:dashboard')")
         page.evaluate("() => window.__set('verify_panel', 'anywidget:verify')")
+        page.evaluate("() => window.__set('tournament_panel', 'anywidget:tournament')")
         page.wait_for_timeout(200)
         shown = page.locator(".ap-run-panel").all_inner_texts()
     assert not errors, errors
-    assert shown == ["anywidget:dashboard", "anywidget:verify"], shown
+    assert shown == ["anywidget:dashboard", "anywidget:verify", "anywidget:tournament"], shown
 
 
 def test_a_stage_drag_says_which_other_layers_moved_and_why(gpt_graph):

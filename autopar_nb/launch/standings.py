@@ -63,6 +63,18 @@ def ranks(values: list[float | None]) -> list[int | None]:
     return out
 
 
+def table(entries: list[Entry]) -> list[dict[str, Any]]:
+    """One row per plan, in the planner's order: label, predicted / measured step and peak, ranks by each (among
+    the plans measured so far: a tournament's progress shows the same table)."""
+    rp = ranks([e.predicted_s if e.status == "measured" else None for e in entries])
+    rm = ranks([e.measured_s for e in entries])
+    rc = ranks([e.calibrated_s if e.status == "measured" else None for e in entries])
+    return [{"plan": e.label, "status": e.status, "predicted_s": e.predicted_s, "measured_s": e.measured_s,
+             "calibrated_s": e.calibrated_s, "predicted_peak": e.predicted_peak, "measured_peak": e.measured_peak,
+             "rank_predicted": rp[i], "rank_measured": rm[i], "rank_calibrated": rc[i], "steps": e.steps,
+             "note": e.reason} for i, e in enumerate(entries)]
+
+
 @dataclass
 class Entry:
     """One plan of a tournament."""
@@ -75,7 +87,7 @@ class Entry:
     predicted_peak: float
     """the worst rank's predicted training state (no allocator margin): what the measured peak compares with"""
     status: str = "pending"
-    """measured | skipped (predicted not to fit) | failed (its run did not finish)"""
+    """pending | running | measured | skipped (predicted not to fit) | failed (its run did not finish)"""
     reason: str = ""
     measured_s: float | None = None
     """median step time after warm-up (each step as slow as its slowest rank)"""
@@ -136,14 +148,8 @@ class TournamentResult:
         return w.plan
 
     def table(self) -> list[dict[str, Any]]:
-        """One row per plan, in the planner's order: label, predicted / measured step and peak, ranks by each."""
-        rp = ranks([e.predicted_s if e.status == "measured" else None for e in self.entries])
-        rm = ranks([e.measured_s for e in self.entries])
-        rc = ranks([e.calibrated_s if e.status == "measured" else None for e in self.entries])
-        return [{"plan": e.label, "status": e.status, "predicted_s": e.predicted_s, "measured_s": e.measured_s,
-                 "calibrated_s": e.calibrated_s, "predicted_peak": e.predicted_peak, "measured_peak": e.measured_peak,
-                 "rank_predicted": rp[i], "rank_measured": rm[i], "rank_calibrated": rc[i], "steps": e.steps,
-                 "note": e.reason} for i, e in enumerate(self.entries)]
+        """One row per plan, in the planner's order (:func:`table`)."""
+        return table(self.entries)
 
     def verdict(self) -> str:
         """One line: the winner, by how much, and tau before and after calibration."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,8 @@ WARMUP = 2
 def tournament(target: Any, k: int = 4, steps: int = 20, *, warmup: int = WARMUP, cv: float = CV,
                min_steps: int = MIN_STEPS, memory_limit_bytes: float | None = None, calibrate: bool = True,
                save: bool = True, warm: bool = True, timeout_s: float = 300.0, run_root: str | None = None,
-               source: Any = None, graph: Any = None, cluster: Any = None) -> TournamentResult:
+               source: Any = None, graph: Any = None, cluster: Any = None,
+               progress: Callable[[list[Entry]], None] | None = None) -> TournamentResult:
     """Run the chosen plan and its ``k`` best alternatives for up to ``steps`` steps each on local processes (one
     after the other, each at its plan's world size, through the warm pool), and compare what they measure with
     what the cost model predicted.
@@ -55,9 +57,12 @@ def tournament(target: Any, k: int = 4, steps: int = 20, *, warmup: int = WARMUP
             (default: the cluster's memory per rank).
         calibrate: fit the cost model to the measured step times and cost every plan again with the fit.
         save: store the fitted factors for the cluster's preset (``autopar_nb.calibration``), which the next plan
-            on this machine uses; only a CPU preset is calibrated by CPU processes.
+            on this machine uses (the session's next plan as well); only a CPU preset is calibrated by CPU
+            processes.
         timeout_s: the longest a trial may take before it is stopped and counted as failed.
         run_root: where the trials' run directories go (default: a new temporary directory).
+        progress: called with the entries when the list of plans is known and whenever one of them changes status
+            (``running``, then ``measured``/``failed``/``skipped``), from the thread the tournament runs in.
 
     Returns a :class:`~autopar_nb.launch.standings.TournamentResult`: its table (displayed in a notebook),
     ``tau``/``tau_calibrated``, ``winner``, ``margin`` and ``adopt()``.
@@ -75,13 +80,19 @@ def tournament(target: Any, k: int = 4, steps: int = 20, *, warmup: int = WARMUP
     limit = memory_limit_bytes or rank_memory(cluster)
     root = Path(run_root or tempfile.mkdtemp(prefix="autopar-tournament-"))
     entries = [entry_of(p, plan) for p in plans]
+    tell = progress or (lambda _entries: None)
+    tell(entries)
     for i, e in enumerate(entries):
         need = predicted_need(e.plan)
         if limit and need > limit:
             e.status, e.reason = "skipped", f"predicted {fmt_bytes(need)} per rank > {fmt_bytes(limit)}"
+            tell(entries)
             continue
+        e.status = "running"
+        tell(entries)
         trial(e, source, steps=steps, warmup=warmup, cv=cv, min_steps=min_steps, warm=warm, timeout_s=timeout_s,
               run_dir=root / f"plan{i}")
+        tell(entries)
     measured = [e for e in entries if e.status == "measured"]
     tau = kendall_tau([e.predicted_s for e in measured], [e.measured_s for e in measured]) \
         if len(measured) > 1 else None
@@ -96,6 +107,9 @@ def tournament(target: Any, k: int = 4, steps: int = 20, *, warmup: int = WARMUP
             calibration.store(preset, factors, {"runs": len(measured), "tournament": True, "scales": scales,
                                                 "measured_step_times_s": [e.measured_s for e in measured],
                                                 "predicted_step_times_s": [e.predicted_s for e in measured]})
+            if session is not None:  # its next plan too: the cluster it plans on took the old factors at its start
+                session.cluster = dataclasses.replace(cluster, calibration={**(cluster.calibration or {}),
+                                                                            **factors})
     return TournamentResult(entries=entries, tau=tau, tau_calibrated=tau_c, scales=scales, factors=factors,
                             preset=preset, nproc=plan.mesh.world_size, wall_s=time.perf_counter() - t0,
                             session=session)

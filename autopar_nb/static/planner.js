@@ -33,8 +33,9 @@ const NARROW_PX = 900; // below this widget width the side panels go below the g
 
 function render({ model, el, host }) {
   const ui = skeleton(model, el);
-  // the last Launch's dashboard, then the last Verify's progress: a Verify does not take a run's place
-  const stopPanels = ["panel", "verify_panel"].map((trait) => runPanel(ui, el, host, trait));
+  // the last Launch's dashboard, then the last Verify's progress, then the last Tournament's standings: none takes
+  // another's place
+  const stopPanels = ["panel", "verify_panel", "tournament_panel"].map((trait) => runPanel(ui, el, host, trait));
   toolbar(ui);
   const stopPanZoom = panZoom(ui);
   const stopGraph = graphEvents(ui);
@@ -79,12 +80,14 @@ function render({ model, el, host }) {
   model.on("change:messages", onMessages);
   model.on("change:selection", onSelection);
   model.on("change:timings", onTimings);
+  model.on("change:calibrated", onTimings);  // a tournament that ended calibrated the session's next plans
   const stopSize = reportViewport(ui), stopTheme = followTheme(ui), stopKernel = watchKernel(model, el, () => kernelGone(ui));
   return () => {
     model.off("change:revision", renderAll);
     model.off("change:messages", onMessages);
     model.off("change:selection", onSelection);
     model.off("change:timings", onTimings);
+    model.off("change:calibrated", onTimings);
     model.off("change:measured", onMeasured);
     stopPanZoom(); stopGraph(); stopBoard(); stopPanels.forEach((stop) => stop()); stopSize(); stopTheme(); stopKernel();
     if (ui.tl) { ui.tl.ro.disconnect(); ui.tl.u.destroy(); }
@@ -670,8 +673,10 @@ function renderHeader(ui) {
   ui.root.dataset.kernelMs = ((t.replan_ms || 0) + (t.refresh_ms || 0)).toFixed(1); // read by the browser tests
   const timing = [t.replan_ms != null ? `re-plan ${t.replan_ms.toFixed(0)} ms` : null,
     t.layout_ms != null ? `layout ${t.layout_ms.toFixed(0)} ms` : null].filter(Boolean).join(" · ");
+  const cal = model.get("calibrated") || {};
   ui.header.replaceChildren(
-    h("div", { class: "ap-title" }, h("b", {}, "autopar"), " ", h("span", { class: "ap-summary" }, model.get("summary"))),
+    h("div", { class: "ap-title" }, h("b", {}, "autopar"), " ", h("span", { class: "ap-summary" }, model.get("summary")),
+      cal.text ? h("span", { class: "ap-calibrated", title: cal.title }, cal.text) : null),
     h("div", { class: "ap-header-buttons" },
       h("button", { class: "ap-btn ap-undo", disabled: !model.get("can_undo"), title: "undo (ap.undo())",
         onclick: () => send({ kind: "undo" }) }, "↶ undo"),
@@ -680,7 +685,11 @@ function renderHeader(ui) {
       model.get("actions").flatMap((a) => [
         h("button", { class: `ap-btn ap-action ap-action-${a}`, title: `ap.${a}()`,
           onclick: () => send({ kind: "action", name: a }) }, a[0].toUpperCase() + a.slice(1)),
-        a === "verify" || a === "launch" ? runInput(ui, `${a}_steps`, "steps", `steps of ap.${a}()`) : null]),
+        a === "verify" || a === "launch" ? runInput(ui, `${a}_steps`, "steps", `steps of ap.${a}()`) : null,
+        ...(a === "tournament" ? [
+          runInput(ui, "tournament_k", "k", "alternatives measured beside the plan (ap.tournament(k=...))"),
+          runInput(ui, "tournament_steps", "steps", "the most steps a trial runs (it stops once they are stable)"),
+        ] : [])]),
       model.get("actions").some((a) => a === "verify" || a === "launch")
         ? runInput(ui, "nproc", "processes", "processes for Verify and Launch") : null,
       h("span", { class: "ap-timing" }, timing)));

@@ -1,10 +1,12 @@
-"""What the Verify / Export / Launch buttons run on and say: the processes a plan runs on here, and the message for
-what ``ap.<action>()`` returned (led by one line when the plan ran at another process count than it was made for)."""
+"""What the Verify / Export / Launch / Tournament buttons run on and say: the processes a plan runs on here, when a
+button must wait for another's processes, the message for what ``ap.<action>()`` returned (led by one line when the
+plan ran at another process count than it was made for), and the calibration the header names."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from .. import calibration
 from ..plan import Plan
 
 
@@ -18,6 +20,45 @@ def local_nproc(plan: Plan) -> int:
     if world <= avail:
         return world
     return mp * max(1, min(plan.mesh.dp, avail // mp))
+
+
+def refusal(name: str, jobs: dict[str, Any]) -> str:
+    """Why the button ``name`` may not start now ("" when it may): a tournament measures step times, so nothing
+    else runs processes beside its trials (they would measure each other), and it does not start beside a launched
+    run or a Verify. ``jobs``: the widget's last background jobs by button ("verify", "tournament")."""
+    if name not in ("verify", "launch", "tournament"):
+        return ""
+    job = jobs.get("tournament")
+    if job is not None and not job.done:
+        return (f"a tournament is running ({job.message}); its trials measure step times, which the {name} would "
+                "slow down. Wait for it: its standings below say when it ends")
+    if name != "tournament":
+        return ""
+    from ..launch import live_runs
+
+    alive = live_runs()
+    if alive:
+        r = alive[0]
+        return (f"a launched run is {r.status} (run {r.run_id[:8]}, {r.nproc} processes): the tournament's trials "
+                "would share this machine with it and measure each other. Stop it (the dashboard's Stop, or "
+                "run.stop()) or let it finish, then press Tournament again")
+    verify = jobs.get("verify")
+    if verify is not None and not getattr(verify, "done", True):
+        return ("a Verify is running: the tournament's trials would share this machine with it. Let it finish (or "
+                "press its Stop), then press Tournament again")
+    return ""
+
+
+def calibrated_badge(cluster: Any) -> dict[str, str]:
+    """{"text": "calibrated on <date> from N runs", "title": where the factors are and how to forget them} when
+    ``cluster`` plans with measured step-time factors (``calibration.apply``, or a tournament of this session);
+    {} with the cost model's defaults."""
+    held = getattr(cluster, "calibration", None) or {}
+    preset = getattr(cluster, "name", "") or ""
+    if not any(k in held for k in calibration.SPEED_KEYS):
+        return {}
+    text = calibration.speed_badge(preset)
+    return {"text": text, "title": calibration.speed_text(preset)} if text else {}
 
 
 def scaled_line(plan: Any) -> str:
@@ -41,6 +82,9 @@ def action_message(name: str, result: Any, kwargs: dict | None = None, ran: Any 
     elif name == "launch":
         text, detail = (f"ap.launch({args}): the live dashboard is below; the Run is ap.widget().last_result "
                         "(.wait(), .stop(), .samples, .metrics)", repr(result))
+    elif name == "tournament":
+        text, detail = (f"ap.tournament({args}) runs in the background: its standings are below "
+                        "(ap.widget().last_result.wait() returns the TournamentResult)", "")
     elif name == "verify" and hasattr(result, "view"):
         text, detail = (f"ap.verify({args}) runs in the background: its progress is below "
                         "(ap.widget().last_result.wait() returns the VerifyReport)", "")

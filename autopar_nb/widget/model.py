@@ -20,7 +20,8 @@ from ..hardware import Cluster
 from ..launch.dashboard import SHARED_JS, STATIC, UPLOT, bundle
 from ..plan import RECOMPUTE, Plan, PlanError
 from . import editor, measured, options, panels, stage_moves, timeline
-from .actions import action_message, local_nproc
+from .actions import action_message, calibrated_badge, local_nproc, refusal
+from .describe import describe
 from .layout import (
     DEFAULT_VIEWPORT,
     LEGIBLE_SCALE,
@@ -33,7 +34,7 @@ from .layout import (
     svg_size,
 )
 
-ACTIONS = ("verify", "export", "launch")
+ACTIONS = ("verify", "export", "launch", "tournament")
 
 
 class PlannerWidget(anywidget.AnyWidget):
@@ -102,14 +103,20 @@ class PlannerWidget(anywidget.AnyWidget):
     """the session methods offered as buttons (only those the session has)"""
     timings = t.Dict().tag(sync=True)
     """milliseconds: layout, render, replan (the last edit's planner time)"""
-    run_options = t.Dict({"nproc": None, "verify_steps": 5, "launch_steps": 50}).tag(sync=True)
-    """the Verify/Launch inputs, written by the front end: processes (None: ``run_defaults``) and steps"""
+    run_options = t.Dict({"nproc": None, "verify_steps": 5, "launch_steps": 50, "tournament_k": 4,
+                          "tournament_steps": 20}).tag(sync=True)
+    """the Verify/Launch/Tournament inputs, written by the front end: processes (None: ``run_defaults``), steps,
+    the tournament's alternatives"""
     run_defaults = t.Dict().tag(sync=True)
     """{"nproc": processes this machine runs the plan on (local_nproc)}"""
     panel = anywidget.WidgetTrait().tag(sync=True)
     """the last Launch's live dashboard, below the planner"""
     verify_panel = anywidget.WidgetTrait().tag(sync=True)
     """the last Verify's progress, below the dashboard: a Verify does not take a run's place"""
+    tournament_panel = anywidget.WidgetTrait().tag(sync=True)
+    """the last Tournament's progress and standings, below the others"""
+    calibrated = t.Dict().tag(sync=True)
+    """{text: "calibrated on <date> from N runs", title} when the session plans with measured step-time factors"""
     revision = t.Int(0).tag(sync=True)
     """incremented on every refresh"""
 
@@ -133,6 +140,9 @@ class PlannerWidget(anywidget.AnyWidget):
         self._runs: list = []
         """the launched runs this widget follows (measured.FOLLOWED latest): their figures sit beside the plan's"""
         self._measured_at = 0.0
+        self._jobs: dict[str, Any] = {}
+        """the last background Verify and Tournament: while one runs, the buttons that would share the machine
+        are refused"""
         self.on_msg(self._on_msg)
         self.observe(self._on_viewport, names="viewport")
         observers = getattr(session, "_observers", None)
@@ -272,6 +282,7 @@ class PlannerWidget(anywidget.AnyWidget):
             self.can_undo, self.can_redo = bool(getattr(s, "_undo", None)), bool(getattr(s, "_redo", None))
             self.actions = [a for a in ACTIONS if callable(getattr(s, a, None))]
             self.run_defaults = {"nproc": local_nproc(plan)} if plan is not None else {}
+            self.calibrated = calibrated_badge(s.cluster)
             self._refresh_ms = (time.perf_counter() - t_start) * 1e3
             self.timings = {"layout_ms": (t1 - t0) * 1e3, "render_ms": 0.0, "refresh_ms": self._refresh_ms,
                             "replan_ms": self._replan_ms}
@@ -311,7 +322,7 @@ class PlannerWidget(anywidget.AnyWidget):
                 code = fn(self, msg)
             except (PlanError, ValueError, KeyError, IndexError, TypeError) as e:
                 text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-                self._say("error", f"{_describe(msg)} was not applied: {text}. The previous plan is kept; undo/redo "
+                self._say("error", f"{describe(msg)} was not applied: {text}. The previous plan is kept; undo/redo "
                                    f"and your other choices are unchanged.")
                 return
             if code is None:  # view-only message
@@ -334,7 +345,7 @@ class PlannerWidget(anywidget.AnyWidget):
                 note = extra + note
             n = len(self.change_groups)
             done = "adopted, nothing re-planned" if kind == "adopt" else f"re-planned in {self._replan_ms:.0f} ms"
-            self._say("info", f"{_describe(msg)}: {done} ({n} change{'s' if n != 1 else ''}).{note} As code: {code}")
+            self._say("info", f"{describe(msg)}: {done} ({n} change{'s' if n != 1 else ''}).{note} As code: {code}")
 
     def _say(self, level: str, text: str, detail: str = "") -> None:
         self.messages = [{"level": level, "text": text, "detail": detail}]
@@ -531,6 +542,10 @@ class PlannerWidget(anywidget.AnyWidget):
         name = msg["name"]
         if name not in self.actions:
             raise ValueError(f"{name!r} is not available on this session")
+        why = refusal(name, self._jobs)
+        if why:
+            self._say("error", f"{name.capitalize()} refused: {why}.")
+            return None
         fn = getattr(self.session, name)
         kwargs = {}
         params = inspect.signature(fn).parameters
@@ -543,6 +558,9 @@ class PlannerWidget(anywidget.AnyWidget):
             if name == "verify" and callable(getattr(self.session, "plan_for", None)) and "nproc" in kwargs:
                 ran = self.session.plan_for(kwargs["nproc"])
                 result = self._verify_in_background(ran, **kwargs)
+            elif name == "tournament":
+                kwargs = {k: int(self.run_options.get(f"tournament_{k}") or d) for k, d in (("k", 4), ("steps", 20))}
+                result = self._tournament_in_background(**kwargs)
             else:
                 result = fn(**kwargs)
         except Exception as e:  # shown inline: an action failing must not break the widget
@@ -559,8 +577,19 @@ class PlannerWidget(anywidget.AnyWidget):
         """ap.verify(steps, nproc), run in a child process so the kernel stays free; its progress view goes below."""
         from ..verify import job as verify_job
 
-        job = verify_job.VerifyJob(self.session.source, plan, steps=steps, nproc=nproc)
+        job = self._jobs["verify"] = verify_job.VerifyJob(self.session.source, plan, steps=steps, nproc=nproc)
         self.verify_panel = job.view()
+        return job
+
+    def _tournament_in_background(self, *, k: int, steps: int):
+        """ap.tournament(k, steps), run in a thread so the kernel stays free; its standings go below. When it ends,
+        the header says which calibration the session's next plan uses."""
+        from ..launch.tournament_job import TournamentJob
+
+        job = self._jobs["tournament"] = TournamentJob(self.session, k, steps)
+        job.add_listener(lambda j: setattr(self, "calibrated", calibrated_badge(self.session.cluster)) if j.done
+                         else None)
+        self.tournament_panel = job.view()
         return job
 
     def _select(self, msg) -> None:
@@ -621,32 +650,3 @@ _LAYER_EDITS = {"strategy", "shard", "recompute", "unpin", "stage", "boundary"}
 def _call(method: str, layer: str, choices: dict[str, Any]) -> str:
     args = ", ".join(f"{k}={v!r}" for k, v in choices.items())
     return f"ap.{method}({layer!r}, {args})"
-
-
-def _describe(msg: dict[str, Any]) -> str:
-    kind = msg.get("kind")
-    label = editor.STRATEGY_LABELS.get(msg.get("value"), msg.get("value"))
-    layers = msg.get("layers") or ([msg["layer"]] if msg.get("layer") else [])
-    who = msg.get("pattern") or (layers[0] if len(layers) == 1 else f"{len(layers)} layers")
-    if kind == "strategy":
-        return f"{msg.get('layer')}: strategy {label}"
-    if kind == "shard":
-        return f"{who} → {label}"
-    if kind == "recompute":
-        return f"{who}: recompute {msg.get('value')}"
-    if kind == "stage":
-        return f"{msg.get('layer')} -> stage {msg.get('stage')}"
-    if kind == "boundary":
-        return f"stage {msg.get('stage')} starts at {msg.get('layer')}"
-    if kind == "global":
-        return f"{editor.GLOBAL_NAMES.get(msg.get('key'), msg.get('key'))} = {msg.get('value')}"
-    if kind == "precision":
-        where = editor.OP_LISTS.get(msg.get("list"), msg.get("list"))
-        return f"{msg.get('action', 'add')} {msg.get('op')!r} ({where})"
-    if kind == "cluster":
-        return f"cluster {msg.get('preset')} {msg.get('nodes')} x {msg.get('gpus_per_node')}"
-    if kind == "adopt":
-        return f"adopt alternative {int(msg.get('index', 0)) + 1}"
-    if kind == "unpin":
-        return f"{msg.get('layer')}: back to the planner's choice"
-    return str(kind)
