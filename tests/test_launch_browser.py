@@ -7,6 +7,7 @@ server from test_browser.jupyterlab_server), driven as a user would from the pla
    $AUTOPAR_SCREENSHOTS/dashboard.png and dashboard_dark.png (see test_browser.py); Stop ends every worker.
 2. A run whose rank 1 raises: the dashboard names rank 1 as the cause, with its traceback.
 3. Verify (3 steps): the progress view below the planner ends with one row per step, each marked pass with its rule.
+4. Tournament (the seed MLP, k=2, 3 steps): the standings and the chart, Adopt, the header's calibration.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ from pathlib import Path
 import nbformat
 import pytest
 import test_browser
-from test_browser import CHROMIUM, CHROMIUM_FLAGS, IMG, KERNEL_IS, jupyterlab_server, run_cell_writing
+from test_browser import (
+    CHROMIUM,
+    CHROMIUM_FLAGS,
+    IMG,
+    KERNEL_IS,
+    jupyterlab_server,
+    notebook_page,
+    run_cell_writing,
+)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "train_fixture.py"
 
@@ -164,3 +173,44 @@ def type_in(page, selector: str, value: int) -> None:
     """Type a number into one of the widget's inputs, as a user does (the change event sends it to the kernel)."""
     page.locator(selector).fill(str(value))
     page.locator(selector).dispatch_event("change")
+
+
+def test_tournament_from_the_widget(tmp_path):
+    """The Tournament button on the seed MLP (k=2, 3 steps, 2 processes): the kernel stays free while it runs, the
+    standings end with a row per plan and a point per plan on the chart, in the light and the dark theme (screenshots
+    tournament.png, tournament_dark.png); Adopt answers; the header names the calibration the next plan uses."""
+    from playwright.sync_api import expect
+
+    from autopar_nb.demo import QUICKSTART_CELL
+
+    cells = ["%load_ext autopar_nb", "%%autoparallel --gpu cpu --gpus 2 --batch 32\n" + QUICKSTART_CELL]
+    with notebook_page(tmp_path, cells, widgets=1) as (page, errors):
+        type_in(page, "input.ap-run-tournament-k", 2)
+        type_in(page, "input.ap-run-tournament-steps", 3)
+        page.locator("button.ap-action-tournament").click()
+        view = page.locator(".ap-run-panel .apd-tournament")
+        expect(view.locator(".apd-state")).to_have_attribute("data-state", "running", timeout=60_000)
+        page.wait_for_function(KERNEL_IS % "idle", timeout=30_000)  # the trials run; the kernel is free
+        free_while_running = view.locator(".apd-state").get_attribute("data-state") == "running"
+        expect(view.locator(".apd-state")).to_have_attribute("data-state", "finished", timeout=400_000)
+        expect(view.locator("tr[data-row]")).to_have_count(3)
+        expect(view.locator('tr[data-status="measured"]')).to_have_count(3)
+        expect(view.locator("circle.apt-pred")).to_have_count(3)
+        expect(view.locator(".apt-verdict")).to_contain_text("Kendall's tau")
+        expect(page.locator(".ap-header .ap-calibrated")).to_contain_text("from 3 runs")
+        IMG.mkdir(parents=True, exist_ok=True)
+        view.scroll_into_view_if_needed()
+        view.screenshot(path=str(IMG / "tournament.png"))
+        page.evaluate("jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
+        page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'", timeout=20_000)
+        page.wait_for_timeout(1000)
+        view.screenshot(path=str(IMG / "tournament_dark.png"))
+        dark_bg = view.evaluate("e => getComputedStyle(e).backgroundColor")
+        page.evaluate("jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
+        view.locator("button.apt-adopt").click()
+        expect(view.locator(".apt-adopted")).to_contain_text("plan", timeout=30_000)
+        adopted = view.locator(".apt-adopted").inner_text()
+    assert free_while_running
+    assert dark_bg not in ("rgb(255, 255, 255)", "rgba(0, 0, 0, 0)"), dark_bg
+    assert adopted.startswith("adopted ") or adopted.endswith(" is the plan already"), adopted
+    assert not [e for e in errors if "apd" in e or "apt" in e or "planner" in e], errors

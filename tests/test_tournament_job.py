@@ -83,7 +83,8 @@ def test_the_tournament_button_measures_in_the_background_and_adopts_the_winner(
     assert [e.plan for e in result.entries] == plans
     assert any(m.startswith("trial 3 of 3: ") for m in seen), seen  # each trial as it starts
     assert view.progress == {"done": 3, "total": 3, "k": 2, "steps": 3}
-    assert view.status == "finished" and view.message == result.verdict() and view.error == ""
+    assert view.status == "finished" and view.message.startswith("3 of 3 plans measured on 2 processes in ")
+    assert view.summary["verdict"] == result.verdict() and view.error == ""
     assert [r["status"] for r in view.rows] == ["measured"] * 3, view.rows
     assert all(r["measured_s"] > 0 and r["calibrated_s"] > 0 and r["rank_measured"] for r in view.rows)
     winner = result.entries.index(result.winner)
@@ -96,6 +97,8 @@ def test_the_tournament_button_measures_in_the_background_and_adopts_the_winner(
     assert any(line.startswith("Step times calibrated on ") for line in s.plan.explanation), s.plan.explanation
     s.undo()
     view._on_front_end_msg(view, {"event": "adopt"}, [])
-    assert s.plan.diff(result.winner.plan) == [] and "plan" in view.adopted, view.adopted
+    assert s.plan.diff(result.winner.plan) == [], view.adopted
+    assert view.adopted in (f"adopted {result.winner.label} (ap.undo() goes back)",
+                            f"{result.winner.label} is the plan already"), view.adopted
     print(f"tournament through the widget: handler {returned_s * 1e3:.0f} ms, tournament {result.wall_s:.1f} s; "
           f"{result.verdict()}")

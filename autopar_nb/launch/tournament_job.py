@@ -101,7 +101,10 @@ class TournamentJob:
         try:
             self.result = tournament(self.session, self.k, self.steps, progress=self._progress, **kwargs)
             self.entries = list(self.result.entries)
-            self.status, self.message = "finished", self.result.verdict()
+            r = self.result
+            self.status = "finished"
+            self.message = (f"{len(r.measured)} of {len(r.entries)} plans measured on {r.nproc} processes in "
+                            f"{r.wall_s:.1f} s")
         except Exception as e:  # shown in the view: the kernel keeps running
             self.status, self.error = "failed", traceback.format_exc()
             self.message = f"the tournament failed: {type(e).__name__}: {e}"

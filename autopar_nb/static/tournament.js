@@ -15,17 +15,19 @@ function h(tag, attrs = {}, ...children) {
 const rank = (r) => ["rank_predicted", "rank_measured", "rank_calibrated"].map((k) => r[k] ?? "–").join("/");
 const tau = (v) => (v === null || v === undefined ? "n/a" : `${v >= 0 ? "+" : ""}${v.toFixed(2)}`);
 
-// measured (y) against predicted (x) step time, one point per measured plan labelled with its row number; hollow
-// points are the calibrated predictions; on the diagonal a prediction is exact
+// measured (y) against predicted (x) step time on log axes (a CPU prediction can be off by 10x and more before
+// calibration), one point per measured plan labelled with its row number; hollow points are the calibrated
+// predictions; on the diagonal a prediction is exact
 function chart(rows) {
   const pts = rows.map((r, i) => ({ ...r, i })).filter((r) => r.measured_s !== null && r.measured_s !== undefined);
   if (!pts.length) return h("div", { class: "apt-chart-empty" }, "the chart fills in as plans are measured");
   const W = 320, H = 220, L = 52, B = 34, T = 10, R = 10;
   const xs = pts.flatMap((p) => [p.predicted_s, p.calibrated_s]).filter((v) => v !== null && v !== undefined);
   const all = [...xs, ...pts.map((p) => p.measured_s)];
-  const lo = Math.min(...all) * 0.9, hi = Math.max(...all) * 1.1;
-  const sx = (v) => L + (W - L - R) * (v - lo) / (hi - lo || 1);
-  const sy = (v) => H - B - (H - B - T) * (v - lo) / (hi - lo || 1);
+  const lo = Math.min(...all) / 1.2, hi = Math.max(...all) * 1.2;
+  const frac = (v) => Math.log(v / lo) / Math.log(hi / lo);
+  const sx = (v) => L + (W - L - R) * frac(v);
+  const sy = (v) => H - B - (H - B - T) * frac(v);
   const svg = { svg: true };
   const marks = pts.flatMap((p) => [
     p.calibrated_s !== null && p.calibrated_s !== undefined
@@ -44,7 +46,7 @@ function chart(rows) {
     h("text", { ...svg, class: "apt-tick", x: L - 4, y: H - B, "text-anchor": "end" }, secs(lo)),
     h("text", { ...svg, class: "apt-tick", x: L - 4, y: T + 8, "text-anchor": "end" }, secs(hi)),
     h("text", { ...svg, class: "apt-axis-label", x: (L + W - R) / 2, y: H - 4, "text-anchor": "middle" },
-      "predicted step time (● before, ○ after calibration)"),
+      "predicted step time, log (● before, ○ after calibration)"),
     h("text", { ...svg, class: "apt-axis-label", x: 12, y: (T + H - B) / 2, "text-anchor": "middle",
       transform: `rotate(-90 12 ${(T + H - B) / 2})` }, "measured"),
     marks);
@@ -88,10 +90,10 @@ function render({ model, el }) {
         h("td", { class: "apd-left apd-muted" }, r.note || ""))))));
     plot.replaceChildren(chart(rows));
     const lines = [];
-    if (sum.verdict) {
-      lines.push(h("p", { class: "apt-verdict" }, sum.verdict));
-      lines.push(h("p", {}, `Kendall's tau of predicted vs measured order: ${tau(sum.tau)} before calibration, `
-        + `${tau(sum.tau_calibrated)} after (fitted on these runs)`));
+    if (sum.verdict) lines.push(h("p", { class: "apt-verdict" }, sum.verdict));
+    if (sum.tau_calibrated !== null && sum.tau_calibrated !== undefined) {
+      lines.push(h("p", {}, `tau after calibration ${tau(sum.tau_calibrated)} is in-sample: the factors were fitted `
+        + "on these runs; the next plans show whether they hold"));
     }
     if (sum.saved) lines.push(h("p", { class: "apt-saved" }, sum.saved));
     if (model.get("adopted")) lines.push(h("p", { class: "apt-adopted" }, model.get("adopted")));
