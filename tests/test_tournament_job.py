@@ -102,3 +102,57 @@ def test_the_tournament_button_measures_in_the_background_and_adopts_the_winner(
                             f"{result.winner.label} is the plan already"), view.adopted
     print(f"tournament through the widget: handler {returned_s * 1e3:.0f} ms, tournament {result.wall_s:.1f} s; "
           f"{result.verdict()}")
+
+
+def fake_job(status: str, rows: list[dict]) -> types.SimpleNamespace:
+    """What a TournamentView reads of a job, without processes."""
+    done = [types.SimpleNamespace(status=r["status"]) for r in rows]
+    return types.SimpleNamespace(status=status, message="3 of 3 plans measured on 2 processes in 85.3 s", error=None,
+                                 entries=done, k=2, steps=3, result=None, adopted="", add_listener=lambda fn: None,
+                                 rows=lambda: rows)
+
+
+ROWS = [{"plan": p, "status": "measured", "predicted_s": pred, "measured_s": meas, "calibrated_s": cal,
+         "predicted_peak": 16.0 * 2**20, "measured_peak": 59.3 * 2**20, "rank_predicted": i + 1,
+         "rank_measured": rm, "rank_calibrated": i + 1, "steps": 3, "note": ""}
+        for i, (p, pred, meas, cal, rm) in enumerate([("dp=1 tp=2 pp=1 zero=0", 3.35e-3, 17.2e-3, 20.8e-3, 1),
+                                                      ("dp=1 tp=1 pp=2 zero=0 1f1b x8", 4.56e-3, 0.292, 29.6e-3, 3),
+                                                      ("dp=1 tp=1 pp=2 zero=0 1f1b x4", 4.67e-3, 0.171, 30.5e-3, 2)])]
+VIEW_STATE = """(root) => ({rows: root.querySelectorAll('tr[data-row]').length,
+  winner: [...root.querySelectorAll('tr[data-winner="true"]')].map((r) => r.dataset.row),
+  predicted: root.querySelectorAll('circle.apt-pred').length,
+  calibrated: root.querySelectorAll('circle.apt-cal').length,
+  adopt: root.querySelector('button.apt-adopt').disabled, bg: getComputedStyle(root).backgroundColor,
+  gone: (root.querySelector('.apd-kernel-gone') || {}).textContent || null})"""
+
+
+@pytest.mark.parametrize("dark", [False, True], ids=["light", "dark"])
+def test_the_tournament_view_draws_the_standings_and_the_chart(dark):
+    """The view's front end (static/tournament.js) in chromium, without Jupyter: a row and a point per measured plan
+    (a hollow one for its calibrated prediction), the winner marked, Adopt only once the tournament ended, the
+    theme's colours, and the kernel's end said (Adopt then reaches nothing, so it is disabled)."""
+    from test_widget import JL_DARK, JL_LIGHT, widget_page
+
+    from autopar_nb.launch.tournament_job import TournamentView
+
+    view = TournamentView(fake_job("finished", ROWS))
+    view.summary = {"tau": 1 / 3, "tau_calibrated": 1.0, "winner": 0, "margin": 0.9, "wall_s": 85.3, "nproc": 2,
+                    "verdict": "winner: the planner's choice", "saved": "calibration saved for the cpu preset"}
+    with widget_page(view, JL_DARK if dark else JL_LIGHT, width=1024) as (page, errors):
+        root = page.locator(".apd-tournament")
+        ended = root.evaluate(VIEW_STATE)
+        root.locator("button.apt-adopt").click()
+        sent = page.evaluate("() => window.__sent")
+        page.evaluate("() => window.__set('status', 'running')")
+        running = root.evaluate(VIEW_STATE)
+        page.evaluate("() => window.__set('status', 'finished')")
+        page.evaluate("() => document.querySelector('.apd-tournament').parentElement.classList"
+                      ".add('jupyter-widgets-disconnected')")
+        page.wait_for_selector(".apd-kernel-gone")
+        gone = root.evaluate(VIEW_STATE)
+    assert not errors, errors
+    assert ended["rows"] == 3 and ended["predicted"] == 3 and ended["calibrated"] == 3, ended
+    assert ended["winner"] == ["0"] and not ended["adopt"] and ended["gone"] is None, ended
+    assert sent == [{"event": "adopt"}] and running["adopt"], (sent, running)
+    assert (ended["bg"] == "rgb(33, 33, 33)") == dark and ended["bg"] != "rgba(0, 0, 0, 0)", ended
+    assert gone["adopt"] and gone["gone"].startswith("The kernel stopped"), gone

@@ -131,7 +131,7 @@ class TournamentView(anywidget.AnyWidget):
     """Progress and standings of a :class:`TournamentJob` (the job's thread sets the traits): a bar, one row per
     plan, a chart of measured against predicted step time per plan, the verdict, and Adopt."""
 
-    _esm = bundle(STATIC / "units.js", STATIC / "tournament.js")
+    _esm = bundle(STATIC / "units.js", STATIC / "kernel.js", STATIC / "tournament.js")
     _css = bundle(STATIC / "dashboard.css")
     status = traitlets.Unicode("running").tag(sync=True)
     message = traitlets.Unicode("").tag(sync=True)

@@ -1,6 +1,6 @@
 // A tournament's progress and standings (autopar_nb/launch/tournament_job.py, TournamentView): a bar, one row per
 // plan, measured against predicted step time per plan as a chart, the verdict, and Adopt. Renders the model's
-// traits (units.js in front of it writes the units); holds no logic.
+// traits (static/units.js in front of it writes the units, static/kernel.js watches the kernel); holds no logic.
 
 function h(tag, attrs = {}, ...children) {
   const e = document.createElementNS(attrs.svg ? "http://www.w3.org/2000/svg" : "http://www.w3.org/1999/xhtml", tag);
@@ -102,8 +102,18 @@ function render({ model, el }) {
     error.replaceChildren(...(err ? [h("div", { class: "apd-error-head" }, model.get("message")),
       h("pre", { class: "apd-pre apd-traceback" }, err)] : []));
   }
-  for (const k of ["status", "message", "progress", "rows", "summary", "adopted", "error"]) model.on(`change:${k}`, draw);
+  let gone = false;
+  const onChange = () => { draw(); if (gone) adopt.disabled = true; };
+  const keys = ["status", "message", "progress", "rows", "summary", "adopted", "error"];
+  for (const k of keys) model.on(`change:${k}`, onChange);
   draw();
+  const stopKernel = watchKernel(model, el, () => {
+    gone = true;
+    root.prepend(h("div", { class: "apd-kernel-gone", role: "alert" }, h("b", {}, "The kernel stopped"),
+      " (it died or was restarted): the tournament ended with it; these standings are the last the old kernel sent."));
+    adopt.disabled = true;
+  });
+  return () => { stopKernel(); for (const k of keys) model.off(`change:${k}`, onChange); };
 }
 
 export default { render };
