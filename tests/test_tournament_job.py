@@ -64,6 +64,18 @@ def test_a_failed_tournament_says_why_and_the_widget_works_on(monkeypatch, tmp_p
     assert w.last_result is not job
 
 
+
+def test_the_header_names_the_calibration_the_session_plans_with(monkeypatch, tmp_path):
+    s, w = tournament_widget(monkeypatch, tmp_path)
+    assert w.calibrated == {}  # the cost model's defaults
+    calibration.store("cpu", {"eff_fp32_matmul": 0.5, "cpu_op_s": 2e-5}, {"runs": 5, "tournament": True})
+    s.replan(cluster=calibration.apply(s.cluster))
+    today = time.strftime("%Y-%m-%d")
+    assert w.calibrated == {"text": f"calibrated on {today} from 5 runs", "title": calibration.speed_text("cpu")}
+    assert w.calibrated["title"].startswith(f"Step times calibrated on {today} from 5 runs on this machine (cpu; ")
+    s.undo()
+    assert w.calibrated == {}
+
 @pytest.mark.multiprocess
 def test_the_tournament_button_measures_in_the_background_and_adopts_the_winner(monkeypatch, tmp_path):
     """k=2, 3 steps on 2 gloo processes through the widget's message: the handler returns at once, the view shows
