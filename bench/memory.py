@@ -67,6 +67,8 @@ PLANS = {
     "ep-dp": {"dp": 4, "tp": 1, "pp": 1, "zero_stage": 0, "ep": 4},
     "ep-pp": {"dp": 2, "tp": 1, "pp": 2, "zero_stage": 0, "ep": 2, "micro_batches": 4, "schedule": "1f1b"},
     "cp-zero3": {"dp": 2, "tp": 1, "pp": 1, "cp": 2, "zero_stage": 3},
+    # FSDP over the dp x cp ranks beside TP (torchtitan's dp_shard_cp x tp)
+    "cp-tp": {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "zero_stage": 3},
 }
 """plan name -> the planner's fixed choices (fp32, no recompute unless --amp / --recompute)"""
 ALL = "LLaMA,Qwen2,GPT-NeoX,GPT-2,BERT,T5,ViT,Mixtral"
@@ -90,6 +92,7 @@ COMPOSITIONS = [
     ("LLaMA,GPT-2,Mixtral", "zero3-tp-pp", "none,bf16", "none,full"),
     ("Mixtral", "ep-dp,ep-pp", "none,bf16", "none,full"),
     ("LLaMA,GPT-2,Mixtral", "cp-zero3", "none,bf16", "none,full"),
+    ("LLaMA,GPT-2,Mixtral", "cp-tp", "none,bf16", "none,full"),
 ]
 """the composition table's groups: techniques together, as the planner offers them at scale (``--compositions``)"""
 QUICK = [

@@ -52,11 +52,19 @@ def test_script_splits_sequences_over_cp_ranks():
     assert "build_mesh(device, PP, DP, TP)" in render_script(src, make_plan(src, dp=2))  # nothing without cp
 
 
-def test_script_refuses_what_cp_cannot_run():
+def test_script_splits_sequences_beside_tensor_parallelism():
+    """cp x tp: the ring runs over the cp ranks of one tp rank (its heads), gradients averaged over dp_cp."""
     src = ModelSource(LLAMA_CELL)
-    with pytest.raises(NotImplementedError, match=r"context parallelism \(cp=2\) beside tensor parallelism"):
-        render_script(src, cp_plan(src, tp=2, tp_styles={"layers.0.feed_forward.w1": "colwise",
-                                                          "layers.0.feed_forward.w2": "rowwise"}))
+    tp = {"layers.0.feed_forward.w1": "colwise", "layers.0.feed_forward.w2": "rowwise"}
+    text = render_script(src, cp_plan(src, tp=2, zero=3, tp_styles=tp))
+    assert "PP, DP, CP, TP = 1, 1, 2, 2  # plan.mesh: world = PP * DP * CP * TP = 4" in text
+    assert 'shard = functools.partial(sequence_shards, mesh["cp"], causal=CAUSAL)' in text
+    assert "parallelize_module(" in text and 'apply_fsdp(part, mesh["dp_cp"]' in text
+    with pytest.raises(NotImplementedError, match=r"dp\(1\) x cp\(2\) x tp\(2\) with ZeRO-1"):
+        render_script(src, cp_plan(src, tp=2, zero=1, tp_styles=tp))
+
+
+def test_script_refuses_what_cp_cannot_run():
     own_loss = ModelSource(LLAMA_CELL + "\ndef loss_fn(model, batch):\n    return model(batch[0]).float().mean()\n",
                            loss_fn_var="loss_fn")
     with pytest.raises(PlanError, match="defines its own loss_fn: context parallelism computes the default loss"):
@@ -172,6 +180,43 @@ def test_cost_of_context_parallelism():
     assert set(two.tp_comm) == {"all_gather", "send_recv"} and two.tp_exposed > 0
     cost = ev.evaluate(Setting(cp=2), [LayerChoice() for _ in prof.layers])
     assert cost.comm_by_kind["all_gather"] > 0 and cost.comm_by_kind["all_reduce"] > 0  # dp_cp gradient all-reduce
+
+
+def test_cost_of_context_parallelism_beside_tensor_parallelism():
+    """Under TP a rank's attention has half the heads: the ring's keys and values, its working set and the
+    attention output's copy are half of those at tp=1 (the cp group is the ranks with the same tp rank)."""
+    import autopar_nb as ap
+    from autopar_nb.cost.estimate import Evaluator
+    from autopar_nb.cost.profile import profile
+
+    prof = profile(tiny_llama_graph(), device_kind="cpu")
+    ev = Evaluator(prof, ap.Cluster.preset("cpu", gpus_per_node=4), seq_ratio=1024)
+    terms = {(tp, cp): ev.terms(1, tp=tp, sp=False, precision="fp32", mb_samples=1.0, cp=cp)
+             for tp in (1, 2) for cp in (1, 2)}
+    share = 1.0 / prof.batch * 1024 / 2
+    one, two = terms[2, 1], terms[2, 2]
+    assert two.act["none"] == pytest.approx(one.act["none"] / 2 + prof.layers[1].q_bytes * share / 2)
+    held = {tp: ev._ring(prof.layers[1], {}, cp=2, tp=tp, half=False, scale=share) for tp in (1, 2)}
+    assert held[2] == pytest.approx(held[1] / 2)  # what the ring's backward holds at the attention op
+    assert terms[2, 2].tp_comm["send_recv"] < terms[1, 2].tp_comm["send_recv"]
+
+
+def test_planner_offers_context_beside_tensor_parallelism():
+    """cp x tp is planned (the TP styles, sequence parallelism and loss_parallel as without cp); cp x pp is
+    refused with the reason."""
+    import autopar_nb as ap
+
+    src = hf_source("LLaMA")
+    model, inputs, _ = src.build(device="meta")
+    graph = ap.capture(model, inputs)
+    cluster = ap.Cluster.preset("cpu", gpus_per_node=4)
+    plan = ap.plan(graph, cluster, fix={"cp": 2, "tp": 2}, global_batch=2)
+    assert (plan.mesh.cp, plan.mesh.tp, plan.mesh.dp) == (2, 2, 1) and plan.loss_parallel
+    assert any(lp.sequence_parallel for lp in plan.layers) and "cp=2" in plan.summary()
+    with pytest.raises(PlanError, match=r"cp=2 with pp=2: pipeline stages are traced graphs"):
+        ap.plan(graph, cluster, fix={"cp": 2, "pp": 2}, global_batch=2)
+    with pytest.raises(PlanError, match=r"dp\(1\) x cp\(2\) x tp\(2\) with ZeRO-1"):
+        ap.plan(graph, cluster, fix={"cp": 2, "tp": 2, "zero_stage": 1}, global_batch=2)
 
 
 def test_what_context_parallelism_cannot_split():

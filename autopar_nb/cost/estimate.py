@@ -92,7 +92,7 @@ class Evaluator:
             # the ring merges the output's chunks with torch.cat: transposing it back to (B, T, heads, hd) is
             # a copy, which the output projection saves beside what the ring's backward keeps (not the last
             # cp rank's, whose last merge keeps the kernel's layout: the first rank's is what counts)
-            act["none"] += (lp.q_half if half else lp.q_bytes) * scale
+            act["none"] += (lp.q_half if half else lp.q_bytes) * scale / tp
         work, freed, later = peak_op(moments)
         ops = tuple((op, w - work, freed - f, later - lat) for op, w, f, lat in moments)
         fwd_fl = (sum(lp.flops_split.values()) + sum(lp.flops_rep.values()) + lp.flops_other) * scale
@@ -128,15 +128,15 @@ class Evaluator:
         cp ranks are consecutive at stride tp); returns the bytes the ring's backward holds at the attention op
         (``_templated_ring_attention_backward``, torch 2.13): the gathered keys and values, the all-gather's input
         (this rank's, concatenated), float32 accumulators of dQ, dK and dV (``zeros_like``), and the float32 dK,
-        dV it sends round the ring and the ones it receives."""
+        dV it sends round the ring and the ones it receives; of its 1/tp of the heads under TP."""
         link = link_for(self.cluster, size=cp, stride=tp)
         item = 2 if half else lp.kv_bytes / (lp.kv_half / 2)
-        kv, q = lp.kv_half / 2 * scale, lp.q_half / 2 * scale  # this rank's elements
+        kv, q = lp.kv_half / 2 * scale / tp, lp.q_half / 2 * scale / tp  # this rank's elements
         whole = kv * item * cp  # this micro-batch's keys and values
         held = whole + kv * item + (q + kv) * 4 + 2 * kv * 4
         comm["all_gather"] = comm.get("all_gather", 0.0) + 2 * collective_time("all_gather", whole, cp, link,
                                                                                self.f.eff_link)
-        grads = lp.kv_half / 2 * ITEMSIZE["float32"] * scale  # this rank's dK, dV, accumulated in float32
+        grads = kv * ITEMSIZE["float32"]  # this rank's dK, dV, accumulated in float32
         comm["send_recv"] = comm.get("send_recv", 0.0) + cp * collective_time("send_recv", grads, cp, link,
                                                                              self.f.eff_link)
         return held

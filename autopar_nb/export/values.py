@@ -272,11 +272,9 @@ def _weights(source: ModelSource, found: list[str]) -> str:
 
 def _check_runnable(plan: Plan) -> None:
     m, pr = plan.mesh, plan.precision
-    if m.cp > 1 and m.tp > 1:
-        raise NotImplementedError(f"context parallelism (cp={m.cp}) beside tensor parallelism (tp={m.tp}) is not "
-                                  "supported yet (not verified): use tp=1 with cp > 1")
-    if m.tp > 1 and m.dp > 1 and m.zero_stage == 1:
-        raise NotImplementedError(f"dp({m.dp}) x tp({m.tp}) with ZeRO-1 is not supported (ZeroRedundancyOptimizer "
+    if m.tp > 1 and m.dp * m.cp > 1 and m.zero_stage == 1:
+        cp = f" x cp({m.cp})" if m.cp > 1 else ""
+        raise NotImplementedError(f"dp({m.dp}){cp} x tp({m.tp}) with ZeRO-1 is not supported (ZeroRedundancyOptimizer "
                                   "does not take DTensor parameters): set mesh.zero_stage to 0, 2 or 3")
     if m.ep > 1 and (m.tp > 1 or m.zero_stage == 1):
         raise NotImplementedError(
