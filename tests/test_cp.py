@@ -122,6 +122,28 @@ def test_verify_cp_beside_data_parallelism():
                "Mixtral fsdp": ("Mixtral", 3)}, nproc=4)
 
 
+@pytest.mark.multiprocess
+def test_verify_cp_beside_tensor_parallelism():
+    """4 gloo processes, cp=2 x tp=2 as the planner plans a Hugging Face LLaMA (hidden 256, 4 layers, seq 256): its
+    TP styles, sequence parallelism and loss_parallel on each cp rank's part of the sequences, the ring over the cp
+    ranks of one tp rank (its heads), FSDP2 (ZeRO-3) or its replicate (ZeRO 0) over dp_cp; losses, gradients and
+    parameters equal to one process's."""
+    from memcells import CELLS
+
+    import autopar_nb as ap
+    from autopar_nb.verify import FP32_RTOL, verify_many
+
+    src = ModelSource(CELLS["LLaMA"](hidden=256, layers=4, seq=256, batch=2))
+    model, inputs, _ = src.build(device="meta")
+    graph = ap.capture(model, inputs)
+    plans = [ap.plan(graph, ap.Cluster.preset("cpu", 1, 4), global_batch=2,
+                     fix={"cp": 2, "tp": 2, "zero_stage": zero, "amp": "none", "recompute": "none"}) for zero in (0, 3)]
+    assert all(p.loss_parallel and any(lp.sequence_parallel for lp in p.layers) for p in plans)
+    for plan, report in zip(plans, verify_many([(src, p) for p in plans], steps=3, nproc=4, rtol=FP32_RTOL),
+                            strict=True):
+        assert report.ok and report.max_loss_rel < 1e-5, f"{plan.summary()}\n{report}"
+
+
 def tiny_llama_graph():
     import torch
 
