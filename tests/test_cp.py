@@ -224,8 +224,8 @@ def test_cost_of_context_parallelism_beside_tensor_parallelism():
 
 
 def test_planner_offers_context_beside_tensor_parallelism():
-    """cp x tp is planned (the TP styles, sequence parallelism and loss_parallel as without cp); cp x pp is
-    refused with the reason."""
+    """cp x tp is planned (the TP styles, sequence parallelism and loss_parallel as without cp), with ZeRO over the
+    dp x cp ranks where it fits only so; cp x pp is refused with the reason."""
     import autopar_nb as ap
 
     src = hf_source("LLaMA")
@@ -235,6 +235,9 @@ def test_planner_offers_context_beside_tensor_parallelism():
     plan = ap.plan(graph, cluster, fix={"cp": 2, "tp": 2}, global_batch=2)
     assert (plan.mesh.cp, plan.mesh.tp, plan.mesh.dp) == (2, 2, 1) and plan.loss_parallel
     assert any(lp.sequence_parallel for lp in plan.layers) and "cp=2" in plan.summary()
+    # the cp ranks of the one replica hold the same parameters: where ZeRO 0's 2.5 MiB does not fit, FSDP over dp x cp
+    tight = ap.Cluster.preset("cpu", gpus_per_node=4, memory_gb=2.2 / 1024)
+    assert ap.plan(graph, tight, fix={"cp": 2, "tp": 2}, global_batch=2).mesh.zero_stage == 2
     with pytest.raises(PlanError, match=r"cp=2 with pp=2: pipeline stages are traced graphs"):
         ap.plan(graph, cluster, fix={"cp": 2, "pp": 2}, global_batch=2)
     with pytest.raises(PlanError, match=r"dp\(1\) x cp\(2\) x tp\(2\) with ZeRO-1"):
