@@ -519,10 +519,11 @@ class Cost:
     memory_by_rank: list[MemoryBreakdown] = field(default_factory=list)
     peak_memory_bytes: float = 0.0
     model_tflops_per_gpu: float = 0.0
-    """model FLOPs (no recompute) per GPU per second, in TFLOP/s"""
+    """model FLOPs (``cost.time.MFU_BASIS``: recompute not counted) per GPU per second, in TFLOP/s"""
     hardware_tflops_per_gpu: float = 0.0
     """FLOPs actually executed (with recompute) per GPU per second, in TFLOP/s"""
     mfu: float = 0.0
+    """model FLOPs per GPU per second over the device's datasheet peak for the plan's precision"""
     tokens_per_s: float | None = None
     samples_per_s: float = 0.0
 

@@ -13,7 +13,8 @@ marked excluded, and left out of the summary.
 Throughput is compared in the unit the source publishes. Where that unit is FLOP/s the
 predicted step time is turned into TFLOP/s with the source's own FLOP count, so that no
 FLOP-counting convention enters the comparison: Megatron-LM's eq. (3) (recomputation included),
-and PaLM's 6N + 12LHQT per token for Llama 3 (whose MFU cites PaLM). torchtitan and NVIDIA's
+and PaLM's 6N + 12LHQT per token for Llama 3 (whose MFU cites PaLM; the widget's MFU counts the
+same: ``cost.model_tflops_per_gpu``). torchtitan and NVIDIA's
 DGX Cloud recipes publish tokens/s (per GPU; NVIDIA's over the job, divided here by its GPUs).
 Error = predicted / published - 1: positive = the model predicts a faster run than measured.
 Memory: the predicted per-rank peak with its allocator margin against torchtitan's max reserved
@@ -54,6 +55,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import autopar_nb as ap  # noqa: E402
 from autopar_nb import zoo  # noqa: E402
 from autopar_nb.cost.estimate import estimate  # noqa: E402
+from autopar_nb.cost.time import MFU_BASIS  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -520,16 +522,23 @@ class Result:
         return not self.row.excluded and self.predicted is not None
 
 
-def source_flops(row: Row, graph) -> float:
-    """FLOPs of one optimizer step as the row's source counts them."""
+def source_flops(row: Row, graph=None) -> float:
+    """FLOPs of one optimizer step by Megatron-LM's eq. (3) (recomputation included)."""
+    if row.metric != "tflops_eq3":
+        raise ValueError(f"{row.metric!r}: eq. (3) counts the tflops_eq3 rows only")
     cfg, _ = MODELS[row.model]
     B, s = row.global_batch, row.seq
-    if row.metric == "tflops_eq3":  # Megatron-LM eq. (3), recomputation included
-        L, h, V = cfg.n_layer, cfg.n_embd, cfg.vocab_size
-        return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
-    if row.metric == "tflops_palm":  # PaLM App. B: 6N + 12LHQT per token, N all parameters
-        return B * s * (6 * graph.num_params + 12 * cfg.n_layers * cfg.dim * s)
-    raise ValueError(f"{row.metric!r} is no FLOP/s metric")
+    L, h, V = cfg.n_layer, cfg.n_embd, cfg.vocab_size
+    return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+
+
+def predicted_tflops(row: Row, cost) -> float:
+    """Predicted TFLOP/s per GPU as the row's source counts FLOPs: eq. (3), or PaLM's 6N + 12LHQT
+    per token (App. B), which is the model FLOPs the product's MFU counts
+    (``cost.model_tflops_per_gpu``: ``autopar_nb.cost.time.MFU_BASIS``)."""
+    if row.metric == "tflops_palm":
+        return cost.model_tflops_per_gpu
+    return source_flops(row) / (row.gpus * cost.step_time_s) / 1e12
 
 
 def cluster_for(row: Row, memory_gib: float | None = None):
@@ -569,7 +578,7 @@ def predict(row: Row, graph) -> Result:
     res.plan = plan
     res.cost = cost = estimate(graph, cluster, plan)
     res.predicted = (cost.tokens_per_s / row.gpus if row.metric == "tokens" else
-                     source_flops(row, graph) / (row.gpus * cost.step_time_s) / 1e12)
+                     predicted_tflops(row, cost))
     res.seconds = time.perf_counter() - t0
     return res
 
@@ -797,7 +806,8 @@ def main() -> None:
         "preset of the published hardware. Error = predicted / published − 1 (+: predicted "
         "faster, or larger, than measured). TFLOP/s rows turn the predicted step time into the "
         "source's own FLOP count (Megatron-LM eq. 3, recomputation included; 6N + 12LHQT for "
-        "Llama 3, whose MFU cites PaLM), so no FLOP-counting convention enters. Memory: "
+        "Llama 3, whose MFU cites PaLM: the count of the widget's MFU, " + MFU_BASIS + "), so no "
+        "FLOP-counting convention enters. Memory: "
         "predicted peak with its allocator margin against torchtitan's max reserved. Rows that "
         "need FP8 or asynchronous TP are costed in bf16 where plannable and left out of the "
         "summary; a refused layout keeps the planner's reason; a layout that does not fit its "

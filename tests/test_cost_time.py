@@ -435,3 +435,27 @@ def test_fsdp_copies_cost_their_bytes(gpt):
         s = Setting(dp=8, amp="bf16", mb_samples=2, zero_stage=zero, micro_batches=2)
         got = _cost(gpt, c, s).comm_by_kind["fsdp copies"]
         assert got == pytest.approx((gathers * 2 * 2 + 2 * (2 + 4)) * numel / hbm, rel=1e-6)
+
+
+@pytest.mark.parametrize("seq_len", [None, 512])
+def test_mfu_counts_6n_plus_12lhqt(seq_len):
+    """MFU's model FLOPs are PaLM's 6N + 12LHQT per token for a LLaMA (N the weights of its matmuls: not the input
+    embedding, a lookup, nor the norms' scales): not torch's FLOP counter's 2.5 x forward for the attention
+    backward, nor the norms' and activations' FLOPs, nor recompute; the attention term grows with the sequence
+    planned, not the one captured. The label says so (the widget's time panel, ``plan.explain()``)."""
+    from autopar_nb.cost.time import MFU_BASIS
+    from autopar_nb.widget.panels import time_panel
+
+    cfg = zoo.LlamaConfig(vocab_size=1000, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=512)
+    with torch.device("meta"):
+        model = zoo.Llama(cfg)
+    graph = ap.capture(model, (torch.randint(0, 1000, (2, 256)),))
+    p = ap.plan(graph, ap.Cluster.preset("h100-80gb", 1, 2), global_batch=8, seq_len=seq_len,
+                fix={"dp": 2, "recompute": "selective"})
+    c, T = p.cost, seq_len or 256
+    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    per_token = 6 * n + 12 * cfg.n_layers * cfg.dim * T
+    tokens = p.batch.global_batch * T
+    assert c.model_tflops_per_gpu * 1e12 * 2 * c.step_time_s / tokens == pytest.approx(per_token, rel=1e-9)
+    assert c.hardware_tflops_per_gpu > c.model_tflops_per_gpu  # the recompute and the norms run all the same
+    assert MFU_BASIS in p.explain() and time_panel(p)["mfu_basis"] == MFU_BASIS

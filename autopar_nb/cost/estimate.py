@@ -21,7 +21,7 @@ from .profile import GraphProfile, precision_of
 from .schedule import MULTI_STAGE, ZERO_BUBBLE
 from .setting import LayerChoice, Setting, setting_of
 from .terms import CommTime, FsdpUnit, InputLayer, LayerTerms, RankSums, StageSums, shared_sums
-from .time import bubble_fraction, layer_compute_time, optimizer_time, weight_cast_time
+from .time import bubble_fraction, layer_compute_time, model_flops, optimizer_time, pass_flops, weight_cast_time
 
 
 class Evaluator:
@@ -95,8 +95,7 @@ class Evaluator:
             act["none"] += (lp.q_half if half else lp.q_bytes) * scale / tp
         work, freed, later = peak_op(moments)
         ops = tuple((op, w - work, freed - f, later - lat) for op, w, f, lat in moments)
-        fwd_fl = (sum(lp.flops_split.values()) + sum(lp.flops_rep.values()) + lp.flops_other) * scale
-        bwd_fl = (sum(lp.bwd_split.values()) + sum(lp.bwd_rep.values()) + lp.bwd_other) * scale
+        fwd_fl, bwd_fl = pass_flops(lp, scale=scale, quad_scale=qscale)
         experts = lp.params_experts / ep if ep > 1 and lp.experts else 0.0
         mm = tp_matmul_time(lp, tp=tp, scale=scale, device=self.cluster.device, factors=self.f, low_dtype=low)
         exposed = async_tp_exposed(comm, overlap=self.f.overlap_tp, matmul_s=mm if async_tp and tp > 1 else 0.0)
@@ -119,7 +118,7 @@ class Evaluator:
         styled = len(lp.tp) + (len(lp.norms) if sp else 0) if tp > 1 else 0
         t.cpu = layer_cpu(lp.n_ops + (lp.time_amp[precision].casts if half else 0), styled=styled,
                           compiled=compiled, factors=self.f)
-        t.tensors = lp.param_tensors
+        t.tensors, t.model_flops = lp.param_tensors, model_flops(lp, scale=scale, quad_scale=qscale)
         self._cache[key] = t
         return t
 
@@ -302,7 +301,7 @@ class Evaluator:
             else:
                 sums.nofsdp[r] += cnt * lt.params_local
             sums.head_tp = sums.head_tp or bool(head)  # the head (last run) split by TP
-            sums.model_flops += cnt * lt.flops
+            sums.model_flops += cnt * lt.model_flops
             sums.hw_flops += cnt * (lt.flops + lt.recompute_flops(ch.recompute))
             if pp > 1 and s.schedule in MULTI_STAGE:
                 self._stage_sums(s, sums, r, i, cnt, ch.stage, lt)

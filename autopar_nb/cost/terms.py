@@ -25,7 +25,8 @@ class LayerTerms:
     out_bytes: float = 0.0
     work_bytes: float = 0.0
     flops: float = 0.0
-    """forward + backward FLOPs of one micro-batch (global, not per rank: model FLOPs)"""
+    """forward + backward FLOPs of one micro-batch as they run (global, not per rank: hardware FLOPs but
+    recompute's)"""
     fwd_flops: float = 0.0
     quad_flops: float = 0.0
     """forward FLOPs selective recompute runs again (attention scores, every other weight matmul; global)"""
@@ -70,6 +71,8 @@ class LayerTerms:
     "tensor parallel"): (forward, backward) (:func:`.cpu.layer_cpu`)"""
     tensors: int = 0
     """trainable parameter tensors of the layer (``LayerProfile.param_tensors``)"""
+    model_flops: float = 0.0
+    """the model FLOPs of one micro-batch MFU counts (global; :func:`.time.model_flops`)"""
 
     def cpu_s(self, part: str, recompute: str) -> float:
         """The host's seconds for ``part`` of one micro-batch: forward, backward, and the forward

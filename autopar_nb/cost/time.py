@@ -16,6 +16,32 @@ from .profile import AmpTime, LayerProfile
 
 COMPUTE_CLASSES = ("matmul", "conv", "attention")
 
+MFU_BASIS = "6N + 12LHQT per token: 3 x the forward's matmul and attention FLOPs, recompute not counted"
+"""the model FLOPs MFU counts (:func:`model_flops`), as the widget, ``plan.explain()`` and ``bench/published.py``
+label it"""
+
+
+def pass_flops(lp: LayerProfile, *, scale: float, quad_scale: float) -> tuple[float, float]:
+    """(forward, backward) FLOPs of one micro-batch through the layer as they run (hardware FLOPs, recompute
+    aside): every op's, the attention scores' scaled with the sequence squared (``quad_scale``)."""
+    def total(split: dict, rep: dict, other: float) -> float:
+        return sum((split.get(c, 0.0) + rep.get(c, 0.0)) * (quad_scale if c == "attention" else scale)
+                   for c in {*split, *rep}) + other * scale
+    return total(lp.flops_split, lp.flops_rep, lp.flops_other), total(lp.bwd_split, lp.bwd_rep, lp.bwd_other)
+
+
+def model_flops(lp: LayerProfile, *, scale: float, quad_scale: float) -> float:
+    """The model FLOPs of one micro-batch through the layer, as MFU counts them: 3 x its forward's matmul,
+    convolution and attention FLOPs (a forward and a backward of twice its work: PaLM, Chowdhery et al. 2022,
+    App. B, whose 6N + 12LHQT per token this is for a transformer, N the weights its matmuls multiply: not an input
+    embedding's, a lookup; torchtitan's ``get_num_flop_per_token`` counts the same but for the norms' scales, 0.01 %
+    of a 7B). Not counted: norms, activations and residuals (llm-foundry's
+    benchmarks leave them out too), and what a backward runs again: recompute and the attention kernel's second
+    QK^T (torch's FLOP counter gives SDPA's backward 2.5 x its forward; those are hardware FLOPs).
+    ``scale``/``quad_scale``: as :func:`layer_compute_time` (attention scores scale with the sequence squared)."""
+    return 3 * sum((lp.flops_split.get(cls, 0.0) + lp.flops_rep.get(cls, 0.0))
+                   * (quad_scale if cls == "attention" else scale) for cls in COMPUTE_CLASSES)
+
 
 def layer_compute_time(lp: LayerProfile, *, tp: int, sp: bool, precision: str, scale: float, quad_scale: float,
                        device, factors, compiled: bool = False, low_dtype: str = "bfloat16",

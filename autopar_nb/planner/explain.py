@@ -8,6 +8,7 @@ import re
 from .. import calibration
 from ..cost.factors import factors_for
 from ..cost.loss import unfused_loss_bytes
+from ..cost.time import MFU_BASIS
 from ..cost.tp_styles import LAYOUT_WORDS
 from ..plan import RECOMPUTE
 from ..units import fmt_bytes, fmt_delta, fmt_flops, fmt_time
@@ -97,7 +98,7 @@ def explain(plan, best, ranked, over, cons, cluster, prof) -> list[str]:
     c, s = best.cost, best.setting
     limit = best.limit
     lines = [f"Chosen: {plan.summary()}; {fmt_flops(c.model_tflops_per_gpu * 1e12)} of the model per GPU "
-             f"(MFU {100 * c.mfu:.0f}%) on {cluster.world_size} x {cluster.device.name}."]
+             f"(MFU {100 * c.mfu:.0f}%, model FLOPs {MFU_BASIS}) on {cluster.world_size} x {cluster.device.name}."]
     parts = [("compute", c.compute_s), ("exposed communication", c.comm_exposed_s), ("pipeline bubble", c.bubble_s),
              ("optimizer step", c.optimizer_s)]
     if c.cpu_wait_s > 0:

@@ -1028,7 +1028,8 @@ function timePanel(tm) {
         style: `width:${(100 * p.s / total).toFixed(2)}%;background:${p.color}` }))),
     h("div", { class: "ap-keys" }, tm.parts.map((p) => legendItem({ color: p.color, label: `${p.label} ${secs(p.s)}` }))),
     h("div", { class: "ap-stats" },
-      h("span", {}, "MFU ", h("b", { class: "ap-mfu" }, `${(100 * tm.mfu).toFixed(1)}%`)),
+      h("span", { title: `MFU: model FLOPs (${tm.mfu_basis}) per second over the datasheet peak` },
+        "MFU ", h("b", { class: "ap-mfu" }, `${(100 * tm.mfu).toFixed(1)}%`)),
       h("span", {}, `${tm.model_tflops.toFixed(1)} TFLOP/s/GPU`),
       tm.tokens_per_s ? h("span", {}, `${count(tm.tokens_per_s)} tok/s`)
         : h("span", {}, `${count(tm.samples_per_s)} samples/s`)));

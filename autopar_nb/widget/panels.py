@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..cost.time import MFU_BASIS
 from ..hardware import Cluster
 from ..plan import Plan
 
@@ -78,14 +79,15 @@ def _same(a, b) -> bool:
 
 
 def time_panel(plan: Plan | None) -> dict[str, Any]:
-    """``{"total": s, "parts": [{key, label, color, s}], "mfu", "model_tflops", "hardware_tflops", "tokens_per_s",
-    "samples_per_s", "comm_by_kind": {kind: s}}`` for one optimizer step."""
+    """``{"total": s, "parts": [{key, label, color, s}], "mfu", "mfu_basis" (the model FLOPs it counts),
+    "model_tflops", "hardware_tflops", "tokens_per_s", "samples_per_s", "comm_by_kind": {kind: s}}`` for one
+    optimizer step."""
     if plan is None or plan.cost is None:
         return {"total": 0.0, "parts": [], "mfu": 0.0}
     c = plan.cost
     parts = [{"key": k.removesuffix("_s"), "label": lab, "color": col, "s": float(getattr(c, k))}
              for k, lab, col in TIME_PARTS]
-    return {"total": float(c.step_time_s), "parts": parts, "mfu": float(c.mfu),
+    return {"total": float(c.step_time_s), "parts": parts, "mfu": float(c.mfu), "mfu_basis": MFU_BASIS,
             "model_tflops": float(c.model_tflops_per_gpu), "hardware_tflops": float(c.hardware_tflops_per_gpu),
             "tokens_per_s": c.tokens_per_s, "samples_per_s": float(c.samples_per_s),
             "comm_total": float(c.comm_total_s), "comm_by_kind": {k: float(v) for k, v in c.comm_by_kind.items()}}
