@@ -242,6 +242,20 @@ def test_llama_7b_fits_on_8_h100():
     assert 0.2 < p.cost.mfu < 0.75, p.explain()
 
 
+def test_llama_7b_mfu_is_in_the_measured_range_on_8_h100():
+    """02_llm.ipynb's LLaMA-2 7B, 64 x 4096 tokens on 8 H100s (SXM): the plan fits without recompute, and its MFU
+    (6N + 12LHQT) is within 10 % of the 46.4 % llm-foundry measured for a 7B without recompute on 8 H100 80GB
+    (scripts/train/benchmarking/README.md, "H100 80GB BF16", bench/mfu.py); pinned to full recompute, inside the
+    33-43 % published runs of its class measure with recompute (llm-foundry's 7B at seq 4096: 40.4 %)."""
+    cfg = zoo.LlamaConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008)
+    graph = capture(lambda: zoo.Llama(cfg), torch.randint(0, 32000, (1, 4096)))
+    p = ap.plan(graph, h100(), global_batch=64)
+    assert {lp.recompute for lp in p.layers} == {"none"}
+    assert 0.464 * 0.9 <= p.cost.mfu <= 0.464 * 1.1, p.explain()
+    full = ap.plan(graph, h100(), global_batch=64, fix={"dp": 8, "zero_stage": 3, "recompute": "full"})
+    assert 0.33 <= full.cost.mfu <= 0.43, full.explain()
+
+
 def test_seq_len_scales_tokens_and_memory(gpt):
     fix = {"dp": 8, "zero_stage": 3, "micro_batches": 1}
     base = ap.plan(gpt, h100(), global_batch=64, fix=fix)
