@@ -385,6 +385,27 @@ def test_tiny_mlp_is_cpu_bound_and_gets_ddp():
     assert bare.cost.step_time_s < 1e-4 < c.step_time_s
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_tiny_hugging_face_models_get_ddp(family):
+    """A tiny Hugging Face decoder (hidden 256, 4 layers, 8 x 256 tokens) on 2 H100s: milliseconds of host time
+    issuing eager ops against a fraction of that on the GPU, so DDP (no TP, no pipeline, no FSDP hooks) is planned,
+    as an engineer would; with the host's time taken out, FSDP's sharded optimizer step would win."""
+    transformers = pytest.importorskip("transformers")
+    cfg = {"llama": lambda: transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512,
+                                                     num_hidden_layers=4, num_attention_heads=4),
+           "gpt2": lambda: transformers.GPT2Config(vocab_size=1000, n_embd=256, n_layer=4, n_head=4,
+                                                   bos_token_id=0, eos_token_id=0)}[family]()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    graph = ap.capture(model, (torch.randint(0, 1000, (8, 256)),))
+    cluster = ap.Cluster.preset("h100-80gb", 1, 2)
+    p = ap.plan(graph, cluster, global_batch=8)
+    assert (p.mesh.dp, p.mesh.tp, p.mesh.pp, p.mesh.zero_stage) == (2, 1, 1, 0), p.explain()
+    assert p.cost.cpu_wait_s > p.cost.compute_s
+    no_floor = {f.name: 0.0 for f in dataclasses.fields(ap.cost.Factors) if f.name.startswith("cpu_")}
+    assert ap.plan(graph, dataclasses.replace(cluster, calibration=no_floor), global_batch=8).mesh.zero_stage > 0
+
+
 @pytest.mark.parametrize("amp", ["none", "autocast"])
 def test_an_op_that_returns_its_input_moves_no_bytes(amp):
     """ATen's dropout returns its input for p = 0 (and ``.to`` its own dtype returns self): no kernel runs, so
