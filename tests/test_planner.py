@@ -458,3 +458,29 @@ def test_sequence_parallel_only_where_tp_divides_the_sequence():
         ap.plan(graph, h100(1, 2), fix={"tp": 2, "sequence_parallel": True})
     with pytest.raises(PlanError, match=r"seq_len 35 does not divide by tp=2"):  # seq_len= given to plan
         ap.plan(graph, h100(1, 2), seq_len=35, fix={"tp": 2, "sp": True})
+
+
+
+def test_plan_pauses_the_cycle_collector(gpt, monkeypatch):
+    """plan()'s search runs with Python's cyclic garbage collector paused (each pass of its oldest generation walks
+    every object a large graph holds: a fifth of the 1T shape's plan), and plan() leaves it as it found it."""
+    import gc
+
+    from autopar_nb.planner import search
+
+    seen = []
+    run = search.Search.run
+
+    def watched(self, *a, **kw):
+        seen.append(gc.isenabled())
+        return run(self, *a, **kw)
+
+    monkeypatch.setattr(search.Search, "run", watched)
+    ap.plan(gpt, h100(2, 8), global_batch=64)
+    assert seen and not any(seen) and gc.isenabled()
+    gc.disable()
+    try:
+        ap.plan(gpt, h100(2, 8), global_batch=64)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

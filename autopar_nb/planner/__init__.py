@@ -17,7 +17,7 @@ from collections import OrderedDict
 from ..cost.estimate import Evaluator
 from ..cost.loss import fused_head
 from ..cost.norm import fused_norm_profile
-from ..cost.profile import profile_of
+from ..cost.profile import no_cycle_collection, profile_of
 from ..plan import (
     DTYPE_NAMES,
     BatchPlan,
@@ -64,9 +64,12 @@ def plan(graph, cluster, *, global_batch: int | None = None, per_rank_batch: int
     constraint (and by how much memory) when nothing satisfies the request.
     """
     kwargs = dict(seq_len=seq_len, fix=fix, overrides=overrides, top_k=top_k, default_loss=default_loss)
-    if per_rank_batch:
-        return plan_per_rank(_plan, graph, cluster, per_rank_batch, **kwargs)
-    return _plan(graph, cluster, global_batch=global_batch, **kwargs)
+    # the search makes millions of short-lived objects, and each pass of the collector's oldest generation walks
+    # every object the graph holds (a fifth of the CPU time of planning the 1T GPT shape on 3072 GPUs)
+    with no_cycle_collection():
+        if per_rank_batch:
+            return plan_per_rank(_plan, graph, cluster, per_rank_batch, **kwargs)
+        return _plan(graph, cluster, global_batch=global_batch, **kwargs)
 
 
 _PLANS: OrderedDict[tuple[int, str], tuple[weakref.ref, Plan]] = OrderedDict()
