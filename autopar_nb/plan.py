@@ -10,7 +10,7 @@ JSON schema (``SCHEMA_VERSION`` = 1)::
       "model":     {"name": str, "num_params": int},
       "cluster":   {"preset": str, "nodes": int, "gpus_per_node": int,  # and, when set: a per-rank limit, the
                     "memory_limit_bytes": int, "scaled_from": int},  # world size a plan_for plan was made for
-      "mesh":      {"dp": int, "tp": int, "pp": int, "zero_stage": 0..3, "ep": int, "cp": int},
+      "mesh":      {"dp": int, "tp": int, "pp": int, "zero_stage": 0..3, "ep": int, "cp": int, "offload": "none"|"cpu"},
       "batch":     {"global_batch": int, "micro_batches": int, "seq_len": int | null},
       "pipeline":  {"schedule": str, "virtual_stages": int},
       "precision": {"amp": "none"|"bf16"|"fp16", "param_dtype": str, "reduce_dtype": str,
@@ -59,6 +59,9 @@ AMP = ("none", "bf16", "fp16")
 FLOAT8 = ("none", "tensorwise", "rowwise")
 """torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``): none | tensorwise (a scale per tensor;
 FSDP all-gathers the weights in float8 on GPUs) | rowwise (a scale per row: more accurate, gathers in bf16)"""
+OFFLOAD = ("none", "cpu")
+"""where FSDP2 keeps the sharded parameters, gradients and optimizer states: the device, or host memory
+(``CPUOffloadPolicy``: shards copied in for each all-gather, grads out after each reduce-scatter, steps on the CPU)"""
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
 V_SCHEDULES = ("zbv_zero_bubble",)
 """schedules that place a rank's two stages in a V: rank r holds stages r and 2 pp - 1 - r"""
@@ -88,7 +91,7 @@ ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
             "complex128": 16}
 """bytes per element by torch dtype name (``str(dtype).removeprefix("torch.")``)"""
 FIX_KEYS = ("dp", "tp", "pp", "ep", "cp", "zero_stage", "micro_batches", "schedule", "virtual_stages", "recompute",
-            "amp", "float8", "compile", "fused_loss", "fused_norm", "async_tp",
+            "amp", "float8", "compile", "fused_loss", "fused_norm", "async_tp", "offload",
             "sequence_parallel", "optimizer", "fp32_ops", "low_precision_ops")
 """global choices a user can pin (``--fix``, ``plan(fix=...)``, ``Session.replan(fix=...)``)"""
 FIX_ALIASES = {"zero": "zero_stage", "mb": "micro_batches", "micro": "micro_batches", "sp": "sequence_parallel"}
@@ -96,7 +99,7 @@ FIX_ALIASES = {"zero": "zero_stage", "mb": "micro_batches", "micro": "micro_batc
 FIX_CHOICES: dict[str, tuple] = {"zero_stage": ZERO_STAGES, "schedule": SCHEDULES, "recompute": RECOMPUTE,
                                  "amp": AMP, "float8": FLOAT8, "sequence_parallel": (False, True),
                                  "optimizer": OPTIMIZERS, "compile": (False, True), "fused_loss": (False, True),
-                                 "fused_norm": (False, True), "async_tp": (False, True)}
+                                 "fused_norm": (False, True), "async_tp": (False, True), "offload": OFFLOAD}
 """the allowed values of the FIX_KEYS that are choices; the others (dp, tp, pp, ep, cp, micro_batches, virtual_stages)
 are positive integers, up to FIX_MAX or else MAX_DEGREE"""
 FIX_MAX = {"micro_batches": MAX_MICRO_BATCHES, "virtual_stages": MAX_VIRTUAL_STAGES}
@@ -237,12 +240,17 @@ class MeshPlan:
     torch's ring attention (``context_parallel``; K/V passed round the cp ranks in every attention layer). Ranks of
     its own (world = pp * dp * cp * tp), between dp and tp; parameters are replicated over them and gradients
     averaged over dp * cp, as over data-parallel ranks"""
+    offload: str = "none"
+    """:data:`OFFLOAD`: "cpu" keeps FSDP's shards in host memory (``runtime/fsdp.py``); needs zero_stage 2 or 3"""
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "ep", "cp"):
             _check_int(f"mesh.{name}", getattr(self, name), minimum=1, maximum=MAX_DEGREE)
         _check_int(f"mesh world size {self.factors()}", self.world_size, maximum=MAX_DEGREE)
         _check_choice("mesh.zero_stage", self.zero_stage, ZERO_STAGES)
+        _check_choice("mesh.offload", self.offload, OFFLOAD)
+        if self.offload != "none" and self.zero_stage < 2:
+            raise PlanError(f"mesh.offload={self.offload!r} needs FSDP (zero_stage 2 or 3), got {self.zero_stage}")
         if self.dp % self.ep:
             raise PlanError(f"mesh.ep({self.ep}) must divide mesh.dp({self.dp}): expert parallelism splits the "
                             f"experts over data-parallel ranks (dp({self.dp}) % ep({self.ep}) = {self.dp % self.ep})")
@@ -449,6 +457,8 @@ class MemoryBreakdown:
     """temporary buffers: FSDP all-gather/reduce-scatter buffers, TP comm buffers, pipeline send/recv"""
     margin: float = 0.0
     """allocator fragmentation and workspace margin"""
+    host: float = 0.0
+    """bytes this rank keeps in host memory (``mesh.offload``: its FSDP shards and optimizer states), not in total"""
     terms: dict[str, float] = field(default_factory=dict)
     """the named terms ``activations`` and ``buffers`` are made of, by :data:`MEMORY_TERMS` name (bytes)"""
 
@@ -467,7 +477,7 @@ class MemoryBreakdown:
         return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.margin
 
 
-_MEMORY_FIELDS = ("params", "grads", "optimizer", "activations", "buffers", "margin")
+_MEMORY_FIELDS = ("params", "grads", "optimizer", "activations", "buffers", "margin", "host")
 MEMORY_TERMS = {
     "saved_activations": "activations", "loss_saved": "activations", "autocast_weight_copies": "buffers",
     "ddp_buckets": "buffers", "fsdp_unsharded_params": "buffers", "fsdp_root_params": "buffers",
@@ -699,8 +709,7 @@ class Plan:
             d = getattr(self, name)
             if not isinstance(d, dict):
                 raise PlanError(f"{name} must be a dict, got {d!r}")
-            unknown = [k for k in d if k not in ints + strs]
-            if unknown:
+            if unknown := [k for k in d if k not in ints + strs]:
                 raise PlanError(f"unknown field(s) in {name}: {', '.join(map(repr, unknown))}; {name} has "
                                 f"{', '.join(strs + ints)}")
             for k in ints:
@@ -721,18 +730,12 @@ class Plan:
     @property
     def tp_plan(self) -> dict[str, str]:
         """Every module's TP style, merged over layers: the dict the runtime turns into ``parallelize_module``."""
-        out: dict[str, str] = {}
-        for lp in self.layers:
-            out.update(lp.tp)
-        return out
+        return {m: style for lp in self.layers for m, style in lp.tp.items()}
 
     @property
     def tp_parts(self) -> dict[str, list[int]]:
         """Every colwise module's parts (``LayerPlan.tp_parts``), merged over layers."""
-        out: dict[str, list[int]] = {}
-        for lp in self.layers:
-            out.update(lp.tp_parts)
-        return out
+        return {m: parts for lp in self.layers for m, parts in lp.tp_parts.items()}
 
     def stage_layers(self) -> list[list[str]]:
         """Layer paths grouped by pipeline stage, in model order."""
@@ -829,7 +832,7 @@ class Plan:
         """One line: mesh, ZeRO, schedule, precision, and predicted cost when known."""
         m = self.mesh
         s = (f"dp={m.dp} tp={m.tp} pp={m.pp}" + (f" cp={m.cp}" if m.cp > 1 else "") + f" zero={m.zero_stage}"
-             + (f" ep={m.ep}" if m.ep > 1 else ""))
+             + (f" ep={m.ep}" if m.ep > 1 else "") + (f" offload={m.offload}" if m.offload != "none" else ""))
         if m.pp > 1:
             v = self.pipeline.virtual_stages
             s += f" {self.pipeline.schedule}" + (f" v{v}" if v > 1 else "") + f" x{self.batch.micro_batches}"
@@ -864,8 +867,7 @@ def _check_keys(kind: type, data: dict, what: str, ignore: tuple[str, ...] = ())
     """PlanError for keys of ``data`` that are not fields of the dataclass ``kind``, or required fields missing."""
     fields = [f for f in dataclasses.fields(kind) if f.init]
     names = {f.name for f in fields}
-    unknown = [k for k in data if k not in names and k not in ignore]
-    if unknown:
+    if unknown := [k for k in data if k not in names and k not in ignore]:
         raise PlanError(f"unknown field(s) in {what}: {', '.join(map(repr, unknown))}; "
                         f"{what} has {', '.join(f.name for f in fields)}")
     missing = [f.name for f in fields if f.default is dataclasses.MISSING

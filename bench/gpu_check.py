@@ -17,7 +17,9 @@ and the others still run; checks past the time budget are recorded as skipped. T
    RMSNorm (``fused_norm=true``: Liger's kernel when installed, else torch's fused one), both, and compile with
    both;
 4. fp16 with GradScaler, verify on CUDA (one rank vs the reference on the same device), and with >= 2 GPUs a
-   2-process NCCL run with SyncBatchNorm (with one GPU: recorded as not run, and why).
+   2-process NCCL run with SyncBatchNorm (with one GPU: recorded as not run, and why);
+5. CPU offload (``--fix offload=cpu``, check 7): verify on CUDA with pinned host shards, then step time and device
+   peak against the planner's host-copy and CPU-optimizer prediction.
 
 The scaling check (``--only 6``; it runs second, right after check 1) measures what the cost
 model's GPU efficiency factors are fitted from: LLaMA at three sizes that fit one GPU, bf16, one
@@ -569,6 +571,23 @@ def check_two_processes(c: Checker) -> str:
     return f"{status}; sync_batchnorm={ap.plan.sync_batchnorm}; NVML samples from ranks {ranks}"
 
 
+def check_offload(c: Checker) -> str:
+    """CPU offload (``--fix offload=cpu``: FSDP2's CPUOffloadPolicy, pinned on CUDA, the optimizer fused on the
+    CPU): verify one rank against the reference (host gradients' norm and full tensors reduced on the device),
+    then the exported script's step time and device peak beside the planner's, which adds the host copies at the
+    PCIe rate and the CPU optimizer step. On CPU the policy runs unpinned and nothing is copied."""
+    ap = c.session("--gpus 1 --fix offload=cpu,amp=none", TINY_LLAMA_CELL)
+    report = ap.verify(steps=3, nproc=1, warm=False)
+    _, s = launched(ap, c, steps=c.target.steps)
+    cost, m0 = ap.plan.cost, ap.plan.cost.memory_by_rank[0]
+    copies = sum(cost.comm_by_kind.get(k, 0.0) for k in ("host_to_device", "device_to_host"))
+    meas = s["memory_by_rank"].get(0)
+    return (f"verify ok={report.ok} (losses within {report.max_loss_rel:.1e}); {s['status']} after {s['steps']} "
+            f"steps: step {s['step_time_s'] * 1e3:.1f} ms vs {cost.step_time_s * 1e3:.1f} ms predicted "
+            f"({copies * 1e3:.1f} ms of host copies, CPU optimizer {cost.optimizer_s * 1e3:.1f} ms); device peak "
+            f"{gib(meas)} ({s['memory_kind']}) vs {gib(m0.total - m0.margin)} predicted, {gib(m0.host)} on the host")
+
+
 CHECKS = [("memory and step time vs the planner (LLaMA 1B, bf16, 1 GPU)", check_memory_and_time),
           ("calibrate", check_calibrate),
           ("fp16 GradScaler and verify on CUDA", check_fp16_and_verify),
@@ -576,9 +595,10 @@ CHECKS = [("memory and step time vs the planner (LLaMA 1B, bf16, 1 GPU)", check_
           ("throughput of the exported script: eager / compile / compile + fused head",
            check_throughput),
           ("step time and memory at three sizes (LLaMA 0.5B / 1B / 3B, bf16, 1 GPU)",
-           check_scaling)]
+           check_scaling),
+          ("CPU offload: verify, step time and device peak (tiny LLaMA, fp32, 1 GPU)", check_offload)]
 """numbered as ``--only`` names them (1-based)"""
-ORDER = (1, 6, 2, 3, 4, 5)
+ORDER = (1, 6, 2, 3, 4, 7, 5)
 """the order they run in: the scaling rows right after the memory check (whose runs they reuse) and
 before calibrate (so that their predictions use the factors a fresh machine plans with); the
 throughput check, the longest, last (a variant past the budget is skipped)"""
@@ -656,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--plumbing", action="store_true", help="run the CPU path even on a GPU host")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="time budget (default 480 s)")
-    p.add_argument("--only", help="the checks to run, by number (1-6, comma-separated; default "
+    p.add_argument("--only", help="the checks to run, by number (1-7, comma-separated; default "
                    "all): a rerun")
     p.add_argument("--copy-to", type=Path, help="copy BENCHMARKS.md into this folder after each check")
     p.add_argument("--variants", help="the throughput check's variants to run, by number (1-6, in VARIANTS' order)")

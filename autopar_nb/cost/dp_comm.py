@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ..plan import ITEMSIZE
 from .comm import collective_time, link_for
+from .offload import host_of, offload_copy_time
 from .setting import Setting
 from .terms import CommTime, RankSums
 
@@ -21,9 +22,9 @@ def data_parallel_comm(s: Setting, sums: RankSums, bottleneck: int, comm: CommTi
     """The data-parallel collectives of a step over the dp * cp ranks that hold the same parameters, overlapped
     with backward up to a factor (``overlap_dp``, ``overlap_fsdp``), the hidden part slowing the compute beside it
     (``overlap_contention``), with FSDP's copies into and out of its collectives' buffers (:func:`fsdp_copies`).
-    Adds them to ``comm``; returns the exposed seconds."""
+    Adds them to ``comm``, and CPU offload's host copies (:func:`offload_comm`); returns the exposed seconds."""
     if s.replicas <= 1:
-        return 0.0
+        return offload_comm(s, sums, comm, cluster=cluster, factors=factors)
     f, m = factors, s.micro_batches
     p_item = s.compute_item  # parameters gathered in the compute dtype
     g_item = ITEMSIZE["float32"]  # gradients reduced in fp32 (FSDP2 MixedPrecisionPolicy.reduce_dtype / DDP)
@@ -45,9 +46,8 @@ def data_parallel_comm(s: Setting, sums: RankSums, bottleneck: int, comm: CommTi
         kinds = {"all_reduce": (ar, ar - min(f.overlap_dp * ar, window)), "all_gather": (ag, ag)}
     else:
         pipelined = s.pp > 1
-        n_rs = 1 if pipelined else m
+        gathers, n_rs = fsdp_counts(s)
         rs = n_rs * ct("reduce_scatter", g_item)
-        gathers = 1 if s.held_zero_stage == 2 else m + 1 if pipelined else 2 * m
         ag = gathers * ct("all_gather", p_item)
         ov = f.overlap_fsdp if s.held_zero_stage == 3 else f.overlap_dp
         hidden = rs * (0 if pipelined else 1) + ag
@@ -57,7 +57,33 @@ def data_parallel_comm(s: Setting, sums: RankSums, bottleneck: int, comm: CommTi
         copy_out, copy_in = fsdp_copies(sums.params[r], gathers, n_rs, p_item, g_item, cluster.device, f)
         kinds = {"reduce_scatter": (rs, rs * rs_share), "all_gather": (ag, ag * share),
                  "fsdp copies": (copy_out + copy_in, copy_out + copy_in * rs_share)}
-    return sum(comm.record(kind, t, exposed, f.overlap_contention) for kind, (t, exposed) in kinds.items() if t)
+    return sum(comm.record(kind, t, exposed, f.overlap_contention) for kind, (t, exposed) in kinds.items() if t) + \
+        offload_comm(s, sums, comm, cluster=cluster, factors=f)
+
+
+def fsdp_counts(s: Setting) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) FSDP issues per unit in a step (the module docstring): ZeRO 2 gathers once;
+    ZeRO 3 twice per micro-batch, or, in a pipeline stage, once per micro-batch and once more; a pipeline stage
+    reduce-scatters once, otherwise every micro-batch does."""
+    m, pipelined = s.micro_batches, s.pp > 1
+    return (1 if s.held_zero_stage == 2 else m + 1 if pipelined else 2 * m), (1 if pipelined else m)
+
+
+def offload_comm(s: Setting, sums: RankSums, comm: CommTime, *, cluster, factors) -> float:
+    """CPU offload's copies in a step (:mod:`.offload`; none without offload or on the ``cpu`` preset, whose
+    device is the host): the rank's parameter shards in before each all-gather and its gradient shards out after
+    each reduce-scatter, in fp32, as the kinds "host_to_device" and "device_to_host". FSDP2 issues them on its
+    all-gather and reduce-scatter streams beside the collectives, so they hide behind compute as FSDP's all-gathers
+    do (``overlap_fsdp``). Adds them to ``comm``; returns the exposed seconds."""
+    if s.offload == "none" or cluster.name == "cpu":
+        return 0.0
+    r = max(range(s.pp), key=lambda j: sums.params[j])
+    shard = (sums.params[r] - sums.experts[r]) / s.replicas + sums.experts[r] / (s.dp // s.ep)
+    gathers, n_rs = fsdp_counts(s)
+    h2d, d2h = offload_copy_time(shard, gathers=gathers, reduce_scatters=n_rs, p_item=ITEMSIZE["float32"],
+                                 g_item=ITEMSIZE["float32"], host=host_of(cluster))
+    return sum(comm.record(kind, t, t * (1 - factors.overlap_fsdp), factors.overlap_contention)
+               for kind, t in (("host_to_device", h2d), ("device_to_host", d2h)))
 
 
 def fsdp_copies(numel: float, gathers: int, reduce_scatters: int, p_item: int, g_item: int, device,

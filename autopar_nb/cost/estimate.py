@@ -201,7 +201,7 @@ class Evaluator:
         dp_exposed = data_parallel_comm(s, sums, bottleneck, comm, cluster=self.cluster, factors=f)
         opt_params = max(sums.params) if s.zero_stage < 1 else max(
             (p - x) / s.replicas + x / (s.dp // s.ep) for p, x in zip(sums.params, sums.experts, strict=True))
-        opt_t = optimizer_time(opt_params, self.cluster.device, f)
+        opt_t = optimizer_time(opt_params, self.cluster, f, host=s.offload != "none")
         compute = m * (sums.fwdbwd[bottleneck] + sums.rec[bottleneck]) + weight_cast_time(
             sums.casts[bottleneck], micro_batches=m, regions=1 if s.pp > 1 else m, device=self.cluster.device,
             factors=f)  # one autocast region per micro-batch, or around the whole pipeline schedule

@@ -39,6 +39,8 @@ def memory_floor(ev, s: Setting, choices: list[LayerChoice], *, limit: float = m
     see the module docstring) holds at its peak at least, its allocator margin included. Once a part of it
     exceeds ``limit`` that part is returned: still a floor, and all a caller asking "can it fit in ``limit``?"
     needs (the rank-by-rank weighing of a multi-stage schedule is most of the cost)."""
+    if s.offload != "none":  # CPU offload keeps the states it weighs in host memory, and steps there
+        return 0.0
     params = experts = 0.0
     for i, cnt, ch in ev.runs(choices):
         lt = ev.choice_terms(i, s, ch)

@@ -27,7 +27,10 @@ class RankMemory:
         """Bytes on pipeline rank ``r`` at its peak: the largest of its :meth:`moments`."""
         pb, ob, moments = self.moments(r)
         peak = max(moments, key=lambda mo: mo.weight)
-        return self.breakdown(r, pb, ob, peak, margin_of=peak.weight)
+        mbd = self.breakdown(r, pb, ob, peak, margin_of=peak.weight)
+        if self.s.offload != "none":
+            mbd.host = self._host_bytes(r)
+        return mbd
 
     def breakdown(self, r: int, pb: float, ob: float, mo: PeakMoment, *, margin_of: float) -> MemoryBreakdown:
         """Rank ``r``'s bytes at moment ``mo``, by field and named term, with the allocator margin of a peak of
@@ -54,14 +57,32 @@ class RankMemory:
         st = self._states(r)
         if self.s.pp > 1 and self.s.schedule in MULTI_STAGE:
             staged = StagedRank(self, r, st).moments(per_op)
-            return st.pb, st.ob, [*staged, self._step_moment(r, st)]
+            return self._on_device(st, [*staged, self._step_moment(r, st)])
         flights = self._flights(r, st)
         out = self._layer_moments(r, st, flights, per_op)
         out += self._loss_moments(r, st, flights)
         if st.pipelined:
             out.append(self._reduce_moment(r, st))
         out.append(self._step_moment(r, st))
-        return st.pb, st.ob, out
+        return self._on_device(st, out)
+
+    def _on_device(self, st: _States, out: list[PeakMoment]) -> tuple[float, float, list[PeakMoment]]:
+        """(parameter bytes, optimizer-state bytes, the moments) on the device. With CPU offload FSDP keeps the
+        parameter shards, the gradient shards and the optimizer states in host memory (:meth:`_host_bytes`) and
+        the step runs there: the device holds no states, only ZeRO 2's parameters gathered from forward to
+        backward and what the moments' terms name (gathered units, unsharded gradients before their reduction)."""
+        if self.s.offload == "none":
+            return st.pb, st.ob, out
+        device = [mo._replace(grads=0.0, weight=mo.weight - mo.grads) for mo in out if mo.phase != "step"]
+        return (st.pb if st.fsdp_stage == 2 else 0.0), 0.0, device
+
+    def _host_bytes(self, r: int) -> float:
+        """Bytes rank ``r`` keeps in host memory with CPU offload: its parameter and gradient shards (float32) and
+        its optimizer states."""
+        s, st, experts = self.s, self._states(r), self.sums.experts[r]
+        item = state_bytes(s.optimizer).param
+        shards = (st.params - experts) * item / s.replicas + experts * item / (s.dp // s.ep)
+        return shards + st.gb + st.ob
 
     def _states(self, r: int) -> _States:
         """Rank ``r``'s model states and the buffers alive through its whole forward and backward."""

@@ -39,6 +39,8 @@ class Setting:
     """torchao's float8 recipe the Linears train with (:mod:`.float8`); "none": bf16"""
     async_tp: bool = False
     """Inductor's micro-pipelined TP hides TP's all-gathers and reduce-scatters behind the matmuls (:mod:`.async_tp`)"""
+    offload: str = "none"
+    """"cpu": FSDP's shards and optimizer states in host memory, the step on the CPU (:mod:`.offload`)"""
 
     @property
     def replicas(self) -> int:
@@ -97,7 +99,7 @@ def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:
     sp = any(lp.sequence_parallel for lp in plan.layers)
     s = Setting(m.dp, m.tp, m.pp, m.zero_stage, plan.precision.amp, plan.batch.micro_batches, mb,
                 plan.pipeline.schedule, plan.pipeline.virtual_stages, sp, plan.optimizer.name, m.ep,
-                bool(plan.fused_loss), m.cp, plan.fused_norm, plan.precision.float8, plan.async_tp)
+                bool(plan.fused_loss), m.cp, plan.fused_norm, plan.precision.float8, plan.async_tp, m.offload)
     choices = [LayerChoice(lp.stage, on, lp.recompute, lp.fsdp, lp.compile)
                for lp, on in zip(plan.layers, tp_on, strict=True)]
     return s, choices

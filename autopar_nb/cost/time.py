@@ -12,6 +12,7 @@ makes are memory-bound ops of their own. All factors come from :mod:`autopar_nb.
 from __future__ import annotations
 
 from .float8 import float8_time
+from .offload import cpu_optimizer_time
 from .profile import AmpTime, LayerProfile
 
 COMPUTE_CLASSES = ("matmul", "conv", "attention")
@@ -146,6 +147,9 @@ def weight_cast_time(numel: float, *, micro_batches: int, regions: int, device, 
     return numel * (4 + 2) * (regions + micro_batches) / (device.hbm_bandwidth * factors.eff_hbm)
 
 
-def optimizer_time(local_params: float, device, factors) -> float:
-    """A fused Adam step is memory-bound: bytes per local parameter / HBM bandwidth."""
-    return local_params * factors.optimizer_bytes_per_param / (device.hbm_bandwidth * factors.eff_hbm)
+def optimizer_time(local_params: float, cluster, factors, *, host: bool = False) -> float:
+    """A fused Adam step is memory-bound: bytes per local parameter / HBM bandwidth. ``host``: the step runs on the
+    host's CPUs (CPU offload: :func:`.offload.cpu_optimizer_time`; on the ``cpu`` preset the device is that CPU)."""
+    if host and cluster.name != "cpu":
+        return cpu_optimizer_time(local_params, cluster)
+    return local_params * factors.optimizer_bytes_per_param / (cluster.device.hbm_bandwidth * factors.eff_hbm)

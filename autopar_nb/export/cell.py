@@ -32,16 +32,19 @@ def script_cell(source: ModelSource, v: ScriptValues) -> str:
 def weights_lines(v: ScriptValues) -> list[str]:
     """``main``'s lines that give a model built on the meta device its weights once parallelised: each rank
     initialises its shards (``meta_init``), then reads them from the checkpoint the model starts from (the cell's
-    ``from_pretrained``, or export's ``weights=``)."""
+    ``from_pretrained``, or export's ``weights=``); with CPU offload the shards are made on the host and the buffers
+    moved to the device."""
+    moved = ["buffers_to(parts, device)  # CPU offload: the parameters stay on the host, the buffers go to the device"]
     if not v.meta_init:
-        return []
-    lines = ["materialize(parts, skeleton, device=device, seed=SEED)  # local shards only, layer by layer"]
+        return moved * v.offload
+    lines = ["materialize(parts, skeleton, device=" + ('"cpu"' if v.offload else "device")
+             + ", seed=SEED)  # local shards only, layer by layer"]
     if v.pretrained:
         ties = ", ties=TIES" if v.ties else ""
         path, why = ("WEIGHTS", "the weights it starts from") if v.weights else (
             "from_config.found[-1]", "the cell's from_pretrained")
         lines.append(f"load_pretrained({path}, parts, model=skeleton{ties})  # {why}: these shards")
-    return lines
+    return lines + moved * v.offload
 
 
 def whole_weights_lines(v: ScriptValues, model_var: str) -> list[str]:

@@ -241,9 +241,7 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
                   "that its hooks stay outside", "apply_compile(part, COMPILE)"]
         uses.append("apply_compile")
     if v.fsdp:
-        mixed = {"param_dtype": "PARAM_DTYPE", "reduce_dtype": "REDUCE_DTYPE"} if (
-            v.param_dtype, v.reduce_dtype) != ("float32", "float32") else {}
-        indent = 8 if v.pp > 1 else 4
+        mixed, indent = v.fsdp_policies, 8 if v.pp > 1 else 4
         calls += [f"# {next(steps)}. FSDP last (ZeRO-{v.zero_stage}), over the TP-sharded, checkpoint-wrapped modules"
                   + ("; the experts first," if v.ep > 1 else "")]
         if v.zero_stage == 3 and not v.reshard_after_forward:
@@ -331,7 +329,7 @@ def main_source(v: ScriptValues, source: ModelSource, *, telemetry: bool = True)
     """The body of ``main``'s ``try`` (or ``with distributed()``): data, parallelize, optimizer, forward/backward,
     train; and the runtime names it calls. ``telemetry``: ``train`` is handed ``main``'s metrics and observer."""
     uses = ["init_distributed", "build_mesh", "Metrics", "parameters_of", "build_optimizer", "train",
-            "print_parameter_counts"]
+            "print_parameter_counts"] + ["buffers_to"] * v.offload
     mv, ind = source.model_var, 8
     if source.make_batch_var:
         batches = source.make_batch_var
@@ -365,7 +363,8 @@ def main_source(v: ScriptValues, source: ModelSource, *, telemetry: bool = True)
                   f"net = {mv}"]
         uses.append("materialize")
     else:
-        lines += [*whole_weights_lines(v, mv), f"net = {mv}.to(device)"]
+        lines += [*whole_weights_lines(v, mv), f"net = {mv}" + ("  # on the host: FSDP offloads its parameters there"
+                                                                 if v.offload else ".to(device)")]
     if v.pretrained:
         uses.append("load_pretrained")
     if v.sync_batchnorm:
@@ -414,7 +413,8 @@ def main_source(v: ScriptValues, source: ModelSource, *, telemetry: bool = True)
                   f"parts = [apply_ddp(part, {v.dp_mesh}.get_group(), device=device) for part in parts]"]
     lines.append("optimizer = " + call("build_optimizer", "parameters_of(parts)", "OPTIMIZER", lr="args.lr",
                                        weight_decay="WEIGHT_DECAY", betas="BETAS", indent=12, width=120 - ind,
-                                       **({"zero1_group": f"{v.dp_mesh}.get_group()"} if v.zero1 else {})))
+                                       **({"zero1_group": f"{v.dp_mesh}.get_group()"} if v.zero1 else
+                                          {"fused": "True"} if v.offload else {})))  # offload: a fused CPU step
     scaler = "None"
     if v.amp == "fp16":
         uses.append("grad_scaler")
@@ -441,9 +441,8 @@ def main_source(v: ScriptValues, source: ModelSource, *, telemetry: bool = True)
     else:
         uses.append("accumulate")
         if v.cp > 1:
-            lines.append("# context parallelism: each micro-batch's sequences split over the cp ranks, a ring "
-                         "attention")
-            lines.append("shard = functools.partial(sequence_shards, mesh[\"cp\"], causal=CAUSAL)")
+            lines += ["# context parallelism: each micro-batch's sequences split over the cp ranks, a ring attention",
+                      "shard = functools.partial(sequence_shards, mesh[\"cp\"], causal=CAUSAL)"]
         lines += ["forward_backward = " + call("functools.partial", "accumulate", "parts[0]",
                                                micro_batches="MICRO_BATCHES", loss_fn="loss", context=context,
                                                scaler=scaler, zero_stage="ZERO_STAGE",

@@ -125,6 +125,9 @@ class ScriptValues:
     kv_cache: bool = False
     """the model keeps a Hugging Face key/value cache (``config.use_cache``): the script switches it off"""
     model_class: str = ""
+    offload: bool = False
+    """plan.mesh.offload: FSDP keeps its shards and the optimizer states in host memory (``offload_policy``), the
+    model stays there until FSDP takes its parameters, the optimizer steps fused on the CPU"""
 
     @property
     def replicas(self) -> int:
@@ -138,7 +141,16 @@ class ScriptValues:
 
     @property
     def fsdp(self) -> bool:
-        return self.replicas > 1 and self.zero_stage >= 2
+        """FSDP2 units: ZeRO 2/3 over data-parallel ranks, or over one rank to offload its states to the host"""
+        return (self.replicas > 1 or self.offload) and self.zero_stage >= 2
+
+    @property
+    def fsdp_policies(self) -> dict[str, str]:
+        """``apply_fsdp``'s and ``shard_experts``' policy arguments as the script spells them: mixed precision where
+        the dtypes are not float32, CPU offload"""
+        mixed = {"param_dtype": "PARAM_DTYPE", "reduce_dtype": "REDUCE_DTYPE"} if (
+            self.param_dtype, self.reduce_dtype) != ("float32", "float32") else {}
+        return mixed | ({"offload": "True"} if self.offload else {})
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -181,7 +193,7 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
     model, inputs, ns = source.build(device="meta", seed=seed)
     _check_runnable(plan)
     v = ScriptValues(pp=m.pp, dp=m.dp, tp=m.tp, cp=m.cp, zero_stage=m.zero_stage,
-                     micro_batches=plan.batch.micro_batches,
+                     micro_batches=plan.batch.micro_batches, offload=m.offload != "none",
                      sync_batchnorm=plan.sync_batchnorm and m.dp > 1, amp=pr.amp, param_dtype=pr.param_dtype,
                      reduce_dtype=pr.reduce_dtype, model_class=type(model).__name__, fp32_ops=list(pr.fp32_ops),
                      low_precision_ops=list(pr.low_precision_ops))

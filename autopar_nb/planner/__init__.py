@@ -36,6 +36,7 @@ from .degrees import cp_degrees
 from .explain import compile_lines, explain, fmt_bytes, fused_loss_lines, fused_norm_lines, op_list_lines
 from .float8 import float8_choice, float8_lines
 from .forward import checked_profile, tp_parts
+from .offload import checked_fixed, offload_lines, offload_search
 from .per_rank import plan_per_rank
 from .search import Candidate, Search, memory_limit
 
@@ -142,16 +143,14 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
             pass
     if not cands:
         raise PlanError(f"no candidate plan: {'; '.join(dict.fromkeys(search.rejected)) or 'check fix/overrides'}")
-    feasible = sorted((c for c in cands if c.fits),
-                      key=lambda c: (c.cost.step_time_s, c.setting.pp, c.setting.tp, c.setting.zero_stage))
-    if not feasible:
-        raise PlanError(_no_fit_message(cands, cluster, cons))
-    ranked: list[Candidate] = []
-    seen = set()
-    for c in feasible:
-        if c.key not in seen:
-            seen.add(c.key)
-            ranked.append(c)
+    feasible = checked_fixed([c for c in cands if c.fits], cluster)
+    if not feasible:  # CPU offload, slow, only where nothing else fits
+        feasible, found, why = offload_search(found, cons, top_k)
+        if not feasible:
+            raise PlanError(_no_fit_message(cands, cluster, cons) + why)
+    feasible.sort(key=lambda c: (c.cost.step_time_s, c.setting.pp, c.setting.tp, c.setting.zero_stage))
+    seen: set = set()
+    ranked = [c for c in feasible if not (c.key in seen or seen.add(c.key))]  # the first of each key
     best, float8_other = float8_choice(ranked[0], ev, cons, cluster)
     best, async_other = async_tp_choice(best, ev, cons, cluster)
     ranked[0] = best
@@ -163,7 +162,7 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
     chosen.explanation += compile_lines(best, ev, cons, [i for i, on in enumerate(search.compilable) if on])
     chosen.explanation += fused_loss_lines(best, ev, cons, fused_why)
     chosen.explanation += fused_norm_lines(best, ev, cons) + float8_lines(best, float8_other, cons, cluster)
-    chosen.explanation += async_tp_lines(best, async_other, cons, cluster)
+    chosen.explanation += async_tp_lines(best, async_other, cons, cluster) + offload_lines(best, cons, cluster)
     if prof is not default_prof:  # the op lists' price: the same setting with autocast's own lists
         chosen.explanation += op_list_lines(best, cons, Evaluator(default_prof, cluster, seq_ratio=seq_ratio,
                                                                   head=head), graph)
@@ -245,7 +244,7 @@ def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch
     head_tp = any(lp.vocab and any(st == "colwise" for st in lp.tp.values()) and ch.tp
                   for lp, ch in zip(prof.layers, c.choices, strict=True))
     return Plan(
-        mesh=MeshPlan(s.dp, s.tp, s.pp, s.zero_stage, ep=s.ep, cp=s.cp),
+        mesh=MeshPlan(s.dp, s.tp, s.pp, s.zero_stage, ep=s.ep, cp=s.cp, offload=s.offload),
         batch=BatchPlan(global_batch, s.micro_batches, seq_len or graph.seq_len),
         pipeline=PipelinePlan(s.schedule, s.virtual_stages),
         precision=precision,

@@ -280,3 +280,15 @@ def async_tp_modes(cons, cluster, compile_gain: bool) -> tuple[bool, bool]:
     if why:
         raise PlanError(f"fix async_tp=true: async TP {why}; drop async_tp from fix")
     return True, False
+
+
+def offload_fix(cons) -> str:
+    """The fixed CPU offload (``mesh.offload``; "none" unless fixed); PlanError when the other fixed choices cannot
+    take it: FSDP2's ``CPUOffloadPolicy`` offloads FSDP units (ZeRO 2 or 3), verified without pipelining."""
+    offload, fix = cons.fix.get("offload", "none"), cons.fix
+    why = (f"needs FSDP (zero_stage 2 or 3), and zero_stage is {fix.get('zero_stage')}" if fix.get("zero_stage", 3) < 2
+           else f"runs with pp=1 (not verified under pipelining), and pp is {fix['pp']}" if fix.get("pp", 1) > 1
+           else "")
+    if offload != "none" and why:
+        raise PlanError(f"fix offload={offload!r}: CPU offload {why}; drop offload from fix")
+    return offload

@@ -37,7 +37,7 @@ from ..cost.schedule import MULTI_STAGE, ZERO_BUBBLE
 from ..cost.setting import LayerChoice, Setting
 from ..cost.time import bubble_fraction
 from ..plan import V_SCHEDULES, Cost, PlanError, stage_rank
-from .constraints import async_tp_modes, float8_fix, sequence_parallel
+from .constraints import async_tp_modes, float8_fix, offload_fix, sequence_parallel
 from .degrees import divisors, tp_blockers
 from .recompute import choose_recompute
 from .stages import memory_partition, partition, partition_runs
@@ -136,8 +136,7 @@ class Search:
         if cons.fix.get("fused_loss") and ev.head is None:
             raise PlanError(f"fix fused_loss=True, but the output head and the loss cannot be fused: {fused_why}; "
                             "drop fused_loss from fix")
-        self.global_batch, self.limit, self.n = global_batch, memory_limit(cluster), len(prof.layers)
-        fix = cons.fix
+        self.global_batch, self.limit, self.n, fix = global_batch, memory_limit(cluster), len(prof.layers), cons.fix
         self.tp_on = [bool(lp.tp or lp.norms) for lp in prof.layers]  # norms: sequence parallel
         for i, ov in cons.layers.items():
             if ov.tp_styles and all(v == "replicate" for v in ov.tp_styles.values()) and \
@@ -168,7 +167,7 @@ class Search:
         if self.amp == "bf16" and not cluster.device.supports("bfloat16"):
             raise PlanError(f"fix amp='bf16', but the {cluster.device.name} has no bf16 (it needs compute capability "
                             ">= 8.0); use amp='fp16' (with loss scaling) or amp='none'")
-        self.optimizer = fix.get("optimizer", "adam")
+        self.optimizer, self.offload = fix.get("optimizer", "adam"), offload_fix(cons)
         self.float8 = float8_fix(cons, self.amp)
         self.has_batchnorm = any("BatchNorm" in lay.type or "BatchNorm" in " ".join(lay.modules.values())
                                  for lay in graph.layers)
@@ -181,8 +180,7 @@ class Search:
         self.floors = FLOORS
         """weigh each candidate's memory floor before costing it in full (False: cost every one, as the guard test
         of the unchanged answer does)"""
-        self.evaluated = 0
-        self.pruned = 0
+        self.evaluated = self.pruned = 0
         self.over: Candidate | None = None
         """a candidate faster than the fastest that fits which does not fit: of those, the one with the least bound
         on its step time (the explanation names it; finding the fastest would cost every one of them)"""
@@ -365,8 +363,9 @@ class Search:
         configs = []
         for dp, t, pp, cp, ep in [(*mesh, e) for mesh in self.meshes() for e in self.ep_degrees(*mesh[:3])]:
             # dp x tp: ZeRO 0 (FSDP2's replicate), 2 or 3 (ZeRO-1 takes no DTensors, which TP and EP make); the cp
-            # ranks of a replica hold the same parameters: FSDP shards over dp x cp (torchtitan's dp_shard_cp)
-            zeros = [fix["zero_stage"]] if "zero_stage" in fix else (
+            # ranks of a replica hold the same parameters: FSDP shards over dp x cp (torchtitan's dp_shard_cp);
+            # offload needs FSDP, at dp x cp = 1 too
+            zeros = [fix["zero_stage"]] if "zero_stage" in fix else [2, 3] if self.offload != "none" else (
                 [0] if dp * cp == 1 else [0, 2, 3] if t > 1 or ep > 1 else [0, 1, 2, 3])
             if ep > 1:
                 zeros = [z for z in zeros if z != 1 and not (z >= 2 and self.selective_experts)]
@@ -420,9 +419,11 @@ class Search:
                 continue
             for z in zeros:
                 s = dataclasses.replace(base, zero_stage=z, fused_loss=bool(fix.get("fused_loss")),
-                                        fused_norm=bool(fix.get("fused_norm")), float8=self.float8)
-                if (self.float8 != "none" or self.async_tp) and base.pp > 1 or self.async_tp and base.tp == 1:
-                    continue  # float8 and async TP run with pp=1 only, async TP with tp > 1 (Plan refuses the rest)
+                                        fused_norm=bool(fix.get("fused_norm")), float8=self.float8,
+                                        offload=self.offload)
+                if (self.float8 != "none" or self.async_tp or s.offload != "none") and base.pp > 1 or \
+                        self.async_tp and base.tp == 1:
+                    continue  # float8, async TP and offload run with pp=1 only, async TP with tp > 1
                 choices = [LayerChoice(assign[i], self.tp_on[i], self.rec_pinned.get(i, "none"), self.fsdp[i],
                                        self.compile[i] and base.pp == 1)
                            for i in range(self.n)]

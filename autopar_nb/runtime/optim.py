@@ -9,6 +9,8 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
+from .fsdp import on_mesh_device
+
 OPTIMIZER_CLASSES = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
 
@@ -19,11 +21,16 @@ def parameters_of(parts: list) -> list:
     return list({id(p): p for part in parts for p in part.parameters()}.values())
 
 
-def build_optimizer(params: list, name: str, *, lr: float, weight_decay: float, betas, zero1_group=None):
+def build_optimizer(params: list, name: str, *, lr: float, weight_decay: float, betas, zero1_group=None,
+                    fused: bool = False):
     """The plan's optimizer over ``params`` (SGD takes no betas). ``zero1_group``: ZeRO-1, each data-parallel rank of
-    the group keeps the optimizer state of its share of the parameters (``ZeroRedundancyOptimizer``)."""
+    the group keeps the optimizer state of its share of the parameters (``ZeroRedundancyOptimizer``). ``fused``:
+    Adam's fused kernel, for parameters offloaded to the host (on CPU tensors torch otherwise steps one parameter at
+    a time, ~14x slower: 447M vs 32M parameters/s on one core)."""
     cls = OPTIMIZER_CLASSES[name]
     kwargs = {"lr": lr, "weight_decay": weight_decay} | ({} if name == "sgd" else {"betas": tuple(betas)})
+    if fused and name != "sgd":
+        kwargs["fused"] = True
     if zero1_group is not None:
         return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=zero1_group, **kwargs)
     # the multi-tensor (foreach) kernels, the CUDA default, take lists of one kind: plain tensors or DTensors of one
@@ -65,7 +72,7 @@ def clip_grad_norm(params: list, max_norm: float, *, pp_group=None, repeated=())
         if not counted:
             continue
         norm = torch.nn.utils.get_total_norm(counted)  # one kind per group: torch may use foreach kernels
-        total += (norm.full_tensor() if key is not None else norm).float() ** 2
+        total += (on_mesh_device(norm).full_tensor() if key is not None else norm).float().to(total.device) ** 2
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
     norm = total.sqrt()

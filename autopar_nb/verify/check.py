@@ -445,8 +445,7 @@ class Recorder:
     DTensors over their ep ranks, are gathered like any other."""
 
     def __init__(self, plan: Plan, rank: int):
-        m = plan.mesh
-        self.plan = plan
+        m, self.plan = plan.mesh, plan
         self.keeps = (rank // m.tp) % m.dp == 0 and rank % m.tp == 0
         self.result: dict = {"losses": [], "grads": [], "params": [], "info": {}}
 
@@ -465,28 +464,23 @@ class Recorder:
 
 def named_tensors(parts: list, what: str) -> dict[str, torch.Tensor]:
     """Full (unsharded) parameters or gradients of this rank's parts, by the names of the single-process model.
-    Collective: every rank of the mesh calls it."""
+    Collective: every rank of the mesh calls it (CPU offload's host shards are reduced on the mesh's device)."""
     from torch.distributed.tensor import DTensor
 
+    from ..runtime.fsdp import on_mesh_device
     from ..runtime.init import canonical_name
 
-    out = {}
-    for part in parts:
-        for name, p in part.named_parameters():
-            t = p.grad if what == "grad" else p.detach()
-            if t is None:
-                continue
-            if isinstance(t, DTensor):
-                t = t.full_tensor()
-            out[canonical_name(name)] = t.detach().float().cpu().clone()
-    return out
+    named = [(n, p.grad if what == "grad" else p.detach()) for part in parts for n, p in part.named_parameters()]
+    return {canonical_name(n): (on_mesh_device(t).full_tensor() if isinstance(t, DTensor) else t).detach().float()
+            .cpu().clone() for n, t in named if t is not None}
 
 
 def rank_info(parts: list, plan: Plan) -> dict:
     """What this rank holds: ``local_numel`` (parameter elements stored here), ``dtensor_params`` (parameters
     sharded/replicated as DTensors), ``checkpointed`` (checkpoint-wrapped modules), ``stages`` (the pipeline stages
-    whose first layer one of its parts holds)."""
+    whose first layer one of its parts holds), ``offloaded`` (FSDP units under ``CPUOffloadPolicy``)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
     from torch.distributed.tensor import DTensor
 
     from ..runtime.init import canonical_name
@@ -499,7 +493,9 @@ def rank_info(parts: list, plan: Plan) -> dict:
         "dtensor_params": sum(isinstance(p, DTensor) for p in params),
         "checkpointed": sum(isinstance(m, CheckpointWrapper) for part in parts for m in part.modules()),
         "stages": [i for i, first in enumerate(firsts) if any(n.startswith(first + ".") for n in names)],
-    }
+        "offloaded": sum(isinstance(getattr(m._get_fsdp_state()._fsdp_param_group, "offload_policy", None),
+                                    CPUOffloadPolicy) for part in parts for m in part.modules()
+                         if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group)}
 
 
 def script_argv(ns: dict, steps: int) -> list[str]:
