@@ -34,12 +34,12 @@ def offload_search(search: Search, cons, top_k: int) -> tuple[list[Candidate], S
     preset, whose device is the host); ([], None, "") otherwise."""
     if "offload" in cons.fix or search.cluster.name == "cpu":
         return [], None, ""
-    again = Search(search.graph, search.prof, search.cluster, dataclasses.replace(cons, fix={**cons.fix,
-                   "offload": "cpu"}), search.ev, global_batch=search.global_batch, fused_why=search.fused_why,
-                   cps=search.cps)
     try:
+        again = Search(search.graph, search.prof, search.cluster, dataclasses.replace(cons, fix={**cons.fix,
+                       "offload": "cpu"}), search.ev, global_batch=search.global_batch, fused_why=search.fused_why,
+                       cps=search.cps)
         cands = again.run(top_k)
-    except PlanError:  # the fixed choices take no FSDP (zero_stage 0 or 1, pp > 1): nothing to offload
+    except PlanError:  # the fixed choices take no offload (zero_stage 0 or 1, pp > 1): nothing to offload
         return [], None, ""
     fit = [c for c in cands if c.fits]
     kept = [c for c in fit if not host_refusal(c, search.cluster)]
