@@ -75,6 +75,9 @@ def test_offload_moves_the_states_from_device_to_host_and_costs_the_copies(llama
     shard = llama_8b.num_params / 8
     assert m1.host == pytest.approx(16 * shard, rel=1e-3)  # fp32 parameter and gradient, Adam's two moments
     assert m1.total < m0.total - 0.9 * (m0.params + m0.optimizer)
+    zero2 = _plan(llama_8b, gpus=8, zero_stage=2, tp=1, pp=1)  # its gathered units are buffers, its shards states
+    m2 = estimate(llama_8b, cluster, _offloaded(zero2)).memory_by_rank[0]
+    assert m2.params == m2.grads == m2.optimizer == 0 and m2.host == pytest.approx(16 * shard, rel=1e-3)
     assert host_of(cluster).link == PCIE5 and 50e9 < PCIE5 < 56e9
     gathers = 2 * plain.batch.micro_batches  # ZeRO 3: forward and backward, each micro-batch
     assert c1.comm_by_kind["host_to_device"] == pytest.approx(gathers * shard * 4 / PCIE5, rel=1e-3)

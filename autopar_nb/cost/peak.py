@@ -69,12 +69,12 @@ class RankMemory:
     def _on_device(self, st: _States, out: list[PeakMoment]) -> tuple[float, float, list[PeakMoment]]:
         """(parameter bytes, optimizer-state bytes, the moments) on the device. With CPU offload FSDP keeps the
         parameter shards, the gradient shards and the optimizer states in host memory (:meth:`_host_bytes`) and
-        the step runs there: the device holds no states, only ZeRO 2's parameters gathered from forward to
-        backward and what the moments' terms name (gathered units, unsharded gradients before their reduction)."""
+        the step runs there: the device holds no states (``pb`` is the shards under ZeRO 2 and 3), only what the
+        moments' terms name (the units gathered, ZeRO 2's from forward to backward; unsharded gradients before
+        their reduction)."""
         if self.s.offload == "none":
             return st.pb, st.ob, out
-        device = [mo._replace(grads=0.0, weight=mo.weight - mo.grads) for mo in out if mo.phase != "step"]
-        return (st.pb if st.fsdp_stage == 2 else 0.0), 0.0, device
+        return 0.0, 0.0, [mo._replace(grads=0.0, weight=mo.weight - mo.grads) for mo in out if mo.phase != "step"]
 
     def _host_bytes(self, r: int) -> float:
         """Bytes rank ``r`` keeps in host memory with CPU offload: its parameter and gradient shards (float32) and
