@@ -60,8 +60,7 @@ FLOAT8 = ("none", "tensorwise", "rowwise")
 """torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``): none | tensorwise (a scale per tensor;
 FSDP all-gathers the weights in float8 on GPUs) | rowwise (a scale per row: more accurate, gathers in bf16)"""
 OFFLOAD = ("none", "cpu")
-"""where FSDP2 keeps the sharded parameters, gradients and optimizer states: the device, or host memory
-(``CPUOffloadPolicy``: shards copied in for each all-gather, grads out after each reduce-scatter, steps on the CPU)"""
+"""where FSDP2 keeps the shards of parameters, gradients and optimizer states: device or host (CPUOffloadPolicy)"""
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
 V_SCHEDULES = ("zbv_zero_bubble",)
 """schedules that place a rank's two stages in a V: rank r holds stages r and 2 pp - 1 - r"""

@@ -362,9 +362,8 @@ class Search:
         fix = self.cons.fix
         configs = []
         for dp, t, pp, cp, ep in [(*mesh, e) for mesh in self.meshes() for e in self.ep_degrees(*mesh[:3])]:
-            # dp x tp: ZeRO 0 (FSDP2's replicate), 2 or 3 (ZeRO-1 takes no DTensors, which TP and EP make); the cp
-            # ranks of a replica hold the same parameters: FSDP shards over dp x cp (torchtitan's dp_shard_cp);
-            # offload needs FSDP, at dp x cp = 1 too
+            # dp x tp: ZeRO 0 (replicate), 2 or 3 (ZeRO-1 takes no DTensors, which TP and EP make); FSDP shards over
+            # dp x cp, whose ranks hold the same parameters (torchtitan's dp_shard_cp); offload needs FSDP, even alone
             zeros = [fix["zero_stage"]] if "zero_stage" in fix else [2, 3] if self.offload != "none" else (
                 [0] if dp * cp == 1 else [0, 2, 3] if t > 1 or ep > 1 else [0, 1, 2, 3])
             if ep > 1:
