@@ -97,11 +97,14 @@ def test_every_figure_after_a_launch_agrees_with_the_others(tmp_path):
         seen["all"], seen["dashboard"] = root.evaluate(TEXTS), dash.evaluate(TEXTS)
         py = kernel_json(page, tmp_path, (
             "(lambda run: {'summary': ap.summary(), 'line': run.summary_line(), 'message': run.message, "
-            "'explain': run.explain(), 'step_s': run.summary()['step_time_s'], "
+            "'explain': run.explain(), 'step_s': run.summary()['step_time_s'], 'steps': run.steps, "
             "'measured': ap.widget().measured['time']['measured'], "
             "'bars': ap.widget().measured['bars']})(ap.widget().last_result)"))
     print("\nafter a launch:", {k: v for k, v in seen.items() if k not in ("all", "dashboard")}, py)
     assert not errors, errors
+    # the steps typed just before the click: ipywidgets held their update back (the processes' update unanswered)
+    # and Launch ran the default 50
+    assert py["steps"] == 30, py["steps"]
     # the headline's memory limit is the memory panel's (a CPU rank's share of the host)
     limit = re.search(r" of ([\d.]+ \w+)$", seen["headline"]).group(1)
     assert seen["memoryTitle"].endswith(f" of {limit}"), (seen["headline"], seen["memoryTitle"])

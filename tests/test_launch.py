@@ -766,6 +766,10 @@ def test_planner_launch_and_verify_buttons_show_the_live_view_below(monkeypatch)
     assert calls[-1] == ("verify", 1, 3, 1)  # plan_for(1): dp=1
     assert w.verify_panel is w.last_result.board and w.panel is dashboard  # each in its own slot
     assert any("runs in the background" in m["text"] for m in w.messages), w.messages
+    # the click carries the inputs as the user left them: ipywidgets may still hold their trait update back (an
+    # earlier update unanswered) while the click's message goes at once; Launch ran 50 steps with 100,000 typed
+    w.handle({"kind": "action", "name": "launch", "run_options": {"nproc": 2, "verify_steps": 3, "launch_steps": 7}})
+    assert calls[-1] == ("launch", 2, 7) and w.run_options["launch_steps"] == 7, (calls[-1], w.run_options)
 
 
 def _bare_run(tmp_path, nproc=2, backend="gloo", plan=None):

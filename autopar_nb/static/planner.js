@@ -684,7 +684,9 @@ function renderHeader(ui) {
         onclick: () => send({ kind: "redo" }) }, "↷ redo"),
       model.get("actions").flatMap((a) => [
         h("button", { class: `ap-btn ap-action ap-action-${a}`, title: `ap.${a}()`,
-          onclick: () => send({ kind: "action", name: a }) }, a[0].toUpperCase() + a.slice(1)),
+          // the inputs go with the click: their own update may still be held back by ipywidgets (see _action)
+          onclick: () => send({ kind: "action", name: a, run_options: model.get("run_options") }) },
+        a[0].toUpperCase() + a.slice(1)),
         a === "verify" || a === "launch" ? runInput(ui, `${a}_steps`, "steps", `steps of ap.${a}()`) : null,
         ...(a === "tournament" ? [
           runInput(ui, "tournament_k", "k", "alternatives measured beside the plan (ap.tournament(k=...))"),

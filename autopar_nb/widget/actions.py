@@ -61,6 +61,17 @@ def calibrated_badge(cluster: Any) -> dict[str, str]:
     return {"text": text, "title": calibration.speed_text(preset)} if text else {}
 
 
+def run_kwargs(name: str, params, plan: Plan | None, options: dict) -> dict:
+    """``nproc`` and ``steps`` for ``ap.verify``/``ap.launch`` (those of ``params``, the function's parameters) from
+    the widget's processes/steps inputs, ``options`` (the run_options trait); the defaults where an input is empty."""
+    kwargs = {}
+    if name in ("verify", "launch") and plan is not None and "nproc" in params:
+        kwargs["nproc"] = int(options.get("nproc") or local_nproc(plan))
+    if name in ("verify", "launch") and "steps" in params:
+        kwargs["steps"] = int(options.get(f"{name}_steps") or (5 if name == "verify" else 50))
+    return kwargs
+
+
 def scaled_line(plan: Any) -> str:
     """The line a plan scaled to another process count carries (``Session.plan_for``: what was planned, what runs,
     what to do), "" for a plan run as it was made."""

@@ -20,7 +20,7 @@ from ..hardware import Cluster
 from ..launch.dashboard import SHARED_JS, STATIC, UPLOT, bundle
 from ..plan import RECOMPUTE, Plan, PlanError
 from . import editor, measured, options, panels, stage_moves, timeline
-from .actions import action_message, calibrated_badge, local_nproc, refusal
+from .actions import action_message, calibrated_badge, local_nproc, refusal, run_kwargs
 from .describe import describe
 from .layout import (
     DEFAULT_VIEWPORT,
@@ -547,12 +547,11 @@ class PlannerWidget(anywidget.AnyWidget):
             self._say("error", f"{name.capitalize()} refused: {why}.")
             return None
         fn = getattr(self.session, name)
-        kwargs = {}
-        params = inspect.signature(fn).parameters
-        if name in ("verify", "launch") and self.session.plan is not None and "nproc" in params:
-            kwargs["nproc"] = int(self.run_options.get("nproc") or local_nproc(self.session.plan))
-        if name in ("verify", "launch") and "steps" in params:
-            kwargs["steps"] = int(self.run_options.get(f"{name}_steps") or (5 if name == "verify" else 50))
+        # the click carries the inputs: their trait update may still wait in the front end (ipywidgets holds a
+        # model's updates while an earlier one is unanswered), and the click's message is sent at once
+        if isinstance(msg.get("run_options"), dict):
+            self.run_options = {**self.run_options, **msg["run_options"]}
+        kwargs = run_kwargs(name, inspect.signature(fn).parameters, self.session.plan, self.run_options)
         ran = None  # the plan that runs: the session's, or plan_for's at another process count (said first)
         try:
             if name == "verify" and callable(getattr(self.session, "plan_for", None)) and "nproc" in kwargs:
