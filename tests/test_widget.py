@@ -1050,7 +1050,7 @@ MEASURED_PAGE = """async ([esm, css, state, dark]) => {
   const markContrast = contrast(getComputedStyle(mark).borderLeftColor, mark.parentElement);
   return {before, bars: text(".ap-bar-measured"), marks: el.querySelectorAll(".ap-measured-mark").length,
           markLeft: mark.style.left, time: text(".ap-time-measured"), notes: text(".ap-measured-note"),
-          rates: text(".ap-throughput-measured"),
+          rates: text(".ap-throughput-measured"), flagged: text(".ap-ratio-over, .ap-ratio-under"),
           rows: [...el.querySelectorAll(".ap-components tr")].map((tr) => [...tr.children].map((td) => td.textContent)),
           low, markContrast};
 }"""
@@ -1098,6 +1098,37 @@ def test_measured_figures_render_beside_the_predicted_ones(seed_graph, tmp_path,
     assert "default (not calibrated)" in rows["allocator margin"][3] and rows["parameters"][3].startswith("exact")
     assert not seen["low"], seen["low"]
     assert seen["markContrast"] >= 3, seen["markContrast"]
+
+
+@pytest.mark.browser
+def test_a_figure_is_flagged_only_where_the_run_would_raise_a_prediction_error(seed_graph, tmp_path):
+    """Issue 42, points 4-5: after every CPU run the widget showed the measured peak (RSS, which holds what torch
+    allocates on first use) and the step time (an uncalibrated CPU estimate) in red at x3.9 and x7.8, and the
+    dashboard its peak column in red, while the run raised no prediction_error: the run looked failed. A figure is
+    now flagged by the rule of those events (launch/watch.py prediction_off), in the widget (blank-page chromium)
+    and the dashboard's rows; beyond that rule it still is."""
+    import test_browser
+
+    test_browser._require_chromium()
+    s = Session(seed_graph, Cluster.preset("cpu", gpus_per_node=2), ModelSource("# test"))
+    w = s.widget()
+    state = {k: getattr(w, k) for k in w.keys if not k.startswith("_") and k not in ("layout", "panel")}
+    state["panel"], state["measured"] = None, {}
+    flagged = {}
+    for peak in (100, 400):  # MiB above the baseline: within what a CPU rank holds beyond the plan, then past it
+        run = cpu_run_of(s, tmp_path, peak=peak * MIB, run_id=f"run{peak:07d}")
+        w.follow(run)
+        w._on_run(run)
+        m = w.measured
+        assert m["bars"][0]["ratio"] > 1.3 and m["time"]["ratio"] > 10, m  # far above the predictions either way
+        seen, errors = test_browser.evaluate_in_blank_page(MEASURED_PAGE, [w._esm, w._css,
+                                                                          {**state, "next_measured": m}, False])
+        assert not errors, errors
+        rows = run.dashboard().ranks
+        flagged[peak] = (seen["flagged"], [r["memory_off"] for r in rows], m["bars"][0]["off"], m["time"]["off"])
+    assert flagged[100] == ([], [False, False], False, False), flagged  # the step time is not judged: uncalibrated
+    bar, comp = m["bars"][0], m["components"]["peak"]
+    assert flagged[400] == ([f"×{bar['ratio']:.2f}", f"×{comp['ratio']:.2f}"], [True, True], True, False), flagged
 
 
 @pytest.mark.multiprocess

@@ -22,6 +22,7 @@ import anywidget
 import psutil
 import traitlets
 
+from . import watch
 from .series import float32_bytes
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
@@ -55,7 +56,8 @@ class Dashboard(anywidget.AnyWidget):
     """when the run hung: {"rank" that stopped first, "seconds", "stacks": {rank: its threads' stacks}}"""
     ranks = traitlets.List().tag(sync=True)
     """per rank: {"rank", "state", "step", "attempt", "memory", "memory_source", "memory_peak", "memory_pred",
-    "util", "throughput", "step_time", "data_wait", "power_w", "temperature_c", "log": [str]}"""
+    "memory_off" (the peak is a prediction error: ``watch.prediction_off``), "util", "throughput", "step_time",
+    "data_wait", "power_w", "temperature_c", "log": [str]}"""
     info = traitlets.Dict().tag(sync=True)
     """what the charts show and what compares: labels, the plan's predictions, the limit, notes"""
     timeline = traitlets.Dict().tag(sync=True)
@@ -197,7 +199,7 @@ class Dashboard(anywidget.AnyWidget):
     def _ranks(self, run) -> list[dict]:
         c_pred = None
         out = []
-        tl = run._timeline
+        tl, rss = run._timeline, run.rss_figures()
         for r, st in sorted(run._ranks.items()):
             last, sample = st.last, st.sample
             if r < tl.nranks and tl.t:
@@ -208,14 +210,21 @@ class Dashboard(anywidget.AnyWidget):
             cuda_peak = last.get("mem_peak")
             if st.peak_rss and cuda_peak is None:  # the step stream's RSS, finer than the samples
                 seen.append(max(0.0, st.peak_rss - (st.baseline or 0.0)))
+            if r in rss:  # the peak Run.measured() gives the widget (VmHWM between samples): one figure for both
+                seen.append(rss[r]["peak"])
+            peak = cuda_peak if cuda_peak is not None else (max(seen) if seen else None)
             if c_pred is None:
-                c_pred = run.comparison()["predicted_memory"]
+                c = run.comparison()
+                c_pred, judge = c["predicted_memory"], watch.settings_for(c)
+            pred = c_pred[r] if r < len(c_pred) else None
             out.append({
                 "rank": r, "state": st.state(run.status), "step": st.step, "attempt": max(st.attempt, 0),
                 "memory": None if math.isnan(mem) else mem, "memory_source": src,
-                "memory_peak": cuda_peak if cuda_peak is not None else (max(seen) if seen else None),
+                "memory_peak": peak,
                 "memory_peak_kind": "CUDA peak allocated" if cuda_peak is not None else "highest sample",
-                "memory_pred": c_pred[r] if r < len(c_pred) else None,
+                "memory_pred": pred,
+                # flagged by the rule the run's prediction_error events follow, not by any ratio above 1
+                "memory_off": watch.prediction_off("memory", peak, pred, judge),
                 "baseline": st.baseline, "util": sample.get("gpu_util", sample.get("cpu_percent")),
                 "throughput": last.get("tokens_per_s", last.get("samples_per_s")),
                 "step_time": last.get("step_time_s"), "data_wait": last.get("data_wait_s"),

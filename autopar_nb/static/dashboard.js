@@ -249,7 +249,7 @@ function render({ model, el }) {
     const cols = ["rank", "state", "step", "memory", "peak", "predicted", gpu ? "GPU %" : "CPU %", unit, "step time",
                   "data wait", ...(gpu ? ["power", "temp"] : [])];
     const rows = ranks.map((r) => {
-      const over = r.memory_pred && r.memory_peak && r.memory_peak > r.memory_pred * 1.1;
+      const over = r.memory_off;  // the rule of the run's prediction_error events (launch/watch.py)
       const wait = r.data_wait !== null && r.data_wait !== undefined && r.step_time
         ? `${secs(r.data_wait)} (${((100 * r.data_wait) / r.step_time).toFixed(0)} %)` : "–";
       return h("tr", { "data-rank": r.rank, "data-state": r.state },

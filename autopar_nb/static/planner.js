@@ -918,10 +918,12 @@ function renderSide(ui) {
 
 // ---- measured beside predicted (autopar_nb/widget/measured.py): once a launched run of this plan measured them ----
 function ratioText(r) { return r ? `×${r.toFixed(2)}` : ""; }
-function ratioClass(r) { return !r ? "ap-ratio" : r > 1.1 ? "ap-ratio ap-ratio-over" : r < 0.9 ? "ap-ratio ap-ratio-under" : "ap-ratio"; }
+// coloured only where the figure is off by the rule of the run's prediction_error events (measured.py's "off"): a
+// ratio alone says nothing on CPU, where RSS holds torch's first-use allocations and the speed is not calibrated
+function ratioClass(r, off) { return !r || !off ? "ap-ratio" : r > 1 ? "ap-ratio ap-ratio-over" : "ap-ratio ap-ratio-under"; }
 function measuredText(f, unit) {
   return h("span", { class: "ap-measured" }, "measured ", h("b", {}, unit(f.measured)), " ",
-    h("span", { class: ratioClass(f.ratio) }, ratioText(f.ratio)));
+    h("span", { class: ratioClass(f.ratio, f.off) }, ratioText(f.ratio)));
 }
 
 // the memory bars and the step time get the measured figure (a dashed mark on each bar, its value and the ratio
@@ -944,7 +946,7 @@ function measuredMarks(ui, mem, tm, measured) {
       // on a line of its own, naming both figures: the bar's value is the whole prediction, margin included, and
       // the measured peak compares with the predicted tensors without it (a smaller figure, which the ratio is of)
       row.append(h("span", { class: "ap-bar-measured", title }, `${measured.peak_label || "measured peak"} `,
-        h("b", {}, bytes(b.measured)), " ", h("span", { class: ratioClass(b.ratio) }, ratioText(b.ratio)),
+        h("b", {}, bytes(b.measured)), " ", h("span", { class: ratioClass(b.ratio, b.off) }, ratioText(b.ratio)),
         ` of ${bytes(b.predicted)} predicted tensors (no margin), rank ${b.rank}`));
     });
     memEl.append(h("div", { class: "ap-hint ap-measured-note" }, `measured: ${who}; ${run.basis}`),
@@ -965,7 +967,7 @@ function measuredMarks(ui, mem, tm, measured) {
   if (stats && tp.mfu) {  // more is better here: a ratio below 1 is the bad one
     const pctOf = (x) => `${(100 * x).toFixed(1)}%`;
     const rate = (f, unit, what = "") => h("span", { class: "ap-measured" }, `measured ${what}`,
-      h("b", {}, unit(f.measured)), " ", h("span", { class: ratioClass(f.ratio && 1 / f.ratio) }, ratioText(f.ratio)));
+      h("b", {}, unit(f.measured)), " ", h("span", { class: ratioClass(f.ratio && 1 / f.ratio, f.off) }, ratioText(f.ratio)));
     stats.append(h("span", { class: "ap-throughput-measured",
       title: `MFU: the plan's FLOPs per step over the measured step time of ${who}` }, rate(tp.mfu, pctOf, "MFU ")));
     if (tp.measured) {
@@ -982,7 +984,7 @@ function componentsPanel(comp, measured) {
   const row = (label, value, source, f) => h("tr", {},
     h("td", {}, label), h("td", { class: "ap-num" }, bytes(value)),
     h("td", { class: "ap-num ap-comp-measured" }, f && f.measured ? [bytes(f.measured), " ",
-      h("span", { class: ratioClass(f.ratio) }, ratioText(f.ratio))] : ""),
+      h("span", { class: ratioClass(f.ratio, f.off) }, ratioText(f.ratio))] : ""),
     h("td", { class: "ap-hint" }, source));
   const rows = comp.rows.map((r) => row(r.label, r.bytes, r.source, null));
   if (c.peak) {

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..launch import watch
+
 FOLLOWED = 8
 """runs a widget keeps following (the latest ones)"""
 PEAK_LABELS = {False: "measured peak (RSS above baseline)", True: "measured peak (CUDA allocated)"}
@@ -52,7 +54,8 @@ def bar_ranks(plan: Any) -> list[list[int]]:
 
 def measured_panel(plan: Any, runs: list) -> dict[str, Any]:
     """``{}`` until a run of ``plan`` reported a step; then ``{"run": {id, status, steps, device, basis, note},
-    "bars": [{ranks, measured, predicted, ratio}] (one per memory bar), "components": {"peak", "between steps",
+    "bars": [{ranks, measured, predicted, ratio, off}] (one per memory bar; ``off``: a prediction error by the run's
+    event rule, ``launch.watch.prediction_off``), "components": {"peak", "between steps",
     on GPUs "reserved"}
     (figures of the bar with the highest measured/predicted ratio, with its rank), "time": {measured, predicted,
     ratio, compared, note}, "peaks": [[rank, bytes]] (each rank's measured peak, for the memory timeline),
@@ -74,10 +77,21 @@ def measured_panel(plan: Any, runs: list) -> dict[str, Any]:
         bars.append({"ranks": ranks, "rank": worst, **f})
     top = max((b for b in bars if b["ratio"]), key=lambda b: b["ratio"], default=None)
     components = {} if top is None else {"rank": top["rank"], **ranks_seen[top["rank"]]}
+    # each figure flagged ("off") by the rule the run's prediction_error events follow, not by any ratio above 1: a
+    # CPU rank's RSS holds what torch allocates on first use beyond the plan's tensors, and an uncalibrated CPU
+    # speed is not judged; the throughput and MFU follow from the step time, so they share its judgement
+    judge = watch.settings_for(run.comparison())
+    for f in [*bars, *(v for v in components.values() if isinstance(v, dict))]:
+        f["off"] = watch.prediction_off("memory", f["measured"], f["predicted"], judge)
+    time = {**m["time"], "off": watch.prediction_off("step_time", m["time"]["measured"], m["time"]["predicted"]
+                                                     if m["time"]["compared"] else None, judge)}
+    throughput = {**m["throughput"], "off": time["off"]} if m["throughput"] else {}
+    if "mfu" in throughput:
+        throughput["mfu"] = {**throughput["mfu"], "off": time["off"]}
     return {"run": {"id": run.run_id[:8], "status": run.status, "steps": run.summary().get("steps", 0),
                     "device": m["device"], "basis": m["basis"],
                     "note": "a launched run measures each rank's peak and what it held between steps, not each "
                             "component (bench/memory.py measures those with torch's memory tracker)"},
-            "bars": bars, "components": components, "time": m["time"], "throughput": m["throughput"],
+            "bars": bars, "components": components, "time": time, "throughput": throughput,
             "peaks": [[r, f["peak"]["measured"]] for r, f in sorted(ranks_seen.items()) if f["peak"]["measured"]],
             "peak_label": PEAK_LABELS[getattr(run, "backend", "gloo") == "nccl"]}
