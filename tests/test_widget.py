@@ -1197,7 +1197,7 @@ JL_DARK = {"--jp-layout-color0": "#111111", "--jp-layout-color1": "#212121", "--
            "--jp-ui-font-color2": "rgba(255,255,255,.54)", "--jp-brand-color1": "#2196f3",
            "--jp-error-color1": "#f44336", "--jp-success-color1": "#4caf50", "--jp-input-background": "#424242"}
 
-WIDGET_PAGE = """async ([esm, css, state, theme]) => {
+WIDGET_PAGE = """async ([esm, css, state, theme, late]) => {
   const style = document.createElement("style");
   style.textContent = css + " body { margin: 0; background: var(--jp-layout-color0); }";
   document.head.append(style);
@@ -1206,7 +1206,7 @@ WIDGET_PAGE = """async ([esm, css, state, theme]) => {
   const [above, el, below] = [0, 1, 2].map(() => document.createElement("div"));
   above.style.height = "300px";  // a cell above the widget's, and a long notebook below it: the page scrolls
   below.style.height = "2000px";
-  document.body.append(above, el, below);
+  document.body.append(above, ...(late ? [] : [el]), below);  // late: rendered first, then put in the page
   window.__sent = [];
   const handlers = {};
   const model = {get: (k) => state[k], set: (k, v) => { state[k] = v; }, save_changes: () => {},
@@ -1215,6 +1215,7 @@ WIDGET_PAGE = """async ([esm, css, state, theme]) => {
   // anywidget's host: a child widget (a run's dashboard, a verify's progress) renders as its reference
   const host = {getWidget: async (ref) => ({render: async (o) => { o.el.textContent = ref; }})};
   mod.default.render({model, el, host});
+  if (late) { await new Promise((r) => setTimeout(r, 200)); above.after(el); }
   // the kernel's side: a trait set from Python and its change event
   window.__set = (k, v) => { state[k] = v; (handlers[`change:${k}`] || []).forEach((fn) => fn()); };
   await new Promise((r) => setTimeout(r, 200));
@@ -1222,10 +1223,10 @@ WIDGET_PAGE = """async ([esm, css, state, theme]) => {
 
 
 @contextlib.contextmanager
-def widget_page(w, theme: dict, width: int | None = None):
+def widget_page(w, theme: dict, width: int | None = None, *, late: bool = False):
     """A chromium page (1400 x 1000, or ``width`` wide, no Jupyter) showing ``w``'s front end from its traits, the
     page themed with ``theme``'s JupyterLab variables; yields (page, errors). Messages the front end sends collect
-    in __sent."""
+    in __sent. ``late``: rendered into an element put in the page afterwards, as JupyterLab's output area does."""
     import test_browser
     from playwright.sync_api import sync_playwright
 
@@ -1239,7 +1240,7 @@ def widget_page(w, theme: dict, width: int | None = None):
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.set_content("<html><body></body></html>")
-            page.evaluate(WIDGET_PAGE, [w._esm, w._css, state, theme])
+            page.evaluate(WIDGET_PAGE, [w._esm, w._css, state, theme, late])
             yield page, errors
         finally:
             browser.close()
@@ -1523,12 +1524,15 @@ GRAPH_COLOURS = """() => {
 
 @pytest.mark.browser
 @pytest.mark.parametrize("theme", [JL_LIGHT, JL_DARK], ids=["light", "dark"])
-def test_the_graph_paper_follows_the_theme(seed_graph, theme):
+@pytest.mark.parametrize("late", [False, True], ids=["in-page", "attached-after-render"])
+def test_the_graph_paper_follows_the_theme(seed_graph, theme, late):
     """Issue 42, point 10: the graph canvas stayed white (a fixed light paper and pale layer boxes) in JupyterLab's
     dark theme. In the dark theme the paper and the layer boxes are dark like the panel; box labels and edges keep a
-    readable contrast on them; the light theme keeps its light paper."""
+    readable contrast on them; the light theme keeps its light paper. Also when the widget is rendered before its
+    element is in the page, as in JupyterLab (a notebook opened in the dark theme kept a light graph until an edit)."""
     w = _session(seed_graph).widget()
-    with widget_page(w, theme) as (page, errors):
+    with widget_page(w, theme, late=late) as (page, errors):
+        page.wait_for_timeout(300)
         seen = page.evaluate(GRAPH_COLOURS)
     assert not errors, errors
     dark = theme is JL_DARK

@@ -208,7 +208,13 @@ function followTheme(ui) {
   const redraw = () => { ui.view.svgText = null; renderGraph(ui); renderSide(ui); };  // the SVG again: its tints
   const mo = new MutationObserver(() => { timers.push(setTimeout(redraw, 50), setTimeout(redraw, 500)); });
   mo.observe(document.body, { attributes: true, attributeFilter: ["data-jp-theme-light", "data-jp-theme-name"] });
-  return () => { mo.disconnect(); timers.forEach(clearTimeout); };
+  // JupyterLab renders a widget before its output is in the page, where the panel has no background yet: the first
+  // graph came out light in a notebook opened in the dark theme. Once the root is laid out, draw again if it is dark
+  const ro = new ResizeObserver(() => {
+    if (ui.root.isConnected && panelBackground(ui).dark !== ui.root.classList.contains("ap-dark")) redraw();
+  });
+  ro.observe(ui.root);
+  return () => { mo.disconnect(); ro.disconnect(); timers.forEach(clearTimeout); };
 }
 
 // the kernel is gone (static/kernel.js): say so at the top and disable the controls that need the kernel (the graph's
@@ -864,9 +870,7 @@ function loadSvg(ui) {
 // a dark notebook theme gets a dark graph: the paper is the panel's background, and each layer box's pale tint is
 // mixed into it (12 %); nodes keep their light fills and dark text. Returns the function that tints a box's fill.
 function paperTint(ui) {
-  const rgb = (s) => (s.match(/[\d.]+/g) || []).map(Number);
-  const bg = rgb(getComputedStyle(ui.root).backgroundColor);
-  const dark = bg.length >= 3 && (bg.length < 4 || bg[3] > 0.5) && 0.299 * bg[0] + 0.587 * bg[1] + 0.114 * bg[2] < 110;
+  const { bg, dark } = panelBackground(ui);
   ui.root.classList.toggle("ap-dark", dark);
   if (!dark) return (fill) => fill;
   return (fill) => {
@@ -875,6 +879,13 @@ function paperTint(ui) {
     const c = [0, 2, 4].map((i) => parseInt(m[1].slice(i, i + 2), 16));
     return `rgb(${c.map((x, i) => Math.round(0.12 * x + 0.88 * bg[i])).join(", ")})`;
   };
+}
+
+// the panel's background and whether it is dark; an element not yet in the page has no computed colour (light)
+function panelBackground(ui) {
+  const bg = (getComputedStyle(ui.root).backgroundColor.match(/[\d.]+/g) || []).map(Number);
+  const dark = bg.length >= 3 && (bg.length < 4 || bg[3] > 0.5) && 0.299 * bg[0] + 0.587 * bg[1] + 0.114 * bg[2] < 110;
+  return { bg, dark };
 }
 
 // one "expand NAME" / "fold NAME" button per repeated block
