@@ -1,4 +1,4 @@
-"""The models people bring: fourteen families built from Hugging Face configs with their default flags (dropout,
+"""The models people bring: twenty-six families built from Hugging Face configs with their default flags (dropout,
 tied embeddings, caches, fused projections, MoE, ALiBi), tiny sizes, and the steps a new user takes with each: capture
 and plan (``%%autoparallel``), verify the planner's plan, verify ``--fix tp=2`` and ``--fix dp=2,zero=3``, export and
 ``torchrun``. ``run_matrix`` runs them (the verify cases of all families in ONE launch of 2 processes) and returns a
@@ -90,6 +90,67 @@ from transformers import BloomConfig, BloomForCausalLM
 model = BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4))
 example_inputs = (torch.randint(0, 128, (4, 16)),)
 """,
+    # sliding-window attention (4096 by default: wider than the tiny sequence)
+    "Mistral": LM.format(config="MistralConfig", model="MistralForCausalLM",
+                         args="vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+                              "                      num_attention_heads=4, num_key_value_heads=2, "
+                              "max_position_embeddings=64"),
+    # RMSNorm of every head's q and k (a norm over head_dim, inside the attention)
+    "Qwen3": LM.format(config="Qwen3Config", model="Qwen3ForCausalLM",
+                       args="vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+                            "                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, "
+                            "max_position_embeddings=64"),
+    # routed experts beside a shared expert behind a sigmoid gate
+    "Qwen2-MoE": LM.format(config="Qwen2MoeConfig", model="Qwen2MoeForCausalLM",
+                           args="vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+                                "                        num_attention_heads=4, num_key_value_heads=2, num_experts=4, "
+                                "num_experts_per_tok=2,\n                        moe_intermediate_size=16, "
+                                "shared_expert_intermediate_size=32, max_position_embeddings=64"),
+    # MLA (low-rank q and kv with their norms, one rope key shared by every head), a dense first layer, then
+    # grouped top-k routed experts and a shared expert
+    "DeepSeek-V3": LM.format(config="DeepseekV3Config", model="DeepseekV3ForCausalLM",
+                             args="vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,\n"
+                                  "                          num_hidden_layers=2, num_attention_heads=4, "
+                                  "num_key_value_heads=4, n_routed_experts=4,\n"
+                                  "                          num_experts_per_tok=2, n_group=2, topk_group=1, "
+                                  "first_k_dense_replace=1, q_lora_rank=16,\n"
+                                  "                          kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, "
+                                  "v_head_dim=8, max_position_embeddings=64"),
+    # learned positions offset by 2, ReLU MLP as two Linears beside the attention (fc1, fc2), dropout
+    "OPT": LM.format(config="OPTConfig", model="OPTForCausalLM",
+                     args="vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,\n"
+                          "                   word_embed_proj_dim=32, max_position_embeddings=64"),
+    # multi-query attention in one fused query_key_value (q heads then one k and one v), attention and MLP in
+    # parallel from one LayerNorm
+    "Falcon": LM.format(config="FalconConfig", model="FalconForCausalLM",
+                        args="vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4"),
+    # attention and MLP in parallel, rotary on the first rotary_dim of each head (interleaved pairs)
+    "GPT-J": LM.format(config="GPTJConfig", model="GPTJForCausalLM",
+                       args="vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,\n"
+                            "                     bos_token_id=0, eos_token_id=0"),
+    # partial rotary, a parallel block, biases everywhere, an untied head with a bias
+    "Phi": LM.format(config="PhiConfig", model="PhiForCausalLM",
+                     args="vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+                          "                   num_attention_heads=4, max_position_embeddings=64"),
+    # LayerNorm, a quarter of each head rotated
+    "StableLM": LM.format(config="StableLmConfig", model="StableLmForCausalLM",
+                          args="vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+                               "                        num_attention_heads=4, num_key_value_heads=2, "
+                               "max_position_embeddings=64"),
+    # LayerNorm with no weight or bias
+    "OLMo": LM.format(config="OlmoConfig", model="OlmoForCausalLM",
+                      args="vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+                           "                    num_attention_heads=4, max_position_embeddings=64, eos_token_id=0"),
+    # GELU MLP with biases (c_fc, c_proj), GQA with biases, tied head
+    "Starcoder2": LM.format(config="Starcoder2Config", model="Starcoder2ForCausalLM",
+                            args="vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+                                 "                          num_attention_heads=4, num_key_value_heads=2, "
+                                 "max_position_embeddings=64"),
+    # attention and MLP in parallel, LayerNorm without bias in Python, a tied head with scaled logits
+    "Cohere": LM.format(config="CohereConfig", model="CohereForCausalLM",
+                        args="vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+                             "                      num_attention_heads=4, num_key_value_heads=2, "
+                             "max_position_embeddings=64, eos_token_id=0"),
     "CNN + BatchNorm": """\
 import torch
 import torch.nn as nn
@@ -201,13 +262,14 @@ CAPABILITIES = ("TP: attention", "TP: MLP", "TP: embedding", "TP: output head", 
 
 
 def split_kinds(model, plan) -> set[str]:
-    """What the plan's TP splits: "attention", "MLP", "embedding", "output head" (a Linear outside the blocks)."""
+    """What the plan's TP splits: "attention", "MLP" (a block's Linears outside its attention), "embedding", "output
+    head" (a Linear outside the blocks)."""
     import torch.nn as nn
 
     kinds = set()
     for lp in plan.layers:
         for path, style in lp.tp.items():
-            if style == "replicate":
+            if style in ("replicate", "sequence_parallel", "shared", "per_head"):  # whole on every rank
                 continue
             module = model.get_submodule(path)
             if isinstance(module, nn.Embedding):
@@ -216,7 +278,8 @@ def split_kinds(model, plan) -> set[str]:
             parts = path.split(".")
             around = [type(model.get_submodule(".".join(parts[:i]))).__name__ for i in range(len(parts), 0, -1)]
             kind = next((k for name in around for k, words in KINDS.items() if any(w in name for w in words)), None)
-            kinds.add(kind or ("output head" if lp.path == path else "other"))
+            # a Linear of a block outside its attention is its MLP (OPT's fc1 and fc2 sit in the decoder layer)
+            kinds.add(kind or ("output head" if lp.path == path else "MLP"))
     return kinds
 
 
