@@ -28,7 +28,7 @@ from typing import NamedTuple
 from kernels_ext.autocast import autocast_policy
 
 from ..plan import DTYPE_NAMES
-from .tp_styles import packet
+from .tp_refusals import packet
 
 FLOAT_RANK = {"float16": 1, "bfloat16": 1, "float32": 2, "float64": 3}
 """floating dtypes by PyTorch's promotion order (float16 with bfloat16 promotes to float32)"""

@@ -38,6 +38,9 @@ Layouts beyond one contiguous shard per projection (``LayerPlan.tp_parts``; the 
   last ``qk_rope_head_dim`` outputs of ``kv_a_proj_with_mqa``, broadcast by ``expand`` and copied into every head's
   key) leaves the split on: the projection stays whole, its piece's gradient is summed over the ranks
   (:attr:`Walk.shared`; the runtime's ``SharedSliceParallel``). Such a tensor made any other way is refused.
+* a norm or a reduction over ``head_dim`` of tensors split by heads (Qwen3's ``q_norm``/``k_norm``) runs inside each
+  head and leaves the split on; a norm module's weight there is whole on every rank with its gradient summed
+  (:attr:`Walk.per_head`, :mod:`.tp_heads`).
 
 :func:`.tp_sequence.sp_check` says whether sequence parallelism is valid for the resulting styles. Head counts come
 from the ``view``/``reshape`` that splits a sharded last dim into ``(heads, head_dim)``; TP degrees must divide them,
@@ -50,6 +53,7 @@ from typing import NamedTuple
 
 import kernels_ext
 
+from .tp_heads import track_heads, within_heads
 from .tp_refusals import first_causes, packet, refuse_shared, whole_bias
 
 PROJECTIONS = ("Linear", "Conv1D")
@@ -110,6 +114,11 @@ class Walk(NamedTuple):
     shared: dict[str, tuple[int, int, int]] = {}
     """replicated projection node -> (first, last + 1 feature, TP region) of the piece of its output that every head
     of a split attention reads (MLA's rope key): the runtime sums that piece's gradient over the TP ranks"""
+    per_head: dict[str, int] = {}
+    """node of a norm module that reads its weight inside each head of a split attention (Qwen3's ``q_norm`` and
+    ``k_norm``: an RMSNorm over ``head_dim`` after the view into heads) -> its TP region: the weight is one value per
+    feature of a head, the same for every head, so each rank's gradient is that of its own heads only and the runtime
+    sums it over the TP ranks (``"per_head"``)"""
 
 
 def tp_walk(graph, by_name, out_numel, refused: dict[str, str] | None = None, keep=()) -> Walk:
@@ -299,7 +308,7 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
     seeds: dict[str, frozenset] = {}
     region_of: dict[str, int] = {}
     merged: dict[int, int] = {}  # region -> the region it was merged into (an op reading two regions joins them)
-    heads, shared = {}, {}  # view node -> head count; see Walk.shared
+    heads, shared, per_head, headed = {}, {}, {}, set()  # view node -> head count; Walk.shared; tp_heads.track_heads
     next_region = 0
     conflicts: set[str] = set()
     from_input = _from_inputs(graph, by_name)
@@ -366,7 +375,7 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
             continue
         seed = frozenset().union(*(seeds[i] for i in s_in))
         rep_in = [i for i in n.inputs if i not in sharded and i in by_name and by_name[i].op_class != "view"]
-        if role_of(n.op) in ("norm", "reduction"):
+        if role_of(n.op) in ("norm", "reduction") and not within_heads(n, s_in, headed):
             conflicts |= seed
             continue
         if n.op_class == "attention" and any(i not in sharded for i in n.inputs[:3]):
@@ -392,8 +401,7 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
                 refuse_shared(n, s_in, seed, refused, sharded, graph, by_name, out_numel, shared)):
             conflicts |= seed
             continue
-        rule = rule_of(n.op)
-        hc = None
+        rule, hc = rule_of(n.op), None
         if n.op_class == "view" and rule is not None and rule.layout in ("view", "reshape") and n.out_shapes:
             src = by_name.get(s_in[0])
             if src is not None and src.out_shapes:
@@ -404,8 +412,8 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
         rid = min(regions)
         for r in regions - {rid}:
             merged[r] = rid  # q and k/v of different inputs (cross-attention) meet: one region
-        sharded[n.name] = rid
-        seeds[n.name] = seed
+        sharded[n.name], seeds[n.name] = rid, seed
+        track_heads(n, s_in, hc, headed, per_head, rid, graph, by_name)
         if n.op_class == "elementwise" and len(n.inputs) == 1 and (s_in[0] in through or styles.get(s_in[0])):
             through[n.name] = through.get(s_in[0], s_in[0])  # the head's logits, soft-capped (/ c, tanh, * c)
         src = by_name.get(s_in[0])
@@ -450,7 +458,8 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
     gathered = {k for k, pp in parts.items() if pp.gathered}
     whole = {k for k in sharded if k in gathered or (k not in styles and seeds.get(k, frozenset()) & gathered)}
     return Walk(styles, head_node, {k: r for k, r in sharded.items() if k not in whole}, region_of, heads, parts,
-                holders, {k: (a, b, find(r)) for k, (a, b, r) in shared.items()})
+                holders, {k: (a, b, find(r)) for k, (a, b, r) in shared.items()},
+                {k: find(r) for k, r in per_head.items()})
 
 
 def splits_of(op: str) -> dict:

@@ -160,11 +160,12 @@ def _match_layers(graph, pattern: str) -> tuple[list[int], list[tuple[int, str]]
 
 def _apply_tp(graph, prof, pattern, style, whole, partial, layers) -> None:
     targets: list[tuple[int, str | None]] = [(i, None) for i in whole] + list(partial)
-    offered = tuple(s for s in TP_STYLES if s != "shared") + TP_ALIASES  # "shared" follows its attention's split
+    # "shared" and "per_head" follow the split of the attention they are part of
+    offered = tuple(s for s in TP_STYLES if s not in ("shared", "per_head")) + TP_ALIASES
     if style not in offered:
         raise PlanError(f"override {pattern!r}: tp={style!r}; choose one of {', '.join(map(repr, offered))}"
-                        + ("; a 'shared' projection comes with the attention it feeds (tp='colwise-rowwise')"
-                           if style == "shared" else ""))
+                        + (f"; a {style!r} module comes with the attention it feeds (tp='colwise-rowwise')"
+                           if style in ("shared", "per_head") else ""))
     for i, prefix in targets:
         lay = graph.layers[i]
         lp = prof.layers[i]

@@ -326,6 +326,12 @@ def _layout_lines(plan, prof, tp: int) -> list[str]:
         out.append(f"Projections kept whole whose output a split attention's heads share (features [before, shared, "
                    f"after]): {names('shared')}; every head reads the shared piece (MLA's rope key), so its gradient "
                    f"is all-reduced over the TP ranks in backward.")
+    per_head = sorted({re.sub(r"\.\d+\.", ".*.", m) for lp in plan.layers for m, st in lp.tp.items()
+                       if st == "per_head"})
+    if per_head:
+        out.append(f"Norms inside each head of a split attention: {', '.join(per_head[:3])}; each rank normalises "
+                   f"its own heads with the whole weight (SequenceParallel on the heads dim), whose gradient is "
+                   f"all-reduced over the TP ranks.")
     return out
 
 

@@ -38,6 +38,9 @@ SEQ = 1
 """the sequence dim of (batch, seq, ...) activations: sequence parallelism shards it"""
 GATHER = TPStyle("prepare_input", input_layout=SEQ, desired_layout=REPLICATE, use_local_output=True)
 """the whole sequence back from sequence shards, at a module's input"""
+HEAD_NORM = TPStyle("sequence_parallel", sequence_dim=-2, use_local_output=True)
+"""a ``"per_head"`` norm (Qwen3's q_norm): its input (..., heads, head_dim) split by heads, its weight replicated, so
+torch's sequence-parallel style on the heads dim sums the weight's gradient over the ranks"""
 
 
 def tp_styles(model: nn.Module, tp_plan: dict[str, str], *, sp_layers: list[str] = (), layers: list[str] = (),
@@ -56,7 +59,7 @@ def tp_styles(model: nn.Module, tp_plan: dict[str, str], *, sp_layers: list[str]
         if path not in modules:
             raise ValueError(f"the plan shards module {path!r}, which the model does not have; "
                              f"re-capture the model or fix the override")
-    ordered = [p for p in modules if tp_plan.get(p, "replicate") not in ("replicate", "shared")]
+    ordered = [p for p in modules if tp_plan.get(p, "replicate") not in ("replicate", "shared", "per_head")]
     # parents (and layers) of rowwise Linears: a colwise Linear beside one feeds it (BERT keeps them in sibling
     # modules of one layer: attention.self.query -> attention.output.dense); one without is an output head
     rows = [p for p in ordered if tp_plan[p] == "rowwise" and is_projection(modules[p])]
@@ -160,10 +163,11 @@ def out_features(module: nn.Module) -> int:
 
 def shared_styles(modules: dict[str, nn.Module], tp_plan: dict[str, str], parts: dict[str, list[int]]
                   ) -> dict[str, TPStyle]:
-    """The styles of the ``"shared"`` projections from their ``tp_parts`` (features: [before, shared(, after)]).
-    The shared piece's gradient is summed over the ranks only where projections beside it are split: a whole
-    attention's is complete on every rank already."""
-    out = {}
+    """The styles of the modules TP keeps whole but sums a gradient of: the ``"shared"`` projections from their
+    ``tp_parts`` (features: [before, shared(, after)]), and the ``"per_head"`` norms (:data:`HEAD_NORM`). The shared
+    piece's gradient is summed over the ranks only where projections beside it are split: a whole attention's is
+    complete on every rank already."""
+    out = {p: HEAD_NORM for p, st in tp_plan.items() if st == "per_head"}
     for path in (p for p, st in tp_plan.items() if st == "shared"):
         if not any(tp_plan.get(p) == "colwise" for p in modules if p.rpartition(".")[0] == path.rpartition(".")[0]):
             continue

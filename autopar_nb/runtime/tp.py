@@ -35,7 +35,7 @@ STYLE_CLASSES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequen
                  "prepare_input": PrepareFirstInput, "prepare_output": PrepareModuleOutput,
                  "packed_colwise": PackedColwiseParallel, "transposed_rowwise": TransposedRowwiseParallel,
                  "repeated_colwise": RepeatedColwiseParallel, "shared_slice": SharedSliceParallel}
-PLAIN_ARGUMENTS = ("use_local_output", "parts", "transposed", "heads", "start", "stop")
+PLAIN_ARGUMENTS = ("use_local_output", "parts", "transposed", "heads", "start", "stop", "sequence_dim")
 """constructor arguments written as they are (the others are layouts)"""
 
 
@@ -62,6 +62,8 @@ class TPStyle:
     """shared_slice: the first output feature every head reads"""
     stop: int | None = None
     """shared_slice: one past the last"""
+    sequence_dim: int | None = None
+    """sequence_parallel: the dim its input is split on (default 1, the sequence; -2 for a norm inside each head)"""
 
     def __post_init__(self):
         if self.kind not in STYLE_CLASSES:
@@ -87,7 +89,7 @@ class TPStyle:
             args.append((f"desired_{side}_layouts", self.desired_layout, True))
         if self.use_local_output is not None:
             args.append(("use_local_output", self.use_local_output, False))
-        for name in ("parts", "transposed", "heads", "start", "stop"):
+        for name in ("sequence_dim", "parts", "transposed", "heads", "start", "stop"):
             if getattr(self, name) is not None:
                 args.append((name, getattr(self, name), False))
         return args

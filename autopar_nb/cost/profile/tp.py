@@ -27,6 +27,9 @@ def count_tp(layers: dict[str, LayerProfile], f: Facts) -> set[str]:
             lp.tp[n.module_path] = "shared"
             lp.shared[n.module_path] = [first, end - first] + ([width - end] if end < width else [])
             lp.regions.add(region)
+        if n.name in f.tp.per_head:  # whole on every rank, fed each rank's heads, its gradient summed over them
+            lp.tp[n.module_path] = "per_head"
+            lp.regions.add(f.tp.per_head[n.name])
         norm_op = n.op_class == "norm" and "sequence_parallel" in splits_of(n.op)
         if (norm_op or _python_norm(n)) and n.name not in f.tp.sharded and n.module_path and \
                 n.params and n.module_path not in lp.norms:
