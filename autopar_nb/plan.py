@@ -52,8 +52,7 @@ MAX_INT = 2**63 - 1  # any other count (steps, bytes, parameters): an int64, wha
 # ---- vocabularies: the values a plan may hold (the planner, widget, runtime and export import them from here) ------
 ZERO_STAGES = (0, 1, 2, 3)
 TP_STYLES = ("replicate", "colwise", "rowwise", "sequence_parallel", "shared", "per_head")
-"""how TP runs a module; "per_head": a norm inside each head of a split attention (Qwen3's q_norm): its weight whole on
-every rank, its input split by heads, its gradient summed over the TP ranks"""
+"""how TP runs a module; "per_head": a norm inside each head of a split attention (Qwen3's q_norm), weight whole"""
 RECOMPUTE = ("none", "selective", "full")
 """per-layer activation recompute: none | selective (element-wise ops and every other weight matmul) | full (all)"""
 AMP = ("none", "bf16", "fp16")
@@ -393,8 +392,7 @@ class LayerPlan:
     stage: int = 0
     """pipeline stage (0 .. pp * virtual_stages - 1)"""
     tp: dict[str, str] = field(default_factory=dict)
-    """full module path -> TP style (one of TP_STYLES); absent = replicate. An nn.Embedding "rowwise" is
-    vocab-parallel, "colwise" shards the embedding dim; "shared": see tp_parts; "per_head": see TP_STYLES."""
+    """module path -> TP style (TP_STYLES; absent: replicate); an Embedding "rowwise" splits the vocabulary"""
     tp_parts: dict[str, list[int]] = field(default_factory=dict)
     """"colwise" module path -> the parts its output features hold, in order, counted in heads (or features for
     parts that have none): [12] for a projection of 12 heads, [32, 8, 8] for a fused q|k|v with 32 query and 8
