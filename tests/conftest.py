@@ -49,3 +49,25 @@ def world_of_one():
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def llama_8b():
+    """LLaMA 3 8B captured on the meta device, 8 x 4096 tokens (the planner's tests at scale)."""
+    import autopar_nb as ap
+    from autopar_nb import zoo
+
+    with torch.device("meta"):
+        model = zoo.Llama(zoo.LLAMA3_8B)
+    return ap.capture(model, torch.randint(0, 100, (8, 4096), device="meta"))
+
+
+@pytest.fixture(scope="module")
+def small_llama():
+    """The tests' small LLaMA cell, captured on the meta device (it fits 2 CPU ranks)."""
+    from runtime_cases import LLAMA_CELL, source
+
+    import autopar_nb as ap
+
+    model, inputs, _ = source(LLAMA_CELL).build(device="meta")
+    return ap.capture(model, *inputs)

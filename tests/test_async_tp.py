@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 from IPython.core.error import UsageError
 from runtime_cases import LLAMA_CELL, llama_tp, make_plan, source
 from test_magic import SEED_CELL
@@ -16,26 +15,6 @@ from test_magic import SEED_CELL
 from autopar_nb.cost.async_tp import async_tp_exposed
 from autopar_nb.export.values import script_values
 from autopar_nb.plan import Plan, PlanError, normalize_fix
-
-
-@pytest.fixture(scope="module")
-def llama_8b():
-    """LLaMA 3 8B captured on the meta device, 8 x 4096 tokens."""
-    import autopar_nb as ap
-    from autopar_nb import zoo
-
-    with torch.device("meta"):
-        model = zoo.Llama(zoo.LLAMA3_8B)
-    return ap.capture(model, torch.randint(0, 100, (8, 4096), device="meta"))
-
-
-@pytest.fixture(scope="module")
-def small_llama():
-    """The tests' small LLaMA cell, captured on the meta device (it fits 2 CPU ranks)."""
-    import autopar_nb as ap
-
-    model, inputs, _ = source(LLAMA_CELL).build(device="meta")
-    return ap.capture(model, *inputs)
 
 
 def _plan(graph, preset: str = "h100-80gb", **fix):

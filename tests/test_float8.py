@@ -104,17 +104,6 @@ def test_float8_on_two_gloo_processes_matches_the_bf16_run():
 
 
 # ---- hardware, cost and planner ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def llama_8b():
-    """LLaMA 3 8B captured on the meta device, 8 x 4096 tokens."""
-    import autopar_nb as ap
-    from autopar_nb import zoo
-
-    with torch.device("meta"):
-        model = zoo.Llama(zoo.LLAMA3_8B)
-    return ap.capture(model, torch.randint(0, 100, (8, 4096), device="meta"))
-
-
 def test_fp8_rates_are_the_datasheets_and_describe_stays_bf16():
     from autopar_nb.cost.float8 import FP8
     from autopar_nb.hardware import PRESETS, Cluster

@@ -10,30 +10,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 from runtime_cases import LLAMA_CELL, make_plan, source
 
 from autopar_nb.plan import MeshPlan, Plan, PlanError, normalize_fix
-
-
-@pytest.fixture(scope="module")
-def llama_8b():
-    """LLaMA 3 8B captured on the meta device, 8 x 4096 tokens."""
-    import autopar_nb as ap
-    from autopar_nb import zoo
-
-    with torch.device("meta"):
-        model = zoo.Llama(zoo.LLAMA3_8B)
-    return ap.capture(model, torch.randint(0, 100, (8, 4096), device="meta"))
-
-
-@pytest.fixture(scope="module")
-def small_llama():
-    """The tests' small LLaMA cell on the meta device (it fits 2 CPU ranks)."""
-    import autopar_nb as ap
-
-    model, inputs, _ = source(LLAMA_CELL).build(device="meta")
-    return ap.capture(model, *inputs)
 
 
 def _plan(graph, preset: str = "h100-80gb", gpus: int = 1, **fix):
