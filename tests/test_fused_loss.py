@@ -200,7 +200,8 @@ def test_script_fuses_the_head_first_and_passes_ruff(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     unfused = render_script(src, ap.plan(_graph(src), _cluster("h100-80gb", 2), fix={"dp": 2}))
-    assert "fused" not in unfused.lower().replace("unfused", "")
+    # nothing of the fused head (the word itself may name other fused kernels: the offloaded optimizer's Adam)
+    assert not any(w in unfused for w in ("FUSED_LOSS", "fused_default_loss", "LinearCrossEntropyHead", "fused_loss"))
     own = ModelSource(src.code + "\n\ndef loss_fn(model, batch):\n    return model(*batch).float().mean()\n",
                                 loss_fn_var="loss_fn")
     with pytest.raises(PlanError, match="the cell defines its own loss_fn"):
