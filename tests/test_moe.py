@@ -662,7 +662,8 @@ def test_mixtral_8x7b_real_size_plan_uses_ep_and_keeps_6nt():
     """Mixtral-8x7B (the zoo's MIXTRAL_8X7B: transformers' MixtralConfig shapes, 46.7B parameters) planned for
     1M-token steps (256 x 4096) on 64 H100s in nodes that share one InfiniBand adapter: expert parallelism inside
     each node, and the plan's model FLOPs still 6 x active parameters x tokens (+ attention). On 8 H100s nothing
-    fits: fp32 Adam training needs 16 bytes per parameter, 747 GB, over 8 x 80 GB."""
+    fits on the devices: fp32 Adam training needs 16 bytes per parameter, 747 GB, over 8 x 80 GB; the planner then
+    keeps FSDP's shards in the host's 2 TB (CPU offload), and refuses with offload pinned off."""
     import autopar_nb as ap
     from autopar_nb.plan import PlanError
 
@@ -691,5 +692,7 @@ def test_mixtral_8x7b_real_size_plan_uses_ep_and_keeps_6nt():
           f"{predicted / (six_nt + attention):.3f}")
     assert predicted == pytest.approx(6 * active * tokens, rel=0.15)
     assert predicted == pytest.approx(6 * active * tokens + attention, rel=0.03)
+    one_node = ap.Cluster.preset("h100-80gb", nodes=1)
+    assert ap.plan(graph, one_node, global_batch=64).mesh.offload == "cpu"
     with pytest.raises(PlanError, match="nothing fits"):
-        ap.plan(graph, ap.Cluster.preset("h100-80gb", nodes=1), global_batch=64)
+        ap.plan(graph, one_node, global_batch=64, fix={"offload": "none"})
