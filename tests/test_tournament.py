@@ -118,3 +118,20 @@ def test_tournament_of_the_seed_mlp_measures_each_plan_that_fits(monkeypatch, tm
     adopted = t.adopt()
     assert adopted.diff(winner.plan) == [] and adopted.cost == winner.plan.cost and mlp.plan is adopted
     assert calibration.load("cpu") == pytest.approx(t.factors) and "measured" in t._repr_html_()
+
+
+def test_plans_for_gpus_this_machine_lacks_are_not_ranked_here(mlp):
+    """Trials run on this machine: plans costed for H100s would be measured on CPU processes (or another GPU), and
+    the order and the calibration would compare unlike things. Refused before any process starts, in words that
+    say what to do; the widget's button gives the same reason."""
+    from autopar_nb.launch.tournament import machine_mismatch
+    from autopar_nb.widget.actions import refusal
+
+    h100 = ap.Cluster.preset("h100-80gb", gpus_per_node=2)
+    plan = ap.plan(mlp.graph, h100, global_batch=32)
+    why = machine_mismatch(h100)
+    assert why.startswith("the plans were made for h100-80gb GPUs and this machine has no GPU") and "--gpu cpu" in why
+    with pytest.raises(ValueError, match="tournament\\(\\) refused: the plans were made for h100-80gb"):
+        tournament(plan, k=1, steps=3, source=mlp.source, graph=mlp.graph, cluster=h100)
+    assert refusal("tournament", {}, h100) == why and refusal("launch", {}, h100) == ""
+    assert machine_mismatch(ap.Cluster.preset("cpu", gpus_per_node=2)) == ""

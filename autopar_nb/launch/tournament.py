@@ -27,6 +27,7 @@ from ..cost.factors import factors_for
 from ..export import export
 from ..planner import remembered_plan
 from ..units import fmt_bytes
+from .compare import same_family
 from .launcher import launch
 from .standings import Entry, TournamentResult, kendall_tau, stable, steady_time
 
@@ -36,6 +37,22 @@ MIN_STEPS = 5
 """steady steps (after warm-up) a trial runs at least before it may stop early"""
 WARMUP = 2
 """steps left out of a trial's figures: the first ones pay one-off costs (first collectives, allocator growth)"""
+
+
+def machine_mismatch(cluster: Any) -> str:
+    """Why this machine cannot rank plans made for ``cluster`` ("" when it can): the trials run here, so a plan made
+    for GPUs this machine does not have would be measured on other devices than it was costed for."""
+    preset = getattr(cluster, "name", "") or ""
+    if preset in ("", "cpu"):
+        return ""
+    import torch
+
+    here = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    if here and same_family(preset, here):
+        return ""
+    return (f"the plans were made for {preset} GPUs and this machine has {here or 'no GPU'}: its trials would "
+            f"measure other devices than the plans were costed for. Run it on a machine with {preset} GPUs, or plan "
+            "for this one (%%autoparallel --gpu cpu) to rank plans here")
 
 
 def tournament(target: Any, k: int = 4, steps: int = 20, *, warmup: int = WARMUP, cv: float = CV,
@@ -76,6 +93,9 @@ def tournament(target: Any, k: int = 4, steps: int = 20, *, warmup: int = WARMUP
     if source is None or graph is None or cluster is None:
         raise ValueError("tournament() needs the model's source, graph and cluster: pass the session (ap), or a "
                          "plan with source=, graph= and cluster=")
+    why = machine_mismatch(cluster)
+    if why:
+        raise ValueError(f"tournament() refused: {why}")
     plans = contenders(plan, k, graph=graph, cluster=cluster, session=session)
     limit = memory_limit_bytes or rank_memory(cluster)
     root = Path(run_root or tempfile.mkdtemp(prefix="autopar-tournament-"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import calibration
+from ..launch.tournament import machine_mismatch
 from ..plan import Plan
 
 
@@ -22,12 +23,15 @@ def local_nproc(plan: Plan) -> int:
     return mp * max(1, min(plan.mesh.dp, avail // mp))
 
 
-def refusal(name: str, jobs: dict[str, Any]) -> str:
+def refusal(name: str, jobs: dict[str, Any], cluster: Any = None) -> str:
     """Why the button ``name`` may not start now ("" when it may): a tournament measures step times, so nothing
     else runs processes beside its trials (they would measure each other), and it does not start beside a launched
-    run or a Verify. ``jobs``: the widget's last background jobs by button ("verify", "tournament")."""
+    run or a Verify, or on a machine without the plans' devices. ``jobs``: the widget's last background jobs by
+    button ("verify", "tournament"); ``cluster``: the session's."""
     if name not in ("verify", "launch", "tournament"):
         return ""
+    if name == "tournament" and machine_mismatch(cluster):
+        return machine_mismatch(cluster)
     job = jobs.get("tournament")
     if job is not None and not job.done:
         return (f"a tournament is running ({job.message}); its trials measure step times, which the {name} would "

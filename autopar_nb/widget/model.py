@@ -542,7 +542,7 @@ class PlannerWidget(anywidget.AnyWidget):
         name = msg["name"]
         if name not in self.actions:
             raise ValueError(f"{name!r} is not available on this session")
-        why = refusal(name, self._jobs)
+        why = refusal(name, self._jobs, getattr(self.session, "cluster", None))
         if why:
             self._say("error", f"{name.capitalize()} refused: {why}.")
             return None
