@@ -171,8 +171,8 @@ for name in ("aten.min.other", "aten.max.other"):
 SPLITTING = ("split", "split_with_sizes", "chunk", "unbind", "slice", "select", "narrow", "tensor_split",
              "unsafe_split", "unsafe_split_with_sizes", "unsafe_chunk")
 VIEWS = {
-    **dict.fromkeys(("transpose", "permute", "t", "expand", "expand_as", "movedim", "as_strided", *SPLITTING),
-                    "strided"),
+    **dict.fromkeys(("transpose", "permute", "t", "numpy_T", "mT", "mH", "adjoint", "swapaxes", "swapdims",
+                     "expand", "expand_as", "movedim", "as_strided", *SPLITTING), "strided"),
     **dict.fromkeys(("reshape", "flatten", "_unsafe_view", "unflatten"), "reshape"),
     "view": "view",
     **dict.fromkeys((

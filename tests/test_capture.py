@@ -313,3 +313,21 @@ def test_hugging_face_gpt2_from_config():
     matmul = sum(n.flops for n in g.nodes if n.op_class == "matmul")
     linear_like = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "wpe" not in n)
     assert matmul == 2 * 2 * 128 * linear_like  # GPT-2's Conv1D (addmm) layers + the tied head
+
+
+def test_transposes_written_as_attributes_are_known_views():
+    """``weight.T`` (Falcon's FalconLinear computes ``input @ self.weight.T``) and ``.mT`` trace as aten.numpy_T and
+    aten.mT: views that move no data, not ops without a rule (which warned and were counted as 0 FLOPs unknown)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(16, 8))
+
+        def forward(self, x):
+            return (x @ self.w.T) @ self.w.mT.mT
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g = ap.capture(_meta(Net), torch.randn(4, 8))
+    assert not g.unknown_ops and {n.op_class for n in g.nodes if "numpy_T" in n.op or "mT" in n.op} == {"view"}
