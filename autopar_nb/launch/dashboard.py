@@ -312,21 +312,14 @@ RULES = {
 """what each rule of ``VerifyReport.judge`` means"""
 
 
-class VerifyView(anywidget.AnyWidget):
-    """Progress and per-step verdicts of a :class:`~autopar_nb.verify.job.VerifyJob` (the job's thread sets
-    the traits): a bar, one row per step, each row pass/fail with the rule ``VerifyReport.judge`` used."""
+class JobView(anywidget.AnyWidget):
+    """The view of a job that runs beside the kernel (Verify's, a tournament's): its thread sets the traits through
+    :meth:`refresh` whenever the job changes; the front end's events ({"event": name}) go to :meth:`on_event`."""
 
-    _esm = STATIC / "verify.js"
-    _css = bundle(STATIC / "dashboard.css")
     status = traitlets.Unicode("starting").tag(sync=True)
     message = traitlets.Unicode("").tag(sync=True)
     progress = traitlets.Dict().tag(sync=True)
-    """{"steps", "done": parallel steps reported, "plan", "nproc"}"""
     rows = traitlets.List().tag(sync=True)
-    """per step: {"step", "loss"}, then with the report {"ref_loss", "loss_rel", "grad_rel", "param_rel", "ok",
-    "rule", "param_tol"}"""
-    notes = traitlets.List().tag(sync=True)
-    """the rules used and the tolerances, in words"""
     error = traitlets.Unicode("").tag(sync=True)
 
     def __init__(self, job, **kwargs):
@@ -337,7 +330,29 @@ class VerifyView(anywidget.AnyWidget):
         self.refresh(job)
 
     def _on_front_end_msg(self, _widget, content, _buffers) -> None:
-        if isinstance(content, dict) and content.get("event") == "stop":
+        if isinstance(content, dict):
+            self.on_event(content.get("event"))
+
+    def on_event(self, event: str | None) -> None:
+        """A button of the view was pressed (the subclass says which it has)."""
+
+    def refresh(self, job=None) -> None:
+        raise NotImplementedError
+
+
+class VerifyView(JobView):
+    """Progress and per-step verdicts of a :class:`~autopar_nb.verify.job.VerifyJob` (the job's thread sets
+    the traits): a bar, one row per step, each row pass/fail with the rule ``VerifyReport.judge`` used.
+    ``progress``: {"steps", "done": parallel steps reported, "plan", "nproc"}; ``rows``: per step {"step", "loss"},
+    then with the report {"ref_loss", "loss_rel", "grad_rel", "param_rel", "ok", "rule", "param_tol"}."""
+
+    _esm = STATIC / "verify.js"
+    _css = bundle(STATIC / "dashboard.css")
+    notes = traitlets.List().tag(sync=True)
+    """the rules used and the tolerances, in words"""
+
+    def on_event(self, event: str | None) -> None:
+        if event == "stop":
             threading.Thread(target=self._job.stop, args=("Stop button",), daemon=True).start()
 
     def refresh(self, job=None) -> None:

@@ -16,10 +16,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import anywidget
 import traitlets
 
-from .dashboard import STATIC, bundle
+from .dashboard import STATIC, JobView, bundle
 from .standings import Entry, TournamentResult, table
 from .tournament import tournament
 
@@ -127,33 +126,22 @@ class TournamentJob:
                 pass
 
 
-class TournamentView(anywidget.AnyWidget):
+class TournamentView(JobView):
     """Progress and standings of a :class:`TournamentJob` (the job's thread sets the traits): a bar, one row per
-    plan, a chart of measured against predicted step time per plan, the verdict, and Adopt."""
+    plan, a chart of measured against predicted step time per plan, the verdict, and Adopt. ``progress``: {"done":
+    plans ended, "total": plans, "k", "steps"}; ``rows``: one per plan, ``standings.table``'s row (seconds and bytes;
+    the front end writes their units)."""
 
     _esm = bundle(STATIC / "units.js", STATIC / "kernel.js", STATIC / "tournament.js")
     _css = bundle(STATIC / "dashboard.css")
     status = traitlets.Unicode("running").tag(sync=True)
-    message = traitlets.Unicode("").tag(sync=True)
-    progress = traitlets.Dict().tag(sync=True)
-    """{"done": plans ended, "total": plans, "k", "steps"}"""
-    rows = traitlets.List().tag(sync=True)
-    """one per plan: ``standings.table``'s row (seconds and bytes; the front end writes their units)"""
     summary = traitlets.Dict().tag(sync=True)
     """at the end: {"tau", "tau_calibrated", "winner" (row index), "margin", "wall_s", "saved" (where the
     calibration went, in words)}"""
     adopted = traitlets.Unicode("").tag(sync=True)
-    error = traitlets.Unicode("").tag(sync=True)
 
-    def __init__(self, job: TournamentJob, **kwargs):
-        super().__init__(**kwargs)
-        self._job = job
-        self.on_msg(self._on_front_end_msg)
-        job.add_listener(self.refresh)
-        self.refresh(job)
-
-    def _on_front_end_msg(self, _widget, content, _buffers) -> None:
-        if isinstance(content, dict) and content.get("event") == "adopt":
+    def on_event(self, event: str | None) -> None:
+        if event == "adopt":
             try:
                 self._job.adopt()
             except ValueError as e:
