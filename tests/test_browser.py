@@ -114,6 +114,8 @@ def jupyterlab_server(tmp_path: Path):
         (tmp_path / sub).mkdir(exist_ok=True)
         env[var] = str(tmp_path / sub)
     env["MPLBACKEND"] = "Agg"
+    # a kernel's tournament saves step-time factors: in a file of this server's, not the suite's (later tests plan)
+    env["AUTOPAR_CALIBRATION"] = str(tmp_path / "calibration.json")
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")])
     port, token = _free_port(), secrets.token_hex(16)

@@ -1101,7 +1101,7 @@ def test_measured_figures_render_beside_the_predicted_ones(seed_graph, tmp_path,
 
 
 @pytest.mark.browser
-def test_a_figure_is_flagged_only_where_the_run_would_raise_a_prediction_error(seed_graph, tmp_path):
+def test_a_figure_is_flagged_only_where_the_run_would_raise_a_prediction_error(seed_graph, tmp_path, monkeypatch):
     """Issue 42, points 4-5: after every CPU run the widget showed the measured peak (RSS, which holds what torch
     allocates on first use) and the step time (an uncalibrated CPU estimate) in red at x3.9 and x7.8, and the
     dashboard its peak column in red, while the run raised no prediction_error: the run looked failed. A figure is
@@ -1110,6 +1110,7 @@ def test_a_figure_is_flagged_only_where_the_run_would_raise_a_prediction_error(s
     import test_browser
 
     test_browser._require_chromium()
+    monkeypatch.setenv("AUTOPAR_CALIBRATION", str(tmp_path / "none.json"))  # the defaults, whatever ran before
     s = Session(seed_graph, Cluster.preset("cpu", gpus_per_node=2), ModelSource("# test"))
     w = s.widget()
     state = {k: getattr(w, k) for k in w.keys if not k.startswith("_") and k not in ("layout", "panel")}
