@@ -12,6 +12,7 @@ server from test_browser.jupyterlab_server), driven as a user would from the pla
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -208,7 +209,9 @@ def test_tournament_from_the_widget(tmp_path):
         dark_bg = view.evaluate("e => getComputedStyle(e).backgroundColor")
         page.evaluate("jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
         view.locator("button.apt-adopt").click()
-        expect(view.locator(".apt-adopted")).to_contain_text("plan", timeout=30_000)
+        # the measured winner is the plan or an alternative, as the trials' noise decides: either answer
+        expect(view.locator(".apt-adopted")).to_contain_text(re.compile(r"^adopted |is the plan already"),
+                                                               timeout=30_000)
         adopted = view.locator(".apt-adopted").inner_text()
     assert free_while_running
     assert dark_bg not in ("rgb(255, 255, 255)", "rgba(0, 0, 0, 0)"), dark_bg
