@@ -1,7 +1,6 @@
 """The planner widget's Tournament button: ``ap.tournament`` in the background (launch/tournament_job.py), its view,
 the refusals that keep its trials from sharing the machine, and the calibration the header names afterwards."""
 
-import sys
 import time
 import types
 
@@ -9,7 +8,7 @@ import pytest
 from test_tournament import seed_mlp
 
 from autopar_nb import calibration
-from autopar_nb.launch import tournament_job
+from autopar_nb.launch import launcher, tournament_job
 
 
 def tournament_widget(monkeypatch, tmp_path):
@@ -26,14 +25,13 @@ def test_tournament_is_refused_while_a_launch_or_a_tournament_runs(monkeypatch, 
     started = []
     monkeypatch.setattr(tournament_job, "tournament", lambda *a, **kw: started.append(a) or time.sleep(60))
     alive = types.SimpleNamespace(status="running", run_id="abcdef0123", nproc=2, done=False)
-    launch_pkg = sys.modules["autopar_nb.launch"]  # the package: ``autopar_nb.launch`` is also the function
-    monkeypatch.setattr(launch_pkg, "live_runs", lambda: [alive])
+    monkeypatch.setattr(launcher, "live_runs", lambda: [alive])
     w.handle({"kind": "action", "name": "tournament"})
     msg = w.messages[0]
     assert msg["level"] == "error" and msg["text"].startswith("Tournament refused: a launched run is running "
                                                               "(run abcdef01, 2 processes)"), msg
     assert "Stop it" in msg["text"] and w.tournament_panel is None and not started
-    monkeypatch.setattr(launch_pkg, "live_runs", lambda: [])
+    monkeypatch.setattr(launcher, "live_runs", lambda: [])
     w.handle({"kind": "action", "name": "tournament"})  # a tournament that takes its time: the kernel is free
     assert w.messages[0]["level"] == "info" and "ap.tournament(k=2, steps=3) runs in the background" in \
         w.messages[0]["text"], w.messages

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..calibration import persistent_bytes
 from ..units import fmt_bytes, fmt_time
 from . import compare, watch
 
@@ -29,8 +30,6 @@ def rss_figures(run: Any) -> dict[int, dict[str, float]]:
 
 def measured(run: Any) -> dict[str, Any]:
     """``run.measured()``: its memory and step time beside the plan's, on the basis they compare."""
-    from ..calibration import persistent_bytes
-
     c = run.comparison()
     cpu = c["memory_basis"] == "rss_above_baseline"
     peaks, floors = _memory(run)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import calibration
+from ..launch import launcher
 from ..launch.tournament import machine_mismatch
 from ..plan import Plan
 
@@ -38,9 +39,7 @@ def refusal(name: str, jobs: dict[str, Any], cluster: Any = None) -> str:
                 "slow down. Wait for it: its standings below say when it ends")
     if name != "tournament":
         return ""
-    from ..launch import live_runs
-
-    alive = live_runs()
+    alive = launcher.live_runs()
     if alive:
         r = alive[0]
         return (f"a launched run is {r.status} (run {r.run_id[:8]}, {r.nproc} processes): the tournament's trials "

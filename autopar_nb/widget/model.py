@@ -18,6 +18,7 @@ import traitlets as t
 
 from ..hardware import Cluster
 from ..launch.dashboard import SHARED_JS, STATIC, UPLOT, bundle
+from ..launch.tournament_job import TournamentJob
 from ..plan import RECOMPUTE, Plan, PlanError
 from . import editor, measured, options, panels, stage_moves, timeline
 from .actions import action_message, calibrated_badge, local_nproc, refusal, run_kwargs
@@ -583,8 +584,6 @@ class PlannerWidget(anywidget.AnyWidget):
     def _tournament_in_background(self, *, k: int, steps: int):
         """ap.tournament(k, steps), run in a thread so the kernel stays free; its standings go below. When it ends,
         the header says which calibration the session's next plan uses."""
-        from ..launch.tournament_job import TournamentJob
-
         job = self._jobs["tournament"] = TournamentJob(self.session, k, steps)
         job.add_listener(lambda j: setattr(self, "calibrated", calibrated_badge(self.session.cluster)) if j.done
                          else None)
