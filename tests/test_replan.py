@@ -102,6 +102,22 @@ def test_cpu_margin_is_the_floor_between_steps_plus_what_the_peak_holds_beyond_i
         calibration.rss_margin_factors({0: MIB}, {}, {0: mb})
 
 
+def test_a_peak_no_sample_saw_is_known_from_the_step_reports(tmp_path):
+    """A short run's monitor may sample a rank only between steps (on a loaded host, once or never): each step's
+    report carries the rank's own VmHWM, so its peak is known all the same."""
+    from autopar_nb.launch.run import Run
+    from autopar_nb.runtime.metrics import memory_stats
+
+    assert memory_stats("cpu")["rss_peak"] >= memory_stats("cpu")["rss"] > 0
+    run = Run(run_id="r", run_dir=tmp_path, script=tmp_path / "train.py", nproc=1, steps=2, token="t",
+              backend="gloo", max_restarts=0, hang_timeout_s=None, plan=None)
+    run._ranks[0].baseline = 300 * MIB
+    run._record_tick(0, {0: {"rss": 310 * MIB, "rss_peak": 320 * MIB}})  # before the first step's activations
+    run._rows += [{"rank": 0, "attempt": 0, "step": k, "step_time_s": 0.2, "rss": 360 * MIB,
+                   "rss_peak": (420 + k) * MIB, "time": 0.0} for k in range(2)]
+    assert run.rss_figures() == {0: {"peak": 121 * MIB, "floor": 60 * MIB}}
+
+
 def test_run_calibrate_on_cpu_stores_the_allocator_margin_it_measured(tmp_path):
     """Issue 21 point 5: a finished CPU run's calibrate() stores the margin from its ranks' RSS (not only the step
     time), and the next plan on that preset uses it and says where it comes from."""

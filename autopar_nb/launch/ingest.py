@@ -121,7 +121,7 @@ class StreamIngest:
                 self._rows_stride *= 2
                 self._rows[:] = [r for r in self._rows if r["step"] % self._rows_stride == 0]
         st.step, st.last, st.last_progress = data["step"], row, now
-        st.peak_rss = max(st.peak_rss, float(row.get("rss") or 0.0))
+        st.peak_rss = max(st.peak_rss, float(row.get("rss") or 0.0), float(row.get("rss_peak") or 0.0))
         if "tokens_per_s" in row:
             self.throughput_unit = "tokens/s"
         self._steps.add(st.rank, row["step"], row["attempt"], {

@@ -39,7 +39,7 @@ class RankState:
     closed_at: float | None = None
     """time.time() its connection closed without a "done" or error message while the run went on"""
     peak_rss: float = 0.0
-    """the highest RSS its step messages reported"""
+    """the highest RSS its step messages reported (the peaks they carry included)"""
     dumps_stacks: bool = False
     """its script prints every thread's stack to stderr on SIGUSR1 (its "start" message said so)"""
     host: str | None = None

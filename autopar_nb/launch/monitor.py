@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from ..hardware import GpuInfo, visible_gpus
+from ..runtime.metrics import peak_rss
 
 if TYPE_CHECKING:
     from .run import Run
@@ -27,19 +28,6 @@ PUSH_INTERVAL_S = 0.25
 BATCH_S = 0.05
 """the thread wakes at most this often while messages flow (they wait in the sockets meanwhile): ranks stepping
 every few milliseconds would otherwise wake it, and preempt a worker, hundreds of times a second"""
-
-
-def peak_rss(pid: int) -> float | None:
-    """The process's peak resident set size so far (Linux: ``VmHWM`` in ``/proc/PID/status``), bytes; None
-    elsewhere. Between two samples a step's activations may come and go: the peak does not miss them."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return float(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def batch_rest(woke: float) -> float:

@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import calibration
+from ..runtime.metrics import peak_rss
 from ..units import fmt_time
 from . import compare, watch
-from .monitor import peak_rss
 from .report import held_peaks
 
 MODES = ("ask", "auto", "off")

@@ -23,8 +23,9 @@ def rss_figures(run: Any) -> dict[int, dict[str, float]]:
     out: dict[int, dict[str, float]] = {}
     for row in rows:
         r, held = row["rank"], max(0.0, float(row["rss"]) - base[row["rank"]])
+        peak = max(held, float(row.get("rss_peak") or 0.0) - base[r])
         fig = out.setdefault(r, {"peak": peaks.get(r, 0.0), "floor": held})
-        fig["floor"], fig["peak"] = min(fig["floor"], held), max(fig["peak"], held)
+        fig["floor"], fig["peak"] = min(fig["floor"], held), max(fig["peak"], peak)
     return out
 
 

@@ -284,8 +284,8 @@ class Run(StreamIngest, RunSamples, Supervision):
         return f"{s['steps']} steps{t}"
 
     def rss_figures(self) -> dict[int, dict[str, float]]:
-        """CPU ranks: rank -> {"peak": its peak RSS above its baseline (the samples' VmHWM; the step reports' RSS
-        where no peak is known), "floor": the least RSS above its baseline a step reported (at a step's end: what it
+        """CPU ranks: rank -> {"peak": its peak RSS above its baseline (VmHWM, as the samples and each step's report
+        read it), "floor": the least RSS above its baseline a step reported (at a step's end: what it
         holds between steps)}, for the ranks whose baseline is known; {} on GPUs."""
         return report.rss_figures(self)
 

@@ -59,14 +59,25 @@ def process_rss() -> int | None:
         return None
 
 
+def peak_rss(pid: int | str = "self") -> float | None:
+    """The process's peak resident set size so far (Linux: ``VmHWM`` in ``/proc/PID/status``), bytes; None
+    elsewhere. Between two samples a step's activations may come and go: the peak does not miss them."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(float(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))  # kB
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def memory_stats(device: str) -> dict:
-    """Bytes: CUDA allocator figures on GPUs (allocated and reserved, now and at their peaks), and the process's
-    resident set size (None where unknown)."""
-    stats = {}
+    """Bytes: CUDA allocator figures on GPUs (allocated and reserved, now and at their peaks); on CPU the process's
+    resident set size and its peak so far (each None where unknown: the peak rides on every step's report, so a
+    short run whose monitor sampled it rarely still knows it)."""
     if device == "cuda":
-        stats = {"mem_allocated": torch.cuda.memory_allocated(), "mem_reserved": torch.cuda.memory_reserved(),
-                 "mem_peak": torch.cuda.max_memory_allocated(), "mem_peak_reserved": torch.cuda.max_memory_reserved()}
-    return {**stats, "rss": process_rss()}
+        return {"mem_allocated": torch.cuda.memory_allocated(), "mem_reserved": torch.cuda.memory_reserved(),
+                "mem_peak": torch.cuda.max_memory_allocated(), "mem_peak_reserved": torch.cuda.max_memory_reserved(),
+                "rss": process_rss()}
+    return {"rss": process_rss(), "rss_peak": peak_rss()}
 
 
 class Run:
