@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # netns.py: the namespaces of the node 
 
 import autopar_nb as ap  # noqa: E402
 from autopar_nb.launch import attach, launch  # noqa: E402
+from autopar_nb.launch.pool import POOL  # noqa: E402
 from autopar_nb.source import ModelSource  # noqa: E402
 
 CELL = '''\
@@ -200,6 +201,9 @@ def stamp(text: str) -> None:
 
 
 def _fds() -> int:
+    """This process's open file descriptors, the launcher's warm standby closed first: it is kept on purpose between
+    runs (its pipes and log files), started by whichever launch came first, here the soak's or its reference's."""
+    POOL.close()
     return len(os.listdir("/proc/self/fd"))
 
 
@@ -243,9 +247,10 @@ def soak(script: Path, *, steps: int, ckpt_every: int, kill_every: tuple[float, 
     """Train ``script`` for ``steps`` with random kills (module docstring); ``kills``: at most this many (None: until
     the steps are done). Each kill comes ``kill_every`` (low, high: uniform) seconds after the run made progress
     again, and none in the last tenth of the steps. ``reference``: the uninterrupted run's rank-0 losses by step
-    (run here when None). ``stall_s``: no step for this long ends the soak (``report.failure``)."""
+    (run beside the soak when None: :func:`uninterrupted`). ``stall_s``: no step for this long ends the soak
+    (``report.failure``)."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="soak-"))
-    reference = reference or uninterrupted(script, nproc=nproc, steps=steps, ckpt_every=ckpt_every, workdir=workdir)
+    ref = reference or uninterrupted(script, nproc=nproc, steps=steps, ckpt_every=ckpt_every, workdir=workdir)
     rng = random.Random(seed)
     report = SoakReport(steps=steps, wall_s=0.0, fds_before=_fds())
     seen = Seen()
@@ -268,30 +273,68 @@ def soak(script: Path, *, steps: int, ckpt_every: int, kill_every: tuple[float, 
                 if status != "finished":
                     raise RuntimeError(f"the run ended {status}: {run.message}")
                 break
+        report.wall_s = time.time() - t0
+        reference = reference_losses(ref)
     except (Stalled, KeyboardInterrupt) as e:
-        report.failure = str(e) or "interrupted"
+        report.failure, reference = str(e) or "interrupted", {}
     finally:
         for run in runs:
             if not run.done:
                 run.stop("the soak ended")
-    report.left_processes = [p for r in runs for p in r.processes()]
+        left = _stop(ref)
+    report.left_processes = [p for r in runs for p in r.processes()] + left
     return _finish(report, reference, seen, t0)
 
 
-def uninterrupted(script: Path, *, nproc: int, steps: int, ckpt_every: int, workdir: Path) -> dict[int, float]:
-    """The reference: rank 0's loss of every step of ``script`` run without a kill (local processes), saving the
-    soak's checkpoints (the numerics guard rolls back to the latest: both runs must have the same ones)."""
-    run = launch(script, nproc=nproc, steps=steps, run_dir=workdir / "reference", ckpt_dir=workdir / "reference-ckpt",
-                 ckpt_every=ckpt_every)
-    if run.wait() != "finished":
-        raise RuntimeError(f"the uninterrupted run did not finish: {run.message}")
-    return dict(run.loss_curve(0))
+def uninterrupted(script: Path, *, nproc: int, steps: int, ckpt_every: int, workdir: Path) -> subprocess.Popen:
+    """The reference, started: ``script`` run without a kill (local processes) beside the soak, saving the soak's
+    checkpoints (the numerics guard rolls back to the latest: both runs must have the same ones). Beside the soak
+    rather than before it, the two share the host as they would in turn, and the whole takes the soak's time instead
+    of twice it. A process of its own (this file, ``--reference-of``): a kernel launches one run at a time;
+    :func:`reference_losses` reads its losses at the end."""
+    return subprocess.Popen([sys.executable, __file__, "--reference-of", str(script), "--nproc", str(nproc),
+                             "--steps", str(steps), "--ckpt-every", str(ckpt_every), "--workdir", str(workdir)])
+
+
+def reference_losses(reference) -> dict[int, float]:
+    """Rank 0's loss of every step of the uninterrupted run (waited for while it runs on), or the losses given."""
+    if isinstance(reference, dict):
+        return reference
+    reference.wait()
+    out = json.loads((Path(reference.args[-1]) / "reference.json").read_text())
+    if "error" in out:
+        raise RuntimeError(f"the uninterrupted run did not finish: {out['error']}")
+    return {int(step): loss for step, loss in out["losses"].items()}
+
+
+def _reference(script: Path, *, nproc: int, steps: int, ckpt_every: int, workdir: Path) -> None:
+    """``--reference-of``: run :func:`uninterrupted`'s script, its losses (JSON: floats exactly) to
+    ``workdir/reference.json``."""
+    run = launch(script, nproc=nproc, steps=steps, run_dir=workdir / "reference",
+                 ckpt_dir=workdir / "reference-ckpt", ckpt_every=ckpt_every)
+    try:
+        status = run.wait()
+    finally:
+        if not run.done:
+            run.stop("the soak ended")
+    out = {"losses": dict(run.loss_curve(0))} if status == "finished" else {"error": run.message}
+    (workdir / "reference.json").write_text(json.dumps(out))
+
+
+def _stop(reference) -> list:
+    """End the reference's process (its run stops its ranks) when it runs on; what of it is left."""
+    if isinstance(reference, dict):
+        return []
+    if reference.poll() is None:
+        reference.terminate()
+        reference.wait(60)
+    return [] if reference.poll() is not None else [reference.pid]
 
 
 def _finish(report: SoakReport, reference: dict[int, float], seen: Seen, t0: float) -> SoakReport:
     """The losses against the reference (relative differences: the losses fall far below 1), the kills' figures and
     this process's file descriptors."""
-    report.wall_s = time.time() - t0
+    report.wall_s = report.wall_s or time.time() - t0  # the soak's own time, not the wait for its reference
     _settle(report.kills, seen, t0)
     losses = seen.losses
     report.missing_steps = sorted(set(reference) - set(losses))
@@ -321,7 +364,7 @@ def soak_nodes(script: Path, command: str, *, steps: int, ckpt_every: int, kill_
     if why:
         raise SystemExit(f"the node kills need network namespaces: {why}")
     workdir = Path(workdir or tempfile.mkdtemp(prefix="soak-"))
-    reference = reference or uninterrupted(script, nproc=2, steps=steps, ckpt_every=ckpt_every, workdir=workdir)
+    ref = reference or uninterrupted(script, nproc=2, steps=steps, ckpt_every=ckpt_every, workdir=workdir)
     rng = random.Random(seed)
     report = SoakReport(steps=steps, wall_s=0.0, fds_before=_fds())
     seen = Seen()
@@ -337,10 +380,12 @@ def soak_nodes(script: Path, command: str, *, steps: int, ckpt_every: int, kill_
                 seen.read(run, report.launches)
                 if finished:
                     break
+            report.wall_s = time.time() - t0
+            reference = reference_losses(ref)
         except (Stalled, KeyboardInterrupt) as e:
-            report.failure = str(e) or "interrupted"
+            report.failure, reference = str(e) or "interrupted", {}
         finally:
-            report.left_processes = pair.left()
+            report.left_processes = pair.left() + _stop(ref)
             pair.stop()
     _settle(report.kills, seen, t0)
     return _finish(report, reference, seen, t0)
@@ -550,8 +595,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stall-minutes", type=float, default=10.0, help="no step for this long ends the soak")
     parser.add_argument("--report", type=Path, default=None, help="write the report here as JSON")
+    parser.add_argument("--reference-of", type=Path, default=None, help=argparse.SUPPRESS)  # uninterrupted()'s
+    parser.add_argument("--nproc", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's or `kill`'s end: clean up as for Ctrl-C
+    if args.reference_of:
+        _reference(args.reference_of, nproc=args.nproc, steps=args.steps, ckpt_every=args.ckpt_every,
+                   workdir=args.workdir)
+        return
     workdir = Path(tempfile.mkdtemp(prefix="soak-"))
     stamp(f"soak in {workdir}")
     probe = export_script(workdir, hidden=args.hidden, steps=40)
@@ -559,8 +612,8 @@ def main() -> None:
     if run.wait() != "finished":
         raise SystemExit(f"the probe run failed: {run.message}")
     step_s = run.summary()["step_time_s"]
-    steps = max(50, int(args.minutes * 60 / step_s))
-    stamp(f"{step_s * 1e3:.1f} ms a step uninterrupted: {steps} steps for about {args.minutes:g} min")
+    steps = max(50, int(args.minutes * 60 / (2 * step_s)))  # the reference trains beside it: each at half speed
+    stamp(f"{step_s * 1e3:.1f} ms a step alone: {steps} steps for about {args.minutes:g} min beside the reference")
     (workdir / "soak").mkdir(exist_ok=True)
     common = dict(steps=steps, ckpt_every=args.ckpt_every, kills=args.kills, seed=args.seed, workdir=workdir / "soak",
                   stall_s=args.stall_minutes * 60, progress=stamp)
