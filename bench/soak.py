@@ -14,8 +14,10 @@ Each kill is one of:
   alone (world 1) from the newest checkpoint, and the soak starts the lost node again after a while (``--node-away``),
   as a replaced host would come back; both restart at world 2 from the newest checkpoint. The first node lost (it
   hosts the rendezvous store): the second must end by itself, leaving no process in its namespace, and the soak
-  launches both again (a requeue). The script's batches are the same on every data-parallel rank, so a step trained
-  by one node has the loss and gradients it has when trained by two.
+  launches both again (a requeue). Run on the nodes, kills pick from ``--node-kinds``: whole nodes and, by
+  default, one node's ``worker`` too (its agent and the other node's restart the group). The script's batches are
+  the same on every data-parallel rank, so a step trained by one node has the loss and gradients it has when trained
+  by two.
 
 At the end the losses of every step (the last attempt's, where a step ran more than once) must equal the
 uninterrupted run's (deterministic data order: the script draws each step's batch from the step number), no process
@@ -98,7 +100,7 @@ class Kill:
     """seconds from the kill to the first step past ``last_step``"""
 
     node: int | None = None
-    """a node kill's node (0: the one hosting the rendezvous)"""
+    """the node a node kill (or, run on nodes, a worker kill) hit (0: the one hosting the rendezvous)"""
     back_s: float | None = None
     """a node kill: seconds from the kill until the second rank trained again (the node rejoined, or the requeue)"""
     rejoin_redone: int | None = None
@@ -157,14 +159,14 @@ class SoakReport:
                  f"{self.fds_before} -> {self.fds_after}"]
         for k in self.kills:
             lost = "?" if k.lost_s is None else f"{k.lost_s:.1f}"
-            kind = k.kind if k.node is None else f"node {k.node}"
-            line = (f"  {k.at:7.1f} s  {kind:6}  after step {k.last_step}: resumed at {k.resumed_at}, "
+            kind = k.kind if k.node is None else f"node {k.node}" if k.kind == "node" else f"{k.kind}@{k.node}"
+            line = (f"  {k.at:7.1f} s  {kind:8}  after step {k.last_step}: resumed at {k.resumed_at}, "
                     f"{k.redone} steps redone, {lost} s lost")
             if k.kind == "node":
                 line += f"; both ranks again after {'?' if k.back_s is None else f'{k.back_s:.1f}'} s"
             if k.rejoin_redone is not None:
                 line += f", {k.rejoin_redone} steps redone at the rejoin"
-            if k.node == 0:
+            if k.kind == "node" and k.node == 0:
                 ended = "did not end" if k.other_end_s is None else f"ended after {k.other_end_s:.1f} s"
                 line += f"; node 1 {ended} ({k.other_end}); the dashboard then: {k.dashboard}"
             lines.append(line)
@@ -353,11 +355,13 @@ def _stalled(seen: Seen, since: float, stall_s: float) -> None:
 
 def soak_nodes(script: Path, command: str, *, steps: int, ckpt_every: int, kill_every: tuple[float, float],
                away: tuple[float, float], kills: int | None, seed: int = 0, reference: dict[int, float] | None = None,
-               workdir: Path | None = None, stall_s: float = 600.0, progress=print) -> SoakReport:
+               workdir: Path | None = None, stall_s: float = 600.0, progress=print,
+               kinds: tuple[str, ...] = ("node",)) -> SoakReport:
     """:func:`soak` with whole nodes killed: two network namespaces, one process each under ``command`` (the
     script's elastic torchrun line, :func:`export_for_nodes`), followed by an attached run (``ap.attach``) in the
     first node's namespace. A node kill SIGKILLs every process in one namespace (module docstring); the second node,
-    lost, comes back ``away`` (low, high: uniform) seconds after the first trained on alone."""
+    lost, comes back ``away`` (low, high: uniform) seconds after the first trained on alone. ``kinds``: what each
+    kill picks from: ``node``, and ``worker`` (SIGKILL to one node's rank: both nodes' agents restart the group)."""
     from netns import two_nodes, unavailable
 
     why = unavailable()
@@ -375,7 +379,7 @@ def soak_nodes(script: Path, command: str, *, steps: int, ckpt_every: int, kill_
             while True:
                 report.launches += 1
                 run = pair.launch(report.launches, steps)
-                finished = _drive_nodes(run, pair, report, seen, t0, rng=rng, kill_every=kill_every,
+                finished = _drive_nodes(run, pair, report, seen, t0, rng=rng, kill_every=kill_every, kinds=kinds,
                                         away=away, kills=kills, steps=steps, stall_s=stall_s, progress=progress)
                 seen.read(run, report.launches)
                 if finished:
@@ -409,7 +413,7 @@ class _Pair:
             self.run.stop("requeued")
         self.run = in_namespace(self.nodes[0], lambda: attach(
             self.script, 2, steps, host=self.nodes[0].addr, lost_after_s=300, restart_wait_s=300,
-            rendezvous=self.nodes[0].addr, run_dir=self.workdir / f"run{number}"))
+            rendezvous=f"{self.nodes[0].addr}:{PORT}", run_dir=self.workdir / f"run{number}"))
         for i in (0, 1):
             self.start(i)
         return self.run
@@ -427,6 +431,13 @@ class _Pair:
 
     def alive(self, i: int) -> bool:
         return self.procs[i] is not None and self.procs[i].poll() is None
+
+    def worker(self, i: int):
+        """Node ``i``'s rank: the child of its torchrun that runs the script."""
+        import psutil
+
+        agent = psutil.Process(self.procs[i].pid)
+        return next(p for p in agent.children() if str(self.script) in " ".join(p.cmdline()))
 
     def kill(self, i: int) -> None:
         """Every process in node ``i``'s namespace, at once: the node is gone."""
@@ -455,7 +466,7 @@ def _namespace_pids(node) -> list[str]:
     return subprocess.run(["ip", "netns", "pids", node.name], capture_output=True, text=True).stdout.split()
 
 
-def _drive_nodes(run, pair: _Pair, report: SoakReport, seen: Seen, t0: float, *, rng, kill_every, away,
+def _drive_nodes(run, pair: _Pair, report: SoakReport, seen: Seen, t0: float, *, rng, kill_every, kinds, away,
                  kills, steps, stall_s, progress) -> bool:
     """Follow one launch on the two nodes: kill a node when due, bring the second back when it is away, and wait for
     the second to end by itself when the first was killed. True when the run finished, False when it must be
@@ -471,7 +482,8 @@ def _drive_nodes(run, pair: _Pair, report: SoakReport, seen: Seen, t0: float, *,
         _settle(report.kills, seen, t0)
         _stalled(seen, since, stall_s)
         newest, last = seen.step(), report.kills[-1] if report.kills else None
-        if last is not None and last.node == 1 and not pair.alive(1) and last.lost_s is not None and pair.alive(0):
+        node_1_away = last is not None and last.kind == "node" and last.node == 1 and not pair.alive(1)
+        if node_1_away and last.lost_s is not None and pair.alive(0):
             back_at = back_at or time.time() + rng.uniform(*away)
             if time.time() >= back_at:
                 pair.start(1)
@@ -481,13 +493,13 @@ def _drive_nodes(run, pair: _Pair, report: SoakReport, seen: Seen, t0: float, *,
         if due is None and room and 0 <= newest < 0.9 * steps and (last is None or last.recovered):
             due = time.time() + rng.uniform(*kill_every)
         if due is not None and time.time() >= due and pair.alive(0) and pair.alive(1):
-            due, node = None, rng.choice((0, 1))
-            epoch = seen.epoch(report.launches)
-            kill = Kill("node", time.time() - t0, epoch, node=node)
-            pair.kill(node)
+            due, node, kind = None, rng.choice((0, 1)), rng.choice(kinds)
+            kill = Kill(kind, time.time() - t0, seen.epoch(report.launches), node=node)
+            pair.kill(node) if kind == "node" else pair.worker(node).send_signal(signal.SIGKILL)
             report.kills.append(kill)
-            progress(f"  {kill.at:7.1f} s: killed node {node} after step {newest}")
-            if node == 0:
+            progress(f"  {kill.at:7.1f} s: killed {'node' if kind == 'node' else 'the worker on node'} {node} after "
+                     f"step {newest}")
+            if kind == "node" and node == 0:
                 _other_node_ends(pair, kill, t0, stall_s=stall_s, progress=progress)
                 return False
         time.sleep(1.0)  # a poll reads every row of the run's metrics
@@ -589,6 +601,8 @@ def main() -> None:
     parser.add_argument("--node-kill-every", default=None,
                         help="kill whole nodes instead (2 network namespaces x 1 process; root): low,high seconds")
     parser.add_argument("--node-away", default="10,30", help="seconds a lost second node stays away: low,high")
+    parser.add_argument("--node-kinds", default="node,worker",
+                        help="with --node-kill-every, what each kill picks from: node, worker (one node's rank)")
     parser.add_argument("--kills", type=int, default=None, help="at most this many kills")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--ckpt-every", type=int, default=20)
@@ -620,7 +634,7 @@ def main() -> None:
     if args.node_kill_every:
         script, command = export_for_nodes(workdir / "soak", hidden=args.hidden, steps=steps)
         report = soak_nodes(script, command, kill_every=_pair(args.node_kill_every), away=_pair(args.node_away),
-                            **common)
+                            kinds=tuple(args.node_kinds.split(",")), **common)
     else:
         script = export_script(workdir / "soak", hidden=args.hidden, steps=steps)
         report = soak(script, kill_every=_pair(args.kill_every), **common)

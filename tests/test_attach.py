@@ -248,6 +248,33 @@ def test_a_lost_rendezvous_node_is_one_event_and_fails_the_run_when_the_others_e
     assert "connection from 127.0.0.2 closed" in run.message  # the first lost rank, as before
 
 
+def test_ranks_of_the_rendezvous_host_that_end_while_its_agent_answers_are_no_lost_node(runs):
+    """One rank per host, the rendezvous host's rank killed: on the stream that is a lost node (its only connection
+    closed, then the other host's rank stopped by its agent), but the agent on that host lives and hosts the store,
+    so its rendezvous port answers: the event is withdrawn, the run waits for the restart, and follows it to the
+    end (a soak of whole nodes with worker kills marked such a run failed while torchrun restarted it)."""
+    with socket.create_server(("127.0.0.2", 0)) as store:  # the agent's rendezvous store
+        run = runs(nproc=2, restart_wait_s=60, rendezvous=f"127.0.0.2:{store.getsockname()[1]}")
+        ranks = [Rank(run, r, source=f"127.0.0.{2 + r}", attempt=0, max_restarts=3, world=2) for r in range(2)]
+        for r in ranks:
+            r.step(0)
+        wait_for(lambda: all(st.step == 0 for st in run.ranks().values()), 5, "every rank's step")
+        ranks[0].close()
+        wait_for(lambda: node_events(run), 5, "the inferred node loss")
+        ranks[1].close()  # its agent stops it to restart the group
+        wait_for(lambda: not node_events(run), 5, "the event withdrawn")
+        time.sleep(0.5)
+        assert run.status == "restarting" and not run.done, run.message
+        assert "its torchrun agent answers at the rendezvous" in run.message
+        again = [Rank(run, r, source=f"127.0.0.{2 + r}", attempt=1, max_restarts=3, world=2) for r in range(2)]
+        for r in again:
+            r.step(1)
+            r.send({"event": "done"})
+            r.close()
+        assert run.wait(10) == "finished", run.message
+        assert not node_events(run)
+
+
 def test_a_lost_node_without_the_rendezvous_waits_for_the_restart(runs):
     """The other node is lost (the rendezvous, read from the torchrun command, survives): one event, and the
     survivors' restart at world 2 is followed, and the node's return (world 4) to the end. Their agent ends them

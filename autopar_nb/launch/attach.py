@@ -20,7 +20,10 @@ naming the host and its ranks (ranks that end after another host's are its conse
 one host left, its agent ending its ranks to admit a returning node looks the same, so no event). When that host is
 the rendezvous endpoint's (``rendezvous=``, or ``--rdzv-endpoint`` in ``commands``), no torchrun can restart the group
 (the survivors' agents cannot meet again): once every other rank has ended too, the run fails at once with that
-reason instead of waiting ``restart_wait_s``, unless a restart's hello came first.
+reason instead of waiting ``restart_wait_s``, unless a restart's hello came first — or unless the rendezvous port
+still takes a connection: then that host's agent lives (it hosts the store), only its ranks ended (one killed, the
+rest stopped by the agents to restart the group; with one rank per host this is what a lost node looks like on the
+stream), the event is withdrawn and the run waits for the restart as after any failure.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import os
 import re
 import secrets
 import shlex
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -51,6 +55,10 @@ large checkpoint may need more: pass ``lost_after_s``)"""
 NODE_WINDOW_S = 5.0
 """seconds within which the connections of every rank of one host closing are one lost node (a killed host's
 sockets close together; its agent ending its workers one by one takes a few seconds at most)"""
+RDZV_PORT = 29400
+"""torchrun's rendezvous port where ``--rdzv-endpoint`` names none (torch.distributed.run's documented default)"""
+PROBE_TIMEOUT_S = 1.0
+"""seconds a connection to the rendezvous port may take before its host counts as gone"""
 
 
 class AttachedRun(Run):
@@ -70,6 +78,9 @@ class AttachedRun(Run):
         self.restart_wait_s = float(restart_wait_s)
         self.rendezvous = rendezvous_host(rendezvous, commands)
         """the host of torchrun's rendezvous endpoint (None: unknown); losing it ends every torchrun"""
+        self._rdzv_port = rendezvous_port(rendezvous, commands)
+        self._agent_answered: set[str] = set()
+        """hosts whose ranks all closed in the current attempt while their rendezvous port still answered"""
         self._nodes_lost: dict[str, str] = {}
         """host -> the reason of its "node_lost" event, in the current attempt"""
         self._reported: set[int] = set()
@@ -138,7 +149,7 @@ class AttachedRun(Run):
             self.max_restarts = max(self.max_restarts, limit)
         if st.rank in self._spoke or (world is not None and world != self.world and self._spoke):
             self._attempt, self._spoke, self._accounted_at, self._restarts = self._attempt + 1, set(), None, 0
-            self._nodes_lost, self._reported = {}, set()
+            self._nodes_lost, self._reported, self._agent_answered = {}, set(), set()
         if not self._spoke and world is not None:
             self.world = world
         self._spoke.add(st.rank)
@@ -206,7 +217,8 @@ class AttachedRun(Run):
             return
         for host, ranks in hosts.items():
             closed = [st.closed_at for st in ranks if st.closed_at is not None and st.rank not in self._reported]
-            if host in self._nodes_lost or len(closed) < len(ranks) or max(closed) - min(closed) > NODE_WINDOW_S:
+            if host in self._nodes_lost or host in self._agent_answered or len(closed) < len(ranks) \
+                    or max(closed) - min(closed) > NODE_WINDOW_S:
                 continue
             # ranks that end after another host's went are its consequence (their agent stops them to restart)
             before = [st.closed_at or st.failed_at for h, others in hosts.items() if h != host for st in others]
@@ -253,8 +265,9 @@ class AttachedRun(Run):
             if all(st.done for st in ranks) or not self._restarts_left():
                 return True
             if self.rendezvous in self._nodes_lost:  # every other rank ended as well: no restart can come
-                self._end_note = self._nodes_lost[self.rendezvous] + " (every other rank has ended)"
-                return True
+                if not self._agent_answers():
+                    self._end_note = self._nodes_lost[self.rendezvous] + " (every other rank has ended)"
+                    return True
             now = time.monotonic()
             self._accounted_at = self._accounted_at or now
             if now - self._accounted_at <= self.restart_wait_s:
@@ -262,6 +275,20 @@ class AttachedRun(Run):
             self._end_note = (f"no restart came within {self.restart_wait_s:.0f} s ({self._restarts} of "
                               f"{self.max_restarts} restart(s) made)")
             return True
+
+    def _agent_answers(self) -> bool:
+        """Whether the rendezvous host's agent lives although its ranks all ended (under ``_lock``): its port takes a
+        connection (nothing is sent or read). Then its "node_lost" event is withdrawn: the group restarts."""
+        try:
+            socket.create_connection((self.rendezvous, self._rdzv_port), timeout=PROBE_TIMEOUT_S).close()
+        except OSError:
+            return False
+        reason = self._nodes_lost.pop(self.rendezvous)
+        self._agent_answered.add(self.rendezvous)
+        self.events[:] = [e for e in self.events if not (e["kind"] == "node_lost" and e["reason"] == reason)]
+        self._message = (f"the ranks of {self.rendezvous} ended, but its torchrun agent answers at the rendezvous "
+                         f"(port {self._rdzv_port}): waiting for torchrun to restart the group")
+        return True
 
     def _agent_alive(self) -> bool:
         return False
@@ -305,6 +332,16 @@ def rendezvous_host(rendezvous: str | None, commands: list[str]) -> str | None:
     host = rendezvous.rsplit(":", 1)[0] if rendezvous.count(":") == 1 or rendezvous.startswith("[") else rendezvous
     host = host.strip("[]")
     return None if host == "HOST" or "$" in host else host  # the exported commands' placeholders name no host
+
+
+def rendezvous_port(rendezvous: str | None, commands: list[str]) -> int:
+    """The port of ``rendezvous`` or of the first ``--rdzv-endpoint`` in ``commands`` (:func:`rendezvous_host`'s
+    endpoint); :data:`RDZV_PORT` where it names none."""
+    if rendezvous is None:
+        found = (re.search(r"--rdzv[-_]endpoint[= ]+['\"]?([^\s'\"]+)", c) for c in commands)
+        rendezvous = next((m.group(1) for m in found if m), None)
+    port = re.search(r"(?:^[^:]*|\])+:(\d+)$", rendezvous or "")
+    return int(port.group(1)) if port and int(port.group(1)) < 65536 else RDZV_PORT
 
 
 def rank_span(ranks: list[int]) -> str:
