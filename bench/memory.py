@@ -6,11 +6,11 @@ fixed choices, exported, and its script's own ``main`` run for 2 steps as one ra
 the tracker (``autopar_nb.verify.measure``; real small tensors on CPU; pipelined and expert-parallel plans on real gloo
 processes, whose ranks need each other's data). The prediction is the cost model's per-rank
 peak total before its allocator margin, and its named terms (``MemoryBreakdown.terms``) grouped as the tracker
-labels what it counts (``verify.measure.GROUPS``), at the moment the tracker peaked at: the model weighs every
+labels what it counts (``verify.moments.GROUPS``), at the moment the tracker peaked at: the model weighs every
 layer's backward (at each of its ops) and recompute, the loss and the step (``cost.estimate.peak_moments``), and
 where two of them hold nearly the same total its peak and the tracker's can be different moments, between which
 bytes move from one component to another; compared at the same moment, a wrong term cannot hide behind a moment
-choice (``verify.measure.moment_at``: the tracker's moment is placed by the autograd node running at its peak;
+choice (``verify.moments.moment_at``: the tracker's moment is placed by the autograd node running at its peak;
 at the model's own peak where it has no moment there, e.g. a forward).
 
     .venv/bin/python bench/memory.py [FAMILY,...] [--plans single,ddp,...] [--amp none,bf16]
@@ -106,7 +106,7 @@ KNOWN = [
     "autopar_nb.verify.measure._NodeSpans), and a layer's backward is compared at that module's ops, matched by their "
     "path within the layer, in the first micro-batch's moments or a later one's (peak_moments(per_op=True), "
     "PeakMoment.later), and among that module's ops at those of the running autograd node's kind "
-    "(measure.op_kind_of_node: Mixtral's experts peak at their last index op's backward, where all they saved is "
+    "(moments.op_kind_of_node: Mixtral's experts peak at their last index op's backward, where all they saved is "
     "still alive; compared at their largest op, whose moment has freed it, 5 pipelined recompute ranks missed by "
     "6-10 MiB); the counts at the model's own peak are given too",
     "A layer's forward and its recompute are costed op by op (cost.profile.LayerProfile.forward, "
@@ -155,7 +155,7 @@ MiB = 2**20
 def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "none", largest: int = 0) -> list[dict]:
     """Predicted and measured components of every rank that differs (each pipeline stage; rank 0 otherwise), and
     the ``largest`` storages alive at each one's measured peak, with what made them (``measure``'s census). The
-    predicted components are the model's at the moment the tracker peaked (``autopar_nb.verify.measure.moment_at``), or
+    predicted components are the model's at the moment the tracker peaked (``autopar_nb.verify.moments.moment_at``), or
     at the model's own peak where the model has no such moment; the predicted total is the model's peak."""
     from memcells import CELLS
 
@@ -163,7 +163,8 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
     from autopar_nb.cost import estimate
     from autopar_nb.cost.estimate import peak_moments
     from autopar_nb.source import ModelSource
-    from autopar_nb.verify.measure import measure, measured_groups, moment_at, predicted_groups
+    from autopar_nb.verify.measure import measure
+    from autopar_nb.verify.moments import measured_groups, moment_at, predicted_groups
 
     src = ModelSource(CELLS[family](**SIZE))
     meta, example, _ = src.build(device="meta")
@@ -202,7 +203,7 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
 
 
 def _moment_name(moment, paths: list[str], op_modules: dict[int, str]) -> str:
-    from autopar_nb.verify.measure import path_in_layer
+    from autopar_nb.verify.moments import path_in_layer
 
     phase, layer, _, op, later = moment
     at = path_in_layer(op_modules[op], paths).removeprefix(".") if op is not None else ""
@@ -216,7 +217,7 @@ def error(row: dict) -> float:
 
 def components_within(row: dict, key: str = "predicted") -> bool:
     """Every component of ``row[key]`` within 5 % of the measured total of the measured one."""
-    from autopar_nb.verify.measure import GROUPS
+    from autopar_nb.verify.moments import GROUPS
 
     return all(abs(row[key][g] - row["measured"][g]) <= 0.05 * row["measured_total"] for g in GROUPS)
 
@@ -224,7 +225,7 @@ def components_within(row: dict, key: str = "predicted") -> bool:
 def markdown(rows: list[dict]) -> str:
     """One line per case: each component predicted (at the tracker's moment) / measured, the total (the model's
     peak) and its error, where the tracker peaked and which of the model's moments the components are from."""
-    from autopar_nb.verify.measure import GROUPS
+    from autopar_nb.verify.moments import GROUPS
 
     head = ("| family | plan | amp | recompute | rank | " + " | ".join(f"{g} p/m" for g in GROUPS)
             + " | total p/m (MiB) | error | tracker's peak at | model's moment compared (its total, MiB) |")
@@ -347,12 +348,12 @@ def main() -> None:
                     "cost model's per-rank peak total before its allocator margin, and its named terms at the "
                     "moment of the step the tracker peaked at (a layer's backward at the op of the module the "
                     "running autograd node was made in, a layer's recompute, the loss, the step: "
-                    "autopar_nb.verify.measure.moment_at; at the model's own peak where it has no such moment), "
+                    "autopar_nb.verify.moments.moment_at; at the model's own peak where it has no such moment), "
                     "measured (m) = "
                     "MemTracker/FSDPMemTracker peak of the 2nd step of the exported script's own main under a fake "
                     "process group, pipelined and expert-parallel plans on real gloo processes "
                     "(autopar_nb/verify/measure.py), "
-                    f"both grouped as autopar_nb.verify.measure.GROUPS says (MiB). {summary}.\n\n{table}\n"
+                    f"both grouped as autopar_nb.verify.moments.GROUPS says (MiB). {summary}.\n\n{table}\n"
                     + ("".join(f"\n- not measured: {f}" for f in failed))
                     + ("\n\nKnown gaps:\n" + "".join(f"\n- {k}" for k in KNOWN)) + "\n")
             write_section(args.section, body, ROOT / "BENCHMARKS.md")

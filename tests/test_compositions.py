@@ -61,7 +61,8 @@ CASES = {
 
 def _measured_against_predicted(family: str, fix: dict, size: dict):
     from autopar_nb.cost.estimate import peak_moments
-    from autopar_nb.verify.measure import measure, measured_groups, moment_at, predicted_groups
+    from autopar_nb.verify.measure import measure
+    from autopar_nb.verify.moments import measured_groups, moment_at, predicted_groups
 
     src = ModelSource(CELLS[family](**size))
     meta, example, _ = src.build(device="meta")

@@ -495,7 +495,7 @@ def test_a_ranks_peak_is_the_largest_of_its_moments_and_a_recompute_holds_what_i
             first, late = (max((mo for mo in per_op[0] if mo[:2] == ("backward", 1) and mo[4] is w),
                                key=lambda mo: mo[2].total) for w in (False, True))
             assert late[2].grads > first[2].grads and late[2].activations < first[2].activations
-            from autopar_nb.verify.measure import moment_at
+            from autopar_nb.verify.moments import moment_at
             where, paths = "train/backward in Pipe.split_gm.submod_pp_0." + graph.layers[1].path, [
                 lay.path for lay in graph.layers]
             assert moment_at(where, paths, per_op[0], micro_batch=0)[4] is False
@@ -559,12 +559,12 @@ def test_a_layers_forward_holds_what_it_saved_so_far_and_the_storages_still_read
 
 
 def test_a_tracked_peak_is_matched_to_the_models_moment_there():
-    """``measure.moment_at``: the tracker's "<phase>/<side> in <module>" names the moment of the model's that its
+    """``moments.moment_at``: the tracker's "<phase>/<side> in <module>" names the moment of the model's that its
     components compare with — a layer's backward or recompute (the layer whose path holds the module: the root's
     name, DDP's ``module``, a pipeline stage's ``Pipe.split_gm.submod_pp_<n>`` and checkpoint wrappers dropped), the
     loss's forward or backward (outside every module), the step; none for a layer's forward the model has no moment
     for or a module that names no layer."""
-    from autopar_nb.verify.measure import moment_at
+    from autopar_nb.verify.moments import moment_at
 
     paths = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.10", "lm_head"]
     small, big = ap.MemoryBreakdown(params=1.0), ap.MemoryBreakdown(params=2.0)
@@ -609,7 +609,7 @@ def test_a_tracked_peak_is_matched_to_the_models_moment_there():
                      op_names=names) == ("backward", 2, small, 7)
     assert moment_at("train/backward in LlamaForCausalLM.model.layers.1.mlp", paths, later, ops, node="SiluBackward0",
                      op_names=names) == ("backward", 2, mid, 9)  # no op of that kind: the module's largest
-    from autopar_nb.verify.measure import op_kind, op_kind_of_node
+    from autopar_nb.verify.moments import op_kind, op_kind_of_node
     assert op_kind_of_node("NativeLayerNormBackward0") == op_kind("aten.native_layer_norm.default")
     assert op_kind_of_node("MmBackward0") == op_kind("aten.mm.default") != op_kind("aten.addmm.default")
 

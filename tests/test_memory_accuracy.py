@@ -166,9 +166,9 @@ def _tracked_forward_bytes(model, args, kwargs, **op_lists) -> float:
     lists (runtime/amp.py's OpPrecision), by PyTorch's memory tracker: what autograd saves, including what
     OpPrecision's WithoutAutocast holds (its ctx, invisible to the grad_fn walk), plus the output."""
     from autopar_nb.runtime.amp import OpPrecision
-    from autopar_nb.verify.measure import _tracker_classes, components
+    from autopar_nb.verify.labels import Tracker, components
 
-    tracker = _tracker_classes()[0]()
+    tracker = Tracker()
     tracker.phase = "train"
     with tracker:
         tracker.track_external(model)
@@ -213,7 +213,7 @@ def test_selective_recompute_keeps_what_the_runtime_keeps(family):
     the backward runs (a Hugging Face decoder's key/value cache made it fail: the script switches it off first,
     runtime/train.switch_off_kv_cache)."""
     from autopar_nb.runtime.ac import apply_ac
-    from autopar_nb.verify.measure import _tracker_classes, components
+    from autopar_nb.verify.labels import Tracker, components
 
     src = ModelSource(CELLS[family](**SMALL))
     ns = src.run()
@@ -226,7 +226,7 @@ def test_selective_recompute_keeps_what_the_runtime_keeps(family):
     predicted = sum(activation_bytes(lp, tp=1, sp=False, recompute="selective" if lp.path in blocks else "none",
                                      scale=1.0) for lp in profile(graph, device_kind="cpu").layers)
     apply_ac(model, {path: "selective" for path in blocks})
-    tracker = _tracker_classes()[0]()
+    tracker = Tracker()
     tracker.phase = "train"
     with tracker:
         tracker.track_external(model)
@@ -329,10 +329,10 @@ marked slow"""
 @pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in WHOLE_CASES])
 def test_whole_step_memory_matches_the_tracker(case):
     """The exported script's own step under the tracker (``verify.measure``) against the cost model, component
-    by component (``verify.measure.GROUPS``: parameters, gradients, optimizer states, saved activations with the
+    by component (``verify.moments.GROUPS``: parameters, gradients, optimizer states, saved activations with the
     loss, autocast's weight copies, DDP/FSDP/pipeline buffers, backward and step temporaries), each within 5 % of
     the measured total, and the total within 5 %. The recompute cases must peak in a recomputed layer's backward."""
-    from autopar_nb.verify.measure import GROUPS, measured_groups, predicted_groups
+    from autopar_nb.verify.moments import GROUPS, measured_groups, predicted_groups
 
     mb, m, where = _predicted_and_measured(*WHOLE_CASES[case])
     if case.endswith(("-full", "-selective")) and case != "LLaMA-selective":
@@ -349,7 +349,8 @@ def test_census_names_what_the_peak_is_made_of():
     with its tracker label and the op, shape and module that made it: LLaMA's peak (in backward) holds saved
     activations of its layers; the list is largest first and sums, label by label, to no more than the tracker's
     components at that peak."""
-    from autopar_nb.verify.measure import LABELS, measure
+    from autopar_nb.verify.labels import LABELS
+    from autopar_nb.verify.measure import measure
 
     src = ModelSource(CELLS["LLaMA"](**RECOMPUTED))
     meta, example, _ = src.build(device="meta")
@@ -413,7 +414,7 @@ def test_fsdp_buffers_at_a_recomputed_layers_backward_match_the_tracker(family, 
     was -8.4 % without the reduce-scatter input). Mixtral under ZeRO-3 and bf16 peaks at its experts' last index
     op's backward, which puts the gradient into zeros out of place (``profile.moments.gradients_of``: -5.5 % without
     the second input-sized tensor)."""
-    from autopar_nb.verify.measure import measured_groups, predicted_groups
+    from autopar_nb.verify.moments import measured_groups, predicted_groups
 
     mb, m, where = _predicted_and_measured(family, {"dp": 2, "tp": 1, "pp": 1, "recompute": "full", **fix}, size)
     assert "backward" in where and "_checkpoint_wrapped_module" in where, where
@@ -436,7 +437,8 @@ def test_a_peak_inside_a_layers_forward_is_its_forward_moment(fix, phase):
     input not counted twice). Each component within 5 % of the measured total at that moment (before the forward
     moments: the ZeRO-2 row had no moment, the TP row's activations missed by 3.4 MiB)."""
     from autopar_nb.cost.estimate import peak_moments
-    from autopar_nb.verify.measure import GROUPS, measure, measured_groups, moment_at, predicted_groups
+    from autopar_nb.verify.measure import measure
+    from autopar_nb.verify.moments import GROUPS, measured_groups, moment_at, predicted_groups
 
     src = ModelSource(CELLS["ViT"](**BENCH))
     meta, example, _ = src.build(device="meta")
@@ -477,7 +479,8 @@ def test_pipeline_stages_memory_matches_the_tracker(family, amp, recompute, size
     without it)."""
     from autopar_nb.cost import estimate
     from autopar_nb.cost.estimate import peak_moments
-    from autopar_nb.verify.measure import GROUPS, measure, measured_groups, moment_at, predicted_groups
+    from autopar_nb.verify.measure import measure
+    from autopar_nb.verify.moments import GROUPS, measured_groups, moment_at, predicted_groups
 
     src = ModelSource(CELLS[family](**size))
     meta, example, _ = src.build(device="meta")
@@ -673,7 +676,7 @@ def test_a_loss_made_between_pipeline_forwards_is_no_modules():
 def test_the_experts_a_pipeline_stage_holds_are_named_as_the_model_names_them():
     """A pipeline stage's experts modules are the model's own (runtime/ep.py experts_in_stages), which the tracker
     names through torch.export's wrapper: their layer is found, so their forward and recompute peaks have a moment."""
-    from autopar_nb.verify.measure import _layer_of
+    from autopar_nb.verify.moments import _layer_of
 
     paths = ["model.layers.0", "model.layers.1"]
     assert _layer_of("Wrapper._export_root.model.layers.1.mlp.experts", paths) == 1
