@@ -72,7 +72,7 @@ def test_the_planner_offloads_only_where_nothing_else_fits(llama_8b):
     line = next(ln for ln in one.explanation if ln.startswith("CPU offload"))
     assert "nothing fits in device memory without it" in line and "of the host's" in line and "host copies" in line
     assert one.cost.memory_by_rank[0].host > 100 * 2**30 and one.cost.peak_memory_bytes < 80e9
-    from autopar_nb.widget.editor import plan_summary
+    from autopar_nb.widget.differences import plan_summary
 
     assert "offload=cpu" in plan_summary(one) and line in one.explain()  # the widget's header and explain()
     eight = _plan(llama_8b, gpus=8)

@@ -26,7 +26,7 @@ from autopar_nb.notebook.session import Session
 from autopar_nb.plan import PlanError
 from autopar_nb.source import ModelSource
 from autopar_nb.units import fmt_bytes, fmt_count, fmt_time
-from autopar_nb.widget import PlannerWidget, editor, options
+from autopar_nb.widget import PlannerWidget, choices, differences, editor, options
 from autopar_nb.widget.layout import (
     CHANGED_COLOR,
     DEFAULT_VIEWPORT,
@@ -253,7 +253,7 @@ def test_code_side_calls_are_reflected(seed_graph):
     w = s.widget()
     rev = w.revision
     s.override("0", tp="colwise")  # as in another notebook cell
-    assert w.revision > rev and w.layers[0]["strategy"] == "colwise" and w.summary == editor.plan_summary(
+    assert w.revision > rev and w.layers[0]["strategy"] == "colwise" and w.summary == differences.plan_summary(
         s.plan, s.cluster)
     s.undo()
     assert w.layers[0]["strategy"] == "auto"
@@ -359,8 +359,8 @@ def test_global_controls_cluster_and_adopt(seed_graph):
     s = _session(seed_graph)
     w = s.widget()
     # one vocabulary: the controls (and their labels, which the front end shows) are fix keys with options
-    assert set(editor.GLOBAL_KEYS) <= set(FIX_KEYS) and list(w.controls["labels"]) == list(editor.GLOBAL_KEYS)
-    assert set(w.controls["options"]) == set(editor.GLOBAL_KEYS) and w.view["legible"] == LEGIBLE_SCALE
+    assert set(choices.GLOBAL_KEYS) <= set(FIX_KEYS) and list(w.controls["labels"]) == list(choices.GLOBAL_KEYS)
+    assert set(w.controls["options"]) == set(choices.GLOBAL_KEYS) and w.view["legible"] == LEGIBLE_SCALE
     w.handle({"kind": "global", "key": "zero_stage", "value": "3"})
     assert s.fix == {"zero_stage": 3} and s.plan.mesh.zero_stage == 3
     w.handle({"kind": "global", "key": "zero_stage", "value": "auto"})
@@ -399,7 +399,7 @@ def test_alternatives_grouped_and_say_what_they_trade(seed_graph):
     plan = s.plan
     rows = w.alternatives
     assert sum(len(r["members"]) for r in rows) == len(plan.alternatives)
-    keys = [tuple((k, v) for k, v in editor.global_choices(a).items() if k != "micro_batches")
+    keys = [tuple((k, v) for k, v in differences.global_choices(a).items() if k != "micro_batches")
             for a in plan.alternatives]
     assert len(rows) == len(set(keys)), "one row per shape, micro-batch variants inside it"
     for r in rows:
@@ -412,10 +412,10 @@ def test_alternatives_grouped_and_say_what_they_trade(seed_graph):
     assert not any("None" in d for r in piped for d in r["differs"]), piped
     # the runner-up, ZeRO-1, takes the same time: the host's issue time decides both (cost/cpu.py)
     tie = plan.alternatives[0]
-    assert tie.cost.step_time_s == plan.cost.step_time_s and "same time" in editor.trade(plan, tie)
+    assert tie.cost.step_time_s == plan.cost.step_time_s and "same time" in differences.trade(plan, tie)
     alt = next(a for a in plan.alternatives if a.cost.step_time_s != plan.cost.step_time_s)
     d = alt.cost.step_time_s / plan.cost.step_time_s - 1
-    assert f"{abs(d) * 100:.0f}% time" in editor.trade(plan, alt)
+    assert f"{abs(d) * 100:.0f}% time" in differences.trade(plan, alt)
 
 
 def test_option_refusals_come_from_the_planner(gpt_graph):
@@ -427,7 +427,7 @@ def test_option_refusals_come_from_the_planner(gpt_graph):
     assert "8" in refused["dp"] and "2" not in refused["dp"]
     one = options.option_refusals(gpt_graph, s.cluster, {"tp": 4, "pp": 2}, {}, 32)
     assert set(one["zero_stage"]) == {"1", "2", "3"} and "dp=1" in one["zero_stage"]["3"], one["zero_stage"]
-    assert "3" in one["tp"] or "3" not in [str(o) for o in editor.global_options(s.cluster)["tp"]]
+    assert "3" in one["tp"] or "3" not in [str(o) for o in choices.global_options(s.cluster)["tp"]]
     sched = options.option_refusals(gpt_graph, s.cluster, {"pp": 2, "schedule": "1f1b"}, {}, 32)
     assert "2" in sched["virtual_stages"] and "one stage per rank" in sched["virtual_stages"]["2"]
     w = s.widget()

@@ -1110,7 +1110,7 @@ function choiceSelect(cls, key, value, fixed, options, disabled, onchange) {
 function renderControls(ui) {
   const c = ui.model.get("controls");
   const items = clusterControls(ui, c);
-  for (const [key, label] of Object.entries(c.labels || {})) { // autopar_nb/widget/editor.py: CONTROL_LABELS
+  for (const [key, label] of Object.entries(c.labels || {})) { // autopar_nb/widget/choices.py: CONTROL_LABELS
     const sel = choiceSelect("ap-global", key, c.values[key], c.fixed[key], c.options[key] || [],
       (c.disabled || {})[key], (v) => ui.send({ kind: "global", key, value: v }));
     items.push(h("span", { class: "ap-ctl" + (c.fixed[key] !== undefined ? " ap-pinned" : "") }, `${label} `, sel));
@@ -1118,7 +1118,7 @@ function renderControls(ui) {
   ui.controls.replaceChildren(...items);
 }
 
-// ---- precision editor: the plan's op lists (autopar_nb/widget/editor.py precision_state; "precision" messages) ------
+// ---- precision editor: the plan's op lists (autopar_nb/widget/choices.py precision_state; "precision" messages) -----
 function renderPrecision(ui) {
   const p = ui.model.get("precision") || {};
   const lists = p.lists || {}, reach = p.reach || {};

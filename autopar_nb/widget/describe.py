@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import editor
+from . import choices, editor
 
 
 def describe(msg: dict[str, Any]) -> str:
@@ -24,9 +24,9 @@ def describe(msg: dict[str, Any]) -> str:
     if kind == "boundary":
         return f"stage {msg.get('stage')} starts at {msg.get('layer')}"
     if kind == "global":
-        return f"{editor.GLOBAL_NAMES.get(msg.get('key'), msg.get('key'))} = {msg.get('value')}"
+        return f"{choices.GLOBAL_NAMES.get(msg.get('key'), msg.get('key'))} = {msg.get('value')}"
     if kind == "precision":
-        where = editor.OP_LISTS.get(msg.get("list"), msg.get("list"))
+        where = choices.OP_LISTS.get(msg.get("list"), msg.get("list"))
         return f"{msg.get('action', 'add')} {msg.get('op')!r} ({where})"
     if kind == "cluster":
         return f"cluster {msg.get('preset')} {msg.get('nodes')} x {msg.get('gpus_per_node')}"

@@ -22,7 +22,9 @@ from ..launch.tournament_job import TournamentJob
 from ..plan import RECOMPUTE, Plan, PlanError
 from . import editor, measured, options, panels, stage_moves, timeline
 from .actions import action_message, calibrated_badge, local_nproc, refusal, run_kwargs
+from .choices import GLOBAL_KEYS, GLOBAL_NAMES, global_state, precision_fix, precision_state
 from .describe import describe
+from .differences import adopt_fix, alternative_rows, change_groups, global_differences, plan_summary
 from .layout import (
     DEFAULT_VIEWPORT,
     LEGIBLE_SCALE,
@@ -83,7 +85,7 @@ class PlannerWidget(anywidget.AnyWidget):
     """global controls: cluster, mesh degrees (fixed or auto), micro-batches, schedule, ZeRO, AMP, and the options
     the planner cannot take with the other choices (``disabled``)"""
     precision = t.Dict().tag(sync=True)
-    """the precision editor: the op lists kept in float32 / run in low precision (``editor.precision_state``)"""
+    """the precision editor: the op lists kept in float32 / run in low precision (``choices.precision_state``)"""
     summary = t.Unicode("").tag(sync=True)
     explanation = t.List().tag(sync=True)
     messages = t.List().tag(sync=True)
@@ -96,7 +98,7 @@ class PlannerWidget(anywidget.AnyWidget):
     changes = t.List().tag(sync=True)
     """every change against the previous plan, as text (behind a disclosure)"""
     change_groups = t.List().tag(sync=True)
-    """the same changes grouped for a reader (editor.change_groups): [{text, count, layers}]"""
+    """the same changes grouped for a reader (differences.change_groups): [{text, count, layers}]"""
     alternatives = t.List().tag(sync=True)
     can_undo = t.Bool(False).tag(sync=True)
     can_redo = t.Bool(False).tag(sync=True)
@@ -267,19 +269,19 @@ class PlannerWidget(anywidget.AnyWidget):
             self.components = panels.memory_components(plan, s.cluster)
             self.timeline = timeline.timeline_panel(s.graph, plan, s.cluster)
             self.measured = measured.measured_panel(plan, self._runs)
-            self.controls = editor.global_state(s.cluster, plan, s.fix, disabled=self._option_refusals())
-            self.precision = editor.precision_state(s.graph, plan, s.fix)
+            self.controls = global_state(s.cluster, plan, s.fix, disabled=self._option_refusals())
+            self.precision = precision_state(s.graph, plan, s.fix)
             if plan is not None:
                 self.layers = editor.layer_rows(s.graph, plan, s.overrides, set(changed))
                 self.board = editor.sharding_board(s.graph, plan, s.overrides, s.fix, s.cluster, set(changed))
                 self.stages = editor.stage_lanes(plan)
-                self.alternatives = editor.alternative_rows(plan)
-                self.summary, self.explanation = editor.plan_summary(plan, s.cluster), list(plan.explanation)
+                self.alternatives = alternative_rows(plan)
+                self.summary, self.explanation = plan_summary(plan, s.cluster), list(plan.explanation)
             else:
                 self.layers, self.stages, self.alternatives, self.board = [], [], [], {}
                 self.summary, self.explanation = "no plan yet: call ap.replan()", []
             self.changed, self.changes = changed, [str(c) for c in changes]
-            self.change_groups = editor.change_groups(s.graph, changes)
+            self.change_groups = change_groups(s.graph, changes)
             self.can_undo, self.can_redo = bool(getattr(s, "_undo", None)), bool(getattr(s, "_redo", None))
             self.actions = [a for a in ACTIONS if callable(getattr(s, a, None))]
             self.run_defaults = {"nproc": local_nproc(plan)} if plan is not None else {}
@@ -337,7 +339,7 @@ class PlannerWidget(anywidget.AnyWidget):
             self.timings = {**self.timings, "replan_ms": self._replan_ms}
             note = ""
             if kind in _LAYER_EDITS and plan_before is not None and self.session.plan is not None:
-                moved = editor.global_differences(plan_before, self.session.plan)
+                moved = global_differences(plan_before, self.session.plan)
                 if moved:
                     note = (f" The planner also changed {', '.join(moved)} to make it work (undo restores both; "
                             "fix them under Global choices to keep them).")
@@ -467,15 +469,15 @@ class PlannerWidget(anywidget.AnyWidget):
         entries = ", ".join(f"{p!r}: {overrides[p]!r}" for p, _ in moved)
         code = f"ap.replan(fix={{**ap.fix, **{added!r}}}, overrides={{**ap.overrides, {entries}}})" if added else \
             f"ap.replan(overrides={{**ap.overrides, {entries}}})"
-        note = (f" The lanes are kept: {', '.join(f'{editor.GLOBAL_NAMES[k]}={v}' for k, v in added.items())} "
+        note = (f" The lanes are kept: {', '.join(f'{GLOBAL_NAMES[k]}={v}' for k, v in added.items())} "
                 "are now fixed (undo restores both)." if added else "")
         return code, note + stage_moves.other_stage_moves(paths, old, s.current_plan(), moved, dragged)
 
     def _global(self, msg) -> str:
         s = self.session
         key, value = msg["key"], msg["value"]
-        if key not in editor.GLOBAL_KEYS:
-            raise ValueError(f"{key!r} is not a global choice; choose one of {', '.join(editor.GLOBAL_KEYS)}")
+        if key not in GLOBAL_KEYS:
+            raise ValueError(f"{key!r} is not a global choice; choose one of {', '.join(GLOBAL_KEYS)}")
         fix = dict(s.fix)
         if value in (None, "", "auto"):
             fix.pop(key, None)
@@ -493,7 +495,7 @@ class PlannerWidget(anywidget.AnyWidget):
         "softmax", "action": "add"}``): ``ap.replan(fix={..., "fp32_ops": [...]})``."""
         s = self.session
         amp = s.fix.get("amp", s.plan.precision.amp if s.plan is not None else "none")
-        fix, note = editor.precision_fix(s.fix, amp, msg.get("list"), msg.get("op"), msg.get("action", "add"))
+        fix, note = precision_fix(s.fix, amp, msg.get("list"), msg.get("op"), msg.get("action", "add"))
         s.replan(fix=fix)
         return f"ap.replan(fix={fix!r})", note
 
@@ -525,7 +527,7 @@ class PlannerWidget(anywidget.AnyWidget):
         adopt = getattr(self.session, "adopt", None)
         if adopt is None:  # a session class without adopt(): pin its shape instead
             alt = self._require_plan().alternatives[index]
-            fix = {**self.session.fix, **editor.adopt_fix(alt)}
+            fix = {**self.session.fix, **adopt_fix(alt)}
             self.session.replan(fix=fix)
             return f"ap.replan(fix={fix!r})"
         adopt(index)

@@ -13,7 +13,7 @@ from ..hardware import Cluster
 from ..plan import PlanError
 from ..planner.constraints import parse, sequence_parallel
 from ..planner.search import Search
-from .editor import GLOBAL_NAMES, global_options
+from .choices import GLOBAL_NAMES, global_options
 
 
 def option_refusals(graph: ModelGraph, cluster: Cluster, fix: dict[str, Any], overrides: dict[str, dict[str, Any]],
