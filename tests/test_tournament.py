@@ -1,4 +1,6 @@
 import random
+import sys
+import time
 
 import pytest
 
@@ -135,3 +137,48 @@ def test_plans_for_gpus_this_machine_lacks_are_not_ranked_here(mlp):
         tournament(plan, k=1, steps=3, source=mlp.source, graph=mlp.graph, cluster=h100)
     assert refusal("tournament", {}, h100) == why and refusal("launch", {}, h100) == ""
     assert machine_mismatch(ap.Cluster.preset("cpu", gpus_per_node=2)) == ""
+
+
+@pytest.mark.multiprocess
+def test_a_stopped_tournament_ends_its_workers_and_keeps_what_it_measured(monkeypatch, tmp_path):
+    """The Tournament view's Stop while the second of three plans runs: that trial's workers end (none left,
+    psutil), the third plan is not run, the first plan's measurement stays and can be adopted, nothing is
+    calibrated from the few points, and the view says "stopped after 1 of 3 plans"."""
+    import psutil
+
+    from autopar_nb.launch import launcher
+    from autopar_nb.launch.procs import processes_with_token
+    from autopar_nb.launch.tournament_job import TournamentJob
+
+    tournament_module = sys.modules["autopar_nb.launch.tournament"]
+    runs = []
+
+    def launch(build, nproc, steps, **kwargs):  # the second trial would run long enough to be stopped in its steps
+        runs.append(launcher.launch(build, nproc, steps if not runs else 100_000, **kwargs))
+        return runs[-1]
+
+    monkeypatch.setattr(tournament_module, "launch", launch)
+    monkeypatch.setenv("AUTOPAR_CALIBRATION", str(tmp_path / "c.json"))
+    job = TournamentJob(seed_mlp(), k=2, steps=6, warmup=1, cv=0.0, run_root=str(tmp_path))
+    view = job.view()
+    deadline = time.monotonic() + 240
+    while not (len(runs) == 2 and len(step_times(runs[1].metrics)) >= 2):
+        assert time.monotonic() < deadline and not job.done, (job.message, job.error)
+        time.sleep(0.05)
+    workers = list(runs[1].workers().values())
+    assert len(workers) == 2
+    view._on_front_end_msg(view, {"event": "stop"}, [])  # the Stop button
+    job.wait(30)
+    assert job.status == "stopped" and job.message.startswith("stopped after 1 of 3 plans"), job.message
+    assert [e.status for e in job.result.entries] == ["measured", "stopped", "stopped"]
+    assert job.result.entries[2].reason.startswith("not run") and len(runs) == 2
+    assert job.result.stopped and job.result.winner is job.result.entries[0]
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers)
+    assert not processes_with_token(runs[1]._token) and launcher.live_runs() == []
+    assert calibration.load("cpu") == {}
+    deadline = time.monotonic() + 5
+    while view.status != "stopped" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert view.status == "stopped" and view.summary["verdict"].startswith("stopped after 1 of 3 plans")
+    assert job.adopt() == f"{job.result.entries[0].label} is the plan already"
+

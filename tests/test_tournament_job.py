@@ -166,3 +166,32 @@ def test_the_tournament_view_draws_the_standings_and_the_chart(dark):
     assert sent == [{"event": "adopt"}] and running["adopt"], (sent, running)
     assert (ended["bg"] == "rgb(33, 33, 33)") == dark and ended["bg"] != "rgba(0, 0, 0, 0)", ended
     assert gone["adopt"] and gone["gone"].startswith("The kernel stopped"), gone
+
+
+def test_the_tournament_views_stop_sends_stop_and_a_stopped_one_keeps_its_standings():
+    """Stop (static/tournament.js) in chromium, without Jupyter: enabled while the tournament runs, pressed it
+    says so and sends {"event": "stop"}; once stopped it is disabled, the standings measured until then stay and
+    their winner can be adopted."""
+    from test_widget import JL_LIGHT, widget_page
+
+    from autopar_nb.launch.tournament_job import TournamentView
+
+    rows = [ROWS[0], {**ROWS[1], "status": "running", "measured_s": None, "calibrated_s": None,
+                      "rank_measured": None}, {**ROWS[2], "status": "pending", "measured_s": None}]
+    view = TournamentView(fake_job("running", rows))
+    state = """(root) => ({stop: root.querySelector('button.apd-stop').disabled,
+      text: root.querySelector('button.apd-stop').textContent,
+      adopt: root.querySelector('button.apt-adopt').disabled, rows: root.querySelectorAll('tr[data-row]').length})"""
+    with widget_page(view, JL_LIGHT, width=1024) as (page, errors):
+        root = page.locator(".apd-tournament")
+        running = root.evaluate(state)
+        root.locator("button.apd-stop").click()
+        pressed = root.evaluate(state)
+        sent = page.evaluate("() => window.__sent")
+        page.evaluate("() => window.__set('summary', {winner: 0, verdict: 'stopped after 1 of 3 plans; winner'})")
+        page.evaluate("() => window.__set('status', 'stopped')")
+        stopped = root.evaluate(state)
+    assert not errors, errors
+    assert not running["stop"] and running["adopt"] and running["rows"] == 3, running
+    assert pressed["stop"] and pressed["text"] == "Stopping…" and sent == [{"event": "stop"}], (pressed, sent)
+    assert stopped["stop"] and stopped["text"] == "Stop" and not stopped["adopt"] and stopped["rows"] == 3, stopped

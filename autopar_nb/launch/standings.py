@@ -87,7 +87,8 @@ class Entry:
     predicted_peak: float
     """the worst rank's predicted training state (no allocator margin): what the measured peak compares with"""
     status: str = "pending"
-    """pending | running | measured | skipped (predicted not to fit) | failed (its run did not finish)"""
+    """pending | running | measured | skipped (predicted not to fit) | failed (its run did not finish) | stopped (the
+    tournament was stopped during its trial or before it)"""
     reason: str = ""
     measured_s: float | None = None
     """median step time after warm-up (each step as slow as its slowest rank)"""
@@ -119,6 +120,8 @@ class TournamentResult:
     nproc: int
     wall_s: float
     session: Any = None
+    stopped: bool = False
+    """the tournament was stopped before every plan had run: the entries measured until then are kept"""
 
     @property
     def measured(self) -> list[Entry]:
@@ -151,8 +154,18 @@ class TournamentResult:
         """One row per plan, in the planner's order (:func:`table`)."""
         return table(self.entries)
 
+    @property
+    def ended(self) -> int:
+        """How many plans ran to an end (measured, failed or skipped as predicted not to fit)."""
+        return sum(e.status in ("measured", "failed", "skipped") for e in self.entries)
+
     def verdict(self) -> str:
-        """One line: the winner, by how much, and tau before and after calibration."""
+        """One line: the winner, by how much, and tau before and after calibration; a stopped tournament says after
+        how many plans."""
+        head = f"stopped after {self.ended} of {len(self.entries)} plans; " if self.stopped else ""
+        return head + self._verdict()
+
+    def _verdict(self) -> str:
         w = self.winner
         if w is None:
             return "no plan measured"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,7 +60,8 @@ def tournament(target: Any, k: int = 4, steps: int = 20, *, warmup: int = WARMUP
                min_steps: int = MIN_STEPS, memory_limit_bytes: float | None = None, calibrate: bool = True,
                save: bool = True, warm: bool = True, timeout_s: float = 300.0, run_root: str | None = None,
                source: Any = None, graph: Any = None, cluster: Any = None,
-               progress: Callable[[list[Entry]], None] | None = None) -> TournamentResult:
+               progress: Callable[[list[Entry]], None] | None = None,
+               stop: threading.Event | None = None) -> TournamentResult:
     """Run the chosen plan and its ``k`` best alternatives for up to ``steps`` steps each on local processes (one
     after the other, each at its plan's world size, through the warm pool), and compare what they measure with
     what the cost model predicted.
@@ -79,7 +81,12 @@ def tournament(target: Any, k: int = 4, steps: int = 20, *, warmup: int = WARMUP
         timeout_s: the longest a trial may take before it is stopped and counted as failed.
         run_root: where the trials' run directories go (default: a new temporary directory).
         progress: called with the entries when the list of plans is known and whenever one of them changes status
-            (``running``, then ``measured``/``failed``/``skipped``), from the thread the tournament runs in.
+            (``running``, then ``measured``/``failed``/``skipped``/``stopped``), from the thread the tournament runs
+            in.
+        stop: once set (from another thread: :meth:`TournamentJob.stop`), the running trial's workers are ended and
+            no further plan is run; the result keeps the plans measured so far (``stopped`` is True) and no
+            calibration is saved from it. An interrupt (KeyboardInterrupt) ends the running trial's workers too,
+            then propagates.
 
     Returns a :class:`~autopar_nb.launch.standings.TournamentResult`: its table (displayed in a notebook),
     ``tau``/``tau_calibrated``, ``winner``, ``margin`` and ``adopt()``.
@@ -100,19 +107,10 @@ def tournament(target: Any, k: int = 4, steps: int = 20, *, warmup: int = WARMUP
     limit = memory_limit_bytes or rank_memory(cluster)
     root = Path(run_root or tempfile.mkdtemp(prefix="autopar-tournament-"))
     entries = [entry_of(p, plan) for p in plans]
-    tell = progress or (lambda _entries: None)
-    tell(entries)
-    for i, e in enumerate(entries):
-        need = predicted_need(e.plan)
-        if limit and need > limit:
-            e.status, e.reason = "skipped", f"predicted {fmt_bytes(need)} per rank > {fmt_bytes(limit)}"
-            tell(entries)
-            continue
-        e.status = "running"
-        tell(entries)
-        trial(e, source, steps=steps, warmup=warmup, cv=cv, min_steps=min_steps, warm=warm, timeout_s=timeout_s,
-              run_dir=root / f"plan{i}")
-        tell(entries)
+    stop = stop or threading.Event()
+    run_all(entries, source, limit=limit, root=root, stop=stop, tell=progress or (lambda _entries: None),
+            steps=steps, warmup=warmup, cv=cv, min_steps=min_steps, warm=warm, timeout_s=timeout_s)
+    stopped = stop.is_set()
     measured = [e for e in entries if e.status == "measured"]
     tau = kendall_tau([e.predicted_s for e in measured], [e.measured_s for e in measured]) \
         if len(measured) > 1 else None
@@ -123,7 +121,8 @@ def tournament(target: Any, k: int = 4, steps: int = 20, *, warmup: int = WARMUP
         recost(measured, graph, cluster, factors)
         if len(measured) > 1:
             tau_c = kendall_tau([e.calibrated_s for e in measured], [e.measured_s for e in measured])
-        if save and preset == "cpu":  # CPU processes measure the CPU preset only (Run.calibrate's rule)
+        # a stopped tournament's few points are shown fitted but not kept: the next plan would trust them
+        if save and preset == "cpu" and not stopped:  # CPU processes measure the CPU preset only (Run.calibrate's rule)
             calibration.store(preset, factors, {"runs": len(measured), "tournament": True, "scales": scales,
                                                 "measured_step_times_s": [e.measured_s for e in measured],
                                                 "predicted_step_times_s": [e.predicted_s for e in measured]})
@@ -132,7 +131,27 @@ def tournament(target: Any, k: int = 4, steps: int = 20, *, warmup: int = WARMUP
                                                                             **factors})
     return TournamentResult(entries=entries, tau=tau, tau_calibrated=tau_c, scales=scales, factors=factors,
                             preset=preset, nproc=plan.mesh.world_size, wall_s=time.perf_counter() - t0,
-                            session=session)
+                            session=session, stopped=stopped)
+
+
+def run_all(entries: list[Entry], source: Any, *, limit: float, root: Path, stop: threading.Event,
+            tell: Callable[[list[Entry]], None], **options: Any) -> None:
+    """Run each entry's trial in turn (``options``: :func:`trial`'s), skipping a plan predicted to need more than
+    ``limit`` bytes per rank; once ``stop`` is set, the plans not run yet are marked stopped."""
+    tell(entries)
+    for i, e in enumerate(entries):
+        if stop.is_set():
+            e.status, e.reason = "stopped", "not run: the tournament was stopped"
+            continue
+        need = predicted_need(e.plan)
+        if limit and need > limit:
+            e.status, e.reason = "skipped", f"predicted {fmt_bytes(need)} per rank > {fmt_bytes(limit)}"
+            tell(entries)
+            continue
+        e.status = "running"
+        tell(entries)
+        trial(e, source, run_dir=root / f"plan{i}", stop=stop, **options)
+        tell(entries)
 
 
 def contenders(plan: Any, k: int, *, graph: Any, cluster: Any, session: Any = None) -> list[Any]:
@@ -172,23 +191,22 @@ def predicted_need(p: Any) -> float:
 
 
 def trial(e: Entry, source: Any, *, steps: int, warmup: int, cv: float, min_steps: int, warm: bool,
-          timeout_s: float, run_dir: Path) -> None:
-    """Launch ``e.plan``'s exported script, stop it once its steps are stable, and fill ``e`` with what it
-    measured."""
+          timeout_s: float, run_dir: Path, stop: threading.Event | None = None) -> None:
+    """Launch ``e.plan``'s exported script, stop it once its steps are stable (or ``stop`` is set), and fill ``e``
+    with what it measured."""
     p, t0 = e.plan, time.perf_counter()
     run = launch(lambda path: export(source, p, path, quiet=True), p.mesh.world_size, steps, plan=p, warm=warm,
                  run_dir=run_dir)
-    times: list[float] = []
-    while not run.done:
-        run.wait(0.2)
-        times = step_times(run.metrics)
-        if stable(times, warmup=warmup, min_steps=min_steps, cv=cv) and not run.done:
-            e.stopped_early = True
-            run.stop("its step times are stable")
-        elif time.perf_counter() - t0 > timeout_s:
-            run.stop(f"trial longer than {timeout_s:.0f} s")
+    try:
+        watch_trial(e, run, t0, warmup=warmup, cv=cv, min_steps=min_steps, timeout_s=timeout_s, stop=stop)
+    except BaseException:  # an interrupt of the kernel: the run's workers would otherwise train on beside it
+        run.stop("the tournament was interrupted")
+        raise
     times = step_times(run.metrics)
     e.steps, e.wall_s = len(times), time.perf_counter() - t0
+    if stop is not None and stop.is_set() and run.status != "finished" and not e.stopped_early:
+        e.status, e.reason = "stopped", f"stopped after {len(times)} steps"
+        return
     if run.status != "finished" and not (e.stopped_early and times):
         e.status, e.reason = "failed", f"{run.status}: {run.message}"
         return
@@ -199,6 +217,22 @@ def trial(e: Entry, source: Any, *, steps: int, warmup: int, cv: float, min_step
     e.status = "measured"
     if e.stopped_early:
         e.reason = f"stable after {len(times)} steps"
+
+
+def watch_trial(e: Entry, run: Any, t0: float, *, warmup: int, cv: float, min_steps: int, timeout_s: float,
+                stop: threading.Event | None) -> None:
+    """Wait for ``run`` to end, stopping it once its step times are stable, it ran past ``timeout_s`` or ``stop``
+    is set."""
+    while not run.done:
+        run.wait(0.2)
+        times = step_times(run.metrics)
+        if stop is not None and stop.is_set():
+            run.stop("the tournament was stopped")
+        elif stable(times, warmup=warmup, min_steps=min_steps, cv=cv) and not run.done:
+            e.stopped_early = True
+            run.stop("its step times are stable")
+        elif time.perf_counter() - t0 > timeout_s:
+            run.stop(f"trial longer than {timeout_s:.0f} s")
 
 
 def step_times(rows: list[dict]) -> list[float]:

@@ -26,7 +26,7 @@ from .tournament import tournament
 class TournamentJob:
     """``tournament(session, k, steps, **kwargs)`` in a thread; ``wait()`` returns its TournamentResult.
 
-    Status: running -> finished | failed.
+    Status: running -> finished | stopped | failed.
     """
 
     def __init__(self, session: Any, k: int = 4, steps: int = 20, **kwargs: Any):
@@ -43,6 +43,7 @@ class TournamentJob:
         self.ended: float | None = None
         self._listeners: list[Callable[[TournamentJob], None]] = []
         self._view = None
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(kwargs,), daemon=True, name="autopar-tournament")
         self._thread.start()
 
@@ -54,6 +55,16 @@ class TournamentJob:
         """Block until the tournament ends; return its result (None when it failed)."""
         self._thread.join(timeout)
         return self.result
+
+    def stop(self, reason: str = "stopped by the user") -> str:
+        """End the running trial's workers, run no further plan, and wait for the tournament to end; what was
+        measured until then stays in ``result``. Returns the final status."""
+        if not self.done:
+            self.message = f"stopping: {reason}"
+            self._stop.set()
+            self._notify()
+        self._thread.join(30)
+        return self.status
 
     def add_listener(self, fn: Callable[[TournamentJob], None]) -> None:
         """Call ``fn(job)`` (from the job's thread, or the kernel's after Adopt) when something changed."""
@@ -98,11 +109,14 @@ class TournamentJob:
 
     def _run(self, kwargs: dict[str, Any]) -> None:
         try:
-            self.result = tournament(self.session, self.k, self.steps, progress=self._progress, **kwargs)
+            self.result = tournament(self.session, self.k, self.steps, progress=self._progress, stop=self._stop,
+                                     **kwargs)
             self.entries = list(self.result.entries)
             r = self.result
-            self.status = "finished"
-            self.message = (f"{len(r.measured)} of {len(r.entries)} plans measured on {r.nproc} processes in "
+            self.status = "stopped" if r.stopped else "finished"
+            self.message = (f"stopped after {r.ended} of {len(r.entries)} plans ({len(r.measured)} measured)"
+                            if r.stopped else
+                            f"{len(r.measured)} of {len(r.entries)} plans measured on {r.nproc} processes in "
                             f"{r.wall_s:.1f} s")
         except Exception as e:  # shown in the view: the kernel keeps running
             self.status, self.error = "failed", traceback.format_exc()
@@ -112,6 +126,9 @@ class TournamentJob:
 
     def _progress(self, entries: list[Entry]) -> None:
         self.entries = list(entries)
+        if self._stop.is_set():  # "stopping: ..." stays until the tournament ended
+            self._notify()
+            return
         running = next((i for i, e in enumerate(entries) if e.status == "running"), None)
         ended = sum(e.status in ("measured", "failed", "skipped") for e in entries)
         self.message = (f"trial {running + 1} of {len(entries)}: {entries[running].label}" if running is not None
@@ -141,7 +158,9 @@ class TournamentView(JobView):
     adopted = traitlets.Unicode("").tag(sync=True)
 
     def on_event(self, event: str | None) -> None:
-        if event == "adopt":
+        if event == "stop":  # not in the kernel's thread: stopping waits for the trial's workers to end
+            threading.Thread(target=self._job.stop, args=("Stop button",), daemon=True).start()
+        elif event == "adopt":
             try:
                 self._job.adopt()
             except ValueError as e:

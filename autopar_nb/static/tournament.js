@@ -1,5 +1,5 @@
 // A tournament's progress and standings (autopar_nb/launch/tournament_job.py, TournamentView): a bar, one row per
-// plan, measured against predicted step time per plan as a chart, the verdict, and Adopt. Renders the model's
+// plan, measured against predicted step time per plan as a chart, the verdict, Stop and Adopt. Renders the model's
 // traits (static/units.js in front of it writes the units, static/kernel.js watches the kernel); holds no logic.
 
 function h(tag, attrs = {}, ...children) {
@@ -60,12 +60,15 @@ function render({ model, el }) {
   const adopt = h("button", { class: "apd-btn apt-adopt", title: "make the measured winner the session's plan (t.adopt())" },
     "Adopt the winner");
   adopt.addEventListener("click", () => { adopt.disabled = true; model.send({ event: "adopt" }); });
+  const stop = h("button", { class: "apd-btn apd-stop", title: "end the running trial's processes and run no further plan; what was measured is kept" },
+    "Stop");
+  stop.addEventListener("click", () => { stop.disabled = true; stop.textContent = "Stopping…"; model.send({ event: "stop" }); });
   const bar = h("div", { class: "apd-progress" }, h("div"));
   const error = h("div", { class: "apd-error" });
   const table = h("div", { class: "apd-table-wrap" });
   const plot = h("div", { class: "apt-plot" });
   const notes = h("div", { class: "apd-notes" });
-  root.append(h("div", { class: "apd-head" }, h("span", { class: "apd-title" }, "Tournament"), pill, status, adopt),
+  root.append(h("div", { class: "apd-head" }, h("span", { class: "apd-title" }, "Tournament"), pill, status, stop, adopt),
     bar, error, h("div", { class: "apt-body" }, table, plot), notes);
 
   function draw() {
@@ -74,7 +77,8 @@ function render({ model, el }) {
     pill.textContent = st;
     pill.dataset.state = st;
     status.textContent = model.get("message");
-    adopt.disabled = st !== "finished" || sum.winner === null || sum.winner === undefined;
+    adopt.disabled = !["finished", "stopped"].includes(st) || sum.winner === null || sum.winner === undefined;
+    if (st !== "running") { stop.disabled = true; stop.textContent = "Stop"; }
     bar.firstChild.style.width = `${(100 * (st === "running" ? (p.done || 0) / (p.total || 1) : 1)).toFixed(0)}%`;
     bar.classList.toggle("apd-busy", st === "running");
     const head = ["#", "plan", "status", "predicted", "measured", "calibrated", "pred. peak", "meas. peak",
@@ -103,7 +107,7 @@ function render({ model, el }) {
       h("pre", { class: "apd-pre apd-traceback" }, err)] : []));
   }
   let gone = false;
-  const onChange = () => { draw(); if (gone) adopt.disabled = true; };
+  const onChange = () => { draw(); if (gone) { adopt.disabled = true; stop.disabled = true; } };
   const keys = ["status", "message", "progress", "rows", "summary", "adopted", "error"];
   for (const k of keys) model.on(`change:${k}`, onChange);
   draw();
@@ -112,6 +116,7 @@ function render({ model, el }) {
     root.prepend(h("div", { class: "apd-kernel-gone", role: "alert" }, h("b", {}, "The kernel stopped"),
       " (it died or was restarted): the tournament ended with it; these standings are the last the old kernel sent."));
     adopt.disabled = true;
+    stop.disabled = true;
   });
   return () => { stopKernel(); for (const k of keys) model.off(`change:${k}`, onChange); };
 }

@@ -36,7 +36,7 @@ def refusal(name: str, jobs: dict[str, Any], cluster: Any = None) -> str:
     job = jobs.get("tournament")
     if job is not None and not job.done:
         return (f"a tournament is running ({job.message}); its trials measure step times, which the {name} would "
-                "slow down. Wait for it: its standings below say when it ends")
+                "slow down. Wait for it (its standings below say when it ends) or press its Stop")
     if name != "tournament":
         return ""
     alive = launcher.live_runs()
