@@ -1,6 +1,7 @@
 """Tournament benchmark (issue 45): does the planner's order of its top plans match the measured order?
 
     .venv/bin/python bench/tournament.py [--models mlp llama gpt mixtral vit cnn] [--k 4] [--steps 20]
+    .venv/bin/python bench/tournament.py --repeats 3     # the noise: each tournament 3 times, no calibration
 
 For each model (small configurations, planned with the ``cpu`` preset for 2 processes, global batch as in its cell)
 it runs ``ap.tournament(session, k, steps)`` on 2 local gloo processes through the warm pool, against a calibration
@@ -10,6 +11,13 @@ markdown row per model: the predicted order (plans numbered by the planner's ran
 order, the order after the tournament's calibration (in-sample: fitted on the same measurements), Kendall's tau of
 each against the measured order, the winner and its margin over the runner-up, and the tournament's wall time
 (capture and planning not included).
+
+With ``--repeats R`` each model's tournament runs R times over the same plans, uncalibrated (the predictions stay
+the cost model's defaults), and its row says how far the measurements move from one run to the next: each plan's
+coefficient of variation across the repeats (the median over the plans, and the largest), tau of each repeat, tau
+of the plans' median step times, and tau over the pairs of plans the repeats tell apart
+(``standings.tau_over_distinguishable``: every repeat of one faster than every repeat of the other), with the load
+average at the start of each repeat.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -30,6 +39,7 @@ os.environ["AUTOPAR_CALIBRATION"] = os.path.join(tempfile.mkdtemp(prefix="autopa
 from autopar_nb.capture import capture
 from autopar_nb.demo import QUICKSTART_CELL
 from autopar_nb.hardware import Cluster
+from autopar_nb.launch.standings import kendall_tau, tau_over_distinguishable
 from autopar_nb.launch.tournament import tournament
 from autopar_nb.notebook.session import Session
 from autopar_nb.source import ModelSource
@@ -72,12 +82,39 @@ def order(values: list[float | None]) -> str:
     return " ".join(str(i) for _, i in sorted((v, i) for i, v in enumerate(values) if v is not None))
 
 
-def one(name: str, k: int, steps: int) -> str:
-    """Capture, plan and run one model's tournament; print its table; return its markdown row."""
+def planned(name: str) -> Session:
+    """The model's session, planned with the ``cpu`` preset for 2 processes."""
     source = ModelSource(CELLS[name])
     model, inputs, _ = source.build(device="meta")
     session = Session(capture(model, inputs), Cluster.preset("cpu", gpus_per_node=2), source)
     session.replan()
+    return session
+
+
+def repeated(name: str, k: int, steps: int, repeats: int) -> str:
+    """Run one model's tournament ``repeats`` times without calibration; return its markdown row of the noise."""
+    session = planned(name)
+    runs, loads = [], []
+    for r in range(repeats):
+        loads.append(os.getloadavg()[0])
+        runs.append(tournament(session, k=k, steps=steps, calibrate=False, save=False))
+        print(f"[{name}] repeat {r + 1} at load {loads[-1]:.1f}\n{runs[-1]!r}", flush=True)
+    predicted = [e.predicted_s for e in runs[0].entries]
+    times = [[t.entries[i].measured_s for t in runs if t.entries[i].measured_s] for i in range(len(predicted))]
+    cvs = sorted(statistics.stdev(m) / statistics.fmean(m) for m in times if len(m) > 1)
+    medians = [statistics.median(m) if m else None for m in times]
+    both = [i for i, m in enumerate(medians) if m is not None]
+    tau_median = kendall_tau([predicted[i] for i in both], [medians[i] for i in both]) if len(both) > 1 else None
+    tau_apart, pairs = tau_over_distinguishable(predicted, times)
+    cv = f"{statistics.median(cvs):.0%} (max {cvs[-1]:.0%})" if cvs else "-"
+    return (f"| {name} | {order(medians)} | {' '.join(fmt(t.tau) for t in runs)} | {fmt(tau_median)} | {cv} | "
+            f"{pairs}/{len(both) * (len(both) - 1) // 2} | {fmt(tau_apart)} | "
+            f"{' '.join(f'{x:.0f}' for x in loads)} |")
+
+
+def one(name: str, k: int, steps: int) -> str:
+    """Capture, plan and run one model's tournament; print its table; return its markdown row."""
+    session = planned(name)
     t = tournament(session, k=k, steps=steps)
     print(f"\n[{name}]\n{t!r}\nfitted scales: {t.scales}", flush=True)
     m = [e if e.status == "measured" else None for e in t.entries]
@@ -98,16 +135,24 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(CELLS), choices=list(CELLS))
     parser.add_argument("--k", type=int, default=4, help="alternatives run besides the chosen plan")
     parser.add_argument("--steps", type=int, default=20, help="the most steps a trial runs")
+    parser.add_argument("--repeats", type=int, default=1, help="run each tournament this many times (the noise)")
     args = parser.parse_args()
     print(f"{platform.node()}: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     rows = []
     for name in args.models:
         try:
-            rows.append(one(name, args.k, args.steps))
+            rows.append(one(name, args.k, args.steps) if args.repeats <= 1 else
+                        repeated(name, args.k, args.steps, args.repeats))
         except Exception as e:  # one model's failure (an optional package missing) must not end the others
             rows.append(f"| {name} | failed: {type(e).__name__}: {str(e)[:120]} |")
             print(rows[-1], flush=True)
+    if args.repeats > 1:
+        print("\n| model | median measured order | tau per repeat | tau of medians | CV across repeats | pairs told "
+              "apart | tau over them | load |")
+        print("|---|---|---|---|---|---|---|---|")
+        print("\n".join(rows))
+        return
     print("\n| model | predicted order | measured order | calibrated order | tau before | tau after | winner | "
           "by | measured | wall |")
     print("|---|---|---|---|---|---|---|---|---|---|")

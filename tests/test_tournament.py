@@ -182,3 +182,13 @@ def test_a_stopped_tournament_ends_its_workers_and_keeps_what_it_measured(monkey
     assert view.status == "stopped" and view.summary["verdict"].startswith("stopped after 1 of 3 plans")
     assert job.adopt() == f"{job.result.entries[0].label} is the plan already"
 
+
+def test_tau_counts_only_the_pairs_that_repeats_tell_apart():
+    """Plans 0 and 1 overlap across repeats (no measured order); 2 is slower than both in every repeat."""
+    from autopar_nb.launch.standings import tau_over_distinguishable
+
+    predicted = [1.0, 2.0, 3.0]
+    assert tau_over_distinguishable(predicted, [[10, 14], [12, 13], [20, 30]]) == (1.0, 2)
+    assert tau_over_distinguishable([3.0, 2.0, 1.0], [[10, 14], [12, 13], [20, 30]]) == (-1.0, 2)
+    assert tau_over_distinguishable(predicted, [[10, 20], [12, 25], [15, 30]]) == (None, 0)
+    assert tau_over_distinguishable(predicted, [[10], [], [5]]) == (-1.0, 1)

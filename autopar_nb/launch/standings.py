@@ -36,6 +36,32 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return (concordant - discordant) / denom if denom else 0.0
 
 
+def tau_over_distinguishable(predicted: list[float], repeats: list[list[float]]) -> tuple[float | None, int]:
+    """Kendall's tau of ``predicted`` against the measured order over the pairs of plans that repeats tell apart:
+    plans ``i`` and ``j`` count only when every repeat of one measured faster than every repeat of the other
+    (``repeats[i]``: plan ``i``'s measured step times, one per repeat). On a shared machine the same plan measures
+    tens of percent apart from one run to the next, and a pair inside that noise has no measured order to match.
+    Returns (tau, the number of such pairs); tau is None when no pair is told apart."""
+    concordant = discordant = 0
+    for i in range(len(predicted)):
+        for j in range(i + 1, len(predicted)):
+            if not repeats[i] or not repeats[j]:
+                continue
+            if max(repeats[i]) < min(repeats[j]):
+                faster = i
+            elif max(repeats[j]) < min(repeats[i]):
+                faster = j
+            else:
+                continue
+            other = j if faster == i else i
+            if predicted[faster] < predicted[other]:
+                concordant += 1
+            elif predicted[faster] > predicted[other]:
+                discordant += 1
+    pairs = concordant + discordant
+    return ((concordant - discordant) / pairs if pairs else None), pairs
+
+
 def stable(times: list[float], *, warmup: int, min_steps: int, cv: float) -> bool:
     """Whether a trial's step times (in step order) have settled: at least ``min_steps`` steps after the first
     ``warmup`` ones, whose coefficient of variation (stdev / mean) is below ``cv``."""
