@@ -192,3 +192,28 @@ def test_tau_counts_only_the_pairs_that_repeats_tell_apart():
     assert tau_over_distinguishable([3.0, 2.0, 1.0], [[10, 14], [12, 13], [20, 30]]) == (-1.0, 2)
     assert tau_over_distinguishable(predicted, [[10, 20], [12, 25], [15, 30]]) == (None, 0)
     assert tau_over_distinguishable(predicted, [[10], [], [5]]) == (-1.0, 1)
+
+
+@pytest.mark.multiprocess
+def test_an_interrupted_tournament_leaves_no_worker_behind(monkeypatch, tmp_path):
+    """An interrupt of a blocking ap.tournament() (the kernel's Interrupt: KeyboardInterrupt in the thread that
+    waits on the trial) ends the trial's workers before it propagates."""
+    from autopar_nb.launch import launcher
+    from autopar_nb.launch.procs import processes_with_token
+
+    tournament_module = sys.modules["autopar_nb.launch.tournament"]
+    runs = []
+
+    def interrupted(e, run, t0, **kwargs):
+        runs.append(run)
+        deadline = time.monotonic() + 240
+        while len(step_times(run.metrics)) < 1:
+            assert time.monotonic() < deadline and not run.done, run.message
+            time.sleep(0.05)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tournament_module, "watch_trial", interrupted)
+    monkeypatch.setenv("AUTOPAR_CALIBRATION", str(tmp_path / "c.json"))
+    with pytest.raises(KeyboardInterrupt):
+        tournament(seed_mlp(), k=1, steps=100_000, run_root=str(tmp_path))
+    assert runs and runs[0].done and not processes_with_token(runs[0]._token) and launcher.live_runs() == []
