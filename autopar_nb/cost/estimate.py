@@ -16,7 +16,7 @@ from .dp_comm import data_parallel_comm
 from .factors import Factors, factors_for
 from .loss import FusedHead, gathered_logits
 from .memory import activation_bytes, forward_peak, input_pass, op_moments, peak_op
-from .peak import RankMemory, moment_layers
+from .peak import RankMemory, moment_layers, rank_peaks
 from .profile import GraphProfile, precision_of
 from .schedule import MULTI_STAGE, ZERO_BUBBLE
 from .setting import LayerChoice, Setting, setting_of
@@ -210,8 +210,7 @@ class Evaluator:
         # step's synchronisation), then issues the optimizer step: each phase takes the longer
         cpu, cpu_opt, cpu_parts = issue_time(s, sums, idle, f)
         step = max(gpu, cpu) + max(opt_t, cpu_opt)
-        memory = RankMemory(self.prof, self.f, s, sums, seq_ratio=self.seq_ratio)
-        mem = [memory.peak(r) for r in range(s.pp)]
+        mem = rank_peaks(self, s, choices, sums)
         cost = Cost(
             step_time_s=step, compute_s=compute,
             comm_exposed_s=tp_exposed + p2p_exposed + dp_exposed,

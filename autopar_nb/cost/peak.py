@@ -12,9 +12,38 @@ from ..plan import ITEMSIZE, MEMORY_TERMS, MemoryBreakdown
 from .memory import SENDS_HELD, in_flight, model_states, state_bytes, with_margin
 from .moment import PeakMoment, fsdp_buffers
 from .schedule import MULTI_STAGE
-from .setting import Setting
+from .setting import LayerChoice, Setting
 from .staged import StagedRank
 from .terms import RankSums
+
+SHARED_PEAKS = 16384
+"""about how many per-rank peaks an evaluator keeps (:func:`rank_peaks`; one plan() of the 1T GPT on 3072 GPUs
+weighs ~8000)"""
+
+
+def rank_peaks(ev, s: Setting, choices: list[LayerChoice], sums: RankSums) -> list[MemoryBreakdown]:
+    """:meth:`RankMemory.peak` of every pipeline rank of ``s`` with ``choices`` (``sums`` their
+    ``Evaluator.sum_layers``), each made once per evaluator for the ranks alike in what they read. A rank's sums read
+    every layer's stage, TP, FSDP and compile choice (the tensors crossing its cuts, the tied parameters' readers,
+    the TP-split head's loss) but only its own layers' recompute, so candidates that differ only in another rank's
+    recompute (the search adds recompute rank by rank, then costs the candidate again) share its peak. The
+    breakdowns returned are shared: read them, never change them."""
+    shared = ev.__dict__.setdefault("_rank_peaks", {})
+    if len(shared) >= SHARED_PEAKS // max(s.pp, 1):
+        shared.clear()
+    cache = shared.setdefault((s, tuple((c.stage, c.tp, c.fsdp, c.compile) for c in choices)), {})
+    recompute: list[list[str]] = [[] for _ in range(s.pp)]
+    for c in choices:
+        recompute[s.rank_of(c.stage)].append(c.recompute)
+    memory, out = None, []
+    for r, own in enumerate(recompute):
+        key = (r, tuple(own))
+        hit = cache.get(key)
+        if hit is None:
+            memory = memory or RankMemory(ev.prof, ev.f, s, sums, seq_ratio=ev.seq_ratio)
+            hit = cache[key] = memory.peak(r)
+        out.append(hit)
+    return out
 
 
 class RankMemory:

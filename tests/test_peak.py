@@ -1,0 +1,82 @@
+"""Per-rank peaks shared between candidates (cost/peak.py ``rank_peaks``): each rank's the same breakdown as weighing
+it afresh, made again only for the ranks whose own layers changed, and the same plans as weighing every rank of
+every candidate."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import autopar_nb as ap
+from autopar_nb import zoo
+from autopar_nb.cost import peak
+from autopar_nb.cost.estimate import Evaluator
+from autopar_nb.cost.profile import profile_of
+from autopar_nb.cost.setting import LayerChoice, Setting
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    cfg = zoo.GPTConfig(n_layer=8, n_head=16, n_embd=2048, vocab_size=32000, block_size=2048)
+    with torch.device("meta"):
+        model = zoo.GPT(cfg)
+    return ap.capture(model, torch.randint(0, 32000, (1, 2048)))
+
+
+SETTINGS = [  # (dp, tp, pp, zero, micro-batches, schedule, chunks per rank)
+    (2, 1, 4, 2, 8, "1f1b", 1),
+    (1, 2, 4, 3, 4, "1f1b", 1),
+    (2, 1, 4, 0, 8, "interleaved_1f1b", 2),
+    (1, 1, 2, 2, 4, "zbv_zero_bubble", 2),
+]
+
+
+def _candidate(n: int, dp, tp, pp, zero, m, schedule, v) -> tuple[Setting, list[LayerChoice]]:
+    s = Setting(dp, tp, pp, zero, "bf16", m, 1.0, schedule, v, False, "adam", 1)
+    stages = pp * v
+    return s, [LayerChoice(min(i * stages // n, stages - 1), True, "none", True, False) for i in range(n)]
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=[f"{x[5]}-pp{x[2]}-tp{x[1]}-z{x[3]}" for x in SETTINGS])
+def test_shared_peaks_are_each_ranks_own(gpt, monkeypatch, setting):
+    """Recompute added rank by rank: every rank's breakdown equals a fresh ``RankMemory.peak`` of that candidate
+    (another evaluator, nothing shared), and a candidate that differs from the one before only in rank 0's layers
+    weighs rank 0 alone again."""
+    prof = profile_of(gpt, "cuda")
+    cluster = ap.Cluster.preset("h100-80gb", 1, 8)
+    ev = Evaluator(prof, cluster)
+    s, choices = _candidate(len(prof.layers), *setting)
+    weighed = []
+    made = peak.RankMemory.peak
+    monkeypatch.setattr(peak.RankMemory, "peak", lambda self, r: weighed.append(r) or made(self, r))
+    first = [i for i, c in enumerate(choices) if s.rank_of(c.stage) == 0]
+    steps = [("selective", first[-1:]), ("full", first[-1:]), ("selective", first)]
+    for mode, layers in [("none", [])] + steps:
+        for i in layers:
+            choices[i].recompute = mode
+        weighed.clear()
+        got = ev.evaluate(s, choices).memory_by_rank
+        assert weighed == ([0] if layers else list(range(s.pp)))
+        fresh = Evaluator(prof, cluster)
+        memory = peak.RankMemory(prof, fresh.f, s, fresh.sum_layers(s, choices))
+        want = [memory.peak(r) for r in range(s.pp)]
+        assert [dataclasses.asdict(m) for m in got] == [dataclasses.asdict(m) for m in want]
+
+
+def test_shared_peaks_leave_the_plans_unchanged(gpt, monkeypatch):
+    """Plans, costs, alternatives and explanations are the same as weighing every rank of every candidate afresh,
+    on memory tight enough that the search adds recompute rank by rank (pipelines, interleaved ones included)."""
+    cases = [(("h100-80gb", 1, 8, 4), {"global_batch": 64}),
+             (("a100-80gb", 2, 8, 3), {"global_batch": 128}),
+             (("a100-80gb", 1, 8, 4), {"global_batch": 32, "fix": {"schedule": "interleaved_1f1b"}})]
+    for (preset, nodes, gpus, gib), kw in cases:
+        c = ap.Cluster.preset(preset, nodes, gpus)
+        cluster = dataclasses.replace(c, device=dataclasses.replace(c.device, memory_bytes=gib * GiB))
+        shared = ap.plan(gpt, cluster, **kw).to_json()
+        monkeypatch.setattr(peak, "SHARED_PEAKS", 0)  # every candidate's ranks weighed afresh
+        assert ap.plan(gpt, cluster, **kw).to_json() == shared
+        monkeypatch.undo()
