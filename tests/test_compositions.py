@@ -29,7 +29,7 @@ CASES = {
     # data parallelism beside TP is FSDP2's replicate, which keeps a gathered copy of the parameters
     "ddp-tp": ("LLaMA", {"dp": 2, "tp": 2, "zero_stage": 0}, "fsdp_unsharded_params"),
     # a multi-stage rank holds each of its stages' micro-batches as torch's order leaves them, and
-    # what it sent stays referenced by the schedule's sends until the step ends
+    # the input gradients its lowest stage sent stay referenced by their sends until the step ends
     "zero3-pp-interleaved-bf16": ("GPT-2", {"dp": 2, "zero_stage": 3, "amp": "bf16", **PIPE,
                                             "schedule": "interleaved_1f1b", "virtual_stages": 2},
                                   "pipeline_sent_gradients"),

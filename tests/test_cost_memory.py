@@ -289,18 +289,20 @@ def test_a_multi_stage_rank_holds_each_stages_micro_batches():
     zbv = rank_states("zbv_zero_bubble", pp=2, rank=1, micro_batches=4, virtual_stages=2)
     assert any(h.local == 0 and h.kind == "I" and h.full == (0, 0) and h.waiting == (1, 1)
                for h in zbv)
-    # what a stage sent stays referenced until the step ends: by 0B1 both stages forwarded all 4
+    # by 0B1 both stages forwarded all 4
     assert max(h.forwarded for h in interleaved if h.local == 0 and h.kind == "B") == (4, 4)
 
 
-@pytest.mark.parametrize("schedule, tracked", [("interleaved_1f1b", (72.5, 62.3)),
-                                               ("zbv_zero_bubble", (78.9, 67.2))])
+@pytest.mark.parametrize("schedule, tracked", [("interleaved_1f1b", (69.9, 60.3)),
+                                               ("zbv_zero_bubble", (77.9, 65.7))])
 def test_multi_stage_ranks_peak_as_the_tracker_measured(schedule, tracked):
     """LLaMA (tests/memcells.py, hidden 256, 4 layers, seq 256, batch 8) over 2 ranks x 2 stages,
     4 micro-batches, fp32: each rank's peak within 2 % of MemTracker's on real gloo processes (MiB;
     ``bench/memory.py LLaMA --plans pp-interleaved,pp-zbv``, torch 2.13). Each stage holds its own
-    micro-batches in flight (``cost/staged.py``), what a stage sent stays referenced by the
-    schedule's sends to the step's end, and a zero-bubble input pass keeps the micro-batch's
+    micro-batches in flight (``cost/staged.py``), an input gradient a stage sent stays referenced
+    by its send until a lower stage of the rank runs that micro-batch's backward (the rank's lowest
+    stage's to the step's end: ``runtime/pp.py`` ``Sends``; torch's schedule kept every send, outputs
+    too, to the step's end: 72.5 / 62.3 and 78.9 / 67.2 MiB), and a zero-bubble input pass keeps the micro-batch's
     activations and the gradients its weight pass starts from (``weight_pass_gradients``). Without
     these the model was -2.4 % / -3.3 % (interleaved) and -9.8 % / -35.9 % (ZBV)."""
     from memcells import CELLS

@@ -198,9 +198,11 @@ def forward_peak(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precision
 SENDS_HELD = ("gpipe", "1f1b")
 """schedules whose torch implementation (one stage per rank, ``PipelineScheduleSingle``) keeps a micro-batch's
 input-gradient sends referenced until after the next micro-batch's backward (1F1B: the ``bwd_sends`` it fuses with
-the next receive, torch 2.13; GPipe: every send's work until the end); the multi-stage schedules
-(``_PipelineScheduleRuntime``) keep every send, outputs and input gradients, until the step ends
-(:mod:`.staged`)"""
+the next receive, torch 2.13; GPipe: every send's work until the end). Under the multi-stage schedules
+(``_PipelineScheduleRuntime``, which would keep every send, outputs and input gradients, until the step
+ends) the runtime's stages issue their sends and let each go once its peer has received it
+(``runtime/pp.py`` ``Sends``): an output at its micro-batch's backward, an input gradient at a lower
+stage's of the rank, the rank's lowest stage's at the step's end (:mod:`.staged`)"""
 
 
 def in_flight(schedule: str, *, pp: int, stage: int, micro_batches: int, virtual_stages: int = 1) -> float:

@@ -48,12 +48,11 @@ class Held(NamedTuple):
     (``stage_backward_input`` retains the whole graph and the gradients the weight pass starts
     from)"""
     forwarded: tuple[int, ...]
-    """per local stage: forwards run so far; the output each sent to another rank stays
-    referenced by its send until the step ends (``_PipelineScheduleRuntime`` waits on its
-    ``send_ops`` only after the rank's last action)"""
+    """per local stage: forwards run so far"""
     backwarded: tuple[int, ...]
-    """per local stage: backwards (or input passes) run so far, whose input gradients' sends stay
-    referenced as well"""
+    """per local stage: backwards (or input passes) run so far: the input gradients a stage sent
+    and a lower stage of the rank has not yet received back are still referenced by their sends
+    (``runtime/pp.py``'s ``Sends``)"""
     grads: tuple[int, ...]
     """per local stage: 0 before its first backward, 1 once its gradients exist, 2 after its
     reduction (FSDP's reduce-scatter has sharded them)"""

@@ -4,7 +4,10 @@ stages holds the micro-batches in flight there, whatever the others hold.
 
 A stage of such a rank keeps a micro-batch's saved activations, its input buffer and its output from
 the micro-batch's forward to its backward (torch's ``_PipelineScheduleRuntime`` runs the actions in
-the rank's order; ``runtime/pp.py``'s ``LeanStage`` frees a buffer when its backward is done). Under
+the rank's order; ``runtime/pp.py``'s ``LeanStage`` frees a buffer when its backward is done and
+lets the send of its output go then), and the input gradient it sent until a lower stage of the rank
+runs that micro-batch's backward (``runtime/pp.py``'s ``Sends``; on the rank's lowest stage, until
+the step ends). Under
 a zero-bubble schedule a backward is split: the input pass (``stage_backward_input``) computes the
 input's gradient with ``retain_graph=True``, so every saved activation of the micro-batch stays
 until the weight pass, beside the gradients hooked for it
@@ -104,16 +107,18 @@ class StagedRank:
         a = state_arrays(self.states)
         m = self.mem.s.micro_batches
         v = len(self.stages)
-        cn, cw, cfw, cb = (np.zeros(v) for _ in range(4))
+        cn, cw, cb = (np.zeros(v) for _ in range(3))
         const = sum(self.st.held.values())
         for j, x in enumerate(self.stages):
             p = x.pipe
-            cn[j] = x.acts - p["recv_saved"] + p["recv"] + (0.0 if x.turn or x.sends else p["kept"])
+            cn[j] = x.acts - p["recv_saved"] + p["recv"] + (0.0 if x.turn else p["kept"])
             cw[j] = (0.0 if x.turn else p["grad_recv"]) + self._kept(j)
-            cfw[j] = p["kept"] if x.sends and not x.turn else 0.0
             cb[j] = p["grad_sent"]
             const += m * (p["kept"] + p["grad_recv"]) if x.turn else 0.0
-        total = (a.full + a.waiting) @ cn + a.waiting @ cw + a.forwarded @ cfw + a.backwarded @ cb + const
+        sent = a.backwarded.copy()  # the input gradients a stage's sends still hold (:meth:`_around`)
+        sent[:, 1:] -= a.backwarded[:, :-1]
+        # (the running stage's own output, alive through its backward, is the same across a group)
+        total = (a.full + a.waiting) @ cn + a.waiting @ cw + sent @ cb + const
         for j in range(v):
             table = np.zeros(12)
             for code in a.present[j]:
@@ -141,11 +146,15 @@ class StagedRank:
             n, p = h.full[j] + h.waiting[j], x.pipe
             acts += n * (x.acts - p["recv_saved"])
             buffers += n * p["recv"] + (0 if x.turn else h.waiting[j] * p["grad_recv"])
-            # what a stage sent to another rank stays referenced by its send until the step ends;
-            # what it handed to the rank's next stage, and the gradient handed back, until the
-            # next step's (StageSums.turn)
-            outputs += (m if x.turn else h.forwarded[j] if x.sends else n) * p["kept"]
-            sent += h.backwarded[j] * p["grad_sent"] + (m * p["grad_recv"] if x.turn else 0.0)
+            # a stage's output lives to its micro-batch's backward (the runtime lets the send holding it go then,
+            # runtime/pp.py Sends), through it where it went to another rank; what it handed to the rank's next
+            # stage, and the gradient handed back, until the next step's (StageSums.turn)
+            running = x.sends and not x.turn and j == h.local and h.kind in "BI"
+            outputs += (m if x.turn else n + running) * p["kept"]
+            # an input gradient's send holds it until a lower stage of the rank runs that micro-batch's backward,
+            # or to the step's end on the rank's lowest stage (backwards run in the same order on every stage)
+            gone = h.backwarded[j - 1] if j else 0
+            sent += (h.backwarded[j] - gone) * p["grad_sent"] + (m * p["grad_recv"] if x.turn else 0.0)
             kept += h.waiting[j] * self._kept(j)
         terms = {"saved_activations": acts, "pipeline_buffers": buffers,
                  "pipeline_outputs": outputs, "pipeline_sent_gradients": sent,

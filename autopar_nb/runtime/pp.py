@@ -65,7 +65,16 @@ class LeanStage(PipelineStage):
     emptied (its storage resized to nothing, as FSDP frees a resharded parameter) once its micro-batch's backward
     is done, the weights' part too under a zero-bubble schedule, and is allocated again just before its next
     receive. Where a same-rank stage hands its output over instead (V schedules) the stage's own buffer stays
-    empty."""
+    empty.
+
+    Under a schedule that runs several stages per rank (torch's ``_PipelineScheduleRuntime``) the stage issues its own
+    sends, with the same ``isend`` the schedule would issue, and lets each go once its peer has received it
+    (:class:`Sends`): the schedule keeps every send's work, and with it the output or input gradient it sends, until
+    the step ends, so a rank's memory grew with the number of micro-batches (Megatron-LM frees each once sent)."""
+
+    sends: Sends | None = None
+    """the sends this stage issued and the schedule does not hold (None: the schedule holds them), shared by the
+    rank's stages (:func:`build_schedule`)"""
 
     def _prepare_forward_infra(self, *args, **kwargs):
         out = super()._prepare_forward_infra(*args, **kwargs)
@@ -76,6 +85,19 @@ class LeanStage(PipelineStage):
         out = super()._prepare_backward_infra(*args, **kwargs)
         self._remember("bwd", self.grad_recv_info)
         return out
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+        return self._issued("F", fwd_chunk_id, super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+        return self._issued("B", bwd_chunk_id, super().get_bwd_send_ops(bwd_chunk_id))
+
+    def _issued(self, kind: str, chunk: int, ops: list) -> list:
+        """Send ``ops`` here and give the schedule none to hold (where this stage keeps its sends)."""
+        if self.sends is None:
+            return ops
+        self.sends.issue(kind, self.stage_index, chunk, ops)
+        return []
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
         self._fill(self.args_recv_info.get(fwd_chunk_id, ()))
@@ -90,6 +112,8 @@ class LeanStage(PipelineStage):
         return super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        if self.sends is not None:  # the schedule waited for this micro-batch's gradient before calling
+            self.sends.received(self.stage_index, bwd_chunk_id)
         out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                          last_backward=last_backward)
         if full_backward:
@@ -126,6 +150,42 @@ class LeanStage(PipelineStage):
             buf.untyped_storage().resize_(0)
 
 
+class Sends:
+    """The sends a rank's stages issued themselves (:class:`LeanStage`), each waited for, and let go with the tensor
+    it sends, once its peer has certainly received it; the rest at the end of the step, as the schedule waits.
+
+    A send is waited for only where its receive has completed (a gloo send's work reports completion only once
+    waited for, and waiting on one the peer has not yet posted a receive for could deadlock the pair): a stage's
+    output of micro-batch i once that micro-batch's gradient came back to it (its backward, which torch's schedule
+    runs after waiting for that gradient), an input gradient once a lower stage of the same rank runs that
+    micro-batch's backward (every stage in between received its gradient then). A rank's lowest stage's input
+    gradients have no such point and are waited for at the end of the step."""
+
+    def __init__(self):
+        self.works: dict[tuple[str, int, int], list[dist.Work]] = {}
+        """("F" or "B", stage, micro-batch) -> the works of its output's or input gradient's sends"""
+
+    def issue(self, kind: str, stage: int, chunk: int, ops: list[dist.P2POp]) -> None:
+        """Send each of ``ops`` (all sends) as the schedule does: one ``isend`` each, not coalesced."""
+        works = [dist.isend(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer) for op in ops]
+        self.works.setdefault((kind, stage, chunk), []).extend(works)
+
+    def received(self, stage: int, chunk: int) -> None:
+        """Micro-batch ``chunk``'s gradient reached ``stage``: wait for and let go of its output's sends and of
+        the input gradients of the rank's higher stages for it."""
+        for key in [k for k in self.works if k[2] == chunk and (k[:2] == ("F", stage) or
+                                                                 (k[0] == "B" and k[1] > stage))]:
+            for work in self.works.pop(key):
+                work.wait()
+
+    def wait(self) -> None:
+        """Wait for every send left (the end of the step)."""
+        for works in self.works.values():
+            for work in works:
+                work.wait()
+        self.works.clear()
+
+
 def build_stage(module: nn.Module, stage_id: int, num_stages: int, *, device: torch.device, pp_group: ProcessGroup,
                 values: list[tuple[tuple, tuple]] | None = None) -> PipelineStage:
     """Wrap one stage module (after TP/AC/FSDP) for the schedule (a :class:`LeanStage`); ``values`` from
@@ -147,7 +207,14 @@ def build_schedule(stages: list[PipelineStage], *, schedule: str, n_microbatches
         if len(stages) != 1:
             raise ValueError(f"schedule {schedule!r} runs one stage per rank; use virtual_stages=1 or an "
                              "interleaved/looped schedule")
+        # a one-stage schedule fuses a send with the next receive (batch_isend_irecv), which keeps a pair of ranks
+        # that each send before receiving out of a deadlock: it keeps its sends (1F1B lets each go a micro-batch later)
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
+    # a multi-stage schedule issues every send alone and holds all of them until the step ends: the stages keep them
+    sends = Sends()
+    for stage in stages:
+        if isinstance(stage, LeanStage):
+            stage.sends = sends
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
 
 
@@ -233,6 +300,9 @@ def pipeline_step(schedule, stage_loss: StageLoss, batch, *, micro_batches: int,
         # the losses are all the step needs: the last stage keeps no outputs (a scalar loss in a model's output
         # could not be merged over the micro-batches, and the logits of every micro-batch would stay alive)
         schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+    sends = next((s.sends for s in _stages(schedule) if getattr(s, "sends", None) is not None), None)
+    if sends is not None:
+        sends.wait()  # the step's last sends, before the optimizer step, as the schedule waits for its own
     if not has_last:
         return torch.zeros((), device=device)
     return torch.stack([_local(x).detach().float() for x in losses]).mean()
@@ -295,6 +365,11 @@ def _grad_laid_out_as(p) -> None:
     the copies' gradients are summed as local tensors."""
     if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
         p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+
+def _stages(schedule) -> list:
+    """The stages a torch schedule runs (one-stage schedules hold theirs as ``_stage``)."""
+    return list(getattr(schedule, "_stages", None) or [schedule._stage])
 
 
 def _local(p):
