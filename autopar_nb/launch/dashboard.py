@@ -22,7 +22,7 @@ import anywidget
 import psutil
 import traitlets
 
-from . import watch
+from . import compare, report, watch
 from .series import float32_bytes
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
@@ -39,10 +39,6 @@ def bundle(*files: Path) -> str:
     return "\n".join(f.read_text() for f in files)
 
 
-def _finite(values) -> list[float]:
-    return [v for v in values if not math.isnan(v)]
-
-
 class Dashboard(anywidget.AnyWidget):
     """Live view of one :class:`~autopar_nb.launch.run.Run` (``display(run)`` shows it)."""
 
@@ -55,7 +51,8 @@ class Dashboard(anywidget.AnyWidget):
     hang = traitlets.Dict(allow_none=True, default_value=None).tag(sync=True)
     """when the run hung: {"rank" that stopped first, "seconds", "stacks": {rank: its threads' stacks}}"""
     ranks = traitlets.List().tag(sync=True)
-    """per rank: {"rank", "state", "step", "attempt", "memory", "memory_source", "memory_peak", "memory_pred",
+    """per rank: {"rank", "state", "step", "attempt", "memory", "memory_source", "memory_peak" and "memory_pred"
+    (``report.peak_figures``: the widget's and the summary's figures), "memory_peak_kind" (their label),
     "memory_off" (the peak is a prediction error: ``watch.prediction_off``), "util", "throughput", "step_time",
     "data_wait", "power_w", "temperature_c", "log": [str]}"""
     info = traitlets.Dict().tag(sync=True)
@@ -197,34 +194,26 @@ class Dashboard(anywidget.AnyWidget):
         return out
 
     def _ranks(self, run) -> list[dict]:
-        c_pred = None
+        judge = watch.settings_for(run.comparison())
+        gpu = run.backend == "nccl"
         out = []
-        tl, rss = run._timeline, run.rss_figures()
+        tl, peaks = run._timeline, report.peak_figures(run)
         for r, st in sorted(run._ranks.items()):
             last, sample = st.last, st.sample
             if r < tl.nranks and tl.t:
                 mem, src = tl.cols["memory_bytes"][r][-1], tl.text["source"][r][-1]
-                seen = _finite(tl.cols["memory_bytes"][r])
             else:
-                mem, src, seen = math.nan, None, []
-            cuda_peak = last.get("mem_peak")
-            if st.peak_rss and cuda_peak is None:  # the step stream's RSS, finer than the samples
-                seen.append(max(0.0, st.peak_rss - (st.baseline or 0.0)))
-            if r in rss:  # the peak Run.measured() gives the widget (VmHWM between samples): one figure for both
-                seen.append(rss[r]["peak"])
-            peak = cuda_peak if cuda_peak is not None else (max(seen) if seen else None)
-            if c_pred is None:
-                c = run.comparison()
-                c_pred, judge = c["predicted_memory"], watch.settings_for(c)
-            pred = c_pred[r] if r < len(c_pred) else None
+                mem, src = math.nan, None
+            # the peak run.measured() gives the widget and the summary: one figure, one label, one ratio
+            peak = peaks.get(r) or {"measured": None, "predicted": compare.predicted_memory(run.plan, r,
+                                                                                            model_state=True)}
             out.append({
                 "rank": r, "state": st.state(run.status), "step": st.step, "attempt": max(st.attempt, 0),
                 "memory": None if math.isnan(mem) else mem, "memory_source": src,
-                "memory_peak": peak,
-                "memory_peak_kind": "CUDA peak allocated" if cuda_peak is not None else "highest sample",
-                "memory_pred": pred,
+                "memory_peak": peak["measured"], "memory_peak_kind": report.PEAK_LABELS[gpu],
+                "memory_pred": peak["predicted"],
                 # flagged by the rule the run's prediction_error events follow, not by any ratio above 1
-                "memory_off": watch.prediction_off("memory", peak, pred, judge),
+                "memory_off": watch.prediction_off("memory", peak["measured"], peak["predicted"], judge),
                 "baseline": st.baseline, "util": sample.get("gpu_util", sample.get("cpu_percent")),
                 "throughput": last.get("tokens_per_s", last.get("samples_per_s")),
                 "step_time": last.get("step_time_s"), "data_wait": last.get("data_wait_s"),
@@ -236,12 +225,13 @@ class Dashboard(anywidget.AnyWidget):
     def _summary(self, run) -> dict:
         s = run.summary()
         c = run.comparison()
-        mem = s.get("memory_by_rank") or {}
-        pred = {r: p for r, p in enumerate(c["predicted_memory"]) if p is not None}
+        peaks = report.peak_figures(run)  # the rank table's figures: the summary repeats them, not another measure
         out = {"steps": s.get("steps"), "step_time_s": s.get("step_time_s"),
                "predicted_step_time_s": c["predicted_step_time_s"], "compare_time": c["compare_time"],
-               "memory_kind": s.get("memory_kind"), "memory_by_rank": {str(k): v for k, v in mem.items()},
-               "predicted_memory_by_rank": {str(k): v for k, v in pred.items()}, "data": s.get("data")}
+               "memory_label": report.PEAK_LABELS[run.backend == "nccl"], "predicted_label": report.PREDICTED_LABEL,
+               "memory_by_rank": {str(r): f["measured"] for r, f in peaks.items() if f["measured"] is not None},
+               "predicted_memory_by_rank": {str(r): f["predicted"] for r, f in peaks.items()
+                                            if f["predicted"] is not None}, "data": s.get("data")}
         out["calibration"] = _calibration_text(run, c)
         return out
 

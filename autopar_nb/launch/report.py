@@ -11,6 +11,11 @@ from ..calibration import persistent_bytes
 from ..units import fmt_bytes, fmt_time
 from . import compare, watch
 
+PEAK_LABELS = {False: "measured peak (RSS above baseline)", True: "measured peak (CUDA allocated)"}
+"""what a launched run's peak per rank is, on CPU processes and on GPUs: one label wherever the figure is shown"""
+PREDICTED_LABEL = "predicted tensors (no margin)"
+"""what each rank's peak is compared with (the plan's training state, without the allocator margin)"""
+
 
 def rss_figures(run: Any) -> dict[int, dict[str, float]]:
     """``run.rss_figures()``: each CPU rank's peak and floor RSS above its baseline; {} on GPUs."""
@@ -29,16 +34,28 @@ def rss_figures(run: Any) -> dict[int, dict[str, float]]:
     return out
 
 
+def peak_figures(run: Any) -> dict[int, dict]:
+    """rank -> ``{"measured", "predicted", "ratio"}``: each rank's peak (:data:`PEAK_LABELS`) against the prediction
+    it compares with (:data:`PREDICTED_LABEL`), for the ranks that reported one. The one figure the widget, the
+    dashboard's rank table, its summary and :func:`explain` show."""
+    return _peak_figures(run, _memory(run)[0])
+
+
+def _peak_figures(run: Any, peaks: dict[int, float]) -> dict[int, dict]:
+    return {r: _figure(peaks[r], compare.predicted_memory(run.plan, r, model_state=True)) for r in sorted(peaks)}
+
+
 def measured(run: Any) -> dict[str, Any]:
     """``run.measured()``: its memory and step time beside the plan's, on the basis they compare."""
     c = run.comparison()
     cpu = c["memory_basis"] == "rss_above_baseline"
-    peaks, floors = _memory(run)
+    raw, floors = _memory(run)
+    peaks = _peak_figures(run, raw)
     reserved = {} if cpu else run.summary().get("reserved_by_rank") or {}
     by_rank = {}
     for r in sorted(set(peaks) | set(floors)):
         mb = compare.predicted_breakdown(run.plan, r)
-        by_rank[r] = {"peak": _figure(peaks.get(r), compare.predicted_memory(run.plan, r, model_state=True)),
+        by_rank[r] = {"peak": peaks.get(r) or _figure(None, compare.predicted_memory(run.plan, r, model_state=True)),
                       "between steps": _figure(floors.get(r), persistent_bytes(mb) if mb is not None else None)}
         if reserved.get(r):
             by_rank[r]["reserved"] = _figure(reserved[r], compare.predicted_memory(run.plan, r,

@@ -257,8 +257,8 @@ function render({ model, el }) {
         h("td", { class: "apd-left" }, h("span", { class: "apd-pill", "data-state": r.state }, r.state)),
         h("td", {}, r.step === null || r.step === undefined ? "–" : `${r.step}`),
         h("td", { title: r.memory_source ? `source: ${r.memory_source}` : "" }, bytes(r.memory)),
-        h("td", { class: over ? "apd-over" : "", title: r.memory_peak_kind || "" }, bytes(r.memory_peak)),
-        h("td", { class: "apd-pred", title: "the plan's prediction; measured peak / predicted" },
+        h("td", { class: over ? "apd-peak apd-over" : "apd-peak", title: r.memory_peak_kind || "" }, bytes(r.memory_peak)),
+        h("td", { class: "apd-pred", title: "the plan's predicted tensors (no margin); measured peak / predicted" },
           bytes(r.memory_pred), r.memory_pred && r.memory_peak ? h("span", { class: over ? "apd-over" : "apd-muted" },
             ` (${(r.memory_peak / r.memory_pred).toFixed(2)}×)`) : null),
         h("td", {}, r.util === null || r.util === undefined ? "–" : `${Number(r.util).toFixed(0)}`),
@@ -310,14 +310,15 @@ function render({ model, el }) {
         (p ? ` vs predicted ${secs(p)} (measured ${(t / p).toFixed(2)}× the prediction)` :
           " (not compared with the plan's prediction: see above)")));
     }
+    // the rank table's peak and prediction (report.peak_figures), under the same labels
     const mem = s.memory_by_rank || {};
     const pred = s.predicted_memory_by_rank || {};
-    const kind = { cuda_peak: "CUDA peak allocated", rss_above_baseline: "RSS above the pre-model RSS", rss: "RSS" }[s.memory_kind] || s.memory_kind;
     const ranks = Object.keys(mem).sort((a, b) => a - b);
     if (ranks.length) {
       const shown = ranks.length > 8 ? [ranks.reduce((a, b) => (mem[a] >= mem[b] ? a : b))] : ranks;
       const txt = shown.map((r) => `rank ${r} ${bytes(mem[r])}${pred[r] ? ` vs ${bytes(pred[r])} (${(mem[r] / pred[r]).toFixed(2)}×)` : ""}`);
-      parts.push(h("p", {}, `Peak memory (${kind}${Object.keys(pred).length ? " vs predicted" : ""}): ${txt.join("; ")}` +
+      const vs = Object.keys(pred).length ? ` vs ${s.predicted_label}` : "";
+      parts.push(h("p", { class: "apd-summary-memory" }, `${s.memory_label}${vs}: ${txt.join("; ")}` +
         (ranks.length > 8 ? ` (the highest of ${ranks.length} ranks)` : "")));
     }
     if (s.data && s.data.message) {  // the script's data-wait verdict (Run.data)

@@ -14,11 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from ..launch import watch
+from ..launch.report import PEAK_LABELS
 
 FOLLOWED = 8
 """runs a widget keeps following (the latest ones)"""
-PEAK_LABELS = {False: "measured peak (RSS above baseline)", True: "measured peak (CUDA allocated)"}
-"""what a launched run's peak per rank is, on CPU processes and on GPUs (``launch.compare``)"""
 
 
 def same_plan(a: Any, b: Any) -> bool:
