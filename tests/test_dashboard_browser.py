@@ -4,6 +4,7 @@ card as wide as a notebook's output area in a 1024 px window with the file brows
 
 * the rank table of 8 ranks in JupyterLab at 1024 px with the file browser open scrolls inside its card (its last
   column reachable), nothing past the output area;
+* before the first step (or sample) a chart says what it waits for instead of drawing empty axes;
 * one figure, one meaning: the rank table's peak and the end summary's are the same figure (the one the widget shows,
   ``report.peak_figures``), under the same label, against the same prediction;
 """
@@ -35,6 +36,9 @@ PAGE = """async ([esm, css, state, width]) => {
       rank: tr.dataset.rank, peak: tr.children[4].textContent, label: tr.children[4].title,
       pred: tr.children[5].textContent})),
     summary: text(".apd-summary p").find((t) => t.includes("rank 0")) || null,
+    cards: Object.fromEntries([...el.querySelectorAll(".apd-card[data-chart]")].map((c) => [c.dataset.chart,
+      c.classList.contains("apd-waiting") && getComputedStyle(c.querySelector(".apd-chart")).visibility === "hidden"
+        ? c.querySelector(".apd-chart-wait").textContent : "axes"])),
   };
 }"""
 
@@ -75,6 +79,7 @@ def cpu_run(tmp_path, *, nproc: int = 2, peak: float = 200 * MIB, floor: float =
     """A Run of a plan predicting 20 MiB a rank on ``nproc`` CPU processes, fed as its monitor would feed it: each
     rank's baseline, a tick whose VmHWM is ``peak`` above it, ``steps`` step reports whose RSS is ``floor`` above
     it (the step's end: below the peak), and the end."""
+    from autopar_nb.launch.channel import Message
     from autopar_nb.launch.run import Run
     from autopar_nb.plan import Cost, MemoryBreakdown, Plan
 
@@ -85,11 +90,11 @@ def cpu_run(tmp_path, *, nproc: int = 2, peak: float = 200 * MIB, floor: float =
     for r in range(nproc):
         run._ranks[r].baseline = base
     if steps:
-        run._record_tick(0, {r: {"rss": base + floor, "rss_peak": base + peak} for r in range(nproc)})
-    run._rows += [{"rank": r, "attempt": 0, "step": s, "step_time_s": 0.02, "samples_per_s": 1600.0,
-                   "rss": base + floor + s * MIB, "time": run.started + s} for s in range(steps) for r in range(nproc)]
-    for r in range(nproc):
-        run._ranks[r].step = steps - 1 if steps else None
+        run._record_tick(0, {r: {"rss": base + floor, "rss_peak": base + peak, "cpu_percent": 95.0}
+                             for r in range(nproc)})
+    run._ingest([Message(r, "data", {"step": s, "loss": 2.0 / (s + 1), "step_time_s": 0.02, "data_wait_s": 0.001,
+                                     "samples_per_s": 1600.0, "rss": base + floor + s * MIB}, run.started + s)
+                 for s in range(steps) for r in range(nproc)])
     if finished:
         run._status = "finished"
         run._done.set()
@@ -134,3 +139,27 @@ def test_eight_ranks_scroll_inside_the_card_at_1024_px(tmp_path):
     assert seen["rows"] == 8 and seen["scrolls"] and not seen["lastVisible"], seen  # wider than the card: it scrolls
     assert seen["lastReached"] and seen["lastLeftOfCard"], seen
     assert seen["wrapRight"] <= seen["cardRight"] <= seen["outputRight"] + 1 and not seen["outputScrolls"], seen
+
+
+STEP_CHARTS = ("loss", "throughput", "step_time", "data_wait")
+
+
+def test_charts_say_they_wait_for_the_first_step(tmp_path):
+    """Issue 42: early in a run (before the first step) the step charts were empty axes from 0 to 1 with no unit,
+    which read as broken charts. Now each says what it waits for, until a rank has a value; a run that ended
+    before its first step says none was reported."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir(), (tmp_path / "c").mkdir()
+    starting = cpu_run(tmp_path / "a", steps=0, finished=False)
+    sampled = cpu_run(tmp_path / "b", steps=0, finished=False)
+    sampled._status = "running"
+    sampled._record_tick(0, {r: {"rss": 400 * MIB, "cpu_percent": 90.0} for r in (0, 1)})
+    ended = cpu_run(tmp_path / "c", steps=0)
+    seen = {name: render(run.dashboard())["cards"] for name, run in
+            [("starting", starting), ("sampled", sampled), ("ended", ended), ("stepped", cpu_run(tmp_path))]}
+    print("\nwhat each chart shows:", seen)
+    assert seen["starting"] == {"memory": "waiting for the first sample", "util": "waiting for the first sample",
+                                **{k: "waiting for the first step" for k in STEP_CHARTS}}, seen
+    assert seen["sampled"] == {"memory": "axes", "util": "axes", **{k: "waiting for the first step" for k in
+                                                                    STEP_CHARTS}}, seen
+    assert all(seen["ended"][k] == "no step was reported" for k in STEP_CHARTS), seen
+    assert set(seen["stepped"].values()) == {"axes"}, seen

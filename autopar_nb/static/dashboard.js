@@ -73,8 +73,9 @@ class Chart {
     });
     const series = [{ label: xLabel, value: (u, v) => (v === null ? "–" : xLabel === "time" ? fmtSecs(v) : `${v}`) }];
     for (let r = 0; r < ranks; r++) {
+      // a dot where a line has one or two points (the first sample, the first step), which draw no line
       series.push({ label: `rank ${r}`, stroke: rankColor(r), width: 1.5, value: (u, v) => yFmt(v), spanGaps: false,
-                    points: { show: false } });
+                    points: { show: (u, si, i0, i1) => i1 - i0 < 2, size: 6 } });
     }
     for (const e of extra) series.push({ width: 1.25, value: (u, v) => yFmt(v), points: { show: false }, ...e });
     const width = Math.max(240, card.clientWidth - 12);
@@ -86,6 +87,16 @@ class Chart {
              axis(null, axisFmt === null ? undefined : (u, splits) => splits.map(axisFmt || yFmt), { size: 62, incrs })],
     }, [[], ...series.slice(1).map(() => [])], card.querySelector(".apd-chart"));
     this.u.root.dataset.chart = key;
+    this.waitNote = h("div", { class: "apd-chart-wait" });
+    card.appendChild(this.waitNote);
+  }
+
+  // no rank has a value yet: its empty axes (0 to 1, no unit) would read as a broken chart, so the card says what
+  // it waits for instead
+  waiting(text) {
+    const empty = !this.u.data.slice(1, 1 + this.ranks).some((c) => c.some((v) => v !== null && v !== undefined));
+    this.card.classList.toggle("apd-waiting", empty);
+    this.waitNote.textContent = empty ? text : "";
   }
 
   range(lo, hi, yMin) {
@@ -212,7 +223,17 @@ function render({ model, el }) {
     built.rate.set(x, columns(st.throughput, st.n, R));
     built.time.set(x, columns(st.step_time_s, st.n, R), built.predictedTime ? [x.map(() => built.predictedTime)] : []);
     built.wait.set(x, columns(st.data_wait_s, st.n, R));
+    drawWaiting();
     drawMeasured();
+  }
+
+  function drawWaiting() {
+    if (!built) return;
+    const ended = TERMINAL.includes(model.get("status"));
+    for (const c of [built.mem, built.util]) c.waiting(ended ? "no sample was taken" : "waiting for the first sample");
+    for (const c of [built.loss, built.rate, built.time, built.wait]) {
+      c.waiting(ended ? "no step was reported" : "waiting for the first step");
+    }
   }
 
   // where a chart shows a prediction, what was measured beside it, with the ratio
@@ -376,7 +397,7 @@ function render({ model, el }) {
       const info = model.get("info") || {};
       if (what.info || !built || built.ranks !== (info.nproc || 1)) { build(info); drawNotes(info); drawCharts(); }
       else if (what.charts) drawCharts();
-      if (what.status) { drawStatus(); drawError(); }
+      if (what.status) { drawStatus(); drawError(); drawWaiting(); }
       if (what.table) { drawTable(); drawMeasured(); }
       if (what.summary) drawSummary();
       if (what.replan) drawReplan();
