@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast lab bench gpu-check
+.PHONY: setup demo test test-fast lab bench gpu-check screenshots
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,13 @@ test: setup
 # the inner loop: no worker processes, no browser, no Inductor compiles (the whole suite is `make test`)
 test-fast: setup
 	$(PY) -m pytest -q -m "not multiprocess and not browser and not slow"
+
+# The README's pictures: the browser tests that take them write them into docs/img (JupyterLab and Debian's chromium,
+# `apt-get install -y chromium`; the launch and tournament tests run CPU processes). tests/test_package.py checks that
+# this writes every picture in docs/img and that the README shows each.
+SCREENSHOT_TESTS := tests/test_browser.py tests/test_launch_browser.py
+screenshots: setup
+	AUTOPAR_SCREENSHOTS=docs/img $(PY) -m pytest -q $(SCREENSHOT_TESTS)
 
 lab: setup
 	$(PY) -m jupyterlab --ServerApp.root_dir=notebooks

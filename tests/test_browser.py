@@ -13,8 +13,9 @@ file) that the plans changed accordingly.
 * the sharding board (issue 20): a chip, a multi-selection and a graph node dropped on a legend swatch each re-plan
   once, a refused lane greys out while dragging, the keyboard does the same, latency measured on a LLaMA-7B.
 
-Screenshots go to $AUTOPAR_SCREENSHOTS (default: a temporary folder); `AUTOPAR_SCREENSHOTS=docs/img` refreshes the
-ones the README shows. Figures are printed (run with -s) for BENCHMARKS.md.
+Screenshots go to $AUTOPAR_SCREENSHOTS (default: a temporary folder); `make screenshots` runs this file and
+test_launch_browser.py with `AUTOPAR_SCREENSHOTS=docs/img`, which refreshes the ones the README shows.
+Figures are printed (run with -s) for BENCHMARKS.md.
 
 The whole suite runs again in a 1024 px window with the file browser open (AUTOPAR_BROWSER_WIDTH=1024) and in
 JupyterLab's dark theme (AUTOPAR_BROWSER_THEME=dark); tests that choose their own window keep it.

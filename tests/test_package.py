@@ -192,3 +192,22 @@ def test_no_benchmark_or_test_helper_shadows_an_installed_module():
              if (spec := PathFinder.find_spec(f.stem, outside)) is not None or f.stem in sys.builtin_module_names}
     assert not taken, taken
     assert PathFinder.find_spec("torch", outside) is not None  # the search does see what is installed
+
+
+def test_make_screenshots_writes_the_pictures_the_readme_shows():
+    """``make screenshots`` (the browser tests its SCREENSHOT_TESTS names, with AUTOPAR_SCREENSHOTS=docs/img) writes
+    every picture of docs/img, and the README shows each: no picture that nothing regenerates, none left unused."""
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    tests = re.search(r"^SCREENSHOT_TESTS := (.+)$", (root / "Makefile").read_text(), re.M).group(1).split()
+    assert re.search(r"^screenshots: .*\n\tAUTOPAR_SCREENSHOTS=docs/img .*\$\(SCREENSHOT_TESTS\)",
+                     (root / "Makefile").read_text(), re.M)
+    written = set()
+    for t in tests:
+        text = (root / t).read_text()
+        written |= set(re.findall(r'IMG / "([\w.-]+\.png)"', text))
+        written |= set(re.findall(r'shoot\(page, \w+, "([\w.-]+\.png)"', text))
+    shown = set(re.findall(r"\(docs/img/([\w.-]+\.png)\)", (root / "README.md").read_text()))
+    stored = {p.name for p in (root / "docs" / "img").glob("*.png")}
+    assert written == stored == shown, (sorted(written ^ stored), sorted(stored ^ shown))
