@@ -97,12 +97,12 @@ def test_fix_compile_compiles_the_blocks_and_predicts_a_faster_step():
     eager = _plan(lm_source(), cluster, fix={"dp": 2})
     compiled = _plan(lm_source(), cluster, fix={"dp": 2, "compile": True})
     assert [lp.path for lp in compiled.layers if lp.compile] == ["layers.0", "layers.1"]
-    assert not any(lp.compile for lp in eager.layers), "eager unless fixed: the factor is a guess until calibrated"
+    assert not any(lp.compile for lp in eager.layers), "eager: its compile would not pay for its gain"
     assert compiled.cost.step_time_s < eager.cost.step_time_s
     assert compiled.cost.compute_s < eager.cost.compute_s
     assert "compile" in compiled.summary() and "compile" not in eager.summary()
     assert "Compiled with torch.compile (fix compile=True): 2 layer(s)" in compiled.explain()
-    assert "Eager (not compiled): fix compile=True would compile 2 layer(s)" in eager.explain()
+    assert "fix compile=True would compile 2 layer(s); compile: +" in eager.explain()
     assert Plan.from_json(compiled.to_json()).layers[1].compile is True
     assert [c.path for c in eager.diff(compiled)] == ["layers[layers.0].compile", "layers[layers.1].compile"]
     with pytest.raises(PlanError, match=r"pp=2 with fix compile=True"):
@@ -140,21 +140,51 @@ def test_compile_factor_is_calibrated_by_compiled_runs_after_an_eager_one():
         _plan(lm_source(), cluster, fix={"dp": 2}).cost.step_time_s)
 
 
-def test_the_planner_compiles_once_a_compiled_run_measured_a_gain():
-    """Without a measured factor the planner stays eager (the default factor is a guess); once a compiled run on the
-    preset calibrated ``compile_memory_bound`` below 1 it compiles the repeated blocks by itself (pp=1 only); a
-    measured factor >= 1 (no gain) or fix compile=False keeps it eager."""
+def test_the_planner_compiles_where_it_pays_over_the_steps_planned():
+    """Compile is chosen where its predicted gain per step, times the steps planned (``plan(steps=...)``, else
+    torchtitan's default 10,000), exceeds Inductor's compile at start-up; the explanation says both. The tiny LM saves
+    microseconds per step, so only a very long run pays for its compile; fix compile=False and pp=2 stay eager."""
     cluster = ap.Cluster.preset("h100-80gb", 1, 2)
-    measured = dataclasses.replace(cluster, calibration={"compile_memory_bound": 0.3})
-    chosen = _plan(lm_source(), measured, fix={"dp": 2})
-    assert [lp.path for lp in chosen.layers if lp.compile] == ["layers.0", "layers.1"]
-    assert "Compiled with torch.compile (chosen: a compiled run measured the factor)" in chosen.explain()
-    assert not any(lp.compile for lp in _plan(lm_source(), cluster, fix={"dp": 2}).layers)
-    no_gain = dataclasses.replace(cluster, calibration={"compile_memory_bound": 1.2})
-    assert not any(lp.compile for lp in _plan(lm_source(), no_gain, fix={"dp": 2}).layers)
-    assert not any(lp.compile for lp in _plan(lm_source(), measured, fix={"dp": 2, "compile": False}).layers)
-    staged = _plan(lm_source(), measured, fix={"pp": 2})
+    eager = _plan(lm_source(), cluster, fix={"dp": 2})
+    assert not any(lp.compile for lp in eager.layers)
+    line = next(x for x in eager.explanation if x.startswith("Eager"))
+    assert "it would not pay within the 10,000 steps planned" in line and "s start-up, −" in line, line
+    long = _plan(lm_source(), cluster, fix={"dp": 2}, steps=10**9)
+    assert [lp.path for lp in long.layers if lp.compile] == ["layers.0", "layers.1"]
+    line = next(x for x in long.explanation if x.startswith("Compiled"))
+    assert "chosen: it pays within the 1,000,000,000 steps planned" in line and "pays after" in line, line
+    after = int(line.split("pays after ")[1].split(" steps")[0].replace(",", ""))
+    assert not any(lp.compile for lp in _plan(lm_source(), cluster, fix={"dp": 2}, steps=after - 1).layers)
+    assert [lp.path for lp in _plan(lm_source(), cluster, fix={"dp": 2}, steps=after + 1).layers if lp.compile] == [
+        "layers.0", "layers.1"]
+    assert not any(lp.compile for lp in _plan(lm_source(), cluster, fix={"dp": 2, "compile": False},
+                                              steps=10**9).layers)
+    staged = _plan(lm_source(), cluster, fix={"pp": 2}, steps=10**9)
     assert staged.mesh.pp == 2 and not any(lp.compile for lp in staged.layers)
+    with pytest.raises(PlanError, match="steps must be a positive integer"):
+        _plan(lm_source(), cluster, steps=0)
+
+
+def test_compile_start_up_is_one_compile_per_repeated_block():
+    """The runtime compiles each block on its own and Dynamo reuses the graph for the block's other members: the
+    start-up does not grow with depth; it is the block's ops times the measured seconds per op."""
+    from autopar_nb.cost.compile import compile_startup_s, compiled_graphs
+    from autopar_nb.cost.factors import factors_for
+    from autopar_nb.cost.profile import profile_of
+
+    f = factors_for(ap.Cluster.preset("h200", 1, 1))
+    starts = []
+    for n in (2, 6):
+        model, inputs, _ = ModelSource(lm_source().code.replace("n=2", f"n={n}")).build(device="meta")
+        graph = ap.capture(model, *inputs)
+        prof = profile_of(graph, "cuda")
+        blocks = [graph.block_of(lay.path) is not None for lay in graph.layers]
+        assert sum(blocks) == n and compiled_graphs(graph, blocks) == [blocks.index(True)]
+        starts.append(compile_startup_s(graph, prof, blocks, f))
+        every = compile_startup_s(graph, prof, [True] * len(blocks), f)
+        assert every == pytest.approx(sum(lp.n_ops for i, lp in enumerate(prof.layers) if not blocks[i] or
+                                          i == blocks.index(True)) * f.compile_s_per_op)
+    assert starts[0] == starts[1] > 0
 
 
 def test_script_compiles_blocks_after_checkpointing_and_before_fsdp():

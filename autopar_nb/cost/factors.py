@@ -57,11 +57,18 @@ class Factors:
     ``run.calibrate()`` of a full-recompute plan replaces it"""
     margin_fixed_bytes: float = 1.0 * 2**30
     """CUDA context, cuBLAS/NCCL workspaces, bytes (about 0.5-1.5 GiB per GPU process)"""
-    compile_memory_bound: float = 0.5
+    compile_memory_bound: float = 0.43
     """a ``torch.compile``d block's memory-bound time (the bytes its pointwise ops, norms and softmax move, and its
     per-op launch overhead) as a fraction of the eager block's: Inductor fuses chains of such ops into one kernel
     that reads its inputs and writes its outputs once; matmuls and attention are unchanged (cuBLAS / SDPA either
-    way). A round guess, not a measurement: calibrated by a compiled run (``autopar_nb.calibration``)"""
+    way). Measured on an H200 (BENCHMARKS.md "GPU"): LLaMA-3.2 1B's shape, bf16, one GPU, blocks compiled 162.2 ms
+    against 179.1 eager per step, which this factor reproduces with the Hopper factors below; a compiled run's
+    calibration replaces it (``autopar_nb.calibration``)"""
+    compile_s_per_op: float = 1.25
+    """seconds Inductor takes at start-up per op of each distinct compiled graph (forward ops counted, its backward
+    compiled with it; a repeated block's members share one graph, ``cost/compile.py``). Measured on the same H200
+    run: the compiled launches took about 20 s more than the eager ones (45 s against 25), one LLaMA block of 16 ops
+    compiled once for its 16 members"""
     optimizer_bytes_per_param: float = 36.0
     """bytes moved per local parameter by a fused Adam step: read param, grad, m, v (fp32, 16) + write param, m,
     v (12) + bf16 param copy / grad scaling reads (~8)"""
@@ -131,6 +138,12 @@ ARCH_FACTORS: dict[str, dict[str, float]] = {
 :data:`DEFAULT`'s; a generation without a measurement keeps them (Ampere's: Megatron-LM's large runs)"""
 
 
+CPU_COMPILE_S_PER_OP = 4.3
+"""``compile_s_per_op`` on the ``cpu`` preset (Inductor's C++ backend, the compiler run per kernel): 69 s more in
+the first steps compiled than eager for zoo.Llama's 16-op block on this project's 2 shared cores (BENCHMARKS.md
+"Compile vs eager, CPU")"""
+
+
 def factors_for(cluster) -> Factors:
     """The default factors of the cluster's GPU generation (:data:`ARCH_FACTORS`) with ``cluster.calibration``
     applied (unknown names raise, so typos do not pass silently).
@@ -142,7 +155,7 @@ def factors_for(cluster) -> Factors:
     base = dataclasses.replace(DEFAULT, **arch) if arch else DEFAULT
     if cluster.name == "cpu":  # no caching allocator: what a CPU run holds is what it allocates
         base = dataclasses.replace(base, margin_fixed_bytes=0.0, margin_full_recompute=base.margin_fraction,
-                                   overlap_contention=0.0)
+                                   overlap_contention=0.0, compile_s_per_op=CPU_COMPILE_S_PER_OP)
     calib = dict(getattr(cluster, "calibration", None) or {})
     if not calib:
         return base

@@ -28,7 +28,9 @@ JSON schema (``SCHEMA_VERSION`` = 1)::
       "experts":   [module_path_pattern, ...],   # expert modules ("model.layers.*.mlp.experts")
       "cost": {...} | null,          # see Cost; filled by the planner
       "explanation": [str, ...],
-      "alternatives": [plan, ...]    # the next best plans (their own "alternatives" are empty)
+      "alternatives": [plan, ...],   # the next best plans (their own "alternatives" are empty)
+      "levers": [{"name": str, "on": bool, "step_time_s": float, "peak_memory_bytes": float, "fits": bool,
+                  "startup_s": float, "steps": int}, ...]   # see Lever
     }
 """
 
@@ -41,7 +43,7 @@ from typing import Any
 
 from ..units import fmt_bytes, fmt_time
 from .checks import PlanError, check_bool, check_int, check_list, check_str
-from .cost import MEMORY_TERMS, Cost, MemoryBreakdown
+from .cost import LEVERS, MEMORY_TERMS, Cost, Lever, MemoryBreakdown
 from .fix import FIX_ALIASES, FIX_CHOICES, FIX_KEYS, normalize_fix
 from .refusals import check_compiled, check_cp, check_fused_loss, check_schedule
 from .sections import BatchPlan, LayerPlan, MeshPlan, OptimizerPlan, PipelinePlan, PrecisionPlan
@@ -67,10 +69,11 @@ from .vocab import (
 )
 
 __all__ = [
-    "AMP", "AMP_OPS", "DTYPE_NAMES", "FIX_ALIASES", "FIX_CHOICES", "FIX_KEYS", "FLOAT8", "ITEMSIZE", "MEMORY_TERMS",
-    "OPTIMIZERS", "PINNABLE", "RECOMPUTE", "SCHEDULES", "SCHEMA_VERSION", "TP_STYLES", "V_SCHEDULES", "ZERO_STAGES",
-    "BatchPlan", "Change", "Cost", "LayerPlan", "MemoryBreakdown", "MeshPlan", "OptimizerPlan", "PipelinePlan", "Plan",
-    "PlanError", "PrecisionPlan", "layer_of", "normalize_fix", "stage_rank", "within",
+    "AMP", "AMP_OPS", "DTYPE_NAMES", "FIX_ALIASES", "FIX_CHOICES", "FIX_KEYS", "FLOAT8", "ITEMSIZE", "LEVERS",
+    "MEMORY_TERMS", "OPTIMIZERS", "PINNABLE", "RECOMPUTE", "SCHEDULES", "SCHEMA_VERSION", "TP_STYLES", "V_SCHEDULES",
+    "ZERO_STAGES", "BatchPlan", "Change", "Cost", "LayerPlan", "Lever", "MemoryBreakdown", "MeshPlan",
+    "OptimizerPlan", "PipelinePlan", "Plan", "PlanError", "PrecisionPlan", "layer_of", "normalize_fix", "stage_rank",
+    "within",
 ]
 
 SCHEMA_VERSION = 1
@@ -111,6 +114,8 @@ class Plan:
     cost: Cost | None = None
     explanation: list[str] = field(default_factory=list)
     alternatives: list[Plan] = field(default_factory=list)
+    levers: list[Lever] = field(default_factory=list)
+    """each lever the planner can flip on this plan, flipped alone and costed (explain(), the widget's alternatives)"""
 
     def __post_init__(self):
         for name, kind in (("mesh", MeshPlan), ("batch", BatchPlan), ("pipeline", PipelinePlan),
@@ -141,6 +146,7 @@ class Plan:
             raise PlanError(f"cost must be a Cost or None, got {self.cost!r}")
         check_list("explanation", self.explanation, str)
         check_list("alternatives", self.alternatives, Plan)
+        check_list("levers", self.levers, Lever)
         gpus = self.cluster.get("nodes", 0) * self.cluster.get("gpus_per_node", 0)
         if gpus and self.mesh.world_size != gpus:
             raise PlanError(f"{self.mesh.factors()} = {self.mesh.world_size} != world_size({gpus})")
@@ -242,6 +248,8 @@ class Plan:
                 except PlanError as e:
                     raise PlanError(f"alternatives[{i}]: {e}") from None
             d["alternatives"] = alts
+        if "levers" in d:
+            d["levers"] = [_build(Lever, x, f"levers[{i}]") for i, x in enumerate(_as_list(d["levers"], "levers"))]
         return cls(**d)
 
     @classmethod
@@ -259,8 +267,9 @@ class Plan:
 
     # ---- diff ---------------------------------------------------------------------------------------------------
     def diff(self, other: Plan) -> list[Change]:
-        """What changes going from ``self`` to ``other``: decisions only (cost, explanation, alternatives ignored)."""
-        skip = {"cost", "explanation", "alternatives", "layers", "schema_version"}
+        """What changes going from ``self`` to ``other``: decisions only (cost, explanation, alternatives, levers
+        ignored)."""
+        skip = {"cost", "explanation", "alternatives", "levers", "layers", "schema_version"}
         a, b = self.to_dict(), other.to_dict()
         changes = [c for k in a if k not in skip for c in _diff_values(k, a[k], b[k])]
         mine = {lp.path: dataclasses.asdict(lp) for lp in self.layers}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .checks import PlanError, check_choice, check_list, check_number, check_numbers, check_str
+from .checks import PlanError, check_bool, check_choice, check_int, check_list, check_number, check_numbers, check_str
 
 
 @dataclass
@@ -117,3 +117,29 @@ _COST_FIELDS = ("step_time_s", "compute_s", "comm_exposed_s", "comm_total_s", "b
                 "cpu_wait_s", "cpu_s",
                 "peak_memory_bytes", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu", "samples_per_s")
 
+
+
+LEVERS = ("compile", "float8", "async_tp", "offload", "recompute", "fused_loss", "fused_norm")
+
+
+@dataclass
+class Lever:
+    """The chosen plan with one speed or memory lever (:data:`LEVERS`) flipped alone, as the planner costs it."""
+
+    name: str
+    on: bool
+    """the lever is on in the plan, so the variant turns it off"""
+    step_time_s: float
+    peak_memory_bytes: float
+    fits: bool = True
+    """the variant's predicted step time and peak, and whether that peak fits the device"""
+    startup_s: float = 0.0
+    """compile's: the seconds Inductor takes at start-up (``cost/compile.py``), weighed over ``steps`` of the run"""
+    steps: int = 0
+
+    def __post_init__(self):
+        check_choice("lever.name", self.name, LEVERS)
+        check_bool("lever.on", self.on)
+        check_bool("lever.fits", self.fits)
+        check_numbers(self, "lever", ("step_time_s", "peak_memory_bytes", "startup_s"))
+        check_int("lever.steps", self.steps, minimum=0)

@@ -31,11 +31,13 @@ from ..plan import (
     within,
 )
 from .async_tp import async_tp_choice, async_tp_lines
+from .compile import HORIZON_STEPS, compile_choice, compile_lines, horizon
 from .constraints import Constraints, parse
 from .degrees import cp_degrees
-from .explain import compile_lines, explain, fmt_bytes, fused_loss_lines, fused_norm_lines, op_list_lines
+from .explain import explain, fmt_bytes, fused_loss_lines, fused_norm_lines, op_list_lines
 from .float8 import float8_choice, float8_lines
 from .forward import checked_profile, tp_parts
+from .lever_costs import set_levers
 from .offload import checked_fixed, offload_lines, offload_search
 from .per_rank import plan_per_rank
 from .search import Candidate, Search, memory_limit
@@ -47,7 +49,7 @@ GiB = 2**30
 
 def plan(graph, cluster, *, global_batch: int | None = None, per_rank_batch: int | None = None,
          seq_len: int | None = None, fix: dict | None = None, overrides: dict | None = None, top_k: int = 5,
-         default_loss: bool = True) -> Plan:
+         default_loss: bool = True, steps: int | None = None) -> Plan:
     """Choose how to train ``graph`` on ``cluster``: mesh (DP x TP x PP), ZeRO stage, per-layer TP styles, sequence
     parallel, recompute, pipeline stages and schedule, micro-batches and mixed precision.
 
@@ -58,13 +60,15 @@ def plan(graph, cluster, *, global_batch: int | None = None, per_rank_batch: int
     choices to keep, e.g. ``{"tp": 1, "zero_stage": 3, "recompute": "full"}``. ``overrides``: layer/module globs to
     per-layer choices, e.g. ``{"blocks.*.mlp": {"tp": "colwise-rowwise"}, "blocks.10": {"stage": 2}}``.
     ``default_loss``: the training loss is the default one (the cell defines no ``loss_fn``), so the output head may
-    be fused with it (``plan.fused_loss``); False never fuses.
+    be fused with it (``plan.fused_loss``); False never fuses. ``steps``: the run's length, over which compile's
+    start-up must pay back (default: :data:`.compile.HORIZON_STEPS`).
 
     Returns the fastest plan that fits in device memory, with ``cost`` filled, up to ``top_k - 1`` next-best
     ``alternatives`` and an ``explanation`` (``plan.explain()``). Raises :class:`PlanError` naming the failing
     constraint (and by how much memory) when nothing satisfies the request.
     """
-    kwargs = dict(seq_len=seq_len, fix=fix, overrides=overrides, top_k=top_k, default_loss=default_loss)
+    kwargs = dict(seq_len=seq_len, fix=fix, overrides=overrides, top_k=top_k, default_loss=default_loss,
+                  steps=horizon(steps))
     # the search makes millions of short-lived objects, and each pass of the collector's oldest generation walks
     # every object the graph holds (a fifth of the CPU time of planning the 1T GPT shape on 3072 GPUs)
     with no_cycle_collection():
@@ -95,7 +99,7 @@ def remembered_plan(graph, cluster, **kwargs) -> Plan:
 
 
 def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | None = None, fix: dict | None = None,
-          overrides: dict | None = None, top_k: int = 5, default_loss: bool = True) -> Plan:
+          overrides: dict | None = None, top_k: int = 5, default_loss: bool = True, steps: int = HORIZON_STEPS) -> Plan:
     """:func:`plan` for one global batch."""
     if top_k < 1:
         raise PlanError(f"top_k must be >= 1, got {top_k}")
@@ -151,7 +155,8 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
     feasible.sort(key=lambda c: (c.cost.step_time_s, c.setting.pp, c.setting.tp, c.setting.zero_stage))
     seen: set = set()
     ranked = [c for c in feasible if not (c.key in seen or seen.add(c.key))]  # the first of each key
-    best, float8_other = float8_choice(ranked[0], ev, cons, cluster)
+    best = compile_choice(ranked[0], ev, cons, graph, search.compilable, steps)
+    best, float8_other = float8_choice(best, ev, cons, cluster)
     best, async_other = async_tp_choice(best, ev, cons, cluster)
     ranked[0] = best
     plans = [_to_plan(c, graph, prof, cluster, cons, global_batch, seq_len, head=head.module if head else "")
@@ -159,10 +164,11 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
     chosen = plans[0]
     chosen.alternatives = plans[1:]
     chosen.explanation = explain(chosen, best, ranked, found.over, cons, cluster, prof)
-    chosen.explanation += compile_lines(best, ev, cons, [i for i, on in enumerate(search.compilable) if on])
+    chosen.explanation += compile_lines(best, ev, cons, graph, search.compilable, steps)
     chosen.explanation += fused_loss_lines(best, ev, cons, fused_why)
     chosen.explanation += fused_norm_lines(best, ev, cons) + float8_lines(best, float8_other, cons, cluster)
     chosen.explanation += async_tp_lines(best, async_other, cons, cluster) + offload_lines(best, cons, cluster)
+    chosen.explanation += set_levers(chosen, best, ev, cluster, graph, search.compilable, steps)
     if prof is not default_prof:  # the op lists' price: the same setting with autocast's own lists
         chosen.explanation += op_list_lines(best, cons, Evaluator(default_prof, cluster, seq_ratio=seq_ratio,
                                                                   head=head), graph)

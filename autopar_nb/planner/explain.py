@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 from .. import calibration
@@ -190,29 +189,6 @@ def _cpu_bound_line(c) -> str:
             f"in {fmt_time(gpu)}, so it waits {_pct(c.cpu_wait_s, c.step_time_s)} of the step. Fewer "
             "wrappers (DDP rather than FSDP or TP), more work per op (larger micro-batches) or "
             "fewer ops (torch.compile, CUDA graphs) go faster; more GPUs do not.")
-
-
-def compile_lines(best, ev, cons, compilable: list[int]) -> list[str]:
-    """Whether layers run under ``torch.compile`` and what the other choice is predicted to cost: the chosen
-    candidate costed again by ``ev`` with compile flipped on the ``compilable`` layers (its repeated blocks)."""
-    s, c = best.setting, best.cost
-    if not compilable:
-        return []
-    on = any(best.choices[i].compile for i in compilable)
-    if s.pp > 1 and not on:
-        return ["Not compiled: compile applies with pp=1 only (a pipeline stage is a traced graph)."]
-    flipped = [dataclasses.replace(ch, compile=not on) if i in compilable else ch for i, ch in enumerate(best.choices)]
-    other = ev.evaluate(s, flipped)
-    gain = (other.step_time_s - c.step_time_s) if on else (c.step_time_s - other.step_time_s)
-    factor = f"compile_memory_bound={ev.f.compile_memory_bound:g}"
-    if on:
-        why = "fix compile=True" if cons.fix.get("compile") else "chosen: a compiled run measured the factor"
-        return [f"Compiled with torch.compile ({why}): "
-                f"{len(compilable)} layer(s), each on its own; predicted {fmt_time(gain)}/step faster than eager "
-                f"({_pct(gain, other.step_time_s)}; {factor}), after a one-off compile at start-up."]
-    return [f"Eager (not compiled): fix compile=True would compile {len(compilable)} layer(s), predicted "
-            f"{fmt_time(gain)}/step faster ({_pct(gain, c.step_time_s)}; {factor}, a guess until a compiled run "
-            "calibrates it) after a one-off compile at start-up."]
 
 
 def fused_norm_lines(best, ev, cons) -> list[str]:

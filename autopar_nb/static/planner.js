@@ -48,8 +48,8 @@ function render({ model, el, host }) {
     const timed = (name, fn) => { const t = performance.now(); fn(); parts[name] = Math.round(performance.now() - t); };
     timed("header", () => { renderHeader(ui); renderMessages(ui); });
     timed("graph", () => renderGraph(ui));
-    if (changed(ui, "side", ["memory", "time", "change_groups", "changes", "alternatives", "explanation", "view",
-      "components", "measured", "timeline"])) {
+    if (changed(ui, "side", ["memory", "time", "change_groups", "changes", "alternatives", "levers", "explanation",
+      "view", "components", "measured", "timeline"])) {
       timed("side", () => renderSide(ui));
     }
     if (changed(ui, "controls", ["controls"])) timed("controls", () => renderControls(ui));
@@ -74,7 +74,7 @@ function render({ model, el, host }) {
   const onSelection = () => { markSelection(ui, model.get("selection"), false); renderGraph(ui); };
   const onTimings = () => renderHeader(ui);
   const onMeasured = () => { if (changed(ui, "side", ["memory", "time", "change_groups", "changes", "alternatives",
-    "explanation", "view", "components", "measured", "timeline"])) renderSide(ui); };
+    "levers", "explanation", "view", "components", "measured", "timeline"])) renderSide(ui); };
   model.on("change:measured", onMeasured);
   model.on("change:revision", renderAll);
   model.on("change:messages", onMessages);
@@ -921,7 +921,7 @@ function renderSide(ui) {
   const measured = model.get("measured") || {};
   ui.side.replaceChildren(...[memoryPanel(model.get("memory")),
     componentsPanel(model.get("components") || {}, measured), timelinePanel(ui), timePanel(model.get("time")),
-    changesPanel(ui), alternativesPanel(ui, model.get("alternatives")),
+    changesPanel(ui), alternativesPanel(ui, model.get("alternatives"), model.get("levers") || []),
     explanationPanel(model.get("explanation"))].filter(Boolean));
   mountTimeline(ui);  // static/timeline.js: uPlot sizes its chart to the panel, so once the panel is in the page
   measuredMarks(ui, model.get("memory"), model.get("time"), measured);
@@ -1065,8 +1065,17 @@ function changesPanel(ui) {
       h("ul", {}, raw.slice(0, 500).map((c) => h("li", {}, c)))));
 }
 
-function alternativesPanel(ui, alts) {
-  if (!alts.length) return null;
+// a lever row (autopar_nb/widget/lever_rows.py): the plan with one lever flipped; taken with the fix it names
+function leverRow(lv) {
+  return h("tr", { class: "ap-lever" + (lv.fits ? "" : " ap-lever-nofit"), dataset: { lever: lv.lever },
+    title: `${lv.label}: ${lv.trade}\n${lv.fix}` },
+  h("td", {}, h("div", { class: "ap-alt-differs" }, lv.label), h("div", { class: "ap-hint ap-alt-trade" }, lv.trade)),
+  h("td", { class: "ap-num" }, secs(lv.step_s), h("br"), bytes(lv.peak_bytes)),
+  h("td", { class: "ap-hint ap-lever-fix" }, lv.fix));
+}
+
+function alternativesPanel(ui, alts, levers) {
+  if (!alts.length && !levers.length) return null;
   return h("div", { class: "ap-panel ap-alternatives" },
     h("div", { class: "ap-panel-title" }, "Alternatives ",
       h("span", { class: "ap-hint" }, "adopt one as the current plan; nothing gets pinned")),
@@ -1080,7 +1089,10 @@ function alternativesPanel(ui, alts) {
           `${m.micro_batches}`))) : null),
       h("td", { class: "ap-num" }, secs(a.step_s), h("br"), bytes(a.peak_bytes)),
       h("td", {}, h("button", { class: "ap-btn ap-adopt", title: `ap.adopt(${a.index})`,
-        onclick: () => ui.send({ kind: "adopt", index: a.index }) }, "adopt"))))));
+        onclick: () => ui.send({ kind: "adopt", index: a.index }) }, "adopt"))))),
+    levers.length ? h("div", { class: "ap-panel-title ap-levers-title" }, "Levers ",
+      h("span", { class: "ap-hint" }, "each flipped alone on this plan")) : null,
+    levers.length ? h("table", { class: "ap-levers" }, levers.map(leverRow)) : null);
 }
 
 function explanationPanel(expl) {

@@ -18,7 +18,7 @@ import traitlets as t
 from ..launch.dashboard import SHARED_JS, STATIC, UPLOT, bundle
 from ..launch.tournament_job import TournamentJob
 from ..plan import Plan, PlanError
-from . import editor, measured, options, panels, timeline
+from . import editor, lever_rows, measured, options, panels, timeline
 from .actions import action_message, calibrated_badge, local_nproc, refusal, run_kwargs
 from .choices import global_state, precision_state
 from .describe import describe
@@ -99,6 +99,7 @@ class PlannerWidget(Edits, anywidget.AnyWidget):
     change_groups = t.List().tag(sync=True)
     """the same changes grouped for a reader (differences.change_groups): [{text, count, layers}]"""
     alternatives = t.List().tag(sync=True)
+    levers = t.List().tag(sync=True)  # lever_rows.lever_rows: each lever flipped alone, shown under the alternatives
     can_undo = t.Bool(False).tag(sync=True)
     can_redo = t.Bool(False).tag(sync=True)
     actions = t.List().tag(sync=True)
@@ -274,10 +275,10 @@ class PlannerWidget(Edits, anywidget.AnyWidget):
                 self.layers = editor.layer_rows(s.graph, plan, s.overrides, set(changed))
                 self.board = editor.sharding_board(s.graph, plan, s.overrides, s.fix, s.cluster, set(changed))
                 self.stages = editor.stage_lanes(plan)
-                self.alternatives = alternative_rows(plan)
+                self.alternatives, self.levers = alternative_rows(plan), lever_rows.lever_rows(plan)
                 self.summary, self.explanation = plan_summary(plan, s.cluster), list(plan.explanation)
             else:
-                self.layers, self.stages, self.alternatives, self.board = [], [], [], {}
+                self.layers, self.stages, self.alternatives, self.levers, self.board = [], [], [], [], {}
                 self.summary, self.explanation = "no plan yet: call ap.replan()", []
             self.changed, self.changes = changed, [str(c) for c in changes]
             self.change_groups = change_groups(s.graph, changes)

@@ -1,0 +1,112 @@
+"""The levers beside a plan (``plan.levers``): compile, float8, async TP, CPU offload, recompute, the fused loss and
+RMSNorms, each flipped alone on the chosen plan and costed; in explain(), the plan file and the widget (rows under its
+Alternatives, rendered in chromium)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_compile import _plan, lm_source
+
+import autopar_nb as ap
+from autopar_nb.plan import Lever, Plan, PlanError
+from autopar_nb.widget.lever_rows import lever_rows
+
+
+@pytest.fixture(scope="module")
+def lm_plan():
+    """The 2-block LM on 2 x H100 at dp=2: eager (its compile would not pay), bf16, float8 on offer."""
+    return _plan(lm_source(), ap.Cluster.preset("h100-80gb", 1, 2), fix={"dp": 2})
+
+
+def test_each_lever_is_the_plan_with_it_flipped_alone(lm_plan):
+    """Each lever costs what the planner gives the same split with that lever fixed the other way, and explain()
+    says each: sign, speed ratio, memory, and compile's start-up beside its gain over the steps planned."""
+    plan = lm_plan
+    names = {lv.name: lv for lv in plan.levers}
+    assert set(names) == {"compile", "float8", "recompute", "fused_loss"}, names  # ZeRO < 2: no offload
+    assert not any(lv.on for lv in plan.levers)
+    cluster = ap.Cluster.preset("h100-80gb", 1, 2)
+    mesh = {"dp": 2, "zero_stage": plan.mesh.zero_stage, "micro_batches": plan.batch.micro_batches}
+    for name, value in (("compile", True), ("float8", "tensorwise"), ("fused_loss", True)):
+        fixed = _plan(lm_source(), cluster, fix={**mesh, name: value})
+        assert names[name].step_time_s == pytest.approx(fixed.cost.step_time_s, rel=1e-9), name
+        assert names[name].peak_memory_bytes == pytest.approx(fixed.cost.peak_memory_bytes, rel=1e-9), name
+    compile_ = names["compile"]
+    assert compile_.startup_s > 0 and compile_.steps == 10_000
+    assert compile_.step_time_s < plan.cost.step_time_s, "compiled is faster per step, yet its start-up does not pay"
+    line = next(x for x in plan.explanation if x.startswith("Levers, each flipped alone on this plan: "))
+    assert "+Float8: " in line and "+fused loss: " in line, line
+    assert "+compile: " in line and "s start-up, −" in line and "(10,000 planned)" in line, line
+    assert "+recompute: " in line, line
+
+
+def test_levers_in_the_plan_file_and_checked(lm_plan):
+    back = Plan.from_json(lm_plan.to_json())
+    assert back.levers == lm_plan.levers and back.diff(lm_plan) == []
+    d = json.loads(lm_plan.to_json())
+    d["levers"][0]["name"] = "warp_drive"
+    with pytest.raises(PlanError, match="lever.name='warp_drive' is not supported"):
+        Plan.from_dict(d)
+    with pytest.raises(PlanError, match="lever.steps must be >= 0"):
+        Lever("compile", False, 1.0, 2.0, steps=-1)
+
+
+def test_widget_lists_the_levers_with_the_fix_that_takes_each(lm_plan):
+    rows = lever_rows(lm_plan)
+    by = {r["lever"]: r for r in rows}
+    assert by["float8"]["label"] == "+Float8" and by["float8"]["fix"] == "ap.replan(fix={'float8': 'tensorwise'})"
+    assert by["compile"]["fix"] == "ap.replan(fix={'compile': True})"
+    assert "s start-up, −" in by["compile"]["trade"] and "pays after" in by["compile"]["trade"], by["compile"]
+    assert by["recompute"]["fix"] == "ap.replan(fix={'recompute': 'full'})" and "memory" in by["recompute"]["trade"]
+    assert lever_rows(None) == []
+
+
+LEVERS_PAGE = """async ([esm, css, state]) => {
+  const mod = await import(URL.createObjectURL(new Blob([esm], {type: "text/javascript"})));
+  const style = document.createElement("style");
+  style.textContent = css;
+  document.head.append(style);
+  const el = document.createElement("div");
+  document.body.append(el);
+  const model = {get: (k) => state[k], set: (k, v) => { state[k] = v; }, save_changes: () => {}, on: () => {},
+                 off: () => {}, send: () => {}};
+  mod.default.render({model, el});
+  await new Promise((r) => setTimeout(r, 100));
+  const rows = [...el.querySelectorAll(".ap-alternatives tr.ap-lever")];
+  return {title: (el.querySelector(".ap-levers-title") || {}).textContent || "",
+          rows: rows.map((r) => ({lever: r.dataset.lever, text: r.textContent,
+                                  fix: r.querySelector(".ap-lever-fix").textContent})),
+          adopt: el.querySelectorAll(".ap-alternatives tr.ap-lever button").length};
+}"""
+
+
+@pytest.fixture(scope="module")
+def seed_graph():
+    """test_widget's seed MLP."""
+    import torch
+    from test_widget import _graph
+    from torch import nn
+
+    return _graph(lambda: nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 512)),
+                  lambda: (torch.randn(32, 1024),))
+
+
+@pytest.mark.browser
+def test_lever_rows_in_chromium(seed_graph):
+    """The Alternatives panel (planner.js) lists the levers under the alternatives: one row each with its sign and
+    name, what it trades, and the fix that takes it (no adopt button: a lever is a fix, not a plan)."""
+    import test_browser
+    from test_widget import _session
+
+    test_browser._require_chromium()
+    w = _session(seed_graph).widget()
+    state = json.loads(json.dumps(w.get_state(), default=str))
+    assert w.levers == lever_rows(w.session.plan) and w.levers
+    seen, errors = test_browser.evaluate_in_blank_page(LEVERS_PAGE, [w._esm, w._css, state])
+    assert not errors, errors
+    assert seen["title"].startswith("Levers") and seen["adopt"] == 0, seen
+    assert [r["lever"] for r in seen["rows"]] == [r["lever"] for r in w.levers]
+    for row, lv in zip(seen["rows"], w.levers, strict=True):
+        assert lv["label"] in row["text"] and lv["trade"] in row["text"] and row["fix"] == lv["fix"], (row, lv)
