@@ -249,10 +249,11 @@ def test_llama_7b_mfu_is_in_the_measured_range_on_8_h100():
     33-43 % published runs of its class measure with recompute (llm-foundry's 7B at seq 4096: 40.4 %)."""
     cfg = zoo.LlamaConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008)
     graph = capture(lambda: zoo.Llama(cfg), torch.randint(0, 32000, (1, 4096)))
-    p = ap.plan(graph, h100(), global_batch=64)
+    eager = {"compile": False, "float8": "none"}  # as llm-foundry's runs: bf16, not compiled (compile pays here)
+    p = ap.plan(graph, h100(), global_batch=64, fix=eager)
     assert {lp.recompute for lp in p.layers} == {"none"}
     assert 0.464 * 0.9 <= p.cost.mfu <= 0.464 * 1.1, p.explain()
-    full = ap.plan(graph, h100(), global_batch=64, fix={"dp": 8, "zero_stage": 3, "recompute": "full"})
+    full = ap.plan(graph, h100(), global_batch=64, fix={"dp": 8, "zero_stage": 3, "recompute": "full", **eager})
     assert 0.33 <= full.cost.mfu <= 0.43, full.explain()
 
 
