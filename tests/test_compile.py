@@ -165,6 +165,20 @@ def test_the_planner_compiles_where_it_pays_over_the_steps_planned():
         _plan(lm_source(), cluster, steps=0)
 
 
+def test_on_the_cpu_preset_compile_waits_for_a_compiled_run():
+    """On the cpu preset no default gain of compile is known (compiled CPU runs on the shared host measured from
+    faster to 4x slower than eager with the load): however long the run, the planner stays eager until a compiled
+    run has calibrated compile_memory_bound, and says so; fix compile=True compiles."""
+    cpu = ap.Cluster.preset("cpu", 1, 2)
+    eager = _plan(lm_source(), cpu, fix={"dp": 2}, steps=10**9)
+    assert not any(lp.compile for lp in eager.layers)
+    line = next(x for x in eager.explanation if x.startswith("Eager"))
+    assert "compile is taken once a compiled run has calibrated it" in line, line
+    assert any(lp.compile for lp in _plan(lm_source(), cpu, fix={"dp": 2, "compile": True}).layers)
+    calibrated = dataclasses.replace(cpu, calibration={"compile_memory_bound": 0.05})
+    assert any(lp.compile for lp in _plan(lm_source(), calibrated, fix={"dp": 2}, steps=10**9).layers)
+
+
 def test_compile_start_up_is_one_compile_per_repeated_block():
     """The runtime compiles each block on its own and Dynamo reuses the graph for the block's other members: the
     start-up does not grow with depth; it is the block's ops times the measured seconds per op."""

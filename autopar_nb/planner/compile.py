@@ -27,6 +27,14 @@ def horizon(steps: int | None) -> int:
     return steps
 
 
+def chosen_by_itself(cluster) -> bool:
+    """Whether compile may be chosen without a fix: on GPUs (the H200's measured compiled and eager runs set its
+    factors), and on the ``cpu`` preset only once a compiled run has calibrated ``compile_memory_bound`` there: on
+    this 2-core shared host compiled CPU runs measured anywhere from faster to 4x slower than eager with the load,
+    so no default gain is known, and Inductor's start-up on CPU is minutes."""
+    return cluster.name != "cpu" or "compile_memory_bound" in (cluster.calibration or {})
+
+
 def with_compile(cand: Candidate, ev, compilable: list[bool], on: bool) -> Candidate:
     """``cand`` costed with the ``compilable`` layers compiled (``on``) or eager; eager takes async TP off with it
     (Inductor's micro-pipeline pass rewrites compiled graphs only)."""
@@ -46,16 +54,19 @@ def pays(on: Candidate, off: Candidate, ev, graph, steps: int) -> bool:
     return on.fits and (off.cost.step_time_s - on.cost.step_time_s) * steps > startup_s(on, ev, graph)
 
 
-def compile_choice(best: Candidate, ev, cons, graph, compilable: list[bool], steps: int) -> Candidate:
-    """The chosen candidate: ``best`` compiled or eager, whichever :func:`pays`; as fixed (compile, or async TP,
-    which needs it), and eager with pp > 1 or no layer to compile. Chosen before float8 and async TP, whose casts
-    cost less compiled and which runs compiled only."""
+def compile_choice(best: Candidate, ev, cons, graph, compilable: list[bool], steps: int, *,
+                   auto: bool = True) -> Candidate:
+    """The chosen candidate: ``best`` compiled or eager, whichever :func:`pays` (eager unless ``auto``:
+    :func:`chosen_by_itself`); as fixed (compile, or async TP, which needs it), and eager with pp > 1 or no layer
+    to compile. Chosen before float8 and async TP, whose casts cost less compiled and which runs compiled only."""
     if not any(compilable) or best.setting.pp > 1 or "compile" in cons.fix or cons.fix.get("async_tp"):
         return best
     on = any(c.compile for i, c in enumerate(best.choices) if compilable[i])
+    if not auto and not on:
+        return best
     other = with_compile(best, ev, compilable, not on)
     compiled, eager = (best, other) if on else (other, best)
-    if (compiled if pays(compiled, eager, ev, graph, steps) else eager) is best:
+    if (compiled if auto and pays(compiled, eager, ev, graph, steps) else eager) is best:
         return best
     other.other, other.norm_other, other.origin = best.other, best.norm_other, best.origin
     return other
@@ -68,7 +79,8 @@ def compile_terms(startup: float, gain: float) -> str:
             + (f"pays after {math.ceil(startup / gain):,} steps" if gain > 0 else "never pays"))
 
 
-def compile_lines(best: Candidate, ev, cons, graph, compilable: list[bool], steps: int) -> list[str]:
+def compile_lines(best: Candidate, ev, cons, graph, compilable: list[bool], steps: int, *,
+                  auto: bool = True) -> list[str]:
     """One line: whether the repeated blocks run under ``torch.compile``, why, and compile's start-up against its gain
     per step over the ``steps`` planned (the other choice costed on the chosen plan as it is, its other levers kept)."""
     if not any(compilable):
@@ -89,5 +101,8 @@ def compile_lines(best: Candidate, ev, cons, graph, compilable: list[bool], step
     if on_c:
         return [f"Compiled with torch.compile (chosen: it pays within the {steps:,} steps planned): {n} layer(s), "
                 f"each on its own; {terms}."]
+    if not auto:
+        return [f"Eager (on the cpu preset compile is taken once a compiled run has calibrated it: its gain here "
+                f"moves with the host's load): fix compile=True would compile {n} layer(s); {terms}."]
     return [f"Eager (not compiled: it would not pay within the {steps:,} steps planned): fix compile=True would "
             f"compile {n} layer(s); {terms}."]
