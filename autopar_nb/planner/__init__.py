@@ -31,7 +31,7 @@ from ..plan import (
     within,
 )
 from .async_tp import async_tp_choice, async_tp_lines
-from .compile import HORIZON_STEPS, chosen_by_itself, compile_choice, compile_lines, horizon
+from .compile import HORIZON_STEPS, compile_choice, compile_lines, horizon
 from .constraints import Constraints, parse
 from .degrees import cp_degrees
 from .explain import explain, fmt_bytes, fused_loss_lines, fused_norm_lines, op_list_lines
@@ -155,8 +155,7 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
     feasible.sort(key=lambda c: (c.cost.step_time_s, c.setting.pp, c.setting.tp, c.setting.zero_stage))
     seen: set = set()
     ranked = [c for c in feasible if not (c.key in seen or seen.add(c.key))]  # the first of each key
-    auto = chosen_by_itself(cluster)
-    best = compile_choice(ranked[0], ev, cons, graph, search.compilable, steps, auto=auto)
+    best = compile_choice(ranked[0], ev, cons, graph, search.compilable, steps)
     best, float8_other = float8_choice(best, ev, cons, cluster)
     best, async_other = async_tp_choice(best, ev, cons, cluster)
     ranked[0] = best
@@ -165,7 +164,7 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
     chosen = plans[0]
     chosen.alternatives = plans[1:]
     chosen.explanation = explain(chosen, best, ranked, found.over, cons, cluster, prof)
-    chosen.explanation += compile_lines(best, ev, cons, graph, search.compilable, steps, auto=auto)
+    chosen.explanation += compile_lines(best, ev, cons, graph, search.compilable, steps)
     chosen.explanation += fused_loss_lines(best, ev, cons, fused_why)
     chosen.explanation += fused_norm_lines(best, ev, cons) + float8_lines(best, float8_other, cons, cluster)
     chosen.explanation += async_tp_lines(best, async_other, cons, cluster) + offload_lines(best, cons, cluster)

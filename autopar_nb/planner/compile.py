@@ -54,14 +54,13 @@ def pays(on: Candidate, off: Candidate, ev, graph, steps: int) -> bool:
     return on.fits and (off.cost.step_time_s - on.cost.step_time_s) * steps > startup_s(on, ev, graph)
 
 
-def compile_choice(best: Candidate, ev, cons, graph, compilable: list[bool], steps: int, *,
-                   auto: bool = True) -> Candidate:
-    """The chosen candidate: ``best`` compiled or eager, whichever :func:`pays` (eager unless ``auto``:
+def compile_choice(best: Candidate, ev, cons, graph, compilable: list[bool], steps: int) -> Candidate:
+    """The chosen candidate: ``best`` compiled or eager, whichever :func:`pays` (eager where compile is not
     :func:`chosen_by_itself`); as fixed (compile, or async TP, which needs it), and eager with pp > 1 or no layer
     to compile. Chosen before float8 and async TP, whose casts cost less compiled and which runs compiled only."""
     if not any(compilable) or best.setting.pp > 1 or "compile" in cons.fix or cons.fix.get("async_tp"):
         return best
-    on = any(c.compile for i, c in enumerate(best.choices) if compilable[i])
+    on, auto = any(c.compile for i, c in enumerate(best.choices) if compilable[i]), chosen_by_itself(ev.cluster)
     if not auto and not on:
         return best
     other = with_compile(best, ev, compilable, not on)
@@ -79,8 +78,7 @@ def compile_terms(startup: float, gain: float) -> str:
             + (f"pays after {math.ceil(startup / gain):,} steps" if gain > 0 else "never pays"))
 
 
-def compile_lines(best: Candidate, ev, cons, graph, compilable: list[bool], steps: int, *,
-                  auto: bool = True) -> list[str]:
+def compile_lines(best: Candidate, ev, cons, graph, compilable: list[bool], steps: int) -> list[str]:
     """One line: whether the repeated blocks run under ``torch.compile``, why, and compile's start-up against its gain
     per step over the ``steps`` planned (the other choice costed on the chosen plan as it is, its other levers kept)."""
     if not any(compilable):
@@ -101,7 +99,7 @@ def compile_lines(best: Candidate, ev, cons, graph, compilable: list[bool], step
     if on_c:
         return [f"Compiled with torch.compile (chosen: it pays within the {steps:,} steps planned): {n} layer(s), "
                 f"each on its own; {terms}."]
-    if not auto:
+    if not chosen_by_itself(ev.cluster):
         return [f"Eager (on the cpu preset compile is taken once a compiled run has calibrated it: its gain here "
                 f"moves with the host's load): fix compile=True would compile {n} layer(s); {terms}."]
     return [f"Eager (not compiled: it would not pay within the {steps:,} steps planned): fix compile=True would "
