@@ -69,6 +69,8 @@ PLANS = {
     "cp-zero3": {"dp": 2, "tp": 1, "pp": 1, "cp": 2, "zero_stage": 3},
     # FSDP over the dp x cp ranks beside TP (torchtitan's dp_shard_cp x tp)
     "cp-tp": {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "zero_stage": 3},
+    # each pipeline stage's sequences split over its cp ranks, FSDP over dp x cp (torchtitan's 4-D layouts)
+    "cp-pp": {"dp": 1, "tp": 1, "pp": 2, "cp": 2, "zero_stage": 3, "micro_batches": 4, "schedule": "1f1b"},
 }
 """plan name -> the planner's fixed choices (fp32, no recompute unless --amp / --recompute)"""
 ALL = "LLaMA,Qwen2,GPT-NeoX,GPT-2,BERT,T5,ViT,Mixtral"
@@ -93,6 +95,7 @@ COMPOSITIONS = [
     ("Mixtral", "ep-dp,ep-pp", "none,bf16", "none,full"),
     ("LLaMA,GPT-2,Mixtral", "cp-zero3", "none,bf16", "none,full"),
     ("LLaMA,GPT-2,Mixtral", "cp-tp", "none,bf16", "none,full"),
+    ("LLaMA,GPT-2,Mixtral", "cp-pp", "none,bf16", "none,full"),
 ]
 """the composition table's groups: techniques together, as the planner offers them at scale (``--compositions``)"""
 QUICK = [

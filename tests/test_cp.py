@@ -30,8 +30,7 @@ def test_plan_checks_cp():
         cp_plan(src, seq_len=18)
     with pytest.raises(PlanError, match="mesh.cp=2 needs a sequence model: batch.seq_len is null"):
         cp_plan(src, seq_len=None)
-    with pytest.raises(PlanError, match=r"mesh.cp=2 with mesh.pp > 1 \(pipeline stages are traced graphs"):
-        cp_plan(src, pp=2, micro_batches=2, stages={"layers.1": 1})
+    assert cp_plan(src, pp=2, micro_batches=2, stages={"layers.1": 1}).mesh.world_size == 4  # each stage's ring
     with pytest.raises(PlanError, match=r"mesh.cp must be >= 1, got 0"):
         cp_plan(src, cp=0)
     d = plan.to_dict()
@@ -62,6 +61,19 @@ def test_script_splits_sequences_beside_tensor_parallelism():
     assert "parallelize_module(" in text and 'apply_fsdp(part, mesh["dp_cp"]' in text
     with pytest.raises(NotImplementedError, match=r"dp\(1\) x cp\(2\) x tp\(2\) with ZeRO-1"):
         render_script(src, cp_plan(src, tp=2, zero=1, tp_styles=tp))
+
+
+def test_script_splits_sequences_before_the_pipeline():
+    """cp x pp: the batch split over the cp ranks before the schedule splits it, every stage traced on this rank's
+    part (positions given, one sequence per row: causal attention, no mask), the ring on for every stage."""
+    src = hf_source("LLaMA")
+    text = render_script(src, cp_plan(src, pp=2, zero=3, seq_len=64, micro_batches=2,
+                                      stages={"model.layers.1": 1}))
+    assert 'shard = functools.partial(sequence_shards, mesh["cp"], causal=CAUSAL, per_sample=True)' in text
+    assert "loss = functools.partial(sequence_loss, cp=CP, positions=takes_positions(model))" in text
+    assert "example = model_call(loss, shard_of(shard, split_batch(" in text
+    assert "one_sequence_per_row=True" in text and "shard=shard" in text
+    assert 'apply_fsdp(part, mesh["dp_cp"]' in text and "def attention_called_late(" in text
 
 
 def test_script_refuses_what_cp_cannot_run():
@@ -142,6 +154,27 @@ def test_verify_cp_beside_tensor_parallelism():
     for plan, report in zip(plans, verify_many([(src, p) for p in plans], steps=3, nproc=4, rtol=FP32_RTOL),
                             strict=True):
         assert report.ok and report.max_loss_rel < 1e-5, f"{plan.summary()}\n{report}"
+
+
+@pytest.mark.multiprocess
+def test_verify_cp_beside_pipelining():
+    """4 gloo processes, cp=2 x pp=2 as the planner plans a Hugging Face LLaMA (hidden 256, 4 layers, seq 256): each
+    batch's sequences split over the cp ranks before the schedule splits it into micro-batches, each stage
+    traced on this rank's part and calling SDPA when it runs (torch's context_parallel makes it the ring over the
+    stage's cp ranks; the traced op would attend over this rank's part only), FSDP2 (ZeRO-3) over dp_cp; losses,
+    gradients and parameters equal to one process's."""
+    from memcells import CELLS
+
+    import autopar_nb as ap
+    from autopar_nb.verify import FP32_RTOL, verify_many
+
+    src = ModelSource(CELLS["LLaMA"](hidden=256, layers=4, seq=256, batch=2))
+    model, inputs, _ = src.build(device="meta")
+    plan = ap.plan(ap.capture(model, inputs), ap.Cluster.preset("cpu", 1, 4), global_batch=2,
+                   fix={"cp": 2, "pp": 2, "schedule": "1f1b", "zero_stage": 3, "amp": "none", "recompute": "none"})
+    assert (plan.mesh.cp, plan.mesh.pp) == (2, 2), plan.summary()
+    report, = verify_many([(src, plan)], steps=3, nproc=4, rtol=FP32_RTOL)
+    assert report.ok and report.max_loss_rel < 1e-5, f"{plan.summary()}\n{report}"
 
 
 def tiny_llama_graph():

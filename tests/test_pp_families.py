@@ -454,14 +454,13 @@ def test_stages_pass_no_mask_where_eager_makes_none(name):
     A padding mask in the batch still goes through as a mask."""
     import torch
 
+    from autopar_nb.runtime.pp_graph import scaled_dot_product_attention
     from autopar_nb.runtime.pp_split import split_model
     from autopar_nb.runtime.train import switch_off_kv_cache
 
-    sdpa = torch.ops.aten.scaled_dot_product_attention.default
-
-    def masks(stages):
+    def masks(stages):  # the traced op, called through F.scaled_dot_product_attention (attention_called_late)
         calls = [n for s in stages for m in s.modules() if hasattr(m, "graph") for n in m.graph.nodes
-                 if n.op == "call_function" and n.target is sdpa]
+                 if n.op == "call_function" and n.target is scaled_dot_product_attention]
         return calls, [n for n in calls if len(n.args) > 3 and n.args[3] is not None or "attn_mask" in n.kwargs]
 
     model, inputs, _ = run_model_cell(FAMILIES[name], {}).source.build(device="cpu")

@@ -285,7 +285,8 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
     if v.pp > 1:
         whole = "whole" if v.static_shapes else "_"  # the traced whole model: read for the stages' boundary shapes
         split = call("split_model", "model", boundaries="STAGE_BOUNDARIES", microbatch="example",
-                     **({"loss_head": "FUSED_LOSS"} if v.fused_loss else {}), indent=len(f"    stages, {whole} = "))
+                     **({"loss_head": "FUSED_LOSS"} if v.fused_loss else {}),
+                     **({"one_sequence_per_row": "True"} if v.cp > 1 else {}), indent=len(f"    stages, {whole} = "))
         head += ["    # pipeline stages: trace the model on one micro-batch, cut it before each stage's first layer",
                  f"    stages, {whole} = {split}",
                  "    shapes = boundary_values(whole, stages, example)" if v.static_shapes else
@@ -347,8 +348,9 @@ def main_source(v: ScriptValues, source: ModelSource, *, telemetry: bool = True)
     if source.loss_fn_var:
         loss = source.loss_fn_var
     elif v.cp > 1:  # the default loss on this rank's part of each sequence (runtime/cp.py)
-        loss = "functools.partial(sequence_loss, cp=CP)"
-        uses += ["sequence_loss", "sequence_shards"]
+        loss = "functools.partial(sequence_loss, cp=CP" + f", positions=takes_positions({source.model_var})" * (
+            v.pp > 1) + ")"
+        uses += ["sequence_loss", "sequence_shards"] + ["takes_positions", "shard_of"] * (v.pp > 1)
     else:
         loss = f"functools.partial({'fused_default_loss' if v.fused_loss else 'default_loss'}, causal=CAUSAL)"
         uses.append("fused_default_loss" if v.fused_loss else "default_loss")
@@ -386,24 +388,7 @@ def main_source(v: ScriptValues, source: ModelSource, *, telemetry: bool = True)
     context = "context"
     uses.append("step_context")
     if v.pp > 1:
-        uses += ["stage_ids", "split_batch", "to_device", "model_call", "build_stage", "StageLoss", "build_schedule",
-                 "pipeline_step"]
-        lines.append("ids = stage_ids(mesh[\"pp\"].get_local_rank(), PP, NUM_STAGES, SCHEDULE)  # the stages held here")
-        if v.dataset:  # only the first stage (inputs) and the last (targets) read samples
-            first = call("first_batch", source.dataset_var, batch_size="BATCH_SIZE",
-                         **({"collate_fn": source.collate_fn_var} if v.collate_fn else {}))
-            lines += ["make_batch_fn = None  # a stage between the first and the last reads no data",
-                      "if 0 in ids or NUM_STAGES - 1 in ids:  # the first stage takes the inputs, the last the targets",
-                      "    make_batch_fn = " + batches.replace("\n", "\n    "),
-                      "# every stage traces its part of the model on the dataset's first samples",
-                      f"first = {first}",
-                      "example = model_call(loss, split_batch(to_device(first, device), MICRO_BATCHES)[0])"]
-            uses.append("first_batch")
-        else:
-            lines.append("example = model_call(loss, split_batch(to_device(make_batch_fn(0, dp_rank), device), "
-                         "MICRO_BATCHES)[0])")
-        lines += ["parts, shapes = parallelize(net, mesh, device, ids, example)",
-                  ("del example, first" if v.dataset else "del example") + "  # (a whole batch): not held for the run"]
+        lines += _pipeline_lines(v, source, batches, uses)
     else:
         lines.append("parts = parallelize(net, mesh, device)")
     lines += weights_lines(v)
@@ -432,7 +417,7 @@ def main_source(v: ScriptValues, source: ModelSource, *, telemetry: bool = True)
                   "forward_backward = " + call("functools.partial", "pipeline_step", "schedule", "stage_loss",
                                                micro_batches="MICRO_BATCHES", has_first="0 in ids",
                                                has_last="NUM_STAGES - 1 in ids", device="device", context=context,
-                                               indent=19, width=120 - ind),
+                                               **({"shard": "shard"} if v.cp > 1 else {}), indent=19, width=120 - ind),
                   "counts_loss = NUM_STAGES - 1 in ids and mesh[\"tp\"].get_local_rank() == 0",
                   *(["tied = TiedGradients(parts, TIES, mesh)  # an embedding and its head on different stages"]
                     if v.ties else [])]
@@ -452,6 +437,33 @@ def main_source(v: ScriptValues, source: ModelSource, *, telemetry: bool = True)
     lines += ["if args.dry_run:", "    print_parameter_counts(parts)", "else:",
               "    " + _train_call(v, scaler, telemetry, width=120 - ind), *_save_hf(v, mv, uses)]
     return "\n".join(" " * ind + line for line in "\n".join(lines).splitlines()), uses
+
+
+def _pipeline_lines(v: ScriptValues, source: ModelSource, batches: str, uses: list[str]) -> list[str]:
+    """``main``'s lines before a pipelined ``parallelize``: the stages held here, the batches (on the end stages
+    only, from a dataset), the micro-batch the stages are traced on (under cp, this rank's part of it)."""
+    trace = "example = model_call(loss, " + ("shard_of(shard, {}))" if v.cp > 1 else "{})")
+    uses += ["stage_ids", "split_batch", "to_device", "model_call", "build_stage", "StageLoss", "build_schedule",
+             "pipeline_step"]
+    lines = ["ids = stage_ids(mesh[\"pp\"].get_local_rank(), PP, NUM_STAGES, SCHEDULE)  # the stages held here"]
+    if v.cp > 1:
+        lines += ["# context parallelism: sequences split over the cp ranks before the schedule splits the batch",
+                  "shard = functools.partial(sequence_shards, mesh[\"cp\"], causal=CAUSAL, per_sample=True)"]
+    if v.dataset:  # only the first stage (inputs) and the last (targets) read samples
+        first = call("first_batch", source.dataset_var, batch_size="BATCH_SIZE",
+                     **({"collate_fn": source.collate_fn_var} if v.collate_fn else {}))
+        lines += ["make_batch_fn = None  # a stage between the first and the last reads no data",
+                  "if 0 in ids or NUM_STAGES - 1 in ids:  # the first stage takes the inputs, the last the targets",
+                  "    make_batch_fn = " + batches.replace("\n", "\n    "),
+                  "# every stage traces its part of the model on the dataset's first samples",
+                  f"first = {first}",
+                  trace.format("split_batch(to_device(first, device), MICRO_BATCHES)[0]")]
+        uses.append("first_batch")
+    else:
+        lines.append(trace.format("split_batch(to_device(make_batch_fn(0, dp_rank), device), MICRO_BATCHES)[0]"))
+    lines += ["parts, shapes = parallelize(net, mesh, device, ids, example)",
+              ("del example, first" if v.dataset else "del example") + "  # (a whole batch): not held for the run"]
+    return lines
 
 
 def _train_call(v: ScriptValues, scaler: str, telemetry: bool, *, width: int) -> str:

@@ -36,8 +36,7 @@ def check_cp(plan) -> None:
     if seq % (2 * m.cp):
         raise PlanError(f"mesh.cp={m.cp} needs batch.seq_len divisible by 2 * cp = {2 * m.cp} (torch's "
                         f"load balancing cuts each sequence into 2 * cp chunks), got seq_len {seq}")
-    why = ("mesh.pp > 1 (pipeline stages are traced graphs, where torch's context_parallel cannot replace the "
-           "attention)" if m.pp > 1 else "mesh.ep > 1" if m.ep > 1 else
+    why = ("mesh.ep > 1" if m.ep > 1 else
            "fused_loss (the fused head computes the unsplit sequence's loss)" if plan.fused_loss else "")
     if why:
         raise PlanError(f"mesh.cp={m.cp} with {why} is not supported; set mesh.cp to 1")

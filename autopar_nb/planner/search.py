@@ -266,11 +266,10 @@ class Search:
         "" when it can. The runtime's restrictions: ZeRO-1's ZeroRedundancyOptimizer does not take TP's DTensor
         parameters (dp x tp runs ZeRO 0 through FSDP2's replicate, or ZeRO 2/3); SyncBatchNorm is not applied under
         pipelining; pipelining does not take fp16 loss scaling, nor a model torch.export cannot trace, nor the fused
-        head beside TP (it runs on the last stage unsplit); context parallelism runs beside data and TP only."""
+        head beside TP (it runs on the last stage unsplit); context parallelism does not take the fused head."""
         fix = self.cons.fix
-        if cp > 1 and (pp > 1 or fix.get("fused_loss")):
-            return f"cp={cp} with " + (f"pp={pp}: pipeline stages are traced graphs, where torch's context_parallel " \
-                "cannot replace the attention; use pp=1 or cp=1" if pp > 1 else "fused_loss: use fused_loss=False")
+        if cp > 1 and fix.get("fused_loss"):
+            return f"cp={cp} with fused_loss: use fused_loss=False"
         if dp * cp > 1 and tp > 1 and fix.get("zero_stage") == 1:
             return (f"dp({dp})" + f" x cp({cp})" * (cp > 1) + f" x tp({tp}) with ZeRO-1: ZeroRedundancyOptimizer does "
                     "not take DTensor parameters; fix zero_stage 0 (replicated, Megatron's DDP + TP), 2 or 3, or tp=1")

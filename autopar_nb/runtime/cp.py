@@ -99,9 +99,9 @@ class SequenceShard:
     labels: torch.Tensor
     """(batch, seq / cp) the token each position predicts; IGNORE_INDEX where there is none"""
     positions: torch.Tensor
-    """(1, seq / cp) each token's place in its whole sequence (the same in every sample)"""
-    tokens: int
-    """labelled positions of the whole micro-batch (every cp rank's together)"""
+    """(1 or batch, seq / cp) each token's place in its whole sequence (one row for every sample, or one each)"""
+    tokens: torch.Tensor
+    """(batch,) labelled positions of each whole sample (every cp rank's together)"""
 
 
 def sequence_tensor(batch) -> torch.Tensor:
@@ -114,27 +114,41 @@ def sequence_tensor(batch) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def sequence_shards(cp_mesh, batch, *, causal: bool):
+def sequence_shards(cp_mesh, batch, *, causal: bool, per_sample: bool = False):
     """Run a forward and backward inside this (with ... as shard:): the micro-batch's sequences split over
     ``cp_mesh`` by torch's ``context_parallel`` (which also routes SDPA to its ring attention for the duration).
     The labels are built before the split (the next token for a causal LM, the same one otherwise), so the tokens
-    that cross a shard boundary keep theirs."""
-    ids = sequence_tensor(batch)
-    labels = ids.clone() if not causal else torch.cat(
-        [ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1)
-    inputs, tokens = ids.clone(), int((labels != IGNORE_INDEX).sum())
-    # one row for every sample, as a model numbering its own positions makes them (so the rotary
-    # tables or position embeddings it computes from them keep the shapes the cost model captured)
-    positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-    if ids.device.type == "cpu":
+    that cross a shard boundary keep theirs. ``per_sample``: positions in one row per sample, which a pipeline
+    schedule splits into micro-batches with the tokens. ``batch`` None (a pipeline stage between the first and the
+    last, which reads no data): nothing to split, yet its attention runs as the ring (yields None)."""
+    if batch is None:
+        # context_parallel shards at least one buffer: a stand-in of 2 * cp positions, split as the sequences are
+        buffers, shard = [torch.zeros(1, 2 * cp_mesh.size(), device=cp_mesh.device_type)], None
+    else:
+        ids = sequence_tensor(batch)
+        labels = ids.clone() if not causal else torch.cat(
+            [ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1)
+        # one row for every sample, as a model numbering its own positions makes them (so the rotary
+        # tables or position embeddings it computes from them keep the shapes the cost model captured)
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        shard = SequenceShard(ids.clone(), labels, positions.repeat(ids.shape[0], 1) if per_sample else positions,
+                              (labels != IGNORE_INDEX).sum(1))
+        buffers = [shard.inputs, shard.labels, shard.positions]
+    if cp_mesh.device_type == "cpu":
         enable_cpu_ring_attention()
-    buffers = [inputs, labels, positions]
     # a rank's positions jump where its head chunk meets its tail chunk: Hugging Face's masking
     # would take that for two sequences packed into one row and mask them apart (each row is one
     # sequence here)
     with context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
                           no_restore_buffers=set(buffers)), masks_as_in_eager(own_positions=True):
-        yield SequenceShard(inputs, labels, positions, tokens)
+        yield shard
+
+
+def shard_of(shard, batch):
+    """What ``shard(batch)`` (a :func:`sequence_shards`) yields, outside its block: this rank's part of the
+    sequences, for the pipeline's trace (which runs no attention across ranks)."""
+    with shard(batch) as piece:
+        return piece
 
 
 def takes_positions(model) -> bool:
@@ -147,11 +161,14 @@ def takes_positions(model) -> bool:
         return False
 
 
-def sequence_loss(model, shard: SequenceShard, *, cp: int) -> torch.Tensor:
+def sequence_loss(model, shard: SequenceShard, *, cp: int, positions: bool | None = None) -> torch.Tensor:
     """The default loss (cross-entropy against the labels) on this cp rank's tokens, scaled so that the average over
-    the ``dp * cp`` ranks is the mean over the whole batch (module docstring)."""
-    out = model(shard.inputs, **({POSITIONS: shard.positions} if takes_positions(model) else {}))
+    the ``dp * cp`` ranks is the mean over the whole batch (module docstring). ``positions``: whether the model is
+    given ``position_ids`` (None: read from its forward, :func:`takes_positions`; a pipeline's first stage is called
+    as the whole model was, which the loss cannot read from the stage)."""
+    given = takes_positions(model) if positions is None else positions
+    out = model(shard.inputs, **({POSITIONS: shard.positions} if given else {}))
     logits = out.logits if hasattr(out, "logits") else out
     loss = F.cross_entropy(logits.flatten(0, 1).float(), shard.labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
-    return loss * cp / shard.tokens
+    return loss * cp / shard.tokens.sum()

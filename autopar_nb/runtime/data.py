@@ -18,6 +18,7 @@ Conventions for a cell's own ``loss_fn(model, batch)`` and ``make_batch(step, ra
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from itertools import islice
 
@@ -50,9 +51,13 @@ def first_tensor(batch):
 
 
 def split_batch(batch, n: int) -> list:
-    """``n`` micro-batches along dim 0 (``tensor_split``, as the pipeline schedules split their inputs)."""
+    """``n`` micro-batches along dim 0 (``tensor_split``, as the pipeline schedules split their inputs); a
+    dataclass of tensors (context parallelism's ``SequenceShard``) field by field."""
     if n == 1:
         return [batch]
+    if dataclasses.is_dataclass(batch):
+        parts = {f.name: split_batch(getattr(batch, f.name), n) for f in dataclasses.fields(batch)}
+        return [dataclasses.replace(batch, **{name: p[i] for name, p in parts.items()}) for i in range(n)]
     return [tree_map(lambda t, i=i: t.tensor_split(n)[i], batch) for i in range(n)]
 
 

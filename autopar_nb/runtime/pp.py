@@ -9,6 +9,8 @@ The model is cut into stages by :mod:`.pp_split`. Every stage output is sent as 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -288,21 +290,25 @@ class StageOutput(nn.Module):
 
 
 def pipeline_step(schedule, stage_loss: StageLoss, batch, *, micro_batches: int, has_first: bool, has_last: bool,
-                  context, device: str) -> torch.Tensor:
+                  context, device: str, shard=None) -> torch.Tensor:
     """Forward and backward of one batch through the pipeline schedule; returns the mean micro-batch loss on the
     last stage (0 elsewhere; under loss_parallel a replicated DTensor's local value). ``context()``: what the
-    stages run under (autocast). ``batch`` is None on a rank that holds neither end stage: it reads no data."""
-    stage_loss.micro = split_batch(batch, micro_batches) if batch is not None else []
-    args, kwargs = model_call(stage_loss.loss_fn, batch) if has_first else ((), {})
-    target = torch.arange(micro_batches) if has_last else None
-    losses: list = []
-    with context():
-        # the losses are all the step needs: the last stage keeps no outputs (a scalar loss in a model's output
-        # could not be merged over the micro-batches, and the logits of every micro-batch would stay alive)
-        schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-    sends = next((s.sends for s in _stages(schedule) if getattr(s, "sends", None) is not None), None)
-    if sends is not None:
-        sends.wait()  # the step's last sends, before the optimizer step, as the schedule waits for its own
+    stages run under (autocast). ``batch`` is None on a rank that holds neither end stage: it reads no data.
+    ``shard(batch)``: what the step runs inside, yielding this rank's part of the batch (context parallelism's
+    ``sequence_shards``: the sequences split before the schedule splits the micro-batches, the ring attention on for
+    every stage, the middle ones' too)."""
+    with shard(batch) if shard is not None else contextlib.nullcontext(batch) as batch:
+        stage_loss.micro = split_batch(batch, micro_batches) if batch is not None else []
+        args, kwargs = model_call(stage_loss.loss_fn, batch) if has_first else ((), {})
+        target = torch.arange(micro_batches) if has_last else None
+        losses: list = []
+        with context():
+            # the losses are all the step needs: the last stage keeps no outputs (a scalar loss in a model's output
+            # could not be merged over the micro-batches, and the logits of every micro-batch would stay alive)
+            schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        sends = next((s.sends for s in _stages(schedule) if getattr(s, "sends", None) is not None), None)
+        if sends is not None:
+            sends.wait()  # the step's last sends, before the optimizer step, as the schedule waits for its own
     if not has_last:
         return torch.zeros((), device=device)
     return torch.stack([_local(x).detach().float() for x in losses]).mean()
@@ -328,7 +334,7 @@ class TiedGradients:
                 continue  # one copy holds every use: autograd sums the gradient already
             group = None
             if len(stages) > 1:
-                for column in mesh.mesh.permute(1, 2, 0).reshape(-1, pp.size()).tolist():  # every (dp, tp) position
+                for column in mesh.mesh.movedim(0, -1).reshape(-1, pp.size()).tolist():  # every (dp, [cp,] tp) place
                     ranks = [column[i] for i in stages]
                     made = dist.new_group(ranks)  # every rank takes part in creating every group
                     if dist.get_rank() in ranks:

@@ -19,6 +19,7 @@ import sys
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.export.unflatten import InterpreterModule
 
 
@@ -228,6 +229,32 @@ def splits_into_equal_parts(root: nn.Module) -> int:
 def equal_parts(x: torch.Tensor, parts: int, dim: int) -> tuple:
     """``x`` split into ``parts`` equal parts along ``dim``."""
     return torch.split(x, x.shape[dim] // parts, dim)
+
+
+def attention_called_late(root: nn.Module) -> int:
+    """Make every traced attention call ``F.scaled_dot_product_attention`` as it is when the stage runs, not the
+    aten op the trace recorded. torch's ``context_parallel`` replaces that function for the duration of a step (its
+    ring attention over the cp ranks); a graph calling the op directly would attend over this rank's part of the
+    sequence only. Outside ``context_parallel`` the function dispatches to the same op. Returns how many it
+    rewrote."""
+    count = 0
+    for module in list(root.modules()):
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        calls = [n for n in graph.nodes if n.op == "call_function"
+                 and n.target is torch.ops.aten.scaled_dot_product_attention.default]
+        for node in calls:
+            node.target = scaled_dot_product_attention
+        if calls:
+            _recompile(module)
+            count += len(calls)
+    return count
+
+
+def scaled_dot_product_attention(*args, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``, looked up at each call (see :func:`attention_called_late`)."""
+    return F.scaled_dot_product_attention(*args, **kwargs)
 
 
 def _recompile(module: nn.Module) -> None:

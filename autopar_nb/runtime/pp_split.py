@@ -22,6 +22,7 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 from torch.utils._pytree import tree_flatten
 
 from .pp_graph import (
+    attention_called_late,
     casts_as_in_eager,
     casts_follow_parameters,
     chain_stages,
@@ -32,8 +33,8 @@ from .pp_graph import (
 )
 
 
-def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tuple, dict], loss_head: str = ""
-                ) -> tuple[list[nn.Module], nn.Module]:
+def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tuple, dict], loss_head: str = "",
+                one_sequence_per_row: bool = False) -> tuple[list[nn.Module], nn.Module]:
     """Trace ``model`` on one micro-batch of inputs and cut it before each module in ``boundaries``.
 
     Returns one module per stage, with the original parameter names and leaf modules, each reading exactly the
@@ -41,6 +42,8 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
     :func:`boundary_values` runs). ``loss_head``: the path of a module the last stage holds but does not run (the
     head ``plan.fused_loss`` fuses with the loss): it is traced as its input, so the last stage returns that
     in place of its output, and :class:`StageLoss` runs it on that input (:func:`hold_loss_head`).
+    ``one_sequence_per_row``: the ``position_ids`` given number one sequence per row, though not from 0 in order
+    (context parallelism's part of each sequence): masked as positions the model makes itself, causal attention.
     """
     args, kwargs = microbatch
     specs: list = []  # the structure of the model's output, seen while it is traced
@@ -56,7 +59,7 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
     if head is not None:  # its input in its place; what that returned is found among the model's outputs
         _swap(model, loss_head, _HeadInput()).register_forward_hook(lambda m, a, out: seen.append(out))
     try:  # (a Hugging Face model's key/value cache is off: train.switch_off_kv_cache, which the script calls)
-        with (masks_as_in_eager(own_positions="position_ids" not in (kwargs or {})),
+        with (masks_as_in_eager(own_positions=one_sequence_per_row or "position_ids" not in (kwargs or {})),
               weights_on(model, _device_of(microbatch)) as originals):
             pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None,
                             split_spec={path: SplitPoint.BEGINNING for path in boundaries})
@@ -78,6 +81,7 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
     splits_into_equal_parts(pipe.split_gm)
     casts_as_in_eager(pipe.split_gm)
     casts_follow_parameters(pipe.split_gm)
+    attention_called_late(pipe.split_gm)
     pipe.executor = type(pipe.executor)(pipe.split_gm)  # the Pipe runs the rewritten graph
     originals = dict(model.named_modules())
     stages = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
