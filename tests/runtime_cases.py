@@ -263,6 +263,18 @@ model = GemmaForCausalLM(GemmaConfig(vocab_size=128, hidden_size=32, intermediat
 example_inputs = (torch.randint(0, 128, (4, 16)),)
 """
 
+# multi-query attention in one fused query_key_value (4 query heads, then one key and one value head), FalconLinear
+# (an nn.Linear whose forward is input @ weight.T), attention and MLP in parallel, the MLP's output added to in place;
+# dropout off (verify keeps the random streams of both runs apart)
+HF_FALCON_CELL = """\
+import torch
+from transformers import FalconConfig, FalconForCausalLM
+
+model = FalconForCausalLM(FalconConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       hidden_dropout=0.0, attention_dropout=0.0))
+example_inputs = (torch.randint(0, 128, (4, 16)),)
+"""
+
 HF_GEMMA2_CELL = """\
 import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM
@@ -388,6 +400,18 @@ def hf_gqa_tp(n_layers: int = 2, *, heads: int = 4, kv_heads: int = 1) -> tuple[
     for i in range(n_layers):
         p = f"model.layers.{i}.self_attn"
         parts |= {f"{p}.q_proj": [heads], f"{p}.k_proj": [kv_heads], f"{p}.v_proj": [kv_heads]}
+    return styles, parts
+
+
+def hf_falcon_tp(n_layers: int = 2, *, heads: int = 4) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """Falcon's blocks: the fused multi-query query_key_value colwise with parts [heads, 1, 1] (query heads split, the
+    key and value head repeated), dense rowwise, the MLP colwise/rowwise."""
+    styles, parts = {}, {}
+    for i in range(n_layers):
+        p = f"transformer.h.{i}"
+        styles |= {f"{p}.self_attention.query_key_value": "colwise", f"{p}.self_attention.dense": "rowwise",
+                   f"{p}.mlp.dense_h_to_4h": "colwise", f"{p}.mlp.dense_4h_to_h": "rowwise"}
+        parts[f"{p}.self_attention.query_key_value"] = [heads, 1, 1]
     return styles, parts
 
 

@@ -317,7 +317,8 @@ def test_hugging_face_gpt2_from_config():
 
 def test_transposes_written_as_attributes_are_known_views():
     """``weight.T`` (Falcon's FalconLinear computes ``input @ self.weight.T``) and ``.mT`` trace as aten.numpy_T and
-    aten.mT: views that move no data, not ops without a rule (which warned and were counted as 0 FLOPs unknown)."""
+    aten.mT: views that move no data, not ops without a rule (which warned and were counted as 0 FLOPs unknown); a
+    view of a parameter stands for the parameter itself, as under eager dispatch."""
 
     class Net(nn.Module):
         def __init__(self):
@@ -330,4 +331,22 @@ def test_transposes_written_as_attributes_are_known_views():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         g = ap.capture(_meta(Net), torch.randn(4, 8))
-    assert not g.unknown_ops and {n.op_class for n in g.nodes if "numpy_T" in n.op or "mT" in n.op} == {"view"}
+    assert not g.unknown_ops
+    assert [n.params for n in g.nodes if n.op_class == "matmul"] == [["w"], ["w"]]
+
+
+def test_a_linear_subclass_with_its_own_forward_is_a_linear():
+    """Falcon's ``FalconLinear`` (an ``nn.Linear`` whose forward is ``input @ self.weight.T + self.bias``) is captured
+    as the Linear it is: ``aten.linear`` reading its weight, in a module the TP rules read as "Linear" (before, a
+    ``numpy_T`` node held the weight and the ``matmul`` none, and TP left Falcon's blocks whole)."""
+
+    class FalconLike(nn.Linear):
+        def forward(self, x):
+            return x @ self.weight.T + self.bias
+
+    model = _meta(lambda: nn.Sequential(FalconLike(8, 16), nn.ReLU(), FalconLike(16, 4)))
+    g = ap.capture(model, torch.randn(4, 8))
+    linear = [n for n in g.nodes if n.op_class == "matmul"]
+    assert [(n.op, n.params, n.module_type) for n in linear] == [
+        ("aten.linear.default", ["0.weight"], "Linear"), ("aten.linear.default", ["2.weight"], "Linear")]
+    assert [n.flops for n in linear] == [2 * 4 * 8 * 16, 2 * 4 * 16 * 4]

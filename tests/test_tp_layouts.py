@@ -15,6 +15,7 @@ import torch.nn as nn
 from runtime_cases import (
     GPT_CELL,
     HF_BERT_CELL,
+    HF_FALCON_CELL,
     HF_GEMMA_CELL,
     HF_GPT2_CELL,
     HF_LLAMA_CELL,
@@ -22,6 +23,7 @@ from runtime_cases import (
     HF_T5_CELL,
     has_transformers,
     hf_bert_tp,
+    hf_falcon_tp,
     hf_gpt2_tp,
     hf_gqa_tp,
     hf_phi3_tp,
@@ -60,6 +62,8 @@ def _cases() -> dict:
             "bert": (source(BERT_CELL), hf_bert_tp(), {}),
             "t5_relative_bias": (source(HF_T5_CELL), *hf_t5_tp()),
             "gemma_one_kv_head": (source(HF_GEMMA_CELL), *hf_gqa_tp(kv_heads=1)),
+            # one fused [q|k|v] of 4 + 1 + 1 heads: query heads split, the key/value head repeated
+            "falcon_multi_query": (source(HF_FALCON_CELL), *hf_falcon_tp()),
         }
         cases["gpt2_conv1d_meta_init"] = cases["gpt2_conv1d"]  # built on meta, initialised shard by shard
     return cases
@@ -102,7 +106,7 @@ def expected_local_numel(src, plan) -> tuple[int, int]:
             seen.add(id(p))
             full += p.numel()
             style, heads = styles.get(path, "replicate"), parts.get(path, [tp])
-            repeated = len(heads) == 1 and heads[0] < tp
+            repeated = any(h % tp for h in heads)  # fewer heads than ranks in a part: the weight whole
             packed_bias = len(heads) > 1 and len(set(heads)) == 1 and p.dim() == 1
             split = (style == "colwise" and not repeated and not packed_bias) or (
                 style == "rowwise" and p.dim() == 2)
@@ -166,8 +170,10 @@ def test_part_layouts():
     assert part_layout("a", nn.Embedding(32, 4), [4], tp=2) == {"kind": "colwise"}
     with pytest.raises(ValueError, match="do not divide"):
         part_layout("a", lin, [3, 3, 3], tp=2)
+    # one kv head in a fused projection at tp=2 (Falcon's multi-query): query heads split, the key/value head kept
+    assert part_layout("a", nn.Linear(32, 32), [2, 1, 1], tp=2) == {"kind": "repeated_colwise", "heads": (2, 1, 1)}
     with pytest.raises(NotImplementedError, match="cannot be split"):
-        part_layout("a", nn.Linear(32, 48), [2, 1, 1], tp=2)  # one kv head in a fused projection at tp=2
+        part_layout("a", nn.Linear(32, 40), [3, 1, 1], tp=2)  # 3 query heads: neither split nor repeated
     with pytest.raises(NotImplementedError, match="cannot be split"):
         part_layout("a", nn.Linear(32, 24), [3], tp=2)
 
@@ -195,6 +201,8 @@ def test_local_sizes_and_styles_per_family():
         "bert": ("bert.encoder.layer.0.attention.self", None),  # views with -1: nothing to set
         "t5_relative_bias": ("decoder.block.0.layer.1.EncDecAttention", {"n_heads": 2}),
         "gemma_one_kv_head": ("model.layers.0.self_attn", {"num_key_value_groups": 2}),
+        "falcon_multi_query": ("transformer.h.0.self_attention",
+                               {"num_heads": 2, "num_kv_heads": 1, "num_key_value_groups": 2}),
     }
     for name, (src, styles, parts) in CASES.items():
         model, _, _ = src.build(device="meta")
@@ -210,6 +218,11 @@ def test_local_sizes_and_styles_per_family():
             assert st["bert.encoder.layer.0.attention.self.query"].output_layout is None
         if name == "phi3_gqa":
             assert st["model.layers.0.self_attn.o_proj"].input_layout == "replicate"
+        if name == "falcon_multi_query":  # FalconLinear is an nn.Linear: torch's styles, the qkv kept part by part
+            assert kinds == {"query_key_value": "repeated_colwise", "dense": "rowwise", "dense_h_to_4h": "colwise",
+                             "dense_4h_to_h": "rowwise"}, kinds
+            assert st["transformer.h.0.self_attention.query_key_value"].source() == \
+                "RepeatedColwiseParallel(input_layouts=Replicate(), heads=(4, 1, 1))"
     # setting them: idempotent, and a dotted name sets the module's own copy of the config
     src, styles, parts = CASES["phi3"]
     model = src.run()[src.model_var]

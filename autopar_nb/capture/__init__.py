@@ -31,6 +31,7 @@ from ..runtime.cp import takes_positions
 from ..runtime.pp_graph import masks_as_in_eager
 from ..runtime.train import switch_off_kv_cache
 from . import blocks
+from .linear import as_linear, class_name, param_view
 from .stand_in import stand_in, to_meta
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -190,6 +191,10 @@ def _from_export(model: nn.Module, args: tuple, kwargs: dict, stand_ins=None) ->
         if node.target.__name__ == "getitem":
             alias[node.name] = alias.get(node.args[0].name, node.args[0].name)
             continue
+        if param_view(node, placeholder_target) is not None:
+            # a view of a parameter (weight.T) stands for the parameter itself, as under eager dispatch
+            placeholder_target[node.name] = param_view(node, placeholder_target)
+            continue
         stack = [(_clean_path(p), t) for p, t in (node.meta.get("nn_module_stack") or {}).values()]
         stack = [(p.removeprefix("inner").removeprefix("."), t) for p, t in stack if p != ""]
         module_path, module_type = stack[-1] if stack else ("", type(model).__name__)
@@ -203,7 +208,8 @@ def _from_export(model: nn.Module, args: tuple, kwargs: dict, stand_ins=None) ->
         to_val = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a
         args_v, kwargs_v = torch.fx.node.map_aggregate((node.args, node.kwargs), to_val)
         outs = [o for o in tree_flatten(node.meta.get("val"))[0] if isinstance(o, torch.Tensor)]
-        raw.append(_RawOp(node.name, str(node.target), args_v, kwargs_v, outs, inputs, params, module_path,
+        op, args_v = as_linear(node, str(node.target), args_v, params, model, module_path)
+        raw.append(_RawOp(node.name, op, args_v, kwargs_v, outs, inputs, params, module_path,
                           _type_name(module_type)))
     returned = tree_flatten(ep.graph.output_node().args)[0]
     outs = [n.meta.get("val") for n in returned if isinstance(n, torch.fx.Node)]
@@ -390,7 +396,7 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, raw: list[_RawOp], outs:
     nodes: list[OpNode] = []
     pending: list[OpNode] = []  # ops before the first layer: they join it
     last_layer: str | None = None
-    scaled = {p for p, m in model.named_modules() if _class_name(m) != type(m).__name__}
+    renamed = {p: class_name(m) for p, m in model.named_modules() if class_name(m) != type(m).__name__}
     for r in raw:
         rule = kernels_ext.lookup(r.op)
         if rule is None:
@@ -404,7 +410,7 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, raw: list[_RawOp], outs:
         layer = _layer_of(r.module_path, tuple(layer_paths)) or last_layer
         node = OpNode(r.name, r.op, rule.op_class, r.inputs, in_shapes, [o.shape for o in out_meta],
                       out_meta[0].dtype if out_meta else "", flops, bwd, rd, wr, r.params, r.module_path,
-                      "Embedding" if r.module_path in scaled else r.module_type, layer or "", r.op not in unknown,
+                      renamed.get(r.module_path, r.module_type), layer or "", r.op not in unknown,
                       _dropout_p(r.op, r.args, r.kwargs))
         if layer is None:
             pending.append(node)
@@ -432,7 +438,7 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, raw: list[_RawOp], outs:
     layers = []
     for path, mod in layer_mods:
         own = own_params.get(path, [])
-        modules = {(f"{path}.{n}" if n and path else n or path): _class_name(m)
+        modules = {(f"{path}.{n}" if n and path else n or path): class_name(m)
                    for n, m in mod.named_modules() if next(m.parameters(recurse=False), None) is not None}
         lnodes = by_layer.get(path, [])
         block, index = member.get(path, (None, None))
@@ -461,15 +467,8 @@ def _param_infos(model: nn.Module) -> dict[str, ParamInfo]:
         mpath = _parent(name)
         is_buffer = not isinstance(t, nn.Parameter)
         out[name] = ParamInfo(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.element_size(), mpath,
-                              _class_name(modules[mpath]), t.requires_grad and not is_buffer, is_buffer)
+                              class_name(modules[mpath]), t.requires_grad and not is_buffer, is_buffer)
     return out
-
-
-def _class_name(module: nn.Module) -> str:
-    """The class name the TP rules read: a subclass of ``nn.Embedding`` with its own forward (Gemma's, which scales
-    the lookup by sqrt(hidden)) is an "Embedding", which PyTorch TP splits as one; the planner then runs its forward
-    on the shard (``planner/forward_run.py``)."""
-    return "Embedding" if isinstance(module, nn.Embedding) else type(module).__name__
 
 
 # ---- errors ---------------------------------------------------------------------------------------------------------

@@ -12,6 +12,19 @@ def packet(op: str) -> str:
     return parts[1] if len(parts) >= 2 else op
 
 
+class Blame(dict):
+    """Node -> why the TP walk keeps it whole: the first cause a walk found for it (``explain()``, the widget)."""
+
+    def add(self, nodes, why: str) -> None:
+        for k in nodes:
+            self.setdefault(k, why)
+
+
+def where(n) -> str:
+    """'layer_norm in transformer.h.0.ln_1' (for messages)."""
+    return f"{packet(n.op)} in {n.module_path or 'the model'}"
+
+
 def whole_bias(n, sharded, by_name) -> str:
     """Why matmul ``n`` cannot take operands split by heads when it adds a replicated tensor to their product (Bloom's
     ``alibi.baddbmm(q, k)``: the ALiBi bias of every head, made by the model and passed in); "" for another cause."""

@@ -54,7 +54,8 @@ from typing import NamedTuple
 import kernels_ext
 
 from .tp_heads import track_heads, within_heads
-from .tp_refusals import first_causes, packet, refuse_shared, whole_bias
+from .tp_parts import Parts, fused_cut, name_heads, parts_of, role_of, split_heads
+from .tp_refusals import Blame, first_causes, packet, refuse_shared, where, whole_bias
 
 PROJECTIONS = ("Linear", "Conv1D")
 """module classes whose Linear-like ops TP splits: ``nn.Linear`` and Hugging Face's ``Conv1D`` (weight (in, out))"""
@@ -63,31 +64,6 @@ PROJECTIONS = ("Linear", "Conv1D")
 def rule_of(op: str) -> kernels_ext.OpRule | None:
     """The kernels_ext rule for ``op`` (None for an op no rule covers)."""
     return kernels_ext.lookup(op)
-
-
-def role_of(op: str) -> str:
-    """The op's ``tp_role`` ("norm", "reduction", "split"; "" for an op TP shards pass through)."""
-    rule = kernels_ext.lookup(op)
-    return rule.tp_role if rule is not None else ""
-
-
-class Parts(NamedTuple):
-    """How a colwise module's output is made: its pieces in order (``LayerPlan.tp_parts``)."""
-
-    counts: tuple[int, ...]
-    """heads per piece (or features per piece when ``heads`` is False)"""
-    heads: bool
-    """the counts are heads (every piece split into heads of one width by a view), else features"""
-    width: int
-    """the output's features"""
-    table: bool = False
-    """a head-indexed embedding (one column per head): its output stays split by heads, never packed or repeated"""
-
-    @property
-    def gathered(self) -> bool:
-        """Parts of different widths: no DTensor placement holds them, the runtime splits the weight as one block and
-        all-gathers the output."""
-        return len(set(self.counts)) > 1
 
 
 class Walk(NamedTuple):
@@ -119,6 +95,9 @@ class Walk(NamedTuple):
     ``k_norm``: an RMSNorm over ``head_dim`` after the view into heads) -> its TP region: the weight is one value per
     feature of a head, the same for every head, so each rank's gradient is that of its own heads only and the runtime
     sums it over the TP ranks (``"per_head"``)"""
+    whole: dict[str, str] = {}
+    """Linear-like node the walk keeps whole (replicated) -> why, in words (a refusal's reason, or the first cause the
+    walk met: a norm over the split features, a residual add, a model output, a tie, no rowwise partner ...)"""
 
 
 def tp_walk(graph, by_name, out_numel, refused: dict[str, str] | None = None, keep=()) -> Walk:
@@ -127,11 +106,14 @@ def tp_walk(graph, by_name, out_numel, refused: dict[str, str] | None = None, ke
     dim into pieces that do not make up the whole output. ``keep``: nodes left whole from the start."""
     disabled: set[str] = set(keep)
     refused = {} if refused is None else refused
+    why: dict[str, str] = {}
     for attempt in range(20):
         result = _walk_once(graph, by_name, out_numel, disabled, refused)
         if isinstance(result, Walk):
-            return result
-        disabled |= first_causes(result, graph, by_name) if attempt < 10 else result
+            return result._replace(whole={k: refused.get(k) or why.get(k, "") for k in disabled})
+        new = first_causes(set(result), graph, by_name) if attempt < 10 else set(result)
+        why.update({k: result[k] for k in new if k not in why})
+        disabled |= new
     return Walk({}, "", {}, {}, {}, {}, {})
 
 
@@ -140,10 +122,11 @@ def part_split(parts: list[int] | tuple[int, ...], tp: int, *, repeatable: bool 
     """How ``tp`` ranks split a colwise module whose output holds ``parts`` (heads or features per part), following
     the runtime (``planner.styles.part_layout``): "split" (one part, each rank 1/tp of it), "packed" (equal parts,
     split part by part), "gathered" (parts of different widths: one block, output all-gathered), "repeated" (one part
-    of fewer heads than ranks, ``tp % heads == 0``: a key/value projection whole on every rank), or "" when ``tp``
-    cannot split it. ``repeatable``: a key/value projection; ``packable``: not an embedding (whose parts are heads
-    kept split as they are)."""
-    if len(parts) == 1 and parts[0] % tp and tp % parts[0] == 0 and repeatable:
+    of fewer heads than ranks, ``tp % heads == 0``: a key/value projection whole on every rank; or a fused
+    multi-query projection, whose query heads each rank keeps its share of and whose key/value heads it keeps whole,
+    the weight whole on every rank), or "" when ``tp`` cannot split it. ``repeatable``: a key/value projection;
+    ``packable``: not an embedding (whose parts are heads kept split as they are)."""
+    if repeatable and any(n % tp for n in parts) and all(n % tp == 0 or tp % n == 0 for n in parts):
         return "repeated"
     if any(n % tp for n in parts):
         return ""
@@ -151,6 +134,9 @@ def part_split(parts: list[int] | tuple[int, ...], tp: int, *, repeatable: bool 
         return "split"
     return "packed" if len(set(parts)) == 1 else "gathered"
 
+
+WHOLE_WORDS = {"norm": "normalises", "reduction": "reduces"}
+"""what a norm or a reduction op does over the features it reads (why TP keeps a Linear whole)"""
 
 LAYOUT_WORDS = {"packed": "split part by part", "gathered": "gathered", "repeated": "repeated",
                 "split": "split by heads", "shared": "whole, its shared piece's gradient summed"}
@@ -211,71 +197,6 @@ def _head_biases(graph, by_name, from_input) -> dict[str, int]:
     return out
 
 
-def _splits_last_dim(n) -> bool:
-    """A split/chunk/unbind/slice/select node that cuts its input's last dim."""
-    if role_of(n.op) != "split" or not n.in_shapes or not n.out_shapes:
-        return False
-    src = tuple(n.in_shapes[0])
-    for out in n.out_shapes:
-        out = tuple(out)
-        if len(out) == len(src) and out[-1:] != src[-1:]:
-            return True
-        if len(out) == len(src) - 1 and out == src[:-1]:
-            return True
-    return False
-
-
-def _cut(n, s_in, origin, pieces, width) -> str:
-    """Record the pieces ``n`` (a split/chunk/slice of a sharded last dim) cuts from a colwise projection's output
-    (``origin``: node -> (projection, piece indices or None for the whole output); ``pieces``: projection ->
-    [[width, heads or None], ...]); "" when they can be split part by part, else why not."""
-    src = origin.get(s_in[0])
-    if len(s_in) > 1 or src is None or src[1] is not None:
-        return (f"{packet(n.op)} ({n.name}) cuts a sharded tensor that is not one projection's output along the "
-                "sharded dim")
-    proj = src[0]
-    outs = [tuple(o) for o in n.out_shapes]
-    if any(len(o) != len(n.in_shapes[0]) for o in outs):
-        return f"{packet(n.op)} ({n.name}) takes single features from its output (no part to split)"
-    have = pieces.setdefault(proj, [])
-    if len(outs) > 1 and have:
-        return f"its output is cut twice ({packet(n.op)} {n.name} after an earlier cut)"
-    start = len(have)
-    have += [[int(o[-1]), None] for o in outs]
-    if sum(w for w, _ in have) > width[proj]:
-        return (f"the pieces cut from its output ({', '.join(str(w) for w, _ in have)} features) overlap: more than "
-                f"its {width[proj]} outputs")
-    origin[n.name] = (proj, tuple(range(start, len(have))))
-    return ""
-
-
-def _name_heads(view, hc: int, src, origin, pieces, whole_heads) -> bool:
-    """Count ``hc`` heads for the projection output or piece a head-splitting ``view`` reads (False: not one)."""
-    o = origin.get(src)
-    if o is None:
-        return False
-    proj, idx = o
-    if idx is None:
-        whole_heads.setdefault(proj, hc)
-        return True
-    width = int(view.in_shapes[0][-1]) if view.in_shapes else 0
-    for i in idx:
-        if pieces[proj][i][0] == width and pieces[proj][i][1] is None:
-            pieces[proj][i][1] = hc
-            return True
-    return any(pieces[proj][i][0] == width for i in idx)  # another view of a piece already counted
-
-
-def _parts_of(proj_width: int, cut: list[list] | None, heads: int | None) -> Parts | None:
-    if cut:
-        if all(h for _, h in cut) and len({w // h for w, h in cut}) == 1 and all(w % h == 0 for w, h in cut):
-            return Parts(tuple(h for _, h in cut), True, proj_width)
-        return Parts(tuple(w for w, _ in cut), False, proj_width)
-    if heads:
-        return Parts((heads,), True, proj_width)
-    return None
-
-
 def _untied(graph, styles: dict[str, str], holders: dict[str, str]) -> set[str]:
     """Styled nodes whose weight another module shares (an output head tied to the token embedding: one parameter)
     when the modules sharing it are not all split on the vocabulary (rowwise embedding, colwise head): the runtime
@@ -301,8 +222,8 @@ def _untied(graph, styles: dict[str, str], holders: dict[str, str]) -> set[str]:
     return out
 
 
-def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
-    """One walk; the nodes to disable (keep replicated) when it found conflicts."""
+def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | Blame:
+    """One walk; the nodes to disable (keep replicated) when it found conflicts, each with why."""
     styles: dict[str, str] = {}
     sharded: dict[str, int] = {}  # node -> region id
     seeds: dict[str, frozenset] = {}
@@ -310,7 +231,7 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
     merged: dict[int, int] = {}  # region -> the region it was merged into (an op reading two regions joins them)
     heads, shared, per_head, headed = {}, {}, {}, set()  # view node -> head count; Walk.shared; tp_heads.track_heads
     next_region = 0
-    conflicts: set[str] = set()
+    conflicts = Blame()
     from_input = _from_inputs(graph, by_name)
     biases = _head_biases(graph, by_name, from_input)
     last: set[str] = set()  # sharded nodes whose sharded dim is still the last dim (colwise output, elementwise)
@@ -333,7 +254,8 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
         linear_like = bool(n.params) and n.op_class == "matmul" and "colwise" in splits and "rowwise" in splits
         if linear_like and n.module_type not in PROJECTIONS:
             if s_in:  # a Linear-like op PyTorch TP cannot shard reads a sharded tensor
-                conflicts |= frozenset().union(*(seeds[i] for i in s_in))
+                conflicts.add(frozenset().union(*(seeds[i] for i in s_in)),
+                              f"its split output reaches {where(n)}, a {n.module_type} PyTorch TP cannot split")
             continue
         if linear_like and n.name not in disabled:
             if s_in:
@@ -357,7 +279,7 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
                 width[n.name] = int(n.out_shapes[0][-1]) if n.out_shapes else 0
             continue
         if linear_like and s_in:  # a Linear kept replicated cannot read a sharded tensor
-            conflicts |= frozenset().union(*(seeds[i] for i in s_in))
+            conflicts.add((k for i in s_in for k in seeds[i]), f"{where(n)}, kept whole, reads its split output")
             continue
         if n.name in biases and n.name not in disabled:  # split by heads, like the scores it is added to
             styles[n.name] = "colwise"
@@ -376,37 +298,36 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
         seed = frozenset().union(*(seeds[i] for i in s_in))
         rep_in = [i for i in n.inputs if i not in sharded and i in by_name and by_name[i].op_class != "view"]
         if role_of(n.op) in ("norm", "reduction") and not within_heads(n, s_in, headed):
-            conflicts |= seed
+            conflicts.add(seed, f"{where(n)} {WHOLE_WORDS[role_of(n.op)]} over its split output's features")
             continue
         if n.op_class == "attention" and any(i not in sharded for i in n.inputs[:3]):
-            conflicts |= seed  # q, k and v split by heads together, or not at all
+            conflicts.add(seed, f"the attention ({where(n)}) reads a query, key or value that is not split by heads")
             continue
         if n.op_class == "matmul" and not n.params and any(i not in sharded and i in by_name for i in n.inputs):
-            conflicts |= seed  # eager attention's q @ k^T and scores @ v: both operands split by heads, or neither
-            why = whole_bias(n, sharded, by_name)
+            why = whole_bias(n, sharded, by_name)  # eager q @ k^T, scores @ v: both operands split by heads or neither
+            conflicts.add(seed, why or f"{where(n)} multiplies its split output by a tensor that is not split")
             refused.update({k: why for k in seed if why and k not in refused})
             continue
-        if s_in[0] in last and _splits_last_dim(n):  # a fused projection: split part by part, or refused
-            why = _cut(n, s_in, origin, pieces, width)
+        why = fused_cut(n, s_in, last, origin, pieces, width, by_name)  # split part by part, or refused
+        if why is not None:
             if why:
-                conflicts |= seed
+                conflicts.add(seed, why)
                 for k in seed:
                     refused.setdefault(k, why)
                 continue
             sharded[n.name] = sharded[s_in[0]]
             seeds[n.name] = seed
-            last.add(n.name)  # each piece is sharded on its last dim: a second cut is refused
             continue
         if n.op_class == "elementwise" and (any(out_numel.get(i, 0) >= out_numel.get(s_in[0], 0) for i in rep_in) or
                 refuse_shared(n, s_in, seed, refused, sharded, graph, by_name, out_numel, shared)):
-            conflicts |= seed
+            conflicts.add(seed, f"{where(n)} meets its split output with a whole tensor as large (a residual?)")
             continue
         rule, hc = rule_of(n.op), None
         if n.op_class == "view" and rule is not None and rule.layout in ("view", "reshape") and n.out_shapes:
             src = by_name.get(s_in[0])
             if src is not None and src.out_shapes:
-                hc = _split_heads(src.out_shapes[0], n.out_shapes[0])
-                if hc and not _name_heads(n, hc, s_in[0], origin, pieces, whole_heads):
+                hc = split_heads(src.out_shapes[0], n.out_shapes[0])
+                if hc and not name_heads(n, hc, s_in[0], origin, pieces, whole_heads):
                     heads[n.name] = hc
         regions = {find(sharded[i]) for i in s_in}
         rid = min(regions)
@@ -425,7 +346,7 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
     for proj, cut in pieces.items():
         covered = sum(w for w, _ in cut)
         if covered != width[proj]:
-            conflicts.add(proj)
+            conflicts.add([proj], "its output's pieces do not make up the whole")
             refused.setdefault(proj, f"the pieces cut from its output ({', '.join(str(w) for w, _ in cut)} features) "
                                      f"do not make up its {width[proj]} outputs")
     head_node = ""
@@ -438,9 +359,9 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
             if styles.get(head) == "colwise" and w is not None and len(w.shape) == 2 and w.shape[0] >= w.shape[1]:
                 head_node = head
             else:
-                conflicts |= seeds[name]
+                conflicts.add(seeds[name], "its split output is a model output, not a vocabulary head's logits")
     holders: dict[str, str] = {}
-    conflicts |= _untied(graph, styles, holders)
+    conflicts.add(_untied(graph, styles, holders), "its weight is tied to a module not split on the vocabulary")
     # a colwise Linear with no rowwise partner and not the head (sharded tensor dies elsewhere) is fine only as head
     region_of = {k: find(r) for k, r in region_of.items()}
     sharded = {k: find(r) for k, r in sharded.items()}
@@ -448,11 +369,11 @@ def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | set[str]:
                        by_name[k].op_class != "embedding"}
     for k, v in styles.items():
         if v == "colwise" and k != head_node and k not in biases and region_of[k] not in rowwise_regions:
-            conflicts.add(k)
+            conflicts.add([k], "no rowwise Linear reads its split output, and it is not the output head")
     if conflicts:
         return conflicts
     parts = {k: pp for k in styles if styles[k] == "colwise" and k not in biases and
-             (pp := _parts_of(width[k], pieces.get(k), whole_heads.get(k))) is not None}
+             (pp := parts_of(width[k], pieces.get(k), whole_heads.get(k))) is not None}
     parts |= {k: Parts((h,), True, h, table=True) for k, h in biases.items() if k in styles}
     # a projection with parts of different widths is all-gathered: what it feeds runs whole up to its rowwise partner
     gathered = {k for k, pp in parts.items() if pp.gathered}
@@ -466,16 +387,3 @@ def splits_of(op: str) -> dict:
     """The TP splits kernels_ext registers for ``op`` (style -> Split), {} when none."""
     rule = kernels_ext.lookup(op)
     return rule.splits if rule is not None else {}
-
-
-def _split_heads(in_shape, out_shape) -> int | None:
-    """(B, T, D) -> (B, T, nh, hd) with nh * hd = D: the head count nh (the sharded outer factor)."""
-    if len(out_shape) <= len(in_shape):
-        return None
-    k = len(in_shape) - 1
-    if tuple(out_shape[:k]) != tuple(in_shape[:k]):
-        return None
-    rest = out_shape[k:]
-    if len(rest) == 2 and rest[0] * rest[1] == in_shape[-1]:
-        return int(rest[0])
-    return None

@@ -130,6 +130,7 @@ def explain(plan, best, ranked, over, cons, cluster, prof) -> list[str]:
             mods = sorted(prof.tp_refused)
             lines.append(f"Kept replicated under TP: {', '.join(mods[:3])}{', ...' if len(mods) > 3 else ''} "
                          f"({prof.tp_refused[mods[0]]}), with the Linears that read them.")
+        lines += _whole_lines(plan, prof)
     experts = {m: e for lp in prof.layers for m, e in lp.experts.items()}
     if experts:
         lines += _expert_lines(best, ranked, experts)
@@ -275,6 +276,7 @@ def _layout_lines(plan, prof, tp: int) -> list[str]:
         for m, parts in lp.tp_parts.items():
             name = block + m[len(lp.path):] if m.startswith(lp.path) else m
             kind = "shared" if lp.tp.get(m) == "shared" else prof_lp.layout(m, tp)
+            kind = "multi_query" if kind == "repeated" and len(parts) > 1 else kind
             found.setdefault(kind, {}).setdefault(name, []).append((m, parts))
 
     def names(kind: str) -> str:
@@ -295,6 +297,12 @@ def _layout_lines(plan, prof, tp: int) -> list[str]:
         out.append(f"Key/value projections {LAYOUT_WORDS['repeated']} (fewer heads than tp={tp}): {names('repeated')}; "
                    f"each rank holds the whole weight and keeps the head its query heads read, their gradients "
                    f"all-reduced once per step.")
+    if "multi_query" in found:
+        out.append(f"Fused multi-query projections (query heads, then key/value heads fewer than tp={tp}): "
+                   f"{names('multi_query')}; a key/value head cannot be split over {tp} ranks, so it is repeated and "
+                   f"the query heads are split: each rank holds the whole weight, computes the whole projection and "
+                   f"keeps its share of the query heads with the key/value head they read (the attention and the "
+                   f"projection after it run split by heads), the weight's gradient all-reduced once per step.")
     if "split" in found:
         out.append(f"Head-indexed tables {LAYOUT_WORDS['split']} like the attention scores they are added to: "
                    f"{names('split')}.")
@@ -309,6 +317,47 @@ def _layout_lines(plan, prof, tp: int) -> list[str]:
                    f"its own heads with the whole weight (SequenceParallel on the heads dim), whose gradient is "
                    f"all-reduced over the TP ranks.")
     return out
+
+
+def whole_under_tp(plan, prof) -> dict[str, str]:
+    """Module -> why, for every Linear or Embedding of the graph that ``plan``'s TP leaves whole (replicated) in a
+    layer it splits something else in, or in a model it splits nowhere else; the modules of repeated blocks named once
+    (``h.*.attn.c_attn``)."""
+    out: dict[str, str] = {}
+    split_anywhere = any(st not in ("replicate", "shared", "per_head") for lp in plan.layers for st in lp.tp.values())
+    for lp in plan.layers:
+        for m, why in prof.tp_whole.items():
+            if (m == lp.path or m.startswith(lp.path + ".")) and lp.tp.get(m, "replicate") == "replicate" and \
+                    (lp.tp or not split_anywhere):
+                out.setdefault(re.sub(r"\.\d+(?=\.|$)", ".*", m) if m != lp.path else m, why or "no cause recorded")
+    return out
+
+
+def whole_notes(graph, plan) -> dict[str, str]:
+    """Layer path -> " · dense whole: why" for the Linears TP leaves whole in it (:func:`whole_under_tp`), for the
+    widget's layer table; {} without TP."""
+    if plan.mesh.tp < 2:
+        return {}
+    from ..cost.profile import profile_of
+
+    whole = whole_under_tp(plan, profile_of(graph))
+    out: dict[str, str] = {}
+    for layer in graph.layers:
+        block = re.sub(r"\.\d+(?=\.|$)", ".*", layer.path)
+        for m, why in whole.items():
+            if m == block or m.startswith(block + "."):
+                out[layer.path] = out.get(layer.path, "") + f" · {m.rsplit('.', 1)[-1]} whole: {why}"
+    return out
+
+
+def _whole_lines(plan, prof) -> list[str]:
+    """One line naming the modules TP leaves whole inside the layers it splits, each with why."""
+    whole = whole_under_tp(plan, prof)
+    if not whole:
+        return []
+    items = [f"{m} ({why})" for m, why in whole.items()]
+    return [f"Kept whole under TP: {'; '.join(items[:4])}" + (f"; ... ({len(items)} in all)" if len(items) > 4
+                                                               else "") + "."]
 
 
 def _recompute_lines(plan, c, cons) -> list[str]:

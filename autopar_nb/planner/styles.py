@@ -188,9 +188,10 @@ def part_layout(path: str, module: nn.Module, parts: list[int] | None, *, tp: in
     width = out_features(module)
     if width % sum(parts):
         raise ValueError(f"{path}: tp_parts {parts} do not divide its {width} output features evenly")
-    if len(parts) == 1 and parts[0] % tp and tp % parts[0] == 0 and not transposed and \
+    if any(n % tp for n in parts) and all(n % tp == 0 or tp % n == 0 for n in parts) and not transposed and \
             not isinstance(module, nn.Embedding):
-        return {"kind": "repeated_colwise", "heads": parts[0]}  # fewer heads than ranks: K/V repeated
+        # fewer heads than ranks: K/V repeated (with a fused multi-query projection's query heads, split)
+        return {"kind": "repeated_colwise", "heads": parts[0] if len(parts) == 1 else tuple(parts)}
     uneven = [n for n in parts if n % tp]
     if uneven:
         raise NotImplementedError(f"{path}: a part of {uneven[0]} head(s) (tp_parts {parts}) cannot be split over "
@@ -286,7 +287,8 @@ def local_sizes(model: nn.Module, styles: dict[str, TPStyle], *, tp: int) -> dic
         module = modules[parent]
         reads = _attributes_read(type(module))
         widths = {out_features(modules[p]) // (styles[p].parts or 1) for p in paths}
-        repeated = [styles[p].heads for p in paths if styles[p].kind == "repeated_colwise"]
+        repeated = [h for p in paths if styles[p].kind == "repeated_colwise" for h in
+                    ((styles[p].heads,) if isinstance(styles[p].heads, int) else styles[p].heads) if h % tp]
         sizes: dict[str, int] = {}
         for owner, name in reads:
             holder = module if owner is None else getattr(module, owner, None)

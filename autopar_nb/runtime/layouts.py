@@ -13,9 +13,12 @@
   ``PrepareModuleInput``'s positional layouts never see).
 * :class:`RepeatedColwiseParallel`: a key/value projection with fewer heads than TP ranks (Gemma's single KV head,
   GQA with tp > num_key_value_heads) cannot be split by heads; its weight stays whole (replicated) and each rank
-  keeps the head its query heads read. Each rank's slice feeds only its own query heads, so the gradient each rank
-  computes for the replicated weight is a part of the whole: the output is handed over with
-  ``to_local(grad_placements=[Partial()])`` and autograd sums the parts over the TP ranks.
+  keeps the head its query heads read. A fused multi-query projection (Falcon's ``query_key_value``: the query
+  heads, then one key head and one value head) is kept the same way, part by part: rank r keeps its share of the
+  query heads and the key/value head they read, so its local output is ``[q_r|k|v]``. Each rank's slice feeds only
+  its own query heads, so the gradient each rank computes for the replicated weight is a part of the whole: the
+  output is handed over with ``to_local(grad_placements=[Partial()])`` and autograd sums the parts over the TP
+  ranks.
 * :class:`SharedSliceParallel`: a projection kept whole whose output features ``[start, stop)`` every head of a split
   attention reads (MLA's rope key: ``kv_a_proj_with_mqa``'s last ``qk_rope_head_dim`` outputs, broadcast into every
   head's key). A rank computes that piece's gradient from its own heads only, so the piece is handed over the same
@@ -162,11 +165,13 @@ class PrepareFirstInput(ParallelStyle):
 class RepeatedColwiseParallel(ParallelStyle):
     """A projection with ``heads`` heads, fewer than the TP ranks (tp % heads == 0): the weight is replicated, each
     rank computes the whole output and keeps head ``rank * heads // tp`` (the one its query heads read, as
-    ``repeat_kv`` pairs them). See the module docstring for the gradient."""
+    ``repeat_kv`` pairs them). ``heads`` a tuple: the heads of each part of a fused output, one head width for all;
+    a part whose heads tp divides is split (rank r keeps its r-th share), the others are kept as above. See the
+    module docstring for the gradient."""
 
-    def __init__(self, *, heads: int, input_layouts=None):
+    def __init__(self, *, heads: int | tuple[int, ...], input_layouts=None):
         super().__init__()
-        if heads < 1:
+        if min(heads if isinstance(heads, tuple) else (heads,)) < 1:
             raise ValueError(f"heads must be >= 1, got {heads}")
         self.heads = heads
         self.input_layouts = (input_layouts or Replicate(),)
@@ -183,14 +188,18 @@ class RepeatedColwiseParallel(ParallelStyle):
 
     @staticmethod
     def _prepare_output_fn(heads, mod, outputs, device_mesh):
-        tp = device_mesh.size()
-        if tp % heads:
+        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
+        parts = heads if isinstance(heads, tuple) else (heads,)
+        if any(h % tp and tp % h for h in parts):
             raise ValueError(f"{heads} heads cannot be repeated over {tp} TP ranks (tp % heads != 0)")
         # the sum over ranks of the gradients of their slices is the gradient of the whole output
         full = outputs.to_local(grad_placements=(Partial(),))
-        width = full.shape[-1] // heads
-        head = device_mesh.get_local_rank() * heads // tp
-        return full.narrow(-1, head * width, width)
+        width, start, kept = full.shape[-1] // sum(parts), 0, []
+        for h in parts:  # a part tp divides: the rank's share of its heads; else the one head its queries read
+            first, count = (rank * h // tp, h // tp) if h % tp == 0 else (rank * h // tp, 1)
+            kept.append(full.narrow(-1, (start + first) * width, count * width))
+            start += h
+        return kept[0] if len(kept) == 1 else torch.cat(kept, dim=-1)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return distribute_module(module, device_mesh, self._partition_replicated_fn,
@@ -222,6 +231,29 @@ class SharedSliceParallel(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(start={self.start}, stop={self.stop})"
+
+
+class _Alias(torch.autograd.Function):
+    """The same values, in a tensor autograd does not count as a view (``detach`` shares the storage: no copy)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def modifiable_output(module: nn.Module, inputs, output):
+    """A forward hook for a module a TP style wraps: its output, handed over by ``to_local()``, is a view made in a
+    custom autograd Function, which autograd forbids modifying in place ("Output 0 of _ToTorchTensor is a view and
+    is being modified inplace"), though models do (Falcon's decoder: ``mlp_output += attention_output``); an alias
+    that is not a view can be."""
+    if isinstance(output, torch.Tensor) and not isinstance(output, DTensor) and output._is_view() and \
+            output.requires_grad:
+        return _Alias.apply(output)
+    return output
 
 
 def dcp_layout(state):

@@ -27,6 +27,7 @@ from .layouts import (
     RepeatedColwiseParallel,
     SharedSliceParallel,
     TransposedRowwiseParallel,
+    modifiable_output,
 )
 
 REPLICATE = "replicate"
@@ -56,8 +57,9 @@ class TPStyle:
     """packed_colwise: the equal parts of the output ([q|k|v]: 3), each split over the ranks"""
     transposed: bool | None = None
     """packed_colwise: the weight is stored (in, out) (Hugging Face Conv1D)"""
-    heads: int | None = None
-    """repeated_colwise: the heads of the output, fewer than the TP ranks"""
+    heads: int | tuple[int, ...] | None = None
+    """repeated_colwise: the heads of the output, fewer than the TP ranks; or the heads of each part of a fused
+    multi-query projection (query heads split, key/value heads fewer than the ranks)"""
     start: int | None = None
     """shared_slice: the first output feature every head reads"""
     stop: int | None = None
@@ -72,9 +74,11 @@ class TPStyle:
             if not (layout is None or layout == REPLICATE or (isinstance(layout, int) and
                                                                not isinstance(layout, bool))):
                 raise ValueError(f"TP layout {layout!r} unknown: {REPLICATE!r} or a dim (int)")
-        for name, value in (("parts", self.parts), ("heads", self.heads), ("stop", self.stop)):
+        heads = self.heads if isinstance(self.heads, tuple) else (self.heads,)
+        for name, value in (("parts", self.parts), *(("heads", h) for h in heads), ("stop", self.stop)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"TP style {name}={value!r}: a positive int")
+                raise ValueError(f"TP style {name}={self.heads if name == 'heads' else value!r}: a positive int"
+                                 + (" or a tuple of them" if name == "heads" else ""))
 
     def _arguments(self) -> list[tuple[str, object, bool]]:
         """(keyword, layout or bool, is a tuple of layouts) in constructor order."""
@@ -154,7 +158,13 @@ def apply_tp(model: nn.Module, tp_mesh, plan: dict, *, layer_plans: dict | None 
         for path in select(model, pattern):
             inside = dict(held[path].named_modules())
             parallelize_module(held[path], tp_mesh, {k: v for k, v in layer_plan.items() if k in inside})
+            for k in layer_plan:
+                if k in inside:
+                    inside[k].register_forward_hook(modifiable_output)
     parallelize_module(model, tp_mesh, {k: v for k, v in plan.items() if k in held})
+    for k in plan:
+        if k in held:
+            held[k].register_forward_hook(modifiable_output)
 
 
 def tie_parameters(model: nn.Module, ties: list[list[str]]) -> None:

@@ -17,6 +17,7 @@ from ..cost.tp_styles import LAYOUT_WORDS, part_split
 from ..graph import Layer, ModelGraph
 from ..hardware import Cluster
 from ..plan import RECOMPUTE, LayerPlan, Plan, PlanError, stage_rank
+from ..planner.explain import whole_notes
 from ..units import fmt_count
 
 STRATEGY_LABELS = {
@@ -38,8 +39,7 @@ TP_LANES = ("colwise-rowwise", "colwise", "rowwise", "vocab", "sequence_parallel
 def current_strategy(lp: LayerPlan, plan: Plan, layer: Layer | None = None) -> str:
     """What the plan does with this layer, in strategy terms (with ``layer``, an Embedding split by rows reads as
     vocab-parallel, as the runtime applies it)."""
-    s = _strategy(lp, plan)
-    if s == "rowwise" and layer is not None and all(
+    if (s := _strategy(lp, plan)) == "rowwise" and layer is not None and all(
             layer.modules.get(m) == "Embedding" for m, st in lp.tp.items() if st == "rowwise"):
         return "vocab"
     return s
@@ -173,7 +173,7 @@ def layer_rows(graph: ModelGraph, plan: Plan, overrides: dict[str, dict[str, Any
                changed: set[str]) -> list[dict[str, Any]]:
     """One row per layer: path, type, params, stage, strategy (pinned value or "auto"), what auto chose, the valid
     choices with labels, recompute, pinned fields, whether it changed against the previous plan."""
-    rows = []
+    rows, whole = [], whole_notes(graph, plan)
     for layer in graph.layers:
         try:
             lp = plan.layer(layer.path)
@@ -195,7 +195,7 @@ def layer_rows(graph: ModelGraph, plan: Plan, overrides: dict[str, dict[str, Any
                      "strategy": value, "auto": chosen,
                      "auto_label": "no parameters" if not layer.num_params else STRATEGY_LABELS.get(chosen, chosen) + (
                          " + SP" if lp.sequence_parallel and chosen == "colwise-rowwise" else "") +
-                     layout_note(layer, lp, plan.mesh.tp),
+                     layout_note(layer, lp, plan.mesh.tp) + whole.get(layer.path, ""),
                      "choices": [{"value": c, "label": STRATEGY_LABELS.get(c, c)} for c in choices],
                      "recompute": lp.recompute, "recompute_pinned": "recompute" in pin,
                      "stage_pinned": "stage" in pin, "pinned": pinned, "changed": layer.path in changed,

@@ -99,6 +99,7 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(),
         output_itemsize=out.itemsize if out else 4, region_modules=_region_modules(f),
         device_kind=device_kind, rep=_repeats(graph),
         tp_refused={f.by_name[k].module_path: why for k, why in refused.items()},
+        tp_whole={f.by_name[k].module_path: why for k, why in f.tp.whole.items()},
         pp_blocker=pp_blocker(f), sp_blocker=sp_check(graph, f.by_name, f.tp.styles, f.tp.sharded),
         cp_blocker=cp_blocker(graph, device_kind), crossings=count_crossings(f, amp, first_saver))
 

@@ -383,6 +383,9 @@ class GraphProfile:
     tp_refused: dict[str, str] = field(default_factory=dict)
     """module path -> why TP must not split it, even on a user's override (see
     ``tp_styles.tp_walk``)"""
+    tp_whole: dict[str, str] = field(default_factory=dict)
+    """module path -> why TP keeps it whole (replicated): every Linear or Embedding the walk does not
+    split, in words (``tp_styles.Walk.whole``)"""
     pp_blocker: str = ""
     """why pipeline stages cannot be cut between the layers ("" when they can; see
     :func:`.blockers.pp_blocker`)"""

@@ -75,9 +75,12 @@ def _count_styled(lp: LayerProfile, n, style: str, f: Facts, kv: set[str],
         # tp divides its heads (split) or is a multiple of them (repeated): planner.degrees.tp_blockers
         ps = [params[q] for q in n.params
               if q in params and not params[q].is_buffer and params[q].trainable]
-        lp.repeatable[n.module_path] = Repeatable(pp.counts[0], n.flops, n.bwd_flops,
+        lp.repeatable[n.module_path] = Repeatable(min(pp.counts), n.flops, n.bwd_flops,
                                                   sum(q.numel for q in ps),
                                                   sum(q.numel * q.itemsize for q in ps))
+        if len(pp.counts) > 1:  # a fused multi-query projection: tp splits its query heads
+            lp.divisors.add(max(pp.counts))
+            lp.heads.add(max(pp.counts))
     elif w is not None and len(w.shape) == 2:
         if (is_embedding or n.name == f.tp.head) and not (pp is not None and pp.table):
             lp.vocab.add(w.shape[0])
@@ -92,17 +95,20 @@ def _count_styled(lp: LayerProfile, n, style: str, f: Facts, kv: set[str],
 
 def _key_value_projections(f: Facts) -> set[str]:
     """Colwise ``nn.Linear`` nodes split into fewer heads than the query projection of their region
-    (GQA/MQA's key and value projections): TP may repeat them (their weight whole on every rank)
-    when it exceeds their heads."""
+    (GQA/MQA's key and value projections), or fused projections whose key/value parts have fewer heads
+    than their query part (Falcon's multi-query ``query_key_value``: 4 + 1 + 1 heads): TP may repeat
+    them (their weight whole on every rank) when it exceeds those heads."""
     most: dict[int, int] = {}
     single = {k: pp.counts[0] for k, pp in f.tp.parts.items()
               if len(pp.counts) == 1 and pp.heads and not pp.table}
     for k, h in single.items():
         r = f.tp.region_of[k]
         most[r] = max(most.get(r, 0), h)
-    return {k for k, h in single.items()
-            if f.by_name[k].module_type == "Linear" and h < most[f.tp.region_of[k]]
-            and most[f.tp.region_of[k]] % h == 0}
+    fused = {k for k, pp in f.tp.parts.items() if len(pp.counts) > 1 and pp.heads and not pp.table and
+             min(pp.counts) < max(pp.counts) and all(max(pp.counts) % h == 0 for h in pp.counts)}
+    return {k for k in fused if f.by_name[k].module_type == "Linear"} | {
+        k for k, h in single.items() if f.by_name[k].module_type == "Linear" and h < most[f.tp.region_of[k]]
+        and most[f.tp.region_of[k]] % h == 0}
 
 
 def _python_norm(n) -> bool:
