@@ -144,6 +144,7 @@ class Supervision:
         """The agent has exited: make sure nothing of the run is left, read its result, set the final status."""
         if procs.processes_with_token(self._token):  # even if the agent itself was killed
             self._teardown()
+        self._drain_ended_ranks()
         try:
             result = json.loads((self.run_dir / "result.json").read_text())
         except (OSError, ValueError):
@@ -204,6 +205,17 @@ class Supervision:
             note = "" if f["python"] else " (no Python traceback: killed, or a crash outside Python)"
             st.error = {"error": f"{f['error']}{note}", "traceback": f["traceback"]}
         self._update_error()
+
+    def _drain_ended_ranks(self, limit_s: float = 2.0) -> None:
+        """Read what ranks left behind by their agent's end sent before the teardown ended them: a SIGKILLed agent
+        leaves its workers training until then, and every step they reported happened (a checkpoint they wrote is
+        where the next launch resumes). Their connections are closed now; what they sent waits in the sockets."""
+        deadline = time.monotonic() + limit_s
+        while self._server is not None and time.monotonic() < deadline:
+            msgs = self._server.poll(0.05)
+            if not msgs:
+                return
+            self._ingest(msgs)
 
     def _server_close(self) -> None:
         if self._server is not None:
