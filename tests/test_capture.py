@@ -317,8 +317,7 @@ def test_hugging_face_gpt2_from_config():
 
 def test_transposes_written_as_attributes_are_known_views():
     """``weight.T`` (Falcon's FalconLinear computes ``input @ self.weight.T``) and ``.mT`` trace as aten.numpy_T and
-    aten.mT: views that move no data, not ops without a rule (which warned and were counted as 0 FLOPs unknown); a
-    view of a parameter stands for the parameter itself, as under eager dispatch."""
+    aten.mT: views that move no data, not ops without a rule (which warned and were counted as 0 FLOPs unknown)."""
 
     class Net(nn.Module):
         def __init__(self):
@@ -332,7 +331,10 @@ def test_transposes_written_as_attributes_are_known_views():
         warnings.simplefilter("error")
         g = ap.capture(_meta(Net), torch.randn(4, 8))
     assert not g.unknown_ops
-    assert [n.params for n in g.nodes if n.op_class == "matmul"] == [["w"], ["w"]]
+    # the views stay ops holding the parameter (the copied blocks' trace matches node names against a full trace's);
+    # only an nn.Linear subclass's weight.T stands for its weight (the next test)
+    assert {p for n in g.nodes for p in n.params} == {"w"} and all(n.params == [] for n in g.nodes
+                                                                    if n.op_class == "matmul")
 
 
 def test_a_linear_subclass_with_its_own_forward_is_a_linear():

@@ -191,9 +191,9 @@ def _from_export(model: nn.Module, args: tuple, kwargs: dict, stand_ins=None) ->
         if node.target.__name__ == "getitem":
             alias[node.name] = alias.get(node.args[0].name, node.args[0].name)
             continue
-        if param_view(node, placeholder_target) is not None:
-            # a view of a parameter (weight.T) stands for the parameter itself, as under eager dispatch
-            placeholder_target[node.name] = param_view(node, placeholder_target)
+        if param_view(node, placeholder_target, model) is not None:
+            # a Linear subclass's weight.T stands for the weight itself, as under eager dispatch
+            placeholder_target[node.name] = param_view(node, placeholder_target, model)
             continue
         stack = [(_clean_path(p), t) for p, t in (node.meta.get("nn_module_stack") or {}).values()]
         stack = [(p.removeprefix("inner").removeprefix("."), t) for p, t in stack if p != ""]

@@ -11,14 +11,23 @@ from torch.utils._pytree import tree_flatten
 import kernels_ext
 
 
-def param_view(node, placeholder_target: dict[str, str]) -> str | None:
-    """The parameter ``node`` is a view of (``weight.T``: a view op whose one tensor operand is a parameter), else
-    None."""
+def param_view(node, placeholder_target: dict[str, str], model: nn.Module) -> str | None:
+    """The weight ``node`` transposes (``weight.T``: a transposing view whose one tensor operand is the weight of an
+    ``nn.Linear`` subclass with a forward of its own, Falcon's ``FalconLinear``), else None. No other view: the
+    graph keeps every other op, whose node names the copied blocks' trace matches against a full trace's."""
     rule = kernels_ext.lookup(str(node.target))
     tensors = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, torch.fx.Node)]
-    if rule is None or rule.op_class != "view" or len(tensors) != 1:
+    if node.target not in _TRANSPOSES or rule is None or rule.op_class != "view" or len(tensors) != 1:
         return None
-    return placeholder_target.get(tensors[0].name)
+    target = placeholder_target.get(tensors[0].name)
+    if target is None or not target.endswith(".weight"):
+        return None
+    try:
+        owner = model.get_submodule(target.removesuffix(".weight"))
+    except AttributeError:
+        return None
+    own_forward = isinstance(owner, nn.Linear) and type(owner).forward is not nn.Linear.forward
+    return target if own_forward else None
 
 
 def as_linear(node, op: str, args: tuple, params: list[str], model: nn.Module, path: str) -> tuple[str, tuple]:
