@@ -155,23 +155,25 @@ def test_one_trillion_gpt_matches_megatron():
     # FSDP2's replicate a gathered copy of the parameters: at the paper's mesh the first stage holds that much more
     # than Megatron did, and the 80 GB card does not fit the paper's plan under our runtime (asserted below); the
     # cards get that much more memory here
+    megatron = {"tp": 8, "pp": 64, "zero_stage": 0, "recompute": "full"}
     with pytest.raises(ap.PlanError, match="nothing fits"):
-        ap.plan(graph, megatron_cluster(384), global_batch=1536,
-                fix={"tp": 8, "pp": 64, "zero_stage": 0, "recompute": "full"})
+        ap.plan(graph, megatron_cluster(384), global_batch=1536, fix=megatron)
     cluster = megatron_cluster(384, extra=beyond_megatron(tp=8, pp=64, hidden=25600, layers=128))
     p = ap.plan(graph, cluster, global_batch=1536)
     # the paper recomputed every layer (full): our selective recompute (runtime/ac.py: every other weight matmul
     # and the element-wise ops run again) fits, so the free plan is faster than the paper's setting in our model
     # and executes fewer FLOPs
-    paper = ap.plan(graph, cluster, global_batch=1536, fix={"tp": 8, "pp": 64, "zero_stage": 0, "recompute": "full"})
+    paper = ap.plan(graph, cluster, global_batch=1536, fix=megatron)
     assert (paper.mesh.tp, paper.mesh.pp, paper.mesh.dp) == (8, 64, 6)
     paper.precision.param_dtype = "float32"
     cost = estimate(graph, cluster, paper)
     assert cost.hardware_tflops_per_gpu == pytest.approx(163, rel=0.20)
     # the planner, free, finds a plan at least as fast, by about what Megatron's own selective recompute with
     # sequence parallelism later gained over full recompute (Korthikanti et al. 2022, arXiv 2205.05198, abstract:
-    # the 530B at 54.2 % MFU against 42.1 %, 1.29x): the paper's mesh is at most 1.35x the free plan's step
-    assert p.cost.step_time_s <= cost.step_time_s <= 1.35 * p.cost.step_time_s, (p.summary(), paper.summary())
+    # the 530B at 54.2 % MFU against 42.1 %, 1.29x) and the interleaved schedule §5.1 ran, which the paper's mesh
+    # cannot fit under our runtime (the first stage's input gradients held to the step's end; 162 GiB) where the free
+    # plan's fewer, larger stages can (pp 32, v 4): the paper's mesh is at most 1.45x the free plan's step
+    assert p.cost.step_time_s <= cost.step_time_s <= 1.45 * p.cost.step_time_s, (p.summary(), paper.summary())
     # full recompute executes 4/3 of the model FLOPs (the paper's eq. 3 over its eq. 2): 163 x 3/4 model TFLOP/s
     assert p.cost.model_tflops_per_gpu == pytest.approx(163 * 3 / 4, rel=0.20)
     assert cost.model_tflops_per_gpu < cost.hardware_tflops_per_gpu
@@ -222,7 +224,8 @@ def test_megatron_table_1_with_one_fused_qkv_linear():
             model = zoo.GPT(zoo.GPTConfig(vocab_size=V, block_size=S, n_layer=L, n_head=a, n_embd=h))
         graph = ap.capture(model, torch.randint(0, V, (1, S)))
         cluster = megatron_cluster(n // 8, extra=beyond_megatron(tp=t, pp=p, hidden=h, layers=L))
-        plan = ap.plan(graph, cluster, global_batch=B, fix={"tp": t, "pp": p, "zero_stage": 0, "recompute": "full"})
+        plan = ap.plan(graph, cluster, global_batch=B, fix={"tp": t, "pp": p, "zero_stage": 0, "recompute": "full",
+                                                            "compile": False})  # 2021: eager
         assert (plan.mesh.tp, plan.mesh.pp, plan.mesh.dp) == (t, p, n // (t * p))
         if t > 1:  # every block's c_attn split part by part: rank r holds [q_r|k_r|v_r]
             assert plan.tp_parts == {f"h.{i}.attn.c_attn": [a, a, a] for i in range(L)}
@@ -322,7 +325,8 @@ def test_gathered_fused_projection_cost():
         graph = ap.capture(nn.Sequential(GQAFused()), torch.randn(4, 256, 512))
     lp = profile(graph).layer("0")
     assert lp.tp == {"0.qkv": "colwise", "0.o": "rowwise"} and lp.parts["0.qkv"].counts == (8, 2, 2)
-    assert lp.layout("0.qkv", 2) == "gathered" and lp.layout("0.qkv", 4) == ""
+    # at tp 4 the 2 key/value heads cannot be split: repeated on every rank, the query heads split (Falcon's way)
+    assert lp.layout("0.qkv", 2) == "gathered" and lp.layout("0.qkv", 4) == "repeated"
     assert lp.flops_split["attention"] == 0 and lp.flops_rep["attention"] > 0 and lp.flops_split["matmul"] > 0
     tokens = 4 * 256
     assert sorted((c.kind, c.phase, c.nbytes) for c in lp.comms) == [
