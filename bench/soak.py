@@ -252,6 +252,7 @@ def soak(script: Path, *, steps: int, ckpt_every: int, kill_every: tuple[float, 
     (run beside the soak when None: :func:`uninterrupted`). ``stall_s``: no step for this long ends the soak
     (``report.failure``)."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="soak-"))
+    workdir.mkdir(parents=True, exist_ok=True)  # the reference, in its own process, makes its folder later
     ref = reference or uninterrupted(script, nproc=nproc, steps=steps, ckpt_every=ckpt_every, workdir=workdir)
     rng = random.Random(seed)
     report = SoakReport(steps=steps, wall_s=0.0, fds_before=_fds())
@@ -368,6 +369,7 @@ def soak_nodes(script: Path, command: str, *, steps: int, ckpt_every: int, kill_
     if why:
         raise SystemExit(f"the node kills need network namespaces: {why}")
     workdir = Path(workdir or tempfile.mkdtemp(prefix="soak-"))
+    workdir.mkdir(parents=True, exist_ok=True)  # the reference, in its own process, makes its folder later
     ref = reference or uninterrupted(script, nproc=2, steps=steps, ckpt_every=ckpt_every, workdir=workdir)
     rng = random.Random(seed)
     report = SoakReport(steps=steps, wall_s=0.0, fds_before=_fds())

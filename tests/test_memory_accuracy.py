@@ -522,7 +522,8 @@ def test_an_interleaved_ranks_memory_does_not_grow_with_its_micro_batches():
     rank 1's grows by the input gradients of its lowest stage alone (waited for at the step's end; it grew by its
     outputs and every stage's gradients, 9 MiB). The model's prediction is within 5 % of each, by component."""
     from autopar_nb.cost import estimate
-    from autopar_nb.verify.measure import GROUPS, measure, measured_groups, predicted_groups
+    from autopar_nb.verify.measure import measure
+    from autopar_nb.verify.moments import GROUPS, measured_groups, predicted_groups
 
     peaks = {}
     for m in (4, 16):
