@@ -7,6 +7,7 @@ import re
 from .. import calibration
 from ..cost.factors import factors_for
 from ..cost.loss import unfused_loss_bytes
+from ..cost.profile import profile_of
 from ..cost.time import MFU_BASIS
 from ..cost.tp_styles import LAYOUT_WORDS
 from ..plan import RECOMPUTE
@@ -338,8 +339,6 @@ def whole_notes(graph, plan) -> dict[str, str]:
     widget's layer table; {} without TP."""
     if plan.mesh.tp < 2:
         return {}
-    from ..cost.profile import profile_of
-
     whole = whole_under_tp(plan, profile_of(graph))
     out: dict[str, str] = {}
     for layer in graph.layers:
