@@ -275,6 +275,28 @@ def test_ranks_of_the_rendezvous_host_that_end_while_its_agent_answers_are_no_lo
         assert not node_events(run)
 
 
+def test_a_killed_rendezvous_agent_that_answers_for_a_moment_still_fails_the_run(runs):
+    """A whole node killed at once: its agent's listening socket can outlive its ranks' connections for a moment,
+    so the first probe answers. The probe is asked again: once the port is gone the "node_lost" event is back and
+    the run fails at once (CI's node soak waited in "restarting" for restart_wait_s after such a kill)."""
+    store = socket.create_server(("127.0.0.2", 0))
+    run = runs(nproc=2, restart_wait_s=60, rendezvous=f"127.0.0.2:{store.getsockname()[1]}")
+    ranks = [Rank(run, r, source=f"127.0.0.{2 + r}", attempt=0, max_restarts=3, world=2) for r in range(2)]
+    for r in ranks:
+        r.step(0)
+    wait_for(lambda: all(st.step == 0 for st in run.ranks().values()), 5, "every rank's step")
+    ranks[0].close()
+    wait_for(lambda: node_events(run), 5, "the inferred node loss")
+    ranks[1].send({"event": "error", "error": "RuntimeError: Connection closed by peer", "traceback": "tb"})
+    ranks[1].close()
+    wait_for(lambda: not node_events(run), 5, "the event withdrawn while the port answers")
+    t0 = time.monotonic()
+    store.close()  # the agent's process ends
+    assert run.wait(10) == "failed" and time.monotonic() - t0 < 10, run.message
+    assert len(node_events(run)) == 1 and node_events(run)[0].startswith("node 127.0.0.2 lost (rank 0)")
+    assert "node 127.0.0.2 lost (rank 0)" in run.message and "every other rank has ended" in run.message
+
+
 def test_a_lost_node_without_the_rendezvous_waits_for_the_restart(runs):
     """The other node is lost (the rendezvous, read from the torchrun command, survives): one event, and the
     survivors' restart at world 2 is followed, and the node's return (world 4) to the end. Their agent ends them

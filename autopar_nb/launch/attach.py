@@ -58,6 +58,8 @@ sockets close together; its agent ending its workers one by one takes a few seco
 RDZV_PORT = 29400
 """torchrun's rendezvous port where ``--rdzv-endpoint`` names none (torch.distributed.run's documented default)"""
 PROBE_TIMEOUT_S = 1.0
+PROBE_EVERY_S = 1.0
+"""while a rendezvous host's agent answers, it is asked again this often (not at every poll of the stream)"""
 """seconds a connection to the rendezvous port may take before its host counts as gone"""
 
 
@@ -79,8 +81,10 @@ class AttachedRun(Run):
         self.rendezvous = rendezvous_host(rendezvous, commands)
         """the host of torchrun's rendezvous endpoint (None: unknown); losing it ends every torchrun"""
         self._rdzv_port = rendezvous_port(rendezvous, commands)
-        self._agent_answered: set[str] = set()
-        """hosts whose ranks all closed in the current attempt while their rendezvous port still answered"""
+        self._agent_answered: dict[str, tuple[str, list[dict]]] = {}
+        """host -> the reason and the withdrawn "node_lost" events of a host whose ranks all closed in the current
+        attempt while its rendezvous port still answered"""
+        self._probed_at = 0.0
         self._nodes_lost: dict[str, str] = {}
         """host -> the reason of its "node_lost" event, in the current attempt"""
         self._reported: set[int] = set()
@@ -149,7 +153,7 @@ class AttachedRun(Run):
             self.max_restarts = max(self.max_restarts, limit)
         if st.rank in self._spoke or (world is not None and world != self.world and self._spoke):
             self._attempt, self._spoke, self._accounted_at, self._restarts = self._attempt + 1, set(), None, 0
-            self._nodes_lost, self._reported, self._agent_answered = {}, set(), set()
+            self._nodes_lost, self._reported, self._agent_answered = {}, set(), {}
         if not self._spoke and world is not None:
             self.world = world
         self._spoke.add(st.rank)
@@ -264,8 +268,8 @@ class AttachedRun(Run):
                 return False
             if all(st.done for st in ranks) or not self._restarts_left():
                 return True
-            if self.rendezvous in self._nodes_lost:  # every other rank ended as well: no restart can come
-                if not self._agent_answers():
+            if self.rendezvous in self._nodes_lost or self.rendezvous in self._agent_answered:
+                if not self._agent_answers():  # every other rank ended as well: no restart can come
                     self._end_note = self._nodes_lost[self.rendezvous] + " (every other rank has ended)"
                     return True
             now = time.monotonic()
@@ -278,15 +282,26 @@ class AttachedRun(Run):
 
     def _agent_answers(self) -> bool:
         """Whether the rendezvous host's agent lives although its ranks all ended (under ``_lock``): its port takes a
-        connection (nothing is sent or read). Then its "node_lost" event is withdrawn: the group restarts."""
+        connection (nothing is sent or read). Asked at every check until the group restarts, since a killed node's
+        agent can answer for a moment after its ranks' connections closed: while it answers its "node_lost" event
+        is withdrawn (the group restarts); once it stops, the event is back."""
+        host, now = self.rendezvous, time.monotonic()
+        if host in self._agent_answered and now - self._probed_at < PROBE_EVERY_S:
+            return True
+        self._probed_at = now
         try:
-            socket.create_connection((self.rendezvous, self._rdzv_port), timeout=PROBE_TIMEOUT_S).close()
+            socket.create_connection((host, self._rdzv_port), timeout=PROBE_TIMEOUT_S).close()
         except OSError:
+            if host in self._agent_answered:
+                self._nodes_lost[host], withdrawn = self._agent_answered.pop(host)
+                self.events.extend(withdrawn)
             return False
-        reason = self._nodes_lost.pop(self.rendezvous)
-        self._agent_answered.add(self.rendezvous)
-        self.events[:] = [e for e in self.events if not (e["kind"] == "node_lost" and e["reason"] == reason)]
-        self._message = (f"the ranks of {self.rendezvous} ended, but its torchrun agent answers at the rendezvous "
+        if host in self._nodes_lost:
+            reason = self._nodes_lost.pop(host)
+            withdrawn = [e for e in self.events if e["kind"] == "node_lost" and e["reason"] == reason]
+            self.events[:] = [e for e in self.events if e not in withdrawn]
+            self._agent_answered[host] = reason, withdrawn
+        self._message = (f"the ranks of {host} ended, but its torchrun agent answers at the rendezvous "
                          f"(port {self._rdzv_port}): waiting for torchrun to restart the group")
         return True
 
