@@ -149,6 +149,32 @@ def test_the_planner_takes_float8_where_it_pays_and_says_why(llama_8b):
                                                    for line in a100.explanation)
 
 
+def test_the_float8_line_and_its_lever_compare_against_the_same_plan(llama_8b):
+    """LLaMA 3 8B on 8 H100: async TP is chosen after float8, so the Float8 line's bf16 twin must keep it, as the
+    lever (float8 flipped alone on the final plan) does; they said 1.28x and 1.22x when the line's twin was costed
+    before async TP."""
+    import re
+
+    import autopar_nb as ap
+    from autopar_nb.hardware import Cluster
+    from autopar_nb.units import fmt_time
+
+    for fix in (None, {"compile": False}):  # float8 chosen (with async TP), and not chosen (eager casts)
+        plan = ap.plan(llama_8b, Cluster.preset("h100-80gb", gpus_per_node=8), global_batch=8, fix=fix)
+        line = next(x for x in plan.explanation if x.startswith("Float8 "))
+        lever = next(lv for lv in plan.levers if lv.name == "float8")
+        levers = next(x for x in plan.explanation if x.startswith("Levers, each flipped alone"))
+        on, off = re.search(r"([\d.,]+ \S?s)/step vs ([\d.,]+ \S?s) in bf16", line).group(1, 2)
+        ratio = float(re.search(r"in bf16 \((\S+)x\)", line).group(1))
+        said = re.search(r"([−+])Float8: (\S+)x (faster|slower)", levers).groups()
+        assert lever.on == (plan.precision.float8 != "none") == (said[0] == "−")
+        assert fmt_time(lever.step_time_s) == (off if lever.on else on), (line, lever)
+        assert fmt_time(plan.cost.step_time_s) == (on if lever.on else off)
+        speed = float(said[1]) if said[2] == "faster" else 1 / float(said[1])
+        assert speed == pytest.approx(1 / ratio if lever.on else ratio, rel=0.01), (line, levers)
+    assert plan.precision.float8 == "none" and "Float8 not chosen" in line
+
+
 def test_the_planner_never_chooses_float8_on_cpu_but_takes_the_fix():
     import autopar_nb as ap
     from autopar_nb.hardware import Cluster

@@ -156,7 +156,7 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
     seen: set = set()
     ranked = [c for c in feasible if not (c.key in seen or seen.add(c.key))]  # the first of each key
     best = compile_choice(ranked[0], ev, cons, graph, search.compilable, steps)
-    best, float8_other = float8_choice(best, ev, cons, cluster)
+    best = float8_choice(best, ev, cons, cluster)
     best, async_other = async_tp_choice(best, ev, cons, cluster)
     ranked[0] = best
     plans = [_to_plan(c, graph, prof, cluster, cons, global_batch, seq_len, head=head.module if head else "")
@@ -166,7 +166,7 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
     chosen.explanation = explain(chosen, best, ranked, found.over, cons, cluster, prof)
     chosen.explanation += compile_lines(best, ev, cons, graph, search.compilable, steps)
     chosen.explanation += fused_loss_lines(best, ev, cons, fused_why)
-    chosen.explanation += fused_norm_lines(best, ev, cons) + float8_lines(best, float8_other, cons, cluster)
+    chosen.explanation += fused_norm_lines(best, ev, cons) + float8_lines(best, ev, cons, cluster)
     chosen.explanation += async_tp_lines(best, async_other, cons, cluster) + offload_lines(best, cons, cluster)
     chosen.explanation += set_levers(chosen, best, ev, cluster, graph, search.compilable, steps)
     if prof is not default_prof:  # the op lists' price: the same setting with autocast's own lists

@@ -33,24 +33,32 @@ def with_float8(cand: Candidate, ev, recipe: str) -> Candidate:
     return Candidate(s, choices, ev.evaluate(s, choices), cand.limit)
 
 
-def float8_choice(best: Candidate, ev, cons, cluster) -> tuple[Candidate, Candidate | None]:
-    """(the chosen candidate, the other float8 choice costed on the same setting, or None where float8 is not
-    offered): float8 taken when it fits and is faster. A fixed recipe stays; its bf16 twin is costed for the
-    explanation."""
+def float8_flipped(cand: Candidate, ev) -> Candidate:
+    """``cand`` with the other float8 choice (bf16 where it runs float8, else :data:`AUTO_RECIPE`), its setting
+    otherwise as it is: the one costing that explain()'s Float8 line and its lever line (``lever_costs.py``) both
+    state, so that they compare against the same plan."""
+    return with_float8(cand, ev, "none" if cand.setting.float8 != "none" else AUTO_RECIPE)
+
+
+def float8_choice(best: Candidate, ev, cons, cluster) -> Candidate:
+    """The chosen candidate: float8 taken when it fits and is faster; a fixed recipe stays, and so does bf16 where
+    float8 is not offered."""
     s = best.setting
-    if "float8" in cons.fix:
-        return best, with_float8(best, ev, "none") if s.float8 != "none" else None
-    if float8_refusal(cluster.device, s.amp, s.pp):
-        return best, None
-    return take_if_faster(best, with_float8(best, ev, AUTO_RECIPE))
+    if "float8" in cons.fix or float8_refusal(cluster.device, s.amp, s.pp):
+        return best
+    return take_if_faster(best, with_float8(best, ev, AUTO_RECIPE))[0]
 
 
-def float8_lines(best: Candidate, other: Candidate | None, cons, cluster) -> list[str]:
-    """One line: the float8 choice, why, and the other choice's step time on the same split."""
+def float8_lines(best: Candidate, ev, cons, cluster) -> list[str]:
+    """One line: the float8 choice, why, and the other choice's step time on the final plan (:func:`float8_flipped`:
+    the levers chosen after float8, async TP, are kept on both sides, as the lever line keeps them)."""
     s, device = best.setting, cluster.device
-    if other is None:
-        why = float8_refusal(device, s.amp, s.pp)
-        return [f"Float8 not offered: {why}."] if why and "float8" not in cons.fix else []
+    why = "" if "float8" in cons.fix else float8_refusal(device, s.amp, s.pp)
+    if why:
+        return [f"Float8 not offered: {why}."]
+    if s.float8 == "none" and "float8" in cons.fix:
+        return []
+    other = float8_flipped(best, ev)
     on, off = (best, other) if s.float8 != "none" else (other, best)
     ratio = off.cost.step_time_s / on.cost.step_time_s
     rate = (f"at the {device.name}'s FP8 rate ({device.flops(FP8) / 1e12:.0f} TFLOP/s, "

@@ -10,7 +10,7 @@ from ..plan import Lever
 from .async_tp import with_async_tp
 from .compile import compile_terms, startup_s, with_compile
 from .constraints import async_tp_refusal
-from .float8 import AUTO_RECIPE, float8_refusal, with_float8
+from .float8 import float8_flipped, float8_refusal
 from .search import Candidate
 
 NAMES = {"compile": "compile", "float8": "Float8", "async_tp": "async TP", "offload": "CPU offload",
@@ -31,7 +31,7 @@ def variants(best: Candidate, ev, cluster, compilable: list[bool]) -> list[tuple
         on = any(c.compile for c in best.choices)
         out.append(("compile", on, with_compile(best, ev, compilable, not on)))
     if s.float8 != "none" or not float8_refusal(cluster.device, s.amp, s.pp):
-        out.append(("float8", s.float8 != "none", with_float8(best, ev, "none" if s.float8 != "none" else AUTO_RECIPE)))
+        out.append(("float8", s.float8 != "none", float8_flipped(best, ev)))
     compiled = any(c.compile for c in best.choices)
     if s.async_tp or not async_tp_refusal(cluster, compiled=compiled, tp=s.tp, pp=s.pp):
         out.append(("async_tp", s.async_tp, with_async_tp(best, ev, not s.async_tp)))
