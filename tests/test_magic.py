@@ -160,10 +160,22 @@ def test_names_from_earlier_cells_are_reported_and_can_be_included(ip):
     assert s.graph.num_params == 256 * 8 + 8
 
 
+def test_steps_reach_the_plan(ip):
+    """--steps: the run the plan weighs compile's start-up over (10,000 without it); 0 is a one-line mistake."""
+    plain = ip.run_cell_magic("autoparallel", "--gpus 1 --gpu h100-80gb", SEED_CELL)
+    short = ip.run_cell_magic("autoparallel", "--gpus 1 --gpu h100-80gb --steps 20", SEED_CELL)
+    assert short.steps == 20 and plain.steps is None
+    weighed = [{lv.name: lv.steps for lv in s.plan.levers}["compile"] for s in (plain, short)]
+    assert weighed == [10_000, 20]
+    assert any("within the 20 steps planned" in x for x in short.plan.explanation), short.plan.explanation
+    with pytest.raises(UsageError, match="--steps must be >= 1"):
+        ip.run_cell_magic("autoparallel", "--steps 0", SEED_CELL)
+
+
 def test_help_documents_every_option_with_an_example():
     doc = AutoparallelMagics.autoparallel.__doc__
     for option in ("--gpus", "--nodes", "--gpu", "--batch", "--name", "--model", "--inputs", "--dtype", "--mode",
-                   "--fix", "--include-cells"):
+                   "--fix", "--include-cells", "--steps", "--memory", "--weights"):
         assert option in doc, option
     assert "In [2]: %%autoparallel" in doc
     assert doc.count("Example:") >= 7

@@ -92,6 +92,39 @@ def test_launch_on_another_process_count_says_so_and_keeps_a_cost(session, monke
     assert capsys.readouterr().out == "" and started[-1] is session.plan
 
 
+def test_the_steps_launched_reach_the_plan(session, monkeypatch, capsys):
+    """Compile pays on this GPT after ~20,000 steps: planned for a run of 100,000 it is compiled; launched for 20
+    steps, the plan weighs compile's start-up over those 20 (eager) and says so; undo() goes back. A launch whose
+    steps the plan already weighed, or whose re-plan chooses the same, prints nothing and keeps the undo stack."""
+    import sys
+
+    launch_pkg = sys.modules["autopar_nb.launch"]
+    started = []
+    monkeypatch.setattr(launch_pkg, "launch", lambda make, nproc, steps, *, plan, **kw: started.append(plan) or plan)
+    session.steps = 100_000
+    first = session.replan()
+    weighed = {lv.name: lv for lv in first.levers}["compile"]
+    assert weighed.on and weighed.steps == 100_000 and any(lp.compile for lp in first.layers)
+    session.launch(steps=20, replan="off")
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("Re-planned for the 20 steps launched (the plan weighed compile's start-up over 100,000 "
+                           "steps): ") and line.endswith("; ap.undo() goes back."), line
+    (ran,) = started
+    assert ran is session.plan and session.steps == 20 and not any(lp.compile for lp in ran.layers)
+    assert {lv.name: lv for lv in ran.levers}["compile"].steps == 20
+    assert any("it would not pay within the 20 steps planned" in x for x in ran.explanation)
+    assert session.undo() is first and session.steps == 100_000
+    session.redo()
+    undo = list(session._undo)
+    session.launch(steps=20, replan="off")  # weighed already
+    session.launch(steps=30, replan="off")  # planned again, the same choices: in place
+    assert capsys.readouterr().out == "" and session._undo == undo and started[1] is ran
+    assert started[2] is ran is session.plan and {lv.name: lv for lv in ran.levers}["compile"].steps == 30
+    with pytest.raises(PlanError, match="steps must be a positive integer, got 0"):
+        session.replan(steps=0)
+    assert session.steps == 30
+
+
 def test_manual_mode_needs_the_mesh(session):
     session.mode = "manual"
     with pytest.raises(PlanError, match="add pp=N to --fix"):

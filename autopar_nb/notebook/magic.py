@@ -90,6 +90,10 @@ class AutoparallelMagics(Magics):
     @argument("--batch", type=int, default=None,
               help="global batch size (samples per optimizer step over all GPUs; default: the example inputs' "
                    "batch). Example: --batch 512")
+    @argument("--steps", type=int, default=None,
+              help="the training steps the run will take: the planner compiles where the step time compile saves, "
+                   "over these steps, exceeds Inductor's start-up (default 10,000, torchtitan's default run; "
+                   "ap.launch(steps=N) plans again for its own N). Example: --steps 200")
     @argument("--name", default="ap", help="variable the session is bound to (default ap). Example: --name gpt")
     @argument("--model", default=None,
               help="variable holding the model (default: `model`, or the only nn.Module the cell creates). "
@@ -133,8 +137,9 @@ class AutoparallelMagics(Magics):
         also the cell's value. Everything the widget does is a call on it: ``ap.plan`` (with ``.explain()``,
         ``.cost``, ``.alternatives``), ``ap.override(glob, tp=..., stage=..., recompute=...)``,
         ``ap.replan(fix=...)``, ``ap.undo()``/``ap.redo()``, ``ap.verify(steps, nproc)``, ``ap.launch(nproc, steps)``
-        (a live dashboard), ``ap.tournament(k, steps)`` (the plan and its alternatives measured, the cost model
-        calibrated from them; ``.adopt()`` takes the winner), ``ap.export(path)`` (a plain torchrun script,
+        (a live dashboard; the plan weighs compile's start-up over ``--steps``, and launch plans again for its
+        own ``steps`` where they differ), ``ap.tournament(k, steps)`` (the plan and its alternatives measured, the
+        cost model calibrated from them; ``.adopt()`` takes the winner), ``ap.export(path)`` (a plain torchrun script,
         ``train.py``, beside its runtime module, ``train_runtime.py``; ``single_file=True``: one file) and
         ``ap.attach(path, host=...)`` (the dashboard of that script run on other hosts, which stream to this
         notebook).
@@ -159,8 +164,9 @@ class AutoparallelMagics(Magics):
         """
         args = parse_argstring(self.autoparallel, line)
         try:
-            if args.nodes < 1 or (args.gpus is not None and args.gpus < 1):
-                raise CellError(f"--nodes and --gpus must be >= 1 (got --nodes {args.nodes} --gpus {args.gpus})")
+            if min([args.nodes, *(n for n in (args.gpus, args.steps) if n is not None)]) < 1:
+                raise CellError(f"--nodes, --gpus and --steps must be >= 1 (got --nodes {args.nodes} --gpus "
+                                f"{args.gpus} --steps {args.steps})")
             if not args.name.isidentifier():
                 raise CellError(f"--name {args.name!r} is not a valid Python variable name")
             fix = _typed_fix(parse_fix(args.fix))
@@ -176,7 +182,7 @@ class AutoparallelMagics(Magics):
             source, start = _starting_weights(result, args.weights)
             graph, _ = cached_capture(result.model, result.model_inputs, source=result.source.code)
             session = Session(graph, cluster, source, global_batch=args.batch, mode=args.mode, fix=fix,
-                              per_rank_batch=result.per_rank_batch)
+                              per_rank_batch=result.per_rank_batch, steps=args.steps)
             session.replan()
             if result.per_rank_batch and args.batch and args.batch != session.batch:
                 print(f"make_batch returns {result.per_rank_batch} samples per rank, so this plan (dp="

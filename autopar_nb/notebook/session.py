@@ -40,6 +40,9 @@ class Session:
     """pinned global choices, e.g. {"tp": 2, "zero_stage": 3}"""
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     """layer-path glob -> pinned per-layer choices, e.g. {"h.*.mlp": {"tp": "colwise-rowwise"}}"""
+    steps: int | None = None
+    """the run's length in steps (--steps, ``replan(steps=...)``, the latest ``launch``'s): the plan weighs
+    torch.compile's start-up over them; None: the planner's default, torchtitan's 10,000"""
     plan: Plan | None = None
     _undo: list[tuple] = field(default_factory=list, repr=False)
     _redo: list[tuple] = field(default_factory=list, repr=False)
@@ -53,28 +56,36 @@ class Session:
 
     # ---- planning -----------------------------------------------------------------------------------------------
     def replan(self, fix: dict[str, Any] | None = None, overrides: dict[str, dict[str, Any]] | None = None,
-               *, cluster: Cluster | None = None, top_k: int = 5) -> Plan:
-        """Plan again with new constraints or a new cluster (None keeps the current ones); return the new plan.
+               *, cluster: Cluster | None = None, top_k: int = 5, steps: int | None = None) -> Plan:
+        """Plan again with new constraints, a new cluster or a new run length in ``steps`` (None keeps the current
+        ones); return the new plan.
 
         Atomic: if the planner rejects the constraints (PlanError saying which one fails and by how much memory),
         the session keeps its previous constraints and plan. The previous state can be restored with undo().
         """
-        from ..planner import remembered_plan as make_plan
-
         fix = normalize_fix(self.fix if fix is None else fix)
+        steps = self.steps if steps is None else steps
         overrides = copy.deepcopy(self.overrides if overrides is None else overrides)
         missing = [k for k in ("dp", "tp", "pp") if k not in fix]
         if self.mode == "manual" and missing:
             raise PlanError(f"manual mode needs the whole mesh pinned: add {', '.join(f'{k}=N' for k in missing)} "
                             f"to --fix (dp * tp * pp = {self.cluster.world_size} GPUs), or use --mode auto")
         cluster = cluster or self.cluster
-        new = make_plan(self.graph, cluster, global_batch=self.batch, per_rank_batch=self.per_rank_batch,
-                        seq_len=self.graph.seq_len, fix=fix, overrides=overrides, top_k=top_k,
-                        default_loss=self.source.loss_fn_var is None)
+        new = self._planned(fix, overrides, cluster, top_k=top_k, steps=steps)
         self._remember()
         self.fix, self.overrides, self.cluster, self.plan = fix, overrides, cluster, new
+        self.steps = steps
         self._notify()
         return new
+
+    def _planned(self, fix: dict[str, Any], overrides: dict[str, dict[str, Any]], cluster: Cluster, *,
+                 top_k: int = 5, steps: int | None = None) -> Plan:
+        """The planner's plan for this session's model and batch under these constraints; the session unchanged."""
+        from ..planner import remembered_plan as make_plan
+
+        return make_plan(self.graph, cluster, global_batch=self.batch, per_rank_batch=self.per_rank_batch,
+                         seq_len=self.graph.seq_len, fix=fix, overrides=overrides, top_k=top_k,
+                         default_loss=self.source.loss_fn_var is None, steps=steps)
 
     def override(self, pattern: str, **choices: Any) -> Plan:
         """Pin per-layer choices for every layer or module matching the glob ``pattern`` and re-plan (the seed's
@@ -140,7 +151,7 @@ class Session:
         if not self._undo:
             raise IndexError("nothing to undo")
         self._redo.append(self._state())
-        self.fix, self.overrides, self.cluster, self.plan = self._undo.pop()
+        self.fix, self.overrides, self.cluster, self.plan, self.steps = self._undo.pop()
         self._notify()
         return self.plan
 
@@ -149,7 +160,7 @@ class Session:
         if not self._redo:
             raise IndexError("nothing to redo")
         self._undo.append(self._state())
-        self.fix, self.overrides, self.cluster, self.plan = self._redo.pop()
+        self.fix, self.overrides, self.cluster, self.plan, self.steps = self._redo.pop()
         self._notify()
         return self.plan
 
@@ -198,7 +209,8 @@ class Session:
     def verify(self, steps: int = 5, nproc: int | None = None, *, warm: bool = True, **kwargs: Any):
         """Run the plan for real on ``nproc`` local processes (gloo on CPU, NCCL on GPUs) and a single-process
         reference with the same seed and data; returns a VerifyReport with, per step, the loss difference and the
-        max gradient/parameter difference (did parallelism change my model?).
+        max gradient/parameter difference (did parallelism change my model?). The plan is checked as it is:
+        ``steps`` is how long the check runs, not the run the plan is for (``launch`` re-plans for its steps).
 
         ``nproc`` defaults to the plan's world size; a smaller count keeps the TP/PP layout and fewer data-parallel
         replicas (see plan_for). The model is built for real in every process: use a small config of your model.
@@ -234,12 +246,16 @@ class Session:
         at once, "off" only reports. Re-planning stops the run, calibrates the memory the ranks held beyond the
         prediction, plans again with this session's pins kept (``ap.plan`` becomes the new plan; ``ap.undo()``
         goes back) and resumes from the last checkpoint in ``ckpt_dir`` (from step 0 without one).
-        ``weights="DIR"``: start from the weights in DIR (see export)."""
+        ``weights="DIR"``: start from the weights in DIR (see export).
+
+        ``steps`` reach the plan: where it weighed compile's start-up over another run length, it is planned again
+        for ``steps`` first (said in one line where a choice changes; one undo() goes back)."""
         from ..export import export, with_weights
         from ..launch import launch
         from ..launch.replan import Replanner, check_mode
 
         check_mode(replan)
+        self.plan_steps(steps)
         plan = self.plan_for(nproc)
         if plan is not self.plan:  # scaled: said here in one line, and on the dashboard (its comparison notes)
             print(plan.explanation[0])
@@ -261,10 +277,32 @@ class Session:
                       ).attach(run)
         return run
 
+    def plan_steps(self, steps: int | None) -> Plan:
+        """The plan, weighing compile's start-up over ``steps`` (its compile lever says over how many it weighed;
+        a plan without one, an adopted alternative or one with nothing to compile, is kept): planned again where
+        they differ, as an edit where a choice changes (one line says which; one undo() goes back), else in
+        place. ``self.steps`` becomes ``steps``."""
+        plan = self.current_plan()
+        weighed = next((lv.steps for lv in plan.levers if lv.name == "compile"), None)
+        if steps is None or weighed is None or weighed == steps:
+            return plan
+        new = self._planned(self.fix, self.overrides, self.cluster, steps=steps)
+        if plan.diff(new):
+            self._remember()
+            self.plan = new
+            print(f"Re-planned for the {steps:,} steps launched (the plan weighed compile's start-up over "
+                  f"{weighed:,} steps): {plan.summary()} -> {new.summary()}; ap.undo() goes back.")
+        else:  # the same choices: the plan stays the object a run or the undo stack may hold, its words re-weighed
+            plan.explanation, plan.levers = new.explanation, new.levers
+        self.steps = steps
+        self._notify()
+        return self.plan
+
     def tournament(self, k: int = 4, steps: int = 20, **kwargs: Any):
         """Run the plan and its ``k`` best alternatives for a few steps each on local processes, measure them,
         calibrate the cost model from all of them and report predicted vs measured order (Kendall's tau) and the
-        winner; ``.adopt()`` on the result makes the winner this session's plan. See
+        winner; ``.adopt()`` on the result makes the winner this session's plan. The plans are measured as they
+        are: a trial's ``steps`` time steady steps, its first ones (compile's among them) left out. See
         ``autopar_nb.launch.tournament.tournament`` for the options."""
         from ..launch.tournament import tournament
 
@@ -341,7 +379,7 @@ class Session:
         return bundle
 
     def _state(self) -> tuple:
-        return dict(self.fix), copy.deepcopy(self.overrides), self.cluster, self.plan
+        return dict(self.fix), copy.deepcopy(self.overrides), self.cluster, self.plan, self.steps
 
     @property
     def batch(self) -> int:
