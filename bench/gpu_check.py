@@ -51,12 +51,16 @@ down to 1): on an 80 GB H100 (74.5 GiB usable) the 3B without recompute runs at 
 say the batch run.
 
 Per row: the planner's step time (``plan.cost.step_time_s``) with its compute, exposed comm and
-optimizer parts vs the measured median step; its peak before the allocator margin vs
-``max_memory_allocated``, with ``max_memory_reserved`` and the reserve over the allocated peak;
-tokens/s, MFU, and the factors ``run.calibrate(save=False)`` fits from the run.
+optimizer parts vs the measured median step (the first step, compile included, left out); its peak
+before the allocator margin vs ``max_memory_allocated``, with ``max_memory_reserved`` and the reserve
+over the allocated peak; tokens/s, MFU, and the factors ``run.calibrate(save=False)`` fits from the run.
+Under the table, the compile start-up that ``compile_s_per_op`` prices: the compiled 1B's first
+step over its median, less the eager 1B's (Inductor's caches off for the compiled row), beside the
+planner's start-up figure and the s/op that would have predicted it.
 ``bench/gpu_check.json`` (``--json``; ``--copy-to`` copies it) holds each row's raw numbers for an
-offline fit: the shape, the plan's whole predicted cost and rank 0's memory terms, the factors the
-prediction was made with, every step's time, the measured peaks.
+offline fit: the shape, the plan's whole predicted cost (its compile start-up included) and rank 0's
+memory terms, the factors the prediction was made with, every step's time, the measured peaks; and
+under ``"compile"`` the compile start-up records.
 
 On a host without a CUDA GPU (or with ``--plumbing``) it says so and runs the same check functions at toy size on
 CPU processes (the LLaMA cell shrunk, ``--gpu cpu``, fp32; compile and fp16 left to the GPU: Inductor on two cores
@@ -240,10 +244,10 @@ class Checker:
         self.rows.append((title, f"{text} ({time.monotonic() - t0:.0f} s)"))
         print(f"[{title}] {self.rows[-1][1]}", flush=True)
 
-def launched(ap, c: Checker, *, steps: int, **flags):
+def launched(ap, c: Checker, *, steps: int, env: dict | None = None, **flags):
     """Launch ``ap``'s plan on one process (cold, so no pool holds the GPU) and return (run, summary); the run may
-    take what is left of the check's time (at most 240 s)."""
-    env = {"PYTORCH_CUDA_ALLOC_CONF": c.alloc_conf} if c.alloc_conf else None
+    take what is left of the check's time (at most 240 s). ``env``: more environment for the worker."""
+    env = {**({"PYTORCH_CUDA_ALLOC_CONF": c.alloc_conf} if c.alloc_conf else {}), **(env or {})} or None
     run = ap.launch(nproc=1, steps=steps, warm=False, env=env, **flags)
     status = run.wait(timeout=c.left(240.0))
     if status != "finished":
@@ -386,14 +390,60 @@ def check_scaling(c: Checker) -> str:
     the factors ``run.calibrate()`` would fit. The raw numbers go to ``c.json_path`` after each row,
     so that the efficiency factors can be fitted from them offline and a run cut short keeps its
     rows."""
-    out = {"header": header(), "steps_per_run": c.target.steps, "rows": []}
+    out = {"header": header(), "steps_per_run": c.target.steps, "rows": [], "compile": []}
     for k, row in enumerate(c.target.scaling, 1):
         if c.scaling_rows is None or k in c.scaling_rows:
             out["rows"].append(scaling_record(c, row))
             print(f"  [scaling {k}] {scaling_line(out['rows'][-1])}", flush=True)
+            out["compile"] = compile_startup(out["rows"])
             write_json(c.json_path, out)
     return "\n" + "\n".join([SCALING_HEAD, "|---" * SCALING_HEAD.count(" | ") + "|---|"]
-                            + [scaling_line(r) for r in out["rows"]])
+                            + [scaling_line(r) for r in out["rows"]] + ["", compile_lines(out["compile"])])
+
+
+COLD_COMPILE = {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+"""a compiled row's worker environment: Inductor's caches off, so that its first step times a whole compile, as on
+a fresh machine, on a rerun too (``bench/compile.py`` likewise)"""
+
+
+def compile_startup(rows: list[dict]) -> list[dict]:
+    """Inductor's start-up, measured: per compiled row with an eager twin (the same shape and batch, recompute and
+    fix but compile), the compiled run's first step over its median step, less the eager twin's (the first step's
+    other one-off costs: allocations, kernel choices); beside the planner's figure (``plan.levers``' compile
+    start-up) and the ``compile_s_per_op`` that would have predicted the measured one (the figure is that factor
+    times the compiled graphs' ops)."""
+    out = []
+    for r in rows:
+        if not r["compile"] or "measured" not in r:
+            continue
+        twin = next((e for e in rows if not e["compile"] and "measured" in e and e["shape"] == r["shape"]
+                     and e["fix"] == r["fix"].replace("compile=true", "compile=false")), None)
+        if twin is None or None in (r["measured"]["first_step_s"], twin["measured"]["first_step_s"]):
+            continue
+        excess = [x["measured"]["first_step_s"] - x["measured"]["step_time_s"] for x in (r, twin)]
+        predicted, per_op = r["predicted"]["compile_startup_s"], r["factors_in_force"]["compile_s_per_op"]
+        measured = excess[0] - excess[1]
+        out.append({"size": r["size"], "recompute": r["recompute"], "measured_s": measured,
+                    "first_step_s": r["measured"]["first_step_s"], "step_time_s": r["measured"]["step_time_s"],
+                    "eager_first_step_s": twin["measured"]["first_step_s"],
+                    "eager_step_time_s": twin["measured"]["step_time_s"], "predicted_s": predicted,
+                    "compile_s_per_op": per_op,
+                    "measured_s_per_op": per_op * measured / predicted if predicted else None})
+    return out
+
+
+def compile_lines(records: list[dict]) -> str:
+    """The compile start-up under the scaling table: one sentence per measured compiled row, or why none."""
+    if not records:
+        return ("Compile start-up: not measured (no compiled row ran beside its eager twin; on CPU the compiled row "
+                "is not run).")
+    return "\n".join(
+        f"Compile start-up ({r['size']}, recompute={r['recompute']}, blocks compiled, Inductor's caches off): the "
+        f"first step {r['first_step_s']:.1f} s over the median {ms(r['step_time_s'])}, less the eager twin's "
+        f"{r['eager_first_step_s']:.1f} s over {ms(r['eager_step_time_s'])}: {r['measured_s']:.1f} s measured vs "
+        f"{r['predicted_s']:.1f} s predicted at {r['compile_s_per_op']:g} s/op"
+        + (f", so {r['measured_s_per_op']:.2f} s/op measured." if r["measured_s_per_op"] is not None else ".")
+        for r in records)
 
 
 def scaling_record(c: Checker, row: ScalingRow) -> dict:
@@ -425,7 +475,7 @@ def run_of(c: Checker, ap, row: ScalingRow) -> tuple:
     skipped = budget_verdict(c, ap.plan, row.compile)
     if skipped:
         return None, None, skipped
-    run, s = launched(ap, c, steps=c.target.steps)
+    run, s = launched(ap, c, steps=c.target.steps, env=COLD_COMPILE if row.compile else None)
     c.runs.append((f"the scaling check's {row_name(row)} run", ap, run, s))
     return run, s, "launched"
 
@@ -474,7 +524,10 @@ def predicted_figures(ap, shape: Shape) -> dict:
     cost = ap.plan.cost
     m0 = cost.memory_by_rank[0]
     predicted = {k: v for k, v in dataclasses.asdict(cost).items() if k != "memory_by_rank"}
-    predicted.update(peak_before_margin_bytes=m0.total - m0.margin, memory=dataclasses.asdict(m0))
+    lever = next((lv for lv in ap.plan.levers if lv.name == "compile"), None)
+    # the compiled layers' start-up, compiled or not (an eager plan's lever prices compiling it)
+    predicted.update(peak_before_margin_bytes=m0.total - m0.margin, memory=dataclasses.asdict(m0),
+                     compile_startup_s=lever.startup_s if lever else None)
     return {"shape": dataclasses.asdict(shape), "params": ap.plan.model["num_params"],
             "plan": ap.plan.summary().split(" | ")[0], "micro_batches": ap.plan.batch.micro_batches,
             "cluster": ap.plan.cluster, "precision": ap.plan.precision.amp,
@@ -488,6 +541,7 @@ def measured_figures(c: Checker, plan, shape: Shape, run, s: dict) -> dict:
     tokens_per_s = tokens_per_step(plan) / step if step else None
     times = [r["step_time_s"] for r in run.metrics if r["rank"] == 0 and r.get("step_time_s")]
     measured = {"step_time_s": step, "step_times_s": times, "steps": s["steps"],
+                "first_step_s": times[0] if times else None,
                 "peak_allocated_bytes": s["memory_by_rank"].get(0),
                 "peak_reserved_bytes": (s.get("reserved_by_rank") or {}).get(0),
                 "memory_kind": s["memory_kind"], "tokens_per_s": tokens_per_s,

@@ -6,6 +6,7 @@ budget skip, which a CPU host never reaches, run on stubs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -51,6 +52,8 @@ def test_gpu_check_plumbing_on_a_cpu_host(tmp_path):
         assert m["peak_allocated_bytes"] > 0
         assert m["tokens_per_s"] > 0 and 0 < m["mfu"] and r["calibrated_factors"]["eff_matmul"] > 0
         assert r["factors_in_force"]["eff_matmul"] > 0 and r["shape"]["batch"] == 4
+        assert m["first_step_s"] == m["step_times_s"][0] and p["compile_startup_s"] > 0
+    assert json.loads(rows_json.read_text())["compile"] == [] and "Compile start-up: not measured" in text
 
 
 class Refusing:
@@ -87,3 +90,42 @@ def test_a_row_past_the_budget_is_skipped_and_says_so():
     line = gpu_check.scaling_line(row)
     assert line.count(" | ") == gpu_check.SCALING_HEAD.count(" | ")
     assert line.endswith("| skipped: x |")
+
+
+def scaling_row(compile: bool, first: float, median: float, *, batch: int = 4) -> dict:
+    """A measured row of the scaling check as scaling_record writes it, the fields compile_startup reads."""
+    fix = gpu_check.scaling_fix(gpu_check.ScalingRow(gpu_check.LLAMA_1B, "none", compile))
+    shape = {**dataclasses.asdict(gpu_check.LLAMA_1B), "batch": batch}
+    return {"size": "1B", "recompute": "none", "compile": compile, "fix": fix, "shape": shape,
+            "predicted": {"compile_startup_s": 20.0}, "factors_in_force": {"compile_s_per_op": 1.25},
+            "measured": {"first_step_s": first, "step_time_s": median}}
+
+
+def test_compile_start_up_is_the_compiled_first_steps_excess_over_the_eager_twins():
+    """The compiled row's first step over its median (23.0 s over 162 ms), less what the eager twin's first step
+    takes beyond its median (3.0 s over 179 ms: allocations, kernel choices), is Inductor's start-up: 20.0 s
+    against 20.0 predicted at 1.25 s/op. A compiled row without a measured eager twin at its batch gives none."""
+    eager, compiled = scaling_row(False, 3.0, 0.179), scaling_row(True, 23.0, 0.162)
+    (rec,) = gpu_check.compile_startup([eager, scaling_row(False, 9.0, 0.1, batch=2), compiled])
+    assert rec["measured_s"] == pytest.approx((23.0 - 0.162) - (3.0 - 0.179))
+    assert rec["measured_s_per_op"] == pytest.approx(1.25 * rec["measured_s"] / 20.0)
+    line = gpu_check.compile_lines([rec])
+    assert line.startswith("Compile start-up (1B, recompute=none, blocks compiled, Inductor's caches off): the first "
+                           "step 23.0 s over the median 162.0 ms, less the eager twin's 3.0 s over 179.0 ms: 20.0 s "
+                           "measured vs 20.0 s predicted at 1.25 s/op, so 1.25 s/op measured."), line
+    assert gpu_check.compile_startup([compiled, scaling_row(False, 3.0, 0.179, batch=2)]) == []
+    skipped = {k: v for k, v in eager.items() if k != "measured"} | {"status": "skipped: x"}
+    assert gpu_check.compile_startup([skipped, compiled]) == []
+    assert gpu_check.compile_lines([]).startswith("Compile start-up: not measured")
+
+
+def test_a_compiled_row_launches_with_inductors_caches_off(monkeypatch):
+    """Its first step then times a whole compile on a rerun too; an eager row's environment is left alone."""
+    seen = []
+    monkeypatch.setattr(gpu_check, "same_plan_run", lambda c, plan: (None, None, None))
+    monkeypatch.setattr(gpu_check, "budget_verdict", lambda c, plan, compiled: None)
+    monkeypatch.setattr(gpu_check, "launched", lambda ap, c, *, steps, env=None: seen.append(env) or ("run", {}))
+    c = SimpleNamespace(target=gpu_check.GPU, runs=[])
+    for compiled in (True, False):
+        gpu_check.run_of(c, SimpleNamespace(plan=None), gpu_check.ScalingRow(gpu_check.LLAMA_1B, "none", compiled))
+    assert seen == [{"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}, None]

@@ -68,7 +68,8 @@ class Factors:
     """seconds Inductor takes at start-up per op of each distinct compiled graph (forward ops counted, its backward
     compiled with it; a repeated block's members share one graph, ``cost/compile.py``). Measured on the same H200
     run: the compiled launches took about 20 s more than the eager ones (45 s against 25), one LLaMA block of 16 ops
-    compiled once for its 16 members"""
+    compiled once for its 16 members. ``make gpu-check``'s scaling check measures it on a GPU host: the compiled
+    1B's first step over its median, less the eager 1B's, beside this factor's figure and the s/op it implies"""
     optimizer_bytes_per_param: float = 36.0
     """bytes moved per local parameter by a fused Adam step: read param, grad, m, v (fp32, 16) + write param, m,
     v (12) + bf16 param copy / grad scaling reads (~8)"""
