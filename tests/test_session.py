@@ -125,6 +125,14 @@ def test_the_steps_launched_reach_the_plan(session, monkeypatch, capsys):
     assert session.steps == 30
 
 
+def test_the_exported_script_runs_the_steps_planned(session, tmp_path):
+    session.steps = 300
+    script = session.export(str(tmp_path / "train.py"), quiet=True).script.read_text()
+    assert 'p.add_argument("--steps", type=int, default=300,' in script
+    seven = session.export(str(tmp_path / "t7.py"), steps=7, quiet=True).script.read_text()
+    assert 'p.add_argument("--steps", type=int, default=7,' in seven
+
+
 def test_manual_mode_needs_the_mesh(session):
     session.mode = "manual"
     with pytest.raises(PlanError, match="add pp=N to --fix"):

@@ -227,9 +227,12 @@ class Session:
         it (``single_file=True``: the script alone, the runtime inside), and print the torchrun commands for one
         node and several. The script needs torch only, not autopar_nb. ``weights="DIR"``: a cell that builds its
         model from a config starts from the weights in DIR (safetensors, as ``save_pretrained`` writes them), read
-        as a ``from_pretrained`` cell's are."""
+        as a ``from_pretrained`` cell's are. The script's ``--steps`` defaults to the run planned (``steps``, when
+        the session has one; else 100)."""
         from ..export import export
 
+        if self.steps is not None:
+            kwargs.setdefault("steps", self.steps)
         return export(self.source, self.plan_for(nproc), path, **kwargs)
 
     def launch(self, nproc: int | None = None, steps: int = 50, *, warm: bool = True, replan: str = "ask",
