@@ -13,8 +13,8 @@ repeated calibrations converge instead of compounding errors):
   ``r = measured / predicted step time`` — one uniform speed correction: the whole error is attributed to achieved
   throughput, compute and communication alike (a single run cannot tell them apart). Clamped to [1e-4, 4] (above 1
   only where the device's peak is an estimate, as for the ``cpu`` preset).
-* ``op_overhead_s`` and the host's ``cpu_*`` seconds (``cost/cpu.py``: the step's CPU issue time, its floor):
-  multiplied by ``r``.
+* ``op_overhead_s`` and the host's ``cpu_*`` seconds (``cost/cpu.py``: the step's CPU issue time, its floor), and
+  ``pp_handoff_s`` (the ``cpu`` preset's wait per pipeline handoff): multiplied by ``r``.
 * ``compile_memory_bound`` (the share of a compiled block's memory-bound time that Inductor leaves): a run of a
   plan with compiled layers, on a preset an eager run has calibrated before, changes this factor alone —
   multiplied by ``r``, clamped to [0.05, 1.5] — since the eager factors already account for the rest of the step
@@ -72,6 +72,10 @@ OVERHEAD_KEYS = ("op_overhead_s", "cpu_op_s", "cpu_op_bwd_s", "cpu_tp_module_s",
 """per-op constants multiplied by measured/predicted step time: the GPU's launch gaps and the host's seconds
 issuing a step (``cost/cpu.py``), so that a CPU-bound prediction moves with the measurement as a GPU-bound one
 does"""
+WAIT_KEYS = ("pp_handoff_s",)
+"""seconds a step waits on another process (the ``cpu`` preset's pipeline handoffs), counted with its exposed
+communication: multiplied by measured/predicted as the rest of the step is, by the communication's scale in a
+tournament's fit"""
 COMPILE_KEYS = ("compile_memory_bound",)
 """set by compiled runs once an eager run has calibrated the preset"""
 COMPILE_RANGE = (0.05, 1.5)
@@ -184,7 +188,7 @@ def factors_from(measured: dict, *, current: dict[str, float], compiled: bool = 
         out = {k: min(hi, max(lo, current[k] * r)) for k in COMPILE_KEYS if k in current}
     else:
         out = {k: min(hi, max(lo, current[k] / r)) for k in SPEED_KEYS if k in current}
-        out.update({k: current[k] * r for k in OVERHEAD_KEYS if k in current})
+        out.update({k: current[k] * r for k in OVERHEAD_KEYS + WAIT_KEYS if k in current})
     record: dict[str, Any] = {"measured_step_time_s": t_meas, "predicted_step_time_s": t_pred, "ratio": r,
                               "compiled": compiled}
     if measured.get("memory_kind") == "cuda_peak" and measured.get("predicted_memory_by_rank"):
@@ -412,12 +416,13 @@ def fit_components(parts: list[dict[str, float]], measured: list[float]) -> dict
 def factors_from_scales(scales: dict[str, float], *, current: dict[str, float]) -> dict[str, float]:
     """The cost-model factors that scale each of :data:`COMPONENTS` as ``scales`` says, from the ``current`` ones:
     the device's efficiencies divided by its scale (clamped to ``EFF_RANGE``) and its per-op gap multiplied by it,
-    the link's efficiency divided by communication's, the host's per-op seconds (``OVERHEAD_KEYS``) multiplied by
-    the host's."""
+    the link's efficiency divided by communication's and the waits (``WAIT_KEYS``) multiplied by it, the host's
+    per-op seconds (``OVERHEAD_KEYS``) multiplied by the host's."""
     lo, hi = EFF_RANGE
     out = {k: min(hi, max(lo, current[k] / scales["device"])) for k in DEVICE_SPEED_KEYS if k in current}
     if "eff_link" in current:
         out["eff_link"] = min(hi, max(lo, current["eff_link"] / scales["communication"]))
+    out.update({k: current[k] * scales["communication"] for k in WAIT_KEYS if k in current})
     # op_overhead_s is the device's gap between kernels (part of its time); the other per-op seconds are the host's
     out.update({k: current[k] * scales["device" if k == "op_overhead_s" else "host"] for k in OVERHEAD_KEYS
                 if k in current})

@@ -487,3 +487,25 @@ def test_mfu_counts_6n_plus_12lhqt(seq_len):
     assert c.model_tflops_per_gpu * 1e12 * 2 * c.step_time_s / tokens == pytest.approx(per_token, rel=1e-9)
     assert c.hardware_tflops_per_gpu > c.model_tflops_per_gpu  # the recompute and the norms run all the same
     assert MFU_BASIS in p.explain() and time_panel(p)["mfu_basis"] == MFU_BASIS
+
+
+MEASURED_PP_HANDOFF_S = 5.3e-3
+"""seconds per micro-batch and stage that torch's 2-stage 1F1B schedule and its handoffs added between two real gloo
+processes on the project's 2 shared cores, less the fake process group's ``cpu_pp_microbatch_s`` (BENCHMARKS.md
+"Pipeline handoffs on gloo", ``bench/gloo_latency.py``)"""
+
+
+def test_cpu_pipeline_handoffs_cost_what_gloo_measured():
+    """On the ``cpu`` preset a pipeline stage's every micro-batch waits for the other stage's process (a gloo
+    ``recv`` sleeps until the sender has been scheduled): a 1F1B step of the seed MLP gets slower with more
+    micro-batches, as tournaments measured (x2 < x4 < x8), by the measured wait per micro-batch. The GPU presets
+    keep NCCL's link latency alone."""
+    with torch.device("meta"):
+        graph = ap.capture(zoo.SeedMLP(), torch.randn(32, 1024))
+    cpu = ap.Cluster.preset("cpu", 1, 2)
+    assert factors_for(cpu).pp_handoff_s == pytest.approx(MEASURED_PP_HANDOFF_S)
+    cost = {m: ap.plan(graph, cpu, fix={"pp": 2, "micro_batches": m, "schedule": "1f1b"}).cost for m in (2, 4, 8)}
+    assert cost[2].step_time_s < cost[4].step_time_s < cost[8].step_time_s
+    per_mb = (cost[8].comm_exposed_by_kind["send_recv"] - cost[4].comm_exposed_by_kind["send_recv"]) / 4
+    assert per_mb == pytest.approx(MEASURED_PP_HANDOFF_S, rel=0.05)  # the link's alpha-beta share is ~10 us
+    assert factors_for(ap.Cluster.preset("h100-80gb", 1, 2)).pp_handoff_s == 0.0

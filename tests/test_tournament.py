@@ -14,7 +14,7 @@ from autopar_nb.source import ModelSource
 
 
 def seed_mlp() -> Session:
-    """The seed MLP planned for 2 CPU processes (its alternatives: tp=2, pp=2, dp=2 ZeRO-2, ...)."""
+    """The seed MLP planned for 2 CPU processes (its alternatives: tp=2, dp=2 ZeRO-2 and ZeRO-1, ...)."""
     source = ModelSource(QUICKSTART_CELL)
     model, inputs, _ = source.build(device="meta")
     s = Session(ap.capture(model, inputs), ap.Cluster.preset("cpu", gpus_per_node=2), source, global_batch=32)
@@ -69,8 +69,11 @@ def test_fit_components_recovers_scales_and_changes_the_order():
     before = [calibration.scaled_step(p, ones) for p in parts]
     assert kendall_tau(before, measured) < 1 and kendall_tau([calibration.scaled_step(p, scales) for p in parts],
                                                              measured) == 1
-    f = calibration.factors_from_scales(scales, current={"eff_matmul": 0.8, "eff_link": 0.5, "cpu_op_s": 1e-5})
-    assert f == pytest.approx({"eff_matmul": 0.4, "eff_link": 0.05, "cpu_op_s": 5e-6}, rel=1e-3)
+    f = calibration.factors_from_scales(scales, current={"eff_matmul": 0.8, "eff_link": 0.5, "cpu_op_s": 1e-5,
+                                                         "pp_handoff_s": 1e-3})
+    # a pipeline handoff's wait is exposed communication: it scales with it
+    assert f == pytest.approx({"eff_matmul": 0.4, "eff_link": 0.05, "cpu_op_s": 5e-6, "pp_handoff_s": 1e-2},
+                              rel=1e-3)
     # one run: a single ratio, for every component
     assert calibration.fit_components([part(1.0, 1.0, 0.0, 0.5, 0.0)], [4.0]) == dict.fromkeys(
         calibration.COMPONENTS, 2.0)
@@ -96,7 +99,7 @@ def test_the_next_plan_says_where_its_step_times_come_from(mlp, monkeypatch, tmp
 
 @pytest.mark.multiprocess
 def test_tournament_of_the_seed_mlp_measures_each_plan_that_fits(monkeypatch, tmp_path):
-    """k=3 on 2 gloo processes: the chosen plan and its three best alternatives (tp=2 and pp=2 layouts); a memory
+    """k=3 on 2 gloo processes: the chosen plan and its three best alternatives (tp=2 and dp=2 layouts); a memory
     limit under the largest predicted need skips the plans that need it, the others run (a few steps, through the
     warm pool)."""
     monkeypatch.setenv("AUTOPAR_CALIBRATION", str(tmp_path / "c.json"))

@@ -496,14 +496,16 @@ class Evaluator:
 
     def _pipeline_comm(self, s: Setting, sums: RankSums, comm: CommTime) -> float:
         """Point-to-point sends between stages: fill/drain on the critical path, the rest mostly hidden (and
-        slowing the compute it hides behind). Adds to ``comm``; returns the exposed seconds."""
+        slowing the compute it hides behind), and each micro-batch's wait for the other stage's process where the
+        preset has one (``Factors.pp_handoff_s``). Adds to ``comm``; returns the exposed seconds."""
         if s.pp <= 1:
             return 0.0
         f = self.f
         pp_link = link_for(self.cluster, size=s.pp, stride=s.tp * s.replicas)
         p2p_t = max((collective_time("send_recv", b, 2, pp_link, f.eff_link) for b in sums.p2p), default=0.0)
         total = 2 * s.micro_batches * p2p_t * s.virtual_stages
-        return comm.record("send_recv", total, 2 * (s.pp - 1) * p2p_t + (1 - f.overlap_pp) * total,
+        wait = s.micro_batches * s.virtual_stages * f.pp_handoff_s  # a blocking receive hides nothing
+        return comm.record("send_recv", total + wait, 2 * (s.pp - 1) * p2p_t + (1 - f.overlap_pp) * total + wait,
                            f.overlap_contention)
 
     def rank_moments(self, s: Setting, choices: list[LayerChoice], *, per_op: bool = False) -> list[list[tuple]]:

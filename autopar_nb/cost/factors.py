@@ -116,6 +116,11 @@ class Factors:
     cpu_collective_s: float = 4.4e-6
     """seconds of host time per collective call outside the wrappers above (the loss's
     all-reduce)"""
+    pp_handoff_s: float = 0.0
+    """seconds a step waits per micro-batch and pipeline stage for the stage's blocking handoffs (the activation's
+    send/recv forward, its gradient's back) beyond the link's alpha-beta time and the schedule's host time
+    (``cpu_pp_microbatch_s``), never hidden. 0 on the GPU presets, whose point-to-point cost is the link's
+    published NCCL latency and bandwidth; the ``cpu`` preset's is :data:`CPU_PP_HANDOFF_S`"""
 
     def efficiency(self, op_class: str, dtype_is_half: bool) -> float:
         """Fraction of peak FLOP/s for a compute-bound op class."""
@@ -145,18 +150,29 @@ the first steps compiled than eager for zoo.Llama's 16-op block on this project'
 "Compile vs eager, CPU")"""
 
 
+CPU_PP_HANDOFF_S = 5.3e-3
+"""``pp_handoff_s`` on the ``cpu`` preset: between real gloo processes a ``recv`` sleeps until the sending process
+has been scheduled, which on cores shared with other processes costs far more than the fake process group's
+``cpu_pp_microbatch_s`` saw. Measured by ``.venv/bin/python bench/gloo_latency.py`` (BENCHMARKS.md "Pipeline
+handoffs on gloo", 2026-12-06): the slope of torch's 2-stage ``Schedule1F1B`` step in its micro-batches, less that of
+each stage run alone, less ``cpu_pp_microbatch_s``, on this project's 2 shared x86_64 cores (torch 2.13.0+cpu): 3.1,
+6.5, 4.1 and 7.6 ms in four runs at load average 11-17, the median 5.3 ms. It moves with the load (a tournament's
+pipelines cost about 10 ms per micro-batch at load 2-8, 74 ms at 21-25): a calibration scales it"""
+
+
 def factors_for(cluster) -> Factors:
     """The default factors of the cluster's GPU generation (:data:`ARCH_FACTORS`) with ``cluster.calibration``
     applied (unknown names raise, so typos do not pass silently).
 
     The ``cpu`` preset has no allocator workspace to speak of, so its fixed margin is 0; its overlap contention is
-    0 too (the measurement is of GPUs).
+    0 too (the measurement is of GPUs); its pipeline handoffs wait for the other process (:data:`CPU_PP_HANDOFF_S`).
     """
     arch = ARCH_FACTORS.get(getattr(cluster.device, "arch", ""), {})
     base = dataclasses.replace(DEFAULT, **arch) if arch else DEFAULT
     if cluster.name == "cpu":  # no caching allocator: what a CPU run holds is what it allocates
         base = dataclasses.replace(base, margin_fixed_bytes=0.0, margin_full_recompute=base.margin_fraction,
-                                   overlap_contention=0.0, compile_s_per_op=CPU_COMPILE_S_PER_OP)
+                                   overlap_contention=0.0, compile_s_per_op=CPU_COMPILE_S_PER_OP,
+                                   pp_handoff_s=CPU_PP_HANDOFF_S)
     calib = dict(getattr(cluster, "calibration", None) or {})
     if not calib:
         return base
