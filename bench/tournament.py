@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/tournament.py [--models mlp llama gpt mixtral vit cnn] [--k 4] [--steps 20]
     .venv/bin/python bench/tournament.py --repeats 3     # the noise: each tournament 3 times, no calibration
+    .venv/bin/python bench/tournament.py --models mlp --factor pp_handoff_s=0   # planned as before a factor
 
 For each model (small configurations, planned with the ``cpu`` preset for 2 processes, global batch as in its cell)
 it runs ``ap.tournament(session, k, steps)`` on 2 local gloo processes through the warm pool, against a calibration
@@ -11,6 +12,10 @@ markdown row per model: the predicted order (plans numbered by the planner's ran
 order, the order after the tournament's calibration (in-sample: fitted on the same measurements), Kendall's tau of
 each against the measured order, the winner and its margin over the runner-up, and the tournament's wall time
 (capture and planning not included).
+
+With ``--factor NAME=VALUE`` the plans are made with that cost-model factor replaced (a value from before a change
+of the ``cpu`` preset's defaults), and the measured plans are costed again with the defaults: Kendall's tau of both
+predictions against the same measurements, the change's before and after.
 
 With ``--repeats R`` each model's tournament runs R times over the same plans, uncalibrated (the predictions stay
 the cost model's defaults), and its row says how far the measurements move from one run to the next: each plan's
@@ -23,6 +28,7 @@ average at the start of each repeat.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import statistics
@@ -37,6 +43,7 @@ os.environ["AUTOPAR_CALIBRATION"] = os.path.join(tempfile.mkdtemp(prefix="autopa
 
 # imported after the calibration file is chosen
 from autopar_nb.capture import capture
+from autopar_nb.cost.estimate import estimate
 from autopar_nb.demo import QUICKSTART_CELL
 from autopar_nb.hardware import Cluster
 from autopar_nb.launch.standings import kendall_tau, tau_over_distinguishable
@@ -82,18 +89,35 @@ def order(values: list[float | None]) -> str:
     return " ".join(str(i) for _, i in sorted((v, i) for i, v in enumerate(values) if v is not None))
 
 
-def planned(name: str) -> Session:
-    """The model's session, planned with the ``cpu`` preset for 2 processes."""
+def planned(name: str, factors: dict[str, float] | None = None) -> Session:
+    """The model's session, planned with the ``cpu`` preset for 2 processes (``factors``: cost-model factors that
+    replace its defaults, as a calibration would)."""
     source = ModelSource(CELLS[name])
     model, inputs, _ = source.build(device="meta")
-    session = Session(capture(model, inputs), Cluster.preset("cpu", gpus_per_node=2), source)
+    cluster = Cluster.preset("cpu", gpus_per_node=2)
+    session = Session(capture(model, inputs), dataclasses.replace(cluster, calibration=dict(factors or {})), source)
     session.replan()
     return session
 
 
-def repeated(name: str, k: int, steps: int, repeats: int) -> str:
-    """Run one model's tournament ``repeats`` times without calibration; return its markdown row of the noise."""
-    session = planned(name)
+def against_defaults(t, graph) -> str:
+    """Each measured plan of tournament ``t`` (planned with replaced factors) costed again with the ``cpu`` preset's
+    defaults: a line per plan, and Kendall's tau of those predictions against the measured order."""
+    cluster = Cluster.preset("cpu", gpus_per_node=2)
+    rows, now = [], []
+    for i, e in enumerate(t.entries):
+        if e.status == "measured":
+            now.append((estimate(graph, cluster, e.plan).step_time_s, e.measured_s))
+            rows.append(f"  {i} {e.label}: predicted {e.predicted_s * 1e3:.2f} ms, with the defaults "
+                        f"{now[-1][0] * 1e3:.2f} ms, measured {e.measured_s * 1e3:.2f} ms")
+    tau = kendall_tau([p for p, _ in now], [m for _, m in now]) if len(now) > 1 else None
+    return "\n".join([*rows, f"  tau with the defaults: {fmt(tau)} (planned with the replaced factors: {fmt(t.tau)})"])
+
+
+def repeated(name: str, k: int, steps: int, repeats: int, factors: dict[str, float] | None = None) -> str:
+    """Run one model's tournament ``repeats`` times without calibration (planned with ``factors``); return its
+    markdown row of the noise."""
+    session = planned(name, factors)
     runs, loads = [], []
     for r in range(repeats):
         loads.append(os.getloadavg()[0])
@@ -112,11 +136,14 @@ def repeated(name: str, k: int, steps: int, repeats: int) -> str:
             f"{' '.join(f'{x:.0f}' for x in loads)} |")
 
 
-def one(name: str, k: int, steps: int) -> str:
-    """Capture, plan and run one model's tournament; print its table; return its markdown row."""
-    session = planned(name)
+def one(name: str, k: int, steps: int, factors: dict[str, float] | None = None) -> str:
+    """Capture, plan and run one model's tournament; print its table (with ``factors``, the measured plans costed
+    again with the defaults too); return its markdown row."""
+    session = planned(name, factors)
     t = tournament(session, k=k, steps=steps)
     print(f"\n[{name}]\n{t!r}\nfitted scales: {t.scales}", flush=True)
+    if factors:
+        print(against_defaults(t, session.graph), flush=True)
     m = [e if e.status == "measured" else None for e in t.entries]
     w = t.winner
     won = "-" if w is None else f"{t.entries.index(w)} ({'chosen' if w is t.entries[0] else 'alternative'})"
@@ -136,14 +163,19 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="alternatives run besides the chosen plan")
     parser.add_argument("--steps", type=int, default=20, help="the most steps a trial runs")
     parser.add_argument("--repeats", type=int, default=1, help="run each tournament this many times (the noise)")
+    parser.add_argument("--factor", action="append", default=[], metavar="NAME=VALUE",
+                        help="plan with this cost-model factor replaced (``autopar_nb.cost.Factors``; repeatable), "
+                             "e.g. the value before a change; without --repeats the measured plans are costed "
+                             "with the defaults too")
     args = parser.parse_args()
+    factors = {k: float(v) for k, v in (f.split("=", 1) for f in args.factor)}
     print(f"{platform.node()}: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     rows = []
     for name in args.models:
         try:
-            rows.append(one(name, args.k, args.steps) if args.repeats <= 1 else
-                        repeated(name, args.k, args.steps, args.repeats))
+            rows.append(one(name, args.k, args.steps, factors) if args.repeats <= 1 else
+                        repeated(name, args.k, args.steps, args.repeats, factors))
         except Exception as e:  # one model's failure (an optional package missing) must not end the others
             rows.append(f"| {name} | failed: {type(e).__name__}: {str(e)[:120]} |")
             print(rows[-1], flush=True)
