@@ -45,7 +45,7 @@ repeated calibrations converge instead of compounding errors):
   ``margin_fixed_bytes``: 1 GiB per GPU, 0 on CPU); :func:`margin_text` says which one a plan uses.
 * a re-plan also takes the speed factors above from the stopped run's steady steps (``time_factors``), when the
   plan's device is the run's.
-* a tournament (``autopar_nb.launch.tournament``) measures several plans at once and fits a scale to each of the
+* a tournament (``autopar_nb.launch.trials``) measures several plans at once and fits a scale to each of the
   step's components in the cost model's own formula (:func:`fit_components`: the device's time, exposed
   communication, the host's issue time), which one run's single ratio cannot do; :func:`factors_from_scales` turns
   them into the keys above and :func:`store` saves them with the number of runs, which the next plan's explanation

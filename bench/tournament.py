@@ -47,7 +47,7 @@ from autopar_nb.cost.estimate import estimate
 from autopar_nb.demo import QUICKSTART_CELL
 from autopar_nb.hardware import Cluster
 from autopar_nb.launch.standings import kendall_tau, tau_over_distinguishable
-from autopar_nb.launch.tournament import tournament
+from autopar_nb.launch.trials import tournament
 from autopar_nb.notebook.session import Session
 from autopar_nb.source import ModelSource
 

@@ -89,6 +89,41 @@ def test_no_import_cycle():
         raise AssertionError(f"import cycle: {' -> '.join(e.args[1])}") from None
 
 
+
+SHADOWED = {
+    # not renamed yet: the function hides its module (read it as sys.modules["autopar_nb.cost.estimate"])
+    "cost/__init__.py: estimate", "cost/__init__.py: profile", "planner/__init__.py: explain",
+    "capture/__init__.py: stand_in", "launch/__init__.py: attach",
+}
+
+
+def test_a_subpackage_binds_no_name_of_its_own_modules():
+    """``autopar_nb.launch.trials`` is the module wherever it is read: a subpackage's ``__init__`` binds no other
+    object under the name of one of its modules (a function re-exported under it would hide the module from
+    ``import autopar_nb.launch.x`` users and from ``monkeypatch.setattr``). The root is the exception on purpose:
+    ``ap.plan``, ``ap.launch``, ``ap.export`` are the public functions; :data:`SHADOWED` lists the clashes left
+    (it may only shrink)."""
+    clashes = []
+    for init in PKG.rglob("__init__.py"):
+        if init.parent == PKG:
+            continue
+        here = init.parent
+        modules = {p.stem for p in here.glob("*.py")} | {d.name for d in here.iterdir() if (d / "__init__.py").exists()}
+        for node in ast.parse(init.read_text()).body:
+            if isinstance(node, ast.ImportFrom):
+                bound = [(a.asname or a.name, node.level == 1 and not node.module and not a.asname) for a in node.names]
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                bound = [(node.name, False)]
+            elif isinstance(node, ast.Assign):
+                bound = [(t.id, False) for t in node.targets if isinstance(t, ast.Name)]
+            else:
+                continue
+            clashes += [f"{init.relative_to(PKG)}: {name}" for name, is_module in bound
+                        if name in modules and not is_module and name != "__init__"]
+    assert set(clashes) <= SHADOWED, sorted(set(clashes) - SHADOWED)
+    assert SHADOWED <= set(clashes), f"no longer shadowed, leave SHADOWED: {sorted(SHADOWED - set(clashes))}"
+
+
 MODULE_LINES, FUNCTION_LINES = 500, 80
 LONG_MODULES = {
     # not split yet: each may shrink, none may grow past its figure

@@ -1,5 +1,4 @@
 import random
-import sys
 import time
 
 import pytest
@@ -7,8 +6,9 @@ import pytest
 import autopar_nb as ap
 from autopar_nb import calibration
 from autopar_nb.demo import QUICKSTART_CELL
+from autopar_nb.launch import trials
 from autopar_nb.launch.standings import kendall_tau, stable, steady_time
-from autopar_nb.launch.tournament import predicted_need, step_times, tournament
+from autopar_nb.launch.trials import predicted_need, step_times, tournament
 from autopar_nb.notebook.session import Session
 from autopar_nb.source import ModelSource
 
@@ -129,7 +129,7 @@ def test_plans_for_gpus_this_machine_lacks_are_not_ranked_here(mlp):
     """Trials run on this machine: plans costed for H100s would be measured on CPU processes (or another GPU), and
     the order and the calibration would compare unlike things. Refused before any process starts, in words that
     say what to do; the widget's button gives the same reason."""
-    from autopar_nb.launch.tournament import machine_mismatch
+    from autopar_nb.launch.trials import machine_mismatch
     from autopar_nb.widget.actions import refusal
 
     h100 = ap.Cluster.preset("h100-80gb", gpus_per_node=2)
@@ -153,14 +153,13 @@ def test_a_stopped_tournament_ends_its_workers_and_keeps_what_it_measured(monkey
     from autopar_nb.launch.procs import processes_with_token
     from autopar_nb.launch.tournament_job import TournamentJob
 
-    tournament_module = sys.modules["autopar_nb.launch.tournament"]
     runs = []
 
     def launch(build, nproc, steps, **kwargs):  # the second trial would run long enough to be stopped in its steps
         runs.append(launcher.launch(build, nproc, steps if not runs else 100_000, **kwargs))
         return runs[-1]
 
-    monkeypatch.setattr(tournament_module, "launch", launch)
+    monkeypatch.setattr(trials, "launch", launch)
     monkeypatch.setenv("AUTOPAR_CALIBRATION", str(tmp_path / "c.json"))
     job = TournamentJob(seed_mlp(), k=2, steps=6, warmup=1, cv=0.0, run_root=str(tmp_path))
     view = job.view()
@@ -204,7 +203,6 @@ def test_an_interrupted_tournament_leaves_no_worker_behind(monkeypatch, tmp_path
     from autopar_nb.launch import launcher
     from autopar_nb.launch.procs import processes_with_token
 
-    tournament_module = sys.modules["autopar_nb.launch.tournament"]
     runs = []
 
     def interrupted(e, run, t0, **kwargs):
@@ -215,7 +213,7 @@ def test_an_interrupted_tournament_leaves_no_worker_behind(monkeypatch, tmp_path
             time.sleep(0.05)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tournament_module, "watch_trial", interrupted)
+    monkeypatch.setattr(trials, "watch_trial", interrupted)
     monkeypatch.setenv("AUTOPAR_CALIBRATION", str(tmp_path / "c.json"))
     with pytest.raises(KeyboardInterrupt):
         tournament(seed_mlp(), k=1, steps=100_000, run_root=str(tmp_path))

@@ -8,7 +8,7 @@ from .attach import AttachedRun, attach
 from .launcher import LaunchError, launch, live_runs
 from .run import MetricsTable, Run
 from .standings import TournamentResult
-from .tournament import tournament
+from .trials import tournament
 
 __all__ = ["AttachedRun", "LaunchError", "MetricsTable", "Run", "TournamentResult", "attach", "launch", "live_runs",
            "tournament"]

@@ -1,6 +1,6 @@
 """A tournament's results: one :class:`Entry` per plan, Kendall's tau of predicted vs measured order, the winner.
 
-Plain data and pure functions (no processes): :mod:`autopar_nb.launch.tournament` fills them.
+Plain data and pure functions (no processes): :mod:`autopar_nb.launch.trials` fills them.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class Entry:
 
 @dataclass
 class TournamentResult:
-    """What :func:`autopar_nb.launch.tournament.tournament` measured; ``adopt()`` takes the winner."""
+    """What :func:`autopar_nb.launch.trials.tournament` measured; ``adopt()`` takes the winner."""
 
     entries: list[Entry]
     tau: float | None

@@ -20,7 +20,7 @@ import traitlets
 
 from .dashboard import STATIC, JobView, bundle
 from .standings import Entry, TournamentResult, table
-from .tournament import tournament
+from .trials import tournament
 
 
 class TournamentJob:

@@ -306,8 +306,8 @@ class Session:
         calibrate the cost model from all of them and report predicted vs measured order (Kendall's tau) and the
         winner; ``.adopt()`` on the result makes the winner this session's plan. The plans are measured as they
         are: a trial's ``steps`` time steady steps, its first ones (compile's among them) left out. See
-        ``autopar_nb.launch.tournament.tournament`` for the options."""
-        from ..launch.tournament import tournament
+        ``autopar_nb.launch.trials.tournament`` for the options."""
+        from ..launch.trials import tournament
 
         return tournament(self, k, steps, **kwargs)
 

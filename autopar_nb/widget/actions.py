@@ -8,7 +8,7 @@ from typing import Any
 
 from .. import calibration
 from ..launch import launcher
-from ..launch.tournament import machine_mismatch
+from ..launch.trials import machine_mismatch
 from ..plan import Plan
 
 
