@@ -21,7 +21,10 @@ from ..plan import Plan
 from ..source import ModelSource
 from . import kit
 from .cell import PRETRAINED, SplitCell, check_names, split_cell
-from .render import DATA_FLAGS, HF_FLAGS, _summary_lines, main_source, parallelize_source, settings
+from .main_body import main_source
+from .parallelize import parallelize_source
+from .render import DATA_FLAGS, HF_FLAGS, summary_lines
+from .settings import settings
 from .values import ScriptValues
 
 TEMPLATE = Path(__file__).with_name("train.py.tmpl")
@@ -51,7 +54,7 @@ def render_files(source: ModelSource, plan: Plan, v: ScriptValues, *, script_nam
     returns = _returns(source, v, body, cell)
     module = runtime_name(script_name)
     text = Template(TEMPLATE.read_text()).substitute(
-        model_name=v.model_class, summary=_summary_lines(v.model_class, plan.summary()), plan_file=plan_file,
+        model_name=v.model_class, summary=summary_lines(v.model_class, plan.summary()), plan_file=plan_file,
         intro=textwrap.fill(f"Exported by autopar-nb from a notebook cell: its statements are build_model() below, "
                             "its imports, classes and functions are at the top level. parallelize() applies the plan "
                             f"({plan_file} beside this file) with the functions of {module}.py beside it (autopar-nb's "
