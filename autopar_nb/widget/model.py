@@ -7,7 +7,6 @@ after every replan/undo/redo, so calls made in code (``ap.override(...)`` in ano
 
 from __future__ import annotations
 
-import inspect
 import re
 import time
 from typing import Any
@@ -16,30 +15,21 @@ import anywidget
 import traitlets as t
 
 from ..launch.dashboard import SHARED_JS, STATIC, UPLOT, bundle
-from ..launch.tournament_job import TournamentJob
 from ..plan import Plan, PlanError
 from . import editor, lever_rows, measured, options, panels, timeline
-from .actions import action_message, calibrated_badge, local_nproc, refusal, run_kwargs
+from .actions import calibrated_badge, local_nproc
 from .choices import global_state, precision_state
 from .describe import describe
 from .differences import alternative_rows, change_groups, global_differences, plan_summary
 from .edits import Edits
-from .layout import (
-    DEFAULT_VIEWPORT,
-    LEGIBLE_SCALE,
-    View,
-    auto_view,
-    child_groups,
-    fit_ratio,
-    layout,
-    render_svg,
-    svg_size,
-)
+from .layout import DEFAULT_VIEWPORT, LEGIBLE_SCALE, View, layout
+from .runs import Runs
+from .view import GraphView
 
 ACTIONS = ("verify", "export", "launch", "tournament")
 
 
-class PlannerWidget(Edits, anywidget.AnyWidget):
+class PlannerWidget(Edits, GraphView, Runs, anywidget.AnyWidget):
     """The planner view of one :class:`~autopar_nb.notebook.session.Session` (``ap.widget()``; the magic's output).
 
     Everything it does is also a Python call on the session: a strategy pick or a drag on the sharding board is
@@ -180,61 +170,6 @@ class PlannerWidget(Edits, anywidget.AnyWidget):
         self.messages = []  # about a plan no longer shown (an edit made here says what it did right after)
         self.refresh()
 
-    def follow(self, run) -> None:
-        """Show what ``run`` (a launched Run) measures beside the plan's predictions while it runs and after; the
-        session's launches are followed (``Session.launch``, the Launch button)."""
-        if run in self._runs or not callable(getattr(run, "add_listener", None)):
-            return
-        self._runs = (self._runs + [run])[-measured.FOLLOWED:]
-        run.add_listener(self._on_run)
-
-    def _on_run(self, run) -> None:
-        """A followed run has news (its monitor thread, at most every 0.25 s): the measured figures, at most once
-        a second and at its end; a run that continues under a new plan is followed too."""
-        nxt = getattr(run, "continued_by", None)
-        if nxt is not None:
-            self.follow(nxt)
-        now = time.monotonic()
-        if not run.done and now - self._measured_at < 1.0:
-            return
-        self._measured_at = now
-        self.measured = measured.measured_panel(self.session.plan, self._runs)
-
-    def _on_viewport(self, change) -> None:
-        size = self._viewport_size()
-        old = self._view_size
-        if abs(size[0] - old[0]) > 0.06 * old[0] or abs(size[1] - old[1]) > 0.06 * old[1]:
-            self._relayout = "full" if self._auto else "columns"
-            self.refresh()
-
-    def _viewport_size(self) -> tuple[float, float]:
-        vp = self.viewport or {}
-        try:
-            w, h = float(vp.get("width") or 0), float(vp.get("height") or 0)
-        except (TypeError, ValueError):
-            w = h = 0.0
-        return (w, h) if w >= 200 and h >= 150 else DEFAULT_VIEWPORT
-
-    def _graph_view(self, plan: Plan | None, changed: set[str]):
-        """(Layout, SVG) of the view in use, choosing it (or only its columns) when asked."""
-        s = self.session
-        kw = {"expanded": set(self.expanded), "changed_layers": changed, "selected": self.selection or None}
-        size = self._viewport_size()
-        mode = "full" if self._view is None else self._relayout
-        report: dict[str, Any] = {}
-        if mode == "full":
-            view, lay, svg, report = auto_view(s.graph, plan, viewport=size, **kw)
-        elif mode == "columns":
-            view, lay, svg, report = auto_view(s.graph, plan, viewport=size, depth=self._view.depth,
-                                               groups=self._view.groups, **kw)
-        else:
-            view = self._view
-            lay = layout(s.graph, plan, depth=view.depth, groups=view.groups, breaks=view.breaks, **kw)
-            svg = render_svg(lay.dot)
-            report = {"scale": round(fit_ratio(*svg_size(svg), size), 3)}
-        self._view, self._relayout, self._view_size = view, None, size
-        return lay, svg, report
-
     def refresh(self) -> None:
         """Recompute every trait from the session (the plan shown, the previous one for highlights, the view)."""
         t_start = time.perf_counter()
@@ -352,94 +287,6 @@ class PlannerWidget(Edits, anywidget.AnyWidget):
 
     def _say(self, level: str, text: str, detail: str = "") -> None:
         self.messages = [{"level": level, "text": text, "detail": detail}]
-
-    # the handlers other than the edits (Edits): the equivalent Python call, or None for view-only messages
-    def _action(self, msg) -> str:
-        name = msg["name"]
-        if name not in self.actions:
-            raise ValueError(f"{name!r} is not available on this session")
-        why = refusal(name, self._jobs, getattr(self.session, "cluster", None))
-        if why:
-            self._say("error", f"{name.capitalize()} refused: {why}.")
-            return None
-        fn = getattr(self.session, name)
-        # the click carries the inputs: their trait update may still wait in the front end (ipywidgets holds a
-        # model's updates while an earlier one is unanswered), and the click's message is sent at once
-        if isinstance(msg.get("run_options"), dict):
-            self.run_options = {**self.run_options, **msg["run_options"]}
-        kwargs = run_kwargs(name, inspect.signature(fn).parameters, self.session.plan, self.run_options)
-        ran = None  # the plan that runs: the session's, or plan_for's at another process count (said first)
-        try:
-            if name == "verify" and callable(getattr(self.session, "plan_for", None)) and "nproc" in kwargs:
-                ran = self.session.plan_for(kwargs["nproc"])
-                result = self._verify_in_background(ran, **kwargs)
-            elif name == "tournament":
-                kwargs = {k: int(self.run_options.get(f"tournament_{k}") or d) for k, d in (("k", 4), ("steps", 20))}
-                result = self._tournament_in_background(**kwargs)
-            else:
-                result = fn(**kwargs)
-        except Exception as e:  # shown inline: an action failing must not break the widget
-            self._say("error", f"ap.{name}() failed: {type(e).__name__}: {e}")
-            return None
-        self.last_result = result
-        if name == "launch" and callable(getattr(result, "dashboard", None)):
-            self.follow(result)
-            self.panel = result.dashboard()
-        self._say(*action_message(name, result, kwargs, ran or getattr(result, "plan", None)))
-        return None
-
-    def _verify_in_background(self, plan: Plan, *, nproc: int, steps: int):
-        """ap.verify(steps, nproc), run in a child process so the kernel stays free; its progress view goes below."""
-        from ..verify import job as verify_job
-
-        job = self._jobs["verify"] = verify_job.VerifyJob(self.session.source, plan, steps=steps, nproc=nproc)
-        self.verify_panel = job.view()
-        return job
-
-    def _tournament_in_background(self, *, k: int, steps: int):
-        """ap.tournament(k, steps), run in a thread so the kernel stays free; its standings go below. When it ends,
-        the header says which calibration the session's next plan uses."""
-        job = self._jobs["tournament"] = TournamentJob(self.session, k, steps)
-        job.add_listener(lambda j: setattr(self, "calibrated", calibrated_badge(self.session.cluster)) if j.done
-                         else None)
-        self.tournament_panel = job.view()
-        return job
-
-    def _select(self, msg) -> None:
-        self.selection = msg.get("layer") or ""
-
-    # ---- the view: fold/expand blocks and groups, depth, the auto view (no re-plan) ---------------------------
-    def _expand(self, msg) -> None:
-        self.expanded = sorted({*self.expanded, msg["block"]})
-        self._relayout = "columns"  # the depth stays what it was
-
-    def _collapse(self, msg) -> None:
-        self.expanded = [b for b in self.expanded if b != msg["block"]]
-        self._relayout = "columns"
-
-    def _set_depth(self, msg) -> None:
-        depth = int(msg["value"])
-        if self._view is not None:
-            self._view = View(depth, self._view.groups, self._view.breaks)
-        else:
-            self._view = View(depth)
-        self._auto = False
-        self._relayout = "columns"
-
-    def _expand_group(self, msg) -> None:
-        """Open a collapsed container: its sub-containers of several layers stay collapsed, its other layers show."""
-        g = msg["group"]
-        view = self._view or View(0)
-        if g not in view.groups:
-            raise KeyError(f"{g!r} is not a collapsed group; collapsed: {', '.join(sorted(view.groups)) or 'none'}")
-        self._view = View(view.depth, (view.groups - {g}) | child_groups(self.session.graph, g), view.breaks)
-        self._auto = False
-        self._relayout = "columns"
-
-    def _auto_view(self, msg) -> None:
-        self.expanded = []
-        self._auto = True
-        self._relayout = "full"
 
 
 _HANDLERS = {
