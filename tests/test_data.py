@@ -375,7 +375,7 @@ def test_verify_runs_dataset_scripts_without_loader_workers(corpus, tmp_path):
     whatever the machine's cores would give by default; a script without a dataset gets no such flag."""
     import runpy
 
-    from autopar_nb.verify.check import script_argv
+    from autopar_nb.verify.ranks import script_argv
 
     src = run_model_cell(DATA_CELL, {}).source
     path = tmp_path / "train.py"

@@ -17,7 +17,7 @@ from autopar_nb.export import export
 from autopar_nb.export.values import script_values
 from autopar_nb.plan import Plan, PlanError, PrecisionPlan, normalize_fix
 from autopar_nb.runtime.float8 import float8_linears, output_head
-from autopar_nb.verify.check import FLOAT8_RTOL, LOW_PRECISION_RTOL, default_rtol
+from autopar_nb.verify.report import FLOAT8_RTOL, LOW_PRECISION_RTOL, default_rtol
 
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
                                    reason="torchao not installed (make setup installs it: pip install --no-deps "

@@ -143,7 +143,7 @@ def _run(tmp_path: Path, cell: str, *args: str, grad_clip: float) -> tuple[int, 
 
 def _reference(cell: str, *, grad_clip: float) -> list[float]:
     from autopar_nb.notebook.cell import run_model_cell
-    from autopar_nb.verify.check import reference
+    from autopar_nb.verify.reference_run import reference
 
     src = run_model_cell(cell, {}).source
     return reference(src, _plan(src, grad_clip=grad_clip), steps=STEPS)["losses"]

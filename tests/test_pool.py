@@ -76,7 +76,7 @@ def test_preload_takes_installed_modules_only(tmp_path):
     (tmp_path / "json.py").write_text("")
     assert shadowed(script_preload(script), tmp_path) == ["json"]
     v = verify_preload("import torch\nfrom autopar_nb.zoo import GPT\n")
-    assert "autopar_nb.verify.check" in v and "torch.distributed.tensor.parallel" in v and "torch.distributed.fsdp" in v
+    assert "autopar_nb.verify.ranks" in v and "torch.distributed.tensor.parallel" in v and "torch.distributed.fsdp" in v
     # a verify's ranks run in the kernel's folder: its own autopar_nb shadows the preloaded one, unless it is the
     # one this process imported (a checkout's root)
     import autopar_nb

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar_nb.randomness import RandomOff
-from autopar_nb.verify.check import StepDiff, VerifyReport
+from autopar_nb.verify.report import StepDiff, VerifyReport
 
 
 class DropPath(nn.Module):

@@ -27,7 +27,7 @@ from runtime_cases import (
 
 from autopar_nb.source import ModelSource
 from autopar_nb.verify import FP32_RTOL, StepDiff, VerifyReport, verify_many
-from autopar_nb.verify.check import _compare
+from autopar_nb.verify.report import compare
 
 STEPS = 5
 G, L, R, V = source(GPT_CELL), source(LLAMA_CELL), source(RECSYS_CELL), source(RESNET_CELL)
@@ -225,15 +225,15 @@ def test_compare_flags_a_changed_model():
     plan = Plan(optimizer=OptimizerPlan(name="sgd"))
     ref = {"losses": [1.0], "grads": [{"w": torch.ones(3)}], "params": [{"w": torch.ones(3)}]}
     par = {"losses": [1.0], "grads": [{"w": torch.ones(3)}], "params": [{"w": torch.tensor([1.0, 1.0, 1.001])}]}
-    assert _compare(plan, 2, FP32_RTOL, ref, ref).ok
-    report = _compare(plan, 2, FP32_RTOL, par, ref)
+    assert compare(plan, 2, FP32_RTOL, ref, ref).ok
+    report = compare(plan, 2, FP32_RTOL, par, ref)
     assert not report.ok and "MISMATCH" in str(report)
-    missing = _compare(plan, 2, FP32_RTOL, {**ref, "grads": [{}]}, ref)
+    missing = compare(plan, 2, FP32_RTOL, {**ref, "grads": [{}]}, ref)
     assert not missing.ok and missing.missing == ["w"]
     # dropped at a later step only (as FSDP under a zero-bubble schedule dropped a stage's weight
     # gradients): still missing, not passed over by the comparison
     two = {k: v * 2 for k, v in ref.items()}
-    later = _compare(plan, 2, FP32_RTOL, {**two, "grads": [{"w": torch.ones(3)}, {}]}, two)
+    later = compare(plan, 2, FP32_RTOL, {**two, "grads": [{"w": torch.ones(3)}, {}]}, two)
     assert not later.ok and later.missing == ["w"]
     assert StepDiff(0, 2.0, 1.0, 0, 0, 0, 0).loss_rel == 1.0
     assert isinstance(report, VerifyReport)
@@ -250,9 +250,9 @@ def test_nan_is_a_mismatch():
     plan = Plan(optimizer=OptimizerPlan(name="sgd"))
     ref = {"losses": [1.0], "grads": [{"w": torch.ones(3)}], "params": [{"w": torch.ones(3)}]}
     nan = torch.tensor([1.0, float("nan"), 1.0])
-    assert not _compare(plan, 2, FP32_RTOL, {**ref, "losses": [float("nan")]}, ref).ok
-    assert not _compare(plan, 2, FP32_RTOL, {**ref, "grads": [{"w": nan}]}, ref).ok
-    assert not _compare(plan, 2, FP32_RTOL, {**ref, "params": [{"w": nan}]}, ref).ok
+    assert not compare(plan, 2, FP32_RTOL, {**ref, "losses": [float("nan")]}, ref).ok
+    assert not compare(plan, 2, FP32_RTOL, {**ref, "grads": [{"w": nan}]}, ref).ok
+    assert not compare(plan, 2, FP32_RTOL, {**ref, "params": [{"w": nan}]}, ref).ok
 
 
 def test_low_precision_rules():

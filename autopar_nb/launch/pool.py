@@ -145,12 +145,12 @@ def script_preload(script: str | os.PathLike) -> list[str]:
 
 def verify_preload(cell_code: str = "") -> list[str]:
     """What a verify standby preloads: torch's basics, every torch module the runtime imports (which the exported
-    scripts import), ``autopar_nb.verify.check`` (the ranks' entry point) and the cell's safe imports."""
+    scripts import), ``autopar_nb.verify.ranks`` (the ranks' entry point) and the cell's safe imports."""
     runtime = set()
     for f in sorted(RUNTIME.glob("*.py")):
         runtime |= {m for m in imports_of(f.read_text()) if m.split(".")[0] == "torch"}
     cell = set(importable_here(imports_of(cell_code)))
-    return sorted(set(BASE_PRELOAD) | runtime | cell | {"autopar_nb.verify.check"})
+    return sorted(set(BASE_PRELOAD) | runtime | cell | {"autopar_nb.verify.ranks"})
 
 
 def shadowed(preload: tuple[str, ...] | list[str], script_dir: str | os.PathLike | None) -> list[str]:

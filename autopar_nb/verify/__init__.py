@@ -2,9 +2,10 @@
 
 Exports the plan and runs that very script on ``nproc`` local processes (torch.distributed elastic launch; gloo on
 CPU, NCCL on GPUs), then a single-process reference with the same seed, data, learning-rate schedule and clipping,
-and reports per step the loss difference and the largest gradient and parameter differences (the machinery, and how
-the reference reproduces the parallel run's arithmetic: :mod:`autopar_nb.verify.check`). By default both run in a
-standby of the warm pool (``launch/pool.py``, ``verify/job.py``); ``warm=False`` starts the ranks from this process.
+and reports per step the loss difference and the largest gradient and parameter differences (the machinery:
+:mod:`autopar_nb.verify.check`; how the reference reproduces the parallel run's arithmetic:
+:mod:`autopar_nb.verify.reference_run`). By default both run in a standby of the warm pool (``launch/pool.py``,
+``verify/job.py``); ``warm=False`` starts the ranks from this process.
 """
 
 from __future__ import annotations
@@ -18,15 +19,9 @@ from ..failures import VerifyError
 from ..hardware import nvml_visible_gpus
 from ..plan import Plan
 from ..source import ModelSource
-from .check import (
-    FP32_RTOL,
-    LOW_PRECISION_RTOL,
-    StepDiff,
-    VerifyReport,
-    export_scripts,
-    reference,
-    verify_here,
-)
+from .check import export_scripts, verify_here
+from .reference_run import reference
+from .report import FP32_RTOL, LOW_PRECISION_RTOL, StepDiff, VerifyReport
 
 __all__ = ["FP32_RTOL", "LOW_PRECISION_RTOL", "StepDiff", "VerifyError", "VerifyReport", "reference", "verify",
            "verify_many"]

@@ -204,7 +204,7 @@ class VerifyJob:
         return changed
 
     def _finish(self) -> None:
-        from .check import StepDiff, VerifyReport
+        from .report import StepDiff, VerifyReport
 
         self.ended = time.time()
         if self._stopping:
@@ -293,7 +293,7 @@ def main(job_path: str, *, watch: bool = True) -> int:
         data = {"reports": [dataclasses.asdict(r) for r in reports]}
         rc = 0
     except BaseException as e:  # the kernel shows it: nothing is lost in a log
-        one_line = str(e) if hasattr(e, "details") else f"{type(e).__name__}: {e}"  # check.RankFailed
+        one_line = str(e) if hasattr(e, "details") else f"{type(e).__name__}: {e}"  # failures.RankFailed
         data = {"error": one_line, "traceback": getattr(e, "details", "") or traceback.format_exc()}
         rc = 1
     tmp = out.with_suffix(".tmp")
@@ -303,7 +303,7 @@ def main(job_path: str, *, watch: bool = True) -> int:
 
 
 def standby(preload: list[str], idle_timeout_s: float, parent_pid: int) -> int:
-    """A verify standby of the warm pool: the forkserver for the ranks preloads torch, autopar_nb.verify.check and the
+    """A verify standby of the warm pool: the forkserver for the ranks preloads torch, autopar_nb.verify.ranks and the
     cell's imports while this process imports what ``main`` needs; then one job (its path on standard input)."""
     import signal
 
