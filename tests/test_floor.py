@@ -159,3 +159,41 @@ def test_sums_alike_at_zero_stages_shared(graphs, monkeypatch, case):
             sa, sb = (fresh(ev, dataclasses.replace(s, zero_stage=z), choices) for z in (a, b))
             assert sa == sb, (s, a, b)
     assert {s.pp for _, s, _ in seen} != {1} or case == 5
+
+
+def test_interleaved_floor_holds_every_stage_reduction(graphs, monkeypatch):
+    """On a rank of an interleaved schedule the floor holds each of its stages' reductions as the full evaluation
+    weighs it (the first finds the other stages' gradients unsharded and micro-batches in flight, which the rank's
+    last reduction does not), less only what recompute, the weight pass and fused norms change, with the floor's
+    margin: every pipelined candidate of the interleaved case."""
+    from autopar_nb.cost.peak import RankMemory
+
+    name, cluster, kw = CASES[4]
+    graph, cl = graphs[name], _cluster(*cluster)
+    seen = []
+
+    def floor(ev, s, choices, *, limit):
+        seen.append((ev, s, [dataclasses.replace(c) for c in choices]))
+        return memory_floor(ev, s, choices, limit=limit)
+
+    monkeypatch.setattr(search, "memory_floor", floor)
+    ap.plan(graph, cl, **kw)
+    drop = ("saved_activations", "weight_pass_gradients", "autocast_weight_copies")
+    checked = 0
+    for ev, s, choices in seen:
+        if s.virtual_stages < 2 or s.zero_stage < 2:
+            continue
+        sums = ev.sum_layers(s, choices)
+        low = ev.f.margin_full_recompute < ev.f.margin_fraction
+        sums = dataclasses.replace(sums, full_recompute=[n if low else 0.0 for n in sums.layers])
+        memory = RankMemory(ev.prof, ev.f, s, sums, seq_ratio=ev.seq_ratio)
+        heaviest = 0.0
+        for r in range(s.pp):
+            pb, ob, moments = memory.moments(r)
+            for mo in (mo for mo in moments if mo.phase == "reduce"):
+                kept = mo._replace(parts=tuple({k: v for k, v in p.items() if k not in drop} for p in mo.parts))
+                kept = kept._replace(weight=mo.grads + sum(kept.terms.values()))
+                heaviest = max(heaviest, memory.breakdown(r, pb, ob, kept, margin_of=kept.weight).total)
+        assert memory_floor(ev, s, choices) >= heaviest * (1 - 1e-9), (s, memory_floor(ev, s, choices), heaviest)
+        checked += 1
+    assert checked

@@ -12,9 +12,10 @@ per rank and the tensors crossing the pipeline cuts, not on saved activations:
   temporaries, beside the parameters and optimizer states;
 * a pipelined FSDP stage's reduction (ZeRO 2/3 under pipelining): its gradients unsharded in float32
   and its parameters gathered;
-* on a rank of a multi-stage schedule, that reduction at the rank's last action, when every
-  micro-batch's sent outputs and input gradients are still referenced by their sends
-  (:func:`.schedule.final_state`; not under looped BFS, whose last action is another).
+* on a rank of a multi-stage schedule, that reduction at each of its stages' reductions
+  (:func:`.schedule.rank_states`' "R" states): the other stages' gradients (unsharded in float32
+  until their own reduction) and units, and every micro-batch's buffers then in flight, sent or
+  still referenced by their sends, less the saved activations (which recompute changes).
 
 With one stage per rank the rank holding the most parameters holds at least the average, whatever
 the stages: the first two are linear in a rank's parameters, so they are weighed at the average. A
@@ -28,9 +29,9 @@ import dataclasses
 import math
 
 from .peak import RankMemory
-from .schedule import FINAL_REDUCE, MULTI_STAGE, final_state
+from .schedule import MULTI_STAGE, rank_states
 from .setting import LayerChoice, Setting
-from .staged import StagedRank
+from .staged import StagedRank, _Around
 from .terms import RankSums
 
 
@@ -57,15 +58,15 @@ def memory_floor(ev, s: Setting, choices: list[LayerChoice], *, limit: float = m
     if st.pipelined and s.schedule not in MULTI_STAGE:
         moments.append(memory._reduce_moment(0, st))
     floor = max(memory.breakdown(0, st.pb, st.ob, mo, margin_of=mo.weight).total for mo in moments)
-    if st.pipelined and s.schedule in FINAL_REDUCE and s.virtual_stages > 1 and floor <= limit:
+    if st.pipelined and s.schedule in MULTI_STAGE and floor <= limit:
         floor = max(floor, _staged_floor(ev, s, choices, low_margin, limit))
     return floor
 
 
 def _staged_floor(ev, s: Setting, choices: list[LayerChoice], low_margin: bool, limit: float) -> float:
-    """The fullest rank's reduction at its last action (:func:`.schedule.final_state`), as
-    :class:`.staged.StagedRank` weighs it, without autocast's weight copies (fused norms may cast fewer
-    weights)."""
+    """The fullest rank's heaviest stage reduction (:meth:`.staged.StagedRank._reduce` at each "R" state of
+    :func:`.schedule.rank_states`), as the full evaluation weighs it, without the terms recompute or fused norms
+    change: the micro-batches' saved activations and kept weight-pass gradients, autocast's weight copies."""
     sums = ev.sum_layers(s, choices)  # shared: changed on a copy
     sums = dataclasses.replace(sums, full_recompute=[n if low_margin else 0.0 for n in sums.layers])
     memory = RankMemory(ev.prof, ev.f, s, sums, seq_ratio=ev.seq_ratio)
@@ -73,11 +74,20 @@ def _staged_floor(ev, s: Setting, choices: list[LayerChoice], low_margin: bool, 
     for r in range(s.pp):
         st = memory._states(r)
         st = st._replace(held={k: v for k, v in st.held.items() if k != "autocast_weight_copies"})
-        v = 2 if s.schedule == "zbv_zero_bubble" else s.virtual_stages
-        h = final_state(v, s.micro_batches)
-        rank = StagedRank(memory, r, st, states=(h,))
-        mo = rank._reduce(h, rank._around(h))
-        out = max(out, memory.breakdown(r, st.pb, st.ob, mo, margin_of=mo.weight).total)
+        states = tuple(h for h in rank_states(s.schedule, pp=s.pp, rank=r, micro_batches=s.micro_batches,
+                                              virtual_stages=s.virtual_stages) if h.kind == "R")
+        rank = StagedRank(memory, r, st, states=states)
+        for h in states:
+            mo = rank._reduce(h, _without_activations(rank._around(h)))
+            out = max(out, memory.breakdown(r, st.pb, st.ob, mo, margin_of=mo.weight).total)
         if out > limit:
             break
     return out
+
+
+def _without_activations(around: _Around) -> _Around:
+    """``around`` less what recompute (saved activations) and the weight pass's hooked gradients (a layer's
+    choices) change, where they add bytes: what is left is a floor."""
+    drop = {k: v for k, v in around.terms.items() if k in ("saved_activations", "weight_pass_gradients") and v > 0}
+    terms = {k: v for k, v in around.terms.items() if k not in drop}
+    return _Around(terms, around.grads, around.total - sum(drop.values()))
