@@ -4,7 +4,6 @@ as costing every candidate in full, and a floor never above a costed candidate's
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 import torch
@@ -12,7 +11,6 @@ import torch
 import autopar_nb as ap
 from autopar_nb import zoo
 from autopar_nb.cost.floor import memory_floor
-from autopar_nb.cost.schedule import FINAL_REDUCE, _Walk, final_state, rank_actions
 from autopar_nb.plan import PlanError
 from autopar_nb.planner import search
 
@@ -98,24 +96,6 @@ def test_floors_set_candidates_aside(graphs, monkeypatch):
         monkeypatch.setattr(search, "memory_floor", floor)
         ap.plan(graph, cl, **kw)
         assert any(aside) and not all(aside), name
-
-
-SCHEDULES = [("interleaved_1f1b", 2), ("interleaved_1f1b", 3), ("interleaved_zero_bubble", 2),
-             ("interleaved_zero_bubble", 3), ("zbv_zero_bubble", 2)]
-
-
-@pytest.mark.parametrize("schedule, v", SCHEDULES)
-def test_final_state_is_a_state_of_every_rank(schedule, v):
-    """:func:`final_state` is what each rank holds at its last action, in every order of ``FINAL_REDUCE``."""
-    assert {sch for sch, _ in SCHEDULES} == set(FINAL_REDUCE)
-    for pp, m in itertools.product((2, 3, 4, 8), (1, 2, 4, 6, 8, 16)):
-        if schedule.startswith("interleaved") and m % pp:
-            continue
-        for rank in range(pp):
-            walk = _Walk(v)
-            for a in rank_actions(schedule, pp=pp, rank=rank, micro_batches=m, virtual_stages=v):
-                walk.run(a, first=rank == 0 and a.local == 0, last_mb=m - 1)
-            assert final_state(v, m) == walk.out[-1], (schedule, pp, m, rank)
 
 
 def test_floor_stopped_at_the_limit_gives_the_same_answer(graphs, monkeypatch):

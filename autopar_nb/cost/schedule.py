@@ -178,20 +178,6 @@ def rank_states(schedule: str, *, pp: int, rank: int, micro_batches: int,
     return _undominated(walk.out)
 
 
-FINAL_REDUCE = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
-"""multi-stage schedules whose rank's last action is its local stage 0's reduction (looped BFS runs its
-micro-batches' backwards last to first: a stage reduces after its first)"""
-
-
-def final_state(v: int, micro_batches: int) -> Held:
-    """What a rank of a :data:`FINAL_REDUCE` schedule with ``v`` local stages holds at its last action,
-    the reduction of its local stage 0 (the last to finish its backward): each stage's forwards and
-    backwards all run, their sends still referenced, the other stages reduced."""
-    m = micro_batches
-    return Held(0, "R", (0,) * v, (0,) * v, (m,) * v, (m,) * v, (1,) + (2,) * (v - 1), (True,) * v,
-                (False,) * v, True)
-
-
 class StateArrays(NamedTuple):
     """A rank's states (:func:`rank_states`) as arrays, one row a state: the counts per local stage,
     the running stage, the group of states whose running stage's moments are alike
