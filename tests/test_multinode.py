@@ -10,6 +10,7 @@ between them, and remove them afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import subprocess
@@ -345,3 +346,34 @@ def test_attached_run_follows_torchrun_on_another_node(nodes, tmp_path):
         assert run.ranks()[rank].state(run.status) == "finished"
     assert run.message.startswith(f"finished {steps} steps")
     assert {s["source"] for s in run.samples if s["state"] == "running"} <= {"stream", None}
+
+
+@pytest.mark.multiprocess
+def test_a_worker_dies_with_its_killed_torchrun(tmp_path):
+    """SIGKILL to torchrun alone (a killed job step, an OOM-killed agent): torchrun starts its workers in sessions of
+    their own with no death signal, so the worker trained on as an orphan (on several nodes, with the other nodes:
+    nothing restarted the group). The exported script sets one: the worker ends with its agent."""
+    import psutil
+
+    script = export(SRC, make_plan(SRC, dp=1), tmp_path / "train.py", steps=100_000, quiet=True).script
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(script)]
+    with open(tmp_path / "torchrun.log", "w") as log:
+        agent = subprocess.Popen(argv, env=base_env(), stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                 start_new_session=True)
+    workers = []
+    try:
+        deadline = time.time() + 180
+        while "step 2 " not in (tmp_path / "torchrun.log").read_text(errors="replace"):
+            assert agent.poll() is None and time.time() < deadline, (tmp_path / "torchrun.log").read_text()
+            time.sleep(0.5)
+        workers = psutil.Process(agent.pid).children()
+        assert len(workers) == 1, workers
+        agent.kill()
+        agent.wait()
+        _, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, f"the worker (pid {workers[0].pid}) outlived its torchrun"
+    finally:
+        kill_tree(agent)
+        for worker in workers:  # its own session: not in the agent's group
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker.kill()
