@@ -15,9 +15,17 @@ Each kill is one of:
   as a replaced host would come back; both restart at world 2 from the newest checkpoint. The first node lost (it
   hosts the rendezvous store): the second must end by itself, leaving no process in its namespace, and the soak
   launches both again (a requeue). Run on the nodes, kills pick from ``--node-kinds``: whole nodes and, by
-  default, one node's ``worker`` too (its agent and the other node's restart the group). The script's batches are
-  the same on every data-parallel rank, so a step trained by one node has the loss and gradients it has when trained
-  by two.
+  default, one node's ``worker`` (its agent and the other node's restart the group) and one node's ``agent`` (its
+  torchrun alone: its worker must die with it, by the death signal the script sets, and the rest goes as for that
+  node lost; a worker left behind is reported as an orphan). The script's batches are the same on every
+  data-parallel rank, so a step trained by one node has the loss and gradients it has when trained by two.
+
+The run is set in minutes (``--minutes``): its ``--steps`` (the learning-rate schedule's length) are more than it
+can reach, and once the time is up the soak waits for the run's next complete checkpoint and stops it there (the
+launch's ``run.stop()``, as the re-planner stops at a checkpoint; on the nodes, SIGTERM to each torchrun, as a
+scheduler ends a job step, and the attached run detached). That checkpoint's step is the run's end: the steps
+trained past it before the stop are dropped, and the uninterrupted run, beside it, is stopped once it has trained
+up to the same step, so the two are compared over the whole run. ``--steps N`` runs N steps instead (the tests).
 
 At the end the losses of every step (the last attempt's, where a step ran more than once) must equal the
 uninterrupted run's (deterministic data order: the script draws each step's batch from the step number), no process
@@ -25,7 +33,7 @@ of any run may be left, and this process must hold no more file descriptors than
 steps redone after each (a step that ran before the kill and again after the resume) and the wall time each cost
 (from the kill to the first step past the last one done before it).
 
-    .venv/bin/python bench/soak.py                          # about 30 min: kills every 2-4 min, 2 ranks
+    .venv/bin/python bench/soak.py                          # 30 min: kills every 2-4 min, 2 ranks
     .venv/bin/python bench/soak.py --minutes 3 --kill-every 20,40 --kills 3
     sudo .venv/bin/python bench/soak.py --minutes 3 --node-kill-every 20,40 --kills 3    # whole nodes
 
@@ -37,6 +45,7 @@ or Ctrl-C ends it too; whichever way it ends, every process it started is killed
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -56,6 +65,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # netns.py: the namespaces of the node 
 import autopar_nb as ap  # noqa: E402
 from autopar_nb.launch import attach, launch  # noqa: E402
 from autopar_nb.launch.pool import POOL  # noqa: E402
+from autopar_nb.runtime.checkpoint import latest_checkpoint  # noqa: E402
 from autopar_nb.source import ModelSource  # noqa: E402
 
 CELL = '''\
@@ -77,6 +87,10 @@ def make_batch(step, rank):
 KINDS = ("worker", "agent", "node")
 LOCAL_KINDS = KINDS[:2]
 """what a soak on one machine kills (a node kill needs namespaces: :func:`soak_nodes`)"""
+STEPS_BOUND = 1_000_000
+"""``--steps`` of a run set in minutes: more than it reaches; the learning-rate schedule spans them"""
+UNTIL = "reference-until"
+"""the file, in the soak's folder, that tells the uninterrupted run where the soak ended (its step count)"""
 PORT = 29400
 """the rendezvous port on the first node: free, as the namespaces are the soak's own"""
 
@@ -112,15 +126,22 @@ class Kill:
     """the first node killed: the second node's exit code and the last line of its output"""
     dashboard: str = ""
     """the first node killed: the attached run's status and message once the second node had ended"""
+    orphans: list[str] = field(default_factory=list)
+    """a node's agent killed: the processes still in its namespace a while later (its worker must die with it)"""
 
     @property
     def redone(self) -> int | None:
         return None if self.resumed_at is None else max(0, self.last_step - self.resumed_at + 1)
 
     @property
+    def lost_node(self) -> bool:
+        """The kill took a whole node out of the group: the node, or its agent (its worker dies with it)."""
+        return self.kind == "node" or (self.kind == "agent" and self.node is not None)
+
+    @property
     def recovered(self) -> bool:
-        """Both the run's progress and (a node kill) its second rank are back: the next kill may come."""
-        return self.lost_s is not None and (self.kind != "node" or self.back_s is not None)
+        """Both the run's progress and (a node lost) its second rank are back: the next kill may come."""
+        return self.lost_s is not None and (not self.lost_node or self.back_s is not None)
 
 
 @dataclass
@@ -136,12 +157,16 @@ class SoakReport:
     fds_after: int = 0
     failure: str = ""
     """why the soak stopped before the run finished ("" when it did not)"""
+    minutes: float | None = None
+    """the run's length when set in minutes (None: ``steps`` set it)"""
+    stopped: str = ""
+    """a run set in minutes: the checkpoint it stopped at, and when"""
 
     @property
     def ok(self) -> bool:
-        nodes_ended = all(k.other_end_s is not None for k in self.kills if k.kind == "node" and k.node == 0)
+        nodes_ended = all(k.other_end_s is not None for k in self.kills if k.lost_node and k.node == 0)
         return (not self.failure and not self.missing_steps and self.max_loss_diff <= 1e-6 and not self.left_processes
-                and self.fds_after <= self.fds_before and nodes_ended)
+                and self.fds_after <= self.fds_before and nodes_ended and not any(k.orphans for k in self.kills))
 
     def to_json(self) -> dict:
         """The report as plain data (``--report``)."""
@@ -157,16 +182,20 @@ class SoakReport:
                  + (f", steps never run: {self.missing_steps[:10]}" if self.missing_steps else ""),
                  f"  processes left: {len(self.left_processes)}; this process's file descriptors "
                  f"{self.fds_before} -> {self.fds_after}"]
+        if self.stopped:
+            lines.insert(1, f"  {self.stopped}")
         for k in self.kills:
             lost = "?" if k.lost_s is None else f"{k.lost_s:.1f}"
             kind = k.kind if k.node is None else f"node {k.node}" if k.kind == "node" else f"{k.kind}@{k.node}"
             line = (f"  {k.at:7.1f} s  {kind:8}  after step {k.last_step}: resumed at {k.resumed_at}, "
                     f"{k.redone} steps redone, {lost} s lost")
-            if k.kind == "node":
+            if k.orphans:
+                line += f"; ORPHANED: {', '.join(k.orphans)} outlived the agent"
+            if k.lost_node:
                 line += f"; both ranks again after {'?' if k.back_s is None else f'{k.back_s:.1f}'} s"
             if k.rejoin_redone is not None:
                 line += f", {k.rejoin_redone} steps redone at the rejoin"
-            if k.kind == "node" and k.node == 0:
+            if k.lost_node and k.node == 0:
                 ended = "did not end" if k.other_end_s is None else f"ended after {k.other_end_s:.1f} s"
                 line += f"; node 1 {ended} ({k.other_end}); the dashboard then: {k.dashboard}"
             lines.append(line)
@@ -242,23 +271,33 @@ class Seen:
         """The newest (launch, attempt) of launch ``launch_no`` that sent a step."""
         return max((e for e in self.attempts if e[0] == launch_no), default=(launch_no, 0))
 
+    def cut(self, steps: int) -> None:
+        """The run ends after ``steps`` steps (the checkpoint it stopped at): forget the steps trained past it."""
+        self.losses = {s: v for s, v in self.losses.items() if s < steps}
+        kept = {e: {s: t for s, t in a.items() if s < steps} for e, a in self.attempts.items()}
+        self.attempts = {e: a for e, a in kept.items() if a}
+
 
 def soak(script: Path, *, steps: int, ckpt_every: int, kill_every: tuple[float, float], kills: int | None,
          kinds=LOCAL_KINDS, seed: int = 0, nproc: int = 2, reference: dict[int, float] | None = None,
-         workdir: Path | None = None, stall_s: float = 600.0, progress=print) -> SoakReport:
+         workdir: Path | None = None, stall_s: float = 600.0, progress=print,
+         minutes: float | None = None) -> SoakReport:
     """Train ``script`` for ``steps`` with random kills (module docstring); ``kills``: at most this many (None: until
-    the steps are done). Each kill comes ``kill_every`` (low, high: uniform) seconds after the run made progress
-    again, and none in the last tenth of the steps. ``reference``: the uninterrupted run's rank-0 losses by step
-    (run beside the soak when None: :func:`uninterrupted`). ``stall_s``: no step for this long ends the soak
+    the run ends). Each kill comes ``kill_every`` (low, high: uniform) seconds after the run made progress again,
+    and none in the last tenth of the run. ``minutes``: the run is set in minutes instead (``steps``, e.g.
+    :data:`STEPS_BOUND`, only its schedule's length): once they are up it stops at its next complete checkpoint,
+    whose step count becomes ``report.steps``. ``reference``: the uninterrupted run's rank-0 losses by step (run
+    beside the soak when None: :func:`uninterrupted`). ``stall_s``: no step for this long ends the soak
     (``report.failure``)."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="soak-"))
     workdir.mkdir(parents=True, exist_ok=True)  # the reference, in its own process, makes its folder later
     ref = reference or uninterrupted(script, nproc=nproc, steps=steps, ckpt_every=ckpt_every, workdir=workdir)
     rng = random.Random(seed)
-    report = SoakReport(steps=steps, wall_s=0.0, fds_before=_fds())
+    report = SoakReport(steps=steps, wall_s=0.0, fds_before=_fds(), minutes=minutes)
     seen = Seen()
     runs: list = []
     t0 = time.time()
+    until = None if minutes is None else t0 + minutes * 60
     try:
         while True:
             report.launches += 1
@@ -266,18 +305,24 @@ def soak(script: Path, *, steps: int, ckpt_every: int, kill_every: tuple[float, 
                          run_dir=workdir / f"run{report.launches}", ckpt_dir=workdir / "ckpt", ckpt_every=ckpt_every)
             runs.append(run)
             due = dict(rng=rng, kinds=kinds, kill_every=kill_every, kills=kills, steps=steps, stall_s=stall_s,
-                       progress=progress)
+                       progress=progress, until=until)
             kind = _kill_when_due(run, report, seen, t0, **due)
             while kind == "worker":  # the agent restarts the group: the same run goes on
                 kind = _kill_when_due(run, report, seen, t0, **due)
+            if kind == "time" and _stop_at_checkpoint(
+                    workdir / "ckpt", report, seen, t0, ended=lambda r=run: r.done, read=lambda r=run: seen.read(
+                        r, report.launches), stop=lambda r=run: r.stop("the soak's time is up"), stall_s=stall_s,
+                    progress=progress):
+                seen.read(run, report.launches)
+                break
             status = run.wait()
             seen.read(run, report.launches)
-            if kind is None:
+            if kind in (None, "time"):  # "time" here: the run ended before its next checkpoint
                 if status != "finished":
                     raise RuntimeError(f"the run ended {status}: {run.message}")
                 break
         report.wall_s = time.time() - t0
-        reference = reference_losses(ref)
+        reference = _compared(ref, report, seen)
     except (Stalled, KeyboardInterrupt) as e:
         report.failure, reference = str(e) or "interrupted", {}
     finally:
@@ -299,28 +344,51 @@ def uninterrupted(script: Path, *, nproc: int, steps: int, ckpt_every: int, work
                              "--steps", str(steps), "--ckpt-every", str(ckpt_every), "--workdir", str(workdir)])
 
 
-def reference_losses(reference) -> dict[int, float]:
-    """Rank 0's loss of every step of the uninterrupted run (waited for while it runs on), or the losses given."""
-    if isinstance(reference, dict):
-        return reference
-    reference.wait()
-    out = json.loads((Path(reference.args[-1]) / "reference.json").read_text())
-    if "error" in out:
-        raise RuntimeError(f"the uninterrupted run did not finish: {out['error']}")
-    return {int(step): loss for step, loss in out["losses"].items()}
+def reference_losses(reference, steps: int | None = None) -> dict[int, float]:
+    """Rank 0's loss of every step of the uninterrupted run (waited for while it runs on), or the losses given;
+    ``steps``: the soak's run stopped after that many (set in minutes): the uninterrupted run is told to stop once it
+    has trained as many (:data:`UNTIL`), and only those are returned."""
+    if not isinstance(reference, dict):
+        workdir = Path(reference.args[-1])
+        if steps is not None:
+            (workdir / f"{UNTIL}.new").write_text(str(steps))
+            os.replace(workdir / f"{UNTIL}.new", workdir / UNTIL)  # read whole or not at all
+        reference.wait()
+        out = json.loads((workdir / "reference.json").read_text())
+        if "error" in out:
+            raise RuntimeError(f"the uninterrupted run did not finish: {out['error']}")
+        reference = {int(step): loss for step, loss in out["losses"].items()}
+    return {s: loss for s, loss in reference.items() if steps is None or s < steps}
+
+
+def _compared(reference, report: SoakReport, seen: Seen) -> dict[int, float]:
+    """The uninterrupted run's losses over the soak's run: a run stopped at a checkpoint (set in minutes) ends at its
+    step, both sides (the steps trained past it before the stop are dropped)."""
+    if not report.stopped:
+        return reference_losses(reference)
+    seen.cut(report.steps)
+    return reference_losses(reference, report.steps)
 
 
 def _reference(script: Path, *, nproc: int, steps: int, ckpt_every: int, workdir: Path) -> None:
     """``--reference-of``: run :func:`uninterrupted`'s script, its losses (JSON: floats exactly) to
-    ``workdir/reference.json``."""
+    ``workdir/reference.json``; stopped once it trained the steps :data:`UNTIL` names, when the soak writes it."""
     run = launch(script, nproc=nproc, steps=steps, run_dir=workdir / "reference",
                  ckpt_dir=workdir / "reference-ckpt", ckpt_every=ckpt_every)
+    until = workdir / UNTIL
     try:
-        status = run.wait()
+        while not run.done:
+            run.wait(1.0)
+            last = int(until.read_text()) if until.exists() else None
+            if last is not None and sum(s < last for s, _ in run.loss_curve(0)) >= last:
+                run.stop("the soak's run ended at this step")
     finally:
         if not run.done:
             run.stop("the soak ended")
-    out = {"losses": dict(run.loss_curve(0))} if status == "finished" else {"error": run.message}
+    last = int(until.read_text()) if until.exists() else steps
+    losses = {s: loss for s, loss in run.loss_curve(0) if s < last}
+    whole = run.status == "finished" or len(losses) == last
+    out = {"losses": losses} if whole else {"error": run.message}
     (workdir / "reference.json").write_text(json.dumps(out))
 
 
@@ -357,12 +425,14 @@ def _stalled(seen: Seen, since: float, stall_s: float) -> None:
 def soak_nodes(script: Path, command: str, *, steps: int, ckpt_every: int, kill_every: tuple[float, float],
                away: tuple[float, float], kills: int | None, seed: int = 0, reference: dict[int, float] | None = None,
                workdir: Path | None = None, stall_s: float = 600.0, progress=print,
-               kinds: tuple[str, ...] = ("node",)) -> SoakReport:
+               kinds: tuple[str, ...] = ("node",), minutes: float | None = None) -> SoakReport:
     """:func:`soak` with whole nodes killed: two network namespaces, one process each under ``command`` (the
     script's elastic torchrun line, :func:`export_for_nodes`), followed by an attached run (``ap.attach``) in the
     first node's namespace. A node kill SIGKILLs every process in one namespace (module docstring); the second node,
     lost, comes back ``away`` (low, high: uniform) seconds after the first trained on alone. ``kinds``: what each
-    kill picks from: ``node``, and ``worker`` (SIGKILL to one node's rank: both nodes' agents restart the group)."""
+    kill picks from: ``node``, ``worker`` (SIGKILL to one node's rank: both nodes' agents restart the group) and
+    ``agent`` (SIGKILL to one node's torchrun: its worker must die with it, and the node is lost). ``minutes``: as
+    for :func:`soak`; the nodes' torchruns are then ended with SIGTERM at the checkpoint."""
     from netns import two_nodes, unavailable
 
     why = unavailable()
@@ -372,9 +442,10 @@ def soak_nodes(script: Path, command: str, *, steps: int, ckpt_every: int, kill_
     workdir.mkdir(parents=True, exist_ok=True)  # the reference, in its own process, makes its folder later
     ref = reference or uninterrupted(script, nproc=2, steps=steps, ckpt_every=ckpt_every, workdir=workdir)
     rng = random.Random(seed)
-    report = SoakReport(steps=steps, wall_s=0.0, fds_before=_fds())
+    report = SoakReport(steps=steps, wall_s=0.0, fds_before=_fds(), minutes=minutes)
     seen = Seen()
     t0 = time.time()
+    until = None if minutes is None else t0 + minutes * 60
     with two_nodes() as nodes:
         pair = _Pair(nodes, script, command, ckpt_every=ckpt_every, workdir=workdir)
         try:
@@ -382,12 +453,13 @@ def soak_nodes(script: Path, command: str, *, steps: int, ckpt_every: int, kill_
                 report.launches += 1
                 run = pair.launch(report.launches, steps)
                 finished = _drive_nodes(run, pair, report, seen, t0, rng=rng, kill_every=kill_every, kinds=kinds,
-                                        away=away, kills=kills, steps=steps, stall_s=stall_s, progress=progress)
+                                        away=away, kills=kills, steps=steps, stall_s=stall_s, progress=progress,
+                                        until=until)
                 seen.read(run, report.launches)
                 if finished:
                     break
             report.wall_s = time.time() - t0
-            reference = reference_losses(ref)
+            reference = _compared(ref, report, seen)
         except (Stalled, KeyboardInterrupt) as e:
             report.failure, reference = str(e) or "interrupted", {}
         finally:
@@ -448,6 +520,30 @@ class _Pair:
         kill_namespace_processes(self.nodes[i])
         self.procs[i].wait()
 
+    def kill_agent(self, i: int, *, within_s: float = 10.0) -> list[str]:
+        """SIGKILL node ``i``'s torchrun alone (``nsenter`` and ``env`` exec it: the process started is torchrun).
+        Its worker must die with it (the death signal the script sets); what is still in the namespace after
+        ``within_s`` (orphans: then killed, so the soak goes on as for the node lost)."""
+        self.procs[i].send_signal(signal.SIGKILL)
+        self.procs[i].wait()
+        deadline = time.time() + within_s
+        while (left := _namespace_pids(self.nodes[i])) and time.time() < deadline:
+            time.sleep(0.1)
+        if left:
+            self.kill(i)
+        return [f"pid {pid}" for pid in left]
+
+    def end(self) -> None:
+        """SIGTERM to each node's torchrun, as a scheduler ends a job step (the agent stops its worker, then exits),
+        waited for (what is left shows in :meth:`left`); then the attached run is detached."""
+        for i in (0, 1):
+            if self.alive(i):
+                self.procs[i].send_signal(signal.SIGTERM)
+        for i in (0, 1):
+            with contextlib.suppress(subprocess.TimeoutExpired, AttributeError):
+                self.procs[i].wait(60)
+        self.run.stop("the soak's time is up")
+
     def left(self) -> list[str]:
         """Processes still in either namespace."""
         return [f"{n.name}: pid {pid}" for n in self.nodes for pid in _namespace_pids(n)]
@@ -469,10 +565,10 @@ def _namespace_pids(node) -> list[str]:
 
 
 def _drive_nodes(run, pair: _Pair, report: SoakReport, seen: Seen, t0: float, *, rng, kill_every, kinds, away,
-                 kills, steps, stall_s, progress) -> bool:
+                 kills, steps, stall_s, progress, until=None) -> bool:
     """Follow one launch on the two nodes: kill a node when due, bring the second back when it is away, and wait for
-    the second to end by itself when the first was killed. True when the run finished, False when it must be
-    launched again (the first node was lost)."""
+    the second to end by itself when the first was killed; once ``until`` came, stop at the next checkpoint. True
+    when the run finished (or stopped there), False when it must be launched again (the first node was lost)."""
     due, back_at, since, grace = None, None, time.time(), None
     while pair.alive(0) or pair.alive(1):
         if not pair.alive(0) and pair.procs[0].returncode == 0:  # finished alone while the second was coming back
@@ -483,25 +579,34 @@ def _drive_nodes(run, pair: _Pair, report: SoakReport, seen: Seen, t0: float, *,
         seen.read(run, report.launches)
         _settle(report.kills, seen, t0)
         _stalled(seen, since, stall_s)
+        if until is not None and time.time() >= until and _stop_at_checkpoint(
+                pair.script.parent / "ckpt", report, seen, t0, ended=lambda: not (pair.alive(0) or pair.alive(1)),
+                read=lambda: seen.read(run, report.launches), stop=pair.end, stall_s=stall_s, progress=progress):
+            return True
         newest, last = seen.step(), report.kills[-1] if report.kills else None
-        node_1_away = last is not None and last.kind == "node" and last.node == 1 and not pair.alive(1)
+        node_1_away = last is not None and last.lost_node and last.node == 1 and not pair.alive(1)
         if node_1_away and last.lost_s is not None and pair.alive(0):
             back_at = back_at or time.time() + rng.uniform(*away)
             if time.time() >= back_at:
                 pair.start(1)
                 back_at = None
                 progress(f"  {time.time() - t0:7.1f} s: node 1 started again")
-        room = kills is None or len(report.kills) < kills
-        if due is None and room and 0 <= newest < 0.9 * steps and (last is None or last.recovered):
+        room = _may_kill(report, newest, kills=kills, steps=steps, t0=t0, until=until)
+        if due is None and room and newest >= 0 and (last is None or last.recovered):
             due = time.time() + rng.uniform(*kill_every)
         if due is not None and time.time() >= due and pair.alive(0) and pair.alive(1):
             due, node, kind = None, rng.choice((0, 1)), rng.choice(kinds)
             kill = Kill(kind, time.time() - t0, seen.epoch(report.launches), node=node)
-            pair.kill(node) if kind == "node" else pair.worker(node).send_signal(signal.SIGKILL)
+            if kind == "node":
+                pair.kill(node)
+            elif kind == "agent":
+                kill.orphans = pair.kill_agent(node)
+            else:
+                pair.worker(node).send_signal(signal.SIGKILL)
             report.kills.append(kill)
-            progress(f"  {kill.at:7.1f} s: killed {'node' if kind == 'node' else 'the worker on node'} {node} after "
-                     f"step {newest}")
-            if kind == "node" and node == 0:
+            progress(f"  {kill.at:7.1f} s: killed {'node' if kind == 'node' else f'the {kind} on node'} {node} after "
+                     f"step {newest}" + (f"; ORPHANED: {', '.join(kill.orphans)}" if kill.orphans else ""))
+            if kill.lost_node and node == 0:
                 _other_node_ends(pair, kill, t0, stall_s=stall_s, progress=progress)
                 return False
         time.sleep(1.0)  # a poll reads every row of the run's metrics
@@ -538,20 +643,23 @@ def _other_node_ends(pair: _Pair, kill: Kill, t0: float, *, stall_s: float, prog
 
 
 def _kill_when_due(run, report: SoakReport, seen: Seen, t0: float, *, rng, kinds, kill_every, kills, steps,
-                   stall_s, progress) -> str | None:
+                   stall_s, progress, until: float | None = None) -> str | None:
     """Wait until the run has made progress past the last kill, then ``kill_every`` seconds more; kill one of its
-    processes and return the kind killed, or None when the run ended (or no kill is left to make)."""
-    if kills is not None and len(report.kills) >= kills:
-        return None
+    processes and return the kind killed, None when the run ended (or, set in steps, no kill is left to make), or
+    "time" once ``until`` (a ``time.time()``) came."""
     due, since = None, time.time()
     while not run.done:
         seen.read(run, report.launches)
         _settle(report.kills, seen, t0)
         _stalled(seen, since, stall_s)
         newest = seen.step()
-        if newest >= 0.9 * steps:
-            return None  # let it finish
-        if due is None and newest >= 0 and (not report.kills or report.kills[-1].recovered):
+        if until is not None and time.time() >= until:
+            return "time"
+        if not _may_kill(report, newest, kills=kills, steps=steps, t0=t0, until=until):
+            if until is None:
+                return None  # let it finish
+            due = None
+        elif due is None and newest >= 0 and (not report.kills or report.kills[-1].recovered):
             due = time.time() + rng.uniform(*kill_every)
         if due is not None and time.time() >= due:
             kind = rng.choice(kinds)
@@ -566,6 +674,36 @@ def _kill_when_due(run, report: SoakReport, seen: Seen, t0: float, *, rng, kinds
                 return kind
         time.sleep(1.0)  # a poll reads every row of the run's metrics
     return None
+
+
+def _may_kill(report: SoakReport, newest: int, *, kills: int | None, steps: int, t0: float,
+              until: float | None) -> bool:
+    """Another kill may come: one is left to make, and the run is not in its last tenth (of its steps, or of its
+    minutes when ``until`` is set), which it ends as it would."""
+    if kills is not None and len(report.kills) >= kills:
+        return False
+    return newest < 0.9 * steps if until is None else time.time() < until - 0.1 * (until - t0)
+
+
+def _stop_at_checkpoint(ckpt_dir: Path, report: SoakReport, seen: Seen, t0: float, *, ended, read, stop, stall_s,
+                        progress) -> bool:
+    """The time is up: wait for the run's next complete checkpoint in ``ckpt_dir`` (the runtime's own rule:
+    :func:`latest_checkpoint`), then ``stop()`` the run there; that checkpoint's step count becomes the run's
+    (``report.steps``, said in ``report.stopped``). False, stopping nothing, when the run ``ended()`` first.
+    ``read()`` takes in the run's metrics meanwhile (for ``stall_s``)."""
+    up, since, before = time.time() - t0, time.time(), latest_checkpoint(str(ckpt_dir))
+    while (now := latest_checkpoint(str(ckpt_dir))) == before:
+        if ended():
+            return False
+        read()
+        _stalled(seen, since, stall_s)
+        time.sleep(0.2)
+    stop()
+    report.steps = int(Path(now).name.removeprefix("step_"))
+    report.stopped = (f"set in minutes: time up after {up:.0f} s, stopped {time.time() - t0 - up:.1f} s later at "
+                      f"the next complete checkpoint ({Path(now).name}): {report.steps} steps")
+    progress(f"  {time.time() - t0:7.1f} s: {report.stopped}")
+    return True
 
 
 def _agent_of(worker):
@@ -590,7 +728,7 @@ def _settle(kills: list[Kill], seen: Seen, t0: float) -> None:
         past = [t - t0 for e in later for s, t in seen.attempts[e].items() if s > k.last_step]
         k.lost_s = min(past) - k.at if past else None
         back = sorted((t - t0, e) for e, t in seen.second.items() if e > k.epoch)
-        if k.kind == "node" and back:
+        if k.lost_node and back:
             k.back_s = back[0][0] - k.at
             if back[0][1] != later[0] and back[0][1] in seen.attempts:  # the survivor trained alone in between
                 k.rejoin_redone = max(0, max(seen.attempts[later[0]]) - min(seen.attempts[back[0][1]]) + 1)
@@ -598,13 +736,16 @@ def _settle(kills: list[Kill], seen: Seen, t0: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=30.0, help="about how long the interrupted run trains")
+    parser.add_argument("--minutes", type=float, default=30.0,
+                        help="how long the interrupted run trains: it stops at its first checkpoint after that")
+    parser.add_argument("--steps", type=int, default=0, help="train this many steps instead of --minutes")
     parser.add_argument("--kill-every", default="120,240", help="seconds between kills: low,high (uniform)")
     parser.add_argument("--node-kill-every", default=None,
                         help="kill whole nodes instead (2 network namespaces x 1 process; root): low,high seconds")
     parser.add_argument("--node-away", default="10,30", help="seconds a lost second node stays away: low,high")
-    parser.add_argument("--node-kinds", default="node,worker",
-                        help="with --node-kill-every, what each kill picks from: node, worker (one node's rank)")
+    parser.add_argument("--node-kinds", default="node,worker,agent",
+                        help="with --node-kill-every, what each kill picks from: node, worker (one node's rank), "
+                        "agent (one node's torchrun alone)")
     parser.add_argument("--kills", type=int, default=None, help="at most this many kills")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--ckpt-every", type=int, default=20)
@@ -613,7 +754,6 @@ def main() -> None:
     parser.add_argument("--report", type=Path, default=None, help="write the report here as JSON")
     parser.add_argument("--reference-of", type=Path, default=None, help=argparse.SUPPRESS)  # uninterrupted()'s
     parser.add_argument("--nproc", type=int, default=2, help=argparse.SUPPRESS)
-    parser.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's or `kill`'s end: clean up as for Ctrl-C
@@ -622,17 +762,12 @@ def main() -> None:
                    workdir=args.workdir)
         return
     workdir = Path(tempfile.mkdtemp(prefix="soak-"))
-    stamp(f"soak in {workdir}")
-    probe = export_script(workdir, hidden=args.hidden, steps=40)
-    run = launch(probe, nproc=2, steps=40, run_dir=workdir / "probe")
-    if run.wait() != "finished":
-        raise SystemExit(f"the probe run failed: {run.message}")
-    step_s = run.summary()["step_time_s"]
-    steps = max(50, int(args.minutes * 60 / (2 * step_s)))  # the reference trains beside it: each at half speed
-    stamp(f"{step_s * 1e3:.1f} ms a step alone: {steps} steps for about {args.minutes:g} min beside the reference")
+    steps, minutes = (args.steps, None) if args.steps else (STEPS_BOUND, args.minutes)
+    stamp(f"soak in {workdir}: " + (f"{steps} steps" if minutes is None else f"{minutes:g} min, then the next "
+                                    f"checkpoint (every {args.ckpt_every} steps)"))
     (workdir / "soak").mkdir(exist_ok=True)
-    common = dict(steps=steps, ckpt_every=args.ckpt_every, kills=args.kills, seed=args.seed, workdir=workdir / "soak",
-                  stall_s=args.stall_minutes * 60, progress=stamp)
+    common = dict(steps=steps, minutes=minutes, ckpt_every=args.ckpt_every, kills=args.kills, seed=args.seed,
+                  workdir=workdir / "soak", stall_s=args.stall_minutes * 60, progress=stamp)
     if args.node_kill_every:
         script, command = export_for_nodes(workdir / "soak", hidden=args.hidden, steps=steps)
         report = soak_nodes(script, command, kill_every=_pair(args.node_kill_every), away=_pair(args.node_away),
