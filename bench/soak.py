@@ -591,8 +591,9 @@ def _drive_nodes(run, pair: _Pair, report: SoakReport, seen: Seen, t0: float, *,
                 pair.start(1)
                 back_at = None
                 progress(f"  {time.time() - t0:7.1f} s: node 1 started again")
-        room = _may_kill(report, newest, kills=kills, steps=steps, t0=t0, until=until)
-        if due is None and room and newest >= 0 and (last is None or last.recovered):
+        if not _may_kill(report, newest, kills=kills, steps=steps, t0=t0, until=until):
+            due = None  # one drawn before the last tenth is not made in it
+        elif due is None and newest >= 0 and (last is None or last.recovered):
             due = time.time() + rng.uniform(*kill_every)
         if due is not None and time.time() >= due and pair.alive(0) and pair.alive(1):
             due, node, kind = None, rng.choice((0, 1)), rng.choice(kinds)
@@ -658,7 +659,7 @@ def _kill_when_due(run, report: SoakReport, seen: Seen, t0: float, *, rng, kinds
         if not _may_kill(report, newest, kills=kills, steps=steps, t0=t0, until=until):
             if until is None:
                 return None  # let it finish
-            due = None
+            due = None  # one drawn before the last tenth is not made in it
         elif due is None and newest >= 0 and (not report.kills or report.kills[-1].recovered):
             due = time.time() + rng.uniform(*kill_every)
         if due is not None and time.time() >= due:
