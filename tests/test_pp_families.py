@@ -343,6 +343,51 @@ def test_planner_offers_pipelining_for_hugging_face_models():
         assert profile(ap.capture(model, inputs), device_kind="cpu").pp_blocker == ""
 
 
+ZOO_MOE_CELL = """\
+import torch
+from autopar_nb import zoo
+model = zoo.MoETransformer(zoo.MoEConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=128,
+                                         n_routed_experts=4, n_shared_experts=1, top_k=2, moe_ffn_dim=32))
+example_inputs = (torch.randint(0, 128, (4, 16)),)
+"""
+
+
+@pytest.mark.parametrize("name", ["LLaMA", "Mixtral", "GPT-2", "T5", "zoo Llama", "zoo GPT", "zoo MoE"])
+def test_no_offered_pipeline_starts_a_stage_where_the_stages_lose_their_order(name):
+    """A stage starts only at a layer that reads what the layer before it computed (or the code after that layer),
+    and at a layer's first call: else nothing orders its stage after the one before, and torch's split may run it
+    first (a Hugging Face rotary table reads only positions, which context parallelism hands in: its stage ran before
+    the embedding's, "forward() missing 2 required positional arguments"). Every pp=2 plan the planner offers (its
+    own schedule, interleaved 1F1B at each chunk count it takes, their alternatives) keeps those layers with the one
+    before; GPT-2's learned position embedding may start a stage (the code after it adds the token embedding)."""
+    from runtime_cases import GPT_CELL, LLAMA_CELL
+
+    from autopar_nb.plan import PlanError
+
+    cell = {"zoo Llama": LLAMA_CELL, "zoo GPT": GPT_CELL, "zoo MoE": ZOO_MOE_CELL}.get(name) or FAMILIES[name]
+    model, inputs, _ = run_model_cell(cell, {}).source.build(device="meta")
+    graph = ap.capture(model, inputs)
+    glued = profile(graph, device_kind="cpu").pp_glued
+    paths = [lay.path for lay in graph.layers]
+    expected = {"LLaMA": {"model.rotary_emb"}, "Mixtral": {"model.rotary_emb"},
+                "T5": {"encoder.dropout", "decoder.dropout", "shared"}}.get(name, set())
+    assert {paths[i] for i in glued} == expected, glued
+    plans = []
+    for fix in [{}] + [{"schedule": "interleaved_1f1b", "virtual_stages": v} for v in (2, 3, 4)]:
+        try:
+            plan = ap.plan(graph, ap.Cluster.preset("cpu", gpus_per_node=2), global_batch=graph.batch_size,
+                           fix={"pp": 2, "amp": "none"} | fix)
+        except PlanError as e:
+            assert fix and "pipeline stages" in str(e), e  # more chunks than places a stage may start at
+            continue
+        plans += [plan, *plan.alternatives]
+    assert any(p.pipeline.virtual_stages > 1 for p in plans)
+    for plan in (p for p in plans if p.mesh.pp > 1):
+        stage = [lp.stage for lp in plan.layers]
+        assert all(stage[i] == stage[i - 1] for i in glued), (plan.summary(), stage)
+        assert len(set(stage)) == plan.mesh.pp * plan.pipeline.virtual_stages
+
+
 def test_stages_hold_what_tensor_parallel_styles_expect():
     """In a traced stage the TP styles meet what they meet unpipelined: LLaMA's norms are its own
     RMSNorm modules (traced, one returned its input too: the block's residual, read through a

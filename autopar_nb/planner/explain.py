@@ -136,12 +136,7 @@ def explain(plan, best, ranked, over, cons, cluster, prof) -> list[str]:
     if experts:
         lines += _expert_lines(best, ranked, experts)
     if s.pp > 1:
-        per_stage = [len(x) for x in plan.stage_layers()]
-        shown = str(per_stage) if len(per_stage) <= 12 else (
-            f"{min(per_stage)}-{max(per_stage)} (first {per_stage[0]}, last {per_stage[-1]})")
-        lines.append(f"Pipeline: {s.pp} ranks x {s.virtual_stages} chunk(s), {s.micro_batches} micro-batches of "
-                     f"{s.mb_samples:g} ({s.schedule}); layers per stage {shown}, balanced by time; bubble "
-                     f"{_pct(c.bubble_s, c.step_time_s)} of the step.")
+        lines += _pipeline_lines(plan, best, prof)
     lines += _recompute_lines(plan, c, cons)
     if len(ranked) > 1:
         ru = ranked[1]
@@ -170,6 +165,19 @@ def explain(plan, best, ranked, over, cons, cluster, prof) -> list[str]:
     for t in cons.text:
         lines.append(f"Override honoured: {t}.")
     return lines + _calibrated_lines(cluster)
+
+
+def _pipeline_lines(plan, best, prof) -> list[str]:
+    """The pipeline's ranks, chunks, micro-batches, layers per stage and bubble, and the layers no stage starts at."""
+    c, s = best.cost, best.setting
+    per_stage = [len(x) for x in plan.stage_layers()]
+    shown = str(per_stage) if len(per_stage) <= 12 else (
+        f"{min(per_stage)}-{max(per_stage)} (first {per_stage[0]}, last {per_stage[-1]})")
+    return [f"Pipeline: {s.pp} ranks x {s.virtual_stages} chunk(s), {s.micro_batches} micro-batches of "
+            f"{s.mb_samples:g} ({s.schedule}); layers per stage {shown}, balanced by time; bubble "
+            f"{_pct(c.bubble_s, c.step_time_s)} of the step."] + [
+        f"No stage starts at {prof.layers[i].path}, which stays with {prof.layers[i - 1].path}: {why}."
+        for i, why in list(prof.pp_glued.items())[:3]]
 
 
 def _calibrated_lines(cluster) -> list[str]:

@@ -76,21 +76,6 @@ cost model prices both); Megatron-LM's SC21 runs and Llama 3's use up to a few l
 LOOPED = tuple(s for s in MULTI_STAGE if s not in V_SCHEDULES)
 """schedules that run any number of chunks per rank (a V schedule runs two)"""
 
-def recalled_layers(graph) -> set[int]:
-    """Indices of the layers whose ops run again after another layer's (a module the forward calls twice)."""
-    index = {lay.path: i for i, lay in enumerate(graph.layers)}
-    done, last, out = set(), None, set()
-    for n in graph.nodes:
-        if n.layer not in index or n.layer == last:
-            continue
-        if n.layer in done:
-            out.add(index[n.layer])
-        if last is not None:
-            done.add(last)
-        last = n.layer
-    return out
-
-
 def _order(cand: Candidate, floor: float) -> tuple:
     """How :attr:`Search.over` is chosen among candidates: least bound on the step time, then time, then key."""
     return floor, cand.cost.step_time_s, cand.key
@@ -143,7 +128,10 @@ class Search:
                     set(ov.tp_styles) >= set(prof.layers[i].tp):
                 self.tp_on[i] = False
         self.pins = {i: ov.stage for i, ov in cons.layers.items() if ov.stage is not None}
-        self.recalled = recalled_layers(graph)
+        self.glued = frozenset(prof.pp_glued)
+        """layers no pipeline stage may start at (each stays in the stage of the layer before)"""
+        self.starts = self.n - len(self.glued)
+        """the most pipeline stages the model can hold: the layers a stage may start at"""
         self.rec_pinned = {i: ov.recompute for i, ov in cons.layers.items() if ov.recompute is not None}
         # a fixed recompute mode applies to the repeated blocks (as Megatron-LM and torchtitan apply it), or to every
         # layer of a model without any: recomputing an embedding or a head saves nothing worth a wrapper
@@ -240,9 +228,10 @@ class Search:
                     if "pp" in fix and "tp" in fix:
                         raise PlanError(f"tp({t}) * pp({pp}) does not divide the world size {world}")
                     continue  # an unfixed tp that leaves no room for the fixed pp: try the next tp
-                if pp > self.n:
+                if pp > self.starts:
                     if "pp" in fix:
-                        raise PlanError(f"pp={pp} exceeds the {self.n} layers of the model")
+                        raise PlanError(f"pp={pp} exceeds the {self.starts} pipeline stages the model can hold"
+                                        + self.glued_note())
                     continue
                 if self.pins and max(self.pins.values()) >= pp * fix.get("virtual_stages", 1) and "pp" not in fix:
                     continue
@@ -347,10 +336,10 @@ class Search:
             sch = fix["schedule"]
             if "virtual_stages" in fix or sch not in LOOPED:
                 return [(sch, fix.get("virtual_stages", 2 if sch in MULTI_STAGE else 1))]
-            return [(sch, v) for v in VIRTUAL_STAGES if pp * v <= self.n] or [(sch, 2)]
+            return [(sch, v) for v in VIRTUAL_STAGES if pp * v <= self.starts] or [(sch, 2)]
         out = [("1f1b", 1)]
         if m % pp == 0 and not self.pins:
-            out += [("interleaved_1f1b", v) for v in VIRTUAL_STAGES if pp * v <= self.n]
+            out += [("interleaved_1f1b", v) for v in VIRTUAL_STAGES if pp * v <= self.starts]
         return out
 
     # ---- costing ------------------------------------------------------------------------------------------------
@@ -382,7 +371,9 @@ class Search:
                 m = local // mb
                 for sched, v in self.schedules(pp, m):
                     stages = pp * v
-                    if stages > self.n:
+                    if stages > self.starts:
+                        self.rejected.append(f"{pp} x {v} pipeline stages: the model can hold {self.starts}"
+                                             + self.glued_note())
                         continue
                     base = Setting(dp, t, pp, 0, self.amp, m, float(mb), sched, v, sp, self.optimizer, ep, cp=cp,
                                    async_tp=self.async_tp or self.auto_async and t > 1 and pp == 1)
@@ -391,13 +382,7 @@ class Search:
                                for i in range(self.n)]
                     runs = self.ev.runs(choices)
                     times = self._run_times(base, runs)
-                    if self.pins:
-                        per_layer = [t_ for (_, cnt, _), t_ in zip(runs, times, strict=True) for _ in range(cnt)]
-                        assign = partition(per_layer, stages, self.pins)
-                    else:
-                        assign = partition_runs([(t_, cnt) for (_, cnt, _), t_ in zip(runs, times, strict=True)],
-                                                stages)
-                    if assign is None or self._cut_at_recalled(assign, stages):
+                    if (assign := self._stages(runs, times, stages)) is None:
                         continue
                     rank_t = [0.0] * pp
                     k = 0
@@ -434,14 +419,22 @@ class Search:
                     bisect.insort(best, cand.cost.step_time_s)
         return self._settle(out)
 
-    def _cut_at_recalled(self, assign: list[int], stages: int) -> bool:
-        """Whether a stage would start at a layer the forward calls again later (torch's pipeline splits at every
-        call of a split module: T5's stack dropout, after the embedding and after the final norm); said once."""
-        bad = next((i for i in self.recalled if 0 < i < len(assign) and assign[i] != assign[i - 1]), None)
-        if bad is not None:
-            self.rejected.append(f"{stages} pipeline stages would start one at {self.prof.layers[bad].path}, "
-                                 "which the forward calls more than once (fewer stages, or pin the layers)")
-        return bad is not None
+    def _stages(self, runs, times: list[float], stages: int) -> list[int] | None:
+        """Each layer's stage, balanced by the per-layer ``times`` of ``runs`` (the pins kept, no stage starting
+        at a glued layer); None when the layers cannot make ``stages`` stages."""
+        if self.pins:
+            per_layer = [t for (_, cnt, _), t in zip(runs, times, strict=True) for _ in range(cnt)]
+            return partition(per_layer, stages, self.pins, self.glued)
+        return partition_runs([(t, cnt) for (_, cnt, _), t in zip(runs, times, strict=True)], stages, self.glued)
+
+    def glued_note(self) -> str:
+        """Which layers no stage may start at, and why (the first), for a refusal; "" when none."""
+        if not self.glued:
+            return ""
+        paths = [self.prof.layers[i].path for i in sorted(self.glued)]
+        first = min(self.glued)
+        return (f" of {self.n} layers: no stage starts at {', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}"
+                f" ({paths[0]}: {self.prof.pp_glued[first]})")
 
     def _variants(self, s: Setting, choices: list[LayerChoice]) -> Candidate:
         """The candidate of ``s`` with ``choices``, recompute added where it does not fit, and its fused variants."""
@@ -484,7 +477,8 @@ class Search:
             times = self._run_times(v, runs)
             per_layer = [(t, ch.stage) for (_, cnt, ch), t in zip(runs, times, strict=True) for _ in range(cnt)]
             if s.pp > 1 and s.virtual_stages == 1 and not self.pins:
-                assign = partition_runs([(t, cnt) for (_, cnt, _), t in zip(runs, times, strict=True)], s.pp)
+                assign = partition_runs([(t, cnt) for (_, cnt, _), t in zip(runs, times, strict=True)], s.pp,
+                                        self.glued)
                 per_layer = [(t, st) for (t, _), st in zip(per_layer, assign, strict=True)]
             rank_t = [0.0] * s.pp
             for t, st in per_layer:
@@ -564,7 +558,8 @@ class Search:
             if cost.peak_memory_bytes > self.limit and s.pp > 1 and s.virtual_stages == 1 and not self.pins:
                 # time-balanced stages do not fit: move layers off the fullest ranks (embedding on the first, head
                 # and loss on the last, more micro-batches in flight early in 1F1B), then recompute again
-                assign = memory_partition(self.ev, s, original, limit=self.limit, rec_pinned=self.rec_pinned)
+                assign = memory_partition(self.ev, s, original, limit=self.limit, rec_pinned=self.rec_pinned,
+                                          glued=self.glued)
                 if assign is not None:
                     retry = [LayerChoice(st, c.tp, c.recompute, c.fsdp, c.compile)
                              for st, c in zip(assign, original, strict=True)]

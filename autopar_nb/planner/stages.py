@@ -3,7 +3,9 @@
 Exact for the given per-layer times: bisection on the bottleneck with a greedy maximal-prefix check (a contiguous
 min-max partition is feasible for a bound iff packing each stage as full as possible covers the chain), on runs of
 identical layers so the cost grows with runs and stages, not layers; with layers pinned to stages, a dynamic
-programme over the chain.
+programme over the chain. A stage starts only where one may (``glued``: the layers that stay in the stage of the
+layer before them, ``GraphProfile.pp_glued``): each partition runs on units, a layer where a stage may start and
+the glued layers after it, and gives every layer its unit's stage.
 """
 
 from __future__ import annotations
@@ -12,9 +14,45 @@ from ..cost.memory import in_flight, state_bytes
 from ..plan import DTYPE_NAMES, ITEMSIZE
 
 
-def partition(times: list[float], n_stages: int, pins: dict[int, int]) -> list[int] | None:
+def unit_sizes(n: int, glued) -> list[int]:
+    """The layers of each unit of a chain of ``n`` layers: a layer where a stage may start, then the ``glued``
+    layers after it (the first layer starts a unit whether glued or not)."""
+    sizes: list[int] = []
+    for i in range(n):
+        if sizes and i in glued:
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+    return sizes
+
+
+def per_layer(assign: list[int] | None, sizes: list[int]) -> list[int] | None:
+    """The stage of each layer, from the stage of each unit (``sizes``: :func:`unit_sizes`)."""
+    return None if assign is None else [st for st, k in zip(assign, sizes, strict=True) for _ in range(k)]
+
+
+def _sums(values: list[float], sizes: list[int]) -> list[float]:
+    out, i = [], 0
+    for k in sizes:
+        out.append(sum(values[i:i + k]))
+        i += k
+    return out
+
+
+def partition(times: list[float], n_stages: int, pins: dict[int, int], glued=frozenset()) -> list[int] | None:
     """Contiguous assignment of layers to ``n_stages`` non-empty stages minimising the slowest stage (module
-    docstring); None when impossible (fewer layers than stages, or pins out of order)."""
+    docstring), no stage starting at a ``glued`` layer; None when impossible (fewer units than stages, pins out of
+    order, or pins that would start a stage at a glued layer)."""
+    if glued:
+        sizes = unit_sizes(len(times), glued)
+        heads = [sum(sizes[:u]) for u in range(len(sizes))]
+        unit_pins: dict[int, int] = {}
+        for u, (h, k) in enumerate(zip(heads, sizes, strict=True)):
+            pinned = {pins[i] for i in range(h, h + k) if i in pins}
+            if len(pinned) > 1:
+                return None
+            unit_pins.update({u: pinned.pop()} if pinned else {})
+        return per_layer(partition(_sums(times, sizes), n_stages, unit_pins), sizes)
     n = len(times)
     if n_stages == 1:
         if any(s != 0 for s in pins.values()):
@@ -45,9 +83,18 @@ def bisect_cap(assign_within, lo: float, hi: float, *, rtol: float, steps: int):
     return best
 
 
-def partition_runs(runs: list[tuple[float, int]], n_stages: int) -> list[int] | None:
+def partition_runs(runs: list[tuple[float, int]], n_stages: int, glued=frozenset()) -> list[int] | None:
     """:func:`partition` for a chain given as runs of identical layers ``(time, count)``: the greedy check counts
     how many layers of a run fit at once, so the cost grows with runs and stages, not layers."""
+    if glued:  # units of equal time in runs again: a glued layer makes its unit one of its own
+        sizes = unit_sizes(sum(c for _, c in runs), glued)
+        unit_runs: list[tuple[float, int]] = []
+        for t in _sums([t for t, c in runs for _ in range(c)], sizes):
+            if unit_runs and unit_runs[-1][0] == t:
+                unit_runs[-1] = (t, unit_runs[-1][1] + 1)
+            else:
+                unit_runs.append((t, 1))
+        return per_layer(partition_runs(unit_runs, n_stages), sizes)
     n = sum(c for _, c in runs)
     if n < n_stages:
         return None
@@ -145,10 +192,12 @@ def _partition_dp(times, n_stages, pins):
     return out
 
 
-def memory_partition(ev, s, choices, *, limit: float, rec_pinned: dict[int, str]) -> list[int] | None:
+def memory_partition(ev, s, choices, *, limit: float, rec_pinned: dict[int, str],
+                     glued=frozenset()) -> list[int] | None:
     """Stages balanced by time subject to each pipeline rank's memory, with every free layer at full recompute
     (the least memory it can take): bisection on the bottleneck time with a greedy check that also caps each
-    stage's bytes (model states + in-flight activations + a reserve for transient buffers and the loss)."""
+    stage's bytes (model states + in-flight activations + a reserve for transient buffers and the loss), on units
+    (no stage starting at a ``glued`` layer)."""
     f, half = ev.f, s.amp != "none"
     p_item = ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")]  # compute dtype: unsharded/gathered parameters
     g_item = ITEMSIZE["float32"]  # gradients, log-softmax
@@ -172,6 +221,10 @@ def memory_partition(ev, s, choices, *, limit: float, rec_pinned: dict[int, str]
         act.append(lt.act[rec])
         gather = 2 * lt.params_local * (p_item + g_item) if s.zero_stage == 3 else 0.0
         reserve = max(reserve, lt.act["none"] + lt.work_bytes + gather)
+    sizes = unit_sizes(len(choices), glued)
+    if len(sizes) < s.pp:
+        return None
+    times, static, act = (_sums(x, sizes) for x in (times, static, act))  # the bytes are linear in the layers
     prof = ev.prof
     out_numel = prof.output_numel * s.mb_samples / prof.batch * ev.seq_ratio
     loss = out_numel * (g_item + g_item + p_item)  # log-softmax saved, its gradient, the logits' gradient
@@ -181,7 +234,7 @@ def memory_partition(ev, s, choices, *, limit: float, rec_pinned: dict[int, str]
 
     def greedy(bound):
         out, stage, acc_t, acc_m = [], 0, 0.0, 0.0
-        for i in range(len(choices)):
+        for i in range(len(sizes)):
             need_m = static[i] + flights[stage] * act[i]
             if out and out[-1] == stage and (acc_t + times[i] > bound * (1 + 1e-12) or
                                              acc_m + need_m > caps[stage]):
@@ -198,4 +251,4 @@ def memory_partition(ev, s, choices, *, limit: float, rec_pinned: dict[int, str]
         return out
 
     best = bisect_cap(greedy, max(times), sum(times) * 4, rtol=1e-4, steps=40)
-    return None if best is None else fill_empty(best, s.pp)
+    return None if best is None else per_layer(fill_empty(best, s.pp), sizes)

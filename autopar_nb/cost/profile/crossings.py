@@ -86,3 +86,48 @@ def count_crossings(f: Facts, amp: dict[str, Facts],
         for k in range(max(made, 0) + 1, last + 1):
             out[k].append(crossing)
     return out
+
+
+def stage_start_refusals(graph) -> dict[int, str]:
+    """Layer index -> why no pipeline stage may start at that layer. ``pipeline()`` cuts the traced graph at the
+    first call of each stage's first layer, and torch's ``split_module`` then orders the stages by the values they
+    read from one another; two rules follow, true of any model:
+
+    * a layer the forward calls again after another layer's ops (T5's stack dropout, after the embedding and after
+      the final norm) would start a stage at each of its calls;
+    * a layer must read a value the layer before it (or the model code after that layer) computed from the model's
+      inputs or parameters: otherwise nothing orders its stage after the one before, and a split may run it first
+      (a rotary table or learned position embedding reads only positions made from nothing, ``arange``, which
+      context parallelism hands in as ``position_ids``: stage 1 then ran before stage 0 and was called without
+      the hidden states, "forward() missing 2 required positional arguments").
+
+    Positions as :func:`count_crossings` has them (a node outside every layer belongs to the layer before)."""
+    index = {lay.path: i for i, lay in enumerate(graph.layers)}
+    made = {n.name for n in graph.nodes}
+    where: dict[str, int] = {}
+    computed: set[str] = set()  # values that depend on an input or a parameter (not on constants alone)
+    reads_before: set[int] = set()  # layers some op of which reads a computed value of the position before
+    out: dict[int, str] = {}
+    at, last, done = 0, None, set()
+    for n in graph.nodes:
+        if n.layer in index and n.layer != last:
+            if n.layer in done:
+                out.setdefault(index[n.layer], "the forward calls it more than once, and a stage would start at "
+                                               "each call")
+            else:
+                at = index[n.layer]
+            if last is not None:
+                done.add(last)
+            last = n.layer
+        where[n.name] = at
+        if n.params or any(i not in made or i in computed for i in n.inputs):
+            computed.add(n.name)
+        if any(i in computed and where.get(i) == at - 1 for i in n.inputs):
+            reads_before.add(at)
+    for k in range(1, len(graph.layers)):
+        if graph.layers[k].path not in done | {last}:
+            out[k] = "the forward never calls it"
+        elif k not in reads_before:
+            out.setdefault(k, f"it reads nothing {graph.layers[k - 1].path} computed, so nothing orders its stage "
+                              "after the one before")
+    return dict(sorted(out.items()))

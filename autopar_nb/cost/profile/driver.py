@@ -12,7 +12,7 @@ from ..tp_sequence import sp_check
 from .blockers import cp_blocker, pp_blocker
 from .comms import count_comms
 from .compute import count_amp_time, count_compute, count_keys_values
-from .crossings import count_boundaries, count_crossings
+from .crossings import count_boundaries, count_crossings, stage_start_refusals
 from .facts import Facts, amp_facts, graph_facts
 from .float8 import count_float8
 from .layers import PRECISIONS, GraphProfile, LayerProfile
@@ -101,7 +101,8 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(),
         tp_refused={f.by_name[k].module_path: why for k, why in refused.items()},
         tp_whole={f.by_name[k].module_path: why for k, why in f.tp.whole.items()},
         pp_blocker=pp_blocker(f), sp_blocker=sp_check(graph, f.by_name, f.tp.styles, f.tp.sharded),
-        cp_blocker=cp_blocker(graph, device_kind), crossings=count_crossings(f, amp, first_saver))
+        cp_blocker=cp_blocker(graph, device_kind), crossings=count_crossings(f, amp, first_saver),
+        pp_glued=stage_start_refusals(graph))
 
 
 def _region_modules(f: Facts) -> dict[int, list[str]]:

@@ -398,6 +398,9 @@ class GraphProfile:
     crossings: list[list[Crossing]] = field(default_factory=list)
     """layer index k -> the tensors a pipeline cut right before layer k would send
     (:func:`.crossings.count_crossings`)"""
+    pp_glued: dict[int, str] = field(default_factory=dict)
+    """layer index -> why no pipeline stage may start there: it stays in the stage of the layer before
+    (:func:`.crossings.stage_start_refusals`)"""
 
     def layer(self, path: str) -> LayerProfile:
         """The profile of the layer at ``path``."""
