@@ -78,6 +78,10 @@ LAYOUTS |= {"dp2_ep2_pp2": (4, EP_PP | {"zero_stage": 0, "schedule": "1f1b"}),
             "dp2_ep2_pp2_zero3_interleaved": (4, EP_PP | {"zero_stage": 3, "schedule": "interleaved_1f1b",
                                                           "virtual_stages": 2})}
 EP_CASES = [("Mixtral", "dp2_ep2_pp2", "none"), ("Mixtral", "dp2_ep2_pp2_zero3_interleaved", "none")]
+# context parallelism beside pipelining, the schedule the planner's own choice (interleaved 1F1B, several stages a
+# rank on 2 layers): no stage starts at the rotary table (it reads only the positions cp hands in)
+LAYOUTS |= {"cp2_pp2": (4, {"cp": 2, "pp": 2})}
+CP_CASES = [("LLaMA", "cp2_pp2", "none")]
 
 
 def _plan(name: str, schedule: str, variant: str = "", *, cells: dict[str, str] = FAMILIES):
@@ -115,14 +119,15 @@ def _tp_plan(name: str, layout: str, amp: str):
 
 @pytest.fixture(scope="module")
 def tp_runs():
-    """case -> ((source, plan), report) of TP_CASES, ZB_CASES and EP_CASES: one launch of 4 processes, one
+    """case -> ((source, plan), report) of TP_CASES, ZB_CASES, EP_CASES and CP_CASES: one launch of 4 processes, one
     of 8, each made when a test first asks for one of its cases."""
     launched: dict[int, dict] = {}
 
     def run(case):
         nproc = LAYOUTS[case[1]][0]
         if nproc not in launched:
-            planned = {c: _tp_plan(*c) for c in TP_CASES + ZB_CASES + EP_CASES if LAYOUTS[c[1]][0] == nproc}
+            planned = {c: _tp_plan(*c) for c in TP_CASES + ZB_CASES + EP_CASES + CP_CASES
+                       if LAYOUTS[c[1]][0] == nproc}
             reports = verify_many(list(planned.values()), steps=STEPS)
             pairs = zip(planned.values(), reports, strict=True)
             launched[nproc] = dict(zip(planned, pairs, strict=True))
@@ -184,6 +189,22 @@ def test_fsdp_stages_under_split_backward_schedules_train_like_one_process(tp_ru
     assert len(report.steps) == STEPS
     assert sorted(s for info in report.per_rank for s in info["stages"]) == [0, 0, 1, 1, 2, 2, 3, 3]
     assert not script_values(src, plan).reshard_after_forward
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", CP_CASES, ids=lambda c: "-".join(c))
+def test_free_schedule_beside_context_parallelism_trains_like_one_process(tp_runs, case):
+    """A Hugging Face LLaMA of 2 layers planned with cp=2 x pp=2 and the schedule left free: the planner takes
+    interleaved 1F1B with the rotary table in the embedding's stage, and it trains like one process. It cut a stage
+    before the rotary table (3 chunks a rank, a layer each), whose stage then ran first and was called without the
+    hidden states ("forward() missing 2 required positional arguments")."""
+    (src, plan), report = tp_runs(case)
+    print(plan.summary())
+    print(report)
+    stage = {lp.path: lp.stage for lp in plan.layers}
+    assert (plan.mesh.cp, plan.mesh.pp) == (2, 2) and plan.pipeline.virtual_stages > 1, plan.summary()
+    assert stage["model.rotary_emb"] == stage["model.embed_tokens"], stage
+    assert report.ok and len(report.steps) == STEPS, f"{plan.summary()}: {report}"
 
 
 @pytest.mark.multiprocess
