@@ -272,11 +272,11 @@ def test_seq_len_scales_tokens_and_memory(gpt):
         ap.plan(capture(zoo.SeedMLP, torch.randn(32, 1024)), h100(1, 2), seq_len=128)
 
 
-def _brute_force(times, n_stages):
+def _brute_force(times, n_stages, glued=()):
     import itertools
 
     best = float("inf")
-    for cuts in itertools.combinations(range(1, len(times)), n_stages - 1):
+    for cuts in itertools.combinations([i for i in range(1, len(times)) if i not in glued], n_stages - 1):
         bounds = (0, *cuts, len(times))
         best = min(best, max(sum(times[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)))
     return best
@@ -306,6 +306,38 @@ def test_stage_partition_is_optimal():
         # pinning the last layer to the last stage: the dynamic programme honours it and stays optimal
         pinned = partition(times, k, {n - 1: k - 1})
         assert pinned[-1] == k - 1 and bottleneck(pinned) == pytest.approx(want, rel=1e-3)
+
+
+def test_stage_partition_never_starts_a_stage_at_a_glued_layer():
+    """A rotary table after the embedding (layer 1) and a few other layers no stage may start at: the partitions
+    (per layer, in runs, with a pin) keep each with the layer before and stay optimal among the cuts left; more
+    stages than units: None."""
+    import random
+
+    from autopar_nb.planner.stages import partition, partition_runs
+
+    rng = random.Random(1)
+    for _ in range(60):
+        n = rng.randint(4, 11)
+        glued = {1} | {i for i in range(2, n) if rng.random() < 0.2}
+        units = n - len(glued)
+        k = rng.randint(2, min(5, units))
+        block = rng.uniform(1, 3)
+        times = [rng.uniform(0.1, 4), 0.01] + [block] * (n - 3) + [rng.uniform(0.1, 6)]
+        want = _brute_force(times, k, glued)
+
+        def bottleneck(assign, times=times, k=k, glued=glued):
+            assert sorted(set(assign)) == list(range(k)) and assign == sorted(assign)
+            assert all(assign[i] == assign[i - 1] for i in glued), (assign, glued)
+            return max(sum(t for t, s in zip(times, assign, strict=True) if s == st) for st in range(k))
+
+        assert bottleneck(partition(times, k, {}, glued)) == pytest.approx(want, rel=1e-3)
+        runs = [(times[0], 1), (times[1], 1), (block, n - 3), (times[-1], 1)]
+        assert bottleneck(partition_runs(runs, k, glued)) == pytest.approx(want, rel=1e-3)
+        pinned = partition(times, k, {n - 1: k - 1}, glued)
+        assert pinned[-1] == k - 1 and bottleneck(pinned) == pytest.approx(want, rel=1e-3)
+        assert partition(times, units + 1, {}, glued) is None and partition_runs(runs, units + 1, glued) is None
+    assert partition([1.0] * 4, 2, {0: 0, 1: 1}, {1}) is None  # pins that would start a stage at a glued layer
 
 
 def test_fixed_mesh_and_stage_pins_are_checked(gpt):
