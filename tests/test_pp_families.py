@@ -373,14 +373,16 @@ example_inputs = (torch.randint(0, 128, (4, 16)),)
 """
 
 
-@pytest.mark.parametrize("name", ["LLaMA", "Mixtral", "GPT-2", "T5", "zoo Llama", "zoo GPT", "zoo MoE"])
+@pytest.mark.parametrize("name", ["LLaMA", "Mixtral", "GPT-2", "T5", "Phi", "zoo Llama", "zoo GPT", "zoo MoE"])
 def test_no_offered_pipeline_starts_a_stage_where_the_stages_lose_their_order(name):
     """A stage starts only at a layer that reads what the layer before it computed (or the code after that layer),
     and at a layer's first call: else nothing orders its stage after the one before, and torch's split may run it
     first (a Hugging Face rotary table reads only positions, which context parallelism hands in: its stage ran before
     the embedding's, "forward() missing 2 required positional arguments"). Every pp=2 plan the planner offers (its
     own schedule, interleaved 1F1B at each chunk count it takes, their alternatives) keeps those layers with the one
-    before; GPT-2's learned position embedding may start a stage (the code after it adds the token embedding)."""
+    before; GPT-2's learned position embedding may start a stage (the code after it adds the token embedding). A
+    stage starts at a layer with parameters of its own, so none is left without any (Phi's embed_dropout and
+    rotary_emb made a stage of their own, which DDP refused to wrap)."""
     from runtime_cases import GPT_CELL, LLAMA_CELL
 
     from autopar_nb.plan import PlanError
@@ -389,9 +391,12 @@ def test_no_offered_pipeline_starts_a_stage_where_the_stages_lose_their_order(na
     model, inputs, _ = run_model_cell(cell, {}).source.build(device="meta")
     graph = ap.capture(model, inputs)
     glued = profile(graph, device_kind="cpu").pp_glued
-    paths = [lay.path for lay in graph.layers]
+    paths, modules = [lay.path for lay in graph.layers], dict(model.named_modules())
     expected = {"LLaMA": {"model.rotary_emb"}, "Mixtral": {"model.rotary_emb"},
-                "T5": {"encoder.dropout", "decoder.dropout", "shared"}}.get(name, set())
+                "GPT-2": {"transformer.drop", "lm_head"},  # lm_head's weight is wte's (tied)
+                "Phi": {"model.embed_dropout", "model.rotary_emb"},
+                "T5": {"encoder.dropout", "decoder.dropout", "shared", "decoder.embed_tokens", "lm_head"},
+                }.get(name, set())
     assert {paths[i] for i in glued} == expected, glued
     plans = []
     for fix in [{}] + [{"schedule": "interleaved_1f1b", "virtual_stages": v} for v in (2, 3, 4)]:
@@ -407,6 +412,10 @@ def test_no_offered_pipeline_starts_a_stage_where_the_stages_lose_their_order(na
         stage = [lp.stage for lp in plan.layers]
         assert all(stage[i] == stage[i - 1] for i in glued), (plan.summary(), stage)
         assert len(set(stage)) == plan.mesh.pp * plan.pipeline.virtual_stages
+        held = {}  # what each stage's modules hold, tied weights included (T5's embeddings hold `shared`'s)
+        for lay, lp in zip(graph.layers, plan.layers, strict=True):
+            held[lp.stage] = held.get(lp.stage, 0) + sum(w.numel() for w in modules[lay.path].parameters())
+        assert all(held.values()), (plan.summary(), held)
 
 
 def test_stages_hold_what_tensor_parallel_styles_expect():

@@ -91,7 +91,7 @@ def count_crossings(f: Facts, amp: dict[str, Facts],
 def stage_start_refusals(graph) -> dict[int, str]:
     """Layer index -> why no pipeline stage may start at that layer. ``pipeline()`` cuts the traced graph at the
     first call of each stage's first layer, and torch's ``split_module`` then orders the stages by the values they
-    read from one another; two rules follow, true of any model:
+    read from one another; two rules follow, true of any model,
 
     * a layer the forward calls again after another layer's ops (T5's stack dropout, after the embedding and after
       the final norm) would start a stage at each of its calls;
@@ -99,7 +99,10 @@ def stage_start_refusals(graph) -> dict[int, str]:
       inputs or parameters: otherwise nothing orders its stage after the one before, and a split may run it first
       (a rotary table or learned position embedding reads only positions made from nothing, ``arange``, which
       context parallelism hands in as ``position_ids``: stage 1 then ran before stage 0 and was called without
-      the hidden states, "forward() missing 2 required positional arguments").
+      the hidden states, "forward() missing 2 required positional arguments");
+
+    and a third, of the runtime: a stage starts at a layer that holds parameters, so every stage holds some (Phi's
+    ``embed_dropout`` and ``rotary_emb`` made a stage of their own, which DDP refused to wrap).
 
     Positions as :func:`count_crossings` has them (a node outside every layer belongs to the layer before)."""
     index = {lay.path: i for i, lay in enumerate(graph.layers)}
@@ -130,4 +133,7 @@ def stage_start_refusals(graph) -> dict[int, str]:
         elif k not in reads_before:
             out.setdefault(k, f"it reads nothing {graph.layers[k - 1].path} computed, so nothing orders its stage "
                               "after the one before")
+        if not graph.layers[k].num_params:
+            out.setdefault(k, "it holds no parameters of its own: a stage could start and end in such layers and "
+                              "hold none (DDP refuses to wrap a module without parameters)")
     return dict(sorted(out.items()))
