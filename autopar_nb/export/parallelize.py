@@ -76,7 +76,7 @@ def _data_parallel_lines(v: ScriptValues, step: int, uses: list[str]) -> list[st
     elif v.replicate:
         calls += [f"# {step}. data parallelism last: FSDP2's replicate (DDP takes no DTensors), one all-reduce "
                   "per unit", f"apply_replicate(part, {v.dp_mesh}, units=FSDP_UNITS)"]
-        uses.append("apply_replicate")
+        uses += ["apply_replicate"] + ["LocalShardsZeRO"] * v.zero1  # ZeRO-1 over the TP shards' local tensors
     elif v.ddp:
         calls.append(f"# {step}. data parallelism last: DDP" + (" (ZeRO-1 shards the optimizer)" if v.zero1 else
                                                                          "; the experts averaged among the ranks "

@@ -165,12 +165,18 @@ class ScriptValues:
 
     @property
     def replicate(self) -> bool:
-        """data parallelism beside TP without sharding (ZeRO-0): FSDP2's replicate (DDP takes no DTensors)"""
-        return self.replicas > 1 and self.zero_stage == 0 and self.tp > 1
+        """data parallelism beside TP without sharding the parameters (ZeRO 0/1): FSDP2's replicate (DDP takes no
+        DTensors); ZeRO-1 adds the sharded optimizer (``build_optimizer``'s local shards)"""
+        return self.replicas > 1 and self.zero_stage <= 1 and self.tp > 1
 
     @property
     def zero1(self) -> bool:
         return self.replicas > 1 and self.zero_stage == 1
+
+    @property
+    def zero1_class(self) -> dict[str, str]:
+        """``build_optimizer``'s ZeRO-1 class where it is not torch's: over TP's DTensors, their local tensors"""
+        return {"zero1_class": "LocalShardsZeRO"} if self.zero1 and self.replicate else {}
 
     @property
     def from_config(self) -> bool:
@@ -284,10 +290,10 @@ def _weights(source: ModelSource, found: list[str]) -> str:
 
 def _check_runnable(plan: Plan) -> None:
     m, pr = plan.mesh, plan.precision
-    if m.tp > 1 and m.dp * m.cp > 1 and m.zero_stage == 1:
-        cp = f" x cp({m.cp})" if m.cp > 1 else ""
-        raise NotImplementedError(f"dp({m.dp}){cp} x tp({m.tp}) with ZeRO-1 is not supported (ZeroRedundancyOptimizer "
-                                  "does not take DTensor parameters): set mesh.zero_stage to 0, 2 or 3")
+    if m.tp > 1 and m.dp * m.cp > 1 and m.zero_stage == 1 and pr.amp == "fp16":
+        raise NotImplementedError(f"dp({m.dp}) x tp({m.tp}) with ZeRO-1 and fp16 is not supported (the loss scaler "
+                                  "does not see the gradients ZeRO-1 steps over TP's local shards): use bf16, or "
+                                  "set mesh.zero_stage to 0, 2 or 3")
     if m.ep > 1 and (m.tp > 1 or m.zero_stage == 1):
         raise NotImplementedError(
             f"expert parallelism (ep={m.ep}) runs beside data parallelism (and pipelining) without TP, with ZeRO 0, "

@@ -252,16 +252,17 @@ class Search:
 
     def unsupported(self, dp: int, tp: int, pp: int, cp: int = 1) -> str:
         """Why the runtime (``autopar_nb.runtime``, the exported script) cannot run this mesh with the fixed choices,
-        "" when it can. The runtime's restrictions: ZeRO-1's ZeroRedundancyOptimizer does not take TP's DTensor
-        parameters (dp x tp runs ZeRO 0 through FSDP2's replicate, or ZeRO 2/3); SyncBatchNorm is not applied under
+        "" when it can. The runtime's restrictions: ZeRO-1 over TP's DTensor parameters steps their local shards,
+        which fp16's loss scaler does not see; SyncBatchNorm is not applied under
         pipelining; pipelining does not take fp16 loss scaling, nor a model torch.export cannot trace, nor the fused
         head beside TP (it runs on the last stage unsplit); context parallelism does not take the fused head."""
         fix = self.cons.fix
         if cp > 1 and fix.get("fused_loss"):
             return f"cp={cp} with fused_loss: use fused_loss=False"
-        if dp * cp > 1 and tp > 1 and fix.get("zero_stage") == 1:
-            return (f"dp({dp})" + f" x cp({cp})" * (cp > 1) + f" x tp({tp}) with ZeRO-1: ZeroRedundancyOptimizer does "
-                    "not take DTensor parameters; fix zero_stage 0 (replicated, Megatron's DDP + TP), 2 or 3, or tp=1")
+        if dp * cp > 1 and tp > 1 and fix.get("zero_stage") == 1 and self.amp == "fp16":
+            return (f"dp({dp})" + f" x cp({cp})" * (cp > 1) + f" x tp({tp}) with ZeRO-1 and fp16: the loss scaler "
+                    "does not see the gradients ZeRO-1 steps over TP's local shards; fix zero_stage 0, 2 or 3, or "
+                    "amp='bf16'")
         if dp > 1 and pp > 1 and self.has_batchnorm:
             return (f"dp({dp}) x pp({pp}) with BatchNorm: SyncBatchNorm is not supported with pipelining; "
                     "fix pp=1 (or dp=1)")
@@ -350,10 +351,10 @@ class Search:
         fix = self.cons.fix
         configs = []
         for dp, t, pp, cp, ep in [(*mesh, e) for mesh in self.meshes() for e in self.ep_degrees(*mesh[:3])]:
-            # dp x tp: ZeRO 0 (replicate), 2 or 3 (ZeRO-1 takes no DTensors, which TP and EP make); FSDP shards over
-            # dp x cp, whose ranks hold the same parameters (torchtitan's dp_shard_cp); offload needs FSDP, even alone
+            # no ZeRO-1 beside EP (not built for the experts' DTensors), nor TP under fp16 (see unsupported); FSDP
+            # shards over dp x cp, whose ranks hold the same parameters (dp_shard_cp); offload needs FSDP, even alone
             zeros = [fix["zero_stage"]] if "zero_stage" in fix else [2, 3] if self.offload != "none" else (
-                [0] if dp * cp == 1 else [0, 2, 3] if t > 1 or ep > 1 else [0, 1, 2, 3])
+                [0] if dp * cp == 1 else [0, 2, 3] if ep > 1 or (t > 1 and self.amp == "fp16") else [0, 1, 2, 3])
             if ep > 1:
                 zeros = [z for z in zeros if z != 1 and not (z >= 2 and self.selective_experts)]
                 if not zeros:
