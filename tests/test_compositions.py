@@ -81,6 +81,8 @@ def _measured_against_predicted(family: str, fix: dict, size: dict):
     op_names = {k: n.op for k, n in enumerate(graph.nodes)}
     # each pipeline stage's first rank, and its cp ranks (at stride tp), which hold different parts of the ring
     ranks = [(stage, stage * world // pp + c * tp) for stage in range(pp) for c in range(cp)]
+    if fix.get("zero_stage") == 1 and pp == 1:  # and the last rank, whose share of the optimizer states is its own
+        ranks.append((0, world - 1))
     got = measure(src, plan, ranks=tuple(g for _, g in ranks))
     for (stage, _), m in zip(ranks, got, strict=True):
         at = moment_at(m["where"], paths, moments[stage], op_modules, micro_batch=m.get("micro_batch"),

@@ -253,13 +253,14 @@ def measure(source, plan, *, ranks: tuple[int, ...] = (0,), steps: int = 2, time
     need each other's data: a pipeline (its stages' boundary shapes and activations) and expert parallelism (the
     token counts each rank routes to the others' experts: a fake group leaves the all-to-all's output as it was
     allocated, so the received counts, and with them the experts' activations, were whatever memory held; Mixtral
-    under DDP had 3270 to 5362 tokens per expert group where routing sends about 4096).
+    under DDP had 3270 to 5362 tokens per expert group where routing sends about 4096), and ZeRO-1 beside TP (in a
+    fake group, rank 3 of dp 2 x tp 2 held no optimizer state where, on real processes, it holds half as rank 1 does).
     ``census``: also list that many of the largest storages at each rank's peak (:func:`measure_script`)."""
     from ..export import export
 
     with tempfile.TemporaryDirectory(prefix="autopar-measure-") as tmp:
         script = export(source, plan, Path(tmp) / "train.py", quiet=True).script
-        if plan.mesh.pp > 1 or plan.mesh.ep > 1:
+        if plan.mesh.pp > 1 or plan.mesh.ep > 1 or (plan.mesh.zero_stage == 1 and plan.mesh.tp > 1):
             got = measure_real(script, world=plan.mesh.world_size, steps=steps, timeout=timeout, census=census)
             return [got[r] for r in ranks]
         return [measure_in_subprocess(script, rank=r, steps=steps, timeout=timeout, census=census) for r in ranks]
