@@ -718,12 +718,14 @@ def test_the_experts_a_pipeline_stage_holds_are_named_as_the_model_names_them():
     assert _layer_of("Pipe.split_gm.submod_pp_0.model.layers.0.mlp.gate", paths) == 0
 
 
-@pytest.mark.parametrize("pp, ep, real", [(1, 1, False), (2, 1, True), (1, 2, True)])
-def test_plans_whose_ranks_exchange_data_are_measured_on_a_real_group(monkeypatch, tmp_path, pp, ep, real):
+@pytest.mark.parametrize("pp, ep, tp, zero, real", [(1, 1, 1, 0, False), (2, 1, 1, 0, True), (1, 2, 1, 0, True),
+                                                    (1, 1, 2, 1, True), (1, 1, 2, 0, False), (1, 1, 1, 1, False)])
+def test_plans_whose_ranks_exchange_data_are_measured_on_a_real_group(monkeypatch, tmp_path, pp, ep, tp, zero, real):
     """A fake group delivers nothing: a pipeline's stages and expert parallelism's token counts need a real one
     (under the fake group Mixtral's expert groups got 3270 to 5362 tokens from uninitialised counts, where real
-    routing gave 3134 to 4533 and the model's balanced routing 4096), so ``measure`` runs those plans on real gloo
-    processes (``measure_real``), the others as one rank of a fake group."""
+    routing gave 3134 to 4533 and the model's balanced routing 4096), and ZeRO-1 beside TP (a fake group left the
+    last rank without optimizer state), so ``measure`` runs those plans on real gloo processes (``measure_real``),
+    the others as one rank of a fake group."""
     import importlib
     from types import SimpleNamespace
 
@@ -736,6 +738,6 @@ def test_plans_whose_ranks_exchange_data_are_measured_on_a_real_group(monkeypatc
                         {r: {"rank": r} for r in range(world)})
     monkeypatch.setattr(m, "measure_in_subprocess", lambda script, *, rank, **k: calls.append(("fake", rank)) or
                         {"rank": rank})
-    plan = SimpleNamespace(mesh=SimpleNamespace(pp=pp, ep=ep, world_size=2))
+    plan = SimpleNamespace(mesh=SimpleNamespace(pp=pp, ep=ep, tp=tp, zero_stage=zero, world_size=2))
     assert m.measure(None, plan, ranks=(0,)) == [{"rank": 0}]
     assert calls == [("real", 2)] if real else [("fake", 0)]
