@@ -102,7 +102,8 @@ def stage_start_refusals(graph) -> dict[int, str]:
       the hidden states, "forward() missing 2 required positional arguments");
 
     and a third, of the runtime: a stage starts at a layer that holds parameters, so every stage holds some (Phi's
-    ``embed_dropout`` and ``rotary_emb`` made a stage of their own, which DDP refused to wrap).
+    ``embed_dropout`` and ``rotary_emb`` made a stage of their own, which DDP refused to wrap; a rank holding only
+    such a stage would build an optimizer over no parameters, which torch refuses too).
 
     Positions as :func:`count_crossings` has them (a node outside every layer belongs to the layer before)."""
     index = {lay.path: i for i, lay in enumerate(graph.layers)}
@@ -134,6 +135,6 @@ def stage_start_refusals(graph) -> dict[int, str]:
             out.setdefault(k, f"it reads nothing {graph.layers[k - 1].path} computed, so nothing orders its stage "
                               "after the one before")
         if not graph.layers[k].num_params:
-            out.setdefault(k, "it holds no parameters of its own: a stage could start and end in such layers and "
-                              "hold none (DDP refuses to wrap a module without parameters)")
+            out.setdefault(k, "it holds no parameters of its own: a stage of such layers alone would hold none "
+                              "(DDP refuses to wrap it, and a rank with no other stage has nothing to optimise)")
     return dict(sorted(out.items()))
