@@ -160,8 +160,9 @@ def test_verify_cp_beside_tensor_parallelism():
 
 @pytest.mark.multiprocess
 def test_verify_cp_beside_pipelining():
-    """4 gloo processes, cp=2 x pp=2 as the planner plans a Hugging Face LLaMA (hidden 256, 4 layers, seq 256), the
-    schedule its own choice (interleaved 1F1B, several stages a rank): each batch's sequences split over the cp ranks
+    """4 gloo processes, cp=2 x pp=2 as the planner plans a Hugging Face LLaMA (hidden 256, 4 layers, seq 256) under
+    interleaved 1F1B (several stages a rank, as many as the planner takes; test_pp_families leaves the schedule free
+    too): each batch's sequences split over the cp ranks
     before the schedule splits it into micro-batches, each stage traced on this rank's part and calling SDPA when it
     runs (torch's context_parallel makes it the ring over the stage's cp ranks; the traced op would attend over this
     rank's part only), FSDP2 (ZeRO-3) over dp_cp; losses, gradients and parameters equal to one process's. No stage
@@ -175,7 +176,8 @@ def test_verify_cp_beside_pipelining():
     src = ModelSource(CELLS["LLaMA"](hidden=256, layers=4, seq=256, batch=2))
     model, inputs, _ = src.build(device="meta")
     plan = ap.plan(ap.capture(model, inputs), ap.Cluster.preset("cpu", 1, 4), global_batch=2,
-                   fix={"cp": 2, "pp": 2, "zero_stage": 3, "amp": "none", "recompute": "none"})
+                   fix={"cp": 2, "pp": 2, "zero_stage": 3, "amp": "none", "recompute": "none",
+                        "schedule": "interleaved_1f1b"})  # free, the cpu preset's handoffs make it 1F1B
     assert (plan.mesh.cp, plan.mesh.pp) == (2, 2) and plan.pipeline.virtual_stages > 1, plan.summary()
     assert {lp.path: lp.stage for lp in plan.layers}["model.rotary_emb"] == 0, plan.summary()
     report, = verify_many([(src, plan)], steps=3, nproc=4, rtol=FP32_RTOL)

@@ -80,7 +80,7 @@ LAYOUTS |= {"dp2_ep2_pp2": (4, EP_PP | {"zero_stage": 0, "schedule": "1f1b"}),
 EP_CASES = [("Mixtral", "dp2_ep2_pp2", "none"), ("Mixtral", "dp2_ep2_pp2_zero3_interleaved", "none")]
 # context parallelism beside pipelining, the schedule the planner's own choice (interleaved 1F1B, several stages a
 # rank on 2 layers): no stage starts at the rotary table (it reads only the positions cp hands in)
-LAYOUTS |= {"cp2_pp2": (4, {"cp": 2, "pp": 2})}
+LAYOUTS |= {"cp2_pp2": (4, {"cp": 2, "pp": 2, "schedule": "interleaved_1f1b"})}  # chunks a rank: the planner's
 CP_CASES = [("LLaMA", "cp2_pp2", "none")]
 
 
@@ -193,9 +193,10 @@ def test_fsdp_stages_under_split_backward_schedules_train_like_one_process(tp_ru
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", CP_CASES, ids=lambda c: "-".join(c))
-def test_free_schedule_beside_context_parallelism_trains_like_one_process(tp_runs, case):
-    """A Hugging Face LLaMA of 2 layers planned with cp=2 x pp=2 and the schedule left free: the planner takes
-    interleaved 1F1B with the rotary table in the embedding's stage, and it trains like one process. It cut a stage
+def test_interleaved_chunks_beside_context_parallelism_train_like_one_process(tp_runs, case):
+    """A Hugging Face LLaMA of 2 layers planned with cp=2 x pp=2 under interleaved 1F1B, the chunks a rank left to
+    the planner (free, the schedule is 1F1B now: the cpu preset's handoffs): the rotary table stays in the
+    embedding's stage, and it trains like one process. It cut a stage
     before the rotary table (3 chunks a rank, a layer each), whose stage then ran first and was called without the
     hidden states ("forward() missing 2 required positional arguments")."""
     (src, plan), report = tp_runs(case)
