@@ -235,11 +235,12 @@ for size, a, h, L, t, p, n, B, tflops in MEGATRON_TABLE_1:
         {"dp": n // (t * p), "tp": t, "pp": p, "zero_stage": 0,
          **({"schedule": "interleaved_1f1b"} if p > 1 else {})},
         B, 2048, "full", "tflops_eq3", tflops,
-        extra={"sequence_parallel": False, "fused_loss": False, "low_precision_ops": ["softmax"]},
+        extra={"sequence_parallel": False, "fused_loss": False, "low_precision_ops": ["softmax"],
+               "compile": False},
         notes="the paper's fp16 mixed precision run as bf16 (same peak); attention as Megatron-LM "
               "ran it in 2021 (scores materialised, fused 16-bit softmax, dropout 0.1: "
-              "Megatron2021Attention); microbatch size and virtual stages not in Table 1 (the "
-              "planner's)"))
+              "Megatron2021Attention); eager, no torch.compile (2021: its fusions are the "
+              "softmax above); microbatch size and virtual stages not in Table 1 (the planner's)"))
 
 # Llama 3 §3.3.2 Table 4 ("Scaling configurations and MFU for each stage of Llama 3 405B
 # pre-training"):
