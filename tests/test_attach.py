@@ -248,6 +248,18 @@ def test_a_lost_rendezvous_node_is_one_event_and_fails_the_run_when_the_others_e
     assert "connection from 127.0.0.2 closed" in run.message  # the first lost rank, as before
 
 
+def rendezvous_host_lost(run) -> list[Rank]:
+    """One rank per host (127.0.0.2 hosts the rendezvous), one step each, then the rendezvous host's rank closed
+    without an end message: the stream infers its node lost."""
+    ranks = [Rank(run, r, source=f"127.0.0.{2 + r}", attempt=0, max_restarts=3, world=2) for r in range(2)]
+    for r in ranks:
+        r.step(0)
+    wait_for(lambda: all(st.step == 0 for st in run.ranks().values()), 5, "every rank's step")
+    ranks[0].close()
+    wait_for(lambda: node_events(run), 5, "the inferred node loss")
+    return ranks
+
+
 def test_ranks_of_the_rendezvous_host_that_end_while_its_agent_answers_are_no_lost_node(runs):
     """One rank per host, the rendezvous host's rank killed: on the stream that is a lost node (its only connection
     closed, then the other host's rank stopped by its agent), but the agent on that host lives and hosts the store,
@@ -255,12 +267,7 @@ def test_ranks_of_the_rendezvous_host_that_end_while_its_agent_answers_are_no_lo
     end (a soak of whole nodes with worker kills marked such a run failed while torchrun restarted it)."""
     with socket.create_server(("127.0.0.2", 0)) as store:  # the agent's rendezvous store
         run = runs(nproc=2, restart_wait_s=60, rendezvous=f"127.0.0.2:{store.getsockname()[1]}")
-        ranks = [Rank(run, r, source=f"127.0.0.{2 + r}", attempt=0, max_restarts=3, world=2) for r in range(2)]
-        for r in ranks:
-            r.step(0)
-        wait_for(lambda: all(st.step == 0 for st in run.ranks().values()), 5, "every rank's step")
-        ranks[0].close()
-        wait_for(lambda: node_events(run), 5, "the inferred node loss")
+        ranks = rendezvous_host_lost(run)
         ranks[1].close()  # its agent stops it to restart the group
         wait_for(lambda: not node_events(run), 5, "the event withdrawn")
         time.sleep(0.5)
@@ -281,12 +288,7 @@ def test_a_killed_rendezvous_agent_that_answers_for_a_moment_still_fails_the_run
     the run fails at once (CI's node soak waited in "restarting" for restart_wait_s after such a kill)."""
     store = socket.create_server(("127.0.0.2", 0))
     run = runs(nproc=2, restart_wait_s=60, rendezvous=f"127.0.0.2:{store.getsockname()[1]}")
-    ranks = [Rank(run, r, source=f"127.0.0.{2 + r}", attempt=0, max_restarts=3, world=2) for r in range(2)]
-    for r in ranks:
-        r.step(0)
-    wait_for(lambda: all(st.step == 0 for st in run.ranks().values()), 5, "every rank's step")
-    ranks[0].close()
-    wait_for(lambda: node_events(run), 5, "the inferred node loss")
+    ranks = rendezvous_host_lost(run)
     ranks[1].send({"event": "error", "error": "RuntimeError: Connection closed by peer", "traceback": "tb"})
     ranks[1].close()
     wait_for(lambda: not node_events(run), 5, "the event withdrawn while the port answers")
