@@ -81,8 +81,10 @@ def test_gpt_tp_styles_from_dataflow(gpt):
     assert "Fused projections split part by part" in p.explain() and "h.*.attn.c_attn [8, 8, 8]" in p.explain()
     assert tp["h.3.mlp.c_fc"] == "colwise" and tp["h.3.mlp.c_proj"] == "rowwise"
     assert tp["wte"] == "rowwise" and tp["lm_head"] == "colwise" and p.loss_parallel
-    # wpe is looked up with arange(T) positions: replicated; wte(idx) + wpe(pos) rules out sequence parallelism
-    assert "wpe" not in tp and not p.layer("h.2").sequence_parallel and "h.0.ln_1" not in tp
+    # wpe is looked up with arange(T) positions: replicated; wte(idx) + wpe(pos) is added before the blocks, where
+    # the activations are whole, and the first block cuts the sum along the sequence
+    assert "wpe" not in tp and p.layer("h.2").sequence_parallel and tp["h.0.ln_1"] == "sequence_parallel"
+    assert p.layer("wpe").sequence_parallel is False and not p.layer("wpe").tp
 
 
 def test_tp_fused_projection_split_part_by_part():
@@ -399,12 +401,40 @@ def test_pipeline_stages_move_for_memory():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    ({"h.0.ln_1": {"tp": "sequence_parallel"}}, "wpe"),  # wte(idx) + wpe(arange): no sequence parallelism
     ({"h.0.ln_1": {"tp": "colwise"}}, "applies to nn.Linear, Hugging Face.s Conv1D or nn.Embedding"),
 ])
 def test_overrides_the_runtime_cannot_run_are_refused(gpt, overrides, match):
     with pytest.raises(PlanError, match=match):
         ap.plan(gpt, h100(), global_batch=8, fix={"tp": 2}, overrides=overrides)
+
+
+class PositionsInBlocks(torch.nn.Module):
+    """Positions added inside each block, after its norm: the block's shard meets a whole-sequence table."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = torch.nn.Embedding(64, 32), torch.nn.Embedding(16, 32)
+        self.ln, self.fc, self.proj = torch.nn.LayerNorm(32), torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        x = self.ln(x) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        return self.head(x + self.proj(self.fc(x)))
+
+
+def test_sequence_parallelism_is_refused_where_a_shard_would_run_wrong():
+    """SP cuts the sequence at the first block; what the blocks then read must take a shard as it is. Refused: a
+    whole-sequence table added inside a block, and Hugging Face GPT-2's view(-1, T, C) after ln_f, which is a no-op
+    on the global shape but moves tokens between rows on a shard (it verifies with loss 0.03 against 4.85)."""
+    fix = {"tp": 2, "sequence_parallel": True}
+    with pytest.raises(PlanError, match="combines a sequence shard with the full-sequence tensor"):
+        ap.plan(capture(PositionsInBlocks, torch.randint(0, 64, (4, 16))), h100(), global_batch=4, fix=fix)
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    graph = capture(lambda: transformers.GPT2LMHeadModel(cfg), torch.randint(0, 128, (4, 16)))
+    with pytest.raises(PlanError, match=r"view_\d+ \(view in transformer\) reshapes a sequence shard to its global"):
+        ap.plan(graph, h100(), global_batch=4, fix=fix)
 
 
 def test_fixes_the_runtime_cannot_run_are_refused_or_worked_around(llama):

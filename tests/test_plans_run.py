@@ -106,11 +106,15 @@ def test_planned_plan_runs(reports, key):
 
 @pytest.mark.multiprocess
 def test_planned_plans_are_runnable_shapes(reports):
-    """The plans under test exercise what they should: fused QKV split part by part, no SP with learned positions,
+    """The plans under test exercise what they should: fused QKV split part by part, SP beside learned positions
+    (added before the blocks, cut at the first), none where Hugging Face GPT-2 reshapes with the global sequence,
     CPU SyncBatchNorm for ResNet under dp."""
     (_, gpt), _ = reports[("gpt", "tp2")]
     assert gpt.tp_plan["h.0.attn.c_attn"] == "colwise" and "wpe" not in gpt.tp_plan
-    assert gpt.tp_plan["h.0.mlp.c_fc"] == "colwise" and not any(lp.sequence_parallel for lp in gpt.layers)
+    assert gpt.tp_plan["h.0.mlp.c_fc"] == "colwise" and gpt.layer("h.1").sequence_parallel
+    if HF_MODELS:
+        (_, hf_gpt2), _ = reports[("hf_gpt2", "tp2")]
+        assert not any(lp.sequence_parallel for lp in hf_gpt2.layers)
     (_, llama), _ = reports[("llama", "tp2")]
     assert llama.tp_plan["layers.0.attention.wq"] == "colwise" and llama.layer("layers.0").sequence_parallel
     (_, resnet), report = reports[("resnet", "dp2_zero0")]

@@ -6,24 +6,41 @@ from .tp_refusals import packet
 from .tp_styles import role_of
 
 
+RESHAPES = ("view", "reshape", "_unsafe_view")
+"""ops that take their output's sizes from the caller: a no-op on the global shape is not one on a shard"""
+
+
 def sp_check(graph, by_name, styles: dict[str, str], sharded: dict[str, int]) -> str:
     """Why sequence parallelism cannot apply to these TP styles ("" when it can).
 
-    Under SP the tensors between TP regions are sequence shards (dim 1 of ``(batch, seq, ...)``): vocab-parallel
-    embeddings and rowwise Linears output them, norms run on them, colwise Linears all-gather them. The runtime cuts
-    the sequence once, where the blocks start, so no embedding may be looked up after shards went through a block
-    (T5's decoder embedding after its encoder). Every other
-    reader must take a shard as it is: an elementwise op whose other operands are shards too or broadcast vectors
-    (not ``wte(idx) + wpe(arange(T))``, a full-sequence table), a view that keeps ``(batch, seq)``; never a replicated
-    Linear, a reduction, or the model's output.
+    Under SP the tensors between TP regions are sequence shards (dim 1 of ``(batch, seq, ...)``): rowwise Linears
+    output them, norms run on them, colwise Linears all-gather them. Vocab-parallel embeddings output replicated
+    activations, which may be combined before the blocks (GPT-2's ``wte(idx) + wpe(arange(T))``, dropout); the
+    runtime cuts the sequence once, at the first block's input (``planner.styles``: ``PrepareFirstInput``), so the
+    first block's first read of such an activation is where shards begin, and no embedding may be looked up after
+    shards went through a block (T5's decoder embedding after its encoder). Every other reader must take a shard as
+    it is: an elementwise op whose other operands are shards too or broadcast vectors (not a full-sequence tensor),
+    a view that keeps ``(batch, seq)``; never a replicated Linear, a reduction, or the model's output.
     """
     if graph.seq_len is None:
         return "the inputs are not token sequences"
     seq: set[str] = set()
+    pre: set[str] = set()  # replicated activations made from vocab-parallel lookups before the blocks
+    embedded = {n.layer for n in graph.nodes if n.op_class == "embedding"}
+    blocks = {lay.path for lay in graph.layers if lay.num_params and lay.path not in embedded}
+    split = {n.module_path for n in graph.nodes
+             if n.module_path and (styles.get(n.name) in ("colwise", "rowwise") or n.name in sharded)}
     used = {i for n in graph.nodes for i in n.inputs}
     for n in graph.nodes:
         p = packet(n.op)
+        cut = [i for i in n.inputs if i in pre]
+        if cut and not seq and n.layer in blocks:
+            seq.add(cut[0])  # the first block's input: the runtime cuts it along the sequence
+            pre.clear()
         s_in = [i for i in n.inputs if i in seq]
+        if pre and not s_in and [i for i in n.inputs if i in pre]:
+            pre.add(n.name)  # still before the blocks: elementwise ops, dropout, views of replicated activations
+            continue
         style = styles.get(n.name)
         if style == "rowwise" and n.op_class == "embedding":
             idx = tuple(n.in_shapes[1]) if len(n.in_shapes) > 1 else ()
@@ -33,11 +50,14 @@ def sp_check(graph, by_name, styles: dict[str, str], sharded: dict[str, int]) ->
             if began is not None:  # the runtime cuts the sequence once, where the first block starts
                 return (f"{n.module_path} looks up tokens after sequence shards went through "
                         f"{began.module_path or began.name} (an encoder-decoder)")
-            seq.add(n.name)
+            pre.add(n.name)
         elif style == "rowwise":
             seq.add(n.name)
         elif style == "colwise" or n.name in sharded:
             continue  # colwise Linears gather their input; TP regions hold feature shards
+        elif n.module_path in split:
+            if s_in:  # the split module's own views (Hugging Face Conv1D flattens (batch, seq) around its addmm)
+                seq.add(n.name)
         elif role_of(n.op) == "norm" and n.params and n.module_path:
             if not s_in:
                 return f"norm {n.module_path} would read a full-sequence tensor where SP expects a sequence shard"
@@ -52,6 +72,11 @@ def sp_check(graph, by_name, styles: dict[str, str], sharded: dict[str, int]) ->
                     return (f"{n.name} combines a sequence shard with the full-sequence tensor {others[0]} "
                             f"({by_name[others[0]].module_path or 'computed in forward'})")
                 seq.add(n.name)
+            elif n.op_class == "view" and out == src and p in RESHAPES:
+                # a no-op in the trace reshapes with sizes the code computed from the global shape (Hugging Face
+                # GPT-2's view(-1, T, C) after ln_f): on a rank's shard it silently moves tokens between rows
+                return (f"{n.name} ({p}{' in ' + n.module_path if n.module_path else ''}) reshapes a sequence shard "
+                        f"to its global shape {list(out)}")
             elif n.op_class == "view" and len(out) >= 2 and out[:2] == src[:2]:
                 seq.add(n.name)
             elif n.op_class == "view" and not n.out_shapes:
