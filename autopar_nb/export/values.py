@@ -31,6 +31,7 @@ from ..runtime.pretrained import check_pretrained, tied_parameters
 from ..runtime.tp import REPLICATE, TPStyle
 from ..runtime.train import switch_off_kv_cache
 from ..source import PRETRAINED_KEY, ModelSource
+from .stages import check_stage_starts
 from .synthetic_ids import id_ranges
 
 META_INIT_PARAMS = 2**30
@@ -198,6 +199,7 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
     m, pr = plan.mesh, plan.precision
     model, inputs, ns = source.build(device="meta", seed=seed)
     _check_runnable(plan)
+    check_stage_starts(model, inputs, plan)
     v = ScriptValues(pp=m.pp, dp=m.dp, tp=m.tp, cp=m.cp, zero_stage=m.zero_stage,
                      micro_batches=plan.batch.micro_batches, offload=m.offload != "none",
                      sync_batchnorm=plan.sync_batchnorm and m.dp > 1, amp=pr.amp, param_dtype=pr.param_dtype,
@@ -258,11 +260,7 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
                     "table, which the pipeline's trace reads whole; plan with pp=1 or tp=1")
         v.vocab_parallel = plan.loss_parallel
     if m.pp > 1:
-        v.num_stages = m.pp * plan.pipeline.virtual_stages
-        v.schedule = plan.pipeline.schedule
-        v.boundaries = stage_boundaries(plan.stage_layers())
-        mixed = v.fsdp and pr.param_dtype != "float32"
-        v.static_shapes = not _sequence_shards_cross(v) and not mixed
+        _pipeline(v, plan)
     by_mode: dict[str, list[str]] = {}
     for lp in plan.layers:
         if lp.recompute != "none":
@@ -272,6 +270,16 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
     if v.fsdp or v.replicate:
         v.fsdp_units = fsdp_units(model, plan, v.ties)
     return v
+
+
+def _pipeline(v: ScriptValues, plan: Plan) -> None:
+    """The pipeline's values: its stages, their first layers (where the model is cut), its schedule, and whether
+    the values between stages keep one shape (``static_shapes``)."""
+    v.num_stages = plan.mesh.pp * plan.pipeline.virtual_stages
+    v.schedule = plan.pipeline.schedule
+    v.boundaries = stage_boundaries(plan.stage_layers())
+    mixed = v.fsdp and plan.precision.param_dtype != "float32"
+    v.static_shapes = not _sequence_shards_cross(v) and not mixed
 
 
 def _weights(source: ModelSource, found: list[str]) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
+from ..cost.profile.crossings import refused_stage_start
 from ..cost.schedule import ZERO_BUBBLE
 from ..cost.tp_styles import PROJECTIONS
 from ..plan import PINNABLE, RECOMPUTE, TP_STYLES, PlanError, normalize_fix, within
@@ -102,6 +103,8 @@ def parse(graph, prof, fix: dict | None, overrides: dict | None) -> Constraints:
         if b < a:
             raise PlanError(f"stage overrides out of order: {paths[i]} is pinned to stage {a} but the later layer "
                             f"{paths[j]} to stage {b}; pipeline stages run the layers in model order")
+    if why := refused_stage_start(paths, prof.pp_glued, dict(pins)):
+        raise PlanError(why)
     _zero_bubble_without_recompute(fix, layers)
     return Constraints(fix, layers, text)
 

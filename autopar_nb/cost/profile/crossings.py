@@ -138,3 +138,19 @@ def stage_start_refusals(graph) -> dict[int, str]:
             out.setdefault(k, "it holds no parameters of its own: a stage of such layers alone would hold none "
                               "(DDP refuses to wrap it, and a rank with no other stage has nothing to optimise)")
     return dict(sorted(out.items()))
+
+
+def refused_stage_start(paths: list[str], refusals: dict[int, str], stages: dict[int, int]) -> str:
+    """Why stages set by hand cannot run, in one sentence naming the layer, the reason and what to do instead; ""
+    when they may. ``stages``: layer index -> stage, for some layers (pins) or all (a plan's); the first layer is on
+    stage 0 unless given. ``refusals``: :func:`stage_start_refusals`. A stage is forced to start at a refused layer
+    where a layer is given a later stage than the given one before it and every layer between is refused: the
+    partition may move a stage start only onto a layer between them."""
+    known = sorted(({0: 0} | stages).items())
+    for (j, a), (i, s) in zip(known, known[1:], strict=False):
+        if s > a and all(k in refusals for k in range(j + 1, i + 1)):
+            start = next((k for k in range(i + 1, len(paths)) if k not in refusals), None)
+            instead = f"start it at {paths[start]}" if start is not None else "no later layer may start a stage"
+            return (f"stage {s} cannot start at {paths[i]}: {refusals[i]}; {instead}, or keep {paths[i]} on stage "
+                    f"{a} with {paths[j]}")
+    return ""
