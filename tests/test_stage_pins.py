@@ -94,8 +94,11 @@ def test_widget_lane_drop_and_boundary_are_refused_near_the_lane(llama):
 
 
 def test_a_plan_edited_by_hand_is_refused_before_export(llama, tmp_path):
-    """A plan whose stages were set by hand (a Plan dict, an edited plan JSON) is checked before a script is
-    written: the runtime's split would otherwise run stage 1 first, without the hidden states."""
+    """A plan whose stages were set by hand (a Plan dict, an edited plan JSON) is checked by the planner's rules
+    before a script is written; a plan without a pipeline has nothing to check. A 3-stage cut as below, stage 1 the
+    rotary table alone, ran unchecked on 3 gloo processes until rank 1 built its optimizer ("optimizer got an empty
+    parameter list"); the 2-stage one ran (its stage 1 reads the hidden states through model.layers.0), refused by
+    the same rule as the planner's pins."""
     source, graph = llama
     plan = ap.plan(graph, _cluster(), fix=CPU2)
     script_values(source, plan)  # the planner's stages pass
@@ -106,6 +109,11 @@ def test_a_plan_edited_by_hand_is_refused_before_export(llama, tmp_path):
                                         r"model\.layers\.0.*plan\.layers\[\*\]\.stage"):
         ap.export(source, edited, tmp_path / "train.py", quiet=True)
     assert not (tmp_path / "train.py").exists()
+    d3 = {**d, "mesh": {**d["mesh"], "pp": 3}, "cluster": {**d["cluster"], "gpus_per_node": 3},
+          "pipeline": {**d["pipeline"], "schedule": "gpipe"}}
+    d3["layers"] = [{**lp, "stage": min(i, 2)} for i, lp in enumerate(d["layers"])]
+    with pytest.raises(PlanError, match=r"stage 1 cannot start at model\.rotary_emb: .*start it at model\.layers\.0"):
+        script_values(source, ap.Plan.from_dict(d3))
     one = dataclasses.replace(edited, mesh=dataclasses.replace(edited.mesh, pp=1, dp=2),
                               layers=[dataclasses.replace(lp, stage=0) for lp in edited.layers])
     script_values(source, one)  # no pipeline: nothing to check
