@@ -5,10 +5,11 @@ and the prediction set beside the published throughput (and per-GPU memory where
 Every published figure below comes from the text of its source, quoted beside its row
 (:data:`SOURCES`, ``Row.where``). What a source does not publish (micro-batches, virtual stages,
 sequence parallelism...) is left to the planner and shown as its choice. A layout the planner
-refuses keeps the refusal as its result. Float8 training and asynchronous TP are plan choices:
-a row that used them is planned with them (torchtitan's float8 recipe of the time: tensorwise
-scaling); a row needing one where the product refuses it (with pipelining) is costed without it,
-marked excluded, and left out of the summary.
+refuses keeps the refusal as its result. Float8 training and asynchronous TP are plan choices,
+pinned off unless the source says its run used them (``Row.fix``): a row that did is planned
+with them (torchtitan's float8 recipe of the time: tensorwise scaling); a row needing one where
+the product refuses it (with pipelining) is costed without it, marked excluded, and left out of
+the summary.
 
 Throughput is compared in the unit the source publishes. Where that unit is FLOP/s the
 predicted step time is turned into TFLOP/s with the source's own FLOP count, so that no
@@ -121,7 +122,10 @@ class Row:
 
     @property
     def fix(self) -> dict:
-        return {**self.layout, "recompute": self.recompute, "amp": "bf16", **self.extra}
+        """The row's pins: float8 and async TP off unless the row says it ran them (every source states its
+        precision and what it overlapped), so the planner never adds either to a run that had neither."""
+        return {**self.layout, "recompute": self.recompute, "amp": "bf16", "float8": "none",
+                "async_tp": False, **self.extra}
 
     @property
     def product(self) -> int:
@@ -345,8 +349,10 @@ for fsdp, cp, seq, tps, mem in ((8, 1, 32768, 76, 75.3), (4, 2, 65536, 47, 75.9)
 # model ... on 128 H100 GPUs", "Llama 3.1 (405B) on 128 H100 (94GB memory)", 2D (FSDP2 + Tensor
 # Parallel), "local batch size 2 (global batch size = local batch size 2 * number of FSDP ranks
 # 16 = 32)": | 405B | 2 | full | 109 | 29.0% | None |, Float8 177, Float8 + Async TP 185 (WPS).
-# TP 8, seq_len 8192, norm "rmsnorm" (train_configs/llama3_405b.toml @3faaa1a0d, which also
-# sets compile = true: the "None" row's compile is not stated, left free). No memory published.
+# TP 8, seq_len 8192, norm "rmsnorm", compile = true (train_configs/llama3_405b.toml @3faaa1a0d,
+# "a preset for 128 H100 GPUs"; its [float8] enable_fsdp_float8_all_gather = true and
+# [experimental] enable_async_tensor_parallel = true are the two later rows' "Optimizations", the
+# first row's "None": bf16, no async TP, the toml's compile). No memory published.
 TT08 = "torchtitan Aug 2024"
 for label, tps, float8, async_tp in (("", 109, False, False), (" + Float8", 177, True, False),
                                     (" + Float8 + AsyncTP", 185, True, True)):
@@ -354,10 +360,10 @@ for label, tps, float8, async_tp in (("", 109, False, False), (" + Float8", 177,
         f"Llama 3.1 405B 2D{label}, 128 GPUs", "torchtitan", f"{TT08} (405B table)",
         "llama3-405b", "h100-80gb", 128, {"dp": 16, "tp": 8, "zero_stage": 3, "micro_batches": 1},
         32, 8192, "full", "tokens", tps, card_gb=94.0,
-        extra={"sequence_parallel": True, "fused_loss": False, "fused_norm": False,
-               **({"float8": F8, "async_tp": async_tp, "compile": True} if float8 else {})},
-        notes="lower-TDP HBM2e H100s (the page's footnote) costed as the SXM preset; compile not "
-              "stated" + ("" if not float8 else " (the toml's compile = true taken for the Float8 rows)")))
+        extra={"sequence_parallel": True, "fused_loss": False, "fused_norm": False, "compile": True,
+               "async_tp": async_tp, **({"float8": F8} if float8 else {})},
+        notes="lower-TDP HBM2e H100s (the page's footnote) costed as the SXM preset; compile: the "
+              "toml's (the page names Float8 and Async TP as its optimizations)"))
 
 # torchtitan docs/performance.md @1ea476e9f (Apr 2024): "Llama 3 models with FSDP2 on 64 A100
 # (80GB) GPUs", "local batch size 1 (global batch size = local batch size 1 * number of FSDP
@@ -385,13 +391,18 @@ for model, name, seq, lbs, rec, tps, fused in (
 # NVIDIA DGX Cloud recipes v24.11.1 (@35a9aec); throughput = the README's "Throughput in tokens
 # per second" over the GPUs. NeMo runs the distributed optimizer (optim name
 # distributed_fused_adam: ZeRO-1), Transformer Engine (fused RMSNorm), no recompute
-# (activations_checkpoint_granularity: null) in every yaml below.
+# (activations_checkpoint_granularity: null) in every yaml below. BF16 tables: launch.sh's
+# DTYPE=bf16 sets FP8_ENABLED=false. The 70B and 405B yaml set ub_tp_comm_overlap: true
+# (Transformer Engine's userbuffers overlap the TP all-gathers and reduce-scatters with the GEMMs
+# they feed, as torch's async TP does): planned with async TP where the planner runs it (pp 1),
+# excluded where it refuses it (with pipelining), as torchtitan's async-TP rows with pipelining are.
 # llama3.1/README_8b.md "Llama 3.1 8b 24.09 BF16 (TP=1, PP=1, CP=2, MBS=1, GA=32)": 8x H100
 # (GBS=128) 81222 tokens/s (12.91 s/step), 128x H100 (GBS=2048) 1280704 tokens/s (13.10 s/step);
 # llama3.1_8b.yaml: encoder_seq_length 8192.
 NEMO_NOTE = ("Megatron's distributed optimizer keeps bf16 parameters and one fp32 gradient "
              "buffer; our ZeRO-1 (DDP + ZeroRedundancyOptimizer) fp32 parameters, gradients and "
              "DDP buckets")
+NEMO_TP_OVERLAP = "needs async TP with pipelining (NeMo's ub_tp_comm_overlap; refused: pp > 1)"
 for gpus, tokens in ((8, 81222), (128, 1280704)):
     ROWS.append(Row(
         f"Llama 3.1 8B CP2 (NeMo), {gpus} GPUs", "dgxc", "dgxc README_8b.md, BF16 table",
@@ -406,7 +417,7 @@ ROWS.append(Row(
     "llama3-70b", "h100-80gb", 64,
     {"dp": 2, "tp": 4, "pp": 4, "cp": 2, "zero_stage": 1, "schedule": "interleaved_1f1b",
      "virtual_stages": 5, "micro_batches": 64}, 128, 8192, "none", "tokens", 71235 / 64,
-    extra={"sequence_parallel": True, "fused_norm": True}))
+    extra={"sequence_parallel": True, "fused_norm": True}, excluded=NEMO_TP_OVERLAP))
 # llama3.1/README_405b.md "Llama 3.1 405b 24.09 BF16 (TP=8, PP=9, CP=2, VP=7, MBS=1, GA=63)":
 # 32x H100 (7 layers, GBS 126, PP 1) 116632 tokens/s; 576x H100 (126 layers, GBS 252, PP 9,
 # VP 7) 120022 tokens/s. llama3.1_405b.yaml: sequence_parallel true.
@@ -414,14 +425,14 @@ ROWS.append(Row(
     "Llama 3.1 405B proxy, 7 layers, TP8 CP2 (NeMo), 32 GPUs", "dgxc",
     "dgxc README_405b.md, BF16 table", "nemo-405b-7l", "h100-80gb", 32,
     {"dp": 2, "tp": 8, "cp": 2, "zero_stage": 1, "micro_batches": 63}, 126, 8192, "none",
-    "tokens", 116632 / 32, extra={"sequence_parallel": True, "fused_norm": True},
+    "tokens", 116632 / 32, extra={"sequence_parallel": True, "fused_norm": True, "async_tp": True},
     notes="NeMo's 405B: 16 query groups (its yaml)"))
 ROWS.append(Row(
     "Llama 3.1 405B TP8 PP9 CP2 VP7 (NeMo), 576 GPUs", "dgxc", "dgxc README_405b.md, BF16 table",
     "nemo-405b", "h100-80gb", 576,
     {"dp": 4, "tp": 8, "pp": 9, "cp": 2, "zero_stage": 1, "schedule": "interleaved_1f1b",
      "virtual_stages": 7, "micro_batches": 63}, 252, 8192, "none", "tokens", 120022 / 576,
-    extra={"sequence_parallel": True, "fused_norm": True},
+    extra={"sequence_parallel": True, "fused_norm": True}, excluded=NEMO_TP_OVERLAP,
     notes="NeMo's 405B: 16 query groups (its yaml)"))
 # nemo_megatron/README_175b.md "NeMo Megatron 24.11 BF16 (TP=4,PP=8, MBS=1, VP=12, SEQ=2048)":
 # 128x H100 GPUs (GBS=256) 58843 tokens/s (8.91 s/step); gpt3_175b_hydra.yaml: sequence_parallel
@@ -621,7 +632,8 @@ def chose(res: Result) -> str:
         bits.append(f"{p.batch.micro_batches} mb")
     if "sequence_parallel" not in fix and p.mesh.tp > 1:
         bits.append("SP" if any(lp.sequence_parallel for lp in p.layers) else "no SP")
-    for key, on in (("compile", any(lp.compile for lp in p.layers)),
+    for key, on in (("compile", any(lp.compile for lp in p.layers)), ("float8", p.precision.float8 != "none"),
+                    ("async_tp", bool(p.async_tp)),
                     ("fused_loss", bool(p.fused_loss)), ("fused_norm", p.fused_norm)):
         if key not in fix and on:
             bits.append(key.replace("_", " "))
