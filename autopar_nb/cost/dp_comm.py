@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ..plan import ITEMSIZE
 from .comm import collective_time, link_for
+from .float8 import gathered_item
 from .offload import host_of, offload_copy_time
 from .setting import Setting
 from .terms import CommTime, RankSums
@@ -36,8 +37,10 @@ def data_parallel_comm(s: Setting, sums: RankSums, bottleneck: int, comm: CommTi
         edp = s.dp // s.ep
         groups.append((sums.experts[r], edp, link_for(cluster, size=edp, stride=s.tp * s.ep)))
 
-    def ct(kind: str, per_param: float) -> float:
-        return sum(collective_time(kind, n * per_param, size, link, f.eff_link) for n, size, link in groups)
+    def ct(kind: str, per_param: float, dense_item: float | None = None) -> float:
+        """``kind``'s seconds over the groups at ``per_param`` bytes (``dense_item`` for the non-expert one)."""
+        return sum(collective_time(kind, n * (dense_item if j == 0 and dense_item is not None else per_param),
+                                   size, link, f.eff_link) for j, (n, size, link) in enumerate(groups))
 
     if s.zero_stage <= 1:
         ar = ct("all_reduce", g_item)
@@ -48,13 +51,15 @@ def data_parallel_comm(s: Setting, sums: RankSums, bottleneck: int, comm: CommTi
         pipelined = s.pp > 1
         gathers, n_rs = fsdp_counts(s)
         rs = n_rs * ct("reduce_scatter", g_item)
-        ag = gathers * ct("all_gather", p_item)
+        ag_item = gathered_item(groups[0][0], sums.f8_weights[r], p_item=p_item, recipe=s.float8, cluster=cluster)
+        ag = gathers * ct("all_gather", p_item, ag_item)
         ov = f.overlap_fsdp if s.held_zero_stage == 3 else f.overlap_dp
         hidden = rs * (0 if pipelined else 1) + ag
         exposed = hidden - min(ov * hidden, m * sums.fwdbwd[bottleneck])
         share = exposed / hidden if hidden else 0.0
         rs_share = share if not pipelined else 1.0
-        copy_out, copy_in = fsdp_copies(sums.params[r], gathers, n_rs, p_item, g_item, cluster.device, f)
+        copy_out, copy_in = fsdp_copies(sums.params[r], gathers, n_rs, p_item, g_item, cluster.device, f,
+                                        ag_item=ag_item)
         kinds = {"reduce_scatter": (rs, rs * rs_share), "all_gather": (ag, ag * share),
                  "fsdp copies": (copy_out + copy_in, copy_out + copy_in * rs_share)}
     return sum(comm.record(kind, t, exposed, f.overlap_contention) for kind, (t, exposed) in kinds.items() if t) + \
@@ -87,12 +92,14 @@ def offload_comm(s: Setting, sums: RankSums, comm: CommTime, *, cluster, factors
 
 
 def fsdp_copies(numel: float, gathers: int, reduce_scatters: int, p_item: int, g_item: int, device,
-                factors) -> tuple[float, float]:
+                factors, *, ag_item: float | None = None) -> tuple[float, float]:
     """(all-gather copy-out, reduce-scatter copy-in) seconds of FSDP2 for a rank's ``numel`` unsharded parameters
     (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): after each all-gather, ``split_with_sizes_copy``
     reads the gathered buffer and writes the unsharded parameters (``p_item`` bytes each way), on the compute
     stream; before each reduce-scatter, ``chunk_cat`` reads the unsharded gradients (``p_item``) and writes the
     reduce-scatter input in the reduce dtype (``g_item``), on the reduce-scatter stream. Memory-bound: bytes / HBM
-    bandwidth."""
+    bandwidth. ``ag_item``: the bytes per parameter gathered, where float8 weights make it less than ``p_item``
+    (:func:`.float8.gathered_item`)."""
     hbm = device.hbm_bandwidth * factors.eff_hbm
-    return gathers * 2 * numel * p_item / hbm, reduce_scatters * numel * (p_item + g_item) / hbm
+    gathered = p_item if ag_item is None else ag_item
+    return gathers * 2 * numel * gathered / hbm, reduce_scatters * numel * (p_item + g_item) / hbm

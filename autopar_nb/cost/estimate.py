@@ -14,6 +14,7 @@ from .comm import collective_time, link_for
 from .cpu import issue_time, layer_cpu
 from .dp_comm import data_parallel_comm
 from .factors import Factors, factors_for
+from .float8 import float8_weights_local
 from .loss import FusedHead, gathered_logits
 from .memory import activation_bytes, forward_peak, input_pass, op_moments, peak_op
 from .peak import RankMemory, moment_layers, rank_peaks
@@ -105,16 +106,14 @@ class Evaluator:
                        lp.quad_flops * qscale + (lp.sel_split + lp.sel_rep) * scale,
                        lp.largest_param / (tp if lp.tp else 1), exposed + a2a,
                        experts, a2a_fwd)
-        if a2a:
-            comm["all_to_all"] = a2a
-        t.tp_step = step_s
-        t.freed, t.later_params, t.op_deltas = freed, later, ops
+        comm.update({"all_to_all": a2a} if a2a else {})
+        t.tp_step, t.freed, t.later_params, t.op_deltas = step_s, freed, later, ops
         t.forward = {rec: forward_peak(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
                                        megatron_sp=self.megatron_sp, recompute=rec) for rec in RECOMPUTE}
         t.cast_local = lp.cast_split / tp + lp.cast_rep if precision == "autocast" else 0.0
-        t.weight_grads, t.input_work, t.input_ops = input_pass(
-            lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
-            megatron_sp=self.megatron_sp)
+        t.f8_weights_local = float8_weights_local(lp, tp) if float8 else 0.0
+        t.weight_grads, t.input_work, t.input_ops = input_pass(lp, tp=tp, sp=sp, scale=scale, precision=precision,
+                                                               quad_scale=qscale, megatron_sp=self.megatron_sp)
         styled = len(lp.tp) + (len(lp.norms) if sp else 0) if tp > 1 else 0
         t.cpu = layer_cpu(lp.n_ops + (lp.time_amp[precision].casts if half else 0), styled=styled,
                           compiled=compiled, factors=self.f)
@@ -284,16 +283,15 @@ class Evaluator:
                 gather = gathered_logits(s, prof, self.seq_ratio) if head else 0.0
                 sums.bwd_layers[r].append((acts_before + whole + (cnt - 1) * lt.act["none"],
                                            lt.forward["none"] + gather, 0.0, i + cnt - 1, "forward", ()))
-            sums.params[r] += cnt * lt.params_local
             sums.layers[r] += cnt
             sums.full_recompute[r] += cnt if ch.recompute == "full" else 0
             sums.experts_upto[r].update({i + j: sums.experts[r] + (j + 1) * lt.experts_local for j in range(cnt)})
             sums.experts[r] += cnt * lt.experts_local
-            sums.tp_step[r] += cnt * lt.tp_step
-            sums.casts[r] += cnt * lt.cast_local
+            for name, per_layer in (("params", lt.params_local), ("tp_step", lt.tp_step), ("casts", lt.cast_local),
+                                    ("f8_weights", lt.f8_weights_local), ("tensors", lt.tensors)):
+                getattr(sums, name)[r] += cnt * per_layer
             sums.cpu_ops[r] += cnt * lt.cpu_s("eager ops", ch.recompute)
             sums.cpu_tp[r] += cnt * lt.cpu_s("tensor parallel", ch.recompute)
-            sums.tensors[r] += cnt * lt.tensors
             sums.largest[r] = max(sums.largest[r], lt.largest_param)
             if ch.fsdp:
                 self._add_units(sums.units[r], i, cnt, lt.params_local)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 FP8 = "float8_e4m3fn"
 """the ``DeviceSpec.peak_flops`` key of a device's dense FP8 tensor-core rate"""
+FP8_ITEM = 1
+"""bytes per float8 element"""
 CAST_BYTES = {False: 25, True: 5}
 """bytes moved per element cast to float8, eager (torchao's abs, amax, float32 scale, clamp and convert: 25) or
 compiled (Inductor fuses the amax read and the cast: read 2 twice, write 1)"""
@@ -19,6 +21,30 @@ compiled (Inductor fuses the amax read and the cast: read 2 twice, write 1)"""
 def fp8_rate(device) -> tuple[str, float]:
     """(the dtype float8 matmuls run at, its peak FLOP/s): FP8 where the device has it, else float32 (emulated)."""
     return (FP8, device.flops(FP8)) if device.supports(FP8) else ("float32", device.flops("float32"))
+
+
+def local_share(lp, tp: int) -> float:
+    """The share of the float8 Linears' activations and weights one of ``tp`` ranks holds: those TP splits by 1/tp,
+    the others whole (weighted by their FLOPs)."""
+    split = lp.f8_flops_split / (lp.f8_flops_split + lp.f8_flops_rep)
+    return split / tp + (1 - split)
+
+
+def float8_weights_local(lp, tp: int) -> float:
+    """numel of the float8 Linears' weights one of ``tp`` ranks holds (0 in a layer without them)."""
+    return lp.f8_weights * local_share(lp, tp) if lp.f8_flops_split + lp.f8_flops_rep else 0.0
+
+
+def gathered_item(numel: float, f8_numel: float, *, p_item: int, recipe: str, cluster) -> float:
+    """Bytes per parameter FSDP all-gathers for ``numel`` parameters of which ``f8_numel`` are float8 Linears'
+    weights: under the tensorwise recipe torchao casts each weight shard to float8 before the all-gather
+    (``Float8LinearConfig.enable_fsdp_float8_all_gather``, ``fsdp_pre_all_gather`` in
+    torchao/float8/fsdp_utils.py; torchtitan's ``[float8] enable_fsdp_float8_all_gather``): 1 byte each
+    (:data:`FP8_ITEM`) where ``p_item`` would gather otherwise. The rowwise recipe gathers in bf16; gloo has no
+    float8 dtype, so on the ``cpu`` preset the runtime gathers in bf16 (``runtime/float8.py``)."""
+    if recipe != "tensorwise" or cluster.name == "cpu" or not numel:
+        return p_item
+    return p_item - min(f8_numel, numel) / numel * (p_item - FP8_ITEM)
 
 
 def float8_time(lp, *, tp: int, scale: float, device, factors, compiled: bool,
@@ -33,8 +59,7 @@ def float8_time(lp, *, tp: int, scale: float, device, factors, compiled: bool,
     dtype, rate = fp8_rate(device)
     eff_lo, eff_f8 = factors.efficiency("matmul", True), factors.efficiency("matmul", dtype != "float32")
     matmul = flops / (rate * eff_f8) - flops / (device.flops(low_dtype) * eff_lo)
-    split = lp.f8_flops_split / (lp.f8_flops_split + lp.f8_flops_rep)
-    shard = split / tp + (1 - split)  # the share of the activations and weights a rank casts
+    shard = local_share(lp, tp)  # the share of the activations and weights a rank casts
     act_in, act_out, w = lp.f8_in * scale * shard, lp.f8_out * scale * shard, lp.f8_weights * shard
     per = CAST_BYTES[compiled] / (device.hbm_bandwidth * factors.eff_hbm)
     return matmul + (act_in + w) * per, 2 * matmul + (act_in + w + 2 * act_out) * per

@@ -52,6 +52,8 @@ class LayerTerms:
     """per op of the layer whose backward runs: (its graph index, its working set, the saved bytes still alive and
     the local parameters whose gradients do not exist yet there, each less the peak op's): the layer's moment at
     that op (:meth:`Evaluator.rank_moments` with ``per_op``)"""
+    f8_weights_local: float = 0.0
+    """numel of the layer's local weights of float8 Linears (0 without float8): FSDP may gather them in float8"""
     cast_local: float = 0.0
     """numel of the layer's local parameters autocast keeps a 16-bit copy of during forward and backward (0 unless
     the precision is "autocast")"""
@@ -132,6 +134,8 @@ class RankSums:
     hw_flops: float = 0.0
     tp_step: list[float] = field(default_factory=list)
     """seconds of TP collectives run once per step (``LayerTerms.tp_step``)"""
+    f8_weights: list[float] = field(default_factory=list)
+    """local weights (numel) of float8 Linears (``LayerTerms.f8_weights_local``)"""
     casts: list[float] = field(default_factory=list)
     """local parameters (numel) autocast keeps 16-bit copies of (``LayerTerms.cast_local``)"""
     cpu_ops: list[float] = field(default_factory=list)
@@ -170,7 +174,7 @@ class RankSums:
         z = [0.0] * pp
         return cls(list(z), list(z), list(z), [{} for _ in range(pp)], list(z), list(z), list(z),
                    [[] for _ in range(pp)], list(z), list(z), list(z), list(z), tp_step=list(z), casts=list(z),
-                   cpu_ops=list(z), cpu_tp=list(z), tensors=list(z),
+                   f8_weights=list(z), cpu_ops=list(z), cpu_tp=list(z), tensors=list(z),
                    bwd_layers=[[] for _ in range(pp)], pipe=[pipe_sums() for _ in range(pp)],
                    stages=[[] for _ in range(pp)], input_layers=[[] for _ in range(pp)], layers=list(z),
                    experts_upto=[{} for _ in range(pp)],
