@@ -400,8 +400,14 @@ for model, name, seq, lbs, rec, tps, fused in (
 # (GBS=128) 81222 tokens/s (12.91 s/step), 128x H100 (GBS=2048) 1280704 tokens/s (13.10 s/step);
 # llama3.1_8b.yaml: encoder_seq_length 8192.
 NEMO_NOTE = ("Megatron's distributed optimizer keeps bf16 parameters and one fp32 gradient "
-             "buffer; our ZeRO-1 (DDP + ZeroRedundancyOptimizer) fp32 parameters, gradients and "
-             "DDP buckets")
+             "buffer and all-gathers bf16 parameters behind the next forward (overlap_param_sync); "
+             "our ZeRO-1 (DDP + ZeroRedundancyOptimizer) fp32 parameters, gradients and DDP buckets, "
+             "and broadcasts fp32 parameters after the step. Kernels: NeMo's Transformer Engine GEMMs, "
+             "cuDNN fused attention, fused RoPE and cross-entropy (the yaml's apply_rope_fusion, "
+             "cross_entropy_loss_fusion), where ours are eager PyTorch's (the Hopper factors measured "
+             "with SDPA's FlashAttention-2: attention at 0.448 of peak); context parallelism: TE's ring "
+             "overlaps its P2P exchange with the attention chunks, torch's all-gathers K/V and passes "
+             "fp32 dK/dV round the ring")
 NEMO_TP_OVERLAP = "needs async TP with pipelining (NeMo's ub_tp_comm_overlap; refused: pp > 1)"
 for gpus, tokens in ((8, 81222), (128, 1280704)):
     ROWS.append(Row(
@@ -417,7 +423,7 @@ ROWS.append(Row(
     "llama3-70b", "h100-80gb", 64,
     {"dp": 2, "tp": 4, "pp": 4, "cp": 2, "zero_stage": 1, "schedule": "interleaved_1f1b",
      "virtual_stages": 5, "micro_batches": 64}, 128, 8192, "none", "tokens", 71235 / 64,
-    extra={"sequence_parallel": True, "fused_norm": True}, excluded=NEMO_TP_OVERLAP))
+    extra={"sequence_parallel": True, "fused_norm": True}, excluded=NEMO_TP_OVERLAP, notes=NEMO_NOTE))
 # llama3.1/README_405b.md "Llama 3.1 405b 24.09 BF16 (TP=8, PP=9, CP=2, VP=7, MBS=1, GA=63)":
 # 32x H100 (7 layers, GBS 126, PP 1) 116632 tokens/s; 576x H100 (126 layers, GBS 252, PP 9,
 # VP 7) 120022 tokens/s. llama3.1_405b.yaml: sequence_parallel true.
@@ -426,14 +432,14 @@ ROWS.append(Row(
     "dgxc README_405b.md, BF16 table", "nemo-405b-7l", "h100-80gb", 32,
     {"dp": 2, "tp": 8, "cp": 2, "zero_stage": 1, "micro_batches": 63}, 126, 8192, "none",
     "tokens", 116632 / 32, extra={"sequence_parallel": True, "fused_norm": True, "async_tp": True},
-    notes="NeMo's 405B: 16 query groups (its yaml)"))
+    notes="NeMo's 405B: 16 query groups (its yaml). " + NEMO_NOTE))
 ROWS.append(Row(
     "Llama 3.1 405B TP8 PP9 CP2 VP7 (NeMo), 576 GPUs", "dgxc", "dgxc README_405b.md, BF16 table",
     "nemo-405b", "h100-80gb", 576,
     {"dp": 4, "tp": 8, "pp": 9, "cp": 2, "zero_stage": 1, "schedule": "interleaved_1f1b",
      "virtual_stages": 7, "micro_batches": 63}, 252, 8192, "none", "tokens", 120022 / 576,
     extra={"sequence_parallel": True, "fused_norm": True}, excluded=NEMO_TP_OVERLAP,
-    notes="NeMo's 405B: 16 query groups (its yaml)"))
+    notes="NeMo's 405B: 16 query groups (its yaml). " + NEMO_NOTE))
 # nemo_megatron/README_175b.md "NeMo Megatron 24.11 BF16 (TP=4,PP=8, MBS=1, VP=12, SEQ=2048)":
 # 128x H100 GPUs (GBS=256) 58843 tokens/s (8.91 s/step); gpt3_175b_hydra.yaml: sequence_parallel
 # true.
@@ -449,7 +455,8 @@ ROWS.append(Row(
 # evaluations, not in the table). Rows by their place in ROWS.
 DIAGNOSED = ("2026-12-06, with Megatron-LM's 2021 attention, torchtitan's selective recompute, "
              "one reduce-scatter per pipelined step, loss_parallel on the last pipeline stage and "
-             "2-8 chunks per rank tried for interleaving")
+             "2-8 chunks per rank tried for interleaving; 2026-12-07, float8 and async TP pinned off "
+             "unless the source ran them, FSDP's float8 all-gathers in 1 byte")
 KNOWN = [
     "Megatron-LM's rows cost attention as Megatron ran it in 2021 (Megatron2021Attention: the "
     "s x s scores written by a GEMM, read and written by a fused 16-bit softmax and a dropout). "
@@ -461,9 +468,20 @@ KNOWN = [
     "autocast's float32 residual stream and with a cast before each Linear: 58 bytes per "
     "hidden element and token per layer (#4: 3.2 s of its 11.1 s step is memory-bound, 76 % of "
     "those bytes in these ops), "
-    "where Megatron's fp16 model with its fused bias + dropout + add moves about 22. NeMo's 8B "
-    "(#41-#42: Transformer Engine, cuDNN attention) measured a 12.91 s step where the model's "
-    "compute alone is 15.42 s.",
+    "where Megatron's fp16 model with its fused bias + dropout + add moves about 22.",
+    "#32-#34 (torchtitan's 405B 2D): the bf16 row was planned with the planner's Float8 and async "
+    "TP (unpinned), hence +40 % and its Float8 twin predicted slower than it; every row now pins "
+    "both off unless its source ran them (NeMo's BF16 rows too). FSDP gathers tensorwise float8 "
+    "weights in 1 byte (torchao's enable_fsdp_float8_all_gather, in the 405B toml): #33's "
+    "exposed communication 5.66 -> 4.04 s.",
+    "#41-#42, #44 (NeMo, BF16; the planner had given them Float8 too): the 8B's compute alone "
+    "is 17.44 s against the 12.91 s NeMo measured per step. Costed at FlashAttention-3's 75 % "
+    "of peak forward (Shah et al. 2024: 740 TFLOP/s) instead of the 0.448 measured here with "
+    "SDPA's FlashAttention-2, #41 is -24 % (from -31 %): NeMo's kernels (Transformer Engine, cuDNN "
+    "attention, fused RoPE and cross-entropy) are a runtime difference, not costed. #44 (TP 8, "
+    "CP 2) has 1.49 s of torch's ring send-recv exposed (fp32 dK/dV) where TE's ring overlaps "
+    "its exchange. #43 and #45 overlap their TP communication (ub_tp_comm_overlap) with "
+    "pipelining: excluded, as torchtitan's async-TP rows with pipelining are.",
     "#9 (529.6B): on the card just large enough for the planner's most frugal candidate "
     "(307 GiB under our runtime) only v = 2 fits, and 105 layers on 35 x 2 chunks leave ranks "
     "with 4 layers beside ranks with 3; v = 3, one block per chunk, predicts 150 TFLOP/s (-8 %) "
