@@ -5,7 +5,6 @@ from __future__ import annotations
 from .tp_refusals import packet
 from .tp_styles import role_of
 
-
 RESHAPES = ("view", "reshape", "_unsafe_view")
 """ops that take their output's sizes from the caller: a no-op on the global shape is not one on a shard"""
 
