@@ -65,6 +65,94 @@ def test_the_moments_run_in_the_steps_order(graph):
     assert all(not m.label.startswith("backward") for m in last[:loss])
 
 
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble"])
+def test_a_multi_stage_ranks_moments_name_their_micro_batch(graph, schedule):
+    """A rank of a multi-stage schedule runs each of its layers once per micro-batch, and its timeline lists those
+    moments in torch's order: each names the micro-batch it is at ("forward h.2 (micro-batch 3 of 4)"), so no two
+    moments read alike (they did: "forward h.2" five times on rank 0 of interleaved 1F1B; a zero-bubble backward's
+    input and weight passes are named apart), and a layer's forwards (and its backwards) come in the order the stage
+    runs its micro-batches."""
+    import re
+
+    plan = _plan(graph, schedule)
+    m = plan.batch.micro_batches
+    paths = [lay.path for lay in graph.layers]
+    form = re.compile(rf"(forward|backward|loss) ?(\S*) \((input pass, |weight pass, )?micro-batch (\d) of {m}\)")
+    for r in range(2):
+        labels = [mo.label for mo in ap.memory_timeline(plan, graph, rank=r)]
+        assert len(set(labels)) == len(labels), (schedule, r, labels)
+        seen: dict[tuple, list[int]] = {}
+        for label in labels:
+            if label in ("optimizer step", "gradient reduction"):
+                continue
+            phase, layer, split, mb = form.fullmatch(label).groups()
+            assert (phase == "loss") != (layer in paths), label
+            assert not split or (schedule.endswith("zero_bubble") and phase != "forward"), label
+            seen.setdefault((phase, layer, split), []).append(int(mb))
+        # the model's first stage runs its backward whole (no input needs a gradient), the others split it
+        assert any(split for _, _, split in seen) == schedule.endswith("zero_bubble"), seen
+        for (phase, _, _), order in seen.items():  # looped BFS runs a stage's backwards from its last micro-batch
+            assert order == sorted(order, reverse=schedule == "looped_bfs" and phase != "forward"), (label, order)
+
+
+@pytest.mark.browser
+def test_the_charts_axis_names_each_micro_batchs_moment_apart(graph):
+    """The chart's x axis writes a moment in a few characters (static/timeline.js ``shortMoment``): on a multi-stage
+    schedule those of one layer at different micro-batches, or in a zero-bubble backward's two passes, read apart
+    ("bwdI h.3 m3"), as their full labels do; a one-stage schedule's keep their short form ("fwd h.3")."""
+    import test_browser
+    from playwright.sync_api import sync_playwright
+
+    from autopar_nb.launch.dashboard import STATIC
+
+    test_browser._require_chromium()
+    source = (STATIC / "timeline.js").read_text()
+    staged = {sched: [mo.label for r in range(2) for mo in ap.memory_timeline(_plan(graph, sched), graph, rank=r)]
+              for sched in ("interleaved_1f1b", "zbv_zero_bubble")}
+    plain = [mo.label for mo in ap.memory_timeline(_plan(graph, "1f1b"), graph, rank=1)]
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(test_browser.CHROMIUM), args=test_browser.CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page()
+            short = page.evaluate("([src, lists]) => { const f = new Function(src + '\\nreturn shortMoment;')();"
+                                  " return lists.map((l) => l.map(f)); }", [source, [*staged.values(), plain]])
+        finally:
+            browser.close()
+    for sched, names in zip([*staged, "1f1b"], short, strict=True):
+        print(sched, names)
+    for sched, names in zip(staged, short[:2], strict=True):  # the chart shows one rank's moments: rank 0's first
+        mine = names[: len(ap.memory_timeline(_plan(graph, sched), graph, rank=0))]
+        assert len(set(mine)) == len(mine), (sched, mine)
+    assert "bwdI h.3 m3" in short[1] and "bwdW h.3 m3" in short[1], short[1]
+    assert "fwd h.3" in short[2] and not any(" m" in n.split(".")[-1] for n in short[2]), short[2]
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble"])
+def test_a_staged_moments_micro_batch_is_the_one_its_action_runs(schedule):
+    """``StagedRank.micro_batch`` reads a state's micro-batch from the counts it holds (a state keeps none: alike
+    ones merge); at every action of every rank it is the micro-batch torch's schedule runs there."""
+    from types import SimpleNamespace
+
+    from autopar_nb.cost import schedule as sched
+    from autopar_nb.cost.staged import StagedRank
+
+    checked = 0
+    for pp, m in ((2, 1), (2, 4), (3, 5), (4, 8)):
+        v = 2 if schedule == "zbv_zero_bubble" else 3 if m % pp == 0 else 2
+        if schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and m % pp:
+            continue
+        fake = SimpleNamespace(mem=SimpleNamespace(s=SimpleNamespace(schedule=schedule, micro_batches=m)))
+        for rank in range(pp):
+            walk = sched._Walk(v)
+            for a in sched.rank_actions(schedule, pp=pp, rank=rank, micro_batches=m, virtual_stages=v):
+                before = len(walk.out)
+                walk.run(a, first=rank == 0 and a.local == 0, last_mb=m - 1)
+                for h in walk.out[before:]:
+                    assert StagedRank.micro_batch(fake, h) == (None if h.kind == "R" else a.mb), (pp, m, rank, a, h)
+                    checked += 1
+    assert checked > 100
+
+
 def test_the_text_rendering_marks_the_peak_and_names_its_terms(graph):
     plan = _plan(graph, "1f1b")
     tl = ap.memory_timeline(plan, graph)

@@ -506,20 +506,20 @@ class Evaluator:
         return comm.record("send_recv", total + wait, 2 * (s.pp - 1) * p2p_t + (1 - f.overlap_pp) * total + wait,
                            f.overlap_contention)
 
-    def rank_moments(self, s: Setting, choices: list[LayerChoice], *, per_op: bool = False) -> list[list[tuple]]:
+    def rank_moments(self, s: Setting, choices: list[LayerChoice], *, per_op: bool = False,
+                     action: bool = False) -> list[list[tuple]]:
         """Per pipeline rank, every moment :meth:`evaluate` weighs for the rank's peak: (phase — "forward",
         "backward", "recompute", "loss" or "step" —, the layer's index in a layer's phase, else None, the
-        bytes then, each with the margin of the rank's peak). A measured peak's components compare with the
-        moment it is at (``bench/memory.py``). ``per_op``: each tuple ends with the op (graph index) a layer's
-        backward is at, None at its largest, and whether it is a later micro-batch's (:attr:`PeakMoment.later`);
-        every other op of the layer is added."""
+        bytes then, each with the margin of the rank's peak), what a measured peak's components compare with.
+        ``per_op``: each tuple ends with the op (graph index) a layer's backward is at, None at its largest, and
+        :attr:`PeakMoment.later` (every other op is added); ``action``: then its action and micro-batch."""
         memory = RankMemory(self.prof, self.f, s, self.sum_layers(s, choices), seq_ratio=self.seq_ratio)
-        out = []
+        out, tail = [], ("op", "later") * per_op + ("action", "micro_batch") * action
         for r in range(s.pp):
             pb, ob, moments = memory.moments(r, per_op=per_op)
             top = max(mo.weight for mo in moments if mo.op is None)
             out.append([(mo.phase, mo.layer, memory.breakdown(r, pb, ob, mo, margin_of=top),
-                         *((mo.op, mo.later) if per_op else ())) for mo in moments])
+                         *(getattr(mo, k) for k in tail)) for mo in moments])
         return out
 
     def _throughput(self, s: Setting, sums: RankSums, cost: Cost) -> None:
@@ -538,19 +538,19 @@ class Evaluator:
         cost.samples_per_s = samples / step
 
 
-
 def estimate(graph, cluster, plan, *, factors: Factors | None = None) -> Cost:
     """Cost of an existing plan (e.g. one a user edited) on ``cluster``: the planner's own model, no search."""
     ev, s, choices = _evaluator_of(graph, cluster, plan, factors)
     return ev.evaluate(s, choices)
 
 
-def peak_moments(graph, cluster, plan, *, factors: Factors | None = None, per_op: bool = False) -> list[list[tuple]]:
+def peak_moments(graph, cluster, plan, *, factors: Factors | None = None, per_op: bool = False,
+                 action: bool = False) -> list[list[tuple]]:
     """Per pipeline rank of ``plan``, every moment its predicted peak memory is chosen from
-    (:meth:`Evaluator.rank_moments`, with ``per_op`` each layer's backward at each of its ops too): what a measured
-    peak's components compare with, at the moment it is at."""
+    (:meth:`Evaluator.rank_moments`, with ``per_op`` each layer's backward at each of its ops too, with
+    ``action`` a multi-stage rank's action and micro-batch): what a measured peak's components compare with."""
     ev, s, choices = _evaluator_of(graph, cluster, plan, factors)
-    return ev.rank_moments(s, choices, per_op=per_op)
+    return ev.rank_moments(s, choices, per_op=per_op, action=action)
 
 
 def _evaluator_of(graph, cluster, plan, factors: Factors | None) -> tuple[Evaluator, Setting, list[LayerChoice]]:

@@ -30,6 +30,12 @@ class PeakMoment(NamedTuple):
     later: bool | None = None
     """a pipeline rank's backward (or loss) after its first micro-batch's (True), at its first (False); None where
     one moment stands for every micro-batch"""
+    action: str | None = None
+    """a rank of a multi-stage schedule: the kind of the schedule's action it is in (:attr:`.schedule.Held.kind`:
+    "F", "B", "I" an input pass, "W" a weight pass, "R" a reduction); None elsewhere"""
+    micro_batch: int | None = None
+    """there, the micro-batch (from 0) that action runs, of the states alike the heaviest
+    (:class:`.staged.StagedRank`)"""
 
     @property
     def terms(self) -> dict[str, float]:

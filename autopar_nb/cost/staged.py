@@ -22,7 +22,7 @@ import numpy as np
 
 from ..plan import ITEMSIZE
 from .moment import PeakMoment, fsdp_buffers
-from .schedule import Held, rank_states, state_arrays
+from .schedule import ZERO_BUBBLE, Held, rank_states, state_arrays
 from .terms import FsdpUnit, StageSums
 
 
@@ -34,12 +34,16 @@ class _Around(NamedTuple):
     """gradient bytes (the ``grads`` field; a pipelined FSDP stage's are a term instead)"""
     total: float
     """both"""
+    action: str | None = None
+    """the running action's kind and micro-batch (:meth:`StagedRank.micro_batch`)"""
+    micro_batch: int | None = None
 
     def moment(self, phase: str, layer: int | None, grads: float, parts: tuple[dict, ...],
                op: int | None = None, later: bool | None = None) -> PeakMoment:
         """A moment holding this, ``grads`` gradient bytes more and the terms of ``parts``."""
         weight = self.total + grads + sum(sum(p.values()) for p in parts)
-        return PeakMoment(phase, layer, self.grads + grads, (self.terms, *parts), weight, op, later)
+        return PeakMoment(phase, layer, self.grads + grads, (self.terms, *parts), weight, op, later,
+                          self.action, self.micro_batch)
 
 
 class StagedRank:
@@ -72,6 +76,7 @@ class StagedRank:
         """Every moment of the rank's step that can be its heaviest: at each state, its running stage's layers."""
         out = []
         for h, around in self._heaviest_states():
+            around = around._replace(action=h.kind, micro_batch=self.micro_batch(h))
             if h.kind == "F":
                 out += self._layers(h, around, "forward", per_op)
             elif h.kind == "B":
@@ -83,6 +88,20 @@ class StagedRank:
             elif self.st.pipelined:
                 out.append(self._reduce(h, around))
         return out
+
+    def micro_batch(self, h: Held) -> int | None:
+        """The micro-batch (from 0) whose action ``h`` is, from the counts it holds (a state keeps no micro-batch:
+        states alike merge); None at a reduction. A stage runs its forwards, and its backwards or input passes, in
+        micro-batch order (looped BFS its backwards from the last), its weight passes in their input passes' order
+        (a first stage's, a "B" under a zero-bubble schedule, too)."""
+        k, s = h.local, self.mem.s
+        if h.kind == "F":
+            return h.forwarded[k]
+        if h.kind == "W" or (h.kind == "B" and s.schedule in ZERO_BUBBLE):
+            return h.backwarded[k] - h.waiting[k] - 1
+        if h.kind in ("B", "I"):
+            return s.micro_batches - h.backwarded[k] if s.schedule == "looped_bfs" else h.backwarded[k] - 1
+        return None
 
     def _heaviest_states(self):
         """Each state with what the rest of the rank holds then (:meth:`_around`), of the states whose

@@ -22,6 +22,8 @@ from .explain import COMPONENT_LABELS
 TOP_TERMS = 3
 """how many of a moment's largest terms it names"""
 PHASE_LABELS = {"reduce": "gradient reduction", "step": "optimizer step"}
+PASSES = {"I": "input pass, ", "W": "weight pass, "}
+"""a zero-bubble backward's two passes, as a moment's label names them"""
 _PHASE_ORDER = {"forward": 0, "loss": 1, "recompute": 2, "backward": 2, "reduce": 3, "step": 4}
 
 
@@ -117,18 +119,20 @@ def memory_timelines(plan: Plan, graph, *, cluster: Cluster | None = None) -> li
     cluster = cluster or cluster_of(plan)
     paths = [lay.path for lay in graph.layers]
     staged = plan.mesh.pp > 1 and plan.pipeline.schedule in MULTI_STAGE
-    # a multi-stage rank's moments come in torch's order; the others by run of layers, to be put in the step's
-    # order by micro-batch (their ``later``, which only the per-op listing carries: ~3x the time, so not for the
-    # multi-stage ones, whose moments are many)
-    per_rank = peak_moments(graph, cluster, plan, per_op=not staged)
+    # a multi-stage rank's moments come in torch's order, each at its micro-batch (a layer runs once per
+    # micro-batch there); the others by run of layers, to be put in the step's order by micro-batch (their
+    # ``later``, which only the per-op listing carries: ~3x the time, so not for the multi-stage ones, whose
+    # moments are many)
+    per_rank = peak_moments(graph, cluster, plan, per_op=not staged, action=staged)
+    m = plan.batch.micro_batches
     out = []
     for r, rows in enumerate(per_rank):
         if staged:
-            rows = [(*mo, None, None) for mo in rows]
+            rows = [(*mo[:3], None, None, mo[3:]) for mo in rows]
         else:  # a layer's largest op (the others are for measured components)
-            rows = sorted((mo for mo in rows if mo[3] is None), key=_step_order)
-        moments = [Moment(_label(phase, layer, later, paths), _tensors(mb), _largest(mb))
-                   for phase, layer, mb, _op, later in rows]
+            rows = [(*mo, (None, None)) for mo in sorted((mo for mo in rows if mo[3] is None), key=_step_order)]
+        moments = [Moment(_label(phase, layer, later, paths, action, m), _tensors(mb), _largest(mb))
+                   for phase, layer, mb, _op, later, action in rows]
         peak = max(range(len(moments)), key=lambda i: moments[i].bytes)
         margin = rows[peak][2].margin if rows else 0.0
         out.append(MemoryTimeline(r, moments, peak, float(margin), len(per_rank)))
@@ -156,8 +160,13 @@ def _step_order(mo: tuple) -> tuple:
     return (key >= 3, bool(later), key, position, phase == "backward")
 
 
-def _label(phase: str, layer: int | None, later: bool | None, paths: list[str]) -> str:
+def _label(phase: str, layer: int | None, later: bool | None, paths: list[str], action: tuple, m: int) -> str:
+    """What runs at a moment; on a multi-stage rank (``action``: its kind and micro-batch) at which micro-batch, and
+    which pass of a backward split in two (zero bubble)."""
     text = PHASE_LABELS.get(phase, phase) + (f" {paths[layer]}" if layer is not None else "")
+    kind, micro_batch = action
+    if micro_batch is not None:
+        return text + f" ({PASSES.get(kind, '')}micro-batch {micro_batch + 1} of {m})"
     return text + {True: " (a later micro-batch)", False: " (first micro-batch)", None: ""}[later]
 
 

@@ -12,12 +12,17 @@ for (let k = 0; k < 6; k++) for (const m of [1, 2, 4, 8, 16, 32, 64, 128, 256, 5
 const TL_SHORT = { forward: "fwd", backward: "bwd", recompute: "rec", loss: "loss", "gradient reduction": "reduce",
   "optimizer step": "opt" };
 
-// a moment's label in a few characters for the x axis: "bwd h.3" (the full one is in the legend when hovering)
+// a moment's label in a few characters for the x axis: "bwd h.3"; on a multi-stage schedule, where a layer runs
+// once per micro-batch, "bwd h.3 m2" at micro-batch 2 ("bwdI"/"bwdW": a zero-bubble backward's input and weight
+// passes); the full label is in the legend when hovering
 function shortMoment(label) {
   const phase = Object.keys(TL_SHORT).find((p) => label.startsWith(p));
   if (!phase) return label;
   const rest = label.slice(phase.length).replace(/ \(.*\)$/, "").trim().split(".").slice(-2).join(".");
-  return `${TL_SHORT[phase]}${rest ? " " + (rest.length > 10 ? rest.slice(0, 9) + "…" : rest) : ""}`;
+  const mb = / \((?:(input|weight) pass, )?micro-batch (\d+) of \d+\)$/.exec(label);
+  const pass = mb && mb[1] ? mb[1][0].toUpperCase() : "";
+  return `${TL_SHORT[phase]}${pass}${rest ? " " + (rest.length > 10 ? rest.slice(0, 9) + "…" : rest) : ""}`
+    + (mb ? ` m${mb[2]}` : "");
 }
 
 // the largest measured peak among the ranks of this pipeline rank's stage: {bytes, rank} or null
