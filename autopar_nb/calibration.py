@@ -64,6 +64,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .units import fmt_bytes, fmt_time
+
 SPEED_KEYS = ("eff_matmul", "eff_conv", "eff_attention", "eff_fp32_matmul", "eff_hbm", "eff_link")
 """efficiencies divided by measured/predicted step time"""
 OVERHEAD_KEYS = ("op_overhead_s", "cpu_op_s", "cpu_op_bwd_s", "cpu_tp_module_s", "cpu_tp_module_bwd_s",
@@ -138,8 +140,8 @@ def show() -> str:
         for k, v in sorted(entry.get("factors", {}).items()):
             lines.append(f"  {k:<20} {v:.6g}")
         for h in entry.get("history", [])[-3:]:
-            lines.append(f"  run {h.get('when', '?')}: measured {h.get('measured_step_time_s', 0) * 1e3:.2f} ms/step"
-                         f" vs predicted {h.get('predicted_step_time_s', 0) * 1e3:.2f} ms (x{h.get('ratio', 0):.3g})")
+            lines.append(f"  run {h.get('when', '?')}: measured {fmt_time(h.get('measured_step_time_s', 0))}/step"
+                         f" vs predicted {fmt_time(h.get('predicted_step_time_s', 0))} (x{h.get('ratio', 0):.3g})")
     return "\n".join(lines)
 
 
@@ -300,7 +302,7 @@ def margin_text(factors: Any, preset: str = "") -> str:
     the cost model's documented default when nothing was calibrated (``Factors.margin_fraction``: 5 % on top of the
     predicted bytes; a GPU's is pending a measured CUDA run)."""
     frac, fixed = getattr(factors, "margin_fraction", 0.05), getattr(factors, "margin_fixed_bytes", 0.0)
-    what = f"{frac:.0%} of the predicted bytes + {fixed / 2**20:.0f} MiB"
+    what = f"{frac:.0%} of the predicted bytes + {fmt_bytes(fixed)}"
     entry = _read()["presets"].get(preset, {}) if preset else {}
     if "margin_fraction" in entry.get("factors", {}):
         runs = [h for h in entry.get("history", []) if "margin_fraction" in (h.get("factors") or {})]

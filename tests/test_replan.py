@@ -25,6 +25,7 @@ from autopar_nb.launch.replan import (
 from autopar_nb.notebook.session import Session
 from autopar_nb.plan import Change
 from autopar_nb.source import ModelSource
+from autopar_nb.units import fmt_bytes
 
 MIB = 2**20
 
@@ -280,7 +281,7 @@ def test_a_run_over_its_cpu_limit_replans_and_resumes_from_its_checkpoint(tmp_pa
             assert ev["checkpoint"] and done == resumed_at - 1, ev  # and stopped there: no step lost, none redone
         else:  # over it (stopped at once): rolled back, at most ckpt_every (1) step redone
             assert "exceeded its" in ev["cause"] and done - resumed_at + 1 <= 1, ev
-        assert "because rank" in ev["reason"] and f"{limit / 2**30:.2f} GiB" in ev["reason"]
+        assert "because rank" in ev["reason"] and fmt_bytes(limit) in ev["reason"]
         assert ev["diff_text"] != "no change" and ev["calibration"]["margin_fixed_bytes"] > 0
         # it stopped after a timed step besides the warm-up one: the speed factors make the stopped plan, costed
         # again on the calibrated cluster, predict the step time it measured
@@ -341,7 +342,7 @@ def test_ask_proposes_and_replan_from_code_continues_with_the_sessions_new_plan(
     nxt = run.replan()
     assert nxt is started[0] and run.continued_by is nxt and nxt.continues is run and run.legs() == [run, nxt]
     (ev,) = [e for e in run.events if e["kind"] == "replan"]
-    assert ev["reason"].startswith(f"{ev['diff_text']} because rank 0 reached 90% of {limit / 2**30:.2f} GiB")
+    assert ev["reason"].startswith(f"{ev['diff_text']} because rank 0 reached 90% of {fmt_bytes(limit)}")
     assert "no checkpoint yet" in ev["reason"] and ev["calibration"]["margin_fraction"] > 0
     assert ap.plan.mesh.dp == 2 and ap.fix == {"dp": 2} and nxt.plan.mesh.dp == 2
     assert nxt.plan.cost.peak_memory_bytes <= THRESHOLD * limit < plan.cost.peak_memory_bytes

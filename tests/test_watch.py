@@ -101,13 +101,28 @@ def test_a_rank_the_others_wait_for_is_a_straggler_although_its_step_time_is_the
     assert detect([], steps=even) == []
 
 
+def test_event_reasons_write_each_figure_in_the_unit_that_fits_it():
+    """Sizes and times in events' reasons scale to the value (autopar_nb/units.py), as the widget writes them: a
+    small model's figures read '10.0 MiB' and '60.0 µs', never '0.01 GiB' or '0 ms'; straggler reasons too."""
+    mib = 2**20
+    s = WatchSettings(predicted_memory=[4 * mib, 4 * mib], predicted_step_time_s=20e-6, prediction_tolerance=0.3)
+    events = detect(samples(2, 6, memory=lambda r, i: 10 * mib, step_time=lambda r, i: 60e-6), settings=s)
+    reasons = sorted(e["reason"] for e in events if e["rank"] == 0)
+    assert reasons == ["rank 0's median step time is 60.0 µs, 3.00x the plan's 20.0 µs",
+                       "rank 0's peak memory is 10.0 MiB, 2.50x the plan's 4.00 MiB"], reasons
+    rows = [{**r, "data_wait_s": 0.0004 if r["rank"] == 1 and r["step"] >= 3 else 0.00002}
+            for r in samples(3, 12, step_time=lambda r, i: 0.00105 if i >= 3 else 0.0001)]
+    (e,) = detect([], steps=rows)
+    assert "it spent 400 µs making its batch against 20.0 µs on the other ranks" in e["reason"], e["reason"]
+
+
 def test_prediction_error_for_memory_and_step_time_beyond_the_tolerance():
     s = WatchSettings(predicted_memory=[1 * GIB, 0.5 * GIB], predicted_step_time_s=0.05, prediction_tolerance=0.3)
     events = detect(samples(2, 6), settings=s)
     assert sorted((e["rank"], e["what"]) for e in events) == [(0, "step_time"), (1, "memory"), (1, "step_time")]
     mem = next(e for e in events if e["what"] == "memory")
     assert mem["ratio"] == pytest.approx(2.0) and mem["reason"] == \
-        "rank 1's peak memory is 1.00 GiB, 2.00x the plan's 0.50 GiB"
+        "rank 1's peak memory is 1.00 GiB, 2.00x the plan's 512 MiB"
     assert detect(samples(2, 2), settings=s) == []  # fewer than min_steps steps: too early to tell
     # the first step (start-up) is left out of the median
     slow_start = lambda r, i: 5.0 if i == 0 else 0.05

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import calibration
+from ..units import fmt_bytes
 
 RSS_SLACK_BYTES = 128 * 2**20
 """what a CPU rank's RSS above its baseline holds beyond the training state it measures, which the plan does not
@@ -93,7 +94,7 @@ def comparison(plan: Any, *, backend: str, nproc: int, gpu_name: str = "", calib
         out["notes"].append(f"The plan was made for {scaled_from} processes; this run scales it to {nproc} (data "
                             "parallelism only)" + (f", its predictions re-estimated for {nproc}." if cost else "."))
     if limit and cpu:
-        out["notes"].append(f"Memory limit {limit / 2**30:.3g} GiB per rank (the plan's): a rank whose RSS above "
+        out["notes"].append(f"Memory limit {fmt_bytes(limit)} per rank (the plan's): a rank whose RSS above "
                             "its baseline exceeds it is stopped, as an out-of-memory would.")
     if cost is None:
         if plan is not None:

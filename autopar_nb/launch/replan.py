@@ -46,7 +46,7 @@ from typing import Any
 
 from .. import calibration
 from ..runtime.metrics import peak_rss
-from ..units import fmt_time
+from ..units import fmt_bytes, fmt_time
 from . import compare, watch
 from .report import held_peaks
 
@@ -95,9 +95,9 @@ def cause_text(event: dict | None) -> str:
     r, step = event.get("rank"), watch.step_text(event)
     limit, share = event.get("limit_bytes"), event.get("share")
     if event["kind"] == "memory_high":
-        return f"rank {r} reached {share:.0%} of {watch.gib(limit)}{step}"
+        return f"rank {r} reached {share:.0%} of {fmt_bytes(limit)}{step}"
     if event.get("killed"):
-        return f"rank {r} exceeded its {watch.gib(limit)} limit ({share:.0%}){step} and was stopped"
+        return f"rank {r} exceeded its {fmt_bytes(limit)} limit ({share:.0%}){step} and was stopped"
     return f"rank {r} ran out of memory{step}"
 
 
@@ -386,16 +386,16 @@ class Replanner:
                     measured, {r: v["floor"] for r, v in rss.items()},
                     {r: compare.predicted_breakdown(run.plan, r) for r in measured})
                 return factors, (
-                    f"calibrated: rank {rec['rank']} peaked at {watch.gib(rec['measured_bytes'])} against "
-                    f"{watch.gib(rec['predicted_bytes'])} predicted and held {watch.gib(rec['floor_bytes'])} between "
-                    f"steps, so the plan allows {watch.gib(rec['margin_fixed_bytes'])} + "
+                    f"calibrated: rank {rec['rank']} peaked at {fmt_bytes(rec['measured_bytes'])} against "
+                    f"{fmt_bytes(rec['predicted_bytes'])} predicted and held {fmt_bytes(rec['floor_bytes'])} between "
+                    f"steps, so the plan allows {fmt_bytes(rec['margin_fixed_bytes'])} + "
                     f"{rec['margin_fraction']:.0%} on top of the predicted bytes")
             factors, rec = calibration.margin_factors(measured, predicted_states(run.plan, run.nproc),
                                                       current=current)
         except ValueError as e:
             return {}, f"memory not calibrated ({e})"
-        return factors, (f"calibrated: rank {rec['rank']} peaked at {watch.gib(rec['measured_bytes'])} against "
-                         f"{watch.gib(rec['predicted_bytes'])} predicted, so the plan allows "
+        return factors, (f"calibrated: rank {rec['rank']} peaked at {fmt_bytes(rec['measured_bytes'])} against "
+                         f"{fmt_bytes(rec['predicted_bytes'])} predicted, so the plan allows "
                          f"{rec['margin_fraction']:.0%} on top of the predicted bytes")
 
     @staticmethod

@@ -25,6 +25,8 @@ import re
 import statistics
 from dataclasses import dataclass, field
 
+from ..units import fmt_bytes, fmt_time
+
 KINDS = ("oom", "memory_high", "straggler", "prediction_error")
 
 OOM_TEXT = re.compile(r"out of memory|OutOfMemoryError|can't allocate memory", re.IGNORECASE)
@@ -72,11 +74,6 @@ class WatchSettings:
     enforce_limit: bool = False
     """a rank above ``memory_limit_bytes`` is stopped (an ``oom`` event with ``killed``): a CPU run of a plan made
     with a per-rank limit (``Cluster.preset("cpu", memory_gb=...)``), where nothing else would stop it"""
-
-
-def gib(n: float) -> str:
-    """Bytes as GiB, two decimals."""
-    return f"{n / 2**30:.2f} GiB"
 
 
 def settings_for(comparison: dict, *, memory_limit_bytes: float | None = None, **kw) -> WatchSettings:
@@ -135,8 +132,8 @@ def oom_events(samples: list[dict], errors: dict[int, dict], s: WatchSettings) -
         elif KILLED.search(text) and mem is not None and (limit := limit_of(last, s)) and \
                 mem >= s.oom_kill_share * limit:
             out.append({"t": t, "kind": "oom", "rank": rank, "memory_bytes": mem, "step": last.get("step"),
-                        "reason": f"rank {rank} was killed (SIGKILL) with {gib(mem)} of {gib(limit)} in use "
-                                  f"({mem / limit:.0%}): out of memory"})
+                        "reason": f"rank {rank} was killed (SIGKILL) with {fmt_bytes(mem)} of {fmt_bytes(limit)} "
+                                  f"in use ({mem / limit:.0%}): out of memory"})
     return out
 
 
@@ -151,7 +148,7 @@ def memory_events(samples: list[dict], s: WatchSettings) -> list[dict]:
             share, where = mem / limit, step_text(hit)
             out.append({"t": hit["t"], "kind": "memory_high", "rank": rank, "memory_bytes": mem,
                         "limit_bytes": limit, "share": share, "step": hit.get("step"),
-                        "reason": f"rank {rank} reached {share:.0%} of {gib(limit)}{where} "
+                        "reason": f"rank {rank} reached {share:.0%} of {fmt_bytes(limit)}{where} "
                                   f"(threshold {s.memory_threshold:.0%})"})
     return out
 
@@ -168,8 +165,8 @@ def over_limit_events(samples: list[dict], s: WatchSettings) -> list[dict]:
             mem, limit = held(hit), s.memory_limit_bytes
             out.append({"t": hit["t"], "kind": "oom", "rank": rank, "memory_bytes": mem, "limit_bytes": limit,
                         "share": mem / limit, "step": hit.get("step"), "killed": True,
-                        "reason": f"rank {rank} exceeded its memory limit: {gib(mem)} above its baseline, "
-                                  f"{mem / limit:.0%} of {gib(limit)}{step_text(hit)}; stopped (SIGKILL) as an "
+                        "reason": f"rank {rank} exceeded its memory limit: {fmt_bytes(mem)} above its baseline, "
+                                  f"{mem / limit:.0%} of {fmt_bytes(limit)}{step_text(hit)}; stopped (SIGKILL) as an "
                                   "out-of-memory would"})
     return out
 
@@ -230,8 +227,8 @@ def straggler_events(samples: list[dict], s: WatchSettings, steps: list[dict] | 
             cost = statistics.median(w[3]["step_time_s"] * (1 - 1 / max(w[1], 1.0)) for w in window)
             if ratio > s.straggler_ratio and cost > s.straggler_noise * noise:
                 e = straggler(rank, window, ratio, rows[rank])
-                out.append({**e, "noise_s": noise, "reason": f"{e['reason']}; {cost * 1e3:.3g} ms a step, against "
-                                                              f"step-to-step noise of {noise * 1e3:.2g} ms"})
+                out.append({**e, "noise_s": noise, "reason": f"{e['reason']}; {fmt_time(cost)} a step, against "
+                                                              f"step-to-step noise of {fmt_time(noise)}"})
                 break
     return out
 
@@ -256,10 +253,10 @@ def straggler(rank: int, window: list[tuple], ratio: float, rows: list[dict]) ->
     t = next((x["t"] for x in rows if x.get("step") == step and x.get("t") is not None), rows[-1].get("t"))
     n = len(window)
     if what == "data":
-        detail = (f"it spent {f['data_wait_s'] * 1e3:.0f} ms making its batch against "
-                  f"{f['others_data_wait_s'] * 1e3:.0f} ms on the other ranks, which waited for it")
+        detail = (f"it spent {fmt_time(f['data_wait_s'])} making its batch against "
+                  f"{fmt_time(f['others_data_wait_s'])} on the other ranks, which waited for it")
     else:
-        detail = f"{f['step_time_s'] * 1e3:.0f} ms against {f['others_s'] * 1e3:.0f} ms on the other ranks"
+        detail = f"{fmt_time(f['step_time_s'])} against {fmt_time(f['others_s'])} on the other ranks"
     return {"t": t, "kind": "straggler", "rank": rank, "step": step, "ratio": ratio, "what": what, **f,
             "reason": f"rank {rank} slowed the run {ratio:.1f}x over {n} steps (median; step {step}: {detail})"}
 
@@ -292,13 +289,12 @@ def prediction_events(samples: list[dict], s: WatchSettings) -> list[dict]:
         predicted = s.predicted_memory[rank] if rank < len(s.predicted_memory) else None
         peak = max((r["memory_bytes"] for r in rows if r.get("memory_bytes") is not None), default=None)
         if prediction_off("memory", peak, predicted, s):
-            out.append(mismatch(t, rank, step, "memory", peak, predicted, gib))
+            out.append(mismatch(t, rank, step, "memory", peak, predicted, fmt_bytes))
         if s.predicted_step_time_s:
             first = min(times)  # start-up: left out
             median = statistics.median(v for k, v in times.items() if k != first)
             if prediction_off("step_time", median, s.predicted_step_time_s, s):
-                out.append(mismatch(t, rank, step, "step_time", median, s.predicted_step_time_s,
-                                    lambda x: f"{x * 1e3:.0f} ms"))
+                out.append(mismatch(t, rank, step, "step_time", median, s.predicted_step_time_s, fmt_time))
     return out
 
 
