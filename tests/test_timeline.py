@@ -70,8 +70,8 @@ def test_a_multi_stage_ranks_moments_name_their_micro_batch(graph, schedule):
     """A rank of a multi-stage schedule runs each of its layers once per micro-batch, and its timeline lists those
     moments in torch's order: each names the micro-batch it is at ("forward h.2 (micro-batch 3 of 4)"), so no two
     moments read alike (they did: "forward h.2" five times on rank 0 of interleaved 1F1B; a zero-bubble backward's
-    input and weight passes are named apart), and a layer's forwards (and its backwards) come in the order the stage
-    runs its micro-batches."""
+    input and weight passes are named apart), a layer's forwards (and its backwards) come in the order the stage runs
+    its micro-batches, and an action's backward moments in the order it runs them."""
     import re
 
     plan = _plan(graph, schedule)
@@ -89,6 +89,12 @@ def test_a_multi_stage_ranks_moments_name_their_micro_batch(graph, schedule):
             assert (phase == "loss") != (layer in paths), label
             assert not split or (schedule.endswith("zero_bubble") and phase != "forward"), label
             seen.setdefault((phase, layer, split), []).append(int(mb))
+        # within one action (the same pass of one micro-batch), as torch runs it: the loss's backward first, then
+        # the layers' from the last (they were listed from the first, the loss after them)
+        for before, after in zip(labels, labels[1:], strict=False):
+            a, b = form.fullmatch(before), form.fullmatch(after)
+            if a and b and a.group(3, 4) == b.group(3, 4) and a[1] != "forward" and b[1] != "forward":
+                assert b[1] != "loss" and (a[1] == "loss" or paths.index(b[2]) < paths.index(a[2])), (before, after)
         # the model's first stage runs its backward whole (no input needs a gradient), the others split it
         assert any(split for _, _, split in seen) == schedule.endswith("zero_bubble"), seen
         for (phase, _, _), order in seen.items():  # looped BFS runs a stage's backwards from its last micro-batch

@@ -10,6 +10,7 @@ timeline's largest moment is the plan's predicted peak for the rank, margin asid
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Any, NamedTuple
 
 from ..cost.estimate import peak_moments
@@ -127,8 +128,9 @@ def memory_timelines(plan: Plan, graph, *, cluster: Cluster | None = None) -> li
     m = plan.batch.micro_batches
     out = []
     for r, rows in enumerate(per_rank):
-        if staged:
-            rows = [(*mo[:3], None, None, mo[3:]) for mo in rows]
+        if staged:  # an action's moments as it runs its layers: the loss first, the backwards from the last layer
+            rows = [row for _, run in groupby(((*mo[:3], None, None, mo[3:]) for mo in rows), key=lambda x: x[5])
+                    for row in sorted(run, key=lambda x: _step_order(x[:5]))]
         else:  # a layer's largest op (the others are for measured components)
             rows = [(*mo, (None, None)) for mo in sorted((mo for mo in rows if mo[3] is None), key=_step_order)]
         moments = [Moment(_label(phase, layer, later, paths, action, m), _tensors(mb), _largest(mb))
