@@ -4,6 +4,7 @@ as costing every candidate in full, and a floor never above a costed candidate's
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -177,3 +178,68 @@ def test_interleaved_floor_holds_every_stage_reduction(graphs, monkeypatch):
         assert memory_floor(ev, s, choices) >= heaviest * (1 - 1e-9), (s, memory_floor(ev, s, choices), heaviest)
         checked += 1
     assert checked
+
+
+@pytest.fixture(scope="module")
+def small_llama():
+    cfg = zoo.LlamaConfig(vocab_size=4096, dim=512, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=1024)
+    return _capture(lambda: zoo.Llama(cfg), 4096, 1, 512)
+
+
+def test_interleaved_floor_is_below_every_recompute_and_fused_variant(small_llama, monkeypatch):
+    """Brute force on a short chain: for interleaved candidates (2 ranks x 2 chunks, ZeRO 0-3, one to eight
+    micro-batches), the floor is at most the peak of every choice the search could make of them: each layer's
+    recompute (none, selective, full), the loss fused or not, the norms fused or not, each costed in full."""
+    import itertools
+
+    cl = _cluster("h100-80gb", 1, 4, 80)
+    seen = {}
+
+    def floor(ev, s, choices, *, limit):
+        if s.virtual_stages == 2 and s.tp == 1:
+            seen.setdefault((s.zero_stage, s.micro_batches), (ev, s, [dataclasses.replace(c) for c in choices]))
+        return memory_floor(ev, s, choices, limit=limit)
+
+    monkeypatch.setattr(search, "memory_floor", floor)
+    ap.plan(small_llama, cl, global_batch=16, fix={"schedule": "interleaved_1f1b", "pp": 2, "tp": 1})
+    assert len(seen) >= 4, seen.keys()
+    for ev, s, choices in seen.values():
+        least = math.inf
+        variants = itertools.product([False, True] if ev.head is not None else [False],
+                                     [False, True] if ev.norm_prof is not None else [False])
+        for (loss, norm), modes in itertools.product(list(variants),
+                                                     itertools.product(("none", "selective", "full"),
+                                                                       repeat=len(choices))):
+            v = dataclasses.replace(s, fused_loss=loss, fused_norm=norm)
+            picked = [dataclasses.replace(c, recompute=m) for c, m in zip(choices, modes, strict=True)]
+            least = min(least, ev.evaluate(v, picked).peak_memory_bytes)
+        assert memory_floor(ev, s, choices) <= least * (1 + 1e-9), (s, memory_floor(ev, s, choices) / GiB,
+                                                                     least / GiB)
+
+
+def test_backward_floor_sets_interleaved_candidates_aside(graphs, monkeypatch):
+    """The floor at a backward with micro-batches in flight (their least saved bytes, the margin recompute implies)
+    sets aside interleaved candidates that the stage reductions alone do not: fewer are costed in full, for the
+    same plan (``test_floors_leave_the_answer_unchanged``)."""
+    from autopar_nb.cost import floor as floor_module
+
+    name, cluster, kw = CASES[2]  # interleaved candidates costed in full: 172 -> 104
+    graph, cl = graphs[name], _cluster(*cluster)
+
+    def count(backward: bool) -> tuple[int, str]:
+        costed = []
+        cost = search.Search._cost
+
+        def counted(self, s, choices, auto):
+            costed.append(s)
+            return cost(self, s, choices, auto)
+
+        with monkeypatch.context() as m:
+            m.setattr(search.Search, "_cost", counted)
+            if not backward:
+                m.setattr(floor_module, "_backward_floor", lambda rank, h, least: 0.0)
+            made = _plan(graph, cl, kw)
+            return len(costed), made
+
+    (without, plan_without), (with_, plan_with) = count(False), count(True)
+    assert with_ < without and plan_with == plan_without, (with_, without, plan_with[:300])

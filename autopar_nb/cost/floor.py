@@ -15,7 +15,13 @@ per rank and the tensors crossing the pipeline cuts, not on saved activations:
 * on a rank of a multi-stage schedule, that reduction at each of its stages' reductions
   (:func:`.schedule.rank_states`' "R" states): the other stages' gradients (unsharded in float32
   until their own reduction) and units, and every micro-batch's buffers then in flight, sent or
-  still referenced by their sends, less the saved activations (which recompute changes).
+  still referenced by their sends, less the saved activations (which recompute changes);
+* on such a rank, its running stage's layer backwards at the "B" states with the most micro-batches'
+  saved activations in flight (one per state of its stages' gradients): the same, less the running
+  micro-batch's saved bytes and working set, with each other micro-batch's least saved bytes
+  (:func:`least_activations`: its stages' layers under full recompute, over the fused loss and norm
+  variants) and, for a rank with k of its layers under full recompute, the others' least additions,
+  with the allocator margin that share implies (:func:`.memory.with_margin`): the least over k.
 
 With one stage per rank the rank holding the most parameters holds at least the average, whatever
 the stages: the first two are linear in a rank's parameters, so they are weighed at the average. A
@@ -27,12 +33,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
+import numpy as np
+
+from .memory import with_margin
 from .peak import RankMemory
-from .schedule import MULTI_STAGE, rank_states
+from .schedule import MULTI_STAGE, Held, rank_states
 from .setting import LayerChoice, Setting
 from .staged import StagedRank, _Around
-from .terms import RankSums
+from .terms import RankSums, StageSums
 
 
 def memory_floor(ev, s: Setting, choices: list[LayerChoice], *, limit: float = math.inf) -> float:
@@ -58,26 +68,89 @@ def memory_floor(ev, s: Setting, choices: list[LayerChoice], *, limit: float = m
     if st.pipelined and s.schedule not in MULTI_STAGE:
         moments.append(memory._reduce_moment(0, st))
     floor = max(memory.breakdown(0, st.pb, st.ob, mo, margin_of=mo.weight).total for mo in moments)
-    if st.pipelined and s.schedule in MULTI_STAGE and floor <= limit:
+    if s.pp > 1 and s.schedule in MULTI_STAGE and floor <= limit:
         floor = max(floor, _staged_floor(ev, s, choices, low_margin, limit))
     return floor
+
+
+def loss_fusable(ev, s: Setting) -> bool:
+    """Whether the search may cost ``s`` with the output head fused with the loss (``Search.fused_variant``): the
+    model's head can be, with cp = 1, and not with both pp > 1 and tp > 1 (what the runtime runs)."""
+    return ev.head is not None and s.cp == 1 and not (s.pp > 1 and s.tp > 1)
+
+
+def variants(ev, s: Setting) -> list[Setting]:
+    """``s`` and the fused loss and norm variants the search may cost of it (``Search.fused_variant``,
+    ``Search.norm_variant``)."""
+    out = [s]
+    if not s.fused_loss and loss_fusable(ev, s):
+        out.append(dataclasses.replace(s, fused_loss=True))
+    if not s.fused_norm and ev.norm_prof is not None:
+        out += [dataclasses.replace(v, fused_norm=True) for v in out]
+    return out
+
+
+class LeastActivations(NamedTuple):
+    """One micro-batch's saved bytes at their least on each rank of a multi-stage schedule, whatever recompute and
+    fused variant the search picks (:func:`least_activations`)."""
+
+    stage_acts: list[list[float]]
+    """per rank, per local stage: its layers' saved bytes under full recompute"""
+    savings: list[list[tuple[int, float]]]
+    """per rank, per layer: (its local stage, the least bytes it adds when not under full recompute), which
+    can be negative"""
+
+
+def least_activations(ev, s: Setting, choices: list[LayerChoice]) -> LeastActivations:
+    """Each stage's saved bytes with every layer under full recompute, the least over :func:`variants`, and each
+    layer's least addition under any other recompute: selective's bytes, or none's less the whole input a
+    recomputed first sequence-parallel block keeps (``Evaluator._replicated_input``). Dropping a layer's recompute
+    also drops the inputs it shares with a later recomputed layer (``Evaluator._held_inputs``): that only adds."""
+    full = [dataclasses.replace(c, recompute="full") for c in choices]
+    kinds = variants(ev, s)
+    stage_acts = None
+    for v in kinds:
+        sums = ev.sum_layers(v, full)
+        acts = [[x.acts for x in rank] for rank in sums.stages]
+        stage_acts = acts if stage_acts is None else [[min(a, b) for a, b in zip(x, y, strict=True)]
+                                                      for x, y in zip(stage_acts, acts, strict=True)]
+    savings: list[list[tuple[int, float]]] = [[] for _ in range(s.pp)]
+    for i, cnt, ch in ev.runs(full):
+        least = math.inf
+        for v in kinds:
+            lt = ev.choice_terms(i, v, ch)
+            whole = ev._replicated_input(v, i, ch, lt)
+            least = min(least, lt.act["selective"] - lt.act["full"], lt.act["none"] - lt.act["full"] - whole)
+        savings[s.rank_of(ch.stage)] += [(sums.local[i], least)] * cnt
+    return LeastActivations(stage_acts, savings)
 
 
 def _staged_floor(ev, s: Setting, choices: list[LayerChoice], low_margin: bool, limit: float) -> float:
     """The fullest rank's heaviest stage reduction (:meth:`.staged.StagedRank._reduce` at each "R" state of
     :func:`.schedule.rank_states`), as the full evaluation weighs it, without the terms recompute or fused norms
-    change: the micro-batches' saved activations and kept weight-pass gradients, autocast's weight copies."""
-    sums = ev.sum_layers(s, choices)  # shared: changed on a copy
+    change: the micro-batches' saved activations and kept weight-pass gradients, autocast's weight copies; and its
+    backward with the most saved bytes in flight (:func:`_backward_floor`)."""
+    low = dataclasses.replace(s, fused_loss=True) if not s.fused_loss and loss_fusable(ev, s) else s
+    sums = ev.sum_layers(low, choices)  # shared: changed on a copy. Fused: the last stage keeps no logits
     sums = dataclasses.replace(sums, full_recompute=[n if low_margin else 0.0 for n in sums.layers])
-    memory = RankMemory(ev.prof, ev.f, s, sums, seq_ratio=ev.seq_ratio)
+    memory = RankMemory(ev.prof, ev.f, low, sums, seq_ratio=ev.seq_ratio)
+    least = least_activations(ev, s, choices)
     out = 0.0
     for r in range(s.pp):
         st = memory._states(r)
         st = st._replace(held={k: v for k, v in st.held.items() if k != "autocast_weight_copies"})
-        states = tuple(h for h in rank_states(s.schedule, pp=s.pp, rank=r, micro_batches=s.micro_batches,
-                                              virtual_stages=s.virtual_stages) if h.kind == "R")
-        rank = StagedRank(memory, r, st, states=states)
-        for h in states:
+        walk = rank_states(s.schedule, pp=s.pp, rank=r, micro_batches=s.micro_batches,
+                           virtual_stages=s.virtual_stages)
+        states = tuple(h for h in walk if h.kind == "R") if st.pipelined else ()
+        backward = _most_in_flight(walk, least.stage_acts[r], sums.stages[r])
+        if not states and not backward:
+            continue
+        rank = StagedRank(memory, r, st, states=(*states, *backward))
+        for h in backward:
+            out = max(out, _backward_floor(rank, h, least))
+            if out > limit:
+                break
+        for h in states if out <= limit else ():
             mo = rank._reduce(h, _without_activations(rank._around(h)))
             out = max(out, memory.breakdown(r, st.pb, st.ob, mo, margin_of=mo.weight).total)
         if out > limit:
@@ -85,9 +158,63 @@ def _staged_floor(ev, s: Setting, choices: list[LayerChoice], low_margin: bool, 
     return out
 
 
+_IN_FLIGHT: dict[int, tuple] = {}
+"""id of a :func:`.schedule.rank_states` result -> (it, its "B" states grouped by their stages' gradients' states,
+each group's micro-batches in flight per local stage as an array): made once per result, as ``rank_states`` is"""
+
+
+def _most_in_flight(walk: tuple[Held, ...], acts: list[float], stages: list[StageSums]) -> list[Held]:
+    """Of the "B" states of ``walk`` alike in their stages' gradients (none yet, unsharded, reduced: what the rest
+    of the rank holds besides the micro-batches in flight), the one whose micro-batches in flight hold the most
+    saved bytes (``acts`` per local stage, less the inputs counted in their receive buffers)."""
+    hit = _IN_FLIGHT.get(id(walk))
+    if hit is None or hit[0] is not walk:
+        if len(_IN_FLIGHT) >= 4096:
+            _IN_FLIGHT.clear()
+        groups: dict[tuple, list[Held]] = {}
+        for h in walk:
+            if h.kind == "B":
+                groups.setdefault(h.grads, []).append(h)
+        hit = _IN_FLIGHT[id(walk)] = walk, [(g, np.array([[f + w for f, w in zip(h.full, h.waiting, strict=True)]
+                                                           for h in g], dtype=float)) for g in groups.values()]
+    per = np.zeros(len(walk[0].full))
+    for j, x in enumerate(stages):
+        per[j] = acts[j] - x.pipe["recv_saved"]
+    return [g[int(np.argmax(counts @ per))] for g, counts in hit[1]]
+
+
+def _backward_floor(rank: StagedRank, h: Held, least: LeastActivations) -> float:
+    """The bytes of ``rank`` at backward state ``h`` at least, with its margin: its running stage's heaviest layer
+    backward (:meth:`.staged.StagedRank._layers`) less the terms recompute changes (saved activations, the working
+    set, weight-pass gradients), and the micro-batches in flight's saved bytes with k of the rank's layers under
+    full recompute, the rest adding their least (:attr:`LeastActivations.savings`, the least first), at the margin
+    of that share; the least over k. The running micro-batch's saved bytes are left out."""
+    r, memory, st = rank.r, rank.mem, rank.st
+    around = _without_activations(rank._around(h))
+    rest = max((mo.weight - sum(v for part in mo.parts[1:] for k, v in part.items() if k in _CHANGED and v > 0)
+                for mo in rank._layers(h, around, "backward", False) if mo.phase == "backward"),
+               default=around.total)
+    n = [f + w for f, w in zip(h.full, h.waiting, strict=True)]
+    stages = memory.sums.stages[r]
+    acts = sum(n[j] * (a - stages[j].pipe["recv_saved"]) for j, a in enumerate(least.stage_acts[r]))
+    base = st.pb + st.ob + rest + acts
+    added = np.sort(np.array([n[j] * d for j, d in least.savings[r]]))
+    layers = len(added)
+    if not layers:
+        return base + with_margin(base, memory.f)
+    # k layers under full recompute: the other layers - k add at least the smallest of their additions
+    x = base + np.concatenate(([0.0], np.cumsum(added)))[::-1]
+    share = np.arange(layers + 1) / layers
+    return float(np.min(x + with_margin(x, memory.f, full_recompute=share)))
+
+
+_CHANGED = ("saved_activations", "backward_working_set", "weight_pass_gradients")
+"""the terms of a moment recompute (and the weight pass's choices) change"""
+
+
 def _without_activations(around: _Around) -> _Around:
     """``around`` less what recompute (saved activations) and the weight pass's hooked gradients (a layer's
     choices) change, where they add bytes: what is left is a floor."""
-    drop = {k: v for k, v in around.terms.items() if k in ("saved_activations", "weight_pass_gradients") and v > 0}
+    drop = {k: v for k, v in around.terms.items() if k in _CHANGED and v > 0}
     terms = {k: v for k, v in around.terms.items() if k not in drop}
     return _Around(terms, around.grads, around.total - sum(drop.values()))

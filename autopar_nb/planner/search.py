@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 
 from ..cost.estimate import Evaluator
-from ..cost.floor import memory_floor
+from ..cost.floor import loss_fusable, memory_floor
 from ..cost.norm import one_kernel
 from ..cost.schedule import MULTI_STAGE, ZERO_BUBBLE
 from ..cost.setting import LayerChoice, Setting
@@ -495,7 +495,7 @@ class Search:
         last stage), unless fused_loss is fixed either way. The other
         variant is kept on ``other``."""
         s, fix = cand.setting, self.cons.fix
-        if s.fused_loss or self.ev.head is None or "fused_loss" in fix or (s.pp > 1 and s.tp > 1) or s.cp > 1:
+        if s.fused_loss or "fused_loss" in fix or not loss_fusable(self.ev, s):
             return cand
         added = any(ch.recompute != self.rec_pinned.get(i, "none") for i, ch in enumerate(cand.choices))
         if cand.fits and not added:
