@@ -4,11 +4,18 @@ time grows with layers and GPU count.
 
     .venv/bin/python bench/plan.py            # prints a markdown table
     PYTHONPATH=. .venv/bin/python bench/plan.py --only "GPT 1T"    # the cases whose name contains it
+    PYTHONPATH=. .venv/bin/python bench/plan.py --only "GPT 1T" --census    # and where a later plan()'s time goes
+
+``--census`` runs one more ``plan()`` of each case with counters around the search's stages (by schedule and chunks
+per rank: candidate settings weighed, set aside by the memory floor, costed in full in the search loop or afterwards
+for the explanation, fitting) and prints them with the CPU seconds of each stage.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import statistics
 import sys
 import time
@@ -18,6 +25,8 @@ import torch
 
 import autopar_nb as ap
 from autopar_nb import zoo
+from autopar_nb.cost.estimate import Evaluator
+from autopar_nb.planner import search
 
 warnings.filterwarnings("ignore")
 
@@ -46,6 +55,79 @@ def timed(graph, cluster, repeats=5, **kw):
     return first, statistics.median(times), p
 
 
+@contextlib.contextmanager
+def _counted(owner, name, on_call):
+    """``owner.name`` wrapped: ``on_call(args, result, cpu seconds)`` after each call."""
+    orig = getattr(owner, name)
+
+    def wrapped(*args, **kw):
+        t0 = time.process_time()
+        out = orig(*args, **kw)
+        on_call(args, out, time.process_time() - t0)
+        return out
+
+    setattr(owner, name, wrapped)
+    try:
+        yield
+    finally:
+        setattr(owner, name, orig)
+
+
+def census(graph, cluster, **kw) -> str:
+    """One ``plan()`` with counters around the search's stages: per (schedule, chunks per rank), the candidate
+    settings whose memory floor was weighed, those it set aside (cannot fit), those costed in full in the search
+    loop and afterwards (``Search._settle``: the explanation's faster candidate that does not fit), and those that
+    fit; then the CPU seconds of each stage. Nested stages' seconds are inside their callers'."""
+    rows = collections.defaultdict(collections.Counter)
+    cpu = collections.Counter()
+    made: list = []
+    settling = [False]
+
+    def floor(args, out, dt):
+        ev, s, _ = args[:3]
+        key = s.schedule, s.virtual_stages
+        rows[key]["floored"] += 1
+        rows[key]["set aside"] += out > search.memory_limit(cluster)
+        cpu["memory floors"] += dt
+
+    def variants(args, cand, dt):
+        key = cand.setting.schedule, cand.setting.virtual_stages
+        rows[key]["costed after" if settling[0] else "costed in loop"] += 1
+        rows[key]["fit"] += cand.fits
+        cpu["costing after (_settle)" if settling[0] else "costing in loop (_variants)"] += dt
+
+    def evaluate(args, out, dt):
+        cpu["Evaluator.evaluate"] += dt
+        cpu["evaluations (count)"] += 1
+
+    def settle_start(*args):
+        settling[0] = True
+        try:
+            return orig_settle(*args)
+        finally:
+            settling[0] = False
+
+    orig_settle = search.Search._settle
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_counted(search, "memory_floor", floor))
+        stack.enter_context(_counted(search.Search, "_variants", variants))
+        stack.enter_context(_counted(Evaluator, "evaluate", evaluate))
+        stack.enter_context(_counted(search.Search, "__init__", lambda args, out, dt: made.append(args[0])))
+        search.Search._settle = settle_start
+        stack.callback(setattr, search.Search, "_settle", orig_settle)
+        t0 = time.process_time()
+        ap.plan(graph, cluster, **kw)
+        total = time.process_time() - t0
+    cols = ("floored", "set aside", "costed in loop", "costed after", "fit")
+    lines = ["| schedule, chunks per rank | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for key in sorted(rows):
+        lines.append(f"| {key[0]} x{key[1]} | " + " | ".join(str(rows[key][c]) for c in cols) + " |")
+    pruned = sum(s.pruned for s in made)
+    lines.append(f"\nconfigurations pruned by the step-time bound: {pruned}; CPU s of plan(): {total:.3f}")
+    lines += [f"- {k}: {v:.3f}" if isinstance(v, float) else f"- {k}: {v}" for k, v in cpu.items()]
+    return "\n".join(lines)
+
+
 def _cell(p) -> str:
     return p.summary().replace(" | ", "; ")
 
@@ -53,7 +135,9 @@ def _cell(p) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="the cases whose name contains this (the GPU-count rows: '8B, ')")
-    only = parser.parse_args().only
+    parser.add_argument("--census", action="store_true", help="then one more plan() of each case with counters")
+    args = parser.parse_args()
+    only = args.only
     rows = []
 
     def case(name, model_inputs, cluster, **kw):
@@ -66,6 +150,8 @@ def main() -> None:
         first, med, p = timed(g, cluster, **kw)
         rows.append((name, f"{cluster.world_size}", f"{cap:.2f}", f"{first:.3f}", f"{med:.3f}", _cell(p)))
         print(f"{name}: first {first:.3f} s, median {med:.3f} s -> {p.summary()}", file=sys.stderr)
+        if args.census:
+            print(f"census of a later plan() of {name}:\n{census(g, cluster, **kw)}\n", file=sys.stderr)
         return g
 
     with torch.device("meta"):
