@@ -125,6 +125,41 @@ def test_the_steps_launched_reach_the_plan(session, monkeypatch, capsys):
     assert session.steps == 30
 
 
+def test_the_launch_button_says_its_re_plan_in_the_widget(session, monkeypatch, capsys):
+    """Launch clicked in the widget: the line saying the plan was made again for the steps launched leads the
+    widget's message (a warning: the user did not ask for the change), and nothing goes to the kernel's stdout."""
+    import importlib
+    import sys
+
+    launch_pkg = sys.modules["autopar_nb.launch"]
+    started = []
+    monkeypatch.setattr(launch_pkg, "launch", lambda make, nproc, steps, *, plan, **kw: started.append(plan) or plan)
+    monkeypatch.setattr(importlib.import_module("autopar_nb.launch.replan").Replanner, "attach", lambda s, run: None)
+    session.steps = 100_000
+    first = session.replan()
+    w = session.widget()
+    w.handle({"kind": "action", "name": "launch", "run_options": {"nproc": 4, "launch_steps": 20}})
+    assert capsys.readouterr().out == ""
+    (message,) = w.messages
+    replanned, launched = message["text"].split("\n")
+    assert message["level"] == "warning" and replanned.startswith(
+        "Re-planned for the 20 steps launched (the plan weighed compile's start-up over 100,000 steps): "), message
+    assert launched.startswith("ap.launch(nproc=4, steps=20)"), message
+    assert started == [session.plan] and session.steps == 20 and session.undo() is first
+    w.handle({"kind": "action", "name": "launch", "run_options": {"nproc": 4, "launch_steps": 100_000}})
+    assert w.messages[0]["level"] == "info" and "Re-planned" not in w.messages[0]["text"], w.messages
+
+
+def test_attach_runs_the_steps_planned(session, tmp_path):
+    session.steps = 300
+    run = session.attach(str(tmp_path / "train.py"), host="127.0.0.1", quiet=True)
+    try:
+        assert run.steps == 300
+        assert 'p.add_argument("--steps", type=int, default=300,' in (tmp_path / "train.py").read_text()
+    finally:
+        run.stop()
+
+
 def test_the_exported_script_runs_the_steps_planned(session, tmp_path):
     session.steps = 300
     script = session.export(str(tmp_path / "train.py"), quiet=True).script.read_text()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import html
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -280,11 +281,11 @@ class Session:
                       ).attach(run)
         return run
 
-    def plan_steps(self, steps: int | None) -> Plan:
+    def plan_steps(self, steps: int | None, *, say: Callable[[str], Any] = print) -> Plan:
         """The plan, weighing compile's start-up over ``steps`` (its compile lever says over how many it weighed;
         a plan without one, an adopted alternative or one with nothing to compile, is kept): planned again where
-        they differ, as an edit where a choice changes (one line says which; one undo() goes back), else in
-        place. ``self.steps`` becomes ``steps``."""
+        they differ, as an edit where a choice changes (one line, passed to ``say``, says which; one undo() goes
+        back), else in place. ``self.steps`` becomes ``steps``."""
         plan = self.current_plan()
         weighed = next((lv.steps for lv in plan.levers if lv.name == "compile"), None)
         if steps is None or weighed is None or weighed == steps:
@@ -293,7 +294,7 @@ class Session:
         if plan.diff(new):
             self._remember()
             self.plan = new
-            print(f"Re-planned for the {steps:,} steps launched (the plan weighed compile's start-up over "
+            say(f"Re-planned for the {steps:,} steps launched (the plan weighed compile's start-up over "
                   f"{weighed:,} steps): {plan.summary()} -> {new.summary()}; ap.undo() goes back.")
         else:  # the same choices: the plan stays the object a run or the undo stack may hold, its words re-weighed
             plan.explanation, plan.levers = new.explanation, new.levers
@@ -327,7 +328,7 @@ class Session:
         return self.plan_for(nproc)
 
     def attach(self, path: str = "train.py", *, host: str | None = None, port: int = 0, advertise: str | None = None,
-               nproc: int | None = None, steps: int = 100, lost_after_s: float | None = None,
+               nproc: int | None = None, steps: int | None = None, lost_after_s: float | None = None,
                restart_wait_s: float | None = None, backend: str | None = None, overwrite: bool = False,
                quiet: bool = False):
         """Export the plan to ``path`` and attach the launch dashboard to its run on other hosts: the metrics server
@@ -335,13 +336,15 @@ class Session:
         torchrun commands to run there are printed with ``AUTOPAR_METRICS`` and ``AUTOPAR_TOKEN`` in front (also
         ``run.commands``, ``run.env``). Returns the AttachedRun at once; displayed, it is the dashboard, fed by the
         ranks' stream alone (see ``autopar_nb.launch.attach``: ``lost_after_s``, ``restart_wait_s``);
-        ``run.stop()`` detaches."""
+        ``run.stop()`` detaches. The script runs ``steps`` (None: the session's ``steps``, as ``export`` writes
+        them; else 100)."""
         from ..export import export
         from ..launch import attach
         from ..launch.attach import LOST_AFTER_S, RESTART_WAIT_S, check_host
 
         check_host(host, advertise)  # before anything is written
         plan = self.plan_for(nproc)
+        steps = steps if steps is not None else self.steps or 100
         exported = export(self.source, plan, path, steps=steps, quiet=True, overwrite=overwrite)
         run = attach(exported.script, plan.mesh.world_size, steps, host=host, port=port, advertise=advertise,
                      plan=plan, commands=exported.commands, backend=backend,

@@ -83,10 +83,12 @@ def scaled_line(plan: Any) -> str:
     return (plan.explanation or [""])[0]
 
 
-def action_message(name: str, result: Any, kwargs: dict | None = None, ran: Any = None) -> tuple[str, str, str]:
+def action_message(name: str, result: Any, kwargs: dict | None = None, ran: Any = None,
+                   *notes: str) -> tuple[str, str, str]:
     """(level, text, detail) for the result of ``ap.<name>()``: the exported script's path and torchrun commands,
     the verify report or job, or the run. ``ran`` is the plan that ran: scaled to another process count, its line
-    leads the text and the level is "warning" (the run is not the plan as made, and the user did not ask to re-plan)."""
+    leads the text and the level is "warning" (the run is not the plan as made, and the user did not ask to re-plan);
+    ``notes`` (a re-plan for the steps launched) lead it likewise."""
     args = ", ".join(f"{k}={v!r}" for k, v in (kwargs or {}).items())
     script = getattr(result, "script", None)
     if name == "export" and script is not None:
@@ -105,5 +107,5 @@ def action_message(name: str, result: Any, kwargs: dict | None = None, ran: Any 
     else:
         first, _, detail = str(result).partition("\n")
         text = f"ap.{name}(): {first}"
-    line = scaled_line(ran)
-    return ("warning", f"{line}\n{text}", detail) if line else ("info", text, detail)
+    lines = [line for line in (*notes, scaled_line(ran)) if line]
+    return ("warning", "\n".join([*lines, text]), detail) if lines else ("info", text, detail)

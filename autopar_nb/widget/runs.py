@@ -54,7 +54,10 @@ class Runs:
             self.run_options = {**self.run_options, **msg["run_options"]}
         kwargs = run_kwargs(name, inspect.signature(fn).parameters, self.session.plan, self.run_options)
         ran = None  # the plan that runs: the session's, or plan_for's at another process count (said first)
+        replanned: list[str] = []  # launch's re-plan for its steps, said here rather than on the kernel's stdout
         try:
+            if name == "launch" and "steps" in kwargs and callable(getattr(self.session, "plan_steps", None)):
+                self.session.plan_steps(kwargs["steps"], say=replanned.append)
             if name == "verify" and callable(getattr(self.session, "plan_for", None)) and "nproc" in kwargs:
                 ran = self.session.plan_for(kwargs["nproc"])
                 result = self._verify_in_background(ran, **kwargs)
@@ -70,7 +73,7 @@ class Runs:
         if name == "launch" and callable(getattr(result, "dashboard", None)):
             self.follow(result)
             self.panel = result.dashboard()
-        self._say(*action_message(name, result, kwargs, ran or getattr(result, "plan", None)))
+        self._say(*action_message(name, result, kwargs, ran or getattr(result, "plan", None), *replanned))
         return None
 
     def _verify_in_background(self, plan: Plan, *, nproc: int, steps: int):
