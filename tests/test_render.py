@@ -95,7 +95,8 @@ def test_every_technique_renders_and_passes_ruff(scripts):
     for (model, name), (path, plan) in scripts.items():
         text = path.read_text()
         cell = {"gpt": GPT8, "llama": HF_LLAMA}[model]  # the GPT's classes are 29 lines more than the LLaMA's cell
-        assert len(text.splitlines()) - len(cell.splitlines()) <= 200 - 7, (model, name, len(text.splitlines()))
+        # + 13: the death signal set before torch's import (runtime/deathsig.py, under ``if __name__``)
+        assert len(text.splitlines()) - len(cell.splitlines()) <= 200 - 7 + 13, (model, name, len(text.splitlines()))
         tree = ast.parse(text)
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | {
             n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
@@ -148,11 +149,11 @@ def test_32_layer_llama_script_stays_short(tmp_path):
         lengths[layers] = len(text.splitlines()), len(runtime.splitlines()), len(render_script(src, plan).splitlines())
     print(lengths)  # (train.py, train_runtime.py, the one file)
     assert lengths[32] == lengths[2]  # nothing is unrolled per layer
-    assert lengths[32][0] <= 200  # 181 on 2026-12-06
+    assert lengths[32][0] <= 200  # 181 on 2026-12-06, 200 with the death signal before torch's import
     proc = ruff([tmp_path / "train.py", tmp_path / "train_runtime.py"], defaults=True)  # both files
     assert proc.returncode == 0, proc.stdout
     assert "noqa" not in text
-    assert lengths[32][2] <= 1413  # the one file (single_file=True); its history:
+    assert lengths[32][2] <= 1417  # the one file (single_file=True); its history:
     # ~500 of them the runtime it carries (loop, DCP + data position, metrics, data-
     # wait verdict, clipping, styles, AMP op-list hook, the model-call helper, context parallelism's mesh and shard
     # hook, ...): 778 on 2026-12-01 (the metrics hello with torchrun's restart count, limit and world: +4); 790 with
@@ -177,7 +178,8 @@ def test_32_layer_llama_script_stays_short(tmp_path):
     # split_batch splitting a dataclass field by field (context parallelism's shards under pipelining: +5); 1399 with
     # a fused multi-query projection kept part by part (RepeatedColwiseParallel's heads per part) and TP outputs a
     # model modifies in place (runtime/layouts.py's modifiable_output, Falcon's mlp_output += ...: +29); 1413 with
-    # workers that die with their torchrun (runtime/mesh.py's death signal: an agent's SIGKILL orphaned them, +14)
+    # workers that die with their torchrun (runtime/mesh.py's death signal: an agent's SIGKILL orphaned them, +14);
+    # 1417 with that death signal set in the script's first lines, before torch's import (runtime/deathsig.py: +4)
 
 
 def test_readme_shows_the_exported_script(tmp_path, monkeypatch):

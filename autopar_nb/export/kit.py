@@ -27,9 +27,9 @@ from .. import runtime
 STDLIB = set(sys.stdlib_module_names)
 INSTALLED = ("stdlib", "platstdlib", "purelib", "platlib")
 """``sysconfig`` paths whose modules are installed ones (third party for isort)"""
-ORDER = ("mesh", "data", "fused_loss", "fused_norm", "float8", "cp", "tp", "async_tp", "layouts", "heads", "ac",
-         "compile", "fsdp", "ddp", "ep", "batchnorm", "pp_graph", "pp_split", "pp", "init", "amp", "optim", "guard",
-         "checkpoint", "metrics", "train")
+ORDER = ("mesh", "deathsig", "data", "fused_loss", "fused_norm", "float8", "cp", "tp", "async_tp", "layouts",
+         "heads", "ac", "compile", "fsdp", "ddp", "ep", "batchnorm", "pp_graph", "pp_split", "pp", "init", "amp",
+         "optim", "guard", "checkpoint", "metrics", "train")
 """the runtime's modules in the order a reader meets them in a script: set-up, the techniques, the training loop"""
 
 
@@ -184,6 +184,24 @@ def assemble(names: list[str]) -> Assembly:
     for name in names:
         visit(where(name), name)
     return out
+
+
+EARLY = "end_with_the_agent"
+"""what a script runs first, before torch's import (``runtime/deathsig.py``: torchrun's agent may die meanwhile)"""
+
+
+def with_early(imports: set[tuple[str, str | None, str | None]], extra: set = frozenset()) -> list[str]:
+    """A script's import sections (:func:`import_lines` of ``imports`` and ``extra``), :data:`EARLY` run between
+    ``from __future__`` and them: its imports (not repeated below), then under ``if __name__ == "__main__":`` its
+    source (verbatim) and its call. Inside the ``if``, the imports below stay at the top of the file for linters
+    (E402)."""
+    assembly = assemble([EARLY])
+    body = "\n".join(f"    {line}" if line else "" for line in assembly.source().splitlines())
+    block = (f'if __name__ == "__main__":  # first, before torch\'s import, which torchrun\'s agent may not outlive\n'
+             f"{body}\n    {EARLY}()")
+    future, *early = import_lines(assembly.imports)
+    rest = import_lines({i for i in imports if i not in assembly.imports}, extra)[1:]
+    return [future, *early, block, *rest]
 
 
 def import_lines(imports: set[tuple[str, str | None, str | None]], extra: set = frozenset()) -> list[str]:

@@ -66,7 +66,7 @@ def render_script(source: ModelSource, plan: Plan, v: ScriptValues, *, script_na
                             f"({plan_file} beside this file) is applied by the functions of autopar_nb.runtime, "
                             "copied below; nothing but torch (and the cell's own imports) is needed.", width=116),
         launch=launch,
-        imports="\n\n".join(kit.import_lines(imports, setting_imports)),
+        imports="\n\n".join(kit.with_early(imports, setting_imports)),
         settings="\n".join(setting_lines), prelude=prelude.source(), cell=script_cell(source, v), kit=assembly.source(),
         parallelize=par, steps=int(steps), main=body, data_flags=flags,
         build_mesh="build_mesh(device, PP, DP, TP" + (", cp=CP)" if v.cp > 1 else ")"))

@@ -75,7 +75,7 @@ def render_files(source: ModelSource, plan: Plan, v: ScriptValues, *, script_nam
         raise ValueError(f"the cell imports {', '.join(imported)}, which the exported script takes from its runtime "
                          "module: import it under another name in the cell")
     mine = {i for i in SCRIPT_IMPORTS | par_imports if (i[2] or i[1] or i[0].split(".")[0]) in loads}
-    sections = kit.import_lines(_merged(mine | setting_imports, cell.imports))
+    sections = kit.with_early(_merged(mine | setting_imports, cell.imports))
     # the file beside this one: first party where ruff runs from this folder, third party elsewhere; the split
     # keeps its import where it is either way
     sections.append("# isort: split\n" + _from_import(module, used))

@@ -4,14 +4,14 @@ inside a node; with context parallelism (pp, dp, cp, tp); expert parallelism spl
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.multiprocessing import _prctl_pr_set_pdeathsig
+
+from .deathsig import end_with_the_agent
 
 MESH_DIMS = ("pp", "dp", "tp")
 
@@ -19,7 +19,7 @@ MESH_DIMS = ("pp", "dp", "tp")
 def init_distributed(*, timeout_s: float = 600.0) -> str:
     """Join the process group torchrun describes in the environment (NCCL on GPUs, gloo on CPU) unless one exists;
     returns the device type, ``"cuda"`` or ``"cpu"``."""
-    end_with_the_agent()
+    end_with_the_agent()  # also where the script was imported, not run (its first lines set it as __main__)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         local, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
@@ -39,18 +39,6 @@ def init_distributed(*, timeout_s: float = 600.0) -> str:
     else:
         dist.init_process_group(backend, timeout=timeout)
     return device
-
-
-def end_with_the_agent() -> None:
-    """Under torchrun, have the kernel SIGKILL this worker when the process that started it (its elastic agent, or
-    the agent's forkserver) dies. torchrun starts workers in sessions of their own and sets no death signal, so a
-    worker whose agent was SIGKILLed (a killed job step, an OOM-killed agent) trained on as an orphan with the other
-    nodes: nothing restarted the group, and nothing ended it. Killed, its peers' collectives fail and their agents
-    restart the group (``torch.multiprocessing.spawn`` sets the same, through the same torch call). SIGKILL, not
-    SIGTERM: a rank blocked in a collective never runs a Python handler. An agent that dies before this call (during
-    the script's imports) leaves the orphan behind as before."""
-    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        _prctl_pr_set_pdeathsig(signal.SIGKILL)
 
 
 def too_many_processes(local: int, gpus: int, world: int, script: str) -> str:
