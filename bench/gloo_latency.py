@@ -1,20 +1,21 @@
 """What a blocking handoff between two real gloo processes costs on this machine, against the cost model's figures.
 
-    .venv/bin/python bench/gloo_latency.py [--n 300] [--steps 30]
+    .venv/bin/python bench/gloo_latency.py [--n 300] [--steps 30] [--stages 2]
 
 ``bench/overhead.py`` times the host's side of pipelining on PyTorch's fake process group, where a send returns at
 once. Between real processes a pipeline's ``recv`` sleeps until the other rank has run and sent, so on cores shared
 with other processes each handoff also waits for the scheduler to run the sender. This measures, on 2 spawned
-processes (one thread each, as the launcher's workers run), with the load average before and after:
+processes (``--stages``: as many; one thread each, as the launcher's workers run), with the load average before
+and after:
 
 1. a send + recv round trip (two handoffs) for the sizes a small CPU pipeline sends, 16 floats to 1 MiB (median and
-   90th percentile; half a round trip is one handoff), and an all-reduce of 16 floats;
-2. torch's 2-stage ``Schedule1F1B`` (``torch.distributed.pipelining``, as ``runtime/pp.py`` builds it) over a fixed
-   batch split into 2, 4, 8 and 16 micro-batches, timed in turn round after round: the median step time against n,
-   its least-squares slope (what one more micro-batch costs a step), and the same slope of each rank running its own
-   stage alone (forward, backward, no schedule, no sends): the difference is what the schedule and its handoffs add
-   per micro-batch and stage, the ``cpu`` preset's ``cpu_pp_microbatch_s`` + ``pp_handoff_s``
-   (``autopar_nb/cost/factors.py``).
+   90th percentile; half a round trip is one handoff), between ranks 0 and 1, and an all-reduce of 16 floats;
+2. torch's ``Schedule1F1B`` over ``--stages`` stages, one per process (``torch.distributed.pipelining``, as
+   ``runtime/pp.py`` builds it) over a fixed batch split into 2, 4, 8 and 16 micro-batches (those of at least one
+   per stage), timed in turn round after round: the median step time against n, its least-squares slope (what one
+   more micro-batch costs a step), and the same slope of each rank running its own stage alone (forward, backward,
+   no schedule, no sends): the difference is what the schedule and its handoffs add per micro-batch, the ``cpu``
+   preset's ``cpu_pp_microbatch_s`` + ``pp_handoff_s`` (``autopar_nb/cost/factors.py``).
 """
 
 from __future__ import annotations
@@ -73,49 +74,56 @@ def interleaved_medians(fns: dict, steps: int) -> dict:
     return {k: statistics.median(t) for k, t in times.items()}
 
 
-def pipeline_times(rank: int, steps: int) -> tuple[dict[int, float], dict[int, float]]:
+def pipeline_times(rank: int, stages: int, steps: int) -> tuple[dict[int, float], dict[int, float]]:
     """({n: median seconds of a 1F1B step with n micro-batches}, {n: the same rank's stage run alone n times}),
-    each step as slow as its slower rank (the maximum over the 2 ranks)."""
+    each step as slow as its slowest rank (the maximum over the ``stages`` ranks)."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import Schedule1F1B
 
     module = stage_module(rank)
     batch = torch.randn(BATCH, WIDTH)
     fns = {}
-    for n in MICRO_BATCHES:
-        schedule = Schedule1F1B(PipelineStage(module, rank, 2, torch.device("cpu")), n,
+    counts = micro_batch_counts(stages)
+    for n in counts:
+        schedule = Schedule1F1B(PipelineStage(module, rank, stages, torch.device("cpu")), n,
                                 loss_fn=lambda out, target: out.sum())
 
         def step(schedule=schedule):
             if rank == 0:
                 schedule.step(batch)
-            else:
+            elif rank == stages - 1:
                 schedule.step(target=batch)
+            else:
+                schedule.step()
 
         def local(n=n):
             for mb in batch.chunk(n):
                 module(mb.requires_grad_()).sum().backward()
         fns["1f1b", n], fns["alone", n] = step, local
     t = interleaved_medians(fns, steps)
-    both = torch.tensor([[t["1f1b", n], t["alone", n]] for n in MICRO_BATCHES], dtype=torch.float64)
+    both = torch.tensor([[t["1f1b", n], t["alone", n]] for n in counts], dtype=torch.float64)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    return ({n: float(both[i, 0]) for i, n in enumerate(MICRO_BATCHES)},
-            {n: float(both[i, 1]) for i, n in enumerate(MICRO_BATCHES)})
+    return ({n: float(both[i, 0]) for i, n in enumerate(counts)}, {n: float(both[i, 1]) for i, n in enumerate(counts)})
 
 
-def worker(rank: int, port: int, n: int, steps: int, out) -> None:
+def micro_batch_counts(stages: int) -> list[int]:
+    """The micro-batch counts timed: torch's 1F1B needs at least one micro-batch per stage."""
+    return [n for n in MICRO_BATCHES if n >= stages]
+
+
+def worker(rank: int, stages: int, port: int, n: int, steps: int, out) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=stages)
     small = torch.zeros(16)
     for _ in range(20):  # the first collectives connect and warm up
         dist.all_reduce(small)
-    trips = {size: round_trips(rank, torch.zeros(size), n) for size in SIZES}
+    trips = {size: round_trips(rank, torch.zeros(size), n) if rank < 2 else [] for size in SIZES}
     all_reduces = []
     for _ in range(n):
         t0 = time.perf_counter()
         dist.all_reduce(small)
         all_reduces.append(time.perf_counter() - t0)
-    piped, alone = pipeline_times(rank, steps)
+    piped, alone = pipeline_times(rank, stages, steps)
     if rank == 0:
         out.put((trips, all_reduces, piped, alone))
     dist.barrier()
@@ -129,14 +137,15 @@ def slope(times: dict[int, float]) -> float:
     return sum((k - mn) * (times[k] - mt) for k in ns) / sum((k - mn) ** 2 for k in ns)
 
 
-def report(trips, all_reduces, piped, alone) -> None:
+def report(trips, all_reduces, piped, alone, stages: int) -> None:
     def us(t):
         return f"median {statistics.median(t) * 1e6:.0f} us, p90 {statistics.quantiles(t, n=10)[-1] * 1e6:.0f} us"
     for size, t in trips.items():
         print(f"send + recv round trip, {size} floats ({size * 4 / 1024:.1f} KiB): {us(t)} ({len(t)} timed)")
     print(f"all_reduce of 16 floats: {us(all_reduces)} ({len(all_reduces)} timed)")
-    print(f"2-stage 1F1B, batch {BATCH} x {WIDTH}, {LAYERS} Linear+ReLU per stage, median step (slower rank):")
-    for n in MICRO_BATCHES:
+    print(f"{stages}-stage 1F1B, batch {BATCH} x {WIDTH}, {LAYERS} Linear+ReLU per stage, median step (slowest "
+          "rank):")
+    for n in piped:
         print(f"  {n:2d} micro-batches: 1F1B {piped[n] * 1e3:7.2f} ms, the stage alone {alone[n] * 1e3:6.2f} ms")
     sp, sa = slope(piped), slope(alone)
     print(f"slope: 1F1B {sp * 1e6:.0f} us per micro-batch, the stage alone {sa * 1e6:.0f} us: the schedule and its "
@@ -150,18 +159,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=300, help="round trips (and all-reduces) timed per size")
     parser.add_argument("--steps", type=int, default=30, help="pipeline steps timed per micro-batch count")
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages, one process each (2 to 16)")
     args = parser.parse_args()
+    if not 2 <= args.stages <= 16:
+        parser.error(f"--stages {args.stages}: 2 to 16 (1F1B needs a micro-batch per stage, 16 at most here)")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     load = os.getloadavg()[0]
     port = 20000 + os.getpid() % 20000
-    procs = [ctx.Process(target=worker, args=(r, port, args.n, args.steps, out)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, args.stages, port, args.n, args.steps, out))
+             for r in range(args.stages)]
     for p in procs:
         p.start()
     result = out.get()
     for p in procs:
         p.join()
-    report(*result)
+    report(*result, args.stages)
     print(f"load average {load:.1f} before, {os.getloadavg()[0]:.1f} after; {os.cpu_count()} CPUs; "
           f"torch {torch.__version__}")
 

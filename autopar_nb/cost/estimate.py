@@ -502,7 +502,7 @@ class Evaluator:
         pp_link = link_for(self.cluster, size=s.pp, stride=s.tp * s.replicas)
         p2p_t = max((collective_time("send_recv", b, 2, pp_link, f.eff_link) for b in sums.p2p), default=0.0)
         total = 2 * s.micro_batches * p2p_t * s.virtual_stages
-        wait = s.micro_batches * s.virtual_stages * f.pp_handoff_s  # a blocking receive hides nothing
+        wait = s.micro_batches * s.virtual_stages * f.pp_handoff_s  # never hidden; no stage-count factor: see Factors
         return comm.record("send_recv", total + wait, 2 * (s.pp - 1) * p2p_t + (1 - f.overlap_pp) * total + wait,
                            f.overlap_contention)
 

@@ -117,9 +117,11 @@ class Factors:
     """seconds of host time per collective call outside the wrappers above (the loss's
     all-reduce)"""
     pp_handoff_s: float = 0.0
-    """seconds a step waits per micro-batch and pipeline stage for the stage's blocking handoffs (the activation's
-    send/recv forward, its gradient's back) beyond the link's alpha-beta time and the schedule's host time
-    (``cpu_pp_microbatch_s``), never hidden. 0 on the GPU presets, whose point-to-point cost is the link's
+    """seconds a step waits per micro-batch and stage of a rank (virtual stage) for the stage's blocking handoffs
+    (the activation's send/recv forward, its gradient's back) beyond the link's alpha-beta time and the schedule's
+    host time (``cpu_pp_microbatch_s``), never hidden; not per stage boundary: 1F1B's ranks wait at once, each on
+    its neighbour, so 3 and 4 stages cost no more per micro-batch than 2 (BENCHMARKS.md "Pipeline handoffs on
+    gloo"). 0 on the GPU presets, whose point-to-point cost is the link's
     published NCCL latency and bandwidth; the ``cpu`` preset's is :data:`CPU_PP_HANDOFF_S`"""
 
     def efficiency(self, op_class: str, dtype_is_half: bool) -> float:
@@ -157,7 +159,9 @@ has been scheduled, which on cores shared with other processes costs far more th
 handoffs on gloo", 2026-12-06): the slope of torch's 2-stage ``Schedule1F1B`` step in its micro-batches, less that of
 each stage run alone, less ``cpu_pp_microbatch_s``, on this project's 2 shared x86_64 cores (torch 2.13.0+cpu): 3.1,
 6.5, 4.1 and 7.6 ms in four runs at load average 11-17, the median 5.3 ms. It moves with the load (a tournament's
-pipelines cost about 10 ms per micro-batch at load 2-8, 74 ms at 21-25): a calibration scales it"""
+pipelines cost about 10 ms per micro-batch at load 2-8, 74 ms at 21-25): a calibration scales it. With 3 and 4
+stages (``--stages``, 2026-12-07, load 18-26) the per micro-batch cost was no larger than with 2, so it is not
+multiplied by the stage boundaries"""
 
 
 def factors_for(cluster) -> Factors:
