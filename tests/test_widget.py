@@ -744,7 +744,7 @@ def test_layer_table_says_how_projections_with_parts_split(gpt_graph):
     s.replan(fix={"tp": 2})
     w = s.widget()
     row = next(r for r in w.layers if r["path"] == "h.1")
-    assert row["auto_label"] == "TP col → row · c_attn split part by part", row
+    assert row["auto_label"] == "TP col → row + SP · c_attn split part by part", row
     layer = dataclasses.replace(gpt_graph.layer("h.1"), modules={"a.q": "Linear", "a.k": "Linear", "a.qkv": "Linear"})
     lp = LayerPlan("h.1", tp={"a.k": "colwise", "a.qkv": "colwise"}, tp_parts={"a.k": [1], "a.qkv": [4, 2, 2]})
     assert layout_note(layer, lp, 2) == " · k repeated · qkv gathered"
