@@ -12,6 +12,8 @@ from families import FAMILIES
 from runtime_cases import (
     GPT_CELL,
     HF_BERT_CELL,
+    HF_DEEPSEEK_V3_CELL,
+    HF_FALCON_CELL,
     HF_GPT2_CELL,
     HF_LLAMA_CELL,
     LLAMA_CELL,
@@ -283,6 +285,41 @@ def test_tp_collectives_are_megatrons(fake_world_of_two, sp, tmp_path):
     else:
         assert counts == {"all_reduce": 5, "all_gather_into_tensor": 1}
     assert logits.shape == (4, 16, 64)
+
+
+HELD_CELLS = {"GPT-2": HF_GPT2_CELL, "zoo GPT": GPT_CELL, "Falcon": HF_FALCON_CELL, "DeepSeek-V3": HF_DEEPSEEK_V3_CELL}
+"""TP layouts whose ranks hold more than 1/tp of a projection: GPT-2's Conv1D ``c_attn`` split part by part (its bias
+whole), Falcon's fused multi-query ``query_key_value`` repeated (whole), DeepSeek-V3's MLA (the low-rank down
+projections and ``kv_a_proj_with_mqa`` whole)"""
+
+
+@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+def test_a_tp_rank_holds_the_parameter_bytes_the_planner_counts(tmp_path):
+    """Under tp=2 the planner's parameter bytes on rank 0 are what the exported ``parallelize()`` leaves there
+    (local shards of DTensors, whole tensors elsewhere), byte for byte."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autopar_nb as ap
+
+    planned = {}
+    for name, cell in HELD_CELLS.items():  # planned before the fake group exists (the layout run makes its own)
+        src = source(cell)
+        model, inputs, _ = src.build(device="meta")
+        planned[name] = src, ap.plan(ap.capture(model, inputs), ap.Cluster.preset("cpu", gpus_per_node=2),
+                                     fix={"tp": 2, "dp": 1})
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        held = {}
+        for name, (src, plan) in planned.items():
+            script = script_namespace(src, plan, tmp_path)
+            (model,) = script["parallelize"](script["model"], script["build_mesh"]("cpu", 1, 1, 2), "cpu")
+            local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+            held[name] = sum(t.numel() * t.element_size() for t in local)
+    finally:
+        dist.destroy_process_group()
+    assert held == {name: plan.cost.memory_by_rank[0].params for name, (_, plan) in planned.items()}
 
 
 def test_gradient_accumulation_all_reduces_once_per_step():

@@ -193,12 +193,14 @@ def test_a_head_indexed_table_is_split_with_its_heads(name):
     script = render_script(source(cell), plan)
     assert f"tables = {{'h.*.attn': {dims!r}}}" in script.replace('"', "'")
     assert 'shard_head_tables(part, mesh["tp"], tables)' in script
-    # the cost model charges a rank its own heads' share of the tables, as of the split projections: only the norms
-    # and the rowwise projections' biases are whole on every rank (the tables were counted whole: 1024 more each)
+    # the cost model charges a rank its own heads' share of the tables, as of the split projections: only the norms,
+    # the rowwise projections' biases and the bias of a projection split part by part (the fused qkv's) are whole on
+    # every rank (the tables were counted whole: 1024 more each)
     assert set(graph.tp_tables) == {f"h.{i}.attn.{name}" for i in (0, 1) for name in dims}
     params = {n: p for n, p in graph.params.items() if not p.is_buffer}
     whole = sum(p.numel for n, p in params.items() if ".ln_" in n or n == "ln_f.weight" or n == "ln_f.bias"
-                or (n.endswith(".bias") and plan.tp_plan.get(n.rpartition(".")[0]) == "rowwise"))
+                or (n.endswith(".bias") and plan.tp_plan.get(n.rpartition(".")[0]) == "rowwise")
+                or n.endswith(".attn.qkv.bias"))
     total = sum(p.numel for p in params.values())
     assert plan.mesh.dp == 1 and plan.cost.memory_by_rank[0].params == 4 * ((total - whole) / 2 + whole)
 

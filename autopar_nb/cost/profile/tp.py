@@ -57,10 +57,15 @@ def _count_styled(lp: LayerProfile, n, style: str, f: Facts, kv: set[str],
     params = f.graph.params
     lp.tp[n.module_path] = style
     lp.regions.add(f.tp.region_of.get(n.name, -1))
+    pp = f.tp.parts.get(n.name)
+    # a rowwise projection's bias is added after the all-reduce, whole; so is that of a projection split part by
+    # part (runtime/layouts.py's PackedColwiseParallel keeps it whole: FSDP could not cut it part by part)
+    packed = pp is not None and len(pp.counts) > 1 and not pp.gathered and not pp.table
     for pname in n.params:
         pi = params.get(pname)
-        if pi is not None and not pi.is_buffer and not (pname.endswith("bias") and
-                                                        style == "rowwise"):
+        if pi is None or pi.is_buffer:
+            continue
+        if not (pname.endswith("bias") and (style == "rowwise" or packed and len(pi.shape) == 1)):
             split_params.add(pname)
     # the weight: the first 2-D parameter (addmm, Conv1D's op, reads its bias first)
     w = next((params[q] for q in n.params if q in params and len(params[q].shape) == 2),
@@ -68,7 +73,6 @@ def _count_styled(lp: LayerProfile, n, style: str, f: Facts, kv: set[str],
     is_embedding = n.op_class == "embedding"
     if w is not None and is_embedding and style == "rowwise" and w.trainable:
         lp.embedding_params += w.numel
-    pp = f.tp.parts.get(n.name)
     if pp is not None:
         lp.parts[n.module_path] = pp
     if n.name in kv:
