@@ -205,6 +205,24 @@ def test_a_head_indexed_table_is_split_with_its_heads(name):
     assert plan.mesh.dp == 1 and plan.cost.memory_by_rank[0].params == 4 * ((total - whole) / 2 + whole)
 
 
+def test_head_tables_are_costed_split_when_a_process_group_is_already_set_up():
+    """In a process that already holds a process group (a user's, here a fake one) the layout cannot run on the
+    stand-in, yet the script still shards the head tables (export finds them itself): the cost model must count them
+    split as well. They were costed whole there (2 x 1024 floats more on each rank)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    cell, _ = TABLES["heads_first"]
+    alone = planned(cell)[1].cost.memory_by_rank[0].params
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        graph, plan = planned(cell)
+    finally:
+        dist.destroy_process_group()
+    assert set(graph.tp_tables) == {"h.0.attn.rel_bias", "h.1.attn.rel_bias"}
+    assert plan.cost.memory_by_rank[0].params == alone
+
+
 @pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
 def test_gemmas_scaled_embedding_and_its_tied_head_are_split():
     """Gemma's embedding is an nn.Embedding subclass whose own forward scales the lookup by sqrt(hidden), tied to the

@@ -52,8 +52,6 @@ class Layout(NamedTuple):
 def run_layout(stand: StandIn, layout: Layout) -> tuple[str, str] | None:
     """None when the forward runs on ``layout``'s local shards (or the check cannot run here: a process group is
     already set up, the styles cannot be built); else (module path, why) of the first failure."""
-    if dist.is_initialized():
-        return None  # a real process group of the user's: the fake one cannot sit beside it
     model = meta_copy(stand.model)
     styles_of = dict(layout.styles)
     try:
@@ -64,7 +62,9 @@ def run_layout(stand: StandIn, layout: Layout) -> tuple[str, str] | None:
                              call=lambda model: call(model, stand))
     except (NotImplementedError, ValueError):
         return None  # export refuses it with its own message
-    stand.tables[layout] = tables
+    stand.tables[layout] = tables  # found on the whole model: split with the heads even where the run cannot be
+    if dist.is_initialized():
+        return None  # a real process group of the user's: the fake one cannot sit beside it
     ties = tied_parameters(model)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
