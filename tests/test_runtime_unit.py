@@ -14,8 +14,10 @@ from runtime_cases import (
     HF_BERT_CELL,
     HF_DEEPSEEK_V3_CELL,
     HF_FALCON_CELL,
+    HF_GEMMA_CELL,
     HF_GPT2_CELL,
     HF_LLAMA_CELL,
+    HF_PHI3_CELL,
     LLAMA_CELL,
     RECSYS_CELL,
     gpt_mlp_tp,
@@ -287,10 +289,12 @@ def test_tp_collectives_are_megatrons(fake_world_of_two, sp, tmp_path):
     assert logits.shape == (4, 16, 64)
 
 
-HELD_CELLS = {"GPT-2": HF_GPT2_CELL, "zoo GPT": GPT_CELL, "Falcon": HF_FALCON_CELL, "DeepSeek-V3": HF_DEEPSEEK_V3_CELL}
+HELD_CELLS = {"GPT-2": HF_GPT2_CELL, "zoo GPT": GPT_CELL, "Falcon": HF_FALCON_CELL, "DeepSeek-V3": HF_DEEPSEEK_V3_CELL,
+              "Gemma": HF_GEMMA_CELL, "Phi-3 GQA": HF_PHI3_CELL.format(kv=2), "Qwen3": FAMILIES["Qwen3"]}
 """TP layouts whose ranks hold more than 1/tp of a projection: GPT-2's Conv1D ``c_attn`` split part by part (its bias
 whole), Falcon's fused multi-query ``query_key_value`` repeated (whole), DeepSeek-V3's MLA (the low-rank down
-projections and ``kv_a_proj_with_mqa`` whole)"""
+projections and ``kv_a_proj_with_mqa`` whole), Gemma's single key/value head repeated, Phi-3's GQA ``qkv_proj`` split
+as one block, Qwen3's per-head q/k norms (whole)"""
 
 
 @pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
@@ -309,6 +313,7 @@ def test_a_tp_rank_holds_the_parameter_bytes_the_planner_counts(tmp_path):
         model, inputs, _ = src.build(device="meta")
         planned[name] = src, ap.plan(ap.capture(model, inputs), ap.Cluster.preset("cpu", gpus_per_node=2),
                                      fix={"tp": 2, "dp": 1})
+    assert {"shared", "per_head"} <= {style for _, plan in planned.values() for style in plan.tp_plan.values()}
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         held = {}
