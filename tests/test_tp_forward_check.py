@@ -15,6 +15,7 @@ from runtime_cases import (
     GPT_CELL,
     HF_BLOOM_CELL,
     HF_DEEPSEEK_V3_CELL,
+    HF_FALCON_CELL,
     HF_GEMMA2_CELL,
     HF_GEMMA_CELL,
     HF_MPT_CELL,
@@ -221,6 +222,17 @@ def test_head_tables_are_costed_split_when_a_process_group_is_already_set_up():
         dist.destroy_process_group()
     assert set(graph.tp_tables) == {"h.0.attn.rel_bias", "h.1.attn.rel_bias"}
     assert plan.cost.memory_by_rank[0].params == alone
+
+
+@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+def test_falcons_repeated_multi_query_projection_says_its_query_rows_stay_whole():
+    """Falcon's fused query_key_value [4, 1, 1] at tp=2 is repeated: explain() says every rank holds all of it, the
+    query rows too, and why they are not split."""
+    _, plan = planned(HF_FALCON_CELL)
+    assert plan.tp_parts["transformer.h.1.self_attention.query_key_value"] == [4, 1, 1], plan.tp_parts
+    line = next(x for x in plan.explanation if x.startswith("Fused multi-query projections"))
+    assert "transformer.h.*.self_attention.query_key_value [4, 1, 1]" in line, line
+    assert "query rows (4 of 6 heads) stay whole too: one DTensor is split or whole, not both" in line, line
 
 
 @pytest.mark.skipif(not has_transformers(), reason="transformers not installed")

@@ -307,11 +307,14 @@ def _layout_lines(plan, prof, tp: int) -> list[str]:
                    f"each rank holds the whole weight and keeps the head its query heads read, their gradients "
                    f"all-reduced once per step.")
     if "multi_query" in found:
+        parts = next(iter(found["multi_query"].values()))[0][1]
         out.append(f"Fused multi-query projections (query heads, then key/value heads fewer than tp={tp}): "
                    f"{names('multi_query')}; a key/value head cannot be split over {tp} ranks, so it is repeated and "
                    f"the query heads are split: each rank holds the whole weight, computes the whole projection and "
                    f"keeps its share of the query heads with the key/value head they read (the attention and the "
-                   f"projection after it run split by heads), the weight's gradient all-reduced once per step.")
+                   f"projection after it run split by heads), the weight's gradient all-reduced once per step. Its "
+                   f"query rows ({max(parts)} of {sum(parts)} heads) stay whole too: one DTensor is split or whole, "
+                   f"not both, and two parameters would rename the weight in checkpoints and Hugging Face files.")
     if "split" in found:
         out.append(f"Head-indexed tables {LAYOUT_WORDS['split']} like the attention scores they are added to: "
                    f"{names('split')}.")
