@@ -272,7 +272,9 @@ def test_fused_qkv_costs_like_separate_projections():
         assert a32.peak_memory_bytes == pytest.approx(b32.peak_memory_bytes, rel=0.01)
         assert gpu(a32) == pytest.approx(gpu(b32), rel=0.03), t
         extra = (gpu(b) - gpu(a)) - (gpu(b32) - gpu(a32))
-        assert extra == pytest.approx(cfg.n_layer * 2 * 2 * copy), t
+        # (to 0.1 %: the fused projection's bias is whole on every rank, PackedColwiseParallel's, the separate
+        # projections' biases split: 3 x 1024 x (1 - 1/t) more floats per block to update, at each precision's cost)
+        assert extra == pytest.approx(cfg.n_layer * 2 * 2 * copy, rel=1e-3), t
 
 
 def test_repeated_key_value_projections_cost():
