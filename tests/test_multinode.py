@@ -348,18 +348,11 @@ def test_attached_run_follows_torchrun_on_another_node(nodes, tmp_path):
     assert {s["source"] for s in run.samples if s["state"] == "running"} <= {"stream", None}
 
 
-@pytest.mark.multiprocess
-def test_a_worker_dies_with_its_torchrun_killed_while_it_imports(tmp_path):
-    """SIGKILL to torchrun while its worker still imports (torch's import takes seconds on a loaded host, before
-    init_distributed): the exported script's first lines, which the worker here runs before sleeping in place of
-    the imports, set the death signal already, so the worker ends with its agent."""
+def _kill_the_agent_once_printed(script, marker: str, tmp_path) -> None:
+    """Start ``script`` under a real torchrun (one worker), SIGKILL torchrun alone once the log shows ``marker``,
+    and require its worker (in a session of its own, not the agent's group) gone within 10 s."""
     import psutil
 
-    from autopar_nb.export import kit
-
-    script = tmp_path / "importing.py"
-    script.write_text("\n\n".join(kit.with_early(set())) + "\n\nimport time\n\nprint('importing', flush=True)\n"
-                      "time.sleep(600)\n")
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(script)]
     with open(tmp_path / "torchrun.log", "w") as log:
         agent = subprocess.Popen(argv, env=base_env(), stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
@@ -367,7 +360,7 @@ def test_a_worker_dies_with_its_torchrun_killed_while_it_imports(tmp_path):
     workers = []
     try:
         deadline = time.time() + 180
-        while "importing" not in (tmp_path / "torchrun.log").read_text(errors="replace"):
+        while marker not in (tmp_path / "torchrun.log").read_text(errors="replace"):
             assert agent.poll() is None and time.time() < deadline, (tmp_path / "torchrun.log").read_text()
             time.sleep(0.5)
         workers = psutil.Process(agent.pid).children()
@@ -378,9 +371,22 @@ def test_a_worker_dies_with_its_torchrun_killed_while_it_imports(tmp_path):
         assert not alive, f"the worker (pid {workers[0].pid}) outlived its torchrun"
     finally:
         kill_tree(agent)
-        for worker in workers:  # its own session: not in the agent's group
+        for worker in workers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 worker.kill()
+
+
+@pytest.mark.multiprocess
+def test_a_worker_dies_with_its_torchrun_killed_while_it_imports(tmp_path):
+    """SIGKILL to torchrun while its worker still imports (torch's import takes seconds on a loaded host, before
+    init_distributed): the exported script's first lines, which the worker here runs before sleeping in place of
+    the imports, set the death signal already, so the worker ends with its agent."""
+    from autopar_nb.export import kit
+
+    script = tmp_path / "importing.py"
+    script.write_text("\n\n".join(kit.with_early(set())) + "\n\nimport time\n\nprint('importing', flush=True)\n"
+                      "time.sleep(600)\n")
+    _kill_the_agent_once_printed(script, "importing", tmp_path)
 
 
 @pytest.mark.multiprocess
@@ -388,27 +394,5 @@ def test_a_worker_dies_with_its_killed_torchrun(tmp_path):
     """SIGKILL to torchrun alone (a killed job step, an OOM-killed agent): torchrun starts its workers in sessions of
     their own with no death signal, so the worker trained on as an orphan (on several nodes, with the other nodes:
     nothing restarted the group). The exported script sets one: the worker ends with its agent."""
-    import psutil
-
     script = export(SRC, make_plan(SRC, dp=1), tmp_path / "train.py", steps=100_000, quiet=True).script
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(script)]
-    with open(tmp_path / "torchrun.log", "w") as log:
-        agent = subprocess.Popen(argv, env=base_env(), stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
-                                 start_new_session=True)
-    workers = []
-    try:
-        deadline = time.time() + 180
-        while "step 2 " not in (tmp_path / "torchrun.log").read_text(errors="replace"):
-            assert agent.poll() is None and time.time() < deadline, (tmp_path / "torchrun.log").read_text()
-            time.sleep(0.5)
-        workers = psutil.Process(agent.pid).children()
-        assert len(workers) == 1, workers
-        agent.kill()
-        agent.wait()
-        _, alive = psutil.wait_procs(workers, timeout=10)
-        assert not alive, f"the worker (pid {workers[0].pid}) outlived its torchrun"
-    finally:
-        kill_tree(agent)
-        for worker in workers:  # its own session: not in the agent's group
-            with contextlib.suppress(psutil.NoSuchProcess):
-                worker.kill()
+    _kill_the_agent_once_printed(script, "step 2 ", tmp_path)
