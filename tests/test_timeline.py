@@ -289,3 +289,103 @@ def test_the_timeline_chart_renders_with_its_peak_label_at_1024_px(graph, tmp_pa
     assert after["rank"] == str(other["rank"]) and after["label"] == f"peak {fmt_bytes(other['bytes'][other['peak']])}"
     assert after["inside"] and after["drawn"] > 1000
     assert follows == kept == str(other["rank"])  # the peak rank until one is picked, then the one picked
+
+
+# ---- measured on CPU (autopar_nb/verify/timeline.py) ---------------------------------------------------------------
+MEASURED_CELL = """\
+import torch
+from autopar_nb.zoo import GPT, GPTConfig
+
+model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128))
+example_inputs = (torch.randint(0, 256, (4, 64)),)
+"""
+MEASURED_WITHIN = 0.05
+"""the bound the tracker's per-rank peak is held to (test_memory_accuracy's WITHIN)"""
+
+
+@pytest.mark.multiprocess  # measure() runs the exported script in a child process
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_measured_timeline_has_the_predicted_moments_and_peak(tp):
+    """``Session.memory_timeline(measure=True)`` runs the plan's exported script's own step under torch's memory
+    tracker (one rank of a fake group) and puts the largest total it measured at each place of the step on the
+    predicted moment that place is at: every moment of a GPT (dp=1, and tp=2) gets a measured value within 5 % of
+    the peak of its prediction, and the measured peak is within 5 % of the predicted one. The widget's timeline
+    carries that curve, for that plan only."""
+    from autopar_nb.notebook.session import Session
+    from autopar_nb.source import ModelSource
+
+    src = ModelSource(MEASURED_CELL)
+    meta, example, _ = src.build(device="meta")
+    graph = ap.capture(meta, example)
+    s = Session(graph, ap.Cluster.preset("cpu", 1, tp), src)
+    s.replan(fix={"dp": 1, "tp": tp, "pp": 1, "micro_batches": 1, "amp": "none", "recompute": "none"})
+    w = s.widget()
+    tl = s.memory_timeline(measure=True)
+    predicted = ap.memory_timeline(s.plan, graph)
+    print(tl)
+    assert [m.label for m in tl] == [m.label for m in predicted] and len(tl.measured) == len(tl)
+    assert "torch's memory tracker" in tl.measured_basis and "fake process group" in tl.measured_basis
+    for m, got in zip(predicted, tl.measured, strict=True):
+        assert got == pytest.approx(m.bytes, abs=MEASURED_WITHIN * predicted.peak_bytes), (m.label, got)
+    assert max(tl.measured) == pytest.approx(predicted.peak_bytes, rel=MEASURED_WITHIN)
+    assert "second column: measured tensors" in str(tl)
+    entry = w.timeline["ranks"][0]
+    assert entry["measured"] == tl.measured and entry["measured_basis"] == tl.measured_basis
+    s.replan(fix={"dp": 1, "tp": tp, "pp": 1, "micro_batches": 1, "amp": "none", "recompute": "full"})
+    assert "measured" not in w.timeline["ranks"][0]  # another plan: its prediction alone
+
+
+def test_a_multi_stage_schedules_measured_timeline_is_refused(graph):
+    from autopar_nb.verify.timeline import measured_timeline
+
+    with pytest.raises(ValueError, match="one stage per rank"):
+        measured_timeline(None, _plan(graph, "interleaved_1f1b"), graph)
+
+
+CURVE_PIXELS = """() => {
+  const canvas = document.querySelector('.ap-timeline [data-chart=timeline] canvas');
+  const img = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+  let curve = 0;  // the measured curve's colour (timeline.js TL_COLORS.curve, #54a24b)
+  for (let i = 0; i < img.length; i += 4) {
+    if (Math.abs(img[i] - 84) < 24 && Math.abs(img[i + 1] - 162) < 24 && Math.abs(img[i + 2] - 75) < 24
+        && img[i + 3] > 200) curve++;
+  }
+  const panel = document.querySelector('.ap-timeline');
+  return {curve, legend: [...panel.querySelectorAll('.ap-keys .ap-legend-item')].map((e) => e.textContent)};
+}"""
+
+
+@pytest.mark.browser
+def test_a_measured_curve_is_drawn_on_the_timelines_axes(graph):
+    """After ``Session.memory_timeline(measure=True)`` the chart draws the measured curve as a second series on the
+    predicted one's axes (its colour on the canvas, where without it there is none), keyed under what it is, and
+    the readout under the pointer gives the moment's measured bytes beside the predicted ones."""
+    import test_browser
+    from test_widget import JL_LIGHT, widget_page
+
+    from autopar_nb.verify.timeline import measured_basis
+
+    test_browser._require_chromium()
+    s, w = _widget(graph)
+    rank = w.timeline["default"]
+    with widget_page(w, JL_LIGHT, width=1400) as (page, errors):
+        page.locator(".ap-timeline").scroll_into_view_if_needed()
+        before = page.evaluate(CURVE_PIXELS)
+    tl = ap.memory_timeline(s.plan, graph, rank=rank)  # a curve below the prediction, one moment not measured
+    tl.measured = [m.bytes * 0.8 for m in tl]
+    tl.measured[1] = None
+    tl.measured_basis = measured_basis(s.plan)
+    s.measured_timelines = (s.plan, {rank: tl})
+    w.refresh()
+    with widget_page(w, JL_LIGHT, width=1400) as (page, errors):
+        page.locator(".ap-timeline").scroll_into_view_if_needed()
+        after = page.evaluate(CURVE_PIXELS)
+        box = page.locator(".ap-timeline .u-over").bounding_box()
+        page.mouse.move(box["x"] + box["width"] * 0.5 / len(tl), box["y"] + box["height"] / 2)
+        hovered = page.evaluate("() => document.querySelector('.ap-tl-moment').textContent")
+    assert not errors, errors
+    print(before, after, hovered)
+    assert before["curve"] == 0 and after["curve"] > 200, (before, after)
+    assert after["legend"] == ["predicted tensors (no margin)", "peak", tl.measured_basis]
+    # (the bytes as text: planner.js rounds a half up where Python's format rounds it to even)
+    assert "; measured " in hovered and f" at {tl[0].label}: " in hovered and "peak" not in hovered, hovered

@@ -50,6 +50,9 @@ class Session:
     _observers: list = field(default_factory=list, repr=False, compare=False)
     """callables ``fn(session)`` run after every replan/undo/redo (the widget registers one)"""
     _widget: Any = field(default=None, repr=False, compare=False)
+    measured_timelines: tuple | None = field(default=None, repr=False, compare=False)
+    """(the plan measured, {pipeline rank: its MemoryTimeline with the measured curve}) after
+    ``memory_timeline(measure=True)``: what the widget draws beside that plan's predicted timeline"""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -394,12 +397,24 @@ class Session:
             return self.plan.batch.global_batch
         return self.global_batch or self.graph.batch_size
 
-    def memory_timeline(self, rank: int | None = None):
+    def memory_timeline(self, rank: int | None = None, *, measure: bool = False):
         """The current plan's predicted memory over one step on pipeline rank ``rank`` (None: the one with the
-        largest peak): :func:`autopar_nb.memory_timeline`; ``print()`` it for a chart in text."""
-        from ..planner.timeline import memory_timeline
+        largest peak): :func:`autopar_nb.memory_timeline`; ``print()`` it for a chart in text. With ``measure``,
+        also what the plan's exported script holds at each moment, measured on CPU under torch's memory tracker
+        (:func:`autopar_nb.verify.timeline.measured_timeline`, a few seconds for a small model); the widget then
+        draws that curve on the same axes, until the plan changes."""
+        if not measure:
+            from ..planner.timeline import memory_timeline
 
-        return memory_timeline(self.current_plan(), self.graph, cluster=self.cluster, rank=rank)
+            return memory_timeline(self.current_plan(), self.graph, cluster=self.cluster, rank=rank)
+        from ..verify.timeline import measured_timeline
+
+        plan = self.current_plan()
+        tl = measured_timeline(self.source, plan, self.graph, cluster=self.cluster, rank=rank)
+        kept = self.measured_timelines if self.measured_timelines and self.measured_timelines[0] is plan else None
+        self.measured_timelines = (plan, {**(kept[1] if kept else {}), tl.rank: tl})
+        self._notify()
+        return tl
 
     def summary(self) -> str:
         """Plain-text summary: model, cluster, layers (repeated blocks folded)."""

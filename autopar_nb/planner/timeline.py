@@ -53,6 +53,14 @@ class MemoryTimeline:
     """the allocator margin the plan adds to the peak (not part of any moment's bytes)"""
     ranks: int = 1
     """pipeline ranks of the plan"""
+    keys: list[tuple] = field(default_factory=list, repr=False)
+    """each moment as the cost model lists it (``peak_moments``: phase, layer index, breakdown, op, later): what a
+    measured place is matched with (``verify.moments.moment_at``)"""
+    measured: list[float | None] | None = None
+    """after a measurement (``autopar_nb.verify.timeline.measured_timeline``): the largest total measured at each
+    moment, None at a moment no measured place maps to"""
+    measured_basis: str = ""
+    """what :attr:`measured` is (which tracker, which process group)"""
 
     def __iter__(self):
         return iter(self.moments)
@@ -77,9 +85,13 @@ class MemoryTimeline:
         pad = max(len(m.label) for m in self.moments)
         lines = [f"Predicted memory over one step, pipeline rank {self.rank} of {self.ranks} (tensors, no allocator "
                  f"margin; the plan adds {fmt_bytes(self.margin)} to the peak)"]
+        if self.measured is not None:
+            lines.append(f"second column: {self.measured_basis} (— where no measured place maps to the moment)")
         for i, m in enumerate(self.moments):
             bar = "█" * max(1, round(width * m.bytes / top)) if m.bytes > 0 else ""
-            lines.append(f"{m.label:<{pad}}  {fmt_bytes(m.bytes):>10}  {bar}{'  ◀ peak' if i == self.peak else ''}")
+            seen = "" if self.measured is None else f"  {_fmt_measured(self.measured[i]):>10}"
+            lines.append(f"{m.label:<{pad}}  {fmt_bytes(m.bytes):>10}{seen}  {bar}"
+                         f"{'  ◀ peak' if i == self.peak else ''}")
         p = self.moments[self.peak]
         lines.append(f"peak {fmt_bytes(p.bytes)} at {p.label}: "
                      + ", ".join(f"{name} {fmt_bytes(b)}" for name, b in p.terms))
@@ -137,7 +149,7 @@ def memory_timelines(plan: Plan, graph, *, cluster: Cluster | None = None) -> li
                    for phase, layer, mb, _op, later, action in rows]
         peak = max(range(len(moments)), key=lambda i: moments[i].bytes)
         margin = rows[peak][2].margin if rows else 0.0
-        out.append(MemoryTimeline(r, moments, peak, float(margin), len(per_rank)))
+        out.append(MemoryTimeline(r, moments, peak, float(margin), len(per_rank), keys=[row[:5] for row in rows]))
     return out
 
 
@@ -170,6 +182,10 @@ def _label(phase: str, layer: int | None, later: bool | None, paths: list[str], 
     if micro_batch is not None:
         return text + f" ({PASSES.get(kind, '')}micro-batch {micro_batch + 1} of {m})"
     return text + {True: " (a later micro-batch)", False: " (first micro-batch)", None: ""}[later]
+
+
+def _fmt_measured(b: float | None) -> str:
+    return fmt_bytes(b) if b is not None else "—"
 
 
 def _tensors(mb) -> float:

@@ -1,12 +1,13 @@
 // The memory timeline of one step in the planner widget (the `timeline` trait: autopar_nb/widget/timeline.py), like
 // PyTorch's memory_viz active-memory view: a pipeline rank's predicted tensors at each moment of the step, the peak
 // marked and its largest terms named; after a launched run, what it measured on the same axes. A run measures one
-// peak per rank, not a curve, so that is a horizontal line. Drawn with uPlot, as the run dashboard's charts are
+// peak per rank, not a curve, so that is a horizontal line; a step measured under torch's memory tracker
+// (`measured` in the rank's entry: bytes or null per moment) is a second curve over the same moments. Drawn with uPlot, as the run dashboard's charts are
 // (the vendored build widget/model.py puts in front of this file); `bytes` comes from units.js, `h` from planner.js.
 /* global uPlot */
 
 const TL_HEIGHT = 140;
-const TL_COLORS = { predicted: "#4c78a8", peak: "#e45756", measured: "#f58518" };
+const TL_COLORS = { predicted: "#4c78a8", peak: "#e45756", measured: "#f58518", curve: "#54a24b" };
 const TL_INCRS = [];
 for (let k = 0; k < 6; k++) for (const m of [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]) TL_INCRS.push(m * 1024 ** k);
 const TL_SHORT = { forward: "fwd", backward: "bwd", recompute: "rec", loss: "loss", "gradient reduction": "reduce",
@@ -58,7 +59,8 @@ function timelinePanel(ui) {
     title, h("div", { class: "ap-tl-chart" }),
     h("div", { class: "ap-keys" }, legendItem({ color: TL_COLORS.predicted, label: "predicted tensors (no margin)" }),
       legendItem({ color: TL_COLORS.peak, label: "peak" }, "ap-swatch-tl-peak"),
-      seen ? legendItem({ label: measured.peak_label }, "ap-swatch-tl-measured") : null),
+      seen ? legendItem({ label: measured.peak_label }, "ap-swatch-tl-measured") : null,
+      d.measured ? legendItem({ label: d.measured_basis }, "ap-swatch-tl-curve") : null),
     momentText(h("div", { class: "ap-tl-moment" }), d, d.peak),
     seen ? h("div", { class: "ap-hint ap-tl-measured-note" }, `${measured.peak_label}: ${bytes(seen.bytes)} on rank `
       + `${seen.rank}, run ${measured.run.id}; a launched run measures one peak per rank, drawn as a line`) : null);
@@ -68,7 +70,8 @@ function timelinePanel(ui) {
 // activations 1.2 MiB, ..."
 function momentText(el, d, i) {
   el.replaceChildren(i === d.peak ? "peak " : "", h("b", {}, bytes(d.bytes[i])), ` at ${d.labels[i]}: `,
-    d.terms[i].map(([k, b]) => `${k} ${bytes(b)}`).join(", "));
+    d.terms[i].map(([k, b]) => `${k} ${bytes(b)}`).join(", "),
+    d.measured && d.measured[i] !== null ? `; measured ${bytes(d.measured[i])}` : "");
   return el;
 }
 
@@ -105,7 +108,11 @@ function mountTimeline(ui) {
     series.push({ stroke: TL_COLORS.measured, dash: [6, 4], width: 1.5, points: { show: false } });
     data.push(xs.map(() => seen.bytes));
   }
-  const top = Math.max(d.bytes[d.peak], seen ? seen.bytes : 0);
+  if (d.measured) {
+    series.push({ stroke: TL_COLORS.curve, width: 1.5, spanGaps: true, points: { show: n <= 60, size: 4 } });
+    data.push(d.measured);
+  }
+  const top = Math.max(d.bytes[d.peak], seen ? seen.bytes : 0, ...(d.measured || []).filter((b) => b !== null));
   const width = () => Math.max(240, el.clientWidth);
   const u = new uPlot({
     width: width(), height: TL_HEIGHT, series, legend: { show: false },

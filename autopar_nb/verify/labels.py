@@ -91,7 +91,10 @@ class Labelled:
         """The phase and module of the peak: "<phase>/<side> in <module>". In backward and recompute, the
         module whose forward made the autograd node running then (:class:`NodeSpans`), where one did; the
         tracker's own module can lag there (a checkpointed layer's hooks)."""
-        phase, side, module, seq = self._peak_at
+        return self._where_of(self._peak_at)
+
+    def _where_of(self, at: tuple) -> str:
+        phase, side, module, seq = at
         if seq is not None and self.spans is not None:
             module = (self.spans.module_of(seq) or (module,))[0]
         return f"{phase}/{side}" + (f" in {module}" if module else "") if phase else ""
@@ -106,6 +109,10 @@ class Labelled:
 
     param_cast = False
     """the op being tracked is a ``_to_copy`` of a parameter (autocast's 16-bit copy of a weight)"""
+    moment_peaks: dict[str, float] | None = None
+    """with a dict: the largest total seen at each :attr:`where` of the step so far ("train/backward in
+    GPT.h.3" -> bytes; :meth:`reset_peak` empties it), the measured curve the memory timeline draws; None: not
+    kept (it costs a lookup per op)"""
     census = 0
     """keep this many of the largest storages alive at the peak, each with the op and module that made it
     (:meth:`largest`); 0: none (the origins cost a lookup per op)"""
@@ -189,14 +196,18 @@ class Labelled:
             time.sleep(FREES_LAND_S)
         before = dict(self._peak_mem)
         super()._update_peak_stats(peak_state)
-        if self._peak_mem != before:
-            if self.census:
-                self._at_peak = self._storages_now()
+        if self._peak_mem != before or self.moment_peaks is not None:
             mods = sorted(self._mod_tracker.parents - {"Global"}, key=len)
             side = "forward" if not self._mod_tracker.is_bw else "recompute" if self._recomputing() else "backward"
             node = torch._C._current_autograd_node() if side != "forward" else None
-            self._peak_at = (self.phase, side, mods[-1] if mods else "",
-                             node._sequence_nr() if node is not None else None)
+            now = (self.phase, side, mods[-1] if mods else "", node._sequence_nr() if node is not None else None)
+            if self.moment_peaks is not None and self.phase != "setup":
+                where, total = self._where_of(now), max((s["Total"] for s in self._curr_mem_snap.values()), default=0)
+                self.moment_peaks[where] = max(total, self.moment_peaks.get(where, 0))
+        if self._peak_mem != before:
+            if self.census:
+                self._at_peak = self._storages_now()
+            self._peak_at = now
             self.peak_node = node.name() if node is not None else None
 
     def _rising(self) -> bool:
@@ -223,6 +234,8 @@ class Labelled:
         """Forget the peak so far (the next one is the last step's)."""
         self._peak_mem_snap = self.get_tracker_snapshot()
         self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
+        if self.moment_peaks is not None:
+            self.moment_peaks = {}
         if self.census:
             self._at_peak = self._storages_now()
 

@@ -42,11 +42,12 @@ class _Session:
     """The tracker a run uses: the plain one until ``parallelize`` returns an FSDP2 module, then an FSDP one over
     it (FSDPMemTracker needs the module; it tracks its parameters and buffers from then on)."""
 
-    def __init__(self, steps: int, census: int = 0):
-        self.steps, self.census = steps, census
+    def __init__(self, steps: int, census: int = 0, moments: bool = False):
+        self.steps, self.census, self.moments = steps, census, moments
         self.spans = NodeSpans(lambda module: self.active._mod_tracker.get_known_fqn(module))
         self.active = Tracker()
         self.active.census, self.active.spans = census, self.spans
+        self.active.moment_peaks = {} if moments else None
 
     def switch_to_fsdp(self, roots: list) -> None:
         """Track the FSDP2 modules ``roots`` from now on: a rank's pipeline stages, one root each (an interleaved
@@ -60,6 +61,7 @@ class _Session:
         if len(roots) > 1:  # the tracker instruments what its root's modules() lists: every stage
             self.active._root_mod = nn.ModuleList(roots)
         self.active.census, self.active.spans = self.census, self.spans
+        self.active.moment_peaks = {} if self.moments else None
         self.active.__enter__()
 
     def as_setup(self, fn):
@@ -100,7 +102,7 @@ class _Session:
 
 
 def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: bool = False,
-                   census: int = 0) -> dict[str, Any]:
+                   census: int = 0, moments: bool = False) -> dict[str, Any]:
     """Run the exported script's ``main`` for ``steps`` steps inside the tracker, as rank ``rank`` of a fake process
     group of the plan's world size, or (``real``) as the rank torchrun started this process as, in a real gloo group
     (a pipelined plan: its stages exchange their boundary shapes with ``recv_object_list``, and every micro-batch's
@@ -108,7 +110,9 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
     of the last step, "where": its phase and module, "micro_batch": which of the step's calls of that module,
     "node": the autograd node running (both None outside backward), "world": ..., "rank": ...}``, and with
     ``census`` the ``census`` largest storages alive at the peak under ``"largest"`` (``Labelled.largest``: what
-    made each). Call it in a fresh process (the process group is global state): :func:`measure` does."""
+    made each), and with ``moments`` the largest total at each place the last step ran ("train/backward in
+    GPT.h.3" -> bytes, :attr:`Labelled.moment_peaks`) under ``"moments"``. Call it in a fresh process (the
+    process group is global state): :func:`measure` does."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
@@ -122,7 +126,7 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
         rank = dist.get_rank()
     else:
         dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-    session = _Session(steps, census)
+    session = _Session(steps, census, moments)
     if g["PP"] > 1:
         session.active.restart_roots = True
         _label_pipeline_buffers(session)
@@ -158,7 +162,8 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
         snap = session.active.get_tracker_snapshot("peak").get(torch.device("cpu"), {})
         out = {"peak": components(snap), "where": session.active.where, "micro_batch": session.active.micro_batch,
                "node": session.active.peak_node, "world": world, "rank": rank}
-        return out | ({"largest": session.active.largest()} if census else {})
+        return (out | ({"largest": session.active.largest()} if census else {})
+                | ({"moments": session.active.moment_peaks} if moments else {}))
     finally:
         del g, script_globals
         gc.collect()  # before destroy: a gloo thread taking the GIL at exit aborts the process now and then
@@ -246,7 +251,7 @@ def _bucket_as_is(state, bucket):
 
 
 def measure(source, plan, *, ranks: tuple[int, ...] = (0,), steps: int = 2, timeout: float = 600,
-            census: int = 0) -> list[dict]:
+            census: int = 0, moments: bool = False) -> list[dict]:
     """Measure ``plan`` on ``source`` (a :class:`~autopar_nb.source.ModelSource`) for each of ``ranks``: the plan's
     script is exported to a temporary directory and :func:`measure_script` runs it, each rank in a fresh process of
     a fake group, or every rank of a real one started by torchrun (:func:`measure_real`) for a plan whose ranks
@@ -255,15 +260,24 @@ def measure(source, plan, *, ranks: tuple[int, ...] = (0,), steps: int = 2, time
     allocated, so the received counts, and with them the experts' activations, were whatever memory held; Mixtral
     under DDP had 3270 to 5362 tokens per expert group where routing sends about 4096), and ZeRO-1 beside TP (in a
     fake group, rank 3 of dp 2 x tp 2 held no optimizer state where, on real processes, it holds half as rank 1 does).
-    ``census``: also list that many of the largest storages at each rank's peak (:func:`measure_script`)."""
+    ``census``: also list that many of the largest storages at each rank's peak; ``moments``: also the largest
+    total at each place the step ran (:func:`measure_script`)."""
     from ..export import export
 
     with tempfile.TemporaryDirectory(prefix="autopar-measure-") as tmp:
         script = export(source, plan, Path(tmp) / "train.py", quiet=True).script
-        if plan.mesh.pp > 1 or plan.mesh.ep > 1 or (plan.mesh.zero_stage == 1 and plan.mesh.tp > 1):
-            got = measure_real(script, world=plan.mesh.world_size, steps=steps, timeout=timeout, census=census)
+        if needs_real_group(plan):
+            got = measure_real(script, world=plan.mesh.world_size, steps=steps, timeout=timeout, census=census,
+                               moments=moments)
             return [got[r] for r in ranks]
-        return [measure_in_subprocess(script, rank=r, steps=steps, timeout=timeout, census=census) for r in ranks]
+        return [measure_in_subprocess(script, rank=r, steps=steps, timeout=timeout, census=census, moments=moments)
+                for r in ranks]
+
+
+def needs_real_group(plan) -> bool:
+    """:func:`measure` runs ``plan`` on a real gloo group, every rank (its ranks need each other's data), not as
+    one rank of a fake group."""
+    return plan.mesh.pp > 1 or plan.mesh.ep > 1 or (plan.mesh.zero_stage == 1 and plan.mesh.tp > 1)
 
 
 def _child(args: list[str], *, timeout: float) -> subprocess.CompletedProcess:
@@ -283,20 +297,22 @@ def _results(proc: subprocess.CompletedProcess, what: str) -> list[dict]:
     return got
 
 
-def measure_in_subprocess(script, *, rank: int = 0, steps: int = 2, timeout: float = 600, census: int = 0) -> dict:
+def measure_in_subprocess(script, *, rank: int = 0, steps: int = 2, timeout: float = 600, census: int = 0,
+                          moments: bool = False) -> dict:
     """:func:`measure_script` in a child process, one rank of a fake group (one JSON line back)."""
-    proc = _child(["-m", "autopar_nb.verify.measure", str(Path(script).resolve()), str(rank), str(steps), str(census)],
-                  timeout=timeout)
+    proc = _child(["-m", "autopar_nb.verify.measure", str(Path(script).resolve()), str(rank), str(steps), str(census),
+                   str(int(moments))], timeout=timeout)
     return _results(proc, f"{script} (rank {rank})")[-1]
 
 
-def measure_real(script, *, world: int, steps: int = 2, timeout: float = 600, census: int = 0) -> dict[int, dict]:
+def measure_real(script, *, world: int, steps: int = 2, timeout: float = 600, census: int = 0,
+                 moments: bool = False) -> dict[int, dict]:
     """:func:`measure_script` on every rank of a real gloo group of ``world`` processes on this machine (torchrun,
     loopback only): rank -> its result (each rank writes its own file: the ranks' printed lines can interleave)."""
     with tempfile.TemporaryDirectory(prefix="autopar-measure-ranks-") as out:
         proc = _child(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
                        "-m", "autopar_nb.verify.measure", str(Path(script).resolve()), "real", str(steps), str(census),
-                       out],
+                       str(int(moments)), out],
                       timeout=timeout)
         got = {}
         for f in Path(out).glob("rank*.json"):
@@ -309,10 +325,12 @@ def measure_real(script, *, world: int, steps: int = 2, timeout: float = 600, ce
 
 
 if __name__ == "__main__":
-    # script, rank (or "real": torchrun's, then the folder its result goes to), steps, census
+    # script, rank (or "real": torchrun's, then the folder its result goes to), steps, census, moments (0 or 1)
     _script, _rank, _steps, _census = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    _moments = bool(int(sys.argv[5]))
     if _rank == "real":
-        _out = measure_script(_script, steps=_steps, real=True, census=_census)
-        (Path(sys.argv[5]) / f"rank{_out['rank']}.json").write_text(json.dumps(_out))
+        _out = measure_script(_script, steps=_steps, real=True, census=_census, moments=_moments)
+        (Path(sys.argv[6]) / f"rank{_out['rank']}.json").write_text(json.dumps(_out))
     else:
-        print(json.dumps(measure_script(_script, rank=int(_rank), steps=_steps, census=_census)), flush=True)
+        print(json.dumps(measure_script(_script, rank=int(_rank), steps=_steps, census=_census, moments=_moments)),
+              flush=True)

@@ -202,7 +202,9 @@ class PlannerWidget(Edits, GraphView, Runs, anywidget.AnyWidget):
             self.memory = panels.memory_panel(plan, s.cluster)
             self.time = panels.time_panel(plan)
             self.components = panels.memory_components(plan, s.cluster)
-            self.timeline = timeline.timeline_panel(s.graph, plan, s.cluster)
+            seen = getattr(s, "measured_timelines", None)
+            self.timeline = timeline.timeline_panel(s.graph, plan, s.cluster,
+                                                    measured=seen[1] if seen and seen[0] is plan else None)
             self.measured = measured.measured_panel(plan, self._runs)
             self.controls = global_state(s.cluster, plan, s.fix, disabled=self._option_refusals())
             self.precision = precision_state(s.graph, plan, s.fix)

@@ -1,0 +1,52 @@
+"""The memory timeline of one step (:mod:`autopar_nb.planner.timeline`) with what the plan's exported script holds at
+each of its moments, measured: :func:`autopar_nb.verify.measure.measure` runs the script's own step under torch's
+memory tracker, which keeps the largest total at each place the step runs ("train/backward in GPT.h.3"), and each
+place is matched with the predicted moment it is at (:func:`autopar_nb.verify.moments.moment_at`, as a measured peak
+is)."""
+
+from __future__ import annotations
+
+from ..cost.schedule import MULTI_STAGE
+from ..planner.timeline import MemoryTimeline, memory_timeline
+from .measure import measure, needs_real_group
+from .moments import moment_at
+
+
+def measured_basis(plan) -> str:
+    """What a measured timeline's curve is, for ``plan``."""
+    group = "a real gloo group" if needs_real_group(plan) else "one rank of a fake process group"
+    return f"measured tensors (torch's memory tracker on CPU, {group})"
+
+
+def measured_timeline(source, plan, graph, *, cluster=None, rank: int | None = None, steps: int = 2,
+                      timeout: float = 600) -> MemoryTimeline:
+    """:func:`autopar_nb.memory_timeline` of ``plan`` with its :attr:`~MemoryTimeline.measured` curve: the
+    exported script of ``source`` (a :class:`~autopar_nb.source.ModelSource`) run for ``steps`` steps on CPU under
+    torch's memory tracker as the first rank of pipeline rank ``rank``'s stage, its last step's largest total at each
+    moment (None at a moment no measured place maps to: a run of identical layers' middle ones, which the timeline
+    leaves out). A schedule with several stages per rank is refused (its moments are per micro-batch; the tracker's
+    places are not).
+
+    >>> tl = measured_timeline(src, plan, graph)
+    >>> print(tl)   # a second column: what was measured at each moment"""
+    if plan.mesh.pp > 1 and plan.pipeline.schedule in MULTI_STAGE:
+        raise ValueError(f"a measured timeline of a {plan.pipeline.schedule} schedule is not supported (its moments "
+                         "are per micro-batch): use a schedule with one stage per rank (1f1b, gpipe)")
+    tl = memory_timeline(plan, graph, cluster=cluster, rank=rank)
+    width = max(1, plan.mesh.world_size // tl.ranks)
+    (got,) = measure(source, plan, ranks=(tl.rank * width,), steps=steps, timeout=timeout, moments=True)
+    tl.measured = measured_curve(got["moments"], tl, [lay.path for lay in graph.layers])
+    tl.measured_basis = measured_basis(plan)
+    return tl
+
+
+def measured_curve(places: dict[str, float], tl: MemoryTimeline, layer_paths: list[str]) -> list[float | None]:
+    """The largest of ``places`` (a measured place, :attr:`Labelled.where`, -> its largest total) at each of
+    ``tl``'s moments; None where none maps to it."""
+    values: list[float | None] = [None] * len(tl)
+    for where, total in places.items():
+        hit = moment_at(where, layer_paths, tl.keys)
+        i = next((k for k, key in enumerate(tl.keys) if key is hit), None) if hit is not None else None
+        if i is not None:
+            values[i] = max(values[i] or 0.0, float(total))
+    return values
