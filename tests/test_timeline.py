@@ -304,35 +304,41 @@ MEASURED_WITHIN = 0.05
 
 
 @pytest.mark.multiprocess  # measure() runs the exported script in a child process
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_a_measured_timeline_has_the_predicted_moments_and_peak(tp):
+@pytest.mark.parametrize("fix", [{}, pytest.param({"tp": 2}, marks=pytest.mark.slow),
+                                 pytest.param({"pp": 2, "micro_batches": 2, "schedule": "1f1b"},
+                                              marks=pytest.mark.slow)], ids=["dp1", "tp2", "pp2-1f1b"])
+def test_a_measured_timeline_has_the_predicted_moments_and_peak(fix):
     """``Session.memory_timeline(measure=True)`` runs the plan's exported script's own step under torch's memory
     tracker (one rank of a fake group) and puts the largest total it measured at each place of the step on the
-    predicted moment that place is at: every moment of a GPT (dp=1, and tp=2) gets a measured value within 5 % of
-    the peak of its prediction, and the measured peak is within 5 % of the predicted one. The widget's timeline
-    carries that curve, for that plan only."""
+    predicted moment that place is at: every moment of a GPT (dp=1; tp=2; pp=2 under 1F1B on a real gloo group,
+    its first micro-batch's backwards and a later one's apart) gets a measured value within 5 % of the peak of its
+    prediction, and the measured peak is within 5 % of the predicted one. The widget's timeline carries that curve,
+    for that plan only."""
     from autopar_nb.notebook.session import Session
     from autopar_nb.source import ModelSource
 
     src = ModelSource(MEASURED_CELL)
     meta, example, _ = src.build(device="meta")
     graph = ap.capture(meta, example)
-    s = Session(graph, ap.Cluster.preset("cpu", 1, tp), src)
-    s.replan(fix={"dp": 1, "tp": tp, "pp": 1, "micro_batches": 1, "amp": "none", "recompute": "none"})
+    fix = {"dp": 1, "tp": 1, "pp": 1, "micro_batches": 1, "amp": "none", "recompute": "none", **fix}
+    s = Session(graph, ap.Cluster.preset("cpu", 1, fix["tp"] * fix["pp"]), src)
+    s.replan(fix=fix)
     w = s.widget()
     tl = s.memory_timeline(measure=True)
     predicted = ap.memory_timeline(s.plan, graph)
+    assert tl.rank == predicted.rank
     print(tl)
     assert [m.label for m in tl] == [m.label for m in predicted] and len(tl.measured) == len(tl)
-    assert "torch's memory tracker" in tl.measured_basis and "fake process group" in tl.measured_basis
+    group = "a real gloo group" if fix["pp"] > 1 else "fake process group"
+    assert "torch's memory tracker" in tl.measured_basis and group in tl.measured_basis
     for m, got in zip(predicted, tl.measured, strict=True):
         assert got == pytest.approx(m.bytes, abs=MEASURED_WITHIN * predicted.peak_bytes), (m.label, got)
     assert max(tl.measured) == pytest.approx(predicted.peak_bytes, rel=MEASURED_WITHIN)
     assert "second column: measured tensors" in str(tl)
-    entry = w.timeline["ranks"][0]
+    entry = w.timeline["ranks"][tl.rank]
     assert entry["measured"] == tl.measured and entry["measured_basis"] == tl.measured_basis
-    s.replan(fix={"dp": 1, "tp": tp, "pp": 1, "micro_batches": 1, "amp": "none", "recompute": "full"})
-    assert "measured" not in w.timeline["ranks"][0]  # another plan: its prediction alone
+    s.replan(fix={**fix, "recompute": "full"})
+    assert not any("measured" in r for r in w.timeline["ranks"])  # another plan: its prediction alone
 
 
 def test_a_multi_stage_schedules_measured_timeline_is_refused(graph):

@@ -91,28 +91,27 @@ class Labelled:
         """The phase and module of the peak: "<phase>/<side> in <module>". In backward and recompute, the
         module whose forward made the autograd node running then (:class:`NodeSpans`), where one did; the
         tracker's own module can lag there (a checkpointed layer's hooks)."""
-        return self._where_of(self._peak_at)
+        return self._where_of(self._peak_at)[0]
 
-    def _where_of(self, at: tuple) -> str:
+    def _where_of(self, at: tuple) -> tuple[str, int | None]:
+        """:attr:`where` and :attr:`micro_batch` of a moment (phase, side, tracker's module, node sequence)."""
         phase, side, module, seq = at
-        if seq is not None and self.spans is not None:
-            module = (self.spans.module_of(seq) or (module,))[0]
-        return f"{phase}/{side}" + (f" in {module}" if module else "") if phase else ""
+        hit = self.spans.module_of(seq) if seq is not None and self.spans is not None else None
+        module = hit[0] if hit else module
+        return (f"{phase}/{side}" + (f" in {module}" if module else "") if phase else ""), (hit[1] if hit else None)
 
     @property
     def micro_batch(self) -> int | None:
         """In backward and recompute, which of the step's forward calls of the :attr:`where` module made the
         node running at the peak (a pipeline stage's micro-batch, counted from 0); None elsewhere."""
-        seq = self._peak_at[3]
-        hit = self.spans.module_of(seq) if seq is not None and self.spans is not None else None
-        return hit[1] if hit else None
+        return self._where_of(self._peak_at)[1]
 
     param_cast = False
     """the op being tracked is a ``_to_copy`` of a parameter (autocast's 16-bit copy of a weight)"""
-    moment_peaks: dict[str, float] | None = None
-    """with a dict: the largest total seen at each :attr:`where` of the step so far ("train/backward in
-    GPT.h.3" -> bytes; :meth:`reset_peak` empties it), the measured curve the memory timeline draws; None: not
-    kept (it costs a lookup per op)"""
+    moment_peaks: dict[tuple, float] | None = None
+    """with a dict: the largest total seen at each place of the step so far, (:attr:`where`, :attr:`micro_batch`)
+    -> bytes (("train/backward in GPT.h.3", 1): its second micro-batch's; :meth:`reset_peak` empties it), the
+    measured curve the memory timeline draws; None: not kept (it costs a lookup per op)"""
     census = 0
     """keep this many of the largest storages alive at the peak, each with the op and module that made it
     (:meth:`largest`); 0: none (the origins cost a lookup per op)"""
@@ -202,8 +201,8 @@ class Labelled:
             node = torch._C._current_autograd_node() if side != "forward" else None
             now = (self.phase, side, mods[-1] if mods else "", node._sequence_nr() if node is not None else None)
             if self.moment_peaks is not None and self.phase != "setup":
-                where, total = self._where_of(now), max((s["Total"] for s in self._curr_mem_snap.values()), default=0)
-                self.moment_peaks[where] = max(total, self.moment_peaks.get(where, 0))
+                place, total = self._where_of(now), max((s["Total"] for s in self._curr_mem_snap.values()), default=0)
+                self.moment_peaks[place] = max(total, self.moment_peaks.get(place, 0))
         if self._peak_mem != before:
             if self.census:
                 self._at_peak = self._storages_now()

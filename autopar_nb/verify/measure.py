@@ -110,8 +110,8 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
     of the last step, "where": its phase and module, "micro_batch": which of the step's calls of that module,
     "node": the autograd node running (both None outside backward), "world": ..., "rank": ...}``, and with
     ``census`` the ``census`` largest storages alive at the peak under ``"largest"`` (``Labelled.largest``: what
-    made each), and with ``moments`` the largest total at each place the last step ran ("train/backward in
-    GPT.h.3" -> bytes, :attr:`Labelled.moment_peaks`) under ``"moments"``. Call it in a fresh process (the
+    made each), and with ``moments`` the largest total at each place the last step ran under ``"moments"``:
+    [where, micro-batch or None, bytes] (:attr:`Labelled.moment_peaks`). Call it in a fresh process (the
     process group is global state): :func:`measure` does."""
     import torch
     import torch.distributed as dist
@@ -163,7 +163,8 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
         out = {"peak": components(snap), "where": session.active.where, "micro_batch": session.active.micro_batch,
                "node": session.active.peak_node, "world": world, "rank": rank}
         return (out | ({"largest": session.active.largest()} if census else {})
-                | ({"moments": session.active.moment_peaks} if moments else {}))
+                | ({"moments": [[where, mb, b] for (where, mb), b in session.active.moment_peaks.items()]}
+                   if moments else {}))
     finally:
         del g, script_globals
         gc.collect()  # before destroy: a gloo thread taking the GIL at exit aborts the process now and then

@@ -40,12 +40,13 @@ def measured_timeline(source, plan, graph, *, cluster=None, rank: int | None = N
     return tl
 
 
-def measured_curve(places: dict[str, float], tl: MemoryTimeline, layer_paths: list[str]) -> list[float | None]:
-    """The largest of ``places`` (a measured place, :attr:`Labelled.where`, -> its largest total) at each of
-    ``tl``'s moments; None where none maps to it."""
+def measured_curve(places: list, tl: MemoryTimeline, layer_paths: list[str]) -> list[float | None]:
+    """The largest of ``places`` ([where, micro-batch or None, its largest total]: ``measure(moments=True)``) at
+    each of ``tl``'s moments (a pipeline rank's backward at its first micro-batch's moment or a later one's);
+    None where none maps to it."""
     values: list[float | None] = [None] * len(tl)
-    for where, total in places.items():
-        hit = moment_at(where, layer_paths, tl.keys)
+    for where, micro_batch, total in places:
+        hit = moment_at(where, layer_paths, tl.keys, micro_batch=micro_batch)
         i = next((k for k, key in enumerate(tl.keys) if key is hit), None) if hit is not None else None
         if i is not None:
             values[i] = max(values[i] or 0.0, float(total))
