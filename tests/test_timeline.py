@@ -341,11 +341,17 @@ def test_a_measured_timeline_has_the_predicted_moments_and_peak(fix):
     assert not any("measured" in r for r in w.timeline["ranks"])  # another plan: its prediction alone
 
 
-def test_a_multi_stage_schedules_measured_timeline_is_refused(graph):
-    from autopar_nb.verify.timeline import measured_timeline
+def test_a_measured_timeline_is_refused_where_it_cannot_be_measured(graph):
+    """A schedule with several stages per rank (its moments per micro-batch), and a plan whose measurement starts
+    more processes here than MAX_LOCAL_RANKS (a pipeline's every rank), are refused before anything runs."""
+    from autopar_nb.verify.timeline import MAX_LOCAL_RANKS, measured_timeline
 
     with pytest.raises(ValueError, match="one stage per rank"):
         measured_timeline(None, _plan(graph, "interleaved_1f1b"), graph)
+    big = ap.plan(graph, ap.Cluster.preset("cpu", 1, 2 * MAX_LOCAL_RANKS), global_batch=32,
+                  fix={"pp": 2, "dp": MAX_LOCAL_RANKS, "tp": 1, "micro_batches": 2, "schedule": "1f1b"})
+    with pytest.raises(ValueError, match=f"all its {2 * MAX_LOCAL_RANKS} ranks"):
+        measured_timeline(None, big, graph)
 
 
 CURVE_PIXELS = """() => {

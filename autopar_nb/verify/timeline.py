@@ -11,6 +11,10 @@ from ..planner.timeline import MemoryTimeline, memory_timeline
 from .measure import measure, needs_real_group
 from .moments import moment_at
 
+MAX_LOCAL_RANKS = 8
+"""the most processes a measurement on a real gloo group starts on this machine (a pipeline's, expert parallelism's:
+every rank of the plan)"""
+
 
 def measured_basis(plan) -> str:
     """What a measured timeline's curve is, for ``plan``."""
@@ -25,13 +29,17 @@ def measured_timeline(source, plan, graph, *, cluster=None, rank: int | None = N
     torch's memory tracker as the first rank of pipeline rank ``rank``'s stage, its last step's largest total at each
     moment (None at a moment no measured place maps to: a run of identical layers' middle ones, which the timeline
     leaves out). A schedule with several stages per rank is refused (its moments are per micro-batch; the tracker's
-    places are not).
+    places are not), as is a plan measured on a real group (pipelines, expert parallelism) of more than
+    :data:`MAX_LOCAL_RANKS` processes.
 
     >>> tl = measured_timeline(src, plan, graph)
     >>> print(tl)   # a second column: what was measured at each moment"""
     if plan.mesh.pp > 1 and plan.pipeline.schedule in MULTI_STAGE:
         raise ValueError(f"a measured timeline of a {plan.pipeline.schedule} schedule is not supported (its moments "
                          "are per micro-batch): use a schedule with one stage per rank (1f1b, gpipe)")
+    if needs_real_group(plan) and plan.mesh.world_size > MAX_LOCAL_RANKS:
+        raise ValueError(f"measuring this plan runs all its {plan.mesh.world_size} ranks as processes here (more than "
+                         f"{MAX_LOCAL_RANKS}): measure the same layout at fewer processes, Session.plan_for(nproc)")
     tl = memory_timeline(plan, graph, cluster=cluster, rank=rank)
     width = max(1, plan.mesh.world_size // tl.ranks)
     (got,) = measure(source, plan, ranks=(tl.rank * width,), steps=steps, timeout=timeout, moments=True)
