@@ -425,16 +425,53 @@ class PositionsInBlocks(torch.nn.Module):
 
 def test_sequence_parallelism_is_refused_where_a_shard_would_run_wrong():
     """SP cuts the sequence at the first block; what the blocks then read must take a shard as it is. Refused: a
-    whole-sequence table added inside a block, and Hugging Face GPT-2's view(-1, T, C) after ln_f, which is a no-op
-    on the global shape but moves tokens between rows on a shard (it verifies with loss 0.03 against 4.85)."""
+    whole-sequence table added inside a block."""
     fix = {"tp": 2, "sequence_parallel": True}
     with pytest.raises(PlanError, match="combines a sequence shard with the full-sequence tensor"):
         ap.plan(capture(PositionsInBlocks, torch.randint(0, 64, (4, 16))), h100(), global_batch=4, fix=fix)
+
+
+def test_sequence_parallelism_ends_before_a_reshape_to_the_global_shape():
+    """Hugging Face GPT-2's view(-1, T, C) after ln_f is a no-op on the global shape but moves tokens between rows
+    on a shard (SP up to the head verifies with loss 0.03 against 4.85): SP covers the blocks, ln_f gathers the
+    sequence at its input and runs whole, replicated, and the cost model prices that gather, ln_f and the head on
+    whole activations, as the runtime runs them."""
+    from autopar_nb.cost import Evaluator, setting_of
+    from autopar_nb.cost.profile import profile_of
+    from autopar_nb.planner.styles import GATHER, tp_styles
+
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4)
     graph = capture(lambda: transformers.GPT2LMHeadModel(cfg), torch.randint(0, 128, (4, 16)))
-    with pytest.raises(PlanError, match=r"view_\d+ \(view in transformer\) reshapes a sequence shard to its global"):
-        ap.plan(graph, h100(), global_batch=4, fix=fix)
+    cluster = h100()
+    p = ap.plan(graph, cluster, global_batch=4, fix={"tp": 2, "sequence_parallel": True})
+    assert [lp.path for lp in p.layers if lp.sequence_parallel] == ["transformer.wte", "transformer.h.0",
+                                                                    "transformer.h.1"]
+    assert p.tp_plan["transformer.h.1.ln_2"] == "sequence_parallel" and "transformer.ln_f" not in p.tp_plan
+    assert re.search(r"ends after transformer\.h\.1 \(transformer\.ln_f gathers the whole sequence at its input "
+                     r"and runs replicated\) because view_\d+ \(view in transformer\) reshapes a sequence shard",
+                     p.explain()), p.explain()
+    model = transformers.GPT2LMHeadModel(cfg)
+    styles = tp_styles(model, p.tp_plan, sp_layers=[lp.path for lp in p.layers if lp.sequence_parallel],
+                       layers=[lp.path for lp in p.layers], loss_parallel=p.loss_parallel)
+    assert styles["transformer.ln_f"] == GATHER and styles["lm_head"].input_layout != 1
+    ev = Evaluator(profile_of(graph, "cuda"), cluster)
+    s, choices = setting_of(p)
+    comm = {lay.path: ev.choice_terms(i, s, choices[i]).tp_comm for i, lay in enumerate(graph.layers)}
+    # the gather: the hidden states all-gathered in forward, their gradient reduce-scattered in backward; the head
+    # reads them whole, its input gradient all-reduced
+    assert set(comm["transformer.ln_f"]) == {"all_gather", "reduce_scatter"}
+    assert set(comm["lm_head"]) == {"all_reduce"} and set(comm["transformer.h.1"]) == {"all_gather", "reduce_scatter"}
+    off = ap.plan(graph, cluster, global_batch=4, fix={"tp": 2, "sequence_parallel": False})
+    s_off, ch_off = setting_of(off)
+    assert not ev.choice_terms(5, s_off, ch_off[5]).tp_comm
+    with pytest.raises(PlanError, match="sequence parallelism ends after transformer.h.1"):
+        ap.plan(graph, cluster, global_batch=4, fix={"tp": 2},
+                overrides={"transformer.ln_f": {"tp": "sequence_parallel"}})
+    from autopar_nb.widget.editor import structural_refusal
+
+    # the sharding board's refused lane says why
+    assert "ends after transformer.h.1" in structural_refusal(graph, "transformer.ln_f", "sequence_parallel")
 
 
 def test_fixes_the_runtime_cannot_run_are_refused_or_worked_around(llama):

@@ -107,14 +107,19 @@ def test_planned_plan_runs(reports, key):
 @pytest.mark.multiprocess
 def test_planned_plans_are_runnable_shapes(reports):
     """The plans under test exercise what they should: fused QKV split part by part, SP beside learned positions
-    (added before the blocks, cut at the first), none where Hugging Face GPT-2 reshapes with the global sequence,
-    CPU SyncBatchNorm for ResNet under dp."""
+    (added before the blocks, cut at the first), SP on Hugging Face GPT-2's blocks only (its view(-1, T, C) after
+    ln_f is sized from the global sequence: ln_f gathers it and runs whole), CPU SyncBatchNorm for ResNet under
+    dp."""
     (_, gpt), _ = reports[("gpt", "tp2")]
     assert gpt.tp_plan["h.0.attn.c_attn"] == "colwise" and "wpe" not in gpt.tp_plan
     assert gpt.tp_plan["h.0.mlp.c_fc"] == "colwise" and gpt.layer("h.1").sequence_parallel
     if HF_MODELS:
         (_, hf_gpt2), _ = reports[("hf_gpt2", "tp2")]
-        assert not any(lp.sequence_parallel for lp in hf_gpt2.layers)
+        blocks = [lp for lp in hf_gpt2.layers if lp.path.startswith("transformer.h.")]
+        assert blocks and all(lp.sequence_parallel for lp in blocks)
+        assert hf_gpt2.tp_plan["transformer.h.0.ln_1"] == "sequence_parallel"
+        assert not hf_gpt2.layer("transformer.ln_f").sequence_parallel and "transformer.ln_f" not in hf_gpt2.tp_plan
+        assert not hf_gpt2.layer("lm_head").sequence_parallel
     (_, llama), _ = reports[("llama", "tp2")]
     assert llama.tp_plan["layers.0.attention.wq"] == "colwise" and llama.layer("layers.0").sequence_parallel
     (_, resnet), report = reports[("resnet", "dp2_zero0")]

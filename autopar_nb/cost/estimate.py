@@ -46,7 +46,7 @@ class Evaluator:
     # ---- per layer ----------------------------------------------------------------------------------------------
     def terms(self, i: int, *, tp: int, sp: bool, precision: str, mb_samples: float, ep: int = 1,
               compiled: bool = False, cp: int = 1, amp: str = "bf16", fused_norm: bool = False,
-              float8: bool = False, async_tp: bool = False) -> LayerTerms:
+              float8: bool = False, async_tp: bool = False, gather: bool = False) -> LayerTerms:
         """Per-layer terms, cached by the layer's repeated-block representative. ``precision``: one of
         :data:`~.profile.PRECISIONS` (:func:`~.profile.precision_of`); ``amp``: autocast's dtype there ("bf16", "fp16":
         its peak FLOP/s). With context parallelism (``cp``) a rank holds 1/cp of every sequence: its compute and
@@ -54,9 +54,10 @@ class Evaluator:
         layer all-gathers the keys and values in forward and again in backward, and passes their float32 gradients round
         the ring cp times (``_templated_ring_attention_backward``); the gathered keys and values are one more working
         buffer. ``fused_norm``: as the fused-norm graph profiles it (:attr:`norm_prof`); ``float8``: :mod:`.float8`;
-        ``async_tp``: :mod:`.async_tp`."""
+        ``async_tp``: :mod:`.async_tp`; ``gather``: the layer gathers SP's shards at its input (``prof.sp_gather``)."""
         fused_norm = fused_norm and self.norm_prof is not None
-        key = (self.prof.rep[i], tp, sp, precision, mb_samples, ep, compiled, cp, amp, fused_norm, float8, async_tp)
+        key = (self.prof.rep[i], tp, sp, precision, mb_samples, ep, compiled, cp, amp, fused_norm, float8, async_tp,
+               gather)
         half = precision != "fp32"
         hit = self._cache.get(key)
         if hit is not None:
@@ -75,7 +76,7 @@ class Evaluator:
         step_s = 0.0  # once per step, not per micro-batch
         if tp > 1:
             link = link_for(self.cluster, size=tp, stride=1)
-            for c in lp.comms:
+            for c in [*lp.comms, *self.prof.sp_gather_comms] if gather else lp.comms:
                 if c.phase == "step":
                     step_s += collective_time(c.kind, c.nbytes, tp, link, self.f.eff_link)
                     continue
@@ -154,8 +155,9 @@ class Evaluator:
 
     def choice_terms(self, i: int, s: Setting, ch: LayerChoice) -> LayerTerms:
         """:meth:`terms` of layer ``i`` under the candidate's setting and the layer's choice (TP on or off)."""
-        return self.terms(i, tp=s.tp if ch.tp else 1, sp=s.sp and ch.tp,
-                          precision=precision_of(s.amp, s.zero_stage),
+        gather = s.sp and i == self.prof.sp_gather  # layers past sp_last run whole: the first gathers, TP on or off
+        return self.terms(i, tp=s.tp if ch.tp or gather else 1, sp=s.sp and ch.tp and self.prof.sp_covers(i),
+                          gather=gather, precision=precision_of(s.amp, s.zero_stage),
                           mb_samples=s.mb_samples, ep=s.ep, compiled=ch.compile, cp=s.cp, amp=s.amp,
                           fused_norm=s.fused_norm, float8=s.float8 != "none", async_tp=s.async_tp)
 
@@ -342,7 +344,7 @@ class Evaluator:
             a, b = stage[k - 1], stage[k]
             if a == b:
                 continue
-            sp_div = s.tp if s.sp and k in self.blocks and k - 1 in self.blocks else 1  # sequence shards
+            sp_div = s.tp if s.sp and k in self.blocks and k - 1 in self.blocks and self.prof.sp_covers(k) else 1
             sent, send, recv = 0.0, sums.pipe[rank_of(a)], sums.pipe[rank_of(b)]
             for c in prof.crossings[k]:
                 nbytes = c.nbytes[precision] * scale / sp_div
@@ -392,7 +394,7 @@ class Evaluator:
             local = s.rank_of(a) == s.rank_of(b)
             by_stage[a].sends, by_stage[a].turn = not local, local
             send, recv = by_stage[a].pipe, by_stage[b].pipe
-            sp_div = s.tp if s.sp and k in self.blocks and k - 1 in self.blocks else 1
+            sp_div = s.tp if s.sp and k in self.blocks and k - 1 in self.blocks and self.prof.sp_covers(k) else 1
             for c in self.prof.crossings[k]:
                 nbytes = c.nbytes[precision] * scale / sp_div
                 recv["recv"] += 0.0 if local else nbytes
@@ -427,8 +429,8 @@ class Evaluator:
         if ch.recompute == "none":
             return [0.0] * cnt
         precision = precision_of(s.amp, s.zero_stage)
-        tp = s.tp if ch.tp else 1
-        per_byte = s.mb_samples / self.prof.batch * self.seq_ratio / s.cp / (tp if s.sp and ch.tp else 1)
+        sp_div = s.tp if s.sp and ch.tp and self.prof.sp_covers(i) else 1  # sequence shards
+        per_byte = s.mb_samples / self.prof.batch * self.seq_ratio / s.cp / sp_div
         for lp in self.prof.layers[i:i + cnt]:
             for key, nbytes in lp.shared_inputs.get(precision, {}).items():
                 if key in kept:

@@ -232,7 +232,7 @@ def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch
         if s.tp > 1:
             if ch.tp:
                 tp.update(prof.layers[i].tp)
-                if s.sp:
+                if s.sp and prof.sp_covers(i):  # beyond sp_last the runtime gathers: whole, replicated norms
                     sp = True
                     for norm in prof.layers[i].norms:
                         tp[norm] = "sequence_parallel"

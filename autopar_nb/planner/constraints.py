@@ -211,6 +211,8 @@ def _apply_tp(graph, prof, pattern, style, whole, partial, layers) -> None:
             if style == "sequence_parallel" and prof.sp_blocker:
                 raise PlanError(f"override {pattern!r}: sequence parallelism cannot apply to this model: "
                                 f"{prof.sp_blocker}; drop the override")
+            if style == "sequence_parallel" and not prof.sp_covers(i):
+                raise PlanError(f"override {pattern!r}: {sp_end(prof)}; drop the override")
             if not fit:
                 what = "norms (LayerNorm, RMSNorm)" if style == "sequence_parallel" else \
                     "nn.Linear, Hugging Face's Conv1D or nn.Embedding"
@@ -234,6 +236,15 @@ def sp_refusal(prof, tp: int, seq_len: int | None) -> str:
     if seq_len is not None and tp > 1 and seq_len % tp:
         return f"seq_len {seq_len} does not divide by tp={tp} (each TP rank takes an equal part of the sequence)"
     return ""
+
+
+def sp_end(prof) -> str:
+    """Why sequence parallelism stops before the model's output ("" where it reaches it): the layer after which the
+    runtime gathers the sequence back, and what a shard would run wrong past it."""
+    if prof.sp_last is None:
+        return ""
+    return (f"sequence parallelism ends after {prof.layers[prof.sp_last].path} ({prof.layers[prof.sp_gather].path} "
+            f"gathers the whole sequence at its input and runs replicated) because {prof.sp_end}")
 
 
 def sequence_parallel(fix: dict, prof, tp: int, *, seq_ratio: float = 1.0) -> tuple[bool, str]:

@@ -12,7 +12,7 @@ from ..cost.time import MFU_BASIS
 from ..cost.tp_styles import LAYOUT_WORDS
 from ..plan import RECOMPUTE
 from ..units import fmt_bytes, fmt_delta, fmt_flops, fmt_time
-from .constraints import sp_refusal
+from .constraints import sp_end, sp_refusal
 
 GiB = 2**30
 
@@ -126,6 +126,8 @@ def explain(plan, best, ranked, over, cons, cluster, prof) -> list[str]:
                      f"loss_parallel {'on' if plan.loss_parallel else 'off'}.")
         if not s.sp and (why := sp_refusal(prof, s.tp, plan.batch.seq_len)) and "sequence_parallel" not in cons.fix:
             lines.append(f"Sequence parallel off because {why}.")
+        elif s.sp and (why := sp_end(prof)):
+            lines.append(f"{why[0].upper()}{why[1:]}.")
         lines += _layout_lines(plan, prof, s.tp)
         if prof.tp_refused:
             mods = sorted(prof.tp_refused)

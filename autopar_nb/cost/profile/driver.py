@@ -8,14 +8,14 @@ import gc
 import weakref
 from collections import defaultdict
 
-from ..tp_sequence import sp_check
+from ..tp_sequence import sp_extent
 from .blockers import cp_blocker, pp_blocker
 from .comms import count_comms
 from .compute import count_amp_time, count_compute, count_keys_values
 from .crossings import count_boundaries, count_crossings, stage_start_refusals
 from .facts import Facts, amp_facts, graph_facts
 from .float8 import count_float8
-from .layers import PRECISIONS, GraphProfile, LayerProfile
+from .layers import PRECISIONS, Comm, Crossing, GraphProfile, LayerProfile
 from .moments import count_later_gradients
 from .params import count_experts, count_params
 from .saved import count_saved, count_selective
@@ -93,6 +93,8 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(),
     count_experts(layers, f)
     count_keys_values(layers, f)
     out = graph.outputs[0] if graph.outputs else None
+    sp = sp_extent(graph, f.by_name, f.tp.styles, f.tp.sharded)
+    crossings, last = count_crossings(f, amp, first_saver), _index(graph, sp.last)
     return GraphProfile(
         layers=[layers[lay.path] for lay in graph.layers], batch=graph.batch_size,
         seq_len=graph.seq_len, loss_parallel=bool(f.tp.head), output_numel=out.numel if out else 0,
@@ -100,9 +102,26 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(),
         device_kind=device_kind, rep=_repeats(graph),
         tp_refused={f.by_name[k].module_path: why for k, why in refused.items()},
         tp_whole={f.by_name[k].module_path: why for k, why in f.tp.whole.items()},
-        pp_blocker=pp_blocker(f), sp_blocker=sp_check(graph, f.by_name, f.tp.styles, f.tp.sharded),
-        cp_blocker=cp_blocker(graph, device_kind), crossings=count_crossings(f, amp, first_saver),
+        pp_blocker=pp_blocker(f), sp_blocker=sp.refused, sp_end=sp.why_last,
+        sp_last=last, sp_gather=_index(graph, sp.gather), sp_gather_comms=_gather_comms(crossings, last, sp.gather),
+        cp_blocker=cp_blocker(graph, device_kind), crossings=crossings,
         pp_glued=stage_start_refusals(graph))
+
+
+def _gather_comms(crossings: list[list[Crossing]], last: int | None, gather: str) -> list[Comm]:
+    """The collectives of the gather that ends sequence parallelism after layer ``last``: the shards made up to
+    ``last`` that enter the next layer with parameters, all-gathered in forward, their gradient reduce-scattered
+    in backward (``planner.styles``' ``GATHER``: a ``PrepareModuleInput`` from ``Shard(1)`` to ``Replicate()``)."""
+    if last is None:
+        return []
+    into = [c for c in crossings[last + 1] if 0 <= c.made <= last]
+    full, half = sum(c.nbytes["fp32"] for c in into), sum(c.nbytes["autocast"] for c in into)
+    return [Comm("all_gather", full, half, "fwd"), Comm("reduce_scatter", full, half, "bwd")]
+
+
+def _index(graph, path: str) -> int | None:
+    """The index of layer ``path`` (None for "")."""
+    return [lay.path for lay in graph.layers].index(path) if path else None
 
 
 def _region_modules(f: Facts) -> dict[int, list[str]]:

@@ -391,7 +391,18 @@ class GraphProfile:
     :func:`.blockers.pp_blocker`)"""
     sp_blocker: str = ""
     """why sequence parallelism cannot apply to the TP styles ("" when it can; see
-    ``tp_sequence.sp_check``)"""
+    ``tp_sequence.sp_extent``)"""
+    sp_last: int | None = None
+    """index of the last layer whose outputs may stay sequence shards (None: every layer's); the
+    runtime gathers the sequence at the input of the next layer with parameters"""
+    sp_gather: int | None = None
+    """index of the layer after :attr:`sp_last` that gathers the sequence at its input (the first
+    with parameters: ``planner.styles``' ``GATHER``)"""
+    sp_gather_comms: list[Comm] = field(default_factory=list)
+    """the collectives of that gather: the sequence shards all-gathered in forward, their gradient
+    reduce-scattered in backward (the tensors crossing into :attr:`sp_gather`)"""
+    sp_end: str = ""
+    """why sequence parallelism ends at :attr:`sp_last`: what a shard would run wrong after it"""
     cp_blocker: str = ""
     """why context parallelism cannot split this model's sequences ("" when it can; see
     :func:`.blockers.cp_blocker`)"""
@@ -401,6 +412,10 @@ class GraphProfile:
     pp_glued: dict[int, str] = field(default_factory=dict)
     """layer index -> why no pipeline stage may start there: it stays in the stage of the layer before
     (:func:`.crossings.stage_start_refusals`)"""
+
+    def sp_covers(self, i: int) -> bool:
+        """Whether layer ``i``'s activations may be sequence shards under sequence parallelism."""
+        return self.sp_last is None or i <= self.sp_last
 
     def layer(self, path: str) -> LayerProfile:
         """The profile of the layer at ``path``."""
