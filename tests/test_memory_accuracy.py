@@ -302,6 +302,7 @@ WHOLE_CASES = {
     "LLaMA-zero3-bf16": ("LLaMA", {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3, "amp": "bf16"}),
     "LLaMA-selective": ("LLaMA", {"dp": 1, "tp": 1, "pp": 1, "recompute": "selective"}),
     "GPT-2-ddp-bf16": ("GPT-2", {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 0, "amp": "bf16"}),
+    "GPT-2-tp2-sp": ("GPT-2", {"dp": 1, "tp": 2, "pp": 1, "sequence_parallel": True}),
     "ViT-zero3": ("ViT", {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3}),
     "LLaMA-full": ("LLaMA", {"dp": 1, "tp": 1, "pp": 1, "recompute": "full"}, RECOMPUTED),
     "LLaMA-tp2-sp-full": ("LLaMA", {"dp": 1, "tp": 2, "pp": 1, "recompute": "full"}, RECOMPUTED),
@@ -319,7 +320,8 @@ first block's whole, replicated input kept by the checkpoint), and an encoder's 
 selective recompute (the same moment, less the kept outputs the recompute has taken from its cache: -6.3 % when
 costed as the layer's backward), and an
 encoder-decoder's full recompute, whose decoder blocks' checkpoints all keep the one encoder output and position
-biases (``LayerProfile.shared_inputs``: +5.2 % when counted per block)"""
+biases (``LayerProfile.shared_inputs``: +5.2 % when counted per block), and sequence parallelism that ends before
+the final norm (Hugging Face GPT-2's view(-1, T, C) after ln_f: ln_f gathers the sequence and runs whole)"""
 FAST = ("Qwen2-single", "Qwen2-tp2-sp-bf16", "LLaMA-zero3-bf16", "LLaMA-selective")
 """the cases run under ``-m "not slow"`` (~8 s each on an idle core, a child process each); the others are
 marked slow"""
