@@ -49,7 +49,7 @@ FUSED_CASES = [(name, schedule, "fused") for name in ("LLaMA", "GPT-2")
                for schedule in ("1f1b", "interleaved_1f1b", "zbv_zero_bubble")]
 STEPS = 2
 # TP inside the stages of the Hugging Face decoders (tests/memcells.py's cells, tiny): tp=2 x pp=2
-# (sequence parallel where the planner chooses it: LLaMA, Qwen2) on 4 processes, dp=2 x tp=2 x
+# (sequence parallel where the planner chooses it: LLaMA, Qwen2, GPT-2's blocks) on 4 processes, dp=2 x tp=2 x
 # pp=2 under ZeRO-3 on 8, in fp32 and bf16 (FSDP2's mixed precision: the stages compute in bf16
 # what was traced in fp32)
 TP_NAMES = ["LLaMA", "Qwen2", "GPT-2", "Mixtral"]
@@ -160,6 +160,8 @@ def test_tensor_parallel_stages_train_like_one_process(tp_runs, case):
     assert plan.loss_parallel and not plan.fused_loss
     if name in ("LLaMA", "Qwen2"):
         assert plan.layer("model.layers.0").sequence_parallel, "the planner's choice, relied on"
+    if name == "GPT-2":  # up to the blocks: ln_f gathers the sequence (its view(-1, T, C) after it is global)
+        assert plan.layer("transformer.h.0").sequence_parallel and not plan.layer("transformer.ln_f").sequence_parallel
     assert report.ok, f"{plan.summary()}: {report}"
     assert len(report.steps) == STEPS
     model, _, _ = src.build(device="meta")

@@ -25,7 +25,8 @@ class Setting:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     sp: bool = False
-    """sequence parallel (TP > 1 on a sequence model)"""
+    """sequence parallel (TP > 1 on a sequence model): over the layers up to ``GraphProfile.sp_last``, the next
+    layer with parameters gathering the sequence back (``GraphProfile.sp_gather``)"""
     optimizer: str = "adam"
     ep: int = 1
     """expert parallelism: the experts modules split over ``ep`` of the dp ranks (1: experts whole everywhere)"""
