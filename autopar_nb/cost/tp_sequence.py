@@ -60,12 +60,6 @@ def sp_extent(graph, by_name, styles: dict[str, str], sharded: dict[str, int]) -
     return SpExtent("", layers[last], why, layers[after])
 
 
-def sp_check(graph, by_name, styles: dict[str, str], sharded: dict[str, int]) -> str:
-    """Why sequence parallelism cannot apply to these TP styles ("" when it can, over some layers: :func:`sp_extent`
-    says which)."""
-    return sp_extent(graph, by_name, styles, sharded).refused
-
-
 def _walk(graph, by_name, styles: dict[str, str], sharded: dict[str, int], after: str | None = None
           ) -> tuple[str, str | None]:
     """(why a shard would run wrong, the layer of the op that would: None when no op does) with the sequence

@@ -42,9 +42,9 @@ Layouts beyond one contiguous shard per projection (``LayerPlan.tp_parts``; the 
   head and leaves the split on; a norm module's weight there is whole on every rank with its gradient summed
   (:attr:`Walk.per_head`, :mod:`.tp_heads`).
 
-:func:`.tp_sequence.sp_check` says whether sequence parallelism is valid for the resulting styles. Head counts come
-from the ``view``/``reshape`` that splits a sharded last dim into ``(heads, head_dim)``; TP degrees must divide them,
-every part and every split Linear dim (a repeated key/value projection excepted).
+:func:`.tp_sequence.sp_extent` says whether, and over which layers, sequence parallelism is valid for the resulting
+styles. Head counts come from the ``view``/``reshape`` that splits a sharded last dim into ``(heads, head_dim)``; TP
+degrees must divide them, every part and every split Linear dim (a repeated key/value projection excepted).
 """
 
 from __future__ import annotations
