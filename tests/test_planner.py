@@ -468,9 +468,12 @@ def test_sequence_parallelism_ends_before_a_reshape_to_the_global_shape():
     with pytest.raises(PlanError, match="sequence parallelism ends after transformer.h.1"):
         ap.plan(graph, cluster, global_batch=4, fix={"tp": 2},
                 overrides={"transformer.ln_f": {"tp": "sequence_parallel"}})
+    from autopar_nb.planner.explain import whole_notes
     from autopar_nb.widget.editor import structural_refusal
 
-    # the sharding board's refused lane says why
+    # the widget says why: the layer table's note on ln_f, the sharding board's refused lane
+    note = whole_notes(graph, p)["transformer.ln_f"]
+    assert "whole sequence: sequence parallelism ends after transformer.h.1" in note
     assert "ends after transformer.h.1" in structural_refusal(graph, "transformer.ln_f", "sequence_parallel")
 
 

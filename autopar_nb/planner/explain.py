@@ -348,17 +348,22 @@ def whole_under_tp(plan, prof) -> dict[str, str]:
 
 
 def whole_notes(graph, plan) -> dict[str, str]:
-    """Layer path -> " · dense whole: why" for the Linears TP leaves whole in it (:func:`whole_under_tp`), for the
-    widget's layer table; {} without TP."""
+    """Layer path -> " · dense whole: why" for the Linears TP leaves whole in it (:func:`whole_under_tp`), and
+    " · whole sequence: why" for the layer that gathers the sequence where sequence parallelism ends before the
+    model's output, for the widget's layer table; {} without TP."""
     if plan.mesh.tp < 2:
         return {}
-    whole = whole_under_tp(plan, profile_of(graph))
+    prof = profile_of(graph)
+    whole = whole_under_tp(plan, prof)
     out: dict[str, str] = {}
     for layer in graph.layers:
         block = re.sub(r"\.\d+(?=\.|$)", ".*", layer.path)
         for m, why in whole.items():
             if m == block or m.startswith(block + "."):
                 out[layer.path] = out.get(layer.path, "") + f" · {m.rsplit('.', 1)[-1]} whole: {why}"
+    if prof.sp_gather is not None and any(lp.sequence_parallel for lp in plan.layers):
+        path = prof.layers[prof.sp_gather].path
+        out[path] = out.get(path, "") + f" · whole sequence: {sp_end(prof)}"
     return out
 
 
