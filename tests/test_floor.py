@@ -243,3 +243,61 @@ def test_backward_floor_sets_interleaved_candidates_aside(graphs, monkeypatch):
 
     (without, plan_without), (with_, plan_with) = count(False), count(True)
     assert with_ < without and plan_with == plan_without, (with_, without, plan_with[:300])
+
+
+def _least_activations_summed(ev, s, choices):
+    """:func:`~autopar_nb.cost.floor.least_activations` as the full evaluation's sums give it: the layers summed
+    afresh (``Evaluator.sum_layers``) under full recompute once per fused variant, the least per stage."""
+    from autopar_nb.cost.floor import LeastActivations, variants
+    from autopar_nb.cost.saved import replicated_input
+
+    fresh = type(ev).sum_layers.__wrapped__
+    full = [dataclasses.replace(c, recompute="full") for c in choices]
+    kinds = variants(ev, s)
+    per = [fresh(ev, v, full) for v in kinds]
+    stage_acts = [[min(sums.stages[r][j].acts for sums in per) for j in range(len(per[0].stages[r]))]
+                  for r in range(s.pp)]
+    savings = [[] for _ in range(s.pp)]
+    for i, cnt, ch in ev.runs(full):
+        least = math.inf
+        for v in kinds:
+            lt = ev.choice_terms(i, v, ch)
+            whole = replicated_input(ev, v, i, ch, lt)
+            least = min(least, lt.act["selective"] - lt.act["full"], lt.act["none"] - lt.act["full"] - whole)
+        savings[s.rank_of(ch.stage)] += [(per[0].local[i], least)] * cnt
+    return LeastActivations(stage_acts, savings)
+
+
+def test_least_activations_as_the_layers_sum(graphs, monkeypatch):
+    """The floor's least saved bytes per stage (one pass over the layers for every fused variant) are the very
+    floats of the full evaluation's sums, the layers summed once per variant: every multi-stage candidate the
+    search floors, the loss fused or not, norms fused or not, TP with sequence parallelism (a first block's whole
+    input) or not, and with inputs the blocks share (T5's encoder output: kept once per rank)."""
+    from autopar_nb.cost import floor as floor_module
+    from autopar_nb.cost.profile import PRECISIONS
+
+    name, cluster, kw = CASES[2]  # interleaved candidates with TP and sequence parallelism, and without
+    graph, cl = graphs[name], _cluster(*cluster)
+    least_activations, seen = floor_module.least_activations, []
+
+    def checked(ev, s, choices, layout):
+        out = least_activations(ev, s, choices, layout)
+        assert out == _least_activations_summed(ev, s, choices), s
+        if len(seen) % 4 == 0:  # again with every block reading the same two shared inputs
+            saved = {j: ev.prof.layers[j].shared_inputs for j in ev.blocks}
+            try:
+                for j in ev.blocks:
+                    ev.prof.layers[j].shared_inputs = {p: {"enc": 3e6, "bias": 1e5} for p in PRECISIONS}
+                shared = least_activations(ev, s, choices, layout)
+                assert shared == _least_activations_summed(ev, s, choices), s
+                assert shared.stage_acts != out.stage_acts
+            finally:
+                for j, x in saved.items():
+                    ev.prof.layers[j].shared_inputs = x
+        variants = floor_module.variants(ev, s)
+        seen.append((s.tp > 1 and s.sp, any(v.fused_loss for v in variants), any(v.fused_norm for v in variants)))
+        return out
+
+    monkeypatch.setattr(floor_module, "least_activations", checked)
+    ap.plan(graph, cl, **kw)
+    assert {(True, False, True), (False, True, True)} <= set(seen), set(seen)

@@ -19,6 +19,7 @@ from .loss import FusedHead, gathered_logits
 from .memory import activation_bytes, forward_peak, input_pass, op_moments, peak_op
 from .peak import RankMemory, moment_layers, rank_peaks
 from .profile import GraphProfile, precision_of
+from .saved import run_saved
 from .schedule import MULTI_STAGE, ZERO_BUBBLE
 from .setting import LayerChoice, Setting, setting_of
 from .terms import CommTime, FsdpUnit, InputLayer, LayerTerms, RankSums, StageSums, shared_sums
@@ -245,9 +246,8 @@ class Evaluator:
                     kinds[kk] = kinds.get(kk, 0.0) + cnt * v
             # memory
             acts_before = sums.acts[r]
-            whole = self._replicated_input(s, i, ch, lt)
-            held = self._held_inputs(s, i, cnt, ch, kept[r])  # held[j]: what layers i .. i + j keep twice
-            sums.acts[r] += cnt * lt.act[ch.recompute] + whole - held[-1]
+            saved, whole, held = run_saved(self, s, i, cnt, ch, lt, kept[r])
+            sums.acts[r] += saved
             # a recomputed layer's backward first runs its forward again: what the plain forward saves and the
             # recompute did not keep is alive again beside the working set
             again = max(lt.act["none"] - lt.act[ch.recompute], 0.0)
@@ -420,25 +420,6 @@ class Evaluator:
             return
         units += [FsdpUnit(i + j, i + j, numel) for j in range(cnt)]
 
-    def _held_inputs(self, s: Setting, i: int, cnt: int, ch: LayerChoice, kept: set[str]) -> list[float]:
-        """Per layer of the run ``i`` .. ``i + cnt - 1``, the bytes of the recomputed layers' inputs up to it that
-        an earlier recomputed layer on the rank keeps already (:attr:`.profile.LayerProfile.shared_inputs`: one
-        storage, held once, which ``activation_bytes`` counts per layer); adds the run's to ``kept``. Measured: T5's
-        decoder blocks all keep the encoder output and the position biases (tp=2, bf16, full recompute: 11 MiB)."""
-        held, total = [], 0.0
-        if ch.recompute == "none":
-            return [0.0] * cnt
-        precision = precision_of(s.amp, s.zero_stage)
-        sp_div = s.tp if s.sp and ch.tp and self.prof.sp_covers(i) else 1  # sequence shards
-        per_byte = s.mb_samples / self.prof.batch * self.seq_ratio / s.cp / sp_div
-        for lp in self.prof.layers[i:i + cnt]:
-            for key, nbytes in lp.shared_inputs.get(precision, {}).items():
-                if key in kept:
-                    total += nbytes * per_byte
-                kept.add(key)
-            held.append(total)
-        return held
-
     def _tied_gradients(self, s: Setting, choices: list[LayerChoice]) -> dict[int, float]:
         """Per layer, the bytes of tied parameters' gradients pending during its backward: a parameter two layers
         of a rank read (a head tied to the embeddings, T5's decoder embedding) gets its later reader's gradient
@@ -461,16 +442,6 @@ class Evaluator:
                 if s.rank_of(choices[i].stage) == rank:
                     out[i] += numel / (s.tp if split and choices[last].tp else 1) * item
         return out
-
-    def _replicated_input(self, s: Setting, i: int, ch: LayerChoice, lt: LayerTerms) -> float:
-        """Bytes a recomputed first block of a sequence-parallel run holds beyond its sequence shard: it receives
-        the layer before's replicated output (an embedding's) and shards it itself (the plan's ``PrepareFirstInput``
-        inside the checkpoint wrapper), so the checkpoint keeps the whole input, and the recompute its shard
-        beside it (measured: LLaMA tp=2 full recompute, layer 0)."""
-        first = i in self.blocks and (i == 0 or i - 1 not in self.blocks)
-        if not (first and s.sp and ch.tp and ch.recompute != "none" and s.tp > 1):
-            return 0.0
-        return lt.act["full"] * s.tp
 
     def _fused_head(self, s: Setting, sums: RankSums, r: int, recompute: str, lt: LayerTerms, *, tp: int = 1
                     ) -> float:

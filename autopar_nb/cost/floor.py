@@ -39,6 +39,7 @@ import numpy as np
 
 from .memory import with_margin
 from .peak import RankMemory
+from .saved import run_saved
 from .schedule import MULTI_STAGE, Held, rank_states
 from .setting import LayerChoice, Setting
 from .staged import StagedRank, _Around
@@ -101,27 +102,37 @@ class LeastActivations(NamedTuple):
     can be negative"""
 
 
-def least_activations(ev, s: Setting, choices: list[LayerChoice]) -> LeastActivations:
+def least_activations(ev, s: Setting, choices: list[LayerChoice], layout: RankSums) -> LeastActivations:
     """Each stage's saved bytes with every layer under full recompute, the least over :func:`variants`, and each
     layer's least addition under any other recompute: selective's bytes, or none's less the whole input a
-    recomputed first sequence-parallel block keeps (``Evaluator._replicated_input``). Dropping a layer's recompute
-    also drops the inputs it shares with a later recomputed layer (``Evaluator._held_inputs``): that only adds."""
+    recomputed first sequence-parallel block keeps (:func:`.saved.replicated_input`). Dropping a layer's recompute
+    also drops the inputs it shares with a later recomputed layer (:func:`.saved.held_inputs`): that only adds.
+    ``layout``: the sums of ``s`` with ``choices`` (any variant), for each layer's local stage.
+
+    One pass over the runs of layers for every variant at once, summed as ``Evaluator.sum_layers`` sums a rank's
+    saved bytes and its stages' (a running total per rank, each stage's bytes the total less its start), so the
+    same floats. The variants' layer terms differ in fused norms alone; the fused loss only adds its head's saved
+    bytes (the log-sum-exp), so it is never the least."""
     full = [dataclasses.replace(c, recompute="full") for c in choices]
-    kinds = variants(ev, s)
-    stage_acts = None
-    for v in kinds:
-        sums = ev.sum_layers(v, full)
-        acts = [[x.acts for x in rank] for rank in sums.stages]
-        stage_acts = acts if stage_acts is None else [[min(a, b) for a, b in zip(x, y, strict=True)]
-                                                      for x, y in zip(stage_acts, acts, strict=True)]
+    kinds = list({v.fused_norm: v for v in variants(ev, s) if not v.fused_loss}.values())
+    totals = [[0.0] * s.pp for _ in kinds]  # per variant, per rank: the saved bytes summed so far
+    kept = [[set() for _ in range(s.pp)] for _ in kinds]  # per variant, per rank: the shared inputs kept already
+    stages: list[list[list[float]]] = [[[] for _ in range(s.pp)] for _ in kinds]  # per variant, rank: (start, acts)
     savings: list[list[tuple[int, float]]] = [[] for _ in range(s.pp)]
     for i, cnt, ch in ev.runs(full):
+        r, j = s.rank_of(ch.stage), layout.local[i]
         least = math.inf
-        for v in kinds:
+        for k, v in enumerate(kinds):
             lt = ev.choice_terms(i, v, ch)
-            whole = ev._replicated_input(v, i, ch, lt)
+            saved, whole, _ = run_saved(ev, v, i, cnt, ch, lt, kept[k][r])
             least = min(least, lt.act["selective"] - lt.act["full"], lt.act["none"] - lt.act["full"] - whole)
-        savings[s.rank_of(ch.stage)] += [(sums.local[i], least)] * cnt
+            totals[k][r] += saved
+            held = stages[k][r]
+            if len(held) == j:  # a new local stage: it starts where the one before ends
+                held.append([held[-1][0] + held[-1][1] if held else 0.0, 0.0])
+            held[j][1] = totals[k][r] - held[j][0]
+        savings[r] += [(j, least)] * cnt
+    stage_acts = [[min(per[r][j][1] for per in stages) for j in range(len(stages[0][r]))] for r in range(s.pp)]
     return LeastActivations(stage_acts, savings)
 
 
@@ -134,7 +145,7 @@ def _staged_floor(ev, s: Setting, choices: list[LayerChoice], low_margin: bool, 
     sums = ev.sum_layers(low, choices)  # shared: changed on a copy. Fused: the last stage keeps no logits
     sums = dataclasses.replace(sums, full_recompute=[n if low_margin else 0.0 for n in sums.layers])
     memory = RankMemory(ev.prof, ev.f, low, sums, seq_ratio=ev.seq_ratio)
-    least = least_activations(ev, s, choices)
+    least = least_activations(ev, s, choices, sums)
     out = 0.0
     for r in range(s.pp):
         st = memory._states(r)
