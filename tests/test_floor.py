@@ -301,3 +301,32 @@ def test_least_activations_as_the_layers_sum(graphs, monkeypatch):
     monkeypatch.setattr(floor_module, "least_activations", checked)
     ap.plan(graph, cl, **kw)
     assert {(True, False, True), (False, True, True)} <= set(seen), set(seen)
+
+
+def test_settle_costs_no_candidate_its_bound_puts_past_the_fastest_that_fits(graphs, monkeypatch):
+    """``Search._settle`` costs a set-aside candidate only while its step-time bound is below the fastest candidate
+    that fits: one at or past it cannot be the explanation's faster candidate that does not fit (the same answer:
+    ``test_floors_leave_the_answer_unchanged``). Before, with no such candidate found, every one was costed (here
+    2 of 24 past it)."""
+    name, cluster, kw = CASES[4]
+    graph, cl = graphs[name], _cluster(*cluster)
+    settle, seen = search.Search._settle, []
+
+    def checked(self, out):
+        bar = min((c.cost.step_time_s for c in out if isinstance(c, search.Candidate) and c.fits), default=math.inf)
+        variants = self._variants
+
+        def costed(s, choices):
+            seen.append((self._time_floor(s, choices), bar))
+            return variants(s, choices)
+
+        self._variants = costed
+        try:
+            return settle(self, out)
+        finally:
+            del self._variants
+
+    monkeypatch.setattr(search.Search, "_settle", checked)
+    ap.plan(graph, cl, **kw)
+    past = [(f, bar) for f, bar in seen if f >= bar]
+    assert seen and not past, (len(past), len(seen))

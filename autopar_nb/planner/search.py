@@ -456,7 +456,8 @@ class Search:
             return done + [self._variants(*c) for c in aside]
         over = [(_order(c, self._time_floor(*c.origin)), c) for c in done if not c.fits and c.cost.step_time_s < bar]
         for floor, _, c in sorted((self._time_floor(*c), i, c) for i, c in enumerate(aside)):
-            if over and floor > min(r for r, _ in over)[0]:
+            # past the fastest that fits none can be faster (with none found, every one was costed)
+            if floor >= bar or over and floor > min(r for r, _ in over)[0]:
                 break
             cand = self._variants(*c)
             done.append(cand)
