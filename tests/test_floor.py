@@ -303,6 +303,15 @@ def test_least_activations_as_the_layers_sum(graphs, monkeypatch):
     assert {(True, False, True), (False, True, True)} <= set(seen), set(seen)
 
 
+def test_the_floor_weighs_a_setting_that_fuses_the_loss_already(graphs):
+    """A multi-stage setting whose loss is fused already (a fixed fused loss, or the search's fused variant) has no
+    unfused variant: the least saved bytes are its own (before: an empty list of variants, IndexError, and
+    every pipelined GPT-2 and GPT-NeoX plan of tests/test_pp_families.py failed to plan)."""
+    fix = {"pp": 2, "schedule": "interleaved_1f1b", "fused_loss": True}
+    p = ap.plan(graphs["llama"], _cluster("a100-80gb", 1, 8, 80), global_batch=32, fix=fix)
+    assert p.fused_loss and p.mesh.pp > 1, p.summary()
+
+
 def test_settle_costs_no_candidate_its_bound_puts_past_the_fastest_that_fits(graphs, monkeypatch):
     """``Search._settle`` costs a set-aside candidate only while its step-time bound is below the fastest candidate
     that fits: one at or past it cannot be the explanation's faster candidate that does not fit (the same answer:

@@ -114,7 +114,8 @@ def least_activations(ev, s: Setting, choices: list[LayerChoice], layout: RankSu
     same floats. The variants' layer terms differ in fused norms alone; the fused loss only adds its head's saved
     bytes (the log-sum-exp), so it is never the least."""
     full = [dataclasses.replace(c, recompute="full") for c in choices]
-    kinds = list({v.fused_norm: v for v in variants(ev, s) if not v.fused_loss}.values())
+    every = variants(ev, s)  # all fuse the loss where s itself does (a fused variant the search floors)
+    kinds = list({v.fused_norm: v for v in [v for v in every if not v.fused_loss] or every}.values())
     totals = [[0.0] * s.pp for _ in kinds]  # per variant, per rank: the saved bytes summed so far
     kept = [[set() for _ in range(s.pp)] for _ in kinds]  # per variant, per rank: the shared inputs kept already
     stages: list[list[list[float]]] = [[[] for _ in range(s.pp)] for _ in kinds]  # per variant, rank: (start, acts)
