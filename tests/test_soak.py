@@ -64,7 +64,9 @@ def test_a_soak_set_in_minutes_stops_at_a_checkpoint_and_its_reference_at_the_sa
                   workdir=tmp_path / "soak", progress=print)
     print(report)
     assert report.ok, report
-    assert report.stopped and report.minutes == 0.5 and len(report.kills) == 1
+    # the kill is not this test's subject (test_three_kills_... counts them): on a loaded host start-up can take
+    # most of the half minute, and a kill drawn in its last tenth is dropped (the suite at load ~8: none made)
+    assert report.stopped and report.minutes == 0.5 and len(report.kills) <= 1
     assert 0 < report.steps < STEPS_BOUND and report.steps % 25 == 0, report.steps
     assert report.wall_s >= 30
     reference = json.loads((tmp_path / "soak" / "reference.json").read_text())["losses"]
