@@ -75,6 +75,7 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
     if pipe.num_stages != len(boundaries) + 1:
         raise ValueError(f"splitting at {boundaries} gave {pipe.num_stages} stages, not {len(boundaries) + 1}: a "
                          "boundary must be a module the forward calls, in order; check the plan's stage numbers")
+    refuse_unrunnable_stages(pipe, boundaries, head)
     chain_stages(pipe.split_gm)
     inputs_read_as_in_eager(pipe.split_gm)  # first: it reads the casts as traced
     inputs_in_order_of_use(pipe.split_gm)
@@ -109,6 +110,36 @@ def split_model(model: nn.Module, *, boundaries: list[str], microbatch: tuple[tu
     # executor still refers to it: its memory goes now
     _free_tensors(swapped, keep=_storages(*stages, model))
     return stages, pipe
+
+
+_WHERE = "; STAGE_BOUNDARIES (plan.layers[*].stage) lists each stage's first layer"
+
+
+def refuse_unrunnable_stages(pipe, boundaries: list[str], head: nn.Module | None = None) -> None:
+    """One sentence naming the layer and what to do, before any stage is built, where the cut at ``boundaries``
+    gave stages the runtime cannot run: a stage that reads nothing the stage before computes, which torch's
+    ``split_module`` then orders before it (its successor is called without the hidden states), and a stage that
+    holds no parameters (DDP refuses to wrap it; a rank holding only it would build an optimizer over nothing).
+    ``head``: the loss head the last stage holds but does not trace (its parameters count as the last stage's)."""
+    stages = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
+    order = [pipe.split_gm.get_submodule(n.target) for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
+    early = next((c for c, s in zip(order, stages, strict=True) if c is not s), None)
+    if early is not None:
+        m = next(i for i, s in enumerate(stages) if s is early)
+        raise ValueError(f"pipeline stage {m} starts at {boundaries[m - 1]} but reads nothing stage {m - 1} computes, "
+                         f"so the split runs it before stage {m - 1}: start stage {m} at a later layer, one that "
+                         f"reads what stage {m - 1} computes, or keep {boundaries[m - 1]} on stage {m - 1}" + _WHERE)
+    for i, stage in enumerate(stages):
+        if not [*stage.parameters(), *(head.parameters() if head is not None and i == len(stages) - 1 else ())]:
+            _no_parameters(i, boundaries)
+
+
+def _no_parameters(i: int, boundaries: list[str]) -> None:
+    at = f"starts at {boundaries[i - 1]}" if i else f"ends before {boundaries[0]}"
+    fix = (f"keep {boundaries[i - 1]} on stage {i - 1}, or start stage {i} at a later layer" if i
+           else f"start stage 1 at a later layer than {boundaries[0]}")
+    raise ValueError(f"pipeline stage {i} {at} and holds no parameters, so DDP cannot wrap it and a rank holding "
+                     f"only it has nothing to optimise: {fix}, so that every stage holds some" + _WHERE)
 
 
 @contextlib.contextmanager

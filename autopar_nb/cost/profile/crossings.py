@@ -4,6 +4,7 @@ tensors a pipeline cut before each layer would send."""
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 
 from .facts import FLOAT, Facts, in_layers
 from .layers import Crossing, LayerProfile
@@ -89,28 +90,60 @@ def count_crossings(f: Facts, amp: dict[str, Facts],
 
 
 def stage_start_refusals(graph) -> dict[int, str]:
-    """Layer index -> why no pipeline stage may start at that layer. ``pipeline()`` cuts the traced graph at the
-    first call of each stage's first layer, and torch's ``split_module`` then orders the stages by the values they
-    read from one another; two rules follow, true of any model,
+    """Layer index -> why no pipeline stage may start at that layer, whatever the stage's other layers (the starts
+    the planner places stages at). ``pipeline()`` cuts the traced graph at the first call of each stage's first
+    layer, and torch's ``split_module`` then orders the stages by the values they read from one another; two rules
+    follow, true of any model,
 
     * a layer the forward calls again after another layer's ops (T5's stack dropout, after the embedding and after
       the final norm) would start a stage at each of its calls;
-    * a layer must read a value the layer before it (or the model code after that layer) computed from the model's
-      inputs or parameters: otherwise nothing orders its stage after the one before, and a split may run it first
-      (a rotary table or learned position embedding reads only positions made from nothing, ``arange``, which
-      context parallelism hands in as ``position_ids``: stage 1 then ran before stage 0 and was called without
-      the hidden states, "forward() missing 2 required positional arguments");
+    * a stage must read a value the stage before it computed from the model's inputs or parameters: otherwise
+      nothing orders it after the one before, and a split may run it first (a rotary table or learned position
+      embedding reads only positions made from nothing, ``arange``, which context parallelism hands in as
+      ``position_ids``: a stage of the rotary table alone then ran before stage 0 and its successor was called
+      without the hidden states, "forward() missing 2 required positional arguments");
 
-    and a third, of the runtime: a stage starts at a layer that holds parameters, so every stage holds some (Phi's
-    ``embed_dropout`` and ``rotary_emb`` made a stage of their own, which DDP refused to wrap; a rank holding only
-    such a stage would build an optimizer over no parameters, which torch refuses too).
+    and a third, of the runtime: every stage holds parameters (Phi's ``embed_dropout`` and ``rotary_emb`` made a
+    stage of their own, which DDP refused to wrap; a rank holding only such a stage would build an optimizer over
+    no parameters, which torch refuses too). Here a layer is refused where it alone breaks the last two (it reads
+    nothing the layer before computed, or holds no parameters): a stage of whole runs of such starts always meets
+    them. :func:`refused_stages` checks a whole plan's stages by the rules themselves.
 
     Positions as :func:`count_crossings` has them (a node outside every layer belongs to the layer before)."""
+    return starts_refused([lay.path for lay in graph.layers], stage_rules(graph))
+
+
+def starts_refused(paths: list[str], rules: StageRules) -> dict[int, str]:
+    """:func:`stage_start_refusals` from the graph's :class:`StageRules`."""
+    out = dict(rules.refused)
+    for k in range(1, len(paths)):
+        if (k - 1, k) not in rules.reads:
+            out.setdefault(k, f"it reads nothing {paths[k - 1]} computed, so nothing orders its stage after the one "
+                              "before")
+        if not rules.params[k]:
+            out.setdefault(k, "it holds no parameters of its own: a stage of such layers alone would hold none "
+                              "(DDP refuses to wrap it, and a rank with no other stage has nothing to optimise)")
+    return dict(sorted(out.items()))
+
+
+@dataclass(frozen=True)
+class StageRules:
+    """What the rules of :func:`stage_start_refusals` read from a graph: ``refused``, layer index -> why no stage
+    may start there at all (called more than once, never called); ``reads``, the positions (q, p), q < p, where an
+    op at p reads a value computed (from the model's inputs or parameters) at q; ``params``, each layer's count."""
+
+    refused: dict[int, str]
+    reads: frozenset[tuple[int, int]]
+    params: list[int]
+
+
+def stage_rules(graph) -> StageRules:
+    """:class:`StageRules` of ``graph``."""
     index = {lay.path: i for i, lay in enumerate(graph.layers)}
     made = {n.name for n in graph.nodes}
     where: dict[str, int] = {}
     computed: set[str] = set()  # values that depend on an input or a parameter (not on constants alone)
-    reads_before: set[int] = set()  # layers some op of which reads a computed value of the position before
+    reads: set[tuple[int, int]] = set()
     out: dict[int, str] = {}
     at, last, done = 0, None, set()
     for n in graph.nodes:
@@ -126,18 +159,33 @@ def stage_start_refusals(graph) -> dict[int, str]:
         where[n.name] = at
         if n.params or any(i not in made or i in computed for i in n.inputs):
             computed.add(n.name)
-        if any(i in computed and where.get(i) == at - 1 for i in n.inputs):
-            reads_before.add(at)
+        reads |= {(where[i], at) for i in n.inputs if i in computed and i in where and where[i] < at}
     for k in range(1, len(graph.layers)):
         if graph.layers[k].path not in done | {last}:
             out[k] = "the forward never calls it"
-        elif k not in reads_before:
-            out.setdefault(k, f"it reads nothing {graph.layers[k - 1].path} computed, so nothing orders its stage "
-                              "after the one before")
-        if not graph.layers[k].num_params:
-            out.setdefault(k, "it holds no parameters of its own: a stage of such layers alone would hold none "
-                              "(DDP refuses to wrap it, and a rank with no other stage has nothing to optimise)")
-    return dict(sorted(out.items()))
+    return StageRules(out, frozenset(reads), [lay.num_params for lay in graph.layers])
+
+
+def refused_stages(paths: list[str], rules: StageRules, stages: list[int]) -> str:
+    """Why a whole plan's stages (``stages``: each layer's, in order) cannot run, in one sentence naming the layer a
+    stage starts at, the reason and what to do instead; "" when they can. Exactly the rules of
+    :func:`stage_start_refusals`, each stage judged as a whole: a stage may start at a layer that alone reads
+    nothing the layer before computed (LLaMA's rotary table) when a later layer of the stage does (the first
+    decoder layer reads the hidden states), and at a layer without parameters when the stage holds some."""
+    starts = [0] + [k for k in range(1, len(stages)) if stages[k] != stages[k - 1]]
+    ends = [*starts[1:], len(stages)]
+    for prev, i, end in zip(starts, starts[1:], ends[1:], strict=False):
+        span = f"{paths[i]}" + (f" to {paths[end - 1]}" if end - 1 > i else "")
+        why = rules.refused.get(i) or (
+            "" if any(prev <= q < i <= p < end for q, p in rules.reads) else
+            f"its stage ({span}) reads nothing stage {stages[prev]} computed, so nothing orders it after the one "
+            "before") or (
+            "" if sum(rules.params[i:end]) else
+            f"its stage ({span}) holds no parameters (DDP refuses to wrap it, and a rank with no other stage has "
+            "nothing to optimise)")
+        if why:
+            return _refusal(paths, starts_refused(paths, rules), i - 1, stages[prev], i, stages[i], why)
+    return ""
 
 
 def refused_stage_start(paths: list[str], refusals: dict[int, str], stages: dict[int, int]) -> str:
@@ -149,8 +197,12 @@ def refused_stage_start(paths: list[str], refusals: dict[int, str], stages: dict
     known = sorted(({0: 0} | stages).items())
     for (j, a), (i, s) in zip(known, known[1:], strict=False):
         if s > a and all(k in refusals for k in range(j + 1, i + 1)):
-            start = next((k for k in range(i + 1, len(paths)) if k not in refusals), None)
-            instead = f"start it at {paths[start]}" if start is not None else "no later layer may start a stage"
-            return (f"stage {s} cannot start at {paths[i]}: {refusals[i]}; {instead}, or keep {paths[i]} on stage "
-                    f"{a} with {paths[j]}")
+            return _refusal(paths, refusals, j, a, i, s, refusals[i])
     return ""
+
+
+def _refusal(paths: list[str], refusals: dict[int, str], j: int, a: int, i: int, s: int, why: str) -> str:
+    """Stage ``s`` cannot start at layer ``i`` (``why``), the layer ``j`` before it on stage ``a``: what to do."""
+    start = next((k for k in range(i + 1, len(paths)) if k not in refusals), None)
+    instead = f"start it at {paths[start]}" if start is not None else "no later layer may start a stage"
+    return f"stage {s} cannot start at {paths[i]}: {why}; {instead}, or keep {paths[i]} on stage {a} with {paths[j]}"
