@@ -20,7 +20,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
-from ..cost.profile.crossings import refused_stage_start
+from ..cost.profile.crossings import pinned_glue, stage_rules
 from ..cost.schedule import ZERO_BUBBLE
 from ..cost.tp_styles import PROJECTIONS
 from ..plan import PINNABLE, RECOMPUTE, TP_STYLES, PlanError, normalize_fix, within
@@ -57,6 +57,9 @@ class Constraints:
     """layer index -> its override"""
     text: list[str]
     """the overrides as the user wrote them, for the explanation"""
+    glued: frozenset[int] | None = None
+    """the layers no stage may start at where pins move that set (a pinned start the stage as a whole makes
+    runnable: :func:`~autopar_nb.cost.profile.crossings.pinned_glue`); None: the profile's ``pp_glued``"""
 
     @property
     def needs_tp(self) -> bool:
@@ -103,10 +106,11 @@ def parse(graph, prof, fix: dict | None, overrides: dict | None) -> Constraints:
         if b < a:
             raise PlanError(f"stage overrides out of order: {paths[i]} is pinned to stage {a} but the later layer "
                             f"{paths[j]} to stage {b}; pipeline stages run the layers in model order")
-    if why := refused_stage_start(paths, prof.pp_glued, dict(pins)):
+    glued, why = pinned_glue(paths, stage_rules(graph), prof.pp_glued, dict(pins)) if pins else (None, "")
+    if why:
         raise PlanError(why)
     _zero_bubble_without_recompute(fix, layers)
-    return Constraints(fix, layers, text)
+    return Constraints(fix, layers, text, glued)
 
 
 def _zero_bubble_without_recompute(fix: dict, layers: dict[int, LayerOverride]) -> None:

@@ -128,7 +128,7 @@ class Search:
                     set(ov.tp_styles) >= set(prof.layers[i].tp):
                 self.tp_on[i] = False
         self.pins = {i: ov.stage for i, ov in cons.layers.items() if ov.stage is not None}
-        self.glued = frozenset(prof.pp_glued)
+        self.glued = frozenset(prof.pp_glued) if cons.glued is None else cons.glued
         """layers no pipeline stage may start at (each stays in the stage of the layer before)"""
         self.starts = self.n - len(self.glued)
         """the most pipeline stages the model can hold: the layers a stage may start at"""
@@ -435,7 +435,7 @@ class Search:
         paths = [self.prof.layers[i].path for i in sorted(self.glued)]
         first = min(self.glued)
         return (f" of {self.n} layers: no stage starts at {', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}"
-                f" ({paths[0]}: {self.prof.pp_glued[first]})")
+                f" ({paths[0]}: {self.prof.pp_glued.get(first, 'it stays with the pinned stage start before it')})")
 
     def _variants(self, s: Setting, choices: list[LayerChoice]) -> Candidate:
         """The candidate of ``s`` with ``choices``, recompute added where it does not fit, and its fused variants."""

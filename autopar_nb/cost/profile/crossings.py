@@ -201,6 +201,28 @@ def refused_stage_start(paths: list[str], refusals: dict[int, str], stages: dict
     return ""
 
 
+def pinned_glue(paths: list[str], rules: StageRules, refusals: dict[int, str], stages: dict[int, int]
+                ) -> tuple[frozenset[int], str]:
+    """The layers that stay in the stage of the layer before them for a partition honouring the pins ``stages``
+    (layer index -> stage), and why the pins cannot run ("" when they can). Where a pin forces a stage to start at
+    a layer ``refusals`` has (:func:`refused_stage_start`), the start is kept when its stage can meet the rules as a
+    whole (:func:`refused_stages`): the layers after it up to the first that reads something the unit before
+    computed, with parameters among them, are glued to it (LLaMA's rotary table with model.layers.0)."""
+    glued = set(refusals)
+    known = sorted(({0: 0} | stages).items())
+    for (j, a), (i, s) in zip(known, known[1:], strict=False):
+        if not (s > a and all(k in glued for k in range(j + 1, i + 1))):
+            continue
+        unit = max((k for k in range(i) if k not in glued), default=0)  # the first layer of the unit before
+        end = next((m for m in range(i, len(paths)) if sum(rules.params[i:m + 1])
+                    and any(unit <= q < i <= p <= m for q, p in rules.reads)), None)
+        clash = next((k for k in range(i + 1, (end or i) + 1) if stages.get(k, s) != s), None)
+        if i in rules.refused or end is None or clash is not None:
+            return frozenset(glued), refused_stage_start(paths, refusals, stages)
+        glued = (glued - {i}) | set(range(i + 1, end + 1))
+    return frozenset(glued), ""
+
+
 def _refusal(paths: list[str], refusals: dict[int, str], j: int, a: int, i: int, s: int, why: str) -> str:
     """Stage ``s`` cannot start at layer ``i`` (``why``), the layer ``j`` before it on stage ``a``: what to do."""
     start = next((k for k in range(i + 1, len(paths)) if k not in refusals), None)
