@@ -188,6 +188,9 @@ class Cluster:
     """bytes each rank may use, set by the user (``memory_gb=``, the magic's ``--memory``); None: the device's
     memory (on the ``cpu`` preset the host's RAM, shared by the node's ranks). A CPU launch of a plan made with it
     enforces it on each rank's RSS above its baseline (``autopar_nb.launch.watch``)"""
+    host_memory: float | None = None
+    """bytes of RAM of each node's host where known (:meth:`detect`: this machine's), which CPU offload's host-side
+    states must fit; None: the preset's reference system (``cost/offload.py``)"""
 
     def __post_init__(self):
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -241,7 +244,9 @@ class Cluster:
         gpus = visible_gpus(env)
         if not gpus:
             return cls.preset("cpu", gpus_per_node=1)
-        return cls.from_gpu(gpus[0], len(gpus))
+        import psutil
+
+        return dataclasses.replace(cls.from_gpu(gpus[0], len(gpus)), host_memory=float(psutil.virtual_memory().total))
 
     @classmethod
     def from_gpu(cls, gpu: GpuInfo, count: int) -> Cluster:

@@ -164,6 +164,8 @@ def test_detect_names_the_gpus_of_this_host(monkeypatch, name, memory, nvml_memo
     assert c.device.memory_bytes == (nvml_memory or memory), "the card's own memory, not the datasheet's"
     assert c.device.peak_flops == datasheet.device.peak_flops and c.intra_node == datasheet.intra_node
     assert cuda_calls == [], "detection must not initialise CUDA in the kernel"
+    assert c.host_memory == psutil.virtual_memory().total, "CPU offload is checked against this machine's RAM"
+    assert datasheet.host_memory is None
 
 
 def test_pcie_a100_gets_a_pcie_link(monkeypatch):

@@ -54,16 +54,19 @@ PCIE_OF = {"h100-pcie": PCIE5, "h100-nvl": PCIE5, "h20": PCIE5, "t4": PCIE3}
 
 
 def host_of(cluster) -> HostSpec:
-    """The host of one node of ``cluster``: its preset's reference system, else RAM twice the node's GPU memory (AWS
-    g5.12xlarge: 192 GiB for 4 x 24 GB A10G) over the card's PCIe generation; the ``cpu`` preset's device is the
-    host (no copies)."""
+    """The host of one node of ``cluster``: the RAM of the machine it was detected on where known
+    (``Cluster.host_memory``: a lent or cloud node often has far less than its GPU's reference system), else its
+    preset's reference system, else RAM twice the node's GPU memory (AWS g5.12xlarge: 192 GiB for 4 x 24 GB A10G);
+    the link: the preset's, else the card's PCIe generation. The ``cpu`` preset's device is the host (no copies)."""
     if cluster.name == "cpu":
         return HostSpec(cluster.device.memory_bytes, float("inf"), "the CPU processes' own RAM: nothing is copied")
     if cluster.name in HOSTS:
-        return HOSTS[cluster.name]
-    link = PCIE_OF.get(cluster.name, PCIE4)
-    return HostSpec(2 * cluster.device.memory_bytes * cluster.gpus_per_node, link,
-                    "assumed: RAM twice the node's GPU memory, as cloud GPU instances have")
+        host = HOSTS[cluster.name]
+    else:
+        host = HostSpec(2 * cluster.device.memory_bytes * cluster.gpus_per_node, PCIE_OF.get(cluster.name, PCIE4),
+                        "assumed: RAM twice the node's GPU memory, as cloud GPU instances have")
+    ram = getattr(cluster, "host_memory", None)
+    return host if ram is None else HostSpec(ram, host.link, "this machine's RAM, as detected")
 
 
 def offload_copy_time(numel: float, *, gathers: int, reduce_scatters: int, p_item: int, g_item: int,
