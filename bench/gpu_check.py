@@ -19,7 +19,13 @@ and the others still run; checks past the time budget are recorded as skipped. T
 4. fp16 with GradScaler, verify on CUDA (one rank vs the reference on the same device), and with >= 2 GPUs a
    2-process NCCL run with SyncBatchNorm (with one GPU: recorded as not run, and why);
 5. CPU offload (``--fix offload=cpu``, check 7): verify on CUDA with pinned host shards, then step time and device
-   peak against the planner's host-copy and CPU-optimizer prediction.
+   peak against the planner's host-copy and CPU-optimizer prediction;
+6. Float8 (``--fix float8=tensorwise``, check 8) beside bf16 on the compiled 1B: tokens/s of each against the
+   planner's step times, and the two loss curves step by step within verify's float8 tolerance (10 %). The
+   workers import torchao: an offline GPU host needs its wheel (``make setup`` installs it).
+
+Every check but the last pins Float8 off (``float8=none``), and the memory check compile off: on an FP8 GPU the
+planner takes both by itself for the 1B, and each table names what it times.
 
 The scaling check (``--only 6``; it runs second, right after check 1) measures what the cost
 model's GPU efficiency factors are fitted from: LLaMA at three sizes that fit one GPU, bf16, one
@@ -274,7 +280,7 @@ def check_memory_and_time(c: Checker) -> str:
         "peak | predicted step | measured step | error | NVML samples |", "|---" * 10 + "|"]
     c.first_run = None
     for mode in c.modes:
-        ap = c.session(f"--gpus 1 --fix recompute={mode}")
+        ap = c.session(f"--gpus 1 --fix recompute={mode},{EAGER_BF16}")
         run, s = launched(ap, c, steps=c.target.steps)
         c.first_run = c.first_run or (ap, run, s)
         c.runs.append((f"the recompute={mode} run above", ap, run, s))
@@ -300,20 +306,25 @@ def check_calibrate(c: Checker) -> str:
         raise RuntimeError("needs the memory check's recompute=none run (check 1)")
     ap, run, before = c.first_run
     factors = run.calibrate()
-    _, after = launched(c.session("--gpus 1 --fix recompute=none"), c, steps=c.target.steps)
+    _, after = launched(c.session(f"--gpus 1 --fix recompute=none,{EAGER_BF16}"), c, steps=c.target.steps)
     return (f"factors {json.dumps({k: round(v, 3) for k, v in factors.items()})}; step-time error before "
             f"{pct(before['step_time_s'], before['predicted_step_time_s'])}, after "
             f"{pct(after['step_time_s'], after['predicted_step_time_s'])}")
 
 
-VARIANTS = {"eager": "compile=false,fused_loss=false,fused_norm=false",
-            "fused linear-cross-entropy + fused RMSNorm": "compile=false,fused_loss=true,fused_norm=true",
-            "compile per block": "compile=true,fused_loss=false,fused_norm=false",
-            "compile + fused linear-cross-entropy + fused RMSNorm": "compile=true,fused_loss=true,fused_norm=true",
-            "fused linear-cross-entropy": "compile=false,fused_loss=true,fused_norm=false",
-            "fused RMSNorm": "compile=false,fused_loss=false,fused_norm=true"}
+EAGER_BF16 = "compile=false,float8=none"
+"""what the memory check's runs pin: on an FP8 GPU the planner compiles the 1B and takes Float8 by itself (H200:
+142 ms/step predicted against 179 eager), which would time another step than the table names and need torchao; so
+pinned, each run is the scaling check's eager row of its recompute (the same plan: one launch serves both)"""
+VARIANTS = {"eager": "compile=false,fused_loss=false,fused_norm=false,float8=none",
+            "fused linear-cross-entropy + fused RMSNorm": "compile=false,fused_loss=true,fused_norm=true,float8=none",
+            "compile per block": "compile=true,fused_loss=false,fused_norm=false,float8=none",
+            "compile + fused linear-cross-entropy + fused RMSNorm":
+                "compile=true,fused_loss=true,fused_norm=true,float8=none",
+            "fused linear-cross-entropy": "compile=false,fused_loss=true,fused_norm=false,float8=none",
+            "fused RMSNorm": "compile=false,fused_loss=false,fused_norm=true,float8=none"}
 """the exported script's variants (the plan's ``--fix``), in the order they run (the compiled ones take longest: one
-past the budget is skipped); compile only on GPUs (CPU: tests/test_compile.py)"""
+past the budget is skipped); compile only on GPUs (CPU: tests/test_compile.py); Float8 pinned off (its own check)"""
 CPU_VARIANTS = ("eager", "fused linear-cross-entropy + fused RMSNorm")
 """what the plumbing path runs (two toy runs: the others differ only in the plan's flags; the eager one is the
 memory check's recompute=none run where the plans agree, :func:`same_plan_run`)"""
@@ -488,7 +499,7 @@ def scaling_fix(row: ScalingRow) -> str:
     """Everything that changes the step's kernels pinned, so each row measures what it names; one
     micro-batch, so the step is the whole batch's forward and backward once."""
     return (f"recompute={row.recompute},micro_batches=1,compile={str(row.compile).lower()},"
-            "fused_loss=false,fused_norm=false")
+            "fused_loss=false,fused_norm=false,float8=none")
 
 
 def fitting_session(c: Checker, shape: Shape, fix: str) -> tuple:
@@ -642,6 +653,50 @@ def check_offload(c: Checker) -> str:
             f"{gib(meas)} ({s['memory_kind']}) vs {gib(m0.total - m0.margin)} predicted, {gib(m0.host)} on the host")
 
 
+def check_float8(c: Checker) -> str:
+    """Float8 (torchao, tensorwise: the recipe the planner offers) beside bf16, the plan otherwise the same: on a GPU
+    the compiled 1B (its bf16 run is the scaling check's compiled row, reused), on CPU the toy cell eager in bf16
+    (torchao emulates the float8 matmuls). Per run the planner's step, the measured one, tokens/s; then both loss
+    curves step by step, held to verify's float8 tolerance (torchao's SQNR of 20 dB: 10 %)."""
+    from autopar_nb.runtime.float8 import TORCHAO_INSTALL
+    from autopar_nb.verify.report import FLOAT8_RTOL
+
+    try:
+        import torchao  # noqa: F401  (the workers import it; they run in this environment)
+    except ImportError:
+        return f"not run: torchao is not installed here ({TORCHAO_INSTALL}; an offline host needs its wheel)"
+    base = scaling_fix(ScalingRow(LLAMA_1B, "none", c.target.cuda)) + ("" if c.target.cuda else ",amp=bf16")
+    lines = ["| float8 | predicted step | measured step | tokens/s | plan |", "|---|---|---|---|---|"]
+    runs = {}
+    for recipe in ("none", "tensorwise"):
+        ap = c.session(f"--gpus 1 --fix {base.replace('float8=none', f'float8={recipe}')}")
+        run, s, label = same_plan_run(c, ap.plan)
+        if s is None:
+            skipped = budget_verdict(c, ap.plan, c.target.cuda)
+            if skipped:
+                return f"float8={recipe}: {skipped}"
+            run, s = launched(ap, c, steps=c.target.steps)
+            c.runs.append((f"the float8={recipe} run", ap, run, s))
+        runs[recipe] = (ap.plan.cost.step_time_s, s["step_time_s"], run.loss_curve(0))
+        mesh = ap.plan.summary().split(" | ")[0] + (f" ({label}: the same plan)" if label else "")
+        lines.append(f"| {recipe} | {ms(runs[recipe][0])} | {ms(s['step_time_s'])} | "
+                     f"{tokens_per_step(ap.plan) / s['step_time_s']:,.0f} | {mesh} |")
+    return "\n" + "\n".join(lines + ["", float8_verdict(runs["none"], runs["tensorwise"], FLOAT8_RTOL)])
+
+
+def float8_verdict(bf16: tuple, f8: tuple, rtol: float) -> str:
+    """The measured speed-up beside the predicted one, and the two loss curves (``(step, loss)`` lists) compared
+    step by step against ``rtol``: one sentence and the losses."""
+    (p0, m0, curve0), (p1, m1, curve1) = bf16, f8
+    losses = dict(curve1)
+    pairs = [(step, loss, losses[step]) for step, loss in curve0 if step in losses]
+    worst = max((abs(b - a) / abs(a) for _, a, b in pairs if a), default=float("nan"))
+    held = "within" if worst <= rtol else "NOT within"
+    return (f"Float8 measured {m0 / m1:.2f}x bf16's speed (predicted {p0 / p1:.2f}x); losses over {len(pairs)} steps "
+            f"{held} {rtol:.0%} of bf16's (largest difference {worst:.1e}): "
+            + ", ".join(f"{step}: {a:.4f} / {b:.4f}" for step, a, b in pairs) + ".")
+
+
 CHECKS = [("memory and step time vs the planner (LLaMA 1B, bf16, 1 GPU)", check_memory_and_time),
           ("calibrate", check_calibrate),
           ("fp16 GradScaler and verify on CUDA", check_fp16_and_verify),
@@ -650,12 +705,14 @@ CHECKS = [("memory and step time vs the planner (LLaMA 1B, bf16, 1 GPU)", check_
            check_throughput),
           ("step time and memory at three sizes (LLaMA 0.5B / 1B / 3B, bf16, 1 GPU)",
            check_scaling),
-          ("CPU offload: verify, step time and device peak (tiny LLaMA, fp32, 1 GPU)", check_offload)]
+          ("CPU offload: verify, step time and device peak (tiny LLaMA, fp32, 1 GPU)", check_offload),
+          ("Float8 beside bf16: tokens/s and loss curves (LLaMA 1B, compiled, 1 GPU)", check_float8)]
 """numbered as ``--only`` names them (1-based)"""
-ORDER = (1, 6, 2, 3, 4, 7, 5)
+ORDER = (1, 6, 2, 3, 4, 7, 8, 5)
 """the order they run in: the scaling rows right after the memory check (whose runs they reuse) and
-before calibrate (so that their predictions use the factors a fresh machine plans with); the
-throughput check, the longest, last (a variant past the budget is skipped)"""
+before calibrate (so that their predictions use the factors a fresh machine plans with); Float8 after
+the scaling rows (its bf16 run is their compiled 1B); the throughput check, the longest, last (a
+variant past the budget is skipped)"""
 
 
 def header() -> str:
@@ -730,7 +787,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--plumbing", action="store_true", help="run the CPU path even on a GPU host")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="time budget (default 480 s)")
-    p.add_argument("--only", help="the checks to run, by number (1-7, comma-separated; default "
+    p.add_argument("--only", help="the checks to run, by number (1-8, comma-separated; default "
                    "all): a rerun")
     p.add_argument("--copy-to", type=Path, help="copy BENCHMARKS.md into this folder after each check")
     p.add_argument("--variants", help="the throughput check's variants to run, by number (1-6, in VARIANTS' order)")

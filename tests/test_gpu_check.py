@@ -32,7 +32,8 @@ def test_gpu_check_plumbing_on_a_cpu_host(tmp_path):
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     text = out.stdout
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "no CUDA GPU here" in text and "plumbing ok: 7 checks ran on CPU" in text, text[-3000:]
+    assert "no CUDA GPU here" in text and "plumbing ok: 8 checks ran on CPU" in text, text[-3000:]
+    assert "| tensorwise |" in text and "losses over 4 steps within 10% of bf16's" in text
     assert "FAILED" not in text and "| eager |" in text and "verify fp32 on CPU: ok=True" in text
     # one launch saved: the throughput check's eager variant is the memory check's first run
     assert "| eager |" in text.split("the recompute=none run above: the same plan")[0]
@@ -129,3 +130,53 @@ def test_a_compiled_row_launches_with_inductors_caches_off(monkeypatch):
     for compiled in (True, False):
         gpu_check.run_of(c, SimpleNamespace(plan=None), gpu_check.ScalingRow(gpu_check.LLAMA_1B, "none", compiled))
     assert seen == [{"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}, None]
+
+
+def _fix(text: str) -> dict:
+    """A ``--fix`` string as the magic types it: true/false as bools, digits as ints."""
+    words = (kv.split("=") for kv in text.split(","))
+    return {k: {"true": True, "false": False}.get(v, int(v) if v.isdigit() else v) for k, v in words}
+
+
+@pytest.fixture(scope="module")
+def llama_1b_h200():
+    """The check's 1B captured on the meta device, and a planner for it on one H200 (the lent GPU)."""
+    import torch
+
+    import autopar_nb as ap
+    from autopar_nb import zoo
+
+    s = gpu_check.LLAMA_1B
+    with torch.device("meta"):
+        model = zoo.Llama(zoo.LlamaConfig(vocab_size=s.vocab, dim=s.dim, n_layers=s.layers, n_heads=s.heads,
+                                          n_kv_heads=s.kv_heads, ffn_dim=s.ffn))
+    graph = ap.capture(model, torch.randint(0, 100, (s.batch, s.seq), device="meta"))
+    cluster = ap.Cluster.preset("h200", 1, 1)
+    return lambda fix: ap.plan(graph, cluster, global_batch=s.batch, fix={"amp": "bf16", **_fix(fix)})
+
+
+def test_each_check_times_what_it_names_on_an_fp8_gpu(llama_1b_h200):
+    """On an H200 the planner compiles the 1B and takes Float8 by itself; the memory check's runs pin both off (so
+    each is the scaling check's eager row: one launch for both, no torchao needed), the throughput variants and
+    the scaling rows pin Float8 off, and only the Float8 check runs it, beside the scaling check's compiled row."""
+    plan = llama_1b_h200
+    assert plan("recompute=none").precision.float8 == "tensorwise", "the planner's own choice on an H200"
+    row = gpu_check.scaling_fix(gpu_check.ScalingRow(gpu_check.LLAMA_1B, "none", False))
+    memory = plan(f"recompute=none,{gpu_check.EAGER_BF16}")
+    assert memory.precision.float8 == "none" and not any(lp.compile for lp in memory.layers)
+    assert memory.diff(plan(row)) == []
+    compiled = gpu_check.scaling_fix(gpu_check.ScalingRow(gpu_check.LLAMA_1B, "none", True))
+    variant = plan(gpu_check.VARIANTS["compile per block"])
+    assert variant.precision.float8 == "none" and variant.diff(plan(compiled)) == []
+    assert all("float8=none" in fix for fix in gpu_check.VARIANTS.values())
+    f8 = plan(compiled.replace("float8=none", "float8=tensorwise"))
+    assert f8.precision.float8 == "tensorwise" and f8.cost.step_time_s < variant.cost.step_time_s
+
+
+def test_the_float8_verdict_pairs_the_steps_and_holds_them_to_the_tolerance():
+    bf16 = (0.162, 0.170, [(0, 11.92), (1, 11.90), (2, 11.80)])
+    line = gpu_check.float8_verdict(bf16, (0.142, 0.150, [(0, 11.93), (1, 11.91), (2, 11.81)]), 0.1)
+    assert line.startswith("Float8 measured 1.13x bf16's speed (predicted 1.14x); losses over 3 steps within 10% of "
+                           "bf16's (largest difference 8.5e-04): 0: 11.9200 / 11.9300"), line
+    far = gpu_check.float8_verdict(bf16, (0.142, 0.150, [(0, 11.92), (1, 14.0)]), 0.1)
+    assert "losses over 2 steps NOT within 10%" in far
