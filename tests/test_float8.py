@@ -213,6 +213,21 @@ def test_the_planner_never_chooses_float8_on_cpu_but_takes_the_fix():
         ap.plan(graph, cpu, fix={"float8": "rowwise", "amp": "none"})
 
 
+def test_a_gpu_no_preset_names_is_refused_for_its_unknown_rate_not_for_lacking_fp8(small_llama):
+    """An Ada card detected but named by no preset (compute capability 8.9: it has FP8 tensor cores) gets the
+    planner's bf16/fp32 guesses: float8 is not offered because its FP8 rate is unknown, and the line says so rather
+    than that the card has no FP8; an A100 (a preset without FP8) still reads "has no FP8 matmuls"."""
+    import autopar_nb as ap
+    from autopar_nb.hardware import Cluster, GpuInfo
+
+    ada = Cluster.from_gpu(GpuInfo("NVIDIA RTX 6000 Ada Generation", 51.5e9, (8, 9)), 2)
+    line = next(x for x in ap.plan(small_llama, ada, fix={"amp": "bf16"}).explanation if x.startswith("Float8"))
+    assert line.startswith("Float8 not offered: no FP8 rate is known for the NVIDIA RTX 6000 Ada Generation (no "
+                           "preset names it)") and "has no FP8" not in line, line
+    a100 = ap.plan(small_llama, Cluster.preset("a100-80gb", gpus_per_node=2), fix={"amp": "bf16"})
+    assert any(x.startswith("Float8 not offered: the a100-80gb has no FP8 matmuls") for x in a100.explanation)
+
+
 @pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
 def test_cost_and_runtime_keep_the_same_head_when_it_is_tied():
     """A head tied to the embedding has no parameter of its own in the graph: the cost finds it by the forward's last

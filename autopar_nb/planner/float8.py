@@ -7,16 +7,24 @@ from __future__ import annotations
 import dataclasses
 
 from ..cost.float8 import FP8
+from ..hardware import PRESETS
 from ..units import fmt_time
 from .levers import take_if_faster
 from .search import Candidate
 
+PRESET_DEVICES = {dev.name for dev, _, _ in PRESETS.values()} | {"cpu"}
+"""the devices whose datasheets the presets copy: one of them without an FP8 rate has no FP8 matmuls"""
 AUTO_RECIPE = "tensorwise"
 """the recipe the planner offers: torchtitan's default, the fastest (one scale per tensor, float8 FSDP gathers)"""
 
 
 def float8_refusal(device, amp: str, pp: int) -> str:
     """Why float8 is not offered on ``device`` with autocast ``amp`` and ``pp`` pipeline stages ("" when it is)."""
+    if not device.supports(FP8) and device.name not in PRESET_DEVICES:
+        # a GPU no preset names (or a custom DeviceSpec) may well have FP8 tensor cores: its rate is what is missing
+        return (f"no FP8 rate is known for the {device.name} (no preset names it), so float8 cannot be costed; fix "
+                "float8=tensorwise runs torchao on it (FP8 matmuls from compute capability 8.9, else emulated), or "
+                f"give its DeviceSpec a {FP8!r} peak")
     if not device.supports(FP8):
         return (f"the {device.name} has no FP8 matmuls (they need compute capability 8.9: H100, H200, GH200, L4, "
                 "L40S), so torchao would emulate them in float32, slower than bf16; fix float8=tensorwise runs that "
