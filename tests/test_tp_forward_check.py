@@ -207,8 +207,8 @@ def test_a_head_indexed_table_is_split_with_its_heads(name):
 
 
 def test_head_tables_are_costed_split_when_a_process_group_is_already_set_up():
-    """In a process that already holds a process group (a user's, here a fake one) the layout cannot run on the
-    stand-in, yet the script still shards the head tables (export finds them itself): the cost model must count them
+    """In a process that already holds a process group (a user's, here a fake one) the layout runs in a forked copy
+    of the process, and the script shards the head tables (export finds them itself): the cost model must count them
     split as well. They were costed whole there (2 x 1024 floats more on each rank)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -469,3 +469,27 @@ def test_split_tables_and_gemmas_embedding_train_on_two_ranks_as_on_one(two_rank
         assert "transformer.blocks.0.attn.Wqkv" in mpt.tp_plan, mpt.tp_plan
     for name in [*TABLES, *(HF_CELLS if has_transformers() else ())]:
         assert two_ranks[name][1].ok, str(two_ranks[name][1])
+
+
+def test_a_layout_whose_forward_fails_is_not_offered_beside_a_users_gloo_group():
+    """Planning in a process that already holds a real process group (a notebook that called init_process_group, a
+    worker) runs the layout too, on a fake group of its own in a forked copy of the process: nanoGPT's split(C, dim=2)
+    is refused with its reason as it is alone (it was offered unchecked), and the user's group is left as it was."""
+    import torch.distributed as dist
+
+    cell, at, why = CASES["split_global_width"]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        graph, plan = planned(cell)
+        world = dist.group.WORLD
+        assert dist.get_backend() == "gloo" and dist.get_world_size() == 1  # the user's group, untouched
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+    assert world is not None
+    assert not [m for m in plan.tp_plan if ".attn" in m], plan.tp_plan
+    assert "h.0.mlp.c_fc" in plan.tp_plan
+    assert set(graph.tp_refused) == {"h.0.attn", "h.1.attn"}
+    assert why.format(n=line_of(cell, at)) in refusal(plan)

@@ -10,7 +10,9 @@ why in its own words.
 
 from __future__ import annotations
 
+import functools
 import os
+import pickle
 import re
 import traceback
 from typing import NamedTuple
@@ -50,8 +52,9 @@ class Layout(NamedTuple):
 
 
 def run_layout(stand: StandIn, layout: Layout) -> tuple[str, str] | None:
-    """None when the forward runs on ``layout``'s local shards (or the check cannot run here: a process group is
-    already set up, the styles cannot be built); else (module path, why) of the first failure."""
+    """None when the forward runs on ``layout``'s local shards (or the check cannot run: the styles cannot be
+    built); else (module path, why) of the first failure. In a process that holds a process group already (a user's
+    notebook or worker) the layout runs in a forked copy of the process (:func:`_in_forked_copy`)."""
     model = meta_copy(stand.model)
     styles_of = dict(layout.styles)
     try:
@@ -63,8 +66,15 @@ def run_layout(stand: StandIn, layout: Layout) -> tuple[str, str] | None:
     except (NotImplementedError, ValueError):
         return None  # export refuses it with its own message
     stand.tables[layout] = tables  # found on the whole model: split with the heads even where the run cannot be
+    trial = functools.partial(_trial, stand, model, layout, styles, sizes, tables)
     if dist.is_initialized():
-        return None  # a real process group of the user's: the fake one cannot sit beside it
+        return _in_forked_copy(trial, stand)  # a process group of the user's: the fake one cannot sit beside it
+    return trial()
+
+
+def _trial(stand: StandIn, model: nn.Module, layout: Layout, styles, sizes, tables) -> tuple[str, str] | None:
+    """:func:`run_layout` once the styles are built: applied on rank 0 of a fake process group of ``layout.tp``
+    ranks (set up here, and taken down), then the forward."""
     ties = tied_parameters(model)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -89,6 +99,50 @@ def run_layout(stand: StandIn, layout: Layout) -> tuple[str, str] | None:
     if "whole" not in stand.results:  # a failure that is the meta device's (``.item()``), not the layout's?
         stand.results["whole"] = call(meta_copy(stand.model), stand) is None
     return blame(model, layout, error) if stand.results["whole"] else None
+
+
+def _in_forked_copy(trial, stand: StandIn) -> tuple[str, str] | None:
+    """``trial()`` in a forked copy of this process, for a process that holds a process group already (the default
+    group is global state, and a second cannot be set up beside it): the copy sets the user's group aside, runs the
+    trial on its own fake group and sends back only its answer, so nothing it does reaches the user's group or
+    model. None (unchecked, as export still refuses what it cannot build) where there is no fork or the copy died."""
+    if not hasattr(os, "fork"):
+        return None
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(read)
+            _held = _set_aside_user_groups()  # alive until the exit below
+            answer = pickle.dumps((trial(), stand.results.get("whole")))
+            with os.fdopen(write, "wb") as out:
+                out.write(answer)
+            code = 0
+        finally:
+            os._exit(code)  # no atexit, no flush of the copied buffers, no destructor of the user's group
+    os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        data = answer.read()
+    os.waitpid(pid, 0)
+    if not data:
+        return None
+    result, whole = pickle.loads(data)
+    if whole is not None:
+        stand.results["whole"] = whole
+    return result
+
+
+def _set_aside_user_groups() -> tuple:
+    """In the forked copy: no default group, so the fake one can be set up; the user's groups are kept referenced
+    (returned) so that taking the fake one down, which forgets every group, destroys none of theirs (a gloo group's
+    destructor would wait on threads the copy does not have)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    torch.set_num_threads(1)  # as torch's DataLoader does in a forked worker: the copy has no thread pool of its own
+    held = (c10d._world.default_pg, list(c10d._world.pg_map))
+    c10d._update_default_pg(None)
+    return held
 
 
 def call(model: nn.Module, stand: StandIn, repeats=()) -> Exception | None:
