@@ -153,6 +153,9 @@ example_inputs = (torch.randint(0, 128, (4, 16)),)
                         args="vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
                              "                      num_attention_heads=4, num_key_value_heads=2, "
                              "max_position_embeddings=64, eos_token_id=0"),
+    # StarCoder's: multi-query attention (one key/value head) from a fused c_attn cut by features, learned positions
+    "GPTBigCode": LM.format(config="GPTBigCodeConfig", model="GPTBigCodeForCausalLM",
+                            args="vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4"),
     "CNN + BatchNorm": """\
 import torch
 import torch.nn as nn

@@ -236,6 +236,31 @@ def test_falcons_repeated_multi_query_projection_says_its_query_rows_stay_whole(
 
 
 @pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+def test_gptbigcodes_multi_query_c_attn_splits_its_query_heads():
+    """GPTBigCode (StarCoder) cuts its fused multi-query c_attn by features before the query's view into heads
+    (``c_attn(x).unsqueeze(1).split((self.embed_dim, self.kv_dim, self.kv_dim), dim=3)``, then ``query.view(B, T,
+    -1, head_dim)``): its parts are heads [4, 1, 1], as Falcon's, repeated at tp=2, each rank computing its two query
+    heads' attention with ``embed_dim`` set to its share (16), and explain() says why the query rows stay whole and
+    what that costs: c_attn's query rows, 32 x 32 weights + 32 biases in fp32 per layer, half of them on each rank
+    beyond a split, 2 layers (4.12 KiB). It was gathered as features [32, 8, 8]: the attention ran whole on every
+    rank."""
+    from families import FAMILIES
+
+    from autopar_nb.export.values import script_values
+
+    cell = FAMILIES["GPTBigCode"]
+    graph, plan = planned(cell)
+    assert graph.tp_refused == {}
+    assert plan.tp_parts["transformer.h.1.attn.c_attn"] == [4, 1, 1], plan.tp_parts
+    assert {plan.tp_plan[f"transformer.h.1.attn.{m}"] for m in ("c_attn", "c_proj")} == {"colwise", "rowwise"}
+    assert script_values(source(cell), plan).local_sizes["transformer.h.*.attn"] == {
+        "embed_dim": 16, "num_heads": 2, "num_key_value_groups": 2}
+    line = next(x for x in plan.explanation if x.startswith("Fused multi-query projections"))
+    assert "transformer.h.*.attn.c_attn [4, 1, 1]" in line, line
+    assert f"{2 * (32 * 32 + 32) * 4 // 2 / 1024:.2f} KiB more parameters on each rank than split query rows" in line
+
+
+@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
 def test_gemmas_scaled_embedding_and_its_tied_head_are_split():
     """Gemma's embedding is an nn.Embedding subclass whose own forward scales the lookup by sqrt(hidden), tied to the
     output head: both are split on the vocabulary (the embedding rowwise, the head colwise into loss_parallel), as

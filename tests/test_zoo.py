@@ -1,4 +1,4 @@
-"""The models people bring, end to end (issue: "the models people bring"): twenty-five families built from Hugging
+"""The models people bring, end to end (issue: "the models people bring"): twenty-six families built from Hugging
 Face configs with their default flags, and a CNN, go through capture + plan, verify of the planner's plan, of ``tp=2``
 and of ``dp=2,zero=3``, and export + torchrun (tests/families.py; the verify cases of each half of the families in one
 launch of 2 processes, and their exported scripts in one torchrun launch, so that each half stays within the per-test

@@ -282,6 +282,7 @@ def _layout_lines(plan, prof, tp: int) -> list[str]:
     gathered, key/value projections repeated, head-indexed embeddings split by heads, projections a split attention
     shares; modules of repeated blocks named once (``h.*.attn.c_attn``)."""
     found: dict[str, dict[str, list]] = {}
+    whole_query = 0.0
     for lp, prof_lp in zip(plan.layers, prof.layers, strict=True):
         block = re.sub(r"\d+$", "*", lp.path)  # h.3 -> h.*
         for m, parts in lp.tp_parts.items():
@@ -289,6 +290,8 @@ def _layout_lines(plan, prof, tp: int) -> list[str]:
             kind = "shared" if lp.tp.get(m) == "shared" else prof_lp.layout(m, tp)
             kind = "multi_query" if kind == "repeated" and len(parts) > 1 else kind
             found.setdefault(kind, {}).setdefault(name, []).append((m, parts))
+            if kind == "multi_query" and m in prof_lp.repeatable:  # the query rows' bytes a split would divide
+                whole_query += prof_lp.repeatable[m].grad_bytes * max(parts) / sum(parts) * (tp - 1) / tp
 
     def names(kind: str) -> str:
         mods = [f"{m if len(seen) > 1 else seen[0][0]} {seen[0][1]}" for m, seen in found[kind].items()]
@@ -316,7 +319,9 @@ def _layout_lines(plan, prof, tp: int) -> list[str]:
                    f"keeps its share of the query heads with the key/value head they read (the attention and the "
                    f"projection after it run split by heads), the weight's gradient all-reduced once per step. Its "
                    f"query rows ({max(parts)} of {sum(parts)} heads) stay whole too: one DTensor is split or whole, "
-                   f"not both, and two parameters would rename the weight in checkpoints and Hugging Face files.")
+                   f"not both, and two parameters would rename the weight in checkpoints and Hugging Face files: "
+                   f"{fmt_bytes(whole_query)} more parameters on each rank than split query rows (their gradients "
+                   f"and optimizer states alike, unless ZeRO shards them).")
     if "split" in found:
         out.append(f"Head-indexed tables {LAYOUT_WORDS['split']} like the attention scores they are added to: "
                    f"{names('split')}.")
