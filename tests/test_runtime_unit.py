@@ -293,7 +293,8 @@ HELD_CELLS = {"GPT-2": HF_GPT2_CELL, "zoo GPT": GPT_CELL, "Falcon": HF_FALCON_CE
               "Gemma": HF_GEMMA_CELL, "Phi-3 GQA": HF_PHI3_CELL.format(kv=2), "Qwen3": FAMILIES["Qwen3"],
               "GPTBigCode": FAMILIES["GPTBigCode"]}
 """TP layouts whose ranks hold more than 1/tp of a projection: GPT-2's Conv1D ``c_attn`` split part by part (its bias
-whole), Falcon's and GPTBigCode's fused multi-query projections repeated (whole), DeepSeek-V3's MLA (the low-rank down
+whole), Falcon's fused multi-query ``query_key_value`` repeated (whole), GPTBigCode's multi-query ``c_attn`` split as
+one block (parts of different widths), DeepSeek-V3's MLA (the low-rank down
 projections and ``kv_a_proj_with_mqa`` whole), Gemma's single key/value head repeated, Phi-3's GQA ``qkv_proj`` split
 as one block, Qwen3's per-head q/k norms (whole)"""
 

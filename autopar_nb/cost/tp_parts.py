@@ -117,10 +117,7 @@ def name_heads(view, hc: int, src, origin, pieces, whole_heads) -> bool:
 
 
 def parts_of(proj_width: int, cut: list[list] | None, heads: int | None) -> Parts | None:
-    """The :class:`Parts` of a colwise projection's output from its ``cut`` ([width, heads or None] per piece, in
-    order) or the heads of its whole output."""
     if cut:
-        cut = _single_heads(cut)
         if all(h for _, h in cut) and len({w // h for w, h in cut}) == 1 and all(w % h == 0 for w, h in cut):
             return Parts(tuple(h for _, h in cut), True, proj_width)
         return Parts(tuple(w for w, _ in cut), False, proj_width)
@@ -129,25 +126,8 @@ def parts_of(proj_width: int, cut: list[list] | None, heads: int | None) -> Part
     return None
 
 
-def _single_heads(cut: list[list]) -> list[list]:
-    """``cut`` with a piece never viewed into heads but one head wide (the width of every head of the pieces that
-    are) counted as one head: the key and the value of a fused multi-query projection cut by features before the
-    query is viewed into heads (GPTBigCode's ``c_attn(x).unsqueeze(1).split((embed_dim, kv_dim, kv_dim), dim=3)``,
-    whose key and value are one head, read by every query head), as Falcon's are cut after the view."""
-    named = {w // h for w, h in cut if h and w % h == 0}
-    if len(named) != 1 or all(h for _, h in cut):
-        return cut
-    width = named.pop()
-    return cut if any(h is None and w != width for w, h in cut) else [[w, h or 1] for w, h in cut]
-
-
 def split_heads(in_shape, out_shape) -> int | None:
-    """(B, T, D) -> (B, T, nh, hd) with nh * hd = D: the head count nh (the sharded outer factor). A dim of size 1
-    before D that the view drops counts for nothing (GPTBigCode's query: (B, 1, T, D) -> (B, T, nh, hd))."""
-    ones = [d for d in in_shape[:-1] if d == 1]
-    if ones and len(ones) < len(in_shape) - 1 and (n := split_heads([d for d in in_shape[:-1] if d != 1] +
-                                                                   [in_shape[-1]], out_shape)):
-        return n
+    """(B, T, D) -> (B, T, nh, hd) with nh * hd = D: the head count nh (the sharded outer factor)."""
     if len(out_shape) <= len(in_shape):
         return None
     k = len(in_shape) - 1

@@ -286,8 +286,7 @@ def local_sizes(model: nn.Module, styles: dict[str, TPStyle], *, tp: int) -> dic
     for parent, paths in _split_children(modules, styles).items():
         module = modules[parent]
         reads = _attributes_read(type(module))
-        widths = {out_features(modules[p]) // (styles[p].parts or 1) for p in paths} | \
-            {_query_width(modules[p], styles[p]) for p in paths if isinstance(styles[p].heads, tuple)}
+        widths = {out_features(modules[p]) // (styles[p].parts or 1) for p in paths}
         repeated = [h for p in paths if styles[p].kind == "repeated_colwise" for h in
                     ((styles[p].heads,) if isinstance(styles[p].heads, int) else styles[p].heads) if h % tp]
         sizes: dict[str, int] = {}
@@ -311,14 +310,6 @@ def local_sizes(model: nn.Module, styles: dict[str, TPStyle], *, tp: int) -> dic
         if sizes:
             out[parent] = sizes
     return out
-
-
-def _query_width(module: nn.Module, style: TPStyle) -> int:
-    """The query part's width of a fused multi-query projection (its most heads x one head's width): the width its
-    code may cut the query from the output with (GPTBigCode's ``split((self.embed_dim, kv_dim, kv_dim))``), a rank's
-    share of it once the query heads are split."""
-    heads = style.heads
-    return out_features(module) // sum(heads) * max(heads)
 
 
 def _split_children(modules: dict[str, nn.Module], styles: dict[str, TPStyle]) -> dict[str, list[str]]:
