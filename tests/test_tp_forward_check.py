@@ -513,3 +513,29 @@ def test_a_layout_whose_forward_fails_is_not_offered_beside_a_users_gloo_group()
     assert "h.0.mlp.c_fc" in plan.tp_plan
     assert set(graph.tp_refused) == {"h.0.attn", "h.1.attn"}
     assert why.format(n=line_of(cell, at)) in refusal(plan)
+
+
+def test_a_stuck_forked_trial_is_given_up_without_hanging_the_planner(monkeypatch):
+    """The forked copy that runs a layout beside a user's process group may stick (a lock another thread held at
+    the fork): the planner waits a bounded time, kills the copy and goes on with the layout unchecked (before: it
+    waited for the copy forever)."""
+    import time
+
+    import torch.distributed as dist
+
+    def stuck(*_args):
+        time.sleep(600)
+
+    from autopar_nb.planner import forward_run
+
+    monkeypatch.setattr(forward_run, "_trial", stuck)
+    monkeypatch.setattr(forward_run, "FORKED_TRIAL_TIMEOUT_S", 2.0)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        t0 = time.monotonic()
+        graph, plan = planned(CASES["split_global_width"][0])
+        took = time.monotonic() - t0
+    finally:
+        dist.destroy_process_group()
+    assert graph.tp_refused == {} and plan.mesh.tp == 2  # unchecked, as when no copy can run
+    assert took < 60, took

@@ -14,6 +14,9 @@ import functools
 import os
 import pickle
 import re
+import select
+import signal
+import time
 import traceback
 from typing import NamedTuple
 
@@ -33,6 +36,11 @@ TORCH_DIR = os.path.dirname(torch.__file__)
 PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__))
 USER_FILES_IN_PACKAGE = ("zoo.py",)
 """files of autopar_nb that hold models (their lines are the user's model code)"""
+
+
+FORKED_TRIAL_TIMEOUT_S = 120.0
+"""how long a forked copy may run one layout before the planner gives up on checking it (a trial on meta tensors
+takes about a second for a small model, a few for a 22B one; only a copy stuck on a lock takes longer)"""
 
 
 class Layout(NamedTuple):
@@ -122,8 +130,9 @@ def _in_forked_copy(trial, stand: StandIn) -> tuple[str, str] | None:
         finally:
             os._exit(code)  # no atexit, no flush of the copied buffers, no destructor of the user's group
     os.close(write)
-    with os.fdopen(read, "rb") as answer:
-        data = answer.read()
+    data = _read_until(read, time.monotonic() + FORKED_TRIAL_TIMEOUT_S)
+    if data is None:  # stuck (a lock another thread held at the fork): the layout goes unchecked, planning goes on
+        os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     if not data:
         return None
@@ -131,6 +140,21 @@ def _in_forked_copy(trial, stand: StandIn) -> tuple[str, str] | None:
     if whole is not None:
         stand.results["whole"] = whole
     return result
+
+
+def _read_until(fd: int, deadline: float) -> bytes | None:
+    """Everything written to the pipe ``fd`` until its writer closes it (closed here), or None at ``deadline``."""
+    chunks = []
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            if select.select([fd], [], [], left)[0]:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    return b"".join(chunks)
+                chunks.append(chunk)
+        return None
+    finally:
+        os.close(fd)
 
 
 def _set_aside_user_groups() -> tuple:
