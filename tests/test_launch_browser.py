@@ -25,6 +25,7 @@ from test_browser import (
     IMG,
     KERNEL_IS,
     jupyterlab_server,
+    kernel_json,
     notebook_page,
     run_cell_writing,
 )
@@ -217,3 +218,37 @@ def test_tournament_from_the_widget(tmp_path):
     assert dark_bg not in ("rgb(255, 255, 255)", "rgba(0, 0, 0, 0)"), dark_bg
     assert adopted.startswith("adopted ") or adopted.endswith(" is the plan already"), adopted
     assert not [e for e in errors if "apd" in e or "apt" in e or "planner" in e], errors
+
+
+def test_launch_on_another_process_count_says_so_in_the_widget(tmp_path):
+    """Issue 42, point 7, as a user meets it: the processes field set to 1 for a plan made for 2, then Launch. The
+    run is the plan scaled to 1 data-parallel replica, and the widget's message leads with a warning that says so
+    (what was planned, what runs, how to run or plan either way); the dashboard's notes say it too. The session's plan
+    is not re-planned behind the user's back: it is still the 2-process plan."""
+    from playwright.sync_api import expect
+
+    cells = [CELLS[0], CELLS[1].replace("--batch 32", "--batch 32 --fix tp=1,pp=1")]  # dp 2: it scales to 1
+    with notebook_page(tmp_path, cells, widgets=1) as (page, errors):
+        before = kernel_json(page, tmp_path, "{'world': ap.plan.mesh.world_size, 'summary': ap.plan.summary()}")
+        page.locator(".ap-root").first.scroll_into_view_if_needed()
+        type_in(page, "input.ap-run-nproc", 1)
+        type_in(page, "input.ap-run-launch-steps", 5)
+        page.locator("button.ap-action-launch").click()
+        msg = page.locator(".ap-root .ap-msg").first
+        expect(msg).to_contain_text("The plan is for 2 processes; running it on 1", timeout=90_000)
+        level = msg.get_attribute("class")
+        text = msg.inner_text()
+        dash = page.locator(".ap-run-panel .autopar-dashboard")
+        expect(dash.locator("tr[data-rank]")).to_have_count(1, timeout=90_000)
+        expect(dash.locator(".apd-notes")).to_contain_text("made for 2 processes; this run scales it to 1")
+        expect(dash.locator(".apd-state")).to_have_attribute("data-state", "finished", timeout=120_000)
+        page.wait_for_function(KERNEL_IS % "idle", timeout=30_000)
+        after = kernel_json(page, tmp_path, (
+            "{'world': ap.plan.mesh.world_size, 'summary': ap.plan.summary(), "
+            "'ran': ap.widget().last_result.plan.mesh.world_size, "
+            "'scaled_from': ap.widget().last_result.plan.cluster.get('scaled_from')}"))
+    assert "ap-msg-warning" in level, level
+    assert "dp 2 -> 1" in text and "nproc=2" in text and "gpus_per_node=1" in text, text
+    assert "ap.launch(nproc=1" in text, text
+    assert after == {**before, "ran": 1, "scaled_from": 2}, (before, after)  # no silent re-plan
+    assert not [e for e in errors if "apd" in e or "planner" in e], errors
