@@ -93,9 +93,10 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def jupyterlab_server(tmp_path: Path):
-    """A JupyterLab server on 127.0.0.1 with its own config/runtime/settings dirs under ``tmp_path``; killed (whole
-    process group, kernels included) on exit. Yields (base url, token, root dir)."""
+def jupyterlab_server(tmp_path: Path, *, theme: str | None = None):
+    """A JupyterLab server on 127.0.0.1 with its own config/runtime/settings dirs under ``tmp_path``, its notebooks
+    opening in ``theme`` ("light" or "dark"; default THEME); killed (whole process group, kernels included) on exit.
+    Yields (base url, token, root dir)."""
     root = tmp_path / "root"
     root.mkdir()
     settings = tmp_path / "settings"
@@ -104,7 +105,7 @@ def jupyterlab_server(tmp_path: Path):
          {"fetchNews": "false", "checkForUpdates": False, "doNotDisturbMode": True}),
         ("@jupyterlab/notebook-extension", "tracker", {"windowingMode": "none"}),
         ("@jupyterlab/apputils-extension", "themes",
-         {"theme": "JupyterLab Dark" if THEME == "dark" else "JupyterLab Light"}),
+         {"theme": "JupyterLab Dark" if (theme or THEME) == "dark" else "JupyterLab Light"}),
     ]:
         (settings / ext).mkdir(parents=True, exist_ok=True)
         (settings / ext / f"{name}.jupyterlab-settings").write_text(json.dumps(value))
@@ -162,9 +163,10 @@ KERNEL_IS = ("() => { const w = window.jupyterapp && jupyterapp.shell.currentWid
 
 @contextlib.contextmanager
 def notebook_page(tmp_path: Path, cells: list[str] | nbformat.NotebookNode, *, widgets: int,
-                  window: dict | None = None, timeout_ms: int = 120_000):
-    """JupyterLab with a notebook of ``cells`` (or a notebook) run all, until ``widgets`` planner widgets show a
-    graph. Yields (page, errors) where errors collects page errors and the planner's console errors."""
+                  window: dict | None = None, theme: str | None = None, timeout_ms: int = 120_000):
+    """JupyterLab (in ``theme``, default THEME) with a notebook of ``cells`` (or a notebook) run all, until
+    ``widgets`` planner widgets show a graph. Yields (page, errors) where errors collects page errors and the
+    planner's console errors."""
     from playwright.sync_api import sync_playwright
 
     _require_chromium()
@@ -172,7 +174,7 @@ def notebook_page(tmp_path: Path, cells: list[str] | nbformat.NotebookNode, *, w
         cells=[nbformat.v4.new_code_cell(c) for c in cells],
         metadata={"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}})
     errors: list[str] = []
-    with jupyterlab_server(tmp_path) as (base, token, root), sync_playwright() as pw:
+    with jupyterlab_server(tmp_path, theme=theme) as (base, token, root), sync_playwright() as pw:
         nbformat.write(nb, root / "nb.ipynb")
         ctx = pw.chromium.launch_persistent_context(
             str(tmp_path / "chromium"), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS,
@@ -598,13 +600,20 @@ def _drop_ms(page) -> float:
     return page.evaluate("() => window.__apT1 - window.__apT0")
 
 
-def test_sharding_board(tmp_path):
+@pytest.mark.parametrize("window, theme", [(None, None), ({"width": 1024, "height": 1000}, "dark")],
+                         ids=["default", "1024px-dark"])
+def test_sharding_board(tmp_path, window, theme):
     """Issue 20: drag a chip (a folded block), a multi-selection and a graph node onto a swatch; a refused lane greys
     out with the reason while dragging and takes no drop; the keyboard does what a drag does; one drop is one
-    re-plan and one undo step; each message shows the Python call."""
+    re-plan and one undo step; each message shows the Python call. Issue 42: the same in the window and theme the
+    suite runs in, and at 1024 px (the file browser open) in the dark theme."""
     from playwright.sync_api import expect
 
-    with notebook_page(tmp_path, BOARD_CELLS, widgets=1) as (page, errors):
+    def shot(path: Path) -> str:  # the README's pictures are the default case's; the other case's stay in tmp_path
+        return str(path if window is None else tmp_path / path.name)
+
+    IMG.mkdir(parents=True, exist_ok=True)
+    with notebook_page(tmp_path, BOARD_CELLS, widgets=1, window=window, theme=theme) as (page, errors):
         w = page.locator(".ap-root").first
         board = w.locator(".ap-board")
         lanes = board.locator(".ap-slane[data-lane]").evaluate_all("(ls) => ls.map((l) => l.dataset.lane)")
@@ -642,7 +651,7 @@ def test_sharding_board(tmp_path):
         assert many["undo"] == one["undo"] + 1, "five layers, one undo step"
         t_many = _drop_ms(page)
         expect(board.locator('.ap-slane[data-lane="colwise-rowwise"] .ap-schip')).to_have_count(5)
-        board.screenshot(path=str(IMG / "widget_board.png"))
+        board.screenshot(path=shot(IMG / "widget_board.png"))
 
         # the folded block in the graph says its members differ, in colour and words, and opens on a click
         graph = w.locator(".ap-graph")
@@ -652,7 +661,7 @@ def test_sharding_board(tmp_path):
         assert w.locator(".ap-svg g.cluster.ap-differs").count() == 1
         assert w.locator(".ap-svg g.node polygon[fill^='url(']").count() + w.locator(
             ".ap-svg g.node path[fill^='url(']").count() > 0, "a member split shows as a two-colour fill"
-        graph.screenshot(path=str(IMG / "widget_fold_differs.png"))
+        graph.screenshot(path=shot(IMG / "widget_fold_differs.png"))
         label.click()
         expect(w.locator("button.ap-fold", has_text="fold h")).to_be_visible(timeout=30_000)
         assert w.locator(".ap-svg text.ap-clabel", has_text="h.5").count() >= 1
@@ -671,7 +680,7 @@ def test_sharding_board(tmp_path):
         target.dispatch_event("dragover", {"dataTransfer": dt})
         refused_class = target.get_attribute("class")
         why = target.locator(".ap-slane-why").inner_text()
-        board.screenshot(path=str(IMG / "widget_board_refused.png"))
+        board.screenshot(path=shot(IMG / "widget_board_refused.png"))
         target.dispatch_event("drop", {"dataTransfer": dt})
         wte.dispatch_event("dragend", {"dataTransfer": dt})
         assert "ap-refused" in refused_class and "Linear pair" in why, (refused_class, why)
@@ -767,7 +776,7 @@ def test_sharding_board(tmp_path):
         # activations are whole (the planner's rule, cost/tp_sequence.py), so the menu offers it
         sp_item = menu.locator('.ap-menu-item[data-strategy="sequence_parallel"]')
         assert sp_item.is_enabled() and "cannot" not in sp_item.inner_text(), sp_item.inner_text()
-        w.locator(".ap-graph").screenshot(path=str(IMG / "widget_menu.png"))
+        w.locator(".ap-graph").screenshot(path=shot(IMG / "widget_menu.png"))
         page.keyboard.press("Escape")
 
         # dark theme screenshot of the board
@@ -775,7 +784,7 @@ def test_sharding_board(tmp_path):
         page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'", timeout=20_000)
         page.wait_for_timeout(1000)
         board.scroll_into_view_if_needed()
-        board.screenshot(path=str(IMG / "widget_board_dark.png"))
+        board.screenshot(path=shot(IMG / "widget_board_dark.png"))
         low = w.evaluate(CONTRAST)
         page.evaluate("jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
         print(f"\nboard drop -> re-rendered (GPT 12 layers): block {t_block:.0f} ms, 5 chips {t_many:.0f} ms, "
