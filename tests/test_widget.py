@@ -37,6 +37,7 @@ from autopar_nb.widget.layout import (
     fit_ratio,
     layout,
     render_svg,
+    svg_boxes,
     svg_size,
 )
 from autopar_nb.zoo import GPT, GPTConfig, Llama, LlamaConfig
@@ -1717,12 +1718,37 @@ EDGES_OVER_TEXT = """() => {
 }"""
 
 
+def test_edges_into_a_cluster_end_at_its_border_rather_than_cross_its_label(resnet_graph, llama_graph):
+    """Issue 42, edges through cluster labels: dot routes the edge into a cluster's first node straight through the
+    label above it (ResNet-34 at depth 3: 24 label lines crossed). An edge whose end is the node under the label now
+    ends at the cluster's outline (graphviz's compound/lhead, after the layout): the same node boxes, the same size,
+    so the automatic view folds nothing more. Edges that run on to a deeper node (a residual's skip) stay whole."""
+    from autopar_nb.widget.entries import ended_at_clusters, entries, label_crossings
+
+    for graph, gpus in ((resnet_graph, 8), (llama_graph, 2)):
+        plan = _session(graph, gpus=gpus).plan
+        for depth in (0, 3):
+            dot = layout(graph, plan, depth=depth).dot
+            plain = render_svg(dot)
+            ended = render_svg(ended_at_clusters(dot, plain))
+            assert svg_size(ended) == svg_size(plain) and svg_boxes(ended) == svg_boxes(plain)
+            assert label_crossings(plain) and not label_crossings(ended), (depth, label_crossings(ended))
+    w = _session(resnet_graph, gpus=8).widget()
+    auto = w.view
+    assert auto["depth"] == 0 and auto["columns"] == 3, auto  # the automatic view shows what it did: layer1-4 folded
+    w.handle({"kind": "depth", "value": 3})
+    left = label_crossings(w.svg)
+    print("\nResNet-34 at depth 3 in the widget: label lines crossed", len(left), sorted({t for t, _, _ in left}))
+    assert not entries(w.svg) and len(left) <= 6, left  # was 24; what is left runs on past the label (a skip)
+    assert all(t.partition("->")[2].startswith("op-add") or "adaptive_avg_pool2d" in t for t, _, _ in left), left
+
+
 @pytest.mark.browser
 def test_no_edge_is_drawn_over_a_label(resnet_graph):
     """Issue 42, point 10 (edges through labels), measured where dot does route edges across labels: ResNet-34 at
-    depth 3, 16 crossings (13 cluster labels, which an edge crosses on its way into the cluster, and 3 nodes a
-    downsample branch's edge passes). Each label is painted above every edge that crosses it: the cluster labels by
-    the front end's label layer, the nodes by graphviz's own order (those edges come before the node)."""
+    depth 3 (16 crossings, 13 of them cluster labels, before an edge into a cluster ended at its border; now 3, the
+    nodes a downsample branch's edge passes). Each label is painted above every edge that crosses it: the cluster
+    labels by the front end's label layer, the nodes by graphviz's own order (those edges come before the node)."""
     s = _session(resnet_graph, gpus=8)
     w = s.widget()
     w.handle({"kind": "depth", "value": 3})

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..plan import Plan
+from .entries import ended_at_clusters
 from .layout import DEFAULT_VIEWPORT, View, auto_view, child_groups, fit_ratio, layout, render_svg, svg_size
 
 
@@ -48,6 +49,9 @@ class GraphView:
             lay = layout(s.graph, plan, depth=view.depth, groups=view.groups, breaks=view.breaks, **kw)
             svg = render_svg(lay.dot)
             report = {"scale": round(fit_ratio(*svg_size(svg), size), 3)}
+        ended = ended_at_clusters(lay.dot, svg)  # an edge through a cluster's label ends at its border (same layout)
+        if ended is not None:
+            svg = render_svg(ended)
         self._view, self._relayout, self._view_size = view, None, size
         return lay, svg, report
 
