@@ -484,6 +484,20 @@ CONTRAST = """(root) => {
   return out;
 }"""
 
+WHY_CONTRAST = """(e) => {
+  const rgb = (s) => (s.match(/[\\d.]+/g) || []).map(Number);
+  const lum = (c) => { const [r, g, b] = c.slice(0, 3).map((v) => { v /= 255;
+    return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; }); return 0.2126 * r + 0.7152 * g + 0.0722 * b; };
+  let back = [255, 255, 255], alpha = 1;
+  for (let x = e; x; x = x.parentElement) { const c = rgb(getComputedStyle(x).backgroundColor);
+    if (c.length === 3 || (c.length === 4 && c[3] > 0.5)) { back = c.slice(0, 3); break; } }
+  for (let x = e; x; x = x.parentElement) alpha *= parseFloat(getComputedStyle(x).opacity);
+  const seen = rgb(getComputedStyle(e).color).slice(0, 3).map((v, i) => alpha * v + (1 - alpha) * back[i]);
+  const a = lum(seen), b = lum(back);
+  return (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+}"""
+"""the contrast of an element's text with the background under it, its own and its ancestors' opacity applied"""
+
 TRUTH_CELLS = [
     "%load_ext autopar_nb",
     """%%autoparallel --gpus 8 --gpu h100-80gb --batch 32 --name ap
@@ -680,6 +694,7 @@ def test_sharding_board(tmp_path, window, theme):
         target.dispatch_event("dragover", {"dataTransfer": dt})
         refused_class = target.get_attribute("class")
         why = target.locator(".ap-slane-why").inner_text()
+        why_contrast = target.locator(".ap-slane-why").evaluate(WHY_CONTRAST)  # the lane greys; its reason must not
         board.screenshot(path=shot(IMG / "widget_board_refused.png"))
         target.dispatch_event("drop", {"dataTransfer": dt})
         wte.dispatch_event("dragend", {"dataTransfer": dt})
@@ -788,8 +803,9 @@ def test_sharding_board(tmp_path, window, theme):
         low = w.evaluate(CONTRAST)
         page.evaluate("jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
         print(f"\nboard drop -> re-rendered (GPT 12 layers): block {t_block:.0f} ms, 5 chips {t_many:.0f} ms, "
-              f"keyboard {t_keys:.0f} ms")
+              f"keyboard {t_keys:.0f} ms; a refused lane's reason at {why_contrast:.2f}:1 contrast")
     assert not low, low
+    assert why_contrast >= 3, why_contrast
     assert not errors, errors
 
 
