@@ -262,6 +262,48 @@ def _start(script, nproc, steps, *, plan, max_restarts, hang_timeout_s, run_dir,
            script_flags, memory_threshold: float = 0.92) -> Run:
     """launch()'s work, under ``_launch_lock``: export, start the agent, register and monitor the run."""
     seen = {**os.environ, **(env or {})}  # what the workers will see
+    backend, nproc = _backend_and_nproc(plan, nproc, backend, seen)
+    workdir = _kernel_workdir()
+    run_id = secrets.token_hex(8)
+    run_dir = _fresh_run_dir(run_dir, run_id)
+    script_path = _script_path(script, run_dir)
+    if plan is not None and hasattr(plan, "to_json"):
+        (run_dir / "plan.json").write_text(plan.to_json())
+
+    worker_env = _worker_env(env, plan, backend, nproc, warm)
+    torchrun_args = _torchrun_args(nproc, run_id, run_dir, max_restarts, warm, script_path,
+                                   script_args(steps, script_flags))
+    command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
+    (run_dir / "command.txt").write_text(f"cd {shlex.quote(workdir)} && {shlex.join(command)}\n")
+    # cwd: the ranks' working directory; path: their sys.path[0] (what `python script.py` puts first)
+    cfg = {"parent_pid": os.getpid(), "result_path": str(run_dir / "result.json"), "torchrun_args": torchrun_args,
+           "warm": warm, "cwd": workdir, "path": str(script_path.parent), "log": str(run_dir / "agent.log")}
+    (run_dir / "agent.json").write_text(json.dumps(cfg, indent=1))
+
+    if warm:
+        preload = script_preload(script_path)
+        server, token, proc = _hand_standby(run_dir, script_path, worker_env, monitor, preload)
+    else:
+        server, token, proc = _start_agent(run_dir, worker_env, monitor, workdir)
+
+    run = Run(run_id=run_id, run_dir=run_dir, script=script_path, nproc=nproc, steps=steps, token=token,
+              backend=backend, max_restarts=max_restarts, hang_timeout_s=hang_timeout_s, plan=plan, command=command)
+    run.warm = warm
+    run.worker_env = worker_env
+    run.memory_threshold = memory_threshold
+    run._proc = proc
+    if warm:
+        # when the run is over the next standby warms up (not before: its imports would compete with the run)
+        run._end_hooks.append(lambda _: POOL.refill("launch", env=worker_env, monitor=monitor,
+                                                    preload=preload))
+    run._server = server
+    _announce_and_monitor(run, plan, monitor)
+    return run
+
+
+def _backend_and_nproc(plan, nproc: int | None, backend: str | None, seen: dict[str, str]) -> tuple[str, int]:
+    """The backend (nccl when GPUs are visible) and the worker count (one per GPU, else the plan's world size,
+    else 2), checked against the GPUs the workers will see."""
     gpus = _gpu_count(seen)
     backend = backend or ("nccl" if gpus else "gloo")
     if nproc is None:
@@ -273,20 +315,34 @@ def _start(script, nproc, steps, *, plan, max_restarts, hang_timeout_s, run_dir,
         raise LaunchError(f"nproc={nproc} but only {gpus} GPU(s) are visible: pass nproc <= {gpus}, or "
                           "backend='gloo' for CPU workers")
     check_cuda(nproc, backend, seen)
+    return backend, nproc
+
+
+def _kernel_workdir() -> str:
+    """Where the ranks start: the kernel's (the notebook's) working directory."""
     try:
-        workdir = os.getcwd()  # where the ranks start: the kernel's (the notebook's) working directory
+        return os.getcwd()
     except FileNotFoundError:
         raise LaunchError("this kernel's working directory was deleted, so the ranks would have none to start in: "
                           "os.chdir() to an existing directory (the one the cell's relative paths are relative "
                           "to) and launch again") from None
 
-    run_id = secrets.token_hex(8)
+
+def _fresh_run_dir(run_dir, run_id: str) -> Path:
+    """The run directory, made and absolute (the log and result paths hold from any working directory), without a
+    previous run's result."""
     if run_dir is None:
         run_dir = tempfile.mkdtemp(prefix=f"autopar-run-{run_id[:8]}-")
-    run_dir = Path(run_dir).resolve()  # absolute: the log and result paths hold from any working directory
+    run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("result.json", "result.json.tmp"):  # a reused run_dir: the previous run's end is not this one's
         (run_dir / stale).unlink(missing_ok=True)
+    return run_dir
+
+
+def _script_path(script, run_dir: Path) -> Path:
+    """The training script's absolute path: ``script`` itself, or what the export callable wrote into
+    ``run_dir``."""
     if callable(script) and not isinstance(script, (str, os.PathLike)):
         target = run_dir / "train.py"
         produced = script(target)
@@ -297,9 +353,11 @@ def _start(script, nproc, steps, *, plan, max_restarts, hang_timeout_s, run_dir,
     if not script_path.is_file():
         raise LaunchError(f"training script {script_path} does not exist: export the plan first (ap.export(path)) "
                           "or pass the path of an existing script")
-    if plan is not None and hasattr(plan, "to_json"):
-        (run_dir / "plan.json").write_text(plan.to_json())
+    return script_path
 
+
+def _worker_env(env, plan, backend: str, nproc: int, warm: bool) -> dict[str, str]:
+    """The workers' environment, less the run's token and metrics address (set when the agent starts)."""
     worker_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     if backend == "gloo":
         worker_env.setdefault("OMP_NUM_THREADS", "1")  # one thread per CPU worker (oversubscription pitfall)
@@ -310,11 +368,16 @@ def _start(script, nproc, steps, *, plan, max_restarts, hang_timeout_s, run_dir,
     # refused", ../shared/notes/torch-cpu-distributed.md pitfall 3). Unshared, every attempt gets a fresh store
     # hosted by its rank 0, and a script's plain init_process_group() restarts cleanly.
     worker_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    worker_env = job_env(worker_env)  # the run's own token and metrics address are set below
+    worker_env = job_env(worker_env)
     if warm:
         worker_env.update(elastic_agent_env(nproc, worker_env))
-    sargs = script_args(steps, script_flags)
-    torchrun_args = [
+    return worker_env
+
+
+def _torchrun_args(nproc: int, run_id: str, run_dir: Path, max_restarts: int, warm: bool, script_path: Path,
+                   sargs: list[str]) -> list[str]:
+    """torch.distributed.run's command line for one local node."""
+    return [
         "--nnodes", "1", "--nproc-per-node", str(nproc),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id,
         # the agent must host the rendezvous store: a port taken since free_port() is then an error at once (else
@@ -328,51 +391,43 @@ def _start(script, nproc, steps, *, plan, max_restarts, hang_timeout_s, run_dir,
         *(["--run-path", "--start-method", "forkserver"] if warm else []),
         str(script_path), *sargs,
     ]
-    command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
-    (run_dir / "command.txt").write_text(f"cd {shlex.quote(workdir)} && {shlex.join(command)}\n")
-    # cwd: the ranks' working directory; path: their sys.path[0] (what `python script.py` puts first)
-    cfg = {"parent_pid": os.getpid(), "result_path": str(run_dir / "result.json"), "torchrun_args": torchrun_args,
-           "warm": warm, "cwd": workdir, "path": str(script_path.parent), "log": str(run_dir / "agent.log")}
-    (run_dir / "agent.json").write_text(json.dumps(cfg, indent=1))
 
-    if warm:
-        # a standby comes with its token and metrics channel: its processes were started with them
-        preload = script_preload(script_path)
-        try:
-            standby = POOL.hand("launch", run_dir / "agent.json", env=worker_env, monitor=monitor, preload=preload,
-                                script_dir=script_path.parent)
-        except RuntimeError as e:
-            raise LaunchError(str(e)) from None
-        server, token, proc = standby.server, standby.token, standby.proc
-    else:
-        server = MetricsServer() if monitor else None
-        token = server.token if server is not None else secrets.token_hex(16)
-        full_env = {**worker_env, TOKEN_ENV: token}
-        if server is not None:
-            full_env["AUTOPAR_METRICS"] = server.address
-        with open(run_dir / "agent.log", "wb") as log:
-            proc = subprocess.Popen([sys.executable, str(AGENT), str(run_dir / "agent.json")], env=full_env,
-                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    cwd=workdir, start_new_session=True)  # see procs.py
 
-    run = Run(run_id=run_id, run_dir=run_dir, script=script_path, nproc=nproc, steps=steps, token=token,
-              backend=backend, max_restarts=max_restarts, hang_timeout_s=hang_timeout_s, plan=plan, command=command)
-    run.warm = warm
-    run.worker_env = worker_env
-    run.memory_threshold = memory_threshold
-    run._proc = proc
-    if warm:
-        # when the run is over the next standby warms up (not before: its imports would compete with the run)
-        run._end_hooks.append(lambda _: POOL.refill("launch", env=worker_env, monitor=monitor,
-                                                    preload=preload))
-    run._server = server
-    what = plan.summary() if hasattr(plan, "summary") and getattr(plan, "mesh", None) is not None else script_path.name
+def _hand_standby(run_dir: Path, script_path: Path, worker_env: dict[str, str], monitor: bool, preload):
+    """The warm pool's standby agent takes the run: its (metrics server, token, process). A standby comes with
+    its token and metrics channel: its processes were started with them."""
+    try:
+        standby = POOL.hand("launch", run_dir / "agent.json", env=worker_env, monitor=monitor, preload=preload,
+                            script_dir=script_path.parent)
+    except RuntimeError as e:
+        raise LaunchError(str(e)) from None
+    return standby.server, standby.token, standby.proc
+
+
+def _start_agent(run_dir: Path, worker_env: dict[str, str], monitor: bool, workdir: str):
+    """A fresh agent process for the run: its (metrics server, token, process)."""
+    server = MetricsServer() if monitor else None
+    token = server.token if server is not None else secrets.token_hex(16)
+    full_env = {**worker_env, TOKEN_ENV: token}
+    if server is not None:
+        full_env["AUTOPAR_METRICS"] = server.address
+    with open(run_dir / "agent.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(AGENT), str(run_dir / "agent.json")], env=full_env,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                cwd=workdir, start_new_session=True)  # see procs.py
+    return server, token, proc
+
+
+def _announce_and_monitor(run: Run, plan, monitor: bool) -> None:
+    """The run's first event, its monitor started and the run registered as live."""
+    what = plan.summary() if hasattr(plan, "summary") and getattr(plan, "mesh", None) is not None \
+        else run.script.name
+    nproc, warm = run.nproc, run.warm
     run._lifecycle("launch", f"{nproc} {'warm ' if warm else ''}process{'es' if nproc > 1 else ''}: {what}", t=0.0)
     run._monitor = Monitor(run, sample=monitor)
     with _live_lock:
         _live.add(run)
     run._monitor.start()
-    return run
 
 
 @atexit.register
