@@ -113,6 +113,13 @@ def materialize(parts: list[nn.Module], skeleton: nn.Module, *, device: str | to
     constructors did), and a Hugging Face model's ``post_init()`` is replayed where it ran, at the end of each
     ``PreTrainedModel``'s construction: ``_init_weights`` over its modules not yet initialised, children first.
     """
+    replay = _Replay(_allocate(parts, device), skeleton)
+    torch.manual_seed(seed)
+    replay.construct(skeleton, "", None)
+
+
+def _allocate(parts: list[nn.Module], device: str | torch.device) -> dict[str, torch.Tensor]:
+    """Allocate every part's tensors on ``device`` (ties kept): canonical name -> the local tensor."""
     local: dict[str, torch.Tensor] = {}
     for part in parts:
         # to_empty() gives every module its own new tensor: remember tied parameters (embedding = output head)
@@ -127,68 +134,57 @@ def materialize(parts: list[nn.Module], skeleton: nn.Module, *, device: str | to
                 module._parameters[name] = owner._parameters[first]
         for name, t in [*part.named_parameters(), *part.named_buffers()]:
             local[canonical_name(name)] = t
+    return local
 
-    # a tied parameter takes the value its first module writes (what the model's own tied tensor ends with: Hugging
-    # Face ties the output head to the input embedding), in every local copy (a pipeline stage's own, GPT-2's lm_head)
-    tied = _tied_names(skeleton)
 
-    def write(path: str, full: nn.Module) -> None:
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+class _Replay:
+    """One replay of ``skeleton``'s construction, writing each module's initialised full values into the local
+    tensors (their shards)."""
+
+    BUDGET = 2**28
+    """elements: 1 GiB in fp32, the largest subtree kept whole for a parent's ``_init_weights``; the root (the
+    whole model) never counts as small"""
+
+    def __init__(self, local: dict[str, torch.Tensor], skeleton: nn.Module):
+        self.local = local
+        # a tied parameter takes the value its first module writes (what the model's own tied tensor ends with:
+        # Hugging Face ties the output head to the input embedding), in every local copy (a pipeline stage's own,
+        # GPT-2's lm_head)
+        self.tied = _tied_names(skeleton)
+        self.post_initialised: set[str] = set()
+        self.constructed: set[int] = set()
+        # some _init_weights re-initialise a child's weights from the parent (GPT-2 scales attn.c_proj); a parent
+        # whose subtree is small gets its children's current full values, kept from their own init until the
+        # parent's turn
+        self.numel = {path: sum(t.numel() for t in [*m.parameters(), *m.buffers()])
+                      for path, m in skeleton.named_modules()}
+        self.values: dict[str, torch.Tensor] = {}
+
+    def write(self, path: str, full: nn.Module) -> None:
         for name, value in [*full.named_parameters(recurse=False), *full.named_buffers(recurse=False)]:
-            key = f"{path}.{name}" if path else name
-            targets = {id(t): t for k in tied.get(key, (key,)) if (t := local.get(k)) is not None}
+            key = _join(path, name)
+            targets = {id(t): t for k in self.tied.get(key, (key,)) if (t := self.local.get(k)) is not None}
             for target in targets.values():  # none: held by another pipeline stage
                 _write(target, value)
 
-    post_initialised: set[str] = set()
-    constructed: set[int] = set()
-
-    # some _init_weights re-initialise a child's weights from the parent (GPT-2 scales attn.c_proj); a parent whose
-    # subtree is small gets its children's current full values, kept from their own init until the parent's turn
-    numel = {path: sum(t.numel() for t in [*m.parameters(), *m.buffers()]) for path, m in skeleton.named_modules()}
-    budget = 2**28  # elements: 1 GiB in fp32; the root (the whole model) never counts as small
-    values: dict[str, torch.Tensor] = {}
-
-    def subtree_copy(module: nn.Module, path: str) -> nn.Module:
+    def subtree_copy(self, module: nn.Module, path: str) -> nn.Module:
         full = _full_copy(module)
         for name in [*full._parameters, *full._buffers]:
-            key = f"{path}.{name}" if path else name
-            if key in values:
-                (full._parameters if name in full._parameters else full._buffers)[name].copy_(values[key])
+            key = _join(path, name)
+            if key in self.values:
+                (full._parameters if name in full._parameters else full._buffers)[name].copy_(self.values[key])
         for name, child in module.named_children():
-            full._modules[name] = subtree_copy(child, f"{path}.{name}" if path else name)
+            full._modules[name] = self.subtree_copy(child, _join(path, name))
         return full
 
-    def post_init(module: nn.Module, path: str, owner: nn.Module) -> None:
-        for name, child in module.named_children():
-            post_init(child, f"{path}.{name}" if path else name, child if _is_hf(child) else owner)
-        if path not in post_initialised:
-            post_initialised.add(path)
-            small = path and numel[path] <= budget
-            full = subtree_copy(module, path) if small else _full_copy(module)
-            try:
-                owner._init_weights(full)
-            except AttributeError as e:
-                what = path or "the whole model"
-                raise NotImplementedError(
-                    f"{type(owner).__name__}._init_weights({what}) reads the module's children, and {what} holds "
-                    f"{numel[path]:,} elements, more than the meta path builds at once "
-                    f"({'it never builds the whole model' if not path else f'{budget:,}'}); build the model for "
-                    "real (export with meta_init=False), or give its modules reset_parameters()") from e
-            for sub, m in full.named_modules():
-                where = f"{path}.{sub}".strip(".") if sub else path
-                write(where, m)
-                if small:
-                    for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
-                        values[f"{where}.{name}" if where else name] = t.detach()
-        parent = path.rpartition(".")[0] if path else None
-        if parent is not None and numel.get(parent, 0) > budget:  # the parent will not need this subtree
-            for key in [k for k in values if k == path or k.startswith(path + ".")]:
-                del values[key]
-
-    def construct(module: nn.Module, path: str, owner: nn.Module | None) -> None:
-        if id(module) in constructed:  # a shared module is built once
+    def construct(self, module: nn.Module, path: str, owner: nn.Module | None) -> None:
+        if id(module) in self.constructed:  # a shared module is built once
             return
-        constructed.add(id(module))
+        self.constructed.add(id(module))
         owner = module if _is_hf(module) else owner
         if _own(module):
             full = _full_copy(module)
@@ -198,11 +194,39 @@ def materialize(parts: list[nn.Module], skeleton: nn.Module, *, device: str | to
                 owner._init_weights(full)  # e.g. HF Conv1D draws normal_ in __init__, as _init_weights does
             elif owner is None:
                 _fallback_init(full)
-            write(path, full)  # (an HF module that draws nothing in __init__ gets its values from post_init)
+            self.write(path, full)  # (an HF module that draws nothing in __init__ gets its values from post_init)
         for name, child in module.named_children():
-            construct(child, f"{path}.{name}" if path else name, owner)
+            self.construct(child, _join(path, name), owner)
         if _is_hf(module):
-            post_init(module, path, module)
+            self.post_init(module, path, module)
 
-    torch.manual_seed(seed)
-    construct(skeleton, "", None)
+    def post_init(self, module: nn.Module, path: str, owner: nn.Module) -> None:
+        for name, child in module.named_children():
+            self.post_init(child, _join(path, name), child if _is_hf(child) else owner)
+        if path not in self.post_initialised:
+            self.post_initialised.add(path)
+            self._init_weights(module, path, owner)
+        parent = path.rpartition(".")[0] if path else None
+        if parent is not None and self.numel.get(parent, 0) > self.BUDGET:  # the parent will not need this subtree
+            for key in [k for k in self.values if k == path or k.startswith(path + ".")]:
+                del self.values[key]
+
+    def _init_weights(self, module: nn.Module, path: str, owner: nn.Module) -> None:
+        """``owner._init_weights`` on ``module`` (with its children where the subtree is small), written out."""
+        small = path and self.numel[path] <= self.BUDGET
+        full = self.subtree_copy(module, path) if small else _full_copy(module)
+        try:
+            owner._init_weights(full)
+        except AttributeError as e:
+            what = path or "the whole model"
+            raise NotImplementedError(
+                f"{type(owner).__name__}._init_weights({what}) reads the module's children, and {what} holds "
+                f"{self.numel[path]:,} elements, more than the meta path builds at once "
+                f"({'it never builds the whole model' if not path else f'{self.BUDGET:,}'}); build the model for "
+                "real (export with meta_init=False), or give its modules reset_parameters()") from e
+        for sub, m in full.named_modules():
+            where = f"{path}.{sub}".strip(".") if sub else path
+            self.write(where, m)
+            if small:
+                for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+                    self.values[_join(where, name)] = t.detach()
