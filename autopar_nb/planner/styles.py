@@ -24,6 +24,7 @@ Rules (Megatron-LM / torchtitan):
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import textwrap
 
@@ -63,23 +64,53 @@ def tp_styles(model: nn.Module, tp_plan: dict[str, str], *, sp_layers: list[str]
     # parents (and layers) of rowwise Linears: a colwise Linear beside one feeds it (BERT keeps them in sibling
     # modules of one layer: attention.self.query -> attention.output.dense); one without is an output head
     rows = [p for p in ordered if tp_plan[p] == "rowwise" and is_projection(modules[p])]
-    row_parents = {p.rpartition(".")[0] for p in rows} | {layer_of(p, layers) for p in rows} - {None}
     layouts = {p: part_layout(p, modules[p], (parts or {}).get(p), tp=tp) for p in ordered
                if tp_plan[p] == "colwise" and (is_projection(modules[p]) or p in (parts or {}))}
-    gathered = {p.rpartition(".")[0] for p, lay in layouts.items() if lay.get("output_layout") == REPLICATE}
     region, after = _sp_region(modules, tp_plan, sp_layers, layers)
+    at = _Sharding(layers=layers, loss_parallel=loss_parallel, layouts=layouts, region=region, after=after,
+                   row_parents={p.rpartition(".")[0] for p in rows} | {layer_of(p, layers) for p in rows} - {None},
+                   gathered={p.rpartition(".")[0] for p, lay in layouts.items()
+                             if lay.get("output_layout") == REPLICATE})
+    styles: dict[str, TPStyle] = shared_styles(modules, tp_plan, parts or {})
+    _region_edges(styles, tp_plan, region, after)
+    for path in ordered:
+        _module_style(styles, path, modules[path], tp_plan[path], at)
+    _check_region_params(modules, styles, region)
+    # parents first, so the order reads top-down like a hand-written plan
+    return dict(sorted(styles.items(), key=lambda kv: list(modules).index(kv[0])))
 
-    def in_sp(path: str) -> str | None:
+
+@dataclasses.dataclass(frozen=True)
+class _Sharding:
+    """What one module's style depends on beyond its own choice: the model's layers and sequence-parallel region,
+    and the colwise modules' layouts."""
+
+    layers: list[str]
+    loss_parallel: bool
+    layouts: dict[str, dict]
+    """colwise module path -> its :func:`part_layout`"""
+    region: list[str]
+    """the sequence-parallel layers, in order"""
+    after: str | None
+    """the first layer after the region, if any"""
+    row_parents: set[str]
+    """parents and layers of rowwise projections"""
+    gathered: set[str]
+    """parents of colwise modules whose output is gathered (parts of different widths)"""
+
+    def in_sp(self, path: str) -> str | None:
         """The sequence-parallel layer that contains ``path``, if any."""
-        for layer in region:
+        for layer in self.region:
             if within(path, layer):
                 return layer
         return None
 
-    def fed_sequence_shards(path: str) -> bool:
-        return in_sp(path) is not None or (after is not None and within(path, after))
+    def fed_sequence_shards(self, path: str) -> bool:
+        return self.in_sp(path) is not None or (self.after is not None and within(path, self.after))
 
-    styles: dict[str, TPStyle] = shared_styles(modules, tp_plan, parts or {})
+
+def _region_edges(styles: dict[str, TPStyle], tp_plan: dict[str, str], region: list[str], after: str | None) -> None:
+    """The styles where the sequence-parallel region begins and ends (unless the plan chose those modules')."""
     if region and region[0] not in tp_plan:
         # enter: the replicated activations (embeddings' outputs) are cut along the sequence, locally, no comm
         styles[region[0]] = TPStyle("prepare_input", input_layout=REPLICATE, desired_layout=SEQ,
@@ -94,52 +125,56 @@ def tp_styles(model: nn.Module, tp_plan: dict[str, str], *, sp_layers: list[str]
     if after is not None and after not in tp_plan:
         # leave: the next layer gets the whole sequence back
         styles[after] = GATHER
-    for path in ordered:
-        module, style, sp = modules[path], tp_plan[path], in_sp(path)
-        if isinstance(module, nn.EmbeddingBag):
-            raise NotImplementedError(f"{path}: PyTorch TP does not shard nn.EmbeddingBag; keep it 'replicate' "
-                                      "and shard it with FSDP (zero_stage >= 2), or use nn.Embedding")
-        if style == "sequence_parallel":
-            if sp is None:
-                raise NotImplementedError(f"{path} is 'sequence_parallel' outside the sequence-parallel layers")
-            styles[path] = TPStyle("sequence_parallel", use_local_output=True)  # plain tensors between modules
-        elif isinstance(module, nn.Embedding) and path in layouts:
-            # head-indexed (T5's relative position bias): the output stays split by heads, as the scores are
-            styles[path] = TPStyle("colwise", input_layout=REPLICATE)
-        elif isinstance(module, nn.Embedding):
-            # replicated output (other embeddings, e.g. positions, are often added to it); the first
-            # sequence-parallel layer cuts the sequence
-            kind = "rowwise" if style == "rowwise" else "colwise"
-            styles[path] = TPStyle(kind, input_layout=REPLICATE, output_layout=REPLICATE)
-        elif not is_projection(module):
-            raise NotImplementedError(f"{path} is a {type(module).__name__}: TP styles colwise/rowwise apply to "
-                                      "nn.Linear, Hugging Face Conv1D and nn.Embedding; use 'sequence_parallel' for "
-                                      "norms or 'replicate'")
-        elif style == "rowwise":
-            kind = "rowwise" if isinstance(module, nn.Linear) else "transposed_rowwise"
-            whole = REPLICATE if path.rpartition(".")[0] in gathered else None  # the gathered attention output
-            styles[path] = TPStyle(kind, input_layout=whole, output_layout=SEQ if sp else None)
-        elif path.rpartition(".")[0] not in row_parents and layer_of(path, layers) not in row_parents:
-            # an output head: no rowwise Linear consumes its shard
-            seq = SEQ if fed_sequence_shards(path) and styles.get(after) is None else REPLICATE
-            lay = layouts[path] if not isinstance(module, nn.Linear) else {}  # a Conv1D head: split, not packed
-            if loss_parallel:
-                styles[path] = TPStyle(lay.get("kind", "colwise"), input_layout=seq, output_layout=-1,
-                                       use_local_output=False, transposed=lay.get("transposed"))
-            else:
-                styles[path] = TPStyle(lay.get("kind", "colwise"), input_layout=seq, output_layout=REPLICATE,
-                                       transposed=lay.get("transposed"))
+
+
+def _module_style(styles: dict[str, TPStyle], path: str, module: nn.Module, style: str, at: _Sharding) -> None:
+    """The style of one sharded module, into ``styles`` (with its parent's input gather where it needs one)."""
+    sp = at.in_sp(path)
+    if isinstance(module, nn.EmbeddingBag):
+        raise NotImplementedError(f"{path}: PyTorch TP does not shard nn.EmbeddingBag; keep it 'replicate' "
+                                  "and shard it with FSDP (zero_stage >= 2), or use nn.Embedding")
+    if style == "sequence_parallel":
+        if sp is None:
+            raise NotImplementedError(f"{path} is 'sequence_parallel' outside the sequence-parallel layers")
+        styles[path] = TPStyle("sequence_parallel", use_local_output=True)  # plain tensors between modules
+    elif isinstance(module, nn.Embedding) and path in at.layouts:
+        # head-indexed (T5's relative position bias): the output stays split by heads, as the scores are
+        styles[path] = TPStyle("colwise", input_layout=REPLICATE)
+    elif isinstance(module, nn.Embedding):
+        # replicated output (other embeddings, e.g. positions, are often added to it); the first
+        # sequence-parallel layer cuts the sequence
+        kind = "rowwise" if style == "rowwise" else "colwise"
+        styles[path] = TPStyle(kind, input_layout=REPLICATE, output_layout=REPLICATE)
+    elif not is_projection(module):
+        raise NotImplementedError(f"{path} is a {type(module).__name__}: TP styles colwise/rowwise apply to "
+                                  "nn.Linear, Hugging Face Conv1D and nn.Embedding; use 'sequence_parallel' for "
+                                  "norms or 'replicate'")
+    elif style == "rowwise":
+        kind = "rowwise" if isinstance(module, nn.Linear) else "transposed_rowwise"
+        whole = REPLICATE if path.rpartition(".")[0] in at.gathered else None  # the gathered attention output
+        styles[path] = TPStyle(kind, input_layout=whole, output_layout=SEQ if sp else None)
+    elif path.rpartition(".")[0] not in at.row_parents and layer_of(path, at.layers) not in at.row_parents:
+        styles[path] = _head_style(styles, path, module, at)
+    else:
+        parent = path.rpartition(".")[0]
+        if sp and parent != sp and parent.startswith(sp + "."):
+            # gather the sequence once at the entry of the block that holds the colwise Linears
+            styles.setdefault(parent, GATHER)
+            styles[path] = TPStyle(**at.layouts[path])
         else:
-            parent = path.rpartition(".")[0]
-            if sp and parent != sp and parent.startswith(sp + "."):
-                # gather the sequence once at the entry of the block that holds the colwise Linears
-                styles.setdefault(parent, GATHER)
-                styles[path] = TPStyle(**layouts[path])
-            else:
-                styles[path] = TPStyle(**layouts[path], input_layout=SEQ if sp else REPLICATE)
-    _check_region_params(modules, styles, region)
-    # parents first, so the order reads top-down like a hand-written plan
-    return dict(sorted(styles.items(), key=lambda kv: list(modules).index(kv[0])))
+            styles[path] = TPStyle(**at.layouts[path], input_layout=SEQ if sp else REPLICATE)
+
+
+def _head_style(styles: dict[str, TPStyle], path: str, module: nn.Module, at: _Sharding) -> TPStyle:
+    """An output head's: a colwise projection no rowwise one consumes; its logits gathered, or left sharded on the
+    vocabulary for ``loss_parallel``."""
+    seq = SEQ if at.fed_sequence_shards(path) and styles.get(at.after) is None else REPLICATE
+    lay = at.layouts[path] if not isinstance(module, nn.Linear) else {}  # a Conv1D head: split, not packed
+    if at.loss_parallel:
+        return TPStyle(lay.get("kind", "colwise"), input_layout=seq, output_layout=-1, use_local_output=False,
+                       transposed=lay.get("transposed"))
+    return TPStyle(lay.get("kind", "colwise"), input_layout=seq, output_layout=REPLICATE,
+                   transposed=lay.get("transposed"))
 
 
 def is_projection(module: nn.Module) -> bool:
