@@ -224,163 +224,229 @@ def _untied(graph, styles: dict[str, str], holders: dict[str, str]) -> set[str]:
 
 def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | Blame:
     """One walk; the nodes to disable (keep replicated) when it found conflicts, each with why."""
-    styles: dict[str, str] = {}
-    sharded: dict[str, int] = {}  # node -> region id
-    seeds: dict[str, frozenset] = {}
-    region_of: dict[str, int] = {}
-    merged: dict[int, int] = {}  # region -> the region it was merged into (an op reading two regions joins them)
-    heads, shared, per_head, headed = {}, {}, {}, set()  # view node -> head count; Walk.shared; tp_heads.track_heads
-    next_region = 0
-    conflicts = Blame()
-    from_input = _from_inputs(graph, by_name)
-    biases = _head_biases(graph, by_name, from_input)
-    last: set[str] = set()  # sharded nodes whose sharded dim is still the last dim (colwise output, elementwise)
-    origin: dict[str, tuple[str, tuple[int, ...] | None]] = {}  # see _cut
-    pieces: dict[str, list[list]] = {}
-    width: dict[str, int] = {}  # colwise node -> output features
-    whole_heads: dict[str, int] = {}  # colwise node -> heads of its whole output (a view right after it)
-    through: dict[str, str] = {}  # elementwise node of one tensor input -> the colwise node it was computed from
+    walker = _Walker(graph, by_name, out_numel, disabled, refused)
+    for n in graph.nodes:
+        if n.out_shapes:  # none: no tensor out (aten._assert_tensor_metadata before a .to()), nothing sharded
+            walker.step(n)
+    return walker.finish()
 
-    def find(r: int) -> int:
-        while r in merged:
-            r = merged[r]
+
+class _Walker:
+    """One walk over the ops in order: the replicated/sharded state of every tensor so far, the styles given, and
+    the conflicts met."""
+
+    def __init__(self, graph, by_name, out_numel, disabled: set[str], refused: dict[str, str]):
+        self.graph, self.by_name, self.out_numel, self.disabled, self.refused = \
+            graph, by_name, out_numel, disabled, refused
+        self.styles: dict[str, str] = {}
+        self.sharded: dict[str, int] = {}  # node -> region id
+        self.seeds: dict[str, frozenset] = {}
+        self.region_of: dict[str, int] = {}
+        self.merged: dict[int, int] = {}  # region -> the region it was merged into (an op reading two joins them)
+        self.heads: dict[str, int] = {}  # view node -> head count
+        self.shared: dict[str, tuple[int, int, int]] = {}  # Walk.shared, regions not yet merged
+        self.per_head: dict[str, int] = {}  # tp_heads.track_heads
+        self.headed: set[str] = set()
+        self.next_region = 0
+        self.conflicts = Blame()
+        self.from_input = _from_inputs(graph, by_name)
+        self.biases = _head_biases(graph, by_name, self.from_input)
+        self.last: set[str] = set()  # sharded nodes whose sharded dim is still the last dim (colwise, elementwise)
+        self.origin: dict[str, tuple[str, tuple[int, ...] | None]] = {}  # see _cut
+        self.pieces: dict[str, list[list]] = {}
+        self.width: dict[str, int] = {}  # colwise node -> output features
+        self.whole_heads: dict[str, int] = {}  # colwise node -> heads of its whole output (a view right after it)
+        self.through: dict[str, str] = {}  # elementwise node of one tensor input -> the colwise node it came from
+
+    def find(self, r: int) -> int:
+        while r in self.merged:
+            r = self.merged[r]
         return r
 
-    for n in graph.nodes:
-        if not n.out_shapes:
-            continue  # no tensor out (aten._assert_tensor_metadata before a .to()): nothing sharded, not an output
-        s_in = [i for i in n.inputs if i in sharded]
+    def step(self, n) -> None:
+        """Op ``n``: a style where it starts or ends a split, the split carried through it, or a conflict."""
+        s_in = [i for i in n.inputs if i in self.sharded]
         splits = splits_of(n.op)
-        linear_like = bool(n.params) and n.op_class == "matmul" and "colwise" in splits and "rowwise" in splits
-        if linear_like and n.module_type not in PROJECTIONS:
+        if bool(n.params) and n.op_class == "matmul" and "colwise" in splits and "rowwise" in splits:
+            self._linear(n, s_in)
+        elif not self._split_embedding(n, splits) and s_in:
+            self._reads_split(n, s_in)
+
+    def _linear(self, n, s_in: list[str]) -> None:
+        """A Linear-like op: colwise on a replicated input, rowwise on a sharded one (or a conflict)."""
+        if n.module_type not in PROJECTIONS:
             if s_in:  # a Linear-like op PyTorch TP cannot shard reads a sharded tensor
-                conflicts.add(frozenset().union(*(seeds[i] for i in s_in)),
-                              f"its split output reaches {where(n)}, a {n.module_type} PyTorch TP cannot split")
-            continue
-        if linear_like and n.name not in disabled:
-            if s_in:
-                styles[n.name] = "rowwise"
-                region_of[n.name] = sharded[s_in[0]]
-            else:
-                styles[n.name] = "colwise"
-                rid = next_region
-                # linears reading the same replicated input (q/k/v, w1/w3) belong to the same region
-                for other, st in styles.items():
-                    if st == "colwise" and other != n.name and by_name[other].inputs[:1] == n.inputs[:1]:
-                        rid = region_of[other]
-                        break
-                else:
-                    next_region += 1
-                region_of[n.name] = rid
-                sharded[n.name] = rid
-                seeds[n.name] = frozenset([n.name])
-                last.add(n.name)
-                origin[n.name] = (n.name, None)
-                width[n.name] = int(n.out_shapes[0][-1]) if n.out_shapes else 0
-            continue
-        if linear_like and s_in:  # a Linear kept replicated cannot read a sharded tensor
-            conflicts.add((k for i in s_in for k in seeds[i]), f"{where(n)}, kept whole, reads its split output")
-            continue
-        if n.name in biases and n.name not in disabled:  # split by heads, like the scores it is added to
-            styles[n.name] = "colwise"
-            region_of[n.name] = sharded[n.name] = next_region
-            next_region += 1
-            seeds[n.name] = frozenset([n.name])
-            continue
-        if n.op_class == "embedding" and "rowwise" in splits and n.params and n.name not in disabled and \
-                _shardable_embedding(n, graph, from_input):
-            styles[n.name] = "rowwise"
-            region_of[n.name] = next_region
-            next_region += 1
-            continue
-        if not s_in:
-            continue
-        seed = frozenset().union(*(seeds[i] for i in s_in))
-        rep_in = [i for i in n.inputs if i not in sharded and i in by_name and by_name[i].op_class != "view"]
-        if role_of(n.op) in ("norm", "reduction") and not within_heads(n, s_in, headed):
-            conflicts.add(seed, f"{where(n)} {WHOLE_WORDS[role_of(n.op)]} over its split output's features")
-            continue
-        if n.op_class == "attention" and any(i not in sharded for i in n.inputs[:3]):
-            conflicts.add(seed, f"the attention ({where(n)}) reads a query, key or value that is not split by heads")
-            continue
-        if n.op_class == "matmul" and not n.params and any(i not in sharded and i in by_name for i in n.inputs):
-            why = whole_bias(n, sharded, by_name)  # eager q @ k^T, scores @ v: both operands split by heads or neither
-            conflicts.add(seed, why or f"{where(n)} multiplies its split output by a tensor that is not split")
-            refused.update({k: why for k in seed if why and k not in refused})
-            continue
-        why = fused_cut(n, s_in, last, origin, pieces, width, by_name)  # split part by part, or refused
+                self.conflicts.add(frozenset().union(*(self.seeds[i] for i in s_in)),
+                                   f"its split output reaches {where(n)}, a {n.module_type} PyTorch TP cannot split")
+        elif n.name in self.disabled:
+            if s_in:  # a Linear kept replicated cannot read a sharded tensor
+                self.conflicts.add((k for i in s_in for k in self.seeds[i]),
+                                   f"{where(n)}, kept whole, reads its split output")
+        elif s_in:
+            self.styles[n.name] = "rowwise"
+            self.region_of[n.name] = self.sharded[s_in[0]]
+        else:
+            self._colwise(n)
+
+    def _colwise(self, n) -> None:
+        self.styles[n.name] = "colwise"
+        rid = self.next_region
+        # linears reading the same replicated input (q/k/v, w1/w3) belong to the same region
+        for other, st in self.styles.items():
+            if st == "colwise" and other != n.name and self.by_name[other].inputs[:1] == n.inputs[:1]:
+                rid = self.region_of[other]
+                break
+        else:
+            self.next_region += 1
+        self.region_of[n.name] = rid
+        self.sharded[n.name] = rid
+        self.seeds[n.name] = frozenset([n.name])
+        self.last.add(n.name)
+        self.origin[n.name] = (n.name, None)
+        self.width[n.name] = int(n.out_shapes[0][-1]) if n.out_shapes else 0
+
+    def _split_embedding(self, n, splits) -> bool:
+        """Whether ``n`` is an embedding split here: by heads (a head-indexed bias) or on the vocabulary."""
+        if n.name in self.biases and n.name not in self.disabled:  # split by heads, like the scores it is added to
+            self.styles[n.name] = "colwise"
+            self.region_of[n.name] = self.sharded[n.name] = self.next_region
+            self.next_region += 1
+            self.seeds[n.name] = frozenset([n.name])
+            return True
+        if n.op_class == "embedding" and "rowwise" in splits and n.params and n.name not in self.disabled and \
+                _shardable_embedding(n, self.graph, self.from_input):
+            self.styles[n.name] = "rowwise"
+            self.region_of[n.name] = self.next_region
+            self.next_region += 1
+            return True
+        return False
+
+    def _reads_split(self, n, s_in: list[str]) -> None:
+        """An op (not Linear-like) that reads a split tensor: the split carried through it, or a conflict."""
+        seed = frozenset().union(*(self.seeds[i] for i in s_in))
+        if self._cannot_take(n, s_in, seed):
+            return
+        why = fused_cut(n, s_in, self.last, self.origin, self.pieces, self.width, self.by_name)  # part by part
         if why is not None:
             if why:
-                conflicts.add(seed, why)
+                self.conflicts.add(seed, why)
                 for k in seed:
-                    refused.setdefault(k, why)
-                continue
-            sharded[n.name] = sharded[s_in[0]]
-            seeds[n.name] = seed
-            continue
-        if n.op_class == "elementwise" and (any(out_numel.get(i, 0) >= out_numel.get(s_in[0], 0) for i in rep_in) or
-                refuse_shared(n, s_in, seed, refused, sharded, graph, by_name, out_numel, shared)):
-            conflicts.add(seed, f"{where(n)} meets its split output with a whole tensor as large (a residual?)")
-            continue
+                    self.refused.setdefault(k, why)
+                return
+            self.sharded[n.name] = self.sharded[s_in[0]]
+            self.seeds[n.name] = seed
+            return
+        rep_in = [i for i in n.inputs if i not in self.sharded and i in self.by_name and
+                  self.by_name[i].op_class != "view"]
+        if n.op_class == "elementwise" and (
+                any(self.out_numel.get(i, 0) >= self.out_numel.get(s_in[0], 0) for i in rep_in) or
+                refuse_shared(n, s_in, seed, self.refused, self.sharded, self.graph, self.by_name, self.out_numel,
+                              self.shared)):
+            self.conflicts.add(seed, f"{where(n)} meets its split output with a whole tensor as large (a residual?)")
+            return
+        self._carry(n, s_in, seed)
+
+    def _cannot_take(self, n, s_in: list[str], seed: frozenset) -> bool:
+        """Whether ``n`` cannot read a split tensor (a norm or reduction over the split features, an attention or a
+        plain matmul whose operands are not all split): a conflict, and True."""
+        if role_of(n.op) in ("norm", "reduction") and not within_heads(n, s_in, self.headed):
+            self.conflicts.add(seed, f"{where(n)} {WHOLE_WORDS[role_of(n.op)]} over its split output's features")
+            return True
+        if n.op_class == "attention" and any(i not in self.sharded for i in n.inputs[:3]):
+            self.conflicts.add(seed, f"the attention ({where(n)}) reads a query, key or value that is not split by "
+                                     "heads")
+            return True
+        if n.op_class == "matmul" and not n.params and \
+                any(i not in self.sharded and i in self.by_name for i in n.inputs):
+            # eager q @ k^T, scores @ v: both operands split by heads or neither
+            why = whole_bias(n, self.sharded, self.by_name)
+            self.conflicts.add(seed, why or f"{where(n)} multiplies its split output by a tensor that is not split")
+            self.refused.update({k: why for k in seed if why and k not in self.refused})
+            return True
+        return False
+
+    def _carry(self, n, s_in: list[str], seed: frozenset) -> None:
+        """The split carried through ``n``: its region (regions it joins merged), heads where it is a view into
+        heads, and whether its split dim is still the projection's last."""
         rule, hc = rule_of(n.op), None
         if n.op_class == "view" and rule is not None and rule.layout in ("view", "reshape") and n.out_shapes:
-            src = by_name.get(s_in[0])
+            src = self.by_name.get(s_in[0])
             if src is not None and src.out_shapes:
                 hc = split_heads(src.out_shapes[0], n.out_shapes[0])
-                if hc and not name_heads(n, hc, s_in[0], origin, pieces, whole_heads):
-                    heads[n.name] = hc
-        regions = {find(sharded[i]) for i in s_in}
+                if hc and not name_heads(n, hc, s_in[0], self.origin, self.pieces, self.whole_heads):
+                    self.heads[n.name] = hc
+        regions = {self.find(self.sharded[i]) for i in s_in}
         rid = min(regions)
         for r in regions - {rid}:
-            merged[r] = rid  # q and k/v of different inputs (cross-attention) meet: one region
-        sharded[n.name], seeds[n.name] = rid, seed
-        track_heads(n, s_in, hc, headed, per_head, rid, graph, by_name)
-        if n.op_class == "elementwise" and len(n.inputs) == 1 and (s_in[0] in through or styles.get(s_in[0])):
-            through[n.name] = through.get(s_in[0], s_in[0])  # the head's logits, soft-capped (/ c, tanh, * c)
-        src = by_name.get(s_in[0])
-        if all(i in last for i in s_in) and src is not None and src.out_shapes and n.out_shapes and not hc and \
+            self.merged[r] = rid  # q and k/v of different inputs (cross-attention) meet: one region
+        self.sharded[n.name], self.seeds[n.name] = rid, seed
+        track_heads(n, s_in, hc, self.headed, self.per_head, rid, self.graph, self.by_name)
+        if n.op_class == "elementwise" and len(n.inputs) == 1 and (s_in[0] in self.through or
+                                                                   self.styles.get(s_in[0])):
+            self.through[n.name] = self.through.get(s_in[0], s_in[0])  # the logits soft-capped (/ c, tanh, * c)
+        src = self.by_name.get(s_in[0])
+        if all(i in self.last for i in s_in) and src is not None and src.out_shapes and n.out_shapes and not hc and \
                 tuple(n.out_shapes[0])[-1:] == tuple(src.out_shapes[0])[-1:]:
-            last.add(n.name)
-            if len({origin.get(i) for i in s_in}) == 1 and s_in[0] in origin:
-                origin[n.name] = origin[s_in[0]]  # still the projection's output (a bias add, a reshape back)
-    for proj, cut in pieces.items():
-        covered = sum(w for w, _ in cut)
-        if covered != width[proj]:
-            conflicts.add([proj], "its output's pieces do not make up the whole")
-            refused.setdefault(proj, f"the pieces cut from its output ({', '.join(str(w) for w, _ in cut)} features) "
-                                     f"do not make up its {width[proj]} outputs")
-    head_node = ""
-    used = {i for n in graph.nodes for i in n.inputs}
-    for name in [n.name for n in graph.nodes if n.name in sharded and not packet(n.op).endswith("_")]:
-        if name not in used:  # a sharded model output (an in-place op's is not: its target, e.g. MLA's key, is read)
-            head = through.get(name, name)  # elementwise ops on the logits run on vocabulary shards as well
-            w = graph.params.get(by_name[head].params[0]) if by_name[head].params else None
+            self.last.add(n.name)
+            if len({self.origin.get(i) for i in s_in}) == 1 and s_in[0] in self.origin:
+                self.origin[n.name] = self.origin[s_in[0]]  # still the projection's output (a bias add, a reshape)
+
+    def finish(self) -> Walk | Blame:
+        """The walk's styles, or the conflicts found at its end as well."""
+        self._check_pieces()
+        head_node = self._head()
+        holders: dict[str, str] = {}
+        self.conflicts.add(_untied(self.graph, self.styles, holders),
+                           "its weight is tied to a module not split on the vocabulary")
+        region_of = {k: self.find(r) for k, r in self.region_of.items()}
+        sharded = {k: self.find(r) for k, r in self.sharded.items()}
+        # a colwise Linear with no rowwise partner and not the head (sharded tensor dies elsewhere) is fine only as
+        # head
+        rowwise_regions = {region_of[k] for k, v in self.styles.items() if v == "rowwise" and
+                           self.by_name[k].op_class != "embedding"}
+        for k, v in self.styles.items():
+            if v == "colwise" and k != head_node and k not in self.biases and region_of[k] not in rowwise_regions:
+                self.conflicts.add([k], "no rowwise Linear reads its split output, and it is not the output head")
+        if self.conflicts:
+            return self.conflicts
+        parts = {k: pp for k in self.styles if self.styles[k] == "colwise" and k not in self.biases and
+                 (pp := parts_of(self.width[k], self.pieces.get(k), self.whole_heads.get(k))) is not None}
+        parts |= {k: Parts((h,), True, h, table=True) for k, h in self.biases.items() if k in self.styles}
+        # a projection with parts of different widths is all-gathered: what it feeds runs whole up to its rowwise
+        # partner
+        gathered = {k for k, pp in parts.items() if pp.gathered}
+        whole = {k for k in sharded
+                 if k in gathered or (k not in self.styles and self.seeds.get(k, frozenset()) & gathered)}
+        return Walk(self.styles, head_node, {k: r for k, r in sharded.items() if k not in whole}, region_of,
+                    self.heads, parts, holders, {k: (a, b, self.find(r)) for k, (a, b, r) in self.shared.items()},
+                    {k: self.find(r) for k, r in self.per_head.items()})
+
+    def _check_pieces(self) -> None:
+        """A fused projection's pieces must make up its whole output: else it is refused."""
+        for proj, cut in self.pieces.items():
+            covered = sum(w for w, _ in cut)
+            if covered != self.width[proj]:
+                self.conflicts.add([proj], "its output's pieces do not make up the whole")
+                self.refused.setdefault(proj, f"the pieces cut from its output ({', '.join(str(w) for w, _ in cut)} "
+                                              f"features) do not make up its {self.width[proj]} outputs")
+
+    def _head(self) -> str:
+        """The vocab-parallel head node ("" when none); any other sharded model output is a conflict."""
+        head_node = ""
+        used = {i for n in self.graph.nodes for i in n.inputs}
+        # a sharded model output (an in-place op's is not: its target, e.g. MLA's key, is read)
+        outputs = [n.name for n in self.graph.nodes
+                   if n.name in self.sharded and not packet(n.op).endswith("_") and n.name not in used]
+        for name in outputs:
+            head = self.through.get(name, name)  # elementwise ops on the logits run on vocabulary shards as well
+            w = self.graph.params.get(self.by_name[head].params[0]) if self.by_name[head].params else None
             # a vocab-parallel head only where it pays: many outputs per input (an LM head, not a 10-way classifier)
-            if styles.get(head) == "colwise" and w is not None and len(w.shape) == 2 and w.shape[0] >= w.shape[1]:
+            if self.styles.get(head) == "colwise" and w is not None and len(w.shape) == 2 and w.shape[0] >= w.shape[1]:
                 head_node = head
             else:
-                conflicts.add(seeds[name], "its split output is a model output, not a vocabulary head's logits")
-    holders: dict[str, str] = {}
-    conflicts.add(_untied(graph, styles, holders), "its weight is tied to a module not split on the vocabulary")
-    # a colwise Linear with no rowwise partner and not the head (sharded tensor dies elsewhere) is fine only as head
-    region_of = {k: find(r) for k, r in region_of.items()}
-    sharded = {k: find(r) for k, r in sharded.items()}
-    rowwise_regions = {region_of[k] for k, v in styles.items() if v == "rowwise" and
-                       by_name[k].op_class != "embedding"}
-    for k, v in styles.items():
-        if v == "colwise" and k != head_node and k not in biases and region_of[k] not in rowwise_regions:
-            conflicts.add([k], "no rowwise Linear reads its split output, and it is not the output head")
-    if conflicts:
-        return conflicts
-    parts = {k: pp for k in styles if styles[k] == "colwise" and k not in biases and
-             (pp := parts_of(width[k], pieces.get(k), whole_heads.get(k))) is not None}
-    parts |= {k: Parts((h,), True, h, table=True) for k, h in biases.items() if k in styles}
-    # a projection with parts of different widths is all-gathered: what it feeds runs whole up to its rowwise partner
-    gathered = {k for k, pp in parts.items() if pp.gathered}
-    whole = {k for k in sharded if k in gathered or (k not in styles and seeds.get(k, frozenset()) & gathered)}
-    return Walk(styles, head_node, {k: r for k, r in sharded.items() if k not in whole}, region_of, heads, parts,
-                holders, {k: (a, b, find(r)) for k, (a, b, r) in shared.items()},
-                {k: find(r) for k, r in per_head.items()})
+                self.conflicts.add(self.seeds[name], "its split output is a model output, not a vocabulary head's "
+                                                     "logits")
+        return head_node
 
 
 def splits_of(op: str) -> dict:
