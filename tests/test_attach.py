@@ -14,7 +14,7 @@ import time
 import pytest
 
 from autopar_nb.launch import LaunchError, attach
-from autopar_nb.launch.attach import check_host, rendezvous_host
+from autopar_nb.launch.attached import check_host, rendezvous_host
 
 
 def wait_for(cond, timeout: float, what: str):

@@ -108,7 +108,7 @@ def test_descriptors_run_out_in_accept(server):
 
 def test_what_one_poll_sees_carries_one_time(server):
     """A node's death and its peer's error (its consequence) often arrive in one select: their order there is the
-    order of the descriptors, not of the events, so they carry one time and neither looks earlier (attach.py's lost
+    order of the descriptors, not of the events, so they carry one time and neither looks earlier (attached.py's lost
     node is judged by these times)."""
     dead, peer = _connect(server, _hello(server, 0)), _connect(server, _hello(server, 1))
     _pump(server, lambda msgs: len(msgs) == 2)

@@ -4,7 +4,7 @@
 >>> run.wait(); run.status, run.metrics
 """
 
-from .attach import AttachedRun, attach
+from .attached import AttachedRun, attach
 from .launcher import LaunchError, launch, live_runs
 from .run import MetricsTable, Run
 from .standings import TournamentResult

@@ -60,7 +60,7 @@ class Message:
 
 
 class MetricsServer:
-    """Listens on ``host`` (127.0.0.1 unless a run on other hosts is attached: ``attach.py``) and ``port`` (0: a
+    """Listens on ``host`` (127.0.0.1 unless a run on other hosts is attached: ``attached.py``) and ``port`` (0: a
     free one) for the ranks of one run; ``poll()`` returns their messages."""
 
     def __init__(self, token: str | None = None, host: str = "127.0.0.1", port: int = 0):

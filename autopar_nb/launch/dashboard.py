@@ -162,7 +162,7 @@ class Dashboard(anywidget.AnyWidget):
             limit = st.sample.get("gpu_mem_total") or limit
         based = sum(st.baseline is not None for st in ranks.values())
         plan = run.plan
-        away = getattr(run, "address", None)  # an attached run (attach.py): its ranks are on other hosts
+        away = getattr(run, "address", None)  # an attached run (attached.py): its ranks are on other hosts
         if away:
             c = {**c, "run_device": f"{c['run_device']} on other hosts, streaming to {away}"}
         return {

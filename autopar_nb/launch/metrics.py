@@ -45,7 +45,7 @@ class RankState:
     host: str | None = None
     """the address its metrics connection came from (an attached run: the host it runs on)"""
     lost: str | None = None
-    """an attached run (``attach.py``) lost it: why (its connection closed without an end message, it went silent,
+    """an attached run (``attached.py``) lost it: why (its connection closed without an end message, it went silent,
     or it never connected)"""
 
     def copy(self) -> RankState:

@@ -338,12 +338,12 @@ class Session:
         listens on ``host`` (an address of this machine the hosts reach, or "0.0.0.0" with ``advertise``), and the
         torchrun commands to run there are printed with ``AUTOPAR_METRICS`` and ``AUTOPAR_TOKEN`` in front (also
         ``run.commands``, ``run.env``). Returns the AttachedRun at once; displayed, it is the dashboard, fed by the
-        ranks' stream alone (see ``autopar_nb.launch.attach``: ``lost_after_s``, ``restart_wait_s``);
+        ranks' stream alone (see ``autopar_nb.launch.attached``: ``lost_after_s``, ``restart_wait_s``);
         ``run.stop()`` detaches. The script runs ``steps`` (None: the session's ``steps``, as ``export`` writes
         them; else 100)."""
         from ..export import export
         from ..launch import attach
-        from ..launch.attach import LOST_AFTER_S, RESTART_WAIT_S, check_host
+        from ..launch.attached import LOST_AFTER_S, RESTART_WAIT_S, check_host
 
         check_host(host, advertise)  # before anything is written
         plan = self.plan_for(nproc)
