@@ -153,7 +153,8 @@ class ModelGraph:
     """parameter or buffer name -> its heads dim, for the head-indexed tables (bias tables, ALiBi slopes) that a
     layout run at plan time split with the heads (``planner/forward.py``): the cost model counts them split"""
     stand_in: Any = field(default=None, repr=False, compare=False)
-    """the meta copy of the model and its example inputs (``autopar_nb.capture.stand_in.StandIn``; None: not checked)"""
+    """the meta copy of the model and its example inputs (``autopar_nb.capture.meta_stand_in.StandIn``; None: not
+    checked)"""
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "stand_in": None}  # a model copy is no plain data: pickled graphs go unchecked

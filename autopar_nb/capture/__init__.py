@@ -32,7 +32,7 @@ from ..runtime.pp_graph import masks_as_in_eager
 from ..runtime.train import switch_off_kv_cache
 from . import blocks
 from .linear import as_linear, class_name, param_view
-from .stand_in import stand_in, to_meta
+from .meta_stand_in import stand_in, to_meta
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch.nn as nn
 
 from ..capture import split_inputs
-from ..capture.stand_in import StandIn
+from ..capture.meta_stand_in import StandIn
 from ..plan import Plan, PlanError, within
 from ..planner.forward_run import call
 from ..planner.styles import GROUPS, HEAD_COUNTS, KV_HEADS, head_tables, local_sizes, tp_styles

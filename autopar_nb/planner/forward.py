@@ -5,8 +5,8 @@ The dataflow walk (``cost/tp_styles.py``) sees the ops, not the code around them
 input (nanoGPT's ``split(self.n_embd, dim=2)``, ``view(B, T, self.n_head, C // self.n_head)``) or a per-head table
 that stays whole (an ``nn.Parameter`` of shape (heads, T, T) added to the scores) looks the same there as code that
 runs on shards. So for every TP degree the search may take, the layout the profile gives (every splittable layer
-split, each one at the degree's part layouts) is applied to the stand-in (``autopar_nb.capture.stand_in``) with the
-runtime's own styles and called once. A forward that fails names the module it failed in and the user's line;
+split, each one at the degree's part layouts) is applied to the stand-in (``autopar_nb.capture.meta_stand_in``)
+with the runtime's own styles and called once. A forward that fails names the module it failed in and the user's line;
 that module is kept whole (``ModelGraph.tp_refused``, which the walk reads), in every member of its repeated block,
 and the layout that results is run again. Only the first member of each repeated block is split and run (the others
 are the same code on the same shapes: they hand its output on), so a 32-layer model costs about one block.

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..capture.stand_in import StandIn, meta_copy
+from ..capture.meta_stand_in import StandIn, meta_copy
 from ..runtime.heads import set_local_sizes, shard_head_tables
 from ..runtime.pp_graph import masks_as_in_eager
 from ..runtime.pretrained import tied_parameters
