@@ -514,3 +514,39 @@ def test_cpu_pipeline_handoffs_cost_what_gloo_measured():
     per_mb = (cost[8].comm_exposed_by_kind["send_recv"] - cost[4].comm_exposed_by_kind["send_recv"]) / 4
     assert per_mb == pytest.approx(MEASURED_PP_HANDOFF_S, rel=0.05)  # the link's alpha-beta share is ~10 us
     assert factors_for(ap.Cluster.preset("h100-80gb", 1, 2)).pp_handoff_s == 0.0
+
+
+@pytest.fixture(scope="module")
+def small_llama():
+    cfg = zoo.LlamaConfig(vocab_size=4096, dim=1024, n_layers=4, n_heads=8, n_kv_heads=8, ffn_dim=2816)
+    with torch.device("meta"):
+        model = zoo.Llama(cfg)
+    return ap.capture(model, torch.randint(0, 4096, (2, 512)))
+
+
+def test_pipeline_sends_cost_each_cut_its_own_bytes(small_llama):
+    """Under SP a cut between blocks, or between the last block and the final norm, sends a rank's sequence shard
+    (the norm is a ``SequenceParallel`` style); the cut after the embedding its replicated output, tp times as
+    much. Each send costs its own cut's bytes and a rank the sends it issues (before: every send at the largest
+    cut, 2 x virtual stages of them per micro-batch, and a cut before the norm at full size)."""
+    c = ap.Cluster.preset("h100-80gb", 2, 8)
+    prof = profile(small_llama)
+    paths = [lp.path for lp in prof.layers]
+    assert paths[0] == "tok_embeddings" and paths[-2:] == ["norm", "output"]
+    m, tp = 4, 2
+    s = Setting(dp=4, pp=3, tp=tp, amp="bf16", mb_samples=2, micro_batches=m, sp=True)
+    f = factors_for(c)
+    link = link_for(c, size=3, stride=tp * s.replicas)
+    shard = 2 * 512 * 1024 * 4 / tp  # one micro-batch's hidden states (autocast's float32 stream) on a sequence shard
+    t_shard, t_full = (collective_time("send_recv", b, 2, link, f.eff_link) for b in (shard, shard * tp))
+    ev = Evaluator(prof, c)
+
+    def sends(stages):
+        return ev.evaluate(s, [LayerChoice(st) for st in stages]).comm_by_kind["send_recv"]
+
+    n = len(paths)
+    # the embedding alone, then the blocks, then the norm and the head: the middle rank sends its activations
+    # to the norm (a shard) and the embedding's gradient back (whole)
+    assert sends([0] + [1] * (n - 3) + [2, 2]) == pytest.approx(m * (t_full + t_shard), rel=1e-6)
+    # cuts between blocks only: shards both ways
+    assert sends([0, 0, 0] + [1] * 2 + [2] * (n - 5)) == pytest.approx(m * 2 * t_shard, rel=1e-6)

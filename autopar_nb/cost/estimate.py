@@ -344,7 +344,7 @@ class Evaluator:
             a, b = stage[k - 1], stage[k]
             if a == b:
                 continue
-            sp_div = s.tp if s.sp and k in self.blocks and k - 1 in self.blocks and self.prof.sp_covers(k) else 1
+            sp_div = s.tp if self._cut_sharded(s, choices, k) else 1
             sent, send, recv = 0.0, sums.pipe[rank_of(a)], sums.pipe[rank_of(b)]
             for c in prof.crossings[k]:
                 nbytes = c.nbytes[precision] * scale / sp_div
@@ -357,7 +357,8 @@ class Evaluator:
                 if c.grad:
                     send["grad_recv"] += nbytes
                     recv["grad_sent"] += nbytes
-            sums.p2p[rank_of(a)] = max(sums.p2p[rank_of(a)], sent)
+            if rank_of(a) != rank_of(b):  # between two stages of one rank nothing is sent (see _stage_cuts)
+                sums.p2p.append((rank_of(a), rank_of(b), sent))
         by_stage = {st.stage: st for held in sums.stages for st in held}
         if by_stage:
             self._stage_cuts(s, choices, by_stage)
@@ -375,6 +376,19 @@ class Evaluator:
             sums.params[rank_of(st)] += numel
             if by_stage:
                 by_stage[st].params += numel
+
+    def _cut_sharded(self, s: Setting, choices: list[LayerChoice], k: int) -> bool:
+        """Whether a pipeline cut before layer ``k`` sends sequence shards: both sides lie in the sequence-parallel
+        region (``planner.styles``' ``_sp_region``), which starts at the first block (an embedding before it
+        outputs replicated activations) and takes the TP layers after the blocks that SP covers (the final norm
+        and the head read the shards: a ``SequenceParallel`` norm, a head with ``input_layouts=Shard(1)``)."""
+        if not s.sp or not self.blocks:
+            return False
+        first = min(self.blocks)
+
+        def inside(i: int) -> bool:
+            return i in self.blocks or (i > first and choices[i].tp and self.prof.sp_covers(i))
+        return inside(k - 1) and inside(k)
 
     def _stage_cuts(self, s: Setting, choices: list[LayerChoice],
                     by_stage: dict[int, StageSums]) -> None:
@@ -394,7 +408,7 @@ class Evaluator:
             local = s.rank_of(a) == s.rank_of(b)
             by_stage[a].sends, by_stage[a].turn = not local, local
             send, recv = by_stage[a].pipe, by_stage[b].pipe
-            sp_div = s.tp if s.sp and k in self.blocks and k - 1 in self.blocks and self.prof.sp_covers(k) else 1
+            sp_div = s.tp if self._cut_sharded(s, choices, k) else 1
             for c in self.prof.crossings[k]:
                 nbytes = c.nbytes[precision] * scale / sp_div
                 recv["recv"] += 0.0 if local else nbytes
@@ -468,16 +482,26 @@ class Evaluator:
     def _pipeline_comm(self, s: Setting, sums: RankSums, comm: CommTime) -> float:
         """Point-to-point sends between stages: fill/drain on the critical path, the rest mostly hidden (and
         slowing the compute it hides behind), and each micro-batch's wait for the other stage's process where the
-        preset has one (``Factors.pp_handoff_s``). Adds to ``comm``; returns the exposed seconds."""
+        preset has one (``Factors.pp_handoff_s``). Adds to ``comm``; returns the exposed seconds.
+
+        Each cut costs its own bytes: the cut after an embedding carries its replicated output, those between blocks
+        under SP a shard (:meth:`_cut_sharded`), so pricing every send at the largest cut would overcharge the rest
+        by up to the TP degree. A rank's share is the sends it issues (links are full duplex: what it receives
+        travels the other way at the same time): its activations over its outgoing cuts and the gradients over its
+        incoming ones; the busiest rank's sum counts. Fill and drain pass the first ``pp - 1`` cuts once each way."""
         if s.pp <= 1:
             return 0.0
         f = self.f
         pp_link = link_for(self.cluster, size=s.pp, stride=s.tp * s.replicas)
-        p2p_t = max((collective_time("send_recv", b, 2, pp_link, f.eff_link) for b in sums.p2p), default=0.0)
-        total = 2 * s.micro_batches * p2p_t * s.virtual_stages
+        hops = [(a, b, collective_time("send_recv", nbytes, 2, pp_link, f.eff_link)) for a, b, nbytes in sums.p2p]
+        sends = [0.0] * s.pp  # per rank, one micro-batch: its activations forward, the gradients of its inputs back
+        for a, b, t in hops:
+            sends[a] += t
+            sends[b] += t
+        total = s.micro_batches * max(sends)
+        fill = 2 * sum(t for _, _, t in hops[:s.pp - 1])  # the first micro-batch's way out, the last one's way back
         wait = s.micro_batches * s.virtual_stages * f.pp_handoff_s  # never hidden; no stage-count factor: see Factors
-        return comm.record("send_recv", total + wait, 2 * (s.pp - 1) * p2p_t + (1 - f.overlap_pp) * total + wait,
-                           f.overlap_contention)
+        return comm.record("send_recv", total + wait, fill + (1 - f.overlap_pp) * total + wait, f.overlap_contention)
 
     def rank_moments(self, s: Setting, choices: list[LayerChoice], *, per_op: bool = False,
                      action: bool = False) -> list[list[tuple]]:

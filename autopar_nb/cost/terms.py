@@ -122,8 +122,8 @@ class RankSums:
     """the largest local parameter (numel)"""
     nofsdp: list[float]
     """parameters folded into the root FSDP unit (numel)"""
-    p2p: list[float]
-    """bytes a rank sends to the next stage (the largest of its cuts, one micro-batch)"""
+    p2p: list[tuple[int, int, float]]
+    """the cuts between ranks in stage order: (sending rank, receiving rank, bytes of one micro-batch)"""
     experts: list[float] = field(default_factory=list)
     """local expert parameters under expert parallelism (numel; part of ``params``)"""
     experts_upto: list[dict[int, float]] = field(default_factory=list)
@@ -173,7 +173,7 @@ class RankSums:
     def zeros(cls, pp: int) -> RankSums:
         z = [0.0] * pp
         return cls(list(z), list(z), list(z), [{} for _ in range(pp)], list(z), list(z), list(z),
-                   [[] for _ in range(pp)], list(z), list(z), list(z), list(z), tp_step=list(z), casts=list(z),
+                   [[] for _ in range(pp)], list(z), list(z), [], list(z), tp_step=list(z), casts=list(z),
                    f8_weights=list(z), cpu_ops=list(z), cpu_tp=list(z), tensors=list(z),
                    bwd_layers=[[] for _ in range(pp)], pipe=[pipe_sums() for _ in range(pp)],
                    stages=[[] for _ in range(pp)], input_layers=[[] for _ in range(pp)], layers=list(z),
