@@ -153,6 +153,33 @@ def test_fsdp_gathers_tensorwise_float8_weights_in_one_byte(llama_8b):
     assert gathered_item(10.0, 8.0, p_item=2, recipe="tensorwise", cluster=h100) == pytest.approx(1.2)
 
 
+def test_fsdp_casts_the_float8_weight_shard_once_per_all_gather(llama_8b):
+    """With float8 all-gathers torchao casts each weight's shard in fsdp_pre_all_gather and the Linear finds its
+    weight cast already (forward and backward): a block's float8 time drops the whole local weight's casts, and the
+    step gains one cast of the 1/dp shard per all-gather, hidden as the all-gather is. The rowwise recipe gathers
+    bf16 and still casts in the Linear (before: the whole weight cast twice per micro-batch under either)."""
+    import autopar_nb as ap
+    from autopar_nb.cost import Evaluator, profile
+    from autopar_nb.cost.float8 import CAST_BYTES
+    from autopar_nb.hardware import Cluster
+
+    h100 = Cluster.preset("h100-80gb", gpus_per_node=8)
+    ev = Evaluator(profile(llama_8b, device_kind="cuda"), h100)
+    kw = dict(tp=1, sp=False, precision="autocast", mb_samples=1, compiled=True, float8=True)
+    block = ev.prof.layers[1]
+    hbm = h100.device.hbm_bandwidth * ev.f.eff_hbm
+    cast, gathered = ev.terms(1, **kw), ev.terms(1, **kw, f8_gathered=True)
+    assert cast.fwd - gathered.fwd == pytest.approx(block.f8_weights * CAST_BYTES[True] / hbm)
+    assert cast.bwd - gathered.bwd == pytest.approx(block.f8_weights * CAST_BYTES[True] / hbm)
+    fix = {"dp": 8, "zero_stage": 3, "compile": True, "amp": "bf16", "async_tp": False, "micro_batches": 1}
+    cost = {f8: ap.plan(llama_8b, h100, global_batch=8, fix={**fix, "float8": f8}).cost
+            for f8 in ("rowwise", "tensorwise")}
+    assert "float8 casts" not in cost["rowwise"].comm_by_kind
+    f8_weights = sum(lp.f8_weights for lp in ev.prof.layers)
+    shard_casts = 2 * f8_weights / 8 * CAST_BYTES[False] / hbm  # ZeRO-3: gathered for forward and for backward
+    assert cost["tensorwise"].comm_by_kind["float8 casts"] == pytest.approx(shard_casts)
+
+
 def test_the_planner_takes_float8_where_it_pays_and_says_why(llama_8b):
     import autopar_nb as ap
     from autopar_nb.hardware import Cluster

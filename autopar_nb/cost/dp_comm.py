@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..plan import ITEMSIZE
 from .comm import collective_time, link_for
-from .float8 import gathered_item
+from .float8 import gathered_in_float8, gathered_item, shard_cast_time
 from .offload import host_of, offload_copy_time
 from .setting import Setting
 from .terms import CommTime, RankSums
@@ -60,8 +60,13 @@ def data_parallel_comm(s: Setting, sums: RankSums, bottleneck: int, comm: CommTi
         rs_share = share if not pipelined else 1.0
         copy_out, copy_in = fsdp_copies(sums.params[r], gathers, n_rs, p_item, g_item, cluster.device, f,
                                         ag_item=ag_item)
+        # float8 weights: each all-gather's input is the shard cast in fsdp_pre_all_gather, on the all-gather's
+        # copy-in stream, hidden as the all-gather is
+        cast = gathers * shard_cast_time(sums.f8_weights[r] / s.replicas, cluster.device, f) \
+            if gathered_in_float8(s, cluster) else 0.0
         kinds = {"reduce_scatter": (rs, rs * rs_share), "all_gather": (ag, ag * share),
-                 "fsdp copies": (copy_out + copy_in, copy_out + copy_in * rs_share)}
+                 "fsdp copies": (copy_out + copy_in, copy_out + copy_in * rs_share),
+                 "float8 casts": (cast, cast * share)}
     return sum(comm.record(kind, t, exposed, f.overlap_contention) for kind, (t, exposed) in kinds.items() if t) + \
         offload_comm(s, sums, comm, cluster=cluster, factors=f)
 

@@ -14,7 +14,7 @@ from .comm import collective_time, link_for
 from .cpu import issue_time, layer_cpu
 from .dp_comm import data_parallel_comm
 from .factors import Factors, factors_for
-from .float8 import float8_weights_local
+from .float8 import float8_weights_local, gathered_in_float8
 from .loss import FusedHead, gathered_logits
 from .memory import activation_bytes, forward_peak, input_pass, op_moments, peak_op
 from .peak import RankMemory, moment_layers, rank_peaks
@@ -47,7 +47,8 @@ class Evaluator:
     # ---- per layer ----------------------------------------------------------------------------------------------
     def terms(self, i: int, *, tp: int, sp: bool, precision: str, mb_samples: float, ep: int = 1,
               compiled: bool = False, cp: int = 1, amp: str = "bf16", fused_norm: bool = False,
-              float8: bool = False, async_tp: bool = False, gather: bool = False) -> LayerTerms:
+              float8: bool = False, async_tp: bool = False, gather: bool = False, f8_gathered: bool = False
+              ) -> LayerTerms:
         """Per-layer terms, cached by the layer's repeated-block representative. ``precision``: one of
         :data:`~.profile.PRECISIONS` (:func:`~.profile.precision_of`); ``amp``: autocast's dtype there ("bf16", "fp16":
         its peak FLOP/s). With context parallelism (``cp``) a rank holds 1/cp of every sequence: its compute and
@@ -55,10 +56,11 @@ class Evaluator:
         layer all-gathers the keys and values in forward and again in backward, and passes their float32 gradients round
         the ring cp times (``_templated_ring_attention_backward``); the gathered keys and values are one more working
         buffer. ``fused_norm``: as the fused-norm graph profiles it (:attr:`norm_prof`); ``float8``: :mod:`.float8`;
-        ``async_tp``: :mod:`.async_tp`; ``gather``: the layer gathers SP's shards at its input (``prof.sp_gather``)."""
+        ``async_tp``: :mod:`.async_tp`; ``gather``: the layer gathers SP's shards at its input (``prof.sp_gather``);
+        ``f8_gathered``: FSDP gathers the float8 weights cast (:func:`.float8.gathered_in_float8`)."""
         fused_norm = fused_norm and self.norm_prof is not None
         key = (self.prof.rep[i], tp, sp, precision, mb_samples, ep, compiled, cp, amp, fused_norm, float8, async_tp,
-               gather)
+               gather, f8_gathered)
         half = precision != "fp32"
         hit = self._cache.get(key)
         if hit is not None:
@@ -70,7 +72,7 @@ class Evaluator:
         low = DTYPE_NAMES[amp] if amp != "none" else "bfloat16"
         fwd, bwd, sel = layer_compute_time(lp, tp=tp, sp=sp, precision=precision, scale=scale, quad_scale=qscale,
                                            device=self.cluster.device, factors=self.f, compiled=compiled,
-                                           low_dtype=low, float8=float8)
+                                           low_dtype=low, float8=float8, f8_weight_cast=not f8_gathered)
         act = {r: activation_bytes(lp, tp=tp, sp=sp, recompute=r, precision=precision, scale=scale,
                                    quad_scale=qscale, megatron_sp=self.megatron_sp) for r in RECOMPUTE}
         comm: dict[str, float] = {}
@@ -160,7 +162,8 @@ class Evaluator:
         return self.terms(i, tp=s.tp if ch.tp or gather else 1, sp=s.sp and ch.tp and self.prof.sp_covers(i),
                           gather=gather, precision=precision_of(s.amp, s.zero_stage),
                           mb_samples=s.mb_samples, ep=s.ep, compiled=ch.compile, cp=s.cp, amp=s.amp,
-                          fused_norm=s.fused_norm, float8=s.float8 != "none", async_tp=s.async_tp)
+                          fused_norm=s.fused_norm, float8=s.float8 != "none", async_tp=s.async_tp,
+                          f8_gathered=gathered_in_float8(s, self.cluster))
 
     # ---- a whole candidate --------------------------------------------------------------------------------------
     def runs(self, choices: list[LayerChoice]) -> list[tuple[int, int, LayerChoice]]:

@@ -47,12 +47,27 @@ def gathered_item(numel: float, f8_numel: float, *, p_item: int, recipe: str, cl
     return p_item - min(f8_numel, numel) / numel * (p_item - FP8_ITEM)
 
 
+def gathered_in_float8(s, cluster) -> bool:
+    """Whether FSDP all-gathers setting ``s``'s float8 weights in float8 (:func:`gathered_item`; the runtime's
+    ``float8_config`` with FSDP over several ranks). Then torchao casts each weight's shard in ``fsdp_pre_all_gather``
+    and the Linear finds its weight cast already (``tensor_already_casted_to_fp8`` in ``matmul_with_hp_or_float8_args``,
+    forward and backward): the cast moves from the whole local weight per pass to a 1/dp shard per all-gather."""
+    return s.float8 == "tensorwise" and s.zero_stage >= 2 and s.replicas > 1 and cluster.name != "cpu"
+
+
+def shard_cast_time(numel: float, device, factors) -> float:
+    """Seconds of one cast of ``numel`` weight elements to float8 before FSDP's all-gather: eager (FSDP's hook runs
+    outside any compiled region), :data:`CAST_BYTES` per element."""
+    return numel * CAST_BYTES[False] / (device.hbm_bandwidth * factors.eff_hbm)
+
+
 def float8_time(lp, *, tp: int, scale: float, device, factors, compiled: bool,
-                low_dtype: str = "bfloat16") -> tuple[float, float]:
+                low_dtype: str = "bfloat16", weight_cast: bool = True) -> tuple[float, float]:
     """(forward, backward) seconds float8 adds to one micro-batch of the layer ``lp`` on one rank (negative: it
     saves them): its Linears' matmuls at :func:`fp8_rate` instead of ``low_dtype``'s (backward: twice the forward's
     FLOPs), plus the casts (:data:`CAST_BYTES`): forward the input and the weight, backward the input and weight
-    again and the output's gradient twice (for the input's and the weight's gradient)."""
+    again and the output's gradient twice (for the input's and the weight's gradient). ``weight_cast`` False: the
+    weights arrive cast by FSDP's all-gather (:func:`gathered_in_float8`), costed there."""
     flops = (lp.f8_flops_split / tp + lp.f8_flops_rep) * scale
     if not flops:
         return 0.0, 0.0
@@ -60,6 +75,6 @@ def float8_time(lp, *, tp: int, scale: float, device, factors, compiled: bool,
     eff_lo, eff_f8 = factors.efficiency("matmul", True), factors.efficiency("matmul", dtype != "float32")
     matmul = flops / (rate * eff_f8) - flops / (device.flops(low_dtype) * eff_lo)
     shard = local_share(lp, tp)  # the share of the activations and weights a rank casts
-    act_in, act_out, w = lp.f8_in * scale * shard, lp.f8_out * scale * shard, lp.f8_weights * shard
+    act_in, act_out, w = lp.f8_in * scale * shard, lp.f8_out * scale * shard, lp.f8_weights * shard * weight_cast
     per = CAST_BYTES[compiled] / (device.hbm_bandwidth * factors.eff_hbm)
     return matmul + (act_in + w) * per, 2 * matmul + (act_in + w + 2 * act_out) * per

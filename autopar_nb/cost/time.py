@@ -46,7 +46,7 @@ def model_flops(lp: LayerProfile, *, scale: float, quad_scale: float) -> float:
 
 def layer_compute_time(lp: LayerProfile, *, tp: int, sp: bool, precision: str, scale: float, quad_scale: float,
                        device, factors, compiled: bool = False, low_dtype: str = "bfloat16",
-                       float8: bool = False) -> tuple[float, float, float]:
+                       float8: bool = False, f8_weight_cast: bool = True) -> tuple[float, float, float]:
     """(forward, backward, selective-recompute extra) seconds of one micro-batch through the layer on one rank.
 
     ``tp`` divides the ops inside TP regions (and the ops outside them under sequence parallel); ``precision``: one
@@ -54,12 +54,12 @@ def layer_compute_time(lp: LayerProfile, *, tp: int, sp: bool, precision: str, s
     applied: :func:`amp_compute_time`; ``low_dtype``: autocast's, "bfloat16" or "float16"); ``scale`` and
     ``quad_scale`` scale the captured batch's work to the micro-batch (linear and attention-score terms);
     ``compiled``: the layer runs under ``torch.compile``; ``float8``: its Linears as float8 training runs them
-    (:func:`.float8.float8_time`, under autocast only)."""
+    (:func:`.float8.float8_time`, under autocast only; ``f8_weight_cast`` False: FSDP casts their weights)."""
     if precision != "fp32":
         fwd, bwd, sel = amp_compute_time(lp, lp.time_amp[precision], tp=tp, sp=sp, scale=scale, quad_scale=quad_scale,
                                          device=device, factors=factors, compiled=compiled, low_dtype=low_dtype)
         f8 = float8_time(lp, tp=tp, scale=scale, device=device, factors=factors, compiled=compiled,
-                         low_dtype=low_dtype) if float8 else (0.0, 0.0)
+                         low_dtype=low_dtype, weight_cast=f8_weight_cast) if float8 else (0.0, 0.0)
         return fwd + f8[0], bwd + f8[1], sel
     peak = device.flops("float32")
     fwd = bwd = 0.0
