@@ -456,7 +456,8 @@ ROWS.append(Row(
 DIAGNOSED = ("2026-12-06, with Megatron-LM's 2021 attention, torchtitan's selective recompute, "
              "one reduce-scatter per pipelined step, loss_parallel on the last pipeline stage and "
              "2-8 chunks per rank tried for interleaving; 2026-12-07, float8 and async TP pinned off "
-             "unless the source ran them, FSDP's float8 all-gathers in 1 byte")
+             "unless the source ran them, FSDP's float8 all-gathers in 1 byte; pipeline sends priced per "
+             "cut, the float8 weight cast on FSDP's shard")
 KNOWN = [
     "Megatron-LM's rows cost attention as Megatron ran it in 2021 (Megatron2021Attention: the "
     "s x s scores written by a GEMM, read and written by a fused 16-bit softmax and a dropout). "
@@ -473,7 +474,9 @@ KNOWN = [
     "TP (unpinned), hence +40 % and its Float8 twin predicted slower than it; every row now pins "
     "both off unless its source ran them (NeMo's BF16 rows too). FSDP gathers tensorwise float8 "
     "weights in 1 byte (torchao's enable_fsdp_float8_all_gather, in the 405B toml): #33's "
-    "exposed communication 5.66 -> 4.04 s.",
+    "exposed communication 5.66 -> 4.04 s. Its weight cast is then the shard's, once per "
+    "all-gather (fsdp_pre_all_gather; the Linear finds the weight cast): #33 -12 -> -10 %, "
+    "#34 -6 -> -3 %.",
     "#41-#42, #44 (NeMo, BF16; the planner had given them Float8 too): the 8B's compute alone "
     "is 17.44 s against the 12.91 s NeMo measured per step. Costed at FlashAttention-3's 75 % "
     "of peak forward (Shah et al. 2024: 740 TFLOP/s) instead of the 0.448 measured here with "
@@ -482,16 +485,30 @@ KNOWN = [
     "CP 2) has 1.49 s of torch's ring send-recv exposed (fp32 dK/dV) where TE's ring overlaps "
     "its exchange. #43 and #45 overlap their TP communication (ub_tp_comm_overlap) with "
     "pipelining: excluded, as torchtitan's async-TP rows with pipelining are.",
-    "#9 (529.6B): on the card just large enough for the planner's most frugal candidate "
-    "(307 GiB under our runtime) only v = 2 fits, and 105 layers on 35 x 2 chunks leave ranks "
-    "with 4 layers beside ranks with 3; v = 3, one block per chunk, predicts 150 TFLOP/s (-8 %) "
-    "but needs 397 GiB.",
-    "#11-#12 (Llama 3, -7 / -12 %): the planner tries 2, 3, 4, 6 and 8 chunks per rank and "
-    "takes v = 6 / v = 4 (bubble 0.92 / 1.38 s; with v = 2, its only choice before, 2.77 s and "
-    "-16 / -25 %); exposed collectives 2.26 / 1.11 s (torch's PipelineStage reduce-scatters a "
-    "stage's ZeRO-2 gradients once, after its last backward: 1.04 / 0.68 s of them); Meta's V, "
-    "N and balanced end stages are not published or pinnable. Memory: saved activations far "
-    "beyond 80 GB on rank 1 where Meta trained 8K sequences without recompute.",
+    "#9 (529.6B): under our runtime its most frugal candidate needs 152 GiB (rank 31: 42.8 GiB of "
+    "input gradients sent back, each held until its peer has received it (runtime/pp.py's Sends), "
+    "a 36.2 GiB allocator margin for full recompute); on a card just that large only v = 2 fits, and 105 "
+    "layers on 35 x 2 chunks leave the busiest rank 4 layers where the mean is 3 (compute 65.0 s). "
+    "v = 3, one layer per chunk, pinned: 144.6 TFLOP/s (-11 %, compute 51.2 s) but 159 GiB. The "
+    "-29 % is the bench's card-sizing rule picking among layouts that all overflow 80 GB, not a "
+    "cost term; the rest of v = 3's gap: DDP's all-reduce after the last backward (3.3 s exposed) "
+    "and its fp32 pipeline sends (autocast's residual stream, where Megatron sends fp16 and "
+    "scatters/gathers over its TP ranks).",
+    "#11-#12 (Llama 3): exposed communication was 2.70 / 1.16 s. Of #11's, 0.86 s was pipeline "
+    "sends (0.46) and their contention (0.40), every send priced at the largest cut: the one after"
+    " the embedding, whose rowwise output our runtime keeps replicated (planner.styles: the "
+    "sequence is cut inside the first block), 8 x a block's SP shard. Priced per cut it is 0.20 s "
+    "and the planner takes v = 8: -11 -> -4 %. What is left, per step: TP's SP all-gathers and "
+    "reduce-scatters, 4 + 4 of 268 MB per layer per micro-batch on NVLink, 1.45 / 0.73 s, on the "
+    "critical path as eager torch runs them (overlap_tp = 0); the ZeRO-2 reduce-scatter, fp32 over"
+    " 64 / 128 ranks on one 400 Gb/s adapter each, 0.31 / 0.32 s, exposed since torch's "
+    "PipelineStage issues each stage's after its last backward (perform_reduce_grad) and FSDP's "
+    "final callback makes the compute stream wait on it; its all-gather, once a step, mostly "
+    "hidden. #12 (-13 %): on the card just large enough for its most frugal candidate (158 GiB) "
+    "only v = 4 fits (bubble 1.38 s); pinned, v = 6 predicts -8 % (159 GiB) and v = 8 -5 % (160 "
+    "GiB): the card-sizing rule, not a cost term. Meta's V, N and balanced end stages are not "
+    "published or pinnable. Memory: saved activations far beyond 80 GB where Meta trained 8K "
+    "sequences without recompute.",
     "Memory: our ZeRO-1 (DDP + ZeroRedundancyOptimizer) holds fp32 parameters, fp32 gradients "
     "and DDP's buckets (3 x 29.9 GiB for the 8B, #41-#42) where Megatron's distributed "
     "optimizer fits in 80 GB. torchtitan's 8B (#14-#18) reserved 4-15 % more than the "
