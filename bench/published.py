@@ -498,7 +498,7 @@ KNOWN = [
     "sends (0.46) and their contention (0.40), every send priced at the largest cut: the one after"
     " the embedding, whose rowwise output our runtime keeps replicated (planner.styles: the "
     "sequence is cut inside the first block), 8 x a block's SP shard. Priced per cut it is 0.20 s "
-    "and the planner takes v = 8: -11 -> -4 %. What is left, per step: TP's SP all-gathers and "
+    "and the planner takes v = 8: -11 -> -5 %. What is left, per step: TP's SP all-gathers and "
     "reduce-scatters, 4 + 4 of 268 MB per layer per micro-batch on NVLink, 1.45 / 0.73 s, on the "
     "critical path as eager torch runs them (overlap_tp = 0); the ZeRO-2 reduce-scatter, fp32 over"
     " 64 / 128 ranks on one 400 Gb/s adapter each, 0.31 / 0.32 s, exposed since torch's "
