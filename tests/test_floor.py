@@ -339,3 +339,47 @@ def test_settle_costs_no_candidate_its_bound_puts_past_the_fastest_that_fits(gra
     ap.plan(graph, cl, **kw)
     past = [(f, bar) for f, bar in seen if f >= bar]
     assert seen and not past, (len(past), len(seen))
+
+
+def test_recompute_time_floor_is_below_every_variant_and_settle_skips_past_it(graphs, monkeypatch):
+    """``time_bound.recompute_time_floor`` (the step time with the recompute a multi-stage candidate must add to
+    come near its memory floor) is at most the step time of every variant the search costs of each set-aside
+    candidate, its ranks all weighed; and ``Search._settle`` costs none whose bound is at or past the fastest
+    that fits (it cannot be the explanation's faster candidate that does not fit). Before, with only the bound
+    that counts no recompute, ``_settle`` costed such candidates (here all 8 multi-stage ones it costed)."""
+    from autopar_nb.planner import time_bound
+
+    name, cluster, kw = CASES[4]
+    graph, cl = graphs[name], _cluster(*cluster)
+    settle, checked, costed = search.Search._settle, [], []
+
+    def spy(self, out):
+        bar = min((c.cost.step_time_s for c in out if isinstance(c, search.Candidate) and c.fits), default=math.inf)
+        for s, choices in [c for c in out if not isinstance(c, search.Candidate)]:
+            if not time_bound.applies(self, s):
+                continue
+            with monkeypatch.context() as m:
+                m.setattr(time_bound, "RANKS_TRIED", s.pp)
+                bound = time_bound.recompute_time_floor(self, s, [dataclasses.replace(c) for c in choices], math.inf)
+            cand = self._variants(s, [dataclasses.replace(c) for c in choices])
+            times = [c.cost.step_time_s for c in (cand, cand.other, cand.norm_other) if c is not None]
+            checked.append((bound, min(times), bar))
+        variants = self._variants
+
+        def counted(s, choices):
+            if time_bound.applies(self, s):
+                costed.append(time_bound.recompute_time_floor(self, s, choices, bar) >= bar)
+            return variants(s, choices)
+
+        self._variants = counted
+        try:
+            return settle(self, out)
+        finally:
+            del self._variants
+
+    monkeypatch.setattr(search.Search, "_settle", spy)
+    ap.plan(graph, cl, **kw)
+    above = [(b, t) for b, t, _ in checked if b > t * (1 + 1e-9)]
+    assert checked and not above, (len(above), len(checked), above[:3])
+    assert any(b >= bar for b, _, bar in checked), "no candidate's bound reaches the bar: the case checks nothing"
+    assert not any(costed), (sum(costed), len(costed))

@@ -138,36 +138,48 @@ def least_activations(ev, s: Setting, choices: list[LayerChoice], layout: RankSu
 
 
 def _staged_floor(ev, s: Setting, choices: list[LayerChoice], low_margin: bool, limit: float) -> float:
-    """The fullest rank's heaviest stage reduction (:meth:`.staged.StagedRank._reduce` at each "R" state of
-    :func:`.schedule.rank_states`), as the full evaluation weighs it, without the terms recompute or fused norms
-    change: the micro-batches' saved activations and kept weight-pass gradients, autocast's weight copies; and its
-    backward with the most saved bytes in flight (:func:`_backward_floor`)."""
+    """The fullest rank's floor (:func:`rank_floors`), stopped at the first rank over ``limit``."""
+    out = 0.0
+    for _, floor in rank_floors(ev, s, choices, low_margin=low_margin, limit=limit):
+        out = max(out, floor)
+        if out > limit:
+            break
+    return out
+
+
+def rank_floors(ev, s: Setting, choices: list[LayerChoice], *, low_margin: bool | None = None,
+                limit: float = math.inf, ranks=None):
+    """(rank, floor) of each of ``ranks`` (default: every rank, in order) of a multi-stage ``s``: the heaviest
+    stage reduction (:meth:`.staged.StagedRank._reduce` at each "R" state of :func:`.schedule.rank_states`), as
+    the full evaluation weighs it, without the terms recompute or fused norms change: the micro-batches' saved
+    activations and kept weight-pass gradients, autocast's weight copies; and its backward with the most saved
+    bytes in flight (:func:`_backward_floor`). A rank's weighing stops once it is over ``limit`` (still a floor
+    of that rank, whatever recompute and fused variant the search picks)."""
+    if low_margin is None:
+        low_margin = ev.f.margin_full_recompute < ev.f.margin_fraction
     low = dataclasses.replace(s, fused_loss=True) if not s.fused_loss and loss_fusable(ev, s) else s
     sums = ev.sum_layers(low, choices)  # shared: changed on a copy. Fused: the last stage keeps no logits
     sums = dataclasses.replace(sums, full_recompute=[n if low_margin else 0.0 for n in sums.layers])
     memory = RankMemory(ev.prof, ev.f, low, sums, seq_ratio=ev.seq_ratio)
     least = least_activations(ev, s, choices, sums)
-    out = 0.0
-    for r in range(s.pp):
+    for r in range(s.pp) if ranks is None else ranks:
         st = memory._states(r)
         st = st._replace(held={k: v for k, v in st.held.items() if k != "autocast_weight_copies"})
         walk = rank_states(s.schedule, pp=s.pp, rank=r, micro_batches=s.micro_batches,
                            virtual_stages=s.virtual_stages)
         states = tuple(h for h in walk if h.kind == "R") if st.pipelined else ()
         backward = _most_in_flight(walk, least.stage_acts[r], sums.stages[r])
-        if not states and not backward:
-            continue
-        rank = StagedRank(memory, r, st, states=(*states, *backward))
-        for h in backward:
-            out = max(out, _backward_floor(rank, h, least))
-            if out > limit:
-                break
-        for h in states if out <= limit else ():
-            mo = rank._reduce(h, _without_activations(rank._around(h)))
-            out = max(out, memory.breakdown(r, st.pb, st.ob, mo, margin_of=mo.weight).total)
-        if out > limit:
-            break
-    return out
+        out = 0.0
+        if states or backward:
+            rank = StagedRank(memory, r, st, states=(*states, *backward))
+            for h in backward:
+                out = max(out, _backward_floor(rank, h, least))
+                if out > limit:
+                    break
+            for h in states if out <= limit else ():
+                mo = rank._reduce(h, _without_activations(rank._around(h)))
+                out = max(out, memory.breakdown(r, st.pb, st.ob, mo, margin_of=mo.weight).total)
+        yield r, out
 
 
 _IN_FLIGHT: dict[int, tuple] = {}

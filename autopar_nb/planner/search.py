@@ -41,6 +41,7 @@ from .constraints import async_tp_modes, float8_fix, offload_fix, sequence_paral
 from .degrees import divisors, tp_blockers
 from .recompute import choose_recompute
 from .stages import memory_partition, partition, partition_runs
+from .time_bound import applies, recompute_time_floor
 
 
 @dataclass
@@ -459,6 +460,8 @@ class Search:
             # past the fastest that fits none can be faster (with none found, every one was costed)
             if floor >= bar or over and floor > min(r for r, _ in over)[0]:
                 break
+            if applies(self, c[0]) and recompute_time_floor(self, *c, bar) >= bar:
+                continue  # the recompute it must add puts it past the fastest that fits: it cannot be faster
             cand = self._variants(*c)
             done.append(cand)
             if not cand.fits and cand.cost.step_time_s < bar:
