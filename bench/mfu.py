@@ -37,14 +37,17 @@ from autopar_nb.cost.time import MFU_BASIS  # noqa: E402
 
 LLAMA2_7B = zoo.LlamaConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008)
 """02_llm.ipynb's cell"""
+EAGER = {"compile": False, "float8": "none"}
+"""llm-foundry's runs, the class compared below: bf16, not compiled"""
 LAYOUTS = [
     ("02_llm as planned", None, None),
     ("02_llm's plan at 2.4 TB/s HBM (torchtitan's cards)", None, 2.4e12),
-    ("dp8 ZeRO-2, no recompute", {"dp": 8, "zero_stage": 2, "recompute": "none"}, None),
-    ("dp8 ZeRO-3, no recompute", {"dp": 8, "zero_stage": 3, "recompute": "none"}, None),
-    ("dp8 ZeRO-3, selective recompute (torchtitan's 8B)", {"dp": 8, "zero_stage": 3, "recompute": "selective"},
-     None),
-    ("dp8 ZeRO-3, full recompute", {"dp": 8, "zero_stage": 3, "recompute": "full"}, None),
+    ("02_llm planned eager bf16 (compile off, float8 none)", EAGER, None),
+    ("dp8 ZeRO-2, no recompute, eager bf16", {"dp": 8, "zero_stage": 2, "recompute": "none", **EAGER}, None),
+    ("dp8 ZeRO-3, no recompute, eager bf16", {"dp": 8, "zero_stage": 3, "recompute": "none", **EAGER}, None),
+    ("dp8 ZeRO-3, selective recompute, eager bf16 (torchtitan's 8B)",
+     {"dp": 8, "zero_stage": 3, "recompute": "selective", **EAGER}, None),
+    ("dp8 ZeRO-3, full recompute, eager bf16", {"dp": 8, "zero_stage": 3, "recompute": "full", **EAGER}, None),
 ]
 """(what, fix, HBM bytes/s in place of the preset's) for 02_llm's 7B, batch 64, seq 4096"""
 
@@ -95,8 +98,11 @@ def llama_70b() -> list[str]:
     with torch.device("meta"):
         model = zoo.Llama(zoo.LLAMA_70B)
     graph = ap.capture(model, (torch.randint(0, zoo.LLAMA_70B.vocab_size, (1, 4096)),))
-    plan = ap.plan(graph, h100(gpus=64), global_batch=512)
-    return [line("02_llm's 70B on 64 x H100, as planned", plan, estimate(graph, h100(gpus=64), plan), 64)]
+    out = []
+    for what, fix in (("as planned", None), ("planned eager bf16", EAGER)):
+        plan = ap.plan(graph, h100(gpus=64), global_batch=512, fix=fix)
+        out.append(line(f"02_llm's 70B on 64 x H100, {what}", plan, estimate(graph, h100(gpus=64), plan), 64))
+    return out
 
 
 def foundry() -> list[str]:
@@ -109,7 +115,8 @@ def foundry() -> list[str]:
             model = zoo.GPT(cfg)
         graph = ap.capture(model, (torch.randint(0, FOUNDRY_VOCAB, (1, seq)),))
         fix = {"dp": gpus, "zero_stage": 3, "recompute": "full" if ac else "none", "micro_batches": ga,
-               "compile": False, "fused_loss": False, "fused_norm": False, "float8": "none"}
+               "compile": False, "fused_loss": False, "fused_norm": False, "float8": "none",
+               "offload": "none"}
         fits = ""
         try:
             plan = ap.plan(graph, h100(gpus=gpus), global_batch=gbs, fix=fix)
