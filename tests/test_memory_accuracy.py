@@ -710,6 +710,29 @@ def test_a_loss_made_between_pipeline_forwards_is_no_modules():
     assert spans.module_of(loss.grad_fn.next_functions[0][0]._sequence_nr()) is None
 
 
+def test_a_forward_and_a_loss_know_their_micro_batch():
+    """A pipeline stage's forward runs once per micro-batch: while a module runs, ``forward_call`` says which of the
+    step's calls it is (a module whose output makes no node is counted too), and a loss made outside every module
+    is the micro-batch whose forward finished just before it (``call_before``), as a backward's node is."""
+    from autopar_nb.verify.node_spans import NodeSpans
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Identity(), nn.Linear(8, 8))
+    names = {m: n for n, m in model.named_modules()}
+    seen: list[tuple] = []
+    model[0].register_forward_hook(lambda *_: seen.append((spans.forward_call("0"), spans.forward_call("1"))))
+    with NodeSpans(names.get) as spans:
+        assert spans.forward_call("0") is None and spans.call_before() is None
+        losses = []
+        for _ in range(3):  # three micro-batches, each from a received leaf, each with its loss
+            losses.append(model(torch.randn(4, 8, requires_grad=True)).log_softmax(-1).sum())
+            assert spans.call_before() == len(losses) - 1
+    assert seen == [(0, None), (1, 0), (2, 1)]  # layer 0 runs before the Identity of its micro-batch
+    for k, loss in enumerate(losses):
+        assert spans.call_before(loss.grad_fn.next_functions[0][0]._sequence_nr()) == k
+    spans.new_step()
+    assert spans.forward_call("0") is None and spans.call_before() is None
+
+
 def test_the_experts_a_pipeline_stage_holds_are_named_as_the_model_names_them():
     """A pipeline stage's experts modules are the model's own (runtime/ep.py experts_in_stages), which the tracker
     names through torch.export's wrapper: their layer is found, so their forward and recompute peaks have a moment."""

@@ -342,16 +342,53 @@ def test_a_measured_timeline_has_the_predicted_moments_and_peak(fix):
 
 
 def test_a_measured_timeline_is_refused_where_it_cannot_be_measured(graph):
-    """A schedule with several stages per rank (its moments per micro-batch), and a plan whose measurement starts
-    more processes here than MAX_LOCAL_RANKS (a pipeline's every rank), are refused before anything runs."""
+    """A schedule with several stages per rank whose moments a measured place cannot be mapped to (zero bubble: the
+    tracker cannot tell a backward's input pass from its weight pass) or whose mapping is not checked on real
+    processes, and a plan whose measurement starts more processes here than MAX_LOCAL_RANKS (a pipeline's every
+    rank), are refused before anything runs."""
     from autopar_nb.verify.timeline import MAX_LOCAL_RANKS, measured_timeline
 
-    with pytest.raises(ValueError, match="one stage per rank"):
-        measured_timeline(None, _plan(graph, "interleaved_1f1b"), graph)
+    for schedule, why in (("zbv_zero_bubble", "input and weight passes"), ("looped_bfs", "not checked")):
+        with pytest.raises(ValueError, match=f"{why}.*use interleaved_1f1b, or a schedule with one stage per rank"):
+            measured_timeline(None, _plan(graph, schedule), graph)
     big = ap.plan(graph, ap.Cluster.preset("cpu", 1, 2 * MAX_LOCAL_RANKS), global_batch=32,
                   fix={"pp": 2, "dp": MAX_LOCAL_RANKS, "tp": 1, "micro_batches": 2, "schedule": "1f1b"})
     with pytest.raises(ValueError, match=f"all its {2 * MAX_LOCAL_RANKS} ranks"):
         measured_timeline(None, big, graph)
+
+
+def test_a_multi_stage_ranks_measured_place_is_put_on_its_micro_batchs_moment(graph):
+    """On a rank of interleaved 1F1B a layer runs once per micro-batch, and the timeline lists those moments apart:
+    a measured place (where, which of the step's calls of its module) goes to the moment of that very micro-batch
+    (it went to the layer's heaviest, whatever the micro-batch); to none where the cost model lists that micro-batch
+    under another (alike states merge) or the place's micro-batch is unknown. A one-stage schedule's is unchanged."""
+    from autopar_nb.verify.moments import moment_at
+
+    paths = [lay.path for lay in graph.layers]
+    tl = ap.memory_timeline(_plan(graph, "interleaved_1f1b"), graph, rank=0)
+    labels = [m.label for m in tl]
+
+    def label_at(where, micro_batch):
+        hit = moment_at(where, paths, tl.keys, micro_batch=micro_batch)
+        return None if hit is None else labels[next(i for i, k in enumerate(tl.keys) if k is hit)]
+
+    forwards = [lab for lab in labels if lab.startswith("forward h.2 ")]
+    assert len(forwards) > 1, labels
+    for label in forwards:
+        micro_batch = int(label.split("(micro-batch ")[1].split()[0]) - 1
+        assert label_at("train/forward in Pipe.split_gm.submod_pp_2.h.2.mlp", micro_batch) == label
+        assert label_at("train/backward in Pipe.split_gm.submod_pp_2.h.2.attn", micro_batch) in (
+            None, f"backward h.2 (micro-batch {micro_batch + 1} of 4)")
+    listed = {int(lab.split("(micro-batch ")[1].split()[0]) - 1 for lab in labels if lab.startswith("forward h.0 ")}
+    unlisted = sorted(set(range(4)) - listed)
+    assert unlisted and label_at("train/forward in Pipe.split_gm.submod_pp_0.h.0", unlisted[0]) is None
+    assert label_at("train/forward in Pipe.split_gm.submod_pp_0.h.0", None) is None
+    assert label_at("step/forward", None) == "optimizer step"
+    one = ap.memory_timeline(_plan(graph, "1f1b"), graph, rank=1)
+    for where in ("train/forward in GPT.h.3", "train/backward in GPT.h.3", "train/forward", "step/forward"):
+        for mb in (None, 0, 1):
+            assert moment_at(where, paths, one.keys, micro_batch=mb)[:5] == moment_at(
+                where, paths, [k[:5] for k in one.keys], micro_batch=mb), (where, mb)
 
 
 CURVE_PIXELS = """() => {

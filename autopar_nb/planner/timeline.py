@@ -54,8 +54,9 @@ class MemoryTimeline:
     ranks: int = 1
     """pipeline ranks of the plan"""
     keys: list[tuple] = field(default_factory=list, repr=False)
-    """each moment as the cost model lists it (``peak_moments``: phase, layer index, breakdown, op, later): what a
-    measured place is matched with (``verify.moments.moment_at``)"""
+    """each moment as the cost model lists it (``peak_moments``: phase, layer index, breakdown, op, later) and the
+    action it is in on a multi-stage rank ((kind, micro-batch); (None, None) elsewhere): what a measured place is
+    matched with (``verify.moments.moment_at``)"""
     measured: list[float | None] | None = None
     """after a measurement (``autopar_nb.verify.timeline.measured_timeline``): the largest total measured at each
     moment, None at a moment no measured place maps to"""
@@ -149,7 +150,7 @@ def memory_timelines(plan: Plan, graph, *, cluster: Cluster | None = None) -> li
                    for phase, layer, mb, _op, later, action in rows]
         peak = max(range(len(moments)), key=lambda i: moments[i].bytes)
         margin = rows[peak][2].margin if rows else 0.0
-        out.append(MemoryTimeline(r, moments, peak, float(margin), len(per_rank), keys=[row[:5] for row in rows]))
+        out.append(MemoryTimeline(r, moments, peak, float(margin), len(per_rank), keys=[row[:6] for row in rows]))
     return out
 
 

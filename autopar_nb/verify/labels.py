@@ -100,6 +100,21 @@ class Labelled:
         module = hit[0] if hit else module
         return (f"{phase}/{side}" + (f" in {module}" if module else "") if phase else ""), (hit[1] if hit else None)
 
+    def _place_of(self, at: tuple) -> tuple[str, int | None]:
+        """A moment's place in the step, as :attr:`moment_peaks` keys it: :meth:`_where_of`, its micro-batch in a
+        forward too (which of the step's calls of the module running; outside every module, the loss's: the call
+        that finished before it)."""
+        where, micro_batch = self._where_of(at)
+        phase, side, module, seq = at
+        if micro_batch is None and self.spans is not None and phase == "train":
+            if side == "forward" and module:
+                micro_batch = self.spans.forward_call(module)
+            elif side == "forward" and not module:
+                micro_batch = self.spans.call_before()
+            elif side == "backward" and where == "train/backward" and seq is not None:
+                micro_batch = self.spans.call_before(seq)
+        return where, micro_batch
+
     @property
     def micro_batch(self) -> int | None:
         """In backward and recompute, which of the step's forward calls of the :attr:`where` module made the
@@ -109,9 +124,10 @@ class Labelled:
     param_cast = False
     """the op being tracked is a ``_to_copy`` of a parameter (autocast's 16-bit copy of a weight)"""
     moment_peaks: dict[tuple, float] | None = None
-    """with a dict: the largest total seen at each place of the step so far, (:attr:`where`, :attr:`micro_batch`)
-    -> bytes (("train/backward in GPT.h.3", 1): its second micro-batch's; :meth:`reset_peak` empties it), the
-    measured curve the memory timeline draws; None: not kept (it costs a lookup per op)"""
+    """with a dict: the largest total seen at each place of the step so far, (:attr:`where`, micro-batch: as
+    :attr:`micro_batch`, and in a forward and the loss's too, :meth:`_place_of`) -> bytes (("train/backward in
+    GPT.h.3", 1): its second micro-batch's; :meth:`reset_peak` empties it), the measured curve the
+    memory timeline draws; None: not kept (it costs a lookup per op)"""
     census = 0
     """keep this many of the largest storages alive at the peak, each with the op and module that made it
     (:meth:`largest`); 0: none (the origins cost a lookup per op)"""
@@ -201,7 +217,7 @@ class Labelled:
             node = torch._C._current_autograd_node() if side != "forward" else None
             now = (self.phase, side, mods[-1] if mods else "", node._sequence_nr() if node is not None else None)
             if self.moment_peaks is not None and self.phase != "setup":
-                place, total = self._where_of(now), max((s["Total"] for s in self._curr_mem_snap.values()), default=0)
+                place, total = self._place_of(now), max((s["Total"] for s in self._curr_mem_snap.values()), default=0)
                 self.moment_peaks[place] = max(total, self.moment_peaks.get(place, 0))
         if self._peak_mem != before:
             if self.census:

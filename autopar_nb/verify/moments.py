@@ -49,12 +49,15 @@ def moment_at(where: str, layer_paths: list[str], moments: list[tuple], op_modul
     of the layer whose path holds the module (the largest such moment; the model has a forward moment for the last
     layer of each run of layers without recompute only). With ``micro_batch`` (the measured peak's, counted
     from 0) and per-op moments, a pipeline rank's first micro-batch's moments or a later one's
-    (:attr:`~autopar_nb.cost.moment.PeakMoment.later`). With ``op_modules`` (graph index -> module path) and
-    per-op moments, a layer's backward at the ops of that very module (by its path within the layer: a repeated
-    block's moments carry its first instance's ops), where it has any; with ``node`` (the autograd node running at
-    the peak) and ``op_names`` (graph index -> op), at the ops of its kind among them (:func:`op_kind_of_node`:
-    Mixtral's experts peak at the backward of their last index op, while all they saved is alive). None where the
-    model has no such moment or the module names no layer (a forward in a stage's own graph: its last layer's)."""
+    (:attr:`~autopar_nb.cost.moment.PeakMoment.later`); with moments in a multi-stage rank's actions (a
+    timeline's keys: (kind, micro-batch) sixth), the moment of that very micro-batch (None where the cost model
+    lists it under another: alike states merge), none for a place of no known micro-batch. With ``op_modules``
+    (graph index -> module path) and per-op moments, a layer's backward at the ops of that very module (by its path
+    within the layer: a repeated block's moments carry its first instance's ops), where it has any; with ``node``
+    (the autograd node running at the peak) and ``op_names`` (graph index -> op), at the ops of its kind among them
+    (:func:`op_kind_of_node`: Mixtral's experts peak at the backward of their last index op, while all they saved is
+    alive). None where the model has no such moment or the module names no layer (a forward in a stage's own graph:
+    its last layer's)."""
     phase, _, module = where.partition(" in ")
     name = _relative(module) if module else ""
     if phase.startswith("step/"):
@@ -71,7 +74,9 @@ def moment_at(where: str, layer_paths: list[str], moments: list[tuple], op_modul
     else:
         return None
     hits = [mo for mo in moments if (mo[0], mo[1]) == want]
-    if micro_batch is not None:  # a pipeline rank's first micro-batch's backward, or a later one's
+    if any(_action_micro_batch(mo) is not None for mo in hits):  # a multi-stage rank's: that micro-batch's alone
+        hits = [mo for mo in hits if _action_micro_batch(mo) == micro_batch] if micro_batch is not None else []
+    elif micro_batch is not None:  # a pipeline rank's first micro-batch's backward, or a later one's
         hits = [mo for mo in hits if len(mo) < 5 or mo[4] is None or mo[4] == (micro_batch > 0)] or hits
     # a repeated block's per-op moments carry its first instance's ops: an op is matched by its path in its layer
     inner = path_in_layer(name, layer_paths)
@@ -82,6 +87,12 @@ def moment_at(where: str, layer_paths: list[str], moments: list[tuple], op_modul
         at_op = [mo for mo in at_op if op_kind(op_names.get(mo[3], "")) == kind] or at_op
     hits = at_op or [mo for mo in hits if len(mo) < 4 or mo[3] is None]
     return max(hits, key=lambda mo: mo[2].total) if hits else None
+
+
+def _action_micro_batch(mo: tuple) -> int | None:
+    """The micro-batch of the action a multi-stage rank's moment is in (a timeline's key: its sixth item); None
+    where the moment stands for no one micro-batch."""
+    return mo[5][1] if len(mo) > 5 and mo[5] else None
 
 
 def op_kind_of_node(node: str) -> str:

@@ -28,6 +28,9 @@ class NodeSpans:
         """(after this sequence number, up to this one, module name, its earlier calls this step) of every forward
         call of the step (:meth:`new_step` forgets the step before)"""
         self._calls: dict[str, int] = {}
+        self._begun_calls: dict[str, int] = {}
+        """module name -> its forward calls begun this step (counted at the call's start: the one running is the
+        last; a module whose output makes no node is counted too)"""
         self._last = -1
         self._begun: list[int] = []
 
@@ -52,6 +55,9 @@ class NodeSpans:
             # and after every node made so far outside modules: a pipeline stage's loss, made between its
             # micro-batches' forwards, is not the next forward's first module's (whose input is a received leaf)
             self._begun.append(max([self._last, *made, _last_node()]))
+            name = self.name_of(module)
+            if name:
+                self._begun_calls[name] = self._begun_calls.get(name, 0) + 1
 
     def _post(self, module, args, out) -> None:
         import torch
@@ -69,7 +75,20 @@ class NodeSpans:
 
     def new_step(self) -> None:
         """Forget the calls so far: a step's nodes are gone once it ended, and calls are counted per step."""
-        self.spans, self._calls = [], {}
+        self.spans, self._calls, self._begun_calls = [], {}, {}
+
+    def forward_call(self, name: str) -> int | None:
+        """Which of the step's forward calls of module ``name`` is running (from 0: a pipeline stage's micro-batch,
+        as :meth:`module_of` counts a backward's); None where it has not run this step."""
+        calls = self._begun_calls.get(name)
+        return calls - 1 if calls else None
+
+    def call_before(self, seq: int | None = None) -> int | None:
+        """Which call of its module the forward call that last finished before node ``seq`` was made (None: the
+        latest to finish) was: a loss is made outside every module, right after the forward of the micro-batch it
+        is the loss of (a pipeline's last stage's), so it is that micro-batch's. None where none finished."""
+        done = [(end, call) for _, end, _, call in self.spans if seq is None or end < seq]
+        return max(done)[1] if done else None
 
     def module_of(self, seq: int) -> tuple[str, int] | None:
         """The innermost module whose forward made node ``seq`` (the latest call of the narrowest span), and which
