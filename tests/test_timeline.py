@@ -341,6 +341,72 @@ def test_a_measured_timeline_has_the_predicted_moments_and_peak(fix):
     assert not any("measured" in r for r in w.timeline["ranks"])  # another plan: its prediction alone
 
 
+INTERLEAVED = {"dp": 1, "tp": 1, "pp": 2, "micro_batches": 4, "amp": "none", "recompute": "none",
+               "schedule": "interleaved_1f1b", "virtual_stages": 2}
+
+
+@pytest.fixture(scope="module")
+def interleaved_measured():
+    """Each pipeline rank's measured timeline of the GPT of MEASURED_CELL under interleaved 1F1B (v2 x4) on a real
+    gloo group of 2 processes: rank 0 through ``Session.memory_timeline(measure=True)`` (the widget's path), rank 1
+    (the loss's) through ``measured_timeline``."""
+    from autopar_nb.notebook.session import Session
+    from autopar_nb.source import ModelSource
+    from autopar_nb.verify.timeline import measured_timeline
+
+    src = ModelSource(MEASURED_CELL)
+    meta, example, _ = src.build(device="meta")
+    graph = ap.capture(meta, example)
+    s = Session(graph, ap.Cluster.preset("cpu", 1, 2), src)
+    s.replan(fix=INTERLEAVED)
+    w = s.widget()
+    lines = [s.memory_timeline(rank=0, measure=True), measured_timeline(src, s.plan, graph, cluster=s.cluster, rank=1)]
+    return s, w, lines, [ap.memory_timeline(s.plan, graph, rank=r) for r in range(2)]
+
+
+def _later_backward(key) -> bool:
+    """a moment of a stage's backward after its first micro-batch's (its gradients exist, the batch's accumulate)"""
+    return key[0] == "backward" and key[5][1] not in (None, 0)
+
+
+@pytest.mark.multiprocess  # measure() runs every rank of the plan's exported script under torchrun
+def test_a_measured_interleaved_timeline_has_each_micro_batchs_moments(interleaved_measured):
+    """Under interleaved 1F1B a rank runs each of its layers once per micro-batch, and its timeline lists those
+    moments apart: each place the tracker measured (its layer, and which of the step's calls of its module: the
+    micro-batch, in a forward, a backward and at the loss) is put on that micro-batch's moment. Every moment of
+    both ranks gets a measured value (measure=True was refused for this schedule); the forwards, the losses, each
+    stage's first backward and the optimizer step are within 5 % of the rank's predicted peak of their prediction,
+    and each rank's measured peak within 5 % of its predicted one. (A stage's later backwards are not:
+    ``test_..._later_backwards_are_within_the_bound``.)"""
+    s, w, lines, predicted = interleaved_measured
+    for tl, pred in zip(lines, predicted, strict=True):
+        print(tl)
+        assert [m.label for m in tl] == [m.label for m in pred] and None not in tl.measured
+        assert "a real gloo group" in tl.measured_basis
+        for m, key, got in zip(pred, pred.keys, tl.measured, strict=True):
+            if not _later_backward(key):
+                assert got == pytest.approx(m.bytes, abs=MEASURED_WITHIN * pred.peak_bytes), (tl.rank, m.label, got)
+        assert max(tl.measured) == pytest.approx(pred.peak_bytes, rel=MEASURED_WITHIN), tl.rank
+    assert any(m.label.startswith("loss (micro-batch") for m in lines[1])
+    entry = w.timeline["ranks"][0]
+    assert entry["measured"] == lines[0].measured and entry["measured_basis"] == lines[0].measured_basis
+
+
+@pytest.mark.multiprocess
+@pytest.mark.xfail(strict=True, reason="the cost model's multi-stage backward after a stage's first micro-batch "
+                   "predicts 7-9 % of the peak less than measured (GPT of MEASURED_CELL, interleaved v2 x4): at rank "
+                   "0's peak the tracker holds a weight gradient made before it is added to the one accumulated "
+                   "(+0.25 MiB backward temporaries) and +0.47 MiB activations the model does not")
+def test_a_measured_interleaved_timelines_later_backwards_are_within_the_bound(interleaved_measured):
+    """A stage's backwards after its first micro-batch's, within 5 % of the rank's predicted peak as every other
+    moment is."""
+    _, _, lines, predicted = interleaved_measured
+    for tl, pred in zip(lines, predicted, strict=True):
+        for m, key, got in zip(pred, pred.keys, tl.measured, strict=True):
+            if _later_backward(key):
+                assert got == pytest.approx(m.bytes, abs=MEASURED_WITHIN * pred.peak_bytes), (tl.rank, m.label, got)
+
+
 def test_a_measured_timeline_is_refused_where_it_cannot_be_measured(graph):
     """A schedule with several stages per rank whose moments a measured place cannot be mapped to (zero bubble: the
     tracker cannot tell a backward's input pass from its weight pass) or whose mapping is not checked on real
