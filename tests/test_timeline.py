@@ -341,15 +341,14 @@ def test_a_measured_timeline_has_the_predicted_moments_and_peak(fix):
     assert not any("measured" in r for r in w.timeline["ranks"])  # another plan: its prediction alone
 
 
-INTERLEAVED = {"dp": 1, "tp": 1, "pp": 2, "micro_batches": 4, "amp": "none", "recompute": "none",
-               "schedule": "interleaved_1f1b", "virtual_stages": 2}
+STAGED = {"dp": 1, "tp": 1, "pp": 2, "micro_batches": 4, "amp": "none", "recompute": "none", "virtual_stages": 2}
 
 
-@pytest.fixture(scope="module")
-def interleaved_measured():
-    """Each pipeline rank's measured timeline of the GPT of MEASURED_CELL under interleaved 1F1B (v2 x4) on a real
-    gloo group of 2 processes: rank 0 through ``Session.memory_timeline(measure=True)`` (the widget's path), rank 1
-    (the loss's) through ``measured_timeline``."""
+@pytest.fixture(scope="module", params=["interleaved_1f1b", "looped_bfs"])
+def staged_measured(request):
+    """Each pipeline rank's measured timeline of the GPT of MEASURED_CELL under a schedule with 2 stages per rank
+    (4 micro-batches) on a real gloo group of 2 processes: rank 0 through ``Session.memory_timeline(measure=True)``
+    (the widget's path), rank 1 (the loss's) through ``measured_timeline``."""
     from autopar_nb.notebook.session import Session
     from autopar_nb.source import ModelSource
     from autopar_nb.verify.timeline import measured_timeline
@@ -358,33 +357,41 @@ def interleaved_measured():
     meta, example, _ = src.build(device="meta")
     graph = ap.capture(meta, example)
     s = Session(graph, ap.Cluster.preset("cpu", 1, 2), src)
-    s.replan(fix=INTERLEAVED)
+    s.replan(fix={**STAGED, "schedule": request.param})
     w = s.widget()
     lines = [s.memory_timeline(rank=0, measure=True), measured_timeline(src, s.plan, graph, cluster=s.cluster, rank=1)]
     return s, w, lines, [ap.memory_timeline(s.plan, graph, rank=r) for r in range(2)]
 
 
-def _later_backward(key) -> bool:
-    """a moment of a stage's backward after its first micro-batch's (its gradients exist, the batch's accumulate)"""
-    return key[0] == "backward" and key[5][1] not in (None, 0)
+def _later_backwards(keys) -> set[int]:
+    """the moments of a layer's backward after its stage's first backward (its gradients exist, the micro-batch's
+    accumulate into them): each but the first backward of its layer, in the step's order"""
+    seen, out = set(), set()
+    for i, key in enumerate(keys):
+        if key[0] == "backward" and key[1] in seen:
+            out.add(i)
+        elif key[0] == "backward":
+            seen.add(key[1])
+    return out
 
 
 @pytest.mark.multiprocess  # measure() runs every rank of the plan's exported script under torchrun
-def test_a_measured_interleaved_timeline_has_each_micro_batchs_moments(interleaved_measured):
-    """Under interleaved 1F1B a rank runs each of its layers once per micro-batch, and its timeline lists those
-    moments apart: each place the tracker measured (its layer, and which of the step's calls of its module: the
-    micro-batch, in a forward, a backward and at the loss) is put on that micro-batch's moment. Every moment of
-    both ranks gets a measured value (measure=True was refused for this schedule); the forwards, the losses, each
-    stage's first backward and the optimizer step are within 5 % of the rank's predicted peak of their prediction,
-    and each rank's measured peak within 5 % of its predicted one. (A stage's later backwards are not:
+def test_a_measured_multi_stage_timeline_has_each_micro_batchs_moments(staged_measured):
+    """Under interleaved 1F1B and looped BFS a rank runs each of its layers once per micro-batch, and its timeline
+    lists those moments apart: each place the tracker measured (its layer, and which of the step's calls of its
+    module: the micro-batch, in a forward, a backward and at the loss) is put on that micro-batch's moment. Every
+    moment of both ranks gets a measured value (measure=True was refused for these schedules); the forwards, the
+    losses, each layer's first backward and the optimizer step are within 5 % of the rank's predicted peak of their
+    prediction, and each rank's measured peak within 5 % of its predicted one. (A layer's later backwards are not:
     ``test_..._later_backwards_are_within_the_bound``.)"""
-    s, w, lines, predicted = interleaved_measured
+    s, w, lines, predicted = staged_measured
     for tl, pred in zip(lines, predicted, strict=True):
         print(tl)
         assert [m.label for m in tl] == [m.label for m in pred] and None not in tl.measured
         assert "a real gloo group" in tl.measured_basis
-        for m, key, got in zip(pred, pred.keys, tl.measured, strict=True):
-            if not _later_backward(key):
+        later = _later_backwards(pred.keys)
+        for i, (m, got) in enumerate(zip(pred, tl.measured, strict=True)):
+            if i not in later:
                 assert got == pytest.approx(m.bytes, abs=MEASURED_WITHIN * pred.peak_bytes), (tl.rank, m.label, got)
         assert max(tl.measured) == pytest.approx(pred.peak_bytes, rel=MEASURED_WITHIN), tl.rank
     assert any(m.label.startswith("loss (micro-batch") for m in lines[1])
@@ -393,29 +400,30 @@ def test_a_measured_interleaved_timeline_has_each_micro_batchs_moments(interleav
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(strict=True, reason="the cost model's multi-stage backward after a stage's first micro-batch "
-                   "predicts 7-9 % of the peak less than measured (GPT of MEASURED_CELL, interleaved v2 x4): at rank "
-                   "0's peak the tracker holds a weight gradient made before it is added to the one accumulated "
-                   "(+0.25 MiB backward temporaries) and +0.47 MiB activations the model does not")
-def test_a_measured_interleaved_timelines_later_backwards_are_within_the_bound(interleaved_measured):
-    """A stage's backwards after its first micro-batch's, within 5 % of the rank's predicted peak as every other
-    moment is."""
-    _, _, lines, predicted = interleaved_measured
+@pytest.mark.xfail(strict=True, reason="the cost model's multi-stage backward of a layer after its first one "
+                   "predicts 7-9 % of the peak less than measured (GPT of MEASURED_CELL, interleaved 1F1B and looped "
+                   "BFS v2 x4; each layer's first backward within 3 %): at interleaved rank 0's peak the tracker "
+                   "holds a weight gradient made before it is added to the one accumulated (+0.25 MiB backward "
+                   "temporaries) and +0.47 MiB activations the model does not")
+def test_a_measured_multi_stage_timelines_later_backwards_are_within_the_bound(staged_measured):
+    """A layer's backwards after its first, within 5 % of the rank's predicted peak as every other moment is."""
+    _, _, lines, predicted = staged_measured
     for tl, pred in zip(lines, predicted, strict=True):
-        for m, key, got in zip(pred, pred.keys, tl.measured, strict=True):
-            if _later_backward(key):
+        later = _later_backwards(pred.keys)
+        for i, (m, got) in enumerate(zip(pred, tl.measured, strict=True)):
+            if i in later:
                 assert got == pytest.approx(m.bytes, abs=MEASURED_WITHIN * pred.peak_bytes), (tl.rank, m.label, got)
 
 
 def test_a_measured_timeline_is_refused_where_it_cannot_be_measured(graph):
     """A schedule with several stages per rank whose moments a measured place cannot be mapped to (zero bubble: the
-    tracker cannot tell a backward's input pass from its weight pass) or whose mapping is not checked on real
-    processes, and a plan whose measurement starts more processes here than MAX_LOCAL_RANKS (a pipeline's every
-    rank), are refused before anything runs."""
+    tracker cannot tell a backward's input pass from its weight pass), and a plan whose measurement starts more
+    processes here than MAX_LOCAL_RANKS (a pipeline's every rank), are refused before anything runs."""
     from autopar_nb.verify.timeline import MAX_LOCAL_RANKS, measured_timeline
 
-    for schedule, why in (("zbv_zero_bubble", "input and weight passes"), ("looped_bfs", "not checked")):
-        with pytest.raises(ValueError, match=f"{why}.*use interleaved_1f1b, or a schedule with one stage per rank"):
+    for schedule in ("zbv_zero_bubble", "interleaved_zero_bubble"):
+        with pytest.raises(ValueError, match="input and weight passes.*use interleaved_1f1b or looped_bfs, or a "
+                                             "schedule with one stage per rank"):
             measured_timeline(None, _plan(graph, schedule), graph)
     big = ap.plan(graph, ap.Cluster.preset("cpu", 1, 2 * MAX_LOCAL_RANKS), global_batch=32,
                   fix={"pp": 2, "dp": MAX_LOCAL_RANKS, "tp": 1, "micro_batches": 2, "schedule": "1f1b"})

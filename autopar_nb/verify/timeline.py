@@ -6,12 +6,12 @@ is)."""
 
 from __future__ import annotations
 
-from ..cost.schedule import MULTI_STAGE, ZERO_BUBBLE
+from ..cost.schedule import MULTI_STAGE
 from ..planner.timeline import MemoryTimeline, memory_timeline
 from .measure import measure, needs_real_group
 from .moments import moment_at
 
-MAPPED_STAGED = ("interleaved_1f1b",)
+MAPPED_STAGED = ("interleaved_1f1b", "looped_bfs")
 """the schedules with several stages per rank whose moments a measured place maps to: each of a rank's moments is
 one micro-batch's forward, loss or backward of a layer, and the tracker's place names the layer and which of the
 step's calls of its module it is (the micro-batch). Not the zero-bubble ones: their backward's input and weight
@@ -39,11 +39,10 @@ def measured_timeline(source, plan, graph, *, cluster=None, rank: int | None = N
     >>> tl = measured_timeline(src, plan, graph)
     >>> print(tl)   # a second column: what was measured at each moment"""
     if plan.mesh.pp > 1 and plan.pipeline.schedule in MULTI_STAGE and plan.pipeline.schedule not in MAPPED_STAGED:
-        why = ("its backward's input and weight passes run the same layer's autograd nodes, which the tracker "
-               "cannot tell apart" if plan.pipeline.schedule in ZERO_BUBBLE
-               else "its mapping onto the per-micro-batch moments is not checked on real processes")
-        raise ValueError(f"a measured timeline of a {plan.pipeline.schedule} schedule is not supported ({why}): use "
-                         "interleaved_1f1b, or a schedule with one stage per rank (1f1b, gpipe)")
+        raise ValueError(f"a measured timeline of a {plan.pipeline.schedule} schedule is not supported (its "
+                         "backward's input and weight passes run the same layer's autograd nodes, which the tracker "
+                         "cannot tell apart): use interleaved_1f1b or looped_bfs, or a schedule with one stage per "
+                         "rank (1f1b, gpipe)")
     if needs_real_group(plan) and plan.mesh.world_size > MAX_LOCAL_RANKS:
         raise ValueError(f"measuring this plan runs all its {plan.mesh.world_size} ranks as processes here (more than "
                          f"{MAX_LOCAL_RANKS}): measure the same layout at fewer processes, Session.plan_for(nproc)")
