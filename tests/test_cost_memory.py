@@ -446,6 +446,33 @@ def test_a_tied_heads_gradient_waits_for_the_embeddings_backward(pp, pending):
         assert choices[0].stage != choices[head].stage and not any(tied.values()), (choices, tied)
 
 
+def test_a_vocab_split_embeddings_gradient_accumulates_whole_on_a_pipelined_fsdp_stage():
+    """DTensor's embedding backward has no vocab-split strategy (torch 2.13 ``embedding_dense_backward_strategy``):
+    a rowwise Embedding's weight gradient is Partial, the whole table on each TP rank, and a pipelined FSDP stage
+    accumulates it so, in float32, until its reduction lays it out as the parameter. Measured (MemTracker's census,
+    ``bench/memory.py GPT-2 --plans zero3-tp-pp --amp bf16 --recompute full --largest 25``): the first stage's
+    wte gradient [1024, 256] float32 on each of 2 TP ranks; the model counted [512, 256] and rank 0 was -5.7 %
+    (buffers 5.9 / 6.7 MiB). The last stage's tied head copy is a colwise Linear, its gradient split as it is."""
+    from memcells import CELLS
+
+    from autopar_nb.cost import Evaluator, setting_of
+    from autopar_nb.cost.estimate import peak_moments
+    from autopar_nb.cost.profile import profile_of
+    from autopar_nb.source import ModelSource
+
+    meta, example, _ = ModelSource(CELLS["GPT-2"](hidden=256, layers=4, seq=256, batch=8)).build(device="meta")
+    graph = ap.capture(meta, example)
+    cluster = ap.Cluster.preset("cpu", 1, 8)
+    plan = ap.plan(graph, cluster, global_batch=16,
+                   fix={"dp": 2, "tp": 2, "pp": 2, "zero_stage": 3, "micro_batches": 4, "schedule": "1f1b",
+                        "amp": "bf16", "recompute": "full"})
+    s, choices = setting_of(plan)
+    params = Evaluator(profile_of(graph, "cpu"), cluster).sum_layers(s, choices).params
+    reduce = [next(mo[2] for mo in stage if mo[0] == "reduce") for stage in peak_moments(graph, cluster, plan)]
+    grads = [mo.terms["fsdp_unsharded_grads"] for mo in reduce]
+    assert grads == [(params[0] + 1024 * 256 / 2) * 4, params[1] * 4], (grads, params)
+
+
 class _Mlp(nn.Module):
     def __init__(self, d: int):
         super().__init__()

@@ -115,6 +115,7 @@ class Evaluator:
         t.forward = {rec: forward_peak(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
                                        megatron_sp=self.megatron_sp, recompute=rec) for rec in RECOMPUTE}
         t.cast_local = lp.cast_split / tp + lp.cast_rep if precision == "autocast" else 0.0
+        t.whole_grads = lp.embedding_params * (1 - 1 / tp)
         t.f8_weights_local = float8_weights_local(lp, tp) if float8 else 0.0
         t.weight_grads, t.input_work, t.input_ops = input_pass(lp, tp=tp, sp=sp, scale=scale, precision=precision,
                                                                quad_scale=qscale, megatron_sp=self.megatron_sp)
@@ -293,7 +294,8 @@ class Evaluator:
             sums.experts_upto[r].update({i + j: sums.experts[r] + (j + 1) * lt.experts_local for j in range(cnt)})
             sums.experts[r] += cnt * lt.experts_local
             for name, per_layer in (("params", lt.params_local), ("tp_step", lt.tp_step), ("casts", lt.cast_local),
-                                    ("f8_weights", lt.f8_weights_local), ("tensors", lt.tensors)):
+                                    ("f8_weights", lt.f8_weights_local), ("tensors", lt.tensors),
+                                    ("whole_grads", lt.whole_grads)):
                 getattr(sums, name)[r] += cnt * per_layer
             sums.cpu_ops[r] += cnt * lt.cpu_s("eager ops", ch.recompute)
             sums.cpu_tp[r] += cnt * lt.cpu_s("tensor parallel", ch.recompute)

@@ -136,7 +136,7 @@ class RankMemory:
         if replicated(s):  # FSDP2's replicate gathers and keeps parameters as ZeRO 2 does, its own dtype's copy
             fsdp_stage, p_item = 2, ITEMSIZE["float32"]
         return _States(pb, gb, ob, params, p_item, held, s.pp > 1 and fsdp_stage >= 2, fsdp_stage,
-                       replicated_experts(s) and bool(experts))
+                       replicated_experts(s) and bool(experts), sums.whole_grads[r])
 
     def _flights(self, r: int, st: _States) -> list[_Flight]:
         """The rank's backward moments by micro-batches in flight (:class:`_Flight`): its first backward when every
@@ -174,10 +174,12 @@ class RankMemory:
         their gradients from this micro-batch's backward. A pipelined FSDP stage (torch's ``PipelineStage`` runs
         every micro-batch's backward without gradient sync or resharding, and reduce-scatters once after the
         last: ``perform_reduce_grad``) holds its gradients unsharded in ``reduce_dtype`` (float32) instead of
-        sharded: ``fsdp_unsharded_grads``."""
+        sharded: ``fsdp_unsharded_grads``; a vocab-split embedding's whole (``whole_grads``: measured, GPT-2's
+        wte on the first stage of ZeRO-3 x TP x PP, [1024, 256] on each TP rank), whose backward runs last."""
         numel = st.params if f.accumulated else later_numel
         if st.pipelined:
-            return 0.0, {"fsdp_unsharded_grads": numel * ITEMSIZE["float32"]}
+            whole = st.whole_grads if f.accumulated else 0.0
+            return 0.0, {"fsdp_unsharded_grads": (numel + whole) * ITEMSIZE["float32"]}
         return (st.gb if f.accumulated else numel * (st.gb / st.params if st.params else 0.0)), {}
 
     def _layer_moments(self, r: int, st: _States, flights: list[_Flight], per_op: bool) -> list[PeakMoment]:
@@ -288,7 +290,8 @@ class RankMemory:
         units = sums.units[r]
         first = sums.nofsdp[r] or (units[0].numel if units else 0.0)
         g_item = ITEMSIZE["float32"]
-        terms = {"fsdp_unsharded_grads": st.params * g_item, "fsdp_reduce_scatter": first * g_item,
+        terms = {"fsdp_unsharded_grads": (st.params + st.whole_grads) * g_item,
+                 "fsdp_reduce_scatter": first * g_item,
                  "fsdp_unsharded_params": st.params * st.p_item, "ddp_buckets": st.held["ddp_buckets"]}
         return PeakMoment("reduce", None, 0.0, (terms,), sum(terms.values()))
 
@@ -323,6 +326,8 @@ class _States(NamedTuple):
     """how FSDP2 holds the parameters: the ZeRO stage, or 2 under :func:`replicated` data parallelism"""
     experts_copy: bool = False
     """its experts are FSDP2 replicas beside DDP (:func:`replicated_experts`)"""
+    whole_grads: float = 0.0
+    """numel by which its unsharded gradients outgrow its local parameters (``RankSums.whole_grads``)"""
 
 
 class _Flight(NamedTuple):

@@ -58,6 +58,11 @@ class LayerTerms:
     """numel of the layer's local parameters autocast keeps a 16-bit copy of during forward and backward (0 unless
     the precision is "autocast")"""
     forward: dict[str, float] = field(default_factory=dict)
+    whole_grads: float = 0.0
+    """numel by which its weight gradients outgrow its local parameters: a vocab-split (rowwise) Embedding's
+    gradient is the whole table on every TP rank (DTensor's embedding backward has no vocab-split strategy,
+    ``_embedding_ops.embedding_dense_backward_strategy``, torch 2.13: it is Partial) until FSDP lays it out as
+    the parameter at its reduction"""
     """recompute ("none", "full", "selective") -> bytes the layer holds at its forward's largest moment ("none"), or
     a recomputed layer beyond what it keeps at its recompute's (:func:`.memory.forward_peak`)"""
     weight_grads: float = 0.0
@@ -138,6 +143,8 @@ class RankSums:
     """local weights (numel) of float8 Linears (``LayerTerms.f8_weights_local``)"""
     casts: list[float] = field(default_factory=list)
     """local parameters (numel) autocast keeps 16-bit copies of (``LayerTerms.cast_local``)"""
+    whole_grads: list[float] = field(default_factory=list)
+    """numel by which its gradients outgrow its local parameters (``LayerTerms.whole_grads``)"""
     cpu_ops: list[float] = field(default_factory=list)
     """the host's seconds issuing one micro-batch's eager ops (``LayerTerms.cpu_s``)"""
     cpu_tp: list[float] = field(default_factory=list)
@@ -178,7 +185,7 @@ class RankSums:
                    bwd_layers=[[] for _ in range(pp)], pipe=[pipe_sums() for _ in range(pp)],
                    stages=[[] for _ in range(pp)], input_layers=[[] for _ in range(pp)], layers=list(z),
                    experts_upto=[{} for _ in range(pp)],
-                   full_recompute=list(z))
+                   full_recompute=list(z), whole_grads=list(z))
 
     def per_micro_batch(self, r: int) -> float:
         """Rank ``r``'s time for one micro-batch: the sum of its layers' :meth:`LayerTerms.time_s`."""
