@@ -473,6 +473,31 @@ def test_a_vocab_split_embeddings_gradient_accumulates_whole_on_a_pipelined_fsdp
     assert grads == [(params[0] + 1024 * 256 / 2) * 4, params[1] * 4], (grads, params)
 
 
+def test_a_multi_stage_ranks_vocab_split_embedding_accumulates_whole_too():
+    """The same on a rank holding several stages (``cost/staged.py``): interleaved 1F1B, ZeRO-3 x TP x PP, rank 0
+    holds stages 0 (wte) and 2. Stage 0's reduction holds its gradients with wte's whole; stage 2's holds stage
+    0's, still accumulating, beside its own."""
+    from memcells import CELLS
+
+    from autopar_nb.cost import Evaluator, setting_of
+    from autopar_nb.cost.estimate import peak_moments
+    from autopar_nb.cost.profile import profile_of
+    from autopar_nb.source import ModelSource
+
+    meta, example, _ = ModelSource(CELLS["GPT-2"](hidden=256, layers=4, seq=256, batch=8)).build(device="meta")
+    graph = ap.capture(meta, example)
+    cluster = ap.Cluster.preset("cpu", 1, 8)
+    plan = ap.plan(graph, cluster, global_batch=16,
+                   fix={"dp": 2, "tp": 2, "pp": 2, "zero_stage": 3, "micro_batches": 4, "amp": "bf16",
+                        "schedule": "interleaved_1f1b", "virtual_stages": 2, "recompute": "none"})
+    s, choices = setting_of(plan)
+    first, third = Evaluator(profile_of(graph, "cpu"), cluster).sum_layers(s, choices).stages[0]
+    assert (first.stage, third.stage, first.whole_grads, third.whole_grads) == (0, 2, 1024 * 256 / 2, 0.0)
+    reduce = {mo[2].terms["fsdp_unsharded_grads"] for mo in peak_moments(graph, cluster, plan)[0] if mo[0] == "reduce"}
+    held = (first.params + first.whole_grads) * 4
+    assert reduce == {held, held + third.params * 4}, (reduce, first, third)
+
+
 class _Mlp(nn.Module):
     def __init__(self, d: int):
         super().__init__()

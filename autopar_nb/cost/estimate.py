@@ -329,7 +329,7 @@ class Evaluator:
             for j in moment_layers(cnt):
                 sums.input_layers[r].append(InputLayer(i + j, lt.input_work, lt.input_ops,
                                                        st.weight_grads + (j + 1) * lt.weight_grads))
-        st.weight_grads += cnt * lt.weight_grads
+        st.weight_grads, st.whole_grads = st.weight_grads + cnt * lt.weight_grads, st.whole_grads + cnt * lt.whole_grads
         st.acts, st.params = sums.acts[r] - st.acts_start, sums.params[r] - st.params_start
 
     def pipeline_sums(self, s: Setting, choices: list[LayerChoice], sums: RankSums) -> None:

@@ -208,16 +208,19 @@ class StagedRank:
             return 0.0
         return max(x.weight_grads - x.pipe["grad_recv"], 0.0)
 
-    def _grads(self, j: int, state: int, numel: float) -> tuple[float, dict[str, float]]:
+    def _grads(self, j: int, state: int, numel: float, *, whole: bool = True) -> tuple[float, dict[str, float]]:
         """(gradient bytes, terms) of ``numel`` parameters of stage ``j`` whose gradients are in
         ``state`` (:attr:`.schedule.Held.grads`): a pipelined FSDP stage accumulates them unsharded
-        in float32 until its reduction (``fsdp_unsharded_grads``), sharded after it."""
+        in float32 until its reduction (``fsdp_unsharded_grads``), sharded after it; ``whole``: a
+        vocab-split embedding's among them, whole (:attr:`.terms.StageSums.whole_grads`; its
+        backward runs last: not among a stage's first backward's later gradients)."""
         st = self.st
         share = st.gb / st.params if st.params else 0.0
         if state == 0 or not numel:
             return 0.0, {}
         if st.pipelined and state == 1:
-            return 0.0, {"fsdp_unsharded_grads": numel * ITEMSIZE["float32"]}
+            extra = self.stages[j].whole_grads if whole else 0.0
+            return 0.0, {"fsdp_unsharded_grads": (numel + extra) * ITEMSIZE["float32"]}
         return numel * share, {}
 
     def _unsharded(self, j: int, backward_last: bool) -> dict[str, float]:
@@ -274,7 +277,7 @@ class StagedRank:
                 later = 0.0 if forward else x.params - (before - x.params_start) - dbefore
                 # before the stage's first backward ends, only the parameters read after this op
                 grads, gterms = (self._grads(k, h.grads[k], x.params) if h.grads[k]
-                                 else self._grads(k, 1, later))
+                                 else self._grads(k, 1, later, whole=False))
                 mine = {"saved_activations": a - x.acts_start - x.pipe["recv_saved"] + da,
                         work: w + dw}
                 out.append(around.moment(kind, layer, grads, (mine, running, fb, gterms), op,
@@ -352,5 +355,6 @@ class StagedRank:
         units = self.units[k]
         first = (x.params - sum(u.numel for u in units)) or (units[0].numel if units else 0.0)
         g_item = ITEMSIZE["float32"]
-        mine = {"fsdp_unsharded_grads": x.params * g_item, "fsdp_reduce_scatter": first * g_item}
+        mine = {"fsdp_unsharded_grads": (x.params + x.whole_grads) * g_item,
+                "fsdp_reduce_scatter": first * g_item}
         return around.moment("reduce", None, 0.0, (mine, self._unsharded(k, True)))

@@ -241,6 +241,8 @@ class StageSums:
     params: float = 0.0
     weight_grads: float = 0.0
     """bytes a zero-bubble input pass keeps for the weight pass (:attr:`LayerTerms.weight_grads`)"""
+    whole_grads: float = 0.0
+    """numel by which its gradients outgrow its local parameters (:attr:`LayerTerms.whole_grads`)"""
     sends: bool = False
     """its output goes to another rank (not the last stage, nor the V's turn)"""
     turn: bool = False
