@@ -206,10 +206,13 @@ def beyond_megatron(*, tp: int, pp: int, hidden: int, layers: int, vocab: int = 
     (``deallocate_output_tensor``), and beside TP the gathered float32 copy of its parameters that FSDP2's
     ``replicate`` (the data parallelism DTensor parameters take) keeps, where Megatron's DDP reduces in place: the
     memory the published runs did not need. The first stage's parameters: the embeddings (the head tied to them)
-    and its share of the blocks, 12 h^2 each."""
+    and its share of the blocks, 12 h^2 each. Beside TP the first stage also accumulates the word embedding's whole
+    float32 gradient on every TP rank (DTensor's embedding backward is Partial, ``whole_grads``), where Megatron's
+    ``VocabParallelEmbedding`` keeps its vocab shard's."""
     kept = pp * seq * hidden * 2 if pp > 1 else 0.0
     first = ((vocab + seq) * hidden + -(-layers // pp) * 12 * hidden * hidden) / tp
-    return kept + (first * 4 if tp > 1 else 0.0)
+    whole_grad = vocab * hidden * (1 - 1 / tp)
+    return kept + ((first + whole_grad) * 4 if tp > 1 else 0.0)
 
 
 def test_megatron_table_1_with_one_fused_qkv_linear():
