@@ -62,10 +62,14 @@ CASES = {
 }
 
 
-def _measured_against_predicted(family: str, fix: dict, size: dict):
+BATCH = 4
+"""cases measured together (``measure_many``: their processes forked from one forkserver that imported torch and the
+models once); a few, so that the test that measures them stays well inside pytest's timeout"""
+
+
+def _planned(family: str, fix: dict, size: dict):
+    """The case's source, plan and predicted moments, and the ranks to measure: (stage, rank) each."""
     from autopar_nb.cost.estimate import peak_moments
-    from autopar_nb.verify.measure import measure
-    from autopar_nb.verify.moments import measured_groups, moment_at, predicted_groups
 
     src = ModelSource(CELLS[family](**size))
     meta, example, _ = src.build(device="meta")
@@ -76,14 +80,55 @@ def _measured_against_predicted(family: str, fix: dict, size: dict):
     plan = ap.plan(graph, cluster, global_batch=size["batch"] * dp,
                    fix={"amp": "none", "recompute": "none", "micro_batches": 1, **fix})
     moments = peak_moments(graph, cluster, plan, per_op=True)
-    paths = [lay.path for lay in graph.layers]
-    op_modules = {k: n.module_path for k, n in enumerate(graph.nodes)}
-    op_names = {k: n.op for k, n in enumerate(graph.nodes)}
     # each pipeline stage's first rank, and its cp ranks (at stride tp), which hold different parts of the ring
     ranks = [(stage, stage * world // pp + c * tp) for stage in range(pp) for c in range(cp)]
     if fix.get("zero_stage") == 1 and pp == 1:  # and the last rank, whose share of the optimizer states is its own
         ranks.append((0, world - 1))
-    got = measure(src, plan, ranks=tuple(g for _, g in ranks))
+    return src, plan, graph, moments, ranks
+
+
+class _Measured:
+    """The selected cases' plans and measurements, made on first use, :data:`BATCH` cases at a time."""
+
+    def __init__(self, names: list[str]):
+        self.names, self.got = names, {}
+
+    def __getitem__(self, name: str):
+        if name not in self.got:
+            todo = [n for n in self.names if n not in self.got]
+            batch = [name] + [n for n in todo if n != name][:BATCH - 1]
+            self.got.update(self.measure(batch))
+        return self.got[name]
+
+    @staticmethod
+    def measure(names: list[str]) -> dict:
+        from autopar_nb.verify.measure import measure_many
+
+        planned = {}
+        for name in names:
+            family, fix, _term, *size = CASES[name]
+            planned[name] = _planned(family, fix, {**SIZE, **(size[0] if size else {})})
+        got = measure_many([(src, plan, tuple(g for _, g in ranks)) for src, plan, _, _, ranks in planned.values()])
+        return {name: (planned[name], m) for name, m in zip(names, got, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def measured(request):
+    """The cases this session runs (its selected items), measured on demand (:class:`_Measured`)."""
+    test = test_composition_memory_matches_the_tracker.__name__
+    return _Measured([item.callspec.params["name"] for item in request.session.items
+                      if getattr(item, "originalname", None) == test and item.module.__name__ == __name__])
+
+
+def _measured_against_predicted(planned, got):
+    from autopar_nb.verify.moments import measured_groups, moment_at, predicted_groups
+
+    if isinstance(got, Exception):
+        raise got
+    _, _, graph, moments, ranks = planned
+    paths = [lay.path for lay in graph.layers]
+    op_modules = {k: n.module_path for k, n in enumerate(graph.nodes)}
+    op_names = {k: n.op for k, n in enumerate(graph.nodes)}
     for (stage, _), m in zip(ranks, got, strict=True):
         at = moment_at(m["where"], paths, moments[stage], op_modules, micro_batch=m.get("micro_batch"),
                        node=m.get("node"), op_names=op_names)
@@ -92,12 +137,12 @@ def _measured_against_predicted(family: str, fix: dict, size: dict):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", CASES)
-def test_composition_memory_matches_the_tracker(name):
+def test_composition_memory_matches_the_tracker(name, measured):
     """Every rank's components, at the moment the tracker peaked, within 5 % of its measured total, and the
     composition's own term part of the moment of at least one rank."""
-    family, fix, term, *size = CASES[name]
+    _family, _fix, term, *_size = CASES[name]
     with_term = 0
-    for stage, at, p, g, m in _measured_against_predicted(family, fix, {**SIZE, **(size[0] if size else {})}):
+    for stage, at, p, g, m in _measured_against_predicted(*measured[name]):
         assert at is not None, (stage, m["where"])
         with_term += at[2].terms.get(term, 0.0) > 0
         for group, value in g.items():

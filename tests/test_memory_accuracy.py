@@ -759,10 +759,8 @@ def test_plans_whose_ranks_exchange_data_are_measured_on_a_real_group(monkeypatc
     calls = []
     exporting = importlib.import_module("autopar_nb.export")  # the module (the package's name is the function)
     monkeypatch.setattr(exporting, "export", lambda *a, **k: SimpleNamespace(script=tmp_path / "train.py"))
-    monkeypatch.setattr(m, "measure_real", lambda script, *, world, **k: calls.append(("real", world)) or
-                        {r: {"rank": r} for r in range(world)})
-    monkeypatch.setattr(m, "measure_in_subprocess", lambda script, *, rank, **k: calls.append(("fake", rank)) or
-                        {"rank": rank})
+    monkeypatch.setattr(m, "_run_in_child", lambda specs, folder, **k: calls.extend(specs) or
+                        [[{"rank": r} for r in spec["ranks"]] for spec in specs])
     plan = SimpleNamespace(mesh=SimpleNamespace(pp=pp, ep=ep, tp=tp, zero_stage=zero, world_size=2))
     assert m.measure(None, plan, ranks=(0,)) == [{"rank": 0}]
-    assert calls == [("real", 2)] if real else [("fake", 0)]
+    assert [(c["real"], c["world"], c["ranks"]) for c in calls] == [(real, 2, [0])]

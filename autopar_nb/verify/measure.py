@@ -23,6 +23,7 @@ the cost model predicts. The peak of the last step is reported (the first create
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import gc
 import json
@@ -30,6 +31,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -255,24 +257,35 @@ def measure(source, plan, *, ranks: tuple[int, ...] = (0,), steps: int = 2, time
             census: int = 0, moments: bool = False) -> list[dict]:
     """Measure ``plan`` on ``source`` (a :class:`~autopar_nb.source.ModelSource`) for each of ``ranks``: the plan's
     script is exported to a temporary directory and :func:`measure_script` runs it, each rank in a fresh process of
-    a fake group, or every rank of a real one started by torchrun (:func:`measure_real`) for a plan whose ranks
-    need each other's data: a pipeline (its stages' boundary shapes and activations) and expert parallelism (the
-    token counts each rank routes to the others' experts: a fake group leaves the all-to-all's output as it was
-    allocated, so the received counts, and with them the experts' activations, were whatever memory held; Mixtral
-    under DDP had 3270 to 5362 tokens per expert group where routing sends about 4096), and ZeRO-1 beside TP (in a
-    fake group, rank 3 of dp 2 x tp 2 held no optimizer state where, on real processes, it holds half as rank 1 does).
-    ``census``: also list that many of the largest storages at each rank's peak; ``moments``: also the largest
-    total at each place the step ran (:func:`measure_script`)."""
+    a fake group, or every rank of a real gloo group (torch's elastic launcher, as torchrun starts them) for a plan
+    whose ranks need each other's data: a pipeline (its stages' boundary shapes and activations) and expert
+    parallelism (the token counts each rank routes to the others' experts: a fake group leaves the all-to-all's
+    output as it was allocated, so the received counts, and with them the experts' activations, were whatever memory
+    held; Mixtral under DDP had 3270 to 5362 tokens per expert group where routing sends about 4096), and ZeRO-1
+    beside TP (in a fake group, rank 3 of dp 2 x tp 2 held no optimizer state where, on real processes, it holds half
+    as rank 1 does). ``census``: also list that many of the largest storages at each rank's peak; ``moments``: also
+    the largest total at each place the step ran (:func:`measure_script`). Several plans: :func:`measure_many`."""
+    got = measure_many([(source, plan, ranks)], steps=steps, timeout=timeout, census=census, moments=moments)[0]
+    if isinstance(got, Exception):
+        raise got
+    return got
+
+
+def measure_many(jobs, *, steps: int = 2, timeout: float = 600, census: int = 0,
+                 moments: bool = False) -> list[list[dict] | RuntimeError]:
+    """:func:`measure` of each ``(source, plan, ranks)`` of ``jobs``, all from one child process (:func:`run_jobs`):
+    where it starts more than one process, torch, the models' libraries and autopar_nb are imported once, in
+    multiprocessing's forkserver, and every measured process is forked from it, a fresh process but for those
+    imports (each one's start-up otherwise costs more than its two steps). ``timeout``: seconds per job. Each job's
+    results, or the RuntimeError saying why it failed (the other jobs still run)."""
     from ..export import export
 
     with tempfile.TemporaryDirectory(prefix="autopar-measure-") as tmp:
-        script = export(source, plan, Path(tmp) / "train.py", quiet=True).script
-        if needs_real_group(plan):
-            got = measure_real(script, world=plan.mesh.world_size, steps=steps, timeout=timeout, census=census,
-                               moments=moments)
-            return [got[r] for r in ranks]
-        return [measure_in_subprocess(script, rank=r, steps=steps, timeout=timeout, census=census, moments=moments)
-                for r in ranks]
+        specs = [{"script": str(Path(export(source, plan, Path(tmp) / f"train_{i}.py", quiet=True).script).resolve()),
+                  "ranks": list(ranks), "world": plan.mesh.world_size, "real": needs_real_group(plan)}
+                 for i, (source, plan, ranks) in enumerate(jobs)]
+        return _run_in_child(specs, Path(tmp), steps=steps, timeout=timeout * max(1, len(jobs)), census=census,
+                             moments=moments)
 
 
 def needs_real_group(plan) -> bool:
@@ -291,47 +304,106 @@ def _child(args: list[str], *, timeout: float) -> subprocess.CompletedProcess:
                           cwd=kernel_cwd())
 
 
-def _results(proc: subprocess.CompletedProcess, what: str) -> list[dict]:
-    got = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    if not got or proc.returncode:
-        raise RuntimeError(f"memory measurement of {what} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
-    return got
+def _run_in_child(specs: list[dict], folder: Path, *, steps: int, timeout: float, census: int,
+                  moments: bool) -> list[list[dict] | RuntimeError]:
+    """:func:`run_jobs` of ``specs`` in a child process; its results, in order."""
+    jobs = folder / "jobs.json"
+    jobs.write_text(json.dumps({"jobs": specs, "steps": steps, "census": census, "moments": moments}))
+    proc = _child(["-m", "autopar_nb.verify.measure", str(jobs)], timeout=timeout)
+    out = folder / "results.json"
+    if proc.returncode or not out.exists():
+        raise RuntimeError(f"memory measurement of {len(specs)} plan(s) failed (rc={proc.returncode}):\n"
+                           f"{proc.stderr[-3000:]}")
+    return [got["ok"] if "ok" in got else
+            RuntimeError(f"memory measurement of {spec['script']} ({spec['world']} ranks) failed:\n"
+                         f"{got['error'][-3000:]}")
+            for spec, got in zip(specs, json.loads(out.read_text()), strict=True)]
 
 
-def measure_in_subprocess(script, *, rank: int = 0, steps: int = 2, timeout: float = 600, census: int = 0,
-                          moments: bool = False) -> dict:
-    """:func:`measure_script` in a child process, one rank of a fake group (one JSON line back)."""
-    proc = _child(["-m", "autopar_nb.verify.measure", str(Path(script).resolve()), str(rank), str(steps), str(census),
-                   str(int(moments))], timeout=timeout)
-    return _results(proc, f"{script} (rank {rank})")[-1]
+def run_jobs(jobs_file: str | Path) -> None:
+    """Measure the jobs ``jobs_file`` lists (:func:`_run_in_child`), writing ``results.json`` beside it: per job
+    ``{"ok": each rank's result}`` or ``{"error": why}``. More than one process to start: the forkserver first, with
+    torch, the scripts' imports and this module preloaded; one: :func:`measure_script` here (a fresh process)."""
+    spec = json.loads(Path(jobs_file).read_text())
+    options = {k: spec[k] for k in ("steps", "census", "moments")}
+    forked = sum(job["world"] if job["real"] else len(job["ranks"]) for job in spec["jobs"]) > 1
+    if forked:
+        _start_forkserver([job["script"] for job in spec["jobs"]])
+    results = []
+    for job in spec["jobs"]:
+        try:
+            results.append({"ok": _run_job(job, forked=forked, **options)})
+        except Exception as e:  # reported as this job's failure: the others still run
+            results.append({"error": e.format_msg() if hasattr(e, "format_msg") else traceback.format_exc()})
+    Path(jobs_file).with_name("results.json").write_text(json.dumps(results))
 
 
-def measure_real(script, *, world: int, steps: int = 2, timeout: float = 600, census: int = 0,
-                 moments: bool = False) -> dict[int, dict]:
-    """:func:`measure_script` on every rank of a real gloo group of ``world`` processes on this machine (torchrun,
-    loopback only): rank -> its result (each rank writes its own file: the ranks' printed lines can interleave)."""
-    with tempfile.TemporaryDirectory(prefix="autopar-measure-ranks-") as out:
-        proc = _child(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-                       "-m", "autopar_nb.verify.measure", str(Path(script).resolve()), "real", str(steps), str(census),
-                       str(int(moments)), out],
-                      timeout=timeout)
-        got = {}
-        for f in Path(out).glob("rank*.json"):
-            d = json.loads(f.read_text())
-            got[d["rank"]] = d
-    if proc.returncode or len(got) != world:
-        raise RuntimeError(f"memory measurement of {script} ({world} processes, {len(got)} reported) failed "
-                           f"(rc={proc.returncode}):\n{proc.stderr[-3000:]}")
-    return got
+def _start_forkserver(scripts: list[str]) -> None:
+    """multiprocessing's forkserver, with torch, what ``scripts`` import and this module imported in it."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    from ..launch.pool import script_preload
+
+    preload = {m for script in scripts for m in script_preload(script) + _lazily_loaded(script)}
+    multiprocessing.set_forkserver_preload(sorted(preload | {__name__}))
+    forkserver.ensure_running()
+
+
+def _lazily_loaded(script: str) -> list[str]:
+    """The modules that the names ``script`` imports from installed packages are defined in, when those packages load
+    them on first access (transformers' ``from transformers import LlamaForCausalLM`` imports its modelling module
+    then: seconds of each rank's start-up), found by resolving the names here."""
+    import importlib
+
+    from ..launch.pool import importable_here
+
+    found = []
+    for node in ast.walk(ast.parse(Path(script).read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and importable_here([node.module]):
+            module = importlib.import_module(node.module)
+            found += [getattr(getattr(module, a.name, None), "__module__", None) for a in node.names]
+    return importable_here([m for m in found if isinstance(m, str) and m in sys.modules])
+
+
+def _run_job(job: dict, *, forked: bool, **options) -> list[dict]:
+    """One job's ranks measured: every rank of a real gloo group, or each asked rank in a process of its own."""
+    if job["real"]:
+        got = _on_real_group(job["script"], world=job["world"], **options)
+        return [got[r] for r in job["ranks"]]
+    if not forked:
+        return [measure_script(job["script"], rank=r, **options) for r in job["ranks"]]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    out = []
+    for r in job["ranks"]:  # one process each (the process group and the tracker's patches are global state)
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver"),
+                                 max_tasks_per_child=1) as pool:
+            out.append(pool.submit(measure_script, job["script"], rank=r, **options).result())
+    return out
+
+
+def _on_real_group(script: str, *, world: int, **options) -> dict[int, dict]:
+    """:func:`measure_script` on every rank of a real gloo group of ``world`` processes on this machine, started as
+    torchrun starts them (torch's elastic launcher, c10d rendezvous on localhost) from the forkserver: rank -> its
+    result."""
+    import uuid
+
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"measure-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.05,
+                          start_method="forkserver")
+    got = elastic_launch(config, _real_rank)(script, options)
+    return {d["rank"]: d for d in got.values()}
+
+
+def _real_rank(script: str, options: dict) -> dict:
+    return measure_script(script, real=True, **options)
 
 
 if __name__ == "__main__":
-    # script, rank (or "real": torchrun's, then the folder its result goes to), steps, census, moments (0 or 1)
-    _script, _rank, _steps, _census = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    _moments = bool(int(sys.argv[5]))
-    if _rank == "real":
-        _out = measure_script(_script, steps=_steps, real=True, census=_census, moments=_moments)
-        (Path(sys.argv[6]) / f"rank{_out['rank']}.json").write_text(json.dumps(_out))
-    else:
-        print(json.dumps(measure_script(_script, rank=int(_rank), steps=_steps, census=_census, moments=_moments)),
-              flush=True)
+    from autopar_nb.verify.measure import run_jobs as _run  # by its own name: what the forked processes unpickle
+
+    _run(sys.argv[1])
