@@ -524,10 +524,10 @@ def test_an_interleaved_ranks_memory_does_not_grow_with_its_micro_batches():
     rank 1's grows by the input gradients of its lowest stage alone (waited for at the step's end; it grew by its
     outputs and every stage's gradients, 9 MiB). The model's prediction is within 5 % of each, by component."""
     from autopar_nb.cost import estimate
-    from autopar_nb.verify.measure import measure
+    from autopar_nb.verify.measure import measure_many
     from autopar_nb.verify.moments import GROUPS, measured_groups, predicted_groups
 
-    peaks = {}
+    planned = {}
     for m in (4, 16):
         size = BENCH | {"batch": m}
         src = ModelSource(CELLS["LLaMA"](**size))
@@ -536,8 +536,12 @@ def test_an_interleaved_ranks_memory_does_not_grow_with_its_micro_batches():
         cluster = ap.Cluster.preset("cpu", 1, 2)
         plan = ap.plan(graph, cluster, global_batch=m, fix={"pp": 2, "micro_batches": m, "virtual_stages": 2,
                                                             "schedule": "interleaved_1f1b"})
-        cost = estimate(graph, cluster, plan)
-        for rank, got in zip((0, 1), measure(src, plan, ranks=(0, 1)), strict=True):
+        planned[m] = src, plan, estimate(graph, cluster, plan)
+    measured = measure_many([(src, plan, (0, 1)) for src, plan, _ in planned.values()])  # one forkserver for both
+    peaks = {}
+    for (m, (_, _, cost)), ranks in zip(planned.items(), measured, strict=True):
+        assert not isinstance(ranks, Exception), ranks
+        for rank, got in zip((0, 1), ranks, strict=True):
             mb, got = cost.memory_by_rank[rank], got["peak"]
             p, g = predicted_groups(mb), measured_groups(got)
             for group in GROUPS:
