@@ -468,7 +468,7 @@ def test_a_peak_inside_a_layers_forward_is_its_forward_moment(fix, phase):
                                                           ("ViT", "bf16", "full", BENCH),
                                                           ("BERT", "bf16", "none", BENCH)])
 def test_pipeline_stages_memory_matches_the_tracker(family, amp, recompute, size):
-    """pp=2 1F1B, 2 micro-batches, on 2 real gloo processes (``measure.measure_real``): every rank's components and
+    """pp=2 1F1B, 2 micro-batches, on 2 real gloo processes (``measure``: a real group): every rank's components and
     total within 5 %, its parameters its own stage's only (the other stage's weights freed: ``release_stages``; GPT-2's
     last stage also holds its copy of the tied embedding), its buffers the receive buffers of the micro-batches in
     flight (``pipeline_buffers``: ``LeanStage`` empties each after its backward; torch would keep one per
@@ -753,7 +753,7 @@ def test_plans_whose_ranks_exchange_data_are_measured_on_a_real_group(monkeypatc
     """A fake group delivers nothing: a pipeline's stages and expert parallelism's token counts need a real one
     (under the fake group Mixtral's expert groups got 3270 to 5362 tokens from uninitialised counts, where real
     routing gave 3134 to 4533 and the model's balanced routing 4096), and ZeRO-1 beside TP (a fake group left the
-    last rank without optimizer state), so ``measure`` runs those plans on real gloo processes (``measure_real``),
+    last rank without optimizer state), so ``measure`` runs those plans on real gloo processes,
     the others as one rank of a fake group."""
     import importlib
     from types import SimpleNamespace
