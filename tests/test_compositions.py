@@ -10,6 +10,7 @@ case fails (checked by zeroing the term).
 from __future__ import annotations
 
 import pytest
+from batched import Batched, selected
 from memcells import CELLS
 
 import autopar_nb as ap
@@ -62,11 +63,6 @@ CASES = {
 }
 
 
-BATCH = 4
-"""cases measured together (``measure_many``: their processes forked from one forkserver that imported torch and the
-models once); a few, so that the test that measures them stays well inside pytest's timeout"""
-
-
 def _planned(family: str, fix: dict, size: dict):
     """The case's source, plan and predicted moments, and the ranks to measure: (stage, rank) each."""
     from autopar_nb.cost.estimate import peak_moments
@@ -87,37 +83,21 @@ def _planned(family: str, fix: dict, size: dict):
     return src, plan, graph, moments, ranks
 
 
-class _Measured:
-    """The selected cases' plans and measurements, made on first use, :data:`BATCH` cases at a time."""
+def _measure(names: list[str]) -> dict:
+    from autopar_nb.verify.measure import measure_many
 
-    def __init__(self, names: list[str]):
-        self.names, self.got = names, {}
-
-    def __getitem__(self, name: str):
-        if name not in self.got:
-            todo = [n for n in self.names if n not in self.got]
-            batch = [name] + [n for n in todo if n != name][:BATCH - 1]
-            self.got.update(self.measure(batch))
-        return self.got[name]
-
-    @staticmethod
-    def measure(names: list[str]) -> dict:
-        from autopar_nb.verify.measure import measure_many
-
-        planned = {}
-        for name in names:
-            family, fix, _term, *size = CASES[name]
-            planned[name] = _planned(family, fix, {**SIZE, **(size[0] if size else {})})
-        got = measure_many([(src, plan, tuple(g for _, g in ranks)) for src, plan, _, _, ranks in planned.values()])
-        return {name: (planned[name], m) for name, m in zip(names, got, strict=True)}
+    planned = {}
+    for name in names:
+        family, fix, _term, *size = CASES[name]
+        planned[name] = _planned(family, fix, {**SIZE, **(size[0] if size else {})})
+    got = measure_many([(src, plan, tuple(g for _, g in ranks)) for src, plan, _, _, ranks in planned.values()])
+    return {name: (planned[name], m) for name, m in zip(names, got, strict=True)}
 
 
 @pytest.fixture(scope="module")
 def measured(request):
-    """The cases this session runs (its selected items), measured on demand (:class:`_Measured`)."""
-    test = test_composition_memory_matches_the_tracker.__name__
-    return _Measured([item.callspec.params["name"] for item in request.session.items
-                      if getattr(item, "originalname", None) == test and item.module.__name__ == __name__])
+    """The cases this session runs, measured 4 at a time on first use (:class:`batched.Batched`)."""
+    return Batched([p["name"] for p in selected(request, test_composition_memory_matches_the_tracker)], _measure)
 
 
 def _measured_against_predicted(planned, got):

@@ -56,3 +56,13 @@ def test_the_forkserver_preloads_what_a_lazy_package_loads_on_first_access(tmp_p
     finally:
         sys.path.remove(str(tmp_path))
     assert "transformers.models.llama.modeling_llama" in got and "mine" not in sys.modules
+
+
+def test_batched_measures_the_selected_cases_a_few_at_a_time():
+    from batched import Batched
+
+    calls = []
+    got = Batched(["a", "b", "c", "d", "e"], lambda cases: calls.append(cases) or {c: c.upper() for c in cases},
+                  size=2)
+    assert (got["c"], got["a"], got["b"], got["e"]) == ("C", "A", "B", "E")
+    assert calls == [["c", "a"], ["b", "d"], ["e"]]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from batched import Batched, selected
 from memcells import CELLS
 from runtime_cases import has_transformers
 
@@ -462,12 +463,38 @@ def test_a_peak_inside_a_layers_forward_is_its_forward_moment(fix, phase):
         assert at[2].grads == 0 and at[2].terms.get("fsdp_all_gather", 0) > 0, at[2]
 
 
+PIPELINES = [("LLaMA", "none", "none", WHOLE), ("GPT-2", "none", "none", WHOLE), ("ViT", "bf16", "full", BENCH),
+             ("BERT", "bf16", "none", BENCH)]
+
+
+def _measure_pipelines(keys: list[tuple]) -> dict:
+    """(family, amp, recompute) -> (graph, plan, cost, both ranks' measurements): pp=2 1F1B, 2 micro-batches."""
+    from autopar_nb.cost import estimate
+    from autopar_nb.verify.measure import measure_many
+
+    planned = {}
+    for family, amp, recompute, size in [c for c in PIPELINES if c[:3] in keys]:
+        src = ModelSource(CELLS[family](**size))
+        meta, example, _ = src.build(device="meta")
+        graph = ap.capture(meta, example)
+        cluster = ap.Cluster.preset("cpu", 1, 2)
+        plan = ap.plan(graph, cluster, global_batch=size["batch"],
+                       fix={"pp": 2, "micro_batches": 2, "schedule": "1f1b", "amp": amp, "recompute": recompute})
+        planned[family, amp, recompute] = src, graph, cluster, plan, estimate(graph, cluster, plan)
+    got = measure_many([(src, plan, (0, 1)) for src, _, _, plan, _ in planned.values()])
+    return {key: (*rest, m) for (key, (_, *rest)), m in zip(planned.items(), got, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def pipelines(request):
+    """The pipeline cases this session runs, measured 4 at a time on first use (:class:`batched.Batched`)."""
+    cases = selected(request, test_pipeline_stages_memory_matches_the_tracker)
+    return Batched([(c["family"], c["amp"], c["recompute"]) for c in cases], _measure_pipelines)
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family, amp, recompute, size", [("LLaMA", "none", "none", WHOLE),
-                                                          ("GPT-2", "none", "none", WHOLE),
-                                                          ("ViT", "bf16", "full", BENCH),
-                                                          ("BERT", "bf16", "none", BENCH)])
-def test_pipeline_stages_memory_matches_the_tracker(family, amp, recompute, size):
+@pytest.mark.parametrize("family, amp, recompute, size", PIPELINES)
+def test_pipeline_stages_memory_matches_the_tracker(family, amp, recompute, size, pipelines):
     """pp=2 1F1B, 2 micro-batches, on 2 real gloo processes (``measure``: a real group): every rank's components and
     total within 5 %, its parameters its own stage's only (the other stage's weights freed: ``release_stages``; GPT-2's
     last stage also holds its copy of the tied embedding), its buffers the receive buffers of the micro-batches in
@@ -479,23 +506,16 @@ def test_pipeline_stages_memory_matches_the_tracker(family, amp, recompute, size
     rank under bf16 autocast peaks in an attention's backward, where CPU SDPA's math kernel (dropout) holds the
     attention weights' float32 gradient (``profile.moments.math_attention_gradients``; 11.5 MiB of temporaries short
     without it)."""
-    from autopar_nb.cost import estimate
     from autopar_nb.cost.estimate import peak_moments
-    from autopar_nb.verify.measure import measure
     from autopar_nb.verify.moments import GROUPS, measured_groups, moment_at, predicted_groups
 
-    src = ModelSource(CELLS[family](**size))
-    meta, example, _ = src.build(device="meta")
-    graph = ap.capture(meta, example)
-    cluster = ap.Cluster.preset("cpu", 1, 2)
-    plan = ap.plan(graph, cluster, global_batch=size["batch"],
-                   fix={"pp": 2, "micro_batches": 2, "schedule": "1f1b", "amp": amp, "recompute": recompute})
-    cost = estimate(graph, cluster, plan)
+    graph, cluster, plan, cost, measured = pipelines[family, amp, recompute]
+    assert not isinstance(measured, Exception), measured
     tokens = (round(size["seq"] ** 0.5) ** 2 + 1) if family == "ViT" else size["seq"]  # 4x4 patches, class token
     one_input = size["batch"] // 2 * tokens * size["hidden"] * 4  # a micro-batch of the stream stage 1 receives
     assert cost.memory_by_rank[1].terms["pipeline_sent_gradients"] == pytest.approx(one_input)
     moments, paths = peak_moments(graph, cluster, plan), [lay.path for lay in graph.layers]
-    for rank, got in zip((0, 1), measure(src, plan, ranks=(0, 1)), strict=True):
+    for rank, got in zip((0, 1), measured, strict=True):
         mb, m = cost.memory_by_rank[rank], got["peak"]
         p, g = predicted_groups(mb), measured_groups(m)
         # the tracker names a module by its path in the stage (measure._Session.name_within; a checkpoint-wrapped
