@@ -382,7 +382,7 @@ def test_a_measured_multi_stage_timeline_has_each_micro_batchs_moments(staged_me
     module: the micro-batch, in a forward, a backward and at the loss) is put on that micro-batch's moment. Every
     moment of both ranks gets a measured value (measure=True was refused for these schedules); the forwards, the
     losses, each layer's first backward and the optimizer step are within 5 % of the rank's predicted peak of their
-    prediction, and each rank's measured peak within 5 % of its predicted one. (A layer's later backwards are not:
+    prediction, and each rank's measured peak within 5 % of its predicted one. (A layer's later backwards:
     ``test_..._later_backwards_are_within_the_bound``.)"""
     s, w, lines, predicted = staged_measured
     for tl, pred in zip(lines, predicted, strict=True):
@@ -400,19 +400,43 @@ def test_a_measured_multi_stage_timeline_has_each_micro_batchs_moments(staged_me
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(strict=True, reason="the cost model's multi-stage backward of a layer after its first one "
-                   "predicts 7-9 % of the peak less than measured (GPT of MEASURED_CELL, interleaved 1F1B and looped "
-                   "BFS v2 x4; each layer's first backward within 3 %): at interleaved rank 0's peak the tracker "
-                   "holds a weight gradient made before it is added to the one accumulated (+0.25 MiB backward "
-                   "temporaries) and +0.47 MiB activations the model does not")
 def test_a_measured_multi_stage_timelines_later_backwards_are_within_the_bound(staged_measured):
-    """A layer's backwards after its first, within 5 % of the rank's predicted peak as every other moment is."""
+    """A layer's backwards after its first, within 5 % of the rank's predicted peak as every other moment is: each
+    makes its weight gradients beside the ones accumulated, at its own heaviest op
+    (``test_a_later_micro_batchs_backward_holds_the_weight_gradients_it_makes_beside_the_accumulated``; they were
+    7 to 9 % under)."""
     _, _, lines, predicted = staged_measured
     for tl, pred in zip(lines, predicted, strict=True):
         later = _later_backwards(pred.keys)
         for i, (m, got) in enumerate(zip(pred, tl.measured, strict=True)):
             if i in later:
                 assert got == pytest.approx(m.bytes, abs=MEASURED_WITHIN * pred.peak_bytes), (tl.rank, m.label, got)
+
+
+@pytest.mark.parametrize("schedule, tracked", [
+    ("interleaved_1f1b", {(0, "backward h.0 (micro-batch 2 of 4)"): 9.752,
+                          (1, "backward h.3 (micro-batch 4 of 4)"): 8.719}),
+    ("looped_bfs", {(0, "backward h.2 (micro-batch 3 of 4)"): 9.938,
+                    (1, "backward h.3 (micro-batch 3 of 4)"): 10.345})])
+def test_a_later_micro_batchs_backward_holds_the_weight_gradients_it_makes_beside_the_accumulated(schedule, tracked):
+    """Once a layer's gradients exist, a micro-batch's backward makes new ones beside them, which autograd adds in
+    place (AccumulateGrad), so a block's heaviest op is no longer its first-backward one (its first LayerNorm's: the
+    block's saved tensors freed, its other gradients made) but its MLP output projection's: every saved tensor of
+    the block alive and that projection's weight and bias gradients made. The GPT of MEASURED_CELL, 2 ranks,
+    4 micro-batches, fp32: each moment within 2 % of what MemTracker measured there on real gloo processes (MiB;
+    :func:`autopar_nb.verify.timeline.measured_timeline`, the ``staged_measured`` plans; torch 2.13), where the
+    model without the new gradients and with the first backward's op was 7 to 9 % under."""
+    from autopar_nb.source import ModelSource
+
+    meta, example, _ = ModelSource(MEASURED_CELL).build(device="meta")
+    graph = ap.capture(meta, example)
+    plan = ap.plan(graph, ap.Cluster.preset("cpu", 1, 2), global_batch=4, fix={**STAGED, "schedule": schedule})
+    c_proj = (4 * 128 * 128 + 128) * 4  # the MLP output projection's weight and bias, float32
+    for (rank, label), mib in tracked.items():
+        tl = ap.memory_timeline(plan, graph, rank=rank)
+        i = [m.label for m in tl].index(label)
+        assert tl[i].bytes / 2**20 == pytest.approx(mib, rel=0.02), (schedule, rank, label)
+        assert tl.keys[i][2].terms["new_weight_gradients"] == c_proj
 
 
 def test_a_measured_timeline_is_refused_where_it_cannot_be_measured(graph):

@@ -16,7 +16,7 @@ from .dp_comm import data_parallel_comm
 from .factors import Factors, factors_for
 from .float8 import float8_weights_local, gathered_in_float8
 from .loss import FusedHead, gathered_logits
-from .memory import activation_bytes, forward_peak, input_pass, op_moments, peak_op
+from .memory import activation_bytes, forward_peak, input_pass, op_deltas, op_moments, peak_op
 from .peak import RankMemory, moment_layers, rank_peaks
 from .profile import GraphProfile, precision_of
 from .saved import run_saved
@@ -99,7 +99,6 @@ class Evaluator:
             # cp rank's, whose last merge keeps the kernel's layout: the first rank's is what counts)
             act["none"] += (lp.q_half if half else lp.q_bytes) * scale / tp
         work, freed, later = peak_op(moments)
-        ops = tuple((op, w - work, freed - f, later - lat) for op, w, f, lat in moments)
         fwd_fl, bwd_fl = pass_flops(lp, scale=scale, quad_scale=qscale)
         experts = lp.params_experts / ep if ep > 1 and lp.experts else 0.0
         mm = tp_matmul_time(lp, tp=tp, scale=scale, device=self.cluster.device, factors=self.f, low_dtype=low)
@@ -111,7 +110,8 @@ class Evaluator:
                        lp.largest_param / (tp if lp.tp else 1), exposed + a2a,
                        experts, a2a_fwd)
         comm.update({"all_to_all": a2a} if a2a else {})
-        t.tp_step, t.freed, t.later_params, t.op_deltas = step_s, freed, later, ops
+        t.tp_step, t.freed, t.later_params = step_s, freed, later
+        t.op_deltas = op_deltas(moments, (work, freed, later), local)
         t.forward = {rec: forward_peak(lp, tp=tp, sp=sp, scale=scale, precision=precision, quad_scale=qscale,
                                        megatron_sp=self.megatron_sp, recompute=rec) for rec in RECOMPUTE}
         t.cast_local = lp.cast_split / tp + lp.cast_rep if precision == "autocast" else 0.0

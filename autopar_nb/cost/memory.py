@@ -118,6 +118,44 @@ def peak_op(moments: list[tuple[int, float, float, float]], *, grad_item: int = 
     return best
 
 
+OpDelta = tuple[int | None, float, float, float, float]
+"""one op of a layer's backward beside its peak op (:attr:`.terms.LayerTerms.op_deltas`): (graph index, working set,
+saved bytes alive and parameters (numel) without a gradient yet, each less the peak op's, and the parameters (numel)
+whose gradients its backward makes)"""
+
+
+def op_deltas(moments: list[tuple[int, float, float, float]], peak: tuple[float, float, float],
+              params: float) -> tuple[OpDelta, ...]:
+    """Each of a layer's per-op backward moments (:func:`op_moments`, in graph order) less its ``peak``
+    (:func:`peak_op`), with the parameters (numel, of the layer's ``params``) whose gradients its backward makes:
+    those the ops after the one before it read and the ops after it do not (their last reader is the op, or a
+    view of them it reads, such as a Linear weight's transpose); the first op's, all the others'."""
+    work, freed, later = peak
+    out, before = [], params
+    for op, w, f, lat in moments:
+        out.append((op, w - work, freed - f, later - lat, max(before - lat, 0.0)))
+        before = lat
+    return tuple(out)
+
+
+def accumulating_op(ops: tuple[OpDelta, ...], grad_item: float) -> OpDelta:
+    """Of a layer's :func:`op_deltas`, the op whose backward holds the most where every parameter's gradient
+    exists already (a micro-batch's after the first accumulates into them): its working set and saved bytes
+    alive, and the gradients its backward makes, ``grad_item`` bytes each, which exist beside the accumulated ones
+    until autograd adds them in place (torch/csrc/autograd/functions/accumulate_grad.h, ``accumulateGrad``:
+    ``variable_grad += new_grad`` where a gradient exists and grad mode is off; where none exists it takes the new
+    one over, so a first backward makes none beside). As a moment's op: None. Measured with MemTracker (a GPT of
+    hidden 128 over 2 pipeline ranks, 4 micro-batches, fp32: 1F1B, interleaved 1F1B, looped BFS): a block's later
+    backward peaks at its MLP output projection's (every saved tensor of the block alive, that projection's weight
+    gradient made beside the accumulated one) where its first peaks at its first LayerNorm's (the saved tensors
+    freed, every other gradient made). Zeros for a layer without ops."""
+    best, top = (None, 0.0, 0.0, 0.0, 0.0), 0.0
+    for _, dw, da, dlater, made in ops:
+        if dw + da + made * grad_item > top:
+            best, top = (None, dw, da, dlater, made), dw + da + made * grad_item
+    return best
+
+
 def op_moments(lp: LayerProfile, *, tp: int, sp: bool, scale: float, precision: str = "fp32",
                quad_scale: float | None = None, megatron_sp: bool = False) -> list[tuple[int, float, float, float]]:
     """Per op of the layer whose backward runs (:attr:`.profile.LayerProfile.moments`): (its index in the graph,

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..plan import ITEMSIZE
+from .memory import accumulating_op
 from .moment import PeakMoment, fsdp_buffers
 from .schedule import ZERO_BUBBLE, Held, rank_states, state_arrays
 from .terms import FsdpUnit, StageSums
@@ -264,6 +265,8 @@ class StagedRank:
         if forward:
             running["pipeline_outputs"] = 0.0
         out = []
+        # a backward after the stage's first: each op's new gradients are made beside those (memory.accumulating_op)
+        item = st.sum_item if h.grads[k] and not forward else 0
         for a, w, before, layer, kind, ops in self.layers[k]:
             if (kind == "forward") != forward:
                 continue
@@ -273,13 +276,14 @@ class StagedRank:
                               regathered=h.backward_last[k] and not forward)
             fb = fb | self._left(k, h.weight_passed[k])
             work = "forward_working_set" if forward else "backward_working_set"
-            for op, dw, da, dbefore in ((None, 0.0, 0.0, 0.0), *(ops if per_op else ())):
+            top = accumulating_op(ops, item) if item else (None, 0.0, 0.0, 0.0, 0.0)
+            for op, dw, da, dbefore, made in (top, *(ops if per_op else ())):
                 later = 0.0 if forward else x.params - (before - x.params_start) - dbefore
                 # before the stage's first backward ends, only the parameters read after this op
                 grads, gterms = (self._grads(k, h.grads[k], x.params) if h.grads[k]
                                  else self._grads(k, 1, later, whole=False))
                 mine = {"saved_activations": a - x.acts_start - x.pipe["recv_saved"] + da,
-                        work: w + dw}
+                        work: w + dw} | ({"new_weight_gradients": made * item} if item else {})
                 out.append(around.moment(kind, layer, grads, (mine, running, fb, gterms), op,
                                          h.later))
         return out

@@ -48,10 +48,11 @@ class LayerTerms:
     ``work_bytes`` the gradients held then"""
     later_params: float = 0.0
     """local parameters (numel) of this layer whose gradients exist at its backward peak (read by later ops)"""
-    op_deltas: tuple[tuple[int, float, float, float], ...] = ()
+    op_deltas: tuple[tuple[int, float, float, float, float], ...] = ()
     """per op of the layer whose backward runs: (its graph index, its working set, the saved bytes still alive and
-    the local parameters whose gradients do not exist yet there, each less the peak op's): the layer's moment at
-    that op (:meth:`Evaluator.rank_moments` with ``per_op``)"""
+    the local parameters whose gradients do not exist yet there, each less the peak op's, and the local parameters
+    whose gradients its backward makes: :func:`.memory.op_deltas`): the layer's moment at that op
+    (:meth:`Evaluator.rank_moments` with ``per_op``)"""
     f8_weights_local: float = 0.0
     """numel of the layer's local weights of float8 Linears (0 without float8): FSDP may gather them in float8"""
     cast_local: float = 0.0

@@ -46,6 +46,7 @@ MEMORY_TERMS = {
     "fsdp_gathered_units": "buffers", "fsdp_reduce_scatter": "buffers", "fsdp_unsharded_grads": "buffers",
     "fsdp_weight_pass_grads": "buffers", "pipeline_buffers": "buffers", "pipeline_outputs": "activations",
     "pipeline_sent_gradients": "buffers", "weight_pass_gradients": "buffers", "backward_working_set": "buffers",
+    "new_weight_gradients": "buffers",
     "forward_working_set": "activations",
     "fsdp_all_gather": "buffers", "replicate_gathered_experts": "buffers", "replicate_reduce_buffers": "buffers",
     "loss_temporaries": "buffers", "optimizer_step_temporaries": "buffers",
@@ -59,7 +60,8 @@ after the last, and under a zero-bubble schedule and mixed precision the 16-bit 
 FSDP takes them in; the buffers pipeline stages receive inputs and gradients into (per micro-batch in flight) and their
 outputs, kept until each micro-batch's backward, and the input gradients of the micro-batch before, whose send the
 schedule still holds; the gradients a zero-bubble schedule's input pass keeps for each micro-batch's weight pass; the
-largest layer's backward working set; at a layer's forward, what it holds then (its saved tensors so far and the
+largest layer's backward working set; the weight gradients a micro-batch's backward makes where the earlier ones' are
+accumulated, until autograd adds them in; at a layer's forward, what it holds then (its saved tensors so far and the
 storages alive: output, operands still to be read, autocast's copies) and its FSDP unit's all-gather output; the loss's
 temporaries (logits and their copies, loss_parallel's shards); the optimizer step's temporaries; beside DDP, the
 experts' replicas' gathered parameters and reduction buffers"""

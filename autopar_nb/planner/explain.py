@@ -50,6 +50,8 @@ COMPONENT_SOURCES = {
     "weight_pass_gradients": ("the gradients a zero-bubble schedule's input pass keeps for each "
                               "micro-batch's weight pass (torch's stage_backward_input)"),
     "backward_working_set": "the largest layer's backward working set",
+    "new_weight_gradients": ("the weight gradients a backward op makes where earlier micro-batches' are accumulated, "
+                             "until autograd adds them in place (torch's AccumulateGrad)"),
     "forward_working_set": ("the layer whose forward holds the most: its saved tensors so far and the tensors alive "
                             "then (output, operands still to be read, autocast's copies)"),
     "fsdp_all_gather": "the all-gather output of the FSDP unit whose forward runs",

@@ -20,7 +20,7 @@ GROUPS = {
                  "replicate_gathered_experts"),
                 ("buffers",)),
     "temporaries": (("backward_working_set", "pipeline_sent_gradients", "weight_pass_gradients",
-                     "replicate_reduce_buffers"),
+                     "replicate_reduce_buffers", "new_weight_gradients"),
                     ("backward", "step")),
 }
 """component shown -> (the predicted fields or MemoryBreakdown.terms it sums, the measured components it sums).
