@@ -70,6 +70,7 @@ class StagedRank:
         for u in sums.units[r]:
             self.units[sums.local[u.first]].append(u)
         self.idle: dict[tuple, tuple[float, tuple]] = {}
+        self.accumulating: dict[int, tuple] = {}  # id of a run's op deltas -> its accumulating_op
         last = s.pp * s.virtual_stages - 1
         self.loss_at = next((k for k, x in enumerate(self.stages) if x.stage == last), None)
 
@@ -276,7 +277,7 @@ class StagedRank:
                               regathered=h.backward_last[k] and not forward)
             fb = fb | self._left(k, h.weight_passed[k])
             work = "forward_working_set" if forward else "backward_working_set"
-            top = accumulating_op(ops, item) if item else (None, 0.0, 0.0, 0.0, 0.0)
+            top = self._accumulating(ops, item) if item else (None, 0.0, 0.0, 0.0, 0.0)
             for op, dw, da, dbefore, made in (top, *(ops if per_op else ())):
                 later = 0.0 if forward else x.params - (before - x.params_start) - dbefore
                 # before the stage's first backward ends, only the parameters read after this op
@@ -287,6 +288,13 @@ class StagedRank:
                 out.append(around.moment(kind, layer, grads, (mine, running, fb, gterms), op,
                                          h.later))
         return out
+
+    def _accumulating(self, ops: tuple, item: int) -> tuple:
+        """:func:`.memory.accumulating_op` of a run's op deltas, made once (every state weighs it)."""
+        hit = self.accumulating.get(id(ops))
+        if hit is None:
+            hit = self.accumulating[id(ops)] = accumulating_op(ops, item)
+        return hit
 
     def _input(self, h: Held, around: _Around, per_op: bool) -> list:
         """The running stage's input pass at each of its layers (``RankSums.input_layers``):
