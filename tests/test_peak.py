@@ -13,8 +13,10 @@ import autopar_nb as ap
 from autopar_nb import zoo
 from autopar_nb.cost import peak
 from autopar_nb.cost.estimate import Evaluator
+from autopar_nb.cost.loss import fused_head
 from autopar_nb.cost.profile import profile_of
 from autopar_nb.cost.setting import LayerChoice, Setting
+from autopar_nb.cost.staged import StagedRank
 
 GiB = 2**30
 
@@ -80,3 +82,40 @@ def test_shared_peaks_leave_the_plans_unchanged(gpt, monkeypatch):
         monkeypatch.setattr(peak, "SHARED_PEAKS", 0)  # every candidate's ranks weighed afresh
         assert ap.plan(gpt, cluster, **kw).to_json() == shared
         monkeypatch.undo()
+
+
+STAGED = [  # (dp, tp, pp, zero, micro-batches, schedule, chunks per rank, amp): ranks of over 16 states
+    (2, 1, 4, 0, 8, "interleaved_1f1b", 2, "bf16"),
+    (2, 1, 2, 2, 8, "interleaved_1f1b", 4, "bf16"),
+    (1, 2, 4, 3, 8, "interleaved_1f1b", 2, "none"),
+    (2, 1, 2, 3, 6, "looped_bfs", 2, "bf16"),
+    (2, 1, 4, 2, 8, "interleaved_zero_bubble", 2, "bf16"),
+    (1, 1, 2, 3, 8, "zbv_zero_bubble", 2, "bf16"),
+    (2, 1, 2, 2, 8, "zbv_zero_bubble", 2, "none"),
+]
+
+
+@pytest.mark.parametrize("setting", STAGED, ids=[f"{x[5]}-pp{x[2]}-v{x[6]}-z{x[3]}-{x[7]}" for x in STAGED])
+def test_staged_heaviest_is_the_first_heaviest_of_every_moment(gpt, setting):
+    """``StagedRank.heaviest`` (what ``RankMemory.peak`` weighs on a multi-stage rank) is the very moment the first
+    heaviest of ``StagedRank.moments`` is, field for field, on every rank, under each recompute, with the loss fused
+    and not."""
+    prof = profile_of(gpt, "cuda")
+    ev = Evaluator(prof, ap.Cluster.preset("h100-80gb", 1, 8), head=fused_head(gpt)[0])
+    *mesh, amp = setting
+    s, choices = _candidate(len(prof.layers), *mesh)
+    s = dataclasses.replace(s, amp=amp)
+    weighed = 0
+    for mode, fused in (("none", False), ("selective", True), ("full", False)):
+        s = dataclasses.replace(s, fused_loss=fused)
+        for i, c in enumerate(choices):
+            c.recompute = mode if i % 3 else "none"
+        memory = peak.RankMemory(prof, ev.f, s, ev.sum_layers(s, choices))
+        for r in range(s.pp):
+            st = memory._states(r)
+            rank = StagedRank(memory, r, st)
+            assert len(rank.states) > 16
+            want = max(rank.moments(False), key=lambda mo: mo.weight)
+            assert rank.heaviest() == want, (mode, r)
+            weighed += 1
+    assert weighed == 3 * s.pp

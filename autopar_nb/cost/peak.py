@@ -54,12 +54,22 @@ class RankMemory:
 
     def peak(self, r: int) -> MemoryBreakdown:
         """Bytes on pipeline rank ``r`` at its peak: the largest of its :meth:`moments`."""
-        pb, ob, moments = self.moments(r)
-        peak = max(moments, key=lambda mo: mo.weight)
+        pb, ob, peak = self._heaviest(r)
         mbd = self.breakdown(r, pb, ob, peak, margin_of=peak.weight)
         if self.s.offload != "none":
             mbd.host = self._host_bytes(r)
         return mbd
+
+    def _heaviest(self, r: int) -> tuple[float, float, PeakMoment]:
+        """:meth:`moments`' parameter and optimizer-state bytes and the first of its heaviest moments; a rank of a
+        multi-stage schedule without offload (which reweighs the moments) weighs only its heaviest states'
+        (:meth:`.staged.StagedRank.heaviest`)."""
+        if self.s.pp > 1 and self.s.schedule in MULTI_STAGE and self.s.offload == "none":
+            st = self._states(r)
+            staged, step = StagedRank(self, r, st).heaviest(), self._step_moment(r, st)
+            return st.pb, st.ob, staged if staged is not None and staged.weight >= step.weight else step
+        pb, ob, moments = self.moments(r)
+        return pb, ob, max(moments, key=lambda mo: mo.weight)
 
     def breakdown(self, r: int, pb: float, ob: float, mo: PeakMoment, *, margin_of: float) -> MemoryBreakdown:
         """Rank ``r``'s bytes at moment ``mo``, by field and named term, with the allocator margin of a peak of

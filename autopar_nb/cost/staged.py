@@ -78,18 +78,57 @@ class StagedRank:
         """Every moment of the rank's step that can be its heaviest: at each state, its running stage's layers."""
         out = []
         for h, around in self._heaviest_states():
-            around = around._replace(action=h.kind, micro_batch=self.micro_batch(h))
-            if h.kind == "F":
-                out += self._layers(h, around, "forward", per_op)
-            elif h.kind == "B":
-                out += self._layers(h, around, "backward", per_op) + self._loss(h, around)
-            elif h.kind == "I":
-                out += self._input(h, around, per_op) + self._loss(h, around)
-            elif h.kind == "W":
-                out += self._weight(h, around)
-            elif self.st.pipelined:
-                out.append(self._reduce(h, around))
+            out += self._state_moments(h, around._replace(action=h.kind, micro_batch=self.micro_batch(h)), per_op)
         return out
+
+    def heaviest(self) -> PeakMoment | None:
+        """The first of :meth:`moments`' heaviest (``per_op`` False), the very same moment, without weighing
+        every state's rest one by one: each group of alike states (:meth:`_heaviest_states`) is bounded by its
+        rest's total as arrays (:meth:`_near_heaviest`) plus its running stage's heaviest moment weighed on an
+        empty rest, and only the groups whose bound is within rounding of the largest are weighed as
+        :meth:`moments` weighs them, in its order. None where the rank has no such moment."""
+        if len(self.states) <= 16:
+            return max(self.moments(False), key=lambda mo: mo.weight, default=None)
+        near, totals = self._near_heaviest(totals=True)
+        groups: dict[tuple, list[tuple[Held, float]]] = {}
+        for h, t in zip(near, totals, strict=True):
+            groups.setdefault(self._group(h), []).append((h, t))
+        empty = _Around({}, 0.0, 0.0)
+        bounds = []
+        for members in groups.values():
+            own = self._state_moments(members[0][0], empty, False)
+            rest = max(t for _, t in members) + self._own_output(members[0][0])
+            bounds.append(rest + max(mo.weight for mo in own) if own else -np.inf)
+        top = max(bounds, default=-np.inf)
+        if top == -np.inf:
+            return None
+        bar = top - 1e-9 * abs(top) - 1e-6
+        best = None
+        for members, bound in zip(groups.values(), bounds, strict=True):
+            if bound < bar:
+                continue
+            h, around = members[0][0], self._around(members[0][0])
+            for other, _ in members[1:]:
+                rest = self._around(other)
+                if rest.total > around.total:
+                    h, around = other, rest
+            around = around._replace(action=h.kind, micro_batch=self.micro_batch(h))
+            for mo in self._state_moments(h, around, False):
+                if best is None or mo.weight > best.weight:
+                    best = mo
+        return best
+
+    def _state_moments(self, h: Held, around: _Around, per_op: bool) -> list:
+        """State ``h``'s moments with ``around`` the rest of the rank: its running stage's layers."""
+        if h.kind == "F":
+            return self._layers(h, around, "forward", per_op)
+        if h.kind == "B":
+            return self._layers(h, around, "backward", per_op) + self._loss(h, around)
+        if h.kind == "I":
+            return self._input(h, around, per_op) + self._loss(h, around)
+        if h.kind == "W":
+            return self._weight(h, around)
+        return [self._reduce(h, around)] if self.st.pipelined else []
 
     def micro_batch(self, h: Held) -> int | None:
         """The micro-batch (from 0) whose action ``h`` is, from the counts it holds (a state keeps no micro-batch:
@@ -116,15 +155,20 @@ class StagedRank:
         best: dict[tuple, tuple[Held, _Around]] = {}
         near = self._near_heaviest() if len(self.states) > 16 else self.states
         for h in near:
-            around, k = self._around(h), h.local
-            key = h.kind, k, h.grads[k], h.backward_last[k], h.weight_passed[k], h.later
+            around, key = self._around(h), self._group(h)
             if key not in best or around.total > best[key][1].total:
                 best[key] = h, around
         return best.values()
 
-    def _near_heaviest(self) -> list[Held]:
+    @staticmethod
+    def _group(h: Held) -> tuple:
+        """What states whose running stage's moments are alike share (:meth:`_heaviest_states`)."""
+        k = h.local
+        return h.kind, k, h.grads[k], h.backward_last[k], h.weight_passed[k], h.later
+
+    def _near_heaviest(self, *, totals: bool = False):
         """The states whose rest (:meth:`_around`'s total, summed here as arrays) is within rounding of
-        the heaviest of their group's (:meth:`_heaviest_states`), in order."""
+        the heaviest of their group's (:meth:`_heaviest_states`), in order; ``totals``: and those sums."""
         a = state_arrays(self.states)
         m = self.mem.s.micro_batches
         v = len(self.stages)
@@ -149,7 +193,14 @@ class StagedRank:
         np.maximum.at(top, a.groups, total)
         bar = top[a.groups]
         keep = total >= bar - 1e-9 * np.abs(bar) - 1e-6
-        return [h for h, k in zip(self.states, keep, strict=True) if k]
+        near = [h for h, k in zip(self.states, keep, strict=True) if k]
+        return (near, total[keep].tolist()) if totals else near
+
+    def _own_output(self, h: Held) -> float:
+        """The running stage's own output in :meth:`_around` (alive through its backward where it went to another
+        rank), which :meth:`_near_heaviest`'s sums leave out: the same across a group."""
+        x = self.stages[h.local]
+        return x.pipe["kept"] if x.sends and not x.turn and h.kind in "BI" else 0.0
 
     def _idle_total(self, j: int, code: int) -> float:
         """:meth:`_idle`'s bytes in all, for the gradients, backward and weight-pass flags packed in
