@@ -193,6 +193,16 @@ class StateArrays(NamedTuple):
     codes: np.ndarray
     present: tuple[tuple[int, ...], ...]
     """per local stage, the codes some state has"""
+    counts: np.ndarray
+    """per state, its micro-batches in flight (``full + waiting``), waiting for their weight pass, and input
+    gradients its stages' sends still hold (``StagedRank._around``), per local stage, side by side"""
+    running: np.ndarray
+    """[state, local stage]: the state's running stage"""
+    stage_index: np.ndarray
+    """[state, local stage]: the local stage (to index a per-stage table with ``codes``)"""
+    order: np.ndarray
+    """the states sorted by group (stable), and where each group starts there: for ``np.maximum.reduceat``"""
+    starts: np.ndarray
 
 
 _ARRAYS: dict[int, tuple[tuple[Held, ...], StateArrays]] = {}
@@ -208,11 +218,18 @@ def state_arrays(states: tuple[Held, ...]) -> StateArrays:
             for h in states]
     codes = np.array([[g * 4 + b * 2 + w for g, b, w in zip(h.grads, h.backward_last, h.weight_passed, strict=True)]
                       for h in states])
-    out = StateArrays(*(np.array([getattr(h, f) for h in states], dtype=float)
-                        for f in ("full", "waiting", "forwarded", "backwarded")),
-                      np.array([h.local for h in states]),
-                      np.array([groups.setdefault(k, len(groups)) for k in keys]), codes,
-                      tuple(tuple(int(x) for x in np.unique(col)) for col in codes.T))
+    full, waiting, forwarded, backwarded = (np.array([getattr(h, f) for h in states], dtype=float)
+                                            for f in ("full", "waiting", "forwarded", "backwarded"))
+    local = np.array([h.local for h in states])
+    group = np.array([groups.setdefault(k, len(groups)) for k in keys])
+    sent = backwarded.copy()  # an input gradient's send holds it until a lower stage runs that backward
+    sent[:, 1:] -= backwarded[:, :-1]
+    stage_index = np.broadcast_to(np.arange(codes.shape[1]), codes.shape)
+    order = np.argsort(group, kind="stable")
+    out = StateArrays(full, waiting, forwarded, backwarded, local, group, codes,
+                      tuple(tuple(int(x) for x in np.unique(col)) for col in codes.T),
+                      np.concatenate((full + waiting, waiting, sent), axis=1), stage_index == local[:, None],
+                      stage_index, order, np.flatnonzero(np.diff(group[order], prepend=-1)))
     if len(_ARRAYS) >= 4096:  # as many as rank_states keeps
         _ARRAYS.clear()
     _ARRAYS[id(states)] = states, out

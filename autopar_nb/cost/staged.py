@@ -94,11 +94,13 @@ class StagedRank:
         for h, t in zip(near, totals, strict=True):
             groups.setdefault(self._group(h), []).append((h, t))
         empty = _Around({}, 0.0, 0.0)
-        bounds = []
-        for members in groups.values():
-            own = self._state_moments(members[0][0], empty, False)
-            rest = max(t for _, t in members) + self._own_output(members[0][0])
-            bounds.append(rest + max(mo.weight for mo in own) if own else -np.inf)
+        own: dict[tuple, float] = {}  # a group's heaviest moment on an empty rest, by its key less ``later``,
+        bounds = []  # which only labels its moments
+        for key, members in groups.items():
+            h = members[0][0]
+            if key[:-1] not in own:
+                own[key[:-1]] = max((mo.weight for mo in self._state_moments(h, empty, False)), default=-np.inf)
+            bounds.append(max(t for _, t in members) + self._own_output(h) + own[key[:-1]])
         top = max(bounds, default=-np.inf)
         if top == -np.inf:
             return None
@@ -172,28 +174,25 @@ class StagedRank:
         a = state_arrays(self.states)
         m = self.mem.s.micro_batches
         v = len(self.stages)
-        cn, cw, cb = (np.zeros(v) for _ in range(3))
+        per = np.zeros(3 * v)  # per micro-batch in flight, waiting for its weight pass, of a sent input gradient
         const = sum(self.st.held.values())
+        idle = np.zeros((v, 12))
         for j, x in enumerate(self.stages):
             p = x.pipe
-            cn[j] = x.acts - p["recv_saved"] + p["recv"] + (0.0 if x.turn else p["kept"])
-            cw[j] = (0.0 if x.turn else p["grad_recv"]) + self._kept(j)
-            cb[j] = p["grad_sent"]
+            per[j] = x.acts - p["recv_saved"] + p["recv"] + (0.0 if x.turn else p["kept"])
+            per[v + j] = (0.0 if x.turn else p["grad_recv"]) + self._kept(j)
+            per[2 * v + j] = p["grad_sent"]
             const += m * (p["kept"] + p["grad_recv"]) if x.turn else 0.0
-        sent = a.backwarded.copy()  # the input gradients a stage's sends still hold (:meth:`_around`)
-        sent[:, 1:] -= a.backwarded[:, :-1]
-        # (the running stage's own output, alive through its backward, is the same across a group)
-        total = (a.full + a.waiting) @ cn + a.waiting @ cw + sent @ cb + const
-        for j in range(v):
-            table = np.zeros(12)
             for code in a.present[j]:
-                table[code] = self._idle_total(j, code)
-            total += np.where(a.local == j, 0.0, table[a.codes[:, j]])
-        top = np.full(a.groups.max() + 1, -np.inf)
-        np.maximum.at(top, a.groups, total)
-        bar = top[a.groups]
-        keep = total >= bar - 1e-9 * np.abs(bar) - 1e-6
-        near = [h for h, k in zip(self.states, keep, strict=True) if k]
+                idle[j, code] = self._idle_total(j, code)
+        # (the running stage's own output, alive through its backward, is the same across a group); the other
+        # stages' gradients, units and weight-pass leftovers (the running one's are its moments')
+        others = idle[a.stage_index, a.codes]
+        others[a.running] = 0.0
+        total = a.counts @ per + others.sum(axis=1) + const
+        bar = np.maximum.reduceat(total[a.order], a.starts)[a.groups]
+        keep = np.flatnonzero(total >= bar - 1e-9 * np.abs(bar) - 1e-6)
+        near = [self.states[i] for i in keep.tolist()]
         return (near, total[keep].tolist()) if totals else near
 
     def _own_output(self, h: Held) -> float:
