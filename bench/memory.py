@@ -46,6 +46,9 @@ PLANS = {
     "zero1": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 1},
     "zero2": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 2},
     "zero3": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3},
+    # gradient accumulation: ZeRO-1 keeps the micro-batches' gradients unsharded until its one reduce-scatter
+    "zero1-accum": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 1, "micro_batches": 4},
+    "zero2-accum": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 2, "micro_batches": 4},
     "tp": {"dp": 1, "tp": 2, "pp": 1},
     "pp": {"dp": 1, "tp": 1, "pp": 2, "micro_batches": 2, "schedule": "1f1b"},
     "pp-interleaved": {"dp": 1, "tp": 1, "pp": 2, "micro_batches": 4, "schedule": "interleaved_1f1b",

@@ -29,8 +29,8 @@ CASES = {
     "zero3-tp-pp": ("LLaMA", {"dp": 2, "tp": 2, "zero_stage": 3, **PIPE}, "loss_temporaries"),
     # data parallelism beside TP is FSDP2's replicate, which keeps a gathered copy of the parameters
     "ddp-tp": ("LLaMA", {"dp": 2, "tp": 2, "zero_stage": 0}, "fsdp_unsharded_params"),
-    # ZeRO-1 beside TP: the same replicate, and ZeroRedundancyOptimizer over the TP shards' local tensors keeps the
-    # Adam states of its share of them (the optimizer group is twice the measured one when they are not divided)
+    # ZeRO-1 beside TP: FSDP2 over the TP shards, parameters kept gathered from forward to backward, Adam states of
+    # the rank's shards only
     "zero1-tp": ("LLaMA", {"dp": 2, "tp": 2, "zero_stage": 1}, "fsdp_unsharded_params"),
     # a multi-stage rank holds each of its stages' micro-batches as torch's order leaves them, and
     # the input gradients its lowest stage sent stay referenced by their sends until the step ends

@@ -59,9 +59,11 @@ def test_script_splits_sequences_beside_tensor_parallelism():
     assert "PP, DP, CP, TP = 1, 1, 2, 2  # plan.mesh: world = PP * DP * CP * TP = 4" in text
     assert 'shard = functools.partial(sequence_shards, mesh["cp"], causal=CAUSAL)' in text
     assert "parallelize_module(" in text and 'apply_fsdp(part, mesh["dp_cp"]' in text
-    # ZeRO-1: the same replicate over dp_cp, the optimizer's states sharded over its ranks (the TP shards' locals)
+    # ZeRO-1: FSDP2 over dp_cp too, its parameters kept gathered after forward (its one reduce-scatter per step is
+    # set_grad_sync's), no optimizer of its own
     text = render_script(src, cp_plan(src, tp=2, zero=1, tp_styles=tp))
-    assert 'apply_replicate(part, mesh["dp_cp"]' in text and 'zero1_group=mesh["dp_cp"].get_group()' in text
+    assert 'apply_fsdp(part, mesh["dp_cp"], units=FSDP_UNITS, reshard_after_forward=False' in text
+    assert "zero1_group" not in text and "ZeroRedundancyOptimizer" not in text
 
 
 def test_script_splits_sequences_before_the_pipeline():
@@ -139,8 +141,8 @@ def test_verify_cp_beside_data_parallelism():
 def test_verify_cp_beside_tensor_parallelism():
     """4 gloo processes, cp=2 x tp=2 as the planner plans a Hugging Face LLaMA (hidden 256, 4 layers, seq 256): its
     TP styles, sequence parallelism and loss_parallel on each cp rank's part of the sequences, the ring over the cp
-    ranks of one tp rank (its heads), FSDP2 (ZeRO-3) or its replicate (ZeRO 0, and ZeRO-1 with the optimizer's
-    states sharded over dp_cp) over dp_cp; losses, gradients and parameters equal to one process's."""
+    ranks of one tp rank (its heads), FSDP2 (ZeRO 1 and 3) or its replicate (ZeRO 0) over dp_cp; losses, gradients
+    and parameters equal to one process's."""
     from memcells import CELLS
 
     import autopar_nb as ap

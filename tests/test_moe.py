@@ -438,7 +438,6 @@ def test_ep_plans_export_in_torchtitans_order(tmp_path):
 
 @pytest.mark.parametrize("change, error, match", [
     ({"tp": 2, "dp": 1, "ep": 1}, None, None),  # (a valid TP plan: the baseline of the refusals below)
-    ({"zero": 1}, NotImplementedError, r"ZeroRedundancyOptimizer \(ZeRO-1\) does not take the experts' DTensor"),
     ({"experts": ["layers.*.mlp.experts"]}, "PlanError", r"experts: apply_ep: no module matches 'layers\.\*\.mlp"),
     ({"experts": ["layers.*.feed_forward"]}, "PlanError", r"no int attribute num_experts"),
     ({"dp": 8, "ep": 8}, "PlanError", r"num_experts\(4\) % ep\(8\) = 4"),
@@ -458,7 +457,7 @@ def test_ep_plans_the_runtime_cannot_run_are_refused_before_writing(tmp_path, ch
     with pytest.raises(PlanError if error == "PlanError" else error, match=match):
         export(src, plan, out, quiet=True)
     assert not out.exists()
-    with pytest.raises(NotImplementedError, match=r"not with tp=2, zero_stage=0"):
+    with pytest.raises(NotImplementedError, match=r"not with tp=2: the experts. all-to-all is not split by TP"):
         export(*_ep_plan(ZOO_CELL, ZOO_EXPERTS, dp=2, tp=2, ep=2, tp_styles={"output": "colwise"}), out, quiet=True)
 
 
@@ -466,10 +465,12 @@ def test_ep_plans_the_runtime_cannot_run_are_refused_before_writing(tmp_path, ch
 def test_exported_ep_scripts_match_single_process():
     """verify runs each plan's exported script on 2 gloo processes (one launch for all cases) against the
     single-process run: the zoo MoE and Hugging Face Mixtral with ep=2 (= dp), under DDP (ZeRO 0, with gradient
-    accumulation) and FSDP (ZeRO 2/3, with full recompute)."""
+    accumulation) and FSDP (ZeRO 1 with gradient accumulation, ZeRO 2/3, with full recompute)."""
     from autopar_nb.verify import verify_many
 
     cases = [("zoo ZeRO-0 accum x2", _ep_plan(ZOO_CELL, ZOO_EXPERTS, dp=2, zero=0, micro_batches=2)),
+             # ZeRO-1: the experts' own FSDP2 units accumulate unsharded too, reduce-scattered once per step
+             ("zoo ZeRO-1 accum x2", _ep_plan(ZOO_CELL, ZOO_EXPERTS, dp=2, zero=1, micro_batches=2)),
              ("zoo ZeRO-3 full recompute", _ep_plan(ZOO_CELL, ZOO_EXPERTS, dp=2, zero=3, recompute="full"))]
     if has_transformers():
         cases += [("Mixtral ZeRO-0", _ep_plan(MIXTRAL_CELL, HF_EXPERTS, dp=2, zero=0)),
@@ -634,8 +635,11 @@ def test_planner_splits_experts_when_it_pays(moe_graph):
     # the gradient traffic it cuts, hidden behind the backward, slows that backward: Factors.overlap_contention)
     busy = ap.plan(moe_graph, two, global_batch=512, fix={"pp": 1})
     assert busy.mesh.ep == 1
-    assert any(line.startswith("Experts kept whole on every rank (ep=1") and "the best plan with expert "
-               "parallelism" in line for line in busy.explanation), busy.explanation
+    assert any(line.startswith("Experts kept whole on every rank (ep=1") for line in busy.explanation)
+    # (ZeRO-1's one reduce-scatter per step makes more of the whole-expert plans fast: the search may skip the
+    # expert-parallel ones as bound to be slower, and the explanation says so)
+    split = ap.plan(moe_graph, two, global_batch=512, fix={"pp": 1, "ep": 2})
+    assert split.cost.step_time_s > busy.cost.step_time_s
     # pinned: honoured, or refused with the reason
     cluster = ap.Cluster.preset("h100-80gb")
     assert ap.plan(moe_graph, cluster, global_batch=64, fix={"ep": 4}).mesh.ep == 4

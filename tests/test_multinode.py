@@ -111,7 +111,8 @@ def test_launch_commands_fit_the_nodes():
     assert cmds[0].startswith("torchrun --nnodes 4 --nproc-per-node 8 ")
     assert "--nnodes 2:4 " in cmds[1]  # never fewer nodes than one model replica needs
 
-    assert len(torchrun_commands("train.py", _cluster_plan(16, zero=1, gpus_per_node=8))) == 1  # ZeRO-1: not elastic
+    # ZeRO-1 keeps its states in DCP as FSDP does: elastic too
+    assert len(torchrun_commands("train.py", _cluster_plan(16, zero=1, gpus_per_node=8))) == 2
 
     odd = make_plan(SRC, dp=12)
     odd.cluster = {"preset": "h100-80gb", "gpus_per_node": 8}  # 12 processes, nodes of 8 GPUs: 2 nodes of 6

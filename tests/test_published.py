@@ -87,3 +87,17 @@ def test_bf16_rows_run_bf16_and_float8_speeds_up():
     assert bf16.cost.step_time_s > f8.cost.step_time_s > f8_async.cost.step_time_s
     for nemo in (r for r in pub.ROWS if r.source == "dgxc"):  # every BF16 table: launch.sh's FP8_ENABLED=false
         assert nemo.fix["float8"] == "none", nemo.name
+
+
+def test_nemo_zero1_rows_hold_megatrons_distributed_optimizer():
+    """NeMo's 8B row (dp 4 x cp 2, ZeRO-1, 32 micro-batches) as Megatron's distributed optimizer holds it: 16-bit
+    parameters and a float32 gradient buffer whole, float32 parameter shards and Adam's moments over the 8 ranks;
+    no DDP buckets, no whole float32 parameters (ZeRO-1 was DDP + ZeroRedundancyOptimizer: 3 x 29.9 GiB)."""
+    row = next(r for r in pub.ROWS if r.name == "Llama 3.1 8B CP2 (NeMo), 8 GPUs")
+    res = pub.predict(row, pub.graph_of(row.model))
+    mb = max(res.cost.memory_by_rank, key=lambda m: m.total)
+    n = mb.terms["fsdp_unsharded_grads"] / 4  # the local parameters, gradients whole in float32
+    assert "ddp_buckets" not in mb.terms and res.plan.precision.param_dtype == "bfloat16"
+    assert mb.terms["fsdp_unsharded_params"] == pytest.approx(2 * n, rel=0.01)  # bf16, gathered to the last backward
+    assert mb.params == pytest.approx(4 * n / 8, rel=0.01) and mb.optimizer == pytest.approx(8 * n / 8, rel=0.01)
+    assert 7.9e9 < n < 8.1e9

@@ -4,7 +4,6 @@ that re-plans, resumes from its checkpoint under the new plan and matches the si
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -15,12 +14,10 @@ from autopar_nb.launch.compare import predicted_memory
 from autopar_nb.launch.replan import (
     cause_text,
     check_mode,
-    checkpoint_pins,
     diff_text,
     layers_text,
     measured_peaks,
     trigger_of,
-    zero1_pins,
 )
 from autopar_nb.notebook.session import Session
 from autopar_nb.plan import Change
@@ -63,17 +60,6 @@ def test_measured_peaks_use_the_peak_rss_above_the_baseline():
              "rss_peak_bytes": 420 * MIB},  # a peak between two samples: 120 MiB above the baseline
             {"rank": 1, "source": "psutil", "memory_bytes": 80 * MIB, "rss_baseline_bytes": 300 * MIB}]
     assert measured_peaks(rows) == {0: 120 * MIB, 1: 80 * MIB}
-
-
-def test_a_zero1_checkpoint_pins_its_layout():
-    plan = SimpleNamespace(mesh=SimpleNamespace(zero_stage=1, dp=2))
-    assert checkpoint_pins(plan, "/ck/step_4") == {"zero_stage": 1, "dp": 2}
-    assert checkpoint_pins(plan, None) == {}
-    assert checkpoint_pins(SimpleNamespace(mesh=SimpleNamespace(zero_stage=3, dp=2)), "/ck/step_4") == {}
-    # and a DCP checkpoint (no ZeRO-1 files) cannot load into ZeRO-1: the new plan keeps the old stage
-    zero2, zero1 = (SimpleNamespace(mesh=SimpleNamespace(zero_stage=z, dp=2)) for z in (2, 1))
-    assert zero1_pins(zero2, zero1, "/ck/step_5") == {"zero_stage": 2}
-    assert zero1_pins(zero2, zero1, None) == {} and zero1_pins(zero1, zero1, "/ck/step_5") == {}
 
 
 def test_margin_from_what_the_ranks_held():

@@ -363,6 +363,31 @@ def test_gradient_accumulation_all_reduces_once_per_step():
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("zero, per_unit", [(1, 1), (2, 4)])
+def test_zero1_reduce_scatters_once_per_step(fake_world_of_two, monkeypatch, zero, per_unit):
+    """ZeRO-1 is FSDP2 driven as Megatron's distributed optimizer: accumulate() keeps 4 micro-batches' gradients
+    unsharded and reduce-scatters each unit once, in the last backward; ZeRO-2 reduce-scatters every micro-batch
+    (what cost/dp_comm.py's fsdp_counts counts)."""
+    import functools
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from autopar_nb.runtime.amp import step_context
+    from autopar_nb.runtime.train import accumulate
+
+    calls = []
+    made = dist.reduce_scatter_single
+    monkeypatch.setattr(dist, "reduce_scatter_single", lambda *a, **k: calls.append(1) or made(*a, **k))
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    fully_shard(model[0], reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    accumulate(model, (torch.randn(8, 4),), micro_batches=4, loss_fn=lambda m, b: m(*b).pow(2).mean(),
+               context=functools.partial(step_context, "cpu"), zero_stage=zero)
+    assert len(calls) == 2 * per_unit  # two units: model[0] and the root
+    assert all(p.grad is not None and p.grad.to_local().numel() <= 8 for p in model.parameters())  # sharded
+
+
 class _Stop(Exception):
     pass
 

@@ -35,7 +35,8 @@ SGD = {"lr": 0.05}
 
 TWO = {
     "dp": (G, dict(dp=2)),
-    "zero1": (G, dict(dp=2, zero=1)),
+    # gradients accumulated unsharded over the micro-batches, reduce-scattered once (set_grad_sync)
+    "zero1": (G, dict(dp=2, zero=1, micro_batches=2)),
     "zero2": (G, dict(dp=2, zero=2)),
     "zero3": (G, dict(dp=2, zero=3)),
     "fsdp_recompute": (G, dict(dp=2, zero=3, recompute={"h.0": "full", "h.1": "selective"})),
@@ -143,7 +144,8 @@ def _plans(cases):
 
 
 def _meta_ddp() -> dict:
-    """ZeRO 0 and 1 (DDP) under meta_init, with the plans' own optimizer: test_meta_init_with_ddp's cases."""
+    """ZeRO 0 (DDP) and 1 (FSDP2) under meta_init, with the plans' own optimizer: test_meta_init_with_ddp's
+    cases."""
     cases = {"meta_zero1": (G, make_plan(G, dp=2, zero=1))}
     if has_transformers():
         H = ModelSource(HF_LLAMA_CELL, loss_fn_var="loss_fn")
@@ -207,7 +209,7 @@ def test_plans_were_really_applied(reports):
     full_g, full_l, full_r = _full_numel(G), _full_numel(L), _full_numel(R)
     info = {name: reports(name).per_rank for name in reports.names}
     assert all(i["local_numel"] == full_g and i["dtensor_params"] == 0 for i in info["dp"])
-    for name in ("zero2", "zero3", "fsdp_recompute", "bf16", "meta_zero3"):
+    for name in ("zero1", "zero2", "zero3", "fsdp_recompute", "bf16", "meta_zero3"):
         assert all(i["local_numel"] < 0.6 * full_g for i in info[name]), name  # each rank holds about half
     assert all(i["checkpointed"] == 2 for i in info["fsdp_recompute"])
     assert all(i["dtensor_params"] > 0 and i["local_numel"] < full_l for i in info["tp_sp"])
@@ -411,10 +413,10 @@ def test_a_failing_rank_is_one_line_naming_the_cell_line():
 
 @pytest.mark.multiprocess
 def test_meta_init_with_ddp(reports):
-    """ZeRO 0 and 1 (DDP) under meta_init: DDP broadcasts rank 0's weights when it wraps, so the script wraps once
+    """ZeRO 0 (DDP) and 1 under meta_init: DDP broadcasts rank 0's weights when it wraps, so the script wraps once
     materialize has given the meta parameters storage and values (it crashed on ``Tensor.item()`` of a meta tensor)."""
     meta_ddp = {name: reports(name) for name in ("meta_zero1", "hf_llama_meta_dp") if name in reports.names}
     for name, report in meta_ddp.items():
         assert report.ok, (name, str(report))
     full = _full_numel(G)
-    assert all(i["local_numel"] == full for i in meta_ddp["meta_zero1"].per_rank)  # whole on each rank
+    assert all(i["local_numel"] < 0.6 * full for i in meta_ddp["meta_zero1"].per_rank)  # FSDP2: about half each

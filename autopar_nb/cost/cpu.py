@@ -62,11 +62,11 @@ def issue_time(s: Setting, sums: RankSums, bubble: float,
 
 def _data_parallel(s: Setting, sums: RankSums, r: int, f) -> dict[str, float]:
     """Seconds per micro-batch that data parallelism's wrapper adds on pipeline rank ``r``: FSDP2's
-    hooks on every unit and the root (ZeRO-3 gathers each unit again in backward; beside TP, FSDP2's
+    hooks on every unit and the root (ZeRO 1-3; ZeRO-3 gathers each unit again in backward; beside TP, FSDP2's
     ``replicate`` has the same hooks), or DDP's, per micro-batch and per parameter tensor."""
     if s.replicas <= 1:
         return {}
-    if s.zero_stage >= 2 or s.tp > 1:
+    if s.zero_stage >= 1 or s.tp > 1:
         unit = f.cpu_fsdp_unit_s + (f.cpu_fsdp_reshard_s if s.zero_stage == 3 else 0.0)
         return {"FSDP": (len(sums.units[r]) + 1) * unit}
     return {"DDP": f.cpu_ddp_s + sums.tensors[r] * f.cpu_ddp_param_s}
@@ -76,6 +76,6 @@ def _optimizer(s: Setting, tensors: float, f) -> float:
     """Seconds to clip the gradients and step the optimizer over ``tensors`` parameter tensors.
     FSDP2's and TP's parameters are DTensors: each multi-tensor op goes through DTensor's dispatch,
     which handles every tensor of the list in Python."""
-    dtensor = (s.replicas > 1 and s.zero_stage >= 2) or s.tp > 1
+    dtensor = (s.replicas > 1 and s.zero_stage >= 1) or s.tp > 1
     each = f.cpu_optimizer_dtensor_s if dtensor else f.cpu_optimizer_param_s
     return f.cpu_optimizer_step_s + tensors * each

@@ -1,9 +1,11 @@
-"""Data parallelism's collectives in a step: the gradient all-reduce of DDP (ZeRO 0/1) or FSDP's reduce-scatters and
-all-gathers (ZeRO 2/3), as many as the runtime issues, and the part of them the backward does not hide.
+"""Data parallelism's collectives in a step: the gradient all-reduce of DDP (ZeRO 0) or FSDP's reduce-scatters and
+all-gathers (ZeRO 1-3), as many as the runtime issues, and the part of them the backward does not hide.
 
 How many FSDP issues follows how it is driven. Gradient accumulation (``runtime/train.py``'s ``set_grad_sync``)
-reduce-scatters every micro-batch. A pipeline stage (torch's ``PipelineStage``) runs every micro-batch's backward
-without gradient sync or resharding and reduce-scatters once, after its last backward (``perform_reduce_grad``):
+reduce-scatters every micro-batch under ZeRO 2 and 3, and once, in the last micro-batch's backward, under ZeRO-1
+(Megatron's distributed optimizer), whose parameters stay gathered from the first forward. A pipeline stage
+(torch's ``PipelineStage``) runs every micro-batch's backward without gradient sync or resharding and
+reduce-scatters once, after its last backward (``perform_reduce_grad``):
 nothing is left to hide that one behind. Its ZeRO-3 units are gathered by a forward, resharded after it, and
 gathered again by the next backward, which leaves them gathered for a forward that follows (``unshard`` of a
 gathered group does nothing): one all-gather per micro-batch and one more for the first forward.
@@ -42,11 +44,10 @@ def data_parallel_comm(s: Setting, sums: RankSums, bottleneck: int, comm: CommTi
         return sum(collective_time(kind, n * (dense_item if j == 0 and dense_item is not None else per_param),
                                    size, link, f.eff_link) for j, (n, size, link) in enumerate(groups))
 
-    if s.zero_stage <= 1:
+    if s.zero_stage == 0:
         ar = ct("all_reduce", g_item)
-        ag = ct("all_gather", 4) if s.zero_stage == 1 else 0.0  # ZeroRedundancyOptimizer broadcast
         window = sums.fwdbwd[bottleneck] * 2 / 3  # gradients of the last micro-batch's backward (no_sync)
-        kinds = {"all_reduce": (ar, ar - min(f.overlap_dp * ar, window)), "all_gather": (ag, ag)}
+        kinds = {"all_reduce": (ar, ar - min(f.overlap_dp * ar, window))}
     else:
         pipelined = s.pp > 1
         gathers, n_rs = fsdp_counts(s)
@@ -55,7 +56,9 @@ def data_parallel_comm(s: Setting, sums: RankSums, bottleneck: int, comm: CommTi
         ag = gathers * ct("all_gather", p_item, ag_item)
         ov = f.overlap_fsdp if s.held_zero_stage == 3 else f.overlap_dp
         hidden = rs * (0 if pipelined else 1) + ag
-        exposed = hidden - min(ov * hidden, m * sums.fwdbwd[bottleneck])
+        # ZeRO-1 gathers in the first forward and reduce-scatters in the last backward: one micro-batch's time
+        window = (1 if s.zero_stage == 1 else m) * sums.fwdbwd[bottleneck]
+        exposed = hidden - min(ov * hidden, window)
         share = exposed / hidden if hidden else 0.0
         rs_share = share if not pipelined else 1.0
         copy_out, copy_in = fsdp_copies(sums.params[r], gathers, n_rs, p_item, g_item, cluster.device, f,
@@ -72,11 +75,12 @@ def data_parallel_comm(s: Setting, sums: RankSums, bottleneck: int, comm: CommTi
 
 
 def fsdp_counts(s: Setting) -> tuple[int, int]:
-    """(all-gathers, reduce-scatters) FSDP issues per unit in a step (the module docstring): ZeRO 2 gathers once;
-    ZeRO 3 twice per micro-batch, or, in a pipeline stage, once per micro-batch and once more; a pipeline stage
-    reduce-scatters once, otherwise every micro-batch does."""
+    """(all-gathers, reduce-scatters) FSDP issues per unit in a step (the module docstring): ZeRO 1 and 2 gather once;
+    ZeRO 3 twice per micro-batch, or, in a pipeline stage, once per micro-batch and once more; a pipeline stage and
+    ZeRO-1 reduce-scatter once, otherwise every micro-batch does."""
     m, pipelined = s.micro_batches, s.pp > 1
-    return (1 if s.held_zero_stage == 2 else m + 1 if pipelined else 2 * m), (1 if pipelined else m)
+    once = pipelined or s.zero_stage == 1
+    return (1 if s.held_zero_stage == 2 else m + 1 if pipelined else 2 * m), (1 if once else m)
 
 
 def offload_comm(s: Setting, sums: RankSums, comm: CommTime, *, cluster, factors) -> float:

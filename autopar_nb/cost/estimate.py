@@ -444,8 +444,8 @@ class Evaluator:
         of a rank read (a head tied to the embeddings, T5's decoder embedding) gets its later reader's gradient
         first, which autograd holds, to add the earlier reader's to, from the later layer's backward to the earlier
         one's (the tracker's census: BERT's decoder weight gradient, a float32 temporary through the whole
-        encoder backward). The parameter's dtype: float32, or FSDP's 16-bit unsharded parameter (ZeRO 2/3)."""
-        item = s.compute_item if s.zero_stage >= 2 else ITEMSIZE["float32"]
+        encoder backward). The parameter's dtype: float32, or FSDP's 16-bit unsharded parameter (ZeRO 1-3)."""
+        item = s.compute_item if s.zero_stage >= 1 else ITEMSIZE["float32"]
         readers: dict[tuple[str, int], list[int]] = defaultdict(list)  # (parameter, rank) -> its layers there
         sizes: dict[str, tuple[int, bool]] = {}
         for i, lp in enumerate(self.prof.layers):

@@ -105,8 +105,7 @@ class Factors:
     (``runtime/train.py``)"""
     cpu_optimizer_param_s: float = 19e-6
     """what clipping and the optimizer step add per plain parameter tensor (on the CPU the foreach
-    ops loop over the tensors, which CUDA's multi-tensor kernels batch: high for a GPU host).
-    ZeRO-1's ``ZeroRedundancyOptimizer``: about the same"""
+    ops loop over the tensors, which CUDA's multi-tensor kernels batch: high for a GPU host)"""
     cpu_optimizer_dtensor_s: float = 46e-6
     """the same per DTensor parameter (FSDP2's shards, TP's splits: DTensor's dispatch handles each
     tensor of a multi-tensor op)"""

@@ -52,7 +52,7 @@ def gathered_in_float8(s, cluster) -> bool:
     ``float8_config`` with FSDP over several ranks). Then torchao casts each weight's shard in ``fsdp_pre_all_gather``
     and the Linear finds its weight cast already (``tensor_already_casted_to_fp8`` in ``matmul_with_hp_or_float8_args``,
     forward and backward): the cast moves from the whole local weight per pass to a 1/dp shard per all-gather."""
-    return s.float8 == "tensorwise" and s.zero_stage >= 2 and s.replicas > 1 and cluster.name != "cpu"
+    return s.float8 == "tensorwise" and s.zero_stage >= 1 and s.replicas > 1 and cluster.name != "cpu"
 
 
 def shard_cast_time(numel: float, device, factors) -> float:

@@ -66,7 +66,7 @@ def memory_floor(ev, s: Setting, choices: list[LayerChoice], *, limit: float = m
     memory = RankMemory(ev.prof, f, s, avg, seq_ratio=ev.seq_ratio)
     st = memory._states(0)
     moments = [memory._step_moment(0, st)]
-    if st.pipelined and s.schedule not in MULTI_STAGE:
+    if st.pipelined and s.pp > 1 and s.schedule not in MULTI_STAGE:
         moments.append(memory._reduce_moment(0, st))
     floor = max(memory.breakdown(0, st.pb, st.ob, mo, margin_of=mo.weight).total for mo in moments)
     if s.pp > 1 and s.schedule in MULTI_STAGE and floor <= limit:

@@ -100,7 +100,7 @@ class RankMemory:
         flights = self._flights(r, st)
         out = self._layer_moments(r, st, flights, per_op)
         out += self._loss_moments(r, st, flights)
-        if st.pipelined:
+        if st.pipelined and self.s.pp > 1:  # (ZeRO-1 reduce-scatters unit by unit in its last backward)
             out.append(self._reduce_moment(r, st))
         out.append(self._step_moment(r, st))
         return self._on_device(st, out)
@@ -129,9 +129,10 @@ class RankMemory:
         sb = state_bytes(s.optimizer)
         params, experts = sums.params[r], sums.experts[r]
         edp = s.dp // s.ep  # expert parallelism: the ranks holding the same experts shard their states
-        pb, gb, ob = (a + b for a, b in zip(model_states(params - experts, dp=s.replicas, zero_stage=s.zero_stage,
+        stage = max(s.zero_stage, s.held_zero_stage)  # ZeRO-1's FSDP2 shards gradients between steps too
+        pb, gb, ob = (a + b for a, b in zip(model_states(params - experts, dp=s.replicas, zero_stage=stage,
                                                          states=sb),
-                                            model_states(experts, dp=edp, zero_stage=s.zero_stage, states=sb),
+                                            model_states(experts, dp=edp, zero_stage=stage, states=sb),
                                             strict=True))
         p_item = s.compute_item
         held: dict[str, float] = {}
@@ -145,7 +146,7 @@ class RankMemory:
         held["ddp_buckets"] = ddp_bucket_bytes(s, params - experts)
         if replicated(s):  # FSDP2's replicate gathers and keeps parameters as ZeRO 2 does, its own dtype's copy
             fsdp_stage, p_item = 2, ITEMSIZE["float32"]
-        return _States(pb, gb, ob, params, p_item, held, s.pp > 1 and fsdp_stage >= 2, fsdp_stage,
+        return _States(pb, gb, ob, params, p_item, held, s.unsharded_accumulation and fsdp_stage >= 2, fsdp_stage,
                        replicated_experts(s) and bool(experts), sums.whole_grads[r])
 
     def _flights(self, r: int, st: _States) -> list[_Flight]:
@@ -333,8 +334,9 @@ class _States(NamedTuple):
     held: dict[str, float]
     """buffers alive the whole forward and backward"""
     pipelined: bool
-    """an FSDP (ZeRO 2/3) pipeline stage: torch's ``PipelineStage`` holds its gradients and parameters
-    unsharded from a micro-batch's backward to the step's reduction"""
+    """an FSDP pipeline stage (torch's ``PipelineStage``), or ZeRO-1 over several micro-batches: its gradients and
+    parameters held unsharded from a micro-batch's backward to the step's reduction
+    (:attr:`~.setting.Setting.unsharded_accumulation`)"""
     fsdp_stage: int
     """how FSDP2 holds the parameters: the ZeRO stage, or 2 under :func:`replicated` data parallelism"""
     experts_copy: bool = False
@@ -378,19 +380,19 @@ def moment_layers(cnt: int) -> list[int]:
 def replicated(s: Setting) -> bool:
     """Data parallelism over TP-split parameters: FSDP2's ``replicate`` (DDP takes no DTensor), which gathers each
     unit's parameters into a buffer of their own as FSDP does over a shard group of one rank, and keeps them as
-    ZeRO 2 does (``runtime/ddp.py``)."""
-    return s.replicas > 1 and s.zero_stage < 2 and s.tp > 1
+    ZeRO 2 does (``runtime/ddp.py``). ZeRO-0 only: ZeRO-1 is FSDP."""
+    return s.replicas > 1 and s.zero_stage == 0 and s.tp > 1
 
 
 def replicated_experts(s: Setting) -> bool:
-    """Expert parallelism beside DDP (ZeRO 0/1, no TP): each experts module is FSDP2's ``replicate`` over the ranks
+    """Expert parallelism beside DDP (ZeRO-0, no TP): each experts module is FSDP2's ``replicate`` over the ranks
     holding the same experts (``runtime/ddp.py`` replicate_experts), which gathers and reduces as FSDP does."""
-    return s.ep > 1 and s.replicas > 1 and s.zero_stage < 2 and s.tp == 1
+    return s.ep > 1 and s.replicas > 1 and s.zero_stage == 0 and s.tp == 1
 
 
 def ddp_bucket_bytes(s: Setting, params: float) -> float:
     """DDP's gradient buckets: flat fp32 tensors the size of the parameters it reduces, held for the whole run
     (``gradient_as_bucket_view=False``, as ``runtime/ddp.py`` builds it: the gradients are copied in, not views).
-    Only where the runtime uses DDP: dp > 1, ZeRO 0/1, no TP (with TP it uses FSDP2's replicate, which has no
-    buckets)."""
-    return params * ITEMSIZE["float32"] if s.replicas > 1 and s.zero_stage < 2 and s.tp == 1 else 0.0
+    Only where the runtime uses DDP: dp > 1, ZeRO-0, no TP (with TP it uses FSDP2's replicate, which has no
+    buckets; ZeRO-1 is FSDP2)."""
+    return params * ITEMSIZE["float32"] if s.replicas > 1 and s.zero_stage == 0 and s.tp == 1 else 0.0

@@ -59,10 +59,20 @@ class Setting:
         """The ZeRO stage FSDP2 holds the parameters by: ``zero_stage``, but 2 for ZeRO-3 pipeline
         stages under a schedule that splits the backward, which keep their units gathered after
         forward (their input pass must find the parameters the forward used: ``runtime/pp.py``'s
-        ``keep_gathered``)."""
+        ``keep_gathered``), and for ZeRO-1 over several ranks, which is FSDP2 without resharding after
+        forward too (``runtime/train.py``'s ``set_grad_sync``)."""
         if self.zero_stage == 3 and self.pp > 1 and self.schedule in ZERO_BUBBLE:
             return 2
+        if self.zero_stage == 1 and self.replicas > 1:
+            return 2
         return self.zero_stage
+
+    @property
+    def unsharded_accumulation(self) -> bool:
+        """FSDP2 accumulates the micro-batches' gradients unsharded, in ``reduce_dtype`` (float32), and
+        reduce-scatters them once per step: in a pipeline stage (torch's ``PipelineStage``), and under
+        ZeRO-1 over several micro-batches (``set_grad_sync``: Megatron's distributed optimizer)."""
+        return self.held_zero_stage >= 2 and (self.pp > 1 or (self.zero_stage == 1 and self.micro_batches > 1))
 
     def vocab_parallel_loss(self, *, capable: bool, head_tp: bool) -> bool:
         """The loss runs on the head's vocabulary shards (torch's ``loss_parallel``): TP splits the

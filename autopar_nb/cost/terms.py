@@ -273,14 +273,14 @@ class InputLayer(NamedTuple):
 def shared_sums(sum_layers):
     """``Evaluator.sum_layers`` made once per evaluator for each candidate alike in what it reads: the setting with
     its ZeRO stage as 0 or 2, and each layer's choices. It reads the stage only through ``precision_of`` (16-bit
-    FSDP parameters under AMP from ZeRO 2 on) and the tied gradients' dtype (the same test), so ZeRO 0 and 1 sum
-    alike, and 2 and 3 (a test of the floor checks it); the search costs most meshes at three stages. The
+    FSDP parameters under AMP from ZeRO 1 on) and the tied gradients' dtype (the same test), so ZeRO 1, 2 and 3 sum
+    alike (a test of the floor checks it); the search costs most meshes at three stages. The
     :class:`RankSums` returned is shared: read it, never change it."""
 
     @functools.wraps(sum_layers)
     def shared(ev, s, choices):
         cache = ev.__dict__.setdefault("_shared_sums", {})
-        key = (dataclasses.replace(s, zero_stage=0 if s.zero_stage < 2 else 2),
+        key = (dataclasses.replace(s, zero_stage=0 if s.zero_stage == 0 else 2),
                tuple((c.stage, c.tp, c.recompute, c.fsdp, c.compile) for c in choices))
         hit = cache.get(key)
         if hit is None:

@@ -58,9 +58,9 @@ def elastic_min_nodes(plan: Plan, per_node: int) -> int:
 
 
 def can_be_elastic(plan: Plan) -> bool:
-    """Whether the script may run at another data-parallel degree from a checkpoint: not with ZeRO-1 (its optimizer
-    shards are files per rank) nor expert parallelism (its experts are split over data-parallel ranks)."""
-    return plan.mesh.zero_stage != 1 and plan.mesh.ep == 1
+    """Whether the script may run at another data-parallel degree from a checkpoint (DCP reshards every ZeRO stage's
+    states): not with expert parallelism (its experts are split over data-parallel ranks)."""
+    return plan.mesh.ep == 1
 
 
 @dataclass(frozen=True)

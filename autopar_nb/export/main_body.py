@@ -61,8 +61,7 @@ def main_source(v: ScriptValues, source: ModelSource, *, telemetry: bool = True)
                   f"parts = [apply_ddp(part, {v.dp_mesh}.get_group(), device=device) for part in parts]"]
     lines.append("optimizer = " + call("build_optimizer", "parameters_of(parts)", "OPTIMIZER", lr="args.lr",
                                        weight_decay="WEIGHT_DECAY", betas="BETAS", indent=12, width=120 - ind,
-                                       **({"zero1_group": f"{v.dp_mesh}.get_group()", **v.zero1_class} if v.zero1
-                                          else {"fused": "True"} if v.offload else {})))  # offload: a fused CPU step
+                                       **({"fused": "True"} if v.offload else {})))  # offload: a fused CPU step
     scaler = "None"
     if v.amp == "fp16":
         uses.append("grad_scaler")

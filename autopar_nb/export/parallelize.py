@@ -76,11 +76,10 @@ def _data_parallel_lines(v: ScriptValues, step: int, uses: list[str]) -> list[st
     elif v.replicate:
         calls += [f"# {step}. data parallelism last: FSDP2's replicate (DDP takes no DTensors), one all-reduce "
                   "per unit", f"apply_replicate(part, {v.dp_mesh}, units=FSDP_UNITS)"]
-        uses += ["apply_replicate"] + ["LocalShardsZeRO"] * v.zero1  # ZeRO-1 over the TP shards' local tensors
+        uses.append("apply_replicate")
     elif v.ddp:
-        calls.append(f"# {step}. data parallelism last: DDP" + (" (ZeRO-1 shards the optimizer)" if v.zero1 else
-                                                                         "; the experts averaged among the ranks "
-                                                                         "holding the same ones" if v.ep > 1 else ""))
+        calls.append(f"# {step}. data parallelism last: DDP" + ("; the experts averaged among the ranks holding the "
+                                                                         "same ones" if v.ep > 1 else ""))
         if v.ep > 1:
             calls.append("replicate_experts(part, experts_mesh[\"dp_mod_ep\"], dp=DP)  # DDP leaves them alone")
             uses.append("replicate_experts")

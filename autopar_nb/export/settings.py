@@ -24,8 +24,8 @@ def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]
            [f"PP, DP, CP, TP = {m.pp!r}, {m.dp!r}, {m.cp!r}, {m.tp!r}  # plan.mesh: world = PP * DP * CP * TP = "
             f"{m.world_size}",
             "# CP: context parallelism, each sequence split over CP ranks (torch's ring attention)"]),
-         f"ZERO_STAGE = {m.zero_stage!r}  # 0 DDP, 1 + sharded optimizer, 2 + sharded gradients, 3 + sharded "
-         "params",
+         f"ZERO_STAGE = {m.zero_stage!r}  # 0 DDP; FSDP: 1 one reduce-scatter per step, 2 one per micro-batch, "
+         "3 + params resharded after forward",
          *([f"EP = {v.ep!r}  # plan.mesh.ep: each experts module split over EP consecutive data-parallel ranks",
             f"EXPERTS = {literal(v.experts, width=80)}  # plan.experts: the modules whose experts EP splits"]
            if v.ep > 1 else []),

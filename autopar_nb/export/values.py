@@ -142,8 +142,9 @@ class ScriptValues:
 
     @property
     def fsdp(self) -> bool:
-        """FSDP2 units: ZeRO 2/3 over data-parallel ranks, or over one rank to offload its states to the host"""
-        return (self.replicas > 1 or self.offload) and self.zero_stage >= 2
+        """FSDP2 units: ZeRO 1-3 over data-parallel ranks (ZeRO-1: gradients reduce-scattered once per step, see
+        ``runtime/train.py``'s ``set_grad_sync``), or over one rank to offload its states to the host"""
+        return (self.replicas > 1 and self.zero_stage >= 1) or (self.offload and self.zero_stage >= 2)
 
     @property
     def fsdp_policies(self) -> dict[str, str]:
@@ -162,22 +163,12 @@ class ScriptValues:
 
     @property
     def ddp(self) -> bool:
-        return self.replicas > 1 and self.zero_stage < 2 and self.tp == 1
+        return self.replicas > 1 and self.zero_stage == 0 and self.tp == 1
 
     @property
     def replicate(self) -> bool:
-        """data parallelism beside TP without sharding the parameters (ZeRO 0/1): FSDP2's replicate (DDP takes no
-        DTensors); ZeRO-1 adds the sharded optimizer (``build_optimizer``'s local shards)"""
-        return self.replicas > 1 and self.zero_stage <= 1 and self.tp > 1
-
-    @property
-    def zero1(self) -> bool:
-        return self.replicas > 1 and self.zero_stage == 1
-
-    @property
-    def zero1_class(self) -> dict[str, str]:
-        """``build_optimizer``'s ZeRO-1 class where it is not torch's: over TP's DTensors, their local tensors"""
-        return {"zero1_class": "LocalShardsZeRO"} if self.zero1 and self.replicate else {}
+        """data parallelism beside TP without sharding anything (ZeRO-0): FSDP2's replicate (DDP takes no DTensors)"""
+        return self.replicas > 1 and self.zero_stage == 0 and self.tp > 1
 
     @property
     def from_config(self) -> bool:
@@ -298,15 +289,10 @@ def _weights(source: ModelSource, found: list[str]) -> str:
 
 def _check_runnable(plan: Plan) -> None:
     m, pr = plan.mesh, plan.precision
-    if m.tp > 1 and m.dp * m.cp > 1 and m.zero_stage == 1 and pr.amp == "fp16":
-        raise NotImplementedError(f"dp({m.dp}) x tp({m.tp}) with ZeRO-1 and fp16 is not supported (the loss scaler "
-                                  "does not see the gradients ZeRO-1 steps over TP's local shards): use bf16, or "
-                                  "set mesh.zero_stage to 0, 2 or 3")
-    if m.ep > 1 and (m.tp > 1 or m.zero_stage == 1):
+    if m.ep > 1 and m.tp > 1:
         raise NotImplementedError(
-            f"expert parallelism (ep={m.ep}) runs beside data parallelism (and pipelining) without TP, with ZeRO 0, "
-            f"2 or 3, not with tp={m.tp}, zero_stage={m.zero_stage}: the experts' all-to-all is not split by TP "
-            "(no expert-TP), and ZeroRedundancyOptimizer (ZeRO-1) does not take the experts' DTensor parameters")
+            f"expert parallelism (ep={m.ep}) runs beside data parallelism (and pipelining) without TP, not with "
+            f"tp={m.tp}: the experts' all-to-all is not split by TP (no expert-TP)")
     if plan.sync_batchnorm and m.dp > 1 and m.pp > 1:
         raise NotImplementedError("sync_batchnorm with pipelining is not supported")
     if m.pp > 1 and pr.amp == "fp16":
@@ -393,7 +379,7 @@ def _check_experts(model: nn.Module, plan: Plan) -> None:
         raise PlanError(f"experts: {e}") from None
     selective = [lp.path for lp in plan.layers
                  if lp.recompute == "selective" and any(within(p, lp.path) for p in paths)]
-    if selective and plan.mesh.zero_stage >= 2:
+    if selective and plan.mesh.zero_stage >= 1:
         raise NotImplementedError(
             f"selective recompute of layers holding experts ({', '.join(selective[:3])}) with ep={plan.mesh.ep} and "
             f"ZeRO-{plan.mesh.zero_stage} is not supported: the experts' own FSDP unit sits inside the selectively "

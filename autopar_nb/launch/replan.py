@@ -30,9 +30,8 @@ device is the run's and a step after the first was timed, the speed factors of t
 The planner fits the new plan under the watch's threshold of the limit (92 % by default), so the new plan does not
 trigger again.
 
-A checkpoint written under ZeRO-1 (``ZeroRedundancyOptimizer``: one optimizer file per rank) only loads with the
-same ZeRO stage and data-parallel size, so then those are pinned too (:func:`checkpoint_pins`); and one written
-without it cannot load into ZeRO-1, so a new plan that picks ZeRO-1 keeps the old stage (:func:`zero1_pins`).
+The checkpoint imposes no choice on the new plan: every ZeRO stage keeps its optimizer state in DCP, which
+reshards it to the new layout.
 """
 
 from __future__ import annotations
@@ -184,24 +183,6 @@ def predicted_states(plan: Any, nproc: int) -> dict[int, float]:
     return out
 
 
-def checkpoint_pins(plan: Any, checkpoint: str | None) -> dict:
-    """Choices the checkpoint imposes on the new plan: a ZeRO-1 checkpoint keeps one optimizer file per
-    data-parallel rank (``ZeroRedundancyOptimizer``), so it loads only with ZeRO-1 at the same dp."""
-    mesh = getattr(plan, "mesh", None)
-    if checkpoint and mesh is not None and mesh.zero_stage == 1 and mesh.dp > 1:
-        return {"zero_stage": 1, "dp": mesh.dp}
-    return {}
-
-
-def zero1_pins(old: Any, new: Any, checkpoint: str | None) -> dict:
-    """The other way round: a checkpoint written without ZeRO-1 holds its optimizer state in DCP, which
-    ``ZeroRedundancyOptimizer`` cannot read, so a new plan that picked ZeRO-1 keeps the old plan's ZeRO stage."""
-    o, n = getattr(old, "mesh", None), getattr(new, "mesh", None)
-    if checkpoint and o is not None and n is not None and n.zero_stage == 1 and n.dp > 1 and o.zero_stage != 1:
-        return {"zero_stage": o.zero_stage}
-    return {}
-
-
 def steps_reported(run) -> int:
     """How many different steps ``run``'s ranks reported."""
     with run._lock:
@@ -313,12 +294,9 @@ class Replanner:
         limit = run.comparison()["memory_limit_bytes"] or _device_limit(run, trigger)
         threshold = run._watch.settings.memory_threshold if run._watch is not None else 0.92
         target = threshold * limit if limit else None
-        pins = checkpoint_pins(run.plan, checkpoint)
+        pins: dict = {}
         try:
             new = self.plan_fn(factors, target, pins)
-            if extra := zero1_pins(run.plan, new, checkpoint):
-                pins = {**pins, **extra}
-                new = self.plan_fn(factors, target, pins)
         except Exception as e:  # PlanError: nothing fits; the reason says by how much
             return self._record(run, {"kind": "replan", "reason": f"no new plan: {e}", "plan_diff": [],
                                       "failed": True, "cause": cause})

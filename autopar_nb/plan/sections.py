@@ -39,8 +39,10 @@ class MeshPlan:
     pp: int = 1
     """pipeline-parallel degree: number of pipeline ranks"""
     zero_stage: int = 0
-    """0: DDP (everything replicated); 1: optimizer states sharded (ZeroRedundancyOptimizer);
-    2: + gradients sharded (FSDP2, reshard_after_forward=False); 3: + parameters sharded
+    """0: DDP (everything replicated); 1: Megatron's distributed optimizer on FSDP2 (reshard_after_forward=False,
+    unsharded gradients accumulated over the micro-batches and reduce-scattered once per step: the float32
+    parameters, gradients and optimizer states sharded between steps); 2: gradients reduce-scattered every
+    micro-batch (FSDP2, reshard_after_forward=False); 3: + parameters sharded
     (FSDP2, reshard=True), but in pipeline stages under a zero-bubble schedule, whose input
     pass needs the parameters the forward used, they stay gathered after forward, as under 2"""
     ep: int = 1
@@ -211,7 +213,7 @@ class LayerPlan:
     sequence_parallel: bool = False
     """norms/dropout of this layer run sequence-parallel (activations sharded on the sequence dim between TP regions)"""
     fsdp: bool = True
-    """wrap this layer as its own FSDP unit (when mesh.zero_stage >= 2); False folds it into the root unit"""
+    """wrap this layer as its own FSDP unit (when mesh.zero_stage >= 1); False folds it into the root unit"""
     recompute: str = "none"
     """none | selective (recompute element-wise ops, every other weight matmul) | full (keep only the layer input)"""
     compile: bool = False

@@ -263,7 +263,7 @@ def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch
                                 pinned=ov.pinned if ov else []))
     half = s.amp != "none"
     dtype = DTYPE_NAMES.get(s.amp, "float32")
-    precision = PrecisionPlan(amp=s.amp, param_dtype=dtype if (half and s.zero_stage >= 2) else "float32",
+    precision = PrecisionPlan(amp=s.amp, param_dtype=dtype if (half and s.zero_stage >= 1) else "float32",
                               reduce_dtype="float32", dynamic_loss_scale=s.amp == "fp16", float8=s.float8,
                               **{k: cons.fix[k] for k in ("fp32_ops", "low_precision_ops") if k in cons.fix})
     head_tp = any(lp.vocab and any(st == "colwise" for st in lp.tp.values()) and ch.tp

@@ -211,7 +211,7 @@ def _apply_tp(graph, prof, pattern, style, whole, partial, layers) -> None:
             bags = [m for m in mods if lay.modules.get(m) == "EmbeddingBag"]
             if bags and style != "sequence_parallel":
                 raise PlanError(f"override {pattern!r}: {bags[0]} is an nn.EmbeddingBag, which PyTorch TP does not "
-                                "shard; keep it 'replicate' (FSDP shards it with zero_stage >= 2) or use nn.Embedding")
+                                "shard; keep it 'replicate' (FSDP shards it with zero_stage >= 1) or use nn.Embedding")
             if style == "sequence_parallel" and prof.sp_blocker:
                 raise PlanError(f"override {pattern!r}: sequence parallelism cannot apply to this model: "
                                 f"{prof.sp_blocker}; drop the override")

@@ -427,8 +427,9 @@ def _expert_lines(best, ranked, experts: dict[str, int]) -> list[str]:
         other = next((r for r in ranked if r.setting.ep > 1), None)
     if other is None:
         why = ("no plan without expert parallelism fits in memory" if s.ep > 1 else
-               "no expert-parallel plan fits or applies (expert parallelism runs beside data parallelism only, "
-               "tp = 1, over a degree that divides the experts and dp)")
+               "no expert-parallel plan was costed: none fits or applies (expert parallelism runs beside data "
+               "parallelism only, tp = 1, over a degree that divides the experts and dp), or the search skipped "
+               "them, bound to be slower than the plans it kept")
         return [f"{line}; {why}."]
     oc = other.cost
     deltas = [(n, getattr(oc, a) - getattr(c, a)) for n, a in TIME_DELTAS]

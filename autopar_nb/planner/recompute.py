@@ -33,7 +33,7 @@ def choose_recompute(ev: Evaluator, s: Setting, choices: list[LayerChoice], cost
                 continue
             lt = ev.choice_terms(first, s, ch)
             # (the runtime refuses selective recompute around an experts module that FSDP shards for EP)
-            fsdp_experts = s.ep > 1 and s.zero_stage >= 2 and ev.prof.layers[first].experts
+            fsdp_experts = s.ep > 1 and s.zero_stage >= 1 and ev.prof.layers[first].experts
             for opt in ("full",) if fsdp_experts or ch.recompute == "selective" else ("selective", "full"):
                 saved = (lt.act[ch.recompute] - lt.act[opt]) * flight  # from where the run is now
                 extra = lt.recompute_s(opt) - lt.recompute_s(ch.recompute)

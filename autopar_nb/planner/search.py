@@ -253,17 +253,12 @@ class Search:
 
     def unsupported(self, dp: int, tp: int, pp: int, cp: int = 1) -> str:
         """Why the runtime (``autopar_nb.runtime``, the exported script) cannot run this mesh with the fixed choices,
-        "" when it can. The runtime's restrictions: ZeRO-1 over TP's DTensor parameters steps their local shards,
-        which fp16's loss scaler does not see; SyncBatchNorm is not applied under
+        "" when it can. The runtime's restrictions: SyncBatchNorm is not applied under
         pipelining; pipelining does not take fp16 loss scaling, nor a model torch.export cannot trace, nor the fused
         head beside TP (it runs on the last stage unsplit); context parallelism does not take the fused head."""
         fix = self.cons.fix
         if cp > 1 and fix.get("fused_loss"):
             return f"cp={cp} with fused_loss: use fused_loss=False"
-        if dp * cp > 1 and tp > 1 and fix.get("zero_stage") == 1 and self.amp == "fp16":
-            return (f"dp({dp})" + f" x cp({cp})" * (cp > 1) + f" x tp({tp}) with ZeRO-1 and fp16: the loss scaler "
-                    "does not see the gradients ZeRO-1 steps over TP's local shards; fix zero_stage 0, 2 or 3, or "
-                    "amp='bf16'")
         if dp > 1 and pp > 1 and self.has_batchnorm:
             return (f"dp({dp}) x pp({pp}) with BatchNorm: SyncBatchNorm is not supported with pipelining; "
                     "fix pp=1 (or dp=1)")
@@ -352,17 +347,16 @@ class Search:
         fix = self.cons.fix
         configs = []
         for dp, t, pp, cp, ep in [(*mesh, e) for mesh in self.meshes() for e in self.ep_degrees(*mesh[:3])]:
-            # no ZeRO-1 beside EP (not built for the experts' DTensors), nor TP under fp16 (see unsupported); FSDP
-            # shards over dp x cp, whose ranks hold the same parameters (dp_shard_cp); offload needs FSDP, even alone
+            # FSDP (ZeRO 1-3) shards over dp x cp, whose ranks hold the same parameters (dp_shard_cp); offload needs
+            # ZeRO 2 or 3, even alone
             zeros = [fix["zero_stage"]] if "zero_stage" in fix else [2, 3] if self.offload != "none" else (
-                [0] if dp * cp == 1 else [0, 2, 3] if ep > 1 or (t > 1 and self.amp == "fp16") else [0, 1, 2, 3])
+                [0] if dp * cp == 1 else [0, 1, 2, 3])
             if ep > 1:
-                zeros = [z for z in zeros if z != 1 and not (z >= 2 and self.selective_experts)]
+                zeros = [z for z in zeros if not (z >= 1 and self.selective_experts)]
                 if not zeros:
-                    self.rejected.append(f"ep={ep} with fix zero_stage={fix['zero_stage']}: " + (
-                            "ZeroRedundancyOptimizer (ZeRO-1) does not take the experts' DTensor parameters"
-                            if fix["zero_stage"] == 1 else "selective recompute is pinned on layers holding experts, "
-                            "which FSDP shards inside the checkpointed region (use full recompute, or ZeRO 0)"))
+                    self.rejected.append(f"ep={ep} with fix zero_stage={fix['zero_stage']}: selective recompute is "
+                                         "pinned on layers holding experts, which FSDP shards inside the checkpointed "
+                                         "region (use full recompute, or ZeRO 0)")
                     continue
             sp, why = sequence_parallel(fix, self.prof, t, seq_ratio=self.ev.seq_ratio)
             if why:
@@ -403,6 +397,8 @@ class Search:
                 self.pruned += 1
                 continue
             for z in zeros:
+                if z == 1 and "zero_stage" not in fix and (base.pp > 1 or base.micro_batches == 1):
+                    continue  # ZeRO-1 runs ZeRO-2's FSDP2 calls then (one micro-batch, or PipelineStage's own)
                 s = dataclasses.replace(base, zero_stage=z, fused_loss=bool(fix.get("fused_loss")),
                                         fused_norm=bool(fix.get("fused_norm")), float8=self.float8,
                                         offload=self.offload)

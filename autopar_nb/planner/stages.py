@@ -206,8 +206,8 @@ def memory_partition(ev, s, choices, *, limit: float, rec_pinned: dict[int, str]
     p_b = sb.param / (dp if s.zero_stage >= 3 else 1)
     g_b = sb.grad / (dp if s.zero_stage >= 2 else 1)
     o_b = sb.optimizer / (dp if s.zero_stage >= 1 else 1)
-    # ZeRO 2 keeps unsharded parameters from forward to backward; autocast caches 16-bit copies of the weights
-    held = p_item if s.zero_stage == 2 or (s.zero_stage <= 1 and half) else 0
+    # ZeRO 1 and 2 keep unsharded parameters from forward to backward; autocast caches 16-bit copies of the weights
+    held = p_item if s.zero_stage in (1, 2) or (s.zero_stage == 0 and half) else 0
     acc = 1 if (s.micro_batches > 1 or s.pp > 1) else 0
     # per parameter at the backward moment (unsharded copies held) or at the optimizer step (foreach temporaries)
     per_param = max(p_b + o_b + acc * g_b + held, p_b + o_b + 2 * g_b)

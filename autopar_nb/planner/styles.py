@@ -132,7 +132,7 @@ def _module_style(styles: dict[str, TPStyle], path: str, module: nn.Module, styl
     sp = at.in_sp(path)
     if isinstance(module, nn.EmbeddingBag):
         raise NotImplementedError(f"{path}: PyTorch TP does not shard nn.EmbeddingBag; keep it 'replicate' "
-                                  "and shard it with FSDP (zero_stage >= 2), or use nn.Embedding")
+                                  "and shard it with FSDP (zero_stage >= 1), or use nn.Embedding")
     if style == "sequence_parallel":
         if sp is None:
             raise NotImplementedError(f"{path} is 'sequence_parallel' outside the sequence-parallel layers")

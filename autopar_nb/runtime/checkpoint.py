@@ -6,8 +6,7 @@ failed (a full disk), resumes from the one before. At resume every file is check
 truncated or damaged checkpoint is passed over for the newest one that is whole (:func:`resume_point`). Older
 checkpoints beyond the newest ``keep`` are removed after each save.
 
-ZeRO-1's ``ZeroRedundancyOptimizer`` has no DCP state dict: its shards are one file per rank (resume with the same
-data-parallel size). Tensors split part by part (fused projections, ``_StridedShard``) are stored in their original
+Tensors split part by part (fused projections, ``_StridedShard``) are stored in their original
 layout (see :func:`dcp_layout`). Keys are the model's parameter names whatever the plan: a rank holding several
 pipeline stages (:class:`PipelineStages`) stores its stages' entries without the stage index, so a checkpoint written
 under one schedule loads under any other plan.
@@ -23,12 +22,10 @@ import shutil
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from .layouts import dcp_layout, restore_layout
@@ -97,9 +94,7 @@ def resume_point(ckpt_dir: str | None) -> str | None:
 
 
 def _states(model, optimizer):
-    """(model state, optimizer state or None when ZeRO-1 keeps its own) in DCP's form."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return get_state_dict(model, [])[0], None
+    """(model state, optimizer state) in DCP's form."""
     return get_state_dict(model, optimizer, options=FLAT)
 
 
@@ -130,14 +125,13 @@ def by_stage(loaded: dict | None, like: dict | None, stages: bool) -> dict | Non
     return {key: loaded[STAGE_INDEX.sub(r"\1", key)] for key in like}
 
 
-def _staged(model, optimizer, step: int, data) -> tuple[dict, bool]:
-    """(the state DCP writes, keyed by the model's names (:func:`by_name`), whether ZeRO-1 keeps its optimizer's
-    own file)."""
+def _staged(model, optimizer, step: int, data) -> dict:
+    """The state DCP writes, keyed by the model's names (:func:`by_name`)."""
     stages = isinstance(model, PipelineStages)
     model_sd, optim_sd = (by_name(sd, stages) for sd in _states(model, optimizer))
-    state = {"model": model_sd, "step": step} | ({"optim": optim_sd} if optim_sd is not None else {})
+    state = {"model": model_sd, "step": step, "optim": optim_sd}
     state |= {"data": data.state_dict()} if data is not None else {}
-    return dcp_layout(state), optim_sd is None
+    return dcp_layout(state)
 
 
 def _clear(path: str) -> None:
@@ -157,12 +151,10 @@ def save_checkpoint(path: str, model, optimizer, step: int, *, data=None, keep: 
     manifest; ``keep``: the newest checkpoints kept beside, older ones removed (0: all). Returns None once saved,
     else why the save failed, the same on every rank: the folder is removed and the checkpoint before stays the
     latest. Collective: every rank calls it."""
-    state, zero1 = _staged(model, optimizer, step, data)
+    state = _staged(model, optimizer, step, data)
     _clear(path)
     try:
         dcp.save(state, checkpoint_id=path)
-        if zero1:
-            torch.save(optimizer.optim.state_dict(), os.path.join(path, f"zero1_rank{dist.get_rank()}.pt"))
         error = None
     except SAVE_ERRORS as e:
         error = _why(e)
@@ -216,13 +208,11 @@ class AsyncCheckpointer:
         """Start saving as :func:`save_checkpoint` does, after the save before it finished (one in flight at a
         time: one staging copy); returns that one's (step, error) when it failed, else None. Collective."""
         failed = self.wait()
-        state, zero1 = _staged(model, optimizer, step, data)
+        state = _staged(model, optimizer, step, data)
         _clear(path)
         future, error = None, None
         try:
             os.makedirs(path, exist_ok=True)
-            if zero1:  # ZeRO-1's own file, written now: the optimizer moves on
-                torch.save(optimizer.optim.state_dict(), os.path.join(path, f"zero1_rank{dist.get_rank()}.pt"))
             future = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
         except SAVE_ERRORS as e:
             error = _why(e)
@@ -330,8 +320,7 @@ def load_checkpoint(path: str, model, optimizer, *, data=None) -> int:
     (without a saved position, the stream counts from the step); returns its step."""
     stages = isinstance(model, PipelineStages)
     model_sd, optim_sd = _states(model, optimizer)
-    like = ({"model": by_name(model_sd, stages), "step": 0}
-            | ({"optim": by_name(optim_sd, stages)} if optim_sd is not None else {}))
+    like = {"model": by_name(model_sd, stages), "step": 0, "optim": by_name(optim_sd, stages)}
     if data is not None and "data.step" in dcp.FileSystemReader(path).read_metadata().state_dict_metadata:
         like["data"] = data.state_dict()
     state = dcp_layout(like)
@@ -340,10 +329,6 @@ def load_checkpoint(path: str, model, optimizer, *, data=None) -> int:
     if "data" in state:
         data.load_state_dict(state["data"])
     model_state = by_stage(state["model"], model_sd, stages)
-    if optim_sd is None:
-        set_state_dict(model, [], model_state_dict=model_state, optim_state_dict={})
-        optimizer.optim.load_state_dict(torch.load(os.path.join(path, f"zero1_rank{dist.get_rank()}.pt")))
-    else:
-        set_state_dict(model, optimizer, model_state_dict=model_state,
-                       optim_state_dict=by_stage(state["optim"], optim_sd, stages), options=FLAT)
+    set_state_dict(model, optimizer, model_state_dict=model_state,
+                   optim_state_dict=by_stage(state["optim"], optim_sd, stages), options=FLAT)
     return state["step"]

@@ -1,4 +1,4 @@
-"""Replicated data parallelism: DDP (ZeRO-0; ZeRO-1 adds a sharded optimizer, see ``optim.build_optimizer``), and
+"""Replicated data parallelism (ZeRO-0; ZeRO 1-3 are FSDP2, ``runtime/fsdp.py``): DDP, and
 FSDP2's ``replicate`` for parameters that tensor parallelism made DTensors (DDP does not take them)."""
 
 from __future__ import annotations

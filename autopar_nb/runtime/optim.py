@@ -6,7 +6,6 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from .fsdp import on_mesh_device
@@ -21,52 +20,15 @@ def parameters_of(parts: list) -> list:
     return list({id(p): p for part in parts for p in part.parameters()}.values())
 
 
-class LocalShardsZeRO(ZeroRedundancyOptimizer):
-    """ZeRO-1 over DTensor parameters (TP's shards under FSDP2's ``replicate``): torch's ZeroRedundancyOptimizer takes
-    plain tensors of one type, so it is given each parameter's local tensor (the storage the DTensor wraps, which its
-    step and broadcasts update in place) and, at each step, the local tensor of the parameter's gradient (already
-    averaged over the data-parallel ranks by ``replicate``). The ranks of ``process_group`` hold the same TP
-    coordinate, hence local tensors of the same shapes: each steps its share of them and broadcasts it to the
-    others, as for plain parameters."""
-
-    def __init__(self, params: list, **kwargs):
-        self.owners = list(params)
-        super().__init__([_local_storage(p) for p in self.owners], **kwargs)
-
-    def step(self, closure=None, **kwargs):
-        for p, local in zip(self.owners, self._all_params, strict=True):
-            local.grad = None if p.grad is None else _local_storage(p.grad)
-        try:
-            return super().step(closure, **kwargs)
-        finally:  # the gradients belong to the DTensor parameters: zero_grad() and clipping see those
-            for local in self._all_params:
-                local.grad = None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.owners:
-            if p.grad is not None and not set_to_none:
-                p.grad.zero_()
-            else:
-                p.grad = None
-
-
-def _local_storage(t: torch.Tensor) -> torch.Tensor:
-    """The tensor a DTensor wraps (the same storage, outside autograd), or ``t`` itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def build_optimizer(params: list, name: str, *, lr: float, weight_decay: float, betas, zero1_group=None,
-                    zero1_class=ZeroRedundancyOptimizer, fused: bool = False):
-    """The plan's optimizer over ``params`` (SGD takes no betas). ``zero1_group``: ZeRO-1, each data-parallel rank of
-    the group keeps the optimizer state of its share of the parameters (``zero1_class``, or LocalShardsZeRO). ``fused``:
+def build_optimizer(params: list, name: str, *, lr: float, weight_decay: float, betas, fused: bool = False):
+    """The plan's optimizer over ``params`` (SGD takes no betas; under ZeRO 1-3 FSDP's shards, so each data-parallel
+    rank keeps the optimizer state of its share). ``fused``:
     Adam's fused kernel, for parameters offloaded to the host (on CPU tensors torch otherwise steps one parameter at
     a time, ~14x slower: 447M vs 32M parameters/s on one core)."""
     cls = OPTIMIZER_CLASSES[name]
     kwargs = {"lr": lr, "weight_decay": weight_decay} | ({} if name == "sgd" else {"betas": tuple(betas)})
     if fused and name != "sgd":
         kwargs["fused"] = True
-    if zero1_group is not None:
-        return zero1_class(params, optimizer_class=cls, process_group=zero1_group, **kwargs)
     # the multi-tensor (foreach) kernels, the CUDA default, take lists of one kind: plain tensors or DTensors of one
     # mesh (TP leaves norms plain, expert parallelism puts the experts on a mesh of their own): a group per kind
     kinds: dict = {}

@@ -38,15 +38,18 @@ def switch_off_kv_cache(model: nn.Module) -> list:
 
 
 def set_grad_sync(model: nn.Module, *, last: bool, zero_stage: int) -> None:
-    """Before each micro-batch of gradient accumulation: replicated data parallelism (ZeRO 0/1: DDP, or FSDP2's
-    replicate beside TP) all-reduces only the last micro-batch's gradients (``no_sync`` before it); FSDP
-    reduce-scatters every micro-batch and, with ZeRO-2, keeps the parameters gathered until the last one (one
-    all-gather per step). The cost model counts the same."""
+    """Before each micro-batch of gradient accumulation: replicated data parallelism (ZeRO-0: DDP, or FSDP2's
+    replicate beside TP) all-reduces only the last micro-batch's gradients (``no_sync`` before it); FSDP keeps the
+    parameters gathered until the last one under ZeRO 1 and 2 (one all-gather per step), and reduce-scatters every
+    micro-batch under ZeRO 2 and 3 but only the last under ZeRO-1, which accumulates the unsharded gradients in
+    ``reduce_dtype`` until then (Megatron's distributed optimizer: one reduce-scatter per step, as torch's
+    PipelineStage drives FSDP). The cost model counts the same."""
     if hasattr(model, "require_backward_grad_sync"):  # DDP
         model.require_backward_grad_sync = last
-    elif zero_stage <= 1 and hasattr(model, "set_requires_gradient_sync"):  # replicate
+        return
+    if zero_stage <= 1 and hasattr(model, "set_requires_gradient_sync"):  # replicate, or ZeRO-1's FSDP2
         model.set_requires_gradient_sync(last)
-    elif zero_stage == 2 and hasattr(model, "set_reshard_after_backward"):  # FSDP2
+    if zero_stage in (1, 2) and hasattr(model, "set_reshard_after_backward"):  # FSDP2
         model.set_reshard_after_backward(last)
 
 

@@ -261,9 +261,7 @@ def measure(source, plan, *, ranks: tuple[int, ...] = (0,), steps: int = 2, time
     whose ranks need each other's data: a pipeline (its stages' boundary shapes and activations) and expert
     parallelism (the token counts each rank routes to the others' experts: a fake group leaves the all-to-all's
     output as it was allocated, so the received counts, and with them the experts' activations, were whatever memory
-    held; Mixtral under DDP had 3270 to 5362 tokens per expert group where routing sends about 4096), and ZeRO-1
-    beside TP (in a fake group, rank 3 of dp 2 x tp 2 held no optimizer state where, on real processes, it holds half
-    as rank 1 does). ``census``: also list that many of the largest storages at each rank's peak; ``moments``: also
+    held; Mixtral under DDP had 3270 to 5362 tokens per expert group where routing sends about 4096). ``census``: also list that many of the largest storages at each rank's peak; ``moments``: also
     the largest total at each place the step ran (:func:`measure_script`). Several plans: :func:`measure_many`."""
     got = measure_many([(source, plan, ranks)], steps=steps, timeout=timeout, census=census, moments=moments)[0]
     if isinstance(got, Exception):
@@ -291,7 +289,7 @@ def measure_many(jobs, *, steps: int = 2, timeout: float = 600, census: int = 0,
 def needs_real_group(plan) -> bool:
     """:func:`measure` runs ``plan`` on a real gloo group, every rank (its ranks need each other's data), not as
     one rank of a fake group."""
-    return plan.mesh.pp > 1 or plan.mesh.ep > 1 or (plan.mesh.zero_stage == 1 and plan.mesh.tp > 1)
+    return plan.mesh.pp > 1 or plan.mesh.ep > 1
 
 
 def _child(args: list[str], *, timeout: float) -> subprocess.CompletedProcess:

@@ -58,7 +58,7 @@ def _strategy(lp: LayerPlan, plan: Plan) -> str:
             return "vocab" if s == "colwise" and plan.loss_parallel and lp is plan.layers[-1] else s
     if lp.sequence_parallel and plan.mesh.tp > 1:
         return "sequence_parallel"
-    if plan.mesh.zero_stage >= 2 and plan.mesh.dp > 1 and lp.fsdp:
+    if plan.mesh.zero_stage >= 1 and plan.mesh.dp > 1 and lp.fsdp:
         return "fsdp"
     return "replicate"
 
@@ -126,8 +126,8 @@ def plan_refusal(value: str, plan: Plan | None, fix: dict[str, Any], cluster: Cl
             return "one GPU: there is nothing to split a layer over"
         if fix.get("tp") == 1:
             return "tp is fixed to 1 under Global choices: set tp to auto or ≥ 2 first"
-    if value == "fsdp" and plan is not None and (plan.mesh.zero_stage < 2 or plan.mesh.dp < 2):
-        return (f"an own FSDP unit needs ZeRO-2/3 with dp ≥ 2; this plan is ZeRO-{plan.mesh.zero_stage} with "
+    if value == "fsdp" and plan is not None and (plan.mesh.zero_stage < 1 or plan.mesh.dp < 2):
+        return (f"an own FSDP unit needs ZeRO 1-3 with dp ≥ 2; this plan is ZeRO-{plan.mesh.zero_stage} with "
                 f"dp={plan.mesh.dp} (set ZeRO under Global choices first)")
     return ""
 

@@ -70,7 +70,7 @@ def split_of(node: OpNode, plan: Plan | None, graph: ModelGraph) -> str:
             return "tp-rowwise"
         if style == "sequence_parallel" or (lp.sequence_parallel and node.op_class == "norm"):
             return "sequence-parallel"
-        if plan.mesh.zero_stage >= 2 and plan.mesh.dp > 1 and lp.fsdp:
+        if plan.mesh.zero_stage >= 1 and plan.mesh.dp > 1 and lp.fsdp:
             return "fsdp"
         return "replicated"
     if lp.sequence_parallel and node.op_class in ("norm", "elementwise") and style != "replicate":
@@ -203,7 +203,7 @@ def param_collectives(layer, plan: Plan | None) -> str:
     except KeyError:
         return ""
     shard = layer.param_bytes / (plan.mesh.tp if lp.tp else 1)
-    if plan.mesh.zero_stage >= 2:
+    if plan.mesh.zero_stage >= 1:
         gathers = 2 if plan.mesh.zero_stage == 3 else 1
         return f"dp: all-gather {gathers}x + reduce-scatter {fmt_bytes(shard)}"
     return f"dp: all-reduce grads {fmt_bytes(shard)}"

@@ -90,15 +90,15 @@ class Moment(NamedTuple):
 PRECISIONS = ("fp32", "autocast", "autocast_lowp")
 """how a plan runs the forward, which sets every tensor's dtype: float32; ``torch.autocast`` over
 float32 parameters; autocast over 16-bit parameters (FSDP2's MixedPrecisionPolicy with
-``param_dtype``, ZeRO 2/3 under AMP)"""
+``param_dtype``, ZeRO 1-3 under AMP)"""
 
 
 def precision_of(amp: str, zero_stage: int) -> str:
     """The :data:`PRECISIONS` entry of a plan's ``amp`` ("none", "bf16", "fp16") and ZeRO stage (the
-    planner gives FSDP 16-bit parameters under AMP from ZeRO 2 on)."""
+    planner gives FSDP 16-bit parameters under AMP from ZeRO 1 on)."""
     if amp == "none":
         return "fp32"
-    return "autocast_lowp" if zero_stage >= 2 else "autocast"
+    return "autocast_lowp" if zero_stage >= 1 else "autocast"
 
 
 @dataclass
