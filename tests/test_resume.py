@@ -83,6 +83,27 @@ def torchrun(script: Path, nproc: int, *args: str, timeout_s: float = 400) -> tu
 
 
 @pytest.mark.multiprocess
+def test_zero1_checkpoint_resumes_under_ddp_on_more_processes(tmp_path):
+    """ZeRO-1 (FSDP2, gradients accumulated over 2 micro-batches) on 2 processes checkpoints at step 2 through DCP,
+    as every stage does; DDP on 4 processes resumes from it (its AdamW moments gathered whole) and finishes: every
+    step's loss equals the single-process reference's. (ZeroRedundancyOptimizer's per-rank files loaded only
+    under ZeRO-1 at the same dp.)"""
+    src = run_model_cell(CELL, {}).source
+    a, b = make_plan(src, dp=2, zero=1, micro_batches=2, lr=LR), make_plan(src, dp=4, zero=0, lr=LR)
+    for p in (a, b):
+        p.batch.global_batch = GLOBAL_BATCH
+    script_a = export(src, a, tmp_path / "train_zero1.py", steps=STEPS, quiet=True).script
+    script_b = export(src, b, tmp_path / "train_ddp.py", steps=STEPS, quiet=True).script
+    ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", str(STOP), "--num-workers", "0"]
+    _, first = torchrun(script_a, 2, "--stop-at", str(STOP), *ckpt)
+    stdout, second = torchrun(script_b, 4, *ckpt)
+    assert f"resumed from {tmp_path / 'ckpt' / f'step_{STOP}'} at step {STOP}" in stdout
+    assert sorted(first) == list(range(STOP)) and sorted(second) == list(range(STOP, STEPS))
+    losses = [{**first, **second}[s] for s in range(STEPS)]
+    assert losses == pytest.approx(reference(src, b, steps=STEPS)["losses"], rel=FP32_RTOL, abs=0)
+
+
+@pytest.mark.multiprocess
 def test_tp_checkpoint_resumes_under_fsdp_on_more_processes(tmp_path):
     """TP on 2 processes checkpoints at step 2; FSDP (ZeRO-3) on 4 processes resumes from it (DCP reshards model and
     AdamW state) and finishes: every step's loss equals the single-process reference's."""

@@ -14,7 +14,7 @@ from autopar_nb.source import ModelSource
 
 
 def seed_mlp() -> Session:
-    """The seed MLP planned for 2 CPU processes (its alternatives: tp=2, dp=2 ZeRO-2 and ZeRO-1, ...)."""
+    """The seed MLP planned for 2 CPU processes (its alternatives: tp=2, dp=2 ZeRO-2, ...)."""
     source = ModelSource(QUICKSTART_CELL)
     model, inputs, _ = source.build(device="meta")
     s = Session(ap.capture(model, inputs), ap.Cluster.preset("cpu", gpus_per_node=2), source, global_batch=32)

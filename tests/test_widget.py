@@ -411,9 +411,9 @@ def test_alternatives_grouped_and_say_what_they_trade(seed_graph):
     # the tiny MLP is CPU-bound: at ZeRO-3 the plan itself is pipelined (no FSDP hooks at dp=1), its alternatives not
     assert any(d in ("pp 1 → 2 (1f1b)", "pp 2 → 1 (1f1b)") for r in piped for d in r["differs"]), piped
     assert not any("None" in d for r in piped for d in r["differs"]), piped
-    # the runner-up, ZeRO-1, takes the same time: the host's issue time decides both (cost/cpu.py)
-    tie = plan.alternatives[0]
-    assert tie.cost.step_time_s == plan.cost.step_time_s and "same time" in differences.trade(plan, tie)
+    # ZeRO-1 over one micro-batch runs ZeRO-2's FSDP2 calls: not offered beside it (it was DDP + a sharded optimizer,
+    # the same time as DDP here, where the host's issue time decides)
+    assert all(a.mesh.zero_stage != 1 or a.batch.micro_batches > 1 for a in plan.alternatives)
     alt = next(a for a in plan.alternatives if a.cost.step_time_s != plan.cost.step_time_s)
     d = alt.cost.step_time_s / plan.cost.step_time_s - 1
     assert f"{abs(d) * 100:.0f}% time" in differences.trade(plan, alt)
