@@ -119,3 +119,17 @@ def test_staged_heaviest_is_the_first_heaviest_of_every_moment(gpt, setting):
             assert rank.heaviest() == want, (mode, r)
             weighed += 1
     assert weighed == 3 * s.pp
+
+
+@pytest.mark.parametrize("dp, tp, pp, zero, m, unsharded", [
+    (2, 2, 2, 0, 4, True),  # replicate beside TP in a pipeline stage: PipelineStage reduces once, after the last
+    (2, 1, 2, 2, 4, True), (2, 1, 1, 1, 4, True),  # ZeRO-1 accumulates unsharded, reduce-scatters once per step
+    (2, 1, 1, 1, 1, False), (2, 1, 1, 2, 4, False), (2, 1, 1, 0, 4, False)])
+def test_which_ranks_hold_their_gradients_unsharded_until_the_step(gpt, dp, tp, pp, zero, m, unsharded):
+    """A rank keeps every micro-batch's gradients unsharded (float32) until one reduction per step where FSDP2 or
+    its replicate is driven so: a pipeline stage, and ZeRO-1 over several micro-batches; not ZeRO-2 (a
+    reduce-scatter every micro-batch), not DDP (its buckets)."""
+    s, choices = _candidate(len(profile_of(gpt, "cuda").layers), dp, tp, pp, zero, m, "1f1b", 1)
+    ev = Evaluator(profile_of(gpt, "cuda"), ap.Cluster.preset("h100-80gb", 1, dp * tp * pp))
+    memory = peak.RankMemory(ev.prof, ev.f, s, ev.sum_layers(s, choices))
+    assert memory._states(0).pipelined == unsharded

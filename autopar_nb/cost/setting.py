@@ -69,10 +69,10 @@ class Setting:
 
     @property
     def unsharded_accumulation(self) -> bool:
-        """FSDP2 accumulates the micro-batches' gradients unsharded, in ``reduce_dtype`` (float32), and
-        reduce-scatters them once per step: in a pipeline stage (torch's ``PipelineStage``), and under
+        """FSDP2 (or its ``replicate``) accumulates the micro-batches' gradients unsharded, in ``reduce_dtype``
+        (float32), and reduces them once per step: in a pipeline stage (torch's ``PipelineStage``), and under
         ZeRO-1 over several micro-batches (``set_grad_sync``: Megatron's distributed optimizer)."""
-        return self.held_zero_stage >= 2 and (self.pp > 1 or (self.zero_stage == 1 and self.micro_batches > 1))
+        return self.pp > 1 or (self.zero_stage == 1 and self.replicas > 1 and self.micro_batches > 1)
 
     def vocab_parallel_loss(self, *, capable: bool, head_tp: bool) -> bool:
         """The loss runs on the head's vocabulary shards (torch's ``loss_parallel``): TP splits the
