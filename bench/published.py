@@ -479,13 +479,15 @@ KNOWN = [
     "all-gather (fsdp_pre_all_gather; the Linear finds the weight cast): #33 -12 -> -10 %, "
     "#34 -6 -> -3 %.",
     "#41-#42, #44 (NeMo, BF16; the planner had given them Float8 too): the 8B's compute alone "
-    "is 17.44 s against the 12.91 s NeMo measured per step. Costed at FlashAttention-3's 75 % "
-    "of peak forward (Shah et al. 2024: 740 TFLOP/s) instead of the 0.448 measured here with "
-    "SDPA's FlashAttention-2, #41 is -24 % (from -31 %): NeMo's kernels (Transformer Engine, cuDNN "
-    "attention, fused RoPE and cross-entropy) are a runtime difference, not costed. #44 (TP 8, "
-    "CP 2) has 1.49 s of torch's ring send-recv exposed (fp32 dK/dV) where TE's ring overlaps "
-    "its exchange. #43 and #45 overlap their TP communication (ub_tp_comm_overlap) with "
-    "pipelining: excluded, as torchtitan's async-TP rows with pipelining are.",
+    "is 15.62 s against the 12.91 s NeMo measured per step (17.44 s while ZeRO-1 ran autocast "
+    "over float32 parameters: its weight casts every micro-batch). Then, costed at "
+    "FlashAttention-3's 75 % of peak forward (Shah et al. 2024: 740 TFLOP/s) instead of the "
+    "0.448 measured here with SDPA's FlashAttention-2, #41 was -24 % (from -31 %): NeMo's "
+    "kernels (Transformer Engine, cuDNN attention, fused RoPE and cross-entropy) are a runtime "
+    "difference, not costed. #44 (TP 8, CP 2) has 1.49 s of torch's ring send-recv exposed "
+    "(fp32 dK/dV) where TE's ring overlaps its exchange. #43 and #45 overlap their TP "
+    "communication (ub_tp_comm_overlap) with pipelining: excluded, as torchtitan's async-TP "
+    "rows with pipelining are.",
     "#9 (529.6B): under our runtime its most frugal candidate needs 152 GiB (rank 31: 42.8 GiB of "
     "input gradients sent back, each held until its peer has received it (runtime/pp.py's Sends), "
     "a 36.2 GiB allocator margin for full recompute); on a card just that large only v = 2 fits, and 105 "
