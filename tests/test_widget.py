@@ -609,9 +609,9 @@ def test_sharding_board(gpt_graph):
     w.handle({"kind": "global", "key": "tp", "value": "1"})
     tp_lanes = [v for v in editor.TP_LANES if v not in refused["h.0"]]
     assert tp_lanes and all("tp is fixed to 1" in w.board["refused"]["h.0"][v] for v in tp_lanes)
-    # ZeRO below 2: no own FSDP unit
+    # ZeRO-0 (DDP): no own FSDP unit (ZeRO-1 is FSDP2 too)
     w.handle({"kind": "global", "key": "zero_stage", "value": "0"})
-    assert "ZeRO-2/3" in w.board["refused"]["h.0"]["fsdp"]
+    assert "needs ZeRO 1-3" in w.board["refused"]["h.0"]["fsdp"]
 
 
 def test_shard_many_layers_is_one_replan_and_one_undo(gpt12_graph):

@@ -261,8 +261,9 @@ def measure(source, plan, *, ranks: tuple[int, ...] = (0,), steps: int = 2, time
     whose ranks need each other's data: a pipeline (its stages' boundary shapes and activations) and expert
     parallelism (the token counts each rank routes to the others' experts: a fake group leaves the all-to-all's
     output as it was allocated, so the received counts, and with them the experts' activations, were whatever memory
-    held; Mixtral under DDP had 3270 to 5362 tokens per expert group where routing sends about 4096). ``census``: also list that many of the largest storages at each rank's peak; ``moments``: also
-    the largest total at each place the step ran (:func:`measure_script`). Several plans: :func:`measure_many`."""
+    held; Mixtral under DDP had 3270 to 5362 tokens per expert group where routing sends about 4096).
+    ``census``: also list that many of the largest storages at each rank's peak; ``moments``: also the largest
+    total at each place the step ran (:func:`measure_script`). Several plans: :func:`measure_many`."""
     got = measure_many([(source, plan, ranks)], steps=steps, timeout=timeout, census=census, moments=moments)[0]
     if isinstance(got, Exception):
         raise got
