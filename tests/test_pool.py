@@ -26,6 +26,7 @@ from autopar_nb.launch.pool import (
     importable_here,
     imports_of,
     job_env,
+    lazily_loaded,
     script_preload,
     shadowed,
     verify_preload,
@@ -417,3 +418,22 @@ def test_a_warm_verify_follows_the_kernel_into_another_folder(tmp_path, monkeypa
     report = job.wait(300)
     assert job._proc is standby.proc, "the waiting standby took the job"
     assert job.error is None and report is not None and report.ok, job.error or report
+
+
+def test_a_standby_preloads_what_a_lazy_package_loads_on_first_access(tmp_path):
+    """``from transformers import LlamaForCausalLM`` loads transformers' modelling module when the name is read, in
+    every warm rank unless the forkserver read it first (launch's, verify's and the memory measurement's); a user's
+    own module is never imported to find out."""
+    (tmp_path / "mine.py").write_text("raise RuntimeError('imported')\n")
+    code = "from transformers import LlamaForCausalLM\nfrom mine import thing\nimport torch\n"
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    modelling = "transformers.models.llama.modeling_llama"
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert modelling in lazily_loaded(code)
+        assert modelling in script_preload(script) and modelling in verify_preload(code)
+        assert lazily_loaded("from transformers import (") == []  # a cell that does not parse: nothing
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert "mine" not in sys.modules

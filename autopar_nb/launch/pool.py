@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import atexit
+import importlib
 import importlib.util
 import json
 import os
@@ -140,7 +141,28 @@ def script_preload(script: str | os.PathLike) -> list[str]:
             code += Path(path).read_text() + "\n"
         except OSError:
             pass
-    return sorted(set(BASE_PRELOAD) | set(importable_here(imports_of(code))))
+    return sorted(set(BASE_PRELOAD) | set(importable_here(imports_of(code))) | set(lazily_loaded(code)))
+
+
+def lazily_loaded(code: str) -> list[str]:
+    """The modules that the names ``code`` imports from installed packages are defined in, when those packages load
+    them on first access (transformers' ``from transformers import LlamaForCausalLM`` imports its modelling module
+    then: seconds of each warm rank's start-up), found by resolving the names here. Only a package
+    :func:`importable_here` passes is imported to find out (a notebook's kernel has imported it already, to build
+    the model), never a user's own module."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and importable_here([node.module]):
+            try:
+                module = importlib.import_module(node.module)
+            except Exception:  # an install that fails to import: its ranks report it, not this
+                continue
+            found += [getattr(getattr(module, a.name, None), "__module__", None) for a in node.names]
+    return importable_here([m for m in found if isinstance(m, str) and m in sys.modules])
 
 
 def verify_preload(cell_code: str = "") -> list[str]:
@@ -149,7 +171,7 @@ def verify_preload(cell_code: str = "") -> list[str]:
     runtime = set()
     for f in sorted(RUNTIME.glob("*.py")):
         runtime |= {m for m in imports_of(f.read_text()) if m.split(".")[0] == "torch"}
-    cell = set(importable_here(imports_of(cell_code)))
+    cell = set(importable_here(imports_of(cell_code))) | set(lazily_loaded(cell_code))
     return sorted(set(BASE_PRELOAD) | runtime | cell | {"autopar_nb.verify.ranks"})
 
 

@@ -26,7 +26,6 @@ the cost model predicts. The peak of the last step is reported (the first create
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import gc
 import json
@@ -347,25 +346,9 @@ def _start_forkserver(scripts: list[str]) -> None:
 
     from ..launch.pool import script_preload
 
-    preload = {m for script in scripts for m in script_preload(script) + _lazily_loaded(script)}
+    preload = {m for script in scripts for m in script_preload(script)}  # and what they load lazily
     multiprocessing.set_forkserver_preload(sorted(preload | {__name__}))
     forkserver.ensure_running()
-
-
-def _lazily_loaded(script: str) -> list[str]:
-    """The modules that the names ``script`` imports from installed packages are defined in, when those packages load
-    them on first access (transformers' ``from transformers import LlamaForCausalLM`` imports its modelling module
-    then: seconds of each rank's start-up), found by resolving the names here."""
-    import importlib
-
-    from ..launch.pool import importable_here
-
-    found = []
-    for node in ast.walk(ast.parse(Path(script).read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and importable_here([node.module]):
-            module = importlib.import_module(node.module)
-            found += [getattr(getattr(module, a.name, None), "__module__", None) for a in node.names]
-    return importable_here([m for m in found if isinstance(m, str) and m in sys.modules])
 
 
 def _run_job(job: dict, *, forked: bool, **options) -> list[dict]:
