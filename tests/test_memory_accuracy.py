@@ -11,6 +11,8 @@ bring (tests/memcells.py).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn as nn
@@ -280,9 +282,10 @@ BENCH = {"hidden": 256, "layers": 4, "seq": 256, "batch": 8}
 """bench/memory.py's sizes (its matrix in BENCHMARKS.md)"""
 
 
-def _predicted_and_measured(family: str, fix: dict, size: dict = WHOLE) -> tuple:
+def _planned(family: str, fix: dict, size: dict = WHOLE) -> tuple:
+    """``family``'s cell at ``size`` planned with ``fix`` (one micro-batch, fp32, no recompute unless fixed): its
+    source, plan and rank 0's predicted memory."""
     from autopar_nb.cost import estimate
-    from autopar_nb.verify.measure import measure
 
     src = ModelSource(CELLS[family](**size))
     meta, example, _ = src.build(device="meta")
@@ -291,7 +294,13 @@ def _predicted_and_measured(family: str, fix: dict, size: dict = WHOLE) -> tuple
     cluster = ap.Cluster.preset("cpu", 1, world)
     plan = ap.plan(graph, cluster, global_batch=size["batch"] * fix.get("dp", 1),
                    fix={"micro_batches": 1, "amp": "none", "recompute": "none", **fix})
-    mb = estimate(graph, cluster, plan).memory_by_rank[0]
+    return src, plan, estimate(graph, cluster, plan).memory_by_rank[0]
+
+
+def _predicted_and_measured(family: str, fix: dict, size: dict = WHOLE) -> tuple:
+    from autopar_nb.verify.measure import measure
+
+    src, plan, mb = _planned(family, fix, size)
     (got,) = measure(src, plan, ranks=(0,))
     print("peak at", got["where"])
     return mb, got["peak"], got["where"]
@@ -328,16 +337,35 @@ FAST = ("Qwen2-single", "Qwen2-tp2-sp-bf16", "LLaMA-zero3-bf16", "LLaMA-selectiv
 marked slow"""
 
 
+def _measure_whole(cases: list[str]) -> dict:
+    """case -> (rank 0's predicted memory, its measurement): :data:`WHOLE_CASES`, one ``measure_many`` call."""
+    from autopar_nb.verify.measure import measure_many
+
+    planned = {case: _planned(*WHOLE_CASES[case]) for case in cases}
+    got = measure_many([(src, plan, (0,)) for src, plan, _ in planned.values()])
+    return {case: (mb, m) for (case, (_, _, mb)), m in zip(planned.items(), got, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def whole(request):
+    """The whole-step cases this session runs, measured 4 at a time on first use (:class:`batched.Batched`)."""
+    return Batched([c["case"] for c in selected(request, test_whole_step_memory_matches_the_tracker)], _measure_whole)
+
+
 @pytest.mark.multiprocess  # measure() runs the script in a child process
 @pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in WHOLE_CASES])
-def test_whole_step_memory_matches_the_tracker(case):
+def test_whole_step_memory_matches_the_tracker(case, whole):
     """The exported script's own step under the tracker (``verify.measure``) against the cost model, component
     by component (``verify.moments.GROUPS``: parameters, gradients, optimizer states, saved activations with the
     loss, autocast's weight copies, DDP/FSDP/pipeline buffers, backward and step temporaries), each within 5 % of
     the measured total, and the total within 5 %. The recompute cases must peak in a recomputed layer's backward."""
     from autopar_nb.verify.moments import GROUPS, measured_groups, predicted_groups
 
-    mb, m, where = _predicted_and_measured(*WHOLE_CASES[case])
+    mb, measured = whole[case]
+    assert not isinstance(measured, Exception), measured
+    (got_rank0,) = measured
+    print("measured", json.dumps(got_rank0, sort_keys=True))
+    m, where = got_rank0["peak"], got_rank0["where"]
     if case.endswith(("-full", "-selective")) and case != "LLaMA-selective":
         assert where.startswith(("train/backward", "train/recompute")) and "_checkpoint_wrapped_module" in where, where
     p, got = predicted_groups(mb), measured_groups(m)
