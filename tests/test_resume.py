@@ -82,6 +82,20 @@ def torchrun(script: Path, nproc: int, *args: str, timeout_s: float = 400) -> tu
     return text, {m.data["step"]: m.data["loss"] for m in messages if m.rank == 0 and "step" in m.data}
 
 
+def _scripts(src, a, b, tmp_path, names: tuple[str, str]) -> tuple[Path, Path, list[str]]:
+    """Plans ``a`` and ``b`` exported for STEPS steps, and the checkpoint flags both runs take (every STOP steps)."""
+    script_a = export(src, a, tmp_path / f"train_{names[0]}.py", steps=STEPS, quiet=True).script
+    script_b = export(src, b, tmp_path / f"train_{names[1]}.py", steps=STEPS, quiet=True).script
+    return script_a, script_b, ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", str(STOP), "--num-workers", "0"]
+
+
+def _joined(first: dict, second: dict, stdout: str, tmp_path) -> list[float]:
+    """The losses of the run stopped at STOP and of the one that resumed from its checkpoint, as one curve."""
+    assert f"resumed from {tmp_path / 'ckpt' / f'step_{STOP}'} at step {STOP}" in stdout
+    assert sorted(first) == list(range(STOP)) and sorted(second) == list(range(STOP, STEPS))
+    return [{**first, **second}[s] for s in range(STEPS)]
+
+
 @pytest.mark.multiprocess
 def test_zero1_checkpoint_resumes_under_ddp_on_more_processes(tmp_path):
     """ZeRO-1 (FSDP2, gradients accumulated over 2 micro-batches) on 2 processes checkpoints at step 2 through DCP,
@@ -92,14 +106,10 @@ def test_zero1_checkpoint_resumes_under_ddp_on_more_processes(tmp_path):
     a, b = make_plan(src, dp=2, zero=1, micro_batches=2, lr=LR), make_plan(src, dp=4, zero=0, lr=LR)
     for p in (a, b):
         p.batch.global_batch = GLOBAL_BATCH
-    script_a = export(src, a, tmp_path / "train_zero1.py", steps=STEPS, quiet=True).script
-    script_b = export(src, b, tmp_path / "train_ddp.py", steps=STEPS, quiet=True).script
-    ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", str(STOP), "--num-workers", "0"]
+    script_a, script_b, ckpt = _scripts(src, a, b, tmp_path, ("zero1", "ddp"))
     _, first = torchrun(script_a, 2, "--stop-at", str(STOP), *ckpt)
     stdout, second = torchrun(script_b, 4, *ckpt)
-    assert f"resumed from {tmp_path / 'ckpt' / f'step_{STOP}'} at step {STOP}" in stdout
-    assert sorted(first) == list(range(STOP)) and sorted(second) == list(range(STOP, STEPS))
-    losses = [{**first, **second}[s] for s in range(STEPS)]
+    losses = _joined(first, second, stdout, tmp_path)
     assert losses == pytest.approx(reference(src, b, steps=STEPS)["losses"], rel=FP32_RTOL, abs=0)
 
 
@@ -109,16 +119,12 @@ def test_tp_checkpoint_resumes_under_fsdp_on_more_processes(tmp_path):
     AdamW state) and finishes: every step's loss equals the single-process reference's."""
     src = run_model_cell(CELL, {}).source
     a, b = plans(src)
-    script_a = export(src, a, tmp_path / "train_tp.py", steps=STEPS, quiet=True).script
-    script_b = export(src, b, tmp_path / "train_fsdp.py", steps=STEPS, quiet=True).script
-    ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", str(STOP), "--num-workers", "0"]
+    script_a, script_b, ckpt = _scripts(src, a, b, tmp_path, ("tp", "fsdp"))
     _, first = torchrun(script_a, 2, "--stop-at", str(STOP), *ckpt)
     t0 = time.perf_counter()
     stdout, second = torchrun(script_b, 4, *ckpt)
     print(f"plan B: start to finish from the checkpoint {time.perf_counter() - t0:.1f} s")
-    assert f"resumed from {tmp_path / 'ckpt' / f'step_{STOP}'} at step {STOP}" in stdout
-    assert sorted(first) == list(range(STOP)) and sorted(second) == list(range(STOP, STEPS))
-    losses = [{**first, **second}[s] for s in range(STEPS)]
+    losses = _joined(first, second, stdout, tmp_path)
     expected = reference(src, b, steps=STEPS)["losses"]
     assert reference(src, a, steps=STEPS)["losses"] == pytest.approx(expected, rel=FP32_RTOL)  # one curve, either plan
     assert losses == pytest.approx(expected, rel=FP32_RTOL, abs=0)
@@ -137,9 +143,7 @@ def test_zbv_pipeline_checkpoint_resumes_without_pipelining(tmp_path):
     b = make_plan(src, dp=2, zero=0, lr=LR)
     for p in (a, b):
         p.batch.global_batch = GLOBAL_BATCH
-    script_a = export(src, a, tmp_path / "train_zbv.py", steps=STEPS, quiet=True).script
-    script_b = export(src, b, tmp_path / "train_ddp.py", steps=STEPS, quiet=True).script
-    ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", str(STOP), "--num-workers", "0"]
+    script_a, script_b, ckpt = _scripts(src, a, b, tmp_path, ("zbv", "ddp"))
     _, first = torchrun(script_a, 2, "--stop-at", str(STOP), *ckpt)
     keys = dcp.FileSystemReader(str(tmp_path / "ckpt" / f"step_{STOP}")).read_metadata().state_dict_metadata
     model, _, _ = src.build(device="meta")
@@ -147,9 +151,7 @@ def test_zbv_pipeline_checkpoint_resumes_without_pipelining(tmp_path):
     assert {k.removeprefix("model.") for k in keys if k.startswith("model.")} == names
     assert {k.removeprefix("optim.state.").rsplit(".", 1)[0] for k in keys if k.startswith("optim.state.")} == names
     stdout, second = torchrun(script_b, 2, *ckpt)
-    assert f"resumed from {tmp_path / 'ckpt' / f'step_{STOP}'} at step {STOP}" in stdout
-    assert sorted(first) == list(range(STOP)) and sorted(second) == list(range(STOP, STEPS))
-    losses = [{**first, **second}[s] for s in range(STEPS)]
+    losses = _joined(first, second, stdout, tmp_path)
     expected = reference(src, b, steps=STEPS)["losses"]
     assert reference(src, a, steps=STEPS)["losses"] == pytest.approx(expected, rel=FP32_RTOL)
     assert losses == pytest.approx(expected, rel=FP32_RTOL, abs=0)

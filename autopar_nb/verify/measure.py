@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..export import run_script
+from ..launch.pool import script_preload
 from .labels import FSDPTracker, Tracker, components
 from .node_spans import NodeSpans
 
@@ -343,8 +344,6 @@ def _start_forkserver(scripts: list[str]) -> None:
     """multiprocessing's forkserver, with torch, what ``scripts`` import and this module imported in it."""
     import multiprocessing
     from multiprocessing import forkserver
-
-    from ..launch.pool import script_preload
 
     preload = {m for script in scripts for m in script_preload(script)}  # and what they load lazily
     multiprocessing.set_forkserver_preload(sorted(preload | {__name__}))
