@@ -320,6 +320,8 @@ WHOLE_CASES = {
     "BERT-bf16-selective": ("BERT", {"dp": 1, "tp": 1, "pp": 1, "amp": "bf16", "recompute": "selective"},
                             RECOMPUTED),
     "T5-tp2-bf16-full": ("T5", {"dp": 1, "tp": 2, "pp": 1, "amp": "bf16", "recompute": "full"}, RECOMPUTED),
+    "GPT-2-zero1-accum-full": ("GPT-2", {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 1, "micro_batches": 4,
+                                         "recompute": "full"}, RECOMPUTED),
 }
 """whole-step cases: sequence-parallel norms and the vocab-parallel loss (tp2), autocast's copies and DDP's buckets,
 FSDP's units and Adam's sharded states, autocast over FSDP's 16-bit parameters (ZeRO-3 bf16), a decoder's
@@ -331,7 +333,9 @@ selective recompute (the same moment, less the kept outputs the recompute has ta
 costed as the layer's backward), and an
 encoder-decoder's full recompute, whose decoder blocks' checkpoints all keep the one encoder output and position
 biases (``LayerProfile.shared_inputs``: +5.2 % when counted per block), and sequence parallelism that ends before
-the final norm (Hugging Face GPT-2's view(-1, T, C) after ln_f: ln_f gathers the sequence and runs whole)"""
+the final norm (Hugging Face GPT-2's view(-1, T, C) after ln_f: ln_f gathers the sequence and runs whole), and
+ZeRO-1's gradient accumulation with full recompute (FSDP's root unit called once per micro-batch, which
+FSDPMemTracker refuses unless its statistics restart at each call)"""
 FAST = ("Qwen2-single", "Qwen2-tp2-sp-bf16", "LLaMA-zero3-bf16", "LLaMA-selective")
 """the cases run under ``-m "not slow"`` (~8 s each on an idle core, a child process each); the others are
 marked slow"""

@@ -235,9 +235,9 @@ class Labelled:
         return self._in_ac or getattr(self, "recomputing", False)
 
     restart_roots = False
-    """a pipeline stage is a root module called once per micro-batch: MemTracker refuses a root called twice in
-    one step ("multiple iterative calls"), so its per-module statistics restart at each forward call (the
-    tracked storages and the peaks are kept)"""
+    """a pipeline stage, or a model under gradient accumulation, is a root module called once per micro-batch:
+    MemTracker refuses a root called twice in one step ("multiple iterative calls"), so its per-module statistics
+    restart at each forward call (the tracked storages and the peaks are kept)"""
 
     def _pre_fw_hook(self, module, inputs):
         if (self.restart_roots and module in self.memory_tracking and not self._mod_tracker.is_bw

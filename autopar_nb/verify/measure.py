@@ -132,8 +132,9 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
     else:
         dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     session = _Session(steps, census, moments)
+    # a pipeline stage, and a model under gradient accumulation, is a root called once per micro-batch
+    session.active.restart_roots = g["PP"] > 1 or g.get("MICRO_BATCHES", 1) > 1
     if g["PP"] > 1:
-        session.active.restart_roots = True
         _label_pipeline_buffers(session)
     _label_gathered_parameters(session)
     parallelize = g["parallelize"]
