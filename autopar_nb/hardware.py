@@ -14,6 +14,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from .units import fmt_bytes
+
 GB = 1e9
 GiB = 2**30
 TB = 1e12
@@ -264,8 +266,7 @@ class Cluster:
     def describe(self) -> str:
         d = self.device
         dtype, peak = max(((k, v) for k, v in d.peak_flops.items() if k != "float8_e4m3fn"), key=lambda kv: kv[1])
-        mem = f"{d.memory_bytes / GiB:.0f} GiB" if self.rank_memory is None else \
-            f"limit {self.rank_memory / GiB:.3g} GiB per rank"
+        mem = fmt_bytes(d.memory_bytes) if self.rank_memory is None else f"limit {fmt_bytes(self.rank_memory)} per rank"
         return (f"{self.nodes} x {self.gpus_per_node} {d.name} ({mem}, "
                 f"{peak / TB:.3g} TFLOP/s {dtype})")
 

@@ -1,40 +1,15 @@
 """One way to write sizes and times everywhere — the widget, plan summaries and explanations, run summaries (the front
 end's ``bytes``/``secs`` in planner.js follow the same rules): bytes in binary units chosen per value (B, KiB, MiB,
-GiB, TiB), times in s, ms, µs or ns chosen per value, three significant digits."""
+GiB, TiB), times in s, ms, µs or ns chosen per value, three significant digits. Sizes and times are
+:mod:`autopar_nb.runtime.units`' (an exported script prints its own lines with them), counts and rates are here."""
 
 from __future__ import annotations
 
-BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-TIME_UNITS = ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs"), (1e-9, "ns"))
+from .runtime.units import TIME_UNITS, fmt_bytes, fmt_time, sig3
 
-
-def _sig3(x: float) -> str:
-    """3 significant digits without exponent: 1.23, 12.3, 123."""
-    a = abs(x)
-    return f"{x:.2f}" if a < 10 else f"{x:.1f}" if a < 100 else f"{x:.0f}"
-
-
-def fmt_bytes(n: float | None) -> str:
-    """'512 B', '8.00 KiB', '12.3 MiB', '1.02 GiB'."""
-    if n is None:
-        return "–"
-    x, i = float(n), 0
-    while abs(x) >= 1024 * 0.9995 and i < len(BYTE_UNITS) - 1:
-        x /= 1024
-        i += 1
-    return f"{x:.0f} B" if i == 0 else f"{_sig3(x)} {BYTE_UNITS[i]}"
-
-
-def fmt_time(s: float | None) -> str:
-    """'1.23 s', '12.3 ms', '40.4 µs', '0 s'."""
-    if s is None:
-        return "–"
-    if s == 0:
-        return "0 s"
-    for scale, unit in TIME_UNITS:
-        if abs(s) >= scale * 0.9995 or unit == "ns":
-            return f"{_sig3(s / scale)} {unit}"
-    return f"{s} s"
+__all__ = ["fmt_bytes", "fmt_count", "fmt_delta", "fmt_flops", "fmt_time", "parse_time"]
+TIME_TEXT = r"[\d.]+ (?:s|ms|µs|ns)"
+"""a time as :func:`fmt_time` writes it, for a regular expression"""
 
 
 def fmt_delta(s: float) -> str:
@@ -54,5 +29,11 @@ def fmt_count(x: float | None, unit: str = "") -> str:
         return "–"
     for scale, p in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(x) >= scale * 0.9995:
-            return f"{_sig3(x / scale)}{p}{unit}"
+            return f"{sig3(x / scale)}{p}{unit}"
     return f"{x:.0f}{unit}"
+
+
+def parse_time(text: str) -> float:
+    """Seconds from :func:`fmt_time`'s text: '12.3 ms' -> 0.0123."""
+    value, unit = text.split()
+    return float(value) * next(scale for scale, u in TIME_UNITS if u == unit)

@@ -75,7 +75,9 @@ def run(script: Path, steps: int, env: dict, *args: str) -> tuple[float, str]:
                           cwd=script.parent, timeout=900)
     if proc.returncode:
         raise SystemExit(proc.stdout[-2000:] + proc.stderr[-4000:])
-    times = [float(t) for t in re.findall(r"^step \d+ \| loss \S+ \| ([\d.]+) ms", proc.stdout, re.M)]
+    from autopar_nb.units import TIME_TEXT, parse_time
+
+    times = [parse_time(t) * 1e3 for t in re.findall(rf"^step \d+ \| loss \S+ \| ({TIME_TEXT})", proc.stdout, re.M)]
     verdict = next((line for line in proc.stdout.splitlines() if line.startswith("data ")), "")
     return statistics.median(times[2:]), verdict
 

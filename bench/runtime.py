@@ -63,7 +63,6 @@ model = TinyLM()
 example_inputs = (torch.randint(0, 2048, (8, 64)),)
 '''
 
-STEP = re.compile(r"^step (\d+) \| loss (\S+) \| ([\d.]+) ms", re.M)
 
 
 def run(script: Path, steps: int, warmup: int) -> tuple[float, float, list[float]]:
@@ -73,7 +72,10 @@ def run(script: Path, steps: int, warmup: int) -> tuple[float, float, list[float
                            str(script), "--steps", str(steps)], capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0:
         raise SystemExit(f"{script} failed:\n{proc.stderr[-4000:]}")
-    rows = [(int(s), float(loss), float(ms)) for s, loss, ms in STEP.findall(proc.stdout)]
+    from autopar_nb.units import TIME_TEXT, parse_time
+
+    step = re.compile(rf"^step (\d+) \| loss (\S+) \| ({TIME_TEXT})", re.M)  # the script's line: fmt_time's units
+    rows = [(int(s), float(loss), parse_time(t) * 1e3) for s, loss, t in step.findall(proc.stdout)]
     times = [ms for s, _, ms in rows if s >= warmup]
     # the median step: robust to the other tenants of a shared machine stealing a core for a few steps; the 10th
     # percentile: the speed when nothing else runs

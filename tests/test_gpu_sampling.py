@@ -89,7 +89,7 @@ def test_the_guard_finds_what_the_kernel_holds_when_nvml_lists_host_pids(monkeyp
     simulate_kernel_cuda(monkeypatch, {0: 100 * GIB})
     workers = {"CUDA_VISIBLE_DEVICES": "0,1"}
     launcher_mod.check_cuda(1, "nccl", workers)  # rank 0 uses GPU 0: the kernel holds nothing there
-    with pytest.raises(LaunchError, match=r"holds most of the memory of GPU 1 \(100.0 of 141.0 GiB\)"):
+    with pytest.raises(LaunchError, match=r"holds most of the memory of GPU 1 \(100 GiB of 141 GiB\)"):
         launcher_mod.check_cuda(2, "nccl", workers)
     monkeypatch.setitem(__import__("sys").modules, "pynvml", sampling_nvml([H200] * 2))
     assert launcher_mod._gpu_count({"CUDA_VISIBLE_DEVICES": "GPU-00000001"}) == 1

@@ -98,7 +98,7 @@ def test_cuda_in_kernel_that_breaks_workers_is_refused(monkeypatch, tmp_path):
         "initialized": True, "compute_modes": {0: "default", 1: "default"}, "held": {0: 1 * gib, 1: 100 * gib},
         "total": {0: 140 * gib, 1: 140 * gib}})
     launcher_mod.check_cuda(1, "nccl")  # 1 GiB of GPU 0: the workers still fit
-    with pytest.raises(LaunchError, match=r"holds most of the memory of GPU 1 \(100.0 of 140.0 GiB\).*empty_cache"):
+    with pytest.raises(LaunchError, match=r"holds most of the memory of GPU 1 \(100 GiB of 140 GiB\).*empty_cache"):
         launcher_mod.check_cuda(2, "nccl")
 
 

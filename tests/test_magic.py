@@ -71,7 +71,8 @@ def test_gpus_and_nodes_scale_the_detected_machine(ip, host_gpus, line, gpus_per
 def test_memory_sets_a_per_rank_limit_the_plan_fits_and_records(ip):
     """--memory (issue 14, point 5): the planner fits each rank under it, and the plan carries it to the launch."""
     s = ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2 --memory 96MiB", SEED_CELL)
-    assert s.cluster.rank_memory_bytes == 96 * 2**20 and "limit 0.0938 GiB per rank" in s.cluster.describe()
+    # the limit in the unit its size calls for (it said "limit 0.0938 GiB per rank")
+    assert s.cluster.rank_memory_bytes == 96 * 2**20 and "limit 96.0 MiB per rank" in s.cluster.describe()
     assert s.plan.cluster["memory_limit_bytes"] == 96 * 2**20
     assert s.plan.cost.peak_memory_bytes <= 96 * 2**20
 

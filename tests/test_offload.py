@@ -85,26 +85,26 @@ def test_the_planner_offloads_only_where_nothing_else_fits(llama_8b):
 def test_the_host_must_hold_the_offloaded_states(llama_8b):
     """An L4 node's assumed host (RAM twice its GPU memory: 48 GB) cannot hold 8B's 128 GB of states: the fix is
     refused with the host's figures, and the planner does not offload there."""
-    with pytest.raises(PlanError, match="fix offload='cpu': its offloaded states need 119.7 GiB of the host's 45 GiB "
+    with pytest.raises(PlanError, match="fix offload='cpu': its offloaded states need 120 GiB of the host's 44.7 GiB "
                                         "per node \\(assumed: RAM twice the node's GPU memory"):
         _plan(llama_8b, "l4", offload="cpu")
-    with pytest.raises(PlanError, match="nothing fits .*; with CPU offload its offloaded states need 119.7 GiB"):
+    with pytest.raises(PlanError, match="nothing fits .*; with CPU offload its offloaded states need 120 GiB"):
         _plan(llama_8b, "l4")
 
 
 def test_a_detected_machine_offloads_into_its_own_ram(llama_8b):
     """A cluster detected on this machine (``--gpu auto``) checks the offloaded states against the machine's RAM, not
-    its GPU's reference system (a DGX H100's 2 TB): one H100 on a 64 GiB host cannot hold the 8B's 119.7 GiB, so the
+    its GPU's reference system (a DGX H100's 2 TB): one H100 on a 64 GiB host cannot hold the 8B's 120 GiB, so the
     fix is refused with the machine's figure and the planner offers no plan; with 256 GiB it offloads."""
     import autopar_nb as ap
     from autopar_nb.hardware import Cluster, GiB
 
     small = dataclasses.replace(Cluster.preset("h100-80gb", gpus_per_node=1), host_memory=64 * GiB)
-    with pytest.raises(PlanError, match="fix offload='cpu': its offloaded states need 119.7 GiB of the host's 64 GiB "
+    with pytest.raises(PlanError, match="fix offload='cpu': its offloaded states need 120 GiB of the host's 64.0 GiB "
                                         "per node \\(this machine's RAM, as detected\\)"):
         ap.plan(llama_8b, small, global_batch=8, fix={"offload": "cpu"})
-    with pytest.raises(PlanError, match="nothing fits .*; with CPU offload its offloaded states need 119.7 GiB of the "
-                                        "host's 64 GiB"):
+    with pytest.raises(PlanError, match="nothing fits .*; with CPU offload its offloaded states need 120 GiB of the "
+                                        "host's 64.0 GiB"):
         ap.plan(llama_8b, small, global_batch=8)
     big = ap.plan(llama_8b, dataclasses.replace(small, host_memory=256 * GiB), global_batch=8)
     assert big.mesh.offload == "cpu"

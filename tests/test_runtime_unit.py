@@ -426,3 +426,30 @@ def test_a_tensor_two_stages_of_a_rank_hold_is_stepped_once():
     assert clip_grad_norm(params, 1e9).item() == pytest.approx(32 ** 0.5)
     optimizer.step()
     assert torch.allclose(before - emb.weight.detach(), torch.full_like(before, 1e-3), atol=1e-6)  # lr: one step
+
+
+@pytest.mark.parametrize("dt, shown", [(40.4e-6, "40.4 µs"), (0.0123, "12.3 ms"), (29.0567, "29.1 s")])
+def test_the_step_line_scales_its_unit_to_the_time(monkeypatch, capsys, dt, shown):
+    """The exported script's per-step line says a step's time in the unit its size calls for, as the widget and the
+    run summary do (it said "0.0 ms" for a 40 µs step and "29056.7 ms" for a 29 s one)."""
+    import torch.distributed as dist
+
+    from autopar_nb.runtime.train import report
+
+    sent = []
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    report(3, 1.5, dt, None, metrics=type("M", (), {"send": staticmethod(sent.append)}), device="cpu", dp=1,
+           tokens=False)
+    assert capsys.readouterr().out == f"step 3 | loss 1.5 | {shown}\n"
+    assert sent[0]["step_time_s"] == dt
+
+
+def test_the_runtimes_formatter_is_the_packages():
+    """One formatter: the runtime (copied into exported scripts, so it cannot import the package) holds it, and
+    autopar_nb.units hands out that very function; parse_time reads back what it writes."""
+    from autopar_nb import units
+    from autopar_nb.runtime import units as runtime_units
+
+    assert units.fmt_time is runtime_units.fmt_time and units.fmt_bytes is runtime_units.fmt_bytes
+    for s in (40.4e-6, 0.0123, 1.5, 3e-9):
+        assert units.parse_time(units.fmt_time(s)) == pytest.approx(s, rel=5e-3)

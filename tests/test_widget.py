@@ -282,6 +282,15 @@ def test_a_plan_changed_from_code_clears_what_the_widget_said(seed_graph):
     assert w.messages[0]["level"] == "info" and "re-planned" in w.messages[0]["text"], w.messages
 
 
+def test_the_replan_time_is_said_in_the_unit_its_size_calls_for(seed_graph):
+    """Issue 42, units everywhere: a widget edit's message said "re-planned in 0 ms" for a sub-millisecond re-plan
+    (whole milliseconds always); it now says the time as every other figure does (fmt_time)."""
+    w = _session(seed_graph).widget()
+    w.handle({"kind": "global", "key": "zero_stage", "value": 1})
+    took = fmt_time(w.timings["replan_ms"] / 1e3)
+    assert f"re-planned in {took} (" in w.messages[0]["text"], (took, w.messages)
+
+
 def test_pipeline_drag_keeps_the_lanes(gpt_graph):
     """A drag between pipeline lanes pins the layers' stages and keeps the lanes (pp, virtual stages, schedule fixed
     when they were the planner's), says so, and one undo restores both; each lane names its pipeline rank."""

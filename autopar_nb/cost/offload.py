@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..hardware import GB, GiB
+from ..hardware import GB
+from ..units import fmt_bytes
 
 HOST_LINK_EFFICIENCY = 55.6 / 64
 """share of a PCIe link's nominal per-direction rate a pinned copy reaches: NVIDIA's "NVbandwidth" post (2025) shows
@@ -92,5 +93,5 @@ def host_need(memory_by_rank, cluster) -> float:
 def host_line(memory_by_rank, cluster) -> str:
     """One clause: the node's host need against its RAM."""
     host = host_of(cluster)
-    return (f"{host_need(memory_by_rank, cluster) / GiB:.1f} GiB of the host's {host.memory_bytes / GiB:.0f} GiB "
-            f"per node ({host.source})")
+    return (f"{fmt_bytes(host_need(memory_by_rank, cluster))} of the host's {fmt_bytes(host.memory_bytes)} per node "
+            f"({host.source})")

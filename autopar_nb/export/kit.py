@@ -29,7 +29,7 @@ INSTALLED = ("stdlib", "platstdlib", "purelib", "platlib")
 """``sysconfig`` paths whose modules are installed ones (third party for isort)"""
 ORDER = ("mesh", "deathsig", "data", "fused_loss", "fused_norm", "float8", "cp", "tp", "async_tp", "layouts",
          "heads", "ac", "compile", "fsdp", "ddp", "ep", "batchnorm", "pp_graph", "pp_split", "pp", "init", "amp",
-         "optim", "guard", "checkpoint", "metrics", "train")
+         "optim", "guard", "units", "checkpoint", "metrics", "train")
 """the runtime's modules in the order a reader meets them in a script: set-up, the techniques, the training loop"""
 
 

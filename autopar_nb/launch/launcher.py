@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ..hardware import nvml_visible_gpus, visible_gpus
+from ..units import fmt_bytes
 from .channel import MetricsServer
 from .monitor import Monitor
 from .pool import POOL, job_env, script_preload
@@ -189,7 +190,7 @@ def check_cuda(nproc: int, backend: str, env: dict[str, str] | None = None) -> N
     full = {i: b for i, b in state.get("held", {}).items()
             if i < nproc and state.get("total", {}).get(i) and b > HELD_FRACTION * state["total"][i]}
     if full:
-        which = ", ".join(f"GPU {i} ({b / 2**30:.1f} of {state['total'][i] / 2**30:.1f} GiB)"
+        which = ", ".join(f"GPU {i} ({fmt_bytes(b)} of {fmt_bytes(state['total'][i])})"
                           for i, b in sorted(full.items()))
         raise LaunchError(
             f"this kernel holds most of the memory of {which}, so the workers would run out of memory. Free it "

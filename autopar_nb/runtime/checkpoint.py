@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 
 from .layouts import dcp_layout, restore_layout
+from .units import fmt_bytes
 
 # optimizer state keyed by parameter name, so each pipeline rank's share is its own set of keys
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -258,8 +259,7 @@ def async_checkpointer(mode: str, params, *, device: str) -> AsyncCheckpointer |
     if mode == "auto":
         local = sum(p.to_local().nbytes if isinstance(p, DTensor) else p.nbytes for p in params)
         need = 2 * STAGING_STATES * local * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        size = f"{need / 2**30:.1f} GiB" if need >= 2**30 else f"{need / 2**20:.0f} MiB"
-        if (short := _agree(None if need <= available_host_memory() else size)) is not None:
+        if (short := _agree(None if need <= available_host_memory() else fmt_bytes(need))) is not None:
             if dist.get_rank() == 0:
                 print(f"checkpoints saved synchronously: twice the staging copies ({short}: every local rank's "
                       "weights and optimizer state) exceed the available host memory (--async-checkpoint on forces "

@@ -24,6 +24,7 @@ from .data import first_tensor, split_batch, to_device
 from .guard import NumericsGuard, grads_finite
 from .metrics import Metrics, Run, memory_stats
 from .optim import clip_grad_norm, lr_factor, parameters_of
+from .units import fmt_time
 
 
 def switch_off_kv_cache(model: nn.Module) -> list:
@@ -194,7 +195,7 @@ def report(step: int, loss: float, dt: float, batch, *, metrics, device: str, dp
     """Print the step on rank 0 and stream it to the launcher (loss, time, throughput, data wait, memory);
     ``skipped``: why the numerics guard skipped it (an event too)."""
     if dist.get_rank() == 0:
-        print(f"step {step} | loss {loss:.5g} | {dt * 1e3:.1f} ms" + (f" | skipped: {skipped}" if skipped else ""),
+        print(f"step {step} | loss {loss:.5g} | {fmt_time(dt)}" + (f" | skipped: {skipped}" if skipped else ""),
               flush=True)
         if skipped:
             metrics.send({"event": "numerics", "step": step, "action": "skip", "message": f"step {step} skipped: "

@@ -16,6 +16,7 @@ import traitlets as t
 
 from ..launch.dashboard import SHARED_JS, STATIC, UPLOT, bundle
 from ..plan import Plan, PlanError
+from ..units import fmt_time
 from . import editor, lever_rows, measured, options, panels, timeline
 from .actions import calibrated_badge, local_nproc
 from .choices import global_state, precision_state
@@ -284,7 +285,8 @@ class PlannerWidget(Edits, GraphView, Runs, anywidget.AnyWidget):
                 code, extra = code
                 note = extra + note
             n = len(self.change_groups)
-            done = "adopted, nothing re-planned" if kind == "adopt" else f"re-planned in {self._replan_ms:.0f} ms"
+            took = fmt_time(self._replan_ms / 1e3)
+            done = "adopted, nothing re-planned" if kind == "adopt" else f"re-planned in {took}"
             self._say("info", f"{describe(msg)}: {done} ({n} change{'s' if n != 1 else ''}).{note} As code: {code}")
 
     def _say(self, level: str, text: str, detail: str = "") -> None:
