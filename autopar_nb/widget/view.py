@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..plan import Plan
-from .entries import ended_at_clusters
+from .entries import ended_at_clusters, labels_moved_down, remaining
 from .layout import DEFAULT_VIEWPORT, View, auto_view, child_groups, fit_ratio, layout, render_svg, svg_size
 
 
@@ -48,10 +48,8 @@ class GraphView:
             view = self._view
             lay = layout(s.graph, plan, depth=view.depth, groups=view.groups, breaks=view.breaks, **kw)
             svg = render_svg(lay.dot)
-            report = {"scale": round(fit_ratio(*svg_size(svg), size), 3)}
-        ended = ended_at_clusters(lay.dot, svg)  # an edge through a cluster's label ends at its border (same layout)
-        if ended is not None:
-            svg = render_svg(ended)
+        svg = _clear_labels(lay.dot, svg)
+        report = {**report, "scale": round(fit_ratio(*svg_size(svg), size), 3)}  # of the drawing shown
         self._view, self._relayout, self._view_size = view, None, size
         return lay, svg, report
 
@@ -89,3 +87,16 @@ class GraphView:
         self.expanded = []
         self._auto = True
         self._relayout = "full"
+
+
+def _clear_labels(dot: str, svg: str) -> str:
+    """``svg`` (the drawing of ``dot``) with fewer edges through cluster labels: a label a skip edge crosses moved to
+    its box's bottom where that leaves fewer crossed, then each edge into or out of a cluster past its label ended at
+    the cluster's border (:mod:`.entries`: the same node boxes)."""
+    moved = labels_moved_down(dot, svg)
+    if moved is not None:
+        below = render_svg(moved)
+        if remaining(below) < remaining(svg):
+            dot, svg = moved, below
+    ended = ended_at_clusters(dot, svg)
+    return svg if ended is None else render_svg(ended)
