@@ -25,11 +25,21 @@ def test_make_batch_is_read_on_the_meta_device():
 
 
 def test_each_plan_trains_make_batch_per_rank(ip, capsys):
-    session = ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2", CELL.replace("PER_RANK", "8"))
-    dp = session.plan.mesh.dp
-    assert session.plan.batch.global_batch == 8 * dp == session.batch  # 8 per rank, not the example's 8 overall
+    session = ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2 --fix dp=2", CELL.replace("PER_RANK", "8"))
+    assert session.plan.batch.global_batch == 16 == session.batch  # 8 per rank, not the example's 8 overall
     assert "make_batch returns 8 samples per rank" in session.plan.explain()
-    assert capsys.readouterr().out == ""  # no --batch: nothing disagrees
+    out = capsys.readouterr().out.strip()  # the example said a global batch of 8: the 16 planned is said
+    assert out.count("\n") == 0 and out.startswith("make_batch returns 8 samples per rank, so this plan (dp=2) "
+                                                   "trains 16 per step, not example_inputs' batch of 8"), out
+
+
+def test_an_example_that_agrees_with_make_batch_says_nothing(ip, capsys):
+    """The example's batch is the global one (8 per rank x dp 2 = 16); a cell without example_inputs takes
+    make_batch(0, 0) as its example, one rank's samples by construction: nothing disagrees in either."""
+    cell = CELL.replace("PER_RANK", "8").replace("torch.randn(8, 256)", "torch.randn(16, 256)")
+    ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2 --fix dp=2", cell)
+    ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2 --fix dp=2", NO_EXAMPLE)
+    assert capsys.readouterr().out == ""
 
 
 def test_a_disagreeing_batch_flag_is_said_in_one_line(ip, capsys):

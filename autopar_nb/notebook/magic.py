@@ -15,6 +15,7 @@ from ..capture.cache import cached_capture
 from ..export import with_weights
 from ..hardware import Cluster, parse_memory
 from ..plan import AMP, FIX_ALIASES, FIX_CHOICES, FIX_KEYS, PlanError
+from ..runtime.data import first_tensor
 from ..source import PRETRAINED_KEY, ModelSource
 from .cell import CellError, parse_fix, run_model_cell
 from .session import MODES, Session
@@ -69,6 +70,27 @@ def _starting_weights(result, weights: str | None) -> tuple[ModelSource, str | N
                         "save_pretrained writes)")
     source = with_weights(result.source, weights)
     return source, source.weights
+
+
+def batch_note(result, session: Session, flag: int | None) -> str | None:
+    """One line when the batch a cell's ``make_batch`` trains on (its samples per rank x the plan's dp) is not the
+    global batch the cell said: ``--batch``, else the batch of the ``example_inputs`` it binds (which is the global
+    batch when there is no ``--batch``); None when they agree or nothing was said."""
+    per_rank = result.per_rank_batch
+    if not per_rank:
+        return None
+    if flag:
+        said = f"--batch {flag}"
+    elif result.source.inputs_var is not None:
+        flag = int(first_tensor(result.example_inputs).shape[0])
+        said = f"example_inputs' batch of {flag}"
+    else:
+        return None  # make_batch(0, 0) is the example: one rank's samples by construction
+    if flag == session.batch:
+        return None
+    return (f"make_batch returns {per_rank} samples per rank, so this plan (dp={session.plan.mesh.dp}) trains "
+            f"{session.batch} per step, not {said}: make_batch's figure is planned (have it return {flag} / dp "
+            "samples to keep that global batch)")
 
 
 @magics_class
@@ -129,9 +151,9 @@ class AutoparallelMagics(Magics):
         verify, launch and the exported script use, or bind a ``dataset`` (its first samples are then the example).
         With ``loss_fn`` the batch may be ``(x, y)``, a dict or ``(inputs, labels)``: the model is captured on what
         ``loss_fn`` gives it. ``make_batch`` returns one data-parallel rank's samples: each plan trains that many per
-        rank (the global batch is that times dp, and a ``--batch`` that disagrees is said). Re-running the cell with
-        the model unchanged reuses its capture and plan. The cell must be self-contained (its own imports), because
-        workers and the exported script run it on their own.
+        rank (the global batch is that times dp, and a ``--batch`` or an example batch that disagrees is said).
+        Re-running the cell with the model unchanged reuses its capture and plan. The cell must be self-contained
+        (its own imports), because workers and the exported script run it on their own.
 
         The session is bound to ``ap`` (or ``--name``) and shown as the cell's output (the planner widget); it is
         also the cell's value. Everything the widget does is a call on it: ``ap.plan`` (with ``.explain()``,
@@ -184,10 +206,8 @@ class AutoparallelMagics(Magics):
             session = Session(graph, cluster, source, global_batch=args.batch, mode=args.mode, fix=fix,
                               per_rank_batch=result.per_rank_batch, steps=args.steps)
             session.replan()
-            if result.per_rank_batch and args.batch and args.batch != session.batch:
-                print(f"make_batch returns {result.per_rank_batch} samples per rank, so this plan (dp="
-                      f"{session.plan.mesh.dp}) trains {session.batch} per step, not --batch {args.batch}: make_batch's"
-                      " figure is planned (have it return --batch / dp samples to keep the global batch)")
+            if note := batch_note(result, session, args.batch):
+                print(note)
             if start:  # the plan's figures are the model's; what it trains from is said here
                 print(f"{args.name}: {session.plan.summary()}; starts from the weights in {start}")
         except (CellError, CaptureError, PlanError) as e:
