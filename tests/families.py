@@ -3,7 +3,7 @@ tied embeddings, caches, fused projections, MoE, ALiBi), tiny sizes, and the ste
 and plan (``%%autoparallel``), verify the planner's plan, verify ``--fix tp=2`` and ``--fix dp=2,zero=3``, export and
 ``torchrun``. ``run_matrix`` runs them (the verify cases of all families in ONE launch of 2 processes, their
 exported scripts one after another in ONE torchrun launch) and returns a table; ``tests/test_zoo.py`` asserts it,
-``bench/zoo.py`` prints it for the README."""
+``families.py --readme`` writes the README's family tables from it."""
 
 from __future__ import annotations
 
@@ -170,7 +170,44 @@ example_inputs = (torch.randn(4, 3, 16, 16),)
 """,
 }
 
+BRINGS = {
+    "GPT-2": "tied embedding/head, fused `Conv1D` q\\|k\\|v (split part by part), dropout",
+    "LLaMA": "GQA, RMSNorm in Python (sequence parallel), rotary tables",
+    "Qwen2": "GQA with q/k/v biases",
+    "Phi-3": "fused `qkv_proj` and `gate_up_proj`",
+    "GPT-NeoX": "per-head interleaved fused q\\|k\\|v",
+    "Gemma": "1 key/value head (repeated under TP), tied head",
+    "Gemma2": "eager attention (soft-capped scores as plain matmuls), alternating sliding-window layers",
+    "BERT": "masked-LM head tied to the embedding (weight and bias), dropout",
+    "T5": "encoder-decoder, shared embedding, relative position bias (split by heads), `labels`",
+    "ViT": "image patches, classification `labels`",
+    "Mixtral": "mixture of experts (costed by active parameters; expert parallelism with `--fix ep=N`)",
+    "MPT": "ALiBi made by the model, handed to each attention by keyword (cut to the rank's heads under TP)",
+    "Bloom": "ALiBi folded into the batch and added inside `baddbmm` (TP keeps the attention whole and says why)",
+    "Mistral": "sliding-window attention (wider than the sequence), GQA",
+    "Qwen3": "RMSNorm of every head's q and k (the norms run on each rank's heads, their gradient summed)",
+    "Qwen2-MoE": "routed experts beside a shared expert behind a sigmoid gate",
+    "DeepSeek-V3": "MLA (low-rank q and kv, one rope key every head reads: its gradient summed under TP), a dense "
+                   "first layer, grouped top-k experts",
+    "OPT": "learned positions offset by 2, ReLU MLP in the decoder layer itself, dropout",
+    "Falcon": "multi-query fused `query_key_value` (query heads split, the key/value rows on every rank), attention "
+              "and MLP in parallel, `FalconLinear` (an `nn.Linear` with its own forward)",
+    "GPT-J": "attention and MLP in parallel, rotary on part of each head",
+    "Phi": "partial rotary, parallel block, biases everywhere, untied head with a bias",
+    "StableLM": "LayerNorm, a quarter of each head rotated, GQA",
+    "OLMo": "LayerNorm without weight or bias",
+    "Starcoder2": "GELU MLP and GQA with biases, tied head",
+    "Cohere": "parallel block, LayerNorm in Python, tied head with scaled logits",
+    "GPTBigCode": "multi-query `c_attn` cut by features into parts of widths [32, 8, 8] (split as one block, its "
+                  "output gathered: the attention core runs whole), dropout",
+    "CNN + BatchNorm": "SyncBatchNorm over data-parallel ranks (on CPU too)",
+}
+"""what each family brings that a planner must handle: the README's table (:func:`readme_tables`)"""
+
 STEPS = ("capture + plan", "verify auto", "verify tp=2", "verify dp=2,zero=3", "export + torchrun")
+REFUSED = {("CNN + BatchNorm", "verify tp=2"): "no Linear/Embedding that TP can split"}
+"""what may be refused, and the reason the refusal must give (a CNN has nothing TP splits); every other step of
+every family must pass (``tests/test_zoo.py`` asserts both, so the README's table, made from them, is what it checks)"""
 FIXES = {"verify auto": {}, "verify tp=2": {"tp": 2}, "verify dp=2,zero=3": {"dp": 2, "zero_stage": 3}}
 
 
@@ -403,12 +440,55 @@ def markdown(table: dict[tuple[str, str], str], names: list[str]) -> str:
     return "\n".join(rows)
 
 
+README = Path(__file__).resolve().parents[1] / "README.md"
+MARKS = {"steps": ("<!-- families.py: steps -->", "<!-- /families.py: steps -->"),
+         "capabilities": ("<!-- families.py: capabilities -->", "<!-- /families.py: capabilities -->")}
+"""where the README's family tables start and end (``families.py --readme`` writes between them)"""
+
+
+def steps_table() -> str:
+    """Every family with what it brings and each step: ✓, or the refusal :data:`REFUSED` names — what
+    ``tests/test_zoo.py`` asserts, so a family added to :data:`FAMILIES` is a row here."""
+    rows = ["| family | what it brings | " + " | ".join(STEPS) + " |", "|---" * (len(STEPS) + 2) + "|"]
+    for name in FAMILIES:
+        cells = ["refused: " + REFUSED[(name, s)] if (name, s) in REFUSED else "✓" for s in STEPS]
+        rows.append(f"| {name} | {BRINGS[name]} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def readme_section(text: str, kind: str) -> str:
+    """The README text between :data:`MARKS` ``kind``'s markers, stripped."""
+    start, end = MARKS[kind]
+    if start not in text or end not in text:
+        raise ValueError(f"README.md lacks the markers {start} ... {end}")
+    return text.split(start, 1)[1].split(end, 1)[0].strip()
+
+
+def write_readme(capability_md: str, note: str) -> None:
+    """README.md's family tables rewritten between their markers: the steps (:func:`steps_table`) and what each
+    family gets (``capability_md``, :func:`capability_markdown` of a run, ``note`` saying when and where)."""
+    text = README.read_text()
+    for kind, body in (("steps", steps_table()), ("capabilities", f"{note}\n\n{capability_md}")):
+        start, end = MARKS[kind]
+        old = readme_section(text, kind)
+        text = text.replace(f"{start}\n{old}\n{end}", f"{start}\n{body}\n{end}", 1)
+    README.write_text(text)
+
+
 def main() -> None:
     import tempfile
 
-    args = [a for a in sys.argv[1:] if a != "--capabilities"]
+    args = [a for a in sys.argv[1:] if a not in ("--capabilities", "--readme")]
     names = list(FAMILIES) if not args else args[0].split(",")
     t0 = time.time()
+    if "--readme" in sys.argv:  # every family, so that the README lists each one
+        table = capability_markdown(capabilities(list(FAMILIES)))
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        where = f"{time.time() - t0:.0f} s on {os.cpu_count()} CPU cores at load {os.getloadavg()[0]:.0f}"
+        write_readme(table, f"What each family gets (`cd tests && ../.venv/bin/python families.py --readme`, {when}, "
+                            f"{where}):")
+        print(table)
+        return
     if "--capabilities" in sys.argv:
         print(capability_markdown(capabilities(names)))
         print(f"\n({time.time() - t0:.0f} s)")

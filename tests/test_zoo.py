@@ -7,12 +7,21 @@ timeout on a loaded machine)."""
 from __future__ import annotations
 
 import pytest
-from families import CAPABILITIES, FAMILIES, STEPS, capabilities, capability_markdown, markdown, run_matrix
+from families import (
+    BRINGS,
+    CAPABILITIES,
+    FAMILIES,
+    README,
+    REFUSED,
+    STEPS,
+    capabilities,
+    capability_markdown,
+    markdown,
+    readme_section,
+    run_matrix,
+    steps_table,
+)
 from runtime_cases import has_transformers
-
-REFUSED = {("CNN + BatchNorm", "verify tp=2"): "no Linear/Embedding that TP can split"}
-"""what may be refused, and the reason the refusal must give (a CNN has nothing TP splits)"""
-
 
 HALVES = {"first": list(FAMILIES)[:len(FAMILIES) // 2], "second": list(FAMILIES)[len(FAMILIES) // 2:]}
 
@@ -31,6 +40,18 @@ def test_every_family_runs_every_step(tmp_path, half):
                 assert REFUSED[(name, step)] in got, (name, step, got)
             else:
                 assert got == "ok", (name, step, got)
+
+
+def test_the_readme_lists_every_family_of_the_matrix():
+    """The README's family tables are made from this matrix (``families.py --readme``, issue 40): the steps table is
+    what :func:`test_every_family_runs_every_step` asserts, row for row, and the capability table has a row for every
+    family, in order. A family added to tests/families.py fails here until the README is written again."""
+    assert set(BRINGS) == set(FAMILIES)
+    text = README.read_text()
+    assert readme_section(text, "steps") == steps_table()
+    rows = [line.split(" | ")[0].strip("| ") for line in readme_section(text, "capabilities").splitlines()
+            if line.startswith("| ")][1:]
+    assert rows == list(FAMILIES)
 
 
 @pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
