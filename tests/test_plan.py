@@ -108,6 +108,17 @@ def test_helpers():
         p.layer("nope")
 
 
+def test_the_summary_says_gradient_accumulation():
+    """A plan that needs 2 micro-batches to fit says so in its one line, as the runner-up lines do: DDP with
+    accumulation beside ZeRO-2 without it are not the same step, and the line is where a user compares them."""
+    layers = [LayerPlan("fc", tp={})]
+    ddp = Plan(mesh=MeshPlan(dp=2, zero_stage=0), layers=layers, batch=BatchPlan(global_batch=8, micro_batches=2))
+    assert ddp.summary().startswith("dp=2 tp=1 pp=1 zero=0 accum x2"), ddp.summary()
+    one = Plan(mesh=MeshPlan(dp=2, zero_stage=2), layers=layers, batch=BatchPlan(global_batch=8, micro_batches=1))
+    assert "accum" not in one.summary()
+    assert "1f1b x2" in _plan().summary() and "accum" not in _plan().summary()  # a pipeline's micro-batches
+
+
 def _plan_dict() -> dict:
     cost = Cost(step_time_s=0.5, memory_by_rank=[MemoryBreakdown(params=1e9)] * 2)
     return _plan(cost=cost, alternatives=[_plan()]).to_dict()

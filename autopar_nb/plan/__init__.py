@@ -301,6 +301,8 @@ class Plan:
         if m.pp > 1:
             v = self.pipeline.virtual_stages
             s += f" {self.pipeline.schedule}" + (f" v{v}" if v > 1 else "") + f" x{self.batch.micro_batches}"
+        elif self.batch.micro_batches > 1:  # a step of several forwards and backwards: compare it so with others
+            s += f" accum x{self.batch.micro_batches}"
         if rec := sorted({lp.recompute for lp in self.layers} - {"none"}):
             s += f" recompute={'/'.join(rec)}"
         if self.precision.amp != "none":
