@@ -453,3 +453,24 @@ def test_the_runtimes_formatter_is_the_packages():
     assert units.fmt_time is runtime_units.fmt_time and units.fmt_bytes is runtime_units.fmt_bytes
     for s in (40.4e-6, 0.0123, 1.5, 3e-9):
         assert units.parse_time(units.fmt_time(s)) == pytest.approx(s, rel=5e-3)
+
+
+def test_a_failing_rank_ends_its_traceback_with_one_line_at_the_users_line(tmp_path, monkeypatch):
+    """An exported script run by hand under torchrun: the failing rank's traceback (and the one torchrun's report
+    quotes) ends with one line naming the user's file and line and the first real cause, not torch's frames or the
+    runtime's (issue 40 item 3)."""
+    import importlib.util
+
+    import autopar_nb.runtime.metrics as metrics
+
+    user = tmp_path / "train.py"
+    user.write_text("import torch.nn.functional as F\n\n\ndef loss_fn(x, y):\n    return F.cross_entropy(x, y)\n")
+    spec = importlib.util.spec_from_file_location("users_train", user)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(metrics, "init_distributed", lambda: "cpu")  # no process group needed to fail
+    monkeypatch.setattr(metrics.dist, "get_rank", lambda: 1)
+    with pytest.raises(ValueError) as info, metrics.distributed():
+        module.loss_fn(torch.randn(4, 3), torch.zeros(5, dtype=torch.long))
+    assert info.value.__notes__ == ["rank 1 failed at train.py line 5 in loss_fn (`return F.cross_entropy(x, y)`): "
+                                    "ValueError: Expected input batch_size (4) to match target batch_size (5)."]

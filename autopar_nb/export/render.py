@@ -53,7 +53,7 @@ def render_script(source: ModelSource, plan: Plan, v: ScriptValues, *, script_na
     par, par_uses, par_imports = parallelize_source(v)
     body, main_uses = main_source(v, source)
     prelude = kit.assemble([*PRELUDE, *(PRETRAINED if v.from_config else ())])  # what the cell's lines call
-    assembly = kit.assemble([*par_uses, *main_uses])
+    assembly = kit.assemble([*par_uses, *main_uses, "failure_line"])  # the template's own call
     assembly.blocks = [b for b in assembly.blocks if b[1] not in prelude.names]  # defined once, before the cell
     std = {("functools", None, None)} | ({("copy", None, None)} if v.meta_init else set())
     check_names(source, assembly.names + prelude.names)

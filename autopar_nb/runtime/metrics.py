@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import sysconfig
 import traceback
 
 import torch
@@ -91,6 +92,22 @@ class Run:
     set on the class by verify and measure, which call a script's ``main`` in their own processes"""
 
 
+def failure_line(e: BaseException, rank: int) -> str:
+    """A rank's failure in one line: where in the user's code (the innermost frame outside torch, the standard
+    library, installed packages and this runtime, else outside the libraries) and the error's first line."""
+    libs = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+    tb = e.__traceback__
+    frames = [(s, fr.f_globals) for s, (fr, _) in zip(traceback.extract_tb(tb), traceback.walk_tb(tb), strict=True)
+              if not s.filename.startswith(libs)]
+    # the runtime's own frames: the package's modules, or the exported runtime (whose globals hold this function)
+    ours = [s for s, g in frames if g.get("failure_line") is not failure_line and
+            not (g.get("__name__") or "").startswith("autopar_nb.")]
+    where = "".join(f" at {os.path.basename(s.filename)} line {s.lineno} in {s.name}" + (f" (`{s.line}`)" if s.line
+                                                                                          else "")
+                    for s in (ours or [s for s, _ in frames])[-1:])
+    return f"rank {rank} failed{where}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
 @contextlib.contextmanager
 def distributed():
     """``with distributed() as device:`` the process group of torchrun's environment (gloo without a GPU) around an
@@ -105,6 +122,8 @@ def distributed():
         yield device
     except BaseException as e:
         metrics.send({"event": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        if hasattr(e, "add_note"):  # the last line of the rank's traceback, and of the one torchrun's report quotes
+            e.add_note(failure_line(e, dist.get_rank()))
         raise
     finally:
         Run.current = None
