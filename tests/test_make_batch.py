@@ -1,6 +1,7 @@
 """The batch a cell's make_batch produces is the batch the plan costs (issue 40): ``make_batch(step, rank)`` returns
 one data-parallel rank's samples, so each rank trains on that many whatever dp; the plan's global batch is that x
-its dp, and a --batch that disagrees is said in one line before anything runs."""
+its dp, and a --batch or example that disagrees is said in one line before anything runs; so is a dataset's
+collate_fn that makes other rows than the samples a step reads."""
 
 from __future__ import annotations
 
@@ -107,3 +108,29 @@ def test_a_sequence_tp_cannot_split_is_one_line_before_the_first_step():
         verify(src, make_plan(src, tp=2, tp_styles=llama_tp(sp=True), sp=True), steps=1, nproc=2)
     line = str(info.value)
     assert "\n" not in line and "splits each sequence over the 2 TP ranks, but this batch's are 33 long" in line, line
+
+
+DATASET = '''
+import torch, torch.nn as nn
+class Samples(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        return torch.randn(16, generator=torch.Generator().manual_seed(i))
+dataset = Samples()
+def collate_fn(samples):
+    return (torch.cat([torch.stack(samples)] * ROWS),)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+'''
+
+
+def test_a_collate_fn_that_makes_other_rows_than_samples_is_said_in_one_line(ip, capsys):
+    """A step reads the plan's global batch of samples, dealt over the data-parallel ranks; a collate_fn that makes
+    two rows of each trains on twice what the plan costs: said before anything runs, with the figure that runs."""
+    ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2 --batch 8 --fix dp=2", DATASET.replace("ROWS", "2"))
+    out = capsys.readouterr().out.strip()
+    assert out == ("collate_fn makes 8 rows of the 4 samples each rank reads per step, so this plan (dp=2) trains 16 "
+                   "rows per step, not the 8 its memory and time are for: the rows are what runs (have collate_fn "
+                   "return one row per sample, or plan with --batch for the rows it makes)"), out
+    ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2 --batch 8 --fix dp=2", DATASET.replace("ROWS", "1"))
+    assert capsys.readouterr().out == ""

@@ -12,10 +12,12 @@ import inspect
 import symtable
 import traceback
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils.data import IterableDataset
 
 from ..plan import FIX_ALIASES, FIX_KEYS
 from ..runtime.data import first_tensor
@@ -174,6 +176,22 @@ def _per_rank_batch(source: ModelSource, ns: dict[str, Any]) -> int | None:
     if source.make_batch_var is None:
         return None
     return int(first_tensor(_first_batch(source, ns, "to read its batch size")).shape[0])
+
+
+def collated_rows(source: ModelSource, ns: dict[str, Any], samples: int) -> tuple[int, int] | None:
+    """(samples read, rows the cell's ``collate_fn`` makes of them) for the first ``samples`` of its dataset, read on
+    the meta device as the example is; None without a dataset and collate_fn (torch's default collate makes one row
+    of each sample) or where reading fails (the run says why in its own words)."""
+    if source.dataset_var is None or source.make_batch_var or source.collate_fn_var is None:
+        return None
+    dataset = ns[source.dataset_var]
+    try:
+        with torch.device("meta"):
+            items = list(islice(iter(dataset), samples)) if isinstance(dataset, IterableDataset) else [
+                dataset[i] for i in range(min(samples, len(dataset)))]
+            return len(items), int(first_tensor(ns[source.collate_fn_var](items)).shape[0])
+    except Exception:
+        return None
 
 
 def _first_batch(source: ModelSource, ns: dict[str, Any], why: str) -> Any:

@@ -17,7 +17,7 @@ from ..hardware import Cluster, parse_memory
 from ..plan import AMP, FIX_ALIASES, FIX_CHOICES, FIX_KEYS, PlanError
 from ..runtime.data import first_tensor
 from ..source import PRETRAINED_KEY, ModelSource
-from .cell import CellError, parse_fix, run_model_cell
+from .cell import CellError, collated_rows, parse_fix, run_model_cell
 from .session import MODES, Session
 
 DTYPES = {"auto": None, **{("fp32" if amp == "none" else amp): amp for amp in AMP}}
@@ -91,6 +91,21 @@ def batch_note(result, session: Session, flag: int | None) -> str | None:
     return (f"make_batch returns {per_rank} samples per rank, so this plan (dp={session.plan.mesh.dp}) trains "
             f"{session.batch} per step, not {said}: make_batch's figure is planned (have it return {flag} / dp "
             "samples to keep that global batch)")
+
+
+def collate_note(result, session: Session) -> str | None:
+    """One line when the cell's ``collate_fn`` makes another number of rows than the samples each data-parallel rank
+    reads per step (a step of the plan reads its global batch of samples): the run trains on the rows, the plan
+    costs the samples. None where they agree."""
+    plan = session.plan
+    dp, total = plan.mesh.dp, plan.batch.global_batch
+    per_rank = total // dp
+    read = collated_rows(result.source, result.namespace, per_rank)
+    if read is None or read[0] < per_rank or read[1] == per_rank:
+        return None
+    return (f"collate_fn makes {read[1]} rows of the {per_rank} samples each rank reads per step, so this plan (dp="
+            f"{dp}) trains {read[1] * dp} rows per step, not the {total} its memory and time are for: the rows are "
+            "what runs (have collate_fn return one row per sample, or plan with --batch for the rows it makes)")
 
 
 @magics_class
@@ -206,8 +221,9 @@ class AutoparallelMagics(Magics):
             session = Session(graph, cluster, source, global_batch=args.batch, mode=args.mode, fix=fix,
                               per_rank_batch=result.per_rank_batch, steps=args.steps)
             session.replan()
-            if note := batch_note(result, session, args.batch):
-                print(note)
+            for note in (batch_note(result, session, args.batch), collate_note(result, session)):
+                if note:
+                    print(note)
             if start:  # the plan's figures are the model's; what it trains from is said here
                 print(f"{args.name}: {session.plan.summary()}; starts from the weights in {start}")
         except (CellError, CaptureError, PlanError) as e:
