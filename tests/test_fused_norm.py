@@ -303,3 +303,13 @@ def test_verify_fused_norm_with_pipeline_stages(verified):
     plan, report = verified["pp2"]
     assert plan.fused_norm and plan.mesh.pp == 2
     assert report.ok, report
+
+
+def test_the_reason_for_eager_norms_is_the_devices():
+    """On a CUDA preset the fused RMSNorm is one kernel, so eager norms there were not chosen for speed; the CPU's
+    reason (the op runs the eager kernels and only saves memory) was given for an H100 plan."""
+    graph = _graph(ModelSource(ZOO_LLAMA))
+    plan = ap.plan(graph, ap.Cluster.preset("h100-80gb", 1, 2), global_batch=8)
+    lines = [line for line in plan.explain().splitlines() if line.startswith("RMSNorms")]
+    assert not plan.fused_norm and lines and lines[0].startswith("RMSNorms eager (not chosen: no faster on this "
+                                                                 "split;"), lines

@@ -7,6 +7,7 @@ import re
 from .. import calibration
 from ..cost.factors import factors_for
 from ..cost.loss import unfused_loss_bytes
+from ..cost.norm import one_kernel
 from ..cost.profile import profile_of
 from ..cost.time import MFU_BASIS
 from ..cost.tp_styles import LAYOUT_WORDS
@@ -213,6 +214,7 @@ def fused_norm_lines(best, ev, cons) -> list[str]:
     if ev.norm_prof is None or fixed is False or not (s.fused_norm or other is not None):
         return []
     why = ("fix fused_norm=True" if fixed else "chosen" if s.fused_norm else
+           "not chosen: no faster on this split" if one_kernel(ev.prof.device_kind) else
            "not needed: on the CPU the op runs the eager kernels and only saves memory")
     line = (f"RMSNorms {'fused' if s.fused_norm else 'eager'} ({why}; kernels_ext.rms_norm keeps the input and one "
             f"fp32 rstd per row, not the normalised input; on CUDA one kernel, Liger-kernel's when installed): peak "
