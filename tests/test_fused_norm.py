@@ -23,6 +23,7 @@ from test_compile import lm_source
 from test_memory_accuracy import _parameter_copy, autograd_saved_bytes
 
 import autopar_nb as ap
+from autopar_nb import zoo
 from autopar_nb.cost import activation_bytes, profile
 from autopar_nb.cost import norm as cost_norm
 from autopar_nb.cost.estimate import estimate
@@ -32,6 +33,7 @@ from autopar_nb.runtime.data import default_loss
 from autopar_nb.runtime.fused_norm import apply_fused_norm, rms_norm_eps
 from autopar_nb.runtime.train import switch_off_kv_cache
 from autopar_nb.source import ModelSource
+from autopar_nb.units import fmt_time
 
 pytestmark = pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
 ROOT = Path(__file__).resolve().parents[1]
@@ -313,3 +315,16 @@ def test_the_reason_for_eager_norms_is_the_devices():
     lines = [line for line in plan.explain().splitlines() if line.startswith("RMSNorms")]
     assert not plan.fused_norm and lines and lines[0].startswith("RMSNorms eager (not chosen: no faster on this "
                                                                  "split;"), lines
+
+
+def test_the_other_norms_are_costed_with_the_levers_the_plan_took():
+    """explain()'s RMSNorm line costs the other choice on the plan as chosen: the search's variant was costed before
+    compile and Float8 were set, and a DDP plan of a 1.5B LLaMA shape on 8 H100s read "fused ... takes 386 ms/step"
+    while its lever line, the same plan with the norms fused, said "same speed" (320 ms)."""
+    with torch.device("meta"):
+        model = zoo.Llama(zoo.LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192))
+    graph = ap.capture(model, (torch.randint(0, 128256, (8, 2048), device="meta"),))
+    plan = ap.plan(graph, ap.Cluster.preset("h100-80gb", 1, 8), global_batch=64, fix={"zero_stage": 0, "dp": 8})
+    lever = next(lv for lv in plan.levers if lv.name == "fused_norm")
+    line = next(line for line in plan.explain().splitlines() if line.startswith("RMSNorms"))
+    assert line.endswith(f"takes {fmt_time(lever.step_time_s)}/step."), (line, lever)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from .. import calibration
@@ -213,6 +214,8 @@ def fused_norm_lines(best, ev, cons) -> list[str]:
     other, c = best.norm_other, best.cost
     if ev.norm_prof is None or fixed is False or not (s.fused_norm or other is not None):
         return []
+    if other is not None:
+        other = _restated(other, best, ev)
     why = ("fix fused_norm=True" if fixed else "chosen" if s.fused_norm else
            "not chosen: no faster on this split" if one_kernel(ev.prof.device_kind) else
            "not needed: on the CPU the op runs the eager kernels and only saves memory")
@@ -225,6 +228,15 @@ def fused_norm_lines(best, ev, cons) -> list[str]:
                  + (f" ({fmt_bytes(oc.peak_memory_bytes - best.limit)} over the limit)" if not other.fits else
                     f" with {_recompute_words(other)} and takes {fmt_time(oc.step_time_s)}/step"))
     return [line + "."]
+
+
+def _restated(other, best, ev):
+    """``other`` (the search's variant of ``best`` with the RMSNorms the other way) costed again on ``best``'s
+    setting and compile choices: the levers set after the variant was costed (compile, Float8) apply to it too, and
+    only its norms and recompute stay its own."""
+    setting = dataclasses.replace(best.setting, fused_norm=other.setting.fused_norm)
+    choices = [dataclasses.replace(b, recompute=o.recompute) for b, o in zip(best.choices, other.choices, strict=True)]
+    return type(other)(setting, choices, ev.evaluate(setting, choices), best.limit)
 
 
 def fused_loss_lines(best, ev, cons, why_not: str) -> list[str]:
