@@ -230,11 +230,11 @@ def fused_norm_lines(best, ev, cons) -> list[str]:
     return [line + "."]
 
 
-def _restated(other, best, ev):
-    """``other`` (the search's variant of ``best`` with the RMSNorms the other way) costed again on ``best``'s
-    setting and compile choices: the levers set after the variant was costed (compile, Float8) apply to it too, and
-    only its norms and recompute stay its own."""
-    setting = dataclasses.replace(best.setting, fused_norm=other.setting.fused_norm)
+def _restated(other, best, ev, field: str = "fused_norm"):
+    """``other`` (the search's variant of ``best`` with ``field``, the fused RMSNorms or loss, the other way) costed
+    again on ``best``'s setting and compile choices: the levers set after the variant was costed (compile, Float8)
+    apply to it too, and only its ``field`` and recompute stay its own."""
+    setting = dataclasses.replace(best.setting, **{field: getattr(other.setting, field)})
     choices = [dataclasses.replace(b, recompute=o.recompute) for b, o in zip(best.choices, other.choices, strict=True)]
     return type(other)(setting, choices, ev.evaluate(setting, choices), best.limit)
 
@@ -256,7 +256,7 @@ def fused_loss_lines(best, ev, cons, why_not: str) -> list[str]:
             f"vocabulary{split}, the fp32 weight gradient, one log-sum-exp per token) instead of "
             f"{fmt_bytes(unfused / s.tp)} (fp32 log-softmax, its gradient and the logits' gradient, {tokens:g} tokens "
             f"x {head.vocab}{f' / {s.tp}' if s.tp > 1 else ''})")
-    other = best.other
+    other = best.other and _restated(best.other, best, ev, "fused_loss")
     if s.fused_loss:
         why = "fix fused_loss=True" if fixed else "chosen"
         line = f"Output head {head.module} fused with the loss ({why}, kernels_ext.linear_cross_entropy): {what}"
