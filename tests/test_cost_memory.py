@@ -275,6 +275,31 @@ def test_multi_stage_schedules_run_torchs_order(schedule):
                     assert ours == _torch_actions(schedule, **kw), kw
 
 
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble"])
+def test_rank_states_keeps_exactly_the_undominated_states(schedule):
+    """``rank_states`` keeps a state unless another of its stage, kind, gradients, units and ``later`` holds at
+    least as many micro-batches everywhere (pairwise, here), by group in the order each first appears and within
+    one in descending order of the counts; 32 micro-batches make groups of more than 16 states, 2 of one."""
+    from autopar_nb.cost.schedule import _Walk, rank_actions, rank_states
+
+    for pp, m in ((2, 2), (4, 8), (4, 32)):
+        v = 2
+        for rank in range(pp):
+            walk = _Walk(v)
+            for a in rank_actions(schedule, pp=pp, rank=rank, micro_batches=m, virtual_stages=v):
+                walk.run(a, first=rank == 0 and a.local == 0, last_mb=m - 1)
+            groups: dict[tuple, list[tuple]] = {}
+            for h in dict.fromkeys(walk.out):
+                groups.setdefault((*h[:2], *h[6:]), []).append(h)
+            want = []
+            for alike in groups.values():
+                counts = {h: sum(h[2:6], ()) for h in alike}
+                want += sorted((h for h in alike if not any(
+                    o != h and all(x >= y for x, y in zip(counts[o], counts[h], strict=True)) for o in alike)),
+                    key=counts.get, reverse=True)
+            assert rank_states(schedule, pp=pp, rank=rank, micro_batches=m, virtual_stages=v) == tuple(want)
+
+
 def test_a_multi_stage_rank_holds_each_stages_micro_batches():
     """Interleaved 1F1B over 2 ranks x 2 stages, 4 micro-batches: rank 0 runs 0F0 0F1 2F0 2F1 0F2
     2B0 0F3 2B1 2F2 0B0 2F3 0B1 ...; at 0B1 its stage 0 holds micro-batches 2 and 3 besides the

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from functools import lru_cache
+from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
+
+_chain = chain.from_iterable
 
 MULTI_STAGE = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
 """schedules that run several stages per rank (``_PipelineScheduleRuntime``)"""
@@ -285,22 +288,27 @@ class _Walk:
 
 def _undominated(states: list[Held]) -> tuple[Held, ...]:
     """``states`` without repeats and without those another state of the same stage, kind,
-    gradients, units and ``later`` holds at least as many micro-batches as everywhere."""
-    groups: dict[tuple, list[tuple[int, ...]]] = defaultdict(list)
-    for h in dict.fromkeys(states):
-        groups[(*h[:2], *h[6:])].append(sum(h[2:6], ()))
-    out = []
-    for key, counts in groups.items():
-        counts.sort(reverse=True)  # a state can only be covered by one sorted before it
-        kept: list[tuple[int, ...]] = []
-        if len(counts) > 16:  # those no other covers (covered by a covered one, covered by its coverer too)
-            c = np.array(counts)
-            covered = (c[None, :, :] >= c[:, None, :]).all(axis=2)  # [i, k]: state k holds at least state i's
-            np.fill_diagonal(covered, False)
-            kept = [counts[i] for i in np.flatnonzero(~covered.any(axis=1))]
-        for c in counts if not kept else ():
-            if not any(all(x >= y for x, y in zip(k, c, strict=True)) for k in kept):
-                kept.append(c)
-        v = len(counts[0]) // 4
-        out += [Held(*key[:2], *(c[i * v:(i + 1) * v] for i in range(4)), *key[2:]) for c in kept]
-    return tuple(out)
+    gradients, units and ``later`` holds at least as many micro-batches as everywhere: by group (in the
+    order each first appears), its states in descending order of their counts, as one array comparison of
+    each state against those sorted before it in its group (the only ones that can cover it: a state that
+    holds at least as many everywhere, and more somewhere, sorts first)."""
+    uniq = list(dict.fromkeys(states))
+    n = len(uniq)
+    groups: dict[tuple, int] = {}
+    group = np.fromiter((groups.setdefault((*h[:2], *h[6:]), len(groups)) for h in uniq), dtype=np.intp, count=n)
+    counts = np.fromiter(_chain(_chain(h[2:6] for h in uniq)), dtype=np.intp).reshape(n, -1)
+    order = np.lexsort((*(-counts.T[::-1]), group))
+    later, earlier = _earlier_pairs(group[order])
+    sorted_counts = counts[order]
+    covered = np.zeros(n, dtype=bool)
+    covered[later[(sorted_counts[earlier] >= sorted_counts[later]).all(axis=1)]] = True
+    return tuple(uniq[i] for i in order[~covered])
+
+
+def _earlier_pairs(group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every pair (i, k) of positions of ``group`` (sorted) with k before i in i's group."""
+    pos = np.arange(len(group))
+    first = np.maximum.accumulate(np.where(np.diff(group, prepend=-1) != 0, pos, 0))
+    before = pos - first
+    offsets = np.cumsum(before) - before
+    return np.repeat(pos, before), np.repeat(first - offsets, before) + np.arange(before.sum())
