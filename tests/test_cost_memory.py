@@ -277,16 +277,20 @@ def test_multi_stage_schedules_run_torchs_order(schedule):
 
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble"])
 def test_rank_states_keeps_exactly_the_undominated_states(schedule):
-    """``rank_states`` keeps a state unless another of its stage, kind, gradients, units and ``later`` holds at
-    least as many micro-batches everywhere (pairwise, here), by group in the order each first appears and within
-    one in descending order of the counts; 32 micro-batches make groups of more than 16 states, 2 of one."""
-    from autopar_nb.cost.schedule import _Walk, rank_actions, rank_states
+    """``rank_states`` (walked as arrays) keeps the states the one-action-at-a-time walk (``_Walk``) notes, less
+    those another of the same stage, kind, gradients, units and ``later`` holds at least as many micro-batches
+    everywhere (pairwise, here), by group in the order each first appears and within one in descending order of
+    the counts; 32 micro-batches make groups of more than 16 states, 2 of one, 7 on 3 ranks micro-batches past the
+    last (the walk's fallback). Its arrays (``state_arrays``) are those made afresh from the states."""
+    import numpy as np
 
-    for pp, m in ((2, 2), (4, 8), (4, 32)):
+    from autopar_nb.cost import schedule as sched
+
+    for pp, m in ((2, 2), (4, 8), (4, 32), (3, 7)):
         v = 2
         for rank in range(pp):
-            walk = _Walk(v)
-            for a in rank_actions(schedule, pp=pp, rank=rank, micro_batches=m, virtual_stages=v):
+            walk = sched._Walk(v)
+            for a in sched.rank_actions(schedule, pp=pp, rank=rank, micro_batches=m, virtual_stages=v):
                 walk.run(a, first=rank == 0 and a.local == 0, last_mb=m - 1)
             groups: dict[tuple, list[tuple]] = {}
             for h in dict.fromkeys(walk.out):
@@ -297,7 +301,16 @@ def test_rank_states_keeps_exactly_the_undominated_states(schedule):
                 want += sorted((h for h in alike if not any(
                     o != h and all(x >= y for x, y in zip(counts[o], counts[h], strict=True)) for o in alike)),
                     key=counts.get, reverse=True)
-            assert rank_states(schedule, pp=pp, rank=rank, micro_batches=m, virtual_stages=v) == tuple(want)
+            got = sched.rank_states(schedule, pp=pp, rank=rank, micro_batches=m, virtual_stages=v)
+            assert got == tuple(want)
+            def types(states):
+                return [type(x) for h in states for f in h[2:9] for x in f]
+
+            assert types(got) == types(want)
+            made = sched.state_arrays(got)
+            sched._ARRAYS.clear()
+            for name, x, y in zip(made._fields, made, sched.state_arrays(got), strict=True):
+                assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y, name
 
 
 def test_a_multi_stage_rank_holds_each_stages_micro_batches():

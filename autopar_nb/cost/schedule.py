@@ -172,13 +172,77 @@ def rank_states(schedule: str, *, pp: int, rank: int, micro_batches: int,
     left out. Rank 0's local stage 0 is the model's first stage: its input pass does nothing
     (``PipelineStage.backward_one_chunk`` skips it: no input needs a gradient) and its weight pass
     runs the whole backward (``backward_weight_one_chunk``), a "B" here. A stage's gradients are
-    reduced right after its last backward (``_add_reduce_grad``)."""
+    reduced right after its last backward (``_add_reduce_grad``). Walked as arrays (:func:`_walk_rows`, the
+    same states as :class:`_Walk`), their :func:`state_arrays` made on the way."""
     v = 2 if schedule == "zbv_zero_bubble" else virtual_stages
-    walk = _Walk(v)
-    for a in rank_actions(schedule, pp=pp, rank=rank, micro_batches=micro_batches,
-                          virtual_stages=v):
-        walk.run(a, first=rank == 0 and a.local == 0, last_mb=micro_batches - 1)
-    return _undominated(walk.out)
+    actions = rank_actions(schedule, pp=pp, rank=rank, micro_batches=micro_batches, virtual_stages=v)
+    if max(a.mb for a in actions) < micro_batches:
+        rows = _walk_rows(actions, v=v, first_rank=rank == 0, last_mb=micro_batches - 1)
+    else:  # micro-batches past the last (orders torch refuses: m not a multiple of pp) are not counts' to follow
+        walk = _Walk(v)
+        for a in actions:
+            walk.run(a, first=rank == 0 and a.local == 0, last_mb=micro_batches - 1)
+        rows = _rows_of(walk.out)
+    rows = _undominated(rows, v)
+    states = _held(rows, v)
+    _remember(states, _arrays_of(rows, v))
+    return states
+
+
+_KINDS = "FBIWR"
+"""a row's kind code (:func:`_walk_rows`): the index of its :attr:`Held.kind` here"""
+
+
+def _walk_rows(actions: list[Action], *, v: int, first_rank: bool, last_mb: int) -> np.ndarray:
+    """:class:`_Walk`'s states, one row each: local stage, kind code (:data:`_KINDS`), then per local stage
+    ``full``, ``waiting``, ``forwarded``, ``backwarded``, ``grads``, ``backward_last``, ``weight_passed`` side by
+    side, and ``later``. Each field after each action is a running count, or the value the stage's last action of
+    some kinds set (:func:`_last_set`); a state is noted before its forward, after its backward's counts (an input
+    pass's micro-batch not yet waiting) with the flags before it, and a reduction after the last micro-batch's
+    backward with the stage's gradients not yet sharded."""
+    code = {k: i for i, k in enumerate(_KINDS)}
+    loc, kind, mb = np.fromiter(_chain((a.local, code[a.kind], a.mb) for a in actions), dtype=np.intp).reshape(-1, 3).T
+    on = loc[:, None] == np.arange(v)
+    fwd, bwd, inp, wgt = (np.cumsum(on & mask[:, None], axis=0)
+                          for mask in (kind == 0, (kind == 1) | (kind == 2), kind == 2, kind == 3))
+    first, last = first_rank & (loc == 0), mb == last_mb
+    grads = _last_set(on & ((kind == 1) | (kind == 3))[:, None], np.where(last, 2, 1))
+    backward_last = _last_set(on, kind != 0)
+    passed = _last_set(on & (kind != 0)[:, None], (kind == 3) & ~first & ~last)
+    after = np.stack((fwd - bwd, inp - wgt, fwd, bwd, grads, backward_last, passed), axis=1)  # [action, field, stage]
+    before = np.concatenate((np.zeros_like(after[:1]), after[:-1]))
+    counts = np.where((kind == 0)[:, None, None], before[:, :4], after[:, :4])
+    counts[kind == 2, 1] = before[kind == 2, 1]
+    main = _rows(loc, np.where(first & (kind == 3), 1, kind), counts, before[:, 4:], mb > 0)
+    reduced = np.flatnonzero(((kind == 1) | (kind == 3)) & last)
+    flags = after[reduced, 4:].copy()
+    flags[np.arange(len(reduced)), 0, loc[reduced]] = 1  # sharded right after the reduction's state
+    red = _rows(loc[reduced], np.full(len(reduced), 4), after[reduced, :4], flags, np.ones(len(reduced), bool))
+    at = np.concatenate((2 * np.flatnonzero(~(first & (kind == 2))), 2 * reduced + 1))
+    return np.concatenate((main[~(first & (kind == 2))], red))[np.argsort(at, kind="stable")]
+
+
+def _last_set(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """[action, stage]: ``values`` at the last action up to each (itself included) where ``mask`` holds, 0 before
+    the first."""
+    at = np.maximum.accumulate(np.where(mask, np.arange(len(mask))[:, None], -1), axis=0)
+    return np.where(at >= 0, values.astype(np.intp)[at], 0)
+
+
+def _rows(loc, kind, counts, flags, later) -> np.ndarray:
+    """:func:`_walk_rows`' rows of these fields ([action, field, stage] for ``counts`` and ``flags``)."""
+    n = len(loc)
+    return np.concatenate((loc[:, None], kind[:, None], counts.reshape(n, -1), flags.reshape(n, -1),
+                           np.asarray(later, dtype=np.intp)[:, None]), axis=1)
+
+
+def _held(rows: np.ndarray, v: int) -> tuple[Held, ...]:
+    """The :class:`Held` of each of :func:`_walk_rows`' rows (Python ints and bools, as :class:`_Walk` makes)."""
+    fields = [list(map(tuple, rows[:, 2 + i * v:2 + (i + 1) * v].astype(bool if i >= 5 else np.intp).tolist()))
+              for i in range(7)]
+    kinds = [_KINDS[k] for k in rows[:, 1].tolist()]
+    return tuple(map(Held._make, zip(rows[:, 0].tolist(), kinds, *fields, rows[:, -1].astype(bool).tolist(),
+                                     strict=True)))
 
 
 class StateArrays(NamedTuple):
@@ -216,31 +280,51 @@ def state_arrays(states: tuple[Held, ...]) -> StateArrays:
     hit = _ARRAYS.get(id(states))
     if hit is not None and hit[0] is states:
         return hit[1]
-    groups: dict[tuple, int] = {}
-    keys = [(h.kind, h.local, h.grads[h.local], h.backward_last[h.local], h.weight_passed[h.local], h.later)
-            for h in states]
-    codes = np.array([[g * 4 + b * 2 + w for g, b, w in zip(h.grads, h.backward_last, h.weight_passed, strict=True)]
-                      for h in states])
-    full, waiting, forwarded, backwarded = (np.array([getattr(h, f) for h in states], dtype=float)
-                                            for f in ("full", "waiting", "forwarded", "backwarded"))
-    local = np.array([h.local for h in states])
-    group = np.array([groups.setdefault(k, len(groups)) for k in keys])
-    sent = backwarded.copy()  # an input gradient's send holds it until a lower stage runs that backward
-    sent[:, 1:] -= backwarded[:, :-1]
-    stage_index = np.broadcast_to(np.arange(codes.shape[1]), codes.shape)
-    order = np.argsort(group, kind="stable")
-    out = StateArrays(full, waiting, forwarded, backwarded, local, group, codes,
-                      tuple(tuple(int(x) for x in np.unique(col)) for col in codes.T),
-                      np.concatenate((full + waiting, waiting, sent), axis=1), stage_index == local[:, None],
-                      stage_index, order, np.flatnonzero(np.diff(group[order], prepend=-1)))
+    return _remember(states, _arrays_of(_rows_of(states), len(states[0].full)))
+
+
+def _rows_of(states: list[Held] | tuple[Held, ...]) -> np.ndarray:
+    """``states`` as :func:`_walk_rows`' rows."""
+    return np.array([(h.local, _KINDS.index(h.kind), *h.full, *h.waiting, *h.forwarded, *h.backwarded, *h.grads,
+                      *h.backward_last, *h.weight_passed, h.later) for h in states], dtype=np.intp)
+
+
+def _remember(states: tuple[Held, ...], arrays: StateArrays) -> StateArrays:
     if len(_ARRAYS) >= 4096:  # as many as rank_states keeps
         _ARRAYS.clear()
-    _ARRAYS[id(states)] = states, out
-    return out
+    _ARRAYS[id(states)] = states, arrays
+    return arrays
+
+
+def _arrays_of(rows: np.ndarray, v: int) -> StateArrays:
+    """:class:`StateArrays` of :func:`_walk_rows`' rows."""
+    full, waiting, forwarded, backwarded = (rows[:, 2 + i * v:2 + (i + 1) * v].astype(float) for i in range(4))
+    grads, backward_last, passed = (rows[:, 2 + i * v:2 + (i + 1) * v] for i in range(4, 7))
+    codes = grads * 4 + backward_last * 2 + passed
+    local, at = rows[:, 0], np.arange(len(rows))
+    key = np.stack((rows[:, 1], local, codes[at, local], rows[:, -1]), axis=1)
+    group = _first_seen(key)
+    sent = backwarded.copy()  # an input gradient's send holds it until a lower stage runs that backward
+    sent[:, 1:] -= backwarded[:, :-1]
+    stage_index = np.broadcast_to(np.arange(v), codes.shape)
+    order = np.argsort(group, kind="stable")
+    return StateArrays(full, waiting, forwarded, backwarded, local, group, codes,
+                       tuple(tuple(int(x) for x in np.unique(col)) for col in codes.T),
+                       np.concatenate((full + waiting, waiting, sent), axis=1), stage_index == local[:, None],
+                       stage_index, order, np.flatnonzero(np.diff(group[order], prepend=-1)))
+
+
+def _first_seen(key: np.ndarray) -> np.ndarray:
+    """Per row of ``key``, the number of distinct rows before its first appearance (ids in order of appearance;
+    a dict of the rows as tuples: ``np.unique(axis=0)`` sorts them as bytes, several times slower here)."""
+    ids: dict[tuple, int] = {}
+    return np.fromiter((ids.setdefault(k, len(ids)) for k in map(tuple, key.tolist())), dtype=np.intp,
+                       count=len(key))
 
 
 class _Walk:
-    """The sets :func:`rank_states` follows through a rank's actions."""
+    """The sets :func:`rank_states` follows through a rank's actions, one at a time: what :func:`_walk_rows`
+    counts as arrays, and what it falls back to where a rank's actions name micro-batches past the last."""
 
     def __init__(self, v: int):
         self.full: list[set[int]] = [set() for _ in range(v)]
@@ -286,23 +370,20 @@ class _Walk:
             self.grads[k] = 2
 
 
-def _undominated(states: list[Held]) -> tuple[Held, ...]:
-    """``states`` without repeats and without those another state of the same stage, kind,
+def _undominated(rows: np.ndarray, v: int) -> np.ndarray:
+    """:func:`_walk_rows`' ``rows`` without repeats and without those another state of the same stage, kind,
     gradients, units and ``later`` holds at least as many micro-batches as everywhere: by group (in the
     order each first appears), its states in descending order of their counts, as one array comparison of
     each state against those sorted before it in its group (the only ones that can cover it: a state that
     holds at least as many everywhere, and more somewhere, sorts first)."""
-    uniq = list(dict.fromkeys(states))
-    n = len(uniq)
-    groups: dict[tuple, int] = {}
-    group = np.fromiter((groups.setdefault((*h[:2], *h[6:]), len(groups)) for h in uniq), dtype=np.intp, count=n)
-    counts = np.fromiter(_chain(_chain(h[2:6] for h in uniq)), dtype=np.intp).reshape(n, -1)
-    order = np.lexsort((*(-counts.T[::-1]), group))
+    counts = rows[:, 2:2 + 4 * v]
+    group = _first_seen(np.concatenate((rows[:, :2], rows[:, 2 + 4 * v:]), axis=1))
+    order = np.lexsort((*(-counts.T[::-1]), group))  # stable: a repeat after the state it repeats, which covers it
     later, earlier = _earlier_pairs(group[order])
     sorted_counts = counts[order]
-    covered = np.zeros(n, dtype=bool)
+    covered = np.zeros(len(rows), dtype=bool)
     covered[later[(sorted_counts[earlier] >= sorted_counts[later]).all(axis=1)]] = True
-    return tuple(uniq[i] for i in order[~covered])
+    return rows[order[~covered]]
 
 
 def _earlier_pairs(group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
