@@ -347,11 +347,12 @@ STAGED = {"dp": 1, "tp": 1, "pp": 2, "micro_batches": 4, "amp": "none", "recompu
 @pytest.fixture(scope="module", params=["interleaved_1f1b", "looped_bfs"])
 def staged_measured(request):
     """Each pipeline rank's measured timeline of the GPT of MEASURED_CELL under a schedule with 2 stages per rank
-    (4 micro-batches) on a real gloo group of 2 processes: rank 0 through ``Session.memory_timeline(measure=True)``
-    (the widget's path), rank 1 (the loss's) through ``measured_timeline``."""
+    (4 micro-batches) on a real gloo group of 2 processes, both through ``Session.memory_timeline(measure=True)``
+    (the widget's path): rank 0's call measures both ranks in one run (``measured_timelines``), rank 1's (the
+    loss's) returns the curve kept from it. ``runs``: the measurements made."""
     from autopar_nb.notebook.session import Session
     from autopar_nb.source import ModelSource
-    from autopar_nb.verify.timeline import measured_timeline
+    from autopar_nb.verify import timeline
 
     src = ModelSource(MEASURED_CELL)
     meta, example, _ = src.build(device="meta")
@@ -359,8 +360,11 @@ def staged_measured(request):
     s = Session(graph, ap.Cluster.preset("cpu", 1, 2), src)
     s.replan(fix={**STAGED, "schedule": request.param})
     w = s.widget()
-    lines = [s.memory_timeline(rank=0, measure=True), measured_timeline(src, s.plan, graph, cluster=s.cluster, rank=1)]
-    return s, w, lines, [ap.memory_timeline(s.plan, graph, rank=r) for r in range(2)]
+    runs, measure = [], timeline.measure
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(timeline, "measure", lambda *a, **k: runs.append(k["ranks"]) or measure(*a, **k))
+        lines = [s.memory_timeline(rank=0, measure=True), s.memory_timeline(rank=1, measure=True)]
+    return s, w, lines, [ap.memory_timeline(s.plan, graph, rank=r) for r in range(2)], runs
 
 
 def _later_backwards(keys) -> set[int]:
@@ -384,7 +388,8 @@ def test_a_measured_multi_stage_timeline_has_each_micro_batchs_moments(staged_me
     losses, each layer's first backward and the optimizer step are within 5 % of the rank's predicted peak of their
     prediction, and each rank's measured peak within 5 % of its predicted one. (A layer's later backwards:
     ``test_..._later_backwards_are_within_the_bound``.)"""
-    s, w, lines, predicted = staged_measured
+    s, w, lines, predicted, runs = staged_measured
+    assert runs == [(0, 1)]  # one run of the real group measured both pipeline ranks
     for tl, pred in zip(lines, predicted, strict=True):
         print(tl)
         assert [m.label for m in tl] == [m.label for m in pred] and None not in tl.measured
@@ -395,8 +400,8 @@ def test_a_measured_multi_stage_timeline_has_each_micro_batchs_moments(staged_me
                 assert got == pytest.approx(m.bytes, abs=MEASURED_WITHIN * pred.peak_bytes), (tl.rank, m.label, got)
         assert max(tl.measured) == pytest.approx(pred.peak_bytes, rel=MEASURED_WITHIN), tl.rank
     assert any(m.label.startswith("loss (micro-batch") for m in lines[1])
-    entry = w.timeline["ranks"][0]
-    assert entry["measured"] == lines[0].measured and entry["measured_basis"] == lines[0].measured_basis
+    for entry, tl in zip(w.timeline["ranks"], lines, strict=True):  # the widget draws both ranks' curves
+        assert entry["measured"] == tl.measured and entry["measured_basis"] == tl.measured_basis
 
 
 @pytest.mark.multiprocess
@@ -405,7 +410,7 @@ def test_a_measured_multi_stage_timelines_later_backwards_are_within_the_bound(s
     makes its weight gradients beside the ones accumulated, at its own heaviest op
     (``test_a_later_micro_batchs_backward_holds_the_weight_gradients_it_makes_beside_the_accumulated``; they were
     7 to 9 % under)."""
-    _, _, lines, predicted = staged_measured
+    _, _, lines, predicted, _ = staged_measured
     for tl, pred in zip(lines, predicted, strict=True):
         later = _later_backwards(pred.keys)
         for i, (m, got) in enumerate(zip(pred, tl.measured, strict=True)):

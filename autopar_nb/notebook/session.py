@@ -402,19 +402,28 @@ class Session:
         largest peak): :func:`autopar_nb.memory_timeline`; ``print()`` it for a chart in text. With ``measure``,
         also what the plan's exported script holds at each moment, measured on CPU under torch's memory tracker
         (:func:`autopar_nb.verify.timeline.measured_timeline`, a few seconds for a small model); the widget then
-        draws that curve on the same axes, until the plan changes."""
-        if not measure:
-            from ..planner.timeline import memory_timeline
-
-            return memory_timeline(self.current_plan(), self.graph, cluster=self.cluster, rank=rank)
-        from ..verify.timeline import measured_timeline
+        draws that curve on the same axes, until the plan changes. A plan measured on a real gloo group (a
+        pipeline, expert parallelism) runs every rank, so one measurement keeps every pipeline rank's curve, and a
+        later call for another of them returns its kept curve."""
+        from ..planner.timeline import memory_timeline
 
         plan = self.current_plan()
-        tl = measured_timeline(self.source, plan, self.graph, cluster=self.cluster, rank=rank)
-        kept = self.measured_timelines if self.measured_timelines and self.measured_timelines[0] is plan else None
-        self.measured_timelines = (plan, {**(kept[1] if kept else {}), tl.rank: tl})
+        predicted = memory_timeline(plan, self.graph, cluster=self.cluster, rank=rank)
+        if not measure:
+            return predicted
+        from ..verify.measure import needs_real_group
+        from ..verify.timeline import measured_timelines
+
+        kept = dict(self.measured_timelines[1]) if self.measured_timelines and self.measured_timelines[0] is plan \
+            else {}
+        if needs_real_group(plan) and predicted.rank in kept:
+            return kept[predicted.rank]
+        every = needs_real_group(plan)  # the one run measures them all
+        tls = measured_timelines(self.source, plan, self.graph, cluster=self.cluster,
+                                 ranks=None if every else (predicted.rank,))
+        self.measured_timelines = (plan, {**kept, **{tl.rank: tl for tl in tls}})
         self._notify()
-        return tl
+        return next(tl for tl in tls if tl.rank == predicted.rank)
 
     def summary(self) -> str:
         """Plain-text summary: model, cluster, layers (repeated blocks folded)."""

@@ -7,7 +7,7 @@ is)."""
 from __future__ import annotations
 
 from ..cost.schedule import MULTI_STAGE
-from ..planner.timeline import MemoryTimeline, memory_timeline
+from ..planner.timeline import MemoryTimeline, memory_timeline, memory_timelines
 from .measure import measure, needs_real_group
 from .moments import moment_at
 
@@ -35,9 +35,19 @@ def measured_timeline(source, plan, graph, *, cluster=None, rank: int | None = N
     moment (None at a moment no measured place maps to: a run of identical layers' middle ones, which the timeline
     leaves out). A schedule with several stages per rank other than :data:`MAPPED_STAGED` is refused, as is a plan
     measured on a real group (pipelines, expert parallelism) of more than :data:`MAX_LOCAL_RANKS` processes.
+    Several pipeline ranks from one run: :func:`measured_timelines`.
 
     >>> tl = measured_timeline(src, plan, graph)
     >>> print(tl)   # a second column: what was measured at each moment"""
+    (tl,) = measured_timelines(source, plan, graph, cluster=cluster, ranks=(rank,), steps=steps, timeout=timeout)
+    return tl
+
+
+def measured_timelines(source, plan, graph, *, cluster=None, ranks: tuple[int | None, ...] | None = None,
+                       steps: int = 2, timeout: float = 600) -> list[MemoryTimeline]:
+    """:func:`measured_timeline` of each pipeline rank of ``ranks`` (None: every pipeline rank), all measured by one
+    :func:`~autopar_nb.verify.measure.measure` call: a plan on a real gloo group runs every rank in that one run
+    anyway, so its pipeline ranks cost no more together than one of them."""
     if plan.mesh.pp > 1 and plan.pipeline.schedule in MULTI_STAGE and plan.pipeline.schedule not in MAPPED_STAGED:
         raise ValueError(f"a measured timeline of a {plan.pipeline.schedule} schedule is not supported (its "
                          "backward's input and weight passes run the same layer's autograd nodes, which the tracker "
@@ -46,12 +56,18 @@ def measured_timeline(source, plan, graph, *, cluster=None, rank: int | None = N
     if needs_real_group(plan) and plan.mesh.world_size > MAX_LOCAL_RANKS:
         raise ValueError(f"measuring this plan runs all its {plan.mesh.world_size} ranks as processes here (more than "
                          f"{MAX_LOCAL_RANKS}): measure the same layout at fewer processes, Session.plan_for(nproc)")
-    tl = memory_timeline(plan, graph, cluster=cluster, rank=rank)
-    width = max(1, plan.mesh.world_size // tl.ranks)
-    (got,) = measure(source, plan, ranks=(tl.rank * width,), steps=steps, timeout=timeout, moments=True)
-    tl.measured = measured_curve(got["moments"], tl, [lay.path for lay in graph.layers])
-    tl.measured_basis = measured_basis(plan)
-    return tl
+    if ranks is None:
+        tls = memory_timelines(plan, graph, cluster=cluster)
+    else:
+        tls = [memory_timeline(plan, graph, cluster=cluster, rank=r) for r in ranks]
+    width = max(1, plan.mesh.world_size // tls[0].ranks)
+    got = measure(source, plan, ranks=tuple(tl.rank * width for tl in tls), steps=steps, timeout=timeout,
+                  moments=True)
+    paths = [lay.path for lay in graph.layers]
+    for tl, one in zip(tls, got, strict=True):
+        tl.measured = measured_curve(one["moments"], tl, paths)
+        tl.measured_basis = measured_basis(plan)
+    return tls
 
 
 def measured_curve(places: list, tl: MemoryTimeline, layer_paths: list[str]) -> list[float | None]:
