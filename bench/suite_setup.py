@@ -1,14 +1,17 @@
-"""Where two test fixtures' set-up time goes: each fixture's own steps (capture and plan, ``verify_many``) timed one
+"""Where some test fixtures' set-up time goes: each fixture's own steps (capture and plan, ``verify_many``) timed one
 by one in one process, as the fixture runs them; nothing the tests check changes.
 
-    PYTHONPATH=. .venv/bin/python bench/suite_setup.py --part plans_run|tp_layouts|references|second_verify
+    PYTHONPATH=. .venv/bin/python bench/suite_setup.py --part PART
+
+PART, one of:
 
 * ``plans_run``: tests/test_plans_run.py's ``reports``;
 * ``tp_layouts``: tests/test_tp_layouts.py's ``reports`` (what ``test_layout_matches_single_process[zoo_gpt_fused_qkv]``
   pays as set-up), with the import of the test module (it builds ``CASES``);
 * ``references``: the single-process reference of each tp_layouts case (``script_values`` and ``reference``);
 * ``second_verify``: tp_layouts' four-rank ``verify_many`` three times: first (it starts a standby), right after
-  (the pool's refill, started when the first ended), and after that standby is ready.
+  (the pool's refill), and after that standby is ready;
+* ``staged_timeline``: tests/test_timeline.py's ``staged_measured`` fixture's measuring calls (looped BFS).
 """
 
 from __future__ import annotations
@@ -83,9 +86,26 @@ def second_verify() -> None:
     timed("four-rank verify_many, after the standby is ready", verify_many, plans, steps=t.STEPS)
 
 
+def staged_timeline() -> None:
+    import test_timeline as t
+
+    import autopar_nb as ap
+    from autopar_nb.notebook.session import Session
+    from autopar_nb.source import ModelSource
+
+    src = ModelSource(t.MEASURED_CELL)
+    meta, example, _ = src.build(device="meta")
+    graph = ap.capture(meta, example)
+    s = Session(graph, ap.Cluster.preset("cpu", 1, 2), src)
+    s.replan(fix={**t.STAGED, "schedule": "looped_bfs"})
+    s.widget()
+    timed("staged_measured's rank 0 (measures both ranks)", s.memory_timeline, rank=0, measure=True)
+    timed("staged_measured's rank 1 (kept)", s.memory_timeline, rank=1, measure=True)
+
+
 def main() -> None:
     parts = {"plans_run": plans_run, "tp_layouts": tp_layouts, "references": references,
-             "second_verify": second_verify}
+             "second_verify": second_verify, "staged_timeline": staged_timeline}
     p = argparse.ArgumentParser()
     p.add_argument("--part", choices=sorted(parts), required=True)
     parts[p.parse_args().part]()
