@@ -208,11 +208,22 @@ def beyond_megatron(*, tp: int, pp: int, hidden: int, layers: int, vocab: int = 
     memory the published runs did not need. The first stage's parameters: the embeddings (the head tied to them)
     and its share of the blocks, 12 h^2 each. Beside TP the first stage also accumulates the word embedding's whole
     float32 gradient on every TP rank (DTensor's embedding backward is Partial, ``whole_grads``), where Megatron's
-    ``VocabParallelEmbedding`` keeps its vocab shard's."""
+    ``VocabParallelEmbedding`` keeps its vocab shard's. And where our runtime accumulates the micro-batches'
+    gradients in place (DDP at t = 1, or a pipeline stage), a later micro-batch's backward makes each weight gradient
+    beside the accumulated one before autograd adds it (AccumulateGrad), largest at the MLP output projection's
+    [h, 4h / t] weight and [h] bias in float32 (``new_weight_gradients``), where Megatron-LM's gradient accumulation
+    fusion (on by default: ``--no-gradient-accumulation-fusion``; Megatron-LM 23.04,
+    megatron/core/tensor_parallel/layers.py, ``LinearWithGradAccumulationAndAsyncCommunication.backward``:
+    ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(total_input, grad_output, weight.main_grad)``,
+    ``grad_weight = None``) has the GEMM add into ``main_grad``: no gradient is made. This credit, like the output
+    one, is Megatron-LM as it ran from 2022 (fusion: commit 83b1e42, Feb 2022; ``deallocate_output_tensor``: Jan
+    2022), not the paper's 2021 code, whose DDP hook made each gradient in fp16 and then added it to ``main_grad``
+    (half of this), nor Megatron-Core's since, which returns a 16-bit placeholder of the weight's shape beside it."""
     kept = pp * seq * hidden * 2 if pp > 1 else 0.0
     first = ((vocab + seq) * hidden + -(-layers // pp) * 12 * hidden * hidden) / tp
     whole_grad = vocab * hidden * (1 - 1 / tp)
-    return kept + ((first + whole_grad) * 4 if tp > 1 else 0.0)
+    new_grads = (4 * hidden * hidden / tp + hidden) * 4 if pp > 1 or tp == 1 else 0.0
+    return kept + new_grads + ((first + whole_grad) * 4 if tp > 1 else 0.0)
 
 
 def test_megatron_table_1_with_one_fused_qkv_linear():
