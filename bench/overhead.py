@@ -20,8 +20,9 @@ take next to no time), so what is timed is the CPU side only:
       the redistribution in its hooks;
   (e) the optimizer step per parameter tensor, as ``autopar_nb/runtime/train.py`` runs it: gradient
       clipping (``runtime/optim.clip_grad_norm``) and Adam with the multi-tensor (foreach) kernels
-      CUDA defaults to, over plain tensors, over FSDP2's sharded DTensors, and ZeRO-1's
-      ``ZeroRedundancyOptimizer``; and a step of it at no tensor;
+      CUDA defaults to, over plain tensors, over FSDP2's sharded DTensors (ZeRO-3's units), and over
+      ZeRO-1's as the runtime builds them (``runtime/fsdp.apply_fsdp`` without resharding after
+      forward: FSDP2 is ZeRO-1, Megatron's distributed optimizer); and a step of it at no tensor;
   (f) torch's pipeline schedule (1F1B, ``torch.distributed.pipelining``) per micro-batch on a stage,
       beyond the stage's ops;
   (g) one collective call (an all-reduce of a tiny tensor) on the fake group.
@@ -208,25 +209,32 @@ def tp(x, mesh) -> tuple[float, float]:
 
 
 # ---- (e) optimizer -------------------------------------------------------------------------------
-def optimizer_per_tensor(x, mesh) -> dict[str, float]:
+def optimizer_model(kind: str, n: int, mesh) -> nn.Sequential:
+    """A chain of ``n`` layers whose parameters the optimizer steps over: plain tensors ("param"), FSDP2's
+    DTensor shards under ZeRO-3 ("dtensor"), or ZeRO-1's as the exported script shards them ("zero1":
+    ``runtime/fsdp.apply_fsdp``, each layer a unit and then the root, not resharded after forward)."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    from autopar_nb.runtime.fsdp import apply_fsdp
+
+    model = chain(n)
+    if kind == "dtensor":
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif kind == "zero1":
+        apply_fsdp(model, mesh, units=[str(k) for k in range(n)], reshard_after_forward=False)
+    return model
+
+
+def optimizer_per_tensor(x, mesh) -> dict[str, float]:
     from autopar_nb.runtime.optim import clip_grad_norm
 
     def make(kind):
         def at(n):
-            model = chain(n)
-            if kind == "dtensor":
-                for layer in model:
-                    fully_shard(layer, mesh=mesh)
-                fully_shard(model, mesh=mesh)
+            model = optimizer_model(kind, n, mesh)
             params = list(model.parameters())
-            if kind == "zero1":
-                opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Adam, lr=1e-3,
-                                              foreach=True)
-            else:  # CUDA's default: the foreach kernels
-                opt = torch.optim.Adam(params, lr=1e-3, foreach=True)
+            opt = torch.optim.Adam(params, lr=1e-3, foreach=True)  # CUDA's default: the foreach kernels
             model(x).sum().backward()
 
             def run():

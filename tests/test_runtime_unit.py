@@ -4,6 +4,7 @@ and the exported script's ``parallelize`` under a fake process group."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -287,6 +288,25 @@ def test_tp_collectives_are_megatrons(fake_world_of_two, sp, tmp_path):
     else:
         assert counts == {"all_reduce": 5, "all_gather_into_tensor": 1}
     assert logits.shape == (4, 16, 64)
+
+
+def test_the_overhead_bench_steps_zero1_over_fsdp2_shards_as_the_runtime_does(fake_world_of_two):
+    """bench/overhead.py times the optimizer step per tensor of what the product runs: ZeRO-1 is FSDP2
+    (``apply_fsdp`` without resharding after forward), not torch's ZeroRedundancyOptimizer over whole
+    parameters: every parameter the step sees is a DTensor shard, and a forward leaves the layers gathered."""
+    import sys
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from overhead import BATCH, WIDTH, optimizer_model
+
+    mesh = init_device_mesh("cpu", (2,))
+    model = optimizer_model("zero1", 3, mesh)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    model(torch.randn(BATCH, WIDTH))
+    assert not any(isinstance(p, DTensor) for p in model[1].parameters())  # unsharded until backward
 
 
 HELD_CELLS = {"GPT-2": HF_GPT2_CELL, "zoo GPT": GPT_CELL, "Falcon": HF_FALCON_CELL, "DeepSeek-V3": HF_DEEPSEEK_V3_CELL,
