@@ -149,8 +149,9 @@ class ModelGraph:
     tp_refused: dict[str, str] = field(default_factory=dict)
     """module path -> why tensor parallelism leaves it whole: the planner ran a layout splitting it on stand-in
     tensors and the model's forward failed on the local shards (``planner/forward.py``); filled at plan time"""
-    tp_tables: dict[str, int] = field(default_factory=dict)
-    """parameter or buffer name -> its heads dim, for the head-indexed tables (bias tables, ALiBi slopes) that a
+    tp_tables: dict[str, int | tuple[int, int]] = field(default_factory=dict)
+    """parameter, buffer or keyword input name -> its heads dim (or (dim, heads): flattened with the batch), for the
+    head-indexed tables (bias tables, ALiBi slopes) that a
     layout run at plan time split with the heads (``planner/forward.py``): the cost model counts them split"""
     stand_in: Any = field(default=None, repr=False, compare=False)
     """the meta copy of the model and its example inputs (``autopar_nb.capture.meta_stand_in.StandIn``; None: not

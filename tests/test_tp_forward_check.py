@@ -280,18 +280,51 @@ def test_gemma2s_soft_capped_logits_keep_the_head_vocabulary_parallel():
 
 
 @pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
-def test_blooms_attention_is_kept_whole_with_the_reason():
-    """Bloom adds the ALiBi bias of every head, made by the model and passed in, to its scores inside baddbmm: a rank
-    holding half the heads cannot take it, and explain() says so in one line naming the attention module."""
+def test_blooms_attention_is_split_with_its_alibi_cut_to_the_ranks_heads():
+    """Bloom adds the ALiBi bias of every head, (batch x heads, 1, T), made by the model and passed by keyword, to its
+    scores inside baddbmm: the attention is split (it was kept whole), the bias cut to the rank's heads on the way in
+    (named (0, heads): the heads flattened with the batch), num_heads set per rank. Sequence parallelism starts at the
+    first block: the norm of the embeddings alone before it runs on whole activations, and the script builds."""
+    from autopar_nb.export import render_script
+    from autopar_nb.export.values import script_values
+
     graph, plan = planned(HF_BLOOM_CELL)
-    assert not [m for m in plan.tp_plan if ".self_attention." in m], plan.tp_plan
-    assert "transformer.h.0.mlp.dense_h_to_4h" in plan.tp_plan  # the MLP is split
-    line = refusal(plan)
-    assert "transformer.h.0.self_attention.query_key_value" in line and "\n" not in line, line
-    assert ("transformer.h.0.self_attention adds a tensor of every head made outside it (shape 16x1x16, e.g. an "
-            "ALiBi bias passed in) to its split scores in baddbmm: a rank holds only its own heads") in line, line
-    with pytest.raises(ap.PlanError, match="cannot be split.*ALiBi"):
-        ap.plan(graph, CPU2, fix={"tp": 2}, overrides={"transformer.h.*.self_attention": {"tp": "colwise-rowwise"}})
+    assert graph.tp_refused == {} and not [line for line in plan.explanation if line.startswith("Kept")]
+    attn = "transformer.h.1.self_attention."
+    assert plan.tp_plan[attn + "query_key_value"] == "colwise" and plan.tp_plan[attn + "dense"] == "rowwise"
+    values = script_values(source(HF_BLOOM_CELL), plan)
+    assert values.head_tables == {"transformer.h.*.self_attention": {"alibi": (0, 4)}}
+    assert values.local_sizes == {"transformer.h.*.self_attention": {"num_heads": 2}}
+    assert any(lp.sequence_parallel for lp in plan.layers)
+    assert "transformer.word_embeddings_layernorm" not in plan.tp_plan, plan.tp_plan
+    script = render_script(source(HF_BLOOM_CELL), plan)
+    assert 'tables = {"transformer.h.*.self_attention": {"alibi": (0, 4)}}' in script
+
+
+def test_a_bias_added_in_a_batched_product_goes_with_the_heads_only_when_the_runtime_can_cut_it():
+    """baddbmm(bias, q, k) with q and k split by heads (flattened with the batch in dim 0): a bias made outside the
+    attention with dim 0 whole is cut on the way in, one broadcast over dim 0 needs no cut; one made inside the module,
+    or whose dim 0 is the batch alone, is refused with the reason."""
+    from types import SimpleNamespace as Node
+
+    from autopar_nb.cost.tp_refusals import bias_with_heads, whole_bias
+
+    def product(bias_shape, made_in):
+        bias = Node(name="bias", module_path=made_in, out_shapes=[bias_shape])
+        return Node(name="scores", op="aten.baddbmm.default", module_path="h.0.attn", inputs=["bias", "q", "k"],
+                    out_shapes=[(16, 16, 16)]), {"bias": bias}
+
+    sharded = {"q": 0, "k": 0}
+    for shape, made_in, fits in (((16, 1, 16), "", True), ((16, 1, 16), "model", True), ((1, 16, 16), "h.0.attn", True),
+                                 ((16, 16), "h.0.attn", True),
+                                 ((16, 1, 16), "h.0.attn", False), ((16, 1, 16), "h.0.attn.alibi", False),
+                                 ((4, 1, 16), "model", False)):
+        n, by_name = product(shape, made_in)
+        assert bias_with_heads(n, sharded, by_name) is fits, (shape, made_in)
+        why = whole_bias(n, sharded, by_name)
+        assert (why == "") is fits, why
+        assert fits or why.startswith(f"h.0.attn adds a tensor of every head (shape {'x'.join(map(str, shape))}) to "
+                                      "its split scores in baddbmm that TP cannot cut to a rank's heads"), why
 
 
 @pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
@@ -411,9 +444,10 @@ def test_a_model_built_with_real_weights_is_checked_on_a_meta_copy():
     assert not torch.distributed.is_initialized()
 
 
-HF_CELLS = {"gemma": HF_GEMMA_CELL, "gemma2": HF_GEMMA2_CELL, "mpt": HF_MPT_CELL}
+HF_CELLS = {"gemma": HF_GEMMA_CELL, "gemma2": HF_GEMMA2_CELL, "mpt": HF_MPT_CELL, "bloom": HF_BLOOM_CELL}
 """Hugging Face cells trained on 2 ranks (where transformers is installed): Gemma and Gemma 2 (embedding and tied
-head split on the vocabulary), MPT (attention split with its ALiBi input)"""
+head split on the vocabulary), MPT and Bloom (attention split with its ALiBi input: (heads, 1, T), and
+(batch x heads, 1, T))"""
 
 
 @pytest.fixture(scope="module")
@@ -477,16 +511,17 @@ def test_deepseek_v3s_split_mla_trains_on_dp2_x_tp2_as_on_one():
 @pytest.mark.multiprocess
 def test_split_tables_and_gemmas_embedding_train_on_two_ranks_as_on_one(two_ranks):
     """Both per-head table cells, attention split with their tables, Gemma and Gemma 2, embedding and tied head split
-    on the vocabulary, and MPT, attention split with its ALiBi input, train on 2 gloo processes (one launch) as the
-    single-process reference does."""
+    on the vocabulary, and MPT and Bloom, attention split with its ALiBi input, train on 2 gloo processes (one launch)
+    as the single-process reference does."""
     for name in TABLES:
         plan = two_ranks[name][0]
         assert {"h.0.attn", "h.1.attn"} <= {m.rpartition(".")[0] for m in plan.tp_plan}, plan.tp_plan
     if has_transformers():
-        gemma, gemma2, mpt = (two_ranks[name][0] for name in HF_CELLS)
+        gemma, gemma2, mpt, bloom = (two_ranks[name][0] for name in HF_CELLS)
         assert {"model.embed_tokens", "lm_head"} <= set(gemma.tp_plan), gemma.tp_plan
         assert {"model.embed_tokens", "lm_head"} <= set(gemma2.tp_plan) and gemma2.loss_parallel, gemma2.tp_plan
         assert "transformer.blocks.0.attn.Wqkv" in mpt.tp_plan, mpt.tp_plan
+        assert "transformer.h.0.self_attention.query_key_value" in bloom.tp_plan, bloom.tp_plan
     for name in [*TABLES, *(HF_CELLS if has_transformers() else ())]:
         assert two_ranks[name][1].ok, str(two_ranks[name][1])
 

@@ -26,14 +26,40 @@ def where(n) -> str:
 
 
 def whole_bias(n, sharded, by_name) -> str:
-    """Why matmul ``n`` cannot take operands split by heads when it adds a replicated tensor to their product (Bloom's
-    ``alibi.baddbmm(q, k)``: the ALiBi bias of every head, made by the model and passed in); "" for another cause."""
+    """Why matmul ``n`` cannot take operands split by heads when it adds a replicated tensor to their product that
+    does not go with the heads (:func:`bias_with_heads`): one made inside the module, or whose dim 0 is not the
+    product's; "" for another cause."""
     bias = [by_name[i].out_shapes[0] for i in n.inputs[:-2] if i not in sharded and i in by_name]
-    if not bias or not all(i in sharded for i in n.inputs[-2:]):
+    if not bias or not all(i in sharded for i in n.inputs[-2:]) or bias_with_heads(n, sharded, by_name):
         return ""
-    return (f"{n.module_path or 'the model'} adds a tensor of every head made outside it (shape "
-            f"{'x'.join(map(str, bias[0]))}, e.g. an ALiBi bias passed in) to its split scores in {packet(n.op)}: "
-            "a rank holds only its own heads")
+    return (f"{n.module_path or 'the model'} adds a tensor of every head (shape {'x'.join(map(str, bias[0]))}) to its "
+            f"split scores in {packet(n.op)} that TP cannot cut to a rank's heads: it is made inside the module, or "
+            "its dim 0 is not the product's batch x heads")
+
+
+def bias_with_heads(n, sharded, by_name) -> bool:
+    """Whether every replicated tensor that matmul ``n`` adds to the product of its two operands split by heads (a
+    batched product: heads flattened with the batch in dim 0) can go with the heads: it broadcasts over dim 0 (size
+    1, or fewer dims), or it holds dim 0 whole and is made outside ``n``'s module (Bloom's ALiBi bias (batch x heads,
+    1, T) in ``alibi.baddbmm(q, k)``, built once by the model and passed to every attention), so that the runtime cuts
+    it to the rank's heads on the way in (``runtime/heads.py``), as the split projections cut the operands; the
+    planner's stand-in run checks that it does (``planner/forward.py``)."""
+    if not n.out_shapes or not all(i in sharded for i in n.inputs[-2:]):
+        return False
+    out = tuple(n.out_shapes[0])
+    for i in n.inputs[:-2]:
+        x = by_name.get(i)
+        if i in sharded or x is None:
+            continue
+        shape = tuple(x.out_shapes[0]) if x.out_shapes else ()
+        shape = (1,) * (len(out) - len(shape)) + shape  # fewer dims: broadcast over the leading ones
+        if len(shape) != len(out) or any(a not in (1, b) for a, b in zip(shape[1:], out[1:], strict=True)):
+            return False
+        inside = not n.module_path or x.module_path == n.module_path or \
+            x.module_path.startswith(n.module_path + ".")  # the runtime cuts only what enters the module
+        if shape[0] != 1 and (shape[0] != out[0] or inside):
+            return False
+    return True
 
 
 def refuse_shared(n, s_in: list[str], seed, refused: dict[str, str], sharded, graph, by_name, out_numel,

@@ -23,6 +23,9 @@ class SpExtent(NamedTuple):
     """why the region ends at :attr:`last`: what a shard would run wrong in the layers after it"""
     gather: str = ""
     """the layer after :attr:`last` that gathers the sequence at its input"""
+    before: tuple[str, ...] = ()
+    """the layers with parameters before the first block (:func:`first_block`), embeddings aside: they run on whole
+    activations (a norm of the embeddings alone)"""
 
 
 def sp_extent(graph, by_name, styles: dict[str, str], sharded: dict[str, int]) -> SpExtent:
@@ -44,8 +47,9 @@ def sp_extent(graph, by_name, styles: dict[str, str], sharded: dict[str, int]) -
     refused only where no such earlier end works.
     """
     why, failed = _walk(graph, by_name, styles, sharded)
+    before = _before_blocks(graph, styles, sharded)
     if not why or failed is None:
-        return SpExtent(why)
+        return SpExtent(why, before=before)
     layers = [lay.path for lay in graph.layers]
     embedded = {n.layer for n in graph.nodes if n.op_class == "embedding"}
     split = {n.layer for n in graph.nodes if styles.get(n.name) in ("colwise", "rowwise") or n.name in sharded}
@@ -57,7 +61,25 @@ def sp_extent(graph, by_name, styles: dict[str, str], sharded: dict[str, int]) -
     last = max((i for i in ends if after is not None and i < after), default=None)
     if last is None or layers[last] not in split or _walk(graph, by_name, styles, sharded, layers[after])[0]:
         return SpExtent(why)
-    return SpExtent("", layers[last], why, layers[after])
+    return SpExtent("", layers[last], why, layers[after], before)
+
+
+def first_block(graph, styles: dict[str, str], sharded: dict[str, int]) -> str | None:
+    """The first layer, embeddings' aside, that holds a split Linear: the runtime cuts the sequence at its input
+    (``planner.styles``' region starts at the first split layer), so a layer with parameters before it (Bloom's
+    ``word_embeddings_layernorm``, a norm of the embeddings alone) runs on whole activations."""
+    embedded = {n.layer for n in graph.nodes if n.op_class == "embedding"}
+    split = {n.layer for n in graph.nodes if styles.get(n.name) in ("colwise", "rowwise") or n.name in sharded}
+    return next((lay.path for lay in graph.layers if lay.path in split and lay.path not in embedded), None)
+
+
+def _before_blocks(graph, styles: dict[str, str], sharded: dict[str, int]) -> tuple[str, ...]:
+    """:attr:`SpExtent.before`."""
+    first = first_block(graph, styles, sharded)
+    embedded = {n.layer for n in graph.nodes if n.op_class == "embedding"}
+    layers = [lay.path for lay in graph.layers]
+    end = layers.index(first) if first is not None else len(layers)
+    return tuple(lay.path for lay in graph.layers[:end] if lay.num_params and lay.path not in embedded)
 
 
 def _walk(graph, by_name, styles: dict[str, str], sharded: dict[str, int], after: str | None = None
@@ -69,11 +91,13 @@ def _walk(graph, by_name, styles: dict[str, str], sharded: dict[str, int], after
     seq: set[str] = set()
     pre: set[str] = set()  # replicated activations made from vocab-parallel lookups before the blocks
     embedded = {n.layer for n in graph.nodes if n.op_class == "embedding"}
-    blocks = {lay.path for lay in graph.layers if lay.num_params and lay.path not in embedded}
+    first = first_block(graph, styles, sharded)
+    index = {lay.path: i for i, lay in enumerate(graph.layers)}
+    blocks = {lay.path for lay in graph.layers if lay.num_params and lay.path not in embedded and
+              first is not None and index[lay.path] >= index[first]}
     split = {n.module_path for n in graph.nodes
              if n.module_path and (styles.get(n.name) in ("colwise", "rowwise") or n.name in sharded)}
     used = {i for n in graph.nodes for i in n.inputs}
-    index = {lay.path: i for i, lay in enumerate(graph.layers)}
     gather, past = index.get(after, len(index)), False
     for n in graph.nodes:
         p = packet(n.op)

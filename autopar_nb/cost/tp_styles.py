@@ -55,7 +55,7 @@ import kernels_ext
 
 from .tp_heads import track_heads, within_heads
 from .tp_parts import Parts, fused_cut, name_heads, parts_of, role_of, split_heads
-from .tp_refusals import Blame, first_causes, packet, refuse_shared, where, whole_bias
+from .tp_refusals import Blame, bias_with_heads, first_causes, packet, refuse_shared, where, whole_bias
 
 PROJECTIONS = ("Linear", "Conv1D")
 """module classes whose Linear-like ops TP splits: ``nn.Linear`` and Hugging Face's ``Conv1D`` (weight (in, out))"""
@@ -358,7 +358,10 @@ class _Walker:
             return True
         if n.op_class == "matmul" and not n.params and \
                 any(i not in self.sharded and i in self.by_name for i in n.inputs):
-            # eager q @ k^T, scores @ v: both operands split by heads or neither
+            # eager q @ k^T, scores @ v: both operands split by heads or neither; a bias added to the product goes
+            # with the heads where it can (Bloom's ALiBi in baddbmm)
+            if bias_with_heads(n, self.sharded, self.by_name):
+                return False
             why = whole_bias(n, self.sharded, self.by_name)
             self.conflicts.add(seed, why or f"{where(n)} multiplies its split output by a tensor that is not split")
             self.refused.update({k: why for k in seed if why and k not in self.refused})

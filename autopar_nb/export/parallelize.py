@@ -21,7 +21,8 @@ def tp_plans(v: ScriptValues) -> tuple[list[str], set, list[str]]:
         lines += ["# per-rank head counts and widths that the model's code reads (global / TP; plan: "
                   "layers[*].tp_parts)", f"sizes = {literal(v.local_sizes, width=116)}"]
     if v.head_tables:
-        lines += ["# head-indexed tables (bias per head, ALiBi slopes): name -> the dim of the heads, split with them",
+        lines += ["# head-indexed tables (bias per head, ALiBi slopes): name -> the dim of the heads, split with them;",
+                  "# (dim, heads): that dim holds the batch and the heads flattened (batch outer)",
                   f"tables = {literal(v.head_tables, width=116)}"]
     styles = [*v.tp_plan.values(), *(x for p in v.block_tp_plans.values() for x in p.values())]
     imports = {("torch.distributed.tensor", name, None) for st in styles for name in st.placements()}

@@ -68,7 +68,7 @@ def checked_profile(graph, device_kind: str, cluster, fix: dict | None):
     return prof
 
 
-def _with_tables(graph, tables: dict[str, dict[str, int]], device_kind: str, prof):
+def _with_tables(graph, tables: dict[str, dict[str, int | tuple[int, int]]], device_kind: str, prof):
     """The profile once ``graph.tp_tables`` holds the head-indexed tables a layout that ran split (found in the
     first member of each repeated block: every member's are named)."""
     named = {f"{m}.{name}": dim for path, names in tables.items() for m in same_in_every_block(graph, path)

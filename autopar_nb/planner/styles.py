@@ -365,7 +365,7 @@ HEAD_DIMS = ("head_dim", "head_size", "attention_head_size", "d_k")
 
 
 def head_tables(model: nn.Module, styles: dict[str, TPStyle], *, tp: int, parts: dict[str, list[int]] | None = None,
-                call=None) -> dict[str, dict[str, int]]:
+                call=None) -> dict[str, dict[str, int | tuple[int, int]]]:
     """Module path -> parameter or buffer name -> the dim that indexes its heads, for the head-indexed tables of
     the modules that hold split projections (a relative-position bias of shape (heads, T, T) or (T, T, heads),
     ALiBi slopes (heads,)): the runtime's ``shard_head_tables`` splits them with the heads, so that each rank adds
@@ -375,10 +375,11 @@ def head_tables(model: nn.Module, styles: dict[str, TPStyle], *, tp: int, parts:
     heads are as many as a head's width (it could be either). ``call`` (a function that runs the model once, on meta
     tensors) adds the floating-point tensors such a module is handed by keyword with exactly one dim of its head
     count (MPT's ALiBi ``position_bias`` (heads, 1, T), made once by the model for every block; masks are boolean),
-    which the runtime splits on the way in. The planner runs the layout with these split (``forward_run.py``): a
+    or with dim 0 the batch times the heads (Bloom's ALiBi (batch x heads, 1, T): named with (0, heads)), which the
+    runtime splits on the way in. The planner runs the layout with these split (``forward_run.py``): a
     guess the forward cannot run with keeps the module whole."""
     modules = dict(model.named_modules())
-    out: dict[str, dict[str, int]] = {}
+    out: dict[str, dict[str, int | tuple[int, int]]] = {}
     hooks = []
     made: dict[int, torch.Tensor] = {}  # what split modules return: a rank's own heads at run time (T5's bias)
     for parent, paths in _split_children(modules, styles).items():
@@ -411,15 +412,18 @@ def head_tables(model: nn.Module, styles: dict[str, TPStyle], *, tp: int, parts:
     return {parent: found for parent, found in out.items() if found}
 
 
-def _head_inputs(args: tuple, kwargs: dict, heads: int, widths: set[int], *, made: dict) -> dict[str, int]:
-    """Keyword input -> its heads dim, for the floating-point tensors among ``kwargs`` with one dim of ``heads``;
-    not the activations the module's projections read (last dim one of their input ``widths``), nor, where the batch
-    of those activations is as large as the heads, a tensor whose dim 0 it would be (a float mask (batch, 1, T, T)),
-    nor one that a split module returned (``made``: T5's position bias, computed from a table split with the heads,
-    holds the rank's own heads already)."""
+def _head_inputs(args: tuple, kwargs: dict, heads: int, widths: set[int], *, made: dict
+                 ) -> dict[str, int | tuple[int, int]]:
+    """Keyword input -> its heads dim, for the floating-point tensors among ``kwargs`` with one dim of ``heads``,
+    or -> (0, heads) for those whose dim 0 is the batch of the activations times ``heads`` and none is ``heads``
+    (Bloom's ALiBi (batch x heads, 1, T): the heads flattened with the batch, the batch outer); not the activations
+    the module's projections read (last dim one of their input ``widths``), nor, where the batch of those
+    activations is as large as the heads, a tensor whose dim 0 it would be (a float mask (batch, 1, T, T)), nor one
+    that a split module returned (``made``: T5's position bias, computed from a table split with the heads, holds the
+    rank's own heads already)."""
     hidden = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] in widths]
     batch = hidden[0].shape[0] if hidden else None
-    out = {}
+    out: dict[str, int | tuple[int, int]] = {}
     for name, t in kwargs.items():
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() < 2 or t.shape[-1] in widths \
                 or id(t) in made:
@@ -427,6 +431,8 @@ def _head_inputs(args: tuple, kwargs: dict, heads: int, widths: set[int], *, mad
         dims = [d for d, n in enumerate(t.shape) if n == heads]
         if len(dims) == 1 and not (dims[0] == 0 and heads == batch):
             out[name] = dims[0]
+        elif not dims and batch and t.shape[0] == batch * heads:
+            out[name] = (0, heads)
     return out
 
 

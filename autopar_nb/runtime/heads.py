@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
@@ -45,14 +46,17 @@ def set_local_sizes(model: nn.Module, sizes: dict[str, dict[str, int]]) -> None:
                 setattr(target, attr, value)
 
 
-def shard_head_tables(model: nn.Module, tp_mesh, tables: dict[str, dict[str, int]]) -> None:
+def shard_head_tables(model: nn.Module, tp_mesh, tables: dict[str, dict[str, int | tuple[int, int]]]) -> None:
     """Split head-indexed tables with their heads: ``tables`` maps module patterns (see :func:`select`) to
     parameter or buffer name -> its heads dim (a relative-position bias of shape (heads, T, T) -> 0, ALiBi slopes
     (heads,) -> 0, a bias (buckets, heads) -> 1). Each becomes a DTensor sharded on that dim, so checkpoints and the
     optimizer see its global shape; while the module runs, its attribute is the rank's local shard (the rank's own
     heads, as the split projections' scores are), taken with ``to_local`` so that gradients flow back to the shard.
     A name that is neither is a keyword input of every head (MPT's ALiBi ``position_bias``): it is cut to the rank's
-    heads on the way in (``PrepareModuleInput``, Replicate -> Shard(dim), no communication)."""
+    heads on the way in (``PrepareModuleInput``, Replicate -> Shard(dim), no communication). A keyword input named
+    with (dim, heads) holds the batch and ``heads`` heads flattened in ``dim``, the batch outer (Bloom's ALiBi
+    (batch x heads, 1, T), added to the scores of ``baddbmm``): it is cut the same way to the rank's block of heads
+    in every batch row (:func:`_cut_flattened`)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
 
@@ -61,10 +65,15 @@ def shard_head_tables(model: nn.Module, tp_mesh, tables: dict[str, dict[str, int
             module = model.get_submodule(path)
             inputs = {n: d for n, d in names.items() if n not in module._parameters and n not in module._buffers}
             own = {n: d for n, d in names.items() if n not in inputs}
-            if inputs:
+            plain = {n: d for n, d in inputs.items() if isinstance(d, int)}
+            if plain:
                 parallelize_module(module, tp_mesh, PrepareModuleInput(
-                    input_kwarg_layouts={n: Replicate() for n in inputs},
-                    desired_input_kwarg_layouts={n: Shard(d) for n, d in inputs.items()}, use_local_output=True))
+                    input_kwarg_layouts={n: Replicate() for n in plain},
+                    desired_input_kwarg_layouts={n: Shard(d) for n, d in plain.items()}, use_local_output=True))
+            flat = {n: tuple(d) for n, d in inputs.items() if n not in plain}
+            if flat:
+                module.register_forward_pre_hook(functools.partial(_cut_flattened, mesh=tp_mesh, names=flat),
+                                                 with_kwargs=True)
             for name, dim in own.items():
                 value = getattr(module, name)
                 sharded = distribute_tensor(value.detach(), tp_mesh, [Shard(dim)])
@@ -74,6 +83,26 @@ def shard_head_tables(model: nn.Module, tp_mesh, tables: dict[str, dict[str, int
                     module.register_buffer(name, sharded, persistent=name not in module._non_persistent_buffers_set)
             module.register_forward_pre_hook(functools.partial(_local_tables, names=tuple(own)))
             module.register_forward_hook(functools.partial(_global_tables, names=tuple(own)), always_call=True)
+
+
+def _cut_flattened(_module: nn.Module, args: tuple, kwargs: dict, *, mesh, names: dict[str, tuple[int, int]]):
+    """The keyword inputs ``names`` (name -> (dim, heads)) cut to this rank's heads: dim ``dim`` of size batch x
+    heads is viewed as (batch, heads), the heads sharded as a replicated DTensor (each rank keeps its own contiguous
+    block, the heads its colwise-split projections compute; no communication) and flattened back, so the result is
+    (batch x heads / tp) on that dim. Through the DTensor, a gradient flowing back to the input is gathered over the
+    ranks, as ``PrepareModuleInput``'s is."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    for name, (dim, heads) in names.items():
+        t = kwargs.get(name)
+        if not isinstance(t, torch.Tensor):
+            continue  # not passed on this call
+        if t.shape[dim] % heads:
+            raise ValueError(f"{name} has {t.shape[dim]} rows in dim {dim}, not the batch times {heads} heads")
+        whole = DTensor.from_local(t.unflatten(dim, (t.shape[dim] // heads, heads)), mesh, [Replicate()],
+                                   run_check=False)
+        kwargs[name] = whole.redistribute(mesh, [Shard(dim + 1)]).to_local().flatten(dim, dim + 1)
+    return args, kwargs
 
 
 def _local_tables(module: nn.Module, _args, *, names: tuple[str, ...]) -> None:

@@ -403,6 +403,9 @@ class GraphProfile:
     reduce-scattered in backward (the tensors crossing into :attr:`sp_gather`)"""
     sp_end: str = ""
     """why sequence parallelism ends at :attr:`sp_last`: what a shard would run wrong after it"""
+    sp_before: list[int] = field(default_factory=list)
+    """indices of the layers with parameters before the first split block, embeddings aside (a norm of the
+    embeddings alone): the runtime cuts the sequence at that block, so they run on whole activations"""
     cp_blocker: str = ""
     """why context parallelism cannot split this model's sequences ("" when it can; see
     :func:`.blockers.cp_blocker`)"""
@@ -415,7 +418,7 @@ class GraphProfile:
 
     def sp_covers(self, i: int) -> bool:
         """Whether layer ``i``'s activations may be sequence shards under sequence parallelism."""
-        return self.sp_last is None or i <= self.sp_last
+        return i not in self.sp_before and (self.sp_last is None or i <= self.sp_last)
 
     def layer(self, path: str) -> LayerProfile:
         """The profile of the layer at ``path``."""
