@@ -98,7 +98,7 @@ def _walk(graph, by_name, styles: dict[str, str], sharded: dict[str, int], after
     split = {n.module_path for n in graph.nodes
              if n.module_path and (styles.get(n.name) in ("colwise", "rowwise") or n.name in sharded)}
     used = {i for n in graph.nodes for i in n.inputs}
-    gather, past = index.get(after, len(index)), False
+    gather, past, entry = index.get(after, len(index)), False, None
     for n in graph.nodes:
         p = packet(n.op)
         past = past or index.get(n.layer, -1) >= gather
@@ -111,7 +111,9 @@ def _walk(graph, by_name, styles: dict[str, str], sharded: dict[str, int], after
         if cut and not seq and n.layer in blocks:
             seq.add(cut[0])  # the first block's input: the runtime cuts it along the sequence
             pre.clear()
-        s_in = [i for i in n.inputs if i in seq]
+            entry = (cut[0], n.layer)
+        shards = _shards_seen(n, seq, entry)
+        s_in = [i for i in n.inputs if i in shards]
         if pre and not s_in and [i for i in n.inputs if i in pre]:
             pre.add(n.name)  # still before the blocks: elementwise ops, dropout, views of replicated activations
             continue
@@ -138,7 +140,7 @@ def _walk(graph, by_name, styles: dict[str, str], sharded: dict[str, int], after
                         "shard"), n.layer
             seq.add(n.name)
         elif s_in:
-            why = _shard_reader(n, p, s_in, seq, by_name)
+            why = _shard_reader(n, p, s_in, shards, by_name)
             if why:
                 return why, n.layer
             if why is not None:
@@ -147,6 +149,14 @@ def _walk(graph, by_name, styles: dict[str, str], sharded: dict[str, int], after
     if outs:
         return f"the model's output {outs[0]} would be a sequence shard", None
     return "", None
+
+
+def _shards_seen(n, seq: set[str], entry: tuple[str, str] | None) -> set[str]:
+    """The sequence shards as op ``n`` reads them: the runtime cuts the first block's input where it enters that
+    module (``entry``: (tensor, layer)), so an op outside the block reads that tensor whole."""
+    if entry is None or within(n.module_path, entry[1]):
+        return seq
+    return seq - {entry[0]}
 
 
 def _shard_reader(n, p: str, s_in: list[str], seq: set[str], by_name) -> str | None:
