@@ -77,7 +77,8 @@ example_inputs = {"pixel_values": torch.randn(4, 3, 16, 16), "labels": torch.ran
                               "num_local_experts=4,\n                      num_experts_per_tok=2, "
                               "max_position_embeddings=64"),
     # ALiBi: the model makes every head's bias once and hands it to each attention (MPT: by keyword, split with the
-    # heads on the way in; Bloom: folded into the batch and added inside baddbmm)
+    # heads on the way in; Bloom: folded into the batch and added inside baddbmm, cut to the rank's heads of every
+    # batch row on the way in)
     "MPT": """\
 import torch
 from transformers import MptConfig, MptForCausalLM
@@ -183,7 +184,8 @@ BRINGS = {
     "ViT": "image patches, classification `labels`",
     "Mixtral": "mixture of experts (costed by active parameters; expert parallelism with `--fix ep=N`)",
     "MPT": "ALiBi made by the model, handed to each attention by keyword (cut to the rank's heads under TP)",
-    "Bloom": "ALiBi folded into the batch and added inside `baddbmm` (TP keeps the attention whole and says why)",
+    "Bloom": "ALiBi folded into the batch and added inside `baddbmm` (cut to the rank's heads in every batch row under "
+             "TP), a norm of the embeddings alone before the blocks",
     "Mistral": "sliding-window attention (wider than the sequence), GQA",
     "Qwen3": "RMSNorm of every head's q and k (the norms run on each rank's heads, their gradient summed)",
     "Qwen2-MoE": "routed experts beside a shared expert behind a sigmoid gate",
