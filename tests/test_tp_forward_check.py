@@ -301,6 +301,17 @@ def test_blooms_attention_is_split_with_its_alibi_cut_to_the_ranks_heads():
     assert 'tables = {"transformer.h.*.self_attention": {"alibi": (0, 4)}}' in script
 
 
+@pytest.mark.skipif(not has_transformers(), reason="transformers not installed")
+def test_blooms_alibi_captured_at_batch_1_is_cut_as_one_that_grows_with_the_batch():
+    """Captured at batch 1, Bloom's ALiBi is (heads, 1, T), as MPT's is: named (0, heads), not 0, so that a script
+    trained at a larger batch cuts (batch x heads, 1, T) to the rank's heads of every row, not to whole rows."""
+    from autopar_nb.export.values import script_values
+
+    cell = HF_BLOOM_CELL.replace("(4, 16)", "(1, 16)")
+    _, plan = planned(cell)
+    assert script_values(source(cell), plan).head_tables == {"transformer.h.*.self_attention": {"alibi": (0, 4)}}
+
+
 def test_a_bias_added_in_a_batched_product_goes_with_the_heads_only_when_the_runtime_can_cut_it():
     """baddbmm(bias, q, k) with q and k split by heads (flattened with the batch in dim 0): a bias made outside the
     attention with dim 0 whole is cut on the way in, one broadcast over dim 0 needs no cut; one made inside the module,

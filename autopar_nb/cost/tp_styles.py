@@ -13,8 +13,10 @@ style implies, and which views reshape, come from the op's ``kernels_ext`` rule 
 cannot take it (a norm, a residual add with a full-size replicated tensor, a reduction, a Linear kept replicated, an
 attention op or a plain matmul whose operands are not all sharded, or a Linear-like module PyTorch TP cannot split)
 turns the Linears that sharded it back to ``replicate`` (refused, with the reason, where it is a replicated tensor
-added to a product of split operands: Bloom's ALiBi bias of every head in ``baddbmm``; or one tensor of trainable
-values broadcast into every head that is not one piece of one projection's output; :mod:`.tp_refusals`).
+added to a product of split operands that the runtime cannot cut with the heads: made inside the attention; or one
+tensor of trainable values broadcast into every head that is not one piece of one projection's output;
+:mod:`.tp_refusals`). A bias made outside the attention and added in a batched product (Bloom's ALiBi (batch x
+heads, 1, T) in ``baddbmm``) goes with the heads: the runtime cuts it on the way in.
 ``nn.Linear`` and Hugging Face's ``Conv1D`` (weight stored (in, out)) get split styles; an Embedding is vocab-sharded
 (rowwise) only when its ids come from the model's inputs (not ``torch.arange`` positions) and the table has at least
 as many rows as columns (not a small table).

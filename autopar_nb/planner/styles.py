@@ -429,7 +429,11 @@ def _head_inputs(args: tuple, kwargs: dict, heads: int, widths: set[int], *, mad
                 or id(t) in made:
             continue
         dims = [d for d, n in enumerate(t.shape) if n == heads]
-        if len(dims) == 1 and not (dims[0] == 0 and heads == batch):
+        if len(dims) == 1 and dims[0] == 0 and batch == 1:
+            # at batch 1, (heads, ...) may be (batch x heads, ...) and grow with the batch: cut as that, which is
+            # the same cut of a tensor that does not grow (the runtime reads the batch from its size)
+            out[name] = (0, heads)
+        elif len(dims) == 1 and not (dims[0] == 0 and heads == batch):
             out[name] = dims[0]
         elif not dims and batch and t.shape[0] == batch * heads:
             out[name] = (0, heads)
