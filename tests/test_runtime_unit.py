@@ -494,3 +494,22 @@ def test_a_failing_rank_ends_its_traceback_with_one_line_at_the_users_line(tmp_p
         module.loss_fn(torch.randn(4, 3), torch.zeros(5, dtype=torch.long))
     assert info.value.__notes__ == ["rank 1 failed at train.py line 5 in loss_fn (`return F.cross_entropy(x, y)`): "
                                     "ValueError: Expected input batch_size (4) to match target batch_size (5)."]
+
+
+def test_a_keyword_input_of_the_batch_times_the_heads_is_cut_to_the_ranks_heads_of_every_row(fake_world_of_two):
+    """Bloom's ALiBi (batch x heads, 1, T), named (0, heads): rank 0 of 2 gets heads 0-1 of each of the 3 batch rows
+    (the batch read from the size, not the capture's), and what the module's forward sees is that block."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar_nb.runtime.heads import shard_head_tables
+
+    class Attention(torch.nn.Module):
+        def forward(self, x, *, alibi):
+            return alibi
+
+    model = torch.nn.Sequential()
+    model.add_module("attn", Attention())
+    shard_head_tables(model, init_device_mesh("cpu", (2,)), {"attn": {"alibi": (0, 4)}})
+    alibi = torch.arange(3 * 4 * 5, dtype=torch.float32).view(3 * 4, 1, 5)
+    got = model.attn(torch.zeros(3, 5, 8), alibi=alibi)
+    assert torch.equal(got, alibi.view(3, 4, 1, 5)[:, :2].reshape(3 * 2, 1, 5))
