@@ -151,8 +151,8 @@ class ModelGraph:
     tensors and the model's forward failed on the local shards (``planner/forward.py``); filled at plan time"""
     tp_tables: dict[str, int | tuple[int, int]] = field(default_factory=dict)
     """parameter, buffer or keyword input name -> its heads dim (or (dim, heads): flattened with the batch), for the
-    head-indexed tables (bias tables, ALiBi slopes) that a
-    layout run at plan time split with the heads (``planner/forward.py``): the cost model counts them split"""
+    head-indexed tables (bias tables, ALiBi slopes) that a layout run at plan time split with the heads
+    (``planner/forward.py``): the cost model counts them split"""
     stand_in: Any = field(default=None, repr=False, compare=False)
     """the meta copy of the model and its example inputs (``autopar_nb.capture.meta_stand_in.StandIn``; None: not
     checked)"""

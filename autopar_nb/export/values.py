@@ -69,7 +69,8 @@ class ScriptValues:
     local_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
     """module pattern -> attribute -> per-rank value: head counts and widths the model's code reads (TP)"""
     head_tables: dict[str, dict[str, int | tuple[int, int]]] = field(default_factory=dict)
-    """module pattern -> parameter or buffer name -> its heads dim: head-indexed tables split with the heads (TP)"""
+    """module pattern -> parameter, buffer or keyword input name -> its heads dim, or (dim, heads) where that dim
+    holds the batch and the heads flattened: head-indexed tables split with the heads (TP)"""
     ties: list[list[str]] = field(default_factory=list)
     """groups of parameter paths that are one parameter (an embedding tied to its output head)"""
     recompute: dict[str, str] = field(default_factory=dict)
