@@ -99,9 +99,10 @@ def failure_line(e: BaseException, rank: int) -> str:
     tb = e.__traceback__
     frames = [(s, fr.f_globals) for s, (fr, _) in zip(traceback.extract_tb(tb), traceback.walk_tb(tb), strict=True)
               if not s.filename.startswith(libs)]
-    # the runtime's own frames: the package's modules, or the exported runtime (whose globals hold this function)
+    # the runtime's own frames: the package's runtime modules, or the exported runtime (whose globals hold this
+    # function); the frames that call into the user's code (verify's, launch's) are outer ones and not the last
     ours = [s for s, g in frames if g.get("failure_line") is not failure_line and
-            not (g.get("__name__") or "").startswith("autopar_nb.")]
+            not (g.get("__name__") or "").startswith("autopar_nb.runtime")]
     where = "".join(f" at {os.path.basename(s.filename)} line {s.lineno} in {s.name}" + (f" (`{s.line}`)" if s.line
                                                                                           else "")
                     for s in (ours or [s for s, _ in frames])[-1:])
