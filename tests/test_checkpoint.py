@@ -123,7 +123,7 @@ def test_async_checkpoint_auto_is_on_with_an_accelerator_where_the_copy_fits(wor
         assert isinstance(saver, AsyncCheckpointer) and saver.close() is None
     monkeypatch.setattr(checkpoint, "available_host_memory", lambda: 1.5e6)  # < 2 x 3 x 257 KiB
     assert async_checkpointer("auto", params, device="cuda:0") is None
-    assert capsys.readouterr().out == ("checkpoints saved synchronously: twice the staging copies (2 MiB: every "
+    assert capsys.readouterr().out == ("checkpoints saved synchronously: twice the staging copies (1.51 MiB: every "
                                        "local rank's weights and optimizer state) exceed the available host memory "
                                        "(--async-checkpoint on forces it)\n")
     assert isinstance(saver := async_checkpointer("on", params, device="cuda:0"), AsyncCheckpointer)
