@@ -153,6 +153,9 @@ class ModelGraph:
     """parameter, buffer or keyword input name -> its heads dim (or (dim, heads): flattened with the batch), for the
     head-indexed tables (bias tables, ALiBi slopes) that a layout run at plan time split with the heads
     (``planner/forward.py``): the cost model counts them split"""
+    tp_stage_refused: dict[int, str] = field(default_factory=dict)
+    """TP degree -> why the layout that ran at plan time cannot run inside pipeline stages ("" where it can:
+    ``planner.styles.stage_refusal``); the search does not offer that degree beside pipelining"""
     stand_in: Any = field(default=None, repr=False, compare=False)
     """the meta copy of the model and its example inputs (``autopar_nb.capture.meta_stand_in.StandIn``; None: not
     checked)"""

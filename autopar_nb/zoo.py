@@ -39,16 +39,18 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head, self.n_embd = cfg.n_head, cfg.n_embd
+        self.n_embd, self.head_dim = cfg.n_embd, cfg.n_embd // cfg.n_head
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
 
     def forward(self, x):
         B, T, C = x.shape
-        # nanoGPT's fused projection; under TP a rank holds [q_r|k_r|v_r] and n_embd, n_head are set per rank
+        # nanoGPT's fused projection; under TP a rank holds [q_r|k_r|v_r] and n_embd is set per rank. The heads are
+        # counted from the width (view(..., -1, head_dim)), as torchtitan's and Hugging Face's attention do: a
+        # pipeline stage's trace fixes a head count read from an attribute, where the -1 follows the rank's width
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 

@@ -189,7 +189,7 @@ class Megatron2021Attention(zoo.CausalSelfAttention):
     def forward(self, x):
         B, T, _ = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         probs = F.dropout(F.softmax(q @ k.transpose(-2, -1), -1), self.dropout, self.training)
         y = (probs @ v).transpose(1, 2).reshape(B, T, -1)
         return F.dropout(self.c_proj(y), self.dropout, self.training)

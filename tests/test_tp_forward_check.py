@@ -585,3 +585,23 @@ def test_a_stuck_forked_trial_is_given_up_without_hanging_the_planner(monkeypatc
         dist.destroy_process_group()
     assert graph.tp_refused == {} and plan.mesh.tp == 2  # unchecked, as when no copy can run
     assert took < 60, took
+
+
+@pytest.mark.parametrize("cell", [HF_MPT_CELL, HF_BLOOM_CELL], ids=["MPT", "Bloom"])
+def test_tp_beside_pipelining_is_not_offered_where_the_stages_trace_would_fix_a_head_count(cell):
+    """MPT and Bloom split their attention with the ALiBi bias cut to a rank's heads and set the heads per rank
+    (``set_local_sizes``), which a pipeline stage's trace cannot take: the planner neither offers TP beside
+    pipelining for them (export refused the plan it had offered) nor takes tp x pp when fixed, and says why; TP
+    alone and pipelining alone stay offered."""
+    from autopar_nb.plan import PlanError
+
+    model, inputs, _ = source(cell).build(device="meta")
+    graph = ap.capture(model, inputs)
+    cluster = ap.Cluster.preset("cpu", gpus_per_node=4)
+    with pytest.raises(PlanError, match="tensor parallelism inside pipeline stages: .* reads"):
+        ap.plan(graph, cluster, fix={"tp": 2, "pp": 2})
+    for fix in ({"tp": 2, "pp": 1}, {"tp": 1, "pp": 2}):
+        assert ap.plan(graph, cluster, fix=fix) is not None
+    free = ap.plan(graph, cluster)
+    meshes = [free.mesh] + [alt.mesh for alt in free.alternatives]
+    assert not any(m.tp > 1 and m.pp > 1 for m in meshes)

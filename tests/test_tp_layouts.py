@@ -193,7 +193,7 @@ def test_plan_parts_are_checked():
 def test_local_sizes_and_styles_per_family():
     """Which sizes each family's code needs per rank, decided at export time from its source and the plan."""
     expected = {
-        "zoo_gpt_fused_qkv": ("h.0.attn", {"n_head": 2, "n_embd": 16}),
+        "zoo_gpt_fused_qkv": ("h.0.attn", {"n_embd": 16}),  # its heads counted from the width: no n_head
         "gpt2_conv1d": ("transformer.h.0.attn", {"split_size": 16}),
         "gpt2_conv1d_meta_init": ("transformer.h.0.attn", {"split_size": 16}),
         "phi3": ("model.layers.0.self_attn", {"config.num_attention_heads": 2, "num_key_value_heads": 2}),

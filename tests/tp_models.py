@@ -20,13 +20,13 @@ class SplitQKVAttention(nn.Module):
 
     def __init__(self, cfg: zoo.GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias) for _ in range(3))
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x):
         B, T, _ = x.shape
-        q, k, v = (p(x).view(B, T, self.n_head, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 

@@ -28,6 +28,8 @@ class StandIn:
     """layout key -> what running it gave (None: it ran; else (module path, why)): each layout runs once"""
     tables: dict = field(default_factory=dict)
     """layout key -> the head-indexed tables it split with the heads (module path -> name -> heads dim)"""
+    stage_refusals: dict = field(default_factory=dict)
+    """layout key -> why it cannot run inside pipeline stages ("" where it can: ``planner.styles.stage_refusal``)"""
 
 
 def to_meta(x: Any) -> Any:

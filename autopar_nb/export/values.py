@@ -19,8 +19,9 @@ import torch.nn as nn
 from ..capture import split_inputs
 from ..capture.meta_stand_in import StandIn
 from ..plan import Plan, PlanError, within
+from ..planner.degrees import stage_refusal
 from ..planner.forward_run import call
-from ..planner.styles import GROUPS, HEAD_COUNTS, KV_HEADS, head_tables, local_sizes, tp_styles
+from ..planner.styles import head_tables, local_sizes, tp_styles
 from ..runtime.cp import sequence_tensor
 from ..runtime.data import default_batch_size, default_loss, first_tensor, is_causal_lm, smallest_table
 from ..runtime.ep import experts_modules_to_split
@@ -244,12 +245,8 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
         stand = StandIn(model, *split_inputs(inputs))
         v.head_tables = block_patterns(model, head_tables(model, styles, tp=m.tp, parts=plan.tp_parts,
                                                           call=lambda model: call(model, stand)))
-        if m.pp > 1:
-            _check_traced_sizes(v.local_sizes)
-            if v.head_tables:
-                raise NotImplementedError(
-                    f"tensor parallelism inside pipeline stages: {next(iter(v.head_tables))} holds a head-indexed "
-                    "table, which the pipeline's trace reads whole; plan with pp=1 or tp=1")
+        if m.pp > 1 and (why := stage_refusal(v.local_sizes, v.head_tables)):
+            raise NotImplementedError(why)
         v.vocab_parallel = plan.loss_parallel
     if m.pp > 1:
         _pipeline(v, plan)
@@ -300,22 +297,6 @@ def _check_runnable(plan: Plan) -> None:
         raise NotImplementedError("pipelining with fp16 loss scaling is not supported; use bf16")
     if plan.pipeline.schedule not in SCHEDULES:
         raise PlanError(f"pipeline.schedule {plan.pipeline.schedule!r} unknown")
-
-
-def _check_traced_sizes(sizes: dict[str, dict[str, int]]) -> None:
-    """NotImplementedError where TP inside pipeline stages would need a head count per rank: the
-    pipeline's trace fixes what the code computed from the global count (nanoGPT's
-    ``view(B, T, self.n_head, -1)``, T5's ``zeros(1, self.n_heads, q, k)``), which no
-    ``set_local_sizes`` reaches; only the widths of equal parts split apart adapt
-    (``runtime.pp_graph.splits_into_equal_parts``: GPT-2's ``split_size``)."""
-    counts = {*HEAD_COUNTS, *KV_HEADS, *GROUPS}
-    for path, attributes in sizes.items():
-        read = [name for name in attributes if name.rpartition(".")[2] in counts]
-        if read:
-            raise NotImplementedError(
-                f"tensor parallelism inside pipeline stages: {path} reads {', '.join(read)}, and "
-                "the pipeline's trace fixes what it computes from the global value (heads per "
-                "rank cannot be set in a traced module); plan with pp=1 or tp=1")
 
 
 def _check_cp(source: ModelSource, inputs, v: ScriptValues) -> None:

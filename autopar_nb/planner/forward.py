@@ -58,6 +58,7 @@ def checked_profile(graph, device_kind: str, cluster, fix: dict | None):
             failed = stand.results[layout]
             if failed is None:
                 prof = _with_tables(graph, stand.tables.get(layout, {}), device_kind, prof)
+                graph.__dict__.setdefault("tp_stage_refused", {})[t] = stand.stage_refusals.get(layout, "")
                 break
             path, why = failed
             kept = {p: why for p in same_in_every_block(graph, path)}

@@ -30,6 +30,7 @@ from ..runtime.pp_graph import masks_as_in_eager
 from ..runtime.pretrained import tied_parameters
 from ..runtime.tp import apply_tp, tie_parameters
 from ..runtime.train import switch_off_kv_cache
+from .degrees import stage_refusal
 from .styles import head_tables, local_sizes, out_features, tp_styles
 
 TORCH_DIR = os.path.dirname(torch.__file__)
@@ -74,6 +75,7 @@ def run_layout(stand: StandIn, layout: Layout) -> tuple[str, str] | None:
     except (NotImplementedError, ValueError):
         return None  # export refuses it with its own message
     stand.tables[layout] = tables  # found on the whole model: split with the heads even where the run cannot be
+    stand.stage_refusals[layout] = stage_refusal(sizes, tables)
     trial = functools.partial(_trial, stand, model, layout, styles, sizes, tables)
     if dist.is_initialized():
         return _in_forked_copy(trial, stand)  # a process group of the user's: the fake one cannot sit beside it

@@ -264,6 +264,8 @@ class Search:
                     "fix pp=1 (or dp=1)")
         if pp > 1 and self.prof.pp_blocker:
             return f"pp={pp}: {self.prof.pp_blocker}; or use pp=1"
+        if pp > 1 and tp > 1 and (why := getattr(self.graph, "tp_stage_refused", {}).get(tp)):
+            return f"pp={pp} x tp={tp}: {why}"
         if pp > 1 and tp > 1 and fix.get("fused_loss"):
             return (f"pp={pp} x tp={tp} with fix fused_loss=True: the fused head + loss runs on the last pipeline "
                     "stage unsplit, or vocab-parallel without pipelining, not both; use tp=1 or pp=1, or "
