@@ -416,9 +416,9 @@ class Session:
 
         kept = dict(self.measured_timelines[1]) if self.measured_timelines and self.measured_timelines[0] is plan \
             else {}
-        if needs_real_group(plan) and predicted.rank in kept:
+        every = needs_real_group(plan)  # the one run measures every rank
+        if every and predicted.rank in kept:
             return kept[predicted.rank]
-        every = needs_real_group(plan)  # the one run measures them all
         tls = measured_timelines(self.source, plan, self.graph, cluster=self.cluster,
                                  ranks=None if every else (predicted.rank,))
         self.measured_timelines = (plan, {**kept, **{tl.rank: tl for tl in tls}})
