@@ -42,6 +42,9 @@ class ModelSource:
     """name of the ``torch.utils.data.Dataset`` the code binds, if any"""
     collate_fn_var: str | None = None
     """name of the dataset's ``collate_fn(samples) -> batch`` when the code defines one"""
+    rows_per_sample: int = 1
+    """rows the ``collate_fn`` makes of each dataset sample (read on the meta device when the cell runs): the plan
+    costs rows, what the model trains on, so a step of a plan whose global batch is N rows reads N / this samples"""
     filename: str = "<autoparallel-cell>"
     first_line: int = 1
     """the number the code's first line has where the user sees it (2 under the ``%%autoparallel`` line): the code

@@ -124,13 +124,39 @@ model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
 '''
 
 
-def test_a_collate_fn_that_makes_other_rows_than_samples_is_said_in_one_line(ip, capsys):
-    """A step reads the plan's global batch of samples, dealt over the data-parallel ranks; a collate_fn that makes
-    two rows of each trains on twice what the plan costs: said before anything runs, with the figure that runs."""
-    ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2 --batch 8 --fix dp=2", DATASET.replace("ROWS", "2"))
+def test_the_plan_costs_the_rows_a_collate_fn_makes(ip, capsys):
+    """A collate_fn that makes two rows of each sample: --batch 8 counts samples, the model trains on their 16 rows,
+    and the plan is made for those 16 (8 rows per rank under dp=2: the activations of a 16-row plan); each rank
+    still reads 4 samples per step. Said in one line, with the global batch planned."""
+    from autopar_nb.export.values import script_values
+
+    cell = DATASET.replace("torch.randn(16, gen", "torch.randn(256, 16, gen").replace(  # rows of 256 steps
+        "nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)", "nn.Linear(16, 1024), nn.ReLU(), nn.Linear(1024, 16)")
+    doubled = ip.run_cell_magic("autoparallel", "--gpu h100-80gb --gpus 2 --batch 8 --fix dp=2",
+                                cell.replace("ROWS", "2"))
     out = capsys.readouterr().out.strip()
-    assert out == ("collate_fn makes 8 rows of the 4 samples each rank reads per step, so this plan (dp=2) trains 16 "
+    assert out == ("collate_fn makes 2 rows of each sample, so the 8 samples of --batch 8 are 16 rows per step: the "
+                   "rows are planned, a global batch of 16 (dp=2: 4 samples, 8 rows per rank)"), out
+    assert doubled.source.rows_per_sample == 2 and doubled.plan.batch.global_batch == 16
+    rows = ip.run_cell_magic("autoparallel", "--gpu h100-80gb --gpus 2 --batch 16 --fix dp=2",
+                             cell.replace("ROWS", "1"))
+    assert capsys.readouterr().out == "" and rows.source.rows_per_sample == 1
+    got, want = doubled.plan.cost.memory_by_rank[0], rows.plan.cost.memory_by_rank[0]
+    assert got.activations == pytest.approx(want.activations, rel=1e-6) and got.activations > 0
+    assert doubled.plan.cost.compute_s == pytest.approx(rows.plan.cost.compute_s, rel=1e-6)
+    assert script_values(doubled.source, doubled.plan).defaults["batch_size"] == 4  # samples read per rank
+    assert script_values(rows.source, rows.plan).defaults["batch_size"] == 8
+
+
+def test_a_collate_fn_that_makes_no_whole_rows_per_sample_is_said_in_one_line(ip, capsys):
+    """A collate_fn that drops a sample of each batch (a packing one makes rows unrelated to the samples too) has no
+    whole number of rows per sample to plan with: the plan costs the samples and the rows that run are said."""
+    cell = DATASET.replace("torch.cat([torch.stack(samples)] * ROWS)", "torch.stack(samples[:-1])")
+    session = ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2 --batch 8 --fix dp=2", cell)
+    assert session.source.rows_per_sample == 1 and session.plan.batch.global_batch == 8
+    out = capsys.readouterr().out.strip()
+    assert out == ("collate_fn makes 3 rows of the 4 samples each rank reads per step, so this plan (dp=2) trains 6 "
                    "rows per step, not the 8 its memory and time are for: the rows are what runs (have collate_fn "
-                   "return one row per sample, or plan with --batch for the rows it makes)"), out
+                   "return the same number of rows of each sample)"), out
     ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2 --batch 8 --fix dp=2", DATASET.replace("ROWS", "1"))
     assert capsys.readouterr().out == ""

@@ -215,14 +215,17 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0, meta_init: 
         v.fused_loss = plan.fused_loss
     v.fused_norm = _fused_norms(model) if plan.fused_norm else []
     v.float8, v.float8_linears = _float8(model, pr.float8)
-    if v.dataset and plan.batch.global_batch > 1 and plan.batch.global_batch % m.dp:
+    per_sample = source.rows_per_sample if v.dataset else 1
+    if v.dataset and plan.batch.global_batch > 1 and plan.batch.global_batch % (m.dp * per_sample):
         raise PlanError(f"batch.global_batch({plan.batch.global_batch}) must be a multiple of the data-parallel ranks "
-                        f"(mesh.dp={m.dp}): each reads the same number of the dataset's samples per step")
+                        f"(mesh.dp={m.dp}) x the rows collate_fn makes of each sample ({per_sample}): each rank "
+                        "reads the same number of the dataset's samples per step")
     if source.loss_fn_var is None or source.make_batch_var is None:
         causal = is_causal_lm(model)
         loss_fn = ns[source.loss_fn_var] if source.loss_fn_var else functools.partial(default_loss, causal=causal)
         synthetic = source.make_batch_var is None and not v.dataset  # (one meta forward: only where ids are drawn)
-        v.defaults = {"batch_size": default_batch_size(inputs, dp=m.dp, global_batch=plan.batch.global_batch),
+        rows = default_batch_size(inputs, dp=m.dp, global_batch=plan.batch.global_batch)
+        v.defaults = {"batch_size": max(1, rows // per_sample),  # the plan's rows, as samples the dataset gives
                       "int_high": id_ranges(model, inputs, loss_fn=loss_fn) if synthetic else smallest_table(model),
                       "causal": causal}
     v.ties = tied_parameters(model)

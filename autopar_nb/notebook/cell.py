@@ -8,6 +8,7 @@ namespace; the user's namespace is updated only when everything succeeded.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import inspect
 import symtable
 import traceback
@@ -21,7 +22,7 @@ from torch.utils.data import IterableDataset
 
 from ..plan import FIX_ALIASES, FIX_KEYS
 from ..runtime.data import first_tensor
-from ..source import ModelSource
+from ..source import EXAMPLE_SAMPLES, ModelSource
 
 INPUT_NAMES = ("example_inputs", "inputs", "example_input", "batch")
 # names IPython puts in every namespace: a cell may not rely on them, but we don't report them as "earlier cells"
@@ -159,6 +160,7 @@ def run_model_cell(code: str, user_ns: dict[str, Any], *, model_var: str | None 
 
     source = ModelSource(code, model_var, inputs_var, loss_fn, make_batch, dataset, collate_fn,
                          first_line=first_line)
+    source = dataclasses.replace(source, rows_per_sample=rows_per_sample(source, ns))
     return CellResult(source, model, example_inputs, ns, bound, included, _model_inputs(source, ns, example_inputs),
                       _per_rank_batch(source, ns))
 
@@ -192,6 +194,16 @@ def collated_rows(source: ModelSource, ns: dict[str, Any], samples: int) -> tupl
             return len(items), int(first_tensor(ns[source.collate_fn_var](items)).shape[0])
     except Exception:
         return None
+
+
+def rows_per_sample(source: ModelSource, ns: dict[str, Any]) -> int:
+    """The rows the cell's ``collate_fn`` makes of each sample, read from the first :data:`EXAMPLE_SAMPLES` samples
+    (a collate_fn that packs two rows of each makes 2); 1 without a collate_fn, or where the rows are not a whole
+    multiple of the samples (a packing collate_fn: ``collate_note`` says what the run trains then)."""
+    read = collated_rows(source, ns, EXAMPLE_SAMPLES)
+    if read is None or not read[0] or read[1] % read[0]:
+        return 1
+    return max(1, read[1] // read[0])
 
 
 def _first_batch(source: ModelSource, ns: dict[str, Any], why: str) -> Any:

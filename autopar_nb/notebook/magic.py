@@ -93,19 +93,26 @@ def batch_note(result, session: Session, flag: int | None) -> str | None:
             "samples to keep that global batch)")
 
 
-def collate_note(result, session: Session) -> str | None:
+def collate_note(result, session: Session, flag: int | None) -> str | None:
     """One line when the cell's ``collate_fn`` makes another number of rows than the samples each data-parallel rank
-    reads per step (a step of the plan reads its global batch of samples): the run trains on the rows, the plan
-    costs the samples. None where they agree."""
-    plan = session.plan
-    dp, total = plan.mesh.dp, plan.batch.global_batch
-    per_rank = total // dp
-    read = collated_rows(result.source, result.namespace, per_rank)
-    if read is None or read[0] < per_rank or read[1] == per_rank:
+    reads per step. Where it makes a whole number of rows of each sample (``ModelSource.rows_per_sample``) the plan
+    costs the rows, and a ``--batch`` (samples) that differs from them is said with the global batch planned; where
+    it does not (a packing collate_fn), the run trains other rows than the plan costs, and that is said."""
+    plan, per_sample = session.plan, session.source.rows_per_sample
+    dp, rows = plan.mesh.dp, plan.batch.global_batch
+    samples = rows // per_sample // dp
+    read = collated_rows(session.source, result.namespace, samples)
+    if read is None or read[0] < samples:
         return None
-    return (f"collate_fn makes {read[1]} rows of the {per_rank} samples each rank reads per step, so this plan (dp="
-            f"{dp}) trains {read[1] * dp} rows per step, not the {total} its memory and time are for: the rows are "
-            "what runs (have collate_fn return one row per sample, or plan with --batch for the rows it makes)")
+    if read[1] != samples * per_sample:
+        return (f"collate_fn makes {read[1]} rows of the {samples} samples each rank reads per step, so this plan "
+                f"(dp={dp}) trains {read[1] * dp} rows per step, not the {rows} its memory and time are for: the "
+                "rows are what runs (have collate_fn return the same number of rows of each sample)")
+    if per_sample == 1 or not flag:
+        return None
+    return (f"collate_fn makes {per_sample} rows of each sample, so the {flag} samples of --batch {flag} are {rows} "
+            f"rows per step: the rows are planned, a global batch of {rows} (dp={dp}: {samples} samples, "
+            f"{read[1]} rows per rank)")
 
 
 @magics_class
@@ -218,10 +225,11 @@ class AutoparallelMagics(Magics):
                                     history=history, include_cells=args.include_cells, first_line=2)
             source, start = _starting_weights(result, args.weights)
             graph, _ = cached_capture(result.model, result.model_inputs, source=result.source.code)
-            session = Session(graph, cluster, source, global_batch=args.batch, mode=args.mode, fix=fix,
+            rows = args.batch * source.rows_per_sample if args.batch else None  # the plan costs the rows
+            session = Session(graph, cluster, source, global_batch=rows, mode=args.mode, fix=fix,
                               per_rank_batch=result.per_rank_batch, steps=args.steps)
             session.replan()
-            for note in (batch_note(result, session, args.batch), collate_note(result, session)):
+            for note in (batch_note(result, session, args.batch), collate_note(result, session, args.batch)):
                 if note:
                     print(note)
             if start:  # the plan's figures are the model's; what it trains from is said here

@@ -30,7 +30,8 @@ class Session:
     cluster: Cluster
     source: ModelSource
     global_batch: int | None = None
-    """samples per optimizer step (--batch); None = the example inputs' batch size"""
+    """samples per optimizer step (--batch; rows where a dataset's collate_fn makes several of each sample: what
+    the model trains on); None = the example inputs' batch size"""
     per_rank_batch: int | None = None
     """samples each data-parallel rank trains on whatever dp (the cell's ``make_batch``): it wins over
     ``global_batch``, and each plan's global batch is this x its dp"""
