@@ -38,6 +38,7 @@ from .explain import explain, fmt_bytes, fused_loss_lines, fused_norm_lines, op_
 from .float8 import float8_choice, float8_lines
 from .forward import checked_profile, tp_parts
 from .lever_costs import set_levers
+from .levers import levered_variant
 from .offload import checked_fixed, offload_lines, offload_search
 from .per_rank import plan_per_rank
 from .search import Candidate, Search, memory_limit
@@ -195,7 +196,7 @@ def _levered(ranked: list, with_levers, k: int) -> tuple[list, tuple]:
     flat = next((c for c in ranked if c.setting.pp == 1), None)
     if flat is not None and all(c is not flat for c in head):
         head.append(flat)
-    done = [with_levers(c) for c in head]
+    done = [levered_variant(c, with_levers) for c in head]  # the fused loss / RMSNorm chosen levered too
     order = sorted(range(len(done)), key=lambda i: (not done[i][0].fits, done[i][0].cost.step_time_s))
     rest = [c for c in ranked[k:] if c is not flat]
     return [done[i][0] for i in order] + rest, done[order[0]]
