@@ -158,9 +158,10 @@ def test_every_plan_shown_is_compared_levered():
 
 
 def test_the_fused_rmsnorm_choice_is_made_on_the_levered_variants():
-    """levered_variant levers a candidate and its fused-loss / fused-RMSNorm variants and keeps the fastest that
-    fits: here the search's choice (norms fused, 100 ms unlevered) levers to 80 ms while its eager variant (105 ms)
-    levers to 70; a variant that does not fit is never taken. Each variant keeps the candidate as its other choice of
+    """levered_variant levers a candidate and its fused-loss / fused-RMSNorm variants and keeps the one that fits and
+    takes the least time over the run: here the search's choice (norms fused, 100 ms unlevered) levers to 80 ms while
+    its eager variant (105 ms) levers to 70, unless a compile start-up costs it more over the run than it saves; a
+    variant that does not fit is never taken. Each variant keeps the candidate as its other choice of
     what it flips, for explain()."""
     import dataclasses
 
@@ -181,8 +182,15 @@ def test_the_fused_rmsnorm_choice_is_made_on_the_levered_variants():
         ms = levered[c.setting.fused_norm, c.setting.fused_loss]
         return dataclasses.replace(c, cost=dataclasses.replace(c.cost, step_time_s=ms / 1e3)), None
 
-    best, _ = levered_variant(chosen, with_levers)
+    def run_s(c):  # 100 steps, and a start-up where one was compiled
+        return c.cost.step_time_s * 100 + startup.get((c.setting.fused_norm, c.setting.fused_loss), 0)
+
+    startup = {}
+    best, _ = levered_variant(chosen, with_levers, run_s)
     assert (best.setting.fused_norm, best.setting.fused_loss, best.cost.step_time_s) == (False, True, 0.07)
     assert best.norm_other is chosen and best.other is unfused
+    startup[False, True] = 2.0  # faster per step, but its compile's start-up costs more than that saves
+    assert levered_variant(chosen, with_levers, run_s)[0].setting.fused_norm
+    startup.clear()
     levered[False, True] = 90
-    assert levered_variant(chosen, with_levers)[0].setting.fused_norm
+    assert levered_variant(chosen, with_levers, run_s)[0].setting.fused_norm

@@ -31,7 +31,7 @@ from ..plan import (
     within,
 )
 from .async_tp import async_tp_choice, async_tp_lines
-from .compile import HORIZON_STEPS, compile_choice, compile_lines, horizon
+from .compile import HORIZON_STEPS, compile_choice, compile_lines, horizon, startup_s
 from .constraints import Constraints, parse
 from .degrees import cp_degrees
 from .explain import explain, fmt_bytes, fused_loss_lines, fused_norm_lines, op_list_lines
@@ -180,9 +180,14 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
 
 
 def _with_levers(cand, ev, cons, graph, compilable: list[bool], steps: int, cluster) -> tuple:
-    """(``cand`` compiled, with float8 and async TP, each taken where it pays; async TP's other choice or None)."""
-    cand = float8_choice(compile_choice(cand, ev, cons, graph, compilable, steps), ev, cons, cluster)
-    return async_tp_choice(cand, ev, cons, cluster)
+    """(``cand`` compiled, with float8 and async TP, each taken where it pays; async TP's other choice or None), or
+    the same of its fused-loss / fused-RMSNorm variant where that takes less time over the ``steps``
+    (:func:`.levers.levered_variant`)."""
+    def levered(c):
+        c = float8_choice(compile_choice(c, ev, cons, graph, compilable, steps), ev, cons, cluster)
+        return async_tp_choice(c, ev, cons, cluster)
+
+    return levered_variant(cand, levered, lambda c: c.cost.step_time_s * steps + startup_s(c, ev, graph))
 
 
 def _levered(ranked: list, with_levers, k: int) -> tuple[list, tuple]:
@@ -196,7 +201,7 @@ def _levered(ranked: list, with_levers, k: int) -> tuple[list, tuple]:
     flat = next((c for c in ranked if c.setting.pp == 1), None)
     if flat is not None and all(c is not flat for c in head):
         head.append(flat)
-    done = [levered_variant(c, with_levers) for c in head]  # the fused loss / RMSNorm chosen levered too
+    done = [with_levers(c) for c in head]
     order = sorted(range(len(done)), key=lambda i: (not done[i][0].fits, done[i][0].cost.step_time_s))
     rest = [c for c in ranked[k:] if c is not flat]
     return [done[i][0] for i in order] + rest, done[order[0]]

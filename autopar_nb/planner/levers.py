@@ -16,16 +16,17 @@ def take_if_faster(best: Candidate, trial: Candidate) -> tuple[Candidate, Candid
     return best, trial
 
 
-def levered_variant(cand: Candidate, with_levers) -> tuple:
+def levered_variant(cand: Candidate, with_levers, run_s) -> tuple:
     """``with_levers(cand)`` (a levered candidate first), or ``with_levers`` of one of ``cand``'s fused-loss /
-    fused-RMSNorm variants (``cand.other``, ``cand.norm_other``) where that one fits and is faster levered. The search
-    chooses between them before compile, Float8 and async TP are set, and those change what each costs (compile
-    makes the recompute an unfused loss needs cheaper: a 1.5B LLaMA shape under DDP on 8 H100s took the fused loss
-    at 322 ms/step where the unfused one with selective recompute fits at 319), so the choice is made levered."""
+    fused-RMSNorm variants (``cand.other``, ``cand.norm_other``) where that one fits and takes less time over the run
+    (``run_s``: the steps planned and compile's start-up, as compile is chosen). The search chooses between them
+    before compile, Float8 and async TP are set, and those change what each costs (compile makes the recompute an
+    unfused loss needs cheaper: a 1.5B LLaMA shape under DDP on 8 H100s took the fused loss at 322 ms/step where the
+    unfused one with selective recompute fits at 319), so the choice is made levered."""
     best = with_levers(cand)
     for variant in _fused_variants(cand):
         trial = with_levers(variant)
-        if trial[0].fits and (not best[0].fits or trial[0].cost.step_time_s < best[0].cost.step_time_s):
+        if trial[0].fits and (not best[0].fits or run_s(trial[0]) < run_s(best[0])):
             best = trial
     return best
 
