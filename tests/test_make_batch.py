@@ -160,3 +160,17 @@ def test_a_collate_fn_that_makes_no_whole_rows_per_sample_is_said_in_one_line(ip
                    "return the same number of rows of each sample)"), out
     ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2 --batch 8 --fix dp=2", DATASET.replace("ROWS", "1"))
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.multiprocess
+def test_a_plan_of_collated_rows_trains_like_one_process():
+    """The plan of a collate_fn's rows (16 rows: 8 samples of 2 rows) runs: each of the 2 ranks reads 4 samples per
+    step, as one process reads 8, and the losses agree."""
+    from autopar_nb.verify import verify
+
+    result = run_model_cell(DATASET.replace("ROWS", "2"), {})
+    graph = ap.capture(result.model, result.model_inputs)
+    plan = ap.plan(graph, ap.Cluster.preset("cpu", 1, 2), global_batch=16, fix={"dp": 2, "zero_stage": 0})
+    assert result.source.rows_per_sample == 2 and plan.batch.global_batch == 16
+    report = verify(result.source, plan, steps=2, nproc=2)
+    assert report.ok, str(report)
