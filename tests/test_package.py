@@ -132,6 +132,8 @@ LONG_MODULES = {
 LONG_FUNCTIONS = {
     # the same: ceilings, to be split
     "cost/estimate.py:sum_layers": 83,
+    # over 80 only since wrapped at 100 columns (the length at 120 columns after each)
+    "runtime/pp_split.py:split_model": 91,  # 77
 }
 
 
@@ -154,6 +156,20 @@ def test_no_module_or_function_grows_past_its_size():
         assert not grown, f"grown past the figure listed (now, listed): {grown}"
         assert set(over) <= set(listed), f"over {limit} lines, not listed: {sorted(set(over) - set(listed))}"
         assert set(listed) <= set(over), f"listed but no longer over {limit}: {sorted(set(listed) - set(over))}"
+
+
+WRAPPED_AT_100 = ("runtime",)
+"""the folders whose lines are wrapped at 100 columns; ruff's line length drops from 120 to 100 once every folder of
+the package is listed"""
+
+
+def test_wrapped_folders_stay_within_100_columns():
+    """Every line of a module under :data:`WRAPPED_AT_100` is at most 100 columns long (ruff still checks 120 for the
+    rest)."""
+    long = [f"{path.relative_to(PKG)}:{k} ({len(line)})" for folder in WRAPPED_AT_100
+            for path in sorted((PKG / folder).rglob("*.py"))
+            for k, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 100]
+    assert not long, long
 
 
 def test_comments_say_why_not_when():

@@ -153,7 +153,7 @@ def test_32_layer_llama_script_stays_short(tmp_path):
     proc = ruff([tmp_path / "train.py", tmp_path / "train_runtime.py"], defaults=True)  # both files
     assert proc.returncode == 0, proc.stdout
     assert "noqa" not in text
-    assert lengths[32][2] <= 1462  # the one file (single_file=True); its history:
+    assert lengths[32][2] <= 1618  # the one file (single_file=True); its history:
     # ~500 of them the runtime it carries (loop, DCP + data position, metrics, data-
     # wait verdict, clipping, styles, AMP op-list hook, the model-call helper, context parallelism's mesh and shard
     # hook, ...): 778 on 2026-12-01 (the metrics hello with torchrun's restart count, limit and world: +4); 790 with
@@ -188,6 +188,7 @@ def test_32_layer_llama_script_stays_short(tmp_path):
     # 1461 with a failing rank's one line at the user's line, the last of its traceback and of the one torchrun's
     # report quotes (runtime/metrics.py's failure_line: the script imports nothing to find it with, +19); 1462 with
     # a keyword input whose heads are flattened with the batch cut to a rank's heads (runtime/heads.py, Bloom's ALiBi)
+    # 1618 with autopar_nb/runtime wrapped at 100 columns, not 120 (its docstrings, comments and code: +156)
 
 
 def test_readme_shows_the_exported_script(tmp_path, monkeypatch):

@@ -1,15 +1,17 @@
-"""Distributed checkpoints (DCP): every rank writes its shards; a checkpoint loads at another world size or layout.
+"""Distributed checkpoints (DCP): every rank writes its shards; a checkpoint loads at another world
+size or layout.
 
-A checkpoint counts once every rank finished writing it: its manifest (``manifest.json``: each file's size and
-CRC-32), written last and atomically, marks it complete, so a run killed in the middle of a save, or a save that
-failed (a full disk), resumes from the one before. At resume every file is checked against the manifest, and a
-truncated or damaged checkpoint is passed over for the newest one that is whole (:func:`resume_point`). Older
-checkpoints beyond the newest ``keep`` are removed after each save.
+A checkpoint counts once every rank finished writing it: its manifest (``manifest.json``: each
+file's size and CRC-32), written last and atomically, marks it complete, so a run killed in the
+middle of a save, or a save that failed (a full disk), resumes from the one before. At resume every
+file is checked against the manifest, and a truncated or damaged checkpoint is passed over for the
+newest one that is whole (:func:`resume_point`). Older checkpoints beyond the newest ``keep`` are
+removed after each save.
 
 Tensors split part by part (fused projections, ``_StridedShard``) are stored in their original
-layout (see :func:`dcp_layout`). Keys are the model's parameter names whatever the plan: a rank holding several
-pipeline stages (:class:`PipelineStages`) stores its stages' entries without the stage index, so a checkpoint written
-under one schedule loads under any other plan.
+layout (see :func:`dcp_layout`). Keys are the model's parameter names whatever the plan: a rank
+holding several pipeline stages (:class:`PipelineStages`) stores its stages' entries without the
+stage index, so a checkpoint written under one schedule loads under any other plan.
 """
 
 from __future__ import annotations
@@ -36,20 +38,24 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 MANIFEST = "manifest.json"
-"""each file of a checkpoint with its size and CRC-32 (zip's and PNG's check against accidental damage), written last"""
+"""each file of a checkpoint with its size and CRC-32 (zip's and PNG's check against accidental
+damage), written last"""
 
 
 def checkpoints(ckpt_dir: str | None) -> list[str]:
-    """The ``step_N`` folders of ``ckpt_dir`` whose save finished on every rank (they have a manifest), newest first."""
+    """The ``step_N`` folders of ``ckpt_dir`` whose save finished on every rank (they have a
+    manifest), newest first."""
     if not ckpt_dir or not os.path.isdir(ckpt_dir):
         return []
-    steps = [int(d.removeprefix("step_")) for d in os.listdir(ckpt_dir) if re.fullmatch(r"step_\d+", d)
+    steps = [int(d.removeprefix("step_")) for d in os.listdir(ckpt_dir)
+             if re.fullmatch(r"step_\d+", d)
              and os.path.exists(os.path.join(ckpt_dir, d, MANIFEST))]
     return [os.path.join(ckpt_dir, f"step_{s}") for s in sorted(steps, reverse=True)]
 
 
 def latest_checkpoint(ckpt_dir: str | None) -> str | None:
-    """The newest ``step_N`` folder of ``ckpt_dir`` whose save finished on every rank (its files unchecked)."""
+    """The newest ``step_N`` folder of ``ckpt_dir`` whose save finished on every rank (its files
+    unchecked)."""
     return next(iter(checkpoints(ckpt_dir)), None)
 
 
@@ -62,8 +68,9 @@ def crc32(path: str) -> str:
 
 
 def manifest_problem(path: str, *, rank: int = 0, world: int = 1) -> str | None:
-    """What is wrong with the files of checkpoint ``path`` that its manifest lists (None: this rank's share of them,
-    every ``world``-th from ``rank``, has the sizes and checksums written there)."""
+    """What is wrong with the files of checkpoint ``path`` that its manifest lists (None: this
+    rank's share of them, every ``world``-th from ``rank``, has the sizes and checksums written
+    there)."""
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             files = sorted(json.load(f)["files"].items())
@@ -73,15 +80,17 @@ def manifest_problem(path: str, *, rank: int = 0, world: int = 1) -> str | None:
         file = os.path.join(path, name)
         size = os.path.getsize(file) if os.path.isfile(file) else None
         if size != want["size"]:
-            return f"{name} has {'no file' if size is None else f'{size} bytes'}, the manifest {want['size']}"
+            return (f"{name} has {'no file' if size is None else f'{size} bytes'}, the manifest "
+                    f"{want['size']}")
         if crc32(file) != want["crc32"]:
             return f"{name} does not match its checksum"
     return None
 
 
 def resume_point(ckpt_dir: str | None) -> str | None:
-    """The newest complete checkpoint of ``ckpt_dir`` whose files match its manifest; each one passed over is said in
-    one line. Collective: every rank checks its share of the files, and all agree."""
+    """The newest complete checkpoint of ``ckpt_dir`` whose files match its manifest; each one
+    passed over is said in one line. Collective: every rank checks its share of the files, and all
+    agree."""
     rank, world = dist.get_rank(), dist.get_world_size()
     for path in checkpoints(ckpt_dir):
         problems = [None] * world
@@ -100,7 +109,8 @@ def _states(model, optimizer):
 
 
 class PipelineStages(nn.ModuleList):
-    """The pipeline stages one rank holds, checkpointed as one model: by the model's names, not the stage index."""
+    """The pipeline stages one rank holds, checkpointed as one model: by the model's names, not the
+    stage index."""
 
 
 STAGE_INDEX = re.compile(r"^((?:state|param_groups)\.)?\d+\.")
@@ -109,8 +119,9 @@ STAGE_INDEX = re.compile(r"^((?:state|param_groups)\.)?\d+\.")
 
 
 def by_name(state: dict | None, stages: bool) -> dict | None:
-    """``state`` keyed by the model's names: without the stage index when ``stages`` (the entries of a tied
-    parameter that two stages of this rank hold under one name are equal: the first is kept)."""
+    """``state`` keyed by the model's names: without the stage index when ``stages`` (the entries of
+    a tied parameter that two stages of this rank hold under one name are equal: the first is
+    kept)."""
     if state is None or not stages:
         return state
     out: dict = {}
@@ -120,7 +131,8 @@ def by_name(state: dict | None, stages: bool) -> dict | None:
 
 
 def by_stage(loaded: dict | None, like: dict | None, stages: bool) -> dict | None:
-    """The inverse of :func:`by_name`: ``loaded`` (keyed by name) back under the keys of ``like``."""
+    """The inverse of :func:`by_name`: ``loaded`` (keyed by name) back under the keys of
+    ``like``."""
     if loaded is None or not stages:
         return loaded
     return {key: loaded[STAGE_INDEX.sub(r"\1", key)] for key in like}
@@ -136,7 +148,8 @@ def _staged(model, optimizer, step: int, data) -> dict:
 
 
 def _clear(path: str) -> None:
-    """Remove what a failed or replaced save left at ``path``: never mixed with this save's files. Collective."""
+    """Remove what a failed or replaced save left at ``path``: never mixed with this save's files.
+    Collective."""
     if dist.get_rank() == 0 and os.path.exists(path):
         shutil.rmtree(path)
     dist.barrier()
@@ -146,12 +159,14 @@ SAVE_ERRORS = (OSError, RuntimeError, dcp.api.CheckpointException)
 """what a save can meet and the run survive: a full disk, a vanished mount"""
 
 
-def save_checkpoint(path: str, model, optimizer, step: int, *, data=None, keep: int = 0) -> str | None:
-    """Write ``model`` (a module, or this rank's :class:`PipelineStages`), ``optimizer``, ``step`` and the
-    ``data`` stream's position (a run that reads a dataset), keyed by the model's names (:func:`by_name`), then the
-    manifest; ``keep``: the newest checkpoints kept beside, older ones removed (0: all). Returns None once saved,
-    else why the save failed, the same on every rank: the folder is removed and the checkpoint before stays the
-    latest. Collective: every rank calls it."""
+def save_checkpoint(path: str, model, optimizer, step: int, *, data=None,
+                    keep: int = 0) -> str | None:
+    """Write ``model`` (a module, or this rank's :class:`PipelineStages`), ``optimizer``, ``step``
+    and the ``data`` stream's position (a run that reads a dataset), keyed by the model's names
+    (:func:`by_name`), then the manifest; ``keep``: the newest checkpoints kept beside, older ones
+    removed (0: all). Returns None once saved, else why the save failed, the same on every rank: the
+    folder is removed and the checkpoint before stays the latest. Collective: every rank calls
+    it."""
     state = _staged(model, optimizer, step, data)
     _clear(path)
     try:
@@ -163,17 +178,20 @@ def save_checkpoint(path: str, model, optimizer, step: int, *, data=None, keep: 
 
 
 def finish(path: str, step: int, error: str | None, *, keep: int, group=None) -> str | None:
-    """After every rank wrote its files of checkpoint ``path`` (``error``: why this rank's failed): the manifest,
-    written by rank 0 once every rank checksummed its share of the files, then the older checkpoints beyond ``keep``
-    removed; or, if a rank failed, the folder removed. Returns None or the first rank's error, the same on every
-    rank. Collective over ``group`` (default: the world)."""
+    """After every rank wrote its files of checkpoint ``path`` (``error``: why this rank's failed):
+    the manifest, written by rank 0 once every rank checksummed its share of the files, then the
+    older checkpoints beyond ``keep`` removed; or, if a rank failed, the folder removed. Returns
+    None or the first rank's error, the same on every rank. Collective over ``group`` (default: the
+    world)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    error = _agree(error, group)  # also the barrier: every rank's shards are on disk (or the save failed somewhere)
+    # also the barrier: every rank's shards are on disk (or the save failed somewhere)
+    error = _agree(error, group)
     if error is None:  # each rank checksums its share of the files
         try:
             names = sorted(f for f in os.listdir(path) if f != MANIFEST)
             mine: dict | str = {n: {"size": os.path.getsize(os.path.join(path, n)),
-                                    "crc32": crc32(os.path.join(path, n))} for n in names[rank::world]}
+                                    "crc32": crc32(os.path.join(path, n))}
+                                for n in names[rank::world]}
         except OSError as e:
             mine = f"{type(e).__name__}: {e}"
         shares = [None] * world
@@ -192,22 +210,25 @@ def finish(path: str, step: int, error: str | None, *, keep: int, group=None) ->
 
 
 class AsyncCheckpointer:
-    """Checkpoints written in the background with ``dcp.async_save``: a save stalls training only while it copies this
-    rank's state (weights, optimizer state) into host memory, the staging copy, then a thread writes the files,
-    checksums them and writes the manifest while training goes on. The price: that copy, as large as the rank's
-    state, held in host memory until written (on a GPU, device memory is untouched), and the writer's CPU time. The
-    manifest is still written last, once every rank's files are on disk, so a run killed mid-save resumes from the
-    checkpoint before. The writer's collectives go over a gloo group of their own: on the training's group, two
-    threads' collectives could interleave in a different order on each rank. Collective to build."""
+    """Checkpoints written in the background with ``dcp.async_save``: a save stalls training only
+    while it copies this rank's state (weights, optimizer state) into host memory, the staging copy,
+    then a thread writes the files, checksums them and writes the manifest while training goes on.
+    The price: that copy, as large as the rank's state, held in host memory until written (on a GPU,
+    device memory is untouched), and the writer's CPU time. The manifest is still written last, once
+    every rank's files are on disk, so a run killed mid-save resumes from the checkpoint before. The
+    writer's collectives go over a gloo group of their own: on the training's group, two threads'
+    collectives could interleave in a different order on each rank. Collective to build."""
 
     def __init__(self):
         self.group = dist.new_group(backend="gloo")
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self.pending = None
 
-    def save(self, path: str, model, optimizer, step: int, *, data=None, keep: int = 0) -> tuple[int, str] | None:
-        """Start saving as :func:`save_checkpoint` does, after the save before it finished (one in flight at a
-        time: one staging copy); returns that one's (step, error) when it failed, else None. Collective."""
+    def save(self, path: str, model, optimizer, step: int, *, data=None,
+             keep: int = 0) -> tuple[int, str] | None:
+        """Start saving as :func:`save_checkpoint` does, after the save before it finished (one in
+        flight at a time: one staging copy); returns that one's (step, error) when it failed, else
+        None. Collective."""
         failed = self.wait()
         state = _staged(model, optimizer, step, data)
         _clear(path)
@@ -220,7 +241,8 @@ class AsyncCheckpointer:
         self.pending = self.writer.submit(self._written, future, path, step, error, keep)
         return failed
 
-    def _written(self, future, path: str, step: int, error: str | None, keep: int) -> tuple[int, str] | None:
+    def _written(self, future, path: str, step: int, error: str | None,
+                 keep: int) -> tuple[int, str] | None:
         if future is not None:
             try:
                 future.result()
@@ -230,8 +252,9 @@ class AsyncCheckpointer:
         return None if error is None else (step, error)
 
     def wait(self) -> tuple[int, str] | None:
-        """Block until the save in flight (if any) has its manifest; its (step, error) if it failed. Call it on every
-        rank before reading a checkpoint back, and before the process group closes."""
+        """Block until the save in flight (if any) has its manifest; its (step, error) if it failed.
+        Call it on every rank before reading a checkpoint back, and before the process group
+        closes."""
         pending, self.pending = self.pending, None
         return pending.result() if pending is not None else None
 
@@ -247,23 +270,25 @@ STAGING_STATES = 3
 
 
 def async_checkpointer(mode: str, params, *, device: str) -> AsyncCheckpointer | None:
-    """The background writer that ``--async-checkpoint`` ``mode`` asks for: "on", "off" (None: saves block), or "auto":
-    on where it pays, training on an accelerator (``device`` not "cpu"), whose host cores the writer then has to
-    itself, and where the staging copy fits: this host's available memory holds every local rank's copy (its
-    ``params`` and optimizer state, :data:`STAGING_STATES` times the local weights) twice over; said in one line
-    where it does not. On CPU the writer takes its time from the training's cores (BENCHMARKS.md: the stall per save
-    drops 5x, the run's time only when cores are spare). Host memory is not in the plan's cost model (device memory
-    only). Collective."""
+    """The background writer that ``--async-checkpoint`` ``mode`` asks for: "on", "off" (None: saves
+    block), or "auto": on where it pays, training on an accelerator (``device`` not "cpu"), whose
+    host cores the writer then has to itself, and where the staging copy fits: this host's available
+    memory holds every local rank's copy (its ``params`` and optimizer state, :data:`STAGING_STATES`
+    times the local weights) twice over; said in one line where it does not. On CPU the writer takes
+    its time from the training's cores (BENCHMARKS.md: the stall per save drops 5x, the run's time
+    only when cores are spare). Host memory is not in the plan's cost model (device memory only).
+    Collective."""
     if mode == "off" or (mode == "auto" and device == "cpu"):
         return None
     if mode == "auto":
         local = sum(p.to_local().nbytes if isinstance(p, DTensor) else p.nbytes for p in params)
         need = 2 * STAGING_STATES * local * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        if (short := _agree(None if need <= available_host_memory() else fmt_bytes(need))) is not None:
+        if ((short := _agree(None if need <= available_host_memory()
+                             else fmt_bytes(need))) is not None):
             if dist.get_rank() == 0:
-                print(f"checkpoints saved synchronously: twice the staging copies ({short}: every local rank's "
-                      "weights and optimizer state) exceed the available host memory (--async-checkpoint on forces "
-                      "it)", flush=True)
+                print(f"checkpoints saved synchronously: twice the staging copies ({short}: every "
+                      "local rank's weights and optimizer state) exceed the available host memory "
+                      "(--async-checkpoint on forces it)", flush=True)
             return None
     return AsyncCheckpointer()
 
@@ -272,27 +297,31 @@ def available_host_memory() -> float:
     """Bytes of host memory available (Linux's MemAvailable; infinite where unknown)."""
     try:
         with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+            return next(int(line.split()[1]) * 1024 for line in f
+                        if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         return math.inf
 
 
 def _why(e: BaseException) -> str:
-    """One line: the error, or the first rank's underlying one of a DCP failure (without the ranks' tracebacks)."""
+    """One line: the error, or the first rank's underlying one of a DCP failure (without the ranks'
+    tracebacks)."""
     failures = getattr(e, "failures", None)
     e = next(iter(failures.values()))[0] if failures else e
     return f"{type(e).__name__}: {e}".splitlines()[0]
 
 
 def _agree(error: str | None, group=None) -> str | None:
-    """The first rank's error among every rank's (None: none failed). Collective over ``group`` (default: the world)."""
+    """The first rank's error among every rank's (None: none failed). Collective over ``group``
+    (default: the world)."""
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error, group=group)
     return next((e for e in errors if e), None)
 
 
 def _write_manifest(path: str, manifest: dict) -> str | None:
-    """Write the manifest atomically (a temporary file, synced, then renamed); None, or why it failed."""
+    """Write the manifest atomically (a temporary file, synced, then renamed); None, or why it
+    failed."""
     tmp = os.path.join(path, MANIFEST + ".tmp")
     try:
         with open(tmp, "w") as f:
@@ -306,22 +335,26 @@ def _write_manifest(path: str, manifest: dict) -> str | None:
 
 
 def prune(ckpt_dir: str, *, keep: int) -> None:
-    """Remove all but the newest ``keep`` complete checkpoints, and the unfinished ones older than the newest."""
+    """Remove all but the newest ``keep`` complete checkpoints, and the unfinished ones older than
+    the newest."""
     done = checkpoints(ckpt_dir)
     newest = int(os.path.basename(done[0]).removeprefix("step_")) if done else 0
-    unfinished = [os.path.join(ckpt_dir, d) for d in os.listdir(ckpt_dir) if re.fullmatch(r"step_\d+", d)
-                  and int(d.removeprefix("step_")) < newest and os.path.join(ckpt_dir, d) not in done]
+    unfinished = [os.path.join(ckpt_dir, d) for d in os.listdir(ckpt_dir)
+                  if re.fullmatch(r"step_\d+", d) and int(d.removeprefix("step_")) < newest
+                  and os.path.join(ckpt_dir, d) not in done]
     for path in done[keep:] + unfinished:
         shutil.rmtree(path, ignore_errors=True)
 
 
 def load_checkpoint(path: str, model, optimizer, *, data=None) -> int:
-    """Read a checkpoint written by :func:`save_checkpoint` into ``model``, ``optimizer`` and the ``data`` stream
-    (without a saved position, the stream counts from the step); returns its step."""
+    """Read a checkpoint written by :func:`save_checkpoint` into ``model``, ``optimizer`` and the
+    ``data`` stream (without a saved position, the stream counts from the step); returns its
+    step."""
     stages = isinstance(model, PipelineStages)
     model_sd, optim_sd = _states(model, optimizer)
     like = {"model": by_name(model_sd, stages), "step": 0, "optim": by_name(optim_sd, stages)}
-    if data is not None and "data.step" in dcp.FileSystemReader(path).read_metadata().state_dict_metadata:
+    if (data is not None
+        and "data.step" in dcp.FileSystemReader(path).read_metadata().state_dict_metadata):
         like["data"] = data.state_dict()
     state = dcp_layout(like)
     dcp.load(state, checkpoint_id=path)

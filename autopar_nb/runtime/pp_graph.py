@@ -1,13 +1,15 @@
-"""A traced model's graph made to compute what its eager forward does, before it is cut into pipeline stages.
+"""A traced model's graph made to compute what its eager forward does, before it is cut into
+pipeline stages.
 
-Tracing loses what eager code decides at run time: whether a Hugging Face model's masking skips a plain causal mask,
-the order a leaf reads its inputs in, a ``split`` into equal parts of a width that tensor parallelism changes, the
-dtype casts that follow a parameter's dtype. Each rewrite here puts one of those back.
+Tracing loses what eager code decides at run time: whether a Hugging Face model's masking skips a
+plain causal mask, the order a leaf reads its inputs in, a ``split`` into equal parts of a width
+that tensor parallelism changes, the dtype casts that follow a parameter's dtype. Each rewrite here
+puts one of those back.
 
-The schedules send a stage's outputs to the next stage as its positional inputs. A value that a later stage reads
-from further back (a Hugging Face model's attention mask and rotary cos/sin, made once and read by every layer; the
-labels its loss reads; an encoder's output read by every decoder block) is passed on through the stages between
-(:func:`chain_stages`).
+The schedules send a stage's outputs to the next stage as its positional inputs. A value that a
+later stage reads from further back (a Hugging Face model's attention mask and rotary cos/sin, made
+once and read by every layer; the labels its loss reads; an encoder's output read by every decoder
+block) is passed on through the stages between (:func:`chain_stages`).
 """
 
 from __future__ import annotations
@@ -25,17 +27,18 @@ from torch.export.unflatten import InterpreterModule
 
 @contextlib.contextmanager
 def masks_as_in_eager(*, own_positions: bool):
-    """While the pipeline is traced, Hugging Face's masking skips a plain causal or bidirectional mask as its eager
-    forward does (SDPA's ``is_causal``, or no mask at all; with grouped-query attention SDPA then reads the key/value
-    heads as they are). Under ``torch.export`` it never skips: an exported model may later run with other query
-    lengths, and the position ids it makes (``own_positions``: the batch has none) cannot be read to rule out packed
-    sequences. The pipeline's graph runs only at the shapes it was traced with, and positions the model makes are
-    0..n-1 in every row. Without this every layer of a stage would save a float copy of the mask and, with GQA, its
-    keys and values repeated to every head: about 12 % more activation memory than the same layers hold unpipelined
-    (LLaMA at tests/memcells.py's size); an encoder (ViT, BERT without an attention mask) would send an all-True
-    mask between stages and save its float copy in every layer. A padding mask, a sliding window, unequal query and
-    key lengths or position ids in the batch go the original way; a model that is not a Hugging Face one is
-    untouched."""
+    """While the pipeline is traced, Hugging Face's masking skips a plain causal or bidirectional
+    mask as its eager forward does (SDPA's ``is_causal``, or no mask at all; with grouped-query
+    attention SDPA then reads the key/value heads as they are). Under ``torch.export`` it never
+    skips: an exported model may later run with other query lengths, and the position ids it makes
+    (``own_positions``: the batch has none) cannot be read to rule out packed sequences. The
+    pipeline's graph runs only at the shapes it was traced with, and positions the model makes are
+    0..n-1 in every row. Without this every layer of a stage would save a float copy of the mask
+    and, with GQA, its keys and values repeated to every head: about 12 % more activation memory
+    than the same layers hold unpipelined (LLaMA at tests/memcells.py's size); an encoder (ViT, BERT
+    without an attention mask) would send an all-True mask between stages and save its float copy in
+    every layer. A padding mask, a sliding window, unequal query and key lengths or position ids in
+    the batch go the original way; a model that is not a Hugging Face one is untouched."""
     masking = sys.modules.get("transformers.masking_utils")
     skip_causal = getattr(masking, "_ignore_causal_mask_sdpa", None)
     skip_bidirectional = getattr(masking, "_ignore_bidirectional_mask_sdpa", None)
@@ -47,10 +50,12 @@ def masks_as_in_eager(*, own_positions: bool):
     def causal(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
         if padding_mask is None and q_length == kv_length and local_attention_size is None:
             return True
-        return skip_causal(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size)
+        return skip_causal(padding_mask, q_length, kv_length, q_offset, kv_offset,
+                           local_attention_size)
 
     def bidirectional(padding_mask, kv_length, local_attention_size=None):
-        if padding_mask is None and (local_attention_size is None or kv_length < local_attention_size):
+        if padding_mask is None and (local_attention_size is None
+                                     or kv_length < local_attention_size):
             return True
         return skip_bidirectional(padding_mask, kv_length, local_attention_size)
 
@@ -232,11 +237,11 @@ def equal_parts(x: torch.Tensor, parts: int, dim: int) -> tuple:
 
 
 def attention_called_late(root: nn.Module) -> int:
-    """Make every traced attention call ``F.scaled_dot_product_attention`` as it is when the stage runs, not the
-    aten op the trace recorded. torch's ``context_parallel`` replaces that function for the duration of a step (its
-    ring attention over the cp ranks); a graph calling the op directly would attend over this rank's part of the
-    sequence only. Outside ``context_parallel`` the function dispatches to the same op. Returns how many it
-    rewrote."""
+    """Make every traced attention call ``F.scaled_dot_product_attention`` as it is when the stage
+    runs, not the aten op the trace recorded. torch's ``context_parallel`` replaces that function
+    for the duration of a step (its ring attention over the cp ranks); a graph calling the op
+    directly would attend over this rank's part of the sequence only. Outside ``context_parallel``
+    the function dispatches to the same op. Returns how many it rewrote."""
     count = 0
     for module in list(root.modules()):
         graph = getattr(module, "graph", None)
@@ -253,7 +258,8 @@ def attention_called_late(root: nn.Module) -> int:
 
 
 def scaled_dot_product_attention(*args, **kwargs) -> torch.Tensor:
-    """``F.scaled_dot_product_attention``, looked up at each call (see :func:`attention_called_late`)."""
+    """``F.scaled_dot_product_attention``, looked up at each call (see
+    :func:`attention_called_late`)."""
     return F.scaled_dot_product_attention(*args, **kwargs)
 
 
@@ -266,11 +272,13 @@ def _recompile(module: nn.Module) -> None:
 
 
 def casts_as_in_eager(root: nn.Module) -> int:
-    """Give back the dtype casts torch.export drops: traced without autocast, ``x.float()`` of a float32 ``x`` is a
-    no-op, left in the graph as ``aten._assert_tensor_metadata(x, dtype=float32)`` only, which fails once the stage
-    runs under autocast and ``x`` is 16-bit (Mixtral's router: ``softmax(router_logits.float())``). Each such
-    assertion becomes the cast itself (``x.to(dtype)``: nothing when ``x`` has that dtype), read by every later user
-    of ``x``, as the eager code's cast was. Applied to every graph below ``root``; returns how many it rewrote."""
+    """Give back the dtype casts torch.export drops: traced without autocast, ``x.float()`` of a
+    float32 ``x`` is a no-op, left in the graph as ``aten._assert_tensor_metadata(x,
+    dtype=float32)`` only, which fails once the stage runs under autocast and ``x`` is 16-bit
+    (Mixtral's router: ``softmax(router_logits.float())``). Each such assertion becomes the cast
+    itself (``x.to(dtype)``: nothing when ``x`` has that dtype), read by every later user of ``x``,
+    as the eager code's cast was. Applied to every graph below ``root``; returns how many it
+    rewrote."""
     assert_meta = torch.ops.aten._assert_tensor_metadata.default
     count = 0
     for module in root.modules():
@@ -285,12 +293,15 @@ def casts_as_in_eager(root: nn.Module) -> int:
                 continue
             with graph.inserting_after(node):
                 cast = graph.call_function(torch.ops.aten.to.dtype, (x, dtype))
-            for user in [u for u in x.users if u is not cast and u is not node and order.get(u, -1) > order[node]]:
+            for user in [u for u in x.users if u is not cast and u is not node
+                         and order.get(u, -1) > order[node]]:
                 user.replace_input_with(x, cast)
             graph.erase_node(node)
             count += 1
-        compiled = module if isinstance(module, fx.GraphModule) else module.__dict__.get("graph_module")
-        if asserts and isinstance(compiled, fx.GraphModule):  # an unflattened module's codegen copy, too
+        compiled = (module if isinstance(module, fx.GraphModule)
+                    else module.__dict__.get("graph_module"))
+        # an unflattened module's codegen copy, too
+        if asserts and isinstance(compiled, fx.GraphModule):
             compiled.recompile()
     return count
 
@@ -352,10 +363,11 @@ def cast_like(x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 
 
 def chain_stages(split_gm: fx.GraphModule) -> None:
-    """Rewrite the traced pipeline so that every stage reads exactly the previous stage's outputs, in order, and the
-    first stage every model input: a value read further on than the next stage (made once and read by every layer;
-    a model input only the loss reads) is passed on, unchanged, by each stage between (its gradient, where it has
-    one, flows back the same way). Every stage returns a tuple; the last one the model's outputs, in order."""
+    """Rewrite the traced pipeline so that every stage reads exactly the previous stage's outputs,
+    in order, and the first stage every model input: a value read further on than the next stage
+    (made once and read by every layer; a model input only the loss reads) is passed on, unchanged,
+    by each stage between (its gradient, where it has one, flows back the same way). Every stage
+    returns a tuple; the last one the model's outputs, in order."""
     g = split_gm.graph
     calls = [n for n in g.nodes if n.op == "call_module"]
     roots = [n for n in g.nodes if n.op == "placeholder"]
@@ -364,24 +376,29 @@ def chain_stages(split_gm: fx.GraphModule) -> None:
     for n in g.nodes:
         if n.op == "call_function" and n.target is operator.getitem and n.args[0] in stage_of:
             produced[n] = stage_of[n.args[0]]
-        elif n in stage_of and not any(u.op == "call_function" and u.target is operator.getitem for u in n.users):
+        elif n in stage_of and not any(u.op == "call_function" and u.target is operator.getitem
+                                       for u in n.users):
             produced[n] = stage_of[n]  # a stage returning one value
-    last_read: dict = {}  # outer value -> the last stage reading it (len(calls): the model's output)
+    # outer value -> the last stage reading it (len(calls): the model's output)
+    last_read: dict = {}
     for c in calls:
         for a in c.args:
             if a not in produced:
-                raise NotImplementedError(f"pipeline stage {stage_of[c]} reads {a} ({a.op}), which no stage returns; "
-                                          "choose other stage boundaries")
+                raise NotImplementedError(f"pipeline stage {stage_of[c]} reads {a} ({a.op}), which "
+                                          "no stage returns; choose other stage boundaries")
             last_read[a] = max(last_read.get(a, -1), stage_of[c])
     output = next(n for n in g.nodes if n.op == "output")
     outs = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
     for a in outs:
         if a not in produced:
-            raise NotImplementedError(f"the model returns {a} ({a.op}), which no pipeline stage returns")
+            raise NotImplementedError(f"the model returns {a} ({a.op}), which no pipeline stage "
+                                      "returns")
         last_read[a] = len(calls)
     order = {n: i for i, n in enumerate(g.nodes)}
-    # live[k]: the values crossing the cut before stage k (k = len(calls): the model's outputs, in order)
-    live = [roots] + [sorted((v for v, last in last_read.items() if produced[v] < k <= last), key=order.__getitem__)
+    # live[k]: the values crossing the cut before stage k (k = len(calls): the model's outputs, in
+    # order)
+    live = [roots] + [sorted((v for v, last in last_read.items() if produced[v] < k <= last),
+                             key=order.__getitem__)
                       for k in range(1, len(calls))] + [outs]
     for k, c in enumerate(calls):
         _rewire_stage(split_gm.get_submodule(c.target), c, live[k], live[k + 1], produced, stage=k)
@@ -390,24 +407,27 @@ def chain_stages(split_gm: fx.GraphModule) -> None:
     value = {r: new.placeholder(r.target) for r in roots}
     for k, c in enumerate(calls):
         call = new.call_module(c.target, tuple(value[v] for v in live[k]))
-        value = {v: new.call_function(operator.getitem, (call, i)) for i, v in enumerate(live[k + 1])}
+        value = {v: new.call_function(operator.getitem, (call, i))
+                 for i, v in enumerate(live[k + 1])}
     new.output(tuple(value[v] for v in outs))
     split_gm.graph = new
     split_gm.recompile()
 
 
-def _rewire_stage(sub: fx.GraphModule, call: fx.Node, inputs: list, outputs: list, produced: dict, *,
-                  stage: int) -> None:
-    """Give stage module ``sub`` (called by outer node ``call``) the placeholders ``inputs`` (outer values, in
-    order) and the outputs ``outputs``: its own results, or inputs passed on."""
+def _rewire_stage(sub: fx.GraphModule, call: fx.Node, inputs: list, outputs: list, produced: dict,
+                  *, stage: int) -> None:
+    """Give stage module ``sub`` (called by outer node ``call``) the placeholders ``inputs`` (outer
+    values, in order) and the outputs ``outputs``: its own results, or inputs passed on."""
     g = sub.graph
     old = [n for n in g.nodes if n.op == "placeholder"]  # 1:1 with call.args
     inner_out = next(n for n in g.nodes if n.op == "output")
     results = inner_out.args[0]
-    mine = {v: results[v.args[1]] if v.op == "call_function" else results  # a getitem of this stage's call
+    # a getitem of this stage's call
+    mine = {v: results[v.args[1]] if v.op == "call_function" else results
             for v in produced if produced[v] == stage and (v is call or v.args[0] is call)}
     had = dict(zip(call.args, old, strict=True))  # outer value -> the placeholder it arrives at
-    if stage > 0 or list(call.args) != list(inputs):  # later stages: names no model keyword can take
+    # later stages: names no model keyword can take
+    if stage > 0 or list(call.args) != list(inputs):
         with g.inserting_before(next(iter(g.nodes))):
             fresh = {v: g.placeholder(v.target if stage == 0 else f"recv_{v.name}") for v in inputs}
         for v, ph in zip(call.args, old, strict=True):
@@ -415,7 +435,8 @@ def _rewire_stage(sub: fx.GraphModule, call: fx.Node, inputs: list, outputs: lis
             g.erase_node(ph)
         had = fresh
         g._codegen = fx.graph.CodeGen()  # plain positional/keyword arguments, one per placeholder
-    if stage > 0:  # the schedules hand a rank's keyword inputs to each stage it holds: only the first reads them
+    # the schedules hand a rank's keyword inputs to each stage it holds: only the first reads them
+    if stage > 0:
         with g.inserting_after([n for n in g.nodes if n.op == "placeholder"][-1]):
             g.placeholder("**model_kwargs")
     with g.inserting_before(inner_out):

@@ -1,6 +1,7 @@
-"""Sizes and times as people read them: bytes in binary units chosen per value (B, KiB, MiB, GiB, TiB), times in s,
-ms, µs or ns chosen per value, three significant digits. The one formatter of the package (``autopar_nb.units``
-re-exports it) and of an exported script's own lines (the step line, the checkpoint notes)."""
+"""Sizes and times as people read them: bytes in binary units chosen per value (B, KiB, MiB, GiB,
+TiB), times in s, ms, µs or ns chosen per value, three significant digits. The one formatter of the
+package (``autopar_nb.units`` re-exports it) and of an exported script's own lines (the step line,
+the checkpoint notes)."""
 
 from __future__ import annotations
 
