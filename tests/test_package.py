@@ -128,11 +128,16 @@ LONG_MODULES = {
     # not split yet: each may shrink, none may grow past its figure
     "cost/estimate.py": (580, "the Evaluator's layer terms, sums, step time and communication"),
     "planner/search.py": (580, "mesh enumeration beside the per-layer search"),
+    # over 500 only since wrapped at 100 columns (452 lines at 120)
+    "export/values.py": (511, "every value the exported script's template takes, from the plan"),
 }
 LONG_FUNCTIONS = {
     # the same: ceilings, to be split
     "cost/estimate.py:sum_layers": 83,
     # over 80 only since wrapped at 100 columns (the length at 120 columns after each)
+    "export/parallelize.py:parallelize_source": 89,  # 66
+    "export/settings.py:settings": 89,  # 70
+    "export/values.py:script_values": 87,  # 73
     "runtime/pp_split.py:split_model": 91,  # 77
 }
 
@@ -158,7 +163,7 @@ def test_no_module_or_function_grows_past_its_size():
         assert set(listed) <= set(over), f"listed but no longer over {limit}: {sorted(set(listed) - set(over))}"
 
 
-WRAPPED_AT_100 = ("runtime",)
+WRAPPED_AT_100 = ("export", "runtime")
 """the folders whose lines are wrapped at 100 columns; ruff's line length drops from 120 to 100 once every folder of
 the package is listed"""
 

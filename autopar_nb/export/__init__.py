@@ -1,17 +1,19 @@
-"""export(source, plan, path): the plan as a ``torchrun`` script a person reads (``train.py``) and its runtime module
-beside it (``train_runtime.py``), plus ``plan.json``; with ``target="slurm"`` an ``sbatch`` script beside them too,
-with ``target="k8s"`` a Kubeflow PyTorchJob manifest.
+"""export(source, plan, path): the plan as a ``torchrun`` script a person reads (``train.py``) and
+its runtime module beside it (``train_runtime.py``), plus ``plan.json``; with ``target="slurm"`` an
+``sbatch`` script beside them too, with ``target="k8s"`` a Kubeflow PyTorchJob manifest.
 
-The script reads like a hand-written one (nanoGPT's ``train.py``, torchtitan's ``parallelize_llama``): a docstring
-with the launch commands, settings saying where each came from in the plan, the notebook cell as ``build_model()``
-(its imports, classes and functions at the top level), a ``parallelize`` that calls the runtime's functions in
-torchtitan's order, and ``main``. The runtime module holds those functions of :mod:`autopar_nb.runtime` and all they
-use, verbatim (:mod:`.kit`), and the notebook's telemetry. ``single_file=True`` writes the older one-file form
-instead (the cell at the top level, the runtime's functions inside). ``verify`` and ``launch`` run these very
-files. Neither imports autopar_nb.
+The script reads like a hand-written one (nanoGPT's ``train.py``, torchtitan's
+``parallelize_llama``): a docstring with the launch commands, settings saying where each came from
+in the plan, the notebook cell as ``build_model()`` (its imports, classes and functions at the top
+level), a ``parallelize`` that calls the runtime's functions in torchtitan's order, and ``main``.
+The runtime module holds those functions of :mod:`autopar_nb.runtime` and all they use, verbatim
+(:mod:`.kit`), and the notebook's telemetry. ``single_file=True`` writes the older one-file form
+instead (the cell at the top level, the runtime's functions inside). ``verify`` and ``launch`` run
+these very files. Neither imports autopar_nb.
 
-Pipeline: :mod:`.values` (plan -> plain values, :mod:`.styles` for TP) -> :mod:`.script` (the two files) or
-:mod:`.render` (one); :mod:`.commands` the torchrun lines, which :mod:`.slurm` and :mod:`.k8s` wrap for a scheduler.
+Pipeline: :mod:`.values` (plan -> plain values, :mod:`.styles` for TP) -> :mod:`.script` (the two
+files) or :mod:`.render` (one); :mod:`.commands` the torchrun lines, which :mod:`.slurm` and
+:mod:`.k8s` wrap for a scheduler.
 """
 
 from __future__ import annotations
@@ -27,7 +29,15 @@ from pathlib import Path
 
 from ..plan import Plan
 from ..source import ModelSource
-from .commands import LaunchCommand, Layout, launch_commands, launch_text, layout, torchrun_command, torchrun_commands
+from .commands import (
+    LaunchCommand,
+    Layout,
+    launch_commands,
+    launch_text,
+    layout,
+    torchrun_command,
+    torchrun_commands,
+)
 from .k8s import pytorchjob_manifest
 from .render import render_script as _render
 from .script import RUNTIME_HEADER, render_files, runtime_name
@@ -35,15 +45,17 @@ from .slurm import sbatch_script
 from .values import script_values
 
 TARGETS = ("torchrun", "slurm", "k8s")
-"""what :func:`export` writes besides the script: nothing more, an sbatch script, a PyTorchJob manifest"""
+"""what :func:`export` writes besides the script: nothing more, an sbatch script, a PyTorchJob
+manifest"""
 
 
-def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.py", plan_file: str = "plan.json",
-                  steps: int = 100, seed: int = 0, meta_init: bool | None = None) -> str:
+def render_script(source: ModelSource, plan: Plan, *, script_name: str = "train.py",
+                  plan_file: str = "plan.json", steps: int = 100, seed: int = 0,
+                  meta_init: bool | None = None) -> str:
     """The script's text (see :func:`export`)."""
     values = script_values(source, plan, seed=seed, meta_init=meta_init)
-    return _render(source, plan, values, script_name=script_name, plan_file=plan_file, steps=steps, seed=seed,
-                   launch=launch_text(script_name, plan))
+    return _render(source, plan, values, script_name=script_name, plan_file=plan_file, steps=steps,
+                   seed=seed, launch=launch_text(script_name, plan))
 
 
 def render_two_files(source: ModelSource, plan: Plan, *, script_name: str = "train.py",
@@ -51,8 +63,8 @@ def render_two_files(source: ModelSource, plan: Plan, *, script_name: str = "tra
                      meta_init: bool | None = None) -> tuple[str, str]:
     """The texts of the script and of its runtime module (see :func:`export`)."""
     values = script_values(source, plan, seed=seed, meta_init=meta_init)
-    return render_files(source, plan, values, script_name=script_name, plan_file=plan_file, steps=steps, seed=seed,
-                        launch=launch_text(script_name, plan))
+    return render_files(source, plan, values, script_name=script_name, plan_file=plan_file,
+                        steps=steps, seed=seed, launch=launch_text(script_name, plan))
 
 
 @dataclass
@@ -77,9 +89,10 @@ class Exported:
 
 
 def written_by_export(path: Path) -> bool:
-    """Whether the file at ``path`` is an earlier output of :func:`export` (so writing over it loses nothing of the
-    user's): a script (two-file or one-file), a runtime module, a plan JSON, or a job file whose header says
-    autopar-nb wrote it. Read as text, never executed; a file that is not UTF-8 text is not ours."""
+    """Whether the file at ``path`` is an earlier output of :func:`export` (so writing over it loses
+    nothing of the user's): a script (two-file or one-file), a runtime module, a plan JSON, or a job
+    file whose header says autopar-nb wrote it. Read as text, never executed; a file that is not
+    UTF-8 text is not ours."""
     try:
         text = path.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError):
@@ -99,28 +112,33 @@ def written_by_export(path: Path) -> bool:
 
 
 def _refuse_overwrite(paths: list[Path]) -> None:
-    """FileExistsError naming the first of ``paths`` that exists and is not an earlier export (nothing written)."""
+    """FileExistsError naming the first of ``paths`` that exists and is not an earlier export
+    (nothing written)."""
     for p in paths:
         if p.exists() and not written_by_export(p):
-            raise FileExistsError(f"{p} exists and was not written by ap.export(): nothing was written. Pass "
-                                  "overwrite=True to replace it, or export to another path")
+            raise FileExistsError(f"{p} exists and was not written by ap.export(): nothing was "
+                                  "written. Pass overwrite=True to replace it, or export to "
+                                  "another path")
 
 
 def export(source: ModelSource, plan: Plan, path: str | Path, *, steps: int = 100, seed: int = 0,
-           meta_init: bool | None = None, quiet: bool = False, target: str = "torchrun", overwrite: bool = False,
-           single_file: bool = False, weights: str | os.PathLike | None = None, **job) -> Exported:
-    """Write the training script for ``plan`` to ``path``, its runtime module beside it (``<stem>_runtime.py``,
-    which the script imports) and the plan to ``<path stem>.plan.json``.
+           meta_init: bool | None = None, quiet: bool = False, target: str = "torchrun",
+           overwrite: bool = False, single_file: bool = False,
+           weights: str | os.PathLike | None = None, **job) -> Exported:
+    """Write the training script for ``plan`` to ``path``, its runtime module beside it
+    (``<stem>_runtime.py``, which the script imports) and the plan to ``<path stem>.plan.json``.
 
-    ``single_file``: the script alone, the runtime's functions inside it and the cell at its top level (the older
-    form). ``meta_init``: build the model on the meta device and initialise it shard by shard (models larger than
-    host memory); None decides by size (above 2**30 parameters). ``weights``: a folder of safetensors files
-    (``save_pretrained``'s) that a model the cell builds from a config starts from, read as a ``from_pretrained``
-    cell's checkpoint is (:attr:`ModelSource.weights`). Nothing is written when the plan cannot be
-    rendered. ``target``: ``"torchrun"`` (the script only), ``"slurm"`` (also ``<stem>.sbatch``:
-    :func:`.slurm.sbatch_script` takes the ``job`` keywords) or ``"k8s"`` (also ``<stem>.pytorchjob.yaml``:
-    :func:`.k8s.pytorchjob_manifest`). Prints the commands unless ``quiet``. A file at one of those paths that an
-    earlier export did not write is kept (FileExistsError, nothing written) unless ``overwrite``.
+    ``single_file``: the script alone, the runtime's functions inside it and the cell at its top
+    level (the older form). ``meta_init``: build the model on the meta device and initialise it
+    shard by shard (models larger than host memory); None decides by size (above 2**30 parameters).
+    ``weights``: a folder of safetensors files (``save_pretrained``'s) that a model the cell builds
+    from a config starts from, read as a ``from_pretrained`` cell's checkpoint is
+    (:attr:`ModelSource.weights`). Nothing is written when the plan cannot be rendered. ``target``:
+    ``"torchrun"`` (the script only), ``"slurm"`` (also ``<stem>.sbatch``:
+    :func:`.slurm.sbatch_script` takes the ``job`` keywords) or ``"k8s"`` (also
+    ``<stem>.pytorchjob.yaml``: :func:`.k8s.pytorchjob_manifest`). Prints the commands unless
+    ``quiet``. A file at one of those paths that an earlier export did not write is kept
+    (FileExistsError, nothing written) unless ``overwrite``.
     """
     path = Path(path)
     if path.suffix != ".py":
@@ -128,43 +146,46 @@ def export(source: ModelSource, plan: Plan, path: str | Path, *, steps: int = 10
     if target not in TARGETS:
         raise ValueError(f"target={target!r}: choose one of {', '.join(map(repr, TARGETS))}")
     if job and target == "torchrun":
-        raise TypeError(f"export() got options for a job file ({', '.join(job)}) but target='torchrun' writes none: "
-                        "pass target='slurm' or 'k8s'")
+        raise TypeError(f"export() got options for a job file ({', '.join(job)}) but "
+                        "target='torchrun' writes none: pass target='slurm' or 'k8s'")
     source = with_weights(source, weights)
     plan_path = path.with_name(path.stem + ".plan.json")
     runtime_path, runtime_text = None, None
-    options = dict(script_name=path.name, plan_file=plan_path.name, steps=steps, seed=seed, meta_init=meta_init)
+    options = dict(script_name=path.name, plan_file=plan_path.name, steps=steps, seed=seed,
+                   meta_init=meta_init)
     if single_file:
         text = render_script(source, plan, **options)
     else:
         text, runtime_text = render_two_files(source, plan, **options)
         runtime_path = path.with_name(runtime_name(path.name) + ".py")
     job_path, job_text, submit = _job(target, path, plan, text, runtime_path, runtime_text, job)
-    written = {path: text, runtime_path: runtime_text, plan_path: plan.to_json() + "\n", job_path: job_text}
+    written = {path: text, runtime_path: runtime_text, plan_path: plan.to_json() + "\n",
+               job_path: job_text}
     written.pop(None, None)
     if not overwrite:
         _refuse_overwrite(list(written))
     path.parent.mkdir(parents=True, exist_ok=True)
     for p, content in written.items():
         p.write_text(content)
-    result = Exported(script=path, plan_json=plan_path, commands=torchrun_commands(path.name, plan), job=job_path,
-                      submit=submit, runtime=runtime_path)
+    result = Exported(script=path, plan_json=plan_path, commands=torchrun_commands(path.name, plan),
+                      job=job_path, submit=submit, runtime=runtime_path)
     if not quiet:
         print(result)
     return result
 
 
 def with_weights(source: ModelSource, weights: str | os.PathLike | None) -> ModelSource:
-    """``source`` starting from the checkpoint folder ``weights`` (an absolute path: the script may run elsewhere),
-    or as it is for None."""
+    """``source`` starting from the checkpoint folder ``weights`` (an absolute path: the script may
+    run elsewhere), or as it is for None."""
     if weights is None:
         return source
     return dataclasses.replace(source, weights=os.path.abspath(os.fspath(weights)))
 
 
-def _job(target: str, path: Path, plan: Plan, text: str, runtime_path: Path | None, runtime_text: str | None,
-         job: dict) -> tuple[Path | None, str | None, list[str]]:
-    """The job file of ``target`` (its path, text and the command that submits it), or Nones for torchrun."""
+def _job(target: str, path: Path, plan: Plan, text: str, runtime_path: Path | None,
+         runtime_text: str | None, job: dict) -> tuple[Path | None, str | None, list[str]]:
+    """The job file of ``target`` (its path, text and the command that submits it), or Nones for
+    torchrun."""
     if target == "slurm":
         job_path = path.with_suffix(".sbatch")
         return job_path, sbatch_script(path.name, plan, **job), [
@@ -172,17 +193,21 @@ def _job(target: str, path: Path, plan: Plan, text: str, runtime_path: Path | No
     if target == "k8s":
         job_path = path.with_name(path.stem + ".pytorchjob.yaml")
         files = {runtime_path.name: runtime_text} if runtime_path is not None else {}
-        return job_path, pytorchjob_manifest(path.name, plan, script_text=text, plan_text=plan.to_json() + "\n",
-                                             files=files, **job), [f"kubectl apply -f {job_path.name}"]
+        return job_path, pytorchjob_manifest(path.name, plan, script_text=text,
+                                             plan_text=plan.to_json() + "\n", files=files,
+                                             **job), ["kubectl apply -f "
+                                                      f"{job_path.name}"]
     return None, None, []
 
 
-def run_script(path: str | Path, *, run_name: str, build: bool = False) -> tuple[dict, object | None]:
-    """Run an exported script's top level in this process as ``runpy.run_path`` does (its ``main`` is not called)
-    and return its namespace and its runtime module (None for a one-file script). The runtime module is imported
-    afresh from beside the script, replacing a module of that name imported before (another export's), since
-    ``run_path`` does not put the script's folder on ``sys.path``. ``build``: call ``build_model`` now, seeded as
-    ``main`` seeds it, and have ``main``'s call return what it built (measure: the model before the tracker)."""
+def run_script(path: str | Path, *, run_name: str,
+               build: bool = False) -> tuple[dict, object | None]:
+    """Run an exported script's top level in this process as ``runpy.run_path`` does (its ``main``
+    is not called) and return its namespace and its runtime module (None for a one-file script). The
+    runtime module is imported afresh from beside the script, replacing a module of that name
+    imported before (another export's), since ``run_path`` does not put the script's folder on
+    ``sys.path``. ``build``: call ``build_model`` now, seeded as ``main`` seeds it, and have
+    ``main``'s call return what it built (measure: the model before the tracker)."""
     import torch
 
     path = Path(path)
@@ -198,13 +223,16 @@ def run_script(path: str | Path, *, run_name: str, build: bool = False) -> tuple
         torch.manual_seed(ns["SEED"])
         built, rng = ns["build_model"](), torch.get_rng_state()
 
-        def prebuilt():  # what main's build_model() would have built, the generator where building left it
+        # what main's build_model() would have built, the generator where building left it
+        def prebuilt():
             torch.set_rng_state(rng)
             return built
 
-        ns["build_model"].__globals__["build_model"] = prebuilt  # main reads the module's (run_path copies them)
+        # main reads the module's (run_path copies them)
+        ns["build_model"].__globals__["build_model"] = prebuilt
     return ns, module
 
 
-__all__ = ["Exported", "LaunchCommand", "Layout", "TARGETS", "export", "launch_commands", "launch_text", "layout",
-           "render_script", "render_two_files", "run_script", "runtime_name", "torchrun_command", "torchrun_commands"]
+__all__ = ["Exported", "LaunchCommand", "Layout", "TARGETS", "export", "launch_commands",
+           "launch_text", "layout", "render_script", "render_two_files", "run_script",
+           "runtime_name", "torchrun_command", "torchrun_commands"]

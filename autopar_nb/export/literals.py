@@ -1,6 +1,7 @@
-"""Python source text from plain values, as the exported script writes them: a literal (one line where it fits,
-else one item per line), a ``{path: ParallelStyle(...)}`` dict, and a call wrapped at the script's width. Each
-literal is read back with ``ast.literal_eval`` before it is used: plain data only, never code.
+"""Python source text from plain values, as the exported script writes them: a literal (one line
+where it fits, else one item per line), a ``{path: ParallelStyle(...)}`` dict, and a call wrapped at
+the script's width. Each literal is read back with ``ast.literal_eval`` before it is used: plain
+data only, never code.
 """
 
 from __future__ import annotations
@@ -10,15 +11,17 @@ import json
 
 
 def literal(value, indent: int = 0, width: int = 120) -> str:
-    """``value`` (plain data: numbers, strings, bools, None, lists, tuples, dicts) as Python source with double
-    quotes, on one line when it fits ``width`` minus ``indent``, else one item per line."""
+    """``value`` (plain data: numbers, strings, bools, None, lists, tuples, dicts) as Python source
+    with double quotes, on one line when it fits ``width`` minus ``indent``, else one item per
+    line."""
     text = one_line(value)
     if indent + len(text) > width and isinstance(value, (list, tuple, dict)) and value:
         pad = " " * (indent + 4)
         items = ([f"{one_line(k)}: {literal(v, indent + 4, width)}" for k, v in value.items()]
                  if isinstance(value, dict) else [literal(v, indent + 4, width) for v in value])
         opening, closing = {dict: "{}", list: "[]", tuple: "()"}[type(value)]
-        text = opening + "\n" + "".join(f"{pad}{item},\n" for item in items) + " " * indent + closing
+        text = (opening + "\n" + "".join(f"{pad}{item},\n" for item in items) + " " * indent
+                + closing)
     if ast.literal_eval(text) != value:  # plain data only, never code
         raise ValueError(f"{value!r} is not plain data")
     return text
@@ -26,11 +29,13 @@ def literal(value, indent: int = 0, width: int = 120) -> str:
 
 def one_line(value) -> str:
     if isinstance(value, str):
-        text = json.dumps(value)  # a JSON string is a Python string literal (double quotes, escapes)
+        # a JSON string is a Python string literal (double quotes, escapes)
+        text = json.dumps(value)
         return text if ast.literal_eval(text) == value else repr(value)
     if isinstance(value, (list, tuple)):
         inner = ", ".join(one_line(v) for v in value)
-        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+        return (f"[{inner}]" if isinstance(value, list)
+                else f"({inner}{',' if len(value) == 1 else ''})")
     if isinstance(value, dict):
         return "{" + ", ".join(f"{one_line(k)}: {one_line(v)}" for k, v in value.items()) + "}"
     if value is None or isinstance(value, (bool, int, float)):
@@ -39,7 +44,8 @@ def one_line(value) -> str:
 
 
 def style_dict(styles: dict, indent: int = 0, width: int = 120) -> str:
-    """A ``{path: ParallelStyle(...)}`` literal (nested for block plans), one entry per line, wrapped at 120."""
+    """A ``{path: ParallelStyle(...)}`` literal (nested for block plans), one entry per line,
+    wrapped at 120."""
     pad = " " * (indent + 4)
     lines = []
     for path, style in styles.items():
@@ -55,8 +61,9 @@ def style_dict(styles: dict, indent: int = 0, width: int = 120) -> str:
 
 
 def call(target: str, *args: str, indent: int = 0, width: int = 120, **kwargs: str) -> str:
-    """``target(args..., key=value...)`` as source (arguments are source text) for a line where ``target`` starts at
-    column ``indent``, wrapped at ``width`` with continuation lines aligned to the opening parenthesis."""
+    """``target(args..., key=value...)`` as source (arguments are source text) for a line where
+    ``target`` starts at column ``indent``, wrapped at ``width`` with continuation lines aligned to
+    the opening parenthesis."""
     items = [*args, *(f"{k}={val}" for k, val in kwargs.items())]
     line = " " * indent + f"{target}("
     lines, pad = [], " " * len(line)
