@@ -138,6 +138,8 @@ LONG_FUNCTIONS = {
     "export/parallelize.py:parallelize_source": 89,  # 66
     "export/settings.py:settings": 89,  # 70
     "export/values.py:script_values": 87,  # 73
+    "launch/run.py:__init__": 86,  # 78
+    "launch/trials.py:tournament": 88,  # 76
     "runtime/pp_split.py:split_model": 91,  # 77
 }
 
@@ -163,7 +165,7 @@ def test_no_module_or_function_grows_past_its_size():
         assert set(listed) <= set(over), f"listed but no longer over {limit}: {sorted(set(listed) - set(over))}"
 
 
-WRAPPED_AT_100 = ("export", "runtime")
+WRAPPED_AT_100 = ("export", "launch", "runtime")
 """the folders whose lines are wrapped at 100 columns; ruff's line length drops from 120 to 100 once every folder of
 the package is listed"""
 

@@ -1,21 +1,23 @@
-"""The metrics channel: a TCP server (loopback, unless attached to a run on other hosts) that receives JSON lines
-from the ranks of one run.
+"""The metrics channel: a TCP server (loopback, unless attached to a run on other hosts) that
+receives JSON lines from the ranks of one run.
 
 Protocol (the exported script implements the client side; see ``tests/fixtures/train_fixture.py``)::
 
     env AUTOPAR_METRICS="127.0.0.1:PORT", AUTOPAR_TOKEN=<random hex>
-    rank -> server   {"token": TOKEN, "rank": RANK}                     first line: authenticates the connection
+    rank -> server   {"token": TOKEN, "rank": RANK}                     first line: authenticates
+                                                                        the connection
                      {"step": k, "loss": ..., "step_time_s": ..., ...}  one line per step
                      {"event": "done"}  or  {"event": "error", "error": "...", "traceback": "..."}
 
-A connection whose first line is not valid JSON carrying the run's token (compared in constant time) within
-``AUTH_TIMEOUT_S`` is closed and its bytes discarded; lines longer than ``MAX_LINE`` (``MAX_AUTH_LINE`` before the
-token) close the connection. At most ``MAX_PENDING`` connections wait unauthenticated: a new one closes the oldest
-(so held-open connections cannot use up the kernel's file descriptors), and when ``accept`` itself fails for want of
-descriptors the oldest pending one is closed to make room. Whatever a peer sends, only its own connection is closed:
-nothing it sends raises out of ``poll`` (the monitor's loop). Messages are decoded with ``json.loads`` only (nothing
-is unpickled), and the rank of every message is the one the connection authenticated with, whatever a later line
-says. Not thread-safe: one thread (the monitor) calls ``poll``.
+A connection whose first line is not valid JSON carrying the run's token (compared in constant time)
+within ``AUTH_TIMEOUT_S`` is closed and its bytes discarded; lines longer than ``MAX_LINE``
+(``MAX_AUTH_LINE`` before the token) close the connection. At most ``MAX_PENDING`` connections wait
+unauthenticated: a new one closes the oldest (so held-open connections cannot use up the kernel's
+file descriptors), and when ``accept`` itself fails for want of descriptors the oldest pending one
+is closed to make room. Whatever a peer sends, only its own connection is closed: nothing it sends
+raises out of ``poll`` (the monitor's loop). Messages are decoded with ``json.loads`` only (nothing
+is unpickled), and the rank of every message is the one the connection authenticated with, whatever
+a later line says. Not thread-safe: one thread (the monitor) calls ``poll``.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ class _Conn:
 
 @dataclass(frozen=True)
 class Message:
-    """One decoded JSON object from an authenticated rank; ``kind`` is "hello", "data" or "closed"."""
+    """One decoded JSON object from an authenticated rank; ``kind`` is "hello", "data" or
+    "closed"."""
 
     rank: int
     kind: str
@@ -60,8 +63,8 @@ class Message:
 
 
 class MetricsServer:
-    """Listens on ``host`` (127.0.0.1 unless a run on other hosts is attached: ``attached.py``) and ``port`` (0: a
-    free one) for the ranks of one run; ``poll()`` returns their messages."""
+    """Listens on ``host`` (127.0.0.1 unless a run on other hosts is attached: ``attached.py``) and
+    ``port`` (0: a free one) for the ranks of one run; ``poll()`` returns their messages."""
 
     def __init__(self, token: str | None = None, host: str = "127.0.0.1", port: int = 0):
         self.token = token or secrets.token_hex(16)
@@ -79,14 +82,16 @@ class MetricsServer:
         self._closed = False
 
     def poll(self, timeout: float) -> list[Message]:
-        """Wait up to ``timeout`` seconds for traffic and return the messages that arrived (possibly none)."""
+        """Wait up to ``timeout`` seconds for traffic and return the messages that arrived (possibly
+        none)."""
         if self._closed:
             time.sleep(timeout)
             return []
         out: list[Message] = []
         ready = self._sel.select(timeout)
-        # one time for everything one select saw: the order of its descriptors is not the order of the events, and
-        # a node's death and its peers' errors (their consequence) often arrive together
+        # one time for everything one select saw: the order of its descriptors is not the order of
+        # the events, and a node's death and its peers' errors (their consequence) often arrive
+        # together
         seen = time.time()
         for key, _ in ready:
             if key.data is None:
@@ -94,7 +99,8 @@ class MetricsServer:
             else:
                 self._read(key.data, out, seen)
         now = time.monotonic()
-        for c in [c for c in self._conns.values() if c.rank is None and now - c.opened > AUTH_TIMEOUT_S]:
+        for c in [c for c in self._conns.values() if c.rank is None
+                  and now - c.opened > AUTH_TIMEOUT_S]:
             self._drop(c, rejected=True)
         return out
 
@@ -103,12 +109,14 @@ class MetricsServer:
             sock, addr = self._lsock.accept()
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             return
-        except OSError:  # EMFILE/ENFILE/ENOBUFS: free a descriptor held by a peer that never authenticated
+        # EMFILE/ENFILE/ENOBUFS: free a descriptor held by a peer that never authenticated
+        except OSError:
             pending = self._pending()
             if pending:
                 self._drop(pending[0], rejected=True)
             else:
-                time.sleep(0.01)  # nothing of ours to free: do not spin on a listening socket that stays readable
+                # nothing of ours to free: do not spin on a listening socket that stays readable
+                time.sleep(0.01)
             return
         pending = self._pending()
         if len(pending) >= MAX_PENDING:
@@ -156,13 +164,16 @@ class MetricsServer:
             if c.rank is None:
                 token = obj.get("token")
                 rank = obj.get("rank")
-                if (not isinstance(token, str) or not hmac.compare_digest(token.encode("utf-8", "surrogatepass"),
-                                                                          self.token.encode())
-                        or not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < 1 << 31):
+                if (not isinstance(token, str)
+                    or not hmac.compare_digest(token.encode("utf-8", "surrogatepass"),
+                                               self.token.encode())
+                        or not isinstance(rank, int) or isinstance(rank, bool)
+                    or not 0 <= rank < 1 << 31):
                     self._drop(c, rejected=True)
                     return
                 c.rank = rank
-                hello = {k: v for k, v in obj.items() if k != "token"} | {"peer": c.peer}  # seen here, not claimed
+                # seen here, not claimed
+                hello = {k: v for k, v in obj.items() if k != "token"} | {"peer": c.peer}
                 out.append(Message(rank, "hello", hello, seen))
             else:
                 out.append(Message(c.rank, "data", obj, seen))

@@ -1,14 +1,17 @@
-"""The live dashboard of a Run: an anywidget whose traits the monitor thread sets (kernel side only).
+"""The live dashboard of a Run: an anywidget whose traits the monitor thread sets (kernel side
+only).
 
-It declares state and holds no logic beyond turning ``Run`` figures into plain data: ``static/dashboard.js`` draws,
-with uPlot (vendored in ``static/vendor/uplot``), memory and utilisation over time (one line per rank, the plan's
-prediction dashed, the device limit), loss, throughput and step time per step (one line per rank, the predicted
-step time dashed where it compares), a per-rank table with each rank's state, the first failing rank's traceback,
-the last log lines, Stop and, at the end, measured vs predicted and calibration. Trait updates reach the browser
+It declares state and holds no logic beyond turning ``Run`` figures into plain data:
+``static/dashboard.js`` draws, with uPlot (vendored in ``static/vendor/uplot``), memory and
+utilisation over time (one line per rank, the plan's prediction dashed, the device limit), loss,
+throughput and step time per step (one line per rank, the predicted step time dashed where it
+compares), a per-rank table with each rank's state, the first failing rank's traceback, the last log
+lines, Stop and, at the end, measured vs predicted and calibration. Trait updates reach the browser
 while other cells run (see ../shared/notes/browser-testing.md).
 
-Cost: the table and status are sent at most ``PUSH_INTERVAL_S`` apart (monitor.py); the series at most once per
-``CHART_INTERVAL_S``, as float32 bytes (binary buffers, no JSON), decimated to ``series.MAX_POINTS`` per line.
+Cost: the table and status are sent at most ``PUSH_INTERVAL_S`` apart (monitor.py); the series at
+most once per ``CHART_INTERVAL_S``, as float32 bytes (binary buffers, no JSON), decimated to
+``series.MAX_POINTS`` per line.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ THROUGHPUT_LABEL = {"samples/s": "samples/s", "tokens/s": "tokens/s"}
 
 
 def bundle(*files: Path) -> str:
-    """The files' text, one after the other (uPlot's IIFE build declares ``var uPlot`` for the code after it)."""
+    """The files' text, one after the other (uPlot's IIFE build declares ``var uPlot`` for the code
+    after it)."""
     return "\n".join(f.read_text() for f in files)
 
 
@@ -47,27 +51,34 @@ class Dashboard(anywidget.AnyWidget):
     status = traitlets.Unicode("starting").tag(sync=True)
     message = traitlets.Unicode("").tag(sync=True)
     error = traitlets.Dict(allow_none=True, default_value=None).tag(sync=True)
-    """the first failing rank: {"rank", "error", "traceback", "time_s", "knock_on": [{"rank", "error", "after_s"}]}"""
+    """the first failing rank: {"rank", "error", "traceback", "time_s", "knock_on": [{"rank",
+    "error", "after_s"}]}"""
     hang = traitlets.Dict(allow_none=True, default_value=None).tag(sync=True)
-    """when the run hung: {"rank" that stopped first, "seconds", "stacks": {rank: its threads' stacks}}"""
+    """when the run hung: {"rank" that stopped first, "seconds", "stacks": {rank: its threads'
+    stacks}}"""
     ranks = traitlets.List().tag(sync=True)
-    """per rank: {"rank", "state", "step", "attempt", "memory", "memory_source", "memory_peak" and "memory_pred"
-    (``report.peak_figures``: the widget's and the summary's figures), "memory_peak_kind" (their label),
-    "memory_off" (the peak is a prediction error: ``watch.prediction_off``), "util", "throughput", "step_time",
-    "data_wait", "power_w", "temperature_c", "log": [str]}"""
+    """per rank: {"rank", "state", "step", "attempt", "memory", "memory_source", "memory_peak" and
+    "memory_pred" (``report.peak_figures``: the widget's and the summary's figures),
+    "memory_peak_kind" (their label), "memory_off" (the peak is a prediction error:
+    ``watch.prediction_off``), "util", "throughput", "step_time", "data_wait", "power_w",
+    "temperature_c", "log": [str]}"""
     info = traitlets.Dict().tag(sync=True)
     """what the charts show and what compares: labels, the plan's predictions, the limit, notes"""
     timeline = traitlets.Dict().tag(sync=True)
-    """{"n", "ranks", "t": float32 bytes [n], "memory", "util": float32 bytes [ranks x n] (NaN: no value)}"""
+    """{"n", "ranks", "t": float32 bytes [n], "memory", "util": float32 bytes [ranks x n] (NaN: no
+    value)}"""
     steps = traitlets.Dict().tag(sync=True)
-    """{"n", "ranks", "x": float32 bytes [n], "loss", "throughput", "step_time", "data_wait": [ranks x n]}"""
+    """{"n", "ranks", "x": float32 bytes [n], "loss", "throughput", "step_time", "data_wait": [ranks
+    x n]}"""
     summary = traitlets.Dict().tag(sync=True)
     """at the end: measured vs predicted, the data-wait verdict, and what was calibrated"""
     events = traitlets.List().tag(sync=True)
-    """the events of this run and of the runs before it (re-plans), in time order: {"t": seconds since the first
-    launch, "kind", "rank", "reason", "leg": 0 for the first run, 1 after one re-plan, ...}"""
+    """the events of this run and of the runs before it (re-plans), in time order: {"t": seconds
+    since the first launch, "kind", "rank", "reason", "leg": 0 for the first run, 1 after one
+    re-plan, ...}"""
     replan = traitlets.Dict().tag(sync=True)
-    """{"mode": "ask"|"auto"|"off"|None, "pending": a proposal waits for Re-plan & resume or Stop, "text", "busy"}"""
+    """{"mode": "ask"|"auto"|"off"|None, "pending": a proposal waits for Re-plan & resume or Stop,
+    "text", "busy"}"""
 
     def __init__(self, run, **kwargs):
         super().__init__(**kwargs)
@@ -95,16 +106,19 @@ class Dashboard(anywidget.AnyWidget):
             try:
                 self._run.calibrate()
             except (ValueError, RuntimeError) as e:
-                self.summary = {**self.summary, "calibration": {"done": False, "text": f"not calibrated: {e}"}}
+                self.summary = {**self.summary,
+                                "calibration": {"done": False, "text": f"not calibrated: {e}"}}
 
     def _replan_quietly(self) -> None:
         try:
             self._run.replan()
         except Exception as e:  # shown, not raised into the kernel's message loop
-            self.replan = {**self.replan, "pending": False, "busy": False, "text": f"re-planning failed: {e}"}
+            self.replan = {**self.replan, "pending": False, "busy": False,
+                           "text": f"re-planning failed: {e}"}
 
     def follow(self, run) -> None:
-        """Show ``run`` from now on: the run that continues this one after a re-plan (the events so far stay)."""
+        """Show ``run`` from now on: the run that continues this one after a re-plan (the events so
+        far stay)."""
         with self._refresh_lock:
             self._run = run
             self._sent = {"timeline": -1, "steps": -1}
@@ -115,29 +129,34 @@ class Dashboard(anywidget.AnyWidget):
 
     def refresh(self, run=None) -> None:
         """Copy the run's current figures into the traits (called from the monitor thread)."""
-        if run is not None and run is not self._run:  # a run this dashboard no longer follows (re-planned)
+        # a run this dashboard no longer follows (re-planned)
+        if run is not None and run is not self._run:
             return
         run = run or self._run
         t0 = time.thread_time()
         with self._refresh_lock:  # the monitor thread and the constructor may both refresh
-            key = (run.throughput_unit, run.gpu_name, sum(st.baseline is not None for st in run._ranks.values()),
-                   any("gpu_mem_total" in st.sample for st in run._ranks.values()), run.status == "starting",
-                   run.done)
+            key = (run.throughput_unit, run.gpu_name,
+                   sum(st.baseline is not None for st in run._ranks.values()),
+                   any("gpu_mem_total" in st.sample for st in run._ranks.values()),
+                   run.status == "starting", run.done)
             info = self._info(run) if key != self._info_key else None
             self._info_key = key
             now = time.monotonic()
             charts = run.done or now - self._charts_at >= CHART_INTERVAL_S
             with run._lock:
-                timeline = self._timeline(run) if charts and run.versions["timeline"] != self._sent["timeline"] \
-                    else None
-                steps = self._steps(run) if charts and run.versions["steps"] != self._sent["steps"] else None
+                timeline = (self._timeline(run)
+                            if charts and run.versions["timeline"] != self._sent["timeline"]
+                            else None)
+                steps = (self._steps(run) if charts and run.versions["steps"] != self._sent["steps"]
+                         else None)
                 ranks = self._ranks(run)
             if timeline is not None or steps is not None:
                 self._charts_at = now
             summary = self._summary(run) if run.done else None
             with self.hold_sync():
                 self.status, self.message, self.error = run.status, run.message, run.error
-                self.hang = {**run.hang, "stacks": {str(k): v for k, v in run.hang["stacks"].items()}} \
+                self.hang = {**run.hang,
+                             "stacks": {str(k): v for k, v in run.hang["stacks"].items()}} \
                     if run.hang else None
                 self.ranks = ranks
                 if info is not None:
@@ -152,7 +171,7 @@ class Dashboard(anywidget.AnyWidget):
         self.refreshes += 1
         self.refresh_cpu_s += time.thread_time() - t0
 
-    # ---- plain data for the front end (_timeline, _steps, _ranks: under run._lock) -------------------------------
+    # ---- plain data for the front end (_timeline, _steps, _ranks: under run._lock) ---------------
     def _info(self, run) -> dict:
         c = run.comparison()
         gpu = run.backend == "nccl"
@@ -162,19 +181,24 @@ class Dashboard(anywidget.AnyWidget):
             limit = st.sample.get("gpu_mem_total") or limit
         based = sum(st.baseline is not None for st in ranks.values())
         plan = run.plan
-        away = getattr(run, "address", None)  # an attached run (attached.py): its ranks are on other hosts
+        # an attached run (attached.py): its ranks are on other hosts
+        away = getattr(run, "address", None)
         if away:
             c = {**c, "run_device": f"{c['run_device']} on other hosts, streaming to {away}"}
         return {
-            "nproc": run.nproc, "backend": run.backend, "steps": run.steps, "run_id": run.run_id[:8],
-            "plan": plan.summary() if hasattr(plan, "summary") and getattr(plan, "mesh", None) is not None else "",
-            **c,
+            "nproc": run.nproc, "backend": run.backend, "steps": run.steps,
+            "run_id": run.run_id[:8],
+            "plan": plan.summary() if hasattr(plan, "summary")
+            and getattr(plan, "mesh", None) is not None else "", **c,
             "memory_label": ("GPU memory used (NVML)" if gpu else
-                             "RSS above the RSS before the model was built" if based == run.nproc else
+                             "RSS above the RSS before the model was built" if based == run.nproc
+                             else
                              "RSS (the script reports no RSS before its model; see Run.samples)"
-                             if run.status != "starting" or based else "RSS above the RSS before the model was built"),
+                             if run.status != "starting" or based
+                             else "RSS above the RSS before the model was built"),
             "util_label": "GPU utilisation (NVML, %)" if gpu else "CPU (% of one core)",
-            "limit": limit if gpu else None if away else self._total_ram,  # this host's RAM is not theirs
+            # this host's RAM is not theirs
+            "limit": limit if gpu else None if away else self._total_ram,
             "limit_label": "GPU memory" if gpu else "host RAM (shared by every rank)",
             "unit": run.throughput_unit,
         }
@@ -183,7 +207,8 @@ class Dashboard(anywidget.AnyWidget):
         tl = run._timeline
         self._sent["timeline"] = run.versions["timeline"]
         return {"n": len(tl), "ranks": tl.nranks, "t": float32_bytes(tl.t),
-                "memory": float32_bytes(*tl.cols["memory_bytes"]), "util": float32_bytes(*tl.cols["utilization_pct"])}
+                "memory": float32_bytes(*tl.cols["memory_bytes"]),
+                "util": float32_bytes(*tl.cols["utilization_pct"])}
 
     def _steps(self, run) -> dict:
         ss = run._steps
@@ -204,16 +229,20 @@ class Dashboard(anywidget.AnyWidget):
                 mem, src = tl.cols["memory_bytes"][r][-1], tl.text["source"][r][-1]
             else:
                 mem, src = math.nan, None
-            # the peak run.measured() gives the widget and the summary: one figure, one label, one ratio
-            peak = peaks.get(r) or {"measured": None, "predicted": compare.predicted_memory(run.plan, r,
-                                                                                            model_state=True)}
+            # the peak run.measured() gives the widget and the summary: one figure, one label, one
+            # ratio
+            peak = peaks.get(r) or {"measured": None,
+                                    "predicted": compare.predicted_memory(run.plan, r,
+                                                                          model_state=True)}
             out.append({
-                "rank": r, "state": st.state(run.status), "step": st.step, "attempt": max(st.attempt, 0),
-                "memory": None if math.isnan(mem) else mem, "memory_source": src,
-                "memory_peak": peak["measured"], "memory_peak_kind": report.PEAK_LABELS[gpu],
-                "memory_pred": peak["predicted"],
-                # flagged by the rule the run's prediction_error events follow, not by any ratio above 1
-                "memory_off": watch.prediction_off("memory", peak["measured"], peak["predicted"], judge),
+                "rank": r, "state": st.state(run.status), "step": st.step,
+                "attempt": max(st.attempt, 0), "memory": None if math.isnan(mem) else mem,
+                "memory_source": src, "memory_peak": peak["measured"],
+                "memory_peak_kind": report.PEAK_LABELS[gpu], "memory_pred": peak["predicted"],
+                # flagged by the rule the run's prediction_error events follow, not by any ratio
+                # above 1
+                "memory_off": watch.prediction_off("memory", peak["measured"], peak["predicted"],
+                                                   judge),
                 "baseline": st.baseline, "util": sample.get("gpu_util", sample.get("cpu_percent")),
                 "throughput": last.get("tokens_per_s", last.get("samples_per_s")),
                 "step_time": last.get("step_time_s"), "data_wait": last.get("data_wait_s"),
@@ -225,11 +254,15 @@ class Dashboard(anywidget.AnyWidget):
     def _summary(self, run) -> dict:
         s = run.summary()
         c = run.comparison()
-        peaks = report.peak_figures(run)  # the rank table's figures: the summary repeats them, not another measure
+        # the rank table's figures: the summary repeats them, not another measure
+        peaks = report.peak_figures(run)
         out = {"steps": s.get("steps"), "step_time_s": s.get("step_time_s"),
-               "predicted_step_time_s": c["predicted_step_time_s"], "compare_time": c["compare_time"],
-               "memory_label": report.PEAK_LABELS[run.backend == "nccl"], "predicted_label": report.PREDICTED_LABEL,
-               "memory_by_rank": {str(r): f["measured"] for r, f in peaks.items() if f["measured"] is not None},
+               "predicted_step_time_s": c["predicted_step_time_s"],
+               "compare_time": c["compare_time"],
+               "memory_label": report.PEAK_LABELS[run.backend == "nccl"],
+               "predicted_label": report.PREDICTED_LABEL,
+               "memory_by_rank": {str(r): f["measured"] for r, f in peaks.items()
+                                  if f["measured"] is not None},
                "predicted_memory_by_rank": {str(r): f["predicted"] for r, f in peaks.items()
                                             if f["predicted"] is not None}, "data": s.get("data")}
         out["calibration"] = _calibration_text(run, c)
@@ -237,7 +270,8 @@ class Dashboard(anywidget.AnyWidget):
 
 
 def events_of(run) -> list[dict]:
-    """Every event of ``run`` and of the runs it continues, in time order, timed from the first launch."""
+    """Every event of ``run`` and of the runs it continues, in time order, timed from the first
+    launch."""
     first = _first(run)
     out = []
     for leg, r in enumerate(first.legs()):
@@ -256,15 +290,16 @@ def _first(run):
 
 
 def replan_state(run) -> dict:
-    """What the dashboard says about re-planning: a proposal waiting for an answer ("ask"), or one under way."""
+    """What the dashboard says about re-planning: a proposal waiting for an answer ("ask"), or one
+    under way."""
     r = run.replanning
     p = run.replan_proposal or {}
     busy = r is not None and r.busy(run)
     pending = (r is not None and r.mode == "ask" and bool(p) and not p.get("given_up") and not busy
                and run.continued_by is None)
     return {"mode": r.mode if r is not None else None, "pending": pending, "busy": busy,
-            "text": "re-planning: stopping the run, planning for less memory, resuming from the last checkpoint"
-                    if busy else p.get("text", "")}
+            "text": "re-planning: stopping the run, planning for less memory, resuming from the "
+                    "last checkpoint" if busy else p.get("text", "")}
 
 
 def _calibration_text(run, c: dict) -> dict:
@@ -273,14 +308,17 @@ def _calibration_text(run, c: dict) -> dict:
 
     if run.calibration:
         k = run.calibration
-        host = [n for n in k["factors"] if n.startswith("cpu_")]  # the host's seconds (cost/cpu.py): one entry
+        # the host's seconds (cost/cpu.py): one entry
+        host = [n for n in k["factors"] if n.startswith("cpu_")]
         names = ", ".join([n for n in sorted(k["factors"]) if n not in host]
                           + ([f"the host's cpu_* seconds ({len(host)})"] if host else []))
         return {"done": True, "can": False,
                 "text": f"calibrated for {k['preset']}: {names} (measured / predicted step time "
-                        f"{k['ratio']:.2f}) stored in {k['path']}; the next plan for {k['preset']} uses them"}
+                        f"{k['ratio']:.2f}) stored in {k['path']}; the next plan for {k['preset']} "
+                        "uses them"}
     if run.status != "finished":
-        return {"done": False, "can": False, "text": "not calibrated: only a finished run calibrates"}
+        return {"done": False, "can": False,
+                "text": "not calibrated: only a finished run calibrates"}
     if not c["compare_time"]:
         why = (f"the plan was made for {c['plan_device']}, this run used {c['run_device']}"
                if c["plan_device"] else "the plan has no predicted step time")
@@ -288,23 +326,23 @@ def _calibration_text(run, c: dict) -> dict:
     preset = c["plan_device"] or "cpu"
     memory = " and the allocator margin (CUDA peak)" if run.backend == "nccl" else ""
     return {"done": False, "can": True,
-            "text": f"not calibrated yet: run.calibrate() (or the button) stores the speed factors{memory} for "
-                    f"{preset} in {calibration.path()}"}
+            "text": "not calibrated yet: run.calibrate() (or the button) stores the speed "
+                    f"factors{memory} for {preset} in {calibration.path()}"}
 
 
 RULES = {
     "rtol": "loss, gradients and parameters within rtol",
-    "adam": "parameters within rtol plus the Adam floor per step so far; gradients within rtol plus the previous "
-            "step's parameter difference (the weights differ by that much)",
-    "low precision": "loss and parameters as for fp32; gradients judged at step 0 only (bf16/fp16 rounding changes "
-                     "the weights after the first update)",
-}
+    "adam": "parameters within rtol plus the Adam floor per step so far; gradients within rtol "
+            "plus the previous step's parameter difference (the weights differ by that much)",
+    "low precision": "loss and parameters as for fp32; gradients judged at step 0 only (bf16/fp16 "
+                     "rounding changes the weights after the first update)",}
 """what each rule of ``VerifyReport.judge`` means"""
 
 
 class JobView(anywidget.AnyWidget):
-    """The view of a job that runs beside the kernel (Verify's, a tournament's): its thread sets the traits through
-    :meth:`refresh` whenever the job changes; the front end's events ({"event": name}) go to :meth:`on_event`."""
+    """The view of a job that runs beside the kernel (Verify's, a tournament's): its thread sets the
+    traits through :meth:`refresh` whenever the job changes; the front end's events ({"event":
+    name}) go to :meth:`on_event`."""
 
     status = traitlets.Unicode("starting").tag(sync=True)
     message = traitlets.Unicode("").tag(sync=True)
@@ -331,10 +369,11 @@ class JobView(anywidget.AnyWidget):
 
 
 class VerifyView(JobView):
-    """Progress and per-step verdicts of a :class:`~autopar_nb.verify.job.VerifyJob` (the job's thread sets
-    the traits): a bar, one row per step, each row pass/fail with the rule ``VerifyReport.judge`` used.
-    ``progress``: {"steps", "done": parallel steps reported, "plan", "nproc"}; ``rows``: per step {"step", "loss"},
-    then with the report {"ref_loss", "loss_rel", "grad_rel", "param_rel", "ok", "rule", "param_tol"}."""
+    """Progress and per-step verdicts of a :class:`~autopar_nb.verify.job.VerifyJob` (the job's
+    thread sets the traits): a bar, one row per step, each row pass/fail with the rule
+    ``VerifyReport.judge`` used. ``progress``: {"steps", "done": parallel steps reported, "plan",
+    "nproc"}; ``rows``: per step {"step", "loss"}, then with the report {"ref_loss", "loss_rel",
+    "grad_rel", "param_rel", "ok", "rule", "param_tol"}."""
 
     _esm = STATIC / "verify.js"
     _css = bundle(STATIC / "dashboard.css")
@@ -358,17 +397,20 @@ class VerifyView(JobView):
 def verify_notes(report) -> list[str]:
     """The rules a VerifyReport judged its steps by, and its tolerances, in words."""
     used = sorted({report.judge(s)[1] for s in report.steps})
-    out = [f"rtol {report.rtol:g}; {'every step passes its rule' if report.ok else 'some step fails its rule'}"]
+    out = [f"rtol {report.rtol:g}; "
+           f"{'every step passes its rule' if report.ok else 'some step fails its rule'}"]
     out += [f"{rule}: {RULES.get(rule, rule)}" for rule in used]
     if report.param_floor:
-        out.append(f"Adam floor: {report.param_floor:.2e} per step (2 x lr / largest |parameter|: an element whose "
-                   "gradient is at rounding level moves by +-lr whichever way it rounds)")
+        out.append(f"Adam floor: {report.param_floor:.2e} per step (2 x lr / largest |parameter|: "
+                   "an element whose gradient is at rounding level moves by +-lr whichever way it "
+                   "rounds)")
     if report.random_left:  # first: they may explain a mismatch
-        out.insert(0, f"random ops left on in both runs: {', '.join(report.random_left)} (verify cannot switch them "
-                      "off; the runs draw them differently)")
+        out.insert(0, f"random ops left on in both runs: {', '.join(report.random_left)} (verify "
+                      "cannot switch them off; the runs draw them differently)")
     if report.random_off:
-        out.append(f"random ops switched off in both runs (per forward): {', '.join(report.random_off)}: the ranks "
-                   "would draw other masks than the reference")
+        out.append("random ops switched off in both runs (per forward): "
+                   f"{', '.join(report.random_off)}: the ranks would draw other masks than the "
+                   "reference")
     if report.missing:
         out.append(f"no gradient in the parallel run for: {', '.join(report.missing)}")
     return out

@@ -1,6 +1,8 @@
-"""What a run's ranks reported, kept on the notebook side: per-rank state, the metrics table and its summary.
+"""What a run's ranks reported, kept on the notebook side: per-rank state, the metrics table and its
+summary.
 
-Plain data and pure functions; :class:`~autopar_nb.launch.run.Run` holds the instances under its lock.
+Plain data and pure functions; :class:`~autopar_nb.launch.run.Run` holds the instances under its
+lock.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ class RankState:
     step: int | None = None
     """last step reported"""
     last_progress: float = 0.0
-    """time.monotonic() of the last hello or step, or of the restart that began its current attempt"""
+    """time.monotonic() of the last hello or step, or of the restart that began its current
+    attempt"""
     connected: bool = False
     """its current attempt has said hello"""
     done: bool = False
@@ -30,12 +33,14 @@ class RankState:
     """latest step message"""
     log_tail: list[str] = field(default_factory=list)
     baseline: float | None = None
-    """bytes the rank's process held before its model was built (the script's ``RSS_BEFORE_MODEL``)"""
+    """bytes the rank's process held before its model was built (the script's
+    ``RSS_BEFORE_MODEL``)"""
     error: dict | None = None
-    """its own failure in the current attempt: {"error", "traceback"} from its error message, or a note that its
-    process ended without one"""
+    """its own failure in the current attempt: {"error", "traceback"} from its error message, or a
+    note that its process ended without one"""
     failed_at: float | None = None
-    """time.time() its error message arrived, or its connection closed without a "done" or error message"""
+    """time.time() its error message arrived, or its connection closed without a "done" or error
+    message"""
     closed_at: float | None = None
     """time.time() its connection closed without a "done" or error message while the run went on"""
     peak_rss: float = 0.0
@@ -45,20 +50,22 @@ class RankState:
     host: str | None = None
     """the address its metrics connection came from (an attached run: the host it runs on)"""
     lost: str | None = None
-    """an attached run (``attached.py``) lost it: why (its connection closed without an end message, it went silent,
-    or it never connected)"""
+    """an attached run (``attached.py``) lost it: why (its connection closed without an end message,
+    it went silent, or it never connected)"""
 
     def copy(self) -> RankState:
         """A copy whose dicts and lists are the copy's own."""
         return RankState(**{**self.__dict__, "sample": dict(self.sample), "last": dict(self.last),
-                            "log_tail": list(self.log_tail), "error": dict(self.error) if self.error else None})
+                            "log_tail": list(self.log_tail),
+                            "error": dict(self.error) if self.error else None})
 
     def stepped(self) -> bool:
         """It reported a step in its current attempt."""
         return bool(self.last) and self.last.get("attempt") == max(self.attempt, 0)
 
     def state(self, run_status: str) -> str:
-        """starting | running | restarting | failed | lost | hung | finished | stopped, given the run's status."""
+        """starting | running | restarting | failed | lost | hung | finished | stopped, given the
+        run's status."""
         if self.lost is not None:
             return "lost"
         if self.error is not None:
@@ -77,8 +84,8 @@ class RankState:
 class MetricsTable(list):
     """The per-step metrics of a run: a list of dicts (one per rank and step), with a table repr.
 
-    Columns: rank, attempt, step, loss, step_time_s, samples_per_s or tokens_per_s, rss / mem_* bytes, time.
-    ``to_pandas()`` gives a DataFrame when pandas is installed.
+    Columns: rank, attempt, step, loss, step_time_s, samples_per_s or tokens_per_s, rss / mem_*
+    bytes, time. ``to_pandas()`` gives a DataFrame when pandas is installed.
     """
 
     def columns(self) -> list[str]:
@@ -119,8 +126,8 @@ def _fmt(v: Any) -> str:
 
 
 def step_row(rank: int, attempt: int, data: dict, time: float) -> dict:
-    """The table row of one step message: rank, attempt, step, then the message's numbers (bools and text are
-    dropped), then the time it arrived."""
+    """The table row of one step message: rank, attempt, step, then the message's numbers (bools and
+    text are dropped), then the time it arrived."""
     row = {"rank": rank, "attempt": attempt, "step": data["step"]}
     for k, v in data.items():
         if k not in row and isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -129,11 +136,12 @@ def step_row(rank: int, attempt: int, data: dict, time: float) -> dict:
     return row
 
 
-def summarize(rows: list[dict], *, status: str, plan: Any = None, baselines: dict[int, float] | None = None) -> dict:
-    """Measured vs predicted (see :meth:`Run.summary`): steps, median steady-state step time, peak memory per rank
-    (CUDA's peak; on CPU the RSS, less each rank's RSS before its model was built when ``baselines`` has it), on
-    CUDA the caching allocator's peak reserve per rank (``reserved_by_rank``), and the plan's predictions when it
-    has a cost."""
+def summarize(rows: list[dict], *, status: str, plan: Any = None,
+              baselines: dict[int, float] | None = None) -> dict:
+    """Measured vs predicted (see :meth:`Run.summary`): steps, median steady-state step time, peak
+    memory per rank (CUDA's peak; on CPU the RSS, less each rank's RSS before its model was built
+    when ``baselines`` has it), on CUDA the caching allocator's peak reserve per rank
+    (``reserved_by_rank``), and the plan's predictions when it has a cost."""
     out: dict[str, Any] = {"status": status, "steps": len({r["step"] for r in rows})}
     out["step_time_s"] = steady_step_time(rows)
     cuda = any(r.get("mem_peak") for r in rows)
@@ -150,7 +158,8 @@ def summarize(rows: list[dict], *, status: str, plan: Any = None, baselines: dic
         reserved: dict[int, float] = {}
         for r in rows:
             if r.get("mem_peak_reserved") is not None:
-                reserved[r["rank"]] = max(reserved.get(r["rank"], 0.0), float(r["mem_peak_reserved"]))
+                reserved[r["rank"]] = max(reserved.get(r["rank"], 0.0),
+                                          float(r["mem_peak_reserved"]))
         out["reserved_by_rank"] = reserved
     cost = getattr(plan, "cost", None)
     if cost is not None:
@@ -161,8 +170,8 @@ def summarize(rows: list[dict], *, status: str, plan: Any = None, baselines: dic
 
 
 def steady_step_time(rows: list[dict]) -> float | None:
-    """Median step time, leaving out each rank's first step of each attempt (warm-up: allocations, first
-    collectives) when there are other steps; None without timed steps."""
+    """Median step time, leaving out each rank's first step of each attempt (warm-up: allocations,
+    first collectives) when there are other steps; None without timed steps."""
     first: dict[tuple, int] = {}
     for r in rows:
         key = (r["rank"], r["attempt"])

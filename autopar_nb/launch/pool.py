@@ -1,28 +1,32 @@
-"""The warm pool: launch and verify reach their first step in about a second instead of paying Python's and torch's
-start-up on every call.
+"""The warm pool: launch and verify reach their first step in about a second instead of paying
+Python's and torch's start-up on every call.
 
-A *standby* is one process started ahead of a job, fresh from ``python`` (never forked from the kernel, so nothing of
-the kernel's CUDA state, threads or modules comes along), that imported torch and started multiprocessing's
-forkserver with the modules the job's workers will import preloaded (``multiprocessing.set_forkserver_preload``). It
-waits for one job on its standard input:
+A *standby* is one process started ahead of a job, fresh from ``python`` (never forked from the
+kernel, so nothing of the kernel's CUDA state, threads or modules comes along), that imported torch
+and started multiprocessing's forkserver with the modules the job's workers will import preloaded
+(``multiprocessing.set_forkserver_preload``). It waits for one job on its standard input:
 
-* ``launch``: the elastic agent (``agent.py --standby``), which runs the job exactly as the cold path does (torch's
-  own ``torchrun`` argument parsing and ``elastic_launch``) with torchrun's ``--run-path --start-method forkserver``:
-  each rank is forked from the preloaded forkserver and runs the exported script with ``runpy.run_path(script,
-  run_name="__main__")`` and ``sys.argv`` set (``torch.distributed.run.run_script_path``);
-* ``verify``: ``python -m autopar_nb.verify.job --standby``, which runs :func:`autopar_nb.verify.check.verify_here`
-  with ``start_method="forkserver"`` (and the single-process reference in the same warm process).
+* ``launch``: the elastic agent (``agent.py --standby``), which runs the job exactly as the cold
+  path does (torch's own ``torchrun`` argument parsing and ``elastic_launch``) with torchrun's
+  ``--run-path --start-method forkserver``: each rank is forked from the preloaded forkserver and
+  runs the exported script with ``runpy.run_path(script, run_name="__main__")`` and ``sys.argv`` set
+  (``torch.distributed.run.run_script_path``);
+* ``verify``: ``python -m autopar_nb.verify.job --standby``, which runs
+  :func:`autopar_nb.verify.check.verify_here` with ``start_method="forkserver"`` (and the
+  single-process reference in the same warm process).
 
-A standby serves one job, so everything it hands its workers is the job's own: it is started with the job's
-environment (the kernel's, the run's extra variables, and the run's ``AUTOPAR_TOKEN`` and metrics address, drawn in
-advance), which its forkserver and so every worker inherit, as torchrun's workers inherit the agent's — and
-``/proc/PID/environ`` of every process of the run carries the token, so a teardown finds them all (``procs.py``).
-When a job ends, the pool starts the next standby (after the job, so its imports never compete with a run). A
-standby whose environment no longer matches the next job's is replaced; one that died (crashed, or quit after
-``IDLE_TIMEOUT_S`` or ``AUTOPAR_POOL_IDLE_S`` without a job) is replaced transparently; a standby quits when the
-kernel goes (the watchdog of ``agent.py``, and end of file on its standard input), and its forkserver quits with it.
-The standbys' logs live in an ``autopar-pool-*`` temporary folder, removed at the kernel's normal exit; a killed
-kernel's folder is removed by the next pool that starts (its owner file names a process that is gone).
+A standby serves one job, so everything it hands its workers is the job's own: it is started with
+the job's environment (the kernel's, the run's extra variables, and the run's ``AUTOPAR_TOKEN`` and
+metrics address, drawn in advance), which its forkserver and so every worker inherit, as torchrun's
+workers inherit the agent's — and ``/proc/PID/environ`` of every process of the run carries the
+token, so a teardown finds them all (``procs.py``). When a job ends, the pool starts the next
+standby (after the job, so its imports never compete with a run). A standby whose environment no
+longer matches the next job's is replaced; one that died (crashed, or quit after ``IDLE_TIMEOUT_S``
+or ``AUTOPAR_POOL_IDLE_S`` without a job) is replaced transparently; a standby quits when the kernel
+goes (the watchdog of ``agent.py``, and end of file on its standard input), and its forkserver quits
+with it. The standbys' logs live in an ``autopar-pool-*`` temporary folder, removed at the kernel's
+normal exit; a killed kernel's folder is removed by the next pool that starts (its owner file names
+a process that is gone).
 """
 
 from __future__ import annotations
@@ -53,49 +57,58 @@ AGENT = Path(__file__).with_name("agent.py")
 RUNTIME = Path(__file__).resolve().parent.parent / "runtime"
 
 IDLE_TIMEOUT_S = 300.0
-"""seconds a standby waits for a job before it quits (the next job then starts a new one): a standby holds 375 MiB
-(launch) or 455 MiB (verify) of its own (USS of the standby and its forkserver, both with torch imported;
-``bench/launch.py --part standby``), so after a run it is kept for the next edit-and-relaunch of a notebook
-session, not for the rest of the afternoon; ``AUTOPAR_POOL_IDLE_S`` sets it (0: none is kept)"""
+"""seconds a standby waits for a job before it quits (the next job then starts a new one): a standby
+holds 375 MiB (launch) or 455 MiB (verify) of its own (USS of the standby and its forkserver, both
+with torch imported; ``bench/launch.py --part standby``), so after a run it is kept for the next
+edit-and-relaunch of a notebook session, not for the rest of the afternoon; ``AUTOPAR_POOL_IDLE_S``
+sets it (0: none is kept)"""
 IDLE_ENV = "AUTOPAR_POOL_IDLE_S"
 ON_DEMAND_IDLE_S = 60.0
-"""a standby started for a job that waits (``Pool.take``) waits at least this long for it, whatever the idle timeout"""
+"""a standby started for a job that waits (``Pool.take``) waits at least this long for it, whatever
+the idle timeout"""
 OWNER_FILE = "owner.json"
 """in a pool's log folder: {"pid", "create_time"} of the process (the kernel) whose pool it is"""
 LEGACY_STALE_S = 86400.0
-"""a pool folder without an owner file (written by an older autopar-nb) is stale when untouched this long"""
+"""a pool folder without an owner file (written by an older autopar-nb) is stale when untouched this
+long"""
 
-BASE_PRELOAD = ("torch", "torch.distributed.run", "torch.distributed.elastic.multiprocessing.errors", "torch._dynamo",
-                "torch.distributed.checkpoint", "torch.distributed.pipelining", "torch.export", "encodings.idna")
-"""imported by every forkserver: torch, torchrun's ``run_script_path`` (the ranks' entry point), ``@record``, and
-what torch imports on first use, measured in warm ranks: torch._dynamo (DTensor's ``distribute_tensor``: 0.7 s of a
-rank's first step), DCP and pipelining (FSDP2 and the optimizer-state helpers), torch.export (the pipeline
-tracer), the idna codec (a socket to 127.0.0.1)"""
+BASE_PRELOAD = ("torch", "torch.distributed.run",
+                "torch.distributed.elastic.multiprocessing.errors", "torch._dynamo",
+                "torch.distributed.checkpoint", "torch.distributed.pipelining", "torch.export",
+                "encodings.idna")
+"""imported by every forkserver: torch, torchrun's ``run_script_path`` (the ranks' entry point),
+``@record``, and what torch imports on first use, measured in warm ranks: torch._dynamo (DTensor's
+``distribute_tensor``: 0.7 s of a rank's first step), DCP and pipelining (FSDP2 and the
+optimizer-state helpers), torch.export (the pipeline tracer), the idna codec (a socket to
+127.0.0.1)"""
 
 KINDS = ("launch", "verify")
 
 TEST_RUNNER_ENV = ("PYTEST_CURRENT_TEST",)
-"""variables a test runner rewrites on every test: left out of every run's environment, warm and cold alike (see
-:func:`job_env`), else no standby could ever serve a job of the next test"""
+"""variables a test runner rewrites on every test: left out of every run's environment, warm and
+cold alike (see :func:`job_env`), else no standby could ever serve a job of the next test"""
 
 
 def job_env(env: dict[str, str]) -> dict[str, str]:
-    """``env`` without :data:`TEST_RUNNER_ENV` and the run's own token and metrics address (a standby draws those)."""
-    return {k: v for k, v in env.items() if k not in (*TEST_RUNNER_ENV, TOKEN_ENV, "AUTOPAR_METRICS")}
+    """``env`` without :data:`TEST_RUNNER_ENV` and the run's own token and metrics address (a
+    standby draws those)."""
+    return {k: v for k, v in env.items()
+            if k not in (*TEST_RUNNER_ENV, TOKEN_ENV, "AUTOPAR_METRICS")}
 
 
 def _installed_roots() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
-    return tuple({os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib")
-                  if paths.get(k)})
+    return tuple({os.path.realpath(paths[k]) + os.sep
+                  for k in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(k)})
 
 
 def importable_here(names: list[str] | set[str]) -> list[str]:
-    """The module names among ``names`` that come from Python's own or installed packages (never a user's file that
-    a script directory could shadow: a forkserver that preloaded ``utils`` from site-packages would hand it to a
-    script with its own ``utils.py``). A module is looked up without importing anything new here: by its file when
-    this process imported it (the cell's imports, run on the meta device), else by its spec when its package is
-    imported here (or it has none)."""
+    """The module names among ``names`` that come from Python's own or installed packages (never a
+    user's file that a script directory could shadow: a forkserver that preloaded ``utils`` from
+    site-packages would hand it to a script with its own ``utils.py``). A module is looked up
+    without importing anything new here: by its file when this process imported it (the cell's
+    imports, run on the meta device), else by its spec when its package is imported here (or it has
+    none)."""
     roots = _installed_roots()
     out = []
     for name in sorted(set(names)):
@@ -116,7 +129,8 @@ def importable_here(names: list[str] | set[str]) -> list[str]:
 
 
 def imports_of(code: str) -> set[str]:
-    """Absolute module names imported anywhere in ``code`` (``import a.b`` -> a.b; ``from a.b import c`` -> a.b)."""
+    """Absolute module names imported anywhere in ``code`` (``import a.b`` -> a.b; ``from a.b import
+    c`` -> a.b)."""
     try:
         tree = ast.parse(code)
     except SyntaxError:
@@ -131,43 +145,49 @@ def imports_of(code: str) -> set[str]:
 
 
 def script_preload(script: str | os.PathLike) -> list[str]:
-    """What a launch standby preloads for ``script``: torch's basics and the imports of the script and its runtime
-    module that are safe to preload (see :func:`importable_here`)."""
+    """What a launch standby preloads for ``script``: torch's basics and the imports of the script
+    and its runtime module that are safe to preload (see :func:`importable_here`)."""
     from ..export.script import runtime_name
 
     code = ""
-    for path in (Path(script), Path(script).with_name(runtime_name(Path(script).name) + ".py")):  # and its runtime's
+    # and its runtime's
+    for path in (Path(script), Path(script).with_name(runtime_name(Path(script).name) + ".py")):
         try:
             code += Path(path).read_text() + "\n"
         except OSError:
             pass
-    return sorted(set(BASE_PRELOAD) | set(importable_here(imports_of(code))) | set(lazily_loaded(code)))
+    return sorted(
+        set(BASE_PRELOAD) | set(importable_here(imports_of(code))) | set(lazily_loaded(code)))
 
 
 def lazily_loaded(code: str) -> list[str]:
-    """The modules that the names ``code`` imports from installed packages are defined in, when those packages load
-    them on first access (transformers' ``from transformers import LlamaForCausalLM`` imports its modelling module
-    then: seconds of each warm rank's start-up), found by resolving the names here. Only a package
-    :func:`importable_here` passes is imported to find out (a notebook's kernel has imported it already, to build
-    the model), never a user's own module."""
+    """The modules that the names ``code`` imports from installed packages are defined in, when
+    those packages load them on first access (transformers' ``from transformers import
+    LlamaForCausalLM`` imports its modelling module then: seconds of each warm rank's start-up),
+    found by resolving the names here. Only a package :func:`importable_here` passes is imported to
+    find out (a notebook's kernel has imported it already, to build the model), never a user's own
+    module."""
     try:
         tree = ast.parse(code)
     except SyntaxError:
         return []
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and importable_here([node.module]):
+        if (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+            and importable_here([node.module])):
             try:
                 module = importlib.import_module(node.module)
             except Exception:  # an install that fails to import: its ranks report it, not this
                 continue
-            found += [getattr(getattr(module, a.name, None), "__module__", None) for a in node.names]
+            found += [getattr(getattr(module, a.name, None), "__module__", None)
+                      for a in node.names]
     return importable_here([m for m in found if isinstance(m, str) and m in sys.modules])
 
 
 def verify_preload(cell_code: str = "") -> list[str]:
-    """What a verify standby preloads: torch's basics, every torch module the runtime imports (which the exported
-    scripts import), ``autopar_nb.verify.ranks`` (the ranks' entry point) and the cell's safe imports."""
+    """What a verify standby preloads: torch's basics, every torch module the runtime imports (which
+    the exported scripts import), ``autopar_nb.verify.ranks`` (the ranks' entry point) and the
+    cell's safe imports."""
     runtime = set()
     for f in sorted(RUNTIME.glob("*.py")):
         runtime |= {m for m in imports_of(f.read_text()) if m.split(".")[0] == "torch"}
@@ -175,10 +195,11 @@ def verify_preload(cell_code: str = "") -> list[str]:
     return sorted(set(BASE_PRELOAD) | runtime | cell | {"autopar_nb.verify.ranks"})
 
 
-def shadowed(preload: tuple[str, ...] | list[str], script_dir: str | os.PathLike | None) -> list[str]:
-    """The preloaded top-level modules that ``script_dir`` has a file or package of the same name for: a script
-    there would import its own, not the preloaded one (unless it is the very file this process imported that module
-    from: autopar_nb run from its own checkout)."""
+def shadowed(preload: tuple[str, ...] | list[str],
+             script_dir: str | os.PathLike | None) -> list[str]:
+    """The preloaded top-level modules that ``script_dir`` has a file or package of the same name
+    for: a script there would import its own, not the preloaded one (unless it is the very file this
+    process imported that module from: autopar_nb run from its own checkout)."""
     if script_dir is None:
         return []
     d = Path(script_dir)
@@ -192,8 +213,8 @@ def shadowed(preload: tuple[str, ...] | list[str], script_dir: str | os.PathLike
 
 
 def idle_timeout_s() -> float:
-    """Seconds a standby waits for a job: ``AUTOPAR_POOL_IDLE_S`` when set (0: no standby is kept after a job; the
-    next warm launch or verify starts one), else :data:`IDLE_TIMEOUT_S`."""
+    """Seconds a standby waits for a job: ``AUTOPAR_POOL_IDLE_S`` when set (0: no standby is kept
+    after a job; the next warm launch or verify starts one), else :data:`IDLE_TIMEOUT_S`."""
     raw = os.environ.get(IDLE_ENV, "").strip()
     if not raw:
         return IDLE_TIMEOUT_S
@@ -202,14 +223,16 @@ def idle_timeout_s() -> float:
     except ValueError:
         value = -1.0
     if not 0.0 <= value < float("inf"):
-        raise ValueError(f"{IDLE_ENV}={raw!r}: give the seconds a warm standby waits for the next launch or verify "
-                         f"(a number >= 0; 0 keeps none after a run; default {IDLE_TIMEOUT_S:.0f})")
+        raise ValueError(f"{IDLE_ENV}={raw!r}: give the seconds a warm standby waits for the next "
+                         "launch or verify (a number >= 0; 0 keeps none after a run; default "
+                         f"{IDLE_TIMEOUT_S:.0f})")
     return value
 
 
 def owner_alive(folder: Path) -> bool | None:
-    """Whether the process named in ``folder``'s owner file still runs (the same process: its start time matches,
-    so a reused PID does not count); None when the folder has no readable owner file."""
+    """Whether the process named in ``folder``'s owner file still runs (the same process: its start
+    time matches, so a reused PID does not count); None when the folder has no readable owner
+    file."""
     try:
         owner = json.loads((folder / OWNER_FILE).read_text())
         pid, started = int(owner["pid"]), float(owner["create_time"])
@@ -222,9 +245,10 @@ def owner_alive(folder: Path) -> bool | None:
 
 
 def remove_stale_folders(root: str | os.PathLike | None = None) -> list[Path]:
-    """Delete this user's ``autopar-pool-*`` log folders in ``root`` (default: the temporary directory) whose owner
-    is gone: a kernel that was killed never ran its exit clean-up. A folder without an owner file (older versions)
-    goes when untouched for :data:`LEGACY_STALE_S`. Returns the folders removed."""
+    """Delete this user's ``autopar-pool-*`` log folders in ``root`` (default: the temporary
+    directory) whose owner is gone: a kernel that was killed never ran its exit clean-up. A folder
+    without an owner file (older versions) goes when untouched for :data:`LEGACY_STALE_S`. Returns
+    the folders removed."""
     removed = []
     for folder in Path(root or tempfile.gettempdir()).glob("autopar-pool-*"):
         try:
@@ -241,7 +265,8 @@ def remove_stale_folders(root: str | os.PathLike | None = None) -> list[Path]:
 
 
 def make_pool_folder(root: str | os.PathLike | None = None) -> Path:
-    """A new log folder for this process's pool, with its owner file; stale ones are removed first."""
+    """A new log folder for this process's pool, with its owner file; stale ones are removed
+    first."""
     remove_stale_folders(root)
     folder = Path(tempfile.mkdtemp(prefix="autopar-pool-", dir=root))
     me = psutil.Process()
@@ -261,14 +286,16 @@ def standby_command(kind: str, preload: list[str], idle_timeout_s: float) -> lis
 
 @dataclass(eq=False)
 class Standby:
-    """One warm process waiting for a job; the job's token and metrics channel are its own, made with it."""
+    """One warm process waiting for a job; the job's token and metrics channel are its own, made
+    with it."""
 
     kind: str
     proc: subprocess.Popen
     token: str
     server: MetricsServer | None
     env: dict[str, str]
-    """the environment it was started with, less its token and metrics address (what a job must match)"""
+    """the environment it was started with, less its token and metrics address (what a job must
+    match)"""
     monitor: bool
     preload: tuple[str, ...]
     log: Path
@@ -300,7 +327,8 @@ class Pool:
 
     def __init__(self, idle_timeout_s: float | None = None):
         self.idle_timeout_s = idle_timeout_s
-        """seconds a standby waits for a job; None: :func:`idle_timeout_s` (the environment's, read at each start)"""
+        """seconds a standby waits for a job; None: :func:`idle_timeout_s` (the environment's, read
+        at each start)"""
         self._standby: dict[str, Standby] = {}
         self._lock = threading.Lock()
         self._dir: Path | None = None
@@ -309,9 +337,10 @@ class Pool:
 
     def take(self, kind: str, *, env: dict[str, str], monitor: bool, preload: list[str],
              script_dir: str | os.PathLike | None = None) -> Standby:
-        """A standby for a job with environment ``env`` (``monitor``: with a metrics channel): the waiting one when
-        it is alive, its environment matches and ``script_dir`` (the directory a launched script imports from
-        first) shadows none of its preloaded modules; else a new one (the job then waits for its start-up)."""
+        """A standby for a job with environment ``env`` (``monitor``: with a metrics channel): the
+        waiting one when it is alive, its environment matches and ``script_dir`` (the directory a
+        launched script imports from first) shadows none of its preloaded modules; else a new one
+        (the job then waits for its start-up)."""
         with self._lock:
             s = self._standby.pop(kind, None)
         if s is not None and s.alive() and s.env == env and s.monitor == monitor \
@@ -322,10 +351,11 @@ class Pool:
         return self._start(kind, env=env, monitor=monitor, preload=preload,
                            idle_s=max(self._idle_s(), ON_DEMAND_IDLE_S))
 
-    def hand(self, kind: str, job: str | os.PathLike, *, env: dict[str, str], monitor: bool, preload: list[str],
-             script_dir: str | os.PathLike | None = None) -> Standby:
-        """Give ``job`` to a standby (see :meth:`take`) and return it; one that died since it was checked is replaced
-        at once. Raises RuntimeError, with the end of its log, when even a new standby cannot take the job."""
+    def hand(self, kind: str, job: str | os.PathLike, *, env: dict[str, str], monitor: bool,
+             preload: list[str], script_dir: str | os.PathLike | None = None) -> Standby:
+        """Give ``job`` to a standby (see :meth:`take`) and return it; one that died since it was
+        checked is replaced at once. Raises RuntimeError, with the end of its log, when even a new
+        standby cannot take the job."""
         want = dict(env=env, monitor=monitor, preload=preload, script_dir=script_dir)
         standby = self.take(kind, **want)
         if standby.hand(job):
@@ -339,12 +369,12 @@ class Pool:
             tail = standby.log.read_text(errors="replace")[-2000:]
         except OSError:
             tail = ""
-        raise RuntimeError(f"the warm pool's {kind} process exited before it took its job (warm=False starts a "
-                           f"fresh one); its output:\n{tail}")
+        raise RuntimeError(f"the warm pool's {kind} process exited before it took its job "
+                           f"(warm=False starts a fresh one); its output:\n{tail}")
 
     def refill(self, kind: str, *, env: dict[str, str], monitor: bool, preload: list[str]) -> None:
-        """Start the next standby of ``kind`` unless one is waiting or the idle timeout is 0 (called when a job has
-        ended)."""
+        """Start the next standby of ``kind`` unless one is waiting or the idle timeout is 0 (called
+        when a job has ended)."""
         idle = self._idle_s()
         with self._lock:
             s = self._standby.get(kind)
@@ -363,7 +393,8 @@ class Pool:
         return s if s is not None and s.alive() else None
 
     def wait_ready(self, kind: str, timeout: float = 60.0) -> bool:
-        """Block until the waiting standby of ``kind`` has finished its imports (it writes "ready" to its log)."""
+        """Block until the waiting standby of ``kind`` has finished its imports (it writes "ready"
+        to its log)."""
         s = self.waiting(kind)
         deadline = time.monotonic() + timeout
         while s is not None and s.alive() and time.monotonic() < deadline:
@@ -385,7 +416,8 @@ class Pool:
     def _idle_s(self) -> float:
         return idle_timeout_s() if self.idle_timeout_s is None else self.idle_timeout_s
 
-    def _start(self, kind: str, *, env: dict[str, str], monitor: bool, preload: list[str], idle_s: float) -> Standby:
+    def _start(self, kind: str, *, env: dict[str, str], monitor: bool, preload: list[str],
+               idle_s: float) -> Standby:
         server = MetricsServer() if monitor else None
         token = server.token if server is not None else secrets.token_hex(16)
         full = {**env, TOKEN_ENV: token}
@@ -401,8 +433,8 @@ class Pool:
                                     stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)  # see procs.py
         self.started += 1
-        return Standby(kind=kind, proc=proc, token=token, server=server, env=dict(env), monitor=monitor,
-                       preload=tuple(preload), log=log)
+        return Standby(kind=kind, proc=proc, token=token, server=server, env=dict(env),
+                       monitor=monitor, preload=tuple(preload), log=log)
 
     def _cleanup(self) -> None:
         self.close()

@@ -1,12 +1,13 @@
 """Finding and ending the processes of a run with psutil.
 
-torch's agent starts every worker in its own session (``start_new_session=True``), so killing the agent's process
-group does not reach the workers; and a worker whose agent was SIGKILLed is re-parented and lost to a tree walk.
-The agent (and a warm pool's standby) is started in its own session too: Jupyter's Interrupt kernel signals the
-kernel's whole process group (``os.killpg(pgid, SIGINT)``), which must interrupt the cell, not a background run; a
-forced kill of that group takes the kernel only, and the agent, which watches its parent, then ends the run.
-Every process of a run therefore carries the run's ``AUTOPAR_TOKEN`` in its environment, and the last step of a
-teardown looks for that token in the whole process table.
+torch's agent starts every worker in its own session (``start_new_session=True``), so killing the
+agent's process group does not reach the workers; and a worker whose agent was SIGKILLed is
+re-parented and lost to a tree walk. The agent (and a warm pool's standby) is started in its own
+session too: Jupyter's Interrupt kernel signals the kernel's whole process group (``os.killpg(pgid,
+SIGINT)``), which must interrupt the cell, not a background run; a forced kill of that group takes
+the kernel only, and the agent, which watches its parent, then ends the run. Every process of a run
+therefore carries the run's ``AUTOPAR_TOKEN`` in its environment, and the last step of a teardown
+looks for that token in the whole process table.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ TOKEN_ENV = "AUTOPAR_TOKEN"
 
 
 def processes_with_token(token: str) -> list[psutil.Process]:
-    """Every live process whose environment has ``AUTOPAR_TOKEN=token`` (the agent and its workers)."""
+    """Every live process whose environment has ``AUTOPAR_TOKEN=token`` (the agent and its
+    workers)."""
     out = []
     for p in psutil.process_iter():
         try:
@@ -34,17 +36,19 @@ def processes_with_token(token: str) -> list[psutil.Process]:
 
 
 def rank_of(p: psutil.Process) -> int | None:
-    """The rank of a worker process: its ``RANK`` variable (a worker torch's agent started with ``exec``), else the
-    rank whose log its standard output is (a worker forked from a forkserver, warm: ``/proc/PID/environ`` shows the
-    environment the forkserver was started with, not what torch set after the fork; torch's agent points each
-    rank's stdout at ``.../attempt_<n>/<local_rank>/stdout.log``, and local rank == rank on one node). None for
-    any other process (the forkserver, multiprocessing's resource tracker)."""
+    """The rank of a worker process: its ``RANK`` variable (a worker torch's agent started with
+    ``exec``), else the rank whose log its standard output is (a worker forked from a forkserver,
+    warm: ``/proc/PID/environ`` shows the environment the forkserver was started with, not what
+    torch set after the fork; torch's agent points each rank's stdout at
+    ``.../attempt_<n>/<local_rank>/stdout.log``, and local rank == rank on one node). None for any
+    other process (the forkserver, multiprocessing's resource tracker)."""
     rank = p.environ().get("RANK")
     if rank is not None:
         return int(rank)
     for f in p.open_files():
         parts = Path(f.path).parts
-        if f.fd == 1 and len(parts) >= 3 and parts[-1] == "stdout.log" and parts[-3].startswith("attempt_"):
+        if (f.fd == 1 and len(parts) >= 3 and parts[-1] == "stdout.log"
+            and parts[-3].startswith("attempt_")):
             return int(parts[-2])
     return None
 
@@ -69,9 +73,10 @@ def workers_of(agent: psutil.Process) -> dict[int, psutil.Process]:
 
 
 def terminate(agent, token: str, *, grace_s: float = 2.5) -> list[int]:
-    """End the agent (a ``subprocess.Popen``, or None) and every worker of the run: SIGTERM to the agent (torch's
-    handler forwards it to the workers), SIGKILL to whatever is left after ``grace_s``, and a final sweep by token.
-    Returns the pids that had to be SIGKILLed. Takes at most about ``grace_s + 1`` seconds."""
+    """End the agent (a ``subprocess.Popen``, or None) and every worker of the run: SIGTERM to the
+    agent (torch's handler forwards it to the workers), SIGKILL to whatever is left after
+    ``grace_s``, and a final sweep by token. Returns the pids that had to be SIGKILLed. Takes at
+    most about ``grace_s + 1`` seconds."""
     deadline = time.monotonic() + grace_s
     known: dict[int, psutil.Process] = {}
     if agent is not None and agent.poll() is None:
@@ -91,8 +96,8 @@ def terminate(agent, token: str, *, grace_s: float = 2.5) -> list[int]:
             agent.kill()
             killed.append(agent.pid)
             agent.wait(timeout=1.0)
-    # what the agent did not end: workers of a killed agent, and (warm) its forkserver, which would otherwise
-    # unload torch before it goes
+    # what the agent did not end: workers of a killed agent, and (warm) its forkserver, which would
+    # otherwise unload torch before it goes
     for p in known.values():
         if running(p):
             try:
@@ -114,16 +119,18 @@ def terminate(agent, token: str, *, grace_s: float = 2.5) -> list[int]:
 
 
 def running(p: psutil.Process) -> bool:
-    """Alive and not a zombie: a process that ended but that its parent has not reaped yet is gone for us (one
-    re-parented to a container's init may stay a zombie for a second or more)."""
+    """Alive and not a zombie: a process that ended but that its parent has not reaped yet is gone
+    for us (one re-parented to a container's init may stay a zombie for a second or more)."""
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 
 
-def wait_gone(processes: list[psutil.Process], deadline: float, *, poll_s: float = 0.02) -> list[psutil.Process]:
-    """Wait until every process has ended (see :func:`running`) or ``deadline`` (monotonic); return those left."""
+def wait_gone(processes: list[psutil.Process], deadline: float, *,
+              poll_s: float = 0.02) -> list[psutil.Process]:
+    """Wait until every process has ended (see :func:`running`) or ``deadline`` (monotonic); return
+    those left."""
     alive = [p for p in processes if running(p)]
     while alive and time.monotonic() < deadline:
         time.sleep(poll_s)

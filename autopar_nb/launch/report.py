@@ -1,6 +1,6 @@
-"""What a run measured beside what its plan predicted: the figures behind ``Run.rss_figures``, ``Run.measured``
-and ``Run.explain``, read from the run's rows and samples (see :mod:`autopar_nb.launch.compare` for which of the
-plan's predictions a run compares with).
+"""What a run measured beside what its plan predicted: the figures behind ``Run.rss_figures``,
+``Run.measured`` and ``Run.explain``, read from the run's rows and samples (see
+:mod:`autopar_nb.launch.compare` for which of the plan's predictions a run compares with).
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ from ..units import fmt_bytes, fmt_time
 from . import compare, watch
 
 PEAK_LABELS = {False: "measured peak (RSS above baseline)", True: "measured peak (CUDA allocated)"}
-"""what a launched run's peak per rank is, on CPU processes and on GPUs: one label wherever the figure is shown"""
+"""what a launched run's peak per rank is, on CPU processes and on GPUs: one label wherever the
+figure is shown"""
 PREDICTED_LABEL = "predicted tensors (no margin)"
-"""what each rank's peak is compared with (the plan's training state, without the allocator margin)"""
+"""what each rank's peak is compared with (the plan's training state, without the allocator
+margin)"""
 
 
 def rss_figures(run: Any) -> dict[int, dict[str, float]]:
@@ -35,14 +37,16 @@ def rss_figures(run: Any) -> dict[int, dict[str, float]]:
 
 
 def peak_figures(run: Any) -> dict[int, dict]:
-    """rank -> ``{"measured", "predicted", "ratio"}``: each rank's peak (:data:`PEAK_LABELS`) against the prediction
-    it compares with (:data:`PREDICTED_LABEL`), for the ranks that reported one. The one figure the widget, the
-    dashboard's rank table, its summary and :func:`explain` show."""
+    """rank -> ``{"measured", "predicted", "ratio"}``: each rank's peak (:data:`PEAK_LABELS`)
+    against the prediction it compares with (:data:`PREDICTED_LABEL`), for the ranks that reported
+    one. The one figure the widget, the dashboard's rank table, its summary and :func:`explain`
+    show."""
     return _peak_figures(run, _memory(run)[0])
 
 
 def _peak_figures(run: Any, peaks: dict[int, float]) -> dict[int, dict]:
-    return {r: _figure(peaks[r], compare.predicted_memory(run.plan, r, model_state=True)) for r in sorted(peaks)}
+    return {r: _figure(peaks[r], compare.predicted_memory(run.plan, r, model_state=True))
+            for r in sorted(peaks)}
 
 
 def measured(run: Any) -> dict[str, Any]:
@@ -55,30 +59,34 @@ def measured(run: Any) -> dict[str, Any]:
     by_rank = {}
     for r in sorted(set(peaks) | set(floors)):
         mb = compare.predicted_breakdown(run.plan, r)
-        by_rank[r] = {"peak": peaks.get(r) or _figure(None, compare.predicted_memory(run.plan, r, model_state=True)),
-                      "between steps": _figure(floors.get(r), persistent_bytes(mb) if mb is not None else None)}
+        by_rank[r] = {"peak": peaks.get(r)
+                      or _figure(None, compare.predicted_memory(run.plan, r, model_state=True)),
+                      "between steps": _figure(floors.get(r),
+                                               persistent_bytes(mb) if mb is not None else None)}
         if reserved.get(r):
-            by_rank[r]["reserved"] = _figure(reserved[r], compare.predicted_memory(run.plan, r,
-                                                                                  model_state=False))
+            by_rank[r]["reserved"] = _figure(
+                reserved[r], compare.predicted_memory(run.plan, r, model_state=False))
     cost = getattr(run.plan, "cost", None)
     predicted_t = float(cost.step_time_s) if cost is not None and cost.step_time_s else None
     compared = bool(c["compare_time"])
     time_fig = {**_figure(run.summary().get("step_time_s"), predicted_t if compared else None),
                 "predicted": predicted_t, "compared": compared,
                 "note": "" if compared else (f"not compared: the plan was made for "
-                                             f"{c['plan_device'] or 'another device'}, the run used "
-                                             f"{c['run_device']}")}
-    basis = ("peak RSS above each rank's RSS before its model was built, against the predicted training state "
-             "(no allocator margin)" if cpu else "CUDA's peak allocated, against the predicted tensors (no "
-             "allocator margin); the allocator's peak reserve against the whole prediction, whose margin covers "
-             "its fragmentation")
+                                             f"{c['plan_device'] or 'another device'}, the run "
+                                             f"used {c['run_device']}")}
+    basis = ("peak RSS above each rank's RSS before its model was built, against the predicted "
+             "training state (no allocator margin)" if cpu
+             else "CUDA's peak allocated, against the predicted tensors (no allocator margin); the "
+                  "allocator's peak reserve against the whole prediction, whose margin covers its "
+                  "fragmentation")
     return {"basis": basis, "device": c["run_device"], "by_rank": by_rank, "time": time_fig,
             "throughput": _throughput(run, cost, time_fig)}
 
 
 def _throughput(run: Any, cost: Any, time_fig: dict) -> dict:
-    """The median samples/s (or tokens/s) the steps reported against the plan's, and the MFU that follows
-    from the measured step time (the plan's FLOPs per step over it), where times compare; else {}."""
+    """The median samples/s (or tokens/s) the steps reported against the plan's, and the MFU that
+    follows from the measured step time (the plan's FLOPs per step over it), where times compare;
+    else {}."""
     if cost is None or not time_fig["compared"] or not time_fig["measured"]:
         return {}
     import statistics
@@ -89,7 +97,8 @@ def _throughput(run: Any, cost: Any, time_fig: dict) -> dict:
         values = [r[key] for r in run._rows if r.get(key)]
     predicted = cost.tokens_per_s if tokens else cost.samples_per_s
     scale = time_fig["predicted"] / time_fig["measured"]
-    return {"unit": run.throughput_unit, **_figure(statistics.median(values) if values else None, predicted),
+    return {"unit": run.throughput_unit,
+            **_figure(statistics.median(values) if values else None, predicted),
             "mfu": _figure(float(cost.mfu) * scale, float(cost.mfu))}
 
 
@@ -103,16 +112,19 @@ def explain(run: Any) -> str:
         pred = f" against {unit(f['predicted'])} {what} (x{f['ratio']:.2f})" if f["ratio"] else ""
         return f"{unit(f['measured'])}{pred}"
 
-    lines = [f"Measured by run {run.run_id[:8]} ({run.status}, {m['device']}); memory: {m['basis']}."]
+    lines = [f"Measured by run {run.run_id[:8]} ({run.status}, {m['device']}); memory: "
+             f"{m['basis']}."]
     for r, f in m["by_rank"].items():
-        reserve = (f"; the allocator's peak reserve {fig(f['reserved'], fmt_bytes, 'predicted, margin included')}"
+        reserve = ("; the allocator's peak reserve "
+                   f"{fig(f['reserved'], fmt_bytes, 'predicted, margin included')}"
                    if "reserved" in f else "")
         lines.append(f"Rank {r}: peak {fig(f['peak'], fmt_bytes)}{reserve}; between steps "
                      f"{fig(f['between steps'], fmt_bytes)} (parameters and optimizer state).")
     t = m["time"]
-    lines.append(f"Step time (median): {fig(t, fmt_time)}" + (f"; {t['note']}" if t["note"] else "") + ".")
-    lines.append("Each other component is not measured by a launched run (bench/memory.py measures them with "
-                 "torch's memory tracker).")
+    lines.append(f"Step time (median): {fig(t, fmt_time)}" + (f"; {t['note']}" if t["note"] else "")
+                 + ".")
+    lines.append("Each other component is not measured by a launched run (bench/memory.py measures "
+                 "them with torch's memory tracker).")
     return "\n".join(lines)
 
 

@@ -1,10 +1,11 @@
-"""Bounded per-rank series of a run: device samples over time (:class:`Timeline`) and step figures by step
-(:class:`StepSeries`).
+"""Bounded per-rank series of a run: device samples over time (:class:`Timeline`) and step figures
+by step (:class:`StepSeries`).
 
-Both keep at most ``max_points`` x values. When full, every other one is dropped and the stride doubles (ticks or
-steps kept are the multiples of the stride), so an hour-long run costs what a 15-minute one does; the latest point
-is always kept, as a provisional one that the next point replaces unless it falls on the stride. Columns are
-``array('d')`` with NaN for "no value": cheap to append, and handed to the front end as float32 bytes.
+Both keep at most ``max_points`` x values. When full, every other one is dropped and the stride
+doubles (ticks or steps kept are the multiples of the stride), so an hour-long run costs what a
+15-minute one does; the latest point is always kept, as a provisional one that the next point
+replaces unless it falls on the stride. Columns are ``array('d')`` with NaN for "no value": cheap to
+append, and handed to the front end as float32 bytes.
 """
 
 from __future__ import annotations
@@ -30,16 +31,19 @@ def _val(v: float):
 
 
 def float32_bytes(*columns: array) -> bytes:
-    """``array('d')`` columns, one after the other, as float32 bytes in machine order (NaN stays NaN)."""
+    """``array('d')`` columns, one after the other, as float32 bytes in machine order (NaN stays
+    NaN)."""
     try:
         import numpy as np
     except ImportError:  # 30x slower, same bytes
         return b"".join(array("f", c).tobytes() for c in columns)
-    return b"".join(np.frombuffer(c, dtype=np.float64).astype(np.float32).tobytes() for c in columns if len(c))
+    return b"".join(np.frombuffer(c, dtype=np.float64).astype(np.float32).tobytes() for c in columns
+                    if len(c))
 
 
 class Timeline:
-    """Per-rank samples taken together at ticks of a fixed interval: numeric ``fields`` and text ``labels``."""
+    """Per-rank samples taken together at ticks of a fixed interval: numeric ``fields`` and text
+    ``labels``."""
 
     def __init__(self, nranks: int, fields: tuple[str, ...], labels: tuple[str, ...] = (), *,
                  max_points: int = MAX_POINTS):
@@ -57,7 +61,8 @@ class Timeline:
         return len(self.t)
 
     def add(self, tick: int, t: float, per_rank: dict[int, dict]) -> None:
-        """One tick: ``per_rank[rank]`` holds the fields and labels of that rank (missing ones are NaN / None)."""
+        """One tick: ``per_rank[rank]`` holds the fields and labels of that rank (missing ones are
+        NaN / None)."""
         if self._provisional:
             self._pop()
         self.ticks.append(tick)
@@ -99,7 +104,8 @@ class Timeline:
             self.text[k] = [[c[i] for i in keep] for c in rows]
 
     def samples(self) -> list[dict]:
-        """One plain dict per (tick, rank), in time order: ``{"t", "rank", <field or label>: value or None}``."""
+        """One plain dict per (tick, rank), in time order: ``{"t", "rank", <field or label>: value
+        or None}``."""
         out = []
         for i, t in enumerate(self.t):
             for r in range(self.nranks):
@@ -113,10 +119,11 @@ class Timeline:
 
 
 class StepSeries:
-    """Per-rank figures by step: one row per kept step, one column per (field, rank). Ranks report the same step at
-    slightly different times, so a row is made by the first rank that reports its step and filled by the others; a
-    rank reporting a step whose row was dropped (decimated away) is ignored. A restart (a higher attempt) redoes
-    the steps after its checkpoint: the rows from its first step on are cut first."""
+    """Per-rank figures by step: one row per kept step, one column per (field, rank). Ranks report
+    the same step at slightly different times, so a row is made by the first rank that reports its
+    step and filled by the others; a rank reporting a step whose row was dropped (decimated away) is
+    ignored. A restart (a higher attempt) redoes the steps after its checkpoint: the rows from its
+    first step on are cut first."""
 
     def __init__(self, nranks: int, fields: tuple[str, ...], *, max_points: int = MAX_POINTS):
         self.nranks, self.fields, self.max_points = nranks, fields, max_points
@@ -172,4 +179,5 @@ class StepSeries:
 
     def curve(self, field: str, rank: int) -> list[tuple[int, float]]:
         """(step, value) of one rank where it has a value."""
-        return [(int(s), v) for s, v in zip(self.x, self.cols[field][rank], strict=True) if not math.isnan(v)]
+        return [(int(s), v) for s, v in zip(self.x, self.cols[field][rank], strict=True)
+                if not math.isnan(v)]

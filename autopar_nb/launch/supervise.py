@@ -1,9 +1,11 @@
-"""The processes of a launched run: torch's elastic agent and its workers, watched from the monitor thread.
+"""The processes of a launched run: torch's elastic agent and its workers, watched from the monitor
+thread.
 
-:class:`Supervision` is one side of :class:`~autopar_nb.launch.run.Run`: it follows the agent's restarts (its
-per-attempt log directories), finds hangs and asks the stalled ranks for their stacks, tears every process down,
-reads the agent's ``result.json`` into the final status, and ends the run once (its end hooks, then ``done``), also
-when the monitor thread itself failed. ``AttachedRun`` overrides these hooks: its ranks are no local processes.
+:class:`Supervision` is one side of :class:`~autopar_nb.launch.run.Run`: it follows the agent's
+restarts (its per-attempt log directories), finds hangs and asks the stalled ranks for their stacks,
+tears every process down, reads the agent's ``result.json`` into the final status, and ends the run
+once (its end hooks, then ``done``), also when the monitor thread itself failed. ``AttachedRun``
+overrides these hooks: its ranks are no local processes.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ ERROR_LOG_LINES = 60
 
 
 class Supervision:
-    """The run's processes, from its launch to its end: restarts, hangs, teardown and the final status."""
+    """The run's processes, from its launch to its end: restarts, hangs, teardown and the final
+    status."""
 
     def _refresh_workers(self) -> dict[int, psutil.Process]:
         w = {}
@@ -43,8 +46,8 @@ class Supervision:
         return w
 
     def _check_attempt(self) -> None:
-        """A new attempt directory means torch's agent restarted the worker group: every rank starts over (its
-        start-up allowance for the hang check too), and the status says so."""
+        """A new attempt directory means torch's agent restarted the worker group: every rank starts
+        over (its start-up allowance for the hang check too), and the status says so."""
         latest = self._latest_attempt()
         if latest <= self._attempt_seen:
             return
@@ -54,29 +57,37 @@ class Supervision:
             self._attempt_seen = latest
             if first:
                 return
-            self._lifecycle("restart", f"restart {latest} of {self.max_restarts}: the agent restarts every worker"
+            self._lifecycle("restart",
+                            f"restart {latest} of {self.max_restarts}: the agent restarts every "
+                            "worker"
                             + (f" after rank {self._error['rank']} failed" if self._error else ""))
-            if len(self._behind(latest, now)) == len(self._ranks):  # else a rank's hello said so first
+            # else a rank's hello said so first
+            if len(self._behind(latest, now)) == len(self._ranks):
                 self._set_status("restarting",
-                                 f"restart {latest} of {self.max_restarts}: the agent restarts every worker")
+                                 f"restart {latest} of {self.max_restarts}: the agent restarts "
+                                 "every worker")
 
     def _latest_attempt(self) -> int:
-        """The agent's latest restart attempt, from its per-attempt log directories (-1 before any)."""
+        """The agent's latest restart attempt, from its per-attempt log directories (-1 before
+        any)."""
         return logfiles.latest_attempt(self.run_dir, self.run_id)
 
     def _read_log_tails(self) -> None:
-        tails = {r: logfiles.tagged(self.logs(r, tail=LOG_TAIL_LINES).splitlines(), r) for r in range(self.nproc)}
+        tails = {r: logfiles.tagged(self.logs(r, tail=LOG_TAIL_LINES).splitlines(), r)
+                 for r in range(self.nproc)}
         with self._lock:
             for r, t in tails.items():
                 self._ranks[r].log_tail = t
 
     def _check_hang(self) -> None:
-        """Tear the run down when a rank has made no step progress for ``hang_timeout_s`` (see hang.py); after a
-        failure with no restart left, make sure torch's agent really ends the other ranks."""
+        """Tear the run down when a rank has made no step progress for ``hang_timeout_s`` (see
+        hang.py); after a failure with no restart left, make sure torch's agent really ends the
+        other ranks."""
         now = time.monotonic()
         off = self.hang_timeout_s is None or self._server is None
         if off or self._status in TERMINAL or self._stop_reason is not None:
-            if self._error_time is not None and now - self._error_time > 3.0 and self._agent_alive():
+            if (self._error_time is not None and now - self._error_time > 3.0
+                and self._agent_alive()):
                 self._stop_reason = self._stop_reason or "failure"
                 self._teardown()
             return
@@ -95,7 +106,8 @@ class Supervision:
         self._notify()
         stacks = self._dump_stacks()
         with self._lock:
-            first = waited_for(self._ranks, found[0], stacks)  # the stacks may tell who the others wait for
+            # the stacks may tell who the others wait for
+            first = waited_for(self._ranks, found[0], stacks)
             seconds = time.monotonic() - max(self._ranks[first].last_progress, self._t0)
             self.hang = {"rank": first, "seconds": seconds, "stacks": stacks}
             self._message = hang_message(self._ranks, first, seconds, self.hang_timeout_s, stacks)
@@ -103,8 +115,9 @@ class Supervision:
         self._teardown()
 
     def _dump_stacks(self, wait_s: float = STACK_WAIT_S) -> dict[int, str]:
-        """rank -> where its threads are: each rank whose script registered faulthandler for SIGUSR1 (the exported
-        script does when launched) prints every thread's Python stack to its stderr; the new part of that log."""
+        """rank -> where its threads are: each rank whose script registered faulthandler for SIGUSR1
+        (the exported script does when launched) prints every thread's Python stack to its stderr;
+        the new part of that log."""
         sizes = {}
         for r, proc in self.workers().items():
             st = self._ranks.get(r)
@@ -122,7 +135,8 @@ class Supervision:
         out = {}
         for r, size in sizes.items():
             try:
-                with open(logfiles.rank_dir(self.run_dir, self.run_id, r) / "stderr.log", "rb") as f:
+                with open(logfiles.rank_dir(self.run_dir, self.run_id, r) / "stderr.log",
+                          "rb") as f:
                     f.seek(size)
                     out[r] = f.read(logfiles.TAIL_BYTES).decode(errors="replace")
             except OSError:
@@ -141,7 +155,8 @@ class Supervision:
             procs.terminate(self._proc, self._token)
 
     def _finalise(self) -> None:
-        """The agent has exited: make sure nothing of the run is left, read its result, set the final status."""
+        """The agent has exited: make sure nothing of the run is left, read its result, set the
+        final status."""
         if procs.processes_with_token(self._token):  # even if the agent itself was killed
             self._teardown()
         self._drain_ended_ranks()
@@ -152,8 +167,8 @@ class Supervision:
             how = (f"was killed by {signal.Signals(-rc).name}" if isinstance(rc, int) and rc < 0 and
                    -rc in signal.Signals._value2member_map_ else f"exited with code {rc}")
             result = {"state": "killed" if self._stop_reason else "error",
-                      "error": f"the elastic agent {how} before it wrote result.json; every worker was ended "
-                               "(see agent.log in the run directory)"}
+                      "error": f"the elastic agent {how} before it wrote result.json; every worker "
+                               "was ended (see agent.log in the run directory)"}
         with self._lock:
             self._result = result
             self.ended = time.time()
@@ -171,7 +186,8 @@ class Supervision:
         if self._status == "hung":  # the hang check said why already
             return
         if self._stop_reason not in (None, "failure"):
-            self._status, self._message = "stopped", f"stopped ({self._stop_reason}) after {elapsed}"
+            self._status, self._message = "stopped", (f"stopped ({self._stop_reason}) after "
+                                                      f"{elapsed}")
         elif result.get("state") == "succeeded":
             self._status, self._message = "finished", f"finished {self.summary_line()} in {elapsed}"
             if self.data and self.data["bottleneck"]:
@@ -188,28 +204,35 @@ class Supervision:
                 self._message = f"failed: rank {e['rank']}: {e['error']}"
 
     def _errors_from_result(self, result: dict) -> None:
-        """The agent's account of the failed ranks (exit codes, signals, @record tracebacks) joins what the channel
-        said: ranks that died without a word get their exit code and log; then ``error`` names the first."""
-        failures = logfiles.failures_from_result(result, lambda rank: self.logs(rank, tail=ERROR_LOG_LINES))
+        """The agent's account of the failed ranks (exit codes, signals, @record tracebacks) joins
+        what the channel said: ranks that died without a word get their exit code and log; then
+        ``error`` names the first."""
+        failures = logfiles.failures_from_result(result,
+                                                 lambda rank: self.logs(rank, tail=ERROR_LOG_LINES))
         if not failures and self._error is None:
             self._error = logfiles.error_from_result(result, lambda rank: "")
             return
         for r, f in failures.items():
             st = self._ranks.setdefault(r, RankState(r))
-            said = st.error is not None and bool(st.error["traceback"])  # its own error message, with a traceback
+            # its own error message, with a traceback
+            said = st.error is not None and bool(st.error["traceback"])
             if said:
                 continue
             if st.failed_at is None:
-                st.failed_at = st.closed_at or (float(f["timestamp"]) if f.get("timestamp") else None) or time.time()
-            # the agent knows how it ended: its exit code and signal, and its Python stack or its log's end
-            note = "" if f["python"] else " (no Python traceback: killed, or a crash outside Python)"
+                st.failed_at = (st.closed_at or (float(f["timestamp"]) if f.get("timestamp")
+                                                 else None) or time.time())
+            # the agent knows how it ended: its exit code and signal, and its Python stack or its
+            # log's end
+            note = "" if f["python"] else (" (no Python traceback: killed, or a crash outside "
+                                           "Python)")
             st.error = {"error": f"{f['error']}{note}", "traceback": f["traceback"]}
         self._update_error()
 
     def _drain_ended_ranks(self, limit_s: float = 2.0) -> None:
-        """Read what ranks left behind by their agent's end sent before the teardown ended them: a SIGKILLed agent
-        leaves its workers training until then, and every step they reported happened (a checkpoint they wrote is
-        where the next launch resumes). Their connections are closed now; what they sent waits in the sockets."""
+        """Read what ranks left behind by their agent's end sent before the teardown ended them: a
+        SIGKILLed agent leaves its workers training until then, and every step they reported
+        happened (a checkpoint they wrote is where the next launch resumes). Their connections are
+        closed now; what they sent waits in the sockets."""
         deadline = time.monotonic() + limit_s
         while self._server is not None and time.monotonic() < deadline:
             msgs = self._server.poll(0.05)
@@ -222,10 +245,12 @@ class Supervision:
             self._server.close()
 
     def _monitor_crashed(self, e: BaseException, *, tries: int = 3, pause_s: float = 1.0) -> None:
-        """The monitor thread failed: the run has failed, and every process of it is ended here (tried ``tries``
-        times); if even that fails (no file descriptors left), ``stop()`` tries again and marks the run done."""
+        """The monitor thread failed: the run has failed, and every process of it is ended here
+        (tried ``tries`` times); if even that fails (no file descriptors left), ``stop()`` tries
+        again and marks the run done."""
         with self._lock:
-            self._status, self._message = "failed", f"the monitor thread crashed ({type(e).__name__}: {e})"
+            self._status, self._message = "failed", ("the monitor thread crashed "
+                                                     f"({type(e).__name__}: {e})")
         self._stop_reason = self._stop_reason or "monitor error"
         for i in range(tries):
             if self._end_without_monitor():
@@ -236,8 +261,8 @@ class Supervision:
             self._message += "; its processes could not all be ended yet: call run.stop()"
 
     def _end_without_monitor(self) -> bool:
-        """End the agent and every worker, and once none is left mark the run ended and done (any thread, when the
-        monitor cannot; idempotent). True when nothing of the run is left."""
+        """End the agent and every worker, and once none is left mark the run ended and done (any
+        thread, when the monitor cannot; idempotent). True when nothing of the run is left."""
         try:
             self._teardown()
             left = self._agent_alive() or bool(procs.processes_with_token(self._token))
@@ -258,8 +283,8 @@ class Supervision:
         return True
 
     def _ended(self) -> None:
-        """Every process of the run is gone: the end hooks, then ``done`` (so a launch right after ``wait()``
-        finds the next standby the hooks started). Once only."""
+        """Every process of the run is gone: the end hooks, then ``done`` (so a launch right after
+        ``wait()`` finds the next standby the hooks started). Once only."""
         with self._teardown_lock:
             if self._ending:
                 return
@@ -267,7 +292,8 @@ class Supervision:
         for hook in self._end_hooks:
             try:
                 hook(self)
-            except Exception:  # a pool that cannot start its next standby: the next launch starts one
+            # a pool that cannot start its next standby: the next launch starts one
+            except Exception:
                 pass
         self._done.set()
 

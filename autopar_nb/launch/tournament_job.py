@@ -1,11 +1,13 @@
-"""``tournament`` in the background: the planner widget's Tournament button, without blocking the kernel.
+"""``tournament`` in the background: the planner widget's Tournament button, without blocking the
+kernel.
 
-:class:`TournamentJob` runs :func:`autopar_nb.launch.tournament.tournament` (the very function ``ap.tournament``
-calls) in a thread of the kernel: its trials are launched runs, whose processes and monitors already run beside the
-kernel, so the thread only waits on them and the kernel stays free for other cells. The tournament's ``progress``
-hook reports each plan as it starts and ends. Displayed, a job is a :class:`TournamentView`: a bar, one row per plan
-(predicted, measured and calibrated step time, peaks, ranks), a chart of measured against predicted step time per
-plan, the verdict, and Adopt, which makes the measured winner the session's plan.
+:class:`TournamentJob` runs :func:`autopar_nb.launch.tournament.tournament` (the very function
+``ap.tournament`` calls) in a thread of the kernel: its trials are launched runs, whose processes
+and monitors already run beside the kernel, so the thread only waits on them and the kernel stays
+free for other cells. The tournament's ``progress`` hook reports each plan as it starts and ends.
+Displayed, a job is a :class:`TournamentView`: a bar, one row per plan (predicted, measured and
+calibrated step time, peaks, ranks), a chart of measured against predicted step time per plan, the
+verdict, and Adopt, which makes the measured winner the session's plan.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from .trials import tournament
 
 
 class TournamentJob:
-    """``tournament(session, k, steps, **kwargs)`` in a thread; ``wait()`` returns its TournamentResult.
+    """``tournament(session, k, steps, **kwargs)`` in a thread; ``wait()`` returns its
+    TournamentResult.
 
     Status: running -> finished | stopped | failed.
     """
@@ -44,7 +47,8 @@ class TournamentJob:
         self._listeners: list[Callable[[TournamentJob], None]] = []
         self._view = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(kwargs,), daemon=True, name="autopar-tournament")
+        self._thread = threading.Thread(target=self._run, args=(kwargs,), daemon=True,
+                                        name="autopar-tournament")
         self._thread.start()
 
     @property
@@ -57,8 +61,8 @@ class TournamentJob:
         return self.result
 
     def stop(self, reason: str = "stopped by the user") -> str:
-        """End the running trial's workers, run no further plan, and wait for the tournament to end; what was
-        measured until then stays in ``result``. Returns the final status."""
+        """End the running trial's workers, run no further plan, and wait for the tournament to end;
+        what was measured until then stays in ``result``. Returns the final status."""
         if not self.done:
             self.message = f"stopping: {reason}"
             self._stop.set()
@@ -67,7 +71,8 @@ class TournamentJob:
         return self.status
 
     def add_listener(self, fn: Callable[[TournamentJob], None]) -> None:
-        """Call ``fn(job)`` (from the job's thread, or the kernel's after Adopt) when something changed."""
+        """Call ``fn(job)`` (from the job's thread, or the kernel's after Adopt) when something
+        changed."""
         self._listeners.append(fn)
 
     def rows(self) -> list[dict[str, Any]]:
@@ -75,8 +80,8 @@ class TournamentJob:
         return table(list(self.entries))
 
     def adopt(self) -> str:
-        """Make the measured winner the session's plan (``TournamentResult.adopt``); returns what happened, in
-        words. Raises ValueError when nothing can be adopted."""
+        """Make the measured winner the session's plan (``TournamentResult.adopt``); returns what
+        happened, in words. Raises ValueError when nothing can be adopted."""
         r = self.result
         if r is None or r.winner is None:
             raise ValueError("no plan was measured: nothing to adopt")
@@ -84,12 +89,13 @@ class TournamentJob:
         if s.plan is w.plan or (s.plan is not None and s.plan is self._adopted):
             self.adopted = f"{w.label} is the plan already"
         elif s.plan is not r.entries[0].plan:
-            raise ValueError("the session's plan changed since the tournament, so its alternatives are others: "
-                             "re-run the tournament, or take the winner's plan in code (ap.widget().last_result"
-                             ".result.winner.plan)")
+            raise ValueError("the session's plan changed since the tournament, so its alternatives "
+                             "are others: re-run the tournament, or take the winner's plan in code "
+                             "(ap.widget().last_result.result.winner.plan)")
         elif not any(a is w.plan for a in s.plan.alternatives):
-            raise ValueError("the winner came from a re-plan with more alternatives than ap.plan.alternatives holds: "
-                             "take it in code (ap.widget().last_result.result.winner.plan)")
+            raise ValueError("the winner came from a re-plan with more alternatives than "
+                             "ap.plan.alternatives holds: take it in code "
+                             "(ap.widget().last_result.result.winner.plan)")
         else:
             self._adopted = r.adopt()
             self.adopted = f"adopted {w.label} (ap.undo() goes back)"
@@ -109,15 +115,15 @@ class TournamentJob:
 
     def _run(self, kwargs: dict[str, Any]) -> None:
         try:
-            self.result = tournament(self.session, self.k, self.steps, progress=self._progress, stop=self._stop,
-                                     **kwargs)
+            self.result = tournament(self.session, self.k, self.steps, progress=self._progress,
+                                     stop=self._stop, **kwargs)
             self.entries = list(self.result.entries)
             r = self.result
             self.status = "stopped" if r.stopped else "finished"
-            self.message = (f"stopped after {r.ended} of {len(r.entries)} plans ({len(r.measured)} measured)"
-                            if r.stopped else
-                            f"{len(r.measured)} of {len(r.entries)} plans measured on {r.nproc} processes in "
-                            f"{r.wall_s:.1f} s")
+            self.message = (f"stopped after {r.ended} of {len(r.entries)} plans ({len(r.measured)} "
+                            "measured)" if r.stopped
+                            else f"{len(r.measured)} of {len(r.entries)} plans measured on "
+                                 f"{r.nproc} processes in {r.wall_s:.1f} s")
         except Exception as e:  # shown in the view: the kernel keeps running
             self.status, self.error = "failed", traceback.format_exc()
             self.message = f"the tournament failed: {type(e).__name__}: {e}"
@@ -131,8 +137,8 @@ class TournamentJob:
             return
         running = next((i for i, e in enumerate(entries) if e.status == "running"), None)
         ended = sum(e.status in ("measured", "failed", "skipped") for e in entries)
-        self.message = (f"trial {running + 1} of {len(entries)}: {entries[running].label}" if running is not None
-                        else f"{ended} of {len(entries)} plans done")
+        self.message = (f"trial {running + 1} of {len(entries)}: {entries[running].label}"
+                        if running is not None else f"{ended} of {len(entries)} plans done")
         self._notify()
 
     def _notify(self) -> None:
@@ -144,21 +150,22 @@ class TournamentJob:
 
 
 class TournamentView(JobView):
-    """Progress and standings of a :class:`TournamentJob` (the job's thread sets the traits): a bar, one row per
-    plan, a chart of measured against predicted step time per plan, the verdict, and Adopt. ``progress``: {"done":
-    plans ended, "total": plans, "k", "steps"}; ``rows``: one per plan, ``standings.table``'s row (seconds and bytes;
-    the front end writes their units)."""
+    """Progress and standings of a :class:`TournamentJob` (the job's thread sets the traits): a bar,
+    one row per plan, a chart of measured against predicted step time per plan, the verdict, and
+    Adopt. ``progress``: {"done": plans ended, "total": plans, "k", "steps"}; ``rows``: one per
+    plan, ``standings.table``'s row (seconds and bytes; the front end writes their units)."""
 
     _esm = bundle(STATIC / "units.js", STATIC / "kernel.js", STATIC / "tournament.js")
     _css = bundle(STATIC / "dashboard.css")
     status = traitlets.Unicode("running").tag(sync=True)
     summary = traitlets.Dict().tag(sync=True)
-    """at the end: {"tau", "tau_calibrated", "winner" (row index), "margin", "wall_s", "saved" (where the
-    calibration went, in words)}"""
+    """at the end: {"tau", "tau_calibrated", "winner" (row index), "margin", "wall_s", "saved"
+    (where the calibration went, in words)}"""
     adopted = traitlets.Unicode("").tag(sync=True)
 
     def on_event(self, event: str | None) -> None:
-        if event == "stop":  # not in the kernel's thread: stopping waits for the trial's workers to end
+        # not in the kernel's thread: stopping waits for the trial's workers to end
+        if event == "stop":
             threading.Thread(target=self._job.stop, args=("Stop button",), daemon=True).start()
         elif event == "adopt":
             try:
@@ -171,7 +178,8 @@ class TournamentView(JobView):
         with self.hold_sync():
             self.status, self.message, self.error = job.status, job.message, job.error or ""
             ended = sum(e.status in ("measured", "failed", "skipped") for e in job.entries)
-            self.progress = {"done": ended, "total": len(job.entries) or job.k + 1, "k": job.k, "steps": job.steps}
+            self.progress = {"done": ended, "total": len(job.entries) or job.k + 1, "k": job.k,
+                             "steps": job.steps}
             self.rows = job.rows()
             self.summary = summary_of(job.result) if job.result is not None else {}
             self.adopted = job.adopted
