@@ -141,6 +141,7 @@ LONG_FUNCTIONS = {
     "launch/run.py:__init__": 86,  # 78
     "launch/trials.py:tournament": 88,  # 76
     "runtime/pp_split.py:split_model": 91,  # 77
+    "verify/measure.py:measure_script": 82,  # 69
 }
 
 
@@ -165,7 +166,7 @@ def test_no_module_or_function_grows_past_its_size():
         assert set(listed) <= set(over), f"listed but no longer over {limit}: {sorted(set(listed) - set(over))}"
 
 
-WRAPPED_AT_100 = ("export", "launch", "runtime")
+WRAPPED_AT_100 = ("export", "launch", "runtime", "verify")
 """the folders whose lines are wrapped at 100 columns; ruff's line length drops from 120 to 100 once every folder of
 the package is listed"""
 

@@ -1,11 +1,12 @@
 """``verify`` in the background: the planner widget's Verify button, without blocking the kernel.
 
 :class:`VerifyJob` runs :func:`autopar_nb.verify.check.verify_here` in a child process (``python -m
-autopar_nb.verify.job JOB.json``), so the kernel stays free and Stop can end it (with the worker processes
-verify starts). Its progress comes over the launcher's metrics channel: the exported script's ranks report each
-step of the parallel run there (verify runs that very script); when every rank has said "done", the single-process
-reference runs; then the report is read back (``report.json``). Displayed, a job is a :class:`VerifyView`: a
-progress bar, one row per step, each row marked pass/fail with the rule it was judged by (``VerifyReport.judge``).
+autopar_nb.verify.job JOB.json``), so the kernel stays free and Stop can end it (with the worker
+processes verify starts). Its progress comes over the launcher's metrics channel: the exported
+script's ranks report each step of the parallel run there (verify runs that very script); when every
+rank has said "done", the single-process reference runs; then the report is read back
+(``report.json``). Displayed, a job is a :class:`VerifyView`: a progress bar, one row per step, each
+row marked pass/fail with the rule it was judged by (``VerifyReport.judge``).
 """
 
 from __future__ import annotations
@@ -32,19 +33,21 @@ _jobs: weakref.WeakSet[VerifyJob] = weakref.WeakSet()
 
 
 class VerifyJob:
-    """``verify(source, plan, steps=..., nproc=...)`` in a child process; ``wait()`` returns the VerifyReport.
+    """``verify(source, plan, steps=..., nproc=...)`` in a child process; ``wait()`` returns the
+    VerifyReport.
 
-    ``cases`` (with ``scripts``, their exported scripts) instead of ``source``/``plan``: several plans in one launch
-    (``verify_many``); ``reports`` then holds one report per case. ``warm`` (default): the child is a standby of the
-    warm pool (``pool.py``), with torch and autopar_nb imported and a forkserver that preloaded them for its ranks;
-    False: a fresh ``python -m autopar_nb.verify.job JOB.json`` whose ranks are spawned.
+    ``cases`` (with ``scripts``, their exported scripts) instead of ``source``/``plan``: several
+    plans in one launch (``verify_many``); ``reports`` then holds one report per case. ``warm``
+    (default): the child is a standby of the warm pool (``pool.py``), with torch and autopar_nb
+    imported and a forkserver that preloaded them for its ranks; False: a fresh ``python -m
+    autopar_nb.verify.job JOB.json`` whose ranks are spawned.
 
     Status: starting -> parallel -> reference -> passed | mismatch | error | stopped.
     """
 
     def __init__(self, source: Any = None, plan: Any = None, *, cases: list | None = None,
-                 scripts: list[str] | None = None, steps: int = 5, nproc: int | None = None, seed: int = 0,
-                 rtol: float | None = None, meta_init: bool | list[bool] = False,
+                 scripts: list[str] | None = None, steps: int = 5, nproc: int | None = None,
+                 seed: int = 0, rtol: float | None = None, meta_init: bool | list[bool] = False,
                  work_dir: str | os.PathLike | None = None, warm: bool = True):
         cases = list(cases) if cases is not None else [(source, plan)]
         metas = meta_init if isinstance(meta_init, list) else [meta_init] * len(cases)
@@ -55,7 +58,8 @@ class VerifyJob:
         self.status = "starting"
         self.message = f"starting verify of {self.plan_summary} on {self.nproc} processes"
         self.losses: dict[int, float] = {}
-        """step -> the parallel run's loss (every rank reports the global loss; the first report counts)"""
+        """step -> the parallel run's loss (every rank reports the global loss; the first report
+        counts)"""
         self.report = None
         self.reports: list | None = None
         """one VerifyReport per case (``report`` is the first)"""
@@ -80,16 +84,17 @@ class VerifyJob:
         (self.dir / "job.json").write_text(json.dumps(job))
         from ..launch.pool import job_env
 
-        env = job_env({**os.environ, "PYTHONUNBUFFERED": "1"})  # the job's token and metrics address: below
+        # the job's token and metrics address: below
+        env = job_env({**os.environ, "PYTHONUNBUFFERED": "1"})
         self._refill = None
         if warm:
             from ..launch.pool import POOL, verify_preload
 
             preload = verify_preload("\n".join(src.code for src, _ in cases))
-            # the ranks run in the kernel's working directory (job["cwd"]): a file of the cell's imports there
-            # shadows a preloaded module, as a script's directory does for launch
-            standby = POOL.hand("verify", self.dir / "job.json", env=env, monitor=True, preload=preload,
-                                script_dir=job["cwd"])
+            # the ranks run in the kernel's working directory (job["cwd"]): a file of the cell's
+            # imports there shadows a preloaded module, as a script's directory does for launch
+            standby = POOL.hand("verify", self.dir / "job.json", env=env, monitor=True,
+                                preload=preload, script_dir=job["cwd"])
             self._server, self._token, self._proc = standby.server, standby.token, standby.proc
             self._refill = lambda: POOL.refill("verify", env=env, monitor=True, preload=preload)
         else:
@@ -98,19 +103,21 @@ class VerifyJob:
             env = {**env, "AUTOPAR_METRICS": self._server.address, procs.TOKEN_ENV: self._token,
                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
             with open(self.dir / "verify.log", "wb") as log:
-                self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(self.dir / "job.json")], env=env,
-                                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", __name__, str(self.dir / "job.json")], env=env,
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         _jobs.add(self)
         self._thread = threading.Thread(target=self._watch, daemon=True, name="autopar-verify")
         self._thread.start()
 
-    # ---- public ----------------------------------------------------------------------------------------------------
+    # ---- public ----------------------------------------------------------------------------------
     @property
     def done(self) -> bool:
         return self.ended is not None
 
     def wait(self, timeout: float | None = None):
-        """Block until the job ends; return the VerifyReport (None when it failed or was stopped)."""
+        """Block until the job ends; return the VerifyReport (None when it failed or was
+        stopped)."""
         self._thread.join(timeout)
         return self.report
 
@@ -143,7 +150,8 @@ class VerifyJob:
         display(self.view())
 
     def rows(self) -> list[dict]:
-        """One row per step: the parallel loss as it comes, then the report's comparison and verdict."""
+        """One row per step: the parallel loss as it comes, then the report's comparison and
+        verdict."""
         if self.report is None:
             return [{"step": s, "loss": v} for s, v in sorted(self.losses.items())]
         r = self.report
@@ -151,17 +159,20 @@ class VerifyJob:
         for s in r.steps:
             ok, rule = r.judge(s)
             prev = r.steps[s.step - 1].param_rel if 0 < s.step <= len(r.steps) else 0.0
-            # the tolerances the rule applied (see VerifyReport.judge); None: gradients not judged at this step
-            grad_tol = {"rtol": r.rtol, "adam": r.rtol + prev}.get(rule, r.rtol if s.step == 0 else None)
-            out.append({"step": s.step, "loss": s.loss, "ref_loss": s.ref_loss, "loss_rel": s.loss_rel,
-                        "grad_rel": s.grad_rel, "param_rel": s.param_rel, "ok": ok, "rule": rule,
-                        "loss_tol": r.rtol, "grad_tol": grad_tol, "param_tol": r.rtol + (s.step + 1) * r.param_floor})
+            # the tolerances the rule applied (see VerifyReport.judge); None: gradients not judged
+            # at this step
+            grad_tol = {"rtol": r.rtol, "adam": r.rtol + prev}.get(rule,
+                                                                   r.rtol if s.step == 0 else None)
+            out.append({"step": s.step, "loss": s.loss, "ref_loss": s.ref_loss,
+                        "loss_rel": s.loss_rel, "grad_rel": s.grad_rel, "param_rel": s.param_rel,
+                        "ok": ok, "rule": rule, "loss_tol": r.rtol, "grad_tol": grad_tol,
+                        "param_tol": r.rtol + (s.step + 1) * r.param_floor})
         return out
 
     def __repr__(self) -> str:
         return f"VerifyJob({self.plan_summary}, {self.nproc} proc, {self.status}: {self.message})"
 
-    # ---- the job's thread ------------------------------------------------------------------------------------------
+    # ---- the job's thread ------------------------------------------------------------------------
     def _watch(self) -> None:
         try:
             while self._proc.poll() is None:
@@ -173,9 +184,11 @@ class VerifyJob:
             self.status, self.error = "error", f"the verify monitor failed: {type(e).__name__}: {e}"
         finally:
             self._server.close()
-            if procs.processes_with_token(self._token):  # its forkserver (warm), or ranks of a killed process
+            # its forkserver (warm), or ranks of a killed process
+            if procs.processes_with_token(self._token):
                 procs.terminate(None, self._token)
-            if self._refill is not None:  # the next standby warms up now that this job's processes are gone
+            # the next standby warms up now that this job's processes are gone
+            if self._refill is not None:
                 try:
                     self._refill()
                 except Exception:  # the next verify starts one
@@ -189,7 +202,8 @@ class VerifyJob:
             if m.kind != "data":
                 continue
             step = m.data.get("step")
-            if isinstance(step, int) and step not in self.losses and isinstance(m.data.get("loss"), (int, float)):
+            if (isinstance(step, int) and step not in self.losses
+                and isinstance(m.data.get("loss"), (int, float))):
                 self.losses[step] = float(m.data["loss"])
                 changed = True
             elif m.data.get("event") == "done":
@@ -197,10 +211,12 @@ class VerifyJob:
                 changed = True
         if changed and self.status in ("starting", "parallel"):
             if len(self._done_ranks) >= self.nproc:
-                self.status, self.message = "reference", "the single-process reference runs the same steps"
+                self.status, self.message = "reference", ("the single-process reference runs the "
+                                                          "same steps")
             elif self.losses:
                 self.status = "parallel"
-                self.message = f"parallel run: step {max(self.losses) + 1} of {self.steps} on {self.nproc} processes"
+                self.message = (f"parallel run: step {max(self.losses) + 1} of {self.steps} on "
+                                f"{self.nproc} processes")
         return changed
 
     def _finish(self) -> None:
@@ -208,27 +224,32 @@ class VerifyJob:
 
         self.ended = time.time()
         if self._stopping:
-            self.status, self.message = "stopped", f"stopped after {self.ended - self.started:.1f} s"
+            self.status, self.message = "stopped", ("stopped after "
+                                                    f"{self.ended - self.started:.1f} s")
             return
         try:
             data = json.loads((self.dir / "report.json").read_text())
         except (OSError, ValueError):
             log = (self.dir / "verify.log").read_text(errors="replace")[-6000:]
-            self.status, self.message = "error", f"the verify process exited with code {self._proc.returncode}"
+            self.status, self.message = "error", ("the verify process exited with code "
+                                                  f"{self._proc.returncode}")
             self.error = log
             return
         if "error" in data:
-            self.status, self.message, self.error = "error", data["error"], data.get("traceback", "")
+            self.status, self.message, self.error = ("error", data["error"],
+                                                     data.get("traceback", ""))
             return
         fields = {f.name for f in dataclasses.fields(VerifyReport)}
         self.reports = [VerifyReport(**{k: v for k, v in d.items() if k in fields and k != "steps"},
-                                     steps=[StepDiff(**s) for s in d["steps"]]) for d in data["reports"]]
+                                     steps=[StepDiff(**s) for s in d["steps"]])
+                        for d in data["reports"]]
         self.report = self.reports[0]
         ok = all(r.ok for r in self.reports)
         self.status = "passed" if ok else "mismatch"
-        self.message = (f"{'OK' if ok else 'MISMATCH'}: {self.steps} steps on {self.nproc} processes agree with the "
-                        f"single-process reference" if ok else
-                        f"MISMATCH: see the rows marked fail ({self.steps} steps on {self.nproc} processes)") + \
+        self.message = (f"{'OK' if ok else 'MISMATCH'}: {self.steps} steps on {self.nproc} "
+                        "processes agree with the single-process reference" if ok
+                        else f"MISMATCH: see the rows marked fail ({self.steps} steps on "
+                             f"{self.nproc} processes)") + \
             f" ({self.ended - self.started:.1f} s)"
 
     def _notify(self) -> None:
@@ -246,11 +267,11 @@ def _stop_all_at_exit() -> None:
             job.stop("the kernel is shutting down")
 
 
-# ---- the child process ----------------------------------------------------------------------------------------------
+# ---- the child process ---------------------------------------------------------------------------
 def enter_cwd(cwd: str | None) -> None:
-    """Run in the kernel's working directory ``cwd`` (a warm standby was started in the one the kernel had then),
-    with it as ``sys.path[0]`` in place of the directory this process started in, as ``python -m`` run there has it;
-    multiprocessing hands both to every rank it starts."""
+    """Run in the kernel's working directory ``cwd`` (a warm standby was started in the one the
+    kernel had then), with it as ``sys.path[0]`` in place of the directory this process started in,
+    as ``python -m`` run there has it; multiprocessing hands both to every rank it starts."""
     if not cwd:
         return
     try:
@@ -267,11 +288,13 @@ def enter_cwd(cwd: str | None) -> None:
 def main(job_path: str, *, watch: bool = True) -> int:
     job = json.loads(Path(job_path).read_text())
     enter_cwd(job.get("cwd"))
-    from ..launch.agent import _watch_parent  # the same watchdog as the launch agent's: the kernel gone, so are we
+    # the same watchdog as the launch agent's: the kernel gone, so are we
+    from ..launch.agent import _watch_parent
 
     if watch:
         threading.Thread(target=_watch_parent, args=(job["parent_pid"],), daemon=True).start()
-    if job.get("warm") and job.get("log"):  # a standby: its output goes to the job's log from now on
+    # a standby: its output goes to the job's log from now on
+    if job.get("warm") and job.get("log"):
         fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         for std in (1, 2):
             os.dup2(fd, std)
@@ -288,12 +311,14 @@ def main(job_path: str, *, watch: bool = True) -> int:
             scripts = [c["script"] for c in job["cases"]]
             if not all(scripts):
                 scripts = export_scripts(cases, metas, tmp, steps=job["steps"], seed=job["seed"])
-            reports = verify_here(cases, metas, scripts, steps=job["steps"], nproc=job["nproc"], seed=job["seed"],
-                                  rtol=job["rtol"], start_method="forkserver" if job.get("warm") else "spawn")
+            reports = verify_here(cases, metas, scripts, steps=job["steps"], nproc=job["nproc"],
+                                  seed=job["seed"], rtol=job["rtol"],
+                                  start_method="forkserver" if job.get("warm") else "spawn")
         data = {"reports": [dataclasses.asdict(r) for r in reports]}
         rc = 0
     except BaseException as e:  # the kernel shows it: nothing is lost in a log
-        one_line = str(e) if hasattr(e, "details") else f"{type(e).__name__}: {e}"  # failures.RankFailed
+        # failures.RankFailed
+        one_line = str(e) if hasattr(e, "details") else f"{type(e).__name__}: {e}"
         data = {"error": one_line, "traceback": getattr(e, "details", "") or traceback.format_exc()}
         rc = 1
     tmp = out.with_suffix(".tmp")
@@ -303,13 +328,21 @@ def main(job_path: str, *, watch: bool = True) -> int:
 
 
 def standby(preload: list[str], idle_timeout_s: float, parent_pid: int) -> int:
-    """A verify standby of the warm pool: the forkserver for the ranks preloads torch, autopar_nb.verify.ranks and the
-    cell's imports while this process imports what ``main`` needs; then one job (its path on standard input)."""
+    """A verify standby of the warm pool: the forkserver for the ranks preloads torch,
+    autopar_nb.verify.ranks and the cell's imports while this process imports what ``main`` needs;
+    then one job (its path on standard input)."""
     import signal
 
-    from ..launch.agent import _watch_parent, exit_now, forkserver_ready, start_forkserver, wait_for_job
+    from ..launch.agent import (
+        _watch_parent,
+        exit_now,
+        forkserver_ready,
+        start_forkserver,
+        wait_for_job,
+    )
 
-    signal.signal(signal.SIGTERM, lambda *_: exit_now(128 + signal.SIGTERM))  # torch's own handler replaces it
+    # torch's own handler replaces it
+    signal.signal(signal.SIGTERM, lambda *_: exit_now(128 + signal.SIGTERM))
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     start_forkserver(preload)
     from ..export import export  # noqa: F401
@@ -321,7 +354,8 @@ def standby(preload: list[str], idle_timeout_s: float, parent_pid: int) -> int:
 
 
 if __name__ == "__main__":
-    from ..launch.agent import exit_now  # without unloading torch (seconds on a busy machine): the report is written
+    # without unloading torch (seconds on a busy machine): the report is written
+    from ..launch.agent import exit_now
 
     if sys.argv[1:2] == ["--standby"]:
         exit_now(standby(json.loads(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])))

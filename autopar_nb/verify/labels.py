@@ -1,12 +1,13 @@
-"""PyTorch's memory trackers (``MemTracker``; ``FSDPMemTracker`` over an FSDP2 module), subclassed to label every
-storage by when it is created.
+"""PyTorch's memory trackers (``MemTracker``; ``FSDPMemTracker`` over an FSDP2 module), subclassed
+to label every storage by when it is created.
 
-The tracker's reference types are refined by when a storage is created (:data:`LABELS`), so the peak splits into the
-components the cost model predicts: parameters, gradients, optimizer states, activations (made inside the model's
-forward, or recomputed in backward), the loss (made after the model returned: logits copies, log-softmax, and the
-loss's gradients), backward temporaries, buffers (made by ``parallelize`` or by DDP/FSDP/pipelining: DDP's buckets;
-FSDP's all-gather/reduce-scatter buffers and unsharded parameters and gradients) and step temporaries (clipping,
-the optimizer's scratch).
+The tracker's reference types are refined by when a storage is created (:data:`LABELS`), so the peak
+splits into the components the cost model predicts: parameters, gradients, optimizer states,
+activations (made inside the model's forward, or recomputed in backward), the loss (made after the
+model returned: logits copies, log-softmax, and the loss's gradients), backward temporaries, buffers
+(made by ``parallelize`` or by DDP/FSDP/pipelining: DDP's buckets; FSDP's all-gather/reduce-scatter
+buffers and unsharded parameters and gradients) and step temporaries (clipping, the optimizer's
+scratch).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils import checkpoint
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -27,7 +31,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 FREES_LAND_S = 0.002
 """how long a new peak waits for the frees a gloo group's worker threads have pending"""
 
-COMPONENTS = ("params", "grads", "optimizer", "activations", "casts", "loss", "backward", "buffers", "step")
+COMPONENTS = ("params", "grads", "optimizer", "activations", "casts", "loss", "backward", "buffers",
+              "step")
 """the measured components, in the order tables show them"""
 LABELS = {
     "params": ("Parameter", "Buffer", "Sharded Param"),
@@ -36,19 +41,21 @@ LABELS = {
     "activations": ("Activation",),
     "casts": ("Cast",),
     "loss": ("Loss", "Inputs"),
-    "backward": ("Temp",),
-    "buffers": ("Setup", "All Gather", "Reduce Scatter", "Unsharded Param", "Unsharded Grad", "Other"),
+    "backward": ("Temp",), "buffers": ("Setup", "All Gather", "Reduce Scatter", "Unsharded Param",
+                                       "Unsharded Grad", "Other"),
     "step": ("Step",),
 }
-"""component -> the tracker's reference types (MemTracker's and FSDPMemTracker's, plus this module's Loss, Cast, Setup
-and Step) it sums"""
-_EXTRA = {"LOSS": "Loss", "CAST": "Cast", "SETUP": "Setup", "STEP": "Step", "UNSHARDED_PARAM": "Unsharded Param"}
+"""component -> the tracker's reference types (MemTracker's and FSDPMemTracker's, plus this module's
+Loss, Cast, Setup and Step) it sums"""
+_EXTRA = {"LOSS": "Loss", "CAST": "Cast", "SETUP": "Setup", "STEP": "Step",
+          "UNSHARDED_PARAM": "Unsharded Param"}
 _MEM_TYPES = _RefType("_Labels", {**{m.name: m.value for m in _MemRefType}, **_EXTRA})
 _FSDP_TYPES = _RefType("_FSDPLabels", {**{m.name: m.value for m in _FSDPRefType}, **_EXTRA})
 
 
 def components(snapshot: dict) -> dict[str, float]:
-    """A tracker snapshot (reference type -> bytes, for one device) summed into :data:`COMPONENTS`, plus ``total``."""
+    """A tracker snapshot (reference type -> bytes, for one device) summed into :data:`COMPONENTS`,
+    plus ``total``."""
     by_value = {str(getattr(k, "value", k)): v for k, v in snapshot.items()}
     out = {c: float(sum(by_value.get(lab, 0) for lab in labels)) for c, labels in LABELS.items()}
     out["total"] = float(by_value.get("Total", sum(out.values())))
@@ -61,8 +68,8 @@ def _gloo() -> bool:
 
 
 class _GatheredLabel:
-    """A plain tracker's label for FSDP2 parameters gathered beside DDP (``_label_gathered_parameters``), kept
-    whatever op writes them next."""
+    """A plain tracker's label for FSDP2 parameters gathered beside DDP
+    (``_label_gathered_parameters``), kept whatever op writes them next."""
 
     gathered = None
     """their storages (a weak dict)"""
@@ -74,36 +81,42 @@ class _GatheredLabel:
 
 
 class Labelled:
-    """What both trackers add to PyTorch's: the labels of :data:`LABELS`, where and when the peak was, and
-    optionally what made the largest storages alive at it."""
+    """What both trackers add to PyTorch's: the labels of :data:`LABELS`, where and when the peak
+    was, and optionally what made the largest storages alive at it."""
 
     phase = "setup"
-    """"setup" (parallelize), "train" (forward, loss, backward), "step" (after backward: clipping, optimizer)"""
+    """"setup" (parallelize), "train" (forward, loss, backward), "step" (after backward: clipping,
+    optimizer)"""
     spans = None
-    """the run's :class:`NodeSpans`: which module's forward made the autograd node running at a backward peak"""
+    """the run's :class:`NodeSpans`: which module's forward made the autograd node running at a
+    backward peak"""
     _peak_at: tuple = ("", "", "", None)
-    """(phase, side, the tracker's innermost module, the running autograd node's sequence number) at the peak"""
+    """(phase, side, the tracker's innermost module, the running autograd node's sequence number) at
+    the peak"""
     peak_node: str | None = None
     """the name of the autograd node running at the peak (``MulBackward0``); None in a forward"""
 
     @property
     def where(self) -> str:
-        """The phase and module of the peak: "<phase>/<side> in <module>". In backward and recompute, the
-        module whose forward made the autograd node running then (:class:`NodeSpans`), where one did; the
-        tracker's own module can lag there (a checkpointed layer's hooks)."""
+        """The phase and module of the peak: "<phase>/<side> in <module>". In backward and
+        recompute, the module whose forward made the autograd node running then
+        (:class:`NodeSpans`), where one did; the tracker's own module can lag there (a checkpointed
+        layer's hooks)."""
         return self._where_of(self._peak_at)[0]
 
     def _where_of(self, at: tuple) -> tuple[str, int | None]:
-        """:attr:`where` and :attr:`micro_batch` of a moment (phase, side, tracker's module, node sequence)."""
+        """:attr:`where` and :attr:`micro_batch` of a moment (phase, side, tracker's module, node
+        sequence)."""
         phase, side, module, seq = at
         hit = self.spans.module_of(seq) if seq is not None and self.spans is not None else None
         module = hit[0] if hit else module
-        return (f"{phase}/{side}" + (f" in {module}" if module else "") if phase else ""), (hit[1] if hit else None)
+        return ((f"{phase}/{side}" + (f" in {module}" if module else "") if phase else ""),
+                (hit[1] if hit else None))
 
     def _place_of(self, at: tuple) -> tuple[str, int | None]:
-        """A moment's place in the step, as :attr:`moment_peaks` keys it: :meth:`_where_of`, its micro-batch in a
-        forward too (which of the step's calls of the module running; outside every module, the loss's: the call
-        that finished before it)."""
+        """A moment's place in the step, as :attr:`moment_peaks` keys it: :meth:`_where_of`, its
+        micro-batch in a forward too (which of the step's calls of the module running; outside every
+        module, the loss's: the call that finished before it)."""
         where, micro_batch = self._where_of(at)
         phase, side, module, seq = at
         if micro_batch is None and self.spans is not None and phase == "train":
@@ -117,23 +130,25 @@ class Labelled:
 
     @property
     def micro_batch(self) -> int | None:
-        """In backward and recompute, which of the step's forward calls of the :attr:`where` module made the
-        node running at the peak (a pipeline stage's micro-batch, counted from 0); None elsewhere."""
+        """In backward and recompute, which of the step's forward calls of the :attr:`where` module
+        made the node running at the peak (a pipeline stage's micro-batch, counted from 0); None
+        elsewhere."""
         return self._where_of(self._peak_at)[1]
 
     param_cast = False
     """the op being tracked is a ``_to_copy`` of a parameter (autocast's 16-bit copy of a weight)"""
     moment_peaks: dict[tuple, float] | None = None
-    """with a dict: the largest total seen at each place of the step so far, (:attr:`where`, micro-batch: as
-    :attr:`micro_batch`, and in a forward and the loss's too, :meth:`_place_of`) -> bytes (("train/backward in
-    GPT.h.3", 1): its second micro-batch's; :meth:`reset_peak` empties it), the measured curve the
-    memory timeline draws; None: not kept (it costs a lookup per op)"""
+    """with a dict: the largest total seen at each place of the step so far, (:attr:`where`,
+    micro-batch: as :attr:`micro_batch`, and in a forward and the loss's too, :meth:`_place_of`) ->
+    bytes (("train/backward in GPT.h.3", 1): its second micro-batch's; :meth:`reset_peak` empties
+    it), the measured curve the memory timeline draws; None: not kept (it costs a lookup per op)"""
     census = 0
-    """keep this many of the largest storages alive at the peak, each with the op and module that made it
-    (:meth:`largest`); 0: none (the origins cost a lookup per op)"""
+    """keep this many of the largest storages alive at the peak, each with the op and module that
+    made it (:meth:`largest`); 0: none (the origins cost a lookup per op)"""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.param_cast = func is torch.ops.aten._to_copy.default and bool(args) and self._is_param(args[0])
+        self.param_cast = (func is torch.ops.aten._to_copy.default and bool(args)
+                           and self._is_param(args[0]))
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)
         finally:
@@ -147,25 +162,31 @@ class Labelled:
             self._origins = WeakIdKeyDictionary()
         mods = sorted(self._mod_tracker.parents - {"Global"}, key=len)
         side = "backward" if self._mod_tracker.is_bw else "forward"
-        node = torch._C._current_autograd_node()  # in backward: the autograd node running (its forward op's)
+        # in backward: the autograd node running (its forward op's)
+        node = torch._C._current_autograd_node()
         made_by = {"node": f"{node.name()} #{node._sequence_nr()}"} if node is not None else {}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not is_fake(t) and t.untyped_storage() not in self._origins:
+            if (isinstance(t, torch.Tensor) and not is_fake(t)
+                and t.untyped_storage() not in self._origins):
                 self._origins[t.untyped_storage()] = {
-                    "op": str(func), "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                    "op": str(func), "shape": list(t.shape),
+                    "dtype": str(t.dtype).removeprefix("torch."),
                     "module": mods[-1] if mods else "", "side": side, **made_by}
 
     def largest(self) -> list[dict]:
-        """The :attr:`census` largest storages alive at the peak: label (the tracker's reference type), MiB and,
-        where an op made it while the tracker ran, that op, its output's shape and dtype, the module and side
-        (forward/backward) it ran in, and in backward the autograd node that ran it (name and sequence number,
-        which orders the forward ops: an accumulated gradient's sum is the later gradient's node's)."""
+        """The :attr:`census` largest storages alive at the peak: label (the tracker's reference
+        type), MiB and, where an op made it while the tracker ran, that op, its output's shape and
+        dtype, the module and side (forward/backward) it ran in, and in backward the autograd node
+        that ran it (name and sequence number, which orders the forward ops: an accumulated
+        gradient's sum is the later gradient's node's)."""
         return getattr(self, "_at_peak", [])
 
     def _storages_now(self) -> list[dict]:
         origins = getattr(self, "_origins", {})
-        rows = [{"label": getattr(w.reftype, "value", str(w.reftype)), "MiB": w.mem_consumed / 2**20,
-                 **(origins[st] if st in origins else {})} for st, (w, _) in self._WINFO.items()]
+        rows = [{
+            "label": getattr(w.reftype, "value", str(w.reftype)), "MiB": w.mem_consumed / 2**20,
+            **(origins[st] if st in origins else {})
+        } for st, (w, _) in self._WINFO.items()]
         return sorted(rows, key=lambda r: -r["MiB"])[:self.census]
 
     def _is_param(self, t) -> bool:
@@ -182,7 +203,8 @@ class Labelled:
             return types.SETUP
         if self.param_cast and name in ("ACT", "TEMP"):
             return types.CAST
-        if name == "OPT":  # the optimizer's states, whenever the tracker's optimizer hook finds them
+        # the optimizer's states, whenever the tracker's optimizer hook finds them
+        if name == "OPT":
             return reftype
         if name in ("ACT", "TEMP") and self.phase == "step":
             return types.STEP
@@ -197,27 +219,34 @@ class Labelled:
             super()._track(self._label(reftype), t)
 
     def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
-        # a fake tensor (torch.export's, while a pipeline is traced) says "cpu" but holds no memory: its storage
-        # is on meta; the tracker would count it, for as long as the traced graphs keep it
-        return set() if is_fake(t) else super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+        # a fake tensor (torch.export's, while a pipeline is traced) says "cpu" but holds no memory:
+        # its storage is on meta; the tracker would count it, for as long as the traced graphs keep
+        # it
+        return (set() if is_fake(t)
+                else super()._update_and_maybe_create_winfos(t, reftype, update_existing))
 
     def _update_peak_stats(self, peak_state):
         if self._rising():
-            # a gloo collective's buffer is released by the group's worker thread after wait() returns,
-            # and its storage's free (a weakref callback) needs the GIL this thread holds: left alone it
-            # lands several ops later, or under load much later (an FSDP all-gather's output seen alive
-            # through the next op's backward: +5 % on a pipelined ZeRO-3 rank). NCCL frees it at the copy-
+            # a gloo collective's buffer is released by the group's worker thread after wait()
+            # returns, and its storage's free (a weakref callback) needs the GIL this thread holds:
+            # left alone it lands several ops later, or under load much later (an FSDP all-gather's
+            # output seen alive through the next op's backward: +5 % on a pipelined ZeRO-3 rank).
+            # NCCL frees it at the copy-
             # out, in stream order; let the workers finish first
             time.sleep(FREES_LAND_S)
         before = dict(self._peak_mem)
         super()._update_peak_stats(peak_state)
         if self._peak_mem != before or self.moment_peaks is not None:
             mods = sorted(self._mod_tracker.parents - {"Global"}, key=len)
-            side = "forward" if not self._mod_tracker.is_bw else "recompute" if self._recomputing() else "backward"
+            side = ("forward" if not self._mod_tracker.is_bw else "recompute" if self._recomputing()
+                    else "backward")
             node = torch._C._current_autograd_node() if side != "forward" else None
-            now = (self.phase, side, mods[-1] if mods else "", node._sequence_nr() if node is not None else None)
+            now = (self.phase, side, mods[-1] if mods else "",
+                   node._sequence_nr() if node is not None else None)
             if self.moment_peaks is not None and self.phase != "setup":
-                place, total = self._place_of(now), max((s["Total"] for s in self._curr_mem_snap.values()), default=0)
+                place, total = self._place_of(now), max((s["Total"]
+                                                         for s in self._curr_mem_snap.values()),
+                                                        default=0)
                 self.moment_peaks[place] = max(total, self.moment_peaks.get(place, 0))
         if self._peak_mem != before:
             if self.census:
@@ -226,7 +255,8 @@ class Labelled:
             self.peak_node = node.name() if node is not None else None
 
     def _rising(self) -> bool:
-        """this op's allocations lift the total above the peak so far, in a process of a gloo group"""
+        """this op's allocations lift the total above the peak so far, in a process of a gloo
+        group"""
         return _gloo() and any(
             snap["Total"] > self._peak_mem.get(dev, 0) for dev, snap in self._curr_mem_snap.items())
 
@@ -235,13 +265,15 @@ class Labelled:
         return self._in_ac or getattr(self, "recomputing", False)
 
     restart_roots = False
-    """a pipeline stage, or a model under gradient accumulation, is a root module called once per micro-batch:
-    MemTracker refuses a root called twice in one step ("multiple iterative calls"), so its per-module statistics
-    restart at each forward call (the tracked storages and the peaks are kept)"""
+    """a pipeline stage, or a model under gradient accumulation, is a root module called once per
+    micro-batch: MemTracker refuses a root called twice in one step ("multiple iterative calls"), so
+    its per-module statistics restart at each forward call (the tracked storages and the peaks are
+    kept)"""
 
     def _pre_fw_hook(self, module, inputs):
         if (self.restart_roots and module in self.memory_tracking and not self._mod_tracker.is_bw
-                and set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}):
+                and set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)}
+                == {"Global"}):
             del self.memory_tracking[module]
         return super()._pre_fw_hook(module, inputs)
 
@@ -264,21 +296,23 @@ class Tracker(_GatheredLabel, Labelled, MemTracker):
 
 
 class FSDPTracker(Labelled, FSDPMemTracker):
-    """FSDPMemTracker tracks the optimizer it is given; the script builds its optimizer after ``parallelize``,
-    so this one hooks every optimizer's step, as MemTracker does (Adam's states are optimizer states)."""
+    """FSDPMemTracker tracks the optimizer it is given; the script builds its optimizer after
+    ``parallelize``, so this one hooks every optimizer's step, as MemTracker does (Adam's states are
+    optimizer states)."""
 
     def __init__(self, mod):
         super().__init__(mod)
         self._ref_class = _FSDP_TYPES
 
     recomputing = False
-    """inside a checkpoint's recompute (FSDPMemTracker notices one only through an FSDP unit's forward inside
-    the checkpointed region; the runtime wraps the checkpointed module in the unit, so its recompute would be
-    labelled backward temporaries)"""
+    """inside a checkpoint's recompute (FSDPMemTracker notices one only through an FSDP unit's
+    forward inside the checkpointed region; the runtime wraps the checkpointed module in the unit,
+    so its recompute would be labelled backward temporaries)"""
 
     def _fsdp_state_pre_forward(self, fsdp_mod, orig_fsdp_state_pre_fw):
-        """FSDP's own pre-forward hook refuses a root unit called twice in a step as MemTracker's does: under
-        ``restart_roots`` its statistics restart there too (a pipeline stage's root, once per micro-batch)."""
+        """FSDP's own pre-forward hook refuses a root unit called twice in a step as MemTracker's
+        does: under ``restart_roots`` its statistics restart there too (a pipeline stage's root,
+        once per micro-batch)."""
         inner = super()._fsdp_state_pre_forward(fsdp_mod, orig_fsdp_state_pre_fw)
 
         def restarting(*args, **kwargs):
@@ -291,11 +325,12 @@ class FSDPTracker(Labelled, FSDPMemTracker):
         return restarting
 
     def _fsdp_param_group_post_backward(self, fsdp_mod, orig_fsdp_param_group_post_backward):
-        """Label the gradients a unit accumulates unsharded without reducing them (a pipeline stage's backward
-        of every micro-batch) as FSDP's unsharded gradients, as the tracker labels those it reduces: under
-        mixed precision FSDP copies them to ``reduce_dtype`` in its post-backward, a new storage the tracker
-        would call a backward temporary."""
-        inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig_fsdp_param_group_post_backward)
+        """Label the gradients a unit accumulates unsharded without reducing them (a pipeline
+        stage's backward of every micro-batch) as FSDP's unsharded gradients, as the tracker labels
+        those it reduces: under mixed precision FSDP copies them to ``reduce_dtype`` in its
+        post-backward, a new storage the tracker would call a backward temporary."""
+        inner = super()._fsdp_param_group_post_backward(fsdp_mod,
+                                                        orig_fsdp_param_group_post_backward)
 
         def labelling(*args, **kwargs):
             out = inner(*args, **kwargs)
@@ -303,7 +338,8 @@ class FSDPTracker(Labelled, FSDPMemTracker):
             for fsdp_param in group.fsdp_params if group else ():
                 if fsdp_param.unsharded_accumulated_grad is not None:
                     self._update_and_maybe_create_winfos(fsdp_param.unsharded_accumulated_grad,
-                                                         self._ref_class.UNSHARDED_GRAD, update_existing=True)
+                                                         self._ref_class.UNSHARDED_GRAD,
+                                                         update_existing=True)
             return out
 
         return labelling
@@ -333,8 +369,9 @@ class FSDPTracker(Labelled, FSDPMemTracker):
             self._track_optimizer_states(self._ref_class.OPT, optimizer)
             self._in_opt = False
 
-        self._any_optimizer = (register_optimizer_step_pre_hook(lambda *a: setattr(self, "_in_opt", True)),
-                               register_optimizer_step_post_hook(post))
+        self._any_optimizer = (
+            register_optimizer_step_pre_hook(lambda *a: setattr(self, "_in_opt", True)),
+            register_optimizer_step_post_hook(post))
         return self
 
     def __exit__(self, *args):
@@ -343,4 +380,3 @@ class FSDPTracker(Labelled, FSDPMemTracker):
         hook, enter, leave = self._recompute_hook
         hook.__enter__, hook.__exit__ = enter, leave
         return super().__exit__(*args)
-

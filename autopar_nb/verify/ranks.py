@@ -1,6 +1,7 @@
-"""A verify's ranks: each imports the plan's exported script and runs its ``main`` with a :class:`Recorder` (the
-observer the script's ``train`` calls), which keeps the loss, the full gradients and the full parameters of every
-step, and what the rank held. :func:`worker` is the entry point the elastic launch starts on every rank.
+"""A verify's ranks: each imports the plan's exported script and runs its ``main`` with a
+:class:`Recorder` (the observer the script's ``train`` calls), which keeps the loss, the full
+gradients and the full parameters of every step, and what the rank held. :func:`worker` is the entry
+point the elastic launch starts on every rank.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from ..randomness import RandomOff
 
 
 class Recorder:
-    """The observer verify hands to the script's ``main``: after each backward the loss and the full gradients,
-    after each optimizer step the full parameters (DTensors gathered: every rank takes part). Only the ranks at
-    data-parallel and tensor-parallel index 0 keep them (one per pipeline stage). Expert parallelism splits the dp
-    dim into (dp_mod_ep, ep) without reordering ranks, so the dp index stays ``(rank // tp) % dp``; the experts,
-    DTensors over their ep ranks, are gathered like any other."""
+    """The observer verify hands to the script's ``main``: after each backward the loss and the full
+    gradients, after each optimizer step the full parameters (DTensors gathered: every rank takes
+    part). Only the ranks at data-parallel and tensor-parallel index 0 keep them (one per pipeline
+    stage). Expert parallelism splits the dp dim into (dp_mod_ep, ep) without reordering ranks, so
+    the dp index stays ``(rank // tp) % dp``; the experts, DTensors over their ep ranks, are
+    gathered like any other."""
 
     def __init__(self, plan: Plan, rank: int):
         m, self.plan = plan.mesh, plan
@@ -43,22 +45,28 @@ class Recorder:
 
 
 def named_tensors(parts: list, what: str) -> dict[str, torch.Tensor]:
-    """Full (unsharded) parameters or gradients of this rank's parts, by the names of the single-process model.
-    Collective: every rank of the mesh calls it (CPU offload's host shards are reduced on the mesh's device)."""
+    """Full (unsharded) parameters or gradients of this rank's parts, by the names of the
+    single-process model. Collective: every rank of the mesh calls it (CPU offload's host shards are
+    reduced on the mesh's device)."""
     from torch.distributed.tensor import DTensor
 
     from ..runtime.fsdp import on_mesh_device
     from ..runtime.init import canonical_name
 
-    named = [(n, p.grad if what == "grad" else p.detach()) for part in parts for n, p in part.named_parameters()]
-    return {canonical_name(n): (on_mesh_device(t).full_tensor() if isinstance(t, DTensor) else t).detach().float()
-            .cpu().clone() for n, t in named if t is not None}
+    named = [(n, p.grad if what == "grad" else p.detach()) for part in parts
+             for n, p in part.named_parameters()]
+    return {
+        canonical_name(n): (on_mesh_device(t).full_tensor()
+                            if isinstance(t, DTensor) else t).detach().float().cpu().clone()
+        for n, t in named if t is not None
+    }
 
 
 def rank_info(parts: list, plan: Plan) -> dict:
-    """What this rank holds: ``local_numel`` (parameter elements stored here), ``dtensor_params`` (parameters
-    sharded/replicated as DTensors), ``checkpointed`` (checkpoint-wrapped modules), ``stages`` (the pipeline stages
-    whose first layer one of its parts holds), ``offloaded`` (FSDP units under ``CPUOffloadPolicy``)."""
+    """What this rank holds: ``local_numel`` (parameter elements stored here), ``dtensor_params``
+    (parameters sharded/replicated as DTensors), ``checkpointed`` (checkpoint-wrapped modules),
+    ``stages`` (the pipeline stages whose first layer one of its parts holds), ``offloaded`` (FSDP
+    units under ``CPUOffloadPolicy``)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
     from torch.distributed.tensor import DTensor
@@ -71,24 +79,28 @@ def rank_info(parts: list, plan: Plan) -> dict:
     return {
         "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params),
         "dtensor_params": sum(isinstance(p, DTensor) for p in params),
-        "checkpointed": sum(isinstance(m, CheckpointWrapper) for part in parts for m in part.modules()),
-        "stages": [i for i, first in enumerate(firsts) if any(n.startswith(first + ".") for n in names)],
-        "offloaded": sum(isinstance(getattr(m._get_fsdp_state()._fsdp_param_group, "offload_policy", None),
+        "checkpointed": sum(isinstance(m, CheckpointWrapper) for part in parts
+                            for m in part.modules()),
+        "stages": [i for i, first in enumerate(firsts)
+                   if any(n.startswith(first + ".") for n in names)],
+        "offloaded": sum(isinstance(getattr(m._get_fsdp_state()._fsdp_param_group, "offload_policy",
+                                            None),
                                     CPUOffloadPolicy) for part in parts for m in part.modules()
                          if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group)}
 
 
 def script_argv(ns: dict, steps: int) -> list[str]:
-    """The flags verify runs an exported script with (``ns``: its namespace): ``steps`` steps, and for a script that
-    reads the cell's dataset no DataLoader worker processes (``--num-workers 0``): the reference reads the samples
-    in-process, and workers forked from every rank would only add start-up time and processes to a short check."""
+    """The flags verify runs an exported script with (``ns``: its namespace): ``steps`` steps, and
+    for a script that reads the cell's dataset no DataLoader worker processes (``--num-workers 0``):
+    the reference reads the samples in-process, and workers forked from every rank would only add
+    start-up time and processes to a short check."""
     return ["--steps", str(steps)] + (["--num-workers", "0"] if "DataStream" in ns else [])
 
 
 @record
 def worker(jobs: list[tuple[str, str, str]], steps: int) -> list[dict]:
-    """One rank: import each exported script and run its ``main`` with a :class:`Recorder`, its model's random ops
-    switched off as in the reference; every script shares one process group."""
+    """One rank: import each exported script and run its ``main`` with a :class:`Recorder`, its
+    model's random ops switched off as in the reference; every script shares one process group."""
     import gc
 
     import torch.distributed as dist
@@ -99,14 +111,16 @@ def worker(jobs: list[tuple[str, str, str]], steps: int) -> list[dict]:
     torch.set_num_threads(1)  # 2+ ranks on a few cores: more threads only oversubscribe
     exact_fp32()  # as the reference: no TF32 on a GPU
     results = []
-    init_distributed(timeout_s=300)  # one group for every script (each main() finds it and leaves it open)
+    # one group for every script (each main() finds it and leaves it open)
+    init_distributed(timeout_s=300)
     try:
         for script, _, plan_json in jobs:
             ns, runtime = run_script(script, run_name="__autopar_verify__")
             recorder = Recorder(Plan.from_json(plan_json), int(os.environ["RANK"]))
             runtime.Run.observer = recorder  # train() calls it on every rank
-            # active in module forwards only: meta_init's initialisation and the batches keep their randomness
-            with RandomOff(), contextlib.redirect_stdout(io.StringIO()):  # the script's per-step lines
+            # active in module forwards only: meta_init's initialisation and the batches keep their
+            # randomness the script's per-step lines
+            with RandomOff(), contextlib.redirect_stdout(io.StringIO()):
                 ns["main"](script_argv(ns, steps))
             results.append(recorder.result)
             del ns, runtime
