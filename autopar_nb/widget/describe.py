@@ -8,7 +8,8 @@ from . import choices, editor
 
 
 def describe(msg: dict[str, Any]) -> str:
-    """A front-end edit message in words, as the widget's answer to it starts ("h.0: strategy colwise")."""
+    """A front-end edit message in words, as the widget's answer to it starts ("h.0: strategy
+    colwise")."""
     kind = msg.get("kind")
     label = editor.STRATEGY_LABELS.get(msg.get("value"), msg.get("value"))
     layers = msg.get("layers") or ([msg["layer"]] if msg.get("layer") else [])

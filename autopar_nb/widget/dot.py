@@ -1,10 +1,11 @@
-"""ModelGraph + Plan -> DOT: :func:`layout` draws one view of the graph (see ``layout.py`` for how the view is chosen).
+"""ModelGraph + Plan -> DOT: :func:`layout` draws one view of the graph (see ``layout.py`` for how
+the view is chosen).
 
-Ops are grouped in module clusters (one per layer, nested for submodules with several ops), repeated blocks are folded
-into one cluster ("h × 12") unless expanded, containers of many layers can be collapsed into one node each
-(``groups.py``), nodes are coloured by the split the plan gives their module and tagged with it in words
-(``splits.py``), layer clusters are tinted by pipeline stage, and edges where communication happens carry the
-collective and its bytes per step.
+Ops are grouped in module clusters (one per layer, nested for submodules with several ops), repeated
+blocks are folded into one cluster ("h × 12") unless expanded, containers of many layers can be
+collapsed into one node each (``groups.py``), nodes are coloured by the split the plan gives their
+module and tagged with it in words (``splits.py``), layer clusters are tinted by pipeline stage, and
+edges where communication happens carry the collective and its bytes per step.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ class Layout:
 
     dot: str
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """SVG element id -> {label, kind (op|module|group|input), op, layer, module, shapes, flops, memory, split,
-    stage, target (what a drag onto a legend swatch re-plans)}"""
+    """SVG element id -> {label, kind (op|module|group|input), op, layer, module, shapes, flops,
+    memory, split, stage, target (what a drag onto a legend swatch re-plans)}"""
     clusters: dict[str, dict[str, Any]] = field(default_factory=dict)
     """SVG cluster id -> {layer, block (name when it is a folded repeated block), label, differs}"""
     depth: int = 99
@@ -56,43 +57,50 @@ class Layout:
     """deepest module nesting in the graph (the depth control's range)"""
     legend: list[dict[str, Any]] = field(default_factory=list)
     elements: list[dict[str, str]] = field(default_factory=list)
-    """top-level elements in model order: {key, box (SVG id measured for columns), anchor (a node in it)}"""
+    """top-level elements in model order: {key, box (SVG id measured for columns), anchor (a node in
+    it)}"""
     groups: frozenset[str] = frozenset()
 
 
-def layout(graph: ModelGraph, plan: Plan | None = None, *, expanded: set[str] | frozenset[str] = frozenset(),
-           depth: int | None = None, groups: set[str] | frozenset[str] = frozenset(),
-           breaks: tuple[str, ...] | list[str] = (), changed_layers: set[str] | frozenset[str] = frozenset(),
+def layout(graph: ModelGraph, plan: Plan | None = None, *,
+           expanded: set[str] | frozenset[str] = frozenset(), depth: int | None = None,
+           groups: set[str] | frozenset[str] = frozenset(),
+           breaks: tuple[str, ...] | list[str] = (),
+           changed_layers: set[str] | frozenset[str] = frozenset(),
            selected: str | None = None) -> Layout:
     """Build the DOT view of ``graph`` coloured by ``plan``.
 
-    ``expanded`` names repeated blocks to show in full (others are folded into their first member); ``depth`` is the
-    module depth below each layer to show (None: all ops, or less when that exceeds MAX_OPS_SHOWN); ``groups`` are
-    containers drawn as one node each; ``breaks`` are elements (layer paths or groups) that start a new column;
-    ``changed_layers`` are outlined as changed against the previous plan; ``selected`` is a layer to emphasise.
+    ``expanded`` names repeated blocks to show in full (others are folded into their first member);
+    ``depth`` is the module depth below each layer to show (None: all ops, or less when that exceeds
+    MAX_OPS_SHOWN); ``groups`` are containers drawn as one node each; ``breaks`` are elements (layer
+    paths or groups) that start a new column; ``changed_layers`` are outlined as changed against the
+    previous plan; ``selected`` is a layer to emphasise.
     """
     groups = frozenset(groups)
     alias, hidden_layers, folded = _fold(graph, expanded)
-    # ops that read nothing and nobody reads (BatchNorm's num_batches_tracked += 1) are state updates, not dataflow
+    # ops that read nothing and nobody reads (BatchNorm's num_batches_tracked += 1) are state
+    # updates, not dataflow
     read = {i for n in graph.nodes for i in n.inputs}
     isolated = {n.name for n in graph.nodes if not n.inputs and n.name not in read}
     visible_ops = [n for n in graph.nodes if n.name not in alias and n.name not in isolated]
     grouping = {lay.path: group_of(lay.path, groups) for lay in graph.layers}
     depth, max_depth = _depth(visible_ops, depth)
-    drawing = _Drawing(graph, plan, expanded=expanded, changed_layers=changed_layers, selected=selected)
+    drawing = _Drawing(graph, plan, expanded=expanded, changed_layers=changed_layers,
+                       selected=selected)
     items, grouped = drawing.collect(visible_ops, grouping, depth, alias)
     inputs = drawing.inputs(visible_ops)
     by_layer = drawing.layers(items, grouped, grouping, folded, hidden_layers)
     edges = drawing.edges(hidden_layers, read)
     drawing.columns(edges, by_layer, breaks, inputs)
-    return Layout("\n".join(drawing.lines), drawing.info, drawing.clusters, depth, max_depth, _legend(drawing.info),
-                  drawing.elements, groups)
+    return Layout("\n".join(drawing.lines), drawing.info, drawing.clusters, depth, max_depth,
+                  _legend(drawing.info), drawing.elements, groups)
 
 
 def _fold(graph: ModelGraph, expanded: set[str] | frozenset[str]) -> tuple[dict[str, str], set[str],
                                                                            dict[str, list[str]]]:
-    """Folding: the ops of hidden block members map onto the same-position op of the first member. Returns (op ->
-    the op it is drawn as, the hidden layers, first member -> every member) for the blocks not ``expanded``."""
+    """Folding: the ops of hidden block members map onto the same-position op of the first member.
+    Returns (op -> the op it is drawn as, the hidden layers, first member -> every member) for the
+    blocks not ``expanded``."""
     alias: dict[str, str] = {}
     hidden_layers: set[str] = set()
     folded: dict[str, list[str]] = {}
@@ -118,8 +126,8 @@ def _rel(n: OpNode) -> list[str]:
 
 
 def _depth(visible_ops: list[OpNode], depth: int | None) -> tuple[int, int]:
-    """(the module depth shown, the deepest there is): ``depth`` within range, or without one the deepest that shows
-    at most MAX_OPS_SHOWN nodes."""
+    """(the module depth shown, the deepest there is): ``depth`` within range, or without one the
+    deepest that shows at most MAX_OPS_SHOWN nodes."""
     max_depth = max((len(_rel(n)) for n in visible_ops), default=0) + 1
     if depth is None:
         depth = max_depth
@@ -129,18 +137,20 @@ def _depth(visible_ops: list[OpNode], depth: int | None) -> tuple[int, int]:
 
 
 def _legend(info: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The swatches: every split but "no parameters" (shown when some node has it), and the TP pair."""
+    """The swatches: every split but "no parameters" (shown when some node has it), and the TP
+    pair."""
     used = {s for i in info.values() for s in i.get("splits", [i.get("split")]) if s}
     legend = [{"key": k, "label": lab, "color": c, "strategy": LEGEND_STRATEGY.get(k)}
               for k, (lab, c) in SPLITS.items() if k in used or k != "activation"]
-    legend.insert(4, {"key": "tp-pair", "label": "TP col → row pair", "color": SPLITS["tp-colwise"][1],
-                      "color2": SPLITS["tp-rowwise"][1], "strategy": "colwise-rowwise"})
+    legend.insert(4,
+                  {"key": "tp-pair", "label": "TP col → row pair", "color": SPLITS["tp-colwise"][1],
+                   "color2": SPLITS["tp-rowwise"][1], "strategy": "colwise-rowwise"})
     return legend
 
 
 class _Drawing:
-    """One view in the making: the DOT lines written so far, and what the front end is told of each node, cluster
-    and top-level element."""
+    """One view in the making: the DOT lines written so far, and what the front end is told of each
+    node, cluster and top-level element."""
 
     def __init__(self, graph: ModelGraph, plan: Plan | None, *, expanded: set[str] | frozenset[str],
                  changed_layers: set[str] | frozenset[str], selected: str | None):
@@ -158,14 +168,18 @@ class _Drawing:
         self.lines = ["digraph G {",
                       f'  graph [rankdir=TB, nodesep=0.25, ranksep=0.3, fontname="Helvetica", '
                       f'fontsize={CLUSTER_FONT}, bgcolor="transparent", newrank=true];',
-                      f'  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize={NODE_FONT}, '
+                      '  node [shape=box, style="rounded,filled", fontname="Helvetica", '
+                      f'fontsize={NODE_FONT}, '
                       'height=0.3, margin="0.08,0.03", penwidth=1, color="#555555"];',
-                      f'  edge [color="#777777", arrowsize=0.6, fontname="Helvetica", fontsize={EDGE_FONT}];']
+                      '  edge [color="#777777", arrowsize=0.6, fontname="Helvetica", '
+                      f'fontsize={EDGE_FONT}];']
 
     def collect(self, visible_ops: list[OpNode], grouping: dict[str, str | None], depth: int,
-                alias: dict[str, str]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-        """The nodes: (node id -> its ops and sums, group -> its sums). Ops at ``depth`` below their layer share a
-        module's node when two or more do; a folded member's ops are drawn by their first member's nodes."""
+                alias: dict[str, str]) -> tuple[dict[str, dict[str, Any]],
+                                                dict[str, dict[str, Any]]]:
+        """The nodes: (node id -> its ops and sums, group -> its sums). Ops at ``depth`` below their
+        layer share a module's node when two or more do; a folded member's ops are drawn by their
+        first member's nodes."""
         keys = {n.name: _vis_key(n, _rel(n), depth) for n in visible_ops}
         members: dict[str, int] = {}
         for k in keys.values():
@@ -187,8 +201,8 @@ class _Drawing:
             self.node_vis[n.name] = vid
             if vid not in items:
                 items[vid] = {"kind": "op" if key == n.name else "module", "layer": n.layer,
-                              "module": n.module_path, "ops": [], "flops": 0.0, "act": 0, "params": set(),
-                              "path": key}
+                              "module": n.module_path, "ops": [], "flops": 0.0, "act": 0,
+                              "params": set(), "path": key}
             it = items[vid]
             it["ops"].append(n)
             it["flops"] += n.flops
@@ -201,11 +215,13 @@ class _Drawing:
 
     def inputs(self, visible_ops: list[OpNode]) -> list[str]:
         """The graph's inputs, one ellipse each; returns their names."""
-        inputs = sorted({i for n in visible_ops for i in n.inputs if i not in self.node_vis and i not in self.by_name})
+        inputs = sorted({i for n in visible_ops for i in n.inputs if i not in self.node_vis
+                         and i not in self.by_name})
         for i in inputs:
             iid = _sid("in-", i)
             self.node_vis[i] = iid
-            self.lines.append(f"  {_q(iid)} [id={_q(iid)}, label={_q(i)}, shape=ellipse, style=filled, "
+            self.lines.append(f"  {_q(iid)} [id={_q(iid)}, label={_q(i)}, shape=ellipse, "
+                              "style=filled, "
                               "fillcolor=\"#ffffff\"];")
             self.info[iid] = {"kind": "input", "label": i, "layer": None}
         return inputs
@@ -213,8 +229,8 @@ class _Drawing:
     def layers(self, items: dict[str, dict[str, Any]], grouped: dict[str, dict[str, Any]],
                grouping: dict[str, str | None], folded: dict[str, list[str]],
                hidden_layers: set[str]) -> dict[str, list[str]]:
-        """Each shown layer a cluster of its nodes, each group one node, in model order; returns layer -> the ids of
-        its nodes."""
+        """Each shown layer a cluster of its nodes, each group one node, in model order; returns
+        layer -> the ids of its nodes."""
         by_layer: dict[str, list[str]] = {}
         for vid, it in items.items():
             by_layer.setdefault(it["layer"], []).append(vid)
@@ -227,8 +243,9 @@ class _Drawing:
                 seen_groups.add(g)
                 gid = _sid("grp-", g)
                 glayers = [lay for lay in self.graph.layers if grouping.get(lay.path) == g]
-                emit_group(self.lines, self.info, self.graph, self.plan, g, gid, glayers, grouped.get(g, {}),
-                           self.stage, self.pipelined, self.changed_layers, self.selected)
+                emit_group(self.lines, self.info, self.graph, self.plan, g, gid, glayers,
+                           grouped.get(g, {}), self.stage, self.pipelined, self.changed_layers,
+                           self.selected)
                 self.elements.append({"key": g, "kind": "group", "box": gid, "anchor": gid})
                 continue
             if layer.path in hidden_layers or layer.path not in by_layer:
@@ -236,8 +253,10 @@ class _Drawing:
             self.layer(layer, li, folded.get(layer.path, [layer.path]), by_layer[layer.path], items)
         return by_layer
 
-    def layer(self, layer: Any, li: int, reps: list[str], vids: list[str], items: dict[str, dict[str, Any]]) -> None:
-        """One layer's cluster (a folded block's, for its members ``reps``), its submodule boxes and its nodes."""
+    def layer(self, layer: Any, li: int, reps: list[str], vids: list[str],
+              items: dict[str, dict[str, Any]]) -> None:
+        """One layer's cluster (a folded block's, for its members ``reps``), its submodule boxes and
+        its nodes."""
         graph, plan = self.graph, self.plan
         st = self.stage.get(layer.path, 0)
         block = graph.block_of(layer.path)
@@ -245,7 +264,9 @@ class _Drawing:
         label += f"  ·  {layer.type}"
         if self.pipelined:
             stages = sorted({self.stage.get(m, 0) for m in reps})
-            label += f"  ·  stage {stages[0]}" if len(stages) == 1 else f"  ·  stages {stages[0]}–{stages[-1]}"
+            label += f"  ·  stage {stages[0]}" if len(stages) == 1 else (
+                "  ·  stages "
+                f"{stages[0]}–{stages[-1]}")
         differs = member_differences(graph, plan, reps) if len(reps) > 1 else ""
         if differs:
             label += f"\n{differs}"
@@ -256,9 +277,11 @@ class _Drawing:
         if changed:
             label = "Δ " + label
         cid = _sid("cl-", layer.path)
-        self.clusters[cid] = {"layer": layer.path, "block": block.name if len(reps) > 1 else None, "label": label,
+        self.clusters[cid] = {"layer": layer.path, "block": block.name if len(reps) > 1 else None,
+                              "label": label,
                               "expandable": len(reps) > 1, "differs": differs, "changed": changed,
-                              "collapsible": bool(block is not None and len(reps) == 1 and block.name in self.expanded),
+                              "collapsible": bool(block is not None and len(reps) == 1
+                                                  and block.name in self.expanded),
                               "target": _target_block(block.name) if len(reps) > 1 else layer.path,
                               "layers": reps, "type": layer.type, "modules": {}}
         color = CHANGED_COLOR if changed else STAGE_COLORS[st % len(STAGE_COLORS)]
@@ -266,7 +289,8 @@ class _Drawing:
         style = "rounded,filled,dashed" if len(reps) > 1 else "rounded,filled"
         self.lines.append(f"  subgraph {_q('cluster_' + str(li))} {{")
         self.lines.append(f"    id={_q(cid)}; label={_q(label)}; labeljust=l; style={_q(style)}; "
-                          f"fillcolor={_q(STAGE_FILLS[st % len(STAGE_FILLS)])}; color={_q(color)}; penwidth={width};")
+                          f"fillcolor={_q(STAGE_FILLS[st % len(STAGE_FILLS)])}; color={_q(color)}; "
+                          f"penwidth={width};")
         _emit_modules(self.lines, vids, items, layer, li, self.clusters[cid]["modules"])
         self.lines.append("  }")
         self.elements.append({"key": layer.path, "kind": "layer", "box": cid, "anchor": vids[0]})
@@ -274,12 +298,14 @@ class _Drawing:
             self.node(vid, items[vid], layer, reps, st)
 
     def node(self, vid: str, it: dict[str, Any], layer: Any, reps: list[str], st: int) -> None:
-        """One op's or module's node: its colour and tag from the split of the ops holding its weights (in each
-        member of a folded block), its label, and what the front end shows of it."""
+        """One op's or module's node: its colour and tag from the split of the ops holding its
+        weights (in each member of a folded block), its label, and what the front end shows of
+        it."""
         graph, plan = self.graph, self.plan
         ops = it["ops"]
         first = ops[0]
-        weighted = [o for o in ops if o.params] or ops  # a module's colour: the ops holding its weights
+        # a module's colour: the ops holding its weights
+        weighted = [o for o in ops if o.params] or ops
         color, tag, distinct = fill([split_of(o, plan, graph) for o in weighted])
         per_member = self._member_splits(ops, reps) if len(reps) > 1 else []
         member_note = ""
@@ -288,7 +314,8 @@ class _Drawing:
             member_note = ", ".join(f"{SPLITS[k][0]} on {n} of {len(reps)}"
                                     for k, n in Counter(per_member).most_common())
         split = distinct[0]
-        shapes = [_shape(s) for s in first.out_shapes] if len(ops) == 1 else [_shape(s) for s in ops[-1].out_shapes]
+        shapes = [_shape(s) for s in first.out_shapes
+                  ] if len(ops) == 1 else [_shape(s) for s in ops[-1].out_shapes]
         in_shapes = []
         for src in first.inputs:
             sn = self.by_name.get(src)
@@ -298,28 +325,32 @@ class _Drawing:
                 gi = _graph_input_shape(graph, src)
                 if gi:
                     in_shapes.append(gi)
-        pbytes = sum(graph.params[p].numel * graph.params[p].itemsize for p in it["params"] if p in graph.params)
+        pbytes = sum(graph.params[p].numel * graph.params[p].itemsize for p in it["params"]
+                     if p in graph.params)
         suffix = f" · {tag}" if tag else ""
         if it["kind"] == "op":
             label = f"{_short_op(first.op)}\n{shapes[0] if shapes else ''}{suffix}"
             title = first.name
         else:
             mod = it["path"]
-            mtype = self.layer_of[it["layer"]].modules.get(mod) or (first.module_type if first.module_path == mod
+            mtype = self.layer_of[it["layer"]].modules.get(mod) or (first.module_type
+                                                                    if first.module_path == mod
                                                                      else "")
-            name = (f"{graph.block_of(mod).name}.*" if len(reps) > 1 else mod) if mod == it["layer"] else \
-                mod.rsplit(".", 1)[-1]
+            name = ((f"{graph.block_of(mod).name}.*" if len(reps) > 1 else mod)
+                    if mod == it["layer"] else mod.rsplit(".", 1)[-1])
             label = f"{name}\n{mtype + ' · ' if mtype else ''}{len(ops)} ops{suffix}"
             title = mod
         module = first.module_path if len(ops) == 1 else it["path"]
         self.info[vid] = {"kind": it["kind"], "label": title, "op": first.op if len(ops) == 1 else
                           ", ".join(sorted({_short_op(o.op) for o in ops})[:6]),
                           "layer": it["layer"], "module": module,
-                          "in_shapes": in_shapes, "out_shapes": shapes, "flops": it["flops"] * len(reps),
-                          "flops_each": it["flops"], "act_bytes": it["act"], "param_bytes": pbytes,
-                          "split": split, "splits": distinct, "members": member_note, "stage": st,
+                          "in_shapes": in_shapes, "out_shapes": shapes,
+                          "flops": it["flops"] * len(reps), "flops_each": it["flops"],
+                          "act_bytes": it["act"], "param_bytes": pbytes, "split": split,
+                          "splits": distinct, "members": member_note, "stage": st,
                           "repeats": len(reps), "ops": len(ops),
-                          "target": _node_target(graph, layer.path, module, reps, bool(it["params"]))}
+                          "target": _node_target(graph, layer.path, module, reps,
+                                                 bool(it["params"]))}
         attrs = f"id={_q(vid)}, label={_q(label)}, fillcolor={_q(color)}"
         if split == "activation" and len(distinct) == 1:
             attrs += ', color="#999999"'
@@ -328,7 +359,8 @@ class _Drawing:
         self.lines.append(f"  {_q(vid)} [{attrs}];")
 
     def _member_splits(self, vid_ops: list[OpNode], reps: list[str]) -> list[str]:
-        """The split of this node in each member of a folded block (the same-position ops of every member)."""
+        """The split of this node in each member of a folded block (the same-position ops of every
+        member)."""
         out = []
         for m in reps:
             offset = self.graph.layer(m).nodes
@@ -341,8 +373,8 @@ class _Drawing:
         return out
 
     def edges(self, hidden_layers: set[str], read: set[str]) -> dict[tuple[str, str], str | None]:
-        """(from id, to id) -> the communication it carries (None: none), deduplicated on the visible ends; the
-        output's node is written, fed by the last layer's final op."""
+        """(from id, to id) -> the communication it carries (None: none), deduplicated on the
+        visible ends; the output's node is written, fed by the last layer's final op."""
         graph, node_vis, by_name = self.graph, self.node_vis, self.by_name
         block_name = {m: b.name for b in graph.blocks for m in b.members}
         comm = comm_edges(graph, self.plan)
@@ -354,9 +386,10 @@ class _Drawing:
                 if s is None or dst is None or s == dst:
                     continue
                 sl = by_name[src].layer if src in by_name else None
-                same_block = sl is not None and block_name.get(sl) is not None and block_name.get(sl) == \
-                    block_name.get(n.layer)
-                if same_block and sl != n.layer and (sl in hidden_layers or n.layer in hidden_layers):
+                same_block = (sl is not None and block_name.get(sl) is not None
+                              and block_name.get(sl) == block_name.get(n.layer))
+                if same_block and sl != n.layer and (sl in hidden_layers
+                                                     or n.layer in hidden_layers):
                     continue  # member i -> member i+1 inside a folded block: not drawn
                 label = comm.get((src, n.name))
                 if (s, dst) not in edges or (label and not edges[(s, dst)]):
@@ -365,7 +398,8 @@ class _Drawing:
                   and n.name not in read] if graph.layers else []
         if finals:
             oid = "out-output"
-            self.lines.append(f"  {_q(oid)} [id={_q(oid)}, label=\"output\", shape=ellipse, style=filled, "
+            self.lines.append(f"  {_q(oid)} [id={_q(oid)}, label=\"output\", shape=ellipse, "
+                              "style=filled, "
                               f"fillcolor=\"#ffffff\"];")
             self.info[oid] = {"kind": "input", "label": "output", "layer": None}
             for n in finals[-1:]:
@@ -374,8 +408,8 @@ class _Drawing:
 
     def columns(self, edges: dict[tuple[str, str], str | None], by_layer: dict[str, list[str]],
                 breaks: tuple[str, ...] | list[str], inputs: list[str]) -> None:
-        """The edges, and the columns: an element in ``breaks`` starts a new column at the top; edges between
-        columns do not rank."""
+        """The edges, and the columns: an element in ``breaks`` starts a new column at the top;
+        edges between columns do not rank."""
         column: dict[str, int] = {}
         col = 0
         starts: list[str] = []
@@ -389,9 +423,11 @@ class _Drawing:
             for vid in ([e["box"]] if e["kind"] == "group" else by_layer.get(e["key"], [])):
                 vis_col[vid] = column[e["key"]]
         for (s, d), label in edges.items():
-            extra = "" if vis_col.get(s, 0) == vis_col.get(d, vis_col.get(s, 0)) else ", constraint=false"
+            extra = ("" if vis_col.get(s, 0) == vis_col.get(d, vis_col.get(s, 0))
+                     else ", constraint=false")
             if label:
-                self.lines.append(f"  {_q(s)} -> {_q(d)} [label={_q(' ' + label)}, color={_q(COLLECTIVE_COLOR)}, "
+                self.lines.append(f"  {_q(s)} -> {_q(d)} [label={_q(' ' + label)}, "
+                                  f"color={_q(COLLECTIVE_COLOR)}, "
                                   f"fontcolor={_q(COLLECTIVE_COLOR)}, penwidth=1.6{extra}];")
             else:
                 self.lines.append(f"  {_q(s)} -> {_q(d)}{f' [{extra[2:]}]' if extra else ''};")
@@ -405,12 +441,14 @@ def _target_block(block: str) -> str:
     return f"{block}.*"
 
 
-def _node_target(graph: ModelGraph, layer: str, module: str, reps: list[str], has_params: bool) -> dict[str, Any]:
-    """What a drag of this node onto a legend swatch re-plans: the override pattern (the module inside the layer, or
-    the same module in every member of a folded block) and the layers it covers; ``None`` pattern without
-    parameters."""
+def _node_target(graph: ModelGraph, layer: str, module: str, reps: list[str],
+                 has_params: bool) -> dict[str, Any]:
+    """What a drag of this node onto a legend swatch re-plans: the override pattern (the module
+    inside the layer, or the same module in every member of a folded block) and the layers it
+    covers; ``None`` pattern without parameters."""
     if not has_params:
-        return {"pattern": None, "layers": reps, "why": "this op has no parameters to split: drag its layer's "
+        return {"pattern": None, "layers": reps,
+                "why": "this op has no parameters to split: drag its layer's "
                                                          "cluster, or a node with weights"}
     if len(reps) > 1:
         block = graph.block_of(layer)
@@ -426,7 +464,8 @@ def _graph_input_shape(graph: ModelGraph, name: str) -> str | None:
 
 
 def _vis_key(n: OpNode, rel: list[str], depth: int) -> str:
-    """Depth 0: the layer; depth d: the module d levels below the layer when the op lies that deep, else the op."""
+    """Depth 0: the layer; depth d: the module d levels below the layer when the op lies that deep,
+    else the op."""
     if depth == 0:
         return n.layer
     if len(rel) >= depth:
@@ -434,8 +473,10 @@ def _vis_key(n: OpNode, rel: list[str], depth: int) -> str:
     return n.name
 
 
-def _emit_modules(lines: list[str], vids: list[str], items: dict, layer, li: int, boxes: dict) -> None:
-    """Write nested clusters for submodules of two or more visible items; ``boxes`` gets {box id: [path, type]}."""
+def _emit_modules(lines: list[str], vids: list[str], items: dict, layer, li: int,
+                  boxes: dict) -> None:
+    """Write nested clusters for submodules of two or more visible items; ``boxes`` gets {box id:
+    [path, type]}."""
     def chain(it) -> list[str]:
         mod = it["module"] if it["kind"] == "op" else it["path"]
         if not mod.startswith(layer.path + "."):
@@ -466,8 +507,10 @@ def _emit_modules(lines: list[str], vids: list[str], items: dict, layer, li: int
             counter[0] += 1
             boxes[_sid("cl-", m)] = [m, next((o.module_type for v in vids for o in items[v]["ops"]
                                               if o.module_path == m), "")]
-            lines.append(f"{indent}subgraph {_q(f'cluster_{li}_{counter[0]}')} {{ id={_q(_sid('cl-', m))}; label="
-                         f"{_q(m[len(layer.path) + 1:])}; style=\"rounded,dashed\"; color=\"#aaaaaa\"; fillcolor=none;")
+            lines.append(f"{indent}subgraph {_q(f'cluster_{li}_{counter[0]}')} {{ "
+                         f"id={_q(_sid('cl-', m))}; label="
+                         f"{_q(m[len(layer.path) + 1:])}; style=\"rounded,dashed\"; "
+                         "color=\"#aaaaaa\"; fillcolor=none;")
             emit(sub, indent + "  ")
             lines.append(f"{indent}}}")
 

@@ -1,5 +1,6 @@
-"""The planner widget's edits: each front-end edit message applied to the session (a layer's override, its
-pipeline stage, a global choice, a precision list, the cluster, an alternative adopted, undo and redo).
+"""The planner widget's edits: each front-end edit message applied to the session (a layer's
+override, its pipeline stage, a global choice, a precision list, the cluster, an alternative
+adopted, undo and redo).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from .differences import adopt_fix
 
 
 class Edits:
-    """The edit handlers of :class:`~autopar_nb.widget.model.PlannerWidget`, which they are mixed into (they act
-    on its ``session``). Each returns the equivalent Python call the widget's message shows, or (that call, a
-    note on what else moved); a PlanError or ValueError says why the edit was not applied."""
+    """The edit handlers of :class:`~autopar_nb.widget.model.PlannerWidget`, which they are mixed
+    into (they act on its ``session``). Each returns the equivalent Python call the widget's message
+    shows, or (that call, a note on what else moved); a PlanError or ValueError says why the edit
+    was not applied."""
 
     def _strategy(self, msg) -> str:
         choices = editor.strategy_override(msg["value"])
@@ -25,8 +27,9 @@ class Edits:
         return _call("override", msg["layer"], choices)
 
     def _shard(self, msg) -> str:
-        """Pin one split on several layers (a drag of chips on the sharding board) or on the layers/modules of a
-        pattern (a graph node dropped on a legend swatch): one re-plan, one undo step."""
+        """Pin one split on several layers (a drag of chips on the sharding board) or on the
+        layers/modules of a pattern (a graph node dropped on a legend swatch): one re-plan, one undo
+        step."""
         s = self.session
         value = msg["value"]
         choices = editor.strategy_override(value)
@@ -57,7 +60,8 @@ class Edits:
         value = msg["value"]
         choices = {"recompute": None if value == "auto" else value}
         if value != "auto" and value not in RECOMPUTE:
-            raise ValueError(f"recompute {value!r} unknown; choose one of auto, {', '.join(RECOMPUTE)}")
+            raise ValueError(f"recompute {value!r} unknown; choose one of auto, "
+                             f"{', '.join(RECOMPUTE)}")
         s = self.session
         paths = list(dict.fromkeys(msg.get("layers") or [msg["layer"]]))
         if len(paths) == 1:
@@ -78,13 +82,14 @@ class Edits:
         return f"ap.override({msg['layer']!r}, tp=None, fsdp=None, stage=None, recompute=None)"
 
     def _stage(self, msg) -> str:
-        """Move a layer to another pipeline stage, together with the layers between it and that stage, so stages
-        stay contiguous."""
+        """Move a layer to another pipeline stage, together with the layers between it and that
+        stage, so stages stay contiguous."""
         plan = self._require_plan()
         target = int(msg["stage"])
         nstages = plan.mesh.pp * plan.pipeline.virtual_stages
         if not 0 <= target < nstages:
-            raise PlanError(f"stage {target} does not exist: the plan has {nstages} stage(s); raise pp first")
+            raise PlanError(f"stage {target} does not exist: the plan has {nstages} stage(s); "
+                            "raise pp first")
         paths = [lp.path for lp in plan.layers]
         i = paths.index(msg["layer"])
         stages = [lp.stage for lp in plan.layers]
@@ -96,27 +101,30 @@ class Edits:
         return self._apply_stages(paths, stages, new, msg["layer"])
 
     def _boundary(self, msg) -> str:
-        """Move the boundary in front of stage ``stage`` so that layer ``layer`` is its first layer."""
+        """Move the boundary in front of stage ``stage`` so that layer ``layer`` is its first
+        layer."""
         plan = self._require_plan()
         s = int(msg["stage"])
         paths = [lp.path for lp in plan.layers]
         k = paths.index(msg["layer"])
         stages = [lp.stage for lp in plan.layers]
-        new = [(s - 1 if j < k and st >= s else s if j >= k and st <= s - 1 else st) for j, st in enumerate(stages)]
+        new = [(s - 1 if j < k and st >= s else s if j >= k and st <= s - 1 else st)
+               for j, st in enumerate(stages)]
         if s < 1 or new == stages:
             raise PlanError("that boundary move changes no layer's stage")
         return self._apply_stages(paths, stages, new)
 
     def _apply_stages(self, paths, old, new, dragged=None):
-        """Pin the moved layers' stages. The lanes are the plan's pp x virtual stages under its schedule: they are
-        fixed too (when they were the planner's), so the stages the user dragged between keep their meaning."""
+        """Pin the moved layers' stages. The lanes are the plan's pp x virtual stages under its
+        schedule: they are fixed too (when they were the planner's), so the stages the user dragged
+        between keep their meaning."""
         s = self.session
         plan = self._require_plan()
         overrides = {k: dict(v) for k, v in s.overrides.items()}
         moved = [(p, n) for p, o, n in zip(paths, old, new, strict=True) if o != n]
         if not moved:
-            raise PlanError("no layer changes stage: drop a layer on another lane, or a boundary on a layer of a "
-                            "neighbouring stage")
+            raise PlanError("no layer changes stage: drop a layer on another lane, or a boundary "
+                            "on a layer of a neighbouring stage")
         for p, n in moved:
             overrides[p] = {**overrides.pop(p, {}), "stage": n}
         lanes = {"pp": plan.mesh.pp, "virtual_stages": plan.pipeline.virtual_stages,
@@ -127,22 +135,26 @@ class Edits:
         except PlanError:
             if not added:
                 raise
-            # the lanes cannot hold this move (e.g. too few layers left for the other stages): let the planner
-            # choose them; the message names what it changed
+            # the lanes cannot hold this move (e.g. too few layers left for the other stages): let
+            # the planner choose them; the message names what it changed
             s.replan(overrides=overrides)
             added = {}
         entries = ", ".join(f"{p!r}: {overrides[p]!r}" for p, _ in moved)
-        code = f"ap.replan(fix={{**ap.fix, **{added!r}}}, overrides={{**ap.overrides, {entries}}})" if added else \
+        code = (f"ap.replan(fix={{**ap.fix, **{added!r}}}, overrides={{**ap.overrides, "
+                f"{entries}}})") if added else \
             f"ap.replan(overrides={{**ap.overrides, {entries}}})"
-        note = (f" The lanes are kept: {', '.join(f'{GLOBAL_NAMES[k]}={v}' for k, v in added.items())} "
-                "are now fixed (undo restores both)." if added else "")
-        return code, note + stage_moves.other_stage_moves(paths, old, s.current_plan(), moved, dragged)
+        note = (" The lanes are kept: "
+                f"{', '.join(f'{GLOBAL_NAMES[k]}={v}' for k, v in added.items())} are now fixed "
+                "(undo restores both)." if added else "")
+        return code, note + stage_moves.other_stage_moves(paths, old, s.current_plan(), moved,
+                                                          dragged)
 
     def _global(self, msg) -> str:
         s = self.session
         key, value = msg["key"], msg["value"]
         if key not in GLOBAL_KEYS:
-            raise ValueError(f"{key!r} is not a global choice; choose one of {', '.join(GLOBAL_KEYS)}")
+            raise ValueError(f"{key!r} is not a global choice; choose one of "
+                             f"{', '.join(GLOBAL_KEYS)}")
         fix = dict(s.fix)
         if value in (None, "", "auto"):
             fix.pop(key, None)
@@ -156,11 +168,13 @@ class Edits:
         return f"ap.replan(fix={fix!r})"
 
     def _precision(self, msg) -> tuple[str, str]:
-        """Add an op to, or remove one from, a precision list (``{"kind": "precision", "list": "fp32_ops", "op":
-        "softmax", "action": "add"}``): ``ap.replan(fix={..., "fp32_ops": [...]})``."""
+        """Add an op to, or remove one from, a precision list (``{"kind": "precision", "list":
+        "fp32_ops", "op": "softmax", "action": "add"}``): ``ap.replan(fix={..., "fp32_ops":
+        [...]})``."""
         s = self.session
         amp = s.fix.get("amp", s.plan.precision.amp if s.plan is not None else "none")
-        fix, note = precision_fix(s.fix, amp, msg.get("list"), msg.get("op"), msg.get("action", "add"))
+        fix, note = precision_fix(s.fix, amp, msg.get("list"), msg.get("op"),
+                                  msg.get("action", "add"))
         s.replan(fix=fix)
         return f"ap.replan(fix={fix!r})", note
 
@@ -178,7 +192,8 @@ class Edits:
         try:
             s.replan(cluster=new)
         except PlanError:
-            # fixed mesh degrees made for the old GPU count rarely fit the new one: let the planner choose them
+            # fixed mesh degrees made for the old GPU count rarely fit the new one: let the planner
+            # choose them
             mesh_free = {k: v for k, v in s.fix.items() if k not in ("dp", "tp", "pp")}
             if mesh_free == s.fix:
                 raise

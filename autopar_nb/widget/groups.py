@@ -1,5 +1,5 @@
-"""Groups: containers of several layers (a ResNet stage) that the graph view can draw as one node each, the ways to
-collapse them, coarsest first, and the node that stands for one.
+"""Groups: containers of several layers (a ResNet stage) that the graph view can draw as one node
+each, the ways to collapse them, coarsest first, and the node that stands for one.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from .svg import dot_string as _q
 
 
 def group_levels(graph: ModelGraph) -> list[frozenset[str]]:
-    """Ways to collapse containers, coarsest first: at cut ``d`` every run of two or more consecutive layers whose
-    paths share their first ``d`` names (and are longer than that) becomes one group. Levels that leave fewer than 3
-    elements, or that equal a finer one, are left out; the finest (no groups) is not listed."""
+    """Ways to collapse containers, coarsest first: at cut ``d`` every run of two or more
+    consecutive layers whose paths share their first ``d`` names (and are longer than that) becomes
+    one group. Levels that leave fewer than 3 elements, or that equal a finer one, are left out; the
+    finest (no groups) is not listed."""
     deepest = max((len(lay.path.split(".")) for lay in graph.layers), default=1)
     out: list[frozenset[str]] = []
     for d in range(1, deepest):
@@ -38,10 +39,12 @@ def group_levels(graph: ModelGraph) -> list[frozenset[str]]:
 
 
 def child_groups(graph: ModelGraph, group: str) -> frozenset[str]:
-    """The containers one level below ``group`` that hold two or more of its layers (what expanding it shows)."""
+    """The containers one level below ``group`` that hold two or more of its layers (what expanding
+    it shows)."""
     depth = len(group.split("."))
     inside = [lay.path for lay in graph.layers if lay.path != group and within(lay.path, group)]
-    counts = Counter(".".join(p.split(".")[:depth + 1]) for p in inside if len(p.split(".")) > depth + 1)
+    counts = Counter(".".join(p.split(".")[:depth + 1]) for p in inside if len(p.split(".")) > depth
+                     + 1)
     return frozenset(g for g, n in counts.items() if n >= 2)
 
 
@@ -53,11 +56,13 @@ def group_of(path: str, groups: frozenset[str]) -> str | None:
     return best
 
 
-def emit_group(lines, info, graph, plan, g, gid, glayers, acc, stage, pipelined, changed_layers, selected) -> None:
+def emit_group(lines, info, graph, plan, g, gid, glayers, acc, stage, pipelined, changed_layers,
+               selected) -> None:
     """One node standing for the container ``g`` and its layers ``glayers``."""
     with_params = [lay for lay in glayers if lay.num_params]
     strategies = [layer_strategy(graph, plan, lay.path) for lay in with_params]
-    splits = [s for st in strategies for s in STRATEGY_SPLITS.get(st, ("replicated",))] or ["activation"]
+    splits = ([s for st in strategies for s in STRATEGY_SPLITS.get(st, ("replicated",))]
+              or ["activation"])
     color_fill, tag, distinct = fill(splits)
     stages = sorted({stage.get(lay.path, 0) for lay in glayers})
     types = Counter(lay.type for lay in glayers)
@@ -73,19 +78,21 @@ def emit_group(lines, info, graph, plan, g, gid, glayers, acc, stage, pipelined,
     strat = Counter(STRATEGY_LABELS.get(s, s) for s in strategies)
     differs = ", ".join(f"{n} {k}" for k, n in strat.most_common()) if len(strat) > 1 else ""
     if pipelined:
-        label += f"\nstage {stages[0]}" if len(stages) == 1 else f"\nstages {stages[0]}–{stages[-1]}"
+        label += f"\nstage {stages[0]}" if len(stages) == 1 else ("\nstages "
+                                                                  f"{stages[0]}–{stages[-1]}")
     changed = any(lay.path in changed_layers for lay in glayers)
     st = stages[0]
     color = CHANGED_COLOR if changed else STAGE_COLORS[st % len(STAGE_COLORS)]
     style = "rounded,filled,dashed" if changed else "rounded,filled"
     width = 3 if changed or any(lay.path == selected for lay in glayers) else 2
-    lines.append(f"  {_q(gid)} [id={_q(gid)}, label={_q(label)}, fillcolor={_q(color_fill)}, color={_q(color)}, "
-                 f"penwidth={width}, style={_q(style)}, margin=\"0.12,0.06\"];")
+    lines.append(f"  {_q(gid)} [id={_q(gid)}, label={_q(label)}, fillcolor={_q(color_fill)}, "
+                 f"color={_q(color)}, penwidth={width}, style={_q(style)}, margin=\"0.12,0.06\"];")
     info[gid] = {"kind": "group", "label": g, "layer": glayers[0].path, "module": g, "group": g,
-                 "layers": [lay.path for lay in glayers], "types": ", ".join(f"{t} × {n}" if n > 1 else t
-                                                                             for t, n in types.most_common(4)),
+                 "layers": [lay.path for lay in glayers],
+                 "types": ", ".join(f"{t} × {n}" if n > 1 else t for t, n in types.most_common(4)),
                  "blocks": blocks, "params": params, "flops": acc.get("flops", 0.0),
                  "flops_each": acc.get("flops", 0.0),
                  "param_bytes": sum(lay.param_bytes for lay in glayers), "ops": acc.get("ops", 0),
-                 "split": distinct[0], "splits": distinct, "members": differs, "stage": st, "stages": stages,
-                 "repeats": 1, "target": {"pattern": f"{g}.*", "layers": [lay.path for lay in glayers]}}
+                 "split": distinct[0], "splits": distinct, "members": differs, "stage": st,
+                 "stages": stages, "repeats": 1,
+                 "target": {"pattern": f"{g}.*", "layers": [lay.path for lay in glayers]}}

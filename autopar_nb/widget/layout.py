@@ -1,13 +1,13 @@
 """ModelGraph + Plan -> DOT -> SVG: the graph view of the planner widget, and the view that fits.
 
-How much is shown is a :class:`View` (module depth below each layer, collapsed groups, column breaks).
-:func:`auto_view` picks the most detailed view whose SVG fits the widget's viewport with every label at least 9 px
-on screen: it tries group levels and depths from the finest down, and wraps the sequence of layers into columns
-when that lets a tall, narrow graph fit a wide panel.
+How much is shown is a :class:`View` (module depth below each layer, collapsed groups, column
+breaks). :func:`auto_view` picks the most detailed view whose SVG fits the widget's viewport with
+every label at least 9 px on screen: it tries group levels and depths from the finest down, and
+wraps the sequence of layers into columns when that lets a tall, narrow graph fit a wide panel.
 
-The drawing itself is :func:`~autopar_nb.widget.dot.layout` (``dot.py``), with the plan's splits and collectives
-(``splits.py``) and the groups of layers (``groups.py``); ``svg.py`` renders the DOT and measures the SVG. Their
-public names are importable from here, as the widget and the tests do.
+The drawing itself is :func:`~autopar_nb.widget.dot.layout` (``dot.py``), with the plan's splits and
+collectives (``splits.py``) and the groups of layers (``groups.py``); ``svg.py`` renders the DOT and
+measures the SVG. Their public names are importable from here, as the widget and the tests do.
 """
 
 from __future__ import annotations
@@ -46,11 +46,12 @@ from .svg import (
     svg_size,
 )
 
-__all__ = ["CHANGED_COLOR", "CLUSTER_FONT", "COLLECTIVE_COLOR", "DEFAULT_VIEWPORT", "EDGE_FONT", "LEGEND_STRATEGY",
-           "LEGIBLE_SCALE", "MAX_OPS_SHOWN", "NODE_FONT", "OUTPUT", "SPLITS", "SPLIT_PRIORITY", "SPLIT_TAGS",
-           "STAGE_COLORS", "STAGE_FILLS", "STRATEGY_SPLITS", "Layout", "View", "auto_view", "child_groups",
-           "choose_breaks", "comm_edges", "dot_binary", "fit_ratio", "group_levels", "layer_strategy", "layout",
-           "render_svg", "split_of", "svg_boxes", "svg_size"]
+__all__ = ["CHANGED_COLOR", "CLUSTER_FONT", "COLLECTIVE_COLOR", "DEFAULT_VIEWPORT", "EDGE_FONT",
+           "LEGEND_STRATEGY", "LEGIBLE_SCALE", "MAX_OPS_SHOWN", "NODE_FONT", "OUTPUT", "SPLITS",
+           "SPLIT_PRIORITY", "SPLIT_TAGS", "STAGE_COLORS", "STAGE_FILLS", "STRATEGY_SPLITS",
+           "Layout", "View", "auto_view", "child_groups", "choose_breaks", "comm_edges",
+           "dot_binary", "fit_ratio", "group_levels", "layer_strategy", "layout", "render_svg",
+           "split_of", "svg_boxes", "svg_size"]
 
 DEFAULT_VIEWPORT = (820, 600)
 """CSS px of the graph viewport before the front end has reported its own"""
@@ -58,18 +59,20 @@ DEFAULT_VIEWPORT = (820, 600)
 
 @dataclass(frozen=True)
 class View:
-    """How much of the graph is shown: module ``depth`` below each layer (0 = one node per layer), container
-    ``groups`` collapsed into one node each, and the elements (layer or group keys) that start a new column."""
+    """How much of the graph is shown: module ``depth`` below each layer (0 = one node per layer),
+    container ``groups`` collapsed into one node each, and the elements (layer or group keys) that
+    start a new column."""
 
     depth: int
     groups: frozenset[str] = frozenset()
     breaks: tuple[str, ...] = ()
 
 
-def choose_breaks(lay: Layout, svg: str, viewport: tuple[float, float]) -> tuple[tuple[str, ...], float]:
-    """Column breaks for ``lay`` (measured in its one-column ``svg``) that let it fit ``viewport`` (CSS px) at the
-    largest scale, and that scale relative to the legible one (>= 1: every label >= 9 px with the whole graph in
-    view)."""
+def choose_breaks(lay: Layout, svg: str,
+                  viewport: tuple[float, float]) -> tuple[tuple[str, ...], float]:
+    """Column breaks for ``lay`` (measured in its one-column ``svg``) that let it fit ``viewport``
+    (CSS px) at the largest scale, and that scale relative to the legible one (>= 1: every label >=
+    9 px with the whole graph in view)."""
     w, h = svg_size(svg)
     best = ((), fit_ratio(w, h, viewport))
     boxes = svg_boxes(svg)
@@ -94,8 +97,8 @@ def choose_breaks(lay: Layout, svg: str, viewport: tuple[float, float]) -> tuple
 
 
 def _partition(heights: list[float], cols: int) -> list[int] | None:
-    """Start indices of columns 2.. that minimise the tallest of ``cols`` contiguous columns (bisection on the cap
-    with a greedy fill)."""
+    """Start indices of columns 2.. that minimise the tallest of ``cols`` contiguous columns
+    (bisection on the cap with a greedy fill)."""
     lo, hi = max(heights), sum(heights)
     best = None
     for _ in range(40):
@@ -115,11 +118,14 @@ def _partition(heights: list[float], cols: int) -> list[int] | None:
     return best
 
 
-def auto_view(graph: ModelGraph, plan: Plan | None, *, viewport: tuple[float, float] = DEFAULT_VIEWPORT,
+def auto_view(graph: ModelGraph, plan: Plan | None, *,
+              viewport: tuple[float, float] = DEFAULT_VIEWPORT,
               expanded: set[str] | frozenset[str] = frozenset(), depth: int | None = None,
-              groups: frozenset[str] | None = None, **kw) -> tuple[View, Layout, str, dict[str, Any]]:
-    """The most detailed view that fits ``viewport`` legibly, its layout and SVG, and a report ({"tried": [...],
-    "scale": fit scale / legible scale}). With ``depth`` (and ``groups``) given, only the columns are chosen."""
+              groups: frozenset[str] | None = None, **kw) -> tuple[View, Layout, str,
+                                                                   dict[str, Any]]:
+    """The most detailed view that fits ``viewport`` legibly, its layout and SVG, and a report
+    ({"tried": [...], "scale": fit scale / legible scale}). With ``depth`` (and ``groups``) given,
+    only the columns are chosen."""
     if depth is not None:
         candidates = [(depth, frozenset(groups or ()))]
     else:
@@ -141,7 +147,8 @@ def auto_view(graph: ModelGraph, plan: Plan | None, *, viewport: tuple[float, fl
             svg = render_svg(lay.dot)
             breaks, scale = choose_breaks(lay, svg, viewport)
             cache[i] = (lay, svg, breaks, scale)
-        tried.append({"depth": d, "groups": len(g), "nodes": len(lay.nodes), "scale": round(cache[i][3], 3)})
+        tried.append({"depth": d, "groups": len(g), "nodes": len(lay.nodes),
+                      "scale": round(cache[i][3], 3)})
         return cache[i]
 
     chosen = len(candidates) - 1
@@ -154,7 +161,8 @@ def auto_view(graph: ModelGraph, plan: Plan | None, *, viewport: tuple[float, fl
                 chosen, lo = mid, mid + 1
             else:
                 hi = mid - 1
-    for i in range(chosen, -1, -1):  # columns are predicted from the one-column boxes: check, else go coarser
+    # columns are predicted from the one-column boxes: check, else go coarser
+    for i in range(chosen, -1, -1):
         d, g = candidates[i]
         lay, svg, breaks, scale = attempt(i)
         if svg is None:

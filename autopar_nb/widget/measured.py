@@ -1,12 +1,14 @@
 """Measured beside predicted in the planner widget, as plain data.
 
-Once a launched run of the plan shown has measured something, the memory bars and the step time carry the measured
-figure and its ratio to the prediction it compares with (``autopar_nb.launch.compare``: on CPU each rank's peak RSS
-above its RSS before its model was built against the predicted training state, without the allocator margin; on
-GPUs CUDA's peak allocated against the same, and the allocator's peak reserve against the whole prediction, whose
-margin covers its fragmentation). Only what the run measured is shown: per rank its peak (on GPUs its reserve) and
-what it held between steps (against the parameters and optimizer state the plan keeps there), the median step time as a
-whole (a launched run times its steps, not their parts). ``verify`` measures neither memory nor step time.
+Once a launched run of the plan shown has measured something, the memory bars and the step time
+carry the measured figure and its ratio to the prediction it compares with
+(``autopar_nb.launch.compare``: on CPU each rank's peak RSS above its RSS before its model was built
+against the predicted training state, without the allocator margin; on GPUs CUDA's peak allocated
+against the same, and the allocator's peak reserve against the whole prediction, whose margin covers
+its fragmentation). Only what the run measured is shown: per rank its peak (on GPUs its reserve) and
+what it held between steps (against the parameters and optimizer state the plan keeps there), the
+median step time as a whole (a launched run times its steps, not their parts). ``verify`` measures
+neither memory nor step time.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ def same_plan(a: Any, b: Any) -> bool:
 def run_of(plan: Any, runs: list) -> Any:
     """The latest run (or leg of a re-planned run) of ``plan`` that reported a step, else None."""
     legs = [leg for run in runs for leg in (run.legs() if hasattr(run, "legs") else [run])]
-    measured = [leg for leg in legs if leg.first_step_time is not None and same_plan(plan, leg.plan)]
+    measured = [leg for leg in legs if leg.first_step_time is not None
+                and same_plan(plan, leg.plan)]
     return max(measured, key=lambda leg: leg.started, default=None)
 
 
 def bar_ranks(plan: Any) -> list[list[int]]:
-    """The global ranks behind each memory bar of :func:`autopar_nb.widget.panels.memory_panel` (one breakdown per
-    pipeline rank stands for its dp x tp ranks)."""
+    """The global ranks behind each memory bar of :func:`autopar_nb.widget.panels.memory_panel` (one
+    breakdown per pipeline rank stands for its dp x tp ranks)."""
     from .panels import memory_groups
 
     mesh, mem = plan.mesh, plan.cost.memory_by_rank
@@ -52,13 +55,13 @@ def bar_ranks(plan: Any) -> list[list[int]]:
 
 
 def measured_panel(plan: Any, runs: list) -> dict[str, Any]:
-    """``{}`` until a run of ``plan`` reported a step; then ``{"run": {id, status, steps, device, basis, note},
-    "bars": [{ranks, measured, predicted, ratio, off}] (one per memory bar; ``off``: a prediction error by the run's
-    event rule, ``launch.watch.prediction_off``), "components": {"peak", "between steps",
-    on GPUs "reserved"}
-    (figures of the bar with the highest measured/predicted ratio, with its rank), "time": {measured, predicted,
-    ratio, compared, note}, "peaks": [[rank, bytes]] (each rank's measured peak, for the memory timeline),
-    "peak_label": what those peaks are}``."""
+    """``{}`` until a run of ``plan`` reported a step; then ``{"run": {id, status, steps, device,
+    basis, note}, "bars": [{ranks, measured, predicted, ratio, off}] (one per memory bar; ``off``: a
+    prediction error by the run's event rule, ``launch.watch.prediction_off``), "components":
+    {"peak", "between steps", on GPUs "reserved"} (figures of the bar with the highest
+    measured/predicted ratio, with its rank), "time": {measured, predicted, ratio, compared, note},
+    "peaks": [[rank, bytes]] (each rank's measured peak, for the memory timeline), "peak_label":
+    what those peaks are}``."""
     run = run_of(plan, runs)
     if run is None or getattr(plan, "cost", None) is None or not plan.cost.memory_by_rank:
         return {}
@@ -72,25 +75,31 @@ def measured_panel(plan: Any, runs: list) -> dict[str, Any]:
     for ranks in bar_ranks(plan):
         seen = [r for r in ranks if r in ranks_seen and ranks_seen[r]["peak"]["measured"]]
         worst = max(seen, key=worse, default=None)
-        f = ranks_seen[worst]["peak"] if worst is not None else {"measured": None, "predicted": None, "ratio": None}
+        f = ranks_seen[worst]["peak"] if worst is not None else {"measured": None,
+                                                                 "predicted": None, "ratio": None}
         bars.append({"ranks": ranks, "rank": worst, **f})
     top = max((b for b in bars if b["ratio"]), key=lambda b: b["ratio"], default=None)
     components = {} if top is None else {"rank": top["rank"], **ranks_seen[top["rank"]]}
-    # each figure flagged ("off") by the rule the run's prediction_error events follow, not by any ratio above 1: a
-    # CPU rank's RSS holds what torch allocates on first use beyond the plan's tensors, and an uncalibrated CPU
-    # speed is not judged; the throughput and MFU follow from the step time, so they share its judgement
+    # each figure flagged ("off") by the rule the run's prediction_error events follow, not by any
+    # ratio above 1: a CPU rank's RSS holds what torch allocates on first use beyond the plan's
+    # tensors, and an uncalibrated CPU speed is not judged; the throughput and MFU follow from the
+    # step time, so they share its judgement
     judge = watch.settings_for(run.comparison())
     for f in [*bars, *(v for v in components.values() if isinstance(v, dict))]:
         f["off"] = watch.prediction_off("memory", f["measured"], f["predicted"], judge)
-    time = {**m["time"], "off": watch.prediction_off("step_time", m["time"]["measured"], m["time"]["predicted"]
-                                                     if m["time"]["compared"] else None, judge)}
+    time = {**m["time"],
+            "off": watch.prediction_off("step_time", m["time"]["measured"], m["time"]["predicted"]
+                                        if m["time"]["compared"] else None, judge)}
     throughput = {**m["throughput"], "off": time["off"]} if m["throughput"] else {}
     if "mfu" in throughput:
         throughput["mfu"] = {**throughput["mfu"], "off": time["off"]}
-    return {"run": {"id": run.run_id[:8], "status": run.status, "steps": run.summary().get("steps", 0),
-                    "device": m["device"], "basis": m["basis"],
-                    "note": "a launched run measures each rank's peak and what it held between steps, not each "
-                            "component (bench/memory.py measures those with torch's memory tracker)"},
+    return {"run": {"id": run.run_id[:8], "status": run.status,
+                    "steps": run.summary().get("steps", 0), "device": m["device"],
+                    "basis": m["basis"], "note": "a launched run measures each rank's peak and "
+                                                 "what it held between steps, not each "
+                            "component (bench/memory.py measures those with torch's memory "
+                            "tracker)"},
             "bars": bars, "components": components, "time": time, "throughput": throughput,
-            "peaks": [[r, f["peak"]["measured"]] for r, f in sorted(ranks_seen.items()) if f["peak"]["measured"]],
+            "peaks": [[r, f["peak"]["measured"]] for r, f in sorted(ranks_seen.items())
+                      if f["peak"]["measured"]],
             "peak_label": PEAK_LABELS[getattr(run, "backend", "gloo") == "nccl"]}

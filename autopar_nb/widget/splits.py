@@ -1,6 +1,7 @@
-"""What a plan does to the graph, as the graph view shows it: the split of each node's module (a colour from
-:data:`SPLITS` and a tag in words), the pipeline stage tints, the collectives on the edges that carry communication
-and on each layer's parameters, and how the members of a folded block differ.
+"""What a plan does to the graph, as the graph view shows it: the split of each node's module (a
+colour from :data:`SPLITS` and a tag in words), the pipeline stage tints, the collectives on the
+edges that carry communication and on each layer's parameters, and how the members of a folded block
+differ.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from ..plan import DTYPE_NAMES, ITEMSIZE, Plan
 from ..units import fmt_bytes
 from .editor import STRATEGY_LABELS, current_strategy
 
-# split key -> (legend label, fill colour). Light tints of the Okabe–Ito palette, chosen so that every pair stays
-# apart (CIE76 ΔE >= 12) for normal vision and deuteranopia (Machado et al. 2009), and black text reads on each
-# (contrast >= 8:1), checked by the tests. Nodes also name their split in words (SPLIT_TAGS).
+# split key -> (legend label, fill colour). Light tints of the Okabe–Ito palette, chosen so that
+# every pair stays apart (CIE76 ΔE >= 12) for normal vision and deuteranopia (Machado et al. 2009),
+# and black text reads on each (contrast >= 8:1), checked by the tests. Nodes also name their split
+# in words (SPLIT_TAGS).
 SPLITS: dict[str, tuple[str, str]] = {
     "replicated": ("replicated", "#d9d9d9"),
     "fsdp": ("FSDP-sharded", "#8ecdf0"),
@@ -27,22 +29,28 @@ SPLITS: dict[str, tuple[str, str]] = {
 SPLIT_TAGS = {"replicated": "", "fsdp": "FSDP", "tp-colwise": "TP col", "tp-rowwise": "TP row",
               "sequence-parallel": "SP", "vocab-parallel": "vocab", "activation": ""}
 """the split in words, on the node's second line"""
-SPLIT_PRIORITY = ["tp-colwise", "tp-rowwise", "vocab-parallel", "sequence-parallel", "fsdp", "replicated", "activation"]
+SPLIT_PRIORITY = ["tp-colwise", "tp-rowwise", "vocab-parallel", "sequence-parallel", "fsdp",
+                  "replicated", "activation"]
 """which split names a member of a folded block when its ops have several (a TP split says most)"""
 STRATEGY_SPLITS: dict[str, tuple[str, ...]] = {
-    "replicate": ("replicated",), "fsdp": ("fsdp",), "colwise": ("tp-colwise",), "rowwise": ("tp-rowwise",),
-    "colwise-rowwise": ("tp-colwise", "tp-rowwise"), "vocab": ("vocab-parallel",),
-    "sequence_parallel": ("sequence-parallel",), "none": ("activation",)}
+    "replicate": ("replicated",), "fsdp": ("fsdp",), "colwise": ("tp-colwise",),
+    "rowwise": ("tp-rowwise",), "colwise-rowwise": ("tp-colwise", "tp-rowwise"),
+    "vocab": ("vocab-parallel",), "sequence_parallel": ("sequence-parallel",),
+    "none": ("activation",)}
 """a layer's strategy (editor.current_strategy) -> the split colours that show it"""
-LEGEND_STRATEGY = {"replicated": "replicate", "fsdp": "fsdp", "tp-colwise": "colwise", "tp-rowwise": "rowwise",
-                   "sequence-parallel": "sequence_parallel", "vocab-parallel": "vocab"}
-"""legend swatch -> the strategy a node or cluster dropped on it takes (the graph's drag-to-split)"""
+LEGEND_STRATEGY = {"replicated": "replicate", "fsdp": "fsdp", "tp-colwise": "colwise",
+                   "tp-rowwise": "rowwise", "sequence-parallel": "sequence_parallel",
+                   "vocab-parallel": "vocab"}
+"""legend swatch -> the strategy a node or cluster dropped on it takes (the graph's
+drag-to-split)"""
 # pipeline stage hues: cluster outline and a pale background tint
-STAGE_COLORS = ["#3182bd", "#e6550d", "#31a354", "#756bb1", "#636363", "#d6616b", "#8c6d31", "#17becf"]
-STAGE_FILLS = ["#f0f6fc", "#fdf3ec", "#eff8f0", "#f4f3fa", "#f5f5f5", "#fbf0f1", "#f8f5ee", "#eefafc"]
+STAGE_COLORS = ["#3182bd", "#e6550d", "#31a354", "#756bb1", "#636363", "#d6616b", "#8c6d31",
+                "#17becf"]
+STAGE_FILLS = ["#f0f6fc", "#fdf3ec", "#eff8f0", "#f4f3fa", "#f5f5f5", "#fbf0f1", "#f8f5ee",
+               "#eefafc"]
 CHANGED_COLOR = "#111111"
-"""changed against the previous plan: a near-black dashed outline (nodes) or thick outline and "Δ" (clusters):
-distinct from every fill by lightness, whatever the reader's colour vision"""
+"""changed against the previous plan: a near-black dashed outline (nodes) or thick outline and "Δ"
+(clusters): distinct from every fill by lightness, whatever the reader's colour vision"""
 COLLECTIVE_COLOR = "#c0392b"
 OUTPUT = "__output__"
 """name of the graph-output pseudo node (edges from the last layer's unconsumed ops)"""
@@ -79,7 +87,8 @@ def split_of(node: OpNode, plan: Plan | None, graph: ModelGraph) -> str:
 
 
 def layer_strategy(graph: ModelGraph, plan: Plan | None, path: str) -> str:
-    """A layer's strategy in the editor's words ("colwise-rowwise", "fsdp", ...; "none" without parameters)."""
+    """A layer's strategy in the editor's words ("colwise-rowwise", "fsdp", ...; "none" without
+    parameters)."""
     if plan is None:
         return "replicate"
     layer = graph.layer(path)
@@ -99,8 +108,8 @@ def nbytes(shape: tuple[int, ...], dtype: str) -> int:
 
 
 def fill(splits: list[str]) -> tuple[str, str, list[str]]:
-    """(fillcolor, tag, distinct splits by count) for a node whose ops or members have ``splits``: one colour, or two
-    (a hard split, the second at least a quarter) when they differ."""
+    """(fillcolor, tag, distinct splits by count) for a node whose ops or members have ``splits``:
+    one colour, or two (a hard split, the second at least a quarter) when they differ."""
     counts = Counter(s for s in splits if s != "activation") or Counter(splits)
     ranked = [k for k, _ in counts.most_common()]
     if len(ranked) == 1:
@@ -108,15 +117,16 @@ def fill(splits: list[str]) -> tuple[str, str, list[str]]:
     a, b = ranked[:2]
     share = min(0.75, max(0.5, counts[a] / (counts[a] + counts[b])))
     tags = [t for t in (SPLIT_TAGS[a], SPLIT_TAGS[b]) if t]
-    tag = "/".join(tags) if len(tags) < 2 or not (tags[0].startswith("TP") and tags[1].startswith("TP")) else \
+    tag = "/".join(tags) if len(tags) < 2 or not (tags[0].startswith("TP")
+                                                  and tags[1].startswith("TP")) else \
         "TP col/row"
     return f"{SPLITS[a][1]};{share:.2f}:{SPLITS[b][1]}", tag, ranked
 
 
 def comm_edges(graph: ModelGraph, plan: Plan | None) -> dict[tuple[str, str], str]:
-    """(src op, dst op) -> label for edges that carry communication: TP collectives from kernels_ext split rules
-    (on the op's output or input) and pipeline send/recv between stages. Bytes are per rank per optimizer step
-    (the edge's tensor over the local batch, global_batch / dp samples)."""
+    """(src op, dst op) -> label for edges that carry communication: TP collectives from kernels_ext
+    split rules (on the op's output or input) and pipeline send/recv between stages. Bytes are per
+    rank per optimizer step (the edge's tensor over the local batch, global_batch / dp samples)."""
     if plan is None:
         return {}
     from kernels_ext import lookup
@@ -130,7 +140,8 @@ def comm_edges(graph: ModelGraph, plan: Plan | None) -> dict[tuple[str, str], st
         for src in n.inputs:
             consumers.setdefault(src, []).append(n.name)
     out: dict[tuple[str, str], str] = {}
-    final = {n.name for n in graph.nodes if not consumers.get(n.name) and n.layer == graph.layers[-1].path}
+    final = {n.name for n in graph.nodes if not consumers.get(n.name)
+             and n.layer == graph.layers[-1].path}
 
     def size(n: OpNode) -> str:
         return fmt_bytes(sum(nbytes(s, act_dtype or n.dtype) for s in n.out_shapes[:1]) * scale)
@@ -152,7 +163,8 @@ def comm_edges(graph: ModelGraph, plan: Plan | None) -> dict[tuple[str, str], st
         if split is None:
             continue
         if split.comm_on == "output" and split.forward:
-            kind = "reduce-scatter" if sp and split.forward == "all_reduce" else split.forward.replace("_", "-")
+            kind = ("reduce-scatter" if sp and split.forward == "all_reduce"
+                    else split.forward.replace("_", "-"))
             for m in consumers.get(n.name, []) + ([OUTPUT] if n.name in final else []):
                 out[(n.name, m)] = f"{kind} {size(n)}"
         elif split.comm_on == "input" and (split.backward or split.forward):
@@ -162,7 +174,8 @@ def comm_edges(graph: ModelGraph, plan: Plan | None) -> dict[tuple[str, str], st
             for src in n.inputs:
                 s = by_name.get(src)
                 label = size(s) if s is not None else _input_size(graph, src, scale, act_dtype)
-                out[(src, n.name)] = f"{kind}{' (bwd)' if not split.forward and not sp else ''} {label}"
+                out[(src, n.name)] = (f"{kind}{' (bwd)' if not split.forward and not sp else ''} "
+                                      f"{label}")
     return out
 
 
@@ -175,12 +188,13 @@ def _input_size(graph: ModelGraph, name: str, scale: float, act_dtype: str | Non
 
 
 def member_differences(graph: ModelGraph, plan: Plan | None, members: list[str]) -> str:
-    """How the members of a folded block differ ("31 TP col→row, 1 FSDP · recompute 30 none, 2 full"), "" when they
-    are alike."""
+    """How the members of a folded block differ ("31 TP col→row, 1 FSDP · recompute 30 none, 2
+    full"), "" when they are alike."""
     if plan is None:
         return ""
     parts = []
-    strat = Counter(STRATEGY_LABELS.get(s, s) for s in (layer_strategy(graph, plan, m) for m in members))
+    strat = Counter(STRATEGY_LABELS.get(s, s)
+                    for s in (layer_strategy(graph, plan, m) for m in members))
     if len(strat) > 1:
         parts.append(", ".join(f"{n} {k}" for k, n in strat.most_common()))
     lps = {lp.path: lp for lp in plan.layers}
@@ -194,7 +208,8 @@ def member_differences(graph: ModelGraph, plan: Plan | None, members: list[str])
 
 
 def param_collectives(layer, plan: Plan | None) -> str:
-    """The data-parallel collectives on a layer's parameters and gradients per step (cluster label): FSDP all-gather
+    """The data-parallel collectives on a layer's parameters and gradients per step (cluster label):
+    FSDP all-gather
     + reduce-scatter (ZeRO 2/3), or gradient all-reduce (DDP, ZeRO 1)."""
     if plan is None or plan.mesh.dp <= 1 or not layer.param_bytes:
         return ""

@@ -1,6 +1,7 @@
-"""DOT to SVG, and the SVG measured: the layout program (the system ``dot``, else the ``graphviz-pure`` wheel's binary,
-found next to this Python (``sysconfig.get_path("scripts")``) rather than on the kernel's PATH, which may lack the
-venv's ``bin``), the drawing's size and boxes, and the scale at which it fits a viewport with every label legible.
+"""DOT to SVG, and the SVG measured: the layout program (the system ``dot``, else the
+``graphviz-pure`` wheel's binary, found next to this Python (``sysconfig.get_path("scripts")``)
+rather than on the kernel's PATH, which may lack the venv's ``bin``), the drawing's size and boxes,
+and the scale at which it fits a viewport with every label legible.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import sysconfig
 from pathlib import Path
 
 NODE_FONT, CLUSTER_FONT, EDGE_FONT = 10, 11, 9
-"""DOT font sizes (pt). An SVG point is 4/3 CSS px, so at a view scale of 0.75 the smallest (9 pt) is 9 px"""
+"""DOT font sizes (pt). An SVG point is 4/3 CSS px, so at a view scale of 0.75 the smallest (9 pt)
+is 9 px"""
 LEGIBLE_SCALE = 9 / (EDGE_FONT * 4 / 3)
 """the smallest view scale at which every label is >= 9 px on screen"""
 
@@ -24,7 +26,8 @@ def dot_string(s: str) -> str:
 
 
 def dot_binary() -> str:
-    """Path of the layout program: system ``dot`` if present, else the ``graphviz-pure`` script of this Python."""
+    """Path of the layout program: system ``dot`` if present, else the ``graphviz-pure`` script of
+    this Python."""
     found = shutil.which("dot")
     if found:
         return found
@@ -33,8 +36,9 @@ def dot_binary() -> str:
             p = Path(folder) / name
             if p.is_file():
                 return str(p)
-    raise RuntimeError("no graphviz layout program found: install the system package (apt-get install graphviz) "
-                       "or the wheel (pip install graphviz-pure) into this Python's environment")
+    raise RuntimeError("no graphviz layout program found: install the system package (apt-get "
+                       "install graphviz) or the wheel (pip install graphviz-pure) into this "
+                       "Python's environment")
 
 
 def render_svg(dot: str) -> str:
@@ -68,7 +72,8 @@ def svg_boxes(svg: str) -> dict[str, tuple[float, float, float, float]]:
             nums = [float(x) for x in _NUM.findall(m.group(1))]
             xs, ys = nums[0::2], nums[1::2]
         else:
-            e = re.search(r'<ellipse[^>]*?cx="([-\d.]+)" cy="([-\d.]+)" rx="([\d.]+)" ry="([\d.]+)"', body)
+            e = re.search(r'<ellipse[^>]*?cx="([-\d.]+)" cy="([-\d.]+)" rx="([\d.]+)" '
+                          r'ry="([\d.]+)"', body)
             if not e:
                 continue
             cx, cy, rx, ry = map(float, e.groups())
@@ -79,7 +84,8 @@ def svg_boxes(svg: str) -> dict[str, tuple[float, float, float, float]]:
 
 
 def fit_ratio(width_pt: float, height_pt: float, viewport: tuple[float, float]) -> float:
-    """The scale at which an SVG of this size fits ``viewport`` (CSS px, 4 % margin), over LEGIBLE_SCALE: >= 1 means
-    the whole graph is in view with every label >= 9 px."""
-    fit = 0.96 * min(viewport[0] / max(width_pt * 4 / 3, 1), viewport[1] / max(height_pt * 4 / 3, 1))
+    """The scale at which an SVG of this size fits ``viewport`` (CSS px, 4 % margin), over
+    LEGIBLE_SCALE: >= 1 means the whole graph is in view with every label >= 9 px."""
+    fit = 0.96 * min(viewport[0] / max(width_pt * 4 / 3, 1),
+                     viewport[1] / max(height_pt * 4 / 3, 1))
     return fit / LEGIBLE_SCALE

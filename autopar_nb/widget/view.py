@@ -1,6 +1,6 @@
-"""The planner widget's graph view: the depth, collapsed groups and columns it shows (chosen to fit the front end's
-viewport, or set by the user), and the view messages (select a layer, expand or collapse a block, set the depth,
-open a group, back to the auto view), none of which re-plans.
+"""The planner widget's graph view: the depth, collapsed groups and columns it shows (chosen to fit
+the front end's viewport, or set by the user), and the view messages (select a layer, expand or
+collapse a block, set the depth, open a group, back to the auto view), none of which re-plans.
 """
 
 from __future__ import annotations
@@ -9,13 +9,23 @@ from typing import Any
 
 from ..plan import Plan
 from .entries import ended_at_clusters, labels_moved_down, remaining
-from .layout import DEFAULT_VIEWPORT, View, auto_view, child_groups, fit_ratio, layout, render_svg, svg_size
+from .layout import (
+    DEFAULT_VIEWPORT,
+    View,
+    auto_view,
+    child_groups,
+    fit_ratio,
+    layout,
+    render_svg,
+    svg_size,
+)
 
 
 class GraphView:
-    """The view handlers of :class:`~autopar_nb.widget.model.PlannerWidget`, which they are mixed into: they read its
-    ``session`` and the traits ``viewport``, ``expanded`` and ``selection``, and leave the view to use in ``_view``
-    (None: choose one to fit), ``_auto`` and ``_relayout`` for the next ``refresh``. Each returns None (view-only)."""
+    """The view handlers of :class:`~autopar_nb.widget.model.PlannerWidget`, which they are mixed
+    into: they read its ``session`` and the traits ``viewport``, ``expanded`` and ``selection``, and
+    leave the view to use in ``_view`` (None: choose one to fit), ``_auto`` and ``_relayout`` for
+    the next ``refresh``. Each returns None (view-only)."""
 
     def _on_viewport(self, change) -> None:
         size = self._viewport_size()
@@ -35,7 +45,8 @@ class GraphView:
     def _graph_view(self, plan: Plan | None, changed: set[str]):
         """(Layout, SVG) of the view in use, choosing it (or only its columns) when asked."""
         s = self.session
-        kw = {"expanded": set(self.expanded), "changed_layers": changed, "selected": self.selection or None}
+        kw = {"expanded": set(self.expanded), "changed_layers": changed,
+              "selected": self.selection or None}
         size = self._viewport_size()
         mode = "full" if self._view is None else self._relayout
         report: dict[str, Any] = {}
@@ -46,10 +57,12 @@ class GraphView:
                                                groups=self._view.groups, **kw)
         else:
             view = self._view
-            lay = layout(s.graph, plan, depth=view.depth, groups=view.groups, breaks=view.breaks, **kw)
+            lay = layout(s.graph, plan, depth=view.depth, groups=view.groups, breaks=view.breaks,
+                         **kw)
             svg = render_svg(lay.dot)
         svg = _clear_labels(lay.dot, svg)
-        report = {**report, "scale": round(fit_ratio(*svg_size(svg), size), 3)}  # of the drawing shown
+        # of the drawing shown
+        report = {**report, "scale": round(fit_ratio(*svg_size(svg), size), 3)}
         self._view, self._relayout, self._view_size = view, None, size
         return lay, svg, report
 
@@ -74,12 +87,15 @@ class GraphView:
         self._relayout = "columns"
 
     def _expand_group(self, msg) -> None:
-        """Open a collapsed container: its sub-containers of several layers stay collapsed, its other layers show."""
+        """Open a collapsed container: its sub-containers of several layers stay collapsed, its
+        other layers show."""
         g = msg["group"]
         view = self._view or View(0)
         if g not in view.groups:
-            raise KeyError(f"{g!r} is not a collapsed group; collapsed: {', '.join(sorted(view.groups)) or 'none'}")
-        self._view = View(view.depth, (view.groups - {g}) | child_groups(self.session.graph, g), view.breaks)
+            raise KeyError(f"{g!r} is not a collapsed group; collapsed: "
+                           f"{', '.join(sorted(view.groups)) or 'none'}")
+        self._view = View(view.depth, (view.groups - {g}) | child_groups(self.session.graph, g),
+                          view.breaks)
         self._auto = False
         self._relayout = "columns"
 
@@ -90,9 +106,10 @@ class GraphView:
 
 
 def _clear_labels(dot: str, svg: str) -> str:
-    """``svg`` (the drawing of ``dot``) with fewer edges through cluster labels: a label a skip edge crosses moved to
-    its box's bottom where that leaves fewer crossed, then each edge into or out of a cluster past its label ended at
-    the cluster's border (:mod:`.entries`: the same node boxes)."""
+    """``svg`` (the drawing of ``dot``) with fewer edges through cluster labels: a label a skip edge
+    crosses moved to its box's bottom where that leaves fewer crossed, then each edge into or out of
+    a cluster past its label ended at the cluster's border (:mod:`.entries`: the same node
+    boxes)."""
     moved = labels_moved_down(dot, svg)
     if moved is not None:
         below = render_svg(moved)
