@@ -256,7 +256,8 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0,
         synthetic = source.make_batch_var is None and not v.dataset
         rows = default_batch_size(inputs, dp=m.dp, global_batch=plan.batch.global_batch)
         v.defaults = {
-            "batch_size": max(1, rows // per_sample),  # the plan's rows, as samples the dataset gives
+            # the plan's rows, as samples the dataset gives
+            "batch_size": max(1, rows // per_sample),
             "int_high": id_ranges(model, inputs, loss_fn=loss_fn)
             if synthetic else smallest_table(model), "causal": causal
         }
