@@ -130,7 +130,7 @@ LONG_MODULES = {
     "planner/search.py": (580, "mesh enumeration beside the per-layer search"),
     # over 500 only since wrapped at 100 columns (488 and 452 lines at 120)
     "widget/dot.py": (531, "the model graph's DOT: nodes, clusters, edges and their labels"),
-    "export/values.py": (515, "every value the exported script's template takes, from the plan"),
+    "export/values.py": (522, "every value the exported script's template takes, from the plan"),
 }
 LONG_FUNCTIONS = {
     # the same: ceilings, to be split

@@ -210,6 +210,18 @@ def _sequence_shards_cross(v: ScriptValues) -> bool:
     return any(s.output_layout == 1 for s in [*v.tp_plan.values(), *blocks])
 
 
+def _samples_divide(plan: Plan, per_sample: int) -> int:
+    """The rows a dataset's collate_fn makes of each sample, once the global batch is seen to split
+    into the same number of samples on every data-parallel rank."""
+    dp, rows = plan.mesh.dp, plan.batch.global_batch
+    if rows > 1 and rows % (dp * per_sample):
+        raise PlanError(f"batch.global_batch({rows}) must be a multiple of the data-parallel ranks "
+                        f"(mesh.dp={dp}) x the rows collate_fn makes of each sample "
+                        f"({per_sample}): each rank reads the same number of the dataset's samples "
+                        "per step")
+    return per_sample
+
+
 def script_values(source: ModelSource, plan: Plan, *, seed: int = 0,
                   meta_init: bool | None = None) -> ScriptValues:
     """The values of ``plan``'s script for the model ``source`` builds; raises PlanError (or
@@ -242,12 +254,7 @@ def script_values(source: ModelSource, plan: Plan, *, seed: int = 0,
         v.fused_loss = plan.fused_loss
     v.fused_norm = _fused_norms(model) if plan.fused_norm else []
     v.float8, v.float8_linears = _float8(model, pr.float8)
-    per_sample = source.rows_per_sample if v.dataset else 1
-    if v.dataset and plan.batch.global_batch > 1 and plan.batch.global_batch % (m.dp * per_sample):
-        raise PlanError(f"batch.global_batch({plan.batch.global_batch}) must be a multiple of the "
-                        f"data-parallel ranks (mesh.dp={m.dp}) x the rows collate_fn makes of each "
-                        f"sample ({per_sample}): each rank reads the same number of the dataset's "
-                        "samples per step")
+    per_sample = _samples_divide(plan, source.rows_per_sample) if v.dataset else 1
     if source.loss_fn_var is None or source.make_batch_var is None:
         causal = is_causal_lm(model)
         loss_fn = (ns[source.loss_fn_var] if source.loss_fn_var
