@@ -21,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..plan import ITEMSIZE
+from .alike import own_weight
 from .memory import accumulating_op
 from .moment import PeakMoment, fsdp_buffers
 from .schedule import ZERO_BUBBLE, Held, rank_states, state_arrays
@@ -71,6 +72,7 @@ class StagedRank:
             self.units[sums.local[u.first]].append(u)
         self.idle: dict[tuple, tuple[float, tuple]] = {}
         self.accumulating: dict[int, tuple] = {}  # id of a run's op deltas -> its accumulating_op
+        self.alike: dict[int, int] = {}  # local stage -> its id among the stages alike (.alike.own_weight)
         last = s.pp * s.virtual_stages - 1
         self.loss_at = next((k for k, x in enumerate(self.stages) if x.stage == last), None)
 
@@ -85,22 +87,19 @@ class StagedRank:
         """The first of :meth:`moments`' heaviest (``per_op`` False), the very same moment, without weighing
         every state's rest one by one: each group of alike states (:meth:`_heaviest_states`) is bounded by its
         rest's total as arrays (:meth:`_near_heaviest`) plus its running stage's heaviest moment weighed on an
-        empty rest, and only the groups whose bound is within rounding of the largest are weighed as
-        :meth:`moments` weighs them, in its order. None where the rank has no such moment."""
+        empty rest (:func:`.alike.own_weight`: once for the stages alike on every rank), and only the groups
+        whose bound is within rounding of the largest are weighed as :meth:`moments` weighs them, in its order.
+        None where the rank has no such moment."""
         if len(self.states) <= 16:
             return max(self.moments(False), key=lambda mo: mo.weight, default=None)
         near, totals = self._near_heaviest(totals=True)
         groups: dict[tuple, list[tuple[Held, float]]] = {}
         for h, t in zip(near, totals, strict=True):
             groups.setdefault(self._group(h), []).append((h, t))
-        empty = _Around({}, 0.0, 0.0)
-        own: dict[tuple, float] = {}  # a group's heaviest moment on an empty rest, by its key less ``later``,
-        bounds = []  # which only labels its moments
-        for key, members in groups.items():
+        bounds = []
+        for members in groups.values():
             h = members[0][0]
-            if key[:-1] not in own:
-                own[key[:-1]] = max((mo.weight for mo in self._state_moments(h, empty, False)), default=-np.inf)
-            bounds.append(max(t for _, t in members) + self._own_output(h) + own[key[:-1]])
+            bounds.append(max(t for _, t in members) + self._own_output(h) + own_weight(self, h))
         top = max(bounds, default=-np.inf)
         if top == -np.inf:
             return None
@@ -119,6 +118,11 @@ class StagedRank:
                 if best is None or mo.weight > best.weight:
                     best = mo
         return best
+
+    def own_afresh(self, h: Held) -> float:
+        """The heaviest weight of state ``h``'s own moments (per layer) with nothing else held, -inf where it has
+        none, weighed afresh: :func:`.alike.own_weight` shares it between the stages alike."""
+        return max((mo.weight for mo in self._state_moments(h, _Around({}, 0.0, 0.0), False)), default=-np.inf)
 
     def _state_moments(self, h: Held, around: _Around, per_op: bool) -> list:
         """State ``h``'s moments with ``around`` the rest of the rank: its running stage's layers."""
