@@ -10,7 +10,7 @@ import torch
 
 import autopar_nb as ap
 from autopar_nb import zoo
-from autopar_nb.cost import alike, peak, staged
+from autopar_nb.cost import alike, floor, peak, staged
 from autopar_nb.cost.estimate import Evaluator
 from autopar_nb.cost.loss import fused_head
 from autopar_nb.cost.profile import profile_of
@@ -72,6 +72,8 @@ def test_shared_own_weights_are_the_weights_afresh(two_kinds, setting, monkeypat
             rank = StagedRank(memory, r, memory._states(r))
             for h in rank.states:
                 assert alike.own_weight(rank, h) == rank.own_afresh(h), (mode, r, h)
+                if h.kind == "B":
+                    assert alike.shared(rank, h, floor._own_backward) == floor._own_backward(rank, h), (mode, r, h)
             for k, sid in rank.alike.items():
                 held.setdefault(sid, []).append([kind[e[3]] for e in rank.layers[k]])
         assert all(all(x == ks[0] for x in ks) for ks in held.values()), held  # one kind of stage an id
@@ -80,7 +82,8 @@ def test_shared_own_weights_are_the_weights_afresh(two_kinds, setting, monkeypat
 
 
 def test_evaluations_and_plans_are_those_weighed_afresh(two_kinds, monkeypatch):
-    """Whole evaluations (every rank's breakdown) and chosen plans are the same with each own weight made afresh."""
+    """Whole evaluations (every rank's breakdown) and chosen plans are the same with each own weight made afresh, and
+    every rank's memory floor within rounding (the rest's bytes added to the shared figure, not to each moment)."""
     prof = profile_of(two_kinds, "cuda")
     cases = [(s, c) for s, c in (_candidate(len(prof.layers), *x) for x in STAGED)]
     c = ap.Cluster.preset("a100-80gb", 1, 8)
@@ -90,10 +93,15 @@ def test_evaluations_and_plans_are_those_weighed_afresh(two_kinds, monkeypatch):
     def weigh():
         ev = Evaluator(prof, ap.Cluster.preset("h100-80gb", 1, 8), head=fused_head(two_kinds)[0])
         costs = [ev.evaluate(s, choices) for s, choices in cases]
+        floors = [f for s, choices in cases for _, f in floor.rank_floors(ev, s, choices)]
         return [[dataclasses.asdict(m) for m in cost.memory_by_rank] for cost in costs], \
-            ap.plan(two_kinds, tight, **kw).to_json()
+            ap.plan(two_kinds, tight, **kw).to_json(), floors
 
     _fresh(monkeypatch)
-    shared = weigh()
+    peaks, plan, floors = weigh()
+    assert sum(f > 0 for f in floors) >= 6
     monkeypatch.setattr(staged, "own_weight", lambda rank, h: rank.own_afresh(h))
-    assert weigh() == shared
+    monkeypatch.setattr(floor, "shared", lambda rank, h, weigh: weigh(rank, h))
+    afresh = weigh()
+    assert afresh[:2] == (peaks, plan)
+    assert afresh[2] == pytest.approx(floors, rel=1e-12)

@@ -22,8 +22,8 @@ _ids: dict[tuple, int] = {}
 """stage key -> its id; ids are never reused (:data:`_next`), so one made before a clear matches nothing after"""
 _next = itertools.count()
 _own: dict[tuple, float] = {}
-"""(stage id, the state's kind, its stage's gradients, backward-last and weight-passed flags) -> the heaviest
-weight of the state's own moments on an empty rest"""
+"""(stage id, the figure's function, the state's kind, its stage's gradients, backward-last and weight-passed
+flags) -> the figure (:func:`shared`)"""
 
 
 def stage_key(rank, k: int) -> tuple:
@@ -42,19 +42,26 @@ def stage_key(rank, k: int) -> tuple:
 
 def own_weight(rank, h) -> float:
     """The heaviest weight of state ``h``'s own moments (its running stage's, per layer, not per op) with nothing
-    else held: shared between stages alike (module docstring); -inf where it has none."""
+    else held (:meth:`.staged.StagedRank.own_afresh`), shared between stages alike; -inf where it has none."""
+    return shared(rank, h, type(rank).own_afresh)
+
+
+def shared(rank, h, weigh) -> float:
+    """``weigh(rank, h)``, a figure of state ``h``'s running stage alone (what it reads of ``h``: the state's kind,
+    its stage's gradients, backward-last and weight-passed flags), made once for the stages alike (module
+    docstring)."""
     k = h.local
     if k == rank.loss_at:
-        return rank.own_afresh(h)
+        return weigh(rank, h)
     sid = rank.alike.get(k)
     if sid is None:
         if len(_ids) >= SHARED_STAGES:
             _ids.clear()
         sid = rank.alike[k] = _ids.setdefault(stage_key(rank, k), next(_next))
-    key = sid, h.kind, h.grads[k], h.backward_last[k], h.weight_passed[k]
+    key = sid, weigh, h.kind, h.grads[k], h.backward_last[k], h.weight_passed[k]
     hit = _own.get(key)
     if hit is None:
         if len(_own) >= SHARED_STAGES:
             _own.clear()
-        hit = _own[key] = rank.own_afresh(h)
+        hit = _own[key] = weigh(rank, h)
     return hit

@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .alike import shared
 from .memory import with_margin
 from .peak import RankMemory
 from .saved import run_saved
@@ -215,9 +216,8 @@ def _backward_floor(rank: StagedRank, h: Held, least: LeastActivations) -> float
     of that share; the least over k. The running micro-batch's saved bytes are left out."""
     r, memory, st = rank.r, rank.mem, rank.st
     around = _without_activations(rank._around(h))
-    rest = max((mo.weight - sum(v for part in mo.parts[1:] for k, v in part.items() if k in _CHANGED and v > 0)
-                for mo in rank._layers(h, around, "backward", False) if mo.phase == "backward"),
-               default=around.total)
+    own = shared(rank, h, _own_backward)  # the rest's bytes add to each moment alike
+    rest = around.total + own if own > -math.inf else around.total
     n = [f + w for f, w in zip(h.full, h.waiting, strict=True)]
     stages = memory.sums.stages[r]
     acts = sum(n[j] * (a - stages[j].pipe["recv_saved"]) for j, a in enumerate(least.stage_acts[r]))
@@ -230,6 +230,14 @@ def _backward_floor(rank: StagedRank, h: Held, least: LeastActivations) -> float
     x = base + np.concatenate(([0.0], np.cumsum(added)))[::-1]
     share = np.arange(layers + 1) / layers
     return float(np.min(x + with_margin(x, memory.f, full_recompute=share)))
+
+
+def _own_backward(rank: StagedRank, h: Held) -> float:
+    """The heaviest of ``rank``'s running stage's layer backwards at ``h`` with nothing else held, less the terms
+    recompute changes where they add bytes (-inf where it has none): :func:`_backward_floor` adds the rest."""
+    return max((mo.weight - sum(v for part in mo.parts for k, v in part.items() if k in _CHANGED and v > 0)
+                for mo in rank._layers(h, _Around({}, 0.0, 0.0), "backward", False) if mo.phase == "backward"),
+               default=-math.inf)
 
 
 _CHANGED = ("saved_activations", "backward_working_set", "weight_pass_gradients")
