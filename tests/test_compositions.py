@@ -9,6 +9,9 @@ case fails (checked by zeroing the term).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 from batched import Batched, selected
 from memcells import CELLS
@@ -145,3 +148,21 @@ def test_zero_bubble_schedules_refuse_recompute():
         ap.plan(graph, cluster, global_batch=8, fix=zbv, overrides={"model.layers.1": {"recompute": "selective"}})
     plan = ap.plan(graph, cluster, global_batch=8, fix=zbv)
     assert all(lay.recompute == "none" for lay in plan.layers)
+
+
+def test_bench_plans_pin_the_expert_parallelism_their_names_say():
+    """bench/memory.py's plans are named for a composition; where the name says no expert parallelism the
+    experts stay whole on every rank. Left free, the planner gave Mixtral's zero3-pp-interleaved ep 2, and its
+    rows then measured the run's routing over two expert groups (+6.5 / +7.3 % on rank 0), not ZeRO-3 x PP."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import memory as bench
+
+    for name, fix in bench.PLANS.items():
+        assert bench.fixed(name)["ep"] == fix.get("ep", 1), name
+        assert ("ep" in fix) == name.startswith("ep-"), name
+    src = ModelSource(CELLS["Mixtral"](**bench.SIZE))
+    meta, example, _ = src.build(device="meta")
+    graph = ap.capture(meta, example)
+    plan = ap.plan(graph, ap.Cluster.preset("cpu", 1, 4), global_batch=bench.SIZE["batch"] * 2,
+                   fix={**bench.fixed("zero3-pp-interleaved"), "amp": "none", "recompute": "none"})
+    assert plan.mesh.ep == 1
