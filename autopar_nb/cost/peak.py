@@ -221,7 +221,11 @@ class RankMemory:
                 fb, fb_sum = ({**fb, **rep}, fb_sum + sum(rep.values())) if rep else (fb, fb_sum)
                 work = "forward_working_set" if forward else "backward_working_set"
                 item = 0 if forward else self._sum_item(st, f)
-                top = accumulating_op(ops, item) if item else (None, 0.0, 0.0, 0.0, 0.0)
+                # once every gradient exists, an op's moment differs from another's by its working set, the saved
+                # bytes still alive and the gradients it makes beside the accumulated ones, not by the gradients
+                # still to come that set the first backward's peak op: the layer's peak is the op where those weigh
+                # most, whether or not it makes any (FSDP's 16-bit gradients)
+                top = accumulating_op(ops, item) if f.accumulated and not forward else (None, 0.0, 0.0, 0.0, 0.0)
                 for op, dw, da, dbefore, made in (top, *(ops if per_op else ())):
                     alive = (f.others + 1) * -rs + f.others * sums.acts[r] + a + da
                     later = 0.0 if forward else st.params - before - dbefore

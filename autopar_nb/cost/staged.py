@@ -331,7 +331,8 @@ class StagedRank:
                               regathered=h.backward_last[k] and not forward)
             fb = fb | self._left(k, h.weight_passed[k])
             work = "forward_working_set" if forward else "backward_working_set"
-            top = self._accumulating(ops, item) if item else (None, 0.0, 0.0, 0.0, 0.0)
+            # every gradient exists: the op where the working set, saved bytes and new gradients weigh most (peak.py)
+            top = self._accumulating(ops, item) if h.grads[k] and not forward else (None, 0.0, 0.0, 0.0, 0.0)
             for op, dw, da, dbefore, made in (top, *(ops if per_op else ())):
                 later = 0.0 if forward else x.params - (before - x.params_start) - dbefore
                 # before the stage's first backward ends, only the parameters read after this op
