@@ -153,16 +153,21 @@ KNOWN = [
     "ViT fp32 full recompute (+2.4 %, total only): the components match at the tracker's moment (layer 0's "
     "backward at the GELU, 62.2 MiB), the model's peak is layer 0's backward at another op (63.7 MiB); not "
     "identified",
-    "Mixtral zero3-pp-interleaved (+6.5 % fp32 and +7.3 % bf16 on rank 0 without recompute, -5.2 % bf16 full on rank "
-    "2): the planner gives that plan ep 2 (dp 2 x ep 2 x pp 2, ZeRO-3; the 1F1B zero3-pp plan keeps ep 1 and its "
-    "Mixtral rows are within 1 %), so each rank's experts run the rows its expert group is routed. The census at "
-    "helper140's commit bead8a8 (bench/memory.py Mixtral --plans zero3-pp-interleaved --amp none --recompute none "
-    "--largest 40, 2026-12-07) has rank 0's experts' grouped_mm outputs at 1031, 943, 909, 814 and 661 rows per "
-    "micro-batch (layers 0 and 2) and rank 2's at 1286, 1148 and 971 (layer 1), where balanced routing gives 1024: "
-    "rank 0 holds less than the model (activations 75.8 / 71.7 MiB, +6.5 %), rank 2 more (45.2 / 51.2). Its measured "
-    "timeline (verify.timeline.measured_timeline, rank 0) is below the prediction at every moment from layer 2's "
-    "first forward on, by 3.7 to 7.6 MiB, growing with the micro-batches' saved activations. Routing, not a missing "
-    "term: the bf16 rows' causes are inferred, not censused",
+    "Expert parallelism only where a plan's name says ep (bench/memory.py fixed(): ep 1 otherwise). Left free, the "
+    "planner gave Mixtral's zero3-pp-interleaved ep 2 without recompute (fp32 and bf16) and its ddp ep 2 under bf16 "
+    "(no recompute, selective), so those rows measured how the run's router spread its tokens over two expert groups "
+    "(zero3-pp-interleaved rank 0 +6.5 / +7.3 %: its experts' grouped_mm outputs had 661-1031 rows per micro-batch "
+    "where balanced routing gives 1024, census at helper140's bead8a8); with ep 1 they are -0.6 / -2.0 % (rank 0) and "
+    "-1.1 / -1.6 % (rank 2). Their rank 2 peaks at layer 3's first backward op in a later micro-batch, where the "
+    "tracker files 7.4 (fp32) and 4.0 MiB (bf16) more under buffers than the model at that op: its census holds a "
+    "6.76 MiB float32 all-gather buffer made in backward under model.norm, one layer's unit (1,771,008 elements), "
+    "which the model does not hold there; the totals stay within 2 % as the model's peak (that micro-batch's forward) "
+    "holds as much. Not identified further",
+    "cp-pp under bf16 with full recompute (first measured 2026-12-07): LLaMA ranks 0-1 -6.0 % (20.3 / 21.6 MiB; every "
+    "component within 5 % at the tracker's moment, the ring attention's backward: temporaries 2.1 / 2.9, activations "
+    "1.5 / 2.0), Mixtral ranks 2-3 -5.4 % (50.3 / 53.1: the tracker peaks in the last stage's forward outside every "
+    "module, where the model has no moment; at its loss moment activations 4.0 / 10.7 and buffers 14.8 / 20.4 MiB); "
+    "not identified",
 ]
 """cases known to miss 5 %, and why (written under the table)"""
 MiB = 2**20
