@@ -27,6 +27,9 @@ CASES = {
     # its gradients accumulate unsharded (fsdp_unsharded_grads), its units stay gathered
     "zero3-pp": ("LLaMA", {"dp": 2, "zero_stage": 3, **PIPE}, "fsdp_unsharded_grads"),
     "zero2-pp-bf16": ("GPT-2", {"dp": 2, "zero_stage": 2, "amp": "bf16", **PIPE}, "fsdp_unsharded_grads"),
+    # DDP beside pipelining: each stage's reducer keeps its gradient buckets beside the gradients through every
+    # micro-batch (the stage runs all but the last backward under no_sync)
+    "ddp-pp": ("LLaMA", {"dp": 2, "zero_stage": 0, **PIPE}, "ddp_buckets"),
     # a pipelined TP head keeps its logits split on the vocabulary and the last stage's loss runs under
     # loss_parallel: the log-softmax it saves and its temporaries are the shard's (cost/peak.py loss_terms)
     "zero3-tp-pp": ("LLaMA", {"dp": 2, "tp": 2, "zero_stage": 3, **PIPE}, "loss_temporaries"),
