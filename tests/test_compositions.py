@@ -35,6 +35,9 @@ CASES = {
     "zero3-tp-pp": ("LLaMA", {"dp": 2, "tp": 2, "zero_stage": 3, **PIPE}, "loss_temporaries"),
     # data parallelism beside TP is FSDP2's replicate, which keeps a gathered copy of the parameters
     "ddp-tp": ("LLaMA", {"dp": 2, "tp": 2, "zero_stage": 0}, "fsdp_unsharded_params"),
+    # ZeRO-2 beside TP: FSDP2 over the TP shards keeps each unit's gathered parameters from its forward to its
+    # backward (reshard_after_forward=False), all of them at the loss
+    "zero2-tp": ("LLaMA", {"dp": 2, "tp": 2, "zero_stage": 2}, "fsdp_unsharded_params"),
     # ZeRO-1 beside TP: FSDP2 over the TP shards, parameters kept gathered from forward to backward, Adam states of
     # the rank's shards only
     "zero1-tp": ("LLaMA", {"dp": 2, "tp": 2, "zero_stage": 1}, "fsdp_unsharded_params"),
