@@ -128,9 +128,10 @@ LONG_MODULES = {
     # not split yet: each may shrink, none may grow past its figure
     "cost/estimate.py": (580, "the Evaluator's layer terms, sums, step time and communication"),
     "planner/search.py": (580, "mesh enumeration beside the per-layer search"),
-    # over 500 only since wrapped at 100 columns (488 and 452 lines at 120)
+    # over 500 only since wrapped at 100 columns (488, 452 and 493 lines at 120)
     "widget/dot.py": (531, "the model graph's DOT: nodes, clusters, edges and their labels"),
     "export/values.py": (522, "every value the exported script's template takes, from the plan"),
+    "capture/__init__.py": (532, "capture, its two tracers, the graph's layers and their order"),
 }
 LONG_FUNCTIONS = {
     # the same: ceilings, to be split
@@ -167,7 +168,7 @@ def test_no_module_or_function_grows_past_its_size():
         assert set(listed) <= set(over), f"listed but no longer over {limit}: {sorted(set(listed) - set(over))}"
 
 
-WRAPPED_AT_100 = ("export", "launch", "runtime", "verify", "widget")
+WRAPPED_AT_100 = ("capture", "export", "launch", "runtime", "verify", "widget")
 """the folders whose lines are wrapped at 100 columns; ruff's line length drops from 120 to 100 once every folder of
 the package is listed"""
 

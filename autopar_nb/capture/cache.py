@@ -1,8 +1,9 @@
-"""Re-running a model cell reuses its capture when nothing the trace depends on changed: the magic rebuilds the model
-on the meta device (cheap) and captures again only when its key changes — every module's path and class, the code
-its forward runs (and the functions of the cell that code calls), its plain attributes, its parameters' and
-buffers' names, shapes and dtypes, and the example inputs' structure, shapes and dtypes. A cell edited outside the
-model (the learning rate, a comment, ``--batch``) keeps the key."""
+"""Re-running a model cell reuses its capture when nothing the trace depends on changed: the magic
+rebuilds the model on the meta device (cheap) and captures again only when its key changes — every
+module's path and class, the code its forward runs (and the functions of the cell that code calls),
+its plain attributes, its parameters' and buffers' names, shapes and dtypes, and the example inputs'
+structure, shapes and dtypes. A cell edited outside the model (the learning rate, a comment,
+``--batch``) keeps the key."""
 
 from __future__ import annotations
 
@@ -26,14 +27,16 @@ ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 """an object's address in its repr: no part of what it is"""
 
 
-def cached_capture(model: nn.Module, example_inputs: Any, *, source: str | None = None) -> tuple[ModelGraph, bool]:
-    """(the graph of ``model`` on ``example_inputs``, whether it was reused): :func:`~autopar_nb.capture.capture`
-    once per :func:`capture_key`."""
+def cached_capture(model: nn.Module, example_inputs: Any, *,
+                   source: str | None = None) -> tuple[ModelGraph, bool]:
+    """(the graph of ``model`` on ``example_inputs``, whether it was reused):
+    :func:`~autopar_nb.capture.capture` once per :func:`capture_key`."""
     key = capture_key(model, example_inputs)
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)
-        hit.source = source  # the same object: what was computed from it (its profile) is kept with it
+        # the same object: what was computed from it (its profile) is kept with it
+        hit.source = source
         return hit, True
     graph = capture(model, example_inputs, source=source)
     _CACHE[key] = graph
@@ -43,7 +46,8 @@ def cached_capture(model: nn.Module, example_inputs: Any, *, source: str | None 
 
 
 def capture_key(model: nn.Module, example_inputs: Any) -> str:
-    """A digest of what a trace of ``model`` on ``example_inputs`` depends on (see the module docstring)."""
+    """A digest of what a trace of ``model`` on ``example_inputs`` depends on (see the module
+    docstring)."""
     h = hashlib.sha256()
     seen: set[int] = set()
     for name, module in model.named_modules(remove_duplicate=False):
@@ -58,17 +62,20 @@ def capture_key(model: nn.Module, example_inputs: Any) -> str:
         for attr, value in sorted(vars(module).items()):
             if not attr.startswith("_") and not isinstance(value, nn.Module):
                 _value(h, attr, value, seen)
-        for pname, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+        for pname, t in [*module.named_parameters(recurse=False),
+                         *module.named_buffers(recurse=False)]:
             h.update(f"{pname}{tuple(t.shape)}{t.dtype}{t.requires_grad}".encode())
     leaves, spec = tree_flatten(example_inputs)
     h.update(str(spec).encode())
     for leaf in leaves:
-        h.update((f"{tuple(leaf.shape)}{leaf.dtype}" if isinstance(leaf, torch.Tensor) else repr(leaf)).encode())
+        h.update((f"{tuple(leaf.shape)}{leaf.dtype}" if isinstance(leaf, torch.Tensor)
+                  else repr(leaf)).encode())
     return h.hexdigest()
 
 
 def _value(h, attr: str, value: Any, seen: set[int]) -> None:
-    if isinstance(value, torch.Tensor):  # a plain tensor attribute (a mask not registered as a buffer)
+    # a plain tensor attribute (a mask not registered as a buffer)
+    if isinstance(value, torch.Tensor):
         h.update(f"{attr}{tuple(value.shape)}{value.dtype}".encode())
     elif isinstance(value, types.FunctionType):
         _code(h, value, seen)
