@@ -126,17 +126,19 @@ def test_a_subpackage_binds_no_name_of_its_own_modules():
 MODULE_LINES, FUNCTION_LINES = 500, 80
 LONG_MODULES = {
     # not split yet: each may shrink, none may grow past its figure
-    "cost/estimate.py": (580, "the Evaluator's layer terms, sums, step time and communication"),
+    "cost/estimate.py": (674, "the Evaluator's layer terms, sums, step time and communication"),  # 580 at 120 columns
     "planner/search.py": (580, "mesh enumeration beside the per-layer search"),
-    # over 500 only since wrapped at 100 columns (488, 452 and 493 lines at 120)
+    # over 500 only since wrapped at 100 columns (488, 452, 493 and 460 lines at 120)
     "widget/dot.py": (531, "the model graph's DOT: nodes, clusters, edges and their labels"),
     "export/values.py": (522, "every value the exported script's template takes, from the plan"),
     "capture/__init__.py": (532, "capture, its two tracers, the graph's layers and their order"),
+    "cost/tp_styles.py": (527, "the TP styles' propagation through the graph, region by region"),
 }
 LONG_FUNCTIONS = {
     # the same: ceilings, to be split
-    "cost/estimate.py:sum_layers": 83,
+    "cost/estimate.py:sum_layers": 95,  # 82
     # over 80 only since wrapped at 100 columns (the length at 120 columns after each)
+    "cost/estimate.py:terms": 97,  # 80
     "export/parallelize.py:parallelize_source": 89,  # 66
     "export/settings.py:settings": 89,  # 70
     "export/values.py:script_values": 87,  # 73
@@ -168,7 +170,7 @@ def test_no_module_or_function_grows_past_its_size():
         assert set(listed) <= set(over), f"listed but no longer over {limit}: {sorted(set(listed) - set(over))}"
 
 
-WRAPPED_AT_100 = ("capture", "export", "launch", "runtime", "verify", "widget")
+WRAPPED_AT_100 = ("capture", "cost", "export", "launch", "runtime", "verify", "widget")
 """the folders whose lines are wrapped at 100 columns; ruff's line length drops from 120 to 100 once every folder of
 the package is listed"""
 

@@ -12,9 +12,9 @@ The CPU time is counted from what the evaluator knows, each count times a factor
 ``bench/overhead.py`` measured (:mod:`.factors`, ``cpu_*``): eager ops per layer
 (``LayerProfile.n_ops`` and autocast's copies; a recomputed forward's again; a compiled block's
 scaled as its kernels are), TP's styled modules, FSDP units (``RankSums.units`` and the root), DDP,
-the pipeline schedule per micro-batch and stage, the loss's and the numerics guard's all-reduces, and
-the optimizer step over the rank's parameter tensors. Not counted (a lower bound there): context and
-expert parallelism's collectives, autocast's copies of the weights, data loading.
+the pipeline schedule per micro-batch and stage, the loss's and the numerics guard's all-reduces,
+and the optimizer step over the rank's parameter tensors. Not counted (a lower bound there): context
+and expert parallelism's collectives, autocast's copies of the weights, data loading.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def issue_time(s: Setting, sums: RankSums, bubble: float,
         parts = {k: v * (m + bubble) for k, v in per_mb.items()}
         if sum(parts.values()) > sum(best.values()):
             best = parts
-    # once a step each: the loss's all-reduce and the numerics guard's flags (runtime/guard.py), both a few bytes
+    # once a step each: the loss's all-reduce and the numerics guard's flags (runtime/guard.py),
+    # both a few bytes
     best["collectives"] = 2 * f.cpu_collective_s
     main = sum(best.values())
     best["optimizer"] = _optimizer(s, max(sums.tensors), f)
@@ -62,8 +63,9 @@ def issue_time(s: Setting, sums: RankSums, bubble: float,
 
 def _data_parallel(s: Setting, sums: RankSums, r: int, f) -> dict[str, float]:
     """Seconds per micro-batch that data parallelism's wrapper adds on pipeline rank ``r``: FSDP2's
-    hooks on every unit and the root (ZeRO 1-3; ZeRO-3 gathers each unit again in backward; beside TP, FSDP2's
-    ``replicate`` has the same hooks), or DDP's, per micro-batch and per parameter tensor."""
+    hooks on every unit and the root (ZeRO 1-3; ZeRO-3 gathers each unit again in backward; beside
+    TP, FSDP2's ``replicate`` has the same hooks), or DDP's, per micro-batch and per parameter
+    tensor."""
     if s.replicas <= 1:
         return {}
     if s.zero_stage >= 1 or s.tp > 1:

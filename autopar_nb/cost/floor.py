@@ -1,11 +1,11 @@
-"""A lower bound on a candidate's peak memory (:func:`memory_floor`), cheap enough to weigh before the
-full evaluation (:meth:`.estimate.Evaluator.evaluate`): the planner costs in full only the candidates
-it cannot prove too large.
+"""A lower bound on a candidate's peak memory (:func:`memory_floor`), cheap enough to weigh before
+the full evaluation (:meth:`.estimate.Evaluator.evaluate`): the planner costs in full only the
+candidates it cannot prove too large.
 
 It holds whatever the search does to the candidate after it: recompute chosen per layer, the output
 head fused with the loss or not, RMSNorms fused or not, and, for a schedule with one stage per rank,
-layers moved between stages by memory (``Search._memory_partition``). So it counts only bytes none of
-these change: model states, and the moments every step has whose bytes depend on the parameters
+layers moved between stages by memory (``Search._memory_partition``). So it counts only bytes none
+of these change: model states, and the moments every step has whose bytes depend on the parameters
 per rank and the tensors crossing the pipeline cuts, not on saved activations:
 
 * the optimizer step (:meth:`.peak.RankMemory._step_moment`): every gradient and the foreach
@@ -48,11 +48,13 @@ from .terms import RankSums, StageSums
 
 
 def memory_floor(ev, s: Setting, choices: list[LayerChoice], *, limit: float = math.inf) -> float:
-    """Bytes the fullest pipeline rank of ``s`` with ``choices`` (or any variant the search makes of it:
-    see the module docstring) holds at its peak at least, its allocator margin included. Once a part of it
-    exceeds ``limit`` that part is returned: still a floor, and all a caller asking "can it fit in ``limit``?"
-    needs (the rank-by-rank weighing of a multi-stage schedule is most of the cost)."""
-    if s.offload != "none":  # CPU offload keeps the states it weighs in host memory, and steps there
+    """Bytes the fullest pipeline rank of ``s`` with ``choices`` (or any variant the search makes of
+    it: see the module docstring) holds at its peak at least, its allocator margin included. Once a
+    part of it exceeds ``limit`` that part is returned: still a floor, and all a caller asking "can
+    it fit in ``limit``?" needs (the rank-by-rank weighing of a multi-stage schedule is most of the
+    cost)."""
+    # CPU offload keeps the states it weighs in host memory, and steps there
+    if s.offload != "none":
         return 0.0
     params = experts = 0.0
     for i, cnt, ch in ev.runs(choices):
@@ -76,14 +78,15 @@ def memory_floor(ev, s: Setting, choices: list[LayerChoice], *, limit: float = m
 
 
 def loss_fusable(ev, s: Setting) -> bool:
-    """Whether the search may cost ``s`` with the output head fused with the loss (``Search.fused_variant``): the
-    model's head can be, with cp = 1, and not with both pp > 1 and tp > 1 (what the runtime runs)."""
+    """Whether the search may cost ``s`` with the output head fused with the loss
+    (``Search.fused_variant``): the model's head can be, with cp = 1, and not with both pp > 1 and
+    tp > 1 (what the runtime runs)."""
     return ev.head is not None and s.cp == 1 and not (s.pp > 1 and s.tp > 1)
 
 
 def variants(ev, s: Setting) -> list[Setting]:
-    """``s`` and the fused loss and norm variants the search may cost of it (``Search.fused_variant``,
-    ``Search.norm_variant``)."""
+    """``s`` and the fused loss and norm variants the search may cost of it
+    (``Search.fused_variant``, ``Search.norm_variant``)."""
     out = [s]
     if not s.fused_loss and loss_fusable(ev, s):
         out.append(dataclasses.replace(s, fused_loss=True))
@@ -93,33 +96,40 @@ def variants(ev, s: Setting) -> list[Setting]:
 
 
 class LeastActivations(NamedTuple):
-    """One micro-batch's saved bytes at their least on each rank of a multi-stage schedule, whatever recompute and
-    fused variant the search picks (:func:`least_activations`)."""
+    """One micro-batch's saved bytes at their least on each rank of a multi-stage schedule, whatever
+    recompute and fused variant the search picks (:func:`least_activations`)."""
 
     stage_acts: list[list[float]]
     """per rank, per local stage: its layers' saved bytes under full recompute"""
     savings: list[list[tuple[int, float]]]
-    """per rank, per layer: (its local stage, the least bytes it adds when not under full recompute), which
-    can be negative"""
+    """per rank, per layer: (its local stage, the least bytes it adds when not under full
+    recompute), which can be negative"""
 
 
-def least_activations(ev, s: Setting, choices: list[LayerChoice], layout: RankSums) -> LeastActivations:
-    """Each stage's saved bytes with every layer under full recompute, the least over :func:`variants`, and each
-    layer's least addition under any other recompute: selective's bytes, or none's less the whole input a
-    recomputed first sequence-parallel block keeps (:func:`.saved.replicated_input`). Dropping a layer's recompute
-    also drops the inputs it shares with a later recomputed layer (:func:`.saved.held_inputs`): that only adds.
-    ``layout``: the sums of ``s`` with ``choices`` (any variant), for each layer's local stage.
+def least_activations(ev, s: Setting, choices: list[LayerChoice],
+                      layout: RankSums) -> LeastActivations:
+    """Each stage's saved bytes with every layer under full recompute, the least over
+    :func:`variants`, and each layer's least addition under any other recompute: selective's bytes,
+    or none's less the whole input a recomputed first sequence-parallel block keeps
+    (:func:`.saved.replicated_input`). Dropping a layer's recompute also drops the inputs it shares
+    with a later recomputed layer (:func:`.saved.held_inputs`): that only adds. ``layout``: the sums
+    of ``s`` with ``choices`` (any variant), for each layer's local stage.
 
-    One pass over the runs of layers for every variant at once, summed as ``Evaluator.sum_layers`` sums a rank's
-    saved bytes and its stages' (a running total per rank, each stage's bytes the total less its start), so the
-    same floats. The variants' layer terms differ in fused norms alone; the fused loss only adds its head's saved
-    bytes (the log-sum-exp), so it is never the least."""
+    One pass over the runs of layers for every variant at once, summed as ``Evaluator.sum_layers``
+    sums a rank's saved bytes and its stages' (a running total per rank, each stage's bytes the
+    total less its start), so the same floats. The variants' layer terms differ in fused norms
+    alone; the fused loss only adds its head's saved bytes (the log-sum-exp), so it is never the
+    least."""
     full = [dataclasses.replace(c, recompute="full") for c in choices]
-    every = variants(ev, s)  # all fuse the loss where s itself does (a fused variant the search floors)
-    kinds = list({v.fused_norm: v for v in [v for v in every if not v.fused_loss] or every}.values())
+    # all fuse the loss where s itself does (a fused variant the search floors)
+    every = variants(ev, s)
+    kinds = list({v.fused_norm: v for v in [v for v in every if not v.fused_loss]
+                  or every}.values())
     totals = [[0.0] * s.pp for _ in kinds]  # per variant, per rank: the saved bytes summed so far
-    kept = [[set() for _ in range(s.pp)] for _ in kinds]  # per variant, per rank: the shared inputs kept already
-    stages: list[list[list[float]]] = [[[] for _ in range(s.pp)] for _ in kinds]  # per variant, rank: (start, acts)
+    # per variant, per rank: the shared inputs kept already
+    kept = [[set() for _ in range(s.pp)] for _ in kinds]
+    # per variant, rank: (start, acts)
+    stages: list[list[list[float]]] = [[[] for _ in range(s.pp)] for _ in kinds]
     savings: list[list[tuple[int, float]]] = [[] for _ in range(s.pp)]
     for i, cnt, ch in ev.runs(full):
         r, j = s.rank_of(ch.stage), layout.local[i]
@@ -127,18 +137,21 @@ def least_activations(ev, s: Setting, choices: list[LayerChoice], layout: RankSu
         for k, v in enumerate(kinds):
             lt = ev.choice_terms(i, v, ch)
             saved, whole, _ = run_saved(ev, v, i, cnt, ch, lt, kept[k][r])
-            least = min(least, lt.act["selective"] - lt.act["full"], lt.act["none"] - lt.act["full"] - whole)
+            least = min(least, lt.act["selective"] - lt.act["full"],
+                        lt.act["none"] - lt.act["full"] - whole)
             totals[k][r] += saved
             held = stages[k][r]
             if len(held) == j:  # a new local stage: it starts where the one before ends
                 held.append([held[-1][0] + held[-1][1] if held else 0.0, 0.0])
             held[j][1] = totals[k][r] - held[j][0]
         savings[r] += [(j, least)] * cnt
-    stage_acts = [[min(per[r][j][1] for per in stages) for j in range(len(stages[0][r]))] for r in range(s.pp)]
+    stage_acts = [[min(per[r][j][1] for per in stages) for j in range(len(stages[0][r]))]
+                  for r in range(s.pp)]
     return LeastActivations(stage_acts, savings)
 
 
-def _staged_floor(ev, s: Setting, choices: list[LayerChoice], low_margin: bool, limit: float) -> float:
+def _staged_floor(ev, s: Setting, choices: list[LayerChoice], low_margin: bool,
+                  limit: float) -> float:
     """The fullest rank's floor (:func:`rank_floors`), stopped at the first rank over ``limit``."""
     out = 0.0
     for _, floor in rank_floors(ev, s, choices, low_margin=low_margin, limit=limit):
@@ -150,16 +163,18 @@ def _staged_floor(ev, s: Setting, choices: list[LayerChoice], low_margin: bool, 
 
 def rank_floors(ev, s: Setting, choices: list[LayerChoice], *, low_margin: bool | None = None,
                 limit: float = math.inf, ranks=None):
-    """(rank, floor) of each of ``ranks`` (default: every rank, in order) of a multi-stage ``s``: the heaviest
-    stage reduction (:meth:`.staged.StagedRank._reduce` at each "R" state of :func:`.schedule.rank_states`), as
-    the full evaluation weighs it, without the terms recompute or fused norms change: the micro-batches' saved
-    activations and kept weight-pass gradients, autocast's weight copies; and its backward with the most saved
-    bytes in flight (:func:`_backward_floor`). A rank's weighing stops once it is over ``limit`` (still a floor
-    of that rank, whatever recompute and fused variant the search picks)."""
+    """(rank, floor) of each of ``ranks`` (default: every rank, in order) of a multi-stage ``s``:
+    the heaviest stage reduction (:meth:`.staged.StagedRank._reduce` at each "R" state of
+    :func:`.schedule.rank_states`), as the full evaluation weighs it, without the terms recompute or
+    fused norms change: the micro-batches' saved activations and kept weight-pass gradients,
+    autocast's weight copies; and its backward with the most saved bytes in flight
+    (:func:`_backward_floor`). A rank's weighing stops once it is over ``limit`` (still a floor of
+    that rank, whatever recompute and fused variant the search picks)."""
     if low_margin is None:
         low_margin = ev.f.margin_full_recompute < ev.f.margin_fraction
     low = dataclasses.replace(s, fused_loss=True) if not s.fused_loss and loss_fusable(ev, s) else s
-    sums = ev.sum_layers(low, choices)  # shared: changed on a copy. Fused: the last stage keeps no logits
+    # shared: changed on a copy. Fused: the last stage keeps no logits
+    sums = ev.sum_layers(low, choices)
     sums = dataclasses.replace(sums, full_recompute=[n if low_margin else 0.0 for n in sums.layers])
     memory = RankMemory(ev.prof, ev.f, low, sums, seq_ratio=ev.seq_ratio)
     least = least_activations(ev, s, choices, sums)
@@ -184,14 +199,17 @@ def rank_floors(ev, s: Setting, choices: list[LayerChoice], *, low_margin: bool 
 
 
 _IN_FLIGHT: dict[int, tuple] = {}
-"""id of a :func:`.schedule.rank_states` result -> (it, its "B" states grouped by their stages' gradients' states,
-each group's micro-batches in flight per local stage as an array): made once per result, as ``rank_states`` is"""
+"""id of a :func:`.schedule.rank_states` result -> (it, its "B" states grouped by their stages'
+gradients' states, each group's micro-batches in flight per local stage as an array): made once per
+result, as ``rank_states`` is"""
 
 
-def _most_in_flight(walk: tuple[Held, ...], acts: list[float], stages: list[StageSums]) -> list[Held]:
-    """Of the "B" states of ``walk`` alike in their stages' gradients (none yet, unsharded, reduced: what the rest
-    of the rank holds besides the micro-batches in flight), the one whose micro-batches in flight hold the most
-    saved bytes (``acts`` per local stage, less the inputs counted in their receive buffers)."""
+def _most_in_flight(walk: tuple[Held, ...], acts: list[float],
+                    stages: list[StageSums]) -> list[Held]:
+    """Of the "B" states of ``walk`` alike in their stages' gradients (none yet, unsharded, reduced:
+    what the rest of the rank holds besides the micro-batches in flight), the one whose
+    micro-batches in flight hold the most saved bytes (``acts`` per local stage, less the inputs
+    counted in their receive buffers)."""
     hit = _IN_FLIGHT.get(id(walk))
     if hit is None or hit[0] is not walk:
         if len(_IN_FLIGHT) >= 4096:
@@ -200,8 +218,11 @@ def _most_in_flight(walk: tuple[Held, ...], acts: list[float], stages: list[Stag
         for h in walk:
             if h.kind == "B":
                 groups.setdefault(h.grads, []).append(h)
-        hit = _IN_FLIGHT[id(walk)] = walk, [(g, np.array([[f + w for f, w in zip(h.full, h.waiting, strict=True)]
-                                                           for h in g], dtype=float)) for g in groups.values()]
+        hit = _IN_FLIGHT[id(walk)] = walk, [(g,
+                                             np.array([[f + w for f, w in zip(h.full, h.waiting,
+                                                                              strict=True)]
+                                                           for h in g], dtype=float))
+                                            for g in groups.values()]
     per = np.zeros(len(walk[0].full))
     for j, x in enumerate(stages):
         per[j] = acts[j] - x.pipe["recv_saved"]
@@ -209,11 +230,12 @@ def _most_in_flight(walk: tuple[Held, ...], acts: list[float], stages: list[Stag
 
 
 def _backward_floor(rank: StagedRank, h: Held, least: LeastActivations) -> float:
-    """The bytes of ``rank`` at backward state ``h`` at least, with its margin: its running stage's heaviest layer
-    backward (:meth:`.staged.StagedRank._layers`) less the terms recompute changes (saved activations, the working
-    set, weight-pass gradients), and the micro-batches in flight's saved bytes with k of the rank's layers under
-    full recompute, the rest adding their least (:attr:`LeastActivations.savings`, the least first), at the margin
-    of that share; the least over k. The running micro-batch's saved bytes are left out."""
+    """The bytes of ``rank`` at backward state ``h`` at least, with its margin: its running stage's
+    heaviest layer backward (:meth:`.staged.StagedRank._layers`) less the terms recompute changes
+    (saved activations, the working set, weight-pass gradients), and the micro-batches in flight's
+    saved bytes with k of the rank's layers under full recompute, the rest adding their least
+    (:attr:`LeastActivations.savings`, the least first), at the margin of that share; the least over
+    k. The running micro-batch's saved bytes are left out."""
     r, memory, st = rank.r, rank.mem, rank.st
     around = _without_activations(rank._around(h))
     own = shared(rank, h, _own_backward)  # the rest's bytes add to each moment alike
@@ -226,18 +248,21 @@ def _backward_floor(rank: StagedRank, h: Held, least: LeastActivations) -> float
     layers = len(added)
     if not layers:
         return base + with_margin(base, memory.f)
-    # k layers under full recompute: the other layers - k add at least the smallest of their additions
+    # k layers under full recompute: the other layers - k add at least the smallest of their
+    # additions
     x = base + np.concatenate(([0.0], np.cumsum(added)))[::-1]
     share = np.arange(layers + 1) / layers
     return float(np.min(x + with_margin(x, memory.f, full_recompute=share)))
 
 
 def _own_backward(rank: StagedRank, h: Held) -> float:
-    """The heaviest of ``rank``'s running stage's layer backwards at ``h`` with nothing else held, less the terms
-    recompute changes where they add bytes (-inf where it has none): :func:`_backward_floor` adds the rest."""
-    return max((mo.weight - sum(v for part in mo.parts for k, v in part.items() if k in _CHANGED and v > 0)
-                for mo in rank._layers(h, _Around({}, 0.0, 0.0), "backward", False) if mo.phase == "backward"),
-               default=-math.inf)
+    """The heaviest of ``rank``'s running stage's layer backwards at ``h`` with nothing else held,
+    less the terms recompute changes where they add bytes (-inf where it has none):
+    :func:`_backward_floor` adds the rest."""
+    return max((mo.weight - sum(v for part in mo.parts
+                                for k, v in part.items() if k in _CHANGED and v > 0)
+                for mo in rank._layers(h, _Around({}, 0.0, 0.0), "backward", False)
+                if mo.phase == "backward"), default=-math.inf)
 
 
 _CHANGED = ("saved_activations", "backward_working_set", "weight_pass_gradients")
@@ -245,8 +270,8 @@ _CHANGED = ("saved_activations", "backward_working_set", "weight_pass_gradients"
 
 
 def _without_activations(around: _Around) -> _Around:
-    """``around`` less what recompute (saved activations) and the weight pass's hooked gradients (a layer's
-    choices) change, where they add bytes: what is left is a floor."""
+    """``around`` less what recompute (saved activations) and the weight pass's hooked gradients (a
+    layer's choices) change, where they add bytes: what is left is a floor."""
     drop = {k: v for k, v in around.terms.items() if k in _CHANGED and v > 0}
     terms = {k: v for k, v in around.terms.items() if k not in drop}
     return _Around(terms, around.grads, around.total - sum(drop.values()))

@@ -172,13 +172,17 @@ def rank_states(schedule: str, *, pp: int, rank: int, micro_batches: int,
     left out. Rank 0's local stage 0 is the model's first stage: its input pass does nothing
     (``PipelineStage.backward_one_chunk`` skips it: no input needs a gradient) and its weight pass
     runs the whole backward (``backward_weight_one_chunk``), a "B" here. A stage's gradients are
-    reduced right after its last backward (``_add_reduce_grad``). Walked as arrays (:func:`_walk_rows`, the
-    same states as :class:`_Walk`), their :func:`state_arrays` made on the way."""
+    reduced right after its last backward (``_add_reduce_grad``). Walked as arrays
+    (:func:`_walk_rows`, the same states as :class:`_Walk`), their :func:`state_arrays` made on the
+    way."""
     v = 2 if schedule == "zbv_zero_bubble" else virtual_stages
-    actions = rank_actions(schedule, pp=pp, rank=rank, micro_batches=micro_batches, virtual_stages=v)
+    actions = rank_actions(schedule, pp=pp, rank=rank, micro_batches=micro_batches,
+                           virtual_stages=v)
     if max(a.mb for a in actions) < micro_batches:
         rows = _walk_rows(actions, v=v, first_rank=rank == 0, last_mb=micro_batches - 1)
-    else:  # micro-batches past the last (orders torch refuses: m not a multiple of pp) are not counts' to follow
+    # micro-batches past the last (orders torch refuses: m not a multiple of pp) are not counts' to
+    # follow
+    else:
         walk = _Walk(v)
         for a in actions:
             walk.run(a, first=rank == 0 and a.local == 0, last_mb=micro_batches - 1)
@@ -194,14 +198,16 @@ _KINDS = "FBIWR"
 
 
 def _walk_rows(actions: list[Action], *, v: int, first_rank: bool, last_mb: int) -> np.ndarray:
-    """:class:`_Walk`'s states, one row each: local stage, kind code (:data:`_KINDS`), then per local stage
-    ``full``, ``waiting``, ``forwarded``, ``backwarded``, ``grads``, ``backward_last``, ``weight_passed`` side by
-    side, and ``later``. Each field after each action is a running count, or the value the stage's last action of
-    some kinds set (:func:`_last_set`); a state is noted before its forward, after its backward's counts (an input
-    pass's micro-batch not yet waiting) with the flags before it, and a reduction after the last micro-batch's
-    backward with the stage's gradients not yet sharded."""
+    """:class:`_Walk`'s states, one row each: local stage, kind code (:data:`_KINDS`), then per
+    local stage ``full``, ``waiting``, ``forwarded``, ``backwarded``, ``grads``, ``backward_last``,
+    ``weight_passed`` side by side, and ``later``. Each field after each action is a running count,
+    or the value the stage's last action of some kinds set (:func:`_last_set`); a state is noted
+    before its forward, after its backward's counts (an input pass's micro-batch not yet waiting)
+    with the flags before it, and a reduction after the last micro-batch's backward with the stage's
+    gradients not yet sharded."""
     code = {k: i for i, k in enumerate(_KINDS)}
-    loc, kind, mb = np.fromiter(_chain((a.local, code[a.kind], a.mb) for a in actions), dtype=np.intp).reshape(-1, 3).T
+    loc, kind, mb = (np.fromiter(_chain((a.local, code[a.kind], a.mb) for a in actions),
+                                 dtype=np.intp).reshape(-1, 3).T)
     on = loc[:, None] == np.arange(v)
     fwd, bwd, inp, wgt = (np.cumsum(on & mask[:, None], axis=0)
                           for mask in (kind == 0, (kind == 1) | (kind == 2), kind == 2, kind == 3))
@@ -209,7 +215,8 @@ def _walk_rows(actions: list[Action], *, v: int, first_rank: bool, last_mb: int)
     grads = _last_set(on & ((kind == 1) | (kind == 3))[:, None], np.where(last, 2, 1))
     backward_last = _last_set(on, kind != 0)
     passed = _last_set(on & (kind != 0)[:, None], (kind == 3) & ~first & ~last)
-    after = np.stack((fwd - bwd, inp - wgt, fwd, bwd, grads, backward_last, passed), axis=1)  # [action, field, stage]
+    # [action, field, stage]
+    after = np.stack((fwd - bwd, inp - wgt, fwd, bwd, grads, backward_last, passed), axis=1)
     before = np.concatenate((np.zeros_like(after[:1]), after[:-1]))
     counts = np.where((kind == 0)[:, None, None], before[:, :4], after[:, :4])
     counts[kind == 2, 1] = before[kind == 2, 1]
@@ -217,39 +224,46 @@ def _walk_rows(actions: list[Action], *, v: int, first_rank: bool, last_mb: int)
     reduced = np.flatnonzero(((kind == 1) | (kind == 3)) & last)
     flags = after[reduced, 4:].copy()
     flags[np.arange(len(reduced)), 0, loc[reduced]] = 1  # sharded right after the reduction's state
-    red = _rows(loc[reduced], np.full(len(reduced), 4), after[reduced, :4], flags, np.ones(len(reduced), bool))
+    red = _rows(loc[reduced], np.full(len(reduced), 4), after[reduced, :4], flags,
+                np.ones(len(reduced), bool))
     at = np.concatenate((2 * np.flatnonzero(~(first & (kind == 2))), 2 * reduced + 1))
     return np.concatenate((main[~(first & (kind == 2))], red))[np.argsort(at, kind="stable")]
 
 
 def _last_set(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """[action, stage]: ``values`` at the last action up to each (itself included) where ``mask`` holds, 0 before
-    the first."""
+    """[action, stage]: ``values`` at the last action up to each (itself included) where ``mask``
+    holds, 0 before the first."""
     at = np.maximum.accumulate(np.where(mask, np.arange(len(mask))[:, None], -1), axis=0)
     return np.where(at >= 0, values.astype(np.intp)[at], 0)
 
 
 def _rows(loc, kind, counts, flags, later) -> np.ndarray:
-    """:func:`_walk_rows`' rows of these fields ([action, field, stage] for ``counts`` and ``flags``)."""
+    """:func:`_walk_rows`' rows of these fields ([action, field, stage] for ``counts`` and
+    ``flags``)."""
     n = len(loc)
     return np.concatenate((loc[:, None], kind[:, None], counts.reshape(n, -1), flags.reshape(n, -1),
                            np.asarray(later, dtype=np.intp)[:, None]), axis=1)
 
 
 def _held(rows: np.ndarray, v: int) -> tuple[Held, ...]:
-    """The :class:`Held` of each of :func:`_walk_rows`' rows (Python ints and bools, as :class:`_Walk` makes)."""
-    fields = [list(map(tuple, rows[:, 2 + i * v:2 + (i + 1) * v].astype(bool if i >= 5 else np.intp).tolist()))
-              for i in range(7)]
+    """The :class:`Held` of each of :func:`_walk_rows`' rows (Python ints and bools, as
+    :class:`_Walk` makes)."""
+    fields = [
+        list(
+            map(tuple,
+                rows[:, 2 + i * v:2 + (i + 1) * v].astype(bool if i >= 5 else np.intp).tolist()))
+        for i in range(7)
+    ]
     kinds = [_KINDS[k] for k in rows[:, 1].tolist()]
-    return tuple(map(Held._make, zip(rows[:, 0].tolist(), kinds, *fields, rows[:, -1].astype(bool).tolist(),
-                                     strict=True)))
+    return tuple(map(Held._make, zip(rows[:, 0].tolist(), kinds, *fields,
+                                     rows[:, -1].astype(bool).tolist(), strict=True)))
 
 
 class StateArrays(NamedTuple):
     """A rank's states (:func:`rank_states`) as arrays, one row a state: the counts per local stage,
     the running stage, the group of states whose running stage's moments are alike
-    (``StagedRank._heaviest_states``), and per local stage its gradients' state, backward and weight-pass
-    flags packed as ``grads * 4 + backward_last * 2 + weight_passed``."""
+    (``StagedRank._heaviest_states``), and per local stage its gradients' state, backward and
+    weight-pass flags packed as ``grads * 4 + backward_last * 2 + weight_passed``."""
 
     full: np.ndarray
     waiting: np.ndarray
@@ -261,14 +275,16 @@ class StateArrays(NamedTuple):
     present: tuple[tuple[int, ...], ...]
     """per local stage, the codes some state has"""
     counts: np.ndarray
-    """per state, its micro-batches in flight (``full + waiting``), waiting for their weight pass, and input
-    gradients its stages' sends still hold (``StagedRank._around``), per local stage, side by side"""
+    """per state, its micro-batches in flight (``full + waiting``), waiting for their weight pass,
+    and input gradients its stages' sends still hold (``StagedRank._around``), per local stage, side
+    by side"""
     running: np.ndarray
     """[state, local stage]: the state's running stage"""
     stage_index: np.ndarray
     """[state, local stage]: the local stage (to index a per-stage table with ``codes``)"""
     order: np.ndarray
-    """the states sorted by group (stable), and where each group starts there: for ``np.maximum.reduceat``"""
+    """the states sorted by group (stable), and where each group starts there: for
+    ``np.maximum.reduceat``"""
     starts: np.ndarray
 
 
@@ -285,8 +301,9 @@ def state_arrays(states: tuple[Held, ...]) -> StateArrays:
 
 def _rows_of(states: list[Held] | tuple[Held, ...]) -> np.ndarray:
     """``states`` as :func:`_walk_rows`' rows."""
-    return np.array([(h.local, _KINDS.index(h.kind), *h.full, *h.waiting, *h.forwarded, *h.backwarded, *h.grads,
-                      *h.backward_last, *h.weight_passed, h.later) for h in states], dtype=np.intp)
+    return np.array([(h.local, _KINDS.index(h.kind), *h.full, *h.waiting, *h.forwarded,
+                      *h.backwarded, *h.grads, *h.backward_last, *h.weight_passed, h.later)
+                     for h in states], dtype=np.intp)
 
 
 def _remember(states: tuple[Held, ...], arrays: StateArrays) -> StateArrays:
@@ -298,33 +315,38 @@ def _remember(states: tuple[Held, ...], arrays: StateArrays) -> StateArrays:
 
 def _arrays_of(rows: np.ndarray, v: int) -> StateArrays:
     """:class:`StateArrays` of :func:`_walk_rows`' rows."""
-    full, waiting, forwarded, backwarded = (rows[:, 2 + i * v:2 + (i + 1) * v].astype(float) for i in range(4))
+    full, waiting, forwarded, backwarded = (rows[:, 2 + i * v:2 + (i + 1) * v].astype(float)
+                                            for i in range(4))
     grads, backward_last, passed = (rows[:, 2 + i * v:2 + (i + 1) * v] for i in range(4, 7))
     codes = grads * 4 + backward_last * 2 + passed
     local, at = rows[:, 0], np.arange(len(rows))
     key = np.stack((rows[:, 1], local, codes[at, local], rows[:, -1]), axis=1)
     group = _first_seen(key)
-    sent = backwarded.copy()  # an input gradient's send holds it until a lower stage runs that backward
+    # an input gradient's send holds it until a lower stage runs that backward
+    sent = backwarded.copy()
     sent[:, 1:] -= backwarded[:, :-1]
     stage_index = np.broadcast_to(np.arange(v), codes.shape)
     order = np.argsort(group, kind="stable")
     return StateArrays(full, waiting, forwarded, backwarded, local, group, codes,
                        tuple(tuple(int(x) for x in np.unique(col)) for col in codes.T),
-                       np.concatenate((full + waiting, waiting, sent), axis=1), stage_index == local[:, None],
-                       stage_index, order, np.flatnonzero(np.diff(group[order], prepend=-1)))
+                       np.concatenate((full + waiting, waiting, sent), axis=1),
+                       stage_index == local[:, None], stage_index, order,
+                       np.flatnonzero(np.diff(group[order], prepend=-1)))
 
 
 def _first_seen(key: np.ndarray) -> np.ndarray:
-    """Per row of ``key``, the number of distinct rows before its first appearance (ids in order of appearance;
-    a dict of the rows as tuples: ``np.unique(axis=0)`` sorts them as bytes, several times slower here)."""
+    """Per row of ``key``, the number of distinct rows before its first appearance (ids in order of
+    appearance; a dict of the rows as tuples: ``np.unique(axis=0)`` sorts them as bytes, several
+    times slower here)."""
     ids: dict[tuple, int] = {}
-    return np.fromiter((ids.setdefault(k, len(ids)) for k in map(tuple, key.tolist())), dtype=np.intp,
-                       count=len(key))
+    return np.fromiter((ids.setdefault(k, len(ids)) for k in map(tuple, key.tolist())),
+                       dtype=np.intp, count=len(key))
 
 
 class _Walk:
-    """The sets :func:`rank_states` follows through a rank's actions, one at a time: what :func:`_walk_rows`
-    counts as arrays, and what it falls back to where a rank's actions name micro-batches past the last."""
+    """The sets :func:`rank_states` follows through a rank's actions, one at a time: what
+    :func:`_walk_rows` counts as arrays, and what it falls back to where a rank's actions name
+    micro-batches past the last."""
 
     def __init__(self, v: int):
         self.full: list[set[int]] = [set() for _ in range(v)]
@@ -371,14 +393,16 @@ class _Walk:
 
 
 def _undominated(rows: np.ndarray, v: int) -> np.ndarray:
-    """:func:`_walk_rows`' ``rows`` without repeats and without those another state of the same stage, kind,
-    gradients, units and ``later`` holds at least as many micro-batches as everywhere: by group (in the
-    order each first appears), its states in descending order of their counts, as one array comparison of
-    each state against those sorted before it in its group (the only ones that can cover it: a state that
-    holds at least as many everywhere, and more somewhere, sorts first)."""
+    """:func:`_walk_rows`' ``rows`` without repeats and without those another state of the same
+    stage, kind, gradients, units and ``later`` holds at least as many micro-batches as everywhere:
+    by group (in the order each first appears), its states in descending order of their counts, as
+    one array comparison of each state against those sorted before it in its group (the only ones
+    that can cover it: a state that holds at least as many everywhere, and more somewhere, sorts
+    first)."""
     counts = rows[:, 2:2 + 4 * v]
     group = _first_seen(np.concatenate((rows[:, :2], rows[:, 2 + 4 * v:]), axis=1))
-    order = np.lexsort((*(-counts.T[::-1]), group))  # stable: a repeat after the state it repeats, which covers it
+    # stable: a repeat after the state it repeats, which covers it
+    order = np.lexsort((*(-counts.T[::-1]), group))
     later, earlier = _earlier_pairs(group[order])
     sorted_counts = counts[order]
     covered = np.zeros(len(rows), dtype=bool)

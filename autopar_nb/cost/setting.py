@@ -25,27 +25,35 @@ class Setting:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     sp: bool = False
-    """sequence parallel (TP > 1 on a sequence model): over the layers up to ``GraphProfile.sp_last``, the next
-    layer with parameters gathering the sequence back (``GraphProfile.sp_gather``)"""
+    """sequence parallel (TP > 1 on a sequence model): over the layers up to
+    ``GraphProfile.sp_last``, the next layer with parameters gathering the sequence back
+    (``GraphProfile.sp_gather``)"""
     optimizer: str = "adam"
     ep: int = 1
-    """expert parallelism: the experts modules split over ``ep`` of the dp ranks (1: experts whole everywhere)"""
+    """expert parallelism: the experts modules split over ``ep`` of the dp ranks (1: experts whole
+    everywhere)"""
     fused_loss: bool = False
-    """the output head and the default loss run as one fused, chunked op (``Evaluator.head``; :mod:`.loss`)"""
+    """the output head and the default loss run as one fused, chunked op (``Evaluator.head``;
+    :mod:`.loss`)"""
     cp: int = 1
-    """context parallelism: every sequence split over ``cp`` ranks (ring attention; ``runtime/cp.py``)"""
+    """context parallelism: every sequence split over ``cp`` ranks (ring attention;
+    ``runtime/cp.py``)"""
     fused_norm: bool = False
-    """the RMSNorm modules run kernels_ext's fused RMSNorm (``Evaluator.norm_prof``; :mod:`.norm`)"""
+    """the RMSNorm modules run kernels_ext's fused RMSNorm (``Evaluator.norm_prof``;
+    :mod:`.norm`)"""
     float8: str = "none"
     """torchao's float8 recipe the Linears train with (:mod:`.float8`); "none": bf16"""
     async_tp: bool = False
-    """Inductor's micro-pipelined TP hides TP's all-gathers and reduce-scatters behind the matmuls (:mod:`.async_tp`)"""
+    """Inductor's micro-pipelined TP hides TP's all-gathers and reduce-scatters behind the matmuls
+    (:mod:`.async_tp`)"""
     offload: str = "none"
-    """"cpu": FSDP's shards and optimizer states in host memory, the step on the CPU (:mod:`.offload`)"""
+    """"cpu": FSDP's shards and optimizer states in host memory, the step on the CPU
+    (:mod:`.offload`)"""
 
     @property
     def replicas(self) -> int:
-        """ranks holding the same parameters, which average gradients: dp * cp (``mesh["dp_cp"]``)"""
+        """ranks holding the same parameters, which average gradients: dp * cp
+        (``mesh["dp_cp"]``)"""
         return self.dp * self.cp
 
     @property
@@ -59,8 +67,8 @@ class Setting:
         """The ZeRO stage FSDP2 holds the parameters by: ``zero_stage``, but 2 for ZeRO-3 pipeline
         stages under a schedule that splits the backward, which keep their units gathered after
         forward (their input pass must find the parameters the forward used: ``runtime/pp.py``'s
-        ``keep_gathered``), and for ZeRO-1 over several ranks, which is FSDP2 without resharding after
-        forward too (``runtime/train.py``'s ``set_grad_sync``)."""
+        ``keep_gathered``), and for ZeRO-1 over several ranks, which is FSDP2 without resharding
+        after forward too (``runtime/train.py``'s ``set_grad_sync``)."""
         if self.zero_stage == 3 and self.pp > 1 and self.schedule in ZERO_BUBBLE:
             return 2
         if self.zero_stage == 1 and self.replicas > 1:
@@ -69,10 +77,12 @@ class Setting:
 
     @property
     def unsharded_accumulation(self) -> bool:
-        """FSDP2 (or its ``replicate``) accumulates the micro-batches' gradients unsharded, in ``reduce_dtype``
-        (float32), and reduces them once per step: in a pipeline stage (torch's ``PipelineStage``), and under
-        ZeRO-1 over several micro-batches (``set_grad_sync``: Megatron's distributed optimizer)."""
-        return self.pp > 1 or (self.zero_stage == 1 and self.replicas > 1 and self.micro_batches > 1)
+        """FSDP2 (or its ``replicate``) accumulates the micro-batches' gradients unsharded, in
+        ``reduce_dtype`` (float32), and reduces them once per step: in a pipeline stage (torch's
+        ``PipelineStage``), and under ZeRO-1 over several micro-batches (``set_grad_sync``:
+        Megatron's distributed optimizer)."""
+        return self.pp > 1 or (self.zero_stage == 1 and self.replicas > 1
+                               and self.micro_batches > 1)
 
     def vocab_parallel_loss(self, *, capable: bool, head_tp: bool) -> bool:
         """The loss runs on the head's vocabulary shards (torch's ``loss_parallel``): TP splits the
@@ -83,7 +93,8 @@ class Setting:
         return self.tp > 1 and capable and head_tp and not self.fused_loss
 
     def rank_of(self, stage: int) -> int:
-        """The pipeline rank holding ``stage`` under this schedule (:func:`~autopar_nb.plan.stage_rank`)."""
+        """The pipeline rank holding ``stage`` under this schedule
+        (:func:`~autopar_nb.plan.stage_rank`)."""
         return stage_rank(stage, self.pp, self.pp * self.virtual_stages, self.schedule)
 
 
@@ -97,20 +108,24 @@ class LayerChoice:
     recompute: str = "none"
     fsdp: bool = True
     compile: bool = False
-    """run the layer under ``torch.compile`` (its memory-bound time scaled by ``Factors.compile_memory_bound``)"""
+    """run the layer under ``torch.compile`` (its memory-bound time scaled by
+    ``Factors.compile_memory_bound``)"""
 
 
 def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:
     """The (Setting, per-layer choices) a :class:`~autopar_nb.plan.Plan` stands for."""
     m = plan.mesh
     mb = plan.batch.global_batch / (m.dp * plan.batch.micro_batches)
-    # a layer the planner put under TP: split modules, or only sequence-parallel norms (the final norm between SP
-    # blocks and a vocab-parallel head): the runtime then shards its activations along the sequence
-    tp_on = [any(st in ("colwise", "rowwise", "sequence_parallel") for st in lp.tp.values()) for lp in plan.layers]
+    # a layer the planner put under TP: split modules, or only sequence-parallel norms (the final
+    # norm between SP blocks and a vocab-parallel head): the runtime then shards its activations
+    # along the sequence
+    tp_on = [any(st in ("colwise", "rowwise", "sequence_parallel") for st in lp.tp.values())
+             for lp in plan.layers]
     sp = any(lp.sequence_parallel for lp in plan.layers)
     s = Setting(m.dp, m.tp, m.pp, m.zero_stage, plan.precision.amp, plan.batch.micro_batches, mb,
                 plan.pipeline.schedule, plan.pipeline.virtual_stages, sp, plan.optimizer.name, m.ep,
-                bool(plan.fused_loss), m.cp, plan.fused_norm, plan.precision.float8, plan.async_tp, m.offload)
+                bool(plan.fused_loss), m.cp, plan.fused_norm, plan.precision.float8, plan.async_tp,
+                m.offload)
     choices = [LayerChoice(lp.stage, on, lp.recompute, lp.fsdp, lp.compile)
                for lp, on in zip(plan.layers, tp_on, strict=True)]
     return s, choices

@@ -55,7 +55,8 @@ class StagedRank:
         s, sums = mem.s, mem.sums
         self.mem, self.r, self.st = mem, r, st
         # ``states``: some of them, to weigh those alone (``floor.memory_floor``)
-        self.states = states or rank_states(s.schedule, pp=s.pp, rank=r, micro_batches=s.micro_batches,
+        self.states = states or rank_states(s.schedule, pp=s.pp, rank=r,
+                                            micro_batches=s.micro_batches,
                                             virtual_stages=s.virtual_stages)
         v = len(self.states[0].full)
         # a stage without layers holds nothing (the schedule still runs it)
@@ -72,24 +73,28 @@ class StagedRank:
             self.units[sums.local[u.first]].append(u)
         self.idle: dict[tuple, tuple[float, tuple]] = {}
         self.accumulating: dict[int, tuple] = {}  # id of a run's op deltas -> its accumulating_op
-        self.alike: dict[int, int] = {}  # local stage -> its id among the stages alike (.alike.own_weight)
+        # local stage -> its id among the stages alike (.alike.own_weight)
+        self.alike: dict[int, int] = {}
         last = s.pp * s.virtual_stages - 1
         self.loss_at = next((k for k, x in enumerate(self.stages) if x.stage == last), None)
 
     def moments(self, per_op: bool) -> list:
-        """Every moment of the rank's step that can be its heaviest: at each state, its running stage's layers."""
+        """Every moment of the rank's step that can be its heaviest: at each state, its running
+        stage's layers."""
         out = []
         for h, around in self._heaviest_states():
-            out += self._state_moments(h, around._replace(action=h.kind, micro_batch=self.micro_batch(h)), per_op)
+            out += self._state_moments(h, around._replace(action=h.kind,
+                                                          micro_batch=self.micro_batch(h)), per_op)
         return out
 
     def heaviest(self) -> PeakMoment | None:
-        """The first of :meth:`moments`' heaviest (``per_op`` False), the very same moment, without weighing
-        every state's rest one by one: each group of alike states (:meth:`_heaviest_states`) is bounded by its
-        rest's total as arrays (:meth:`_near_heaviest`) plus its running stage's heaviest moment weighed on an
-        empty rest (:func:`.alike.own_weight`: once for the stages alike on every rank), and only the groups
-        whose bound is within rounding of the largest are weighed as :meth:`moments` weighs them, in its order.
-        None where the rank has no such moment."""
+        """The first of :meth:`moments`' heaviest (``per_op`` False), the very same moment, without
+        weighing every state's rest one by one: each group of alike states
+        (:meth:`_heaviest_states`) is bounded by its rest's total as arrays (:meth:`_near_heaviest`)
+        plus its running stage's heaviest moment weighed on an empty rest
+        (:func:`.alike.own_weight`: once for the stages alike on every rank), and only the groups
+        whose bound is within rounding of the largest are weighed as :meth:`moments` weighs them, in
+        its order. None where the rank has no such moment."""
         if len(self.states) <= 16:
             return max(self.moments(False), key=lambda mo: mo.weight, default=None)
         near, totals = self._near_heaviest(totals=True)
@@ -120,12 +125,15 @@ class StagedRank:
         return best
 
     def own_afresh(self, h: Held) -> float:
-        """The heaviest weight of state ``h``'s own moments (per layer) with nothing else held, -inf where it has
-        none, weighed afresh: :func:`.alike.own_weight` shares it between the stages alike."""
-        return max((mo.weight for mo in self._state_moments(h, _Around({}, 0.0, 0.0), False)), default=-np.inf)
+        """The heaviest weight of state ``h``'s own moments (per layer) with nothing else held, -inf
+        where it has none, weighed afresh: :func:`.alike.own_weight` shares it between the stages
+        alike."""
+        return max((mo.weight for mo in self._state_moments(h, _Around({}, 0.0, 0.0), False)),
+                   default=-np.inf)
 
     def _state_moments(self, h: Held, around: _Around, per_op: bool) -> list:
-        """State ``h``'s moments with ``around`` the rest of the rank: its running stage's layers."""
+        """State ``h``'s moments with ``around`` the rest of the rank: its running stage's
+        layers."""
         if h.kind == "F":
             return self._layers(h, around, "forward", per_op)
         if h.kind == "B":
@@ -137,27 +145,30 @@ class StagedRank:
         return [self._reduce(h, around)] if self.st.pipelined else []
 
     def micro_batch(self, h: Held) -> int | None:
-        """The micro-batch (from 0) whose action ``h`` is, from the counts it holds (a state keeps no micro-batch:
-        states alike merge); None at a reduction. A stage runs its forwards, and its backwards or input passes, in
-        micro-batch order (looped BFS its backwards from the last), its weight passes in their input passes' order
-        (a first stage's, a "B" under a zero-bubble schedule, too)."""
+        """The micro-batch (from 0) whose action ``h`` is, from the counts it holds (a state keeps
+        no micro-batch: states alike merge); None at a reduction. A stage runs its forwards, and its
+        backwards or input passes, in micro-batch order (looped BFS its backwards from the last),
+        its weight passes in their input passes' order (a first stage's, a "B" under a zero-bubble
+        schedule, too)."""
         k, s = h.local, self.mem.s
         if h.kind == "F":
             return h.forwarded[k]
         if h.kind == "W" or (h.kind == "B" and s.schedule in ZERO_BUBBLE):
             return h.backwarded[k] - h.waiting[k] - 1
         if h.kind in ("B", "I"):
-            return s.micro_batches - h.backwarded[k] if s.schedule == "looped_bfs" else h.backwarded[k] - 1
+            return (s.micro_batches - h.backwarded[k] if s.schedule == "looped_bfs"
+                    else h.backwarded[k] - 1)
         return None
 
     def _heaviest_states(self):
-        """Each state with what the rest of the rank holds then (:meth:`_around`), of the states whose
-        running stage's moments are alike (the same action on the same stage, with that stage's
-        gradients, units and weight-pass leftovers in the same state, for the same micro-batch kind)
-        the one whose rest holds the most: their moments differ by that rest alone, so the others'
-        are lighter at every layer and op, and a rank costs O(states + layers), not their product.
-        The rests are weighed at once, as arrays (:meth:`_rest_totals`); only the states within
-        rounding of their group's heaviest are weighed again one by one, as before."""
+        """Each state with what the rest of the rank holds then (:meth:`_around`), of the states
+        whose running stage's moments are alike (the same action on the same stage, with that
+        stage's gradients, units and weight-pass leftovers in the same state, for the same
+        micro-batch kind) the one whose rest holds the most: their moments differ by that rest
+        alone, so the others' are lighter at every layer and op, and a rank costs O(states +
+        layers), not their product. The rests are weighed at once, as arrays (:meth:`_rest_totals`);
+        only the states within rounding of their group's heaviest are weighed again one by one, as
+        before."""
         best: dict[tuple, tuple[Held, _Around]] = {}
         near = self._near_heaviest() if len(self.states) > 16 else self.states
         for h in near:
@@ -173,12 +184,14 @@ class StagedRank:
         return h.kind, k, h.grads[k], h.backward_last[k], h.weight_passed[k], h.later
 
     def _near_heaviest(self, *, totals: bool = False):
-        """The states whose rest (:meth:`_around`'s total, summed here as arrays) is within rounding of
-        the heaviest of their group's (:meth:`_heaviest_states`), in order; ``totals``: and those sums."""
+        """The states whose rest (:meth:`_around`'s total, summed here as arrays) is within rounding
+        of the heaviest of their group's (:meth:`_heaviest_states`), in order; ``totals``: and those
+        sums."""
         a = state_arrays(self.states)
         m = self.mem.s.micro_batches
         v = len(self.stages)
-        per = np.zeros(3 * v)  # per micro-batch in flight, waiting for its weight pass, of a sent input gradient
+        # per micro-batch in flight, waiting for its weight pass, of a sent input gradient
+        per = np.zeros(3 * v)
         const = sum(self.st.held.values())
         idle = np.zeros((v, 12))
         for j, x in enumerate(self.stages):
@@ -189,8 +202,9 @@ class StagedRank:
             const += m * (p["kept"] + p["grad_recv"]) if x.turn else 0.0
             for code in a.present[j]:
                 idle[j, code] = self._idle_total(j, code)
-        # (the running stage's own output, alive through its backward, is the same across a group); the other
-        # stages' gradients, units and weight-pass leftovers (the running one's are its moments')
+        # (the running stage's own output, alive through its backward, is the same across a group);
+        # the other stages' gradients, units and weight-pass leftovers (the running one's are its
+        # moments')
         others = idle[a.stage_index, a.codes]
         others[a.running] = 0.0
         total = a.counts @ per + others.sum(axis=1) + const
@@ -200,8 +214,9 @@ class StagedRank:
         return (near, total[keep].tolist()) if totals else near
 
     def _own_output(self, h: Held) -> float:
-        """The running stage's own output in :meth:`_around` (alive through its backward where it went to another
-        rank), which :meth:`_near_heaviest`'s sums leave out: the same across a group."""
+        """The running stage's own output in :meth:`_around` (alive through its backward where it
+        went to another rank), which :meth:`_near_heaviest`'s sums leave out: the same across a
+        group."""
         x = self.stages[h.local]
         return x.pipe["kept"] if x.sends and not x.turn and h.kind in "BI" else 0.0
 
@@ -221,15 +236,18 @@ class StagedRank:
             n, p = h.full[j] + h.waiting[j], x.pipe
             acts += n * (x.acts - p["recv_saved"])
             buffers += n * p["recv"] + (0 if x.turn else h.waiting[j] * p["grad_recv"])
-            # a stage's output lives to its micro-batch's backward (the runtime lets the send holding it go then,
-            # runtime/pp.py Sends), through it where it went to another rank; what it handed to the rank's next
-            # stage, and the gradient handed back, until the next step's (StageSums.turn)
+            # a stage's output lives to its micro-batch's backward (the runtime lets the send
+            # holding it go then, runtime/pp.py Sends), through it where it went to another rank;
+            # what it handed to the rank's next stage, and the gradient handed back, until the next
+            # step's (StageSums.turn)
             running = x.sends and not x.turn and j == h.local and h.kind in "BI"
             outputs += (m if x.turn else n + running) * p["kept"]
-            # an input gradient's send holds it until a lower stage of the rank runs that micro-batch's backward,
-            # or to the step's end on the rank's lowest stage (backwards run in the same order on every stage)
+            # an input gradient's send holds it until a lower stage of the rank runs that
+            # micro-batch's backward, or to the step's end on the rank's lowest stage (backwards run
+            # in the same order on every stage)
             gone = h.backwarded[j - 1] if j else 0
-            sent += (h.backwarded[j] - gone) * p["grad_sent"] + (m * p["grad_recv"] if x.turn else 0.0)
+            sent += (h.backwarded[j] - gone) * p["grad_sent"] + (m * p["grad_recv"] if x.turn
+                                                                 else 0.0)
             kept += h.waiting[j] * self._kept(j)
         terms = {"saved_activations": acts, "pipeline_buffers": buffers,
                  "pipeline_outputs": outputs, "pipeline_sent_gradients": sent,
@@ -264,7 +282,8 @@ class StagedRank:
             return 0.0
         return max(x.weight_grads - x.pipe["grad_recv"], 0.0)
 
-    def _grads(self, j: int, state: int, numel: float, *, whole: bool = True) -> tuple[float, dict[str, float]]:
+    def _grads(self, j: int, state: int, numel: float, *,
+               whole: bool = True) -> tuple[float, dict[str, float]]:
         """(gradient bytes, terms) of ``numel`` parameters of stage ``j`` whose gradients are in
         ``state`` (:attr:`.schedule.Held.grads`): a pipelined FSDP stage accumulates them unsharded
         in float32 until its reduction (``fsdp_unsharded_grads``), sharded after it; ``whole``: a
@@ -320,7 +339,8 @@ class StagedRank:
         if forward:
             running["pipeline_outputs"] = 0.0
         out = []
-        # a backward after the stage's first: each op's new gradients are made beside those (memory.accumulating_op)
+        # a backward after the stage's first: each op's new gradients are made beside those
+        # (memory.accumulating_op)
         item = st.sum_item if h.grads[k] and not forward else 0
         for a, w, before, layer, kind, ops in self.layers[k]:
             if (kind == "forward") != forward:
@@ -331,8 +351,10 @@ class StagedRank:
                               regathered=h.backward_last[k] and not forward)
             fb = fb | self._left(k, h.weight_passed[k])
             work = "forward_working_set" if forward else "backward_working_set"
-            # every gradient exists: the op where the working set, saved bytes and new gradients weigh most (peak.py)
-            top = self._accumulating(ops, item) if h.grads[k] and not forward else (None, 0.0, 0.0, 0.0, 0.0)
+            # every gradient exists: the op where the working set, saved bytes and new gradients
+            # weigh most (peak.py)
+            top = (self._accumulating(ops, item) if h.grads[k] and not forward
+                   else (None, 0.0, 0.0, 0.0, 0.0))
             for op, dw, da, dbefore, made in (top, *(ops if per_op else ())):
                 later = 0.0 if forward else x.params - (before - x.params_start) - dbefore
                 # before the stage's first backward ends, only the parameters read after this op
@@ -345,7 +367,8 @@ class StagedRank:
         return out
 
     def _accumulating(self, ops: tuple, item: int) -> tuple:
-        """:func:`.memory.accumulating_op` of a run's op deltas, made once (every state weighs it)."""
+        """:func:`.memory.accumulating_op` of a run's op deltas, made once (every state weighs
+        it)."""
         hit = self.accumulating.get(id(ops))
         if hit is None:
             hit = self.accumulating[id(ops)] = accumulating_op(ops, item)

@@ -1,5 +1,6 @@
-"""What the cost model sums: one layer's per-micro-batch terms (:class:`LayerTerms`), and per pipeline rank
-the sums over its layers (:class:`RankSums`) that its step time and memory moments are made of."""
+"""What the cost model sums: one layer's per-micro-batch terms (:class:`LayerTerms`), and per
+pipeline rank the sums over its layers (:class:`RankSums`) that its step time and memory moments are
+made of."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ class LayerTerms:
     fwd: float
     bwd: float
     sel: float
-    """seconds selective recompute adds in backward (the memory-bound ops and every other weight matmul again)"""
+    """seconds selective recompute adds in backward (the memory-bound ops and every other weight
+    matmul again)"""
     act: dict[str, float]
     """saved activation bytes by recompute mode"""
     params_local: float
@@ -25,47 +27,51 @@ class LayerTerms:
     out_bytes: float = 0.0
     work_bytes: float = 0.0
     flops: float = 0.0
-    """forward + backward FLOPs of one micro-batch as they run (global, not per rank: hardware FLOPs but
-    recompute's)"""
+    """forward + backward FLOPs of one micro-batch as they run (global, not per rank: hardware FLOPs
+    but recompute's)"""
     fwd_flops: float = 0.0
     quad_flops: float = 0.0
-    """forward FLOPs selective recompute runs again (attention scores, every other weight matmul; global)"""
+    """forward FLOPs selective recompute runs again (attention scores, every other weight matmul;
+    global)"""
     largest_param: float = 0.0
     """numel of the layer's largest local parameter"""
     tp_exposed: float = 0.0
-    """seconds of the TP collectives not hidden behind compute: sum(tp_comm) x (1 - overlap_tp), plus expert
-    parallelism's all-to-alls (in tp_comm too), which the tokens wait for"""
+    """seconds of the TP collectives not hidden behind compute: sum(tp_comm) x (1 - overlap_tp),
+    plus expert parallelism's all-to-alls (in tp_comm too), which the tokens wait for"""
     experts_local: float = 0.0
-    """numel of the layer's expert parameters on one rank under expert parallelism (ep > 1; else 0: they count as
-    any other parameter)"""
+    """numel of the layer's expert parameters on one rank under expert parallelism (ep > 1; else 0:
+    they count as any other parameter)"""
     a2a_fwd: float = 0.0
     """seconds of the forward all-to-alls of expert parallelism (full recompute runs them again)"""
     tp_step: float = 0.0
-    """seconds of TP collectives run once per step, not per micro-batch: the all-reduce of the weight gradients of
-    key/value projections TP repeats (``LayerProfile.at_tp``)"""
+    """seconds of TP collectives run once per step, not per micro-batch: the all-reduce of the
+    weight gradients of key/value projections TP repeats (``LayerProfile.at_tp``)"""
     freed: float = 0.0
     """saved bytes of this layer already freed at its backward peak (:func:`.memory.peak_op`), with
     ``work_bytes`` the gradients held then"""
     later_params: float = 0.0
-    """local parameters (numel) of this layer whose gradients exist at its backward peak (read by later ops)"""
+    """local parameters (numel) of this layer whose gradients exist at its backward peak (read by
+    later ops)"""
     op_deltas: tuple[tuple[int, float, float, float, float], ...] = ()
-    """per op of the layer whose backward runs: (its graph index, its working set, the saved bytes still alive and
-    the local parameters whose gradients do not exist yet there, each less the peak op's, and the local parameters
-    whose gradients its backward makes: :func:`.memory.op_deltas`): the layer's moment at that op
-    (:meth:`Evaluator.rank_moments` with ``per_op``)"""
+    """per op of the layer whose backward runs: (its graph index, its working set, the saved bytes
+    still alive and the local parameters whose gradients do not exist yet there, each less the peak
+    op's, and the local parameters whose gradients its backward makes: :func:`.memory.op_deltas`):
+    the layer's moment at that op (:meth:`Evaluator.rank_moments` with ``per_op``)"""
     f8_weights_local: float = 0.0
-    """numel of the layer's local weights of float8 Linears (0 without float8): FSDP may gather them in float8"""
+    """numel of the layer's local weights of float8 Linears (0 without float8): FSDP may gather them
+    in float8"""
     cast_local: float = 0.0
-    """numel of the layer's local parameters autocast keeps a 16-bit copy of during forward and backward (0 unless
-    the precision is "autocast")"""
+    """numel of the layer's local parameters autocast keeps a 16-bit copy of during forward and
+    backward (0 unless the precision is "autocast")"""
     forward: dict[str, float] = field(default_factory=dict)
     whole_grads: float = 0.0
-    """numel by which its weight gradients outgrow its local parameters: a vocab-split (rowwise) Embedding's
-    gradient is the whole table on every TP rank (DTensor's embedding backward has no vocab-split strategy,
-    ``_embedding_ops.embedding_dense_backward_strategy``, torch 2.13: it is Partial) until FSDP lays it out as
-    the parameter at its reduction"""
-    """recompute ("none", "full", "selective") -> bytes the layer holds at its forward's largest moment ("none"), or
-    a recomputed layer beyond what it keeps at its recompute's (:func:`.memory.forward_peak`)"""
+    """numel by which its weight gradients outgrow its local parameters: a vocab-split (rowwise)
+    Embedding's gradient is the whole table on every TP rank (DTensor's embedding backward has no
+    vocab-split strategy, ``_embedding_ops.embedding_dense_backward_strategy``, torch 2.13: it is
+    Partial) until FSDP lays it out as the parameter at its reduction"""
+    """recompute ("none", "full", "selective") -> bytes the layer holds at its forward's largest
+    moment ("none"), or a recomputed layer beyond what it keeps at its recompute's
+    (:func:`.memory.forward_peak`)"""
     weight_grads: float = 0.0
     """bytes of gradients a zero-bubble input pass keeps for the weight pass
     (:func:`.memory.input_pass`)"""
@@ -90,23 +96,27 @@ class LayerTerms:
         return fwd * (2 if recompute != "none" else 1) + bwd
 
     def recompute_s(self, recompute: str) -> float:
-        """Seconds recompute adds in backward: the whole forward again (full, with its all-to-alls) or its
-        memory-bound ops and every other weight matmul (selective)."""
-        return self.fwd + self.a2a_fwd if recompute == "full" else self.sel if recompute == "selective" else 0.0
+        """Seconds recompute adds in backward: the whole forward again (full, with its all-to-alls)
+        or its memory-bound ops and every other weight matmul (selective)."""
+        return (self.fwd + self.a2a_fwd if recompute == "full" else self.sel
+                if recompute == "selective" else 0.0)
 
     def recompute_flops(self, recompute: str) -> float:
         """FLOPs recompute adds (hardware FLOPs, not model FLOPs)."""
-        return self.fwd_flops if recompute == "full" else self.quad_flops if recompute == "selective" else 0.0
+        return (self.fwd_flops if recompute == "full" else self.quad_flops
+                if recompute == "selective" else 0.0)
 
     def time_s(self, recompute: str) -> float:
-        """The layer's time for one micro-batch on one rank: forward + backward + recompute + exposed TP comm.
-        The one per-layer time formula: stage balancing uses it, and a pipeline rank's time is its sum."""
+        """The layer's time for one micro-batch on one rank: forward + backward + recompute +
+        exposed TP comm. The one per-layer time formula: stage balancing uses it, and a pipeline
+        rank's time is its sum."""
         return self.fwd + self.bwd + self.recompute_s(recompute) + self.tp_exposed
 
 
 @dataclass
 class RankSums:
-    """Per pipeline rank (index r), sums over its layers for one micro-batch, and the chain's FLOPs."""
+    """Per pipeline rank (index r), sums over its layers for one micro-batch, and the chain's
+    FLOPs."""
 
     fwdbwd: list[float]
     """forward + backward seconds"""
@@ -123,13 +133,15 @@ class RankSums:
     work: list[float]
     """the largest working set of one layer's backward (bytes)"""
     units: list[list[FsdpUnit]]
-    """the FSDP units (``fully_shard`` groups) in forward order, as ``export.values.fsdp_units`` makes them"""
+    """the FSDP units (``fully_shard`` groups) in forward order, as ``export.values.fsdp_units``
+    makes them"""
     largest: list[float]
     """the largest local parameter (numel)"""
     nofsdp: list[float]
     """parameters folded into the root FSDP unit (numel)"""
     p2p: list[tuple[int, int, float]]
-    """the cuts between ranks in stage order: (sending rank, receiving rank, bytes of one micro-batch)"""
+    """the cuts between ranks in stage order: (sending rank, receiving rank, bytes of one
+    micro-batch)"""
     experts: list[float] = field(default_factory=list)
     """local expert parameters under expert parallelism (numel; part of ``params``)"""
     experts_upto: list[dict[int, float]] = field(default_factory=list)
@@ -153,18 +165,19 @@ class RankSums:
     tensors: list[float] = field(default_factory=list)
     """trainable parameter tensors"""
     pipe: list[dict[str, float]] = field(default_factory=list)
-    """per rank, one micro-batch's bytes of the tensors crossing its pipeline cuts (:meth:`Evaluator.pipeline_sums`):
-    ``recv`` (received into a buffer per micro-batch), ``recv_saved`` (the part of them its layers' saved activations
-    count already), ``kept`` (its own outputs, kept until their backward, that its layers do not save),
-    ``grad_recv`` (the gradients sent back to it) and ``grad_sent`` (the gradients of its inputs it sends back)"""
+    """per rank, one micro-batch's bytes of the tensors crossing its pipeline cuts
+    (:meth:`Evaluator.pipeline_sums`): ``recv`` (received into a buffer per micro-batch),
+    ``recv_saved`` (the part of them its layers' saved activations count already), ``kept`` (its own
+    outputs, kept until their backward, that its layers do not save), ``grad_recv`` (the gradients
+    sent back to it) and ``grad_sent`` (the gradients of its inputs it sends back)"""
     bwd_layers: list[list[tuple[float, float, float, int, str]]] = field(default_factory=list)
-    """per run of layers, the moments its backward holds the most (:func:`moment_layers`), and its forward: (saved
-    activation bytes still alive, working set bytes, local parameters (numel) whose backward has not run yet, the
-    layer's index, "backward", "recompute" or "forward": its backward's largest op, its recompute's largest forward
-    moment, or, not recomputed, the run's last layer's forward's largest).
-    Backward runs from the last layer to the first, freeing each layer's saved tensors and leaving its gradients:
-    at layer l the saved tensors of later layers are gone and their gradients exist; a recomputed layer holds what
-    its recompute re-created"""
+    """per run of layers, the moments its backward holds the most (:func:`moment_layers`), and its
+    forward: (saved activation bytes still alive, working set bytes, local parameters (numel) whose
+    backward has not run yet, the layer's index, "backward", "recompute" or "forward": its
+    backward's largest op, its recompute's largest forward moment, or, not recomputed, the run's
+    last layer's forward's largest). Backward runs from the last layer to the first, freeing each
+    layer's saved tensors and leaving its gradients: at layer l the saved tensors of later layers
+    are gone and their gradients exist; a recomputed layer holds what its recompute re-created"""
 
     stages: list[list[StageSums]] = field(default_factory=list)
     """per rank holding several stages (:data:`.schedule.MULTI_STAGE`), its stages in chain order"""
@@ -175,21 +188,24 @@ class RankSums:
     layers: list[float] = field(default_factory=list)
     """per rank, its layers (count)"""
     full_recompute: list[float] = field(default_factory=list)
-    """per rank, its layers under full recompute (count): the caching allocator's reserve grows with them"""
+    """per rank, its layers under full recompute (count): the caching allocator's reserve grows with
+    them"""
 
     @classmethod
     def zeros(cls, pp: int) -> RankSums:
         z = [0.0] * pp
         return cls(list(z), list(z), list(z), [{} for _ in range(pp)], list(z), list(z), list(z),
-                   [[] for _ in range(pp)], list(z), list(z), [], list(z), tp_step=list(z), casts=list(z),
-                   f8_weights=list(z), cpu_ops=list(z), cpu_tp=list(z), tensors=list(z),
-                   bwd_layers=[[] for _ in range(pp)], pipe=[pipe_sums() for _ in range(pp)],
-                   stages=[[] for _ in range(pp)], input_layers=[[] for _ in range(pp)], layers=list(z),
-                   experts_upto=[{} for _ in range(pp)],
-                   full_recompute=list(z), whole_grads=list(z))
+                   [[] for _ in range(pp)], list(z), list(z), [], list(z), tp_step=list(z),
+                   casts=list(z), f8_weights=list(z), cpu_ops=list(z), cpu_tp=list(z),
+                   tensors=list(z), bwd_layers=[[] for _ in range(pp)],
+                   pipe=[pipe_sums() for _ in range(pp)], stages=[[] for _ in range(pp)],
+                   input_layers=[[] for _ in range(pp)], layers=list(z),
+                   experts_upto=[{} for _ in range(pp)], full_recompute=list(z),
+                   whole_grads=list(z))
 
     def per_micro_batch(self, r: int) -> float:
-        """Rank ``r``'s time for one micro-batch: the sum of its layers' :meth:`LayerTerms.time_s`."""
+        """Rank ``r``'s time for one micro-batch: the sum of its layers'
+        :meth:`LayerTerms.time_s`."""
         return self.fwdbwd[r] + self.rec[r] + self.tpc[r]
 
 
@@ -202,9 +218,10 @@ class CommTime:
     exposed: float = 0.0
 
     def record(self, kind: str, total: float, exposed: float, contention: float) -> float:
-        """Add ``total`` seconds of ``kind``, ``exposed`` of them on the critical path; the rest runs beside
-        compute and slows it by ``contention`` seconds per second (``Factors.overlap_contention``), kept as the
-        kind "contention" (all of it exposed). Returns the seconds the step gains."""
+        """Add ``total`` seconds of ``kind``, ``exposed`` of them on the critical path; the rest
+        runs beside compute and slows it by ``contention`` seconds per second
+        (``Factors.overlap_contention``), kept as the kind "contention" (all of it exposed). Returns
+        the seconds the step gains."""
         slowed = contention * max(total - exposed, 0.0)
         for key, t, e in ((kind, total, exposed), ("contention", slowed, slowed)):
             if t:
@@ -271,11 +288,12 @@ class InputLayer(NamedTuple):
 
 
 def shared_sums(sum_layers):
-    """``Evaluator.sum_layers`` made once per evaluator for each candidate alike in what it reads: the setting with
-    its ZeRO stage as 0 or 2, and each layer's choices. It reads the stage only through ``precision_of`` (16-bit
-    FSDP parameters under AMP from ZeRO 1 on) and the tied gradients' dtype (the same test), so ZeRO 1, 2 and 3 sum
-    alike (a test of the floor checks it); the search costs most meshes at three stages. The
-    :class:`RankSums` returned is shared: read it, never change it."""
+    """``Evaluator.sum_layers`` made once per evaluator for each candidate alike in what it reads:
+    the setting with its ZeRO stage as 0 or 2, and each layer's choices. It reads the stage only
+    through ``precision_of`` (16-bit FSDP parameters under AMP from ZeRO 1 on) and the tied
+    gradients' dtype (the same test), so ZeRO 1, 2 and 3 sum alike (a test of the floor checks it);
+    the search costs most meshes at three stages. The :class:`RankSums` returned is shared: read it,
+    never change it."""
 
     @functools.wraps(sum_layers)
     def shared(ev, s, choices):

@@ -1,7 +1,7 @@
-"""How a colwise projection's output is cut into parts, for the TP walk (:mod:`.tp_styles`): a split/chunk/slice of
-its sharded last dim (nanoGPT's fused ``c_attn(x).split(C, dim=2)``), a split of its heads after the view into heads
-(Falcon's multi-query ``query_key_value``), the view that names each piece's heads, and the :class:`Parts` they make
-(``LayerPlan.tp_parts``)."""
+"""How a colwise projection's output is cut into parts, for the TP walk (:mod:`.tp_styles`): a
+split/chunk/slice of its sharded last dim (nanoGPT's fused ``c_attn(x).split(C, dim=2)``), a split
+of its heads after the view into heads (Falcon's multi-query ``query_key_value``), the view that
+names each piece's heads, and the :class:`Parts` they make (``LayerPlan.tp_parts``)."""
 
 from __future__ import annotations
 
@@ -28,12 +28,13 @@ class Parts(NamedTuple):
     width: int
     """the output's features"""
     table: bool = False
-    """a head-indexed embedding (one column per head): its output stays split by heads, never packed or repeated"""
+    """a head-indexed embedding (one column per head): its output stays split by heads, never packed
+    or repeated"""
 
     @property
     def gathered(self) -> bool:
-        """Parts of different widths: no DTensor placement holds them, the runtime splits the weight as one block and
-        all-gathers the output."""
+        """Parts of different widths: no DTensor placement holds them, the runtime splits the weight
+        as one block and all-gathers the output."""
         return len(set(self.counts)) > 1
 
 
@@ -52,37 +53,41 @@ def _splits_last_dim(n) -> bool:
 
 
 def fused_cut(n, s_in, last, origin, pieces, width, by_name) -> str | None:
-    """None when ``n`` does not cut a colwise projection's output into parts; else :func:`_cut`'s answer. A cut is
-    a split/chunk/slice of a sharded last dim (nanoGPT's ``c_attn(x).split(C, dim=2)``), or of the heads dim of the
-    projection's whole output viewed as heads (Falcon's multi-query ``query_key_value``: ``view(B, T, -1, hd)``, then
-    ``split([heads, 1, 1], dim=-2)``: the query heads, one key head, one value head)."""
+    """None when ``n`` does not cut a colwise projection's output into parts; else :func:`_cut`'s
+    answer. A cut is a split/chunk/slice of a sharded last dim (nanoGPT's ``c_attn(x).split(C,
+    dim=2)``), or of the heads dim of the projection's whole output viewed as heads (Falcon's
+    multi-query ``query_key_value``: ``view(B, T, -1, hd)``, then ``split([heads, 1, 1], dim=-2)``:
+    the query heads, one key head, one value head)."""
     if s_in[0] in last and _splits_last_dim(n):
         why = _cut(n, s_in, origin, pieces, width)
         if not why:
             last.add(n.name)  # each piece is sharded on its last dim: a second cut is refused
         return why
     view = by_name.get(s_in[0])
-    if len(s_in) > 1 or role_of(n.op) != "split" or view is None or view.op_class != "view" or not view.inputs or \
-            view.inputs[0] not in origin or origin[view.inputs[0]][1] is not None or not view.out_shapes:
+    if (len(s_in) > 1 or role_of(n.op) != "split" or view is None or view.op_class != "view"
+            or not view.inputs or view.inputs[0] not in origin
+            or origin[view.inputs[0]][1] is not None or not view.out_shapes):
         return None
     heads = tuple(view.out_shapes[0])
     if not split_heads(by_name[view.inputs[0]].out_shapes[0], heads):
         return None
     outs = [tuple(o) for o in n.out_shapes]
-    if len(outs) < 2 or any(len(o) != len(heads) or o[:-2] != heads[:-2] or o[-1] != heads[-1] for o in outs):
+    if len(outs) < 2 or any(len(o) != len(heads) or o[:-2] != heads[:-2] or o[-1] != heads[-1]
+                            for o in outs):
         return None
-    return _cut(n, [view.inputs[0]], origin, pieces, width, heads=[o[-2] for o in outs], head_dim=heads[-1])
+    return _cut(n, [view.inputs[0]], origin, pieces, width, heads=[o[-2] for o in outs],
+                head_dim=heads[-1])
 
 
 def _cut(n, s_in, origin, pieces, width, *, heads=None, head_dim=1) -> str:
-    """Record the pieces ``n`` (a split/chunk/slice of a sharded last dim; with ``heads``: of so many heads each,
-    of ``head_dim`` features) cuts from a colwise projection's output (``origin``: node -> (projection, piece indices
-    or None for the whole output); ``pieces``: projection -> [[width, heads or None], ...]); "" when they can be
-    split part by part, else why not."""
+    """Record the pieces ``n`` (a split/chunk/slice of a sharded last dim; with ``heads``: of so
+    many heads each, of ``head_dim`` features) cuts from a colwise projection's output (``origin``:
+    node -> (projection, piece indices or None for the whole output); ``pieces``: projection ->
+    [[width, heads or None], ...]); "" when they can be split part by part, else why not."""
     src = origin.get(s_in[0])
     if len(s_in) > 1 or src is None or src[1] is not None:
-        return (f"{packet(n.op)} ({n.name}) cuts a sharded tensor that is not one projection's output along the "
-                "sharded dim")
+        return (f"{packet(n.op)} ({n.name}) cuts a sharded tensor that is not one projection's "
+                "output along the sharded dim")
     proj = src[0]
     outs = [tuple(o) for o in n.out_shapes]
     if heads is None and any(len(o) != len(n.in_shapes[0]) for o in outs):
@@ -91,16 +96,18 @@ def _cut(n, s_in, origin, pieces, width, *, heads=None, head_dim=1) -> str:
     if len(outs) > 1 and have:
         return f"its output is cut twice ({packet(n.op)} {n.name} after an earlier cut)"
     start = len(have)
-    have += [[int(o[-1]), None] for o in outs] if heads is None else [[int(h * head_dim), int(h)] for h in heads]
+    have += [[int(o[-1]), None] for o in outs] if heads is None else [[int(h * head_dim), int(h)]
+                                                                      for h in heads]
     if sum(w for w, _ in have) > width[proj]:
-        return (f"the pieces cut from its output ({', '.join(str(w) for w, _ in have)} features) overlap: more than "
-                f"its {width[proj]} outputs")
+        return (f"the pieces cut from its output ({', '.join(str(w) for w, _ in have)} features) "
+                f"overlap: more than its {width[proj]} outputs")
     origin[n.name] = (proj, tuple(range(start, len(have))))
     return ""
 
 
 def name_heads(view, hc: int, src, origin, pieces, whole_heads) -> bool:
-    """Count ``hc`` heads for the projection output or piece a head-splitting ``view`` reads (False: not one)."""
+    """Count ``hc`` heads for the projection output or piece a head-splitting ``view`` reads (False:
+    not one)."""
     o = origin.get(src)
     if o is None:
         return False
@@ -118,7 +125,8 @@ def name_heads(view, hc: int, src, origin, pieces, whole_heads) -> bool:
 
 def parts_of(proj_width: int, cut: list[list] | None, heads: int | None) -> Parts | None:
     if cut:
-        if all(h for _, h in cut) and len({w // h for w, h in cut}) == 1 and all(w % h == 0 for w, h in cut):
+        if (all(h for _, h in cut) and len({w // h for w, h in cut}) == 1
+            and all(w % h == 0 for w, h in cut)):
             return Parts(tuple(h for _, h in cut), True, proj_width)
         return Parts(tuple(w for w, _ in cut), False, proj_width)
     if heads:
@@ -127,7 +135,8 @@ def parts_of(proj_width: int, cut: list[list] | None, heads: int | None) -> Part
 
 
 def split_heads(in_shape, out_shape) -> int | None:
-    """(B, T, D) -> (B, T, nh, hd) with nh * hd = D: the head count nh (the sharded outer factor)."""
+    """(B, T, D) -> (B, T, nh, hd) with nh * hd = D: the head count nh (the sharded outer
+    factor)."""
     if len(out_shape) <= len(in_shape):
         return None
     k = len(in_shape) - 1

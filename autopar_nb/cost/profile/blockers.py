@@ -7,11 +7,11 @@ from .facts import FLOAT, Facts
 
 
 def pp_blocker(f: Facts) -> str:
-    """Why pipeline stages cannot be cut between layers ("" when they can): ``runtime/pp_split.py`` traces
-    the model with ``torch.export`` (torch's ``pipeline()``), so a model only the eager fallback of
-    capture could record cannot be split. Anything else the layers pass on is a tensor the stages
-    send (a non-contiguous view as its contiguous copy, a value read further on passed through the
-    stages between)."""
+    """Why pipeline stages cannot be cut between layers ("" when they can): ``runtime/pp_split.py``
+    traces the model with ``torch.export`` (torch's ``pipeline()``), so a model only the eager
+    fallback of capture could record cannot be split. Anything else the layers pass on is a tensor
+    the stages send (a non-contiguous view as its contiguous copy, a value read further on passed
+    through the stages between)."""
     if f.graph.tracer != "torch.export":
         return (f"pipelining traces the model with torch.export, which could not trace "
                 f"{f.graph.model_type} (capture recorded an eager forward pass instead); make the "

@@ -17,10 +17,12 @@ def count_comms(layers: dict[str, LayerProfile], f: Facts) -> None:
     done: set[tuple[str, str]] = set()
     gathered = {f.tp.region_of[k] for k, pp in f.tp.parts.items() if pp.gathered}
     for lp, n in in_layers(layers, f):
-        if n.name in f.tp.shared:  # the shared piece's gradient, all-reduced over the TP ranks in backward
+        # the shared piece's gradient, all-reduced over the TP ranks in backward
+        if n.name in f.tp.shared:
             first, end, _ = f.tp.shared[n.name]
             size, share = f.size[n.name], (end - first) / int(n.out_shapes[0][-1])
-            lp.comms.append(Comm("all_reduce", size.nbytes * share, size.numel * share * min(size.itemsize, 2), "bwd"))
+            lp.comms.append(Comm("all_reduce", size.nbytes * share,
+                                 size.numel * share * min(size.itemsize, 2), "bwd"))
         style = f.tp.styles.get(n.name)
         split = splits_of(n.op).get(style) if style else None
         pp = f.tp.parts.get(n.name)

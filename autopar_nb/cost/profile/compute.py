@@ -123,9 +123,9 @@ def _amp_bytes(n, f: Facts, fa: Facts, *, low_params: bool) -> float:
 
 
 def count_keys_values(layers: dict[str, LayerProfile], f: Facts) -> None:
-    """Bytes of the keys and values every attention op reads (SDPA's second and third inputs), of its
-    queries (the size of its output too), and which ops they are: context parallelism's ring runs
-    there."""
+    """Bytes of the keys and values every attention op reads (SDPA's second and third inputs), of
+    its queries (the size of its output too), and which ops they are: context parallelism's ring
+    runs there."""
     for k, n in enumerate(f.graph.nodes):
         lp = layers.get(n.layer)
         if lp is None or n.op_class != "attention" or len(n.in_shapes) < 3:

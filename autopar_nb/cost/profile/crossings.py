@@ -57,13 +57,13 @@ def _boundary_bytes(layers: dict[str, LayerProfile], f: Facts
 def count_crossings(f: Facts, amp: dict[str, Facts],
                     first_saver: dict[str, str]) -> list[list[Crossing]]:
     """Per layer index k, the tensors a pipeline cut right before layer k sends, as
-    ``runtime/pp_graph.py``'s ``chain_stages`` passes them: every value made before k (or a model input)
-    that an op at or after k reads, once each (a value read further on is passed through every stage
-    between). A node outside every layer (code in a model's own forward between its modules)
-    belongs to the layer before it, as a cut at the next layer's start leaves it. Only a layer's
-    first call moves the position: T5's stacks call their dropout again after the final norm, and
-    that second call runs where the graph has it, in the layer before. ``first_saver``: storage ->
-    the layer whose op saves it first (:func:`.saved.count_saved`)."""
+    ``runtime/pp_graph.py``'s ``chain_stages`` passes them: every value made before k (or a model
+    input) that an op at or after k reads, once each (a value read further on is passed through
+    every stage between). A node outside every layer (code in a model's own forward between its
+    modules) belongs to the layer before it, as a cut at the next layer's start leaves it. Only a
+    layer's first call moves the position: T5's stacks call their dropout again after the final
+    norm, and that second call runs where the graph has it, in the layer before. ``first_saver``:
+    storage -> the layer whose op saves it first (:func:`.saved.count_saved`)."""
     index = {lay.path: i for i, lay in enumerate(f.graph.layers)}
     where: dict[str, int] = {name: -1 for name in f.size if name not in f.by_name}  # model inputs
     last_read: dict[str, int] = {}
@@ -90,26 +90,29 @@ def count_crossings(f: Facts, amp: dict[str, Facts],
 
 
 def stage_start_refusals(graph) -> dict[int, str]:
-    """Layer index -> why no pipeline stage may start at that layer, whatever the stage's other layers (the starts
-    the planner places stages at). ``pipeline()`` cuts the traced graph at the first call of each stage's first
-    layer, and torch's ``split_module`` then orders the stages by the values they read from one another; two rules
-    follow, true of any model,
+    """Layer index -> why no pipeline stage may start at that layer, whatever the stage's other
+    layers (the starts the planner places stages at). ``pipeline()`` cuts the traced graph at the
+    first call of each stage's first layer, and torch's ``split_module`` then orders the stages by
+    the values they read from one another; two rules follow, true of any model,
 
-    * a layer the forward calls again after another layer's ops (T5's stack dropout, after the embedding and after
-      the final norm) would start a stage at each of its calls;
-    * a stage must read a value the stage before it computed from the model's inputs or parameters: otherwise
-      nothing orders it after the one before, and a split may run it first (a rotary table or learned position
-      embedding reads only positions made from nothing, ``arange``, which context parallelism hands in as
-      ``position_ids``: a stage of the rotary table alone then ran before stage 0 and its successor was called
-      without the hidden states, "forward() missing 2 required positional arguments");
+    * a layer the forward calls again after another layer's ops (T5's stack dropout, after the
+      embedding and after the final norm) would start a stage at each of its calls;
+    * a stage must read a value the stage before it computed from the model's inputs or parameters:
+      otherwise nothing orders it after the one before, and a split may run it first (a rotary table
+      or learned position embedding reads only positions made from nothing, ``arange``, which
+      context parallelism hands in as ``position_ids``: a stage of the rotary table alone then ran
+      before stage 0 and its successor was called without the hidden states, "forward() missing 2
+      required positional arguments");
 
-    and a third, of the runtime: every stage holds parameters (Phi's ``embed_dropout`` and ``rotary_emb`` made a
-    stage of their own, which DDP refused to wrap; a rank holding only such a stage would build an optimizer over
-    no parameters, which torch refuses too). Here a layer is refused where it alone breaks the last two (it reads
-    nothing the layer before computed, or holds no parameters): a stage of whole runs of such starts always meets
-    them. :func:`refused_stages` checks a whole plan's stages by the rules themselves.
+    and a third, of the runtime: every stage holds parameters (Phi's ``embed_dropout`` and
+    ``rotary_emb`` made a stage of their own, which DDP refused to wrap; a rank holding only such a
+    stage would build an optimizer over no parameters, which torch refuses too). Here a layer is
+    refused where it alone breaks the last two (it reads nothing the layer before computed, or holds
+    no parameters): a stage of whole runs of such starts always meets them. :func:`refused_stages`
+    checks a whole plan's stages by the rules themselves.
 
-    Positions as :func:`count_crossings` has them (a node outside every layer belongs to the layer before)."""
+    Positions as :func:`count_crossings` has them (a node outside every layer belongs to the layer
+    before)."""
     return starts_refused([lay.path for lay in graph.layers], stage_rules(graph))
 
 
@@ -118,19 +121,21 @@ def starts_refused(paths: list[str], rules: StageRules) -> dict[int, str]:
     out = dict(rules.refused)
     for k in range(1, len(paths)):
         if (k - 1, k) not in rules.reads:
-            out.setdefault(k, f"it reads nothing {paths[k - 1]} computed, so nothing orders its stage after the one "
-                              "before")
+            out.setdefault(k, f"it reads nothing {paths[k - 1]} computed, so nothing orders its "
+                              "stage after the one before")
         if not rules.params[k]:
-            out.setdefault(k, "it holds no parameters of its own: a stage of such layers alone would hold none "
-                              "(DDP refuses to wrap it, and a rank with no other stage has nothing to optimise)")
+            out.setdefault(k, "it holds no parameters of its own: a stage of such layers alone "
+                              "would hold none (DDP refuses to wrap it, and a rank with no other "
+                              "stage has nothing to optimise)")
     return dict(sorted(out.items()))
 
 
 @dataclass(frozen=True)
 class StageRules:
-    """What the rules of :func:`stage_start_refusals` read from a graph: ``refused``, layer index -> why no stage
-    may start there at all (called more than once, never called); ``reads``, the positions (q, p), q < p, where an
-    op at p reads a value computed (from the model's inputs or parameters) at q; ``params``, each layer's count."""
+    """What the rules of :func:`stage_start_refusals` read from a graph: ``refused``, layer index ->
+    why no stage may start there at all (called more than once, never called); ``reads``, the
+    positions (q, p), q < p, where an op at p reads a value computed (from the model's inputs or
+    parameters) at q; ``params``, each layer's count."""
 
     refused: dict[int, str]
     reads: frozenset[tuple[int, int]]
@@ -142,14 +147,16 @@ def stage_rules(graph) -> StageRules:
     index = {lay.path: i for i, lay in enumerate(graph.layers)}
     made = {n.name for n in graph.nodes}
     where: dict[str, int] = {}
-    computed: set[str] = set()  # values that depend on an input or a parameter (not on constants alone)
+    # values that depend on an input or a parameter (not on constants alone)
+    computed: set[str] = set()
     reads: set[tuple[int, int]] = set()
     out: dict[int, str] = {}
     at, last, done = 0, None, set()
     for n in graph.nodes:
         if n.layer in index and n.layer != last:
             if n.layer in done:
-                out.setdefault(index[n.layer], "the forward calls it more than once, and a stage would start at "
+                out.setdefault(index[n.layer],
+                               "the forward calls it more than once, and a stage would start at "
                                                "each call")
             else:
                 at = index[n.layer]
@@ -159,7 +166,8 @@ def stage_rules(graph) -> StageRules:
         where[n.name] = at
         if n.params or any(i not in made or i in computed for i in n.inputs):
             computed.add(n.name)
-        reads |= {(where[i], at) for i in n.inputs if i in computed and i in where and where[i] < at}
+        reads |= {(where[i], at) for i in n.inputs if i in computed and i in where
+                  and where[i] < at}
     for k in range(1, len(graph.layers)):
         if graph.layers[k].path not in done | {last}:
             out[k] = "the forward never calls it"
@@ -167,33 +175,36 @@ def stage_rules(graph) -> StageRules:
 
 
 def refused_stages(paths: list[str], rules: StageRules, stages: list[int]) -> str:
-    """Why a whole plan's stages (``stages``: each layer's, in order) cannot run, in one sentence naming the layer a
-    stage starts at, the reason and what to do instead; "" when they can. Exactly the rules of
-    :func:`stage_start_refusals`, each stage judged as a whole: a stage may start at a layer that alone reads
-    nothing the layer before computed (LLaMA's rotary table) when a later layer of the stage does (the first
-    decoder layer reads the hidden states), and at a layer without parameters when the stage holds some."""
+    """Why a whole plan's stages (``stages``: each layer's, in order) cannot run, in one sentence
+    naming the layer a stage starts at, the reason and what to do instead; "" when they can. Exactly
+    the rules of :func:`stage_start_refusals`, each stage judged as a whole: a stage may start at a
+    layer that alone reads nothing the layer before computed (LLaMA's rotary table) when a later
+    layer of the stage does (the first decoder layer reads the hidden states), and at a layer
+    without parameters when the stage holds some."""
     starts = [0] + [k for k in range(1, len(stages)) if stages[k] != stages[k - 1]]
     ends = [*starts[1:], len(stages)]
     for prev, i, end in zip(starts, starts[1:], ends[1:], strict=False):
         span = f"{paths[i]}" + (f" to {paths[end - 1]}" if end - 1 > i else "")
         why = rules.refused.get(i) or (
             "" if any(prev <= q < i <= p < end for q, p in rules.reads) else
-            f"its stage ({span}) reads nothing stage {stages[prev]} computed, so nothing orders it after the one "
-            "before") or (
+            f"its stage ({span}) reads nothing stage {stages[prev]} computed, so nothing orders it "
+            "after the one before") or (
             "" if sum(rules.params[i:end]) else
-            f"its stage ({span}) holds no parameters (DDP refuses to wrap it, and a rank with no other stage has "
-            "nothing to optimise)")
+            f"its stage ({span}) holds no parameters (DDP refuses to wrap it, and a rank with no "
+            "other stage has nothing to optimise)")
         if why:
-            return _refusal(paths, starts_refused(paths, rules), i - 1, stages[prev], i, stages[i], why)
+            return _refusal(paths, starts_refused(paths, rules), i - 1, stages[prev], i, stages[i],
+                            why)
     return ""
 
 
 def refused_stage_start(paths: list[str], refusals: dict[int, str], stages: dict[int, int]) -> str:
-    """Why stages set by hand cannot run, in one sentence naming the layer, the reason and what to do instead; ""
-    when they may. ``stages``: layer index -> stage, for some layers (pins) or all (a plan's); the first layer is on
-    stage 0 unless given. ``refusals``: :func:`stage_start_refusals`. A stage is forced to start at a refused layer
-    where a layer is given a later stage than the given one before it and every layer between is refused: the
-    partition may move a stage start only onto a layer between them."""
+    """Why stages set by hand cannot run, in one sentence naming the layer, the reason and what to
+    do instead; "" when they may. ``stages``: layer index -> stage, for some layers (pins) or all (a
+    plan's); the first layer is on stage 0 unless given. ``refusals``: :func:`stage_start_refusals`.
+    A stage is forced to start at a refused layer where a layer is given a later stage than the
+    given one before it and every layer between is refused: the partition may move a stage start
+    only onto a layer between them."""
     known = sorted(({0: 0} | stages).items())
     for (j, a), (i, s) in zip(known, known[1:], strict=False):
         if s > a and all(k in refusals for k in range(j + 1, i + 1)):
@@ -201,19 +212,21 @@ def refused_stage_start(paths: list[str], refusals: dict[int, str], stages: dict
     return ""
 
 
-def pinned_glue(paths: list[str], rules: StageRules, refusals: dict[int, str], stages: dict[int, int]
-                ) -> tuple[frozenset[int], str]:
-    """The layers that stay in the stage of the layer before them for a partition honouring the pins ``stages``
-    (layer index -> stage), and why the pins cannot run ("" when they can). Where a pin forces a stage to start at
-    a layer ``refusals`` has (:func:`refused_stage_start`), the start is kept when its stage can meet the rules as a
-    whole (:func:`refused_stages`): the layers after it up to the first that reads something the unit before
-    computed, with parameters among them, are glued to it (LLaMA's rotary table with model.layers.0)."""
+def pinned_glue(paths: list[str], rules: StageRules, refusals: dict[int, str],
+                stages: dict[int, int]) -> tuple[frozenset[int], str]:
+    """The layers that stay in the stage of the layer before them for a partition honouring the pins
+    ``stages`` (layer index -> stage), and why the pins cannot run ("" when they can). Where a pin
+    forces a stage to start at a layer ``refusals`` has (:func:`refused_stage_start`), the start is
+    kept when its stage can meet the rules as a whole (:func:`refused_stages`): the layers after it
+    up to the first that reads something the unit before computed, with parameters among them, are
+    glued to it (LLaMA's rotary table with model.layers.0)."""
     glued = set(refusals)
     known = sorted(({0: 0} | stages).items())
     for (j, a), (i, s) in zip(known, known[1:], strict=False):
         if not (s > a and all(k in glued for k in range(j + 1, i + 1))):
             continue
-        unit = max((k for k in range(i) if k not in glued), default=0)  # the first layer of the unit before
+        # the first layer of the unit before
+        unit = max((k for k in range(i) if k not in glued), default=0)
         end = next((m for m in range(i, len(paths)) if sum(rules.params[i:m + 1])
                     and any(unit <= q < i <= p <= m for q, p in rules.reads)), None)
         clash = next((k for k in range(i + 1, (end or i) + 1) if stages.get(k, s) != s), None)
@@ -223,8 +236,12 @@ def pinned_glue(paths: list[str], rules: StageRules, refusals: dict[int, str], s
     return frozenset(glued), ""
 
 
-def _refusal(paths: list[str], refusals: dict[int, str], j: int, a: int, i: int, s: int, why: str) -> str:
-    """Stage ``s`` cannot start at layer ``i`` (``why``), the layer ``j`` before it on stage ``a``: what to do."""
+def _refusal(paths: list[str], refusals: dict[int, str], j: int, a: int, i: int, s: int,
+             why: str) -> str:
+    """Stage ``s`` cannot start at layer ``i`` (``why``), the layer ``j`` before it on stage ``a``:
+    what to do."""
     start = next((k for k in range(i + 1, len(paths)) if k not in refusals), None)
-    instead = f"start it at {paths[start]}" if start is not None else "no later layer may start a stage"
-    return f"stage {s} cannot start at {paths[i]}: {why}; {instead}, or keep {paths[i]} on stage {a} with {paths[j]}"
+    instead = f"start it at {paths[start]}" if start is not None else ("no later layer may start a "
+                                                                       "stage")
+    return (f"stage {s} cannot start at {paths[i]}: {why}; {instead}, or keep {paths[i]} on stage "
+            f"{a} with {paths[j]}")

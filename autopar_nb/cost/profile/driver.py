@@ -103,16 +103,18 @@ def profile(graph, *, device_kind: str = "cuda", fp32_ops=(),
         tp_refused={f.by_name[k].module_path: why for k, why in refused.items()},
         tp_whole={f.by_name[k].module_path: why for k, why in f.tp.whole.items()},
         pp_blocker=pp_blocker(f), sp_blocker=sp.refused, sp_end=sp.why_last,
-        sp_before=[_index(graph, p) for p in sp.before], sp_last=last, sp_gather=_index(graph, sp.gather),
+        sp_before=[_index(graph, p) for p in sp.before], sp_last=last,
+        sp_gather=_index(graph, sp.gather),
         sp_gather_comms=_gather_comms(crossings, last, sp.gather),
         cp_blocker=cp_blocker(graph, device_kind), crossings=crossings,
         pp_glued=stage_start_refusals(graph))
 
 
 def _gather_comms(crossings: list[list[Crossing]], last: int | None, gather: str) -> list[Comm]:
-    """The collectives of the gather that ends sequence parallelism after layer ``last``: the shards made up to
-    ``last`` that enter the next layer with parameters, all-gathered in forward, their gradient reduce-scattered
-    in backward (``planner.styles``' ``GATHER``: a ``PrepareModuleInput`` from ``Shard(1)`` to ``Replicate()``)."""
+    """The collectives of the gather that ends sequence parallelism after layer ``last``: the shards
+    made up to ``last`` that enter the next layer with parameters, all-gathered in forward, their
+    gradient reduce-scattered in backward (``planner.styles``' ``GATHER``: a ``PrepareModuleInput``
+    from ``Shard(1)`` to ``Replicate()``)."""
     if last is None:
         return []
     into = [c for c in crossings[last + 1] if 0 <= c.made <= last]

@@ -63,9 +63,11 @@ def graph_facts(graph, refused: dict[str, str], device_kind: str = "cuda") -> Fa
     by_name = {n.name: n for n in graph.nodes}
     size, dtype = _sizes(graph)
     numels = {n.name: size[n.name].numel for n in graph.nodes}
-    # modules whose split forward failed on stand-in tensors at plan time (planner/forward.py) stay whole
+    # modules whose split forward failed on stand-in tensors at plan time (planner/forward.py) stay
+    # whole
     kept = getattr(graph, "tp_refused", {})
-    keep = {n.name: why for n in graph.nodes for m, why in kept.items() if n.params and within(n.module_path, m)}
+    keep = {n.name: why for n in graph.nodes for m, why in kept.items() if n.params
+            and within(n.module_path, m)}
     refused.update(keep)
     tp = Walk(*tp_walk(graph, by_name, numels, refused, keep))
     root, noncontig = _storages(graph.nodes, device_kind, dtype)
@@ -237,8 +239,9 @@ def _attention_scores(nodes) -> set[str]:
 
 
 def returns_input(n, f: Facts) -> bool:
-    """Op ``n`` (not a view) hands back its input tensor and runs no kernel (:func:`_returns_input`: dropout
-    with p = 0, ``.to`` its own dtype, ``contiguous`` of a contiguous tensor): it moves no bytes."""
+    """Op ``n`` (not a view) hands back its input tensor and runs no kernel (:func:`_returns_input`:
+    dropout with p = 0, ``.to`` its own dtype, ``contiguous`` of a contiguous tensor): it moves no
+    bytes."""
     return n.op_class != "view" and f.root.get(n.name, n.name) != n.name
 
 
@@ -251,8 +254,9 @@ def in_layers(layers: dict[str, LayerProfile], f: Facts):
 
 
 def weight_matmul(n) -> bool:
-    """Op ``n`` runs as one ``mm`` / ``addmm`` kernel (a Linear, a Conv1D's ``addmm``, ``x @ w`` of a
-    2-D right operand): what ``runtime/ac.py``'s selective recompute counts (``ALTERNATE_OPS``)."""
+    """Op ``n`` runs as one ``mm`` / ``addmm`` kernel (a Linear, a Conv1D's ``addmm``, ``x @ w`` of
+    a 2-D right operand): what ``runtime/ac.py``'s selective recompute counts
+    (``ALTERNATE_OPS``)."""
     name = packet(n.op)
     if name in ("linear", "mm", "addmm"):
         return True
@@ -261,8 +265,8 @@ def weight_matmul(n) -> bool:
 
 
 def selective_recomputes(layers: dict[str, LayerProfile], f: Facts) -> frozenset[str]:
-    """The weight matmuls selective recompute runs again (``runtime/ac.py``): the second, fourth, ...
-    of each layer's forward."""
+    """The weight matmuls selective recompute runs again (``runtime/ac.py``): the second,
+    fourth, ... of each layer's forward."""
     count = dict.fromkeys(layers, 0)
     again = set()
     for lp, n in in_layers(layers, f):

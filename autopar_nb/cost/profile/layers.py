@@ -291,9 +291,9 @@ class LayerProfile:
     projections split into heads, fused projections cut into pieces, head-indexed embeddings (see
     :mod:`..tp_styles`)"""
     shared: dict[str, list[int]] = field(default_factory=dict)
-    """replicated projection -> its output's features [before, shared(, after)]: every head of the split attention
-    reads the second piece (MLA's rope key), whose gradient TP sums over its ranks (``LayerPlan.tp_parts`` of a
-    ``"shared"`` module)"""
+    """replicated projection -> its output's features [before, shared(, after)]: every head of the
+    split attention reads the second piece (MLA's rope key), whose gradient TP sums over its ranks
+    (``LayerPlan.tp_parts`` of a ``"shared"`` module)"""
     repeatable: dict[str, Repeatable] = field(default_factory=dict)
     """key/value projections (fewer heads than the query projection beside them): repeated, whole on
     every rank, when the TP degree exceeds their heads (:meth:`at_tp`)"""
@@ -312,7 +312,8 @@ class LayerProfile:
     dtype): what context parallelism's ring passes round the cp ranks"""
     kv_half: float = 0.0
     q_bytes: float = 0.0
-    """bytes of the queries the layer's attention ops read, the size of their outputs (captured dtype)"""
+    """bytes of the queries the layer's attention ops read, the size of their outputs (captured
+    dtype)"""
     q_half: float = 0.0
     attention_ops: tuple[int, ...] = ()
     """graph indices of the layer's attention ops"""
@@ -384,8 +385,8 @@ class GraphProfile:
     """module path -> why TP must not split it, even on a user's override (see
     ``tp_styles.tp_walk``)"""
     tp_whole: dict[str, str] = field(default_factory=dict)
-    """module path -> why TP keeps it whole (replicated): every Linear or Embedding the walk does not
-    split, in words (``tp_styles.Walk.whole``)"""
+    """module path -> why TP keeps it whole (replicated): every Linear or Embedding the walk does
+    not split, in words (``tp_styles.Walk.whole``)"""
     pp_blocker: str = ""
     """why pipeline stages cannot be cut between the layers ("" when they can; see
     :func:`.blockers.pp_blocker`)"""
@@ -404,8 +405,9 @@ class GraphProfile:
     sp_end: str = ""
     """why sequence parallelism ends at :attr:`sp_last`: what a shard would run wrong after it"""
     sp_before: list[int] = field(default_factory=list)
-    """indices of the layers with parameters before the first split block, embeddings aside (a norm of the
-    embeddings alone): the runtime cuts the sequence at that block, so they run on whole activations"""
+    """indices of the layers with parameters before the first split block, embeddings aside (a norm
+    of the embeddings alone): the runtime cuts the sequence at that block, so they run on whole
+    activations"""
     cp_blocker: str = ""
     """why context parallelism cannot split this model's sequences ("" when it can; see
     :func:`.blockers.cp_blocker`)"""
@@ -413,8 +415,8 @@ class GraphProfile:
     """layer index k -> the tensors a pipeline cut right before layer k would send
     (:func:`.crossings.count_crossings`)"""
     pp_glued: dict[int, str] = field(default_factory=dict)
-    """layer index -> why no pipeline stage may start there: it stays in the stage of the layer before
-    (:func:`.crossings.stage_start_refusals`)"""
+    """layer index -> why no pipeline stage may start there: it stays in the stage of the layer
+    before (:func:`.crossings.stage_start_refusals`)"""
 
     def sp_covers(self, i: int) -> bool:
         """Whether layer ``i``'s activations may be sequence shards under sequence parallelism."""

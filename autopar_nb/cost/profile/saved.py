@@ -118,8 +118,8 @@ def count_selective(layers: dict[str, LayerProfile], f: Facts, amp: dict[str, Fa
     """Each layer's :attr:`LayerProfile.selective` in the float32 forward (``f``) and under each
     autocast precision (``amp``): what the runtime's selective recompute (``runtime/ac.py``: torch's
     selective checkpoint with a policy that must save bmm/convolution/attention outputs and those of
-    every other weight matmul) keeps, besides the inputs the checkpoint holds (:func:`_selective_kept`
-    of each op)."""
+    every other weight matmul) keeps, besides the inputs the checkpoint holds
+    (:func:`_selective_kept` of each op)."""
     for precision, fp in (("fp32", f), *amp.items()):
         kept: dict[str, list[Saved]] = {path: [] for path in layers}
         again = selective_recomputes(layers, fp)

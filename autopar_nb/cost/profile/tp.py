@@ -21,21 +21,23 @@ def count_tp(layers: dict[str, LayerProfile], f: Facts) -> set[str]:
         style = f.tp.styles.get(n.name)
         if style:
             _count_styled(lp, n, style, f, kv, split_params)
-        if n.name in f.tp.shared:  # whole on every rank, a piece of its output's gradient summed over them
+        # whole on every rank, a piece of its output's gradient summed over them
+        if n.name in f.tp.shared:
             first, end, region = f.tp.shared[n.name]
             width = int(n.out_shapes[0][-1])
             lp.tp[n.module_path] = "shared"
             lp.shared[n.module_path] = [first, end - first] + ([width - end] if end < width else [])
             lp.regions.add(region)
-        if n.name in f.tp.per_head:  # whole on every rank, fed each rank's heads, its gradient summed over them
+        # whole on every rank, fed each rank's heads, its gradient summed over them
+        if n.name in f.tp.per_head:
             lp.tp[n.module_path] = "per_head"
             lp.regions.add(f.tp.per_head[n.name])
         norm_op = n.op_class == "norm" and "sequence_parallel" in splits_of(n.op)
         if (norm_op or _python_norm(n)) and n.name not in f.tp.sharded and n.module_path and \
                 n.params and n.module_path not in lp.norms:
             lp.norms.append(n.module_path)
-    # head-indexed tables go with their heads (runtime/heads.py's shard_head_tables), found by a layout run at plan
-    # time: a rank holds heads / tp of them
+    # head-indexed tables go with their heads (runtime/heads.py's shard_head_tables), found by a
+    # layout run at plan time: a rank holds heads / tp of them
     split_params.update(t for t in getattr(f.graph, "tp_tables", {}) if t in f.graph.params)
     owner = {m: lay.path for lay in f.graph.layers for m in lay.modules}
     # a module holding a shared weight without running is split with its users
@@ -58,8 +60,9 @@ def _count_styled(lp: LayerProfile, n, style: str, f: Facts, kv: set[str],
     lp.tp[n.module_path] = style
     lp.regions.add(f.tp.region_of.get(n.name, -1))
     pp = f.tp.parts.get(n.name)
-    # a rowwise projection's bias is added after the all-reduce, whole; so is that of a projection split part by
-    # part (runtime/layouts.py's PackedColwiseParallel keeps it whole: FSDP could not cut it part by part)
+    # a rowwise projection's bias is added after the all-reduce, whole; so is that of a projection
+    # split part by part (runtime/layouts.py's PackedColwiseParallel keeps it whole: FSDP could not
+    # cut it part by part)
     packed = pp is not None and len(pp.counts) > 1 and not pp.gathered and not pp.table
     for pname in n.params:
         pi = params.get(pname)
@@ -76,7 +79,8 @@ def _count_styled(lp: LayerProfile, n, style: str, f: Facts, kv: set[str],
     if pp is not None:
         lp.parts[n.module_path] = pp
     if n.name in kv:
-        # tp divides its heads (split) or is a multiple of them (repeated): planner.degrees.tp_blockers
+        # tp divides its heads (split) or is a multiple of them (repeated):
+        # planner.degrees.tp_blockers
         ps = [params[q] for q in n.params
               if q in params and not params[q].is_buffer and params[q].trainable]
         lp.repeatable[n.module_path] = Repeatable(min(pp.counts), n.flops, n.bwd_flops,
@@ -99,20 +103,21 @@ def _count_styled(lp: LayerProfile, n, style: str, f: Facts, kv: set[str],
 
 def _key_value_projections(f: Facts) -> set[str]:
     """Colwise ``nn.Linear`` nodes split into fewer heads than the query projection of their region
-    (GQA/MQA's key and value projections), or fused projections whose key/value parts have fewer heads
-    than their query part (Falcon's multi-query ``query_key_value``: 4 + 1 + 1 heads): TP may repeat
-    them (their weight whole on every rank) when it exceeds those heads."""
+    (GQA/MQA's key and value projections), or fused projections whose key/value parts have fewer
+    heads than their query part (Falcon's multi-query ``query_key_value``: 4 + 1 + 1 heads): TP may
+    repeat them (their weight whole on every rank) when it exceeds those heads."""
     most: dict[int, int] = {}
     single = {k: pp.counts[0] for k, pp in f.tp.parts.items()
               if len(pp.counts) == 1 and pp.heads and not pp.table}
     for k, h in single.items():
         r = f.tp.region_of[k]
         most[r] = max(most.get(r, 0), h)
-    fused = {k for k, pp in f.tp.parts.items() if len(pp.counts) > 1 and pp.heads and not pp.table and
-             min(pp.counts) < max(pp.counts) and all(max(pp.counts) % h == 0 for h in pp.counts)}
+    fused = {k for k, pp in f.tp.parts.items() if len(pp.counts) > 1 and pp.heads and not pp.table
+             and min(pp.counts) < max(pp.counts)
+             and all(max(pp.counts) % h == 0 for h in pp.counts)}
     return {k for k in fused if f.by_name[k].module_type == "Linear"} | {
-        k for k, h in single.items() if f.by_name[k].module_type == "Linear" and h < most[f.tp.region_of[k]]
-        and most[f.tp.region_of[k]] % h == 0}
+        k for k, h in single.items() if f.by_name[k].module_type == "Linear"
+        and h < most[f.tp.region_of[k]] and most[f.tp.region_of[k]] % h == 0}
 
 
 def _python_norm(n) -> bool:
