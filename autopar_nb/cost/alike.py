@@ -39,10 +39,10 @@ def stage_key(rank, k: int) -> tuple:
                default=0)
     return (st.gb / st.params if st.params else 0.0, st.pipelined, st.fsdp_stage, st.p_item,
             x.stage == 0, x.acts, x.params, x.weight_grads, x.whole_grads, x.sends, x.turn,
+            # a forward reads no parameters' count
             tuple(x.pipe.items()), tuple((a - x.acts_start, w, None if kind == "forward"
                                           else before - x.params_start, layer - base, kind, ops)
-                  # a forward reads no parameters' count
-                  for a, w, before, layer, kind, ops in layers),
+                                         for a, w, before, layer, kind, ops in layers),
             tuple((e.layer - base, e.work, e.ops, e.kept_upto) for e in inputs),
             tuple((u.first - base, u.last - base, u.numel) for u in units))
 

@@ -517,7 +517,7 @@ class _Walker:
             else:
                 self.conflicts.add(self.seeds[name],
                                    "its split output is a model output, not a vocabulary head's "
-                                                     "logits")
+                                   "logits")
         return head_node
 
 
