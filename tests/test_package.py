@@ -128,17 +128,19 @@ LONG_MODULES = {
     # not split yet: each may shrink, none may grow past its figure
     "cost/estimate.py": (674, "the Evaluator's layer terms, sums, step time and communication"),  # 580 at 120 columns
     "planner/search.py": (580, "mesh enumeration beside the per-layer search"),
-    # over 500 only since wrapped at 100 columns (488, 452, 493 and 460 lines at 120)
-    "widget/dot.py": (531, "the model graph's DOT: nodes, clusters, edges and their labels"),
-    "export/values.py": (522, "every value the exported script's template takes, from the plan"),
-    "capture/__init__.py": (532, "capture, its two tracers, the graph's layers and their order"),
-    "cost/tp_styles.py": (527, "the TP styles' propagation through the graph, region by region"),
+    # over 500 only since wrapped at 100 columns (the lines at 120 columns after each)
+    "widget/dot.py": (531, "the model graph's DOT: nodes, clusters, edges and their labels"),  # 488
+    "export/values.py": (522, "every value the exported script's template takes, from the plan"),  # 452
+    "capture/__init__.py": (532, "capture, its two tracers, the graph's layers and their order"),  # 493
+    "cost/tp_styles.py": (527, "the TP styles' propagation through the graph, region by region"),  # 460
+    "notebook/session.py": (516, "the notebook session: capture, plan, widget and runs"),  # 465
 }
 LONG_FUNCTIONS = {
     # the same: ceilings, to be split
     "cost/estimate.py:sum_layers": 95,  # 82
     # over 80 only since wrapped at 100 columns (the length at 120 columns after each)
     "cost/estimate.py:terms": 97,  # 80
+    "notebook/magic.py:autoparallel": 83,  # 75
     "export/parallelize.py:parallelize_source": 89,  # 66
     "export/settings.py:settings": 89,  # 70
     "export/values.py:script_values": 87,  # 73
@@ -170,7 +172,7 @@ def test_no_module_or_function_grows_past_its_size():
         assert set(listed) <= set(over), f"listed but no longer over {limit}: {sorted(set(listed) - set(over))}"
 
 
-WRAPPED_AT_100 = ("capture", "cost", "export", "launch", "runtime", "verify", "widget")
+WRAPPED_AT_100 = ("capture", "cost", "export", "notebook", "launch", "runtime", "verify", "widget")
 """the folders whose lines are wrapped at 100 columns; ruff's line length drops from 120 to 100 once every folder of
 the package is listed"""
 

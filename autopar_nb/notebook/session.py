@@ -1,7 +1,7 @@
 """Session: what ``%%autoparallel`` binds in the user's namespace (``ap`` by default).
 
-It holds the captured graph, the cluster, the cell's source and the user's constraints, and offers the same
-operations as the widget as plain Python calls.
+It holds the captured graph, the cluster, the cell's source and the user's constraints, and offers
+the same operations as the widget as plain Python calls.
 """
 
 from __future__ import annotations
@@ -23,28 +23,28 @@ MODES = ("auto", "semi", "manual")
 
 @dataclass
 class Session:
-    """One model cell: ``graph`` (the captured ModelGraph), ``cluster``, ``source`` (the cell code and names) and
-    the planning constraints. ``plan`` is the current Plan once a planner has run."""
+    """One model cell: ``graph`` (the captured ModelGraph), ``cluster``, ``source`` (the cell code
+    and names) and the planning constraints. ``plan`` is the current Plan once a planner has run."""
 
     graph: ModelGraph
     cluster: Cluster
     source: ModelSource
     global_batch: int | None = None
-    """samples per optimizer step (--batch; rows where a dataset's collate_fn makes several of each sample: what
-    the model trains on); None = the example inputs' batch size"""
+    """samples per optimizer step (--batch; rows where a dataset's collate_fn makes several of each
+    sample: what the model trains on); None = the example inputs' batch size"""
     per_rank_batch: int | None = None
-    """samples each data-parallel rank trains on whatever dp (the cell's ``make_batch``): it wins over
-    ``global_batch``, and each plan's global batch is this x its dp"""
+    """samples each data-parallel rank trains on whatever dp (the cell's ``make_batch``): it wins
+    over ``global_batch``, and each plan's global batch is this x its dp"""
     mode: str = "auto"
-    """auto: the planner chooses everything; semi: it honours pinned choices (--fix, override()); manual: --fix
-    must give the whole mesh and the planner only costs it"""
+    """auto: the planner chooses everything; semi: it honours pinned choices (--fix, override());
+    manual: --fix must give the whole mesh and the planner only costs it"""
     fix: dict[str, Any] = field(default_factory=dict)
     """pinned global choices, e.g. {"tp": 2, "zero_stage": 3}"""
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     """layer-path glob -> pinned per-layer choices, e.g. {"h.*.mlp": {"tp": "colwise-rowwise"}}"""
     steps: int | None = None
-    """the run's length in steps (--steps, ``replan(steps=...)``, the latest ``launch``'s): the plan weighs
-    torch.compile's start-up over them; None: the planner's default, torchtitan's 10,000"""
+    """the run's length in steps (--steps, ``replan(steps=...)``, the latest ``launch``'s): the plan
+    weighs torch.compile's start-up over them; None: the planner's default, torchtitan's 10,000"""
     plan: Plan | None = None
     _undo: list[tuple] = field(default_factory=list, repr=False)
     _redo: list[tuple] = field(default_factory=list, repr=False)
@@ -53,28 +53,32 @@ class Session:
     _widget: Any = field(default=None, repr=False, compare=False)
     measured_timelines: tuple | None = field(default=None, repr=False, compare=False)
     """(the plan measured, {pipeline rank: its MemoryTimeline with the measured curve}) after
-    ``memory_timeline(measure=True)``: what the widget draws beside that plan's predicted timeline"""
+    ``memory_timeline(measure=True)``: what the widget draws beside that plan's predicted
+    timeline"""
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r} unknown; choose one of {', '.join(MODES)}")
 
-    # ---- planning -----------------------------------------------------------------------------------------------
-    def replan(self, fix: dict[str, Any] | None = None, overrides: dict[str, dict[str, Any]] | None = None,
-               *, cluster: Cluster | None = None, top_k: int = 5, steps: int | None = None) -> Plan:
-        """Plan again with new constraints, a new cluster or a new run length in ``steps`` (None keeps the current
-        ones); return the new plan.
+    # ---- planning --------------------------------------------------------------------------------
+    def replan(self, fix: dict[str, Any] | None = None,
+               overrides: dict[str, dict[str, Any]] | None = None, *,
+               cluster: Cluster | None = None, top_k: int = 5, steps: int | None = None) -> Plan:
+        """Plan again with new constraints, a new cluster or a new run length in ``steps`` (None
+        keeps the current ones); return the new plan.
 
-        Atomic: if the planner rejects the constraints (PlanError saying which one fails and by how much memory),
-        the session keeps its previous constraints and plan. The previous state can be restored with undo().
+        Atomic: if the planner rejects the constraints (PlanError saying which one fails and by how
+        much memory), the session keeps its previous constraints and plan. The previous state can be
+        restored with undo().
         """
         fix = normalize_fix(self.fix if fix is None else fix)
         steps = self.steps if steps is None else steps
         overrides = copy.deepcopy(self.overrides if overrides is None else overrides)
         missing = [k for k in ("dp", "tp", "pp") if k not in fix]
         if self.mode == "manual" and missing:
-            raise PlanError(f"manual mode needs the whole mesh pinned: add {', '.join(f'{k}=N' for k in missing)} "
-                            f"to --fix (dp * tp * pp = {self.cluster.world_size} GPUs), or use --mode auto")
+            raise PlanError("manual mode needs the whole mesh pinned: add "
+                            f"{', '.join(f'{k}=N' for k in missing)} to --fix (dp * tp * pp = "
+                            f"{self.cluster.world_size} GPUs), or use --mode auto")
         cluster = cluster or self.cluster
         new = self._planned(fix, overrides, cluster, top_k=top_k, steps=steps)
         self._remember()
@@ -83,26 +87,30 @@ class Session:
         self._notify()
         return new
 
-    def _planned(self, fix: dict[str, Any], overrides: dict[str, dict[str, Any]], cluster: Cluster, *,
-                 top_k: int = 5, steps: int | None = None) -> Plan:
-        """The planner's plan for this session's model and batch under these constraints; the session unchanged."""
+    def _planned(self, fix: dict[str, Any], overrides: dict[str, dict[str, Any]], cluster: Cluster,
+                 *, top_k: int = 5, steps: int | None = None) -> Plan:
+        """The planner's plan for this session's model and batch under these constraints; the
+        session unchanged."""
         from ..planner import remembered_plan as make_plan
 
-        return make_plan(self.graph, cluster, global_batch=self.batch, per_rank_batch=self.per_rank_batch,
-                         seq_len=self.graph.seq_len, fix=fix, overrides=overrides, top_k=top_k,
+        return make_plan(self.graph, cluster, global_batch=self.batch,
+                         per_rank_batch=self.per_rank_batch, seq_len=self.graph.seq_len, fix=fix,
+                         overrides=overrides, top_k=top_k,
                          default_loss=self.source.loss_fn_var is None, steps=steps)
 
     def override(self, pattern: str, **choices: Any) -> Plan:
-        """Pin per-layer choices for every layer or module matching the glob ``pattern`` and re-plan (the seed's
-        semi-auto mode). Choices: ``tp`` ("colwise", "rowwise", "colwise-rowwise", "vocab", "sequence_parallel",
-        "replicate"), ``stage`` (pipeline stage), ``recompute`` ("none", "selective", "full"), ``fsdp`` (bool).
-        ``choices`` given as None un-pin those fields.
+        """Pin per-layer choices for every layer or module matching the glob ``pattern`` and re-plan
+        (the seed's semi-auto mode). Choices: ``tp`` ("colwise", "rowwise", "colwise-rowwise",
+        "vocab", "sequence_parallel", "replicate"), ``stage`` (pipeline stage), ``recompute``
+        ("none", "selective", "full"), ``fsdp`` (bool). ``choices`` given as None un-pin those
+        fields.
 
         >>> ap.override("h.*.mlp", tp="colwise-rowwise")
         >>> ap.override("h.10", stage=2)
         """
         overrides = copy.deepcopy(self.overrides)
-        # the entry moves last: the planner reads overrides in order, so the latest call wins where globs overlap
+        # the entry moves last: the planner reads overrides in order, so the latest call wins where
+        # globs overlap
         entry = {**overrides.pop(pattern, {}), **choices}
         entry = {k: v for k, v in entry.items() if v is not None}
         if entry:
@@ -110,9 +118,9 @@ class Session:
         return self.replan(overrides=overrides)
 
     def adopt(self, alternative: int | Plan) -> Plan:
-        """Make one of ``plan.alternatives`` (its index, or the Plan) the current plan as it is, pinning nothing:
-        the constraints stay those the user set, so the next edit re-plans from them. The plan it replaces joins the
-        alternatives; one undo() goes back.
+        """Make one of ``plan.alternatives`` (its index, or the Plan) the current plan as it is,
+        pinning nothing: the constraints stay those the user set, so the next edit re-plans from
+        them. The plan it replaces joins the alternatives; one undo() goes back.
 
         >>> ap.adopt(0)   # the next best plan, e.g. more micro-batches for less memory
         """
@@ -121,8 +129,8 @@ class Session:
         alts = list(self.plan.alternatives)
         if isinstance(alternative, int):
             if not 0 <= alternative < len(alts):
-                raise IndexError(f"alternative {alternative} does not exist: the plan has {len(alts)} "
-                                 f"alternative(s) (0..{len(alts) - 1})")
+                raise IndexError(f"alternative {alternative} does not exist: the plan has "
+                                 f"{len(alts)} alternative(s) (0..{len(alts) - 1})")
             chosen = alts[alternative]
         else:
             chosen = next((a for a in alts if a is alternative), None)
@@ -134,25 +142,28 @@ class Session:
         new.alternatives = sorted([previous, *(a for a in alts if a is not chosen)],
                                   key=lambda p: p.cost.step_time_s if p.cost else 0.0)
         new.explanation = [f"Adopted an alternative: {chosen.summary()}. The planner's choice "
-                           f"({previous.summary()}) is now among the alternatives. Nothing is pinned: the next edit "
-                           "re-plans from the same constraints."]
+                           f"({previous.summary()}) is now among the alternatives. Nothing is "
+                           "pinned: the next edit re-plans from the same constraints."]
         self._remember()
         self.plan = new
         self._notify()
         return new
 
     def _remember(self) -> None:
-        """Push the state in force onto the undo stack before it changes (a new edit drops what redo held).
+        """Push the state in force onto the undo stack before it changes (a new edit drops what redo
+        held).
 
-        The state before the first plan is not pushed: undo must never take the session back to no plan (the
-        widget would go blank and Export re-plan behind the user's back), so a fresh plan has nothing to undo."""
+        The state before the first plan is not pushed: undo must never take the session back to no
+        plan (the widget would go blank and Export re-plan behind the user's back), so a fresh plan
+        has nothing to undo."""
         if self.plan is not None:
             self._undo.append(self._state())
         self._redo.clear()
 
     def undo(self) -> Plan | None:
-        """Go back to the constraints and plan before the last replan/override; returns the restored plan. The
-        first plan cannot be undone (IndexError "nothing to undo"): there is no plan before it."""
+        """Go back to the constraints and plan before the last replan/override; returns the restored
+        plan. The first plan cannot be undone (IndexError "nothing to undo"): there is no plan
+        before it."""
         if not self._undo:
             raise IndexError("nothing to undo")
         self._redo.append(self._state())
@@ -169,17 +180,18 @@ class Session:
         self._notify()
         return self.plan
 
-    # ---- running the plan ---------------------------------------------------------------------------------------
+    # ---- running the plan ------------------------------------------------------------------------
     def current_plan(self) -> Plan:
         """The session's plan, planning first if there is none yet."""
         return self.plan if self.plan is not None else self.replan()
 
     def plan_for(self, nproc: int | None) -> Plan:
-        """The current plan at ``nproc`` processes: the same TP/PP layout with fewer (or more) data-parallel
-        replicas, so a plan made for 64 GPUs can be checked on 2 local processes. The scaled plan's cost is the cost
-        model's for ``nproc`` devices of the session's kind (a run of it still has a prediction to compare with),
-        its ``cluster["scaled_from"]`` the world size planned, and its explanation one line saying all this. Raises
-        PlanError when ``nproc`` cannot hold one copy of the model-parallel layout."""
+        """The current plan at ``nproc`` processes: the same TP/PP layout with fewer (or more)
+        data-parallel replicas, so a plan made for 64 GPUs can be checked on 2 local processes. The
+        scaled plan's cost is the cost model's for ``nproc`` devices of the session's kind (a run of
+        it still has a prediction to compare with), its ``cluster["scaled_from"]`` the world size
+        planned, and its explanation one line saying all this. Raises PlanError when ``nproc``
+        cannot hold one copy of the model-parallel layout."""
         from ..cost import estimate
 
         plan = self.current_plan()
@@ -188,76 +200,86 @@ class Session:
             return plan
         model_parallel = m.tp * m.pp
         if nproc % model_parallel:
-            raise PlanError(f"the plan needs multiples of tp({m.tp}) * pp({m.pp}) = {model_parallel} processes; "
-                            f"nproc={nproc} is not one. Pass nproc={model_parallel} (or re-plan with --gpus {nproc})")
+            raise PlanError(f"the plan needs multiples of tp({m.tp}) * pp({m.pp}) = "
+                            f"{model_parallel} processes; nproc={nproc} is not one. Pass "
+                            f"nproc={model_parallel} (or re-plan with --gpus {nproc})")
         dp = nproc // model_parallel
         per_replica = plan.batch.global_batch // m.dp
         scaled = Plan.from_dict(plan.to_dict())
         scaled.mesh.dp = dp
         scaled.batch.global_batch = per_replica * dp
-        scaled.cluster = {**scaled.cluster, "nodes": 1, "gpus_per_node": nproc, "scaled_from": m.world_size}
+        scaled.cluster = {**scaled.cluster, "nodes": 1, "gpus_per_node": nproc,
+                          "scaled_from": m.world_size}
         scaled.alternatives = []
         how = f"re-estimated for {nproc} x {self.cluster.device.name}"
         try:
-            scaled.cost = estimate(self.graph, dataclasses.replace(self.cluster, nodes=1, gpus_per_node=nproc),
-                                   scaled)
+            scaled.cost = estimate(self.graph, dataclasses.replace(self.cluster, nodes=1,
+                                                                   gpus_per_node=nproc), scaled)
         except ValueError as e:  # the run keeps the plan's figures to compare with, and says so
             _per_rank_as_planned(scaled.cost, m, nproc)
             how = f"as planned for {m.world_size} (not re-estimated: {e})"
         scaled.explanation = [
-            f"The plan is for {m.world_size} processes; running it on {nproc}: the same tp({m.tp}) x pp({m.pp}) "
-            f"layout with dp {m.dp} -> {dp} (global batch {plan.batch.global_batch} -> {scaled.batch.global_batch}), "
-            f"its cost {how}. To run it as planned: nproc={m.world_size}; to plan for {nproc} instead: "
+            f"The plan is for {m.world_size} processes; running it on {nproc}: the same tp({m.tp}) "
+            f"x pp({m.pp}) layout with dp {m.dp} -> {dp} (global batch {plan.batch.global_batch} "
+            f"-> {scaled.batch.global_batch}), its cost {how}. To run it as planned: "
+            f"nproc={m.world_size}; to plan for {nproc} instead: "
             f"ap.replan(cluster=Cluster.preset({self.cluster.name!r}, gpus_per_node={nproc}))"]
         return scaled
 
     def verify(self, steps: int = 5, nproc: int | None = None, *, warm: bool = True, **kwargs: Any):
-        """Run the plan for real on ``nproc`` local processes (gloo on CPU, NCCL on GPUs) and a single-process
-        reference with the same seed and data; returns a VerifyReport with, per step, the loss difference and the
-        max gradient/parameter difference (did parallelism change my model?). The plan is checked as it is:
-        ``steps`` is how long the check runs, not the run the plan is for (``launch`` re-plans for its steps).
+        """Run the plan for real on ``nproc`` local processes (gloo on CPU, NCCL on GPUs) and a
+        single-process reference with the same seed and data; returns a VerifyReport with, per step,
+        the loss difference and the max gradient/parameter difference (did parallelism change my
+        model?). The plan is checked as it is: ``steps`` is how long the check runs, not the run the
+        plan is for (``launch`` re-plans for its steps).
 
-        ``nproc`` defaults to the plan's world size; a smaller count keeps the TP/PP layout and fewer data-parallel
-        replicas (see plan_for). The model is built for real in every process: use a small config of your model.
-        ``warm`` (default): in the warm pool, whose processes have torch imported (the first call starts it; later
-        ones take about a second less per process start); False: fresh processes. ``weights``: a checkpoint folder
-        the model (built from a config in the cell) starts from (see export).
+        ``nproc`` defaults to the plan's world size; a smaller count keeps the TP/PP layout and
+        fewer data-parallel replicas (see plan_for). The model is built for real in every process:
+        use a small config of your model. ``warm`` (default): in the warm pool, whose processes have
+        torch imported (the first call starts it; later ones take about a second less per process
+        start); False: fresh processes. ``weights``: a checkpoint folder the model (built from a
+        config in the cell) starts from (see export).
         """
         from ..verify import verify
 
-        return verify(self.source, self.plan_for(nproc), steps=steps, nproc=nproc, warm=warm, **kwargs)
+        return verify(self.source, self.plan_for(nproc), steps=steps, nproc=nproc, warm=warm,
+                      **kwargs)
 
     def export(self, path: str = "train.py", *, nproc: int | None = None, **kwargs: Any):
-        """Write the plan as a standalone torchrun script at ``path``, its runtime module and the plan JSON beside
-        it (``single_file=True``: the script alone, the runtime inside), and print the torchrun commands for one
-        node and several. The script needs torch only, not autopar_nb. ``weights="DIR"``: a cell that builds its
-        model from a config starts from the weights in DIR (safetensors, as ``save_pretrained`` writes them), read
-        as a ``from_pretrained`` cell's are. The script's ``--steps`` defaults to the run planned (``steps``, when
-        the session has one; else 100)."""
+        """Write the plan as a standalone torchrun script at ``path``, its runtime module and the
+        plan JSON beside it (``single_file=True``: the script alone, the runtime inside), and print
+        the torchrun commands for one node and several. The script needs torch only, not autopar_nb.
+        ``weights="DIR"``: a cell that builds its model from a config starts from the weights in DIR
+        (safetensors, as ``save_pretrained`` writes them), read as a ``from_pretrained`` cell's are.
+        The script's ``--steps`` defaults to the run planned (``steps``, when the session has one;
+        else 100)."""
         from ..export import export
 
         if self.steps is not None:
             kwargs.setdefault("steps", self.steps)
         return export(self.source, self.plan_for(nproc), path, **kwargs)
 
-    def launch(self, nproc: int | None = None, steps: int = 50, *, warm: bool = True, replan: str = "ask",
-               **script_flags: Any):
-        """Export the plan to a run directory and run that script on ``nproc`` local processes with torch's elastic
-        launcher. Returns a Run at once (the kernel stays free): ``run.wait()``, ``run.stop()``, ``run.metrics``,
-        ``run.logs(rank)``; displayed, it is a live dashboard. ``script_flags`` go to the script
-        (``ckpt_dir="ckpt", ckpt_every=10`` -> ``--ckpt-dir ckpt --ckpt-every 10``). ``warm`` (default): through the
-        warm pool, ranks forked with torch and the cell's imports loaded, running the same script (see
-        ``autopar_nb.launch.launch``); False: a fresh interpreter per rank, as torchrun starts them by default.
+    def launch(self, nproc: int | None = None, steps: int = 50, *, warm: bool = True,
+               replan: str = "ask", **script_flags: Any):
+        """Export the plan to a run directory and run that script on ``nproc`` local processes with
+        torch's elastic launcher. Returns a Run at once (the kernel stays free): ``run.wait()``,
+        ``run.stop()``, ``run.metrics``, ``run.logs(rank)``; displayed, it is a live dashboard.
+        ``script_flags`` go to the script (``ckpt_dir="ckpt", ckpt_every=10`` -> ``--ckpt-dir ckpt
+        --ckpt-every 10``). ``warm`` (default): through the warm pool, ranks forked with torch and
+        the cell's imports loaded, running the same script (see ``autopar_nb.launch.launch``);
+        False: a fresh interpreter per rank, as torchrun starts them by default.
 
-        ``replan``: when a rank runs out of memory or nears its limit (``run.events``), "ask" (default)
-        proposes a new plan (the dashboard's "Re-plan & resume", or ``run.replan()``), "auto" re-plans and resumes
-        at once, "off" only reports. Re-planning stops the run, calibrates the memory the ranks held beyond the
-        prediction, plans again with this session's pins kept (``ap.plan`` becomes the new plan; ``ap.undo()``
-        goes back) and resumes from the last checkpoint in ``ckpt_dir`` (from step 0 without one).
-        ``weights="DIR"``: start from the weights in DIR (see export).
+        ``replan``: when a rank runs out of memory or nears its limit (``run.events``), "ask"
+        (default) proposes a new plan (the dashboard's "Re-plan & resume", or ``run.replan()``),
+        "auto" re-plans and resumes at once, "off" only reports. Re-planning stops the run,
+        calibrates the memory the ranks held beyond the prediction, plans again with this session's
+        pins kept (``ap.plan`` becomes the new plan; ``ap.undo()`` goes back) and resumes from the
+        last checkpoint in ``ckpt_dir`` (from step 0 without one). ``weights="DIR"``: start from the
+        weights in DIR (see export).
 
-        ``steps`` reach the plan: where it weighed compile's start-up over another run length, it is planned again
-        for ``steps`` first (said in one line where a choice changes; one undo() goes back)."""
+        ``steps`` reach the plan: where it weighed compile's start-up over another run length, it is
+        planned again for ``steps`` first (said in one line where a choice changes; one undo() goes
+        back)."""
         from ..export import export, with_weights
         from ..launch import launch
         from ..launch.replan import Replanner, check_mode
@@ -265,31 +287,38 @@ class Session:
         check_mode(replan)
         self.plan_steps(steps)
         plan = self.plan_for(nproc)
-        if plan is not self.plan:  # scaled: said here in one line, and on the dashboard (its comparison notes)
+        # scaled: said here in one line, and on the dashboard (its comparison notes)
+        if plan is not self.plan:
             print(plan.explanation[0])
         source = with_weights(self.source, script_flags.pop("weights", None))
-        run_flags = {k: script_flags.pop(k) for k in ("max_restarts", "hang_timeout_s", "run_dir", "backend",
-                                                      "monitor", "env", "memory_threshold") if k in script_flags}
+        run_flags = {
+            k: script_flags.pop(k)
+            for k in ("max_restarts", "hang_timeout_s", "run_dir", "backend", "monitor", "env",
+                      "memory_threshold") if k in script_flags
+        }
 
         def start(p: Plan, run_dir=None):
             flags = {**run_flags, **({"run_dir": run_dir} if run_dir is not None else {})}
-            return launch(lambda path: export(source, p, path, quiet=True), p.mesh.world_size, steps,
-                          plan=p, warm=warm, **flags, **script_flags)
+            return launch(lambda path: export(source, p, path, quiet=True), p.mesh.world_size,
+                          steps, plan=p, warm=warm, **flags, **script_flags)
 
         run = start(plan)
-        if self._widget is not None:  # the planner widget shows what it measures beside the plan's figures
+        # the planner widget shows what it measures beside the plan's figures
+        if self._widget is not None:
             self._widget.follow(run)
         if replan != "off":
-            Replanner(replan, cluster=self.cluster, ckpt_dir=script_flags.get("ckpt_dir"), launch_fn=start,
-                      plan_fn=lambda calib, target, pins: self.replan_for_memory(calib, target, pins, nproc)
-                      ).attach(run)
+            Replanner(
+                replan, cluster=self.cluster, ckpt_dir=script_flags.get("ckpt_dir"),
+                launch_fn=start, plan_fn=lambda calib, target, pins: self.replan_for_memory(
+                    calib, target, pins, nproc)).attach(run)
         return run
 
     def plan_steps(self, steps: int | None, *, say: Callable[[str], Any] = print) -> Plan:
-        """The plan, weighing compile's start-up over ``steps`` (its compile lever says over how many it weighed;
-        a plan without one, an adopted alternative or one with nothing to compile, is kept): planned again where
-        they differ, as an edit where a choice changes (one line, passed to ``say``, says which; one undo() goes
-        back), else in place. ``self.steps`` becomes ``steps``."""
+        """The plan, weighing compile's start-up over ``steps`` (its compile lever says over how
+        many it weighed; a plan without one, an adopted alternative or one with nothing to compile,
+        is kept): planned again where they differ, as an edit where a choice changes (one line,
+        passed to ``say``, says which; one undo() goes back), else in place. ``self.steps`` becomes
+        ``steps``."""
         plan = self.current_plan()
         weighed = next((lv.steps for lv in plan.levers if lv.name == "compile"), None)
         if steps is None or weighed is None or weighed == steps:
@@ -298,50 +327,59 @@ class Session:
         if plan.diff(new):
             self._remember()
             self.plan = new
-            say(f"Re-planned for the {steps:,} steps launched (the plan weighed compile's start-up over "
+            say(f"Re-planned for the {steps:,} steps launched (the plan weighed compile's start-up "
+                "over "
                   f"{weighed:,} steps): {plan.summary()} -> {new.summary()}; ap.undo() goes back.")
-        else:  # the same choices: the plan stays the object a run or the undo stack may hold, its words re-weighed
+        # the same choices: the plan stays the object a run or the undo stack may hold, its words
+        # re-weighed
+        else:
             plan.explanation, plan.levers = new.explanation, new.levers
         self.steps = steps
         self._notify()
         return self.plan
 
     def tournament(self, k: int = 4, steps: int = 20, **kwargs: Any):
-        """Run the plan and its ``k`` best alternatives for a few steps each on local processes, measure them,
-        calibrate the cost model from all of them and report predicted vs measured order (Kendall's tau) and the
-        winner; ``.adopt()`` on the result makes the winner this session's plan. The plans are measured as they
-        are: a trial's ``steps`` time steady steps, its first ones (compile's among them) left out. See
-        ``autopar_nb.launch.trials.tournament`` for the options."""
+        """Run the plan and its ``k`` best alternatives for a few steps each on local processes,
+        measure them, calibrate the cost model from all of them and report predicted vs measured
+        order (Kendall's tau) and the winner; ``.adopt()`` on the result makes the winner this
+        session's plan. The plans are measured as they are: a trial's ``steps`` time steady steps,
+        its first ones (compile's among them) left out. See ``autopar_nb.launch.trials.tournament``
+        for the options."""
         from ..launch.trials import tournament
 
         return tournament(self, k, steps, **kwargs)
 
-    def replan_for_memory(self, calibration: dict[str, float], target_bytes: float | None, pins: dict[str, Any],
-                          nproc: int | None = None) -> Plan:
-        """Plan again after a run measured more memory than predicted (``autopar_nb.launch.replan``): the cluster
-        takes the ``calibration`` factors (kept for later plans), each rank is fitted under ``target_bytes`` (the
-        watch's threshold of the limit; the plan still records the limit itself), ``pins`` (what the checkpoint
-        imposes) join the user's. Returns the new plan at ``nproc`` processes; one undo() goes back."""
-        cluster = dataclasses.replace(self.cluster, calibration={**(self.cluster.calibration or {}), **calibration})
-        planning = dataclasses.replace(cluster, rank_memory=target_bytes) if target_bytes else cluster
+    def replan_for_memory(self, calibration: dict[str, float], target_bytes: float | None,
+                          pins: dict[str, Any], nproc: int | None = None) -> Plan:
+        """Plan again after a run measured more memory than predicted
+        (``autopar_nb.launch.replan``): the cluster takes the ``calibration`` factors (kept for
+        later plans), each rank is fitted under ``target_bytes`` (the watch's threshold of the
+        limit; the plan still records the limit itself), ``pins`` (what the checkpoint imposes) join
+        the user's. Returns the new plan at ``nproc`` processes; one undo() goes back."""
+        cluster = dataclasses.replace(self.cluster, calibration={**(self.cluster.calibration or {}),
+                                                                 **calibration})
+        planning = (dataclasses.replace(cluster, rank_memory=target_bytes) if target_bytes
+                    else cluster)
         self.replan(fix={**self.fix, **pins}, cluster=planning)
         self.cluster = cluster  # the user's limit, not the planning target
         info = {k: v for k, v in self.plan.cluster.items() if k != "memory_limit_bytes"}
-        self.plan.cluster = info | ({"memory_limit_bytes": int(cluster.rank_memory)} if cluster.rank_memory else {})
+        self.plan.cluster = info | ({"memory_limit_bytes": int(cluster.rank_memory)}
+                                    if cluster.rank_memory else {})
         self._notify()
         return self.plan_for(nproc)
 
-    def attach(self, path: str = "train.py", *, host: str | None = None, port: int = 0, advertise: str | None = None,
-               nproc: int | None = None, steps: int | None = None, lost_after_s: float | None = None,
-               restart_wait_s: float | None = None, backend: str | None = None, overwrite: bool = False,
-               quiet: bool = False):
-        """Export the plan to ``path`` and attach the launch dashboard to its run on other hosts: the metrics server
-        listens on ``host`` (an address of this machine the hosts reach, or "0.0.0.0" with ``advertise``), and the
-        torchrun commands to run there are printed with ``AUTOPAR_METRICS`` and ``AUTOPAR_TOKEN`` in front (also
-        ``run.commands``, ``run.env``). Returns the AttachedRun at once; displayed, it is the dashboard, fed by the
-        ranks' stream alone (see ``autopar_nb.launch.attached``: ``lost_after_s``, ``restart_wait_s``);
-        ``run.stop()`` detaches. The script runs ``steps`` (None: the session's ``steps``, as ``export`` writes
-        them; else 100)."""
+    def attach(self, path: str = "train.py", *, host: str | None = None, port: int = 0,
+               advertise: str | None = None, nproc: int | None = None, steps: int | None = None,
+               lost_after_s: float | None = None, restart_wait_s: float | None = None,
+               backend: str | None = None, overwrite: bool = False, quiet: bool = False):
+        """Export the plan to ``path`` and attach the launch dashboard to its run on other hosts:
+        the metrics server listens on ``host`` (an address of this machine the hosts reach, or
+        "0.0.0.0" with ``advertise``), and the torchrun commands to run there are printed with
+        ``AUTOPAR_METRICS`` and ``AUTOPAR_TOKEN`` in front (also ``run.commands``, ``run.env``).
+        Returns the AttachedRun at once; displayed, it is the dashboard, fed by the ranks' stream
+        alone (see ``autopar_nb.launch.attached``: ``lost_after_s``, ``restart_wait_s``);
+        ``run.stop()`` detaches. The script runs ``steps`` (None: the session's ``steps``, as
+        ``export`` writes them; else 100)."""
         from ..export import export
         from ..launch import attach
         from ..launch.attached import LOST_AFTER_S, RESTART_WAIT_S, check_host
@@ -350,25 +388,28 @@ class Session:
         plan = self.plan_for(nproc)
         steps = steps if steps is not None else self.steps or 100
         exported = export(self.source, plan, path, steps=steps, quiet=True, overwrite=overwrite)
-        run = attach(exported.script, plan.mesh.world_size, steps, host=host, port=port, advertise=advertise,
-                     plan=plan, commands=exported.commands, backend=backend,
+        run = attach(exported.script, plan.mesh.world_size, steps, host=host, port=port,
+                     advertise=advertise, plan=plan, commands=exported.commands, backend=backend,
                      lost_after_s=LOST_AFTER_S if lost_after_s is None else lost_after_s,
                      restart_wait_s=RESTART_WAIT_S if restart_wait_s is None else restart_wait_s,
                      run_dir=exported.script.parent)
         if not quiet:
-            files = [f for f in (exported.script, exported.runtime, exported.plan_json) if f is not None]
-            print(f"wrote {', '.join(map(str, files))}; listening on {run.address} for {run.nproc} rank(s). Copy "
-                  "these files to the hosts and run there (the token lets ranks in; keep it to yourself):")
+            files = [f for f in (exported.script, exported.runtime, exported.plan_json)
+                     if f is not None]
+            print(f"wrote {', '.join(map(str, files))}; listening on {run.address} for {run.nproc} "
+                  "rank(s). Copy these files to the hosts and run there (the token lets ranks in; "
+                  "keep it to yourself):")
             print("\n".join(f"  {c}" for c in run.commands))
         return run
 
-    # ---- widget (autopar_nb.widget) -------------------------------------------------------------------------------
+    # ---- widget (autopar_nb.widget) --------------------------------------------------------------
     def _notify(self) -> None:
         for fn in list(self._observers):
             fn(self)
 
     def widget(self):
-        """The planner widget for this session (created once, then reused); it follows every replan/undo/redo."""
+        """The planner widget for this session (created once, then reused); it follows every
+        replan/undo/redo."""
         if self._widget is None:
             from ..widget import PlannerWidget
 
@@ -376,8 +417,8 @@ class Session:
         return self._widget
 
     def _repr_mimebundle_(self, include=None, exclude=None):
-        # shown as the planner widget (which plans first if no plan exists yet); without a planner IPython falls
-        # back to _repr_html_
+        # shown as the planner widget (which plans first if no plan exists yet); without a planner
+        # IPython falls back to _repr_html_
         try:
             view = self.widget()
         except ImportError:
@@ -399,13 +440,14 @@ class Session:
         return self.global_batch or self.graph.batch_size
 
     def memory_timeline(self, rank: int | None = None, *, measure: bool = False):
-        """The current plan's predicted memory over one step on pipeline rank ``rank`` (None: the one with the
-        largest peak): :func:`autopar_nb.memory_timeline`; ``print()`` it for a chart in text. With ``measure``,
-        also what the plan's exported script holds at each moment, measured on CPU under torch's memory tracker
-        (:func:`autopar_nb.verify.timeline.measured_timeline`, a few seconds for a small model); the widget then
-        draws that curve on the same axes, until the plan changes. A plan measured on a real gloo group (a
-        pipeline, expert parallelism) runs every rank, so one measurement keeps every pipeline rank's curve, and a
-        later call for another of them returns its kept curve."""
+        """The current plan's predicted memory over one step on pipeline rank ``rank`` (None: the
+        one with the largest peak): :func:`autopar_nb.memory_timeline`; ``print()`` it for a chart
+        in text. With ``measure``, also what the plan's exported script holds at each moment,
+        measured on CPU under torch's memory tracker
+        (:func:`autopar_nb.verify.timeline.measured_timeline`, a few seconds for a small model); the
+        widget then draws that curve on the same axes, until the plan changes. A plan measured on a
+        real gloo group (a pipeline, expert parallelism) runs every rank, so one measurement keeps
+        every pipeline rank's curve, and a later call for another of them returns its kept curve."""
         from ..planner.timeline import memory_timeline
 
         plan = self.current_plan()
@@ -415,8 +457,8 @@ class Session:
         from ..verify.measure import needs_real_group
         from ..verify.timeline import measured_timelines
 
-        kept = dict(self.measured_timelines[1]) if self.measured_timelines and self.measured_timelines[0] is plan \
-            else {}
+        kept = (dict(self.measured_timelines[1])
+                if self.measured_timelines and self.measured_timelines[0] is plan else {})
         every = needs_real_group(plan)  # the one run measures every rank
         if every and predicted.rank in kept:
             return kept[predicted.rank]
@@ -428,7 +470,8 @@ class Session:
 
     def summary(self) -> str:
         """Plain-text summary: model, cluster, layers (repeated blocks folded)."""
-        lines = [self.graph.summary(), f"cluster: {self.cluster.describe()}; global batch {self.batch}"]
+        lines = [self.graph.summary(),
+                 f"cluster: {self.cluster.describe()}; global batch {self.batch}"]
         if self.plan is not None:
             lines.append(f"plan: {self.plan.summary()}")
         return "\n".join(lines)
@@ -441,25 +484,33 @@ class Session:
         rows = []
         for layer, count in g.folded_layers():
             name = layer.path if count == 1 else f"{g.block_of(layer.path).name}.[0–{count - 1}]"
-            rows.append(f"<tr><td><code>{html.escape(name)}</code></td><td>{html.escape(layer.type)}</td>"
-                        f"<td style='text-align:right'>{f'× {count}' if count > 1 else ''}</td>"
-                        f"<td style='text-align:right'>{human(layer.num_params)}</td>"
-                        f"<td style='text-align:right'>{human(layer.flops)}FLOP</td></tr>")
+            rows.append(
+                f"<tr><td><code>{html.escape(name)}</code></td><td>{html.escape(layer.type)}</td>"
+                f"<td style='text-align:right'>{f'× {count}' if count > 1 else ''}</td>"
+                f"<td style='text-align:right'>{human(layer.num_params)}</td>"
+                f"<td style='text-align:right'>{human(layer.flops)}FLOP</td></tr>")
         inputs = ", ".join(str(tuple(i.shape)) for i in g.inputs)
-        plan = f"<p><b>Plan:</b> {html.escape(self.plan.summary())}</p>" if self.plan is not None else ""
-        return (f"<div class='autopar-summary'><p><b>{html.escape(g.model_type)}</b>: {human(g.num_params)}params, "
-                f"{human(g.step_flops)}FLOP per step (fwd+bwd) on inputs {inputs}; {len(g.nodes)} ops "
-                f"({g.tracer}). Cluster: {html.escape(self.cluster.describe())}; global batch {self.batch}.</p>"
-                f"{plan}<table><thead><tr><th>layer</th><th>type</th><th></th><th>params</th><th>fwd</th></tr>"
-                f"</thead><tbody>{''.join(rows)}</tbody></table></div>")
+        plan = ("<p><b>Plan:</b> "
+                f"{html.escape(self.plan.summary())}</p>") if self.plan is not None else ""
+        return (
+            f"<div class='autopar-summary'><p><b>{html.escape(g.model_type)}</b>: "
+            f"{human(g.num_params)}params, "
+            f"{human(g.step_flops)}FLOP per step (fwd+bwd) on inputs {inputs}; {len(g.nodes)} ops "
+            f"({g.tracer}). Cluster: {html.escape(self.cluster.describe())}; "
+            f"global batch {self.batch}.</p>"
+            f"{plan}<table><thead><tr><th>layer</th><th>type</th><th></th><th>params</th>"
+            f"<th>fwd</th></tr>"
+            f"</thead><tbody>{''.join(rows)}</tbody></table></div>")
 
 
 def _per_rank_as_planned(cost, mesh, nproc: int) -> None:
-    """Give ``cost`` (a copy of a plan's, mesh ``mesh``) one memory figure per rank of ``nproc`` processes, the same
-    tp x pp layout with more or fewer data-parallel replicas: each rank takes replica 0's figure of its pipeline
-    stage and TP position (ranks in mesh order (pp, dp, tp), TP innermost). Per-stage lists stay as they are."""
+    """Give ``cost`` (a copy of a plan's, mesh ``mesh``) one memory figure per rank of ``nproc``
+    processes, the same tp x pp layout with more or fewer data-parallel replicas: each rank takes
+    replica 0's figure of its pipeline stage and TP position (ranks in mesh order (pp, dp, tp), TP
+    innermost). Per-stage lists stay as they are."""
     mem = list(getattr(cost, "memory_by_rank", None) or [])
     if cost is None or len(mem) != mesh.world_size:
         return
     dp = nproc // (mesh.tp * mesh.pp)
-    cost.memory_by_rank = [mem[(r // (dp * mesh.tp)) * mesh.dp * mesh.tp + r % mesh.tp] for r in range(nproc)]
+    cost.memory_by_rank = [mem[(r // (dp * mesh.tp)) * mesh.dp * mesh.tp + r % mesh.tp]
+                           for r in range(nproc)]
