@@ -172,7 +172,7 @@ def test_no_module_or_function_grows_past_its_size():
         assert set(listed) <= set(over), f"listed but no longer over {limit}: {sorted(set(listed) - set(over))}"
 
 
-WRAPPED_AT_100 = ("capture", "cost", "export", "notebook", "launch", "runtime", "verify", "widget")
+WRAPPED_AT_100 = ("capture", "cost", "export", "notebook", "plan", "launch", "runtime", "verify", "widget")
 """the folders whose lines are wrapped at 100 columns; ruff's line length drops from 120 to 100 once every folder of
 the package is listed"""
 

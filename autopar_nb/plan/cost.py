@@ -1,10 +1,20 @@
-"""What the planner predicts for a plan: a step's :class:`Cost` and each rank's :class:`MemoryBreakdown` at its peak."""
+"""What the planner predicts for a plan: a step's :class:`Cost` and each rank's
+:class:`MemoryBreakdown` at its peak."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .checks import PlanError, check_bool, check_choice, check_int, check_list, check_number, check_numbers, check_str
+from .checks import (
+    PlanError,
+    check_bool,
+    check_choice,
+    check_int,
+    check_list,
+    check_number,
+    check_numbers,
+    check_str,
+)
 
 
 @dataclass
@@ -16,19 +26,24 @@ class MemoryBreakdown:
     optimizer: float = 0.0
     activations: float = 0.0
     buffers: float = 0.0
-    """temporary buffers: FSDP all-gather/reduce-scatter buffers, TP comm buffers, pipeline send/recv"""
+    """temporary buffers: FSDP all-gather/reduce-scatter buffers, TP comm buffers, pipeline
+    send/recv"""
     margin: float = 0.0
     """allocator fragmentation and workspace margin"""
     host: float = 0.0
-    """bytes this rank keeps in host memory (``mesh.offload``: its FSDP shards and optimizer states), not in total"""
+    """bytes this rank keeps in host memory (``mesh.offload``: its FSDP shards and optimizer
+    states), not in total"""
     terms: dict[str, float] = field(default_factory=dict)
-    """the named terms ``activations`` and ``buffers`` are made of, by :data:`MEMORY_TERMS` name (bytes)"""
+    """the named terms ``activations`` and ``buffers`` are made of, by :data:`MEMORY_TERMS` name
+    (bytes)"""
 
     def __post_init__(self):
         check_numbers(self, "memory", _MEMORY_FIELDS)
         if not isinstance(self.terms, dict):
-            raise PlanError(f"memory.terms must be a JSON object, got {self.terms!r} ({type(self.terms).__name__})")
-        for name, value in self.terms.items():  # (the planner makes one per rank and candidate: fast when valid)
+            raise PlanError(f"memory.terms must be a JSON object, got {self.terms!r} "
+                            f"({type(self.terms).__name__})")
+        # (the planner makes one per rank and candidate: fast when valid)
+        for name, value in self.terms.items():
             if type(name) is not str or name not in MEMORY_TERMS:
                 check_choice("memory.terms", name, tuple(MEMORY_TERMS))
             if type(value) is not float:
@@ -36,35 +51,40 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.margin
+        return (self.params + self.grads + self.optimizer + self.activations + self.buffers
+                + self.margin)
 
 
 _MEMORY_FIELDS = ("params", "grads", "optimizer", "activations", "buffers", "margin", "host")
 MEMORY_TERMS = {
-    "saved_activations": "activations", "loss_saved": "activations", "autocast_weight_copies": "buffers",
-    "ddp_buckets": "buffers", "fsdp_unsharded_params": "buffers", "fsdp_root_params": "buffers",
-    "fsdp_gathered_units": "buffers", "fsdp_reduce_scatter": "buffers", "fsdp_unsharded_grads": "buffers",
-    "fsdp_weight_pass_grads": "buffers", "pipeline_buffers": "buffers", "pipeline_outputs": "activations",
-    "pipeline_sent_gradients": "buffers", "weight_pass_gradients": "buffers", "backward_working_set": "buffers",
-    "new_weight_gradients": "buffers",
-    "forward_working_set": "activations",
-    "fsdp_all_gather": "buffers", "replicate_gathered_experts": "buffers", "replicate_reduce_buffers": "buffers",
-    "loss_temporaries": "buffers", "optimizer_step_temporaries": "buffers",
-}
-"""term of a rank's peak -> the MemoryBreakdown field it is part of: what autograd saves for backward (every micro-batch
-in flight); the loss's saved log-softmax; autocast's 16-bit copies of the weights its lower-precision ops read; DDP's
-gradient buckets; FSDP's parameters kept unsharded from forward to backward (ZeRO 2, and replicate), the parameters left
-in the root unit (ZeRO 3), and the unit being computed plus the prefetched one (ZeRO 3: parameters and their unsharded
-gradients); a pipelined FSDP stage's gradients, accumulated unsharded over its micro-batches and reduce-scattered once
-after the last, and under a zero-bubble schedule and mixed precision the 16-bit gradients a weight pass leaves until
-FSDP takes them in; the buffers pipeline stages receive inputs and gradients into (per micro-batch in flight) and their
-outputs, kept until each micro-batch's backward, and the input gradients of the micro-batch before, whose send the
-schedule still holds; the gradients a zero-bubble schedule's input pass keeps for each micro-batch's weight pass; the
-largest layer's backward working set; the weight gradients a micro-batch's backward makes where the earlier ones' are
-accumulated, until autograd adds them in; at a layer's forward, what it holds then (its saved tensors so far and the
-storages alive: output, operands still to be read, autocast's copies) and its FSDP unit's all-gather output; the loss's
-temporaries (logits and their copies, loss_parallel's shards); the optimizer step's temporaries; beside DDP, the
-experts' replicas' gathered parameters and reduction buffers"""
+    "saved_activations": "activations", "loss_saved": "activations",
+    "autocast_weight_copies": "buffers", "ddp_buckets": "buffers",
+    "fsdp_unsharded_params": "buffers", "fsdp_root_params": "buffers",
+    "fsdp_gathered_units": "buffers", "fsdp_reduce_scatter": "buffers",
+    "fsdp_unsharded_grads": "buffers", "fsdp_weight_pass_grads": "buffers",
+    "pipeline_buffers": "buffers", "pipeline_outputs": "activations",
+    "pipeline_sent_gradients": "buffers", "weight_pass_gradients": "buffers",
+    "backward_working_set": "buffers", "new_weight_gradients": "buffers",
+    "forward_working_set": "activations", "fsdp_all_gather": "buffers",
+    "replicate_gathered_experts": "buffers", "replicate_reduce_buffers": "buffers",
+    "loss_temporaries": "buffers", "optimizer_step_temporaries": "buffers",}
+"""term of a rank's peak -> the MemoryBreakdown field it is part of: what autograd saves for
+backward (every micro-batch in flight); the loss's saved log-softmax; autocast's 16-bit copies of
+the weights its lower-precision ops read; DDP's gradient buckets; FSDP's parameters kept unsharded
+from forward to backward (ZeRO 2, and replicate), the parameters left in the root unit (ZeRO 3), and
+the unit being computed plus the prefetched one (ZeRO 3: parameters and their unsharded gradients);
+a pipelined FSDP stage's gradients, accumulated unsharded over its micro-batches and
+reduce-scattered once after the last, and under a zero-bubble schedule and mixed precision the
+16-bit gradients a weight pass leaves until FSDP takes them in; the buffers pipeline stages receive
+inputs and gradients into (per micro-batch in flight) and their outputs, kept until each
+micro-batch's backward, and the input gradients of the micro-batch before, whose send the schedule
+still holds; the gradients a zero-bubble schedule's input pass keeps for each micro-batch's weight
+pass; the largest layer's backward working set; the weight gradients a micro-batch's backward makes
+where the earlier ones' are accumulated, until autograd adds them in; at a layer's forward, what it
+holds then (its saved tensors so far and the storages alive: output, operands still to be read,
+autocast's copies) and its FSDP unit's all-gather output; the loss's temporaries (logits and their
+copies, loss_parallel's shards); the optimizer step's temporaries; beside DDP, the experts'
+replicas' gathered parameters and reduction buffers"""
 
 
 @dataclass
@@ -93,7 +113,8 @@ class Cost:
     memory_by_rank: list[MemoryBreakdown] = field(default_factory=list)
     peak_memory_bytes: float = 0.0
     model_tflops_per_gpu: float = 0.0
-    """model FLOPs (``cost.time.MFU_BASIS``: recompute not counted) per GPU per second, in TFLOP/s"""
+    """model FLOPs (``cost.time.MFU_BASIS``: recompute not counted) per GPU per second, in
+    TFLOP/s"""
     hardware_tflops_per_gpu: float = 0.0
     """FLOPs actually executed (with recompute) per GPU per second, in TFLOP/s"""
     mfu: float = 0.0
@@ -115,9 +136,9 @@ class Cost:
         check_list("cost.memory_by_rank", self.memory_by_rank, MemoryBreakdown)
 
 
-_COST_FIELDS = ("step_time_s", "compute_s", "comm_exposed_s", "comm_total_s", "bubble_s", "optimizer_s",
-                "cpu_wait_s", "cpu_s",
-                "peak_memory_bytes", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu", "samples_per_s")
+_COST_FIELDS = ("step_time_s", "compute_s", "comm_exposed_s", "comm_total_s", "bubble_s",
+                "optimizer_s", "cpu_wait_s", "cpu_s", "peak_memory_bytes", "model_tflops_per_gpu",
+                "hardware_tflops_per_gpu", "mfu", "samples_per_s")
 
 
 
@@ -126,7 +147,8 @@ LEVERS = ("compile", "float8", "async_tp", "offload", "recompute", "fused_loss",
 
 @dataclass
 class Lever:
-    """The chosen plan with one speed or memory lever (:data:`LEVERS`) flipped alone, as the planner costs it."""
+    """The chosen plan with one speed or memory lever (:data:`LEVERS`) flipped alone, as the planner
+    costs it."""
 
     name: str
     on: bool
@@ -136,7 +158,8 @@ class Lever:
     fits: bool = True
     """the variant's predicted step time and peak, and whether that peak fits the device"""
     startup_s: float = 0.0
-    """compile's: the seconds Inductor takes at start-up (``cost/compile.py``), weighed over ``steps`` of the run"""
+    """compile's: the seconds Inductor takes at start-up (``cost/compile.py``), weighed over
+    ``steps`` of the run"""
     steps: int = 0
 
     def __post_init__(self):

@@ -1,11 +1,19 @@
-"""The sections of a plan: the mesh, batch, pipeline, precision and optimizer settings, and each layer's decisions.
-Each checks its own fields when built."""
+"""The sections of a plan: the mesh, batch, pipeline, precision and optimizer settings, and each
+layer's decisions. Each checks its own fields when built."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .checks import PlanError, check_bool, check_choice, check_int, check_list, check_module_path, check_number
+from .checks import (
+    PlanError,
+    check_bool,
+    check_choice,
+    check_int,
+    check_list,
+    check_module_path,
+    check_number,
+)
 from .vocab import (
     AMP,
     AMP_OPS,
@@ -30,32 +38,38 @@ from .vocab import (
 
 @dataclass
 class MeshPlan:
-    """How the world is factored. Mesh dims are ordered (pp, dp, tp): TP innermost, so it stays inside a node."""
+    """How the world is factored. Mesh dims are ordered (pp, dp, tp): TP innermost, so it stays
+    inside a node."""
 
     dp: int = 1
     """data-parallel degree: replicas (zero_stage 0) or shards (zero_stage >= 1)"""
     tp: int = 1
-    """tensor-parallel degree (Megatron-style column/row splits, optionally with sequence parallel)"""
+    """tensor-parallel degree (Megatron-style column/row splits, optionally with sequence
+    parallel)"""
     pp: int = 1
     """pipeline-parallel degree: number of pipeline ranks"""
     zero_stage: int = 0
-    """0: DDP (everything replicated); 1: Megatron's distributed optimizer on FSDP2 (reshard_after_forward=False,
-    unsharded gradients accumulated over the micro-batches and reduce-scattered once per step: the float32
-    parameters, gradients and optimizer states sharded between steps); 2: gradients reduce-scattered every
-    micro-batch (FSDP2, reshard_after_forward=False); 3: + parameters sharded
-    (FSDP2, reshard=True), but in pipeline stages under a zero-bubble schedule, whose input
-    pass needs the parameters the forward used, they stay gathered after forward, as under 2"""
+    """0: DDP (everything replicated); 1: Megatron's distributed optimizer on FSDP2
+    (reshard_after_forward=False, unsharded gradients accumulated over the micro-batches and
+    reduce-scattered once per step: the float32 parameters, gradients and optimizer states sharded
+    between steps); 2: gradients reduce-scattered every micro-batch (FSDP2,
+    reshard_after_forward=False); 3: + parameters sharded (FSDP2, reshard=True), but in pipeline
+    stages under a zero-bubble schedule, whose input pass needs the parameters the forward used,
+    they stay gathered after forward, as under 2"""
     ep: int = 1
-    """expert-parallel degree: the experts of every ``Plan.experts`` module split over ``ep`` consecutive
-    data-parallel ranks, tokens routed to them by all-to-all. Borrowed from dp as torchtitan does (no ranks of its
-    own: ep divides dp); each expert is then held by dp / ep ranks, which average its gradients"""
+    """expert-parallel degree: the experts of every ``Plan.experts`` module split over ``ep``
+    consecutive data-parallel ranks, tokens routed to them by all-to-all. Borrowed from dp as
+    torchtitan does (no ranks of its own: ep divides dp); each expert is then held by dp / ep ranks,
+    which average its gradients"""
     cp: int = 1
-    """context-parallel degree: every sample's sequence split over ``cp`` ranks of a replica, attention computed by
-    torch's ring attention (``context_parallel``; K/V passed round the cp ranks in every attention layer). Ranks of
-    its own (world = pp * dp * cp * tp), between dp and tp; parameters are replicated over them and gradients
-    averaged over dp * cp, as over data-parallel ranks"""
+    """context-parallel degree: every sample's sequence split over ``cp`` ranks of a replica,
+    attention computed by torch's ring attention (``context_parallel``; K/V passed round the cp
+    ranks in every attention layer). Ranks of its own (world = pp * dp * cp * tp), between dp and
+    tp; parameters are replicated over them and gradients averaged over dp * cp, as over
+    data-parallel ranks"""
     offload: str = "none"
-    """:data:`OFFLOAD`: "cpu" keeps FSDP's shards in host memory (``runtime/fsdp.py``); needs zero_stage 2 or 3"""
+    """:data:`OFFLOAD`: "cpu" keeps FSDP's shards in host memory (``runtime/fsdp.py``); needs
+    zero_stage 2 or 3"""
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "ep", "cp"):
@@ -64,18 +78,22 @@ class MeshPlan:
         check_choice("mesh.zero_stage", self.zero_stage, ZERO_STAGES)
         check_choice("mesh.offload", self.offload, OFFLOAD)
         if self.offload != "none" and self.zero_stage < 2:
-            raise PlanError(f"mesh.offload={self.offload!r} needs FSDP (zero_stage 2 or 3), got {self.zero_stage}")
+            raise PlanError(f"mesh.offload={self.offload!r} needs FSDP (zero_stage 2 or 3), got "
+                            f"{self.zero_stage}")
         if self.dp % self.ep:
-            raise PlanError(f"mesh.ep({self.ep}) must divide mesh.dp({self.dp}): expert parallelism splits the "
-                            f"experts over data-parallel ranks (dp({self.dp}) % ep({self.ep}) = {self.dp % self.ep})")
+            raise PlanError(f"mesh.ep({self.ep}) must divide mesh.dp({self.dp}): expert "
+                            "parallelism splits the experts over data-parallel ranks "
+                            f"(dp({self.dp}) % ep({self.ep}) = {self.dp % self.ep})")
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
     def factors(self) -> str:
-        """The world's factors as text: ``dp(2) * tp(2) * pp(1)``, with ``cp(2)`` when there is context parallelism."""
-        return f"dp({self.dp}) * tp({self.tp}) * pp({self.pp})" + (f" * cp({self.cp})" if self.cp > 1 else "")
+        """The world's factors as text: ``dp(2) * tp(2) * pp(1)``, with ``cp(2)`` when there is
+        context parallelism."""
+        return (f"dp({self.dp}) * tp({self.tp}) * "
+                f"pp({self.pp})") + (f" * cp({self.cp})" if self.cp > 1 else "")
 
 
 @dataclass
@@ -85,7 +103,8 @@ class BatchPlan:
     global_batch: int = 1
     """samples per optimizer step, over all data-parallel ranks"""
     micro_batches: int = 1
-    """micro-batches per step on each data-parallel rank (pipeline micro-batches, or gradient accumulation)"""
+    """micro-batches per step on each data-parallel rank (pipeline micro-batches, or gradient
+    accumulation)"""
     seq_len: int | None = None
     """tokens per sample for sequence models, else None"""
 
@@ -107,7 +126,8 @@ class PipelinePlan:
 
     def __post_init__(self):
         check_choice("pipeline.schedule", self.schedule, SCHEDULES)
-        check_int("pipeline.virtual_stages", self.virtual_stages, minimum=1, maximum=MAX_VIRTUAL_STAGES)
+        check_int("pipeline.virtual_stages", self.virtual_stages, minimum=1,
+                  maximum=MAX_VIRTUAL_STAGES)
 
 
 @dataclass
@@ -127,20 +147,23 @@ class PrecisionPlan:
     growth_interval: int = 2000
     """fp16 only: steps without overflow before the scale doubles"""
     fp32_ops: list[str] = field(default_factory=list)
-    """ops kept in float32 under autocast (PaddlePaddle's custom_black_list), names from :data:`AMP_OPS`"""
+    """ops kept in float32 under autocast (PaddlePaddle's custom_black_list), names from
+    :data:`AMP_OPS`"""
     low_precision_ops: list[str] = field(default_factory=list)
-    """ops run in the autocast dtype beyond autocast's own list (PaddlePaddle's custom_white_list: ``["matmul",
-    "elementwise_add"]``)"""
+    """ops run in the autocast dtype beyond autocast's own list (PaddlePaddle's custom_white_list:
+    ``["matmul", "elementwise_add"]``)"""
     float8: str = "none"
-    """:data:`FLOAT8`: the Linear layers whose dimensions are multiples of 16, the output head excepted, train with
-    float8 matmuls (torchao's ``convert_to_float8_training``; ``runtime/float8.py``); needs amp "bf16"""
+    """:data:`FLOAT8`: the Linear layers whose dimensions are multiples of 16, the output head
+    excepted, train with float8 matmuls (torchao's ``convert_to_float8_training``;
+    ``runtime/float8.py``); needs amp "bf16"""
 
     def __post_init__(self):
         check_choice("precision.amp", self.amp, AMP)
         check_choice("precision.float8", self.float8, FLOAT8)
         if self.float8 != "none" and self.amp != "bf16":
-            raise PlanError(f"precision.float8={self.float8!r} needs precision.amp='bf16' (torchao's float8 matmuls "
-                            f"take bf16 inputs), got amp={self.amp!r}; set amp to 'bf16' or float8 to 'none'")
+            raise PlanError(f"precision.float8={self.float8!r} needs precision.amp='bf16' "
+                            f"(torchao's float8 matmuls take bf16 inputs), got amp={self.amp!r}; "
+                            "set amp to 'bf16' or float8 to 'none'")
         for name in ("fp32_ops", "low_precision_ops"):
             ops = getattr(self, name)
             if not isinstance(ops, (list, tuple)):
@@ -149,13 +172,16 @@ class PrecisionPlan:
                 check_choice(f"precision.{name}[...]", op, AMP_OPS)
             setattr(self, name, list(ops))
             if ops and self.amp == "none":
-                raise PlanError(f"precision.{name}={list(ops)} needs mixed precision: set precision.amp (or fix "
-                                "amp=) to 'bf16' or 'fp16' (without autocast every op runs in float32)")
+                raise PlanError(f"precision.{name}={list(ops)} needs mixed precision: set "
+                                "precision.amp (or fix amp=) to 'bf16' or 'fp16' (without autocast "
+                                "every op runs in float32)")
         if both := sorted(set(self.fp32_ops) & set(self.low_precision_ops)):
-            raise PlanError(f"precision.fp32_ops and precision.low_precision_ops both name {', '.join(both)}")
+            raise PlanError("precision.fp32_ops and precision.low_precision_ops both name "
+                            f"{', '.join(both)}")
         check_choice("precision.param_dtype", self.param_dtype, tuple(DTYPE_NAMES))
         check_choice("precision.reduce_dtype", self.reduce_dtype, tuple(DTYPE_NAMES))
-        self.init_loss_scale = check_number("precision.init_loss_scale", self.init_loss_scale, minimum=0.0)
+        self.init_loss_scale = check_number("precision.init_loss_scale", self.init_loss_scale,
+                                            minimum=0.0)
         check_bool("precision.dynamic_loss_scale", self.dynamic_loss_scale)
         check_int("precision.growth_interval", self.growth_interval, minimum=1)
 
@@ -177,7 +203,8 @@ class OptimizerPlan:
     min_lr_ratio: float = 0.1
     """the cosine's end, relative to lr"""
     grad_clip: float = 1.0
-    """the largest global gradient 2-norm (torchtitan's and Megatron-LM's default 1.0); 0 turns clipping off"""
+    """the largest global gradient 2-norm (torchtitan's and Megatron-LM's default 1.0); 0 turns
+    clipping off"""
 
     def __post_init__(self):
         check_choice("optimizer.name", self.name, OPTIMIZERS)
@@ -188,7 +215,8 @@ class OptimizerPlan:
         self.lr = check_number("optimizer.lr", self.lr, minimum=0.0)
         self.weight_decay = check_number("optimizer.weight_decay", self.weight_decay, minimum=0.0)
         if not isinstance(self.betas, (list, tuple)) or len(self.betas) != 2:
-            raise PlanError(f"optimizer.betas must be two numbers [beta1, beta2], got {self.betas!r}")
+            raise PlanError("optimizer.betas must be two numbers [beta1, beta2], got "
+                            f"{self.betas!r}")
         self.betas = tuple(check_number(f"optimizer.betas[{i}]", b, minimum=0.0, below=1.0)
                            for i, b in enumerate(self.betas))
 
@@ -203,23 +231,29 @@ class LayerPlan:
     stage: int = 0
     """pipeline stage (0 .. pp * virtual_stages - 1)"""
     tp: dict[str, str] = field(default_factory=dict)
-    """module path -> TP style (TP_STYLES; absent: replicate); an Embedding "rowwise" splits the vocabulary"""
+    """module path -> TP style (TP_STYLES; absent: replicate); an Embedding "rowwise" splits the
+    vocabulary"""
     tp_parts: dict[str, list[int]] = field(default_factory=dict)
-    """"colwise" module path -> the parts its output features hold, in order, counted in heads (or features for
-    parts that have none): [12] for a projection of 12 heads, [32, 8, 8] for a fused q|k|v with 32 query and 8
-    key/value heads, [11008, 11008] for a fused gate|up, [12] for T5's relative_attention_bias (kept split by heads).
-    Rank r holds slice r of every part; a part of fewer heads than mesh.tp is repeated (weight whole on every rank).
-    Absent: one part, split evenly. "shared" (kept whole): features [before, shared(, after)] (MLA: rope key)."""
+    """"colwise" module path -> the parts its output features hold, in order, counted in heads (or
+    features for parts that have none): [12] for a projection of 12 heads, [32, 8, 8] for a fused
+    q|k|v with 32 query and 8 key/value heads, [11008, 11008] for a fused gate|up, [12] for T5's
+    relative_attention_bias (kept split by heads). Rank r holds slice r of every part; a part of
+    fewer heads than mesh.tp is repeated (weight whole on every rank). Absent: one part, split
+    evenly. "shared" (kept whole): features [before, shared(, after)] (MLA: rope key)."""
     sequence_parallel: bool = False
-    """norms/dropout of this layer run sequence-parallel (activations sharded on the sequence dim between TP regions)"""
+    """norms/dropout of this layer run sequence-parallel (activations sharded on the sequence dim
+    between TP regions)"""
     fsdp: bool = True
-    """wrap this layer as its own FSDP unit (when mesh.zero_stage >= 1); False folds it into the root unit"""
+    """wrap this layer as its own FSDP unit (when mesh.zero_stage >= 1); False folds it into the
+    root unit"""
     recompute: str = "none"
-    """none | selective (recompute element-wise ops, every other weight matmul) | full (keep only the layer input)"""
+    """none | selective (recompute element-wise ops, every other weight matmul) | full (keep only
+    the layer input)"""
     compile: bool = False
-    """compile this layer with ``torch.compile`` (Inductor), on its own as torchtitan's ``apply_compile`` does each
-    repeated block: its pointwise ops, norms and softmax fused into fewer kernels. Only with mesh.pp == 1 (pipeline
-    stages are traced graphs whose blocks are no longer modules that run)"""
+    """compile this layer with ``torch.compile`` (Inductor), on its own as torchtitan's
+    ``apply_compile`` does each repeated block: its pointwise ops, norms and softmax fused into
+    fewer kernels. Only with mesh.pp == 1 (pipeline stages are traced graphs whose blocks are no
+    longer modules that run)"""
     pinned: list[str] = field(default_factory=list)
     """the fields above that the user fixed with an override; the planner never changes them"""
 
@@ -229,18 +263,22 @@ class LayerPlan:
         check_int(f"{where}.stage", self.stage, minimum=0)
         if not isinstance(self.tp, dict):
             raise PlanError(f"{where}.tp must be a dict of module path -> style, got {self.tp!r}")
-        root = self.path == ""  # "" (the root module) only in the root layer: a model that is a single Linear
-        for mod, style in self.tp.items():  # the messages are built only for a bad entry (plans have many)
+        # "" (the root module) only in the root layer: a model that is a single Linear
+        root = self.path == ""
+        # the messages are built only for a bad entry (plans have many)
+        for mod, style in self.tp.items():
             if type(mod) is not str or not (MODULE_PATH.fullmatch(mod) or (root and mod == "")):
                 check_module_path(f"{where}.tp key", mod, root=root)
             if type(style) is not str or style not in TP_STYLES:
                 check_choice(f"{where}.tp[{mod!r}]", style, TP_STYLES)
         if not isinstance(self.tp_parts, dict):
-            raise PlanError(f"{where}.tp_parts must be a dict of module path -> [int, ...], got {self.tp_parts!r}")
+            raise PlanError(f"{where}.tp_parts must be a dict of module path -> [int, ...], got "
+                            f"{self.tp_parts!r}")
         for mod, parts in self.tp_parts.items():
             if self.tp.get(mod) not in ("colwise", "shared"):
-                raise PlanError(f"{where}.tp_parts names {mod!r}, whose tp style is {self.tp.get(mod, 'replicate')!r}"
-                                ": parts say how a 'colwise' split cuts a module's output (or a 'shared' one's)")
+                raise PlanError(f"{where}.tp_parts names {mod!r}, whose tp style is "
+                                f"{self.tp.get(mod, 'replicate')!r}: parts say how a 'colwise' "
+                                "split cuts a module's output (or a 'shared' one's)")
             check_list(f"{where}.tp_parts[{mod!r}]", parts, int)
             if not parts:
                 raise PlanError(f"{where}.tp_parts[{mod!r}] is empty: give at least one part")
