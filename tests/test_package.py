@@ -127,13 +127,15 @@ MODULE_LINES, FUNCTION_LINES = 500, 80
 LONG_MODULES = {
     # not split yet: each may shrink, none may grow past its figure
     "cost/estimate.py": (674, "the Evaluator's layer terms, sums, step time and communication"),  # 580 at 120 columns
-    "planner/search.py": (580, "mesh enumeration beside the per-layer search"),
+    "planner/search.py": (644, "mesh enumeration beside the per-layer search"),  # 577 at 120 columns
     # over 500 only since wrapped at 100 columns (the lines at 120 columns after each)
     "widget/dot.py": (531, "the model graph's DOT: nodes, clusters, edges and their labels"),  # 488
     "export/values.py": (522, "every value the exported script's template takes, from the plan"),  # 452
     "capture/__init__.py": (532, "capture, its two tracers, the graph's layers and their order"),  # 493
     "cost/tp_styles.py": (527, "the TP styles' propagation through the graph, region by region"),  # 460
     "notebook/session.py": (516, "the notebook session: capture, plan, widget and runs"),  # 465
+    "planner/explain.py": (553, "the plan in plain words: why it beat the runner-up, what limits it"),  # 492
+    "planner/styles.py": (555, "which ParallelStyle each module gets, from the plan's TP choices"),  # 490
 }
 LONG_FUNCTIONS = {
     # the same: ceilings, to be split
@@ -141,6 +143,9 @@ LONG_FUNCTIONS = {
     # over 80 only since wrapped at 100 columns (the length at 120 columns after each)
     "cost/estimate.py:terms": 97,  # 80
     "notebook/magic.py:autoparallel": 83,  # 75
+    "planner/__init__.py:_plan": 97,  # 78
+    "planner/explain.py:explain": 88,  # 76
+    "planner/search.py:run": 84,  # 76
     "export/parallelize.py:parallelize_source": 89,  # 66
     "export/settings.py:settings": 89,  # 70
     "export/values.py:script_values": 87,  # 73
@@ -172,7 +177,7 @@ def test_no_module_or_function_grows_past_its_size():
         assert set(listed) <= set(over), f"listed but no longer over {limit}: {sorted(set(listed) - set(over))}"
 
 
-WRAPPED_AT_100 = ("capture", "cost", "export", "notebook", "plan", "launch", "runtime", "verify", "widget")
+WRAPPED_AT_100 = ("capture", "cost", "export", "notebook", "plan", "planner", "launch", "runtime", "verify", "widget")
 """the folders whose lines are wrapped at 100 columns; ruff's line length drops from 120 to 100 once every folder of
 the package is listed"""
 

@@ -1,7 +1,8 @@
-"""Async tensor parallelism as the planner chooses it (``plan.async_tp``): fixed by the user, or costed on every
-split with tp > 1 where it can run (CUDA, compiled blocks: :func:`.constraints.async_tp_refusal`; the search ranks
-them with it, :mod:`..cost.async_tp`: the TP all-gathers and reduce-scatters hidden behind the matmuls), else tried on
-the best plan and taken when faster."""
+"""Async tensor parallelism as the planner chooses it (``plan.async_tp``): fixed by the user, or
+costed on every split with tp > 1 where it can run (CUDA, compiled blocks:
+:func:`.constraints.async_tp_refusal`; the search ranks them with it, :mod:`..cost.async_tp`: the TP
+all-gathers and reduce-scatters hidden behind the matmuls), else tried on the best plan and taken
+when faster."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from .search import Candidate
 
 def _refusal(cand: Candidate, cluster) -> str:
     s = cand.setting
-    return async_tp_refusal(cluster, compiled=any(c.compile for c in cand.choices), tp=s.tp, pp=s.pp)
+    return async_tp_refusal(cluster, compiled=any(c.compile for c in cand.choices), tp=s.tp,
+                            pp=s.pp)
 
 
 def with_async_tp(cand: Candidate, ev, on: bool) -> Candidate:
@@ -26,9 +28,11 @@ def with_async_tp(cand: Candidate, ev, on: bool) -> Candidate:
 
 
 def async_tp_choice(best: Candidate, ev, cons, cluster) -> tuple[Candidate, Candidate | None]:
-    """(the chosen candidate, the other async TP choice costed on the same setting, or None where async TP is not
-    offered): taken when faster. A fixed choice stays; its synchronous twin is costed for the explanation."""
-    if best.setting.async_tp:  # fixed, or costed on in the search: its twin without it, for the explanation
+    """(the chosen candidate, the other async TP choice costed on the same setting, or None where
+    async TP is not offered): taken when faster. A fixed choice stays; its synchronous twin is
+    costed for the explanation."""
+    # fixed, or costed on in the search: its twin without it, for the explanation
+    if best.setting.async_tp:
         return best, with_async_tp(best, ev, False)
     if "async_tp" in cons.fix:
         return best, None
@@ -46,11 +50,13 @@ def async_tp_lines(best: Candidate, other: Candidate | None, cons, cluster) -> l
     on, off = (best, other) if best.setting.async_tp else (other, best)
     hidden = off.cost.comm_exposed_s - on.cost.comm_exposed_s
     step = (f"{fmt_time(on.cost.step_time_s)}/step vs {fmt_time(off.cost.step_time_s)} without "
-            f"({off.cost.step_time_s / on.cost.step_time_s:.2f}x; {fmt_time(hidden)} of TP collectives hidden)")
-    how = ("Inductor's micro-pipelined TP over symmetric memory overlaps TP's all-gathers and reduce-scatters with "
-           "the matmuls beside them")
+            f"({off.cost.step_time_s / on.cost.step_time_s:.2f}x; {fmt_time(hidden)} of TP "
+            "collectives hidden)")
+    how = ("Inductor's micro-pipelined TP over symmetric memory overlaps TP's all-gathers and "
+           "reduce-scatters with the matmuls beside them")
     if fixed:
         return [f"Async TP (fix async_tp): {how}: {step}."]
     if best.setting.async_tp:
         return [f"Async TP chosen: {how}: {step}."]
-    return [f"Async TP not chosen: no TP all-gather or reduce-scatter to hide behind the matmuls ({step})."]
+    return ["Async TP not chosen: no TP all-gather or reduce-scatter to hide behind the matmuls "
+            f"({step})."]

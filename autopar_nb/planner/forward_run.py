@@ -1,11 +1,12 @@
-"""Run one TP layout on the stand-in of a captured model, as the exported script would apply it: the styles
-:func:`.styles.tp_styles` builds, applied by the runtime's ``apply_tp``, ``set_local_sizes``, ``shard_head_tables``
-and ``tie_parameters``, then the model's forward once, on rank 0 of a fake process group (no communication) with
-meta tensors (no storage). The planner calls it (``forward.py``) for every layout it may offer; a failure comes back
-as the module it happened in and one line saying why, with the user's line.
+"""Run one TP layout on the stand-in of a captured model, as the exported script would apply it: the
+styles :func:`.styles.tp_styles` builds, applied by the runtime's ``apply_tp``, ``set_local_sizes``,
+``shard_head_tables`` and ``tie_parameters``, then the model's forward once, on rank 0 of a fake
+process group (no communication) with meta tensors (no storage). The planner calls it
+(``forward.py``) for every layout it may offer; a failure comes back as the module it happened in
+and one line saying why, with the user's line.
 
-Only a failing forward counts: a layout the styles or the runtime refuse to build is left to export, which says
-why in its own words.
+Only a failing forward counts: a layout the styles or the runtime refuse to build is left to export,
+which says why in its own words.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ USER_FILES_IN_PACKAGE = ("zoo.py",)
 
 
 FORKED_TRIAL_TIMEOUT_S = 120.0
-"""how long a forked copy may run one layout before the planner gives up on checking it (a trial on meta tensors
-takes about a second for a small model, a few for a 22B one; only a copy stuck on a lock takes longer)"""
+"""how long a forked copy may run one layout before the planner gives up on checking it (a trial on
+meta tensors takes about a second for a small model, a few for a 22B one; only a copy stuck on a
+lock takes longer)"""
 
 
 class Layout(NamedTuple):
@@ -56,35 +58,41 @@ class Layout(NamedTuple):
     """every layer path, in model order"""
     loss_parallel: bool
     repeats: tuple[tuple[str, str], ...] = ()
-    """repeated-block member -> the block's first member, whose output it hands on instead of running (the same
-    code on the same shapes, unsplit: capture ran it)"""
+    """repeated-block member -> the block's first member, whose output it hands on instead of
+    running (the same code on the same shapes, unsplit: capture ran it)"""
 
 
 def run_layout(stand: StandIn, layout: Layout) -> tuple[str, str] | None:
-    """None when the forward runs on ``layout``'s local shards (or the check cannot run: the styles cannot be
-    built); else (module path, why) of the first failure. In a process that holds a process group already (a user's
-    notebook or worker) the layout runs in a forked copy of the process (:func:`_in_forked_copy`)."""
+    """None when the forward runs on ``layout``'s local shards (or the check cannot run: the styles
+    cannot be built); else (module path, why) of the first failure. In a process that holds a
+    process group already (a user's notebook or worker) the layout runs in a forked copy of the
+    process (:func:`_in_forked_copy`)."""
     model = meta_copy(stand.model)
     styles_of = dict(layout.styles)
     try:
-        styles = tp_styles(model, styles_of, layers=list(layout.layers), loss_parallel=layout.loss_parallel,
+        styles = tp_styles(model, styles_of, layers=list(layout.layers),
+                           loss_parallel=layout.loss_parallel,
                            parts={m: list(p) for m, p in layout.parts}, tp=layout.tp)
         sizes = local_sizes(model, styles, tp=layout.tp)
-        tables = head_tables(model, styles, tp=layout.tp, parts={m: list(p) for m, p in layout.parts},
+        tables = head_tables(model, styles, tp=layout.tp,
+                             parts={m: list(p) for m, p in layout.parts},
                              call=lambda model: call(model, stand))
     except (NotImplementedError, ValueError):
         return None  # export refuses it with its own message
-    stand.tables[layout] = tables  # found on the whole model: split with the heads even where the run cannot be
+    # found on the whole model: split with the heads even where the run cannot be
+    stand.tables[layout] = tables
     stand.stage_refusals[layout] = stage_refusal(sizes, tables)
     trial = functools.partial(_trial, stand, model, layout, styles, sizes, tables)
     if dist.is_initialized():
-        return _in_forked_copy(trial, stand)  # a process group of the user's: the fake one cannot sit beside it
+        # a process group of the user's: the fake one cannot sit beside it
+        return _in_forked_copy(trial, stand)
     return trial()
 
 
-def _trial(stand: StandIn, model: nn.Module, layout: Layout, styles, sizes, tables) -> tuple[str, str] | None:
-    """:func:`run_layout` once the styles are built: applied on rank 0 of a fake process group of ``layout.tp``
-    ranks (set up here, and taken down), then the forward."""
+def _trial(stand: StandIn, model: nn.Module, layout: Layout, styles, sizes,
+           tables) -> tuple[str, str] | None:
+    """:func:`run_layout` once the styles are built: applied on rank 0 of a fake process group of
+    ``layout.tp`` ranks (set up here, and taken down), then the forward."""
     ties = tied_parameters(model)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -100,22 +108,25 @@ def _trial(stand: StandIn, model: nn.Module, layout: Layout, styles, sizes, tabl
         except (NotImplementedError, ValueError, AttributeError, TypeError):
             return None
         error = call(model, stand, layout.repeats)
-        if error is not None and layout.repeats:  # every block run, lest handing the first one's output on failed
+        # every block run, lest handing the first one's output on failed
+        if error is not None and layout.repeats:
             error = call(model, stand)
     finally:
         dist.destroy_process_group()
     if error is None:
         return None
-    if "whole" not in stand.results:  # a failure that is the meta device's (``.item()``), not the layout's?
+    # a failure that is the meta device's (``.item()``), not the layout's?
+    if "whole" not in stand.results:
         stand.results["whole"] = call(meta_copy(stand.model), stand) is None
     return blame(model, layout, error) if stand.results["whole"] else None
 
 
 def _in_forked_copy(trial, stand: StandIn) -> tuple[str, str] | None:
-    """``trial()`` in a forked copy of this process, for a process that holds a process group already (the default
-    group is global state, and a second cannot be set up beside it): the copy sets the user's group aside, runs the
-    trial on its own fake group and sends back only its answer, so nothing it does reaches the user's group or
-    model. None (unchecked, as export still refuses what it cannot build) where there is no fork or the copy died."""
+    """``trial()`` in a forked copy of this process, for a process that holds a process group
+    already (the default group is global state, and a second cannot be set up beside it): the copy
+    sets the user's group aside, runs the trial on its own fake group and sends back only its
+    answer, so nothing it does reaches the user's group or model. None (unchecked, as export still
+    refuses what it cannot build) where there is no fork or the copy died."""
     if not hasattr(os, "fork"):
         return None
     read, write = os.pipe()
@@ -130,10 +141,12 @@ def _in_forked_copy(trial, stand: StandIn) -> tuple[str, str] | None:
                 out.write(answer)
             code = 0
         finally:
-            os._exit(code)  # no atexit, no flush of the copied buffers, no destructor of the user's group
+            # no atexit, no flush of the copied buffers, no destructor of the user's group
+            os._exit(code)
     os.close(write)
     data = _read_until(read, time.monotonic() + FORKED_TRIAL_TIMEOUT_S)
-    if data is None:  # stuck (a lock another thread held at the fork): the layout goes unchecked, planning goes on
+    # stuck (a lock another thread held at the fork): the layout goes unchecked, planning goes on
+    if data is None:
         os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     if not data:
@@ -145,7 +158,8 @@ def _in_forked_copy(trial, stand: StandIn) -> tuple[str, str] | None:
 
 
 def _read_until(fd: int, deadline: float) -> bytes | None:
-    """Everything written to the pipe ``fd`` until its writer closes it (closed here), or None at ``deadline``."""
+    """Everything written to the pipe ``fd`` until its writer closes it (closed here), or None at
+    ``deadline``."""
     chunks = []
     try:
         while (left := deadline - time.monotonic()) > 0:
@@ -160,32 +174,36 @@ def _read_until(fd: int, deadline: float) -> bytes | None:
 
 
 def _set_aside_user_groups() -> tuple:
-    """In the forked copy: no default group, so the fake one can be set up; the user's groups are kept referenced
-    (returned) so that taking the fake one down, which forgets every group, destroys none of theirs (a gloo group's
-    destructor would wait on threads the copy does not have)."""
+    """In the forked copy: no default group, so the fake one can be set up; the user's groups are
+    kept referenced (returned) so that taking the fake one down, which forgets every group, destroys
+    none of theirs (a gloo group's destructor would wait on threads the copy does not have)."""
     from torch.distributed import distributed_c10d as c10d
 
-    torch.set_num_threads(1)  # as torch's DataLoader does in a forked worker: the copy has no thread pool of its own
+    # as torch's DataLoader does in a forked worker: the copy has no thread pool of its own
+    torch.set_num_threads(1)
     held = (c10d._world.default_pg, list(c10d._world.pg_map))
     c10d._update_default_pg(None)
     return held
 
 
 def call(model: nn.Module, stand: StandIn, repeats=()) -> Exception | None:
-    """Call ``model`` on the stand-in's inputs as capture did (training mode, no key/value cache, Hugging Face's
-    plain masks skipped as its eager forward skips them); the exception it raised, if any. ``repeats``: (module,
-    first member of its block) pairs whose module hands on the first member's last output instead of running."""
+    """Call ``model`` on the stand-in's inputs as capture did (training mode, no key/value cache,
+    Hugging Face's plain masks skipped as its eager forward skips them); the exception it raised, if
+    any. ``repeats``: (module, first member of its block) pairs whose module hands on the first
+    member's last output instead of running."""
     switch_off_kv_cache(model)
     model.train()
     outputs: dict[str, object] = {}
     hooks = [model.get_submodule(first).register_forward_hook(
-        lambda _m, _a, out, first=first: outputs.__setitem__(first, out)) for first in {f for _, f in repeats}]
+        lambda _m, _a, out, first=first: outputs.__setitem__(first, out))
+             for first in {f for _, f in repeats}]
     for path, first in repeats:
         model.get_submodule(path).forward = lambda *a, first=first, **k: outputs[first]
     try:
         with torch.no_grad(), masks_as_in_eager(own_positions="position_ids" not in stand.kwargs):
             model(*stand.args, **stand.kwargs)
-    except Exception as e:  # the model's own code failed (on local shards: the caller says where and why)
+    # the model's own code failed (on local shards: the caller says where and why)
+    except Exception as e:
         return e
     finally:
         for hook in hooks:
@@ -196,8 +214,9 @@ def call(model: nn.Module, stand: StandIn, repeats=()) -> Exception | None:
 
 
 def blame(model: nn.Module, layout: Layout, error: BaseException) -> tuple[str, str]:
-    """(the module to keep whole, why): the innermost module whose code was running when ``error`` was raised,
-    or the closest one above it that holds split modules (the root, "", when none does)."""
+    """(the module to keep whole, why): the innermost module whose code was running when ``error``
+    was raised, or the closest one above it that holds split modules (the root, "", when none
+    does)."""
     split = dict(layout.styles)
     paths = {id(m): p for p, m in model.named_modules()}
     frames = list(traceback.walk_tb(error.__traceback__))
@@ -214,12 +233,15 @@ def blame(model: nn.Module, layout: Layout, error: BaseException) -> tuple[str, 
     if user:
         frame, lineno = user[-1]
         line = _line_of(frame.f_code.co_filename, lineno, frame)
-        where = f" in {_file_name(frame.f_code.co_filename)} line {lineno}" + (f" (`{line}`)" if line else "")
+        where = (f" in {_file_name(frame.f_code.co_filename)} line "
+                 f"{lineno}") + (f" (`{line}`)" if line else "")
     return module, diagnosis(model, layout, module, error, line, where)
 
 
-def diagnosis(model: nn.Module, layout: Layout, module: str, error: BaseException, line: str, where: str) -> str:
-    """One line: what failed, where (``where``: " in <file> line <n> (`<line>`)"), and what to write instead."""
+def diagnosis(model: nn.Module, layout: Layout, module: str, error: BaseException, line: str,
+              where: str) -> str:
+    """One line: what failed, where (``where``: " in <file> line <n> (`<line>`)"), and what to write
+    instead."""
     split, tp = dict(layout.styles), layout.tp
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     names = [p for p in split if p.startswith(module + ".") or not module]
@@ -229,15 +251,17 @@ def diagnosis(model: nn.Module, layout: Layout, module: str, error: BaseExceptio
         proj = called[0]
         parts = len(dict(layout.parts).get(proj, ())) or 1
         width = out_features(model.get_submodule(proj)) // parts
-        return (f"{proj.rpartition('.')[2]}'s output is split with the global width {width}{where}, but a rank "
-                f"holds 1/{tp} of it; use chunk({parts}) or view(..., -1, head_dim)")
+        return (f"{proj.rpartition('.')[2]}'s output is split with the global width "
+                f"{width}{where}, but a rank holds 1/{tp} of it; use chunk({parts}) or view(..., "
+                "-1, head_dim)")
     if re.search(r"\.(view|reshape)\(", line) and "invalid for input of size" in first:
-        return (f"{module or 'the model'} reshapes a split tensor with global sizes{where}; compute them from the "
-                "local tensor (view(B, T, -1, head_dim)) or from attributes the runtime sets per rank (self.n_head)")
+        return (f"{module or 'the model'} reshapes a split tensor with global sizes{where}; "
+                "compute them from the local tensor (view(B, T, -1, head_dim)) or from attributes "
+                "the runtime sets per rank (self.n_head)")
     if "broadcast" in first or "must match the size" in first:
-        return (f"{module or 'the model'} meets a tensor of all heads with one rank's heads{where} (a per-head "
-                "table is split with the heads only where it is the attention module's own parameter or buffer "
-                "with one dim of its head count)")
+        return (f"{module or 'the model'} meets a tensor of all heads with one rank's heads{where} "
+                "(a per-head table is split with the heads only where it is the attention module's "
+                "own parameter or buffer with one dim of its head count)")
     return f"{module or 'the model'}'s forward fails on {tp} TP ranks' local shards{where}: {text}"
 
 

@@ -1,11 +1,12 @@
 """Pipeline stage boundaries: contiguous layer ranges that minimise the slowest stage's time.
 
-Exact for the given per-layer times: bisection on the bottleneck with a greedy maximal-prefix check (a contiguous
-min-max partition is feasible for a bound iff packing each stage as full as possible covers the chain), on runs of
-identical layers so the cost grows with runs and stages, not layers; with layers pinned to stages, a dynamic
-programme over the chain. A stage starts only where one may (``glued``: the layers that stay in the stage of the
-layer before them, ``GraphProfile.pp_glued``): each partition runs on units, a layer where a stage may start and
-the glued layers after it, and gives every layer its unit's stage.
+Exact for the given per-layer times: bisection on the bottleneck with a greedy maximal-prefix check
+(a contiguous min-max partition is feasible for a bound iff packing each stage as full as possible
+covers the chain), on runs of identical layers so the cost grows with runs and stages, not layers;
+with layers pinned to stages, a dynamic programme over the chain. A stage starts only where one may
+(``glued``: the layers that stay in the stage of the layer before them, ``GraphProfile.pp_glued``):
+each partition runs on units, a layer where a stage may start and the glued layers after it, and
+gives every layer its unit's stage.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from ..plan import DTYPE_NAMES, ITEMSIZE
 
 
 def unit_sizes(n: int, glued) -> list[int]:
-    """The layers of each unit of a chain of ``n`` layers: a layer where a stage may start, then the ``glued``
-    layers after it (the first layer starts a unit whether glued or not)."""
+    """The layers of each unit of a chain of ``n`` layers: a layer where a stage may start, then the
+    ``glued`` layers after it (the first layer starts a unit whether glued or not)."""
     sizes: list[int] = []
     for i in range(n):
         if sizes and i in glued:
@@ -28,7 +29,8 @@ def unit_sizes(n: int, glued) -> list[int]:
 
 def per_layer(assign: list[int] | None, sizes: list[int]) -> list[int] | None:
     """The stage of each layer, from the stage of each unit (``sizes``: :func:`unit_sizes`)."""
-    return None if assign is None else [st for st, k in zip(assign, sizes, strict=True) for _ in range(k)]
+    return None if assign is None else [st for st, k in zip(assign, sizes, strict=True)
+                                        for _ in range(k)]
 
 
 def _sums(values: list[float], sizes: list[int]) -> list[float]:
@@ -39,10 +41,11 @@ def _sums(values: list[float], sizes: list[int]) -> list[float]:
     return out
 
 
-def partition(times: list[float], n_stages: int, pins: dict[int, int], glued=frozenset()) -> list[int] | None:
-    """Contiguous assignment of layers to ``n_stages`` non-empty stages minimising the slowest stage (module
-    docstring), no stage starting at a ``glued`` layer; None when impossible (fewer units than stages, pins out of
-    order, or pins that would start a stage at a glued layer)."""
+def partition(times: list[float], n_stages: int, pins: dict[int, int],
+              glued=frozenset()) -> list[int] | None:
+    """Contiguous assignment of layers to ``n_stages`` non-empty stages minimising the slowest stage
+    (module docstring), no stage starting at a ``glued`` layer; None when impossible (fewer units
+    than stages, pins out of order, or pins that would start a stage at a glued layer)."""
     if glued:
         sizes = unit_sizes(len(times), glued)
         heads = [sum(sizes[:u]) for u in range(len(sizes))]
@@ -62,14 +65,15 @@ def partition(times: list[float], n_stages: int, pins: dict[int, int], glued=fro
         return None
     if pins:
         return _partition_dp(times, n_stages, pins)
-    best = bisect_cap(lambda cap: _greedy(times, n_stages, cap), max(times), sum(times), rtol=1e-6, steps=40)
+    best = bisect_cap(lambda cap: _greedy(times, n_stages, cap), max(times), sum(times), rtol=1e-6,
+                      steps=40)
     return fill_empty(best, n_stages)
 
 
 def bisect_cap(assign_within, lo: float, hi: float, *, rtol: float, steps: int):
-    """The assignment for the smallest stage-time cap in [lo, hi] that ``assign_within(cap)`` can meet (it returns
-    None when the cap is too tight), by bisection on the cap; None when even ``hi`` is too tight. Used by the time
-    partitions here and by the planner's memory-capped partition."""
+    """The assignment for the smallest stage-time cap in [lo, hi] that ``assign_within(cap)`` can
+    meet (it returns None when the cap is too tight), by bisection on the cap; None when even ``hi``
+    is too tight. Used by the time partitions here and by the planner's memory-capped partition."""
     best = assign_within(hi)
     for _ in range(steps):
         mid = (lo + hi) / 2
@@ -83,9 +87,11 @@ def bisect_cap(assign_within, lo: float, hi: float, *, rtol: float, steps: int):
     return best
 
 
-def partition_runs(runs: list[tuple[float, int]], n_stages: int, glued=frozenset()) -> list[int] | None:
-    """:func:`partition` for a chain given as runs of identical layers ``(time, count)``: the greedy check counts
-    how many layers of a run fit at once, so the cost grows with runs and stages, not layers."""
+def partition_runs(runs: list[tuple[float, int]], n_stages: int,
+                   glued=frozenset()) -> list[int] | None:
+    """:func:`partition` for a chain given as runs of identical layers ``(time, count)``: the greedy
+    check counts how many layers of a run fit at once, so the cost grows with runs and stages, not
+    layers."""
     if glued:  # units of equal time in runs again: a glued layer makes its unit one of its own
         sizes = unit_sizes(sum(c for _, c in runs), glued)
         unit_runs: list[tuple[float, int]] = []
@@ -194,22 +200,25 @@ def _partition_dp(times, n_stages, pins):
 
 def memory_partition(ev, s, choices, *, limit: float, rec_pinned: dict[int, str],
                      glued=frozenset()) -> list[int] | None:
-    """Stages balanced by time subject to each pipeline rank's memory, with every free layer at full recompute
-    (the least memory it can take): bisection on the bottleneck time with a greedy check that also caps each
-    stage's bytes (model states + in-flight activations + a reserve for transient buffers and the loss), on units
-    (no stage starting at a ``glued`` layer)."""
+    """Stages balanced by time subject to each pipeline rank's memory, with every free layer at full
+    recompute (the least memory it can take): bisection on the bottleneck time with a greedy check
+    that also caps each stage's bytes (model states + in-flight activations + a reserve for
+    transient buffers and the loss), on units (no stage starting at a ``glued`` layer)."""
     f, half = ev.f, s.amp != "none"
-    p_item = ITEMSIZE[DTYPE_NAMES.get(s.amp, "float32")]  # compute dtype: unsharded/gathered parameters
+    p_item = ITEMSIZE[DTYPE_NAMES.get(s.amp,
+                                      "float32")]  # compute dtype: unsharded/gathered parameters
     g_item = ITEMSIZE["float32"]  # gradients, log-softmax
     sb = state_bytes(s.optimizer)
     dp = s.dp
     p_b = sb.param / (dp if s.zero_stage >= 3 else 1)
     g_b = sb.grad / (dp if s.zero_stage >= 2 else 1)
     o_b = sb.optimizer / (dp if s.zero_stage >= 1 else 1)
-    # ZeRO 1 and 2 keep unsharded parameters from forward to backward; autocast caches 16-bit copies of the weights
+    # ZeRO 1 and 2 keep unsharded parameters from forward to backward; autocast caches 16-bit copies
+    # of the weights
     held = p_item if s.zero_stage in (1, 2) or (s.zero_stage == 0 and half) else 0
     acc = 1 if (s.micro_batches > 1 or s.pp > 1) else 0
-    # per parameter at the backward moment (unsharded copies held) or at the optimizer step (foreach temporaries)
+    # per parameter at the backward moment (unsharded copies held) or at the optimizer step (foreach
+    # temporaries)
     per_param = max(p_b + o_b + acc * g_b + held, p_b + o_b + 2 * g_b)
     times, static, act = [], [], []
     reserve = 0.0
@@ -224,13 +233,16 @@ def memory_partition(ev, s, choices, *, limit: float, rec_pinned: dict[int, str]
     sizes = unit_sizes(len(choices), glued)
     if len(sizes) < s.pp:
         return None
-    times, static, act = (_sums(x, sizes) for x in (times, static, act))  # the bytes are linear in the layers
+    # the bytes are linear in the layers
+    times, static, act = (_sums(x, sizes) for x in (times, static, act))
     prof = ev.prof
     out_numel = prof.output_numel * s.mb_samples / prof.batch * ev.seq_ratio
-    loss = out_numel * (g_item + g_item + p_item)  # log-softmax saved, its gradient, the logits' gradient
+    # log-softmax saved, its gradient, the logits' gradient
+    loss = out_numel * (g_item + g_item + p_item)
     cap = (limit - f.margin_fixed_bytes) / (1 + f.margin_fraction) - reserve
     caps = [cap - (loss if r == s.pp - 1 else 0.0) for r in range(s.pp)]
-    flights = [in_flight(s.schedule, pp=s.pp, stage=r, micro_batches=s.micro_batches) for r in range(s.pp)]
+    flights = [in_flight(s.schedule, pp=s.pp, stage=r, micro_batches=s.micro_batches)
+               for r in range(s.pp)]
 
     def greedy(bound):
         out, stage, acc_t, acc_m = [], 0, 0.0, 0.0

@@ -1,24 +1,30 @@
-"""Which ParallelStyle each module gets: the plan's per-module TP choices turned into :class:`TPStyle` data.
+"""Which ParallelStyle each module gets: the plan's per-module TP choices turned into
+:class:`TPStyle` data.
 
 Rules (Megatron-LM / torchtitan):
 
-* ``nn.Linear`` colwise shards the output features, rowwise the input features; a colwise Linear with no rowwise
-  Linear beside it in the same parent (an output head) gathers its output, or keeps it vocab-sharded for
-  ``loss_parallel``.
-* ``nn.Embedding`` rowwise = vocab-parallel (rows), colwise = embedding dim; both take replicated ids.
-* sequence parallelism covers consecutive layers (typically the blocks, the final norm and the head): the first one
-  cuts its replicated input along the sequence (``PrepareFirstInput``, no communication), norms run on sequence
-  shards (``SequenceParallel``), rowwise Linears reduce-scatter to ``Shard(1)``, the module that holds a layer's
-  colwise Linears all-gathers its input once (so code inside it sees the whole sequence), and the first layer after
-  the region gathers the sequence back (or, for an output head, its colwise Linear does). Embeddings always output
-  replicated activations: a position embedding is often added to the token embedding before the first block.
-* a colwise module's parts (``LayerPlan.tp_parts``, in heads): equal parts of at least ``tp`` heads are split part
-  by part (``PackedColwiseParallel``: rank r holds ``[q_r|k_r|v_r]``); a single part with fewer heads than ``tp``
-  (K/V under GQA) is repeated (``RepeatedColwiseParallel``); parts of different widths (q, k, v under GQA) have no
-  DTensor placement, so the weight is split as one block and its output gathered, and the rowwise projection beside
-  it takes the whole (replicated) attention output (transformers' own Phi-3 TP plan does the same). A colwise
-  ``nn.Embedding`` with parts (T5's relative_attention_bias: one column per head) keeps its output split by heads.
-* Hugging Face ``Conv1D`` (weight stored (in, out)) is split like ``nn.Linear`` with the dims swapped.
+* ``nn.Linear`` colwise shards the output features, rowwise the input features; a colwise Linear
+  with no rowwise Linear beside it in the same parent (an output head) gathers its output, or keeps
+  it vocab-sharded for ``loss_parallel``.
+* ``nn.Embedding`` rowwise = vocab-parallel (rows), colwise = embedding dim; both take replicated
+  ids.
+* sequence parallelism covers consecutive layers (typically the blocks, the final norm and the
+  head): the first one cuts its replicated input along the sequence (``PrepareFirstInput``, no
+  communication), norms run on sequence shards (``SequenceParallel``), rowwise Linears
+  reduce-scatter to ``Shard(1)``, the module that holds a layer's colwise Linears all-gathers its
+  input once (so code inside it sees the whole sequence), and the first layer after the region
+  gathers the sequence back (or, for an output head, its colwise Linear does). Embeddings always
+  output replicated activations: a position embedding is often added to the token embedding before
+  the first block.
+* a colwise module's parts (``LayerPlan.tp_parts``, in heads): equal parts of at least ``tp`` heads
+  are split part by part (``PackedColwiseParallel``: rank r holds ``[q_r|k_r|v_r]``); a single part
+  with fewer heads than ``tp`` (K/V under GQA) is repeated (``RepeatedColwiseParallel``); parts of
+  different widths (q, k, v under GQA) have no DTensor placement, so the weight is split as one
+  block and its output gathered, and the rowwise projection beside it takes the whole (replicated)
+  attention output (transformers' own Phi-3 TP plan does the same). A colwise ``nn.Embedding`` with
+  parts (T5's relative_attention_bias: one column per head) keeps its output split by heads.
+* Hugging Face ``Conv1D`` (weight stored (in, out)) is split like ``nn.Linear`` with the dims
+  swapped.
 """
 
 from __future__ import annotations
@@ -40,37 +46,46 @@ SEQ = 1
 GATHER = TPStyle("prepare_input", input_layout=SEQ, desired_layout=REPLICATE, use_local_output=True)
 """the whole sequence back from sequence shards, at a module's input"""
 HEAD_NORM = TPStyle("sequence_parallel", sequence_dim=-2, use_local_output=True)
-"""a ``"per_head"`` norm (Qwen3's q_norm): its input (..., heads, head_dim) split by heads, its weight replicated, so
-torch's sequence-parallel style on the heads dim sums the weight's gradient over the ranks"""
+"""a ``"per_head"`` norm (Qwen3's q_norm): its input (..., heads, head_dim) split by heads, its
+weight replicated, so torch's sequence-parallel style on the heads dim sums the weight's gradient
+over the ranks"""
 
 
-def tp_styles(model: nn.Module, tp_plan: dict[str, str], *, sp_layers: list[str] = (), layers: list[str] = (),
-              loss_parallel: bool = False, parts: dict[str, list[int]] | None = None, tp: int = 2
-              ) -> dict[str, TPStyle]:
+def tp_styles(model: nn.Module, tp_plan: dict[str, str], *, sp_layers: list[str] = (),
+              layers: list[str] = (), loss_parallel: bool = False,
+              parts: dict[str, list[int]] | None = None, tp: int = 2) -> dict[str, TPStyle]:
     """Module path -> :class:`TPStyle`, in model order (see the module docstring).
 
-    ``tp_plan``: module path -> style from the plan; ``sp_layers``: layer paths whose activations are
-    sequence-sharded (a layer holding a ``sequence_parallel`` module is one too); ``layers``: every layer path in
-    model order (to find where the sequence-parallel region ends); ``loss_parallel``: the head's logits stay sharded
-    on the vocabulary for ``loss_parallel()``; ``parts``: colwise module path -> its output's parts in heads
-    (``LayerPlan.tp_parts``); ``tp``: the TP degree.
+    ``tp_plan``: module path -> style from the plan; ``sp_layers``: layer paths whose activations
+    are sequence-sharded (a layer holding a ``sequence_parallel`` module is one too); ``layers``:
+    every layer path in model order (to find where the sequence-parallel region ends);
+    ``loss_parallel``: the head's logits stay sharded on the vocabulary for ``loss_parallel()``;
+    ``parts``: colwise module path -> its output's parts in heads (``LayerPlan.tp_parts``); ``tp``:
+    the TP degree.
     """
     modules = dict(model.named_modules())
     for path in tp_plan:
         if path not in modules:
             raise ValueError(f"the plan shards module {path!r}, which the model does not have; "
                              f"re-capture the model or fix the override")
-    ordered = [p for p in modules if tp_plan.get(p, "replicate") not in ("replicate", "shared", "per_head")]
-    # parents (and layers) of rowwise Linears: a colwise Linear beside one feeds it (BERT keeps them in sibling
-    # modules of one layer: attention.self.query -> attention.output.dense); one without is an output head
+    ordered = [p for p in modules
+               if tp_plan.get(p, "replicate") not in ("replicate", "shared", "per_head")]
+    # parents (and layers) of rowwise Linears: a colwise Linear beside one feeds it (BERT keeps them
+    # in sibling modules of one layer: attention.self.query -> attention.output.dense); one without
+    # is an output head
     rows = [p for p in ordered if tp_plan[p] == "rowwise" and is_projection(modules[p])]
     layouts = {p: part_layout(p, modules[p], (parts or {}).get(p), tp=tp) for p in ordered
                if tp_plan[p] == "colwise" and (is_projection(modules[p]) or p in (parts or {}))}
     region, after = _sp_region(modules, tp_plan, sp_layers, layers)
-    at = _Sharding(layers=layers, loss_parallel=loss_parallel, layouts=layouts, region=region, after=after,
-                   row_parents={p.rpartition(".")[0] for p in rows} | {layer_of(p, layers) for p in rows} - {None},
-                   gathered={p.rpartition(".")[0] for p, lay in layouts.items()
-                             if lay.get("output_layout") == REPLICATE})
+    at = _Sharding(
+        layers=layers, loss_parallel=loss_parallel, layouts=layouts, region=region, after=after,
+        row_parents={p.rpartition(".")[0]
+                     for p in rows} | {layer_of(p, layers)
+                                       for p in rows} - {None}, gathered={
+                                           p.rpartition(".")[0]
+                                           for p, lay in layouts.items()
+                                           if lay.get("output_layout") == REPLICATE
+                                       })
     styles: dict[str, TPStyle] = shared_styles(modules, tp_plan, parts or {})
     _region_edges(styles, tp_plan, region, after)
     for path in ordered:
@@ -82,8 +97,8 @@ def tp_styles(model: nn.Module, tp_plan: dict[str, str], *, sp_layers: list[str]
 
 @dataclasses.dataclass(frozen=True)
 class _Sharding:
-    """What one module's style depends on beyond its own choice: the model's layers and sequence-parallel region,
-    and the colwise modules' layouts."""
+    """What one module's style depends on beyond its own choice: the model's layers and
+    sequence-parallel region, and the colwise modules' layouts."""
 
     layers: list[str]
     loss_parallel: bool
@@ -109,17 +124,20 @@ class _Sharding:
         return self.in_sp(path) is not None or (self.after is not None and within(path, self.after))
 
 
-def _region_edges(styles: dict[str, TPStyle], tp_plan: dict[str, str], region: list[str], after: str | None) -> None:
-    """The styles where the sequence-parallel region begins and ends (unless the plan chose those modules')."""
+def _region_edges(styles: dict[str, TPStyle], tp_plan: dict[str, str], region: list[str],
+                  after: str | None) -> None:
+    """The styles where the sequence-parallel region begins and ends (unless the plan chose those
+    modules')."""
     if region and region[0] not in tp_plan:
-        # enter: the replicated activations (embeddings' outputs) are cut along the sequence, locally, no comm
+        # enter: the replicated activations (embeddings' outputs) are cut along the sequence,
+        # locally, no comm
         styles[region[0]] = TPStyle("prepare_input", input_layout=REPLICATE, desired_layout=SEQ,
                                     use_local_output=True)
     if region and after is None and region[-1] not in tp_plan:
         # the model's output leaves from inside the region: gather the sequence back
         if region[-1] in styles:
-            raise NotImplementedError(f"sequence parallelism over the single layer {region[-1]} only is not "
-                                      "supported; extend it over the blocks")
+            raise NotImplementedError(f"sequence parallelism over the single layer {region[-1]} "
+                                      "only is not supported; extend it over the blocks")
         styles[region[-1]] = TPStyle("prepare_output", output_layout=SEQ, desired_layout=REPLICATE,
                                      use_local_output=True)
     if after is not None and after not in tp_plan:
@@ -127,18 +145,24 @@ def _region_edges(styles: dict[str, TPStyle], tp_plan: dict[str, str], region: l
         styles[after] = GATHER
 
 
-def _module_style(styles: dict[str, TPStyle], path: str, module: nn.Module, style: str, at: _Sharding) -> None:
-    """The style of one sharded module, into ``styles`` (with its parent's input gather where it needs one)."""
+def _module_style(styles: dict[str, TPStyle], path: str, module: nn.Module, style: str,
+                  at: _Sharding) -> None:
+    """The style of one sharded module, into ``styles`` (with its parent's input gather where it
+    needs one)."""
     sp = at.in_sp(path)
     if isinstance(module, nn.EmbeddingBag):
-        raise NotImplementedError(f"{path}: PyTorch TP does not shard nn.EmbeddingBag; keep it 'replicate' "
-                                  "and shard it with FSDP (zero_stage >= 1), or use nn.Embedding")
+        raise NotImplementedError(f"{path}: PyTorch TP does not shard nn.EmbeddingBag; keep it "
+                                  "'replicate' and shard it with FSDP (zero_stage >= 1), or use "
+                                  "nn.Embedding")
     if style == "sequence_parallel":
         if sp is None:
-            raise NotImplementedError(f"{path} is 'sequence_parallel' outside the sequence-parallel layers")
-        styles[path] = TPStyle("sequence_parallel", use_local_output=True)  # plain tensors between modules
+            raise NotImplementedError(f"{path} is 'sequence_parallel' outside the "
+                                      "sequence-parallel layers")
+        # plain tensors between modules
+        styles[path] = TPStyle("sequence_parallel", use_local_output=True)
     elif isinstance(module, nn.Embedding) and path in at.layouts:
-        # head-indexed (T5's relative position bias): the output stays split by heads, as the scores are
+        # head-indexed (T5's relative position bias): the output stays split by heads, as the scores
+        # are
         styles[path] = TPStyle("colwise", input_layout=REPLICATE)
     elif isinstance(module, nn.Embedding):
         # replicated output (other embeddings, e.g. positions, are often added to it); the first
@@ -146,14 +170,16 @@ def _module_style(styles: dict[str, TPStyle], path: str, module: nn.Module, styl
         kind = "rowwise" if style == "rowwise" else "colwise"
         styles[path] = TPStyle(kind, input_layout=REPLICATE, output_layout=REPLICATE)
     elif not is_projection(module):
-        raise NotImplementedError(f"{path} is a {type(module).__name__}: TP styles colwise/rowwise apply to "
-                                  "nn.Linear, Hugging Face Conv1D and nn.Embedding; use 'sequence_parallel' for "
-                                  "norms or 'replicate'")
+        raise NotImplementedError(f"{path} is a {type(module).__name__}: TP styles colwise/rowwise "
+                                  "apply to nn.Linear, Hugging Face Conv1D and nn.Embedding; use "
+                                  "'sequence_parallel' for norms or 'replicate'")
     elif style == "rowwise":
         kind = "rowwise" if isinstance(module, nn.Linear) else "transposed_rowwise"
-        whole = REPLICATE if path.rpartition(".")[0] in at.gathered else None  # the gathered attention output
+        # the gathered attention output
+        whole = REPLICATE if path.rpartition(".")[0] in at.gathered else None
         styles[path] = TPStyle(kind, input_layout=whole, output_layout=SEQ if sp else None)
-    elif path.rpartition(".")[0] not in at.row_parents and layer_of(path, at.layers) not in at.row_parents:
+    elif (path.rpartition(".")[0] not in at.row_parents
+          and layer_of(path, at.layers) not in at.row_parents):
         styles[path] = _head_style(styles, path, module, at)
     else:
         parent = path.rpartition(".")[0]
@@ -166,24 +192,26 @@ def _module_style(styles: dict[str, TPStyle], path: str, module: nn.Module, styl
 
 
 def _head_style(styles: dict[str, TPStyle], path: str, module: nn.Module, at: _Sharding) -> TPStyle:
-    """An output head's: a colwise projection no rowwise one consumes; its logits gathered, or left sharded on the
-    vocabulary for ``loss_parallel``."""
+    """An output head's: a colwise projection no rowwise one consumes; its logits gathered, or left
+    sharded on the vocabulary for ``loss_parallel``."""
     seq = SEQ if at.fed_sequence_shards(path) and styles.get(at.after) is None else REPLICATE
-    lay = at.layouts[path] if not isinstance(module, nn.Linear) else {}  # a Conv1D head: split, not packed
+    # a Conv1D head: split, not packed
+    lay = at.layouts[path] if not isinstance(module, nn.Linear) else {}
     if at.loss_parallel:
-        return TPStyle(lay.get("kind", "colwise"), input_layout=seq, output_layout=-1, use_local_output=False,
-                       transposed=lay.get("transposed"))
+        return TPStyle(lay.get("kind", "colwise"), input_layout=seq, output_layout=-1,
+                       use_local_output=False, transposed=lay.get("transposed"))
     return TPStyle(lay.get("kind", "colwise"), input_layout=seq, output_layout=REPLICATE,
                    transposed=lay.get("transposed"))
 
 
 def is_projection(module: nn.Module) -> bool:
-    """An ``nn.Linear``, or a Linear-like module that stores its weight (in, out) (Hugging Face's ``Conv1D``: a
-    2-D ``weight`` of shape (``nx``, ``nf``))."""
+    """An ``nn.Linear``, or a Linear-like module that stores its weight (in, out) (Hugging Face's
+    ``Conv1D``: a 2-D ``weight`` of shape (``nx``, ``nf``))."""
     if isinstance(module, nn.Linear):
         return True
     w = getattr(module, "weight", None)
-    return isinstance(w, torch.Tensor) and w.dim() == 2 and isinstance(getattr(module, "nf", None), int) and \
+    return isinstance(w, torch.Tensor) and w.dim() == 2 and isinstance(getattr(module, "nf", None),
+                                                                       int) and \
         tuple(w.shape) == (getattr(module, "nx", None), module.nf)
 
 
@@ -196,44 +224,49 @@ def out_features(module: nn.Module) -> int:
     return module.nf
 
 
-def shared_styles(modules: dict[str, nn.Module], tp_plan: dict[str, str], parts: dict[str, list[int]]
-                  ) -> dict[str, TPStyle]:
-    """The styles of the modules TP keeps whole but sums a gradient of: the ``"shared"`` projections from their
-    ``tp_parts`` (features: [before, shared(, after)]), and the ``"per_head"`` norms (:data:`HEAD_NORM`). The shared
-    piece's gradient is summed over the ranks only where projections beside it are split: a whole attention's is
-    complete on every rank already."""
+def shared_styles(modules: dict[str, nn.Module], tp_plan: dict[str, str],
+                  parts: dict[str, list[int]]) -> dict[str, TPStyle]:
+    """The styles of the modules TP keeps whole but sums a gradient of: the ``"shared"`` projections
+    from their ``tp_parts`` (features: [before, shared(, after)]), and the ``"per_head"`` norms
+    (:data:`HEAD_NORM`). The shared piece's gradient is summed over the ranks only where projections
+    beside it are split: a whole attention's is complete on every rank already."""
     out = {p: HEAD_NORM for p, st in tp_plan.items() if st == "per_head"}
     for path in (p for p, st in tp_plan.items() if st == "shared"):
-        if not any(tp_plan.get(p) == "colwise" for p in modules if p.rpartition(".")[0] == path.rpartition(".")[0]):
+        if not any(tp_plan.get(p) == "colwise" for p in modules
+                   if p.rpartition(".")[0] == path.rpartition(".")[0]):
             continue
         if len(parts.get(path) or ()) not in (2, 3):
-            raise ValueError(f"{path} is 'shared' but tp_parts does not name its shared features: [before, shared(, "
-                             f"after)], got {parts.get(path)}")
-        out[path] = TPStyle("shared_slice", start=parts[path][0], stop=parts[path][0] + parts[path][1])
+            raise ValueError(f"{path} is 'shared' but tp_parts does not name its shared features: "
+                             f"[before, shared(, after)], got {parts.get(path)}")
+        out[path] = TPStyle("shared_slice", start=parts[path][0],
+                            stop=parts[path][0] + parts[path][1])
     return out
 
 
 def part_layout(path: str, module: nn.Module, parts: list[int] | None, *, tp: int) -> dict:
-    """How a colwise projection with ``parts`` (heads per part, ``LayerPlan.tp_parts``; None: one part) is split
-    over ``tp`` ranks, as :class:`TPStyle` fields (see the module docstring)."""
+    """How a colwise projection with ``parts`` (heads per part, ``LayerPlan.tp_parts``; None: one
+    part) is split over ``tp`` ranks, as :class:`TPStyle` fields (see the module docstring)."""
     transposed = None if isinstance(module, (nn.Linear, nn.Embedding)) else True
     plain = {"kind": "packed_colwise", "transposed": True} if transposed else {"kind": "colwise"}
     if parts is None:
         return plain
     width = out_features(module)
     if width % sum(parts):
-        raise ValueError(f"{path}: tp_parts {parts} do not divide its {width} output features evenly")
-    if any(n % tp for n in parts) and all(n % tp == 0 or tp % n == 0 for n in parts) and not transposed and \
-            not isinstance(module, nn.Embedding):
-        # fewer heads than ranks: K/V repeated (with a fused multi-query projection's query heads, split)
+        raise ValueError(f"{path}: tp_parts {parts} do not divide its {width} output features "
+                         "evenly")
+    if (any(n % tp for n in parts) and all(n % tp == 0 or tp % n == 0 for n in parts)
+            and not transposed and not isinstance(module, nn.Embedding)):
+        # fewer heads than ranks: K/V repeated (with a fused multi-query projection's query heads,
+        # split)
         return {"kind": "repeated_colwise", "heads": parts[0] if len(parts) == 1 else tuple(parts)}
     uneven = [n for n in parts if n % tp]
     if uneven:
-        raise NotImplementedError(f"{path}: a part of {uneven[0]} head(s) (tp_parts {parts}) cannot be split over "
-                                  f"tp={tp} ranks" + (" (a fused projection's parts are split together; keep it "
-                                                      "'replicate' or lower tp)" if len(parts) > 1 else
-                                                      " (nor repeated: tp must divide by, or be a multiple of, "
-                                                      "its heads)"))
+        raise NotImplementedError(f"{path}: a part of {uneven[0]} head(s) (tp_parts {parts}) "
+                                  f"cannot be split over tp={tp} ranks"
+                                  + (" (a fused projection's parts are split together; keep it "
+                                     "'replicate' or lower tp)" if len(parts) > 1
+                                     else " (nor repeated: tp must divide by, or be a "
+                                          "multiple of, its heads)"))
     if len(parts) == 1 or isinstance(module, nn.Embedding):
         return plain
     if len(set(parts)) == 1:
@@ -242,9 +275,10 @@ def part_layout(path: str, module: nn.Module, parts: list[int] | None, *, tp: in
     return {**plain, "output_layout": REPLICATE}
 
 
-def _check_region_params(modules: dict[str, nn.Module], styles: dict[str, TPStyle], region: list[str]) -> None:
-    """Every parameter that sees sequence shards must belong to a split (TP) or sequence-parallel module; plain
-    parameters there would get the gradient of one rank's tokens only."""
+def _check_region_params(modules: dict[str, nn.Module], styles: dict[str, TPStyle],
+                         region: list[str]) -> None:
+    """Every parameter that sees sequence shards must belong to a split (TP) or sequence-parallel
+    module; plain parameters there would get the gradient of one rank's tokens only."""
     gathered = [p for p, style in styles.items() if style == GATHER]
     for layer in region:
         for path, module in modules.items():
@@ -255,17 +289,20 @@ def _check_region_params(modules: dict[str, nn.Module], styles: dict[str, TPStyl
             if any(within(path, g) for g in gathered if g != layer):
                 continue  # inside a block that gathered the whole sequence
             raise NotImplementedError(
-                f"{path} ({type(module).__name__}) has parameters and no TP style, but sees sequence shards in the "
-                f"sequence-parallel layer {layer}: split it (colwise/rowwise), mark it 'sequence_parallel' if it is "
-                f"a norm, or turn sequence parallelism off for {layer}")
+                f"{path} ({type(module).__name__}) has parameters and no TP style, but sees "
+                f"sequence shards in the sequence-parallel layer {layer}: split it "
+                "(colwise/rowwise), mark it 'sequence_parallel' if it is a norm, or turn sequence "
+                f"parallelism off for {layer}")
 
 
 def _sp_region(modules: dict[str, nn.Module], tp_plan: dict[str, str], sp_layers, layers
                ) -> tuple[list[str], str | None]:
-    """The consecutive layers whose activations are sequence-sharded, and the first layer after them.
+    """The consecutive layers whose activations are sequence-sharded, and the first layer after
+    them.
 
-    Embedding layers and layers without parameters neither start nor end the region (embeddings output replicated
-    activations; rotary tables, activations and dropout layers carry no sharding decision)."""
+    Embedding layers and layers without parameters neither start nor end the region (embeddings
+    output replicated activations; rotary tables, activations and dropout layers carry no sharding
+    decision)."""
     flagged = set(sp_layers) | {layer for layer in layers for path, style in tp_plan.items()
                                 if style == "sequence_parallel" and within(path, layer)}
     if not flagged:
@@ -282,40 +319,47 @@ def _sp_region(modules: dict[str, nn.Module], tp_plan: dict[str, str], sp_layers
                    if style != "replicate")
 
     candidates = [layer for layer in layers if counts(layer)]
-    # a flagged layer that TP leaves whole (e.g. a replicated head) gets the whole sequence instead: its plain
-    # parameters would otherwise see one rank's tokens and never sum their gradients over the TP ranks
+    # a flagged layer that TP leaves whole (e.g. a replicated head) gets the whole sequence instead:
+    # its plain parameters would otherwise see one rank's tokens and never sum their gradients over
+    # the TP ranks
     region = [layer for layer in candidates if layer in flagged and split(layer)]
     if not region:
         return [], None
     i, j = candidates.index(region[0]), candidates.index(region[-1])
     if candidates[i:j + 1] != region:
         gaps = [layer for layer in candidates[i:j + 1] if layer not in flagged]
-        raise NotImplementedError(f"sequence parallelism must cover consecutive layers; {', '.join(gaps)} "
-                                  f"between {region[0]} and {region[-1]} are not sequence-parallel")
+        raise NotImplementedError("sequence parallelism must cover consecutive layers; "
+                                  f"{', '.join(gaps)} between {region[0]} and {region[-1]} are not "
+                                  "sequence-parallel")
     if tp_plan.get(region[0]) == "sequence_parallel":
-        raise NotImplementedError(f"the first sequence-parallel layer {region[0]} is itself a norm: start sequence "
-                                  "parallelism at a block (a module holding the norm and the Linears)")
+        raise NotImplementedError(f"the first sequence-parallel layer {region[0]} is itself a "
+                                  "norm: start sequence parallelism at a block (a module holding "
+                                  "the norm and the Linears)")
     return region, candidates[j + 1] if j + 1 < len(candidates) else None
 
 
 HEAD_COUNTS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
-"""attributes (of an attention module or its ``config``) that count query heads: tp ranks hold heads / tp each"""
+"""attributes (of an attention module or its ``config``) that count query heads: tp ranks hold heads
+/ tp each"""
 KV_HEADS = ("n_kv_heads", "num_kv_heads", "num_key_value_heads")
-"""attributes that count key/value heads: kv_heads / tp each, or 1 when they are repeated (tp > kv_heads)"""
+"""attributes that count key/value heads: kv_heads / tp each, or 1 when they are repeated (tp >
+kv_heads)"""
 GROUPS = ("num_key_value_groups",)
-"""query heads per key/value head (Hugging Face's attention functions read it from the module): changes only when
-key/value heads are repeated"""
+"""query heads per key/value head (Hugging Face's attention functions read it from the module):
+changes only when key/value heads are repeated"""
 WIDTHS = ("split_size", "n_embd", "embed_dim", "all_head_size", "inner_dim", "hidden_size")
-"""attributes that may hold the width of one part of a split projection's output (GPT-2's ``split_size``, nanoGPT's
-``n_embd``): set per rank only when the value is such a width"""
+"""attributes that may hold the width of one part of a split projection's output (GPT-2's
+``split_size``, nanoGPT's ``n_embd``): set per rank only when the value is such a width"""
 
 
-def local_sizes(model: nn.Module, styles: dict[str, TPStyle], *, tp: int) -> dict[str, dict[str, int]]:
-    """Module path -> attribute -> per-rank value, for the modules that hold split projections (attention, MLP):
-    the attributes of :data:`HEAD_COUNTS`, :data:`KV_HEADS`, :data:`GROUPS` and :data:`WIDTHS` that the module's
-    own code reads outside ``__init__`` (``self.n_head``, ``self.config.num_attention_heads``), with the value they
-    have on one rank. A module whose split output is gathered back (parts of different widths) keeps its global
-    sizes; so does every module of a model whose code reads none of these (views with ``-1``)."""
+def local_sizes(model: nn.Module, styles: dict[str, TPStyle], *,
+                tp: int) -> dict[str, dict[str, int]]:
+    """Module path -> attribute -> per-rank value, for the modules that hold split projections
+    (attention, MLP): the attributes of :data:`HEAD_COUNTS`, :data:`KV_HEADS`, :data:`GROUPS` and
+    :data:`WIDTHS` that the module's own code reads outside ``__init__`` (``self.n_head``,
+    ``self.config.num_attention_heads``), with the value they have on one rank. A module whose split
+    output is gathered back (parts of different widths) keeps its global sizes; so does every module
+    of a model whose code reads none of these (views with ``-1``)."""
     modules = dict(model.named_modules())
     out: dict[str, dict[str, int]] = {}
     for parent, paths in _split_children(modules, styles).items():
@@ -323,7 +367,8 @@ def local_sizes(model: nn.Module, styles: dict[str, TPStyle], *, tp: int) -> dic
         reads = _attributes_read(type(module))
         widths = {out_features(modules[p]) // (styles[p].parts or 1) for p in paths}
         repeated = [h for p in paths if styles[p].kind == "repeated_colwise" for h in
-                    ((styles[p].heads,) if isinstance(styles[p].heads, int) else styles[p].heads) if h % tp]
+                    ((styles[p].heads,) if isinstance(styles[p].heads, int) else styles[p].heads)
+                    if h % tp]
         sizes: dict[str, int] = {}
         for owner, name in reads:
             holder = module if owner is None else getattr(module, owner, None)
@@ -347,59 +392,71 @@ def local_sizes(model: nn.Module, styles: dict[str, TPStyle], *, tp: int) -> dic
     return out
 
 
-def _split_children(modules: dict[str, nn.Module], styles: dict[str, TPStyle]) -> dict[str, list[str]]:
-    """Module path -> its colwise projections whose output stays split (attention, MLP); modules whose split output
-    is gathered back (parts of different widths) are left out: they run on whole tensors."""
+def _split_children(modules: dict[str, nn.Module],
+                    styles: dict[str, TPStyle]) -> dict[str, list[str]]:
+    """Module path -> its colwise projections whose output stays split (attention, MLP); modules
+    whose split output is gathered back (parts of different widths) are left out: they run on whole
+    tensors."""
     children: dict[str, list[str]] = {}
     for path, style in styles.items():
         if style.kind in ("colwise", "packed_colwise", "repeated_colwise") and path in modules and \
                 not isinstance(modules[path], nn.Embedding) and style.output_layout is None:
             children.setdefault(path.rpartition(".")[0], []).append(path)
-    gathered = {p.rpartition(".")[0] for p, s in styles.items() if s.kind in ("colwise", "packed_colwise")
-                and s.output_layout == REPLICATE}
-    return {parent: paths for parent, paths in children.items() if parent not in gathered and parent in modules}
+    gathered = {p.rpartition(".")[0] for p, s in styles.items()
+                if s.kind in ("colwise", "packed_colwise") and s.output_layout == REPLICATE}
+    return {parent: paths for parent, paths in children.items() if parent not in gathered
+            and parent in modules}
 
 
 HEAD_DIMS = ("head_dim", "head_size", "attention_head_size", "d_k")
 """attributes that hold the width of one head"""
 
 
-def head_tables(model: nn.Module, styles: dict[str, TPStyle], *, tp: int, parts: dict[str, list[int]] | None = None,
+def head_tables(model: nn.Module, styles: dict[str, TPStyle], *, tp: int,
+                parts: dict[str, list[int]] | None = None,
                 call=None) -> dict[str, dict[str, int | tuple[int, int]]]:
-    """Module path -> parameter or buffer name -> the dim that indexes its heads, for the head-indexed tables of
-    the modules that hold split projections (a relative-position bias of shape (heads, T, T) or (T, T, heads),
-    ALiBi slopes (heads,)): the runtime's ``shard_head_tables`` splits them with the heads, so that each rank adds
-    its own heads' bias to its own heads' scores. A table is the module's own parameter or buffer with exactly one
-    dim of the module's query head count (its ``n_heads``-like attribute, else the heads of its projections' parts
-    ``parts``, else a projection's width over the ``head_dim``-like attribute); a 1-D one is left whole where the
-    heads are as many as a head's width (it could be either). ``call`` (a function that runs the model once, on meta
-    tensors) adds the floating-point tensors such a module is handed by keyword with exactly one dim of its head
-    count (MPT's ALiBi ``position_bias`` (heads, 1, T), made once by the model for every block; masks are boolean),
-    or with dim 0 the batch times the heads (Bloom's ALiBi (batch x heads, 1, T): named with (0, heads)), which the
-    runtime splits on the way in. The planner runs the layout with these split (``forward_run.py``): a
-    guess the forward cannot run with keeps the module whole."""
+    """Module path -> parameter or buffer name -> the dim that indexes its heads, for the
+    head-indexed tables of the modules that hold split projections (a relative-position bias of
+    shape (heads, T, T) or (T, T, heads), ALiBi slopes (heads,)): the runtime's
+    ``shard_head_tables`` splits them with the heads, so that each rank adds its own heads' bias to
+    its own heads' scores. A table is the module's own parameter or buffer with exactly one dim of
+    the module's query head count (its ``n_heads``-like attribute, else the heads of its
+    projections' parts ``parts``, else a projection's width over the ``head_dim``-like attribute); a
+    1-D one is left whole where the heads are as many as a head's width (it could be either).
+    ``call`` (a function that runs the model once, on meta tensors) adds the floating-point tensors
+    such a module is handed by keyword with exactly one dim of its head count (MPT's ALiBi
+    ``position_bias`` (heads, 1, T), made once by the model for every block; masks are boolean), or
+    with dim 0 the batch times the heads (Bloom's ALiBi (batch x heads, 1, T): named with (0,
+    heads)), which the runtime splits on the way in. The planner runs the layout with these split
+    (``forward_run.py``): a guess the forward cannot run with keeps the module whole."""
     modules = dict(model.named_modules())
     out: dict[str, dict[str, int | tuple[int, int]]] = {}
     hooks = []
-    made: dict[int, torch.Tensor] = {}  # what split modules return: a rank's own heads at run time (T5's bias)
+    # what split modules return: a rank's own heads at run time (T5's bias)
+    made: dict[int, torch.Tensor] = {}
     for parent, paths in _split_children(modules, styles).items():
         module = modules[parent]
-        head_dim = next((v for a in HEAD_DIMS if isinstance(v := getattr(module, a, None), int)), None)
-        heads = _query_heads(module, [modules[p] for p in paths], [(parts or {}).get(p) for p in paths], head_dim)
+        head_dim = next((v for a in HEAD_DIMS if isinstance(v := getattr(module, a, None), int)),
+                        None)
+        heads = _query_heads(module, [modules[p] for p in paths],
+                             [(parts or {}).get(p) for p in paths], head_dim)
         if not heads or heads < 2 or heads % tp:
             continue
         found = out.setdefault(parent, {})
-        for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+        for name, t in [*module.named_parameters(recurse=False),
+                        *module.named_buffers(recurse=False)]:
             dims = [d for d, n in enumerate(t.shape) if n == heads]
             if len(dims) == 1 and not (t.dim() == 1 and heads == head_dim):
                 found[name] = dims[0]
         if call is not None:
-            # what any projection of the module reads, split or not (MLA's low-rank q_a_proj reads the hidden states)
+            # what any projection of the module reads, split or not (MLA's low-rank q_a_proj reads
+            # the hidden states)
             widths = {m.in_features if isinstance(m, nn.Linear) else m.weight.shape[0]
                       for m in module.modules() if is_projection(m)}
             hooks.append(module.register_forward_pre_hook(
                 lambda _m, args, kwargs, found=found, heads=heads, widths=widths:
-                found.update(_head_inputs(args, kwargs, heads, widths, made=made)), with_kwargs=True))
+                found.update(_head_inputs(args, kwargs, heads, widths, made=made)),
+                with_kwargs=True))
             hooks.append(module.register_forward_hook(
                 lambda _m, _args, result: made.update({id(t): t for t in tree_leaves(result)
                                                        if isinstance(t, torch.Tensor)})))
@@ -414,24 +471,27 @@ def head_tables(model: nn.Module, styles: dict[str, TPStyle], *, tp: int, parts:
 
 def _head_inputs(args: tuple, kwargs: dict, heads: int, widths: set[int], *, made: dict
                  ) -> dict[str, int | tuple[int, int]]:
-    """Keyword input -> its heads dim, for the floating-point tensors among ``kwargs`` with one dim of ``heads``,
-    or -> (0, heads) for those whose dim 0 is the batch of the activations times ``heads`` and none is ``heads``
-    (Bloom's ALiBi (batch x heads, 1, T): the heads flattened with the batch, the batch outer); not the activations
-    the module's projections read (last dim one of their input ``widths``), nor, where the batch of those
-    activations is as large as the heads, a tensor whose dim 0 it would be (a float mask (batch, 1, T, T)), nor one
-    that a split module returned (``made``: T5's position bias, computed from a table split with the heads, holds the
+    """Keyword input -> its heads dim, for the floating-point tensors among ``kwargs`` with one dim
+    of ``heads``, or -> (0, heads) for those whose dim 0 is the batch of the activations times
+    ``heads`` and none is ``heads`` (Bloom's ALiBi (batch x heads, 1, T): the heads flattened with
+    the batch, the batch outer); not the activations the module's projections read (last dim one of
+    their input ``widths``), nor, where the batch of those activations is as large as the heads, a
+    tensor whose dim 0 it would be (a float mask (batch, 1, T, T)), nor one that a split module
+    returned (``made``: T5's position bias, computed from a table split with the heads, holds the
     rank's own heads already)."""
-    hidden = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] in widths]
+    hidden = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim()
+              and t.shape[-1] in widths]
     batch = hidden[0].shape[0] if hidden else None
     out: dict[str, int | tuple[int, int]] = {}
     for name, t in kwargs.items():
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() < 2 or t.shape[-1] in widths \
-                or id(t) in made:
+        if (not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() < 2
+                or t.shape[-1] in widths or id(t) in made):
             continue
         dims = [d for d, n in enumerate(t.shape) if n == heads]
         if len(dims) == 1 and dims[0] == 0 and batch == 1:
-            # at batch 1, (heads, ...) may be (batch x heads, ...) and grow with the batch: cut as that, which is
-            # the same cut of a tensor that does not grow (the runtime reads the batch from its size)
+            # at batch 1, (heads, ...) may be (batch x heads, ...) and grow with the batch: cut as
+            # that, which is the same cut of a tensor that does not grow (the runtime reads the
+            # batch from its size)
             out[name] = (0, heads)
         elif len(dims) == 1 and not (dims[0] == 0 and heads == batch):
             out[name] = dims[0]
@@ -440,8 +500,10 @@ def _head_inputs(args: tuple, kwargs: dict, heads: int, widths: set[int], *, mad
     return out
 
 
-def _query_heads(module: nn.Module, projections: list[nn.Module], parts: list, head_dim: int | None) -> int | None:
-    """The query head count of an attention ``module`` (see :func:`head_tables`); None when nothing says it."""
+def _query_heads(module: nn.Module, projections: list[nn.Module], parts: list,
+                 head_dim: int | None) -> int | None:
+    """The query head count of an attention ``module`` (see :func:`head_tables`); None when nothing
+    says it."""
     for holder in (module, getattr(module, "config", None)):
         value = next((v for a in HEAD_COUNTS if isinstance(v := getattr(holder, a, None), int)
                       and not isinstance(v, bool)), None)
@@ -458,15 +520,17 @@ def _query_heads(module: nn.Module, projections: list[nn.Module], parts: list, h
 
 def _divide(path: str, name: str, value: int, tp: int) -> int:
     if value % tp:
-        raise NotImplementedError(f"{path}.{name} = {value} does not divide by tp={tp}: the model cannot run with "
-                                  f"{value / tp:g} per rank; choose a tp that divides it")
+        raise NotImplementedError(f"{path}.{name} = {value} does not divide by tp={tp}: the model "
+                                  f"cannot run with {value / tp:g} per rank; choose a tp that "
+                                  "divides it")
     return value // tp
 
 
 def _attributes_read(cls: type) -> list[tuple[str | None, str]]:
-    """(None, name) for ``self.name`` and (owner, name) for ``self.owner.name`` read in the methods of ``cls``
-    and its bases (``__init__`` excepted: it runs before sharding), from each method's source (a class defined in
-    a notebook cell has no file, its methods have: the cell's lines); [] for methods whose source cannot be read."""
+    """(None, name) for ``self.name`` and (owner, name) for ``self.owner.name`` read in the methods
+    of ``cls`` and its bases (``__init__`` excepted: it runs before sharding), from each method's
+    source (a class defined in a notebook cell has no file, its methods have: the cell's lines); []
+    for methods whose source cannot be read."""
     found: dict[tuple[str | None, str], None] = {}
     for klass in cls.__mro__:
         if klass in (nn.Module, object):
@@ -484,7 +548,8 @@ def _attributes_read(cls: type) -> list[tuple[str | None, str]]:
                     continue
                 if isinstance(n.value, ast.Name) and n.value.id == "self":
                     found.setdefault((None, n.attr), None)
-                elif isinstance(n.value, ast.Attribute) and isinstance(n.value.value, ast.Name) and \
+                elif isinstance(n.value, ast.Attribute) and isinstance(n.value.value,
+                                                                       ast.Name) and \
                         n.value.value.id == "self":
                     found.setdefault((n.value.attr, n.attr), None)
     return list(found)
