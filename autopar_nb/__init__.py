@@ -18,28 +18,30 @@ from .planner.timeline import MemoryTimeline, memory_timeline
 from .verify import VerifyReport, verify, verify_many
 
 # isort: split
-# bound last: the function `plan` shadows the attribute of the contract module autopar_nb.plan (code imports the
-# contract with `from autopar_nb.plan import Plan`, which still works)
+# bound last: the function `plan` shadows the attribute of the contract module autopar_nb.plan
+# (code imports the contract with `from autopar_nb.plan import Plan`, which still works)
 from .planner import plan
 
 __all__ = [
-    "CaptureError", "Cluster", "Cost", "DeviceSpec", "Exported", "Layer", "LayerPlan", "LinkSpec", "MemoryBreakdown",
-    "MemoryTimeline", "MeshPlan", "ModelGraph", "OpNode", "Plan", "PlanError", "PlannerWidget", "RepeatedBlock", "Run",
-    "TournamentResult", "VerifyReport", "capture", "export", "launch", "load_ipython_extension", "memory_timeline",
-    "plan", "tournament", "verify", "verify_many",
+    "CaptureError", "Cluster", "Cost", "DeviceSpec", "Exported", "Layer", "LayerPlan", "LinkSpec",
+    "MemoryBreakdown", "MemoryTimeline", "MeshPlan", "ModelGraph", "OpNode", "Plan", "PlanError",
+    "PlannerWidget", "RepeatedBlock", "Run", "TournamentResult", "VerifyReport", "capture",
+    "export", "launch", "load_ipython_extension", "memory_timeline", "plan", "tournament", "verify",
+    "verify_many",
 ]
 
 
 def load_ipython_extension(ipython):
-    """``%load_ext autopar_nb``: registers the ``%%autoparallel`` cell magic (imported lazily, so worker processes
-    never import IPython or widgets)."""
+    """``%load_ext autopar_nb``: registers the ``%%autoparallel`` cell magic (imported lazily, so
+    worker processes never import IPython or widgets)."""
     from .notebook.magic import AutoparallelMagics
 
     ipython.register_magics(AutoparallelMagics)
 
 
 def __getattr__(name):
-    # PlannerWidget is imported on first use, so `import autopar_nb` (worker processes) never imports ipywidgets
+    # PlannerWidget is imported on first use, so `import autopar_nb` (worker processes) never
+    # imports ipywidgets
     if name == "PlannerWidget":
         from .widget import PlannerWidget
 

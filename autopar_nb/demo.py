@@ -40,15 +40,18 @@ def step(title: str):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="runs/demo", help="where the exported script and plan are written")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/demo",
+                        help="where the exported script and plan are written")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
 
     from IPython.core.interactiveshell import InteractiveShell
 
-    t = step("1. capture + plan: %%autoparallel on the quickstart cell (model built on the meta device)")
+    t = step("1. capture + plan: %%autoparallel on the quickstart cell (model built on the meta "
+             "device)")
     ip = InteractiveShell.instance()
     ip.run_line_magic("load_ext", "autopar_nb")
     ap = ip.run_cell_magic("autoparallel", "--gpu cpu --gpus 2 --batch 32", QUICKSTART_CELL)
@@ -56,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     print(ap.plan.explain())
     done(t)
 
-    t = step("2. verify: the plan on 2 processes (gloo) against a single-process reference, 5 steps")
+    t = step("2. verify: the plan on 2 processes (gloo) against a single-process reference, 5 "
+             "steps")
     report = ap.verify(steps=5, nproc=2)
     print(report)
     done(t)

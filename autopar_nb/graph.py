@@ -1,8 +1,9 @@
 """ModelGraph: the operator graph of one forward pass, grouped into layers, as plain data.
 
-Produced by :func:`autopar_nb.capture`; read by the cost model, the planner and the widget. Holds no tensors and no
-reference to the model, so it can be pickled, shown and kept while the model is gone; the one exception, a meta copy
-of the model the planner runs its tensor-parallel layouts on (``stand_in``), is left out when it is pickled.
+Produced by :func:`autopar_nb.capture`; read by the cost model, the planner and the widget. Holds no
+tensors and no reference to the model, so it can be pickled, shown and kept while the model is gone;
+the one exception, a meta copy of the model the planner runs its tensor-parallel layouts on
+(``stand_in``), is left out when it is pickled.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class OpNode:
     op: str
     """ATen overload, e.g. "aten.linear.default"""
     op_class: str
-    """matmul | conv | attention | norm | elementwise | reduction | embedding | view | other (from kernels_ext)"""
+    """matmul | conv | attention | norm | elementwise | reduction | embedding | view | other (from
+    kernels_ext)"""
     inputs: list[str]
     """names of the nodes (or graph inputs) this op reads"""
     in_shapes: list[tuple[int, ...]]
@@ -62,8 +64,8 @@ class OpNode:
     known: bool = True
     """False when kernels_ext has no rule for the op (its FLOPs count as 0)"""
     dropout_p: float | None = None
-    """dropout ops: the probability they drop with (0 when not training: then the op returns its input and saves
-    nothing); attention: SDPA's dropout_p; None for other ops"""
+    """dropout ops: the probability they drop with (0 when not training: then the op returns its
+    input and saves nothing); attention: SDPA's dropout_p; None for other ops"""
 
 
 @dataclass
@@ -89,7 +91,8 @@ class ParamInfo:
 
 @dataclass
 class Layer:
-    """A unit of planning: a module the planner gives one decision (pipeline stage, recompute, FSDP unit)."""
+    """A unit of planning: a module the planner gives one decision (pipeline stage, recompute, FSDP
+    unit)."""
 
     path: str
     type: str
@@ -100,7 +103,8 @@ class Layer:
     bwd_flops: float
     nodes: list[str]
     modules: dict[str, str] = field(default_factory=dict)
-    """every submodule with parameters (full path -> class name), including the layer itself: what TP may split"""
+    """every submodule with parameters (full path -> class name), including the layer itself: what
+    TP may split"""
     block: str | None = None
     """name of the repeated block this layer is an instance of (e.g. "h"), else None"""
     index: int | None = None
@@ -109,7 +113,8 @@ class Layer:
 
 @dataclass
 class RepeatedBlock:
-    """Consecutive sibling layers with identical type and parameter shapes (e.g. ``h.0 ... h.11``)."""
+    """Consecutive sibling layers with identical type and parameter shapes (e.g. ``h.0 ...
+    h.11``)."""
 
     name: str
     """container path, e.g. "transformer.h\""""
@@ -137,33 +142,38 @@ class ModelGraph:
     source: str | None = None
     """the exact cell source the model came from, when captured by the magic"""
     unknown_ops: list[str] = field(default_factory=list)
-    """ATen ops with no kernels_ext rule (counted with zero FLOPs); register rules for them to cost them"""
+    """ATen ops with no kernels_ext rule (counted with zero FLOPs); register rules for them to cost
+    them"""
     takes_positions: bool = False
     """the model's forward takes ``position_ids`` (context parallelism then passes each token's
     global position: ``runtime/cp.py``)"""
     copied_layers: int = 0
-    """layers whose ops were copied from an identical member of their repeated block instead of traced"""
+    """layers whose ops were copied from an identical member of their repeated block instead of
+    traced"""
     full_trace_reason: str | None = None
-    """why capture traced every member of the repeated blocks instead of copying identical ones (None when it did
-    not have to)"""
+    """why capture traced every member of the repeated blocks instead of copying identical ones
+    (None when it did not have to)"""
     tp_refused: dict[str, str] = field(default_factory=dict)
-    """module path -> why tensor parallelism leaves it whole: the planner ran a layout splitting it on stand-in
-    tensors and the model's forward failed on the local shards (``planner/forward.py``); filled at plan time"""
+    """module path -> why tensor parallelism leaves it whole: the planner ran a layout splitting it
+    on stand-in tensors and the model's forward failed on the local shards (``planner/forward.py``);
+    filled at plan time"""
     tp_tables: dict[str, int | tuple[int, int]] = field(default_factory=dict)
-    """parameter, buffer or keyword input name -> its heads dim (or (dim, heads): flattened with the batch), for the
-    head-indexed tables (bias tables, ALiBi slopes) that a layout run at plan time split with the heads
-    (``planner/forward.py``): the cost model counts them split"""
+    """parameter, buffer or keyword input name -> its heads dim (or (dim, heads): flattened with the
+    batch), for the head-indexed tables (bias tables, ALiBi slopes) that a layout run at plan time
+    split with the heads (``planner/forward.py``): the cost model counts them split"""
     tp_stage_refused: dict[int, str] = field(default_factory=dict)
-    """TP degree -> why the layout that ran at plan time cannot run inside pipeline stages ("" where it can:
-    ``planner.styles.stage_refusal``); the search does not offer that degree beside pipelining"""
+    """TP degree -> why the layout that ran at plan time cannot run inside pipeline stages ("" where
+    it can: ``planner.styles.stage_refusal``); the search does not offer that degree beside
+    pipelining"""
     stand_in: Any = field(default=None, repr=False, compare=False)
-    """the meta copy of the model and its example inputs (``autopar_nb.capture.meta_stand_in.StandIn``; None: not
-    checked)"""
+    """the meta copy of the model and its example inputs
+    (``autopar_nb.capture.meta_stand_in.StandIn``; None: not checked)"""
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "stand_in": None}  # a model copy is no plain data: pickled graphs go unchecked
+        # a model copy is no plain data: pickled graphs go unchecked
+        return {**self.__dict__, "stand_in": None}
 
-    # ---- totals -------------------------------------------------------------------------------------------------
+    # ---- totals ----------------------------------------------------------------------------------
     @property
     def num_params(self) -> int:
         """Trainable parameters (shared parameters counted once)."""
@@ -193,18 +203,20 @@ class ModelGraph:
 
     @property
     def seq_len(self) -> int | None:
-        """Second dim of the first input when it is an integer (token) tensor of rank 2, else None."""
+        """Second dim of the first input when it is an integer (token) tensor of rank 2, else
+        None."""
         first = self.inputs[0] if self.inputs else None
         if first and len(first.shape) == 2 and first.dtype.startswith(("int", "uint")):
             return first.shape[1]
         return None
 
-    # ---- lookup -------------------------------------------------------------------------------------------------
+    # ---- lookup ----------------------------------------------------------------------------------
     def layer(self, path: str) -> Layer:
         for layer in self.layers:
             if layer.path == path:
                 return layer
-        raise KeyError(f"no layer {path!r}; layers are: {', '.join(lay.path for lay in self.layers)}")
+        raise KeyError(f"no layer {path!r}; layers are: "
+                       f"{', '.join(lay.path for lay in self.layers)}")
 
     def node(self, name: str) -> OpNode:
         for n in self.nodes:
@@ -239,15 +251,17 @@ class ModelGraph:
         """A few lines: parameters, FLOPs per step, layers with repeated blocks folded."""
         lines = [f"{self.model_type}: {human(self.num_params)} params, "
                  f"{human(self.step_flops)}FLOP per step (fwd+bwd) on inputs "
-                 f"{', '.join(str(tuple(i.shape)) for i in self.inputs)}; {len(self.nodes)} ops via {self.tracer}"
-                 + (f", {self.copied_layers} of {len(self.layers)} layers copied from an identical traced one"
-                    if self.copied_layers else "")
-                 + (f"; every layer traced: {self.full_trace_reason}" if self.full_trace_reason else "")]
+                 f"{', '.join(str(tuple(i.shape)) for i in self.inputs)}; {len(self.nodes)} ops "
+                 f"via {self.tracer}"
+                 + (f", {self.copied_layers} of {len(self.layers)} layers copied from an "
+                    "identical traced one" if self.copied_layers else "")
+                 + (f"; every layer traced: {self.full_trace_reason}" if self.full_trace_reason
+                    else "")]
         for layer, count in self.folded_layers():
             name = layer.path if count == 1 else f"{self.block_of(layer.path).name}.[0-{count - 1}]"
             mult = f" x {count}" if count > 1 else ""
-            lines.append(f"  {name:<28} {layer.type:<20}{mult:>6} {human(layer.num_params):>9} params "
-                         f"{human(layer.flops):>9}FLOP fwd")
+            lines.append(f"  {name:<28} {layer.type:<20}{mult:>6} {human(layer.num_params):>9} "
+                         f"params {human(layer.flops):>9}FLOP fwd")
         return "\n".join(lines)
 
 

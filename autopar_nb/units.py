@@ -1,7 +1,8 @@
-"""One way to write sizes and times everywhere — the widget, plan summaries and explanations, run summaries (the front
-end's ``bytes``/``secs`` in planner.js follow the same rules): bytes in binary units chosen per value (B, KiB, MiB,
-GiB, TiB), times in s, ms, µs or ns chosen per value, three significant digits. Sizes and times are
-:mod:`autopar_nb.runtime.units`' (an exported script prints its own lines with them), counts and rates are here."""
+"""One way to write sizes and times everywhere — the widget, plan summaries and explanations, run
+summaries (the front end's ``bytes``/``secs`` in planner.js follow the same rules): bytes in binary
+units chosen per value (B, KiB, MiB, GiB, TiB), times in s, ms, µs or ns chosen per value, three
+significant digits. Sizes and times are :mod:`autopar_nb.runtime.units`' (an exported script prints
+its own lines with them), counts and rates are here."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Reference models for examples, tests and benchmarks: the seed's MLP, a GPT-2 style decoder, a LLaMA style
-decoder (RMSNorm, RoPE-free for brevity, grouped-query attention, SwiGLU), a ResNet-style CNN with BatchNorm, and a
-recommender with large embedding tables. Plain PyTorch, written the way users write models; nothing here is special
-to autopar-nb.
+"""Reference models for examples, tests and benchmarks: the seed's MLP, a GPT-2 style decoder, a
+LLaMA style decoder (RMSNorm, RoPE-free for brevity, grouped-query attention, SwiGLU), a
+ResNet-style CNN with BatchNorm, and a recommender with large embedding tables. Plain PyTorch,
+written the way users write models; nothing here is special to autopar-nb.
 """
 
 from __future__ import annotations
@@ -46,12 +46,15 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        # nanoGPT's fused projection; under TP a rank holds [q_r|k_r|v_r] and n_embd is set per rank. The heads are
-        # counted from the width (view(..., -1, head_dim)), as torchtitan's and Hugging Face's attention do: a
-        # pipeline stage's trace fixes a head count read from an attribute, where the -1 follows the rank's width
+        # nanoGPT's fused projection; under TP a rank holds [q_r|k_r|v_r] and n_embd is set per
+        # rank. The heads are counted from the width (view(..., -1, head_dim)), as torchtitan's and
+        # Hugging Face's attention do: a pipeline stage's trace fixes a head count read from an
+        # attribute, where the -1 follows the rank's width
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0)
+        # (B, nh, T, hs)
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -80,7 +83,8 @@ class GPTBlock(nn.Module):
 
 
 class GPT(nn.Module):
-    """nanoGPT-shaped decoder; the output head is untied so each layer owns its parameters (pipeline friendly)."""
+    """nanoGPT-shaped decoder; the output head is untied so each layer owns its parameters (pipeline
+    friendly)."""
 
     def __init__(self, cfg: GPTConfig | None = None):
         super().__init__()
@@ -176,7 +180,8 @@ class Llama(nn.Module):
 
 
 LLAMA3_8B = LlamaConfig()
-LLAMA_70B = LlamaConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672)
+LLAMA_70B = LlamaConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                        ffn_dim=28672)
 
 
 class BasicBlock(nn.Module):
@@ -188,7 +193,8 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(c_out)
         self.downsample = None
         if stride != 1 or c_in != c_out:
-            self.downsample = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+            self.downsample = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False),
+                                            nn.BatchNorm2d(c_out))
 
     def forward(self, x):
         out = F.relu(self.bn1(self.conv1(x)))
@@ -207,7 +213,8 @@ class ResNet(nn.Module):
         self.num_stages = len(widths)
         for i, w in enumerate(widths):  # layer1, layer2, ... as torchvision names them
             setattr(self, f"layer{i + 1}", nn.Sequential(*[
-                BasicBlock(c_in if j == 0 else w, w, 2 if (j == 0 and i > 0) else 1) for j in range(blocks_per_stage)]))
+                BasicBlock(c_in if j == 0 else w, w, 2 if (j == 0 and i > 0) else 1)
+                for j in range(blocks_per_stage)]))
             c_in = w
         self.fc = nn.Linear(widths[-1], num_classes)
 
@@ -219,14 +226,16 @@ class ResNet(nn.Module):
 
 
 class RecSys(nn.Module):
-    """DLRM-style recommender: one embedding table per sparse feature, a dense MLP, dot-product interaction."""
+    """DLRM-style recommender: one embedding table per sparse feature, a dense MLP, dot-product
+    interaction."""
 
     def __init__(self, table_sizes=(1_000_000, 100_000, 10_000), dim: int = 64, dense_in: int = 13):
         super().__init__()
         self.tables = nn.ModuleList(nn.Embedding(n, dim) for n in table_sizes)
         self.bottom = nn.Sequential(nn.Linear(dense_in, 128), nn.ReLU(), nn.Linear(128, dim))
         n = len(table_sizes) + 1
-        self.top = nn.Sequential(nn.Linear(dim + n * (n - 1) // 2, 128), nn.ReLU(), nn.Linear(128, 1))
+        self.top = nn.Sequential(nn.Linear(dim + n * (n - 1) // 2, 128), nn.ReLU(),
+                                 nn.Linear(128, 1))
 
     def forward(self, dense, sparse):
         # dense: (B, dense_in) float, sparse: (B, num_tables) int ids
@@ -237,19 +246,22 @@ class RecSys(nn.Module):
         return self.top(torch.cat([feats[0], inter[:, i, j]], dim=1))
 
 
-# ---- Mixture of Experts ---------------------------------------------------------------------------------------------
-# A DeepSeekMoE-style decoder: each MoE layer has shared experts every token goes through plus routed experts, of
-# which a softmax top-k router picks k per token. The routed experts are stacked weights with the layout and forward
-# signature of Hugging Face's experts modules (MixtralExperts, Qwen2MoeExperts, DeepseekV3Experts in transformers 5):
-# gate_up_proj (E, 2*I, D), down_proj (E, D, I), forward(hidden (T, D), top_k_index (T, K), top_k_weights (T, K)).
+# ---- Mixture of Experts --------------------------------------------------------------------------
+# A DeepSeekMoE-style decoder: each MoE layer has shared experts every token goes through plus
+# routed experts, of which a softmax top-k router picks k per token. The routed experts are stacked
+# weights with the layout and forward signature of Hugging Face's experts modules (MixtralExperts,
+# Qwen2MoeExperts, DeepseekV3Experts in transformers 5): gate_up_proj (E, 2*I, D), down_proj (E, D,
+# I), forward(hidden (T, D), top_k_index (T, K), top_k_weights (T, K)).
 
 
 @torch.library.custom_op("autopar_zoo::grouped_linear", mutates_args=())
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Rows ``offs[g-1]:offs[g]`` of ``x`` (S, K) times ``weight[g].T`` (weight (G, N, K), nn.Linear layout) -> (S, N).
+    """Rows ``offs[g-1]:offs[g]`` of ``x`` (S, K) times ``weight[g].T`` (weight (G, N, K), nn.Linear
+    layout) -> (S, N).
 
-    A loop of matmuls, the portable form of ``torch.nn.functional.grouped_mm`` (which needs bf16 on CUDA, or
-    16-byte-aligned strides on CPU); as a custom op it traces on the meta device as one node that kernels_ext costs.
+    A loop of matmuls, the portable form of ``torch.nn.functional.grouped_mm`` (which needs bf16 on
+    CUDA, or 16-byte-aligned strides on CPU); as a custom op it traces on the meta device as one
+    node that kernels_ext costs.
     """
     out = x.new_zeros(x.shape[0], weight.shape[1])
     start = 0
@@ -301,8 +313,8 @@ grouped_linear.register_autograd(_grouped_linear_grad, setup_context=_grouped_li
 
 @dataclass
 class MoEConfig:
-    """DeepSeekMoE 16B by default (deepseek-ai/deepseek-moe-16b-base, config.json: 16.4B parameters, 2.8B active
-    per token); ``MIXTRAL_8X7B`` below is the same class without shared experts."""
+    """DeepSeekMoE 16B by default (deepseek-ai/deepseek-moe-16b-base, config.json: 16.4B parameters,
+    2.8B active per token); ``MIXTRAL_8X7B`` below is the same class without shared experts."""
 
     vocab_size: int = 102400
     dim: int = 2048
@@ -312,10 +324,12 @@ class MoEConfig:
     ffn_dim: int = 10944
     """hidden width of the dense SwiGLU feed-forward of the first ``n_dense_layers`` layers"""
     n_dense_layers: int = 1
-    """DeepSeek's first_k_dense_replace: leading layers with a dense feed-forward instead of experts"""
+    """DeepSeek's first_k_dense_replace: leading layers with a dense feed-forward instead of
+    experts"""
     n_routed_experts: int = 64
     n_shared_experts: int = 2
-    """experts every token goes through, fused into one SwiGLU of width n_shared_experts * moe_ffn_dim (0: none)"""
+    """experts every token goes through, fused into one SwiGLU of width n_shared_experts *
+    moe_ffn_dim (0: none)"""
     top_k: int = 6
     """routed experts per token"""
     moe_ffn_dim: int = 1408
@@ -327,16 +341,19 @@ class MoEConfig:
     norm_eps: float = 1e-6
 
     def _llama(self, ffn_dim: int) -> LlamaConfig:
-        return LlamaConfig(vocab_size=self.vocab_size, dim=self.dim, n_layers=0, n_heads=self.n_heads,
-                           n_kv_heads=self.n_kv_heads, ffn_dim=ffn_dim, norm_eps=self.norm_eps)
+        return LlamaConfig(vocab_size=self.vocab_size, dim=self.dim, n_layers=0,
+                           n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, ffn_dim=ffn_dim,
+                           norm_eps=self.norm_eps)
 
 
 class TopKRouter(nn.Module):
-    """Softmax over all experts (in fp32), the top k per token: returns (weights (T, K), expert ids (T, K))."""
+    """Softmax over all experts (in fp32), the top k per token: returns (weights (T, K), expert ids
+    (T, K))."""
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
-        self.top_k, self.norm_topk_prob, self.route_scale = cfg.top_k, cfg.norm_topk_prob, cfg.route_scale
+        self.top_k, self.norm_topk_prob, self.route_scale = (cfg.top_k, cfg.norm_topk_prob,
+                                                             cfg.route_scale)
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.dim))
         self.reset_parameters()
 
@@ -352,32 +369,38 @@ class TopKRouter(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts as stacked weights; each token-expert pair goes through its expert once (grouped matmuls
-    over the pairs sorted by expert), so the work is that of k experts per token, not E."""
+    """E SwiGLU experts as stacked weights; each token-expert pair goes through its expert once
+    (grouped matmuls over the pairs sorted by expert), so the work is that of k experts per token,
+    not E."""
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
         self.num_experts = cfg.n_routed_experts
         e, d, i = cfg.n_routed_experts, cfg.dim, cfg.moe_ffn_dim
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))  # [w1 | w3] of each expert, (out, in)
+        # [w1 | w3] of each expert, (out, in)
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
         self.reset_parameters()
 
     def reset_parameters(self):
-        for w in (self.gate_up_proj, self.down_proj):  # nn.Linear's default per expert: U(-1/sqrt(in), 1/sqrt(in))
+        # nn.Linear's default per expert: U(-1/sqrt(in), 1/sqrt(in))
+        for w in (self.gate_up_proj, self.down_proj):
             nn.init.uniform_(w, -w.shape[-1] ** -0.5, w.shape[-1] ** -0.5)
 
     def forward(self, x, top_k_index, top_k_weights):
         T, K = top_k_index.shape
         flat = top_k_index.reshape(-1)  # (T*K,) expert of each token-expert pair
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
-        # histc, not bincount: its output size does not depend on the data, so it traces on the meta device
+        # histc, not bincount: its output size does not depend on the data, so it traces on the meta
+        # device
         counts = torch.histc(flat.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
         offs = torch.cumsum(counts, dim=0).to(torch.int32)
-        h = grouped_linear(x[order // K].to(self.gate_up_proj.dtype), self.gate_up_proj, offs)  # (T*K, 2I)
+        # (T*K, 2I)
+        h = grouped_linear(x[order // K].to(self.gate_up_proj.dtype), self.gate_up_proj, offs)
         gate, up = h.chunk(2, dim=-1)
         y = grouped_linear(F.silu(gate) * up, self.down_proj, offs)  # (T*K, D)
-        y = y[torch.argsort(order)] * top_k_weights.reshape(-1, 1)  # back to (token, k) order, weighted
+        # back to (token, k) order, weighted
+        y = y[torch.argsort(order)] * top_k_weights.reshape(-1, 1)
         return y.view(T, K, -1).sum(dim=1).to(x.dtype)
 
 
@@ -407,8 +430,8 @@ class MoEBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = LlamaAttention(cfg._llama(cfg.ffn_dim))
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = (LlamaFeedForward(cfg._llama(cfg.ffn_dim)) if layer_id < cfg.n_dense_layers
-                             else MoE(cfg))
+        self.feed_forward = (LlamaFeedForward(cfg._llama(cfg.ffn_dim))
+                             if layer_id < cfg.n_dense_layers else MoE(cfg))
 
     def forward(self, x):
         x = x + self.attention(self.attention_norm(x))
@@ -416,8 +439,8 @@ class MoEBlock(nn.Module):
 
 
 class MoETransformer(nn.Module):
-    """DeepSeekMoE-shaped decoder (LLaMA attention, torchtitan naming); ``layers.{i}.feed_forward`` is a dense
-    SwiGLU in the first ``n_dense_layers`` layers and an :class:`MoE` after them."""
+    """DeepSeekMoE-shaped decoder (LLaMA attention, torchtitan naming); ``layers.{i}.feed_forward``
+    is a dense SwiGLU in the first ``n_dense_layers`` layers and an :class:`MoE` after them."""
 
     def __init__(self, cfg: MoEConfig | None = None):
         super().__init__()
@@ -436,6 +459,6 @@ class MoETransformer(nn.Module):
 
 
 DEEPSEEK_MOE_16B = MoEConfig()
-MIXTRAL_8X7B = MoEConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-                         n_dense_layers=0, n_routed_experts=8, n_shared_experts=0, top_k=2, moe_ffn_dim=14336,
-                         norm_topk_prob=True, norm_eps=1e-5)
+MIXTRAL_8X7B = MoEConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                         ffn_dim=14336, n_dense_layers=0, n_routed_experts=8, n_shared_experts=0,
+                         top_k=2, moe_ffn_dim=14336, norm_topk_prob=True, norm_eps=1e-5)
