@@ -64,14 +64,14 @@ class LayerTerms:
     """numel of the layer's local parameters autocast keeps a 16-bit copy of during forward and
     backward (0 unless the precision is "autocast")"""
     forward: dict[str, float] = field(default_factory=dict)
+    """recompute ("none", "full", "selective") -> bytes the layer holds at its forward's largest
+    moment ("none"), or a recomputed layer beyond what it keeps at its recompute's
+    (:func:`.memory.forward_peak`)"""
     whole_grads: float = 0.0
     """numel by which its weight gradients outgrow its local parameters: a vocab-split (rowwise)
     Embedding's gradient is the whole table on every TP rank (DTensor's embedding backward has no
     vocab-split strategy, ``_embedding_ops.embedding_dense_backward_strategy``, torch 2.13: it is
     Partial) until FSDP lays it out as the parameter at its reduction"""
-    """recompute ("none", "full", "selective") -> bytes the layer holds at its forward's largest
-    moment ("none"), or a recomputed layer beyond what it keeps at its recompute's
-    (:func:`.memory.forward_peak`)"""
     weight_grads: float = 0.0
     """bytes of gradients a zero-bubble input pass keeps for the weight pass
     (:func:`.memory.input_pass`)"""
