@@ -19,8 +19,11 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(PY) -m autopar_nb.demo
 
+# the whole suite: each file's tests on one of two workers (module-scoped launches stay shared), then the tests
+# that hold a wall-clock budget alone
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 # the inner loop: no worker processes, no browser, no Inductor compiles (the whole suite is `make test`)
 test-fast: setup

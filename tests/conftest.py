@@ -26,6 +26,22 @@ def pytest_unconfigure(config):
     shutil.rmtree(SCRATCH, ignore_errors=True)
 
 
+NAMESPACE_FILES = dict.fromkeys(["test_multinode", "test_slurm", "test_soak"], "namespaces")
+"""files whose tests make network namespaces, Slurm daemons and minutes-long soaks: one worker runs them in turn"""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's ``--dist loadgroup`` (``make test``), a file's tests run on one worker, one after
+    another: its module-scoped launches, pools and captures are shared as in a plain run. A test's own
+    ``xdist_group`` (files that must not run beside each other) wins."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(NAMESPACE_FILES.get(item.path.stem, item.path.stem)))
+    # the longest group first, so that the other worker takes the rest beside it (groups go out in this order)
+    items.sort(key=lambda item: item.path.stem not in NAMESPACE_FILES)
+
+
 @pytest.fixture
 def ip():
     """An in-process IPython shell with autopar_nb loaded; the names a test adds are removed afterwards."""

@@ -819,6 +819,7 @@ example_inputs = (torch.randint(0, 32000, (1, 4096)),)""",
 ]
 
 
+@pytest.mark.serial
 def test_board_latency_llama7b(tmp_path):
     """Issue 20 point 7: from the drop to the re-rendered widget, for a LLaMA-7B-sized graph (goal: <= 0.3 s)."""
     from playwright.sync_api import expect
