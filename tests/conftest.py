@@ -1,5 +1,6 @@
 import os
 import shutil
+import signal
 import tempfile
 
 # This is the CPU suite (gloo, 2-4 processes): on a GPU host — a lent H200, a workstation — the workers, verify's
@@ -22,6 +23,17 @@ os.environ["AUTOPAR_CALIBRATION"] = os.path.join(SCRATCH, "calibration.json")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+"""set in a pytest-xdist worker (``make test``)"""
+
+
+def pytest_configure(config):
+    # execnet starts xdist's workers with SIGINT ignored, and children inherit an ignored signal: Jupyter's
+    # Interrupt kernel, launch's KeyboardInterrupt and torchrun's stop would reach nothing
+    if XDIST_WORKER:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_unconfigure(config):
     shutil.rmtree(SCRATCH, ignore_errors=True)
 
@@ -38,8 +50,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(NAMESPACE_FILES.get(item.path.stem, item.path.stem)))
-    # the longest group first, so that the other worker takes the rest beside it (groups go out in this order)
-    items.sort(key=lambda item: item.path.stem not in NAMESPACE_FILES)
+    if XDIST_WORKER:  # the longest group first, so that the other worker takes the rest beside it
+        items.sort(key=lambda item: item.path.stem not in NAMESPACE_FILES)
 
 
 @pytest.fixture

@@ -92,6 +92,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _settled_box(page, locator, timeout_s: float = 10.0):
+    """The locator's bounding box once it has one: a graph redrawn after a click replaces its nodes, and
+    between the old node's removal and the new one's layout there is no box to read."""
+    deadline = time.monotonic() + timeout_s
+    while (box := locator.bounding_box()) is None and time.monotonic() < deadline:
+        page.wait_for_timeout(100)
+    return box
+
+
 @contextlib.contextmanager
 def jupyterlab_server(tmp_path: Path, *, theme: str | None = None):
     """A JupyterLab server on 127.0.0.1 with its own config/runtime/settings dirs under ``tmp_path``, its notebooks
@@ -246,7 +255,7 @@ def test_quickstart_widget_in_jupyterlab(tmp_path):
         # issue 42, point 3: the click selects without scrolling the notebook (it scrolled to the layer table)
         assert page.evaluate(NOTEBOOK_SCROLL) == scrolled, (scrolled, page.evaluate(NOTEBOOK_SCROLL))
         expect(node).to_be_visible(timeout=10_000)  # the selection redraws the graph: the node is drawn anew
-        nb = node.bounding_box()
+        nb = _settled_box(page, node)
         assert nb and 0 <= nb["y"] and nb["y"] + nb["height"] <= page.viewport_size["height"], nb
         page.wait_for_timeout(300)
         shoot(page, seed, "widget_edit.png")
