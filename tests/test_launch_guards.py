@@ -137,6 +137,23 @@ def test_the_agents_own_failure_names_no_rank(tmp_path):
     assert run.status == "failed" and "rank None" not in run.message and "SIGKILL" in run.message, run.message
 
 
+def test_a_killed_agent_is_the_cause_of_what_its_ranks_said_next(tmp_path):
+    """The agent is SIGKILLed; its forkserver ends with it, and torch's parent-death signal (SIGINT) makes rank 0
+    raise KeyboardInterrupt, which can reach the channel before the monitor sees the agent gone (CI, 2026-12-07):
+    the message names the agent, and rank 0's error is listed as its consequence."""
+    from autopar_nb.launch.channel import Message
+
+    run = _run(tmp_path, max_restarts=0)
+    t = time.time()
+    run._ingest([Message(r, "hello", {"attempt": 0}, t) for r in (0, 1)])
+    said = {"event": "error", "error": "KeyboardInterrupt: ", "traceback": "Traceback ..."}
+    run._ingest([Message(0, "data", said, t)])
+    run._set_final_status({"state": "error", "agent_died": True,
+                           "error": "the elastic agent was killed by SIGKILL before it wrote result.json"}, "1.0 s")
+    assert run.status == "failed" and run.message.startswith("failed: the elastic agent was killed"), run.message
+    assert run.error["rank"] is None and [k["rank"] for k in run.error["knock_on"]] == [0], run.error
+
+
 # ---- point 1's last part: a monitor thread that fails ----------------------------------------------------------------
 @pytest.mark.multiprocess
 def test_a_failed_monitor_still_lets_stop_end_everything_and_the_next_launch_start(tmp_path, monkeypatch):

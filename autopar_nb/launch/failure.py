@@ -17,8 +17,10 @@ both)"""
 KNOCK_ON = ("connection closed by peer", "connection reset by peer", "broken pipe",
             "socket timeout", "nccl communicator was aborted", "ncclremoteerror",
             "watchdog caught collective operation timeout", "process group has been destroyed",
-            "signalexception", "terminated by signal")
-"""what the error of a rank whose peer vanished says (lower case)"""
+            "signalexception", "terminated by signal", "keyboardinterrupt")
+"""what the error of a rank whose peer vanished says (lower case); KeyboardInterrupt: torch starts
+each worker with SIGINT as its parent-death signal, and workers run in sessions of their own (no
+terminal's Ctrl-C reaches them)"""
 
 
 def knock_on(error: str) -> bool:

@@ -166,7 +166,7 @@ class Supervision:
             rc = self._proc.returncode if self._proc is not None else None
             how = (f"was killed by {signal.Signals(-rc).name}" if isinstance(rc, int) and rc < 0 and
                    -rc in signal.Signals._value2member_map_ else f"exited with code {rc}")
-            result = {"state": "killed" if self._stop_reason else "error",
+            result = {"state": "killed" if self._stop_reason else "error", "agent_died": True,
                       "error": f"the elastic agent {how} before it wrote result.json; every worker "
                                "was ended (see agent.log in the run directory)"}
         with self._lock:
@@ -192,6 +192,8 @@ class Supervision:
             self._status, self._message = "finished", f"finished {self.summary_line()} in {elapsed}"
             if self.data and self.data["bottleneck"]:
                 self._message += f"; {self.data['message']}"
+        elif result.get("agent_died"):
+            self._blame_the_agent(result["error"])
         else:
             self._errors_from_result(result)
             e = self._error
@@ -202,6 +204,18 @@ class Supervision:
                 self._message = f"failed: {e['error']}"
             else:
                 self._message = f"failed: rank {e['rank']}: {e['error']}"
+
+    def _blame_the_agent(self, error: str) -> None:
+        """The agent died before it wrote its result: its death is the cause, and what the ranks
+        said then is its consequence (torch starts each worker with SIGINT as its parent-death
+        signal, so a worker whose forkserver ended with the agent raises KeyboardInterrupt)."""
+        ranks = [] if self._error is None else [self._error, *self._error["knock_on"]]
+        t0 = self._error["time_s"] if self._error is not None else time.time() - self.started
+        self._error = {"rank": None, "attempt": 0, "error": error, "traceback": "",
+                       "time_s": t0, "knock_on": [
+                           {"rank": e["rank"], "error": e["error"],
+                            "after_s": e.get("after_s", 0.0)} for e in ranks]}
+        self._status, self._message = "failed", f"failed: {error}"
 
     def _errors_from_result(self, result: dict) -> None:
         """The agent's account of the failed ranks (exit codes, signals, @record tracebacks) joins

@@ -298,16 +298,17 @@ function render({ model, el }) {
   function drawError() {
     const e = model.get("error");
     const st = model.get("status");
+    const knock = ((e && e.knock_on) || []).map((k) => h("div", {},
+      `then rank ${k.rank} (+${secs(k.after_s)}): ${k.error.split("\n")[0].slice(0, 200)} — a consequence`));
     if (e && e.rank !== null && e.rank !== undefined) {
       const when = e.time_s !== undefined ? `, ${secs(e.time_s)} after launch` : "";
-      const knock = (e.knock_on || []).map((k) => h("div", {},
-        `then rank ${k.rank} (+${secs(k.after_s)}): ${k.error.split("\n")[0].slice(0, 200)} — a consequence`));
       error.replaceChildren(
         h("div", { class: "apd-error-head" }, `Rank ${e.rank} failed first${when}: ${e.error}`),
         e.traceback ? h("pre", { class: "apd-pre apd-traceback" }, e.traceback) : null,
         knock.length ? h("div", { class: "apd-knock" }, knock) : null);
     } else if (e) {
-      error.replaceChildren(h("div", { class: "apd-error-head" }, e.error || "the run failed"));
+      error.replaceChildren(h("div", { class: "apd-error-head" }, e.error || "the run failed"),
+        knock.length ? h("div", { class: "apd-knock" }, knock) : null);
     } else if (st === "hung") {
       const hang = model.get("hang") || {};
       const stacks = Object.entries(hang.stacks || {}).sort(([a], [b]) => (a == hang.rank ? -1 : b == hang.rank ? 1 : a - b));
