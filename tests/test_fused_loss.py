@@ -392,8 +392,10 @@ def test_verify_pipelined_fused_head_beside_data_parallelism():
 def test_the_fused_loss_is_chosen_on_the_levered_plans():
     """The search chooses between the fused and the unfused loss before compile and Float8 are set; they make the
     recompute the unfused loss needs cheaper. A DDP plan of a 1.5B LLaMA shape on 8 H100s at one micro-batch took
-    the fused loss (322 ms/step) where the unfused one with selective recompute fits at 319: the choice is now made
-    on the levered plans, and explain()'s loss line costs the fused one on the plan as chosen."""
+    the fused loss (322 ms/step) where the unfused one with selective recompute fits at 319: the choice is made on
+    the levered plans, and explain()'s loss line costs the other one on the plan as chosen. That unfused plan needs
+    74.4 of the 74.5 GiB a rank has, so for a 1 % gain the fused one (59.6 GiB) is taken (levers.roomier) and
+    explain() says so; pinned unfused, it is what the user gets."""
     import re
 
     with torch.device("meta"):
@@ -401,11 +403,14 @@ def test_the_fused_loss_is_chosen_on_the_levered_plans():
     graph = ap.capture(model, (torch.randint(0, 128256, (8, 2048), device="meta"),))
     cluster, fix = ap.Cluster.preset("h100-80gb", 1, 8), {"zero_stage": 0, "dp": 8, "micro_batches": 1}
     plan = ap.plan(graph, cluster, global_batch=64, fix=fix)
-    fused = ap.plan(graph, cluster, global_batch=64, fix={**fix, "fused_loss": True})
-    assert not plan.fused_loss and any(lp.recompute == "selective" for lp in plan.layers), plan.summary()
-    assert plan.cost.peak_memory_bytes <= cluster.rank_memory_bytes
-    assert plan.cost.step_time_s < fused.cost.step_time_s, (plan.summary(), fused.summary())
-    assert any(lp.compile for lp in fused.layers) and fused.precision.float8 == plan.precision.float8
-    line = next(line for line in plan.explain().splitlines() if line.startswith("Loss unfused"))
-    fused_ms = float(re.search(r"would need .* and ([\d.]+) ms/step \(slower\)", line)[1])
-    assert abs(fused_ms / (fused.cost.step_time_s * 1e3) - 1) < 0.01, line
+    unfused = ap.plan(graph, cluster, global_batch=64, fix={**fix, "fused_loss": False})
+    assert not unfused.fused_loss and any(lp.recompute == "selective" for lp in unfused.layers), unfused.summary()
+    assert 0.95 * cluster.rank_memory_bytes < unfused.cost.peak_memory_bytes <= cluster.rank_memory_bytes
+    assert plan.fused_loss and plan.cost.peak_memory_bytes < 0.85 * cluster.rank_memory_bytes, plan.summary()
+    assert unfused.cost.step_time_s < plan.cost.step_time_s < 1.01 * unfused.cost.step_time_s
+    assert any(lp.compile for lp in unfused.layers) and unfused.precision.float8 == plan.precision.float8
+    text = plan.explain()
+    line = next(line for line in text.splitlines() if line.startswith("Output head output fused"))
+    unfused_ms = float(re.search(r"unfused, this split needs .* and takes ([\d.]+) ms/step", line)[1])
+    assert abs(unfused_ms / (unfused.cost.step_time_s * 1e3) - 1) < 0.01, line
+    assert "Headroom: a plan 0.9% faster needs 74.4 GiB" in text, text

@@ -38,7 +38,7 @@ from .explain import explain, fmt_bytes, fused_loss_lines, fused_norm_lines, op_
 from .float8 import float8_choice, float8_lines
 from .forward import checked_profile, tp_parts
 from .lever_costs import set_levers
-from .levers import levered_variant
+from .levers import headroom_lines, levered_variant, roomier
 from .offload import checked_fixed, offload_lines, offload_search
 from .per_rank import plan_per_rank
 from .search import Candidate, Search, memory_limit
@@ -186,7 +186,7 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
     chosen.alternatives = plans[1:]
     chosen.explanation = explain(chosen, best, ranked, found.over, cons, cluster, prof)
     chosen.explanation += compile_lines(best, ev, cons, graph, search.compilable, steps)
-    chosen.explanation += fused_loss_lines(best, ev, cons, fused_why)
+    chosen.explanation += headroom_lines(best) + fused_loss_lines(best, ev, cons, fused_why)
     chosen.explanation += fused_norm_lines(best, ev, cons) + float8_lines(best, ev, cons, cluster)
     chosen.explanation += (async_tp_lines(best, async_other, cons, cluster)
                            + offload_lines(best, cons, cluster))
@@ -223,7 +223,7 @@ def _levered(ranked: list, with_levers, k: int) -> tuple[list, tuple]:
     ranked 23% slower than ZeRO-2 unlevered is 0.5% slower levered). They run with pp=1 only: where
     the first ``k`` are all pipelined, the fastest pp=1 candidate the search kept is levered too and
     leads when then faster (02_llm's 7B on 8 H100s: pp=2 at 3.37 s/step against dp=8 compiled with
-    float8 at 2.57)."""
+    float8 at 2.57). The first is :func:`.levers.roomier` than the fastest where that is tight."""
     head = list(ranked[:k])
     flat = next((c for c in ranked if c.setting.pp == 1), None)
     if flat is not None and all(c is not flat for c in head):
@@ -231,6 +231,8 @@ def _levered(ranked: list, with_levers, k: int) -> tuple[list, tuple]:
     done = [with_levers(c) for c in head]
     order = sorted(range(len(done)),
                    key=lambda i: (not done[i][0].fits, done[i][0].cost.step_time_s))
+    first = roomier(done[order[0]][0], [d[0] for d in done])
+    order.sort(key=lambda i: done[i][0] is not first)
     rest = [c for c in ranked[k:] if c is not flat]
     return [done[i][0] for i in order] + rest, done[order[0]]
 

@@ -70,8 +70,7 @@ COMPONENT_SOURCES = {
                                  "module whose backward ran (FSDP2's replicate beside DDP), held "
                                  "to the end of the backward"),
     "loss_temporaries": "the loss's logits and their copies",
-    "optimizer_step_temporaries": "the optimizer step's temporaries",
-}
+    "optimizer_step_temporaries": "the optimizer step's temporaries"}
 """where each predicted memory component comes from (MemoryBreakdown fields and its MEMORY_TERMS),
 for explain() and the planner widget's memory panel; the margin's is
 ``autopar_nb.calibration.margin_text``"""
@@ -168,14 +167,14 @@ def explain(plan, best, ranked, over, cons, cluster, prof) -> list[str]:
         lines += _pipeline_lines(plan, best, prof)
     lines += _recompute_lines(plan, c, cons)
     if len(ranked) > 1:
-        ru = ranked[1]
+        rc = (ru := ranked[1]).cost
         diff = _setting_diff(ru.setting, s)
-        rc = ru.cost
         deltas = [(n, getattr(rc, a) - getattr(c, a)) for n, a in TIME_DELTAS]
         why = ", ".join(f"{fmt_delta(d)} {n}" for n, d in sorted(deltas, key=lambda kv: -abs(kv[1]))
                         if abs(d) > 0.005 * c.step_time_s)
         lines.append(f"Runner-up: {_summary(ru)} is "
-                     f"{_pct(rc.step_time_s - c.step_time_s, c.step_time_s)} slower"
+                     f"{_pct(abs(rc.step_time_s - c.step_time_s), c.step_time_s)} "
+                     + ("slower" if rc.step_time_s >= c.step_time_s else "faster (see Headroom)")
                      + (f" ({why})" if why else "")
                      + (f"; it uses {', '.join(diff)}" if diff else "") + ".")
     if over is not None:

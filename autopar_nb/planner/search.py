@@ -63,6 +63,7 @@ class Candidate:
     (``Search.norm_variant``)"""
     origin: tuple | None = None
     """the (setting, choices) its variants were made from (``Search._variants``)"""
+    roomier_than: Candidate | None = None  # a faster one, tight in memory (levers.roomier)
 
     @property
     def fits(self) -> bool:
@@ -484,8 +485,7 @@ class Search:
             f"{self.prof.pp_glued.get(first, 'it stays with the pinned stage start before it')})")
 
     def _variants(self, s: Setting, choices: list[LayerChoice]) -> Candidate:
-        """The candidate of ``s`` with ``choices``, recompute added where it does not fit, and its
-        fused variants."""
+        """The candidate of ``s`` with ``choices``, recompute added where needed, and variants."""
         # costing adds recompute to ``choices``
         origin = (s, [dataclasses.replace(c) for c in choices])
         cand = self.norm_variant(self.fused_variant(self._cost(s, choices,
