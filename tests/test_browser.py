@@ -18,7 +18,8 @@ test_launch_browser.py with `AUTOPAR_SCREENSHOTS=docs/img`, which refreshes the 
 Figures are printed (run with -s) for BENCHMARKS.md.
 
 The whole suite runs again in a 1024 px window with the file browser open (AUTOPAR_BROWSER_WIDTH=1024) and in
-JupyterLab's dark theme (AUTOPAR_BROWSER_THEME=dark); tests that choose their own window keep it.
+JupyterLab's dark theme (AUTOPAR_BROWSER_THEME=dark); tests that choose their own window keep it. Every run (CI's
+too) has the sharding board and the controls at 1024 px in the dark theme as well, and the layout at 1024 px.
 
 Runs in CI (CI=true: a missing chromium is a failure; .ci/run installs it); elsewhere it skips without chromium.
 """
@@ -328,16 +329,16 @@ NOTEBOOK_SCROLL = """() => [...document.querySelectorAll('.jp-NotebookPanel *')]
 """the notebook's scrolling boxes and how far each is scrolled"""
 
 
-def shoot(page, locator, name: str) -> None:
-    """Screenshot ``locator`` whole into IMG/name: the window grows to hold it when it is taller (an element taller
-    than the window comes out clipped under JupyterLab's toolbars), then goes back to its size."""
+def shoot(page, locator, name: str, folder: Path | None = None) -> None:
+    """Screenshot ``locator`` whole into IMG/name (or ``folder``/name): the window grows to hold it when it is taller
+    (an element taller than the window comes out clipped under JupyterLab's toolbars), then goes back to its size."""
     size = page.viewport_size
     need = int(locator.bounding_box()["height"]) + 300
     if need > size["height"]:
         page.set_viewport_size({"width": size["width"], "height": need})
         page.wait_for_timeout(600)
     locator.scroll_into_view_if_needed()
-    locator.screenshot(path=str(IMG / name))
+    locator.screenshot(path=str((folder or IMG) / name))
     if need > size["height"]:
         page.set_viewport_size(size)
         page.wait_for_timeout(600)
@@ -521,13 +522,16 @@ example_inputs = (torch.randint(0, 8192, (4, 256)),)""",
 ]
 
 
-def test_controls_tell_the_truth(tmp_path):
+@pytest.mark.parametrize("window, theme", [(None, None), ({"width": 1024, "height": 1000}, "dark")],
+                         ids=["default", "1024px-dark"])
+def test_controls_tell_the_truth(tmp_path, window, theme):
     """Issue 12 points 3-5: a rejected edit leaves every control on the plan in force; options the planner cannot plan
     are disabled with the reason; Adopt keeps the alternatives and pins nothing; the change list is grouped with the
-    raw list behind a disclosure; units are chosen per value."""
+    raw list behind a disclosure; units are chosen per value. Issue 42: also at 1024 px (the file browser open) in
+    the dark theme; the README's picture is the default case's."""
     from playwright.sync_api import expect
 
-    with notebook_page(tmp_path, TRUTH_CELLS, widgets=2) as (page, errors):
+    with notebook_page(tmp_path, TRUTH_CELLS, widgets=2, window=window, theme=theme) as (page, errors):
         seed, llama = page.locator(".ap-root").nth(0), page.locator(".ap-root").nth(1)
         header = seed.locator(".ap-summary").inner_text()
         assert "µs/step" in header and "0.00 GiB" not in header, header
@@ -569,7 +573,7 @@ def test_controls_tell_the_truth(tmp_path):
         expect(seed.locator(".ap-alternatives")).to_be_visible()
         after = kernel_json(page, tmp_path, "[ap.fix, ap.plan.summary().split(' | ')[0]]")
         assert after == [fix_before, alt], (after, fix_before, alt)
-        shoot(page, seed, "widget_alternatives.png")
+        shoot(page, seed, "widget_alternatives.png", None if window is None else tmp_path)
 
         # LLaMA: tp 1 -> 4 changes hundreds of fields; the panel groups them, the raw list is behind a disclosure
         llama.scroll_into_view_if_needed()
