@@ -199,7 +199,7 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
     from autopar_nb.cost import estimate
     from autopar_nb.cost.estimate import peak_moments
     from autopar_nb.source import ModelSource
-    from autopar_nb.verify.measure import measure
+    from autopar_nb.verify.measure import measure, routed_rows
     from autopar_nb.verify.moments import measured_groups, moment_at, predicted_groups
 
     src = ModelSource(CELLS[family](**SIZE))
@@ -210,8 +210,6 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
     cluster = ap.Cluster.preset("cpu", 1, world)
     plan = ap.plan(graph, cluster, global_batch=SIZE["batch"] * fix["dp"],
                    fix={"micro_batches": 1, **fix, "amp": amp, "recompute": recompute})
-    cost = estimate(graph, cluster, plan)
-    moments = peak_moments(graph, cluster, plan, per_op=True)
     op_modules = {k: n.module_path for k, n in enumerate(graph.nodes)}
     op_names = {k: n.op for k, n in enumerate(graph.nodes)}
     paths = [lay.path for lay in graph.layers]
@@ -219,9 +217,16 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
     # different parts of the ring's work (the first of dp 0: stage's first rank, at stride tp)
     cp, tp = fix.get("cp", 1), fix["tp"]
     ranks = [(stage, stage * world // fix["pp"] + c * tp) for stage in range(fix["pp"]) for c in range(cp)]
+    if fix.get("ep", 1) > 1:  # every data-parallel rank of a stage: each its own experts and routing
+        ranks = [(stage, stage * world // fix["pp"] + d * tp) for stage in range(fix["pp"]) for d in range(fix["dp"])]
     measured = measure(src, plan, ranks=tuple(g for _, g in ranks), census=largest)
     rows = []
     for (stage, rank), m in zip(ranks, measured, strict=True):
+        # predicted with the routing this rank really had (none without expert parallelism), and with balanced
+        routed = routed_rows(m.get("routed", []), paths) if fix.get("ep", 1) > 1 else None
+        cost = estimate(graph, cluster, plan, routed=routed)
+        moments = peak_moments(graph, cluster, plan, per_op=True, routed=routed)
+        balanced = estimate(graph, cluster, plan, routed=dict.fromkeys(paths, 1.0)).memory_by_rank[stage]
         mb = cost.memory_by_rank[stage]
         peak = max((mo for mo in moments[stage] if mo[3] is None), key=lambda mo: mo[2].total)
         at = moment_at(m["where"], paths, moments[stage], op_modules, micro_batch=m.get("micro_batch"),
@@ -232,6 +237,7 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
                      "predicted_peak": predicted_groups(mb), "moment": _moment_name(at or peak, paths, op_modules),
                      "model_peak": _moment_name(peak, paths, op_modules), "matched": at is not None,
                      "moment_total": (at or peak)[2].total - mb.margin,
+                     "balanced_total": balanced.total - balanced.margin, "routed": routed,
                      "measured": measured_groups(m["peak"]), "measured_total": m["peak"]["total"],
                      "where": m["where"] + (f" ({m['node']})" if m.get("node") else ""),
                      "largest": m.get("largest", [])})
@@ -325,6 +331,10 @@ def run(groups, *, each=None, jobs: int = 1, largest: int = 0) -> tuple[list[dic
                           f"measured {r['measured_total'] / MiB:7.1f} MiB  {error(r):+.1%}  ({r['where']}; model at "
                           f"{r['moment'] if r['matched'] else 'no such moment'}, its peak {r['model_peak']}; "
                           f"components {'within' if components_within(r) else 'OUTSIDE'} 5 %)", flush=True)
+                    if r.get("routed"):
+                        print(f"    routed rows / balanced: {', '.join(f'{v:.2f}' for v in r['routed'].values())}; "
+                              f"balanced routing predicted {r['balanced_total'] / MiB:.1f} MiB "
+                              f"({r['balanced_total'] / r['measured_total'] - 1:+.1%})", flush=True)
                     for t in r["largest"]:
                         print(f"    {t['MiB']:6.2f} MiB {t['label']:<14} {t.get('side', ''):<8} {t.get('op', '?')} "
                               f"{t.get('shape', '')} {t.get('dtype', '')} {t.get('module', '')}", flush=True)

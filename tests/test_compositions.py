@@ -57,7 +57,8 @@ CASES = {
     # expert parallelism beside DDP: each experts module is FSDP2's replicate, which keeps its gathered experts from
     # forward to the end of backward and, once its backward ran, its reduction's buffers to the end of the
     # stage's backward; a stage's experts are the model's own modules (their peaks placed in their layers)
-    "ep-pp-full": ("Mixtral", {"dp": 2, "ep": 2, "zero_stage": 0, "recompute": "full", **PIPE},
+    # (balanced routing: what the router really sends each rank is tests/test_moe_routing.py's)
+    "ep-pp-full": ("Mixtral", {"dp": 2, "ep": 2, "zero_stage": 0, "recompute": "full", "moe_capacity": 1.0, **PIPE},
                    "replicate_reduce_buffers"),
     # context parallelism's ring backward holds, at the attention op, the gathered keys and values, float32
     # accumulators and the dK/dV it sends and receives (a backward working set: no term of its own); its

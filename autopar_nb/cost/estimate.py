@@ -59,7 +59,7 @@ class Evaluator:
     def terms(self, i: int, *, tp: int, sp: bool, precision: str, mb_samples: float, ep: int = 1,
               compiled: bool = False, cp: int = 1, amp: str = "bf16", fused_norm: bool = False,
               float8: bool = False, async_tp: bool = False, gather: bool = False,
-              f8_gathered: bool = False) -> LayerTerms:
+              f8_gathered: bool = False, routed: float = 1.0) -> LayerTerms:
         """Per-layer terms, cached by the layer's repeated-block representative. ``precision``: one
         of :data:`~.profile.PRECISIONS` (:func:`~.profile.precision_of`); ``amp``: autocast's dtype
         there ("bf16", "fp16": its peak FLOP/s). With context parallelism (``cp``) a rank holds 1/cp
@@ -70,16 +70,16 @@ class Evaluator:
         working buffer. ``fused_norm``: as the fused-norm graph profiles it (:attr:`norm_prof`);
         ``float8``: :mod:`.float8`; ``async_tp``: :mod:`.async_tp`; ``gather``: the layer gathers
         SP's shards at its input (``prof.sp_gather``); ``f8_gathered``: FSDP gathers the float8
-        weights cast (:func:`.float8.gathered_in_float8`)."""
+        weights cast (:func:`.float8.gathered_in_float8`); ``routed``: see ``at_routing``."""
         fused_norm = fused_norm and self.norm_prof is not None
         key = (self.prof.rep[i], tp, sp, precision, mb_samples, ep, compiled, cp, amp, fused_norm,
-               float8, async_tp, gather, f8_gathered)
+               float8, async_tp, gather, f8_gathered, routed)
         half = precision != "fp32"
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         prof = self.norm_prof if fused_norm else self.prof
-        lp = prof.layers[self.prof.rep[i]].at_tp(tp)  # key/value projections this tp repeats: whole
+        lp = prof.layers[self.prof.rep[i]].at_tp(tp).at_routing(routed)  # (at_tp: repeated k/v)
         scale = mb_samples / self.prof.batch * self.seq_ratio / cp
         qscale = mb_samples / self.prof.batch * self.seq_ratio ** 2 / cp
         low = DTYPE_NAMES[amp] if amp != "none" else "bfloat16"
@@ -202,7 +202,7 @@ class Evaluator:
                           precision=precision_of(s.amp, s.zero_stage), mb_samples=s.mb_samples,
                           ep=s.ep, compiled=ch.compile, cp=s.cp, amp=s.amp, fused_norm=s.fused_norm,
                           float8=s.float8 != "none", async_tp=s.async_tp,
-                          f8_gathered=gathered_in_float8(s, self.cluster))
+                          f8_gathered=gathered_in_float8(s, self.cluster), routed=s.routed_rows(ch))
 
     # ---- a whole candidate -----------------------------------------------------------------------
     def runs(self, choices: list[LayerChoice]) -> list[tuple[int, int, LayerChoice]]:
@@ -211,7 +211,7 @@ class Evaluator:
         rep, prev = self.prof.rep, None
         out: list[list] = []
         for i, ch in enumerate(choices):
-            key = (rep[i], ch.stage, ch.tp, ch.recompute, ch.fsdp, ch.compile)
+            key = (rep[i], ch.stage, ch.tp, ch.recompute, ch.fsdp, ch.compile, ch.routed)
             if key == prev:
                 out[-1][1] += 1
             else:
@@ -626,25 +626,25 @@ class Evaluator:
         cost.samples_per_s = samples / step
 
 
-def estimate(graph, cluster, plan, *, factors: Factors | None = None) -> Cost:
+def estimate(graph, cluster, plan, *, factors: Factors | None = None, routed=None) -> Cost:
     """Cost of an existing plan (e.g. one a user edited) on ``cluster``: the planner's own model, no
-    search."""
-    ev, s, choices = _evaluator_of(graph, cluster, plan, factors)
+    search (``routed``: a rank's measured routing, :func:`.setting.setting_of`)."""
+    ev, s, choices = _evaluator_of(graph, cluster, plan, factors, routed)
     return ev.evaluate(s, choices)
 
 
 def peak_moments(graph, cluster, plan, *, factors: Factors | None = None, per_op: bool = False,
-                 action: bool = False) -> list[list[tuple]]:
+                 action: bool = False, routed=None) -> list[list[tuple]]:
     """Per pipeline rank of ``plan``, every moment its predicted peak memory is chosen from
     (:meth:`Evaluator.rank_moments`, with ``per_op`` each layer's backward at each of its ops too,
     with ``action`` a multi-stage rank's action and micro-batch): what a measured peak's components
-    compare with."""
-    ev, s, choices = _evaluator_of(graph, cluster, plan, factors)
+    compare with; ``routed``: as :func:`estimate`'s."""
+    ev, s, choices = _evaluator_of(graph, cluster, plan, factors, routed)
     return ev.rank_moments(s, choices, per_op=per_op, action=action)
 
 
-def _evaluator_of(graph, cluster, plan, factors: Factors | None) -> tuple[Evaluator, Setting,
-                                                                          list[LayerChoice]]:
+def _evaluator_of(graph, cluster, plan, factors: Factors | None,
+                  routed=None) -> tuple[Evaluator, Setting, list[LayerChoice]]:
     from .loss import fused_head
     from .norm import fused_norm_profile
     from .profile import profile_of
@@ -661,7 +661,7 @@ def _evaluator_of(graph, cluster, plan, factors: Factors | None) -> tuple[Evalua
     if [lp.path for lp in plan.layers] != [lay.path for lay in graph.layers]:
         raise ValueError("the plan's layers do not match the graph's; re-plan for this model")
     seq_ratio = plan.batch.seq_len / graph.seq_len if plan.batch.seq_len and graph.seq_len else 1.0
-    s, choices = setting_of(plan)
+    s, choices = setting_of(plan, routed)
     head = None
     if plan.fused_loss:
         head, why = fused_head(graph)

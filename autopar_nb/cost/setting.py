@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan import DTYPE_NAMES, ITEMSIZE, stage_rank
+from ..plan.vocab import MOE_CAPACITY
 from .schedule import ZERO_BUBBLE
 
 
@@ -49,6 +50,17 @@ class Setting:
     offload: str = "none"
     """"cpu": FSDP's shards and optimizer states in host memory, the step on the CPU
     (:mod:`.offload`)"""
+    moe_capacity: float = MOE_CAPACITY
+    """with ep > 1: the rows a rank's experts are costed for, as a multiple of balanced routing's
+    (``mesh.moe_capacity``: the busiest rank's bound)"""
+
+    def routed_rows(self, ch: LayerChoice) -> float:
+        """The rows the experts of a layer (``ch``) run on this rank, as a multiple of balanced
+        routing's: 1 without expert parallelism (a rank's experts then run its own (token, choice)
+        pairs), else the layer's measured rows, else :attr:`moe_capacity`."""
+        if self.ep == 1:
+            return 1.0
+        return self.moe_capacity if ch.routed is None else ch.routed
 
     @property
     def replicas(self) -> int:
@@ -110,10 +122,16 @@ class LayerChoice:
     compile: bool = False
     """run the layer under ``torch.compile`` (its memory-bound time scaled by
     ``Factors.compile_memory_bound``)"""
+    routed: float | None = None
+    """with ep > 1: the rows this rank's experts received in this layer, as a multiple of balanced
+    routing's (a measured run's: ``estimate(routed=...)``); None: ``Setting.moe_capacity``"""
 
 
-def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:
-    """The (Setting, per-layer choices) a :class:`~autopar_nb.plan.Plan` stands for."""
+def setting_of(plan, routed: dict[str, float] | None = None) -> tuple[Setting, list[LayerChoice]]:
+    """The (Setting, per-layer choices) a :class:`~autopar_nb.plan.Plan` stands for; ``routed``:
+    layer path -> the rows one rank's experts received there as a multiple of balanced routing's
+    (a measured run's, ``verify.measure.routed_rows``; a layer it lacks: 1), costed in place of the
+    plan's ``mesh.moe_capacity`` (:attr:`LayerChoice.routed`)."""
     m = plan.mesh
     mb = plan.batch.global_batch / (m.dp * plan.batch.micro_batches)
     # a layer the planner put under TP: split modules, or only sequence-parallel norms (the final
@@ -125,8 +143,9 @@ def setting_of(plan) -> tuple[Setting, list[LayerChoice]]:
     s = Setting(m.dp, m.tp, m.pp, m.zero_stage, plan.precision.amp, plan.batch.micro_batches, mb,
                 plan.pipeline.schedule, plan.pipeline.virtual_stages, sp, plan.optimizer.name, m.ep,
                 bool(plan.fused_loss), m.cp, plan.fused_norm, plan.precision.float8, plan.async_tp,
-                m.offload)
-    choices = [LayerChoice(lp.stage, on, lp.recompute, lp.fsdp, lp.compile)
+                m.offload, m.moe_capacity)
+    choices = [LayerChoice(lp.stage, on, lp.recompute, lp.fsdp, lp.compile,
+                           None if routed is None else routed.get(lp.path, 1.0))
                for lp, on in zip(plan.layers, tp_on, strict=True)]
     return s, choices
 

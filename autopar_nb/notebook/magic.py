@@ -3,6 +3,7 @@ the session."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -16,6 +17,7 @@ from ..capture.cache import cached_capture
 from ..export import with_weights
 from ..hardware import Cluster, parse_memory
 from ..plan import AMP, FIX_ALIASES, FIX_CHOICES, FIX_KEYS, PlanError
+from ..plan.fix import FIX_NUMBERS
 from ..runtime.data import first_tensor
 from ..source import PRETRAINED_KEY, ModelSource
 from .cell import CellError, collated_rows, parse_fix, run_model_cell
@@ -44,7 +46,7 @@ def make_cluster(gpu: str, gpus: int | None, nodes: int, memory: str | None = No
 
 def _typed_fix(fix: dict) -> dict:
     """``--fix sp=false`` arrives as the word "false" (``sp=1`` as the number 1): make the values of
-    true/false choices bools."""
+    true/false choices bools, and those of number keys (``moe_capacity=1.5``) numbers."""
     out = {}
     for k, v in fix.items():
         key = FIX_ALIASES.get(k, k)
@@ -53,6 +55,9 @@ def _typed_fix(fix: dict) -> dict:
                 v = BOOL_WORDS[v.lower()]
             elif v in (0, 1) and not isinstance(v, bool):
                 v = bool(v)
+        elif key in FIX_NUMBERS and isinstance(v, str):
+            with contextlib.suppress(ValueError):  # else normalize_fix says what it must be
+                v = float(v)
         out[key] = v
     return out
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .checks import PlanError, check_choice, check_int
+from .checks import PlanError, check_choice, check_int, check_number
 from .vocab import (
     AMP,
     AMP_OPS,
@@ -23,7 +23,7 @@ from .vocab import (
 FIX_KEYS = ("dp", "tp", "pp", "ep", "cp", "zero_stage", "micro_batches", "schedule",
             "virtual_stages", "recompute", "amp", "float8", "compile", "fused_loss", "fused_norm",
             "async_tp", "offload", "sequence_parallel", "optimizer", "fp32_ops",
-            "low_precision_ops")
+            "low_precision_ops", "moe_capacity")
 """global choices a user can pin (``--fix``, ``plan(fix=...)``, ``Session.replan(fix=...)``)"""
 FIX_ALIASES = {"zero": "zero_stage", "mb": "micro_batches", "micro": "micro_batches",
                "sp": "sequence_parallel"}
@@ -37,6 +37,8 @@ FIX_CHOICES: dict[str, tuple] = {"zero_stage": ZERO_STAGES, "schedule": SCHEDULE
 """the allowed values of the FIX_KEYS that are choices; the others (dp, tp, pp, ep, cp,
 micro_batches, virtual_stages) are positive integers, up to FIX_MAX or else MAX_DEGREE"""
 FIX_MAX = {"micro_batches": MAX_MICRO_BATCHES, "virtual_stages": MAX_VIRTUAL_STAGES}
+FIX_NUMBERS = {"moe_capacity": 1.0}
+"""the FIX_KEYS that are real numbers, and their least value (``mesh.moe_capacity``)"""
 
 
 def normalize_fix(fix: dict[str, Any] | None) -> dict[str, Any]:
@@ -59,6 +61,8 @@ def normalize_fix(fix: dict[str, Any] | None) -> dict[str, Any]:
             value = list(value)
         elif k in FIX_CHOICES:
             check_choice(f"fix[{k!r}]", value, FIX_CHOICES[k])
+        elif k in FIX_NUMBERS:
+            value = check_number(f"fix[{k!r}]", value, minimum=FIX_NUMBERS[k])
         else:
             check_int(f"fix[{k!r}]", value, minimum=1, maximum=FIX_MAX.get(k, MAX_DEGREE))
         out[k] = value

@@ -26,6 +26,7 @@ from .vocab import (
     MAX_SEQ_LEN,
     MAX_VIRTUAL_STAGES,
     MODULE_PATH,
+    MOE_CAPACITY,
     OFFLOAD,
     OPTIMIZERS,
     PINNABLE,
@@ -70,6 +71,9 @@ class MeshPlan:
     offload: str = "none"
     """:data:`OFFLOAD`: "cpu" keeps FSDP's shards in host memory (``runtime/fsdp.py``); needs
     zero_stage 2 or 3"""
+    moe_capacity: float = MOE_CAPACITY
+    """with ep > 1: the rows the busiest rank's experts are costed for, as a multiple of balanced
+    routing's (:data:`MOE_CAPACITY`: a capacity factor, or a dropless router's allowance); >= 1"""
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "ep", "cp"):
@@ -77,6 +81,7 @@ class MeshPlan:
         check_int(f"mesh world size {self.factors()}", self.world_size, maximum=MAX_DEGREE)
         check_choice("mesh.zero_stage", self.zero_stage, ZERO_STAGES)
         check_choice("mesh.offload", self.offload, OFFLOAD)
+        self.moe_capacity = check_number("mesh.moe_capacity", self.moe_capacity, minimum=1)
         if self.offload != "none" and self.zero_stage < 2:
             raise PlanError(f"mesh.offload={self.offload!r} needs FSDP (zero_stage 2 or 3), got "
                             f"{self.zero_stage}")

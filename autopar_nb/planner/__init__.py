@@ -34,6 +34,7 @@ from .async_tp import async_tp_choice, async_tp_lines
 from .compile import HORIZON_STEPS, compile_choice, compile_lines, horizon, startup_s
 from .constraints import Constraints, parse
 from .degrees import cp_degrees
+from .experts import moe_capacity_lines
 from .explain import explain, fmt_bytes, fused_loss_lines, fused_norm_lines, op_list_lines
 from .float8 import float8_choice, float8_lines
 from .forward import checked_profile, tp_parts
@@ -188,8 +189,8 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
     chosen.explanation += compile_lines(best, ev, cons, graph, search.compilable, steps)
     chosen.explanation += headroom_lines(best) + fused_loss_lines(best, ev, cons, fused_why)
     chosen.explanation += fused_norm_lines(best, ev, cons) + float8_lines(best, ev, cons, cluster)
-    chosen.explanation += (async_tp_lines(best, async_other, cons, cluster)
-                           + offload_lines(best, cons, cluster))
+    chosen.explanation += async_tp_lines(best, async_other, cons, cluster)
+    chosen.explanation += offload_lines(best, cons, cluster) + moe_capacity_lines(best, ev, cons)
     chosen.explanation += set_levers(chosen, best, ev, cluster, graph, search.compilable, steps)
     if prof is not default_prof:  # the op lists' price: the same setting with autocast's own lists
         chosen.explanation += op_list_lines(best, cons,
@@ -315,7 +316,8 @@ def _to_plan(c: Candidate, graph, prof, cluster, cons: Constraints, global_batch
     head_tp = any(lp.vocab and any(st == "colwise" for st in lp.tp.values()) and ch.tp
                   for lp, ch in zip(prof.layers, c.choices, strict=True))
     return Plan(
-        mesh=MeshPlan(s.dp, s.tp, s.pp, s.zero_stage, ep=s.ep, cp=s.cp, offload=s.offload),
+        mesh=MeshPlan(s.dp, s.tp, s.pp, s.zero_stage, ep=s.ep, cp=s.cp, offload=s.offload,
+                      moe_capacity=s.moe_capacity),
         batch=BatchPlan(global_batch, s.micro_batches, seq_len or graph.seq_len),
         pipeline=PipelinePlan(s.schedule, s.virtual_stages),
         precision=precision,

@@ -40,6 +40,7 @@ from ..cost.schedule import MULTI_STAGE, ZERO_BUBBLE
 from ..cost.setting import LayerChoice, Setting
 from ..cost.time import bubble_fraction
 from ..plan import V_SCHEDULES, Cost, PlanError, stage_rank
+from ..plan.vocab import MOE_CAPACITY
 from .constraints import async_tp_modes, float8_fix, offload_fix, sequence_parallel
 from .degrees import divisors, tp_blockers
 from .recompute import choose_recompute
@@ -174,6 +175,7 @@ class Search:
                             "compute capability >= 8.0); use amp='fp16' (with loss scaling) or "
                             "amp='none'")
         self.optimizer, self.offload = fix.get("optimizer", "adam"), offload_fix(cons)
+        self.moe_capacity = fix.get("moe_capacity", MOE_CAPACITY)  # the busiest rank's routed rows
         self.float8 = float8_fix(cons, self.amp)
         self.has_batchnorm = any("BatchNorm" in lay.type
                                  or "BatchNorm" in " ".join(lay.modules.values())
@@ -446,7 +448,7 @@ class Search:
                     continue
                 s = dataclasses.replace(base, zero_stage=z, fused_loss=bool(fix.get("fused_loss")),
                                         fused_norm=bool(fix.get("fused_norm")), float8=self.float8,
-                                        offload=self.offload)
+                                        offload=self.offload, moe_capacity=self.moe_capacity)
                 if ((self.float8 != "none" or self.async_tp or s.offload != "none") and base.pp > 1
                         or self.async_tp and base.tp == 1):
                     # float8, async TP and offload run with pp=1 only, async TP with tp > 1

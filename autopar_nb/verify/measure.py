@@ -56,6 +56,9 @@ class _Session:
         self.active = Tracker()
         self.active.census, self.active.spans = census, self.spans
         self.active.moment_peaks = {} if moments else None
+        self.routed: list[list] = []
+        """[experts module (the tracker's name), rows its local experts received, the rows this
+        rank routed] per call of the measured step (:func:`_record_routing`)"""
 
     def switch_to_fsdp(self, roots: list) -> None:
         """Track the FSDP2 modules ``roots`` from now on: a rank's pipeline stages, one root each
@@ -108,6 +111,7 @@ class _Session:
             self.active.reset_mod_stats()
             self.active.reset_peak()
             self.spans.new_step()
+            self.routed.clear()
 
 
 def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: bool = False,
@@ -122,8 +126,8 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
     ``census`` the ``census`` largest storages alive at the peak under ``"largest"``
     (``Labelled.largest``: what made each), and with ``moments`` the largest total at each place the
     last step ran under ``"moments"``: [where, micro-batch or None, bytes]
-    (:attr:`Labelled.moment_peaks`). Call it in a fresh process (the process group is global state):
-    :func:`measure` does."""
+    (:attr:`Labelled.moment_peaks`); ``"routed"``: :func:`_record_routing`'s census. Call it in a
+    fresh process (the process group is global state): :func:`measure` does."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
@@ -142,9 +146,7 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
     # a pipeline stage, and a model under gradient accumulation, is a root called once per
     # micro-batch
     session.active.restart_roots = g["PP"] > 1 or g.get("MICRO_BATCHES", 1) > 1
-    if g["PP"] > 1:
-        _label_pipeline_buffers(session)
-    _label_gathered_parameters(session)
+    _instrument(session, runtime, pipelined=g["PP"] > 1)
     parallelize = g["parallelize"]
 
     def traced(*args, **kwargs):
@@ -181,7 +183,7 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
         snap = session.active.get_tracker_snapshot("peak").get(torch.device("cpu"), {})
         out = {"peak": components(snap), "where": session.active.where,
                "micro_batch": session.active.micro_batch, "node": session.active.peak_node,
-               "world": world, "rank": rank}
+               "world": world, "rank": rank, "routed": session.routed}
         return (out | ({"largest": session.active.largest()} if census else {})
                 | ({
                     "moments": [[where, mb, b]
@@ -192,6 +194,52 @@ def measure_script(script: str | Path, *, rank: int = 0, steps: int = 2, real: b
         # before destroy: a gloo thread taking the GIL at exit aborts the process now and then
         gc.collect()
         dist.destroy_process_group()
+
+
+def _instrument(session, runtime, *, pipelined: bool) -> None:
+    """What the harness adds to torch's and the script's runtime before ``main`` runs: a pipeline's
+    receive buffers and FSDP2 replicate's gathered parameters labelled as what they are, and the
+    rows each experts module's local experts receive recorded."""
+    if pipelined:
+        _label_pipeline_buffers(session)
+    _label_gathered_parameters(session)
+    if runtime is not None and hasattr(runtime, "_ep_forward"):
+        runtime._ep_forward = _record_routing(runtime._ep_forward, session)
+
+
+def _record_routing(ep_forward, session):
+    """The script's expert-parallel forward (``runtime/ep.py`` ``_ep_forward``, looked up when
+    ``parallelize`` shards an experts module), noting in ``session.routed`` for each call of the
+    last step [the experts module (the tracker's name), the rows its local experts received (the
+    all-to-all's output), the (token, choice) rows this rank routed]: what a router really sent,
+    which the cost model takes as ``estimate(routed=...)`` (:func:`routed_rows`); the two are
+    equal on average, and each rank's under balanced routing."""
+
+    def recording(module, hidden, top_k_index, top_k_weights, *, ep_mesh, local_forward):
+        def local(mod, routed, *args):
+            name = session.active._mod_tracker.get_known_fqn(mod) or ""
+            session.routed.append([name, int(routed.shape[0]), int(top_k_index.numel())])
+            return local_forward(mod, routed, *args)
+
+        return ep_forward(module, hidden, top_k_index, top_k_weights, ep_mesh=ep_mesh,
+                          local_forward=local)
+
+    return recording
+
+
+def routed_rows(routed: list, layer_paths: list[str]) -> dict[str, float]:
+    """A rank's ``"routed"`` census (:func:`measure_script`) as the cost model's input: layer path
+    -> the rows its experts received over the rows balanced routing gives them (the rank's own
+    (token, choice) rows), averaged over the step's calls (its micro-batches; a recompute repeats
+    a call's counts)."""
+    from .moments import _layer_of
+
+    got: dict[str, list[float]] = {}
+    for module, received, sent in routed:
+        k = _layer_of(module, layer_paths)
+        if k is not None and sent:
+            got.setdefault(layer_paths[k], []).append(received / sent)
+    return {path: sum(r) / len(r) for path, r in got.items()}
 
 
 def _label_pipeline_buffers(session) -> None:

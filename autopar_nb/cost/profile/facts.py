@@ -8,6 +8,8 @@ import copy
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
+from kernels_ext import moe_rules
+
 from ...plan import ITEMSIZE, within
 from ..autocast import AmpDtypes, amp_dtypes
 from ..tp_styles import Walk, packet, rule_of, tp_walk
@@ -55,6 +57,10 @@ class Facts:
     recorded by autograd; the rest (masks, rotary cos/sin, position ids) save nothing"""
     autocast: AmpDtypes | None = None
     """the dtypes under autocast (None: the captured, float32 forward)"""
+    routed: frozenset[str] = frozenset()
+    """nodes of an experts module with one row per (token, choice) pair, as many as its first
+    grouped matmul reads: under expert parallelism, the rows the router sends to a rank's experts
+    (:func:`routed_rows`)"""
 
 
 def graph_facts(graph, refused: dict[str, str], device_kind: str = "cuda") -> Facts:
@@ -73,7 +79,7 @@ def graph_facts(graph, refused: dict[str, str], device_kind: str = "cuda") -> Fa
     root, noncontig = _storages(graph.nodes, device_kind, dtype)
     scores, param_views = _attention_scores(graph.nodes), _parameter_views(graph.nodes)
     return Facts(graph, by_name, size, dtype, root, noncontig, scores, param_views, tp,
-                 _requires_grad(graph))
+                 _requires_grad(graph), routed=routed_rows(graph))
 
 
 def amp_facts(f: Facts, device_kind: str, *, low_params: bool, fp32_ops=(),
@@ -96,6 +102,24 @@ def amp_facts(f: Facts, device_kind: str, *, low_params: bool, fp32_ops=(),
     root, noncontig = _storages(graph.nodes, device_kind, amp.dtype)
     return replace(f, graph=graph, by_name=by_name, size=size, dtype=amp.dtype, root=root,
                    noncontig=noncontig, autocast=amp)
+
+
+def routed_rows(graph) -> frozenset[str]:
+    """The nodes of each experts module (one that runs a grouped matmul over stacked expert weights,
+    ``kernels_ext.moe_rules``) whose first dim is the rows of its first grouped matmul: the (token,
+    choice) pairs, sorted, gathered, through the experts and weighted. Under expert parallelism a
+    rank's experts run them on the rows the router sent it, balanced or not (``runtime/ep.py``: its
+    local forward on the all-to-all's output); the tensors per token (the sum over the choices, the
+    module's output) stay with the rank's own tokens."""
+    grouped = {r.name for r in moe_rules.GROUPED_MATMULS}
+    rows: dict[str, int] = {}
+    for n in graph.nodes:
+        if n.op.rpartition(".")[0] in grouped and n.in_shapes and n.in_shapes[0]:
+            rows.setdefault(n.module_path, n.in_shapes[0][0])
+    return frozenset(n.name for n in graph.nodes
+                     if n.out_shapes and n.out_shapes[0]
+                     and any(within(n.module_path, m) and n.out_shapes[0][0] == r
+                             for m, r in rows.items()))
 
 
 def _requires_grad(graph) -> set[str]:

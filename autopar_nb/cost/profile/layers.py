@@ -31,6 +31,9 @@ class Saved:
     sp_only: bool = False
     """held only under sequence parallelism (a row-parallel output's sequence-sharded gradient,
     all-gathered beside it in backward)"""
+    routed: bool = False
+    """one row per (token, choice) pair an experts module runs (``Facts.routed``): under expert
+    parallelism, as many as the router sends the rank (:meth:`LayerProfile.at_routing`)"""
 
 
 class Crossing(NamedTuple):
@@ -358,6 +361,29 @@ class LayerProfile:
             out.params_rep += r.params
             out.comms.append(Comm("all_reduce", r.grad_bytes, r.grad_bytes, "step"))
         return out
+
+    def at_routing(self, rows: float) -> LayerProfile:
+        """This profile where the rank's experts receive ``rows`` times the (token, choice) rows of
+        balanced routing (its own pairs): every :attr:`Saved.routed` tensor and gradient it saves,
+        holds in backward or in forward scaled by ``rows``."""
+        if rows == 1 or not self.experts:
+            return self
+
+        def scaled(xs):
+            return type(xs)(replace(x, nbytes=x.nbytes * rows) if x.routed else x for x in xs)
+
+        def moment(m: Moment) -> Moment:
+            return m._replace(work=scaled(m.work), held=scaled(m.held), entered=scaled(m.entered),
+                              entered_held=scaled(m.entered_held))
+
+        return replace(
+            self, saved=scaled(self.saved),
+            saved_amp={k: scaled(v) for k, v in self.saved_amp.items()},
+            selective={k: scaled(v) for k, v in self.selective.items()},
+            moments={k: [moment(m) for m in v] for k, v in self.moments.items()},
+            forward={k: [moment(m) for m in v] for k, v in self.forward.items()},
+            weight_pass={k: [(op, scaled((g,))[0]) for op, g in v]
+                         for k, v in self.weight_pass.items()})
 
 
 @dataclass

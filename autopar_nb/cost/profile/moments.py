@@ -99,18 +99,21 @@ def forward_moment(n, k: int, f: Facts, alive: Alive, seen: set[str], device_kin
     work, held, entered, entered_held = [], [], [], []
     for r, by_caller in alive.at(k):
         if r not in seen:
-            x = Saved(f.size[r].nbytes, r in f.tp.sharded, quadratic=r in f.scores)
+            x = Saved(f.size[r].nbytes, r in f.tp.sharded, quadratic=r in f.scores,
+                      routed=r in f.routed)
             (held if by_caller else work).append(x)
             if r in entering:
                 (entered_held if by_caller else entered).append(x)
         elif r in entering and r in own:
-            entered.append(Saved(f.size[r].nbytes, r in f.tp.sharded, quadratic=r in f.scores))
+            entered.append(Saved(f.size[r].nbytes, r in f.tp.sharded, quadratic=r in f.scores,
+                                 routed=r in f.routed))
     cast = f.autocast.cast if f.autocast is not None else None
     for i in dict.fromkeys(n.inputs) if cast is not None else ():
         to = cast(n.name, i) if i in f.size and f.size[i].floating else None
         if to is not None and f"cast:{n.name}:{i}" not in seen:
             work.append(Saved(f.size[i].numel * ITEMSIZE[to],
-                              i in f.tp.sharded or n.name in f.tp.sharded, quadratic=i in f.scores))
+                              i in f.tp.sharded or n.name in f.tp.sharded, quadratic=i in f.scores,
+                              routed=i in f.routed))
     work += _math_attention_transients(n, f, device_kind)
     return tuple(work), tuple(held), tuple(entered), tuple(entered_held)
 
@@ -161,18 +164,18 @@ def accumulating_gradients(f: Facts) -> dict[str, tuple[Saved, ...]]:
     for k, n in enumerate(nodes):
         for t in ends.get(k, ()):
             live.pop(t, None)
-        sums: dict[tuple[bool, bool], float] = defaultdict(float)
+        sums: dict[tuple[bool, bool, bool], float] = defaultdict(float)
         held = {storage(n.name, k)}  # the op's own output's gradient is in gradients_of
         for t in live:
             if (g := storage(t, k)) not in held:
                 held.add(g)
-                sums[t in f.tp.sharded, t in f.scores] += f.size[t].nbytes
+                sums[t in f.tp.sharded, t in f.scores, t in f.routed] += f.size[t].nbytes
         for t in dict.fromkeys(n.inputs):
             if t in live:
-                sums[t in f.tp.sharded, t in f.scores] += f.size[t].nbytes
+                sums[t in f.tp.sharded, t in f.scores, t in f.routed] += f.size[t].nbytes
         if sums and n.op_class != "view":
-            out[n.name] = tuple(Saved(b, region, quadratic=quad)
-                                for (region, quad), b in sums.items())
+            out[n.name] = tuple(Saved(b, region, quadratic=quad, routed=routed)
+                                for (region, quad, routed), b in sums.items())
         if n.name in tracked:
             live[n.name] = None
     return out
@@ -184,18 +187,19 @@ def gradients_of(n, f: Facts) -> tuple[Saved, ...]:
     style = f.tp.styles.get(n.name)
     out = f.size[n.name]
     grads = [Saved(out.nbytes, n.name in f.tp.sharded, gathered=style == "rowwise",
-                   quadratic=n.name in f.scores)]
+                   quadratic=n.name in f.scores, routed=n.name in f.routed)]
     if style == "rowwise":
         grads.append(Saved(out.nbytes, False, sp_only=True))
     for i in n.inputs:
         if i in f.grad and i not in f.param_views and f.size[i].floating:
             grads.append(Saved(f.size[i].nbytes, i in f.tp.sharded, gathered=style == "colwise",
-                               quadratic=i in f.scores))
+                               quadratic=i in f.scores, routed=i in f.routed))
     x = n.inputs[0] if n.inputs else None
     if packet(n.op) == "index" and x is not None and x in f.grad and f.size[x].floating:
         # IndexBackward0 puts the gradient into zeros of the input's size out of place
         # (index_put): the zeros and the result are alive at once (dispatch log, torch 2.13)
-        grads.append(Saved(f.size[x].nbytes, x in f.tp.sharded, quadratic=x in f.scores))
+        grads.append(Saved(f.size[x].nbytes, x in f.tp.sharded, quadratic=x in f.scores,
+                           routed=x in f.routed))
     return tuple(grads)
 
 

@@ -78,8 +78,10 @@ def _saved_at(layers: dict[str, LayerProfile], f: Facts, precision: str, device_
             own[lp.path].add(keep.key)
             if first is not None:
                 first[keep.key] = lp.path
+            # a copy's key ends with what it copies ("cast:op:input"), a temporary's with its op
             saved[lp.path].append(Saved(keep.size.numel * keep.size.itemsize, keep.region,
-                                        keep.gathered, keep.quadratic, keep.stat))
+                                        keep.gathered, keep.quadratic, keep.stat,
+                                        routed=keep.key.rpartition(":")[2] in f.routed))
         if n.op_class == "view" or not n.out_shapes:
             continue
         k, kept = index[n.name], len(saved[lp.path])
@@ -142,7 +144,8 @@ def _selective_kept(n, f: Facts, device_kind: str, again: frozenset[str]) -> lis
         item = max(size.itemsize, 4)
         return [Saved(scores_numel(n) * item, region, quadratic=True),
                 Saved(size.numel * item, region)]
-    kept = [Saved(size.nbytes, region, gathered=f.tp.styles.get(n.name) == "rowwise")]
+    kept = [Saved(size.nbytes, region, gathered=f.tp.styles.get(n.name) == "rowwise",
+                  routed=n.name in f.routed)]
     rule = rule_of(n.op)
     if n.op_class == "attention" and rule is not None and rule.stats is not None:
         kept.append(Saved(rule.stats(n.in_shapes, n.out_shapes) * 4, region, stat=True))
