@@ -128,28 +128,32 @@ KNOWN = [
     "zeros and index_put's result of its input's size (Mixtral ZeRO 2/3 bf16 full recompute were -5.4 / -5.5 %), "
     "and expert-parallel plans measured on real processes (the fake group's all-to-all left the exchanged token "
     "counts uninitialised: Mixtral DDP bf16 selective was -6.2 %)",
-    "Routing is measured as it falls: Mixtral's expert groups received 3134 to 4533 tokens on the real 2-process "
-    "runs where the model's balanced routing says 4096; the rows stay within 5 % because the experts' activations "
-    "are a part of the peak, and a trained router's imbalance is not modelled",
+    "Routing: an expert-parallel plan's rows are every data-parallel rank of each stage, each predicted with the "
+    "rows its experts really received in each layer (verify.measure records them, averaged over the step's "
+    "micro-batches: estimate(routed=...)); tiny Mixtral's random router sent a rank 0.61 to 1.72 times the balanced "
+    "rows. The planner itself cannot know them: it costs every rank for the busiest, mesh.moe_capacity (1.25, "
+    "Switch Transformer's capacity factor) times the balanced rows. Plans without expert parallelism run every "
+    "expert on the rank's own tokens: routing does not change their memory",
     "Compositions (--compositions): ZeRO-3 x PP under ZBV with full recompute measured 44-76 % above the "
     "prediction and above the same plan without recompute (torch's input pass keeps what the recompute re-made "
-    "for the weight pass): the planner now refuses recompute with zero-bubble schedules. Mixtral EP x DP with full "
-    "recompute -9 / -10 % at the experts' recompute (routing: below), and LLaMA ZeRO-3 x TP x PP's last stage "
-    "-7 to -17 % (its peak in the stage's forward outside a layer, or the loss's backward: the vocab-parallel "
-    "head's logits inside a pipeline stage), not identified. GPT-2 under CP crashed on CPU at its default "
-    "attention dropout (SDPA's math form, which the ring cannot split): refused on CPU now",
+    "for the weight pass): the planner now refuses recompute with zero-bubble schedules. LLaMA ZeRO-3 x TP x PP's "
+    "last stage -7 to -17 % (its peak in the stage's forward outside a layer, or the loss's backward: the "
+    "vocab-parallel head's logits inside a pipeline stage), not identified. GPT-2 under CP crashed on CPU at its "
+    "default attention dropout (SDPA's math form, which the ring cannot split): refused on CPU now",
     "Mixtral EP x PP (dp 2 x ep 2 x pp 2, 1F1B x 4, ZeRO 0, measured apart: bench/memory.py Mixtral --plans ep-pp --amp"
-    " none,bf16 --recompute none,full): every rank and every component within 5 % (-3.3 to +3.2 %; were -4 to -16 %) "
+    " none,bf16 --recompute none,full): ranks 0 and 2 within 5 %, every component too (-3.3 to +3.2 %; were -4 to "
+    "-16 %) "
     "since the experts' FSDP2 replicas beside DDP are costed (cost/peak.py _experts_replicas: "
     "replicate_gathered_experts, each experts module's parameters gathered from its forward to the end of its backward,"
     " 6 MiB at the first stage's forward peak; replicate_reduce_buffers, the reduce-scatter input and all-reduce output"
     " of each module whose backward ran, held to the end of the stage's backward, 6 MiB at a recompute) and the "
     "tracker's peaks are placed where they are (a stage's experts, which the tracker names through torch.export's "
     "wrapper, in their layer; the last stage's loss, made between micro-batches, in no module: it was placed in the "
-    "next forward's first one). Mixtral EP x DP holds the same replicas (its buffers now match, 11.0 / 11.0 MiB at the "
-    "loss) and misses by its routing: +6.0 % without recompute (activations 262.9 / 245.6 MiB at the loss), -9 / -10 % "
-    "with full recompute (at layer 1's recompute rank 0's experts got 4889 rows where balanced routing gives 4096, "
-    "1.19x; the model assumes balance)",
+    "next forward's first one). Mixtral EP x DP holds the same replicas (its buffers match, 11.0 / 11.0 MiB at the "
+    "loss). With full recompute (EP x DP and EP x PP) the tracker peaks in the experts' recompute of the layer its "
+    "router loaded most, where the model's recompute moment holds 9-14 MiB fewer activations and 4 MiB fewer "
+    "temporaries than measured (EP x DP fp32 rank 3: 99.4 / 113.5 and 2.0 / 6.0 MiB); the totals are within 5 % "
+    "because the model's own peak (layer 0's backward) holds as much. Not identified",
     "ViT fp32 full recompute (+2.4 %, total only): the components match at the tracker's moment (layer 0's "
     "backward at the GELU, 62.2 MiB), the model's peak is layer 0's backward at another op (63.7 MiB); not "
     "identified",
