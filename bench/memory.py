@@ -153,7 +153,12 @@ KNOWN = [
     "loss). With full recompute (EP x DP and EP x PP) the tracker peaks in the experts' recompute of the layer its "
     "router loaded most, where the model's recompute moment holds 9-14 MiB fewer activations and 4 MiB fewer "
     "temporaries than measured (EP x DP fp32 rank 3: 99.4 / 113.5 and 2.0 / 6.0 MiB); the totals are within 5 % "
-    "because the model's own peak (layer 0's backward) holds as much. Not identified",
+    "because the model's own peak (the layer's backward) holds as much. A census there (ep-dp fp32 full rank 3, "
+    "--largest 25): the local experts' forward in the middle of the recompute, on 6991 rows (1.71x), holding the "
+    "gate/up output 27.3, the SiLU 13.7 and the product 13.7 MiB and five (rows, 256) float32 tensors of 6.8 MiB: "
+    "the all-to-all's output (the local forward's input, which runtime/ep.py's dispatch holds until the local "
+    "forward returns: no term yet), its gather, the second grouped matmul's output, its product with the ones and one "
+    "not identified. EP x PP bf16 full rank 3 (-6.5 %) is this gap",
     "ViT fp32 full recompute (+2.4 %, total only): the components match at the tracker's moment (layer 0's "
     "backward at the GELU, 62.2 MiB), the model's peak is layer 0's backward at another op (63.7 MiB); not "
     "identified",
