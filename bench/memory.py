@@ -247,6 +247,9 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
                      "model_peak": _moment_name(peak, paths, op_modules), "matched": at is not None,
                      "moment_total": (at or peak)[2].total - mb.margin,
                      "balanced_total": balanced.total - balanced.margin, "routed": routed,
+                     # the planner's own figure: every rank at mesh.moe_capacity times the balanced rows
+                     "default_total": plan.cost.memory_by_rank[stage].total - plan.cost.memory_by_rank[stage].margin,
+                     "moe_capacity": plan.mesh.moe_capacity,
                      "measured": measured_groups(m["peak"]), "measured_total": m["peak"]["total"],
                      "where": m["where"] + (f" ({m['node']})" if m.get("node") else ""),
                      "largest": m.get("largest", [])})
@@ -343,7 +346,9 @@ def run(groups, *, each=None, jobs: int = 1, largest: int = 0) -> tuple[list[dic
                     if r.get("routed"):
                         print(f"    routed rows / balanced: {', '.join(f'{v:.2f}' for v in r['routed'].values())}; "
                               f"balanced routing predicted {r['balanced_total'] / MiB:.1f} MiB "
-                              f"({r['balanced_total'] / r['measured_total'] - 1:+.1%})", flush=True)
+                              f"({r['balanced_total'] / r['measured_total'] - 1:+.1%}); the plan's own (moe_capacity "
+                              f"{r['moe_capacity']:g}) {r['default_total'] / MiB:.1f} MiB "
+                              f"({r['default_total'] / r['measured_total'] - 1:+.1%})", flush=True)
                     for t in r["largest"]:
                         print(f"    {t['MiB']:6.2f} MiB {t['label']:<14} {t.get('side', ''):<8} {t.get('op', '?')} "
                               f"{t.get('shape', '')} {t.get('dtype', '')} {t.get('module', '')}", flush=True)

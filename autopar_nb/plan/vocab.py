@@ -29,12 +29,12 @@ scale per tensor; FSDP all-gathers the weights in float8 on GPUs) | rowwise (a s
 accurate, gathers in bf16)"""
 MOE_CAPACITY = 1.25
 """the rows the busiest rank's experts are planned for, as a multiple of balanced routing's (each
-rank's own (token, choice) pairs): the capacity factor of Switch Transformer (Fedus, Zoph and
-Shazeer, JMLR 2022, sec. 2.2: expert capacity = tokens per batch / experts x capacity factor, the
-tokens beyond it dropped; Table 1 trains with 1.0, 1.25 and 2.0, and the paper's models with 1.25),
-which Megatron-Core takes as ``moe_expert_capacity_factor``. A dropless router (Hugging Face's
-Mixtral) has no capacity: the same bound is then an allowance, the busiest rank receiving up to
-this many times the balanced rows (measured on tiny Mixtral's random router: 0.63 to 1.30)"""
+rank's own (token, choice) pairs): a capacity factor of Switch Transformer (Fedus, Zoph and Shazeer,
+JMLR 2022, sec. 2.2: expert capacity = tokens per batch / experts x capacity factor, the tokens
+beyond it dropped; its Table 1 compares 1.0, 1.25 and 2.0), the bound Megatron-Core's
+``moe_expert_capacity_factor`` sets. A dropless router (Hugging Face's Mixtral) has no capacity:
+the same number is then an allowance, the busiest rank receiving up to this many times the
+balanced rows (tiny Mixtral's untrained router sent a rank up to 1.72 times them in a layer)"""
 OFFLOAD = ("none", "cpu")
 """where FSDP2 keeps the shards of parameters, gradients and optimizer states: device or host
 (CPUOffloadPolicy)"""
