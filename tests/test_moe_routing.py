@@ -49,6 +49,12 @@ def test_default_capacity_is_switch_transformers_and_the_busiest_rank_grows_with
             == _plan(graph, {**dense, "moe_capacity": 2.0})[1].cost.peak_memory_bytes)
     with pytest.raises(PlanError, match="moe_capacity"):
         normalize_fix({"moe_capacity": 0.5})
+    # --fix moe_capacity=1.5 arrives as text; a whole number as an int
+    from autopar_nb.notebook.cell import parse_fix
+    from autopar_nb.notebook.magic import _typed_fix
+
+    assert normalize_fix(_typed_fix(parse_fix("ep=4,moe_capacity=1.5"))) == {"ep": 4, "moe_capacity": 1.5}
+    assert normalize_fix(_typed_fix(parse_fix("moe_capacity=2"))) == {"moe_capacity": 2.0}
 
 
 def test_measured_routing_is_costed_layer_by_layer(mixtral):
