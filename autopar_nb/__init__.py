@@ -8,19 +8,27 @@
 In a notebook: ``%load_ext autopar_nb`` and ``%%autoparallel`` (see ``%autoparallel?``).
 """
 
-from .capture import CaptureError, capture
-from .export import Exported, export
-from .graph import Layer, ModelGraph, OpNode, RepeatedBlock
-from .hardware import Cluster, DeviceSpec, LinkSpec
-from .launch import Run, TournamentResult, launch, tournament
-from .plan import Cost, LayerPlan, MemoryBreakdown, MeshPlan, Plan, PlanError
-from .planner.timeline import MemoryTimeline, memory_timeline
-from .verify import VerifyReport, verify, verify_many
+import importlib
+import sys
+import types
 
-# isort: split
-# bound last: the function `plan` shadows the attribute of the contract module autopar_nb.plan
-# (code imports the contract with `from autopar_nb.plan import Plan`, which still works)
-from .planner import plan
+PUBLIC = {
+    "capture": ("CaptureError", "capture"),
+    "export": ("Exported", "export"),
+    "graph": ("Layer", "ModelGraph", "OpNode", "RepeatedBlock"),
+    "hardware": ("Cluster", "DeviceSpec", "LinkSpec"),
+    "launch": ("Run", "TournamentResult", "launch", "tournament"),
+    "plan": ("Cost", "LayerPlan", "MemoryBreakdown", "MeshPlan", "Plan", "PlanError"),
+    "planner": ("plan",),
+    "planner.timeline": ("MemoryTimeline", "memory_timeline"),
+    "verify": ("VerifyReport", "verify", "verify_many"),
+    "widget": ("PlannerWidget",),
+}
+"""public name -> the module that defines it, imported on first use: a worker process that imports
+one module of the package (the cell's ``autopar_nb.zoo``, verify's ranks) then imports only that
+module and what it imports, not the planner, capture and export (seconds of CPU per process), nor
+IPython or widgets"""
+_WHERE = {name: module for module, names in PUBLIC.items() for name in names}
 
 __all__ = [
     "CaptureError", "Cluster", "Cost", "DeviceSpec", "Exported", "Layer", "LayerPlan", "LinkSpec",
@@ -40,10 +48,24 @@ def load_ipython_extension(ipython):
 
 
 def __getattr__(name):
-    # PlannerWidget is imported on first use, so `import autopar_nb` (worker processes) never
-    # imports ipywidgets
-    if name == "PlannerWidget":
-        from .widget import PlannerWidget
+    if name not in _WHERE:
+        raise AttributeError(f"module 'autopar_nb' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value  # bound here: the next read is a plain attribute
+    return value
 
-        return PlannerWidget
-    raise AttributeError(f"module 'autopar_nb' has no attribute {name!r}")
+
+def __dir__():
+    return sorted(set(globals()) | set(_WHERE))
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name, value):
+        # importing a submodule binds it on its package: ``autopar_nb.plan`` (the contract),
+        # ``.export``, ``.launch``, ``.verify``, ``.capture`` would hide the public functions of
+        # those names, whichever was imported first (code reads those modules by their full name)
+        if not (name in _WHERE and isinstance(value, types.ModuleType)):
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -24,6 +24,21 @@ def test_import_in_a_worker_pulls_no_notebook_machinery():
     assert out.strip() == "[]"
 
 
+def test_a_worker_importing_one_module_pulls_no_planner():
+    """An exported script's ranks run the cell's ``from autopar_nb.zoo import GPT``: that imports torch and the zoo,
+    not capture, the planner, export (and through it pipelining and dynamo), seconds of CPU per rank. The public
+    functions keep their names whichever of their modules was imported first."""
+    code = ("import sys, autopar_nb.zoo\n"
+            "heavy = ('autopar_nb.capture', 'autopar_nb.planner', 'autopar_nb.export', 'autopar_nb.launch',\n"
+            "         'torch.distributed.pipelining', 'torch._dynamo', 'kernels_ext')\n"
+            "print(sorted(m for m in heavy if m in sys.modules))\n"
+            "import autopar_nb.plan, autopar_nb.export, autopar_nb.launch, autopar_nb.verify, autopar_nb.capture\n"
+            "import autopar_nb as ap\n"
+            "print([n for n in ('plan', 'export', 'launch', 'verify', 'capture') if not callable(getattr(ap, n))])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["[]", "[]"], out
+
+
 def test_imports_flow_one_way():
     """The pipeline's stages in the folders' order: capture/ -> cost/ -> planner/ -> export/ -> launch/ -> verify/
     -> widget/ -> notebook/ (the magic and its session on top); a module never imports one from a later stage (the
