@@ -24,10 +24,10 @@ PUBLIC = {
     "verify": ("VerifyReport", "verify", "verify_many"),
     "widget": ("PlannerWidget",),
 }
-"""public name -> the module that defines it, imported on first use: a worker process that imports
-one module of the package (the cell's ``autopar_nb.zoo``, verify's ranks) then imports only that
-module and what it imports, not the planner, capture and export (seconds of CPU per process), nor
-IPython or widgets"""
+"""module -> the public names it defines, each imported on first use: a worker process that imports
+one module of the package (an exported script's ranks: the cell's ``autopar_nb.zoo``) imports only
+that module and what it imports, not the planner, capture and export (seconds of CPU per process),
+nor IPython or widgets"""
 _WHERE = {name: module for module, names in PUBLIC.items() for name in names}
 
 __all__ = [
