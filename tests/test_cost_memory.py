@@ -237,6 +237,27 @@ def test_in_flight_by_schedule():
         (4 + 6 + 1) / 2)
 
 
+
+def test_in_flight_of_a_multi_stage_rank_reads_its_states_once(monkeypatch):
+    """The search asks every rank's in-flight micro-batches of each candidate it costs, floors and bounds: a
+    multi-stage rank's are read from its states once, the same figure after."""
+    from autopar_nb.cost import memory, schedule
+
+    walked = []
+
+    def counted(*args, **kw):
+        walked.append(kw)
+        return schedule.rank_states(*args, **kw)
+
+    memory._most_held.cache_clear()
+    monkeypatch.setattr(memory, "rank_states", counted)
+    first = in_flight("interleaved_1f1b", pp=4, stage=1, micro_batches=8, virtual_stages=2)
+    again = in_flight("interleaved_1f1b", pp=4, stage=1, micro_batches=8, virtual_stages=2)
+    states = schedule.rank_states("interleaved_1f1b", pp=4, rank=1, micro_batches=8, virtual_stages=2)
+    assert first == again == max((sum(h.full) + sum(h.waiting) + 1) / 2 for h in states if h.kind in "BIW")
+    assert len(walked) == 1
+
+
 def _torch_actions(schedule: str, *, pp: int, rank: int, micro_batches: int,
                    virtual_stages: int) -> list:
     """torch's own compute actions for ``rank`` (its ``_calculate_single_rank_operations``, which

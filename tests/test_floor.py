@@ -383,3 +383,17 @@ def test_recompute_time_floor_is_below_every_variant_and_settle_skips_past_it(gr
     assert checked and not above, (len(above), len(checked), above[:3])
     assert any(b >= bar for b, _, bar in checked), "no candidate's bound reaches the bar: the case checks nothing"
     assert not any(costed), (sum(costed), len(costed))
+
+
+def test_layers_under_full_recompute_share_one_copy_per_distinct_choice():
+    """The floor reads every layer under full recompute: one copy per distinct choice (a copy per layer was a tenth
+    of the floor's time), the candidate's own choices left as they were."""
+    from autopar_nb.cost.floor import _under_full_recompute
+    from autopar_nb.cost.setting import LayerChoice
+
+    choices = [LayerChoice(stage=0), LayerChoice(stage=0, recompute="selective"), LayerChoice(stage=0),
+               LayerChoice(stage=1, tp=False), LayerChoice(stage=1, tp=False, recompute="full")]
+    full = _under_full_recompute(choices)
+    assert full == [dataclasses.replace(c, recompute="full") for c in choices]
+    assert full[0] is full[2] and full[0] is not full[1] and full[3] is not full[4]
+    assert [c.recompute for c in choices] == ["none", "selective", "none", "none", "full"]

@@ -120,7 +120,7 @@ def least_activations(ev, s: Setting, choices: list[LayerChoice],
     total less its start), so the same floats. The variants' layer terms differ in fused norms
     alone; the fused loss only adds its head's saved bytes (the log-sum-exp), so it is never the
     least."""
-    full = [dataclasses.replace(c, recompute="full") for c in choices]
+    full = _under_full_recompute(choices)
     # all fuse the loss where s itself does (a fused variant the search floors)
     every = variants(ev, s)
     kinds = list({v.fused_norm: v for v in [v for v in every if not v.fused_loss]
@@ -148,6 +148,20 @@ def least_activations(ev, s: Setting, choices: list[LayerChoice],
     stage_acts = [[min(per[r][j][1] for per in stages) for j in range(len(stages[0][r]))]
                   for r in range(s.pp)]
     return LeastActivations(stage_acts, savings)
+
+
+def _under_full_recompute(choices: list[LayerChoice]) -> list[LayerChoice]:
+    """``choices`` with every layer under full recompute, one copy per distinct choice: most layers
+    share theirs, and a copy per layer (``dataclasses.replace``) was a tenth of the floor's time."""
+    made: dict[tuple, LayerChoice] = {}
+    out = []
+    for c in choices:
+        key = tuple(vars(c).values())
+        hit = made.get(key)
+        if hit is None:
+            hit = made[key] = dataclasses.replace(c, recompute="full")
+        out.append(hit)
+    return out
 
 
 def _staged_floor(ev, s: Setting, choices: list[LayerChoice], low_margin: bool,

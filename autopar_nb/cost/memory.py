@@ -9,6 +9,7 @@ TP/SP/recompute, Narayanan et al. 2021 (Megatron-LM PTD-P) for in-flight micro-b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .profile import LayerProfile, Saved
 from .schedule import MULTI_STAGE, rank_states
@@ -284,9 +285,17 @@ def in_flight(schedule: str, *, pp: int, stage: int, micro_batches: int,
         return float(m)
     if schedule in MULTI_STAGE and (virtual_stages > 1 or schedule == "zbv_zero_bubble"):
         v = 2 if schedule == "zbv_zero_bubble" else virtual_stages
-        states = rank_states(schedule, pp=pp, rank=stage, micro_batches=m, virtual_stages=v)
-        return max((sum(h.full) + sum(h.waiting) + 1) / v for h in states if h.kind in "BIW")
+        return _most_held(schedule, pp, stage, m, v)
     return float(min(m, pp - stage))
+
+
+@lru_cache(maxsize=4096)
+def _most_held(schedule: str, pp: int, stage: int, m: int, v: int) -> float:
+    """:func:`in_flight` of a multi-stage schedule, made once (as :func:`.schedule.rank_states` is):
+    the search asks it of every rank of each candidate it costs, floors or bounds, and it reads
+    all of the rank's states."""
+    states = rank_states(schedule, pp=pp, rank=stage, micro_batches=m, virtual_stages=v)
+    return max((sum(h.full) + sum(h.waiting) + 1) / v for h in states if h.kind in "BIW")
 
 
 def with_margin(subtotal: float, factors, *, full_recompute: float = 0.0) -> float:
