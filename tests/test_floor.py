@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -237,7 +238,7 @@ def test_backward_floor_sets_interleaved_candidates_aside(graphs, monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(search.Search, "_cost", counted)
             if not backward:
-                m.setattr(floor_module, "_backward_floor", lambda rank, h, least: 0.0)
+                m.setattr(floor_module, "_backward_floors", lambda rank, at, rests, least: np.zeros(len(at)))
             made = _plan(graph, cl, kw)
             return len(costed), made
 
@@ -397,3 +398,93 @@ def test_layers_under_full_recompute_share_one_copy_per_distinct_choice():
     assert full == [dataclasses.replace(c, recompute="full") for c in choices]
     assert full[0] is full[2] and full[0] is not full[1] and full[3] is not full[4]
     assert [c.recompute for c in choices] == ["none", "selective", "none", "none", "full"]
+
+
+def _rank_floors_one_by_one(ev, s, choices):
+    """``cost.floor.rank_floors`` (no limit) by its definition, one state at a time: at each of a rank's "B" states
+    with the most saved bytes in flight and each "R" state, the rest of the rank as ``StagedRank._around`` weighs it,
+    less what recompute and the weight pass change where they add bytes."""
+    from autopar_nb.cost import floor as fl
+    from autopar_nb.cost.memory import with_margin
+    from autopar_nb.cost.peak import RankMemory
+    from autopar_nb.cost.schedule import rank_states
+    from autopar_nb.cost.staged import StagedRank, _Around
+
+    def without(around):
+        drop = {k: v for k, v in around.terms.items() if k in fl._CHANGED and v > 0}
+        return _Around({k: v for k, v in around.terms.items() if k not in drop}, around.grads,
+                       around.total - sum(drop.values()))
+
+    def backward_floor(rank, h, least):
+        r, memory, st = rank.r, rank.mem, rank.st
+        own = fl._own_backward(rank, h)
+        rest = without(rank._around(h)).total + (own if own > -math.inf else 0.0)
+        n = [f + w for f, w in zip(h.full, h.waiting, strict=True)]
+        stages = memory.sums.stages[r]
+        acts = sum(n[j] * (a - stages[j].pipe["recv_saved"]) for j, a in enumerate(least.stage_acts[r]))
+        base = st.pb + st.ob + rest + acts
+        added = sorted(n[j] * d for j, d in least.savings[r])
+        if not added:
+            return base + with_margin(base, memory.f)
+        sums = [0.0]
+        for d in added:
+            sums.append(sums[-1] + d)
+        return min(base + x + with_margin(base + x, memory.f, full_recompute=(len(added) - k) / len(added))
+                   for k, x in enumerate(sums))
+
+    low_margin = ev.f.margin_full_recompute < ev.f.margin_fraction
+    low = dataclasses.replace(s, fused_loss=True) if not s.fused_loss and fl.loss_fusable(ev, s) else s
+    sums = ev.sum_layers(low, choices)
+    sums = dataclasses.replace(sums, full_recompute=[n if low_margin else 0.0 for n in sums.layers])
+    memory = RankMemory(ev.prof, ev.f, low, sums, seq_ratio=ev.seq_ratio)
+    least = fl.least_activations(ev, s, choices, sums)
+    out = []
+    for r in range(s.pp):
+        st = memory._states(r)
+        st = st._replace(held={k: v for k, v in st.held.items() if k != "autocast_weight_copies"})
+        walk = rank_states(s.schedule, pp=s.pp, rank=r, micro_batches=s.micro_batches,
+                           virtual_stages=s.virtual_stages)
+        rank = StagedRank(memory, r, st, states=walk)
+        floors = [0.0]
+        for hs in {h.grads: [] for h in walk if h.kind == "B"}.keys():
+            group = [h for h in walk if h.kind == "B" and h.grads == hs]
+            held = [sum((h.full[j] + h.waiting[j]) * (a - sums.stages[r][j].pipe["recv_saved"])
+                        for j, a in enumerate(least.stage_acts[r])) for h in group]
+            floors.append(backward_floor(rank, group[held.index(max(held))], least))
+        for h in (h for h in walk if h.kind == "R" and st.pipelined):
+            mo = rank._reduce(h, without(rank._around(h)))
+            floors.append(memory.breakdown(r, st.pb, st.ob, mo, margin_of=mo.weight).total)
+        out.append(max(floors))
+    return out
+
+
+@pytest.mark.parametrize("case", [2, 4])
+def test_rank_floors_as_arrays_are_the_floors_state_by_state(graphs, monkeypatch, case):
+    """Each rank's floor, its rests summed as arrays over the rank's states, is the floor weighed one state at a time
+    (``StagedRank._around``) within rounding, on every third multi-stage candidate the search floors (interleaved 1F1B
+    with TP and without, ZeRO 0-3); stopped at a limit, it is over the limit where the whole floor is (and no more
+    than it), else the same (what a caller asking "can it fit?" needs)."""
+    from autopar_nb.cost import floor as floor_module
+    from autopar_nb.cost.staged import StagedRank
+
+    name, cluster, kw = CASES[case]
+    graph, cl = graphs[name], _cluster(*cluster)
+    seen = []
+
+    def floor(ev, s, choices, *, limit):
+        if s.pp > 1 and s.schedule in floor_module.MULTI_STAGE:
+            seen.append((ev, s, [dataclasses.replace(c) for c in choices], limit))
+        return memory_floor(ev, s, choices, limit=limit)
+
+    monkeypatch.setattr(search, "memory_floor", floor)
+    ap.plan(graph, cl, **kw)
+    assert len(seen) >= 10 and {s.zero_stage for _, s, _, _ in seen} >= {0, 2, 3}
+    for ev, s, choices, limit in seen[::3]:
+        want = _rank_floors_one_by_one(ev, s, choices)
+        with monkeypatch.context() as m:  # no rest weighed one state at a time
+            m.setattr(StagedRank, "_around", lambda *a: pytest.fail("StagedRank._around called"))
+            got = [f for _, f in floor_module.rank_floors(ev, s, choices)]
+        assert got == pytest.approx(want, rel=1e-12, abs=0.0), s
+        stopped = floor_module._staged_floor(ev, s, choices, False, limit)
+        whole = max(f for _, f in floor_module.rank_floors(ev, s, choices, low_margin=False))
+        assert stopped == whole if whole <= limit else limit < stopped <= whole, (s, stopped, whole, limit)

@@ -121,6 +121,35 @@ def test_staged_heaviest_is_the_first_heaviest_of_every_moment(gpt, setting):
     assert weighed == 3 * s.pp
 
 
+
+@pytest.mark.parametrize("setting", STAGED, ids=[f"{x[5]}-pp{x[2]}-v{x[6]}-z{x[3]}-{x[7]}" for x in STAGED])
+def test_staged_rests_as_arrays_are_those_state_by_state(gpt, setting):
+    """A multi-stage rank's rests summed as arrays over its states (what ``heaviest`` bounds its groups by and the
+    memory floor weighs) are ``StagedRank._around``'s, one state at a time, but for rounding and the running stage's
+    own output; each stage's idle bytes, weighed from their three parts for every code, the very floats of
+    ``_idle``'s gradient bytes plus its terms."""
+    prof = profile_of(gpt, "cuda")
+    ev = Evaluator(prof, ap.Cluster.preset("h100-80gb", 1, 8), head=fused_head(gpt)[0])
+    *mesh, amp = setting
+    s, choices = _candidate(len(prof.layers), *mesh)
+    s = dataclasses.replace(s, amp=amp)
+    for i, c in enumerate(choices):
+        c.recompute = "selective" if i % 3 else "none"
+    memory = peak.RankMemory(prof, ev.f, s, ev.sum_layers(s, choices))
+    for r in range(s.pp):
+        rank = StagedRank(memory, r, memory._states(r))
+        table = rank.idle_totals()
+        for j in range(len(rank.stages)):
+            for code in range(12):
+                g, others = rank._idle(j, code // 4, bool(code // 2 % 2), bool(code % 2))
+                assert table[j, code] == g + sum(value for _, value in others), (r, j, code)
+        acts, kept = rank.rest_changed()
+        for h, total, a, k in zip(rank.states, rank.rest_totals(), acts, kept, strict=True):
+            around = rank._around(h)
+            assert total + rank._own_output(h) == pytest.approx(around.total, rel=1e-12), (r, h)
+            assert (a, k) == pytest.approx((around.terms["saved_activations"],
+                                            around.terms["weight_pass_gradients"]), rel=1e-12), (r, h)
+
 @pytest.mark.parametrize("dp, tp, pp, zero, m, unsharded", [
     (2, 2, 2, 0, 4, True),  # replicate beside TP in a pipeline stage: PipelineStage reduces once, after the last
     (2, 1, 2, 2, 4, True), (2, 1, 1, 1, 4, True),  # ZeRO-1 accumulates unsharded, reduce-scatters once per step

@@ -41,7 +41,7 @@ from .alike import shared
 from .memory import with_margin
 from .peak import RankMemory
 from .saved import run_saved
-from .schedule import MULTI_STAGE, Held, rank_states
+from .schedule import MULTI_STAGE, Held, rank_states, state_arrays
 from .setting import LayerChoice, Setting
 from .staged import StagedRank, _Around
 from .terms import RankSums, StageSums
@@ -182,8 +182,10 @@ def rank_floors(ev, s: Setting, choices: list[LayerChoice], *, low_margin: bool 
     :func:`.schedule.rank_states`), as the full evaluation weighs it, without the terms recompute or
     fused norms change: the micro-batches' saved activations and kept weight-pass gradients,
     autocast's weight copies; and its backward with the most saved bytes in flight
-    (:func:`_backward_floor`). A rank's weighing stops once it is over ``limit`` (still a floor of
-    that rank, whatever recompute and fused variant the search picks)."""
+    (:func:`_backward_floors`). A rank's weighing stops once it is over ``limit`` (still a floor of
+    that rank, whatever recompute and fused variant the search picks). The rests of the rank at
+    those states are summed as arrays (:meth:`.staged.StagedRank.rest_totals`): the same floors
+    but for rounding."""
     if low_margin is None:
         low_margin = ev.f.margin_full_recompute < ev.f.margin_fraction
     low = dataclasses.replace(s, fused_loss=True) if not s.fused_loss and loss_fusable(ev, s) else s
@@ -197,82 +199,111 @@ def rank_floors(ev, s: Setting, choices: list[LayerChoice], *, low_margin: bool 
         st = st._replace(held={k: v for k, v in st.held.items() if k != "autocast_weight_copies"})
         walk = rank_states(s.schedule, pp=s.pp, rank=r, micro_batches=s.micro_batches,
                            virtual_stages=s.virtual_stages)
-        states = tuple(h for h in walk if h.kind == "R") if st.pipelined else ()
+        reduced = [i for i, h in enumerate(walk) if h.kind == "R"] if st.pipelined else []
         backward = _most_in_flight(walk, least.stage_acts[r], sums.stages[r])
         out = 0.0
-        if states or backward:
-            rank = StagedRank(memory, r, st, states=(*states, *backward))
-            for h in backward:
-                out = max(out, _backward_floor(rank, h, least))
+        if reduced or backward:
+            rank = StagedRank(memory, r, st, states=walk)
+            rests = _rests(rank, [*backward, *reduced])
+            for floor in _backward_floors(rank, backward, rests[:len(backward)], least).tolist():
+                out = max(out, floor)
                 if out > limit:
                     break
-            for h in states if out <= limit else ():
-                mo = rank._reduce(h, _without_activations(rank._around(h)))
-                out = max(out, memory.breakdown(r, st.pb, st.ob, mo, margin_of=mo.weight).total)
+            if out <= limit and reduced:
+                out = max(out, *_reduction_floors(rank, reduced, rests[len(backward):]))
         yield r, out
 
 
+def _rests(rank: StagedRank, at: list[int]) -> np.ndarray:
+    """The rest of ``rank`` (:meth:`.staged.StagedRank._around`'s total) at its states ``at``
+    (indices of ``rank.states``), less what recompute and the weight pass's choices change
+    (:data:`_CHANGED`) where they add bytes: what is left is a floor."""
+    total = rank.rest_totals()[at]
+    acts, kept = (x[at] for x in rank.rest_changed())
+    own = np.array([rank._own_output(rank.states[i]) for i in at])
+    return total + own - np.maximum(acts, 0.0) - np.maximum(kept, 0.0)
+
+
+def _reduction_floors(rank: StagedRank, at: list[int], rests: np.ndarray) -> list[float]:
+    """The floor of ``rank`` at each of its reductions ``at`` (indices of ``rank.states``), with
+    ``rests`` (:func:`_rests`) the rest of the rank then: the stage's reduction on that rest, with
+    the rank's states and margin, as ``RankMemory.breakdown`` totals them."""
+    r, memory, st = rank.r, rank.mem, rank.st
+    layers = memory.sums.layers[r]
+    share = memory.sums.full_recompute[r] / layers if layers else 0.0
+    own = np.array([rank._reduce(rank.states[i], _Around({}, 0.0, 0.0)).weight for i in at])
+    x = st.pb + st.ob + rests + own
+    return (x + with_margin(x, memory.f, full_recompute=share)).tolist()
+
+
 _IN_FLIGHT: dict[int, tuple] = {}
-"""id of a :func:`.schedule.rank_states` result -> (it, its "B" states grouped by their stages'
-gradients' states, each group's micro-batches in flight per local stage as an array): made once per
-result, as ``rank_states`` is"""
+"""id of a :func:`.schedule.rank_states` result -> (it, the indices of its "B" states grouped by
+their stages' gradients' states, each group's micro-batches in flight per local stage as an array):
+made once per result, as ``rank_states`` is"""
 
 
 def _most_in_flight(walk: tuple[Held, ...], acts: list[float],
-                    stages: list[StageSums]) -> list[Held]:
+                    stages: list[StageSums]) -> list[int]:
     """Of the "B" states of ``walk`` alike in their stages' gradients (none yet, unsharded, reduced:
-    what the rest of the rank holds besides the micro-batches in flight), the one whose
-    micro-batches in flight hold the most saved bytes (``acts`` per local stage, less the inputs
-    counted in their receive buffers)."""
+    what the rest of the rank holds besides the micro-batches in flight), the index of the one
+    whose micro-batches in flight hold the most saved bytes (``acts`` per local stage, less the
+    inputs counted in their receive buffers)."""
     hit = _IN_FLIGHT.get(id(walk))
     if hit is None or hit[0] is not walk:
         if len(_IN_FLIGHT) >= 4096:
             _IN_FLIGHT.clear()
-        groups: dict[tuple, list[Held]] = {}
-        for h in walk:
+        groups: dict[tuple, list[int]] = {}
+        for i, h in enumerate(walk):
             if h.kind == "B":
-                groups.setdefault(h.grads, []).append(h)
-        hit = _IN_FLIGHT[id(walk)] = walk, [(g,
-                                             np.array([[f + w for f, w in zip(h.full, h.waiting,
-                                                                              strict=True)]
-                                                           for h in g], dtype=float))
-                                            for g in groups.values()]
+                groups.setdefault(h.grads, []).append(i)
+        a = state_arrays(walk)
+        v = len(walk[0].full)
+        hit = _IN_FLIGHT[id(walk)] = walk, [(g, a.counts[g, :v]) for g in groups.values()]
     per = np.zeros(len(walk[0].full))
     for j, x in enumerate(stages):
         per[j] = acts[j] - x.pipe["recv_saved"]
     return [g[int(np.argmax(counts @ per))] for g, counts in hit[1]]
 
 
-def _backward_floor(rank: StagedRank, h: Held, least: LeastActivations) -> float:
-    """The bytes of ``rank`` at backward state ``h`` at least, with its margin: its running stage's
-    heaviest layer backward (:meth:`.staged.StagedRank._layers`) less the terms recompute changes
-    (saved activations, the working set, weight-pass gradients), and the micro-batches in flight's
-    saved bytes with k of the rank's layers under full recompute, the rest adding their least
-    (:attr:`LeastActivations.savings`, the least first), at the margin of that share; the least over
-    k. The running micro-batch's saved bytes are left out."""
+def _backward_floors(rank: StagedRank, at: list[int], rests: np.ndarray,
+                     least: LeastActivations) -> np.ndarray:
+    """The bytes of ``rank`` at each of its backward states ``at`` (indices of ``rank.states``) at
+    least, with its margin: its running stage's heaviest layer backward
+    (:meth:`.staged.StagedRank._layers`) less the terms recompute changes (saved activations, the
+    working set, weight-pass gradients), on ``rests`` (:func:`_rests`), and the micro-batches in
+    flight's saved bytes with k of the rank's layers under full recompute, the rest adding their
+    least (:attr:`LeastActivations.savings`, the least first), at the margin of that share; the
+    least over k. The running micro-batch's saved bytes are left out. One row a state."""
     r, memory, st = rank.r, rank.mem, rank.st
-    around = _without_activations(rank._around(h))
-    own = shared(rank, h, _own_backward)  # the rest's bytes add to each moment alike
-    rest = around.total + own if own > -math.inf else around.total
-    n = [f + w for f, w in zip(h.full, h.waiting, strict=True)]
+    if not at:
+        return np.zeros(0)
+    v = len(rank.stages)
+    # the rest's bytes add to each moment of the running stage alike
+    own = np.array([shared(rank, rank.states[i], _own_backward) for i in at])
+    rest = rests + np.where(own > -math.inf, own, 0.0)
+    n = state_arrays(rank.states).counts[at, :v]  # micro-batches in flight, per local stage
     stages = memory.sums.stages[r]
-    acts = sum(n[j] * (a - stages[j].pipe["recv_saved"]) for j, a in enumerate(least.stage_acts[r]))
-    base = st.pb + st.ob + rest + acts
-    added = np.sort(np.array([n[j] * d for j, d in least.savings[r]]))
-    layers = len(added)
-    if not layers:
+    acts = np.zeros(v)
+    for j, a in enumerate(least.stage_acts[r]):
+        acts[j] = a - stages[j].pipe["recv_saved"]
+    base = st.pb + st.ob + rest + n @ acts
+    if not least.savings[r]:
         return base + with_margin(base, memory.f)
+    at_stage, adds = (np.array(x) for x in zip(*least.savings[r], strict=True))
+    added = np.sort(n[:, at_stage] * adds, axis=1)
+    layers = added.shape[1]
     # k layers under full recompute: the other layers - k add at least the smallest of their
     # additions
-    x = base + np.concatenate(([0.0], np.cumsum(added)))[::-1]
+    x = base[:, None] + np.concatenate((np.zeros((len(at), 1)), np.cumsum(added, axis=1)),
+                                       axis=1)[:, ::-1]
     share = np.arange(layers + 1) / layers
-    return float(np.min(x + with_margin(x, memory.f, full_recompute=share)))
+    return np.min(x + with_margin(x, memory.f, full_recompute=share), axis=1)
 
 
 def _own_backward(rank: StagedRank, h: Held) -> float:
     """The heaviest of ``rank``'s running stage's layer backwards at ``h`` with nothing else held,
     less the terms recompute changes where they add bytes (-inf where it has none):
-    :func:`_backward_floor` adds the rest."""
+    :func:`_backward_floors` adds the rest."""
     return max((mo.weight - sum(v for part in mo.parts
                                 for k, v in part.items() if k in _CHANGED and v > 0)
                 for mo in rank._layers(h, _Around({}, 0.0, 0.0), "backward", False)
@@ -281,11 +312,3 @@ def _own_backward(rank: StagedRank, h: Held) -> float:
 
 _CHANGED = ("saved_activations", "backward_working_set", "weight_pass_gradients")
 """the terms of a moment recompute (and the weight pass's choices) change"""
-
-
-def _without_activations(around: _Around) -> _Around:
-    """``around`` less what recompute (saved activations) and the weight pass's hooked gradients (a
-    layer's choices) change, where they add bytes: what is left is a floor."""
-    drop = {k: v for k, v in around.terms.items() if k in _CHANGED and v > 0}
-    terms = {k: v for k, v in around.terms.items() if k not in drop}
-    return _Around(terms, around.grads, around.total - sum(drop.values()))

@@ -272,8 +272,6 @@ class StateArrays(NamedTuple):
     local: np.ndarray
     groups: np.ndarray
     codes: np.ndarray
-    present: tuple[tuple[int, ...], ...]
-    """per local stage, the codes some state has"""
     counts: np.ndarray
     """per state, its micro-batches in flight (``full + waiting``), waiting for their weight pass,
     and input gradients its stages' sends still hold (``StagedRank._around``), per local stage, side
@@ -328,7 +326,6 @@ def _arrays_of(rows: np.ndarray, v: int) -> StateArrays:
     stage_index = np.broadcast_to(np.arange(v), codes.shape)
     order = np.argsort(group, kind="stable")
     return StateArrays(full, waiting, forwarded, backwarded, local, group, codes,
-                       tuple(tuple(int(x) for x in np.unique(col)) for col in codes.T),
                        np.concatenate((full + waiting, waiting, sent), axis=1),
                        stage_index == local[:, None], stage_index, order,
                        np.flatnonzero(np.diff(group[order], prepend=-1)))

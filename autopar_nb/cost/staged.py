@@ -97,32 +97,45 @@ class StagedRank:
         its order. None where the rank has no such moment."""
         if len(self.states) <= 16:
             return max(self.moments(False), key=lambda mo: mo.weight, default=None)
-        near, totals = self._near_heaviest(totals=True)
-        groups: dict[tuple, list[tuple[Held, float]]] = {}
-        for h, t in zip(near, totals, strict=True):
-            groups.setdefault(self._group(h), []).append((h, t))
+        groups, most = self._near_groups()
         bounds = []
-        for members in groups.values():
-            h = members[0][0]
-            bounds.append(max(t for _, t in members) + self._own_output(h) + own_weight(self, h))
+        for members, t in zip(groups, most, strict=True):
+            h = self.states[members[0]]
+            bounds.append(t + self._own_output(h) + own_weight(self, h))
         top = max(bounds, default=-np.inf)
         if top == -np.inf:
             return None
         bar = top - 1e-9 * abs(top) - 1e-6
         best = None
-        for members, bound in zip(groups.values(), bounds, strict=True):
+        for members, bound in zip(groups, bounds, strict=True):
             if bound < bar:
                 continue
-            h, around = members[0][0], self._around(members[0][0])
-            for other, _ in members[1:]:
-                rest = self._around(other)
+            h, around = self.states[members[0]], self._around(self.states[members[0]])
+            for i in members[1:]:
+                rest = self._around(self.states[i])
                 if rest.total > around.total:
-                    h, around = other, rest
+                    h, around = self.states[i], rest
             around = around._replace(action=h.kind, micro_batch=self.micro_batch(h))
             for mo in self._state_moments(h, around, False):
                 if best is None or mo.weight > best.weight:
                     best = mo
         return best
+
+    def _near_groups(self) -> tuple[list[list[int]], list[float]]:
+        """The states :meth:`_near_heaviest` keeps, by group of alike states (:meth:`_group`), the
+        groups in the order of their first such state, each as its states' indices in order; and
+        each group's largest rest (:meth:`rest_totals`)."""
+        a = state_arrays(self.states)
+        total = self.rest_totals()
+        keep = self._near(a, total)
+        g = a.groups[keep]
+        by = np.argsort(g, kind="stable")  # each group's states together, in order
+        starts = np.flatnonzero(np.diff(g[by], prepend=-1))
+        most = np.maximum.reduceat(total[keep][by], starts).tolist()
+        members = np.split(keep[by], starts[1:])
+        # the groups in the order of their first kept state
+        first = np.argsort(keep[by][starts], kind="stable").tolist()
+        return [members[i].tolist() for i in first], [most[i] for i in first]
 
     def own_afresh(self, h: Held) -> float:
         """The heaviest weight of state ``h``'s own moments (per layer) with nothing else held, -inf
@@ -183,35 +196,50 @@ class StagedRank:
         k = h.local
         return h.kind, k, h.grads[k], h.backward_last[k], h.weight_passed[k], h.later
 
-    def _near_heaviest(self, *, totals: bool = False):
+    def _near_heaviest(self) -> list[Held]:
         """The states whose rest (:meth:`_around`'s total, summed here as arrays) is within rounding
-        of the heaviest of their group's (:meth:`_heaviest_states`), in order; ``totals``: and those
-        sums."""
+        of the heaviest of their group's (:meth:`_heaviest_states`), in order."""
+        keep = self._near(state_arrays(self.states), self.rest_totals())
+        return [self.states[i] for i in keep.tolist()]
+
+    @staticmethod
+    def _near(a, total: np.ndarray) -> np.ndarray:
+        """The indices of the states whose rest ``total`` is within rounding of their group's
+        heaviest, in order (``a``: the states' :func:`.schedule.state_arrays`)."""
+        bar = np.maximum.reduceat(total[a.order], a.starts)[a.groups]
+        return np.flatnonzero(total >= bar - 1e-9 * np.abs(bar) - 1e-6)
+
+    def rest_totals(self) -> np.ndarray:
+        """Per state (the rows of :func:`.schedule.state_arrays`): :meth:`_around`'s total less the
+        running stage's own output (:meth:`_own_output`), summed as arrays (so equal to it but for
+        rounding)."""
         a = state_arrays(self.states)
         m = self.mem.s.micro_batches
         v = len(self.stages)
         # per micro-batch in flight, waiting for its weight pass, of a sent input gradient
         per = np.zeros(3 * v)
         const = sum(self.st.held.values())
-        idle = np.zeros((v, 12))
         for j, x in enumerate(self.stages):
             p = x.pipe
             per[j] = x.acts - p["recv_saved"] + p["recv"] + (0.0 if x.turn else p["kept"])
             per[v + j] = (0.0 if x.turn else p["grad_recv"]) + self._kept(j)
             per[2 * v + j] = p["grad_sent"]
             const += m * (p["kept"] + p["grad_recv"]) if x.turn else 0.0
-            for code in a.present[j]:
-                idle[j, code] = self._idle_total(j, code)
         # (the running stage's own output, alive through its backward, is the same across a group);
         # the other stages' gradients, units and weight-pass leftovers (the running one's are its
         # moments')
-        others = idle[a.stage_index, a.codes]
+        others = self.idle_totals()[a.stage_index, a.codes]
         others[a.running] = 0.0
-        total = a.counts @ per + others.sum(axis=1) + const
-        bar = np.maximum.reduceat(total[a.order], a.starts)[a.groups]
-        keep = np.flatnonzero(total >= bar - 1e-9 * np.abs(bar) - 1e-6)
-        near = [self.states[i] for i in keep.tolist()]
-        return (near, total[keep].tolist()) if totals else near
+        return a.counts @ per + others.sum(axis=1) + const
+
+    def rest_changed(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per state, as :meth:`rest_totals`: the rest's saved activations and weight-pass gradients
+        (:meth:`_around`'s terms that recompute and a layer's weight-pass choices change)."""
+        a = state_arrays(self.states)
+        v = len(self.stages)
+        acts = np.array([x.acts - x.pipe["recv_saved"] for x in self.stages])
+        kept = np.array([self._kept(j) for j in range(v)])
+        return a.counts[:, :v] @ acts, a.counts[:, v:2 * v] @ kept
 
     def _own_output(self, h: Held) -> float:
         """The running stage's own output in :meth:`_around` (alive through its backward where it
@@ -220,11 +248,24 @@ class StagedRank:
         x = self.stages[h.local]
         return x.pipe["kept"] if x.sends and not x.turn and h.kind in "BI" else 0.0
 
-    def _idle_total(self, j: int, code: int) -> float:
-        """:meth:`_idle`'s bytes in all, for the gradients, backward and weight-pass flags packed in
-        ``code`` (:func:`.schedule.state_arrays`)."""
-        g, others = self._idle(j, code // 4, bool(code // 2 % 2), bool(code % 2))
-        return g + sum(value for _, value in others)
+    def idle_totals(self) -> np.ndarray:
+        """[local stage, code]: :meth:`_idle`'s bytes in all (its gradient bytes plus its terms, in
+        its order: the same floats), for the gradients' state, backward and weight-pass flags packed
+        in ``code`` (:func:`.schedule.state_arrays`). Each of its three parts reads one of them, so
+        a stage's 12 codes are weighed from 7 parts."""
+        v = len(self.stages)
+        g, terms = np.zeros((v, 3)), np.zeros((v, 3))  # by gradients' state
+        unsharded, left = np.zeros((v, 2)), np.zeros((v, 2))  # by backward-last, weight-passed
+        for j, x in enumerate(self.stages):
+            for state in range(3):
+                g[j, state], gterms = self._grads(j, state, x.params)
+                terms[j, state] = sum(gterms.values())
+            for flag in (False, True):
+                unsharded[j, int(flag)] = sum(self._unsharded(j, flag).values())
+                left[j, int(flag)] = sum(self._left(j, flag).values())
+        code = np.arange(12)
+        return g[:, code // 4] + ((terms[:, code // 4] + unsharded[:, code // 2 % 2])
+                                  + left[:, code % 2])
 
     # ---- what the rest of the rank holds ------------------------------------------------------
     def _around(self, h: Held) -> _Around:
