@@ -150,16 +150,23 @@ def least_activations(ev, s: Setting, choices: list[LayerChoice],
     return LeastActivations(stage_acts, savings)
 
 
+_FULL: dict[tuple, LayerChoice] = {}
+"""a layer choice's fields -> a copy of it under full recompute (:func:`_under_full_recompute`;
+read, never changed)"""
+
+
 def _under_full_recompute(choices: list[LayerChoice]) -> list[LayerChoice]:
-    """``choices`` with every layer under full recompute, one copy per distinct choice: most layers
-    share theirs, and a copy per layer (``dataclasses.replace``) was a tenth of the floor's time."""
-    made: dict[tuple, LayerChoice] = {}
+    """``choices`` with every layer under full recompute, one copy per distinct choice, kept from
+    one candidate to the next (the floor only reads them): a copy per layer
+    (``dataclasses.replace``) was a tenth of the floor's time."""
     out = []
     for c in choices:
         key = tuple(vars(c).values())
-        hit = made.get(key)
+        hit = _FULL.get(key)
         if hit is None:
-            hit = made[key] = dataclasses.replace(c, recompute="full")
+            if len(_FULL) >= 4096:
+                _FULL.clear()
+            hit = _FULL[key] = dataclasses.replace(c, recompute="full")
         out.append(hit)
     return out
 

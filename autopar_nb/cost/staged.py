@@ -132,10 +132,10 @@ class StagedRank:
         by = np.argsort(g, kind="stable")  # each group's states together, in order
         starts = np.flatnonzero(np.diff(g[by], prepend=-1))
         most = np.maximum.reduceat(total[keep][by], starts).tolist()
-        members = np.split(keep[by], starts[1:])
+        kept, ends = keep[by].tolist(), [*starts.tolist(), len(keep)]
         # the groups in the order of their first kept state
         first = np.argsort(keep[by][starts], kind="stable").tolist()
-        return [members[i].tolist() for i in first], [most[i] for i in first]
+        return [kept[ends[i]:ends[i + 1]] for i in first], [most[i] for i in first]
 
     def own_afresh(self, h: Held) -> float:
         """The heaviest weight of state ``h``'s own moments (per layer) with nothing else held, -inf
@@ -253,16 +253,14 @@ class StagedRank:
         its order: the same floats), for the gradients' state, backward and weight-pass flags packed
         in ``code`` (:func:`.schedule.state_arrays`). Each of its three parts reads one of them, so
         a stage's 12 codes are weighed from 7 parts."""
-        v = len(self.stages)
-        g, terms = np.zeros((v, 3)), np.zeros((v, 3))  # by gradients' state
-        unsharded, left = np.zeros((v, 2)), np.zeros((v, 2))  # by backward-last, weight-passed
+        g, terms, unsharded, left = [], [], [], []  # by gradients' state; by each flag
         for j, x in enumerate(self.stages):
-            for state in range(3):
-                g[j, state], gterms = self._grads(j, state, x.params)
-                terms[j, state] = sum(gterms.values())
-            for flag in (False, True):
-                unsharded[j, int(flag)] = sum(self._unsharded(j, flag).values())
-                left[j, int(flag)] = sum(self._left(j, flag).values())
+            by_state = [self._grads(j, state, x.params) for state in range(3)]
+            g.append([b for b, _ in by_state])
+            terms.append([sum(t.values()) for _, t in by_state])
+            unsharded.append([sum(self._unsharded(j, flag).values()) for flag in (False, True)])
+            left.append([sum(self._left(j, flag).values()) for flag in (False, True)])
+        g, terms, unsharded, left = (np.array(x, dtype=float) for x in (g, terms, unsharded, left))
         code = np.arange(12)
         return g[:, code // 4] + ((terms[:, code // 4] + unsharded[:, code // 2 % 2])
                                   + left[:, code % 2])
