@@ -30,6 +30,9 @@ CASES = {
     # DDP beside pipelining: each stage's reducer keeps its gradient buckets beside the gradients through every
     # micro-batch (the stage runs all but the last backward under no_sync)
     "ddp-pp": ("LLaMA", {"dp": 2, "zero_stage": 0, **PIPE}, ("ddp_buckets",)),
+    # ZeRO-1 beside pipelining is FSDP2 without resharding after forward, under PipelineStage's no-sync backwards:
+    # each stage keeps its parameters gathered and accumulates its gradients unsharded until the step's reduction
+    "zero1-pp": ("LLaMA", {"dp": 2, "zero_stage": 1, **PIPE}, ("fsdp_unsharded_grads", "fsdp_unsharded_params")),
     # a pipelined TP head keeps its logits split on the vocabulary and the last stage's loss runs under
     # loss_parallel: the log-softmax it saves and its temporaries are the shard's (cost/peak.py loss_terms)
     "zero3-tp-pp": ("LLaMA", {"dp": 2, "tp": 2, "zero_stage": 3, **PIPE}, ("loss_temporaries",)),
