@@ -177,14 +177,15 @@ KNOWN = [
     "1.5 / 2.0), Mixtral ranks 2-3 -5.4 % (50.3 / 53.1: the tracker peaks in the last stage's forward outside every "
     "module, where the model has no moment; at its loss moment activations 4.0 / 10.7 and buffers 14.8 / 20.4 MiB); "
     "not identified",
-    "ZeRO-2 under gradient accumulation (zero2-accum: FSDP2 reduce-scatters every micro-batch) holds more buffers "
-    "in a later micro-batch's backward than the model: GPT-NeoX fp32 full -3.6 % (buffers 9.0 / 12.1 MiB at layer 2's "
-    "GELU), ViT bf16 full -7.1 % (5.2 / 6.3), Mixtral bf16 full -4.6 % (17.4 / 21.3). GPT-NeoX's census (--largest "
-    "15, 2026-12-07) there: layer 3's reduce-scatter input (2.01 MiB, [527104] float32, its whole unit's gradient) "
-    "and one more sharded gradient of a unit's size (1.01 MiB, [263552]) beside the accumulated ones: the unit "
-    "above's reduce-scatter input and its output before it is added in, which FSDP2 keeps to the next unit's "
-    "reduce-scatter (the single micro-batch zero2 rows are within: there the output is the gradient). A candidate "
-    "term, not costed yet",
+    "ZeRO-2 under gradient accumulation (zero2-accum: FSDP2 reduce-scatters every micro-batch) held more buffers "
+    "in a middle micro-batch's backward than the model: GPT-NeoX fp32 full -3.6 % (buffers 9.0 / 12.1 MiB at layer "
+    "2's GELU), ViT bf16 full -7.1 % (5.2 / 6.3), Mixtral bf16 full -4.6 % (17.4 / 21.3). The runtime reshards no "
+    "unit before the last micro-batch (runtime/train.py set_grad_sync: set_reshard_after_backward(False)), so the "
+    "units after the layer keep their parameters gathered: costed since 2026-12-07 (cost/moment.py fsdp_buffers, "
+    "fsdp_kept_params; the buffers at the tracker's moment 12.06 / 12.06, 6.19 / 6.31, 21.27 / 21.27 MiB). The census "
+    "there had been read as a second sharded gradient of the unit above: its four 1.01 MiB [263552] storages are the "
+    "four blocks' accumulated gradients (the gradients match, 5.02 / 5.02 MiB), labelled by the module running when "
+    "each was made",
 ]
 """cases known to miss 5 %, and why (written under the table)"""
 MiB = 2**20

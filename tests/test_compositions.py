@@ -33,6 +33,10 @@ CASES = {
     # ZeRO-1 beside pipelining is FSDP2 without resharding after forward, under PipelineStage's no-sync backwards:
     # each stage keeps its parameters gathered and accumulates its gradients unsharded until the step's reduction
     "zero1-pp": ("LLaMA", {"dp": 2, "zero_stage": 1, **PIPE}, ("fsdp_unsharded_grads", "fsdp_unsharded_params")),
+    # ZeRO-2 under gradient accumulation: FSDP2 reduce-scatters every micro-batch but reshards none before the last
+    # (set_reshard_after_backward(False)), so a middle micro-batch's backward holds every unit's parameters
+    "zero2-accum-full": ("GPT-NeoX", {"dp": 2, "zero_stage": 2, "micro_batches": 4, "recompute": "full"},
+                         ("fsdp_kept_params",), {"hidden": 256, "seq": 256, "batch": 8}),
     # a pipelined TP head keeps its logits split on the vocabulary and the last stage's loss runs under
     # loss_parallel: the log-softmax it saves and its temporaries are the shard's (cost/peak.py loss_terms)
     "zero3-tp-pp": ("LLaMA", {"dp": 2, "tp": 2, "zero_stage": 3, **PIPE}, ("loss_temporaries",)),

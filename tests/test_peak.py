@@ -162,3 +162,21 @@ def test_which_ranks_hold_their_gradients_unsharded_until_the_step(gpt, dp, tp, 
     ev = Evaluator(profile_of(gpt, "cuda"), ap.Cluster.preset("h100-80gb", 1, dp * tp * pp))
     memory = peak.RankMemory(ev.prof, ev.f, s, ev.sum_layers(s, choices))
     assert memory._states(0).pipelined == unsharded
+
+
+@pytest.mark.parametrize("zero, m, kept", [(2, 4, True), (2, 3, True), (2, 2, False), (2, 1, False), (3, 4, False),
+                                           (1, 4, False)])
+def test_zero2_keeps_its_units_gathered_until_the_last_micro_batch(gpt, zero, m, kept):
+    """ZeRO-2 accumulating over micro-batches reshards no unit before the last one's backward (runtime/train.py
+    set_grad_sync), so a middle micro-batch's backward holds the units after the layer too (fsdp_kept_params): the
+    parameters of every unit but those up to the layer, in the compute dtype. With 2 micro-batches the accumulated
+    backward is the last one's; ZeRO-3 reshards each; ZeRO-1 keeps all of them as unsharded parameters already."""
+    s, choices = _candidate(len(profile_of(gpt, "cuda").layers), 2, 1, 1, zero, m, "1f1b", 1)
+    ev = Evaluator(profile_of(gpt, "cuda"), ap.Cluster.preset("h100-80gb", 1, 2))
+    memory = peak.RankMemory(ev.prof, ev.f, s, ev.sum_layers(s, choices))
+    units = memory.sums.units[0]
+    _, _, moments = memory.moments(0)
+    first = [mo for mo in moments if mo.phase == "backward" and mo.layer == units[0].last]
+    assert first
+    for mo in first:
+        assert mo.terms.get("fsdp_kept_params", 0.0) == (sum(u.numel for u in units[1:]) * 2 if kept else 0.0)

@@ -56,7 +56,7 @@ class PeakMoment(NamedTuple):
 
 def fsdp_buffers(units: list[FsdpUnit], layer: int, *, zero_stage: int, p_item: int, g_item: int,
                  params: float, forward: bool = False, pipelined: bool = False,
-                 regathered: bool = False) -> dict[str, float]:
+                 regathered: bool = False, kept: bool = False) -> dict[str, float]:
     """FSDP2's buffers (bytes) while ``layer`` runs its backward (measured with FSDPMemTracker under
     a fake group, LLaMA and ViT, ZeRO-3 + full recompute, bf16): ZeRO-3 gathers the layer's unit
     again (its unsharded parameters in the compute dtype) and prefetches the unit before it (the
@@ -78,7 +78,14 @@ def fsdp_buffers(units: list[FsdpUnit], layer: int, *, zero_stage: int, p_item: 
     reduce-scatters (``PipelineStage.backward_maybe_with_nosync``): under ZeRO 2 every unit stays
     unsharded, under ZeRO 3 each unit from its backward until its next forward (those after
     ``layer``; ``regathered``: right after another backward, every unit), and no reduce-scatter
-    input is held."""
+    input is held.
+
+    ``kept``: a ZeRO-2 backward in a micro-batch before the last of gradient accumulation, whose
+    units the backward does not reshard (``runtime/train.py`` set_grad_sync:
+    ``set_reshard_after_backward(False)``, one all-gather per step): the units after ``layer`` stay
+    gathered too (``fsdp_kept_params``; measured: GPT-NeoX, ZeRO 2 over 2 gloo ranks, 4
+    micro-batches, full recompute, its second micro-batch's peak in layer 2's backward: every
+    unit's parameters alive, 3.0 MiB of buffers over without this)."""
     if zero_stage < 2:
         return {}
     # units are consecutive, in layer order
@@ -87,6 +94,8 @@ def fsdp_buffers(units: list[FsdpUnit], layer: int, *, zero_stage: int, p_item: 
     if zero_stage == 2:
         later = 0.0 if forward or pipelined else sum(u.numel for u in units[at + 1:])
         unsharded = {"fsdp_unsharded_params": (params - later) * p_item}
+        if kept and later:
+            unsharded["fsdp_kept_params"] = later * p_item
     elif pipelined:
         kept = units[:max(at - 1, 0)] if regathered else []
         unsharded = {"fsdp_unsharded_params": sum(u.numel

@@ -237,12 +237,13 @@ class RankMemory:
                 # a pipelined stage's units are left unsharded by a backward: before its first, none
                 # is
                 pipelined = st.pipelined and (f.accumulated or not forward)
-                key = layer, forward, pipelined, f.regathered
+                kept = not forward and self._kept(st, f)
+                key = layer, forward, pipelined, f.regathered, kept
                 if key not in fsdp_at:
                     fb = fsdp_buffers(sums.units[r], layer, zero_stage=st.fsdp_stage,
                                       p_item=st.p_item, g_item=ITEMSIZE["float32"], forward=forward,
                                       params=st.params, pipelined=pipelined,
-                                      regathered=f.regathered)
+                                      regathered=f.regathered, kept=kept)
                     fsdp_at[key] = fb, sum(fb.values())
                 fb, fb_sum = fsdp_at[key]
                 rep = self._experts_replicas(r, st, f, layer, forward) if st.experts_copy else {}
@@ -267,6 +268,15 @@ class RankMemory:
                                           grads + sum(gterms.values()) + sum(mine.values()) + fb_sum
                                           + shared, op, f.later))
         return out
+
+    def _kept(self, st: _States, f: _Flight) -> bool:
+        """A backward of ``f`` keeps every FSDP unit gathered (:func:`.moment.fsdp_buffers`'
+        ``kept``): ZeRO-2 accumulating over micro-batches, reduce-scattering each (not a pipelined
+        stage), with earlier micro-batches' gradients and before the last micro-batch, which
+        reshards. The accumulated flight stands for the micro-batches between the first and the
+        last: there are some from 3 micro-batches on."""
+        return (self.s.zero_stage == 2 and not st.pipelined and f.accumulated
+                and self.s.micro_batches > 2)
 
     @staticmethod
     def _sum_item(st: _States, f: _Flight) -> int:

@@ -59,7 +59,8 @@ _MEMORY_FIELDS = ("params", "grads", "optimizer", "activations", "buffers", "mar
 MEMORY_TERMS = {
     "saved_activations": "activations", "loss_saved": "activations",
     "autocast_weight_copies": "buffers", "ddp_buckets": "buffers",
-    "fsdp_unsharded_params": "buffers", "fsdp_root_params": "buffers",
+    "fsdp_unsharded_params": "buffers", "fsdp_kept_params": "buffers",
+    "fsdp_root_params": "buffers",
     "fsdp_gathered_units": "buffers", "fsdp_reduce_scatter": "buffers",
     "fsdp_unsharded_grads": "buffers", "fsdp_weight_pass_grads": "buffers",
     "pipeline_buffers": "buffers", "pipeline_outputs": "activations",
@@ -71,9 +72,10 @@ MEMORY_TERMS = {
 """term of a rank's peak -> the MemoryBreakdown field it is part of: what autograd saves for
 backward (every micro-batch in flight); the loss's saved log-softmax; autocast's 16-bit copies of
 the weights its lower-precision ops read; DDP's gradient buckets; FSDP's parameters kept unsharded
-from forward to backward (ZeRO 2, and replicate), the parameters left in the root unit (ZeRO 3), and
-the unit being computed plus the prefetched one (ZeRO 3: parameters and their unsharded gradients);
-a pipelined FSDP stage's gradients, accumulated unsharded over its micro-batches and
+from forward to backward (ZeRO 2, and replicate) and, under ZeRO-2's gradient accumulation, those
+a backward before the last micro-batch keeps gathered; the parameters left in the root unit (ZeRO
+3), and the unit being computed plus the prefetched one (ZeRO 3: parameters and their unsharded
+gradients); a pipelined FSDP stage's gradients, accumulated unsharded over its micro-batches and
 reduce-scattered once after the last, and under a zero-bubble schedule and mixed precision the
 16-bit gradients a weight pass leaves until FSDP takes them in; the buffers pipeline stages receive
 inputs and gradients into (per micro-batch in flight) and their outputs, kept until each

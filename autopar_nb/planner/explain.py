@@ -42,10 +42,10 @@ COMPONENT_SOURCES = {
     "autocast_weight_copies": "autocast's 16-bit copies of the weights",
     "ddp_buckets": "DDP's flat gradient buckets, the size of the parameters",
     "fsdp_unsharded_params": "FSDP's parameters kept unsharded from forward to backward",
+    "fsdp_kept_params": "ZeRO-2's units kept gathered until the last accumulated micro-batch",
     "fsdp_root_params": "the parameters left in FSDP's root unit",
     "fsdp_gathered_units": "FSDP's unit being computed and the prefetched one",
-    "fsdp_reduce_scatter": ("the reduce-scatter input of the FSDP unit whose backward ran last "
-                            "(its gradients in fp32)"),
+    "fsdp_reduce_scatter": "the fp32 reduce-scatter input of the FSDP unit whose backward ran last",
     "fsdp_unsharded_grads": ("a pipelined FSDP stage's gradients, accumulated unsharded in fp32 "
                              "over its micro-batches and reduce-scattered after the last (torch's "
                              "PipelineStage)"),
