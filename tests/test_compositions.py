@@ -43,6 +43,10 @@ CASES = {
     "zero3-tp-pp": ("LLaMA", {"dp": 2, "tp": 2, "zero_stage": 3, **PIPE}, ("loss_temporaries",)),
     # data parallelism beside TP is FSDP2's replicate, which keeps a gathered copy of the parameters
     "ddp-tp": ("LLaMA", {"dp": 2, "tp": 2, "zero_stage": 0}, ("fsdp_unsharded_params",)),
+    # and over micro-batches it syncs only the last one's (set_requires_gradient_sync): its gradients accumulate
+    # unsharded in float32
+    "ddp-tp-accum-full": ("LLaMA", {"dp": 2, "tp": 2, "zero_stage": 0, "micro_batches": 4, "recompute": "full"},
+                          ("fsdp_unsharded_grads",), {"hidden": 256, "seq": 256, "batch": 8}),
     # ZeRO-2 beside TP: FSDP2 over the TP shards keeps each unit's gathered parameters from its forward to its
     # backward (reshard_after_forward=False), all of them at the loss
     "zero2-tp": ("LLaMA", {"dp": 2, "tp": 2, "zero_stage": 2}, ("fsdp_unsharded_params",)),

@@ -152,11 +152,12 @@ def test_staged_rests_as_arrays_are_those_state_by_state(gpt, setting):
 
 @pytest.mark.parametrize("dp, tp, pp, zero, m, unsharded", [
     (2, 2, 2, 0, 4, True),  # replicate beside TP in a pipeline stage: PipelineStage reduces once, after the last
+    (2, 2, 1, 0, 4, True),  # replicate beside TP over micro-batches: set_requires_gradient_sync(False) before the last
     (2, 1, 2, 2, 4, True), (2, 1, 1, 1, 4, True),  # ZeRO-1 accumulates unsharded, reduce-scatters once per step
     (2, 1, 1, 1, 1, False), (2, 1, 1, 2, 4, False), (2, 1, 1, 0, 4, False)])
 def test_which_ranks_hold_their_gradients_unsharded_until_the_step(gpt, dp, tp, pp, zero, m, unsharded):
     """A rank keeps every micro-batch's gradients unsharded (float32) until one reduction per step where FSDP2 or
-    its replicate is driven so: a pipeline stage, and ZeRO-1 over several micro-batches; not ZeRO-2 (a
+    its replicate is driven so: a pipeline stage, and ZeRO-1 or replicate over several micro-batches; not ZeRO-2 (a
     reduce-scatter every micro-batch), not DDP (its buckets)."""
     s, choices = _candidate(len(profile_of(gpt, "cuda").layers), dp, tp, pp, zero, m, "1f1b", 1)
     ev = Evaluator(profile_of(gpt, "cuda"), ap.Cluster.preset("h100-80gb", 1, dp * tp * pp))
