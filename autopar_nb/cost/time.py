@@ -13,6 +13,7 @@ applied), and the copies autocast makes are memory-bound ops of their own. All f
 
 from __future__ import annotations
 
+from .efficiency import gemm_penalty
 from .float8 import float8_time
 from .offload import cpu_optimizer_time
 from .profile import AmpTime, LayerProfile
@@ -82,6 +83,8 @@ def layer_compute_time(lp: LayerProfile, *, tp: int, sp: bool, precision: str, s
         fwd += (lp.flops_split.get(cls, 0.0) / tp + lp.flops_rep.get(cls, 0.0)) * s / (peak * eff)
         bwd += (lp.bwd_split.get(cls, 0.0) / tp + lp.bwd_rep.get(cls, 0.0)) * s / (peak * eff)
     hbm = device.hbm_bandwidth * factors.eff_hbm
+    fwd, bwd = _shaped(lp, fwd, bwd, tp=tp, scale=scale, device=device,
+                       rate=peak * factors.efficiency("matmul", False), hbm=hbm, itemsize=4)
     mem = (lp.mem_split / tp + lp.mem_rep / (tp if sp else 1)) * scale / hbm
     fwd, bwd, sel = _memory_bound(lp, fwd, bwd, (mem, 2 * mem), (lp.n_ops, 2 * lp.n_ops), tp=tp,
                                   hbm=hbm, factors=factors, compiled=compiled)
@@ -109,6 +112,9 @@ def amp_compute_time(lp: LayerProfile, amp: AmpTime, *, tp: int, sp: bool, scale
         fwd += low / rate_lo + f32 / rate_hi
         bwd += blow / rate_lo + b32 / rate_hi
     hbm = device.hbm_bandwidth * factors.eff_hbm
+    fwd, bwd = _shaped(lp, fwd, bwd, tp=tp, scale=scale, device=device,
+                       rate=lo * factors.efficiency("matmul", True), hbm=hbm,
+                       itemsize=2 if low_dtype in ("bfloat16", "float16") else 4)
     rep_div = tp if sp else 1
     mem = (amp.mem_split / tp + amp.mem_rep / rep_div) * scale / hbm
     casts = (amp.cast_split / tp + amp.cast_rep / rep_div + amp.cast_whole) * scale / hbm
@@ -118,6 +124,16 @@ def amp_compute_time(lp: LayerProfile, amp: AmpTime, *, tp: int, sp: bool, scale
     fwd, bwd, sel = _memory_bound(lp, fwd, bwd, (mem + casts, 2 * mem + cast_bwd), ops, tp=tp,
                                   hbm=hbm, factors=factors, compiled=compiled)
     return fwd, bwd, sel + _matmuls_again(lp, tp, scale, lo * factors.efficiency("matmul", True))
+
+
+def _shaped(lp: LayerProfile, fwd: float, bwd: float, *, tp: int, scale: float, device,
+            rate: float, hbm: float, itemsize: int) -> tuple[float, float]:
+    """``fwd`` / ``bwd`` with what the layer's GEMMs take beyond their FLOPs at ``rate`` for their
+    shapes (tile and wave quantisation, the memory bound of skinny ones:
+    :func:`.efficiency.gemm_penalty`)."""
+    f, b = gemm_penalty(lp.gemms, scale=scale, tp=tp, device=device.name, rate=rate, hbm=hbm,
+                        itemsize=itemsize)
+    return fwd + f, bwd + b
 
 
 def _matmuls_again(lp: LayerProfile, tp: int, scale: float, rate: float) -> float:

@@ -5,6 +5,7 @@ values context parallelism passes round."""
 from __future__ import annotations
 
 from ...plan import ITEMSIZE
+from ..efficiency import gemm_of
 from .facts import FLOAT, Facts, in_layers, numel, returns_input, selective_recomputes
 from .layers import AmpTime, LayerProfile
 
@@ -32,6 +33,8 @@ def count_compute(layers: dict[str, LayerProfile], f: Facts) -> None:
             fwd, bwd = (lp.flops_split, lp.bwd_split) if split else (lp.flops_rep, lp.bwd_rep)
             fwd[n.op_class] += n.flops
             bwd[n.op_class] += n.bwd_flops
+            if n.op_class == "matmul":
+                _add_gemm(lp, n, f.tp.styles.get(n.name, "") if split else None)
             if n.name in f.scores:
                 lp.quad_flops += n.flops
             if n.name in again and split:
@@ -51,6 +54,16 @@ def count_compute(layers: dict[str, LayerProfile], f: Facts) -> None:
             # its backward holds the gradients of its output and of its activation inputs at once
             inputs = sum(f.size[i].nbytes for i in n.inputs if f.size[i].floating)
             lp.largest_out = max(lp.largest_out, f.size[n.name].nbytes + inputs)
+
+
+def _add_gemm(lp: LayerProfile, n, style: str | None) -> None:
+    """Records matmul ``n``'s shape on the layer, with the dimension TP divides (``style``: a
+    colwise projection's outputs, a rowwise one's inputs, "" a split attention's heads; None:
+    replicated)."""
+    split = "" if style is None else {"colwise": "n", "rowwise": "k"}.get(style, "batch")
+    g = gemm_of(n, split)
+    if g is not None:
+        lp.gemms = (*lp.gemms, g)
 
 
 def count_amp_time(layers: dict[str, LayerProfile], f: Facts, amp: dict[str, Facts]) -> None:

@@ -217,6 +217,9 @@ class LayerProfile:
     mem_rep: float = 0.0
     """bytes moved by memory-bound ops outside TP regions (divided by TP only with sequence
     parallel)"""
+    gemms: tuple = ()
+    """the :class:`~autopar_nb.cost.efficiency.Gemm` of each matrix multiply of the forward (their
+    shapes: tile and wave quantisation)"""
     n_ops: int = 0
     """non-view ops of the layer's forward: each a kernel launch, and the host's work issuing it"""
     emb_bwd_split: float = 0.0
