@@ -63,6 +63,8 @@ class LinkSpec:
     shared: bool = False
     """one adapter per node that its GPUs share (False: one per GPU, as DGX nodes have one
     InfiniBand adapter per GPU, which NCCL drives all at once: ``cost.comm.link_for``)"""
+    nccl: str = ""
+    """NCCL's link kind ("nvlink", "pci", "net": ``cost.comm``); "" gloo's (``latency`` a step)"""
 
 
 # --- Devices --------------------------------------------------------------------------------------
@@ -143,19 +145,17 @@ L40S = DeviceSpec("l40s", 48 * GB, {"bfloat16": 362 * TB, "float16": 362 * TB, "
                   864 * GB, "NVIDIA L40S datasheet", arch="ada")
 
 # --- Links ----------------------------------------------------------------------------------------
-# Latencies: NCCL ring/tree base latency per step, order of magnitude from the NCCL tuning model
-# (~5-10 us intra-node NVLink, ~10-20 us over InfiniBand).
-NVLINK3 = LinkSpec(300 * GB, 8e-6, "NVLink 3 (A100): 600 GB/s bidirectional")
-NVLINK4 = LinkSpec(450 * GB, 8e-6, "NVLink 4 (H100/H200): 900 GB/s bidirectional")
-NVLINK2 = LinkSpec(150 * GB, 8e-6, "NVLink 2 (V100): 300 GB/s bidirectional")
-PCIE3 = LinkSpec(16 * GB, 15e-6, "PCIe Gen3 x16: 16 GB/s per direction")
-PCIE4 = LinkSpec(32 * GB, 15e-6, "PCIe Gen4 x16: 32 GB/s per direction")
-PCIE5 = LinkSpec(64 * GB, 15e-6, "PCIe Gen5 x16: 64 GB/s per direction")
+NVLINK3 = LinkSpec(300 * GB, 8e-6, "NVLink 3 (A100): 600 GB/s bidirectional", nccl="nvlink")
+NVLINK4 = LinkSpec(450 * GB, 8e-6, "NVLink 4 (H100/H200): 900 GB/s bidirectional", nccl="nvlink")
+NVLINK2 = LinkSpec(150 * GB, 8e-6, "NVLink 2 (V100): 300 GB/s bidirectional", nccl="nvlink")
+PCIE3 = LinkSpec(16 * GB, 15e-6, "PCIe Gen3 x16: 16 GB/s per direction", nccl="pci")
+PCIE4 = LinkSpec(32 * GB, 15e-6, "PCIe Gen4 x16: 32 GB/s per direction", nccl="pci")
+PCIE5 = LinkSpec(64 * GB, 15e-6, "PCIe Gen5 x16: 64 GB/s per direction", nccl="pci")
 # DGX A100: 8x ConnectX-6 HDR 200 Gb/s (one per GPU) = 25 GB/s per GPU; DGX H100: 8x ConnectX-7 NDR
 # 400 Gb/s = 50 GB/s.
-IB_HDR = LinkSpec(25 * GB, 15e-6, "InfiniBand HDR 200 Gb/s per GPU (DGX A100)")
-IB_NDR = LinkSpec(50 * GB, 15e-6, "InfiniBand NDR 400 Gb/s per GPU (DGX H100)")
-ETH_100G = LinkSpec(12.5 * GB, 30e-6, "100 GbE per node", shared=True)
+IB_HDR = LinkSpec(25 * GB, 15e-6, "InfiniBand HDR 200 Gb/s per GPU (DGX A100)", nccl="net")
+IB_NDR = LinkSpec(50 * GB, 15e-6, "InfiniBand NDR 400 Gb/s per GPU (DGX H100)", nccl="net")
+ETH_100G = LinkSpec(12.5 * GB, 30e-6, "100 GbE per node", shared=True, nccl="net")
 # CPU 'links' are gloo over loopback/shared memory: a few GB/s, ~50 us per message (measured order
 # of magnitude).
 LOOPBACK = LinkSpec(3 * GB, 50e-6, "gloo over loopback TCP")

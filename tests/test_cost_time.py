@@ -15,22 +15,44 @@ from autopar_nb.cost.comm import collective_time, link_for
 from autopar_nb.cost.efficiency import gemm_penalty
 from autopar_nb.cost.estimate import estimate
 from autopar_nb.cost.time import bubble_fraction, layer_compute_time
-from autopar_nb.hardware import IB_NDR, NVLINK4
+from autopar_nb.hardware import IB_NDR, LOOPBACK, NVLINK4
 
 
 def test_ring_formulas():
-    n, bw, lat = 1e9, NVLINK4.bandwidth * 0.8, NVLINK4.latency
-    assert collective_time("all_reduce", n, 8, NVLINK4, 0.8) == pytest.approx(2 * 7 / 8 * n / bw + 14 * lat)
-    assert collective_time("all_gather", n, 8, NVLINK4, 0.8) == pytest.approx(7 / 8 * n / bw + 7 * lat)
-    assert collective_time("reduce_scatter", n, 4, NVLINK4, 0.8) == pytest.approx(3 / 4 * n / bw + 3 * lat)
-    assert collective_time("send_recv", n, 2, NVLINK4, 0.8) == pytest.approx(n / bw + lat)
+    """Over NCCL links the ring's bytes at the bus bandwidth plus NCCL's tuning model's latency (src/graph/tuning.cc):
+    a large message goes by the Simple protocol (8.4 us + 3.4 us a step on NVLink), a small one by LL (6.6 + 0.6 a
+    step, at a quarter of the bandwidth); over gloo ``LinkSpec.latency`` a step."""
+    n, bw, us = 1e9, NVLINK4.bandwidth * 0.8, 1e-6
+    assert collective_time("all_reduce", n, 8, NVLINK4, 0.8) == pytest.approx(
+        2 * 7 / 8 * n / bw + (8.4 + 14 * 3.4) * us)
+    assert collective_time("all_gather", n, 8, NVLINK4, 0.8) == pytest.approx(7 / 8 * n / bw + (8.4 + 7 * 3.4) * us)
+    assert collective_time("reduce_scatter", n, 4, NVLINK4, 0.8) == pytest.approx(3 / 4 * n / bw + (8.4 + 3 * 3.4) * us)
+    assert collective_time("send_recv", n, 2, NVLINK4, 0.8) == pytest.approx(n / bw + (8.4 + 3.4) * us)
     assert collective_time("all_reduce", n, 1, NVLINK4) == 0.0
+    assert collective_time("all_reduce", 8, 8, NVLINK4, 0.8) == pytest.approx(
+        (6.6 + 14 * 0.6) * us + 2 * 7 / 8 * 8 / (bw / 4))
+    assert collective_time("all_reduce", n, 8, LOOPBACK, 0.8) == pytest.approx(
+        2 * 7 / 8 * n / (LOOPBACK.bandwidth * 0.8) + 14 * LOOPBACK.latency)
     # beyond 8 ranks the latency term grows with log2(p) (tree), the bandwidth term stays the ring's
     big = collective_time("all_reduce", 0.0 + 1, 1024, IB_NDR, 0.8)
     assert big < 30 * IB_NDR.latency
     # an all-reduce moves twice what a reduce-scatter does
     assert collective_time("all_reduce", n, 64, IB_NDR) == pytest.approx(
         2 * collective_time("reduce_scatter", n, 64, IB_NDR), rel=0.01)
+
+
+def test_nccl_bus_bandwidth_by_message_size():
+    """Bus bandwidth (nccl-tests' busbw: the ring's bytes over the time) grows with the message: an 8-byte all-reduce
+    on 8 NVLink GPUs is its latency, 15 us (nccl-tests: 12.5 us on 8 H20s, deepseek-ai/DeepEP#303), 1 MiB reaches
+    under a sixth of the link, 1 GiB 357 GB/s (NCCL's maintainer: ~370 GB/s for the ring on NVLink 4,
+    NVIDIA/nccl-tests#212)."""
+    def busbw(n):
+        return 2 * 7 / 8 * n / collective_time("all_reduce", n, 8, NVLINK4, 0.8)
+    assert collective_time("all_reduce", 8, 8, NVLINK4, 0.8) == pytest.approx(15e-6, rel=0.01)
+    sizes = [2**k for k in range(3, 31, 3)]
+    assert all(busbw(a) < busbw(b) for a, b in zip(sizes, sizes[1:], strict=False))
+    assert busbw(2**20) < NVLINK4.bandwidth / 6
+    assert busbw(2**30) == pytest.approx(357e9, rel=0.01)
 
 
 def test_link_levels_follow_the_mesh():

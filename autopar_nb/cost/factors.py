@@ -30,8 +30,10 @@ class Factors:
     """achieved / datasheet HBM bandwidth for memory-bound kernels (elementwise, norms, softmax,
     optimizer)"""
     eff_link: float = 0.80
-    """achieved NCCL bus bandwidth / link datasheet bandwidth (nccl-tests busbw: ~80% of NVLink/IB
-    peak)"""
+    """achieved NCCL bus bandwidth / link datasheet bandwidth at large messages (the latency and
+    protocols of smaller ones: ``cost/comm.py``). NCCL's maintainer: the ring reaches ~370 GB/s of
+    NVLink 4's 450 "with the protocol overhead (~20%)" (NVIDIA/nccl-tests#212, 0.82); 46-48 GB/s per
+    400 Gb/s NDR adapter (NVIDIA/nccl-tests#290, 0.92-0.96); 0.80 kept, the lower"""
     op_overhead_s: float = 2e-6
     """seconds per non-view op of launch/framework overhead not hidden by asynchronous kernel
     execution (eager PyTorch issues a kernel in ~5-10 us of CPU time, mostly overlapped with the
