@@ -112,9 +112,9 @@ def amp_compute_time(lp: LayerProfile, amp: AmpTime, *, tp: int, sp: bool, scale
         fwd += low / rate_lo + f32 / rate_hi
         bwd += blow / rate_lo + b32 / rate_hi
     hbm = device.hbm_bandwidth * factors.eff_hbm
-    fwd, bwd = _shaped(lp, fwd, bwd, tp=tp, scale=scale, device=device,
-                       rate=lo * factors.efficiency("matmul", True), hbm=hbm,
-                       itemsize=2 if low_dtype in ("bfloat16", "float16") else 4)
+    fwd, bwd = _amp_shaped(lp, amp, fwd, bwd, tp=tp, scale=scale, device=device, hbm=hbm,
+                           rates=(lo * factors.efficiency("matmul", True),
+                                  hi * factors.efficiency("matmul", False)))
     rep_div = tp if sp else 1
     mem = (amp.mem_split / tp + amp.mem_rep / rep_div) * scale / hbm
     casts = (amp.cast_split / tp + amp.cast_rep / rep_div + amp.cast_whole) * scale / hbm
@@ -134,6 +134,19 @@ def _shaped(lp: LayerProfile, fwd: float, bwd: float, *, tp: int, scale: float, 
     f, b = gemm_penalty(lp.gemms, scale=scale, tp=tp, device=device.name, rate=rate, hbm=hbm,
                         itemsize=itemsize)
     return fwd + f, bwd + b
+
+
+def _amp_shaped(lp: LayerProfile, amp: AmpTime, fwd: float, bwd: float, *, tp: int, scale: float,
+                device, hbm: float, rates: tuple[float, float]) -> tuple[float, float]:
+    """:func:`_shaped` under autocast: the GEMMs' shape costs at the 16-bit and the float32 rate
+    (``rates``), weighed by the share of the layer's matmul FLOPs autocast keeps in float32 (exact
+    when it keeps all or none)."""
+    kept = amp.fp32_split.get("matmul", 0.0) + amp.fp32_rep.get("matmul", 0.0)
+    total = lp.flops_split.get("matmul", 0.0) + lp.flops_rep.get("matmul", 0.0)
+    share = min(1.0, kept / total) if total else 0.0
+    (lf, lb), (hf, hb) = (_shaped(lp, 0.0, 0.0, tp=tp, scale=scale, device=device, rate=r, hbm=hbm,
+                                  itemsize=size) for r, size in zip(rates, (2, 4), strict=True))
+    return fwd + (1 - share) * lf + share * hf, bwd + (1 - share) * lb + share * hb
 
 
 def _matmuls_again(lp: LayerProfile, tp: int, scale: float, rate: float) -> float:
