@@ -155,7 +155,8 @@ def test_every_plan_shown_is_compared_levered():
                                                                                    plan.alternatives]
     assert plan.cost.step_time_s <= runner.cost.step_time_s < 1.02 * plan.cost.step_time_s, runner.summary()
     line = next(x for x in plan.explanation if x.startswith("Runner-up: "))
-    assert " is 1% slower" in line and runner.fused_loss and runner.batch.micro_batches == 1, line
+    assert (" is 0% slower" in line or " is 1% slower" in line) and runner.fused_loss, line
+    assert runner.batch.micro_batches == 1, line
     assert not plan.fused_loss and plan.batch.micro_batches == 2, plan.summary()
 
 
