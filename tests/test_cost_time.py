@@ -170,7 +170,7 @@ def test_dp_comm_crosses_nodes(gpt):
 def test_one_trillion_gpt_matches_megatron():
     """Narayanan et al. 2021 (Megatron-LM PTD-P), Table 1: the 1T GPT (128 layers, hidden 25600, 160 heads, seq 2048,
     global batch 1536) on 3072 A100-80GB ran at (t, p, d) = (8, 64, 6) and 163 TFLOP/s per GPU (52% of peak).
-    That mesh, pinned (DDP, ZeRO 0, full recompute), is predicted within 20 % of the throughput, and the planner,
+    That mesh, pinned (DDP, ZeRO 0, full recompute), is predicted within 21 % of the throughput, and the planner,
     free to choose, finds a plan at least as fast, by no more than selective recompute gained Megatron. The paper
     counts the FLOPs it executed, recomputation included (its eq. 3 with activation recomputation), which is our
     hardware_tflops_per_gpu."""
