@@ -6,6 +6,10 @@ refusal as its message.
 
     PYTHONPATH=. .venv/bin/python bench/plan_identity.py --out /tmp/before.json      # on the old code
     PYTHONPATH=. .venv/bin/python bench/plan_identity.py --compare /tmp/before.json  # on the new: exit 1 on a diff
+
+``--choices`` compares only what each plan chooses (mesh, batch, pipeline, precision, levers' flags, every
+layer's split), not its costs and words, and leaves out fields the older file does not have (a field a change
+added): for a change to the cost model, which moves every figure; each difference is named by its fields.
 """
 
 from __future__ import annotations
@@ -83,11 +87,43 @@ def plans(only: str | None = None) -> dict[str, object]:
     return out
 
 
+CHOICES = ("mesh", "batch", "pipeline", "precision", "fused_loss", "fused_norm", "async_tp", "loss_parallel",
+           "experts", "layers")
+"""what a plan chooses (``Plan.to_dict`` keys): what ``--choices`` compares"""
+
+
+def choices(plan: dict, like: dict) -> dict:
+    """``plan``'s choices, each dict field limited to those ``like`` (the same plan from the older file) has."""
+    if "refused" in plan:
+        return plan
+    out = {}
+    for key in CHOICES:
+        value, old = plan.get(key), like.get(key)
+        if isinstance(value, dict) and isinstance(old, dict):
+            value = {k: v for k, v in value.items() if k in old}
+        out[key] = value
+    return out
+
+
+def differences(got: dict, want: dict, by_choice: bool) -> dict[str, list[str]]:
+    """case -> the top-level fields that differ (every case in both files)."""
+    out = {}
+    for k in got:
+        if k not in want:
+            continue
+        a, b = (choices(got[k], want[k]), choices(want[k], want[k])) if by_choice else (got[k], want[k])
+        if a != b:
+            out[k] = sorted(f for f in set(a) | set(b) if a.get(f) != b.get(f))
+    return out
+
+
 def main() -> None:
     ap_ = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap_.add_argument("--out", help="write the plans to this JSON file")
     ap_.add_argument("--compare", help="compare the plans with this JSON file (exit status 1 on a difference)")
     ap_.add_argument("--only", help="the cases whose name contains this")
+    ap_.add_argument("--choices", action="store_true",
+                     help="with --compare: compare what each plan chooses, not its costs and words")
     args = ap_.parse_args()
     got = plans(args.only)
     if args.out:
@@ -95,10 +131,10 @@ def main() -> None:
     if args.compare:
         want = json.loads(Path(args.compare).read_text())
         got = json.loads(json.dumps(got))  # tuples as lists, as read back
-        differ = [k for k in got if k in want and got[k] != want[k]]
+        differ = differences(got, want, args.choices)
         missing = [k for k in got if k not in want]
-        for k in differ:
-            print(f"DIFFERS: {k}")
+        for k, fields in differ.items():
+            print(f"DIFFERS: {k} ({', '.join(fields)})")
         print(f"{len(got) - len(differ) - len(missing)} of {len(got)} plans identical"
               + (f", {len(missing)} not in {args.compare}" if missing else ""))
         sys.exit(1 if differ else 0)
