@@ -42,6 +42,7 @@ from typing import Any
 from ..export import run_script
 from ..launch.pool import script_preload
 from .labels import FSDPTracker, Tracker, components
+from .moments import layer_of
 from .node_spans import NodeSpans
 
 
@@ -232,11 +233,9 @@ def routed_rows(routed: list, layer_paths: list[str]) -> dict[str, float]:
     -> the rows its experts received over the rows balanced routing gives them (the rank's own
     (token, choice) rows), averaged over the step's calls (its micro-batches; a recompute repeats
     a call's counts)."""
-    from .moments import _layer_of
-
     got: dict[str, list[float]] = {}
     for module, received, sent in routed:
-        k = _layer_of(module, layer_paths)
+        k = layer_of(module, layer_paths)
         if k is not None and sent:
             got.setdefault(layer_paths[k], []).append(received / sent)
     return {path: sum(r) / len(r) for path, r in got.items()}

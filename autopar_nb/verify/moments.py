@@ -72,7 +72,7 @@ def moment_at(where: str, layer_paths: list[str], moments: list[tuple],
     elif phase in ("train/forward", "train/backward") and not module:
         want = ("loss", None)  # after the model returned: the loss's forward or its backward
     elif phase in ("train/forward", "train/backward", "train/recompute") and module:
-        layer = _layer_of(module, layer_paths)
+        layer = layer_of(module, layer_paths)
         # a TP head's gather
         if layer is None and phase == "train/forward" and module.endswith("GraphModule"):
             layer = max((mo[1] for mo in moments if mo[0] == "forward"), default=None)
@@ -145,7 +145,7 @@ def path_in_layer(path: str, layer_paths: list[str]) -> str:
     return path[len(best):] if best else path
 
 
-def _layer_of(module: str, layer_paths: list[str]) -> int | None:
+def layer_of(module: str, layer_paths: list[str]) -> int | None:
     """The index of the layer whose path holds a tracker's module name (:func:`_relative`)."""
     name = _relative(module)
     best = [(len(p), k) for k, p in enumerate(layer_paths) if p
