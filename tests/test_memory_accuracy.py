@@ -792,11 +792,11 @@ def test_a_forward_and_a_loss_know_their_micro_batch():
 def test_the_experts_a_pipeline_stage_holds_are_named_as_the_model_names_them():
     """A pipeline stage's experts modules are the model's own (runtime/ep.py experts_in_stages), which the tracker
     names through torch.export's wrapper: their layer is found, so their forward and recompute peaks have a moment."""
-    from autopar_nb.verify.moments import _layer_of
+    from autopar_nb.verify.moments import layer_of
 
     paths = ["model.layers.0", "model.layers.1"]
-    assert _layer_of("Wrapper._export_root.model.layers.1.mlp.experts", paths) == 1
-    assert _layer_of("Pipe.split_gm.submod_pp_0.model.layers.0.mlp.gate", paths) == 0
+    assert layer_of("Wrapper._export_root.model.layers.1.mlp.experts", paths) == 1
+    assert layer_of("Pipe.split_gm.submod_pp_0.model.layers.0.mlp.gate", paths) == 0
 
 
 @pytest.mark.parametrize("pp, ep, tp, zero, real", [(1, 1, 1, 0, False), (2, 1, 1, 0, True), (1, 2, 1, 0, True),
