@@ -144,7 +144,6 @@ LONG_MODULES = {
     "cost/estimate.py": (674, "the Evaluator's layer terms, sums, step time and communication"),  # 580 at 120 columns
     "planner/search.py": (646, "mesh enumeration beside the per-layer search"),  # 577 at 120 columns
     # over 500 only since wrapped at 100 columns (the lines at 120 columns after each)
-    "widget/dot.py": (531, "the model graph's DOT: nodes, clusters, edges and their labels"),  # 488
     "export/values.py": (522, "every value the exported script's template takes, from the plan"),  # 452
     "capture/__init__.py": (532, "capture, its two tracers, the graph's layers and their order"),  # 493
     "cost/tp_styles.py": (527, "the TP styles' propagation through the graph, region by region"),  # 460

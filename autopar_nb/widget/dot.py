@@ -6,39 +6,37 @@ blocks are folded into one cluster ("h × 12") unless expanded, containers of ma
 collapsed into one node each (``groups.py``), nodes are coloured by the split the plan gives their
 module and tagged with it in words (``splits.py``), layer clusters are tinted by pipeline stage, and
 edges where communication happens carry the collective and its bytes per step.
+
+Which node shows each op is ``visible.py``'s; how one node looks, ``node_view.py``'s; the boxes of
+submodules inside a layer's cluster, ``module_boxes.py``'s.
 """
 
 from __future__ import annotations
 
-import re
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..graph import ModelGraph, OpNode
 from ..plan import Plan
 from .groups import emit_group, group_of
+from .module_boxes import emit_module_boxes, svg_id
+from .node_view import node_fill, node_label, node_shapes, node_target, param_bytes, short_op
 from .splits import (
     CHANGED_COLOR,
     COLLECTIVE_COLOR,
     LEGEND_STRATEGY,
     OUTPUT,
-    SPLIT_PRIORITY,
     SPLITS,
     STAGE_COLORS,
     STAGE_FILLS,
     comm_edges,
-    fill,
     member_differences,
     nbytes,
     param_collectives,
-    split_of,
 )
 from .svg import CLUSTER_FONT, EDGE_FONT, NODE_FONT
 from .svg import dot_string as _q
-
-MAX_OPS_SHOWN = 400
-"""above this many visible ops, ``layout(depth=None)`` collapses ops into their modules"""
+from .visible import fold_blocks, module_below_layer, node_key, shown_depth
 
 
 @dataclass
@@ -77,14 +75,14 @@ def layout(graph: ModelGraph, plan: Plan | None = None, *,
     previous plan; ``selected`` is a layer to emphasise.
     """
     groups = frozenset(groups)
-    alias, hidden_layers, folded = _fold(graph, expanded)
+    alias, hidden_layers, folded = fold_blocks(graph, expanded)
     # ops that read nothing and nobody reads (BatchNorm's num_batches_tracked += 1) are state
     # updates, not dataflow
     read = {i for n in graph.nodes for i in n.inputs}
     isolated = {n.name for n in graph.nodes if not n.inputs and n.name not in read}
     visible_ops = [n for n in graph.nodes if n.name not in alias and n.name not in isolated]
     grouping = {lay.path: group_of(lay.path, groups) for lay in graph.layers}
-    depth, max_depth = _depth(visible_ops, depth)
+    depth, max_depth = shown_depth(visible_ops, depth)
     drawing = _Drawing(graph, plan, expanded=expanded, changed_layers=changed_layers,
                        selected=selected)
     items, grouped = drawing.collect(visible_ops, grouping, depth, alias)
@@ -94,46 +92,6 @@ def layout(graph: ModelGraph, plan: Plan | None = None, *,
     drawing.columns(edges, by_layer, breaks, inputs)
     return Layout("\n".join(drawing.lines), drawing.info, drawing.clusters, depth, max_depth,
                   _legend(drawing.info), drawing.elements, groups)
-
-
-def _fold(graph: ModelGraph, expanded: set[str] | frozenset[str]) -> tuple[dict[str, str], set[str],
-                                                                           dict[str, list[str]]]:
-    """Folding: the ops of hidden block members map onto the same-position op of the first member.
-    Returns (op -> the op it is drawn as, the hidden layers, first member -> every member) for the
-    blocks not ``expanded``."""
-    alias: dict[str, str] = {}
-    hidden_layers: set[str] = set()
-    folded: dict[str, list[str]] = {}
-    for b in graph.blocks:
-        if b.name in expanded or b.count < 2:
-            continue
-        first = graph.layer(b.members[0]).nodes
-        if not all(len(graph.layer(m).nodes) == len(first) for m in b.members):
-            continue
-        folded[b.members[0]] = list(b.members)
-        for m in b.members[1:]:
-            hidden_layers.add(m)
-            alias.update(zip(graph.layer(m).nodes, first, strict=True))
-    return alias, hidden_layers, folded
-
-
-def _rel(n: OpNode) -> list[str]:
-    """The op's module path below its layer, as names ([] at the layer itself)."""
-    lp = n.layer
-    if n.module_path == lp or not n.module_path.startswith(lp + "."):
-        return []
-    return n.module_path[len(lp) + 1:].split(".")
-
-
-def _depth(visible_ops: list[OpNode], depth: int | None) -> tuple[int, int]:
-    """(the module depth shown, the deepest there is): ``depth`` within range, or without one the
-    deepest that shows at most MAX_OPS_SHOWN nodes."""
-    max_depth = max((len(_rel(n)) for n in visible_ops), default=0) + 1
-    if depth is None:
-        depth = max_depth
-        while depth > 0 and len({_vis_key(n, _rel(n), depth) for n in visible_ops}) > MAX_OPS_SHOWN:
-            depth -= 1
-    return max(0, min(depth, max_depth)), max_depth
 
 
 def _legend(info: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -180,7 +138,7 @@ class _Drawing:
         """The nodes: (node id -> its ops and sums, group -> its sums). Ops at ``depth`` below their
         layer share a module's node when two or more do; a folded member's ops are drawn by their
         first member's nodes."""
-        keys = {n.name: _vis_key(n, _rel(n), depth) for n in visible_ops}
+        keys = {n.name: node_key(n, module_below_layer(n), depth) for n in visible_ops}
         members: dict[str, int] = {}
         for k in keys.values():
             members[k] = members.get(k, 0) + 1
@@ -189,7 +147,7 @@ class _Drawing:
         for n in visible_ops:
             g = grouping.get(n.layer)
             if g is not None:
-                gid = _sid("grp-", g)
+                gid = svg_id("grp-", g)
                 self.node_vis[n.name] = gid
                 it = grouped.setdefault(g, {"flops": 0.0, "params": set(), "ops": 0})
                 it["flops"] += n.flops
@@ -197,7 +155,7 @@ class _Drawing:
                 it["ops"] += 1
                 continue
             key = keys[n.name] if members[keys[n.name]] > 1 else n.name
-            vid = _sid("op-", n.name) if key == n.name else _sid("mod-", key)
+            vid = svg_id("op-", n.name) if key == n.name else svg_id("mod-", key)
             self.node_vis[n.name] = vid
             if vid not in items:
                 items[vid] = {"kind": "op" if key == n.name else "module", "layer": n.layer,
@@ -218,7 +176,7 @@ class _Drawing:
         inputs = sorted({i for n in visible_ops for i in n.inputs if i not in self.node_vis
                          and i not in self.by_name})
         for i in inputs:
-            iid = _sid("in-", i)
+            iid = svg_id("in-", i)
             self.node_vis[i] = iid
             self.lines.append(f"  {_q(iid)} [id={_q(iid)}, label={_q(i)}, shape=ellipse, "
                               "style=filled, "
@@ -241,7 +199,7 @@ class _Drawing:
                 if g in seen_groups:
                     continue
                 seen_groups.add(g)
-                gid = _sid("grp-", g)
+                gid = svg_id("grp-", g)
                 glayers = [lay for lay in self.graph.layers if grouping.get(lay.path) == g]
                 emit_group(self.lines, self.info, self.graph, self.plan, g, gid, glayers,
                            grouped.get(g, {}), self.stage, self.pipelined, self.changed_layers,
@@ -276,7 +234,7 @@ class _Drawing:
         changed = any(m in self.changed_layers for m in reps)
         if changed:
             label = "Δ " + label
-        cid = _sid("cl-", layer.path)
+        cid = svg_id("cl-", layer.path)
         self.clusters[cid] = {"layer": layer.path, "block": block.name if len(reps) > 1 else None,
                               "label": label,
                               "expandable": len(reps) > 1, "differs": differs, "changed": changed,
@@ -291,7 +249,7 @@ class _Drawing:
         self.lines.append(f"    id={_q(cid)}; label={_q(label)}; labeljust=l; style={_q(style)}; "
                           f"fillcolor={_q(STAGE_FILLS[st % len(STAGE_FILLS)])}; color={_q(color)}; "
                           f"penwidth={width};")
-        _emit_modules(self.lines, vids, items, layer, li, self.clusters[cid]["modules"])
+        emit_module_boxes(self.lines, vids, items, layer, li, self.clusters[cid]["modules"])
         self.lines.append("  }")
         self.elements.append({"key": layer.path, "kind": "layer", "box": cid, "anchor": vids[0]})
         for vid in vids:
@@ -301,76 +259,30 @@ class _Drawing:
         """One op's or module's node: its colour and tag from the split of the ops holding its
         weights (in each member of a folded block), its label, and what the front end shows of
         it."""
-        graph, plan = self.graph, self.plan
+        graph = self.graph
         ops = it["ops"]
         first = ops[0]
-        # a module's colour: the ops holding its weights
-        weighted = [o for o in ops if o.params] or ops
-        color, tag, distinct = fill([split_of(o, plan, graph) for o in weighted])
-        per_member = self._member_splits(ops, reps) if len(reps) > 1 else []
-        member_note = ""
-        if len(set(per_member)) > 1:
-            color, tag, distinct = fill(per_member)
-            member_note = ", ".join(f"{SPLITS[k][0]} on {n} of {len(reps)}"
-                                    for k, n in Counter(per_member).most_common())
+        color, tag, distinct, member_note = node_fill(graph, self.plan, self.by_name, ops, reps)
         split = distinct[0]
-        shapes = [_shape(s) for s in first.out_shapes
-                  ] if len(ops) == 1 else [_shape(s) for s in ops[-1].out_shapes]
-        in_shapes = []
-        for src in first.inputs:
-            sn = self.by_name.get(src)
-            if sn is not None and sn.out_shapes:
-                in_shapes.append(_shape(sn.out_shapes[0]))
-            else:
-                gi = _graph_input_shape(graph, src)
-                if gi:
-                    in_shapes.append(gi)
-        pbytes = sum(graph.params[p].numel * graph.params[p].itemsize for p in it["params"]
-                     if p in graph.params)
-        suffix = f" · {tag}" if tag else ""
-        if it["kind"] == "op":
-            label = f"{_short_op(first.op)}\n{shapes[0] if shapes else ''}{suffix}"
-            title = first.name
-        else:
-            mod = it["path"]
-            mtype = self.layer_of[it["layer"]].modules.get(mod) or (first.module_type
-                                                                    if first.module_path == mod
-                                                                     else "")
-            name = ((f"{graph.block_of(mod).name}.*" if len(reps) > 1 else mod)
-                    if mod == it["layer"] else mod.rsplit(".", 1)[-1])
-            label = f"{name}\n{mtype + ' · ' if mtype else ''}{len(ops)} ops{suffix}"
-            title = mod
+        in_shapes, shapes = node_shapes(graph, self.by_name, ops)
+        label, title = node_label(graph, self.layer_of, it, reps, shapes, tag)
         module = first.module_path if len(ops) == 1 else it["path"]
         self.info[vid] = {"kind": it["kind"], "label": title, "op": first.op if len(ops) == 1 else
-                          ", ".join(sorted({_short_op(o.op) for o in ops})[:6]),
+                          ", ".join(sorted({short_op(o.op) for o in ops})[:6]),
                           "layer": it["layer"], "module": module,
                           "in_shapes": in_shapes, "out_shapes": shapes,
                           "flops": it["flops"] * len(reps), "flops_each": it["flops"],
-                          "act_bytes": it["act"], "param_bytes": pbytes, "split": split,
-                          "splits": distinct, "members": member_note, "stage": st,
+                          "act_bytes": it["act"], "param_bytes": param_bytes(graph, it["params"]),
+                          "split": split, "splits": distinct, "members": member_note, "stage": st,
                           "repeats": len(reps), "ops": len(ops),
-                          "target": _node_target(graph, layer.path, module, reps,
-                                                 bool(it["params"]))}
+                          "target": node_target(graph, layer.path, module, reps,
+                                                bool(it["params"]))}
         attrs = f"id={_q(vid)}, label={_q(label)}, fillcolor={_q(color)}"
         if split == "activation" and len(distinct) == 1:
             attrs += ', color="#999999"'
         if layer.path == self.selected:
             attrs += ", penwidth=2"
         self.lines.append(f"  {_q(vid)} [{attrs}];")
-
-    def _member_splits(self, vid_ops: list[OpNode], reps: list[str]) -> list[str]:
-        """The split of this node in each member of a folded block (the same-position ops of every
-        member)."""
-        out = []
-        for m in reps:
-            offset = self.graph.layer(m).nodes
-            first = self.graph.layer(reps[0]).nodes
-            pos = {name: i for i, name in enumerate(first)}
-            ops = [self.by_name[offset[pos[o.name]]] for o in vid_ops if o.name in pos]
-            ops = [o for o in ops if o.params] or ops
-            s = {split_of(o, self.plan, self.graph) for o in ops}
-            out.append(min(s, key=SPLIT_PRIORITY.index))  # the member's most telling split
-        return out
 
     def edges(self, hidden_layers: set[str], read: set[str]) -> dict[tuple[str, str], str | None]:
         """(from id, to id) -> the communication it carries (None: none), deduplicated on the
@@ -432,100 +344,10 @@ class _Drawing:
             else:
                 self.lines.append(f"  {_q(s)} -> {_q(d)}{f' [{extra[2:]}]' if extra else ''};")
         if starts and self.elements:
-            top = _sid("in-", inputs[0]) if inputs else self.elements[0]["anchor"]
+            top = svg_id("in-", inputs[0]) if inputs else self.elements[0]["anchor"]
             self.lines.append("  {rank=same; " + " ".join(_q(x) for x in [top, *starts]) + ";}")
         self.lines.append("}")
 
 
 def _target_block(block: str) -> str:
     return f"{block}.*"
-
-
-def _node_target(graph: ModelGraph, layer: str, module: str, reps: list[str],
-                 has_params: bool) -> dict[str, Any]:
-    """What a drag of this node onto a legend swatch re-plans: the override pattern (the module
-    inside the layer, or the same module in every member of a folded block) and the layers it
-    covers; ``None`` pattern without parameters."""
-    if not has_params:
-        return {"pattern": None, "layers": reps,
-                "why": "this op has no parameters to split: drag its layer's "
-                                                         "cluster, or a node with weights"}
-    if len(reps) > 1:
-        block = graph.block_of(layer)
-        suffix = module[len(layer):] if module.startswith(layer) else ""
-        return {"pattern": f"{block.name}.*{suffix}", "layers": reps}
-    return {"pattern": module or layer, "layers": reps}
-
-
-def _graph_input_shape(graph: ModelGraph, name: str) -> str | None:
-    if len(graph.inputs) == 1:
-        return _shape(graph.inputs[0].shape)
-    return None
-
-
-def _vis_key(n: OpNode, rel: list[str], depth: int) -> str:
-    """Depth 0: the layer; depth d: the module d levels below the layer when the op lies that deep,
-    else the op."""
-    if depth == 0:
-        return n.layer
-    if len(rel) >= depth:
-        return n.layer + "." + ".".join(rel[:depth])
-    return n.name
-
-
-def _emit_modules(lines: list[str], vids: list[str], items: dict, layer, li: int,
-                  boxes: dict) -> None:
-    """Write nested clusters for submodules of two or more visible items; ``boxes`` gets {box id:
-    [path, type]}."""
-    def chain(it) -> list[str]:
-        mod = it["module"] if it["kind"] == "op" else it["path"]
-        if not mod.startswith(layer.path + "."):
-            return []
-        parts = mod[len(layer.path) + 1:].split(".")
-        if it["kind"] == "module":
-            parts = parts[:-1]
-        return [layer.path + "." + ".".join(parts[:k]) for k in range(1, len(parts) + 1)]
-
-    chains = {vid: chain(items[vid]) for vid in vids}
-    size: dict[str, int] = {}
-    for c in chains.values():
-        for m in c:
-            size[m] = size.get(m, 0) + 1
-    tree: dict = {}
-    for vid, c in chains.items():
-        node = tree
-        for m in c:
-            if size[m] >= 2:
-                node = node.setdefault(m, {})
-        node.setdefault(None, []).append(vid)
-    counter = [0]
-
-    def emit(node: dict, indent: str) -> None:
-        for vid in node.get(None, []):
-            lines.append(f"{indent}{_q(vid)};")
-        for m, sub in ((k, v) for k, v in node.items() if k is not None):
-            counter[0] += 1
-            boxes[_sid("cl-", m)] = [m, next((o.module_type for v in vids for o in items[v]["ops"]
-                                              if o.module_path == m), "")]
-            lines.append(f"{indent}subgraph {_q(f'cluster_{li}_{counter[0]}')} {{ "
-                         f"id={_q(_sid('cl-', m))}; label="
-                         f"{_q(m[len(layer.path) + 1:])}; style=\"rounded,dashed\"; "
-                         "color=\"#aaaaaa\"; fillcolor=none;")
-            emit(sub, indent + "  ")
-            lines.append(f"{indent}}}")
-
-    emit(tree, "    ")
-
-
-def _sid(prefix: str, name: str) -> str:
-    return prefix + re.sub(r"[^A-Za-z0-9_.-]", "_", name)
-
-
-def _shape(s: tuple[int, ...]) -> str:
-    return "×".join(map(str, s)) if s else "scalar"
-
-
-def _short_op(op: str) -> str:
-    parts = op.split(".")
-    name = parts[1] if len(parts) >= 2 and parts[0] == "aten" else op
-    return {"scaled_dot_product_attention": "sdpa"}.get(name, name)

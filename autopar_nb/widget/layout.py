@@ -17,7 +17,7 @@ from typing import Any
 
 from ..graph import ModelGraph
 from ..plan import Plan
-from .dot import MAX_OPS_SHOWN, Layout, layout
+from .dot import Layout, layout
 from .groups import child_groups, group_levels
 from .splits import (
     CHANGED_COLOR,
@@ -45,6 +45,7 @@ from .svg import (
     svg_boxes,
     svg_size,
 )
+from .visible import MAX_OPS_SHOWN
 
 __all__ = ["CHANGED_COLOR", "CLUSTER_FONT", "COLLECTIVE_COLOR", "DEFAULT_VIEWPORT", "EDGE_FONT",
            "LEGEND_STRATEGY", "LEGIBLE_SCALE", "MAX_OPS_SHOWN", "NODE_FONT", "OUTPUT", "SPLITS",
