@@ -126,6 +126,25 @@ def collate_note(result, session: Session, flag: int | None) -> str | None:
             f"(dp={dp}: {samples} samples, {read[1]} rows per rank)")
 
 
+def _checked_options(args) -> tuple[dict, Cluster]:
+    """The pins and the cluster the magic's options give, checked before the cell runs: counts of
+    at least 1, a ``--name`` Python can bind, and a preset and memory size it knows (CellError
+    saying which option is wrong otherwise)."""
+    if min([args.nodes, *(n for n in (args.gpus, args.steps) if n is not None)]) < 1:
+        raise CellError("--nodes, --gpus and --steps must be >= 1 (got --nodes "
+                        f"{args.nodes} --gpus {args.gpus} --steps {args.steps})")
+    if not args.name.isidentifier():
+        raise CellError(f"--name {args.name!r} is not a valid Python variable name")
+    fix = _typed_fix(parse_fix(args.fix))
+    if DTYPES[args.dtype] is not None:
+        fix.setdefault("amp", DTYPES[args.dtype])
+    try:
+        cluster = make_cluster(args.gpu, args.gpus, args.nodes, args.memory)
+    except ValueError as e:
+        raise CellError(f"{'--memory' if 'memory size' in str(e) else '--gpu'}: {e}") from None
+    return fix, cluster
+
+
 @magics_class
 class AutoparallelMagics(Magics):
     """Magics of autopar-nb."""
@@ -231,19 +250,7 @@ class AutoparallelMagics(Magics):
         """
         args = parse_argstring(self.autoparallel, line)
         try:
-            if min([args.nodes, *(n for n in (args.gpus, args.steps) if n is not None)]) < 1:
-                raise CellError("--nodes, --gpus and --steps must be >= 1 (got --nodes "
-                                f"{args.nodes} --gpus {args.gpus} --steps {args.steps})")
-            if not args.name.isidentifier():
-                raise CellError(f"--name {args.name!r} is not a valid Python variable name")
-            fix = _typed_fix(parse_fix(args.fix))
-            if DTYPES[args.dtype] is not None:
-                fix.setdefault("amp", DTYPES[args.dtype])
-            try:
-                cluster = make_cluster(args.gpu, args.gpus, args.nodes, args.memory)
-            except ValueError as e:
-                raise CellError(f"{'--memory' if 'memory size' in str(e) else '--gpu'}: "
-                                f"{e}") from None
+            fix, cluster = _checked_options(args)
             history = [c for c in self.shell.user_ns.get("In", [])[1:] if isinstance(c, str)]
             result = run_model_cell(cell, self.shell.user_ns, model_var=args.model,
                                     inputs_var=args.inputs, history=history,
