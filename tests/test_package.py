@@ -164,8 +164,6 @@ LONG_FUNCTIONS = {
     "export/parallelize.py:parallelize_source": 89,  # 66
     "export/settings.py:settings": 89,  # 70
     "export/values.py:script_values": 87,  # 73
-    "launch/run.py:__init__": 86,  # 78
-    "launch/trials.py:tournament": 88,  # 76
     "runtime/pp_split.py:split_model": 91,  # 77
 }
 

@@ -74,13 +74,21 @@ class Run(StreamIngest, RunSamples, Supervision):
         """whether it ran through the warm pool (``launch(warm=True)``, see ``pool.py``)"""
         self.worker_env: dict[str, str] | None = None
         """the workers' environment (the GPUs they see); None: the kernel's"""
+        self._token = token
+        self._init_monitoring()
+        self._init_stream(nproc)
+        self._init_samples(nproc)
+        self._init_status(nproc)
+        self._init_findings()
+
+    def _init_monitoring(self) -> None:
+        """The monitor thread's hooks and handles, and the locks it shares with the kernel."""
         self._end_hooks: list[Callable[[Run], None]] = []
         """called once from the monitor thread when the run has ended (the pool starts its next
         standby)"""
         self._event_hooks: list[Callable[[Run, list[dict]], None]] = []
         """called from the monitor thread with the events each tick found (``replan.Replanner``);
         must not block"""
-        self._token = token
         self._lock = threading.RLock()
         self._done = threading.Event()
         self._listeners: list[Callable[[Run], None]] = []
@@ -90,8 +98,9 @@ class Run(StreamIngest, RunSamples, Supervision):
         self._stop_reason: str | None = None
         self._teardown_lock = threading.Lock()
         self._ending = False  # _ended() has begun
-        self._init_stream(nproc)
-        self._init_samples(nproc)
+
+    def _init_status(self, nproc: int) -> None:
+        """The run's status before its first report, and the clocks and figures its reports set."""
         self._workers: dict[int, psutil.Process] = {}
         self._status = "starting"
         self._message = f"starting {nproc} worker(s)"
@@ -113,6 +122,10 @@ class Run(StreamIngest, RunSamples, Supervision):
         self.throughput_unit = "samples/s"
         self.gpu_name = ""
         """NVML's name of the first GPU (GPU runs only)"""
+
+    def _init_findings(self) -> None:
+        """What the run finds out as it goes (calibration, a hang, data waits, events) and the
+        re-planning that may follow; none yet."""
         self.calibration: dict | None = None
         """what ``calibrate()`` stored: {"preset", "path", "factors", "ratio"}"""
         self.hang: dict | None = None

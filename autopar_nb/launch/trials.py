@@ -106,12 +106,7 @@ def tournament(target: Any, k: int = 4, steps: int = 20, *, warmup: int = WARMUP
     t0 = time.perf_counter()
     session = target if hasattr(target, "current_plan") else None
     plan = session.current_plan() if session is not None else target
-    source = source or getattr(session, "source", None)
-    graph = graph or getattr(session, "graph", None)
-    cluster = cluster or getattr(session, "cluster", None)
-    if source is None or graph is None or cluster is None:
-        raise ValueError("tournament() needs the model's source, graph and cluster: pass the "
-                         "session (ap), or a plan with source=, graph= and cluster=")
+    source, graph, cluster = _model_of(session, source, graph, cluster)
     why = machine_mismatch(cluster)
     if why:
         raise ValueError(f"tournament() refused: {why}")
@@ -130,25 +125,50 @@ def tournament(target: Any, k: int = 4, steps: int = 20, *, warmup: int = WARMUP
     scales, factors, tau_c = {}, {}, None
     preset = getattr(cluster, "name", "") or ""
     if calibrate and measured:
-        scales, factors = fit(measured, cluster)
-        recost(measured, graph, cluster, factors)
-        if len(measured) > 1:
-            tau_c = kendall_tau([e.calibrated_s for e in measured],
-                                [e.measured_s for e in measured])
-        # a stopped tournament's few points are shown fitted but not kept: the next plan would trust
-        # them CPU processes measure the CPU preset only (Run.calibrate's rule)
-        if save and preset == "cpu" and not stopped:
-            calibration.store(preset, factors,
-                              {"runs": len(measured), "tournament": True, "scales": scales,
-                               "measured_step_times_s": [e.measured_s for e in measured],
-                               "predicted_step_times_s": [e.predicted_s for e in measured]})
-            # its next plan too: the cluster it plans on took the old factors at its start
-            if session is not None:
-                session.cluster = dataclasses.replace(cluster, calibration={**(cluster.calibration
-                                                                               or {}), **factors})
+        scales, factors, tau_c = _calibrated(measured, graph, cluster, session,
+                                             save=save and not stopped)
     return TournamentResult(entries=entries, tau=tau, tau_calibrated=tau_c, scales=scales,
                             factors=factors, preset=preset, nproc=plan.mesh.world_size,
                             wall_s=time.perf_counter() - t0, session=session, stopped=stopped)
+
+
+def _model_of(session: Any, source: Any, graph: Any, cluster: Any) -> tuple[Any, Any, Any]:
+    """The model's source, graph and cluster: those given, else the session's (ValueError when one
+    is missing)."""
+    source = source or getattr(session, "source", None)
+    graph = graph or getattr(session, "graph", None)
+    cluster = cluster or getattr(session, "cluster", None)
+    if source is None or graph is None or cluster is None:
+        raise ValueError("tournament() needs the model's source, graph and cluster: pass the "
+                         "session (ap), or a plan with source=, graph= and cluster=")
+    return source, graph, cluster
+
+
+def _calibrated(measured: list[Entry], graph: Any, cluster: Any, session: Any, *,
+                save: bool) -> tuple[dict[str, float], dict[str, float], float | None]:
+    """Fit the cost model to the ``measured`` trials and cost them again with the fit: (the
+    components' scales, the factors, Kendall's tau of the calibrated predictions; None under two
+    trials). ``save``: store the factors for a CPU preset, and give them to ``session``'s
+    cluster."""
+    scales, factors = fit(measured, cluster)
+    recost(measured, graph, cluster, factors)
+    tau_c = None
+    if len(measured) > 1:
+        tau_c = kendall_tau([e.calibrated_s for e in measured],
+                            [e.measured_s for e in measured])
+    preset = getattr(cluster, "name", "") or ""
+    # a stopped tournament's few points are shown fitted but not kept (save is False): the next
+    # plan would trust them. CPU processes measure the CPU preset only (Run.calibrate's rule)
+    if save and preset == "cpu":
+        calibration.store(preset, factors,
+                          {"runs": len(measured), "tournament": True, "scales": scales,
+                           "measured_step_times_s": [e.measured_s for e in measured],
+                           "predicted_step_times_s": [e.predicted_s for e in measured]})
+        # its next plan too: the cluster it plans on took the old factors at its start
+        if session is not None:
+            session.cluster = dataclasses.replace(cluster, calibration={**(cluster.calibration
+                                                                           or {}), **factors})
+    return scales, factors, tau_c
 
 
 def run_all(entries: list[Entry], source: Any, *, limit: float, root: Path, stop: threading.Event,
