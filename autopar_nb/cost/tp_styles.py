@@ -21,7 +21,7 @@ bias made outside the attention and added in a batched product (Bloom's ALiBi (b
 in ``baddbmm``) goes with the heads: the runtime cuts it on the way in. ``nn.Linear`` and Hugging
 Face's ``Conv1D`` (weight stored (in, out)) get split styles; an Embedding is vocab-sharded
 (rowwise) only when its ids come from the model's inputs (not ``torch.arange`` positions) and the
-table has at least as many rows as columns (not a small table).
+table has at least as many rows as columns (not a small table): :mod:`.tp_embeddings`.
 
 Layouts beyond one contiguous shard per projection (``LayerPlan.tp_parts``; the runtime's
 ``runtime/layouts.py``):
@@ -62,6 +62,7 @@ from typing import NamedTuple
 
 import kernels_ext
 
+from .tp_embeddings import from_inputs, head_biases, shardable_embedding, untied
 from .tp_heads import track_heads, within_heads
 from .tp_parts import Parts, fused_cut, name_heads, parts_of, role_of, split_heads
 from .tp_refusals import (
@@ -168,90 +169,6 @@ module listed in ``LayerPlan.tp_parts`` that is cut evenly, a head-indexed embed
 ``"shared"`` projection)"""
 
 
-def _from_inputs(graph, by_name) -> set[str]:
-    """Names of the graph inputs and of the nodes computed from them (not from constants such as
-    arange)."""
-    out: set[str] = set()
-    for n in graph.nodes:
-        if any(i in out or i not in by_name for i in n.inputs):
-            out.add(n.name)
-    return out | {i for n in graph.nodes for i in n.inputs if i not in by_name}
-
-
-def _shardable_embedding(n, graph, from_input) -> bool:
-    """An Embedding worth vocab-sharding: an ``nn.Embedding`` (not a bag) looked up with ids from
-    the inputs, whose table has at least as many rows as columns."""
-    if n.module_type != "Embedding" or not n.inputs or n.inputs[0] not in from_input:
-        return False
-    w = graph.params.get(n.params[0])
-    return w is not None and len(w.shape) == 2 and w.shape[0] >= w.shape[1]
-
-
-def _head_biases(graph, by_name, from_input) -> dict[str, int]:
-    """Embedding node -> H for tables with one column per attention head (T5's
-    ``relative_attention_bias``): an ``nn.Embedding`` not worth vocab-sharding whose output (...,
-    H), through views and elementwise ops, is an attention op's mask or is added to attention scores
-    (B, H, T, T)."""
-    readers: dict[str, list] = {}
-    for n in graph.nodes:
-        for i in n.inputs:
-            readers.setdefault(i, []).append(n)
-
-    def scores(name: str, heads: int) -> bool:
-        shape = (tuple(by_name[name].out_shapes[0]) if name in by_name and by_name[name].out_shapes
-                 else ())
-        return len(shape) == 4 and shape[1] == heads and shape[2] == shape[3]
-
-    out: dict[str, int] = {}
-    for n in graph.nodes:
-        if (n.op_class != "embedding" or n.module_type != "Embedding" or not n.params
-                or not n.out_shapes or _shardable_embedding(n, graph, from_input)):
-            continue
-        heads = int(n.out_shapes[0][-1])
-        seen, todo = {n.name}, [n.name]
-        while todo and n.name not in out:
-            x = todo.pop()
-            for r in readers.get(x, []):
-                if r.op_class == "attention" and x not in r.inputs[:3] and r.in_shapes and \
-                        len(r.in_shapes[0]) == 4 and r.in_shapes[0][1] == heads > 1:
-                    out[n.name] = heads
-                elif r.op_class == "elementwise" and heads > 1 and \
-                        any(scores(i, heads) for i in r.inputs if i != x and i not in seen):
-                    out[n.name] = heads
-                elif r.op_class in ("view", "elementwise") and r.name not in seen:
-                    seen.add(r.name)
-                    todo.append(r.name)
-    return out
-
-
-def _untied(graph, styles: dict[str, str], holders: dict[str, str]) -> set[str]:
-    """Styled nodes whose weight another module shares (an output head tied to the token embedding:
-    one parameter) when the modules sharing it are not all split on the vocabulary (rowwise
-    embedding, colwise head): the runtime keeps a tie only between such shards, so the split ones go
-    back to replicated. A module that holds the shared weight without running (T5's ``shared``) is
-    split with them: ``holders`` gets its path -> style."""
-    users: dict[str, list] = {}
-    for n in graph.nodes:
-        w = next((q for q in n.params if q in graph.params and len(graph.params[q].shape) == 2),
-                 None)
-        if w is not None and n.op_class in ("matmul", "embedding"):
-            users.setdefault(w, []).append(n)
-    out: set[str] = set()
-    for w, nodes in users.items():
-        owner = graph.params[w]
-        idle = owner.module_path not in {n.module_path for n in nodes}
-        if len({n.module_path for n in nodes}) + idle < 2:
-            continue
-        vocab = all(styles.get(n.name) == ("rowwise" if n.op_class == "embedding" else "colwise")
-                    for n in nodes)
-        held = {"Embedding": "rowwise", "Linear": "colwise"}.get(owner.module_type)
-        if not vocab or (idle and held is None):
-            out |= {n.name for n in nodes if n.name in styles}
-        elif idle:
-            holders[owner.module_path] = held
-    return out
-
-
 def _walk_once(graph, by_name, out_numel, disabled, refused) -> Walk | Blame:
     """One walk; the nodes to disable (keep replicated) when it found conflicts, each with why."""
     walker = _Walker(graph, by_name, out_numel, disabled, refused)
@@ -281,8 +198,8 @@ class _Walker:
         self.headed: set[str] = set()
         self.next_region = 0
         self.conflicts = Blame()
-        self.from_input = _from_inputs(graph, by_name)
-        self.biases = _head_biases(graph, by_name, self.from_input)
+        self.from_input = from_inputs(graph, by_name)
+        self.biases = head_biases(graph, by_name, self.from_input)
         # sharded nodes whose sharded dim is still the last dim (colwise, elementwise)
         self.last: set[str] = set()
         self.origin: dict[str, tuple[str, tuple[int, ...] | None]] = {}  # see _cut
@@ -357,7 +274,7 @@ class _Walker:
             return True
         if (n.op_class == "embedding" and "rowwise" in splits and n.params
                 and n.name not in self.disabled
-                and _shardable_embedding(n, self.graph, self.from_input)):
+                and shardable_embedding(n, self.graph, self.from_input)):
             self.styles[n.name] = "rowwise"
             self.region_of[n.name] = self.next_region
             self.next_region += 1
@@ -452,7 +369,7 @@ class _Walker:
         self._check_pieces()
         head_node = self._head()
         holders: dict[str, str] = {}
-        self.conflicts.add(_untied(self.graph, self.styles, holders),
+        self.conflicts.add(untied(self.graph, self.styles, holders),
                            "its weight is tied to a module not split on the vocabulary")
         region_of = {k: self.find(r) for k, r in self.region_of.items()}
         sharded = {k: self.find(r) for k, r in self.sharded.items()}
