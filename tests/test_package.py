@@ -146,7 +146,6 @@ LONG_MODULES = {
     # over 500 only since wrapped at 100 columns (the lines at 120 columns after each)
     "export/values.py": (522, "every value the exported script's template takes, from the plan"),  # 452
     "capture/__init__.py": (532, "capture, its two tracers, the graph's layers and their order"),  # 493
-    "notebook/session.py": (516, "the notebook session: capture, plan, widget and runs"),  # 465
     "planner/explain.py": (553, "the plan in plain words: why it beat the runner-up, what limits it"),  # 492
     "planner/styles.py": (555, "which ParallelStyle each module gets, from the plan's TP choices"),  # 490
     "calibration.py": (516, "measured factors from runs, stored per cluster preset, fed back"),  # 465

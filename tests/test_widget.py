@@ -1357,11 +1357,11 @@ def test_a_scaled_plan_keeps_a_cost_when_it_cannot_be_re_estimated(seed_graph, m
     c = comparison(scaled, backend="gloo", nproc=3)
     assert not any("no cost" in n for n in c["notes"]) and all(c["predicted_memory"]), c
     # a per-rank list (mesh order pp, dp, tp) gets one figure per new rank: its stage's and TP position's
-    from autopar_nb.notebook.session import _per_rank_as_planned
+    from autopar_nb.notebook.scaling import per_rank_as_planned
     from autopar_nb.plan import Cost, MemoryBreakdown, MeshPlan
 
     per_rank = Cost(step_time_s=1.0, memory_by_rank=[MemoryBreakdown(params=float(r)) for r in range(8)])
-    _per_rank_as_planned(per_rank, MeshPlan(dp=2, tp=2, pp=2), 12)  # dp 2 -> 3
+    per_rank_as_planned(per_rank, MeshPlan(dp=2, tp=2, pp=2), 12)  # dp 2 -> 3
     assert [m.params for m in per_rank.memory_by_rank] == [0, 1] * 3 + [4, 5] * 3
 
 
