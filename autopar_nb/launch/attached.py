@@ -445,22 +445,27 @@ def attach(script: str | os.PathLike, nproc: int, steps: int | None = None, *,
 
     Args:
         script: the exported script the hosts run (kept for the record; nothing is started here).
-        nproc: the run's world size (every rank streams to this notebook). steps: the run's steps,
-        for the status line (None: unknown). host: the local address to listen on: an interface
-        address the hosts reach, or "0.0.0.0" with
-            ``advertise``. Connections are accepted only with the run's token (``channel.py``).
-        port: the port (0: a free one). advertise: the address the ranks are told
-        (``AUTOPAR_METRICS``), when it is not ``host``. plan: the Plan that runs, for predicted
-        figures on the dashboard. commands: the torchrun command lines to print with the environment
-        in front (``AttachedRun.commands``). lost_after_s: a rank silent this long (or, once the
-        first rank connected, never connected) is lost. restart_wait_s: after a failure with
-        torchrun restarts left, how long to wait for the next attempt. backend: "nccl" (the hosts'
-        GPUs) or "gloo" (CPU processes): which of the plan's predictions compare;
-            default from the plan's device (a GPU preset: "nccl").
-        run_dir: kept for the record (default: a new temporary directory). rendezvous: torchrun's
-        ``--rdzv-endpoint`` ("host:port" or "host", as the ranks' connections come from it;
-            default: read from ``commands`` unless a placeholder): when its host is lost and every
-            other rank has ended, the run fails at once (no torchrun can restart).
+        nproc: the run's world size (every rank streams to this notebook).
+        steps: the run's steps, for the status line (None: unknown).
+        host: the local address to listen on: an interface address the hosts reach, or
+            "0.0.0.0" with ``advertise``. Connections are accepted only with the run's token
+            (``channel.py``).
+        port: the port (0: a free one).
+        advertise: the address the ranks are told (``AUTOPAR_METRICS``), when it is not ``host``.
+        plan: the Plan that runs, for predicted figures on the dashboard.
+        commands: the torchrun command lines to print with the environment in front
+            (``AttachedRun.commands``).
+        lost_after_s: a rank silent this long (or, once the first rank connected, never
+            connected) is lost.
+        restart_wait_s: after a failure with torchrun restarts left, how long to wait for the
+            next attempt.
+        backend: "nccl" (the hosts' GPUs) or "gloo" (CPU processes): which of the plan's
+            predictions compare; default from the plan's device (a GPU preset: "nccl").
+        run_dir: kept for the record (default: a new temporary directory).
+        rendezvous: torchrun's ``--rdzv-endpoint`` ("host:port" or "host", as the ranks'
+            connections come from it; default: read from ``commands`` unless a placeholder):
+            when its host is lost and every other rank has ended, the run fails at once (no
+            torchrun can restart).
     """
     if nproc < 1:
         raise LaunchError(f"nproc must be >= 1, got {nproc}")

@@ -224,34 +224,34 @@ def launch(script: str | os.PathLike | Callable[[Path], Any], nproc: int | None 
 
     Args:
         script: a training script path, or a callable ``export(path)`` that writes the script to
-        ``path`` (the
-            run directory's ``train.py``); it must implement the metrics protocol in ``channel.py``
-            to be monitored.
+            ``path`` (the run directory's ``train.py``); it must implement the metrics protocol
+            in ``channel.py`` to be monitored.
         nproc: worker processes; default one per visible GPU, else the plan's world size, else 2.
-        steps: passed as ``--steps N`` (None: not passed). plan: the Plan that was launched: its
-        predicted step time and memory are shown against the measured ones. max_restarts: elastic
-        restarts of the whole worker group after a failure (the script should resume from
-            its last checkpoint, e.g. ``ckpt_dir=..., ckpt_every=...``).
-        hang_timeout_s: a run in which some rank made no step progress for this long is reported as
-        hung and torn
-            down (None: never).
+        steps: passed as ``--steps N`` (None: not passed).
+        plan: the Plan that was launched: its predicted step time and memory are shown against
+            the measured ones.
+        max_restarts: elastic restarts of the whole worker group after a failure (the script
+            should resume from its last checkpoint, e.g. ``ckpt_dir=..., ckpt_every=...``).
+        hang_timeout_s: a run in which some rank made no step progress for this long is reported
+            as hung and torn down (None: never).
         run_dir: where the script copy, logs and result go (default: a new temporary directory).
-        backend: "gloo" (CPU) or "nccl" (GPUs); default nccl when GPUs are visible. Only chooses the
-        checks, the
-            device sampling and the default nproc: the script picks its own backend.
-        monitor: False leaves out the metrics channel and device sampling (the run then reports only
-        its end). env: extra environment variables for the workers. warm: run through the warm pool
-        (``pool.py``): the agent was started ahead with torch imported, and each
-            rank is forked from a forkserver that preloaded torch and the script's imports, then
-            runs the script with torchrun's ``--run-path --start-method forkserver``
-            (``runpy.run_path(script, run_name="__main__")`` with the same ``sys.argv``,
-            environment, working directory and ``sys.path[0]``). The first warm launch of a kernel
-            starts the pool; when a run ends the next standby starts. False: a fresh agent and
-            ``python -u script.py`` per rank, as torchrun does by default.
+        backend: "gloo" (CPU) or "nccl" (GPUs); default nccl when GPUs are visible. Only chooses
+            the checks, the device sampling and the default nproc: the script picks its own
+            backend.
+        monitor: False leaves out the metrics channel and device sampling (the run then reports
+            only its end).
+        env: extra environment variables for the workers.
+        warm: run through the warm pool (``pool.py``): the agent was started ahead with torch
+            imported, and each rank is forked from a forkserver that preloaded torch and the
+            script's imports, then runs the script with torchrun's ``--run-path --start-method
+            forkserver`` (``runpy.run_path(script, run_name="__main__")`` with the same
+            ``sys.argv``, environment, working directory and ``sys.path[0]``). The first warm
+            launch of a kernel starts the pool; when a run ends the next standby starts. False: a
+            fresh agent and ``python -u script.py`` per rank, as torchrun does by default.
         memory_threshold: the share of a rank's memory limit above which its memory is an event
             (``memory_high``, ``run.events``; re-planning acts on it, see ``replan.py``).
-        **script_flags: more flags for the script: ``ckpt_dir="/tmp/ck"`` becomes ``--ckpt-dir
-        /tmp/ck``.
+        **script_flags: more flags for the script: ``ckpt_dir="/tmp/ck"`` becomes
+            ``--ckpt-dir /tmp/ck``.
 
     Every rank starts in this process's working directory (a notebook's kernel: the notebook's
     folder), as ``torchrun /abs/path/train.py`` run from there would start it, so paths the cell

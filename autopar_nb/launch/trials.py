@@ -74,31 +74,27 @@ def tournament(target: Any, k: int = 4, steps: int = 20, *, warmup: int = WARMUP
 
     Args:
         target: a Session (``ap`` in a notebook), or a Plan with ``source``, ``graph`` and
-        ``cluster`` given. k: alternatives run besides the chosen plan (``plan.alternatives``;
-        re-planned with more when it holds
-            fewer).
+            ``cluster`` given.
+        k: alternatives run besides the chosen plan (``plan.alternatives``; re-planned with more
+            when it holds fewer).
         steps: the most steps a trial runs; it stops earlier once ``min_steps`` steps after
-        ``warmup`` have a
-            coefficient of variation below ``cv``.
-        memory_limit_bytes: a plan whose predicted peak per rank (margin included) exceeds this is
-        skipped, not run
-            (default: the cluster's memory per rank).
-        calibrate: fit the cost model to the measured step times and cost every plan again with the
-        fit. save: store the fitted factors for the cluster's preset (``autopar_nb.calibration``),
-        which the next plan
-            on this machine uses (the session's next plan as well); only a CPU preset is calibrated
-            by CPU processes.
+            ``warmup`` have a coefficient of variation below ``cv``.
+        memory_limit_bytes: a plan whose predicted peak per rank (margin included) exceeds this
+            is skipped, not run (default: the cluster's memory per rank).
+        calibrate: fit the cost model to the measured step times and cost every plan again with
+            the fit.
+        save: store the fitted factors for the cluster's preset (``autopar_nb.calibration``),
+            which the next plan on this machine uses (the session's next plan as well); only a
+            CPU preset is calibrated by CPU processes.
         timeout_s: the longest a trial may take before it is stopped and counted as failed.
         run_root: where the trials' run directories go (default: a new temporary directory).
-        progress: called with the entries when the list of plans is known and whenever one of them
-        changes status
-            (``running``, then ``measured``/``failed``/``skipped``/``stopped``), from the thread the
-            tournament runs in.
+        progress: called with the entries when the list of plans is known and whenever one of
+            them changes status (``running``, then ``measured``/``failed``/``skipped``/
+            ``stopped``), from the thread the tournament runs in.
         stop: once set (from another thread: :meth:`TournamentJob.stop`), the running trial's
-        workers are ended and
-            no further plan is run; the result keeps the plans measured so far (``stopped`` is True)
-            and no calibration is saved from it. An interrupt (KeyboardInterrupt) ends the running
-            trial's workers too, then propagates.
+            workers are ended and no further plan is run; the result keeps the plans measured so
+            far (``stopped`` is True) and no calibration is saved from it. An interrupt
+            (KeyboardInterrupt) ends the running trial's workers too, then propagates.
 
     Returns a :class:`~autopar_nb.launch.standings.TournamentResult`: its table (displayed in a
     notebook), ``tau``/``tau_calibrated``, ``winner``, ``margin`` and ``adopt()``.
