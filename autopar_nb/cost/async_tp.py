@@ -6,9 +6,8 @@ computes. A layer's TP all-gathers and reduce-scatters are then hidden up to the
 they feed or follow; all-reduces (TP without sequence parallelism) are not pipelined.
 
 The gain it models, measured by others: PyTorch's "Introducing Async Tensor Parallelism in PyTorch"
-(dev-discuss,
-2024) and torchtitan's async TP docs report +6 % tokens/s end to end on a LLaMA 70B FSDP x TP run on
-      H100s.
+(dev-discuss, 2024) and torchtitan's async TP docs report +6 % tokens/s end to end on a LLaMA 70B
+FSDP x TP run on H100s.
 """
 
 from __future__ import annotations

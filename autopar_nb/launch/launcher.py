@@ -260,9 +260,8 @@ def launch(script: str | os.PathLike | Callable[[Path], Any], nproc: int | None 
     directory's ``command.txt`` is that ``cd`` and torchrun line.
 
     Raises:
-        LaunchError: another run of this kernel is still alive, the kernel's CUDA state would break
-        the workers,
-            or this process's working directory no longer exists.
+        LaunchError: another run of this kernel is still alive, the kernel's CUDA state would
+            break the workers, or this process's working directory no longer exists.
     """
     # one run per kernel: checked and registered under one lock, so two threads cannot both start a
     # run
