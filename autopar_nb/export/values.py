@@ -7,10 +7,7 @@ device); the script holds the values as literals, and the runtime functions it c
 
 from __future__ import annotations
 
-import copy
 import functools
-import os
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,11 +15,10 @@ import torch.nn as nn
 
 from ..capture import split_inputs
 from ..capture.meta_stand_in import StandIn
-from ..plan import Plan, PlanError, within
+from ..plan import Plan
 from ..planner.degrees import stage_refusal
 from ..planner.forward_run import call
 from ..planner.styles import head_tables, local_sizes, tp_styles
-from ..runtime.cp import sequence_tensor
 from ..runtime.data import (
     default_batch_size,
     default_loss,
@@ -30,14 +26,22 @@ from ..runtime.data import (
     is_causal_lm,
     smallest_table,
 )
-from ..runtime.ep import experts_modules_to_split
-from ..runtime.float8 import float8_linears
-from ..runtime.fused_norm import apply_fused_norm
-from ..runtime.pp import SCHEDULES, SPLIT_BACKWARD, stage_boundaries
+from ..runtime.pp import SPLIT_BACKWARD, stage_boundaries
 from ..runtime.pretrained import check_pretrained, tied_parameters
 from ..runtime.tp import REPLICATE, TPStyle
 from ..runtime.train import switch_off_kv_cache
 from ..source import PRETRAINED_KEY, ModelSource
+from .checks import (
+    check_cp,
+    check_experts,
+    check_fused_loss,
+    check_runnable,
+    float8_modules,
+    fused_norms,
+    samples_divide,
+    weights_folder,
+)
+from .patterns import block_patterns, compress, fsdp_units, relative_plans
 from .stages import check_stage_starts
 from .synthetic_ids import id_ranges
 
@@ -209,105 +213,122 @@ def _sequence_shards_cross(v: ScriptValues) -> bool:
     blocks = [style for plan in v.block_tp_plans.values() for style in plan.values()]
     return any(s.output_layout == 1 for s in [*v.tp_plan.values(), *blocks])
 
-
-def _samples_divide(plan: Plan, per_sample: int) -> int:
-    """The rows a dataset's collate_fn makes of each sample, once the global batch is seen to split
-    into the same number of samples on every data-parallel rank."""
-    dp, rows = plan.mesh.dp, plan.batch.global_batch
-    if rows > 1 and rows % (dp * per_sample):
-        raise PlanError(f"batch.global_batch({rows}) must be a multiple of the data-parallel ranks "
-                        f"(mesh.dp={dp}) x the rows collate_fn makes of each sample "
-                        f"({per_sample}): each rank reads the same number of the dataset's samples "
-                        "per step")
-    return per_sample
-
-
 def script_values(source: ModelSource, plan: Plan, *, seed: int = 0,
                   meta_init: bool | None = None) -> ScriptValues:
     """The values of ``plan``'s script for the model ``source`` builds; raises PlanError (or
     NotImplementedError for what PyTorch cannot run) before anything is written."""
-    m, pr = plan.mesh, plan.precision
+    m = plan.mesh
     model, inputs, ns = source.build(device="meta", seed=seed)
-    _check_runnable(plan)
+    check_runnable(plan)
     check_stage_starts(model, inputs, plan)
-    v = ScriptValues(pp=m.pp, dp=m.dp, tp=m.tp, cp=m.cp, zero_stage=m.zero_stage,
-                     micro_batches=plan.batch.micro_batches, offload=m.offload != "none",
-                     sync_batchnorm=plan.sync_batchnorm and m.dp > 1, amp=pr.amp,
-                     param_dtype=pr.param_dtype, reduce_dtype=pr.reduce_dtype,
-                     model_class=type(model).__name__, fp32_ops=list(pr.fp32_ops),
-                     low_precision_ops=list(pr.low_precision_ops))
+    v = _plan_values(plan, model)
+    _checkpoint_values(v, source, model, ns[PRETRAINED_KEY], meta_init)
+    _cell_values(v, source, model, inputs)
+    _kernel_values(v, source, model, plan)
+    _defaults(v, source, plan, model, inputs, ns)
+    v.ties = tied_parameters(model)
+    if v.pretrained:
+        check_pretrained(v.pretrained, model, ties=v.ties,
+                         what="weights" if v.weights else "from_pretrained")
+    if m.cp > 1:
+        check_cp(source, inputs, tokens=v.tokens)
+    if m.ep > 1:
+        v.ep, v.experts = m.ep, list(plan.experts)
+        check_experts(model, plan)
+    if m.tp > 1:
+        _tp_values(v, model, inputs, plan)
+    if m.pp > 1:
+        _pipeline(v, plan)
+    _layer_values(v, model, plan)
+    return v
+
+
+def _plan_values(plan: Plan, model: nn.Module) -> ScriptValues:
+    """The values the plan states outright: its mesh, micro-batches and precision."""
+    m, pr = plan.mesh, plan.precision
+    return ScriptValues(pp=m.pp, dp=m.dp, tp=m.tp, cp=m.cp, zero_stage=m.zero_stage,
+                        micro_batches=plan.batch.micro_batches, offload=m.offload != "none",
+                        sync_batchnorm=plan.sync_batchnorm and m.dp > 1, amp=pr.amp,
+                        param_dtype=pr.param_dtype, reduce_dtype=pr.reduce_dtype,
+                        model_class=type(model).__name__, fp32_ops=list(pr.fp32_ops),
+                        low_precision_ops=list(pr.low_precision_ops))
+
+
+def _checkpoint_values(v: ScriptValues, source: ModelSource, model: nn.Module, found: list[str],
+                       meta_init: bool | None) -> None:
+    """Where the weights come from: built on the meta device or whole, the checkpoint ``main``
+    reads (``found``: the checkpoints the cell's ``from_pretrained`` names), and whether the script
+    can save them back in Hugging Face's format."""
     num_params = sum(p.numel() for p in model.parameters())
     v.meta_init = num_params > META_INIT_PARAMS if meta_init is None else meta_init
-    v.weights = _weights(source, ns[PRETRAINED_KEY])
-    v.pretrained = v.weights or (ns[PRETRAINED_KEY][-1] if ns[PRETRAINED_KEY] and v.meta_init
-                                 else "")
-    v.save_hf = bool(ns[PRETRAINED_KEY] or v.weights) and callable(
+    v.weights = weights_folder(source, found)
+    v.pretrained = v.weights or (found[-1] if found and v.meta_init else "")
+    v.save_hf = bool(found or v.weights) and callable(
         getattr(getattr(model, "config", None), "save_pretrained", 0))
+
+
+def _cell_values(v: ScriptValues, source: ModelSource, model: nn.Module, inputs) -> None:
+    """What the cell gives: token ids or not, a key/value cache, a dataset, its collate_fn, a
+    loss."""
     first = first_tensor(inputs)
     v.tokens = first.dim() == 2 and not first.is_floating_point()
     v.kv_cache = bool(switch_off_kv_cache(model))  # a meta copy of the cell's model: only read here
     v.dataset = source.dataset_var is not None and source.make_batch_var is None
     v.collate_fn = v.dataset and source.collate_fn_var is not None
     v.default_loss = source.loss_fn_var is None
+
+
+def _kernel_values(v: ScriptValues, source: ModelSource, model: nn.Module, plan: Plan) -> None:
+    """The fused loss, the fused norms and the float8 Linear layers, each checked runnable."""
     if plan.fused_loss:
-        _check_fused_loss(model, plan.fused_loss, source)
+        check_fused_loss(model, plan.fused_loss, source)
         v.fused_loss = plan.fused_loss
-    v.fused_norm = _fused_norms(model) if plan.fused_norm else []
-    v.float8, v.float8_linears = _float8(model, pr.float8)
-    per_sample = _samples_divide(plan, source.rows_per_sample) if v.dataset else 1
-    if source.loss_fn_var is None or source.make_batch_var is None:
-        causal = is_causal_lm(model)
-        loss_fn = (ns[source.loss_fn_var] if source.loss_fn_var
-                   else functools.partial(default_loss, causal=causal))
-        # (one meta forward: only where ids are drawn)
-        synthetic = source.make_batch_var is None and not v.dataset
-        rows = default_batch_size(inputs, dp=m.dp, global_batch=plan.batch.global_batch)
-        v.defaults = {
-            # the plan's rows, as samples the dataset gives
-            "batch_size": max(1, rows // per_sample),
-            "int_high": id_ranges(model, inputs, loss_fn=loss_fn)
-            if synthetic else smallest_table(model), "causal": causal
-        }
-    v.ties = tied_parameters(model)
-    if v.pretrained:
-        check_pretrained(v.pretrained, model, ties=v.ties,
-                         what="weights" if v.weights else "from_pretrained")
-    if m.cp > 1:
-        _check_cp(source, inputs, v)
-    if m.ep > 1:
-        v.ep, v.experts = m.ep, list(plan.experts)
-        _check_experts(model, plan)
-    if m.tp > 1:
-        styles = tp_styles(model, plan.tp_plan,
-                           sp_layers=[lp.path for lp in plan.layers if lp.sequence_parallel],
-                           layers=[lp.path for lp in plan.layers], loss_parallel=plan.loss_parallel,
-                           parts=plan.tp_parts, tp=m.tp)
-        head_style = styles.pop(plan.fused_loss, None) if plan.fused_loss else None
-        # the fused head splits its own weight (runtime/fused_loss.py shard_fused_head)
-        if head_style is not None:
-            v.fused_head_tp, v.fused_head_sequence = True, head_style.input_layout != REPLICATE
-        v.tp_plan, v.block_tp_plans = relative_plans(model, styles)
-        v.local_sizes = block_patterns(model, local_sizes(model, styles, tp=m.tp))
-        stand = StandIn(model, *split_inputs(inputs))
-        v.head_tables = block_patterns(model,
-                                       head_tables(model, styles, tp=m.tp, parts=plan.tp_parts,
-                                                   call=lambda model: call(model, stand)))
-        if m.pp > 1 and (why := stage_refusal(v.local_sizes, v.head_tables)):
-            raise NotImplementedError(why)
-        v.vocab_parallel = plan.loss_parallel
-    if m.pp > 1:
-        _pipeline(v, plan)
-    by_mode: dict[str, list[str]] = {}
-    for lp in plan.layers:
-        if lp.recompute != "none":
-            by_mode.setdefault(lp.recompute, []).append(lp.path)
-    v.recompute = {pattern: mode for mode, paths in by_mode.items()
-                   for pattern in compress(model, paths)}
-    v.compile, v.async_tp = (compress(model, [lp.path for lp in plan.layers if lp.compile]),
-                             plan.async_tp)
-    if v.fsdp or v.replicate:
-        v.fsdp_units = fsdp_units(model, plan, v.ties)
-    return v
+    v.fused_norm = fused_norms(model) if plan.fused_norm else []
+    v.float8, v.float8_linears = float8_modules(model, plan.precision.float8)
+
+
+def _defaults(v: ScriptValues, source: ModelSource, plan: Plan, model: nn.Module, inputs,
+              ns: dict) -> None:
+    """Synthetic data and the default loss, where the cell lacks a loss_fn or make_batch: the rows
+    per rank, the ids' range, whether the loss predicts the next token."""
+    per_sample = samples_divide(plan, source.rows_per_sample) if v.dataset else 1
+    if source.loss_fn_var is not None and source.make_batch_var is not None:
+        return
+    causal = is_causal_lm(model)
+    loss_fn = (ns[source.loss_fn_var] if source.loss_fn_var
+               else functools.partial(default_loss, causal=causal))
+    # (one meta forward: only where ids are drawn)
+    synthetic = source.make_batch_var is None and not v.dataset
+    rows = default_batch_size(inputs, dp=plan.mesh.dp, global_batch=plan.batch.global_batch)
+    v.defaults = {
+        # the plan's rows, as samples the dataset gives
+        "batch_size": max(1, rows // per_sample),
+        "int_high": id_ranges(model, inputs, loss_fn=loss_fn)
+        if synthetic else smallest_table(model), "causal": causal
+    }
+
+
+def _tp_values(v: ScriptValues, model: nn.Module, inputs, plan: Plan) -> None:
+    """Tensor parallelism's values: the styles as one relative plan per module list, the per-rank
+    sizes and head-indexed tables the model's code reads, the fused head's split."""
+    tp = plan.mesh.tp
+    styles = tp_styles(model, plan.tp_plan,
+                       sp_layers=[lp.path for lp in plan.layers if lp.sequence_parallel],
+                       layers=[lp.path for lp in plan.layers], loss_parallel=plan.loss_parallel,
+                       parts=plan.tp_parts, tp=tp)
+    head_style = styles.pop(plan.fused_loss, None) if plan.fused_loss else None
+    # the fused head splits its own weight (runtime/fused_loss.py shard_fused_head)
+    if head_style is not None:
+        v.fused_head_tp, v.fused_head_sequence = True, head_style.input_layout != REPLICATE
+    v.tp_plan, v.block_tp_plans = relative_plans(model, styles)
+    v.local_sizes = block_patterns(model, local_sizes(model, styles, tp=tp))
+    stand = StandIn(model, *split_inputs(inputs))
+    v.head_tables = block_patterns(model,
+                                   head_tables(model, styles, tp=tp, parts=plan.tp_parts,
+                                               call=lambda model: call(model, stand)))
+    if plan.mesh.pp > 1 and (why := stage_refusal(v.local_sizes, v.head_tables)):
+        raise NotImplementedError(why)
+    v.vocab_parallel = plan.loss_parallel
 
 
 def _pipeline(v: ScriptValues, plan: Plan) -> None:
@@ -320,203 +341,15 @@ def _pipeline(v: ScriptValues, plan: Plan) -> None:
     v.static_shapes = not _sequence_shards_cross(v) and not mixed
 
 
-def _weights(source: ModelSource, found: list[str]) -> str:
-    """``source.weights`` checked: a folder, for a cell that does not name its own checkpoint
-    (``from_pretrained``)."""
-    if not source.weights:
-        return ""
-    if found:
-        raise ValueError(f"weights={source.weights!r}, but the cell starts from its own checkpoint "
-                         f"(from_pretrained({found[-1]!r})): weights= is for a cell that builds "
-                         "its model from a config; name one of the two")
-    if not os.path.isdir(source.weights):
-        raise FileNotFoundError(f"weights={source.weights!r}: no such folder; name a folder of "
-                                "safetensors files (what save_pretrained writes)")
-    return source.weights
-
-
-def _check_runnable(plan: Plan) -> None:
-    m, pr = plan.mesh, plan.precision
-    if m.ep > 1 and m.tp > 1:
-        raise NotImplementedError(
-            f"expert parallelism (ep={m.ep}) runs beside data parallelism (and pipelining) without "
-            f"TP, not with tp={m.tp}: the experts' all-to-all is not split by TP (no expert-TP)")
-    if plan.sync_batchnorm and m.dp > 1 and m.pp > 1:
-        raise NotImplementedError("sync_batchnorm with pipelining is not supported")
-    if m.pp > 1 and pr.amp == "fp16":
-        raise NotImplementedError("pipelining with fp16 loss scaling is not supported; use bf16")
-    if plan.pipeline.schedule not in SCHEDULES:
-        raise PlanError(f"pipeline.schedule {plan.pipeline.schedule!r} unknown")
-
-
-def _check_cp(source: ModelSource, inputs, v: ScriptValues) -> None:
-    """PlanError unless context parallelism can run the cell: the default loss (``sequence_loss``
-    computes it on each rank's part of the sequence) on batches of one (batch, seq) tensor of token
-    ids."""
-    if source.loss_fn_var:
-        raise PlanError(f"mesh.cp > 1, but the cell defines its own {source.loss_fn_var}: context "
-                        "parallelism computes the default loss on each rank's part of the sequence "
-                        "(a loss of the whole sequence cannot run there); drop it from the cell, "
-                        "or use cp=1")
-    try:
-        sequence_tensor(inputs)
-    except ValueError as e:
-        raise PlanError(f"mesh.cp > 1: {e}") from None
-    if not v.tokens:
-        raise PlanError("mesh.cp > 1 needs token ids as the model's input; use cp=1")
-
-
-def _check_fused_loss(model: nn.Module, head: str, source: ModelSource) -> None:
-    """PlanError unless ``plan.fused_loss`` can run: the default loss (no ``loss_fn`` in the cell,
-    whose loss the fused op would not compute) and a bias-free nn.Linear at that path (what
-    ``apply_fused_loss`` checks)."""
-    if source.loss_fn_var:
-        raise PlanError(f"plan.fused_loss={head!r}, but the cell defines its own "
-                        f"{source.loss_fn_var}: the fused head computes the default next-token "
-                        "cross-entropy only; re-plan (the planner does not fuse a cell's own loss) "
-                        "or set fused_loss to \"\"")
-    try:
-        linear = model.get_submodule(head)
-    except AttributeError:
-        linear = None
-    if not isinstance(linear, nn.Linear) or linear.bias is not None:
-        raise PlanError(f"plan.fused_loss={head!r} must name a bias-free nn.Linear of the model, "
-                        f"found {type(linear).__name__ if linear is not None else 'no such module'}"
-                        + (" with a bias" if isinstance(linear, nn.Linear)
-                           and linear.bias is not None else ""))
-
-
-def _float8(model: nn.Module, recipe: str) -> tuple[str, list[str]]:
-    """(the recipe, the Linear modules ``apply_float8`` will convert), ("", []) without float8;
-    PlanError when it would convert none."""
-    if recipe == "none":
-        return "", []
-    found = float8_linears(model)
-    if not found:
-        raise PlanError(f"precision.float8={recipe!r}, but the model has no nn.Linear with both "
-                        "dimensions multiples of 16 besides its output head: set precision.float8 "
-                        "to 'none'")
-    return recipe, found
-
-
-def _fused_norms(model: nn.Module) -> list[str]:
-    """The RMSNorm modules ``apply_fused_norm`` will fuse (found on a copy of the meta model);
-    PlanError when there are none."""
-    try:
-        return apply_fused_norm(copy.deepcopy(model))
-    except ValueError as e:
-        raise PlanError(str(e)) from None
-
-
-def _check_experts(model: nn.Module, plan: Plan) -> None:
-    """PlanError unless every ``plan.experts`` pattern names experts modules that ``apply_ep`` can
-    split over ``mesh.ep`` ranks (the checks the script would make, before it is written)."""
-    try:
-        paths = experts_modules_to_split(model, plan.experts, ep=plan.mesh.ep)
-    except (TypeError, ValueError) as e:
-        raise PlanError(f"experts: {e}") from None
-    selective = [lp.path for lp in plan.layers
-                 if lp.recompute == "selective" and any(within(p, lp.path) for p in paths)]
-    if selective and plan.mesh.zero_stage >= 1:
-        raise NotImplementedError(
-            f"selective recompute of layers holding experts ({', '.join(selective[:3])}) with "
-            f"ep={plan.mesh.ep} and ZeRO-{plan.mesh.zero_stage} is not supported: the experts' own "
-            "FSDP unit sits inside the selectively checkpointed region, and torch's selective "
-            "checkpointing then meets FSDP calls in recompute that the forward did not make; use "
-            "full recompute for those layers, or ZeRO 0")
-
-
-def _containers(model: nn.Module) -> dict[str, list[str]]:
-    """Paths of module lists/dicts (repeated blocks) -> their children's paths."""
-    out = {}
-    for path, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > 1:
-            out[path] = [f"{path}.{name}" if path else name for name, _ in module.named_children()]
-    return out
-
-
-def compress(model: nn.Module, paths: list[str]) -> list[str]:
-    """``paths`` (in model order) with every complete set of blocks of a module list written as one
-    pattern (``"layers.*"``), where its first block was."""
-    complete = {c: f"{c}.*" if c else "*" for c, children in _containers(model).items()
-                if set(children) <= set(paths)}
-    out: list[str] = []
-    for path in paths:
-        pattern = (complete.get(path.rpartition(".")[0], path) if "." in path or "" in complete
-                   else path)
-        if pattern not in out:
-            out.append(pattern)
-    return out
-
-
-def relative_plans(model: nn.Module, styles: dict[str, TPStyle]) -> tuple[dict[str, TPStyle],
-                                                                          dict[str, dict]]:
-    """torchtitan's TP layout: one relative plan for the blocks of each module list that share it,
-    absolute paths for everything else (the modules around the blocks, blocks' own entry/exit
-    styles, blocks that differ)."""
-    absolute = dict(styles)
-    blocks: dict[str, dict[str, TPStyle]] = {}
-    for container, children in _containers(model).items():
-        rel = {
-            child: {p[len(child) + 1:]: s
-                    for p, s in styles.items() if p.startswith(child + ".")}
-            for child in children
-        }
-        common, count = Counter(tuple(sorted(r.items())) for r in rel.values()).most_common(1)[0]
-        if not common or count < 2:
-            continue
-        same = [c for c in children if tuple(sorted(rel[c].items())) == common]
-        if len(same) < len(children):
-            # an override made some blocks differ: keep them all absolute (explicit beats clever)
-            continue
-        plan = {k: s
-                for k, s in sorted(common,
-                                   key=lambda kv: _module_order(model, f"{children[0]}.{kv[0]}"))}
-        blocks[f"{container}.*" if container else "*"] = plan
-        for child in same:
-            for k in rel[child]:
-                absolute.pop(f"{child}.{k}")
-    return absolute, blocks
-
-
-def block_patterns(model: nn.Module, by_path: dict[str, Any]) -> dict[str, Any]:
-    """``by_path`` with the entries that every block of a module list has alike (the same path
-    inside the block, the same value) written once, as a pattern: ``{"h.0.attn": x, "h.1.attn": x}``
-    -> ``{"h.*.attn": x}``."""
-    out = dict(by_path)
-    for container, children in sorted(_containers(model).items(), key=lambda kv: len(kv[0])):
-        inside: dict[str, dict[str, Any]] = {}  # path inside a block -> block -> value
-        for path, value in out.items():
-            for child in children:
-                if path.startswith(child + "."):
-                    inside.setdefault(path[len(child) + 1:], {})[child] = value
-        for rel, values in inside.items():
-            first = next(iter(values.values()))
-            if len(values) == len(children) and all(x == first for x in values.values()):
-                pattern = f"{container}.*.{rel}" if container else f"*.{rel}"
-                out = {(pattern if k == f"{children[0]}.{rel}" else k): x for k, x in out.items()
-                       if k == f"{children[0]}.{rel}" or k not in {f"{c}.{rel}" for c in children}}
-    return out
-
-
-def _module_order(model: nn.Module, path: str) -> int:
-    return list(dict(model.named_modules())).index(path)
-
-
-def fsdp_units(model: nn.Module, plan: Plan, ties: list[list[str]]) -> list[Any]:
-    """FSDP units from the plan's layers: each layer with ``fsdp`` and parameters of its own; the
-    final norm and the head together (torchtitan's ``[norm, output]``); layers holding a tied
-    parameter stay in the root unit."""
-    modules = dict(model.named_modules())
-    tied = {p.rpartition(".")[0] for group in ties for p in group}
-
-    def holds_tie(path: str) -> bool:
-        return any(within(t, path) for t in tied)
-
-    layers = [lp.path for lp in plan.layers if lp.fsdp and lp.path in modules
-              and not holds_tie(lp.path) and any(True for _ in modules[lp.path].parameters())]
-    tail: list[Any] = []
-    if (len(layers) >= 2 and layers[-1] == plan.layers[-1].path
-        and "norm" in type(modules[layers[-2]]).__name__.lower()):
-        tail, layers = [layers[-2:]], layers[:-2]
-    return [*compress(model, layers), *tail]
+def _layer_values(v: ScriptValues, model: nn.Module, plan: Plan) -> None:
+    """The per-layer choices as patterns: recompute by mode, compiled layers, FSDP units."""
+    by_mode: dict[str, list[str]] = {}
+    for lp in plan.layers:
+        if lp.recompute != "none":
+            by_mode.setdefault(lp.recompute, []).append(lp.path)
+    v.recompute = {pattern: mode for mode, paths in by_mode.items()
+                   for pattern in compress(model, paths)}
+    v.compile, v.async_tp = (compress(model, [lp.path for lp in plan.layers if lp.compile]),
+                             plan.async_tp)
+    if v.fsdp or v.replicate:
+        v.fsdp_units = fsdp_units(model, plan, v.ties)
