@@ -158,8 +158,6 @@ LONG_FUNCTIONS = {
     "planner/__init__.py:_plan": 97,  # 78
     "planner/explain.py:explain": 88,  # 76
     "planner/search.py:run": 84,  # 76
-    "export/parallelize.py:parallelize_source": 89,  # 66
-    "export/settings.py:settings": 89,  # 70
     "runtime/pp_split.py:split_model": 91,  # 77
 }
 

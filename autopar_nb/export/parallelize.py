@@ -115,6 +115,25 @@ def _data_parallel_lines(v: ScriptValues, step: int, uses: list[str]) -> list[st
 def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
     """``parallelize(model, mesh, device[, stage_ids, example])``: the runtime's technique functions
     called in torchtitan's order; the runtime names it calls and the imports it needs."""
+    calls, uses, imports, plans = _technique_calls(v)
+    head = ['def parallelize(model, mesh, device'
+            + (', stage_ids, example):' if v.pp > 1 else '):'),
+            '    """The plan applied to the pieces of the model this rank holds (one, or one per '
+            'pipeline stage)."""',
+            *("    " + line if line else "" for line in "\n".join(plans).splitlines()),
+            *_whole_model_lines(v, uses)]
+    if v.pp > 1:
+        head += _stage_lines(v, uses)
+        body = [f"        {c}" for c in calls] + ["        parts.append(part)",
+                                                  "    return parts, shapes"]
+    else:
+        body = ["    part = model"] + [f"    {c}" for c in calls] + ["    return [part]"]
+    return "\n".join(head + body), uses, imports
+
+
+def _technique_calls(v: ScriptValues) -> tuple[list[str], list[str], set, list[str]]:
+    """The techniques applied to each piece, numbered in their order: the lines, the runtime names
+    they call, the imports they need and the TP plans (``parallelize``'s local variables)."""
     calls, uses, imports, plans = [], [], set(), []
     steps = iter(range(1, 20))  # the techniques' order, numbered in the comments
     if v.float8:  # before the fused loss replaces the head, which float8 keeps in bf16
@@ -134,16 +153,7 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
         calls += tp_lines
         uses += tp_uses + tp_calls
     if v.ep > 1:
-        calls += [f"# {next(steps)}. expert parallelism: each experts module's experts split over "
-                  "EP consecutive "
-                  "data-parallel",
-                  "#    ranks, tokens sent to them by all-to-all; before AC wraps the modules and "
-                  "before data",
-                  "#    parallelism, which must leave the experts to the ranks that hold the same "
-                  "ones",
-                  "experts_mesh = expert_mesh(mesh, ep=EP)  # (pp, dp_mod_ep, ep, tp): dp split",
-                  "apply_ep(part, experts_mesh[\"ep\"], experts=EXPERTS"
-                  + (", stage=True)" if v.pp > 1 else ")")]
+        calls += _ep_lines(v, next(steps))
         uses += ["expert_mesh", "apply_ep"] + ["experts_in_stages"] * (v.pp > 1)
     if v.recompute:
         calls += [f"# {next(steps)}. activation checkpointing around whole layers, before FSDP so "
@@ -159,45 +169,60 @@ def parallelize_source(v: ScriptValues) -> tuple[str, list[str], set]:
                   "that its hooks stay outside", "apply_compile(part, COMPILE)"]
         uses.append("apply_compile")
     calls += _data_parallel_lines(v, next(steps), uses)
-    head = ['def parallelize(model, mesh, device'
-            + (', stage_ids, example):' if v.pp > 1 else '):'),
-            '    """The plan applied to the pieces of the model this rank holds (one, or one per '
-            'pipeline stage)."""',
-            *("    " + line if line else "" for line in "\n".join(plans).splitlines())]
+    return calls, uses, imports, plans
+
+
+def _ep_lines(v: ScriptValues, step: int) -> list[str]:
+    """The lines of ``parallelize`` that apply expert parallelism (technique number ``step``)."""
+    return [f"# {step}. expert parallelism: each experts module's experts split over "
+            "EP consecutive "
+            "data-parallel",
+            "#    ranks, tokens sent to them by all-to-all; before AC wraps the modules and "
+            "before data",
+            "#    parallelism, which must leave the experts to the ranks that hold the same "
+            "ones",
+            "experts_mesh = expert_mesh(mesh, ep=EP)  # (pp, dp_mod_ep, ep, tp): dp split",
+            "apply_ep(part, experts_mesh[\"ep\"], experts=EXPERTS"
+            + (", stage=True)" if v.pp > 1 else ")")]
+
+
+def _whole_model_lines(v: ScriptValues, uses: list[str]) -> list[str]:
+    """What ``parallelize`` does to the whole model before any piece of it: the fused norms and,
+    pipelined, the fused loss (the stages' graphs then call the fused ops)."""
+    lines = []
     # on the whole model, before the pipeline's trace: the stages' graphs call the fused op
     if v.fused_norm:
-        head += ["    # the RMSNorms fused first (the same modules and weights, a new forward), on "
-                 "the whole model: "
-                 "what the", "    # techniques below wrap"
-                 + (" and the pipeline's trace records" if v.pp > 1 else ""),
-                 "    apply_fused_norm(model)"]
+        lines += ["    # the RMSNorms fused first (the same modules and weights, a new forward), "
+                  "on the whole model: what the", "    # techniques below wrap"
+                  + (" and the pipeline's trace records" if v.pp > 1 else ""),
+                  "    apply_fused_norm(model)"]
         uses.append("apply_fused_norm")
     if v.pp > 1 and v.fused_loss:
-        head += ["    # the output head fused with the loss (it never holds the full logits), "
-                 "before the trace: the "
-                 "last stage", "    # holds it, ends at its input, and its loss runs it on that "
-                               "input (StageLoss)",
-                 "    apply_fused_loss(model, FUSED_LOSS)"]
+        lines += ["    # the output head fused with the loss (it never holds the full logits), "
+                  "before the trace: the "
+                  "last stage", "    # holds it, ends at its input, and its loss runs it on that "
+                                "input (StageLoss)",
+                  "    apply_fused_loss(model, FUSED_LOSS)"]
         uses.append("apply_fused_loss")
-    if v.pp > 1:
-        # the traced whole model: read for the stages' boundary shapes
-        whole = "whole" if v.static_shapes else "_"
-        split = call("split_model", "model", boundaries="STAGE_BOUNDARIES", microbatch="example",
-                     **({"loss_head": "FUSED_LOSS"} if v.fused_loss else {}),
-                     **({"one_sequence_per_row": "True"} if v.cp > 1 else {}),
-                     indent=len(f"    stages, {whole} = "))
-        head += ["    # pipeline stages: trace the model on one micro-batch, cut it before each "
-                 "stage's first layer", f"    stages, {whole} = {split}",
-                 "    shapes = boundary_values(whole, stages, example)" if v.static_shapes else
-                 "    shapes = None  # not as traced: the stages infer what crosses their cuts",
-                 *["    experts_in_stages(model, stages, experts=EXPERTS)  # the model's, not "
-                   "traced"] * (v.ep > 1),
-                 "    release_stages(model, stages, keep=stage_ids)  # the other ranks' stages' "
-                 "weights: freed",
-                 "    parts = []", "    for part in [stages[i] for i in stage_ids]:"]
-        uses += ["split_model", "release_stages"] + (["boundary_values"] if v.static_shapes else [])
-        body = [f"        {c}" for c in calls] + ["        parts.append(part)",
-                                                  "    return parts, shapes"]
-    else:
-        body = ["    part = model"] + [f"    {c}" for c in calls] + ["    return [part]"]
-    return "\n".join(head + body), uses, imports
+    return lines
+
+
+def _stage_lines(v: ScriptValues, uses: list[str]) -> list[str]:
+    """The pipeline's stages cut from the traced model, and the loop over this rank's ones that
+    the techniques run in."""
+    # the traced whole model: read for the stages' boundary shapes
+    whole = "whole" if v.static_shapes else "_"
+    split = call("split_model", "model", boundaries="STAGE_BOUNDARIES", microbatch="example",
+                 **({"loss_head": "FUSED_LOSS"} if v.fused_loss else {}),
+                 **({"one_sequence_per_row": "True"} if v.cp > 1 else {}),
+                 indent=len(f"    stages, {whole} = "))
+    uses += ["split_model", "release_stages"] + (["boundary_values"] if v.static_shapes else [])
+    return ["    # pipeline stages: trace the model on one micro-batch, cut it before each "
+            "stage's first layer", f"    stages, {whole} = {split}",
+            "    shapes = boundary_values(whole, stages, example)" if v.static_shapes else
+            "    shapes = None  # not as traced: the stages infer what crosses their cuts",
+            *["    experts_in_stages(model, stages, experts=EXPERTS)  # the model's, not "
+              "traced"] * (v.ep > 1),
+            "    release_stages(model, stages, keep=stage_ids)  # the other ranks' stages' "
+            "weights: freed",
+            "    parts = []", "    for part in [stages[i] for i in stage_ids]:"]

@@ -19,11 +19,16 @@ def _weights_setting(path: str) -> list[str]:
 def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]:
     """The settings block (``NAME = value # where it came from``) and the names it needs
     imported."""
-    m, o, pr = plan.mesh, plan.optimizer, plan.precision
-    imports: set = set()
     s = [f"SEED = {seed!r}  # every process seeds the same before building the model",
-         *(_weights_setting(v.weights) if v.weights else []),
-         *([f"PP, DP, TP = {m.pp!r}, {m.dp!r}, {m.tp!r}  # plan.mesh: world = PP * DP * TP = "
+         *(_weights_setting(v.weights) if v.weights else []), *_mesh_settings(v, plan)]
+    return [*s, *_precision_settings(v, plan), *_optimizer_settings(plan), *_data_settings(v),
+            *_technique_settings(v)], set()
+
+
+def _mesh_settings(v: ScriptValues, plan: Plan) -> list[str]:
+    """The mesh, ZeRO, expert parallelism, micro-batches and the pipeline's stages."""
+    m = plan.mesh
+    s = [*([f"PP, DP, TP = {m.pp!r}, {m.dp!r}, {m.tp!r}  # plan.mesh: world = PP * DP * TP = "
             f"{m.world_size}"]
            if v.cp == 1 else
            [f"PP, DP, CP, TP = {m.pp!r}, {m.dp!r}, {m.cp!r}, {m.tp!r}  # plan.mesh: world = PP * "
@@ -44,6 +49,12 @@ def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]
               f"SCHEDULE = {one_line(v.schedule)}  # plan.pipeline.schedule",
               f"STAGE_BOUNDARIES = {literal(v.boundaries, width=64)}  # plan.layers[*].stage: each "
               "stage's first layer"]
+    return s
+
+
+def _precision_settings(v: ScriptValues, plan: Plan) -> list[str]:
+    """Autocast and its op lists, FSDP's mixed precision, fp16's loss scaling."""
+    pr, s = plan.precision, []
     if pr.amp != "none":
         s.append(f"AMP_DTYPE = torch.{DTYPE_NAMES[pr.amp]}  # plan.precision.amp: autocast dtype "
                  "of the forward pass")
@@ -62,27 +73,43 @@ def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]
         s.append(f"DYNAMIC_LOSS_SCALE = {bool(pr.dynamic_loss_scale)!r}  # "
                  "plan.precision.dynamic_loss_scale")
         s.append(f"GROWTH_INTERVAL = {int(pr.growth_interval)!r}  # plan.precision.growth_interval")
-    s += [f"OPTIMIZER = {one_line(o.name)}  # plan.optimizer",
-          f"LR = {float(o.lr)!r}",
-          f"WEIGHT_DECAY = {float(o.weight_decay)!r}",
-          f"BETAS = {tuple(float(b) for b in o.betas)!r}",
-          f"WARMUP = {int(o.warmup_steps)!r}  # steps of linear learning-rate warm-up",
-          f"LR_SCHEDULE = {one_line(o.lr_schedule)}  # cosine decay or constant after warm-up",
-          f"MIN_LR_RATIO = {float(o.min_lr_ratio)!r}  # the cosine's end, relative to LR",
-          f"GRAD_CLIP = {float(o.grad_clip)!r}  # max global gradient norm; 0: no clipping"]
+    return s
+
+
+def _optimizer_settings(plan: Plan) -> list[str]:
+    """The optimizer and its learning-rate schedule."""
+    o = plan.optimizer
+    return [f"OPTIMIZER = {one_line(o.name)}  # plan.optimizer",
+            f"LR = {float(o.lr)!r}",
+            f"WEIGHT_DECAY = {float(o.weight_decay)!r}",
+            f"BETAS = {tuple(float(b) for b in o.betas)!r}",
+            f"WARMUP = {int(o.warmup_steps)!r}  # steps of linear learning-rate warm-up",
+            f"LR_SCHEDULE = {one_line(o.lr_schedule)}  # cosine decay or constant after warm-up",
+            f"MIN_LR_RATIO = {float(o.min_lr_ratio)!r}  # the cosine's end, relative to LR",
+            f"GRAD_CLIP = {float(o.grad_clip)!r}  # max global gradient norm; 0: no clipping"]
+
+
+def _data_settings(v: ScriptValues) -> list[str]:
+    """The batch size per rank and, for the default loss and synthetic ids, their settings."""
     if v.defaults and v.dataset:
-        s.append(f"BATCH_SIZE = {v.defaults['batch_size']!r}  # the dataset's samples per "
-                 "data-parallel rank and step")
-        if v.default_loss:
-            s.append(f"CAUSAL = {v.defaults['causal']!r}  # the default loss predicts the next "
-                     "token (False: the same one)")
-    elif v.defaults:
-        s += [f"BATCH_SIZE = {v.defaults['batch_size']!r}  # samples per data-parallel rank and "
-              "step (synthetic data)",
-              f"INT_HIGH = {v.defaults['int_high']!r}  # synthetic ids are drawn below each "
-              "integer input's entry: the largest embedding table it indexes",
-              f"CAUSAL = {v.defaults['causal']!r}  # the default loss predicts the next token "
-              "(False: the same one)"]
+        return [f"BATCH_SIZE = {v.defaults['batch_size']!r}  # the dataset's samples per "
+                "data-parallel rank and step",
+                *([f"CAUSAL = {v.defaults['causal']!r}  # the default loss predicts the next "
+                   "token (False: the same one)"] if v.default_loss else [])]
+    if v.defaults:
+        return [f"BATCH_SIZE = {v.defaults['batch_size']!r}  # samples per data-parallel rank and "
+                "step (synthetic data)",
+                f"INT_HIGH = {v.defaults['int_high']!r}  # synthetic ids are drawn below each "
+                "integer input's entry: the largest embedding table it indexes",
+                f"CAUSAL = {v.defaults['causal']!r}  # the default loss predicts the next token "
+                "(False: the same one)"]
+    return []
+
+
+def _technique_settings(v: ScriptValues) -> list[str]:
+    """What the techniques read: the fused loss and norms, float8, ties, recompute, compile, FSDP
+    units."""
+    s = []
     if v.fused_loss:
         s.append(f"FUSED_LOSS = {one_line(v.fused_loss)}  # plan.fused_loss: the output head fused "
                  "with the loss")
@@ -104,4 +131,4 @@ def settings(v: ScriptValues, plan: Plan, *, seed: int) -> tuple[list[str], set]
     if v.fsdp or v.replicate:
         s.append(f"FSDP_UNITS = {literal(v.fsdp_units, width=60)}  # plan.layers[*].fsdp: a list "
                  "is one unit")
-    return s, imports
+    return s
