@@ -84,7 +84,7 @@ def test_copied_blocks_under_the_eager_recorder(monkeypatch):
     def no_export(*args, **kwargs):
         raise RuntimeError("torch.export switched off for this test")
 
-    monkeypatch.setattr(capture_module, "_from_export", no_export)
+    monkeypatch.setattr(capture_module.tracers, "from_export", no_export)
     for name in ("zoo GPT", "zoo Llama", "BERT", "T5"):
         model, inputs = _model(CELLS[name])
         with pytest.warns(UserWarning, match="captured by recording one eager forward pass"):
