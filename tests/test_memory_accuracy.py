@@ -799,6 +799,21 @@ def test_the_experts_a_pipeline_stage_holds_are_named_as_the_model_names_them():
     assert layer_of("Pipe.split_gm.submod_pp_0.model.layers.0.mlp.gate", paths) == 0
 
 
+def test_a_trackers_module_finds_its_layer_as_the_plan_does():
+    """verify's layer of a tracker's module name is plan.layer_of's (the longest layer path holding it) as an index,
+    the root's "" layer left out: a module outside every other layer names none."""
+    from autopar_nb.plan import layer_of as plan_layer_of
+    from autopar_nb.verify.moments import layer_of, path_in_layer
+
+    paths = ["", "model.embed_tokens", "model.layers.1", "model.layers.10", "lm_head"]
+    assert layer_of("LlamaForCausalLM.model.layers.10.mlp.up_proj", paths) == 3  # not model.layers.1
+    assert layer_of("DistributedDataParallel.module.model.layers.1", paths) == 2
+    assert layer_of("LlamaForCausalLM.model.norm", paths) is None and layer_of("LlamaForCausalLM", paths) is None
+    assert path_in_layer("model.layers.10.mlp", paths) == ".mlp" and path_in_layer("model.norm", paths) == "model.norm"
+    for name in ("model.layers.10.mlp", "model.layers.1", "lm_head", "model.embed_tokens.weight"):
+        assert paths[layer_of(f"Llama.{name}", paths)] == plan_layer_of(name, paths)
+
+
 @pytest.mark.parametrize("pp, ep, tp, zero, real", [(1, 1, 1, 0, False), (2, 1, 1, 0, True), (1, 2, 1, 0, True),
                                                     (1, 1, 2, 1, False), (1, 1, 2, 0, False), (1, 1, 1, 1, False)])
 def test_plans_whose_ranks_exchange_data_are_measured_on_a_real_group(monkeypatch, tmp_path, pp, ep, tp, zero, real):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from ..cost.tp_styles import packet
+from ..plan import layer_of as layer_path_of
 
 GROUPS = {
     "params": (("params",), ("params",)),
@@ -140,15 +141,13 @@ def _relative(module: str) -> str:
 def path_in_layer(path: str, layer_paths: list[str]) -> str:
     """A module path relative to the layer that holds it ("" for the layer itself; the path where
     none does): ``model.layers.3.mlp`` is ``.mlp`` in every block."""
-    best = max((p for p in layer_paths if p and (path == p or path.startswith(p + "."))), key=len,
-               default="")
+    best = layer_path_of(path, [p for p in layer_paths if p])
     return path[len(best):] if best else path
 
 
 def layer_of(module: str, layer_paths: list[str]) -> int | None:
-    """The index of the layer whose path holds a tracker's module name (:func:`_relative`)."""
-    name = _relative(module)
-    best = [(len(p), k) for k, p in enumerate(layer_paths) if p
-            and (name == p or name.startswith(p + "."))]
-    return max(best)[1] if best else None
-
+    """The index of the layer whose path holds a tracker's module name: :func:`_relative` of it,
+    then :func:`autopar_nb.plan.layer_of` over the layers but the root's ("" would hold every
+    name: a module outside every other layer names none)."""
+    path = layer_path_of(_relative(module), [p for p in layer_paths if p])
+    return None if path is None else layer_paths.index(path)
