@@ -3,6 +3,8 @@ recompute and FSDP units as patterns over repeated blocks, stage boundaries, tie
 
 Everything here is decided once, at export time, from the plan and the model (built on the meta
 device); the script holds the values as literals, and the runtime functions it carries read them.
+The patterns over repeated blocks are written by :mod:`.patterns`; what the script could not run is
+refused first, by :mod:`.checks`.
 """
 
 from __future__ import annotations
