@@ -74,7 +74,8 @@ from typing import Any
 
 from .units import fmt_bytes, fmt_time
 
-SPEED_KEYS = ("eff_matmul", "eff_conv", "eff_attention", "eff_fp32_matmul", "eff_hbm", "eff_link")
+SPEED_KEYS = ("eff_matmul", "eff_conv", "eff_attention", "flash_speed", "eff_fp32_matmul",
+              "eff_hbm", "eff_link")
 """efficiencies divided by measured/predicted step time"""
 OVERHEAD_KEYS = ("op_overhead_s", "cpu_op_s", "cpu_op_bwd_s", "cpu_tp_module_s",
                  "cpu_tp_module_bwd_s", "cpu_fsdp_unit_s", "cpu_fsdp_reshard_s", "cpu_ddp_s",
@@ -402,7 +403,7 @@ def from_run(run: Any, *, cluster: Any = None, preset: str | None = None,
 COMPONENTS = ("device", "communication", "host")
 """what :func:`fit_components` scales apart: the device's work (compute, the pipeline bubble, the
 optimizer step), exposed communication, and the host's time issuing the step (``cost/cpu.py``)"""
-DEVICE_SPEED_KEYS = ("eff_matmul", "eff_conv", "eff_attention", "eff_fp32_matmul", "eff_hbm")
+DEVICE_SPEED_KEYS = tuple(k for k in SPEED_KEYS if k != "eff_link")
 
 
 def components(cost: Any) -> dict[str, float]:

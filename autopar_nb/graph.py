@@ -66,6 +66,16 @@ class OpNode:
     dropout_p: float | None = None
     """dropout ops: the probability they drop with (0 when not training: then the op returns its
     input and saves nothing); attention: SDPA's dropout_p; None for other ops"""
+    causal: bool = False
+    """attention: SDPA's ``is_causal`` (the kernel skips the masked half: ``cost/flash.py``)"""
+
+
+def sdpa_causal(op: str, args, kwargs) -> bool:
+    """:attr:`OpNode.causal` of a call of ``op``: SDPA's ``is_causal`` (its sixth argument:
+    ``query, key, value, attn_mask, dropout_p, is_causal, ...``); False for any other op."""
+    if "scaled_dot_product_attention" not in op:
+        return False
+    return bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
 
 
 @dataclass

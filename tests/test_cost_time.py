@@ -14,6 +14,7 @@ from autopar_nb.cost import Evaluator, LayerChoice, Setting, factors_for, profil
 from autopar_nb.cost.comm import collective_time, link_for
 from autopar_nb.cost.efficiency import gemm_penalty
 from autopar_nb.cost.estimate import estimate
+from autopar_nb.cost.flash import attention_efficiency
 from autopar_nb.cost.time import bubble_fraction, layer_compute_time
 from autopar_nb.hardware import IB_NDR, LOOPBACK, NVLINK4
 
@@ -83,7 +84,10 @@ def test_tp_divides_region_compute(gpt):
     peak = c.device.flops("bfloat16")
     amp = block.time_amp["autocast"]
     assert not any(amp.fp32_split.values())  # under bf16 autocast on CUDA every matmul and SDPA is 16-bit
-    region = sum(v / (peak * f.efficiency(k, True)) for k, v in block.flops_split.items())
+    # attention at FlashAttention-2's published speed for its head dim, sequence and mask (cost/flash.py)
+    att = attention_efficiency(block.attentions, seq_ratio=1.0, device=c.device.name)[0]
+    region = sum(v / (peak * (att if k == "attention" else f.efficiency(k, True)))
+                 for k, v in block.flops_split.items())
     hbm = c.device.hbm_bandwidth * f.eff_hbm
     # beyond the FLOPs: what the GEMMs' shapes cost at each degree (cost/efficiency.py)
     shaped = [gemm_penalty(block.gemms, scale=1.0, tp=t, device=c.device.name, hbm=hbm, itemsize=2,
@@ -115,6 +119,7 @@ def test_calibration_replaces_factors(gpt):
     base = ap.Cluster.preset("h100-80gb", 1, 8)
     f = factors_for(base)
     half_speed = {"eff_matmul": f.eff_matmul / 2, "eff_attention": f.eff_attention / 2, "eff_conv": f.eff_conv / 2,
+                  "flash_speed": f.flash_speed / 2,
                   "eff_hbm": f.eff_hbm / 2, "op_overhead_s": f.op_overhead_s * 2}
     slow = dataclasses.replace(base, calibration=half_speed)
     s = Setting(dp=8, amp="bf16", mb_samples=4)

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 import kernels_ext
 from kernels_ext import TensorMeta
 
-from ..graph import Layer, ModelGraph, OpNode, ParamInfo, TensorInfo
+from ..graph import Layer, ModelGraph, OpNode, ParamInfo, TensorInfo, sdpa_causal
 from . import blocks
 from .layers import cached_layer_of, execution_order, find_layers, parent, repeated_blocks
 from .linear import class_name
@@ -110,7 +110,8 @@ def build(model: nn.Module, args: tuple, kwargs: dict, raw: list[RawOp], outs: l
         node = OpNode(r.name, r.op, rule.op_class, r.inputs, in_shapes, [o.shape for o in out_meta],
                       out_meta[0].dtype if out_meta else "", flops, bwd, rd, wr, r.params,
                       r.module_path, renamed.get(r.module_path, r.module_type), layer or "",
-                      r.op not in unknown, _dropout_p(r.op, r.args, r.kwargs))
+                      r.op not in unknown, _dropout_p(r.op, r.args, r.kwargs),
+                      sdpa_causal(r.op, r.args, r.kwargs))
         if layer is None:
             pending.append(node)
         else:

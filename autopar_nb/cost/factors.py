@@ -22,8 +22,13 @@ class Factors:
     eff_conv: float = 0.55
     """achieved / peak for convolutions (cuDNN, typical CNN shapes)"""
     eff_attention: float = 0.55
-    """achieved / peak for fused attention (FlashAttention-2 paper: 50-73% of A100 peak forward,
-    less backward)"""
+    """achieved / peak for fused attention on a device without published kernel figures (16-bit
+    attention on the A100 and Hopper presets is costed by head dim, sequence and mask from
+    FlashAttention-2's published speeds: ``cost/flash.py``); FlashAttention-2 paper: 50-73% of A100
+    peak forward, less backward"""
+    flash_speed: float = 1.0
+    """achieved / published FlashAttention-2 speed where ``cost/flash.py`` has figures for the
+    device (1: the published one; a calibration's speed correction scales it)"""
     eff_fp32_matmul: float = 0.85
     """fp32 GEMMs run on CUDA cores (or the CPU) close to their (much lower) peak"""
     eff_hbm: float = 0.75

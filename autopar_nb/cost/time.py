@@ -14,6 +14,7 @@ applied), and the copies autocast makes are memory-bound ops of their own. All f
 from __future__ import annotations
 
 from .efficiency import gemm_penalty
+from .flash import attention_efficiency
 from .float8 import float8_time
 from .offload import cpu_optimizer_time
 from .profile import AmpTime, LayerProfile
@@ -108,9 +109,11 @@ def amp_compute_time(lp: LayerProfile, amp: AmpTime, *, tp: int, sp: bool, scale
         b32 = (amp.bwd_fp32_split.get(cls, 0.0) / tp + amp.bwd_fp32_rep.get(cls, 0.0)) * s
         low = (lp.flops_split.get(cls, 0.0) / tp + lp.flops_rep.get(cls, 0.0)) * s - f32
         blow = (lp.bwd_split.get(cls, 0.0) / tp + lp.bwd_rep.get(cls, 0.0)) * s - b32
-        rate_lo, rate_hi = lo * factors.efficiency(cls, True), hi * factors.efficiency(cls, False)
-        fwd += low / rate_lo + f32 / rate_hi
-        bwd += blow / rate_lo + b32 / rate_hi
+        eff_f, eff_b = _half_efficiency(lp, cls, factors, device=device,
+                                        seq_ratio=quad_scale / scale if scale else 1.0)
+        rate_hi = hi * factors.efficiency(cls, False)
+        fwd += low / (lo * eff_f) + f32 / rate_hi
+        bwd += blow / (lo * eff_b) + b32 / rate_hi
     hbm = device.hbm_bandwidth * factors.eff_hbm
     fwd, bwd = _amp_shaped(lp, amp, fwd, bwd, tp=tp, scale=scale, device=device, hbm=hbm,
                            rates=(lo * factors.efficiency("matmul", True),
@@ -124,6 +127,21 @@ def amp_compute_time(lp: LayerProfile, amp: AmpTime, *, tp: int, sp: bool, scale
     fwd, bwd, sel = _memory_bound(lp, fwd, bwd, (mem + casts, 2 * mem + cast_bwd), ops, tp=tp,
                                   hbm=hbm, factors=factors, compiled=compiled)
     return fwd, bwd, sel + _matmuls_again(lp, tp, scale, lo * factors.efficiency("matmul", True))
+
+
+def _half_efficiency(lp: LayerProfile, cls: str, factors, *, device, seq_ratio: float
+                     ) -> tuple[float, float]:
+    """(forward, backward) fraction of the 16-bit peak ops of class ``cls`` reach: the fused
+    attention kernel's published speed for the layer's head dims, sequence (``seq_ratio`` x the
+    captured one) and masks where the device has figures (:mod:`.flash`, times
+    ``flash_speed``), else the class's constant efficiency."""
+    eff = factors.efficiency(cls, True)
+    if cls != "attention" or not lp.attentions:
+        return eff, eff
+    att = attention_efficiency(lp.attentions, seq_ratio=seq_ratio, device=device.name)
+    if att is None:
+        return eff, eff
+    return att[0] * factors.flash_speed, att[1] * factors.flash_speed
 
 
 def _shaped(lp: LayerProfile, fwd: float, bwd: float, *, tp: int, scale: float, device,

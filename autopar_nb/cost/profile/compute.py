@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ...plan import ITEMSIZE
 from ..efficiency import gemm_of
+from ..flash import attention_of
 from .facts import FLOAT, Facts, in_layers, numel, returns_input, selective_recomputes
 from .layers import AmpTime, LayerProfile
 
@@ -35,6 +36,8 @@ def count_compute(layers: dict[str, LayerProfile], f: Facts) -> None:
             bwd[n.op_class] += n.bwd_flops
             if n.op_class == "matmul":
                 _add_gemm(lp, n, f.tp.styles.get(n.name, "") if split else None)
+            elif n.op_class == "attention" and (a := attention_of(n)) is not None:
+                lp.attentions = (*lp.attentions, a)
             if n.name in f.scores:
                 lp.quad_flops += n.flops
             if n.name in again and split:

@@ -220,6 +220,9 @@ class LayerProfile:
     gemms: tuple = ()
     """the :class:`~autopar_nb.cost.efficiency.Gemm` of each matrix multiply of the forward (their
     shapes: tile and wave quantisation)"""
+    attentions: tuple = ()
+    """the :class:`~autopar_nb.cost.flash.Attention` of each attention op of the forward (head dim,
+    sequence, causal: the fused kernel's speed)"""
     n_ops: int = 0
     """non-view ops of the layer's forward: each a kernel launch, and the host's work issuing it"""
     emb_bwd_split: float = 0.0
