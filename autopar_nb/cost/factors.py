@@ -20,7 +20,7 @@ class Factors:
     """achieved / peak FLOP/s of large GEMMs (Megatron-LM reports 0.6-0.75 of A100/H100 bf16
     peak)"""
     eff_conv: float = 0.55
-    """achieved / peak for convolutions (cuDNN, typical CNN shapes)"""
+    """achieved / peak for convolutions (cuDNN, typical CNN shapes). No source: a round figure"""
     eff_attention: float = 0.55
     """achieved / peak for fused attention on a device without published kernel figures (16-bit
     attention on the A100 and Hopper presets is costed by head dim, sequence and mask from
@@ -30,10 +30,11 @@ class Factors:
     """achieved / published FlashAttention-2 speed where ``cost/flash.py`` has figures for the
     device (1: the published one; a calibration's speed correction scales it)"""
     eff_fp32_matmul: float = 0.85
-    """fp32 GEMMs run on CUDA cores (or the CPU) close to their (much lower) peak"""
+    """fp32 GEMMs run on CUDA cores (or the CPU) close to their (much lower) peak. No source: a
+    round figure"""
     eff_hbm: float = 0.75
     """achieved / datasheet HBM bandwidth for memory-bound kernels (elementwise, norms, softmax,
-    optimizer)"""
+    optimizer). No source: a round figure"""
     eff_link: float = 0.80
     """achieved NCCL bus bandwidth / link datasheet bandwidth at large messages (the latency and
     protocols of smaller ones: ``cost/comm.py``). NCCL's maintainer: the ring reaches ~370 GB/s of
@@ -42,18 +43,18 @@ class Factors:
     op_overhead_s: float = 2e-6
     """seconds per non-view op of launch/framework overhead not hidden by asynchronous kernel
     execution (eager PyTorch issues a kernel in ~5-10 us of CPU time, mostly overlapped with the
-    previous kernels)"""
+    previous kernels). No source on a GPU: a round figure"""
     overlap_dp: float = 0.80
     """fraction of DDP/ZeRO-1/2 gradient all-reduce or reduce-scatter hidden behind backward
-    compute"""
+    compute. No source: a round figure (not derived from the buckets' schedule)"""
     overlap_fsdp: float = 0.80
     """fraction of FSDP (ZeRO-3) all-gather/reduce-scatter hidden behind compute (prefetch of the
-    next unit)"""
+    next unit). No source: a round figure (not derived from FSDP2's one-unit prefetch)"""
     overlap_tp: float = 0.0
     """fraction of TP collectives hidden (0: PyTorch's eager TP runs them on the critical path)"""
     overlap_pp: float = 0.90
     """fraction of pipeline send/recv hidden behind the other micro-batches' compute (steady
-    state)"""
+    state). No source: a round figure"""
     overlap_contention: float = 0.189
     """seconds of compute lost per second of communication hidden behind it: an NCCL kernel holds
     SMs and HBM bandwidth while it runs beside the compute kernels. Measured by Characterizing
@@ -63,8 +64,11 @@ class Factors:
     (40.0 % at most) than the same computation alone. Not measured on CPUs: 0 for the ``cpu``
     preset"""
     bubble_zero_bubble: float = 0.10
-    """zero-bubble schedules: remaining bubble as a fraction of the 1F1B bubble (ZB-V paper: near
-    zero)"""
+    """zero-bubble schedules: remaining bubble as a fraction of the 1F1B bubble. No source for the
+    figure: the schedules' authors publish a bubble rate of (p-1)/m for 1F1B, (p-1)/3m for ZB1P and
+    0 for ZB2P and ZBV "assuming T_F = T_B = T_W" (sail-sg/zero-bubble-pipeline-parallelism's README
+    at 3a91d0c, "Comparision of Schedules"), which a transformer's backward does not meet (its
+    attention has no weight gradient: T_B > T_W), so 0 would be low; the round 0.10 is kept"""
     margin_fraction: float = 0.05
     """allocator fragmentation: fraction of the predicted bytes the caching allocator reserves on
     top, without full recompute. Measured on an H200 (BENCHMARKS.md "GPU"): 1.4 % without recompute,
@@ -163,8 +167,10 @@ ARCH_FACTORS: dict[str, dict[str, float]] = {
     # Ampere with the kernels eager PyTorch runs: FlashAttention-2 (torch's SDPA) "achieves only 35%
     # utilization on the H100" (Shah et al. 2024, FlashAttention-3, abstract), where it reached
     # 50-73 % of the A100's forward (Dao 2023). Measured: LLaMA-3.2 1B's shape on one H200, bf16
-    # eager, seq 2048 (BENCHMARKS.md "GPU", run.calibrate() of the recompute=none run): matmul
-    # 0.571, attention 0.448, HBM-bound ops 0.612, float32 matmul 0.693
+    # eager, seq 2048 (BENCHMARKS.md "GPU", run.calibrate() of the recompute=none run): one step
+    # time, so one ratio (predicted / measured, 0.816) applied to each default alike: matmul
+    # 0.571, attention 0.448 (where cost/flash.py has no figures), HBM-bound ops 0.612, float32
+    # matmul 0.693, not four independent measurements
     "hopper": {"eff_matmul": 0.571, "eff_attention": 0.448, "eff_hbm": 0.612,
                "eff_fp32_matmul": 0.693},}
 """GPU generation (:attr:`~autopar_nb.hardware.DeviceSpec.arch`) -> the defaults measured there,
