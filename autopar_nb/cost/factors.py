@@ -167,12 +167,13 @@ ARCH_FACTORS: dict[str, dict[str, float]] = {
     # Ampere with the kernels eager PyTorch runs: FlashAttention-2 (torch's SDPA) "achieves only 35%
     # utilization on the H100" (Shah et al. 2024, FlashAttention-3, abstract), where it reached
     # 50-73 % of the A100's forward (Dao 2023). Measured: LLaMA-3.2 1B's shape on one H200, bf16
-    # eager, seq 2048 (BENCHMARKS.md "GPU", run.calibrate() of the recompute=none run): one step
-    # time, so one ratio (predicted / measured, 0.816) applied to each default alike: matmul
-    # 0.571, attention 0.448 (where cost/flash.py has no figures), HBM-bound ops 0.612, float32
-    # matmul 0.693, not four independent measurements
-    "hopper": {"eff_matmul": 0.571, "eff_attention": 0.448, "eff_hbm": 0.612,
-               "eff_fp32_matmul": 0.693},}
+    # eager, seq 2048, recompute none, 179.1 ms a step (BENCHMARKS.md "GPU"): one step time, so one
+    # ratio applied to each default alike, as run.calibrate() does: the defaults predict 150.3 ms,
+    # 0.839 of it (the model with GEMM shapes and FlashAttention-2's published speeds), giving
+    # matmul 0.588, attention 0.462 (where cost/flash.py has no figures), the published attention
+    # speeds x 0.839, HBM-bound ops 0.630, float32 matmul 0.713: not independent measurements
+    "hopper": {"eff_matmul": 0.588, "eff_attention": 0.462, "flash_speed": 0.839,
+               "eff_hbm": 0.630, "eff_fp32_matmul": 0.713},}
 """GPU generation (:attr:`~autopar_nb.hardware.DeviceSpec.arch`) -> the defaults measured there,
 replacing :data:`DEFAULT`'s; a generation without a measurement keeps them (Ampere's: Megatron-LM's
 large runs)"""
