@@ -85,7 +85,7 @@ def test_tp_divides_region_compute(gpt):
     amp = block.time_amp["autocast"]
     assert not any(amp.fp32_split.values())  # under bf16 autocast on CUDA every matmul and SDPA is 16-bit
     # attention at FlashAttention-2's published speed for its head dim, sequence and mask (cost/flash.py)
-    att = attention_efficiency(block.attentions, seq_ratio=1.0, device=c.device.name)[0]
+    att = attention_efficiency(block.attentions, seq_ratio=1.0, device=c.device.name)[0] * f.flash_speed
     region = sum(v / (peak * (att if k == "attention" else f.efficiency(k, True)))
                  for k, v in block.flops_split.items())
     hbm = c.device.hbm_bandwidth * f.eff_hbm
