@@ -40,11 +40,8 @@ from torch.utils._pytree import tree_leaves
 
 from ..plan import layer_of, within
 from ..runtime.tp import REPLICATE, TPStyle
+from .sp_region import GATHER, SEQ, check_region_params, region_edges, sp_region
 
-SEQ = 1
-"""the sequence dim of (batch, seq, ...) activations: sequence parallelism shards it"""
-GATHER = TPStyle("prepare_input", input_layout=SEQ, desired_layout=REPLICATE, use_local_output=True)
-"""the whole sequence back from sequence shards, at a module's input"""
 HEAD_NORM = TPStyle("sequence_parallel", sequence_dim=-2, use_local_output=True)
 """a ``"per_head"`` norm (Qwen3's q_norm): its input (..., heads, head_dim) split by heads, its
 weight replicated, so torch's sequence-parallel style on the heads dim sums the weight's gradient
@@ -76,7 +73,7 @@ def tp_styles(model: nn.Module, tp_plan: dict[str, str], *, sp_layers: list[str]
     rows = [p for p in ordered if tp_plan[p] == "rowwise" and is_projection(modules[p])]
     layouts = {p: part_layout(p, modules[p], (parts or {}).get(p), tp=tp) for p in ordered
                if tp_plan[p] == "colwise" and (is_projection(modules[p]) or p in (parts or {}))}
-    region, after = _sp_region(modules, tp_plan, sp_layers, layers)
+    region, after = sp_region(modules, tp_plan, sp_layers, layers)
     at = _Sharding(
         layers=layers, loss_parallel=loss_parallel, layouts=layouts, region=region, after=after,
         row_parents={p.rpartition(".")[0]
@@ -87,10 +84,10 @@ def tp_styles(model: nn.Module, tp_plan: dict[str, str], *, sp_layers: list[str]
                                            if lay.get("output_layout") == REPLICATE
                                        })
     styles: dict[str, TPStyle] = shared_styles(modules, tp_plan, parts or {})
-    _region_edges(styles, tp_plan, region, after)
+    region_edges(styles, tp_plan, region, after)
     for path in ordered:
         _module_style(styles, path, modules[path], tp_plan[path], at)
-    _check_region_params(modules, styles, region)
+    check_region_params(modules, styles, region)
     # parents first, so the order reads top-down like a hand-written plan
     return dict(sorted(styles.items(), key=lambda kv: list(modules).index(kv[0])))
 
@@ -122,27 +119,6 @@ class _Sharding:
 
     def fed_sequence_shards(self, path: str) -> bool:
         return self.in_sp(path) is not None or (self.after is not None and within(path, self.after))
-
-
-def _region_edges(styles: dict[str, TPStyle], tp_plan: dict[str, str], region: list[str],
-                  after: str | None) -> None:
-    """The styles where the sequence-parallel region begins and ends (unless the plan chose those
-    modules')."""
-    if region and region[0] not in tp_plan:
-        # enter: the replicated activations (embeddings' outputs) are cut along the sequence,
-        # locally, no comm
-        styles[region[0]] = TPStyle("prepare_input", input_layout=REPLICATE, desired_layout=SEQ,
-                                    use_local_output=True)
-    if region and after is None and region[-1] not in tp_plan:
-        # the model's output leaves from inside the region: gather the sequence back
-        if region[-1] in styles:
-            raise NotImplementedError(f"sequence parallelism over the single layer {region[-1]} "
-                                      "only is not supported; extend it over the blocks")
-        styles[region[-1]] = TPStyle("prepare_output", output_layout=SEQ, desired_layout=REPLICATE,
-                                     use_local_output=True)
-    if after is not None and after not in tp_plan:
-        # leave: the next layer gets the whole sequence back
-        styles[after] = GATHER
 
 
 def _module_style(styles: dict[str, TPStyle], path: str, module: nn.Module, style: str,
@@ -273,69 +249,6 @@ def part_layout(path: str, module: nn.Module, parts: list[int] | None, *, tp: in
         return {"kind": "packed_colwise", "parts": len(parts), "transposed": transposed}
     # parts of different widths (q, k, v under GQA): one block split, the output gathered
     return {**plain, "output_layout": REPLICATE}
-
-
-def _check_region_params(modules: dict[str, nn.Module], styles: dict[str, TPStyle],
-                         region: list[str]) -> None:
-    """Every parameter that sees sequence shards must belong to a split (TP) or sequence-parallel
-    module; plain parameters there would get the gradient of one rank's tokens only."""
-    gathered = [p for p, style in styles.items() if style == GATHER]
-    for layer in region:
-        for path, module in modules.items():
-            if not within(path, layer) or not module._parameters:
-                continue
-            if path in styles and not styles[path].kind.startswith("prepare_"):
-                continue
-            if any(within(path, g) for g in gathered if g != layer):
-                continue  # inside a block that gathered the whole sequence
-            raise NotImplementedError(
-                f"{path} ({type(module).__name__}) has parameters and no TP style, but sees "
-                f"sequence shards in the sequence-parallel layer {layer}: split it "
-                "(colwise/rowwise), mark it 'sequence_parallel' if it is a norm, or turn sequence "
-                f"parallelism off for {layer}")
-
-
-def _sp_region(modules: dict[str, nn.Module], tp_plan: dict[str, str], sp_layers, layers
-               ) -> tuple[list[str], str | None]:
-    """The consecutive layers whose activations are sequence-sharded, and the first layer after
-    them.
-
-    Embedding layers and layers without parameters neither start nor end the region (embeddings
-    output replicated activations; rotary tables, activations and dropout layers carry no sharding
-    decision)."""
-    flagged = set(sp_layers) | {layer for layer in layers for path, style in tp_plan.items()
-                                if style == "sequence_parallel" and within(path, layer)}
-    if not flagged:
-        return [], None
-    layers = list(layers) or sorted(flagged, key=list(modules).index)
-
-    def counts(path: str) -> bool:
-        m = modules.get(path)
-        return m is not None and not isinstance(m, (nn.Embedding, nn.EmbeddingBag)) \
-            and any(True for _ in m.parameters())
-
-    def split(layer: str) -> bool:
-        return any(within(path, layer) for path, style in tp_plan.items()
-                   if style != "replicate")
-
-    candidates = [layer for layer in layers if counts(layer)]
-    # a flagged layer that TP leaves whole (e.g. a replicated head) gets the whole sequence instead:
-    # its plain parameters would otherwise see one rank's tokens and never sum their gradients over
-    # the TP ranks
-    region = [layer for layer in candidates if layer in flagged and split(layer)]
-    if not region:
-        return [], None
-    i, j = candidates.index(region[0]), candidates.index(region[-1])
-    if candidates[i:j + 1] != region:
-        gaps = [layer for layer in candidates[i:j + 1] if layer not in flagged]
-        raise NotImplementedError("sequence parallelism must cover consecutive layers; "
-                                  f"{', '.join(gaps)} between {region[0]} and {region[-1]} are not "
-                                  "sequence-parallel")
-    if tp_plan.get(region[0]) == "sequence_parallel":
-        raise NotImplementedError(f"the first sequence-parallel layer {region[0]} is itself a "
-                                  "norm: start sequence parallelism at a block (a module holding "
-                                  "the norm and the Linears)")
-    return region, candidates[j + 1] if j + 1 < len(candidates) else None
 
 
 HEAD_COUNTS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
