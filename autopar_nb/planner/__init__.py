@@ -35,9 +35,10 @@ from .compile import HORIZON_STEPS, compile_choice, compile_lines, horizon, star
 from .constraints import Constraints, parse
 from .degrees import cp_degrees
 from .experts import moe_capacity_lines
-from .explain import explain, fmt_bytes, fused_loss_lines, fused_norm_lines, op_list_lines
+from .explain import explain, fmt_bytes, op_list_lines
 from .float8 import float8_choice, float8_lines
 from .forward import checked_profile, tp_parts
+from .fused import fused_loss_lines, fused_norm_lines
 from .lever_costs import set_levers
 from .levers import headroom_lines, levered_variant, roomier
 from .offload import checked_fixed, offload_lines, offload_search

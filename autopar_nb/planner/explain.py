@@ -3,13 +3,10 @@ it."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 from .. import calibration
 from ..cost.factors import factors_for
-from ..cost.loss import unfused_loss_bytes
-from ..cost.norm import one_kernel
 from ..cost.profile import profile_of
 from ..cost.time import MFU_BASIS
 from ..cost.tp_styles import LAYOUT_WORDS
@@ -18,8 +15,6 @@ from ..units import fmt_bytes, fmt_delta, fmt_flops, fmt_time
 from .constraints import sp_end, sp_refusal
 
 GiB = 2**30
-
-
 
 
 def _pct(a: float, b: float) -> str:
@@ -114,27 +109,61 @@ def explain(plan, best, ranked, over, cons, cluster, prof) -> list[str]:
     ``ranked`` the feasible candidates in order, ``over`` a faster candidate that does not fit
     (None: none does), ``cons`` the user's constraints."""
     c, s = best.cost, best.setting
-    limit = best.limit
-    lines = [f"Chosen: {plan.summary()}; {fmt_flops(c.model_tflops_per_gpu * 1e12)} of the model "
-             f"per GPU (MFU {100 * c.mfu:.0f}%, model FLOPs {MFU_BASIS}) on {cluster.world_size} x "
-             f"{cluster.device.name}."]
+    lines = _step_lines(plan, c, cluster) + _memory_lines(c, best.limit, cluster)
+    if s.tp > 1:
+        lines += _tp_lines(plan, s, cons, prof)
+    experts = {m: e for lp in prof.layers for m, e in lp.experts.items()}
+    if experts:
+        lines += _expert_lines(best, ranked, experts)
+    if s.pp > 1:
+        lines += _pipeline_lines(plan, best, prof)
+    lines += _recompute_lines(plan, c, cons)
+    if len(ranked) > 1:
+        lines.append(_runner_up_line(best, ranked[1]))
+    if over is not None:
+        lines.append("Memory limits the plan: faster candidates do not fit, e.g. "
+                     f"{_summary(over)}: {fmt_bytes(over.cost.peak_memory_bytes - best.limit)} "
+                     "over.")
+    lines += _limit_lines(c, best.limit)
+    if cons.fix:
+        lines.append("Fixed by you: " + ", ".join(f"{k}={v!r}" for k, v in cons.fix.items()) + ".")
+    for t in cons.text:
+        lines.append(f"Override honoured: {t}.")
+    return lines + _calibrated_lines(cluster)
+
+
+def _time_parts(c) -> list[tuple[str, float]]:
+    """Where the step time goes: (words, seconds), compute first."""
     parts = [("compute", c.compute_s), ("exposed communication", c.comm_exposed_s),
              ("pipeline bubble", c.bubble_s), ("optimizer step", c.optimizer_s)]
     if c.cpu_wait_s > 0:
         parts.append((CPU_WAIT, c.cpu_wait_s))
-    lines.append("Step time goes to " + ", ".join(f"{n} {_pct(v, c.step_time_s)}" for n, v in parts)
-                 + ".")
+    return parts
+
+
+def _step_lines(plan, c, cluster) -> list[str]:
+    """What the plan is and how fast, where its step time goes, and its communication by kind."""
+    lines = [f"Chosen: {plan.summary()}; {fmt_flops(c.model_tflops_per_gpu * 1e12)} of the model "
+             f"per GPU (MFU {100 * c.mfu:.0f}%, model FLOPs {MFU_BASIS}) on {cluster.world_size} x "
+             f"{cluster.device.name}."]
+    lines.append("Step time goes to "
+                 + ", ".join(f"{n} {_pct(v, c.step_time_s)}" for n, v in _time_parts(c)) + ".")
     if c.comm_by_kind:
         kinds = ", ".join(f"{k} {fmt_time(v)}"
                           for k, v in sorted(c.comm_by_kind.items(), key=lambda kv: -kv[1]))
         lines.append(f"Communication per step (before overlap): {kinds}.")
+    return lines
+
+
+def _memory_lines(c, limit: float, cluster) -> list[str]:
+    """The fullest pipeline rank's peak, by component, and where each figure comes from."""
     peak_rank = max(range(len(c.memory_by_rank)), key=lambda r: c.memory_by_rank[r].total)
     mb = c.memory_by_rank[peak_rank]
-    lines.append(f"Peak memory {fmt_bytes(c.peak_memory_bytes)} of {fmt_bytes(limit)} "
-                 f"({_pct(c.peak_memory_bytes, limit)}) on pipeline rank {peak_rank}: params "
-                 f"{fmt_bytes(mb.params)}, grads {fmt_bytes(mb.grads)}, optimizer "
-                 f"{fmt_bytes(mb.optimizer)}, activations {fmt_bytes(mb.activations)}, buffers "
-                 f"{fmt_bytes(mb.buffers)}, margin {fmt_bytes(mb.margin)}.")
+    lines = [f"Peak memory {fmt_bytes(c.peak_memory_bytes)} of {fmt_bytes(limit)} "
+             f"({_pct(c.peak_memory_bytes, limit)}) on pipeline rank {peak_rank}: params "
+             f"{fmt_bytes(mb.params)}, grads {fmt_bytes(mb.grads)}, optimizer "
+             f"{fmt_bytes(mb.optimizer)}, activations {fmt_bytes(mb.activations)}, buffers "
+             f"{fmt_bytes(mb.buffers)}, margin {fmt_bytes(mb.margin)}."]
     if mb.terms:
         terms = sorted(mb.terms.items(), key=lambda kv: -kv[1])
         lines.append("Activations and buffers there: "
@@ -143,44 +172,50 @@ def explain(plan, best, ranked, over, cons, cluster, prof) -> list[str]:
     lines.append("Where those figures come from: " + "; ".join(
         f"{r['label']}: {r['source']}" for r in memory_components(mb, _margin_source(cluster)))
                  + ".")
-    if s.tp > 1:
-        heads = sorted({h for lp in prof.layers for h in lp.heads})
-        hs = f" ({', '.join(f'{h} heads -> {h // s.tp} per rank' for h in heads)})" if heads else ""
-        lines.append(f"TP={s.tp} inside a node{hs}; sequence parallel {'on' if s.sp else 'off'}; "
-                     f"loss_parallel {'on' if plan.loss_parallel else 'off'}.")
-        if (not s.sp and (why := sp_refusal(prof, s.tp, plan.batch.seq_len))
-            and "sequence_parallel" not in cons.fix):
-            lines.append(f"Sequence parallel off because {why}.")
-        elif s.sp and (why := sp_end(prof)):
-            lines.append(f"{why[0].upper()}{why[1:]}.")
-        lines += _layout_lines(plan, prof, s.tp)
-        if prof.tp_refused:
-            mods = sorted(prof.tp_refused)
-            lines.append("Kept replicated under TP: "
-                         f"{', '.join(mods[:3])}{', ...' if len(mods) > 3 else ''} "
-                         f"({prof.tp_refused[mods[0]]}), with the Linears that read them.")
-        lines += _whole_lines(plan, prof)
-    experts = {m: e for lp in prof.layers for m, e in lp.experts.items()}
-    if experts:
-        lines += _expert_lines(best, ranked, experts)
-    if s.pp > 1:
-        lines += _pipeline_lines(plan, best, prof)
-    lines += _recompute_lines(plan, c, cons)
-    if len(ranked) > 1:
-        rc = (ru := ranked[1]).cost
-        diff = _setting_diff(ru.setting, s)
-        deltas = [(n, getattr(rc, a) - getattr(c, a)) for n, a in TIME_DELTAS]
-        why = ", ".join(f"{fmt_delta(d)} {n}" for n, d in sorted(deltas, key=lambda kv: -abs(kv[1]))
-                        if abs(d) > 0.005 * c.step_time_s)
-        lines.append(f"Runner-up: {_summary(ru)} is "
-                     f"{_pct(abs(rc.step_time_s - c.step_time_s), c.step_time_s)} "
-                     + ("slower" if rc.step_time_s >= c.step_time_s else "faster (see Headroom)")
-                     + (f" ({why})" if why else "")
-                     + (f"; it uses {', '.join(diff)}" if diff else "") + ".")
-    if over is not None:
-        lines.append("Memory limits the plan: faster candidates do not fit, e.g. "
-                     f"{_summary(over)}: {fmt_bytes(over.cost.peak_memory_bytes - limit)} over.")
-    dominant = max(parts[1:], key=lambda kv: kv[1])
+    return lines
+
+
+def _tp_lines(plan, s, cons, prof) -> list[str]:
+    """TP's degree and heads per rank, sequence parallel and loss_parallel (and why sequence
+    parallel is off or ends early), its layouts, and the modules it keeps replicated or whole."""
+    heads = sorted({h for lp in prof.layers for h in lp.heads})
+    hs = f" ({', '.join(f'{h} heads -> {h // s.tp} per rank' for h in heads)})" if heads else ""
+    lines = [f"TP={s.tp} inside a node{hs}; sequence parallel {'on' if s.sp else 'off'}; "
+             f"loss_parallel {'on' if plan.loss_parallel else 'off'}."]
+    if (not s.sp and (why := sp_refusal(prof, s.tp, plan.batch.seq_len))
+        and "sequence_parallel" not in cons.fix):
+        lines.append(f"Sequence parallel off because {why}.")
+    elif s.sp and (why := sp_end(prof)):
+        lines.append(f"{why[0].upper()}{why[1:]}.")
+    lines += _layout_lines(plan, prof, s.tp)
+    if prof.tp_refused:
+        mods = sorted(prof.tp_refused)
+        lines.append("Kept replicated under TP: "
+                     f"{', '.join(mods[:3])}{', ...' if len(mods) > 3 else ''} "
+                     f"({prof.tp_refused[mods[0]]}), with the Linears that read them.")
+    return lines + _whole_lines(plan, prof)
+
+
+def _runner_up_line(best, ru) -> str:
+    """How much slower (or faster, then roomier) the runner-up ``ru`` is, by time component, and
+    which global choices it makes differently."""
+    c, rc = best.cost, ru.cost
+    diff = _setting_diff(ru.setting, best.setting)
+    deltas = [(n, getattr(rc, a) - getattr(c, a)) for n, a in TIME_DELTAS]
+    why = ", ".join(f"{fmt_delta(d)} {n}" for n, d in sorted(deltas, key=lambda kv: -abs(kv[1]))
+                    if abs(d) > 0.005 * c.step_time_s)
+    return (f"Runner-up: {_summary(ru)} is "
+            f"{_pct(abs(rc.step_time_s - c.step_time_s), c.step_time_s)} "
+            + ("slower" if rc.step_time_s >= c.step_time_s else "faster (see Headroom)")
+            + (f" ({why})" if why else "")
+            + (f"; it uses {', '.join(diff)}" if diff else "") + ".")
+
+
+def _limit_lines(c, limit: float) -> list[str]:
+    """What limits the plan: memory when nearly full, then the largest part of the step besides
+    compute (the host's issue time, told by part), or compute itself."""
+    dominant = max(_time_parts(c)[1:], key=lambda kv: kv[1])
+    lines = []
     if c.peak_memory_bytes > 0.9 * limit:
         lines.append(f"Memory is the binding constraint: {_pct(c.peak_memory_bytes, limit)} of the "
                      "device is used.")
@@ -192,11 +227,7 @@ def explain(plan, best, ranked, over, cons, cluster, prof) -> list[str]:
     else:
         lines.append(f"Compute-bound ({_pct(c.compute_s, c.step_time_s)} of the step): going "
                      "faster needs more GPUs or better kernel efficiency, not a different split.")
-    if cons.fix:
-        lines.append("Fixed by you: " + ", ".join(f"{k}={v!r}" for k, v in cons.fix.items()) + ".")
-    for t in cons.text:
-        lines.append(f"Override honoured: {t}.")
-    return lines + _calibrated_lines(cluster)
+    return lines
 
 
 def _pipeline_lines(plan, best, prof) -> list[str]:
@@ -233,101 +264,6 @@ def _cpu_bound_line(c) -> str:
             f"runs it in {fmt_time(gpu)}, so it waits {_pct(c.cpu_wait_s, c.step_time_s)} of the "
             "step. Fewer wrappers (DDP rather than FSDP or TP), more work per op (larger "
             "micro-batches) or fewer ops (torch.compile, CUDA graphs) go faster; more GPUs do not.")
-
-
-def fused_norm_lines(best, ev, cons) -> list[str]:
-    """Whether the RMSNorm modules run fused (``plan.fused_norm``), why, and what the other choice
-    costs on the same split (``cost/norm.py``)."""
-    fixed, s = cons.fix.get("fused_norm"), best.setting
-    other, c = best.norm_other, best.cost
-    if ev.norm_prof is None or fixed is False or not (s.fused_norm or other is not None):
-        return []
-    if other is not None:
-        other = _restated(other, best, ev)
-    why = ("fix fused_norm=True" if fixed else "chosen" if s.fused_norm else
-           "not chosen: no faster on this split" if one_kernel(ev.prof.device_kind) else
-           "not needed: on the CPU the op runs the eager kernels and only saves memory")
-    line = (f"RMSNorms {'fused' if s.fused_norm else 'eager'} ({why}; kernels_ext.rms_norm keeps "
-            "the input and one fp32 rstd per row, not the normalised input; on CUDA one kernel, "
-            f"Liger-kernel's when installed): peak {fmt_bytes(c.peak_memory_bytes)}, "
-            f"{fmt_time(c.step_time_s)}/step")
-    if other is not None:
-        oc = other.cost
-        line += (f"; {'eager' if s.fused_norm else 'fused'}, this split needs "
-                 f"{fmt_bytes(oc.peak_memory_bytes)}"
-                 + (f" ({fmt_bytes(oc.peak_memory_bytes - best.limit)} over the limit)"
-                    if not other.fits else
-                    f" with {_recompute_words(other)} and takes {fmt_time(oc.step_time_s)}/step"))
-    return [line + "."]
-
-
-def _restated(other, best, ev, field: str = "fused_norm"):
-    """``other`` (the search's variant of ``best`` with ``field``, the fused RMSNorms or loss, the
-    other way) costed again on ``best``'s setting and compile choices: the levers set after the
-    variant was costed (compile, Float8) apply to it too, and only its ``field`` and recompute stay
-    its own."""
-    setting = dataclasses.replace(best.setting, **{field: getattr(other.setting, field)})
-    choices = [dataclasses.replace(b, recompute=o.recompute)
-               for b, o in zip(best.choices, other.choices, strict=True)]
-    return type(other)(setting, choices, ev.evaluate(setting, choices), best.limit)
-
-
-def fused_loss_lines(best, ev, cons, why_not: str) -> list[str]:
-    """Whether the output head runs fused with the loss (``plan.fused_loss``), why, and what it
-    saves: the loss step's bytes fused and unfused (``cost/loss.py``), and the unfused plan of the
-    same split when it was costed."""
-    s, c, head = best.setting, best.cost, ev.head
-    fixed = cons.fix.get("fused_loss")
-    if head is None:
-        return [f"Loss unfused: {why_not}."] if why_not and fixed is not None else []
-    half = s.amp != "none"
-    tokens = head.tokens * s.mb_samples / ev.prof.batch * ev.seq_ratio
-    unfused = unfused_loss_bytes(tokens * head.vocab, half=half)
-    fused = head.temp_bytes(tokens, half=half, tp=s.tp) + head.saved_bytes(tokens)
-    split = (f", each of the {s.tp} TP ranks computing its {-(-head.vocab // s.tp)} rows "
-             "(vocab-parallel)" if s.tp > 1 else "")
-    what = (f"the loss step holds {fmt_bytes(fused)} ({head.chunk(tokens)}-token chunks of the "
-            f"{head.vocab}-word vocabulary{split}, the fp32 weight gradient, one log-sum-exp per "
-            f"token) instead of {fmt_bytes(unfused / s.tp)} (fp32 log-softmax, its gradient and "
-            f"the logits' gradient, {tokens:g} tokens x "
-            f"{head.vocab}{f' / {s.tp}' if s.tp > 1 else ''})")
-    other = best.other and _restated(best.other, best, ev, "fused_loss")
-    if s.fused_loss:
-        why = "fix fused_loss=True" if fixed else "chosen"
-        line = (f"Output head {head.module} fused with the loss ({why}, "
-                f"kernels_ext.linear_cross_entropy): {what}")
-        if other is not None:
-            oc = other.cost
-            if not other.fits:
-                line += (f"; unfused, this split needs {fmt_bytes(oc.peak_memory_bytes)}, "
-                         f"{fmt_bytes(oc.peak_memory_bytes - best.limit)} over the limit")
-            else:
-                line += (f"; unfused, this split needs {fmt_bytes(oc.peak_memory_bytes)} with "
-                         f"{_recompute_words(other)} and takes {fmt_time(oc.step_time_s)}/step")
-        line += (f". Peak {fmt_bytes(c.peak_memory_bytes)}; the logits are computed again in "
-                 f"backward ({2 * tokens * head.hidden * head.vocab / s.tp / 1e12:.3g} TFLOP per "
-                 f"micro-batch{' and rank' if s.tp > 1 else ''}).")
-        return [line]
-    if fixed is False:
-        return []
-    if other is not None:
-        oc = other.cost
-        return [f"Loss unfused: fusing the output head {head.module} with it would need "
-                f"{fmt_bytes(oc.peak_memory_bytes)} and {fmt_time(oc.step_time_s)}/step "
-                f"({'does not fit' if not other.fits else 'slower'}); {what}."]
-    if s.tp > 1 and s.pp > 1:
-        return [f"Loss unfused: fusing the output head {head.module} with it runs vocab-parallel "
-                "(tp > 1) or on the last pipeline stage (pp > 1), not both."]
-    return []
-
-
-def _recompute_words(cand) -> str:
-    """'full recompute on 12 layers', or 'no recompute'."""
-    kinds = [ch.recompute for ch in cand.choices if ch.recompute != "none"]
-    if not kinds:
-        return "no recompute"
-    return ", ".join(f"{k} recompute on {kinds.count(k)} layer(s)" for k in RECOMPUTE
-                     if kinds.count(k))
 
 
 def _layout_lines(plan, prof, tp: int) -> list[str]:
