@@ -31,6 +31,7 @@ from ..plan import (
     within,
 )
 from .async_tp import async_tp_choice, async_tp_lines
+from .candidate import Candidate, memory_limit
 from .compile import HORIZON_STEPS, compile_choice, compile_lines, horizon, startup_s
 from .constraints import Constraints, parse
 from .degrees import cp_degrees
@@ -43,7 +44,7 @@ from .lever_costs import set_levers
 from .levers import headroom_lines, levered_variant, roomier
 from .offload import checked_fixed, offload_lines, offload_search
 from .per_rank import plan_per_rank
-from .search import Candidate, Search, memory_limit
+from .search import Search
 
 __all__ = ["plan"]
 

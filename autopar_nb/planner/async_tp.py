@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 
 from ..units import fmt_time
+from .candidate import Candidate
 from .constraints import async_tp_refusal
 from .levers import take_if_faster
-from .search import Candidate
 
 
 def _refusal(cand: Candidate, cluster) -> str:

@@ -11,7 +11,7 @@ import math
 from ..cost.compile import compile_startup_s
 from ..plan import PlanError
 from ..units import fmt_time
-from .search import Candidate
+from .candidate import Candidate
 
 HORIZON_STEPS = 10_000
 """the run length compile's start-up is weighed over when the plan is given none: torchtitan's

@@ -10,8 +10,8 @@ import dataclasses
 from ..cost.float8 import FP8
 from ..hardware import PRESETS
 from ..units import fmt_time
+from .candidate import Candidate
 from .levers import take_if_faster
-from .search import Candidate
 
 PRESET_DEVICES = {dev.name for dev, _, _ in PRESETS.values()} | {"cpu"}
 """the devices whose datasheets the presets copy: one of them without an FP8 rate has no FP8

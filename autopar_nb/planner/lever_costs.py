@@ -9,10 +9,10 @@ import dataclasses
 
 from ..plan import Lever
 from .async_tp import with_async_tp
+from .candidate import Candidate
 from .compile import compile_terms, startup_s, with_compile
 from .constraints import async_tp_refusal
 from .float8 import float8_flipped, float8_refusal
-from .search import Candidate
 
 NAMES = {"compile": "compile", "float8": "Float8", "async_tp": "async TP", "offload": "CPU offload",
          "recompute": "recompute", "fused_loss": "fused loss", "fused_norm": "fused RMSNorm"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..units import fmt_bytes
-from .search import Candidate
+from .candidate import Candidate
 
 CLOSE_TIME = 0.01
 """step times this close are not told apart where memory can decide: the time model is further off

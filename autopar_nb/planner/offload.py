@@ -11,7 +11,8 @@ import dataclasses
 from ..cost.offload import host_line, host_need, host_of
 from ..plan import PlanError
 from ..units import fmt_bytes, fmt_time
-from .search import Candidate, Search
+from .candidate import Candidate
+from .search import Search
 
 
 def host_refusal(cand: Candidate, cluster) -> str:
