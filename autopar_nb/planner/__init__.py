@@ -120,13 +120,7 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
     global_batch = int(global_batch or graph.batch_size)
     if global_batch < 1:
         raise PlanError(f"global_batch must be >= 1, got {global_batch}")
-    seq_ratio = 1.0
-    if seq_len is not None:
-        if graph.seq_len is None:
-            raise PlanError(f"seq_len={seq_len} given, but the captured inputs are not token "
-                            "sequences (first input "
-                            f"{graph.inputs[0].shape if graph.inputs else None})")
-        seq_ratio = seq_len / graph.seq_len
+    seq_ratio = _seq_ratio(graph, seq_len)
     cons = parse(graph, prof, fix, overrides)
     default_prof = prof
     # they change the dtypes saved under AMP
@@ -140,7 +134,53 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
         graph, device_kind, fp32_ops=cons.fix.get("fp32_ops", ()),
         low_precision_ops=cons.fix.get("low_precision_ops", ()))
     ev = Evaluator(prof, cluster, seq_ratio=seq_ratio, head=head, norm_prof=norm_prof)
-    cps, cp_why = cp_degrees(prof, cluster, seq_len=seq_len or graph.seq_len,
+    search, found, cands = _searched(graph, prof, cluster, cons, ev, global_batch=global_batch,
+                                     fused_why=fused_why, seq_len=seq_len or graph.seq_len,
+                                     default_loss=default_loss, top_k=top_k)
+    ranked, found = _ranked(cands, found, cluster, cons, top_k)
+    ranked, (best, async_other) = _levered(
+        ranked, lambda c: _with_levers(c, ev, cons, graph, search.compilable, steps, cluster),
+        top_k)
+    plans = [
+        _to_plan(c, graph, prof, cluster, cons, global_batch, seq_len,
+                 head=head.module if head else "") for c in ranked[:top_k]
+    ]
+    chosen = plans[0]
+    chosen.alternatives = plans[1:]
+    chosen.explanation = explain(chosen, best, ranked, found.over, cons, cluster, prof)
+    chosen.explanation += _lever_lines(best, async_other, ev, cons, cluster, graph,
+                                       search.compilable, steps, fused_why=fused_why)
+    chosen.explanation += set_levers(chosen, best, ev, cluster, graph, search.compilable, steps)
+    if prof is not default_prof:  # the op lists' price: the same setting with autocast's own lists
+        chosen.explanation += op_list_lines(best, cons,
+                                            Evaluator(default_prof, cluster, seq_ratio=seq_ratio,
+                                                      head=head), graph)
+    if best.setting.cp > 1:
+        chosen.explanation.append(
+            f"Context parallelism cp={best.setting.cp}: every sequence is split over "
+            f"{best.setting.cp} ranks (torch's ring attention) because "
+            + ("fix cp asks for it." if "cp" in cons.fix
+               else "no plan without it fits in memory, recompute included."))
+    return chosen
+
+
+def _seq_ratio(graph, seq_len: int | None) -> float:
+    """``seq_len`` over the captured inputs' tokens per sample (1 when not given)."""
+    if seq_len is None:
+        return 1.0
+    if graph.seq_len is None:
+        raise PlanError(f"seq_len={seq_len} given, but the captured inputs are not token "
+                        "sequences (first input "
+                        f"{graph.inputs[0].shape if graph.inputs else None})")
+    return seq_len / graph.seq_len
+
+
+def _searched(graph, prof, cluster, cons, ev, *, global_batch: int, fused_why: str,
+              seq_len: int | None, default_loss: bool, top_k: int) -> tuple[Search, Search, list]:
+    """(the search at the fixed context-parallel degree (1 unless fixed), the search whose
+    candidates are kept: that one, or one that also tries every cp degree where nothing fits
+    without, those candidates), each search run."""
+    cps, cp_why = cp_degrees(prof, cluster, seq_len=seq_len,
                              why="" if default_loss
                              else "the cell defines its own loss_fn (each cp rank computes the "
                                   "default loss on its part)")
@@ -168,8 +208,17 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
     if not cands:
         raise PlanError("no candidate plan: "
                         f"{'; '.join(dict.fromkeys(search.rejected)) or 'check fix/overrides'}")
+    return search, found, cands
+
+
+def _ranked(cands: list[Candidate], found: Search, cluster, cons: Constraints,
+            top_k: int) -> tuple[list[Candidate], Search]:
+    """(the candidates that fit and that the fixed choices allow, fastest first, the first of each
+    key, the search they came from): ``found``'s, or where none fits a search with CPU offload
+    (slow, only where nothing else fits); raises PlanError, by how much the smallest is over, when
+    none of those fits either."""
     feasible = checked_fixed([c for c in cands if c.fits], cluster)
-    if not feasible:  # CPU offload, slow, only where nothing else fits
+    if not feasible:
         feasible, found, why = offload_search(found, cons, top_k)
         if not feasible:
             raise PlanError(_no_fit_message(cands, cluster, cons) + why)
@@ -177,34 +226,18 @@ def _plan(graph, cluster, *, global_batch: int | None = None, seq_len: int | Non
                                  c.setting.zero_stage))
     seen: set = set()
     # the first of each key
-    ranked = [c for c in feasible if not (c.key in seen or seen.add(c.key))]
-    ranked, (best, async_other) = _levered(
-        ranked, lambda c: _with_levers(c, ev, cons, graph, search.compilable, steps, cluster),
-        top_k)
-    plans = [
-        _to_plan(c, graph, prof, cluster, cons, global_batch, seq_len,
-                 head=head.module if head else "") for c in ranked[:top_k]
-    ]
-    chosen = plans[0]
-    chosen.alternatives = plans[1:]
-    chosen.explanation = explain(chosen, best, ranked, found.over, cons, cluster, prof)
-    chosen.explanation += compile_lines(best, ev, cons, graph, search.compilable, steps)
-    chosen.explanation += headroom_lines(best) + fused_loss_lines(best, ev, cons, fused_why)
-    chosen.explanation += fused_norm_lines(best, ev, cons) + float8_lines(best, ev, cons, cluster)
-    chosen.explanation += async_tp_lines(best, async_other, cons, cluster)
-    chosen.explanation += offload_lines(best, cons, cluster) + moe_capacity_lines(best, ev, cons)
-    chosen.explanation += set_levers(chosen, best, ev, cluster, graph, search.compilable, steps)
-    if prof is not default_prof:  # the op lists' price: the same setting with autocast's own lists
-        chosen.explanation += op_list_lines(best, cons,
-                                            Evaluator(default_prof, cluster, seq_ratio=seq_ratio,
-                                                      head=head), graph)
-    if best.setting.cp > 1:
-        chosen.explanation.append(
-            f"Context parallelism cp={best.setting.cp}: every sequence is split over "
-            f"{best.setting.cp} ranks (torch's ring attention) because "
-            + ("fix cp asks for it." if "cp" in cons.fix
-               else "no plan without it fits in memory, recompute included."))
-    return chosen
+    return [c for c in feasible if not (c.key in seen or seen.add(c.key))], found
+
+
+def _lever_lines(best, async_other, ev, cons, cluster, graph, compilable: list[bool], steps: int,
+                 *, fused_why: str) -> list[str]:
+    """The levers' lines of the explanation, each lever's choice and why: compile, headroom, the
+    fused loss and RMSNorms, float8, async TP, CPU offload and the experts' capacity."""
+    return (compile_lines(best, ev, cons, graph, compilable, steps) + headroom_lines(best)
+            + fused_loss_lines(best, ev, cons, fused_why) + fused_norm_lines(best, ev, cons)
+            + float8_lines(best, ev, cons, cluster)
+            + async_tp_lines(best, async_other, cons, cluster) + offload_lines(best, cons, cluster)
+            + moe_capacity_lines(best, ev, cons))
 
 
 def _with_levers(cand, ev, cons, graph, compilable: list[bool], steps: int, cluster) -> tuple:
