@@ -173,7 +173,7 @@ class ModelGraph:
     split with the heads (``planner/forward.py``): the cost model counts them split"""
     tp_stage_refused: dict[int, str] = field(default_factory=dict)
     """TP degree -> why the layout that ran at plan time cannot run inside pipeline stages ("" where
-    it can: ``planner.styles.stage_refusal``); the search does not offer that degree beside
+    it can: ``planner.degrees.stage_refusal``); the search does not offer that degree beside
     pipelining"""
     stand_in: Any = field(default=None, repr=False, compare=False)
     """the meta copy of the model and its example inputs

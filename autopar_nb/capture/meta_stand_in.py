@@ -34,7 +34,7 @@ class StandIn:
     dim)"""
     stage_refusals: dict = field(default_factory=dict)
     """layout key -> why it cannot run inside pipeline stages ("" where it can:
-    ``planner.styles.stage_refusal``)"""
+    ``planner.degrees.stage_refusal``)"""
 
 
 def to_meta(x: Any) -> Any:
