@@ -489,6 +489,7 @@ def test_a_tied_heads_gradient_waits_for_the_embeddings_backward(pp, pending):
     gets its own gradient: nothing pending (the census of BERT's tracked peak: the decoder weight's gradient, a
     float32 temporary through the encoder's backward)."""
     from autopar_nb.cost import Evaluator, setting_of
+    from autopar_nb.cost.layer_sums import tied_gradients
     from autopar_nb.cost.profile import profile_of
 
     graph = ap.capture(_TiedLM(), torch.randint(0, 64, (4, 8)))
@@ -496,7 +497,7 @@ def test_a_tied_heads_gradient_waits_for_the_embeddings_backward(pp, pending):
     fix = {"pp": pp, "dp": 1, "tp": 1, "micro_batches": pp} | ({"schedule": "1f1b"} if pp > 1 else {})
     plan = ap.plan(graph, cluster, global_batch=4, fix=fix)
     s, choices = setting_of(plan)
-    tied = Evaluator(profile_of(graph, "cpu"), cluster)._tied_gradients(s, choices)
+    tied = tied_gradients(Evaluator(profile_of(graph, "cpu"), cluster), s, choices)
     paths = [lay.path for lay in graph.layers]
     head = paths.index("head")
     if pending:
@@ -581,6 +582,7 @@ def test_a_ranks_peak_is_the_largest_of_its_moments_and_a_recompute_holds_what_i
     minus what the checkpoint keeps) and its output's gradient."""
     from autopar_nb.cost import Evaluator, setting_of
     from autopar_nb.cost.estimate import estimate, peak_moments
+    from autopar_nb.cost.layer_sums import tied_gradients
     from autopar_nb.cost.profile import profile_of
 
     graph = ap.capture(_MlpLM(), torch.randint(0, 64, (4, 8)))
@@ -634,7 +636,7 @@ def test_a_ranks_peak_is_the_largest_of_its_moments_and_a_recompute_holds_what_i
     kept = sum(t.act[ch.recompute] for t, ch in zip(terms, choices, strict=False))
     down = 4 * 8 * 16 * 4  # (batch, seq, d) float32
     assert rec.terms["saved_activations"] == pytest.approx(kept + again + down)
-    assert rec.terms["backward_working_set"] == pytest.approx(lt.out_bytes + ev._tied_gradients(s, choices)[block])
+    assert rec.terms["backward_working_set"] == pytest.approx(lt.out_bytes + tied_gradients(ev, s, choices)[block])
     assert rec.terms["saved_activations"] - bwd.terms["saved_activations"] == pytest.approx(lt.freed + down)
     # per op (bench/memory.py's comparison): the layer's moment at each of its ops, the largest one among them
     per_op = ev.rank_moments(s, choices, per_op=True)[0]

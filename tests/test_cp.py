@@ -251,6 +251,7 @@ def test_cost_of_context_parallelism_beside_tensor_parallelism():
     attention output's copy are half of those at tp=1 (the cp group is the ranks with the same tp rank)."""
     import autopar_nb as ap
     from autopar_nb.cost.estimate import Evaluator
+    from autopar_nb.cost.per_layer import ring_comm
     from autopar_nb.cost.profile import profile
 
     prof = profile(tiny_llama_graph(), device_kind="cpu")
@@ -260,7 +261,7 @@ def test_cost_of_context_parallelism_beside_tensor_parallelism():
     share = 1.0 / prof.batch * 1024 / 2
     one, two = terms[2, 1], terms[2, 2]
     assert two.act["none"] == pytest.approx(one.act["none"] / 2 + prof.layers[1].q_bytes * share / 2)
-    held = {tp: ev._ring(prof.layers[1], {}, cp=2, tp=tp, half=False, scale=share) for tp in (1, 2)}
+    held = {tp: ring_comm(ev, prof.layers[1], {}, cp=2, tp=tp, half=False, scale=share) for tp in (1, 2)}
     assert held[2] == pytest.approx(held[1] / 2)  # what the ring's backward holds at the attention op
     assert terms[2, 2].tp_comm["send_recv"] < terms[1, 2].tp_comm["send_recv"]
 

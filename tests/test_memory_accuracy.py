@@ -409,8 +409,9 @@ def test_a_tied_heads_gradient_is_pending_at_the_tracked_peak():
     """GPT-2 ties its head to the token embedding. At its full-recompute peak (the first block's backward) the
     tracker holds the head's gradient of that weight, a float32 [vocab, hidden] temporary made by the head's
     backward, which autograd keeps until the embedding's backward adds its own; the cost model counts those bytes
-    pending at every block's backward (``Evaluator._tied_gradients``)."""
+    pending at every block's backward (``layer_sums.tied_gradients``)."""
     from autopar_nb.cost import Evaluator, setting_of
+    from autopar_nb.cost.layer_sums import tied_gradients
     from autopar_nb.cost.profile import profile_of
     from autopar_nb.verify.measure import measure
 
@@ -427,7 +428,7 @@ def test_a_tied_heads_gradient_is_pending_at_the_tracked_peak():
                and r["module"].endswith(".lm_head") and r["shape"] == list(wte.shape) and r["dtype"] == "float32"]
     assert len(pending) == 1, got["largest"]
     s, choices = setting_of(plan)
-    tied = Evaluator(profile_of(graph, "cpu"), cluster)._tied_gradients(s, choices)
+    tied = tied_gradients(Evaluator(profile_of(graph, "cpu"), cluster), s, choices)
     blocks = [i for i, lay in enumerate(graph.layers) if ".h." in lay.path]
     assert len(blocks) == RECOMPUTED["layers"]
     assert [tied[i] for i in blocks] == [pending[0]["MiB"] * 2**20] * len(blocks), (tied, pending)
