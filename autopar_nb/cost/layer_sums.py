@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
+
 from ..plan import DTYPE_NAMES, ITEMSIZE
 from .comm import collective_time, link_for
 from .loss import gathered_logits
@@ -16,37 +18,94 @@ from .schedule import MULTI_STAGE, ZERO_BUBBLE
 from .setting import LayerChoice, Setting
 from .terms import FsdpUnit, InputLayer, LayerTerms, RankSums, StageSums
 
+EARLY = ("fwdbwd", "rec", "tpc")
+"""the per rank sums a run adds to before its memory is counted (the fused head's come after)"""
+LATE = ("layers", "full_recompute", "tp_step", "casts", "f8_weights", "tensors", "whole_grads",
+        "cpu_ops", "cpu_tp", "nofsdp")
+"""those it adds to after; its late row ends with its model and hardware FLOPs (the chain's)"""
+
 
 def sum_layers(ev, s: Setting, choices: list[LayerChoice]) -> RankSums:
     """One pass over the layer chain of evaluator ``ev`` (runs of identical layers at once): per
     pipeline rank sums."""
     pp = s.pp
-    sums = RankSums.zeros(pp)
+    sums, rows = RankSums.zeros(pp), RunRows()
     # the shared inputs a rank's checkpoints keep already
     kept: list[set[str]] = [set() for _ in range(pp)]
     tied = tied_gradients(ev, s, choices)
     for i, cnt, ch in ev.runs(choices):
         r = s.rank_of(ch.stage)
         lt = ev.choice_terms(i, s, ch)
-        sums.fwdbwd[r] += cnt * (lt.fwd + lt.bwd)  # time
-        sums.rec[r] += cnt * lt.recompute_s(ch.recompute)
+        early, late = run_rows(ev, lt, ch)
+        rows.early.append((r, cnt, early))  # time
         if lt.tp_comm:
-            sums.tpc[r] += cnt * lt.tp_exposed
             kinds = sums.tp_kind[r]
             for kk, v in lt.tp_comm.items():
                 kinds[kk] = kinds.get(kk, 0.0) + cnt * v
-        head = _run_memory(ev, s, sums, r, i, cnt, ch, lt, kept[r], tied, len(choices))
-        _run_totals(ev, s, sums, r, i, cnt, ch, lt)
+        head = _run_memory(ev, s, sums, rows, r, i, cnt, ch, lt, kept[r], tied, len(choices))
+        rows.late.append((r, cnt, late))
+        _run_totals(ev, sums, r, i, cnt, ch, lt)
         sums.head_tp = sums.head_tp or bool(head)  # the head (last run) split by TP
         if pp > 1 and s.schedule in MULTI_STAGE:
             _stage_sums(s, sums, r, i, cnt, ch.stage, lt)
+    rows.add_to(sums)
     if pp > 1:
         pipeline_sums(ev, s, choices, sums)
     return sums
 
 
-def _run_memory(ev, s: Setting, sums: RankSums, r: int, i: int, cnt: int, ch: LayerChoice,
-                lt: LayerTerms, kept: set[str], tied: dict[int, float], n_layers: int):
+class RunRows:
+    """The runs' terms that no later run reads, as rows in the order the loop meets them (rank,
+    count, per-layer values: :data:`EARLY`, :data:`LATE`), summed at the end as arrays.
+    ``np.add.at`` adds one row after another, unbuffered, as ``+=`` run by run would: each sum is
+    the same float."""
+
+    def __init__(self):
+        self.early: list[tuple[int, int, tuple]] = []
+        self.late: list[tuple[int, int, tuple]] = []
+
+    def add_to(self, sums: RankSums) -> None:
+        """Each name's per rank sums into ``sums`` (where they were zeros), and the chain's
+        FLOPs."""
+        pp = len(sums.fwdbwd)
+        self._per_rank(sums, self.early, EARLY, pp)
+        late = self._per_rank(sums, self.late, LATE, pp)
+        chain = np.zeros((1, 2))
+        np.add.at(chain, np.zeros(len(late), dtype=int), late[:, len(LATE):])
+        sums.model_flops, sums.hw_flops = chain[0].tolist()
+
+    @staticmethod
+    def _per_rank(sums: RankSums, rows: list, names: tuple[str, ...], pp: int) -> np.ndarray:
+        ranks, counts, values = zip(*rows, strict=True)
+        added = np.array(values) * np.array(counts, dtype=float)[:, None]
+        per_rank = np.zeros((pp, len(names)))
+        np.add.at(per_rank, np.array(ranks), added[:, :len(names)])
+        for k, name in enumerate(names):
+            setattr(sums, name, per_rank[:, k].tolist())
+        return added
+
+
+def run_rows(ev, lt: LayerTerms, ch: LayerChoice) -> tuple[tuple, tuple]:
+    """A layer's values in :class:`RunRows` under the choice ``ch``, made once per evaluator for
+    each terms (which the evaluator keeps, so their ids stay theirs) and choice."""
+    cache = ev.__dict__.setdefault("_run_rows", {})
+    key = id(lt), ch.recompute, ch.fsdp
+    hit = cache.get(key)
+    if hit is None:
+        rec = ch.recompute
+        early = lt.fwd + lt.bwd, lt.recompute_s(rec), lt.tp_exposed if lt.tp_comm else 0.0
+        late = (1.0, 1.0 if rec == "full" else 0.0, lt.tp_step, lt.cast_local,
+                lt.f8_weights_local, float(lt.tensors), lt.whole_grads,
+                lt.cpu_s("eager ops", rec), lt.cpu_s("tensor parallel", rec),
+                0.0 if ch.fsdp else lt.params_local,
+                lt.model_flops, lt.flops + lt.recompute_flops(rec))
+        hit = cache[key] = early, late
+    return hit
+
+
+def _run_memory(ev, s: Setting, sums: RankSums, rows: RunRows, r: int, i: int, cnt: int,
+                ch: LayerChoice, lt: LayerTerms, kept: set[str], tied: dict[int, float],
+                n_layers: int):
     """The run's saved activations and largest working set on rank ``r``, and its moments (each
     layer's backward, recompute, and the run's forward) in ``sums.bwd_layers``; returns whether
     it is the head split by TP (truthy)."""
@@ -60,7 +119,7 @@ def _run_memory(ev, s: Setting, sums: RankSums, r: int, i: int, cnt: int, ch: La
     # _accumulating_gradients): the residual stream's, whose skip the block's last add reads
     wb, freed, ops = lt.work_bytes + again, lt.freed, lt.op_deltas
     if s.fused_loss and i <= ev.head.layer < i + cnt:
-        wb, again, freed, ops = fused_head(ev, s, sums, r, ch.recompute, lt,
+        wb, again, freed, ops = fused_head(ev, s, sums, rows, r, ch.recompute, lt,
                                            tp=s.tp if ch.tp else 1), 0.0, 0.0, ()
     if wb > sums.work[r]:
         sums.work[r] = wb
@@ -98,28 +157,20 @@ def _run_memory(ev, s: Setting, sums: RankSums, r: int, i: int, cnt: int, ch: La
     return head
 
 
-def _run_totals(ev, s: Setting, sums: RankSums, r: int, i: int, cnt: int, ch: LayerChoice,
+def _run_totals(ev, sums: RankSums, r: int, i: int, cnt: int, ch: LayerChoice,
                 lt: LayerTerms) -> None:
-    """The run's counts, parameters, expert parameters, host time, FSDP units and FLOPs added to
-    rank ``r``'s sums."""
-    sums.layers[r] += cnt
-    sums.full_recompute[r] += cnt if ch.recompute == "full" else 0
-    sums.experts_upto[r].update({i + j: sums.experts[r] + (j + 1) * lt.experts_local
-                                 for j in range(cnt)})
+    """The run's parameters, expert parameters and FSDP units added to rank ``r``'s sums (later
+    runs read them: not in :class:`RunRows`)."""
+    if lt.experts_local:
+        sums.experts_upto[r].update({i + j: sums.experts[r] + (j + 1) * lt.experts_local
+                                     for j in range(cnt)})
+    else:
+        sums.experts_upto[r].update(dict.fromkeys(range(i, i + cnt), sums.experts[r]))
     sums.experts[r] += cnt * lt.experts_local
-    for name, per_layer in (("params", lt.params_local), ("tp_step", lt.tp_step),
-                            ("casts", lt.cast_local), ("f8_weights", lt.f8_weights_local),
-                            ("tensors", lt.tensors), ("whole_grads", lt.whole_grads)):
-        getattr(sums, name)[r] += cnt * per_layer
-    sums.cpu_ops[r] += cnt * lt.cpu_s("eager ops", ch.recompute)
-    sums.cpu_tp[r] += cnt * lt.cpu_s("tensor parallel", ch.recompute)
+    sums.params[r] += cnt * lt.params_local
     sums.largest[r] = max(sums.largest[r], lt.largest_param)
     if ch.fsdp:
         add_units(ev, sums.units[r], i, cnt, lt.params_local)
-    else:
-        sums.nofsdp[r] += cnt * lt.params_local
-    sums.model_flops += cnt * lt.model_flops
-    sums.hw_flops += cnt * (lt.flops + lt.recompute_flops(ch.recompute))
 
 
 def _stage_sums(s: Setting, sums: RankSums, r: int, i: int, cnt: int, stage: int,
@@ -186,11 +237,11 @@ def tied_gradients(ev, s: Setting, choices: list[LayerChoice]) -> dict[int, floa
     return out
 
 
-def fused_head(ev, s: Setting, sums: RankSums, r: int, recompute: str, lt: LayerTerms, *,
-               tp: int = 1) -> float:
-    """The fused head + loss on rank ``r`` (:mod:`.loss`): adds the log-sum-exp it saves, the
-    logits' recompute (time and hardware FLOPs) to ``sums``; returns the head layer's backward
-    working set, the fused op's temporaries in place of the logits' gradient. Split on the
+def fused_head(ev, s: Setting, sums: RankSums, rows: RunRows, r: int, recompute: str,
+               lt: LayerTerms, *, tp: int = 1) -> float:
+    """The fused head + loss on rank ``r`` (:mod:`.loss`): adds the log-sum-exp it saves to
+    ``sums``, the logits' recompute (time and hardware FLOPs) to ``rows``; returns the head layer's
+    backward working set, the fused op's temporaries in place of the logits' gradient. Split on the
     vocabulary over ``tp`` ranks, a rank computes its rows' logits (FLOPs and chunk buffers /
     tp) and the forward's all-reduces of the log-sum-exp terms
     (:meth:`.loss.FusedHead.tp_forward_bytes`) are added; the hidden states' gradient is
@@ -200,15 +251,18 @@ def fused_head(ev, s: Setting, sums: RankSums, r: int, recompute: str, lt: Layer
     head = ev.head
     tokens = head.tokens * s.mb_samples / ev.prof.batch * ev.seq_ratio
     flops = head.recompute_flops(tokens) / tp
-    sums.rec[r] += flops / (ev.cluster.device.flops(DTYPE_NAMES[s.amp] if half else "float32")
-                            * ev.f.efficiency("matmul", half))
-    sums.hw_flops += flops * tp  # every rank's share: the step's hardware FLOPs
+    rec = flops / (ev.cluster.device.flops(DTYPE_NAMES[s.amp] if half else "float32")
+                   * ev.f.efficiency("matmul", half))
+    # every rank's share: the step's hardware FLOPs
+    rows.late.append((r, 1, (0.0,) * (len(LATE) + 1) + (flops * tp,)))
     sums.acts[r] += head.saved_bytes(tokens)
+    exposed = 0.0
     if tp > 1:
         link = link_for(ev.cluster, size=tp, stride=1)
         t = collective_time("all_reduce", head.tp_forward_bytes(tokens), tp, link,
                             ev.f.eff_link)
-        sums.tpc[r] += t * (1 - ev.f.overlap_tp)
+        exposed = t * (1 - ev.f.overlap_tp)
         sums.tp_kind[r]["all_reduce"] = sums.tp_kind[r].get("all_reduce", 0.0) + t
+    rows.early.append((r, 1, (0.0, rec, exposed)))
     return head.temp_bytes(tokens, half=half, tp=tp) + (lt.act["none"]
                                                         if recompute == "full" else 0.0)
