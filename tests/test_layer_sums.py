@@ -87,3 +87,25 @@ def test_run_rows_sum_to_the_scalar_sums(monkeypatch, case):
             assert all(type(x) is float for x in (got if isinstance(got, list) else [got])), name
     if case == "llama-interleaved":
         assert any(s.fused_loss and s.pp > 1 for _, s, _ in seen)
+
+
+def test_a_cut_is_sharded_inside_the_sp_region_from_the_first_block():
+    """``pipeline.cut_sharded`` against its definition at every cut of a 4-layer GPT under SP, TP on everywhere:
+    both sides are blocks, or TP layers past the first block that SP covers (the first block found once per
+    evaluator, ``Evaluator.first_block``)."""
+    from autopar_nb.cost.pipeline import cut_sharded
+    from autopar_nb.cost.profile import profile_of
+    from autopar_nb.cost.setting import LayerChoice, Setting
+
+    graph = _graph(lambda: zoo.GPT(zoo.GPTConfig(n_layer=4, n_head=8, n_embd=512, vocab_size=8192)), 8192)
+    ev = Evaluator(profile_of(graph, "cuda"), ap.Cluster.preset("h100-80gb", 1, 8))
+    assert ev.first_block == min(ev.blocks) > 0
+    s = Setting(tp=2, sp=True)
+    choices = [LayerChoice(tp=True) for _ in graph.layers]
+
+    def inside(i):
+        return i in ev.blocks or (i > min(ev.blocks) and ev.prof.sp_covers(i))
+
+    want = [inside(k - 1) and inside(k) for k in range(1, len(choices))]
+    assert [cut_sharded(ev, s, choices, k) for k in range(1, len(choices))] == want
+    assert any(want) and not all(want)

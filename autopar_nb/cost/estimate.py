@@ -44,6 +44,9 @@ class Evaluator:
         self.blocks = {j for j, r in enumerate(prof.rep) if r in shared}
         """layers of repeated blocks (their outputs are sequence-sharded under sequence
         parallelism)"""
+        self.first_block = min(self.blocks, default=-1)
+        """the first of :attr:`blocks` (-1: none), where the sequence-parallel region starts (read
+        at every pipeline cut of every candidate: found once)"""
 
     # ---- per layer -------------------------------------------------------------------------------
     terms = layer_terms  # (per_layer.py: its terms, cached by the repeated-block representative)

@@ -90,7 +90,7 @@ def cut_sharded(ev, s: Setting, choices: list[LayerChoice], k: int) -> bool:
     ``SequenceParallel`` norm, a head with ``input_layouts=Shard(1)``)."""
     if not s.sp or not ev.blocks:
         return False
-    first = min(ev.blocks)
+    first = ev.first_block
 
     def inside(i: int) -> bool:
         return i in ev.blocks or (i > first and choices[i].tp and ev.prof.sp_covers(i))
