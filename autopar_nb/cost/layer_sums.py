@@ -197,7 +197,7 @@ def _stage_sums(s: Setting, sums: RankSums, r: int, i: int, cnt: int, stage: int
 
 def add_units(ev, units: list[FsdpUnit], i: int, cnt: int, numel: float) -> None:
     """Append layers ``i`` .. ``i + cnt - 1`` (``numel`` local parameters each) to ``units`` as
-    the runtime groups them (``export.values.fsdp_units``): each layer with parameters its own
+    the runtime groups them (``export.patterns.fsdp_units``): each layer with parameters its own
     unit, except the last layer joining a final norm just before it (torchtitan's ``[norm,
     output]``)."""
     if not numel:

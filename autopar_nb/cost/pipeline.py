@@ -84,7 +84,7 @@ def _tied_copies(ev, s: Setting, choices: list[LayerChoice], sums: RankSums,
 
 def cut_sharded(ev, s: Setting, choices: list[LayerChoice], k: int) -> bool:
     """Whether a pipeline cut before layer ``k`` sends sequence shards: both sides lie in the
-    sequence-parallel region (``planner.styles``' ``_sp_region``), which starts at the first
+    sequence-parallel region (``planner.sp_region.sp_region``), which starts at the first
     block (an embedding before it outputs replicated activations) and takes the TP layers after
     the blocks that SP covers (the final norm and the head read the shards: a
     ``SequenceParallel`` norm, a head with ``input_layouts=Shard(1)``)."""

@@ -133,7 +133,7 @@ class RankSums:
     work: list[float]
     """the largest working set of one layer's backward (bytes)"""
     units: list[list[FsdpUnit]]
-    """the FSDP units (``fully_shard`` groups) in forward order, as ``export.values.fsdp_units``
+    """the FSDP units (``fully_shard`` groups) in forward order, as ``export.patterns.fsdp_units``
     makes them"""
     largest: list[float]
     """the largest local parameter (numel)"""
