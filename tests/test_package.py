@@ -39,6 +39,18 @@ def test_a_worker_importing_one_module_pulls_no_planner():
     assert out.split("\n")[:2] == ["[]", "[]"], out
 
 
+def test_a_verify_or_measure_rank_pulls_no_planner():
+    """verify's ranks (``verify.ranks``, spawned, or forked from a forkserver that preloaded it) and measure's
+    (``verify.measure``) run an exported script: they import torch, the plan and the script's own imports, not
+    export's renderer, capture, the cost model, the planner or launch (0.8 s of CPU per process, per forkserver)."""
+    heavy = ("autopar_nb.capture", "autopar_nb.cost", "autopar_nb.planner", "autopar_nb.export.write",
+             "autopar_nb.export.values", "autopar_nb.launch", "autopar_nb.verify.api", "autopar_nb.verify.check")
+    for module in ("autopar_nb.verify.ranks", "autopar_nb.verify.measure"):
+        code = f"import sys, {module}\nprint(sorted(m for m in {heavy!r} if m in sys.modules))"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        assert out.strip() == "[]", (module, out)
+
+
 def test_imports_flow_one_way():
     """The pipeline's stages in the folders' order: capture/ -> cost/ -> planner/ -> export/ -> launch/ -> verify/
     -> widget/ -> notebook/ (the magic and its session on top); a module never imports one from a later stage (the

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import io
-import re
 import textwrap
 import tokenize
 from pathlib import Path
@@ -23,6 +22,7 @@ from ..plan import Plan
 from ..source import ModelSource
 from . import kit
 from .cell import PRETRAINED, SplitCell, check_names, split_cell
+from .files import runtime_name
 from .main_body import main_source
 from .parallelize import parallelize_source
 from .render import DATA_FLAGS, HF_FLAGS, summary_lines
@@ -37,14 +37,6 @@ SCRIPT_IMPORTS = {("argparse", None, None), ("copy", None, None), ("functools", 
                   ("torch", None, None),
                   ("torch.distributed.elastic.multiprocessing.errors", "record", None)}
 """what ``train.py``'s own lines may import (those it does not use are left out)"""
-
-
-def runtime_name(script_name: str) -> str:
-    """The runtime module's name for the script ``script_name``: ``train.py`` -> ``train_runtime``
-    (one per script, so that two exports in one folder, or verify's scripts in one process, never
-    share one)."""
-    name = re.sub(r"\W", "_", Path(script_name).stem)
-    return ("_" if not name or name[0].isdigit() else "") + name + "_runtime"
 
 
 def render_files(source: ModelSource, plan: Plan, v: ScriptValues, *, script_name: str,

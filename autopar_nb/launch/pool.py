@@ -147,7 +147,7 @@ def imports_of(code: str) -> set[str]:
 def script_preload(script: str | os.PathLike) -> list[str]:
     """What a launch standby preloads for ``script``: torch's basics and the imports of the script
     and its runtime module that are safe to preload (see :func:`importable_here`)."""
-    from ..export.script import runtime_name
+    from ..export.files import runtime_name
 
     code = ""
     # and its runtime's

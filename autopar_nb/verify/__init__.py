@@ -9,106 +9,32 @@ run in a standby of the warm pool (``launch/pool.py``, ``verify/job.py``); ``war
 ranks from this process.
 """
 
-from __future__ import annotations
+import importlib
 
-import os
-import tempfile
-from pathlib import Path
-
-from ..export import with_weights
 from ..failures import VerifyError
-from ..hardware import nvml_visible_gpus
-from ..plan import Plan
-from ..source import ModelSource
-from .check import export_scripts, verify_here
-from .reference_run import reference
-from .report import FP32_RTOL, LOW_PRECISION_RTOL, StepDiff, VerifyReport
+
+PUBLIC = {
+    "api": ("ranks_use_cuda", "verify", "verify_many"),
+    "reference_run": ("reference",),
+    "report": ("FP32_RTOL", "LOW_PRECISION_RTOL", "StepDiff", "VerifyReport"),
+}
+"""module -> the names it defines that are read from this package, each imported on first use: a
+verify rank (:mod:`.ranks`, forked from a forkserver that preloaded it, or spawned) imports torch,
+the plan and the exported script's own imports, not export, capture and the planner that
+:func:`verify` uses in the calling process (0.8 s of CPU per process)"""
+_WHERE = {name: module for module, names in PUBLIC.items() for name in names}
 
 __all__ = ["FP32_RTOL", "LOW_PRECISION_RTOL", "StepDiff", "VerifyError", "VerifyReport",
            "reference", "verify", "verify_many"]
 
 
-def verify(source: ModelSource, plan: Plan, *, steps: int = 5, nproc: int | None = None,
-           seed: int = 0, rtol: float | None = None, meta_init: bool = False,
-           start_method: str = "spawn", warm: bool = True,
-           weights: str | os.PathLike | None = None) -> VerifyReport:
-    """Run ``plan``'s exported script on ``nproc`` local processes and a single-process reference;
-    compare ``steps`` steps.
-
-    ``nproc`` defaults to the plan's world size (dp * tp * pp) and must equal it. ``meta_init``
-    builds the parallel model on the meta device and initialises it shard by shard (the path for
-    models larger than host memory). ``warm`` runs both in the warm pool (see :func:`verify_many`).
-    ``weights``: the checkpoint folder a model built from a config starts from, in both runs
-    (``export(weights=...)``; in :func:`verify_many`, each case's ``ModelSource.weights``).
-    """
-    return verify_many([(with_weights(source, weights), plan)], steps=steps, nproc=nproc, seed=seed,
-                       rtol=rtol, meta_init=meta_init, start_method=start_method, warm=warm)[0]
+def __getattr__(name):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value  # bound here: the next read is a plain attribute
+    return value
 
 
-def verify_many(cases: list[tuple[ModelSource, Plan]], *, steps: int = 5, nproc: int | None = None,
-                seed: int = 0, rtol: float | None = None, meta_init: bool | list[bool] = False,
-                start_method: str = "spawn", warm: bool = True) -> list[VerifyReport]:
-    """:func:`verify` for several (source, plan) pairs of the same world size in ONE launch of
-    processes (starting processes costs seconds; running a small plan costs less). ``meta_init`` may
-    be one flag per case.
-
-    The scripts are exported here (an unsupported plan raises here, as export() would). ``warm``
-    (default): the parallel run and the reference run in a standby of the warm pool
-    (``autopar_nb/launch/pool.py``): a process that has imported torch and autopar_nb, whose ranks
-    are forked from a forkserver that preloaded them (``start_method="forkserver"``); the first
-    verify of a kernel starts it, each later one finds the next. A rank's failure there raises
-    :class:`VerifyError` with that process's traceback. ``warm=False``: ranks started with
-    ``start_method`` from this process, and the reference here — except where the ranks use GPUs:
-    then both run in a fresh child process, so that this kernel never initialises CUDA (a CUDA
-    context in the kernel holds GPU memory the workers need, and on exclusive-process GPUs it would
-    lock them out).
-    """
-    if not cases:
-        return []
-    if nproc is None:
-        nproc = cases[0][1].mesh.world_size
-    for _, plan in cases:
-        if plan.mesh.world_size != nproc:
-            raise ValueError(f"plan {plan.summary()} needs {plan.mesh.world_size} processes, not "
-                             f"nproc={nproc}; verify plans of different world sizes in separate "
-                             "calls")
-    metas = meta_init if isinstance(meta_init, list) else [meta_init] * len(cases)
-    with tempfile.TemporaryDirectory(prefix="autopar-verify-") as tmp:
-        scripts = export_scripts(cases, metas, tmp, steps=steps, seed=seed)
-        # on a GPU host the reference must not open CUDA in this kernel
-        if warm or ranks_use_cuda():
-            return _verify_in_child(cases, metas, scripts, steps=steps, nproc=nproc, seed=seed,
-                                    rtol=rtol, work_dir=tmp, warm=warm)
-        return verify_here(cases, metas, scripts, steps=steps, nproc=nproc, seed=seed, rtol=rtol,
-                           start_method=start_method)
-
-
-def ranks_use_cuda() -> bool:
-    """Whether the ranks will run on GPUs (the exported script picks CUDA when it sees one), found
-    without opening CUDA in this process: NVML, else torch's device count (which does not initialise
-    CUDA either)."""
-    gpus = nvml_visible_gpus()
-    if gpus is not None:
-        return bool(gpus)
-    import torch
-
-    return torch.version.cuda is not None and torch.cuda.is_available()
-
-
-def _verify_in_child(cases, metas, scripts, *, steps, nproc, seed, rtol, work_dir,
-                     warm) -> list[VerifyReport]:
-    """The parallel run and the reference in another process: a standby of the warm pool, or a fresh
-    one."""
-    from .job import VerifyJob
-
-    job = VerifyJob(cases=cases, scripts=scripts, steps=steps, nproc=nproc, seed=seed, rtol=rtol,
-                    meta_init=metas, work_dir=Path(work_dir) / "job", warm=warm)
-    try:
-        job.wait()
-    except KeyboardInterrupt:
-        job.stop("interrupted (KeyboardInterrupt in verify())")
-        raise
-    if job.reports is None:
-        raise VerifyError(f"{job.message} (the whole account: this error's .details)",
-                          job.error or "")
-    return job.reports
+def __dir__():
+    return sorted(set(globals()) | set(_WHERE))

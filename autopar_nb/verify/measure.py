@@ -39,8 +39,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ..export import run_script
-from ..launch.pool import script_preload
+from ..export.files import run_script
 from .labels import FSDPTracker, Tracker, components
 from .moments import layer_of
 from .node_spans import NodeSpans
@@ -424,6 +423,9 @@ def _start_forkserver(scripts: list[str]) -> None:
     it."""
     import multiprocessing
     from multiprocessing import forkserver
+
+    # here, not at the top: the measured processes forked with this module need none of launch
+    from ..launch.pool import script_preload
 
     preload = {m for script in scripts for m in script_preload(script)}  # and what they load lazily
     multiprocessing.set_forkserver_preload(sorted(preload | {__name__}))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 
-from ..cost.tp_styles import packet
 from ..plan import layer_of as layer_path_of
 
 GROUPS = {
@@ -118,6 +117,9 @@ def op_kind_of_node(node: str) -> str:
 def op_kind(op: str) -> str:
     """A graph op's name as :func:`op_kind_of_node` makes a node's:
     ``aten.native_layer_norm.default`` -> ``nativelayernorm``."""
+    # here, not at the top: a measured rank reads this module's layer_of and needs none of cost
+    from ..cost.tp_styles import packet
+
     return packet(op).replace("_", "").lower()
 
 

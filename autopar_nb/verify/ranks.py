@@ -13,9 +13,15 @@ import os
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ..export import run_script
+from ..export.files import run_script
 from ..plan import Plan
 from ..randomness import RandomOff
+
+# at the top: a warm standby's forkserver preloads this module, and so what every rank calls
+from ..runtime.amp import exact_fp32
+from ..runtime.fsdp import on_mesh_device
+from ..runtime.init import canonical_name
+from ..runtime.mesh import init_distributed
 
 
 class Recorder:
@@ -50,9 +56,6 @@ def named_tensors(parts: list, what: str) -> dict[str, torch.Tensor]:
     reduced on the mesh's device)."""
     from torch.distributed.tensor import DTensor
 
-    from ..runtime.fsdp import on_mesh_device
-    from ..runtime.init import canonical_name
-
     named = [(n, p.grad if what == "grad" else p.detach()) for part in parts
              for n, p in part.named_parameters()]
     return {
@@ -70,8 +73,6 @@ def rank_info(parts: list, plan: Plan) -> dict:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
     from torch.distributed.tensor import DTensor
-
-    from ..runtime.init import canonical_name
 
     params = [p for part in parts for p in part.parameters()]
     names = [canonical_name(n) for part in parts for n, _ in part.named_parameters()]
@@ -104,9 +105,6 @@ def worker(jobs: list[tuple[str, str, str]], steps: int) -> list[dict]:
     import gc
 
     import torch.distributed as dist
-
-    from ..runtime.amp import exact_fp32
-    from ..runtime.mesh import init_distributed
 
     torch.set_num_threads(1)  # 2+ ranks on a few cores: more threads only oversubscribe
     exact_fp32()  # as the reference: no TF32 on a GPU
