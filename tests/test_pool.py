@@ -437,3 +437,23 @@ def test_a_standby_preloads_what_a_lazy_package_loads_on_first_access(tmp_path):
     finally:
         sys.path.remove(str(tmp_path))
     assert "mine" not in sys.modules
+
+
+def test_a_warm_rank_finds_the_pipeline_tracer_preloaded():
+    """Every pipelined rank traces its model with torch's ``pipeline()``, whose first call in a process imported 405
+    modules (torch.export's tracer, aot_autograd, inductor's and networkx's parts: 0.3 of its 0.7 CPU s on a 2-layer
+    LLaMA). A forkserver that imported :data:`BASE_PRELOAD` hands them to every rank it forks."""
+    code = textwrap.dedent(f"""
+        import importlib, json, sys
+        for m in {list(pool_mod.BASE_PRELOAD)!r}:
+            importlib.import_module(m)
+        import torch
+        from torch.distributed.pipelining import SplitPoint, pipeline
+        from autopar_nb.zoo import Llama, LlamaConfig
+        model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64))
+        before = set(sys.modules)
+        pipeline(model, mb_args=(torch.randint(0, 64, (2, 16)),), split_spec={{"layers.1": SplitPoint.BEGINNING}})
+        print(json.dumps(sorted(set(sys.modules) - before)))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert len(json.loads(out.strip().splitlines()[-1])) < 40, out
