@@ -13,7 +13,8 @@ these very files. Neither imports autopar_nb.
 
 Pipeline: :mod:`.values` (plan -> plain values, :mod:`.styles` for TP) -> :mod:`.script` (the two
 files) or :mod:`.render` (one); :mod:`.commands` the torchrun lines, which :mod:`.slurm` and
-:mod:`.k8s` wrap for a scheduler.
+:mod:`.k8s` wrap for a scheduler; :mod:`.write` writes the files; :mod:`.files` names them and
+runs a script in this process (verify's and measure's ranks).
 """
 
 import importlib
