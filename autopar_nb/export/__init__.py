@@ -11,10 +11,10 @@ The runtime module holds those functions of :mod:`autopar_nb.runtime` and all th
 instead (the cell at the top level, the runtime's functions inside). ``verify`` and ``launch`` run
 these very files. Neither imports autopar_nb.
 
-Pipeline: :mod:`.values` (plan -> plain values, :mod:`.styles` for TP) -> :mod:`.script` (the two
-files) or :mod:`.render` (one); :mod:`.commands` the torchrun lines, which :mod:`.slurm` and
-:mod:`.k8s` wrap for a scheduler; :mod:`.write` writes the files; :mod:`.files` names them and
-runs a script in this process (verify's and measure's ranks).
+Pipeline: :mod:`.values` (plan -> plain values; :mod:`.checks` refuses, :mod:`.patterns` groups
+the blocks) -> :mod:`.script` (the two files) or :mod:`.render` (one); :mod:`.commands` the
+torchrun lines, which :mod:`.slurm` and :mod:`.k8s` wrap for a scheduler; :mod:`.write` writes the
+files; :mod:`.files` names them and runs a script in this process (verify's and measure's ranks).
 """
 
 import importlib
