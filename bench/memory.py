@@ -74,6 +74,10 @@ PLANS = {
     "cp-tp": {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "zero_stage": 3},
     # each pipeline stage's sequences split over its cp ranks, FSDP over dp x cp (torchtitan's 4-D layouts)
     "cp-pp": {"dp": 1, "tp": 1, "pp": 2, "cp": 2, "zero_stage": 3, "micro_batches": 4, "schedule": "1f1b"},
+    # on 8 processes (zero3-tp-pp above is 8 too): ZeRO-2 over 4 data-parallel ranks beside TP, and experts split
+    # over 2 of each stage's 4 data-parallel ranks (each expert group replicated twice)
+    "zero2-tp-dp4": {"dp": 4, "tp": 2, "pp": 1, "zero_stage": 2},
+    "ep-dp-pp": {"dp": 4, "tp": 1, "pp": 2, "zero_stage": 0, "ep": 2, "micro_batches": 4, "schedule": "1f1b"},
 }
 """plan name -> the planner's fixed choices (fp32, no recompute unless --amp / --recompute)"""
 ALL = "LLaMA,Qwen2,GPT-NeoX,GPT-2,BERT,T5,ViT,Mixtral"
@@ -99,6 +103,8 @@ COMPOSITIONS = [
     ("LLaMA,GPT-2,Mixtral", "cp-zero3", "none,bf16", "none,full"),
     ("LLaMA,GPT-2,Mixtral", "cp-tp", "none,bf16", "none,full"),
     ("LLaMA,GPT-2,Mixtral", "cp-pp", "none,bf16", "none,full"),
+    ("LLaMA,GPT-2,Mixtral", "zero2-tp-dp4", "none,bf16", "none,full"),
+    ("Mixtral", "ep-dp-pp", "none,bf16", "none,full"),
 ]
 """the composition table's groups: techniques together, as the planner offers them at scale (``--compositions``)"""
 QUICK = [
@@ -130,9 +136,11 @@ KNOWN = [
     "counts uninitialised: Mixtral DDP bf16 selective was -6.2 %)",
     "Routing: an expert-parallel plan's rows are every data-parallel rank of each stage, each predicted with the "
     "rows its experts really received in each layer (verify.measure records them, averaged over the step's "
-    "micro-batches: estimate(routed=...)); tiny Mixtral's random router sent a rank 0.61 to 1.72 times the balanced "
-    "rows. The planner itself cannot know them: it costs every rank for the busiest, mesh.moe_capacity (1.25, "
-    "Switch Transformer's capacity factor) times the balanced rows. Plans without expert parallelism run every "
+    "micro-batches, or under full recompute the busiest micro-batch's, the one a recompute peaks in: "
+    "routed_rows(busiest=True); estimate(routed=...)); tiny Mixtral's random router sent a rank 0.61 to 1.72 "
+    "times the balanced rows. The planner itself cannot know them: it costs every rank for the busiest, "
+    "mesh.moe_capacity (1.25, Switch Transformer's capacity factor) times the balanced rows. Plans without expert "
+    "parallelism run every "
     "expert on the rank's own tokens: routing does not change their memory",
     "Compositions (--compositions): ZeRO-3 x PP under ZBV with full recompute measured 44-76 % above the "
     "prediction and above the same plan without recompute (torch's input pass keeps what the recompute re-made "
@@ -157,8 +165,15 @@ KNOWN = [
     "--largest 25): the local experts' forward in the middle of the recompute, on 6991 rows (1.71x), holding the "
     "gate/up output 27.3, the SiLU 13.7 and the product 13.7 MiB and five (rows, 256) float32 tensors of 6.8 MiB: "
     "the all-to-all's output (the local forward's input, which runtime/ep.py's dispatch holds until the local "
-    "forward returns: no term yet), its gather, the second grouped matmul's output, its product with the ones and one "
-    "not identified. EP x PP bf16 full rank 3 (-6.5 %) is this gap",
+    "forward returns), its gather, the second grouped matmul's output, its product with the ones and one "
+    "not identified. Two parts of that gap are costed now: the all-to-all's output (ep_received_rows, at a layer's "
+    "forward and recompute: cost/peak.py received_rows) and, under full recompute, the rows of the busiest "
+    "micro-batch, the one whose recompute the tracker peaks in (verify.measure.routed_rows(busiest=True); rank 3 of "
+    "EP x PP received 1515 rows in layer 2's busiest micro-batch, 1.48x, where its 4 averaged 1.23x). EP x PP bf16 "
+    "full rank 3 was -6.5 % (activations 18.5 / 24.1 MiB at the recompute), -2.7 % with both (22.6 / 24.1), every "
+    "component within 5 %: bench/memory.py Mixtral --plans ep-pp --amp none,bf16 --recompute full, 8 of 8 rows "
+    "within 5 % (-0.1 to -2.7 %). The one (rows, 256) tensor not identified (no op recorded: made outside the "
+    "dispatcher, gloo's all-to-all?) is not costed",
     "ViT fp32 full recompute (+2.4 %, total only): the components match at the tracker's moment (layer 0's "
     "backward at the GELU, 62.2 MiB), the model's peak is layer 0's backward at another op (63.7 MiB); not "
     "identified",
@@ -233,7 +248,8 @@ def case(family: str, plan_name: str, *, amp: str = "none", recompute: str = "no
     rows = []
     for (stage, rank), m in zip(ranks, measured, strict=True):
         # predicted with the routing this rank really had (none without expert parallelism), and with balanced
-        routed = routed_rows(m.get("routed", []), paths) if fix.get("ep", 1) > 1 else None
+        routed = (routed_rows(m.get("routed", []), paths, busiest=recompute == "full") if fix.get("ep", 1) > 1
+                  else None)
         cost = estimate(graph, cluster, plan, routed=routed)
         moments = peak_moments(graph, cluster, plan, per_op=True, routed=routed)
         balanced = estimate(graph, cluster, plan, routed=dict.fromkeys(paths, 1.0)).memory_by_rank[stage]

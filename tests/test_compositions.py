@@ -68,10 +68,15 @@ CASES = {
                           ("fsdp_weight_pass_grads",)),
     # expert parallelism beside DDP: each experts module is FSDP2's replicate, which keeps its gathered experts from
     # forward to the end of backward and, once its backward ran, its reduction's buffers to the end of the
-    # stage's backward; a stage's experts are the model's own modules (their peaks placed in their layers)
-    # (balanced routing: what the router really sends each rank is tests/test_moe_routing.py's)
-    "ep-pp-full": ("Mixtral", {"dp": 2, "ep": 2, "zero_stage": 0, "recompute": "full", "moe_capacity": 1.0, **PIPE},
+    # stage's backward; a stage's experts are the model's own modules (their peaks placed in their layers).
+    # Every data-parallel rank of each stage is measured and predicted with the rows its experts received
+    # (verify.measure.routed_rows: what the router really sent each)
+    "ep-pp-full": ("Mixtral", {"dp": 2, "ep": 2, "zero_stage": 0, "recompute": "full", **PIPE},
                    ("replicate_reduce_buffers",)),
+    # under full recompute the tracker peaks in the experts' recompute, where runtime/ep.py's dispatch holds the
+    # all-to-all's output (the rows the rank's experts received) until their local forward returns
+    "ep-pp-bf16-full": ("Mixtral", {"dp": 2, "ep": 2, "zero_stage": 0, "amp": "bf16", "recompute": "full", **PIPE},
+                        ("ep_received_rows",)),
     # context parallelism's ring backward holds, at the attention op, the gathered keys and values, float32
     # accumulators and the dK/dV it sends and receives (part of a backward working set: PARTS); its second cp rank
     # peaks there
@@ -80,8 +85,18 @@ CASES = {
     # context beside tensor parallelism (FSDP over the dp x cp ranks): a rank's attention has 1/tp of the heads, so
     # the copy of the attention output the ring's merge leaves is 1/tp of the cp rank's (the second cp rank is 7 %
     # over when it is not divided)
-    "cp-tp": ("LLaMA", {"cp": 2, "tp": 2, "zero_stage": 3}, ("saved_activations",),
+    "cp-tp": ("LLaMA", {"cp": 2, "tp": 2, "zero_stage": 3}, ("cp_merge_copies",),
               {"hidden": 256, "seq": 256, "batch": 8}),
+    # on 8 processes. FSDP x TP x PP under bf16 and full recompute (zero3-tp-pp above is 8 processes in fp32):
+    # each stage's unsharded gradients, accumulated over the micro-batches
+    "zero3-tp-pp-bf16-full": ("GPT-2", {"dp": 2, "tp": 2, "zero_stage": 3, "amp": "bf16", "recompute": "full",
+                                        **PIPE}, ("fsdp_unsharded_grads",)),
+    # experts over 2 of each stage's 4 data-parallel ranks (every expert group on 2 ranks), beside DDP
+    "ep-dp-pp-full": ("Mixtral", {"dp": 4, "ep": 2, "zero_stage": 0, "recompute": "full", **PIPE},
+                      ("replicate_reduce_buffers", "ep_received_rows")),
+    # ZeRO-2 over 4 data-parallel ranks beside TP 2
+    "zero2-tp-dp4": ("LLaMA", {"dp": 4, "tp": 2, "zero_stage": 2}, ("fsdp_unsharded_params",)),
+    "zero2-tp-dp4-bf16": ("GPT-2", {"dp": 4, "tp": 2, "zero_stage": 2, "amp": "bf16"}, ("fsdp_unsharded_params",)),
 }
 
 PARTS = {
@@ -113,8 +128,11 @@ def _planned(family: str, fix: dict, size: dict):
     plan = ap.plan(graph, cluster, global_batch=size["batch"] * dp,
                    fix={"amp": "none", "recompute": "none", "micro_batches": 1, **fix})
     moments = peak_moments(graph, cluster, plan, per_op=True)
-    # each pipeline stage's first rank, and its cp ranks (at stride tp), which hold different parts of the ring
+    # each pipeline stage's first rank, and its cp ranks (at stride tp), which hold different parts of the ring;
+    # under expert parallelism every data-parallel rank of it (each its own routing)
     ranks = [(stage, stage * world // pp + c * tp) for stage in range(pp) for c in range(cp)]
+    if fix.get("ep", 1) > 1:
+        ranks = [(stage, stage * world // pp + d * tp) for stage in range(pp) for d in range(dp)]
     if fix.get("zero_stage") == 1 and pp == 1:  # and the last rank, whose share of the optimizer states is its own
         ranks.append((0, world - 1))
     return src, plan, (graph, cluster), moments, ranks
@@ -140,19 +158,24 @@ def measured(request):
     return Batched(list(dict.fromkeys(names)), _measure)
 
 
-def _measured_against_predicted(planned, got, moments=None):
-    """Per measured rank: its stage, the predicted moment the tracker's peak is at (of ``moments``, the case's own
-    by default), its components and the measured ones, and the measurement."""
+def _measured_against_predicted(planned, got, without=None):
+    """Per measured rank: its stage, the predicted moment the tracker's peak is at (the case's own moments, or
+    with the term ``without`` zeroed: :func:`_moments_without`; under expert parallelism predicted with the rows
+    the rank's experts received), its components and the measured ones, and the measurement."""
+    from autopar_nb.verify.measure import routed_rows
     from autopar_nb.verify.moments import measured_groups, moment_at, predicted_groups
 
     if isinstance(got, Exception):
         raise got
-    _, _, (graph, _), own, ranks = planned
-    moments = own if moments is None else moments
+    _, plan, (graph, cluster), own, ranks = planned
     paths = [lay.path for lay in graph.layers]
     op_modules = {k: n.module_path for k, n in enumerate(graph.nodes)}
     op_names = {k: n.op for k, n in enumerate(graph.nodes)}
     for (stage, _), m in zip(ranks, got, strict=True):
+        busiest = all(lay.recompute == "full" for lay in plan.layers)
+        routed = routed_rows(m.get("routed", []), paths, busiest=busiest) if plan.mesh.ep > 1 else None
+        moments = (own if without is None and routed is None
+                   else _moments_without(without, graph, cluster, plan, routed))
         at = moment_at(m["where"], paths, moments[stage], op_modules, micro_batch=m.get("micro_batch"),
                        node=m.get("node"), op_names=op_names)
         yield stage, at, predicted_groups(at[2]) if at else None, measured_groups(m["peak"]), m
@@ -180,10 +203,10 @@ def test_composition_memory_matches_the_tracker(name, measured):
     assert all(with_term.values()), f"no rank peaks where {with_term} is held"
 
 
-def _moments_without(term: str, graph, cluster, plan) -> list[list[tuple]]:
-    """The plan's predicted moments (``peak_moments``) with the cost model's ``term`` zeroed at every moment of every
-    rank (each moment's weight, which picks the largest, less the term's bytes), or a part of :data:`PARTS` zeroed
-    where the model makes it."""
+def _moments_without(term: str | None, graph, cluster, plan, routed=None) -> list[list[tuple]]:
+    """The plan's predicted moments (``peak_moments``, with ``routed`` as ``estimate``'s) with the cost model's
+    ``term`` zeroed at every moment of every rank (each moment's weight, which picks the largest, less the term's
+    bytes), or a part of :data:`PARTS` zeroed where the model makes it; as they are where ``term`` is None."""
     from autopar_nb.cost.estimate import peak_moments
     from autopar_nb.cost.peak import RankMemory
 
@@ -196,13 +219,15 @@ def _moments_without(term: str, graph, cluster, plan) -> list[list[tuple]]:
                         for mo in out]
 
     with pytest.MonkeyPatch.context() as patch:
-        if term in PARTS:
+        if term is None:
+            pass
+        elif term in PARTS:
             cls, method = PARTS[term]
             part = getattr(cls, method)
             patch.setattr(cls, method, lambda self, *args, **kw: 0.0 * part(self, *args, **kw))
         else:
             patch.setattr(RankMemory, "moments", without)
-        return peak_moments(graph, cluster, plan, per_op=True)
+        return peak_moments(graph, cluster, plan, per_op=True, routed=routed)
 
 
 @pytest.mark.multiprocess
@@ -213,9 +238,8 @@ def test_composition_fails_without_its_term(name, measured):
     the tracker peaked)."""
     _family, _fix, terms, *_size = CASES[name]
     planned, got = measured[name]
-    _, plan, (graph, cluster), _, _ = planned
     for term in terms:
-        zeroed = _measured_against_predicted(planned, got, _moments_without(term, graph, cluster, plan))
+        zeroed = _measured_against_predicted(planned, got, term)
         misses = [(stage, _misses(p, g, m) if at else "no moment") for stage, at, p, g, m in zeroed]
         if (name, term) in TOO_SMALL:
             assert not any(miss for _, miss in misses), f"{name} misses without {term} now: {misses}"
@@ -267,3 +291,47 @@ def test_bench_plans_pin_the_expert_parallelism_their_names_say():
     plan = ap.plan(graph, ap.Cluster.preset("cpu", 1, 4), global_batch=bench.SIZE["batch"] * 2,
                    fix={**bench.fixed("zero3-pp-interleaved"), "amp": "none", "recompute": "none"})
     assert plan.mesh.ep == 1
+
+
+def _moments_of(family: str, fix: dict, size: dict | None = None, routed=None):
+    """The plan's predicted per-op moments (``peak_moments``), its graph and the plan."""
+    from autopar_nb.cost.estimate import peak_moments
+
+    src, plan, (graph, cluster), _, _ = _planned(family, fix, {**SIZE, **(size or {})})
+    return peak_moments(graph, cluster, plan, per_op=True, routed=routed), graph, plan
+
+
+def test_expert_parallel_recompute_holds_the_rows_its_all_to_all_delivered():
+    """Under expert parallelism a layer's forward and its recompute hold the all-to-all's output, one row per
+    (token, choice) pair the rank's experts received, in the hidden states' dtype (float32 under autocast over
+    float32 parameters), scaled by the measured routing; its backward does not (nothing saves it), and a plan
+    without expert parallelism has none."""
+    fix = {"dp": 2, "ep": 2, "zero_stage": 0, "amp": "bf16", "recompute": "full", **PIPE}
+    tokens = SIZE["batch"] // PIPE["micro_batches"] * SIZE["seq"]
+    rows = tokens * 2 * SIZE["hidden"] * 4  # top-2 routing, float32
+    for routed in (1.0, 1.5):
+        moments, _, _ = _moments_of("Mixtral", fix, routed={lay.path: routed for lay in _mixtral_layers()})
+        held = {mo[0]: mo[2].terms.get("ep_received_rows", 0.0) for rank in moments for mo in rank}
+        assert held["recompute"] == pytest.approx(rows * routed), held
+        assert held["backward"] == 0.0
+    moments, _, _ = _moments_of("Mixtral", {**fix, "ep": 1})
+    assert not any(mo[2].terms.get("ep_received_rows") for rank in moments for mo in rank)
+
+
+def _mixtral_layers():
+    src = ModelSource(CELLS["Mixtral"](**SIZE))
+    meta, example, _ = src.build(device="meta")
+    return ap.capture(meta, example).layers
+
+
+def test_context_parallel_merge_copies_are_a_term_of_their_own():
+    """The attention output context parallelism's ring merges (a copy the output projection saves, 1/tp of the
+    cp rank's under TP) is named apart from the other saved activations: at the loss every layer's, one
+    (batch, seq / cp, hidden / tp) tensor each (float32), and the moment's total unchanged by the naming."""
+    moments, graph, plan = _moments_of("LLaMA", {"cp": 2, "tp": 2, "zero_stage": 3})
+    loss = next(mo for mo in moments[0] if mo[0] == "loss")
+    one = SIZE["batch"] * SIZE["seq"] // 2 * SIZE["hidden"] // 2 * 4
+    assert loss[2].terms["cp_merge_copies"] == pytest.approx(SIZE["layers"] * one)
+    assert loss[2].terms["saved_activations"] > loss[2].terms["cp_merge_copies"]
+    moments, _, _ = _moments_of("LLaMA", {"cp": 2, "tp": 2, "zero_stage": 3, "recompute": "full"})
+    assert not any(mo[2].terms.get("cp_merge_copies") for mo in moments[0])

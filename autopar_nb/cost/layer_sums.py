@@ -167,6 +167,7 @@ def _run_totals(ev, sums: RankSums, r: int, i: int, cnt: int, ch: LayerChoice,
     else:
         sums.experts_upto[r].update(dict.fromkeys(range(i, i + cnt), sums.experts[r]))
     sums.experts[r] += cnt * lt.experts_local
+    sums.add_copies(r, i, cnt, lt, ch.recompute)
     sums.params[r] += cnt * lt.params_local
     sums.largest[r] = max(sums.largest[r], lt.largest_param)
     if ch.fsdp:

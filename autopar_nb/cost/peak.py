@@ -257,17 +257,29 @@ class RankMemory:
                 # (FSDP's 16-bit gradients)
                 top = (accumulating_op(ops, item) if f.accumulated and not forward
                        else (None, 0.0, 0.0, 0.0, 0.0))
+                merges = f.others * sums.cp_merges[r] + sums.cp_merges_before[r].get(layer, 0.0)
                 for op, dw, da, dbefore, made in (top, *(ops if per_op else ())):
-                    alive = (f.others + 1) * -rs + f.others * sums.acts[r] + a + da
+                    alive = (f.others + 1) * -rs + f.others * sums.acts[r] + a + da - merges
                     later = 0.0 if forward else st.params - before - dbefore
                     grads, gterms = self._gradients(st, f, later)
-                    mine = {"saved_activations": alive, work: w + dw} | (
-                        {"new_weight_gradients": made * item} if item else {})
+                    mine = {"saved_activations": alive, "cp_merge_copies": merges, work: w + dw} | (
+                        {"new_weight_gradients": made * item} if item else {}) | (
+                        self.received(r, layer, phase))
                     out.append(PeakMoment(phase, layer, grads,
                                           (mine, fb, st.held, pipe_now, gterms),
                                           grads + sum(gterms.values()) + sum(mine.values()) + fb_sum
                                           + shared, op, f.later))
         return out
+
+    def received(self, r: int, layer: int, phase: str) -> dict[str, float]:
+        """The rows expert parallelism's all-to-all delivered to ``layer``'s experts, at its forward
+        and its recompute (``ep_received_rows``: :attr:`~.terms.LayerTerms.ep_received`), whose
+        largest moment is the local experts' forward on a Mixture-of-Experts layer. Measured
+        (MemTracker, Mixtral, dp 2 x ep 2 x pp 2 under full recompute): the tracker peaks in the
+        experts' recompute holding the all-to-all's output beside what the graph saves there; a
+        backward does not hold it (nothing saves it)."""
+        got = self.sums.ep_received[r].get(layer, 0.0) if phase != "backward" else 0.0
+        return {"ep_received_rows": got} if got else {}
 
     def _kept(self, st: _States, f: _Flight) -> bool:
         """A backward of ``f`` keeps every FSDP unit gathered (:func:`.moment.fsdp_buffers`'
@@ -322,8 +334,9 @@ class RankMemory:
         rs = sums.pipe[r]["recv_saved"] if s.pp > 1 else 0.0
         out = []
         for f in flights:
-            loss = {"saved_activations": (f.others + 1) * (sums.acts[r] - rs),
-                    **self.loss_terms(st)}
+            merges = (f.others + 1) * sums.cp_merges[r]
+            loss = {"saved_activations": (f.others + 1) * (sums.acts[r] - rs) - merges,
+                    "cp_merge_copies": merges, **self.loss_terms(st)}
             if st.fsdp_stage == 2:  # every unit's parameters still unsharded: no backward has run
                 loss["fsdp_unsharded_params"] = st.params * st.p_item
             if st.experts_copy:  # so are the experts' replicas (_experts_replicas)
@@ -470,3 +483,14 @@ def ddp_bucket_bytes(s: Setting, params: float) -> float:
     FSDP2's replicate, which has no buckets; ZeRO-1 is FSDP2)."""
     return (params * ITEMSIZE["float32"] if s.replicas > 1 and s.zero_stage == 0 and s.tp == 1
             else 0.0)
+
+
+def received_rows(lp, precision: str, scale: float, experts: float) -> float:
+    """Bytes of the rows expert parallelism's all-to-all delivers to a layer's local experts
+    (``experts``: their parameters, 0 without ep) per micro-batch, its profile ``lp`` scaled by
+    ``scale`` (the micro-batch and the rows routed to the rank): one row per (token, choice) pair in
+    the hidden states' dtype, float32 but where FSDP's 16-bit parameters make them 16-bit
+    (``runtime/ep.py`` sends the experts' input as it is)."""
+    if not experts:
+        return 0.0
+    return (lp.dispatch_half if precision == "autocast_lowp" else lp.dispatch_bytes) * scale

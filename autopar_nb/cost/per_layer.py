@@ -10,6 +10,7 @@ from .comm import collective_time, link_for
 from .cpu import layer_cpu
 from .float8 import float8_weights_local
 from .memory import activation_bytes, forward_peak, input_pass, op_deltas, op_moments, peak_op
+from .peak import received_rows
 from .terms import LayerTerms
 from .time import layer_compute_time, model_flops, pass_flops
 
@@ -50,6 +51,7 @@ def layer_terms(ev, i: int, *, tp: int, sp: bool, precision: str, mb_samples: fl
     comm, step_s = _tp_comm(ev, lp, tp=tp, sp=sp, half=half, scale=scale, gather=gather)
     out = (lp.output_amp[precision] if half else lp.output_bytes) * scale / (tp if sp else 1)
     moments = op_moments(lp, **shape, megatron_sp=ev.megatron_sp)
+    merge = (lp.q_half if half else lp.q_bytes) * scale / tp if cp > 1 and lp.kv_bytes else 0
     if cp > 1 and lp.kv_bytes:
         ring = ring_comm(ev, lp, comm, cp=cp, tp=tp, half=half, scale=scale)
         moments = [(op, w + ring if op in lp.attention_ops else w, fr, lat)
@@ -58,7 +60,7 @@ def layer_terms(ev, i: int, *, tp: int, sp: bool, precision: str, mb_samples: fl
         # heads, hd) is a copy, which the output projection saves beside what the ring's
         # backward keeps (not the last cp rank's, whose last merge keeps the kernel's layout:
         # the first rank's is what counts)
-        act["none"] += (lp.q_half if half else lp.q_bytes) * scale / tp
+        act["none"] += merge
     work, freed, later = peak_op(moments)
     fwd_fl, bwd_fl = pass_flops(lp, scale=scale, quad_scale=qscale)
     experts = lp.params_experts / ep if ep > 1 and lp.experts else 0.0
@@ -74,6 +76,7 @@ def layer_terms(ev, i: int, *, tp: int, sp: bool, precision: str, mb_samples: fl
                    lp.largest_param / (tp if lp.tp else 1), exposed + a2a, experts, a2a_fwd)
     comm.update({"all_to_all": a2a} if a2a else {})
     t.tp_step, t.freed, t.later_params = step_s, freed, later
+    t.cp_merge, t.ep_received = merge, received_rows(lp, precision, scale * routed, experts)
     t.op_deltas = op_deltas(moments, (work, freed, later), local)
     _fill_rest(ev, t, lp, shape, float8=float8, compiled=compiled)
     ev._cache[key] = t

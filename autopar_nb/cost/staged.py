@@ -400,7 +400,8 @@ class StagedRank:
                 grads, gterms = (self._grads(k, h.grads[k], x.params) if h.grads[k]
                                  else self._grads(k, 1, later, whole=False))
                 mine = {"saved_activations": a - x.acts_start - x.pipe["recv_saved"] + da,
-                        work: w + dw} | ({"new_weight_gradients": made * item} if item else {})
+                        work: w + dw} | ({"new_weight_gradients": made * item} if item else {}) | (
+                    self.mem.received(self.r, layer, kind))
                 out.append(around.moment(kind, layer, grads, (mine, running, fb, gterms), op,
                                          h.later))
         return out

@@ -43,6 +43,14 @@ class LayerTerms:
     they count as any other parameter)"""
     a2a_fwd: float = 0.0
     """seconds of the forward all-to-alls of expert parallelism (full recompute runs them again)"""
+    cp_merge: float = 0.0
+    """bytes of the copy context parallelism's ring leaves where it merges the attention output's
+    chunks (``torch.cat``, transposed back to (B, T, heads, hd)), which the output projection saves
+    (part of ``act["none"]``; 0 without cp)"""
+    ep_received: float = 0.0
+    """bytes of the rows expert parallelism's all-to-all delivers to this rank's experts (its
+    output, in the hidden states' dtype), which ``runtime/ep.py``'s dispatch holds until the local
+    experts' forward returns: a copy the single-device graph does not make (0 without ep)"""
     tp_step: float = 0.0
     """seconds of TP collectives run once per step, not per micro-batch: the all-reduce of the
     weight gradients of key/value projections TP repeats (``LayerProfile.at_tp``)"""
@@ -146,6 +154,13 @@ class RankSums:
     """local expert parameters under expert parallelism (numel; part of ``params``)"""
     experts_upto: list[dict[int, float]] = field(default_factory=list)
     """per rank, layer index -> the local expert parameters (numel) of its layers up to that one"""
+    ep_received: list[dict[int, float]] = field(default_factory=list)
+    """per rank, layer index -> its :attr:`LayerTerms.ep_received`"""
+    cp_merges: list[float] = field(default_factory=list)
+    """per rank, the :attr:`LayerTerms.cp_merge` copies its layers without recompute save (bytes;
+    part of ``acts``)"""
+    cp_merges_before: list[dict[int, float]] = field(default_factory=list)
+    """per rank, layer index -> the same of its layers before that one"""
     head_tp: bool = False
     """the output head is TP-split (loss_parallel can apply)"""
     model_flops: float = 0.0
@@ -200,8 +215,19 @@ class RankSums:
                    tensors=list(z), bwd_layers=[[] for _ in range(pp)],
                    pipe=[pipe_sums() for _ in range(pp)], stages=[[] for _ in range(pp)],
                    input_layers=[[] for _ in range(pp)], layers=list(z),
-                   experts_upto=[{} for _ in range(pp)], full_recompute=list(z),
+                   experts_upto=[{} for _ in range(pp)], ep_received=[{} for _ in range(pp)],
+                   cp_merges=list(z), cp_merges_before=[{} for _ in range(pp)],
+                   full_recompute=list(z),
                    whole_grads=list(z))
+
+    def add_copies(self, r: int, i: int, cnt: int, lt: LayerTerms, recompute: str) -> None:
+        """Rank ``r``'s run of ``cnt`` layers from ``i`` (each ``lt``, under ``recompute``) added
+        to :attr:`ep_received` and the cp merges (saved only without recompute)."""
+        merge = lt.cp_merge if recompute == "none" else 0.0
+        for j in range(cnt):
+            self.ep_received[r][i + j] = lt.ep_received
+            self.cp_merges_before[r][i + j] = self.cp_merges[r] + j * merge
+        self.cp_merges[r] += cnt * merge
 
     def per_micro_batch(self, r: int) -> float:
         """Rank ``r``'s time for one micro-batch: the sum of its layers'

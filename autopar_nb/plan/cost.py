@@ -68,6 +68,7 @@ MEMORY_TERMS = {
     "backward_working_set": "buffers", "new_weight_gradients": "buffers",
     "forward_working_set": "activations", "fsdp_all_gather": "buffers",
     "replicate_gathered_experts": "buffers", "replicate_reduce_buffers": "buffers",
+    "ep_received_rows": "activations", "cp_merge_copies": "activations",
     "loss_temporaries": "buffers", "optimizer_step_temporaries": "buffers",}
 """term of a rank's peak -> the MemoryBreakdown field it is part of: what autograd saves for
 backward (every micro-batch in flight); the loss's saved log-softmax; autocast's 16-bit copies of
@@ -86,7 +87,10 @@ where the earlier ones' are accumulated, until autograd adds them in; at a layer
 holds then (its saved tensors so far and the storages alive: output, operands still to be read,
 autocast's copies) and its FSDP unit's all-gather output; the loss's temporaries (logits and their
 copies, loss_parallel's shards); the optimizer step's temporaries; beside DDP, the experts'
-replicas' gathered parameters and reduction buffers"""
+replicas' gathered parameters and reduction buffers; under expert parallelism, the token rows
+its all-to-all delivered to a layer's experts, held through their forward; under context
+parallelism, the merged attention outputs the output projections save (part of what autograd
+saves, named apart)"""
 
 
 @dataclass

@@ -64,6 +64,8 @@ COMPONENT_SOURCES = {
     "replicate_reduce_buffers": ("the reduce-scatter input and all-reduce output of each experts "
                                  "module whose backward ran (FSDP2's replicate beside DDP), held "
                                  "to the end of the backward"),
+    "ep_received_rows": "the rows expert parallelism's all-to-all delivered to a layer's experts",
+    "cp_merge_copies": "context parallelism's merged attention outputs (output projections save)",
     "loss_temporaries": "the loss's logits and their copies",
     "optimizer_step_temporaries": "the optimizer step's temporaries"}
 """where each predicted memory component comes from (MemoryBreakdown fields and its MEMORY_TERMS),
