@@ -142,6 +142,11 @@ KNOWN = [
     "mesh.moe_capacity (1.25, Switch Transformer's capacity factor) times the balanced rows. Plans without expert "
     "parallelism run every "
     "expert on the rank's own tokens: routing does not change their memory",
+    "Eight processes: zero3-tp-pp (dp 2 x tp 2 x pp 2, real gloo), ep-dp-pp (dp 4 x ep 2 x pp 2, Mixtral, every "
+    "rank measured and predicted from its own routing) and zero2-tp-dp4 (dp 4 x tp 2, one rank of a fake group of 8). "
+    "Context parallelism's merged attention output (one (batch, seq / cp, hidden / tp) tensor a layer, which the "
+    "output projection saves) is the term cp_merge_copies, apart from saved_activations: 2.0 of LLaMA cp-tp's 58.4 "
+    "MiB at the loss, too small for its case to fail without it (tests/test_compositions.py TOO_SMALL)",
     "Compositions (--compositions): ZeRO-3 x PP under ZBV with full recompute measured 44-76 % above the "
     "prediction and above the same plan without recompute (torch's input pass keeps what the recompute re-made "
     "for the weight pass): the planner now refuses recompute with zero-bubble schedules. LLaMA ZeRO-3 x TP x PP's "
