@@ -200,6 +200,7 @@ def _misses(p: dict, g: dict, m: dict) -> dict:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(1500)  # the call that measures a batch: 4 cases, up to 8 processes each; 11 min at load 19
 @pytest.mark.parametrize("name", CASES)
 def test_composition_memory_matches_the_tracker(name, measured):
     """Every rank's components, at the moment the tracker peaked, within 5 % of its measured total, and each of
@@ -242,6 +243,7 @@ def _moments_without(term: str | None, graph, cluster, plan, routed=None) -> lis
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(1500)  # (as above: this test may be the one measuring a batch)
 @pytest.mark.parametrize("name", CASES)
 def test_composition_fails_without_its_term(name, measured):
     """Each of the composition's terms is what holds it within 5 %: the same measurement, against the model
