@@ -17,7 +17,7 @@ from batched import Batched, selected
 from memcells import CELLS
 
 import autopar_nb as ap
-from autopar_nb.cost.estimate import Evaluator
+from autopar_nb.cost import per_layer
 from autopar_nb.source import ModelSource
 
 SIZE = {"hidden": 128, "layers": 4, "seq": 128, "batch": 4}
@@ -103,11 +103,12 @@ CASES = {
 }
 
 PARTS = {
-    # the bytes Evaluator._ring returns (it adds the ring's collectives to the layer's communication too, kept)
-    "cp_ring_held": (Evaluator, "_ring"),
+    # the bytes cost.per_layer.ring_comm returns (it adds the ring's collectives to the layer's communication too,
+    # kept)
+    "cp_ring_held": (per_layer, "ring_comm"),
 }
-"""parts of the cost model a case rests on that have no term of their own, zeroed by their method: name ->
-(class, method returning the part's bytes)"""
+"""parts of the cost model a case rests on that have no term of their own, zeroed where they are made: name ->
+(module, function returning the part's bytes, called through the module)"""
 TOO_SMALL = {
     # the sends a multi-stage rank keeps are one micro-batch's input gradients: 0.03 and 0.13 MiB at the tracker's
     # moments (rank 0: layer 5's forward, 16.2 MiB; rank 2: the loss, 13.0 MiB), 0.2 and 1.0 % of the peaks
@@ -234,9 +235,9 @@ def _moments_without(term: str | None, graph, cluster, plan, routed=None) -> lis
         if term is None:
             pass
         elif term in PARTS:
-            cls, method = PARTS[term]
-            part = getattr(cls, method)
-            patch.setattr(cls, method, lambda self, *args, **kw: 0.0 * part(self, *args, **kw))
+            owner, name = PARTS[term]
+            part = getattr(owner, name)
+            patch.setattr(owner, name, lambda *args, **kw: 0.0 * part(*args, **kw))
         else:
             patch.setattr(RankMemory, "moments", without)
         return peak_moments(graph, cluster, plan, per_op=True, routed=routed)
