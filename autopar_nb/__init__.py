@@ -8,9 +8,10 @@
 In a notebook: ``%load_ext autopar_nb`` and ``%%autoparallel`` (see ``%autoparallel?``).
 """
 
-import importlib
 import sys
 import types
+
+from .lazy import lazy_names
 
 PUBLIC = {
     "capture": ("CaptureError", "capture"),
@@ -47,16 +48,7 @@ def load_ipython_extension(ipython):
     ipython.register_magics(AutoparallelMagics)
 
 
-def __getattr__(name):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'autopar_nb' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    globals()[name] = value  # bound here: the next read is a plain attribute
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)
 
 
 class _Package(types.ModuleType):

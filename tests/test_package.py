@@ -57,8 +57,8 @@ def test_imports_flow_one_way():
     contracts graph.py, hardware.py and plan/ sit below capture, imported by all). runtime/ imports
     nothing of the package (see the next test), so it is the bottom layer every stage may use: the cell's dataset is
     collated into example inputs at capture by the same function the exported script reads batches with."""
-    order = ["runtime", "units", "source", "failures", "graph", "hardware", "plan", "capture", "cost", "calibration",
-             "planner", "export", "launch", "verify", "widget", "notebook", "demo"]
+    order = ["runtime", "lazy", "units", "source", "failures", "graph", "hardware", "plan", "capture", "cost",
+             "calibration", "planner", "export", "launch", "verify", "widget", "notebook", "demo"]
     rank = {name: i for i, name in enumerate(order)}
     checked = 0
     for path in PKG.rglob("*.py"):

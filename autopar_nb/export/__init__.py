@@ -17,7 +17,7 @@ torchrun lines, which :mod:`.slurm` and :mod:`.k8s` wrap for a scheduler; :mod:`
 files; :mod:`.files` names them and runs a script in this process (verify's and measure's ranks).
 """
 
-import importlib
+from ..lazy import lazy_names
 
 PUBLIC = {
     "commands": ("LaunchCommand", "Layout", "launch_commands", "launch_text", "layout",
@@ -36,13 +36,4 @@ __all__ = ["Exported", "LaunchCommand", "Layout", "TARGETS", "export", "launch_c
            "runtime_name", "torchrun_command", "torchrun_commands"]
 
 
-def __getattr__(name):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    globals()[name] = value  # bound here: the next read is a plain attribute
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)

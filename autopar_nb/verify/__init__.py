@@ -9,9 +9,8 @@ run in a standby of the warm pool (``launch/pool.py``, ``verify/job.py``); ``war
 ranks from this process.
 """
 
-import importlib
-
 from ..failures import VerifyError
+from ..lazy import lazy_names
 
 PUBLIC = {
     "api": ("ranks_use_cuda", "verify", "verify_many"),
@@ -28,13 +27,4 @@ __all__ = ["FP32_RTOL", "LOW_PRECISION_RTOL", "StepDiff", "VerifyError", "Verify
            "reference", "verify", "verify_many"]
 
 
-def __getattr__(name):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    globals()[name] = value  # bound here: the next read is a plain attribute
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)
