@@ -204,9 +204,10 @@ class Search(Enumeration):
                                    async_tp=self.async_tp or self.auto_async and t > 1 and pp == 1)
                     runs = self.ev.runs(self._choices([0] * self.n, pp))
                     times = self._run_times(base, runs)
-                    for assign in self._stages(runs, times, base):
-                        configs.append((self._bound(base, runs, times, assign), len(configs),
-                                        base, assign, zeros))
+                    if (assign := self._stages(runs, times, base)) is None:
+                        continue
+                    configs.append((self._bound(base, runs, times, assign), len(configs), base,
+                                    assign, zeros))
         return configs
 
     def _choices(self, assign: list[int], pp: int) -> list[LayerChoice]:
@@ -252,26 +253,20 @@ class Search(Enumeration):
             return (s, choices)
         return self._variants(s, choices)
 
-    def _stages(self, runs, times: list[float], s: Setting) -> list[list[int]]:
+    def _stages(self, runs, times: list[float], s: Setting) -> list[int] | None:
         """Each layer's stage, balanced by the per-layer ``times`` of ``runs`` (the pins kept, no
-        stage starting at a glued layer) so that the slowest stage is as fast as it can be; where
-        ranks hold several stages (looped and V schedules) also the split that balances the busiest
-        rank's total, when it differs: which is faster depends on what each moves between ranks
-        (parameters to synchronise, activations sent at the cuts), so both are costed. Empty when
-        the layers cannot make ``s``'s stages."""
+        stage starting at a glued layer): the slowest stage's time where each rank holds one, the
+        busiest rank's total where ranks hold several (looped and V schedules); None when the
+        layers cannot make ``s``'s stages."""
         stages = s.pp * s.virtual_stages
         per_layer = [t for (_, cnt, _), t in zip(runs, times, strict=True) for _ in range(cnt)]
         if self.pins:
-            assign = partition(per_layer, stages, self.pins, self.glued)
-            return [] if assign is None else [assign]
+            return partition(per_layer, stages, self.pins, self.glued)
         assign = partition_runs([(t, cnt) for (_, cnt, _), t in zip(runs, times, strict=True)],
                                 stages, self.glued)
-        if assign is None:
-            return []
-        if stages == s.pp:
-            return [assign]
-        by_rank = rank_partition(per_layer, assign, s.rank_of, self.glued)
-        return [assign] if by_rank == assign else [assign, by_rank]
+        if assign is None or stages == s.pp:
+            return assign
+        return rank_partition(per_layer, assign, s.rank_of, self.glued)
 
     def _variants(self, s: Setting, choices: list[LayerChoice]) -> Candidate:
         """The candidate of ``s`` with ``choices``, recompute added where needed, and variants."""
