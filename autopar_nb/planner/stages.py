@@ -118,9 +118,9 @@ def rank_partition(times: list[float], start: list[int], rank_of, glued=frozense
     slowest stage) rebalanced for ranks that hold several stages (``rank_of(stage)``: looped or V
     schedules): each rank runs all of its stages every micro-batch, so the split should minimise the
     busiest rank's total, not the slowest stage's time. A depth-first search of the cuts, stage by
-    stage, pruning a branch once a rank's total reaches the best found: exact when it ends within
-    ``budget`` branches (short chains), else the best split found by then; ``start`` where none is
-    strictly better."""
+    stage, pruning a branch once a rank's total reaches the best found or the ranks' room left
+    cannot hold the layers left: exact when it ends within ``budget`` branches (short chains), else
+    the best split found by then; ``start`` where none is strictly better."""
     n_stages = start[-1] + 1
     sizes = unit_sizes(len(times), glued)
     prefix = [0.0]
@@ -132,8 +132,6 @@ def rank_partition(times: list[float], start: list[int], rank_of, glued=frozense
         loads[ranks[st]] += t
     # strictly better only: a split the time-balanced one ties stays as it was
     best = [max(loads) * (1 - 1e-9), None]
-    if best[0] * len(loads) <= prefix[-1]:
-        return start  # the ranks' totals are even already
     loads = [0.0] * len(loads)
     cuts = [0] * n_stages + [len(prefix) - 1]
     left = [budget]
@@ -152,8 +150,9 @@ def rank_partition(times: list[float], start: list[int], rank_of, glued=frozense
             if loads[r] + prefix[j] - prefix[i] >= best[0] or left[0] < 0:
                 return
             loads[r] += prefix[j] - prefix[i]
-            cuts[k + 1] = j
-            place(k + 1, j)
+            if sum(best[0] - x for x in loads) > prefix[n] - prefix[j]:
+                cuts[k + 1] = j
+                place(k + 1, j)
             loads[r] -= prefix[j] - prefix[i]
 
     place(0, 0)
