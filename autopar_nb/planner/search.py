@@ -45,7 +45,7 @@ from .candidate import Candidate, memory_limit
 from .constraints import async_tp_modes, float8_fix, offload_fix, sequence_parallel
 from .meshes import Enumeration
 from .recompute import choose_recompute
-from .stages import memory_partition, partition, partition_runs, rank_partition
+from .stages import memory_partition, partition, partition_runs
 from .time_bound import applies, recompute_time_floor
 
 
@@ -204,7 +204,7 @@ class Search(Enumeration):
                                    async_tp=self.async_tp or self.auto_async and t > 1 and pp == 1)
                     runs = self.ev.runs(self._choices([0] * self.n, pp))
                     times = self._run_times(base, runs)
-                    if (assign := self._stages(runs, times, base)) is None:
+                    if (assign := self._stages(runs, times, stages)) is None:
                         continue
                     configs.append((self._bound(base, runs, times, assign), len(configs), base,
                                     assign, zeros))
@@ -253,20 +253,14 @@ class Search(Enumeration):
             return (s, choices)
         return self._variants(s, choices)
 
-    def _stages(self, runs, times: list[float], s: Setting) -> list[int] | None:
+    def _stages(self, runs, times: list[float], stages: int) -> list[int] | None:
         """Each layer's stage, balanced by the per-layer ``times`` of ``runs`` (the pins kept, no
-        stage starting at a glued layer): the slowest stage's time where each rank holds one, the
-        busiest rank's total where ranks hold several (looped and V schedules); None when the
-        layers cannot make ``s``'s stages."""
-        stages = s.pp * s.virtual_stages
-        per_layer = [t for (_, cnt, _), t in zip(runs, times, strict=True) for _ in range(cnt)]
+        stage starting at a glued layer); None when the layers cannot make ``stages`` stages."""
         if self.pins:
+            per_layer = [t for (_, cnt, _), t in zip(runs, times, strict=True) for _ in range(cnt)]
             return partition(per_layer, stages, self.pins, self.glued)
-        assign = partition_runs([(t, cnt) for (_, cnt, _), t in zip(runs, times, strict=True)],
-                                stages, self.glued)
-        if assign is None or stages == s.pp:
-            return assign
-        return rank_partition(per_layer, assign, s.rank_of, self.glued)
+        return partition_runs([(t, cnt) for (_, cnt, _), t in zip(runs, times, strict=True)],
+                              stages, self.glued)
 
     def _variants(self, s: Setting, choices: list[LayerChoice]) -> Candidate:
         """The candidate of ``s`` with ``choices``, recompute added where needed, and variants."""

@@ -112,56 +112,6 @@ def partition_runs(runs: list[tuple[float, int]], n_stages: int,
     return fill_empty(assign, n_stages)
 
 
-def rank_partition(times: list[float], start: list[int], rank_of, glued=frozenset(), *,
-                   budget: int = 200) -> list[int]:
-    """``start`` (a contiguous split of the layers of ``times`` into stages, balanced by time: the
-    slowest stage) rebalanced for ranks that hold several stages (``rank_of(stage)``: looped or V
-    schedules): each rank runs all of its stages every micro-batch, so the split should minimise the
-    busiest rank's total, not the slowest stage's time. A depth-first search of the cuts, stage by
-    stage, pruning a branch once a rank's total reaches the best found or the ranks' room left
-    cannot hold the layers left: exact when it ends within ``budget`` branches (short chains), else
-    the best split found by then; ``start`` where none is strictly better."""
-    n_stages = start[-1] + 1
-    sizes = unit_sizes(len(times), glued)
-    prefix = [0.0]
-    for t in _sums(times, sizes):
-        prefix.append(prefix[-1] + t)
-    ranks = [rank_of(k) for k in range(n_stages)]
-    loads = [0.0] * (max(ranks) + 1)
-    for t, st in zip(times, start, strict=True):
-        loads[ranks[st]] += t
-    # strictly better only: a split the time-balanced one ties stays as it was
-    best = [max(loads) * (1 - 1e-9), None]
-    loads = [0.0] * len(loads)
-    cuts = [0] * n_stages + [len(prefix) - 1]
-    left = [budget]
-
-    def place(k: int, i: int) -> None:
-        """Stages k.. over the units from i (the ranks' ``loads`` holding stages ..k-1)."""
-        n = len(prefix) - 1
-        if k == n_stages - 1:
-            top = max(max(loads), loads[ranks[k]] + prefix[n] - prefix[i])
-            if top < best[0]:
-                best[:] = [top, list(cuts)]
-            return
-        left[0] -= 1
-        r = ranks[k]
-        for j in range(i + 1, n - (n_stages - 1 - k) + 1):
-            if loads[r] + prefix[j] - prefix[i] >= best[0] or left[0] < 0:
-                return
-            loads[r] += prefix[j] - prefix[i]
-            if sum(best[0] - x for x in loads) > prefix[n] - prefix[j]:
-                cuts[k + 1] = j
-                place(k + 1, j)
-            loads[r] -= prefix[j] - prefix[i]
-
-    place(0, 0)
-    if best[1] is None:
-        return start
-    c = best[1]
-    return per_layer([k for k in range(n_stages) for _ in range(c[k], c[k + 1])], sizes)
-
-
 def _greedy_runs(runs, n_stages, cap):
     out: list[tuple[int, int]] = []
     stage, acc = 0, 0.0
