@@ -50,6 +50,7 @@ from pathlib import Path
 
 import psutil
 
+from ..export.files import runtime_name
 from .channel import MetricsServer
 from .procs import TOKEN_ENV, terminate
 
@@ -149,8 +150,6 @@ def imports_of(code: str) -> set[str]:
 def script_preload(script: str | os.PathLike) -> list[str]:
     """What a launch standby preloads for ``script``: torch's basics and the imports of the script
     and its runtime module that are safe to preload (see :func:`importable_here`)."""
-    from ..export.files import runtime_name
-
     code = ""
     # and its runtime's
     for path in (Path(script), Path(script).with_name(runtime_name(Path(script).name) + ".py")):
